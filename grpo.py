@@ -1,0 +1,163 @@
+"""GRPO pieces as small pure functions: packing, group advantages, chunked token log-probs, the clipped
+policy loss, and the C2GSPG baseline's advantage.
+
+Packed layout: input_ids[i] = prompt_i + response_i + [pad] * ... (right padding). Token t (t >= 1) is
+predicted from position t - 1, so log-prob tensors are [N, L-1] over targets input_ids[:, 1:], and the
+loss mask is 1 exactly on targets that are response tokens (EOS included, padding excluded).
+"""
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+def pack(prompts, responses, pad_id):
+    """Right-pad prompt + response pairs into one batch.
+
+    prompts, responses: N lists of token ids (prompts non-empty). Returns a dict of
+      input_ids [N, L] long, attention_mask [N, L] long (1 on real tokens),
+      loss_mask [N, L-1] float (1 on targets that are response tokens), prompt_lens [N] long.
+    Example: prompt [5, 6], response [7, 2], L = 5 -> input_ids [5, 6, 7, 2, pad],
+      loss_mask [0, 1, 1, 0] (targets 6, 7, 2, pad).
+    The mask is by position, not by id, so an EOS that equals pad_id is still trained.
+    """
+    if len(prompts) != len(responses) or not prompts:
+        raise ValueError(f"need one response per prompt and at least one pair, got "
+                         f"{len(prompts)} prompts and {len(responses)} responses")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token (the first response token is predicted from it)")
+    n = len(prompts)
+    L = max(2, max(len(p) + len(r) for p, r in zip(prompts, responses)))
+    input_ids = torch.full((n, L), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(n, L, dtype=torch.long)
+    loss_mask = torch.zeros(n, L - 1)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        input_ids[i, :len(p) + len(r)] = torch.tensor(list(p) + list(r), dtype=torch.long)
+        attention_mask[i, :len(p) + len(r)] = 1
+        loss_mask[i, len(p) - 1:len(p) + len(r) - 1] = 1
+    prompt_lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
+            "prompt_lens": prompt_lens}
+
+
+def group_advantages(rewards, group_size, eps=1e-6, scale=True):
+    """Per-group z-score: rewards [N] (N = groups * group_size, groups contiguous) -> advantages [N].
+
+    A = (r - mean_group r) / (std_group r + eps) with the unbiased std (torch default);
+    scale=False gives A = r - mean_group r (Dr. GRPO). A group of one sample gets A = 0.
+    Example: (1, -1, 1, -1), group_size 4 -> std = sqrt(4/3), A = +-0.866.
+    """
+    r = torch.as_tensor(rewards, dtype=torch.float32)
+    if group_size < 1 or r.numel() % group_size:
+        raise ValueError(f"{r.numel()} rewards do not split into groups of {group_size}")
+    g = r.view(-1, group_size)
+    adv = g - g.mean(dim=1, keepdim=True)
+    if scale and group_size > 1:
+        adv = adv / (g.std(dim=1, keepdim=True) + eps)
+    return adv.reshape(-1)
+
+
+def _chunk_logprobs(h, lm_head, t, temperature):
+    logits = lm_head(h).float() / temperature
+    return logits.log_softmax(-1).gather(-1, t.unsqueeze(-1)).squeeze(-1)
+
+
+def logprobs_from_hidden(hidden, lm_head, targets, temperature=1.0, chunk_size=1024):
+    """Log-probs of targets at a sampling temperature, never holding full-vocabulary logits for more
+    than chunk_size positions.
+
+    hidden [N, L, d] final (normed) hidden states; targets [N, L-1] (= input_ids[:, 1:]); hidden
+    positions 0..L-2 predict targets. Returns logp [N, L-1] float32:
+      logp[n, t] = log_softmax(lm_head(hidden[n, t]) / temperature)[targets[n, t]]
+    The LM head runs on chunks of chunk_size flattened positions. When gradients are needed each chunk
+    is checkpointed: autograd would otherwise keep every chunk's [chunk, V] softmax for the backward,
+    i.e. the full logits again; the backward recomputes them one chunk at a time.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
+    n, L, d = hidden.shape
+    if targets.shape != (n, L - 1):
+        raise ValueError(f"targets must be [N, L-1] = [{n}, {L - 1}], got {list(targets.shape)}")
+    h = hidden[:, :-1].reshape(-1, d)
+    t = targets.reshape(-1).to(hidden.device)
+    grad = torch.is_grad_enabled() and (h.requires_grad or any(p.requires_grad for p in lm_head.parameters()))
+    out = []
+    for s in range(0, h.shape[0], chunk_size):
+        hs, ts = h[s:s + chunk_size], t[s:s + chunk_size]
+        if grad:
+            out.append(checkpoint(_chunk_logprobs, hs, lm_head, ts, temperature, use_reentrant=False))
+        else:
+            out.append(_chunk_logprobs(hs, lm_head, ts, temperature))
+    return torch.cat(out).view(n, L - 1)
+
+
+def token_logprobs(model, input_ids, attention_mask, temperature=1.0, chunk_size=1024):
+    """Log-probs [N, L-1] of input_ids[:, 1:] under a causal LM (a transformers *ForCausalLM).
+
+    Runs the decoder model.model(...) for the final hidden states, then logprobs_from_hidden with
+    model.lm_head; model(...) is never called, so [N, L, V] logits never exist.
+    """
+    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask,
+                         use_cache=False).last_hidden_state
+    return logprobs_from_hidden(hidden, model.lm_head, input_ids[:, 1:], temperature, chunk_size)
+
+
+def policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.2, agg="token-mean",
+                ref_logp=None, kl_coef=0.0, norm_const=None):
+    """Clipped-ratio policy loss with an optional k3 KL penalty.
+
+    logp, old_logp, mask, ref_logp: [N, T]; adv: [N] (broadcast over tokens) or [N, T].
+      ratio = exp(logp - old_logp)
+      l_t   = -min(ratio * A, clamp(ratio, 1 - clip_low, 1 + clip_high) * A)
+              + kl_coef * (exp(ref - logp) - (ref - logp) - 1)
+      The KL term is the k3 estimator of KL(pi || ref) from J. Schulman, "Approximating KL
+      divergence" (2020, http://joschu.net/blog/kl-approx.html); it is only added when ref_logp is given.
+    agg: "token-mean"   sum(l * m) / sum(m)                       (over the whole batch)
+         "seq-mean"     mean_n [sum_t l * m / sum_t m]
+         "seq-sum-norm" mean_n [sum_t l * m / norm_const], norm_const defaults to T (Dr. GRPO)
+    Returns (loss scalar, stats): clip_frac = share of masked tokens where the clipped term is taken,
+    ratio_mean = masked mean ratio, kl = masked mean k3 (0.0 without ref_logp).
+    """
+    m = mask.to(logp.dtype)
+    a = adv.unsqueeze(-1) if adv.dim() == 1 else adv
+    a = a.to(logp.dtype)
+    ratio = torch.exp(logp - old_logp)
+    unclipped = ratio * a
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * a
+    per_token = -torch.minimum(unclipped, clipped)
+    kl = None
+    if ref_logp is not None:
+        diff = ref_logp - logp
+        kl = torch.exp(diff) - diff - 1
+        per_token = per_token + kl_coef * kl
+    if agg == "token-mean":
+        loss = (per_token * m).sum() / m.sum().clamp(min=1)
+    elif agg == "seq-mean":
+        loss = ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1)).mean()
+    elif agg == "seq-sum-norm":
+        const = m.shape[-1] if norm_const is None else norm_const
+        loss = ((per_token * m).sum(-1) / const).mean()
+    else:
+        raise ValueError(f"agg must be 'token-mean', 'seq-mean' or 'seq-sum-norm', got {agg!r}")
+    with torch.no_grad():
+        denom = m.sum().clamp(min=1)
+        stats = {
+            "clip_frac": float(((clipped < unclipped).to(m.dtype) * m).sum() / denom),
+            "ratio_mean": float((ratio * m).sum() / denom),
+            "kl": float((kl * m).sum() / denom) if kl is not None else 0.0,
+        }
+    return loss, stats
+
+
+def c2gspg_advantages(rewards01, conf, group_size):
+    """C2GSPG baseline advantage: A = (r - mean_group r) / max(1 - c, 1e-6), [N] -> [N].
+
+    rewards01: 0/1 correctness; conf: the sequence confidence c = exp(mean token log-prob), detached
+    (the advantage is a constant; C2GSPG's 0.1 * BCE(c, r) term is a separate loss).
+    """
+    r = torch.as_tensor(rewards01, dtype=torch.float32)
+    c = torch.as_tensor(conf).detach().to(r.device, torch.float32)
+    if group_size < 1 or r.numel() % group_size or c.shape != r.shape:
+        raise ValueError(f"need rewards and conf of equal length, divisible into groups of {group_size}")
+    g = r.view(-1, group_size)
+    centred = (g - g.mean(dim=1, keepdim=True)).reshape(-1)
+    return centred / (1 - c).clamp(min=1e-6)

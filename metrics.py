@@ -1,0 +1,134 @@
+"""Calibration metrics: ECE, PCE, Brier score, AUROC and the reliability table (numpy in, floats out).
+
+Inputs are 1-D sequences of the same length N > 0: `conf` in [0, 1] (the model's probability of being
+right) and `correct` in [0, 1] (1 = right, 0 = wrong; AUROC needs exactly 0/1).
+
+Bins are equal-width, `[i/n, (i+1)/n)` for i = 0..n-1, and the last bin also holds 1.0; a sample
+with confidence c falls in bin `min(floor(c * n), n - 1)`. Empty bins contribute nothing.
+
+    ECE   = sum_bins n_bin / N * |mean_conf_bin - accuracy_bin|
+    PCE   = sum_bins n_bin / N * max(mean_conf_bin - accuracy_bin, 0)     (over-confidence only)
+    Brier = mean_i (conf_i - correct_i)^2
+    AUROC = P(conf of a right sample > conf of a wrong one), ties count 1/2 (Mann-Whitney U)
+
+Example: conf (0.9, 0.9, 0.1, 0.1), correct (1, 0, 0, 0): bin 9 has gap 0.9 - 0.5 = 0.4, bin 1 has
+gap 0.1 - 0 = 0.1, each holds half the samples, so ECE = PCE = 0.5 * 0.4 + 0.5 * 0.1 = 0.25.
+"""
+import math
+
+import numpy as np
+
+
+def _check(conf, correct):
+    """Return (conf, correct) as float64 arrays [N], or raise ValueError naming the problem."""
+    conf = np.asarray(conf, dtype=np.float64).reshape(-1)
+    correct = np.asarray(correct, dtype=np.float64).reshape(-1)
+    if conf.shape != correct.shape:
+        raise ValueError(f"conf and correct have different lengths ({conf.size} vs {correct.size}); "
+                         "pass one confidence per graded sample")
+    if conf.size == 0:
+        raise ValueError("empty input: need at least one (confidence, correctness) pair")
+    for name, x in (("conf", conf), ("correct", correct)):
+        if np.isnan(x).any():
+            raise ValueError(f"{name} contains NaN; drop or fix those samples first")
+        if (x < 0).any() or (x > 1).any():
+            raise ValueError(f"{name} has values outside [0, 1] (min {x.min():g}, max {x.max():g})")
+    return conf, correct
+
+
+def _bin_index(conf, n_bins):
+    """Bin of each confidence: min(floor(c * n_bins), n_bins - 1), so 1.0 lands in the last bin."""
+    if int(n_bins) < 1:
+        raise ValueError(f"n_bins must be a positive integer, got {n_bins}")
+    return np.minimum(np.floor(conf * n_bins).astype(np.int64), n_bins - 1)
+
+
+def reliability(conf, correct, n_bins=10):
+    """Per-bin rows {lo, hi, count, mean_conf, accuracy}, n_bins rows; empty bins: count 0, nan, nan."""
+    conf, correct = _check(conf, correct)
+    idx = _bin_index(conf, n_bins)
+    rows = []
+    for i in range(n_bins):
+        sel = idx == i
+        count = int(sel.sum())
+        rows.append({
+            "lo": i / n_bins,
+            "hi": (i + 1) / n_bins,
+            "count": count,
+            "mean_conf": float(conf[sel].mean()) if count else math.nan,
+            "accuracy": float(correct[sel].mean()) if count else math.nan,
+        })
+    return rows
+
+
+def _gaps(conf, correct, n_bins):
+    """(weights n_bin / N, mean_conf - accuracy) of the non-empty bins."""
+    rows = [r for r in reliability(conf, correct, n_bins) if r["count"]]
+    n = sum(r["count"] for r in rows)
+    weights = np.array([r["count"] / n for r in rows])
+    gaps = np.array([r["mean_conf"] - r["accuracy"] for r in rows])
+    return weights, gaps
+
+
+def ece(conf, correct, n_bins=10):
+    """Expected calibration error: sum_bins n_bin / N * |mean_conf - accuracy|."""
+    weights, gaps = _gaps(conf, correct, n_bins)
+    return float((weights * np.abs(gaps)).sum())
+
+
+def pce(conf, correct, n_bins=10):
+    """Positive (over-confidence) calibration error: sum_bins n_bin / N * max(mean_conf - accuracy, 0)."""
+    weights, gaps = _gaps(conf, correct, n_bins)
+    return float((weights * np.maximum(gaps, 0.0)).sum())
+
+
+def brier(conf, correct):
+    """Brier score: mean (conf - correct)^2 (0 is perfect, lower is better)."""
+    conf, correct = _check(conf, correct)
+    return float(((conf - correct) ** 2).mean())
+
+
+def _average_ranks(x):
+    """1-based ranks of x [N] with tied values given the average of their ranks."""
+    order = np.argsort(x, kind="mergesort")
+    xs = x[order]
+    ranks = np.empty(x.size, dtype=np.float64)
+    start = 0
+    # Runs of equal values share the mean of the ranks start+1 .. end.
+    while start < x.size:
+        end = start + 1
+        while end < x.size and xs[end] == xs[start]:
+            end += 1
+        ranks[order[start:end]] = (start + 1 + end) / 2.0
+        start = end
+    return ranks
+
+
+def auroc(conf, correct):
+    """Area under the ROC curve of conf as a predictor of correct; nan when only one class is present.
+
+    AUROC = (sum of the ranks of the right samples - n1 (n1 + 1) / 2) / (n1 * n0),
+    ranks over all N confidences with ties averaged (equals the pairwise win rate, ties = 1/2).
+    """
+    conf, correct = _check(conf, correct)
+    if not np.isin(correct, (0.0, 1.0)).all():
+        raise ValueError("auroc needs correctness exactly 0 or 1")
+    n1 = int(correct.sum())
+    n0 = correct.size - n1
+    if n1 == 0 or n0 == 0:
+        return math.nan
+    ranks = _average_ranks(conf)
+    return float((ranks[correct == 1].sum() - n1 * (n1 + 1) / 2.0) / (n1 * n0))
+
+
+def calibration(conf, correct, n_bins=10):
+    """All summary numbers at once: {"acc", "ece", "pce", "brier", "auroc", "n"}."""
+    conf, correct = _check(conf, correct)
+    return {
+        "acc": float(correct.mean()),
+        "ece": ece(conf, correct, n_bins),
+        "pce": pce(conf, correct, n_bins),
+        "brier": brier(conf, correct),
+        "auroc": auroc(conf, correct),
+        "n": int(conf.size),
+    }

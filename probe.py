@@ -1,0 +1,127 @@
+"""The confidence probe: a small MLP on the policy's hidden states that predicts the chance that a
+forced answer at a prefix is right. Fitted each RL step on (feature, Y_b) pairs; its prediction
+C_b = sigmoid(probe(h_b)) feeds the margin reward. No gradient reaches the policy from here.
+"""
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Probe(nn.Module):
+    """MLP d -> hidden -> 1 (Linear, ReLU, Dropout, Linear); hidden defaults to d // 4, hidden=0 gives
+    a linear probe d -> 1. forward: x [..., d] -> logits [...]."""
+
+    def __init__(self, dim, hidden=None, dropout=0.1):
+        super().__init__()
+        self.dim = int(dim)
+        self.hidden = self.dim // 4 if hidden is None else int(hidden)
+        self.p_drop = float(dropout)
+        if self.hidden == 0:
+            self.net = nn.Linear(self.dim, 1)
+        else:
+            self.net = nn.Sequential(nn.Linear(self.dim, self.hidden), nn.ReLU(),
+                                     nn.Dropout(self.p_drop), nn.Linear(self.hidden, 1))
+
+    def forward(self, x):
+        return self.net(x).squeeze(-1)
+
+
+def prefix_features(hidden, ends, last_k=4):
+    """Mean hidden state over the last_k positions before each prefix end.
+
+    hidden [N, L, d]; ends [N, B] long absolute exclusive ends (prefix = tokens 0..e-1), entries <= 0
+    are padding. Returns feats [N, B, d] float32 and valid [N, B] bool (= ends > 0):
+      feats[n, b] = mean(hidden[n, p] for p in max(e - last_k, 0) .. e - 1),  e = ends[n, b]
+    and 0 where not valid. Only the B * last_k needed positions are gathered.
+    """
+    n, L, d = hidden.shape
+    ends = torch.as_tensor(ends, dtype=torch.long, device=hidden.device)
+    if ends.dim() != 2 or ends.shape[0] != n:
+        raise ValueError(f"ends must be [N, B] with N = {n}, got {list(ends.shape)}")
+    if (ends > L).any():
+        raise ValueError(f"a prefix end exceeds the sequence length {L}")
+    valid = ends > 0
+    pos = ends.unsqueeze(-1) - last_k + torch.arange(last_k, device=hidden.device)   # [N, B, k]
+    use = (pos >= 0) & valid.unsqueeze(-1)
+    rows = torch.arange(n, device=hidden.device).view(n, 1, 1)
+    gathered = hidden[rows, pos.clamp(0, L - 1)].float()                             # [N, B, k, d]
+    w = use.float().unsqueeze(-1)
+    feats = (gathered * w).sum(2) / w.sum(2).clamp(min=1)
+    return feats, valid
+
+
+def make_optimizer(probe, lr=1e-3, weight_decay=0.01):
+    """AdamW over the probe's parameters (lr 1e-3, weight decay 0.01, as in the released code)."""
+    return torch.optim.AdamW(probe.parameters(), lr=lr, weight_decay=weight_decay)
+
+
+def _device(probe):
+    return next(probe.parameters()).device
+
+
+def fit(probe, opt, feats, targets, passes=16, batch_size=16, seed=0):
+    """Fit the probe with BCE-with-logits on soft targets: feats [M, d], targets [M] in [0, 1].
+
+    `passes` shuffled passes over the data (order from torch.Generator seeded with `seed`), minibatches
+    of batch_size, train mode (dropout on). Returns the sample-weighted mean BCE of the last pass
+    (nan when M == 0: nothing to fit, no step taken).
+    """
+    dev = _device(probe)
+    feats = torch.as_tensor(feats).float().to(dev)
+    targets = torch.as_tensor(targets).float().to(dev)
+    if feats.dim() != 2 or targets.shape != feats.shape[:1]:
+        raise ValueError(f"need feats [M, d] and targets [M], got {list(feats.shape)} and {list(targets.shape)}")
+    if ((targets < 0) | (targets > 1)).any() or targets.isnan().any():
+        raise ValueError("probe targets must lie in [0, 1]")
+    m = feats.shape[0]
+    if m == 0:
+        return float("nan")
+    gen = torch.Generator().manual_seed(seed)
+    probe.train()
+    last = 0.0
+    for _ in range(passes):
+        order = torch.randperm(m, generator=gen).to(dev)
+        total = 0.0
+        for s in range(0, m, batch_size):
+            idx = order[s:s + batch_size]
+            loss = F.binary_cross_entropy_with_logits(probe(feats[idx]), targets[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            total += loss.item() * idx.numel()
+        last = total / m
+    return last
+
+
+def predict(probe, feats):
+    """Probabilities sigmoid(probe(feats)): feats [M, d] -> [M] in (0, 1); eval mode, no grad."""
+    probe.eval()
+    with torch.no_grad():
+        return torch.sigmoid(probe(torch.as_tensor(feats).float().to(_device(probe))))
+
+
+def save(path, probe, opt=None):
+    """Write {dim, hidden, dropout, state_dict, optimizer} atomically (temp file, then os.replace)."""
+    blob = {
+        "dim": probe.dim, "hidden": probe.hidden, "dropout": probe.p_drop,
+        "state_dict": {k: v.detach().cpu() for k, v in probe.state_dict().items()},
+        "optimizer": opt.state_dict() if opt is not None else None,
+    }
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(blob, tmp)
+    os.replace(tmp, path)
+
+
+def load(path):
+    """Rebuild a saved probe (on CPU) -> (probe, optimizer state dict or None).
+
+    Load the optimizer state with make_optimizer(probe).load_state_dict(state) after moving the probe.
+    """
+    blob = torch.load(path, map_location="cpu", weights_only=True)
+    probe = Probe(blob["dim"], blob["hidden"], blob["dropout"])
+    probe.load_state_dict(blob["state_dict"])
+    return probe, blob["optimizer"]

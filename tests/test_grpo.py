@@ -1,0 +1,197 @@
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+import grpo
+
+PAD = EOS = 1  # pad == EOS on purpose: the loss mask must still train the EOS target
+
+
+def tiny_qwen2(seed=0):
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=200, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=64, max_position_embeddings=64,
+                      tie_word_embeddings=False)
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def batch():
+    return grpo.pack([[5, 6, 7], [8, 9]], [[10, 11, 12, EOS], [13, EOS]], pad_id=PAD)
+
+
+def test_pack_layout():
+    b = batch()
+    assert b["input_ids"].tolist() == [[5, 6, 7, 10, 11, 12, EOS], [8, 9, 13, EOS, PAD, PAD, PAD]]
+    assert b["attention_mask"].tolist() == [[1] * 7, [1, 1, 1, 1, 0, 0, 0]]
+    # targets = input_ids[:, 1:]; 1 exactly on response tokens incl. EOS
+    assert b["loss_mask"].tolist() == [[0, 0, 1, 1, 1, 1], [0, 1, 1, 0, 0, 0]]
+    assert b["prompt_lens"].tolist() == [3, 2]
+    assert b["input_ids"].dtype == torch.long and b["loss_mask"].dtype == torch.float32
+    with pytest.raises(ValueError):
+        grpo.pack([[]], [[3]], pad_id=0)
+
+
+def test_group_advantages():
+    adv = grpo.group_advantages(torch.tensor([1.0, -1.0, 1.0, -1.0]), 4)
+    assert adv.tolist() == pytest.approx([0.866025, -0.866025, 0.866025, -0.866025], abs=1e-5)
+    adv = grpo.group_advantages(torch.tensor([1.0, 1.0, 1.0, 1.0, 3.0, 1.0]), 3)
+    assert adv[:3].tolist() == [0.0, 0.0, 0.0]
+    # group 2: mean 5/3, unbiased std sqrt(4/3)
+    assert adv[4].item() == pytest.approx((3 - 5 / 3) / (math.sqrt(4 / 3) + 1e-6), abs=1e-5)
+    assert grpo.group_advantages(torch.tensor([2.0, 0.0]), 2, scale=False).tolist() == [1.0, -1.0]
+    with pytest.raises(ValueError):
+        grpo.group_advantages(torch.zeros(5), 2)
+
+
+def _logits_param(n=4, t=3, v=5, seed=0):
+    torch.manual_seed(seed)
+    return nn.Parameter(torch.randn(n, t, v))
+
+
+def _logp(logits, targets):
+    return logits.log_softmax(-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_sgd_step_moves_sampled_logprobs_with_the_advantage(sign):
+    logits = _logits_param()
+    targets = torch.randint(0, 5, (4, 3), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(4, 3)
+    old = _logp(logits, targets).detach()
+    loss, _ = grpo.policy_loss(_logp(logits, targets), old, torch.full((4,), sign), mask)
+    loss.backward()
+    with torch.no_grad():
+        logits -= 0.5 * logits.grad
+    new = _logp(logits, targets)
+    assert ((new - old) * sign > 0).all()
+
+
+def test_equal_reward_group_gets_zero_gradient():
+    adv = grpo.group_advantages(torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 2.0]), 2)
+    assert adv[:4].tolist() == [0.0] * 4 and adv[4] < 0 < adv[5]
+    logits = _logits_param(n=6)
+    targets = torch.zeros(6, 3, dtype=torch.long)
+    logp = _logp(logits, targets)
+    loss, _ = grpo.policy_loss(logp, logp.detach(), adv, torch.ones(6, 3))
+    loss.backward()
+    assert (logits.grad[:4] == 0).all() and (logits.grad[4:] != 0).any()
+
+
+def test_clipped_side_has_zero_gradient():
+    logp = torch.zeros(1, 4, requires_grad=True)
+    # ratios exp(+0.5) = 1.65 and exp(-0.5) = 0.61, both outside [0.8, 1.2]
+    old = torch.tensor([[-0.5, -0.5, 0.5, 0.5]])
+    adv = torch.tensor([[1.0, -1.0, 1.0, -1.0]])
+    loss, stats = grpo.policy_loss(logp, old, adv, torch.ones(1, 4))
+    loss.backward()
+    # A > 0 with ratio above 1 + eps and A < 0 with ratio below 1 - eps are clipped: no gradient;
+    # the other two sides are not clipped (min keeps the unclipped, more pessimistic term)
+    g = logp.grad[0]
+    assert g[0] == 0 and g[3] == 0 and g[1] != 0 and g[2] != 0
+    assert stats["clip_frac"] == pytest.approx(0.5)
+    assert stats["ratio_mean"] == pytest.approx((2 * math.exp(0.5) + 2 * math.exp(-0.5)) / 4)
+    # asymmetric clip: with clip_high = 1.0 the ratio 1.65 is inside the range and trains
+    logp.grad = None
+    loss, _ = grpo.policy_loss(logp, old, adv, torch.ones(1, 4), clip_high=1.0)
+    loss.backward()
+    assert logp.grad[0, 0] != 0
+
+
+def test_aggregations_hand_computed():
+    logp = torch.zeros(2, 3)
+    adv = torch.tensor([1.0, 2.0])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    # ratio 1 -> per-token loss = -A
+    loss = lambda **kw: grpo.policy_loss(logp, logp, adv, mask, **kw)[0].item()
+    assert loss(agg="token-mean") == pytest.approx(-(1 + 1 + 2) / 3)
+    assert loss(agg="seq-mean") == pytest.approx(-(1 + 2) / 2)
+    assert loss(agg="seq-sum-norm") == pytest.approx(-(2 / 3 + 2 / 3) / 2)
+    assert loss(agg="seq-sum-norm", norm_const=2) == pytest.approx(-(2 / 2 + 2 / 2) / 2)
+    with pytest.raises(ValueError, match="agg"):
+        loss(agg="sum")
+    stats = grpo.policy_loss(logp, logp, adv, mask)[1]
+    assert stats == {"clip_frac": 0.0, "ratio_mean": 1.0, "kl": 0.0}  # ratio 1 is never clipped
+
+
+def test_k3_kl():
+    logp = torch.full((1, 2), -1.0)
+    ref = torch.full((1, 2), -2.0)
+    k3 = math.exp(-1) + 1 - 1  # exp(ref - logp) - (ref - logp) - 1 with ref - logp = -1
+    mask = torch.ones(1, 2)
+    loss, stats = grpo.policy_loss(logp, logp, torch.zeros(1), mask, ref_logp=ref, kl_coef=0.5)
+    assert stats["kl"] == pytest.approx(k3) and loss.item() == pytest.approx(0.5 * k3)
+    assert grpo.policy_loss(logp, logp, torch.zeros(1), mask)[1]["kl"] == 0.0
+
+
+def test_eos_target_trained_padding_not():
+    model = tiny_qwen2()
+    b = batch()
+    hidden = model.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).last_hidden_state
+    # feed the logits themselves as the "hidden states" through an identity head: their gradient is
+    # the gradient wrt the logit rows of each target
+    logits = model.lm_head(hidden).detach().requires_grad_()
+    logp = grpo.logprobs_from_hidden(logits, nn.Identity(), b["input_ids"][:, 1:], chunk_size=4)
+    loss, _ = grpo.policy_loss(logp, logp.detach(), torch.tensor([1.0, 1.0]), b["loss_mask"])
+    loss.backward()
+    g = logits.grad.abs().sum(-1)  # [N, L]; position t predicts target t + 1
+    assert g[0, 5] > 0 and g[1, 2] > 0          # predicting the EOS targets
+    assert (g[1, 3:] == 0).all()                 # predicting padding (same id as EOS) or past the end
+    assert (g[0, :2] == 0).all() and g[1, 0] == 0  # predicting prompt tokens
+
+
+def test_eos_trained_padding_not_through_the_model():
+    model = tiny_qwen2()
+    b = batch()
+    hidden = model.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).last_hidden_state
+    hidden.retain_grad()
+    logp = grpo.logprobs_from_hidden(hidden, model.lm_head, b["input_ids"][:, 1:], chunk_size=5)
+    loss, _ = grpo.policy_loss(logp, logp.detach(), torch.tensor([1.0, -1.0]), b["loss_mask"])
+    loss.backward()
+    g = hidden.grad.abs().sum(-1)
+    assert g[1, 2] > 0 and (g[1, 3:] == 0).all()
+    assert model.lm_head.weight.grad is not None and model.model.layers[0].mlp.up_proj.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_chunked_matches_full_logits(temperature):
+    model = tiny_qwen2()
+    b = batch()
+    sizes = []
+    hook = model.lm_head.register_forward_pre_hook(lambda mod, args: sizes.append(args[0].shape[:-1].numel()))
+    try:
+        chunked = grpo.token_logprobs(model, b["input_ids"], b["attention_mask"], temperature, chunk_size=3)
+        chunked.sum().backward()  # the checkpointed backward recomputes chunk by chunk too
+    finally:
+        hook.remove()
+    assert sizes and max(sizes) <= 3 and sum(sizes) >= 2 * 6
+    with torch.no_grad():
+        whole = grpo.token_logprobs(model, b["input_ids"], b["attention_mask"], temperature, chunk_size=10_000)
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+        ref = (logits[:, :-1] / temperature).log_softmax(-1).gather(-1, b["input_ids"][:, 1:, None]).squeeze(-1)
+    assert chunked.shape == (2, 6)
+    assert torch.allclose(chunked, whole, atol=1e-5)
+    assert torch.allclose(chunked, ref, atol=1e-5)
+    if temperature != 1.0:  # the temperature really changes the numbers
+        assert not torch.allclose(ref, logits[:, :-1].log_softmax(-1).gather(-1, b["input_ids"][:, 1:, None]).squeeze(-1), atol=1e-3)
+
+
+def test_token_logprobs_never_calls_full_forward():
+    model = tiny_qwen2()
+    b = batch()
+
+    def full_forward(*args, **kwargs):
+        raise AssertionError("token_logprobs called model(...), which builds [N, L, V] logits")
+
+    model.forward = full_forward
+    with torch.no_grad():
+        assert grpo.token_logprobs(model, b["input_ids"], b["attention_mask"]).shape == (2, 6)
+
+
+def test_c2gspg_advantages():
+    adv = grpo.c2gspg_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0.5, 0.2, 0.9, 1.0]), 4)
+    # mean 0.75 -> centred (0.25, -0.75, 0.25, 0.25), divided by max(1 - c, 1e-6)
+    assert adv.tolist() == pytest.approx([0.5, -0.9375, 2.5, 0.25 / 1e-6], rel=1e-4)
+    assert grpo.c2gspg_advantages(torch.ones(2), torch.tensor([0.3, 0.6]), 2).tolist() == [0.0, 0.0]

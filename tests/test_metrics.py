@@ -1,0 +1,107 @@
+import math
+
+import numpy as np
+import pytest
+
+import metrics
+
+
+def test_ece_pce_hand_computed():
+    conf, correct = (0.9, 0.9, 0.1, 0.1), (1, 0, 0, 0)
+    # bin 9: gap 0.9 - 0.5 = 0.4, bin 1: gap 0.1 - 0 = 0.1, each half the samples
+    assert metrics.ece(conf, correct) == pytest.approx(0.25)
+    assert metrics.pce(conf, correct) == pytest.approx(0.25)
+    # under-confidence counts in ECE, not in PCE
+    assert metrics.ece((0.2, 0.2), (1, 1)) == pytest.approx(0.8)
+    assert metrics.pce((0.2, 0.2), (1, 1)) == 0.0
+
+
+def test_ece_mixed_over_and_under_confidence():
+    # bin 8 (0.8, 0.8): acc 0 -> over 0.8; bin 3 (0.3, 0.3): acc 1 -> under 0.7
+    conf, correct = (0.8, 0.8, 0.3, 0.3), (0, 0, 1, 1)
+    assert metrics.ece(conf, correct) == pytest.approx(0.5 * 0.8 + 0.5 * 0.7)
+    assert metrics.pce(conf, correct) == pytest.approx(0.5 * 0.8)
+    # with 1 bin everything pools: mean conf 0.55, acc 0.5
+    assert metrics.ece(conf, correct, n_bins=1) == pytest.approx(0.05)
+
+
+def test_last_bin_holds_one():
+    rows = metrics.reliability((1.0, 0.95), (1, 0))
+    assert rows[9]["count"] == 2 and sum(r["count"] for r in rows) == 2
+    assert metrics.ece((1.0,), (1,)) == 0.0
+
+
+def test_reliability_rows():
+    rows = metrics.reliability((0.9, 0.9, 0.1, 0.1), (1, 0, 0, 0))
+    assert len(rows) == 10
+    assert rows[1] == {"lo": 0.1, "hi": 0.2, "count": 2, "mean_conf": pytest.approx(0.1), "accuracy": 0.0}
+    assert rows[9]["lo"] == 0.9 and rows[9]["hi"] == 1.0
+    assert rows[9]["count"] == 2 and rows[9]["mean_conf"] == pytest.approx(0.9) and rows[9]["accuracy"] == 0.5
+    empty = rows[5]
+    assert empty["count"] == 0 and math.isnan(empty["mean_conf"]) and math.isnan(empty["accuracy"])
+
+
+def test_brier():
+    assert metrics.brier((0.9, 0.9, 0.1, 0.1), (1, 0, 0, 0)) == pytest.approx((0.01 + 0.81 + 0.01 + 0.01) / 4)
+    assert metrics.brier((1.0, 0.0), (1, 0)) == 0.0
+
+
+def test_auroc_ties_and_one_class():
+    # pairs (pos, neg): (0.4, 0.1) win, (0.4, 0.4) tie 1/2, (0.8, 0.1) win, (0.8, 0.4) win -> 3.5 / 4
+    assert metrics.auroc((0.1, 0.4, 0.4, 0.8), (0, 0, 1, 1)) == pytest.approx(0.875)
+    assert metrics.auroc((0.1, 0.9), (1, 0)) == 0.0
+    assert metrics.auroc((0.5, 0.5, 0.5), (1, 0, 1)) == pytest.approx(0.5)
+    assert math.isnan(metrics.auroc((0.2, 0.7), (1, 1)))
+    assert math.isnan(metrics.auroc((0.2, 0.7), (0, 0)))
+
+
+def test_auroc_matches_pairwise_count():
+    rng = np.random.default_rng(0)
+    conf = np.round(rng.random(60), 1)  # many ties
+    correct = (rng.random(60) < 0.5).astype(float)
+    pos, neg = conf[correct == 1], conf[correct == 0]
+    pairwise = ((pos[:, None] > neg[None]).sum() + 0.5 * (pos[:, None] == neg[None]).sum()) / (pos.size * neg.size)
+    assert metrics.auroc(conf, correct) == pytest.approx(pairwise)
+
+
+def test_invariants_random():
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        n = int(rng.integers(1, 40))
+        conf = rng.random(n)
+        correct = (rng.random(n) < rng.random()).astype(float)
+        e, p = metrics.ece(conf, correct), metrics.pce(conf, correct)
+        assert 0.0 <= p <= e + 1e-12 <= 1.0 + 1e-12
+        # every bin over-confident (all wrong) -> PCE == ECE
+        assert metrics.pce(conf, np.zeros(n)) == pytest.approx(metrics.ece(conf, np.zeros(n)))
+
+
+def test_pce_equals_ece_when_every_bin_overconfident_mixed():
+    conf = (0.95, 0.92, 0.55, 0.51, 0.15)
+    correct = (1, 0, 0, 1, 0)  # bin 9 acc .5 < .935, bin 5 acc .5 < .53, bin 1 acc 0 < .15
+    assert metrics.pce(conf, correct) == pytest.approx(metrics.ece(conf, correct))
+    assert metrics.ece(conf, correct) > 0
+
+
+def test_calibration_dict():
+    out = metrics.calibration((0.9, 0.9, 0.1, 0.1), (1, 0, 0, 0))
+    assert set(out) == {"acc", "ece", "pce", "brier", "auroc", "n"}
+    assert out["acc"] == 0.25 and out["n"] == 4
+    assert out["ece"] == pytest.approx(0.25) and out["brier"] == pytest.approx(0.21)
+    # the right sample ties with one wrong one at 0.9 and beats two at 0.1: (1/2 + 2) / 3
+    assert out["auroc"] == pytest.approx(2.5 / 3)
+
+
+@pytest.mark.parametrize("conf, correct, words", [
+    ((0.5, 0.5), (1,), "lengths"),
+    ((), (), "empty"),
+    ((0.5, 1.2), (1, 0), "[0, 1]"),
+    ((-0.1,), (1,), "[0, 1]"),
+    ((0.5,), (2,), "[0, 1]"),
+    ((float("nan"), 0.5), (1, 0), "NaN"),
+    ((0.5,), (float("nan"),), "NaN"),
+])
+def test_validation(conf, correct, words):
+    for fn in (metrics.ece, metrics.pce, metrics.brier, metrics.auroc, metrics.reliability, metrics.calibration):
+        with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
+            fn(conf, correct)

@@ -1,0 +1,106 @@
+import torch
+import torch.nn.functional as F
+import pytest
+
+import probe as P
+
+
+def separable(m=128, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, d, generator=g)
+    return x, (x[:, 0] + 0.5 * x[:, 1] > 0).float()
+
+
+def test_probe_shapes_and_sizes():
+    mlp = P.Probe(32)
+    assert mlp.hidden == 8
+    assert sum(p.numel() for p in mlp.parameters()) == 32 * 8 + 8 + 8 + 1
+    assert [type(m).__name__ for m in mlp.net] == ["Linear", "ReLU", "Dropout", "Linear"]
+    assert mlp.net[2].p == 0.1
+    lin = P.Probe(32, hidden=0)
+    assert sum(p.numel() for p in lin.parameters()) == 33
+    assert mlp(torch.randn(5, 3, 32)).shape == (5, 3) and lin(torch.randn(7, 32)).shape == (7,)
+
+
+def test_prefix_features_matches_hand_loop():
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 9, 6, dtype=torch.float64)
+    ends = torch.tensor([[2, 6, 9], [5, 0, -1]])  # 2 < last_k: window clamps at 0; <= 0: padding
+    feats, valid = P.prefix_features(hidden, ends, last_k=4)
+    assert feats.shape == (2, 3, 6) and feats.dtype == torch.float32
+    assert valid.tolist() == [[True, True, True], [True, False, False]]
+    for n in range(2):
+        for b in range(3):
+            e = int(ends[n, b])
+            if e <= 0:
+                assert (feats[n, b] == 0).all()
+                continue
+            want = torch.stack([hidden[n, p] for p in range(max(e - 4, 0), e)]).mean(0).float()
+            assert torch.allclose(feats[n, b], want, atol=1e-6)
+    one, _ = P.prefix_features(hidden, torch.tensor([[3], [9]]), last_k=1)
+    assert torch.equal(one[:, 0], torch.stack([hidden[0, 2], hidden[1, 8]]).float())
+    with pytest.raises(ValueError, match="exceeds"):
+        P.prefix_features(hidden, torch.tensor([[10], [1]]))
+
+
+def test_fit_lowers_bce_and_predict_in_unit_interval():
+    x, y = separable(d=64)
+    torch.manual_seed(0)
+    probe = P.Probe(64)  # defaults: hidden 16, dropout 0.1, AdamW lr 1e-3
+    opt = P.make_optimizer(probe)
+    before = F.binary_cross_entropy(P.predict(probe, x), y).item()
+    last = P.fit(probe, opt, x, y, passes=16, batch_size=16, seed=0)
+    after = F.binary_cross_entropy(P.predict(probe, x), y).item()
+    assert after < 0.7 * before and last < 0.7 * before
+    assert not probe.training  # predict leaves eval mode on
+    p = P.predict(probe, x)
+    assert p.shape == (128,) and ((p > 0) & (p < 1)).all()
+    assert ((p > 0.5).float() == y).float().mean() > 0.9
+
+
+def test_fit_soft_targets_train_mode_and_seeded_order():
+    x, _ = separable(m=40)
+    soft = torch.linspace(0, 1, 40)
+    runs = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(0)
+        probe = P.Probe(16, dropout=0.0)
+        seen = []
+        probe.register_forward_pre_hook(lambda mod, args: seen.append(mod.training))
+        P.fit(probe, P.make_optimizer(probe), x, soft, passes=2, batch_size=8, seed=seed)
+        assert seen and all(seen)
+        runs.append(torch.cat([p.detach().flatten() for p in probe.parameters()]))
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        P.fit(P.Probe(16), P.make_optimizer(P.Probe(16)), x, soft + 1)
+
+
+def test_make_optimizer_defaults():
+    opt = P.make_optimizer(P.Probe(8))
+    assert isinstance(opt, torch.optim.AdamW)
+    assert opt.param_groups[0]["lr"] == 1e-3 and opt.param_groups[0]["weight_decay"] == 0.01
+
+
+def test_save_load_roundtrip(tmp_path):
+    x, y = separable()
+    torch.manual_seed(0)
+    probe = P.Probe(16, hidden=6, dropout=0.3)
+    opt = P.make_optimizer(probe)
+    P.fit(probe, opt, x, y, passes=2)
+    path = tmp_path / "sub" / "probe.pt"
+    P.save(str(path), probe, opt)
+    assert [f.name for f in path.parent.iterdir()] == ["probe.pt"]  # no temp file left behind
+    blob = torch.load(path, weights_only=True)
+    assert (blob["dim"], blob["hidden"], blob["dropout"]) == (16, 6, 0.3)
+    loaded, opt_state = P.load(str(path))
+    assert (loaded.dim, loaded.hidden, loaded.p_drop) == (16, 6, 0.3)
+    assert torch.equal(P.predict(loaded, x), P.predict(probe, x))
+    # the optimizer resumes exactly: one more identical step gives identical weights
+    opt2 = P.make_optimizer(loaded)
+    opt2.load_state_dict(opt_state)
+    for pr, o in ((probe, opt), (loaded, opt2)):
+        torch.manual_seed(1)
+        P.fit(pr, o, x[:16], y[:16], passes=1)
+    assert torch.equal(P.predict(loaded, x), P.predict(probe, x))
+    P.save(str(path), loaded)
+    assert P.load(str(path))[1] is None

@@ -1,0 +1,93 @@
+import ast
+import glob
+import os
+import sys
+
+import pytest
+import torch
+
+import reward
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _imported_modules(filename):
+    """Top-level names of every module a file imports (absolute and relative)."""
+    tree = ast.parse(open(os.path.join(ROOT, filename)).read())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            names.add("." if node.level else node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("leaf", ["metrics.py", "reward.py", "grpo.py", "probe.py"])
+def test_leaves_import_nothing_from_the_project(leaf):
+    project = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "*.py"))}
+    project |= {"toy", "data", "rollout", "label", "score", "train", "evaluate", "metrics", "reward", "grpo", "probe"}
+    imported = _imported_modules(leaf)
+    assert "." not in imported
+    assert not imported & project, f"{leaf} imports project modules {imported & project}"
+
+
+def test_reward_imports_only_torch_and_stdlib():
+    imported = _imported_modules("reward.py")
+    assert "torch" in imported
+    for name in imported - {"torch"}:
+        assert name in sys.stdlib_module_names, f"reward.py imports {name}, not torch or the standard library"
+
+
+def test_margin_hand_computed():
+    m = reward.margin_reward(torch.tensor([[0.9, 0.7, 0.2]]), torch.tensor([[1.0, 1.0, 0.0]]))
+    assert m.tolist() == pytest.approx([0.6])
+    # 0 < Y < 1 counts on neither side
+    m = reward.margin_reward(torch.tensor([[0.9, 0.5, 0.1]]), torch.tensor([[1.0, 0.5, 0.0]]))
+    assert m.tolist() == pytest.approx([0.8])
+
+
+def test_margin_corners():
+    conf = torch.tensor([[0.9, 0.7, 0.2], [0.3, 0.1, 0.5], [0.4, 0.6, 0.9]])
+    labels = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.5], [0.25, 0.5, 0.75]])
+    zero = reward.margin_reward(conf, labels, corner="zero")
+    assert zero.tolist() == [0.0, 0.0, 0.0]
+    one = reward.margin_reward(conf, labels, corner="one-sided")
+    # only solvable: mean C = 0.6; only unsolvable: 1 - mean(0.3, 0.1) = 0.8; neither: 0
+    assert one.tolist() == pytest.approx([0.6, 0.8, 0.0])
+    with pytest.raises(ValueError, match="corner"):
+        reward.margin_reward(conf, labels, corner="both")
+
+
+def test_margin_mask_drops_padding_prefixes():
+    conf = torch.tensor([[0.9, 0.2, 0.0], [0.8, 0.6, 0.1]])
+    labels = torch.tensor([[1.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    # row 0: padded third prefix (label 0, conf 0) must not pull the unsolvable mean down
+    assert reward.margin_reward(conf, labels, mask).tolist() == pytest.approx([0.7, 0.8 - 0.35])
+    assert reward.margin_reward(conf, labels).tolist() == pytest.approx([0.9 - 0.1, 0.8 - 0.35])
+
+
+def test_brier_reward():
+    conf = torch.tensor([[0.9, 0.5, 0.0], [0.2, 0.0, 0.0]])
+    labels = torch.tensor([[1.0, 0.25, 0.0], [0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    out = reward.brier_reward(conf, labels, mask)
+    assert out.tolist() == pytest.approx([-(0.01 + 0.0625 + 0.0) / 3, -0.04])
+
+
+def test_rlcr_and_direct_brier():
+    correct = torch.tensor([True, False, True])
+    conf = torch.tensor([0.8, 0.8, 0.0])
+    assert reward.rlcr_reward(correct, conf).tolist() == pytest.approx([1 - 0.04, -0.64, 0.0])
+    assert reward.direct_brier_reward(correct, conf).tolist() == pytest.approx([1 - 0.004, -0.064, 0.9])
+    assert reward.direct_brier_reward(correct, conf, lam=1.0).tolist() == pytest.approx([1 - 0.04, -0.64, 0.0])
+
+
+def test_total_reward_signed_and_unsigned():
+    correct = torch.tensor([1.0, 0.0])
+    calib = torch.tensor([0.5, -0.5])
+    assert reward.total_reward(correct, calib).tolist() == pytest.approx([1.05, -1.05])
+    assert reward.total_reward(correct, calib, signed=False).tolist() == pytest.approx([1.05, -0.05])
+    assert reward.total_reward(correct, calib, lam=0.0).tolist() == [1.0, -1.0]
+    assert reward.total_reward([True, False], [0.0, 0.0], lam=0.3).tolist() == [1.0, -1.0]
