@@ -6,7 +6,6 @@ predicted from position t - 1, so log-prob tensors are [N, L-1] over targets inp
 loss mask is 1 exactly on targets that are response tokens (EOS included, padding excluded).
 """
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 
