@@ -1,0 +1,95 @@
+"""Truncation points, forced-answer prompts, Monte-Carlo labels and the scoring forward."""
+import os
+
+import pytest
+import torch
+
+import tiny
+from grpo import pack, token_logprobs
+from label import SUFFIX, absolute_budgets, budgets, forced_answer, forced_prompt, mc_labels
+from probe import prefix_features
+from score import budget_ends, score
+
+FIXTURE_7B = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "fixtures", "r1_distill_qwen_7b")
+
+
+def test_budgets_follow_python_round():
+    assert budgets(8) == [2, 4, 6]
+    assert budgets(3) == [1, 2]
+    assert budgets(1) == [1]
+    assert budgets(0) == []
+    assert budgets(2) == [1, 2]          # round(0.5) == 0 is dropped, round(1.5) == 2
+    assert budgets(10) == [2, 5, 8]      # round(2.5) == 2 (half to even), round(7.5) == 8
+    assert budgets(4, fractions=(1.0,)) == [4]
+    assert absolute_budgets(1200, 500) == [500, 1000] and absolute_budgets(1000, 500) == [500, 1000]
+
+
+def test_forced_answer_reads_up_to_the_closing_brace():
+    assert forced_answer("17}\n") == "17"
+    assert forced_answer(" \\frac{1}{2}} and more}") == "\\frac{1}{2}"
+    assert forced_answer("17") is None and forced_answer("{17}") is None
+    assert forced_answer("}") == ""
+
+
+@pytest.mark.skipif(not os.path.isdir(FIXTURE_7B), reason="shared fixtures absent")
+def test_forced_ids_for_the_real_tokenizer():
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(FIXTURE_7B)
+    prompt, response = [151646, 151644, 16, 151645, 151648, 198], [785, 3405, 374, 220, 17]
+    suffix = tok.encode(SUFFIX, add_special_tokens=False)
+    assert forced_prompt(prompt, response, 3, tok) == prompt + response[:3] + [151649] + suffix
+    assert forced_prompt(prompt, response, 3, tok, close="eos") == prompt + response[:3] + [151643] + suffix
+    assert tok.decode(suffix) == SUFFIX
+
+
+def test_mc_labels_are_fractions_of_k_aligned_with_budgets():
+    tok, model = tiny.tokenizer(), tiny.model(seed=1)
+    prompts = [tok.encode("1+2=", add_special_tokens=False)] * 3
+    responses = [tok.encode(s, add_special_tokens=False) for s in ("3 ok", "4 no way", "")]
+    cuts = [budgets(len(r)) for r in responses]
+    stats = {}
+    labels = mc_labels(model, tok, prompts, responses, cuts, ["3", "3", "3"], k=4, close="eos",
+                       suffix="{", seed=0, stats=stats)
+    assert [len(y) for y in labels] == [len(c) for c in cuts] and labels[2] == []
+    assert all(y in (0, 0.25, 0.5, 0.75, 1.0) for ys in labels for y in ys)
+    assert stats == {"prefixes": sum(map(len, cuts)), "answers": 4 * sum(map(len, cuts))}
+
+
+def test_labels_count_correct_forced_answers(monkeypatch):
+    """The label is the share of the K forced answers whose brace-closed text matches the gold."""
+    import label
+    from rollout import Samples
+    texts = ["7}\n", "7}", "8}\n", "7", "7}\n", "7}\n", "7}\n", "7}\n"]
+    monkeypatch.setattr(label, "generate", lambda *a, **k: Samples([[0]] * 8, texts, [1] * 8, ["stop"] * 8, [0] * 4 + [1] * 4))
+    tok = tiny.tokenizer()
+    ys = label.mc_labels(None, tok, [[5]], [[6, 7, 8]], [[1, 2]], ["7"], k=4, close="eos")
+    assert ys == [[0.5, 1.0]]  # "7}", "7}" right; "8}" wrong; "7" never closes the box
+
+
+def test_features_are_causal_and_logprobs_match():
+    """Features at budget b from the full trajectory equal those from the prefix alone; the old
+    log-probs of this forward equal a separate token_logprobs computation."""
+    tok, model = tiny.tokenizer(), tiny.model(seed=2)
+    prompts = [tok.encode("12+3=", add_special_tokens=False), tok.encode("7=", add_special_tokens=False)]
+    responses = [tok.encode("15 because", add_special_tokens=False) + [tok.eos_token_id],
+                 tok.encode("seven", add_special_tokens=False)]
+    cuts = [budgets(len(r)) for r in responses]
+    batch = pack(prompts, responses, tok.pad_token_id)
+    ends = budget_ends(batch["prompt_lens"], cuts)
+    old_logp, feats, valid = score(model, batch, ends, temperature=0.7, chunk_size=3)
+    assert valid.tolist() == [[True] * 3, [True] * 3]
+    ref = token_logprobs(model, batch["input_ids"], batch["attention_mask"], 0.7)
+    m = batch["loss_mask"].bool()
+    assert torch.allclose(old_logp[m], ref[m], atol=1e-5)
+    for i in range(2):
+        for j, b in enumerate(cuts[i]):
+            ids = torch.tensor([prompts[i] + responses[i][:b]])
+            captured = {}
+            h = model.model.layers[-1].register_forward_hook(lambda mod, a, o: captured.update(h=o[0] if isinstance(o, tuple) else o))
+            model.model(input_ids=ids)
+            h.remove()
+            alone, _ = prefix_features(captured["h"], torch.tensor([[ids.shape[1]]]), 4)
+            assert torch.allclose(feats[i, j], alone[0, 0], atol=1e-5)
+    _, final, _ = score(model, batch, ends, final_norm=True, logprobs=False)
+    normed = model.model(input_ids=torch.tensor([prompts[0] + responses[0][:cuts[0][0]]])).last_hidden_state
+    assert torch.allclose(final[0, 0], normed[0, -1], atol=1e-5)
