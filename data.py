@@ -1,0 +1,258 @@
+"""Datasets, prompts, answer extraction and grading.
+
+    rows = load_rows("math500")                     # [{"problem": str, "answer": str}, ...]
+    ids = chat_prompt(tokenizer, rows[0]["problem"])
+    is_correct(model_text, rows[0]["answer"])       # last \\boxed{...} vs the gold answer
+
+Grading never evaluates model text: math-verify is called with its LaTeX parser only (its
+plain-expression parser goes through sympy's parse_expr, which calls eval).
+"""
+import json
+import os
+import random
+import re
+import threading
+from fractions import Fraction
+
+INSTRUCTION = " Let's think step by step and output the final answer within \\boxed{}."
+MAX_ANSWER_CHARS = 2000  # longer boxed answers are compared as strings only: bounded parse time
+TIMEOUT_S = 5            # per math-verify parse / verify call (signal based: main thread only)
+PROBLEM_FIELDS = ("problem", "question", "prompt", "Question", "query")
+# Answer-like names only: `solution` is a worked text, never a gold answer.
+ANSWER_FIELDS = ("answer", "final_answer", "gold", "target", "Correct Answer")
+
+# short name -> where the benchmark lives on the hub (id, config, split) and its row layout
+# (benchmarks.md). integer: answers are integers however stored ("025", 70.0); filter: (field,
+# substring) a row must have to be kept. LiveCodeBench and LogiQA are not here: code graded by
+# execution and multiple choice with an unchecked layout need their own graders.
+BENCHMARKS = {
+    "math500": dict(hf="HuggingFaceH4/MATH-500", split="test", problem="problem", answer="answer"),
+    "aime24": dict(hf="HuggingFaceH4/aime_2024", split="train", problem="problem", answer="answer",
+                   integer=True),
+    "aime25": dict(hf="yentinglin/aime_2025", split="train", problem="problem", answer="answer",
+                   integer=True),
+    "amc23": dict(hf="AI-MO/aimo-validation-amc", split="train", problem="problem", answer="answer",
+                  integer=True, filter=("url", "2023")),
+    "olympiadbench": dict(hf="Hothan/OlympiadBench", config="OE_TO_maths_en_COMP", split="train",
+                          problem="question", answer="final_answer"),
+    # GPQA stores no letter: the four options are shuffled with a fixed seed per row (see _choices).
+    "gpqa": dict(hf="Idavidrein/gpqa", config="gpqa_diamond", split="train", problem="Question",
+                 answer="Correct Answer", choices=("Correct Answer", "Incorrect Answer 1",
+                                                   "Incorrect Answer 2", "Incorrect Answer 3")),
+    "gsm8k": dict(hf="openai/gsm8k", config="main", split="test", problem="question", answer="answer"),
+    "deepscaler": dict(hf="agentica-org/DeepScaleR-Preview-Dataset", split="train",
+                       problem="problem", answer="answer"),
+}
+
+
+class DataError(ValueError):
+    """A dataset problem the user can fix; the message is one line saying how."""
+
+
+_ESCAPES = {"\x07": "\\a", "\x08": "\\b", "\t": "\\t", "\x0b": "\\v", "\x0c": "\\f", "\r": "\\r"}
+
+
+def scrub(text: str) -> str:
+    """Undo LaTeX written into JSON unescaped ("\\frac" read as form feed + "rac") and drop other
+    control characters; newlines stay (an escaped "\\n..." cannot be told from a real newline)."""
+    text = re.sub(r"[\x07\x08\t\x0b\x0c\r](?=[A-Za-z])", lambda m: _ESCAPES[m.group()], text)
+    text = text.replace("\r\n", "\n").replace("\t", " ")
+    return re.sub(r"[\x00-\x08\x0b-\x1f\x7f]", "", text)
+
+
+_BOX = re.compile(r"\\(?:boxed|fbox)(?:\s*\{| +(?=[^\s{]))")
+
+
+def boxed_answer(text):
+    """Content of the last \\boxed{...} (or \\fbox{...}, or the bare "\\boxed 5" form), braces
+    balanced; None when there is none or the last one never closes (a truncated answer)."""
+    matches = list(_BOX.finditer(text or ""))
+    if not matches:
+        return None
+    start = matches[-1].end()
+    if not matches[-1].group().endswith("{"):
+        return re.match(r"[^\s$]*", text[start:]).group() or None
+    depth = 1
+    for i in range(start, len(text)):
+        if text[i] in "{}" and text[i - 1] != "\\":  # \{ and \} are literal braces
+            depth += 1 if text[i] == "{" else -1
+            if depth == 0:
+                return text[start:i].strip()
+    return None
+
+
+def _normalize(s: str) -> str:
+    """Spelling-only differences: "\\left( 1{,}000 \\right)." and "(1000)" both give "(1000)"."""
+    s = re.sub(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}", r"\1", s)
+    s = re.sub(r"\\(?:left|right)(?![A-Za-z])", "", s)
+    s = re.sub(r"\\[!,;: ]", "", s).replace("{,}", ",").replace("$", "")
+    s = re.sub(r"\s+", "", s).replace("dfrac", "frac").replace("tfrac", "frac").rstrip(".")
+    if re.fullmatch(r"[-+]?\d{1,3}(,\d{3})+(\.\d+)?", s):  # thousands separators
+        s = s.replace(",", "")
+    return s
+
+
+def _number(s: str):
+    """Exact value of a plain decimal ("025" -> 25, "27.0" -> 27, "0.5" -> 1/2), else None."""
+    return Fraction(s) if re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)", s) else None
+
+
+def _math_verify(pred: str, gold: str) -> bool:
+    from math_verify import LatexExtractionConfig, parse, verify
+    # math-verify's timeouts use signal.alarm, which raises outside the main thread: there we
+    # run without one and rely on the length cap.
+    timeout = TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    latex_only = [LatexExtractionConfig()]
+    try:
+        g = parse("\\boxed{" + gold + "}", extraction_config=latex_only, parsing_timeout=timeout)
+        p = parse("\\boxed{" + pred + "}", extraction_config=latex_only, parsing_timeout=timeout)
+        return bool(g and p and verify(g, p, timeout_seconds=timeout))
+    except Exception:  # a parser bug or a timeout on a model's answer is a wrong answer, not a crash
+        return False
+
+
+def answers_match(pred, gold) -> bool:
+    """Is the extracted answer `pred` equal to `gold`? Plain numbers compare exactly as numbers
+    ("025" = 25 = 25.0); otherwise equal after _normalize, or equal by math-verify."""
+    if pred is None or gold is None:
+        return False
+    pred, gold = str(pred).strip(), str(gold).strip()
+    a, b = _normalize(pred), _normalize(gold)
+    if not a or not b:
+        return False
+    if a == b:
+        return True
+    na, nb = _number(a), _number(b)
+    if na is not None and nb is not None:
+        return na == nb
+    if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
+        return False
+    return _math_verify(pred, gold)
+
+
+def is_correct(text, gold) -> bool:
+    """True only when the text has a last complete \\boxed{} and it matches the gold answer."""
+    return answers_match(boxed_answer(text), gold)
+
+
+def chat_prompt(tokenizer, problem: str, instruction: str = INSTRUCTION) -> list[int]:
+    """Prompt ids: chat template over one user turn `problem + instruction`, generation prompt
+    added (R1: BOS <｜User｜>...<｜Assistant｜><think>\\n). Tokenized by the template itself, since
+    re-tokenizing the rendered string would add a second BOS."""
+    out = tokenizer.apply_chat_template([{"role": "user", "content": problem + instruction}],
+                                        add_generation_prompt=True, tokenize=True)
+    ids = [int(i) for i in (out["input_ids"] if hasattr(out, "keys") else out)]
+    bos = tokenizer.bos_token_id
+    while bos is not None and len(ids) > 1 and ids[0] == ids[1] == bos:
+        ids.pop(0)
+    return ids
+
+
+def _read_file(path):
+    """Rows of a local .jsonl, .json (a list, or a dict holding one list of rows) or .parquet file."""
+    if not os.path.isfile(path):
+        raise DataError(f"file not found: {path}: check the path (json, jsonl or parquet)")
+    if path.lower().endswith(".parquet"):
+        import pyarrow.parquet
+        return pyarrow.parquet.read_table(path).to_pylist()
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        data = json.loads(text) if text.strip() else []
+    except json.JSONDecodeError:  # JSON lines, whatever the extension
+        try:
+            data = [json.loads(line) for line in text.splitlines() if line.strip()]
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path} is neither JSON nor JSON lines ({e}): fix the file") from None
+    if isinstance(data, dict):
+        lists = [v for v in data.values() if isinstance(v, list)]
+        data = lists[0] if len(lists) == 1 else [data]
+    return data
+
+
+def _from_hub(hf_id, config, split):
+    import datasets
+    try:
+        return list(datasets.load_dataset(hf_id, config, split=split))
+    except Exception as e:
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        raise DataError(f"cannot reach the Hugging Face hub for {hf_id} ({reason}): "
+                        "download it first or pass a local json/jsonl/parquet file") from None
+
+
+def _field(keys, given, preferred, candidates, kind, flag, source):
+    if given:
+        if given not in keys:
+            raise DataError(f"{source}: no {kind} field {given!r}; fields found: {sorted(keys)}; "
+                            f"pass {flag} with one of them")
+        return given
+    for name in (preferred, *candidates):
+        if name in keys:
+            return name
+    raise DataError(f"{source}: no {kind} field among {list(candidates)}; fields found: "
+                    f"{sorted(keys)}; pass {flag} NAME")
+
+
+def _answer_text(value, integer):
+    """Gold answer as a string: first of a list (OlympiadBench), $ stripped, "####" tail (GSM8K),
+    integer-valued floats as integers (70.0 -> "70")."""
+    if isinstance(value, (list, tuple)):
+        value = value[0] if value else None
+    if value is None:
+        return None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    text = scrub(str(value)).split("####")[-1].strip().strip("$").strip()
+    if integer and _number(text) is not None and _number(text).denominator == 1:
+        text = str(_number(text).numerator)  # "025" -> "25"
+    return text
+
+
+def _choices(row, index, spec):
+    """GPQA: options shuffled with a per-row fixed seed; the answer is the correct option's letter."""
+    options = [scrub(str(row[f])).strip() for f in spec["choices"]]
+    order = list(range(len(options)))
+    random.Random(index).shuffle(order)
+    letters = "ABCD"
+    problem = row[spec["problem"]].strip() + "\n\n" + "\n".join(
+        f"{letters[k]}) {options[j]}" for k, j in enumerate(order))
+    return problem, letters[order.index(0)]
+
+
+def load_rows(source, split=None, problem_field=None, answer_field=None, limit=None):
+    """[{"problem": str, "answer": str}] from "toy", a BENCHMARKS name, a local .json/.jsonl/.parquet
+    file, or a Hugging Face dataset id ("owner/name"). Fields are detected unless given."""
+    spec = {}
+    if source == "toy":
+        import toy  # the offline world; imported here so data.py stands alone otherwise
+        records, where = toy.dataset(split or "train"), "toy"
+    elif source in BENCHMARKS:
+        spec = BENCHMARKS[source]
+        records, where = _from_hub(spec["hf"], spec.get("config"), split or spec["split"]), spec["hf"]
+    elif source.lower().endswith((".json", ".jsonl", ".parquet")):
+        records, where = _read_file(source), source
+    elif "/" in source or os.path.isdir(source):
+        records, where = _from_hub(source, None, split or "train"), source
+    else:
+        raise DataError(f"unknown benchmark {source!r}: known names are {', '.join(BENCHMARKS)}, "
+                        "or pass a Hugging Face id (owner/name) or a local json/jsonl/parquet file")
+    records = [r for r in records if isinstance(r, dict)]
+    if spec.get("filter"):
+        field, needle = spec["filter"]
+        records = [r for r in records if needle in str(r.get(field, ""))]
+    if not records:
+        raise DataError(f"{where} has no rows: check the file, split or filter")
+    keys = set().union(*(r.keys() for r in records[:100]))
+    pf = _field(keys, problem_field, spec.get("problem"), PROBLEM_FIELDS, "problem", "--problem-field", where)
+    af = _field(keys, answer_field, spec.get("answer"), ANSWER_FIELDS, "answer", "--answer-field", where)
+    rows = []
+    for i, r in enumerate(records[:limit] if limit else records):
+        if spec.get("choices") and not (problem_field or answer_field):
+            problem, answer = _choices(r, i, spec)
+        else:
+            problem, answer = scrub(str(r.get(pf) or "")).strip(), _answer_text(r.get(af), spec.get("integer"))
+        if not problem or answer in (None, ""):
+            raise DataError(f"{where}: row {i} has an empty {'problem' if not problem else 'answer'} "
+                            f"(fields {pf!r}, {af!r}): fix the data or pass --problem-field/--answer-field")
+        rows.append({"problem": problem, "answer": answer})
+    return rows

@@ -1,0 +1,210 @@
+"""data.py: answer extraction, grading, chat prompts and dataset loading (local fixtures only)."""
+import json
+import os
+import sys
+import threading
+import time
+import types
+
+import pytest
+
+import data
+
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "fixtures")
+needs_fixtures = pytest.mark.skipif(not os.path.isdir(FIXTURES), reason="shared fixtures not present")
+
+
+@pytest.mark.parametrize("text, expected", [
+    (r"so \boxed{\frac{a}{b}}.", r"\frac{a}{b}"),
+    (r"\boxed{1} first, then \boxed{2}", "2"),
+    (r"\boxed{\{1, 2\}}", r"\{1, 2\}"),
+    (r"\boxed{ 7 }", "7"),
+    (r"\fbox{7}", "7"),
+    (r"$\boxed 5$", "5"),
+    (r"\boxed{1} and finally \boxed{\frac{1}{2}", None),  # truncated final answer: no answer
+    ("no box here", None),
+    ("", None),
+])
+def test_boxed_answer(text, expected):
+    assert data.boxed_answer(text) == expected
+
+
+@pytest.mark.parametrize("text, gold, ok", [
+    (r"\boxed{\frac{1}{2}}", "0.5", True),
+    (r"\boxed{ 1,000 }", "1000", True),
+    (r"\boxed{x+1}", "1+x", True),
+    (r"\boxed{25}", "025", True),             # AIME
+    (r"\boxed{27}", "27.0", True),            # AMC
+    (r"\boxed{\dfrac{14}{3}}", r"\frac{14}{3}", True),
+    (r"\boxed{(3, \pi/2)}", r"\left( 3, \frac{\pi}{2} \right)", True),
+    (r"\boxed{Evelyn}", r"\text{Evelyn}", True),
+    (r"\boxed{B}", "B", True),
+    (r"\boxed{41}", "42", False),
+    (r"\boxed{(2,5)}", "[2,5)", False),
+    (r"\boxed{C}", "B", False),
+    ("the answer is 42", "42", False),
+    (r"\boxed{42", "42", False),
+    (r"\boxed{}", "42", False),
+    (r"\boxed{42} no wait \boxed{41}", "42", False),
+])
+def test_is_correct(text, gold, ok):
+    assert data.is_correct(text, gold) is ok
+
+
+def test_model_text_is_never_executed(tmp_path):
+    target = tmp_path / "pwned"
+    payload = f"__import__('os').system('touch {target}')"
+    for text in (rf"\boxed{{{payload}}}", payload + r" \boxed{" + payload + "}", rf"$\boxed{{{payload}}}$"):
+        assert data.is_correct(text, "0") is False
+        assert data.answers_match(payload, "1+x") is False
+    assert not target.exists()
+
+
+def test_grading_off_the_main_thread_and_long_answers():
+    results = []
+    worker = threading.Thread(target=lambda: results.extend(
+        [data.is_correct(r"\boxed{x+1}", "1+x"), data.is_correct(r"\boxed{x+2}", "1+x")]))
+    worker.start()
+    worker.join(30)
+    assert results == [True, False]  # math-verify's signal timeout would raise in a thread
+    long = "+".join(["x"] * 1500)
+    start = time.time()
+    assert data.is_correct(r"\boxed{" + long + "}", "1500*x") is False  # over the cap: string compare only
+    assert data.is_correct(r"\boxed{" + long + "}", long) is True
+    assert time.time() - start < 2
+
+
+def test_scrub_restores_latex_escapes():
+    assert data.scrub("$\x0crac{1}{2} \times 3$\r\n\x00ok\t1") == "$\\frac{1}{2} \\times 3$\nok 1"
+    assert data.scrub("\x08inom{5}{2}") == "\\binom{5}{2}"
+
+
+class FakeTokenizer:
+    bos_token_id = 5
+
+    def __init__(self, out):
+        self.out = out
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        assert add_generation_prompt and tokenize and messages[0]["content"].endswith(data.INSTRUCTION)
+        return self.out
+
+
+def test_chat_prompt_returns_plain_ids_with_one_bos():
+    assert data.chat_prompt(FakeTokenizer({"input_ids": [5, 5, 7, 8]}), "p") == [5, 7, 8]
+    assert data.chat_prompt(FakeTokenizer([5, 9]), "p") == [5, 9]
+
+
+@needs_fixtures
+def test_chat_prompt_with_the_real_tokenizer():
+    from tests import tiny  # imported here: the grading tests need no transformers
+    tok = tiny.real_tokenizer()
+    if tok is None:
+        pytest.skip("shared fixture r1_distill_qwen_7b not present")
+    problem = data.load_rows(os.path.join(FIXTURES, "math500.jsonl"), limit=1)[0]["problem"]
+    ids = data.chat_prompt(tok, problem)
+    assert isinstance(ids, list) and all(type(i) is int for i in ids)
+    assert ids[0] == 151646 and ids.count(151646) == 1
+    assert ids[-3:] == [151645, 151648, 198]
+    assert tok.decode(ids).endswith("<｜Assistant｜><think>\n")
+    assert problem + data.INSTRUCTION in tok.decode(ids)
+
+
+@needs_fixtures
+def test_benchmark_files_in_their_real_layouts():
+    math500 = data.load_rows(os.path.join(FIXTURES, "math500.jsonl"))
+    assert len(math500) == 500 and math500[0]["answer"] == r"\left( 3, \frac{\pi}{2} \right)"
+    aime24 = data.load_rows(os.path.join(FIXTURES, "aime24.jsonl"), limit=3)
+    assert [r["answer"] for r in aime24] == ["204", "113", "371"]
+    assert aime24[0]["problem"].startswith("Every morning Aya")
+    aime25 = data.load_rows(os.path.join(FIXTURES, "aime25.jsonl"))  # field `question`, float answers
+    assert len(aime25) == 30 and aime25[0]["answer"] == "70" and aime25[0]["problem"].startswith("Find the sum")
+    amc23 = data.load_rows(os.path.join(FIXTURES, "amc23.jsonl"))
+    assert len(amc23) == 40 and amc23[0]["answer"] == "27"
+    assert data.is_correct(r"\boxed{27}", amc23[0]["answer"])
+    assert set(math500[0]) == {"problem", "answer"}
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_local_formats_and_field_flags(tmp_path):
+    rows = [{"query": "2+2?\x0crac", "target": 4.0}, {"query": "3+3?", "target": "6"}]
+    assert data.load_rows(write_jsonl(tmp_path / "a.jsonl", rows)) == [
+        {"problem": "2+2?\\frac", "answer": "4"}, {"problem": "3+3?", "answer": "6"}]
+    (tmp_path / "b.json").write_text(json.dumps({"data": rows}))
+    assert len(data.load_rows(str(tmp_path / "b.json"), limit=1)) == 1
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow
+    pq.write_table(pyarrow.Table.from_pylist([{"q": "x?", "a": ["$\\frac{1}{2}$", "$3$"]}]), tmp_path / "c.parquet")
+    assert data.load_rows(str(tmp_path / "c.parquet"), problem_field="q", answer_field="a") == [
+        {"problem": "x?", "answer": "\\frac{1}{2}"}]
+
+
+def test_error_messages(tmp_path):
+    solution_only = write_jsonl(tmp_path / "s.jsonl", [{"problem": "p", "solution": "worked text"}])
+    with pytest.raises(data.DataError, match=r"no answer field.*'problem', 'solution'.*--answer-field"):
+        data.load_rows(solution_only)
+    with pytest.raises(data.DataError, match=r"no answer field 'ans'.*--answer-field"):
+        data.load_rows(solution_only, answer_field="ans")
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(data.DataError, match="has no rows"):
+        data.load_rows(str(tmp_path / "empty.jsonl"))
+    with pytest.raises(data.DataError, match=r"unknown benchmark 'aime26'.*math500, aime24"):
+        data.load_rows("aime26")
+    with pytest.raises(data.DataError, match="file not found"):
+        data.load_rows(str(tmp_path / "missing.jsonl"))
+
+
+@pytest.fixture
+def fake_hub(monkeypatch):
+    """Replace datasets.load_dataset: record (id, config, split), return the rows given per id."""
+    datasets = pytest.importorskip("datasets")
+    calls, tables = [], {}
+
+    def load_dataset(hf_id, config=None, split=None):
+        calls.append((hf_id, config, split))
+        if hf_id not in tables:
+            raise ConnectionError(f"Couldn't reach '{hf_id}' on the Hub (OfflineModeIsEnabled)")
+        return tables[hf_id]
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    return calls, tables
+
+
+def test_benchmark_names_resolve_to_hub_ids(fake_hub):
+    calls, tables = fake_hub
+    tables["AI-MO/aimo-validation-amc"] = [
+        {"problem": "p22", "answer": 3.0, "url": "https://x/2022_AMC_12A"},
+        {"problem": "p23", "answer": 27.0, "url": "https://x/2023_AMC_12A"}]
+    assert data.load_rows("amc23") == [{"problem": "p23", "answer": "27"}]
+    tables["Hothan/OlympiadBench"] = [{"question": "q", "final_answer": ["$\\sqrt{2}$", "$2$"], "solution": ["s"]}]
+    assert data.load_rows("olympiadbench") == [{"problem": "q", "answer": "\\sqrt{2}"}]
+    tables["yentinglin/aime_2025"] = [{"problem": "p", "answer": "025"}]
+    assert data.load_rows("aime25")[0]["answer"] == "25"
+    tables["Idavidrein/gpqa"] = [{"Question": f"Q{i}", "Correct Answer": "right", "Incorrect Answer 1": "w1",
+                                  "Incorrect Answer 2": "w2", "Incorrect Answer 3": "w3"} for i in range(8)]
+    gpqa = data.load_rows("gpqa")
+    for row in gpqa:
+        assert f"{row['answer']}) right" in row["problem"]
+    assert len({r["answer"] for r in gpqa}) > 1 and gpqa == data.load_rows("gpqa")  # shuffled, fixed seed
+    assert calls[:3] == [("AI-MO/aimo-validation-amc", None, "train"),
+                         ("Hothan/OlympiadBench", "OE_TO_maths_en_COMP", "train"),
+                         ("yentinglin/aime_2025", None, "train")]
+    assert data.BENCHMARKS["math500"]["hf"] == "HuggingFaceH4/MATH-500" and data.BENCHMARKS["math500"]["split"] == "test"
+    with pytest.raises(data.DataError, match="cannot reach the Hugging Face hub for HuggingFaceH4/MATH-500.*local json"):
+        data.load_rows("math500")
+    with pytest.raises(data.DataError, match="cannot reach the Hugging Face hub for someone/data"):
+        data.load_rows("someone/data", split="test")
+    assert calls[-1] == ("someone/data", None, "test")
+
+
+def test_toy_source_calls_toy_dataset(monkeypatch):
+    seen = []
+    fake = types.ModuleType("toy")
+    fake.dataset = lambda split: seen.append(split) or [{"problem": "1+1=", "answer": "2"}]
+    monkeypatch.setitem(sys.modules, "toy", fake)
+    assert data.load_rows("toy") == [{"problem": "1+1=", "answer": "2"}]
+    data.load_rows("toy", split="test")
+    assert seen == ["train", "test"]

@@ -1,0 +1,171 @@
+"""rollout.generate on a tiny random Qwen2 and a character tokenizer (tests/tiny.py), CPU only."""
+import pytest
+import torch
+
+import rollout
+from tests import tiny
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny.tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny.model()
+
+
+def enc(tok, text):
+    return tok.encode(text, add_special_tokens=False)
+
+
+def reference_greedy(model, tok, prompt, steps):
+    """Greedy without cache or padding: full forward over the growing sequence each step."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            logits = model(input_ids=torch.tensor([seq])).logits[0, -1, :len(tok)]
+            seq.append(int(logits.argmax()))
+    return seq[len(prompt):]
+
+
+def test_left_padding_batch_equals_alone_and_uncached_reference(model, tok):
+    prompts = [enc(tok, "1+2="), enc(tok, "what is 17*3? think."), enc(tok, "x")]
+    batch = rollout.generate(model, tok, prompts, max_new_tokens=12, temperature=0, eos_ids=[])
+    for i, p in enumerate(prompts):
+        alone = rollout.generate(model, tok, [p], max_new_tokens=12, temperature=0, eos_ids=[])
+        assert batch.ids[i] == alone.ids[0] == reference_greedy(model, tok, p, 12)
+    assert batch.finish == ["length"] * 3 and batch.lengths == [12] * 3
+    assert batch.prompt_index == [0, 1, 2]
+    assert len({tuple(x) for x in batch.ids}) == 3  # the model really depends on its prompt
+
+
+def test_position_ids_and_mask_for_left_padding(model, tok):
+    # RoPE only sees position differences, so the equality test above cannot catch a constant
+    # shift; pin the inputs themselves: positions = cumsum(mask) - 1 clamped at 0.
+    seen = []
+    hook = model.register_forward_pre_hook(lambda mod, args, kw: seen.append(
+        (kw["position_ids"].tolist(), kw["attention_mask"].tolist())), with_kwargs=True)
+    try:
+        rollout.generate(model, tok, [[5, 6], [7, 8, 9, 10]], max_new_tokens=3, temperature=0, eos_ids=[])
+    finally:
+        hook.remove()
+    assert seen[0] == ([[0, 0, 0, 1], [0, 1, 2, 3]], [[0, 0, 1, 1], [1, 1, 1, 1]])
+    assert seen[1] == ([[2], [4]], [[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    assert seen[2][0] == [[3], [5]] and len(seen) == 3
+
+
+def test_stops_at_eos_stop_id_and_stop_string(model, tok):
+    prompts = [enc(tok, "solve: 2x=8"), enc(tok, "a")]
+    ref = rollout.generate(model, tok, prompts, max_new_tokens=24, temperature=0, eos_ids=[])
+    r0 = ref.ids[0]
+    # Pick a token whose first occurrence is well inside the reference, so stopping is visible.
+    k = next(k for k in range(3, 20) if r0[k] not in r0[:k])
+
+    got = rollout.generate(model, tok, prompts, max_new_tokens=24, temperature=0, eos_ids=[r0[k]])
+    assert got.ids[0] == r0[:k + 1] and got.finish[0] == "eos" and got.lengths[0] == k + 1
+    j = next((j for j, x in enumerate(ref.ids[1]) if x == r0[k]), None)  # the other row stops on its own
+    assert got.ids[1] == ref.ids[1][:24 if j is None else j + 1]
+    assert got.finish[1] == ("length" if j is None else "eos")
+
+    got = rollout.generate(model, tok, prompts, max_new_tokens=24, temperature=0, eos_ids=[], stop=[r0[k]])
+    assert got.ids[0] == r0[:k + 1] and got.finish[0] == "stop"
+
+    text = tok.decode(r0, skip_special_tokens=True)
+    s = text[k - 1:k + 1]  # a two-character stop string that may span two tokens
+    got = rollout.generate(model, tok, prompts, max_new_tokens=24, temperature=0, eos_ids=[], stop=("\x00", s))
+    for i in range(2):
+        j = next((j for j in range(24) if s in tok.decode(ref.ids[i][:j + 1], skip_special_tokens=True)), None)
+        assert got.ids[i] == ref.ids[i][:24 if j is None else j + 1]
+        assert got.finish[i] == ("length" if j is None else "stop")
+        assert got.lengths[i] == len(got.ids[i])
+        assert got.texts[i] == tok.decode(got.ids[i], skip_special_tokens=True)
+    assert got.finish[0] == "stop" and got.texts[0].endswith(s) and got.lengths[0] < 24
+
+
+def test_same_seed_same_samples_and_tiny_top_p_is_greedy(model, tok):
+    prompts = [enc(tok, "roll"), enc(tok, "the dice, please")]
+    kw = dict(n=2, max_new_tokens=10, temperature=1.0, eos_ids=[])
+    a = rollout.generate(model, tok, prompts, seed=123, **kw)
+    b = rollout.generate(model, tok, prompts, seed=123, **kw)
+    c = rollout.generate(model, tok, prompts, seed=124, **kw)
+    assert a.ids == b.ids and a.texts == b.texts
+    assert a.ids != c.ids
+    greedy = rollout.generate(model, tok, prompts, n=2, max_new_tokens=10, temperature=0, eos_ids=[])
+    nucleus = rollout.generate(model, tok, prompts, top_p=1e-6, seed=5, **kw)
+    assert nucleus.ids == greedy.ids
+
+
+def test_n_samples_prefill_once_per_chunk(model, tok):
+    calls = []
+    hook = model.register_forward_pre_hook(
+        lambda mod, args, kwargs: calls.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    prompts = [enc(tok, "abc"), enc(tok, "hello there"), enc(tok, "9-4")]
+    try:
+        greedy1 = rollout.generate(model, tok, prompts, n=1, max_new_tokens=6, temperature=0, eos_ids=[])
+        calls.clear()
+        greedy3 = rollout.generate(model, tok, prompts, n=3, max_new_tokens=6, temperature=0, eos_ids=[])
+        # prefill [3 prompts, 11 tokens] once, then 5 decode steps over 9 rows of one token
+        assert calls == [(3, 11)] + [(9, 1)] * 5
+        calls.clear()
+        sampled = rollout.generate(model, tok, prompts, n=3, max_new_tokens=6, temperature=1.0,
+                                   eos_ids=[], seed=0, batch_size=2)
+        assert calls == [(2, 11)] + [(6, 1)] * 5 + [(1, 3)] + [(3, 1)] * 5
+    finally:
+        hook.remove()
+    assert greedy3.ids == [ids for ids in greedy1.ids for _ in range(3)]
+    assert greedy3.prompt_index == sampled.prompt_index == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    # After the repeat the n rows sample independently.
+    assert len({tuple(x) for x in sampled.ids[:3]}) > 1
+
+
+def test_finished_rows_stop_the_loop(model, tok):
+    calls = []
+    hook = model.register_forward_pre_hook(lambda *a, **k: calls.append(1))
+    try:
+        ref = rollout.generate(model, tok, [enc(tok, "q")], max_new_tokens=8, temperature=0, eos_ids=[])
+        calls.clear()
+        got = rollout.generate(model, tok, [enc(tok, "q")], n=2, max_new_tokens=50, temperature=0,
+                               eos_ids=[ref.ids[0][0]])
+    finally:
+        hook.remove()
+    assert got.ids == [ref.ids[0][:1]] * 2 and got.finish == ["eos", "eos"]
+    assert len(calls) == 1  # prefill only: both rows finished on the first token
+
+
+def test_ids_beyond_the_tokenizer_are_never_sampled(tok):
+    model = tiny.model(seed=1)
+    with torch.no_grad():
+        model.lm_head.weight[:len(tok)] = 0
+        model.lm_head.weight[len(tok):] *= 30  # these logits would dominate without the mask
+        assert int(model(input_ids=torch.tensor([[5, 6]])).logits[0, -1].argmax()) >= len(tok)
+    out = rollout.generate(model, tok, [enc(tok, "ab")], n=4, max_new_tokens=5, seed=0, eos_ids=[])
+    assert all(0 <= i < len(tok) for ids in out.ids for i in ids)
+
+
+def test_real_vocabulary_is_masked():
+    import transformers
+    tok = tiny.real_tokenizer()
+    if tok is None:
+        pytest.skip("shared fixture r1_distill_qwen_7b not present")
+    assert len(tok) < 152064
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=152064, hidden_size=16, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, intermediate_size=32)
+    model = transformers.Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight[:len(tok)] = 0
+        model.lm_head.weight[len(tok):].normal_(0, 10)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "1+1?"}], add_generation_prompt=True,
+                                     tokenize=True, return_dict=False)
+    out = rollout.generate(model, tok, [prompt], n=3, max_new_tokens=3, seed=0)
+    assert all(i < len(tok) for ids in out.ids for i in ids)
+    assert rollout.default_eos_ids(model, tok) == [151643]
+
+
+def test_bad_arguments_raise(model, tok):
+    with pytest.raises(ValueError, match="empty prompt"):
+        rollout.generate(model, tok, [[]])
+    with pytest.raises(ValueError, match="n >= 1"):
+        rollout.generate(model, tok, [[5]], n=0)
+    assert rollout.generate(model, tok, []).ids == []
