@@ -1,0 +1,34 @@
+"""Run by test_parallel.py: one policy update on a fixed batch, in 1 process or under torchrun.
+
+Each rank takes every WORLD-th sequence; with FSDP2 the update must equal the one-process update
+on the whole batch (the loss is a token-mean over all ranks' tokens).
+"""
+import sys
+
+import torch
+
+import tiny
+import train
+from grpo import pack
+from parallel import MASTER, RANK, WORLD, full_state, setup, teardown, wrap
+
+device = setup()
+model = tiny.model(vocab_size=64, hidden=32, layers=2, seed=0).train()
+policy, _ = wrap(model, device)
+opt = torch.optim.SGD(policy.parameters(), lr=0.5)
+sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+g = torch.Generator().manual_seed(0)
+prompts = [torch.randint(4, 60, (n,), generator=g).tolist() for n in (3, 5, 4, 2)]
+responses = [torch.randint(4, 60, (n,), generator=g).tolist() for n in (6, 2, 7, 3)]
+adv = torch.tensor([1.0, -0.5, 0.3, -1.2])
+mine = list(range(RANK, 4, WORLD))
+batch = pack([prompts[i] for i in mine], [responses[i] for i in mine], pad_id=0)
+old = torch.full(batch["loss_mask"].shape, -4.0)
+cfg = dict(agg="token-mean", temperature=0.8, chunk_size=4, clip_low=0.2, clip_high=0.2, grad_clip=1e9)
+mbs = [[j] for j in range(len(mine))]  # one sequence per micro-batch: accumulation is exercised
+stats = train.update(policy, opt, sched, batch, old, adv[mine], mbs, cfg, device)
+state, _ = full_state(policy, opt)
+if MASTER:
+    torch.save({k: v.detach().cpu() for k, v in state.items()}, sys.argv[1])
+    print("loss", stats["loss"])
+teardown()

@@ -1,0 +1,148 @@
+"""The RL loop end to end on the toy world: run directory, resume, errors, the grpo switch."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURE_7B = os.path.join(ROOT, "..", "shared", "fixtures", "r1_distill_qwen_7b")
+SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "40", "--eval-n", "8",
+         "--eval-every", "0", "--gen-batch", "64"]
+STEP_FIELDS = {"step", "accuracy", "reward", "margin", "signal_frac", "probe_bce", "probe_ece",
+               "zero_var_frac", "len_mean", "len_max", "trunc_frac", "clip_frac", "kl", "grad_norm",
+               "lr", "t_rollout", "t_label", "t_score", "t_probe", "t_update", "tok_per_s", "peak_mem"}
+
+
+def rows(run):
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def stable(row):
+    return {k: v for k, v in row.items() if not k.startswith(train.VOLATILE)}
+
+
+def test_two_steps_write_a_complete_run(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import probe as probe_lib
+    run = str(tmp_path / "run")
+    train.main(["--steps", "2", "--out", run, "--save-every", "1", *SMALL])
+    cfg = json.load(open(os.path.join(run, "config.json")))
+    assert cfg["steps"] == 2 and cfg["reward"] == "rlcm" and cfg["lam"] == 0.1
+    logged = rows(run)
+    steps = [r for r in logged if not r.get("eval")]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert STEP_FIELDS <= set(r), STEP_FIELDS - set(r)
+        assert 0 <= r["accuracy"] <= 1 and 0 <= r["signal_frac"] <= 1
+    assert [r["step"] for r in logged if r.get("eval")] == [0, 2]
+    ckpts = sorted(os.listdir(os.path.join(run, "checkpoints")))
+    assert ckpts == ["step_000001", "step_000002"]
+    last = os.path.join(run, "checkpoints", "step_000002")
+    model = AutoModelForCausalLM.from_pretrained(last)
+    assert AutoTokenizer.from_pretrained(last).eos_token_id is not None
+    probe, opt_state = probe_lib.load(os.path.join(last, "probe.pt"))
+    assert probe(torch.zeros(1, model.config.hidden_size)).shape[0] == 1 and opt_state is not None
+
+
+def test_grpo_reward_runs_no_forced_answers(tmp_path, monkeypatch):
+    def forbidden(*a, **k):
+        raise AssertionError("--reward grpo must not generate forced answers")
+    monkeypatch.setattr(train, "mc_labels", forbidden)
+    run = str(tmp_path / "run")
+    train.main(["--steps", "1", "--out", run, "--reward", "grpo", *SMALL])
+    (row,) = [r for r in rows(run) if not r.get("eval")]
+    assert row["reward"] == pytest.approx(2 * row["accuracy"] - 1)  # signed correctness, nothing else
+    assert row["t_label"] == 0.0 if "t_label" in row else True
+    assert "probe_bce" not in row
+
+
+def test_resume_is_exact_after_a_kill(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0"}
+    args = [sys.executable, os.path.join(ROOT, "train.py"), "--steps", "6", "--save-every", "1", *SMALL]
+    full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
+    subprocess.run(args + ["--out", full], check=True, env=env, cwd=ROOT, capture_output=True)
+    proc = subprocess.Popen(args + ["--out", cut], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    third = os.path.join(cut, "checkpoints", "step_000003")
+    deadline = time.time() + 300
+    while not os.path.isdir(third) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert os.path.isdir(third), "the run should have reached step 3 before the kill"
+    subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--resume", cut], check=True,
+                   env=env, cwd=ROOT, capture_output=True)
+    a = [stable(r) for r in rows(full) if not r.get("eval") and r["step"] >= 4]
+    b = [stable(r) for r in rows(cut) if not r.get("eval") and r["step"] >= 4]
+    assert [r["step"] for r in a] == [4, 5, 6] and a == b
+    from safetensors.torch import load_file
+    wa = load_file(os.path.join(full, "checkpoints", "step_000006", "model.safetensors"))
+    wb = load_file(os.path.join(cut, "checkpoints", "step_000006", "model.safetensors"))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_nan_loss_stops_and_keeps_the_last_checkpoint(tmp_path, monkeypatch, capsys):
+    run = str(tmp_path / "run")
+    train.main(["--steps", "1", "--out", run, "--save-every", "1", *SMALL])
+    good = os.path.join(run, "checkpoints", "step_000001")
+    before = open(os.path.join(good, "model.safetensors"), "rb").read()
+    real = train.policy_loss
+    monkeypatch.setattr(train, "policy_loss", lambda *a, **k: (real(*a, **k)[0] * float("nan"), real(*a, **k)[1]))
+    with pytest.raises(SystemExit) as e:
+        train.main(["--resume", run, "--steps", "3"])
+    assert e.value.code != 0 and "non-finite loss" in capsys.readouterr().err
+    assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["step_000001"]
+    assert open(os.path.join(good, "model.safetensors"), "rb").read() == before
+
+
+def write_jsonl(path, items):
+    with open(path, "w") as f:
+        f.writelines(json.dumps(x) + "\n" for x in items)
+    return str(path)
+
+
+@pytest.mark.parametrize("case", ["bad-model", "no-weights", "no-answer-field", "empty-data", "no-resume"])
+def test_user_errors_end_in_one_line(tmp_path, capsys, case):
+    argv = {
+        "bad-model": ["--model", "no-such-org/no-such-model-xyz"],
+        "no-weights": ["--model", FIXTURE_7B, "--data", write_jsonl(tmp_path / "d.jsonl", [{"problem": "1+1", "answer": "2"}])],
+        "no-answer-field": ["--data", write_jsonl(tmp_path / "d.jsonl", [{"problem": "1+1", "result": "2"}])],
+        "empty-data": ["--data", write_jsonl(tmp_path / "d.jsonl", [])],
+        "no-resume": ["--resume", str(tmp_path / "nowhere")],
+    }[case]
+    with pytest.raises(SystemExit) as e:
+        train.main(argv + ["--out", str(tmp_path / "run"), "--steps", "1", "--eval-data", "toy"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code != 0
+    assert len(err.splitlines()) == 1 and err.startswith("error:") and "Traceback" not in err, err
+
+
+def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
+    import toy
+    from transformers import AutoModelForCausalLM
+    from grpo import pack, policy_loss, token_logprobs
+    path = toy.base_model()
+    ids = [[1, 5, 6, 7], [1, 8, 9]]
+    batch = pack(ids, [[10, 11, 12], [13, 14]], pad_id=0)
+    adv = torch.tensor([1.0, -1.0])
+    grads, losses = [], []
+    for ckpt in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(path)
+        if ckpt:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        logp = token_logprobs(model, batch["input_ids"], batch["attention_mask"], 0.8, 4)
+        loss, _ = policy_loss(logp, logp.detach(), adv, batch["loss_mask"])
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert losses[0] == pytest.approx(losses[1], abs=1e-7)
+    assert grads[0].abs().sum() > 0 and torch.allclose(grads[0], grads[1], atol=1e-7)
