@@ -1,0 +1,118 @@
+import math
+
+import pytest
+
+import uses
+
+
+def test_cluster_answers_first_appearance_and_custom_equality():
+    assert uses.cluster_answers(["2", None, "2", "3"]) == [0, None, 0, 1]
+    same = lambda a, b: float(a) == float(b)
+    assert uses.cluster_answers(["2", "2.0", "3", "03"], same) == [0, 0, 1, 1]
+
+
+def test_vote_majority_weighted_and_ties():
+    assert uses.vote([1, 0, 0]) == 0
+    assert uses.vote([1, 0, 0], [0.9, 0.3, 0.4]) == 1          # 0.9 > 0.3 + 0.4
+    assert uses.vote([1, 0]) == 1 and uses.vote([0, 1]) == 0   # tie: first to appear wins
+    assert uses.vote([1, 0], [0.5, 0.5]) == 1
+    assert uses.vote([None, 2, None]) == 2
+    assert uses.vote([None, None]) is None
+
+
+def test_vote_sizes():
+    assert uses.vote_sizes(1) == [1]
+    assert uses.vote_sizes(4) == [1, 2, 4]
+    assert uses.vote_sizes(6) == [1, 2, 4, 6]
+    assert uses.vote_sizes(32) == [1, 2, 4, 8, 16, 32]
+
+
+def _minority_set(n_questions=10):
+    """Each question: three confident-looking-but-low wrong answers (key 0) and one right (key 1)."""
+    return [{"keys": [0, 0, 0, 1], "correct": [0, 0, 0, 1], "conf": [0.2, 0.2, 0.2, 0.9]}
+            for _ in range(n_questions)]
+
+
+def test_weighted_voting_beats_majority_when_the_confident_minority_is_right():
+    curves = uses.voting_curves(_minority_set(), draws=8)
+    assert curves["k"] == [1, 2, 4]
+    assert curves["majority"][-1] == 0.0          # 3 votes for the wrong answer
+    assert curves["weighted"][-1] == 1.0          # 0.9 > 3 * 0.2
+    assert all(w >= m for w, m in zip(curves["weighted"], curves["majority"]))
+    assert curves["weighted"][0] == curves["majority"][0]   # one vote: nothing to weigh
+
+
+def test_equal_confidences_make_weighted_voting_equal_majority():
+    qs = [{"keys": [0, 1, 1, None, 2, 0], "correct": [0, 1, 1, 0, 0, 0], "conf": [0.7] * 6},
+          {"keys": [0, 0, 1, 1, 2, 2], "correct": [1, 1, 0, 0, 0, 0], "conf": [0.3] * 6}]
+    curves = uses.voting_curves(qs, draws=16, seed=3)
+    assert curves["k"] == [1, 2, 4, 6]
+    assert curves["weighted"] == curves["majority"]
+    # all six votes: q0 -> key 1 (two votes vs one each... key 0 has 2, key 1 has 2: key 0 first) -> wrong;
+    # q1 -> three-way tie, key 0 appears first -> right.
+    assert curves["majority"][-1] == 0.5
+
+
+# Calibration traces for early exit: one checkpoint each (10 tokens, confidence c, forced answer right y),
+# full length 100. Exiting at a wrong checkpoint costs 1.
+CONFS = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
+RIGHT = [0, 0, 0, 1, 0, 1, 1, 1, 1]
+CAL = [{"checkpoints": [(10, c, y)], "length": 100} for c, y in zip(CONFS, RIGHT)]
+
+
+def test_exit_outcome_first_crossing():
+    tr = {"checkpoints": [(10, 0.2, 0), (20, 0.8, 1), (30, 0.9, 0)], "length": 50}
+    assert uses.exit_outcome(tr, 0.5) == (0.0, 20.0)
+    assert uses.exit_outcome(tr, 0.85) == (1.0, 30.0)
+    assert uses.exit_outcome(tr, 0.1) == (1.0, 10.0)
+    assert uses.exit_outcome(tr, math.inf) == (0.0, 50.0)
+
+
+def test_crc_threshold_on_a_hand_computed_set():
+    # n = 9: bound(lam) = (wrong exits + 1) / 10. Wrong exits: lam >= 0.6 -> 0, 0.4..0.5 -> 1, 0.3 -> 2, 0.2 -> 3.
+    assert uses.crc_bound(CAL, math.inf) == pytest.approx(0.1)
+    assert uses.crc_bound(CAL, 0.5) == pytest.approx(0.2)
+    assert uses.crc_bound(CAL, 0.2) == pytest.approx(0.4)
+    assert uses.crc_threshold(CAL, 0.3) == 0.3
+    assert uses.crc_threshold(CAL, 0.2) == 0.4
+    assert uses.crc_threshold(CAL, 0.1) == 0.6
+    assert uses.crc_threshold(CAL, 0.05) is None       # 1 / (n + 1) > epsilon: nothing is safe
+    for eps in (0.1, 0.2, 0.3, 0.5):
+        lam = uses.crc_threshold(CAL, eps)
+        assert uses.crc_bound(CAL, lam) <= eps
+        lower = [c for c in CONFS if c < lam]
+        assert not lower or uses.crc_bound(CAL, max(lower)) > eps     # the smallest such threshold
+
+
+def test_crc_threshold_requires_every_larger_candidate_to_satisfy_the_bound():
+    # Trace A is right if it exits at its first checkpoint (0.3) and wrong at its second (0.5), so the
+    # empirical risk is not monotone: bound(0.3) = 1/4 <= 0.4 but bound(0.5) = 2/4 > 0.4.
+    cal = [{"checkpoints": [(5, 0.3, 1), (8, 0.5, 0)], "length": 9},
+           {"checkpoints": [(5, 0.1, 0)], "length": 9}, {"checkpoints": [(5, 0.1, 0)], "length": 9}]
+    assert uses.crc_bound(cal, 0.3) == pytest.approx(0.25)
+    assert uses.crc_bound(cal, 0.5) == pytest.approx(0.5)
+    assert uses.crc_threshold(cal, 0.4) == math.inf
+    assert uses.crc_threshold(cal, 0.5) == 0.3
+
+
+def test_early_exit_reports_tokens_saved_and_test_risk():
+    test = [{"checkpoints": [(10, 0.95, 1), (20, 0.99, 1)], "length": 100},
+            {"checkpoints": [(10, 0.2, 0)], "length": 100}]
+    rows = uses.early_exit(CAL, test, epsilons=(0.1, 0.05))
+    r = rows[0]
+    assert r["threshold"] == 0.6 and r["cal_bound"] == pytest.approx(0.1)
+    assert r["test_risk"] == 0.0 and r["exit_rate"] == 0.5
+    assert r["tokens_saved"] == pytest.approx(1 - (10 + 100) / 200)
+    assert rows[1]["threshold"] is None and rows[1]["tokens_saved"] == 0.0
+
+
+def test_from_samples_groups_by_question():
+    rows = [dict(question=q, sample=s, answer=a, correct=c, confidence=p, length=40,
+                 checkpoints=[[8, p, c]])
+            for q in range(6)
+            for s, (a, c, p) in enumerate([("5", 0, 0.3), ("5", 0, 0.3), ("7", 1, 0.9)])]
+    out = uses.from_samples(rows)
+    assert out["voting"]["k"] == [1, 2, 3]
+    assert out["voting"]["majority"][-1] == 0.0 and out["voting"]["weighted"][-1] == 1.0
+    assert [e["epsilon"] for e in out["early_exit"]] == [0.1, 0.2, 0.3]
+    assert "early_exit" not in uses.from_samples([{k: v for k, v in r.items() if k != "checkpoints"} for r in rows])

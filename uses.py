@@ -1,0 +1,191 @@
+"""Two uses of a calibrated confidence: weighted voting over samples, and early exit from a trace.
+
+Voting. Each question has n sampled answers, each with a confidence c_i. Answers are grouped into
+clusters of equal answers (`cluster_answers`); the vote picks
+
+    majority:  argmax_a  sum_i 1[answer_i = a]
+    weighted:  argmax_a  sum_i 1[answer_i = a] * c_i
+
+Samples without an answer abstain. Ties go to the cluster that appears first among the voters, so the
+result is deterministic. `voting_curves` reports accuracy as the number of votes k grows (1, 2, 4, ..., n),
+averaged over random size-k subsets of each question's samples.
+
+Early exit (conformal risk control, Angelopoulos et al. 2022, "Conformal Risk Control"). A trace has
+checkpoints j = 1..J along its thinking (every `every` tokens), each with the probe confidence c_j, the
+number of tokens t_j generated so far and y_j = 1 if an answer forced there is right. With threshold
+lam the trace exits at the first j with c_j >= lam. The loss is a wrong answer at exit:
+
+    loss(lam) = 1 - y_j  at the exit checkpoint j,   0 if the trace never exits (it runs to its end)
+
+so lam = inf (never exit) has zero risk and larger thresholds exit less. On a calibration split of n
+traces the threshold is the smallest lam whose bound, and that of every larger candidate, satisfies
+
+    (n * mean_i loss_i(lam) + 1) / (n + 1) <= epsilon
+
+(the CRC bound for losses in [0, 1]; requiring it for every larger lam makes the choice safe even where
+the empirical risk is not monotone in lam). The test split reports its risk and the tokens saved.
+"""
+import math
+import random
+
+import numpy as np
+
+
+def cluster_answers(answers, same=None):
+    """Cluster ids for one question's answers: equal answers share an id, None stays None.
+
+    answers: list of str or None; same(a, b) -> bool decides equality of two distinct strings
+    (e.g. data.answers_match), compared against each cluster's first answer. Ids count from 0 in
+    order of first appearance: cluster_answers(["2", None, "2", "3"]) == [0, None, 0, 1].
+    """
+    reps, ids = [], []
+    for a in answers:
+        if a is None:
+            ids.append(None)
+            continue
+        for c, r in enumerate(reps):
+            if a == r or (same is not None and same(a, r)):
+                ids.append(c)
+                break
+        else:
+            reps.append(a)
+            ids.append(len(reps) - 1)
+    return ids
+
+
+def vote(keys, confs=None):
+    """Winning key of one vote: keys [k] (None abstains), confs [k] or None for a plain majority.
+
+    Returns the key with the largest total weight (count, or sum of confidences), ties broken by the
+    first appearance in `keys`; None when every voter abstains.
+    vote([1, 0, 0]) == 0; vote([1, 0, 0], [0.9, 0.3, 0.4]) == 1; vote([1, 0]) == 1.
+    """
+    score, first = {}, {}
+    for i, k in enumerate(keys):
+        if k is None:
+            continue
+        score[k] = score.get(k, 0.0) + (1.0 if confs is None else float(confs[i]))
+        first.setdefault(k, i)
+    if not score:
+        return None
+    return min(score, key=lambda k: (-score[k], first[k]))
+
+
+def vote_sizes(n):
+    """Vote sizes 1, 2, 4, ... below n, then n: vote_sizes(6) == [1, 2, 4, 6]."""
+    ks = [1 << i for i in range(max(n, 1).bit_length()) if (1 << i) < n]
+    return ks + [n] if n >= 1 else []
+
+
+def voting_curves(questions, draws=16, seed=0):
+    """Accuracy of majority and confidence-weighted voting versus the number of votes k.
+
+    questions: list of dicts with equal-length lists "keys" (cluster ids, None = no answer),
+    "correct" (0/1 per sample) and "conf" (per sample); a cluster's correctness is that of its first
+    sample. For each k in vote_sizes(min n), accuracy is averaged over `draws` random size-k subsets per
+    question (one subset, all samples, when k = n). Returns {"k": [...], "majority": [...], "weighted": [...]}.
+    """
+    if not questions:
+        return {"k": [], "majority": [], "weighted": []}
+    n = min(len(q["keys"]) for q in questions)
+    rng = random.Random(seed)
+    out = {"k": [], "majority": [], "weighted": []}
+    for k in vote_sizes(n):
+        hits = {"majority": 0.0, "weighted": 0.0}
+        reps = 1 if k == n else draws
+        for q in questions:
+            right = {}
+            for key, c in zip(q["keys"], q["correct"]):
+                right.setdefault(key, bool(c))
+            for _ in range(reps):
+                pick = sorted(rng.sample(range(n), k)) if k < n else range(n)
+                keys = [q["keys"][i] for i in pick]
+                for name, confs in (("majority", None), ("weighted", [q["conf"][i] for i in pick])):
+                    won = vote(keys, confs)
+                    hits[name] += (won is not None and right[won]) / reps
+        out["k"].append(k)
+        for name in hits:
+            out[name].append(hits[name] / len(questions))
+    return out
+
+
+def exit_outcome(trace, lam):
+    """(loss, tokens) of one trace at threshold lam.
+
+    trace: {"checkpoints": [(t_j, c_j, y_j), ...] in increasing t, "length": tokens of the full trace}.
+    Exits at the first c_j >= lam with loss 1 - y_j and t_j tokens; else loss 0 and the full length.
+    """
+    for t, c, y in trace["checkpoints"]:
+        if c >= lam:
+            return 1.0 - float(y), float(t)
+    return 0.0, float(trace["length"])
+
+
+def crc_bound(traces, lam):
+    """(n * mean loss(lam) + 1) / (n + 1) over n traces: the conformal upper bound on the risk."""
+    n = len(traces)
+    return (sum(exit_outcome(tr, lam)[0] for tr in traces) + 1.0) / (n + 1)
+
+
+def crc_threshold(traces, epsilon):
+    """Smallest threshold lam with crc_bound(traces, lam') <= epsilon for lam and every larger candidate.
+
+    Candidates are the checkpoint confidences seen in `traces` plus inf (never exit). Returns inf when
+    only never-exiting is safe, None when even that bound exceeds epsilon (1 / (n + 1) > epsilon).
+    """
+    cands = sorted({c for tr in traces for _, c, _ in tr["checkpoints"]} | {math.inf}, reverse=True)
+    best = None
+    for lam in cands:
+        if crc_bound(traces, lam) > epsilon:
+            break
+        best = lam
+    return best
+
+
+def early_exit(cal, test, epsilons=(0.1, 0.2, 0.3)):
+    """For each epsilon: the CRC threshold on `cal` and what it does on `test`.
+
+    Returns a list of dicts {epsilon, threshold (None: infeasible, inf: never exit), cal_bound,
+    test_risk = mean loss, exit_rate, tokens_saved = 1 - sum(tokens used) / sum(full lengths)}.
+    """
+    full = sum(float(tr["length"]) for tr in test) or 1.0
+    rows = []
+    for eps in epsilons:
+        lam = crc_threshold(cal, eps)
+        use = math.inf if lam is None else lam
+        outs = [exit_outcome(tr, use) for tr in test]
+        exits = [tr for tr in test if any(c >= use for _, c, _ in tr["checkpoints"])]
+        rows.append({
+            "epsilon": eps, "threshold": lam,
+            "cal_bound": crc_bound(cal, use) if cal else math.nan,
+            "test_risk": float(np.mean([o[0] for o in outs])) if outs else math.nan,
+            "exit_rate": len(exits) / len(test) if test else math.nan,
+            "tokens_saved": 1.0 - sum(o[1] for o in outs) / full,
+        })
+    return rows
+
+
+def from_samples(rows, same=None, draws=16, seed=0, epsilons=(0.1, 0.2, 0.3)):
+    """Voting curves and (when every row has probe "checkpoints") early exit from samples.jsonl rows.
+
+    rows: dicts with question, sample, answer, correct, confidence, length[, checkpoints]. Early exit
+    splits the questions in half (seeded): the first half calibrates, the second is the test.
+    """
+    by_q = {}
+    for r in rows:
+        by_q.setdefault(r["question"], []).append(r)
+    questions = []
+    for q in sorted(by_q):
+        rs = sorted(by_q[q], key=lambda r: r["sample"])
+        questions.append({"keys": cluster_answers([r["answer"] for r in rs], same),
+                          "correct": [r["correct"] for r in rs], "conf": [r["confidence"] for r in rs]})
+    out = {"voting": voting_curves(questions, draws, seed)}
+    if rows and all("checkpoints" in r for r in rows):
+        qids = sorted(by_q)
+        random.Random(seed).shuffle(qids)
+        cal = set(qids[:len(qids) // 2])
+        split = {True: [], False: []}
+        for r in rows:
+            split[r["question"] in cal].append({"checkpoints": r["checkpoints"], "length": r["length"]})
+        out["early_exit"] = early_exit(split[True], split[False], epsilons)
+    return out
