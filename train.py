@@ -151,8 +151,17 @@ def load_policy(name, cfg, device):
         tok.pad_token = tok.eos_token
     model.config.use_cache = False
     if cfg["grad_ckpt"]:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        checkpoint_activations(model)
     return model.to(device), tok
+
+
+def checkpoint_activations(model):
+    """Recompute each decoder layer in the backward pass (non-reentrant, works under FSDP2)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 class Timer:

@@ -137,7 +137,7 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
     for ckpt in (False, True):
         model = AutoModelForCausalLM.from_pretrained(path)
         if ckpt:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            train.checkpoint_activations(model)
         model.train()
         logp = token_logprobs(model, batch["input_ids"], batch["attention_mask"], 0.8, 4)
         loss, _ = policy_loss(logp, logp.detach(), adv, batch["loss_mask"])
