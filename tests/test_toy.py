@@ -1,0 +1,188 @@
+"""The toy world: tokenizer mechanics, task, committed base policy, and forced-answer labels that
+carry signal, all through the same rollout / data / label code as the real model. CPU, offline."""
+import collections
+import os
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import data
+import label
+import rollout
+import toy
+
+TEXTS = ["3+5=8\n8+7=15\n15+2=17\n</think>\\boxed{17}", toy.SUFFIX, "<think>\n9+9=18\n</think>",
+         "  two  spaces, tab\tand é∑ unicode\n\n"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return toy.tokenizer()
+
+
+def enc(tok, text):
+    return tok.encode(text, add_special_tokens=False)
+
+
+def test_tokenizer_round_trips_and_forced_suffix_is_two_tokens(tok):
+    for text in TEXTS:
+        assert tok.decode(enc(tok, text)) == text
+    assert len(enc(tok, "3+5=8\n")) == 6  # one token per character
+    suffix = enc(tok, toy.SUFFIX)
+    assert len(suffix) == 2 and tok.decode(suffix) == toy.SUFFIX == label.SUFFIX
+    think, close, boxed = (enc(tok, t) for t in ("<think>", "</think>", "\\boxed{"))
+    assert len(think) == len(close) == len(boxed) == 1
+    # </think> is not special (kept when skipping specials, like R1); EOS is.
+    ids = enc(tok, "1</think>2") + [tok.eos_token_id]
+    assert tok.decode(ids, skip_special_tokens=True) == "1</think>2"
+    assert tok.decode(ids) == "1</think>2<|eos|>"
+    assert enc(tok, "7") == tok("7")["input_ids"]  # encode adds no BOS (R1 under transformers 5)
+
+
+def test_chat_prompt_has_one_bos_and_ends_inside_the_thinking(tok):
+    ids = data.chat_prompt(tok, "3+5+7", toy.INSTRUCTION)
+    assert ids.count(tok.bos_token_id) == 1 and ids[0] == tok.bos_token_id
+    assert tok.decode(ids) == "<|bos|><|user|>3+5+7<|assistant|><think>\n"
+
+
+def test_forced_prompt_layout(tok):
+    prompt = data.chat_prompt(tok, "3+5+7", toy.INSTRUCTION)
+    response = enc(tok, "3+5=8\n8+7=15\n</think>\\boxed{15}") + [tok.eos_token_id]
+    head = "<|bos|><|user|>3+5+7<|assistant|><think>\n"
+    think = label.forced_prompt(prompt, response, 6, tok)
+    assert tok.decode(think) == head + "3+5=8\n</think>" + toy.SUFFIX
+    assert tok.decode(label.forced_prompt(prompt, response, 8, tok, close="eos")) == \
+        head + "3+5=8\n8+<|eos|>" + toy.SUFFIX
+
+
+def test_warm_start_examples_use_the_inference_layout(tok):
+    # Training sequences must look exactly like rollouts and label.forced_prompt's prompts.
+    rng = random.Random(1)
+    prompt = data.chat_prompt(tok, "3+5+7+2", toy.INSTRUCTION)
+    ids, mask = toy.example(tok, "3+5+7+2", rng, forced=False)
+    assert ids[:len(prompt)] == prompt and ids[-1] == tok.eos_token_id
+    assert mask == [0] * len(prompt) + [1] * (len(ids) - len(prompt))
+    for _ in range(20):
+        ids, mask = toy.example(tok, "3+5+7+2", rng, forced=True)
+        answer = tok.decode(ids).rsplit("\\boxed{", 1)[1]
+        assert answer.endswith("}\n") and 0 <= int(answer[:-2]) <= 30
+        heads = [label.forced_prompt(prompt, r, b, tok, close) for close in ("think", "eos")
+                 for r in [ids[len(prompt):]] for b in range(1, len(r))]
+        assert any(ids[:len(h)] == h and len(ids) - len(h) == len(answer) for h in heads)
+        assert mask[-len(answer):] == [toy.WARM["w_forced"]] * len(answer)
+
+
+def test_saved_tokenizer_is_the_same_after_autotokenizer(tok, tmp_path):
+    # AutoTokenizer rebuilds any qwen2 checkpoint's tokenizer as Qwen2Tokenizer (byte-level
+    # pre-tokenizer): a plain character vocabulary would silently lose "\n" on reload.
+    toy.build_model(tok).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    for text in TEXTS:
+        assert enc(loaded, text) == enc(tok, text) and loaded.decode(enc(loaded, text)) == text
+    assert data.chat_prompt(loaded, "4+4+4") == data.chat_prompt(tok, "4+4+4")
+    assert (loaded.bos_token_id, loaded.eos_token_id, loaded.pad_token_id) == (1, 2, 0)
+
+
+def test_dataset_is_deterministic_disjoint_and_graded_right():
+    train, test = toy.dataset("train"), toy.dataset("test")
+    assert test == toy.dataset("test") and len(test) == toy.N_TEST and len(train) == toy.N_TRAIN
+    assert not {r["problem"] for r in train} & {r["problem"] for r in test}
+    for row in train[:500] + test:
+        terms = [int(t) for t in row["problem"].split("+")]
+        assert 3 <= len(terms) <= 5 and all(1 <= t <= 9 for t in terms)
+        assert row["answer"] == str(sum(terms))
+    assert {len(r["problem"].split("+")) for r in test} == {3, 4, 5}
+    with pytest.raises(ValueError):
+        toy.dataset("validation")
+
+
+def test_trace_and_implied_answers():
+    rng = random.Random(0)
+    lines, totals = toy.trace([3, 5, 7, 2], rng)
+    assert "".join(lines) == "3+5=8\n8+7=15\n15+2=17\n" and totals == [3, 8, 15, 17]
+    # 8+7 carries and (7*8+7) % 3 == 0: the misconception pair, always taken at p_carry=1.
+    assert toy.forgets_carry(8, 7) and not toy.forgets_carry(3, 5)
+    lines, totals = toy.trace([3, 5, 7, 2], rng, p_carry=1.0)
+    assert "".join(lines) == "3+5=8\n8+7=5\n5+2=7\n"
+    wrong = [3, 8, 14, 16]
+    lines = ["3+5=8\n", "8+7=14\n", "14+2=16\n"]
+    implied = [toy.implied_answer([3, 5, 7, 2], lines, wrong, b) for b in (1, 5, 6, 12, 13, 20, 21, 40)]
+    assert implied == [17, 17, 17, 17, 16, 16, 16, 16]
+
+
+def test_base_model_builds_atomically_once(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_warm_start(out, log=print):
+        calls.append(out)
+        open(os.path.join(out, "model.safetensors"), "w").close()
+
+    monkeypatch.setattr(toy, "warm_start", fake_warm_start)
+    path = str(tmp_path / "base")
+    assert toy.base_model(path) == path and os.path.exists(os.path.join(path, "model.safetensors"))
+    toy.base_model(path)
+    assert len(calls) == 1  # present: not rebuilt
+    toy.base_model(path, rebuild=True)
+    assert len(calls) == 2 and sorted(os.listdir(tmp_path)) == ["base"]  # no temp dir left
+
+
+@pytest.fixture(scope="module")
+def base():
+    path = toy.base_model()
+    assert path == toy.BASE_DIR, "the committed toy_base/ is missing: run `python toy.py`"
+    model = AutoModelForCausalLM.from_pretrained(path)
+    return model.eval(), AutoTokenizer.from_pretrained(path)
+
+
+def test_committed_base_model_loads(base, tok):
+    model, loaded = base
+    assert model.config.model_type == "qwen2" and model.dtype == torch.float32
+    assert 0.7e6 < sum(p.numel() for p in model.parameters()) < 1.0e6
+    assert model.config.vocab_size >= len(loaded) == len(tok)
+    assert data.chat_prompt(loaded, "1+2+3") == data.chat_prompt(tok, "1+2+3")
+
+
+@pytest.fixture(scope="module")
+def rollouts(base):
+    """One sample per test problem at temperature 0.8 (the RL rollout setting), fixed seed."""
+    model, tok = base
+    rows = toy.dataset("test")
+    prompts = [data.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
+    golds = [r["answer"] for r in rows]
+    out = rollout.generate(model, tok, prompts, max_new_tokens=96, temperature=0.8, seed=0)
+    correct = [data.is_correct(t, g) for t, g in zip(out.texts, golds)]
+    return prompts, golds, out, correct
+
+
+def test_base_policy_is_neither_hopeless_nor_perfect(base, rollouts):
+    model, tok = base
+    prompts, golds, out, correct = rollouts
+    assert set(out.finish) == {"eos"}
+    acc = sum(correct) / len(correct)
+    greedy = rollout.generate(model, tok, prompts, max_new_tokens=96, temperature=0)
+    greedy_acc = sum(data.is_correct(t, g) for t, g in zip(greedy.texts, golds)) / len(golds)
+    print(f"\ntoy base policy: sampled accuracy (T=0.8) {acc:.3f}, greedy accuracy {greedy_acc:.3f}")
+    assert 0.3 < acc < 0.7
+    assert acc < greedy_acc < 0.95  # greedy drops the slips but keeps the forgotten carries
+
+
+def test_forced_answer_labels_carry_signal(base, rollouts):
+    model, tok = base
+    prompts, golds, out, correct = rollouts
+    budgets = [label.budgets(n) for n in out.lengths]
+    labels = label.mc_labels(model, tok, prompts, out.ids, budgets, golds, k=4, seed=0)
+    flat = [y for ys in labels for y in ys]
+    graded = sum(0 < y < 1 for y in flat) / len(flat)
+    print(f"\nY_b distribution {sorted(collections.Counter(flat).items())}; in (0,1): {graded:.3f}")
+    means = {}
+    for j, f in enumerate((0.25, 0.5, 0.75)):
+        for ok in (True, False):
+            ys = [y[j] for y, c in zip(labels, correct) if c == ok and len(y) == 3]
+            means[f, ok] = sum(ys) / len(ys)
+            print(f"mean Y at {f:.0%}, trajectories that end {'correct' if ok else 'wrong'}: "
+                  f"{means[f, ok]:.3f} (n={len(ys)})")
+    assert len(flat) >= 300 and graded >= 0.2
+    assert means[0.75, True] - means[0.75, False] >= 0.2

@@ -1,0 +1,259 @@
+"""The offline toy world: a per-character tokenizer, a tiny Qwen2 model, an arithmetic task.
+
+`python train.py` runs the whole RLCM loop on this world on a laptop CPU in minutes, through
+exactly the code used for DeepSeek-R1-Distill-Qwen: chat template, generation that starts inside
+the thinking, `</think>`, `\\boxed{}` answers, forced answers after a truncated prefix, grading.
+
+Task. The user message is a sum of 3-5 single-digit terms, e.g. "3+5+7+2". The ideal response
+writes one running total per line, closes the thinking and boxes the result:
+
+    <|bos|><|user|>3+5+7+2<|assistant|><think>\\n      (the prompt, from the chat template)
+    3+5=8\\n8+7=15\\n15+2=17\\n</think>\\boxed{17}<|eos|>  (the response)
+
+Tokenizer. One token per byte (a byte-level BPE with no merges, the pipeline AutoTokenizer
+rebuilds for every qwen2 checkpoint, R1 included), so any text round-trips exactly; specials
+<|bos|> <|eos|> <|pad|> <|user|> <|assistant|>; added but not special, like R1: <think>, </think>,
+\\boxed{ and the forced sentence, so the forced suffix "\\n" + sentence is two tokens.
+
+Base policy. `base_model()` returns a directory with a warm-started Qwen2ForCausalLM (4 layers,
+hidden 128, 823k parameters, float32) and its tokenizer, loadable with AutoModelForCausalLM /
+AutoTokenizer. The warm start is supervised training on traces with injected mistakes, so the
+policy is neither hopeless nor perfect and GRPO has something to fix:
+  - a slip: a running total off by 1 or 2, then continued from the wrong total;
+  - a forgotten carry on a fixed set of (total, term) pairs, made more often than not, so that
+    greedy decoding is wrong too.
+It also learns the forced answer used by the calibration labels (label.py): after
+`prompt + response[:b] + </think> + SUFFIX` (or EOS instead of `</think>`, the released code's
+variant) the target is the answer the prefix implies, the last running total written (right or
+wrong) plus the terms not yet added, done "mentally". That is easy near the end and hard early,
+so Monte-Carlo labels are graded and depend on the prefix, as they do for a real reasoning model.
+(In an early trial, a model that never saw the forced suffix was wrong from every prefix.)
+
+The committed checkpoint, on the 200 test problems (tests/test_toy.py): accuracy 0.435 sampled
+at temperature 0.8, 0.685 greedy; labels at K=4 from the three budgets lie strictly between 0
+and 1 for a third of the prefixes, and the mean label at the 75% budget is 0.60 for
+trajectories that end correct against 0.07 for those that end wrong.
+
+Rebuild. The committed `toy_base/` is rebuilt by one command, in about two minutes on two CPU
+cores, bit for bit (same safetensors bytes) on the same machine and torch build; the build
+fixes its own thread count, since float sums depend on how the work is split:
+
+    python toy.py                 # or: python toy.py --out DIR
+"""
+import argparse
+import hashlib
+import itertools
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+
+import torch
+from tokenizers import AddedToken
+from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
+
+INSTRUCTION = ""  # toy problems are complete user messages
+SUFFIX = "\nIf I were to output the final answer now, it would be \\boxed{"  # = label.SUFFIX
+BASE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "toy_base")
+
+SPECIALS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>"]
+# Not special, like R1's <think>: decode(skip_special_tokens=True) keeps them. The forced
+# sentence is one token so the forced suffix is two ids ("\n", sentence).
+ADDED = ["<think>", "</think>", "\\boxed{", SUFFIX[1:]]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'user' %}{{ '<|user|>' + m['content'] }}"
+    "{% elif m['role'] == 'assistant' %}{{ '<|assistant|>' + m['content'] + eos_token }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|><think>\\n' }}{% endif %}"
+)
+
+
+# Model, task and warm-start settings: one place, all of them part of the committed checkpoint.
+MODEL = dict(vocab_size=272, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+TERMS = (3, 5)          # number of terms per problem, inclusive
+N_TEST, N_TRAIN = 200, 6000
+WARM = dict(seed=0, steps=500, batch_size=32, lr=1e-3, beta2=0.95, warmup=50, threads=2,
+            p_slip=0.08, p_carry=0.7, p_forced=0.4, w_forced=4.0, p_eos_close=0.25)
+
+
+def byte_symbols():
+    """GPT-2's printable stand-ins for the 256 bytes, in byte order (byte-level BPE alphabet)."""
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    extra = iter(range(256, 512))
+    return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
+
+
+def tokenizer():
+    """Byte-level BPE with no merges, so every character (byte) is one token, plus R1's mechanics:
+    no BOS on encode, the chat template adds exactly one and ends in `<|assistant|><think>\\n`.
+    It is a Qwen2Tokenizer because that is what AutoTokenizer rebuilds for any qwen2 checkpoint
+    (R1 included): same pre-tokenizer, byte-level decoder, exact round trip of any text."""
+    vocab = {t: i for i, t in enumerate(SPECIALS + byte_symbols())}
+    tok = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, bos_token="<|bos|>",
+                         eos_token="<|eos|>", pad_token="<|pad|>",
+                         extra_special_tokens=["<|user|>", "<|assistant|>"],
+                         clean_up_tokenization_spaces=False,
+                         model_max_length=MODEL["max_position_embeddings"])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED])
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def _is_test(problem):
+    return int(hashlib.sha256(problem.encode()).hexdigest(), 16) % 10 == 0
+
+
+def dataset(split):
+    """Deterministic rows dict(problem="3+5+7+2", answer="17"); train and test are disjoint
+    because a hash of the problem text picks its split (a tenth of all problems are test)."""
+    if split not in ("train", "test"):
+        raise ValueError(f"toy split must be 'train' or 'test', got {split!r}")
+    rng = random.Random(f"toy-{split}")
+    n, seen = (N_TEST if split == "test" else N_TRAIN), {}
+    while len(seen) < n:
+        terms = [rng.randint(1, 9) for _ in range(rng.randint(*TERMS))]
+        problem = "+".join(map(str, terms))
+        if _is_test(problem) == (split == "test") and problem not in seen:
+            seen[problem] = str(sum(terms))
+    return [dict(problem=p, answer=a) for p, a in seen.items()]
+
+
+def forgets_carry(total, term):
+    """The fixed 'misconception' pairs (an arbitrary third of the carries): there the warm-start
+    traces drop the ten more often than not, so greedy decoding inherits the mistake."""
+    return total % 10 + term >= 10 and (7 * total + term) % 3 == 0
+
+
+def trace(terms, rng, p_slip=0.0, p_carry=0.0):
+    """Thinking lines with running totals, mistakes injected at the given rates.
+    Returns (lines, totals): lines[i] = f"{totals[i]}+{terms[i+1]}={totals[i+1]}\\n"."""
+    totals, lines = [terms[0]], []
+    for term in terms[1:]:
+        s = totals[-1] + term
+        if forgets_carry(totals[-1], term) and rng.random() < p_carry:
+            s -= 10
+        elif rng.random() < p_slip:
+            s = max(0, s + rng.choice((-2, -1, 1, 2)))
+        lines.append(f"{totals[-1]}+{term}={s}\n")
+        totals.append(s)
+    return lines, totals
+
+
+def implied_answer(terms, lines, totals, b):
+    """The answer a prefix of b response tokens implies: the last running total on a complete
+    line plus the terms not yet added (one token per character in the thinking lines).
+    For 3+5+7+2 written as "3+5=8\\n8+7=14\\n...": b=3 -> 17, b=6 -> 17, b=13 -> 14+2 = 16."""
+    done = sum(1 for end in itertools.accumulate(map(len, lines)) if end <= b)
+    return totals[done] + sum(terms[done + 1:])
+
+
+def build_model(tok, seed=0):
+    """Fresh Qwen2ForCausalLM from MODEL (float32, tied embeddings, ~0.8M parameters)."""
+    torch.manual_seed(seed)
+    config = Qwen2Config(**MODEL, tie_word_embeddings=True, rope_theta=10000.0,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id, dtype="float32")
+    return Qwen2ForCausalLM(config)
+
+
+def example(tok, problem, rng, forced):
+    """One warm-start sequence: (ids, loss_mask), loss on response tokens only.
+    Plain: prompt + trace + </think>\\boxed{total}EOS.  Forced: prompt + response[:b] + CLOSE +
+    SUFFIX + implied}\\n where implied = last complete running total + terms not yet added."""
+    terms = [int(t) for t in problem.split("+")]
+    lines, totals = trace(terms, rng, WARM["p_slip"], WARM["p_carry"])
+    prompt = tok.apply_chat_template([{"role": "user", "content": problem}],
+                                     add_generation_prompt=True, tokenize=False)
+    prompt = tok.encode(prompt, add_special_tokens=False)
+    response = tok.encode("".join(lines) + f"</think>\\boxed{{{totals[-1]}}}",
+                          add_special_tokens=False) + [tok.eos_token_id]
+    if not forced:
+        return prompt + response, [0] * len(prompt) + [1] * len(response)
+    b = rng.randint(1, len(response))
+    implied = implied_answer(terms, lines, totals, b)
+    close = (tok.eos_token_id if rng.random() < WARM["p_eos_close"]
+             else tok.convert_tokens_to_ids("</think>"))
+    head = prompt + response[:b] + [close] + tok.encode(SUFFIX, add_special_tokens=False)
+    answer = tok.encode(f"{implied}}}\n", add_special_tokens=False)
+    # The answer is a few tokens; weighting them up is what makes the forced answers learnt in time.
+    mask = ([0] * len(prompt) + [1] * b + [0] * (len(head) - len(prompt) - b)
+            + [WARM["w_forced"]] * len(answer))
+    return head + answer, mask
+
+
+def warm_start(out, log=print):
+    """Supervised warm start (AdamW, linear warm-up then cosine), saved to `out` in float32.
+    Deterministic: fixed seeds and a fixed thread count (float sums depend on the split)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(WARM["threads"])
+    try:
+        tok = tokenizer()
+        model = build_model(tok, WARM["seed"])
+        rng = random.Random(WARM["seed"])
+        problems = [row["problem"] for row in dataset("train")]
+        # beta2 0.95 and lr 1e-3: at 2e-3 / 0.999 some seeds stalled at a few percent accuracy.
+        opt = torch.optim.AdamW(model.parameters(), lr=WARM["lr"], betas=(0.9, WARM["beta2"]),
+                                weight_decay=0.0)
+        steps, t0 = WARM["steps"], time.time()
+        for step in range(steps):
+            lr = (WARM["lr"] * min(1.0, (step + 1) / WARM["warmup"])
+                  * 0.5 * (1 + math.cos(math.pi * step / steps)))
+            for group in opt.param_groups:
+                group["lr"] = lr
+            batch = [example(tok, rng.choice(problems), rng, rng.random() < WARM["p_forced"])
+                     for _ in range(WARM["batch_size"])]
+            width = max(len(ids) for ids, _ in batch)
+            ids = torch.tensor([i + [tok.pad_token_id] * (width - len(i)) for i, _ in batch])
+            mask = torch.tensor([m + [0] * (width - len(m)) for _, m in batch], dtype=torch.float32)
+            logits = model(input_ids=ids, attention_mask=(ids != tok.pad_token_id).long()).logits
+            # token t is predicted from position t-1; weighted mean over the batch's response tokens
+            nll = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(),
+                                                    reduction="none")
+            loss = (nll * mask[:, 1:].flatten()).sum() / mask[:, 1:].sum()
+            opt.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            if step == 0 or (step + 1) % 100 == 0:
+                log(f"warm start {step + 1:4d}/{steps}  loss {loss.item():.4f}  lr {lr:.2e}  "
+                    f"{time.time() - t0:.0f}s")
+        model.generation_config.eos_token_id = tok.eos_token_id
+        model.generation_config.pad_token_id = tok.pad_token_id
+        model.save_pretrained(out, safe_serialization=True)
+        tok.save_pretrained(out)
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def base_model(path=None, rebuild=False):
+    """Directory of the warm-started base policy (default: the committed toy_base/), trained if
+    missing or if rebuild=True. Written to a temporary sibling, then renamed into place."""
+    path = os.path.abspath(path or BASE_DIR)
+    if rebuild or not os.path.exists(os.path.join(path, "model.safetensors")):
+        parent = os.path.dirname(path)
+        os.makedirs(parent, exist_ok=True)
+        tmp, old = tempfile.mkdtemp(prefix=".toy_base.", dir=parent), None
+        try:
+            os.chmod(tmp, 0o755)
+            warm_start(tmp)
+            if os.path.exists(path):
+                old = tempfile.mkdtemp(prefix=".toy_base.old.", dir=parent)
+                os.rename(path, os.path.join(old, "base"))
+            os.rename(tmp, path)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if old:
+                shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Rebuild the toy world's warm-started base policy.")
+    parser.add_argument("--out", default=BASE_DIR,
+                        help="output directory (default: toy_base/ next to toy.py)")
+    args = parser.parse_args()
+    print(base_model(args.out, rebuild=True))
