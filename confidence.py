@@ -129,7 +129,7 @@ def posthoc_examples(model, tokenizer, prompts, responses, golds, groups, close_
     labels = mc_labels(model, tokenizer, prompts, responses, bls, golds, k=k, temperature=0.6, top_p=0.95,
                        max_new_tokens=64, close=close, suffix=suffix, seed=seed, batch_size=max(1, rows // k))
     feats = features(model, prompts, responses, bls, tokenizer.pad_token_id, True, batch_size)
-    x = torch.cat([f for f, bl in zip(feats, bls) if bl]) if any(bls) else torch.zeros(0, 0)
+    x = torch.cat(feats)                       # responses without budgets contribute [0, d]
     y = torch.tensor([v for ls in labels for v in ls], dtype=torch.float32)
     g = torch.tensor([grp for grp, bl in zip(groups, bls) for _ in bl], dtype=torch.long)
     return x, y, g
@@ -151,7 +151,7 @@ def split_groups(groups, val_frac=0.2, seed=0):
     return ~is_val, is_val
 
 
-def fit_posthoc(x, y, groups, seed=0, max_epochs=50, patience=5, batch_size=64, grid=GRID):
+def fit_posthoc(x, y, groups, seed=0, max_epochs=50, patience=5, batch_size=64, grid=GRID, device="cpu"):
     """Fit the post-hoc probe: grid search with early stopping, grouped 80/20 split.
 
     x [M, d], y [M] soft labels, groups [M]. For each (lr, dropout, weight decay) in grid: a fresh
@@ -159,16 +159,17 @@ def fit_posthoc(x, y, groups, seed=0, max_epochs=50, patience=5, batch_size=64, 
     our choice: the protocol does not state one), stop after `patience` epochs without a lower validation
     BCE against round(y); keep the best epoch. Returns
     (probe with the lowest validation loss over the grid, report dict with its config, validation BCE
-    on soft and rounded labels, and the same for the constant base-rate predictor mean(y_train)).
+    on soft and rounded labels, and the same for the constant predictors mean(y_train) and
+    mean(round(y_train))).
     """
     tr, va = split_groups(groups, seed=seed)
     if tr.sum() == 0 or va.sum() == 0:
         raise ValueError("post-hoc probe needs at least two problems with labelled prefixes; raise --probe-questions")
-    xt, yt, xv, yv = x[tr], y[tr], x[va], y[va]
+    xt, yt, xv, yv = (t.to(device) for t in (x[tr], y[tr], x[va], y[va]))
     best = (math.inf, None, None)
     for lr, drop, wd in grid:
         torch.manual_seed(seed)
-        prb = probe_lib.Probe(x.shape[1], dropout=drop)
+        prb = probe_lib.Probe(x.shape[1], dropout=drop).to(device)
         opt = probe_lib.make_optimizer(prb, lr=lr, weight_decay=wd)
         run_best, state, bad = math.inf, None, 0
         for epoch in range(max_epochs):
@@ -184,11 +185,13 @@ def fit_posthoc(x, y, groups, seed=0, max_epochs=50, patience=5, batch_size=64, 
             best = (run_best, state, dict(lr=lr, dropout=drop, weight_decay=wd))
     prb = probe_lib.Probe(x.shape[1], dropout=best[2]["dropout"])
     prb.load_state_dict(best[1])
-    pv = probe_lib.predict(prb, xv)
-    base = torch.full_like(yv, float(yt.mean()))
+    yt, yv = yt.cpu(), yv.cpu()
+    pv = probe_lib.predict(prb, xv.cpu())
+    # The constant predictors: the training base rate of the soft labels and of the rounded ones.
+    base, base_r = torch.full_like(yv, float(yt.mean())), torch.full_like(yv, float(yt.round().mean()))
     report = dict(best[2], n_train=int(tr.sum()), n_val=int(va.sum()),
                   val_bce=bce(pv, yv), val_bce_rounded=bce(pv, yv.round()),
-                  base_rate=float(yt.mean()), base_bce=bce(base, yv), base_bce_rounded=bce(base, yv.round()))
+                  base_rate=float(yt.mean()), base_bce=bce(base, yv), base_bce_rounded=bce(base_r, yv.round()))
     return prb, report
 
 
@@ -243,7 +246,7 @@ def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, n=4
     groups = [q for q in range(len(questions)) for _ in range(n)]
     x, y, g = posthoc_examples(model, tokenizer, rep, out.ids, golds, groups, close_id, every, k, suffix,
                                close, seed + 1, batch_size, rows)
-    prb, report = fit_posthoc(x, y, g, seed=seed)
+    prb, report = fit_posthoc(x, y, g, seed=seed, device=_device(model))
     report.update(questions=len(questions), samples=len(rep), prefixes=len(y), label_mean=float(y.mean()),
                   accuracy=sum(is_correct(t, a) for t, a in zip(out.texts, golds)) / len(golds))
     probe_lib.save(cache + ".pt", prb)

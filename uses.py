@@ -17,10 +17,12 @@ lam the trace exits at the first j with c_j >= lam. The loss is a wrong answer a
 
     loss(lam) = 1 - y_j  at the exit checkpoint j,   0 if the trace never exits (it runs to its end)
 
-so lam = inf (never exit) has zero risk and larger thresholds exit less. On a calibration split of n
-traces the threshold is the smallest lam whose bound, and that of every larger candidate, satisfies
+so lam = inf (never exit) has zero risk and larger thresholds exit less. The exchangeable units are
+questions, not traces (the samples of one question are not independent): a question's loss L_i is the
+mean loss of its traces. On a calibration split of n questions the threshold is the smallest lam whose
+bound, and that of every larger candidate, satisfies
 
-    (n * mean_i loss_i(lam) + 1) / (n + 1) <= epsilon
+    (n * mean_i L_i(lam) + 1) / (n + 1) <= epsilon
 
 (the CRC bound for losses in [0, 1]; requiring it for every larger lam makes the choice safe even where
 the empirical risk is not monotone in lam). The test split reports its risk and the tokens saved.
@@ -121,45 +123,48 @@ def exit_outcome(trace, lam):
     return 0.0, float(trace["length"])
 
 
-def crc_bound(traces, lam):
-    """(n * mean loss(lam) + 1) / (n + 1) over n traces: the conformal upper bound on the risk."""
-    n = len(traces)
-    return (sum(exit_outcome(tr, lam)[0] for tr in traces) + 1.0) / (n + 1)
+def crc_bound(units, lam):
+    """(sum_i L_i(lam) + 1) / (n + 1) over n units (lists of traces, L_i = mean loss of unit i's traces)."""
+    total = sum(np.mean([exit_outcome(tr, lam)[0] for tr in unit]) for unit in units)
+    return (float(total) + 1.0) / (len(units) + 1)
 
 
-def crc_threshold(traces, epsilon):
-    """Smallest threshold lam with crc_bound(traces, lam') <= epsilon for lam and every larger candidate.
+def crc_threshold(units, epsilon):
+    """Smallest threshold lam with crc_bound(units, lam') <= epsilon for lam and every larger candidate.
 
-    Candidates are the checkpoint confidences seen in `traces` plus inf (never exit). Returns inf when
+    Candidates are the checkpoint confidences seen in `units` plus inf (never exit). Returns inf when
     only never-exiting is safe, None when even that bound exceeds epsilon (1 / (n + 1) > epsilon).
     """
-    cands = sorted({c for tr in traces for _, c, _ in tr["checkpoints"]} | {math.inf}, reverse=True)
+    cands = sorted({c for unit in units for tr in unit for _, c, _ in tr["checkpoints"]} | {math.inf},
+                   reverse=True)
     best = None
     for lam in cands:
-        if crc_bound(traces, lam) > epsilon:
+        if crc_bound(units, lam) > epsilon:
             break
         best = lam
     return best
 
 
 def early_exit(cal, test, epsilons=(0.1, 0.2, 0.3)):
-    """For each epsilon: the CRC threshold on `cal` and what it does on `test`.
+    """For each epsilon: the CRC threshold on the `cal` units and what it does on the `test` units.
 
-    Returns a list of dicts {epsilon, threshold (None: infeasible, inf: never exit), cal_bound,
-    test_risk = mean loss, exit_rate, tokens_saved = 1 - sum(tokens used) / sum(full lengths)}.
+    cal, test: lists of units (one list of traces per question). Returns a list of dicts {epsilon,
+    threshold (None: infeasible, inf: never exit), cal_bound, and over the test traces: test_risk =
+    mean loss, exit_rate, tokens_saved = 1 - sum(tokens used) / sum(full lengths)}.
     """
-    full = sum(float(tr["length"]) for tr in test) or 1.0
+    traces = [tr for unit in test for tr in unit]
+    full = sum(float(tr["length"]) for tr in traces) or 1.0
     rows = []
     for eps in epsilons:
         lam = crc_threshold(cal, eps)
         use = math.inf if lam is None else lam
-        outs = [exit_outcome(tr, use) for tr in test]
-        exits = [tr for tr in test if any(c >= use for _, c, _ in tr["checkpoints"])]
+        outs = [exit_outcome(tr, use) for tr in traces]
+        exits = [tr for tr in traces if any(c >= use for _, c, _ in tr["checkpoints"])]
         rows.append({
             "epsilon": eps, "threshold": lam,
             "cal_bound": crc_bound(cal, use) if cal else math.nan,
             "test_risk": float(np.mean([o[0] for o in outs])) if outs else math.nan,
-            "exit_rate": len(exits) / len(test) if test else math.nan,
+            "exit_rate": len(exits) / len(traces) if traces else math.nan,
             "tokens_saved": 1.0 - sum(o[1] for o in outs) / full,
         })
     return rows
@@ -183,9 +188,18 @@ def from_samples(rows, same=None, draws=16, seed=0, epsilons=(0.1, 0.2, 0.3)):
     if rows and all("checkpoints" in r for r in rows):
         qids = sorted(by_q)
         random.Random(seed).shuffle(qids)
-        cal = set(qids[:len(qids) // 2])
-        split = {True: [], False: []}
-        for r in rows:
-            split[r["question"] in cal].append({"checkpoints": r["checkpoints"], "length": r["length"]})
-        out["early_exit"] = early_exit(split[True], split[False], epsilons)
+        units = [[{"checkpoints": r["checkpoints"], "length": r["length"]} for r in by_q[q]] for q in qids]
+        half = len(units) // 2
+        out["early_exit"] = early_exit(units[:half], units[half:], epsilons)
     return out
+
+
+def describe(res):
+    """Printable lines for a from_samples result: the voting curves, one line per early-exit epsilon."""
+    v = res["voting"]
+    lines = [f"voting k={v['k']}: majority " + " ".join(f"{a:.3f}" for a in v["majority"])
+             + " | weighted " + " ".join(f"{a:.3f}" for a in v["weighted"])]
+    for e in res.get("early_exit", []):
+        lines.append(f"early exit eps {e['epsilon']}: threshold {e['threshold']}, cal bound {e['cal_bound']:.3f}, "
+                     f"test risk {e['test_risk']:.3f}, exits {e['exit_rate']:.0%}, tokens saved {e['tokens_saved']:.1%}")
+    return lines

@@ -104,7 +104,16 @@ def test_bce_hand_computed():
     assert confidence.bce([0.8], [0.25]) == pytest.approx(-(0.25 * math.log(0.8) + 0.75 * math.log(0.2)))
 
 
-def test_fit_posthoc_learns_a_signal_and_beats_the_base_rate():
+@pytest.fixture
+def one_thread():
+    # Tiny MLP steps: with two threads on a shared CPU they wait on each other (10x slower).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_fit_posthoc_learns_a_signal_and_beats_the_base_rate(one_thread):
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(400, 8, generator=gen)
     y = torch.sigmoid(3 * x[:, 0]).round(decimals=1)      # soft labels that depend on one feature

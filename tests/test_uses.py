@@ -57,7 +57,7 @@ def test_equal_confidences_make_weighted_voting_equal_majority():
 # full length 100. Exiting at a wrong checkpoint costs 1.
 CONFS = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
 RIGHT = [0, 0, 0, 1, 0, 1, 1, 1, 1]
-CAL = [{"checkpoints": [(10, c, y)], "length": 100} for c, y in zip(CONFS, RIGHT)]
+CAL = [[{"checkpoints": [(10, c, y)], "length": 100}] for c, y in zip(CONFS, RIGHT)]   # 9 one-trace units
 
 
 def test_exit_outcome_first_crossing():
@@ -87,8 +87,8 @@ def test_crc_threshold_on_a_hand_computed_set():
 def test_crc_threshold_requires_every_larger_candidate_to_satisfy_the_bound():
     # Trace A is right if it exits at its first checkpoint (0.3) and wrong at its second (0.5), so the
     # empirical risk is not monotone: bound(0.3) = 1/4 <= 0.4 but bound(0.5) = 2/4 > 0.4.
-    cal = [{"checkpoints": [(5, 0.3, 1), (8, 0.5, 0)], "length": 9},
-           {"checkpoints": [(5, 0.1, 0)], "length": 9}, {"checkpoints": [(5, 0.1, 0)], "length": 9}]
+    cal = [[{"checkpoints": [(5, 0.3, 1), (8, 0.5, 0)], "length": 9}],
+           [{"checkpoints": [(5, 0.1, 0)], "length": 9}], [{"checkpoints": [(5, 0.1, 0)], "length": 9}]]
     assert uses.crc_bound(cal, 0.3) == pytest.approx(0.25)
     assert uses.crc_bound(cal, 0.5) == pytest.approx(0.5)
     assert uses.crc_threshold(cal, 0.4) == math.inf
@@ -96,8 +96,8 @@ def test_crc_threshold_requires_every_larger_candidate_to_satisfy_the_bound():
 
 
 def test_early_exit_reports_tokens_saved_and_test_risk():
-    test = [{"checkpoints": [(10, 0.95, 1), (20, 0.99, 1)], "length": 100},
-            {"checkpoints": [(10, 0.2, 0)], "length": 100}]
+    test = [[{"checkpoints": [(10, 0.95, 1), (20, 0.99, 1)], "length": 100},
+             {"checkpoints": [(10, 0.2, 0)], "length": 100}]]
     rows = uses.early_exit(CAL, test, epsilons=(0.1, 0.05))
     r = rows[0]
     assert r["threshold"] == 0.6 and r["cal_bound"] == pytest.approx(0.1)
@@ -116,3 +116,13 @@ def test_from_samples_groups_by_question():
     assert out["voting"]["majority"][-1] == 0.0 and out["voting"]["weighted"][-1] == 1.0
     assert [e["epsilon"] for e in out["early_exit"]] == [0.1, 0.2, 0.3]
     assert "early_exit" not in uses.from_samples([{k: v for k, v in r.items() if k != "checkpoints"} for r in rows])
+
+
+def test_crc_units_are_questions_with_the_mean_loss_of_their_traces():
+    # Two questions of two traces each: at lam = 0.5 question 0 has one wrong exit of two (L = 0.5),
+    # question 1 none, so the bound is (0.5 + 0 + 1) / 3 = 0.5, not (1 + 1) / 5 as over four traces.
+    q0 = [{"checkpoints": [(4, 0.6, 0)], "length": 10}, {"checkpoints": [(4, 0.7, 1)], "length": 10}]
+    q1 = [{"checkpoints": [(4, 0.2, 0)], "length": 10}, {"checkpoints": [(4, 0.9, 1)], "length": 10}]
+    assert uses.crc_bound([q0, q1], 0.5) == pytest.approx(0.5)
+    assert uses.crc_bound([q0, q1], 0.65) == pytest.approx(1 / 3)
+    assert uses.crc_threshold([q0, q1], 0.4) == 0.7      # candidates are seen confidences

@@ -1,0 +1,406 @@
+"""Evaluate models: accuracy, calibration (ECE, PCE, Brier, AUROC), reliability diagrams, and two uses
+of the confidence (weighted voting, conformal early exit).
+
+    python evaluate.py --model runs/toy --benchmarks toy                      # CPU, about a minute
+    python evaluate.py --model toy --model runs/toy --benchmarks toy --confidence probe-posthoc
+    python evaluate.py --model deepseek-r1-distill-qwen-7b --model runs/rlcm \\
+        --benchmarks math500,aime24,aime25,amc23                              # GPU
+
+For each model and benchmark: n samples per question (temperature 0.6, top-p 1.0, up to 8000 tokens;
+32 samples on AIME 2024/2025 and AMC 2023, 4 elsewhere; the toy world: 4 samples of at most 128
+tokens), graded by the last \\boxed{}, each with a confidence (confidence.py; default: the run's probe
+when the checkpoint has probe.pt, else the sequence likelihood). Written to --out (default RUN/eval
+for a run or checkpoint, else eval_out/<model>): samples.jsonl (appended per batch: an interrupted
+evaluation resumes where it stopped), results.json, reliability_<model>_<benchmark>.png. Metrics are
+computed per benchmark over all samples; "Overall" is the unweighted mean over benchmarks.
+"""
+import argparse
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import torch
+from tqdm import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import confidence
+import data
+import label as label_lib
+import metrics
+import probe as probe_lib
+import rollout
+import toy
+import uses
+from checkpoint import latest_checkpoint
+
+ALIASES = {
+    "deepseek-r1-distill-qwen-7b": "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
+    "qwen3-4b-instruct": "Qwen/Qwen3-4B-Instruct-2507",
+}
+BIG_N = {"aime24": 32, "aime25": 32, "amc23": 32}   # samples per question; 4 elsewhere
+# Per-world defaults. Toy: the forced text is the one the toy base learned (label.SUFFIX), and K is
+# smaller than the released 16; `every` is in thinking tokens (toy traces think for ~10-40 tokens).
+# batch: questions per generation call (64 sequences of 8000 tokens: ~30 GB of KV cache for the 7B);
+# score_batch: sequences per scoring forward.
+REAL = dict(n=4, max_new_tokens=8000, every=500, forced_k=16, probe_questions=200, rows=64, score_batch=8)
+TOY = dict(n=4, max_new_tokens=128, every=8, forced_k=4, probe_questions=64, rows=256, score_batch=256)
+EPSILONS = (0.1, 0.2, 0.3)
+COLUMNS = (("Acc", "acc"), ("ECE", "ece"), ("PCE", "pce"), ("Brier", "brier"), ("AUROC", "auroc"))
+
+
+class EvalError(ValueError):
+    """A problem the user can fix (bad name, missing file, offline hub): printed as one line."""
+
+
+def resolve_model(name):
+    """Alias, HF id, model dir, checkpoint dir or run dir (-> its latest complete checkpoint)."""
+    if name == "toy":
+        return toy.base_model()
+    if name in ALIASES:
+        return ALIASES[name]
+    if os.path.isdir(os.path.join(name, "checkpoints")):
+        ckpt = latest_checkpoint(name)
+        if ckpt is None:
+            raise EvalError(f"run directory {name} has no complete checkpoint under checkpoints/")
+        return ckpt
+    if os.path.isdir(name):
+        return name
+    # owner/name is an HF id unless `owner` is a local folder (runs/typo: say so instead of asking the hub)
+    if name.count("/") == 1 and not name.startswith((".", "/")) and not os.path.isdir(name.split("/")[0]):
+        return name
+    if "/" in name:
+        raise EvalError(f"model directory {name} does not exist")
+    raise EvalError(f"model {name!r} is not a directory, an HF id (owner/name) or an alias "
+                    f"({', '.join(['toy', *ALIASES])})")
+
+
+def _run_dir(path):
+    """RUN for RUN/checkpoints/step_*, else None."""
+    parent = os.path.dirname(os.path.abspath(path))
+    return os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else None
+
+
+def model_label(name, path):
+    """Short stable name used in samples.jsonl and tables: 'toy', alias, 'run/step_000010', dir name."""
+    if name == "toy" or name in ALIASES or not os.path.isdir(path):
+        return name
+    run = _run_dir(path)
+    base = os.path.basename(os.path.abspath(path))
+    return f"{os.path.basename(run)}/{base}" if run else base
+
+
+def default_out(name, path):
+    run = _run_dir(path) if os.path.isdir(path) else None
+    return os.path.join(run, "eval") if run else os.path.join("eval_out", model_label(name, path).replace("/", "_"))
+
+
+def load_model(name, path):
+    """(model in eval mode on the GPU if there is one, tokenizer); trust_remote_code stays off."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, trust_remote_code=False, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        where = "" if path == name else f" ({path})"
+        raise EvalError(f"cannot load model {name!r}{where}: {first} -- offline? download it first "
+                        "(hf download ID) or pass a local directory; HF_HUB_OFFLINE=1 fails fast") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return model.to(device).eval(), tok
+
+
+def load_benchmark(spec, limit=None):
+    """(name, rows [{problem, answer}], instruction) for `toy` (its test split), a short name (data.BENCHMARKS,
+    from the hub), a local .json/.jsonl/.parquet file, NAME=FILE (a local copy of a known benchmark, e.g.
+    aime24=aime24.jsonl: named, and sampled, like it), or an HF dataset id (owner/name)."""
+    name, _, path = spec.partition("=")
+    known = "toy, " + ", ".join(data.BENCHMARKS)
+    if name == "toy" and not path:
+        return "toy", data.load_rows("toy", split="test", limit=limit), toy.INSTRUCTION
+    if path:
+        if name not in data.BENCHMARKS:
+            raise EvalError(f"unknown benchmark {name!r} in {spec!r}; known: {known}")
+        return name, data.load_rows(path, limit=limit), data.INSTRUCTION
+    if name.lower().endswith((".json", ".jsonl", ".parquet")):
+        return os.path.splitext(os.path.basename(name))[0], data.load_rows(name, limit=limit), data.INSTRUCTION
+    if name in data.BENCHMARKS or "/" in name:
+        return name, data.load_rows(name, limit=limit), data.INSTRUCTION
+    raise EvalError(f"unknown benchmark {name!r}; known: {known}; or a local .json/.jsonl/.parquet file, "
+                    "NAME=FILE, or an HF dataset id (owner/name)")
+
+
+def read_samples(path):
+    """Rows of samples.jsonl; a line cut by a kill (no newline at the end) is dropped from the file."""
+    if not os.path.exists(path):
+        return []
+    with open(path, "rb") as f:
+        raw = f.read()
+    keep = raw[:raw.rfind(b"\n") + 1]
+    if len(keep) != len(raw):
+        with open(path, "wb") as f:
+            f.write(keep)
+    return [json.loads(line) for line in keep.decode().splitlines() if line.strip()]
+
+
+def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, path):
+    """Sample, grade and score every missing (question, sample) of one benchmark, appending per batch.
+
+    s: the benchmark's settings (n, max_new_tokens, ...); conf_kw: arguments of
+    confidence.sample_confidences. Rows already in `path` for (label, bench) are kept, not regenerated.
+    """
+    have = [r for r in read_samples(path) if r["model"] == label and r["benchmark"] == bench]
+    stale = {r.get("source") for r in have} - {conf_kw["source"]}
+    if stale:
+        raise EvalError(f"{path} holds {bench} samples of {label} with confidence {stale.pop()!r}, not "
+                        f"{conf_kw['source']!r}: pass that --confidence or another --out")
+    done = {(r["question"], r["sample"]) for r in have}
+    todo = [(q, [j for j in range(s["n"]) if (q, j) not in done]) for q in range(len(rows))]
+    todo = [t for t in todo if t[1]]
+    bar = tqdm(total=len(rows) * s["n"], initial=len(rows) * s["n"] - sum(len(m) for _, m in todo),
+               desc=f"{label} {bench}", file=sys.stderr)
+    i = 0
+    while i < len(todo):
+        # A batch: up to batch_size questions missing the same number of samples (one generate call).
+        m = len(todo[i][1])
+        chunk = [todo[i]]
+        while len(chunk) < s["batch"] and i + len(chunk) < len(todo) and len(todo[i + len(chunk)][1]) == m:
+            chunk.append(todo[i + len(chunk)])
+        i += len(chunk)
+        prompts = [data.chat_prompt(tok, rows[q]["problem"], instruction) for q, _ in chunk]
+        seed = args.seed * 1_000_003 + chunk[0][0] * 1009 + m
+        out = rollout.generate(model, tok, prompts, n=m, max_new_tokens=s["max_new_tokens"],
+                       temperature=args.temperature, top_p=args.top_p, seed=seed, batch_size=len(prompts))
+        golds = [rows[q]["answer"] for q, _ in chunk for _ in range(m)]
+        conf, extras = confidence.sample_confidences(
+            model=model, tokenizer=tok, prompts=[p for p in prompts for _ in range(m)], responses=out.ids,
+            texts=out.texts, golds=golds, seed=seed + 1, batch_size=s["score_batch"], rows=s["rows"], **conf_kw)
+        with open(path, "a") as f:
+            for r, (q, missing) in enumerate((c for c in chunk for _ in range(m))):
+                j = missing[r % m]
+                f.write(json.dumps(dict(
+                    model=label, benchmark=bench, question=q, sample=j, answer=data.boxed_answer(out.texts[r]),
+                    correct=int(data.is_correct(out.texts[r], golds[r])), confidence=float(conf[r]),
+                    length=out.lengths[r], finish=out.finish[r], source=conf_kw["source"], **extras[r])) + "\n")
+            f.flush()
+        bar.update(len(chunk) * m)
+    bar.close()
+
+
+def summarize(rows, n_bins=10, seed=0):
+    """Metrics (metrics.calibration), reliability rows, voting curves and early exit of one benchmark."""
+    conf = [r["confidence"] for r in rows]
+    correct = [r["correct"] for r in rows]
+    res = metrics.calibration(conf, correct, n_bins)
+    res["questions"] = len({r["question"] for r in rows})
+    res["reliability"] = metrics.reliability(conf, correct, n_bins)
+    if any("verbal_missing" in r for r in rows):
+        res["verbal_missing"] = sum(bool(r.get("verbal_missing")) for r in rows)
+    res.update(uses.from_samples(rows, same=data.answers_match, seed=seed, epsilons=EPSILONS))
+    return res
+
+
+def plot_reliability(rel, title, path):
+    """Bars of accuracy per confidence bin (count above each bar) against the diagonal."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(4.5, 4.5))
+    full = [r for r in rel if r["count"]]
+    ax.bar([r["lo"] for r in full], [r["accuracy"] for r in full], width=[r["hi"] - r["lo"] for r in full],
+           align="edge", edgecolor="black", color="tab:blue", alpha=0.8, label="accuracy")
+    ax.plot([0, 1], [0, 1], "--", color="gray", label="perfect calibration")
+    for r in full:
+        ax.text((r["lo"] + r["hi"]) / 2, min(r["accuracy"], 0.93) + 0.02, str(r["count"]), ha="center", fontsize=7)
+    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="confidence", ylabel="accuracy", title=title)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def overall(benches):
+    """Unweighted mean over benchmarks of each metric (benchmarks where it is nan are skipped)."""
+    out = {}
+    for _, key in COLUMNS:
+        vals = [b[key] for b in benches.values() if not math.isnan(b[key])]
+        out[key] = float(np.mean(vals)) if vals else math.nan
+    return out
+
+
+def table(results):
+    """Markdown: one block per model, one row per benchmark plus Overall."""
+    lines = []
+    for label, res in results.items():
+        lines += ["", f"### {label}  (confidence: {res['confidence']})", "",
+                  "| benchmark | n | " + " | ".join(c for c, _ in COLUMNS) + " |",
+                  "|---|---:|" + "---:|" * len(COLUMNS)]
+        for name, b in list(res["benchmarks"].items()) + [("Overall", dict(res["overall"], n=""))]:
+            lines.append(f"| {name} | {b['n']} | " + " | ".join(f"{b[k]:.3f}" for _, k in COLUMNS) + " |")
+    return "\n".join(lines)
+
+
+def settings(bench, args):
+    """Per-benchmark sampling and confidence settings: world defaults, overridden by flags."""
+    toy_world = bench == "toy"
+    w = TOY if toy_world else REAL
+    s = dict(n=w["n"] if toy_world else BIG_N.get(bench, w["n"]), max_new_tokens=w["max_new_tokens"],
+             every=w["every"], forced_k=w["forced_k"], suffix=label_lib.SUFFIX if toy_world else confidence.EVAL_SUFFIX,
+             score_batch=w["score_batch"], rows=w["rows"])
+    for key in ("n", "max_new_tokens", "every", "forced_k"):
+        if getattr(args, key if key != "n" else "n_samples") is not None:
+            s[key] = getattr(args, key if key != "n" else "n_samples")
+    s["batch"] = args.batch_size or max(1, w["rows"] // s["n"])
+    return s
+
+
+def _clean(x):
+    """JSON-safe copy: inf -> "inf", nan -> None."""
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_clean(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    return x
+
+
+def _write_results(out_dir, label, res):
+    """Merge this model's results into OUT/results.json (other models' entries are kept)."""
+    path = os.path.join(out_dir, "results.json")
+    old = json.load(open(path)) if os.path.exists(path) else {}
+    old[label] = _clean(res)
+    with open(path + ".tmp", "w") as f:
+        json.dump(old, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def get_probe(source, model, tok, label, path, out_dir, args, close_id):
+    """(probe or None, post-hoc report or None) for a confidence source; post-hoc probes are cached in OUT."""
+    if source == "probe":
+        if not os.path.isfile(os.path.join(path, "probe.pt")):
+            raise EvalError(f"{label} has no probe.pt: use --confidence probe-posthoc, logits or verbal")
+        return probe_lib.load(os.path.join(path, "probe.pt"))[0], None
+    if source != "probe-posthoc":
+        return None, None
+    # Fit data: the toy world's train split, or the RL training set for real models (not a benchmark).
+    toy_only = all(b.partition("=")[0] == "toy" for b in args.benchmarks.split(","))
+    src = args.probe_data or ("toy" if toy_only else "deepscaler")
+    s = settings("toy" if src == "toy" else src, args)
+    nq = args.probe_questions or (TOY if src == "toy" else REAL)["probe_questions"]
+    if src == "toy":
+        rows, instruction = data.load_rows("toy", split="train", limit=nq), toy.INSTRUCTION
+    else:
+        rows, instruction = data.load_rows(src, limit=nq), data.INSTRUCTION
+    print(f"post-hoc probe for {label}: {len(rows)} {src} questions ...", file=sys.stderr)
+    prb, report = confidence.posthoc_probe(
+        os.path.join(out_dir, "posthoc_probe_" + label.replace("/", "_")), model, tok, rows,
+        instruction, close_id, n=s["n"], max_new_tokens=s["max_new_tokens"],
+        temperature=args.temperature, top_p=args.top_p, every=s["every"], k=s["forced_k"], suffix=s["suffix"],
+        close=args.forced_close, seed=args.seed + 17, batch_size=s["score_batch"], rows=s["rows"])
+    return prb, dict(report, data=src)
+
+
+def evaluate_model(name, loaded, args):
+    """Generate (resuming), score and summarize one model on every benchmark; returns its results."""
+    path = resolve_model(name)
+    label = model_label(name, path)
+    out_dir = args.out or default_out(name, path)
+    os.makedirs(out_dir, exist_ok=True)
+    model, tok = load_model(name, path)
+    source = args.confidence or ("probe" if os.path.isfile(os.path.join(path, "probe.pt")) else "logits")
+    think = tok.convert_tokens_to_ids("</think>")
+    close_id = None if think is None or think == tok.unk_token_id else think
+    prb, report = get_probe(source, model, tok, label, path, out_dir, args, close_id)
+    samples = os.path.join(out_dir, "samples.jsonl")
+    res = {"path": path, "confidence": source, "out": out_dir, "benchmarks": {}, "settings": {}}
+    for bench, rows, instruction in loaded:
+        s = settings(bench, args)
+        probe_source = source in ("probe", "probe-posthoc") and not args.no_early_exit
+        conf_kw = dict(source=source, prb=prb, close_id=close_id, every=s["every"] if probe_source else None,
+                       suffix=s["suffix"], close=args.forced_close)
+        generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, samples)
+        mine = [r for r in read_samples(samples) if r["model"] == label and r["benchmark"] == bench
+                and r["question"] < len(rows) and r["sample"] < s["n"]]
+        res["benchmarks"][bench] = summarize(mine, seed=args.seed)
+        res["settings"][bench] = dict(s, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                                      questions=len(rows))
+        b = res["benchmarks"][bench]
+        title = f"{label} | {bench} | {source}\nacc {b['acc']:.3f}  ECE {b['ece']:.3f}  n {b['n']}"
+        plot_reliability(b["reliability"], title,
+                         os.path.join(out_dir, f"reliability_{label.replace('/', '_')}_{bench}.png"))
+    res["overall"] = overall(res["benchmarks"])
+    if report is not None:
+        res["posthoc_probe"] = report
+    _write_results(out_dir, label, res)
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return label, res
+
+
+def report_uses(results):
+    """A few lines per model: the post-hoc probe fit, then voting curves and early exit per benchmark."""
+    lines = []
+    for label, res in results.items():
+        if "posthoc_probe" in res:
+            p = res["posthoc_probe"]
+            lines.append(f"{label}: post-hoc probe val BCE {p['val_bce']:.4f} vs base rate {p['base_bce']:.4f} "
+                         f"(lr {p['lr']}, dropout {p['dropout']}, wd {p['weight_decay']}, {p['prefixes']} prefixes)")
+        lines += [f"{label} {bench} {line}" for bench, b in res["benchmarks"].items() for line in uses.describe(b)]
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    g = p.add_argument_group("what to evaluate")
+    g.add_argument("--model", action="append", required=True,
+                   help="alias (toy, " + ", ".join(ALIASES) + "), HF id, model/checkpoint/run dir; repeatable")
+    g.add_argument("--benchmarks", default="toy", help="comma list: toy, math500, aime24, ..., FILE or NAME=FILE")
+    g.add_argument("--limit", type=int, help="questions per benchmark")
+    g.add_argument("--out", help="output dir (default RUN/eval or eval_out/<model>)")
+    g = p.add_argument_group("sampling")
+    g.add_argument("--n-samples", type=int, help="samples per question (default 32 on aime/amc, else 4)")
+    g.add_argument("--max-new-tokens", type=int, help="default 8000 (toy: 128)")
+    g.add_argument("--temperature", type=float, default=0.6)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--batch-size", type=int, help="questions per generation call (default 64 sequences; toy 256)")
+    g.add_argument("--threads", type=int, help="CPU threads (default: torch's; 1 for the toy world on CPU)")
+    g = p.add_argument_group("confidence")
+    g.add_argument("--confidence", choices=confidence.SOURCES, help="default: probe if the checkpoint has probe.pt, else logits")
+    g.add_argument("--every", type=int, help="thinking tokens between probe budgets / exit checkpoints (500; toy 8)")
+    g.add_argument("--forced-k", type=int, help="forced answers per budget for post-hoc labels (16; toy 4)")
+    g.add_argument("--forced-close", choices=("think", "eos"), default="think")
+    g.add_argument("--probe-data", help="questions for the post-hoc probe (default: toy train split / deepscaler)")
+    g.add_argument("--probe-questions", type=int, help="how many (default 200; toy 64)")
+    g.add_argument("--no-early-exit", action="store_true", help="skip the forced answers at exit checkpoints")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    names = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
+    threads = torch.get_num_threads()
+    # The toy model's matmuls are too small to gain from threads, and on a busy CPU threads that
+    # wait for each other make generation 10x slower: one thread unless --threads says otherwise.
+    if args.threads or (not torch.cuda.is_available() and all(n == "toy" for n in names)):
+        torch.set_num_threads(args.threads or 1)
+    try:
+        loaded = [load_benchmark(b, args.limit) for b in names]   # every name checked before any model loads
+        results = dict(evaluate_model(name, loaded, args) for name in args.model)
+    except (ValueError, OSError) as e:   # EvalError, data.DataError and user-facing ValueErrors
+        raise SystemExit(f"evaluate.py: error: {e}") from None
+    finally:
+        torch.set_num_threads(threads)
+    print(table(results))
+    print()
+    print(report_uses(results))
+    return results
+
+
+if __name__ == "__main__":
+    main()

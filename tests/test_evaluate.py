@@ -1,0 +1,194 @@
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+import data
+import evaluate
+import metrics
+import probe as probe_lib
+import rollout
+import toy
+import uses
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURES = os.path.join(ROOT, "..", "shared", "fixtures")
+FAST = ["--limit", "6", "--n-samples", "2", "--max-new-tokens", "48", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def toy_dir():
+    return toy.base_model()
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, toy_dir):
+    """A run with two complete checkpoints (the later one with a probe.pt) and one half-written."""
+    run = tmp_path_factory.mktemp("runs") / "toyrun"
+    for name in ("step_000010", "step_000020", "step_000030.tmp"):
+        shutil.copytree(toy_dir, run / "checkpoints" / name)
+    torch.manual_seed(0)
+    prb = probe_lib.Probe(128)
+    probe_lib.save(str(run / "checkpoints" / "step_000020" / "probe.pt"), prb, probe_lib.make_optimizer(prb))
+    return str(run)
+
+
+def _rows(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_resolve_model(run_dir, tmp_path):
+    assert evaluate.resolve_model("deepseek-r1-distill-qwen-7b") == "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"
+    assert evaluate.resolve_model("qwen3-4b-instruct") == "Qwen/Qwen3-4B-Instruct-2507"
+    assert evaluate.resolve_model("someone/some-model") == "someone/some-model"
+    latest = os.path.join(run_dir, "checkpoints", "step_000020")          # not the .tmp one
+    assert evaluate.resolve_model(run_dir) == latest
+    assert evaluate.resolve_model(latest) == latest
+    assert evaluate.model_label(run_dir, latest) == "toyrun/step_000020"
+    assert evaluate.default_out(run_dir, latest) == os.path.join(run_dir, "eval")
+    assert evaluate.default_out("someone/m", "someone/m") == os.path.join("eval_out", "someone_m")
+    os.makedirs(tmp_path / "empty" / "checkpoints")
+    with pytest.raises(evaluate.EvalError, match="no complete checkpoint"):
+        evaluate.resolve_model(str(tmp_path / "empty"))
+    with pytest.raises(evaluate.EvalError, match="alias"):
+        evaluate.resolve_model("no_such_model")
+    with pytest.raises(evaluate.EvalError, match="does not exist"):
+        evaluate.resolve_model(str(tmp_path / "typo"))          # a local path, not an HF id
+
+
+@pytest.mark.parametrize("name, count, first_answer", [
+    ("math500", 500, "\\left( 3, \\frac{\\pi}{2} \\right)"),
+    ("aime24", 30, None), ("aime25", 30, "70"), ("amc23", 40, "27"),
+])
+def test_benchmark_fixtures_in_their_real_layout(name, count, first_answer):
+    path = os.path.join(FIXTURES, f"{name}.jsonl")
+    with open(path) as f:
+        raw = [json.loads(line) for line in f]
+    bench, rows, instruction = evaluate.load_benchmark(f"{name}={path}")
+    assert bench == name and len(rows) == count and instruction == data.INSTRUCTION
+    assert rows[0]["problem"] == (raw[0].get("problem") or raw[0]["question"]).strip()
+    assert rows[0]["answer"] == (first_answer or str(raw[0]["answer"]))
+    assert evaluate.load_benchmark(path, limit=3)[0] == name          # a bare file is named by its stem
+    assert len(evaluate.load_benchmark(path, limit=3)[1]) == 3
+    n = evaluate.settings(name, evaluate.parse_args(["--model", "x"]))["n"]
+    assert n == (32 if name in ("aime24", "aime25", "amc23") else 4)
+
+
+def test_short_names_resolve_to_hub_ids_without_downloading(monkeypatch):
+    asked = []
+
+    def fake_hub(hf_id, config, split):
+        asked.append((hf_id, config, split))
+        return [{"problem": "1+1", "answer": 2.0, "url": "https://x/2023_AMC_12A"},
+                {"problem": "2+2", "answer": 4.0, "url": "https://x/2022_AMC_12A"}]
+
+    monkeypatch.setattr(data, "_from_hub", fake_hub)
+    for name in ("math500", "aime24", "aime25", "amc23"):
+        evaluate.load_benchmark(name)
+    assert asked == [("HuggingFaceH4/MATH-500", None, "test"), ("HuggingFaceH4/aime_2024", None, "train"),
+                     ("yentinglin/aime_2025", None, "train"), ("AI-MO/aimo-validation-amc", None, "train")]
+    assert evaluate.load_benchmark("amc23")[1] == [{"problem": "1+1", "answer": "2"}]   # 2023 rows only
+
+
+def test_unknown_benchmark_is_one_line_and_lists_known_names(tmp_path):
+    # SystemExit with a string: Python prints it as one line on stderr and exits with status 1.
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--model", "toy", "--benchmarks", "toy,mathh500", "--out", str(tmp_path)])
+    msg = e.value.code
+    assert isinstance(msg, str) and "\n" not in msg
+    assert "mathh500" in msg and "known: toy, math500, aime24" in msg
+    with pytest.raises(SystemExit, match="does-not-exist.jsonl"):
+        evaluate.main(["--model", "toy", "--benchmarks", "does-not-exist.jsonl"])
+    with pytest.raises(SystemExit, match="cannot load model .*no file named model.safetensors"):
+        evaluate.main(["--model", os.path.join(FIXTURES, "r1_distill_qwen_7b"), "--benchmarks", "toy",
+                       "--out", str(tmp_path)])       # the real tokenizer and config, no weights
+    with pytest.raises(SystemExit, match="unknown benchmark 'aime26'"):
+        evaluate.main(["--model", "toy", "--benchmarks", f"aime26={FIXTURES}/aime25.jsonl"])
+
+
+def test_two_models_side_by_side_and_metrics_match_samples(toy_dir, run_dir, tmp_path, capsys):
+    qfile = tmp_path / "sums.jsonl"
+    qfile.write_text("".join(json.dumps(r) + "\n" for r in toy.dataset("test")[50:56]))
+    out = str(tmp_path / "out")
+    results = evaluate.main(["--model", toy_dir, "--model", run_dir, "--benchmarks", f"toy,{qfile}",
+                             "--out", out] + FAST)
+    printed = capsys.readouterr().out
+    blocks = printed.split("### ")[1:]
+    assert [b.split()[0] for b in blocks] == ["toy_base", "toyrun/step_000020"]
+    for b in blocks:
+        names = [line.split("|")[1].strip() for line in b.splitlines() if line.startswith("| ")][1:]
+        assert names == ["toy", "sums", "Overall"]
+    assert "(confidence: logits)" in blocks[0] and "(confidence: probe)" in blocks[1]
+
+    saved = json.load(open(os.path.join(out, "results.json")))
+    samples = _rows(os.path.join(out, "samples.jsonl"))
+    assert len(samples) == 2 * 2 * 6 * 2
+    for label in ("toy_base", "toyrun/step_000020"):
+        for bench in ("toy", "sums"):
+            mine = [r for r in samples if r["model"] == label and r["benchmark"] == bench]
+            want = metrics.calibration([r["confidence"] for r in mine], [r["correct"] for r in mine])
+            got = saved[label]["benchmarks"][bench]
+            for key in ("acc", "ece", "pce", "brier", "n"):
+                assert got[key] == pytest.approx(want[key]), (label, bench, key)
+            assert sum(r["count"] for r in got["reliability"]) == len(mine)
+            assert os.path.getsize(os.path.join(out, f"reliability_{label.replace('/', '_')}_{bench}.png")) > 5000
+        ov = saved[label]["overall"]["acc"]
+        assert ov == pytest.approx((saved[label]["benchmarks"]["toy"]["acc"] + saved[label]["benchmarks"]["sums"]["acc"]) / 2)
+    assert results["toyrun/step_000020"]["confidence"] == "probe"
+    # The run's probe is read at exit checkpoints too: every 8 thinking tokens on the toy benchmark.
+    toy_rows = [r for r in samples if r["model"] == "toyrun/step_000020" and r["benchmark"] == "toy"]
+    assert all("checkpoints" in r for r in toy_rows) and any(r["checkpoints"] for r in toy_rows)
+    assert all([c[0] for c in r["checkpoints"]] == list(range(8, 8 * len(r["checkpoints"]) + 1, 8)) for r in toy_rows)
+
+
+def test_interrupted_evaluation_resumes_without_regenerating(toy_dir, tmp_path, monkeypatch):
+    args = ["--model", toy_dir, "--benchmarks", "toy", "--limit", "5", "--n-samples", "3",
+            "--max-new-tokens", "48", "--batch-size", "2", "--out", str(tmp_path)]
+    evaluate.main(args)
+    path = tmp_path / "samples.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    assert len(lines) == 15
+    kept = lines[:7]                                 # a kill mid-batch: 7 rows and a cut-off line
+    path.write_text("".join(kept) + lines[7][:20])
+    generated = []
+    real = rollout.generate
+
+    def counting(model, tok, prompts, n=1, **kw):
+        generated.append(len(prompts) * n)
+        return real(model, tok, prompts, n=n, **kw)
+
+    monkeypatch.setattr(rollout, "generate", counting)
+    evaluate.main(args)
+    again = path.read_text().splitlines(keepends=True)
+    assert again[:7] == kept and len(again) == 15 and sum(generated) == 8
+    keys = {(r["question"], r["sample"]) for r in map(json.loads, again)}
+    assert keys == {(q, j) for q in range(5) for j in range(3)}
+    generated.clear()
+    evaluate.main(args)
+    assert generated == [] and path.read_text().splitlines(keepends=True) == again
+
+
+def test_posthoc_probe_beats_the_base_rate_and_early_exit_keeps_its_bound(toy_dir, tmp_path):
+    out = str(tmp_path)
+    res = evaluate.main(["--model", toy_dir, "--benchmarks", "toy", "--limit", "40", "--n-samples", "4",
+                         "--confidence", "probe-posthoc", "--out", out])
+    rep = res["toy_base"]["posthoc_probe"]
+    soft, rounded = rep["base_bce"] - rep["val_bce"], rep["base_bce_rounded"] - rep["val_bce_rounded"]
+    print(f"\npost-hoc probe on {rep['n_val']} validation prefixes: BCE {rep['val_bce']:.4f} vs base rate "
+          f"{rep['base_bce']:.4f} (gain {soft:.4f}); against rounded labels (the early-stopping loss) "
+          f"{rep['val_bce_rounded']:.4f} vs {rep['base_bce_rounded']:.4f} (gain {rounded:.4f})")
+    assert rounded > 0.03 and soft > 0.01
+    b = res["toy_base"]["benchmarks"]["toy"]
+    rows = [r for r in _rows(os.path.join(out, "samples.jsonl"))]
+    assert all(r["source"] == "probe-posthoc" for r in rows)
+    ee = b["early_exit"]
+    assert [e["epsilon"] for e in ee] == [0.1, 0.2, 0.3]
+    for e in ee:
+        assert e["threshold"] is not None and e["cal_bound"] <= e["epsilon"]
+        assert 0.0 <= e["tokens_saved"] <= 1.0 and 0.0 <= e["test_risk"] <= 1.0
+    # The bound recomputed from samples.jsonl with the same split as uses.from_samples.
+    again = uses.from_samples(rows)["early_exit"]
+    assert [e["threshold"] for e in again] == [e["threshold"] for e in ee]
