@@ -8,8 +8,9 @@ How one chunk of prompts is generated:
      are `cumsum(attention_mask) - 1` (clamped at 0) so every prompt starts at position 0.
   2. share: the KV cache, the last logits, mask and positions are repeated n times along the batch
      (`DynamicCache.batch_repeat_interleave`), so the n samples of a prompt share its prefill.
-  3. decode: one forward pass per new token over all B*n rows, keeping only the last position's
-     logits. A finished row keeps emitting padding (masked out of the result) until all rows are done.
+  3. decode: one forward pass per new token over the running rows, keeping only the last position's
+     logits. Once a quarter of the batch has finished, finished rows are dropped from the batch and
+     from the KV cache (`batch_select_indices`), so a few long samples do not drag the rest along.
 
 Sampling: temperature 0 is greedy; otherwise softmax(logits / temperature) restricted to the
 smallest set of top tokens whose probability reaches top_p. Ids the tokenizer does not have
@@ -104,11 +105,12 @@ def _generate_chunk(model, tokenizer, prompts, n, max_new_tokens, temperature, t
     pos = positions[:, -1:]
     rows = logits.shape[0]
 
-    # 3. decode. Only this step's [rows, V] logits exist; generated ids go into a preallocated buffer.
+    # 3. decode. Only this step's [live, V] logits exist; generated ids go into a preallocated buffer.
     ids = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
     done = torch.zeros(rows, dtype=torch.bool, device=device)
     reason = torch.zeros(rows, dtype=torch.long, device=device)
     length = torch.zeros(rows, dtype=torch.long, device=device)
+    live = torch.arange(rows, device=device)  # rows still in the model's batch
     eos_t = torch.tensor(eos_ids, dtype=torch.long, device=device)
     stop_t = torch.tensor(stop_ids, dtype=torch.long, device=device)
     # Each token decodes to at least one character, so a stop string of k characters ending at the
@@ -118,26 +120,34 @@ def _generate_chunk(model, tokenizer, prompts, n, max_new_tokens, temperature, t
         logits = logits.float()
         if logits.shape[-1] > vocab:
             logits[:, vocab:] = float("-inf")
-        tok = torch.where(done, pad_id, sample_next(logits, temperature, top_p, generator))
-        ids[:, t] = tok
-        active = ~done
-        length += active.long()
+        tok = torch.where(done[live], pad_id, sample_next(logits, temperature, top_p, generator))
+        ids[live, t] = tok
+        active = ~done[live]
+        length[live] += active.long()
         hit_eos = active & torch.isin(tok, eos_t)
         hit_stop = active & ~hit_eos & torch.isin(tok, stop_t)
-        reason = torch.where(hit_eos, 1, torch.where(hit_stop, 2, reason))
-        done = done | hit_eos | hit_stop
+        reason[live] = torch.where(hit_eos, 1, torch.where(hit_stop, 2, reason[live]))
+        done[live] |= hit_eos | hit_stop
         if stop_strs:
-            # The one host copy per step: the last few tokens of each row, decoded and searched.
-            tails = ids[:, max(0, t + 1 - window):t + 1].tolist()
-            running = (~done).tolist()
-            hits = [r for r in range(rows) if running[r] and
-                    any(s in tokenizer.decode(tails[r], skip_special_tokens=True) for s in stop_strs)]
+            # The one host copy per step: the last few tokens of each running row, decoded in one
+            # batched call and searched.
+            running = live[~done[live]].tolist()
+            tails = tokenizer.batch_decode(ids[running, max(0, t + 1 - window):t + 1].tolist(),
+                                           skip_special_tokens=True) if running else []
+            hits = [r for r, text in zip(running, tails) if any(s in text for s in stop_strs)]
             if hits:
                 hit = torch.tensor(hits, device=device)
                 reason[hit], done[hit] = 2, True
-        if t == max_new_tokens - 1 or bool(done.all()):
+        keep = ~done[live]
+        n_keep = int(keep.sum())
+        if t == max_new_tokens - 1 or n_keep == 0:
             break
-        mask = torch.cat([mask, mask.new_ones(rows, 1)], dim=1)
+        if n_keep <= 0.75 * len(live):
+            # Drop finished rows from the batch (and their KV cache) so long tails decode cheaply.
+            idx = keep.nonzero().squeeze(1)
+            cache.batch_select_indices(idx)
+            live, tok, mask, pos = live[idx], tok[idx], mask[idx], pos[idx]
+        mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
         pos = pos + 1
         out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos,
                     use_cache=True, **{cache_kw: cache}, **extra)

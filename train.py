@@ -48,6 +48,11 @@ TOY = dict(data="toy", eval_data="toy", steps=30, prompts_per_step=16, group_siz
 REAL = dict(data="deepscaler", eval_data="math500", steps=600, prompts_per_step=64, group_size=8,
             lr=1e-6, warmup=10, max_new_tokens=8192, eval_n=100, eval_every=50, save_every=50,
             grad_ckpt=True, micro_tokens=16384, gen_batch=64)
+COMMON = dict(model="toy", problem_field=None, answer_field=None, trust_remote_code=False,
+              temperature=0.8, top_p=1.0, reward="rlcm", lam=0.1, k=4, forced_close="think",
+              corner="zero", probe_lr=1e-3, probe_passes=16, probe_batch=16, grad_clip=1.0,
+              clip_low=0.2, clip_high=0.2, agg="token-mean", chunk_size=1024, seed=0, keep=2,
+              out=None, resume=None)
 VOLATILE = ("t_", "tok_per_s", "peak_mem")  # metrics.jsonl fields that vary between identical runs
 
 
@@ -60,52 +65,51 @@ def print0(*a):
         tqdm.write(" ".join(str(x) for x in a))
 
 
-def build_parser(suppress=False):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                argument_default=argparse.SUPPRESS if suppress else None)
+def build_parser():
+    """Every default is None here: unset flags are filled from COMMON and TOY/REAL in resolve_args."""
+    fmt = lambda d: ", ".join(f"{k}={v}" for k, v in d.items())  # noqa: E731
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=(
+        f"defaults: {fmt(COMMON)}. toy world: {fmt(TOY)}. real models: {fmt(REAL)}."))
     g = p.add_argument_group("model and data")
-    g.add_argument("--model", default=None if suppress else "toy",
-                   help="toy | deepseek-r1-distill-qwen-7b | qwen3-4b-instruct | HF id | local dir")
+    g.add_argument("--model", help="toy | deepseek-r1-distill-qwen-7b | qwen3-4b-instruct | HF id | local dir")
     g.add_argument("--data", help="toy | deepscaler | HF dataset id | local json/jsonl/parquet")
     g.add_argument("--problem-field")
     g.add_argument("--answer-field")
     g.add_argument("--eval-data", help="held-out set for the accuracy check (default: toy test / math500)")
-    g.add_argument("--trust-remote-code", action="store_true")
+    g.add_argument("--trust-remote-code", action="store_true", default=None)
     g = p.add_argument_group("rollout")
     g.add_argument("--prompts-per-step", type=int)
     g.add_argument("--group-size", type=int)
     g.add_argument("--max-new-tokens", type=int)
-    g.add_argument("--temperature", type=float, default=None if suppress else 0.8)
-    g.add_argument("--top-p", type=float, default=None if suppress else 1.0)
+    g.add_argument("--temperature", type=float)
+    g.add_argument("--top-p", type=float)
     g.add_argument("--gen-batch", type=int, help="prompts per generation call")
     g = p.add_argument_group("reward, labels and probe")
-    g.add_argument("--reward", choices=("rlcm", "grpo"), default=None if suppress else "rlcm")
-    g.add_argument("--lam", type=float, default=None if suppress else 0.1)
-    g.add_argument("--k", type=int, default=None if suppress else 4, help="forced answers per prefix")
-    g.add_argument("--forced-close", choices=("think", "eos"), default=None if suppress else "think",
+    g.add_argument("--reward", choices=("rlcm", "grpo"))
+    g.add_argument("--lam", type=float)
+    g.add_argument("--k", type=int, help="forced answers per prefix")
+    g.add_argument("--forced-close", choices=("think", "eos"),
                    help="token before the forced suffix: </think> (paper) or EOS (released code)")
-    g.add_argument("--corner", choices=("zero", "one-sided"), default=None if suppress else "zero")
-    g.add_argument("--probe-lr", type=float, default=None if suppress else 1e-3)
-    g.add_argument("--probe-passes", type=int, default=None if suppress else 16)
-    g.add_argument("--probe-batch", type=int, default=None if suppress else 16)
+    g.add_argument("--corner", choices=("zero", "one-sided"))
+    g.add_argument("--probe-lr", type=float)
+    g.add_argument("--probe-passes", type=int)
+    g.add_argument("--probe-batch", type=int)
     g = p.add_argument_group("optimisation")
     g.add_argument("--lr", type=float)
     g.add_argument("--warmup", type=int)
-    g.add_argument("--grad-clip", type=float, default=None if suppress else 1.0)
-    g.add_argument("--clip-low", type=float, default=None if suppress else 0.2)
-    g.add_argument("--clip-high", type=float, default=None if suppress else 0.2)
-    g.add_argument("--agg", choices=("token-mean", "seq-mean", "seq-sum-norm"),
-                   default=None if suppress else "token-mean")
+    g.add_argument("--grad-clip", type=float)
+    g.add_argument("--clip-low", type=float)
+    g.add_argument("--clip-high", type=float)
+    g.add_argument("--agg", choices=("token-mean", "seq-mean", "seq-sum-norm"))
     g.add_argument("--micro-tokens", type=int, help="tokens per micro-batch (gradient accumulation)")
-    g.add_argument("--chunk-size", type=int, default=None if suppress else 1024,
-                   help="positions per LM-head call when computing log-probs")
+    g.add_argument("--chunk-size", type=int, help="positions per LM-head call when computing log-probs")
     g.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction)
     g = p.add_argument_group("run")
     g.add_argument("--steps", type=int)
     g.add_argument("--out", help="run directory (default runs/<model>)")
-    g.add_argument("--seed", type=int, default=None if suppress else 0)
+    g.add_argument("--seed", type=int)
     g.add_argument("--save-every", type=int)
-    g.add_argument("--keep", type=int, default=None if suppress else 2, help="checkpoints kept")
+    g.add_argument("--keep", type=int, help="checkpoints kept")
     g.add_argument("--eval-every", type=int, help="held-out accuracy every N steps (0: start and end only)")
     g.add_argument("--eval-n", type=int, help="held-out problems in the accuracy check")
     g.add_argument("--resume", metavar="RUN_DIR", help="continue this run from its latest checkpoint")
@@ -113,21 +117,20 @@ def build_parser(suppress=False):
 
 
 def resolve_args(argv):
-    """CLI -> config dict. On --resume the run's saved config wins, except for flags given now."""
-    cfg = vars(build_parser().parse_args(argv))
-    if cfg["resume"]:
-        path = os.path.join(cfg["resume"], "config.json")
+    """CLI -> config dict: flags given now > the saved config of a resumed run > world defaults."""
+    given = {k: v for k, v in vars(build_parser().parse_args(argv)).items() if v is not None}
+    saved = {}
+    if given.get("resume"):
+        path = os.path.join(given["resume"], "config.json")
         if not os.path.isfile(path):
-            raise UserError(f"--resume {cfg['resume']}: no run there (config.json missing); "
+            raise UserError(f"--resume {given['resume']}: no run there (config.json missing); "
                             "pass the --out directory of an earlier run")
         with open(path) as f:
             saved = json.load(f)
-        given = vars(build_parser(suppress=True).parse_args(argv))
-        cfg = {**saved, **given, "out": cfg["resume"], "resume": cfg["resume"]}
-    is_toy = cfg["model"] == "toy"
-    for key, value in (TOY if is_toy else REAL).items():
-        if cfg.get(key) is None:
-            cfg[key] = value
+        given["out"] = given["resume"]
+    model = given.get("model", saved.get("model", "toy"))
+    cfg = {**COMMON, **(TOY if model == "toy" else REAL), **saved, **given}
+    cfg["resume"] = given.get("resume")
     cfg["out"] = cfg["out"] or os.path.join("runs", os.path.basename(cfg["model"].rstrip("/")))
     return cfg
 
@@ -165,8 +168,10 @@ def checkpoint_activations(model):
 
 
 class Timer:
+    PHASES = ("rollout", "label", "score", "probe", "update")
+
     def __init__(self):
-        self.t = {}
+        self.t = {"t_" + p: 0.0 for p in self.PHASES}
 
     @contextmanager
     def __call__(self, phase):
@@ -229,10 +234,11 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
     traj_prompts = [prompts[i] for i in out.prompt_index]
     correct = torch.tensor([data.is_correct(t, g) for t, g in zip(out.texts, golds)], dtype=torch.float32)
     cuts = [budgets(n) if rlcm else [] for n in out.lengths]
-    with timer("label"):
-        labels = mc_labels(sampler, tok, traj_prompts, out.ids, cuts, golds, k=cfg["k"],
-                           close=cfg["forced_close"], seed=seed + 7, batch_size=cfg["gen_batch"]) \
-            if rlcm else [[] for _ in cuts]
+    labels = [[] for _ in cuts]
+    if rlcm:
+        with timer("label"):
+            labels = mc_labels(sampler, tok, traj_prompts, out.ids, cuts, golds, k=cfg["k"],
+                               close=cfg["forced_close"], seed=seed + 7, batch_size=cfg["gen_batch"])
 
     batch = pack(traj_prompts, out.ids, tok.pad_token_id)
     ends = budget_ends(batch["prompt_lens"], cuts)
@@ -430,7 +436,7 @@ def run(cfg):
         refresh_sampler(sampler, policy)
         log(row)
         bar.set_postfix(acc=f"{row['accuracy']:.2f}", R=f"{row['reward']:+.2f}",
-                        margin=f"{row['margin']:+.3f}", sig=f"{row.get('margin_frac', 0):.2f}")
+                        margin=f"{row['margin']:+.3f}", sig=f"{row['signal_frac']:.2f}")
         last = step == cfg["steps"]
         if last or (cfg["eval_every"] and step % cfg["eval_every"] == 0):
             final_acc = evaluate(step)

@@ -60,7 +60,7 @@ def test_grpo_reward_runs_no_forced_answers(tmp_path, monkeypatch):
     train.main(["--steps", "1", "--out", run, "--reward", "grpo", *SMALL])
     (row,) = [r for r in rows(run) if not r.get("eval")]
     assert row["reward"] == pytest.approx(2 * row["accuracy"] - 1)  # signed correctness, nothing else
-    assert row["t_label"] == 0.0 if "t_label" in row else True
+    assert row["t_label"] == 0.0 and row["t_probe"] == 0.0
     assert "probe_bce" not in row
 
 
