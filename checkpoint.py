@@ -1,4 +1,8 @@
-"""Run directories and atomic checkpoints.
+"""Where models and runs live: aliases, run directories, atomic checkpoints.
+
+`resolve_model` turns what a user types after --model into something from_pretrained loads:
+an alias (`deepseek-r1-distill-qwen-7b`), `toy`, an HF id, a model directory, a checkpoint
+directory, or a run directory (its latest checkpoint).
 
     RUN/config.json                      the resolved configuration (written at start)
     RUN/metrics.jsonl                    one row per step, plus held-out evaluation rows
@@ -19,6 +23,54 @@ import numpy as np
 import torch
 
 PREFIX = "step_"
+ALIASES = {
+    "deepseek-r1-distill-qwen-7b": "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
+    "qwen3-4b-instruct": "Qwen/Qwen3-4B-Instruct-2507",
+}
+
+
+class UserError(ValueError):
+    """A problem the user can fix (bad name, missing file, offline hub): printed as one line."""
+
+
+def resolve_model(name):
+    """Alias, HF id, model dir, checkpoint dir or run dir (-> its latest complete checkpoint)."""
+    if name == "toy":
+        import toy  # the offline world; builds its base policy on first use
+        return toy.base_model()
+    if name in ALIASES:
+        return ALIASES[name]
+    if os.path.isdir(os.path.join(name, "checkpoints")):
+        ckpt = latest_checkpoint(name)
+        if ckpt is None:
+            raise UserError(f"run directory {name} has no complete checkpoint under checkpoints/")
+        return ckpt
+    if os.path.isdir(name):
+        return name
+    # owner/name is an HF id unless `owner` is a local folder (runs/typo: say so instead of asking the hub)
+    if name.count("/") == 1 and not name.startswith((".", "/")) and not os.path.isdir(name.split("/")[0]):
+        return name
+    if "/" in name:
+        raise UserError(f"model directory {name} does not exist")
+    raise UserError(f"model {name!r} is not a directory, an HF id (owner/name) or an alias "
+                    f"({', '.join(['toy', *ALIASES])})")
+
+
+def load_model(name, dtype=torch.float32, trust_remote_code=False):
+    """(model, tokenizer) for a --model value; any loading failure becomes one UserError line."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = resolve_model(name)
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        where = "" if path == name else f" ({path})"
+        raise UserError(f"cannot load model {name!r}{where}: {first} -- offline? download it first "
+                        "(hf download ID) or pass a local directory with weights") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return model, tok
 
 
 def checkpoints(run_dir):

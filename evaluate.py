@@ -33,12 +33,9 @@ import probe as probe_lib
 import rollout
 import toy
 import uses
-from checkpoint import latest_checkpoint
+import checkpoint
+from checkpoint import ALIASES, UserError, resolve_model
 
-ALIASES = {
-    "deepseek-r1-distill-qwen-7b": "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
-    "qwen3-4b-instruct": "Qwen/Qwen3-4B-Instruct-2507",
-}
 BIG_N = {"aime24": 32, "aime25": 32, "amc23": 32}   # samples per question; 4 elsewhere
 # Per-world defaults. Toy: the forced text is the one the toy base learned (label.SUFFIX), and K is
 # smaller than the released 16; `every` is in thinking tokens (toy traces think for ~10-40 tokens).
@@ -48,32 +45,6 @@ REAL = dict(n=4, max_new_tokens=8000, every=500, forced_k=16, probe_questions=20
 TOY = dict(n=4, max_new_tokens=128, every=8, forced_k=4, probe_questions=64, rows=256, score_batch=256)
 EPSILONS = (0.1, 0.2, 0.3)
 COLUMNS = (("Acc", "acc"), ("ECE", "ece"), ("PCE", "pce"), ("Brier", "brier"), ("AUROC", "auroc"))
-
-
-class EvalError(ValueError):
-    """A problem the user can fix (bad name, missing file, offline hub): printed as one line."""
-
-
-def resolve_model(name):
-    """Alias, HF id, model dir, checkpoint dir or run dir (-> its latest complete checkpoint)."""
-    if name == "toy":
-        return toy.base_model()
-    if name in ALIASES:
-        return ALIASES[name]
-    if os.path.isdir(os.path.join(name, "checkpoints")):
-        ckpt = latest_checkpoint(name)
-        if ckpt is None:
-            raise EvalError(f"run directory {name} has no complete checkpoint under checkpoints/")
-        return ckpt
-    if os.path.isdir(name):
-        return name
-    # owner/name is an HF id unless `owner` is a local folder (runs/typo: say so instead of asking the hub)
-    if name.count("/") == 1 and not name.startswith((".", "/")) and not os.path.isdir(name.split("/")[0]):
-        return name
-    if "/" in name:
-        raise EvalError(f"model directory {name} does not exist")
-    raise EvalError(f"model {name!r} is not a directory, an HF id (owner/name) or an alias "
-                    f"({', '.join(['toy', *ALIASES])})")
 
 
 def _run_dir(path):
@@ -96,20 +67,10 @@ def default_out(name, path):
     return os.path.join(run, "eval") if run else os.path.join("eval_out", model_label(name, path).replace("/", "_"))
 
 
-def load_model(name, path):
+def load_model(name):
     """(model in eval mode on the GPU if there is one, tokenizer); trust_remote_code stays off."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
-        model = AutoModelForCausalLM.from_pretrained(
-            path, trust_remote_code=False, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
-    except (OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        where = "" if path == name else f" ({path})"
-        raise EvalError(f"cannot load model {name!r}{where}: {first} -- offline? download it first "
-                        "(hf download ID) or pass a local directory; HF_HUB_OFFLINE=1 fails fast") from None
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
+    model, tok = checkpoint.load_model(name, torch.bfloat16 if device == "cuda" else torch.float32)
     return model.to(device).eval(), tok
 
 
@@ -123,13 +84,13 @@ def load_benchmark(spec, limit=None):
         return "toy", data.load_rows("toy", split="test", limit=limit), toy.INSTRUCTION
     if path:
         if name not in data.BENCHMARKS:
-            raise EvalError(f"unknown benchmark {name!r} in {spec!r}; known: {known}")
+            raise UserError(f"unknown benchmark {name!r} in {spec!r}; known: {known}")
         return name, data.load_rows(path, limit=limit), data.INSTRUCTION
     if name.lower().endswith((".json", ".jsonl", ".parquet")):
         return os.path.splitext(os.path.basename(name))[0], data.load_rows(name, limit=limit), data.INSTRUCTION
     if name in data.BENCHMARKS or "/" in name:
         return name, data.load_rows(name, limit=limit), data.INSTRUCTION
-    raise EvalError(f"unknown benchmark {name!r}; known: {known}; or a local .json/.jsonl/.parquet file, "
+    raise UserError(f"unknown benchmark {name!r}; known: {known}; or a local .json/.jsonl/.parquet file, "
                     "NAME=FILE, or an HF dataset id (owner/name)")
 
 
@@ -155,7 +116,7 @@ def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, con
     have = [r for r in read_samples(path) if r["model"] == label and r["benchmark"] == bench]
     stale = {r.get("source") for r in have} - {conf_kw["source"]}
     if stale:
-        raise EvalError(f"{path} holds {bench} samples of {label} with confidence {stale.pop()!r}, not "
+        raise UserError(f"{path} holds {bench} samples of {label} with confidence {stale.pop()!r}, not "
                         f"{conf_kw['source']!r}: pass that --confidence or another --out")
     done = {(r["question"], r["sample"]) for r in have}
     todo = [(q, [j for j in range(s["n"]) if (q, j) not in done]) for q in range(len(rows))]
@@ -282,7 +243,7 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id):
     """(probe or None, post-hoc report or None) for a confidence source; post-hoc probes are cached in OUT."""
     if source == "probe":
         if not os.path.isfile(os.path.join(path, "probe.pt")):
-            raise EvalError(f"{label} has no probe.pt: use --confidence probe-posthoc, logits or verbal")
+            raise UserError(f"{label} has no probe.pt: use --confidence probe-posthoc, logits or verbal")
         return probe_lib.load(os.path.join(path, "probe.pt"))[0], None
     if source != "probe-posthoc":
         return None, None
@@ -310,7 +271,7 @@ def evaluate_model(name, loaded, args):
     label = model_label(name, path)
     out_dir = args.out or default_out(name, path)
     os.makedirs(out_dir, exist_ok=True)
-    model, tok = load_model(name, path)
+    model, tok = load_model(name)
     source = args.confidence or ("probe" if os.path.isfile(os.path.join(path, "probe.pt")) else "logits")
     think = tok.convert_tokens_to_ids("</think>")
     close_id = None if think is None or think == tok.unk_token_id else think
@@ -392,7 +353,7 @@ def main(argv=None):
     try:
         loaded = [load_benchmark(b, args.limit) for b in names]   # every name checked before any model loads
         results = dict(evaluate_model(name, loaded, args) for name in args.model)
-    except (ValueError, OSError) as e:   # EvalError, data.DataError and user-facing ValueErrors
+    except (ValueError, OSError) as e:   # UserError, data.DataError and user-facing ValueErrors
         raise SystemExit(f"evaluate.py: error: {e}") from None
     finally:
         torch.set_num_threads(threads)

@@ -29,6 +29,7 @@ from tqdm import tqdm
 import data
 import probe as probe_lib
 import checkpoint as ckpt_lib
+from checkpoint import UserError
 from parallel import MASTER, RANK, WORLD, all_gather, all_sum, full_state, load_optimizer, refresh_sampler, setup, teardown, wrap
 from grpo import group_advantages, pack, policy_loss, token_logprobs
 from label import budgets, mc_labels
@@ -37,12 +38,8 @@ from reward import margin_reward, total_reward
 from rollout import generate
 from score import budget_ends, score
 
-ALIASES = {
-    "deepseek-r1-distill-qwen-7b": "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
-    "qwen3-4b-instruct": "Qwen/Qwen3-4B-Instruct-2507",
-}
 # Defaults that depend on the world: the toy sizes for 2 CPU cores, the real ones from DESIGN.md.
-TOY = dict(data="toy", eval_data="toy", steps=30, prompts_per_step=16, group_size=8, lr=5e-5,
+TOY = dict(data="toy", eval_data="toy", steps=30, prompts_per_step=16, group_size=8, lr=2e-5,
            warmup=3, max_new_tokens=48, eval_n=200, eval_every=10, save_every=10, grad_ckpt=False,
            micro_tokens=8192, gen_batch=256)
 REAL = dict(data="deepscaler", eval_data="math500", steps=600, prompts_per_step=64, group_size=8,
@@ -54,10 +51,6 @@ COMMON = dict(model="toy", problem_field=None, answer_field=None, trust_remote_c
               clip_low=0.2, clip_high=0.2, agg="token-mean", chunk_size=1024, seed=0, keep=2,
               out=None, resume=None)
 VOLATILE = ("t_", "tok_per_s", "peak_mem")  # metrics.jsonl fields that vary between identical runs
-
-
-class UserError(Exception):
-    """A problem the user can fix; main prints it as one line and exits non-zero."""
 
 
 def print0(*a):
@@ -136,22 +129,8 @@ def resolve_args(argv):
 
 
 def load_policy(name, cfg, device):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    if name == "toy":
-        import toy
-        name = toy.base_model()
-    name = ALIASES.get(name, name)
-    remote = cfg["trust_remote_code"]
-    try:
-        tok = AutoTokenizer.from_pretrained(name, trust_remote_code=remote)
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, trust_remote_code=remote)
-    except (OSError, ValueError) as e:
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise UserError(f"cannot load model {cfg['model']!r}: {reason} -- use an alias "
-                        f"({', '.join(['toy', *ALIASES])}), a local directory with weights, or an "
-                        "HF id already in the local cache (the hub may be unreachable)") from None
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
+    """The policy in fp32 (bf16 compute comes from autocast / FSDP mixed precision) + tokenizer."""
+    model, tok = ckpt_lib.load_model(name, torch.float32, cfg["trust_remote_code"])
     model.config.use_cache = False
     if cfg["grad_ckpt"]:
         checkpoint_activations(model)
@@ -361,6 +340,8 @@ def peak_memory(device):
 
 def run(cfg):
     device = setup()
+    if device.type == "cpu" and cfg["model"] == "toy":
+        torch.set_num_threads(1)  # the toy's ops are too small to gain from threads; they only contend
     out = cfg["out"]
     ckpt = ckpt_lib.latest_checkpoint(out)
     if cfg["resume"] and ckpt is None:

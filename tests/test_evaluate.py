@@ -51,11 +51,11 @@ def test_resolve_model(run_dir, tmp_path):
     assert evaluate.default_out(run_dir, latest) == os.path.join(run_dir, "eval")
     assert evaluate.default_out("someone/m", "someone/m") == os.path.join("eval_out", "someone_m")
     os.makedirs(tmp_path / "empty" / "checkpoints")
-    with pytest.raises(evaluate.EvalError, match="no complete checkpoint"):
+    with pytest.raises(evaluate.UserError, match="no complete checkpoint"):
         evaluate.resolve_model(str(tmp_path / "empty"))
-    with pytest.raises(evaluate.EvalError, match="alias"):
+    with pytest.raises(evaluate.UserError, match="alias"):
         evaluate.resolve_model("no_such_model")
-    with pytest.raises(evaluate.EvalError, match="does not exist"):
+    with pytest.raises(evaluate.UserError, match="does not exist"):
         evaluate.resolve_model(str(tmp_path / "typo"))          # a local path, not an HF id
 
 
