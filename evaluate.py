@@ -23,7 +23,6 @@ import sys
 import numpy as np
 import torch
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import confidence
 import data

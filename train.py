@@ -31,7 +31,7 @@ import probe as probe_lib
 import checkpoint as ckpt_lib
 from checkpoint import UserError
 from parallel import MASTER, RANK, WORLD, all_gather, all_sum, full_state, load_optimizer, refresh_sampler, setup, teardown, wrap
-from grpo import group_advantages, pack, policy_loss, token_logprobs
+from grpo import group_advantages, pack, policy_loss
 from label import budgets, mc_labels
 from metrics import ece
 from reward import margin_reward, total_reward
