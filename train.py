@@ -408,6 +408,7 @@ def run(cfg):
 
     first_acc = evaluate(0) if step == 0 else None
     final_acc = first_acc
+    phase_sums = dict.fromkeys(Timer.PHASES, 0.0)
     bar = tqdm(range(step + 1, cfg["steps"] + 1), initial=step, total=cfg["steps"], disable=not MASTER,
                desc="rlcm" if cfg["reward"] == "rlcm" else "grpo")
     for step in bar:
@@ -416,8 +417,11 @@ def run(cfg):
                       device, instruction)
         refresh_sampler(sampler, policy)
         log(row)
+        for p in Timer.PHASES:
+            phase_sums[p] += row["t_" + p]
         bar.set_postfix(acc=f"{row['accuracy']:.2f}", R=f"{row['reward']:+.2f}",
-                        margin=f"{row['margin']:+.3f}", sig=f"{row['signal_frac']:.2f}")
+                        margin=f"{row['margin']:+.3f}", sig=f"{row['signal_frac']:.2f}",
+                        roll=f"{row['t_rollout']:.1f}s", label=f"{row['t_label']:.1f}s")
         last = step == cfg["steps"]
         if last or (cfg["eval_every"] and step % cfg["eval_every"] == 0):
             final_acc = evaluate(step)
@@ -428,6 +432,10 @@ def run(cfg):
         print0(f"\nrun: {out}  (latest checkpoint: {where})")
         if first_acc is not None and cfg["steps"] > 0:
             print0(f"held-out accuracy: {first_acc:.3f} at the start -> {final_acc:.3f} at step {step}")
+        roll = max(phase_sums["rollout"], 1e-9)
+        print0("seconds per phase: " + ", ".join(
+            f"{p} {t:.1f}" + ("" if p == "rollout" else f" ({t / roll:.2f}x rollout)")
+            for p, t in phase_sums.items()))
         bench = " --benchmarks toy" if cfg["eval_data"] == "toy" else ""
         print0(f"next: python evaluate.py --model {out}{bench}")
 
