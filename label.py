@@ -16,11 +16,12 @@ closes the forced `\\boxed{` (unclosed: wrong), and the label is
 
     Y_b = (1/K) * sum_k 1[answer_k == gold]
 
-Cost: every prefix of every trajectory in the batch goes into one `rollout.generate` call (chunked
-by `batch_size`); each prefix is prefilled once and its KV cache is repeated for its K samples, so
-a trajectory costs len(budgets) prefix prefills (batched with all others) plus K * (answer length)
-decode positions per prefix. The trajectory's own cache from the rollout is not reused: prefill is
-one batched forward, cheap next to the token-by-token rollout.
+Cost: every distinct forced prompt of the batch goes into one `rollout.generate` call (chunked by
+`batch_size`); each is prefilled once and its KV cache is repeated for its K samples, so a
+trajectory costs at most len(budgets) prefix prefills (batched with all others) plus
+K * (answer length) decode positions per prefix. Identical forced prompts (samples of one problem
+that agree up to the cut, common for short prefixes) are labelled once and share their Y_b: it
+estimates the same probability. The trajectory's own KV cache from the rollout is not reused.
 """
 from rollout import generate
 from data import answers_match
@@ -81,14 +82,29 @@ def mc_labels(model, tokenizer, prompts, responses, budget_lists, golds, k=4, te
     golds: N gold answers. Returns N lists of floats in [0, 1], aligned with budget_lists.
     If `stats` is a dict, the number of forced prompts and sampled answers is added to it.
     """
-    forced, owner = [], []
-    for i, (p, r, bs) in enumerate(zip(prompts, responses, budget_lists)):
-        for b in bs:
-            forced.append(forced_prompt(p, r, b, tokenizer, close, suffix))
-            owner.append(i)
-    labels = [[] for _ in prompts]
-    if not forced:
-        return labels
+    where, unique = [], {}  # (trajectory, budget) -> index of its distinct forced prompt
+    for p, r, bs in zip(prompts, responses, budget_lists):
+        where.append([unique.setdefault(tuple(forced_prompt(p, r, b, tokenizer, close, suffix)),
+                                        len(unique)) for b in bs])
+    gold_of = {}
+    for i, js in enumerate(where):
+        for j in js:
+            gold_of.setdefault(j, golds[i])  # equal prompts mean the same problem, hence the same gold
+    if not unique:
+        return [[] for _ in prompts]
+    out = generate(model, tokenizer, [list(f) for f in unique], n=k, max_new_tokens=max_new_tokens,
+                   temperature=temperature, top_p=top_p, stop=("\n",), seed=seed,
+                   batch_size=batch_size)
+    y = []
+    for j in range(len(unique)):
+        answers = (forced_answer(t) for t in out.texts[j * k:(j + 1) * k])
+        y.append(sum(a is not None and answers_match(a, gold_of[j]) for a in answers) / k)
+    labels = [[y[j] for j in js] for js in where]
+    if stats is not None:
+        stats["prefixes"] = stats.get("prefixes", 0) + sum(map(len, where))
+        stats["forced_prompts"] = stats.get("forced_prompts", 0) + len(unique)
+        stats["answers"] = stats.get("answers", 0) + len(unique) * k
+    return labels
     out = generate(model, tokenizer, forced, n=k, max_new_tokens=max_new_tokens,
                    temperature=temperature, top_p=top_p, stop=("\n",), seed=seed,
                    batch_size=batch_size)

@@ -52,7 +52,24 @@ def test_mc_labels_are_fractions_of_k_aligned_with_budgets():
                        suffix="{", seed=0, stats=stats)
     assert [len(y) for y in labels] == [len(c) for c in cuts] and labels[2] == []
     assert all(y in (0, 0.25, 0.5, 0.75, 1.0) for ys in labels for y in ys)
-    assert stats == {"prefixes": sum(map(len, cuts)), "answers": 4 * sum(map(len, cuts))}
+    n = sum(map(len, cuts))
+    assert stats == {"prefixes": n, "forced_prompts": n, "answers": 4 * n}
+
+
+def test_identical_forced_prompts_are_labelled_once(monkeypatch):
+    import label
+    from rollout import Samples
+    calls = []
+
+    def fake(model, tok, prompts, n, **kw):
+        calls.append(prompts)
+        texts = ["7}"] * n + ["8}"] * n  # first distinct prompt right, second wrong
+        return Samples([[0]] * len(texts), texts[:len(prompts) * n], [1] * len(texts), ["stop"] * len(texts), [])
+    monkeypatch.setattr(label, "generate", fake)
+    tok = tiny.tokenizer()
+    ys = label.mc_labels(None, tok, [[5], [5]], [[6, 7], [6, 9]], [[1, 2], [1]], ["7", "7"], k=2, close="eos")
+    assert len(calls[0]) == 2  # [5, 6, ...] is shared by both trajectories at b = 1
+    assert ys == [[1.0, 0.0], [1.0]]
 
 
 def test_labels_count_correct_forced_answers(monkeypatch):
