@@ -44,7 +44,7 @@ TOY = dict(data="toy", eval_data="toy", steps=30, prompts_per_step=16, group_siz
            micro_tokens=8192, gen_batch=256)
 REAL = dict(data="deepscaler", eval_data="math500", steps=600, prompts_per_step=64, group_size=8,
             lr=1e-6, warmup=10, max_new_tokens=8192, eval_n=100, eval_every=50, save_every=50,
-            grad_ckpt=True, micro_tokens=16384, gen_batch=64)
+            grad_ckpt=True, micro_tokens=16384, gen_batch=8)  # 8 prompts x 8 = 64 rows x 8k tokens: ~30 GB KV
 COMMON = dict(model="toy", problem_field=None, answer_field=None, trust_remote_code=False,
               temperature=0.8, top_p=1.0, reward="rlcm", lam=0.1, k=4, forced_close="think",
               corner="zero", probe_lr=1e-3, probe_passes=16, probe_batch=16, grad_clip=1.0,
