@@ -68,7 +68,8 @@ class LogprobModel(torch.nn.Module):
         self.lm = lm
 
     def forward(self, input_ids, attention_mask, temperature=1.0, chunk_size=1024):
-        return token_logprobs(self.lm, input_ids, attention_mask, temperature, chunk_size)
+        # a fresh tensor, not a view: FSDP2 hooks the output for the backward all-gather
+        return token_logprobs(self.lm, input_ids, attention_mask, temperature, chunk_size).clone()
 
 
 def wrap(lm, device):

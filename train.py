@@ -203,7 +203,8 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
     timer, G, rlcm = Timer(), cfg["group_size"], cfg["reward"] == "rlcm"
     rows = batch_rows[RANK::WORLD]  # whole prompt groups stay on one rank
     prompts = [data.chat_prompt(tok, r["problem"], instruction) for r in rows]
-    seed = cfg["seed"] * 1_000_003 + step * 101 + RANK
+    step_seed = cfg["seed"] * 1_000_003 + step * 101
+    seed = step_seed + RANK  # each rank samples its own groups
     sampler.eval()
     with timer("rollout"):
         out = generate(sampler, tok, prompts, n=G, max_new_tokens=cfg["max_new_tokens"],
@@ -237,7 +238,7 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
     stats, margin, signal = {}, torch.zeros(len(out.ids)), torch.zeros(len(out.ids))
     if rlcm:
         with timer("probe"):
-            margin, signal, stats = probe_margin(probe, probe_opt, feats, ends, labels, cfg, seed)
+            margin, signal, stats = probe_margin(probe, probe_opt, feats, ends, labels, cfg, step_seed)
     R = total_reward(correct, margin, lam=cfg["lam"] if rlcm else 0.0)
     adv = group_advantages(R, G)
 
