@@ -158,16 +158,17 @@ class Timer:
         yield
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        self.t["t_" + phase] = self.t.get("t_" + phase, 0.0) + time.perf_counter() - start
+        self.t["t_" + phase] += time.perf_counter() - start
 
 
 def next_rows(rows, cursor, count, seed):
     """`count` training rows from an endless, per-epoch shuffled stream; returns (rows, cursor)."""
-    out = []
+    out, orders = [], {}
     for c in range(cursor, cursor + count):
         epoch, i = divmod(c, len(rows))
-        order = np.random.default_rng(seed + epoch).permutation(len(rows))
-        out.append(rows[order[i]])
+        if epoch not in orders:
+            orders[epoch] = np.random.default_rng(seed + epoch).permutation(len(rows))
+        out.append(rows[orders[epoch][i]])
     return out, cursor + count
 
 
@@ -227,9 +228,7 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
     old_logp, feats = torch.zeros(batch["loss_mask"].shape), []
     with timer("score"):
         for mb in mbs:
-            sub = {k: v[mb].to(device) for k, v in batch.items()}
-            L = int(sub["attention_mask"].sum(1).max())
-            sub = trim(sub, L)
+            sub, L = micro_batch(batch, mb, device)
             lp, f, _ = score(sampler, sub, ends[mb], cfg["temperature"], cfg["chunk_size"])
             old_logp[mb, :L - 1] = lp.cpu()
             feats.append(f.cpu())
@@ -285,9 +284,12 @@ def probe_margin(probe, probe_opt, feats, ends, labels, cfg, seed):
     return margin, signal, stats
 
 
-def trim(sub, L):
-    return {k: (v[:, :L] if k in ("input_ids", "attention_mask") else v[:, :L - 1] if k == "loss_mask"
-                else v) for k, v in sub.items()}
+def micro_batch(batch, rows, device):
+    """The `pack` batch restricted to `rows` and cut to their longest sequence L; returns (sub, L)."""
+    sub = {k: v[rows].to(device) for k, v in batch.items()}
+    L = int(sub["attention_mask"].sum(1).max())
+    cut = {"input_ids": L, "attention_mask": L, "loss_mask": L - 1}
+    return {k: v[:, :cut[k]] if k in cut else v for k, v in sub.items()}, L
 
 
 def zero_var_groups(R, G):
@@ -302,14 +304,12 @@ def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device):
     total = all_sum([weights.sum().item()], device)[0]
     # FSDP averages gradients over ranks, so each rank's share is scaled back up by WORLD
     n_mb = int(max(all_gather(len(mbs))))
-    clip_n, kl_sum, ratio_sum, loss_sum = 0.0, 0.0, 0.0, 0.0
+    sums = dict.fromkeys(("loss", "clip_frac", "kl", "ratio_mean"), 0.0)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and WORLD == 1 else nullcontext()
     for j in range(n_mb):
         mb = mbs[min(j, len(mbs) - 1)] if mbs else [0]
         scale = weights[mb].sum().item() * WORLD / max(total, 1.0) if j < len(mbs) else 0.0
-        sub = {k: v[mb].to(device) for k, v in batch.items()}
-        L = int(sub["attention_mask"].sum(1).max())
-        sub = trim(sub, L)
+        sub, L = micro_batch(batch, mb, device)
         with amp:
             logp = policy(sub["input_ids"], sub["attention_mask"], cfg["temperature"], cfg["chunk_size"])
         loss, st = policy_loss(logp.float(), old_logp[mb, :L - 1].to(device), adv[mb].to(device),
@@ -317,10 +317,8 @@ def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device):
         if not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite loss ({loss.item()}) in micro-batch {j}")
         (loss * scale).backward()
-        loss_sum += loss.item() * scale / WORLD
-        clip_n += st["clip_frac"] * scale / WORLD
-        kl_sum += st["kl"] * scale / WORLD
-        ratio_sum += st["ratio_mean"] * scale / WORLD
+        for key, value in (("loss", loss.item()), *st.items()):
+            sums[key] += value * scale / WORLD  # weighted like the loss: a batch-wide mean
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg["grad_clip"])
     grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
     if not math.isfinite(grad_norm):
@@ -328,8 +326,7 @@ def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device):
     opt.step()
     opt.zero_grad(set_to_none=True)
     sched.step()
-    loss_sum, clip_n, kl_sum, ratio_sum = all_sum([loss_sum, clip_n, kl_sum, ratio_sum], device)
-    return dict(loss=loss_sum, clip_frac=clip_n, kl=kl_sum, ratio_mean=ratio_sum, grad_norm=grad_norm)
+    return dict(zip(sums, all_sum(list(sums.values()), device)), grad_norm=grad_norm)
 
 
 def peak_memory(device):
