@@ -105,13 +105,3 @@ def mc_labels(model, tokenizer, prompts, responses, budget_lists, golds, k=4, te
         stats["forced_prompts"] = stats.get("forced_prompts", 0) + len(unique)
         stats["answers"] = stats.get("answers", 0) + len(unique) * k
     return labels
-    out = generate(model, tokenizer, forced, n=k, max_new_tokens=max_new_tokens,
-                   temperature=temperature, top_p=top_p, stop=("\n",), seed=seed,
-                   batch_size=batch_size)
-    for j, i in enumerate(owner):
-        answers = (forced_answer(t) for t in out.texts[j * k:(j + 1) * k])
-        labels[i].append(sum(a is not None and answers_match(a, golds[i]) for a in answers) / k)
-    if stats is not None:
-        stats["prefixes"] = stats.get("prefixes", 0) + len(forced)
-        stats["answers"] = stats.get("answers", 0) + len(forced) * k
-    return labels
