@@ -105,3 +105,39 @@ def test_validation(conf, correct, words):
     for fn in (metrics.ece, metrics.pce, metrics.brier, metrics.auroc, metrics.reliability, metrics.calibration):
         with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
             fn(conf, correct)
+
+
+def _questions(n_questions, n_samples, seed):
+    """Every question right with probability 0.5 per sample; confidence 0.7 everywhere."""
+    rng = np.random.default_rng(seed)
+    correct = rng.random((n_questions, n_samples)) < 0.5
+    groups = np.repeat(np.arange(n_questions), n_samples)
+    return np.full(correct.size, 0.7), correct.reshape(-1).astype(float), groups
+
+
+def test_bootstrap_resamples_whole_questions():
+    # Two questions, one always right, one always wrong: a resample of 2 questions has accuracy 0, 1/2
+    # or 1 with probabilities 1/4, 1/2, 1/4, so sd = sqrt(1/8) and pm = 1.96 * 0.354 = 0.693.
+    conf, correct = [0.5] * 100, [1.0] * 50 + [0.0] * 50
+    got = metrics.bootstrap(conf, correct, [0] * 50 + [1] * 50)
+    assert got["acc"]["pm"] == pytest.approx(1.96 * math.sqrt(1 / 8), rel=0.08)
+    assert (got["acc"]["lo"], got["acc"]["hi"]) == (0.0, 1.0)  # 0.5 -+ 0.69, clipped to [0, 1]
+    # Treating the 100 samples as independent would claim far more certainty.
+    assert metrics.bootstrap(conf, correct, range(100))["acc"]["pm"] < 0.25
+    assert metrics.bootstrap(conf, correct, [0] * 50 + [1] * 50) == got  # seeded
+
+
+def test_bootstrap_interval_holds_the_estimate_and_shrinks_with_more_samples():
+    widths = []
+    for n_samples in (2, 8, 32):
+        conf, correct, groups = _questions(40, n_samples, seed=n_samples)
+        got = metrics.bootstrap(conf, correct, groups)
+        point = {"acc": correct.mean(), "ece": metrics.ece(conf, correct), "pce": metrics.pce(conf, correct)}
+        for key, value in point.items():
+            assert got[key]["lo"] <= value <= got[key]["hi"], (n_samples, key)
+        widths.append(got["acc"]["pm"])
+    assert widths[0] > widths[1] > widths[2] > 0
+    # With more questions too: 40 -> 400 questions of 4 samples.
+    small = metrics.bootstrap(*_questions(40, 4, seed=1))["ece"]["pm"]
+    big = metrics.bootstrap(*_questions(400, 4, seed=1))["ece"]["pm"]
+    assert big < small / 2
