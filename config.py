@@ -6,21 +6,24 @@ import argparse
 import json
 import os
 
+import data
 from checkpoint import UserError
 
 # Defaults that depend on the world: the toy sizes for 2 CPU cores, the real ones from DESIGN.md.
 TOY = dict(data="toy", eval_data="toy", steps=30, prompts_per_step=16, group_size=8, lr=2e-5,
            warmup=3, max_new_tokens=48, eval_n=200, eval_every=10, save_every=10, grad_ckpt=False,
-           micro_tokens=8192, gen_batch=256)
+           micro_tokens=8192, gen_batch=256, instruction="")  # toy problems are complete user messages
 REAL = dict(data="deepscaler", eval_data="math500", steps=600, prompts_per_step=64, group_size=8,
             lr=1e-6, warmup=10, max_new_tokens=8192, eval_n=100, eval_every=50, save_every=50,
-            grad_ckpt=True, micro_tokens=16384, gen_batch=8)  # 8 prompts x 8 = 64 rows x 8k tokens: ~30 GB KV
+            grad_ckpt=True, micro_tokens=16384, gen_batch=8,  # 8 prompts x 8 = 64 rows x 8k tokens: ~30 GB KV
+            instruction=data.INSTRUCTION)
 COMMON = dict(model="toy", problem_field=None, answer_field=None, trust_remote_code=False,
               temperature=0.8, top_p=1.0, reward="rlcm", lam=0.1, k=4, forced_close="think",
               corner="zero", probe_lr=1e-3, probe_passes=16, probe_batch=16, grad_clip=1.0,
               clip_low=0.2, clip_high=0.2, agg="token-mean", chunk_size=1024, seed=0, keep=2,
-              out=None, resume=None)
-
+              out=None, resume=None, system_prompt=None, log_samples=4, eval_probe_n=32, wandb=None,
+              wandb_run=None)
+NOT_SAVED = ("resume", "config", "plot")  # how a run was started, not what it is
 
 
 def build_parser():
@@ -35,6 +38,9 @@ def build_parser():
     g.add_argument("--answer-field")
     g.add_argument("--eval-data", help="held-out set for the accuracy check (default: toy test / math500)")
     g.add_argument("--trust-remote-code", action="store_true", default=None)
+    g.add_argument("--instruction", help="text appended to every problem in the user turn (saved; "
+                   "evaluate.py reuses it for this run's checkpoints)")
+    g.add_argument("--system-prompt", help="system turn before the problem (saved and reused like --instruction)")
     g = p.add_argument_group("rollout")
     g.add_argument("--prompts-per-step", type=int)
     g.add_argument("--group-size", type=int)
@@ -71,6 +77,14 @@ def build_parser():
     g.add_argument("--eval-every", type=int, help="held-out accuracy every N steps (0: start and end only)")
     g.add_argument("--eval-n", type=int, help="held-out problems in the accuracy check")
     g.add_argument("--resume", metavar="RUN_DIR", help="continue this run from its latest checkpoint")
+    g.add_argument("--config", metavar="FILE", help="start a new run from a saved config.json (flags given win)")
+    g = p.add_argument_group("what the run leaves (runlog.py, heldout.py)")
+    g.add_argument("--log-samples", type=int, help="trajectories per step written to RUN/samples.jsonl")
+    g.add_argument("--eval-probe-n", type=int, help="held-out trajectories labelled at each held-out check "
+                   "to measure the probe out of sample (0: off)")
+    g.add_argument("--wandb", metavar="PROJECT", help="mirror metrics to Weights & Biases (pip install wandb)")
+    g.add_argument("--wandb-run", metavar="NAME", help="W&B run name")
+    g.add_argument("--plot", metavar="RUN", help="only draw RUN/curves.png from RUN/metrics.jsonl and exit")
     return p
 
 
@@ -86,8 +100,22 @@ def resolve_args(argv):
         with open(path) as f:
             saved = json.load(f)
         given["out"] = given["resume"]
+    elif given.get("config"):
+        saved = _read_config(given["config"])
     model = given.get("model", saved.get("model", "toy"))
     cfg = {**COMMON, **(TOY if model == "toy" else REAL), **saved, **given}
-    cfg["resume"] = given.get("resume")
+    cfg.update({k: given.get(k) for k in NOT_SAVED})
     cfg["out"] = cfg["out"] or os.path.join("runs", os.path.basename(cfg["model"].rstrip("/")))
     return cfg
+
+
+def _read_config(path):
+    """A saved config.json minus where and how that run was started (its --out is not reused)."""
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"--config {path}: cannot read it ({e}); pass a run's config.json") from None
+    if not isinstance(saved, dict):
+        raise UserError(f"--config {path}: not a config (a JSON object of settings); pass a run's config.json")
+    return {k: v for k, v in saved.items() if k not in NOT_SAVED + ("out",)}

@@ -135,12 +135,18 @@ def is_correct(text, gold) -> bool:
     return answers_match(boxed_answer(text), gold)
 
 
-def chat_prompt(tokenizer, problem: str, instruction: str = INSTRUCTION) -> list[int]:
-    """Prompt ids: chat template over one user turn `problem + instruction`, generation prompt
-    added (R1: BOS <｜User｜>...<｜Assistant｜><think>\\n). Tokenized by the template itself, since
-    re-tokenizing the rendered string would add a second BOS."""
-    out = tokenizer.apply_chat_template([{"role": "user", "content": problem + instruction}],
-                                        add_generation_prompt=True, tokenize=True)
+def chat_prompt(tokenizer, problem: str, instruction: str = INSTRUCTION, system: str = None) -> list[int]:
+    """Prompt ids: chat template over one user turn `problem + instruction` (after a system turn
+    when `system` is given), generation prompt added (R1: BOS <｜User｜>...<｜Assistant｜><think>\\n).
+    Tokenized by the template itself, since re-tokenizing the rendered string would add a second BOS."""
+    messages = [{"role": "user", "content": problem + instruction}]
+    if system:
+        messages.insert(0, {"role": "system", "content": system})
+        if tokenizer.apply_chat_template(messages, tokenize=False) == tokenizer.apply_chat_template(
+                messages[1:], tokenize=False):
+            raise DataError("this model's chat template drops the system turn: put the text in the "
+                            "instruction (--instruction) instead")
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     ids = [int(i) for i in (out["input_ids"] if hasattr(out, "keys") else out)]
     bos = tokenizer.bos_token_id
     while bos is not None and len(ids) > 1 and ids[0] == ids[1] == bos:

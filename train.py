@@ -26,7 +26,9 @@ import torch
 from tqdm import tqdm
 
 import data
+import heldout
 import probe as probe_lib
+import runlog
 import checkpoint as ckpt_lib
 from checkpoint import UserError
 from config import resolve_args
@@ -103,25 +105,35 @@ def micro_batches(lengths, max_tokens):
 
 
 @torch.no_grad()
-def held_out_accuracy(sampler, tok, rows, cfg, instruction, device):
+def held_out_accuracy(sampler, tok, rows, cfg, instruction, device, probe=None, calib=None):
     """Accuracy on a fixed slice of the held-out split at the evaluation temperature (0.6) with a
-    fixed seed, so every check of a run samples the same way."""
+    fixed seed, so every check of a run samples the same way. With a `calib` dict, the probe's
+    calibration on the first eval_probe_n of these trajectories is added to it (heldout.py)."""
     mine = rows[RANK::WORLD]
-    prompts = [data.chat_prompt(tok, r["problem"], instruction) for r in mine]
-    hits = 0
+    prompts = [data.chat_prompt(tok, r["problem"], instruction, cfg["system_prompt"]) for r in mine]
+    hits, trajs = 0, []
     if prompts:
         out = generate(sampler, tok, prompts, max_new_tokens=cfg["max_new_tokens"], temperature=0.6,
                        seed=cfg["seed"] + 12345 + RANK, batch_size=cfg["gen_batch"])
         hits = sum(data.is_correct(t, r["answer"]) for t, r in zip(out.texts, mine))
+        if calib is not None:
+            m = len(rows[:cfg["eval_probe_n"]][RANK::WORLD])
+            trajs = heldout.probe_calibration(sampler, tok, probe, prompts[:m], out, mine[:m], cfg,
+                                              seed=cfg["seed"] + 54321 + RANK)
+    if calib is not None:
+        trajs = [t for part in all_gather(trajs) for t in part]
+        calib.update(heldout.summary(trajs, cfg["k"]), trajectories=trajs)
     hits, n = all_sum([hits, len(mine)], device)
     return hits / max(n, 1)
 
 
 def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched, cfg, device,
-            instruction):
+            instruction, samples=None):
+    """One RL step; returns its metrics row. A `samples` list receives cfg["log_samples"] of this
+    rank's trajectories (runlog.pick rows)."""
     timer, G, rlcm = Timer(), cfg["group_size"], cfg["reward"] == "rlcm"
     rows = batch_rows[RANK::WORLD]  # whole prompt groups stay on one rank
-    prompts = [data.chat_prompt(tok, r["problem"], instruction) for r in rows]
+    prompts = [data.chat_prompt(tok, r["problem"], instruction, cfg["system_prompt"]) for r in rows]
     step_seed = cfg["seed"] * 1_000_003 + step * 101
     seed = step_seed + RANK  # each rank samples its own groups
     sampler.eval()
@@ -152,11 +164,17 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
             feats.append(f.cpu())
     feats = torch.cat(feats) if feats else torch.zeros(0)
 
-    stats, margin, signal = {}, torch.zeros(len(out.ids)), torch.zeros(len(out.ids))
+    stats, margin, signal, C = {}, torch.zeros(len(out.ids)), torch.zeros(len(out.ids)), None
     if rlcm:
         with timer("probe"):
-            margin, signal, stats = probe_margin(probe, probe_opt, feats, ends, labels, cfg, step_seed)
+            margin, signal, stats, C = probe_margin(probe, probe_opt, feats, ends, labels, cfg, step_seed)
     R = total_reward(correct, margin, lam=cfg["lam"] if rlcm else 0.0)
+    if samples is not None:
+        samples += runlog.pick(
+            step, cfg["log_samples"], problem=[rows[i]["problem"] for i in out.prompt_index], answer=golds,
+            text=out.texts, correct=correct.tolist(), reward=R.tolist(), margin=margin.tolist(),
+            length=out.lengths, budgets=cuts, Y_b=labels,
+            C_b=[C[i, :len(c)].tolist() if rlcm else [] for i, c in enumerate(cuts)])
     adv = group_advantages(R, G)
 
     lr = sched.get_last_lr()[0]
@@ -179,8 +197,8 @@ def probe_margin(probe, probe_opt, feats, ends, labels, cfg, seed):
     """Fit the probe on this batch's (feature, Y_b) pairs, then score the same prefixes with it.
 
     Returns (margin [N], signal [N] (1 where both a solvable and an unsolvable prefix exist),
-    stats). Every rank fits on the pooled pairs of all ranks with the same seed, so the probes
-    stay identical without syncing weights.
+    stats, C [N, B] the probe's confidences, 0 where there is no budget). Every rank fits on the
+    pooled pairs of all ranks with the same seed, so the probes stay identical without syncing weights.
     """
     valid = ends > 0
     Y = torch.zeros(ends.shape)
@@ -199,7 +217,7 @@ def probe_margin(probe, probe_opt, feats, ends, labels, cfg, seed):
                  label_mean=Y_all.mean().item() if len(Y_all) else 0.0,
                  label_mixed=((Y_all > 0) & (Y_all < 1)).float().mean().item() if len(Y_all) else 0.0,
                  prefixes=len(Y_all))
-    return margin, signal, stats
+    return margin, signal, stats, C
 
 
 def micro_batch(batch, rows, device):
@@ -264,8 +282,8 @@ def run(cfg):
         raise UserError(f"--resume {out}: the run has no checkpoint yet; start it again without --resume")
     if ckpt and not cfg["resume"]:
         raise UserError(f"{out} already holds a run: pass --resume {out} to continue it, or another --out")
-    is_toy = cfg["model"] == "toy"
-    instruction = "" if is_toy else data.INSTRUCTION
+    instruction = cfg["instruction"]
+    tracker = runlog.tracker(cfg, out) if MASTER else None  # before any slow loading: fails fast without wandb
     split = "train" if cfg["data"] == "toy" else None
     rows = data.load_rows(cfg["data"], split=split, problem_field=cfg["problem_field"],
                           answer_field=cfg["answer_field"])
@@ -281,6 +299,7 @@ def run(cfg):
     probe_opt = probe_lib.make_optimizer(probe, lr=cfg["probe_lr"])
     step, cursor = 0, 0
     metrics_path = os.path.join(out, "metrics.jsonl")
+    samples_path, heldout_path = os.path.join(out, "samples.jsonl"), os.path.join(out, "heldout.jsonl")
     if ckpt:
         state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=True)
         load_optimizer(policy, opt, state["optimizer"])
@@ -291,24 +310,34 @@ def run(cfg):
         ckpt_lib.set_rng_state(state["rng"])
         step, cursor = state["step"], state["cursor"]
         if MASTER:
-            ckpt_lib.truncate_metrics(metrics_path, step)
+            for path in (metrics_path, samples_path, heldout_path):
+                ckpt_lib.truncate_metrics(path, step)
         print0(f"resuming {out} from step {step}")
     elif MASTER:
         os.makedirs(out, exist_ok=True)
         ckpt_lib.write_json(os.path.join(out, "config.json"), cfg)
-        open(metrics_path, "w").close()
+        for path in (metrics_path, samples_path, heldout_path):
+            open(path, "w").close()
 
     def log(row):
         if MASTER:
             with open(metrics_path, "a") as f:
                 f.write(json.dumps(row) + "\n")
+            if tracker:
+                tracker.log(row)
 
     def evaluate(at):
         t = time.perf_counter()
-        acc = held_out_accuracy(sampler, tok, eval_rows, cfg, instruction, device)
-        log(dict(step=at, eval=True, eval_accuracy=acc, eval_n=len(eval_rows),
+        calib = {} if cfg["reward"] == "rlcm" and cfg["eval_probe_n"] > 0 else None
+        acc = held_out_accuracy(sampler, tok, eval_rows, cfg, instruction, device, probe, calib)
+        trajs = calib.pop("trajectories") if calib else []
+        log(dict(step=at, eval=True, eval_accuracy=acc, eval_n=len(eval_rows), **(calib or {}),
                  t_eval=time.perf_counter() - t))
-        print0(f"step {at}: held-out accuracy {acc:.3f} on {len(eval_rows)} problems")
+        if MASTER:
+            runlog.append_jsonl(heldout_path, [dict(step=at, **t) for t in trajs])
+        print0(f"step {at}: held-out accuracy {acc:.3f} on {len(eval_rows)} problems" + (
+            "; probe on {eval_probe_prefixes} held-out prefixes: BCE {eval_probe_bce:.3f}, ECE {eval_probe_ece:.3f}, "
+            "AUROC {eval_probe_auroc:.3f}".format(**calib) if calib and calib["eval_probe_prefixes"] else ""))
         return acc
 
     def save(at):
@@ -329,10 +358,13 @@ def run(cfg):
                desc="rlcm" if cfg["reward"] == "rlcm" else "grpo")
     for step in bar:
         batch_rows, cursor = next_rows(rows, cursor, cfg["prompts_per_step"], cfg["seed"])
+        picked = []
         row = rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched, cfg,
-                      device, instruction)
+                      device, instruction, picked)
         refresh_sampler(sampler, policy)
         log(row)
+        if MASTER:
+            runlog.append_jsonl(samples_path, picked)
         for p in Timer.PHASES:
             phase_sums[p] += row["t_" + p]
         bar.set_postfix(acc=f"{row['accuracy']:.2f}", R=f"{row['reward']:+.2f}",
@@ -353,12 +385,18 @@ def run(cfg):
             f"{p} {t:.1f}" + ("" if p == "rollout" else f" ({t / roll:.2f}x rollout)")
             for p, t in phase_sums.items()))
         bench = " --benchmarks toy" if cfg["eval_data"] == "toy" else ""
+        print0(f"curves: {runlog.plot_curves(out)}")
         print0(f"next: python evaluate.py --model {out}{bench}")
+        if tracker:
+            tracker.finish()
 
 
 def main(argv=None):
     try:
-        run(resolve_args(argv))
+        cfg = resolve_args(argv)
+        if cfg["plot"]:
+            return print(runlog.plot_curves(cfg["plot"]))
+        run(cfg)
     except (UserError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -1,0 +1,78 @@
+"""The probe out of sample: its calibration on held-out trajectories during training.
+
+The probe's BCE/ECE logged per step (`probe_bce`, `probe_ece`) are in-sample: measured on the very
+prefixes it was just fitted to. The periodic held-out check also takes its first few held-out
+trajectories (`--eval-probe-n`), labels their prefixes exactly as a training step does (same
+budgets, same K, label.mc_labels), reads the run's probe on their features (score.score) and logs
+
+    eval_probe_bce    -mean_b [Y_b log C_b + (1 - Y_b) log(1 - C_b)]        (soft labels, as fitted)
+    eval_probe_ece    metrics.ece(C_b, Y_b)
+    eval_probe_auroc  metrics.auroc over the K forced answers: each prefix counts K times with its
+                      C_b, K * Y_b of them right (nan when all are right or all wrong)
+    eval_margin       mean over trajectories of reward.margin_reward (the reward it would have earned)
+    eval_probe_prefixes  how many prefixes
+
+With soft labels the ECE over prefixes equals the ECE over the K forced answers, so all three read
+the same binary events.
+"""
+import numpy as np
+import torch
+
+import metrics
+import probe as probe_lib
+import runlog
+from grpo import pack
+from label import budgets, mc_labels
+from reward import margin_reward
+from score import budget_ends, score
+
+EPS = 1e-7
+
+
+@torch.no_grad()
+def probe_calibration(model, tok, prb, prompts, out, rows, cfg, seed):
+    """Label and score the trajectories `out` (a rollout.Samples, one per prompt) of `rows`.
+
+    Returns one dict per trajectory: problem, answer, text (clipped), correct, budgets, Y_b, C_b,
+    margin. Scoring runs in micro-batches of at most cfg["micro_tokens"] padded tokens.
+    """
+    from data import is_correct
+    n = len(prompts)
+    golds = [r["answer"] for r in rows]
+    cuts = [budgets(len(ids)) for ids in out.ids[:n]]
+    labels = mc_labels(model, tok, prompts, out.ids[:n], cuts, golds, k=cfg["k"], close=cfg["forced_close"],
+                       seed=seed, batch_size=cfg["gen_batch"])
+    batch = pack(prompts, out.ids[:n], tok.pad_token_id)
+    ends = budget_ends(batch["prompt_lens"], cuts)
+    per = max(1, cfg["micro_tokens"] // batch["input_ids"].shape[1])
+    device = next(model.parameters()).device
+    feats = []
+    for s in range(0, n, per):
+        sub = {k: v[s:s + per].to(device) for k, v in batch.items()}
+        feats.append(score(model, sub, ends[s:s + per], cfg["temperature"], cfg["chunk_size"], logprobs=False)[1].cpu())
+    feats = torch.cat(feats)
+    valid = ends > 0
+    Y, C = torch.zeros(ends.shape), torch.zeros(ends.shape)
+    for i, ys in enumerate(labels):
+        Y[i, :len(ys)] = torch.tensor(ys, dtype=torch.float32)
+    if valid.any():
+        C[valid] = probe_lib.predict(prb, feats[valid]).cpu()
+    margin = margin_reward(C, Y, valid, corner=cfg["corner"])
+    return [dict(problem=runlog.clip(r["problem"]), answer=r["answer"], text=runlog.clip(t),
+                 correct=int(is_correct(t, r["answer"])), budgets=bs, Y_b=ys,
+                 C_b=[round(c, 6) for c in C[i, :len(bs)].tolist()], margin=margin[i].item())
+            for i, (r, t, bs, ys) in enumerate(zip(rows, out.texts, cuts, labels))]
+
+
+def summary(trajectories, k):
+    """The eval_probe_* numbers of the module docstring from probe_calibration's dicts."""
+    Y = np.array([y for t in trajectories for y in t["Y_b"]], dtype=np.float64)
+    C = np.array([c for t in trajectories for c in t["C_b"]], dtype=np.float64)
+    if Y.size == 0:
+        return dict(eval_probe_prefixes=0)
+    Cc = np.clip(C, EPS, 1 - EPS)
+    right = np.rint(Y * k).astype(int)
+    forced = np.concatenate([[1.0] * r + [0.0] * (k - r) for r in right])
+    return dict(eval_probe_bce=float(-(Y * np.log(Cc) + (1 - Y) * np.log(1 - Cc)).mean()),
+                eval_probe_ece=metrics.ece(C, Y), eval_probe_auroc=metrics.auroc(np.repeat(C, k), forced),
+                eval_margin=float(np.mean([t["margin"] for t in trajectories])), eval_probe_prefixes=int(Y.size))

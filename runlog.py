@@ -1,0 +1,161 @@
+"""What a run leaves for the people watching it, next to metrics.jsonl:
+
+    RUN/samples.jsonl    a few trajectories per step (--log-samples N, default 4): problem, gold answer,
+                         response text, correctness, reward and margin, and per budget b: Y_b and C_b
+    RUN/heldout.jsonl    the labelled held-out trajectories of each held-out check (heldout.py)
+    RUN/curves.png       the main curves, drawn from metrics.jsonl at the end of a run or with
+                         `python train.py --plot RUN`
+    RUN/wandb_run.json   the Weights & Biases run id when --wandb is on, so --resume continues that run
+
+Texts are capped at TEXT_CHARS characters each (the first and last half kept, the cut marked), so a
+step of 8000-token responses adds a few KB, not MBs. Also `provenance()`: where a result came from.
+"""
+import json
+import os
+import platform
+import shlex
+import subprocess
+from datetime import datetime, timezone
+
+from checkpoint import UserError, write_json
+
+TEXT_CHARS = 2000
+ROOT = os.path.dirname(os.path.abspath(__file__))
+PANELS = (  # (title, metrics.jsonl keys); eval_* keys come from the held-out rows
+    ("reward", ("reward",)),
+    ("accuracy", ("accuracy", "eval_accuracy")),
+    ("margin and signal fraction", ("margin", "signal_frac", "eval_margin")),
+    ("probe BCE", ("probe_bce", "eval_probe_bce")),
+    ("probe calibration", ("probe_ece", "eval_probe_ece", "eval_probe_auroc")),
+    ("response length (tokens)", ("len_mean",)),
+)
+LABELS = {"probe_bce": "probe_bce (in-sample)", "probe_ece": "probe_ece (in-sample)"}
+
+
+def clip(text, cap=TEXT_CHARS):
+    """text if it fits in cap characters, else its head and tail with the number of cut characters."""
+    if text is None or len(text) <= cap:
+        return text
+    half = cap // 2
+    return f"{text[:half]}\n[... {len(text) - 2 * half} characters cut ...]\n{text[-half:]}"
+
+
+def pick(step, n, **columns):
+    """Rows {step, column: value} for n trajectories spread evenly over the batch (one per group when
+    n <= groups); columns are equal-length lists, string values clipped, floats rounded to 4 places."""
+    size = len(next(iter(columns.values()), []))
+    if n <= 0 or size == 0:
+        return []
+    idx = sorted({round(i * (size - 1) / max(n - 1, 1)) for i in range(min(n, size))})
+    return [dict(step=step, **{k: _tidy(v[i]) for k, v in columns.items()}) for i in idx]
+
+
+def _tidy(v):
+    if isinstance(v, str):
+        return clip(v)
+    if isinstance(v, float):
+        return round(v, 4)
+    if isinstance(v, (list, tuple)):
+        return [_tidy(x) for x in v]
+    return v
+
+
+def append_jsonl(path, rows):
+    if rows:
+        with open(path, "a") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def read_jsonl(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class Tracker:
+    """Mirrors metrics rows to Weights & Biases. wandb is imported only here (it is optional, not in
+    requirements.txt); the run id is kept in RUN/wandb_run.json so a resumed run logs to the same run."""
+
+    def __init__(self, run_dir, project, name=None, config=None):
+        try:
+            import wandb
+        except ImportError:
+            raise UserError(f"--wandb {project}: the wandb package is not installed; pip install wandb, "
+                            "or run without --wandb") from None
+        os.makedirs(run_dir, exist_ok=True)
+        path = os.path.join(run_dir, "wandb_run.json")
+        kw = dict(project=project, name=name, config=config, dir=run_dir)
+        if os.path.exists(path):
+            with open(path) as f:
+                kw.update(id=json.load(f)["id"], resume="allow")
+        self.run = wandb.init(**kw)
+        write_json(path, dict(id=self.run.id, project=project))
+
+    def log(self, row):
+        self.run.log({k: v for k, v in row.items() if k not in ("step", "eval")}, step=row["step"])
+
+    def finish(self):
+        self.run.finish()
+
+
+def tracker(cfg, run_dir):
+    """A Tracker when cfg["wandb"] names a project, else None."""
+    if not cfg.get("wandb"):
+        return None
+    return Tracker(run_dir, cfg["wandb"], cfg.get("wandb_run"), config=cfg)
+
+
+def plot_curves(run_dir, path=None):
+    """Draw PANELS from RUN/metrics.jsonl into RUN/curves.png (or path); returns the path."""
+    metrics = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.isfile(metrics):
+        raise UserError(f"--plot {run_dir}: no metrics.jsonl there; pass the --out directory of a run")
+    rows = read_jsonl(metrics)
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(2, 3, figsize=(12, 6.5))
+    for ax, (title, keys) in zip(axes.flat, PANELS):
+        for key in keys:
+            pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+            if pts:
+                held_out = key.startswith("eval_")
+                ax.plot(*zip(*pts), "o--" if held_out else "-", markersize=4, label=LABELS.get(key, key))
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=8)
+        if ax.lines:
+            ax.legend(fontsize=7)
+        else:
+            ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
+    fig.suptitle(f"{os.path.basename(os.path.abspath(run_dir))}  (dashed: held-out checks)", fontsize=11)
+    fig.tight_layout()
+    path = path or os.path.join(run_dir, "curves.png")
+    fig.savefig(path + ".tmp", dpi=72, format="png")
+    plt.close(fig)
+    os.replace(path + ".tmp", path)
+    return path
+
+
+def git_commit():
+    """The project's git commit ("+dirty" when tracked files differ from it), or "unknown"."""
+    try:
+        run = lambda *a: subprocess.run(["git", "-C", ROOT, *a], capture_output=True, text=True,  # noqa: E731
+                                        timeout=10, check=True).stdout.strip()
+        sha = run("rev-parse", "HEAD")
+        return sha + ("+dirty" if run("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def provenance(argv, device=None):
+    """Where a result comes from: commit, versions, UTC date, command line, device."""
+    import torch
+    import transformers
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    name = str(device)
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        name = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    return dict(git_commit=git_commit(), torch=torch.__version__, transformers=transformers.__version__,
+                python=platform.python_version(), date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                command=" ".join(shlex.quote(a) for a in argv), device=name)
