@@ -229,7 +229,7 @@ def sample_confidences(source, model, tokenizer, prompts, responses, texts, gold
 
 def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, n=4, max_new_tokens=8000,
                   temperature=0.6, top_p=1.0, every=500, k=16, suffix=EVAL_SUFFIX, close="think", seed=0,
-                  batch_size=8, rows=64):
+                  batch_size=8, rows=64, system=None):
     """The post-hoc probe of a model: loaded from `cache`.pt / .json if there, else fitted and saved.
 
     Fitting samples n responses per question ({problem, answer}), labels their prefixes
@@ -238,7 +238,7 @@ def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, n=4
     if os.path.exists(cache + ".pt") and os.path.exists(cache + ".json"):
         with open(cache + ".json") as f:
             return probe_lib.load(cache + ".pt")[0], json.load(f)
-    prompts = [chat_prompt(tokenizer, r["problem"], instruction) for r in questions]
+    prompts = [chat_prompt(tokenizer, r["problem"], instruction, system) for r in questions]
     out = generate(model, tokenizer, prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
                    top_p=top_p, seed=seed, batch_size=max(1, rows // n))
     rep = [p for p in prompts for _ in range(n)]

@@ -30,6 +30,7 @@ import label as label_lib
 import metrics
 import probe as probe_lib
 import rollout
+import runlog
 import toy
 import uses
 import checkpoint
@@ -106,7 +107,7 @@ def read_samples(path):
     return [json.loads(line) for line in keep.decode().splitlines() if line.strip()]
 
 
-def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, path):
+def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, path, system=None):
     """Sample, grade and score every missing (question, sample) of one benchmark, appending per batch.
 
     s: the benchmark's settings (n, max_new_tokens, ...); conf_kw: arguments of
@@ -130,7 +131,7 @@ def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, con
         while len(chunk) < s["batch"] and i + len(chunk) < len(todo) and len(todo[i + len(chunk)][1]) == m:
             chunk.append(todo[i + len(chunk)])
         i += len(chunk)
-        prompts = [data.chat_prompt(tok, rows[q]["problem"], instruction) for q, _ in chunk]
+        prompts = [data.chat_prompt(tok, rows[q]["problem"], instruction, system) for q, _ in chunk]
         seed = args.seed * 1_000_003 + chunk[0][0] * 1009 + m
         out = rollout.generate(model, tok, prompts, n=m, max_new_tokens=s["max_new_tokens"],
                        temperature=args.temperature, top_p=args.top_p, seed=seed, batch_size=len(prompts))
@@ -157,6 +158,8 @@ def summarize(rows, n_bins=10, seed=0):
     res = metrics.calibration(conf, correct, n_bins)
     res["questions"] = len({r["question"] for r in rows})
     res["reliability"] = metrics.reliability(conf, correct, n_bins)
+    # 95 % intervals over questions (metrics.bootstrap): printed as `0.543 +- 0.012`
+    res["ci95"] = metrics.bootstrap(conf, correct, [r["question"] for r in rows], n_resamples=1000, seed=seed)
     if any("verbal_missing" in r for r in rows):
         res["verbal_missing"] = sum(bool(r.get("verbal_missing")) for r in rows)
     res.update(uses.from_samples(rows, same=data.answers_match, seed=seed, epsilons=EPSILONS))
@@ -199,8 +202,25 @@ def table(results):
                   "| benchmark | n | " + " | ".join(c for c, _ in COLUMNS) + " |",
                   "|---|---:|" + "---:|" * len(COLUMNS)]
         for name, b in list(res["benchmarks"].items()) + [("Overall", dict(res["overall"], n=""))]:
-            lines.append(f"| {name} | {b['n']} | " + " | ".join(f"{b[k]:.3f}" for _, k in COLUMNS) + " |")
+            lines.append(f"| {name} | {b['n']} | " + " | ".join(_cell(b, k) for _, k in COLUMNS) + " |")
     return "\n".join(lines)
+
+
+def _cell(b, key):
+    ci = b.get("ci95", {}).get(key)
+    return f"{b[key]:.3f}" + (f" +- {ci['pm']:.3f}" if ci else "")
+
+
+def run_prompt(path, args):
+    """(instruction, system prompt) for a model: the flags, else what its run trained with (the run's
+    config.json, for a run's checkpoint), else (None, None): the benchmark's own instruction."""
+    run = _run_dir(path) if os.path.isdir(path) else None
+    cfg = {}
+    if run and os.path.isfile(os.path.join(run, "config.json")):
+        with open(os.path.join(run, "config.json")) as f:
+            cfg = json.load(f)
+    pick = lambda flag, key: flag if flag is not None else cfg.get(key)  # noqa: E731
+    return pick(args.instruction, "instruction"), pick(args.system_prompt, "system_prompt")
 
 
 def settings(bench, args):
@@ -238,7 +258,7 @@ def _write_results(out_dir, label, res):
     os.replace(path + ".tmp", path)
 
 
-def get_probe(source, model, tok, label, path, out_dir, args, close_id):
+def get_probe(source, model, tok, label, path, out_dir, args, close_id, prompt=(None, None)):
     """(probe or None, post-hoc report or None) for a confidence source; post-hoc probes are cached in OUT."""
     if source == "probe":
         if not os.path.isfile(os.path.join(path, "probe.pt")):
@@ -255,12 +275,13 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id):
         rows, instruction = data.load_rows("toy", split="train", limit=nq), toy.INSTRUCTION
     else:
         rows, instruction = data.load_rows(src, limit=nq), data.INSTRUCTION
+    instruction = instruction if prompt[0] is None else prompt[0]
     print(f"post-hoc probe for {label}: {len(rows)} {src} questions ...", file=sys.stderr)
     prb, report = confidence.posthoc_probe(
         os.path.join(out_dir, "posthoc_probe_" + label.replace("/", "_")), model, tok, rows,
         instruction, close_id, n=s["n"], max_new_tokens=s["max_new_tokens"],
         temperature=args.temperature, top_p=args.top_p, every=s["every"], k=s["forced_k"], suffix=s["suffix"],
-        close=args.forced_close, seed=args.seed + 17, batch_size=s["score_batch"], rows=s["rows"])
+        close=args.forced_close, seed=args.seed + 17, batch_size=s["score_batch"], rows=s["rows"], system=prompt[1])
     return prb, dict(report, data=src)
 
 
@@ -274,20 +295,24 @@ def evaluate_model(name, loaded, args):
     source = args.confidence or ("probe" if os.path.isfile(os.path.join(path, "probe.pt")) else "logits")
     think = tok.convert_tokens_to_ids("</think>")
     close_id = None if think is None or think == tok.unk_token_id else think
-    prb, report = get_probe(source, model, tok, label, path, out_dir, args, close_id)
+    prompt = run_prompt(path, args)
+    prb, report = get_probe(source, model, tok, label, path, out_dir, args, close_id, prompt)
     samples = os.path.join(out_dir, "samples.jsonl")
-    res = {"path": path, "confidence": source, "out": out_dir, "benchmarks": {}, "settings": {}}
+    res = {"path": path, "confidence": source, "out": out_dir, "benchmarks": {}, "settings": {},
+           "provenance": runlog.provenance(args.argv, next(model.parameters()).device)}
     for bench, rows, instruction in loaded:
         s = settings(bench, args)
+        instruction = instruction if prompt[0] is None else prompt[0]
         probe_source = source in ("probe", "probe-posthoc") and not args.no_early_exit
         conf_kw = dict(source=source, prb=prb, close_id=close_id, every=s["every"] if probe_source else None,
                        suffix=s["suffix"], close=args.forced_close)
-        generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, samples)
+        generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, samples, prompt[1])
         mine = [r for r in read_samples(samples) if r["model"] == label and r["benchmark"] == bench
                 and r["question"] < len(rows) and r["sample"] < s["n"]]
         res["benchmarks"][bench] = summarize(mine, seed=args.seed)
         res["settings"][bench] = dict(s, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                                      questions=len(rows))
+                                      questions=len(rows), instruction=instruction, system_prompt=prompt[1],
+                                      bootstrap=dict(resamples=1000, unit="question", seed=args.seed))
         b = res["benchmarks"][bench]
         title = f"{label} | {bench} | {source}\nacc {b['acc']:.3f}  ECE {b['ece']:.3f}  n {b['n']}"
         plot_reliability(b["reliability"], title,
@@ -338,7 +363,12 @@ def parse_args(argv=None):
     g.add_argument("--probe-data", help="questions for the post-hoc probe (default: toy train split / deepscaler)")
     g.add_argument("--probe-questions", type=int, help="how many (default 200; toy 64)")
     g.add_argument("--no-early-exit", action="store_true", help="skip the forced answers at exit checkpoints")
-    return p.parse_args(argv)
+    g = p.add_argument_group("prompt (default: what the run trained with, else the benchmark's)")
+    g.add_argument("--instruction", help="text appended to every problem")
+    g.add_argument("--system-prompt", help="system turn before the problem")
+    args = p.parse_args(argv)
+    args.argv = ["evaluate.py", *(sys.argv[1:] if argv is None else argv)]  # for results.json provenance
+    return args
 
 
 def main(argv=None):

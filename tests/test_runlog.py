@@ -1,0 +1,200 @@
+"""What a run leaves around the loop: samples, held-out probe calibration, curves, the optional W&B
+mirror, prompts and configs as data, and results.json provenance and intervals."""
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+
+import data
+import evaluate
+import metrics
+import runlog
+import toy
+import train
+from config import resolve_args
+from test_train import SMALL, rows
+
+K = 4
+
+
+def run_main(argv):
+    train.main(argv)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("runs") / "x")
+    run_main(["--steps", "2", "--out", out, "--log-samples", "2", *SMALL, "--eval-every", "1"])
+    return out
+
+
+def test_samples_hold_two_trajectories_per_step_with_labels_and_confidences(run):
+    samples = runlog.read_jsonl(os.path.join(run, "samples.jsonl"))
+    assert [s["step"] for s in samples] == [1, 1, 2, 2]
+    for s in samples:
+        assert {"problem", "answer", "text", "correct", "reward", "margin", "budgets", "Y_b", "C_b"} <= set(s)
+        assert s["text"] and s["budgets"] == sorted(s["budgets"]) and len(s["budgets"]) >= 1
+        assert len(s["Y_b"]) == len(s["C_b"]) == len(s["budgets"])
+        assert all(y in (0, 0.25, 0.5, 0.75, 1) for y in s["Y_b"]) and all(0 < c < 1 for c in s["C_b"])
+        assert s["correct"] == float(data.is_correct(s["text"], s["answer"]))
+        # reward = r_nat + lam * margin with the default lam 0.1
+        assert s["reward"] == pytest.approx(2 * s["correct"] - 1 + 0.1 * s["margin"], abs=2e-4)
+    # Spread over the batch: different problems, not the first group twice.
+    assert samples[0]["problem"] != samples[1]["problem"]
+
+
+def test_held_out_rows_carry_the_probe_calibration_of_the_logged_prefixes(run):
+    evals = [r for r in rows(run) if r.get("eval")]
+    held = runlog.read_jsonl(os.path.join(run, "heldout.jsonl"))
+    assert [r["step"] for r in evals] == [0, 1, 2]
+    for r in evals:
+        mine = [t for t in held if t["step"] == r["step"]]
+        assert len(mine) == 8  # --eval-n 8 < --eval-probe-n 32
+        Y = np.array([y for t in mine for y in t["Y_b"]])
+        C = np.array([c for t in mine for c in t["C_b"]])
+        assert r["eval_probe_prefixes"] == len(Y) >= 8
+        assert r["eval_probe_ece"] == pytest.approx(metrics.ece(C, Y))
+        bce = -np.mean(Y * np.log(C) + (1 - Y) * np.log(1 - C))
+        assert r["eval_probe_bce"] == pytest.approx(bce)
+        # AUROC over the K forced answers of every prefix: K * Y_b right ones, all with that prefix's C_b.
+        conf = np.concatenate([[c] * K for c in C])
+        right = np.concatenate([[1] * round(y * K) + [0] * (K - round(y * K)) for y in Y])
+        want = metrics.auroc(conf, right)
+        got = r["eval_probe_auroc"]
+        assert got == pytest.approx(want) or (math.isnan(want) and math.isnan(got))
+        assert r["eval_margin"] == pytest.approx(np.mean([t["margin"] for t in mine]))
+    # The probe learns between the checks: the untrained one (step 0) is worse out of sample.
+    assert evals[-1]["eval_probe_bce"] < evals[0]["eval_probe_bce"]
+    steps = [r for r in rows(run) if not r.get("eval")]
+    assert all("probe_bce" in r and "probe_ece" in r for r in steps)  # the in-sample numbers stay
+
+
+def test_curves_png_after_a_run_and_with_plot(run, tmp_path, capsys):
+    png = os.path.join(run, "curves.png")
+    assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(png) > 20000
+    os.remove(png)
+    run_main(["--plot", run])
+    assert capsys.readouterr().out.strip() == png and os.path.isfile(png)
+    with pytest.raises(SystemExit) as e:
+        run_main(["--plot", str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and "no metrics.jsonl" in err
+
+
+def test_config_file_reproduces_a_run_except_steps_and_out(run, tmp_path):
+    out = str(tmp_path / "y")
+    run_main(["--config", os.path.join(run, "config.json"), "--steps", "1", "--out", out])
+    a, b = (json.load(open(os.path.join(d, "config.json"))) for d in (run, out))
+    differ = {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
+    assert differ == {"steps", "out", "config"} and b["steps"] == 1 and b["out"] == out
+    assert b["log_samples"] == 2 and b["prompts_per_step"] == 4  # not the defaults (4 and 16)
+    cfg = resolve_args(["--config", os.path.join(run, "config.json"), "--group-size", "2"])
+    assert cfg["group_size"] == 2 and cfg["out"] == os.path.join("runs", "toy")  # a flag wins; x's --out is not reused
+    with pytest.raises(train.UserError, match="cannot read"):
+        resolve_args(["--config", str(tmp_path / "nope.json")])
+
+
+def test_wandb_missing_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    with pytest.raises(SystemExit) as e:
+        run_main(["--steps", "1", "--out", str(tmp_path / "r"), "--wandb", "x", *SMALL])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and "pip install wandb" in err, err
+    assert not os.path.exists(tmp_path / "r" / "checkpoints")
+
+
+FAKE_WANDB = '''
+calls = []
+
+class Run:
+    def __init__(self, id):
+        self.id = id
+    def log(self, row, step=None):
+        calls.append(("log", step, dict(row)))
+    def finish(self):
+        calls.append(("finish",))
+
+def init(**kw):
+    calls.append(("init", kw))
+    return Run(kw.get("id") or "run-%d" % len(calls))
+'''
+
+
+def test_wandb_mirrors_every_row_once_and_resume_continues_the_run(tmp_path, monkeypatch):
+    (tmp_path / "fake").mkdir()
+    (tmp_path / "fake" / "wandb.py").write_text(FAKE_WANDB)
+    monkeypatch.syspath_prepend(str(tmp_path / "fake"))
+    monkeypatch.delitem(sys.modules, "wandb", raising=False)
+    out = str(tmp_path / "r")
+    run_main(["--steps", "2", "--out", out, "--wandb", "proj", "--wandb-run", "first", *SMALL])
+    run_main(["--resume", out, "--steps", "3"])
+    calls = sys.modules["wandb"].calls
+    inits = [c[1] for c in calls if c[0] == "init"]
+    assert len(inits) == 2 and inits[0]["project"] == inits[1]["project"] == "proj"
+    assert inits[0]["name"] == "first" and "id" not in inits[0]
+    first_id = json.load(open(os.path.join(out, "wandb_run.json")))["id"]
+    assert inits[1]["id"] == first_id and inits[1]["resume"] == "allow"
+    logged = [(c[1], c[2]) for c in calls if c[0] == "log"]
+    want = [(r["step"], {k: v for k, v in r.items() if k not in ("step", "eval")}) for r in rows(out)]
+    assert logged == want and [s for s, _ in logged] == [0, 1, 2, 2, 3, 3]
+    assert sum(c[0] == "finish" for c in calls) == 2
+
+
+def test_instruction_changes_the_prompt_and_evaluate_reuses_it(tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(toy.base_model())
+    plain, marked = data.chat_prompt(tok, "1+2", ""), data.chat_prompt(tok, "1+2", " =")
+    assert len(marked) > len(plain) and tok.decode(marked).replace(" =", "", 1) == tok.decode(plain)
+    seen = []
+    real = data.chat_prompt
+    monkeypatch.setattr(data, "chat_prompt",
+                        lambda t, p, i=data.INSTRUCTION, s=None: seen.append((i, s)) or real(t, p, i, s))
+    out = str(tmp_path / "r")
+    run_main(["--steps", "1", "--out", out, "--instruction", " =", *SMALL])
+    assert json.load(open(os.path.join(out, "config.json")))["instruction"] == " ="
+    assert seen and set(seen) == {(" =", None)}
+    seen.clear()
+    fast = ["--benchmarks", "toy", "--limit", "3", "--n-samples", "2", "--max-new-tokens", "16", "--threads", "1"]
+    res = evaluate.main(["--model", out, "--out", str(tmp_path / "e"), *fast])
+    assert set(seen) == {(" =", None)}
+    (label,) = res
+    assert res[label]["settings"]["toy"]["instruction"] == " ="
+    seen.clear()
+    evaluate.main(["--model", out, "--out", str(tmp_path / "e2"), "--instruction", "", *fast])
+    assert set(seen) == {("", None)}
+    with pytest.raises(SystemExit) as e:  # the toy chat template has no system turn: say so, not ignore it
+        run_main(["--steps", "1", "--out", str(tmp_path / "s"), "--system-prompt", "be brief", *SMALL])
+    assert e.value.code == 2
+
+
+def test_results_json_holds_provenance_and_intervals(run, tmp_path, capsys):
+    out = str(tmp_path / "e")
+    evaluate.main(["--model", run, "--benchmarks", "toy", "--limit", "10", "--n-samples", "2",
+                   "--max-new-tokens", "48", "--threads", "1", "--out", out])
+    printed = capsys.readouterr().out
+    saved = json.load(open(os.path.join(out, "results.json")))
+    (res,) = saved.values()
+    prov = res["provenance"]
+    assert set(prov) >= {"git_commit", "torch", "transformers", "date", "command", "device"}
+    assert prov["git_commit"] == "unknown" or len(prov["git_commit"].split("+")[0]) == 40
+    assert prov["command"].startswith("evaluate.py --model ") and prov["device"] == "cpu"
+    b = res["benchmarks"]["toy"]
+    for key in ("acc", "ece", "pce"):
+        ci = b["ci95"][key]
+        assert ci["lo"] <= b[key] <= ci["hi"] and ci["pm"] >= 0
+        assert f"{b[key]:.3f} +- {ci['pm']:.3f}" in printed
+    want = metrics.bootstrap([0.5], [1.0], [0])  # a single question: no spread
+    assert want["acc"]["pm"] == 0.0
+
+
+def test_clip_and_pick():
+    text = "a" * 1500 + "b" * 1500
+    c = runlog.clip(text, 1000)
+    assert c.startswith("a" * 500) and c.endswith("b" * 500) and "[... 2000 characters cut ...]" in c
+    assert runlog.clip("short") == "short" and len(runlog.clip("x" * 50000)) < runlog.TEXT_CHARS + 50
+    got = runlog.pick(7, 3, text=list("abcdefghij"), y=[[i / 3] for i in range(10)])
+    assert [r["text"] for r in got] == ["a", "e", "j"] and got[1]["y"] == [1.3333] and got[0]["step"] == 7
+    assert runlog.pick(7, 0, text=["a"]) == [] and len(runlog.pick(1, 5, text=["a", "b"])) == 2
