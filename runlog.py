@@ -46,7 +46,8 @@ def pick(step, n, **columns):
     size = len(next(iter(columns.values()), []))
     if n <= 0 or size == 0:
         return []
-    idx = sorted({round(i * (size - 1) / max(n - 1, 1)) for i in range(min(n, size))})
+    m = min(n, size)
+    idx = sorted({round(i * (size - 1) / max(m - 1, 1)) for i in range(m)})
     return [dict(step=step, **{k: _tidy(v[i]) for k, v in columns.items()}) for i in idx]
 
 
