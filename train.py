@@ -4,6 +4,7 @@
     python train.py --model deepseek-r1-distill-qwen-7b    # one GPU (bf16)
     torchrun --nproc_per_node 8 train.py --model deepseek-r1-distill-qwen-7b --data deepscaler
     python train.py --resume runs/toy                      # continue a run from its last checkpoint
+    python train.py --plot runs/toy                        # redraw runs/toy/curves.png
 
 One step (DESIGN.md): rollout -> grade -> budgets -> forced answers (Monte-Carlo labels Y_b) ->
 scoring forward (old log-probs + probe features) -> probe fit on this batch -> probe confidences
@@ -335,9 +336,7 @@ def run(cfg):
                  t_eval=time.perf_counter() - t))
         if MASTER:
             runlog.append_jsonl(heldout_path, [dict(step=at, **t) for t in trajs])
-        print0(f"step {at}: held-out accuracy {acc:.3f} on {len(eval_rows)} problems" + (
-            "; probe on {eval_probe_prefixes} held-out prefixes: BCE {eval_probe_bce:.3f}, ECE {eval_probe_ece:.3f}, "
-            "AUROC {eval_probe_auroc:.3f}".format(**calib) if calib and calib["eval_probe_prefixes"] else ""))
+        print0(f"step {at}: held-out accuracy {acc:.3f} on {len(eval_rows)} problems" + heldout.describe(calib))
         return acc
 
     def save(at):
@@ -395,8 +394,9 @@ def main(argv=None):
     try:
         cfg = resolve_args(argv)
         if cfg["plot"]:
-            return print(runlog.plot_curves(cfg["plot"]))
-        run(cfg)
+            print(runlog.plot_curves(cfg["plot"]))
+        else:
+            run(cfg)
     except (UserError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
