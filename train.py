@@ -215,7 +215,9 @@ def zero_var_groups(R, G):
 
 
 def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device):
-    """One optimizer step over all micro-batches; the loss is the token-mean over the whole batch."""
+    """One optimizer step over all micro-batches. Each micro-batch's loss is weighted by its share of
+    the batch's tokens (token-mean) or sequences (seq-mean, seq-sum-norm), so the summed gradient is
+    that of one loss over the whole batch, however it is cut."""
     policy.train()
     mask = batch["loss_mask"]
     weights = mask.sum(1) if cfg["agg"] == "token-mean" else torch.ones(len(mask))
@@ -231,7 +233,8 @@ def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device):
         with amp:
             logp = policy(sub["input_ids"], sub["attention_mask"], cfg["temperature"], cfg["chunk_size"])
         loss, st = policy_loss(logp.float(), old_logp[mb, :L - 1].to(device), adv[mb].to(device),
-                               sub["loss_mask"], cfg["clip_low"], cfg["clip_high"], agg=cfg["agg"])
+                               sub["loss_mask"], cfg["clip_low"], cfg["clip_high"], agg=cfg["agg"],
+                               norm_const=cfg["max_new_tokens"])
         if not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite loss ({loss.item()}) in micro-batch {j}")
         (loss * scale).backward()
