@@ -132,7 +132,7 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
     golds = [rows[i]["answer"] for i in out.prompt_index]
     traj_prompts = [prompts[i] for i in out.prompt_index]
     correct = torch.tensor([data.is_correct(t, g) for t, g in zip(out.texts, golds)], dtype=torch.float32)
-    cuts = [budgets(n) if rlcm else [] for n in out.lengths]
+    cuts = [budgets(n, cfg["budgets"]) if rlcm else [] for n in out.lengths]
     labels = [[] for _ in cuts]
     if rlcm:
         with timer("label"):
@@ -277,6 +277,11 @@ def run(cfg):
     torch.manual_seed(cfg["seed"]), np.random.seed(cfg["seed"]), random.seed(cfg["seed"])
 
     model, tok = load_policy(ckpt or cfg["model"], cfg, device)
+    if cfg["max_prompt_tokens"]:
+        rows, dropped = data.drop_long_prompts(rows, tok, cfg["max_prompt_tokens"], instruction)
+        print0(f"training set: {len(rows)} problems, {dropped} dropped (prompt over {cfg['max_prompt_tokens']} tokens)")
+        if not rows:
+            raise UserError(f"every training prompt is over --max-prompt-tokens {cfg['max_prompt_tokens']}: raise it")
     policy, sampler = wrap(model, device)
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg["lr"], weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(cfg["warmup"], 1)))
