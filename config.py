@@ -73,9 +73,9 @@ def build_parser():
                    help="truncation points as fractions of each response (0.25,0.5,0.75; 1.0 alone "
                         "for the final-only ablations)")
     g.add_argument("--corner", choices=("zero", "margin-corner", "final-margin"),
-                   help="margin when only one side exists: 0 (RLCM), mean C / 1 - mean C (released "
-                        "margin_corner), +mean C / -mean C (released conf_diff_v3: with --budgets 1.0, "
-                        "the Final-Margin ablation)")
+                   help="margin when only one side exists: 0 (RLCM); mean C / 1 - mean C (released "
+                        "margin_corner); final-margin: +mean C / -mean C and 0 when both exist (released "
+                        "conf_diff_v3; with --budgets 1.0, the Final-Margin ablation)")
     g.add_argument("--probe-lr", type=float)
     g.add_argument("--probe-passes", type=int)
     g.add_argument("--probe-batch", type=int)

@@ -60,10 +60,12 @@ def test_margin_corners():
         reward.margin_reward(conf, labels, corner="one-sided")
 
 
-@pytest.mark.parametrize("corner", reward.CORNERS)
-def test_both_sides_present_is_the_margin_for_every_corner(corner):
-    m = reward.margin_reward(torch.tensor([[0.9, 0.1]]), torch.tensor([[1.0, 0.0]]), corner=corner)
-    assert m.tolist() == pytest.approx([0.8])
+@pytest.mark.parametrize("corner, want", [("zero", 0.8), ("margin-corner", 0.8), ("final-margin", 0.0)])
+def test_both_sides_present(corner, want):
+    """The margin, except for the Final-Margin rule (released alpha_both = 0), which scores only
+    one-sided traces."""
+    m = reward.margin_reward(torch.tensor([[0.9, 0.1, 0.5]]), torch.tensor([[1.0, 0.0, 0.5]]), corner=corner)
+    assert m.tolist() == pytest.approx([want])
 
 
 def test_released_unit_test_values():
@@ -74,6 +76,10 @@ def test_released_unit_test_values():
     y = torch.tensor([[1.0, 1.0], [0.0, 0.0]])
     assert reward.margin_reward(both, y, corner="margin-corner").tolist() == pytest.approx([0.8, 0.8])
     assert reward.margin_reward(both, y, corner="final-margin").tolist() == pytest.approx([0.8, -0.2])
+    # released conf_diff_v3 (tau 0.4, alphas 3/5/7): only-correct 5 * (0.9 - 0.4), only-incorrect
+    # 7 * (0.4 - 0.1); with the Final-Margin script's tau 0 and alphas 0/1/1 these are 0.9 and -0.1
+    one = reward.margin_reward(torch.tensor([[0.9], [0.1]]), torch.tensor([[1.0], [0.0]]), corner="final-margin")
+    assert one.tolist() == pytest.approx([0.9, -0.1])
     assert reward.margin_reward(both, y, corner="zero").tolist() == [0.0, 0.0]
     # released: preds [0.8, 0.3], [0.6, 0.4] with accuracies [1, 0], [0, 1] -> 0.5, -0.2
     two = reward.margin_reward(torch.tensor([[0.8, 0.3], [0.6, 0.4]]), torch.tensor([[1.0, 0.0], [0.0, 1.0]]))
