@@ -1,7 +1,7 @@
 """Evaluate models: accuracy, calibration (ECE, PCE, Brier, AUROC), reliability diagrams, and two uses
 of the confidence (weighted voting, conformal early exit).
 
-    python evaluate.py --model runs/toy --benchmarks toy                      # CPU, a few minutes
+    python evaluate.py --model runs/toy --benchmarks toy                      # CPU, about a minute
     python evaluate.py --model toy --model runs/toy --benchmarks toy --confidence probe-posthoc
     python evaluate.py --model deepseek-r1-distill-qwen-7b --model runs/rlcm \\
         --benchmarks math500,aime24,aime25,amc23                              # GPU
