@@ -1,21 +1,26 @@
 """Where a sample's confidence comes from at evaluation, and the post-hoc probe.
 
 Sources (one number in [0, 1] per sampled response):
-  probe          the run's own probe (probe.pt in the checkpoint) on the training features: the last
-                 decoder layer's output before the final norm, averaged over the 4 tokens before the
-                 end of thinking (the position of `</think>` in the response, or its end).
-  probe-posthoc  a probe fitted after training with the released evaluation protocol (`fit_posthoc`):
-                 feature = final normed hidden state of the last token of prompt + thinking.
+  probe          the run's own probe (probe.pt in the checkpoint), read where it was trained: the
+                 training feature (the last decoder layer's output before the final norm, averaged
+                 over the 4 tokens before the prefix end) at the last of the run's budgets (75% of the
+                 response by default), not at the end of thinking, where it never saw data.
+  probe-posthoc  a probe fitted after training with the released evaluation protocol (the paper's
+                 probe rows): feature = final normed hidden state of the last token of prompt +
+                 thinking; read at the end of thinking.
   verbal         the number in the last <confidence>...</confidence> tag (RLCR's format); values
                  above 1 read as percentages; a missing or unreadable tag reads as 0.5 (counted).
   logits         exp(mean log-prob of the response tokens) at temperature 1 (C2GSPG's confidence).
 
-Post-hoc protocol (released evaluation code): budgets every 500 thinking tokens (`every`), forced
-answers `prompt + thinking[:b] + </think> + EVAL_SUFFIX`, 16 per budget at temperature 0.6, top-p 0.95,
-at most 64 tokens; labels Y_b = fraction right; MLP d -> d/4 -> 1; 80/20 split grouped by problem;
-BCE on soft labels; early stopping on validation BCE against rounded labels; grid over lr x dropout x
-weight decay (GRID). One addition: the end of thinking is also a budget, because that is where the
-probe is read at test time.
+Post-hoc protocol (released evaluation code; each knob is an evaluate.py flag): 80 problems x 8
+samples; 16 budgets every 500 thinking tokens per rollout, a budget past the end of thinking reusing
+the end-of-thinking feature and label; forced answers `prompt + thinking[:b] + </think> + EVAL_SUFFIX`,
+16 per budget at temperature 0.6, top-p 0.95, at most 64 tokens, no stop string, read from the last
+box; where the thinking ended inside the budget and the response holds a box, the natural answer's
+correctness is copied instead; MLP d -> d/4 -> 1; validation problems (seed 42) added until they hold
+>= 20 % of the examples; BCE on soft labels, batch 64, up to 100 epochs, early stopping (patience 30)
+on validation BCE against rounded labels, ReduceLROnPlateau(0.5, 5); grid over lr x dropout x weight
+decay (GRID).
 """
 import copy
 import json
@@ -23,13 +28,14 @@ import math
 import os
 import random
 import re
+import sys
 
 import torch
 
 import probe as probe_lib
 from grpo import pack, token_logprobs
-from data import chat_prompt, is_correct
-from label import absolute_budgets, mc_labels
+from data import answers_match, boxed_answer, chat_prompt, is_correct
+from label import absolute_budgets, budgets, forced_prompt, mc_labels
 from rollout import generate
 from score import budget_ends, score
 
@@ -110,29 +116,69 @@ def probe_confidences(prb, feats):
     return out
 
 
-def posthoc_budgets(thinking, every):
-    """Budgets every `every` thinking tokens plus the end of thinking: (20, 8) -> [8, 16, 20]."""
-    bs = absolute_budgets(thinking, every)
-    return bs + [thinking] if thinking > 0 and thinking not in bs else bs
+def posthoc_budgets(thinking, every=500, count=16):
+    """The released budgets every, 2 * every, ..., count * every thinking tokens, as the prefix length
+    read at each: a budget past the end of thinking reads the end of thinking.
+
+    posthoc_budgets(20, 8, 4) == [8, 16, 20, 20]; always `count` entries per rollout.
+    """
+    return [min(every * (i + 1), thinking) for i in range(count)]
 
 
-def posthoc_examples(model, tokenizer, prompts, responses, golds, groups, close_id, every, k=16,
-                     suffix=EVAL_SUFFIX, close="think", seed=0, batch_size=8, rows=64):
-    """(feats [M, d], labels [M], groups [M]) for fitting a post-hoc probe on sampled responses.
+def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions, ends, k=16,
+                   suffix=EVAL_SUFFIX, close="think", stop=(), copy_natural=True, max_new_tokens=64,
+                   seed=0, rows=64):
+    """Labels Y_b for each rollout's budget positions (N lists of floats) and the count of copied ones.
 
-    Each response contributes one example per budget in posthoc_budgets(thinking length, every);
-    labels are Monte-Carlo fractions of k forced answers (label.mc_labels, temperature 0.6, top-p 0.95,
-    at most 64 tokens); groups[i] is the problem index of the response, for the grouped split.
+    Where the position is the end of thinking (ends[i]) and the natural response holds a box, the
+    natural answer's correctness (0 or 1) is copied (copy_natural). Elsewhere k answers are forced
+    from `prompt + response[:b] + CLOSE + suffix` (temperature 0.6, top-p 0.95, at most
+    max_new_tokens, `stop` strings; released: none) and each is read from the last box of
+    `suffix + completion`; Y_b is the fraction right. Equal forced prompts are sampled once.
+    """
+    labels, todo, copied = [], {}, 0
+    for i, ps in enumerate(positions):
+        natural = float(is_correct(texts[i], golds[i])) if boxed_answer(texts[i]) is not None else None
+        row = []
+        for b in ps:
+            if copy_natural and b >= ends[i] and natural is not None:
+                row.append(natural)
+                copied += 1
+            else:
+                key = tuple(forced_prompt(prompts[i], responses[i], b, tokenizer, close, suffix))
+                row.append(todo.setdefault(key, (len(todo), golds[i]))[0])
+        labels.append(row)
+    y = []
+    if todo:
+        out = generate(model, tokenizer, [list(f) for f in todo], n=k, max_new_tokens=max_new_tokens,
+                       temperature=0.6, top_p=0.95, stop=stop, seed=seed, batch_size=max(1, rows // k))
+        for j, (_, gold) in enumerate(todo.values()):
+            y.append(sum(answers_match(boxed_answer(suffix + t), gold) for t in out.texts[j * k:(j + 1) * k]) / k)
+    labels = [[v if isinstance(v, float) else y[v] for v in row] for row in labels]
+    return labels, copied
+
+
+def posthoc_examples(model, tokenizer, prompts, responses, texts, golds, groups, close_id, every=500,
+                     count=16, k=16, suffix=EVAL_SUFFIX, close="think", stop=(), copy_natural=True,
+                     seed=0, batch_size=8, rows=64):
+    """(feats [M, d], labels [M], groups [M], stats) for fitting a post-hoc probe on sampled responses.
+
+    Every rollout contributes `count` examples, one per budget of posthoc_budgets(thinking, every,
+    count), M = count * N: the feature is the final normed state of the last token of prompt +
+    thinking[:b] (budgets past the end of thinking reuse the end-of-thinking feature and label), the
+    label comes from posthoc_labels. groups[i] is the problem index, for the grouped split.
     batch_size: sequences per scoring forward; rows: sequences per forced-answer generation call.
     """
-    bls = [posthoc_budgets(think_end(r, close_id), every) for r in responses]
-    labels = mc_labels(model, tokenizer, prompts, responses, bls, golds, k=k, temperature=0.6, top_p=0.95,
-                       max_new_tokens=64, close=close, suffix=suffix, seed=seed, batch_size=max(1, rows // k))
-    feats = features(model, prompts, responses, bls, tokenizer.pad_token_id, True, batch_size)
-    x = torch.cat(feats)                       # responses without budgets contribute [0, d]
+    ends = [think_end(r, close_id) for r in responses]
+    positions = [posthoc_budgets(e, every, count) for e in ends]
+    labels, copied = posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions, ends, k,
+                                    suffix, close, stop, copy_natural, seed=seed, rows=rows)
+    feats = features(model, prompts, responses, positions, tokenizer.pad_token_id, True, batch_size)
+    x = torch.cat(feats)
     y = torch.tensor([v for ls in labels for v in ls], dtype=torch.float32)
-    g = torch.tensor([grp for grp, bl in zip(groups, bls) for _ in bl], dtype=torch.long)
-    return x, y, g
+    g = torch.tensor([grp for grp, ps in zip(groups, positions) for _ in ps], dtype=torch.long)
+    past = sum(b >= e for ps, e in zip(positions, ends) for b in ps)
+    return x, y, g, dict(examples=len(y), past_end=past, natural_copied=copied)
 
 
 def bce(p, y):
@@ -142,47 +188,61 @@ def bce(p, y):
     return float(-(y * p.log() + (1 - y) * (1 - p).log()).mean())
 
 
-def split_groups(groups, val_frac=0.2, seed=0):
-    """Boolean masks (train [M], val [M]): a seeded val_frac of the distinct groups goes to validation."""
+def split_groups(groups, val_frac=0.2, seed=42):
+    """Boolean masks (train [M], val [M]): problems in a seeded random order go to validation until it
+    holds at least val_frac of the examples (the released rule); whole problems stay on one side."""
     uniq = sorted(set(groups.tolist()))
     random.Random(seed).shuffle(uniq)
-    val = set(uniq[:max(1, math.ceil(val_frac * len(uniq)))])
+    size = {q: 0 for q in uniq}
+    for q in groups.tolist():
+        size[q] += 1
+    val, held = set(), 0
+    for q in uniq:
+        if held >= val_frac * len(groups):
+            break
+        val.add(q)
+        held += size[q]
     is_val = torch.tensor([g in val for g in groups.tolist()], dtype=torch.bool)
     return ~is_val, is_val
 
 
-def fit_posthoc(x, y, groups, seed=0, max_epochs=50, patience=5, batch_size=64, grid=GRID, device="cpu"):
-    """Fit the post-hoc probe: grid search with early stopping, grouped 80/20 split.
+def fit_posthoc(x, y, groups, seed=42, max_epochs=100, patience=30, batch_size=64, grid=GRID, device="cpu",
+                val_frac=0.2, plateau=(0.5, 5)):
+    """Fit the post-hoc probe (released protocol): grid search with early stopping, grouped split.
 
-    x [M, d], y [M] soft labels, groups [M]. For each (lr, dropout, weight decay) in grid: a fresh
-    Probe(d, d // 4, dropout) with AdamW, one shuffled pass per epoch on the training part (minibatch 64,
-    our choice: the protocol does not state one), stop after `patience` epochs without a lower validation
-    BCE against round(y); keep the best epoch. Returns
-    (probe with the lowest validation loss over the grid, report dict with its config, validation BCE
-    on soft and rounded labels, and the same for the constant predictors mean(y_train) and
-    mean(round(y_train))).
+    x [M, d], y [M] soft labels, groups [M]. Split: split_groups(val_frac, seed). For each (lr,
+    dropout, weight decay) in grid: a fresh Probe(d, d // 4, dropout) (torch seed `seed`) with AdamW,
+    one shuffled pass per epoch on the training part (minibatch batch_size), ReduceLROnPlateau(factor,
+    patience = plateau) on the validation loss = BCE against round(y); stop after `patience` epochs
+    without a lower one, keep the best epoch. Returns (probe with the lowest validation loss over the
+    grid, report: its config and epochs, the split sizes, validation BCE on soft and rounded labels,
+    and the same for the constant predictors mean(y_train) and mean(round(y_train))).
     """
-    tr, va = split_groups(groups, seed=seed)
+    tr, va = split_groups(groups, val_frac, seed)
     if tr.sum() == 0 or va.sum() == 0:
         raise ValueError("post-hoc probe needs at least two problems with labelled prefixes; raise --probe-questions")
     xt, yt, xv, yv = (t.to(device) for t in (x[tr], y[tr], x[va], y[va]))
-    best = (math.inf, None, None)
+    best, runs = (math.inf, None, None), []
     for lr, drop, wd in grid:
         torch.manual_seed(seed)
         prb = probe_lib.Probe(x.shape[1], dropout=drop).to(device)
         opt = probe_lib.make_optimizer(prb, lr=lr, weight_decay=wd)
-        run_best, state, bad = math.inf, None, 0
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=plateau[0], patience=plateau[1])
+        run_best, state, bad, best_epoch = math.inf, None, 0, 0
         for epoch in range(max_epochs):
             probe_lib.fit(prb, opt, xt, yt, passes=1, batch_size=batch_size, seed=seed + epoch)
             loss = bce(probe_lib.predict(prb, xv), yv.round())
+            sched.step(loss)
             if loss < run_best - 1e-6:
-                run_best, state, bad = loss, copy.deepcopy(prb.state_dict()), 0
+                run_best, state, bad, best_epoch = loss, copy.deepcopy(prb.state_dict()), 0, epoch + 1
             else:
                 bad += 1
                 if bad >= patience:
                     break
+        runs.append(dict(lr=lr, dropout=drop, weight_decay=wd, epochs=epoch + 1, best_epoch=best_epoch,
+                         val_loss=run_best))
         if run_best < best[0]:
-            best = (run_best, state, dict(lr=lr, dropout=drop, weight_decay=wd))
+            best = (run_best, state, runs[-1])
     prb = probe_lib.Probe(x.shape[1], dropout=best[2]["dropout"])
     prb.load_state_dict(best[1])
     yt, yv = yt.cpu(), yv.cpu()
@@ -190,15 +250,28 @@ def fit_posthoc(x, y, groups, seed=0, max_epochs=50, patience=5, batch_size=64, 
     # The constant predictors: the training base rate of the soft labels and of the rounded ones.
     base, base_r = torch.full_like(yv, float(yt.mean())), torch.full_like(yv, float(yt.round().mean()))
     report = dict(best[2], n_train=int(tr.sum()), n_val=int(va.sum()),
-                  val_bce=bce(pv, yv), val_bce_rounded=bce(pv, yv.round()),
-                  base_rate=float(yt.mean()), base_bce=bce(base, yv), base_bce_rounded=bce(base_r, yv.round()))
+                  val_problems=len(set(groups[va].tolist())), train_problems=len(set(groups[tr].tolist())),
+                  val_bce=bce(pv, yv), val_bce_rounded=bce(pv, yv.round()), base_rate=float(yt.mean()),
+                  base_bce=bce(base, yv), base_bce_rounded=bce(base_r, yv.round()), grid=runs)
     return prb, report
+
+
+def read_point(source, response, close_id, fractions=(0.25, 0.5, 0.75)):
+    """Where a probe is read for a sample's confidence, in response tokens: the end of thinking for the
+    post-hoc probe; for the run's own probe the last of its training budgets (label.budgets of the
+    response length with the run's fractions: 6 for a response of 8 tokens), where it saw data."""
+    if source == "probe":
+        return max(budgets(len(response), fractions), default=0)
+    return think_end(response, close_id)
 
 
 def sample_confidences(source, model, tokenizer, prompts, responses, texts, golds, prb=None,
                        close_id=None, every=None, exit_k=1, suffix=EVAL_SUFFIX, close="think", seed=0,
-                       batch_size=8, rows=64):
+                       batch_size=8, rows=64, fractions=(0.25, 0.5, 0.75)):
     """One confidence per response, plus per-sample extras for the results.
+
+    Probe sources read their probe at read_point (the run's probe: its last training budget, with
+    `fractions` from the run's config; the post-hoc probe: the end of thinking).
 
     Returns (conf [N] floats, extras [N] dicts). verbal: extras {"verbal_missing": bool}. Probe sources
     with `every`: extras {"checkpoints": [[t, c_t, y_t], ...]} for t = every, 2 * every, ... below the
@@ -213,7 +286,8 @@ def sample_confidences(source, model, tokenizer, prompts, responses, texts, gold
     if source not in ("probe", "probe-posthoc") or prb is None:
         raise ValueError(f"confidence source {source!r} needs a probe; sources: {', '.join(SOURCES)}")
     ends = [think_end(r, close_id) for r in responses]
-    bls = [([b for b in absolute_budgets(te, every) if b < te] if every else []) + [te] for te in ends]
+    bls = [([b for b in absolute_budgets(te, every) if b < te] if every else []) +
+           [read_point(source, r, close_id, fractions)] for r, te in zip(responses, ends)]
     feats = features(model, prompts, responses, bls, tokenizer.pad_token_id, source == "probe-posthoc",
                      batch_size)
     confs = probe_confidences(prb, feats)
@@ -227,29 +301,59 @@ def sample_confidences(source, model, tokenizer, prompts, responses, texts, gold
     return [cs[-1] for cs in confs], extras
 
 
-def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, n=4, max_new_tokens=8000,
-                  temperature=0.6, top_p=1.0, every=500, k=16, suffix=EVAL_SUFFIX, close="think", seed=0,
-                  batch_size=8, rows=64, system=None):
-    """The post-hoc probe of a model: loaded from `cache`.pt / .json if there, else fitted and saved.
+def protocol_line(p, report):
+    """The post-hoc fit in one paragraph: what was sampled, labelled, split and chosen."""
+    stop = ", ".join(map(repr, p["stop"])) or "none"
+    val_share = report["n_val"] / max(report["n_train"] + report["n_val"], 1)
+    return (f"post-hoc probe protocol: {p['questions']} problems x {p['n']} samples (T {p['temperature']}, "
+            f"top-p {p['top_p']}, <= {p['max_new_tokens']} tokens); {p['count']} budgets every {p['every']} "
+            f"thinking tokens per rollout, past the end of thinking: its feature and label "
+            f"({report['past_end']} of {report['examples']} examples, natural answer copied for "
+            f"{report['natural_copied']}); forced text {'</think>' if p['close'] == 'think' else 'EOS'!r} + {p['suffix']!r}, {p['k']} answers at "
+            f"T 0.6, top-p 0.95, <= 64 tokens, stop {stop}, answer from the last box; split seed {p['seed']}: "
+            f"train {report['n_train']} examples ({report['train_problems']} problems) / val {report['n_val']} "
+            f"({report['val_problems']} problems, {val_share:.1%}); up to {p['epochs']} epochs, patience "
+            f"{p['patience']}, ReduceLROnPlateau(0.5, 5), batch {p['batch']}; grid winner lr {report['lr']} "
+            f"dropout {report['dropout']} wd {report['weight_decay']} after {report['epochs']} epochs (best "
+            f"{report['best_epoch']}); val BCE {report['val_bce']:.4f} vs base rate {report['base_bce']:.4f}")
 
-    Fitting samples n responses per question ({problem, answer}), labels their prefixes
-    (posthoc_examples) and runs fit_posthoc. Returns (probe, report).
+
+def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, protocol, batch_size=8, rows=64,
+                  system=None):
+    """The post-hoc probe of a model: loaded from `cache`.pt / .json if fitted there with the same
+    protocol, else fitted and saved. Returns (probe, report); report["protocol"] is `protocol`.
+
+    protocol (evaluate.py builds it from its flags): n samples per question at temperature / top_p,
+    max_new_tokens; every / count budgets; k forced answers with suffix, close, stop, copy_natural;
+    epochs, patience, batch, val_frac, seed of the fit. Samples n responses per question
+    ({problem, answer}), labels their prefixes (posthoc_examples), runs fit_posthoc, and prints
+    protocol_line to stderr.
     """
+    p = dict(protocol, questions=len(questions), stop=list(protocol["stop"]))
     if os.path.exists(cache + ".pt") and os.path.exists(cache + ".json"):
         with open(cache + ".json") as f:
-            return probe_lib.load(cache + ".pt")[0], json.load(f)
+            report = json.load(f)
+        if report.get("protocol") == p:
+            return probe_lib.load(cache + ".pt")[0], report
     prompts = [chat_prompt(tokenizer, r["problem"], instruction, system) for r in questions]
-    out = generate(model, tokenizer, prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
-                   top_p=top_p, seed=seed, batch_size=max(1, rows // n))
-    rep = [p for p in prompts for _ in range(n)]
-    golds = [r["answer"] for r in questions for _ in range(n)]
-    groups = [q for q in range(len(questions)) for _ in range(n)]
-    x, y, g = posthoc_examples(model, tokenizer, rep, out.ids, golds, groups, close_id, every, k, suffix,
-                               close, seed + 1, batch_size, rows)
-    prb, report = fit_posthoc(x, y, g, seed=seed, device=_device(model))
-    report.update(questions=len(questions), samples=len(rep), prefixes=len(y), label_mean=float(y.mean()),
+    out = generate(model, tokenizer, prompts, n=p["n"], max_new_tokens=p["max_new_tokens"],
+                   temperature=p["temperature"], top_p=p["top_p"], seed=p["seed"],
+                   batch_size=max(1, rows // p["n"]))
+    rep = [q for q in prompts for _ in range(p["n"])]
+    golds = [r["answer"] for r in questions for _ in range(p["n"])]
+    groups = [q for q in range(len(questions)) for _ in range(p["n"])]
+    x, y, g, stats = posthoc_examples(model, tokenizer, rep, out.ids, out.texts, golds, groups, close_id,
+                                      p["every"], p["count"], p["k"], p["suffix"], p["close"], tuple(p["stop"]),
+                                      p["copy_natural"], p["seed"] + 1, batch_size, rows)
+    prb, report = fit_posthoc(x, y, g, seed=p["seed"], max_epochs=p["epochs"], patience=p["patience"],
+                              batch_size=p["batch"], val_frac=p["val_frac"], device=_device(model))
+    report.update(stats, protocol=p, questions=len(questions), samples=len(rep), prefixes=len(y),
+                  label_mean=float(y.mean()),
                   accuracy=sum(is_correct(t, a) for t, a in zip(out.texts, golds)) / len(golds))
+    report["log"] = protocol_line(p, report)
+    print(report["log"], file=sys.stderr)
     probe_lib.save(cache + ".pt", prb)
-    with open(cache + ".json", "w") as f:
+    with open(cache + ".json.tmp", "w") as f:
         json.dump(report, f, indent=1)
+    os.replace(cache + ".json.tmp", cache + ".json")
     return prb, report

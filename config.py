@@ -13,17 +13,34 @@ from checkpoint import UserError
 TOY = dict(data="toy", eval_data="toy", steps=30, prompts_per_step=16, group_size=8, lr=2e-5,
            warmup=3, max_new_tokens=48, eval_n=200, eval_every=10, save_every=10, grad_ckpt=False,
            micro_tokens=8192, gen_batch=256, instruction="")  # toy problems are complete user messages
-REAL = dict(data="deepscaler", eval_data="math500", steps=600, prompts_per_step=64, group_size=8,
-            lr=1e-6, warmup=10, max_new_tokens=8192, eval_n=100, eval_every=50, save_every=50,
-            grad_ckpt=True, micro_tokens=16384, gen_batch=8,  # 8 prompts x 8 = 64 rows x 8k tokens: ~30 GB KV
-            instruction=data.INSTRUCTION)
+# The released run script: 32 prompts x 6 samples, 8000 new tokens, prompts over 600 tokens dropped.
+REAL = dict(data="deepscaler", eval_data="math500", steps=600, prompts_per_step=32, group_size=6,
+            lr=1e-6, warmup=10, max_new_tokens=8000, max_prompt_tokens=600, eval_n=100, eval_every=50,
+            save_every=50, grad_ckpt=True, micro_tokens=16384, instruction=data.INSTRUCTION,
+            gen_batch=8)  # 8 prompts x 6 = 48 rows x 8k tokens: ~22 GB of KV cache for the 7B
 COMMON = dict(model="toy", problem_field=None, answer_field=None, trust_remote_code=False,
               temperature=0.8, top_p=1.0, reward="rlcm", lam=0.1, k=4, forced_close="think",
-              corner="zero", probe_lr=1e-3, probe_passes=16, probe_batch=16, grad_clip=1.0,
+              corner="zero", budgets=(0.25, 0.5, 0.75), max_prompt_tokens=0, probe_lr=1e-3, probe_passes=16, probe_batch=16, grad_clip=1.0,
               clip_low=0.2, clip_high=0.2, agg="token-mean", chunk_size=1024, seed=0, keep=2,
               out=None, resume=None, system_prompt=None, log_samples=4, eval_probe_n=32, wandb=None,
               wandb_run=None)
 NOT_SAVED = ("resume", "config", "plot")  # how a run was started, not what it is
+
+DATA_HELP = ("toy | deepscaler | HF dataset id | local json/jsonl/parquet. deepscaler (40k problems, "
+             "downloads) is a superset of the released training set, the GRPO-LEAD stage-1 file "
+             "(7,721 problems, stage1_data.json in the authors' repository; not on the hub): "
+             "--data stage1_data.json reproduces it")
+
+
+def fractions(text):
+    """--budgets "0.25,0.5,0.75" -> (0.25, 0.5, 0.75); each fraction of the response in (0, 1]."""
+    try:
+        out = tuple(float(f) for f in text.split(",") if f.strip())
+    except ValueError:
+        out = ()
+    if not out or not all(0 < f <= 1 for f in out):
+        raise argparse.ArgumentTypeError(f"{text!r}: give fractions in (0, 1], e.g. 0.25,0.5,0.75 or 1.0")
+    return out
 
 
 def build_parser():
@@ -33,10 +50,13 @@ def build_parser():
         f"defaults: {fmt(COMMON)}. toy world: {fmt(TOY)}. real models: {fmt(REAL)}."))
     g = p.add_argument_group("model and data")
     g.add_argument("--model", help="toy | deepseek-r1-distill-qwen-7b | qwen3-4b-instruct | HF id | local dir")
-    g.add_argument("--data", help="toy | deepscaler | HF dataset id | local json/jsonl/parquet")
+    g.add_argument("--data", help=DATA_HELP)
     g.add_argument("--problem-field")
     g.add_argument("--answer-field")
     g.add_argument("--eval-data", help="held-out set for the accuracy check (default: toy test / math500)")
+    g.add_argument("--max-prompt-tokens", type=int,
+                   help="drop training problems whose chat prompt is longer (600 for real models, as "
+                        "released; 0 keeps all)")
     g.add_argument("--trust-remote-code", action="store_true", default=None)
     g.add_argument("--instruction", help="text appended to every problem in the user turn (saved; "
                    "evaluate.py reuses it for this run's checkpoints)")
@@ -54,7 +74,13 @@ def build_parser():
     g.add_argument("--k", type=int, help="forced answers per prefix")
     g.add_argument("--forced-close", choices=("think", "eos"),
                    help="token before the forced suffix: </think> (paper) or EOS (released code)")
-    g.add_argument("--corner", choices=("zero", "one-sided"))
+    g.add_argument("--budgets", type=fractions, metavar="F,F,...",
+                   help="truncation points as fractions of each response (0.25,0.5,0.75; 1.0 alone "
+                        "for the final-only ablations)")
+    g.add_argument("--corner", choices=("zero", "margin-corner", "final-margin"),
+                   help="margin when only one side exists: 0 (RLCM); mean C / 1 - mean C (released "
+                        "margin_corner); final-margin: +mean C / -mean C and 0 when both exist (released "
+                        "conf_diff_v3; with --budgets 1.0, the Final-Margin ablation)")
     g.add_argument("--probe-lr", type=float)
     g.add_argument("--probe-passes", type=int)
     g.add_argument("--probe-batch", type=int)

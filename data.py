@@ -225,6 +225,13 @@ def _choices(row, index, spec):
     return problem, letters[order.index(0)]
 
 
+def drop_long_prompts(rows, tokenizer, max_tokens, instruction=INSTRUCTION):
+    """(rows whose chat prompt has at most max_tokens tokens, number dropped); the released training
+    set drops longer prompts (600 tokens) when it is loaded."""
+    kept = [r for r in rows if len(chat_prompt(tokenizer, r["problem"], instruction)) <= max_tokens]
+    return kept, len(rows) - len(kept)
+
+
 def load_rows(source, split=None, problem_field=None, answer_field=None, limit=None):
     """[{"problem": str, "answer": str}] from "toy", a BENCHMARKS name, a local .json/.jsonl/.parquet
     file, or a Hugging Face dataset id ("owner/name"). Fields are detected unless given."""

@@ -8,11 +8,13 @@ of the confidence (weighted voting, conformal early exit).
 
 For each model and benchmark: n samples per question (temperature 0.6, top-p 1.0, up to 8000 tokens;
 32 samples on AIME 2024/2025 and AMC 2023, 4 elsewhere; the toy world: 4 samples of at most 128
-tokens), graded by the last \\boxed{}, each with a confidence (confidence.py; default: the run's probe
-when the checkpoint has probe.pt, else the sequence likelihood). Written to --out (default RUN/eval
+tokens), graded by the last \\boxed{} (math grader), each with a confidence (confidence.py; default: the
+post-hoc probe, fitted once per model with the released protocol and cached in --out; `probe` is the
+run's own probe.pt, read at its last training budget). Written to --out (default RUN/eval
 for a run or checkpoint, else eval_out/<model>): samples.jsonl (appended per batch: an interrupted
 evaluation resumes where it stopped), results.json, reliability_<model>_<benchmark>.png. Metrics are
-computed per benchmark over all samples; "Overall" is the unweighted mean over benchmarks.
+computed per benchmark over all samples; "Overall" is the unweighted mean over benchmarks. results.json
+and the printed table carry, per benchmark, the confidence source, grader and sampling settings.
 """
 import argparse
 import json
@@ -41,8 +43,13 @@ BIG_N = {"aime24": 32, "aime25": 32, "amc23": 32}   # samples per question; 4 el
 # smaller than the released 16; `every` is in thinking tokens (toy traces think for ~10-40 tokens).
 # batch: questions per generation call (64 sequences of 8000 tokens: ~30 GB of KV cache for the 7B);
 # score_batch: sequences per scoring forward.
-REAL = dict(n=4, max_new_tokens=8000, every=500, forced_k=16, probe_questions=200, rows=64, score_batch=8)
-TOY = dict(n=4, max_new_tokens=128, every=8, forced_k=4, probe_questions=64, rows=256, score_batch=256)
+# Post-hoc probe (released): probe_questions x probe_samples rollouts, posthoc_budgets budgets every
+# `every` thinking tokens (500 .. 8000; the toy: 8 .. 128, its whole generation budget).
+REAL = dict(n=4, max_new_tokens=8000, every=500, forced_k=16, probe_questions=80, probe_samples=8,
+            posthoc_budgets=16, rows=64, score_batch=8)
+TOY = dict(n=4, max_new_tokens=128, every=8, forced_k=4, probe_questions=80, probe_samples=8,
+           posthoc_budgets=16, rows=256, score_batch=256)
+GRADER = "math"   # evaluation grades with data.is_correct: normaliser + math-verify
 EPSILONS = (0.1, 0.2, 0.3)
 COLUMNS = (("Acc", "acc"), ("ECE", "ece"), ("PCE", "pce"), ("Brier", "brier"), ("AUROC", "auroc"))
 
@@ -195,15 +202,23 @@ def overall(benches):
 
 
 def table(results):
-    """Markdown: one block per model, one row per benchmark plus Overall."""
+    """Markdown: one block per model, one row per benchmark plus Overall, each benchmark with the
+    confidence source, grader and sampling settings it was measured with."""
     lines = []
     for label, res in results.items():
         lines += ["", f"### {label}  (confidence: {res['confidence']})", "",
-                  "| benchmark | n | " + " | ".join(c for c, _ in COLUMNS) + " |",
-                  "|---|---:|" + "---:|" * len(COLUMNS)]
+                  "| benchmark | n | " + " | ".join(c for c, _ in COLUMNS) + " | " + " | ".join(SETTINGS) + " |",
+                  "|---|---:|" + "---:|" * len(COLUMNS) + "---|" * len(SETTINGS)]
         for name, b in list(res["benchmarks"].items()) + [("Overall", dict(res["overall"], n=""))]:
-            lines.append(f"| {name} | {b['n']} | " + " | ".join(_cell(b, k) for _, k in COLUMNS) + " |")
+            st = res.get("settings", {}).get(name, {})
+            lines.append(f"| {name} | {b['n']} | " + " | ".join(_cell(b, k) for _, k in COLUMNS) + " | " +
+                         " | ".join(str(st.get(k, "")) for k in SETTINGS.values()) + " |")
     return "\n".join(lines)
+
+
+# Per-benchmark settings printed with the table (results.json holds them all under "settings").
+SETTINGS = {"confidence": "confidence", "grader": "grader", "samples": "n", "temp": "temperature",
+            "top-p": "top_p", "max tokens": "max_new_tokens"}
 
 
 def _cell(b, key):
@@ -258,7 +273,7 @@ def _write_results(out_dir, label, res):
     os.replace(path + ".tmp", path)
 
 
-def get_probe(source, model, tok, label, path, out_dir, args, close_id, prompt=(None, None)):
+def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(), prompt=(None, None)):
     """(probe or None, post-hoc report or None) for a confidence source; post-hoc probes are cached in OUT."""
     if source == "probe":
         if not os.path.isfile(os.path.join(path, "probe.pt")):
@@ -266,23 +281,45 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, prompt=(
         return probe_lib.load(os.path.join(path, "probe.pt"))[0], None
     if source != "probe-posthoc":
         return None, None
-    # Fit data: the toy world's train split, or the RL training set for real models (not a benchmark).
+    # Fit data: the toy world's train split, or the RL training set for real models (released: lead_80,
+    # the first 80 of the training set); problems of any benchmark being evaluated are skipped.
     toy_only = all(b.partition("=")[0] == "toy" for b in args.benchmarks.split(","))
     src = args.probe_data or ("toy" if toy_only else "deepscaler")
+    w = TOY if src == "toy" else REAL
     s = settings("toy" if src == "toy" else src, args)
-    nq = args.probe_questions or (TOY if src == "toy" else REAL)["probe_questions"]
     if src == "toy":
-        rows, instruction = data.load_rows("toy", split="train", limit=nq), toy.INSTRUCTION
+        pool, instruction = data.load_rows("toy", split="train"), toy.INSTRUCTION
     else:
-        rows, instruction = data.load_rows(src, limit=nq), data.INSTRUCTION
+        pool, instruction = data.load_rows(src), data.INSTRUCTION
     instruction = instruction if prompt[0] is None else prompt[0]
+    seen = {r["problem"] for _, rows, _ in loaded for r in rows}
+    rows = [r for r in pool if r["problem"] not in seen][:args.probe_questions or w["probe_questions"]]
+    protocol = dict(n=args.probe_samples or w["probe_samples"], max_new_tokens=s["max_new_tokens"],
+                    temperature=args.temperature, top_p=args.top_p, every=s["every"],
+                    count=args.posthoc_budgets or w["posthoc_budgets"], k=s["forced_k"], suffix=s["suffix"],
+                    close=args.forced_close, stop=[], copy_natural=True, epochs=100, patience=30, batch=64,
+                    val_frac=0.2, seed=42)
     print(f"post-hoc probe for {label}: {len(rows)} {src} questions ...", file=sys.stderr)
     prb, report = confidence.posthoc_probe(
         os.path.join(out_dir, "posthoc_probe_" + label.replace("/", "_")), model, tok, rows,
-        instruction, close_id, n=s["n"], max_new_tokens=s["max_new_tokens"],
-        temperature=args.temperature, top_p=args.top_p, every=s["every"], k=s["forced_k"], suffix=s["suffix"],
-        close=args.forced_close, seed=args.seed + 17, batch_size=s["score_batch"], rows=s["rows"], system=prompt[1])
+        instruction, close_id, protocol, batch_size=s["score_batch"], rows=s["rows"], system=prompt[1])
     return prb, dict(report, data=src)
+
+
+def run_fractions(path):
+    """The truncation fractions a run trained its probe at (its config.json), else the default."""
+    run = _run_dir(path) or path
+    cfg = os.path.join(run, "config.json")
+    if os.path.isfile(cfg):
+        with open(cfg) as f:
+            return tuple(json.load(f).get("budgets", (0.25, 0.5, 0.75)))
+    return (0.25, 0.5, 0.75)
+
+
+def default_confidence(name):
+    """The paper's probe rows use the post-hoc probe (Base, GRPO and RLCM alike): the default for
+    every model, the toy world included."""
+    return "probe-posthoc"
 
 
 def evaluate_model(name, loaded, args):
@@ -292,11 +329,11 @@ def evaluate_model(name, loaded, args):
     out_dir = args.out or default_out(name, path)
     os.makedirs(out_dir, exist_ok=True)
     model, tok = load_model(name)
-    source = args.confidence or ("probe" if os.path.isfile(os.path.join(path, "probe.pt")) else "logits")
+    source = args.confidence or default_confidence(name)
     think = tok.convert_tokens_to_ids("</think>")
     close_id = None if think is None or think == tok.unk_token_id else think
     prompt = run_prompt(path, args)
-    prb, report = get_probe(source, model, tok, label, path, out_dir, args, close_id, prompt)
+    prb, report = get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded, prompt)
     samples = os.path.join(out_dir, "samples.jsonl")
     res = {"path": path, "confidence": source, "out": out_dir, "benchmarks": {}, "settings": {},
            "provenance": runlog.provenance(args.argv, next(model.parameters()).device)}
@@ -305,13 +342,14 @@ def evaluate_model(name, loaded, args):
         instruction = instruction if prompt[0] is None else prompt[0]
         probe_source = source in ("probe", "probe-posthoc") and not args.no_early_exit
         conf_kw = dict(source=source, prb=prb, close_id=close_id, every=s["every"] if probe_source else None,
-                       suffix=s["suffix"], close=args.forced_close)
+                       suffix=s["suffix"], close=args.forced_close, fractions=run_fractions(path))
         generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, samples, prompt[1])
         mine = [r for r in read_samples(samples) if r["model"] == label and r["benchmark"] == bench
                 and r["question"] < len(rows) and r["sample"] < s["n"]]
         res["benchmarks"][bench] = summarize(mine, seed=args.seed)
-        res["settings"][bench] = dict(s, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                                      questions=len(rows), instruction=instruction, system_prompt=prompt[1],
+        res["settings"][bench] = dict(s, confidence=source, grader=GRADER, temperature=args.temperature,
+                                      top_p=args.top_p, seed=args.seed, questions=len(rows),
+                                      instruction=instruction, system_prompt=prompt[1],
                                       bootstrap=dict(resamples=1000, unit="question", seed=args.seed))
         b = res["benchmarks"][bench]
         title = f"{label} | {bench} | {source}\nacc {b['acc']:.3f}  ECE {b['ece']:.3f}  n {b['n']}"
@@ -356,12 +394,16 @@ def parse_args(argv=None):
     g.add_argument("--batch-size", type=int, help="questions per generation call (default 64 sequences; toy 256)")
     g.add_argument("--threads", type=int, help="CPU threads (default: torch's; 1 for the toy world on CPU)")
     g = p.add_argument_group("confidence")
-    g.add_argument("--confidence", choices=confidence.SOURCES, help="default: probe if the checkpoint has probe.pt, else logits")
+    g.add_argument("--confidence", choices=confidence.SOURCES,
+                   help="default probe-posthoc (the paper's probe rows); probe: the run's own probe.pt, read "
+                        "at its last training budget")
     g.add_argument("--every", type=int, help="thinking tokens between probe budgets / exit checkpoints (500; toy 8)")
+    g.add_argument("--posthoc-budgets", type=int, help="post-hoc budgets per rollout: every, 2 * every, ... (16)")
     g.add_argument("--forced-k", type=int, help="forced answers per budget for post-hoc labels (16; toy 4)")
     g.add_argument("--forced-close", choices=("think", "eos"), default="think")
     g.add_argument("--probe-data", help="questions for the post-hoc probe (default: toy train split / deepscaler)")
-    g.add_argument("--probe-questions", type=int, help="how many (default 200; toy 64)")
+    g.add_argument("--probe-questions", type=int, help="how many (default 80, as released)")
+    g.add_argument("--probe-samples", type=int, help="rollouts per post-hoc question (default 8, as released)")
     g.add_argument("--no-early-exit", action="store_true", help="skip the forced answers at exit checkpoints")
     g = p.add_argument_group("prompt (default: what the run trained with, else the benchmark's)")
     g.add_argument("--instruction", help="text appended to every problem")

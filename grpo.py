@@ -112,7 +112,9 @@ def policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.2, agg="tok
       divergence" (2020, http://joschu.net/blog/kl-approx.html); it is only added when ref_logp is given.
     agg: "token-mean"   sum(l * m) / sum(m)                       (over the whole batch)
          "seq-mean"     mean_n [sum_t l * m / sum_t m]
-         "seq-sum-norm" mean_n [sum_t l * m / norm_const], norm_const defaults to T (Dr. GRPO)
+         "seq-sum-norm" mean_n [sum_t l * m / norm_const]   (Dr. GRPO: one constant for the whole
+                        batch, e.g. the generation budget; required, never the padded width T,
+                        which changes with how the batch is cut into micro-batches)
     Returns (loss scalar, stats): clip_frac = share of masked tokens where the clipped term is taken,
     ratio_mean = masked mean ratio, kl = masked mean k3 (0.0 without ref_logp).
     """
@@ -133,8 +135,10 @@ def policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.2, agg="tok
     elif agg == "seq-mean":
         loss = ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1)).mean()
     elif agg == "seq-sum-norm":
-        const = m.shape[-1] if norm_const is None else norm_const
-        loss = ((per_token * m).sum(-1) / const).mean()
+        if norm_const is None:
+            raise ValueError("agg='seq-sum-norm' needs norm_const, one constant for the whole batch "
+                             "(e.g. max_new_tokens)")
+        loss = ((per_token * m).sum(-1) / norm_const).mean()
     else:
         raise ValueError(f"agg must be 'token-mean', 'seq-mean' or 'seq-sum-norm', got {agg!r}")
     with torch.no_grad():

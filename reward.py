@@ -21,9 +21,13 @@ Where the paper's text and the released code differ (the default follows the cod
   (label.py; default `</think>`, switch `--forced-close eos`).
 - Prefixes with 0 < Y_b < 1 count on neither side of the margin (released code); labels are not
   thresholded.
-- A trajectory with no solvable or no unsolvable prefix gets margin 0 (corner="zero", RLCM); the
-  Final-Margin ablation uses one-sided corners instead: mean C if only solvable prefixes, 1 - mean C
-  if only unsolvable ones (corner="one-sided").
+- A trajectory with no solvable or no unsolvable prefix gets margin 0 (corner="zero", RLCM). The
+  released code has two other corner rules, kept here under their own names:
+  corner="margin-corner" (`conf_diff` with `margin_corner=True`): mean C if only solvable prefixes,
+    1 - mean C if only unsolvable ones (released unit tests: C (.9, .7) -> 0.8, C (.3, .1) -> 0.8);
+  corner="final-margin" (`conf_diff_v3` as the released Final-Margin script sets it: tau 0,
+    alpha_both 0, alpha_only_correct = alpha_only_incorrect = 1; run with budget 1.0 only): +mean C
+    if only solvable, -mean C if only unsolvable (C (.3, .1) -> -0.2), 0 when both sides exist.
 """
 import torch
 
@@ -38,18 +42,25 @@ def _mask(conf, mask):
     return torch.ones_like(conf) if mask is None else _float(mask).to(conf.device, conf.dtype)
 
 
+CORNERS = ("zero", "margin-corner", "final-margin")
+
+
 def margin_reward(conf, labels, mask=None, corner="zero"):
     """Confidence margin per trajectory: [N, B] -> [N].
 
     pos = mask * (Y == 1), neg = mask * (Y == 0)   (0 < Y < 1 is ignored)
     margin = sum(C * pos) / n_pos - sum(C * neg) / n_neg       when n_pos > 0 and n_neg > 0
-    corner="zero":      0 when either side is empty
-    corner="one-sided": sum(C * pos) / n_pos when only pos, 1 - sum(C * neg) / n_neg when only neg,
-                        0 when neither
+    when only one side exists (neither side: always 0):
+      corner="zero":          0
+      corner="margin-corner": sum(C * pos) / n_pos if only pos,  1 - sum(C * neg) / n_neg if only neg
+      corner="final-margin":  sum(C * pos) / n_pos if only pos,   -sum(C * neg) / n_neg if only neg,
+                              and 0 (not the margin) when both sides exist
     Example: C (0.9, 0.5, 0.1), Y (1, 0.5, 0) -> 0.9 - 0.1 = 0.8.
+    Final-Margin ablation (one prefix at budget 1.0): C 0.7, Y 1 -> +0.7; C 0.2, Y 0 -> -0.2;
+    Y 0.5 -> 0.
     """
-    if corner not in ("zero", "one-sided"):
-        raise ValueError(f"corner must be 'zero' or 'one-sided', got {corner!r}")
+    if corner not in CORNERS:
+        raise ValueError(f"corner must be one of {CORNERS}, got {corner!r}")
     conf = _float(conf)
     labels = _float(labels).to(conf.device, conf.dtype)
     m = _mask(conf, mask)
@@ -59,10 +70,12 @@ def margin_reward(conf, labels, mask=None, corner="zero"):
     mean_pos = (conf * pos).sum(-1) / n_pos.clamp(min=1)
     mean_neg = (conf * neg).sum(-1) / n_neg.clamp(min=1)
     has_pos, has_neg = n_pos > 0, n_neg > 0
-    out = torch.where(has_pos & has_neg, mean_pos - mean_neg, torch.zeros_like(mean_pos))
-    if corner == "one-sided":
+    both = has_pos & has_neg if corner != "final-margin" else torch.zeros_like(has_pos)
+    out = torch.where(both, mean_pos - mean_neg, torch.zeros_like(mean_pos))
+    if corner != "zero":
         out = torch.where(has_pos & ~has_neg, mean_pos, out)
-        out = torch.where(has_neg & ~has_pos, 1 - mean_neg, out)
+        only_neg = 1 - mean_neg if corner == "margin-corner" else -mean_neg
+        out = torch.where(has_neg & ~has_pos, only_neg, out)
     return out
 
 

@@ -145,7 +145,7 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
     golds = [rows[i]["answer"] for i in out.prompt_index]
     traj_prompts = [prompts[i] for i in out.prompt_index]
     correct = torch.tensor([data.is_correct(t, g) for t, g in zip(out.texts, golds)], dtype=torch.float32)
-    cuts = [budgets(n) if rlcm else [] for n in out.lengths]
+    cuts = [budgets(n, cfg["budgets"]) if rlcm else [] for n in out.lengths]
     labels = [[] for _ in cuts]
     if rlcm:
         with timer("label"):
@@ -234,7 +234,9 @@ def zero_var_groups(R, G):
 
 
 def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device):
-    """One optimizer step over all micro-batches; the loss is the token-mean over the whole batch."""
+    """One optimizer step over all micro-batches. Each micro-batch's loss is weighted by its share of
+    the batch's tokens (token-mean) or sequences (seq-mean, seq-sum-norm), so the summed gradient is
+    that of one loss over the whole batch, however it is cut."""
     policy.train()
     mask = batch["loss_mask"]
     weights = mask.sum(1) if cfg["agg"] == "token-mean" else torch.ones(len(mask))
@@ -250,7 +252,8 @@ def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device):
         with amp:
             logp = policy(sub["input_ids"], sub["attention_mask"], cfg["temperature"], cfg["chunk_size"])
         loss, st = policy_loss(logp.float(), old_logp[mb, :L - 1].to(device), adv[mb].to(device),
-                               sub["loss_mask"], cfg["clip_low"], cfg["clip_high"], agg=cfg["agg"])
+                               sub["loss_mask"], cfg["clip_low"], cfg["clip_high"], agg=cfg["agg"],
+                               norm_const=cfg["max_new_tokens"])
         if not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite loss ({loss.item()}) in micro-batch {j}")
         (loss * scale).backward()
@@ -293,6 +296,11 @@ def run(cfg):
     torch.manual_seed(cfg["seed"]), np.random.seed(cfg["seed"]), random.seed(cfg["seed"])
 
     model, tok = load_policy(ckpt or cfg["model"], cfg, device)
+    if cfg["max_prompt_tokens"]:
+        rows, dropped = data.drop_long_prompts(rows, tok, cfg["max_prompt_tokens"], instruction)
+        print0(f"training set: {len(rows)} problems, {dropped} dropped (prompt over {cfg['max_prompt_tokens']} tokens)")
+        if not rows:
+            raise UserError(f"every training prompt is over --max-prompt-tokens {cfg['max_prompt_tokens']}: raise it")
     policy, sampler = wrap(model, device)
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg["lr"], weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(cfg["warmup"], 1)))

@@ -1,4 +1,5 @@
 import math
+import random
 
 import pytest
 import torch
@@ -39,11 +40,11 @@ def test_think_end():
     assert confidence.think_end([5, 6, 7], None) == 3
 
 
-def test_posthoc_budgets_include_the_end_of_thinking():
-    assert confidence.posthoc_budgets(20, 8) == [8, 16, 20]
-    assert confidence.posthoc_budgets(16, 8) == [8, 16]
-    assert confidence.posthoc_budgets(5, 8) == [5]
-    assert confidence.posthoc_budgets(0, 8) == []
+def test_posthoc_budgets_reuse_the_end_of_thinking():
+    assert confidence.posthoc_budgets(20, 8, 4) == [8, 16, 20, 20]
+    assert confidence.posthoc_budgets(16, 8, 3) == [8, 16, 16]
+    assert confidence.posthoc_budgets(9000, 500) == list(range(500, 8001, 500))   # the released 16
+    assert confidence.posthoc_budgets(1200, 500) == [500, 1000] + [1200] * 14
 
 
 def test_logit_confidence_is_exp_mean_response_logprob():
@@ -97,6 +98,89 @@ def test_split_groups_keeps_problems_whole():
     groups = torch.tensor([q for q in range(10) for _ in range(3)])
     tr, va = confidence.split_groups(groups, seed=1)
     assert int(va.sum()) == 6 and not set(groups[tr].tolist()) & set(groups[va].tolist())
+
+
+def test_split_adds_validation_problems_until_they_hold_a_fifth_of_the_examples():
+    """Problems of very different sizes: the validation side grows problem by problem (seed 42 order)
+    until it holds >= 20 % of the examples, and stops there (without its last problem it is < 20 %)."""
+    sizes = [1, 7, 2, 16, 3, 5, 1, 9, 4, 12, 6, 2]
+    groups = torch.tensor([q for q, n in enumerate(sizes) for _ in range(n)])
+    tr, va = confidence.split_groups(groups)
+    held = int(va.sum())
+    assert held >= 0.2 * len(groups) and int(tr.sum()) + held == len(groups)
+    val = set(groups[va].tolist())
+    assert not val & set(groups[tr].tolist())
+    order = list(range(len(sizes)))
+    random.Random(42).shuffle(order)
+    added = order[:len(val)]
+    assert set(added) == val                       # a prefix of the seeded order
+    assert held - sizes[added[-1]] < 0.2 * len(groups)
+    assert confidence.split_groups(groups)[1].tolist() == va.tolist()    # seed 42 by default
+
+
+class _CharTok:
+    """Stands in for a tokenizer in the labelling code: ids are character codes, EOS is id 0."""
+    eos_token_id, pad_token_id = 0, 0
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+
+def test_posthoc_examples_budget_rule_natural_copy_and_last_box(monkeypatch):
+    """16 examples per rollout; budgets past the end of thinking read the end-of-thinking feature and
+    copy the natural answer's correctness when it has a box; forced answers are read from the last box
+    of suffix + completion, one sampling per distinct forced prompt, no stop string."""
+    model = _tiny_model()
+    close = 9
+    prompts = [[1, 2, 3], [1, 2, 3], [4, 5]]
+    # thinking lengths 3, 5 and 2 (no </think>: the whole response is thinking)
+    responses = [[6, 7, 8, close, 11, 12], [6, 7, 8, 10, 11, close, 12], [13, 14]]
+    texts = ["think \\boxed{7}", "wrong \\boxed{5}", "never boxed"]
+    golds = ["7", "7", "7"]
+    calls = []
+
+    def fake_generate(model, tok, prompts, n, max_new_tokens, temperature, top_p, stop, seed, batch_size):
+        calls.append(dict(prompts=prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
+                          top_p=top_p, stop=stop))
+        # first sample: a box closed then another one (the last box, 7, is read); others wrong
+        return type("S", (), {"texts": (["5} no, \\boxed{7}"] + ["3}"] * (n - 1)) * len(prompts)})()
+
+    monkeypatch.setattr(confidence, "generate", fake_generate)
+    x, y, g, stats = confidence.posthoc_examples(model, _CharTok(), prompts, responses, texts, golds,
+                                                 groups=[0, 0, 1], close_id=close, every=2, count=16, k=4,
+                                                 suffix="S \\boxed{", close="eos")
+    assert x.shape == (48, 16) and y.shape == (48,) and g.tolist() == [0] * 32 + [1] * 16
+    # rollout 0: budget 2 < end 3 is sampled (1 of 4 right); the other 15 read the end (thinking 3)
+    # and copy the natural answer (right); rollout 1: budgets 2, 4 sampled, the end (5) copied 14
+    # times (wrong); rollout 2 has no box: its end (2) is sampled, all 16 budgets reuse it.
+    assert y[:16].tolist() == [0.25] + [1.0] * 15
+    assert y[16:32].tolist() == [0.25, 0.25] + [0.0] * 14
+    assert y[32:].tolist() == [0.25] * 16
+    assert stats == dict(examples=48, past_end=15 + 14 + 16, natural_copied=15 + 14)
+    (call,) = calls
+    # distinct forced prompts: rollouts 0 and 1 agree up to token 2; then rollout 1 at 4, rollout 2 at 2
+    assert len(call["prompts"]) == 3 and call["n"] == 4
+    assert call["prompts"][0] == [1, 2, 3, 6, 7, 0] + [ord(c) for c in "S \\boxed{"] and call["stop"] == ()
+    assert (call["temperature"], call["top_p"], call["max_new_tokens"]) == (0.6, 0.95, 64)
+    # features: every past-end budget of rollout 0 equals its end-of-thinking feature (position 3)
+    end = confidence.features(model, prompts[:1], responses[:1], [[3]], 0, final_norm=True)[0][0]
+    assert all(torch.allclose(x[j], end, atol=1e-6) for j in range(1, 16))
+    assert not torch.allclose(x[0], end, atol=1e-4)
+
+
+def test_sample_confidences_own_probe_reads_its_last_training_budget():
+    model = _tiny_model()
+    prb = probe_lib.Probe(16, dropout=0.0)
+    prompts, responses = [[1, 2, 3]] * 2, [[6, 7, 9, 11, 2, 3, 4, 5], [6, 7, 8, 6]]
+    conf, _ = confidence.sample_confidences("probe", model, _Tok(), prompts, responses, ["", ""], ["1", "1"],
+                                            prb=prb, close_id=9)
+    # budgets(8) == [2, 4, 6], budgets(4) == [1, 2, 3]: read at 6 and 3, on the training feature
+    feats = confidence.features(model, prompts, responses, [[6], [3]], 0, final_norm=False)
+    assert conf == pytest.approx(probe_lib.predict(prb, torch.cat(feats)).tolist(), rel=1e-5)
+    conf1, _ = confidence.sample_confidences("probe", model, _Tok(), prompts, responses, ["", ""], ["1", "1"],
+                                             prb=prb, close_id=9, fractions=(1.0,))
+    feats = confidence.features(model, prompts, responses, [[8], [4]], 0, final_norm=False)
+    assert conf1 == pytest.approx(probe_lib.predict(prb, torch.cat(feats)).tolist(), rel=1e-5)
 
 
 def test_bce_hand_computed():

@@ -113,15 +113,21 @@ def test_two_models_side_by_side_and_metrics_match_samples(toy_dir, run_dir, tmp
     qfile = tmp_path / "sums.jsonl"
     qfile.write_text("".join(json.dumps(r) + "\n" for r in toy.dataset("test")[50:56]))
     out = str(tmp_path / "out")
-    results = evaluate.main(["--model", toy_dir, "--model", run_dir, "--benchmarks", f"toy,{qfile}",
-                             "--out", out] + FAST)
+    evaluate.main(["--model", toy_dir, "--model", run_dir, "--benchmarks", f"toy,{qfile}",
+                  "--out", out, "--confidence", "logits"] + FAST)
     printed = capsys.readouterr().out
     blocks = printed.split("### ")[1:]
     assert [b.split()[0] for b in blocks] == ["toy_base", "toyrun/step_000020"]
     for b in blocks:
-        names = [line.split("|")[1].strip() for line in b.splitlines() if line.startswith("| ")][1:]
-        assert names == ["toy", "sums", "Overall"]
-    assert "(confidence: logits)" in blocks[0] and "(confidence: probe)" in blocks[1]
+        rows = [line.split("|")[1:-1] for line in b.splitlines() if line.startswith("| ")]
+        assert [r[0].strip() for r in rows[1:]] == ["toy", "sums", "Overall"]
+        # every benchmark row names its confidence source, grader and sampling settings
+        head = [c.strip() for c in rows[0]]
+        for r in rows[1:3]:
+            got = dict(zip(head, (c.strip() for c in r)))
+            assert (got["confidence"], got["grader"], got["samples"], got["temp"], got["top-p"],
+                    got["max tokens"]) == ("logits", "math", "2", "0.6", "1.0", "48")
+        assert "(confidence: logits)" in b
 
     saved = json.load(open(os.path.join(out, "results.json")))
     samples = _rows(os.path.join(out, "samples.jsonl"))
@@ -135,18 +141,51 @@ def test_two_models_side_by_side_and_metrics_match_samples(toy_dir, run_dir, tmp
                 assert got[key] == pytest.approx(want[key]), (label, bench, key)
             assert sum(r["count"] for r in got["reliability"]) == len(mine)
             assert os.path.getsize(os.path.join(out, f"reliability_{label.replace('/', '_')}_{bench}.png")) > 5000
+            st = saved[label]["settings"][bench]
+            assert {k: st[k] for k in ("confidence", "grader", "n", "temperature", "top_p", "max_new_tokens")} == \
+                dict(confidence="logits", grader="math", n=2, temperature=0.6, top_p=1.0, max_new_tokens=48)
         ov = saved[label]["overall"]["acc"]
         assert ov == pytest.approx((saved[label]["benchmarks"]["toy"]["acc"] + saved[label]["benchmarks"]["sums"]["acc"]) / 2)
+
+
+def test_default_confidence_is_the_posthoc_probe_with_the_released_fit_data():
+    assert evaluate.default_confidence("deepseek-r1-distill-qwen-7b") == "probe-posthoc"
+    assert evaluate.default_confidence("runs/toy") == "probe-posthoc"
+    for w in (evaluate.REAL, evaluate.TOY):
+        assert (w["probe_questions"], w["probe_samples"], w["posthoc_budgets"]) == (80, 8, 16)
+    assert (evaluate.REAL["every"], evaluate.REAL["forced_k"]) == (500, 16)   # budgets 500 .. 8000
+
+
+def test_the_runs_own_probe_is_read_at_its_training_budgets(run_dir, tmp_path, monkeypatch):
+    """--confidence probe passes the run's budget fractions (config.json) to the confidence code, which
+    reads the probe at the last of them (tests/test_confidence.py pins that position)."""
+    import confidence
+    seen = []
+    real = confidence.sample_confidences
+
+    def spy(*a, **kw):
+        seen.append(kw["fractions"])
+        return real(*a, **kw)
+
+    monkeypatch.setattr(confidence, "sample_confidences", spy)
+    out = str(tmp_path / "out")
+    results = evaluate.main(["--model", run_dir, "--benchmarks", "toy", "--out", out, "--confidence", "probe"] + FAST)
     assert results["toyrun/step_000020"]["confidence"] == "probe"
+    assert seen and set(seen) == {(0.25, 0.5, 0.75)}       # the fixture run has no config.json
+    samples = _rows(os.path.join(out, "samples.jsonl"))
     # The run's probe is read at exit checkpoints too: every 8 thinking tokens on the toy benchmark.
-    toy_rows = [r for r in samples if r["model"] == "toyrun/step_000020" and r["benchmark"] == "toy"]
-    assert all("checkpoints" in r for r in toy_rows) and any(r["checkpoints"] for r in toy_rows)
-    assert all([c[0] for c in r["checkpoints"]] == list(range(8, 8 * len(r["checkpoints"]) + 1, 8)) for r in toy_rows)
+    assert all("checkpoints" in r for r in samples) and any(r["checkpoints"] for r in samples)
+    assert all([c[0] for c in r["checkpoints"]] == list(range(8, 8 * len(r["checkpoints"]) + 1, 8)) for r in samples)
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000001").mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"budgets": [1.0]}))
+    assert evaluate.run_fractions(str(run / "checkpoints" / "step_000001")) == (1.0,)
+    assert evaluate.run_fractions(str(run)) == (1.0,)
 
 
 def test_interrupted_evaluation_resumes_without_regenerating(toy_dir, tmp_path, monkeypatch):
     args = ["--model", toy_dir, "--benchmarks", "toy", "--limit", "5", "--n-samples", "3",
-            "--max-new-tokens", "48", "--batch-size", "2", "--out", str(tmp_path)]
+            "--max-new-tokens", "48", "--batch-size", "2", "--out", str(tmp_path), "--confidence", "logits"]
     evaluate.main(args)
     path = tmp_path / "samples.jsonl"
     lines = path.read_text().splitlines(keepends=True)
@@ -171,11 +210,24 @@ def test_interrupted_evaluation_resumes_without_regenerating(toy_dir, tmp_path, 
     assert generated == [] and path.read_text().splitlines(keepends=True) == again
 
 
-def test_posthoc_probe_beats_the_base_rate_and_early_exit_keeps_its_bound(toy_dir, tmp_path):
+def test_posthoc_probe_beats_the_base_rate_and_early_exit_keeps_its_bound(toy_dir, tmp_path, capsys):
     out = str(tmp_path)
-    res = evaluate.main(["--model", toy_dir, "--benchmarks", "toy", "--limit", "40", "--n-samples", "4",
-                         "--confidence", "probe-posthoc", "--out", out])
+    args = ["--model", toy_dir, "--benchmarks", "toy", "--limit", "40", "--n-samples", "4", "--out", out,
+            "--probe-questions", "40", "--probe-samples", "4"]   # released 80 x 8: smaller for test time
+    res = evaluate.main(args)                        # default confidence: the post-hoc probe
     rep = res["toy_base"]["posthoc_probe"]
+    # The released protocol, scaled for the toy (budgets 8 .. 128), logged and saved with the fit.
+    log = capsys.readouterr().err
+    assert rep["log"] in log and "40 problems x 4 samples" in log and "16 budgets every 8 thinking tokens" in log
+    assert "forced text '</think>' + " in log and "stop none" in log and "ReduceLROnPlateau(0.5, 5)" in log
+    p = rep["protocol"]
+    assert (p["questions"], p["n"], p["count"], p["every"], p["epochs"], p["patience"], p["batch"], p["seed"]) == \
+        (40, 4, 16, 8, 100, 30, 64, 42)
+    assert rep["examples"] == rep["n_train"] + rep["n_val"] == 40 * 4 * 16
+    assert 0.2 <= rep["n_val"] / rep["examples"] < 0.2 + 4 * 16 / rep["examples"] + 1e-9
+    assert rep["val_problems"] + rep["train_problems"] == 40
+    assert rep["epochs"] <= 100 and rep["best_epoch"] <= rep["epochs"] and len(rep["grid"]) == 12
+    assert 0 < rep["natural_copied"] <= rep["past_end"] < rep["examples"]
     soft, rounded = rep["base_bce"] - rep["val_bce"], rep["base_bce_rounded"] - rep["val_bce_rounded"]
     print(f"\npost-hoc probe on {rep['n_val']} validation prefixes: BCE {rep['val_bce']:.4f} vs base rate "
           f"{rep['base_bce']:.4f} (gain {soft:.4f}); against rounded labels (the early-stopping loss) "
@@ -192,3 +244,7 @@ def test_posthoc_probe_beats_the_base_rate_and_early_exit_keeps_its_bound(toy_di
     # The bound recomputed from samples.jsonl with the same split as uses.from_samples.
     again = uses.from_samples(rows)["early_exit"]
     assert [e["threshold"] for e in again] == [e["threshold"] for e in ee]
+    # A second evaluation reuses the cached fit (same protocol): nothing refitted, same report.
+    res2 = evaluate.main(args)
+    assert "post-hoc probe protocol" not in capsys.readouterr().err
+    assert res2["toy_base"]["posthoc_probe"]["val_bce"] == rep["val_bce"]

@@ -108,12 +108,55 @@ def test_aggregations_hand_computed():
     loss = lambda **kw: grpo.policy_loss(logp, logp, adv, mask, **kw)[0].item()
     assert loss(agg="token-mean") == pytest.approx(-(1 + 1 + 2) / 3)
     assert loss(agg="seq-mean") == pytest.approx(-(1 + 2) / 2)
-    assert loss(agg="seq-sum-norm") == pytest.approx(-(2 / 3 + 2 / 3) / 2)
+    assert loss(agg="seq-sum-norm", norm_const=3) == pytest.approx(-(2 / 3 + 2 / 3) / 2)
     assert loss(agg="seq-sum-norm", norm_const=2) == pytest.approx(-(2 / 2 + 2 / 2) / 2)
+    with pytest.raises(ValueError, match="norm_const"):
+        loss(agg="seq-sum-norm")   # the padded width would change with the micro-batch cut
     with pytest.raises(ValueError, match="agg"):
         loss(agg="sum")
     stats = grpo.policy_loss(logp, logp, adv, mask)[1]
     assert stats == {"clip_frac": 0.0, "ratio_mean": 1.0, "kl": 0.0}  # ratio 1 is never clipped
+
+
+class _Capture:
+    """Stands in for the optimizer: keeps a copy of the gradients train.update accumulated."""
+
+    def __init__(self, params):
+        self.params, self.grads = list(params), None
+
+    def step(self):
+        self.grads = [p.grad.clone() for p in self.params]
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean", "seq-sum-norm"])
+def test_micro_batches_do_not_change_loss_or_gradient(agg):
+    """train.update over one micro-batch and over uneven micro-batches of the same rows (different
+    padded widths) gives the same loss and the same summed gradient, for every aggregation."""
+    import train
+    from parallel import LogprobModel
+    torch.manual_seed(0)
+    b = grpo.pack([[5, 6, 7], [8, 9], [3], [4, 4]],
+                  [[10, 11, 12, 13, 14, EOS], [13, EOS], [20, 21, 22, EOS], [30, EOS]], pad_id=PAD)
+    adv = torch.tensor([1.0, -0.5, 0.25, -2.0])
+    policy = LogprobModel(tiny_qwen2())
+    with torch.no_grad():   # old log-probs a little off the current ones, so ratios differ from 1
+        old = policy(b["input_ids"], b["attention_mask"]) + 0.1 * torch.randn(b["loss_mask"].shape)
+    cfg = dict(agg=agg, temperature=1.0, chunk_size=5, clip_low=0.2, clip_high=0.2, grad_clip=1e9,
+               max_new_tokens=8)
+    sched = type("Sched", (), {"step": lambda self: None})()
+    out = {}
+    for name, mbs in (("one", [[0, 1, 2, 3]]), ("split", [[0], [1, 2], [3]])):
+        opt = _Capture(policy.parameters())
+        stats = train.update(policy, opt, sched, b, old, adv, mbs, cfg, torch.device("cpu"))
+        out[name] = stats["loss"], opt.grads
+    assert out["split"][0] == pytest.approx(out["one"][0], rel=1e-5, abs=1e-7)
+    assert abs(out["one"][0]) > 1e-3
+    for g1, g2 in zip(out["one"][1], out["split"][1]):
+        assert torch.allclose(g1, g2, rtol=1e-4, atol=1e-6)
 
 
 def test_k3_kl():

@@ -52,11 +52,48 @@ def test_margin_corners():
     labels = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.5], [0.25, 0.5, 0.75]])
     zero = reward.margin_reward(conf, labels, corner="zero")
     assert zero.tolist() == [0.0, 0.0, 0.0]
-    one = reward.margin_reward(conf, labels, corner="one-sided")
     # only solvable: mean C = 0.6; only unsolvable: 1 - mean(0.3, 0.1) = 0.8; neither: 0
-    assert one.tolist() == pytest.approx([0.6, 0.8, 0.0])
+    assert reward.margin_reward(conf, labels, corner="margin-corner").tolist() == pytest.approx([0.6, 0.8, 0.0])
+    # only unsolvable: -mean(0.3, 0.1) = -0.2
+    assert reward.margin_reward(conf, labels, corner="final-margin").tolist() == pytest.approx([0.6, -0.2, 0.0])
     with pytest.raises(ValueError, match="corner"):
-        reward.margin_reward(conf, labels, corner="both")
+        reward.margin_reward(conf, labels, corner="one-sided")
+
+
+@pytest.mark.parametrize("corner, want", [("zero", 0.8), ("margin-corner", 0.8), ("final-margin", 0.0)])
+def test_both_sides_present(corner, want):
+    """The margin, except for the Final-Margin rule (released alpha_both = 0), which scores only
+    one-sided traces."""
+    m = reward.margin_reward(torch.tensor([[0.9, 0.1, 0.5]]), torch.tensor([[1.0, 0.0, 0.5]]), corner=corner)
+    assert m.tolist() == pytest.approx([want])
+
+
+def test_released_unit_test_values():
+    """The released conf_diff tests: margin_corner=True gives C (.9, .7) all correct -> 0.8 and
+    C (.3, .1) all incorrect -> 1 - 0.2 = 0.8; conf_diff_v1 / v3 (tau 0) give -0.2 for the latter;
+    both margin 0 without corner handling; an empty budget list gives 0."""
+    both = torch.tensor([[0.9, 0.7], [0.3, 0.1]])
+    y = torch.tensor([[1.0, 1.0], [0.0, 0.0]])
+    assert reward.margin_reward(both, y, corner="margin-corner").tolist() == pytest.approx([0.8, 0.8])
+    assert reward.margin_reward(both, y, corner="final-margin").tolist() == pytest.approx([0.8, -0.2])
+    # released conf_diff_v3 (tau 0.4, alphas 3/5/7): only-correct 5 * (0.9 - 0.4), only-incorrect
+    # 7 * (0.4 - 0.1); with the Final-Margin script's tau 0 and alphas 0/1/1 these are 0.9 and -0.1
+    one = reward.margin_reward(torch.tensor([[0.9], [0.1]]), torch.tensor([[1.0], [0.0]]), corner="final-margin")
+    assert one.tolist() == pytest.approx([0.9, -0.1])
+    assert reward.margin_reward(both, y, corner="zero").tolist() == [0.0, 0.0]
+    # released: preds [0.8, 0.3], [0.6, 0.4] with accuracies [1, 0], [0, 1] -> 0.5, -0.2
+    two = reward.margin_reward(torch.tensor([[0.8, 0.3], [0.6, 0.4]]), torch.tensor([[1.0, 0.0], [0.0, 1.0]]))
+    assert two.tolist() == pytest.approx([0.5, -0.2])
+    empty = reward.margin_reward(torch.tensor([[0.9, 0.0], [0.9, 0.2]]), torch.tensor([[0.0, 0.0], [1.0, 0.0]]),
+                                 mask=torch.tensor([[0, 0], [1, 1]]), corner="margin-corner")
+    assert empty.tolist() == pytest.approx([0.0, 0.7])
+
+
+def test_final_margin_ablation_values():
+    """Budget 1.0 only: one prefix; +C when every forced answer is right, -C when all wrong, 0 mixed."""
+    conf = torch.tensor([[0.7], [0.2], [0.9]])
+    labels = torch.tensor([[1.0], [0.0], [0.5]])
+    assert reward.margin_reward(conf, labels, corner="final-margin").tolist() == pytest.approx([0.7, -0.2, 0.0])
 
 
 def test_margin_mask_drops_padding_prefixes():
