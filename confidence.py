@@ -28,7 +28,8 @@ import torch
 
 import probe as probe_lib
 from grpo import pack, token_logprobs
-from data import chat_prompt, is_correct
+from data import chat_prompt
+from grade import is_correct
 from label import absolute_budgets, mc_labels
 from rollout import generate
 from score import budget_ends, score

@@ -11,10 +11,12 @@ from checkpoint import UserError
 # Defaults that depend on the world: the toy sizes for 2 CPU cores, the real ones from DESIGN.md.
 TOY = dict(data="toy", eval_data="toy", steps=30, prompts_per_step=16, group_size=8, lr=2e-5,
            warmup=3, max_new_tokens=48, eval_n=200, eval_every=10, save_every=10, grad_ckpt=False,
-           micro_tokens=8192, gen_batch=256)
+           micro_tokens=8192, gen_batch=256,
+           grader="math")  # agrees with strict on plain-integer answers; today's toy runs
 REAL = dict(data="deepscaler", eval_data="math500", steps=600, prompts_per_step=64, group_size=8,
             lr=1e-6, warmup=10, max_new_tokens=8192, eval_n=100, eval_every=50, save_every=50,
-            grad_ckpt=True, micro_tokens=16384, gen_batch=8)  # 8 prompts x 8 = 64 rows x 8k tokens: ~30 GB KV
+            grad_ckpt=True, micro_tokens=16384, gen_batch=8,  # 8 prompts x 8 = 64 rows x 8k tokens: ~30 GB KV
+            grader="strict")  # the released training reward
 COMMON = dict(model="toy", problem_field=None, answer_field=None, trust_remote_code=False,
               temperature=0.8, top_p=1.0, reward="rlcm", lam=0.1, k=4, forced_close="think",
               corner="zero", probe_lr=1e-3, probe_passes=16, probe_batch=16, grad_clip=1.0,
@@ -49,6 +51,10 @@ def build_parser():
     g.add_argument("--forced-close", choices=("think", "eos"),
                    help="token before the forced suffix: </think> (paper) or EOS (released code)")
     g.add_argument("--corner", choices=("zero", "one-sided"))
+    g.add_argument("--grader", choices=("strict", "math"),
+                   help="grader of r_nat and of the forced answers of Y_b: strict (released training "
+                        "reward: last \\boxed{ and gold stripped, a trailing .0 and leading zeros "
+                        "dropped, then equal strings) or math (normaliser + math-verify, as evaluate.py)")
     g.add_argument("--probe-lr", type=float)
     g.add_argument("--probe-passes", type=int)
     g.add_argument("--probe-batch", type=int)

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 import confidence
 import data
+import grade
 import label as label_lib
 import metrics
 import probe as probe_lib
@@ -142,8 +143,8 @@ def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, con
             for r, (q, missing) in enumerate((c for c in chunk for _ in range(m))):
                 j = missing[r % m]
                 f.write(json.dumps(dict(
-                    model=label, benchmark=bench, question=q, sample=j, answer=data.boxed_answer(out.texts[r]),
-                    correct=int(data.is_correct(out.texts[r], golds[r])), confidence=float(conf[r]),
+                    model=label, benchmark=bench, question=q, sample=j, answer=grade.boxed_answer(out.texts[r]),
+                    correct=int(grade.is_correct(out.texts[r], golds[r])), confidence=float(conf[r]),
                     length=out.lengths[r], finish=out.finish[r], source=conf_kw["source"], **extras[r])) + "\n")
             f.flush()
         bar.update(len(chunk) * m)
@@ -159,7 +160,7 @@ def summarize(rows, n_bins=10, seed=0):
     res["reliability"] = metrics.reliability(conf, correct, n_bins)
     if any("verbal_missing" in r for r in rows):
         res["verbal_missing"] = sum(bool(r.get("verbal_missing")) for r in rows)
-    res.update(uses.from_samples(rows, same=data.answers_match, seed=seed, epsilons=EPSILONS))
+    res.update(uses.from_samples(rows, same=grade.answers_match, seed=seed, epsilons=EPSILONS))
     return res
 
 

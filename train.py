@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 import data
+import grade
 import probe as probe_lib
 import checkpoint as ckpt_lib
 from checkpoint import UserError
@@ -112,7 +113,7 @@ def held_out_accuracy(sampler, tok, rows, cfg, instruction, device):
     if prompts:
         out = generate(sampler, tok, prompts, max_new_tokens=cfg["max_new_tokens"], temperature=0.6,
                        seed=cfg["seed"] + 12345 + RANK, batch_size=cfg["gen_batch"])
-        hits = sum(data.is_correct(t, r["answer"]) for t, r in zip(out.texts, mine))
+        hits = sum(grade.is_correct(t, r["answer"]) for t, r in zip(out.texts, mine))
     hits, n = all_sum([hits, len(mine)], device)
     return hits / max(n, 1)
 
@@ -131,13 +132,15 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
                        batch_size=cfg["gen_batch"])
     golds = [rows[i]["answer"] for i in out.prompt_index]
     traj_prompts = [prompts[i] for i in out.prompt_index]
-    correct = torch.tensor([data.is_correct(t, g) for t, g in zip(out.texts, golds)], dtype=torch.float32)
+    correct = torch.tensor([grade.is_correct(t, g, cfg["grader"]) for t, g in zip(out.texts, golds)],
+                           dtype=torch.float32)
     cuts = [budgets(n) if rlcm else [] for n in out.lengths]
     labels = [[] for _ in cuts]
     if rlcm:
         with timer("label"):
             labels = mc_labels(sampler, tok, traj_prompts, out.ids, cuts, golds, k=cfg["k"],
-                               close=cfg["forced_close"], seed=seed + 7, batch_size=cfg["gen_batch"])
+                               close=cfg["forced_close"], seed=seed + 7, batch_size=cfg["gen_batch"],
+                               grader=cfg["grader"])
 
     batch = pack(traj_prompts, out.ids, tok.pad_token_id)
     ends = budget_ends(batch["prompt_lens"], cuts)
