@@ -40,7 +40,7 @@ GRADERS = ("strict", "math")
 GRADE_TIMEOUT_S = 1.0    # the most wall time one grading call takes, whatever the input
 MAX_ANSWER_CHARS = 2000  # longer answers are compared as plain strings: no regex, no parser
 START_TIMEOUT_S = 60     # waiting for a new math-verify worker to import sympy (not in the bound)
-REPLY_S = 0.1            # the worker stops this long before the deadline, to answer in time
+REPLY_S = 0.25           # the worker stops this long before the deadline, to answer in time
 
 
 def last_boxed(text):
@@ -194,7 +194,8 @@ def _take():
     with _lock:
         if _unavailable:
             return None
-        worker = _idle.pop() if _idle else None
+        ready = [w for w in _idle if w.ready]  # rather than one still starting after a kill
+        worker = _idle.pop(_idle.index((ready or _idle)[-1])) if _idle else None
     try:
         worker = worker or _Worker()
         reply = "ready" if worker.ready else worker.line(time.monotonic() + START_TIMEOUT_S)
