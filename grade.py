@@ -21,9 +21,10 @@ the text is scanned by linear patterns only; answers longer than MAX_ANSWER_CHAR
 plain strings before any regex sees them; math-verify runs in a worker process (this file run as
 a script, one per thread grading at the same moment) that stops itself at the deadline with an
 interval timer (math-verify's own timeout has whole seconds per parse and raises outside the main
-thread), and is killed if it has not answered by then. Starting a worker (about 2 s, once per
-process, and again after a kill) is not counted in the bound. Where no worker can start, math-verify
-is skipped with one warning and only the normalised / numeric comparisons decide.
+thread), and is killed if it has not answered by then. Starting a worker (importing sympy: 1 to 4 s,
+once per process and per thread grading at the same moment, and again after a kill) is not counted
+in the bound. Where no worker can start, math-verify is skipped with one warning and only the
+normalised / numeric comparisons decide.
 """
 import atexit
 import json
@@ -194,8 +195,10 @@ def _take():
     with _lock:
         if _unavailable:
             return None
-        ready = [w for w in _idle if w.ready]  # rather than one still starting after a kill
-        worker = _idle.pop(_idle.index((ready or _idle)[-1])) if _idle else None
+        started = [w for w in _idle if w.ready] or _idle  # rather than one still starting after a kill
+        worker = started[-1] if started else None
+        if worker is not None:
+            _idle.remove(worker)
     try:
         worker = worker or _Worker()
         reply = "ready" if worker.ready else worker.line(time.monotonic() + START_TIMEOUT_S)
@@ -239,6 +242,10 @@ def _stop_workers():
         _idle.pop().kill()
 
 
+WARM_UP = ((r"(3, \pi/2)", r"\left( 3, \frac{\pi}{2} \right)"), ("x+1", "1+x"), (r"\frac{1}{2}", "0.5"),
+           ("x^2+2x+1", "(x+1)^2"), ("3", r"\log_2 8"))
+
+
 class _Deadline(BaseException):
     """Raised by the worker's timer; a BaseException so that math-verify's `except Exception` does
     not swallow it and carry on computing."""
@@ -246,6 +253,7 @@ class _Deadline(BaseException):
 
 def _serve():
     """The worker: answer requests from stdin until it closes (the parent exited)."""
+    import functools
     import signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     try:
@@ -261,21 +269,29 @@ def _serve():
 
     signal.signal(signal.SIGALRM, stop)
     latex = [LatexExtractionConfig()]
-    print("ready", flush=True)
-    for request in sys.stdin:
-        pred, gold, seconds = json.loads(request)
-        ok = False
+
+    @functools.lru_cache(maxsize=4096)  # a gold is graded G times per prompt, K per prefix
+    def parsed(text):
+        return parse("\\boxed{" + text + "}", extraction_config=latex, parsing_timeout=None)
+
+    def same(pred, gold, seconds):
         try:
             try:
                 signal.setitimer(signal.ITIMER_REAL, seconds)
-                g = parse("\\boxed{" + gold + "}", extraction_config=latex, parsing_timeout=None)
-                p = parse("\\boxed{" + pred + "}", extraction_config=latex, parsing_timeout=None)
-                ok = bool(g and p and verify(g, p, timeout_seconds=None))
+                g, p = parsed(gold), parsed(pred)
+                return bool(g and p and verify(g, p, timeout_seconds=None))
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
         except (_Deadline, Exception):  # a timeout or a parser bug on model text: a wrong answer
-            ok = False
-        print(int(ok), flush=True)
+            return False
+
+    # The first comparison of each kind imports and caches parts of sympy (up to 1 s each on a
+    # busy machine): done here, before "ready", so that no real answer's deadline pays for it.
+    for pred, gold in WARM_UP:
+        same(pred, gold, START_TIMEOUT_S)
+    print("ready", flush=True)
+    for request in sys.stdin:
+        print(int(same(*json.loads(request))), flush=True)
 
 
 if __name__ == "__main__":
