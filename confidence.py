@@ -34,7 +34,8 @@ import torch
 
 import probe as probe_lib
 from grpo import pack, token_logprobs
-from data import answers_match, boxed_answer, chat_prompt, is_correct
+from data import chat_prompt
+from grade import answers_match, boxed_answer, is_correct
 from label import absolute_budgets, budgets, forced_prompt, mc_labels
 from rollout import generate
 from score import budget_ends, score

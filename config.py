@@ -12,11 +12,13 @@ from checkpoint import UserError
 # Defaults that depend on the world: the toy sizes for 2 CPU cores, the real ones from DESIGN.md.
 TOY = dict(data="toy", eval_data="toy", steps=30, prompts_per_step=16, group_size=8, lr=2e-5,
            warmup=3, max_new_tokens=48, eval_n=200, eval_every=10, save_every=10, grad_ckpt=False,
-           micro_tokens=8192, gen_batch=256, instruction="")  # toy problems are complete user messages
+           micro_tokens=8192, gen_batch=256, grader="math",
+           instruction="")  # toy problems are complete user messages
 # The released run script: 32 prompts x 6 samples, 8000 new tokens, prompts over 600 tokens dropped.
 REAL = dict(data="deepscaler", eval_data="math500", steps=600, prompts_per_step=32, group_size=6,
             lr=1e-6, warmup=10, max_new_tokens=8000, max_prompt_tokens=600, eval_n=100, eval_every=50,
             save_every=50, grad_ckpt=True, micro_tokens=16384, instruction=data.INSTRUCTION,
+            grader="strict",  # the released training reward
             gen_batch=8)  # 8 prompts x 6 = 48 rows x 8k tokens: ~22 GB of KV cache for the 7B
 COMMON = dict(model="toy", problem_field=None, answer_field=None, trust_remote_code=False,
               temperature=0.8, top_p=1.0, reward="rlcm", lam=0.1, k=4, forced_close="think",
@@ -81,6 +83,10 @@ def build_parser():
                    help="margin when only one side exists: 0 (RLCM); mean C / 1 - mean C (released "
                         "margin_corner); final-margin: +mean C / -mean C and 0 when both exist (released "
                         "conf_diff_v3; with --budgets 1.0, the Final-Margin ablation)")
+    g.add_argument("--grader", choices=("strict", "math"),
+                   help="grader of r_nat and of the forced answers of Y_b: strict (released training "
+                        "reward: last \\boxed{ and gold stripped, a trailing .0 and leading zeros "
+                        "dropped, then equal strings) or math (normaliser + math-verify, as evaluate.py)")
     g.add_argument("--probe-lr", type=float)
     g.add_argument("--probe-passes", type=int)
     g.add_argument("--probe-batch", type=int)

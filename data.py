@@ -1,22 +1,18 @@
-"""Datasets, prompts, answer extraction and grading.
+"""Datasets and prompts.
 
     rows = load_rows("math500")                     # [{"problem": str, "answer": str}, ...]
     ids = chat_prompt(tokenizer, rows[0]["problem"])
-    is_correct(model_text, rows[0]["answer"])       # last \\boxed{...} vs the gold answer
 
-Grading never evaluates model text: math-verify is called with its LaTeX parser only (its
-plain-expression parser goes through sympy's parse_expr, which calls eval).
+Answer extraction and grading live in grade.py.
 """
 import json
 import os
 import random
 import re
-import threading
-from fractions import Fraction
+
+from grade import plain_number as _number  # integer gold answers: "025" -> "25"
 
 INSTRUCTION = " Let's think step by step and output the final answer within \\boxed{}."
-MAX_ANSWER_CHARS = 2000  # longer boxed answers are compared as strings only: bounded parse time
-TIMEOUT_S = 5            # per math-verify parse / verify call (signal based: main thread only)
 PROBLEM_FIELDS = ("problem", "question", "prompt", "Question", "query")
 # Answer-like names only: `solution` is a worked text, never a gold answer.
 ANSWER_FIELDS = ("answer", "final_answer", "gold", "target", "Correct Answer")
@@ -58,81 +54,6 @@ def scrub(text: str) -> str:
     text = re.sub(r"[\x07\x08\t\x0b\x0c\r](?=[A-Za-z])", lambda m: _ESCAPES[m.group()], text)
     text = text.replace("\r\n", "\n").replace("\t", " ")
     return re.sub(r"[\x00-\x08\x0b-\x1f\x7f]", "", text)
-
-
-_BOX = re.compile(r"\\(?:boxed|fbox)(?:\s*\{| +(?=[^\s{]))")
-
-
-def boxed_answer(text):
-    """Content of the last \\boxed{...} (or \\fbox{...}, or the bare "\\boxed 5" form), braces
-    balanced; None when there is none or the last one never closes (a truncated answer)."""
-    matches = list(_BOX.finditer(text or ""))
-    if not matches:
-        return None
-    start = matches[-1].end()
-    if not matches[-1].group().endswith("{"):
-        return re.match(r"[^\s$]*", text[start:]).group() or None
-    depth = 1
-    for i in range(start, len(text)):
-        if text[i] in "{}" and text[i - 1] != "\\":  # \{ and \} are literal braces
-            depth += 1 if text[i] == "{" else -1
-            if depth == 0:
-                return text[start:i].strip()
-    return None
-
-
-def _normalize(s: str) -> str:
-    """Spelling-only differences: "\\left( 1{,}000 \\right)." and "(1000)" both give "(1000)"."""
-    s = re.sub(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}", r"\1", s)
-    s = re.sub(r"\\(?:left|right)(?![A-Za-z])", "", s)
-    s = re.sub(r"\\[!,;: ]", "", s).replace("{,}", ",").replace("$", "")
-    s = re.sub(r"\s+", "", s).replace("dfrac", "frac").replace("tfrac", "frac").rstrip(".")
-    if re.fullmatch(r"[-+]?\d{1,3}(,\d{3})+(\.\d+)?", s):  # thousands separators
-        s = s.replace(",", "")
-    return s
-
-
-def _number(s: str):
-    """Exact value of a plain decimal ("025" -> 25, "27.0" -> 27, "0.5" -> 1/2), else None."""
-    return Fraction(s) if re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)", s) else None
-
-
-def _math_verify(pred: str, gold: str) -> bool:
-    from math_verify import LatexExtractionConfig, parse, verify
-    # math-verify's timeouts use signal.alarm, which raises outside the main thread: there we
-    # run without one and rely on the length cap.
-    timeout = TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
-    latex_only = [LatexExtractionConfig()]
-    try:
-        g = parse("\\boxed{" + gold + "}", extraction_config=latex_only, parsing_timeout=timeout)
-        p = parse("\\boxed{" + pred + "}", extraction_config=latex_only, parsing_timeout=timeout)
-        return bool(g and p and verify(g, p, timeout_seconds=timeout))
-    except Exception:  # a parser bug or a timeout on a model's answer is a wrong answer, not a crash
-        return False
-
-
-def answers_match(pred, gold) -> bool:
-    """Is the extracted answer `pred` equal to `gold`? Plain numbers compare exactly as numbers
-    ("025" = 25 = 25.0); otherwise equal after _normalize, or equal by math-verify."""
-    if pred is None or gold is None:
-        return False
-    pred, gold = str(pred).strip(), str(gold).strip()
-    a, b = _normalize(pred), _normalize(gold)
-    if not a or not b:
-        return False
-    if a == b:
-        return True
-    na, nb = _number(a), _number(b)
-    if na is not None and nb is not None:
-        return na == nb
-    if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
-        return False
-    return _math_verify(pred, gold)
-
-
-def is_correct(text, gold) -> bool:
-    """True only when the text has a last complete \\boxed{} and it matches the gold answer."""
-    return answers_match(boxed_answer(text), gold)
 
 
 def chat_prompt(tokenizer, problem: str, instruction: str = INSTRUCTION, system: str = None) -> list[int]:

@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 import confidence
 import data
+import grade
 import label as label_lib
 import metrics
 import probe as probe_lib
@@ -49,7 +50,7 @@ REAL = dict(n=4, max_new_tokens=8000, every=500, forced_k=16, probe_questions=80
             posthoc_budgets=16, rows=64, score_batch=8)
 TOY = dict(n=4, max_new_tokens=128, every=8, forced_k=4, probe_questions=80, probe_samples=8,
            posthoc_budgets=16, rows=256, score_batch=256)
-GRADER = "math"   # evaluation grades with data.is_correct: normaliser + math-verify
+GRADER = "math"   # evaluation grades with grade.is_correct: normaliser + math-verify
 EPSILONS = (0.1, 0.2, 0.3)
 COLUMNS = (("Acc", "acc"), ("ECE", "ece"), ("PCE", "pce"), ("Brier", "brier"), ("AUROC", "auroc"))
 
@@ -150,8 +151,8 @@ def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, con
             for r, (q, missing) in enumerate((c for c in chunk for _ in range(m))):
                 j = missing[r % m]
                 f.write(json.dumps(dict(
-                    model=label, benchmark=bench, question=q, sample=j, answer=data.boxed_answer(out.texts[r]),
-                    correct=int(data.is_correct(out.texts[r], golds[r])), confidence=float(conf[r]),
+                    model=label, benchmark=bench, question=q, sample=j, answer=grade.boxed_answer(out.texts[r]),
+                    correct=int(grade.is_correct(out.texts[r], golds[r])), confidence=float(conf[r]),
                     length=out.lengths[r], finish=out.finish[r], source=conf_kw["source"], **extras[r])) + "\n")
             f.flush()
         bar.update(len(chunk) * m)
@@ -169,7 +170,7 @@ def summarize(rows, n_bins=10, seed=0):
     res["ci95"] = metrics.bootstrap(conf, correct, [r["question"] for r in rows], n_resamples=1000, seed=seed)
     if any("verbal_missing" in r for r in rows):
         res["verbal_missing"] = sum(bool(r.get("verbal_missing")) for r in rows)
-    res.update(uses.from_samples(rows, same=data.answers_match, seed=seed, epsilons=EPSILONS))
+    res.update(uses.from_samples(rows, same=grade.answers_match, seed=seed, epsilons=EPSILONS))
     return res
 
 

@@ -36,12 +36,12 @@ def probe_calibration(model, tok, prb, prompts, out, rows, cfg, seed):
     Returns one dict per trajectory: problem, answer, text (clipped), correct, budgets, Y_b, C_b,
     margin. Scoring runs in micro-batches of at most cfg["micro_tokens"] padded tokens.
     """
-    from data import is_correct
+    from grade import is_correct
     n = len(prompts)
     golds = [r["answer"] for r in rows]
-    cuts = [budgets(len(ids)) for ids in out.ids[:n]]
+    cuts = [budgets(len(ids), cfg["budgets"]) for ids in out.ids[:n]]
     labels = mc_labels(model, tok, prompts, out.ids[:n], cuts, golds, k=cfg["k"], close=cfg["forced_close"],
-                       seed=seed, batch_size=cfg["gen_batch"])
+                       seed=seed, batch_size=cfg["gen_batch"], grader=cfg["grader"])
     batch = pack(prompts, out.ids[:n], tok.pad_token_id)
     ends = budget_ends(batch["prompt_lens"], cuts)
     per = max(1, cfg["micro_tokens"] // batch["input_ids"].shape[1])

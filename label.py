@@ -14,7 +14,7 @@ CLOSE is `</think>` (close="think", the paper's description) or the tokenizer's 
 top-p 1.0, at most 32 tokens, stop at a newline); the forced answer is the text up to the brace that
 closes the forced `\\boxed{` (unclosed: wrong), and the label is
 
-    Y_b = (1/K) * sum_k 1[answer_k == gold]
+    Y_b = (1/K) * sum_k 1[answer_k == gold]     (== under the run's grader: grade.answers_match)
 
 Cost: every distinct forced prompt of the batch goes into one `rollout.generate` call (chunked by
 `batch_size`); each is prefilled once and its KV cache is repeated for its K samples, so a
@@ -24,7 +24,7 @@ that agree up to the cut, common for short prefixes) are labelled once and share
 estimates the same probability. The trajectory's own KV cache from the rollout is not reused.
 """
 from rollout import generate
-from data import answers_match
+from grade import answers_match
 
 SUFFIX = "\nIf I were to output the final answer now, it would be \\boxed{"
 
@@ -75,11 +75,12 @@ def forced_answer(text):
 
 def mc_labels(model, tokenizer, prompts, responses, budget_lists, golds, k=4, temperature=0.8,
               top_p=1.0, max_new_tokens=32, close="think", suffix=SUFFIX, seed=None,
-              batch_size=None, stats=None):
+              batch_size=None, stats=None, grader="math"):
     """Monte-Carlo labels Y_b for every (trajectory, budget) pair, in batched calls.
 
     prompts, responses: N lists of token ids; budget_lists: N lists of budgets b;
-    golds: N gold answers. Returns N lists of floats in [0, 1], aligned with budget_lists.
+    golds: N gold answers; grader: "strict" or "math" (grade.py). Returns N lists of floats in
+    [0, 1], aligned with budget_lists.
     If `stats` is a dict, the number of forced prompts and sampled answers is added to it.
     """
     where, unique = [], {}  # (trajectory, budget) -> index of its distinct forced prompt
@@ -98,7 +99,7 @@ def mc_labels(model, tokenizer, prompts, responses, budget_lists, golds, k=4, te
     y = []
     for j in range(len(unique)):
         answers = (forced_answer(t) for t in out.texts[j * k:(j + 1) * k])
-        y.append(sum(a is not None and answers_match(a, gold_of[j]) for a in answers) / k)
+        y.append(sum(a is not None and answers_match(a, gold_of[j], grader) for a in answers) / k)
     labels = [[y[j] for j in js] for js in where]
     if stats is not None:
         stats["prefixes"] = stats.get("prefixes", 0) + sum(map(len, where))

@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 import data
 import heldout
+import grade
 import probe as probe_lib
 import runlog
 import checkpoint as ckpt_lib
@@ -116,7 +117,7 @@ def held_out_accuracy(sampler, tok, rows, cfg, instruction, device, probe=None, 
     if prompts:
         out = generate(sampler, tok, prompts, max_new_tokens=cfg["max_new_tokens"], temperature=0.6,
                        seed=cfg["seed"] + 12345 + RANK, batch_size=cfg["gen_batch"])
-        hits = sum(data.is_correct(t, r["answer"]) for t, r in zip(out.texts, mine))
+        hits = sum(grade.is_correct(t, r["answer"]) for t, r in zip(out.texts, mine))
         if calib is not None:
             m = len(rows[:cfg["eval_probe_n"]][RANK::WORLD])
             trajs = heldout.probe_calibration(sampler, tok, probe, prompts[:m], out, mine[:m], cfg,
@@ -144,13 +145,15 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
                        batch_size=cfg["gen_batch"])
     golds = [rows[i]["answer"] for i in out.prompt_index]
     traj_prompts = [prompts[i] for i in out.prompt_index]
-    correct = torch.tensor([data.is_correct(t, g) for t, g in zip(out.texts, golds)], dtype=torch.float32)
+    correct = torch.tensor([grade.is_correct(t, g, cfg["grader"]) for t, g in zip(out.texts, golds)],
+                           dtype=torch.float32)
     cuts = [budgets(n, cfg["budgets"]) if rlcm else [] for n in out.lengths]
     labels = [[] for _ in cuts]
     if rlcm:
         with timer("label"):
             labels = mc_labels(sampler, tok, traj_prompts, out.ids, cuts, golds, k=cfg["k"],
-                               close=cfg["forced_close"], seed=seed + 7, batch_size=cfg["gen_batch"])
+                               close=cfg["forced_close"], seed=seed + 7, batch_size=cfg["gen_batch"],
+                               grader=cfg["grader"])
 
     batch = pack(traj_prompts, out.ids, tok.pad_token_id)
     ends = budget_ends(batch["prompt_lens"], cuts)

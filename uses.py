@@ -37,7 +37,7 @@ def cluster_answers(answers, same=None):
     """Cluster ids for one question's answers: equal answers share an id, None stays None.
 
     answers: list of str or None; same(a, b) -> bool decides equality of two distinct strings
-    (e.g. data.answers_match), compared against each cluster's first answer. Ids count from 0 in
+    (e.g. grade.answers_match), compared against each cluster's first answer. Ids count from 0 in
     order of first appearance: cluster_answers(["2", None, "2", "3"]) == [0, None, 0, 1].
     """
     reps, ids = [], []

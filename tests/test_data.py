@@ -1,9 +1,7 @@
-"""data.py: answer extraction, grading, chat prompts and dataset loading (local fixtures only)."""
+"""data.py: chat prompts and dataset loading (local fixtures only); grading is in test_grade.py."""
 import json
 import os
 import sys
-import threading
-import time
 import types
 
 import pytest
@@ -12,66 +10,6 @@ import data
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "fixtures")
 needs_fixtures = pytest.mark.skipif(not os.path.isdir(FIXTURES), reason="shared fixtures not present")
-
-
-@pytest.mark.parametrize("text, expected", [
-    (r"so \boxed{\frac{a}{b}}.", r"\frac{a}{b}"),
-    (r"\boxed{1} first, then \boxed{2}", "2"),
-    (r"\boxed{\{1, 2\}}", r"\{1, 2\}"),
-    (r"\boxed{ 7 }", "7"),
-    (r"\fbox{7}", "7"),
-    (r"$\boxed 5$", "5"),
-    (r"\boxed{1} and finally \boxed{\frac{1}{2}", None),  # truncated final answer: no answer
-    ("no box here", None),
-    ("", None),
-])
-def test_boxed_answer(text, expected):
-    assert data.boxed_answer(text) == expected
-
-
-@pytest.mark.parametrize("text, gold, ok", [
-    (r"\boxed{\frac{1}{2}}", "0.5", True),
-    (r"\boxed{ 1,000 }", "1000", True),
-    (r"\boxed{x+1}", "1+x", True),
-    (r"\boxed{25}", "025", True),             # AIME
-    (r"\boxed{27}", "27.0", True),            # AMC
-    (r"\boxed{\dfrac{14}{3}}", r"\frac{14}{3}", True),
-    (r"\boxed{(3, \pi/2)}", r"\left( 3, \frac{\pi}{2} \right)", True),
-    (r"\boxed{Evelyn}", r"\text{Evelyn}", True),
-    (r"\boxed{B}", "B", True),
-    (r"\boxed{41}", "42", False),
-    (r"\boxed{(2,5)}", "[2,5)", False),
-    (r"\boxed{C}", "B", False),
-    ("the answer is 42", "42", False),
-    (r"\boxed{42", "42", False),
-    (r"\boxed{}", "42", False),
-    (r"\boxed{42} no wait \boxed{41}", "42", False),
-])
-def test_is_correct(text, gold, ok):
-    assert data.is_correct(text, gold) is ok
-
-
-def test_model_text_is_never_executed(tmp_path):
-    target = tmp_path / "pwned"
-    payload = f"__import__('os').system('touch {target}')"
-    for text in (rf"\boxed{{{payload}}}", payload + r" \boxed{" + payload + "}", rf"$\boxed{{{payload}}}$"):
-        assert data.is_correct(text, "0") is False
-        assert data.answers_match(payload, "1+x") is False
-    assert not target.exists()
-
-
-def test_grading_off_the_main_thread_and_long_answers():
-    results = []
-    worker = threading.Thread(target=lambda: results.extend(
-        [data.is_correct(r"\boxed{x+1}", "1+x"), data.is_correct(r"\boxed{x+2}", "1+x")]))
-    worker.start()
-    worker.join(30)
-    assert results == [True, False]  # math-verify's signal timeout would raise in a thread
-    long = "+".join(["x"] * 1500)
-    start = time.time()
-    assert data.is_correct(r"\boxed{" + long + "}", "1500*x") is False  # over the cap: string compare only
-    assert data.is_correct(r"\boxed{" + long + "}", long) is True
-    assert time.time() - start < 2
 
 
 def test_scrub_restores_latex_escapes():
@@ -121,7 +59,6 @@ def test_benchmark_files_in_their_real_layouts():
     assert len(aime25) == 30 and aime25[0]["answer"] == "70" and aime25[0]["problem"].startswith("Find the sum")
     amc23 = data.load_rows(os.path.join(FIXTURES, "amc23.jsonl"))
     assert len(amc23) == 40 and amc23[0]["answer"] == "27"
-    assert data.is_correct(r"\boxed{27}", amc23[0]["answer"])
     assert set(math500[0]) == {"problem", "answer"}
 
 

@@ -10,6 +10,7 @@ import pytest
 
 import data
 import evaluate
+import grade
 import metrics
 import runlog
 import toy
@@ -39,7 +40,7 @@ def test_samples_hold_two_trajectories_per_step_with_labels_and_confidences(run)
         assert s["text"] and s["budgets"] == sorted(s["budgets"]) and len(s["budgets"]) >= 1
         assert len(s["Y_b"]) == len(s["C_b"]) == len(s["budgets"])
         assert all(y in (0, 0.25, 0.5, 0.75, 1) for y in s["Y_b"]) and all(0 < c < 1 for c in s["C_b"])
-        assert s["correct"] == float(data.is_correct(s["text"], s["answer"]))
+        assert s["correct"] == float(grade.is_correct(s["text"], s["answer"]))
         # reward = r_nat + lam * margin with the default lam 0.1
         assert s["reward"] == pytest.approx(2 * s["correct"] - 1 + 0.1 * s["margin"], abs=2e-4)
     # Spread over the batch: different problems, not the first group twice.

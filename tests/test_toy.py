@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import data
+import grade
 import label
 import rollout
 import toy
@@ -153,7 +154,7 @@ def rollouts(base):
     prompts = [data.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
     golds = [r["answer"] for r in rows]
     out = rollout.generate(model, tok, prompts, max_new_tokens=96, temperature=0.8, seed=0)
-    correct = [data.is_correct(t, g) for t, g in zip(out.texts, golds)]
+    correct = [grade.is_correct(t, g) for t, g in zip(out.texts, golds)]
     return prompts, golds, out, correct
 
 
@@ -163,7 +164,7 @@ def test_base_policy_is_neither_hopeless_nor_perfect(base, rollouts):
     assert set(out.finish) == {"eos"}
     acc = sum(correct) / len(correct)
     greedy = rollout.generate(model, tok, prompts, max_new_tokens=96, temperature=0)
-    greedy_acc = sum(data.is_correct(t, g) for t, g in zip(greedy.texts, golds)) / len(golds)
+    greedy_acc = sum(grade.is_correct(t, g) for t, g in zip(greedy.texts, golds)) / len(golds)
     print(f"\ntoy base policy: sampled accuracy (T=0.8) {acc:.3f}, greedy accuracy {greedy_acc:.3f}")
     assert 0.3 < acc < 0.7
     assert acc < greedy_acc < 0.95  # greedy drops the slips but keeps the forgotten carries

@@ -1,0 +1,298 @@
+"""Answer extraction and grading: is the final answer of a response the gold answer?
+
+    is_correct(text, gold)                      # last \\boxed{...} of a response vs the gold answer
+    is_correct(text, gold, grader="strict")     # the same under the released training rule
+    answers_match(answer, gold, grader="math")  # an answer already extracted (a forced one) vs gold
+
+Two graders (`--grader` in train.py; evaluation always uses "math"):
+
+- "strict", the released training reward: the content of the last `\\boxed{` in the text (braces
+  counted plainly; an unclosed last box is wrong) and the gold are each stripped of surrounding
+  whitespace, a trailing ".0" is dropped, then leading zeros (after a minus sign too; one zero stays
+  where no digit follows: "0", "0.5"), and the two strings must be equal. So "007" = "7" and
+  "2.0" = "2", but "\\dfrac{1}{2}" != "\\frac{1}{2}" and "1,000" != "1000".
+- "math", the safe grader of evaluation: the last `\\boxed{}` or `\\fbox{}` (or the bare
+  "\\boxed 5"), spelling normalised (`_normalize`), plain decimals compared as exact numbers
+  ("025" = 25 = 25.0), else math-verify. Only math-verify's LaTeX parser runs: its plain-expression
+  parser goes through sympy's parse_expr, which calls eval on model text.
+
+Time bound. A grading call returns within about GRADE_TIMEOUT_S on any input, in any thread:
+the text is scanned by linear patterns only; answers longer than MAX_ANSWER_CHARS are compared as
+plain strings before any regex sees them; math-verify runs in a worker process (this file run as
+a script, one per thread grading at the same moment) that stops itself at the deadline with an
+interval timer (math-verify's own timeout has whole seconds per parse and raises outside the main
+thread), and is killed if it has not answered by then. Starting a worker (importing sympy: 1 to 4 s,
+once per process and per thread grading at the same moment, and again after a kill) is not counted
+in the bound. Where no worker can start, math-verify is skipped with one warning and only the
+normalised / numeric comparisons decide.
+"""
+import atexit
+import json
+import os
+import re
+import select
+import subprocess
+import sys
+import threading
+import time
+from fractions import Fraction
+
+GRADERS = ("strict", "math")
+GRADE_TIMEOUT_S = 1.0    # the most wall time one grading call takes, whatever the input
+MAX_ANSWER_CHARS = 2000  # longer answers are compared as plain strings: no regex, no parser
+START_TIMEOUT_S = 60     # waiting for a new math-verify worker to import sympy (not in the bound)
+REPLY_S = 0.25           # the worker stops this long before the deadline, to answer in time
+
+
+def last_boxed(text):
+    """Strict extraction: content of the last `\\boxed{`, up to its closing brace (every brace
+    counts), stripped; None when there is no `\\boxed{` or the last one never closes."""
+    start = (text or "").rfind("\\boxed{")
+    return None if start < 0 else _close(text, start + len("\\boxed{"), _PLAIN_BRACE)
+
+
+_BOX = re.compile(r"\\(?:boxed|fbox)(?:\s*\{| +(?=[^\s{]))")  # linear: a match starts at a backslash
+_BARE = re.compile(r"[^\s$]*")
+_PLAIN_BRACE = re.compile(r"[{}]")
+_BRACE = re.compile(r"\\[{}]|[{}]")  # \{ and \} are literal braces and do not count
+
+
+def _close(text, start, braces):
+    """text[start:closing brace of depth 1].strip(), or None if it never closes."""
+    depth = 1
+    for m in braces.finditer(text, start):
+        if len(m.group()) == 2:
+            continue
+        depth += 1 if m.group() == "{" else -1
+        if depth == 0:
+            return text[start:m.start()].strip()
+    return None
+
+
+def boxed_answer(text):
+    """Math extraction: content of the last \\boxed{...} (or \\fbox{...}, or the bare "\\boxed 5"
+    form), braces balanced, \\{ and \\} literal; None when there is none or it never closes."""
+    last = None
+    for last in _BOX.finditer(text or ""):
+        pass
+    if last is None:
+        return None
+    if not last.group().endswith("{"):
+        return _BARE.match(text, last.end()).group() or None
+    return _close(text, last.end(), _BRACE)
+
+
+def strict_form(s: str) -> str:
+    """The released normalisation: strip, drop one trailing ".0", drop leading zeros (after a minus
+    sign too) but keep one before a non-digit. strict_form(" -007.0 ") == "-7"."""
+    s = s.strip()
+    if s.endswith(".0"):
+        s = s[:-2]
+    sign = "-" if s.startswith("-") else ""
+    body = s[len(sign):]
+    short = body.lstrip("0")
+    if short != body and (not short or short[0] not in "0123456789"):
+        short = "0" + short
+    return sign + short
+
+
+def _normalize(s: str) -> str:
+    """Spelling-only differences: "\\left( 1{,}000 \\right)." and "(1000)" both give "(1000)"."""
+    s = re.sub(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}", r"\1", s)
+    s = re.sub(r"\\(?:left|right)(?![A-Za-z])", "", s)
+    s = re.sub(r"\\[!,;: ]", "", s).replace("{,}", ",").replace("$", "")
+    s = re.sub(r"\s+", "", s).replace("dfrac", "frac").replace("tfrac", "frac").rstrip(".")
+    if re.fullmatch(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?", s):  # thousands separators
+        s = s.replace(",", "")
+    return s
+
+
+_NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)")  # one way to split any digit run: linear
+
+
+def plain_number(s: str):
+    """Exact value of a plain decimal ("025" -> 25, "27.0" -> 27, "0.5" -> 1/2), else None."""
+    return Fraction(s) if len(s) <= MAX_ANSWER_CHARS and _NUMBER.fullmatch(s) else None
+
+
+def answers_match(pred, gold, grader="math", deadline=None) -> bool:
+    """Is the extracted answer `pred` the gold answer under `grader` ("strict" or "math")?
+    `deadline` (time.monotonic()) defaults to GRADE_TIMEOUT_S from now."""
+    if grader not in GRADERS:
+        raise ValueError(f"grader must be one of {GRADERS}, got {grader!r}")
+    if pred is None or gold is None:
+        return False
+    pred, gold = str(pred).strip(), str(gold).strip()
+    if grader == "strict":
+        return strict_form(pred) == strict_form(gold)
+    if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
+        return bool(pred) and pred == gold
+    a, b = _normalize(pred), _normalize(gold)
+    if not a or not b:
+        return False
+    if a == b:
+        return True
+    na, nb = plain_number(a), plain_number(b)
+    if na is not None and nb is not None:
+        return na == nb
+    return _math_verify(pred, gold, deadline or time.monotonic() + GRADE_TIMEOUT_S)
+
+
+def is_correct(text, gold, grader="math") -> bool:
+    """True only when the text has a last complete box and it matches the gold answer."""
+    deadline = time.monotonic() + GRADE_TIMEOUT_S
+    pred = last_boxed(text) if grader == "strict" else boxed_answer(text)
+    return answers_match(pred, gold, grader, deadline)
+
+
+class _Worker:
+    """One math-verify process; requests are JSON lines [pred, gold, seconds], answers "1" / "0"."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0)
+        self.buf, self.ready = b"", False
+
+    def line(self, until):
+        """The worker's next output line, or None if it has none by `until` or has exited."""
+        fd, poll = self.proc.stdout.fileno(), select.poll()  # poll: no limit on fd numbers
+        poll.register(fd, select.POLLIN)
+        while b"\n" not in self.buf:
+            left = until - time.monotonic()
+            if left <= 0 or not poll.poll(left * 1000):
+                return None
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                return None
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return line.decode()
+
+    def ask(self, pred, gold, deadline, seconds=None):
+        """True / False from math-verify, or None when no answer came by the deadline."""
+        seconds = deadline - time.monotonic() - REPLY_S if seconds is None else seconds
+        if seconds <= 0:
+            return False
+        request = memoryview((json.dumps([pred, gold, seconds]) + "\n").encode())
+        try:
+            while request:
+                request = request[os.write(self.proc.stdin.fileno(), request):]
+        except OSError:  # it has exited
+            return None
+        answer = self.line(deadline)
+        return None if answer is None else answer == "1"
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait()
+
+
+_idle, _lock, _unavailable = [], threading.Lock(), []
+
+
+def _take():
+    """A ready worker (an idle one, or a new one started and waited for), or None if none starts."""
+    with _lock:
+        if _unavailable:
+            return None
+        started = [w for w in _idle if w.ready] or _idle  # rather than one still starting after a kill
+        worker = started[-1] if started else None
+        if worker is not None:
+            _idle.remove(worker)
+    try:
+        worker = worker or _Worker()
+        reply = "ready" if worker.ready else worker.line(time.monotonic() + START_TIMEOUT_S)
+    except (OSError, AttributeError) as e:  # cannot start a process; no select.poll (Windows)
+        worker, reply = None, f"{type(e).__name__}: {e}"
+    if reply == "ready":
+        worker.ready = True
+        return worker
+    if worker is not None:
+        worker.kill()
+    with _lock:
+        if not _unavailable:
+            _unavailable.append(reply)
+            print(f"grade.py: the math-verify worker did not start ({reply or 'no reply'}): "
+                  "answers are compared by normalised text and numbers only", file=sys.stderr)
+    return None
+
+
+def _math_verify(pred, gold, deadline):
+    waited = time.monotonic()
+    worker = _take()
+    if worker is None:
+        return False
+    deadline += time.monotonic() - waited  # a worker's start is not grading time
+    ok = worker.ask(pred, gold, deadline)
+    if ok is None:  # still computing (a C loop the timer cannot stop) or dead: replace it
+        worker.kill()
+        try:
+            worker = _Worker()  # starts now, so that it is ready by the next call
+        except OSError:
+            worker = None
+    with _lock:
+        if worker is not None:
+            _idle.append(worker)
+    return bool(ok)
+
+
+@atexit.register
+def _stop_workers():
+    while _idle:
+        _idle.pop().kill()
+
+
+WARM_UP = ((r"(3, \pi/2)", r"\left( 3, \frac{\pi}{2} \right)"), ("x+1", "1+x"), (r"\frac{1}{2}", "0.5"),
+           ("x^2+2x+1", "(x+1)^2"), ("3", r"\log_2 8"))
+
+
+class _Deadline(BaseException):
+    """Raised by the worker's timer; a BaseException so that math-verify's `except Exception` does
+    not swallow it and carry on computing."""
+
+
+def _serve():
+    """The worker: answer requests from stdin until it closes (the parent exited)."""
+    import functools
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    try:
+        import logging
+        from math_verify import LatexExtractionConfig, parse, verify
+        logging.disable(logging.WARNING)  # math-verify warns that its timeout is off: ours is on
+    except Exception as e:
+        print(f"{type(e).__name__}: {e}".replace("\n", " "), flush=True)
+        return
+
+    def stop(signum, frame):
+        raise _Deadline
+
+    signal.signal(signal.SIGALRM, stop)
+    latex = [LatexExtractionConfig()]
+
+    @functools.lru_cache(maxsize=4096)  # a gold is graded G times per prompt, K per prefix
+    def parsed(text):
+        return parse("\\boxed{" + text + "}", extraction_config=latex, parsing_timeout=None)
+
+    def same(pred, gold, seconds):
+        try:
+            try:
+                signal.setitimer(signal.ITIMER_REAL, seconds)
+                g, p = parsed(gold), parsed(pred)
+                return bool(g and p and verify(g, p, timeout_seconds=None))
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        except (_Deadline, Exception):  # a timeout or a parser bug on model text: a wrong answer
+            return False
+
+    # The first comparison of each kind imports and caches parts of sympy (up to 1 s each on a
+    # busy machine): done here, before "ready", so that no real answer's deadline pays for it.
+    for pred, gold in WARM_UP:
+        same(pred, gold, START_TIMEOUT_S)
+    print("ready", flush=True)
+    for request in sys.stdin:
+        print(int(same(*json.loads(request))), flush=True)
+
+
+if __name__ == "__main__":
+    _serve()

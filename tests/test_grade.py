@@ -1,0 +1,297 @@
+"""grade.py: the strict (released training) grader, the math grader, and the time bound."""
+import json
+import os
+import re
+import threading
+import time
+from fractions import Fraction
+
+import pytest
+
+import config
+import grade
+
+FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "fixtures")
+needs_fixtures = pytest.mark.skipif(not os.path.isdir(FIXTURES), reason="shared fixtures not present")
+SLACK_S = 0.5  # scheduling on a loaded machine; the deadline itself is GRADE_TIMEOUT_S
+
+
+def golds(name):
+    with open(os.path.join(FIXTURES, name)) as f:
+        return [json.loads(line)["answer"] for line in f]
+
+
+@pytest.mark.parametrize("text, expected", [
+    (r"so \boxed{\frac{a}{b}}.", r"\frac{a}{b}"),
+    (r"\boxed{1} first, then \boxed{2}", "2"),
+    (r"\boxed{\{1, 2\}}", r"\{1, 2\}"),
+    (r"\boxed{ 7 }", "7"),
+    (r"\fbox{7}", "7"),
+    (r"$\boxed 5$", "5"),
+    (r"\boxed{1} and finally \boxed{\frac{1}{2}", None),  # truncated final answer: no answer
+    ("no box here", None),
+    ("", None),
+])
+def test_boxed_answer(text, expected):
+    assert grade.boxed_answer(text) == expected
+
+
+@pytest.mark.parametrize("text, expected", [
+    (r"\boxed{1} then \boxed{ 2 }.", "2"),
+    (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}"),
+    (r"\boxed{\boxed{5}}", "5"),              # the last `\boxed{` is the inner one
+    (r"\boxed{5} \fbox{6} $\boxed 7$", "5"),  # only `\boxed{` counts
+    (r"\boxed{1} \boxed{2", None),            # the last box never closes
+    ("\\boxed{" * 3, None),
+    ("none", None),
+    (None, None),
+])
+def test_last_boxed(text, expected):
+    assert grade.last_boxed(text) == expected
+
+
+# The released training rule, pair by pair: last `\boxed{` content and gold each stripped, one
+# trailing ".0" dropped, leading zeros dropped (after a minus too; "0" stays "0"), equal strings.
+STRICT = [
+    (r"\boxed{\dfrac{1}{2}}", r"\frac{1}{2}", False),
+    (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}", True),
+    (r"\boxed{1,000}", "1000", False),
+    (r"\boxed{1000}", "1,000", False),
+    (r"\boxed{1,000}", "1,000", True),
+    (r"\boxed{2.0}", "2", True),
+    (r"\boxed{2}", "2.0", True),            # the gold is normalised too
+    (r"\boxed{3.0}", "3.0", True),
+    (r"\boxed{2.00}", "2", False),          # one ".0" only
+    (r"\boxed{2.0.0}", "2", False),
+    (r"\boxed{2.50}", "2.5", False),
+    (r"\boxed{007}", "7", True),
+    (r"\boxed{7}", "007", True),
+    (r"\boxed{-007}", "-7", True),
+    (r"\boxed{ -007.0 }", "-7", True),
+    (r"\boxed{+7}", "7", False),
+    (r"\boxed{-0}", "0", False),
+    (r"\boxed{00}", "0", True),
+    (r"\boxed{0.0}", "0", True),
+    (r"\boxed{0.5}", ".5", False),          # one zero stays before a non-digit
+    (r"\boxed{00.5}", "0.5", True),
+    (r"\boxed{}", "0", False),
+    (r"\boxed{1} then \boxed{2}", "2", True),   # a second box after the first
+    (r"\boxed{1} then \boxed{2}", "1", False),
+    (r"\boxed{1} then \boxed{2", "2", False),   # an unclosed last box is wrong
+    (r"\boxed{1} then \boxed{2", "1", False),
+    (r"\boxed{ 42 }", " 42\n", True),
+    ("\\boxed{\n7\n}.", "7", True),
+    (r"\boxed{(1, 2)}", "(1,2)", False),   # inner spaces are not stripped
+    (r"\boxed{x+1}", "1+x", False),
+    (r"\boxed{\frac{1}{2}}", "0.5", False),
+    (r"\boxed{Evelyn}", r"\text{Evelyn}", False),
+    (r"\boxed{\left( 3, \frac{\pi}{2} \right)}", r"\left( 3, \frac{\pi}{2} \right)", True),
+    (r"\boxed{\{1,2\}}", r"\{1,2\}", True),
+    (r"\boxed{\boxed{5}}", "5", True),
+    (r"\fbox{7}", "7", False),
+    (r"$\boxed 7$", "7", False),
+    (r"\boxed{10}", "1", False),
+    ("the answer is 7", "7", False),
+]
+
+
+@pytest.mark.parametrize("text, gold, ok", STRICT)
+def test_strict_grader_is_the_released_rule(text, gold, ok):
+    assert grade.is_correct(text, gold, "strict") is ok
+
+
+def test_strict_form():
+    assert [grade.strict_form(s) for s in (" -007.0 ", "0", "00", "0.5", "00.5", "-0", "10.00", "0x")] == \
+        ["-7", "0", "0", "0.5", "0.5", "-0", "10.00", "0x"]
+
+
+@pytest.mark.parametrize("text, gold, ok", [
+    (r"\boxed{\frac{1}{2}}", "0.5", True),
+    (r"\boxed{ 1,000 }", "1000", True),
+    (r"\boxed{x+1}", "1+x", True),
+    (r"\boxed{25}", "025", True),             # AIME
+    (r"\boxed{27}", "27.0", True),            # AMC
+    (r"\boxed{\dfrac{14}{3}}", r"\frac{14}{3}", True),
+    (r"\boxed{(3, \pi/2)}", r"\left( 3, \frac{\pi}{2} \right)", True),
+    (r"\boxed{Evelyn}", r"\text{Evelyn}", True),
+    (r"\boxed{B}", "B", True),
+    (r"\boxed{41}", "42", False),
+    (r"\boxed{(2,5)}", "[2,5)", False),
+    (r"\boxed{C}", "B", False),
+    ("the answer is 42", "42", False),
+    (r"\boxed{42", "42", False),
+    (r"\boxed{}", "42", False),
+    (r"\boxed{42} no wait \boxed{41}", "42", False),
+])
+def test_math_grader(text, gold, ok):
+    assert grade.is_correct(text, gold) is ok
+    assert grade.is_correct(text, gold, "math") is ok
+
+
+def test_graders_disagree_where_the_rules_differ():
+    # math reads the last \fbox too, strict only `\boxed{`: here strict is the one that says right
+    assert grade.is_correct(r"\boxed{5} \fbox{6}", "5", "strict") and not grade.is_correct(r"\boxed{5} \fbox{6}", "5")
+    with pytest.raises(ValueError, match="grader must be one of"):
+        grade.answers_match("1", "1", "exact")
+
+
+@needs_fixtures
+def test_math500_answers_under_both_graders():
+    math500 = golds("math500.jsonl")
+    assert len(math500) == 500
+    for g in math500:  # every gold answer, boxed, is right under both graders
+        assert grade.is_correct(r"so $\boxed{" + g + "}$.", g, "strict"), g
+        assert grade.is_correct(r"so $\boxed{" + g + "}$.", g, "math"), g
+
+    def count(variant, chosen):
+        """(pairs, right under strict, right under math) for `variant(gold)` against each chosen gold."""
+        pairs = [(variant(g), g) for g in math500 if chosen(g)]
+        return (len(pairs), sum(grade.is_correct(r"\boxed{" + p + "}", g, "strict") for p, g in pairs),
+                sum(grade.is_correct(r"\boxed{" + p + "}", g, "math") for p, g in pairs))
+
+    integer = lambda g: re.fullmatch(r"-?\d+", g) is not None  # noqa: E731
+    # agreements: the released rule's own normalisations, and wrong integers
+    assert count(lambda g: g + ".0", integer) == (311, 311, 311)
+    assert count(lambda g: re.sub(r"^(-?)", r"\g<1>00", g), integer) == (311, 311, 311)
+    assert count(lambda g: str(int(g) + 1), integer) == (311, 0, 0)
+    # disagreements: spelling the strict grader does not forgive
+    assert count(lambda g: g.replace("\\frac", "\\dfrac"), lambda g: "\\frac" in g) == (68, 0, 68)
+    assert count(lambda g: g.replace(" ", ""), lambda g: " " in g) == (46, 0, 46)
+    assert count(lambda g: re.sub(r"\\text\{([^{}]*)\}", r"\1", g), lambda g: "\\text{" in g) == (10, 0, 10)
+    assert count(lambda g: g.replace("\\left", "").replace("\\right", ""), lambda g: "\\left" in g) == (4, 0, 4)
+    assert count(lambda g: g.replace(",", ""), lambda g: re.fullmatch(r"\d{1,3}(,\d{3})+", g)) == (1, 0, 1)
+
+    # and values math-verify proves equal: a terminating fraction as a decimal, a decimal as a fraction
+    def other_form(g):
+        value = Fraction(g) if re.fullmatch(r"\d*\.\d+", g) else Fraction(*map(int, re.findall(r"\d+", g)))
+        return str(float(value)) if "frac" in g else rf"\frac{{{value.numerator}}}{{{value.denominator}}}"
+
+    def terminating(g):
+        m = re.fullmatch(r"\\frac\{(\d+)\}\{(\d+)\}", g)
+        return bool(re.fullmatch(r"\d*\.\d+", g)) or bool(m and 10 ** 12 % int(m[2]) == 0)
+    assert count(other_form, terminating) == (32, 0, 32)
+    assert not grade.is_correct(r"\boxed{1.51}", r"\frac{3}{2}") and not grade.is_correct(r"\boxed{1.5}", r"\frac{3}{2}", "strict")
+
+
+@needs_fixtures
+def test_integer_benchmarks_agree_under_both_graders():
+    """AIME 2024 stores "204", AIME 2025 and AMC 2023 store 70.0: the strict rule's ".0" makes both fit."""
+    for name in ("aime24.jsonl", "aime25.jsonl", "amc23.jsonl"):
+        for gold in map(str, golds(name)):
+            n = gold.removesuffix(".0")
+            padded = re.sub(r"^(-?)", r"\g<1>0", n)  # -1 -> -01
+            for text in (rf"\boxed{{{n}}}", rf"\boxed{{{padded}}}", rf"\boxed{{{n}.0}}"):
+                assert grade.is_correct(text, gold, "strict") and grade.is_correct(text, gold, "math"), (text, gold)
+            assert not grade.is_correct(rf"\boxed{{{n}0}}", gold, "strict")
+            assert not grade.is_correct(rf"\boxed{{{n}0}}", gold, "math")
+
+
+def test_forced_answers_and_labels_use_the_run_grader(monkeypatch):
+    """Y_b: the forced answer ends at the brace that closes the forced box; the grader decides."""
+    import label
+    from rollout import Samples
+    assert grade.answers_match(label.forced_answer(" 007}\n"), "7", "strict")
+    assert not grade.answers_match(label.forced_answer(r"\dfrac{1}{2}} so"), r"\frac{1}{2}", "strict")
+    assert grade.answers_match(label.forced_answer(r"\dfrac{1}{2}} so"), r"\frac{1}{2}", "math")
+    texts = ["\\dfrac{1}{2}}\n", "\\frac{1}{2}}", "0.5}", "\\frac{1}{2}"]  # the last one never closes
+    monkeypatch.setattr(label, "generate", lambda *a, **k: Samples([[0]] * 4, texts, [1] * 4, ["stop"] * 4, [0] * 4))
+    tok = type("Tok", (), dict(eos_token_id=2, encode=lambda self, text, add_special_tokens: [3]))()
+    args = (None, tok, [[5]], [[6, 7]], [[1]], [r"\frac{1}{2}"])
+    assert label.mc_labels(*args, k=4, close="eos", grader="strict") == [[0.25]]
+    assert label.mc_labels(*args, k=4, close="eos", grader="math") == [[0.75]]
+
+
+def test_grader_flag_defaults_per_world():
+    assert config.REAL["grader"] == "strict" and config.TOY["grader"] == "math"
+    assert config.resolve_args(["--model", "some/model"])["grader"] == "strict"
+    assert config.resolve_args(["--model", "some/model", "--grader", "math"])["grader"] == "math"
+    assert config.resolve_args([])["grader"] == "math"
+
+
+def test_model_text_is_never_executed(tmp_path):
+    target = tmp_path / "pwned"
+    payload = f"__import__('os').system('touch {target}')"
+    for text in (rf"\boxed{{{payload}}}", payload + r" \boxed{" + payload + "}", rf"$\boxed{{{payload}}}$"):
+        assert grade.is_correct(text, "0") is False
+        assert grade.answers_match(payload, "1+x") is False
+    assert not target.exists()
+
+
+def test_long_answers_are_compared_as_strings():
+    long = "+".join(["x"] * 1500)
+    start = time.time()
+    assert grade.is_correct(r"\boxed{" + long + "}", "1500*x") is False  # over the cap: no parser
+    assert grade.is_correct(r"\boxed{" + long + "}", long) is True
+    assert time.time() - start < 0.1
+    assert grade.plain_number("1" * 3000) is None  # over the cap (and int() refuses > 4300 digits)
+    start = time.time()
+    assert grade._NUMBER.fullmatch("1" * 200_000 + "x") is None  # the number pattern is linear
+    assert time.time() - start < 0.1
+
+
+HOSTILE = {  # name -> (response text, gold)
+    "64,000 digits then x": ("\\boxed{" + "1" * 64_000 + "x}", "5"),
+    "1,000,000 characters": ("\\boxed{" + "x+" * 500_000 + "}", "5"),
+    "1,000,000 characters, no box": ("7 " * 500_000, "7"),
+    "10,000 nested braces": ("\\boxed{" + "{" * 10_000 + "1" + "}" * 10_000 + "}", "1"),
+    "10,000 unclosed braces": ("\\boxed{" + "{" * 10_000 + "1", "1"),
+    "100,000 unclosed \\boxed{": ("\\boxed{" * 100_000, "5"),
+    "9^{99999999}": (r"\boxed{9^{99999999}}", "5"),
+    "power tower": (r"\boxed{9^{9^{9^{9^{9}}}}}", "5"),
+    "1000000!": (r"\boxed{1000000!}", "5"),
+}
+
+
+def grade_all(times):
+    """Grade every hostile case under both graders, recording (result, seconds) per case."""
+    for name, (text, gold) in HOSTILE.items():
+        for grader in grade.GRADERS:
+            start = time.monotonic()
+            ok = grade.is_correct(text, gold, grader)
+            times[name, grader] = ok, time.monotonic() - start
+
+
+def test_hostile_inputs_return_wrong_within_the_bound_in_any_thread():
+    assert grade.is_correct(r"\boxed{x+1}", "1+x")  # a warm worker: its start is not in the bound
+    in_main, in_thread = {}, {}
+    grade_all(in_main)
+    worker = threading.Thread(target=grade_all, args=(in_thread,))
+    worker.start()
+    worker.join(60)
+    assert not worker.is_alive()
+    for times in (in_main, in_thread):
+        assert set(times) == {(n, g) for n in HOSTILE for g in grade.GRADERS}
+        for (name, grader), (ok, seconds) in times.items():
+            assert ok is False, (name, grader)
+            assert seconds < grade.GRADE_TIMEOUT_S + SLACK_S, (name, grader, seconds)
+    # and grading still works afterwards, in both threads
+    results = []
+    worker = threading.Thread(target=lambda: results.append(grade.is_correct(r"\boxed{x+2}", "2+x")))
+    worker.start()
+    worker.join(30)
+    assert results == [True] and grade.is_correct(r"\boxed{\frac{1}{2}}", "0.5")
+
+
+def test_a_worker_that_overruns_is_killed_and_replaced(monkeypatch):
+    """The timer inside the worker is the first stop; where it cannot act (a long C call), the
+    parent kills the worker at the deadline. Simulated by giving the worker 30 s of its own."""
+    assert grade.is_correct(r"\boxed{x+1}", "1+x")  # a warm worker
+    procs = [w.proc for w in grade._idle]
+    ask = grade._Worker.ask
+    monkeypatch.setattr(grade._Worker, "ask", lambda self, p, g, d, seconds=None: ask(self, p, g, d, 30))
+    start = time.monotonic()
+    assert grade.is_correct(r"\boxed{9^{99999999}}", "5") is False
+    assert time.monotonic() - start < grade.GRADE_TIMEOUT_S + SLACK_S
+    assert any(p.returncode is not None for p in procs)  # killed
+    assert any(w.proc not in procs and w.proc.poll() is None for w in grade._idle)  # a replacement starts
+
+
+def test_without_a_worker_math_verify_is_skipped_with_one_warning(monkeypatch, capsys):
+    monkeypatch.setattr(grade, "_idle", [])
+    monkeypatch.setattr(grade, "_unavailable", [])
+    monkeypatch.setattr(grade.sys, "executable", "/nonexistent/python")
+    assert grade.is_correct(r"\boxed{\frac{1}{2}}", "0.5") is False
+    assert grade.is_correct(r"\boxed{x+1}", "1+x") is False
+    assert grade.is_correct(r"\boxed{025}", "25") and grade.is_correct(r"\boxed{\dfrac{1}{2}}", r"\frac{1}{2}")
+    err = capsys.readouterr().err
+    assert err.count("math-verify worker did not start") == 1 and "FileNotFoundError" in err
