@@ -9,8 +9,8 @@ import os
 from checkpoint import UserError
 
 # Defaults that depend on the world: the toy sizes for 2 CPU cores, the real ones from DESIGN.md.
-TOY = dict(data="toy", eval_data="toy", steps=30, prompts_per_step=16, group_size=8, lr=2e-5,
-           warmup=3, max_new_tokens=48, eval_n=200, eval_every=10, save_every=10, grad_ckpt=False,
+TOY = dict(data="toy", eval_data="toy", steps=45, prompts_per_step=16, group_size=8, lr=1e-4,
+           warmup=3, max_new_tokens=48, eval_n=500, eval_every=10, save_every=10, grad_ckpt=False,
            micro_tokens=8192, gen_batch=256)
 REAL = dict(data="deepscaler", eval_data="math500", steps=600, prompts_per_step=64, group_size=8,
             lr=1e-6, warmup=10, max_new_tokens=8192, eval_n=100, eval_every=50, save_every=50,
