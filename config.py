@@ -10,8 +10,8 @@ import data
 from checkpoint import UserError
 
 # Defaults that depend on the world: the toy sizes for 2 CPU cores, the real ones from DESIGN.md.
-TOY = dict(data="toy", eval_data="toy", steps=30, prompts_per_step=16, group_size=8, lr=2e-5,
-           warmup=3, max_new_tokens=48, eval_n=200, eval_every=10, save_every=10, grad_ckpt=False,
+TOY = dict(data="toy", eval_data="toy", steps=45, prompts_per_step=16, group_size=8, lr=1e-4,
+           warmup=3, max_new_tokens=48, eval_n=500, eval_every=10, save_every=10, grad_ckpt=False,
            micro_tokens=8192, gen_batch=256, grader="math",
            instruction="")  # toy problems are complete user messages
 # The released run script: 32 prompts x 6 samples, 8000 new tokens, prompts over 600 tokens dropped.

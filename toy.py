@@ -17,11 +17,10 @@ rebuilds for every qwen2 checkpoint, R1 included), so any text round-trips exact
 
 Base policy. `base_model()` returns a directory with a warm-started Qwen2ForCausalLM (4 layers,
 hidden 128, 823k parameters, float32) and its tokenizer, loadable with AutoModelForCausalLM /
-AutoTokenizer. The warm start is supervised training on traces with injected mistakes, so the
-policy is neither hopeless nor perfect and GRPO has something to fix:
-  - a slip: a running total off by 1 or 2, then continued from the wrong total;
-  - a forgotten carry on a fixed set of (total, term) pairs, made more often than not, so that
-    greedy decoding is wrong too.
+AutoTokenizer. The warm start is supervised training on traces where each running total slips
+(off by 1 or 2, then continued from the wrong total) with probability 0.3, so the policy knows
+how to add (greedy decoding is right) but slips often when it samples, and GRPO has something to
+fix: at temperature 0.8 about half of the answers are wrong.
 It also learns the forced answer used by the calibration labels (label.py): after
 `prompt + response[:b] + </think> + SUFFIX` (or EOS instead of `</think>`, the released code's
 variant) the target is the answer the prefix implies, the last running total written (right or
@@ -29,14 +28,21 @@ wrong) plus the terms not yet added, done "mentally". That is easy near the end 
 so Monte-Carlo labels are graded and depend on the prefix, as they do for a real reasoning model.
 (In an early trial, a model that never saw the forced suffix was wrong from every prefix.)
 
-The committed checkpoint, on the 200 test problems (tests/test_toy.py): accuracy 0.435 sampled
-at temperature 0.8, 0.685 greedy; labels at K=4 from the three budgets lie strictly between 0
-and 1 for a third of the prefixes, and the mean label at the 75% budget is 0.60 for
-trajectories that end correct against 0.07 for those that end wrong.
+Why this warm start (the RL run must visibly learn in 45 steps at AdamW lr 1e-4, whose first
+steps move every weight by about lr): an earlier one (lr 1e-3, no weight decay, forced answers
+weighted 4x, forgotten carries on fixed pairs) left a policy so sharp that any step of that size
+lowered the probability of every sample. Weight decay 0.1, a larger warm-start lr, forced answers
+at weight 1 and random slips instead of fixed misconceptions leave one where such a step moves
+probability from wrong to right samples (tests/test_learning.py).
 
-Rebuild. The committed `toy_base/` is rebuilt by one command, in about two minutes on two CPU
-cores, bit for bit (same safetensors bytes) on the same machine and torch build; the build
-fixes its own thread count, since float sums depend on how the work is split:
+The committed checkpoint, on the first 200 test problems (tests/test_toy.py): accuracy 0.505
+sampled at temperature 0.8 (0.60 at the evaluation temperature 0.6), 0.995 greedy; labels at K=4
+from the three budgets lie strictly between 0 and 1 for 43% of the prefixes, and the mean label
+at the 75% budget is 0.46 for trajectories that end correct against 0.11 for those that end wrong.
+
+Rebuild. The committed `toy_base/` is rebuilt by one command, in about two minutes on one CPU
+core, bit for bit (same safetensors bytes) on the same machine and torch build; the build
+runs on one thread, since float sums depend on how the work is split:
 
     python toy.py                 # or: python toy.py --out DIR
 """
@@ -74,9 +80,9 @@ CHAT_TEMPLATE = (
 MODEL = dict(vocab_size=272, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 TERMS = (3, 5)          # number of terms per problem, inclusive
-N_TEST, N_TRAIN = 200, 6000
-WARM = dict(seed=0, steps=500, batch_size=32, lr=1e-3, beta2=0.95, warmup=50, threads=2,
-            p_slip=0.08, p_carry=0.7, p_forced=0.4, w_forced=4.0, p_eos_close=0.25)
+N_TEST, N_TRAIN = 500, 6000
+WARM = dict(seed=0, steps=800, batch_size=32, lr=2e-3, beta2=0.95, warmup=50, weight_decay=0.1,
+            threads=1, p_slip=0.3, p_forced=0.3, w_forced=1.0, p_eos_close=0.25)
 
 
 def byte_symbols():
@@ -121,21 +127,13 @@ def dataset(split):
     return [dict(problem=p, answer=a) for p, a in seen.items()]
 
 
-def forgets_carry(total, term):
-    """The fixed 'misconception' pairs (an arbitrary third of the carries): there the warm-start
-    traces drop the ten more often than not, so greedy decoding inherits the mistake."""
-    return total % 10 + term >= 10 and (7 * total + term) % 3 == 0
-
-
-def trace(terms, rng, p_slip=0.0, p_carry=0.0):
-    """Thinking lines with running totals, mistakes injected at the given rates.
+def trace(terms, rng, p_slip=0.0):
+    """Thinking lines with running totals; each total slips by +-1 or +-2 with probability p_slip.
     Returns (lines, totals): lines[i] = f"{totals[i]}+{terms[i+1]}={totals[i+1]}\\n"."""
     totals, lines = [terms[0]], []
     for term in terms[1:]:
         s = totals[-1] + term
-        if forgets_carry(totals[-1], term) and rng.random() < p_carry:
-            s -= 10
-        elif rng.random() < p_slip:
+        if rng.random() < p_slip:
             s = max(0, s + rng.choice((-2, -1, 1, 2)))
         lines.append(f"{totals[-1]}+{term}={s}\n")
         totals.append(s)
@@ -164,7 +162,7 @@ def example(tok, problem, rng, forced):
     Plain: prompt + trace + </think>\\boxed{total}EOS.  Forced: prompt + response[:b] + CLOSE +
     SUFFIX + implied}\\n where implied = last complete running total + terms not yet added."""
     terms = [int(t) for t in problem.split("+")]
-    lines, totals = trace(terms, rng, WARM["p_slip"], WARM["p_carry"])
+    lines, totals = trace(terms, rng, WARM["p_slip"])
     prompt = tok.apply_chat_template([{"role": "user", "content": problem}],
                                      add_generation_prompt=True, tokenize=False)
     prompt = tok.encode(prompt, add_special_tokens=False)
@@ -178,7 +176,6 @@ def example(tok, problem, rng, forced):
              else tok.convert_tokens_to_ids("</think>"))
     head = prompt + response[:b] + [close] + tok.encode(SUFFIX, add_special_tokens=False)
     answer = tok.encode(f"{implied}}}\n", add_special_tokens=False)
-    # The answer is a few tokens; weighting them up is what makes the forced answers learnt in time.
     mask = ([0] * len(prompt) + [1] * b + [0] * (len(head) - len(prompt) - b)
             + [WARM["w_forced"]] * len(answer))
     return head + answer, mask
@@ -194,9 +191,10 @@ def warm_start(out, log=print):
         model = build_model(tok, WARM["seed"])
         rng = random.Random(WARM["seed"])
         problems = [row["problem"] for row in dataset("train")]
-        # beta2 0.95 and lr 1e-3: at 2e-3 / 0.999 some seeds stalled at a few percent accuracy.
+        # beta2 0.95: at 2e-3 / 0.999 an earlier warm start stalled at a few percent accuracy;
+        # weight decay keeps the policy smooth enough for the RL steps (module docstring).
         opt = torch.optim.AdamW(model.parameters(), lr=WARM["lr"], betas=(0.9, WARM["beta2"]),
-                                weight_decay=0.0)
+                                weight_decay=WARM["weight_decay"])
         steps, t0 = WARM["steps"], time.time()
         for step in range(steps):
             lr = (WARM["lr"] * min(1.0, (step + 1) / WARM["warmup"])

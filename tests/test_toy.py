@@ -90,6 +90,7 @@ def test_saved_tokenizer_is_the_same_after_autotokenizer(tok, tmp_path):
 def test_dataset_is_deterministic_disjoint_and_graded_right():
     train, test = toy.dataset("train"), toy.dataset("test")
     assert test == toy.dataset("test") and len(test) == toy.N_TEST and len(train) == toy.N_TRAIN
+    assert toy.N_TEST >= 500  # the held-out check: standard error <= 0.022 at any accuracy
     assert not {r["problem"] for r in train} & {r["problem"] for r in test}
     for row in train[:500] + test:
         terms = [int(t) for t in row["problem"].split("+")]
@@ -104,10 +105,12 @@ def test_trace_and_implied_answers():
     rng = random.Random(0)
     lines, totals = toy.trace([3, 5, 7, 2], rng)
     assert "".join(lines) == "3+5=8\n8+7=15\n15+2=17\n" and totals == [3, 8, 15, 17]
-    # 8+7 carries and (7*8+7) % 3 == 0: the misconception pair, always taken at p_carry=1.
-    assert toy.forgets_carry(8, 7) and not toy.forgets_carry(3, 5)
-    lines, totals = toy.trace([3, 5, 7, 2], rng, p_carry=1.0)
-    assert "".join(lines) == "3+5=8\n8+7=5\n5+2=7\n"
+    # every total slips at p_slip=1: off by 1 or 2 from the previous (wrong) total plus the term
+    for _ in range(20):
+        lines, totals = toy.trace([3, 5, 7, 2], rng, p_slip=1.0)
+        steps = [t - prev - term for prev, term, t in zip(totals, [5, 7, 2], totals[1:])]
+        assert all(abs(d) in (1, 2) for d in steps)
+        assert lines == [f"{a}+{b}={c}\n" for a, b, c in zip(totals, [5, 7, 2], totals[1:])]
     wrong = [3, 8, 14, 16]
     lines = ["3+5=8\n", "8+7=14\n", "14+2=16\n"]
     implied = [toy.implied_answer([3, 5, 7, 2], lines, wrong, b) for b in (1, 5, 6, 12, 13, 20, 21, 40)]
@@ -148,9 +151,9 @@ def test_committed_base_model_loads(base, tok):
 
 @pytest.fixture(scope="module")
 def rollouts(base):
-    """One sample per test problem at temperature 0.8 (the RL rollout setting), fixed seed."""
+    """One sample per test problem (the first 200) at temperature 0.8 (the RL rollout setting)."""
     model, tok = base
-    rows = toy.dataset("test")
+    rows = toy.dataset("test")[:200]
     prompts = [data.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
     golds = [r["answer"] for r in rows]
     out = rollout.generate(model, tok, prompts, max_new_tokens=96, temperature=0.8, seed=0)
@@ -167,7 +170,9 @@ def test_base_policy_is_neither_hopeless_nor_perfect(base, rollouts):
     greedy_acc = sum(grade.is_correct(t, g) for t, g in zip(greedy.texts, golds)) / len(golds)
     print(f"\ntoy base policy: sampled accuracy (T=0.8) {acc:.3f}, greedy accuracy {greedy_acc:.3f}")
     assert 0.3 < acc < 0.7
-    assert acc < greedy_acc < 0.95  # greedy drops the slips but keeps the forgotten carries
+    # The policy can add: greedy decoding avoids the slips that sampling makes, so there is
+    # accuracy for RL to gain at the sampling temperature.
+    assert greedy_acc >= 0.9
 
 
 def test_forced_answer_labels_carry_signal(base, rollouts):
