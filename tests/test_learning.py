@@ -1,7 +1,7 @@
 """The update learns: on the committed toy policy, the loss's gradient is REINFORCE, and one AdamW
 step with the toy's default settings moves probability from negative- to positive-advantage samples.
 
-Both go through the code the run uses (rollout.generate, data.is_correct, grpo.group_advantages,
+Both go through the code the run uses (rollout.generate, grade.is_correct, grpo.group_advantages,
 parallel.LogprobModel -> grpo.token_logprobs, train.update: policy_loss, grad clip, AdamW).
 """
 import pytest
@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import data
+import grade
 import toy
 import train
 from config import resolve_args
@@ -41,7 +42,7 @@ def rollouts(cfg):
     prompts = [data.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
     out = generate(model, tok, prompts, n=cfg["group_size"], max_new_tokens=cfg["max_new_tokens"],
                    temperature=cfg["temperature"], seed=3)
-    correct = torch.tensor([data.is_correct(t, rows[i]["answer"])
+    correct = torch.tensor([grade.is_correct(t, rows[i]["answer"])
                             for t, i in zip(out.texts, out.prompt_index)], dtype=torch.float32)
     batch = pack([prompts[i] for i in out.prompt_index], out.ids, tok.pad_token_id)
     adv = group_advantages(2 * correct - 1, cfg["group_size"])
