@@ -19,6 +19,7 @@ import json
 import math
 import os
 import sys
+from contextlib import ExitStack
 
 import numpy as np
 import torch
@@ -34,6 +35,7 @@ import toy
 import uses
 import checkpoint
 from checkpoint import ALIASES, UserError, resolve_model
+from config import check_out, check_values
 
 BIG_N = {"aime24": 32, "aime25": 32, "amc23": 32}   # samples per question; 4 elsewhere
 # Per-world defaults. Toy: the forced text is the one the toy base learned (label.SUFFIX), and K is
@@ -43,6 +45,13 @@ BIG_N = {"aime24": 32, "aime25": 32, "amc23": 32}   # samples per question; 4 el
 REAL = dict(n=4, max_new_tokens=8000, every=500, forced_k=16, probe_questions=200, rows=64, score_batch=8)
 TOY = dict(n=4, max_new_tokens=128, every=8, forced_k=4, probe_questions=64, rows=256, score_batch=256)
 EPSILONS = (0.1, 0.2, 0.3)
+# Allowed flag values (config.check_values): checked before any model, data or folder is touched.
+LIMITS = {key: (lambda v: v >= 1, ">= 1") for key in (
+    "limit", "n_samples", "max_new_tokens", "batch_size", "threads", "every", "forced_k", "probe_questions")}
+LIMITS.update(temperature=(lambda v: v >= 0, ">= 0 (0: greedy)"), top_p=(lambda v: 0 < v <= 1, "in (0, 1]"),
+              seed=(lambda v: 0 <= v < 2**32, "in [0, 2**32)"))
+SAMPLE_FIELDS = ("model", "benchmark", "question", "sample", "correct", "confidence")
+LOCKS = ExitStack()  # the lock of every output folder written, held until main() ends
 COLUMNS = (("Acc", "acc"), ("ECE", "ece"), ("PCE", "pce"), ("Brier", "brier"), ("AUROC", "auroc"))
 
 
@@ -94,16 +103,37 @@ def load_benchmark(spec, limit=None):
 
 
 def read_samples(path):
-    """Rows of samples.jsonl; a line cut by a kill (no newline at the end) is dropped from the file."""
-    if not os.path.exists(path):
-        return []
-    with open(path, "rb") as f:
-        raw = f.read()
-    keep = raw[:raw.rfind(b"\n") + 1]
-    if len(keep) != len(raw):
-        with open(path, "wb") as f:
-            f.write(keep)
-    return [json.loads(line) for line in keep.decode().splitlines() if line.strip()]
+    """Rows of samples.jsonl; a last line cut by a kill is dropped from the file with a message, any
+    other line that is not a sample is one error naming the file and the line."""
+    return checkpoint.read_jsonl(path, valid=lambda r: all(k in r for k in SAMPLE_FIELDS))
+
+
+def hold(out_dir):
+    """One writer per output folder: its lock is taken before anything is written there."""
+    check_out(out_dir)
+    key = os.path.realpath(out_dir)
+    if key not in HELD:
+        LOCKS.enter_context(checkpoint.locked(out_dir, "evaluation"))
+        HELD.add(key)
+
+
+HELD = set()
+
+
+def check_prompts(tok, model, loaded, args):
+    """Refuse a benchmark with a prompt longer than the model's context; warn when prompt plus
+    max_new_tokens overflow it (those samples will be cut short)."""
+    context = getattr(model.config, "max_position_embeddings", None)
+    for bench, rows, instruction in loaded if context else []:
+        room = context - settings(bench, args)["max_new_tokens"]
+        over = data.long_prompts(tok, rows, instruction, room)
+        too_long = [(i, n) for i, n in over if n >= context]
+        if too_long:
+            raise UserError(f"{bench}: {len(too_long)} prompt(s) do not fit the model's context of {context} "
+                            f"tokens (question {too_long[0][0]}: {too_long[0][1]} tokens): shorten or remove them")
+        if over:
+            print(f"warning: {bench}: {len(over)} of {len(rows)} prompts plus max_new_tokens exceed the "
+                  f"model's context of {context} tokens", file=sys.stderr)
 
 
 def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, path):
@@ -231,7 +261,14 @@ def _clean(x):
 def _write_results(out_dir, label, res):
     """Merge this model's results into OUT/results.json (other models' entries are kept)."""
     path = os.path.join(out_dir, "results.json")
-    old = json.load(open(path)) if os.path.exists(path) else {}
+    old = {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            old = json.load(f)
+    except FileNotFoundError:
+        pass
+    except ValueError as e:
+        raise UserError(f"{path} is not valid JSON ({e}): remove it (samples.jsonl keeps every sample)") from None
     old[label] = _clean(res)
     with open(path + ".tmp", "w") as f:
         json.dump(old, f, indent=1)
@@ -243,7 +280,8 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id):
     if source == "probe":
         if not os.path.isfile(os.path.join(path, "probe.pt")):
             raise UserError(f"{label} has no probe.pt: use --confidence probe-posthoc, logits or verbal")
-        return probe_lib.load(os.path.join(path, "probe.pt"))[0], None
+        with checkpoint.reading(os.path.join(path, "probe.pt")):
+            return probe_lib.load(os.path.join(path, "probe.pt"))[0], None
     if source != "probe-posthoc":
         return None, None
     # Fit data: the toy world's train split, or the RL training set for real models (not a benchmark).
@@ -269,8 +307,9 @@ def evaluate_model(name, loaded, args):
     path = resolve_model(name)
     label = model_label(name, path)
     out_dir = args.out or default_out(name, path)
-    os.makedirs(out_dir, exist_ok=True)
     model, tok = load_model(name)
+    check_prompts(tok, model, loaded, args)
+    hold(out_dir)
     source = args.confidence or ("probe" if os.path.isfile(os.path.join(path, "probe.pt")) else "logits")
     think = tok.convert_tokens_to_ids("</think>")
     close_id = None if think is None or think == tok.unk_token_id else think
@@ -343,6 +382,12 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    try:
+        check_values(vars(args), LIMITS)
+        if args.out:
+            check_out(args.out)
+    except UserError as e:
+        raise SystemExit(f"evaluate.py: error: {e}") from None
     names = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
     threads = torch.get_num_threads()
     # The toy model's matmuls are too small to gain from threads, and on a busy CPU threads that
@@ -350,12 +395,23 @@ def main(argv=None):
     if args.threads or (not torch.cuda.is_available() and all(n == "toy" for n in names)):
         torch.set_num_threads(args.threads or 1)
     try:
+        for name in args.model:   # a missing model is a model error, not a benchmark's
+            checkpoint.check_available(name)
         loaded = [load_benchmark(b, args.limit) for b in names]   # every name checked before any model loads
         results = dict(evaluate_model(name, loaded, args) for name in args.model)
+    except checkpoint.Busy as e:   # another evaluation writes there: exit 2, its files untouched
+        print(f"evaluate.py: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     except (ValueError, OSError) as e:   # UserError, data.DataError and user-facing ValueErrors
         raise SystemExit(f"evaluate.py: error: {e}") from None
+    except KeyboardInterrupt:   # samples are appended per batch: the same command continues from here
+        print("\ninterrupted: the samples so far are kept; run the same command again to continue",
+              file=sys.stderr)
+        raise SystemExit(130) from None
     finally:
         torch.set_num_threads(threads)
+        LOCKS.close()
+        HELD.clear()
     print(table(results))
     print()
     print(report_uses(results))

@@ -19,7 +19,7 @@ import os
 import random
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ import data
 import probe as probe_lib
 import checkpoint as ckpt_lib
 from checkpoint import UserError
+import config
 from config import resolve_args
 from parallel import MASTER, RANK, WORLD, all_gather, all_sum, full_state, load_optimizer, refresh_sampler, setup, teardown, wrap
 from grpo import group_advantages, pack, policy_loss
@@ -39,6 +40,7 @@ from rollout import generate
 from score import budget_ends, score
 
 VOLATILE = ("t_", "tok_per_s", "peak_mem")  # metrics.jsonl fields that vary between identical runs
+LOCKS = ExitStack()  # the run folder's lock, released by main() however the run ends
 
 
 def print0(*a):
@@ -254,26 +256,72 @@ def peak_memory(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB (Linux reports KiB)
 
 
+def hold_lock(out):
+    """One writer per run folder: rank 0 holds OUT/lock until main() ends; if another process holds
+    it, every rank stops with the same one line."""
+    err = None
+    if MASTER:
+        try:
+            LOCKS.enter_context(ckpt_lib.locked(out, "training run"))
+        except UserError as e:
+            err = str(e)
+    err = all_gather(err)[0]
+    if err:
+        raise UserError(err)
+
+
+def check_prompts(tok, model, rows, instruction, cfg):
+    """Refuse a training set with a prompt that leaves no room to generate; warn when prompts plus
+    --max-new-tokens overflow the model's context (those rollouts will be cut short)."""
+    context = getattr(model.config, "max_position_embeddings", None)
+    if not context:
+        return
+    over = data.long_prompts(tok, rows, instruction, context - cfg["max_new_tokens"])
+    too_long = [(i, n) for i, n in over if n >= context]
+    if too_long:
+        i, n = too_long[0]
+        raise UserError(f"{cfg['data']}: {len(too_long)} prompt(s) do not fit the model's context of "
+                        f"{context} tokens (row {i}: {n} tokens): shorten or remove them")
+    if over:
+        print0(f"warning: {len(over)} of {len(rows)} prompts plus --max-new-tokens "
+               f"{cfg['max_new_tokens']} exceed the model's context of {context} tokens")
+
+
 def run(cfg):
+    if cfg["steps"] == 0:
+        print0("--steps 0: nothing to train; nothing was loaded or written")
+        return
     device = setup()
     if device.type == "cpu" and cfg["model"] == "toy":
         torch.set_num_threads(1)  # the toy's ops are too small to gain from threads; they only contend
     out = cfg["out"]
-    ckpt = ckpt_lib.latest_checkpoint(out)
+    if not cfg["resume"]:
+        ckpt_lib.check_available(cfg["model"])  # a missing model is reported before any data loads
+    held = os.path.isdir(out)
+    if held:
+        hold_lock(out)
+    ckpt = ckpt_lib.latest_checkpoint(out, say=print0, resume=True)
     if cfg["resume"] and ckpt is None:
-        raise UserError(f"--resume {out}: the run has no checkpoint yet; start it again without --resume")
+        raise UserError(f"--resume {out}: the run has no complete checkpoint; start it again without --resume")
     if ckpt and not cfg["resume"]:
         raise UserError(f"{out} already holds a run: pass --resume {out} to continue it, or another --out")
+    if ckpt and ckpt_lib.step_of(ckpt) >= cfg["steps"]:
+        print0(f"{out} is at step {ckpt_lib.step_of(ckpt)} already (--steps {cfg['steps']}): nothing to "
+               "train; pass a larger --steps")
+        return
     is_toy = cfg["model"] == "toy"
     instruction = "" if is_toy else data.INSTRUCTION
     split = "train" if cfg["data"] == "toy" else None
     rows = data.load_rows(cfg["data"], split=split, problem_field=cfg["problem_field"],
                           answer_field=cfg["answer_field"])
     eval_rows = data.load_rows(cfg["eval_data"], split="test" if cfg["eval_data"] == "toy" else None,
-                               limit=cfg["eval_n"])
+                               limit=cfg["eval_n"]) if cfg["eval_n"] else []
     torch.manual_seed(cfg["seed"]), np.random.seed(cfg["seed"]), random.seed(cfg["seed"])
 
     model, tok = load_policy(ckpt or cfg["model"], cfg, device)
+    check_prompts(tok, model, rows, instruction, cfg)
+    if not held:  # a new folder: made only now that the data and the model are known to load
+        hold_lock(out)
     policy, sampler = wrap(model, device)
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg["lr"], weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(cfg["warmup"], 1)))
@@ -282,16 +330,24 @@ def run(cfg):
     step, cursor = 0, 0
     metrics_path = os.path.join(out, "metrics.jsonl")
     if ckpt:
-        state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=True)
-        load_optimizer(policy, opt, state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        probe, probe_state = probe_lib.load(os.path.join(ckpt, "probe.pt"))
-        probe_opt = probe_lib.make_optimizer(probe, lr=cfg["probe_lr"])
-        probe_opt.load_state_dict(probe_state)
-        ckpt_lib.set_rng_state(state["rng"])
-        step, cursor = state["step"], state["cursor"]
+        with ckpt_lib.reading(os.path.join(ckpt, "state.pt")):
+            state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=True)
+            load_optimizer(policy, opt, state["optimizer"])
+            sched.load_state_dict(state["scheduler"])
+            step, cursor = state["step"], state["cursor"]
+        with ckpt_lib.reading(os.path.join(ckpt, "probe.pt")):
+            probe, probe_state = probe_lib.load(os.path.join(ckpt, "probe.pt"))
+            probe_opt = probe_lib.make_optimizer(probe, lr=cfg["probe_lr"])
+            probe_opt.load_state_dict(probe_state)
+        ckpt_lib.set_rng_state(state["rng"])  # last: building the probe above draws from torch's RNG
+        apply_rates(opt, sched, probe_opt, cfg)
         if MASTER:
             ckpt_lib.truncate_metrics(metrics_path, step)
+            changed = config.changes(config.read_config(out), cfg)
+            if changed:
+                ckpt_lib.write_json(os.path.join(out, "config.json"), {**cfg, "resume": None})
+                print0("changed on resume (written to config.json): " +
+                       ", ".join(f"{k} {a} -> {b}" for k, a, b in changed))
         print0(f"resuming {out} from step {step}")
     elif MASTER:
         os.makedirs(out, exist_ok=True)
@@ -304,6 +360,8 @@ def run(cfg):
                 f.write(json.dumps(row) + "\n")
 
     def evaluate(at):
+        if not eval_rows:  # --eval-n 0
+            return None
         t = time.perf_counter()
         acc = held_out_accuracy(sampler, tok, eval_rows, cfg, instruction, device)
         log(dict(step=at, eval=True, eval_accuracy=acc, eval_n=len(eval_rows),
@@ -341,12 +399,12 @@ def run(cfg):
         last = step == cfg["steps"]
         if last or (cfg["eval_every"] and step % cfg["eval_every"] == 0):
             final_acc = evaluate(step)
-        if last or step % cfg["save_every"] == 0:
+        if last or (cfg["save_every"] and step % cfg["save_every"] == 0):
             save(step)
     if MASTER:
         where = ckpt_lib.latest_checkpoint(out)
         print0(f"\nrun: {out}  (latest checkpoint: {where})")
-        if first_acc is not None and cfg["steps"] > 0:
+        if first_acc is not None and final_acc is not None:
             print0(f"held-out accuracy: {first_acc:.3f} at the start -> {final_acc:.3f} at step {step}")
         roll = max(phase_sums["rollout"], 1e-9)
         print0("seconds per phase: " + ", ".join(
@@ -356,16 +414,45 @@ def run(cfg):
         print0(f"next: python evaluate.py --model {out}{bench}")
 
 
+def apply_rates(opt, sched, probe_opt, cfg):
+    """--lr / --probe-lr given with --resume replace the rates restored with the optimizer states."""
+    if sched.base_lrs != [cfg["lr"]] * len(opt.param_groups):
+        sched.base_lrs = [cfg["lr"]] * len(opt.param_groups)
+        for g, fn in zip(opt.param_groups, sched.lr_lambdas):
+            g["initial_lr"], g["lr"] = cfg["lr"], cfg["lr"] * fn(sched.last_epoch)
+        sched._last_lr = [g["lr"] for g in opt.param_groups]
+    for g in probe_opt.param_groups:
+        g["lr"] = cfg["probe_lr"]
+
+
+def interrupted(cfg):
+    """The one line printed on Ctrl-C: where the run stands and how to continue it."""
+    out = cfg and cfg["out"]
+    ckpt = out and os.path.isdir(out) and ckpt_lib.latest_checkpoint(out, say=lambda m: None, resume=True)
+    if not ckpt:
+        return "interrupted before the first checkpoint: nothing to resume; run the command again"
+    flag = " --trust-remote-code" if cfg["trust_remote_code"] else ""
+    return (f"interrupted: {ckpt} is the last checkpoint; continue with: "
+            f"python train.py --resume {out}{flag}")
+
+
 def main(argv=None):
+    cfg = None
     try:
-        run(resolve_args(argv))
+        cfg = resolve_args(argv)
+        run(cfg)
     except (UserError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except FloatingPointError as e:
         print(f"stopped: {e}; the last good checkpoint is left untouched", file=sys.stderr)
         sys.exit(3)
+    except KeyboardInterrupt:  # nothing new is finished or saved: the last checkpoint stays as it is
+        if MASTER:
+            print(f"\n{interrupted(cfg)}", file=sys.stderr)
+        sys.exit(130)
     finally:
+        LOCKS.close()
         teardown()
 
 
