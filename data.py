@@ -287,11 +287,17 @@ def long_prompts(tokenizer, rows, instruction, limit):
 
     Only rows that could be that long are tokenized: a prompt has at most the template's own
     tokens plus two per UTF-8 byte of the problem (byte-level tokenizers give at most one)."""
+    import logging
     base = len(chat_prompt(tokenizer, "", instruction))
-    out = []
-    for i, r in enumerate(rows):
-        if base + 2 * len(r["problem"].encode("utf-8")) > limit:
-            n = len(chat_prompt(tokenizer, r["problem"], instruction))
-            if n > limit:
-                out.append((i, n))
+    out, log = [], logging.getLogger("transformers")
+    level = log.level
+    log.setLevel(logging.ERROR)  # the tokenizer's "longer than the maximum length" warning: we say it better
+    try:
+        for i, r in enumerate(rows):
+            if base + 2 * len(r["problem"].encode("utf-8")) > limit:
+                n = len(chat_prompt(tokenizer, r["problem"], instruction))
+                if n > limit:
+                    out.append((i, n))
+    finally:
+        log.setLevel(level)
     return out

@@ -307,9 +307,11 @@ def evaluate_model(name, loaded, args):
     path = resolve_model(name)
     label = model_label(name, path)
     out_dir = args.out or default_out(name, path)
+    if os.path.isdir(out_dir):   # a second writer stops before loading anything
+        hold(out_dir)
     model, tok = load_model(name)
     check_prompts(tok, model, loaded, args)
-    hold(out_dir)
+    hold(out_dir)   # a new folder is made only now that the model loads and the prompts fit
     source = args.confidence or ("probe" if os.path.isfile(os.path.join(path, "probe.pt")) else "logits")
     think = tok.convert_tokens_to_ids("</think>")
     close_id = None if think is None or think == tok.unk_token_id else think
