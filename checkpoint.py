@@ -200,9 +200,11 @@ def save_checkpoint(run_dir, step, write, keep=2):
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     write(tmp)
-    if os.path.exists(final):  # the same step saved again (e.g. the last step): replace it
-        shutil.rmtree(final)
+    if os.path.exists(final):  # the same step saved again (after a fallback): set the old one aside
+        shutil.rmtree(final + ".old", ignore_errors=True)  # first, so that a kill in between loses nothing
+        os.replace(final, final + ".old")
     os.replace(tmp, final)
+    shutil.rmtree(final + ".old", ignore_errors=True)
     for old in checkpoints(run_dir)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
