@@ -210,6 +210,18 @@ def save_checkpoint(run_dir, step, write, keep=2):
     return final
 
 
+def apply_rates(opt, sched, lr, probe_opt, probe_lr):
+    """Rates given with --resume replace those restored with the optimizer states: the policy's
+    (through its LambdaLR schedule, at the schedule's current factor) and the probe's."""
+    if sched.base_lrs != [lr] * len(opt.param_groups):
+        sched.base_lrs = [lr] * len(opt.param_groups)
+        for g, fn in zip(opt.param_groups, sched.lr_lambdas):
+            g["initial_lr"], g["lr"] = lr, lr * fn(sched.last_epoch)
+        sched._last_lr = [g["lr"] for g in opt.param_groups]
+    for g in probe_opt.param_groups:
+        g["lr"] = probe_lr
+
+
 def write_json(path, obj):
     tmp = path + ".tmp"
     with open(tmp, "w") as f:

@@ -282,6 +282,21 @@ def load_rows(source, split=None, problem_field=None, answer_field=None, limit=N
     return rows
 
 
+def check_context(tokenizer, rows, instruction, context, max_new_tokens, where, say=print):
+    """DataError when a prompt leaves no room to generate in the model's `context` tokens; `say` a
+    warning when prompts plus max_new_tokens overflow it (those samples will be cut short)."""
+    if not context:
+        return
+    over = long_prompts(tokenizer, rows, instruction, context - max_new_tokens)
+    too_long = [(i, n) for i, n in over if n >= context]
+    if too_long:
+        raise DataError(f"{where}: {len(too_long)} prompt(s) do not fit the model's context of {context} "
+                        f"tokens (row {too_long[0][0]}: {too_long[0][1]} tokens): shorten or remove them")
+    if over:
+        say(f"warning: {where}: {len(over)} of {len(rows)} prompts plus {max_new_tokens} new tokens exceed "
+            f"the model's context of {context} tokens")
+
+
 def long_prompts(tokenizer, rows, instruction, limit):
     """[(row index, prompt tokens)] for rows whose chat prompt is longer than `limit` tokens.
 

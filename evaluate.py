@@ -121,19 +121,11 @@ HELD = set()
 
 
 def check_prompts(tok, model, loaded, args):
-    """Refuse a benchmark with a prompt longer than the model's context; warn when prompt plus
-    max_new_tokens overflow it (those samples will be cut short)."""
-    context = getattr(model.config, "max_position_embeddings", None)
-    for bench, rows, instruction in loaded if context else []:
-        room = context - settings(bench, args)["max_new_tokens"]
-        over = data.long_prompts(tok, rows, instruction, room)
-        too_long = [(i, n) for i, n in over if n >= context]
-        if too_long:
-            raise UserError(f"{bench}: {len(too_long)} prompt(s) do not fit the model's context of {context} "
-                            f"tokens (question {too_long[0][0]}: {too_long[0][1]} tokens): shorten or remove them")
-        if over:
-            print(f"warning: {bench}: {len(over)} of {len(rows)} prompts plus max_new_tokens exceed the "
-                  f"model's context of {context} tokens", file=sys.stderr)
+    """Refuse a benchmark with a prompt longer than the model's context; warn on overflow."""
+    for bench, rows, instruction in loaded:
+        data.check_context(tok, rows, instruction, getattr(model.config, "max_position_embeddings", None),
+                           settings(bench, args)["max_new_tokens"], bench,
+                           say=lambda m: print(m, file=sys.stderr))
 
 
 def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, path):

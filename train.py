@@ -270,23 +270,6 @@ def hold_lock(out):
         raise UserError(err)
 
 
-def check_prompts(tok, model, rows, instruction, cfg):
-    """Refuse a training set with a prompt that leaves no room to generate; warn when prompts plus
-    --max-new-tokens overflow the model's context (those rollouts will be cut short)."""
-    context = getattr(model.config, "max_position_embeddings", None)
-    if not context:
-        return
-    over = data.long_prompts(tok, rows, instruction, context - cfg["max_new_tokens"])
-    too_long = [(i, n) for i, n in over if n >= context]
-    if too_long:
-        i, n = too_long[0]
-        raise UserError(f"{cfg['data']}: {len(too_long)} prompt(s) do not fit the model's context of "
-                        f"{context} tokens (row {i}: {n} tokens): shorten or remove them")
-    if over:
-        print0(f"warning: {len(over)} of {len(rows)} prompts plus --max-new-tokens "
-               f"{cfg['max_new_tokens']} exceed the model's context of {context} tokens")
-
-
 def run(cfg):
     if cfg["steps"] == 0:
         print0("--steps 0: nothing to train; nothing was loaded or written")
@@ -319,7 +302,8 @@ def run(cfg):
     torch.manual_seed(cfg["seed"]), np.random.seed(cfg["seed"]), random.seed(cfg["seed"])
 
     model, tok = load_policy(ckpt or cfg["model"], cfg, device)
-    check_prompts(tok, model, rows, instruction, cfg)
+    data.check_context(tok, rows, instruction, getattr(model.config, "max_position_embeddings", None),
+                       cfg["max_new_tokens"], cfg["data"], say=print0)
     if not held:  # a new folder: made only now that the data and the model are known to load
         hold_lock(out)
     policy, sampler = wrap(model, device)
@@ -340,7 +324,7 @@ def run(cfg):
             probe_opt = probe_lib.make_optimizer(probe, lr=cfg["probe_lr"])
             probe_opt.load_state_dict(probe_state)
         ckpt_lib.set_rng_state(state["rng"])  # last: building the probe above draws from torch's RNG
-        apply_rates(opt, sched, probe_opt, cfg)
+        ckpt_lib.apply_rates(opt, sched, cfg["lr"], probe_opt, cfg["probe_lr"])
         if MASTER:
             ckpt_lib.truncate_metrics(metrics_path, step)
             changed = config.changes(config.read_config(out), cfg)
@@ -412,17 +396,6 @@ def run(cfg):
             for p, t in phase_sums.items()))
         bench = " --benchmarks toy" if cfg["eval_data"] == "toy" else ""
         print0(f"next: python evaluate.py --model {out}{bench}")
-
-
-def apply_rates(opt, sched, probe_opt, cfg):
-    """--lr / --probe-lr given with --resume replace the rates restored with the optimizer states."""
-    if sched.base_lrs != [cfg["lr"]] * len(opt.param_groups):
-        sched.base_lrs = [cfg["lr"]] * len(opt.param_groups)
-        for g, fn in zip(opt.param_groups, sched.lr_lambdas):
-            g["initial_lr"], g["lr"] = cfg["lr"], cfg["lr"] * fn(sched.last_epoch)
-        sched._last_lr = [g["lr"] for g in opt.param_groups]
-    for g in probe_opt.param_groups:
-        g["lr"] = cfg["probe_lr"]
 
 
 def interrupted(cfg):
