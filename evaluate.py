@@ -399,13 +399,15 @@ def main(argv=None):
     except (ValueError, OSError) as e:   # UserError, data.DataError and user-facing ValueErrors
         raise SystemExit(f"evaluate.py: error: {e}") from None
     except KeyboardInterrupt:   # samples are appended per batch: the same command continues from here
-        print("\ninterrupted: the samples so far are kept; run the same command again to continue",
-              file=sys.stderr)
-        raise SystemExit(130) from None
+        results = None          # the line is printed below, once the progress bar has closed
     finally:
         torch.set_num_threads(threads)
         LOCKS.close()
         HELD.clear()
+    if results is None:
+        print("\ninterrupted: the samples so far are kept; run the same command again to continue",
+              file=sys.stderr)
+        raise SystemExit(130)
     print(table(results))
     print()
     print(report_uses(results))

@@ -410,7 +410,7 @@ def interrupted(cfg):
 
 
 def main(argv=None):
-    cfg = None
+    cfg, stopped = None, False
     try:
         cfg = resolve_args(argv)
         run(cfg)
@@ -421,12 +421,14 @@ def main(argv=None):
         print(f"stopped: {e}; the last good checkpoint is left untouched", file=sys.stderr)
         sys.exit(3)
     except KeyboardInterrupt:  # nothing new is finished or saved: the last checkpoint stays as it is
-        if MASTER:
-            print(f"\n{interrupted(cfg)}", file=sys.stderr)
-        sys.exit(130)
+        stopped = True         # the line is printed below, once the progress bar has closed
     finally:
         LOCKS.close()
         teardown()
+    if stopped:
+        if MASTER:
+            print(f"\n{interrupted(cfg)}", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -380,3 +380,22 @@ def test_prompts_past_the_context_are_refused_and_overflow_is_warned():
     assert len(said) == 1 and "1 of 1 prompts plus" in said[0]
     with pytest.raises(data.DataError, match=r"d: 1 prompt\(s\) do not fit .* \(row 1: "):
         data.check_context(tok, [short, {"problem": "2" * 300, "answer": "2"}], "", 256, 10, "d")
+
+
+def test_ctrl_c_in_evaluate_exits_130_and_the_same_command_resumes(tmp_path):
+    out = str(tmp_path / "eval")
+    cmd = [sys.executable, os.path.join(ROOT, "evaluate.py"), "--model", "toy", "--benchmarks", "toy",
+           "--limit", "60", "--n-samples", "2", "--max-new-tokens", "24", "--batch-size", "4", "--out", out]
+    proc = subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    samples = os.path.join(out, "samples.jsonl")
+    deadline = time.time() + 300
+    while not (os.path.exists(samples) and os.path.getsize(samples)) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("interrupted: the samples so far are kept")
+    assert not os.path.exists(os.path.join(out, checkpoint.LOCK))
+    subprocess.run(cmd, env=ENV, cwd=ROOT, check=True, capture_output=True)
+    rows = evaluate.read_samples(samples)
+    assert sorted((r["question"], r["sample"]) for r in rows) == [(q, j) for q in range(60) for j in range(2)]
