@@ -123,7 +123,7 @@ def build_parser():
     g.add_argument("--chunk-size", type=int, help="positions per LM-head call when computing log-probs")
     g.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction)
     g = p.add_argument_group("run")
-    g.add_argument("--steps", type=int)
+    g.add_argument("--steps", type=int, help="RL steps in all (0: nothing to do)")
     g.add_argument("--out", help="run directory (default runs/<model>)")
     g.add_argument("--seed", type=int)
     g.add_argument("--save-every", type=int, help="checkpoint every N steps (0: only at the end)")
