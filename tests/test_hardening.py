@@ -119,6 +119,11 @@ def lock_holder(folder):
         p.wait()
 
 
+def sigint_default():
+    """Children of a shell's background job start with SIGINT ignored; Ctrl-C tests need it live."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def dead_pid():
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()
@@ -347,7 +352,7 @@ def test_ctrl_c_keeps_the_last_checkpoint_and_prints_the_resume_command(tmp_path
     run = str(tmp_path / "run")
     args = [sys.executable, os.path.join(ROOT, "train.py"), "--steps", "40", "--save-every", "1", *SMALL]
     proc = subprocess.Popen(args + ["--out", run], env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=sigint_default)
     first = os.path.join(run, "checkpoints", "step_000001")
     deadline = time.time() + 300
     while not os.path.isdir(first) and proc.poll() is None and time.time() < deadline:
@@ -386,7 +391,8 @@ def test_ctrl_c_in_evaluate_exits_130_and_the_same_command_resumes(tmp_path):
     out = str(tmp_path / "eval")
     cmd = [sys.executable, os.path.join(ROOT, "evaluate.py"), "--model", "toy", "--benchmarks", "toy",
            "--limit", "60", "--n-samples", "2", "--max-new-tokens", "24", "--batch-size", "4", "--out", out]
-    proc = subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=sigint_default)
     samples = os.path.join(out, "samples.jsonl")
     deadline = time.time() + 300
     while not (os.path.exists(samples) and os.path.getsize(samples)) and proc.poll() is None and time.time() < deadline:
