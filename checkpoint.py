@@ -11,13 +11,22 @@ directory, or a run directory (its latest checkpoint).
                          probe.pt        the probe and its optimizer (probe.save format)
                          state.pt        policy optimizer, scheduler, RNG states, data cursor, step
 
+    RUN/lock                             held by the one process writing the run (pid, host)
+
 A checkpoint is written under `step_000010.tmp` and renamed when complete, so a crash mid-write
-never replaces or damages the last good one; only the last `keep` are kept.
+never replaces or damages the last good one; only the last `keep` are kept. A checkpoint damaged
+afterwards (a file deleted or cut short) is skipped for the previous complete one, with a message.
 """
 import json
 import os
 import random
 import shutil
+import socket
+import struct
+import sys
+import time
+import zipfile
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -31,6 +40,10 @@ ALIASES = {
 
 class UserError(ValueError):
     """A problem the user can fix (bad name, missing file, offline hub): printed as one line."""
+
+
+class Busy(UserError):
+    """The folder is locked by another live writer (train.py and evaluate.py exit 2)."""
 
 
 def resolve_model(name):
@@ -56,25 +69,43 @@ def resolve_model(name):
                     f"({', '.join(['toy', *ALIASES])})")
 
 
+def check_available(name):
+    """UserError now, before any data is read, for a model that cannot load: a missing directory or
+    unknown name (resolve_model), or an HF id that is not in the cache while the hub is offline."""
+    path = resolve_model(name)
+    if os.path.isdir(path):
+        return
+    from huggingface_hub import constants, try_to_load_from_cache
+    if constants.HF_HUB_OFFLINE and not isinstance(try_to_load_from_cache(path, "config.json"), str):
+        raise UserError(f"model {name!r} ({path}) is not in the local Hugging Face cache and the hub is "
+                        f"offline (HF_HUB_OFFLINE): download it first (hf download {path}) or pass a local directory")
+
+
+def step_of(ckpt):
+    return int(os.path.basename(ckpt)[len(PREFIX):])
+
+
 def load_model(name, dtype=torch.float32, trust_remote_code=False):
     """(model, tokenizer) for a --model value; any loading failure becomes one UserError line."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = resolve_model(name)
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, KeyError, SafetensorError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         where = "" if path == name else f" ({path})"
-        raise UserError(f"cannot load model {name!r}{where}: {first} -- offline? download it first "
-                        "(hf download ID) or pass a local directory with weights") from None
+        hint = ("a weights file is damaged (cut short?): copy it again" if isinstance(e, SafetensorError)
+                else "offline? download it first (hf download ID) or pass a local directory with weights")
+        raise UserError(f"cannot load model {name!r}{where}: {first} -- {hint}") from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return model, tok
 
 
 def checkpoints(run_dir):
-    """Complete checkpoint directories of a run, oldest first."""
+    """Published checkpoint directories of a run (step_NNNNNN, no .tmp), oldest first."""
     root = os.path.join(run_dir, "checkpoints")
     if not os.path.isdir(root):
         return []
@@ -82,9 +113,66 @@ def checkpoints(run_dir):
     return [os.path.join(root, n) for n in names]
 
 
-def latest_checkpoint(run_dir):
-    found = checkpoints(run_dir)
-    return found[-1] if found else None
+def _safetensors_ok(path):
+    """The header parses and the file is as long as the header says (a cut-off copy is not)."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        return os.path.getsize(path) == 8 + n + end
+    except (OSError, ValueError, KeyError, TypeError, struct.error, MemoryError, OverflowError):
+        return False
+
+
+def _zip_ok(path):
+    """torch.save files are zip archives: a cut-off one has no readable central directory."""
+    try:
+        with zipfile.ZipFile(path):
+            return True
+    except (OSError, zipfile.BadZipFile):
+        return False
+
+
+def missing(ckpt, resume=False):
+    """What a checkpoint lacks to be loaded as a model (resume: to be resumed from): [] when complete.
+    probe.pt is needed only to resume, but must be whole wherever it is."""
+    need = ("config.json", "state.pt", "probe.pt") if resume else ("config.json",)
+    lack = [n for n in need if not os.path.isfile(os.path.join(ckpt, n))]
+    lack += [f"{n} (cut short)" for n in ("state.pt", "probe.pt")
+             if os.path.isfile(os.path.join(ckpt, n)) and not _zip_ok(os.path.join(ckpt, n))]
+    weights = sorted(n for n in os.listdir(ckpt) if n.endswith(".safetensors"))
+    if not weights:
+        lack.append("model.safetensors")
+    lack += [f"{n} (cut short)" for n in weights if not _safetensors_ok(os.path.join(ckpt, n))]
+    return lack
+
+
+def latest_checkpoint(run_dir, say=None, resume=False):
+    """The newest complete checkpoint (resume: complete enough to resume from); incomplete newer ones
+    are skipped, each named with what it lacks through `say` (default: a line on stderr)."""
+    say = say or (lambda msg: print(msg, file=sys.stderr))
+    for ckpt in reversed(checkpoints(run_dir)):
+        lack = missing(ckpt, resume)
+        if not lack:
+            return ckpt
+        say(f"skipping incomplete checkpoint {ckpt}: missing {', '.join(lack)}")
+    return None
+
+
+@contextmanager
+def reading(path):
+    """Turn a damaged or refused torch file into one UserError line (torch's own message for a
+    refused pickle advises weights_only=False, which would run whatever code the file holds)."""
+    import pickle
+    try:
+        yield
+    except pickle.UnpicklingError:
+        raise UserError(f"{path} holds objects other than tensors and plain data, so it was not "
+                        "loaded (that could run code): it was not written by this code") from None
+    except (RuntimeError, EOFError, KeyError, zipfile.BadZipFile) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise UserError(f"{path} is damaged ({first}): use an earlier checkpoint") from None
 
 
 def rng_state():
@@ -112,12 +200,26 @@ def save_checkpoint(run_dir, step, write, keep=2):
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     write(tmp)
-    if os.path.exists(final):  # the same step saved again (e.g. the last step): replace it
-        shutil.rmtree(final)
+    if os.path.exists(final):  # the same step saved again (after a fallback): set the old one aside
+        shutil.rmtree(final + ".old", ignore_errors=True)  # first, so that a kill in between loses nothing
+        os.replace(final, final + ".old")
     os.replace(tmp, final)
+    shutil.rmtree(final + ".old", ignore_errors=True)
     for old in checkpoints(run_dir)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def apply_rates(opt, sched, lr, probe_opt, probe_lr):
+    """Rates given with --resume replace those restored with the optimizer states: the policy's
+    (through its LambdaLR schedule, at the schedule's current factor) and the probe's."""
+    if sched.base_lrs != [lr] * len(opt.param_groups):
+        sched.base_lrs = [lr] * len(opt.param_groups)
+        for g, fn in zip(opt.param_groups, sched.lr_lambdas):
+            g["initial_lr"], g["lr"] = lr, lr * fn(sched.last_epoch)
+        sched._last_lr = [g["lr"] for g in opt.param_groups]
+    for g in probe_opt.param_groups:
+        g["lr"] = probe_lr
 
 
 def write_json(path, obj):
@@ -127,12 +229,102 @@ def write_json(path, obj):
     os.replace(tmp, path)
 
 
+def read_jsonl(path, valid=lambda row: True, say=None):
+    """Rows of a JSON-lines log we append to. A last line that is cut off or not JSON (a kill
+    mid-write) is dropped from the file with a message; any other bad line is a UserError naming the
+    file and line. `valid(row)` says whether a parsed row has the fields the log needs."""
+    say = say or (lambda msg: print(msg, file=sys.stderr))
+    if not os.path.exists(path):
+        return []
+    with open(path, "rb") as f:
+        raw = f.read()
+    if raw and not raw.endswith(b"\n"):  # a kill between a row and its newline: end the line, so
+        raw += b"\n"                      # the next append starts a new one (a cut-off row is dropped below)
+        with open(path, "ab") as f:
+            f.write(b"\n")
+    lines = raw.split(b"\n")
+    rows, last = [], max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line.decode("utf-8"))
+        except ValueError:
+            if i == last:
+                say(f"{path}: dropped a cut-off last line ({line[:60].decode('utf-8', 'replace')!r})")
+                with open(path + ".tmp", "wb") as f:
+                    f.write(b"".join(x + b"\n" for x in lines[:i] if x.strip()))
+                os.replace(path + ".tmp", path)
+                break
+            raise UserError(f"{path} line {i + 1} is not JSON: remove the line") from None
+        if not isinstance(row, dict) or not valid(row):
+            raise UserError(f"{path} line {i + 1} is not a row of this log ({line[:60].decode('utf-8', 'replace')}): "
+                            "remove the line")
+        rows.append(row)
+    return rows
+
+
 def truncate_metrics(path, last_step):
     """Drop rows logged after the checkpoint we resume from (they will be produced again)."""
     if not os.path.exists(path):
         return
-    with open(path) as f:
-        rows = [line for line in f if line.strip() and json.loads(line)["step"] <= last_step]
+    rows = read_jsonl(path, valid=lambda r: isinstance(r.get("step"), int))
     with open(path + ".tmp", "w") as f:
-        f.writelines(rows)
+        f.writelines(json.dumps(r) + "\n" for r in rows if r["step"] <= last_step)
     os.replace(path + ".tmp", path)
+
+
+LOCK = "lock"
+
+
+@contextmanager
+def locked(folder, what="run"):
+    """Hold FOLDER/lock while writing into FOLDER: one writer per folder.
+
+    The lock is an flock on the file (the kernel drops it when the holder dies, however it dies),
+    and the file names the holder (pid, host, start) for the message a second writer gets: one
+    UserError line, exit 2. A lock file left by a dead process is taken over with a message.
+    """
+    import fcntl
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, LOCK)
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise Busy(f"{folder} is in use by {_holder(path)}: another {what} is writing there; "
+                            f"wait for it to end or pass another --out") from None
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:   # else the previous holder removed the file between our open and flock: retry
+            break
+        os.close(fd)
+    old = os.read(fd, 4096).decode("utf-8", "replace").strip()
+    if old:
+        print(f"taking over the stale lock of {_holder(path, old)} in {folder} (that process is gone)",
+              file=sys.stderr)
+    os.ftruncate(fd, 0)
+    os.lseek(fd, 0, 0)
+    os.write(fd, json.dumps(dict(pid=os.getpid(), host=socket.gethostname(),
+                                 since=time.strftime("%Y-%m-%d %H:%M:%S"))).encode())
+    os.fsync(fd)
+    try:
+        yield path
+    finally:
+        os.unlink(path)
+        os.close(fd)
+
+
+def _holder(path, text=None):
+    try:
+        if text is None:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        h = json.loads(text)
+        return f"pid {h['pid']} on {h['host']} (since {h['since']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"another process (lock file {path})"

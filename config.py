@@ -1,9 +1,11 @@
 """The run's configuration: world defaults (toy vs real model), the command line, and resume.
 
 Precedence: flags given now > the saved config.json of a resumed run > the defaults below.
+Every value is checked against LIMITS before any model, data or folder is touched.
 """
 import argparse
 import json
+import math
 import os
 
 import data
@@ -45,6 +47,67 @@ def fractions(text):
     return out
 
 
+# Allowed values, one line per flag: (test, what the test says). Floats must also be finite.
+# A flag missing here is unchecked; add yours in one line.
+LIMITS = {
+    "steps": (lambda v: v >= 0, ">= 0 (0: nothing to train)"),
+    "prompts_per_step": (lambda v: v >= 1, ">= 1"),
+    # every mode normalises advantages within a group: one sample per prompt has no advantage
+    "group_size": (lambda v: v >= 2, ">= 2 (advantages are normalised within a prompt's group)"),
+    "max_new_tokens": (lambda v: v >= 1, ">= 1"),
+    "gen_batch": (lambda v: v >= 1, ">= 1"),
+    "temperature": (lambda v: v > 0, "> 0 (log-probs are taken at the sampling temperature)"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "lam": (lambda v: v >= 0, ">= 0"),
+    "k": (lambda v: v >= 1, ">= 1"),
+    "probe_lr": (lambda v: v > 0, "> 0"),
+    "probe_passes": (lambda v: v >= 1, ">= 1"),
+    "probe_batch": (lambda v: v >= 1, ">= 1"),
+    "lr": (lambda v: v > 0, "> 0"),
+    "warmup": (lambda v: v >= 0, ">= 0"),
+    "grad_clip": (lambda v: v > 0, "> 0"),
+    "clip_low": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "clip_high": (lambda v: v >= 0, ">= 0"),
+    "micro_tokens": (lambda v: v >= 1, ">= 1"),
+    "chunk_size": (lambda v: v >= 1, ">= 1"),
+    "seed": (lambda v: 0 <= v < 2**32, "in [0, 2**32)"),
+    "save_every": (lambda v: v >= 0, ">= 0 (0: only at the end)"),
+    "keep": (lambda v: v >= 1, ">= 1"),
+    "eval_every": (lambda v: v >= 0, ">= 0 (0: at the start and the end only)"),
+    "eval_n": (lambda v: v >= 0, ">= 0 (0: no held-out check)"),
+    "max_prompt_tokens": (lambda v: v >= 0, ">= 0 (0: keep every prompt)"),
+    "log_samples": (lambda v: v >= 0, ">= 0"),
+    "eval_probe_n": (lambda v: v >= 0, ">= 0 (0: off)"),
+}
+# On --resume these would make the saved data cursor, RNG states or probe refer to another run:
+# refused. Every other flag given with --resume applies from the next step and is written to
+# config.json (--lr and --probe-lr included: they replace the saved optimizers' rates).
+FIXED_ON_RESUME = ("model", "data", "problem_field", "answer_field", "seed", "reward")
+
+
+def check_values(cfg, limits=LIMITS):
+    """UserError (one line) for the first value outside its limits; None values are skipped."""
+    for key, (ok, what) in limits.items():
+        v = cfg.get(key)
+        if v is None:
+            continue
+        bad = isinstance(v, bool) or not isinstance(v, (int, float))
+        if bad or (isinstance(v, float) and not math.isfinite(v)) or not ok(v):
+            raise UserError(f"--{key.replace('_', '-')} {v}: must be {what}")
+
+
+def check_out(path, flag="--out"):
+    """A folder we can create or write into: not a file, and its nearest existing parent writable."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"{flag} {path} is a file, not a folder: pass a folder path")
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {path}: {parent} is not writable; pass a folder you can write to")
+
+
+
 def build_parser():
     """Every default is None here: unset flags are filled from COMMON and TOY/REAL in resolve_args."""
     fmt = lambda d: ", ".join(f"{k}={v}" for k, v in d.items())  # noqa: E731
@@ -59,7 +122,9 @@ def build_parser():
     g.add_argument("--max-prompt-tokens", type=int,
                    help="drop training problems whose chat prompt is longer (600 for real models, as "
                         "released; 0 keeps all)")
-    g.add_argument("--trust-remote-code", action="store_true", default=None)
+    g.add_argument("--trust-remote-code", action="store_true", default=None,
+                   help="run modelling code shipped with the model; never taken from a saved "
+                        "config: give it again with --resume")
     g.add_argument("--instruction", help="text appended to every problem in the user turn (saved; "
                    "evaluate.py reuses it for this run's checkpoints)")
     g.add_argument("--system-prompt", help="system turn before the problem (saved and reused like --instruction)")
@@ -101,14 +166,18 @@ def build_parser():
     g.add_argument("--chunk-size", type=int, help="positions per LM-head call when computing log-probs")
     g.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction)
     g = p.add_argument_group("run")
-    g.add_argument("--steps", type=int)
+    g.add_argument("--steps", type=int, help="RL steps in all (0: nothing to do)")
     g.add_argument("--out", help="run directory (default runs/<model>)")
     g.add_argument("--seed", type=int)
-    g.add_argument("--save-every", type=int)
-    g.add_argument("--keep", type=int, help="checkpoints kept")
+    g.add_argument("--save-every", type=int, help="checkpoint every N steps (0: only at the end)")
+    g.add_argument("--keep", type=int, help="checkpoints kept (>= 1)")
     g.add_argument("--eval-every", type=int, help="held-out accuracy every N steps (0: start and end only)")
-    g.add_argument("--eval-n", type=int, help="held-out problems in the accuracy check")
-    g.add_argument("--resume", metavar="RUN_DIR", help="continue this run from its latest checkpoint")
+    g.add_argument("--eval-n", type=int, help="held-out problems in the accuracy check (0: no check)")
+    g.add_argument("--resume", metavar="RUN_DIR", help=(
+        "continue this run from its latest complete checkpoint. Flags given with it apply from the "
+        "next step and are written to RUN/config.json, except " +
+        ", ".join("--" + k.replace("_", "-") for k in FIXED_ON_RESUME) +
+        ", which are refused (they would break exact resume)"))
     g.add_argument("--config", metavar="FILE", help="start a new run from a saved config.json (flags given win)")
     g = p.add_argument_group("what the run leaves (runlog.py, heldout.py)")
     g.add_argument("--log-samples", type=int, help="trajectories per step written to RUN/samples.jsonl")
@@ -121,23 +190,33 @@ def build_parser():
 
 
 def resolve_args(argv):
-    """CLI -> config dict: flags given now > the saved config of a resumed run > world defaults."""
+    """CLI -> checked config dict: flags given now > the saved config of a resumed run > world
+    defaults. trust_remote_code is only ever the flag given now."""
     given = {k: v for k, v in vars(build_parser().parse_args(argv)).items() if v is not None}
+    check_values(given)   # the flags as typed first, so the message names what the user wrote
     saved = {}
     if given.get("resume"):
-        path = os.path.join(given["resume"], "config.json")
-        if not os.path.isfile(path):
-            raise UserError(f"--resume {given['resume']}: no run there (config.json missing); "
-                            "pass the --out directory of an earlier run")
-        with open(path) as f:
-            saved = json.load(f)
-        given["out"] = given["resume"]
+        run = given["resume"]
+        saved = read_config(run)
+        if saved.pop("trust_remote_code", False) and not given.get("trust_remote_code"):
+            raise UserError(f"--resume {run}: the run was started with --trust-remote-code, which is "
+                            "never taken from a saved config; pass it again if you trust the code there")
+        for key in FIXED_ON_RESUME:
+            if key in given and key in saved and given[key] != saved[key]:
+                raise UserError(f"--resume {run}: --{key.replace('_', '-')} cannot change on resume "
+                                f"(saved {saved[key]!r}, given {given[key]!r}); start a new run with --out")
+        if "out" in given and os.path.abspath(given["out"]) != os.path.abspath(run):
+            raise UserError(f"--resume {run} writes into {run}: drop --out {given['out']}")
+        given["out"] = run
     elif given.get("config"):
         saved = _read_config(given["config"])
     model = given.get("model", saved.get("model", "toy"))
     cfg = {**COMMON, **(TOY if model == "toy" else REAL), **saved, **given}
+    cfg["trust_remote_code"] = bool(given.get("trust_remote_code"))
     cfg.update({k: given.get(k) for k in NOT_SAVED})
     cfg["out"] = cfg["out"] or os.path.join("runs", os.path.basename(cfg["model"].rstrip("/")))
+    check_values(cfg)
+    check_out(cfg["out"])
     return cfg
 
 
@@ -151,3 +230,26 @@ def _read_config(path):
     if not isinstance(saved, dict):
         raise UserError(f"--config {path}: not a config (a JSON object of settings); pass a run's config.json")
     return {k: v for k, v in saved.items() if k not in NOT_SAVED + ("out",)}
+
+
+def read_config(run):
+    """RUN/config.json as a dict, or one UserError line saying what is wrong with it."""
+    path = os.path.join(run, "config.json")
+    if not os.path.isfile(path):
+        raise UserError(f"--resume {run}: no run there (config.json missing); "
+                        "pass the --out directory of an earlier run")
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (ValueError, OSError) as e:
+        raise UserError(f"--resume {run}: {path} is unreadable ({type(e).__name__}: {e}); "
+                        "restore it or start a new run") from None
+    if not isinstance(saved, dict):
+        raise UserError(f"--resume {run}: {path} is not a JSON object; restore it or start a new run")
+    return saved
+
+
+def changes(saved, cfg):
+    """[(key, saved value, new value)] for saved keys whose value differs in cfg (resume bookkeeping)."""
+    skip = ("resume", "out", "trust_remote_code")
+    return [(k, saved[k], cfg[k]) for k in saved if k in cfg and k not in skip and saved[k] != cfg[k]]

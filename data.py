@@ -76,14 +76,24 @@ def chat_prompt(tokenizer, problem: str, instruction: str = INSTRUCTION, system:
 
 
 def _read_file(path):
-    """Rows of a local .jsonl, .json (a list, or a dict holding one list of rows) or .parquet file."""
+    """Rows of a local .jsonl, .json (a list, or a dict holding one list of rows) or .parquet file
+    (told by its content, so a mistyped extension still reads)."""
     if not os.path.isfile(path):
         raise DataError(f"file not found: {path}: check the path (json, jsonl or parquet)")
-    if path.lower().endswith(".parquet"):
+    with open(path, "rb") as f:
+        raw = f.read()
+    if raw[:4] == b"PAR1" or path.lower().endswith(".parquet"):
         import pyarrow.parquet
-        return pyarrow.parquet.read_table(path).to_pylist()
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+        try:
+            return pyarrow.parquet.read_table(path).to_pylist()
+        except Exception as e:  # pyarrow's errors have no common base besides Exception
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise DataError(f"{path} is not a readable parquet file ({first}): fix or replace it") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} is not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start}): "
+                        "save it as UTF-8") from None
     try:
         data = json.loads(text) if text.strip() else []
     except json.JSONDecodeError:  # JSON lines, whatever the extension
@@ -95,6 +105,16 @@ def _read_file(path):
         lists = [v for v in data.values() if isinstance(v, list)]
         data = lists[0] if len(lists) == 1 else [data]
     return data
+
+
+def _looks_local(source):
+    """A path rather than an HF id (owner/name): starts with . or /, has more than one /, its first
+    part is a local folder, or it ends in a file extension (train.jsnol; owner/name only when the
+    extension looks like a data file's)."""
+    ext = os.path.splitext(source)[1].lower()[1:]
+    return (source.startswith((".", "/", "~")) or source.count("/") > 1 or os.path.isdir(source.split("/")[0])
+            or ("/" not in source and ext.isalpha())
+            or ext.startswith(("js", "par", "nd")) or ext in ("csv", "tsv", "txt", "gz", "zip", "arrow"))
 
 
 def _from_hub(hf_id, config, split):
@@ -163,9 +183,13 @@ def load_rows(source, split=None, problem_field=None, answer_field=None, limit=N
     elif source in BENCHMARKS:
         spec = BENCHMARKS[source]
         records, where = _from_hub(spec["hf"], spec.get("config"), split or spec["split"]), spec["hf"]
-    elif source.lower().endswith((".json", ".jsonl", ".parquet")):
+    elif os.path.isdir(source):
+        found = sorted(n for n in os.listdir(source) if n.lower().endswith((".json", ".jsonl", ".parquet")))
+        raise DataError(f"{source} is a folder: pass one data file in it"
+                        + (f" ({', '.join(found[:5])})" if found else " (it holds no json/jsonl/parquet file)"))
+    elif os.path.isfile(source) or source.lower().endswith((".json", ".jsonl", ".parquet")) or _looks_local(source):
         records, where = _read_file(source), source
-    elif "/" in source or os.path.isdir(source):
+    elif "/" in source:
         records, where = _from_hub(source, None, split or "train"), source
     else:
         raise DataError(f"unknown benchmark {source!r}: known names are {', '.join(BENCHMARKS)}, "
@@ -180,7 +204,7 @@ def load_rows(source, split=None, problem_field=None, answer_field=None, limit=N
     pf = _field(keys, problem_field, spec.get("problem"), PROBLEM_FIELDS, "problem", "--problem-field", where)
     af = _field(keys, answer_field, spec.get("answer"), ANSWER_FIELDS, "answer", "--answer-field", where)
     rows = []
-    for i, r in enumerate(records[:limit] if limit else records):
+    for i, r in enumerate(records if limit is None else records[:limit]):
         if spec.get("choices") and not (problem_field or answer_field):
             problem, answer = _choices(r, i, spec)
         else:
@@ -190,3 +214,39 @@ def load_rows(source, split=None, problem_field=None, answer_field=None, limit=N
                             f"(fields {pf!r}, {af!r}): fix the data or pass --problem-field/--answer-field")
         rows.append({"problem": problem, "answer": answer})
     return rows
+
+
+def check_context(tokenizer, rows, instruction, context, max_new_tokens, where, say=print):
+    """DataError when a prompt leaves no room to generate in the model's `context` tokens; `say` a
+    warning when prompts plus max_new_tokens overflow it (those samples will be cut short)."""
+    if not context:
+        return
+    over = long_prompts(tokenizer, rows, instruction, context - max_new_tokens)
+    too_long = [(i, n) for i, n in over if n >= context]
+    if too_long:
+        raise DataError(f"{where}: {len(too_long)} prompt(s) do not fit the model's context of {context} "
+                        f"tokens (row {too_long[0][0]}: {too_long[0][1]} tokens): shorten or remove them")
+    if over:
+        say(f"warning: {where}: {len(over)} of {len(rows)} prompts plus {max_new_tokens} new tokens exceed "
+            f"the model's context of {context} tokens")
+
+
+def long_prompts(tokenizer, rows, instruction, limit):
+    """[(row index, prompt tokens)] for rows whose chat prompt is longer than `limit` tokens.
+
+    Only rows that could be that long are tokenized: a prompt has at most the template's own
+    tokens plus two per UTF-8 byte of the problem (byte-level tokenizers give at most one)."""
+    import logging
+    base = len(chat_prompt(tokenizer, "", instruction))
+    out, log = [], logging.getLogger("transformers")
+    level = log.level
+    log.setLevel(logging.ERROR)  # the tokenizer's "longer than the maximum length" warning: we say it better
+    try:
+        for i, r in enumerate(rows):
+            if base + 2 * len(r["problem"].encode("utf-8")) > limit:
+                n = len(chat_prompt(tokenizer, r["problem"], instruction))
+                if n > limit:
+                    out.append((i, n))
+    finally:
+        log.setLevel(level)
+    return out

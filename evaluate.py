@@ -21,6 +21,7 @@ import json
 import math
 import os
 import sys
+from contextlib import ExitStack
 
 import numpy as np
 import torch
@@ -38,6 +39,7 @@ import toy
 import uses
 import checkpoint
 from checkpoint import ALIASES, UserError, resolve_model
+from config import check_out, check_values
 
 BIG_N = {"aime24": 32, "aime25": 32, "amc23": 32}   # samples per question; 4 elsewhere
 # Per-world defaults. Toy: the forced text is the one the toy base learned (label.SUFFIX), and K is
@@ -52,6 +54,13 @@ TOY = dict(n=4, max_new_tokens=128, every=8, forced_k=4, probe_questions=80, pro
            posthoc_budgets=16, rows=256, score_batch=256)
 GRADER = "math"   # evaluation grades with grade.is_correct: normaliser + math-verify
 EPSILONS = (0.1, 0.2, 0.3)
+# Allowed flag values (config.check_values): checked before any model, data or folder is touched.
+LIMITS = {key: (lambda v: v >= 1, ">= 1") for key in (
+    "limit", "n_samples", "max_new_tokens", "batch_size", "threads", "every", "forced_k", "probe_questions")}
+LIMITS.update(temperature=(lambda v: v >= 0, ">= 0 (0: greedy)"), top_p=(lambda v: 0 < v <= 1, "in (0, 1]"),
+              seed=(lambda v: 0 <= v < 2**32, "in [0, 2**32)"))
+SAMPLE_FIELDS = ("model", "benchmark", "question", "sample", "correct", "confidence")
+LOCKS = ExitStack()  # the lock of every output folder written, held until main() ends
 COLUMNS = (("Acc", "acc"), ("ECE", "ece"), ("PCE", "pce"), ("Brier", "brier"), ("AUROC", "auroc"))
 
 
@@ -103,16 +112,29 @@ def load_benchmark(spec, limit=None):
 
 
 def read_samples(path):
-    """Rows of samples.jsonl; a line cut by a kill (no newline at the end) is dropped from the file."""
-    if not os.path.exists(path):
-        return []
-    with open(path, "rb") as f:
-        raw = f.read()
-    keep = raw[:raw.rfind(b"\n") + 1]
-    if len(keep) != len(raw):
-        with open(path, "wb") as f:
-            f.write(keep)
-    return [json.loads(line) for line in keep.decode().splitlines() if line.strip()]
+    """Rows of samples.jsonl; a last line cut by a kill is dropped from the file with a message, any
+    other line that is not a sample is one error naming the file and the line."""
+    return checkpoint.read_jsonl(path, valid=lambda r: all(k in r for k in SAMPLE_FIELDS))
+
+
+def hold(out_dir):
+    """One writer per output folder: its lock is taken before anything is written there."""
+    check_out(out_dir)
+    key = os.path.realpath(out_dir)
+    if key not in HELD:
+        LOCKS.enter_context(checkpoint.locked(out_dir, "evaluation"))
+        HELD.add(key)
+
+
+HELD = set()
+
+
+def check_prompts(tok, model, loaded, args):
+    """Refuse a benchmark with a prompt longer than the model's context; warn on overflow."""
+    for bench, rows, instruction in loaded:
+        data.check_context(tok, rows, instruction, getattr(model.config, "max_position_embeddings", None),
+                           settings(bench, args)["max_new_tokens"], bench,
+                           say=lambda m: print(m, file=sys.stderr))
 
 
 def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, path, system=None):
@@ -267,7 +289,14 @@ def _clean(x):
 def _write_results(out_dir, label, res):
     """Merge this model's results into OUT/results.json (other models' entries are kept)."""
     path = os.path.join(out_dir, "results.json")
-    old = json.load(open(path)) if os.path.exists(path) else {}
+    old = {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            old = json.load(f)
+    except FileNotFoundError:
+        pass
+    except ValueError as e:
+        raise UserError(f"{path} is not valid JSON ({e}): remove it (samples.jsonl keeps every sample)") from None
     old[label] = _clean(res)
     with open(path + ".tmp", "w") as f:
         json.dump(old, f, indent=1)
@@ -279,7 +308,8 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
     if source == "probe":
         if not os.path.isfile(os.path.join(path, "probe.pt")):
             raise UserError(f"{label} has no probe.pt: use --confidence probe-posthoc, logits or verbal")
-        return probe_lib.load(os.path.join(path, "probe.pt"))[0], None
+        with checkpoint.reading(os.path.join(path, "probe.pt")):
+            return probe_lib.load(os.path.join(path, "probe.pt"))[0], None
     if source != "probe-posthoc":
         return None, None
     # Fit data: the toy world's train split, or the RL training set for real models (released: lead_80,
@@ -328,8 +358,11 @@ def evaluate_model(name, loaded, args):
     path = resolve_model(name)
     label = model_label(name, path)
     out_dir = args.out or default_out(name, path)
-    os.makedirs(out_dir, exist_ok=True)
+    if os.path.isdir(out_dir):   # a second writer stops before loading anything
+        hold(out_dir)
     model, tok = load_model(name)
+    check_prompts(tok, model, loaded, args)
+    hold(out_dir)   # a new folder is made only now that the model loads and the prompts fit
     source = args.confidence or default_confidence(name)
     think = tok.convert_tokens_to_ids("</think>")
     close_id = None if think is None or think == tok.unk_token_id else think
@@ -416,6 +449,12 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    try:
+        check_values(vars(args), LIMITS)
+        if args.out:
+            check_out(args.out)
+    except UserError as e:
+        raise SystemExit(f"evaluate.py: error: {e}") from None
     names = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
     threads = torch.get_num_threads()
     # The toy model's matmuls are too small to gain from threads, and on a busy CPU threads that
@@ -423,12 +462,25 @@ def main(argv=None):
     if args.threads or (not torch.cuda.is_available() and all(n == "toy" for n in names)):
         torch.set_num_threads(args.threads or 1)
     try:
+        for name in args.model:   # a missing model is a model error, not a benchmark's
+            checkpoint.check_available(name)
         loaded = [load_benchmark(b, args.limit) for b in names]   # every name checked before any model loads
         results = dict(evaluate_model(name, loaded, args) for name in args.model)
+    except checkpoint.Busy as e:   # another evaluation writes there: exit 2, its files untouched
+        print(f"evaluate.py: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     except (ValueError, OSError) as e:   # UserError, data.DataError and user-facing ValueErrors
         raise SystemExit(f"evaluate.py: error: {e}") from None
+    except KeyboardInterrupt:   # samples are appended per batch: the same command continues from here
+        results = None          # the line is printed below, once the progress bar has closed
     finally:
         torch.set_num_threads(threads)
+        LOCKS.close()
+        HELD.clear()
+    if results is None:
+        print("\ninterrupted: the samples so far are kept; run the same command again to continue",
+              file=sys.stderr)
+        raise SystemExit(130)
     print(table(results))
     print()
     print(report_uses(results))

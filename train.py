@@ -20,7 +20,7 @@ import os
 import random
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 
 import numpy as np
 import torch
@@ -33,6 +33,7 @@ import probe as probe_lib
 import runlog
 import checkpoint as ckpt_lib
 from checkpoint import UserError
+import config
 from config import resolve_args
 from parallel import MASTER, RANK, WORLD, all_gather, all_sum, full_state, load_optimizer, refresh_sampler, setup, teardown, wrap
 from grpo import group_advantages, pack, policy_loss
@@ -43,6 +44,7 @@ from rollout import generate
 from score import budget_ends, score
 
 VOLATILE = ("t_", "tok_per_s", "peak_mem")  # metrics.jsonl fields that vary between identical runs
+LOCKS = ExitStack()  # the run folder's lock, released by main() however the run ends
 
 
 def print0(*a):
@@ -279,23 +281,49 @@ def peak_memory(device):
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB (Linux reports KiB)
 
 
+def hold_lock(out):
+    """One writer per run folder: rank 0 holds OUT/lock until main() ends; if another process holds
+    it, every rank stops with the same one line."""
+    err = None
+    if MASTER:
+        try:
+            LOCKS.enter_context(ckpt_lib.locked(out, "training run"))
+        except UserError as e:
+            err = str(e)
+    err = all_gather(err)[0]
+    if err:
+        raise UserError(err)
+
+
 def run(cfg):
+    if cfg["steps"] == 0:
+        print0("--steps 0: nothing to train; nothing was loaded or written")
+        return
     device = setup()
     if device.type == "cpu" and cfg["model"] == "toy":
         torch.set_num_threads(1)  # the toy's ops are too small to gain from threads; they only contend
     out = cfg["out"]
-    ckpt = ckpt_lib.latest_checkpoint(out)
+    if not cfg["resume"]:
+        ckpt_lib.check_available(cfg["model"])  # a missing model is reported before any data loads
+    held = os.path.isdir(out)
+    if held:
+        hold_lock(out)
+    ckpt = ckpt_lib.latest_checkpoint(out, say=print0, resume=True)
     if cfg["resume"] and ckpt is None:
-        raise UserError(f"--resume {out}: the run has no checkpoint yet; start it again without --resume")
+        raise UserError(f"--resume {out}: the run has no complete checkpoint; start it again without --resume")
     if ckpt and not cfg["resume"]:
         raise UserError(f"{out} already holds a run: pass --resume {out} to continue it, or another --out")
+    if ckpt and ckpt_lib.step_of(ckpt) >= cfg["steps"]:
+        print0(f"{out} is at step {ckpt_lib.step_of(ckpt)} already (--steps {cfg['steps']}): nothing to "
+               "train; pass a larger --steps")
+        return
     instruction = cfg["instruction"]
     tracker = runlog.tracker(cfg, out) if MASTER else None  # before any slow loading: fails fast without wandb
     split = "train" if cfg["data"] == "toy" else None
     rows = data.load_rows(cfg["data"], split=split, problem_field=cfg["problem_field"],
                           answer_field=cfg["answer_field"])
     eval_rows = data.load_rows(cfg["eval_data"], split="test" if cfg["eval_data"] == "toy" else None,
-                               limit=cfg["eval_n"])
+                               limit=cfg["eval_n"]) if cfg["eval_n"] else []
     torch.manual_seed(cfg["seed"]), np.random.seed(cfg["seed"]), random.seed(cfg["seed"])
 
     model, tok = load_policy(ckpt or cfg["model"], cfg, device)
@@ -304,6 +332,10 @@ def run(cfg):
         print0(f"training set: {len(rows)} problems, {dropped} dropped (prompt over {cfg['max_prompt_tokens']} tokens)")
         if not rows:
             raise UserError(f"every training prompt is over --max-prompt-tokens {cfg['max_prompt_tokens']}: raise it")
+    data.check_context(tok, rows, instruction, getattr(model.config, "max_position_embeddings", None),
+                       cfg["max_new_tokens"], cfg["data"], say=print0)
+    if not held:  # a new folder: made only now that the data and the model are known to load
+        hold_lock(out)
     policy, sampler = wrap(model, device)
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg["lr"], weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(cfg["warmup"], 1)))
@@ -313,17 +345,25 @@ def run(cfg):
     metrics_path = os.path.join(out, "metrics.jsonl")
     samples_path, heldout_path = os.path.join(out, "samples.jsonl"), os.path.join(out, "heldout.jsonl")
     if ckpt:
-        state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=True)
-        load_optimizer(policy, opt, state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        probe, probe_state = probe_lib.load(os.path.join(ckpt, "probe.pt"))
-        probe_opt = probe_lib.make_optimizer(probe, lr=cfg["probe_lr"])
-        probe_opt.load_state_dict(probe_state)
-        ckpt_lib.set_rng_state(state["rng"])
-        step, cursor = state["step"], state["cursor"]
+        with ckpt_lib.reading(os.path.join(ckpt, "state.pt")):
+            state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=True)
+            load_optimizer(policy, opt, state["optimizer"])
+            sched.load_state_dict(state["scheduler"])
+            step, cursor = state["step"], state["cursor"]
+        with ckpt_lib.reading(os.path.join(ckpt, "probe.pt")):
+            probe, probe_state = probe_lib.load(os.path.join(ckpt, "probe.pt"))
+            probe_opt = probe_lib.make_optimizer(probe, lr=cfg["probe_lr"])
+            probe_opt.load_state_dict(probe_state)
+        ckpt_lib.set_rng_state(state["rng"])  # last: building the probe above draws from torch's RNG
+        ckpt_lib.apply_rates(opt, sched, cfg["lr"], probe_opt, cfg["probe_lr"])
         if MASTER:
             for path in (metrics_path, samples_path, heldout_path):
                 ckpt_lib.truncate_metrics(path, step)
+            changed = config.changes(config.read_config(out), cfg)
+            if changed:
+                ckpt_lib.write_json(os.path.join(out, "config.json"), {**cfg, "resume": None})
+                print0("changed on resume (written to config.json): " +
+                       ", ".join(f"{k} {a} -> {b}" for k, a, b in changed))
         print0(f"resuming {out} from step {step}")
     elif MASTER:
         os.makedirs(out, exist_ok=True)
@@ -339,6 +379,8 @@ def run(cfg):
                 tracker.log(row)
 
     def evaluate(at):
+        if not eval_rows:  # --eval-n 0
+            return None
         t = time.perf_counter()
         calib = {} if cfg["reward"] == "rlcm" and cfg["eval_probe_n"] > 0 else None
         acc = held_out_accuracy(sampler, tok, eval_rows, cfg, instruction, device, probe, calib)
@@ -383,12 +425,12 @@ def run(cfg):
         last = step == cfg["steps"]
         if last or (cfg["eval_every"] and step % cfg["eval_every"] == 0):
             final_acc = evaluate(step)
-        if last or step % cfg["save_every"] == 0:
+        if last or (cfg["save_every"] and step % cfg["save_every"] == 0):
             save(step)
     if MASTER:
         where = ckpt_lib.latest_checkpoint(out)
         print0(f"\nrun: {out}  (latest checkpoint: {where})")
-        if first_acc is not None and cfg["steps"] > 0:
+        if first_acc is not None and final_acc is not None:
             print0(f"held-out accuracy: {first_acc:.3f} at the start -> {final_acc:.3f} at step {step}")
         roll = max(phase_sums["rollout"], 1e-9)
         print0("seconds per phase: " + ", ".join(
@@ -401,7 +443,19 @@ def run(cfg):
             tracker.finish()
 
 
+def interrupted(cfg):
+    """The one line printed on Ctrl-C: where the run stands and how to continue it."""
+    out = cfg and cfg["out"]
+    ckpt = out and os.path.isdir(out) and ckpt_lib.latest_checkpoint(out, say=lambda m: None, resume=True)
+    if not ckpt:
+        return "interrupted before the first checkpoint: nothing to resume; run the command again"
+    flag = " --trust-remote-code" if cfg["trust_remote_code"] else ""
+    return (f"interrupted: {ckpt} is the last checkpoint; continue with: "
+            f"python train.py --resume {out}{flag}")
+
+
 def main(argv=None):
+    cfg, stopped = None, False
     try:
         cfg = resolve_args(argv)
         if cfg["plot"]:
@@ -414,8 +468,15 @@ def main(argv=None):
     except FloatingPointError as e:
         print(f"stopped: {e}; the last good checkpoint is left untouched", file=sys.stderr)
         sys.exit(3)
+    except KeyboardInterrupt:  # nothing new is finished or saved: the last checkpoint stays as it is
+        stopped = True         # the line is printed below, once the progress bar has closed
     finally:
+        LOCKS.close()
         teardown()
+    if stopped:
+        if MASTER:
+            print(f"\n{interrupted(cfg)}", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":
