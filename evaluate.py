@@ -129,9 +129,10 @@ def hold(out_dir):
 HELD = set()
 
 
-def check_prompts(tok, model, loaded, args):
+def check_prompts(tok, model, loaded, args, run_instruction=None):
     """Refuse a benchmark with a prompt longer than the model's context; warn on overflow."""
     for bench, rows, instruction in loaded:
+        instruction = instruction if run_instruction is None else run_instruction
         data.check_context(tok, rows, instruction, getattr(model.config, "max_position_embeddings", None),
                            settings(bench, args)["max_new_tokens"], bench,
                            say=lambda m: print(m, file=sys.stderr))
@@ -361,12 +362,12 @@ def evaluate_model(name, loaded, args):
     if os.path.isdir(out_dir):   # a second writer stops before loading anything
         hold(out_dir)
     model, tok = load_model(name)
-    check_prompts(tok, model, loaded, args)
+    prompt = run_prompt(path, args)
+    check_prompts(tok, model, loaded, args, prompt[0])
     hold(out_dir)   # a new folder is made only now that the model loads and the prompts fit
     source = args.confidence or default_confidence(name)
     think = tok.convert_tokens_to_ids("</think>")
     close_id = None if think is None or think == tok.unk_token_id else think
-    prompt = run_prompt(path, args)
     prb, report = get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded, prompt)
     samples = os.path.join(out_dir, "samples.jsonl")
     res = {"path": path, "confidence": source, "out": out_dir, "benchmarks": {}, "settings": {},
