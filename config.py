@@ -19,7 +19,8 @@ COMMON = dict(model="toy", problem_field=None, answer_field=None, trust_remote_c
               temperature=0.8, top_p=1.0, reward="rlcm", lam=0.1, k=4, forced_close="think",
               corner="zero", probe_lr=1e-3, probe_passes=16, probe_batch=16, grad_clip=1.0,
               clip_low=0.2, clip_high=0.2, agg="token-mean", chunk_size=1024, seed=0, keep=2,
-              out=None, resume=None)
+              out=None, resume=None, ppo_epochs=1, offload=False, nproc=None, gpus=None, gpu_mem=None,
+              plan=False)
 
 
 
@@ -62,6 +63,17 @@ def build_parser():
     g.add_argument("--micro-tokens", type=int, help="tokens per micro-batch (gradient accumulation)")
     g.add_argument("--chunk-size", type=int, help="positions per LM-head call when computing log-probs")
     g.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction)
+    g.add_argument("--ppo-epochs", type=int, help="optimizer steps per batch; 1 (released) is exactly "
+                   "on-policy: the old log-probs are the current ones, detached")
+    g.add_argument("--offload", action="store_true", default=None,
+                   help="keep params, grads and AdamW state in host memory (FSDP2 CPU offload): slow, "
+                   "but the 7B model trains on one or two GPUs")
+    g = p.add_argument_group("devices")
+    g.add_argument("--nproc", type=int, help="worker processes (default: every GPU; 1 on CPU)")
+    g.add_argument("--plan", action="store_true", default=None,
+                   help="print the per-GPU memory plan from the model config and exit")
+    g.add_argument("--gpus", type=int, help="plan for this many GPUs instead of the detected ones")
+    g.add_argument("--gpu-mem", type=float, help="plan for GPUs of this many GiB")
     g = p.add_argument_group("run")
     g.add_argument("--steps", type=int)
     g.add_argument("--out", help="run directory (default runs/<model>)")
