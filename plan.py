@@ -14,7 +14,7 @@ Terms per device, with N parameters, W devices (ranks) and bf16 = 2 bytes:
                   3/4 max_new_tokens + the forced tail)
   activations     one micro-batch of micro_tokens tokens: with checkpointing each layer keeps its
                   input (T x d) and one layer is recomputed at a time (T x (8 d + 3 d_ff))
-  log-prob chunk  rows x chunk_size x vocab fp32 logits, log-softmax and its gradient (x 3)
+  log-prob chunk  chunk_size positions x vocab fp32 logits, log-softmax and its gradient (x 3)
   runtime         CUDA context and allocator slack (1 GiB), or the Python/torch process on CPU
 
 Phases do not overlap: rollout holds the KV cache, the update holds the gather, activations and
@@ -88,8 +88,7 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
     one_layer = T * (8 * d + 3 * d_ff) * act_bytes
     acts = (config.num_hidden_layers * T * d * act_bytes + one_layer) if cfg["grad_ckpt"] \
         else config.num_hidden_layers * one_layer
-    rows = max(T // seq, 1)
-    chunk = 3 * rows * cfg["chunk_size"] * vocab * 4
+    chunk = 3 * cfg["chunk_size"] * vocab * 4  # chunks run over the micro-batch's flattened positions
     terms = {"training state": 0.0 if offload else state, "generation copy": gen_copy,
              "FSDP gather": gather, "KV cache": kv, "activations": acts, "log-prob chunk": chunk,
              "runtime": RUNTIME[device]}
@@ -151,7 +150,8 @@ def check(cfg, show=False, log=print):
     t = estimate(config, cfg, world, device, offload, counts)
     where = f"{world} x {mem:.0f} GiB {'GPU' if device == 'cuda' else 'CPU process'}"
     if show:
-        log(f"plan: {cfg['model']} ({counts[0] / 1e9:.2f} B parameters) on {where}"
+        size = f"{counts[0] / 1e9:.2f} B" if counts[0] >= 1e9 else f"{counts[0] / 1e6:.2f} M"
+        log(f"plan: {cfg['model']} ({size} parameters) on {where}"
             f"{' with --offload' if offload else ''}; per {'GPU' if device == 'cuda' else 'process'}:")
         notes = {"KV cache": "{} rows x {} tokens".format(*t["kv_shape"]),
                  "activations": "checkpointed" if cfg["grad_ckpt"] else "no checkpointing",
