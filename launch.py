@@ -53,7 +53,7 @@ def launch(script, argv, nproc, cuda=False):
     from parallel import free_port
     logs = tempfile.mkdtemp(prefix="rlcm-workers-")
     port = str(free_port())
-    procs, exits, failed = [], {}, threading.Event()
+    procs, exits, failed, shown = [], {}, threading.Event(), []
 
     def watch(rank, proc):
         code = proc.wait()
@@ -79,15 +79,18 @@ def launch(script, argv, nproc, cuda=False):
             log.write(chunk.decode(errors="replace"))
             log.flush()
             if not failed.is_set():
-                sys.stderr.write(chunk.decode(errors="replace"))
+                shown.append(chunk.decode(errors="replace"))
+                sys.stderr.write(shown[-1])
                 sys.stderr.flush()
 
     relay_thread = threading.Thread(target=relay, args=procs[0], daemon=True)
     relay_thread.start()
+    interrupted = False
     try:
         while len(exits) < nproc and not failed.is_set():
             time.sleep(0.05)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # the workers got the same Ctrl-C (one process group)
+        interrupted = True
         failed.set()
     if failed.is_set():
         for proc, _ in procs:
@@ -103,15 +106,19 @@ def launch(script, argv, nproc, cuda=False):
     relay_thread.join(5)
     for _, log in procs:
         log.close()
+    if interrupted:
+        print(f"interrupted; all workers stopped (logs: {logs})", file=sys.stderr)
+        return 130
     bad = sorted((t, rank, code) for rank, (t, code) in exits.items() if code != 0)
     if not bad:
         shutil.rmtree(logs, ignore_errors=True)
         return 0 if len(exits) == nproc else 130
     _, rank, code = bad[0]
     text = tail(os.path.join(logs, f"rank{rank}.log"))
-    if code == 2 and text.startswith("error:"):  # a user error: its one line, already in the terminal on rank 0
-        if rank != 0:
-            print(text.splitlines()[-1], file=sys.stderr)
+    last = text.splitlines()[-1] if text else ""
+    if code == 2 and last.startswith("error:"):  # a user error: its one line (rank 0's is already shown)
+        if last not in "".join(shown):
+            print(last, file=sys.stderr)
     else:
         print(f"\nerror: worker {rank} of {nproc} failed (exit code {code}); the other workers were "
               f"stopped. Its last lines (all logs: {logs}):\n{text}", file=sys.stderr)

@@ -125,10 +125,12 @@ def fixes(config, cfg, world, device, mem, counts):
 
 def detected(nproc=None):
     """(device type, devices, GiB per device) of this machine."""
+    import os
+    if "WORLD_SIZE" in os.environ:  # under torchrun (or launch.py): the ranks that shard the model
+        nproc = int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
         n = nproc or torch.cuda.device_count()
         return "cuda", n, torch.cuda.get_device_properties(0).total_memory / GiB
-    import os
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
     return "cpu", nproc or 1, host
 

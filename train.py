@@ -38,7 +38,7 @@ import checkpoint as ckpt_lib
 from checkpoint import UserError
 from config import resolve_args
 from parallel import (MASTER, RANK, WORLD, all_gather, all_sum, full_state, load_optimizer, load_sharded,
-                      refresh_sampler, setup, teardown, wrap)
+                      refresh_sampler, setup, sharded, teardown, wrap)
 from grpo import group_advantages, pack, policy_loss
 from label import budgets, mc_labels
 from metrics import ece
@@ -244,7 +244,9 @@ def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device):
     # FSDP averages gradients over ranks, so each rank's share is scaled back up by WORLD
     n_mb = int(max(all_gather(len(mbs))))
     sums = dict.fromkeys(("loss", "clip_frac", "kl", "ratio_mean"), 0.0)
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and WORLD == 1 else nullcontext()
+    # one plain GPU: autocast; under FSDP2 its mixed-precision policy casts instead
+    plain_gpu = device.type == "cuda" and not sharded(policy)
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if plain_gpu else nullcontext()
     for j in range(n_mb):
         mb = mbs[min(j, len(mbs) - 1)] if mbs else [0]
         w = weights[mb].sum().item() if j < len(mbs) else 0.0  # a whole number: exact means below
@@ -312,7 +314,9 @@ def run(cfg):
     step, cursor = 0, 0
     metrics_path = os.path.join(out, "metrics.jsonl")
     if ckpt:
-        state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=True)
+        # mmap: the optimizer state is read from rank 0 (load_optimizer broadcasts it), so other
+        # ranks never page in the 8 N bytes of the full AdamW state
+        state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=True, mmap=True)
         load_optimizer(policy, opt, state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         probe, probe_state = probe_lib.load(os.path.join(ckpt, "probe.pt"))
@@ -389,6 +393,8 @@ def run(cfg):
 def main(argv=None):
     try:
         cfg = resolve_args(argv)
+        if cfg["ppo_epochs"] < 1 or (cfg["nproc"] is not None and cfg["nproc"] < 1):
+            raise UserError("--ppo-epochs and --nproc must be at least 1")
         if cfg["plan"]:
             plan.check(cfg, show=True)
             return

@@ -5,6 +5,7 @@ Each rank takes every WORLD-th sequence; with FSDP2 the update must equal the on
 on the whole batch (the loss is a token-mean over all ranks' tokens). The probe is fitted on the
 pairs pooled from all ranks, so every rank must end with the same probe.
 """
+import os
 import sys
 
 import torch
@@ -15,9 +16,10 @@ import train
 from grpo import pack
 from parallel import MASTER, RANK, WORLD, full_state, setup, teardown, wrap
 
-device = setup()
+offload = os.environ.get("OFFLOAD") == "1"  # FSDP2 with CPUOffloadPolicy, also as one rank
+device = setup(offload)
 model = tiny.model(vocab_size=64, hidden=32, layers=2, seed=0).train()
-policy, _ = wrap(model, device)
+policy, _ = wrap(model, device, offload)
 opt = torch.optim.SGD(policy.parameters(), lr=0.5)
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
 g = torch.Generator().manual_seed(0)

@@ -54,6 +54,16 @@ def test_a_failing_worker_stops_the_others_and_its_error_is_shown_once(tmp_path)
     assert "worker 1 of 2 failed" in res.stderr
 
 
+def test_a_user_error_in_the_workers_is_one_line(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000001").mkdir(parents=True)
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--nproc", "2", "--out", str(run)],
+                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    err = res.stderr.strip()
+    assert res.returncode == 2 and "Traceback" not in err, err
+    assert err.count("error:") == 1 and "already holds a run" in err, err
+
+
 def launch(args, out):
     return subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), "--nproc", "2", *args,
                              "--out", out], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,

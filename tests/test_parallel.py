@@ -8,9 +8,10 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run(tmp_path, world):
-    out = str(tmp_path / f"w{world}.pt")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE]), "OMP_NUM_THREADS": "1"}
+def run(tmp_path, world, offload=False):
+    out = str(tmp_path / f"w{world}{'-offload' if offload else ''}.pt")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE]), "OMP_NUM_THREADS": "1",
+           "OFFLOAD": "1" if offload else "0"}
     cmd = [sys.executable, os.path.join(HERE, "fsdp_update.py"), out]
     if world > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -28,15 +29,20 @@ def test_fsdp_update_equals_single_process(tmp_path):
     assert moved > 1e-4  # the step did something
     for k in one:
         assert torch.allclose(one[k], two[k], atol=1e-5), (k, (one[k] - two[k]).abs().max())
-
-
-def test_probes_are_identical_on_both_ranks(tmp_path):
-    run(tmp_path, 2)
+    # the probe is fitted on the pairs pooled from both ranks: the same probe on each
     a, b = (torch.load(str(tmp_path / f"w2.pt.probe{r}"), weights_only=True) for r in (0, 1))
     torch.manual_seed(0)
     init = __import__("probe").Probe(32).state_dict()
     assert any(not torch.equal(a[k], init[k]) for k in a)  # the fit moved it
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_offloaded_update_equals_single_process(tmp_path):
+    """--offload on one rank: FSDP2 keeps params, grads and optimizer state on the host."""
+    one, off = run(tmp_path, 1), run(tmp_path, 1, offload=True)
+    assert one.keys() == off.keys()
+    for k in one:
+        assert torch.allclose(one[k], off[k], atol=1e-6), (k, (one[k] - off[k]).abs().max())
 
 
 def test_rebuild_buffers_repairs_what_to_empty_leaves_as_garbage(tmp_path):
