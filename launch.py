@@ -25,10 +25,12 @@ def worker_count(cfg):
     """Processes to start here: 0 when already a worker (under torchrun or launched by us)."""
     if "RANK" in os.environ:
         return 0
-    if cfg.get("nproc"):
-        return cfg["nproc"]
     import torch
-    return torch.cuda.device_count() if torch.cuda.is_available() else 1
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cfg.get("nproc") and gpus and cfg["nproc"] > gpus:
+        from checkpoint import UserError
+        raise UserError(f"--nproc {cfg['nproc']}: this machine shows only {gpus} GPUs (one worker per GPU)")
+    return cfg.get("nproc") or gpus or 1
 
 
 def _die_with_parent():

@@ -14,7 +14,7 @@ import probe as probe_lib
 import tiny
 import train
 from grpo import pack
-from parallel import MASTER, RANK, WORLD, full_state, setup, teardown, wrap
+from parallel import MASTER, RANK, WORLD, full_state, load_sharded, setup, teardown, wrap
 
 offload = os.environ.get("OFFLOAD") == "1"  # FSDP2 with CPUOffloadPolicy, also as one rank
 device = setup(offload)
@@ -43,6 +43,20 @@ ends = torch.tensor([[5, 7, 9], [4, 6, 0]])
 labels = [[1.0, 0.5, 0.0], [0.25, 1.0]] if RANK == 0 else [[0.0, 0.0, 1.0], [0.75, 0.5]]
 train.probe_margin(probe, probe_opt, feats, ends, labels, cfg, seed=3)
 torch.save(probe.state_dict(), f"{sys.argv[1]}.probe{RANK}")
+
+if torch.distributed.is_initialized():  # the lean start: rank 0 reads the toy, the others get shards
+    from checkpoint import load_model
+    ref, _ = load_model("toy")
+    lean, sampler, lm, _ = load_sharded("toy", device, offload)
+    ids = torch.tensor([[5, 9, 3, 7, 11, 2, 40]])
+    with torch.no_grad():
+        diffs = dict(sampler=(sampler(ids).logits - ref(ids).logits).abs().max().item())
+        mine = dict(lm.named_parameters(remove_duplicate=False))
+        diffs["policy"] = max((mine[n].full_tensor().cpu() - p).abs().max().item()
+                              for n, p in ref.named_parameters(remove_duplicate=False))
+        diffs["buffers"] = max((b.cpu() - dict(ref.named_buffers())[n]).abs().max().item()
+                               for n, b in list(lm.named_buffers()) + list(sampler.named_buffers()))
+    torch.save(diffs, f"{sys.argv[1]}.lean{RANK}")
 if MASTER:
     torch.save({k: v.detach().cpu() for k, v in state.items()}, sys.argv[1])
     print("loss", stats["loss"])

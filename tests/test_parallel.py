@@ -35,6 +35,9 @@ def test_fsdp_update_equals_single_process(tmp_path):
     init = __import__("probe").Probe(32).state_dict()
     assert any(not torch.equal(a[k], init[k]) for k in a)  # the fit moved it
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # the lean start (rank 0 reads, shards broadcast, buffers rebuilt) gives the model as saved
+    for r in (0, 1):
+        assert torch.load(str(tmp_path / f"w2.pt.lean{r}")) == dict(sampler=0.0, policy=0.0, buffers=0.0)
 
 
 def test_offloaded_update_equals_single_process(tmp_path):
@@ -43,6 +46,7 @@ def test_offloaded_update_equals_single_process(tmp_path):
     assert one.keys() == off.keys()
     for k in one:
         assert torch.allclose(one[k], off[k], atol=1e-6), (k, (one[k] - off[k]).abs().max())
+    assert torch.load(str(tmp_path / "w1-offload.pt.lean0")) == dict(sampler=0.0, policy=0.0, buffers=0.0)
 
 
 def test_rebuild_buffers_repairs_what_to_empty_leaves_as_garbage(tmp_path):
