@@ -121,9 +121,8 @@ def load_sharded(name, device, offload=False, trust_remote_code=False, grad_ckpt
     shards. Non-persistent buffers (rotary inv_freq) are not in any state dict: to_empty leaves
     them as garbage, so they are rebuilt from the config (`rebuild_buffers`).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from checkpoint import load_model, resolve_model
     full = {}
     if MASTER:
@@ -138,15 +137,16 @@ def load_sharded(name, device, offload=False, trust_remote_code=False, grad_ckpt
             tok.pad_token = tok.eos_token
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     with torch.device("meta"):
-        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=trust_remote_code)
+        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                              trust_remote_code=trust_remote_code)
     lm.config.use_cache = False
     if grad_ckpt:
         grad_ckpt(lm)
     policy, sampler = wrap(lm, device, offload)
-    policy.to_empty(device="cpu" if offload else device)
+    policy.to_empty(device="cpu" if offload else device)  # offloaded shards live on the host
     set_model_state_dict(lm, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     del full
-    rebuild_buffers(lm, "cpu" if offload else device)
+    rebuild_buffers(lm, device)  # buffers are not offloaded: they stay where the compute runs
     sampler.to_empty(device=device)
     refresh_sampler(sampler, policy)
     rebuild_buffers(sampler, device)

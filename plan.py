@@ -162,8 +162,8 @@ def check(cfg, show=False, log=print):
                      "log-prob chunk", "runtime", "peak"):
             log(f"  {name:<16}{t[name] / GiB:8.2f} GiB  {notes.get(name, '')}".rstrip())
         if offload:
-            log(f"  {'host memory':<16}{t['host'] / GiB:8.2f} GiB  per rank: {t['host'] * world / GiB:.0f} GiB "
-                "per node, plus 4 N bytes on rank 0 while the weights load")
+            log(f"  {'host memory':<16}{t['host'] / GiB:8.2f} GiB  per rank: "
+                f"{t['host'] * world / GiB:.0f} GiB per node, plus 4 N bytes on rank 0 while the weights load")
     if t["peak"] > mem * GiB:
         raise UserError(f"plan: peak {t['peak'] / GiB:.1f} GiB per device exceeds {mem:.0f} GiB on "
                         f"{where}; cheapest fix: {fixes(config, cfg, world, device, mem * GiB, counts)}")

@@ -43,8 +43,9 @@ def test_kv_cache_term_matches_a_real_cache():
     for dtype, device in ((torch.float32, "cpu"), (torch.bfloat16, "cuda")):
         cache = DynamicCache(config=model.config)
         with torch.no_grad():
-            model.to(dtype)(torch.randint(4, 60, (rows, tokens)), use_cache=True, **{_cache_kwarg(model): cache})
-        held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+            ids = torch.randint(4, 60, (rows, tokens))
+            model.to(dtype)(ids, use_cache=True, **{_cache_kwarg(model): cache})
+        held = sum(x.numel() * x.element_size() for layer in cache.layers for x in (layer.keys, layer.values))
         t = plan.estimate(model.config, cfg, 1, device)
         assert t["kv_shape"] == (rows, tokens)
         assert t["KV cache"] == held
