@@ -12,13 +12,14 @@ Terms per device, with N parameters, W devices (ranks) and bf16 = 2 bytes:
                   the larger of the rollout (min(gen_batch, prompts per rank) x group_size rows of
                   prompt + max_new_tokens) and the forced answers (gen_batch x k rows of prompt +
                   3/4 max_new_tokens + the forced tail)
+  prefill         one layer's forward (T x (8 d + 3 d_ff)) over the prompts that fill that cache
   activations     one micro-batch of micro_tokens tokens: with checkpointing each layer keeps its
                   input (T x d) and one layer is recomputed at a time (T x (8 d + 3 d_ff))
   log-prob chunk  chunk_size positions x vocab fp32 logits, log-softmax and its gradient (x 3)
   runtime         CUDA context and allocator slack (1 GiB), or the Python/torch process on CPU
 
-Phases do not overlap: rollout holds the KV cache, the update holds the gather, activations and
-log-prob chunk. peak = training state + generation copy + runtime + max(rollout, update).
+Phases do not overlap: rollout holds the KV cache and prefill, the update holds the gather,
+activations and log-prob chunk. peak = training state + generation copy + runtime + max(rollout, update).
 With --offload (FSDP2's CPUOffloadPolicy) the training state lives in host memory (16 N / W per
 rank) and the optimizer step runs on the CPU: slower, but the GPU keeps only the rest.
 On CPU (the toy world) everything is fp32 and one process uses the policy as its generation copy.
@@ -75,25 +76,29 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
     shared_copy = not cuda and world == 1  # wrap(): one CPU process samples with the policy itself
     gen_copy = 0 if shared_copy else act_bytes * total
     prompts_here = -(-cfg["prompts_per_step"] // world)
-    rollout_rows = min(cfg["gen_batch"], prompts_here) * cfg["group_size"]
-    # forced answers: up to 3 prefixes per trajectory, each prefix at most 3/4 of the response
-    label_rows = min(cfg["gen_batch"], prompts_here * cfg["group_size"] * 3) * cfg["k"]
-    seq = prompt_tokens(cfg) + cfg["max_new_tokens"]
-    label_seq = prompt_tokens(cfg) + cfg["max_new_tokens"] * 3 // 4 + FORCED_TAIL
     per_token = kv_bytes_per_token(config, act_bytes)
-    kv_rows, kv_seq = max((rollout_rows, seq), (label_rows, label_seq), key=lambda r: r[0] * r[1])
+    layer_acts = lambda tokens: tokens * (8 * d + 3 * d_ff) * act_bytes  # noqa: E731  one layer's forward
+    P, G = prompt_tokens(cfg), cfg["group_size"]
+    # rollout: gen_batch prompts prefilled at once, their KV repeated for the G samples
+    prompts = min(cfg["gen_batch"], prompts_here)
+    phases = [(prompts * G, P + cfg["max_new_tokens"], layer_acts(prompts * P))]
+    if cfg.get("reward", "rlcm") == "rlcm":  # forced answers: up to 3 prefixes of <= 3/4 a response
+        forced = min(cfg["gen_batch"], prompts_here * G * 3)
+        prefix = P + cfg["max_new_tokens"] * 3 // 4
+        phases.append((forced * cfg["k"], prefix + FORCED_TAIL, layer_acts(forced * prefix)))
+    kv_rows, kv_seq, prefill = max(phases, key=lambda r: r[0] * r[1] * per_token + r[2])
     kv = kv_rows * kv_seq * per_token
     gather = 8 * (root + 2 * layer) if world > 1 or offload else 0
-    T = max(cfg["micro_tokens"], seq)  # a micro-batch holds at least one whole sequence
-    one_layer = T * (8 * d + 3 * d_ff) * act_bytes
+    T = max(cfg["micro_tokens"], P + cfg["max_new_tokens"])  # a micro-batch holds >= 1 sequence
+    one_layer = layer_acts(T)
     acts = (config.num_hidden_layers * T * d * act_bytes + one_layer) if cfg["grad_ckpt"] \
         else config.num_hidden_layers * one_layer
     chunk = 3 * cfg["chunk_size"] * vocab * 4  # chunks run over the micro-batch's flattened positions
     terms = {"training state": 0.0 if offload else state, "generation copy": gen_copy,
-             "FSDP gather": gather, "KV cache": kv, "activations": acts, "log-prob chunk": chunk,
-             "runtime": RUNTIME[device]}
+             "FSDP gather": gather, "KV cache": kv, "prefill": prefill, "activations": acts,
+             "log-prob chunk": chunk, "runtime": RUNTIME[device]}
     update = gather + acts + chunk
-    terms["peak"] = terms["training state"] + gen_copy + RUNTIME[device] + max(kv, update)
+    terms["peak"] = terms["training state"] + gen_copy + RUNTIME[device] + max(kv + prefill, update)
     terms["host"] = state if offload else 0.0
     terms["kv_shape"] = (kv_rows, kv_seq)
     return terms
@@ -156,10 +161,11 @@ def check(cfg, show=False, log=print):
         log(f"plan: {cfg['model']} ({size} parameters) on {where}"
             f"{' with --offload' if offload else ''}; per {'GPU' if device == 'cuda' else 'process'}:")
         notes = {"KV cache": "{} rows x {} tokens".format(*t["kv_shape"]),
+                 "prefill": "one layer's forward over the prompts prefilled with that cache",
                  "activations": "checkpointed" if cfg["grad_ckpt"] else "no checkpointing",
                  "training state": "on the host (--offload)" if offload else "params, grads, AdamW (sharded)"}
-        for name in ("training state", "generation copy", "FSDP gather", "KV cache", "activations",
-                     "log-prob chunk", "runtime", "peak"):
+        for name in ("training state", "generation copy", "FSDP gather", "KV cache", "prefill",
+                     "activations", "log-prob chunk", "runtime", "peak"):
             log(f"  {name:<16}{t[name] / GiB:8.2f} GiB  {notes.get(name, '')}".rstrip())
         if offload:
             log(f"  {'host memory':<16}{t['host'] / GiB:8.2f} GiB  per rank: "

@@ -38,7 +38,7 @@ def test_kv_cache_term_matches_a_real_cache():
     from rollout import _cache_kwarg
     model = tiny.model(vocab_size=300, hidden=32, layers=3)
     cfg = dict(model="toy", prompts_per_step=8, gen_batch=3, group_size=4, k=1, max_new_tokens=10,
-               micro_tokens=64, grad_ckpt=True, chunk_size=8)
+               micro_tokens=64, grad_ckpt=True, chunk_size=8, reward="grpo")  # no forced answers
     rows, tokens = 3 * 4, plan.TOY_PROMPT_TOKENS + 10  # gen_batch prompts x group_size samples
     for dtype, device in ((torch.float32, "cpu"), (torch.bfloat16, "cuda")):
         cache = DynamicCache(config=model.config)
