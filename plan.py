@@ -125,7 +125,7 @@ def fixes(config, cfg, world, device, mem, counts):
     for w in range(world + 1, 1025):
         if peak(cfg, w) <= mem:
             return f"{w} GPUs (--gpus {w}: peak {peak(cfg, w) / GiB:.1f} GiB)"
-    return "a smaller model"
+    return "a smaller model" + (" or a machine with GPUs" if device == "cpu" else "")
 
 
 def detected(nproc=None):
