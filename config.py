@@ -27,7 +27,8 @@ COMMON = dict(model="toy", problem_field=None, answer_field=None, trust_remote_c
               corner="zero", budgets=(0.25, 0.5, 0.75), max_prompt_tokens=0, probe_lr=1e-3, probe_passes=16, probe_batch=16, grad_clip=1.0,
               clip_low=0.2, clip_high=0.2, agg="token-mean", chunk_size=1024, seed=0, keep=2,
               out=None, resume=None, system_prompt=None, log_samples=4, eval_probe_n=32, wandb=None,
-              wandb_run=None)
+              wandb_run=None, ppo_epochs=1, offload=False, nproc=None, gpus=None, gpu_mem=None,
+              plan=False)
 NOT_SAVED = ("resume", "config", "plot")  # how a run was started, not what it is
 
 DATA_HELP = ("toy | deepscaler | HF dataset id | local json/jsonl/parquet. deepscaler (40k problems, "
@@ -78,6 +79,10 @@ LIMITS = {
     "max_prompt_tokens": (lambda v: v >= 0, ">= 0 (0: keep every prompt)"),
     "log_samples": (lambda v: v >= 0, ">= 0"),
     "eval_probe_n": (lambda v: v >= 0, ">= 0 (0: off)"),
+    "ppo_epochs": (lambda v: v >= 1, ">= 1"),
+    "nproc": (lambda v: v >= 1, ">= 1"),
+    "gpus": (lambda v: v >= 1, ">= 1"),
+    "gpu_mem": (lambda v: v > 0, "> 0 (GiB)"),
 }
 # On --resume these would make the saved data cursor, RNG states or probe refer to another run:
 # refused. Every other flag given with --resume applies from the next step and is written to
@@ -165,6 +170,17 @@ def build_parser():
     g.add_argument("--micro-tokens", type=int, help="tokens per micro-batch (gradient accumulation)")
     g.add_argument("--chunk-size", type=int, help="positions per LM-head call when computing log-probs")
     g.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction)
+    g.add_argument("--ppo-epochs", type=int, help="optimizer steps per batch; 1 (released) is exactly "
+                   "on-policy: the old log-probs are the current ones, detached")
+    g.add_argument("--offload", action="store_true", default=None,
+                   help="keep params, grads and AdamW state in host memory (FSDP2 CPU offload): slow, "
+                   "but the 7B model trains on one or two GPUs")
+    g = p.add_argument_group("devices")
+    g.add_argument("--nproc", type=int, help="worker processes (default: every GPU; 1 on CPU)")
+    g.add_argument("--plan", action="store_true", default=None,
+                   help="print the per-GPU memory plan from the model config and exit")
+    g.add_argument("--gpus", type=int, help="plan for this many GPUs instead of the detected ones")
+    g.add_argument("--gpu-mem", type=float, help="plan for GPUs of this many GiB")
     g = p.add_argument_group("run")
     g.add_argument("--steps", type=int, help="RL steps in all (0: nothing to do)")
     g.add_argument("--out", help="run directory (default runs/<model>)")

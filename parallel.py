@@ -1,13 +1,18 @@
 """One node of GPUs: process setup, FSDP2 sharding, collectives, and the generation copy.
 
-`torchrun --nproc_per_node N train.py ...` sets RANK / WORLD_SIZE / LOCAL_RANK; without them
-everything here is the identity and the code runs as one process (CPU or one GPU). On CPU the same
-path runs with the gloo backend (tests use two processes).
+`python train.py` on a machine with several GPUs (or with `--nproc N`) starts one worker per GPU
+(launch.py), each a fresh `python train.py` with RANK / WORLD_SIZE / LOCAL_RANK set, exactly as
+`torchrun --nproc_per_node N train.py ...` does; both read the rank from the environment when this
+module is imported. Without them everything here is the identity and the code runs as one process
+(CPU or one GPU). On CPU the same path runs with the gloo backend (tests use two processes).
 
 Layout on N GPUs (DESIGN.md, "Scale"): the trained policy is sharded with FSDP2 (`fully_shard` per
 decoder layer, then the root; bf16 compute, fp32 gradient reduction); each rank keeps a plain
 bf16 copy of the full weights for generation, labelling and scoring, refreshed after every
-optimizer step; whole prompt groups stay on one rank.
+optimizer step; whole prompt groups stay on one rank. With --offload the sharded fp32 params,
+grads and AdamW state live in host memory (FSDP2 `CPUOffloadPolicy`; also on one GPU, as a
+one-rank FSDP group). Sharded starts are memory-lean (`load_sharded`): only rank 0 reads the
+weights, every rank builds the model on the meta device and receives its shard by broadcast.
 """
 import copy
 import os
@@ -21,16 +26,31 @@ RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1
 MASTER = RANK == 0
 
 
-def setup():
-    """Init the process group under torchrun and return this rank's device."""
+def setup(offload=False):
+    """Init the process group (several ranks, or one rank for --offload) and return this rank's device."""
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if WORLD > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if (WORLD > 1 or offload) and not dist.is_initialized():
+        if WORLD == 1:  # a one-rank group, so that FSDP2 can offload to the host
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=RANK, world_size=WORLD)
     return device
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sharded(policy):
+    from torch.distributed.fsdp import FSDPModule
+    return isinstance(policy, FSDPModule)
 
 
 def teardown():
@@ -72,21 +92,83 @@ class LogprobModel(torch.nn.Module):
         return token_logprobs(self.lm, input_ids, attention_mask, temperature, chunk_size).clone()
 
 
-def wrap(lm, device):
-    """(trainable module, generation copy). One process on CPU: both are the same fp32 model."""
+def wrap(lm, device, offload=False):
+    """(trainable module, generation copy). One process on CPU: both are the same fp32 model.
+
+    lm may be on the meta device (load_sharded): then both come back unmaterialised.
+    """
     sampler = lm
-    if device.type == "cuda" or WORLD > 1:
+    if device.type == "cuda" or dist.is_initialized():
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         sampler = copy.deepcopy(lm).to(dtype).eval().requires_grad_(False)
     policy = LogprobModel(lm)
-    if WORLD > 1:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    if dist.is_initialized():
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if device.type == "cuda" else MixedPrecisionPolicy()
+        off = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
         for layer in lm.model.layers:
-            fully_shard(layer, mp_policy=mp)
-        fully_shard(policy, mp_policy=mp)
+            fully_shard(layer, mp_policy=mp, offload_policy=off)
+        fully_shard(policy, mp_policy=mp, offload_policy=off)
     return policy, sampler
+
+
+def load_sharded(name, device, offload=False, trust_remote_code=False, grad_ckpt=None):
+    """(policy, sampler, lm, tokenizer) on every rank, reading the weights on rank 0 only.
+
+    Every rank builds the model on the meta device and shards it; rank 0 loads the full fp32 state
+    dict on the CPU and broadcasts it shard by shard; the generation copy is then filled from the
+    shards. Non-persistent buffers (rotary inv_freq) are not in any state dict: to_empty leaves
+    them as garbage, so they are rebuilt from the config (`rebuild_buffers`).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from checkpoint import load_model, resolve_model
+    full = {}
+    if MASTER:
+        model, tok = load_model(name, torch.float32, trust_remote_code)
+        full = model.state_dict()
+        del model
+    dist.barrier()  # rank 0 has resolved (and for the toy, built) the model directory
+    path = resolve_model(name)
+    if not MASTER:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.eos_token
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                              trust_remote_code=trust_remote_code)
+    lm.config.use_cache = False
+    if grad_ckpt:
+        grad_ckpt(lm)
+    policy, sampler = wrap(lm, device, offload)
+    policy.to_empty(device="cpu" if offload else device)  # offloaded shards live on the host
+    set_model_state_dict(lm, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    del full
+    rebuild_buffers(lm, device)  # buffers are not offloaded: they stay where the compute runs
+    sampler.to_empty(device=device)
+    refresh_sampler(sampler, policy)
+    rebuild_buffers(sampler, device)
+    return policy, sampler, lm, tok
+
+
+@torch.no_grad()
+def rebuild_buffers(model, device):
+    """Recompute every non-persistent buffer (rotary inv_freq ...) by building its module anew from
+    the config on the CPU (such modules hold no parameters, so this is cheap)."""
+    for name, module in model.named_modules():
+        names = [b for b in module._non_persistent_buffers_set if module._buffers.get(b) is not None]
+        if not names:
+            continue
+        if not hasattr(module, "config") or any(True for _ in module.parameters(recurse=False)):
+            raise RuntimeError(f"cannot rebuild the non-persistent buffers {names} of {name}")
+        fresh = type(module)(config=module.config)
+        for b in names:
+            module._buffers[b] = fresh._buffers[b].to(device)
+        for attr in ("attention_scaling",):
+            if hasattr(fresh, attr):
+                setattr(module, attr, getattr(fresh, attr))
 
 
 @torch.no_grad()
@@ -94,15 +176,17 @@ def refresh_sampler(sampler, policy):
     """Copy the trained (possibly sharded) weights into the generation copy."""
     if sampler is policy.lm:
         return
-    params = dict(sampler.named_parameters())
-    for name, p in policy.lm.named_parameters():
+    # remove_duplicate=False: a copy built by to_empty from the meta device has lost its tied
+    # embeddings (the LM head is its own tensor), so every name is filled
+    params = dict(sampler.named_parameters(remove_duplicate=False))
+    for name, p in policy.lm.named_parameters(remove_duplicate=False):
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         params[name].copy_(full.to(params[name].dtype))
 
 
 def full_state(policy, opt):
     """(model state dict, optimizer state dict) as full CPU tensors on rank 0 (None elsewhere)."""
-    if WORLD == 1:
+    if not sharded(policy):
         return policy.lm.state_dict(), opt.state_dict()
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
@@ -113,7 +197,7 @@ def full_state(policy, opt):
 
 
 def load_optimizer(policy, opt, state):
-    if WORLD == 1:
+    if not sharded(policy):
         opt.load_state_dict(state)
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict

@@ -2,7 +2,9 @@
 
 It yields the two things the RL step needs from the policy before it changes:
 - old token log-probs at the sampling temperature (chunked LM head, `grpo.logprobs_from_hidden`),
-  the denominators of the PPO ratio;
+  the denominators of the PPO ratio, needed only with several updates per batch (--ppo-epochs > 1;
+  with one update the old log-probs are the current ones, detached, and train.py passes
+  logprobs=False, so this pass never runs the LM head);
 - probe features at the truncation points: the last decoder layer's output (before the final
   norm), averaged over the `last_k` = 4 positions before each budget end (`probe.prefix_features`).
   With final_norm=True it is instead the final normed state of the single last token of the

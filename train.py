@@ -1,8 +1,11 @@
 """RLCM: GRPO with a confidence-margin reward read off the policy's hidden states.
 
     python train.py                                        # the offline toy world, CPU, minutes
-    python train.py --model deepseek-r1-distill-qwen-7b    # one GPU (bf16)
-    torchrun --nproc_per_node 8 train.py --model deepseek-r1-distill-qwen-7b --data deepscaler
+    python train.py --nproc 2                              # the same on two CPU processes (gloo)
+    python train.py --model deepseek-r1-distill-qwen-7b    # one worker per GPU of this node (FSDP2)
+    python train.py --model deepseek-r1-distill-qwen-7b --plan --gpus 8 --gpu-mem 80   # memory plan
+    python train.py --model deepseek-r1-distill-qwen-7b --offload   # 1-2 GPUs: state in host memory
+    torchrun --nnodes 2 --nproc_per_node 8 ... train.py --model ...  # several nodes: torchrun's ranks
     python train.py --resume runs/toy                      # continue a run from its last checkpoint
     python train.py --plot runs/toy                        # redraw runs/toy/curves.png
 
@@ -11,7 +14,9 @@ scoring forward (old log-probs + probe features) -> probe fit on this batch -> p
 C_b -> margin -> R = r_nat + lam * margin -> group advantages -> one clipped policy-gradient step.
 
 Kept from GRPO: group-normalised advantages, the clipped ratio, token-mean aggregation.
-Dropped: the KL penalty (kl_coef 0, as released) and several PPO epochs (one update per batch).
+Dropped: the KL penalty (kl_coef 0, as released) and several PPO epochs (one update per batch, so
+the old log-probs are the current ones detached and the ratio is exactly 1; --ppo-epochs > 1 keeps
+the rollout weights' log-probs as the old ones).
 The probe never sends a gradient into the policy: the margin enters only through the scalar reward.
 """
 import json
@@ -29,13 +34,16 @@ from tqdm import tqdm
 import data
 import heldout
 import grade
+import launch
+import plan
 import probe as probe_lib
 import runlog
 import checkpoint as ckpt_lib
 from checkpoint import UserError
 import config
 from config import resolve_args
-from parallel import MASTER, RANK, WORLD, all_gather, all_sum, full_state, load_optimizer, refresh_sampler, setup, teardown, wrap
+from parallel import (MASTER, RANK, WORLD, all_gather, all_sum, full_state, load_optimizer, load_sharded,
+                      refresh_sampler, setup, sharded, teardown, wrap)
 from grpo import group_advantages, pack, policy_loss
 from label import budgets, mc_labels
 from metrics import ece
@@ -161,12 +169,18 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
     ends = budget_ends(batch["prompt_lens"], cuts)
     lengths = [len(p) + len(r) for p, r in zip(traj_prompts, out.ids)]
     mbs = micro_batches(lengths, cfg["micro_tokens"])
-    old_logp, feats = torch.zeros(batch["loss_mask"].shape), []
+    # One update per batch is exactly on-policy: update() uses the current log-probs, detached, as
+    # the old ones, so this pass only gathers probe features (and is skipped without a probe).
+    on_policy = cfg["ppo_epochs"] == 1
+    old_logp = None if on_policy else torch.zeros(batch["loss_mask"].shape)
+    feats = []
     with timer("score"):
-        for mb in mbs:
+        for mb in mbs if rlcm or not on_policy else []:
             sub, L = micro_batch(batch, mb, device)
-            lp, f, _ = score(sampler, sub, ends[mb], cfg["temperature"], cfg["chunk_size"])
-            old_logp[mb, :L - 1] = lp.cpu()
+            lp, f, _ = score(sampler, sub, ends[mb], cfg["temperature"], cfg["chunk_size"],
+                             logprobs=not on_policy)
+            if not on_policy:
+                old_logp[mb, :L - 1] = lp.cpu()
             feats.append(f.cpu())
     feats = torch.cat(feats) if feats else torch.zeros(0)
 
@@ -185,7 +199,9 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
 
     lr = sched.get_last_lr()[0]
     with timer("update"):
-        upd = update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device)
+        for epoch in range(cfg["ppo_epochs"]):  # stats of the last epoch are logged
+            last = epoch == cfg["ppo_epochs"] - 1
+            upd = update(policy, opt, sched if last else None, batch, old_logp, adv, mbs, cfg, device)
     local = [correct.sum().item(), R.sum().item(), margin.sum().item(), signal.sum().item(),
              len(out.ids), sum(out.lengths), sum(f == "length" for f in out.finish),
              zero_var_groups(R, G), len(rows)]
@@ -241,7 +257,12 @@ def zero_var_groups(R, G):
 def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device):
     """One optimizer step over all micro-batches. Each micro-batch's loss is weighted by its share of
     the batch's tokens (token-mean) or sequences (seq-mean, seq-sum-norm), so the summed gradient is
-    that of one loss over the whole batch, however it is cut."""
+    that of one loss over the whole batch, however it is cut.
+
+    old_logp [N, T] from the scoring pass, or None for the on-policy case: the current log-probs,
+    detached, so ratio = exp(logp - logp.detach()) is exactly 1 whatever the compute precision.
+    sched: stepped after the optimizer (None: not stepped, for all but the last PPO epoch).
+    """
     policy.train()
     mask = batch["loss_mask"]
     weights = mask.sum(1) if cfg["agg"] == "token-mean" else torch.ones(len(mask))
@@ -249,29 +270,35 @@ def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device):
     # FSDP averages gradients over ranks, so each rank's share is scaled back up by WORLD
     n_mb = int(max(all_gather(len(mbs))))
     sums = dict.fromkeys(("loss", "clip_frac", "kl", "ratio_mean"), 0.0)
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and WORLD == 1 else nullcontext()
+    # one plain GPU: autocast; under FSDP2 its mixed-precision policy casts instead
+    plain_gpu = device.type == "cuda" and not sharded(policy)
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if plain_gpu else nullcontext()
     for j in range(n_mb):
         mb = mbs[min(j, len(mbs) - 1)] if mbs else [0]
-        scale = weights[mb].sum().item() * WORLD / max(total, 1.0) if j < len(mbs) else 0.0
+        w = weights[mb].sum().item() if j < len(mbs) else 0.0  # a whole number: exact means below
         sub, L = micro_batch(batch, mb, device)
         with amp:
             logp = policy(sub["input_ids"], sub["attention_mask"], cfg["temperature"], cfg["chunk_size"])
-        loss, st = policy_loss(logp.float(), old_logp[mb, :L - 1].to(device), adv[mb].to(device),
-                               sub["loss_mask"], cfg["clip_low"], cfg["clip_high"], agg=cfg["agg"],
+        logp = logp.float()
+        old = logp.detach() if old_logp is None else old_logp[mb, :L - 1].to(device)
+        loss, st = policy_loss(logp, old, adv[mb].to(device), sub["loss_mask"], cfg["clip_low"],
+                               cfg["clip_high"], agg=cfg["agg"],
                                norm_const=cfg["max_new_tokens"])
         if not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite loss ({loss.item()}) in micro-batch {j}")
-        (loss * scale).backward()
+        (loss * (w * WORLD / max(total, 1.0))).backward()
         for key, value in (("loss", loss.item()), *st.items()):
-            sums[key] += value * scale / WORLD  # weighted like the loss: a batch-wide mean
+            sums[key] += value * w  # weighted like the loss: a batch-wide mean
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg["grad_clip"])
     grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
     if not math.isfinite(grad_norm):
         raise FloatingPointError(f"non-finite gradient norm ({grad_norm})")
     opt.step()
     opt.zero_grad(set_to_none=True)
-    sched.step()
-    return dict(zip(sums, all_sum(list(sums.values()), device)), grad_norm=grad_norm)
+    if sched is not None:
+        sched.step()
+    return dict(zip(sums, (v / max(total, 1.0) for v in all_sum(list(sums.values()), device))),
+                grad_norm=grad_norm)
 
 
 def peak_memory(device):
@@ -299,7 +326,7 @@ def run(cfg):
     if cfg["steps"] == 0:
         print0("--steps 0: nothing to train; nothing was loaded or written")
         return
-    device = setup()
+    device = setup(cfg["offload"])
     if device.type == "cpu" and cfg["model"] == "toy":
         torch.set_num_threads(1)  # the toy's ops are too small to gain from threads; they only contend
     out = cfg["out"]
@@ -326,7 +353,13 @@ def run(cfg):
                                limit=cfg["eval_n"]) if cfg["eval_n"] else []
     torch.manual_seed(cfg["seed"]), np.random.seed(cfg["seed"]), random.seed(cfg["seed"])
 
-    model, tok = load_policy(ckpt or cfg["model"], cfg, device)
+    if torch.distributed.is_initialized():  # rank 0 reads the weights, the others get their shards
+        policy, sampler, model, tok = load_sharded(
+            ckpt or cfg["model"], device, cfg["offload"], cfg["trust_remote_code"],
+            checkpoint_activations if cfg["grad_ckpt"] else None)
+    else:
+        model, tok = load_policy(ckpt or cfg["model"], cfg, device)
+        policy, sampler = wrap(model, device)
     if cfg["max_prompt_tokens"]:
         rows, dropped = data.drop_long_prompts(rows, tok, cfg["max_prompt_tokens"], instruction)
         print0(f"training set: {len(rows)} problems, {dropped} dropped (prompt over {cfg['max_prompt_tokens']} tokens)")
@@ -336,7 +369,6 @@ def run(cfg):
                        cfg["max_new_tokens"], cfg["data"], say=print0)
     if not held:  # a new folder: made only now that the data and the model are known to load
         hold_lock(out)
-    policy, sampler = wrap(model, device)
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg["lr"], weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(cfg["warmup"], 1)))
     probe = probe_lib.Probe(model.config.hidden_size)
@@ -346,7 +378,9 @@ def run(cfg):
     samples_path, heldout_path = os.path.join(out, "samples.jsonl"), os.path.join(out, "heldout.jsonl")
     if ckpt:
         with ckpt_lib.reading(os.path.join(ckpt, "state.pt")):
-            state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=True)
+            # mmap: the optimizer state is read from rank 0 (load_optimizer broadcasts it), so other
+            # ranks never page in the 8 N bytes of the full AdamW state
+            state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=True, mmap=True)
             load_optimizer(policy, opt, state["optimizer"])
             sched.load_state_dict(state["scheduler"])
             step, cursor = state["step"], state["cursor"]
@@ -461,6 +495,17 @@ def main(argv=None):
         if cfg["plot"]:
             print(runlog.plot_curves(cfg["plot"]))
         else:
+            if cfg["plan"]:
+                plan.check(cfg, show=True)
+                return
+            plan.check(cfg, show=False)  # an impossible run stops here, before any weights are read
+            workers = launch.worker_count(cfg)
+            if workers > 1:
+                code = launch.launch(os.path.abspath(__file__), sys.argv[1:] if argv is None else argv,
+                                     workers, torch.cuda.is_available())
+                if code:
+                    sys.exit(code)
+                return
             run(cfg)
     except (UserError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,20 +1,25 @@
-"""Run by test_parallel.py: one policy update on a fixed batch, in 1 process or under torchrun.
+"""Run by test_parallel.py: one policy update on a fixed batch, in 1 process or under torchrun,
+then one probe fit on features that differ per rank.
 
 Each rank takes every WORLD-th sequence; with FSDP2 the update must equal the one-process update
-on the whole batch (the loss is a token-mean over all ranks' tokens).
+on the whole batch (the loss is a token-mean over all ranks' tokens). The probe is fitted on the
+pairs pooled from all ranks, so every rank must end with the same probe.
 """
+import os
 import sys
 
 import torch
 
+import probe as probe_lib
 import tiny
 import train
 from grpo import pack
-from parallel import MASTER, RANK, WORLD, full_state, setup, teardown, wrap
+from parallel import MASTER, RANK, WORLD, full_state, load_sharded, setup, teardown, wrap
 
-device = setup()
+offload = os.environ.get("OFFLOAD") == "1"  # FSDP2 with CPUOffloadPolicy, also as one rank
+device = setup(offload)
 model = tiny.model(vocab_size=64, hidden=32, layers=2, seed=0).train()
-policy, _ = wrap(model, device)
+policy, _ = wrap(model, device, offload)
 opt = torch.optim.SGD(policy.parameters(), lr=0.5)
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
 g = torch.Generator().manual_seed(0)
@@ -24,10 +29,34 @@ adv = torch.tensor([1.0, -0.5, 0.3, -1.2])
 mine = list(range(RANK, 4, WORLD))
 batch = pack([prompts[i] for i in mine], [responses[i] for i in mine], pad_id=0)
 old = torch.full(batch["loss_mask"].shape, -4.0)
-cfg = dict(agg="token-mean", temperature=0.8, chunk_size=4, clip_low=0.2, clip_high=0.2, grad_clip=1e9)
+cfg = dict(agg="token-mean", temperature=0.8, chunk_size=4, clip_low=0.2, clip_high=0.2, grad_clip=1e9,
+           probe_passes=4, probe_batch=4, corner="zero")
 mbs = [[j] for j in range(len(mine))]  # one sequence per micro-batch: accumulation is exercised
 stats = train.update(policy, opt, sched, batch, old, adv[mine], mbs, cfg, device)
 state, _ = full_state(policy, opt)
+
+torch.manual_seed(0)  # the same initial probe on every rank, as train.run builds it
+probe = probe_lib.Probe(32)
+probe_opt = probe_lib.make_optimizer(probe)
+feats = torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(100 + RANK))
+ends = torch.tensor([[5, 7, 9], [4, 6, 0]])
+labels = [[1.0, 0.5, 0.0], [0.25, 1.0]] if RANK == 0 else [[0.0, 0.0, 1.0], [0.75, 0.5]]
+train.probe_margin(probe, probe_opt, feats, ends, labels, cfg, seed=3)
+torch.save(probe.state_dict(), f"{sys.argv[1]}.probe{RANK}")
+
+if torch.distributed.is_initialized():  # the lean start: rank 0 reads the toy, the others get shards
+    from checkpoint import load_model
+    ref, _ = load_model("toy")
+    lean, sampler, lm, _ = load_sharded("toy", device, offload)
+    ids = torch.tensor([[5, 9, 3, 7, 11, 2, 40]])
+    with torch.no_grad():
+        diffs = dict(sampler=(sampler(ids).logits - ref(ids).logits).abs().max().item())
+        mine = dict(lm.named_parameters(remove_duplicate=False))
+        diffs["policy"] = max((mine[n].full_tensor().cpu() - p).abs().max().item()
+                              for n, p in ref.named_parameters(remove_duplicate=False))
+        diffs["buffers"] = max((b.cpu() - dict(ref.named_buffers())[n]).abs().max().item()
+                               for n, b in list(lm.named_buffers()) + list(sampler.named_buffers()))
+    torch.save(diffs, f"{sys.argv[1]}.lean{RANK}")
 if MASTER:
     torch.save({k: v.detach().cpu() for k, v in state.items()}, sys.argv[1])
     print("loss", stats["loss"])

@@ -8,9 +8,10 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run(tmp_path, world):
-    out = str(tmp_path / f"w{world}.pt")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE]), "OMP_NUM_THREADS": "1"}
+def run(tmp_path, world, offload=False):
+    out = str(tmp_path / f"w{world}{'-offload' if offload else ''}.pt")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE]), "OMP_NUM_THREADS": "1",
+           "OFFLOAD": "1" if offload else "0"}
     cmd = [sys.executable, os.path.join(HERE, "fsdp_update.py"), out]
     if world > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -28,23 +29,78 @@ def test_fsdp_update_equals_single_process(tmp_path):
     assert moved > 1e-4  # the step did something
     for k in one:
         assert torch.allclose(one[k], two[k], atol=1e-5), (k, (one[k] - two[k]).abs().max())
+    # the probe is fitted on the pairs pooled from both ranks: the same probe on each
+    a, b = (torch.load(str(tmp_path / f"w2.pt.probe{r}"), weights_only=True) for r in (0, 1))
+    torch.manual_seed(0)
+    init = __import__("probe").Probe(32).state_dict()
+    assert any(not torch.equal(a[k], init[k]) for k in a)  # the fit moved it
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    # the lean start (rank 0 reads, shards broadcast, buffers rebuilt) gives the model as saved
+    for r in (0, 1):
+        assert torch.load(str(tmp_path / f"w2.pt.lean{r}")) == dict(sampler=0.0, policy=0.0, buffers=0.0)
 
 
-def test_two_process_training_run_writes_a_loadable_checkpoint(tmp_path):
-    """The whole loop under torchrun on gloo: pooled probe fit, sharded update, full-state save."""
-    import json
+def test_offloaded_update_equals_single_process(tmp_path):
+    """--offload on one rank: FSDP2 keeps params, grads and optimizer state on the host."""
+    one, off = run(tmp_path, 1), run(tmp_path, 1, offload=True)
+    assert one.keys() == off.keys()
+    for k in one:
+        assert torch.allclose(one[k], off[k], atol=1e-6), (k, (one[k] - off[k]).abs().max())
+    assert torch.load(str(tmp_path / "w1-offload.pt.lean0")) == dict(sampler=0.0, policy=0.0, buffers=0.0)
+
+
+def test_rebuild_buffers_repairs_what_to_empty_leaves_as_garbage(tmp_path):
+    """A model built on the meta device and materialised with to_empty has its weights loaded from
+    the state dict, but not its rotary inv_freq (a non-persistent buffer): rebuild it."""
     from transformers import AutoModelForCausalLM
-    run = str(tmp_path / "run")
-    root = os.path.dirname(HERE)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(root, "train.py"), "--steps", "2", "--out", run, "--prompts-per-step", "4",
-           "--group-size", "4", "--max-new-tokens", "40", "--eval-n", "8", "--save-every", "1"]
-    res = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=root,
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    steps = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
-    assert [r["step"] for r in steps if not r.get("eval")] == [1, 2]
-    # one rank holds 2 prompts x 4 samples x at most 3 cuts = 24 prefixes: more means both were pooled
-    assert all(r["prefixes"] > 24 for r in steps if not r.get("eval"))
-    model = AutoModelForCausalLM.from_pretrained(os.path.join(run, "checkpoints", "step_000002"))
-    assert all(torch.isfinite(p).all() for p in model.parameters())
+    from parallel import rebuild_buffers
+    ref = __import__("tiny").model(vocab_size=64, hidden=32, layers=2, seed=0)
+    with torch.device("meta"):
+        lean = AutoModelForCausalLM.from_config(ref.config)
+    lean.to_empty(device="cpu")
+    lean.load_state_dict(ref.state_dict())
+    for b in lean.buffers():
+        b.fill_(float("nan"))  # what uninitialised memory may hold
+    ids = torch.tensor([[5, 9, 3, 7, 11, 2]])
+    assert not torch.allclose(lean(ids).logits, ref(ids).logits, atol=1e-2)
+    rebuild_buffers(lean, "cpu")
+    assert {n for n, _ in lean.named_buffers()} == {n for n, _ in ref.named_buffers()}
+    for (n, b), (_, r) in zip(lean.named_buffers(), ref.named_buffers()):
+        assert b.dtype == r.dtype and torch.equal(b, r), n
+    assert torch.equal(lean(ids).logits, ref(ids).logits)
+
+
+def test_on_policy_update_equals_the_scored_old_logprobs_in_fp32():
+    """One update per batch: old log-probs = current ones detached (ratio exactly 1) gives the same
+    step as old log-probs from a separate scoring pass with the same fp32 weights."""
+    import copy
+    import train
+    from grpo import pack
+    from parallel import wrap
+    from score import score
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(4, 60, (n,), generator=g).tolist() for n in (3, 5, 4)]
+    responses = [torch.randint(4, 60, (n,), generator=g).tolist() for n in (6, 2, 7)]
+    batch = pack(prompts, responses, pad_id=0)
+    adv = torch.tensor([1.0, -0.5, 0.3])
+    cfg = dict(agg="token-mean", temperature=0.8, chunk_size=4, clip_low=0.2, clip_high=0.2, grad_clip=1.0)
+    mbs, out = [[0, 1], [2]], {}
+    for path in ("on-policy", "scored"):
+        model = __import__("tiny").model(vocab_size=64, hidden=32, layers=2, seed=0)
+        policy, _ = wrap(model, torch.device("cpu"))
+        opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        old = None
+        if path == "scored":
+            old = score(copy.deepcopy(model).eval(), batch, torch.zeros(3, 1, dtype=torch.long),
+                        cfg["temperature"], cfg["chunk_size"])[0]
+        stats = train.update(policy, opt, sched, batch, old, adv, mbs, cfg, torch.device("cpu"))
+        out[path] = (stats, {k: v.detach().clone() for k, v in model.state_dict().items()})
+    (s1, w1), (s2, w2) = out["on-policy"], out["scored"]
+    assert s1["ratio_mean"] == 1.0 and s1["clip_frac"] == 0.0
+    assert abs(s2["ratio_mean"] - 1.0) < 1e-6 and s2["clip_frac"] == 0.0
+    assert abs(s1["loss"] - s2["loss"]) < 1e-6
+    init = __import__("tiny").model(vocab_size=64, hidden=32, layers=2, seed=0).state_dict()
+    assert max((w1[k] - init[k]).abs().max().item() for k in w1) > 1e-3
+    for k in w1:
+        assert torch.allclose(w1[k], w2[k], atol=1e-6), (k, (w1[k] - w2[k]).abs().max())

@@ -1,0 +1,127 @@
+"""Start one training worker per GPU (or `--nproc N` workers on CPU) from a plain `python train.py`.
+
+Each worker is a fresh `python train.py ARGS` with RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR /
+MASTER_PORT set, which is what `torchrun --standalone --nproc_per_node N` does: parallel.py reads
+the rank when it is imported, so workers must be new interpreters (not forks of this one). Under
+torchrun (RANK already set) nothing is launched; multi-node runs use `torchrun --nnodes M ...`
+and take the same code path.
+
+Rank 0 writes to this terminal; the other ranks write to log files in a temporary folder. When a
+worker fails, the others are stopped at once and the launcher exits with that worker's exit code,
+printing its last lines once (one "error: ..." line for a user error). Workers die with the
+launcher (Linux parent-death signal), so a killed launcher leaves no orphans behind to resume over.
+"""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+
+def worker_count(cfg):
+    """Processes to start here: 0 when already a worker (under torchrun or launched by us)."""
+    if "RANK" in os.environ:
+        return 0
+    import torch
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cfg.get("nproc") and gpus and cfg["nproc"] > gpus:
+        from checkpoint import UserError
+        raise UserError(f"--nproc {cfg['nproc']}: this machine shows only {gpus} GPUs (one worker per GPU)")
+    return cfg.get("nproc") or gpus or 1
+
+
+def _die_with_parent():
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux: a killed launcher leaves its workers running
+        pass
+
+
+def tail(path, lines=25):
+    """The last traceback (or the last `lines` lines) of a log file."""
+    with open(path, errors="replace") as f:
+        text = f.read().replace("\r", "\n").splitlines()
+    starts = [i for i, line in enumerate(text) if line.startswith("Traceback")]
+    text = text[starts[-1]:] if starts else text
+    return "\n".join([line for line in text if line.strip()][-lines:])
+
+
+def launch(script, argv, nproc, cuda=False):
+    """Run `python script *argv` as nproc ranks; return the exit code (0, or the failed worker's)."""
+    from parallel import free_port
+    logs = tempfile.mkdtemp(prefix="rlcm-workers-")
+    port = str(free_port())
+    procs, exits, failed, shown = [], {}, threading.Event(), []
+
+    def watch(rank, proc):
+        code = proc.wait()
+        exits[rank] = (time.monotonic(), code)
+        if code != 0:
+            failed.set()
+
+    for rank in range(nproc):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+               "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        if not cuda:
+            env.setdefault("OMP_NUM_THREADS", "1")  # like torchrun: N ranks share the cores
+        log = open(os.path.join(logs, f"rank{rank}.log"), "w")
+        err = subprocess.PIPE if rank == 0 else log
+        proc = subprocess.Popen([sys.executable, script, *argv], env=env, stdout=None if rank == 0 else log,
+                                stderr=err, preexec_fn=_die_with_parent)
+        procs.append((proc, log))
+        threading.Thread(target=watch, args=(rank, proc), daemon=True).start()
+
+    def relay(proc, log):
+        # rank 0's stderr (progress bar, tracebacks) goes to the terminal until some worker fails
+        for chunk in iter(lambda: os.read(proc.stderr.fileno(), 4096), b""):
+            log.write(chunk.decode(errors="replace"))
+            log.flush()
+            if not failed.is_set():
+                shown.append(chunk.decode(errors="replace"))
+                sys.stderr.write(shown[-1])
+                sys.stderr.flush()
+
+    relay_thread = threading.Thread(target=relay, args=procs[0], daemon=True)
+    relay_thread.start()
+    interrupted = False
+    try:
+        while len(exits) < nproc and not failed.is_set():
+            time.sleep(0.05)
+    except KeyboardInterrupt:  # the workers got the same Ctrl-C (one process group)
+        interrupted = True
+        failed.set()
+    if failed.is_set():
+        for proc, _ in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + 10
+        for proc, _ in procs:
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    relay_thread.join(5)
+    for _, log in procs:
+        log.close()
+    if interrupted:
+        print(f"interrupted; all workers stopped (logs: {logs})", file=sys.stderr)
+        return 130
+    bad = sorted((t, rank, code) for rank, (t, code) in exits.items() if code != 0)
+    if not bad:
+        shutil.rmtree(logs, ignore_errors=True)
+        return 0 if len(exits) == nproc else 130
+    _, rank, code = bad[0]
+    text = tail(os.path.join(logs, f"rank{rank}.log"))
+    last = text.splitlines()[-1] if text else ""
+    if code == 2 and last.startswith("error:"):  # a user error: its one line (rank 0's is already shown)
+        if last not in "".join(shown):
+            print(last, file=sys.stderr)
+    else:
+        print(f"\nerror: worker {rank} of {nproc} failed (exit code {code}); the other workers were "
+              f"stopped. Its last lines (all logs: {logs}):\n{text}", file=sys.stderr)
+    return code

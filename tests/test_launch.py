@@ -1,0 +1,110 @@
+"""`python train.py --nproc 2`: the launcher starts two gloo workers, stops them all when one fails,
+takes them down with it when killed, and a resumed two-process run ends where an uninterrupted one does."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "40", "--eval-n", "8",
+         "--eval-every", "0", "--gen-batch", "64"]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONHASHSEED": "0"}
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped) counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def children(pid):
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+def test_a_failing_worker_stops_the_others_and_its_error_is_shown_once(tmp_path):
+    script = tmp_path / "work.py"
+    script.write_text("import os, sys, time\n"
+                      "if os.environ['RANK'] == '1':\n"
+                      "    time.sleep(1)\n"
+                      "    raise RuntimeError('boom on rank ' + os.environ['RANK'])\n"
+                      "print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], flush=True)\n"
+                      "time.sleep(120)\n")
+    code = ("import sys, launch; sys.exit(launch.launch(sys.argv[1], [], 2))")
+    start = time.monotonic()
+    res = subprocess.run([sys.executable, "-c", code, str(script)], cwd=ROOT, env=ENV,
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1
+    assert time.monotonic() - start < 30  # rank 0 was stopped, not waited for
+    assert "rank 0 of 2" in res.stdout
+    assert res.stderr.count("RuntimeError: boom on rank 1") == 1, res.stderr
+    assert "worker 1 of 2 failed" in res.stderr
+
+
+def test_a_user_error_in_the_workers_is_one_line(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_000001").mkdir(parents=True)
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--nproc", "2", "--out", str(run)],
+                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    err = res.stderr.strip()
+    assert res.returncode == 2 and "Traceback" not in err, err
+    assert err.count("error:") == 1 and "already holds a run" in err, err
+
+
+def launch(args, out):
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), "--nproc", "2", *args,
+                             "--out", out], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_two_process_run_and_resume_after_killing_the_launcher(tmp_path):
+    """Uninterrupted run vs a run whose launcher is SIGKILLed after step 2 and resumed: same weights."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    args = ["--steps", "4", "--save-every", "1", *SMALL]
+    full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
+    a, b = launch(args, full), launch(args, cut)
+    second = os.path.join(cut, "checkpoints", "step_000002")
+    deadline = time.time() + 400
+    while not os.path.isdir(second) and b.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    workers = children(b.pid)
+    b.send_signal(signal.SIGKILL)
+    b.wait()
+    assert os.path.isdir(second), "the run should have reached step 2 before the kill"
+    assert len(workers) == 2
+    deadline = time.time() + 20
+    while any(alive(p) for p in workers) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in workers), "workers outlived their launcher"
+    assert a.wait(timeout=400) == 0, a.stderr.read()[-3000:]
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--nproc", "2", "--resume", cut],
+                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+    steps = [json.loads(line) for line in open(os.path.join(full, "metrics.jsonl"))]
+    steps = [r for r in steps if not r.get("eval")]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]  # one row per step
+    # one rank holds 2 prompts x 4 samples x at most 3 cuts = 24 prefixes: more means both were pooled
+    assert all(r["prefixes"] > 24 for r in steps)
+    assert all(r["ratio_mean"] == 1.0 and r["clip_frac"] == 0.0 for r in steps)  # exactly on-policy
+    wa = load_file(os.path.join(full, "checkpoints", "step_000004", "model.safetensors"))
+    wb = load_file(os.path.join(cut, "checkpoints", "step_000004", "model.safetensors"))
+    w0 = load_file(os.path.join(ROOT, "toy_base", "model.safetensors"))
+    assert max((wa[k] - w0[k]).abs().max().item() for k in w0) > 0  # training moved the weights
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(cut, "checkpoints", "step_000004"))
+    assert all(torch.isfinite(p).all() for p in model.parameters())
