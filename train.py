@@ -330,8 +330,6 @@ def run(cfg):
     if device.type == "cpu" and cfg["model"] == "toy":
         torch.set_num_threads(1)  # the toy's ops are too small to gain from threads; they only contend
     out = cfg["out"]
-    if not cfg["resume"]:
-        ckpt_lib.check_available(cfg["model"])  # a missing model is reported before any data loads
     held = os.path.isdir(out)
     if held:
         hold_lock(out)
@@ -498,6 +496,8 @@ def main(argv=None):
             if cfg["plan"]:
                 plan.check(cfg, show=True)
                 return
+            if not cfg["resume"]:
+                ckpt_lib.check_available(cfg["model"])  # a missing model is reported before anything is read
             plan.check(cfg, show=False)  # an impossible run stops here, before any weights are read
             workers = launch.worker_count(cfg)
             if workers > 1:

@@ -55,13 +55,12 @@ def test_a_failing_worker_stops_the_others_and_its_error_is_shown_once(tmp_path)
 
 
 def test_a_user_error_in_the_workers_is_one_line(tmp_path):
-    run = tmp_path / "run"
-    (run / "checkpoints" / "step_000001").mkdir(parents=True)
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--nproc", "2", "--out", str(run)],
-                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    run, missing = tmp_path / "run", tmp_path / "no-such-train.jsonl"   # the data is read by the workers
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--nproc", "2", "--out", str(run),
+                          "--data", str(missing)], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     err = res.stderr.strip()
     assert res.returncode == 2 and "Traceback" not in err, err
-    assert err.count("error:") == 1 and "already holds a run" in err, err
+    assert err.count("error:") == 1 and "file not found" in err and str(missing) in err, err
 
 
 def launch(args, out):

@@ -83,7 +83,7 @@ def test_on_policy_update_equals_the_scored_old_logprobs_in_fp32():
     responses = [torch.randint(4, 60, (n,), generator=g).tolist() for n in (6, 2, 7)]
     batch = pack(prompts, responses, pad_id=0)
     adv = torch.tensor([1.0, -0.5, 0.3])
-    cfg = dict(agg="token-mean", temperature=0.8, chunk_size=4, clip_low=0.2, clip_high=0.2, grad_clip=1.0)
+    cfg = dict(agg="token-mean", max_new_tokens=8, temperature=0.8, chunk_size=4, clip_low=0.2, clip_high=0.2, grad_clip=1.0)
     mbs, out = [[0, 1], [2]], {}
     for path in ("on-policy", "scored"):
         model = __import__("tiny").model(vocab_size=64, hidden=32, layers=2, seed=0)
