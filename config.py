@@ -19,7 +19,7 @@ COMMON = dict(model="toy", problem_field=None, answer_field=None, trust_remote_c
               temperature=0.8, top_p=1.0, reward="rlcm", lam=0.1, k=4, forced_close="think",
               corner="zero", probe_lr=1e-3, probe_passes=16, probe_batch=16, grad_clip=1.0,
               clip_low=0.2, clip_high=0.2, agg="token-mean", chunk_size=1024, seed=0, keep=2,
-              out=None, resume=None)
+              out=None, resume=None, decode=None)
 
 
 
@@ -42,6 +42,8 @@ def build_parser():
     g.add_argument("--temperature", type=float)
     g.add_argument("--top-p", type=float)
     g.add_argument("--gen-batch", type=int, help="prompts per generation call")
+    g.add_argument("--decode", choices=("static", "dynamic"),
+                   help="KV cache for decoding: static + CUDA graphs (default on CUDA) or dynamic (default on CPU)")
     g = p.add_argument_group("reward, labels and probe")
     g.add_argument("--reward", choices=("rlcm", "grpo"))
     g.add_argument("--lam", type=float)

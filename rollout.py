@@ -85,7 +85,8 @@ def sample_next(logits, temperature=1.0, top_p=1.0, noise=None):
 
     temperature 0: argmax (noise unused). Otherwise p = softmax(logits / temperature); with top_p < 1
     a token is kept when the probability mass of the tokens ranked before it is < top_p (so the top
-    one always is); the sample is argmax over kept v of p_v / noise_v.
+    one always is); the sample is argmax over kept v of p_v / noise_v (noise_v > 0; an infinite
+    one only makes v lose).
     """
     if temperature == 0:
         return logits.argmax(-1)
@@ -94,8 +95,7 @@ def sample_next(logits, temperature=1.0, top_p=1.0, noise=None):
         p_sorted, order = probs.sort(dim=-1, descending=True)
         drop = (p_sorted.cumsum(-1) - p_sorted) >= top_p
         probs = probs.scatter(-1, order, p_sorted.masked_fill(drop, 0))
-    # A zero draw would turn a masked 0/0 into NaN, which argmax prefers.
-    return (probs / noise.clamp(min=torch.finfo(noise.dtype).tiny)).argmax(-1)
+    return (probs / noise).argmax(-1)
 
 
 def _cache_kwarg(model) -> str:
@@ -130,10 +130,16 @@ def prefill(model, seqs, pad_id, after=None) -> Prefix:
 
 class Sampler:
     """The sampling settings of one call plus, for the static path, its captured decode steps
-    (kept for the sampler's lifetime so chunks of one call reuse them, freed with it)."""
+    (kept for the sampler's lifetime so chunks of one call reuse them, freed with it).
+
+    share_rows (dynamic path): rows whose histories agree (the n samples of a row before they
+    diverge) share one cache row and one forward; the samples are the same as without. It pays
+    for many samples of short answers (label.py: K forced answers that mostly agree), not for
+    long rollouts, whose rows diverge early and would move the cache at every fork.
+    """
 
     def __init__(self, model, tokenizer, max_new_tokens=256, temperature=1.0, top_p=1.0, stop=(),
-                 eos_ids=None, decode=None):
+                 eos_ids=None, decode=None, share_rows=False):
         if max_new_tokens < 1:
             raise ValueError(f"need max_new_tokens >= 1, got {max_new_tokens}")
         if temperature < 0 or not 0 < top_p <= 1:
@@ -150,7 +156,20 @@ class Sampler:
         self.eos_ids = default_eos_ids(model, tokenizer) if eos_ids is None else [int(i) for i in eos_ids]
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.eos_ids or [0])[0]
         self.device = next(model.parameters()).device
+        self.share_rows = share_rows
         self.static = staticcache.StaticDecoder(model, _cache_kwarg(model)) if decode == "static" else None
+        # A stop string of one byte (labels stop at "\n") lies inside one token, so a row stops
+        # exactly when its new token's text holds it: each distinct id is decoded once per sampler.
+        self.byte_stops = all(len(x.encode()) == 1 for x in self.stop_strs)
+        self._has_stop = {}
+
+    def stop_tokens(self, tok):
+        """The ids among `tok` whose text contains a one-byte stop string (one host copy per step)."""
+        ids = tok.unique().tolist()
+        fresh = [i for i in ids if i not in self._has_stop]
+        for i, text in zip(fresh, self.tokenizer.batch_decode([[i] for i in fresh], skip_special_tokens=True)):
+            self._has_stop[i] = any(x in text for x in self.stop_strs)
+        return torch.tensor([i for i in ids if self._has_stop[i]], dtype=torch.long, device=tok.device)
 
     def prefill(self, seqs, after=None) -> Prefix:
         return prefill(self.model, seqs, self.pad_id, after)
@@ -174,25 +193,38 @@ class Sampler:
                 logits = step(tok)[:rows]
             return state.result()
         cache, mask, pos, logits = prefix.cache, prefix.mask, prefix.last_pos, prefix.logits
-        if n > 1:
+        live = torch.arange(rows, device=self.device)  # rows not yet dropped from the batch
+        src = None  # with share_rows: the cache row (and logits row) of each live row
+        if self.share_rows:
+            src = live // n
+        elif n > 1:
             cache.batch_repeat_interleave(n)
             logits, mask, pos = (x.repeat_interleave(n, dim=0) for x in (logits, mask, pos))
-        live = torch.arange(rows, device=self.device)  # rows still in the model's batch
         extra = {"logits_to_keep": 1} if _keeps_last_logits(self.model) else {}
         for t in range(self.max_new_tokens):
-            tok = state.advance(t, logits, live)
+            tok = state.advance(t, logits if src is None else logits[src], live)
             keep = ~state.done[live]
             n_keep = int(keep.sum())
             if t == self.max_new_tokens - 1 or n_keep == 0:
                 break
-            if n_keep <= 0.75 * len(live):
+            idx, feed = None, tok
+            if src is not None:
+                # One cache row per distinct (cache row, new token) of the running rows.
+                width = logits.shape[-1]
+                key, src = torch.unique(src[keep] * width + tok[keep], return_inverse=True)
+                idx, feed, live = key // width, key % width, live[keep]
+                if len(idx) == len(mask) and bool((idx == torch.arange(len(idx), device=idx.device)).all()):
+                    idx = None  # every cache row has one running continuation: nothing to move
+            elif n_keep <= 0.75 * len(live):
                 # Drop finished rows from the batch (and their KV cache) so long tails decode cheaply.
                 idx = keep.nonzero().squeeze(1)
+                live, feed = live[idx], tok[idx]
+            if idx is not None:
                 cache.batch_select_indices(idx)
-                live, tok, mask, pos = live[idx], tok[idx], mask[idx], pos[idx]
-            mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
+                mask, pos = mask[idx], pos[idx]
+            mask = torch.cat([mask, mask.new_ones(len(mask), 1)], dim=1)
             pos = pos + 1
-            out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos,
+            out = self.model(input_ids=feed[:, None], attention_mask=mask, position_ids=pos,
                              use_cache=True, **{_cache_kwarg(self.model): cache}, **extra)
             logits = out.logits[:, -1]
         return state.result()
@@ -223,9 +255,9 @@ class _Rows:
             logits = logits.clone()
             logits[:, self.vocab:] = float("-inf")
         noise = None
-        if s.temperature > 0:  # one draw for every row of the chunk, live or not (see the docstring)
-            noise = torch.empty((len(self.done), logits.shape[-1]), device=logits.device)
-            noise = noise.exponential_(generator=self.generator)[live]
+        if s.temperature > 0:  # Exp(1) = -log(U) for every row of the chunk, live or not (see the docstring)
+            noise = torch.rand((len(self.done), logits.shape[-1]), device=logits.device, generator=self.generator)
+            noise = noise[live].log_().neg_()
         done = self.done[live]
         tok = torch.where(done, s.pad_id, sample_next(logits, s.temperature, s.top_p, noise))
         self.ids[live, t] = tok
@@ -236,15 +268,17 @@ class _Rows:
         self.reason[live] = torch.where(hit_eos, 1, torch.where(hit_stop, 2, self.reason[live]))
         self.done[live] = done | hit_eos | hit_stop
         if s.stop_strs:
-            # The one host copy per step: the last few tokens of each running row, decoded in one
-            # batched call and searched.
-            running = live[~self.done[live]].tolist()
-            tails = s.tokenizer.batch_decode(self.ids[running, max(0, t + 1 - self.window):t + 1].tolist(),
-                                             skip_special_tokens=True) if running else []
-            hits = [r for r, text in zip(running, tails) if any(x in text for x in s.stop_strs)]
-            if hits:
-                hit = torch.tensor(hits, device=self.done.device)
-                self.reason[hit], self.done[hit] = 2, True
+            running = live[~self.done[live]]
+            if s.byte_stops:
+                hits = running[torch.isin(tok[~self.done[live]], s.stop_tokens(tok))]
+            else:
+                # The last few tokens of each running row, decoded in one batched call and searched.
+                rs = running.tolist()
+                tails = s.tokenizer.batch_decode(self.ids[rs, max(0, t + 1 - self.window):t + 1].tolist(),
+                                                 skip_special_tokens=True) if rs else []
+                hits = torch.tensor([r for r, text in zip(rs, tails) if any(x in text for x in s.stop_strs)],
+                                    dtype=torch.long, device=self.done.device)
+            self.reason[hits], self.done[hits] = 2, True
         return tok
 
     def result(self):

@@ -111,7 +111,7 @@ def held_out_accuracy(sampler, tok, rows, cfg, instruction, device):
     hits = 0
     if prompts:
         out = generate(sampler, tok, prompts, max_new_tokens=cfg["max_new_tokens"], temperature=0.6,
-                       seed=cfg["seed"] + 12345 + RANK, batch_size=cfg["gen_batch"])
+                       seed=cfg["seed"] + 12345 + RANK, batch_size=cfg["gen_batch"], decode=cfg.get("decode"))
         hits = sum(data.is_correct(t, r["answer"]) for t, r in zip(out.texts, mine))
     hits, n = all_sum([hits, len(mine)], device)
     return hits / max(n, 1)
@@ -128,7 +128,7 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
     with timer("rollout"):
         out = generate(sampler, tok, prompts, n=G, max_new_tokens=cfg["max_new_tokens"],
                        temperature=cfg["temperature"], top_p=cfg["top_p"], seed=seed,
-                       batch_size=cfg["gen_batch"])
+                       batch_size=cfg["gen_batch"], decode=cfg.get("decode"))
     golds = [rows[i]["answer"] for i in out.prompt_index]
     traj_prompts = [prompts[i] for i in out.prompt_index]
     correct = torch.tensor([data.is_correct(t, g) for t, g in zip(out.texts, golds)], dtype=torch.float32)
@@ -137,7 +137,8 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
     if rlcm:
         with timer("label"):
             labels = mc_labels(sampler, tok, traj_prompts, out.ids, cuts, golds, k=cfg["k"],
-                               close=cfg["forced_close"], seed=seed + 7, batch_size=cfg["gen_batch"])
+                               close=cfg["forced_close"], seed=seed + 7, batch_size=cfg["gen_batch"],
+                               decode=cfg.get("decode"))
 
     batch = pack(traj_prompts, out.ids, tok.pad_token_id)
     ends = budget_ends(batch["prompt_lens"], cuts)
