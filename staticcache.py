@@ -13,7 +13,7 @@ has a fixed address and shape, so the step is recorded once per shape and replay
     tok, pos       [R], [R, 1]: this step's input token and position id per row
 
 Rows that finish keep decoding a pad token in place (their samples are already final); nothing is
-dropped or reshaped. Shapes are bucketed (R and L rounded up to at most ~12% more), so a run
+dropped or reshaped. Shapes are bucketed (R and L rounded up by less than 1/8), so a run
 captures a handful of graphs; a graph and its buffers live as long as the rollout.Sampler that made
 them (one generate / mc_labels call), so their memory is free again for the training update.
 
@@ -27,8 +27,9 @@ import torch
 
 
 def bucket(x, lo):
-    """x rounded up to a multiple of max(lo, 2 ** (bit_length(x) - 3)): bucket(100, 1) == 112."""
-    step = max(lo, 1 << max(x.bit_length() - 3, 0))
+    """x rounded up to a multiple of max(lo, 2 ** (bit_length(x) - 4)), i.e. by less than 1/8
+    beyond lo: bucket(100, 1) == 104, bucket(8792, 64) == 9216, bucket(70, 64) == 128."""
+    step = max(lo, 1 << max(x.bit_length() - 4, 0))
     return -(-x // step) * step
 
 
