@@ -117,12 +117,13 @@ def main(argv=None):
     p.add_argument("--paths", default="dynamic,static,generate")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--bandwidth", type=float, help="device memory bandwidth in TB/s (CUDA)")
-    p.add_argument("--threads", type=int, help="CPU threads (default: torch's)")
+    p.add_argument("--threads", type=int, help="CPU threads (default 1 for the toy on CPU, as train.py)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    threads = args.threads or (1 if device.type == "cpu" and args.shape == "toy" else None)
+    if threads:
+        torch.set_num_threads(threads)
     if args.shape == "toy":
         model, tok, prompts = toy_world(args.prompts)
         model.to(device)

@@ -21,7 +21,9 @@ follows that tree (`_forced_samples`): per chunk of forced prompts, each distinc
 prefilled once, each trajectory's response up to its longest cut once on top of it, and each cut
 adds only CLOSE + SUFFIX on top of the trajectory's cache with the columns past the cut masked out.
 So a trajectory costs one prefix prefill plus len(budgets) short suffixes (before: len(budgets)
-full forced prompts), plus K * (answer length) decode positions per prefix. Identical forced
+full forced prompts), plus K * (answer length) decode positions per prefix, where the K answers
+of a prefix share one cache row and one forward for as long as they agree (on the dynamic path:
+`rollout.Sampler(share_rows=True)`; the samples are the same as without). Identical forced
 prompts (samples of one problem that agree up to the cut, common for short prefixes) are labelled
 once and share their Y_b: it estimates the same probability. The rollout's own KV cache is not
 kept: holding it from the rollout until labelling would cost the whole batch's cache in memory.
