@@ -90,11 +90,12 @@ def mc_labels(model, tokenizer, prompts, responses, budget_lists, golds, k=4, te
     If `stats` is a dict, the number of forced prompts and sampled answers is added to it.
     decode: rollout's decode path ("static" | "dynamic" | None: static on CUDA).
     """
+    tail = forced_prompt([], [], 0, tokenizer, close, suffix)  # CLOSE + SUFFIX, the same after every cut
     where, unique, cut_of = [], {}, []  # cut_of[j]: the (trajectory, budget) of distinct forced prompt j
     for i, (p, r, bs) in enumerate(zip(prompts, responses, budget_lists)):
         where.append([])
         for b in bs:
-            j = unique.setdefault(tuple(forced_prompt(p, r, b, tokenizer, close, suffix)), len(unique))
+            j = unique.setdefault((*p, *r[:b]), len(unique))
             cut_of += [(i, b)] if j == len(cut_of) else []
             where[-1].append(j)
     gold_of = {}
@@ -103,7 +104,6 @@ def mc_labels(model, tokenizer, prompts, responses, budget_lists, golds, k=4, te
             gold_of.setdefault(j, golds[i])  # equal prompts mean the same problem, hence the same gold
     if not unique:
         return [[] for _ in prompts]
-    tail = forced_prompt([], [], 0, tokenizer, close, suffix)
     out = _forced_samples(model, tokenizer, prompts, responses, cut_of, tail, k=k, temperature=temperature,
                           top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size,
                           decode=decode)
