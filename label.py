@@ -33,6 +33,7 @@ import torch
 from rollout import Sampler, Samples, chunk_generators
 from data import answers_match
 
+LENGTH_GROUP = 2  # trajectories whose longest cuts have bit lengths within this many share a group
 SUFFIX = "\nIf I were to output the final answer now, it would be \\boxed{"
 
 
@@ -104,9 +105,21 @@ def mc_labels(model, tokenizer, prompts, responses, budget_lists, golds, k=4, te
             gold_of.setdefault(j, golds[i])  # equal prompts mean the same problem, hence the same gold
     if not unique:
         return [[] for _ in prompts]
-    out = _forced_samples(model, tokenizer, prompts, responses, cut_of, tail, k=k, temperature=temperature,
-                          top_p=top_p, max_new_tokens=max_new_tokens, seed=seed, batch_size=batch_size,
-                          decode=decode)
+    # Sampled in groups of similar trajectory length (its longest cut, within a factor of 4), so
+    # short prefixes do not carry the padding of long ones through prefill and decode.
+    longest, groups = {}, {}
+    for i, b in cut_of:
+        longest[i] = max(longest.get(i, 0), b)
+    for j, (i, _) in enumerate(cut_of):
+        groups.setdefault(longest[i].bit_length() // LENGTH_GROUP, []).append(j)
+    out = Samples([], [None] * (len(cut_of) * k), [], [], [])
+    for g, js in enumerate(groups[key] for key in sorted(groups)):
+        part = _forced_samples(model, tokenizer, prompts, responses, [cut_of[j] for j in js], tail, k=k,
+                               temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
+                               seed=None if seed is None else seed + 7919 * g, batch_size=batch_size,
+                               decode=decode)
+        for m, j in enumerate(js):
+            out.texts[j * k:(j + 1) * k] = part.texts[m * k:(m + 1) * k]
     y = []
     for j in range(len(unique)):
         answers = (forced_answer(t) for t in out.texts[j * k:(j + 1) * k])
