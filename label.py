@@ -136,13 +136,14 @@ def mc_labels(model, tokenizer, prompts, responses, budget_lists, golds, k=4, te
 def _forced_samples(model, tokenizer, prompts, responses, cut_of, tail, k, temperature, top_p,
                     max_new_tokens, seed=None, batch_size=None, decode=None):
     """k samples of each forced prompt `prompts[i] + responses[i][:b] + tail`, (i, b) in cut_of, in
-    that order (Samples.texts[j*k:(j+1)*k] for cut j), stopping at a newline.
+    that order (Samples.texts[j*k:(j+1)*k] for cut j), stopping at a newline or at the brace that
+    closes the forced box (the answer is complete there).
 
-    The same samples as rollout.generate(forced prompts, n=k, stop="\\n", seed, batch_size) up to
-    float rounding, with the prefill shared along the prefix tree (module docstring).
+    The samples of rollout.generate(forced prompts, n=k, stop="\\n", seed, batch_size) up to float
+    rounding, cut at that brace, with the prefill shared along the prefix tree (module docstring).
     """
     sampler = Sampler(model, tokenizer, max_new_tokens, temperature, top_p, stop=("\n",), decode=decode,
-                      share_rows=True)
+                      share_rows=True, close_depth=1)
     batch_size = batch_size or len(cut_of)
     chunks = [cut_of[s:s + batch_size] for s in range(0, len(cut_of), batch_size)]
     out = Samples([], [], [], [], [])

@@ -136,10 +136,14 @@ class Sampler:
     diverge) share one cache row and one forward; the samples are the same as without. It pays
     for many samples of short answers (label.py: K forced answers that mostly agree), not for
     long rollouts, whose rows diverge early and would move the cache at every fork.
+
+    close_depth: also stop a row (reason "stop") at the token whose text closes more "}" than it
+    opens "{" by this many: label.py's forced answers end at the brace closing the forced
+    `\\boxed{` (close_depth=1); what follows it cannot change the answer.
     """
 
     def __init__(self, model, tokenizer, max_new_tokens=256, temperature=1.0, top_p=1.0, stop=(),
-                 eos_ids=None, decode=None, share_rows=False):
+                 eos_ids=None, decode=None, share_rows=False, close_depth=None):
         if max_new_tokens < 1:
             raise ValueError(f"need max_new_tokens >= 1, got {max_new_tokens}")
         if temperature < 0 or not 0 < top_p <= 1:
@@ -156,12 +160,25 @@ class Sampler:
         self.eos_ids = default_eos_ids(model, tokenizer) if eos_ids is None else [int(i) for i in eos_ids]
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.eos_ids or [0])[0]
         self.device = next(model.parameters()).device
-        self.share_rows = share_rows
+        self.share_rows, self.close_depth, self._braces = share_rows, close_depth, {}
         self.static = staticcache.StaticDecoder(model, _cache_kwarg(model)) if decode == "static" else None
         # A stop string of one byte (labels stop at "\n") lies inside one token, so a row stops
         # exactly when its new token's text holds it: each distinct id is decoded once per sampler.
         self.byte_stops = all(len(x.encode()) == 1 for x in self.stop_strs)
         self._has_stop = {}
+
+    def braces(self, tok):
+        """Per token of `tok`: ("{" minus "}" count, lowest running value of it) of its text."""
+        ids = tok.unique()
+        fresh = [i for i in ids.tolist() if i not in self._braces]
+        for i, text in zip(fresh, self.tokenizer.batch_decode([[i] for i in fresh], skip_special_tokens=True)):
+            depth = low = 0
+            for ch in text:
+                depth += (ch == "{") - (ch == "}")
+                low = min(low, depth)
+            self._braces[i] = (depth, low)
+        table = torch.tensor([self._braces[i] for i in ids.tolist()], dtype=torch.long, device=tok.device)
+        return table[torch.searchsorted(ids, tok)].unbind(-1)
 
     def stop_tokens(self, tok):
         """The ids among `tok` whose text contains a one-byte stop string (one host copy per step)."""
@@ -242,6 +259,7 @@ class _Rows:
         self.eos = torch.tensor(s.eos_ids, dtype=torch.long, device=dev)
         self.stop = torch.tensor(s.stop_ids, dtype=torch.long, device=dev)
         self.vocab = len(s.tokenizer)
+        self.depth = torch.full((rows,), s.close_depth or 0, dtype=torch.long, device=dev)
         # Each token decodes to at least one character, so a stop string of k characters ending at
         # the new token lies within the last k tokens; a few more absorb partial UTF-8 bytes.
         self.window = max((len(x) for x in s.stop_strs), default=0) + 4
@@ -279,6 +297,11 @@ class _Rows:
                 hits = torch.tensor([r for r, text in zip(rs, tails) if any(x in text for x in s.stop_strs)],
                                     dtype=torch.long, device=self.done.device)
             self.reason[hits], self.done[hits] = 2, True
+        if s.close_depth is not None:  # braces are one byte, inside one token (as one-byte stops)
+            delta, low = s.braces(tok)
+            closed = live[~self.done[live] & (self.depth[live] + low <= 0)]
+            self.depth[live] += delta
+            self.reason[closed], self.done[closed] = 2, True
         return tok
 
     def result(self):
