@@ -137,9 +137,9 @@ class Sampler:
     for many samples of short answers (label.py: K forced answers that mostly agree), not for
     long rollouts, whose rows diverge early and would move the cache at every fork.
 
-    close_depth: also stop a row (reason "stop") at the token whose text closes more "}" than it
-    opens "{" by this many: label.py's forced answers end at the brace closing the forced
-    `\\boxed{` (close_depth=1); what follows it cannot change the answer.
+    close_depth: a row also stops (reason "stop") at the token where close_depth plus the "{" minus
+    the "}" of its generated text reaches 0: label.py's forced answers end at the brace that closes
+    the forced `\\boxed{` (close_depth=1), after which nothing can change the answer.
     """
 
     def __init__(self, model, tokenizer, max_new_tokens=256, temperature=1.0, top_p=1.0, stop=(),
