@@ -11,7 +11,8 @@ then random token ids of `--prompt-len`; EOS is switched off so every row decode
 Per path: generated tokens, tokens/s, ms per decode step (wall time / decode steps, prefill
 included) and the ratio to model.generate's tokens/s. On CUDA also the bandwidth floor of a step:
 the bytes a step must read (every weight but the input embedding table, plus the KV cache at the
-run's mean context) over the device's memory bandwidth (--bandwidth TB/s, or looked up: H100
+mean context prompt + max_new_tokens / 2, exact when no row stops early, as with --shape 7b) over
+the device's memory bandwidth (--bandwidth TB/s, or looked up: H100
 3.35, H200 4.8, A100 2.0), and the fraction of it reached (floor / measured ms per step).
 Paths run in turn, `--repeat` times; the median is reported, so a noisy machine shifts all alike.
 """
@@ -116,7 +117,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--paths", default="dynamic,static,generate")
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--bandwidth", type=float, help="device memory bandwidth in TB/s (CUDA)")
+    p.add_argument("--bandwidth", type=float, help="memory bandwidth in TB/s (looked up on CUDA; given: also on CPU)")
     p.add_argument("--threads", type=int, help="CPU threads (default 1 for the toy on CPU, as train.py)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
@@ -167,7 +168,7 @@ def main(argv=None):
         if bandwidth is None:
             print(f"(no bandwidth known for {name}: pass --bandwidth TB/s for the floor)")
     context = statistics.mean(map(len, prompts)) + args.max_new_tokens / 2
-    floor = floor_ms(model, rows, context, bandwidth) if device.type == "cuda" and bandwidth else None
+    floor = floor_ms(model, rows, context, bandwidth) if bandwidth else None
     ref = statistics.median(times["generate"]) if "generate" in times else None
     head = f"{'path':<10}{'tokens':>9}{'seconds':>9}{'tokens/s':>10}{'steps':>7}{'ms/step':>9}{'vs generate':>13}"
     print(head + (f"{'floor ms':>10}{'of floor':>10}" if floor else ""))
