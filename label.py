@@ -17,7 +17,8 @@ closes the forced `\\boxed{` (unclosed: wrong), and the label is
     Y_b = (1/K) * sum_k 1[answer_k == gold]
 
 Cost: the forced prompts of a trajectory share everything before their cut, so their prefill
-follows that tree (`_forced_samples`): per chunk of forced prompts, each distinct problem prompt is
+follows that tree (`_forced_samples`, called per group of similar trajectory length so short
+prefixes carry no padding of long ones): per chunk, each distinct problem prompt is
 prefilled once, each trajectory's response up to its longest cut once on top of it, and each cut
 adds only CLOSE + SUFFIX on top of the trajectory's cache with the columns past the cut masked out.
 So a trajectory costs one prefix prefill plus len(budgets) short suffixes (before: len(budgets)
@@ -25,7 +26,8 @@ full forced prompts), plus K * (answer length) decode positions per prefix, wher
 of a prefix share one cache row and one forward for as long as they agree (on the dynamic path:
 `rollout.Sampler(share_rows=True)`; the samples are the same as without). Identical forced
 prompts (samples of one problem that agree up to the cut, common for short prefixes) are labelled
-once and share their Y_b: it estimates the same probability. The rollout's own KV cache is not
+once and share their Y_b: it estimates the same probability. Sampling ends at the brace closing
+the forced box as well as at a newline: nothing after it changes the answer. The rollout's KV cache is not
 kept: holding it from the rollout until labelling would cost the whole batch's cache in memory.
 """
 import torch
