@@ -27,8 +27,9 @@ of a prefix share one cache row and one forward for as long as they agree (on th
 `rollout.Sampler(share_rows=True)`; the samples are the same as without). Identical forced
 prompts (samples of one problem that agree up to the cut, common for short prefixes) are labelled
 once and share their Y_b: it estimates the same probability. Sampling ends at the brace closing
-the forced box as well as at a newline: nothing after it changes the answer. The rollout's KV cache is not
-kept: holding it from the rollout until labelling would cost the whole batch's cache in memory.
+the forced box as well as at a newline: nothing after it changes the answer. The rollout's KV
+cache is not kept: holding it from the rollout until labelling would cost the whole batch's cache
+in memory.
 """
 import torch
 
