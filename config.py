@@ -28,7 +28,7 @@ COMMON = dict(model="toy", problem_field=None, answer_field=None, trust_remote_c
               clip_low=0.2, clip_high=0.2, agg="token-mean", chunk_size=1024, seed=0, keep=2,
               out=None, resume=None, system_prompt=None, log_samples=4, eval_probe_n=32, wandb=None,
               wandb_run=None, ppo_epochs=1, offload=False, nproc=None, gpus=None, gpu_mem=None,
-              plan=False)
+              plan=False, decode=None)
 NOT_SAVED = ("resume", "config", "plot")  # how a run was started, not what it is
 
 DATA_HELP = ("toy | deepscaler | HF dataset id | local json/jsonl/parquet. deepscaler (40k problems, "
@@ -140,6 +140,8 @@ def build_parser():
     g.add_argument("--temperature", type=float)
     g.add_argument("--top-p", type=float)
     g.add_argument("--gen-batch", type=int, help="prompts per generation call")
+    g.add_argument("--decode", choices=("static", "dynamic"),
+                   help="KV cache for decoding: static + CUDA graphs (default on CUDA) or dynamic (default on CPU)")
     g = p.add_argument_group("reward, labels and probe")
     g.add_argument("--reward", choices=("rlcm", "grpo"))
     g.add_argument("--lam", type=float)

@@ -165,7 +165,8 @@ def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, con
         prompts = [data.chat_prompt(tok, rows[q]["problem"], instruction, system) for q, _ in chunk]
         seed = args.seed * 1_000_003 + chunk[0][0] * 1009 + m
         out = rollout.generate(model, tok, prompts, n=m, max_new_tokens=s["max_new_tokens"],
-                       temperature=args.temperature, top_p=args.top_p, seed=seed, batch_size=len(prompts))
+                       temperature=args.temperature, top_p=args.top_p, seed=seed, batch_size=len(prompts),
+                       decode=args.decode)
         golds = [rows[q]["answer"] for q, _ in chunk for _ in range(m)]
         conf, extras = confidence.sample_confidences(
             model=model, tokenizer=tok, prompts=[p for p in prompts for _ in range(m)], responses=out.ids,
@@ -427,6 +428,7 @@ def parse_args(argv=None):
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--batch-size", type=int, help="questions per generation call (default 64 sequences; toy 256)")
+    g.add_argument("--decode", choices=("static", "dynamic"), help="KV cache for decoding (default: static on CUDA)")
     g.add_argument("--threads", type=int, help="CPU threads (default: torch's; 1 for the toy world on CPU)")
     g = p.add_argument_group("confidence")
     g.add_argument("--confidence", choices=confidence.SOURCES,

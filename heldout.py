@@ -41,7 +41,7 @@ def probe_calibration(model, tok, prb, prompts, out, rows, cfg, seed):
     golds = [r["answer"] for r in rows]
     cuts = [budgets(len(ids), cfg["budgets"]) for ids in out.ids[:n]]
     labels = mc_labels(model, tok, prompts, out.ids[:n], cuts, golds, k=cfg["k"], close=cfg["forced_close"],
-                       seed=seed, batch_size=cfg["gen_batch"], grader=cfg["grader"])
+                       seed=seed, batch_size=cfg["gen_batch"], grader=cfg["grader"], decode=cfg["decode"])
     batch = pack(prompts, out.ids[:n], tok.pad_token_id)
     ends = budget_ends(batch["prompt_lens"], cuts)
     per = max(1, cfg["micro_tokens"] // batch["input_ids"].shape[1])

@@ -4,17 +4,27 @@
     samples.ids[i * 8 + j]   # j-th continuation of prompts[i]: generated ids only, EOS/stop included
 
 How one chunk of prompts is generated:
-  1. prefill: the chunk's B prompts, LEFT-padded to the longest, in one forward pass; position ids
-     are `cumsum(attention_mask) - 1` (clamped at 0) so every prompt starts at position 0.
-  2. share: the KV cache, the last logits, mask and positions are repeated n times along the batch
-     (`DynamicCache.batch_repeat_interleave`), so the n samples of a prompt share its prefill.
-  3. decode: one forward pass per new token over the running rows, keeping only the last position's
-     logits. Once a quarter of the batch has finished, finished rows are dropped from the batch and
-     from the KV cache (`batch_select_indices`), so a few long samples do not drag the rest along.
+  1. prefill (eager): the chunk's B prompts, LEFT-padded to the longest, in one forward pass; position
+     ids are `cumsum(attention_mask) - 1` (clamped at 0) so every prompt starts at position 0.
+     `prefill(..., after=prefix)` appends a further segment to an existing cache (label.py builds
+     forced prompts this way: the prompt once, then the response, then the forced suffix per cut).
+  2. share: rows i*n .. i*n+n-1 continue prompt i; they share its prefill.
+  3. decode, one new token per step, in one of two ways (`decode=`; default static on CUDA):
+     - "dynamic": a `DynamicCache` that grows by one position per step; once a quarter of the batch
+       has finished, finished rows are dropped from the batch and the cache. Eager; the reference.
+     - "static": keys/values preallocated for all rows and a bucketed maximum length
+       (staticcache.py); finished rows stay in place and are masked. On CUDA the decode step is
+       captured once per bucketed shape as a CUDA graph and replayed, so a step costs what the GPU
+       needs to read the weights and the cache, not Python and kernel launches. On CPU the same
+       step runs eagerly, which is how the tests pin it to the dynamic path.
 
-Sampling: temperature 0 is greedy; otherwise softmax(logits / temperature) restricted to the
-smallest set of top tokens whose probability reaches top_p. Ids the tokenizer does not have
-(the 7B model's embedding has 152,064 rows, the tokenizer about 151,666 ids) are never sampled.
+Sampling: temperature 0 is greedy; otherwise p = softmax(logits / temperature) restricted to the
+smallest set of top tokens whose probability reaches top_p, and the token is argmax_v p_v / E_v with
+E_v ~ Exp(1) drawn for every row of the chunk at every step (the exponential race: token v wins with
+probability p_v / sum(p)). Drawing for every row, running or not, makes the random stream independent
+of which rows are still in the batch, so both decode paths give the same samples for the same seed.
+Ids the tokenizer does not have (the 7B model's embedding has 152,064 rows, the tokenizer about
+151,666 ids) are never sampled.
 """
 import inspect
 from dataclasses import dataclass
@@ -22,6 +32,11 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 from transformers import DynamicCache
+
+import staticcache
+
+DECODES = ("static", "dynamic")
+_REASONS = ("running", "eos", "stop", "length")
 
 
 @dataclass
@@ -34,7 +49,22 @@ class Samples:
     prompt_index: list[int] # which prompt each sample continues
 
 
-_REASONS = ("running", "eos", "stop", "length")
+@dataclass
+class Prefix:
+    """The state after a prefill: R rows that can be continued or sampled from.
+
+    cache: DynamicCache over W columns; mask [R, W] long (1 = a real token; holes are allowed);
+    last_pos [R, 1]: position id of each row's last token; logits [R, V]: next-token logits.
+    """
+    cache: DynamicCache
+    mask: torch.Tensor
+    last_pos: torch.Tensor
+    logits: torch.Tensor
+
+    def select(self, index):
+        """Rows by index (repeats allowed), e.g. one trajectory row per cut; consumes self."""
+        self.cache.batch_select_indices(index)
+        return Prefix(self.cache, self.mask[index], self.last_pos[index], self.logits[index])
 
 
 def default_eos_ids(model, tokenizer) -> list[int]:
@@ -46,22 +76,26 @@ def default_eos_ids(model, tokenizer) -> list[int]:
     return sorted(set(int(i) for i in ids))
 
 
-def sample_next(logits, temperature=1.0, top_p=1.0, generator=None):
-    """Next token per row. logits [R, V] float -> ids [R] long.
+def default_decode(model) -> str:
+    return "static" if next(model.parameters()).device.type == "cuda" else "dynamic"
 
-    temperature 0: argmax. Otherwise p = softmax(logits / temperature); with top_p < 1 a token is
-    kept when the probability mass of the tokens ranked before it is < top_p (so the top one always
-    is); torch.multinomial samples from the kept, unnormalised mass.
+
+def sample_next(logits, temperature=1.0, top_p=1.0, noise=None):
+    """Next token per row. logits [R, V] float, noise [R, V] ~ Exp(1) -> ids [R] long.
+
+    temperature 0: argmax (noise unused). Otherwise p = softmax(logits / temperature); with top_p < 1
+    a token is kept when the probability mass of the tokens ranked before it is < top_p (so the top
+    one always is); the sample is argmax over kept v of p_v / noise_v (noise_v > 0; an infinite
+    one only makes v lose).
     """
     if temperature == 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits / temperature, dim=-1)
     if top_p < 1.0:
         p_sorted, order = probs.sort(dim=-1, descending=True)
-        keep = (p_sorted.cumsum(-1) - p_sorted) < top_p
-        pick = torch.multinomial(p_sorted * keep, 1, generator=generator)
-        return order.gather(-1, pick).squeeze(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        drop = (p_sorted.cumsum(-1) - p_sorted) >= top_p
+        probs = probs.scatter(-1, order, p_sorted.masked_fill(drop, 0))
+    return (probs / noise).argmax(-1)
 
 
 def _cache_kwarg(model) -> str:
@@ -74,122 +108,242 @@ def _keeps_last_logits(model) -> bool:
 
 
 @torch.no_grad()
-def _generate_chunk(model, tokenizer, prompts, n, max_new_tokens, temperature, top_p,
-                    stop_strs, stop_ids, eos_ids, pad_id, generator):
-    """One chunk: B prompts -> (ids [B*n, T] long on device, lengths [B*n], reasons [B*n])."""
+def prefill(model, seqs, pad_id, after=None) -> Prefix:
+    """One eager forward over `seqs` (R non-empty id lists), each LEFT-padded to the longest and
+    appended after `after` (a Prefix of R rows, whose cache is extended in place) or from scratch."""
     device = next(model.parameters()).device
-    cache_kw = _cache_kwarg(model)
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    seg = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+        seg[i, width - len(s):] = 1
+    ids, seg = ids.to(device), seg.to(device)
+    mask = seg if after is None else torch.cat([after.mask, seg], dim=1)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -width:]
+    cache = DynamicCache(config=model.config) if after is None else after.cache
     extra = {"logits_to_keep": 1} if _keeps_last_logits(model) else {}
-    vocab = len(tokenizer)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                **{_cache_kwarg(model): cache}, **extra)
+    return Prefix(cache, mask, positions[:, -1:], out.logits[:, -1])
 
-    # 1. prefill, left padded: real tokens sit at the right end so the next token is column -1 for every row.
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-        mask[i, width - len(p):] = 1
-    input_ids, mask = input_ids.to(device), mask.to(device)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache(config=model.config)
-    out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                use_cache=True, **{cache_kw: cache}, **extra)
-    logits = out.logits[:, -1]
 
-    # 2. share the prefill: rows i*n .. i*n+n-1 continue prompt i.
-    if n > 1:
-        cache.batch_repeat_interleave(n)
-        logits = logits.repeat_interleave(n, dim=0)
-        mask = mask.repeat_interleave(n, dim=0)
-        positions = positions.repeat_interleave(n, dim=0)
-    pos = positions[:, -1:]
-    rows = logits.shape[0]
+class Sampler:
+    """The sampling settings of one call plus, for the static path, its captured decode steps
+    (kept for the sampler's lifetime so chunks of one call reuse them, freed with it).
 
-    # 3. decode. Only this step's [live, V] logits exist; generated ids go into a preallocated buffer.
-    ids = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    done = torch.zeros(rows, dtype=torch.bool, device=device)
-    reason = torch.zeros(rows, dtype=torch.long, device=device)
-    length = torch.zeros(rows, dtype=torch.long, device=device)
-    live = torch.arange(rows, device=device)  # rows still in the model's batch
-    eos_t = torch.tensor(eos_ids, dtype=torch.long, device=device)
-    stop_t = torch.tensor(stop_ids, dtype=torch.long, device=device)
-    # Each token decodes to at least one character, so a stop string of k characters ending at the
-    # new token lies within the last k tokens; a few more absorb partial UTF-8 bytes.
-    window = max((len(s) for s in stop_strs), default=0) + 4
-    for t in range(max_new_tokens):
+    share_rows (dynamic path): rows whose histories agree (the n samples of a row before they
+    diverge) share one cache row and one forward; the samples are the same as without. It pays
+    for many samples of short answers (label.py: K forced answers that mostly agree), not for
+    long rollouts, whose rows diverge early and would move the cache at every fork.
+
+    close_depth: a row also stops (reason "stop") at the token where close_depth plus the "{" minus
+    the "}" of its generated text reaches 0: label.py's forced answers end at the brace that closes
+    the forced `\\boxed{` (close_depth=1), after which nothing can change the answer.
+    """
+
+    def __init__(self, model, tokenizer, max_new_tokens=256, temperature=1.0, top_p=1.0, stop=(),
+                 eos_ids=None, decode=None, share_rows=False, close_depth=None):
+        if max_new_tokens < 1:
+            raise ValueError(f"need max_new_tokens >= 1, got {max_new_tokens}")
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+        decode = decode or default_decode(model)
+        if decode not in DECODES:
+            raise ValueError(f"decode must be one of {DECODES}, got {decode!r}")
+        if isinstance(stop, (str, int)):
+            stop = (stop,)
+        self.model, self.tokenizer, self.decode = model, tokenizer, decode
+        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.stop_strs = [s for s in stop if isinstance(s, str) and s]
+        self.stop_ids = [int(s) for s in stop if not isinstance(s, str)]
+        self.eos_ids = default_eos_ids(model, tokenizer) if eos_ids is None else [int(i) for i in eos_ids]
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.eos_ids or [0])[0]
+        self.device = next(model.parameters()).device
+        self.share_rows, self.close_depth, self._braces = share_rows, close_depth, {}
+        self.static = staticcache.StaticDecoder(model, _cache_kwarg(model)) if decode == "static" else None
+        # A stop string of one byte (labels stop at "\n") lies inside one token, so a row stops
+        # exactly when its new token's text holds it: each distinct id is decoded once per sampler.
+        self.byte_stops = all(len(x.encode()) == 1 for x in self.stop_strs)
+        self._has_stop = {}
+
+    def braces(self, tok):
+        """Per token of `tok`: ("{" minus "}" count, lowest running value of it) of its text."""
+        ids = tok.unique()
+        fresh = [i for i in ids.tolist() if i not in self._braces]
+        for i, text in zip(fresh, self.tokenizer.batch_decode([[i] for i in fresh], skip_special_tokens=True)):
+            depth = low = 0
+            for ch in text:
+                depth += (ch == "{") - (ch == "}")
+                low = min(low, depth)
+            self._braces[i] = (depth, low)
+        table = torch.tensor([self._braces[i] for i in ids.tolist()], dtype=torch.long, device=tok.device)
+        return table[torch.searchsorted(ids, tok)].unbind(-1)
+
+    def stop_tokens(self, tok):
+        """The ids among `tok` whose text contains a one-byte stop string (one host copy per step)."""
+        ids = tok.unique().tolist()
+        fresh = [i for i in ids if i not in self._has_stop]
+        for i, text in zip(fresh, self.tokenizer.batch_decode([[i] for i in fresh], skip_special_tokens=True)):
+            self._has_stop[i] = any(x in text for x in self.stop_strs)
+        return torch.tensor([i for i in ids if self._has_stop[i]], dtype=torch.long, device=tok.device)
+
+    def prefill(self, seqs, after=None) -> Prefix:
+        return prefill(self.model, seqs, self.pad_id, after)
+
+    @torch.no_grad()
+    def sample(self, prefix, n=1, generator=None):
+        """n continuations of every row of `prefix` (consumed) -> ids [R*n, T], lengths [R*n],
+        reasons [R*n] (index into _REASONS) on the device; row i*n + j continues prefix row i."""
+        rows = prefix.logits.shape[0] * n
+        state = _Rows(self, rows, generator)
+        if self.static is not None:
+            step = self.static.start(prefix, n, self.max_new_tokens)
+            prefix.cache = None  # copied into the static buffers; free it before decoding
+            live, logits = torch.arange(rows, device=self.device), prefix.logits.repeat_interleave(n, 0)
+            for t in range(self.max_new_tokens):
+                tok = state.advance(t, logits, live)
+                # A host sync per step only where stop strings need one anyway, or on CPU.
+                check = self.stop_strs or self.device.type != "cuda" or t % 8 == 0
+                if t == self.max_new_tokens - 1 or (check and bool(state.done.all())):
+                    break
+                logits = step(tok)[:rows]
+            return state.result()
+        cache, mask, pos, logits = prefix.cache, prefix.mask, prefix.last_pos, prefix.logits
+        live = torch.arange(rows, device=self.device)  # rows not yet dropped from the batch
+        src = None  # with share_rows: the cache row (and logits row) of each live row
+        if self.share_rows:
+            src = live // n
+        elif n > 1:
+            cache.batch_repeat_interleave(n)
+            logits, mask, pos = (x.repeat_interleave(n, dim=0) for x in (logits, mask, pos))
+        extra = {"logits_to_keep": 1} if _keeps_last_logits(self.model) else {}
+        for t in range(self.max_new_tokens):
+            tok = state.advance(t, logits if src is None else logits[src], live)
+            keep = ~state.done[live]
+            n_keep = int(keep.sum())
+            if t == self.max_new_tokens - 1 or n_keep == 0:
+                break
+            idx, feed = None, tok
+            if src is not None:
+                # One cache row per distinct (cache row, new token) of the running rows.
+                width = logits.shape[-1]
+                key, src = torch.unique(src[keep] * width + tok[keep], return_inverse=True)
+                idx, feed, live = key // width, key % width, live[keep]
+                if len(idx) == len(mask) and bool((idx == torch.arange(len(idx), device=idx.device)).all()):
+                    idx = None  # every cache row has one running continuation: nothing to move
+            elif n_keep <= 0.75 * len(live):
+                # Drop finished rows from the batch (and their KV cache) so long tails decode cheaply.
+                idx = keep.nonzero().squeeze(1)
+                live, feed = live[idx], tok[idx]
+            if idx is not None:
+                cache.batch_select_indices(idx)
+                mask, pos = mask[idx], pos[idx]
+            mask = torch.cat([mask, mask.new_ones(len(mask), 1)], dim=1)
+            pos = pos + 1
+            out = self.model(input_ids=feed[:, None], attention_mask=mask, position_ids=pos,
+                             use_cache=True, **{_cache_kwarg(self.model): cache}, **extra)
+            logits = out.logits[:, -1]
+        return state.result()
+
+
+class _Rows:
+    """Per-row bookkeeping shared by both decode paths: sampled ids, lengths, finish reasons."""
+
+    def __init__(self, s, rows, generator):
+        self.s, self.generator, dev = s, generator, s.device
+        self.ids = torch.full((rows, s.max_new_tokens), s.pad_id, dtype=torch.long, device=dev)
+        self.done = torch.zeros(rows, dtype=torch.bool, device=dev)
+        self.reason = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.length = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.eos = torch.tensor(s.eos_ids, dtype=torch.long, device=dev)
+        self.stop = torch.tensor(s.stop_ids, dtype=torch.long, device=dev)
+        self.vocab = len(s.tokenizer)
+        self.depth = torch.full((rows,), s.close_depth or 0, dtype=torch.long, device=dev)
+        # Each token decodes to at least one character, so a stop string of k characters ending at
+        # the new token lies within the last k tokens; a few more absorb partial UTF-8 bytes.
+        self.window = max((len(x) for x in s.stop_strs), default=0) + 4
+
+    def advance(self, t, logits, live):
+        """Sample step t for rows `live` from their logits [len(live), V]; returns the fed tokens
+        (pad for rows already finished)."""
+        s = self.s
         logits = logits.float()
-        if logits.shape[-1] > vocab:
-            logits[:, vocab:] = float("-inf")
-        tok = torch.where(done[live], pad_id, sample_next(logits, temperature, top_p, generator))
-        ids[live, t] = tok
-        active = ~done[live]
-        length[live] += active.long()
-        hit_eos = active & torch.isin(tok, eos_t)
-        hit_stop = active & ~hit_eos & torch.isin(tok, stop_t)
-        reason[live] = torch.where(hit_eos, 1, torch.where(hit_stop, 2, reason[live]))
-        done[live] |= hit_eos | hit_stop
-        if stop_strs:
-            # The one host copy per step: the last few tokens of each running row, decoded in one
-            # batched call and searched.
-            running = live[~done[live]].tolist()
-            tails = tokenizer.batch_decode(ids[running, max(0, t + 1 - window):t + 1].tolist(),
-                                           skip_special_tokens=True) if running else []
-            hits = [r for r, text in zip(running, tails) if any(s in text for s in stop_strs)]
-            if hits:
-                hit = torch.tensor(hits, device=device)
-                reason[hit], done[hit] = 2, True
-        keep = ~done[live]
-        n_keep = int(keep.sum())
-        if t == max_new_tokens - 1 or n_keep == 0:
-            break
-        if n_keep <= 0.75 * len(live):
-            # Drop finished rows from the batch (and their KV cache) so long tails decode cheaply.
-            idx = keep.nonzero().squeeze(1)
-            cache.batch_select_indices(idx)
-            live, tok, mask, pos = live[idx], tok[idx], mask[idx], pos[idx]
-        mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
-        pos = pos + 1
-        out = model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos,
-                    use_cache=True, **{cache_kw: cache}, **extra)
-        logits = out.logits[:, -1]
-    reason = torch.where(done, reason, 3)
-    return ids, length, reason
+        if logits.shape[-1] > self.vocab:
+            logits = logits.clone()
+            logits[:, self.vocab:] = float("-inf")
+        noise = None
+        if s.temperature > 0:  # Exp(1) = -log(U) for every row of the chunk, live or not (see the docstring)
+            noise = torch.rand((len(self.done), logits.shape[-1]), device=logits.device, generator=self.generator)
+            noise = noise[live].log_().neg_()
+        done = self.done[live]
+        tok = torch.where(done, s.pad_id, sample_next(logits, s.temperature, s.top_p, noise))
+        self.ids[live, t] = tok
+        active = ~done
+        self.length[live] += active.long()
+        hit_eos = active & torch.isin(tok, self.eos)
+        hit_stop = active & ~hit_eos & torch.isin(tok, self.stop)
+        self.reason[live] = torch.where(hit_eos, 1, torch.where(hit_stop, 2, self.reason[live]))
+        self.done[live] = done | hit_eos | hit_stop
+        if s.stop_strs:
+            running = live[~self.done[live]]
+            if s.byte_stops:
+                hits = running[torch.isin(tok[~self.done[live]], s.stop_tokens(tok))]
+            else:
+                # The last few tokens of each running row, decoded in one batched call and searched.
+                rs = running.tolist()
+                tails = s.tokenizer.batch_decode(self.ids[rs, max(0, t + 1 - self.window):t + 1].tolist(),
+                                                 skip_special_tokens=True) if rs else []
+                hits = torch.tensor([r for r, text in zip(rs, tails) if any(x in text for x in s.stop_strs)],
+                                    dtype=torch.long, device=self.done.device)
+            self.reason[hits], self.done[hits] = 2, True
+        if s.close_depth is not None:  # braces are one byte, inside one token (as one-byte stops)
+            delta, low = s.braces(tok)
+            closed = live[~self.done[live] & (self.depth[live] + low <= 0)]
+            self.depth[live] += delta
+            self.reason[closed], self.done[closed] = 2, True
+        return tok
+
+    def result(self):
+        return self.ids, self.length, torch.where(self.done, self.reason, 3)
+
+
+def chunk_generators(seed, count, device):
+    """One generator per chunk, each seeded from `seed`: a chunk's samples do not depend on how
+    many random draws earlier chunks made (the static path may run a few steps past the end)."""
+    if seed is None:
+        return [None] * count
+    base = torch.Generator().manual_seed(seed)
+    seeds = torch.randint(2 ** 62, (count,), generator=base).tolist()
+    return [torch.Generator(device=device).manual_seed(s) for s in seeds]
 
 
 def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0,
-             stop=(), eos_ids=None, seed=None, batch_size=None, progress=False) -> Samples:
+             stop=(), eos_ids=None, seed=None, batch_size=None, progress=False, decode=None) -> Samples:
     """Sample n continuations of each prompt. prompts: list of token-id lists (chat template applied).
 
     stop: strings (stop once the generated text contains one) and/or token ids; the token that
     completes a stop is kept. eos_ids default to the generation config's and tokenizer's EOS.
-    seed: a torch.Generator on the model's device, seeded once per call, so the same seed, prompts
-    and batch_size give the same samples. batch_size: prompts per chunk (rows = batch_size * n).
+    seed: the same seed, prompts and batch_size give the same samples, with either decode path.
+    batch_size: prompts per chunk (rows = batch_size * n). decode: "static" | "dynamic" | None
+    (static on CUDA, dynamic elsewhere).
     """
     if n < 1 or max_new_tokens < 1:
         raise ValueError(f"need n >= 1 and max_new_tokens >= 1, got n={n}, max_new_tokens={max_new_tokens}")
     if any(len(p) == 0 for p in prompts):
         raise ValueError("empty prompt: every prompt needs at least one token (the chat template adds some)")
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
-    if isinstance(stop, (str, int)):
-        stop = (stop,)
-    stop_strs = [s for s in stop if isinstance(s, str) and s]
-    stop_ids = [int(s) for s in stop if not isinstance(s, str)]
-    eos_ids = default_eos_ids(model, tokenizer) if eos_ids is None else [int(i) for i in eos_ids]
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_ids or [0])[0]
-    device = next(model.parameters()).device
-    generator = None if seed is None else torch.Generator(device=device).manual_seed(seed)
+    sampler = Sampler(model, tokenizer, max_new_tokens, temperature, top_p, stop, eos_ids, decode)
     batch_size = batch_size or max(len(prompts), 1)
+    starts = range(0, len(prompts), batch_size)
+    gens = chunk_generators(seed, len(starts), sampler.device)
 
     was_training = model.training
     model.eval()
     result = Samples([], [], [], [], [])
     try:
-        for start in tqdm(range(0, len(prompts), batch_size), desc="generate", disable=not progress):
+        for start, gen in tqdm(list(zip(starts, gens)), desc="generate", disable=not progress):
             chunk = [list(map(int, p)) for p in prompts[start:start + batch_size]]
-            ids, length, reason = _generate_chunk(
-                model, tokenizer, chunk, n, max_new_tokens, temperature, top_p,
-                stop_strs, stop_ids, eos_ids, pad_id, generator)
+            ids, length, reason = sampler.sample(sampler.prefill(chunk), n, gen)
             ids, length, reason = ids.tolist(), length.tolist(), reason.tolist()
             for r in range(len(ids)):
                 result.ids.append(ids[r][:length[r]])

@@ -126,7 +126,8 @@ def held_out_accuracy(sampler, tok, rows, cfg, instruction, device, probe=None, 
     hits, trajs = 0, []
     if prompts:
         out = generate(sampler, tok, prompts, max_new_tokens=cfg["max_new_tokens"], temperature=0.6,
-                       seed=cfg["seed"] + 12345 + RANK, batch_size=cfg["gen_batch"])
+                       seed=cfg["seed"] + 12345 + RANK, batch_size=cfg["gen_batch"],
+                       decode=cfg["decode"])
         hits = sum(grade.is_correct(t, r["answer"]) for t, r in zip(out.texts, mine))
         if calib is not None:
             m = len(rows[:cfg["eval_probe_n"]][RANK::WORLD])
@@ -152,7 +153,7 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
     with timer("rollout"):
         out = generate(sampler, tok, prompts, n=G, max_new_tokens=cfg["max_new_tokens"],
                        temperature=cfg["temperature"], top_p=cfg["top_p"], seed=seed,
-                       batch_size=cfg["gen_batch"])
+                       batch_size=cfg["gen_batch"], decode=cfg["decode"])
     golds = [rows[i]["answer"] for i in out.prompt_index]
     traj_prompts = [prompts[i] for i in out.prompt_index]
     correct = torch.tensor([grade.is_correct(t, g, cfg["grader"]) for t, g in zip(out.texts, golds)],
@@ -163,7 +164,7 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
         with timer("label"):
             labels = mc_labels(sampler, tok, traj_prompts, out.ids, cuts, golds, k=cfg["k"],
                                close=cfg["forced_close"], seed=seed + 7, batch_size=cfg["gen_batch"],
-                               grader=cfg["grader"])
+                               grader=cfg["grader"], decode=cfg["decode"])
 
     batch = pack(traj_prompts, out.ids, tok.pad_token_id)
     ends = budget_ends(batch["prompt_lens"], cuts)

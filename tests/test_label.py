@@ -61,14 +61,16 @@ def test_identical_forced_prompts_are_labelled_once(monkeypatch):
     from rollout import Samples
     calls = []
 
-    def fake(model, tok, prompts, n, **kw):
-        calls.append(prompts)
-        texts = ["7}"] * n + ["8}"] * n  # first distinct prompt right, second wrong
-        return Samples([[0]] * len(texts), texts[:len(prompts) * n], [1] * len(texts), ["stop"] * len(texts), [])
-    monkeypatch.setattr(label, "generate", fake)
+    def fake(model, tok, prompts, responses, cut_of, tail, k, **kw):
+        calls.append((cut_of, tail))
+        texts = ["7}"] * k + ["8}"] * k  # first distinct prompt right, second wrong
+        return Samples([[0]] * len(texts), texts[:len(cut_of) * k], [1] * len(texts), ["stop"] * len(texts), [])
+    monkeypatch.setattr(label, "_forced_samples", fake)
     tok = tiny.tokenizer()
-    ys = label.mc_labels(None, tok, [[5], [5]], [[6, 7], [6, 9]], [[1, 2], [1]], ["7", "7"], k=2, close="eos")
-    assert len(calls[0]) == 2  # [5, 6, ...] is shared by both trajectories at b = 1
+    ys = label.mc_labels(None, tok, [[5], [5]], [[6, 7], [6, 9]], [[1, 2], [1]], ["7", "7"], k=2, close="eos",
+                         suffix="{")
+    assert calls == [([(0, 1), (0, 2)], [tok.eos_token_id, tok.convert_tokens_to_ids("{")])]
+    # [5, 6, ...] is shared by both trajectories at b = 1: trajectory 1 is not sampled at all
     assert ys == [[1.0, 0.0], [1.0]]
 
 
@@ -77,10 +79,46 @@ def test_labels_count_correct_forced_answers(monkeypatch):
     import label
     from rollout import Samples
     texts = ["7}\n", "7}", "8}\n", "7", "7}\n", "7}\n", "7}\n", "7}\n"]
-    monkeypatch.setattr(label, "generate", lambda *a, **k: Samples([[0]] * 8, texts, [1] * 8, ["stop"] * 8, [0] * 4 + [1] * 4))
+    monkeypatch.setattr(label, "_forced_samples", lambda *a, **k: Samples([[0]] * 8, texts, [1] * 8, ["stop"] * 8, []))
     tok = tiny.tokenizer()
     ys = label.mc_labels(None, tok, [[5]], [[6, 7, 8]], [[1, 2]], ["7"], k=4, close="eos")
     assert ys == [[0.5, 1.0]]  # "7}", "7}" right; "8}" wrong; "7" never closes the box
+
+
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_shared_prefix_prefill_samples_like_full_forced_prompts(decode):
+    """The forced answers from the prefix tree (prompt once, trajectory once, suffix per cut, K rows
+    sharing a cache row while they agree) are the ones rollout.generate samples from the full forced
+    prompts with the same seed and chunking: greedy and sampled, in float32."""
+    import label
+    from rollout import generate
+    tok, model = tiny.tokenizer(), tiny.model(seed=1)
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    prompts = [enc("1+2="), enc("1+2="), enc("what is 17*3?"), enc("9-4")]
+    responses = [enc("3 ok fine"), enc("3 no way, it is 4"), enc("51 because"), enc("5")]
+    cut_of = [(i, b) for i, r in enumerate(responses) for b in budgets(len(r))]
+    tail = forced_prompt([], [], 0, tok, "eos", "{")
+    forced = [forced_prompt(prompts[i], responses[i], b, tok, "eos", "{") for i, b in cut_of]
+    closed = 0
+    for kw in (dict(temperature=0.0), dict(temperature=1.0, seed=3), dict(temperature=0.8, top_p=0.9, seed=5)):
+        for batch_size in (None, 4):
+            got = label._forced_samples(model, tok, prompts, responses, cut_of, tail, k=3, max_new_tokens=12,
+                                        top_p=kw.get("top_p", 1.0), temperature=kw["temperature"],
+                                        seed=kw.get("seed"), batch_size=batch_size, decode=decode)
+            ref = generate(model, tok, forced, n=3, max_new_tokens=12, stop=("\n",), batch_size=batch_size,
+                           decode="dynamic", **kw)
+            for g, r in zip(got.ids, ref.ids):
+                depth, cut = 1, len(r)  # the forced box is open; find the token that closes it
+                for m, text in enumerate(tok.batch_decode([[x] for x in r])):
+                    depth -= text.count("}") - text.count("{")
+                    if depth <= 0:
+                        cut = m + 1
+                        break
+                assert g == r[:cut]
+                closed += cut < len(r)
+            assert [forced_answer(x) for x in got.texts] == [forced_answer(x) for x in ref.texts]
+    assert closed >= 3  # some answers close their box before a newline: the early stop is exercised
+    assert len({tuple(x) for x in ref.ids}) > 5  # the answers differ between prompts and samples
 
 
 def test_features_are_causal_and_logprobs_match():

@@ -169,3 +169,93 @@ def test_bad_arguments_raise(model, tok):
     with pytest.raises(ValueError, match="n >= 1"):
         rollout.generate(model, tok, [[5]], n=0)
     assert rollout.generate(model, tok, []).ids == []
+
+
+# The static KV cache path (staticcache.py) against the dynamic one: on CPU the static decode step
+# runs eagerly, so the same samples must come out, token for token, in float32.
+SETTINGS = [dict(temperature=0), dict(temperature=1.0, seed=3), dict(temperature=0.8, top_p=0.9, seed=4)]
+
+
+@pytest.mark.parametrize("kw", SETTINGS, ids=["greedy", "sampled", "top-p"])
+def test_static_and_dynamic_decode_give_the_same_samples(model, tok, kw):
+    prompts = [enc(tok, "1+2="), enc(tok, "what is 17*3? think."), enc(tok, "x"), enc(tok, "hello there")]
+    common = dict(n=3, max_new_tokens=20, batch_size=3, **kw)
+    free = rollout.generate(model, tok, prompts, eos_ids=[], decode="dynamic", **common)
+    assert free.ids == rollout.generate(model, tok, prompts, eos_ids=[], decode="static", **common).ids
+    # EOS, a stop id, a two-character and a one-byte stop string end rows at different steps;
+    # finished rows stay in the static batch, masked, and are dropped from the dynamic one.
+    eos, stop_id = free.ids[0][5], free.ids[4][3]
+    text = tok.decode(free.ids[7], skip_special_tokens=True)
+    seen = set()
+    for stop in ([stop_id, text[8:10]], [text[6]]):
+        a = rollout.generate(model, tok, prompts, eos_ids=[eos], stop=stop, decode="dynamic", **common)
+        b = rollout.generate(model, tok, prompts, eos_ids=[eos], stop=stop, decode="static", **common)
+        assert a.ids == b.ids and a.finish == b.finish and a.lengths == b.lengths and a.texts == b.texts
+        assert min(a.lengths) < max(a.lengths)
+        seen |= set(a.finish)
+        for ids, fin, full in zip(a.ids, a.finish, free.ids):  # a prefix of the free-running sample
+            assert ids == full[:len(ids)] and (fin == "length") == (len(ids) == 20)
+    assert {"eos", "stop"} <= seen
+
+
+def test_one_byte_stop_string_stops_where_the_text_first_holds_it(model, tok):
+    prompts = [enc(tok, "solve: 2x=8"), enc(tok, "a")]
+    ref = rollout.generate(model, tok, prompts, max_new_tokens=24, temperature=0, eos_ids=[])
+    s = tok.decode(ref.ids[0], skip_special_tokens=True)[4]
+    for decode in rollout.DECODES:
+        got = rollout.generate(model, tok, prompts, max_new_tokens=24, temperature=0, eos_ids=[], stop=s,
+                               decode=decode)
+        for i in range(2):
+            j = next((j for j in range(24) if s in tok.decode(ref.ids[i][:j + 1])), None)
+            assert got.ids[i] == ref.ids[i][:24 if j is None else j + 1]
+            assert got.finish[i] == ("length" if j is None else "stop")
+        assert got.finish[0] == "stop" and got.lengths[0] <= 5
+
+
+def test_static_path_masks_the_vocabulary_and_keeps_finished_rows_in_place(tok):
+    model = tiny.model(seed=1)
+    with torch.no_grad():
+        model.lm_head.weight[:len(tok)] = 0
+        model.lm_head.weight[len(tok):] *= 30  # these logits would dominate without the mask
+    calls = []
+    hook = model.register_forward_pre_hook(
+        lambda mod, args, kw: calls.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    try:
+        out = rollout.generate(model, tok, [enc(tok, "ab"), enc(tok, "xyz")], n=3, max_new_tokens=6, seed=0,
+                               eos_ids=[], decode="static")
+    finally:
+        hook.remove()
+    assert all(0 <= i < len(tok) for ids in out.ids for i in ids)
+    # prefill [2 prompts, 3 tokens], then every step feeds all 6 rows into the same static buffers.
+    assert calls == [(2, 3)] + [(6, 1)] * 5
+
+
+def test_shared_rows_give_the_same_samples_with_fewer_rows(model, tok):
+    prompts = [enc(tok, "1+2="), enc(tok, "x")]
+    calls = []
+    hook = model.register_forward_pre_hook(
+        lambda mod, args, kw: calls.append(kw["input_ids"].shape[0]), with_kwargs=True)
+    try:
+        for kw in SETTINGS:
+            s = rollout.Sampler(model, tok, max_new_tokens=8, eos_ids=[], share_rows=True,
+                                temperature=kw["temperature"], top_p=kw.get("top_p", 1.0))
+            gen = rollout.chunk_generators(kw.get("seed"), 1, "cpu")[0]
+            calls.clear()
+            ids, length, _ = s.sample(s.prefill(prompts), n=4, generator=gen)
+            if kw["temperature"] == 0:  # greedy: the 4 samples of a prompt never diverge
+                assert calls == [2] * 8  # prefill and 7 steps over one row per prompt
+            else:
+                assert max(calls[1:]) <= 8 and len(set(calls[1:])) > 1  # rows split as samples diverge
+            ref = rollout.generate(model, tok, prompts, n=4, max_new_tokens=8, eos_ids=[], **kw)
+            assert ids.tolist() == ref.ids and length.tolist() == ref.lengths
+    finally:
+        hook.remove()
+
+
+def test_bucketed_shapes():
+    from staticcache import bucket
+    assert [bucket(x, 1) for x in (1, 7, 8, 9, 64, 65, 100)] == [1, 7, 8, 9, 64, 72, 104]
+    assert bucket(70, 64) == 128 and bucket(8792, 64) == 9216
+    assert rollout.default_decode(tiny.model()) == "dynamic"
+    with pytest.raises(ValueError, match="decode must be"):
+        rollout.generate(tiny.model(), tiny.tokenizer(), [[5]], decode="fast")

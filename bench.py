@@ -1,0 +1,192 @@
+"""Generation throughput: the project's sampler (static and dynamic KV cache) against transformers'
+own `model.generate`, on the same prompts and sampling settings, in one run.
+
+    python bench.py                                   # toy model, 32 prompts x 8 samples, 48 tokens
+    python bench.py --shape 7b --layers 4 --prompts 8 --samples 8 --prompt-len 2048 --max-new-tokens 256
+
+`--shape 7b` builds DeepSeek-R1-Distill-Qwen-7B's architecture from the shared fixture config (no
+weights, no download) with random weights and `--layers` decoder layers, in bf16 on CUDA. Prompts are
+then random token ids of `--prompt-len`; EOS is switched off so every row decodes every step.
+
+Per path: generated tokens, tokens/s, ms per decode step (wall time / decode steps, prefill
+included) and the ratio to model.generate's tokens/s. On CUDA also the bandwidth floor of a step:
+the bytes a step must read (every weight but the input embedding table, plus the KV cache at the
+mean context prompt + max_new_tokens / 2, exact when no row stops early, as with --shape 7b) over
+the device's memory bandwidth (--bandwidth TB/s, or looked up: H100
+3.35, H200 4.8, A100 2.0), and the fraction of it reached (floor / measured ms per step).
+Paths run in turn, `--repeat` times; the median is reported, so a noisy machine shifts all alike.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+import rollout
+from checkpoint import UserError
+
+FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "fixtures",
+                       "r1_distill_qwen_7b")
+BANDWIDTH_TBS = {"H200": 4.8, "H100": 3.35, "A100": 2.0}
+
+
+def toy_world(n_prompts):
+    import data
+    import toy
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = toy.base_model()
+    model, tok = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    rows = toy.dataset("train")[:n_prompts]
+    return model, tok, [data.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
+
+
+def shape_7b(layers, n_prompts, prompt_len, device, seed=0):
+    """R1-Distill-Qwen-7B's architecture with `layers` random decoder layers; random prompts."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    if not os.path.isdir(FIXTURE):
+        raise UserError(f"--shape 7b needs the fixture config at {os.path.normpath(FIXTURE)}")
+    cfg = AutoConfig.from_pretrained(FIXTURE)
+    cfg.num_hidden_layers = layers
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = cfg.layer_types[:layers]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(seed)
+    with torch.device(device):
+        try:
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        except TypeError:  # transformers before `dtype` replaced `torch_dtype`
+            model = AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype)
+    tok = AutoTokenizer.from_pretrained(FIXTURE)
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(len(tok), (n_prompts, prompt_len), generator=g).tolist()
+    return model, tok, prompts
+
+
+def run_sampler(model, tok, prompts, args, decode, eos_ids):
+    out = rollout.generate(model, tok, prompts, n=args.samples, max_new_tokens=args.max_new_tokens,
+                           temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                           eos_ids=eos_ids, decode=decode)
+    return sum(out.lengths), max(out.lengths)
+
+
+def run_hf(model, tok, prompts, args, eos_ids):
+    device = next(model.parameters()).device
+    width = max(map(len, prompts))
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts], device=device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    torch.manual_seed(args.seed)
+    sampling = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p, top_k=0) \
+        if args.temperature > 0 else dict(do_sample=False)
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.max_new_tokens,
+                         num_return_sequences=args.samples, pad_token_id=pad,
+                         eos_token_id=eos_ids or None, **sampling)
+    new = out[:, width:]
+    if eos_ids:  # count up to and including the first EOS, as the sampler's lengths do
+        hit = torch.isin(new, torch.tensor(eos_ids, device=device))
+        first = torch.where(hit.any(1), hit.float().argmax(1) + 1, new.shape[1])
+        return int(first.sum()), new.shape[1]
+    return new.numel(), new.shape[1]
+
+
+def floor_ms(model, rows, context, bandwidth_tbs):
+    """Bytes one decode step must read / bandwidth: weights (not the input embedding table, of
+    which a step reads only `rows` rows, unless it is tied to the LM head) + the KV cache."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    emb = model.get_input_embeddings().weight
+    if emb is not model.get_output_embeddings().weight:
+        weights -= emb.numel() * emb.element_size()
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * emb.element_size()
+    return (weights + rows * context * kv_per_token) / (bandwidth_tbs * 1e12) * 1e3
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", choices=("toy", "7b"), default="toy")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers for --shape 7b")
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--samples", type=int, default=8, help="samples per prompt")
+    p.add_argument("--prompt-len", type=int, default=2048, help="random prompt tokens for --shape 7b")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--paths", default="dynamic,static,generate")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--bandwidth", type=float, help="memory bandwidth in TB/s (looked up on CUDA; given: also on CPU)")
+    p.add_argument("--threads", type=int, help="CPU threads (default 1 for the toy on CPU, as train.py)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args(argv)
+    device = torch.device(args.device)
+    threads = args.threads or (1 if device.type == "cpu" and args.shape == "toy" else None)
+    if threads:
+        torch.set_num_threads(threads)
+    if args.shape == "toy":
+        model, tok, prompts = toy_world(args.prompts)
+        model.to(device)
+        eos_ids = rollout.default_eos_ids(model, tok)
+    else:
+        model, tok, prompts = shape_7b(args.layers, args.prompts, args.prompt_len, device, args.seed)
+        eos_ids = []
+    model.eval()
+    paths = args.paths.split(",")
+    runs = {"dynamic": lambda: run_sampler(model, tok, prompts, args, "dynamic", eos_ids),
+            "static": lambda: run_sampler(model, tok, prompts, args, "static", eos_ids),
+            "generate": lambda: run_hf(model, tok, prompts, args, eos_ids)}
+    if any(x not in runs for x in paths):
+        raise UserError(f"--paths: choose from {','.join(runs)}")
+    params = sum(q.numel() for q in model.parameters())
+    print(f"{args.shape}: {model.config.num_hidden_layers} layers, {params / 1e6:.1f}M parameters, "
+          f"{next(model.parameters()).dtype} on {device}; {len(prompts)} prompts x {args.samples} samples, "
+          f"<= {args.max_new_tokens} new tokens, temperature {args.temperature}, top-p {args.top_p}, "
+          f"threads {torch.get_num_threads()}")
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    with torch.no_grad():
+        short = argparse.Namespace(**{**vars(args), "max_new_tokens": 2})
+        run_sampler(model, tok, prompts[:1], short, "dynamic", eos_ids)  # warm-up: kernels, allocator
+        run_hf(model, tok, prompts[:1], short, eos_ids)
+        times = {x: [] for x in paths}
+        counts = {}
+        for _ in range(args.repeat):
+            for x in paths:
+                sync()
+                t = time.perf_counter()
+                counts[x] = runs[x]()
+                sync()
+                times[x].append(time.perf_counter() - t)
+
+    rows = len(prompts) * args.samples
+    bandwidth = args.bandwidth
+    if device.type == "cuda" and bandwidth is None:
+        name = torch.cuda.get_device_name(device)
+        bandwidth = next((v for k, v in BANDWIDTH_TBS.items() if k in name), None)
+        if bandwidth is None:
+            print(f"(no bandwidth known for {name}: pass --bandwidth TB/s for the floor)")
+    context = statistics.mean(map(len, prompts)) + args.max_new_tokens / 2
+    floor = floor_ms(model, rows, context, bandwidth) if bandwidth else None
+    ref = statistics.median(times["generate"]) if "generate" in times else None
+    head = f"{'path':<10}{'tokens':>9}{'seconds':>9}{'tokens/s':>10}{'steps':>7}{'ms/step':>9}{'vs generate':>13}"
+    print(head + (f"{'floor ms':>10}{'of floor':>10}" if floor else ""))
+    for x in paths:
+        (tokens, steps), sec = counts[x], statistics.median(times[x])
+        ms = sec / max(steps, 1) * 1e3
+        line = f"{x:<10}{tokens:>9}{sec:>9.2f}{tokens / sec:>10.1f}{steps:>7}{ms:>9.2f}"
+        # tokens differ a little between paths (different random streams), so compare rates.
+        line += f"{(tokens / sec) / (counts['generate'][0] / ref):>12.2f}x" if ref else ""
+        line += f"{floor:>10.2f}{floor / ms:>10.0%}" if floor else ""
+        print(line)
+    if floor:
+        print(f"floor: {rows} rows at mean context {context:.0f} tokens, {bandwidth} TB/s")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
