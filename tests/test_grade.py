@@ -194,7 +194,7 @@ def test_forced_answers_and_labels_use_the_run_grader(monkeypatch):
     assert not grade.answers_match(label.forced_answer(r"\dfrac{1}{2}} so"), r"\frac{1}{2}", "strict")
     assert grade.answers_match(label.forced_answer(r"\dfrac{1}{2}} so"), r"\frac{1}{2}", "math")
     texts = ["\\dfrac{1}{2}}\n", "\\frac{1}{2}}", "0.5}", "\\frac{1}{2}"]  # the last one never closes
-    monkeypatch.setattr(label, "generate", lambda *a, **k: Samples([[0]] * 4, texts, [1] * 4, ["stop"] * 4, [0] * 4))
+    monkeypatch.setattr(label, "_forced_samples", lambda *a, **k: Samples([[0]] * 4, texts, [1] * 4, ["stop"] * 4, [0] * 4))
     tok = type("Tok", (), dict(eos_token_id=2, encode=lambda self, text, add_special_tokens: [3]))()
     args = (None, tok, [[5]], [[6, 7]], [[1]], [r"\frac{1}{2}"])
     assert label.mc_labels(*args, k=4, close="eos", grader="strict") == [[0.25]]
