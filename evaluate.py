@@ -18,12 +18,10 @@ and the printed table carry, per benchmark, the confidence source, grader and sa
 """
 import argparse
 import json
-import math
 import os
 import sys
 from contextlib import ExitStack
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -31,15 +29,14 @@ import confidence
 import data
 import grade
 import label as label_lib
-import metrics
 import probe as probe_lib
 import rollout
 import runlog
 import toy
-import uses
 import checkpoint
 from checkpoint import ALIASES, UserError, resolve_model
 from config import check_out, check_values
+from report import overall, plot_reliability, report_uses, summarize, table, write_results
 
 BIG_N = {"aime24": 32, "aime25": 32, "amc23": 32}   # samples per question; 4 elsewhere
 # Per-world defaults. Toy: the forced text is the one the toy base learned (label.SUFFIX), and K is
@@ -53,7 +50,6 @@ REAL = dict(n=4, max_new_tokens=8000, every=500, forced_k=16, probe_questions=80
 TOY = dict(n=4, max_new_tokens=128, every=8, forced_k=4, probe_questions=80, probe_samples=8,
            posthoc_budgets=16, rows=256, score_batch=256)
 GRADER = "math"   # evaluation grades with grade.is_correct: normaliser + math-verify
-EPSILONS = (0.1, 0.2, 0.3)
 # Allowed flag values (config.check_values): checked before any model, data or folder is touched.
 LIMITS = {key: (lambda v: v >= 1, ">= 1") for key in (
     "limit", "n_samples", "max_new_tokens", "batch_size", "threads", "every", "forced_k", "probe_questions")}
@@ -61,7 +57,6 @@ LIMITS.update(temperature=(lambda v: v >= 0, ">= 0 (0: greedy)"), top_p=(lambda 
               seed=(lambda v: 0 <= v < 2**32, "in [0, 2**32)"))
 SAMPLE_FIELDS = ("model", "benchmark", "question", "sample", "correct", "confidence")
 LOCKS = ExitStack()  # the lock of every output folder written, held until main() ends
-COLUMNS = (("Acc", "acc"), ("ECE", "ece"), ("PCE", "pce"), ("Brier", "brier"), ("AUROC", "auroc"))
 
 
 def _run_dir(path):
@@ -183,74 +178,6 @@ def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, con
     bar.close()
 
 
-def summarize(rows, n_bins=10, seed=0):
-    """Metrics (metrics.calibration), reliability rows, voting curves and early exit of one benchmark."""
-    conf = [r["confidence"] for r in rows]
-    correct = [r["correct"] for r in rows]
-    res = metrics.calibration(conf, correct, n_bins)
-    res["questions"] = len({r["question"] for r in rows})
-    res["reliability"] = metrics.reliability(conf, correct, n_bins)
-    # 95 % intervals over questions (metrics.bootstrap): printed as `0.543 +- 0.012`
-    res["ci95"] = metrics.bootstrap(conf, correct, [r["question"] for r in rows], n_resamples=1000, seed=seed)
-    if any("verbal_missing" in r for r in rows):
-        res["verbal_missing"] = sum(bool(r.get("verbal_missing")) for r in rows)
-    res.update(uses.from_samples(rows, same=grade.answers_match, seed=seed, epsilons=EPSILONS))
-    return res
-
-
-def plot_reliability(rel, title, path):
-    """Bars of accuracy per confidence bin (count above each bar) against the diagonal."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(4.5, 4.5))
-    full = [r for r in rel if r["count"]]
-    ax.bar([r["lo"] for r in full], [r["accuracy"] for r in full], width=[r["hi"] - r["lo"] for r in full],
-           align="edge", edgecolor="black", color="tab:blue", alpha=0.8, label="accuracy")
-    ax.plot([0, 1], [0, 1], "--", color="gray", label="perfect calibration")
-    for r in full:
-        ax.text((r["lo"] + r["hi"]) / 2, min(r["accuracy"], 0.93) + 0.02, str(r["count"]), ha="center", fontsize=7)
-    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="confidence", ylabel="accuracy", title=title)
-    ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
-def overall(benches):
-    """Unweighted mean over benchmarks of each metric (benchmarks where it is nan are skipped)."""
-    out = {}
-    for _, key in COLUMNS:
-        vals = [b[key] for b in benches.values() if not math.isnan(b[key])]
-        out[key] = float(np.mean(vals)) if vals else math.nan
-    return out
-
-
-def table(results):
-    """Markdown: one block per model, one row per benchmark plus Overall, each benchmark with the
-    confidence source, grader and sampling settings it was measured with."""
-    lines = []
-    for label, res in results.items():
-        lines += ["", f"### {label}  (confidence: {res['confidence']})", "",
-                  "| benchmark | n | " + " | ".join(c for c, _ in COLUMNS) + " | " + " | ".join(SETTINGS) + " |",
-                  "|---|---:|" + "---:|" * len(COLUMNS) + "---|" * len(SETTINGS)]
-        for name, b in list(res["benchmarks"].items()) + [("Overall", dict(res["overall"], n=""))]:
-            st = res.get("settings", {}).get(name, {})
-            lines.append(f"| {name} | {b['n']} | " + " | ".join(_cell(b, k) for _, k in COLUMNS) + " | " +
-                         " | ".join(str(st.get(k, "")) for k in SETTINGS.values()) + " |")
-    return "\n".join(lines)
-
-
-# Per-benchmark settings printed with the table (results.json holds them all under "settings").
-SETTINGS = {"confidence": "confidence", "grader": "grader", "samples": "n", "temp": "temperature",
-            "top-p": "top_p", "max tokens": "max_new_tokens"}
-
-
-def _cell(b, key):
-    ci = b.get("ci95", {}).get(key)
-    return f"{b[key]:.3f}" + (f" +- {ci['pm']:.3f}" if ci else "")
-
-
 def run_prompt(path, args):
     """(instruction, system prompt) for a model: the flags, else what its run trained with (the run's
     config.json, for a run's checkpoint), else (None, None): the benchmark's own instruction."""
@@ -275,34 +202,6 @@ def settings(bench, args):
             s[key] = getattr(args, key if key != "n" else "n_samples")
     s["batch"] = args.batch_size or max(1, w["rows"] // s["n"])
     return s
-
-
-def _clean(x):
-    """JSON-safe copy: inf -> "inf", nan -> None."""
-    if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    if isinstance(x, float) and not math.isfinite(x):
-        return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
-    return x
-
-
-def _write_results(out_dir, label, res):
-    """Merge this model's results into OUT/results.json (other models' entries are kept)."""
-    path = os.path.join(out_dir, "results.json")
-    old = {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            old = json.load(f)
-    except FileNotFoundError:
-        pass
-    except ValueError as e:
-        raise UserError(f"{path} is not valid JSON ({e}): remove it (samples.jsonl keeps every sample)") from None
-    old[label] = _clean(res)
-    with open(path + ".tmp", "w") as f:
-        json.dump(old, f, indent=1)
-    os.replace(path + ".tmp", path)
 
 
 def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(), prompt=(None, None)):
@@ -394,23 +293,11 @@ def evaluate_model(name, loaded, args):
     res["overall"] = overall(res["benchmarks"])
     if report is not None:
         res["posthoc_probe"] = report
-    _write_results(out_dir, label, res)
+    write_results(out_dir, label, res)
     del model
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return label, res
-
-
-def report_uses(results):
-    """A few lines per model: the post-hoc probe fit, then voting curves and early exit per benchmark."""
-    lines = []
-    for label, res in results.items():
-        if "posthoc_probe" in res:
-            p = res["posthoc_probe"]
-            lines.append(f"{label}: post-hoc probe val BCE {p['val_bce']:.4f} vs base rate {p['base_bce']:.4f} "
-                         f"(lr {p['lr']}, dropout {p['dropout']}, wd {p['weight_decay']}, {p['prefixes']} prefixes)")
-        lines += [f"{label} {bench} {line}" for bench, b in res["benchmarks"].items() for line in uses.describe(b)]
-    return "\n".join(lines)
 
 
 def parse_args(argv=None):

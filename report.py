@@ -1,0 +1,128 @@
+"""What an evaluation reports: per-benchmark metrics with bootstrap intervals, voting and early
+exit (summarize), reliability diagrams, the printed table and OUT/results.json.
+
+Metrics are computed per benchmark over all samples; "Overall" is the unweighted mean over
+benchmarks. Each row of the table names the confidence source, grader and sampling settings it was
+measured with, and each metric carries its 95 % interval over questions (`0.543 +- 0.012`).
+"""
+import json
+import math
+import os
+
+import numpy as np
+
+import grade
+import metrics
+import uses
+from checkpoint import UserError
+
+EPSILONS = (0.1, 0.2, 0.3)   # conformal early-exit risk levels
+COLUMNS = (("Acc", "acc"), ("ECE", "ece"), ("PCE", "pce"), ("Brier", "brier"), ("AUROC", "auroc"))
+
+
+def summarize(rows, n_bins=10, seed=0):
+    """Metrics (metrics.calibration), reliability rows, voting curves and early exit of one benchmark."""
+    conf = [r["confidence"] for r in rows]
+    correct = [r["correct"] for r in rows]
+    res = metrics.calibration(conf, correct, n_bins)
+    res["questions"] = len({r["question"] for r in rows})
+    res["reliability"] = metrics.reliability(conf, correct, n_bins)
+    # 95 % intervals over questions (metrics.bootstrap): printed as `0.543 +- 0.012`
+    res["ci95"] = metrics.bootstrap(conf, correct, [r["question"] for r in rows], n_resamples=1000, seed=seed)
+    if any("verbal_missing" in r for r in rows):
+        res["verbal_missing"] = sum(bool(r.get("verbal_missing")) for r in rows)
+    res.update(uses.from_samples(rows, same=grade.answers_match, seed=seed, epsilons=EPSILONS))
+    return res
+
+
+def plot_reliability(rel, title, path):
+    """Bars of accuracy per confidence bin (count above each bar) against the diagonal."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(4.5, 4.5))
+    full = [r for r in rel if r["count"]]
+    ax.bar([r["lo"] for r in full], [r["accuracy"] for r in full], width=[r["hi"] - r["lo"] for r in full],
+           align="edge", edgecolor="black", color="tab:blue", alpha=0.8, label="accuracy")
+    ax.plot([0, 1], [0, 1], "--", color="gray", label="perfect calibration")
+    for r in full:
+        ax.text((r["lo"] + r["hi"]) / 2, min(r["accuracy"], 0.93) + 0.02, str(r["count"]), ha="center", fontsize=7)
+    ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="confidence", ylabel="accuracy", title=title)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def overall(benches):
+    """Unweighted mean over benchmarks of each metric (benchmarks where it is nan are skipped)."""
+    out = {}
+    for _, key in COLUMNS:
+        vals = [b[key] for b in benches.values() if not math.isnan(b[key])]
+        out[key] = float(np.mean(vals)) if vals else math.nan
+    return out
+
+
+def table(results):
+    """Markdown: one block per model, one row per benchmark plus Overall, each benchmark with the
+    confidence source, grader and sampling settings it was measured with."""
+    lines = []
+    for label, res in results.items():
+        lines += ["", f"### {label}  (confidence: {res['confidence']})", "",
+                  "| benchmark | n | " + " | ".join(c for c, _ in COLUMNS) + " | " + " | ".join(SETTINGS) + " |",
+                  "|---|---:|" + "---:|" * len(COLUMNS) + "---|" * len(SETTINGS)]
+        for name, b in list(res["benchmarks"].items()) + [("Overall", dict(res["overall"], n=""))]:
+            st = res.get("settings", {}).get(name, {})
+            lines.append(f"| {name} | {b['n']} | " + " | ".join(_cell(b, k) for _, k in COLUMNS) + " | " +
+                         " | ".join(str(st.get(k, "")) for k in SETTINGS.values()) + " |")
+    return "\n".join(lines)
+
+
+# Per-benchmark settings printed with the table (results.json holds them all under "settings").
+SETTINGS = {"confidence": "confidence", "grader": "grader", "samples": "n", "temp": "temperature",
+            "top-p": "top_p", "max tokens": "max_new_tokens"}
+
+
+def _cell(b, key):
+    ci = b.get("ci95", {}).get(key)
+    return f"{b[key]:.3f}" + (f" +- {ci['pm']:.3f}" if ci else "")
+
+
+def clean(x):
+    """JSON-safe copy: inf -> "inf", nan -> None."""
+    if isinstance(x, dict):
+        return {k: clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [clean(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None if math.isnan(x) else ("inf" if x > 0 else "-inf")
+    return x
+
+
+def write_results(out_dir, label, res):
+    """Merge this model's results into OUT/results.json (other models' entries are kept)."""
+    path = os.path.join(out_dir, "results.json")
+    old = {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            old = json.load(f)
+    except FileNotFoundError:
+        pass
+    except ValueError as e:
+        raise UserError(f"{path} is not valid JSON ({e}): remove it (samples.jsonl keeps every sample)") from None
+    old[label] = clean(res)
+    with open(path + ".tmp", "w") as f:
+        json.dump(old, f, indent=1)
+    os.replace(path + ".tmp", path)
+
+
+def report_uses(results):
+    """A few lines per model: the post-hoc probe fit, then voting curves and early exit per benchmark."""
+    lines = []
+    for label, res in results.items():
+        if "posthoc_probe" in res:
+            p = res["posthoc_probe"]
+            lines.append(f"{label}: post-hoc probe val BCE {p['val_bce']:.4f} vs base rate {p['base_bce']:.4f} "
+                         f"(lr {p['lr']}, dropout {p['dropout']}, wd {p['weight_decay']}, {p['prefixes']} prefixes)")
+        lines += [f"{label} {bench} {line}" for bench, b in res["benchmarks"].items() for line in uses.describe(b)]
+    return "\n".join(lines)
