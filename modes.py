@@ -55,7 +55,7 @@ def calibration(C, Y, valid, cfg):
 def unanimous(correct, group_size):
     """Bool [N]: True for every trajectory of a group whose answers are all right or all wrong.
 
-    Example: correct (1, 1, 0, 1, 0, 0), group_size 3 -> (False, False, False, True, True, True).
+    Example: correct (1, 1, 0, 0, 0, 0), group_size 3 -> (False, False, False, True, True, True).
     """
     g = torch.as_tensor(correct, dtype=torch.float32).view(-1, group_size)
     same = (g == g[:, :1]).all(dim=1, keepdim=True)
