@@ -33,6 +33,7 @@ NOT_SAVED = ("resume", "config", "plot")  # how a run was started, not what it i
 
 # --reward: RLCM, then the paper's baselines and ablations (DESIGN.md "Baselines", modes.py)
 REWARDS = ("rlcm", "grpo", "final-margin", "process-brier", "final-brier", "rlcr", "c2gspg")
+PROBE_MODES = ("rlcm", "final-margin", "process-brier", "final-brier")  # forced-answer labels + probe
 # What a mode implies. Flags given now win; a resumed run of the same mode keeps what it saved.
 IMPLIED = {"final-margin": dict(budgets=(1.0,), corner="final-margin"),
            "process-brier": dict(drop_unanimous=True),

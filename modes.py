@@ -21,10 +21,10 @@ import torch
 
 import grade
 from confidence import verbal_confidence
+from config import PROBE_MODES  # the modes with forced-answer labels and a probe
 from grpo import c2gspg_advantages, group_advantages
 from reward import brier_reward, margin_reward, rlcr_reward, total_reward
 
-PROBE_MODES = ("rlcm", "final-margin", "process-brier", "final-brier")  # forced-answer labels + probe
 BRIER_MODES = ("process-brier", "final-brier")
 COUNTED = ("verbal_missing",)  # components logged per step as a count; the others as a mean
 
