@@ -2,15 +2,15 @@
 train.py runs them. The formulas live in reward.py and grpo.py; this file says which one each mode
 uses and what it logs.
 
-  mode           labels + probe       reward R                                      advantages
-  rlcm           budgets .25/.5/.75   r_nat + lam * margin (--corner, zero)         group z-score
-  grpo           no                   r_nat                                         group z-score
-  final-margin   budget 1.0           r_nat + lam * margin (corner final-margin)    group z-score
-  process-brier  budgets .25/.5/.75   r_nat + lam * -mean_b (C_b - Y_b)^2           group z-score,
-  final-brier    budget 1.0           the same                                      unanimous groups dropped
-  rlcr           no                   correct - (correct - verbal conf)^2           group z-score
-  c2gspg         no                   correct (0/1)                                 (r - mean r) / max(1 - c, 1e-6)
-                                                                                    + 0.1 BCE(c_theta, r) in the loss
+  mode           labels + probe      reward R                                   advantages
+  rlcm           budgets .25/.5/.75  r_nat + lam * margin (--corner, zero)      group z-score
+  grpo           no                  r_nat                                      group z-score
+  final-margin   budget 1.0          r_nat + lam * margin (corner final-margin) group z-score
+  process-brier  budgets .25/.5/.75  r_nat + lam * -mean_b (C_b - Y_b)^2        group z-score,
+  final-brier    budget 1.0          the same                                   unanimous groups dropped
+  rlcr           no                  correct - (correct - verbal conf)^2        group z-score
+  c2gspg         no                  correct (0/1)                              (r - mean r) / max(1 - c, 1e-6),
+                                                                                + 0.1 BCE(c_theta, r) in the loss
 r_nat = 2 * correct - 1 (signed, released). The budgets, corner and unanimous-group drop a mode
 implies are set by config.IMPLIED (flags given win). rlcr reads correctness from the last
 <answer> tag and its confidence from the last <confidence> tag (confidence.verbal_confidence:

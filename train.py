@@ -197,12 +197,13 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
     if samples is not None:
         samples += runlog.pick(
             step, cfg["log_samples"], problem=[rows[i]["problem"] for i in out.prompt_index], answer=golds,
-            text=out.texts, correct=correct.tolist(), reward=R.tolist(), **{k: v.tolist() for k, v in parts.items()},
-            length=out.lengths, budgets=cuts, Y_b=labels,
+            text=out.texts, correct=correct.tolist(), reward=R.tolist(),
+            **{k: v.tolist() for k, v in parts.items()}, length=out.lengths, budgets=cuts, Y_b=labels,
             C_b=[C[i, :len(c)].tolist() if probed else [] for i, c in enumerate(cuts)])
     # --drop-unanimous: the dropped groups' trajectories are not in the update at all
     idx = kept.nonzero().flatten().tolist()
-    update_mbs = [[idx[j] for j in mb] for mb in micro_batches([lengths[i] for i in idx], cfg["micro_tokens"])]
+    update_mbs = [[idx[j] for j in mb]
+                  for mb in micro_batches([lengths[i] for i in idx], cfg["micro_tokens"])]
 
     lr = sched.get_last_lr()[0]
     with timer("update"):
