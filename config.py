@@ -28,8 +28,17 @@ COMMON = dict(model="toy", problem_field=None, answer_field=None, trust_remote_c
               clip_low=0.2, clip_high=0.2, agg="token-mean", chunk_size=1024, seed=0, keep=2,
               out=None, resume=None, system_prompt=None, log_samples=4, eval_probe_n=32, wandb=None,
               wandb_run=None, ppo_epochs=1, offload=False, nproc=None, gpus=None, gpu_mem=None,
-              plan=False, decode=None)
+              plan=False, decode=None, drop_unanimous=False)
 NOT_SAVED = ("resume", "config", "plot")  # how a run was started, not what it is
+
+# --reward: RLCM, then the paper's baselines and ablations (DESIGN.md "Baselines", modes.py)
+REWARDS = ("rlcm", "grpo", "final-margin", "process-brier", "final-brier", "rlcr", "c2gspg")
+PROBE_MODES = ("rlcm", "final-margin", "process-brier", "final-brier")  # forced-answer labels + probe
+# What a mode implies. Flags given now win; a resumed run of the same mode keeps what it saved.
+IMPLIED = {"final-margin": dict(budgets=(1.0,), corner="final-margin"),
+           "process-brier": dict(drop_unanimous=True),
+           "final-brier": dict(budgets=(1.0,), drop_unanimous=True),
+           "rlcr": dict(instruction=data.RLCR_INSTRUCTION)}
 
 DATA_HELP = ("toy | deepscaler | HF dataset id | local json/jsonl/parquet. deepscaler (40k problems, "
              "downloads) is a superset of the released training set, the GRPO-LEAD stage-1 file "
@@ -143,7 +152,12 @@ def build_parser():
     g.add_argument("--decode", choices=("static", "dynamic"),
                    help="KV cache for decoding: static + CUDA graphs (default on CUDA) or dynamic (default on CPU)")
     g = p.add_argument_group("reward, labels and probe")
-    g.add_argument("--reward", choices=("rlcm", "grpo"))
+    g.add_argument("--reward", choices=REWARDS,
+                   help="rlcm; the baselines grpo, rlcr, c2gspg; the ablations final-margin (budget 1.0, "
+                        "final-margin corner), process-brier, final-brier (budget 1.0); DESIGN.md Baselines")
+    g.add_argument("--drop-unanimous", action=argparse.BooleanOptionalAction,
+                   help="leave prompt groups whose answers are all right or all wrong out of the update "
+                        "(on for the Brier modes, as released)")
     g.add_argument("--lam", type=float)
     g.add_argument("--k", type=int, help="forced answers per prefix")
     g.add_argument("--forced-close", choices=("think", "eos"),
@@ -230,6 +244,11 @@ def resolve_args(argv):
         saved = _read_config(given["config"])
     model = given.get("model", saved.get("model", "toy"))
     cfg = {**COMMON, **(TOY if model == "toy" else REAL), **saved, **given}
+    if saved.get("reward") != cfg["reward"]:
+        implied = IMPLIED.get(cfg["reward"], {})
+        if model == "toy":  # 256 positions and bare sums: the toy keeps its own prompt
+            implied = {k: v for k, v in implied.items() if k != "instruction"}
+        cfg.update({k: v for k, v in implied.items() if k not in given})
     cfg["trust_remote_code"] = bool(given.get("trust_remote_code"))
     cfg.update({k: given.get(k) for k in NOT_SAVED})
     cfg["out"] = cfg["out"] or os.path.join("runs", os.path.basename(cfg["model"].rstrip("/")))

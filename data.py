@@ -13,6 +13,13 @@ import re
 from grade import plain_number as _number  # integer gold answers: "025" -> "25"
 
 INSTRUCTION = " Let's think step by step and output the final answer within \\boxed{}."
+# --reward rlcr on a real model (DESIGN.md "Baselines": the released RLCR prompt, its middle sentence
+# paraphrased) with the 3-line format; the answer is graded from the last <answer> tag, not a box.
+RLCR_INSTRUCTION = ("\n\nLet's think step by step. Output the final answer inside <answer> </answer>. "
+                    "Then analyze how confident you are in that answer inside <analysis> </analysis>. "
+                    "Finally, output a confidence score between 0 and 1 inside <confidence> </confidence>."
+                    "\nUse this format:\n<answer> ... </answer>\n<analysis> ... </analysis>\n"
+                    "<confidence> ... </confidence>")
 PROBLEM_FIELDS = ("problem", "question", "prompt", "Question", "query")
 # Answer-like names only: `solution` is a worked text, never a gold answer.
 ANSWER_FIELDS = ("answer", "final_answer", "gold", "target", "Correct Answer")

@@ -164,3 +164,18 @@ def c2gspg_advantages(rewards01, conf, group_size):
     g = r.view(-1, group_size)
     centred = (g - g.mean(dim=1, keepdim=True)).reshape(-1)
     return centred / (1 - c).clamp(min=1e-6)
+
+
+def sequence_confidence(logp, mask):
+    """C2GSPG's confidence c = exp(sum_t logp * m / sum_t m) per sequence, clipped to [0, 1 - 1e-6]:
+    logp, mask [N, T] -> [N]. Differentiable (the loss's c_theta); detach it for the advantage."""
+    m = mask.to(logp.dtype)
+    return torch.exp((logp * m).sum(-1) / m.sum(-1).clamp(min=1)).clamp(max=1 - 1e-6)
+
+
+def c2gspg_bce(c, rewards01):
+    """C2GSPG's confidence loss per sequence: -(r log c + (1 - r) log(1 - c)), [N] -> [N]; the loss adds
+    0.1 times its mean over the batch. c is clamped to [1e-6, 1 - 1e-6] so the log stays finite."""
+    c = c.clamp(1e-6, 1 - 1e-6)
+    r = torch.as_tensor(rewards01, dtype=c.dtype, device=c.device)
+    return -(r * torch.log(c) + (1 - r) * torch.log1p(-c))

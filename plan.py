@@ -27,6 +27,7 @@ On CPU (the toy world) everything is fp32 and one process uses the policy as its
 import torch
 
 from checkpoint import UserError
+from config import PROBE_MODES
 
 GiB = 2**30
 PROMPT_TOKENS = 600     # training prompts longer than this are dropped when the data is loaded
@@ -82,9 +83,10 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
     # rollout: gen_batch prompts prefilled at once, their KV repeated for the G samples
     prompts = min(cfg["gen_batch"], prompts_here)
     phases = [(prompts * G, P + cfg["max_new_tokens"], layer_acts(prompts * P))]
-    if cfg.get("reward", "rlcm") == "rlcm":  # forced answers: up to 3 prefixes of <= 3/4 a response
-        forced = min(cfg["gen_batch"], prompts_here * G * 3)
-        prefix = P + cfg["max_new_tokens"] * 3 // 4
+    if cfg.get("reward", "rlcm") in PROBE_MODES:  # forced answers: a prefix per budget, <= max budget
+        fractions = cfg.get("budgets", (0.25, 0.5, 0.75))
+        forced = min(cfg["gen_batch"], prompts_here * G * len(fractions))
+        prefix = P + int(cfg["max_new_tokens"] * max(fractions))
         phases.append((forced * cfg["k"], prefix + FORCED_TAIL, layer_acts(forced * prefix)))
     kv_rows, kv_seq, prefill = max(phases, key=lambda r: r[0] * r[1] * per_token + r[2])
     kv = kv_rows * kv_seq * per_token

@@ -18,6 +18,8 @@ Dropped: the KL penalty (kl_coef 0, as released) and several PPO epochs (one upd
 the old log-probs are the current ones detached and the ratio is exactly 1; --ppo-epochs > 1 keeps
 the rollout weights' log-probs as the old ones).
 The probe never sends a gradient into the policy: the margin enters only through the scalar reward.
+--reward picks RLCM, a baseline (grpo, rlcr, c2gspg) or an ablation (final-margin, process-brier,
+final-brier); modes.py says what each one computes.
 """
 import json
 import math
@@ -33,8 +35,8 @@ from tqdm import tqdm
 
 import data
 import heldout
-import grade
 import launch
+import modes
 import plan
 import probe as probe_lib
 import runlog
@@ -44,10 +46,9 @@ import config
 from config import resolve_args
 from parallel import (MASTER, RANK, WORLD, all_gather, all_sum, full_state, load_optimizer, load_sharded,
                       refresh_sampler, setup, sharded, teardown, wrap)
-from grpo import group_advantages, pack, policy_loss
+from grpo import c2gspg_bce, pack, policy_loss, sequence_confidence
 from label import budgets, mc_labels
 from metrics import ece
-from reward import margin_reward, total_reward
 from rollout import generate
 from score import budget_ends, score
 
@@ -128,7 +129,7 @@ def held_out_accuracy(sampler, tok, rows, cfg, instruction, device, probe=None, 
         out = generate(sampler, tok, prompts, max_new_tokens=cfg["max_new_tokens"], temperature=0.6,
                        seed=cfg["seed"] + 12345 + RANK, batch_size=cfg["gen_batch"],
                        decode=cfg["decode"])
-        hits = sum(grade.is_correct(t, r["answer"]) for t, r in zip(out.texts, mine))
+        hits = modes.correctness(out.texts, [r["answer"] for r in mine], "math", cfg["reward"]).sum().item()
         if calib is not None:
             m = len(rows[:cfg["eval_probe_n"]][RANK::WORLD])
             trajs = heldout.probe_calibration(sampler, tok, probe, prompts[:m], out, mine[:m], cfg,
@@ -144,7 +145,8 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
             instruction, samples=None):
     """One RL step; returns its metrics row. A `samples` list receives cfg["log_samples"] of this
     rank's trajectories (runlog.pick rows)."""
-    timer, G, rlcm = Timer(), cfg["group_size"], cfg["reward"] == "rlcm"
+    timer, G, mode = Timer(), cfg["group_size"], cfg["reward"]
+    probed = mode in modes.PROBE_MODES  # forced-answer labels and the probe (modes.py)
     rows = batch_rows[RANK::WORLD]  # whole prompt groups stay on one rank
     prompts = [data.chat_prompt(tok, r["problem"], instruction, cfg["system_prompt"]) for r in rows]
     step_seed = cfg["seed"] * 1_000_003 + step * 101
@@ -156,11 +158,10 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
                        batch_size=cfg["gen_batch"], decode=cfg["decode"])
     golds = [rows[i]["answer"] for i in out.prompt_index]
     traj_prompts = [prompts[i] for i in out.prompt_index]
-    correct = torch.tensor([grade.is_correct(t, g, cfg["grader"]) for t, g in zip(out.texts, golds)],
-                           dtype=torch.float32)
-    cuts = [budgets(n, cfg["budgets"]) if rlcm else [] for n in out.lengths]
+    correct = modes.correctness(out.texts, golds, cfg["grader"], mode)
+    cuts = [budgets(n, cfg["budgets"]) if probed else [] for n in out.lengths]
     labels = [[] for _ in cuts]
-    if rlcm:
+    if probed:
         with timer("label"):
             labels = mc_labels(sampler, tok, traj_prompts, out.ids, cuts, golds, k=cfg["k"],
                                close=cfg["forced_close"], seed=seed + 7, batch_size=cfg["gen_batch"],
@@ -171,44 +172,52 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
     lengths = [len(p) + len(r) for p, r in zip(traj_prompts, out.ids)]
     mbs = micro_batches(lengths, cfg["micro_tokens"])
     # One update per batch is exactly on-policy: update() uses the current log-probs, detached, as
-    # the old ones, so this pass only gathers probe features (and is skipped without a probe).
-    on_policy = cfg["ppo_epochs"] == 1
+    # the old ones, so this pass only gathers probe features (and is skipped without a probe), and
+    # C2GSPG's sequence confidence c under the rollout weights.
+    on_policy, c2gspg = cfg["ppo_epochs"] == 1, mode == "c2gspg"
     old_logp = None if on_policy else torch.zeros(batch["loss_mask"].shape)
-    feats = []
+    feats, seq_conf = [], torch.zeros(len(out.ids)) if c2gspg else None
     with timer("score"):
-        for mb in mbs if rlcm or not on_policy else []:
+        for mb in mbs if probed or c2gspg or not on_policy else []:
             sub, L = micro_batch(batch, mb, device)
             lp, f, _ = score(sampler, sub, ends[mb], cfg["temperature"], cfg["chunk_size"],
-                             logprobs=not on_policy)
+                             logprobs=c2gspg or not on_policy)
             if not on_policy:
                 old_logp[mb, :L - 1] = lp.cpu()
+            if c2gspg:
+                seq_conf[mb] = sequence_confidence(lp, sub["loss_mask"]).cpu()
             feats.append(f.cpu())
     feats = torch.cat(feats) if feats else torch.zeros(0)
 
-    stats, margin, signal, C = {}, torch.zeros(len(out.ids)), torch.zeros(len(out.ids)), None
-    if rlcm:
+    stats, calib, signal, C = {}, torch.zeros(len(out.ids)), torch.zeros(len(out.ids)), None
+    if probed:
         with timer("probe"):
-            margin, signal, stats, C = probe_margin(probe, probe_opt, feats, ends, labels, cfg, step_seed)
-    R = total_reward(correct, margin, lam=cfg["lam"] if rlcm else 0.0)
+            calib, signal, stats, C = probe_margin(probe, probe_opt, feats, ends, labels, cfg, step_seed)
+    R, adv, kept, parts = modes.reward_and_advantages(cfg, correct, calib, out.texts, seq_conf)
     if samples is not None:
         samples += runlog.pick(
             step, cfg["log_samples"], problem=[rows[i]["problem"] for i in out.prompt_index], answer=golds,
-            text=out.texts, correct=correct.tolist(), reward=R.tolist(), margin=margin.tolist(),
-            length=out.lengths, budgets=cuts, Y_b=labels,
-            C_b=[C[i, :len(c)].tolist() if rlcm else [] for i, c in enumerate(cuts)])
-    adv = group_advantages(R, G)
+            text=out.texts, correct=correct.tolist(), reward=R.tolist(),
+            **{k: v.tolist() for k, v in parts.items()}, length=out.lengths, budgets=cuts, Y_b=labels,
+            C_b=[C[i, :len(c)].tolist() if probed else [] for i, c in enumerate(cuts)])
+    # --drop-unanimous: the dropped groups' trajectories are not in the update at all
+    idx = kept.nonzero().flatten().tolist()
+    update_mbs = [[idx[j] for j in mb]
+                  for mb in micro_batches([lengths[i] for i in idx], cfg["micro_tokens"])]
 
     lr = sched.get_last_lr()[0]
     with timer("update"):
         for epoch in range(cfg["ppo_epochs"]):  # stats of the last epoch are logged
             last = epoch == cfg["ppo_epochs"] - 1
-            upd = update(policy, opt, sched if last else None, batch, old_logp, adv, mbs, cfg, device)
-    local = [correct.sum().item(), R.sum().item(), margin.sum().item(), signal.sum().item(),
+            upd = update(policy, opt, sched if last else None, batch, old_logp, adv, update_mbs, cfg,
+                         device, correct)
+    local = [correct.sum().item(), R.sum().item(), signal.sum().item(),
              len(out.ids), sum(out.lengths), sum(f == "length" for f in out.finish),
-             zero_var_groups(R, G), len(rows)]
-    acc, rsum, msum, ssum, n, lsum, trunc, zvar, ngroups = all_sum(local, device)
-    row = dict(step=step, accuracy=acc / n, reward=rsum / n, margin=msum / n,
-               signal_frac=ssum / n if rlcm else 0.0, **stats, zero_var_frac=zvar / max(ngroups, 1),
+             zero_var_groups(R, G), len(rows), *(v.sum().item() for v in parts.values())]
+    acc, rsum, ssum, n, lsum, trunc, zvar, ngroups, *psums = all_sum(local, device)
+    row = dict(step=step, accuracy=acc / n, reward=rsum / n,
+               **{k: s if k in modes.COUNTED else s / n for k, s in zip(parts, psums)},
+               signal_frac=ssum / n if probed else 0.0, **stats, zero_var_frac=zvar / max(ngroups, 1),
                len_mean=lsum / n, len_max=max(all_gather(max(out.lengths, default=0))),
                trunc_frac=trunc / n, **upd, lr=lr, **timer.t)
     row["tok_per_s"] = lsum / max(row["t_rollout"], 1e-9)
@@ -219,8 +228,9 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
 def probe_margin(probe, probe_opt, feats, ends, labels, cfg, seed):
     """Fit the probe on this batch's (feature, Y_b) pairs, then score the same prefixes with it.
 
-    Returns (margin [N], signal [N] (1 where both a solvable and an unsolvable prefix exist),
-    stats, C [N, B] the probe's confidences, 0 where there is no budget). Every rank fits on the
+    Returns (calib [N] the mode's calibration term, the margin or the negative Brier (modes.py),
+    signal [N] (1 where both a solvable and an unsolvable prefix exist), stats, C [N, B] the
+    probe's confidences, 0 where there is no budget). Every rank fits on the
     pooled pairs of all ranks with the same seed, so the probes stay identical without syncing weights.
     """
     valid = ends > 0
@@ -233,14 +243,14 @@ def probe_margin(probe, probe_opt, feats, ends, labels, cfg, seed):
                         batch_size=cfg["probe_batch"], seed=seed)
     C = torch.zeros(ends.shape)
     C[valid] = probe_lib.predict(probe, feats[valid])
-    margin = margin_reward(C, Y, valid, corner=cfg["corner"])
+    calib = modes.calibration(C, Y, valid, cfg)
     signal = (((Y == 1) & valid).any(1) & ((Y == 0) & valid).any(1)).float()
     C_all = probe_lib.predict(probe, X_all)
     stats = dict(probe_bce=bce, probe_ece=ece(C_all.numpy(), Y_all.numpy()) if len(Y_all) else 0.0,
                  label_mean=Y_all.mean().item() if len(Y_all) else 0.0,
                  label_mixed=((Y_all > 0) & (Y_all < 1)).float().mean().item() if len(Y_all) else 0.0,
                  prefixes=len(Y_all))
-    return margin, signal, stats, C
+    return calib, signal, stats, C
 
 
 def micro_batch(batch, rows, device):
@@ -255,10 +265,11 @@ def zero_var_groups(R, G):
     return (R.view(-1, G).std(1) == 0).sum().item() if len(R) else 0
 
 
-def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device):
-    """One optimizer step over all micro-batches. Each micro-batch's loss is weighted by its share of
-    the batch's tokens (token-mean) or sequences (seq-mean, seq-sum-norm), so the summed gradient is
-    that of one loss over the whole batch, however it is cut.
+def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device, correct=None):
+    """One optimizer step over the micro-batches `mbs` (lists of batch rows; rows in none of them are
+    left out). Each micro-batch's loss is weighted by its share of the tokens (token-mean) or
+    sequences (seq-mean, seq-sum-norm) of those rows, so the summed gradient is that of one loss over
+    them, however they are cut. --reward c2gspg adds 0.1 * mean_n BCE(c_theta_n, correct_n).
 
     old_logp [N, T] from the scoring pass, or None for the on-policy case: the current log-probs,
     detached, so ratio = exp(logp - logp.detach()) is exactly 1 whatever the compute precision.
@@ -267,10 +278,11 @@ def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device):
     policy.train()
     mask = batch["loss_mask"]
     weights = mask.sum(1) if cfg["agg"] == "token-mean" else torch.ones(len(mask))
-    total = all_sum([weights.sum().item()], device)[0]
+    total, n_seq = all_sum([sum(weights[mb].sum().item() for mb in mbs), sum(map(len, mbs))], device)
     # FSDP averages gradients over ranks, so each rank's share is scaled back up by WORLD
     n_mb = int(max(all_gather(len(mbs))))
     sums = dict.fromkeys(("loss", "clip_frac", "kl", "ratio_mean"), 0.0)
+    c2gspg, bce_sum = cfg.get("reward") == "c2gspg", 0.0
     # one plain GPU: autocast; under FSDP2 its mixed-precision policy casts instead
     plain_gpu = device.type == "cuda" and not sharded(policy)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if plain_gpu else nullcontext()
@@ -287,7 +299,13 @@ def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device):
                                norm_const=cfg["max_new_tokens"])
         if not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite loss ({loss.item()}) in micro-batch {j}")
-        (loss * (w * WORLD / max(total, 1.0))).backward()
+        weighted = loss * (w * WORLD / max(total, 1.0))
+        if c2gspg:  # the current policy's c_theta, differentiable; a mean over sequences
+            bce = c2gspg_bce(sequence_confidence(logp, sub["loss_mask"]), correct[mb].to(device)).sum()
+            bce = bce * float(j < len(mbs))  # a padding micro-batch (other ranks have more) adds nothing
+            weighted = weighted + 0.1 * bce * WORLD / max(n_seq, 1.0)
+            bce_sum += bce.item()
+        weighted.backward()
         for key, value in (("loss", loss.item()), *st.items()):
             sums[key] += value * w  # weighted like the loss: a batch-wide mean
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg["grad_clip"])
@@ -298,8 +316,11 @@ def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device):
     opt.zero_grad(set_to_none=True)
     if sched is not None:
         sched.step()
-    return dict(zip(sums, (v / max(total, 1.0) for v in all_sum(list(sums.values()), device))),
-                grad_norm=grad_norm)
+    out = dict(zip(sums, (v / max(total, 1.0) for v in all_sum(list(sums.values()), device))),
+               grad_norm=grad_norm)
+    if c2gspg:
+        out["c2gspg_bce"] = all_sum([bce_sum], device)[0] / max(n_seq, 1.0)
+    return out
 
 
 def peak_memory(device):
@@ -415,7 +436,7 @@ def run(cfg):
         if not eval_rows:  # --eval-n 0
             return None
         t = time.perf_counter()
-        calib = {} if cfg["reward"] == "rlcm" and cfg["eval_probe_n"] > 0 else None
+        calib = {} if cfg["reward"] in modes.PROBE_MODES and cfg["eval_probe_n"] > 0 else None
         acc = held_out_accuracy(sampler, tok, eval_rows, cfg, instruction, device, probe, calib)
         trajs = calib.pop("trajectories") if calib else []
         log(dict(step=at, eval=True, eval_accuracy=acc, eval_n=len(eval_rows), **(calib or {}),
@@ -440,7 +461,7 @@ def run(cfg):
     final_acc = first_acc
     phase_sums = dict.fromkeys(Timer.PHASES, 0.0)
     bar = tqdm(range(step + 1, cfg["steps"] + 1), initial=step, total=cfg["steps"], disable=not MASTER,
-               desc="rlcm" if cfg["reward"] == "rlcm" else "grpo")
+               desc=cfg["reward"])
     for step in bar:
         batch_rows, cursor = next_rows(rows, cursor, cfg["prompts_per_step"], cfg["seed"])
         picked = []
@@ -453,7 +474,7 @@ def run(cfg):
         for p in Timer.PHASES:
             phase_sums[p] += row["t_" + p]
         bar.set_postfix(acc=f"{row['accuracy']:.2f}", R=f"{row['reward']:+.2f}",
-                        margin=f"{row['margin']:+.3f}", sig=f"{row['signal_frac']:.2f}",
+                        margin=f"{row.get('margin', 0.0):+.3f}", sig=f"{row['signal_frac']:.2f}",
                         roll=f"{row['t_rollout']:.1f}s", label=f"{row['t_label']:.1f}s")
         last = step == cfg["steps"]
         if last or (cfg["eval_every"] and step % cfg["eval_every"] == 0):

@@ -1,0 +1,94 @@
+"""The --reward modes: RLCM, the paper's baselines and its ablations (DESIGN.md "Baselines"), as
+train.py runs them. The formulas live in reward.py and grpo.py; this file says which one each mode
+uses and what it logs.
+
+  mode           labels + probe      reward R                                   advantages
+  rlcm           budgets .25/.5/.75  r_nat + lam * margin (--corner, zero)      group z-score
+  grpo           no                  r_nat                                      group z-score
+  final-margin   budget 1.0          r_nat + lam * margin (corner final-margin) group z-score
+  process-brier  budgets .25/.5/.75  r_nat + lam * -mean_b (C_b - Y_b)^2        group z-score,
+  final-brier    budget 1.0          the same                                   unanimous groups dropped
+  rlcr           no                  correct - (correct - verbal conf)^2        group z-score
+  c2gspg         no                  correct (0/1)                              (r - mean r) / max(1 - c, 1e-6),
+                                                                                + 0.1 BCE(c_theta, r) in the loss
+r_nat = 2 * correct - 1 (signed, released). The budgets, corner and unanimous-group drop a mode
+implies are set by config.IMPLIED (flags given win). rlcr reads correctness from the last
+<answer> tag and its confidence from the last <confidence> tag (confidence.verbal_confidence:
+"85" -> 0.85, "0.3" -> 0.3, missing -> 0.5 and counted); c2gspg's c = exp(mean token log-prob) of
+the response at the sampling temperature under the rollout weights (grpo.sequence_confidence).
+"""
+import torch
+
+import grade
+from confidence import verbal_confidence
+from config import PROBE_MODES  # the modes with forced-answer labels and a probe
+from grpo import c2gspg_advantages, group_advantages
+from reward import brier_reward, margin_reward, rlcr_reward, total_reward
+
+BRIER_MODES = ("process-brier", "final-brier")
+COUNTED = ("verbal_missing",)  # components logged per step as a count; the others as a mean
+
+
+def answer_tag(text):
+    """Content of the last complete <answer>...</answer> (stripped), else None. Linear: two rfinds."""
+    end = text.rfind("</answer>")
+    start = text.rfind("<answer>", 0, end) if end >= 0 else -1
+    return text[start + len("<answer>"):end].strip() if start >= 0 else None
+
+
+def correctness(texts, golds, grader, mode):
+    """0/1 float [N]: the last box against the gold answer; rlcr: the last <answer> tag instead."""
+    if mode == "rlcr":
+        hits = [grade.answers_match(answer_tag(t), g, grader) for t, g in zip(texts, golds)]
+    else:
+        hits = [grade.is_correct(t, g, grader) for t, g in zip(texts, golds)]
+    return torch.tensor(hits, dtype=torch.float32)
+
+
+def calibration(C, Y, valid, cfg):
+    """The probe modes' calibration term [N]: the margin (rlcm, final-margin) or the negative Brier."""
+    if cfg["reward"] in BRIER_MODES:
+        return brier_reward(C, Y, valid)
+    return margin_reward(C, Y, valid, corner=cfg["corner"])
+
+
+def unanimous(correct, group_size):
+    """Bool [N]: True for every trajectory of a group whose answers are all right or all wrong.
+
+    Example: correct (1, 1, 0, 0, 0, 0), group_size 3 -> (False, False, False, True, True, True).
+    """
+    g = torch.as_tensor(correct, dtype=torch.float32).view(-1, group_size)
+    same = (g == g[:, :1]).all(dim=1, keepdim=True)
+    return same.expand_as(g).reshape(-1)
+
+
+def reward_and_advantages(cfg, correct, calib, texts, seq_conf):
+    """One step's rewards R [N], advantages [N], kept [N] bool (trajectories that enter the update)
+    and the mode's components {name: [N] float} (logged per step as means, per sample as values).
+
+    correct [N] 0/1; calib [N] the probe modes' calibration term (else unused); texts: the responses
+    (rlcr reads its confidence there); seq_conf [N] c2gspg's sequence confidence (else None).
+    """
+    mode, G = cfg["reward"], cfg["group_size"]
+    parts = {}
+    if mode == "rlcr":
+        conf, missing = map(list, zip(*[verbal_confidence(t) for t in texts])) if texts else ([], [])
+        conf = torch.tensor(conf, dtype=torch.float32)
+        R = rlcr_reward(correct, conf)
+        parts = dict(verbal_conf=conf, verbal_missing=torch.tensor(missing, dtype=torch.float32),
+                     rlcr_brier=(correct - conf) ** 2)
+    elif mode == "c2gspg":
+        R = correct.clone()
+        parts = dict(seq_conf=seq_conf)
+    else:
+        lam = 0.0 if mode == "grpo" else cfg["lam"]
+        R = total_reward(correct, calib, lam=lam)
+        if mode in PROBE_MODES:
+            parts = {"brier" if mode in BRIER_MODES else "margin": calib}
+    adv = c2gspg_advantages(correct, seq_conf, G) if mode == "c2gspg" else group_advantages(R, G)
+    kept = torch.ones(len(correct), dtype=torch.bool)
+    if cfg["drop_unanimous"]:
+        kept = ~unanimous(correct, G)
+        adv = adv * kept
+        parts["dropped"] = (~kept).float()
+    return R, adv, kept, parts

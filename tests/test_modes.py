@@ -1,0 +1,213 @@
+"""The --reward modes (modes.py): worked numbers, the unanimous-group drop, C2GSPG's loss term, the
+settings each mode implies, and two toy steps of every mode."""
+import json
+import math
+import os
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+import config
+import data
+import grpo
+import modes
+import train
+from parallel import LogprobModel
+
+SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "40", "--eval-n", "8",
+         "--eval-every", "0", "--gen-batch", "64", "--save-every", "0"]
+# what each mode must log per step, beyond the common fields
+COMPONENTS = {"rlcm": {"margin"}, "grpo": set(), "final-margin": {"margin"},
+              "process-brier": {"brier", "dropped"}, "final-brier": {"brier", "dropped"},
+              "rlcr": {"verbal_conf", "verbal_missing", "rlcr_brier"}, "c2gspg": {"seq_conf", "c2gspg_bce"}}
+NO_LABELS = ("grpo", "rlcr", "c2gspg")
+
+
+def cfg_for(mode, **kw):
+    return {**dict(reward=mode, group_size=4, lam=0.1, corner="zero", drop_unanimous=False), **kw}
+
+
+@pytest.mark.parametrize("text, conf, missing", [
+    ("<answer>7</answer><analysis>ok</analysis><confidence>85</confidence>", 0.85, False),
+    ("<answer>7</answer><confidence>0.3</confidence>", 0.3, False),
+    ("<answer>7</answer> and no confidence", 0.5, True),
+    ("<confidence>0.9</confidence> ... <confidence>20</confidence>", 0.2, False),  # the last tag
+])
+def test_rlcr_confidence_and_reward(text, conf, missing):
+    correct = torch.tensor([1.0, 0.0, 0.0, 0.0])
+    texts = [text, "<confidence>1</confidence>", "<confidence>0</confidence>", "none"]
+    R, adv, kept, parts = modes.reward_and_advantages(cfg_for("rlcr"), correct, None, texts, None)
+    assert parts["verbal_conf"][0].item() == pytest.approx(conf)
+    assert parts["verbal_missing"].tolist() == [float(missing), 0.0, 0.0, 1.0]  # counted per trajectory
+    # correct - (correct - conf)^2 with 0/1 correctness: a right answer at 0.85 -> 1 - 0.0225
+    assert R.tolist() == pytest.approx([1 - (1 - conf) ** 2, -1.0, 0.0, -0.25])
+    assert adv.tolist() == pytest.approx(grpo.group_advantages(R, 4).tolist()) and kept.all()
+
+
+def test_rlcr_grades_the_last_answer_tag_not_the_box():
+    assert modes.answer_tag("<answer> 3 </answer> then <answer>17</answer>") == "17"
+    assert modes.answer_tag("<answer>17") is None and modes.answer_tag("17</answer>") is None
+    assert modes.answer_tag("\\boxed{17}") is None
+    texts = ["<answer>17</answer>", "\\boxed{17}", "<answer>16</answer>\\boxed{17}", "<answer>\\frac{34}{2}</answer>"]
+    assert modes.correctness(texts, ["17"] * 4, "math", "rlcr").tolist() == [1.0, 0.0, 0.0, 1.0]
+    assert modes.correctness(texts, ["17"] * 4, "math", "grpo").tolist() == [0.0, 1.0, 1.0, 0.0]
+
+
+def test_c2gspg_advantages_by_hand():
+    # mean r = 0.5; A = (r - 0.5) / (1 - c): 0.5/0.5, -0.5/0.1, -0.5/0.8, 0.5/0.01
+    correct = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    c = torch.tensor([0.5, 0.9, 0.2, 0.99])
+    R, adv, kept, parts = modes.reward_and_advantages(cfg_for("c2gspg"), correct, None, [""] * 4, c)
+    assert adv.tolist() == pytest.approx([1.0, -5.0, -0.625, 50.0], rel=1e-5)
+    assert R.tolist() == [1.0, 0.0, 0.0, 1.0] and parts["seq_conf"] is c
+
+
+def test_process_brier_worked_number():
+    C, Y = torch.tensor([[0.9, 0.5, 0.1]]), torch.tensor([[1.0, 0.5, 0.0]])
+    valid = torch.ones(1, 3, dtype=torch.bool)
+    assert modes.calibration(C, Y, valid, cfg_for("process-brier")).item() == pytest.approx(-0.0067, abs=5e-5)
+    assert modes.calibration(C, Y, valid, cfg_for("rlcm")).item() == pytest.approx(0.8)
+    # final-margin with budget 1.0: only one side -> +C or -C
+    one = torch.ones(1, 1, dtype=torch.bool)
+    fm = cfg_for("final-margin", corner="final-margin")
+    assert modes.calibration(torch.tensor([[0.2]]), torch.tensor([[0.0]]), one, fm).item() == pytest.approx(-0.2)
+
+
+def test_brier_modes_drop_unanimous_groups():
+    """Group 1 all right, group 2 mixed, group 3 all wrong: only group 2 enters the update, although
+    the Brier term makes the rewards of the unanimous groups differ (so they would get advantages)."""
+    assert modes.unanimous(torch.tensor([1, 1, 0, 0, 0, 0]), 3).tolist() == [False] * 3 + [True] * 3
+    correct = torch.tensor([1.0, 1, 1, 1, 1, 0, 0, 1, 0, 0, 0, 0])
+    calib = -torch.linspace(0.0, 0.5, 12)
+    for mode in ("process-brier", "final-brier"):
+        cfg = config.resolve_args(["--reward", mode, "--group-size", "4", "--out", "unused"])
+        assert cfg["drop_unanimous"] is True
+        R, adv, kept, parts = modes.reward_and_advantages(cfg, correct, calib, [""] * 12, None)
+        assert R.tolist() == pytest.approx((2 * correct - 1 + 0.1 * calib).tolist())
+        assert kept.tolist() == [False] * 4 + [True] * 4 + [False] * 4
+        assert (adv[~kept] == 0).all() and (adv[kept] != 0).all()
+        assert parts["dropped"].sum().item() == 8 and torch.equal(parts["brier"], calib)
+    cfg = config.resolve_args(["--reward", "process-brier", "--no-drop-unanimous", "--group-size", "4"])
+    R, adv, kept, _ = modes.reward_and_advantages(cfg, correct, calib, [""] * 12, None)
+    assert kept.all() and (adv[:4] != 0).all()   # without the drop the all-right group is trained on
+
+
+def tiny_policy():
+    torch.manual_seed(0)
+    lm = Qwen2ForCausalLM(Qwen2Config(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, intermediate_size=32, max_position_embeddings=32))
+    return LogprobModel(lm)
+
+
+class Capture:
+    def __init__(self, params):
+        self.params, self.grads = list(params), None
+
+    def step(self):
+        self.grads = [p.grad.clone() if p.grad is not None else None for p in self.params]
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+
+UPD = dict(agg="token-mean", temperature=1.0, chunk_size=8, clip_low=0.2, clip_high=0.2, grad_clip=1e9,
+           max_new_tokens=8)
+SCHED = type("Sched", (), {"step": lambda self: None})()
+
+
+def test_dropped_rows_are_out_of_the_update_entirely():
+    """Updating on the kept rows of a batch gives the gradient of a batch of those rows alone: the
+    dropped rows are not even in the token-mean's denominator."""
+    prompts, responses = [[3, 4], [5], [6, 7], [8]], [[9, 10, 1], [11, 1], [12, 13, 14, 1], [15, 1]]
+    adv = torch.tensor([0.0, 0.0, 1.0, -1.0])
+    policy = tiny_policy()
+    grads = []
+    for b, a, mbs in ((grpo.pack(prompts, responses, 0), adv, [[2], [3]]),
+                      (grpo.pack(prompts[2:], responses[2:], 0), adv[2:], [[0, 1]])):
+        opt = Capture(policy.parameters())
+        train.update(policy, opt, SCHED, b, None, a, mbs, dict(UPD, reward="process-brier"), torch.device("cpu"))
+        grads.append([g for g in opt.grads if g is not None])
+    assert grads[0] and all(torch.allclose(x, y, atol=1e-7) for x, y in zip(*grads))
+
+
+def test_c2gspg_loss_adds_the_confidence_bce():
+    """With zero advantages only 0.1 * BCE(c_theta, r) is left; its logged value is the mean BCE of
+    c_theta = exp(mean response log-prob) computed here by hand, and it sends a gradient."""
+    prompts, responses = [[3, 4], [5], [6, 7]], [[9, 10, 1], [11, 1], [12, 13, 14, 1]]
+    b = grpo.pack(prompts, responses, 0)
+    correct = torch.tensor([1.0, 0.0, 1.0])
+    policy = tiny_policy()
+    with torch.no_grad():
+        logp = policy(b["input_ids"], b["attention_mask"])
+    c = [math.exp(sum(logp[i][j].item() for j in range(logp.shape[1]) if b["loss_mask"][i][j]) /
+                  b["loss_mask"][i].sum().item()) for i in range(3)]
+    bce = [-(r * math.log(x) + (1 - r) * math.log(1 - x)) for r, x in zip(correct.tolist(), c)]
+    opt = Capture(policy.parameters())
+    stats = train.update(policy, opt, SCHED, b, None, torch.zeros(3), [[0, 1], [2]],
+                         dict(UPD, reward="c2gspg"), torch.device("cpu"), correct)
+    assert stats["c2gspg_bce"] == pytest.approx(sum(bce) / 3, rel=1e-5)
+    assert stats["loss"] == 0.0 and sum(g.abs().sum() for g in opt.grads if g is not None) > 0
+    opt = Capture(policy.parameters())
+    stats = train.update(policy, opt, SCHED, b, None, torch.zeros(3), [[0, 1], [2]],
+                         dict(UPD, reward="grpo"), torch.device("cpu"), correct)
+    assert "c2gspg_bce" not in stats and all(g is None or not g.any() for g in opt.grads)
+
+
+def test_implied_settings_and_explicit_flags_win(tmp_path):
+    r = lambda *a: config.resolve_args([*a, "--out", str(tmp_path / "run")])  # noqa: E731
+    assert r()["budgets"] == (0.25, 0.5, 0.75) and r()["drop_unanimous"] is False
+    fm = r("--reward", "final-margin")
+    assert fm["budgets"] == (1.0,) and fm["corner"] == "final-margin" and fm["drop_unanimous"] is False
+    assert r("--reward", "final-margin", "--budgets", "0.5", "--corner", "zero")["budgets"] == (0.5,)
+    assert r("--reward", "final-margin", "--corner", "zero")["corner"] == "zero"
+    fb = r("--reward", "final-brier")
+    assert fb["budgets"] == (1.0,) and fb["drop_unanimous"] is True and fb["corner"] == "zero"
+    pb = r("--reward", "process-brier")
+    assert pb["budgets"] == (0.25, 0.5, 0.75) and pb["drop_unanimous"] is True
+    assert r("--reward", "grpo", "--drop-unanimous")["drop_unanimous"] is True
+    assert r("--reward", "rlcr")["instruction"] == ""   # the toy keeps its bare-sum prompt
+    real = r("--reward", "rlcr", "--model", "some-org/some-model")
+    assert real["instruction"] == data.RLCR_INSTRUCTION and "<confidence>" in real["instruction"]
+    assert r("--reward", "rlcr", "--model", "m", "--instruction", " Go.")["instruction"] == " Go."
+    assert r("--model", "m")["instruction"] == data.INSTRUCTION
+
+
+def test_resume_keeps_the_mode_and_what_it_saved(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    saved = config.resolve_args(["--reward", "final-brier", "--budgets", "0.5", "--out", str(run)])
+    (run / "config.json").write_text(json.dumps(saved))
+    cfg = config.resolve_args(["--resume", str(run)])
+    assert cfg["reward"] == "final-brier" and cfg["budgets"] == [0.5] and cfg["drop_unanimous"] is True
+    with pytest.raises(config.UserError, match="--reward cannot change on resume"):
+        config.resolve_args(["--resume", str(run), "--reward", "rlcm"])
+
+
+def metrics(run):
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if '"eval": true' not in line]
+
+
+@pytest.mark.parametrize("mode", list(COMPONENTS))
+def test_every_mode_runs_two_toy_steps_and_logs_its_components(tmp_path, monkeypatch, mode):
+    calls = []
+    real = train.mc_labels
+    monkeypatch.setattr(train, "mc_labels", lambda *a, **k: calls.append(1) or real(*a, **k))
+    run = str(tmp_path / "run")
+    train.main(["--steps", "2", "--out", run, "--reward", mode, *SMALL])
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == [1, 2]
+    others = set().union(*COMPONENTS.values()) - COMPONENTS[mode]
+    for row in rows:
+        assert COMPONENTS[mode] <= set(row) and not others & set(row), (mode, set(row))
+        assert all(math.isfinite(row[k]) for k in COMPONENTS[mode])
+    assert (len(calls) == 0) == (mode in NO_LABELS)   # grpo, rlcr, c2gspg never label
+    assert json.load(open(os.path.join(run, "config.json")))["reward"] == mode
+    if mode == "rlcr":   # the toy has no RLCR format yet: every tag is missing, read as 0.5, counted
+        assert [r["verbal_missing"] for r in rows] == [16, 16] and rows[0]["verbal_conf"] == 0.5
+    if mode == "c2gspg":
+        assert all(0 < r["seq_conf"] < 1 and r["c2gspg_bce"] > 0 for r in rows)
+    if mode in ("process-brier", "final-brier"):
+        assert all(r["brier"] <= 0 and 0 <= r["dropped"] <= 1 for r in rows)
