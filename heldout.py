@@ -1,4 +1,8 @@
-"""The probe out of sample: its calibration on held-out trajectories during training.
+"""The held-out check during training: accuracy, and the probe out of sample (its calibration on
+held-out trajectories).
+
+held_out_accuracy samples the same held-out problems with the same seed at every check (temperature
+0.6), so two checks of a run differ only by the policy.
 
 The probe's BCE/ECE logged per step (`probe_bce`, `probe_ece`) are in-sample: measured on the very
 prefixes it was just fitted to. The periodic held-out check also takes its first few held-out
@@ -18,15 +22,43 @@ the same binary events.
 import numpy as np
 import torch
 
+import data
 import metrics
+import modes
 import probe as probe_lib
 import runlog
 from grpo import pack
 from label import budgets, mc_labels
+from parallel import RANK, WORLD, all_gather, all_sum
 from reward import margin_reward
+from rollout import generate
 from score import budget_ends, score
 
 EPS = 1e-7
+
+
+@torch.no_grad()
+def held_out_accuracy(sampler, tok, rows, cfg, instruction, device, probe=None, calib=None):
+    """Accuracy on a fixed slice of the held-out split at the evaluation temperature (0.6) with a
+    fixed seed, so every check of a run samples the same way. With a `calib` dict, the probe's
+    calibration on the first eval_probe_n of these trajectories is added to it (below)."""
+    mine = rows[RANK::WORLD]
+    prompts = [data.chat_prompt(tok, r["problem"], instruction, cfg["system_prompt"]) for r in mine]
+    hits, trajs = 0, []
+    if prompts:
+        out = generate(sampler, tok, prompts, max_new_tokens=cfg["max_new_tokens"], temperature=0.6,
+                       seed=cfg["seed"] + 12345 + RANK, batch_size=cfg["gen_batch"],
+                       decode=cfg["decode"])
+        hits = modes.correctness(out.texts, [r["answer"] for r in mine], "math", cfg["reward"]).sum().item()
+        if calib is not None:
+            m = len(rows[:cfg["eval_probe_n"]][RANK::WORLD])
+            trajs = probe_calibration(sampler, tok, probe, prompts[:m], out, mine[:m], cfg,
+                                              seed=cfg["seed"] + 54321 + RANK)
+    if calib is not None:
+        trajs = [t for part in all_gather(trajs) for t in part]
+        calib.update(summary(trajs, cfg["k"]), trajectories=trajs)
+    hits, n = all_sum([hits, len(mine)], device)
+    return hits / max(n, 1)
 
 
 @torch.no_grad()

@@ -22,12 +22,11 @@ The probe never sends a gradient into the policy: the margin enters only through
 final-brier); modes.py says what each one computes.
 """
 import json
-import math
 import os
 import random
 import sys
 import time
-from contextlib import ExitStack, contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 
 import numpy as np
 import torch
@@ -35,6 +34,7 @@ from tqdm import tqdm
 
 import data
 import heldout
+from heldout import held_out_accuracy
 import launch
 import modes
 import plan
@@ -45,12 +45,13 @@ from checkpoint import UserError
 import config
 from config import resolve_args
 from parallel import (MASTER, RANK, WORLD, all_gather, all_sum, full_state, load_optimizer, load_sharded,
-                      refresh_sampler, setup, sharded, teardown, wrap)
-from grpo import c2gspg_bce, pack, policy_loss, sequence_confidence
+                      refresh_sampler, setup, teardown, wrap)
+from grpo import pack, sequence_confidence
 from label import budgets, mc_labels
 from metrics import ece
 from rollout import generate
 from score import budget_ends, score
+from update import micro_batch, micro_batches, update
 
 VOLATILE = ("t_", "tok_per_s", "peak_mem")  # metrics.jsonl fields that vary between identical runs
 LOCKS = ExitStack()  # the run folder's lock, released by main() however the run ends
@@ -103,42 +104,6 @@ def next_rows(rows, cursor, count, seed):
             orders[epoch] = np.random.default_rng(seed + epoch).permutation(len(rows))
         out.append(rows[orders[epoch][i]])
     return out, cursor + count
-
-
-def micro_batches(lengths, max_tokens):
-    """Split indices into consecutive micro-batches of at most max_tokens padded tokens."""
-    batches, cur, longest = [], [], 0
-    for i, n in enumerate(lengths):
-        if cur and max(longest, n) * (len(cur) + 1) > max_tokens:
-            batches.append(cur)
-            cur, longest = [], 0
-        cur.append(i)
-        longest = max(longest, n)
-    return batches + ([cur] if cur else [])
-
-
-@torch.no_grad()
-def held_out_accuracy(sampler, tok, rows, cfg, instruction, device, probe=None, calib=None):
-    """Accuracy on a fixed slice of the held-out split at the evaluation temperature (0.6) with a
-    fixed seed, so every check of a run samples the same way. With a `calib` dict, the probe's
-    calibration on the first eval_probe_n of these trajectories is added to it (heldout.py)."""
-    mine = rows[RANK::WORLD]
-    prompts = [data.chat_prompt(tok, r["problem"], instruction, cfg["system_prompt"]) for r in mine]
-    hits, trajs = 0, []
-    if prompts:
-        out = generate(sampler, tok, prompts, max_new_tokens=cfg["max_new_tokens"], temperature=0.6,
-                       seed=cfg["seed"] + 12345 + RANK, batch_size=cfg["gen_batch"],
-                       decode=cfg["decode"])
-        hits = modes.correctness(out.texts, [r["answer"] for r in mine], "math", cfg["reward"]).sum().item()
-        if calib is not None:
-            m = len(rows[:cfg["eval_probe_n"]][RANK::WORLD])
-            trajs = heldout.probe_calibration(sampler, tok, probe, prompts[:m], out, mine[:m], cfg,
-                                              seed=cfg["seed"] + 54321 + RANK)
-    if calib is not None:
-        trajs = [t for part in all_gather(trajs) for t in part]
-        calib.update(heldout.summary(trajs, cfg["k"]), trajectories=trajs)
-    hits, n = all_sum([hits, len(mine)], device)
-    return hits / max(n, 1)
 
 
 def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched, cfg, device,
@@ -253,74 +218,8 @@ def probe_margin(probe, probe_opt, feats, ends, labels, cfg, seed):
     return calib, signal, stats, C
 
 
-def micro_batch(batch, rows, device):
-    """The `pack` batch restricted to `rows` and cut to their longest sequence L; returns (sub, L)."""
-    sub = {k: v[rows].to(device) for k, v in batch.items()}
-    L = int(sub["attention_mask"].sum(1).max())
-    cut = {"input_ids": L, "attention_mask": L, "loss_mask": L - 1}
-    return {k: v[:, :cut[k]] if k in cut else v for k, v in sub.items()}, L
-
-
 def zero_var_groups(R, G):
     return (R.view(-1, G).std(1) == 0).sum().item() if len(R) else 0
-
-
-def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device, correct=None):
-    """One optimizer step over the micro-batches `mbs` (lists of batch rows; rows in none of them are
-    left out). Each micro-batch's loss is weighted by its share of the tokens (token-mean) or
-    sequences (seq-mean, seq-sum-norm) of those rows, so the summed gradient is that of one loss over
-    them, however they are cut. --reward c2gspg adds 0.1 * mean_n BCE(c_theta_n, correct_n).
-
-    old_logp [N, T] from the scoring pass, or None for the on-policy case: the current log-probs,
-    detached, so ratio = exp(logp - logp.detach()) is exactly 1 whatever the compute precision.
-    sched: stepped after the optimizer (None: not stepped, for all but the last PPO epoch).
-    """
-    policy.train()
-    mask = batch["loss_mask"]
-    weights = mask.sum(1) if cfg["agg"] == "token-mean" else torch.ones(len(mask))
-    total, n_seq = all_sum([sum(weights[mb].sum().item() for mb in mbs), sum(map(len, mbs))], device)
-    # FSDP averages gradients over ranks, so each rank's share is scaled back up by WORLD
-    n_mb = int(max(all_gather(len(mbs))))
-    sums = dict.fromkeys(("loss", "clip_frac", "kl", "ratio_mean"), 0.0)
-    c2gspg, bce_sum = cfg.get("reward") == "c2gspg", 0.0
-    # one plain GPU: autocast; under FSDP2 its mixed-precision policy casts instead
-    plain_gpu = device.type == "cuda" and not sharded(policy)
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if plain_gpu else nullcontext()
-    for j in range(n_mb):
-        mb = mbs[min(j, len(mbs) - 1)] if mbs else [0]
-        w = weights[mb].sum().item() if j < len(mbs) else 0.0  # a whole number: exact means below
-        sub, L = micro_batch(batch, mb, device)
-        with amp:
-            logp = policy(sub["input_ids"], sub["attention_mask"], cfg["temperature"], cfg["chunk_size"])
-        logp = logp.float()
-        old = logp.detach() if old_logp is None else old_logp[mb, :L - 1].to(device)
-        loss, st = policy_loss(logp, old, adv[mb].to(device), sub["loss_mask"], cfg["clip_low"],
-                               cfg["clip_high"], agg=cfg["agg"],
-                               norm_const=cfg["max_new_tokens"])
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"non-finite loss ({loss.item()}) in micro-batch {j}")
-        weighted = loss * (w * WORLD / max(total, 1.0))
-        if c2gspg:  # the current policy's c_theta, differentiable; a mean over sequences
-            bce = c2gspg_bce(sequence_confidence(logp, sub["loss_mask"]), correct[mb].to(device)).sum()
-            bce = bce * float(j < len(mbs))  # a padding micro-batch (other ranks have more) adds nothing
-            weighted = weighted + 0.1 * bce * WORLD / max(n_seq, 1.0)
-            bce_sum += bce.item()
-        weighted.backward()
-        for key, value in (("loss", loss.item()), *st.items()):
-            sums[key] += value * w  # weighted like the loss: a batch-wide mean
-    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg["grad_clip"])
-    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-    if not math.isfinite(grad_norm):
-        raise FloatingPointError(f"non-finite gradient norm ({grad_norm})")
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    if sched is not None:
-        sched.step()
-    out = dict(zip(sums, (v / max(total, 1.0) for v in all_sum(list(sums.values()), device))),
-               grad_norm=grad_norm)
-    if c2gspg:
-        out["c2gspg_bce"] = all_sum([bce_sum], device)[0] / max(n_seq, 1.0)
-    return out
 
 
 def peak_memory(device):

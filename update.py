@@ -1,0 +1,91 @@
+"""The policy update of one RL step: one optimizer step over micro-batches (gradient accumulation).
+
+Rows are packed (grpo.pack) and cut into micro-batches of at most --micro-tokens padded tokens;
+each micro-batch's loss is weighted by its share of the batch, so the accumulated gradient is that
+of one loss over the whole batch however it is cut, on one process or on every rank under FSDP2.
+"""
+import math
+from contextlib import nullcontext
+
+import torch
+
+from grpo import c2gspg_bce, policy_loss, sequence_confidence
+from parallel import WORLD, all_gather, all_sum, sharded
+
+
+def micro_batches(lengths, max_tokens):
+    """Split indices into consecutive micro-batches of at most max_tokens padded tokens."""
+    batches, cur, longest = [], [], 0
+    for i, n in enumerate(lengths):
+        if cur and max(longest, n) * (len(cur) + 1) > max_tokens:
+            batches.append(cur)
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, n)
+    return batches + ([cur] if cur else [])
+
+
+def micro_batch(batch, rows, device):
+    """The `pack` batch restricted to `rows` and cut to their longest sequence L; returns (sub, L)."""
+    sub = {k: v[rows].to(device) for k, v in batch.items()}
+    L = int(sub["attention_mask"].sum(1).max())
+    cut = {"input_ids": L, "attention_mask": L, "loss_mask": L - 1}
+    return {k: v[:, :cut[k]] if k in cut else v for k, v in sub.items()}, L
+
+
+def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device, correct=None):
+    """One optimizer step over the micro-batches `mbs` (lists of batch rows; rows in none of them are
+    left out). Each micro-batch's loss is weighted by its share of the tokens (token-mean) or
+    sequences (seq-mean, seq-sum-norm) of those rows, so the summed gradient is that of one loss over
+    them, however they are cut. --reward c2gspg adds 0.1 * mean_n BCE(c_theta_n, correct_n).
+
+    old_logp [N, T] from the scoring pass, or None for the on-policy case: the current log-probs,
+    detached, so ratio = exp(logp - logp.detach()) is exactly 1 whatever the compute precision.
+    sched: stepped after the optimizer (None: not stepped, for all but the last PPO epoch).
+    """
+    policy.train()
+    mask = batch["loss_mask"]
+    weights = mask.sum(1) if cfg["agg"] == "token-mean" else torch.ones(len(mask))
+    total, n_seq = all_sum([sum(weights[mb].sum().item() for mb in mbs), sum(map(len, mbs))], device)
+    # FSDP averages gradients over ranks, so each rank's share is scaled back up by WORLD
+    n_mb = int(max(all_gather(len(mbs))))
+    sums = dict.fromkeys(("loss", "clip_frac", "kl", "ratio_mean"), 0.0)
+    c2gspg, bce_sum = cfg.get("reward") == "c2gspg", 0.0
+    # one plain GPU: autocast; under FSDP2 its mixed-precision policy casts instead
+    plain_gpu = device.type == "cuda" and not sharded(policy)
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if plain_gpu else nullcontext()
+    for j in range(n_mb):
+        mb = mbs[min(j, len(mbs) - 1)] if mbs else [0]
+        w = weights[mb].sum().item() if j < len(mbs) else 0.0  # a whole number: exact means below
+        sub, L = micro_batch(batch, mb, device)
+        with amp:
+            logp = policy(sub["input_ids"], sub["attention_mask"], cfg["temperature"], cfg["chunk_size"])
+        logp = logp.float()
+        old = logp.detach() if old_logp is None else old_logp[mb, :L - 1].to(device)
+        loss, st = policy_loss(logp, old, adv[mb].to(device), sub["loss_mask"], cfg["clip_low"],
+                               cfg["clip_high"], agg=cfg["agg"],
+                               norm_const=cfg["max_new_tokens"])
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite loss ({loss.item()}) in micro-batch {j}")
+        weighted = loss * (w * WORLD / max(total, 1.0))
+        if c2gspg:  # the current policy's c_theta, differentiable; a mean over sequences
+            bce = c2gspg_bce(sequence_confidence(logp, sub["loss_mask"]), correct[mb].to(device)).sum()
+            bce = bce * float(j < len(mbs))  # a padding micro-batch (other ranks have more) adds nothing
+            weighted = weighted + 0.1 * bce * WORLD / max(n_seq, 1.0)
+            bce_sum += bce.item()
+        weighted.backward()
+        for key, value in (("loss", loss.item()), *st.items()):
+            sums[key] += value * w  # weighted like the loss: a batch-wide mean
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg["grad_clip"])
+    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    if not math.isfinite(grad_norm):
+        raise FloatingPointError(f"non-finite gradient norm ({grad_norm})")
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if sched is not None:
+        sched.step()
+    out = dict(zip(sums, (v / max(total, 1.0) for v in all_sum(list(sums.values()), device))),
+               grad_norm=grad_norm)
+    if c2gspg:
+        out["c2gspg_bce"] = all_sum([bce_sum], device)[0] / max(n_seq, 1.0)
+    return out
