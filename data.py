@@ -176,8 +176,8 @@ def _choices(row, index, spec):
 def drop_long_prompts(rows, tokenizer, max_tokens, instruction=INSTRUCTION):
     """(rows whose chat prompt has at most max_tokens tokens, number dropped); the released training
     set drops longer prompts (600 tokens) when it is loaded."""
-    kept = [r for r in rows if len(chat_prompt(tokenizer, r["problem"], instruction)) <= max_tokens]
-    return kept, len(rows) - len(kept)
+    over = {i for i, _ in long_prompts(tokenizer, rows, instruction, max_tokens)}
+    return [r for i, r in enumerate(rows) if i not in over], len(over)
 
 
 def load_rows(source, split=None, problem_field=None, answer_field=None, limit=None):
