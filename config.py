@@ -9,6 +9,7 @@ import math
 import os
 
 import data
+import toy
 from checkpoint import UserError
 
 # Defaults that depend on the world: the toy sizes for 2 CPU cores, the real ones from DESIGN.md.
@@ -39,6 +40,8 @@ IMPLIED = {"final-margin": dict(budgets=(1.0,), corner="final-margin"),
            "process-brier": dict(drop_unanimous=True),
            "final-brier": dict(budgets=(1.0,), drop_unanimous=True),
            "rlcr": dict(instruction=data.RLCR_INSTRUCTION)}
+# The toy world (256 positions, bare sums) asks for RLCR's format with its own short prompt.
+TOY_IMPLIED = {"rlcr": dict(instruction=toy.RLCR_INSTRUCTION)}
 
 DATA_HELP = ("toy | deepscaler | HF dataset id | local json/jsonl/parquet. deepscaler (40k problems, "
              "downloads) is a superset of the released training set, the GRPO-LEAD stage-1 file "
@@ -245,9 +248,7 @@ def resolve_args(argv):
     model = given.get("model", saved.get("model", "toy"))
     cfg = {**COMMON, **(TOY if model == "toy" else REAL), **saved, **given}
     if saved.get("reward") != cfg["reward"]:
-        implied = IMPLIED.get(cfg["reward"], {})
-        if model == "toy":  # 256 positions and bare sums: the toy keeps its own prompt
-            implied = {k: v for k, v in implied.items() if k != "instruction"}
+        implied = {**IMPLIED.get(cfg["reward"], {}), **(TOY_IMPLIED.get(cfg["reward"], {}) if model == "toy" else {})}
         cfg.update({k: v for k, v in implied.items() if k not in given})
     cfg["trust_remote_code"] = bool(given.get("trust_remote_code"))
     cfg.update({k: given.get(k) for k in NOT_SAVED})

@@ -8,7 +8,8 @@ of the confidence (weighted voting, conformal early exit).
 
 For each model and benchmark: n samples per question (temperature 0.6, top-p 1.0, up to 8000 tokens;
 32 samples on AIME 2024/2025 and AMC 2023, 4 elsewhere; the toy world: 4 samples of at most 128
-tokens), graded by the last \\boxed{} (math grader), each with a confidence (confidence.py; default: the
+tokens), graded by the last \\boxed{} (math grader; a run trained with --reward rlcr: its last <answer>
+tag, `--answer`), each with a confidence (confidence.py; default: the
 post-hoc probe, fitted once per model with the released protocol and cached in --out; `probe` is the
 run's own probe.pt, read at its last training budget). Written to --out (default RUN/eval
 for a run or checkpoint, else eval_out/<model>): samples.jsonl (appended per batch: an interrupted
@@ -133,11 +134,13 @@ def check_prompts(tok, model, loaded, args, run_instruction=None):
                            say=lambda m: print(m, file=sys.stderr))
 
 
-def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, path, system=None):
+def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, path, system=None,
+                       form="box"):
     """Sample, grade and score every missing (question, sample) of one benchmark, appending per batch.
 
     s: the benchmark's settings (n, max_new_tokens, ...); conf_kw: arguments of
-    confidence.sample_confidences. Rows already in `path` for (label, bench) are kept, not regenerated.
+    confidence.sample_confidences; form: where the answer is read (grade.extract: "box" or "tag").
+    Rows already in `path` for (label, bench) are kept, not regenerated.
     """
     have = [r for r in read_samples(path) if r["model"] == label and r["benchmark"] == bench]
     stale = {r.get("source") for r in have} - {conf_kw["source"]}
@@ -170,24 +173,31 @@ def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, con
             for r, (q, missing) in enumerate((c for c in chunk for _ in range(m))):
                 j = missing[r % m]
                 f.write(json.dumps(dict(
-                    model=label, benchmark=bench, question=q, sample=j, answer=grade.boxed_answer(out.texts[r]),
-                    correct=int(grade.is_correct(out.texts[r], golds[r])), confidence=float(conf[r]),
+                    model=label, benchmark=bench, question=q, sample=j, answer=grade.extract(out.texts[r], GRADER, form),
+                    correct=int(grade.is_correct(out.texts[r], golds[r], GRADER, form)), confidence=float(conf[r]),
                     length=out.lengths[r], finish=out.finish[r], source=conf_kw["source"], **extras[r])) + "\n")
             f.flush()
         bar.update(len(chunk) * m)
     bar.close()
 
 
-def run_prompt(path, args):
-    """(instruction, system prompt) for a model: the flags, else what its run trained with (the run's
-    config.json, for a run's checkpoint), else (None, None): the benchmark's own instruction."""
+def run_config(path):
+    """The config.json of the run a checkpoint belongs to, else {} (a base model)."""
     run = _run_dir(path) if os.path.isdir(path) else None
-    cfg = {}
     if run and os.path.isfile(os.path.join(run, "config.json")):
         with open(os.path.join(run, "config.json")) as f:
-            cfg = json.load(f)
+            return json.load(f)
+    return {}
+
+
+def run_prompt(path, args):
+    """(instruction, system prompt, answer form) for a model: the flags, else what its run trained
+    with (the run's config.json, for a run's checkpoint; an RLCR run answers in <answer> tags), else
+    (None, None, "box"): the benchmark's own instruction."""
+    cfg = run_config(path)
     pick = lambda flag, key: flag if flag is not None else cfg.get(key)  # noqa: E731
-    return pick(args.instruction, "instruction"), pick(args.system_prompt, "system_prompt")
+    form = args.answer or ("tag" if cfg.get("reward") == "rlcr" else "box")
+    return pick(args.instruction, "instruction"), pick(args.system_prompt, "system_prompt"), form
 
 
 def settings(bench, args):
@@ -278,11 +288,12 @@ def evaluate_model(name, loaded, args):
         probe_source = source in ("probe", "probe-posthoc") and not args.no_early_exit
         conf_kw = dict(source=source, prb=prb, close_id=close_id, every=s["every"] if probe_source else None,
                        suffix=s["suffix"], close=args.forced_close, fractions=run_fractions(path))
-        generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, samples, prompt[1])
+        generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, samples, prompt[1],
+                           prompt[2])
         mine = [r for r in read_samples(samples) if r["model"] == label and r["benchmark"] == bench
                 and r["question"] < len(rows) and r["sample"] < s["n"]]
         res["benchmarks"][bench] = summarize(mine, seed=args.seed)
-        res["settings"][bench] = dict(s, confidence=source, grader=GRADER, temperature=args.temperature,
+        res["settings"][bench] = dict(s, confidence=source, grader=GRADER, answer=prompt[2], temperature=args.temperature,
                                       top_p=args.top_p, seed=args.seed, questions=len(rows),
                                       instruction=instruction, system_prompt=prompt[1],
                                       bootstrap=dict(resamples=1000, unit="question", seed=args.seed))
@@ -332,6 +343,9 @@ def parse_args(argv=None):
     g = p.add_argument_group("prompt (default: what the run trained with, else the benchmark's)")
     g.add_argument("--instruction", help="text appended to every problem")
     g.add_argument("--system-prompt", help="system turn before the problem")
+    g.add_argument("--answer", choices=("box", "tag"),
+                   help="where the answer is read: the last \\boxed{} (default) or the last <answer> tag "
+                        "(default for a run trained with --reward rlcr)")
     args = p.parse_args(argv)
     args.argv = ["evaluate.py", *(sys.argv[1:] if argv is None else argv)]  # for results.json provenance
     return args

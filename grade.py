@@ -138,11 +138,27 @@ def answers_match(pred, gold, grader="math", deadline=None) -> bool:
     return _math_verify(pred, gold, deadline or time.monotonic() + GRADE_TIMEOUT_S)
 
 
-def is_correct(text, gold, grader="math") -> bool:
-    """True only when the text has a last complete box and it matches the gold answer."""
+def answer_tag(text):
+    """Content of the last complete <answer>...</answer> (stripped), else None: RLCR's answer format.
+    Linear: two rfinds.  "<answer> 3 </answer> ... <answer>17</answer>" -> "17"."""
+    end = text.rfind("</answer>")
+    start = text.rfind("<answer>", 0, end) if end >= 0 else -1
+    return text[start + len("<answer>"):end].strip() if start >= 0 else None
+
+
+def extract(text, grader="math", form="box"):
+    """The answer a response gives: its last box (strict: the raw last box), or with form="tag" the
+    last <answer> tag (RLCR's format)."""
+    if form == "tag":
+        return answer_tag(text)
+    return last_boxed(text) if grader == "strict" else boxed_answer(text)
+
+
+def is_correct(text, gold, grader="math", form="box") -> bool:
+    """True only when the text gives an answer (its last complete box, or with form="tag" its last
+    <answer> tag) and it matches the gold answer."""
     deadline = time.monotonic() + GRADE_TIMEOUT_S
-    pred = last_boxed(text) if grader == "strict" else boxed_answer(text)
-    return answers_match(pred, gold, grader, deadline)
+    return answers_match(extract(text, grader, form), gold, grader, deadline)
 
 
 class _Worker:

@@ -29,20 +29,11 @@ BRIER_MODES = ("process-brier", "final-brier")
 COUNTED = ("verbal_missing",)  # components logged per step as a count; the others as a mean
 
 
-def answer_tag(text):
-    """Content of the last complete <answer>...</answer> (stripped), else None. Linear: two rfinds."""
-    end = text.rfind("</answer>")
-    start = text.rfind("<answer>", 0, end) if end >= 0 else -1
-    return text[start + len("<answer>"):end].strip() if start >= 0 else None
-
-
 def correctness(texts, golds, grader, mode):
     """0/1 float [N]: the last box against the gold answer; rlcr: the last <answer> tag instead."""
-    if mode == "rlcr":
-        hits = [grade.answers_match(answer_tag(t), g, grader) for t, g in zip(texts, golds)]
-    else:
-        hits = [grade.is_correct(t, g, grader) for t, g in zip(texts, golds)]
-    return torch.tensor(hits, dtype=torch.float32)
+    form = "tag" if mode == "rlcr" else "box"
+    return torch.tensor([grade.is_correct(t, g, grader, form) for t, g in zip(texts, golds)],
+                        dtype=torch.float32)
 
 
 def calibration(C, Y, valid, cfg):

@@ -27,6 +27,11 @@ variant) the target is the answer the prefix implies, the last running total wri
 wrong) plus the terms not yet added, done "mentally". That is easy near the end and hard early,
 so Monte-Carlo labels are graded and depend on the prefix, as they do for a real reasoning model.
 (In an early trial, a model that never saw the forced suffix was wrong from every prefix.)
+RLCR's format, chosen by the prompt: under RLCR_INSTRUCTION (what `--reward rlcr` trains with on
+the toy) the same trace ends in `</think><answer>17</answer>\\n<analysis></analysis>\\n<confidence>0.4
+</confidence>` instead of the box, the confidence drawn at random from 0.1 .. 0.9 whatever the trace,
+so the base policy speaks the format but its verbal confidence says nothing: RL has to learn it.
+The tags are single added tokens, so the longest such response (46 tokens) fits the 48 of a rollout.
 
 Why this warm start (the RL run must visibly learn in 45 steps at AdamW lr 1e-4, whose first
 steps move every weight by about lr): an earlier one (lr 1e-3, no weight decay, forced answers
@@ -35,10 +40,12 @@ lowered the probability of every sample. Weight decay 0.1, a larger warm-start l
 at weight 1 and random slips instead of fixed misconceptions leave one where such a step moves
 probability from wrong to right samples (tests/test_learning.py).
 
-The committed checkpoint, on the first 200 test problems (tests/test_toy.py): accuracy 0.505
-sampled at temperature 0.8 (0.60 at the evaluation temperature 0.6), 0.995 greedy; labels at K=4
-from the three budgets lie strictly between 0 and 1 for 43% of the prefixes, and the mean label
-at the 75% budget is 0.46 for trajectories that end correct against 0.11 for those that end wrong.
+The committed checkpoint, on the first 200 test problems (tests/test_toy.py): accuracy 0.440
+sampled at temperature 0.8 (0.575 at the evaluation temperature 0.6), 0.990 greedy; labels at K=4
+from the three budgets lie strictly between 0 and 1 for 39% of the prefixes, and the mean label
+at the 75% budget is 0.40 for trajectories that end correct against 0.15 for those that end wrong.
+Under RLCR_INSTRUCTION: accuracy 0.425 at 0.8 (0.590 at 0.6), 0.980 greedy, every response with a
+confidence tag, mean confidence 0.46 on right answers and 0.49 on wrong ones.
 
 Rebuild. The committed `toy_base/` is rebuilt by one command, in about two minutes on one CPU
 core, bit for bit (same safetensors bytes) on the same machine and torch build; the build
@@ -61,13 +68,17 @@ from tokenizers import AddedToken
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
 INSTRUCTION = ""  # toy problems are complete user messages
+# --reward rlcr on the toy: the prompt that asks for RLCR's answer format (the toy's stand-in for
+# data.RLCR_INSTRUCTION, which would not fit its 256 positions); see rlcr_tail.
+RLCR_INSTRUCTION = "\nFormat: <answer> <analysis> <confidence>"
 SUFFIX = "\nIf I were to output the final answer now, it would be \\boxed{"  # = label.SUFFIX
 BASE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "toy_base")
 
 SPECIALS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>"]
 # Not special, like R1's <think>: decode(skip_special_tokens=True) keeps them. The forced
 # sentence is one token so the forced suffix is two ids ("\n", sentence).
-ADDED = ["<think>", "</think>", "\\boxed{", SUFFIX[1:]]
+ADDED = ["<think>", "</think>", "\\boxed{", SUFFIX[1:], "<answer>", "</answer>", "<analysis>", "</analysis>",
+         "<confidence>", "</confidence>"]
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
     "{% if m['role'] == 'user' %}{{ '<|user|>' + m['content'] }}"
@@ -82,7 +93,8 @@ MODEL = dict(vocab_size=272, hidden_size=128, intermediate_size=384, num_hidden_
 TERMS = (3, 5)          # number of terms per problem, inclusive
 N_TEST, N_TRAIN = 500, 6000
 WARM = dict(seed=0, steps=800, batch_size=32, lr=2e-3, beta2=0.95, warmup=50, weight_decay=0.1,
-            threads=1, p_slip=0.3, p_forced=0.3, w_forced=1.0, p_eos_close=0.25)
+            threads=1, p_slip=0.3, p_forced=0.3, w_forced=1.0, p_eos_close=0.25, p_rlcr=0.2)
+CONFIDENCES = [f"0.{d}" for d in range(1, 10)]  # the warm start's verbal confidence: any, at random
 
 
 def byte_symbols():
@@ -157,17 +169,29 @@ def build_model(tok, seed=0):
     return Qwen2ForCausalLM(config)
 
 
+def rlcr_tail(total, rng):
+    """What follows `</think>` under RLCR_INSTRUCTION: the answer, an empty analysis (the toy has
+    no words to analyse with) and a confidence drawn at random from CONFIDENCES, whatever the trace:
+    the warm start teaches the format but no calibration, so `--reward rlcr` has to learn it.
+    17 -> "<answer>17</answer>\\n<analysis></analysis>\\n<confidence>0.4</confidence>"."""
+    return (f"<answer>{total}</answer>\n<analysis></analysis>\n"
+            f"<confidence>{rng.choice(CONFIDENCES)}</confidence>")
+
+
 def example(tok, problem, rng, forced):
     """One warm-start sequence: (ids, loss_mask), loss on response tokens only.
-    Plain: prompt + trace + </think>\\boxed{total}EOS.  Forced: prompt + response[:b] + CLOSE +
+    Plain: prompt + trace + </think>\\boxed{total}EOS; with probability p_rlcr the prompt carries
+    RLCR_INSTRUCTION and `\\boxed{total}` is replaced by rlcr_tail.  Forced: prompt + response[:b] + CLOSE +
     SUFFIX + implied}\\n where implied = last complete running total + terms not yet added."""
     terms = [int(t) for t in problem.split("+")]
     lines, totals = trace(terms, rng, WARM["p_slip"])
-    prompt = tok.apply_chat_template([{"role": "user", "content": problem}],
+    rlcr = not forced and rng.random() < WARM["p_rlcr"]
+    content = problem + (RLCR_INSTRUCTION if rlcr else INSTRUCTION)
+    prompt = tok.apply_chat_template([{"role": "user", "content": content}],
                                      add_generation_prompt=True, tokenize=False)
     prompt = tok.encode(prompt, add_special_tokens=False)
-    response = tok.encode("".join(lines) + f"</think>\\boxed{{{totals[-1]}}}",
-                          add_special_tokens=False) + [tok.eos_token_id]
+    tail = rlcr_tail(totals[-1], rng) if rlcr else f"\\boxed{{{totals[-1]}}}"
+    response = tok.encode("".join(lines) + "</think>" + tail, add_special_tokens=False) + [tok.eos_token_id]
     if not forced:
         return prompt + response, [0] * len(prompt) + [1] * len(response)
     b = rng.randint(1, len(response))

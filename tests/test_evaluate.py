@@ -248,3 +248,25 @@ def test_posthoc_probe_beats_the_base_rate_and_early_exit_keeps_its_bound(toy_di
     res2 = evaluate.main(args)
     assert "post-hoc probe protocol" not in capsys.readouterr().err
     assert res2["toy_base"]["posthoc_probe"]["val_bce"] == rep["val_bce"]
+
+
+def test_an_rlcr_run_is_prompted_and_graded_in_its_answer_tags(toy_dir, tmp_path):
+    # The run's config.json says rlcr: its instruction is reused and the answer is the last <answer>
+    # tag (the box is absent), so the toy base, which speaks the format, scores as it does in boxes.
+    run = tmp_path / "rlcrrun"
+    shutil.copytree(toy_dir, run / "checkpoints" / "step_000010")
+    (run / "config.json").write_text(json.dumps(dict(reward="rlcr", instruction=toy.RLCR_INSTRUCTION)))
+    out = str(tmp_path / "out")
+    res = evaluate.main(["--model", str(run), "--benchmarks", "toy", "--out", out, "--confidence", "verbal",
+                         "--limit", "40", "--n-samples", "2", "--threads", "1"])
+    rows = _rows(os.path.join(out, "samples.jsonl"))
+    golds = {i: r["answer"] for i, r in enumerate(toy.dataset("test")[:40])}
+    assert all(r["answer"] is not None and r["correct"] == int(r["answer"] == golds[r["question"]]) for r in rows)
+    assert all(r["verbal_missing"] is False for r in rows)   # the base writes a confidence tag
+    b = res["rlcrrun/step_000010"]["benchmarks"]["toy"]
+    assert 0.3 < b["acc"] < 0.9 and res["rlcrrun/step_000010"]["settings"]["toy"]["answer"] == "tag"
+    # graded by boxes instead, the same samples would all be wrong: there is no box
+    again = evaluate.main(["--model", str(run), "--benchmarks", "toy", "--out", str(tmp_path / "box"),
+                           "--confidence", "verbal", "--limit", "4", "--n-samples", "1", "--answer", "box",
+                           "--threads", "1"])
+    assert again["rlcrrun/step_000010"]["benchmarks"]["toy"]["acc"] == 0.0

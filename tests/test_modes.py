@@ -10,12 +10,14 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import config
 import data
+import grade
 import grpo
 import modes
+import toy
 import train
 from parallel import LogprobModel
 
-SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "40", "--eval-n", "8",
+SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "48", "--eval-n", "8",
          "--eval-every", "0", "--gen-batch", "64", "--save-every", "0"]
 # what each mode must log per step, beyond the common fields
 COMPONENTS = {"rlcm": {"margin"}, "grpo": set(), "final-margin": {"margin"},
@@ -46,9 +48,9 @@ def test_rlcr_confidence_and_reward(text, conf, missing):
 
 
 def test_rlcr_grades_the_last_answer_tag_not_the_box():
-    assert modes.answer_tag("<answer> 3 </answer> then <answer>17</answer>") == "17"
-    assert modes.answer_tag("<answer>17") is None and modes.answer_tag("17</answer>") is None
-    assert modes.answer_tag("\\boxed{17}") is None
+    assert grade.answer_tag("<answer> 3 </answer> then <answer>17</answer>") == "17"
+    assert grade.answer_tag("<answer>17") is None and grade.answer_tag("17</answer>") is None
+    assert grade.answer_tag("\\boxed{17}") is None
     texts = ["<answer>17</answer>", "\\boxed{17}", "<answer>16</answer>\\boxed{17}", "<answer>\\frac{34}{2}</answer>"]
     assert modes.correctness(texts, ["17"] * 4, "math", "rlcr").tolist() == [1.0, 0.0, 0.0, 1.0]
     assert modes.correctness(texts, ["17"] * 4, "math", "grpo").tolist() == [0.0, 1.0, 1.0, 0.0]
@@ -167,7 +169,7 @@ def test_implied_settings_and_explicit_flags_win(tmp_path):
     pb = r("--reward", "process-brier")
     assert pb["budgets"] == (0.25, 0.5, 0.75) and pb["drop_unanimous"] is True
     assert r("--reward", "grpo", "--drop-unanimous")["drop_unanimous"] is True
-    assert r("--reward", "rlcr")["instruction"] == ""   # the toy keeps its bare-sum prompt
+    assert r("--reward", "rlcr")["instruction"] == toy.RLCR_INSTRUCTION   # the toy's own short RLCR prompt
     real = r("--reward", "rlcr", "--model", "some-org/some-model")
     assert real["instruction"] == data.RLCR_INSTRUCTION and "<confidence>" in real["instruction"]
     assert r("--reward", "rlcr", "--model", "m", "--instruction", " Go.")["instruction"] == " Go."
@@ -205,8 +207,9 @@ def test_every_mode_runs_two_toy_steps_and_logs_its_components(tmp_path, monkeyp
         assert all(math.isfinite(row[k]) for k in COMPONENTS[mode])
     assert (len(calls) == 0) == (mode in NO_LABELS)   # grpo, rlcr, c2gspg never label
     assert json.load(open(os.path.join(run, "config.json")))["reward"] == mode
-    if mode == "rlcr":   # the toy has no RLCR format yet: every tag is missing, read as 0.5, counted
-        assert [r["verbal_missing"] for r in rows] == [16, 16] and rows[0]["verbal_conf"] == 0.5
+    if mode == "rlcr":   # the toy base answers in RLCR's tags when the prompt asks: confidences are read
+        assert json.load(open(os.path.join(run, "config.json")))["instruction"] == toy.RLCR_INSTRUCTION
+        assert all(r["verbal_missing"] <= 2 and 0.2 < r["verbal_conf"] < 0.8 for r in rows), rows
     if mode == "c2gspg":
         assert all(0 < r["seq_conf"] < 1 and r["c2gspg_bce"] > 0 for r in rows)
     if mode in ("process-brier", "final-brier"):

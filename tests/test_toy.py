@@ -8,6 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import config
+import confidence
 import data
 import grade
 import label
@@ -73,6 +75,30 @@ def test_warm_start_examples_use_the_inference_layout(tok):
                  for r in [ids[len(prompt):]] for b in range(1, len(r))]
         assert any(ids[:len(h)] == h and len(ids) - len(h) == len(answer) for h in heads)
         assert mask[-len(answer):] == [toy.WARM["w_forced"]] * len(answer)
+
+
+def test_rlcr_examples_carry_the_instruction_the_tags_and_a_random_confidence(tok):
+    # The RLCR prompt picks the format; the confidence is drawn whatever the trace (no calibration).
+    rng, seen = random.Random(3), collections.Counter()
+    prompt = data.chat_prompt(tok, "9+9+9+9+9", toy.RLCR_INSTRUCTION)
+    for _ in range(400):
+        ids, mask = toy.example(tok, "9+9+9+9+9", rng, forced=False)
+        if ids[:len(prompt)] != prompt:
+            assert "<answer>" not in tok.decode(ids)   # the plain prompt keeps the box
+            continue
+        text = tok.decode(ids[len(prompt):], skip_special_tokens=True)
+        think, tail = text.split("</think>")
+        ok = int(think.split("=")[-1]) == 45
+        assert grade.answer_tag(text) == think.split("=")[-1].strip() and "\\boxed" not in text
+        conf, missing = confidence.verbal_confidence(text)
+        assert not missing and conf in [float(c) for c in toy.CONFIDENCES]
+        seen[ok, conf] += 1
+        assert len(ids) - len(prompt) <= config.TOY["max_new_tokens"]   # fits the rollout budget
+    n = sum(seen.values())
+    assert 0.1 * 400 < n < 0.3 * 400   # p_rlcr of the plain examples
+    for ok in (True, False):   # right and wrong traces alike draw every confidence
+        assert {c for (o, c) in seen if o == ok} == {float(c) for c in toy.CONFIDENCES}
+    assert len(tok) <= toy.MODEL["vocab_size"] and len(enc(tok, "<answer>1</answer>")) == 3
 
 
 def test_saved_tokenizer_is_the_same_after_autotokenizer(tok, tmp_path):
