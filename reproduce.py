@@ -33,7 +33,7 @@ import checkpoint
 import metrics
 import runlog
 from checkpoint import UserError
-from config import check_out
+import config
 from report import clean, plot_reliability
 
 MAIN = ("base", "grpo", "rlcr", "c2gspg", "rlcm")
@@ -82,7 +82,7 @@ def parse_args(argv):
         args.train_args, args.eval_args = shlex.split(args.train_args), shlex.split(args.eval_args)
     except ValueError as e:
         raise UserError(f"--train-args / --eval-args: cannot split ({e}): check the quotes") from None
-    check_out(args.out)
+    config.check_out(args.out)
     return args, methods, seeds, int(args.jobs)
 
 
@@ -93,17 +93,25 @@ def paths(out, method, seed):
             os.path.join(out, "logs", name))
 
 
-def train_status(run):
+def steps_given(train_args):
+    """N of `--steps N` or `--steps=N` in --train-args, else None."""
+    flat = [x for a in train_args for x in (a.split("=", 1) if a.startswith("--steps=") else [a])]
+    i = len(flat) - 1 - flat[::-1].index("--steps") if "--steps" in flat else -1   # the last one wins
+    return int(flat[i + 1]) if 0 <= i < len(flat) - 1 and flat[i + 1].isdigit() else None
+
+
+def train_status(run, steps=None):
     """'new', 'resume' (config.json and a checkpoint to resume from) or 'done' (its latest complete
-    checkpoint is at the run's --steps). A folder without a checkpoint starts again."""
+    checkpoint is at `steps`, default the run's own --steps). A folder without a checkpoint starts again."""
     ckpt = os.path.isfile(os.path.join(run, "config.json")) and checkpoint.latest_checkpoint(run, quiet, resume=True)
     if not ckpt:
         return "new"
-    with open(os.path.join(run, "config.json"), encoding="utf-8") as f:
-        return "done" if checkpoint.step_of(ckpt) >= json.load(f)["steps"] else "resume"
+    if steps is None:
+        steps = config.read_config(run)["steps"]
+    return "done" if checkpoint.step_of(ckpt) >= steps else "resume"
 
 
-def model_label(method, run):
+def model_label(run):
     """The name evaluate.py files this model under: toy, or RUN_NAME/step_NNNNNN (latest checkpoint)."""
     if run is None:
         return "toy"
@@ -129,7 +137,7 @@ def held_out(run):
 
 
 class Jobs:
-    """Runs one (method, seed) after another within a thread: train, then evaluate; one line per step."""
+    """One (method, seed) per call, run in a pool thread: train, then evaluate; one line per finished step."""
 
     def __init__(self, args, total):
         self.args, self.total, self.done, self.failed = args, total, 0, []
@@ -140,8 +148,14 @@ class Jobs:
             self.done += 1
             print(f"[{self.done}/{self.total}] {line}", flush=True)
 
+    def fail(self, what, detail):
+        with PRINT:
+            self.failed.append(what)
+            print(f"FAILED {what}{detail}", flush=True)
+        return False
+
     def child(self, cmd, log, what):
-        """Run cmd with its output appended to log; True when it exits 0, else print why and False."""
+        """Run cmd with its output appended to log; True when it exits 0, else say why and False."""
         if STOP.is_set():
             return False
         with open(log, "a") as f:
@@ -149,44 +163,41 @@ class Jobs:
             f.flush()
             rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=self.env).returncode
-        if rc == 0:
-            return True
+        if rc == 0 or STOP.is_set():   # after a Ctrl-C the children's exits are no news
+            return rc == 0
         with open(log, encoding="utf-8", errors="replace") as f:
-            tail = f.read().splitlines()[-8:]
-        with PRINT:
-            self.failed.append(what)
-            print(f"FAILED {what} (exit {rc}): {shlex.join(cmd)}\n  log: {log}\n" +
-                  "\n".join("  | " + line for line in tail), flush=True)
-        return False
+            tail = "".join(f"\n  | {line}" for line in f.read().splitlines()[-8:])
+        return self.fail(what, f" (exit {rc}): {shlex.join(cmd)}\n  log: {log}{tail}")
 
     def __call__(self, method, seed):
+        try:
+            return self.job(method, seed)
+        except (UserError, OSError, ValueError, KeyError) as e:   # a damaged config.json or results.json
+            return self.fail(f"{method} seed {seed}", f": {type(e).__name__}: {e}")
+
+    def job(self, method, seed):
         run, ev, log = paths(self.args.out, method, seed)
         name, py = f"{method} seed {seed}", sys.executable
         if run is not None:
-            status, t = train_status(run), time.time()
+            status, t = train_status(run, steps_given(self.args.train_args)), time.time()
             if status != "done":
-                cmd = ([py, os.path.join(ROOT, "train.py")] + (["--resume", run] if status == "resume" else
-                       ["--reward", method, "--seed", str(seed), "--out", run]) + self.args.train_args)
-                if not self.child(cmd, log + ".train.log", f"{name}: training"):
+                how = ["--resume", run] if status == "resume" else ["--reward", method, "--seed", str(seed), "--out", run]
+                if not self.child([py, os.path.join(ROOT, "train.py"), *how, *self.args.train_args],
+                                  log + ".train.log", f"{name}: training"):
                     return False
             start, end = held_out(run)
-            span = f" (held-out {start:.2f} -> {end:.2f})" if start is not None else ""
-            self.say(f"{name}: " + ("trained already" if status == "done" else
-                                    f"trained in {time.time() - t:.0f} s") + span)
-        label, t = model_label(method, run), time.time()
-        entry, fresh = eval_entry(ev, label), False
+            self.say(f"{name}: " + (f"trained in {time.time() - t:.0f} s" if status != "done" else "trained already") +
+                     (f" (held-out {start:.2f} -> {end:.2f})" if start is not None else ""))
+        label, t, fresh = model_label(run), time.time(), False
+        entry = eval_entry(ev, label)
         if entry is None:
             cmd = [py, os.path.join(ROOT, "evaluate.py"), "--model", run or "toy", "--benchmarks", "toy",
-                   "--confidence", confidence(method), "--seed", str(seed), "--no-early-exit", "--out", ev,
-                   *self.args.eval_args]
-            if not self.child(cmd, log + ".eval.log", f"{name}: evaluation"):
+                   "--confidence", confidence(method), "--seed", str(seed), "--no-early-exit", "--out", ev]
+            if not self.child(cmd + self.args.eval_args, log + ".eval.log", f"{name}: evaluation"):
                 return False
             entry, fresh = eval_entry(ev, label), True
             if entry is None:
-                with PRINT:
-                    self.failed.append(f"{name}: evaluation")
-                    print(f"FAILED {name}: {ev}/results.json holds no toy results for {label}", flush=True)
-                return False
+                return self.fail(f"{name}: evaluation", f": {ev}/results.json holds no toy results of {label}")
         b = entry["benchmarks"]["toy"]
         self.say(f"{name}: " + (f"evaluated in {time.time() - t:.0f} s" if fresh else "evaluated already") +
                  f" (acc {b['acc']:.3f}, ECE {b['ece']:.3f}, n {b['n']})")
@@ -209,7 +220,7 @@ def aggregate(out, methods, seeds):
         per = {}
         for s in seeds:
             run, ev, _ = paths(out, m, s)
-            label = model_label(m, run)
+            label = model_label(run)
             entry = eval_entry(ev, label)
             if entry is None:
                 raise UserError(f"{ev}/results.json holds no toy results for {label}: run the command again")

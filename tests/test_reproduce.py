@@ -63,7 +63,8 @@ def test_tiny_comparison_writes_the_table_and_a_rerun_redoes_nothing(tmp_path, c
     assert (_mtimes(out + "/runs") | _mtimes(out + "/eval") | _mtimes(out + "/logs")) == before
 
     run = os.path.join(out, "runs", "grpo-seed0")
-    assert reproduce.train_status(run) == "done"
+    assert reproduce.train_status(run) == "done" and reproduce.train_status(run, steps=1) == "done"
+    assert reproduce.train_status(run, steps=2) == "resume"   # --train-args "--steps 2": continue it
     cfg = _load(os.path.join(run, "config.json"))
     with open(os.path.join(run, "config.json"), "w") as f:
         json.dump(dict(cfg, steps=3), f)
@@ -131,6 +132,12 @@ def test_aggregate_pins_mean_and_sample_std(tmp_path):
     assert os.path.isfile(os.path.join(out, "reliability_base.png"))
     assert os.path.isfile(os.path.join(out, "reliability_grpo.png"))
     assert reproduce.mean_std([0.25]) == (0.25, None) and reproduce.mean_std([None]) == (None, None)
+
+
+def test_steps_given_reads_the_last_steps_flag_of_the_train_args():
+    assert reproduce.steps_given(["--eval-n", "8", "--steps", "3"]) == 3
+    assert reproduce.steps_given(["--steps=4", "--steps", "5", "--lr", "1"]) == 5
+    assert reproduce.steps_given(["--eval-n", "8"]) is None and reproduce.steps_given(["--steps"]) is None
 
 
 @pytest.mark.parametrize("flags", [["--methods", "grpo,ppo"], ["--methods", ","], ["--seeds", "0,x"],
