@@ -94,10 +94,14 @@ def paths(out, method, seed):
 
 
 def steps_given(train_args):
-    """N of `--steps N` or `--steps=N` in --train-args, else None."""
-    flat = [x for a in train_args for x in (a.split("=", 1) if a.startswith("--steps=") else [a])]
-    i = len(flat) - 1 - flat[::-1].index("--steps") if "--steps" in flat else -1   # the last one wins
-    return int(flat[i + 1]) if 0 <= i < len(flat) - 1 and flat[i + 1].isdigit() else None
+    """N of the last `--steps N` or `--steps=N` in --train-args, else None."""
+    steps = None
+    for arg, following in zip(train_args, train_args[1:] + [""]):
+        flag, eq, inline = arg.partition("=")
+        if flag == "--steps":
+            value = inline if eq else following
+            steps = int(value) if value.isdigit() else None
+    return steps
 
 
 def train_status(run, steps=None):
@@ -124,7 +128,7 @@ def eval_entry(eval_dir, label):
     try:
         with open(os.path.join(eval_dir, "results.json"), encoding="utf-8") as f:
             entry = json.load(f).get(label)
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):
         return None
     return entry if entry and "toy" in entry.get("benchmarks", {}) else None
 
