@@ -38,17 +38,14 @@ from report import clean, plot_reliability
 
 MAIN = ("base", "grpo", "rlcr", "c2gspg", "rlcm")
 ABLATIONS = ("final-margin", "process-brier", "final-brier")
-NAMES = dict(base="Base", grpo="GRPO", rlcr="RLCR", c2gspg="C2GSPG", rlcm="RLCM", **{
-    "final-margin": "Final-Margin", "process-brier": "Process-Brier", "final-brier": "Final-Brier"})
-CONFIDENCE = {"rlcr": "verbal", "c2gspg": "logits"}   # every other method: "probe-posthoc"
+NAMES = dict(zip(MAIN + ABLATIONS, ("Base", "GRPO", "RLCR", "C2GSPG", "RLCM", "Final-Margin", "Process-Brier",
+                                    "Final-Brier")))
+# evaluate.py --confidence of each method: the paper's (DESIGN.md "Baselines")
+CONFIDENCE = dict(dict.fromkeys(MAIN + ABLATIONS, "probe-posthoc"), rlcr="verbal", c2gspg="logits")
 KEYS = (("Acc", "acc"), ("PCE", "pce"), ("ECE", "ece"), ("Brier", "brier"), ("AUROC", "auroc"))
 ROOT = os.path.dirname(os.path.abspath(__file__))
 PRINT, STOP = threading.Lock(), threading.Event()
 quiet = lambda msg: None  # noqa: E731
-
-
-def confidence(method):
-    return CONFIDENCE.get(method, "probe-posthoc")
 
 
 def parse_args(argv):
@@ -196,7 +193,7 @@ class Jobs:
         entry = eval_entry(ev, label)
         if entry is None:
             cmd = [py, os.path.join(ROOT, "evaluate.py"), "--model", run or "toy", "--benchmarks", "toy",
-                   "--confidence", confidence(method), "--seed", str(seed), "--no-early-exit", "--out", ev]
+                   "--confidence", CONFIDENCE[method], "--seed", str(seed), "--no-early-exit", "--out", ev]
             if not self.child(cmd + self.args.eval_args, log + ".eval.log", f"{name}: evaluation"):
                 return False
             entry, fresh = eval_entry(ev, label), True
@@ -235,7 +232,7 @@ def aggregate(out, methods, seeds):
                           questions=st.get("questions"), samples=st.get("n"))
         keys = [k for _, k in KEYS] + ["heldout_start", "heldout_end"]
         stats = {k: mean_std([per[s][k] for s in seeds]) for k in keys}
-        agg[m] = dict(confidence=confidence(m), seeds=per, mean={k: v[0] for k, v in stats.items()},
+        agg[m] = dict(confidence=CONFIDENCE[m], seeds=per, mean={k: v[0] for k, v in stats.items()},
                       std={k: v[1] for k, v in stats.items()})
     return agg
 
