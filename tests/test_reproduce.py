@@ -112,8 +112,12 @@ def test_aggregate_pins_mean_and_sample_std(tmp_path):
     stale = {"grpo-seed0/step_000001": dict(benchmarks=dict(toy=dict(m(0.0, 0.9, 0.1), n=40)))}
     _fake_eval(out, "grpo-seed0", "grpo-seed0/step_000003", m(0.7, 0.05, 0.8), extra=stale)
     _fake_eval(out, "grpo-seed1", "grpo-seed1/step_000003", m(0.9, 0.15, 0.6))
+    for method in ("rlcr", "final-brier"):
+        for seed in (0, 1):
+            _fake_run(out, f"{method}-seed{seed}", 2, {0: 0.5, 2: 0.6})
+            _fake_eval(out, f"{method}-seed{seed}", f"{method}-seed{seed}/step_000002", m(0.3, 0.2, 0.5))
 
-    md = reproduce.write_outputs(out, ["base", "grpo"], [0, 1], ["--methods", "base,grpo", "--seeds", "0,1"])
+    md = reproduce.write_outputs(out, ["base", "grpo", "rlcr", "final-brier"], [0, 1], ["--seeds", "0,1", "--ablations"])
     res = _load(os.path.join(out, "results.json"))["methods"]
     assert res["base"]["mean"]["acc"] == pytest.approx(0.55)
     assert res["base"]["std"]["acc"] == pytest.approx(math.sqrt(0.005))       # ddof=1: 0.0707
@@ -127,6 +131,11 @@ def test_aggregate_pins_mean_and_sample_std(tmp_path):
     assert "| Base | probe-posthoc | 0.550 +- 0.071 | 0.010 +- 0.000 | 0.150 +- 0.071 | 0.200 +- 0.000 | 0.600 | - |" in md
     assert "| GRPO | probe-posthoc | 0.800 +- 0.141 |" in md
     assert "0.450 +- 0.071 -> 0.750 +- 0.071 |" in md
+    main, ablations = md.split("\n\n")[1:3]   # two tables: the main one, then the ablations
+    assert "| RLCR | verbal | 0.300 +- 0.000 |" in main and "Final-Brier" not in main
+    assert ablations.splitlines()[0].startswith("| method | confidence | Acc |")
+    assert "| Final-Brier | probe-posthoc |" in ablations and "GRPO" not in ablations
+    assert reproduce.CONFIDENCE["c2gspg"] == "logits" and reproduce.CONFIDENCE["final-margin"] == "probe-posthoc"
     assert "sqrt(p(1-p)/n) = 0.079 at p = 0.550" in md                       # sqrt(.55 * .45 / 40)
     assert open(os.path.join(out, "table.md")).read() == md
     assert os.path.isfile(os.path.join(out, "reliability_base.png"))
