@@ -1,0 +1,178 @@
+"""reproduce.py: a tiny end-to-end comparison (and a rerun that redoes nothing), the aggregation on
+hand-made results with pinned means and stds, bad flags, and a failed child."""
+import json
+import math
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import reproduce
+
+TRAIN = ("--steps 1 --prompts-per-step 4 --group-size 4 --max-new-tokens 40 --eval-n 8 --eval-every 0 "
+         "--log-samples 0 --eval-probe-n 0")
+EVAL = "--limit 4 --n-samples 1 --max-new-tokens 64 --probe-questions 4 --probe-samples 2"
+
+
+def _load(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def _mtimes(root):
+    return {os.path.join(d, n): os.stat(os.path.join(d, n)).st_mtime_ns
+            for d, _, names in os.walk(root) for n in names}
+
+
+def test_tiny_comparison_writes_the_table_and_a_rerun_redoes_nothing(tmp_path, capsys):
+    out = str(tmp_path / "rep")
+    argv = ["--methods", "rlcm,grpo", "--seeds", "0", "--jobs", "2", "--out", out,
+            "--train-args", TRAIN, "--eval-args", EVAL]
+    reproduce.main(argv)
+    printed = capsys.readouterr().out
+    assert "[4/4]" in printed and "grpo seed 0: trained in" in printed and "rlcm seed 0: evaluated in" in printed
+    for name in ("table.md", "results.json", "reliability_grpo.png", "reliability_rlcm.png"):
+        assert os.path.getsize(os.path.join(out, name)) > 0
+    res = _load(os.path.join(out, "results.json"))
+    assert list(res["methods"]) == ["grpo", "rlcm"] and res["seeds"] == [0]
+    for m, conf in (("grpo", "probe-posthoc"), ("rlcm", "probe-posthoc")):
+        seed = res["methods"][m]["seeds"]["0"]
+        ev = _load(os.path.join(out, "eval", f"{m}-seed0", "results.json"))
+        assert list(ev) == [f"{m}-seed0/step_000001"] == [seed["model"]]
+        toy = ev[seed["model"]]["benchmarks"]["toy"]
+        assert ev[seed["model"]]["confidence"] == conf and toy["n"] == 4
+        for key in ("acc", "pce", "ece", "brier"):
+            assert seed[key] == toy[key] == res["methods"][m]["mean"][key]
+        assert res["methods"][m]["std"]["acc"] is None   # one seed: no spread
+        run_cfg = _load(os.path.join(out, "runs", f"{m}-seed0", "config.json"))
+        assert (run_cfg["reward"], run_cfg["seed"], run_cfg["steps"]) == (m, 0, 1)
+        held = [json.loads(line) for line in open(os.path.join(out, "runs", f"{m}-seed0", "metrics.jsonl"))]
+        held = [r["eval_accuracy"] for r in held if r.get("eval")]
+        assert [seed["heldout_start"], seed["heldout_end"]] == [held[0], held[-1]] and len(held) == 2
+    table = open(os.path.join(out, "table.md")).read()
+    assert table.index("| GRPO | probe-posthoc |") < table.index("| RLCM | probe-posthoc |")
+    assert "+-" not in table.split("| GRPO")[1].splitlines()[0]   # one seed: the mean only
+    assert "seeds 0" in table and "--methods rlcm,grpo" in table and "n = 4 samples" in table
+
+    before = _mtimes(out + "/runs") | _mtimes(out + "/eval") | _mtimes(out + "/logs")
+    reproduce.main(argv)
+    printed = capsys.readouterr().out
+    assert printed.count("trained already") == 2 and printed.count("evaluated already") == 2
+    assert " in " not in printed.split("total")[0]   # nothing trained or evaluated "in N s"
+    assert (_mtimes(out + "/runs") | _mtimes(out + "/eval") | _mtimes(out + "/logs")) == before
+
+    run = os.path.join(out, "runs", "grpo-seed0")
+    assert reproduce.train_status(run) == "done" and reproduce.train_status(run, steps=1) == "done"
+    assert reproduce.train_status(run, steps=2) == "resume"   # --train-args "--steps 2": continue it
+    cfg = _load(os.path.join(run, "config.json"))
+    with open(os.path.join(run, "config.json"), "w") as f:
+        json.dump(dict(cfg, steps=3), f)
+    assert reproduce.train_status(run) == "resume"   # more steps asked of the run: continue it
+    assert reproduce.train_status(str(tmp_path / "none")) == "new"
+
+
+def _fake_run(out, name, step, heldout):
+    """A run folder with a loadable-looking checkpoint at `step` and held-out rows {step: accuracy}."""
+    run = os.path.join(out, "runs", name)
+    ckpt = os.path.join(run, "checkpoints", f"step_{step:06d}")
+    os.makedirs(ckpt)
+    for path in (os.path.join(run, "config.json"), os.path.join(ckpt, "config.json")):
+        with open(path, "w") as f:
+            json.dump(dict(steps=step), f)
+    save_file({"w": torch.zeros(2)}, os.path.join(ckpt, "model.safetensors"))
+    with open(os.path.join(run, "metrics.jsonl"), "w") as f:
+        for s, acc in heldout.items():
+            f.write(json.dumps(dict(step=s, accuracy=0.0)) + "\n")   # a training row: not held-out
+            f.write(json.dumps(dict(step=s, eval=True, eval_accuracy=acc)) + "\n")
+
+
+def _fake_eval(out, name, label, numbers, n=40, extra=None):
+    ev = os.path.join(out, "eval", name)
+    os.makedirs(ev)
+    toy = dict(numbers, n=n)
+    res = {label: dict(confidence="probe-posthoc", benchmarks=dict(toy=toy),
+                       settings=dict(toy=dict(questions=n, n=1)))}
+    res.update(extra or {})
+    with open(os.path.join(ev, "results.json"), "w") as f:
+        json.dump(res, f)
+    with open(os.path.join(ev, "samples.jsonl"), "w") as f:
+        for q in range(n):
+            f.write(json.dumps(dict(model=label, benchmark="toy", question=q, sample=0, correct=q % 2,
+                                    confidence=0.3 + 0.4 * (q % 2))) + "\n")
+
+
+def test_aggregate_pins_mean_and_sample_std(tmp_path):
+    out = str(tmp_path)
+    m = lambda acc, ece, auroc: dict(acc=acc, pce=0.01, ece=ece, brier=0.2, auroc=auroc)  # noqa: E731
+    _fake_eval(out, "base-seed0", "toy", m(0.5, 0.10, 0.6))
+    _fake_eval(out, "base-seed1", "toy", m(0.6, 0.20, None))   # nan AUROC (one class) is skipped
+    _fake_run(out, "grpo-seed0", 3, {0: 0.4, 3: 0.8})
+    _fake_run(out, "grpo-seed1", 3, {3: 0.7, 0: 0.5})
+    stale = {"grpo-seed0/step_000001": dict(benchmarks=dict(toy=dict(m(0.0, 0.9, 0.1), n=40)))}
+    _fake_eval(out, "grpo-seed0", "grpo-seed0/step_000003", m(0.7, 0.05, 0.8), extra=stale)
+    _fake_eval(out, "grpo-seed1", "grpo-seed1/step_000003", m(0.9, 0.15, 0.6))
+    for method in ("rlcr", "final-brier"):
+        for seed in (0, 1):
+            _fake_run(out, f"{method}-seed{seed}", 2, {0: 0.5, 2: 0.6})
+            _fake_eval(out, f"{method}-seed{seed}", f"{method}-seed{seed}/step_000002", m(0.3, 0.2, 0.5))
+
+    md = reproduce.write_outputs(out, ["base", "grpo", "rlcr", "final-brier"], [0, 1], ["--seeds", "0,1", "--ablations"])
+    res = _load(os.path.join(out, "results.json"))["methods"]
+    assert res["base"]["mean"]["acc"] == pytest.approx(0.55)
+    assert res["base"]["std"]["acc"] == pytest.approx(math.sqrt(0.005))       # ddof=1: 0.0707
+    assert res["base"]["mean"]["auroc"] == pytest.approx(0.6) and res["base"]["std"]["auroc"] is None
+    assert res["base"]["mean"]["heldout_start"] is None
+    assert res["grpo"]["mean"]["acc"] == pytest.approx(0.8)                    # not the stale step_000001
+    assert res["grpo"]["std"]["ece"] == pytest.approx(math.sqrt(0.005))
+    assert res["grpo"]["mean"]["heldout_start"] == pytest.approx(0.45)
+    assert res["grpo"]["mean"]["heldout_end"] == pytest.approx(0.75)
+    assert res["grpo"]["seeds"]["1"]["heldout_start"] == 0.5
+    assert "| Base | probe-posthoc | 0.550 +- 0.071 | 0.010 +- 0.000 | 0.150 +- 0.071 | 0.200 +- 0.000 | 0.600 | - |" in md
+    assert "| GRPO | probe-posthoc | 0.800 +- 0.141 |" in md
+    assert "0.450 +- 0.071 -> 0.750 +- 0.071 |" in md
+    main, ablations = md.split("\n\n")[1:3]   # two tables: the main one, then the ablations
+    assert "| RLCR | verbal | 0.300 +- 0.000 |" in main and "Final-Brier" not in main
+    assert ablations.splitlines()[0].startswith("| method | confidence | Acc |")
+    assert "| Final-Brier | probe-posthoc |" in ablations and "GRPO" not in ablations
+    assert reproduce.CONFIDENCE["c2gspg"] == "logits" and reproduce.CONFIDENCE["final-margin"] == "probe-posthoc"
+    assert "sqrt(p(1-p)/n) = 0.079 at p = 0.550" in md                       # sqrt(.55 * .45 / 40)
+    assert open(os.path.join(out, "table.md")).read() == md
+    assert os.path.isfile(os.path.join(out, "reliability_base.png"))
+    assert os.path.isfile(os.path.join(out, "reliability_grpo.png"))
+    assert reproduce.mean_std([0.25]) == (0.25, None) and reproduce.mean_std([None]) == (None, None)
+
+
+def test_steps_given_reads_the_last_steps_flag_of_the_train_args():
+    assert reproduce.steps_given(["--eval-n", "8", "--steps", "3"]) == 3
+    assert reproduce.steps_given(["--steps=4", "--steps", "5", "--lr", "1"]) == 5
+    assert reproduce.steps_given(["--eval-n", "8"]) is None and reproduce.steps_given(["--steps"]) is None
+
+
+@pytest.mark.parametrize("flags", [["--methods", "grpo,ppo"], ["--methods", ","], ["--seeds", "0,x"],
+                                   ["--seeds", "1,1"], ["--seeds", "-1"], ["--jobs", "0"], ["--jobs", "two"],
+                                   ["--train-args", "--lr '1"]])
+def test_bad_values_exit_2_with_one_line_and_create_nothing(tmp_path, capsys, flags):
+    out = tmp_path / "rep"
+    with pytest.raises(SystemExit) as e:
+        reproduce.main(["--out", str(out), *flags])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("reproduce.py: error: --") and len(err.splitlines()) == 1
+    assert not out.exists()
+
+
+def test_a_failed_child_exits_1_without_a_table_and_others_go_on(tmp_path, capsys):
+    out = str(tmp_path / "rep")
+    with pytest.raises(SystemExit) as e:
+        reproduce.main(["--methods", "base,grpo", "--seeds", "0", "--out", out, "--train-args", "--lr -1",
+                        "--eval-args", EVAL])
+    assert e.value.code == 1
+    printed = capsys.readouterr()
+    log = os.path.join(out, "logs", "grpo-seed0.train.log")
+    assert "FAILED grpo seed 0: training (exit 2)" in printed.out and log in printed.out
+    assert "--lr -1.0: must be > 0" in printed.out          # the log's last lines are shown
+    assert "no table written" in printed.err
+    assert not os.path.exists(os.path.join(out, "table.md"))
+    assert not os.path.exists(os.path.join(out, "eval", "grpo-seed0"))      # its evaluation never ran
+    assert "toy" in _load(os.path.join(out, "eval", "base-seed0", "results.json"))   # the base went on
