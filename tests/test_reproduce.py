@@ -36,13 +36,13 @@ def test_tiny_comparison_writes_the_table_and_a_rerun_redoes_nothing(tmp_path, c
         assert os.path.getsize(os.path.join(out, name)) > 0
     res = _load(os.path.join(out, "results.json"))
     assert list(res["methods"]) == ["grpo", "rlcm"] and res["seeds"] == [0]
-    for m, conf in (("grpo", "probe-posthoc"), ("rlcm", "probe-posthoc")):
+    for m in ("grpo", "rlcm"):
         seed = res["methods"][m]["seeds"]["0"]
         ev = _load(os.path.join(out, "eval", f"{m}-seed0", "results.json"))
         assert list(ev) == [f"{m}-seed0/step_000001"] == [seed["model"]]
         toy = ev[seed["model"]]["benchmarks"]["toy"]
-        assert ev[seed["model"]]["confidence"] == conf and toy["n"] == 4
-        for key in ("acc", "pce", "ece", "brier"):
+        assert ev[seed["model"]]["confidence"] == "probe-posthoc" and toy["n"] == 4
+        for key in ("acc", "pce", "ece", "brier", "auroc"):   # auroc: None (nan) in both when one class
             assert seed[key] == toy[key] == res["methods"][m]["mean"][key]
         assert res["methods"][m]["std"]["acc"] is None   # one seed: no spread
         run_cfg = _load(os.path.join(out, "runs", f"{m}-seed0", "config.json"))
