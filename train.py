@@ -9,9 +9,10 @@
     python train.py --resume runs/toy                      # continue a run from its last checkpoint
     python train.py --plot runs/toy                        # redraw runs/toy/curves.png
 
-One step (DESIGN.md): rollout -> grade -> budgets -> forced answers (Monte-Carlo labels Y_b) ->
-scoring forward (old log-probs + probe features) -> probe fit on this batch -> probe confidences
-C_b -> margin -> R = r_nat + lam * margin -> group advantages -> one clipped policy-gradient step.
+One step (step.py, DESIGN.md): rollout -> grade -> budgets -> forced answers (Monte-Carlo labels
+Y_b) -> scoring forward (old log-probs + probe features) -> probe fit on this batch -> probe
+confidences C_b -> margin -> R = r_nat + lam * margin -> group advantages -> one clipped
+policy-gradient step. This file runs the steps: setup, held-out checks, checkpoints, logs, resume.
 
 Kept from GRPO: group-normalised advantages, the clipped ratio, token-mean aggregation.
 Dropped: the KL penalty (kl_coef 0, as released) and several PPO epochs (one update per batch, so
@@ -26,7 +27,7 @@ import os
 import random
 import sys
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 
 import numpy as np
 import torch
@@ -44,14 +45,9 @@ import checkpoint as ckpt_lib
 from checkpoint import UserError
 import config
 from config import resolve_args
-from parallel import (MASTER, RANK, WORLD, all_gather, all_sum, full_state, load_optimizer, load_sharded,
-                      refresh_sampler, setup, teardown, wrap)
-from grpo import pack, sequence_confidence
-from label import budgets, mc_labels
-from metrics import ece
-from rollout import generate
-from score import budget_ends, score
-from update import micro_batch, micro_batches, update
+from parallel import (MASTER, all_gather, full_state, load_optimizer, load_sharded, refresh_sampler, setup,
+                      teardown, wrap)
+from step import Timer, rl_step
 
 VOLATILE = ("t_", "tok_per_s", "peak_mem")  # metrics.jsonl fields that vary between identical runs
 LOCKS = ExitStack()  # the run folder's lock, released by main() however the run ends
@@ -80,21 +76,6 @@ def checkpoint_activations(model):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
-class Timer:
-    PHASES = ("rollout", "label", "score", "probe", "update")
-
-    def __init__(self):
-        self.t = {"t_" + p: 0.0 for p in self.PHASES}
-
-    @contextmanager
-    def __call__(self, phase):
-        start = time.perf_counter()
-        yield
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.t["t_" + phase] += time.perf_counter() - start
-
-
 def next_rows(rows, cursor, count, seed):
     """`count` training rows from an endless, per-epoch shuffled stream; returns (rows, cursor)."""
     out, orders = [], {}
@@ -104,129 +85,6 @@ def next_rows(rows, cursor, count, seed):
             orders[epoch] = np.random.default_rng(seed + epoch).permutation(len(rows))
         out.append(rows[orders[epoch][i]])
     return out, cursor + count
-
-
-def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched, cfg, device,
-            instruction, samples=None):
-    """One RL step; returns its metrics row. A `samples` list receives cfg["log_samples"] of this
-    rank's trajectories (runlog.pick rows)."""
-    timer, G, mode = Timer(), cfg["group_size"], cfg["reward"]
-    probed = mode in modes.PROBE_MODES  # forced-answer labels and the probe (modes.py)
-    rows = batch_rows[RANK::WORLD]  # whole prompt groups stay on one rank
-    prompts = [data.chat_prompt(tok, r["problem"], instruction, cfg["system_prompt"]) for r in rows]
-    step_seed = cfg["seed"] * 1_000_003 + step * 101
-    seed = step_seed + RANK  # each rank samples its own groups
-    sampler.eval()
-    with timer("rollout"):
-        out = generate(sampler, tok, prompts, n=G, max_new_tokens=cfg["max_new_tokens"],
-                       temperature=cfg["temperature"], top_p=cfg["top_p"], seed=seed,
-                       batch_size=cfg["gen_batch"], decode=cfg["decode"])
-    golds = [rows[i]["answer"] for i in out.prompt_index]
-    traj_prompts = [prompts[i] for i in out.prompt_index]
-    correct = modes.correctness(out.texts, golds, cfg["grader"], mode)
-    cuts = [budgets(n, cfg["budgets"]) if probed else [] for n in out.lengths]
-    labels = [[] for _ in cuts]
-    if probed:
-        with timer("label"):
-            labels = mc_labels(sampler, tok, traj_prompts, out.ids, cuts, golds, k=cfg["k"],
-                               close=cfg["forced_close"], seed=seed + 7, batch_size=cfg["gen_batch"],
-                               grader=cfg["grader"], decode=cfg["decode"])
-
-    batch = pack(traj_prompts, out.ids, tok.pad_token_id)
-    ends = budget_ends(batch["prompt_lens"], cuts)
-    lengths = [len(p) + len(r) for p, r in zip(traj_prompts, out.ids)]
-    mbs = micro_batches(lengths, cfg["micro_tokens"])
-    # One update per batch is exactly on-policy: update() uses the current log-probs, detached, as
-    # the old ones, so this pass only gathers probe features (and is skipped without a probe), and
-    # C2GSPG's sequence confidence c under the rollout weights.
-    on_policy, c2gspg = cfg["ppo_epochs"] == 1, mode == "c2gspg"
-    old_logp = None if on_policy else torch.zeros(batch["loss_mask"].shape)
-    feats, seq_conf = [], torch.zeros(len(out.ids)) if c2gspg else None
-    with timer("score"):
-        for mb in mbs if probed or c2gspg or not on_policy else []:
-            sub, L = micro_batch(batch, mb, device)
-            lp, f, _ = score(sampler, sub, ends[mb], cfg["temperature"], cfg["chunk_size"],
-                             logprobs=c2gspg or not on_policy)
-            if not on_policy:
-                old_logp[mb, :L - 1] = lp.cpu()
-            if c2gspg:
-                seq_conf[mb] = sequence_confidence(lp, sub["loss_mask"]).cpu()
-            feats.append(f.cpu())
-    feats = torch.cat(feats) if feats else torch.zeros(0)
-
-    stats, calib, signal, C = {}, torch.zeros(len(out.ids)), torch.zeros(len(out.ids)), None
-    if probed:
-        with timer("probe"):
-            calib, signal, stats, C = probe_margin(probe, probe_opt, feats, ends, labels, cfg, step_seed)
-    R, adv, kept, parts = modes.reward_and_advantages(cfg, correct, calib, out.texts, seq_conf)
-    if samples is not None:
-        samples += runlog.pick(
-            step, cfg["log_samples"], problem=[rows[i]["problem"] for i in out.prompt_index], answer=golds,
-            text=out.texts, correct=correct.tolist(), reward=R.tolist(),
-            **{k: v.tolist() for k, v in parts.items()}, length=out.lengths, budgets=cuts, Y_b=labels,
-            C_b=[C[i, :len(c)].tolist() if probed else [] for i, c in enumerate(cuts)])
-    # --drop-unanimous: the dropped groups' trajectories are not in the update at all
-    idx = kept.nonzero().flatten().tolist()
-    update_mbs = [[idx[j] for j in mb]
-                  for mb in micro_batches([lengths[i] for i in idx], cfg["micro_tokens"])]
-
-    lr = sched.get_last_lr()[0]
-    with timer("update"):
-        for epoch in range(cfg["ppo_epochs"]):  # stats of the last epoch are logged
-            last = epoch == cfg["ppo_epochs"] - 1
-            upd = update(policy, opt, sched if last else None, batch, old_logp, adv, update_mbs, cfg,
-                         device, correct)
-    local = [correct.sum().item(), R.sum().item(), signal.sum().item(),
-             len(out.ids), sum(out.lengths), sum(f == "length" for f in out.finish),
-             zero_var_groups(R, G), len(rows), *(v.sum().item() for v in parts.values())]
-    acc, rsum, ssum, n, lsum, trunc, zvar, ngroups, *psums = all_sum(local, device)
-    row = dict(step=step, accuracy=acc / n, reward=rsum / n,
-               **{k: s if k in modes.COUNTED else s / n for k, s in zip(parts, psums)},
-               signal_frac=ssum / n if probed else 0.0, **stats, zero_var_frac=zvar / max(ngroups, 1),
-               len_mean=lsum / n, len_max=max(all_gather(max(out.lengths, default=0))),
-               trunc_frac=trunc / n, **upd, lr=lr, **timer.t)
-    row["tok_per_s"] = lsum / max(row["t_rollout"], 1e-9)
-    row["peak_mem"] = peak_memory(device)
-    return row
-
-
-def probe_margin(probe, probe_opt, feats, ends, labels, cfg, seed):
-    """Fit the probe on this batch's (feature, Y_b) pairs, then score the same prefixes with it.
-
-    Returns (calib [N] the mode's calibration term, the margin or the negative Brier (modes.py),
-    signal [N] (1 where both a solvable and an unsolvable prefix exist), stats, C [N, B] the
-    probe's confidences, 0 where there is no budget). Every rank fits on the
-    pooled pairs of all ranks with the same seed, so the probes stay identical without syncing weights.
-    """
-    valid = ends > 0
-    Y = torch.zeros(ends.shape)
-    for i, ys in enumerate(labels):
-        Y[i, :len(ys)] = torch.tensor(ys, dtype=torch.float32)
-    pooled = all_gather((feats[valid], Y[valid]))
-    X_all, Y_all = torch.cat([x for x, _ in pooled]), torch.cat([y for _, y in pooled])
-    bce = probe_lib.fit(probe, probe_opt, X_all, Y_all, passes=cfg["probe_passes"],
-                        batch_size=cfg["probe_batch"], seed=seed)
-    C = torch.zeros(ends.shape)
-    C[valid] = probe_lib.predict(probe, feats[valid])
-    calib = modes.calibration(C, Y, valid, cfg)
-    signal = (((Y == 1) & valid).any(1) & ((Y == 0) & valid).any(1)).float()
-    C_all = probe_lib.predict(probe, X_all)
-    stats = dict(probe_bce=bce, probe_ece=ece(C_all.numpy(), Y_all.numpy()) if len(Y_all) else 0.0,
-                 label_mean=Y_all.mean().item() if len(Y_all) else 0.0,
-                 label_mixed=((Y_all > 0) & (Y_all < 1)).float().mean().item() if len(Y_all) else 0.0,
-                 prefixes=len(Y_all))
-    return calib, signal, stats, C
-
-
-def zero_var_groups(R, G):
-    return (R.view(-1, G).std(1) == 0).sum().item() if len(R) else 0
-
-
-def peak_memory(device):
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB (Linux reports KiB)
 
 
 def hold_lock(out):

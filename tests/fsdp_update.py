@@ -12,7 +12,7 @@ import torch
 
 import probe as probe_lib
 import tiny
-import train
+import step
 from grpo import pack
 from parallel import MASTER, RANK, WORLD, full_state, load_sharded, setup, teardown, wrap
 
@@ -32,7 +32,7 @@ old = torch.full(batch["loss_mask"].shape, -4.0)
 cfg = dict(agg="token-mean", reward="rlcm", max_new_tokens=8, temperature=0.8, chunk_size=4, clip_low=0.2,
            clip_high=0.2, grad_clip=1e9, probe_passes=4, probe_batch=4, corner="zero")
 mbs = [[j] for j in range(len(mine))]  # one sequence per micro-batch: accumulation is exercised
-stats = train.update(policy, opt, sched, batch, old, adv[mine], mbs, cfg, device)
+stats = step.update(policy, opt, sched, batch, old, adv[mine], mbs, cfg, device)
 state, _ = full_state(policy, opt)
 
 torch.manual_seed(0)  # the same initial probe on every rank, as train.run builds it
@@ -41,7 +41,7 @@ probe_opt = probe_lib.make_optimizer(probe)
 feats = torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(100 + RANK))
 ends = torch.tensor([[5, 7, 9], [4, 6, 0]])
 labels = [[1.0, 0.5, 0.0], [0.25, 1.0]] if RANK == 0 else [[0.0, 0.0, 1.0], [0.75, 0.5]]
-train.probe_margin(probe, probe_opt, feats, ends, labels, cfg, seed=3)
+step.probe_margin(probe, probe_opt, feats, ends, labels, cfg, seed=3)
 torch.save(probe.state_dict(), f"{sys.argv[1]}.probe{RANK}")
 
 if torch.distributed.is_initialized():  # the lean start: rank 0 reads the toy, the others get shards

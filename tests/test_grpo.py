@@ -136,7 +136,7 @@ class _Capture:
 def test_micro_batches_do_not_change_loss_or_gradient(agg):
     """train.update over one micro-batch and over uneven micro-batches of the same rows (different
     padded widths) gives the same loss and the same summed gradient, for every aggregation."""
-    import train
+    import step
     from parallel import LogprobModel
     torch.manual_seed(0)
     b = grpo.pack([[5, 6, 7], [8, 9], [3], [4, 4]],
@@ -151,7 +151,7 @@ def test_micro_batches_do_not_change_loss_or_gradient(agg):
     out = {}
     for name, mbs in (("one", [[0, 1, 2, 3]]), ("split", [[0], [1, 2], [3]])):
         opt = _Capture(policy.parameters())
-        stats = train.update(policy, opt, sched, b, old, adv, mbs, cfg, torch.device("cpu"))
+        stats = step.update(policy, opt, sched, b, old, adv, mbs, cfg, torch.device("cpu"))
         out[name] = stats["loss"], opt.grads
     assert out["split"][0] == pytest.approx(out["one"][0], rel=1e-5, abs=1e-7)
     assert abs(out["one"][0]) > 1e-3

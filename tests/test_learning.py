@@ -2,7 +2,7 @@
 step with the toy's default settings moves probability from negative- to positive-advantage samples.
 
 Both go through the code the run uses (rollout.generate, grade.is_correct, grpo.group_advantages,
-parallel.LogprobModel -> grpo.token_logprobs, train.update: policy_loss, grad clip, AdamW).
+parallel.LogprobModel -> grpo.token_logprobs, update.update: policy_loss, grad clip, AdamW).
 """
 import pytest
 import torch
@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import data
 import grade
 import toy
-import train
+import step
 from config import resolve_args
 from grpo import group_advantages, pack, policy_loss, token_logprobs
 from parallel import LogprobModel
@@ -94,11 +94,11 @@ def test_one_update_moves_probability_towards_positive_advantages(cfg, rollouts,
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg["lr"], weight_decay=0.0)  # as train.run
     warmup = 1 if lr_scale == "peak" else max(cfg["warmup"], 1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
-    mbs = train.micro_batches(batch["attention_mask"].sum(1).tolist(), cfg["micro_tokens"])
+    mbs = step.micro_batches(batch["attention_mask"].sum(1).tolist(), cfg["micro_tokens"])
     old = torch.zeros(batch["loss_mask"].shape)
     with torch.no_grad():
         old[:] = token_logprobs(lm, batch["input_ids"], batch["attention_mask"], cfg["temperature"])
-    train.update(policy, opt, sched, batch, old, adv, mbs, cfg, torch.device("cpu"))
+    step.update(policy, opt, sched, batch, old, adv, mbs, cfg, torch.device("cpu"))
     delta = sequence_logprobs(lm, batch, cfg["temperature"]) - before
     up, down = delta[adv > 0].mean().item(), delta[adv < 0].mean().item()
     print(f"\nmean change of sequence log-prob, lr {opt.param_groups[0]['initial_lr']:.1e} / "

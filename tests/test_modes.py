@@ -14,6 +14,7 @@ import grade
 import grpo
 import modes
 import toy
+import step
 import train
 from parallel import LogprobModel
 
@@ -129,7 +130,7 @@ def test_dropped_rows_are_out_of_the_update_entirely():
     for b, a, mbs in ((grpo.pack(prompts, responses, 0), adv, [[2], [3]]),
                       (grpo.pack(prompts[2:], responses[2:], 0), adv[2:], [[0, 1]])):
         opt = Capture(policy.parameters())
-        train.update(policy, opt, SCHED, b, None, a, mbs, dict(UPD, reward="process-brier"), torch.device("cpu"))
+        step.update(policy, opt, SCHED, b, None, a, mbs, dict(UPD, reward="process-brier"), torch.device("cpu"))
         grads.append([g for g in opt.grads if g is not None])
     assert grads[0] and all(torch.allclose(x, y, atol=1e-7) for x, y in zip(*grads))
 
@@ -147,12 +148,12 @@ def test_c2gspg_loss_adds_the_confidence_bce():
                   b["loss_mask"][i].sum().item()) for i in range(3)]
     bce = [-(r * math.log(x) + (1 - r) * math.log(1 - x)) for r, x in zip(correct.tolist(), c)]
     opt = Capture(policy.parameters())
-    stats = train.update(policy, opt, SCHED, b, None, torch.zeros(3), [[0, 1], [2]],
+    stats = step.update(policy, opt, SCHED, b, None, torch.zeros(3), [[0, 1], [2]],
                          dict(UPD, reward="c2gspg"), torch.device("cpu"), correct)
     assert stats["c2gspg_bce"] == pytest.approx(sum(bce) / 3, rel=1e-5)
     assert stats["loss"] == 0.0 and sum(g.abs().sum() for g in opt.grads if g is not None) > 0
     opt = Capture(policy.parameters())
-    stats = train.update(policy, opt, SCHED, b, None, torch.zeros(3), [[0, 1], [2]],
+    stats = step.update(policy, opt, SCHED, b, None, torch.zeros(3), [[0, 1], [2]],
                          dict(UPD, reward="grpo"), torch.device("cpu"), correct)
     assert "c2gspg_bce" not in stats and all(g is None or not g.any() for g in opt.grads)
 
@@ -195,8 +196,8 @@ def metrics(run):
 @pytest.mark.parametrize("mode", list(COMPONENTS))
 def test_every_mode_runs_two_toy_steps_and_logs_its_components(tmp_path, monkeypatch, mode):
     calls = []
-    real = train.mc_labels
-    monkeypatch.setattr(train, "mc_labels", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = step.mc_labels
+    monkeypatch.setattr(step, "mc_labels", lambda *a, **k: calls.append(1) or real(*a, **k))
     run = str(tmp_path / "run")
     train.main(["--steps", "2", "--out", run, "--reward", mode, *SMALL])
     rows = metrics(run)

@@ -74,7 +74,7 @@ def test_on_policy_update_equals_the_scored_old_logprobs_in_fp32():
     """One update per batch: old log-probs = current ones detached (ratio exactly 1) gives the same
     step as old log-probs from a separate scoring pass with the same fp32 weights."""
     import copy
-    import train
+    import step
     from grpo import pack
     from parallel import wrap
     from score import score
@@ -94,7 +94,7 @@ def test_on_policy_update_equals_the_scored_old_logprobs_in_fp32():
         if path == "scored":
             old = score(copy.deepcopy(model).eval(), batch, torch.zeros(3, 1, dtype=torch.long),
                         cfg["temperature"], cfg["chunk_size"])[0]
-        stats = train.update(policy, opt, sched, batch, old, adv, mbs, cfg, torch.device("cpu"))
+        stats = step.update(policy, opt, sched, batch, old, adv, mbs, cfg, torch.device("cpu"))
         out[path] = (stats, {k: v.detach().clone() for k, v in model.state_dict().items()})
     (s1, w1), (s2, w2) = out["on-policy"], out["scored"]
     assert s1["ratio_mean"] == 1.0 and s1["clip_frac"] == 0.0

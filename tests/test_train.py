@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+import step
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,7 +56,7 @@ def test_two_steps_write_a_complete_run(tmp_path):
 def test_grpo_reward_runs_no_forced_answers(tmp_path, monkeypatch):
     def forbidden(*a, **k):
         raise AssertionError("--reward grpo must not generate forced answers")
-    monkeypatch.setattr(train, "mc_labels", forbidden)
+    monkeypatch.setattr(step, "mc_labels", forbidden)
     run = str(tmp_path / "run")
     train.main(["--steps", "1", "--out", run, "--reward", "grpo", *SMALL])
     (row,) = [r for r in rows(run) if not r.get("eval")]
