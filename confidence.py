@@ -10,6 +10,10 @@ Sources (one number in [0, 1] per sampled response):
                  thinking; read at the end of thinking.
   verbal         the number in the last <confidence>...</confidence> tag (RLCR's format); values
                  above 1 read as percentages; a missing or unreadable tag reads as 0.5 (counted).
+  verbal-forced  RLCR's released evaluation confidence: the thinking cut at the budget (the evaluation's
+                 max tokens: 8000, the toy's 128) or where it ended, `</think>` appended, --forced-k
+                 re-answers sampled (temperature 0.6, top-p 0.95, at most 512 tokens), the mean of their
+                 verbal confidences (a re-answer without a tag counts 0.5; counted).
   logits         exp(mean log-prob of the response tokens) at temperature 1 (C2GSPG's confidence).
 
 Post-hoc protocol (released evaluation code; each knob is an evaluate.py flag): 80 problems x 8
@@ -40,7 +44,7 @@ from label import absolute_budgets, budgets, forced_prompt, mc_labels
 from rollout import generate
 from score import budget_ends, score
 
-SOURCES = ("probe", "probe-posthoc", "verbal", "logits")
+SOURCES = ("probe", "probe-posthoc", "verbal", "verbal-forced", "logits")
 EVAL_SUFFIX = "\n\nIf I were to give the final answer now, the final answer would be \\boxed{"
 GRID = [(lr, p, wd) for lr in (1e-3, 5e-4, 1e-4) for p in (0.5, 0.8) for wd in (1e-3, 1e-2)]
 _CONF_TAG = re.compile(r"<confidence>\s*(.*?)\s*</confidence>", re.S | re.I)
@@ -60,6 +64,22 @@ def verbal_confidence(text):
     if v > 1:
         v /= 100.0
     return min(max(v, 0.0), 1.0), False
+
+
+def forced_verbal(model, tokenizer, prompts, responses, close_id, budget, k, seed=None, batch_size=8):
+    """(conf [N], missing [N]): per response, the mean verbal confidence of k re-answers forced after
+    `prompt + thinking[:budget] + </think>` (thinking: up to its own `</think>`), and how many of the
+    k had no readable tag (read as 0.5)."""
+    if close_id is None:
+        raise ValueError("--confidence verbal-forced needs a `</think>` token in the tokenizer")
+    forced = [list(p) + list(r[:min(think_end(r, close_id), budget)]) + [close_id]
+              for p, r in zip(prompts, responses)]
+    out = generate(model, tokenizer, forced, n=k, max_new_tokens=512, temperature=0.6, top_p=0.95,
+                   seed=seed, batch_size=max(1, batch_size // k))
+    read = [[] for _ in forced]
+    for i, text in zip(out.prompt_index, out.texts):
+        read[i].append(verbal_confidence(text))
+    return [sum(c for c, _ in r) / len(r) for r in read], [sum(m for _, m in r) for r in read]
 
 
 def think_end(response, close_id):
@@ -268,13 +288,14 @@ def read_point(source, response, close_id, fractions=(0.25, 0.5, 0.75)):
 
 def sample_confidences(source, model, tokenizer, prompts, responses, texts, golds, prb=None,
                        close_id=None, every=None, exit_k=1, suffix=EVAL_SUFFIX, close="think", seed=0,
-                       batch_size=8, rows=64, fractions=(0.25, 0.5, 0.75)):
+                       batch_size=8, rows=64, fractions=(0.25, 0.5, 0.75), forced_k=16, budget=8000):
     """One confidence per response, plus per-sample extras for the results.
 
     Probe sources read their probe at read_point (the run's probe: its last training budget, with
     `fractions` from the run's config; the post-hoc probe: the end of thinking).
 
-    Returns (conf [N] floats, extras [N] dicts). verbal: extras {"verbal_missing": bool}. Probe sources
+    Returns (conf [N] floats, extras [N] dicts). verbal: extras {"verbal_missing": bool}; verbal-forced:
+    {"verbal_missing": how many of the forced_k re-answers had no tag}. Probe sources
     with `every`: extras {"checkpoints": [[t, c_t, y_t], ...]} for t = every, 2 * every, ... below the
     end of thinking: the probe's confidence after t thinking tokens and whether one forced answer there
     (what an early exit would output; temperature 0.6, top-p 0.95) is right, for uses.early_exit.
@@ -282,6 +303,10 @@ def sample_confidences(source, model, tokenizer, prompts, responses, texts, gold
     if source == "verbal":
         pairs = [verbal_confidence(t) for t in texts]
         return [c for c, _ in pairs], [{"verbal_missing": m} for _, m in pairs]
+    if source == "verbal-forced":
+        conf, missing = forced_verbal(model, tokenizer, prompts, responses, close_id, budget, forced_k,
+                                      seed=seed, batch_size=rows)
+        return conf, [{"verbal_missing": m} for m in missing]
     if source == "logits":
         return logit_confidence(model, prompts, responses, tokenizer.pad_token_id, batch_size), [{} for _ in texts]
     if source not in ("probe", "probe-posthoc") or prb is None:

@@ -287,7 +287,8 @@ def evaluate_model(name, loaded, args):
         instruction = instruction if prompt[0] is None else prompt[0]
         probe_source = source in ("probe", "probe-posthoc") and not args.no_early_exit
         conf_kw = dict(source=source, prb=prb, close_id=close_id, every=s["every"] if probe_source else None,
-                       suffix=s["suffix"], close=args.forced_close, fractions=run_fractions(path))
+                       suffix=s["suffix"], close=args.forced_close, fractions=run_fractions(path),
+                       forced_k=s["forced_k"], budget=s["max_new_tokens"])
         generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, samples, prompt[1],
                            prompt[2])
         mine = [r for r in read_samples(samples) if r["model"] == label and r["benchmark"] == bench
@@ -331,7 +332,8 @@ def parse_args(argv=None):
     g = p.add_argument_group("confidence")
     g.add_argument("--confidence", choices=confidence.SOURCES,
                    help="default probe-posthoc (the paper's probe rows); probe: the run's own probe.pt, read "
-                        "at its last training budget")
+                        "at its last training budget; verbal: the <confidence> tag; verbal-forced: the mean tag of "
+                        "--forced-k re-answers after the thinking (RLCR's released reading); logits: C2GSPG's")
     g.add_argument("--every", type=int, help="thinking tokens between probe budgets / exit checkpoints (500; toy 8)")
     g.add_argument("--posthoc-budgets", type=int, help="post-hoc budgets per rollout: every, 2 * every, ... (16)")
     g.add_argument("--forced-k", type=int, help="forced answers per budget for post-hoc labels (16; toy 4)")

@@ -13,7 +13,8 @@ budgets, same K, label.mc_labels), reads the run's probe on their features (scor
     eval_probe_ece    metrics.ece(C_b, Y_b)
     eval_probe_auroc  metrics.auroc over the K forced answers: each prefix counts K times with its
                       C_b, K * Y_b of them right (nan when all are right or all wrong)
-    eval_margin       mean over trajectories of reward.margin_reward (the reward it would have earned)
+    eval_margin       mean over trajectories of reward.margin_reward (the reward it would have earned);
+                      under the Brier modes eval_brier, the mean of reward.brier_reward instead
     eval_probe_prefixes  how many prefixes
 
 With soft labels the ECE over prefixes equals the ECE over the K forced answers, so all three read
@@ -30,7 +31,6 @@ import runlog
 from grpo import pack
 from label import budgets, mc_labels
 from parallel import RANK, WORLD, all_gather, all_sum
-from reward import margin_reward
 from rollout import generate
 from score import budget_ends, score
 
@@ -66,7 +66,7 @@ def probe_calibration(model, tok, prb, prompts, out, rows, cfg, seed):
     """Label and score the trajectories `out` (a rollout.Samples, one per prompt) of `rows`.
 
     Returns one dict per trajectory: problem, answer, text (clipped), correct, budgets, Y_b, C_b,
-    margin. Scoring runs in micro-batches of at most cfg["micro_tokens"] padded tokens.
+    margin (or brier, under the Brier modes). Scoring runs in micro-batches of at most cfg["micro_tokens"] padded tokens.
     """
     from grade import is_correct
     n = len(prompts)
@@ -89,10 +89,11 @@ def probe_calibration(model, tok, prb, prompts, out, rows, cfg, seed):
         Y[i, :len(ys)] = torch.tensor(ys, dtype=torch.float32)
     if valid.any():
         C[valid] = probe_lib.predict(prb, feats[valid]).cpu()
-    margin = margin_reward(C, Y, valid, corner=cfg["corner"])
+    calib = modes.calibration(C, Y, valid, cfg)   # the margin, or the negative Brier (Brier modes)
+    key = "brier" if cfg["reward"] in modes.BRIER_MODES else "margin"
     return [dict(problem=runlog.clip(r["problem"]), answer=r["answer"], text=runlog.clip(t),
                  correct=int(is_correct(t, r["answer"])), budgets=bs, Y_b=ys,
-                 C_b=[round(c, 6) for c in C[i, :len(bs)].tolist()], margin=margin[i].item())
+                 C_b=[round(c, 6) for c in C[i, :len(bs)].tolist()], **{key: calib[i].item()})
             for i, (r, t, bs, ys) in enumerate(zip(rows, out.texts, cuts, labels))]
 
 
@@ -107,7 +108,9 @@ def summary(trajectories, k):
     forced = np.concatenate([[1.0] * r + [0.0] * (k - r) for r in right])
     return dict(eval_probe_bce=float(-(Y * np.log(Cc) + (1 - Y) * np.log(1 - Cc)).mean()),
                 eval_probe_ece=metrics.ece(C, Y), eval_probe_auroc=metrics.auroc(np.repeat(C, k), forced),
-                eval_margin=float(np.mean([t["margin"] for t in trajectories])), eval_probe_prefixes=int(Y.size))
+                **{f"eval_{key}": float(np.mean([t[key] for t in trajectories]))
+                   for key in ("margin", "brier") if key in trajectories[0]},
+                eval_probe_prefixes=int(Y.size))
 
 
 def describe(stats):

@@ -6,7 +6,8 @@
     python reproduce.py --methods grpo,rlcm --seeds 0    # a part of it
 
 How long (2 CPU cores, --jobs 2): the main table (12 trainings of 45 steps, 15 evaluations of 2000
-samples) took 751 s; a rerun with nothing left to do takes seconds.
+samples) took 1216 s (20 min) on a fresh clone; the ablations add 9 trainings and evaluations; a rerun
+with nothing left to do takes seconds.
 
 Per method M and seed S: `train.py --reward M --seed S --out OUT/runs/M-seedS` (not for the base),
 then `evaluate.py --model RUN --benchmarks toy --confidence C --seed S --no-early-exit --out

@@ -24,7 +24,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 PANELS = (  # (title, metrics.jsonl keys); eval_* keys come from the held-out rows
     ("reward", ("reward",)),
     ("accuracy", ("accuracy", "eval_accuracy")),
-    ("margin and signal fraction", ("margin", "signal_frac", "eval_margin")),
+    ("calibration reward and signal fraction", ("margin", "brier", "signal_frac", "eval_margin", "eval_brier")),
     ("probe BCE", ("probe_bce", "eval_probe_bce")),
     ("probe calibration", ("probe_ece", "eval_probe_ece", "eval_probe_auroc")),
     ("response length (tokens)", ("len_mean",)),

@@ -7,6 +7,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import confidence
 import probe as probe_lib
+import rollout
 
 
 class _Tok:
@@ -209,3 +210,43 @@ def test_fit_posthoc_learns_a_signal_and_beats_the_base_rate(one_thread):
     assert rep["val_bce"] < rep["base_bce"] - 0.1
     with pytest.raises(ValueError, match="two problems"):
         confidence.fit_posthoc(x[:4], y[:4], groups[:4])
+
+
+def test_verbal_forced_cuts_the_thinking_closes_it_and_averages_k_reanswers(monkeypatch):
+    # The forced prompt is prompt + thinking[:min(end of thinking, budget)] + </think>; the confidence
+    # is the mean of the k re-answers' tags, a re-answer without one reading 0.5 and counted.
+    seen = {}
+
+    def fake_generate(model, tok, prompts, n, **kw):
+        seen.update(prompts=prompts, n=n, kw=kw)
+        texts = ["<confidence>0.9</confidence>", "<confidence>0.3</confidence>", "no tag",
+                 "<confidence>80</confidence>", "<confidence>0.2</confidence>", "<confidence>0.2</confidence>"]
+        return rollout.Samples([[1]] * 6, texts, [1] * 6, ["eos"] * 6, [0, 0, 0, 1, 1, 1])
+
+    monkeypatch.setattr(confidence, "generate", fake_generate)
+    CLOSE = 9
+    prompts, responses = [[1, 2], [3]], [[5, 6, CLOSE, 7], [5, 6, 7, 8, 5]]
+    conf, missing = confidence.forced_verbal(None, None, prompts, responses, CLOSE, budget=3, k=3, seed=0)
+    assert seen["prompts"] == [[1, 2, 5, 6, CLOSE], [3, 5, 6, 7, CLOSE]] and seen["n"] == 3
+    assert seen["kw"]["temperature"] == 0.6 and seen["kw"]["top_p"] == 0.95
+    assert conf == pytest.approx([(0.9 + 0.3 + 0.5) / 3, (0.8 + 0.2 + 0.2) / 3]) and missing == [1, 0]
+    with pytest.raises(ValueError, match="</think>"):
+        confidence.forced_verbal(None, None, prompts, responses, None, budget=3, k=3)
+
+
+def test_verbal_forced_on_the_toy_base_reads_its_rlcr_tags():
+    import data
+    import toy
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = toy.base_model()
+    model, tok = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+    rows = toy.dataset("test")[:8]
+    prompts = [data.chat_prompt(tok, r["problem"], toy.RLCR_INSTRUCTION) for r in rows]
+    out = rollout.generate(model, tok, prompts, max_new_tokens=48, temperature=0.6, seed=0)
+    close = tok.convert_tokens_to_ids("</think>")
+    conf, extras = confidence.sample_confidences("verbal-forced", model, tok, prompts, out.ids, out.texts,
+                                                 [r["answer"] for r in rows], close_id=close, forced_k=4,
+                                                 budget=128, seed=1)
+    # the base draws its confidence from 0.1 .. 0.9 whatever the trace: means of 4 such draws
+    assert all(0.1 <= c <= 0.9 for c in conf) and len(set(conf)) > 1
+    assert [e["verbal_missing"] for e in extras] == [0] * 8

@@ -215,3 +215,8 @@ def test_every_mode_runs_two_toy_steps_and_logs_its_components(tmp_path, monkeyp
         assert all(0 < r["seq_conf"] < 1 and r["c2gspg_bce"] > 0 for r in rows)
     if mode in ("process-brier", "final-brier"):
         assert all(r["brier"] <= 0 and 0 <= r["dropped"] <= 1 for r in rows)
+    held = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl")) if '"eval": true' in line]
+    if mode in ("process-brier", "final-brier"):   # the held-out check logs the mode's own calibration term
+        assert all(r["eval_brier"] <= 0 and "eval_margin" not in r for r in held)
+    elif mode in ("rlcm", "final-margin"):
+        assert all("eval_margin" in r and "eval_brier" not in r for r in held)
