@@ -47,7 +47,7 @@ at the 75% budget is 0.40 for trajectories that end correct against 0.15 for tho
 Under RLCR_INSTRUCTION: accuracy 0.425 at 0.8 (0.590 at 0.6), 0.980 greedy, every response with a
 confidence tag, mean confidence 0.46 on right answers and 0.49 on wrong ones.
 
-Rebuild. The committed `toy_base/` is rebuilt by one command, in about two minutes on one CPU
+Rebuild. The committed `toy_base/` is rebuilt by one command, in about three minutes on one CPU
 core, bit for bit (same safetensors bytes) on the same machine and torch build; the build
 runs on one thread, since float sums depend on how the work is split:
 
