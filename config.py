@@ -248,7 +248,9 @@ def resolve_args(argv):
     model = given.get("model", saved.get("model", "toy"))
     cfg = {**COMMON, **(TOY if model == "toy" else REAL), **saved, **given}
     if saved.get("reward") != cfg["reward"]:
-        implied = {**IMPLIED.get(cfg["reward"], {}), **(TOY_IMPLIED.get(cfg["reward"], {}) if model == "toy" else {})}
+        implied = dict(IMPLIED.get(cfg["reward"], {}))
+        if model == "toy":
+            implied.update(TOY_IMPLIED.get(cfg["reward"], {}))
         cfg.update({k: v for k, v in implied.items() if k not in given})
     cfg["trust_remote_code"] = bool(given.get("trust_remote_code"))
     cfg.update({k: given.get(k) for k in NOT_SAVED})

@@ -30,6 +30,7 @@ import confidence
 import data
 import grade
 import label as label_lib
+import modes
 import probe as probe_lib
 import rollout
 import runlog
@@ -171,10 +172,10 @@ def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, con
             texts=out.texts, golds=golds, seed=seed + 1, batch_size=s["score_batch"], rows=s["rows"], **conf_kw)
         with open(path, "a") as f:
             for r, (q, missing) in enumerate((c for c in chunk for _ in range(m))):
-                j = missing[r % m]
+                j, answer = missing[r % m], grade.extract(out.texts[r], GRADER, form)
                 f.write(json.dumps(dict(
-                    model=label, benchmark=bench, question=q, sample=j, answer=grade.extract(out.texts[r], GRADER, form),
-                    correct=int(grade.is_correct(out.texts[r], golds[r], GRADER, form)), confidence=float(conf[r]),
+                    model=label, benchmark=bench, question=q, sample=j, answer=answer,
+                    correct=int(grade.answers_match(answer, golds[r], GRADER)), confidence=float(conf[r]),
                     length=out.lengths[r], finish=out.finish[r], source=conf_kw["source"], **extras[r])) + "\n")
             f.flush()
         bar.update(len(chunk) * m)
@@ -196,7 +197,7 @@ def run_prompt(path, args):
     (None, None, "box"): the benchmark's own instruction."""
     cfg = run_config(path)
     pick = lambda flag, key: flag if flag is not None else cfg.get(key)  # noqa: E731
-    form = args.answer or ("tag" if cfg.get("reward") == "rlcr" else "box")
+    form = args.answer or modes.answer_form(cfg.get("reward"))
     return pick(args.instruction, "instruction"), pick(args.system_prompt, "system_prompt"), form
 
 

@@ -90,7 +90,7 @@ def probe_calibration(model, tok, prb, prompts, out, rows, cfg, seed):
     if valid.any():
         C[valid] = probe_lib.predict(prb, feats[valid]).cpu()
     calib = modes.calibration(C, Y, valid, cfg)   # the margin, or the negative Brier (Brier modes)
-    key = "brier" if cfg["reward"] in modes.BRIER_MODES else "margin"
+    key = modes.calibration_key(cfg["reward"])
     return [dict(problem=runlog.clip(r["problem"]), answer=r["answer"], text=runlog.clip(t),
                  correct=int(is_correct(t, r["answer"])), budgets=bs, Y_b=ys,
                  C_b=[round(c, 6) for c in C[i, :len(bs)].tolist()], **{key: calib[i].item()})

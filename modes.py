@@ -29,9 +29,19 @@ BRIER_MODES = ("process-brier", "final-brier")
 COUNTED = ("verbal_missing",)  # components logged per step as a count; the others as a mean
 
 
+def answer_form(mode):
+    """Where a mode's responses give their answer (grade.extract): rlcr's last <answer> tag, else the box."""
+    return "tag" if mode == "rlcr" else "box"
+
+
+def calibration_key(mode):
+    """The name a probe mode's calibration term is logged under: "brier" or "margin"."""
+    return "brier" if mode in BRIER_MODES else "margin"
+
+
 def correctness(texts, golds, grader, mode):
     """0/1 float [N]: the last box against the gold answer; rlcr: the last <answer> tag instead."""
-    form = "tag" if mode == "rlcr" else "box"
+    form = answer_form(mode)
     return torch.tensor([grade.is_correct(t, g, grader, form) for t, g in zip(texts, golds)],
                         dtype=torch.float32)
 
@@ -75,7 +85,7 @@ def reward_and_advantages(cfg, correct, calib, texts, seq_conf):
         lam = 0.0 if mode == "grpo" else cfg["lam"]
         R = total_reward(correct, calib, lam=lam)
         if mode in PROBE_MODES:
-            parts = {"brier" if mode in BRIER_MODES else "margin": calib}
+            parts = {calibration_key(mode): calib}
     adv = c2gspg_advantages(correct, seq_conf, G) if mode == "c2gspg" else group_advantages(R, G)
     kept = torch.ones(len(correct), dtype=torch.bool)
     if cfg["drop_unanimous"]:

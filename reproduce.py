@@ -36,6 +36,7 @@ import metrics
 import runlog
 from checkpoint import UserError
 import config
+import evaluate
 from report import clean, plot_reliability
 
 MAIN = ("base", "grpo", "rlcr", "c2gspg", "rlcm")
@@ -115,11 +116,12 @@ def train_status(run, steps=None):
 
 
 def model_label(run):
-    """The name evaluate.py files this model under: toy, or RUN_NAME/step_NNNNNN (latest checkpoint)."""
+    """The name evaluate.py files this model under (evaluate.model_label): toy, or RUN_NAME/step_NNNNNN
+    for the run's latest checkpoint; None before its first checkpoint."""
     if run is None:
         return "toy"
     ckpt = checkpoint.latest_checkpoint(run, quiet)
-    return ckpt and f"{os.path.basename(run)}/{os.path.basename(ckpt)}"
+    return ckpt and evaluate.model_label(run, ckpt)
 
 
 def eval_entry(eval_dir, label):
