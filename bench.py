@@ -4,8 +4,9 @@ own `model.generate`, on the same prompts and sampling settings, in one run.
     python bench.py                                   # toy model, 32 prompts x 8 samples, 48 tokens
     python bench.py --shape 7b --layers 4 --prompts 8 --samples 8 --prompt-len 2048 --max-new-tokens 256
 
-`--shape 7b` builds DeepSeek-R1-Distill-Qwen-7B's architecture from the shared fixture config (no
-weights, no download) with random weights and `--layers` decoder layers, in bf16 on CUDA. Prompts are
+`--shape 7b` builds DeepSeek-R1-Distill-Qwen-7B's architecture from its config (`--config DIR`, by
+default .device/r1_distill_qwen_7b, which ../shared/device/prepare.sh fills; no weights, no
+download) with random weights and `--layers` decoder layers, in bf16 on CUDA. Prompts are
 then random token ids of `--prompt-len`; EOS is switched off so every row decodes every step.
 
 Per path: generated tokens, tokens/s, ms per decode step (wall time / decode steps, prefill
@@ -27,8 +28,8 @@ import torch
 import rollout
 from checkpoint import UserError
 
-FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "shared", "fixtures",
-                       "r1_distill_qwen_7b")
+# prepare.sh (../shared/device/README.md) copies the 7B config and tokenizer into the checkout here.
+CONFIG_7B = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".device", "r1_distill_qwen_7b")
 BANDWIDTH_TBS = {"H200": 4.8, "H100": 3.35, "A100": 2.0}
 
 
@@ -42,26 +43,43 @@ def toy_world(n_prompts):
     return model, tok, [data.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
 
 
-def shape_7b(layers, n_prompts, prompt_len, device, seed=0):
-    """R1-Distill-Qwen-7B's architecture with `layers` random decoder layers; random prompts."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    if not os.path.isdir(FIXTURE):
-        raise UserError(f"--shape 7b needs the fixture config at {os.path.normpath(FIXTURE)}")
-    cfg = AutoConfig.from_pretrained(FIXTURE)
+def cut_config(path, layers):
+    """The transformers config in folder `path` (config.json), cut to its first `layers` layers."""
+    from transformers import AutoConfig
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise UserError(f"no config.json in {path}: pass --config DIR (bash ../shared/device/prepare.sh "
+                        "puts R1-Distill-Qwen-7B's in .device/r1_distill_qwen_7b)")
+    cfg = AutoConfig.from_pretrained(path)
     cfg.num_hidden_layers = layers
     if getattr(cfg, "layer_types", None):
         cfg.layer_types = cfg.layer_types[:layers]
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return cfg
+
+
+def random_model(cfg, device, dtype=None, seed=0):
+    """A model of architecture `cfg` with random weights, built on `device` (bf16 on CUDA, fp32 else)."""
+    from transformers import AutoModelForCausalLM
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     torch.manual_seed(seed)
     with torch.device(device):
         try:
-            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+            return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
         except TypeError:  # transformers before `dtype` replaced `torch_dtype`
-            model = AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype)
-    tok = AutoTokenizer.from_pretrained(FIXTURE)
+            return AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype)
+
+
+def random_prompts(vocab, n_prompts, prompt_len, seed=0):
     g = torch.Generator().manual_seed(seed)
-    prompts = torch.randint(len(tok), (n_prompts, prompt_len), generator=g).tolist()
-    return model, tok, prompts
+    return torch.randint(vocab, (n_prompts, prompt_len), generator=g).tolist()
+
+
+def shape_7b(path, layers, n_prompts, prompt_len, device, seed=0):
+    """R1-Distill-Qwen-7B's architecture (config and tokenizer in `path`, no weights) with `layers`
+    random decoder layers; random prompts."""
+    from transformers import AutoTokenizer
+    model = random_model(cut_config(path, layers), device, seed=seed)
+    tok = AutoTokenizer.from_pretrained(path)
+    return model, tok, random_prompts(len(tok), n_prompts, prompt_len, seed)
 
 
 def run_sampler(model, tok, prompts, args, decode, eos_ids):
@@ -104,47 +122,17 @@ def floor_ms(model, rows, context, bandwidth_tbs):
     return (weights + rows * context * kv_per_token) / (bandwidth_tbs * 1e12) * 1e3
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shape", choices=("toy", "7b"), default="toy")
-    p.add_argument("--layers", type=int, default=4, help="decoder layers for --shape 7b")
-    p.add_argument("--prompts", type=int, default=32)
-    p.add_argument("--samples", type=int, default=8, help="samples per prompt")
-    p.add_argument("--prompt-len", type=int, default=2048, help="random prompt tokens for --shape 7b")
-    p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--paths", default="dynamic,static,generate")
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--bandwidth", type=float, help="memory bandwidth in TB/s (looked up on CUDA; given: also on CPU)")
-    p.add_argument("--threads", type=int, help="CPU threads (default 1 for the toy on CPU, as train.py)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = p.parse_args(argv)
-    device = torch.device(args.device)
-    threads = args.threads or (1 if device.type == "cpu" and args.shape == "toy" else None)
-    if threads:
-        torch.set_num_threads(threads)
-    if args.shape == "toy":
-        model, tok, prompts = toy_world(args.prompts)
-        model.to(device)
-        eos_ids = rollout.default_eos_ids(model, tok)
-    else:
-        model, tok, prompts = shape_7b(args.layers, args.prompts, args.prompt_len, device, args.seed)
-        eos_ids = []
-    model.eval()
-    paths = args.paths.split(",")
+def measure(model, tok, prompts, args, eos_ids, bandwidth=None):
+    """Every path of args.paths, args.repeat times in turn after a short warm-up: per path a dict
+    of tokens, seconds (the median), tok_s, steps, ms_step, vs_generate (tokens/s over
+    model.generate's), and with a bandwidth (TB/s) floor_ms and of_floor (floor / ms_step)."""
     runs = {"dynamic": lambda: run_sampler(model, tok, prompts, args, "dynamic", eos_ids),
             "static": lambda: run_sampler(model, tok, prompts, args, "static", eos_ids),
             "generate": lambda: run_hf(model, tok, prompts, args, eos_ids)}
+    paths = args.paths.split(",")
     if any(x not in runs for x in paths):
         raise UserError(f"--paths: choose from {','.join(runs)}")
-    params = sum(q.numel() for q in model.parameters())
-    print(f"{args.shape}: {model.config.num_hidden_layers} layers, {params / 1e6:.1f}M parameters, "
-          f"{next(model.parameters()).dtype} on {device}; {len(prompts)} prompts x {args.samples} samples, "
-          f"<= {args.max_new_tokens} new tokens, temperature {args.temperature}, top-p {args.top_p}, "
-          f"threads {torch.get_num_threads()}")
-
+    device = next(model.parameters()).device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     with torch.no_grad():
         short = argparse.Namespace(**{**vars(args), "max_new_tokens": 2})
@@ -159,29 +147,80 @@ def main(argv=None):
                 counts[x] = runs[x]()
                 sync()
                 times[x].append(time.perf_counter() - t)
+    context = statistics.mean(map(len, prompts)) + args.max_new_tokens / 2
+    floor = floor_ms(model, len(prompts) * args.samples, context, bandwidth) if bandwidth else None
+    out = []
+    for x in paths:
+        (tokens, steps), sec = counts[x], statistics.median(times[x])
+        row = dict(path=x, tokens=tokens, seconds=sec, tok_s=tokens / sec, steps=steps,
+                   ms_step=sec / max(steps, 1) * 1e3)
+        if floor:
+            row.update(floor_ms=floor, of_floor=floor / row["ms_step"])
+        out.append(row)
+    ref = next((r["tok_s"] for r in out if r["path"] == "generate"), None)
+    for row in out:  # tokens differ a little between paths (different random streams): compare rates
+        row["vs_generate"] = row["tok_s"] / ref if ref else None
+    return out
 
-    rows = len(prompts) * args.samples
+
+def build_parser():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shape", choices=("toy", "7b"), default="toy")
+    p.add_argument("--config", default=CONFIG_7B, help="folder with the 7B config.json and tokenizer "
+                   "for --shape 7b (default: .device/r1_distill_qwen_7b, from prepare.sh)")
+    p.add_argument("--layers", type=int, default=4, help="decoder layers for --shape 7b")
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--samples", type=int, default=8, help="samples per prompt")
+    p.add_argument("--prompt-len", type=int, default=2048, help="random prompt tokens for --shape 7b")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--paths", default="dynamic,static,generate")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--bandwidth", type=float, help="memory bandwidth in TB/s (looked up on CUDA; given: also on CPU)")
+    p.add_argument("--threads", type=int, help="CPU threads (default 1 for the toy on CPU, as train.py)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    return p
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    device = torch.device(args.device)
+    threads = args.threads or (1 if device.type == "cpu" and args.shape == "toy" else None)
+    if threads:
+        torch.set_num_threads(threads)
+    if args.shape == "toy":
+        model, tok, prompts = toy_world(args.prompts)
+        model.to(device)
+        eos_ids = rollout.default_eos_ids(model, tok)
+    else:
+        model, tok, prompts = shape_7b(args.config, args.layers, args.prompts, args.prompt_len, device, args.seed)
+        eos_ids = []
+    model.eval()
+    params = sum(q.numel() for q in model.parameters())
+    print(f"{args.shape}: {model.config.num_hidden_layers} layers, {params / 1e6:.1f}M parameters, "
+          f"{next(model.parameters()).dtype} on {device}; {len(prompts)} prompts x {args.samples} samples, "
+          f"<= {args.max_new_tokens} new tokens, temperature {args.temperature}, top-p {args.top_p}, "
+          f"threads {torch.get_num_threads()}")
     bandwidth = args.bandwidth
     if device.type == "cuda" and bandwidth is None:
         name = torch.cuda.get_device_name(device)
         bandwidth = next((v for k, v in BANDWIDTH_TBS.items() if k in name), None)
         if bandwidth is None:
             print(f"(no bandwidth known for {name}: pass --bandwidth TB/s for the floor)")
-    context = statistics.mean(map(len, prompts)) + args.max_new_tokens / 2
-    floor = floor_ms(model, rows, context, bandwidth) if bandwidth else None
-    ref = statistics.median(times["generate"]) if "generate" in times else None
+    rows = measure(model, tok, prompts, args, eos_ids, bandwidth)
+    floor = bandwidth is not None
     head = f"{'path':<10}{'tokens':>9}{'seconds':>9}{'tokens/s':>10}{'steps':>7}{'ms/step':>9}{'vs generate':>13}"
     print(head + (f"{'floor ms':>10}{'of floor':>10}" if floor else ""))
-    for x in paths:
-        (tokens, steps), sec = counts[x], statistics.median(times[x])
-        ms = sec / max(steps, 1) * 1e3
-        line = f"{x:<10}{tokens:>9}{sec:>9.2f}{tokens / sec:>10.1f}{steps:>7}{ms:>9.2f}"
-        # tokens differ a little between paths (different random streams), so compare rates.
-        line += f"{(tokens / sec) / (counts['generate'][0] / ref):>12.2f}x" if ref else ""
-        line += f"{floor:>10.2f}{floor / ms:>10.0%}" if floor else ""
+    for r in rows:
+        line = f"{r['path']:<10}{r['tokens']:>9}{r['seconds']:>9.2f}{r['tok_s']:>10.1f}{r['steps']:>7}{r['ms_step']:>9.2f}"
+        line += f"{r['vs_generate']:>12.2f}x" if r["vs_generate"] else ""
+        line += f"{r['floor_ms']:>10.2f}{r['of_floor']:>10.0%}" if floor else ""
         print(line)
     if floor:
-        print(f"floor: {rows} rows at mean context {context:.0f} tokens, {bandwidth} TB/s")
+        context = statistics.mean(map(len, prompts)) + args.max_new_tokens / 2
+        print(f"floor: {len(prompts) * args.samples} rows at mean context {context:.0f} tokens, {bandwidth} TB/s")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 import pytest
 
 import bench
+from checkpoint import UserError
 import tiny
 
 
@@ -23,3 +24,13 @@ def test_every_path_runs_and_reports(capsys):
     assert rows["generate"][-1] == "1.00x"
     # the two sampler paths draw the same samples, so they generate the same number of tokens
     assert rows["dynamic"][1] == rows["static"][1] and 4 <= int(rows["dynamic"][1]) <= 16
+
+
+def test_the_7b_shape_reads_its_config_from_the_folder_given(tmp_path):
+    # only the checkout travels to a GPU machine: the config comes from --config, never ../shared
+    with pytest.raises(UserError, match="no config.json in .*: pass --config DIR"):
+        bench.main(["--shape", "7b", "--config", str(tmp_path)])
+    if tiny.real_tokenizer() is None:
+        pytest.skip("needs the 7B config and tokenizer fixture")
+    cfg = bench.cut_config(tiny.REAL_TOKENIZER, 3)
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_key_value_heads, cfg.vocab_size) == (3, 3584, 4, 152064)
