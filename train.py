@@ -280,8 +280,7 @@ def main(argv=None):
             plan.check(cfg, show=False)  # an impossible run stops here, before any weights are read
             workers = launch.worker_count(cfg)
             if workers > 1:
-                code = launch.launch(os.path.abspath(__file__), sys.argv[1:] if argv is None else argv,
-                                     workers, torch.cuda.is_available())
+                code = launch.launch(os.path.abspath(__file__), sys.argv[1:] if argv is None else argv, workers)
                 if code:
                     sys.exit(code)
                 return

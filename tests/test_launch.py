@@ -63,6 +63,20 @@ def test_a_user_error_in_the_workers_is_one_line(tmp_path):
     assert err.count("error:") == 1 and "file not found" in err and str(missing) in err, err
 
 
+def test_each_worker_gets_its_share_of_the_cores(monkeypatch):
+    """Every rank fits the probe on the CPU at the same time (on CUDA too): 16 cores, 8 ranks -> 2
+    threads each, at least 1, and an OMP_NUM_THREADS the user set is kept."""
+    import launch as launcher
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    env = launcher.worker_env(3, 8, "1234")
+    assert env["OMP_NUM_THREADS"] == "2"
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["MASTER_PORT"]) == ("3", "3", "8", "1234")
+    assert launcher.worker_env(0, 32, "1234")["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert launcher.worker_env(0, 8, "1234")["OMP_NUM_THREADS"] == "5"
+
+
 def launch(args, out):
     return subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), "--nproc", "2", *args,
                              "--out", out], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
