@@ -45,8 +45,8 @@ import checkpoint as ckpt_lib
 from checkpoint import UserError
 import config
 from config import resolve_args
-from parallel import (MASTER, all_gather, full_state, load_optimizer, load_sharded, refresh_sampler, setup,
-                      teardown, wrap)
+from parallel import (MASTER, WORLD, all_gather, full_state, load_optimizer, load_sharded, refresh_sampler,
+                      setup, teardown, wrap)
 from step import Timer, rl_step
 
 VOLATILE = ("t_", "tok_per_s", "peak_mem")  # metrics.jsonl fields that vary between identical runs
@@ -279,6 +279,7 @@ def main(argv=None):
                 ckpt_lib.check_available(cfg["model"])  # a missing model is reported before anything is read
             plan.check(cfg, show=False)  # an impossible run stops here, before any weights are read
             workers = launch.worker_count(cfg)
+            config.check_world(cfg, max(workers, WORLD))  # here, or in each worker under torchrun
             if workers > 1:
                 code = launch.launch(os.path.abspath(__file__), sys.argv[1:] if argv is None else argv, workers)
                 if code:

@@ -148,3 +148,15 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert losses[0] == pytest.approx(losses[1], abs=1e-7)
     assert grads[0].abs().sum() > 0 and torch.allclose(grads[0], grads[1], atol=1e-7)
+
+
+def test_a_torchrun_worker_refuses_fewer_prompts_than_ranks(tmp_path, monkeypatch, capsys):
+    """Under torchrun (RANK and WORLD_SIZE set) every worker refuses before the process group exists."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(train, "WORLD", 4, raising=False)  # parallel read WORLD_SIZE at import
+    with pytest.raises(SystemExit) as e:
+        train.main(["--prompts-per-step", "3", "--steps", "1", "--out", str(tmp_path / "run"), *SMALL[2:]])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("error: --prompts-per-step 3 ") and "--prompts-per-step >= 4" in err, err
+    assert not os.path.exists(tmp_path / "run")
