@@ -281,6 +281,8 @@ def main(argv=None):
             workers = launch.worker_count(cfg)
             config.check_world(cfg, max(workers, WORLD))  # here, or in each worker under torchrun
             if workers > 1:
+                if not cfg["resume"]:
+                    ckpt_lib.fetch(cfg["model"])  # before the workers start: rank 0 would download in the group
                 code = launch.launch(os.path.abspath(__file__), sys.argv[1:] if argv is None else argv, workers)
                 if code:
                     sys.exit(code)
