@@ -109,7 +109,7 @@ def run(cfg):
     if device.type == "cpu" and cfg["model"] == "toy":
         torch.set_num_threads(1)  # the toy's ops are too small to gain from threads; they only contend
     out = cfg["out"]
-    held = os.path.isdir(out)
+    held = all_gather(os.path.isdir(out))[0]  # rank 0's view: every rank takes the same branch to hold_lock
     if held:
         hold_lock(out)
     ckpt = ckpt_lib.latest_checkpoint(out, say=print0, resume=True)

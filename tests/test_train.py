@@ -179,3 +179,23 @@ def test_a_torchrun_worker_refuses_fewer_prompts_than_ranks(tmp_path, monkeypatc
     assert e.value.code == 2 and len(err.splitlines()) == 1, err
     assert err.startswith("error: --prompts-per-step 3 ") and "--prompts-per-step >= 4" in err, err
     assert not os.path.exists(tmp_path / "run")
+
+
+def test_every_rank_takes_rank_0s_view_of_the_run_folder(tmp_path, monkeypatch):
+    """Whether OUT exists decides when the lock's collective runs (before or after loading): a rank
+    that saw it differently (rank 0's tracker makes OUT soon after) would mismatch collectives."""
+    events = []
+
+    class Stop(Exception):
+        pass
+
+    def lock(out):
+        events.append("lock")
+        raise Stop
+    monkeypatch.setattr(train, "all_gather", lambda obj: [True])  # rank 0 saw the folder; this rank does not
+    monkeypatch.setattr(train, "hold_lock", lock)
+    monkeypatch.setattr(train.data, "load_rows", lambda *a, **k: events.append("load") or [])
+    cfg = train.resolve_args(["--steps", "1", "--out", str(tmp_path / "run"), *SMALL])
+    with pytest.raises(Stop):
+        train.run(cfg)
+    assert events == ["lock"]
