@@ -81,6 +81,23 @@ def check_available(name):
                         f"offline (HF_HUB_OFFLINE): download it first (hf download {path}) or pass a local directory")
 
 
+def fetch(name):
+    """Download an HF model into the local cache now, before the workers start, so that rank 0 does
+    not download it (15 GB for the 7B) inside the process group while the other ranks wait. Local
+    directories, the toy and an offline hub need nothing. Other frameworks' copies of the weights
+    are skipped: from_pretrained reads the safetensors."""
+    path = resolve_model(name)
+    from huggingface_hub import constants, snapshot_download
+    if os.path.isdir(path) or constants.HF_HUB_OFFLINE:
+        return
+    try:
+        snapshot_download(path, ignore_patterns=["*.bin", "*.pth", "*.pt", "*.h5", "*.msgpack", "*.onnx", "*.gguf"])
+    except (OSError, ValueError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise UserError(f"cannot download model {name!r} ({path}): {first} -- check the name, the network "
+                        "and your access (hf auth login), or pass a local directory") from None
+
+
 def step_of(ckpt):
     return int(os.path.basename(ckpt)[len(PREFIX):])
 

@@ -113,6 +113,15 @@ def check_values(cfg, limits=LIMITS):
             raise UserError(f"--{key.replace('_', '-')} {v}: must be {what}")
 
 
+def check_world(cfg, world):
+    """Whole prompt groups go to the ranks in turn: a rank without one would have nothing to train
+    on, and the others would wait for it in the next collective."""
+    n = cfg["prompts_per_step"]
+    if n < world:
+        raise UserError(f"--prompts-per-step {n} leaves some of the {world} workers without a prompt: "
+                        f"use --prompts-per-step >= {world} or fewer GPUs (--nproc {n})")
+
+
 def check_out(path, flag="--out"):
     """A folder we can create or write into: not a file, and its nearest existing parent writable."""
     if os.path.exists(path) and not os.path.isdir(path):

@@ -50,7 +50,17 @@ def tail(path, lines=25):
     return "\n".join([line for line in text if line.strip()][-lines:])
 
 
-def launch(script, argv, nproc, cuda=False):
+def worker_env(rank, nproc, port):
+    """The environment of worker `rank`: torchrun's variables, and a share of this machine's cores
+    (unless OMP_NUM_THREADS is set), since every rank fits the probe on the CPU at the same time."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    env = {"OMP_NUM_THREADS": str(max(1, cores // nproc)), **os.environ}
+    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    return env
+
+
+def launch(script, argv, nproc):
     """Run `python script *argv` as nproc ranks; return the exit code (0, or the failed worker's)."""
     from parallel import free_port
     logs = tempfile.mkdtemp(prefix="rlcm-workers-")
@@ -64,13 +74,10 @@ def launch(script, argv, nproc, cuda=False):
             failed.set()
 
     for rank in range(nproc):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-               "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
-        if not cuda:
-            env.setdefault("OMP_NUM_THREADS", "1")  # like torchrun: N ranks share the cores
         log = open(os.path.join(logs, f"rank{rank}.log"), "w")
         err = subprocess.PIPE if rank == 0 else log
-        proc = subprocess.Popen([sys.executable, script, *argv], env=env, stdout=None if rank == 0 else log,
+        proc = subprocess.Popen([sys.executable, script, *argv], env=worker_env(rank, nproc, port),
+                                stdout=None if rank == 0 else log,
                                 stderr=err, preexec_fn=_die_with_parent)
         procs.append((proc, log))
         threading.Thread(target=watch, args=(rank, proc), daemon=True).start()

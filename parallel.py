@@ -15,6 +15,7 @@ one-rank FSDP group). Sharded starts are memory-lean (`load_sharded`): only rank
 weights, every rank builds the model on the meta device and receives its shard by broadcast.
 """
 import copy
+import datetime
 import os
 
 import torch
@@ -24,6 +25,19 @@ from grpo import token_logprobs
 
 RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 MASTER = RANK == 0
+# Rank 0 alone writes each checkpoint (about 91 GB for the 7B: fp32 weights + AdamW) and, under
+# torchrun with a cold cache, downloads the weights while the other ranks wait in a collective;
+# NCCL's default of 10 minutes would abort them (an hour covers a save at 25 MB/s)
+TIMEOUT = datetime.timedelta(hours=1)
+
+
+def backend(cuda, offload):
+    """The process group's backend. With --offload the shards live on the host, and DTensor's
+    full_tensor / clip_grad_norm_ / full state dicts issue collectives on those CPU tensors, which
+    NCCL cannot serve (pytorch#148532): gloo takes the CPU ones."""
+    if not cuda:
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if offload else "nccl"
 
 
 def setup(offload=False):
@@ -37,7 +51,8 @@ def setup(offload=False):
         if WORLD == 1:  # a one-rank group, so that FSDP2 can offload to the host
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=RANK, world_size=WORLD)
+        dist.init_process_group(backend(device.type == "cuda", offload), rank=RANK, world_size=WORLD,
+                                timeout=TIMEOUT)
     return device
 
 
@@ -99,8 +114,10 @@ def wrap(lm, device, offload=False):
     """
     sampler = lm
     if device.type == "cuda" or dist.is_initialized():
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        sampler = copy.deepcopy(lm).to(dtype).eval().requires_grad_(False)
+        sampler = copy.deepcopy(lm).eval().requires_grad_(False)
+        if device.type == "cuda":  # bf16 weights; the buffers (rotary inv_freq) stay fp32, as from_pretrained
+            for p in sampler.parameters():  # leaves them: bf16 frequencies turn position 1000 by 1.2 rad
+                p.data = p.data.to(torch.bfloat16)
     policy = LogprobModel(lm)
     if dist.is_initialized():
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard

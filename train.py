@@ -45,8 +45,8 @@ import checkpoint as ckpt_lib
 from checkpoint import UserError
 import config
 from config import resolve_args
-from parallel import (MASTER, all_gather, full_state, load_optimizer, load_sharded, refresh_sampler, setup,
-                      teardown, wrap)
+from parallel import (MASTER, WORLD, all_gather, full_state, load_optimizer, load_sharded, refresh_sampler,
+                      setup, teardown, wrap)
 from step import Timer, rl_step
 
 VOLATILE = ("t_", "tok_per_s", "peak_mem")  # metrics.jsonl fields that vary between identical runs
@@ -109,7 +109,7 @@ def run(cfg):
     if device.type == "cpu" and cfg["model"] == "toy":
         torch.set_num_threads(1)  # the toy's ops are too small to gain from threads; they only contend
     out = cfg["out"]
-    held = os.path.isdir(out)
+    held = all_gather(os.path.isdir(out))[0]  # rank 0's view: every rank takes the same branch to hold_lock
     if held:
         hold_lock(out)
     ckpt = ckpt_lib.latest_checkpoint(out, say=print0, resume=True)
@@ -279,9 +279,11 @@ def main(argv=None):
                 ckpt_lib.check_available(cfg["model"])  # a missing model is reported before anything is read
             plan.check(cfg, show=False)  # an impossible run stops here, before any weights are read
             workers = launch.worker_count(cfg)
+            config.check_world(cfg, max(workers, WORLD))  # here, or in each worker under torchrun
             if workers > 1:
-                code = launch.launch(os.path.abspath(__file__), sys.argv[1:] if argv is None else argv,
-                                     workers, torch.cuda.is_available())
+                if not cfg["resume"]:
+                    ckpt_lib.fetch(cfg["model"])  # before the workers start: rank 0 would download in the group
+                code = launch.launch(os.path.abspath(__file__), sys.argv[1:] if argv is None else argv, workers)
                 if code:
                     sys.exit(code)
                 return

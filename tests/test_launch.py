@@ -63,6 +63,33 @@ def test_a_user_error_in_the_workers_is_one_line(tmp_path):
     assert err.count("error:") == 1 and "file not found" in err and str(missing) in err, err
 
 
+def test_fewer_prompts_than_workers_is_refused_in_one_line(tmp_path):
+    """A worker without a prompt group crashed in pack([]) while the others waited in a collective."""
+    start = time.monotonic()
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--nproc", "2", "--prompts-per-step", "1",
+                          "--steps", "1", "--out", str(tmp_path / "run")], cwd=ROOT, env=ENV, capture_output=True,
+                         text=True, timeout=120)
+    err = res.stderr.strip()
+    assert res.returncode == 2 and len(err.splitlines()) == 1, err
+    assert err == "error: --prompts-per-step 1 leaves some of the 2 workers without a prompt: use " \
+                  "--prompts-per-step >= 2 or fewer GPUs (--nproc 1)", err
+    assert time.monotonic() - start < 60 and not os.path.exists(tmp_path / "run")
+
+
+def test_each_worker_gets_its_share_of_the_cores(monkeypatch):
+    """Every rank fits the probe on the CPU at the same time (on CUDA too): 16 cores, 8 ranks -> 2
+    threads each, at least 1, and an OMP_NUM_THREADS the user set is kept."""
+    import launch as launcher
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    env = launcher.worker_env(3, 8, "1234")
+    assert env["OMP_NUM_THREADS"] == "2"
+    assert (env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["MASTER_PORT"]) == ("3", "3", "8", "1234")
+    assert launcher.worker_env(0, 32, "1234")["OMP_NUM_THREADS"] == "1"
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert launcher.worker_env(0, 8, "1234")["OMP_NUM_THREADS"] == "5"
+
+
 def launch(args, out):
     return subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), "--nproc", "2", *args,
                              "--out", out], cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,

@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -104,3 +105,36 @@ def test_on_policy_update_equals_the_scored_old_logprobs_in_fp32():
     assert max((w1[k] - init[k]).abs().max().item() for k in w1) > 1e-3
     for k in w1:
         assert torch.allclose(w1[k], w2[k], atol=1e-6), (k, (w1[k] - w2[k]).abs().max())
+
+
+@pytest.mark.parametrize("cuda, offload, expected", [(False, True, "gloo"), (True, False, "nccl"),
+                                                     (True, True, "cuda:nccl,cpu:gloo")])
+def test_setup_picks_a_backend_for_cpu_collectives_and_a_long_timeout(monkeypatch, cuda, offload, expected):
+    """With --offload on CUDA the shards are CPU tensors whose DTensor collectives NCCL cannot serve;
+    rank 0's saves (and first download) outlast NCCL's default 10-minute timeout."""
+    import datetime
+    import parallel
+    seen = {}
+    monkeypatch.setattr(parallel, "WORLD", 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(parallel.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(parallel.dist, "init_process_group", lambda *a, **k: seen.update(args=a, kwargs=k))
+    device = parallel.setup(offload)
+    assert device.type == ("cuda" if cuda else "cpu")
+    assert seen["args"] == (expected,)
+    assert seen["kwargs"]["timeout"] >= datetime.timedelta(hours=1)
+
+
+def test_the_one_gpu_generation_copy_is_bf16_with_fp32_rotary_frequencies():
+    """wrap's generation copy on CUDA (built where the model is, so no GPU is needed): bf16 weights,
+    the rotary inv_freq exactly as built in fp32; in bf16 it turns position 1000 by about 1.2 rad."""
+    from parallel import wrap
+    model = __import__("tiny").model(vocab_size=64, hidden=32, layers=2, seed=0)
+    policy, sampler = wrap(model, torch.device("cuda"))
+    assert policy.lm is model and all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(p.dtype == torch.bfloat16 for p in sampler.parameters())
+    fresh = type(model.model.rotary_emb)(config=model.config)
+    for name in ("inv_freq", "original_inv_freq"):
+        b = getattr(sampler.model.rotary_emb, name)
+        assert b.dtype == torch.float32 and torch.equal(b, getattr(fresh, name)), name

@@ -148,3 +148,54 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert losses[0] == pytest.approx(losses[1], abs=1e-7)
     assert grads[0].abs().sum() > 0 and torch.allclose(grads[0], grads[1], atol=1e-7)
+
+
+@pytest.mark.parametrize("model, fetched", [("deepseek-r1-distill-qwen-7b", ["deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"]),
+                                            ("toy", []), ("local", [])])
+def test_the_launcher_downloads_a_hub_model_once_before_starting_workers(tmp_path, monkeypatch, model, fetched):
+    """Otherwise rank 0 downloads the weights (15 GB for the 7B) inside the process group while the
+    other ranks wait in NCCL's set-up; a local directory or the toy has nothing to fetch."""
+    import huggingface_hub
+    if model == "local":
+        model = str(tmp_path / "model")
+        os.makedirs(model)
+    events = []
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, **k: events.append(("fetch", repo)))
+    monkeypatch.setattr(train.plan, "check", lambda cfg, show=False: None)  # would read the config
+    monkeypatch.setattr(train.launch, "worker_count", lambda cfg: 2)
+    monkeypatch.setattr(train.launch, "launch", lambda *a, **k: events.append("launch") or 0)
+    train.main(["--model", model, "--out", str(tmp_path / "run"), "--steps", "1", "--prompts-per-step", "2"])
+    assert events == [("fetch", repo) for repo in fetched] + ["launch"]
+
+
+def test_a_torchrun_worker_refuses_fewer_prompts_than_ranks(tmp_path, monkeypatch, capsys):
+    """Under torchrun (RANK and WORLD_SIZE set) every worker refuses before the process group exists."""
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(train, "WORLD", 4, raising=False)  # parallel read WORLD_SIZE at import
+    with pytest.raises(SystemExit) as e:
+        train.main(["--prompts-per-step", "3", "--steps", "1", "--out", str(tmp_path / "run"), *SMALL[2:]])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("error: --prompts-per-step 3 ") and "--prompts-per-step >= 4" in err, err
+    assert not os.path.exists(tmp_path / "run")
+
+
+def test_every_rank_takes_rank_0s_view_of_the_run_folder(tmp_path, monkeypatch):
+    """Whether OUT exists decides when the lock's collective runs (before or after loading): a rank
+    that saw it differently (rank 0's tracker makes OUT soon after) would mismatch collectives."""
+    events = []
+
+    class Stop(Exception):
+        pass
+
+    def lock(out):
+        events.append("lock")
+        raise Stop
+    monkeypatch.setattr(train, "all_gather", lambda obj: [True])  # rank 0 saw the folder; this rank does not
+    monkeypatch.setattr(train, "hold_lock", lock)
+    monkeypatch.setattr(train.data, "load_rows", lambda *a, **k: events.append("load") or [])
+    cfg = train.resolve_args(["--steps", "1", "--out", str(tmp_path / "run"), *SMALL])
+    with pytest.raises(Stop):
+        train.run(cfg)
+    assert events == ["lock"]
