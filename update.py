@@ -25,10 +25,11 @@ def micro_batches(lengths, max_tokens):
     return batches + ([cur] if cur else [])
 
 
-def micro_batch(batch, rows, device):
-    """The `pack` batch restricted to `rows` and cut to their longest sequence L; returns (sub, L)."""
+def micro_batch(batch, rows, device, length=None):
+    """The `pack` batch restricted to `rows` and cut to `length` tokens (default: their longest
+    sequence); returns (sub, L), L the length cut to."""
     sub = {k: v[rows].to(device) for k, v in batch.items()}
-    L = int(sub["attention_mask"].sum(1).max())
+    L = length or int(sub["attention_mask"].sum(1).max())
     cut = {"input_ids": L, "attention_mask": L, "loss_mask": L - 1}
     return {k: v[:, :cut[k]] if k in cut else v for k, v in sub.items()}, L
 
@@ -42,6 +43,10 @@ def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device, correct=N
     old_logp [N, T] from the scoring pass, or None for the on-policy case: the current log-probs,
     detached, so ratio = exp(logp - logp.detach()) is exactly 1 whatever the compute precision.
     sched: stepped after the optimizer (None: not stepped, for all but the last PPO epoch).
+
+    Ranks with fewer micro-batches than another run padding ones, because FSDP2 needs the same
+    number of forward/backward calls on every rank (not the same sizes): one row cut to 2 tokens,
+    at weight 0.
     """
     policy.train()
     mask = batch["loss_mask"]
@@ -55,9 +60,10 @@ def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device, correct=N
     plain_gpu = device.type == "cuda" and not sharded(policy)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if plain_gpu else nullcontext()
     for j in range(n_mb):
-        mb = mbs[min(j, len(mbs) - 1)] if mbs else [0]
-        w = weights[mb].sum().item() if j < len(mbs) else 0.0  # a whole number: exact means below
-        sub, L = micro_batch(batch, mb, device)
+        real = j < len(mbs)
+        mb = mbs[j] if real else [0]
+        w = weights[mb].sum().item() if real else 0.0  # a whole number: exact means below
+        sub, L = micro_batch(batch, mb, device, length=None if real else 2)
         with amp:
             logp = policy(sub["input_ids"], sub["attention_mask"], cfg["temperature"], cfg["chunk_size"])
         logp = logp.float()
@@ -70,7 +76,7 @@ def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device, correct=N
         weighted = loss * (w * WORLD / max(total, 1.0))
         if c2gspg:  # the current policy's c_theta, differentiable; a mean over sequences
             bce = c2gspg_bce(sequence_confidence(logp, sub["loss_mask"]), correct[mb].to(device)).sum()
-            bce = bce * float(j < len(mbs))  # a padding micro-batch (other ranks have more) adds nothing
+            bce = bce * float(real)  # a padding micro-batch (other ranks have more) adds nothing
             weighted = weighted + 0.1 * bce * WORLD / max(n_seq, 1.0)
             bce_sum += bce.item()
         weighted.backward()
