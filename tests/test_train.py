@@ -148,3 +148,19 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
     assert losses[0] == pytest.approx(losses[1], abs=1e-7)
     assert grads[0].abs().sum() > 0 and torch.allclose(grads[0], grads[1], atol=1e-7)
+
+
+def test_every_step_row_has_the_sampler_gap_and_the_rollout_entropy(tmp_path):
+    """On the CPU toy the sampler is the fp32 policy itself, so the gap is float noise; the entropy
+    is a mean over the rollout's tokens, between 0 and log(vocabulary)."""
+    import math
+    import toy
+    from transformers import AutoTokenizer
+    run = str(tmp_path / "run")
+    train.main(["--steps", "2", "--eval-n", "0", "--out", run, "--prompts-per-step", "2", "--group-size", "2",
+                "--max-new-tokens", "16"])
+    steps = [r for r in rows(run) if not r.get("eval")]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["sampler_gap"] < 1e-5 and r["sampler_kl_k3"] < 1e-8 and abs(r["sampler_ratio_max"] - 1) < 1e-4
+        assert 0 < r["entropy"] < math.log(len(AutoTokenizer.from_pretrained(toy.base_model())))
