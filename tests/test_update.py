@@ -1,6 +1,9 @@
 """update.update beyond the loss: the sampler-vs-trainer gap it logs, and the padding micro-batches
 that keep FSDP2's call counts equal across ranks."""
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -62,10 +65,12 @@ def test_a_known_shift_gives_its_gap_k3_and_ratio():
     batch = pack(prompts, responses, 0, sampler)
     stats = run_update(lm, batch, [[0], [1], [2]])
     n = [len(r) for r in responses]
-    assert stats["sampler_gap"] == pytest.approx(sum(k * abs(d) for k, d in zip(n, deltas)) / sum(n), abs=1e-6)
+    gap = sum(k * abs(d) for k, d in zip(n, deltas)) / sum(n)
     k3 = sum(k * (math.exp(d) - 1 - d) for k, d in zip(n, deltas)) / sum(n)
+    ratio = max(math.exp(k * d) for k, d in zip(n, deltas))
+    assert stats["sampler_gap"] == pytest.approx(gap, abs=1e-6)
     assert stats["sampler_kl_k3"] == pytest.approx(k3, rel=1e-4)
-    assert stats["sampler_ratio_max"] == pytest.approx(max(math.exp(k * d) for k, d in zip(n, deltas)), rel=1e-5)
+    assert stats["sampler_ratio_max"] == pytest.approx(ratio, rel=1e-5)
 
 
 def test_pack_puts_each_sampler_log_prob_on_its_target():
@@ -98,3 +103,33 @@ def test_a_padding_micro_batch_forwards_two_tokens_and_adds_no_gradient(monkeypa
     init = torch.cat([p.detach().flatten() for p in tiny.model(vocab_size=64, seed=5).parameters()])
     assert not torch.equal(moved[0], init)  # the update did move them
     assert torch.equal(moved[0], moved[1])
+
+
+def test_fsdp2_ranks_with_padding_micro_batches_equal_one_process(tmp_path):
+    """Two gloo ranks with one and three micro-batches (rank 0 pads with two 2-token ones): the same
+    weights and the same sampler gap, k3 and largest ratio as one process over the whole batch."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(here), here]), "OMP_NUM_THREADS": "1"}
+    script = os.path.join(here, "fsdp_padding.py")
+    out = {}
+    for world in (1, 2):
+        path = str(tmp_path / f"w{world}.pt")
+        cmd = [sys.executable, script, path] if world == 1 else [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script, path]
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+        out[world] = torch.load(path, weights_only=True)
+    one, two = out[1], out[2]
+    assert two["shapes"] == [(1, 9), (1, 2), (1, 2)]
+    init = tiny.model(vocab_size=64, hidden=32, layers=2, seed=0).state_dict()
+    assert max((one["state"][k] - init[k]).abs().max().item() for k in init) > 1e-4  # the step moved them
+    for k in one["state"]:
+        assert torch.allclose(one["state"][k], two["state"][k], atol=1e-5), k
+    n, deltas = [6, 2, 7, 3], [0.1, -0.2, 0.05, 0.3]
+    gap = sum(k * abs(d) for k, d in zip(n, deltas)) / sum(n)
+    assert two["stats"]["sampler_gap"] == pytest.approx(gap, abs=1e-6)
+    for key in ("sampler_gap", "sampler_kl_k3", "sampler_ratio_max", "loss"):
+        assert two["stats"][key] == pytest.approx(one["stats"][key], rel=1e-5, abs=1e-7), key
+    # the largest ratio is rank 1's (e^0.9), so rank 0 must have gathered it
+    ratio = max(math.exp(k * d) for k, d in zip(n, deltas))
+    assert two["stats"]["sampler_ratio_max"] == pytest.approx(ratio, rel=1e-5)
