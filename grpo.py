@@ -9,12 +9,14 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 
-def pack(prompts, responses, pad_id):
+def pack(prompts, responses, pad_id, logprobs=None):
     """Right-pad prompt + response pairs into one batch.
 
     prompts, responses: N lists of token ids (prompts non-empty). Returns a dict of
       input_ids [N, L] long, attention_mask [N, L] long (1 on real tokens),
-      loss_mask [N, L-1] float (1 on targets that are response tokens), prompt_lens [N] long.
+      loss_mask [N, L-1] float (1 on targets that are response tokens), prompt_lens [N] long,
+      and with logprobs (N lists, one float per response id: the sampler's, rollout.Samples)
+      sampler_logp [N, L-1] float: each id's log-prob where loss_mask puts it, 0 elsewhere.
     Example: prompt [5, 6], response [7, 2], L = 5 -> input_ids [5, 6, 7, 2, pad],
       loss_mask [0, 1, 1, 0] (targets 6, 7, 2, pad).
     The mask is by position, not by id, so an EOS that equals pad_id is still trained.
@@ -34,8 +36,15 @@ def pack(prompts, responses, pad_id):
         attention_mask[i, :len(p) + len(r)] = 1
         loss_mask[i, len(p) - 1:len(p) + len(r) - 1] = 1
     prompt_lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
-            "prompt_lens": prompt_lens}
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
+             "prompt_lens": prompt_lens}
+    if logprobs is not None:
+        if [len(lp) for lp in logprobs] != [len(r) for r in responses]:
+            raise ValueError("need one sampler log-prob per response token")
+        batch["sampler_logp"] = torch.zeros(n, L - 1)
+        for i, (p, lp) in enumerate(zip(prompts, logprobs)):
+            batch["sampler_logp"][i, len(p) - 1:len(p) + len(lp) - 1] = torch.tensor(lp)
+    return batch
 
 
 def group_advantages(rewards, group_size, eps=1e-6, scale=True):

@@ -25,9 +25,16 @@ probability p_v / sum(p)). Drawing for every row, running or not, makes the rand
 of which rows are still in the batch, so both decode paths give the same samples for the same seed.
 Ids the tokenizer does not have (the 7B model's embedding has 152,064 rows, the tokenizer about
 151,666 ids) are never sampled.
+
+Scores: with every sampled token come its log-prob and the entropy of the distribution it was drawn
+from, both under the full softmax(logits / temperature) over the tokenizer's ids (temperature 0:
+at temperature 1), not the top_p-restricted one. That is what the trainer's grpo.token_logprobs
+computes at the same temperature, so update.py can measure how far the sampler (a bf16 copy on
+GPUs) is from the policy it trains. They come from the logits each step already has: one more
+log-softmax per step, kept on the device and copied to the host once per chunk.
 """
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
@@ -47,6 +54,8 @@ class Samples:
     lengths: list[int]      # len(ids)
     finish: list[str]       # "eos" | "stop" | "length"
     prompt_index: list[int] # which prompt each sample continues
+    logprobs: list[list[float]] = field(default_factory=list)  # per id: the sampler's log-prob (Scores)
+    entropy_sum: list[float] = field(default_factory=list)     # sum over the ids of the entropy (Scores)
 
 
 @dataclass
@@ -96,6 +105,13 @@ def sample_next(logits, temperature=1.0, top_p=1.0, noise=None):
         drop = (p_sorted.cumsum(-1) - p_sorted) >= top_p
         probs = probs.scatter(-1, order, p_sorted.masked_fill(drop, 0))
     return (probs / noise).argmax(-1)
+
+
+def token_scores(logits, tok, temperature=1.0):
+    """(log-prob of tok [R], entropy [R]) under softmax(logits / temperature), logits [R, V] float
+    (-inf where an id is masked); temperature 0 is scored at 1 (the module docstring, Scores)."""
+    logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+    return logp.gather(-1, tok[:, None]).squeeze(-1), torch.special.entr(logp.exp()).sum(-1)
 
 
 def _cache_kwarg(model) -> str:
@@ -192,11 +208,13 @@ class Sampler:
         return prefill(self.model, seqs, self.pad_id, after)
 
     @torch.no_grad()
-    def sample(self, prefix, n=1, generator=None):
+    def sample(self, prefix, n=1, generator=None, scores=False):
         """n continuations of every row of `prefix` (consumed) -> ids [R*n, T], lengths [R*n],
-        reasons [R*n] (index into _REASONS) on the device; row i*n + j continues prefix row i."""
+        reasons [R*n] (index into _REASONS) on the device; row i*n + j continues prefix row i.
+        scores: also the log-prob of every id [R*n, T] (0 past the row's length) and the sum of its
+        entropies [R*n] (module docstring, Scores)."""
         rows = prefix.logits.shape[0] * n
-        state = _Rows(self, rows, generator)
+        state = _Rows(self, rows, generator, scores)
         if self.static is not None:
             step = self.static.start(prefix, n, self.max_new_tokens)
             prefix.cache = None  # copied into the static buffers; free it before decoding
@@ -250,12 +268,14 @@ class Sampler:
 class _Rows:
     """Per-row bookkeeping shared by both decode paths: sampled ids, lengths, finish reasons."""
 
-    def __init__(self, s, rows, generator):
+    def __init__(self, s, rows, generator, scores=False):
         self.s, self.generator, dev = s, generator, s.device
         self.ids = torch.full((rows, s.max_new_tokens), s.pad_id, dtype=torch.long, device=dev)
         self.done = torch.zeros(rows, dtype=torch.bool, device=dev)
         self.reason = torch.zeros(rows, dtype=torch.long, device=dev)
         self.length = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.logp = torch.zeros((rows, s.max_new_tokens), device=dev) if scores else None
+        self.entropy = torch.zeros(rows, device=dev) if scores else None
         self.eos = torch.tensor(s.eos_ids, dtype=torch.long, device=dev)
         self.stop = torch.tensor(s.stop_ids, dtype=torch.long, device=dev)
         self.vocab = len(s.tokenizer)
@@ -279,6 +299,10 @@ class _Rows:
         done = self.done[live]
         tok = torch.where(done, s.pad_id, sample_next(logits, s.temperature, s.top_p, noise))
         self.ids[live, t] = tok
+        if self.logp is not None:
+            logp, entropy = token_scores(logits, tok, s.temperature)
+            self.logp[live, t] = logp.masked_fill(done, 0)
+            self.entropy[live] += entropy.masked_fill(done, 0)
         active = ~done
         self.length[live] += active.long()
         hit_eos = active & torch.isin(tok, self.eos)
@@ -305,7 +329,8 @@ class _Rows:
         return tok
 
     def result(self):
-        return self.ids, self.length, torch.where(self.done, self.reason, 3)
+        out = self.ids, self.length, torch.where(self.done, self.reason, 3)
+        return out if self.logp is None else (*out, self.logp, self.entropy)
 
 
 def chunk_generators(seed, count, device):
@@ -325,6 +350,7 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
     stop: strings (stop once the generated text contains one) and/or token ids; the token that
     completes a stop is kept. eos_ids default to the generation config's and tokenizer's EOS.
     seed: the same seed, prompts and batch_size give the same samples, with either decode path.
+    Samples.logprobs and .entropy_sum score every sampled id (module docstring, Scores).
     batch_size: prompts per chunk (rows = batch_size * n). decode: "static" | "dynamic" | None
     (static on CUDA, dynamic elsewhere).
     """
@@ -343,10 +369,12 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
     try:
         for start, gen in tqdm(list(zip(starts, gens)), desc="generate", disable=not progress):
             chunk = [list(map(int, p)) for p in prompts[start:start + batch_size]]
-            ids, length, reason = sampler.sample(sampler.prefill(chunk), n, gen)
-            ids, length, reason = ids.tolist(), length.tolist(), reason.tolist()
+            scored = sampler.sample(sampler.prefill(chunk), n, gen, scores=True)
+            ids, length, reason, logp, entropy = (x.tolist() for x in scored)
             for r in range(len(ids)):
                 result.ids.append(ids[r][:length[r]])
+                result.logprobs.append(logp[r][:length[r]])
+                result.entropy_sum.append(entropy[r])
                 result.lengths.append(length[r])
                 result.finish.append(_REASONS[reason[r]])
                 result.prompt_index.append(start + r // n)

@@ -20,6 +20,8 @@ from rollout import generate
 from score import budget_ends, score
 from update import micro_batch, micro_batches, update
 
+SAMPLER_GAP = ("sampler_gap", "sampler_kl_k3", "sampler_ratio_max")  # update.py's module docstring
+
 class Timer:
     PHASES = ("rollout", "label", "score", "probe", "update")
 
@@ -61,7 +63,7 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
                                close=cfg["forced_close"], seed=seed + 7, batch_size=cfg["gen_batch"],
                                grader=cfg["grader"], decode=cfg["decode"])
 
-    batch = pack(traj_prompts, out.ids, tok.pad_token_id)
+    batch = pack(traj_prompts, out.ids, tok.pad_token_id, out.logprobs)
     ends = budget_ends(batch["prompt_lens"], cuts)
     lengths = [len(p) + len(r) for p, r in zip(traj_prompts, out.ids)]
     mbs = micro_batches(lengths, cfg["micro_tokens"])
@@ -100,20 +102,23 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
                   for mb in micro_batches([lengths[i] for i in idx], cfg["micro_tokens"])]
 
     lr = sched.get_last_lr()[0]
+    gaps = []  # the sampler gap of each epoch; the first is before any optimizer step
     with timer("update"):
         for epoch in range(cfg["ppo_epochs"]):  # stats of the last epoch are logged
             last = epoch == cfg["ppo_epochs"] - 1
             upd = update(policy, opt, sched if last else None, batch, old_logp, adv, update_mbs, cfg,
                          device, correct)
+            gaps.append({k: upd.pop(k) for k in SAMPLER_GAP})
     local = [correct.sum().item(), R.sum().item(), signal.sum().item(),
              len(out.ids), sum(out.lengths), sum(f == "length" for f in out.finish),
-             zero_var_groups(R, G), len(rows), *(v.sum().item() for v in parts.values())]
-    acc, rsum, ssum, n, lsum, trunc, zvar, ngroups, *psums = all_sum(local, device)
+             zero_var_groups(R, G), len(rows), sum(out.entropy_sum),
+             *(v.sum().item() for v in parts.values())]
+    acc, rsum, ssum, n, lsum, trunc, zvar, ngroups, esum, *psums = all_sum(local, device)
     row = dict(step=step, accuracy=acc / n, reward=rsum / n,
                **{k: s if k in modes.COUNTED else s / n for k, s in zip(parts, psums)},
                signal_frac=ssum / n if probed else 0.0, **stats, zero_var_frac=zvar / max(ngroups, 1),
                len_mean=lsum / n, len_max=max(all_gather(max(out.lengths, default=0))),
-               trunc_frac=trunc / n, **upd, lr=lr, **timer.t)
+               trunc_frac=trunc / n, **upd, **gaps[0], entropy=esum / max(lsum, 1), lr=lr, **timer.t)
     row["tok_per_s"] = lsum / max(row["t_rollout"], 1e-9)
     row["peak_mem"] = peak_memory(device)
     return row

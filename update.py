@@ -3,6 +3,16 @@
 Rows are packed (grpo.pack) and cut into micro-batches of at most --micro-tokens padded tokens;
 each micro-batch's loss is weighted by its share of the batch, so the accumulated gradient is that
 of one loss over the whole batch however it is cut, on one process or on every rank under FSDP2.
+
+Where the batch carries the sampler's log-probs (grpo.pack's sampler_logp), the update also measures
+how far the sampler (the bf16 generation copy on GPUs) is from the policy it trains, on the trained
+rows' response tokens against this update's own forward, with d = logp_trainer - logp_sampler:
+  sampler_gap        mean over tokens of |d|
+  sampler_kl_k3      mean over tokens of r - 1 - log r, r = exp(d): k3 (grpo.policy_loss) of
+                     KL(sampler || trainer), since the tokens are drawn from the sampler
+  sampler_ratio_max  the largest sequence ratio exp(sum over its tokens of d)
+all in float64 (a sequence sums thousands of tokens; k3 of a small d is about d^2 / 2). In the
+on-policy default the PPO ratio is 1 by construction, so these are the only view of that gap.
 """
 import math
 from contextlib import nullcontext
@@ -25,11 +35,20 @@ def micro_batches(lengths, max_tokens):
     return batches + ([cur] if cur else [])
 
 
-def micro_batch(batch, rows, device):
-    """The `pack` batch restricted to `rows` and cut to their longest sequence L; returns (sub, L)."""
+def sampler_gap(logp, sampler_logp, mask):
+    """([sum of |d|, sum of exp(d) - 1 - d, tokens], largest exp(sum_t d) of a row) over the masked
+    tokens of one micro-batch, logp, sampler_logp, mask [n, T], d = logp - sampler_logp in float64."""
+    d = (logp.detach().double() - sampler_logp.double()) * mask
+    sums = [d.abs().sum().item(), (torch.expm1(d) - d).sum().item(), mask.sum().item()]
+    return sums, d.sum(-1).exp().max().item()
+
+
+def micro_batch(batch, rows, device, length=None):
+    """The `pack` batch restricted to `rows` and cut to `length` tokens (default: their longest
+    sequence); returns (sub, L), L the length cut to."""
     sub = {k: v[rows].to(device) for k, v in batch.items()}
-    L = int(sub["attention_mask"].sum(1).max())
-    cut = {"input_ids": L, "attention_mask": L, "loss_mask": L - 1}
+    L = length or int(sub["attention_mask"].sum(1).max())
+    cut = {"input_ids": L, "attention_mask": L, "loss_mask": L - 1, "sampler_logp": L - 1}
     return {k: v[:, :cut[k]] if k in cut else v for k, v in sub.items()}, L
 
 
@@ -42,6 +61,12 @@ def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device, correct=N
     old_logp [N, T] from the scoring pass, or None for the on-policy case: the current log-probs,
     detached, so ratio = exp(logp - logp.detach()) is exactly 1 whatever the compute precision.
     sched: stepped after the optimizer (None: not stepped, for all but the last PPO epoch).
+    With batch["sampler_logp"] the result also has sampler_gap, sampler_kl_k3 and
+    sampler_ratio_max (the module docstring), from this call's forward, before its optimizer step.
+
+    Ranks with fewer micro-batches than another run padding ones, because FSDP2 needs the same
+    number of forward/backward calls on every rank (not the same sizes): one row cut to 2 tokens,
+    at weight 0.
     """
     policy.train()
     mask = batch["loss_mask"]
@@ -54,10 +79,13 @@ def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device, correct=N
     # one plain GPU: autocast; under FSDP2 its mixed-precision policy casts instead
     plain_gpu = device.type == "cuda" and not sharded(policy)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if plain_gpu else nullcontext()
+    gap = "sampler_logp" in batch
+    gap_sums, ratio_max = [0.0, 0.0, 0.0], 0.0  # sum |d|, sum k3, tokens; see sampler_gap
     for j in range(n_mb):
-        mb = mbs[min(j, len(mbs) - 1)] if mbs else [0]
-        w = weights[mb].sum().item() if j < len(mbs) else 0.0  # a whole number: exact means below
-        sub, L = micro_batch(batch, mb, device)
+        real = j < len(mbs)
+        mb = mbs[j] if real else [0]
+        w = weights[mb].sum().item() if real else 0.0  # a whole number: exact means below
+        sub, L = micro_batch(batch, mb, device, length=None if real else 2)
         with amp:
             logp = policy(sub["input_ids"], sub["attention_mask"], cfg["temperature"], cfg["chunk_size"])
         logp = logp.float()
@@ -67,10 +95,13 @@ def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device, correct=N
                                norm_const=cfg["max_new_tokens"])
         if not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite loss ({loss.item()}) in micro-batch {j}")
+        if gap and real:
+            part, ratio = sampler_gap(logp, sub["sampler_logp"], sub["loss_mask"])
+            gap_sums, ratio_max = [a + b for a, b in zip(gap_sums, part)], max(ratio_max, ratio)
         weighted = loss * (w * WORLD / max(total, 1.0))
         if c2gspg:  # the current policy's c_theta, differentiable; a mean over sequences
             bce = c2gspg_bce(sequence_confidence(logp, sub["loss_mask"]), correct[mb].to(device)).sum()
-            bce = bce * float(j < len(mbs))  # a padding micro-batch (other ranks have more) adds nothing
+            bce = bce * float(real)  # a padding micro-batch (other ranks have more) adds nothing
             weighted = weighted + 0.1 * bce * WORLD / max(n_seq, 1.0)
             bce_sum += bce.item()
         weighted.backward()
@@ -88,4 +119,8 @@ def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device, correct=N
                grad_norm=grad_norm)
     if c2gspg:
         out["c2gspg_bce"] = all_sum([bce_sum], device)[0] / max(n_seq, 1.0)
+    if gap:
+        absd, k3, tokens = all_sum(gap_sums, device)
+        out.update(sampler_gap=absd / max(tokens, 1.0), sampler_kl_k3=k3 / max(tokens, 1.0),
+                   sampler_ratio_max=max(all_gather(ratio_max)))
     return out

@@ -1,4 +1,6 @@
 """rollout.generate on a tiny random Qwen2 and a character tokenizer (tests/tiny.py), CPU only."""
+import math
+
 import pytest
 import torch
 
@@ -176,12 +178,23 @@ def test_bad_arguments_raise(model, tok):
 SETTINGS = [dict(temperature=0), dict(temperature=1.0, seed=3), dict(temperature=0.8, top_p=0.9, seed=4)]
 
 
+def assert_same_scores(a, b):
+    """Log-probs per id and entropy sums of two Samples agree up to float rounding (the decode paths
+    compute the same logits through differently shaped attention)."""
+    assert [len(x) for x in a.logprobs] == a.lengths == [len(x) for x in b.logprobs]
+    flat = lambda s: torch.tensor([x for xs in s.logprobs for x in xs])  # noqa: E731
+    assert torch.allclose(flat(a), flat(b), atol=1e-5)
+    assert torch.allclose(torch.tensor(a.entropy_sum), torch.tensor(b.entropy_sum), atol=1e-4)
+
+
 @pytest.mark.parametrize("kw", SETTINGS, ids=["greedy", "sampled", "top-p"])
 def test_static_and_dynamic_decode_give_the_same_samples(model, tok, kw):
     prompts = [enc(tok, "1+2="), enc(tok, "what is 17*3? think."), enc(tok, "x"), enc(tok, "hello there")]
     common = dict(n=3, max_new_tokens=20, batch_size=3, **kw)
     free = rollout.generate(model, tok, prompts, eos_ids=[], decode="dynamic", **common)
-    assert free.ids == rollout.generate(model, tok, prompts, eos_ids=[], decode="static", **common).ids
+    static = rollout.generate(model, tok, prompts, eos_ids=[], decode="static", **common)
+    assert free.ids == static.ids
+    assert_same_scores(free, static)
     # EOS, a stop id, a two-character and a one-byte stop string end rows at different steps;
     # finished rows stay in the static batch, masked, and are dropped from the dynamic one.
     eos, stop_id = free.ids[0][5], free.ids[4][3]
@@ -191,6 +204,7 @@ def test_static_and_dynamic_decode_give_the_same_samples(model, tok, kw):
         a = rollout.generate(model, tok, prompts, eos_ids=[eos], stop=stop, decode="dynamic", **common)
         b = rollout.generate(model, tok, prompts, eos_ids=[eos], stop=stop, decode="static", **common)
         assert a.ids == b.ids and a.finish == b.finish and a.lengths == b.lengths and a.texts == b.texts
+        assert_same_scores(a, b)
         assert min(a.lengths) < max(a.lengths)
         seen |= set(a.finish)
         for ids, fin, full in zip(a.ids, a.finish, free.ids):  # a prefix of the free-running sample
@@ -241,13 +255,15 @@ def test_shared_rows_give_the_same_samples_with_fewer_rows(model, tok):
                                 temperature=kw["temperature"], top_p=kw.get("top_p", 1.0))
             gen = rollout.chunk_generators(kw.get("seed"), 1, "cpu")[0]
             calls.clear()
-            ids, length, _ = s.sample(s.prefill(prompts), n=4, generator=gen)
+            ids, length, _, logp, entropy = s.sample(s.prefill(prompts), n=4, generator=gen, scores=True)
             if kw["temperature"] == 0:  # greedy: the 4 samples of a prompt never diverge
                 assert calls == [2] * 8  # prefill and 7 steps over one row per prompt
             else:
                 assert max(calls[1:]) <= 8 and len(set(calls[1:])) > 1  # rows split as samples diverge
             ref = rollout.generate(model, tok, prompts, n=4, max_new_tokens=8, eos_ids=[], **kw)
             assert ids.tolist() == ref.ids and length.tolist() == ref.lengths
+            assert torch.allclose(logp, torch.tensor(ref.logprobs), atol=1e-5)  # no row stops early here
+            assert torch.allclose(entropy, torch.tensor(ref.entropy_sum), atol=1e-4)
     finally:
         hook.remove()
 
@@ -259,3 +275,36 @@ def test_bucketed_shapes():
     assert rollout.default_decode(tiny.model()) == "dynamic"
     with pytest.raises(ValueError, match="decode must be"):
         rollout.generate(tiny.model(), tiny.tokenizer(), [[5]], decode="fast")
+
+
+@pytest.mark.parametrize("temperature", [0.8, 0])
+def test_scores_are_the_full_distributions_log_prob_and_entropy(tok, temperature):
+    """Against an uncached forward over prompt + sample: the log-prob of each sampled id and the
+    entropy under softmax(logits / temperature) over the tokenizer's ids, not the top-p-restricted
+    distribution it was drawn from (temperature 0 is scored at 1)."""
+    model = tiny.model(seed=2)  # 300 embedding rows, 61 tokenizer ids: the mask matters here
+    prompts = [enc(tok, "1+2="), enc(tok, "what is 17*3?")]
+    kw = dict(n=2, max_new_tokens=10, temperature=temperature, top_p=0.7, seed=1)
+    eos = rollout.generate(model, tok, prompts, eos_ids=[], **kw).ids[0][4]
+    for decode in rollout.DECODES:
+        out = rollout.generate(model, tok, prompts, eos_ids=[eos], decode=decode, **kw)
+        assert min(out.lengths) < max(out.lengths)  # the alignment is checked on ragged rows
+        for ids, logp, entropy, i in zip(out.ids, out.logprobs, out.entropy_sum, out.prompt_index):
+            p = prompts[i]
+            with torch.no_grad():
+                logits = model(input_ids=torch.tensor([p + ids])).logits[0, len(p) - 1:-1, :len(tok)]
+            ref = (logits / (temperature or 1.0)).log_softmax(-1)
+            assert torch.allclose(torch.tensor(logp), ref.gather(-1, torch.tensor(ids)[:, None])[:, 0], atol=1e-5)
+            assert entropy == pytest.approx(-(ref.exp() * ref).sum().item(), abs=1e-4)
+
+
+def test_token_scores_of_a_hand_made_row():
+    """logits (2, 0, -1, -inf) at temperature 0.5: z = (4, 0, -2), the masked id has p = 0."""
+    logits = torch.tensor([[2.0, 0.0, -1.0, float("-inf")]])
+    for temperature, t in ((0.5, 0.5), (0, 1.0)):
+        z = [2 / t, 0.0, -1 / t]
+        lse = math.log(sum(math.exp(x) for x in z))
+        p = [math.exp(x - lse) for x in z]
+        logp, entropy = rollout.token_scores(logits, torch.tensor([1]), temperature)
+        assert logp.item() == pytest.approx(z[1] - lse, abs=1e-6)
+        assert entropy.item() == pytest.approx(-sum(q * math.log(q) for q in p), abs=1e-6)

@@ -199,3 +199,19 @@ def test_every_rank_takes_rank_0s_view_of_the_run_folder(tmp_path, monkeypatch):
     with pytest.raises(Stop):
         train.run(cfg)
     assert events == ["lock"]
+
+
+def test_every_step_row_has_the_sampler_gap_and_the_rollout_entropy(tmp_path):
+    """On the CPU toy the sampler is the fp32 policy itself, so the gap is float noise; the entropy
+    is a mean over the rollout's tokens, between 0 and log(vocabulary)."""
+    import math
+    import toy
+    from transformers import AutoTokenizer
+    run = str(tmp_path / "run")
+    train.main(["--steps", "2", "--eval-n", "0", "--out", run, "--prompts-per-step", "2", "--group-size", "2",
+                "--max-new-tokens", "16"])
+    steps = [r for r in rows(run) if not r.get("eval")]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["sampler_gap"] < 1e-5 and r["sampler_kl_k3"] < 1e-8 and abs(r["sampler_ratio_max"] - 1) < 1e-4
+        assert 0 < r["entropy"] < math.log(len(AutoTokenizer.from_pretrained(toy.base_model())))
