@@ -250,3 +250,24 @@ def test_verbal_forced_on_the_toy_base_reads_its_rlcr_tags():
     # the base draws its confidence from 0.1 .. 0.9 whatever the trace: means of 4 such draws
     assert all(0.1 <= c <= 0.9 for c in conf) and len(set(conf)) > 1
     assert [e["verbal_missing"] for e in extras] == [0] * 8
+
+
+def test_posthoc_labels_decode_one_bounded_shape_at_a_time(monkeypatch):
+    """Evaluation's post-hoc labels send every forced prompt through one generate call, in chunks
+    of `rows` rows whose widths vary widely (budgets every few hundred tokens): on the static path
+    each chunk may need its own shape, and only one (of at most `rows` rows) is alive at a time."""
+    import tiny
+    from static_shapes import Shapes
+    monkeypatch.setattr(rollout, "default_decode", lambda model: "static")
+    tok, model = tiny.tokenizer(), tiny.model(seed=4)
+    gen = torch.Generator().manual_seed(0)
+    lengths = [30, 90, 150, 240, 330, 420]
+    responses = [torch.randint(4, 60, (n,), generator=gen).tolist() for n in lengths]
+    positions = [list(range(30, n + 1, 30)) for n in lengths]
+    shapes = Shapes(monkeypatch)
+    labels, copied = confidence.posthoc_labels(model, tok, [[5, 6]] * 6, responses, [""] * 6, ["3"] * 6,
+                                               positions, lengths, k=4, suffix="{", close="eos",
+                                               copy_natural=False, max_new_tokens=8, rows=8)
+    assert [len(y) for y in labels] == [len(p) for p in positions] and copied == 0
+    assert len(shapes.made) >= 4 and max(s["rows"] for s in shapes.made) == 8
+    assert max(s["alive"] for s in shapes.made) == 1
