@@ -215,9 +215,9 @@ def check(cfg, show=False, log=print):
         for name in ("training state", "generation copy", "FSDP gather", "KV cache", "prefill",
                      "label KV cache", "label prefill", "activations", "log-prob chunk", "runtime", "peak"):
             log(f"  {name:<16}{t[name] / GiB:8.2f} GiB  {notes.get(name, '')}".rstrip())
-        others = t["host node"] - t["host"]
-        log(f"  {'host':<16}{t['host'] / GiB:8.2f} GiB  rank 0 at a save (+ the full fp32 model and AdamW "
-            f"state); {others / max(world - 1, 1) / GiB:.2f} GiB each other rank; {t['host node'] / GiB:.0f} GiB per node")
+        others = f"; {(t['host node'] - t['host']) / (world - 1) / GiB:.2f} GiB each other rank" if world > 1 else ""
+        log(f"  {'host':<16}{t['host'] / GiB:8.2f} GiB  rank 0 at a save (the full fp32 model and AdamW state)"
+            f"{others}; {t['host node'] / GiB:.0f} GiB per node")
     if here and t["host node"] > host_ram() and os.environ.get("RANK", "0") == "0":
         log(f"warning: the plan needs {t['host node'] / GiB:.0f} GiB of host memory at a save, this machine "
             f"has {host_ram() / GiB:.0f} GiB")

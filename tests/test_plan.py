@@ -136,3 +136,22 @@ def test_kv_terms_match_what_a_toy_step_allocates(tmp_path, monkeypatch):
     for name, term in (("rollout", "KV cache"), ("label", "label KV cache")):
         measured = max(s["bytes"] for s in shapes.made if s["phase"] == name)
         assert t[term] == pytest.approx(measured, rel=0.15), (name, t[term], measured)
+
+
+def test_host_memory_is_printed_and_warned_about_not_refused(monkeypatch):
+    """Host memory cannot be checked for another node, so the plan prints it and, planning for this
+    machine, warns when a save would need more than it has; only device memory refuses a run."""
+    total = plan.param_counts(plan.model_config("toy"))[0]
+    lines = []
+    monkeypatch.setattr(plan, "detected", lambda nproc: ("cuda", 1, 80.0))  # this machine: one GPU
+    monkeypatch.setattr(plan, "host_ram", lambda: 28 * total - 1)
+    t = plan.check(resolve_args(["--offload"]), show=True, log=lines.append)
+    # --offload on one process: its training state on the host (16 N) and, at a save, the gathered
+    # fp32 model and AdamW state (12 N)
+    assert t["host"] == t["host node"] == 28 * total
+    assert any(line.split()[0] == "host" for line in lines)
+    assert lines[-2].startswith("warning: the plan needs") and lines[-1].startswith("fits")
+    monkeypatch.setattr(plan, "host_ram", lambda: 28 * total)
+    lines.clear()
+    plan.check(resolve_args(["--offload"]), show=True, log=lines.append)
+    assert not any(line.startswith("warning") for line in lines)
