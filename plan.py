@@ -8,31 +8,48 @@ Terms per device, with N parameters, W devices (ranks) and bf16 = 2 bytes:
   generation copy bf16 full weights on every rank                2 N
   FSDP gather     the root (embeddings, LM head) and two decoder layers unsharded while they run:
                   bf16 params + bf16 grads + fp32 reduce buffer  8 (N_root + 2 N_layer)
-  KV cache        rows one rank generates at once x tokens x layers x 2 (K, V) x kv_heads x head_dim x 2,
-                  the larger of the rollout (min(gen_batch, prompts per rank) x group_size rows of
-                  prompt + max_new_tokens) and the forced answers (gen_batch x k rows of prompt +
-                  3/4 max_new_tokens + the forced tail)
+  KV cache        the rollout's static buffers (staticcache.py): rows x positions x layers x 2 (K, V)
+                  x kv_heads x head_dim x 2, as the decoder buckets them: rows = min(gen_batch,
+                  prompts per rank) x group_size, positions = prompt + max_new_tokens - 1, rounded up
+                  (24 x 9216 for 24 x 8599 on the released recipe)
   prefill         one layer's forward (T x (8 d + 3 d_ff)) over the prompts that fill that cache
+  label KV cache  the forced answers' static buffers: a chunk of gen_batch cuts x k rows, positions =
+                  prompt + the longest cut (3/4 of max_new_tokens) + the forced suffix + the answer
+                  - 1, bucketed; one chunk's shape is alive at a time
+  label prefill   one layer's forward over the chunk's prefixes plus their prefill cache (one row per
+                  cut), which is held while the static buffers are filled from it
   activations     one micro-batch of micro_tokens tokens: with checkpointing each layer keeps its
-                  input (T x d) and one layer is recomputed at a time (T x (8 d + 3 d_ff))
+                  input (T x d), and the backward of one layer holds its recomputed forward buffers
+                  (T x (8 d + 3 d_ff)) and their gradients (as much again); without, every layer
+                  keeps its buffers and one layer's gradients come on top
   log-prob chunk  chunk_size positions x vocab fp32 logits, log-softmax and its gradient (x 3)
   runtime         CUDA context and allocator slack (1 GiB), or the Python/torch process on CPU
 
-Phases do not overlap: rollout holds the KV cache and prefill, the update holds the gather,
-activations and log-prob chunk. peak = training state + generation copy + runtime + max(rollout, update).
+Phases do not overlap: the rollout holds its KV cache and prefill, the labels theirs, the update
+the gather, activations and log-prob chunk. peak = training state + generation copy + runtime +
+max(rollout, labels, update).
 With --offload (FSDP2's CPUOffloadPolicy) the training state lives in host memory (16 N / W per
 rank) and the optimizer step runs on the CPU: slower, but the GPU keeps only the rest.
+Host memory (sharded runs: several GPUs or --offload): rank 0 reads the fp32 weights (4 N) to
+broadcast them, and at every save gathers the full fp32 model and AdamW state (parallel.full_state:
+4 N + 8 N = 12 N, 91 GB for the 7B), on top of its offloaded shard; the Python processes themselves
+are not counted. The check refuses on device memory only: the host may be another machine
+(--gpus / --gpu-mem), so host memory is printed, and flagged when it exceeds this machine's RAM.
 On CPU (the toy world) everything is fp32 and one process uses the policy as its generation copy.
 """
+import os
+
 import torch
 
 from checkpoint import UserError
 from config import PROBE_MODES
+from staticcache import bucket
 
 GiB = 2**30
 PROMPT_TOKENS = 600     # training prompts longer than this are dropped when the data is loaded
-TOY_PROMPT_TOKENS = 32  # the toy world's chat prompts are at most 14 tokens
-FORCED_TAIL = 64        # forced-answer suffix + the 32 sampled answer tokens, rounded up
+TOY_PROMPT_TOKENS = 16  # the toy world's chat prompts are at most 14 tokens
+FORCED_SUFFIX = 32      # CLOSE + the forced suffix after a cut (18 tokens for R1), rounded up
+FORCED_ANSWER = 32      # tokens sampled per forced answer (label.mc_labels)
 RUNTIME = {"cuda": 1.0 * GiB, "cpu": 1.0 * GiB}
 
 
@@ -67,8 +84,15 @@ def kv_bytes_per_token(config, dtype_bytes):
     return config.num_hidden_layers * 2 * kv * head_dim * dtype_bytes
 
 
+def static_shape(rows, width, new_tokens):
+    """(rows, positions) of the static decoder's buffers for `rows` rows of a `width`-wide prefix
+    decoding up to `new_tokens`: staticcache.StaticDecoder.start's bucketed key."""
+    return bucket(rows, 1), bucket(width + new_tokens - 1, 64)
+
+
 def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
-    """Bytes per device for each term (dict, in the order printed) plus 'peak' and 'host'."""
+    """Bytes per device for each term (dict, in the order printed) plus 'peak', the host memory
+    ('host': rank 0's, 'host node': all ranks'), and the static shapes ('kv_shape', 'label_kv_shape')."""
     total, root, layer = counts or param_counts(config)
     cuda = device == "cuda"
     act_bytes = 2 if cuda else 4
@@ -79,30 +103,46 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
     prompts_here = -(-cfg["prompts_per_step"] // world)
     per_token = kv_bytes_per_token(config, act_bytes)
     layer_acts = lambda tokens: tokens * (8 * d + 3 * d_ff) * act_bytes  # noqa: E731  one layer's forward
-    P, G = prompt_tokens(cfg), cfg["group_size"]
+    P, G, new = prompt_tokens(cfg), cfg["group_size"], cfg["max_new_tokens"]
     # rollout: gen_batch prompts prefilled at once, their KV repeated for the G samples
     prompts = min(cfg["gen_batch"], prompts_here)
-    phases = [(prompts * G, P + cfg["max_new_tokens"], layer_acts(prompts * P))]
-    if cfg.get("reward", "rlcm") in PROBE_MODES:  # forced answers: a prefix per budget, <= max budget
+    kv_shape = static_shape(prompts * G, P, new)
+    kv, prefill = kv_shape[0] * kv_shape[1] * per_token, layer_acts(prompts * P)
+    label_shape, label_kv, label_prefill = (0, 0), 0, 0
+    if cfg.get("reward", "rlcm") in PROBE_MODES:
+        # forced answers (label._forced_samples): chunks of gen_batch cuts x k rows after the prompt,
+        # the longest cut (3/4 of the response) and the forced tail; the chunk's own prefill cache
+        # (one row per cut) is still held while the static buffers are filled from it.
         fractions = cfg.get("budgets", (0.25, 0.5, 0.75))
-        forced = min(cfg["gen_batch"], prompts_here * G * len(fractions))
-        prefix = P + int(cfg["max_new_tokens"] * max(fractions))
-        phases.append((forced * cfg["k"], prefix + FORCED_TAIL, layer_acts(forced * prefix)))
-    kv_rows, kv_seq, prefill = max(phases, key=lambda r: r[0] * r[1] * per_token + r[2])
-    kv = kv_rows * kv_seq * per_token
+        cuts = min(cfg["gen_batch"], prompts_here * G * len(fractions))
+        width = P + int(new * max(fractions)) + FORCED_SUFFIX
+        label_shape = static_shape(cuts * cfg["k"], width, FORCED_ANSWER)
+        label_kv = label_shape[0] * label_shape[1] * per_token
+        label_prefill = layer_acts(cuts * width) + cuts * width * per_token
     gather = 8 * (root + 2 * layer) if world > 1 or offload else 0
-    T = max(cfg["micro_tokens"], P + cfg["max_new_tokens"])  # a micro-batch holds >= 1 sequence
+    T = max(cfg["micro_tokens"], P + new)  # a micro-batch holds >= 1 sequence
     one_layer = layer_acts(T)
-    acts = (config.num_hidden_layers * T * d * act_bytes + one_layer) if cfg["grad_ckpt"] \
-        else config.num_hidden_layers * one_layer
+    # kept: each layer's input with checkpointing, else every layer's buffers; then the backward of
+    # one layer: its buffers recomputed (checkpointing) and their gradients
+    kept = config.num_hidden_layers * (T * d * act_bytes if cfg["grad_ckpt"] else one_layer)
+    acts = kept + (2 if cfg["grad_ckpt"] else 1) * one_layer
     chunk = 3 * cfg["chunk_size"] * vocab * 4  # chunks run over the micro-batch's flattened positions
     terms = {"training state": 0.0 if offload else state, "generation copy": gen_copy,
-             "FSDP gather": gather, "KV cache": kv, "prefill": prefill, "activations": acts,
-             "log-prob chunk": chunk, "runtime": RUNTIME[device]}
+             "FSDP gather": gather, "KV cache": kv, "prefill": prefill, "label KV cache": label_kv,
+             "label prefill": label_prefill, "activations": acts, "log-prob chunk": chunk,
+             "runtime": RUNTIME[device]}
     update = gather + acts + chunk
-    terms["peak"] = terms["training state"] + gen_copy + RUNTIME[device] + max(kv + prefill, update)
-    terms["host"] = state if offload else 0.0
-    terms["kv_shape"] = (kv_rows, kv_seq)
+    terms["peak"] = terms["training state"] + gen_copy + RUNTIME[device] + \
+        max(kv + prefill, label_kv + label_prefill, update)
+    # Host: rank 0 loads the fp32 weights (4 N) to broadcast them, and at every save gathers the
+    # full fp32 model and AdamW state (parallel.full_state, cpu_offload: 4 N + 8 N); --offload keeps
+    # each rank's shard of the training state there.
+    sharded = world > 1 or offload
+    offloaded = state if offload else 0.0
+    rank0 = offloaded + (12 * total if sharded else 0.0)
+    terms["host"] = rank0
+    terms["host node"] = rank0 + (world - 1) * offloaded
+    terms["kv_shape"], terms["label_kv_shape"] = kv_shape, label_shape
     return terms
 
 
@@ -122,8 +162,8 @@ def fixes(config, cfg, world, device, mem, counts):
             if peak(c) <= mem:
                 return f"{flag} {c[key]} (peak {peak(c) / GiB:.1f} GiB)"
     if not cfg.get("offload") and peak(cfg, off=True) <= mem:
-        host = estimate(config, cfg, world, device, True, counts)["host"]
-        return f"--offload (peak {peak(cfg, off=True) / GiB:.1f} GiB, host {host / GiB:.0f} GiB per GPU)"
+        host = estimate(config, cfg, world, device, True, counts)["host node"]
+        return f"--offload (peak {peak(cfg, off=True) / GiB:.1f} GiB, host {host / GiB:.0f} GiB per node)"
     for w in range(world + 1, 1025):
         if peak(cfg, w) <= mem:
             return f"{w} GPUs (--gpus {w}: peak {peak(cfg, w) / GiB:.1f} GiB)"
@@ -132,14 +172,17 @@ def fixes(config, cfg, world, device, mem, counts):
 
 def detected(nproc=None):
     """(device type, devices, GiB per device) of this machine."""
-    import os
     if "WORLD_SIZE" in os.environ:  # under torchrun (or launch.py): the ranks that shard the model
         nproc = int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
         n = nproc or torch.cuda.device_count()
         return "cuda", n, torch.cuda.get_device_properties(0).total_memory / GiB
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB
-    return "cpu", nproc or 1, host
+    return "cpu", nproc or 1, host_ram() / GiB
+
+
+def host_ram():
+    """This machine's physical memory in bytes."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def check(cfg, show=False, log=print):
@@ -149,7 +192,8 @@ def check(cfg, show=False, log=print):
     detected devices are used.
     """
     device, world, mem = detected(cfg.get("nproc"))
-    if cfg.get("gpus") or cfg.get("gpu_mem"):
+    here = not (cfg.get("gpus") or cfg.get("gpu_mem"))
+    if not here:
         device = "cuda"
         world = cfg.get("gpus") or world
         mem = cfg.get("gpu_mem") or (mem if torch.cuda.is_available() else 80.0)
@@ -162,16 +206,21 @@ def check(cfg, show=False, log=print):
         size = f"{counts[0] / 1e9:.2f} B" if counts[0] >= 1e9 else f"{counts[0] / 1e6:.2f} M"
         log(f"plan: {cfg['model']} ({size} parameters) on {where}"
             f"{' with --offload' if offload else ''}; per {'GPU' if device == 'cuda' else 'process'}:")
-        notes = {"KV cache": "{} rows x {} tokens".format(*t["kv_shape"]),
+        notes = {"KV cache": "rollout: {} rows x {} tokens".format(*t["kv_shape"]),
                  "prefill": "one layer's forward over the prompts prefilled with that cache",
+                 "label KV cache": "forced answers: {} rows x {} tokens".format(*t["label_kv_shape"]),
+                 "label prefill": "one layer's forward and the prefill cache of one chunk of cuts",
                  "activations": "checkpointed" if cfg["grad_ckpt"] else "no checkpointing",
                  "training state": "on the host (--offload)" if offload else "params, grads, AdamW (sharded)"}
         for name in ("training state", "generation copy", "FSDP gather", "KV cache", "prefill",
-                     "activations", "log-prob chunk", "runtime", "peak"):
+                     "label KV cache", "label prefill", "activations", "log-prob chunk", "runtime", "peak"):
             log(f"  {name:<16}{t[name] / GiB:8.2f} GiB  {notes.get(name, '')}".rstrip())
-        if offload:
-            log(f"  {'host memory':<16}{t['host'] / GiB:8.2f} GiB  per rank: "
-                f"{t['host'] * world / GiB:.0f} GiB per node, plus 4 N bytes on rank 0 while the weights load")
+        others = f"; {(t['host node'] - t['host']) / (world - 1) / GiB:.2f} GiB each other rank" if world > 1 else ""
+        log(f"  {'host':<16}{t['host'] / GiB:8.2f} GiB  rank 0 at a save (the full fp32 model and AdamW state)"
+            f"{others}; {t['host node'] / GiB:.0f} GiB per node")
+    if here and t["host node"] > host_ram() and os.environ.get("RANK", "0") == "0":
+        log(f"warning: the plan needs {t['host node'] / GiB:.0f} GiB of host memory at a save, this machine "
+            f"has {host_ram() / GiB:.0f} GiB")
     if t["peak"] > mem * GiB:
         raise UserError(f"plan: peak {t['peak'] / GiB:.1f} GiB per device exceeds {mem:.0f} GiB on "
                         f"{where}; cheapest fix: {fixes(config, cfg, world, device, mem * GiB, counts)}")

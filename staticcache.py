@@ -13,9 +13,12 @@ has a fixed address and shape, so the step is recorded once per shape and replay
     tok, pos       [R], [R, 1]: this step's input token and position id per row
 
 Rows that finish keep decoding a pad token in place (their samples are already final); nothing is
-dropped or reshaped. Shapes are bucketed (R and L rounded up by less than 1/8), so a run
-captures a handful of graphs; a graph and its buffers live as long as the rollout.Sampler that made
-them (one generate / mc_labels call), so their memory is free again for the training update.
+dropped or reshaped. Shapes are bucketed (R and L rounded up by less than 1/8), so chunks of
+similar size reuse one graph. One shape is alive per decoder: a chunk of another shape frees the
+old buffers and graph before allocating its own, since chunks of varied width (forced answers
+after cuts of 1.5k..8k tokens, one bucket every 256-512 positions) would otherwise pile up tens of
+GiB of caches. The last shape lives as long as the rollout.Sampler that made it (one generate /
+mc_labels call), so its memory is free again for the training update.
 
 The attention mask is passed as `{"full_attention": bias}`, which transformers' decoder models take
 as already built; so the model never looks at the cache's length and any transformers 5.x works.
@@ -93,14 +96,14 @@ class _Shape:
 
 
 class StaticDecoder:
-    """Hands out decode steps over static buffers, one set of buffers (and graph) per shape."""
+    """Hands out decode steps over static buffers: those (and the graph) of the last shape asked for."""
 
     def __init__(self, model, cache_kw):
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         if "sliding_attention" in (getattr(cfg, "layer_types", None) or []) or \
                 getattr(cfg, "use_sliding_window", False):
             raise ValueError("the static KV cache does not handle sliding-window layers: use --decode dynamic")
-        self.model, self.cache_kw, self.shapes = model, cache_kw, {}
+        self.model, self.cache_kw, self.key, self.shape = model, cache_kw, None, None
 
     def start(self, prefix, n, max_new_tokens):
         """Load `prefix` (its rows repeated n times) into the buffers of its shape; returns
@@ -109,9 +112,10 @@ class StaticDecoder:
         rows = B * n
         layers = prefix.cache.layers
         key = (bucket(rows, 1), bucket(W + max_new_tokens - 1, 64))
-        if key not in self.shapes:
-            self.shapes[key] = _Shape(self.model, self.cache_kw, *key, layers)
-        s = self.shapes[key]
+        if key != self.key:
+            self.shape = self.key = None  # the old buffers and graph go before the new ones are allocated
+            self.shape, self.key = _Shape(self.model, self.cache_kw, *key, layers), key
+        s = self.shape
         for dst, src in zip(s.kv.keys + s.kv.values, [l.keys for l in layers] + [l.values for l in layers]):
             # Row i*n + j <- prefix row i, without materialising the repeat.
             dst[:rows].view(B, n, *dst.shape[1:])[:, :, :, :W].copy_(src[:, None])

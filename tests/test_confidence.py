@@ -159,9 +159,11 @@ def test_posthoc_examples_budget_rule_natural_copy_and_last_box(monkeypatch):
     assert y[32:].tolist() == [0.25] * 16
     assert stats == dict(examples=48, past_end=15 + 14 + 16, natural_copied=15 + 14)
     (call,) = calls
-    # distinct forced prompts: rollouts 0 and 1 agree up to token 2; then rollout 1 at 4, rollout 2 at 2
-    assert len(call["prompts"]) == 3 and call["n"] == 4
-    assert call["prompts"][0] == [1, 2, 3, 6, 7, 0] + [ord(c) for c in "S \\boxed{"] and call["stop"] == ()
+    # distinct forced prompts: rollouts 0 and 1 agree up to token 2; then rollout 1 at 4, rollout 2 at 2;
+    # sampled shortest first: rollout 2's (2 prompt tokens + 2), the shared one (3 + 2), rollout 1's (3 + 4)
+    suffix = [0] + [ord(c) for c in "S \\boxed{"]
+    assert call["prompts"] == [[4, 5, 13, 14] + suffix, [1, 2, 3, 6, 7] + suffix, [1, 2, 3, 6, 7, 8, 10] + suffix]
+    assert call["n"] == 4 and call["stop"] == ()
     assert (call["temperature"], call["top_p"], call["max_new_tokens"]) == (0.6, 0.95, 64)
     # features: every past-end budget of rollout 0 equals its end-of-thinking feature (position 3)
     end = confidence.features(model, prompts[:1], responses[:1], [[3]], 0, final_norm=True)[0][0]
@@ -250,3 +252,27 @@ def test_verbal_forced_on_the_toy_base_reads_its_rlcr_tags():
     # the base draws its confidence from 0.1 .. 0.9 whatever the trace: means of 4 such draws
     assert all(0.1 <= c <= 0.9 for c in conf) and len(set(conf)) > 1
     assert [e["verbal_missing"] for e in extras] == [0] * 8
+
+
+def test_posthoc_labels_decode_one_bounded_shape_at_a_time(monkeypatch):
+    """Evaluation's post-hoc labels send every forced prompt through one generate call, in chunks
+    of `rows` rows whose widths vary widely (budgets every few hundred tokens): on the static path
+    only one shape (of at most `rows` rows) is alive at a time, and, the prompts sampled shortest
+    first, none is built twice."""
+    import tiny
+    from static_shapes import Shapes
+    monkeypatch.setattr(rollout, "default_decode", lambda model: "static")
+    tok, model = tiny.tokenizer(), tiny.model(seed=4)
+    gen = torch.Generator().manual_seed(0)
+    lengths = [30, 90, 150, 240, 330, 420]
+    responses = [torch.randint(4, 60, (n,), generator=gen).tolist() for n in lengths]
+    positions = [list(range(30, n + 1, 30)) for n in lengths]
+    shapes = Shapes(monkeypatch)
+    labels, copied = confidence.posthoc_labels(model, tok, [[5, 6]] * 6, responses, [""] * 6, ["3"] * 6,
+                                               positions, lengths, k=4, suffix="{", close="eos",
+                                               copy_natural=False, max_new_tokens=8, rows=8)
+    assert [len(y) for y in labels] == [len(p) for p in positions] and copied == 0
+    assert len(shapes.made) >= 4 and max(s["rows"] for s in shapes.made) == 8
+    assert max(s["alive"] for s in shapes.made) == 1
+    # sampled shortest first, each shape is built once (widths only grow)
+    assert len({(s["rows"], s["length"]) for s in shapes.made}) == len(shapes.made)

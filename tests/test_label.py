@@ -148,3 +148,28 @@ def test_features_are_causal_and_logprobs_match():
     _, final, _ = score(model, batch, ends, final_norm=True, logprobs=False)
     normed = model.model(input_ids=torch.tensor([prompts[0] + responses[0][:cuts[0][0]]])).last_hidden_state
     assert torch.allclose(final[0, 0], normed[0, -1], atol=1e-5)
+
+
+def test_static_labels_keep_one_shape_alive_within_the_plan(monkeypatch):
+    """Chunks of cuts with widely varying widths (several length buckets) each build a static shape;
+    the previous one is freed first, so at most one is alive and its K/V bytes stay within the
+    plan's label term (gen_batch cuts x k rows of prompt + 3/4 of the longest response + tail)."""
+    import plan
+    from static_shapes import Shapes
+    tok, model = tiny.tokenizer(), tiny.model(seed=3)
+    gen = torch.Generator().manual_seed(0)
+    lengths = [8, 20, 40, 70, 110, 160, 230, 300, 380]
+    prompts = [tok.encode("1+2=", add_special_tokens=False)] * len(lengths)
+    responses = [torch.randint(4, 60, (n,), generator=gen).tolist() for n in lengths]
+    cuts = [budgets(n) for n in lengths]
+    shapes = Shapes(monkeypatch)
+    ys = mc_labels(model, tok, prompts, responses, cuts, ["3"] * len(lengths), k=4, close="eos", suffix="{",
+                   seed=0, batch_size=2, decode="static")
+    assert [len(y) for y in ys] == [len(c) for c in cuts]
+    assert len({(s["rows"], s["length"]) for s in shapes.made}) >= 4  # several buckets are exercised
+    assert max(s["alive"] for s in shapes.made) == 1
+    cfg = dict(model="toy", prompts_per_step=len(lengths), gen_batch=2, group_size=1, k=4,
+               max_new_tokens=max(lengths), micro_tokens=64, grad_ckpt=True, chunk_size=8)
+    term = plan.estimate(model.config, cfg, 1, "cpu")["label KV cache"]
+    assert max(s["alive_bytes"] for s in shapes.made) <= term
+    assert max(s["bytes"] for s in shapes.made) > 0.8 * term  # and the term is no loose bound

@@ -33,22 +33,23 @@ def test_parameter_terms_match_a_real_model():
         assert plan.estimate(model.config, cfg, world, "cpu")["training state"] == held / world
 
 
-def test_kv_cache_term_matches_a_real_cache():
-    from transformers import DynamicCache
-    from rollout import _cache_kwarg
+def test_kv_cache_term_matches_a_real_static_cache():
+    import rollout
     model = tiny.model(vocab_size=300, hidden=32, layers=3)
+    tok = tiny.tokenizer()
     cfg = dict(model="toy", prompts_per_step=8, gen_batch=3, group_size=4, k=1, max_new_tokens=10,
                micro_tokens=64, grad_ckpt=True, chunk_size=8, reward="grpo")  # no forced answers
-    rows, tokens = 3 * 4, plan.TOY_PROMPT_TOKENS + 10  # gen_batch prompts x group_size samples
+    # gen_batch 3 prompts x group_size 4 = 12 rows (a bucket already); 16 prompt tokens + 10 new - 1
+    # = 25 positions, rounded up to the 64 of the smallest length bucket
+    prompts = [[5] * plan.TOY_PROMPT_TOKENS] * 3
     for dtype, device in ((torch.float32, "cpu"), (torch.bfloat16, "cuda")):
-        cache = DynamicCache(config=model.config)
-        with torch.no_grad():
-            ids = torch.randint(4, 60, (rows, tokens))
-            model.to(dtype)(ids, use_cache=True, **{_cache_kwarg(model): cache})
-        held = sum(x.numel() * x.element_size() for layer in cache.layers for x in (layer.keys, layer.values))
+        sampler = rollout.Sampler(model.to(dtype), tok, max_new_tokens=10, decode="static")
+        sampler.static.start(sampler.prefill(prompts), 4, 10)
+        held = sum(x.numel() * x.element_size() for x in sampler.static.shape.kv.keys + sampler.static.shape.kv.values)
         t = plan.estimate(model.config, cfg, 1, device)
-        assert t["kv_shape"] == (rows, tokens)
+        assert t["kv_shape"] == (12, 64) == tuple(sampler.static.shape.kv.keys[0].shape[::2])
         assert t["KV cache"] == held
+        assert t["label KV cache"] == 0
 
 
 def test_the_7b_head_geometry_gives_56_kib_per_token():
@@ -68,6 +69,15 @@ def test_plan_for_8_gpus_fits_under_70_gib(capsys):
     assert 7.5e9 < plan.param_counts(plan.model_config(FIXTURE_7B))[0] < 7.7e9
     assert t["training state"] == pytest.approx(16 * 7.6e9 / 8, rel=0.01)
     assert 40 * plan.GiB < t["peak"] < 70 * plan.GiB
+    # rollout: 32 prompts / 8 ranks = 4 prompts x 6 samples = 24 rows; 600 + 8000 - 1 = 8599
+    # positions, bucketed by 1024 above 8192: 9216; 56 KiB per token
+    assert t["kv_shape"] == (24, 9216) and t["KV cache"] == 24 * 9216 * 56 * 1024
+    # labels: gen_batch 8 cuts x k 4 = 32 rows; 600 + 6000 (3/4 of 8000) + 32 (suffix) + 32 (answer)
+    # - 1 = 6663 positions, bucketed by 512 above 4096: 7168
+    assert t["label_kv_shape"] == (32, 7168) and t["label KV cache"] == 32 * 7168 * 56 * 1024
+    # host: rank 0 gathers the full fp32 model (4 N) and AdamW state (8 N) at a save; no offload
+    assert t["host"] == t["host node"] == 12 * plan.param_counts(plan.model_config(FIXTURE_7B))[0]
+    assert "label KV cache" in out and "host" in out
 
 
 @needs_7b
@@ -79,7 +89,8 @@ def test_one_gpu_needs_offload_and_fits_with_it(capsys):
     assert e.value.code == 2 and len(err.splitlines()) == 1 and "--offload" in err, err
     t = plan.check(resolve_args(args + ["--offload"]))
     assert t["peak"] < 80 * plan.GiB and t["training state"] == 0
-    assert t["host"] == pytest.approx(16 * 7.6e9, rel=0.01)
+    # the offloaded training state (16 N) plus, at a save, the full fp32 model and AdamW state (12 N)
+    assert t["host"] == t["host node"] == pytest.approx(28 * 7.62e9, rel=0.01)
 
 
 @needs_7b
@@ -99,3 +110,48 @@ def test_a_smaller_gen_batch_is_the_cheapest_fix_when_the_kv_cache_is_too_big():
     assert t["KV cache"] > t["activations"] + t["log-prob chunk"]
     fix = plan.fixes(model.config, cfg, 1, "cuda", t["peak"] - t["KV cache"] / 3, counts)
     assert fix.startswith("--gen-batch 32 ")
+
+
+def test_kv_terms_match_what_a_toy_step_allocates(tmp_path, monkeypatch):
+    """One RL step of the toy on the static path: the plan's rollout and label K/V terms are within
+    15 % of the largest static buffers each phase really allocated (recorded as they are built)."""
+    import step
+    from static_shapes import Shapes
+    shapes = Shapes(monkeypatch)
+
+    def phase(name, f):
+        def run(*a, **kw):
+            shapes.phase = name
+            try:
+                return f(*a, **kw)
+            finally:
+                shapes.phase = None
+        return run
+    monkeypatch.setattr(step, "generate", phase("rollout", step.generate))
+    monkeypatch.setattr(step, "mc_labels", phase("label", step.mc_labels))
+    args = ["--steps", "1", "--decode", "static", "--eval-n", "0", "--prompts-per-step", "4",
+            "--group-size", "4", "--gen-batch", "4", "--save-every", "0"]
+    train.main(args + ["--out", str(tmp_path / "run")])
+    t = plan.estimate(plan.model_config("toy"), resolve_args(args), 1, "cpu")
+    for name, term in (("rollout", "KV cache"), ("label", "label KV cache")):
+        measured = max(s["bytes"] for s in shapes.made if s["phase"] == name)
+        assert t[term] == pytest.approx(measured, rel=0.15), (name, t[term], measured)
+
+
+def test_host_memory_is_printed_and_warned_about_not_refused(monkeypatch):
+    """Host memory cannot be checked for another node, so the plan prints it and, planning for this
+    machine, warns when a save would need more than it has; only device memory refuses a run."""
+    total = plan.param_counts(plan.model_config("toy"))[0]
+    lines = []
+    monkeypatch.setattr(plan, "detected", lambda nproc: ("cuda", 1, 80.0))  # this machine: one GPU
+    monkeypatch.setattr(plan, "host_ram", lambda: 28 * total - 1)
+    t = plan.check(resolve_args(["--offload"]), show=True, log=lines.append)
+    # --offload on one process: its training state on the host (16 N) and, at a save, the gathered
+    # fp32 model and AdamW state (12 N)
+    assert t["host"] == t["host node"] == 28 * total
+    assert any(line.split()[0] == "host" for line in lines)
+    assert lines[-2].startswith("warning: the plan needs") and lines[-1].startswith("fits")
+    monkeypatch.setattr(plan, "host_ram", lambda: 28 * total)
+    lines.clear()
+    plan.check(resolve_args(["--offload"]), show=True, log=lines.append)
+    assert not any(line.startswith("warning") for line in lines)

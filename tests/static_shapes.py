@@ -1,0 +1,27 @@
+"""Records the static decoder's buffer sets (staticcache._Shape) as they are built: how many are
+alive at each allocation and the K/V bytes they hold then, for the memory tests."""
+import weakref
+
+import staticcache
+
+
+def kv_bytes(shape):
+    return sum(t.numel() * t.element_size() for t in shape.kv.keys + shape.kv.values)
+
+
+class Shapes:
+    """Install with monkeypatch; `made` lists (rows, length, K/V bytes, shapes alive, bytes alive)
+    per allocation, the new shape included. `phase` is copied into each entry when set."""
+
+    def __init__(self, monkeypatch):
+        self.made, self.live, self.phase = [], [], None
+        record = self
+
+        class Recorded(staticcache._Shape):
+            def __init__(self, model, cache_kw, rows, length, layers):
+                super().__init__(model, cache_kw, rows, length, layers)
+                record.live = [(r, b) for r, b in record.live if r() is not None] + \
+                    [(weakref.ref(self), kv_bytes(self))]
+                record.made.append(dict(rows=rows, length=length, bytes=kv_bytes(self), phase=record.phase,
+                                        alive=len(record.live), alive_bytes=sum(b for _, b in record.live)))
+        monkeypatch.setattr(staticcache, "_Shape", Recorded)
