@@ -41,6 +41,7 @@ from grpo import pack, token_logprobs
 from data import chat_prompt
 from grade import answers_match, boxed_answer, is_correct
 from label import absolute_budgets, budgets, forced_prompt, mc_labels
+import rollout
 from rollout import generate
 from score import budget_ends, score
 
@@ -81,14 +82,19 @@ def forced_verbal(model, tokenizer, prompts, responses, close_id, budget, k, see
 
 
 def sample_by_length(model, tokenizer, prompts, k, **kw):
-    """The k sampled texts of each prompt (lists, in the order given), sampled shortest prompt first.
+    """The k sampled texts of each prompt (lists, in the order given); on the static path (CUDA)
+    sampled shortest prompt first.
 
     Forced prompts come a rollout's budgets after one another, so in that order the width changes at
     nearly every chunk, and with it the static decoder's shape: a new buffer set and capture per
     chunk (1557 of 1604 chunks of the released post-hoc protocol, 24 when sorted) and 35 % more
-    prefill positions than tokens. Sorted, a chunk holds prompts of about one width.
+    prefill positions than tokens. Sorted, a chunk holds prompts of about one width. The dynamic
+    path (CPU) keeps the given order: it has no shapes to keep, and its samples stay those of
+    earlier versions for the same seed.
     """
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    order = list(range(len(prompts)))
+    if rollout.default_decode(model) == "static":
+        order.sort(key=lambda i: len(prompts[i]))
     out = generate(model, tokenizer, [list(prompts[i]) for i in order], n=k, **kw)
     texts = [None] * len(prompts)
     for j, i in enumerate(order):

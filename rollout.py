@@ -146,7 +146,7 @@ def prefill(model, seqs, pad_id, after=None) -> Prefix:
 
 class Sampler:
     """The sampling settings of one call plus, for the static path, its captured decode steps
-    (kept for the sampler's lifetime so chunks of one call reuse them, freed with it).
+    (the last shape's, reused by the chunks of one call that share it, freed with the sampler).
 
     share_rows (dynamic path): rows whose histories agree (the n samples of a row before they
     diverge) share one cache row and one forward; the samples are the same as without. It pays
