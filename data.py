@@ -6,6 +6,7 @@
 Answer extraction and grading live in grade.py.
 """
 import json
+import math
 import os
 import random
 import re
@@ -97,20 +98,26 @@ def _read_file(path):
             first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
             raise DataError(f"{path} is not a readable parquet file ({first}): fix or replace it") from None
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # a byte-order mark (Windows editors write one) is not data
     except UnicodeDecodeError as e:
         raise DataError(f"{path} is not UTF-8 text (byte {raw[e.start]:#04x} at offset {e.start}): "
                         "save it as UTF-8") from None
     try:
         data = json.loads(text) if text.strip() else []
     except json.JSONDecodeError:  # JSON lines, whatever the extension
-        try:
-            data = [json.loads(line) for line in text.splitlines() if line.strip()]
-        except json.JSONDecodeError as e:
-            raise DataError(f"{path} is neither JSON nor JSON lines ({e}): fix the file") from None
+        data = []
+        for i, line in enumerate(text.splitlines()):
+            try:
+                data += [json.loads(line)] if line.strip() else []
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path} is neither JSON nor JSON lines (line {i + 1}, column {e.colno}: "
+                                f"{e.msg}): fix the file") from None
     if isinstance(data, dict):
         lists = [v for v in data.values() if isinstance(v, list)]
         data = lists[0] if len(lists) == 1 else [data]
+    if not isinstance(data, list):
+        raise DataError(f"{path} holds {json.dumps(data)[:40]} at the top level, not rows: give a "
+                        "list of objects with problem and answer fields, or one object per line")
     return data
 
 
@@ -147,11 +154,17 @@ def _field(keys, given, preferred, candidates, kind, flag, source):
                     f"{sorted(keys)}; pass {flag} NAME")
 
 
+def _first(value):
+    """A list answer is its first entry (OlympiadBench lists its final answers)."""
+    if isinstance(value, (list, tuple)):
+        return value[0] if value else None
+    return value
+
+
 def _answer_text(value, integer):
     """Gold answer as a string: first of a list (OlympiadBench), $ stripped, "####" tail (GSM8K),
     integer-valued floats as integers (70.0 -> "70")."""
-    if isinstance(value, (list, tuple)):
-        value = value[0] if value else None
+    value = _first(value)
     if value is None:
         return None
     if isinstance(value, float) and value.is_integer():
@@ -201,7 +214,10 @@ def load_rows(source, split=None, problem_field=None, answer_field=None, limit=N
     else:
         raise DataError(f"unknown benchmark {source!r}: known names are {', '.join(BENCHMARKS)}, "
                         "or pass a Hugging Face id (owner/name) or a local json/jsonl/parquet file")
-    records = [r for r in records if isinstance(r, dict)]
+    stray = next((i for i, r in enumerate(records) if not isinstance(r, dict)), None)
+    if stray is not None:
+        shown = json.dumps(records[stray], default=str)[:40]
+        raise DataError(f"{where}: row {stray} is {shown}, not an object with problem and answer fields: fix the data")
     if spec.get("filter"):
         field, needle = spec["filter"]
         records = [r for r in records if needle in str(r.get(field, ""))]
@@ -215,6 +231,10 @@ def load_rows(source, split=None, problem_field=None, answer_field=None, limit=N
         if spec.get("choices") and not (problem_field or answer_field):
             problem, answer = _choices(r, i, spec)
         else:
+            for field, value in ((pf, r.get(pf)), (af, _first(r.get(af)))):
+                if isinstance(value, (dict, list, bool)) or (isinstance(value, float) and not math.isfinite(value)):
+                    raise DataError(f"{where}: row {i} field {field!r} is {str(value)[:40]!r} "
+                                    f"({type(value).__name__}), which can never be graded: give text or a number")
             problem, answer = scrub(str(r.get(pf) or "")).strip(), _answer_text(r.get(af), spec.get("integer"))
         if not problem or answer in (None, ""):
             raise DataError(f"{where}: row {i} has an empty {'problem' if not problem else 'answer'} "
