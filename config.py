@@ -113,6 +113,36 @@ def check_values(cfg, limits=LIMITS):
             raise UserError(f"--{key.replace('_', '-')} {v}: must be {what}")
 
 
+def check_saved(saved, where):
+    """UserError (one line naming the key and value as they are in the file `where`) for a value of a
+    saved or given config.json that the command line would refuse: the parser's type or choices,
+    then LIMITS. null is a default; keys the parser does not know are left alone."""
+    actions = {a.dest: a for a in build_parser()._actions}
+    for key, v in saved.items():
+        a = actions.get(key)
+        if a is None or v is None:
+            continue
+        number = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if a.choices:
+            ok, what = v in a.choices, "one of " + ", ".join(a.choices)
+        elif a.type is int:
+            ok, what = number and isinstance(v, int), "an integer"
+        elif a.type is float:
+            ok, what = number, "a number"
+        elif a.type is fractions:
+            ok = isinstance(v, list) and bool(v) and all(
+                isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f <= 1 for f in v)
+            what = "a list of fractions in (0, 1], e.g. [0.25, 0.5]"
+        elif a.nargs == 0:
+            ok, what = isinstance(v, bool), "true or false"
+        else:
+            ok, what = isinstance(v, str), "a string"
+        if ok and key in LIMITS:
+            ok, what = (not isinstance(v, float) or math.isfinite(v)) and LIMITS[key][0](v), LIMITS[key][1]
+        if not ok:
+            raise UserError(f"{json.dumps(key)}: {json.dumps(v)[:60]} in {where}: must be {what}")
+
+
 def check_world(cfg, world):
     """Whole prompt groups go to the ranks in turn: a rank without one would have nothing to train
     on, and the others would wait for it in the next collective."""
@@ -242,6 +272,7 @@ def resolve_args(argv):
     if given.get("resume"):
         run = given["resume"]
         saved = read_config(run)
+        check_saved(saved, os.path.join(run, "config.json"))
         if saved.pop("trust_remote_code", False) and not given.get("trust_remote_code"):
             raise UserError(f"--resume {run}: the run was started with --trust-remote-code, which is "
                             "never taken from a saved config; pass it again if you trust the code there")
@@ -254,6 +285,7 @@ def resolve_args(argv):
         given["out"] = run
     elif given.get("config"):
         saved = _read_config(given["config"])
+        check_saved(saved, given["config"])
     model = given.get("model", saved.get("model", "toy"))
     cfg = {**COMMON, **(TOY if model == "toy" else REAL), **saved, **given}
     if saved.get("reward") != cfg["reward"]:
