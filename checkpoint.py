@@ -102,6 +102,32 @@ def step_of(ckpt):
     return int(os.path.basename(ckpt)[len(PREFIX):])
 
 
+def check_shapes(path, trust_remote_code=False):
+    """UserError before any weight is allocated when a local model's safetensors hold a tensor of
+    another shape than its config.json builds (vocab_size 2e6 beside 272 rows of embeddings would
+    first allocate 1.4 GB). The model is built on the meta device: no memory."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+    files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors")) if os.path.isdir(path) else []
+    if not files:
+        return
+    try:
+        cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            want = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(
+                cfg, trust_remote_code=trust_remote_code).state_dict().items()}
+    except Exception:  # an unusual config: from_pretrained says what is wrong with it
+        return
+    for n in files:
+        with safe_open(os.path.join(path, n), "pt") as f:
+            for key in f.keys():
+                shape = tuple(f.get_slice(key).get_shape())
+                if want.get(key, shape) != shape:
+                    raise UserError(f"{os.path.join(path, n)}: {key} has shape {list(shape)} but "
+                                    f"{os.path.join(path, 'config.json')} builds {list(want[key])}: the weights "
+                                    "and the config are of different models; restore the matching config.json")
+
+
 def load_model(name, dtype=torch.float32, trust_remote_code=False):
     """(model, tokenizer) for a --model value; any loading failure becomes one UserError line."""
     from safetensors import SafetensorError
@@ -109,7 +135,10 @@ def load_model(name, dtype=torch.float32, trust_remote_code=False):
     path = resolve_model(name)
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        check_shapes(path, trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    except UserError:
+        raise
     except (OSError, ValueError, KeyError, SafetensorError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         where = "" if path == name else f" ({path})"

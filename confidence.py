@@ -30,9 +30,11 @@ import copy
 import json
 import math
 import os
+import pickle
 import random
 import re
 import sys
+import zipfile
 
 import torch
 
@@ -270,6 +272,9 @@ def fit_posthoc(x, y, groups, seed=42, max_epochs=100, patience=30, batch_size=6
     grid, report: its config and epochs, the split sizes, validation BCE on soft and rounded labels,
     and the same for the constant predictors mean(y_train) and mean(round(y_train))).
     """
+    if not torch.isfinite(x).all():
+        raise FloatingPointError(f"post-hoc probe: {int((~torch.isfinite(x)).any(1).sum())} of {len(x)} "
+                                 "features are NaN or inf: the model's weights hold NaN or inf")
     tr, va = split_groups(groups, val_frac, seed)
     if tr.sum() == 0 or va.sum() == 0:
         raise ValueError("post-hoc probe needs at least two problems with labelled prefixes; raise --probe-questions")
@@ -295,6 +300,8 @@ def fit_posthoc(x, y, groups, seed=42, max_epochs=100, patience=30, batch_size=6
                          val_loss=run_best))
         if run_best < best[0]:
             best = (run_best, state, runs[-1])
+    if best[1] is None:
+        raise FloatingPointError("post-hoc probe: no fit in the grid reached a finite validation loss")
     prb = probe_lib.Probe(x.shape[1], dropout=best[2]["dropout"])
     prb.load_state_dict(best[1])
     yt, yv = yt.cpu(), yv.cpu()
@@ -339,7 +346,11 @@ def sample_confidences(source, model, tokenizer, prompts, responses, texts, gold
                                       seed=seed, batch_size=rows)
         return conf, [{"verbal_missing": m} for m in missing]
     if source == "logits":
-        return logit_confidence(model, prompts, responses, tokenizer.pad_token_id, batch_size), [{} for _ in texts]
+        conf = logit_confidence(model, prompts, responses, tokenizer.pad_token_id, batch_size)
+        if not all(math.isfinite(c) for c in conf):  # never a NaN row in samples.jsonl
+            raise FloatingPointError(f"{sum(not math.isfinite(c) for c in conf)} of {len(conf)} logit "
+                                     "confidences are NaN or inf: the model's weights hold NaN or inf")
+        return conf, [{} for _ in texts]
     if source not in ("probe", "probe-posthoc") or prb is None:
         raise ValueError(f"confidence source {source!r} needs a probe; sources: {', '.join(SOURCES)}")
     ends = [think_end(r, close_id) for r in responses]
@@ -375,6 +386,27 @@ def protocol_line(p, report):
             f"{report['best_epoch']}); val BCE {report['val_bce']:.4f} vs base rate {report['base_bce']:.4f}")
 
 
+def read_cache(path):
+    """A post-hoc cache file: the report (.json, a dict) or the probe (.pt); None, with one line
+    naming the file, when it is damaged (cut short, not a probe, a pickle payload, NaN weights):
+    the probe is then fitted again and the file replaced. A .pt is read with weights_only (no
+    code runs) and checked by probe.load before anything of its sizes is built."""
+    try:
+        if path.endswith(".pt"):
+            return probe_lib.load(path)[0]
+        with open(path, encoding="utf-8") as f:
+            report = json.load(f)
+        if isinstance(report, dict):
+            return report
+        why = "not a JSON object"
+    except pickle.UnpicklingError:  # torch's message advises weights_only=False: never here
+        why = "it holds objects other than tensors; not loaded"
+    except (OSError, ValueError, RuntimeError, EOFError, KeyError, zipfile.BadZipFile, FloatingPointError) as e:
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    print(f"warning: post-hoc probe cache {path} is damaged ({why}): fitting the probe again", file=sys.stderr)
+    return None
+
+
 def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, protocol, batch_size=8, rows=64,
                   system=None):
     """The post-hoc probe of a model: loaded from `cache`.pt / .json if fitted there with the same
@@ -388,10 +420,11 @@ def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, pro
     """
     p = dict(protocol, questions=len(questions), stop=list(protocol["stop"]))
     if os.path.exists(cache + ".pt") and os.path.exists(cache + ".json"):
-        with open(cache + ".json") as f:
-            report = json.load(f)
-        if report.get("protocol") == p:
-            return probe_lib.load(cache + ".pt")[0], report
+        report = read_cache(cache + ".json")
+        if report is not None and report.get("protocol") == p:
+            prb = read_cache(cache + ".pt")
+            if prb is not None:
+                return prb, report
     prompts = [chat_prompt(tokenizer, r["problem"], instruction, system) for r in questions]
     out = generate(model, tokenizer, prompts, n=p["n"], max_new_tokens=p["max_new_tokens"],
                    temperature=p["temperature"], top_p=p["top_p"], seed=p["seed"],

@@ -313,20 +313,20 @@ def _read_config(path):
     return {k: v for k, v in saved.items() if k not in NOT_SAVED + ("out",)}
 
 
-def read_config(run):
+def read_config(run, flag="--resume"):
     """RUN/config.json as a dict, or one UserError line saying what is wrong with it."""
     path = os.path.join(run, "config.json")
     if not os.path.isfile(path):
-        raise UserError(f"--resume {run}: no run there (config.json missing); "
+        raise UserError(f"{flag} {run}: no run there (config.json missing); "
                         "pass the --out directory of an earlier run")
     try:
         with open(path, encoding="utf-8") as f:
             saved = json.load(f)
     except (ValueError, OSError) as e:
-        raise UserError(f"--resume {run}: {path} is unreadable ({type(e).__name__}: {e}); "
+        raise UserError(f"{flag} {run}: {path} is unreadable ({type(e).__name__}: {e}); "
                         "restore it or start a new run") from None
     if not isinstance(saved, dict):
-        raise UserError(f"--resume {run}: {path} is not a JSON object; restore it or start a new run")
+        raise UserError(f"{flag} {run}: {path} is not a JSON object; restore it or start a new run")
     return saved
 
 

@@ -21,6 +21,7 @@ RLCR_INSTRUCTION = ("\n\nLet's think step by step. Output the final answer insid
                     "Finally, output a confidence score between 0 and 1 inside <confidence> </confidence>."
                     "\nUse this format:\n<answer> ... </answer>\n<analysis> ... </analysis>\n"
                     "<confidence> ... </confidence>")
+TEMPLATE_SECONDS = 5  # the most one chat-template render may take; a real template takes milliseconds
 PROBLEM_FIELDS = ("problem", "question", "prompt", "Question", "query")
 # Answer-like names only: `solution` is a worked text, never a gold answer.
 ANSWER_FIELDS = ("answer", "final_answer", "gold", "target", "Correct Answer")
@@ -64,6 +65,44 @@ def scrub(text: str) -> str:
     return re.sub(r"[\x00-\x08\x0b-\x1f\x7f]", "", text)
 
 
+class _Slow(BaseException):
+    """Raised by the render timer; a BaseException, so that no `except Exception` swallows it."""
+
+
+def _render(tokenizer, messages, **kw):
+    """apply_chat_template, where a template that raises (jinja2's TemplateError, its sandbox's
+    SecurityError), is missing, or renders for over TEMPLATE_SECONDS is one DataError line.
+
+    The bound is an interval timer around each render: it stops any template, whatever the prompt
+    it is given, for microseconds per render. Signals reach only the main thread, so elsewhere
+    the render is unbounded."""
+    import signal
+    import threading
+    from jinja2 import TemplateError
+
+    def stop(signum, frame):
+        raise _Slow
+    timed = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
+    try:
+        if timed:
+            before = signal.signal(signal.SIGALRM, stop)
+            signal.setitimer(signal.ITIMER_REAL, TEMPLATE_SECONDS)
+        try:
+            return tokenizer.apply_chat_template(messages, **kw)
+        finally:
+            if timed:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, before)
+    except _Slow:
+        raise DataError(f"this model's chat template renders one prompt for over {TEMPLATE_SECONDS} s: "
+                        "fix its chat_template") from None
+    except (TemplateError, ValueError, TypeError) as e:
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        fix = " or drop --system-prompt" if messages[0]["role"] == "system" else ""
+        raise DataError(f"this model's chat template cannot render the prompt ({type(e).__name__}: {first}): "
+                        f"give the model a working chat_template{fix}") from None
+
+
 def chat_prompt(tokenizer, problem: str, instruction: str = INSTRUCTION, system: str = None) -> list[int]:
     """Prompt ids: chat template over one user turn `problem + instruction` (after a system turn
     when `system` is given), generation prompt added (R1: BOS <｜User｜>...<｜Assistant｜><think>\\n).
@@ -71,11 +110,10 @@ def chat_prompt(tokenizer, problem: str, instruction: str = INSTRUCTION, system:
     messages = [{"role": "user", "content": problem + instruction}]
     if system:
         messages.insert(0, {"role": "system", "content": system})
-        if tokenizer.apply_chat_template(messages, tokenize=False) == tokenizer.apply_chat_template(
-                messages[1:], tokenize=False):
+        if _render(tokenizer, messages, tokenize=False) == _render(tokenizer, messages[1:], tokenize=False):
             raise DataError("this model's chat template drops the system turn: put the text in the "
                             "instruction (--instruction) instead")
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    out = _render(tokenizer, messages, add_generation_prompt=True, tokenize=True)
     ids = [int(i) for i in (out["input_ids"] if hasattr(out, "keys") else out)]
     bos = tokenizer.bos_token_id
     while bos is not None and len(ids) > 1 and ids[0] == ids[1] == bos:
@@ -243,9 +281,13 @@ def load_rows(source, split=None, problem_field=None, answer_field=None, limit=N
     return rows
 
 
-def check_context(tokenizer, rows, instruction, context, max_new_tokens, where, say=print):
+def check_context(tokenizer, rows, instruction, context, max_new_tokens, where, say=print, system=None):
     """DataError when a prompt leaves no room to generate in the model's `context` tokens; `say` a
-    warning when prompts plus max_new_tokens overflow it (those samples will be cut short)."""
+    warning when prompts plus max_new_tokens overflow it (those samples will be cut short). The
+    first row is rendered with the `system` turn first: a chat template that fails on it stops
+    here, before any folder is made."""
+    if rows:
+        chat_prompt(tokenizer, rows[0]["problem"], instruction, system)
     if not context:
         return
     over = long_prompts(tokenizer, rows, instruction, context - max_new_tokens)

@@ -37,8 +37,9 @@ import runlog
 import toy
 import checkpoint
 from checkpoint import ALIASES, UserError, resolve_model
+import config
 from config import check_out, check_values
-from report import overall, plot_reliability, report_uses, summarize, table, write_results
+from report import overall, plot_reliability, read_results, report_uses, summarize, table, write_results
 
 BIG_N = {"aime24": 32, "aime25": 32, "amc23": 32}   # samples per question; 4 elsewhere
 # Per-world defaults. Toy: the forced text is the one the toy base learned (label.SUFFIX), and K is
@@ -126,13 +127,14 @@ def hold(out_dir):
 HELD = set()
 
 
-def check_prompts(tok, model, loaded, args, run_instruction=None):
-    """Refuse a benchmark with a prompt longer than the model's context; warn on overflow."""
+def check_prompts(tok, model, loaded, args, run_instruction=None, system=None):
+    """Refuse a benchmark with a prompt longer than the model's context, or a chat template that
+    cannot render it; warn on overflow."""
     for bench, rows, instruction in loaded:
         instruction = instruction if run_instruction is None else run_instruction
         data.check_context(tok, rows, instruction, getattr(model.config, "max_position_embeddings", None),
                            settings(bench, args)["max_new_tokens"], bench,
-                           say=lambda m: print(m, file=sys.stderr))
+                           say=lambda m: print(m, file=sys.stderr), system=system)
 
 
 def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, path, system=None,
@@ -186,8 +188,9 @@ def run_config(path):
     """The config.json of the run a checkpoint belongs to, else {} (a base model)."""
     run = _run_dir(path) if os.path.isdir(path) else None
     if run and os.path.isfile(os.path.join(run, "config.json")):
-        with open(os.path.join(run, "config.json")) as f:
-            return json.load(f)
+        cfg = config.read_config(run, flag="--model")
+        config.check_saved(cfg, os.path.join(run, "config.json"))
+        return cfg
     return {}
 
 
@@ -251,12 +254,7 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
 
 def run_fractions(path):
     """The truncation fractions a run trained its probe at (its config.json), else the default."""
-    run = _run_dir(path) or path
-    cfg = os.path.join(run, "config.json")
-    if os.path.isfile(cfg):
-        with open(cfg) as f:
-            return tuple(json.load(f).get("budgets", (0.25, 0.5, 0.75)))
-    return (0.25, 0.5, 0.75)
+    return tuple(run_config(path).get("budgets") or (0.25, 0.5, 0.75))
 
 
 def default_confidence(name):
@@ -274,8 +272,9 @@ def evaluate_model(name, loaded, args):
         hold(out_dir)
     model, tok = load_model(name)
     prompt = run_prompt(path, args)
-    check_prompts(tok, model, loaded, args, prompt[0])
+    check_prompts(tok, model, loaded, args, prompt[0], prompt[1])
     hold(out_dir)   # a new folder is made only now that the model loads and the prompts fit
+    read_results(out_dir)   # a damaged results.json is refused now, not after every sample is made
     source = args.confidence or default_confidence(name)
     think = tok.convert_tokens_to_ids("</think>")
     close_id = None if think is None or think == tok.unk_token_id else think
@@ -376,7 +375,7 @@ def main(argv=None):
     except checkpoint.Busy as e:   # another evaluation writes there: exit 2, its files untouched
         print(f"evaluate.py: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    except (ValueError, OSError) as e:   # UserError, data.DataError and user-facing ValueErrors
+    except (ValueError, OSError, FloatingPointError) as e:   # UserError, data.DataError, NaN in a model or probe
         raise SystemExit(f"evaluate.py: error: {e}") from None
     except KeyboardInterrupt:   # samples are appended per batch: the same command continues from here
         results = None          # the line is printed below, once the progress bar has closed

@@ -8,6 +8,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from checkpoint import UserError
+
 
 class Probe(nn.Module):
     """MLP d -> hidden -> 1 (Linear, ReLU, Dropout, Linear); hidden defaults to d // 4, hidden=0 gives
@@ -96,10 +98,17 @@ def fit(probe, opt, feats, targets, passes=16, batch_size=16, seed=0):
 
 
 def predict(probe, feats):
-    """Probabilities sigmoid(probe(feats)): feats [M, d] -> [M] in (0, 1); eval mode, no grad."""
+    """Probabilities sigmoid(probe(feats)): feats [M, d] -> [M] in (0, 1); eval mode, no grad.
+    FloatingPointError when a feature or a probability is NaN or inf (NaN in the policy or the
+    probe), so that no NaN confidence reaches a reward, a metric or a file."""
     probe.eval()
+    feats = torch.as_tensor(feats).float().to(_device(probe))
     with torch.no_grad():
-        return torch.sigmoid(probe(torch.as_tensor(feats).float().to(_device(probe))))
+        out = torch.sigmoid(probe(feats))
+    if not (torch.isfinite(feats).all() and torch.isfinite(out).all()):
+        raise FloatingPointError("the probe's features or confidences are NaN or inf: the model's "
+                                 "hidden states or the probe's weights hold NaN or inf")
+    return out
 
 
 def save(path, probe, opt=None):
@@ -116,12 +125,46 @@ def save(path, probe, opt=None):
     os.replace(tmp, path)
 
 
+def shapes(dim, hidden):
+    """The state dict of Probe(dim, hidden), as {name: shape}, without building it."""
+    if hidden == 0:
+        return {"net.weight": (1, dim), "net.bias": (1,)}
+    return {"net.0.weight": (hidden, dim), "net.0.bias": (hidden,), "net.3.weight": (1, hidden), "net.3.bias": (1,)}
+
+
+def damage(blob):
+    """What makes a loaded blob not a probe saved by `save` (sizes, dropout and tensors that do not
+    fit together), else None. Sizes are checked against the tensors the file holds, so a file that
+    claims a dim of 20000 is refused before anything of that size is allocated."""
+    if not isinstance(blob, dict):
+        return f"a {type(blob).__name__}, not a dict"
+    dim, hidden, p, sd = (blob.get(k) for k in ("dim", "hidden", "dropout", "state_dict"))
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (dim, hidden)) or dim < 1 or hidden < 0:
+        return f"dim {dim!r} and hidden {hidden!r} are not sizes"
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p <= 1:
+        return f"dropout {p!r} is not a probability"
+    want = shapes(dim, hidden)
+    if not isinstance(sd, dict) or sorted(sd) != sorted(want) or any(
+            not isinstance(sd[k], torch.Tensor) or tuple(sd[k].shape) != want[k] for k in want):
+        return f"its weights are not those of a probe of dim {dim}, hidden {hidden}"
+    opt = blob.get("optimizer")
+    if opt is not None and not (isinstance(opt, dict) and {"state", "param_groups"} <= opt.keys()):
+        return "its optimizer state is not one"
+    return None
+
+
 def load(path):
-    """Rebuild a saved probe (on CPU) -> (probe, optimizer state dict or None).
+    """Rebuild a saved probe (on CPU) -> (probe, optimizer state dict or None): a file that is not
+    one (`damage`) is one UserError line, NaN or inf weights a FloatingPointError, both naming it.
 
     Load the optimizer state with make_optimizer(probe).load_state_dict(state) after moving the probe.
     """
     blob = torch.load(path, map_location="cpu", weights_only=True)
+    why = damage(blob)
+    if why:
+        raise UserError(f"{path} is not a probe saved by this code ({why}): use an earlier checkpoint")
+    if not all(torch.isfinite(t).all() for t in blob["state_dict"].values()):
+        raise FloatingPointError(f"{path} holds NaN or inf probe weights")
     probe = Probe(blob["dim"], blob["hidden"], blob["dropout"])
     probe.load_state_dict(blob["state_dict"])
     return probe, blob["optimizer"]

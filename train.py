@@ -143,7 +143,7 @@ def run(cfg):
         if not rows:
             raise UserError(f"every training prompt is over --max-prompt-tokens {cfg['max_prompt_tokens']}: raise it")
     data.check_context(tok, rows, instruction, getattr(model.config, "max_position_embeddings", None),
-                       cfg["max_new_tokens"], cfg["data"], say=print0)
+                       cfg["max_new_tokens"], cfg["data"], say=print0, system=cfg["system_prompt"])
     if not held:  # a new folder: made only now that the data and the model are known to load
         hold_lock(out)
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg["lr"], weight_decay=0.0)
