@@ -66,12 +66,12 @@ def nan_model(tmp_path):
 # ---- D8: the verbal-confidence parser is linear in the model's text
 
 def test_verbal_confidence_on_100_kb_of_repeated_tags_is_fast_and_reads_the_last_tag():
-    text = "<confidence>" * 8500 + "<confidence> 0.3 </confidence> then <confidence>0.9"
     start = time.perf_counter()
-    conf = confidence.verbal_confidence(text)
+    conf = confidence.verbal_confidence("<confidence>" * 8500)   # 102 KB, no closing tag
     assert time.perf_counter() - start < 0.1   # 81f6578: 12 s for 96 KB
-    assert conf == (0.3, False)
-    assert confidence.verbal_confidence("<confidence>" * 8500) == (0.5, True)
+    assert conf == (0.5, True)
+    text = "<confidence>0.7</confidence>" + "<confidence>" * 8500 + "<confidence> 0.3 </confidence> <confidence>0.9"
+    assert confidence.verbal_confidence(text) == (0.3, False)   # the last complete tag
 
 
 # ---- D19 / D13: data files
@@ -201,12 +201,31 @@ def test_nan_probe_weights_are_a_numeric_fault_naming_the_file(tmp_path):
         probe_lib.load(str(tmp_path / "p.pt"))
 
 
+# what posthoc_probe compares with the cached report's protocol
+PROTOCOL = dict(stop=[], n=1, max_new_tokens=1, temperature=1.0, top_p=1.0, seed=0)
+
+
 def cache_files(tmp_path):
-    """A good post-hoc cache (probe .pt and report .json) under tmp_path / c."""
-    prb = probe_lib.Probe(8)
-    probe_lib.save(str(tmp_path / "c.pt"), prb)
-    write(tmp_path / "c.json", json.dumps({"protocol": {}}))
+    """A good post-hoc cache (probe .pt and report .json) under tmp_path / c, for PROTOCOL and no questions."""
+    probe_lib.save(str(tmp_path / "c.pt"), probe_lib.Probe(8))
+    write(tmp_path / "c.json", json.dumps({"protocol": {**PROTOCOL, "questions": 0}}))
     return str(tmp_path / "c")
+
+
+class Refit(Exception):
+    """Raised where posthoc_probe starts sampling to fit the probe again."""
+
+
+def posthoc(cache, monkeypatch):
+    def refit(*a, **k):
+        raise Refit
+    monkeypatch.setattr(confidence, "generate", refit)
+    return confidence.posthoc_probe(cache, None, None, [], "", None, PROTOCOL)
+
+
+def nan_weights(path):
+    blob = torch.load(path, weights_only=True)
+    torch.save(dict(blob, state_dict={k: torch.full_like(v, math.nan) for k, v in blob["state_dict"].items()}), path)
 
 
 CACHE_CASES = {   # what is done to the cache, the file named, words of the reason
@@ -214,20 +233,20 @@ CACHE_CASES = {   # what is done to the cache, the file named, words of the reas
     "pt a list": (lambda c: torch.save([1, 2], c + ".pt"), ".pt", "(a list, not a dict)"),
     "pt a pickle payload": (lambda c: torch.save({"x": os.system}, c + ".pt"), ".pt",
                             "(it holds objects other than tensors; not loaded)"),
-    "pt NaN weights": (lambda c: torch.save(dict(torch.load(c + ".pt", weights_only=True), state_dict={
-        k: torch.full_like(v, math.nan) for k, v in torch.load(c + ".pt", weights_only=True)["state_dict"].items()}),
-        c + ".pt"), ".pt", "holds NaN or inf probe weights"),
+    "pt NaN weights": (lambda c: nan_weights(c + ".pt"), ".pt", "holds NaN or inf probe weights"),
     "json a list": (lambda c: write(c + ".json", "[]"), ".json", "(not a JSON object)"),
 }
 
 
 @pytest.mark.parametrize("case", CACHE_CASES)
-def test_a_damaged_posthoc_cache_is_named_in_one_line_and_fitted_again(case, tmp_path, capsys):
+def test_a_damaged_posthoc_cache_is_named_in_one_line_and_fitted_again(case, tmp_path, capsys, monkeypatch):
     damage, ext, words = CACHE_CASES[case]
     cache = cache_files(tmp_path)
-    assert confidence.read_cache(cache + ".pt") is not None and confidence.read_cache(cache + ".json") == {"protocol": {}}
+    prb, report = posthoc(cache, monkeypatch)   # the good cache is used as it is
+    assert prb.dim == 8 and report == {"protocol": {**PROTOCOL, "questions": 0}}
     damage(cache)
-    assert confidence.read_cache(cache + ext) is None
+    with pytest.raises(Refit):   # 81f6578: TypeError, a torch traceback, or the NaN probe returned
+        posthoc(cache, monkeypatch)
     line = one_line(capsys)
     assert line.startswith(f"warning: post-hoc probe cache {cache}{ext} is damaged") and words in line, line
     assert "weights_only" not in line and line.endswith("fitting the probe again")
