@@ -92,7 +92,7 @@ def _render(tokenizer, messages, **kw):
         finally:
             if timed:
                 signal.setitimer(signal.ITIMER_REAL, 0)
-                signal.signal(signal.SIGALRM, before)
+                signal.signal(signal.SIGALRM, before or signal.SIG_DFL)  # None: a handler set outside Python
     except _Slow:
         raise DataError(f"this model's chat template renders one prompt for over {TEMPLATE_SECONDS} s: "
                         "fix its chat_template") from None
