@@ -27,6 +27,7 @@ on validation BCE against rounded labels, ReduceLROnPlateau(0.5, 5); grid over l
 decay (GRID).
 """
 import copy
+import hashlib
 import json
 import math
 import os
@@ -375,7 +376,10 @@ def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, pro
     ({problem, answer}), labels their prefixes (posthoc_examples), runs fit_posthoc, and prints
     protocol_line to stderr.
     """
-    p = dict(protocol, questions=len(questions), stop=list(protocol["stop"]))
+    # The fit data are part of the protocol: the same count of other questions, or another prompt, is another probe.
+    fit_data = [[r["problem"], r["answer"]] for r in questions] + [instruction, system]
+    p = dict(protocol, questions=len(questions), stop=list(protocol["stop"]),
+             data=hashlib.sha256(json.dumps(fit_data).encode()).hexdigest()[:16])
     if os.path.exists(cache + ".pt") and os.path.exists(cache + ".json"):
         with open(cache + ".json") as f:
             report = json.load(f)

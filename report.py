@@ -99,17 +99,25 @@ def clean(x):
     return x
 
 
-def write_results(out_dir, label, res):
-    """Merge this model's results into OUT/results.json (other models' entries are kept)."""
+def read_results(out_dir):
+    """OUT/results.json: {label: entry}, {} where there is none; a damaged file is one line naming it."""
     path = os.path.join(out_dir, "results.json")
-    old = {}
     try:
         with open(path, encoding="utf-8") as f:
             old = json.load(f)
     except FileNotFoundError:
-        pass
+        return {}
     except ValueError as e:
         raise UserError(f"{path} is not valid JSON ({e}): remove it (samples.jsonl keeps every sample)") from None
+    if not isinstance(old, dict) or not all(isinstance(v, dict) for v in old.values()):
+        raise UserError(f"{path} is not an object of results per model: remove it (samples.jsonl keeps every sample)")
+    return old
+
+
+def write_results(out_dir, label, res):
+    """Merge this model's results into OUT/results.json (other models' entries are kept)."""
+    path = os.path.join(out_dir, "results.json")
+    old = read_results(out_dir)
     old[label] = clean(res)
     with open(path + ".tmp", "w") as f:
         json.dump(old, f, indent=1)
