@@ -343,6 +343,9 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
     instruction = instruction if prompt[0] is None else prompt[0]
     seen = {r["problem"] for _, rows, _, _ in loaded for r in rows}
     rows = [r for r in pool if r["problem"] not in seen][:args.probe_questions or w["probe_questions"]]
+    if not rows:
+        raise UserError(f"--probe-data {src}: all its {len(pool)} questions are in the evaluated benchmarks, so "
+                        "no fit questions are left: pass other --probe-data")
     protocol = dict(n=args.probe_samples or w["probe_samples"], max_new_tokens=s["max_new_tokens"],
                     temperature=args.temperature, top_p=args.top_p, every=s["every"],
                     count=args.posthoc_budgets or w["posthoc_budgets"], k=s["forced_k"], suffix=s["suffix"],
@@ -461,6 +464,22 @@ def parse_args(argv=None):
     return args
 
 
+def check_flags(names, args):
+    """Flags whose meaning argparse cannot check: refused like its own errors, one line and exit 2,
+    before anything is read or written (an empty list would replace a model's results with none)."""
+    run = args.out and next((f for f in ("metrics.jsonl", "checkpoints") if os.path.exists(os.path.join(args.out, f))),
+                            None)
+    try:
+        if not names:
+            raise UserError(f"--benchmarks {args.benchmarks!r} names no benchmark: pass e.g. toy or math500,aime24")
+        if run:
+            raise UserError(f"--out {args.out} is a training run's folder (it has {run}): evaluate into "
+                            f"{os.path.join(args.out, 'eval')} (the default for --model {args.out}) or another folder")
+    except UserError as e:
+        print(f"evaluate.py: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def main(argv=None):
     args = parse_args(argv)
     try:
@@ -470,6 +489,7 @@ def main(argv=None):
     except UserError as e:
         raise SystemExit(f"evaluate.py: error: {e}") from None
     names = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
+    check_flags(names, args)
     threads = torch.get_num_threads()
     # The toy model's matmuls are too small to gain from threads, and on a busy CPU threads that
     # wait for each other make generation 10x slower: one thread unless --threads says otherwise.

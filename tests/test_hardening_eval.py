@@ -154,3 +154,33 @@ def test_rows_and_entries_of_an_older_version_are_not_reused(tmp_path, capsys):
     assert "8 rows of toy on toy were sampled with other settings" in err
     assert "results.json: the entry of toy has no model identity" in err
     assert len(_rows(path)) == 16 and list(res) == ["toy"] and res["toy"]["benchmarks"]["toy"]["n"] == 8
+
+
+def test_evaluate_refuses_a_training_run_folder_as_out(tmp_path, capsys):
+    # D16: at 81f6578 the evaluation rows went into the run's own samples.jsonl.
+    run_dir = tmp_path / "run"
+    jsonl(run_dir / "metrics.jsonl", [{"step": 1}])
+    (run_dir / "samples.jsonl").write_text("")
+    before = snapshot(run_dir)
+    msg = refused(capsys, "--model", "toy", "--out", run_dir, *FAST, code=2)
+    assert "is a training run's folder" in msg and str(run_dir) in msg
+    assert snapshot(run_dir) == before
+
+
+def test_an_empty_benchmark_list_is_refused_and_keeps_the_results(tmp_path, capsys):
+    # D17: at 81f6578 `--benchmarks ,` exited 0 and replaced the model's entry with an empty one.
+    run("--model", "toy", "--out", tmp_path, *FAST)
+    before = snapshot(tmp_path)
+    capsys.readouterr()
+    msg = refused(capsys, "--model", "toy", "--benchmarks", " , ", "--out", tmp_path, *FAST, code=2)
+    assert "--benchmarks ' , ' names no benchmark" in msg
+    assert snapshot(tmp_path) == before
+
+
+def test_probe_data_that_is_all_benchmark_questions_is_one_line(tmp_path, capsys):
+    # D25: at 81f6578 "torch.cat(): expected a non-empty list of Tensors".
+    q = jsonl(tmp_path / "q.jsonl", toy.dataset("test")[:4])
+    fast = [x for x in FAST if x not in ("--confidence", "logits")]
+    msg = refused(capsys, "--model", "toy", "--benchmarks", q, "--probe-data", q, "--out", tmp_path / "out",
+                  *fast, *PH)
+    assert "no fit questions are left" in msg and q in msg
