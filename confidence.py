@@ -27,6 +27,7 @@ on validation BCE against rounded labels, ReduceLROnPlateau(0.5, 5); grid over l
 decay (GRID).
 """
 import copy
+import hashlib
 import json
 import math
 import os
@@ -407,6 +408,14 @@ def read_cache(path):
     return None
 
 
+def cache_protocol(protocol, questions, instruction, system=None):
+    """What a cached post-hoc probe must have been fitted with to be reused: the protocol, and the fit
+    data (the same count of other questions, or another prompt, is another probe)."""
+    fit_data = [[r["problem"], r["answer"]] for r in questions] + [instruction, system]
+    return dict(protocol, questions=len(questions), stop=list(protocol["stop"]),
+                data=hashlib.sha256(json.dumps(fit_data).encode()).hexdigest()[:16])
+
+
 def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, protocol, batch_size=8, rows=64,
                   system=None):
     """The post-hoc probe of a model: loaded from `cache`.pt / .json if fitted there with the same
@@ -418,7 +427,7 @@ def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, pro
     ({problem, answer}), labels their prefixes (posthoc_examples), runs fit_posthoc, and prints
     protocol_line to stderr.
     """
-    p = dict(protocol, questions=len(questions), stop=list(protocol["stop"]))
+    p = cache_protocol(protocol, questions, instruction, system)
     if os.path.exists(cache + ".pt") and os.path.exists(cache + ".json"):
         report = read_cache(cache + ".json")
         if report is not None and report.get("protocol") == p:

@@ -13,11 +13,14 @@ tag, `--answer`), each with a confidence (confidence.py; default: the
 post-hoc probe, fitted once per model with the released protocol and cached in --out; `probe` is the
 run's own probe.pt, read at its last training budget). Written to --out (default RUN/eval
 for a run or checkpoint, else eval_out/<model>): samples.jsonl (appended per batch: an interrupted
-evaluation resumes where it stopped), results.json, reliability_<model>_<benchmark>.png. Metrics are
+evaluation resumes where it stopped; a row counts only for its model's resolved path, its benchmark's
+file and question, and the settings it was made with: sample_key), results.json (a model per label;
+another model with the same label is filed as label@HASH), reliability_<model>_<benchmark>.png. Metrics are
 computed per benchmark over all samples; "Overall" is the unweighted mean over benchmarks. results.json
 and the printed table carry, per benchmark, the confidence source, grader and sampling settings.
 """
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -58,7 +61,6 @@ LIMITS = {key: (lambda v: v >= 1, ">= 1") for key in (
     "limit", "n_samples", "max_new_tokens", "batch_size", "threads", "every", "forced_k", "probe_questions")}
 LIMITS.update(temperature=(lambda v: v >= 0, ">= 0 (0: greedy)"), top_p=(lambda v: 0 < v <= 1, "in (0, 1]"),
               seed=(lambda v: 0 <= v < 2**32, "in [0, 2**32)"))
-SAMPLE_FIELDS = ("model", "benchmark", "question", "sample", "correct", "confidence")
 LOCKS = ExitStack()  # the lock of every output folder written, held until main() ends
 
 
@@ -75,6 +77,31 @@ def model_label(name, path):
     run = _run_dir(path)
     base = os.path.basename(os.path.abspath(path))
     return f"{os.path.basename(run)}/{base}" if run else base
+
+
+def model_id(path):
+    """What makes a model this one: its resolved folder (a/model and b/model are two models, both
+    labelled "model"), else its hub id."""
+    return os.path.realpath(path) if os.path.isdir(path) else path
+
+
+def digest(obj, size=16):
+    """A short hash of a JSON value: the keys of samples, their questions and post-hoc probe files."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:size]
+
+
+def filed_label(label, ident, out_dir):
+    """The name a model is filed under in OUT (results.json, the samples' `model`, plot names): its
+    label, or label@HASH where OUT's results.json files another model under that label (a/model
+    evaluated, then b/model)."""
+    entry = read_results(out_dir).get(label)
+    if entry is None or entry.get("model_id") == ident:
+        return label
+    if "model_id" not in entry:
+        print(f"{os.path.join(out_dir, 'results.json')}: the entry of {label} has no model identity (an "
+              "older version): it is evaluated again and replaced", file=sys.stderr)
+        return label
+    return f"{label}@{digest(ident, 8)}"
 
 
 def default_out(name, path):
@@ -109,10 +136,87 @@ def load_benchmark(spec, limit=None):
                     "NAME=FILE, or an HF dataset id (owner/name)")
 
 
+def benchmark_source(spec):
+    """What a benchmark spec reads (data.load_rows' order): "toy:test", a hub name or id, or a file's
+    resolved path."""
+    where = spec.partition("=")[2] or spec
+    if where == "toy":
+        return "toy:test"
+    return os.path.realpath(where) if where not in data.BENCHMARKS and os.path.isfile(where) else where
+
+
+def load_benchmarks(specs, limit=None):
+    """[(name, rows, instruction, source)] (load_benchmark, benchmark_source). A name stands for one
+    source: a file whose stem is taken, by the built-in toy (its name brings the toy world's settings)
+    or by an earlier benchmark of the list (b1/q.jsonl, b2/q.jsonl), is named by its path as given."""
+    owner, out = {"toy": "toy:test"}, []
+    for spec in specs:
+        name, rows, instruction = load_benchmark(spec, limit)
+        source = benchmark_source(spec)
+        if owner.setdefault(name, source) != source:
+            name = spec
+        out.append((name, rows, instruction, source))
+    return out
+
+
+def _count(v):
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def is_sample(r):
+    """A row as evaluate.py writes it: names, indices >= 0, correct 0/1, a confidence in [0, 1]; rows
+    of this version (with a `key`) also hold what the summaries read. Rows of older versions (no key)
+    are never counted, but must still be rows."""
+    conf = r.get("confidence")
+    ok = (isinstance(r.get("model"), str) and isinstance(r.get("benchmark"), str) and _count(r.get("question"))
+          and _count(r.get("sample")) and r.get("correct") in (0, 1) and isinstance(conf, (int, float))
+          and not isinstance(conf, bool) and 0 <= conf <= 1)
+    return ok and ("key" not in r or (isinstance(r["key"], str) and isinstance(r.get("q"), str)
+                                      and "answer" in r and isinstance(r["answer"], (str, type(None)))
+                                      and _count(r.get("length")) and isinstance(r.get("checkpoints", []), list)))
+
+
 def read_samples(path):
     """Rows of samples.jsonl; a last line cut by a kill is dropped from the file with a message, any
-    other line that is not a sample is one error naming the file and the line."""
-    return checkpoint.read_jsonl(path, valid=lambda r: all(k in r for k in SAMPLE_FIELDS))
+    other line that is not a sample (is_sample) is one error naming the file and the line."""
+    return checkpoint.read_jsonl(path, valid=is_sample)
+
+
+def question_ids(rows):
+    """A hash of each question's text and gold: a sample counts only for the question it was made for."""
+    return [digest([r["problem"], r["answer"]], 12) for r in rows]
+
+
+def ours(r, key, qids):
+    """Whether a sample row was made with `key` for the question now at its index (qids: question_ids)."""
+    return r.get("key") == key and r["question"] < len(qids) and r["q"] == qids[r["question"]]
+
+
+def own_rows(samples, key, rows, n):
+    """The rows of `samples` made with `key` for these rows, once per (question, sample): a copied
+    line (two shards' files joined with cat) counts once, and a question edited since is sampled again."""
+    qids, mine = question_ids(rows), {}
+    for r in samples:
+        if ours(r, key, qids) and r["sample"] < n:
+            mine.setdefault((r["question"], r["sample"]), r)
+    return list(mine.values())
+
+
+def sample_key(ident, source, s, args, prompt, conf_kw):
+    """The key of one model's samples of one benchmark: the model, the benchmark's source and every
+    setting that changes what a sample is drawn from, its grade or its confidence (the probe's weights
+    included; batching and the KV cache only change which draw it is).
+
+    A resumed evaluation reuses the rows of its own key only. With other settings it samples anew
+    under a new key rather than refusing: samples.jsonl is append-only, so the old rows stay and
+    count again when their settings come back, and a sweep over temperatures or seeds can share one
+    --out."""
+    prb = conf_kw["prb"]
+    weights = prb and [[k, hashlib.sha256(v.detach().float().cpu().numpy().tobytes()).hexdigest()]
+                       for k, v in prb.state_dict().items()]
+    return digest(dict({k: v for k, v in conf_kw.items() if k != "prb"}, model=ident, benchmark=source,
+                       n=s["n"], max_new_tokens=s["max_new_tokens"], temperature=args.temperature,
+                       top_p=args.top_p, seed=args.seed, prompt=prompt, probe=weights))
 
 
 def hold(out_dir):
@@ -130,7 +234,7 @@ HELD = set()
 def check_prompts(tok, model, loaded, args, run_instruction=None, system=None):
     """Refuse a benchmark with a prompt longer than the model's context, or a chat template that
     cannot render it; warn on overflow."""
-    for bench, rows, instruction in loaded:
+    for bench, rows, instruction, _ in loaded:
         instruction = instruction if run_instruction is None else run_instruction
         data.check_context(tok, rows, instruction, getattr(model.config, "max_position_embeddings", None),
                            settings(bench, args)["max_new_tokens"], bench,
@@ -138,21 +242,21 @@ def check_prompts(tok, model, loaded, args, run_instruction=None, system=None):
 
 
 def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, path, system=None,
-                       form="box"):
+                       form="box", key=None):
     """Sample, grade and score every missing (question, sample) of one benchmark, appending per batch.
 
     s: the benchmark's settings (n, max_new_tokens, ...); conf_kw: arguments of
-    confidence.sample_confidences; form: where the answer is read (grade.extract: "box" or "tag").
-    Rows already in `path` for (label, bench) are kept, not regenerated.
+    confidence.sample_confidences; form: where the answer is read (grade.extract: "box" or "tag");
+    key: sample_key. Rows already in `path` for key (own_rows) are kept, not regenerated.
     """
-    have = [r for r in read_samples(path) if r["model"] == label and r["benchmark"] == bench]
-    stale = {r.get("source") for r in have} - {conf_kw["source"]}
-    if stale:
-        raise UserError(f"{path} holds {bench} samples of {label} with confidence {stale.pop()!r}, not "
-                        f"{conf_kw['source']!r}: pass that --confidence or another --out")
-    done = {(r["question"], r["sample"]) for r in have}
+    have, qids = read_samples(path), question_ids(rows)
+    done = {(r["question"], r["sample"]) for r in own_rows(have, key, rows, s["n"])}
     todo = [(q, [j for j in range(s["n"]) if (q, j) not in done]) for q in range(len(rows))]
     todo = [t for t in todo if t[1]]
+    other = sum(r["model"] == label and r["benchmark"] == bench and not ours(r, key, qids) for r in have)
+    if todo and other:
+        print(f"{path}: {other} rows of {label} on {bench} were sampled with other settings, for other "
+              "questions or by an older version: not reused", file=sys.stderr)
     bar = tqdm(total=len(rows) * s["n"], initial=len(rows) * s["n"] - sum(len(m) for _, m in todo),
                desc=f"{label} {bench}", file=sys.stderr)
     i = 0
@@ -178,7 +282,8 @@ def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, con
                 f.write(json.dumps(dict(
                     model=label, benchmark=bench, question=q, sample=j, answer=answer,
                     correct=int(grade.answers_match(answer, golds[r], GRADER)), confidence=float(conf[r]),
-                    length=out.lengths[r], finish=out.finish[r], source=conf_kw["source"], **extras[r])) + "\n")
+                    length=out.lengths[r], finish=out.finish[r], source=conf_kw["source"], key=key, q=qids[q],
+                    **extras[r])) + "\n")
             f.flush()
         bar.update(len(chunk) * m)
     bar.close()
@@ -219,7 +324,8 @@ def settings(bench, args):
 
 
 def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(), prompt=(None, None)):
-    """(probe or None, post-hoc report or None) for a confidence source; post-hoc probes are cached in OUT."""
+    """(probe or None, post-hoc report or None) for a confidence source; post-hoc probes are cached in
+    OUT, one file per model (its label and a hash of model_id)."""
     if source == "probe":
         if not os.path.isfile(os.path.join(path, "probe.pt")):
             raise UserError(f"{label} has no probe.pt: use --confidence probe-posthoc, logits or verbal")
@@ -229,7 +335,7 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
         return None, None
     # Fit data: the toy world's train split, or the RL training set for real models (released: lead_80,
     # the first 80 of the training set); problems of any benchmark being evaluated are skipped.
-    toy_only = all(b.partition("=")[0] == "toy" for b in args.benchmarks.split(","))
+    toy_only = all(source == "toy:test" for *_, source in loaded)
     src = args.probe_data or ("toy" if toy_only else "deepscaler")
     w = TOY if src == "toy" else REAL
     s = settings("toy" if src == "toy" else src, args)
@@ -238,8 +344,11 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
     else:
         pool, instruction = data.load_rows(src), data.INSTRUCTION
     instruction = instruction if prompt[0] is None else prompt[0]
-    seen = {r["problem"] for _, rows, _ in loaded for r in rows}
+    seen = {r["problem"] for _, rows, _, _ in loaded for r in rows}
     rows = [r for r in pool if r["problem"] not in seen][:args.probe_questions or w["probe_questions"]]
+    if not rows:
+        raise UserError(f"--probe-data {src}: all its {len(pool)} questions are in the evaluated benchmarks, so "
+                        "no fit questions are left: pass other --probe-data")
     protocol = dict(n=args.probe_samples or w["probe_samples"], max_new_tokens=s["max_new_tokens"],
                     temperature=args.temperature, top_p=args.top_p, every=s["every"],
                     count=args.posthoc_budgets or w["posthoc_budgets"], k=s["forced_k"], suffix=s["suffix"],
@@ -247,8 +356,8 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
                     val_frac=0.2, seed=42)
     print(f"post-hoc probe for {label}: {len(rows)} {src} questions ...", file=sys.stderr)
     prb, report = confidence.posthoc_probe(
-        os.path.join(out_dir, "posthoc_probe_" + label.replace("/", "_")), model, tok, rows,
-        instruction, close_id, protocol, batch_size=s["score_batch"], rows=s["rows"], system=prompt[1])
+        os.path.join(out_dir, f"posthoc_probe_{label}_{digest(model_id(path), 8)}".replace("/", "_")), model, tok,
+        rows, instruction, close_id, protocol, batch_size=s["score_batch"], rows=s["rows"], system=prompt[1])
     return prb, dict(report, data=src)
 
 
@@ -266,7 +375,7 @@ def default_confidence(name):
 def evaluate_model(name, loaded, args):
     """Generate (resuming), score and summarize one model on every benchmark; returns its results."""
     path = resolve_model(name)
-    label = model_label(name, path)
+    label, ident = model_label(name, path), model_id(path)
     out_dir = args.out or default_out(name, path)
     if os.path.isdir(out_dir):   # a second writer stops before loading anything
         hold(out_dir)
@@ -274,34 +383,34 @@ def evaluate_model(name, loaded, args):
     prompt = run_prompt(path, args)
     check_prompts(tok, model, loaded, args, prompt[0], prompt[1])
     hold(out_dir)   # a new folder is made only now that the model loads and the prompts fit
-    read_results(out_dir)   # a damaged results.json is refused now, not after every sample is made
+    label = filed_label(label, ident, out_dir)   # reads results.json: a damaged one is refused now
     source = args.confidence or default_confidence(name)
     think = tok.convert_tokens_to_ids("</think>")
     close_id = None if think is None or think == tok.unk_token_id else think
     prb, report = get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded, prompt)
     samples = os.path.join(out_dir, "samples.jsonl")
-    res = {"path": path, "confidence": source, "out": out_dir, "benchmarks": {}, "settings": {},
+    res = {"path": path, "model_id": ident, "confidence": source, "out": out_dir, "benchmarks": {}, "settings": {},
            "provenance": runlog.provenance(args.argv, next(model.parameters()).device)}
-    for bench, rows, instruction in loaded:
+    for bench, rows, instruction, bench_source in loaded:
         s = settings(bench, args)
         instruction = instruction if prompt[0] is None else prompt[0]
         probe_source = source in ("probe", "probe-posthoc") and not args.no_early_exit
         conf_kw = dict(source=source, prb=prb, close_id=close_id, every=s["every"] if probe_source else None,
                        suffix=s["suffix"], close=args.forced_close, fractions=run_fractions(path),
                        forced_k=s["forced_k"], budget=s["max_new_tokens"])
+        key = sample_key(ident, bench_source, s, args, [instruction, prompt[1], prompt[2]], conf_kw)
         generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, samples, prompt[1],
-                           prompt[2])
-        mine = [r for r in read_samples(samples) if r["model"] == label and r["benchmark"] == bench
-                and r["question"] < len(rows) and r["sample"] < s["n"]]
-        res["benchmarks"][bench] = summarize(mine, seed=args.seed)
+                           prompt[2], key)
+        res["benchmarks"][bench] = summarize(own_rows(read_samples(samples), key, rows, s["n"]), seed=args.seed)
         res["settings"][bench] = dict(s, confidence=source, grader=GRADER, answer=prompt[2], temperature=args.temperature,
                                       top_p=args.top_p, seed=args.seed, questions=len(rows),
-                                      instruction=instruction, system_prompt=prompt[1],
+                                      instruction=instruction, system_prompt=prompt[1], key=key,
+                                      benchmark_source=bench_source, benchmark_rows=digest(question_ids(rows)),
                                       bootstrap=dict(resamples=1000, unit="question", seed=args.seed))
         b = res["benchmarks"][bench]
         title = f"{label} | {bench} | {source}\nacc {b['acc']:.3f}  ECE {b['ece']:.3f}  n {b['n']}"
         plot_reliability(b["reliability"], title,
-                         os.path.join(out_dir, f"reliability_{label.replace('/', '_')}_{bench}.png"))
+                         os.path.join(out_dir, f"reliability_{label}_{bench}.png".replace("/", "_")))
     res["overall"] = overall(res["benchmarks"])
     if report is not None:
         res["posthoc_probe"] = report
@@ -353,6 +462,22 @@ def parse_args(argv=None):
     return args
 
 
+def check_flags(names, args):
+    """Flags whose meaning argparse cannot check: refused like its own errors, one line and exit 2,
+    before anything is read or written (an empty list would replace a model's results with none)."""
+    run = args.out and next((f for f in ("metrics.jsonl", "checkpoints") if os.path.exists(os.path.join(args.out, f))),
+                            None)
+    try:
+        if not names:
+            raise UserError(f"--benchmarks {args.benchmarks!r} names no benchmark: pass e.g. toy or math500,aime24")
+        if run:
+            raise UserError(f"--out {args.out} is a training run's folder (it has {run}): evaluate into "
+                            f"{os.path.join(args.out, 'eval')} (the default for --model {args.out}) or another folder")
+    except UserError as e:
+        print(f"evaluate.py: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def main(argv=None):
     args = parse_args(argv)
     try:
@@ -362,6 +487,7 @@ def main(argv=None):
     except UserError as e:
         raise SystemExit(f"evaluate.py: error: {e}") from None
     names = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
+    check_flags(names, args)
     threads = torch.get_num_threads()
     # The toy model's matmuls are too small to gain from threads, and on a busy CPU threads that
     # wait for each other make generation 10x slower: one thread unless --threads says otherwise.
@@ -370,7 +496,7 @@ def main(argv=None):
     try:
         for name in args.model:   # a missing model is a model error, not a benchmark's
             checkpoint.check_available(name)
-        loaded = [load_benchmark(b, args.limit) for b in names]   # every name checked before any model loads
+        loaded = load_benchmarks(names, args.limit)   # every name checked before any model loads
         results = dict(evaluate_model(name, loaded, args) for name in args.model)
     except checkpoint.Busy as e:   # another evaluation writes there: exit 2, its files untouched
         print(f"evaluate.py: error: {e}", file=sys.stderr)

@@ -100,7 +100,7 @@ def clean(x):
 
 
 def read_results(out_dir):
-    """OUT/results.json as a dict ({} when there is none yet); anything else is one UserError line."""
+    """OUT/results.json: {label: entry}, {} where there is none; a damaged file is one line naming it."""
     path = os.path.join(out_dir, "results.json")
     try:
         with open(path, encoding="utf-8") as f:
@@ -109,8 +109,8 @@ def read_results(out_dir):
         return {}
     except ValueError as e:
         raise UserError(f"{path} is not valid JSON ({e}): remove it (samples.jsonl keeps every sample)") from None
-    if not isinstance(old, dict):
-        raise UserError(f"{path} is not a JSON object of results: remove it (samples.jsonl keeps every sample)")
+    if not isinstance(old, dict) or not all(isinstance(v, dict) for v in old.values()):
+        raise UserError(f"{path} is not an object of results per model: remove it (samples.jsonl keeps every sample)")
     return old
 
 

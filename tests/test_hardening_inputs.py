@@ -208,7 +208,7 @@ PROTOCOL = dict(stop=[], n=1, max_new_tokens=1, temperature=1.0, top_p=1.0, seed
 def cache_files(tmp_path):
     """A good post-hoc cache (probe .pt and report .json) under tmp_path / c, for PROTOCOL and no questions."""
     probe_lib.save(str(tmp_path / "c.pt"), probe_lib.Probe(8))
-    write(tmp_path / "c.json", json.dumps({"protocol": {**PROTOCOL, "questions": 0}}))
+    write(tmp_path / "c.json", json.dumps({"protocol": confidence.cache_protocol(PROTOCOL, [], "")}))
     return str(tmp_path / "c")
 
 
@@ -243,7 +243,7 @@ def test_a_damaged_posthoc_cache_is_named_in_one_line_and_fitted_again(case, tmp
     damage, ext, words = CACHE_CASES[case]
     cache = cache_files(tmp_path)
     prb, report = posthoc(cache, monkeypatch)   # the good cache is used as it is
-    assert prb.dim == 8 and report == {"protocol": {**PROTOCOL, "questions": 0}}
+    assert prb.dim == 8 and report == {"protocol": confidence.cache_protocol(PROTOCOL, [], "")}
     damage(cache)
     with pytest.raises(Refit):   # 81f6578: TypeError, a torch traceback, or the NaN probe returned
         posthoc(cache, monkeypatch)
@@ -292,7 +292,7 @@ def test_results_json_that_is_not_an_object_is_refused_before_sampling(tmp_path)
     write(out / "results.json", "[]")
     with pytest.raises(SystemExit) as e:
         evaluate.main(["--model", "toy", *EVAL, "--out", str(out)])
-    assert e.value.code == (f"evaluate.py: error: {out / 'results.json'} is not a JSON object of results: "
+    assert e.value.code == (f"evaluate.py: error: {out / 'results.json'} is not an object of results per model: "
                             "remove it (samples.jsonl keeps every sample)")
     assert not os.path.exists(out / "samples.jsonl")
 
