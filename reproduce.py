@@ -14,9 +14,12 @@ then `evaluate.py --model RUN --benchmarks toy --confidence C --seed S --no-earl
 OUT/eval/M-seedS` with C the method's confidence (the post-hoc probe; RLCR: verbal; C2GSPG: the
 sequence likelihood). The base is evaluated once per seed too, so its spread shows the measurement
 noise. --jobs of these run at once as subprocesses (one thread each), logs in OUT/logs/.
-Resumable: a finished training or evaluation is not redone, an interrupted one continues (train.py
---resume, evaluate.py's samples.jsonl): run the same command again. Finally OUT/table.md (mean +- std
-over seeds), OUT/results.json (every seed's numbers) and OUT/reliability_M.png (all seeds pooled).
+Resumable: a training or evaluation made with the arguments this command passes is not redone, an
+interrupted one continues (train.py --resume, evaluate.py's samples.jsonl): run the same command
+again. A run made with other settings (a smoke test's, into the same --out) is refused in one line;
+an evaluation made with other arguments is done again. Killed (SIGTERM, or SIGKILL), it takes its
+children with it. Finally OUT/table.md (mean +- std over seeds), OUT/results.json (every seed's
+numbers) and OUT/reliability_M.png (all seeds pooled).
 """
 import argparse
 import contextlib
