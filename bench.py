@@ -27,10 +27,15 @@ import torch
 
 import rollout
 from checkpoint import UserError
+from config import check_values
 
 # prepare.sh (../shared/device/README.md) copies the 7B config and tokenizer into the checkout here.
 CONFIG_7B = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".device", "r1_distill_qwen_7b")
 BANDWIDTH_TBS = {"H200": 4.8, "H100": 3.35, "A100": 2.0}
+LIMITS = {key: (lambda v: v >= 1, ">= 1") for key in (
+    "layers", "prompts", "samples", "prompt_len", "max_new_tokens", "repeat", "threads")}
+LIMITS.update(temperature=(lambda v: v >= 0, ">= 0 (0: greedy)"), top_p=(lambda v: 0 < v <= 1, "in (0, 1]"),
+              seed=(lambda v: 0 <= v < 2**32, "in [0, 2**32)"), bandwidth=(lambda v: v > 0, "> 0 (TB/s)"))
 
 
 def toy_world(n_prompts):
@@ -186,7 +191,15 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
-    device = torch.device(args.device)
+    check_values(vars(args), LIMITS)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise UserError(f"--device {args.device}: not a device; use cpu or cuda") from None
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type == "cuda" and (device.index or 0) >= gpus:
+        raise UserError(f"--device {args.device}: this torch build and machine show {gpus} CUDA devices; "
+                        "use --device cpu" + (" or cuda:0" if gpus else ""))
     threads = args.threads or (1 if device.type == "cpu" and args.shape == "toy" else None)
     if threads:
         torch.set_num_threads(threads)

@@ -14,15 +14,21 @@ then `evaluate.py --model RUN --benchmarks toy --confidence C --seed S --no-earl
 OUT/eval/M-seedS` with C the method's confidence (the post-hoc probe; RLCR: verbal; C2GSPG: the
 sequence likelihood). The base is evaluated once per seed too, so its spread shows the measurement
 noise. --jobs of these run at once as subprocesses (one thread each), logs in OUT/logs/.
-Resumable: a finished training or evaluation is not redone, an interrupted one continues (train.py
---resume, evaluate.py's samples.jsonl): run the same command again. Finally OUT/table.md (mean +- std
-over seeds), OUT/results.json (every seed's numbers) and OUT/reliability_M.png (all seeds pooled).
+Resumable: a training or evaluation made with the arguments this command passes is not redone, an
+interrupted one continues (train.py --resume, evaluate.py's samples.jsonl): run the same command
+again. A run made with other settings (a smoke test's, into the same --out) is refused in one line;
+an evaluation made with other arguments is done again. Killed (SIGTERM, or SIGKILL), it takes its
+children with it. Finally OUT/table.md (mean +- std over seeds), OUT/results.json (every seed's
+numbers) and OUT/reliability_M.png (all seeds pooled).
 """
 import argparse
+import contextlib
+import io
 import json
 import math
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import threading
@@ -37,6 +43,7 @@ import runlog
 from checkpoint import UserError
 import config
 import evaluate
+import launch
 from report import clean, plot_reliability
 
 MAIN = ("base", "grpo", "rlcr", "c2gspg", "rlcm")
@@ -47,7 +54,12 @@ NAMES = dict(zip(MAIN + ABLATIONS, ("Base", "GRPO", "RLCR", "C2GSPG", "RLCM", "F
 CONFIDENCE = dict(dict.fromkeys(MAIN + ABLATIONS, "probe-posthoc"), rlcr="verbal", c2gspg="logits")
 KEYS = (("Acc", "acc"), ("PCE", "pce"), ("ECE", "ece"), ("Brier", "brier"), ("AUROC", "auroc"))
 ROOT = os.path.dirname(os.path.abspath(__file__))
+# What reproduce.py itself passes each run: --train-args / --eval-args that would change one is refused,
+# since the table labels every row with its method, seed and confidence.
+TRAIN_FIXED = ("reward", "seed", "out", "resume", "model", "plot")
+EVAL_FIXED = ("model", "benchmarks", "confidence", "seed", "out")
 PRINT, STOP = threading.Lock(), threading.Event()
+CHILDREN, CHILDREN_LOCK = set(), threading.Lock()   # the running train.py / evaluate.py processes
 quiet = lambda msg: None  # noqa: E731
 
 
@@ -76,14 +88,61 @@ def parse_args(argv):
         seeds = []
     if not seeds or len(set(seeds)) < len(seeds) or not all(0 <= s < 2**32 for s in seeds):
         raise UserError(f"--seeds {args.seeds}: give distinct integers in [0, 2**32), e.g. 0,1,2")
-    if not args.jobs.isdigit() or int(args.jobs) < 1:
+    try:
+        jobs = int(args.jobs)
+    except ValueError:
+        jobs = 0
+    if jobs < 1:
         raise UserError(f"--jobs {args.jobs}: must be an integer >= 1")
     try:
         args.train_args, args.eval_args = shlex.split(args.train_args), shlex.split(args.eval_args)
     except ValueError as e:
         raise UserError(f"--train-args / --eval-args: cannot split ({e}): check the quotes") from None
+    for m in methods:
+        for s in seeds:
+            run, ev, _ = paths(args.out, m, s)
+            if run is not None:
+                refuse_overrides("--train-args", train_flags, train_cmd(m, s, run), args.train_args, TRAIN_FIXED)
+            refuse_overrides("--eval-args", evaluate.parse_args, eval_cmd(m, s, run, ev), args.eval_args, EVAL_FIXED)
     config.check_out(args.out)
-    return args, methods, seeds, int(args.jobs)
+    return args, methods, seeds, jobs
+
+
+def parsed(parse, words, what):
+    """parse(words), with argparse's usage-and-exit on a bad word turned into one UserError line."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return parse(words)
+    except SystemExit:
+        why = (err.getvalue().strip().splitlines() or ["cannot parse them"])[-1].partition("error: ")
+        raise UserError(f"{what}: {why[2] or why[0]}") from None
+
+
+def refuse_overrides(flag, parse, base, extra, fixed):
+    """UserError naming the first of `fixed` that `extra`, appended to the command `base`, would change
+    (the last occurrence of a flag wins)."""
+    what = f"{flag} {shlex.join(extra)}"
+    before, after = vars(parsed(parse, base, what)), vars(parsed(parse, base + extra, what))
+    for key in fixed:
+        if after[key] != before[key]:
+            raise UserError(f"{what}: --{key.replace('_', '-')} is reproduce.py's to set for each method and "
+                            f"seed (here {before[key]}); drop it (--methods, --seeds and --out choose what runs)")
+
+
+def train_flags(words):
+    return config.build_parser().parse_args(words)
+
+
+def train_cmd(method, seed, run):
+    """train.py's arguments for a new run, before --train-args."""
+    return ["--reward", method, "--seed", str(seed), "--out", run]
+
+
+def eval_cmd(method, seed, run, ev):
+    """evaluate.py's arguments, before --eval-args."""
+    return ["--model", run or "toy", "--benchmarks", "toy", "--confidence", CONFIDENCE[method], "--seed", str(seed),
+            "--no-early-exit", "--out", ev]
 
 
 def paths(out, method, seed):
@@ -93,26 +152,26 @@ def paths(out, method, seed):
             os.path.join(out, "logs", name))
 
 
-def steps_given(train_args):
-    """N of the last `--steps N` or `--steps=N` in --train-args, else None."""
-    steps = None
-    for arg, following in zip(train_args, train_args[1:] + [""]):
-        flag, eq, inline = arg.partition("=")
-        if flag == "--steps":
-            value = inline if eq else following
-            steps = int(value) if value.isdigit() else None
-    return steps
-
-
-def train_status(run, steps=None):
-    """'new', 'resume' (config.json and a checkpoint to resume from) or 'done' (its latest complete
-    checkpoint is at `steps`, default the run's own --steps). A folder without a checkpoint starts again."""
+def training(run, ev, cmd, extra):
+    """train.py's arguments that bring `run` to what `train.py CMD EXTRA` makes there, None when it is
+    there already: CMD EXTRA for a folder without a checkpoint, a resume for a run with fewer steps.
+    The settings a run was made with are its config.json; a run made with other ones (a smoke test's
+    --steps 1, another --lr) is refused, not continued (that would mix two settings in one run) nor
+    trained again (that would delete a run someone may want): the line says what differs and what to do."""
     ckpt = os.path.isfile(os.path.join(run, "config.json")) and checkpoint.latest_checkpoint(run, quiet, resume=True)
     if not ckpt:
-        return "new"
-    if steps is None:
-        steps = config.read_config(run)["steps"]
-    return "done" if checkpoint.step_of(ckpt) >= steps else "resume"
+        return cmd + extra
+    saved, wanted = config.read_config(run), config.resolve_args(cmd + extra)
+    skip = set(config.NOT_SAVED) | {"out", "steps", "trust_remote_code"}
+    redo = f"remove it and {ev} to train and evaluate it again, or pass another --out"
+    differ = [f"--{k.replace('_', '-')} {saved[k]} (this command: {wanted[k]})" for k in saved
+              if k in wanted and k not in skip and saved[k] != json.loads(json.dumps(wanted[k]))]
+    if differ:
+        raise UserError(f"{run} was trained with other settings: {', '.join(differ)}; {redo}")
+    step, steps = checkpoint.step_of(ckpt), wanted["steps"]
+    if step > steps:
+        raise UserError(f"{run} is trained to step {step} (this command: --steps {steps}): {redo}")
+    return None if step == steps else ["--resume", run, "--steps", str(steps), *extra]
 
 
 def model_label(run):
@@ -125,13 +184,29 @@ def model_label(run):
 
 
 def eval_entry(eval_dir, label):
-    """This model's entry of EVAL/results.json if it holds the toy benchmark, else None."""
+    """This model's entry of EVAL/results.json if its toy results hold every metric as a number (AUROC
+    may be None: one class), else None: an evaluation still to do, so a rerun replaces a damaged entry."""
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
     try:
         with open(os.path.join(eval_dir, "results.json"), encoding="utf-8") as f:
             entry = json.load(f).get(label)
-    except (OSError, ValueError, AttributeError):
+        toy = entry["benchmarks"]["toy"]
+        complete = all(number(toy.get(k)) for k in ("acc", "pce", "ece", "brier", "n")) and \
+            (toy.get("auroc") is None or number(toy["auroc"]))
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
         return None
-    return entry if entry and "toy" in entry.get("benchmarks", {}) else None
+    return entry if complete else None
+
+
+def made_with(entry, cmd):
+    """Whether evaluate.py made `entry` with the arguments `cmd` (its recorded command, parsed)."""
+    try:
+        then = shlex.split(entry["provenance"]["command"])[1:]   # "evaluate.py ARGS"
+        then = vars(parsed(evaluate.parse_args, then, "results.json"))
+    except (KeyError, TypeError, ValueError, UserError):
+        return False
+    now = vars(evaluate.parse_args(cmd))
+    return {**then, "argv": None} == {**now, "argv": None}
 
 
 def held_out(run):
@@ -144,8 +219,8 @@ def held_out(run):
 class Jobs:
     """One (method, seed) per call, run in a pool thread: train, then evaluate; one line per finished step."""
 
-    def __init__(self, args, total):
-        self.args, self.total, self.done, self.failed = args, total, 0, []
+    def __init__(self, args, total, todo):
+        self.args, self.total, self.todo, self.done, self.failed = args, total, todo, 0, []
         self.env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
     def say(self, line):
@@ -161,13 +236,18 @@ class Jobs:
 
     def child(self, cmd, log, what):
         """Run cmd with its output appended to log; True when it exits 0, else say why and False."""
-        if STOP.is_set():
-            return False
         with open(log, "a") as f:
             f.write(f"$ {shlex.join(cmd)}\n")
             f.flush()
-            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=self.env).returncode
+            with CHILDREN_LOCK:   # so that stop_children() sees every child started before STOP
+                if STOP.is_set():
+                    return False
+                proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                        env=self.env, preexec_fn=launch._die_with_parent)
+                CHILDREN.add(proc)
+            rc = proc.wait()
+            with CHILDREN_LOCK:
+                CHILDREN.discard(proc)
         if rc == 0 or STOP.is_set():   # after a Ctrl-C the children's exits are no news
             return rc == 0
         with open(log, encoding="utf-8", errors="replace") as f:
@@ -184,25 +264,22 @@ class Jobs:
         run, ev, log = paths(self.args.out, method, seed)
         name, py = f"{method} seed {seed}", sys.executable
         if run is not None:
-            status, t = train_status(run, steps_given(self.args.train_args)), time.time()
-            if status != "done":
-                how = ["--resume", run] if status == "resume" else ["--reward", method, "--seed", str(seed), "--out", run]
-                if not self.child([py, os.path.join(ROOT, "train.py"), *how, *self.args.train_args],
-                                  log + ".train.log", f"{name}: training"):
-                    return False
+            how, t = self.todo[method, seed], time.time()
+            if how is not None and not self.child([py, os.path.join(ROOT, "train.py"), *how], log + ".train.log",
+                                                  f"{name}: training"):
+                return False
             start, end = held_out(run)
-            self.say(f"{name}: " + (f"trained in {time.time() - t:.0f} s" if status != "done" else "trained already") +
+            self.say(f"{name}: " + (f"trained in {time.time() - t:.0f} s" if how is not None else "trained already") +
                      (f" (held-out {start:.2f} -> {end:.2f})" if start is not None else ""))
         label, t, fresh = model_label(run), time.time(), False
+        cmd = eval_cmd(method, seed, run, ev) + self.args.eval_args
         entry = eval_entry(ev, label)
-        if entry is None:
-            cmd = [py, os.path.join(ROOT, "evaluate.py"), "--model", run or "toy", "--benchmarks", "toy",
-                   "--confidence", CONFIDENCE[method], "--seed", str(seed), "--no-early-exit", "--out", ev]
-            if not self.child(cmd + self.args.eval_args, log + ".eval.log", f"{name}: evaluation"):
+        if entry is None or not made_with(entry, cmd):
+            if not self.child([py, os.path.join(ROOT, "evaluate.py"), *cmd], log + ".eval.log", f"{name}: evaluation"):
                 return False
             entry, fresh = eval_entry(ev, label), True
             if entry is None:
-                return self.fail(f"{name}: evaluation", f": {ev}/results.json holds no toy results of {label}")
+                return self.fail(f"{name}: evaluation", f": {ev}/results.json holds no complete toy results of {label}")
         b = entry["benchmarks"]["toy"]
         self.say(f"{name}: " + (f"evaluated in {time.time() - t:.0f} s" if fresh else "evaluated already") +
                  f" (acc {b['acc']:.3f}, ECE {b['ece']:.3f}, n {b['n']})")
@@ -228,7 +305,7 @@ def aggregate(out, methods, seeds):
             label = model_label(run)
             entry = eval_entry(ev, label)
             if entry is None:
-                raise UserError(f"{ev}/results.json holds no toy results for {label}: run the command again")
+                raise UserError(f"{ev}/results.json holds no complete toy results for {label}: run the command again")
             b, st = entry["benchmarks"]["toy"], entry.get("settings", {}).get("toy", {})
             start, end = held_out(run)
             per[s] = dict({k: b[k] for _, k in KEYS}, n=b["n"], heldout_start=start, heldout_end=end,
@@ -308,26 +385,42 @@ def write_outputs(out, methods, seeds, argv):
     return text
 
 
+def stop_children(signum, frame):
+    """SIGTERM: terminate the children, then end as Ctrl-C does. (A SIGKILL gives no handler a chance:
+    each child also gets the parent-death signal, launch.py's, so none is left to hold its folder.)"""
+    with CHILDREN_LOCK:
+        STOP.set()
+        for proc in CHILDREN:
+            proc.terminate()
+    raise KeyboardInterrupt
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         args, methods, seeds, jobs = parse_args(argv)
+        pairs = [(m, s) for s in seeds for m in methods]
+        todo = {(m, s): training(run, ev, train_cmd(m, s, run), args.train_args)
+                for m, s in pairs for run, ev, _ in [paths(args.out, m, s)] if run is not None}
     except UserError as e:
         print(f"reproduce.py: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
     t0 = time.time()
-    pairs = [(m, s) for s in seeds for m in methods]
-    run_jobs = Jobs(args, sum(1 if m == "base" else 2 for m, _ in pairs))
+    STOP.clear()
+    run_jobs = Jobs(args, sum(1 if m == "base" else 2 for m, _ in pairs), todo)
     pool = ThreadPoolExecutor(jobs)
     futures = [pool.submit(run_jobs, m, s) for m, s in pairs]
+    default = signal.signal(signal.SIGTERM, stop_children)
     try:
         ok = [f.result() for f in futures]
-    except KeyboardInterrupt:   # the children got the Ctrl-C too; start nothing new
+    except KeyboardInterrupt:   # Ctrl-C (the children got it too) or SIGTERM (stop_children): start nothing new
         STOP.set()
         pool.shutdown(cancel_futures=True)
         print("\ninterrupted: finished steps are kept; run the same command again to continue", file=sys.stderr)
         raise SystemExit(130) from None
+    finally:
+        signal.signal(signal.SIGTERM, default)
     pool.shutdown()
     print(f"total {time.time() - t0:.0f} s")
     if not all(ok):

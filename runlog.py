@@ -15,6 +15,7 @@ import os
 import platform
 import shlex
 import subprocess
+import sys
 from datetime import datetime, timezone
 
 from checkpoint import UserError, write_json
@@ -29,6 +30,7 @@ PANELS = (  # (title, metrics.jsonl keys); eval_* keys come from the held-out ro
     ("probe calibration", ("probe_ece", "eval_probe_ece", "eval_probe_auroc")),
     ("response length (tokens)", ("len_mean",)),
 )
+PLOTTED = {key for _, keys in PANELS for key in keys}
 LABELS = {"probe_bce": "probe_bce (in-sample)", "probe_ece": "probe_ece (in-sample)"}
 
 
@@ -72,6 +74,32 @@ def read_jsonl(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
+def read_metrics(path):
+    """The rows of a metrics.jsonl for a plot, with only their numeric values. Lines that are not JSON
+    objects with a numeric step (a cut-off last line is what a kill leaves) and plotted values that are
+    not finite numbers are skipped, counted in one line on stderr; the file is only read (--resume repairs it)."""
+    rows, lines, values = [], 0, 0
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for line in filter(str.strip, f):
+            try:
+                row = json.loads(line)
+            except ValueError:
+                row = None
+            if not isinstance(row, dict) or not _number(row.get("step")):
+                lines += 1
+                continue
+            rows.append({k: v for k, v in row.items() if _number(v)})
+            values += sum(k in PLOTTED and v is not None and not _number(v) for k, v in row.items())
+    if lines or values:
+        print(f"{path}: skipped {lines} line(s) that are not rows and {values} value(s) that are not finite "
+              "numbers", file=sys.stderr)
+    return rows
+
+
+def _number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < 1e300   # not NaN, inf or huge
+
+
 class Tracker:
     """Mirrors metrics rows to Weights & Biases. wandb is imported only here (it is optional, not in
     requirements.txt); the run id is kept in RUN/wandb_run.json so a resumed run logs to the same run."""
@@ -110,7 +138,7 @@ def plot_curves(run_dir, path=None):
     metrics = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(metrics):
         raise UserError(f"--plot {run_dir}: no metrics.jsonl there; pass the --out directory of a run")
-    rows = read_jsonl(metrics)
+    rows = read_metrics(metrics)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

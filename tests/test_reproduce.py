@@ -62,14 +62,13 @@ def test_tiny_comparison_writes_the_table_and_a_rerun_redoes_nothing(tmp_path, c
     assert " in " not in printed.split("total")[0]   # nothing trained or evaluated "in N s"
     assert (_mtimes(out + "/runs") | _mtimes(out + "/eval") | _mtimes(out + "/logs")) == before
 
-    run = os.path.join(out, "runs", "grpo-seed0")
-    assert reproduce.train_status(run) == "done" and reproduce.train_status(run, steps=1) == "done"
-    assert reproduce.train_status(run, steps=2) == "resume"   # --train-args "--steps 2": continue it
-    cfg = _load(os.path.join(run, "config.json"))
-    with open(os.path.join(run, "config.json"), "w") as f:
-        json.dump(dict(cfg, steps=3), f)
-    assert reproduce.train_status(run) == "resume"   # more steps asked of the run: continue it
-    assert reproduce.train_status(str(tmp_path / "none")) == "new"
+    run, ev = os.path.join(out, "runs", "grpo-seed0"), os.path.join(out, "eval", "grpo-seed0")
+    cmd, train = reproduce.train_cmd("grpo", 0, run), TRAIN.split()
+    assert reproduce.training(run, ev, cmd, train) is None   # made with these settings, at its --steps
+    more = TRAIN.replace("--steps 1", "--steps 2").split()
+    assert reproduce.training(run, ev, cmd, more) == ["--resume", run, "--steps", "2", *more]   # continue it
+    none = str(tmp_path / "none")
+    assert reproduce.training(none, ev, reproduce.train_cmd("grpo", 0, none), train) == [*cmd[:-1], none, *train]
 
 
 def _fake_run(out, name, step, heldout):
@@ -141,12 +140,6 @@ def test_aggregate_pins_mean_and_sample_std(tmp_path):
     assert os.path.isfile(os.path.join(out, "reliability_base.png"))
     assert os.path.isfile(os.path.join(out, "reliability_grpo.png"))
     assert reproduce.mean_std([0.25]) == (0.25, None) and reproduce.mean_std([None]) == (None, None)
-
-
-def test_steps_given_reads_the_last_steps_flag_of_the_train_args():
-    assert reproduce.steps_given(["--eval-n", "8", "--steps", "3"]) == 3
-    assert reproduce.steps_given(["--steps=4", "--steps", "5", "--lr", "1"]) == 5
-    assert reproduce.steps_given(["--eval-n", "8"]) is None and reproduce.steps_given(["--steps"]) is None
 
 
 @pytest.mark.parametrize("flags", [["--methods", "grpo,ppo"], ["--methods", ","], ["--seeds", "0,x"],
