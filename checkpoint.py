@@ -13,13 +13,16 @@ directory, or a run directory (its latest checkpoint).
 
     RUN/lock                             held by the one process writing the run (pid, host)
 
-A checkpoint is written under `step_000010.tmp` and renamed when complete, so a crash mid-write
-never replaces or damages the last good one; only the last `keep` are kept. A checkpoint damaged
-afterwards (a file deleted or cut short) is skipped for the previous complete one, with a message.
+A checkpoint is written into a fresh `step_000010.<random>.tmp` and renamed when complete, so a
+crash or a full disk mid-write never replaces or damages the last good one; of the complete ones at or
+below the step just saved only the last `keep` are kept. A checkpoint damaged afterwards (a file
+deleted or cut short), one whose state.pt holds another step, or a link in place of its folder is
+skipped for the previous complete one, with a message, and never pruned.
 """
 import json
 import os
 import random
+import secrets
 import shutil
 import socket
 import struct
@@ -111,6 +114,9 @@ def load_model(name, dtype=torch.float32, trust_remote_code=False):
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError, SafetensorError) as e:
+        if path != name and not os.path.lexists(path):
+            raise UserError(f"cannot load model {name!r}: its checkpoint {path} was removed while loading "
+                            "(the run is still saving and keeps only the last --keep): try again") from None
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         where = "" if path == name else f" ({path})"
         hint = ("a weights file is damaged (cut short?): copy it again" if isinstance(e, SafetensorError)
@@ -151,17 +157,37 @@ def _zip_ok(path):
         return False
 
 
+def _saved_step(path):
+    """The step a state.pt says it was saved at, or None when it cannot tell (reading it to resume
+    then says why). mmap: only the pickle is read, not the optimizer state."""
+    try:
+        return torch.load(path, weights_only=True, mmap=True, map_location="cpu").get("step")
+    except Exception:
+        return None
+
+
 def missing(ckpt, resume=False):
     """What a checkpoint lacks to be loaded as a model (resume: to be resumed from): [] when complete.
-    probe.pt is needed only to resume, but must be whole wherever it is."""
+    probe.pt is needed only to resume, but must be whole wherever it is. The folder must be the run's
+    own (not a link to another run's) and its state.pt saved at the step in its name."""
+    if os.path.islink(ckpt):
+        return ["a folder of its own (it is a link)"]
+    try:
+        names = os.listdir(ckpt)
+    except OSError:   # a file, or removed meanwhile
+        return ["the folder"]
     need = ("config.json", "state.pt", "probe.pt") if resume else ("config.json",)
     lack = [n for n in need if not os.path.isfile(os.path.join(ckpt, n))]
     lack += [f"{n} (cut short)" for n in ("state.pt", "probe.pt")
              if os.path.isfile(os.path.join(ckpt, n)) and not _zip_ok(os.path.join(ckpt, n))]
-    weights = sorted(n for n in os.listdir(ckpt) if n.endswith(".safetensors"))
+    weights = sorted(n for n in names if n.endswith(".safetensors"))
     if not weights:
         lack.append("model.safetensors")
     lack += [f"{n} (cut short)" for n in weights if not _safetensors_ok(os.path.join(ckpt, n))]
+    if "state.pt" in names and not lack:
+        saved = _saved_step(os.path.join(ckpt, "state.pt"))
+        if saved is not None and saved != step_of(ckpt):
+            lack.append(f"state.pt of step {step_of(ckpt)} (it holds step {saved})")
     return lack
 
 
@@ -173,6 +199,8 @@ def latest_checkpoint(run_dir, say=None, resume=False):
         lack = missing(ckpt, resume)
         if not lack:
             return ckpt
+        if not os.path.lexists(ckpt):   # pruned by the run's writer while we looked: a newer one is there
+            return latest_checkpoint(run_dir, say, resume)
         say(f"skipping incomplete checkpoint {ckpt}: missing {', '.join(lack)}")
     return None
 
@@ -210,20 +238,52 @@ def set_rng_state(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _fresh(path):
+    """A new name beside PATH: random, so no link can have been planted there in advance."""
+    return f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+
+
+def _remove(path):
+    """Remove a folder, or only the link where a link stands (never what it points to)."""
+    if os.path.islink(path):
+        os.unlink(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def save_checkpoint(run_dir, step, write, keep=2):
-    """Call write(tmp_dir) to fill a new checkpoint, then publish it atomically and prune old ones."""
-    final = os.path.join(run_dir, "checkpoints", f"{PREFIX}{step:06d}")
-    tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    write(tmp)
-    if os.path.exists(final):  # the same step saved again (after a fallback): set the old one aside
-        shutil.rmtree(final + ".old", ignore_errors=True)  # first, so that a kill in between loses nothing
-        os.replace(final, final + ".old")
-    os.replace(tmp, final)
-    shutil.rmtree(final + ".old", ignore_errors=True)
-    for old in checkpoints(run_dir)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+    """Call write(tmp_dir) to fill a new checkpoint in a fresh folder, then publish it atomically and
+    prune: of the complete checkpoints at or below `step`, all but the last `keep` (keep 0: none).
+    Damaged ones and newer ones are never counted, so they never make a good one go. A failed write
+    (a full disk) is one UserError line; the folder is removed and the checkpoints before it stay."""
+    from safetensors import SafetensorError
+    root = os.path.join(run_dir, "checkpoints")
+    final = os.path.join(root, f"{PREFIX}{step:06d}")
+    os.makedirs(root, exist_ok=True)
+    for n in os.listdir(root):   # left by a save that was killed (we hold the run's lock: no one else saves)
+        if n.startswith(PREFIX) and n.endswith(".tmp"):
+            _remove(os.path.join(root, n))
+    tmp = _fresh(final)
+    os.mkdir(tmp)
+    try:
+        write(tmp)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, (OSError, RuntimeError, SafetensorError)):   # torch.save says RuntimeError
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise UserError(f"cannot write checkpoint {final} ({first}): is the disk full? The checkpoints "
+                            "saved before it are intact") from None
+        raise
+    if os.path.lexists(final):   # the same step saved again (after a fallback): set the old one aside
+        old = _fresh(final)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        _remove(old)
+    else:
+        os.replace(tmp, final)
+    done = [c for c in checkpoints(run_dir) if step_of(c) <= step and not missing(c, resume=True)]
+    for old in done[:-keep] if keep > 0 else []:
+        _remove(old)
     return final
 
 
