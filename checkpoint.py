@@ -18,7 +18,12 @@ crash or a full disk mid-write never replaces or damages the last good one; of t
 below the step just saved only the last `keep` are kept. A checkpoint damaged afterwards (a file
 deleted or cut short), one whose state.pt holds another step, or a link in place of its folder is
 skipped for the previous complete one, with a message, and never pruned.
+
+Every file written in a run or evaluation folder is written without following a link planted there
+(`replacing`, `appending`, the lock): such a folder may come from someone else (a shared project
+folder, an unpacked archive), and a link in it must not make this code overwrite what it points to.
 """
+import errno
 import json
 import os
 import random
@@ -299,11 +304,56 @@ def apply_rates(opt, sched, lr, probe_opt, probe_lr):
         g["lr"] = probe_lr
 
 
-def write_json(path, obj):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(tmp, path)
+@contextmanager
+def _writing(path):
+    """A failed write (disk full, no permission) as one UserError line naming the file."""
+    try:
+        yield
+    except OSError as e:
+        raise UserError(f"cannot write {path}: {e.strerror or e}: free some space or check the "
+                        "folder's permissions") from None
+
+
+def _open_own(path, flags):
+    """os.open that never follows a link at PATH (O_NOFOLLOW): a planted one is one UserError line."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW, 0o666)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise UserError(f"{path} is a symbolic link: this code never writes through one (it could point "
+                        "anywhere); put the file itself there, or remove it") from None
+
+
+@contextmanager
+def replacing(path, mode="w"):
+    """Write PATH whole or not at all, never through a link: the block writes a fresh file beside it
+    (a random name opened with O_EXCL, which no link can be planted at), which then replaces PATH
+    (os.replace swaps a link at PATH itself, not what it points to). On any error the fresh file is
+    removed and PATH is as it was."""
+    tmp = _fresh(path)
+    try:
+        with _writing(path), open(_open_own(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), mode) as f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+@contextmanager
+def appending(path):
+    """PATH opened to append (created if absent), never through a link: a symbolic link there is
+    refused in one line rather than replaced, because the rows logged so far are where it points and
+    resuming reads them (replacing would drop them; writing through would change a file elsewhere)."""
+    with _writing(path), open(_open_own(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a") as f:
+        yield f
+
+
+def write_json(path, obj, indent=2):
+    with replacing(path) as f:
+        json.dump(obj, f, indent=indent)
 
 
 def read_jsonl(path, valid=lambda row: True, say=None):
@@ -311,14 +361,14 @@ def read_jsonl(path, valid=lambda row: True, say=None):
     mid-write) is dropped from the file with a message; any other bad line is a UserError naming the
     file and line. `valid(row)` says whether a parsed row has the fields the log needs."""
     say = say or (lambda msg: print(msg, file=sys.stderr))
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         return []
-    with open(path, "rb") as f:
+    with open(_open_own(path, os.O_RDONLY), "rb") as f:   # a link here is refused before any work
         raw = f.read()
     if raw and not raw.endswith(b"\n"):  # a kill between a row and its newline: end the line, so
         raw += b"\n"                      # the next append starts a new one (a cut-off row is dropped below)
-        with open(path, "ab") as f:
-            f.write(b"\n")
+        with appending(path) as f:
+            f.write("\n")
     lines = raw.split(b"\n")
     rows, last = [], max((i for i, line in enumerate(lines) if line.strip()), default=-1)
     for i, line in enumerate(lines):
@@ -329,9 +379,8 @@ def read_jsonl(path, valid=lambda row: True, say=None):
         except ValueError:
             if i == last:
                 say(f"{path}: dropped a cut-off last line ({line[:60].decode('utf-8', 'replace')!r})")
-                with open(path + ".tmp", "wb") as f:
+                with replacing(path, "wb") as f:
                     f.write(b"".join(x + b"\n" for x in lines[:i] if x.strip()))
-                os.replace(path + ".tmp", path)
                 break
             raise UserError(f"{path} line {i + 1} is not JSON: remove the line") from None
         if not isinstance(row, dict) or not valid(row):
@@ -343,12 +392,11 @@ def read_jsonl(path, valid=lambda row: True, say=None):
 
 def truncate_metrics(path, last_step):
     """Drop rows logged after the checkpoint we resume from (they will be produced again)."""
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         return
     rows = read_jsonl(path, valid=lambda r: isinstance(r.get("step"), int))
-    with open(path + ".tmp", "w") as f:
+    with replacing(path) as f:
         f.writelines(json.dumps(r) + "\n" for r in rows if r["step"] <= last_step)
-    os.replace(path + ".tmp", path)
 
 
 LOCK = "lock"
@@ -360,13 +408,14 @@ def locked(folder, what="run"):
 
     The lock is an flock on the file (the kernel drops it when the holder dies, however it dies),
     and the file names the holder (pid, host, start) for the message a second writer gets: one
-    UserError line, exit 2. A lock file left by a dead process is taken over with a message.
+    UserError line, exit 2. A lock file left by a dead process is taken over with a message; a link
+    in its place is refused (_open_own), never written through.
     """
     import fcntl
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, LOCK)
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_own(path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

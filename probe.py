@@ -8,6 +8,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import checkpoint
+
 
 class Probe(nn.Module):
     """MLP d -> hidden -> 1 (Linear, ReLU, Dropout, Linear); hidden defaults to d // 4, hidden=0 gives
@@ -103,7 +105,8 @@ def predict(probe, feats):
 
 
 def save(path, probe, opt=None):
-    """Write {dim, hidden, dropout, state_dict, optimizer} atomically (temp file, then os.replace)."""
+    """Write {dim, hidden, dropout, state_dict, optimizer} atomically and never through a link
+    (checkpoint.replacing)."""
     blob = {
         "dim": probe.dim, "hidden": probe.hidden, "dropout": probe.p_drop,
         "state_dict": {k: v.detach().cpu() for k, v in probe.state_dict().items()},
@@ -111,9 +114,8 @@ def save(path, probe, opt=None):
     }
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(blob, tmp)
-    os.replace(tmp, path)
+    with checkpoint.replacing(path, "wb") as f:
+        torch.save(blob, f)
 
 
 def load(path):

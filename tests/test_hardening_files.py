@@ -11,12 +11,25 @@ import torch
 import transformers
 
 import checkpoint
+import evaluate
+import report
 import train
-from test_hardening import base_run, metric_rows, one_line, run_copy  # noqa: F401 (fixtures)
+from test_hardening import EVAL_SMALL, base_run, metric_rows, one_line, run_copy  # noqa: F401 (fixtures)
 
 
 def ckpt(run, step):
     return os.path.join(run, "checkpoints", f"step_{step:06d}")
+
+
+def victim(path, text="precious\n"):
+    with open(path, "w") as f:
+        f.write(text)
+    return str(path)
+
+
+def read(path):
+    with open(path) as f:
+        return f.read()
 
 
 @contextmanager
@@ -66,6 +79,54 @@ def test_resume_beside_a_linked_checkpoint_neither_follows_nor_prunes_it(base_ru
     assert os.path.islink(ckpt(run_copy, 5)) and checkpoint.missing(ckpt(base_run, 1), resume=True) == []
 
 
+# ---- D2: no write follows a link planted in a run or an evaluation folder
+
+def test_resume_writes_nothing_through_links_planted_at_temporary_names(run_copy, tmp_path):
+    names = ["metrics.jsonl.tmp", "config.json.tmp", "samples.jsonl.tmp", "curves.png.tmp"]
+    for n in names:
+        os.symlink(victim(tmp_path / f"victim_{n}"), os.path.join(run_copy, n))
+    os.makedirs(tmp_path / "victim_dir")
+    victim(tmp_path / "victim_dir" / "keep.txt")
+    os.symlink(tmp_path / "victim_dir", ckpt(run_copy, 3) + ".tmp")   # the old fixed name of step 3's folder
+    train.main(["--resume", run_copy, "--steps", "3"])
+    assert all(read(tmp_path / f"victim_{n}") == "precious\n" for n in names)
+    assert os.listdir(tmp_path / "victim_dir") == ["keep.txt"]
+    assert [r["step"] for r in metric_rows(run_copy) if not r.get("eval")] == [1, 2, 3]
+    assert checkpoint.missing(ckpt(run_copy, 3), resume=True) == []
+
+
+def test_a_lock_that_is_a_link_is_refused_and_its_target_untouched(run_copy, tmp_path, capsys):
+    os.symlink(victim(tmp_path / "v.txt"), os.path.join(run_copy, checkpoint.LOCK))
+    with pytest.raises(SystemExit) as e:
+        train.main(["--resume", run_copy, "--steps", "3"])
+    err = one_line(capsys)
+    assert e.value.code == 2 and "lock is a symbolic link" in err, err
+    assert read(tmp_path / "v.txt") == "precious\n"
+    out = tmp_path / "eval"
+    os.makedirs(out)
+    os.symlink(tmp_path / "v.txt", out / checkpoint.LOCK)
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--model", "toy", "--out", str(out), *EVAL_SMALL, "--confidence", "logits"])
+    assert "lock is a symbolic link" in str(e.value.code) and read(tmp_path / "v.txt") == "precious\n"
+
+
+def test_evaluate_replaces_links_it_rewrites_and_refuses_one_it_would_append_through(tmp_path):
+    out = tmp_path / "eval"
+    os.makedirs(out)
+    planted = ["results.json.tmp", "reliability_toy_toy.png"]
+    for n in planted:
+        os.symlink(victim(tmp_path / f"victim_{n}"), out / n)
+    evaluate.main(["--model", "toy", "--out", str(out), *EVAL_SMALL, "--confidence", "logits"])
+    assert all(read(tmp_path / f"victim_{n}") == "precious\n" for n in planted)
+    assert not os.path.islink(out / "reliability_toy_toy.png") and os.path.getsize(out / "reliability_toy_toy.png") > 0
+    os.remove(out / "samples.jsonl")
+    os.symlink(victim(tmp_path / "victim_samples"), out / "samples.jsonl")
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--model", "toy", "--out", str(out), *EVAL_SMALL, "--confidence", "logits", "--seed", "1"])
+    assert "samples.jsonl is a symbolic link" in str(e.value.code) and "\n" not in str(e.value.code)
+    assert read(tmp_path / "victim_samples") == "precious\n"
+
+
 # ---- D22: a full disk mid-write is one line and leaves what was there
 
 def test_a_full_disk_while_saving_a_checkpoint_is_one_line_and_keeps_the_last(run_copy, capsys):
@@ -78,6 +139,16 @@ def test_a_full_disk_while_saving_a_checkpoint_is_one_line_and_keeps_the_last(ru
     assert e.value.code == 2 and f"cannot write checkpoint {ckpt(run_copy, 3)} (" in err and "disk full" in err, err
     assert sorted(os.listdir(os.path.join(run_copy, "checkpoints"))) == before   # no temporary folder left
     assert checkpoint.latest_checkpoint(run_copy, resume=True) == ckpt(run_copy, 2)
+
+
+def test_a_full_disk_while_plotting_keeps_the_old_png(tmp_path):
+    rel = [dict(lo=i / 10, hi=(i + 1) / 10, accuracy=0.5, count=3) for i in range(10)]
+    path = str(tmp_path / "reliability.png")
+    report.plot_reliability(rel, "t", path)
+    old = open(path, "rb").read()
+    with file_size_limit(len(old) // 4), pytest.raises(checkpoint.UserError, match="cannot write .*reliability.png"):
+        report.plot_reliability(rel, "t2", path)
+    assert open(path, "rb").read() == old and os.listdir(tmp_path) == ["reliability.png"]
 
 
 # ---- D23: a run read while it trains with --keep 1 (its checkpoint pruned meanwhile)
