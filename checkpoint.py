@@ -13,13 +13,21 @@ directory, or a run directory (its latest checkpoint).
 
     RUN/lock                             held by the one process writing the run (pid, host)
 
-A checkpoint is written under `step_000010.tmp` and renamed when complete, so a crash mid-write
-never replaces or damages the last good one; only the last `keep` are kept. A checkpoint damaged
-afterwards (a file deleted or cut short) is skipped for the previous complete one, with a message.
+A checkpoint is written into a fresh `step_000010.<random>.tmp` and renamed when complete, so a
+crash or a full disk mid-write never replaces or damages the last good one; of the complete ones at or
+below the step just saved only the last `keep` are kept. A checkpoint damaged afterwards (a file
+deleted or cut short), one whose state.pt holds another step, or a link in place of its folder is
+skipped for the previous complete one, with a message, and never pruned.
+
+Every file written in a run or evaluation folder is written without following a link planted there
+(`replacing`, `appending`, the lock): such a folder may come from someone else (a shared project
+folder, an unpacked archive), and a link in it must not make this code overwrite what it points to.
 """
+import errno
 import json
 import os
 import random
+import secrets
 import shutil
 import socket
 import struct
@@ -140,6 +148,9 @@ def load_model(name, dtype=torch.float32, trust_remote_code=False):
     except UserError:
         raise
     except (OSError, ValueError, KeyError, SafetensorError) as e:
+        if path != name and not os.path.lexists(path):
+            raise UserError(f"cannot load model {name!r}: its checkpoint {path} was removed while loading "
+                            "(the run is still saving and keeps only the last --keep): try again") from None
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         where = "" if path == name else f" ({path})"
         hint = ("a weights file is damaged (cut short?): copy it again" if isinstance(e, SafetensorError)
@@ -180,17 +191,37 @@ def _zip_ok(path):
         return False
 
 
+def _saved_step(path):
+    """The step a state.pt says it was saved at, or None when it cannot tell (reading it to resume
+    then says why). mmap: only the pickle is read, not the optimizer state."""
+    try:
+        return torch.load(path, weights_only=True, mmap=True, map_location="cpu").get("step")
+    except Exception:
+        return None
+
+
 def missing(ckpt, resume=False):
     """What a checkpoint lacks to be loaded as a model (resume: to be resumed from): [] when complete.
-    probe.pt is needed only to resume, but must be whole wherever it is."""
+    probe.pt is needed only to resume, but must be whole wherever it is. The folder must be the run's
+    own (not a link to another run's) and its state.pt saved at the step in its name."""
+    if os.path.islink(ckpt):
+        return ["a folder of its own (it is a link)"]
+    try:
+        names = os.listdir(ckpt)
+    except OSError:   # a file, or removed meanwhile
+        return ["the folder"]
     need = ("config.json", "state.pt", "probe.pt") if resume else ("config.json",)
     lack = [n for n in need if not os.path.isfile(os.path.join(ckpt, n))]
     lack += [f"{n} (cut short)" for n in ("state.pt", "probe.pt")
              if os.path.isfile(os.path.join(ckpt, n)) and not _zip_ok(os.path.join(ckpt, n))]
-    weights = sorted(n for n in os.listdir(ckpt) if n.endswith(".safetensors"))
+    weights = sorted(n for n in names if n.endswith(".safetensors"))
     if not weights:
         lack.append("model.safetensors")
     lack += [f"{n} (cut short)" for n in weights if not _safetensors_ok(os.path.join(ckpt, n))]
+    if "state.pt" in names and not lack:
+        saved = _saved_step(os.path.join(ckpt, "state.pt"))
+        if saved is not None and saved != step_of(ckpt):
+            lack.append(f"state.pt of step {step_of(ckpt)} (it holds step {saved})")
     return lack
 
 
@@ -202,6 +233,8 @@ def latest_checkpoint(run_dir, say=None, resume=False):
         lack = missing(ckpt, resume)
         if not lack:
             return ckpt
+        if not os.path.lexists(ckpt):   # pruned by the run's writer while we looked: a newer one is there
+            return latest_checkpoint(run_dir, say, resume)
         say(f"skipping incomplete checkpoint {ckpt}: missing {', '.join(lack)}")
     return None
 
@@ -239,20 +272,52 @@ def set_rng_state(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _fresh(path):
+    """A new name beside PATH: random, so no link can have been planted there in advance."""
+    return f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+
+
+def _remove(path):
+    """Remove a folder, or only the link where a link stands (never what it points to)."""
+    if os.path.islink(path):
+        os.unlink(path)
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def save_checkpoint(run_dir, step, write, keep=2):
-    """Call write(tmp_dir) to fill a new checkpoint, then publish it atomically and prune old ones."""
-    final = os.path.join(run_dir, "checkpoints", f"{PREFIX}{step:06d}")
-    tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    write(tmp)
-    if os.path.exists(final):  # the same step saved again (after a fallback): set the old one aside
-        shutil.rmtree(final + ".old", ignore_errors=True)  # first, so that a kill in between loses nothing
-        os.replace(final, final + ".old")
-    os.replace(tmp, final)
-    shutil.rmtree(final + ".old", ignore_errors=True)
-    for old in checkpoints(run_dir)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+    """Call write(tmp_dir) to fill a new checkpoint in a fresh folder, then publish it atomically and
+    prune: of the complete checkpoints at or below `step`, all but the last `keep` (keep 0: none).
+    Damaged ones and newer ones are never counted, so they never make a good one go. A failed write
+    (a full disk) is one UserError line; the folder is removed and the checkpoints before it stay."""
+    from safetensors import SafetensorError
+    root = os.path.join(run_dir, "checkpoints")
+    final = os.path.join(root, f"{PREFIX}{step:06d}")
+    os.makedirs(root, exist_ok=True)
+    for n in os.listdir(root):   # left by a save that was killed (we hold the run's lock: no one else saves)
+        if n.startswith(PREFIX) and n.endswith(".tmp"):
+            _remove(os.path.join(root, n))
+    tmp = _fresh(final)
+    os.mkdir(tmp)
+    try:
+        write(tmp)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, (OSError, RuntimeError, SafetensorError)):   # torch.save says RuntimeError
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise UserError(f"cannot write checkpoint {final} ({first}): is the disk full? The checkpoints "
+                            "saved before it are intact") from None
+        raise
+    if os.path.lexists(final):   # the same step saved again (after a fallback): set the old one aside
+        old = _fresh(final)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        _remove(old)
+    else:
+        os.replace(tmp, final)
+    done = [c for c in checkpoints(run_dir) if step_of(c) <= step and not missing(c, resume=True)]
+    for old in done[:-keep] if keep > 0 else []:
+        _remove(old)
     return final
 
 
@@ -268,11 +333,56 @@ def apply_rates(opt, sched, lr, probe_opt, probe_lr):
         g["lr"] = probe_lr
 
 
-def write_json(path, obj):
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(tmp, path)
+@contextmanager
+def _writing(path):
+    """A failed write (disk full, no permission) as one UserError line naming the file."""
+    try:
+        yield
+    except OSError as e:
+        raise UserError(f"cannot write {path}: {e.strerror or e}: free some space or check the "
+                        "folder's permissions") from None
+
+
+def _open_own(path, flags):
+    """os.open that never follows a link at PATH (O_NOFOLLOW): a planted one is one UserError line."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW, 0o666)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise UserError(f"{path} is a symbolic link: this code never writes through one (it could point "
+                        "anywhere); put the file itself there, or remove it") from None
+
+
+@contextmanager
+def replacing(path, mode="w"):
+    """Write PATH whole or not at all, never through a link: the block writes a fresh file beside it
+    (a random name opened with O_EXCL, which no link can be planted at), which then replaces PATH
+    (os.replace swaps a link at PATH itself, not what it points to). On any error the fresh file is
+    removed and PATH is as it was."""
+    tmp = _fresh(path)
+    try:
+        with _writing(path), open(_open_own(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), mode) as f:
+            yield f
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+@contextmanager
+def appending(path):
+    """PATH opened to append (created if absent), never through a link: a symbolic link there is
+    refused in one line rather than replaced, because the rows logged so far are where it points and
+    resuming reads them (replacing would drop them; writing through would change a file elsewhere)."""
+    with _writing(path), open(_open_own(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a") as f:
+        yield f
+
+
+def write_json(path, obj, indent=2):
+    with replacing(path) as f:
+        json.dump(obj, f, indent=indent)
 
 
 def read_jsonl(path, valid=lambda row: True, say=None):
@@ -280,14 +390,14 @@ def read_jsonl(path, valid=lambda row: True, say=None):
     mid-write) is dropped from the file with a message; any other bad line is a UserError naming the
     file and line. `valid(row)` says whether a parsed row has the fields the log needs."""
     say = say or (lambda msg: print(msg, file=sys.stderr))
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         return []
-    with open(path, "rb") as f:
+    with open(_open_own(path, os.O_RDONLY), "rb") as f:   # a link here is refused before any work
         raw = f.read()
     if raw and not raw.endswith(b"\n"):  # a kill between a row and its newline: end the line, so
         raw += b"\n"                      # the next append starts a new one (a cut-off row is dropped below)
-        with open(path, "ab") as f:
-            f.write(b"\n")
+        with appending(path) as f:
+            f.write("\n")
     lines = raw.split(b"\n")
     rows, last = [], max((i for i, line in enumerate(lines) if line.strip()), default=-1)
     for i, line in enumerate(lines):
@@ -298,9 +408,8 @@ def read_jsonl(path, valid=lambda row: True, say=None):
         except ValueError:
             if i == last:
                 say(f"{path}: dropped a cut-off last line ({line[:60].decode('utf-8', 'replace')!r})")
-                with open(path + ".tmp", "wb") as f:
+                with replacing(path, "wb") as f:
                     f.write(b"".join(x + b"\n" for x in lines[:i] if x.strip()))
-                os.replace(path + ".tmp", path)
                 break
             raise UserError(f"{path} line {i + 1} is not JSON: remove the line") from None
         if not isinstance(row, dict) or not valid(row):
@@ -312,12 +421,11 @@ def read_jsonl(path, valid=lambda row: True, say=None):
 
 def truncate_metrics(path, last_step):
     """Drop rows logged after the checkpoint we resume from (they will be produced again)."""
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         return
     rows = read_jsonl(path, valid=lambda r: isinstance(r.get("step"), int))
-    with open(path + ".tmp", "w") as f:
+    with replacing(path) as f:
         f.writelines(json.dumps(r) + "\n" for r in rows if r["step"] <= last_step)
-    os.replace(path + ".tmp", path)
 
 
 LOCK = "lock"
@@ -329,13 +437,14 @@ def locked(folder, what="run"):
 
     The lock is an flock on the file (the kernel drops it when the holder dies, however it dies),
     and the file names the holder (pid, host, start) for the message a second writer gets: one
-    UserError line, exit 2. A lock file left by a dead process is taken over with a message.
+    UserError line, exit 2. A lock file left by a dead process is taken over with a message; a link
+    in its place is refused (_open_own), never written through.
     """
     import fcntl
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, LOCK)
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_own(path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

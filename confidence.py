@@ -39,6 +39,7 @@ import zipfile
 
 import torch
 
+import checkpoint
 import probe as probe_lib
 from grpo import pack, token_logprobs
 from data import chat_prompt
@@ -452,7 +453,5 @@ def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, pro
     report["log"] = protocol_line(p, report)
     print(report["log"], file=sys.stderr)
     probe_lib.save(cache + ".pt", prb)
-    with open(cache + ".json.tmp", "w") as f:
-        json.dump(report, f, indent=1)
-    os.replace(cache + ".json.tmp", cache + ".json")
+    checkpoint.write_json(cache + ".json", report, indent=1)
     return prb, report

@@ -276,7 +276,7 @@ def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, con
         conf, extras = confidence.sample_confidences(
             model=model, tokenizer=tok, prompts=[p for p in prompts for _ in range(m)], responses=out.ids,
             texts=out.texts, golds=golds, seed=seed + 1, batch_size=s["score_batch"], rows=s["rows"], **conf_kw)
-        with open(path, "a") as f:
+        with checkpoint.appending(path) as f:
             for r, (q, missing) in enumerate((c for c in chunk for _ in range(m))):
                 j, answer = missing[r % m], grade.extract(out.texts[r], GRADER, form)
                 f.write(json.dumps(dict(

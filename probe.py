@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import checkpoint
 from checkpoint import UserError
 
 
@@ -112,7 +113,8 @@ def predict(probe, feats):
 
 
 def save(path, probe, opt=None):
-    """Write {dim, hidden, dropout, state_dict, optimizer} atomically (temp file, then os.replace)."""
+    """Write {dim, hidden, dropout, state_dict, optimizer} atomically and never through a link
+    (checkpoint.replacing)."""
     blob = {
         "dim": probe.dim, "hidden": probe.hidden, "dropout": probe.p_drop,
         "state_dict": {k: v.detach().cpu() for k, v in probe.state_dict().items()},
@@ -120,9 +122,8 @@ def save(path, probe, opt=None):
     }
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(blob, tmp)
-    os.replace(tmp, path)
+    with checkpoint.replacing(path, "wb") as f:
+        torch.save(blob, f)
 
 
 def shapes(dim, hidden):

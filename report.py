@@ -14,7 +14,7 @@ import numpy as np
 import grade
 import metrics
 import uses
-from checkpoint import UserError
+from checkpoint import UserError, replacing, write_json
 
 EPSILONS = (0.1, 0.2, 0.3)   # conformal early-exit risk levels
 COLUMNS = (("Acc", "acc"), ("ECE", "ece"), ("PCE", "pce"), ("Brier", "brier"), ("AUROC", "auroc"))
@@ -50,7 +50,8 @@ def plot_reliability(rel, title, path):
     ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="confidence", ylabel="accuracy", title=title)
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    with replacing(path, "wb") as f:   # whole or not at all: a full disk leaves the old one, not 0 bytes
+        fig.savefig(f, dpi=100, format="png")
     plt.close(fig)
 
 
@@ -119,9 +120,7 @@ def write_results(out_dir, label, res):
     path = os.path.join(out_dir, "results.json")
     old = read_results(out_dir)
     old[label] = clean(res)
-    with open(path + ".tmp", "w") as f:
-        json.dump(old, f, indent=1)
-    os.replace(path + ".tmp", path)
+    write_json(path, old, indent=1)
 
 
 def report_uses(results):

@@ -236,7 +236,7 @@ class Jobs:
 
     def child(self, cmd, log, what):
         """Run cmd with its output appended to log; True when it exits 0, else say why and False."""
-        with open(log, "a") as f:
+        with checkpoint.appending(log) as f:
             f.write(f"$ {shlex.join(cmd)}\n")
             f.flush()
             with CHILDREN_LOCK:   # so that stop_children() sees every child started before STOP
@@ -379,9 +379,8 @@ def write_outputs(out, methods, seeds, argv):
         methods=agg, seeds=seeds, accuracy_se=se, command=prov["command"], date=prov["date"],
         git_commit=prov["git_commit"], provenance=prov)))
     text = "\n".join(md) + "\n"
-    with open(os.path.join(out, "table.md.tmp"), "w") as f:
+    with checkpoint.replacing(os.path.join(out, "table.md")) as f:
         f.write(text)
-    os.replace(os.path.join(out, "table.md.tmp"), os.path.join(out, "table.md"))
     return text
 
 

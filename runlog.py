@@ -18,7 +18,7 @@ import subprocess
 import sys
 from datetime import datetime, timezone
 
-from checkpoint import UserError, write_json
+from checkpoint import UserError, appending, replacing, write_json
 
 TEXT_CHARS = 2000
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -65,7 +65,7 @@ def _tidy(v):
 
 def append_jsonl(path, rows):
     if rows:
-        with open(path, "a") as f:
+        with appending(path) as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
@@ -159,9 +159,9 @@ def plot_curves(run_dir, path=None):
     fig.suptitle(f"{os.path.basename(os.path.abspath(run_dir))}  (dashed: held-out checks)", fontsize=11)
     fig.tight_layout()
     path = path or os.path.join(run_dir, "curves.png")
-    fig.savefig(path + ".tmp", dpi=72, format="png")
+    with replacing(path, "wb") as f:
+        fig.savefig(f, dpi=72, format="png")
     plt.close(fig)
-    os.replace(path + ".tmp", path)
     return path
 
 

@@ -180,11 +180,12 @@ def run(cfg):
         os.makedirs(out, exist_ok=True)
         ckpt_lib.write_json(os.path.join(out, "config.json"), cfg)
         for path in (metrics_path, samples_path, heldout_path):
-            open(path, "w").close()
+            with ckpt_lib.replacing(path):   # empty, and a link planted there is replaced, not followed
+                pass
 
     def log(row):
         if MASTER:
-            with open(metrics_path, "a") as f:
+            with ckpt_lib.appending(metrics_path) as f:
                 f.write(json.dumps(row) + "\n")
             if tracker:
                 tracker.log(row)
