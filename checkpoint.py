@@ -39,6 +39,8 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from probe import NotAProbe
+
 PREFIX = "step_"
 ALIASES = {
     "deepseek-r1-distill-qwen-7b": "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
@@ -246,6 +248,8 @@ def reading(path):
     import pickle
     try:
         yield
+    except NotAProbe as e:
+        raise UserError(str(e)) from None
     except pickle.UnpicklingError:
         raise UserError(f"{path} holds objects other than tensors and plain data, so it was not "
                         "loaded (that could run code): it was not written by this code") from None

@@ -452,6 +452,7 @@ def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, pro
                   accuracy=sum(is_correct(t, a) for t, a in zip(out.texts, golds)) / len(golds))
     report["log"] = protocol_line(p, report)
     print(report["log"], file=sys.stderr)
-    probe_lib.save(cache + ".pt", prb)
+    with checkpoint.replacing(cache + ".pt", "wb") as f:
+        probe_lib.save(f, prb)
     checkpoint.write_json(cache + ".json", report, indent=1)
     return prb, report

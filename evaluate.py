@@ -290,8 +290,10 @@ def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, con
 
 
 def run_config(path):
-    """The config.json of the run a checkpoint belongs to, else {} (a base model)."""
-    run = _run_dir(path) if os.path.isdir(path) else None
+    """The config.json of a run (RUN, or RUN/checkpoints/step_*), else {} (a base model)."""
+    if not os.path.isdir(path):
+        return {}
+    run = _run_dir(path) or (path if os.path.isdir(os.path.join(path, "checkpoints")) else None)
     if run and os.path.isfile(os.path.join(run, "config.json")):
         cfg = config.read_config(run, flag="--model")
         config.check_saved(cfg, os.path.join(run, "config.json"))

@@ -8,9 +8,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import checkpoint
-from checkpoint import UserError
-
 
 class Probe(nn.Module):
     """MLP d -> hidden -> 1 (Linear, ReLU, Dropout, Linear); hidden defaults to d // 4, hidden=0 gives
@@ -112,18 +109,21 @@ def predict(probe, feats):
     return out
 
 
+class NotAProbe(ValueError):
+    """A file that is not a probe saved by `save` (checkpoint.reading makes it one line)."""
+
+
 def save(path, probe, opt=None):
-    """Write {dim, hidden, dropout, state_dict, optimizer} atomically and never through a link
-    (checkpoint.replacing)."""
+    """Write {dim, hidden, dropout, state_dict, optimizer} to `path` (a path or a binary file: the
+    callers pass a fresh checkpoint folder's path or a checkpoint.replacing file, never a link)."""
     blob = {
         "dim": probe.dim, "hidden": probe.hidden, "dropout": probe.p_drop,
         "state_dict": {k: v.detach().cpu() for k, v in probe.state_dict().items()},
         "optimizer": opt.state_dict() if opt is not None else None,
     }
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    with checkpoint.replacing(path, "wb") as f:
-        torch.save(blob, f)
+    if isinstance(path, (str, os.PathLike)):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    torch.save(blob, path)
 
 
 def shapes(dim, hidden):
@@ -156,14 +156,14 @@ def damage(blob):
 
 def load(path):
     """Rebuild a saved probe (on CPU) -> (probe, optimizer state dict or None): a file that is not
-    one (`damage`) is one UserError line, NaN or inf weights a FloatingPointError, both naming it.
+    one (`damage`) is NotAProbe, NaN or inf weights a FloatingPointError, both naming it.
 
     Load the optimizer state with make_optimizer(probe).load_state_dict(state) after moving the probe.
     """
     blob = torch.load(path, map_location="cpu", weights_only=True)
     why = damage(blob)
     if why:
-        raise UserError(f"{path} is not a probe saved by this code ({why}): use an earlier checkpoint")
+        raise NotAProbe(f"{path} is not a probe saved by this code ({why}): use an earlier checkpoint")
     if not all(torch.isfinite(t).all() for t in blob["state_dict"].values()):
         raise FloatingPointError(f"{path} holds NaN or inf probe weights")
     probe = Probe(blob["dim"], blob["hidden"], blob["dropout"])

@@ -175,7 +175,7 @@ def test_a_damaged_probe_file_is_refused_before_anything_is_built(case, tmp_path
     path = saved_probe(tmp_path, **change)
     built = []
     monkeypatch.setattr(probe_lib.Probe, "__init__", lambda self, *a, **k: built.append(a) or 1 / 0)
-    with pytest.raises(UserError) as e:
+    with pytest.raises(probe_lib.NotAProbe) as e:
         probe_lib.load(path)
     assert str(e.value) == f"{path} is not a probe saved by this code {words}: use an earlier checkpoint"
     assert built == []   # 81f6578: Probe(20000, 20000) was built (1.6 GB) before the weights were compared
