@@ -33,7 +33,6 @@ import math
 import os
 import pickle
 import random
-import re
 import sys
 import zipfile
 
@@ -41,6 +40,7 @@ import torch
 
 import checkpoint
 import probe as probe_lib
+from baselines import verbal_confidence  # RLCR's parser, read here for --confidence verbal
 from grpo import pack, token_logprobs
 from data import chat_prompt
 from grade import answers_match, boxed_answer, is_correct
@@ -52,34 +52,6 @@ from score import budget_ends, score
 SOURCES = ("probe", "probe-posthoc", "verbal", "verbal-forced", "logits")
 EVAL_SUFFIX = "\n\nIf I were to give the final answer now, the final answer would be \\boxed{"
 GRID = [(lr, p, wd) for lr in (1e-3, 5e-4, 1e-4) for p in (0.5, 0.8) for wd in (1e-3, 1e-2)]
-_OPEN, _CLOSE = re.compile("<confidence>", re.I), re.compile("</confidence>", re.I)
-_NUMBER = re.compile(r"[-+]?\d*\.?\d+(?:[eE][-+]?\d+)?")
-
-
-def verbal_confidence(text):
-    """(confidence, missing) from the last complete <confidence> tag (the last closing tag and the
-    nearest opening one before it): "0.8" -> 0.8, "85" or "85%" -> 0.85.
-
-    Values are clipped to [0, 1]; no tag or no number in it -> (0.5, True). Linear in the text: a
-    policy that repeats "<confidence>" 8,000 times costs one pass, not one pass per tag.
-    """
-    end = _last(_CLOSE, text, len(text))
-    start = _last(_OPEN, text, end.start()) if end else None
-    m = _NUMBER.search(text, start.end(), end.start()) if start else None
-    if m is None:
-        return 0.5, True
-    v = float(m.group())
-    if v > 1:
-        v /= 100.0
-    return min(max(v, 0.0), 1.0), False
-
-
-def _last(pattern, text, stop):
-    """The last match of `pattern` in text[:stop], or None."""
-    m = None
-    for m in pattern.finditer(text, 0, stop):
-        pass
-    return m
 
 
 def forced_verbal(model, tokenizer, prompts, responses, close_id, budget, k, seed=None, batch_size=8):

@@ -11,6 +11,7 @@ import os
 import data
 import toy
 from checkpoint import UserError
+from modes import PROBE_MODES, REWARDS  # the --reward modes; plan.py reads PROBE_MODES here
 
 # Defaults that depend on the world: the toy sizes for 2 CPU cores, the real ones from DESIGN.md.
 TOY = dict(data="toy", eval_data="toy", steps=45, prompts_per_step=16, group_size=8, lr=1e-4,
@@ -32,9 +33,7 @@ COMMON = dict(model="toy", problem_field=None, answer_field=None, trust_remote_c
               plan=False, decode=None, drop_unanimous=False)
 NOT_SAVED = ("resume", "config", "plot")  # how a run was started, not what it is
 
-# --reward: RLCM, then the paper's baselines and ablations (DESIGN.md "Baselines", modes.py)
-REWARDS = ("rlcm", "grpo", "final-margin", "process-brier", "final-brier", "rlcr", "c2gspg")
-PROBE_MODES = ("rlcm", "final-margin", "process-brier", "final-brier")  # forced-answer labels + probe
+# --reward: RLCM, then the paper's baselines and ablations (DESIGN.md "Baselines"): modes.REWARDS.
 # What a mode implies. Flags given now win; a resumed run of the same mode keeps what it saved.
 IMPLIED = {"final-margin": dict(budgets=(1.0,), corner="final-margin"),
            "process-brier": dict(drop_unanimous=True),

@@ -1,5 +1,5 @@
-"""GRPO pieces as small pure functions: packing, group advantages, chunked token log-probs, the clipped
-policy loss, and the C2GSPG baseline's advantage.
+"""GRPO pieces as small pure functions: packing, group advantages, chunked token log-probs, and the clipped
+policy loss.
 
 Packed layout: input_ids[i] = prompt_i + response_i + [pad] * ... (right padding). Token t (t >= 1) is
 predicted from position t - 1, so log-prob tensors are [N, L-1] over targets input_ids[:, 1:], and the
@@ -159,32 +159,3 @@ def policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.2, agg="tok
         }
     return loss, stats
 
-
-def c2gspg_advantages(rewards01, conf, group_size):
-    """C2GSPG baseline advantage: A = (r - mean_group r) / max(1 - c, 1e-6), [N] -> [N].
-
-    rewards01: 0/1 correctness; conf: the sequence confidence c = exp(mean token log-prob), detached
-    (the advantage is a constant; C2GSPG's 0.1 * BCE(c, r) term is a separate loss).
-    """
-    r = torch.as_tensor(rewards01, dtype=torch.float32)
-    c = torch.as_tensor(conf).detach().to(r.device, torch.float32)
-    if group_size < 1 or r.numel() % group_size or c.shape != r.shape:
-        raise ValueError(f"need rewards and conf of equal length, divisible into groups of {group_size}")
-    g = r.view(-1, group_size)
-    centred = (g - g.mean(dim=1, keepdim=True)).reshape(-1)
-    return centred / (1 - c).clamp(min=1e-6)
-
-
-def sequence_confidence(logp, mask):
-    """C2GSPG's confidence c = exp(sum_t logp * m / sum_t m) per sequence, clipped to [0, 1 - 1e-6]:
-    logp, mask [N, T] -> [N]. Differentiable (the loss's c_theta); detach it for the advantage."""
-    m = mask.to(logp.dtype)
-    return torch.exp((logp * m).sum(-1) / m.sum(-1).clamp(min=1)).clamp(max=1 - 1e-6)
-
-
-def c2gspg_bce(c, rewards01):
-    """C2GSPG's confidence loss per sequence: -(r log c + (1 - r) log(1 - c)), [N] -> [N]; the loss adds
-    0.1 times its mean over the batch. c is clamped to [1e-6, 1 - 1e-6] so the log stays finite."""
-    c = c.clamp(1e-6, 1 - 1e-6)
-    r = torch.as_tensor(rewards01, dtype=c.dtype, device=c.device)
-    return -(r * torch.log(c) + (1 - r) * torch.log1p(-c))

@@ -1,31 +1,35 @@
 """The --reward modes: RLCM, the paper's baselines and its ablations (DESIGN.md "Baselines"), as
-train.py runs them. The formulas live in reward.py and grpo.py; this file says which one each mode
-uses and what it logs.
+train.py runs them. The formulas live in reward.py (RLCM's margin and the ablations' terms), grpo.py
+(group advantages) and baselines.py (RLCR and C2GSPG whole); this file says which one each mode uses
+and what it logs.
 
   mode           labels + probe      reward R                                   advantages
   rlcm           budgets .25/.5/.75  r_nat + lam * margin (--corner, zero)      group z-score
   grpo           no                  r_nat                                      group z-score
-  final-margin   budget 1.0          r_nat + lam * margin (corner final-margin) group z-score
+  final-margin   budget 1.0          r_nat + lam * final_margin (+-mean C)      group z-score
   process-brier  budgets .25/.5/.75  r_nat + lam * -mean_b (C_b - Y_b)^2        group z-score,
   final-brier    budget 1.0          the same                                   unanimous groups dropped
   rlcr           no                  correct - (correct - verbal conf)^2        group z-score
   c2gspg         no                  correct (0/1)                              (r - mean r) / max(1 - c, 1e-6),
                                                                                 + 0.1 BCE(c_theta, r) in the loss
 r_nat = 2 * correct - 1 (signed, released). The budgets, corner and unanimous-group drop a mode
-implies are set by config.IMPLIED (flags given win). rlcr reads correctness from the last
-<answer> tag and its confidence from the last <confidence> tag (confidence.verbal_confidence:
-"85" -> 0.85, "0.3" -> 0.3, missing -> 0.5 and counted); c2gspg's c = exp(mean token log-prob) of
-the response at the sampling temperature under the rollout weights (grpo.sequence_confidence).
+implies are set by config.IMPLIED (flags given win); --corner picks the margin's rule (MARGINS).
+rlcr reads correctness from the last <answer> tag and its confidence from the last <confidence> tag
+(baselines.verbal_confidence: "85" -> 0.85, "0.3" -> 0.3, missing -> 0.5 and counted); c2gspg's
+c = exp(mean token log-prob) of the response at the sampling temperature under the rollout weights
+(baselines.sequence_confidence).
 """
 import torch
 
 import grade
-from confidence import verbal_confidence
-from config import PROBE_MODES  # the modes with forced-answer labels and a probe
-from grpo import c2gspg_advantages, group_advantages
-from reward import brier_reward, margin_reward, rlcr_reward, total_reward
+from baselines import c2gspg_advantages, c2gspg_loss, rlcr_reward, verbal_confidence
+from grpo import group_advantages
+from reward import brier_reward, corner_margin, final_margin, margin_reward, total_reward
 
+REWARDS = ("rlcm", "grpo", "final-margin", "process-brier", "final-brier", "rlcr", "c2gspg")
+PROBE_MODES = ("rlcm", "final-margin", "process-brier", "final-brier")  # forced-answer labels + probe
 BRIER_MODES = ("process-brier", "final-brier")
+MARGINS = {"zero": margin_reward, "margin-corner": corner_margin, "final-margin": final_margin}  # --corner
 COUNTED = ("verbal_missing",)  # components logged per step as a count; the others as a mean
 
 
@@ -47,10 +51,11 @@ def correctness(texts, golds, grader, mode):
 
 
 def calibration(C, Y, valid, cfg):
-    """The probe modes' calibration term [N]: the margin (rlcm, final-margin) or the negative Brier."""
+    """The probe modes' calibration term [N]: the margin by --corner (rlcm, final-margin) or the
+    negative Brier."""
     if cfg["reward"] in BRIER_MODES:
         return brier_reward(C, Y, valid)
-    return margin_reward(C, Y, valid, corner=cfg["corner"])
+    return MARGINS[cfg["corner"]](C, Y, valid)
 
 
 def unanimous(correct, group_size):
@@ -93,3 +98,9 @@ def reward_and_advantages(cfg, correct, calib, texts, seq_conf):
         adv = adv * kept
         parts["dropped"] = (~kept).float()
     return R, adv, kept, parts
+
+
+def extra_loss(cfg, correct):
+    """The term a mode adds to the policy loss (update.update's `extra`): C2GSPG's 0.1 * BCE(c_theta,
+    correct); None for the other modes."""
+    return c2gspg_loss(correct) if cfg["reward"] == "c2gspg" else None

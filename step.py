@@ -12,7 +12,8 @@ import data
 import modes
 import probe as probe_lib
 import runlog
-from grpo import pack, sequence_confidence
+from baselines import sequence_confidence
+from grpo import pack
 from label import budgets, mc_labels
 from metrics import ece
 from parallel import RANK, WORLD, all_gather, all_sum
@@ -107,7 +108,7 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
         for epoch in range(cfg["ppo_epochs"]):  # stats of the last epoch are logged
             last = epoch == cfg["ppo_epochs"] - 1
             upd = update(policy, opt, sched if last else None, batch, old_logp, adv, update_mbs, cfg,
-                         device, correct)
+                         device, modes.extra_loss(cfg, correct))
             gaps.append({k: upd.pop(k) for k in SAMPLER_GAP})
     local = [correct.sum().item(), R.sum().item(), signal.sum().item(),
              len(out.ids), sum(out.lengths), sum(f == "length" for f in out.finish),

@@ -19,7 +19,7 @@ from contextlib import nullcontext
 
 import torch
 
-from grpo import c2gspg_bce, policy_loss, sequence_confidence
+from grpo import policy_loss
 from parallel import WORLD, all_gather, all_sum, sharded
 
 
@@ -52,11 +52,16 @@ def micro_batch(batch, rows, device, length=None):
     return {k: v[:, :cut[k]] if k in cut else v for k, v in sub.items()}, L
 
 
-def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device, correct=None):
+def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device, extra=None):
     """One optimizer step over the micro-batches `mbs` (lists of batch rows; rows in none of them are
     left out). Each micro-batch's loss is weighted by its share of the tokens (token-mean) or
     sequences (seq-mean, seq-sum-norm) of those rows, so the summed gradient is that of one loss over
-    them, however they are cut. --reward c2gspg adds 0.1 * mean_n BCE(c_theta_n, correct_n).
+    them, however they are cut.
+
+    extra: None, or a loss term (name, coef, term) a mode adds (modes.extra_loss): term(logp,
+    loss_mask, rows) gives the [n] per-sequence values of a micro-batch's rows from the current,
+    differentiable log-probs; the loss adds coef * their mean over all sequences (every rank), and
+    the result has that mean under `name`.
 
     old_logp [N, T] from the scoring pass, or None for the on-policy case: the current log-probs,
     detached, so ratio = exp(logp - logp.detach()) is exactly 1 whatever the compute precision.
@@ -75,7 +80,8 @@ def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device, correct=N
     # FSDP averages gradients over ranks, so each rank's share is scaled back up by WORLD
     n_mb = int(max(all_gather(len(mbs))))
     sums = dict.fromkeys(("loss", "clip_frac", "kl", "ratio_mean"), 0.0)
-    c2gspg, bce_sum = cfg.get("reward") == "c2gspg", 0.0
+    name, coef, term = extra or (None, None, None)
+    extra_sum = 0.0
     # one plain GPU: autocast; under FSDP2 its mixed-precision policy casts instead
     plain_gpu = device.type == "cuda" and not sharded(policy)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if plain_gpu else nullcontext()
@@ -99,11 +105,10 @@ def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device, correct=N
             part, ratio = sampler_gap(logp, sub["sampler_logp"], sub["loss_mask"])
             gap_sums, ratio_max = [a + b for a, b in zip(gap_sums, part)], max(ratio_max, ratio)
         weighted = loss * (w * WORLD / max(total, 1.0))
-        if c2gspg:  # the current policy's c_theta, differentiable; a mean over sequences
-            bce = c2gspg_bce(sequence_confidence(logp, sub["loss_mask"]), correct[mb].to(device)).sum()
-            bce = bce * float(real)  # a padding micro-batch (other ranks have more) adds nothing
-            weighted = weighted + 0.1 * bce * WORLD / max(n_seq, 1.0)
-            bce_sum += bce.item()
+        if term is not None:  # a mean over sequences; a padding micro-batch adds nothing
+            part_sum = term(logp, sub["loss_mask"], mb).sum() * float(real)
+            weighted = weighted + coef * part_sum * WORLD / max(n_seq, 1.0)
+            extra_sum += part_sum.item()
         weighted.backward()
         for key, value in (("loss", loss.item()), *st.items()):
             sums[key] += value * w  # weighted like the loss: a batch-wide mean
@@ -117,8 +122,8 @@ def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device, correct=N
         sched.step()
     out = dict(zip(sums, (v / max(total, 1.0) for v in all_sum(list(sums.values()), device))),
                grad_norm=grad_norm)
-    if c2gspg:
-        out["c2gspg_bce"] = all_sum([bce_sum], device)[0] / max(n_seq, 1.0)
+    if term is not None:
+        out[name] = all_sum([extra_sum], device)[0] / max(n_seq, 1.0)
     if gap:
         absd, k3, tokens = all_sum(gap_sums, device)
         out.update(sampler_gap=absd / max(tokens, 1.0), sampler_kl_k3=k3 / max(tokens, 1.0),

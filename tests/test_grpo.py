@@ -232,9 +232,3 @@ def test_token_logprobs_never_calls_full_forward():
     with torch.no_grad():
         assert grpo.token_logprobs(model, b["input_ids"], b["attention_mask"]).shape == (2, 6)
 
-
-def test_c2gspg_advantages():
-    adv = grpo.c2gspg_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0.5, 0.2, 0.9, 1.0]), 4)
-    # mean 0.75 -> centred (0.25, -0.75, 0.25, 0.25), divided by max(1 - c, 1e-6)
-    assert adv.tolist() == pytest.approx([0.5, -0.9375, 2.5, 0.25 / 1e-6], rel=1e-4)
-    assert grpo.c2gspg_advantages(torch.ones(2), torch.tensor([0.3, 0.6]), 2).tolist() == [0.0, 0.0]

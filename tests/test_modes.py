@@ -8,6 +8,8 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+import baselines
+import confidence
 import config
 import data
 import grade
@@ -66,6 +68,23 @@ def test_c2gspg_advantages_by_hand():
     assert R.tolist() == [1.0, 0.0, 0.0, 1.0] and parts["seq_conf"] is c
 
 
+def test_c2gspg_advantages():
+    adv = baselines.c2gspg_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0.5, 0.2, 0.9, 1.0]), 4)
+    # mean 0.75 -> centred (0.25, -0.75, 0.25, 0.25), divided by max(1 - c, 1e-6)
+    assert adv.tolist() == pytest.approx([0.5, -0.9375, 2.5, 0.25 / 1e-6], rel=1e-4)
+    assert baselines.c2gspg_advantages(torch.ones(2), torch.tensor([0.3, 0.6]), 2).tolist() == [0.0, 0.0]
+
+
+def test_rlcr_reward():
+    correct = torch.tensor([True, False, True])
+    conf = torch.tensor([0.8, 0.8, 0.0])
+    assert baselines.rlcr_reward(correct, conf).tolist() == pytest.approx([1 - 0.04, -0.64, 0.0])
+
+
+def test_evaluation_reads_verbal_confidence_with_rlcrs_parser():
+    assert confidence.verbal_confidence is baselines.verbal_confidence
+
+
 def test_process_brier_worked_number():
     C, Y = torch.tensor([[0.9, 0.5, 0.1]]), torch.tensor([[1.0, 0.5, 0.0]])
     valid = torch.ones(1, 3, dtype=torch.bool)
@@ -75,6 +94,9 @@ def test_process_brier_worked_number():
     one = torch.ones(1, 1, dtype=torch.bool)
     fm = cfg_for("final-margin", corner="final-margin")
     assert modes.calibration(torch.tensor([[0.2]]), torch.tensor([[0.0]]), one, fm).item() == pytest.approx(-0.2)
+    mc = cfg_for("rlcm", corner="margin-corner")   # the released corner rule: 1 - mean C
+    assert modes.calibration(torch.tensor([[0.2]]), torch.tensor([[0.0]]), one, mc).item() == pytest.approx(0.8)
+    assert modes.calibration(torch.tensor([[0.2]]), torch.tensor([[0.0]]), one, cfg_for("rlcm")).item() == 0.0
 
 
 def test_brier_modes_drop_unanimous_groups():
@@ -148,13 +170,15 @@ def test_c2gspg_loss_adds_the_confidence_bce():
                   b["loss_mask"][i].sum().item()) for i in range(3)]
     bce = [-(r * math.log(x) + (1 - r) * math.log(1 - x)) for r, x in zip(correct.tolist(), c)]
     opt = Capture(policy.parameters())
-    stats = step.update(policy, opt, SCHED, b, None, torch.zeros(3), [[0, 1], [2]],
-                         dict(UPD, reward="c2gspg"), torch.device("cpu"), correct)
+    cfg = dict(UPD, reward="c2gspg")
+    stats = step.update(policy, opt, SCHED, b, None, torch.zeros(3), [[0, 1], [2]], cfg, torch.device("cpu"),
+                        modes.extra_loss(cfg, correct))
     assert stats["c2gspg_bce"] == pytest.approx(sum(bce) / 3, rel=1e-5)
     assert stats["loss"] == 0.0 and sum(g.abs().sum() for g in opt.grads if g is not None) > 0
     opt = Capture(policy.parameters())
-    stats = step.update(policy, opt, SCHED, b, None, torch.zeros(3), [[0, 1], [2]],
-                         dict(UPD, reward="grpo"), torch.device("cpu"), correct)
+    cfg = dict(UPD, reward="grpo")
+    stats = step.update(policy, opt, SCHED, b, None, torch.zeros(3), [[0, 1], [2]], cfg, torch.device("cpu"),
+                        modes.extra_loss(cfg, correct))
     assert "c2gspg_bce" not in stats and all(g is None or not g.any() for g in opt.grads)
 
 

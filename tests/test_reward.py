@@ -1,6 +1,7 @@
 import ast
 import glob
 import os
+import subprocess
 import sys
 
 import pytest
@@ -23,7 +24,7 @@ def _imported_modules(filename):
     return names
 
 
-@pytest.mark.parametrize("leaf", ["metrics.py", "reward.py", "grpo.py", "probe.py"])
+@pytest.mark.parametrize("leaf", ["metrics.py", "reward.py", "grpo.py", "probe.py", "baselines.py"])
 def test_leaves_import_nothing_from_the_project(leaf):
     project = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "*.py"))}
     project |= {"toy", "data", "rollout", "label", "score", "train", "evaluate", "metrics", "reward", "grpo", "probe"}
@@ -32,11 +33,24 @@ def test_leaves_import_nothing_from_the_project(leaf):
     assert not imported & project, f"{leaf} imports project modules {imported & project}"
 
 
-def test_reward_imports_only_torch_and_stdlib():
-    imported = _imported_modules("reward.py")
+@pytest.mark.parametrize("copyable", ["reward.py", "baselines.py"])
+def test_copyable_files_import_only_torch_and_stdlib(copyable):
+    imported = _imported_modules(copyable)
     assert "torch" in imported
     for name in imported - {"torch"}:
-        assert name in sys.stdlib_module_names, f"reward.py imports {name}, not torch or the standard library"
+        assert name in sys.stdlib_module_names, f"{copyable} imports {name}, not torch or the standard library"
+
+
+EVALUATION = ("confidence", "evaluate", "report", "uses")
+
+
+@pytest.mark.parametrize("core", ["reward", "grpo", "update", "probe", "label", "modes", "baselines"])
+def test_importing_a_core_module_loads_no_evaluation_code(core):
+    """A learner's `import modes` (or any core file) must not pull in the evaluation modules: run in
+    a fresh interpreter, since this one has imported them all."""
+    code = f"import sys, {core}; print(' '.join(m for m in {EVALUATION!r} if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == [], f"import {core} loads {out.stdout.split()}"
 
 
 def test_margin_hand_computed():
@@ -50,21 +64,18 @@ def test_margin_hand_computed():
 def test_margin_corners():
     conf = torch.tensor([[0.9, 0.7, 0.2], [0.3, 0.1, 0.5], [0.4, 0.6, 0.9]])
     labels = torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.5], [0.25, 0.5, 0.75]])
-    zero = reward.margin_reward(conf, labels, corner="zero")
-    assert zero.tolist() == [0.0, 0.0, 0.0]
+    assert reward.margin_reward(conf, labels).tolist() == [0.0, 0.0, 0.0]
     # only solvable: mean C = 0.6; only unsolvable: 1 - mean(0.3, 0.1) = 0.8; neither: 0
-    assert reward.margin_reward(conf, labels, corner="margin-corner").tolist() == pytest.approx([0.6, 0.8, 0.0])
+    assert reward.corner_margin(conf, labels).tolist() == pytest.approx([0.6, 0.8, 0.0])
     # only unsolvable: -mean(0.3, 0.1) = -0.2
-    assert reward.margin_reward(conf, labels, corner="final-margin").tolist() == pytest.approx([0.6, -0.2, 0.0])
-    with pytest.raises(ValueError, match="corner"):
-        reward.margin_reward(conf, labels, corner="one-sided")
+    assert reward.final_margin(conf, labels).tolist() == pytest.approx([0.6, -0.2, 0.0])
 
 
-@pytest.mark.parametrize("corner, want", [("zero", 0.8), ("margin-corner", 0.8), ("final-margin", 0.0)])
-def test_both_sides_present(corner, want):
-    """The margin, except for the Final-Margin rule (released alpha_both = 0), which scores only
-    one-sided traces."""
-    m = reward.margin_reward(torch.tensor([[0.9, 0.1, 0.5]]), torch.tensor([[1.0, 0.0, 0.5]]), corner=corner)
+@pytest.mark.parametrize("rule, want", [("margin_reward", 0.8), ("corner_margin", 0.8), ("final_margin", 0.0)])
+def test_both_sides_present(rule, want):
+    """The margin, except for Final-Margin (released alpha_both = 0), which scores only one-sided
+    traces: it is 0 exactly when both sides exist."""
+    m = getattr(reward, rule)(torch.tensor([[0.9, 0.1, 0.5]]), torch.tensor([[1.0, 0.0, 0.5]]))
     assert m.tolist() == pytest.approx([want])
 
 
@@ -74,18 +85,18 @@ def test_released_unit_test_values():
     both margin 0 without corner handling; an empty budget list gives 0."""
     both = torch.tensor([[0.9, 0.7], [0.3, 0.1]])
     y = torch.tensor([[1.0, 1.0], [0.0, 0.0]])
-    assert reward.margin_reward(both, y, corner="margin-corner").tolist() == pytest.approx([0.8, 0.8])
-    assert reward.margin_reward(both, y, corner="final-margin").tolist() == pytest.approx([0.8, -0.2])
+    assert reward.corner_margin(both, y).tolist() == pytest.approx([0.8, 0.8])
+    assert reward.final_margin(both, y).tolist() == pytest.approx([0.8, -0.2])
     # released conf_diff_v3 (tau 0.4, alphas 3/5/7): only-correct 5 * (0.9 - 0.4), only-incorrect
     # 7 * (0.4 - 0.1); with the Final-Margin script's tau 0 and alphas 0/1/1 these are 0.9 and -0.1
-    one = reward.margin_reward(torch.tensor([[0.9], [0.1]]), torch.tensor([[1.0], [0.0]]), corner="final-margin")
+    one = reward.final_margin(torch.tensor([[0.9], [0.1]]), torch.tensor([[1.0], [0.0]]))
     assert one.tolist() == pytest.approx([0.9, -0.1])
-    assert reward.margin_reward(both, y, corner="zero").tolist() == [0.0, 0.0]
+    assert reward.margin_reward(both, y).tolist() == [0.0, 0.0]
     # released: preds [0.8, 0.3], [0.6, 0.4] with accuracies [1, 0], [0, 1] -> 0.5, -0.2
     two = reward.margin_reward(torch.tensor([[0.8, 0.3], [0.6, 0.4]]), torch.tensor([[1.0, 0.0], [0.0, 1.0]]))
     assert two.tolist() == pytest.approx([0.5, -0.2])
-    empty = reward.margin_reward(torch.tensor([[0.9, 0.0], [0.9, 0.2]]), torch.tensor([[0.0, 0.0], [1.0, 0.0]]),
-                                 mask=torch.tensor([[0, 0], [1, 1]]), corner="margin-corner")
+    empty = reward.corner_margin(torch.tensor([[0.9, 0.0], [0.9, 0.2]]), torch.tensor([[0.0, 0.0], [1.0, 0.0]]),
+                                 mask=torch.tensor([[0, 0], [1, 1]]))
     assert empty.tolist() == pytest.approx([0.0, 0.7])
 
 
@@ -93,7 +104,7 @@ def test_final_margin_ablation_values():
     """Budget 1.0 only: one prefix; +C when every forced answer is right, -C when all wrong, 0 mixed."""
     conf = torch.tensor([[0.7], [0.2], [0.9]])
     labels = torch.tensor([[1.0], [0.0], [0.5]])
-    assert reward.margin_reward(conf, labels, corner="final-margin").tolist() == pytest.approx([0.7, -0.2, 0.0])
+    assert reward.final_margin(conf, labels).tolist() == pytest.approx([0.7, -0.2, 0.0])
 
 
 def test_margin_mask_drops_padding_prefixes():
@@ -111,14 +122,6 @@ def test_brier_reward():
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
     out = reward.brier_reward(conf, labels, mask)
     assert out.tolist() == pytest.approx([-(0.01 + 0.0625 + 0.0) / 3, -0.04])
-
-
-def test_rlcr_and_direct_brier():
-    correct = torch.tensor([True, False, True])
-    conf = torch.tensor([0.8, 0.8, 0.0])
-    assert reward.rlcr_reward(correct, conf).tolist() == pytest.approx([1 - 0.04, -0.64, 0.0])
-    assert reward.direct_brier_reward(correct, conf).tolist() == pytest.approx([1 - 0.004, -0.064, 0.9])
-    assert reward.direct_brier_reward(correct, conf, lam=1.0).tolist() == pytest.approx([1 - 0.04, -0.64, 0.0])
 
 
 def test_total_reward_signed_and_unsigned():

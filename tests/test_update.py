@@ -133,3 +133,46 @@ def test_fsdp2_ranks_with_padding_micro_batches_equal_one_process(tmp_path):
     # the largest ratio is rank 1's (e^0.9), so rank 0 must have gathered it
     ratio = max(math.exp(k * d) for k, d in zip(n, deltas))
     assert two["stats"]["sampler_ratio_max"] == pytest.approx(ratio, rel=1e-5)
+
+
+class Grads:
+    """Stands in for the optimizer: keeps the accumulated gradients instead of stepping."""
+    def __init__(self, params):
+        self.params, self.grads = list(params), None
+
+    def step(self):
+        self.grads = [p.grad.clone() for p in self.params]
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+
+def test_an_extra_loss_term_is_a_mean_over_sequences_however_the_batch_is_cut():
+    """update knows no reward mode: a mode's extra term (name, coef, term) is added as coef times the
+    mean over the batch's sequences of term(logp, loss_mask, rows), and that mean is logged as
+    `name`. Here term = a sequence's summed response log-prob, with zero advantages so it is the
+    whole loss: the gradient over micro-batches [0, 1], [2] equals that of 0.5 * mean_n term_n on the
+    whole batch at once."""
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(4, 60, (n,), generator=g).tolist() for n in (5, 2, 4)]
+    responses = [torch.randint(4, 60, (n,), generator=g).tolist() for n in (3, 7, 4)]
+    batch = pack(prompts, responses, pad_id=0)
+    seen = []
+
+    def term(logp, mask, rows):
+        seen.append(list(rows))
+        return (logp * mask).sum(-1)
+
+    policy = LogprobModel(tiny.model(vocab_size=64, seed=4))
+    cfg = {k: v for k, v in CFG.items() if k != "reward"}
+    opt = Grads(policy.parameters())
+    stats = update.update(policy, opt, None, batch, None, torch.zeros(3), [[0, 1], [2]], cfg, CPU,
+                          extra=("logp_sum", 0.5, term))
+    assert seen == [[0, 1], [2]]
+    logp = policy(batch["input_ids"], batch["attention_mask"], CFG["temperature"], CFG["chunk_size"])
+    by_hand = (logp * batch["loss_mask"]).sum(-1)
+    assert stats["logp_sum"] == pytest.approx(by_hand.mean().item(), rel=1e-5) and stats["loss"] == 0.0
+    (0.5 * by_hand.mean()).backward()
+    assert all(torch.allclose(a, p.grad, atol=1e-6) for a, p in zip(opt.grads, policy.parameters()))
+    assert any(a.abs().sum() > 0 for a in opt.grads)

@@ -1,0 +1,93 @@
+"""The paper's two baselines, each whole in one place; modes.py switches them on (--reward rlcr,
+--reward c2gspg). Torch and the standard library only.
+
+RLCR: the policy states its confidence in a final <confidence> tag (its answer in an <answer> tag);
+  conf  = verbal_confidence(text): "85" -> 0.85, "0.3" -> 0.3, missing -> 0.5 (and counted)
+  R     = correct - (correct - conf)^2   (correct 0/1)              advantages: group z-score
+C2GSPG: the confidence is the policy's own sequence probability;
+  c     = exp(mean_t log p(token_t)) of the response (sequence_confidence)
+  R     = correct (0/1),  A = (R - mean_group R) / max(1 - c, 1e-6), c under the rollout weights
+  loss  = the clipped policy loss + 0.1 * mean_n BCE(c_theta_n, correct_n), c_theta differentiable
+          (c2gspg_loss: the extra term update.update adds)
+"""
+import re
+
+import torch
+
+_OPEN, _CLOSE = re.compile("<confidence>", re.I), re.compile("</confidence>", re.I)
+_NUMBER = re.compile(r"[-+]?\d*\.?\d+(?:[eE][-+]?\d+)?")
+
+
+def verbal_confidence(text):
+    """(confidence, missing) from the last complete <confidence> tag (the last closing tag and the
+    nearest opening one before it): "0.8" -> 0.8, "85" or "85%" -> 0.85.
+
+    Values are clipped to [0, 1]; no tag or no number in it -> (0.5, True). Linear in the text: a
+    policy that repeats "<confidence>" 8,000 times costs one pass, not one pass per tag.
+    """
+    end = _last(_CLOSE, text, len(text))
+    start = _last(_OPEN, text, end.start()) if end else None
+    m = _NUMBER.search(text, start.end(), end.start()) if start else None
+    if m is None:
+        return 0.5, True
+    v = float(m.group())
+    if v > 1:
+        v /= 100.0
+    return min(max(v, 0.0), 1.0), False
+
+
+def _last(pattern, text, stop):
+    """The last match of `pattern` in text[:stop], or None."""
+    m = None
+    for m in pattern.finditer(text, 0, stop):
+        pass
+    return m
+
+
+def rlcr_reward(correct, conf):
+    """RLCR's reward on verbal confidence: correct - (correct - conf)^2, [N] -> [N] (correct 0/1)."""
+    c = torch.as_tensor(correct)
+    c = c if c.is_floating_point() else c.float()
+    return c - (c - torch.as_tensor(conf).to(c.device, c.dtype)) ** 2
+
+
+def sequence_confidence(logp, mask):
+    """C2GSPG's confidence c = exp(sum_t logp * m / sum_t m) per sequence, clipped to [0, 1 - 1e-6]:
+    logp, mask [N, T] -> [N]. Differentiable (the loss's c_theta); detach it for the advantage."""
+    m = mask.to(logp.dtype)
+    return torch.exp((logp * m).sum(-1) / m.sum(-1).clamp(min=1)).clamp(max=1 - 1e-6)
+
+
+def c2gspg_advantages(rewards01, conf, group_size):
+    """C2GSPG's advantage: A = (r - mean_group r) / max(1 - c, 1e-6), [N] -> [N].
+
+    rewards01: 0/1 correctness; conf: the sequence confidence c, detached (the advantage is a
+    constant; the BCE term is c2gspg_loss).
+    """
+    r = torch.as_tensor(rewards01, dtype=torch.float32)
+    c = torch.as_tensor(conf).detach().to(r.device, torch.float32)
+    if group_size < 1 or r.numel() % group_size or c.shape != r.shape:
+        raise ValueError(f"need rewards and conf of equal length, divisible into groups of {group_size}")
+    g = r.view(-1, group_size)
+    centred = (g - g.mean(dim=1, keepdim=True)).reshape(-1)
+    return centred / (1 - c).clamp(min=1e-6)
+
+
+def c2gspg_bce(c, rewards01):
+    """C2GSPG's confidence loss per sequence: -(r log c + (1 - r) log(1 - c)), [N] -> [N]. c is
+    clamped to [1e-6, 1 - 1e-6] so the log stays finite."""
+    c = c.clamp(1e-6, 1 - 1e-6)
+    r = torch.as_tensor(rewards01, dtype=c.dtype, device=c.device)
+    return -(r * torch.log(c) + (1 - r) * torch.log1p(-c))
+
+
+def c2gspg_loss(correct):
+    """C2GSPG's term of the policy loss, as update.update's `extra` (name, coefficient, per-sequence
+    term): 0.1 * the mean over sequences of BCE(c_theta, correct), logged as c2gspg_bce.
+
+    correct [N] 0/1 for the batch's rows; the term gets the current policy's log-probs of a
+    micro-batch (logp, loss_mask [n, T]) and its row indices.
+    """
+    def bce(logp, mask, rows):
+        return c2gspg_bce(sequence_confidence(logp, mask), correct[rows].to(logp.device))
+    return "c2gspg_bce", 0.1, bce
