@@ -26,7 +26,8 @@ REAL = dict(data="deepscaler", eval_data="math500", steps=600, prompts_per_step=
             gen_batch=8)  # 8 prompts x 6 = 48 rows x 8k tokens: ~22 GB of KV cache for the 7B
 COMMON = dict(model="toy", problem_field=None, answer_field=None, trust_remote_code=False,
               temperature=0.8, top_p=1.0, reward="rlcm", lam=0.1, k=4, forced_close="think",
-              corner="zero", budgets=(0.25, 0.5, 0.75), max_prompt_tokens=0, probe_lr=1e-3, probe_passes=16, probe_batch=16, grad_clip=1.0,
+              corner="zero", budgets=(0.25, 0.5, 0.75), max_prompt_tokens=0, probe_lr=1e-3, probe_passes=16,
+              probe_batch=16, probe_hidden=None, grad_clip=1.0,
               clip_low=0.2, clip_high=0.2, agg="token-mean", chunk_size=1024, seed=0, keep=2,
               out=None, resume=None, system_prompt=None, log_samples=4, eval_probe_n=32, wandb=None,
               wandb_run=None, ppo_epochs=1, offload=False, nproc=None, gpus=None, gpu_mem=None,
@@ -75,6 +76,7 @@ LIMITS = {
     "probe_lr": (lambda v: v > 0, "> 0"),
     "probe_passes": (lambda v: v >= 1, ">= 1"),
     "probe_batch": (lambda v: v >= 1, ">= 1"),
+    "probe_hidden": (lambda v: v >= 0, ">= 0 (0: the linear probe)"),
     "lr": (lambda v: v > 0, "> 0"),
     "warmup": (lambda v: v >= 0, ">= 0"),
     "grad_clip": (lambda v: v > 0, "> 0"),
@@ -98,7 +100,7 @@ LIMITS = {
 # On --resume these would make the saved data cursor, RNG states or probe refer to another run:
 # refused. Every other flag given with --resume applies from the next step and is written to
 # config.json (--lr and --probe-lr included: they replace the saved optimizers' rates).
-FIXED_ON_RESUME = ("model", "data", "problem_field", "answer_field", "seed", "reward")
+FIXED_ON_RESUME = ("model", "data", "problem_field", "answer_field", "seed", "reward", "probe_hidden")
 
 
 def check_values(cfg, limits=LIMITS):
@@ -217,6 +219,9 @@ def build_parser():
     g.add_argument("--probe-lr", type=float)
     g.add_argument("--probe-passes", type=int)
     g.add_argument("--probe-batch", type=int)
+    g.add_argument("--probe-hidden", type=int, metavar="N",
+                   help="the probe's hidden width: d -> N -> 1 (default d/4: the released MLP, d -> d/4 -> 1); "
+                        "0 trains the design card's linear probe d -> 1")
     g = p.add_argument_group("optimisation")
     g.add_argument("--lr", type=float)
     g.add_argument("--warmup", type=int)

@@ -1,6 +1,8 @@
-"""The confidence probe: a small MLP on the policy's hidden states that predicts the chance that a
-forced answer at a prefix is right. Fitted each RL step on (feature, Y_b) pairs; its prediction
-C_b = sigmoid(probe(h_b)) feeds the margin reward. No gradient reaches the policy from here.
+"""The confidence probe: a small network on the policy's hidden states that predicts the chance that
+a forced answer at a prefix is right. By default the released code's MLP d -> d/4 -> 1;
+--probe-hidden 0 trains the design card's linear probe d -> 1 (train.py). Fitted each RL step on
+(feature, Y_b) pairs; its prediction C_b = sigmoid(probe(h_b)) feeds the margin reward. No gradient
+reaches the policy from here.
 """
 import os
 

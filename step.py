@@ -1,7 +1,7 @@
-"""One RL step (DESIGN.md): rollout -> grade -> budgets -> forced answers (Monte-Carlo labels Y_b)
--> scoring forward (probe features; old log-probs when --ppo-epochs > 1) -> probe fit on this batch
--> probe confidences C_b -> calibration term -> reward and group advantages (modes.py) -> one clipped
-policy-gradient step (update.py). train.py runs it once per step and logs the row it returns.
+"""One RL step, twice. `rlcm_step` is the whole RLCM step on one screen, to read: one process, one
+update per batch, built from the functions `rl_step` calls. `rl_step` is the step train.py runs and
+logs: the same computation (tests/test_step.py holds the two equal) with ranks, micro-batches,
+--ppo-epochs > 1, the baselines and ablations (modes.py), timers and the metrics row.
 """
 import time
 from contextlib import contextmanager
@@ -13,15 +13,66 @@ import modes
 import probe as probe_lib
 import runlog
 from baselines import sequence_confidence
-from grpo import pack
+from grade import is_correct
+from grpo import group_advantages, pack, policy_loss, token_logprobs
 from label import budgets, mc_labels
 from metrics import ece
 from parallel import RANK, WORLD, all_gather, all_sum
+from reward import margin_reward, total_reward
 from rollout import generate
 from score import budget_ends, score
 from update import micro_batch, micro_batches, update
 
+
+def rlcm_step(model, tok, probe, probe_opt, opt, rows, cfg, step):
+    """One RLCM step on one process (model: a transformers causal LM that samples and trains) ->
+    its metrics. The same samples, metrics and weights as rl_step with --reward rlcm, --ppo-epochs 1
+    and one micro-batch; the learning-rate schedule is left to the caller."""
+    G, seed = cfg["group_size"], cfg["seed"] * 1_000_003 + step * 101  # rl_step's seeds
+    prompts = [data.chat_prompt(tok, r["problem"], cfg["instruction"], cfg["system_prompt"]) for r in rows]
+    # 1. rollout: G responses per prompt, each right (1) or wrong (0) by its last \boxed{}
+    model.eval()
+    out = generate(model, tok, prompts, n=G, max_new_tokens=cfg["max_new_tokens"], temperature=cfg["temperature"],
+                   top_p=cfg["top_p"], seed=seed, batch_size=cfg["gen_batch"], decode=cfg["decode"])
+    prompts, golds = [prompts[i] for i in out.prompt_index], [rows[i]["answer"] for i in out.prompt_index]
+    correct = torch.tensor([float(is_correct(t, g, cfg["grader"])) for t, g in zip(out.texts, golds)])
+    # 2. cut each response at 25/50/75 % of its tokens, force K answers there: Y_b = share of right ones
+    cuts = [budgets(n, cfg["budgets"]) for n in out.lengths]
+    ys = mc_labels(model, tok, prompts, out.ids, cuts, golds, k=cfg["k"], close=cfg["forced_close"],
+                   seed=seed + 7, batch_size=cfg["gen_batch"], grader=cfg["grader"], decode=cfg["decode"])
+    # 3. features h_b: the last layer's hidden states before each cut, from one no-grad forward
+    batch = pack(prompts, out.ids, tok.pad_token_id)
+    ends = budget_ends(batch["prompt_lens"], cuts)
+    _, h, valid = score(model, batch, ends, cfg["temperature"], cfg["chunk_size"], logprobs=False)
+    Y = torch.zeros(ends.shape)  # [N, B] like h_b, 0 where a response has fewer cuts
+    for i, y in enumerate(ys):
+        Y[i, :len(y)] = torch.tensor(y)
+    # 4. fit the probe on this batch's (h_b, Y_b), then read C_b = sigmoid(probe(h_b))
+    probe_lib.fit(probe, probe_opt, h[valid], Y[valid], passes=cfg["probe_passes"],
+                  batch_size=cfg["probe_batch"], seed=seed)
+    C = torch.zeros(Y.shape)
+    C[valid] = probe_lib.predict(probe, h[valid])
+    # 5. R = r_nat + lam * margin (mean C_b where Y_b = 1 minus mean C_b where Y_b = 0), r_nat = +-1;
+    #    advantages: R normalised within each prompt's group
+    margin = margin_reward(C, Y, valid)
+    R = total_reward(correct, margin, lam=cfg["lam"])
+    adv = group_advantages(R, G)
+    # 6. one clipped policy-gradient step; on-policy, so the old log-probs are the current ones detached
+    model.train()
+    logp = token_logprobs(model, batch["input_ids"], batch["attention_mask"], cfg["temperature"],
+                          cfg["chunk_size"])
+    loss, _ = policy_loss(logp, logp.detach(), adv, batch["loss_mask"], cfg["clip_low"], cfg["clip_high"],
+                          agg=cfg["agg"], norm_const=cfg["max_new_tokens"])
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return dict(accuracy=correct.mean().item(), reward=R.mean().item(), margin=margin.mean().item(),
+                loss=loss.item())
+
+
 SAMPLER_GAP = ("sampler_gap", "sampler_kl_k3", "sampler_ratio_max")  # update.py's module docstring
+
 
 class Timer:
     PHASES = ("rollout", "label", "score", "probe", "update")

@@ -148,7 +148,7 @@ def run(cfg):
         hold_lock(out)
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg["lr"], weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(cfg["warmup"], 1)))
-    probe = probe_lib.Probe(model.config.hidden_size)
+    probe = probe_lib.Probe(model.config.hidden_size, cfg["probe_hidden"])  # None: d // 4, 0: linear
     probe_opt = probe_lib.make_optimizer(probe, lr=cfg["probe_lr"])
     step, cursor = 0, 0
     metrics_path = os.path.join(out, "metrics.jsonl")

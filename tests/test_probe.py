@@ -3,6 +3,7 @@ import torch.nn.functional as F
 import pytest
 
 import probe as P
+from checkpoint import UserError
 
 
 def separable(m=128, d=16, seed=0):
@@ -104,3 +105,49 @@ def test_save_load_roundtrip(tmp_path):
     assert torch.equal(P.predict(loaded, x), P.predict(probe, x))
     P.save(str(path), loaded)
     assert P.load(str(path))[1] is None
+
+
+def test_default_probe_is_the_released_mlp_and_the_flag_gives_the_linear_one():
+    import config
+    assert config.resolve_args([])["probe_hidden"] is None
+    # d -> d/4 -> 1: 4,161 weights for the toy (d 128), 3,213,057 for the 7B (d 3584)
+    assert sum(p.numel() for p in P.Probe(128, config.COMMON["probe_hidden"]).parameters()) == 4161
+    assert sum(p.numel() for p in P.Probe(3584).parameters()) == 3_213_057
+    assert config.resolve_args(["--probe-hidden", "0"])["probe_hidden"] == 0
+    with pytest.raises(UserError, match="--probe-hidden -1: must be >= 0"):
+        config.resolve_args(["--probe-hidden", "-1"])
+
+
+def test_linear_probe_fits_a_separable_set_and_round_trips(tmp_path):
+    x, y = separable(m=256)
+    torch.manual_seed(0)
+    probe = P.Probe(16, hidden=0)
+    assert isinstance(probe.net, torch.nn.Linear) and sum(p.numel() for p in probe.parameters()) == 17
+    opt = P.make_optimizer(probe, lr=1e-2)
+    P.fit(probe, opt, x, y, passes=30, batch_size=16, seed=0)
+    assert ((P.predict(probe, x) > 0.5).float() == y).float().mean() > 0.95
+    w = probe.net.weight[0]  # the labels are x0 + 0.5 * x1 > 0: the weight sits on those two inputs
+    assert w[0] > w[1] > 4 * w[2:].abs().max()
+    path = str(tmp_path / "probe.pt")
+    P.save(path, probe, opt)
+    loaded, state = P.load(path)
+    assert loaded.hidden == 0 and torch.equal(P.predict(loaded, x), P.predict(probe, x))
+    import evaluate   # evaluate --confidence probe reads the same file
+    assert torch.equal(P.predict(evaluate.get_probe("probe", None, None, "run", str(tmp_path), None, None,
+                                                    None)[0], x), P.predict(probe, x))
+
+
+def test_probe_hidden_0_trains_resumes_and_stays_linear(tmp_path, capsys):
+    import train
+    run = str(tmp_path / "run")
+    small = ["--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "16", "--eval-n", "0",
+             "--save-every", "1"]
+    train.main(["--steps", "1", "--out", run, "--probe-hidden", "0", *small])
+    train.main(["--steps", "2", "--resume", run])
+    for at in (1, 2):
+        probe, state = P.load(f"{run}/checkpoints/step_00000{at}/probe.pt")
+        assert (probe.dim, probe.hidden) == (128, 0) and state is not None
+    with pytest.raises(SystemExit) as stop:
+        train.main(["--steps", "3", "--resume", run, "--probe-hidden", "32"])
+    assert stop.value.code == 2
+    assert "--probe-hidden cannot change on resume (saved 0, given 32)" in capsys.readouterr().err
