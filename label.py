@@ -111,7 +111,7 @@ def mc_labels(model, tokenizer, prompts, responses, budget_lists, golds, k=4, te
                 cuts.append((i, b))
             where[-1].append(j)
     if not cuts:
-        return where
+        return where  # N empty lists
     # 2. K answers to each: texts[j*k:(j+1)*k] for forced prompt j.
     texts = sample_answers(model, tokenizer, prompts, responses, cuts, tail, k, temperature, top_p,
                            max_new_tokens, seed, batch_size, decode, tree).texts
@@ -145,11 +145,11 @@ def sample_answers(model, tokenizer, prompts, responses, cuts, tail, k, temperat
         group = [cuts[j] for j in js]
         kw = dict(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=group_seed,
                   batch_size=batch_size, decode=decode)
-        if tree:
-            part = _forced_samples(model, tokenizer, prompts, responses, group, tail, k=k, **kw)
-        else:
+        if not tree:  # the plain path
             forced = [list(prompts[i]) + list(responses[i][:b]) + list(tail) for i, b in group]
             part = generate(model, tokenizer, forced, n=k, stop=("\n",), **kw)
+        else:  # the fast path
+            part = _forced_samples(model, tokenizer, prompts, responses, group, tail, k=k, **kw)
         for m, j in enumerate(js):
             out.ids[j * k:(j + 1) * k] = part.ids[m * k:(m + 1) * k]
             out.texts[j * k:(j + 1) * k] = part.texts[m * k:(m + 1) * k]
@@ -170,10 +170,10 @@ def _length_groups(cuts, seed):
 @torch.no_grad()
 def _forced_samples(model, tokenizer, prompts, responses, cut_of, tail, k, temperature, top_p,
                     max_new_tokens, seed=None, batch_size=None, decode=None):
-    """sample_answers' fast path (tree=True) for one group of cuts: the samples of its plain path
-    up to float rounding, ended at the brace that closes the forced box, with the prefill shared
-    along the prefix tree (module docstring) and the K rows of a cut sharing a cache row while they
-    agree (rollout.Sampler(share_rows=True)).
+    """sample_answers' fast path (tree=True) for one group of cuts, in the same order: the samples
+    of its plain path up to float rounding, ended at the brace that closes the forced box, with the
+    prefill shared along the prefix tree (module docstring) and the K rows of a cut sharing a cache
+    row while they agree (rollout.Sampler(share_rows=True)).
     """
     sampler = Sampler(model, tokenizer, max_new_tokens, temperature, top_p, stop=("\n",), decode=decode,
                       share_rows=True, close_depth=1)
