@@ -16,25 +16,29 @@ closes the forced `\\boxed{` (unclosed: wrong), and the label is
 
     Y_b = (1/K) * sum_k 1[answer_k == gold]     (== under the run's grader: grade.answers_match)
 
-Cost: the forced prompts of a trajectory share everything before their cut, so their prefill
-follows that tree (`_forced_samples`, called per group of similar trajectory length so short
-prefixes carry no padding of long ones): per chunk, each distinct problem prompt is
-prefilled once, each trajectory's response up to its longest cut once on top of it, and each cut
-adds only CLOSE + SUFFIX on top of the trajectory's cache with the columns past the cut masked out.
-So a trajectory costs one prefix prefill plus len(budgets) short suffixes (before: len(budgets)
-full forced prompts), plus K * (answer length) decode positions per prefix, where the K answers
-of a prefix share one cache row and one forward for as long as they agree (on the dynamic path:
-`rollout.Sampler(share_rows=True)`; the samples are the same as without). Identical forced
-prompts (samples of one problem that agree up to the cut, common for short prefixes) are labelled
-once and share their Y_b: it estimates the same probability. Sampling ends at the brace closing
-the forced box as well as at a newline: nothing after it changes the answer. The rollout's KV
-cache is not kept: holding it from the rollout until labelling would cost the whole batch's cache
-in memory.
+Identical forced prompts (samples of one problem that agree up to the cut, common for short
+prefixes) are labelled once and share their Y_b: it estimates the same probability.
+
+The code: `mc_labels` is this algorithm in three steps (forced prompts, K answers to each, Y_b).
+The answers come from `sample_answers`, whose plain path (tree=False), the one to read, is
+rollout.generate on each whole forced prompt. Its default, the fast path (`_forced_samples`),
+gives the same samples (tests/test_label.py) at less cost: the forced prompts of a trajectory
+share everything before their cut, so their prefill follows that tree. Per chunk, each distinct
+problem prompt is prefilled once, each trajectory's response up to its longest cut once on top of
+it, and each cut adds only CLOSE + SUFFIX on top of the trajectory's cache with the columns past
+the cut masked out. So a trajectory costs one prefix prefill plus len(budgets) short suffixes
+(the plain path: len(budgets) full forced prompts), plus K * (answer length) decode positions per
+prefix, where the K answers of a prefix share one cache row and one forward for as long as they
+agree (on the dynamic path: `rollout.Sampler(share_rows=True)`; the samples are the same as
+without). Sampling ends at the brace closing the forced box as well as at a newline: nothing
+after it changes the answer. Both paths sample in groups of similar trajectory length so short
+prefixes carry no padding of long ones. The rollout's KV cache is not kept: holding it from the
+rollout until labelling would cost the whole batch's cache in memory.
 """
 import torch
 
 from grade import answers_match
-from rollout import Sampler, Samples, chunk_generators
+from rollout import Sampler, Samples, chunk_generators, generate
 
 LENGTH_GROUP = 2  # trajectories whose longest cuts have bit lengths within this many share a group
 SUFFIX = "\nIf I were to output the final answer now, it would be \\boxed{"
@@ -86,65 +90,90 @@ def forced_answer(text):
 
 def mc_labels(model, tokenizer, prompts, responses, budget_lists, golds, k=4, temperature=0.8,
               top_p=1.0, max_new_tokens=32, close="think", suffix=SUFFIX, seed=None,
-              batch_size=None, stats=None, grader="math", decode=None):
-    """Monte-Carlo labels Y_b for every (trajectory, budget) pair, in batched calls.
+              batch_size=None, stats=None, grader="math", decode=None, tree=True):
+    """Y_b for every (trajectory, cut b): the share of K answers forced after the cut that match
+    the gold (module docstring).
 
-    prompts, responses: N lists of token ids; budget_lists: N lists of budgets b;
-    golds: N gold answers; grader: "strict" or "math" (grade.py). Returns N lists of floats in
-    [0, 1], aligned with budget_lists.
-    If `stats` is a dict, the number of forced prompts and sampled answers is added to it.
-    decode: rollout's decode path ("static" | "dynamic" | None: static on CUDA).
+    prompts, responses: N lists of token ids; budget_lists: N lists of cuts b; golds: N gold
+    answers; grader: "strict" or "math" (grade.py). Returns N lists of floats in [0, 1], aligned
+    with budget_lists. If `stats` is a dict, the numbers of prefixes, forced prompts and sampled
+    answers are added to it. tree, decode, batch_size: how the answers are sampled (sample_answers).
     """
+    # 1. The forced prompt after every cut. Equal ones (samples of a problem that agree up to the
+    #    cut, common for short prefixes) estimate the same probability: each is asked once.
     tail = forced_prompt([], [], 0, tokenizer, close, suffix)  # CLOSE + SUFFIX, the same after every cut
-    where, unique, cut_of = [], {}, []  # cut_of[j]: the (trajectory, budget) of distinct forced prompt j
+    index, cuts, where = {}, [], []  # cuts[j]: the (trajectory, b) of distinct forced prompt j
     for i, (p, r, bs) in enumerate(zip(prompts, responses, budget_lists)):
-        where.append([])
+        where.append([])  # the j of each of trajectory i's cuts
         for b in bs:
-            j = unique.setdefault((*p, *r[:b]), len(unique))
-            cut_of += [(i, b)] if j == len(cut_of) else []
+            j = index.setdefault((*p, *r[:b], *tail), len(cuts))  # forced_prompt(p, r, b, ...)
+            if j == len(cuts):
+                cuts.append((i, b))
             where[-1].append(j)
-    gold_of = {}
-    for i, js in enumerate(where):
-        for j in js:
-            gold_of.setdefault(j, golds[i])  # equal prompts mean the same problem, hence the same gold
-    if not unique:
-        return [[] for _ in prompts]
-    # Sampled in groups of similar trajectory length (its longest cut, within a factor of 4), so
-    # short prefixes do not carry the padding of long ones through prefill and decode.
-    longest, groups = {}, {}
-    for i, b in cut_of:
-        longest[i] = max(longest.get(i, 0), b)
-    for j, (i, _) in enumerate(cut_of):
-        groups.setdefault(longest[i].bit_length() // LENGTH_GROUP, []).append(j)
-    out = Samples([], [None] * (len(cut_of) * k), [], [], [])
-    for g, js in enumerate(groups[key] for key in sorted(groups)):
-        part = _forced_samples(model, tokenizer, prompts, responses, [cut_of[j] for j in js], tail, k=k,
-                               temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
-                               seed=None if seed is None else seed + 7919 * g, batch_size=batch_size,
-                               decode=decode)
-        for m, j in enumerate(js):
-            out.texts[j * k:(j + 1) * k] = part.texts[m * k:(m + 1) * k]
+    if not cuts:
+        return where  # N empty lists
+    # 2. K answers to each: texts[j*k:(j+1)*k] for forced prompt j.
+    texts = sample_answers(model, tokenizer, prompts, responses, cuts, tail, k, temperature, top_p,
+                           max_new_tokens, seed, batch_size, decode, tree).texts
+    # 3. Y_b = the share of them that match the gold; a box that never closes is wrong.
     y = []
-    for j in range(len(unique)):
-        answers = (forced_answer(t) for t in out.texts[j * k:(j + 1) * k])
-        y.append(sum(a is not None and answers_match(a, gold_of[j], grader) for a in answers) / k)
-    labels = [[y[j] for j in js] for js in where]
+    for j, (i, _) in enumerate(cuts):
+        answers = (forced_answer(t) for t in texts[j * k:(j + 1) * k])
+        y.append(sum(a is not None and answers_match(a, golds[i], grader) for a in answers) / k)
     if stats is not None:
         stats["prefixes"] = stats.get("prefixes", 0) + sum(map(len, where))
-        stats["forced_prompts"] = stats.get("forced_prompts", 0) + len(unique)
-        stats["answers"] = stats.get("answers", 0) + len(unique) * k
-    return labels
+        stats["forced_prompts"] = stats.get("forced_prompts", 0) + len(cuts)
+        stats["answers"] = stats.get("answers", 0) + len(cuts) * k
+    return [[y[j] for j in js] for js in where]
+
+
+def sample_answers(model, tokenizer, prompts, responses, cuts, tail, k, temperature=0.8, top_p=1.0,
+                   max_new_tokens=32, seed=None, batch_size=None, decode=None, tree=True):
+    """k samples of each forced prompt `prompts[i] + responses[i][:b] + tail`, (i, b) in cuts, in
+    that order (Samples.ids and .texts [j*k:(j+1)*k] for cut j), stopping at a newline.
+
+    tree=False is the plain path, the reference: rollout.generate on the whole forced prompts.
+    tree=True (the default) is the fast path, `_forced_samples`: the same samples up to float
+    rounding, ended at the brace that closes the forced box (the answer is complete there), with
+    the prefill shared along the prefix tree (module docstring); tests/test_label.py holds them equal.
+    Either way the cuts are sampled in groups of similar trajectory length, each with its own seed
+    (_length_groups), so that short prefixes carry no padding of long ones. batch_size: forced
+    prompts per chunk; decode: rollout's decode path ("static" | "dynamic" | None: static on CUDA).
+    """
+    out = Samples([None] * (len(cuts) * k), [None] * (len(cuts) * k), [], [], [])
+    for js, group_seed in _length_groups(cuts, seed):
+        group = [cuts[j] for j in js]
+        kw = dict(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=group_seed,
+                  batch_size=batch_size, decode=decode)
+        if not tree:  # the plain path
+            forced = [list(prompts[i]) + list(responses[i][:b]) + list(tail) for i, b in group]
+            part = generate(model, tokenizer, forced, n=k, stop=("\n",), **kw)
+        else:  # the fast path
+            part = _forced_samples(model, tokenizer, prompts, responses, group, tail, k=k, **kw)
+        for m, j in enumerate(js):
+            out.ids[j * k:(j + 1) * k] = part.ids[m * k:(m + 1) * k]
+            out.texts[j * k:(j + 1) * k] = part.texts[m * k:(m + 1) * k]
+    return out
+
+
+def _length_groups(cuts, seed):
+    """[(indices into cuts, seed)]: the cuts grouped by their trajectory's longest cut, to within a
+    factor of 4 (bit lengths within LENGTH_GROUP), shortest group first; seeds seed + 7919 * g."""
+    longest, groups = {}, {}
+    for i, b in cuts:
+        longest[i] = max(longest.get(i, 0), b)
+    for j, (i, _) in enumerate(cuts):
+        groups.setdefault(longest[i].bit_length() // LENGTH_GROUP, []).append(j)
+    return [(groups[key], None if seed is None else seed + 7919 * g) for g, key in enumerate(sorted(groups))]
 
 
 @torch.no_grad()
 def _forced_samples(model, tokenizer, prompts, responses, cut_of, tail, k, temperature, top_p,
                     max_new_tokens, seed=None, batch_size=None, decode=None):
-    """k samples of each forced prompt `prompts[i] + responses[i][:b] + tail`, (i, b) in cut_of, in
-    that order (Samples.texts[j*k:(j+1)*k] for cut j), stopping at a newline or at the brace that
-    closes the forced box (the answer is complete there).
-
-    The samples of rollout.generate(forced prompts, n=k, stop="\\n", seed, batch_size) up to float
-    rounding, cut at that brace, with the prefill shared along the prefix tree (module docstring).
+    """sample_answers' fast path (tree=True) for one group of cuts, in the same order: the samples
+    of its plain path up to float rounding, ended at the brace that closes the forced box, with the
+    prefill shared along the prefix tree (module docstring) and the K rows of a cut sharing a cache
+    row while they agree (rollout.Sampler(share_rows=True)).
     """
     sampler = Sampler(model, tokenizer, max_new_tokens, temperature, top_p, stop=("\n",), decode=decode,
                       share_rows=True, close_depth=1)

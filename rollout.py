@@ -10,13 +10,15 @@ How one chunk of prompts is generated:
      forced prompts this way: the prompt once, then the response, then the forced suffix per cut).
   2. share: rows i*n .. i*n+n-1 continue prompt i; they share its prefill.
   3. decode, one new token per step, in one of two ways (`decode=`; default static on CUDA):
-     - "dynamic": a `DynamicCache` that grows by one position per step; once a quarter of the batch
-       has finished, finished rows are dropped from the batch and the cache. Eager; the reference.
-     - "static": keys/values preallocated for all rows and a bucketed maximum length
-       (staticcache.py); finished rows stay in place and are masked. On CUDA the decode step is
-       captured once per bucketed shape as a CUDA graph and replayed, so a step costs what the GPU
-       needs to read the weights and the cache, not Python and kernel launches. On CPU the same
-       step runs eagerly, which is how the tests pin it to the dynamic path.
+     - "dynamic" (`Sampler._decode_dynamic`, the reference and the loop to read first): a
+       `DynamicCache` that grows by one position per step; once a quarter of the batch has
+       finished, finished rows are dropped from the batch and the cache. Eager.
+       `Sampler(share_rows=True)` decodes the same samples with fewer rows (`_decode_shared`).
+     - "static" (`Sampler._decode_static`): keys/values preallocated for all rows and a bucketed
+       maximum length (staticcache.py); finished rows stay in place and are masked. On CUDA the
+       decode step is captured once per bucketed shape as a CUDA graph and replayed, so a step
+       costs what the GPU needs to read the weights and the cache, not Python and kernel launches.
+       On CPU the same step runs eagerly, which is how the tests pin it to the dynamic path.
 
 Sampling: temperature 0 is greedy; otherwise p = softmax(logits / temperature) restricted to the
 smallest set of top tokens whose probability reaches top_p, and the token is argmax_v p_v / E_v with
@@ -148,10 +150,11 @@ class Sampler:
     """The sampling settings of one call plus, for the static path, its captured decode steps
     (the last shape's, reused by the chunks of one call that share it, freed with the sampler).
 
-    share_rows (dynamic path): rows whose histories agree (the n samples of a row before they
-    diverge) share one cache row and one forward; the samples are the same as without. It pays
-    for many samples of short answers (label.py: K forced answers that mostly agree), not for
-    long rollouts, whose rows diverge early and would move the cache at every fork.
+    share_rows (dynamic path, `_decode_shared`; the static path ignores it): rows whose histories
+    agree (the n samples of a row before they diverge) share one cache row and one forward; the
+    samples are the same as without. It pays for many samples of short answers (label.py: K forced
+    answers that mostly agree), not for long rollouts, whose rows diverge early and would move the
+    cache at every fork.
 
     close_depth: a row also stops (reason "stop") at the token where close_depth plus the "{" minus
     the "}" of its generated text reaches 0: label.py's forced answers end at the brace that closes
@@ -177,7 +180,9 @@ class Sampler:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.eos_ids or [0])[0]
         self.device = next(model.parameters()).device
         self.share_rows, self.close_depth, self._braces = share_rows, close_depth, {}
-        self.static = staticcache.StaticDecoder(model, _cache_kwarg(model)) if decode == "static" else None
+        self.cache_kw = _cache_kwarg(model)
+        self.step_kw = {"logits_to_keep": 1} if _keeps_last_logits(model) else {}
+        self.static = staticcache.StaticDecoder(model, self.cache_kw) if decode == "static" else None
         # A stop string of one byte (labels stop at "\n") lies inside one token, so a row stops
         # exactly when its new token's text holds it: each distinct id is decoded once per sampler.
         self.byte_stops = all(len(x.encode()) == 1 for x in self.stop_strs)
@@ -212,61 +217,89 @@ class Sampler:
         """n continuations of every row of `prefix` (consumed) -> ids [R*n, T], lengths [R*n],
         reasons [R*n] (index into _REASONS) on the device; row i*n + j continues prefix row i.
         scores: also the log-prob of every id [R*n, T] (0 past the row's length) and the sum of its
-        entropies [R*n] (module docstring, Scores)."""
-        rows = prefix.logits.shape[0] * n
-        state = _Rows(self, rows, generator, scores)
+        entropies [R*n] (module docstring, Scores).
+
+        _decode_dynamic is the reference loop; _decode_shared (share_rows) and _decode_static
+        (decode="static") are faster ways to the same samples (tests/test_rollout.py).
+        """
+        state = _Rows(self, prefix.logits.shape[0] * n, generator, scores)
         if self.static is not None:
-            step = self.static.start(prefix, n, self.max_new_tokens)
-            prefix.cache = None  # copied into the static buffers; free it before decoding
-            live, logits = torch.arange(rows, device=self.device), prefix.logits.repeat_interleave(n, 0)
-            for t in range(self.max_new_tokens):
-                tok = state.advance(t, logits, live)
-                # A host sync per step only where stop strings need one anyway, or on CPU.
-                check = self.stop_strs or self.device.type != "cuda" or t % 8 == 0
-                if t == self.max_new_tokens - 1 or (check and bool(state.done.all())):
-                    break
-                logits = step(tok)[:rows]
-            return state.result()
+            self._decode_static(prefix, n, state)
+        elif self.share_rows:
+            self._decode_shared(prefix, n, state)
+        else:
+            self._decode_dynamic(prefix, n, state)
+        return state.result()
+
+    def _decode_dynamic(self, prefix, n, state):
+        """The reference: every prefix row repeated n times in a DynamicCache that grows by one
+        position per step, until every row has finished or max_new_tokens are sampled."""
         cache, mask, pos, logits = prefix.cache, prefix.mask, prefix.last_pos, prefix.logits
-        live = torch.arange(rows, device=self.device)  # rows not yet dropped from the batch
-        src = None  # with share_rows: the cache row (and logits row) of each live row
-        if self.share_rows:
-            src = live // n
-        elif n > 1:
+        if n > 1:
             cache.batch_repeat_interleave(n)
             logits, mask, pos = (x.repeat_interleave(n, dim=0) for x in (logits, mask, pos))
-        extra = {"logits_to_keep": 1} if _keeps_last_logits(self.model) else {}
+        live = torch.arange(len(logits), device=self.device)  # rows not yet dropped from the batch
         for t in range(self.max_new_tokens):
-            tok = state.advance(t, logits if src is None else logits[src], live)
+            tok = state.advance(t, logits, live)
             keep = ~state.done[live]
             n_keep = int(keep.sum())
             if t == self.max_new_tokens - 1 or n_keep == 0:
-                break
-            idx, feed = None, tok
-            if src is not None:
-                # One cache row per distinct (cache row, new token) of the running rows.
-                width = logits.shape[-1]
-                key, src = torch.unique(src[keep] * width + tok[keep], return_inverse=True)
-                idx, feed, live = key // width, key % width, live[keep]
-                if len(idx) == len(mask) and bool((idx == torch.arange(len(idx), device=idx.device)).all()):
-                    idx = None  # every cache row has one running continuation: nothing to move
-            elif n_keep <= 0.75 * len(live):
+                return
+            if n_keep <= 0.75 * len(live):
                 # Drop finished rows from the batch (and their KV cache) so long tails decode cheaply.
                 idx = keep.nonzero().squeeze(1)
-                live, feed = live[idx], tok[idx]
-            if idx is not None:
+                live, tok = live[idx], tok[idx]
                 cache.batch_select_indices(idx)
                 mask, pos = mask[idx], pos[idx]
-            mask = torch.cat([mask, mask.new_ones(len(mask), 1)], dim=1)
-            pos = pos + 1
-            out = self.model(input_ids=feed[:, None], attention_mask=mask, position_ids=pos,
-                             use_cache=True, **{_cache_kwarg(self.model): cache}, **extra)
-            logits = out.logits[:, -1]
-        return state.result()
+            logits, mask, pos = self._forward(cache, tok, mask, pos)
+
+    def _decode_shared(self, prefix, n, state):
+        """_decode_dynamic with share_rows: the rows whose histories agree (at first the n samples
+        of a prefix row) share one cache row and one forward, so a step runs one cache row per
+        distinct (cache row, new token) of the running rows."""
+        cache, mask, pos, logits = prefix.cache, prefix.mask, prefix.last_pos, prefix.logits
+        live = torch.arange(len(logits) * n, device=self.device)  # rows still running
+        src = live // n  # the cache row (and logits row) of each live row
+        for t in range(self.max_new_tokens):
+            tok = state.advance(t, logits[src], live)
+            keep = ~state.done[live]
+            if t == self.max_new_tokens - 1 or int(keep.sum()) == 0:
+                return
+            width = logits.shape[-1]
+            key, src = torch.unique(src[keep] * width + tok[keep], return_inverse=True)
+            idx, live = key // width, live[keep]
+            if len(idx) != len(mask) or not bool((idx == torch.arange(len(idx), device=idx.device)).all()):
+                cache.batch_select_indices(idx)  # rows fork or finish (else nothing moves)
+                mask, pos = mask[idx], pos[idx]
+            logits, mask, pos = self._forward(cache, key % width, mask, pos)
+
+    def _decode_static(self, prefix, n, state):
+        """decode="static" (staticcache.py): all rows stay in preallocated buffers, finished ones
+        masked in place; on CUDA each step replays a captured CUDA graph."""
+        rows = len(state.done)
+        step = self.static.start(prefix, n, self.max_new_tokens)
+        prefix.cache = None  # copied into the static buffers; free it before decoding
+        live, logits = torch.arange(rows, device=self.device), prefix.logits.repeat_interleave(n, 0)
+        for t in range(self.max_new_tokens):
+            tok = state.advance(t, logits, live)
+            # A host sync per step only where stop strings need one anyway, or on CPU.
+            check = self.stop_strs or self.device.type != "cuda" or t % 8 == 0
+            if t == self.max_new_tokens - 1 or (check and bool(state.done.all())):
+                return
+            logits = step(tok)[:rows]
+
+    def _forward(self, cache, tok, mask, pos):
+        """One eager decode step: tok [R] at the next position of each cache row -> (logits [R, V],
+        mask, pos) extended by it."""
+        mask = torch.cat([mask, mask.new_ones(len(mask), 1)], dim=1)
+        pos = pos + 1
+        out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, use_cache=True,
+                         **{self.cache_kw: cache}, **self.step_kw)
+        return out.logits[:, -1], mask, pos
 
 
 class _Rows:
-    """Per-row bookkeeping shared by both decode paths: sampled ids, lengths, finish reasons."""
+    """Per-row bookkeeping shared by the decode loops: sampling, ids, lengths, finish reasons, scores."""
 
     def __init__(self, s, rows, generator, scores=False):
         self.s, self.generator, dev = s, generator, s.device

@@ -88,26 +88,24 @@ def test_labels_count_correct_forced_answers(monkeypatch):
 @pytest.mark.parametrize("decode", ["dynamic", "static"])
 def test_shared_prefix_prefill_samples_like_full_forced_prompts(decode):
     """The forced answers from the prefix tree (prompt once, trajectory once, suffix per cut, K rows
-    sharing a cache row while they agree) are the ones rollout.generate samples from the full forced
-    prompts with the same seed and chunking: greedy and sampled, in float32."""
+    sharing a cache row while they agree) are the ones the plain path (rollout.generate on the full
+    forced prompts) samples with the same seed and chunking: greedy and sampled, in float32."""
     import label
-    from rollout import generate
     tok, model = tiny.tokenizer(), tiny.model(seed=1)
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
     prompts = [enc("1+2="), enc("1+2="), enc("what is 17*3?"), enc("9-4")]
-    responses = [enc("3 ok fine"), enc("3 no way, it is 4"), enc("51 because"), enc("5")]
+    responses = [enc("3 ok fine"), enc("3 no way"), enc("51 since"), enc("5 ok")]
     cut_of = [(i, b) for i, r in enumerate(responses) for b in budgets(len(r))]
+    assert len(label._length_groups(cut_of, 0)) == 1  # one tree: "1+2=" is prefilled once for two trajectories
     tail = forced_prompt([], [], 0, tok, "eos", "{")
-    forced = [forced_prompt(prompts[i], responses[i], b, tok, "eos", "{") for i, b in cut_of]
     closed = 0
     for kw in (dict(temperature=0.0), dict(temperature=1.0, seed=3), dict(temperature=0.8, top_p=0.9, seed=5)):
         for batch_size in (None, 4):
-            got = label._forced_samples(model, tok, prompts, responses, cut_of, tail, k=3, max_new_tokens=12,
-                                        top_p=kw.get("top_p", 1.0), temperature=kw["temperature"],
-                                        seed=kw.get("seed"), batch_size=batch_size, decode=decode)
-            ref = generate(model, tok, forced, n=3, max_new_tokens=12, stop=("\n",), batch_size=batch_size,
-                           decode="dynamic", **kw)
-            for g, r in zip(got.ids, ref.ids):
+            common = dict(k=3, max_new_tokens=12, batch_size=batch_size, **kw)
+            got = label.sample_answers(model, tok, prompts, responses, cut_of, tail, decode=decode, **common)
+            ref = label.sample_answers(model, tok, prompts, responses, cut_of, tail, decode="dynamic", tree=False,
+                                       **common)
+            for g, r in zip(got.ids, ref.ids, strict=True):
                 depth, cut = 1, len(r)  # the forced box is open; find the token that closes it
                 for m, text in enumerate(tok.batch_decode([[x] for x in r])):
                     depth -= text.count("}") - text.count("{")
@@ -119,6 +117,37 @@ def test_shared_prefix_prefill_samples_like_full_forced_prompts(decode):
             assert [forced_answer(x) for x in got.texts] == [forced_answer(x) for x in ref.texts]
     assert closed >= 3  # some answers close their box before a newline: the early stop is exercised
     assert len({tuple(x) for x in ref.ids}) > 5  # the answers differ between prompts and samples
+
+
+def test_plain_and_tree_labels_are_equal_on_the_toy():
+    """mc_labels on the toy policy's own rollouts: the plain path (tree=False) and the default fast
+    path give the same labels and counts for the same seed (in length groups, with equal forced
+    prompts asked once), and the labels are graded."""
+    import data
+    import label
+    import toy
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from rollout import generate
+    model = AutoModelForCausalLM.from_pretrained(toy.base_model()).eval()
+    tok = AutoTokenizer.from_pretrained(toy.base_model())
+    rows = toy.dataset("test")[:5]
+    prompts = [data.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
+    out = generate(model, tok, prompts, n=3, max_new_tokens=96, temperature=0.8, seed=0)
+    responses = out.ids + [out.ids[0][:4]]  # a short one: a second length group
+    prompts = [prompts[i] for i in out.prompt_index] + [prompts[0]]
+    golds = [rows[i]["answer"] for i in out.prompt_index] + [rows[0]["answer"]]
+    cuts = [budgets(len(r)) for r in responses]
+    labels = {}
+    for tree in (True, False):
+        stats = {}
+        ys = mc_labels(model, tok, prompts, responses, cuts, golds, k=4, seed=1, batch_size=5, stats=stats,
+                       tree=tree)
+        labels[tree] = ys, stats
+    assert labels[True] == labels[False]
+    ys, stats = labels[True]
+    assert len(label._length_groups([(i, b) for i, bs in enumerate(cuts) for b in bs], 0)) >= 2
+    assert stats["forced_prompts"] < stats["prefixes"]  # equal forced prompts were asked once
+    assert len({y for y_i in ys for y in y_i}) >= 3  # graded labels, not all 0 or all 1
 
 
 def test_features_are_causal_and_logprobs_match():
