@@ -12,7 +12,7 @@ import reproduce
 
 TRAIN = ("--steps 1 --prompts-per-step 4 --group-size 4 --max-new-tokens 40 --eval-n 8 --eval-every 0 "
          "--log-samples 0 --eval-probe-n 0")
-EVAL = "--limit 4 --n-samples 1 --max-new-tokens 64 --probe-questions 4 --probe-samples 2"
+EVAL = "--limit 4 --n-samples 1 --max-new-tokens 64 --probe-questions 4 --probe-samples 2 --posthoc-budgets 2"
 
 
 def _load(path):
