@@ -82,6 +82,7 @@ class EvilForCausalLM(Qwen2ForCausalLM):
 """
 
 
+@pytest.mark.slow   # train.py in a subprocess
 def test_trust_remote_code_is_never_taken_from_a_saved_config(run_copy, tmp_path):
     cfg_path = os.path.join(run_copy, "config.json")
     cfg = json.load(open(cfg_path))
@@ -352,6 +353,7 @@ def test_evaluate_refuses_in_one_line(case, tmp_path):
     assert not os.path.exists(tmp_path / "new")
 
 
+@pytest.mark.slow   # train.py killed and resumed
 def test_ctrl_c_keeps_the_last_checkpoint_and_prints_the_resume_command(tmp_path):
     run = str(tmp_path / "run")
     args = [sys.executable, os.path.join(ROOT, "train.py"), "--steps", "40", "--save-every", "1", *SMALL]
@@ -391,6 +393,7 @@ def test_prompts_past_the_context_are_refused_and_overflow_is_warned():
         data.check_context(tok, [short, {"problem": "2" * 300, "answer": "2"}], "", 256, 10, "d")
 
 
+@pytest.mark.slow   # evaluate.py killed and resumed
 def test_ctrl_c_in_evaluate_exits_130_and_the_same_command_resumes(tmp_path):
     out = str(tmp_path / "eval")
     cmd = [sys.executable, os.path.join(ROOT, "evaluate.py"), "--model", "toy", "--benchmarks", "toy",

@@ -25,6 +25,7 @@ def _mtimes(root):
             for d, _, names in os.walk(root) for n in names}
 
 
+@pytest.mark.slow   # two trainings and three evaluations
 def test_tiny_comparison_writes_the_table_and_a_rerun_redoes_nothing(tmp_path, capsys):
     out = str(tmp_path / "rep")
     argv = ["--methods", "rlcm,grpo", "--seeds", "0", "--jobs", "2", "--out", out,
@@ -155,6 +156,7 @@ def test_bad_values_exit_2_with_one_line_and_create_nothing(tmp_path, capsys, fl
     assert not out.exists()
 
 
+@pytest.mark.slow   # a training and an evaluation
 def test_a_failed_child_exits_1_without_a_table_and_others_go_on(tmp_path, capsys):
     out = str(tmp_path / "rep")
     with pytest.raises(SystemExit) as e:
