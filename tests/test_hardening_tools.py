@@ -221,6 +221,7 @@ def test_bench_checks_its_flags_before_loading_anything(flags, line):
     assert str(e.value).startswith(line)
 
 
+@pytest.mark.slow   # bench.py in a subprocess
 def test_bench_flag_error_is_one_line_exit_2():
     p = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--repeat", "0"], capture_output=True,
                        text=True, cwd=ROOT)

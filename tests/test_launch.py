@@ -36,6 +36,7 @@ def children(pid):
         return []
 
 
+@pytest.mark.slow   # the launcher and two workers
 def test_a_failing_worker_stops_the_others_and_its_error_is_shown_once(tmp_path):
     script = tmp_path / "work.py"
     script.write_text("import os, sys, time\n"
