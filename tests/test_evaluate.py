@@ -210,6 +210,7 @@ def test_interrupted_evaluation_resumes_without_regenerating(toy_dir, tmp_path, 
     assert generated == [] and path.read_text().splitlines(keepends=True) == again
 
 
+@pytest.mark.slow   # a full post-hoc fit (40 x 4) and evaluation
 def test_posthoc_probe_beats_the_base_rate_and_early_exit_keeps_its_bound(toy_dir, tmp_path, capsys):
     out = str(tmp_path)
     args = ["--model", toy_dir, "--benchmarks", "toy", "--limit", "40", "--n-samples", "4", "--out", out,

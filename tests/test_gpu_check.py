@@ -15,6 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(ROOT, "..", "shared", "fixtures", "r1_distill_qwen_7b")
 
 
+@pytest.mark.slow   # every check in a subprocess
 @pytest.mark.skipif(not os.path.isdir(FIXTURE), reason="needs the 7B config and tokenizer fixture")
 def test_the_dry_run_runs_every_check_and_prints_one_json_line_each(tmp_path):
     out = tmp_path / "out"

@@ -21,7 +21,10 @@ import train
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "40", "--eval-n", "8",
          "--eval-every", "0", "--gen-batch", "64"]
-EVAL_SMALL = ["--benchmarks", "toy", "--limit", "2", "--n-samples", "1", "--max-new-tokens", "24"]
+# A small post-hoc probe (released: 80 questions x 8 rollouts x 16 budgets, minutes on a CPU): these
+# tests check locks, resume and refusals, which do not depend on the probe's size.
+PROBE_SMALL = ["--probe-questions", "4", "--probe-samples", "2", "--posthoc-budgets", "2"]
+EVAL_SMALL = ["--benchmarks", "toy", "--limit", "2", "--n-samples", "1", "--max-new-tokens", "24", *PROBE_SMALL]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONHASHSEED": "0"}
 
 
@@ -79,6 +82,7 @@ class EvilForCausalLM(Qwen2ForCausalLM):
 """
 
 
+@pytest.mark.slow   # train.py in a subprocess
 def test_trust_remote_code_is_never_taken_from_a_saved_config(run_copy, tmp_path):
     cfg_path = os.path.join(run_copy, "config.json")
     cfg = json.load(open(cfg_path))
@@ -349,6 +353,7 @@ def test_evaluate_refuses_in_one_line(case, tmp_path):
     assert not os.path.exists(tmp_path / "new")
 
 
+@pytest.mark.slow   # train.py killed and resumed
 def test_ctrl_c_keeps_the_last_checkpoint_and_prints_the_resume_command(tmp_path):
     run = str(tmp_path / "run")
     args = [sys.executable, os.path.join(ROOT, "train.py"), "--steps", "40", "--save-every", "1", *SMALL]
@@ -388,10 +393,12 @@ def test_prompts_past_the_context_are_refused_and_overflow_is_warned():
         data.check_context(tok, [short, {"problem": "2" * 300, "answer": "2"}], "", 256, 10, "d")
 
 
+@pytest.mark.slow   # evaluate.py killed and resumed
 def test_ctrl_c_in_evaluate_exits_130_and_the_same_command_resumes(tmp_path):
     out = str(tmp_path / "eval")
     cmd = [sys.executable, os.path.join(ROOT, "evaluate.py"), "--model", "toy", "--benchmarks", "toy",
-           "--limit", "60", "--n-samples", "2", "--max-new-tokens", "24", "--batch-size", "4", "--out", out]
+           "--limit", "60", "--n-samples", "2", "--max-new-tokens", "24", "--batch-size", "4", *PROBE_SMALL,
+           "--out", out]
     proc = subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             preexec_fn=sigint_default)
     samples = os.path.join(out, "samples.jsonl")

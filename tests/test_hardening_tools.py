@@ -38,6 +38,7 @@ def _exit(argv, capsys):
     return e.value.code, err
 
 
+@pytest.mark.slow   # the `done` reproduction
 def test_a_run_made_with_other_settings_is_refused_not_reused(done, capsys):
     out, argv = done
     capsys.readouterr()
@@ -57,6 +58,7 @@ def _base_entry(out):
     return path, _load(path)
 
 
+@pytest.mark.slow   # the `done` reproduction, three evaluations
 def test_an_evaluation_made_with_other_settings_is_redone(done, capsys):
     out, argv = done
     base = ["--methods", "base", "--seeds", "0", "--out", out]
@@ -71,6 +73,7 @@ def test_an_evaluation_made_with_other_settings_is_redone(done, capsys):
     assert "base seed 0: evaluated already" in capsys.readouterr().out
 
 
+@pytest.mark.slow   # the `done` reproduction
 @pytest.mark.parametrize("damage", ["missing pce", "acc a string"])
 def test_a_damaged_entry_is_evaluated_again(done, capsys, damage):
     out, argv = done
@@ -143,6 +146,7 @@ def _alive(pid):
         return False
 
 
+@pytest.mark.slow   # reproduce.py in a subprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_killing_reproduce_kills_its_children(tmp_path, sig):
@@ -217,6 +221,7 @@ def test_bench_checks_its_flags_before_loading_anything(flags, line):
     assert str(e.value).startswith(line)
 
 
+@pytest.mark.slow   # bench.py in a subprocess
 def test_bench_flag_error_is_one_line_exit_2():
     p = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--repeat", "0"], capture_output=True,
                        text=True, cwd=ROOT)

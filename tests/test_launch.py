@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,6 +36,7 @@ def children(pid):
         return []
 
 
+@pytest.mark.slow   # the launcher and two workers
 def test_a_failing_worker_stops_the_others_and_its_error_is_shown_once(tmp_path):
     script = tmp_path / "work.py"
     script.write_text("import os, sys, time\n"
@@ -54,6 +56,7 @@ def test_a_failing_worker_stops_the_others_and_its_error_is_shown_once(tmp_path)
     assert "worker 1 of 2 failed" in res.stderr
 
 
+@pytest.mark.slow   # train.py --nproc 2
 def test_a_user_error_in_the_workers_is_one_line(tmp_path):
     run, missing = tmp_path / "run", tmp_path / "no-such-train.jsonl"   # the data is read by the workers
     res = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--nproc", "2", "--out", str(run),
@@ -63,6 +66,7 @@ def test_a_user_error_in_the_workers_is_one_line(tmp_path):
     assert err.count("error:") == 1 and "file not found" in err and str(missing) in err, err
 
 
+@pytest.mark.slow   # train.py --nproc 2
 def test_fewer_prompts_than_workers_is_refused_in_one_line(tmp_path):
     """A worker without a prompt group crashed in pack([]) while the others waited in a collective."""
     start = time.monotonic()
@@ -96,6 +100,7 @@ def launch(args, out):
                             stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow   # two 2-process runs and a resume
 def test_two_process_run_and_resume_after_killing_the_launcher(tmp_path):
     """Uninterrupted run vs a run whose launcher is SIGKILLed after step 2 and resumed: same weights."""
     from safetensors.torch import load_file

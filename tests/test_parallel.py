@@ -22,6 +22,7 @@ def run(tmp_path, world, offload=False):
     return torch.load(out, weights_only=True)
 
 
+@pytest.mark.slow   # torchrun, two processes
 def test_fsdp_update_equals_single_process(tmp_path):
     one, two = run(tmp_path, 1), run(tmp_path, 2)
     init = __import__("tiny").model(vocab_size=64, hidden=32, layers=2, seed=0).state_dict()
@@ -41,6 +42,7 @@ def test_fsdp_update_equals_single_process(tmp_path):
         assert torch.load(str(tmp_path / f"w2.pt.lean{r}")) == dict(sampler=0.0, policy=0.0, buffers=0.0)
 
 
+@pytest.mark.slow   # two subprocesses
 def test_offloaded_update_equals_single_process(tmp_path):
     """--offload on one rank: FSDP2 keeps params, grads and optimizer state on the host."""
     one, off = run(tmp_path, 1), run(tmp_path, 1, offload=True)

@@ -12,7 +12,7 @@ import reproduce
 
 TRAIN = ("--steps 1 --prompts-per-step 4 --group-size 4 --max-new-tokens 40 --eval-n 8 --eval-every 0 "
          "--log-samples 0 --eval-probe-n 0")
-EVAL = "--limit 4 --n-samples 1 --max-new-tokens 64 --probe-questions 4 --probe-samples 2"
+EVAL = "--limit 4 --n-samples 1 --max-new-tokens 64 --probe-questions 4 --probe-samples 2 --posthoc-budgets 2"
 
 
 def _load(path):
@@ -25,6 +25,7 @@ def _mtimes(root):
             for d, _, names in os.walk(root) for n in names}
 
 
+@pytest.mark.slow   # two trainings and three evaluations
 def test_tiny_comparison_writes_the_table_and_a_rerun_redoes_nothing(tmp_path, capsys):
     out = str(tmp_path / "rep")
     argv = ["--methods", "rlcm,grpo", "--seeds", "0", "--jobs", "2", "--out", out,
@@ -155,6 +156,7 @@ def test_bad_values_exit_2_with_one_line_and_create_nothing(tmp_path, capsys, fl
     assert not out.exists()
 
 
+@pytest.mark.slow   # a training and an evaluation
 def test_a_failed_child_exits_1_without_a_table_and_others_go_on(tmp_path, capsys):
     out = str(tmp_path / "rep")
     with pytest.raises(SystemExit) as e:

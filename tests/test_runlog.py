@@ -16,6 +16,7 @@ import runlog
 import toy
 import train
 from config import resolve_args
+from test_hardening import PROBE_SMALL
 from test_train import SMALL, rows
 
 K = 4
@@ -158,7 +159,8 @@ def test_instruction_changes_the_prompt_and_evaluate_reuses_it(tmp_path, monkeyp
     assert json.load(open(os.path.join(out, "config.json")))["instruction"] == " ="
     assert seen and set(seen) == {(" =", None)}
     seen.clear()
-    fast = ["--benchmarks", "toy", "--limit", "3", "--n-samples", "2", "--max-new-tokens", "16", "--threads", "1"]
+    fast = ["--benchmarks", "toy", "--limit", "3", "--n-samples", "2", "--max-new-tokens", "16", "--threads", "1",
+            *PROBE_SMALL]   # the post-hoc probe's prompts take the instruction too
     res = evaluate.main(["--model", out, "--out", str(tmp_path / "e"), *fast])
     assert set(seen) == {(" =", None)}
     (label,) = res
@@ -174,7 +176,7 @@ def test_instruction_changes_the_prompt_and_evaluate_reuses_it(tmp_path, monkeyp
 def test_results_json_holds_provenance_and_intervals(run, tmp_path, capsys):
     out = str(tmp_path / "e")
     evaluate.main(["--model", run, "--benchmarks", "toy", "--limit", "10", "--n-samples", "2",
-                   "--max-new-tokens", "48", "--threads", "1", "--out", out])
+                   "--max-new-tokens", "48", "--threads", "1", *PROBE_SMALL, "--out", out])
     printed = capsys.readouterr().out
     saved = json.load(open(os.path.join(out, "results.json")))
     (res,) = saved.values()

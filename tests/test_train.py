@@ -65,6 +65,7 @@ def test_grpo_reward_runs_no_forced_answers(tmp_path, monkeypatch):
     assert "probe_bce" not in row
 
 
+@pytest.mark.slow   # two 6-step train.py processes, one killed
 def test_resume_is_exact_after_a_kill(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0"}
     args = [sys.executable, os.path.join(ROOT, "train.py"), "--steps", "6", "--save-every", "1", *SMALL]
