@@ -105,6 +105,7 @@ def test_a_padding_micro_batch_forwards_two_tokens_and_adds_no_gradient(monkeypa
     assert torch.equal(moved[0], moved[1])
 
 
+@pytest.mark.slow   # torchrun, two processes
 def test_fsdp2_ranks_with_padding_micro_batches_equal_one_process(tmp_path):
     """Two gloo ranks with one and three micro-batches (rank 0 pads with two 2-token ones): the same
     weights and the same sampler gap, k3 and largest ratio as one process over the whole batch."""
