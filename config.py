@@ -13,7 +13,8 @@ import toy
 from checkpoint import UserError
 from modes import PROBE_MODES, REWARDS  # the --reward modes; plan.py reads PROBE_MODES here
 
-# Defaults that depend on the world: the toy sizes for 2 CPU cores, the real ones from DESIGN.md.
+# Defaults that depend on the world: the toy sizes for 2 CPU cores, the real ones from the released
+# run script (docs/design.md, "Defaults").
 TOY = dict(data="toy", eval_data="toy", steps=45, prompts_per_step=16, group_size=8, lr=1e-4,
            warmup=3, max_new_tokens=48, eval_n=500, eval_every=10, save_every=10, grad_ckpt=False,
            micro_tokens=8192, gen_batch=256, grader="math",
@@ -34,7 +35,7 @@ COMMON = dict(model="toy", problem_field=None, answer_field=None, trust_remote_c
               plan=False, decode=None, drop_unanimous=False)
 NOT_SAVED = ("resume", "config", "plot")  # how a run was started, not what it is
 
-# --reward: RLCM, then the paper's baselines and ablations (DESIGN.md "Baselines"): modes.REWARDS.
+# --reward: RLCM, then the paper's baselines and ablations (docs/design.md, "Baselines"): modes.REWARDS.
 # What a mode implies. Flags given now win; a resumed run of the same mode keeps what it saved.
 IMPLIED = {"final-margin": dict(budgets=(1.0,), corner="final-margin"),
            "process-brier": dict(drop_unanimous=True),
@@ -197,7 +198,8 @@ def build_parser():
     g = p.add_argument_group("reward, labels and probe")
     g.add_argument("--reward", choices=REWARDS,
                    help="rlcm; the baselines grpo, rlcr, c2gspg; the ablations final-margin (budget 1.0, "
-                        "final-margin corner), process-brier, final-brier (budget 1.0); DESIGN.md Baselines")
+                        "final-margin corner), process-brier, final-brier (budget 1.0); "
+                        "docs/design.md, Baselines")
     g.add_argument("--drop-unanimous", action=argparse.BooleanOptionalAction,
                    help="leave prompt groups whose answers are all right or all wrong out of the update "
                         "(on for the Brier modes, as released)")

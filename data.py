@@ -14,7 +14,7 @@ import re
 from grade import plain_number as _number  # integer gold answers: "025" -> "25"
 
 INSTRUCTION = " Let's think step by step and output the final answer within \\boxed{}."
-# --reward rlcr on a real model (DESIGN.md "Baselines": the released RLCR prompt, its middle sentence
+# --reward rlcr on a real model (docs/design.md, "Baselines": the released RLCR prompt, its middle sentence
 # paraphrased) with the 3-line format; the answer is graded from the last <answer> tag, not a box.
 RLCR_INSTRUCTION = ("\n\nLet's think step by step. Output the final answer inside <answer> </answer>. "
                     "Then analyze how confident you are in that answer inside <analysis> </analysis>. "
@@ -27,7 +27,7 @@ PROBLEM_FIELDS = ("problem", "question", "prompt", "Question", "query")
 ANSWER_FIELDS = ("answer", "final_answer", "gold", "target", "Correct Answer")
 
 # short name -> where the benchmark lives on the hub (id, config, split) and its row layout
-# (benchmarks.md). integer: answers are integers however stored ("025", 70.0); filter: (field,
+# (docs/benchmarks.md). integer: answers are integers however stored ("025", 70.0); filter: (field,
 # substring) a row must have to be kept. LiveCodeBench and LogiQA are not here: code graded by
 # execution and multiple choice with an unchecked layout need their own graders.
 BENCHMARKS = {

@@ -1,7 +1,7 @@
-"""The --reward modes: RLCM, the paper's baselines and its ablations (DESIGN.md "Baselines"), as
-train.py runs them. The formulas live in reward.py (RLCM's margin and the ablations' terms), grpo.py
-(group advantages) and baselines.py (RLCR and C2GSPG whole); this file says which one each mode uses
-and what it logs.
+"""The --reward modes: RLCM, the paper's baselines and its ablations (docs/design.md, "Baselines"),
+as train.py runs them. The formulas live in reward.py (RLCM's margin and the ablations' terms),
+grpo.py (group advantages) and baselines.py (RLCR and C2GSPG whole); this file says which one each
+mode uses and what it logs.
 
   mode           labels + probe      reward R                                   advantages
   rlcm           budgets .25/.5/.75  r_nat + lam * margin (--corner, zero)      group z-score

@@ -6,7 +6,7 @@
 module is imported. Without them everything here is the identity and the code runs as one process
 (CPU or one GPU). On CPU the same path runs with the gloo backend (tests use two processes).
 
-Layout on N GPUs (DESIGN.md, "Scale"): the trained policy is sharded with FSDP2 (`fully_shard` per
+Layout on N GPUs (docs/design.md, "Scale"): the trained policy is sharded with FSDP2 (`fully_shard` per
 decoder layer, then the root; bf16 compute, fp32 gradient reduction); each rank keeps a plain
 bf16 copy of the full weights for generation, labelling and scoring, refreshed after every
 optimizer step; whole prompt groups stay on one rank. With --offload the sharded fp32 params,

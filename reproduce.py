@@ -50,7 +50,7 @@ MAIN = ("base", "grpo", "rlcr", "c2gspg", "rlcm")
 ABLATIONS = ("final-margin", "process-brier", "final-brier")
 NAMES = dict(zip(MAIN + ABLATIONS, ("Base", "GRPO", "RLCR", "C2GSPG", "RLCM", "Final-Margin", "Process-Brier",
                                     "Final-Brier")))
-# evaluate.py --confidence of each method: the paper's (DESIGN.md "Baselines")
+# evaluate.py --confidence of each method: the paper's (docs/design.md, "Baselines")
 CONFIDENCE = dict(dict.fromkeys(MAIN + ABLATIONS, "probe-posthoc"), rlcr="verbal", c2gspg="logits")
 KEYS = (("Acc", "acc"), ("PCE", "pce"), ("ECE", "ece"), ("Brier", "brier"), ("AUROC", "auroc"))
 ROOT = os.path.dirname(os.path.abspath(__file__))

@@ -55,7 +55,7 @@ def test_kv_cache_term_matches_a_real_static_cache():
 def test_the_7b_head_geometry_gives_56_kib_per_token():
     from transformers import Qwen2Config
     cfg = Qwen2Config(hidden_size=3584, num_attention_heads=28, num_key_value_heads=4, num_hidden_layers=28)
-    assert plan.kv_bytes_per_token(cfg, 2) == 56 * 1024  # DESIGN.md, "Scale"
+    assert plan.kv_bytes_per_token(cfg, 2) == 56 * 1024  # docs/design.md, "Scale"
 
 
 @needs_7b

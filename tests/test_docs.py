@@ -1,0 +1,112 @@
+"""No dangling references: every file the project names is in the repository.
+
+What counts as a name: a `NAME.py` or `NAME.md` (with or without folders before it) or a `docs/...`
+path, anywhere in the project's .py files (comments, docstrings, strings; this file's own examples
+aside), README.md and docs/*.md, and in the `--help` text of train.py and evaluate.py. A name with a
+folder must exist from the repository root or from the folder of the file that names it; a bare
+name must be a file somewhere in the repository (so a reader can find it).
+
+Not checked:
+- paths that start with `../shared/`: the developers' reference folder, named as such where cited;
+- the names in ELSEWHERE, each with its reason. An entry ending in "/" is a folder of another project
+  or of a run's outputs and covers every path under it: the README's map names the released code's
+  files under `verl/` and `scripts/eval/` (the authors' repository). This repository has neither
+  folder (checked below), so a path under one is never one of its own files.
+"""
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.relpath(os.path.abspath(__file__), ROOT)  # its examples name missing files on purpose
+NAME = re.compile(r"(?<![\w./-])((?:\.\./)?[\w./-]*\w\.(?:py|md)|docs/[\w./-]*\w)(?![\w/])")
+SKIP_DIRS = ("runs", "out", "eval_out")  # what runs write (.gitignore), besides hidden folders
+ELSEWHERE = {
+    "verl/": "the released code (the authors' repository; README's map)",
+    "scripts/eval/": "the released code's evaluation scripts (README's map)",
+    "core_algos.py": "verl's policy-loss file in the released code (README's map)",
+    "OUT/": "a command's --out folder (reproduce.py writes OUT/table.md)",
+    "runs/": "the run folders training and reproduce.py write",
+    "table.md": "the table reproduce.py writes into its --out folder",
+    "file.py": "a placeholder: `file.py:function` (tests/test_readme_map.py)",
+    "modeling_evil.py": "written by tests/test_hardening.py into a temporary checkpoint",
+    "wandb.py": "a fake wandb module tests/test_runlog.py writes into a temporary folder",
+    "work.py": "a worker script tests/test_launch.py writes into a temporary folder",
+}
+
+
+def project_files():
+    """Paths (relative to ROOT) of every file in the repository, hidden and output folders aside."""
+    out = []
+    for top, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if not d.startswith((".", "__")) and d not in SKIP_DIRS]
+        out += [os.path.relpath(os.path.join(top, f), ROOT) for f in files]
+    return out
+
+
+def dangling(text, where, files):
+    """The names in `text` (from file `where`, relative to ROOT) that are not in the repository."""
+    names = {os.path.basename(f) for f in files}
+    bad = []
+    for name in NAME.findall(text):
+        if name.startswith("../shared/") or name in ELSEWHERE or \
+                any(name.startswith(k) for k in ELSEWHERE if k.endswith("/")):
+            continue
+        if "/" in name:
+            ok = any(os.path.exists(os.path.join(ROOT, base, name)) for base in ("", os.path.dirname(where)))
+        else:
+            ok = name in names
+        if not ok:
+            bad.append(f"{where}: {name}")
+    return bad
+
+
+def test_the_name_pattern_finds_what_it_must():
+    found = NAME.findall('see DESIGN.md "Scale" (docs/design.md, step.py:rlcm_step; ../shared/x.md) '
+                         '`verl/verl/utils/reward_score/rlcr.py`, runs/toy/curves.png, x.pyc')
+    assert found == ["DESIGN.md", "docs/design.md", "step.py", "../shared/x.md",
+                     "verl/verl/utils/reward_score/rlcr.py"]
+
+
+def test_the_released_codes_folders_are_not_ours():
+    for folder in ("verl/", "scripts/eval/"):
+        assert not os.path.exists(os.path.join(ROOT, folder)), \
+            f"{folder} is now a folder of this repository: drop it from ELSEWHERE"
+
+
+def test_every_file_named_in_the_code_and_the_docs_exists():
+    files = project_files()
+    texts = [f for f in files if f != HERE and (f.endswith(".py") or f == "README.md"
+             or (f.startswith("docs" + os.sep) and f.endswith(".md")))]
+    assert "README.md" in texts and "step.py" in texts
+    bad = []
+    for f in texts:
+        with open(os.path.join(ROOT, f), encoding="utf-8") as fh:
+            bad += dangling(fh.read(), f, files)
+    assert not bad, "named but not in the repository:\n" + "\n".join(bad)
+
+
+def test_help_texts_name_only_files_of_the_repository():
+    files = project_files()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    for script in ("train.py", "evaluate.py"):
+        p = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True,
+                           env=env, timeout=120)
+        assert p.returncode == 0, p.stderr
+        assert "usage:" in p.stdout
+        bad = dangling(p.stdout, script + " --help", files)
+        assert not bad, "named but not in the repository:\n" + "\n".join(bad)
+
+
+def test_every_cited_section_of_the_design_notes_is_a_heading():
+    files = project_files()
+    with open(os.path.join(ROOT, "docs", "design.md"), encoding="utf-8") as f:
+        headings = {line.lstrip("#").strip() for line in f if line.startswith("## ")}
+    cited = []
+    for name in (f for f in files if f.endswith(".py") and f != HERE):
+        with open(os.path.join(ROOT, name), encoding="utf-8") as fh:
+            cited += [(name, s) for s in re.findall(r'docs/design\.md, "([^"]+)"', fh.read())]
+    assert len(cited) >= 8
+    missing = [f"{name}: {s}" for name, s in cited if s not in headings]
+    assert not missing, "cited sections that docs/design.md does not have:\n" + "\n".join(missing)
