@@ -8,9 +8,9 @@ Two graders (`--grader` in train.py; evaluation always uses "math"):
 
 - "strict", the released training reward: the content of the last `\\boxed{` in the text (braces
   counted plainly; an unclosed last box is wrong) and the gold are each stripped of surrounding
-  whitespace, a trailing ".0" is dropped, then leading zeros (after a minus sign too; one zero stays
-  where no digit follows: "0", "0.5"), and the two strings must be equal. So "007" = "7" and
-  "2.0" = "2", but "\\dfrac{1}{2}" != "\\frac{1}{2}" and "1,000" != "1000".
+  whitespace, a trailing ".0" is dropped, then every leading zero (after a minus sign too; "0" if
+  nothing is left), and the two strings must be equal. So "007" = "7", "2.0" = "2", "0.5" = ".5" and
+  an empty box = "0", but "\\dfrac{1}{2}" != "\\frac{1}{2}" and "1,000" != "1000".
 - "math", the safe grader of evaluation: the last `\\boxed{}` or `\\fbox{}` (or the bare
   "\\boxed 5"), spelling normalised (`_normalize`), plain decimals compared as exact numbers
   ("025" = 25 = 25.0), else math-verify. Only math-verify's LaTeX parser runs: its plain-expression
@@ -83,17 +83,14 @@ def boxed_answer(text):
 
 
 def strict_form(s: str) -> str:
-    """The released normalisation: strip, drop one trailing ".0", drop leading zeros (after a minus
-    sign too) but keep one before a non-digit. strict_form(" -007.0 ") == "-7"."""
+    """The released normalisation (math_dapo.normalize_answer): strip, drop one trailing ".0", then
+    every leading zero after an optional minus sign, "0" where nothing is left. So ".5" = "0.5",
+    "-.5" = "-0.5", ".0" = "0" and an empty box = "0" (a released quirk); strict_form(" -007.0 ") == "-7"."""
     s = s.strip()
     if s.endswith(".0"):
         s = s[:-2]
     sign = "-" if s.startswith("-") else ""
-    body = s[len(sign):]
-    short = body.lstrip("0")
-    if short != body and (not short or short[0] not in "0123456789"):
-        short = "0" + short
-    return sign + short
+    return sign + (s[len(sign):].lstrip("0") or "0")
 
 
 def _normalize(s: str) -> str:

@@ -72,9 +72,14 @@ STRICT = [
     (r"\boxed{-0}", "0", False),
     (r"\boxed{00}", "0", True),
     (r"\boxed{0.0}", "0", True),
-    (r"\boxed{0.5}", ".5", False),          # one zero stays before a non-digit
     (r"\boxed{00.5}", "0.5", True),
-    (r"\boxed{}", "0", False),
+    # every leading zero goes, "0" where nothing is left (released normalize_answer; wrong at 33d36b1)
+    (r"\boxed{.5}", "0.5", True),
+    (r"\boxed{0.5}", ".5", True),
+    (r"\boxed{-.5}", "-0.5", True),
+    (r"\boxed{.0}", "0", True),
+    (r"\boxed{}", "0", True),              # an empty box is "0": a released quirk
+    (r"\boxed{ }", "0", True),
     (r"\boxed{1} then \boxed{2}", "2", True),   # a second box after the first
     (r"\boxed{1} then \boxed{2}", "1", False),
     (r"\boxed{1} then \boxed{2", "2", False),   # an unclosed last box is wrong
@@ -101,8 +106,8 @@ def test_strict_grader_is_the_released_rule(text, gold, ok):
 
 
 def test_strict_form():
-    assert [grade.strict_form(s) for s in (" -007.0 ", "0", "00", "0.5", "00.5", "-0", "10.00", "0x")] == \
-        ["-7", "0", "0", "0.5", "0.5", "-0", "10.00", "0x"]
+    assert [grade.strict_form(s) for s in (" -007.0 ", "0", "00", "0.5", "00.5", "-0", "10.00", "0x", "", "-")] == \
+        ["-7", "0", "0", ".5", ".5", "-0", "10.00", "x", "0", "-0"]
 
 
 @pytest.mark.parametrize("text, gold, ok", [
