@@ -2,7 +2,8 @@
 --reward c2gspg). Torch and the standard library only.
 
 RLCR: the policy states its confidence in a final <confidence> tag (its answer in an <answer> tag);
-  conf  = verbal_confidence(text): "85" -> 0.85, "0.3" -> 0.3, missing -> 0.5 (and counted)
+  conf  = verbal_confidence(text): "85" -> 0.85, "0.3" -> 0.3, missing or outside [0, 100] -> 0.5
+          (and counted)
   R     = correct - (correct - conf)^2   (correct 0/1)              advantages: group z-score
 C2GSPG: the confidence is the policy's own sequence probability;
   c     = exp(mean_t log p(token_t)) of the response (sequence_confidence)
@@ -14,34 +15,30 @@ import re
 
 import torch
 
-_OPEN, _CLOSE = re.compile("<confidence>", re.I), re.compile("</confidence>", re.I)
-_NUMBER = re.compile(r"[-+]?\d*\.?\d+(?:[eE][-+]?\d+)?")
+_NUMBER = re.compile(r"[-+]?\d*\.?\d+")  # released: the first such number, no exponent ("1e-3" -> 1)
 
 
 def verbal_confidence(text):
-    """(confidence, missing) from the last complete <confidence> tag (the last closing tag and the
-    nearest opening one before it): "0.8" -> 0.8, "85" or "85%" -> 0.85.
+    """(confidence, invalid) as the released RLCR scorer reads it (rlcr.extract_answer_and_confidence):
+    the last `<confidence>(.*?)</confidence>` match (tags case-sensitive), its first number; [0, 1]
+    as is, (1, 100] / 100: "0.8" -> 0.8, "85" or "85%" -> 0.85. No tag, no number, or a value below 0
+    or above 100 -> (0.5, True): RL cannot earn a sure 1.0 or 0.0 by writing "150" or "-3".
 
-    Values are clipped to [0, 1]; no tag or no number in it -> (0.5, True). Linear in the text: a
+    The matches are found as the regex's would be (each from the first opening tag after the
+    previous match to the nearest closing tag) by str.find moving forward: linear in the text, so a
     policy that repeats "<confidence>" 8,000 times costs one pass, not one pass per tag.
     """
-    end = _last(_CLOSE, text, len(text))
-    start = _last(_OPEN, text, end.start()) if end else None
-    m = _NUMBER.search(text, start.end(), end.start()) if start else None
-    if m is None:
+    span, pos = None, 0
+    while (start := text.find("<confidence>", pos)) >= 0:
+        end = text.find("</confidence>", start + len("<confidence>"))
+        if end < 0:
+            break
+        span, pos = (start + len("<confidence>"), end), end + len("</confidence>")
+    m = _NUMBER.search(text, *span) if span else None
+    v = float(m.group()) if m else -1.0
+    if not 0 <= v <= 100:
         return 0.5, True
-    v = float(m.group())
-    if v > 1:
-        v /= 100.0
-    return min(max(v, 0.0), 1.0), False
-
-
-def _last(pattern, text, stop):
-    """The last match of `pattern` in text[:stop], or None."""
-    m = None
-    for m in pattern.finditer(text, 0, stop):
-        pass
-    return m
+    return (v if v <= 1 else v / 100), False
 
 
 def rlcr_reward(correct, conf):

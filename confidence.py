@@ -9,7 +9,8 @@ Sources (one number in [0, 1] per sampled response):
                  probe rows): feature = final normed hidden state of the last token of prompt +
                  thinking; read at the end of thinking.
   verbal         the number in the last <confidence>...</confidence> tag (RLCR's format); values
-                 above 1 read as percentages; a missing or unreadable tag reads as 0.5 (counted).
+                 above 1 read as percentages; a missing tag, no number or a value outside [0, 100]
+                 reads as 0.5 (counted), as the released scorer reads it.
   verbal-forced  RLCR's released evaluation confidence: the thinking cut at the budget (the evaluation's
                  max tokens: 8000, the toy's 128) or where it ended, `</think>` appended, --forced-k
                  re-answers sampled (temperature 0.6, top-p 0.95, at most 512 tokens), the mean of their

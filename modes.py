@@ -15,7 +15,8 @@ mode uses and what it logs.
 r_nat = 2 * correct - 1 (signed, released). The budgets, corner and unanimous-group drop a mode
 implies are set by config.IMPLIED (flags given win); --corner picks the margin's rule (MARGINS).
 rlcr reads correctness from the last <answer> tag and its confidence from the last <confidence> tag
-(baselines.verbal_confidence: "85" -> 0.85, "0.3" -> 0.3, missing -> 0.5 and counted); c2gspg's
+(baselines.verbal_confidence, the released parser: "85" -> 0.85, "0.3" -> 0.3, missing or outside
+[0, 100] -> 0.5 and counted); c2gspg's
 c = exp(mean token log-prob) of the response at the sampling temperature under the rollout weights
 (baselines.sequence_confidence).
 """

@@ -27,7 +27,14 @@ def _tiny_model(seed=0):
     ("<confidence> 85% </confidence>", (0.85, False)),
     ("<confidence>0.2</confidence> then <confidence>0.9</confidence>", (0.9, False)),   # the last tag
     ("<confidence>1</confidence>", (1.0, False)),
-    ("<confidence>150</confidence>", (1.0, False)),                                     # clipped
+    # the released parser's edges (33d36b1: 1.0, 0.0, 0.001, 0.9): invalid, so 0.5 and counted
+    ("<confidence>150</confidence>", (0.5, True)),
+    ("<confidence>-0.2</confidence>", (0.5, True)),
+    ("<confidence>1e-3</confidence>", (1.0, False)),           # the first number, "1"
+    ("<Confidence>0.9</Confidence>", (0.5, True)),             # tags are case-sensitive
+    ("<confidence>100</confidence>", (1.0, False)),
+    ("<confidence>0</confidence>", (0.0, False)),
+    ("<confidence>0.2 <confidence>0.9</confidence>", (0.2, False)),   # the regex's match opens at the first tag
     ("<confidence>high</confidence>", (0.5, True)),
     ("no tag at all \\boxed{3}", (0.5, True)),
 ])
