@@ -36,7 +36,8 @@ COMMON = dict(model="toy", problem_field=None, answer_field=None, trust_remote_c
 NOT_SAVED = ("resume", "config", "plot")  # how a run was started, not what it is
 
 # --reward: RLCM, then the paper's baselines and ablations (docs/design.md, "Baselines"): modes.REWARDS.
-# What a mode implies. Flags given now win; a resumed run of the same mode keeps what it saved.
+# What a mode implies. Flags given now win; a resumed run of the same mode keeps what it saved;
+# a saved config of another mode loses what its own mode implied (resolve_args).
 IMPLIED = {"final-margin": dict(budgets=(1.0,), corner="final-margin"),
            "process-brier": dict(drop_unanimous=True),
            "final-brier": dict(budgets=(1.0,), drop_unanimous=True),
@@ -293,9 +294,13 @@ def resolve_args(argv):
         saved = _read_config(given["config"])
         check_saved(saved, given["config"])
     model = given.get("model", saved.get("model", "toy"))
-    cfg = {**COMMON, **(TOY if model == "toy" else REAL), **saved, **given}
+    world = {**COMMON, **(TOY if model == "toy" else REAL)}
+    cfg = {**world, **saved, **given}
     if saved.get("reward") != cfg["reward"]:
-        implied = dict(IMPLIED.get(cfg["reward"], {}))
+        # Another mode than the saved one (--config): what the saved mode implied goes back to the
+        # defaults, so --config FINAL_BRIER --reward rlcm trains with rlcm's budgets and no filter.
+        implied = {k: world[k] for k in IMPLIED.get(saved.get("reward"), {})}
+        implied.update(IMPLIED.get(cfg["reward"], {}))
         if model == "toy":
             implied.update(TOY_IMPLIED.get(cfg["reward"], {}))
         cfg.update({k: v for k, v in implied.items() if k not in given})

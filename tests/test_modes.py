@@ -212,6 +212,34 @@ def test_resume_keeps_the_mode_and_what_it_saved(tmp_path):
         config.resolve_args(["--resume", str(run), "--reward", "rlcm"])
 
 
+@pytest.mark.parametrize("model, mode", [("toy", "final-brier"), ("toy", "final-margin"), ("toy", "rlcr"),
+                                         ("some-org/some-model", "final-brier"),
+                                         ("some-org/some-model", "rlcr")])
+def test_config_of_another_mode_gives_exactly_the_new_modes_settings(tmp_path, model, mode):
+    """--config A --reward rlcm: A's mode-implied settings do not leak (33d36b1: from final-brier,
+    budgets [1.0] and the filter on; from rlcr, RLCR's prompt); a flag given now still wins."""
+    out = ["--model", model, "--out", str(tmp_path / "run")]
+    saved = tmp_path / "config.json"
+    saved.write_text(json.dumps(config.resolve_args(["--reward", mode, *out])))
+    plain = config.resolve_args(["--reward", "rlcm", *out])
+    cfg = config.resolve_args(["--config", str(saved), "--reward", "rlcm", *out])
+    assert json.loads(json.dumps({**cfg, "config": None})) == json.loads(json.dumps(plain))
+    assert list(cfg["budgets"]) == [0.25, 0.5, 0.75] and cfg["drop_unanimous"] is False and cfg["corner"] == "zero"
+    assert cfg["instruction"] == ("" if model == "toy" else data.INSTRUCTION)
+    given = config.resolve_args(["--config", str(saved), "--reward", "rlcm", "--budgets", "1.0",
+                                 "--drop-unanimous", "--corner", "final-margin", "--instruction", " Go.", *out])
+    assert (given["budgets"], given["drop_unanimous"], given["corner"], given["instruction"]) == \
+        ((1.0,), True, "final-margin", " Go.")
+
+
+def test_config_keeps_what_neither_mode_implies(tmp_path):
+    saved = tmp_path / "config.json"
+    out = ["--out", str(tmp_path / "run")]
+    saved.write_text(json.dumps(config.resolve_args(["--reward", "final-brier", "--lam", "0.3", *out])))
+    cfg = config.resolve_args(["--config", str(saved), "--reward", "process-brier", *out])
+    assert cfg["lam"] == 0.3 and cfg["drop_unanimous"] is True and list(cfg["budgets"]) == [0.25, 0.5, 0.75]
+
+
 def metrics(run):
     with open(os.path.join(run, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if '"eval": true' not in line]
