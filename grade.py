@@ -14,7 +14,9 @@ Two graders (`--grader` in train.py; evaluation always uses "math"):
 - "math", the safe grader of evaluation: the last `\\boxed{}` or `\\fbox{}` (or the bare
   "\\boxed 5"), spelling normalised (`_normalize`), plain decimals compared as exact numbers
   ("025" = 25 = 25.0), else math-verify. Only math-verify's LaTeX parser runs: its plain-expression
-  parser goes through sympy's parse_expr, which calls eval on model text.
+  parser goes through sympy's parse_expr, which calls eval on model text. Against a gold option
+  letter A-D (GPQA) an answer that names an option ("A) 3.5 eV", "Option A", "(a)") is graded by
+  that letter (gpqa_choice), as the released evaluation grades GPQA.
 
 Time bound. A grading call returns within about GRADE_TIMEOUT_S on any input, in any thread:
 the text is scanned by linear patterns only; answers longer than MAX_ANSWER_CHARS are compared as
@@ -124,6 +126,9 @@ def answers_match(pred, gold, grader="math", deadline=None) -> bool:
         return strict_form(pred) == strict_form(gold)
     if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
         return bool(pred) and pred == gold
+    letter = gpqa_choice(pred) if gold in CHOICES else None
+    if letter is not None:  # GPQA as released; an answer naming no option is graded as usual
+        return letter == gold
     a, b = _normalize(pred), _normalize(gold)
     if not a or not b:
         return False
@@ -133,6 +138,23 @@ def answers_match(pred, gold, grader="math", deadline=None) -> bool:
     if na is not None and nb is not None:
         return na == nb
     return _math_verify(pred, gold, deadline or time.monotonic() + GRADE_TIMEOUT_S)
+
+
+CHOICES = ("A", "B", "C", "D")  # a gold answer that is one of these is a GPQA option letter (data._choices)
+_CHOICE_WORD = re.compile(r"\b(?:OPTION|CHOICE|ANSWER)\s*[:\-]?\s*([A-D])\b")
+
+
+def gpqa_choice(answer):
+    """The option letter of a multiple-choice answer as the released GPQA scoring reads it
+    (extract_gpqa_choice): "(b)", "Option B", "Answer: B", "B) 3.5 eV", "B." -> "B"; None if none."""
+    s = answer.strip().upper()
+    m = re.search(r"\(([A-D])\)", s) or _CHOICE_WORD.search(s)
+    if m:
+        return m.group(1)
+    if s[:1] in CHOICES and s[1:2] in ("", ".", ")", ":", "-", " ", "\n", "\t"):
+        return s[0]
+    m = re.search(r"\b([A-D])\b", s)
+    return m.group(1) if m else None
 
 
 def answer_tag(text):

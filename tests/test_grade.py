@@ -133,6 +133,30 @@ def test_math_grader(text, gold, ok):
     assert grade.is_correct(text, gold, "math") is ok
 
 
+@pytest.mark.parametrize("text, gold, ok", [
+    (r"\boxed{A) 3.5 eV}", "A", True),       # the option as listed (data._choices): wrong at 33d36b1
+    (r"\boxed{Option A}", "A", True),        # wrong at 33d36b1
+    (r"\boxed{\text{Option C}}", "C", True),
+    (r"\boxed{the answer is (b)}", "B", True),
+    (r"\boxed{Answer: D.}", "D", True),
+    (r"\boxed{A) 3.5 eV}", "B", False),
+    (r"\boxed{Option A}", "C", False),
+    (r"\boxed{B}", "B", True),
+    (r"\boxed{C}", "B", False),
+    (r"\boxed{A) 3}", "3", False),           # only a gold option letter reads the letter
+])
+def test_gpqa_letter_forms_are_read_as_released(text, gold, ok):
+    assert grade.is_correct(text, gold) is ok
+
+
+def test_gpqa_choice_is_the_released_rule():
+    assert [grade.gpqa_choice(s) for s in ("(B) 4 eV", "Option C", "choice: d", "A) 3.5 eV", "B.", "a",
+                                           "x is C", "ABC", "", "3.5 eV")] == \
+        ["B", "C", "D", "A", "B", "A", "C", None, None, None]
+    # GPQA in RLCR's format: the letter in the last <answer> tag
+    assert grade.is_correct("<answer>Option C</answer>", "C", form="tag")
+
+
 def test_graders_disagree_where_the_rules_differ():
     # math reads the last \fbox too, strict only `\boxed{`: here strict is the one that says right
     assert grade.is_correct(r"\boxed{5} \fbox{6}", "5", "strict") and not grade.is_correct(r"\boxed{5} \fbox{6}", "5")
