@@ -43,7 +43,7 @@ import torch
 
 from checkpoint import UserError
 from config import PROBE_MODES
-from staticcache import bucket
+from staticcache import buffer_shape  # the buffers StaticDecoder allocates
 
 GiB = 2**30
 PROMPT_TOKENS = 600     # training prompts longer than this are dropped when the data is loaded
@@ -84,12 +84,6 @@ def kv_bytes_per_token(config, dtype_bytes):
     return config.num_hidden_layers * 2 * kv * head_dim * dtype_bytes
 
 
-def static_shape(rows, width, new_tokens):
-    """(rows, positions) of the static decoder's buffers for `rows` rows of a `width`-wide prefix
-    decoding up to `new_tokens`: staticcache.StaticDecoder.start's bucketed key."""
-    return bucket(rows, 1), bucket(width + new_tokens - 1, 64)
-
-
 def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
     """Bytes per device for each term (dict, in the order printed) plus 'peak', the host memory
     ('host': rank 0's, 'host node': all ranks'), and the static shapes ('kv_shape', 'label_kv_shape')."""
@@ -106,7 +100,7 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
     P, G, new = prompt_tokens(cfg), cfg["group_size"], cfg["max_new_tokens"]
     # rollout: gen_batch prompts prefilled at once, their KV repeated for the G samples
     prompts = min(cfg["gen_batch"], prompts_here)
-    kv_shape = static_shape(prompts * G, P, new)
+    kv_shape = buffer_shape(prompts * G, P, new)
     kv, prefill = kv_shape[0] * kv_shape[1] * per_token, layer_acts(prompts * P)
     label_shape, label_kv, label_prefill = (0, 0), 0, 0
     if cfg.get("reward", "rlcm") in PROBE_MODES:
@@ -116,7 +110,7 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
         fractions = cfg.get("budgets", (0.25, 0.5, 0.75))
         cuts = min(cfg["gen_batch"], prompts_here * G * len(fractions))
         width = P + int(new * max(fractions)) + FORCED_SUFFIX
-        label_shape = static_shape(cuts * cfg["k"], width, FORCED_ANSWER)
+        label_shape = buffer_shape(cuts * cfg["k"], width, FORCED_ANSWER)
         label_kv = label_shape[0] * label_shape[1] * per_token
         label_prefill = layer_acts(cuts * width) + cuts * width * per_token
     gather = 8 * (root + 2 * layer) if world > 1 or offload else 0

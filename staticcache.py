@@ -36,6 +36,12 @@ def bucket(x, lo):
     return -(-x // step) * step
 
 
+def buffer_shape(rows, width, max_new_tokens):
+    """(rows, positions) of the buffers for `rows` rows of a `width`-wide prefix decoding up to
+    max_new_tokens, bucketed: the last token is never written, so width + max_new_tokens - 1."""
+    return bucket(rows, 1), bucket(width + max_new_tokens - 1, 64)
+
+
 class StaticKV:
     """The cache object a decoder layer calls `update(key, value, layer_idx, ...)` on: writes this
     step's [R, H, 1, D] at `write_at` and returns the layer's whole [R, H, L, D] buffers."""
@@ -111,7 +117,7 @@ class StaticDecoder:
         B, W = prefix.mask.shape
         rows = B * n
         layers = prefix.cache.layers
-        key = (bucket(rows, 1), bucket(W + max_new_tokens - 1, 64))
+        key = buffer_shape(rows, W, max_new_tokens)
         if key != self.key:
             self.shape = self.key = None  # the old buffers and graph go before the new ones are allocated
             self.shape, self.key = _Shape(self.model, self.cache_kw, *key, layers), key
