@@ -28,9 +28,9 @@ of which rows are still in the batch, so both decode paths give the same samples
 Ids the tokenizer does not have (the 7B model's embedding has 152,064 rows, the tokenizer about
 151,666 ids) are never sampled.
 
-Scores: with every sampled token come its log-prob and the entropy of the distribution it was drawn
-from, both under the full softmax(logits / temperature) over the tokenizer's ids (temperature 0:
-at temperature 1), not the top_p-restricted one. That is what the trainer's grpo.token_logprobs
+Scores (scores=True, the RL step's rollout): with every sampled token come its log-prob and the
+entropy of the distribution it was drawn from, both under the full softmax(logits / temperature)
+over the tokenizer's ids (temperature 0: at temperature 1), not the top_p-restricted one. That is what the trainer's grpo.token_logprobs
 computes at the same temperature, so update.py can measure how far the sampler (a bf16 copy on
 GPUs) is from the policy it trains. They come from the logits each step already has: one more
 log-softmax per step, kept on the device and copied to the host once per chunk.
@@ -377,13 +377,15 @@ def chunk_generators(seed, count, device):
 
 
 def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0,
-             stop=(), eos_ids=None, seed=None, batch_size=None, progress=False, decode=None) -> Samples:
+             stop=(), eos_ids=None, seed=None, batch_size=None, progress=False, decode=None,
+             scores=False) -> Samples:
     """Sample n continuations of each prompt. prompts: list of token-id lists (chat template applied).
 
     stop: strings (stop once the generated text contains one) and/or token ids; the token that
     completes a stop is kept. eos_ids default to the generation config's and tokenizer's EOS.
     seed: the same seed, prompts and batch_size give the same samples, with either decode path.
-    Samples.logprobs and .entropy_sum score every sampled id (module docstring, Scores).
+    scores: Samples.logprobs and .entropy_sum score every sampled id (module docstring, Scores);
+    the RL step asks for them, evaluation does not (empty lists then).
     batch_size: prompts per chunk (rows = batch_size * n). decode: "static" | "dynamic" | None
     (static on CUDA, dynamic elsewhere).
     """
@@ -402,12 +404,13 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
     try:
         for start, gen in tqdm(list(zip(starts, gens)), desc="generate", disable=not progress):
             chunk = [list(map(int, p)) for p in prompts[start:start + batch_size]]
-            scored = sampler.sample(sampler.prefill(chunk), n, gen, scores=True)
-            ids, length, reason, logp, entropy = (x.tolist() for x in scored)
+            out = sampler.sample(sampler.prefill(chunk), n, gen, scores)
+            ids, length, reason, *scored = (x.tolist() for x in out)
             for r in range(len(ids)):
                 result.ids.append(ids[r][:length[r]])
-                result.logprobs.append(logp[r][:length[r]])
-                result.entropy_sum.append(entropy[r])
+                if scores:
+                    result.logprobs.append(scored[0][r][:length[r]])
+                    result.entropy_sum.append(scored[1][r])
                 result.lengths.append(length[r])
                 result.finish.append(_REASONS[reason[r]])
                 result.prompt_index.append(start + r // n)

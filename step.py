@@ -103,7 +103,7 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
     with timer("rollout"):
         out = generate(sampler, tok, prompts, n=G, max_new_tokens=cfg["max_new_tokens"],
                        temperature=cfg["temperature"], top_p=cfg["top_p"], seed=seed,
-                       batch_size=cfg["gen_batch"], decode=cfg["decode"])
+                       batch_size=cfg["gen_batch"], decode=cfg["decode"], scores=True)
     golds = [rows[i]["answer"] for i in out.prompt_index]
     traj_prompts = [prompts[i] for i in out.prompt_index]
     correct = modes.correctness(out.texts, golds, cfg["grader"], mode)

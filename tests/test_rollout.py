@@ -190,7 +190,7 @@ def assert_same_scores(a, b):
 @pytest.mark.parametrize("kw", SETTINGS, ids=["greedy", "sampled", "top-p"])
 def test_static_and_dynamic_decode_give_the_same_samples(model, tok, kw):
     prompts = [enc(tok, "1+2="), enc(tok, "what is 17*3? think."), enc(tok, "x"), enc(tok, "hello there")]
-    common = dict(n=3, max_new_tokens=20, batch_size=3, **kw)
+    common = dict(n=3, max_new_tokens=20, batch_size=3, scores=True, **kw)
     free = rollout.generate(model, tok, prompts, eos_ids=[], decode="dynamic", **common)
     static = rollout.generate(model, tok, prompts, eos_ids=[], decode="static", **common)
     assert free.ids == static.ids
@@ -260,7 +260,7 @@ def test_shared_rows_give_the_same_samples_with_fewer_rows(model, tok):
                 assert calls == [2] * 8  # prefill and 7 steps over one row per prompt
             else:
                 assert max(calls[1:]) <= 8 and len(set(calls[1:])) > 1  # rows split as samples diverge
-            ref = rollout.generate(model, tok, prompts, n=4, max_new_tokens=8, eos_ids=[], **kw)
+            ref = rollout.generate(model, tok, prompts, n=4, max_new_tokens=8, eos_ids=[], scores=True, **kw)
             assert ids.tolist() == ref.ids and length.tolist() == ref.lengths
             assert torch.allclose(logp, torch.tensor(ref.logprobs), atol=1e-5)  # no row stops early here
             assert torch.allclose(entropy, torch.tensor(ref.entropy_sum), atol=1e-4)
@@ -287,7 +287,7 @@ def test_scores_are_the_full_distributions_log_prob_and_entropy(tok, temperature
     kw = dict(n=2, max_new_tokens=10, temperature=temperature, top_p=0.7, seed=1)
     eos = rollout.generate(model, tok, prompts, eos_ids=[], **kw).ids[0][4]
     for decode in rollout.DECODES:
-        out = rollout.generate(model, tok, prompts, eos_ids=[eos], decode=decode, **kw)
+        out = rollout.generate(model, tok, prompts, eos_ids=[eos], decode=decode, scores=True, **kw)
         assert min(out.lengths) < max(out.lengths)  # the alignment is checked on ragged rows
         for ids, logp, entropy, i in zip(out.ids, out.logprobs, out.entropy_sum, out.prompt_index):
             p = prompts[i]

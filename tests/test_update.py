@@ -36,7 +36,7 @@ def test_the_sampler_is_the_policy_so_the_gap_is_zero():
     prompts = [tok.encode(t, add_special_tokens=False) for t in ("1+2=", "what is 17*3?", "x")]
     kw = dict(n=2, max_new_tokens=CFG["max_new_tokens"], temperature=CFG["temperature"], top_p=0.9, seed=0)
     eos = generate(lm, tok, prompts, eos_ids=[], **kw).ids[0][3]
-    out = generate(lm, tok, prompts, eos_ids=[eos], **kw)
+    out = generate(lm, tok, prompts, eos_ids=[eos], scores=True, **kw)
     assert min(out.lengths) < max(out.lengths)
     batch = pack([prompts[i] for i in out.prompt_index], out.ids, tok.pad_token_id, out.logprobs)
     mbs = [[0, 1], [2], [3, 4, 5]]
