@@ -52,6 +52,11 @@ class UserError(ValueError):
     """A problem the user can fix (bad name, missing file, offline hub): printed as one line."""
 
 
+def first_line(e, limit=200):
+    """An exception's message cut to its first line (a library's may run to pages), for one-line errors."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:limit]
+
+
 class Busy(UserError):
     """The folder is locked by another live writer (train.py and evaluate.py exit 2)."""
 
@@ -103,7 +108,7 @@ def fetch(name):
     try:
         snapshot_download(path, ignore_patterns=["*.bin", "*.pth", "*.pt", "*.h5", "*.msgpack", "*.onnx", "*.gguf"])
     except (OSError, ValueError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        first = first_line(e, 300)
         raise UserError(f"cannot download model {name!r} ({path}): {first} -- check the name, the network "
                         "and your access (hf auth login), or pass a local directory") from None
 
@@ -153,7 +158,7 @@ def load_model(name, dtype=torch.float32, trust_remote_code=False):
         if path != name and not os.path.lexists(path):
             raise UserError(f"cannot load model {name!r}: its checkpoint {path} was removed while loading "
                             "(the run is still saving and keeps only the last --keep): try again") from None
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        first = first_line(e, 300)
         where = "" if path == name else f" ({path})"
         hint = ("a weights file is damaged (cut short?): copy it again" if isinstance(e, SafetensorError)
                 else "offline? download it first (hf download ID) or pass a local directory with weights")
@@ -254,7 +259,7 @@ def reading(path):
         raise UserError(f"{path} holds objects other than tensors and plain data, so it was not "
                         "loaded (that could run code): it was not written by this code") from None
     except (RuntimeError, EOFError, KeyError, zipfile.BadZipFile) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        first = first_line(e)
         raise UserError(f"{path} is damaged ({first}): use an earlier checkpoint") from None
 
 
@@ -308,7 +313,7 @@ def save_checkpoint(run_dir, step, write, keep=2):
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, (OSError, RuntimeError, SafetensorError)):   # torch.save says RuntimeError
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            first = first_line(e)
             raise UserError(f"cannot write checkpoint {final} ({first}): is the disk full? The checkpoints "
                             "saved before it are intact") from None
         raise

@@ -377,7 +377,7 @@ def read_cache(path):
     except pickle.UnpicklingError:  # torch's message advises weights_only=False: never here
         why = "it holds objects other than tensors; not loaded"
     except (OSError, ValueError, RuntimeError, EOFError, KeyError, zipfile.BadZipFile, FloatingPointError) as e:
-        why = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        why = checkpoint.first_line(e)
     print(f"warning: post-hoc probe cache {path} is damaged ({why}): fitting the probe again", file=sys.stderr)
     return None
 

@@ -41,7 +41,7 @@ import os
 
 import torch
 
-from checkpoint import UserError
+from checkpoint import UserError, first_line
 from config import PROBE_MODES
 from staticcache import buffer_shape  # the buffers StaticDecoder allocates
 
@@ -61,7 +61,7 @@ def model_config(name, trust_remote_code=False):
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        first = first_line(e, 300)
         raise UserError(f"cannot read the config of model {name!r}: {first}") from None
 
 
