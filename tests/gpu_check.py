@@ -37,7 +37,6 @@ import subprocess
 import sys
 import time
 import traceback
-import weakref
 from contextlib import contextmanager
 
 import torch
@@ -48,7 +47,7 @@ import bench  # noqa: E402
 import config  # noqa: E402
 import label  # noqa: E402
 import plan  # noqa: E402
-import staticcache  # noqa: E402
+import static_shapes  # noqa: E402  (beside this file)
 from checkpoint import latest_checkpoint  # noqa: E402
 from grpo import pack  # noqa: E402
 from parallel import LogprobModel  # noqa: E402
@@ -104,30 +103,6 @@ def plan_terms(ctx, *names):
     return {k: gib(t[k]) for k in dict.fromkeys(keys) if isinstance(t.get(k), (int, float))}
 
 
-@contextmanager
-def counting_shapes():
-    """Count the staticcache._Shape objects made inside (weak references, so not kept alive):
-    yields a dict with made, most alive at once and the K/V bytes of those."""
-    made = dict(made=0, max_alive=0, max_alive_kv_gib=0.0)
-    live = weakref.WeakSet()
-    base = staticcache._Shape
-
-    class Counted(base):
-        def __init__(self, *a, **kw):
-            super().__init__(*a, **kw)
-            live.add(self)
-            made["made"] += 1
-            if len(live) > made["max_alive"]:
-                kv = sum(t.nbytes for s in live for t in s.kv.keys + s.kv.values)
-                made["max_alive"], made["max_alive_kv_gib"] = len(live), gib(kv)
-
-    staticcache._Shape = Counted
-    try:
-        yield made, live
-    finally:
-        staticcache._Shape = base
-
-
 def check_build(ctx):
     s, path = ctx["sizes"], ctx["args"].config
     cut = bench.cut_config(path, s["layers"])
@@ -177,15 +152,16 @@ def check_labels(ctx):
     cuts = [label.budgets(m, cfg["budgets"]) for m in lengths]
     ctx.update(traj_prompts=prompts, responses=responses, cuts=cuts)
     stats, row = {}, {}
-    with counting_shapes() as (shapes, live), phase(ctx, row):
+    with static_shapes.recording() as shapes, phase(ctx, row):
         label.mc_labels(ctx["model"], ctx["tok"], prompts, responses, cuts, ["1"] * n, k=s["k"],
                         max_new_tokens=s["answer_tokens"], seed=0, batch_size=cfg["gen_batch"],
                         grader="strict", decode="static", stats=stats)
     gc.collect()  # a shape still alive now is held by something, not waiting for the collector
     return dict(row, trajectories=n, lengths=[min(lengths), max(lengths)], k=s["k"],
                 batch_size=cfg["gen_batch"], forced_prompts=stats.get("forced_prompts"),
-                shapes_made=shapes["made"], shapes_max_alive=shapes["max_alive"],
-                shapes_max_alive_kv_gib=shapes["max_alive_kv_gib"], shapes_alive_after=len(live), plan_gib=plan_terms(ctx, "generation copy", "prefill"))
+                shapes_made=len(shapes.made), shapes_max_alive=max((m["alive"] for m in shapes.made), default=0),
+                shapes_max_alive_kv_gib=gib(max((m["alive_bytes"] for m in shapes.made), default=0)),
+                shapes_alive_after=shapes.alive(), plan_gib=plan_terms(ctx, "generation copy", "prefill"))
 
 
 def check_score(ctx):
