@@ -118,8 +118,8 @@ def test_aggregations_hand_computed():
     assert stats == {"clip_frac": 0.0, "ratio_mean": 1.0, "kl": 0.0}  # ratio 1 is never clipped
 
 
-class _Capture:
-    """Stands in for the optimizer: keeps a copy of the gradients train.update accumulated."""
+class Capture:
+    """Stands in for the optimizer: keeps a copy of the gradients update.update accumulated."""
 
     def __init__(self, params):
         self.params, self.grads = list(params), None
@@ -150,7 +150,7 @@ def test_micro_batches_do_not_change_loss_or_gradient(agg):
     sched = type("Sched", (), {"step": lambda self: None})()
     out = {}
     for name, mbs in (("one", [[0, 1, 2, 3]]), ("split", [[0], [1, 2], [3]])):
-        opt = _Capture(policy.parameters())
+        opt = Capture(policy.parameters())
         stats = step.update(policy, opt, sched, b, old, adv, mbs, cfg, torch.device("cpu"))
         out[name] = stats["loss"], opt.grads
     assert out["split"][0] == pytest.approx(out["one"][0], rel=1e-5, abs=1e-7)

@@ -13,6 +13,7 @@ from grpo import pack, token_logprobs
 from parallel import LogprobModel
 from rollout import generate
 from tests import tiny
+from test_grpo import Capture
 
 CFG = dict(agg="token-mean", reward="rlcm", max_new_tokens=12, temperature=0.8, chunk_size=16,
            clip_low=0.2, clip_high=0.2, grad_clip=1e9)
@@ -136,19 +137,6 @@ def test_fsdp2_ranks_with_padding_micro_batches_equal_one_process(tmp_path):
     assert two["stats"]["sampler_ratio_max"] == pytest.approx(ratio, rel=1e-5)
 
 
-class Grads:
-    """Stands in for the optimizer: keeps the accumulated gradients instead of stepping."""
-    def __init__(self, params):
-        self.params, self.grads = list(params), None
-
-    def step(self):
-        self.grads = [p.grad.clone() for p in self.params]
-
-    def zero_grad(self, set_to_none=True):
-        for p in self.params:
-            p.grad = None
-
-
 def test_an_extra_loss_term_is_a_mean_over_sequences_however_the_batch_is_cut():
     """update knows no reward mode: a mode's extra term (name, coef, term) is added as coef times the
     mean over the batch's sequences of term(logp, loss_mask, rows), and that mean is logged as
@@ -167,7 +155,7 @@ def test_an_extra_loss_term_is_a_mean_over_sequences_however_the_batch_is_cut():
 
     policy = LogprobModel(tiny.model(vocab_size=64, seed=4))
     cfg = {k: v for k, v in CFG.items() if k != "reward"}
-    opt = Grads(policy.parameters())
+    opt = Capture(policy.parameters())
     stats = update.update(policy, opt, None, batch, None, torch.zeros(3), [[0, 1], [2]], cfg, CPU,
                           extra=("logp_sum", 0.5, term))
     assert seen == [[0, 1], [2]]
