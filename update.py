@@ -120,12 +120,11 @@ def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device, extra=Non
     opt.zero_grad(set_to_none=True)
     if sched is not None:
         sched.step()
-    out = dict(zip(sums, (v / max(total, 1.0) for v in all_sum(list(sums.values()), device))),
-               grad_norm=grad_norm)
+    *means, extra, absd, k3, tokens = all_sum([*sums.values(), extra_sum, *gap_sums], device)  # one all-reduce
+    out = dict(zip(sums, (v / max(total, 1.0) for v in means)), grad_norm=grad_norm)
     if term is not None:
-        out[name] = all_sum([extra_sum], device)[0] / max(n_seq, 1.0)
+        out[name] = extra / max(n_seq, 1.0)
     if gap:
-        absd, k3, tokens = all_sum(gap_sums, device)
         out.update(sampler_gap=absd / max(tokens, 1.0), sampler_kl_k3=k3 / max(tokens, 1.0),
                    sampler_ratio_max=max(all_gather(ratio_max)))
     return out
