@@ -9,7 +9,7 @@ of the confidence (weighted voting, conformal early exit).
 For each model and benchmark: n samples per question (temperature 0.6, top-p 1.0, up to 8000 tokens;
 32 samples on AIME 2024/2025 and AMC 2023, 4 elsewhere; the toy world: 4 samples of at most 128
 tokens), graded by the last \\boxed{} (math grader; a run trained with --reward rlcr: its last <answer>
-tag, `--answer`), each with a confidence (confidence.py; default: the
+tag, `--answer`), each with a confidence (evaluation/confidence.py; default: the
 post-hoc probe, fitted once per model with the released protocol and cached in --out; `probe` is the
 run's own probe.pt, read at its last training budget). Written to --out (default RUN/eval
 for a run or checkpoint, else eval_out/<model>): samples.jsonl (appended per batch: an interrupted
@@ -29,20 +29,20 @@ from contextlib import ExitStack
 import torch
 from tqdm import tqdm
 
-import confidence
+from evaluation import confidence
 import data
 import grade
 import label as label_lib
 import modes
 import probe as probe_lib
 import rollout
-import runlog
+from harness import runlog
 import toy
-import checkpoint
-from checkpoint import ALIASES, UserError, resolve_model
-import config
-from config import check_out, check_values
-from report import overall, plot_reliability, read_results, report_uses, summarize, table, write_results
+from harness import checkpoint
+from harness.checkpoint import ALIASES, UserError, resolve_model
+from harness import config
+from harness.config import check_out, check_values
+from evaluation.report import overall, plot_reliability, read_results, report_uses, summarize, table, write_results
 
 BIG_N = {"aime24": 32, "aime25": 32, "amc23": 32}   # samples per question; 4 elsewhere
 # Per-world defaults. Toy: the forced text is the one the toy base learned (label.SUFFIX), and K is

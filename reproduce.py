@@ -37,14 +37,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-import checkpoint
+from harness import checkpoint
 import metrics
-import runlog
-from checkpoint import UserError
-import config
+from harness import runlog
+from harness.checkpoint import UserError
+from harness import config
 import evaluate
-import launch
-from report import clean, plot_reliability
+from harness import launch
+from evaluation.report import clean, plot_reliability
 
 MAIN = ("base", "grpo", "rlcr", "c2gspg", "rlcm")
 ABLATIONS = ("final-margin", "process-brier", "final-brier")
@@ -386,7 +386,7 @@ def write_outputs(out, methods, seeds, argv):
 
 def stop_children(signum, frame):
     """SIGTERM: terminate the children, then end as Ctrl-C does. (A SIGKILL gives no handler a chance:
-    each child also gets the parent-death signal, launch.py's, so none is left to hold its folder.)"""
+    each child also gets the parent-death signal, harness/launch.py's, so none is left to hold its folder.)"""
     with CHILDREN_LOCK:
         STOP.set()
         for proc in CHILDREN:

@@ -15,7 +15,7 @@ How one chunk of prompts is generated:
        finished, finished rows are dropped from the batch and the cache. Eager.
        `Sampler(share_rows=True)` decodes the same samples with fewer rows (`_decode_shared`).
      - "static" (`Sampler._decode_static`): keys/values preallocated for all rows and a bucketed
-       maximum length (staticcache.py); finished rows stay in place and are masked. On CUDA the
+       maximum length (harness/staticcache.py); finished rows stay in place and are masked. On CUDA the
        decode step is captured once per bucketed shape as a CUDA graph and replayed, so a step
        costs what the GPU needs to read the weights and the cache, not Python and kernel launches.
        On CPU the same step runs eagerly, which is how the tests pin it to the dynamic path.
@@ -42,7 +42,7 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-import staticcache
+from harness import staticcache
 
 DECODES = ("static", "dynamic")
 _REASONS = ("running", "eos", "stop", "length")
@@ -274,7 +274,7 @@ class Sampler:
             logits, mask, pos = self._forward(cache, key % width, mask, pos)
 
     def _decode_static(self, prefix, n, state):
-        """decode="static" (staticcache.py): all rows stay in preallocated buffers, finished ones
+        """decode="static" (harness/staticcache.py): all rows stay in preallocated buffers, finished ones
         masked in place; on CUDA each step replays a captured CUDA graph."""
         rows = len(state.done)
         step = self.static.start(prefix, n, self.max_new_tokens)

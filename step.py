@@ -11,16 +11,16 @@ import torch
 import data
 import modes
 import probe as probe_lib
-import runlog
+from harness import runlog
 from baselines import sequence_confidence
 from grade import is_correct
 from grpo import group_advantages, pack, policy_loss, token_logprobs
 from label import budgets, mc_labels
 from metrics import ece
-from parallel import RANK, WORLD, all_gather, all_sum
+from harness.parallel import RANK, WORLD, all_gather, all_sum
 from reward import margin_reward, total_reward
 from rollout import generate
-from score import budget_ends, score
+from update import budget_ends, score
 from update import micro_batch, micro_batches, update
 
 

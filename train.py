@@ -34,18 +34,18 @@ import torch
 from tqdm import tqdm
 
 import data
-import heldout
-from heldout import held_out_accuracy
-import launch
+from evaluation import heldout
+from evaluation.heldout import held_out_accuracy
+from harness import launch
 import modes
-import plan
+from harness import plan
 import probe as probe_lib
-import runlog
-import checkpoint as ckpt_lib
-from checkpoint import UserError
-import config
-from config import resolve_args
-from parallel import (MASTER, WORLD, all_gather, full_state, load_optimizer, load_sharded, refresh_sampler,
+from harness import runlog
+from harness import checkpoint as ckpt_lib
+from harness.checkpoint import UserError
+from harness import config
+from harness.config import resolve_args
+from harness.parallel import (MASTER, WORLD, all_gather, full_state, load_optimizer, load_sharded, refresh_sampler,
                       setup, teardown, wrap)
 from step import Timer, rl_step
 

@@ -9,7 +9,7 @@ import torch
 import tiny
 import update
 from grpo import pack, token_logprobs
-from parallel import MASTER, RANK, WORLD, full_state, setup, teardown, wrap
+from harness.parallel import MASTER, RANK, WORLD, full_state, setup, teardown, wrap
 
 device = setup()
 model = tiny.model(vocab_size=64, hidden=32, layers=2, seed=0).train()

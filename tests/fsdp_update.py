@@ -14,7 +14,7 @@ import probe as probe_lib
 import tiny
 import step
 from grpo import pack
-from parallel import MASTER, RANK, WORLD, full_state, load_sharded, setup, teardown, wrap
+from harness.parallel import MASTER, RANK, WORLD, full_state, load_sharded, setup, teardown, wrap
 
 offload = os.environ.get("OFFLOAD") == "1"  # FSDP2 with CPUOffloadPolicy, also as one rank
 device = setup(offload)
@@ -45,7 +45,7 @@ step.probe_margin(probe, probe_opt, feats, ends, labels, cfg, seed=3)
 torch.save(probe.state_dict(), f"{sys.argv[1]}.probe{RANK}")
 
 if torch.distributed.is_initialized():  # the lean start: rank 0 reads the toy, the others get shards
-    from checkpoint import load_model
+    from harness.checkpoint import load_model
     ref, _ = load_model("toy")
     lean, sampler, lm, _ = load_sharded("toy", device, offload)
     ids = torch.tensor([[5, 9, 3, 7, 11, 2, 40]])

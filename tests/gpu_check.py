@@ -18,7 +18,7 @@ random weights goes through what one RL step of the real command does, at sizes 
   update    update.update on one micro-batch of --micro-tokens: fp32 policy under bf16 autocast,
             gradient checkpointing, AdamW (the one-GPU path without --offload)
   decode    tokens/s of the static and dynamic paths and of model.generate at the rollout's shape,
-            beside the bandwidth floor (bench.py; --bandwidth, default the H200's 4.8 TB/s)
+            beside the bandwidth floor (scripts/bench.py; --bandwidth, default the H200's 4.8 TB/s)
   toy_fsdp  `train.py --offload --grad-ckpt` for two toy steps in a subprocess: a one-rank FSDP2
             group (sharding, NCCL, CPU offload, refresh_sampler, the DTensor grad norm, a save);
             per step the ratio, the sampler-vs-trainer gap and the entropy
@@ -43,16 +43,16 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the project root, when run as a script
-import bench  # noqa: E402
-import config  # noqa: E402
+from scripts import bench  # noqa: E402
+from harness import config  # noqa: E402
 import label  # noqa: E402
-import plan  # noqa: E402
+from harness import plan  # noqa: E402
 import static_shapes  # noqa: E402  (beside this file)
-from checkpoint import latest_checkpoint  # noqa: E402
+from harness.checkpoint import latest_checkpoint  # noqa: E402
 from grpo import pack  # noqa: E402
-from parallel import LogprobModel  # noqa: E402
+from harness.parallel import LogprobModel  # noqa: E402
 from rollout import generate  # noqa: E402
-from score import budget_ends, score  # noqa: E402
+from update import budget_ends, score  # noqa: E402
 from train import checkpoint_activations  # noqa: E402
 from update import micro_batch, micro_batches, update  # noqa: E402
 

@@ -3,7 +3,7 @@ alive at each allocation and the K/V bytes they hold then, for the memory tests.
 import weakref
 from contextlib import contextmanager
 
-import staticcache
+from harness import staticcache
 
 
 def kv_bytes(shape):

@@ -1,8 +1,8 @@
-"""bench.py: the bandwidth floor formula, and one tiny run of every path on the toy model."""
+"""scripts/bench.py: the bandwidth floor formula, and one tiny run of every path on the toy model."""
 import pytest
 
-import bench
-from checkpoint import UserError
+from scripts import bench
+from harness.checkpoint import UserError
 import tiny
 
 

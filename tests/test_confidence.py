@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-import confidence
+from evaluation import confidence
 import probe as probe_lib
 import rollout
 

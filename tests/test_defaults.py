@@ -6,7 +6,7 @@ import os
 import pytest
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-import config
+from harness import config
 import data
 import train
 

@@ -11,7 +11,7 @@ import metrics
 import probe as probe_lib
 import rollout
 import toy
-import uses
+from evaluation import uses
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "..", "shared", "fixtures")
@@ -159,7 +159,7 @@ def test_default_confidence_is_the_posthoc_probe_with_the_released_fit_data():
 def test_the_runs_own_probe_is_read_at_its_training_budgets(run_dir, tmp_path, monkeypatch):
     """--confidence probe passes the run's budget fractions (config.json) to the confidence code, which
     reads the probe at the last of them (tests/test_confidence.py pins that position)."""
-    import confidence
+    from evaluation import confidence
     seen = []
     real = confidence.sample_confidences
 

@@ -8,7 +8,7 @@ from fractions import Fraction
 
 import pytest
 
-import config
+from harness import config
 import grade
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "fixtures")

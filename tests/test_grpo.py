@@ -137,7 +137,7 @@ def test_micro_batches_do_not_change_loss_or_gradient(agg):
     """train.update over one micro-batch and over uneven micro-batches of the same rows (different
     padded widths) gives the same loss and the same summed gradient, for every aggregation."""
     import step
-    from parallel import LogprobModel
+    from harness.parallel import LogprobModel
     torch.manual_seed(0)
     b = grpo.pack([[5, 6, 7], [8, 9], [3], [4, 4]],
                   [[10, 11, 12, 13, 14, EOS], [13, EOS], [20, 21, 22, EOS], [30, EOS]], pad_id=PAD)

@@ -12,8 +12,8 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-import checkpoint
-import config
+from harness import checkpoint
+from harness import config
 import evaluate
 import toy
 import train
@@ -114,7 +114,7 @@ def test_trust_remote_code_is_never_taken_from_a_saved_config(run_copy, tmp_path
 @contextmanager
 def lock_holder(folder):
     """Another live process holding FOLDER's lock."""
-    code = "import sys, time, checkpoint\nwith checkpoint.locked(sys.argv[1]):\n    print('held', flush=True)\n    time.sleep(300)\n"
+    code = "import sys, time\nfrom harness import checkpoint\nwith checkpoint.locked(sys.argv[1]):\n    print('held', flush=True)\n    time.sleep(300)\n"
     p = subprocess.Popen([sys.executable, "-c", code, folder], cwd=ROOT, env=ENV, stdout=subprocess.PIPE)
     try:
         assert p.stdout.readline().strip() == b"held"

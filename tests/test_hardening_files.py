@@ -10,9 +10,9 @@ import pytest
 import torch
 import transformers
 
-import checkpoint
+from harness import checkpoint
 import evaluate
-import report
+from evaluation import report
 import train
 from test_hardening import EVAL_SMALL, base_run, metric_rows, one_line, run_copy  # noqa: F401 (fixtures)
 

@@ -11,15 +11,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import checkpoint
-import confidence
-import config
+from harness import checkpoint
+from evaluation import confidence
+from harness import config
 import data
 import evaluate
 import probe as probe_lib
 import toy
 import train
-from checkpoint import UserError
+from harness.checkpoint import UserError
 from tests import tiny
 
 SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "24", "--eval-n", "0",

@@ -1,6 +1,6 @@
 """Red team 2, the tools: reproduce.py decides "done" from the arguments a run or evaluation was made
 with and refuses extra arguments that would relabel a row (D4, D7), its children die with it (D10),
-bad --jobs and damaged result entries (D21); bench.py's flag checks (D20); the curves plot reads a
+bad --jobs and damaged result entries (D21); scripts/bench.py's flag checks (D20); the curves plot reads a
 damaged metrics.jsonl (D18)."""
 import json
 import os
@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-import bench
+from scripts import bench
 import reproduce
-import runlog
+from harness import runlog
 import train
-from checkpoint import UserError
+from harness.checkpoint import UserError
 from test_reproduce import EVAL, TRAIN, _load, _mtimes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -221,8 +221,8 @@ def test_bench_checks_its_flags_before_loading_anything(flags, line):
     assert str(e.value).startswith(line)
 
 
-@pytest.mark.slow   # bench.py in a subprocess
+@pytest.mark.slow   # scripts/bench.py in a subprocess
 def test_bench_flag_error_is_one_line_exit_2():
-    p = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--repeat", "0"], capture_output=True,
+    p = subprocess.run([sys.executable, "-m", "scripts.bench", "--repeat", "0"], capture_output=True,
                        text=True, cwd=ROOT)
     assert p.returncode == 2 and p.stderr.strip() == "error: --repeat 0: must be >= 1"

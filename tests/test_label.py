@@ -8,7 +8,7 @@ import tiny
 from grpo import pack, token_logprobs
 from label import SUFFIX, absolute_budgets, budgets, forced_answer, forced_prompt, mc_labels
 from probe import prefix_features
-from score import budget_ends, score
+from update import budget_ends, score
 
 FIXTURE_7B = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "fixtures", "r1_distill_qwen_7b")
 
@@ -183,7 +183,7 @@ def test_static_labels_keep_one_shape_alive_within_the_plan(monkeypatch):
     """Chunks of cuts with widely varying widths (several length buckets) each build a static shape;
     the previous one is freed first, so at most one is alive and its K/V bytes stay within the
     plan's label term (gen_batch cuts x k rows of prompt + 3/4 of the longest response + tail)."""
-    import plan
+    from harness import plan
     from static_shapes import Shapes
     tok, model = tiny.tokenizer(), tiny.model(seed=3)
     gen = torch.Generator().manual_seed(0)

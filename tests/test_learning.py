@@ -12,9 +12,9 @@ import data
 import grade
 import toy
 import step
-from config import resolve_args
+from harness.config import resolve_args
 from grpo import group_advantages, pack, policy_loss, token_logprobs
-from parallel import LogprobModel
+from harness.parallel import LogprobModel
 from rollout import generate
 
 

@@ -9,8 +9,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import baselines
-import confidence
-import config
+from evaluation import confidence
+from harness import config
 import data
 import grade
 import grpo
@@ -18,7 +18,7 @@ import modes
 import toy
 import step
 import train
-from parallel import LogprobModel
+from harness.parallel import LogprobModel
 
 SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "48", "--eval-n", "8",
          "--eval-every", "0", "--gen-batch", "64", "--save-every", "0"]

@@ -56,7 +56,7 @@ def test_rebuild_buffers_repairs_what_to_empty_leaves_as_garbage(tmp_path):
     """A model built on the meta device and materialised with to_empty has its weights loaded from
     the state dict, but not its rotary inv_freq (a non-persistent buffer): rebuild it."""
     from transformers import AutoModelForCausalLM
-    from parallel import rebuild_buffers
+    from harness.parallel import rebuild_buffers
     ref = __import__("tiny").model(vocab_size=64, hidden=32, layers=2, seed=0)
     with torch.device("meta"):
         lean = AutoModelForCausalLM.from_config(ref.config)
@@ -79,8 +79,8 @@ def test_on_policy_update_equals_the_scored_old_logprobs_in_fp32():
     import copy
     import step
     from grpo import pack
-    from parallel import wrap
-    from score import score
+    from harness.parallel import wrap
+    from update import score
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(4, 60, (n,), generator=g).tolist() for n in (3, 5, 4)]
     responses = [torch.randint(4, 60, (n,), generator=g).tolist() for n in (6, 2, 7)]
@@ -115,7 +115,7 @@ def test_setup_picks_a_backend_for_cpu_collectives_and_a_long_timeout(monkeypatc
     """With --offload on CUDA the shards are CPU tensors whose DTensor collectives NCCL cannot serve;
     rank 0's saves (and first download) outlast NCCL's default 10-minute timeout."""
     import datetime
-    import parallel
+    from harness import parallel
     seen = {}
     monkeypatch.setattr(parallel, "WORLD", 2)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
@@ -131,7 +131,7 @@ def test_setup_picks_a_backend_for_cpu_collectives_and_a_long_timeout(monkeypatc
 def test_the_one_gpu_generation_copy_is_bf16_with_fp32_rotary_frequencies():
     """wrap's generation copy on CUDA (built where the model is, so no GPU is needed): bf16 weights,
     the rotary inv_freq exactly as built in fp32; in bf16 it turns position 1000 by about 1.2 rad."""
-    from parallel import wrap
+    from harness.parallel import wrap
     model = __import__("tiny").model(vocab_size=64, hidden=32, layers=2, seed=0)
     policy, sampler = wrap(model, torch.device("cuda"))
     assert policy.lm is model and all(p.dtype == torch.float32 for p in model.parameters())

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import rollout
-import staticcache
+from harness import staticcache
 import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -4,10 +4,10 @@ import os
 import pytest
 import torch
 
-import plan
+from harness import plan
 import tiny
 import train
-from config import resolve_args
+from harness.config import resolve_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE_7B = os.path.join(ROOT, "..", "shared", "fixtures", "r1_distill_qwen_7b")

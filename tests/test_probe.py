@@ -3,7 +3,7 @@ import torch.nn.functional as F
 import pytest
 
 import probe as P
-from checkpoint import UserError
+from harness.checkpoint import UserError
 
 
 def separable(m=128, d=16, seed=0):
@@ -108,7 +108,7 @@ def test_save_load_roundtrip(tmp_path):
 
 
 def test_default_probe_is_the_released_mlp_and_the_flag_gives_the_linear_one():
-    import config
+    from harness import config
     assert config.resolve_args([])["probe_hidden"] is None
     # d -> d/4 -> 1: 4,161 weights for the toy (d 128), 3,213,057 for the 7B (d 3584)
     assert sum(p.numel() for p in P.Probe(128, config.COMMON["probe_hidden"]).parameters()) == 4161

@@ -27,12 +27,12 @@ def test_every_named_function_exists():
     rows = map_rows()
     named = 0
     for paper, released, here in rows:
-        refs = re.findall(r"`(\w+)\.py:([\w.]+)`", here)
+        refs = re.findall(r"`([\w/]+)\.py:([\w.]+)`", here)
         assert refs, f"row {paper!r} names no file.py:function"
         assert released, f"row {paper!r} names no released code"
         for module, name in refs:
             assert os.path.isfile(os.path.join(ROOT, module + ".py")), f"{module}.py does not exist"
-            obj = importlib.import_module(module)
+            obj = importlib.import_module(module.replace("/", "."))
             for part in name.split("."):
                 assert hasattr(obj, part), f"{module}.py has no {name} (README map, row {paper!r})"
                 obj = getattr(obj, part)

@@ -173,7 +173,7 @@ def test_bad_arguments_raise(model, tok):
     assert rollout.generate(model, tok, []).ids == []
 
 
-# The static KV cache path (staticcache.py) against the dynamic one: on CPU the static decode step
+# The static KV cache path (harness/staticcache.py) against the dynamic one: on CPU the static decode step
 # runs eagerly, so the same samples must come out, token for token, in float32.
 SETTINGS = [dict(temperature=0), dict(temperature=1.0, seed=3), dict(temperature=0.8, top_p=0.9, seed=4)]
 
@@ -269,7 +269,7 @@ def test_shared_rows_give_the_same_samples_with_fewer_rows(model, tok):
 
 
 def test_bucketed_shapes():
-    from staticcache import bucket
+    from harness.staticcache import bucket
     assert [bucket(x, 1) for x in (1, 7, 8, 9, 64, 65, 100)] == [1, 7, 8, 9, 64, 72, 104]
     assert bucket(70, 64) == 128 and bucket(8792, 64) == 9216
     assert rollout.default_decode(tiny.model()) == "dynamic"

@@ -12,10 +12,10 @@ import data
 import evaluate
 import grade
 import metrics
-import runlog
+from harness import runlog
 import toy
 import train
-from config import resolve_args
+from harness.config import resolve_args
 from test_hardening import PROBE_SMALL
 from test_train import SMALL, rows
 

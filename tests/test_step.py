@@ -2,12 +2,12 @@
 toy batch and seed must give the same metrics and the same weights after the step."""
 import torch
 
-import config
+from harness import config
 import data
 import probe as probe_lib
 import step
 import train
-from parallel import wrap
+from harness.parallel import wrap
 
 CPU = torch.device("cpu")
 # --lam: not total_reward's default 0.1, so a step that ignores cfg["lam"] differs;

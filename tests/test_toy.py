@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import config
-import confidence
+from harness import config
+from evaluation import confidence
 import data
 import grade
 import label

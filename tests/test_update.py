@@ -10,7 +10,7 @@ import torch
 
 import update
 from grpo import pack, token_logprobs
-from parallel import LogprobModel
+from harness.parallel import LogprobModel
 from rollout import generate
 from tests import tiny
 from test_grpo import Capture

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-import uses
+from evaluation import uses
 
 
 def test_cluster_answers_first_appearance_and_custom_equality():

@@ -13,8 +13,8 @@ import numpy as np
 
 import grade
 import metrics
-import uses
-from checkpoint import UserError, replacing, write_json
+from evaluation import uses
+from harness.checkpoint import UserError, replacing, write_json
 
 EPSILONS = (0.1, 0.2, 0.3)   # conformal early-exit risk levels
 COLUMNS = (("Acc", "acc"), ("ECE", "ece"), ("PCE", "pce"), ("Brier", "brier"), ("AUROC", "auroc"))

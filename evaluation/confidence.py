@@ -39,7 +39,7 @@ import zipfile
 
 import torch
 
-import checkpoint
+from harness import checkpoint
 import probe as probe_lib
 from baselines import verbal_confidence  # RLCR's parser, read here for --confidence verbal
 from grpo import pack, token_logprobs
@@ -48,7 +48,7 @@ from grade import answers_match, boxed_answer, is_correct
 from label import absolute_budgets, budgets, forced_prompt, mc_labels
 import rollout
 from rollout import generate
-from score import budget_ends, score
+from update import budget_ends, score
 
 SOURCES = ("probe", "probe-posthoc", "verbal", "verbal-forced", "logits")
 EVAL_SUFFIX = "\n\nIf I were to give the final answer now, the final answer would be \\boxed{"

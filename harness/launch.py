@@ -1,7 +1,7 @@
 """Start one training worker per GPU (or `--nproc N` workers on CPU) from a plain `python train.py`.
 
 Each worker is a fresh `python train.py ARGS` with RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR /
-MASTER_PORT set, which is what `torchrun --standalone --nproc_per_node N` does: parallel.py reads
+MASTER_PORT set, which is what `torchrun --standalone --nproc_per_node N` does: harness/parallel.py reads
 the rank when it is imported, so workers must be new interpreters (not forks of this one). Under
 torchrun (RANK already set) nothing is launched; multi-node runs use `torchrun --nnodes M ...`
 and take the same code path.
@@ -28,7 +28,7 @@ def worker_count(cfg):
     import torch
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if cfg.get("nproc") and gpus and cfg["nproc"] > gpus:
-        from checkpoint import UserError
+        from harness.checkpoint import UserError
         raise UserError(f"--nproc {cfg['nproc']}: this machine shows only {gpus} GPUs (one worker per GPU)")
     return cfg.get("nproc") or gpus or 1
 
@@ -62,7 +62,7 @@ def worker_env(rank, nproc, port):
 
 def launch(script, argv, nproc):
     """Run `python script *argv` as nproc ranks; return the exit code (0, or the failed worker's)."""
-    from parallel import free_port
+    from harness.parallel import free_port
     logs = tempfile.mkdtemp(prefix="rlcm-workers-")
     port = str(free_port())
     procs, exits, failed, shown = [], {}, threading.Event(), []

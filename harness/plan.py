@@ -8,7 +8,7 @@ Terms per device, with N parameters, W devices (ranks) and bf16 = 2 bytes:
   generation copy bf16 full weights on every rank                2 N
   FSDP gather     the root (embeddings, LM head) and two decoder layers unsharded while they run:
                   bf16 params + bf16 grads + fp32 reduce buffer  8 (N_root + 2 N_layer)
-  KV cache        the rollout's static buffers (staticcache.py): rows x positions x layers x 2 (K, V)
+  KV cache        the rollout's static buffers (harness/staticcache.py): rows x positions x layers x 2 (K, V)
                   x kv_heads x head_dim x 2, as the decoder buckets them: rows = min(gen_batch,
                   prompts per rank) x group_size, positions = prompt + max_new_tokens - 1, rounded up
                   (24 x 9216 for 24 x 8599 on the released recipe)
@@ -41,9 +41,9 @@ import os
 
 import torch
 
-from checkpoint import UserError, first_line
-from config import PROBE_MODES
-from staticcache import buffer_shape  # the buffers StaticDecoder allocates
+from harness.checkpoint import UserError, first_line
+from harness.config import PROBE_MODES
+from harness.staticcache import buffer_shape  # the buffers StaticDecoder allocates
 
 GiB = 2**30
 PROMPT_TOKENS = 600     # training prompts longer than this are dropped when the data is loaded
@@ -56,7 +56,7 @@ RUNTIME = {"cuda": 1.0 * GiB, "cpu": 1.0 * GiB}
 def model_config(name, trust_remote_code=False):
     """The transformers config of a --model value, without reading its weights."""
     from transformers import AutoConfig
-    from checkpoint import resolve_model
+    from harness.checkpoint import resolve_model
     path = resolve_model(name)
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -166,7 +166,7 @@ def fixes(config, cfg, world, device, mem, counts):
 
 def detected(nproc=None):
     """(device type, devices, GiB per device) of this machine."""
-    if "WORLD_SIZE" in os.environ:  # under torchrun (or launch.py): the ranks that shard the model
+    if "WORLD_SIZE" in os.environ:  # under torchrun (or harness/launch.py): the ranks that shard the model
         nproc = int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
         n = nproc or torch.cuda.device_count()

@@ -1,7 +1,7 @@
 """One node of GPUs: process setup, FSDP2 sharding, collectives, and the generation copy.
 
 `python train.py` on a machine with several GPUs (or with `--nproc N`) starts one worker per GPU
-(launch.py), each a fresh `python train.py` with RANK / WORLD_SIZE / LOCAL_RANK set, exactly as
+(harness/launch.py), each a fresh `python train.py` with RANK / WORLD_SIZE / LOCAL_RANK set, exactly as
 `torchrun --nproc_per_node N train.py ...` does; both read the rank from the environment when this
 module is imported. Without them everything here is the identity and the code runs as one process
 (CPU or one GPU). On CPU the same path runs with the gloo backend (tests use two processes).
@@ -140,7 +140,7 @@ def load_sharded(name, device, offload=False, trust_remote_code=False, grad_ckpt
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from checkpoint import load_model, resolve_model
+    from harness.checkpoint import load_model, resolve_model
     full = {}
     if MASTER:
         model, tok = load_model(name, torch.float32, trust_remote_code)

@@ -1,8 +1,8 @@
 """Generation throughput: the project's sampler (static and dynamic KV cache) against transformers'
 own `model.generate`, on the same prompts and sampling settings, in one run.
 
-    python bench.py                                   # toy model, 32 prompts x 8 samples, 48 tokens
-    python bench.py --shape 7b --layers 4 --prompts 8 --samples 8 --prompt-len 2048 --max-new-tokens 256
+    python -m scripts.bench                                   # toy model, 32 prompts x 8 samples, 48 tokens
+    python -m scripts.bench --shape 7b --layers 4 --prompts 8 --samples 8 --prompt-len 2048 --max-new-tokens 256
 
 `--shape 7b` builds DeepSeek-R1-Distill-Qwen-7B's architecture from its config (`--config DIR`, by
 default .device/r1_distill_qwen_7b, which ../shared/device/prepare.sh fills; no weights, no
@@ -26,11 +26,12 @@ import time
 import torch
 
 import rollout
-from checkpoint import UserError
-from config import check_values
+from harness.checkpoint import UserError
+from harness.config import check_values
 
 # prepare.sh (../shared/device/README.md) copies the 7B config and tokenizer into the checkout here.
-CONFIG_7B = os.path.join(os.path.dirname(os.path.abspath(__file__)), ".device", "r1_distill_qwen_7b")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+CONFIG_7B = os.path.join(ROOT, ".device", "r1_distill_qwen_7b")
 BANDWIDTH_TBS = {"H200": 4.8, "H100": 3.35, "A100": 2.0}
 LIMITS = {key: (lambda v: v >= 1, ">= 1") for key in (
     "layers", "prompts", "samples", "prompt_len", "max_new_tokens", "repeat", "threads")}

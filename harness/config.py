@@ -10,8 +10,8 @@ import os
 
 import data
 import toy
-from checkpoint import UserError
-from modes import PROBE_MODES, REWARDS  # the --reward modes; plan.py reads PROBE_MODES here
+from harness.checkpoint import UserError
+from modes import PROBE_MODES, REWARDS  # the --reward modes; harness/plan.py reads PROBE_MODES here
 
 # Defaults that depend on the world: the toy sizes for 2 CPU cores, the real ones from the released
 # run script (docs/design.md, "Defaults").
@@ -260,7 +260,7 @@ def build_parser():
         ", ".join("--" + k.replace("_", "-") for k in FIXED_ON_RESUME) +
         ", which are refused (they would break exact resume)"))
     g.add_argument("--config", metavar="FILE", help="start a new run from a saved config.json (flags given win)")
-    g = p.add_argument_group("what the run leaves (runlog.py, heldout.py)")
+    g = p.add_argument_group("what the run leaves (harness/runlog.py, evaluation/heldout.py)")
     g.add_argument("--log-samples", type=int, help="trajectories per step written to RUN/samples.jsonl")
     g.add_argument("--eval-probe-n", type=int, help="held-out trajectories labelled at each held-out check "
                    "to measure the probe out of sample (0: off)")

@@ -2,7 +2,7 @@
 
     RUN/samples.jsonl    a few trajectories per step (--log-samples N, default 4): problem, gold answer,
                          response text, correctness, reward and margin, and per budget b: Y_b and C_b
-    RUN/heldout.jsonl    the labelled held-out trajectories of each held-out check (heldout.py)
+    RUN/heldout.jsonl    the labelled held-out trajectories of each held-out check (evaluation/heldout.py)
     RUN/curves.png       the main curves, drawn from metrics.jsonl at the end of a run or with
                          `python train.py --plot RUN`
     RUN/wandb_run.json   the Weights & Biases run id when --wandb is on, so --resume continues that run
@@ -18,10 +18,10 @@ import subprocess
 import sys
 from datetime import datetime, timezone
 
-from checkpoint import UserError, appending, replacing, write_json
+from harness.checkpoint import UserError, appending, replacing, write_json
 
 TEXT_CHARS = 2000
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 PANELS = (  # (title, metrics.jsonl keys); eval_* keys come from the held-out rows
     ("reward", ("reward",)),
     ("accuracy", ("accuracy", "eval_accuracy")),

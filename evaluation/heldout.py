@@ -27,12 +27,12 @@ import data
 import metrics
 import modes
 import probe as probe_lib
-import runlog
+from harness import runlog
 from grpo import pack
 from label import budgets, mc_labels
-from parallel import RANK, WORLD, all_gather, all_sum
+from harness.parallel import RANK, WORLD, all_gather, all_sum
 from rollout import generate
-from score import budget_ends, score
+from update import budget_ends, score
 
 EPS = 1e-7
 
