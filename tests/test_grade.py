@@ -8,7 +8,7 @@ from fractions import Fraction
 
 import pytest
 
-from harness import config
+from harness import config, verifier
 import grade
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "fixtures")
@@ -305,20 +305,20 @@ def test_a_worker_that_overruns_is_killed_and_replaced(monkeypatch):
     """The timer inside the worker is the first stop; where it cannot act (a long C call), the
     parent kills the worker at the deadline. Simulated by giving the worker 30 s of its own."""
     assert grade.is_correct(r"\boxed{x+1}", "1+x")  # a warm worker
-    procs = [w.proc for w in grade._idle]
-    ask = grade._Worker.ask
-    monkeypatch.setattr(grade._Worker, "ask", lambda self, p, g, d, seconds=None: ask(self, p, g, d, 30))
+    procs = [w.proc for w in verifier._idle]
+    ask = verifier._Worker.ask
+    monkeypatch.setattr(verifier._Worker, "ask", lambda self, p, g, d, seconds=None: ask(self, p, g, d, 30))
     start = time.monotonic()
     assert grade.is_correct(r"\boxed{9^{99999999}}", "5") is False
     assert time.monotonic() - start < grade.GRADE_TIMEOUT_S + SLACK_S
     assert any(p.returncode is not None for p in procs)  # killed
-    assert any(w.proc not in procs and w.proc.poll() is None for w in grade._idle)  # a replacement starts
+    assert any(w.proc not in procs and w.proc.poll() is None for w in verifier._idle)  # a replacement starts
 
 
 def test_without_a_worker_math_verify_is_skipped_with_one_warning(monkeypatch, capsys):
-    monkeypatch.setattr(grade, "_idle", [])
-    monkeypatch.setattr(grade, "_unavailable", [])
-    monkeypatch.setattr(grade.sys, "executable", "/nonexistent/python")
+    monkeypatch.setattr(verifier, "_idle", [])
+    monkeypatch.setattr(verifier, "_unavailable", [])
+    monkeypatch.setattr(verifier.sys, "executable", "/nonexistent/python")
     assert grade.is_correct(r"\boxed{\frac{1}{2}}", "0.5") is False
     assert grade.is_correct(r"\boxed{x+1}", "1+x") is False
     assert grade.is_correct(r"\boxed{025}", "25") and grade.is_correct(r"\boxed{\dfrac{1}{2}}", r"\frac{1}{2}")

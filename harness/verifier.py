@@ -1,0 +1,175 @@
+"""The math-verify worker pool behind grade.answers_match: a grading call that returns in time.
+
+math-verify (sympy) can take seconds or loop on model text, raises its own timeout only in the main
+thread, and imports sympy for 1-4 s. So it runs in worker processes (this module run with -m, one
+per thread grading at the same moment), each answering JSON requests [pred, gold, seconds] with
+"1" / "0"; a worker stops itself at the deadline with an interval timer, and one that has not
+answered by then is killed and replaced. Where no worker can start, `verify` answers False and
+grade.py's normalised and numeric comparisons decide alone.
+"""
+import atexit
+import json
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: -m runs from here
+START_TIMEOUT_S = 60     # waiting for a new math-verify worker to import sympy (not in the bound)
+REPLY_S = 0.25           # the worker stops this long before the deadline, to answer in time
+
+
+class _Worker:
+    """One math-verify process; requests are JSON lines [pred, gold, seconds], answers "1" / "0"."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen([sys.executable, "-m", "harness.verifier"], cwd=ROOT, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0)
+        self.buf, self.ready = b"", False
+
+    def line(self, until):
+        """The worker's next output line, or None if it has none by `until` or has exited."""
+        fd, poll = self.proc.stdout.fileno(), select.poll()  # poll: no limit on fd numbers
+        poll.register(fd, select.POLLIN)
+        while b"\n" not in self.buf:
+            left = until - time.monotonic()
+            if left <= 0 or not poll.poll(left * 1000):
+                return None
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                return None
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return line.decode()
+
+    def ask(self, pred, gold, deadline, seconds=None):
+        """True / False from math-verify, or None when no answer came by the deadline."""
+        seconds = deadline - time.monotonic() - REPLY_S if seconds is None else seconds
+        if seconds <= 0:
+            return False
+        request = memoryview((json.dumps([pred, gold, seconds]) + "\n").encode())
+        try:
+            while request:
+                request = request[os.write(self.proc.stdin.fileno(), request):]
+        except OSError:  # it has exited
+            return None
+        answer = self.line(deadline)
+        return None if answer is None else answer == "1"
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait()
+
+
+_idle, _lock, _unavailable = [], threading.Lock(), []
+
+
+def _take():
+    """A ready worker (an idle one, or a new one started and waited for), or None if none starts."""
+    with _lock:
+        if _unavailable:
+            return None
+        started = [w for w in _idle if w.ready] or _idle  # rather than one still starting after a kill
+        worker = started[-1] if started else None
+        if worker is not None:
+            _idle.remove(worker)
+    try:
+        worker = worker or _Worker()
+        reply = "ready" if worker.ready else worker.line(time.monotonic() + START_TIMEOUT_S)
+    except (OSError, AttributeError) as e:  # cannot start a process; no select.poll (Windows)
+        worker, reply = None, f"{type(e).__name__}: {e}"
+    if reply == "ready":
+        worker.ready = True
+        return worker
+    if worker is not None:
+        worker.kill()
+    with _lock:
+        if not _unavailable:
+            _unavailable.append(reply)
+            print(f"grade: the math-verify worker did not start ({reply or 'no reply'}): "
+                  "answers are compared by normalised text and numbers only", file=sys.stderr)
+    return None
+
+
+def verify(pred, gold, deadline):
+    """math-verify's verdict on two answers by `deadline` (time.monotonic()); False when it has none."""
+    waited = time.monotonic()
+    worker = _take()
+    if worker is None:
+        return False
+    deadline += time.monotonic() - waited  # a worker's start is not grading time
+    ok = worker.ask(pred, gold, deadline)
+    if ok is None:  # still computing (a C loop the timer cannot stop) or dead: replace it
+        worker.kill()
+        try:
+            worker = _Worker()  # starts now, so that it is ready by the next call
+        except OSError:
+            worker = None
+    with _lock:
+        if worker is not None:
+            _idle.append(worker)
+    return bool(ok)
+
+
+@atexit.register
+def _stop_workers():
+    while _idle:
+        _idle.pop().kill()
+
+
+WARM_UP = ((r"(3, \pi/2)", r"\left( 3, \frac{\pi}{2} \right)"), ("x+1", "1+x"), (r"\frac{1}{2}", "0.5"),
+           ("x^2+2x+1", "(x+1)^2"), ("3", r"\log_2 8"))
+
+
+class _Deadline(BaseException):
+    """Raised by the worker's timer; a BaseException so that math-verify's `except Exception` does
+    not swallow it and carry on computing."""
+
+
+def _serve():
+    """The worker: answer requests from stdin until it closes (the parent exited)."""
+    import functools
+    import signal
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    try:
+        import logging
+        from math_verify import LatexExtractionConfig, parse, verify
+        logging.disable(logging.WARNING)  # math-verify warns that its timeout is off: ours is on
+    except Exception as e:
+        print(f"{type(e).__name__}: {e}".replace("\n", " "), flush=True)
+        return
+
+    def stop(signum, frame):
+        raise _Deadline
+
+    signal.signal(signal.SIGALRM, stop)
+    latex = [LatexExtractionConfig()]
+
+    @functools.lru_cache(maxsize=4096)  # a gold is graded G times per prompt, K per prefix
+    def parsed(text):
+        return parse("\\boxed{" + text + "}", extraction_config=latex, parsing_timeout=None)
+
+    def same(pred, gold, seconds):
+        try:
+            try:
+                signal.setitimer(signal.ITIMER_REAL, seconds)
+                g, p = parsed(gold), parsed(pred)
+                return bool(g and p and verify(g, p, timeout_seconds=None))
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        except (_Deadline, Exception):  # a timeout or a parser bug on model text: a wrong answer
+            return False
+
+    # The first comparison of each kind imports and caches parts of sympy (up to 1 s each on a
+    # busy machine): done here, before "ready", so that no real answer's deadline pays for it.
+    for pred, gold in WARM_UP:
+        same(pred, gold, START_TIMEOUT_S)
+    print("ready", flush=True)
+    for request in sys.stdin:
+        print(int(same(*json.loads(request))), flush=True)
+
+
+if __name__ == "__main__":
+    _serve()
