@@ -27,30 +27,22 @@ import os
 import random
 import sys
 import time
-from contextlib import ExitStack
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 import data
+import modes
+import probe as probe_lib
+from step import Timer, rl_step
 from evaluation import heldout
 from evaluation.heldout import held_out_accuracy
-from harness import launch
-import modes
-from harness import plan
-import probe as probe_lib
-from harness import runlog
-from harness import checkpoint as ckpt_lib
+from harness import checkpoint as ckpt_lib, config, launch, plan, runlog
 from harness.checkpoint import UserError
-from harness import config
 from harness.config import resolve_args
-from harness.parallel import (MASTER, WORLD, all_gather, full_state, load_optimizer, load_sharded, refresh_sampler,
-                      setup, teardown, wrap)
-from step import Timer, rl_step
-
-VOLATILE = ("t_", "tok_per_s", "peak_mem")  # metrics.jsonl fields that vary between identical runs
-LOCKS = ExitStack()  # the run folder's lock, released by main() however the run ends
+from harness.parallel import MASTER, WORLD, full_state, load_sharded, refresh_sampler, setup, wrap
+from harness.runfolder import RunFolder, exit_codes
 
 
 def print0(*a):
@@ -87,20 +79,6 @@ def next_rows(rows, cursor, count, seed):
     return out, cursor + count
 
 
-def hold_lock(out):
-    """One writer per run folder: rank 0 holds OUT/lock until main() ends; if another process holds
-    it, every rank stops with the same one line."""
-    err = None
-    if MASTER:
-        try:
-            LOCKS.enter_context(ckpt_lib.locked(out, "training run"))
-        except UserError as e:
-            err = str(e)
-    err = all_gather(err)[0]
-    if err:
-        raise UserError(err)
-
-
 def run(cfg):
     if cfg["steps"] == 0:
         print0("--steps 0: nothing to train; nothing was loaded or written")
@@ -108,21 +86,11 @@ def run(cfg):
     device = setup(cfg["offload"])
     if device.type == "cpu" and cfg["model"] == "toy":
         torch.set_num_threads(1)  # the toy's ops are too small to gain from threads; they only contend
-    out = cfg["out"]
-    held = all_gather(os.path.isdir(out))[0]  # rank 0's view: every rank takes the same branch to hold_lock
-    if held:
-        hold_lock(out)
-    ckpt = ckpt_lib.latest_checkpoint(out, say=print0, resume=True)
-    if cfg["resume"] and ckpt is None:
-        raise UserError(f"--resume {out}: the run has no complete checkpoint; start it again without --resume")
-    if ckpt and not cfg["resume"]:
-        raise UserError(f"{out} already holds a run: pass --resume {out} to continue it, or another --out")
-    if ckpt and ckpt_lib.step_of(ckpt) >= cfg["steps"]:
-        print0(f"{out} is at step {ckpt_lib.step_of(ckpt)} already (--steps {cfg['steps']}): nothing to "
-               "train; pass a larger --steps")
+    folder = RunFolder(cfg, say=print0)  # the lock, and the checkpoint to resume from
+    if folder.done:
         return
-    instruction = cfg["instruction"]
-    tracker = runlog.tracker(cfg, out) if MASTER else None  # before any slow loading: fails fast without wandb
+    ckpt, instruction = folder.ckpt, cfg["instruction"]
+    tracker = runlog.tracker(cfg, folder.out) if MASTER else None  # before any slow loading: fails fast without wandb
     split = "train" if cfg["data"] == "toy" else None
     rows = data.load_rows(cfg["data"], split=split, problem_field=cfg["problem_field"],
                           answer_field=cfg["answer_field"])
@@ -130,6 +98,9 @@ def run(cfg):
                                limit=cfg["eval_n"]) if cfg["eval_n"] else []
     torch.manual_seed(cfg["seed"]), np.random.seed(cfg["seed"]), random.seed(cfg["seed"])
 
+    # the policy: `policy` is what the update trains (FSDP2-sharded on several ranks), `sampler` what
+    # the rollout samples from (the same model on one CPU process, a bf16 copy on a GPU), `model`
+    # the unwrapped module (its config, save_pretrained)
     if torch.distributed.is_initialized():  # rank 0 reads the weights, the others get their shards
         policy, sampler, model, tok = load_sharded(
             ckpt or cfg["model"], device, cfg["offload"], cfg["trust_remote_code"],
@@ -144,48 +115,20 @@ def run(cfg):
             raise UserError(f"every training prompt is over --max-prompt-tokens {cfg['max_prompt_tokens']}: raise it")
     data.check_context(tok, rows, instruction, getattr(model.config, "max_position_embeddings", None),
                        cfg["max_new_tokens"], cfg["data"], say=print0, system=cfg["system_prompt"])
-    if not held:  # a new folder: made only now that the data and the model are known to load
-        hold_lock(out)
+    folder.lock()
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg["lr"], weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(cfg["warmup"], 1)))
     probe = probe_lib.Probe(model.config.hidden_size, cfg["probe_hidden"])  # None: d // 4, 0: linear
     probe_opt = probe_lib.make_optimizer(probe, lr=cfg["probe_lr"])
     step, cursor = 0, 0
-    metrics_path = os.path.join(out, "metrics.jsonl")
-    samples_path, heldout_path = os.path.join(out, "samples.jsonl"), os.path.join(out, "heldout.jsonl")
     if ckpt:
-        with ckpt_lib.reading(os.path.join(ckpt, "state.pt")):
-            # mmap: the optimizer state is read from rank 0 (load_optimizer broadcasts it), so other
-            # ranks never page in the 8 N bytes of the full AdamW state
-            state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=True, mmap=True)
-            load_optimizer(policy, opt, state["optimizer"])
-            sched.load_state_dict(state["scheduler"])
-            step, cursor = state["step"], state["cursor"]
-        with ckpt_lib.reading(os.path.join(ckpt, "probe.pt")):
-            probe, probe_state = probe_lib.load(os.path.join(ckpt, "probe.pt"))
-            probe_opt = probe_lib.make_optimizer(probe, lr=cfg["probe_lr"])
-            probe_opt.load_state_dict(probe_state)
-        ckpt_lib.set_rng_state(state["rng"])  # last: building the probe above draws from torch's RNG
-        ckpt_lib.apply_rates(opt, sched, cfg["lr"], probe_opt, cfg["probe_lr"])
-        if MASTER:
-            for path in (metrics_path, samples_path, heldout_path):
-                ckpt_lib.truncate_metrics(path, step)
-            changed = config.changes(config.read_config(out), cfg)
-            if changed:
-                ckpt_lib.write_json(os.path.join(out, "config.json"), {**cfg, "resume": None})
-                print0("changed on resume (written to config.json): " +
-                       ", ".join(f"{k} {a} -> {b}" for k, a, b in changed))
-        print0(f"resuming {out} from step {step}")
-    elif MASTER:
-        os.makedirs(out, exist_ok=True)
-        ckpt_lib.write_json(os.path.join(out, "config.json"), cfg)
-        for path in (metrics_path, samples_path, heldout_path):
-            with ckpt_lib.replacing(path):   # empty, and a link planted there is replaced, not followed
-                pass
+        probe, probe_opt, step, cursor = folder.restore(cfg, policy, opt, sched, probe_opt)
+    else:
+        folder.start(cfg)
 
     def log(row):
         if MASTER:
-            with ckpt_lib.appending(metrics_path) as f:
+            with ckpt_lib.appending(folder.metrics) as f:
                 f.write(json.dumps(row) + "\n")
             if tracker:
                 tracker.log(row)
@@ -194,26 +137,20 @@ def run(cfg):
         if not eval_rows:  # --eval-n 0
             return None
         t = time.perf_counter()
-        calib = {} if cfg["reward"] in modes.PROBE_MODES and cfg["eval_probe_n"] > 0 else None
-        acc = held_out_accuracy(sampler, tok, eval_rows, cfg, instruction, device, probe, calib)
-        trajs = calib.pop("trajectories") if calib else []
-        log(dict(step=at, eval=True, eval_accuracy=acc, eval_n=len(eval_rows), **(calib or {}),
+        probe_stats = {} if cfg["reward"] in modes.PROBE_MODES and cfg["eval_probe_n"] > 0 else None
+        acc = held_out_accuracy(sampler, tok, eval_rows, cfg, instruction, device, probe, probe_stats)
+        trajs = probe_stats.pop("trajectories") if probe_stats else []
+        log(dict(step=at, eval=True, eval_accuracy=acc, eval_n=len(eval_rows), **(probe_stats or {}),
                  t_eval=time.perf_counter() - t))
         if MASTER:
-            runlog.append_jsonl(heldout_path, [dict(step=at, **t) for t in trajs])
-        print0(f"step {at}: held-out accuracy {acc:.3f} on {len(eval_rows)} problems" + heldout.describe(calib))
+            runlog.append_jsonl(folder.heldout, [dict(step=at, **t) for t in trajs])
+        print0(f"step {at}: held-out accuracy {acc:.3f} on {len(eval_rows)} problems" + heldout.describe(probe_stats))
         return acc
 
     def save(at):
         model_sd, opt_sd = full_state(policy, opt)
-        if MASTER:
-            def write(tmp):
-                model.save_pretrained(tmp, state_dict=model_sd)
-                tok.save_pretrained(tmp)
-                probe_lib.save(os.path.join(tmp, "probe.pt"), probe, probe_opt)
-                torch.save(dict(step=at, cursor=cursor, optimizer=opt_sd, scheduler=sched.state_dict(),
-                                rng=ckpt_lib.rng_state()), os.path.join(tmp, "state.pt"))
-            ckpt_lib.save_checkpoint(out, at, write, keep=cfg["keep"])
+        folder.save(at, model, model_sd, tok, probe, probe_opt, dict(
+            step=at, cursor=cursor, optimizer=opt_sd, scheduler=sched.state_dict()), keep=cfg["keep"])
 
     first_acc = evaluate(0) if step == 0 else None
     final_acc = first_acc
@@ -228,7 +165,7 @@ def run(cfg):
         refresh_sampler(sampler, policy)
         log(row)
         if MASTER:
-            runlog.append_jsonl(samples_path, picked)
+            runlog.append_jsonl(folder.samples, picked)
         for p in Timer.PHASES:
             phase_sums[p] += row["t_" + p]
         bar.set_postfix(acc=f"{row['accuracy']:.2f}", R=f"{row['reward']:+.2f}",
@@ -240,8 +177,8 @@ def run(cfg):
         if last or (cfg["save_every"] and step % cfg["save_every"] == 0):
             save(step)
     if MASTER:
-        where = ckpt_lib.latest_checkpoint(out)
-        print0(f"\nrun: {out}  (latest checkpoint: {where})")
+        out = folder.out
+        print0(f"\nrun: {out}  (latest checkpoint: {ckpt_lib.latest_checkpoint(out)})")
         if first_acc is not None and final_acc is not None:
             print0(f"held-out accuracy: {first_acc:.3f} at the start -> {final_acc:.3f} at step {step}")
         roll = max(phase_sums["rollout"], 1e-9)
@@ -255,55 +192,28 @@ def run(cfg):
             tracker.finish()
 
 
-def interrupted(cfg):
-    """The one line printed on Ctrl-C: where the run stands and how to continue it."""
-    out = cfg and cfg["out"]
-    ckpt = out and os.path.isdir(out) and ckpt_lib.latest_checkpoint(out, say=lambda m: None, resume=True)
-    if not ckpt:
-        return "interrupted before the first checkpoint: nothing to resume; run the command again"
-    flag = " --trust-remote-code" if cfg["trust_remote_code"] else ""
-    return (f"interrupted: {ckpt} is the last checkpoint; continue with: "
-            f"python train.py --resume {out}{flag}")
-
-
 def main(argv=None):
-    cfg, stopped = None, False
-    try:
-        cfg = resolve_args(argv)
+    with exit_codes() as state:  # exit 2 / 3 / 130, the lock released: harness/runfolder.py
+        cfg = state["cfg"] = resolve_args(argv)
         if cfg["plot"]:
             print(runlog.plot_curves(cfg["plot"]))
-        else:
-            if cfg["plan"]:
-                plan.check(cfg, show=True)
-                return
+            return
+        if cfg["plan"]:
+            plan.check(cfg, show=True)
+            return
+        if not cfg["resume"]:
+            ckpt_lib.check_available(cfg["model"])  # a missing model is reported before anything is read
+        plan.check(cfg, show=False)  # an impossible run stops here, before any weights are read
+        workers = launch.worker_count(cfg)
+        config.check_world(cfg, max(workers, WORLD))  # here, or in each worker under torchrun
+        if workers > 1:
             if not cfg["resume"]:
-                ckpt_lib.check_available(cfg["model"])  # a missing model is reported before anything is read
-            plan.check(cfg, show=False)  # an impossible run stops here, before any weights are read
-            workers = launch.worker_count(cfg)
-            config.check_world(cfg, max(workers, WORLD))  # here, or in each worker under torchrun
-            if workers > 1:
-                if not cfg["resume"]:
-                    ckpt_lib.fetch(cfg["model"])  # before the workers start: rank 0 would download in the group
-                code = launch.launch(os.path.abspath(__file__), sys.argv[1:] if argv is None else argv, workers)
-                if code:
-                    sys.exit(code)
-                return
-            run(cfg)
-    except (UserError, data.DataError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except FloatingPointError as e:
-        print(f"stopped: {e}; the last good checkpoint is left untouched", file=sys.stderr)
-        sys.exit(3)
-    except KeyboardInterrupt:  # nothing new is finished or saved: the last checkpoint stays as it is
-        stopped = True         # the line is printed below, once the progress bar has closed
-    finally:
-        LOCKS.close()
-        teardown()
-    if stopped:
-        if MASTER:
-            print(f"\n{interrupted(cfg)}", file=sys.stderr)
-        sys.exit(130)
+                ckpt_lib.fetch(cfg["model"])  # before the workers start: rank 0 would download in the group
+            code = launch.launch(os.path.abspath(__file__), sys.argv[1:] if argv is None else argv, workers)
+            if code:
+                sys.exit(code)
+            return
+        run(cfg)
 
 
 if __name__ == "__main__":

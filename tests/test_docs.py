@@ -9,7 +9,7 @@ name must be a file somewhere in the repository (so a reader can find it).
 Not checked:
 - paths that start with `../shared/`: the developers' reference folder, named as such where cited;
 - the names in ELSEWHERE, each with its reason. An entry ending in "/" is a folder of another project
-  or of a run's outputs and covers every path under it: the README's map names the released code's
+  or of a run's outputs and covers every path under it: the map (docs/reference.md) names the released code's
   files under `verl/` and `scripts/eval/` (the authors' repository). This repository has neither
   folder (checked below), so a path under one is never one of its own files.
 """
@@ -23,13 +23,13 @@ HERE = os.path.relpath(os.path.abspath(__file__), ROOT)  # its examples name mis
 NAME = re.compile(r"(?<![\w./-])((?:\.\./)?[\w./-]*\w\.(?:py|md)|docs/[\w./-]*\w)(?![\w/])")
 SKIP_DIRS = ("runs", "out", "eval_out")  # what runs write (.gitignore), besides hidden folders
 ELSEWHERE = {
-    "verl/": "the released code (the authors' repository; README's map)",
-    "scripts/eval/": "the released code's evaluation scripts (README's map)",
-    "core_algos.py": "verl's policy-loss file in the released code (README's map)",
+    "verl/": "the released code (the authors' repository; the map in docs/reference.md)",
+    "scripts/eval/": "the released code's evaluation scripts (the map in docs/reference.md)",
+    "core_algos.py": "verl's policy-loss file in the released code (the map in docs/reference.md)",
     "OUT/": "a command's --out folder (reproduce.py writes OUT/table.md)",
     "runs/": "the run folders training and reproduce.py write",
     "table.md": "the table reproduce.py writes into its --out folder",
-    "file.py": "a placeholder: `file.py:function` (tests/test_readme_map.py)",
+    "file.py": "a placeholder: `file.py:function` (tests/test_map.py)",
     "modeling_evil.py": "written by tests/test_hardening.py into a temporary checkpoint",
     "wandb.py": "a fake wandb module tests/test_runlog.py writes into a temporary folder",
     "work.py": "a worker script tests/test_launch.py writes into a temporary folder",
@@ -110,3 +110,17 @@ def test_every_cited_section_of_the_design_notes_is_a_heading():
     assert len(cited) >= 8
     missing = [f"{name}: {s}" for name, s in cited if s not in headings]
     assert not missing, "cited sections that docs/design.md does not have:\n" + "\n".join(missing)
+
+
+def test_the_readme_opens_with_the_one_screen_step_as_it_is_in_the_code():
+    """The README's first code block is `step.rlcm_step` verbatim, so the algorithm a reader meets
+    first is the one the tests run (tests/test_step.py), not a paraphrase that can drift."""
+    import inspect
+    import step
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    first = re.search(r"```(\w*)\n(.*?)```", text, re.S)
+    assert first.group(1) == "python"
+    assert first.group(2).rstrip("\n") == inspect.getsource(step.rlcm_step).rstrip("\n")
+    assert text.index(first.group(0)) < text.index("## Two commands")
+    assert len(text.splitlines()) <= 220, "the README is for a learner: reference material goes to docs/"

@@ -13,6 +13,7 @@ import step
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOLATILE = ("t_", "tok_per_s", "peak_mem")  # metrics.jsonl fields that vary between identical runs
 FIXTURE_7B = os.path.join(ROOT, "..", "shared", "fixtures", "r1_distill_qwen_7b")
 SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "40", "--eval-n", "8",
          "--eval-every", "0", "--gen-batch", "64"]
@@ -27,7 +28,7 @@ def rows(run):
 
 
 def stable(row):
-    return {k: v for k, v in row.items() if not k.startswith(train.VOLATILE)}
+    return {k: v for k, v in row.items() if not k.startswith(VOLATILE)}
 
 
 def test_two_steps_write_a_complete_run(tmp_path):
@@ -193,8 +194,9 @@ def test_every_rank_takes_rank_0s_view_of_the_run_folder(tmp_path, monkeypatch):
     def lock(out):
         events.append("lock")
         raise Stop
-    monkeypatch.setattr(train, "all_gather", lambda obj: [True])  # rank 0 saw the folder; this rank does not
-    monkeypatch.setattr(train, "hold_lock", lock)
+    from harness import runfolder
+    monkeypatch.setattr(runfolder, "all_gather", lambda obj: [True])  # rank 0 saw the folder; this rank does not
+    monkeypatch.setattr(runfolder, "hold_lock", lock)
     monkeypatch.setattr(train.data, "load_rows", lambda *a, **k: events.append("load") or [])
     cfg = train.resolve_args(["--steps", "1", "--out", str(tmp_path / "run"), *SMALL])
     with pytest.raises(Stop):

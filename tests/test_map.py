@@ -1,4 +1,4 @@
-"""The README's map from the paper to the code: every `file.py:function` it names exists here."""
+"""The map from the paper to the code (docs/reference.md): every `file.py:function` it names exists here."""
 import importlib
 import os
 import re
@@ -9,8 +9,8 @@ QUANTITIES = ("budgets", "Y_b", "probe features", "the probe", "C_b", "margin", 
 
 
 def map_rows():
-    """(paper quantity, released-code cell, here cell) for each row of the README's map table."""
-    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    """(paper quantity, released-code cell, here cell) for each row of the map's table."""
+    text = open(os.path.join(ROOT, "docs", "reference.md"), encoding="utf-8").read()
     section = text.split("## Map: paper -> released code -> here", 1)[1].split("\n## ", 1)[0]
     rows = [line.strip().strip("|").split("|") for line in section.splitlines() if line.startswith("|")]
     assert [c.strip() for c in rows[0]] == ["paper", "released code", "here"]
@@ -20,7 +20,7 @@ def map_rows():
 def test_every_quantity_of_the_paper_has_a_row():
     papers = [p for p, _, _ in map_rows()]
     for q in QUANTITIES:
-        assert any(q in p for p in papers), f"no row for {q!r} in the README map"
+        assert any(q in p for p in papers), f"no row for {q!r} in the map"
 
 
 def test_every_named_function_exists():
@@ -34,7 +34,7 @@ def test_every_named_function_exists():
             assert os.path.isfile(os.path.join(ROOT, module + ".py")), f"{module}.py does not exist"
             obj = importlib.import_module(module.replace("/", "."))
             for part in name.split("."):
-                assert hasattr(obj, part), f"{module}.py has no {name} (README map, row {paper!r})"
+                assert hasattr(obj, part), f"{module}.py has no {name} (the map, row {paper!r})"
                 obj = getattr(obj, part)
             assert callable(obj), f"{module}.py:{name} is not a function or class"
             named += 1

@@ -1,0 +1,156 @@
+"""A training run's folder: one writer at a time, resume from its last complete checkpoint, atomic
+checkpoints, and the exit codes of train.py.
+
+    OUT/lock               held by rank 0 while a run writes OUT (checkpoint.locked)
+    OUT/config.json        the settings (updated with what a resume changed)
+    OUT/metrics.jsonl      one row per step and per held-out check
+    OUT/samples.jsonl      the rollouts' texts (runlog.pick_samples)
+    OUT/heldout.jsonl      the labelled held-out trajectories of each held-out check
+    OUT/checkpoint-S/      weights, tokenizer, probe.pt, state.pt (optimizers, scheduler, cursor, RNG)
+
+A resumed run continues exactly where the checkpoint left it: the jsonl files are cut back to its
+step, the optimizers, the scheduler, the data cursor and every RNG are restored, and the learning
+rates of this command replace the saved ones.
+Exit codes: 2 a user error (one line "error: ..."), 3 a numeric fault (non-finite loss or gradient:
+the last good checkpoint is untouched), 130 Ctrl-C (one line saying how to continue).
+"""
+import os
+import sys
+from contextlib import ExitStack, contextmanager
+
+import torch
+
+import data
+from harness import checkpoint as ckpt_lib
+from harness import config
+from harness.checkpoint import UserError
+from harness.parallel import MASTER, all_gather, load_optimizer, teardown
+import probe as probe_lib
+
+LOCKS = ExitStack()  # the run folder's lock, released by exit_codes() however the run ends
+LOGS = ("metrics.jsonl", "samples.jsonl", "heldout.jsonl")
+
+
+def hold_lock(out):
+    """One writer per run folder: rank 0 holds OUT/lock until the run ends; if another process holds
+    it, every rank stops with the same one line."""
+    err = None
+    if MASTER:
+        try:
+            LOCKS.enter_context(ckpt_lib.locked(out, "training run"))
+        except UserError as e:
+            err = str(e)
+    err = all_gather(err)[0]
+    if err:
+        raise UserError(err)
+
+
+class RunFolder:
+    """cfg["out"] and the checkpoint this run starts from (None: a new run)."""
+
+    def __init__(self, cfg, say):
+        self.out, self.say = cfg["out"], say
+        self.metrics, self.samples, self.heldout = (os.path.join(self.out, f) for f in LOGS)
+        # rank 0's view, so that every rank takes the same branch to hold_lock
+        self.existed = all_gather(os.path.isdir(self.out))[0]
+        if self.existed:  # locked before its checkpoints are read
+            hold_lock(self.out)
+        self.ckpt = ckpt = ckpt_lib.latest_checkpoint(self.out, say=say, resume=True)
+        if cfg["resume"] and ckpt is None:
+            raise UserError(f"--resume {self.out}: the run has no complete checkpoint; start it again "
+                            "without --resume")
+        if ckpt and not cfg["resume"]:
+            raise UserError(f"{self.out} already holds a run: pass --resume {self.out} to continue it, "
+                            "or another --out")
+        self.done = bool(ckpt) and ckpt_lib.step_of(ckpt) >= cfg["steps"]
+        if self.done:
+            say(f"{self.out} is at step {ckpt_lib.step_of(ckpt)} already (--steps {cfg['steps']}): "
+                "nothing to train; pass a larger --steps")
+
+    def lock(self):
+        """A new folder is locked only once the data and the model are known to load."""
+        if not self.existed:
+            hold_lock(self.out)
+
+    def start(self, cfg):
+        """A new run: config.json and empty logs (a link planted there is replaced, not followed)."""
+        if MASTER:
+            os.makedirs(self.out, exist_ok=True)
+            ckpt_lib.write_json(os.path.join(self.out, "config.json"), cfg)
+            for path in (self.metrics, self.samples, self.heldout):
+                with ckpt_lib.replacing(path):
+                    pass
+
+    def restore(self, cfg, policy, opt, sched, probe_opt):
+        """Loads the checkpoint's optimizer, scheduler, probe and RNG state into this run; returns
+        (probe, probe_opt, step, cursor)."""
+        ckpt = self.ckpt
+        with ckpt_lib.reading(os.path.join(ckpt, "state.pt")):
+            # mmap: the optimizer state is read from rank 0 (load_optimizer broadcasts it), so other
+            # ranks never page in the 8 N bytes of the full AdamW state
+            state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=True, mmap=True)
+            load_optimizer(policy, opt, state["optimizer"])
+            sched.load_state_dict(state["scheduler"])
+            step, cursor = state["step"], state["cursor"]
+        with ckpt_lib.reading(os.path.join(ckpt, "probe.pt")):
+            probe, probe_state = probe_lib.load(os.path.join(ckpt, "probe.pt"))
+            probe_opt = probe_lib.make_optimizer(probe, lr=cfg["probe_lr"])
+            probe_opt.load_state_dict(probe_state)
+        ckpt_lib.set_rng_state(state["rng"])  # last: building the probe above draws from torch's RNG
+        ckpt_lib.apply_rates(opt, sched, cfg["lr"], probe_opt, cfg["probe_lr"])
+        if MASTER:
+            for path in (self.metrics, self.samples, self.heldout):
+                ckpt_lib.truncate_metrics(path, step)
+            changed = config.changes(config.read_config(self.out), cfg)
+            if changed:
+                ckpt_lib.write_json(os.path.join(self.out, "config.json"), {**cfg, "resume": None})
+                self.say("changed on resume (written to config.json): " +
+                         ", ".join(f"{k} {a} -> {b}" for k, a, b in changed))
+        self.say(f"resuming {self.out} from step {step}")
+        return probe, probe_opt, step, cursor
+
+    def save(self, at, model, model_sd, tok, probe, probe_opt, state, keep):
+        """checkpoint-`at`, written whole or not at all; the oldest beyond `keep` are pruned. state:
+        what state.pt holds besides the RNG (step, cursor, optimizer, scheduler)."""
+        if MASTER:
+            def write(tmp):
+                model.save_pretrained(tmp, state_dict=model_sd)
+                tok.save_pretrained(tmp)
+                probe_lib.save(os.path.join(tmp, "probe.pt"), probe, probe_opt)
+                torch.save(dict(state, rng=ckpt_lib.rng_state()), os.path.join(tmp, "state.pt"))
+            ckpt_lib.save_checkpoint(self.out, at, write, keep=keep)
+
+
+def interrupted(cfg):
+    """The one line printed on Ctrl-C: where the run stands and how to continue it."""
+    out = cfg and cfg["out"]
+    ckpt = out and os.path.isdir(out) and ckpt_lib.latest_checkpoint(out, say=lambda m: None, resume=True)
+    if not ckpt:
+        return "interrupted before the first checkpoint: nothing to resume; run the command again"
+    flag = " --trust-remote-code" if cfg["trust_remote_code"] else ""
+    return (f"interrupted: {ckpt} is the last checkpoint; continue with: "
+            f"python train.py --resume {out}{flag}")
+
+
+@contextmanager
+def exit_codes():
+    """train.py's main runs inside this: the module docstring's exit codes, the lock released and
+    the process group torn down however it ends. Yields a dict whose "cfg" the Ctrl-C line reads."""
+    state, stopped = {}, False
+    try:
+        yield state
+    except (UserError, data.DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except FloatingPointError as e:
+        print(f"stopped: {e}; the last good checkpoint is left untouched", file=sys.stderr)
+        sys.exit(3)
+    except KeyboardInterrupt:  # nothing new is finished or saved: the last checkpoint stays as it is
+        stopped = True         # the line is printed below, once the progress bar has closed
+    finally:
+        LOCKS.close()
+        teardown()
+    if stopped:
+        if MASTER:
+            print(f"\n{interrupted(state.get('cfg'))}", file=sys.stderr)
+        sys.exit(130)
