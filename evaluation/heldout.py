@@ -38,9 +38,9 @@ EPS = 1e-7
 
 
 @torch.no_grad()
-def held_out_accuracy(sampler, tok, rows, cfg, instruction, device, probe=None, calib=None):
+def held_out_accuracy(sampler, tok, rows, cfg, instruction, device, probe=None, probe_stats=None):
     """Accuracy on a fixed slice of the held-out split at the evaluation temperature (0.6) with a
-    fixed seed, so every check of a run samples the same way. With a `calib` dict, the probe's
+    fixed seed, so every check of a run samples the same way. With a `probe_stats` dict, the probe's
     calibration on the first eval_probe_n of these trajectories is added to it (below)."""
     mine = rows[RANK::WORLD]
     prompts = [data.chat_prompt(tok, r["problem"], instruction, cfg["system_prompt"]) for r in mine]
@@ -50,13 +50,13 @@ def held_out_accuracy(sampler, tok, rows, cfg, instruction, device, probe=None, 
                        seed=cfg["seed"] + 12345 + RANK, batch_size=cfg["gen_batch"],
                        decode=cfg["decode"])
         hits = modes.correctness(out.texts, [r["answer"] for r in mine], "math", cfg["reward"]).sum().item()
-        if calib is not None:
+        if probe_stats is not None:
             m = len(rows[:cfg["eval_probe_n"]][RANK::WORLD])
             trajs = probe_calibration(sampler, tok, probe, prompts[:m], out, mine[:m], cfg,
-                                              seed=cfg["seed"] + 54321 + RANK)
-    if calib is not None:
+                                      seed=cfg["seed"] + 54321 + RANK)
+    if probe_stats is not None:
         trajs = [t for part in all_gather(trajs) for t in part]
-        calib.update(summary(trajs, cfg["k"]), trajectories=trajs)
+        probe_stats.update(summary(trajs, cfg["k"]), trajectories=trajs)
     hits, n = all_sum([hits, len(mine)], device)
     return hits / max(n, 1)
 
