@@ -18,19 +18,21 @@ session (its own process group) with a scrubbed environment and a fresh empty wo
 that is removed afterwards. The child reads the code and the test *inputs* from stdin; the expected
 outputs never enter it, so the code cannot read them and print them back. Before the code runs it
 sets resource limits (CPU seconds, 2 GiB of address space, no file writes, no new processes or
-threads, 32 open files, no core dumps) and a guard in the spirit of LiveCodeBench's `reliability_guard`: destructive
-and process-spawning calls (os.system, os.kill, os.fork, os.remove, subprocess.Popen,
-shutil.rmtree, ...) become None, `open` reads only the test input (`open(0)`), and sockets refuse
-to be made. Each test has an alarm of `per_test_s`; the child streams one JSON line per test back
-over a pipe (never pickle) and the parent compares, stops at the first failure, and kills the whole
-process group at the end or after the global timeout `(per_test_s + 1) * n_tests + 5` s.
+threads, 32 open files, no core dumps) and a guard in the spirit of LiveCodeBench's
+`reliability_guard`: destructive and process-spawning calls (os.system, os.kill, os.fork,
+os.remove, subprocess.Popen, shutil.rmtree, ...) become None, `open` reads only the test input
+(`open(0)`), and the socket modules refuse to make sockets. Each test has an alarm of `per_test_s`;
+the child streams one JSON line per test back over a pipe (never pickle), and the parent compares,
+stops at the first failure, and kills the whole process group at the end or after the global
+timeout `(per_test_s + 1) * n_tests + 5` s.
 
 What this is not: a security boundary against code written to escape it. The guard is Python-level
 patching; code that re-imports a module, uses `_io.FileIO`, or reaches libc through ctypes gets
-past it. What protects the machine regardless is the resource limits, the throwaway directory, the
-scrubbed environment and the process-group kill, and the limits only as far as the kernel enforces
-them: it exempts root from the process limit and lets root raise limits again, so run the
-evaluation as an ordinary user (or in a container) when grading code from models you do not trust.
+past it (to files, the network, other processes). What holds regardless is the timeouts, the
+process-group kill, the throwaway directory, the scrubbed environment and the resource limits, the
+limits only as far as the kernel enforces them: it exempts root from the process limit and lets
+root raise limits again. Run the evaluation as an ordinary user (or in a container) when grading
+code from models you do not trust.
 """
 import base64
 import binascii

@@ -101,42 +101,37 @@ def _pids_with(marker):
     return found
 
 
-def _hostile(kind, tmp_path, port):
-    """Code that attacks, then prints the right answer (so it passes if and only if the attack is not stopped)."""
-    outside, sentinel = tmp_path / "written", tmp_path / "sentinel"
-    attacks = {
-        "loop": "while True:\n    pass",
-        "loop_eating_the_alarm": "while True:\n    try:\n        while True:\n            pass\n"
-                                 "    except BaseException:\n        pass",
-        "memory": "x = bytearray(6 << 30)",
-        "memory_growing": "xs = []\nwhile True:\n    xs.append(bytearray(50 << 20))",
-        "popen": "import subprocess\nsubprocess.Popen(['sleep', '31337'])",
-        "system": "import os\nos.system('sleep 31337 &')",
-        "fork": "import os\nif os.fork() == 0:\n    import time\n    time.sleep(31337)",
-        "posix_spawn": "import os\nos.posix_spawn('/bin/sleep', ['sleep', '31337'], {})",
-        "multiprocessing": "import multiprocessing, time\n"
-                           "multiprocessing.Process(target=time.sleep, args=(31337,)).start()",
-        "write_open": f"open({str(outside)!r}, 'w').write('x')",
-        "write_pathlib": f"import pathlib\npathlib.Path({str(outside)!r}).write_text('x')",
-        "write_os_open": f"import os\nos.open({str(outside)!r}, os.O_CREAT | os.O_WRONLY)",
-        "remove": f"import os\nos.remove({str(sentinel)!r})",
-        "unlink_pathlib": f"import pathlib\npathlib.Path({str(sentinel)!r}).unlink()",
-        "rmtree": f"import shutil\nshutil.rmtree({str(tmp_path)!r})",
-        "kill_parent": "import os\nos.kill(os.getppid(), 9)",
-        "killpg_parent": "import os\nos.killpg(os.getpgid(os.getppid()), 9)",
-        "kill_parent_posix": "import os, posix\nposix.kill(os.getppid(), 9)",
-        "connect": f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)",
-        "connect_raw": f"import _socket\n_socket.socket().connect(('127.0.0.1', {port}))",
-        "connect_urllib": f"import urllib.request\nurllib.request.urlopen('http://127.0.0.1:{port}', timeout=2)",
-    }
-    return attacks[kind] + "\n" + ADD_RIGHT
+# Hostile solutions: each attacks, then prints the right answer, so it passes if and only if the
+# attack is not stopped. {outside}: a file that must stay absent; {sentinel}: one that must survive.
+ATTACKS = {
+    "loop": "while True:\n    pass",
+    "loop_eating_the_alarm": "while True:\n    try:\n        while True:\n            pass\n"
+                             "    except BaseException:\n        pass",
+    "memory": "x = bytearray(6 << 30)",
+    "memory_growing": "xs = []\nwhile True:\n    xs.append(bytearray(50 << 20))",
+    "popen": "import subprocess\nsubprocess.Popen(['sleep', '31337'])",
+    "system": "import os\nos.system('sleep 31337 &')",
+    "fork": "import os\nif os.fork() == 0:\n    import time\n    time.sleep(31337)",
+    "posix_spawn": "import os\nos.posix_spawn('/bin/sleep', ['sleep', '31337'], {{}})",
+    "multiprocessing": "import multiprocessing, time\n"
+                       "multiprocessing.Process(target=time.sleep, args=(31337,)).start()",
+    "write_open": "open({outside!r}, 'w').write('x')",
+    "write_pathlib": "import pathlib\npathlib.Path({outside!r}).write_text('x')",
+    "write_os_open": "import os\nos.open({outside!r}, os.O_CREAT | os.O_WRONLY)",
+    "remove": "import os\nos.remove({sentinel!r})",
+    "unlink_pathlib": "import pathlib\npathlib.Path({sentinel!r}).unlink()",
+    "rmtree": "import shutil\nshutil.rmtree({folder!r})",
+    "kill_parent": "import os\nos.kill(os.getppid(), 9)",
+    "killpg_parent": "import os\nos.killpg(os.getpgid(os.getppid()), 9)",
+    "kill_parent_posix": "import os, posix\nposix.kill(os.getppid(), 9)",
+    "connect": "import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)",
+    "connect_raw": "import _socket\n_socket.socket().connect(('127.0.0.1', {port}))",
+    "connect_urllib": "import urllib.request\nurllib.request.urlopen('http://127.0.0.1:{port}', timeout=2)",
+}
 
 
-@pytest.mark.parametrize("kind", [
-    "loop", pytest.param("loop_eating_the_alarm", marks=pytest.mark.slow), "memory", "memory_growing", "popen", "system", "fork",
-    "posix_spawn", "multiprocessing", "write_open", "write_pathlib", "write_os_open", "remove",
-    "unlink_pathlib", "rmtree", "kill_parent", "killpg_parent", "kill_parent_posix", "connect",
-    "connect_raw", "connect_urllib"])
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k == "loop_eating_the_alarm"
+                                  else k for k in ATTACKS])
 def test_hostile_solution_fails_fast_and_harms_nothing(kind, tmp_path):
     sentinel = tmp_path / "sentinel"
     sentinel.write_text("keep")
@@ -147,7 +142,9 @@ def test_hostile_solution_fails_fast_and_harms_nothing(kind, tmp_path):
     per_test_s = 1.0
     start = time.monotonic()
     try:
-        passed = run_tests(_hostile(kind, tmp_path, listener.getsockname()[1]), ADD, per_test_s=per_test_s)
+        code = ATTACKS[kind].format(outside=str(tmp_path / "written"), sentinel=str(sentinel),
+                                    folder=str(tmp_path), port=listener.getsockname()[1])
+        passed = run_tests(code + "\n" + ADD_RIGHT, ADD, per_test_s=per_test_s)
         took = time.monotonic() - start
         with pytest.raises(BlockingIOError):  # no connection ever reached the listener
             listener.accept()
