@@ -1,14 +1,17 @@
 """The sandboxed code grader: LiveCodeBench's comparison rules, hostile solutions, private-test decoding."""
+import ast
 import base64
 import json
 import os
 import pickle
 import socket
 import time
+import sys
 import zlib
 
 import pytest
 
+import harness.sandbox
 from harness.sandbox import decode_private_tests, extract_code, grade_many, run_tests, same_output
 
 ADD = [{"input": "1 2\n", "output": "3\n", "testtype": "stdin"},
@@ -21,6 +24,14 @@ APPEND_RIGHT = "class Solution:\n    def push(self, xs, x):\n        return xs +
 
 def stdin_tests(*pairs):
     return [{"input": i, "output": o, "testtype": "stdin"} for i, o in pairs]
+
+
+def test_sandbox_imports_only_the_standard_library():
+    # the child runs this file under `python -I`: nothing of the project, nothing installed
+    tree = ast.parse(open(harness.sandbox.__file__).read())
+    names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert names and names <= sys.stdlib_module_names, names - sys.stdlib_module_names
 
 
 def test_extract_code_takes_the_last_block_after_the_thinking():
