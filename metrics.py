@@ -1,4 +1,4 @@
-"""Calibration metrics: ECE, PCE, Brier score, AUROC and the reliability table (numpy in, floats out).
+"""Calibration metrics: ECE, PCE, Brier score, AUROC and the reliability table (numpy in, floats out); pass@k.
 
 Inputs are 1-D sequences of the same length N > 0: `conf` in [0, 1] (the model's probability of being
 right) and `correct` in [0, 1] (1 = right, 0 = wrong; AUROC needs exactly 0/1).
@@ -162,3 +162,20 @@ def bootstrap(conf, correct, groups, stats=None, n_resamples=1000, seed=0, z=1.9
         point, pm = fn(conf, correct), z * float(np.std(draws[name]))
         out[name] = {"lo": max(point - pm, 0.0), "hi": min(point + pm, 1.0), "pm": pm}
     return out
+
+
+def pass_at_k(n, c, k):
+    """Unbiased pass@k of one question: the chance that k of its n samples, c of them right, hold a right one.
+
+        pass@k = 1 - C(n - c, k) / C(n, k) = 1 - prod_{i = n-c+1}^{n} (1 - k / i)
+
+    The product form (Chen et al. 2021, the HumanEval paper) never forms the binomials, which
+    overflow a float from n ~ 1000; it is 1 when n - c < k (every k-subset holds a right sample).
+    Example: n = 5, c = 2, k = 2: 1 - C(3, 2) / C(5, 2) = 1 - 3/10 = 0.7; with k = 1 it is c / n.
+    A benchmark's pass@k is the mean over its questions.
+    """
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))

@@ -141,3 +141,25 @@ def test_bootstrap_interval_holds_the_estimate_and_shrinks_with_more_samples():
     small = metrics.bootstrap(*_questions(40, 4, seed=1))["ece"]["pm"]
     big = metrics.bootstrap(*_questions(400, 4, seed=1))["ece"]["pm"]
     assert big < small / 2
+
+
+def test_pass_at_k_hand_worked():
+    # 1 - C(3, 2) / C(5, 2) = 1 - 3/10
+    assert metrics.pass_at_k(5, 2, 2) == pytest.approx(0.7)
+    # 1 - C(5, 3) / C(6, 3) = 1 - 10/20
+    assert metrics.pass_at_k(6, 1, 3) == pytest.approx(0.5)
+    # k = 1 is the share right
+    assert metrics.pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert metrics.pass_at_k(10, 0, 5) == 0.0
+    # n - c < k: every k-subset holds a right sample
+    assert metrics.pass_at_k(3, 2, 2) == 1.0 and metrics.pass_at_k(4, 4, 1) == 1.0
+    # C(n-3, k) / C(n, k) = (n-k)(n-k-1)(n-k-2) / (n(n-1)(n-2)); with n = 200, k = 100:
+    assert metrics.pass_at_k(200, 3, 100) == pytest.approx(1 - 100 * 99 * 98 / (200 * 199 * 198))
+    # C(1999, 1000) / C(2000, 1000) = 1000/2000, though C(2000, 1000) overflows a float
+    assert metrics.pass_at_k(2000, 1, 1000) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("n, c, k", [(4, 5, 1), (4, 1, 5), (4, 1, 0), (4, -1, 1)])
+def test_pass_at_k_rejects_impossible_counts(n, c, k):
+    with pytest.raises(ValueError, match="pass@k needs"):
+        metrics.pass_at_k(n, c, k)
