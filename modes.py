@@ -10,8 +10,8 @@ mode uses and what it logs.
   process-brier  budgets .25/.5/.75  r_nat + lam * -mean_b (C_b - Y_b)^2        group z-score,
   final-brier    budget 1.0          the same                                   unanimous groups dropped
   rlcr           no                  correct - (correct - verbal conf)^2        group z-score
-  c2gspg         no                  correct (0/1)                              (r - mean r) / max(1 - c, 1e-6),
-                                                                                + 0.1 BCE(c_theta, r) in the loss
+  c2gspg         no                  correct (0/1)                              (r - mean r) / max(1 - c, 1e-6);
+                                                                                --c2gspg-bce: + 0.1 BCE(c_theta, r)
 r_nat = 2 * correct - 1 (signed, released). The budgets, corner and unanimous-group drop a mode
 implies are set by config.IMPLIED (flags given win); --corner picks the margin's rule (MARGINS).
 rlcr reads correctness from the last <answer> tag and its confidence from the last <confidence> tag
@@ -102,6 +102,9 @@ def reward_and_advantages(cfg, correct, calib, texts, seq_conf):
 
 
 def extra_loss(cfg, correct):
-    """The term a mode adds to the policy loss (update.update's `extra`): C2GSPG's 0.1 * BCE(c_theta,
-    correct); None for the other modes."""
-    return c2gspg_loss(correct) if cfg["reward"] == "c2gspg" else None
+    """The term a mode adds to the policy loss (update.update's `extra`): with --c2gspg-bce seq-mean
+    or token-mean, C2GSPG's 0.1 * BCE(c_theta, correct); None otherwise (the released C2GSPG run,
+    whose actor never receives the BCE's labels, and every other mode)."""
+    if cfg["reward"] != "c2gspg" or cfg["c2gspg_bce"] == "off":
+        return None
+    return c2gspg_loss(correct, cfg["c2gspg_bce"])

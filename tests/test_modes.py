@@ -25,7 +25,7 @@ SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "48
 # what each mode must log per step, beyond the common fields
 COMPONENTS = {"rlcm": {"margin"}, "grpo": set(), "final-margin": {"margin"},
               "process-brier": {"brier", "dropped"}, "final-brier": {"brier", "dropped"},
-              "rlcr": {"verbal_conf", "verbal_missing", "rlcr_brier"}, "c2gspg": {"seq_conf", "c2gspg_bce"}}
+              "rlcr": {"verbal_conf", "verbal_missing", "rlcr_brier"}, "c2gspg": {"seq_conf"}}
 NO_LABELS = ("grpo", "rlcr", "c2gspg")
 
 
@@ -157,29 +157,56 @@ def test_dropped_rows_are_out_of_the_update_entirely():
     assert grads[0] and all(torch.allclose(x, y, atol=1e-7) for x, y in zip(*grads))
 
 
-def test_c2gspg_loss_adds_the_confidence_bce():
-    """With zero advantages only 0.1 * BCE(c_theta, r) is left; its logged value is the mean BCE of
-    c_theta = exp(mean response log-prob) computed here by hand, and it sends a gradient."""
+def test_c2gspg_bce_forms_on_the_issues_worked_case():
+    """Four responses, all right, of 1000, 8000, 7000 and 500 tokens at confidences 0.9, 0.15, 0.2,
+    0.95: BCE = -log c = (0.105, 1.897, 1.609, 0.051). The mean over sequences is 0.916; the
+    released form, each token carrying its sequence's BCE under the token-mean, weighs the long
+    ones: (0.105 * 1000 + 1.897 * 8000 + 1.609 * 7000 + 0.051 * 500) / 16500 = 1.611."""
+    lengths, conf = (1000, 8000, 7000, 500), (0.9, 0.15, 0.2, 0.95)
+    mask = torch.zeros(4, 8000)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    logp = torch.tensor(conf).log()[:, None] * mask   # exp(mean log-prob) = c
+    correct = torch.ones(4)
+    rows = [0, 1, 2, 3]
+    _, coef, seq = baselines.c2gspg_loss(correct, "seq-mean")
+    assert coef == 0.1 and seq(logp, mask, rows).tolist() == pytest.approx([0.105, 1.897, 1.609, 0.051], abs=5e-4)
+    assert seq(logp, mask, rows).mean().item() == pytest.approx(0.916, abs=5e-4)
+    _, _, tok = baselines.c2gspg_loss(correct, "token-mean")
+    assert grpo.aggregate(tok(logp, mask, rows), mask, "token-mean").item() == pytest.approx(1.611, abs=5e-4)
+
+
+@pytest.mark.parametrize("form", ["off", "seq-mean", "token-mean"])
+def test_c2gspg_loss_has_the_confidence_bce_only_with_the_flag(tmp_path, form):
+    """With zero advantages only 0.1 * BCE(c_theta, r) can move the policy. The default (off, the
+    released run) adds nothing; seq-mean logs the mean BCE of c_theta = exp(mean response log-prob)
+    computed here by hand, token-mean the mean weighted by response tokens (3, 2, 4), and both send
+    a gradient. Micro-batches [0, 1], [2]: the weights hold across them."""
+    assert config.resolve_args(["--reward", "c2gspg", "--out", str(tmp_path)])["c2gspg_bce"] == "off"
     prompts, responses = [[3, 4], [5], [6, 7]], [[9, 10, 1], [11, 1], [12, 13, 14, 1]]
     b = grpo.pack(prompts, responses, 0)
     correct = torch.tensor([1.0, 0.0, 1.0])
     policy = tiny_policy()
     with torch.no_grad():
         logp = policy(b["input_ids"], b["attention_mask"])
-    c = [math.exp(sum(logp[i][j].item() for j in range(logp.shape[1]) if b["loss_mask"][i][j]) /
-                  b["loss_mask"][i].sum().item()) for i in range(3)]
+    n = b["loss_mask"].sum(1).tolist()
+    assert n == [3, 2, 4]
+    c = [math.exp(sum(logp[i][j].item() for j in range(logp.shape[1]) if b["loss_mask"][i][j]) / n[i])
+         for i in range(3)]
     bce = [-(r * math.log(x) + (1 - r) * math.log(1 - x)) for r, x in zip(correct.tolist(), c)]
     opt = Capture(policy.parameters())
-    cfg = dict(UPD, reward="c2gspg")
+    cfg = dict(UPD, reward="c2gspg", c2gspg_bce=form)
     stats = step.update(policy, opt, SCHED, b, None, torch.zeros(3), [[0, 1], [2]], cfg, torch.device("cpu"),
                         modes.extra_loss(cfg, correct))
-    assert stats["c2gspg_bce"] == pytest.approx(sum(bce) / 3, rel=1e-5)
-    assert stats["loss"] == 0.0 and sum(g.abs().sum() for g in opt.grads if g is not None) > 0
-    opt = Capture(policy.parameters())
-    cfg = dict(UPD, reward="grpo")
-    stats = step.update(policy, opt, SCHED, b, None, torch.zeros(3), [[0, 1], [2]], cfg, torch.device("cpu"),
-                        modes.extra_loss(cfg, correct))
-    assert "c2gspg_bce" not in stats and all(g is None or not g.any() for g in opt.grads)
+    moved = sum(g.abs().sum() for g in opt.grads if g is not None)
+    assert stats["loss"] == 0.0
+    if form == "off":
+        assert "c2gspg_bce" not in stats and moved == 0
+        return
+    want = sum(bce) / 3 if form == "seq-mean" else sum(x * k for x, k in zip(bce, n)) / sum(n)
+    assert stats["c2gspg_bce"] == pytest.approx(want, rel=1e-5) and moved > 0
+    cfg = dict(cfg, reward="grpo")   # the flag is c2gspg's alone
+    assert modes.extra_loss(cfg, correct) is None
 
 
 def test_implied_settings_and_explicit_flags_win(tmp_path):
@@ -263,8 +290,8 @@ def test_every_mode_runs_two_toy_steps_and_logs_its_components(tmp_path, monkeyp
     if mode == "rlcr":   # the toy base answers in RLCR's tags when the prompt asks: confidences are read
         assert json.load(open(os.path.join(run, "config.json")))["instruction"] == toy.RLCR_INSTRUCTION
         assert all(r["verbal_missing"] <= 2 and 0.2 < r["verbal_conf"] < 0.8 for r in rows), rows
-    if mode == "c2gspg":
-        assert all(0 < r["seq_conf"] < 1 and r["c2gspg_bce"] > 0 for r in rows)
+    if mode == "c2gspg":   # the released run: no BCE term
+        assert all(0 < r["seq_conf"] < 1 and "c2gspg_bce" not in r for r in rows)
     if mode in ("process-brier", "final-brier"):
         assert all(r["brier"] <= 0 and 0 <= r["dropped"] <= 1 for r in rows)
     held = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl")) if '"eval": true' in line]
