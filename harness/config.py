@@ -203,8 +203,9 @@ def build_parser():
                         "final-margin corner), process-brier, final-brier (budget 1.0); "
                         "docs/design.md, Baselines")
     g.add_argument("--drop-unanimous", action=argparse.BooleanOptionalAction,
-                   help="leave prompt groups whose answers are all right or all wrong out of the update "
-                        "(on for the Brier modes, as released)")
+                   help="give prompt groups whose answers are all right or all wrong reward 0: they "
+                        "stay in the update at advantage 0 (in the token-mean), and a step where every "
+                        "group is unanimous is not filtered (on for the Brier modes, as released)")
     g.add_argument("--c2gspg-bce", choices=("off", "seq-mean", "token-mean"),
                    help="c2gspg only: add 0.1 x BCE(c_theta, correct) to the loss, as a mean over "
                         "sequences or on every response token, aggregated like the policy loss "

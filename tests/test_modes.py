@@ -42,12 +42,12 @@ def cfg_for(mode, **kw):
 def test_rlcr_confidence_and_reward(text, conf, missing):
     correct = torch.tensor([1.0, 0.0, 0.0, 0.0])
     texts = [text, "<confidence>1</confidence>", "<confidence>0</confidence>", "none"]
-    R, adv, kept, parts = modes.reward_and_advantages(cfg_for("rlcr"), correct, None, texts, None)
+    R, adv, parts = modes.reward_and_advantages(cfg_for("rlcr"), correct, None, texts, None)
     assert parts["verbal_conf"][0].item() == pytest.approx(conf)
     assert parts["verbal_missing"].tolist() == [float(missing), 0.0, 0.0, 1.0]  # counted per trajectory
     # correct - (correct - conf)^2 with 0/1 correctness: a right answer at 0.85 -> 1 - 0.0225
     assert R.tolist() == pytest.approx([1 - (1 - conf) ** 2, -1.0, 0.0, -0.25])
-    assert adv.tolist() == pytest.approx(grpo.group_advantages(R, 4).tolist()) and kept.all()
+    assert adv.tolist() == pytest.approx(grpo.group_advantages(R, 4).tolist())
 
 
 def test_rlcr_grades_the_last_answer_tag_not_the_box():
@@ -63,7 +63,7 @@ def test_c2gspg_advantages_by_hand():
     # mean r = 0.5; A = (r - 0.5) / (1 - c): 0.5/0.5, -0.5/0.1, -0.5/0.8, 0.5/0.01
     correct = torch.tensor([1.0, 0.0, 0.0, 1.0])
     c = torch.tensor([0.5, 0.9, 0.2, 0.99])
-    R, adv, kept, parts = modes.reward_and_advantages(cfg_for("c2gspg"), correct, None, [""] * 4, c)
+    R, adv, parts = modes.reward_and_advantages(cfg_for("c2gspg"), correct, None, [""] * 4, c)
     assert adv.tolist() == pytest.approx([1.0, -5.0, -0.625, 50.0], rel=1e-5)
     assert R.tolist() == [1.0, 0.0, 0.0, 1.0] and parts["seq_conf"] is c
 
@@ -99,23 +99,44 @@ def test_process_brier_worked_number():
     assert modes.calibration(torch.tensor([[0.2]]), torch.tensor([[0.0]]), one, cfg_for("rlcm")).item() == 0.0
 
 
-def test_brier_modes_drop_unanimous_groups():
-    """Group 1 all right, group 2 mixed, group 3 all wrong: only group 2 enters the update, although
-    the Brier term makes the rewards of the unanimous groups differ (so they would get advantages)."""
+def test_brier_modes_give_unanimous_groups_reward_zero():
+    """Group 1 all right, group 2 mixed, group 3 all wrong. As released, the unanimous groups'
+    rewards are set to 0, so their advantages are 0 (they stay in the update), although the Brier
+    term made their rewards differ; group 2 keeps its rewards and z-scores them."""
     assert modes.unanimous(torch.tensor([1, 1, 0, 0, 0, 0]), 3).tolist() == [False] * 3 + [True] * 3
     correct = torch.tensor([1.0, 1, 1, 1, 1, 0, 0, 1, 0, 0, 0, 0])
     calib = -torch.linspace(0.0, 0.5, 12)
+    signed = 2 * correct - 1 + 0.1 * calib
     for mode in ("process-brier", "final-brier"):
         cfg = config.resolve_args(["--reward", mode, "--group-size", "4", "--out", "unused"])
         assert cfg["drop_unanimous"] is True
-        R, adv, kept, parts = modes.reward_and_advantages(cfg, correct, calib, [""] * 12, None)
-        assert R.tolist() == pytest.approx((2 * correct - 1 + 0.1 * calib).tolist())
-        assert kept.tolist() == [False] * 4 + [True] * 4 + [False] * 4
-        assert (adv[~kept] == 0).all() and (adv[kept] != 0).all()
-        assert parts["dropped"].sum().item() == 8 and torch.equal(parts["brier"], calib)
+        R, adv, parts = modes.reward_and_advantages(cfg, correct, calib, [""] * 12, None)
+        assert R.tolist() == pytest.approx([0.0] * 4 + signed[4:8].tolist() + [0.0] * 4)
+        assert adv[:4].tolist() == [0.0] * 4 and adv[8:].tolist() == [0.0] * 4
+        assert adv[4:8].tolist() == pytest.approx(grpo.group_advantages(signed[4:8], 4).tolist())
+        assert parts["dropped"].tolist() == [1.0] * 4 + [0.0] * 4 + [1.0] * 4
+        assert torch.equal(parts["brier"], calib)
     cfg = config.resolve_args(["--reward", "process-brier", "--no-drop-unanimous", "--group-size", "4"])
-    R, adv, kept, _ = modes.reward_and_advantages(cfg, correct, calib, [""] * 12, None)
-    assert kept.all() and (adv[:4] != 0).all()   # without the drop the all-right group is trained on
+    R, adv, _ = modes.reward_and_advantages(cfg, correct, calib, [""] * 12, None)
+    assert R.tolist() == pytest.approx(signed.tolist()) and (adv[:4] != 0).all()
+
+
+def test_the_filter_is_off_when_every_group_is_unanimous():
+    """Released: with every group of the step unanimous, no group is filtered that step, so the
+    Brier term still trains (here: advantages +-0.7071 from -0.1 vs -0.3 in each group of two). Under
+    several ranks the step's verdict decides (all_unanimous), not this rank's groups."""
+    correct = torch.tensor([1.0, 1, 0, 0])
+    calib = torch.tensor([-0.1, -0.3, -0.1, -0.3])
+    cfg = cfg_for("final-brier", group_size=2, drop_unanimous=True)
+    R, adv, parts = modes.reward_and_advantages(cfg, correct, calib, [""] * 4, None)
+    assert R.tolist() == pytest.approx([0.99, 0.97, -1.01, -1.03])
+    assert adv.tolist() == pytest.approx([0.7071, -0.7071, 0.7071, -0.7071], abs=1e-4)  # std of 2: 0.01414
+    assert parts["dropped"].tolist() == [0.0] * 4
+    R, adv, parts = modes.reward_and_advantages(cfg, correct, calib, [""] * 4, None, all_unanimous=False)
+    assert R.tolist() == [0.0] * 4 and adv.tolist() == [0.0] * 4 and parts["dropped"].tolist() == [1.0] * 4
+    mixed = torch.tensor([1.0, 0, 0, 0])
+    R, adv, parts = modes.reward_and_advantages(cfg, mixed, calib, [""] * 4, None, all_unanimous=True)
+    assert parts["dropped"].tolist() == [0.0] * 4 and (adv != 0).all()
 
 
 def tiny_policy():
@@ -140,21 +161,6 @@ class Capture:
 UPD = dict(agg="token-mean", temperature=1.0, chunk_size=8, clip_low=0.2, clip_high=0.2, grad_clip=1e9,
            max_new_tokens=8)
 SCHED = type("Sched", (), {"step": lambda self: None})()
-
-
-def test_dropped_rows_are_out_of_the_update_entirely():
-    """Updating on the kept rows of a batch gives the gradient of a batch of those rows alone: the
-    dropped rows are not even in the token-mean's denominator."""
-    prompts, responses = [[3, 4], [5], [6, 7], [8]], [[9, 10, 1], [11, 1], [12, 13, 14, 1], [15, 1]]
-    adv = torch.tensor([0.0, 0.0, 1.0, -1.0])
-    policy = tiny_policy()
-    grads = []
-    for b, a, mbs in ((grpo.pack(prompts, responses, 0), adv, [[2], [3]]),
-                      (grpo.pack(prompts[2:], responses[2:], 0), adv[2:], [[0, 1]])):
-        opt = Capture(policy.parameters())
-        step.update(policy, opt, SCHED, b, None, a, mbs, dict(UPD, reward="process-brier"), torch.device("cpu"))
-        grads.append([g for g in opt.grads if g is not None])
-    assert grads[0] and all(torch.allclose(x, y, atol=1e-7) for x, y in zip(*grads))
 
 
 def test_c2gspg_bce_forms_on_the_issues_worked_case():
