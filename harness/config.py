@@ -214,7 +214,8 @@ def build_parser():
     g.add_argument("--lam", type=float)
     g.add_argument("--k", type=int, help="forced answers per prefix")
     g.add_argument("--forced-close", choices=("think", "eos"),
-                   help="token before the forced suffix: </think> (paper) or EOS (released code)")
+                   help="token before the forced suffix: </think> (paper) or EOS (released code); "
+                        "none where the cut already ends on it")
     g.add_argument("--budgets", type=fractions, metavar="F,F,...",
                    help="truncation points as fractions of each response (0.25,0.5,0.75; 1.0 alone "
                         "for the final-only ablations)")
