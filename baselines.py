@@ -8,8 +8,9 @@ RLCR: the policy states its confidence in a final <confidence> tag (its answer i
 C2GSPG: the confidence is the policy's own sequence probability;
   c     = exp(mean_t log p(token_t)) of the response (sequence_confidence)
   R     = correct (0/1),  A = (R - mean_group R) / max(1 - c, 1e-6), c under the rollout weights
-  loss  = the clipped policy loss + 0.1 * mean_n BCE(c_theta_n, correct_n), c_theta differentiable
-          (c2gspg_loss: the extra term update.update adds)
+  loss  = the clipped policy loss; with --c2gspg-bce also 0.1 * BCE(c_theta_n, correct_n), c_theta
+          differentiable (c2gspg_loss: the extra term update.update adds). Off by default: the
+          released launcher sets the weight, but its actor drops the labels before the loss.
 """
 import re
 
@@ -78,13 +79,21 @@ def c2gspg_bce(c, rewards01):
     return -(r * torch.log(c) + (1 - r) * torch.log1p(-c))
 
 
-def c2gspg_loss(correct):
-    """C2GSPG's term of the policy loss, as update.update's `extra` (name, coefficient, per-sequence
-    term): 0.1 * the mean over sequences of BCE(c_theta, correct), logged as c2gspg_bce.
+def c2gspg_loss(correct, form="seq-mean"):
+    """C2GSPG's term of the policy loss, as update.update's `extra` (name, coefficient, term):
+    0.1 * BCE(c_theta, correct), logged as c2gspg_bce, in one of two forms (--c2gspg-bce):
+      seq-mean    the mean over sequences
+      token-mean  every response token carries its sequence's BCE, aggregated like the policy loss
+                  (the released compute_policy_loss_c2gspg's agg_loss: with --agg token-mean a
+                  length-weighted mean, so an 8000-token response counts 16x a 500-token one)
 
     correct [N] 0/1 for the batch's rows; the term gets the current policy's log-probs of a
     micro-batch (logp, loss_mask [n, T]) and its row indices.
     """
+    if form not in ("seq-mean", "token-mean"):
+        raise ValueError(f"form must be 'seq-mean' or 'token-mean', got {form!r}")
+
     def bce(logp, mask, rows):
-        return c2gspg_bce(sequence_confidence(logp, mask), correct[rows].to(logp.device))
+        per_seq = c2gspg_bce(sequence_confidence(logp, mask), correct[rows].to(logp.device))
+        return per_seq if form == "seq-mean" else per_seq[:, None].expand(mask.shape)
     return "c2gspg_bce", 0.1, bce

@@ -109,6 +109,32 @@ def token_logprobs(model, input_ids, attention_mask, temperature=1.0, chunk_size
     return logprobs_from_hidden(hidden, model.lm_head, input_ids[:, 1:], temperature, chunk_size)
 
 
+AGGS = ("token-mean", "token-mean-per-micro-batch", "seq-mean", "seq-sum-norm")  # --agg
+
+
+def aggregate(values, mask, agg="token-mean", norm_const=None):
+    """One number from per-token values [N, T] under the loss mask [N, T] (the policy loss's `agg`):
+      "token-mean"   sum(v * m) / sum(m)                       (over the whole batch)
+      "token-mean-per-micro-batch"  the same on one micro-batch; update.update then weighs each
+                     micro-batch by its rows, not its tokens (the released verl actor)
+      "seq-mean"     mean_n [sum_t v * m / sum_t m]
+      "seq-sum-norm" mean_n [sum_t v * m / norm_const]   (Dr. GRPO: one constant for the whole
+                     batch, e.g. the generation budget; required, never the padded width T,
+                     which changes with how the batch is cut into micro-batches)
+    """
+    m = mask.to(values.dtype)
+    if agg in ("token-mean", "token-mean-per-micro-batch"):
+        return (values * m).sum() / m.sum().clamp(min=1)
+    if agg == "seq-mean":
+        return ((values * m).sum(-1) / m.sum(-1).clamp(min=1)).mean()
+    if agg == "seq-sum-norm":
+        if norm_const is None:
+            raise ValueError("agg='seq-sum-norm' needs norm_const, one constant for the whole batch "
+                             "(e.g. max_new_tokens)")
+        return ((values * m).sum(-1) / norm_const).mean()
+    raise ValueError(f"agg must be one of {', '.join(AGGS)}, got {agg!r}")
+
+
 def policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.2, agg="token-mean",
                 ref_logp=None, kl_coef=0.0, norm_const=None):
     """Clipped-ratio policy loss with an optional k3 KL penalty.
@@ -119,11 +145,7 @@ def policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.2, agg="tok
               + kl_coef * (exp(ref - logp) - (ref - logp) - 1)
       The KL term is the k3 estimator of KL(pi || ref) from J. Schulman, "Approximating KL
       divergence" (2020, http://joschu.net/blog/kl-approx.html); it is only added when ref_logp is given.
-    agg: "token-mean"   sum(l * m) / sum(m)                       (over the whole batch)
-         "seq-mean"     mean_n [sum_t l * m / sum_t m]
-         "seq-sum-norm" mean_n [sum_t l * m / norm_const]   (Dr. GRPO: one constant for the whole
-                        batch, e.g. the generation budget; required, never the padded width T,
-                        which changes with how the batch is cut into micro-batches)
+    agg: how the per-token losses become one number (aggregate).
     Returns (loss scalar, stats): clip_frac = share of masked tokens where the clipped term is taken,
     ratio_mean = masked mean ratio, kl = masked mean k3 (0.0 without ref_logp).
     """
@@ -139,17 +161,7 @@ def policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.2, agg="tok
         diff = ref_logp - logp
         kl = torch.exp(diff) - diff - 1
         per_token = per_token + kl_coef * kl
-    if agg == "token-mean":
-        loss = (per_token * m).sum() / m.sum().clamp(min=1)
-    elif agg == "seq-mean":
-        loss = ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1)).mean()
-    elif agg == "seq-sum-norm":
-        if norm_const is None:
-            raise ValueError("agg='seq-sum-norm' needs norm_const, one constant for the whole batch "
-                             "(e.g. max_new_tokens)")
-        loss = ((per_token * m).sum(-1) / norm_const).mean()
-    else:
-        raise ValueError(f"agg must be 'token-mean', 'seq-mean' or 'seq-sum-norm', got {agg!r}")
+    loss = aggregate(per_token, m, agg, norm_const)
     with torch.no_grad():
         denom = m.sum().clamp(min=1)
         stats = {

@@ -10,7 +10,9 @@ drops zeros and duplicates, and asks the policy to answer right now from each pr
     SUFFIX = "\\nIf I were to output the final answer now, it would be \\\\boxed{"
 
 CLOSE is `</think>` (close="think", the paper's description) or the tokenizer's EOS token
-(close="eos", what the released code inserts). K continuations are sampled (K=4, temperature 0.8,
+(close="eos", what the released code inserts); a prefix that already ends on it gets no second one
+(the released build_forced_output_tokens: at b = T the response ends on EOS, and a cut may fall
+right after the response's own `</think>`). K continuations are sampled (K=4, temperature 0.8,
 top-p 1.0, at most 32 tokens, stop at a newline); the forced answer is the text up to the brace that
 closes the forced `\\boxed{` (unclosed: wrong), and the label is
 
@@ -70,9 +72,17 @@ def close_id(tokenizer, close="think"):
 
 
 def forced_prompt(prompt, response, b, tokenizer, close="think", suffix=SUFFIX):
-    """Token ids `prompt + response[:b] + [CLOSE] + ids(suffix)` (lists of ints)."""
-    return list(prompt) + list(response[:b]) + [close_id(tokenizer, close)] + \
+    """Token ids `prompt + response[:b] + [CLOSE] + ids(suffix)` (lists of ints), CLOSE left out
+    where response[:b] already ends on it (module docstring)."""
+    cid = close_id(tokenizer, close)
+    return list(prompt) + list(response[:closed_cut(response, b, cid)]) + [cid] + \
         tokenizer.encode(suffix, add_special_tokens=False)
+
+
+def closed_cut(response, b, close):
+    """b, or b - 1 where response[:b] ends on the close id: the prefix before CLOSE + SUFFIX, so
+    that the close token is never doubled."""
+    return b - 1 if b > 0 and response[b - 1] == close else b
 
 
 def forced_answer(text):
@@ -106,6 +116,7 @@ def mc_labels(model, tokenizer, prompts, responses, budget_lists, golds, k=4, te
     for i, (p, r, bs) in enumerate(zip(prompts, responses, budget_lists)):
         where.append([])  # the j of each of trajectory i's cuts
         for b in bs:
+            b = closed_cut(r, b, tail[0])  # a cut ending on CLOSE is asked without a second one
             j = index.setdefault((*p, *r[:b], *tail), len(cuts))  # forced_prompt(p, r, b, ...)
             if j == len(cuts):
                 cuts.append((i, b))
@@ -191,7 +202,9 @@ def _forced_samples(model, tokenizer, prompts, responses, cut_of, tail, k, tempe
             # 1. each distinct problem prompt once; 2. each trajectory up to its longest cut once.
             pre = sampler.prefill([list(p) for p in distinct])
             pre = pre.select(rows([distinct.index(tuple(prompts[i])) for i in trajs]))
-            pre = sampler.prefill([list(responses[i][:longest[i]]) for i in trajs], after=pre)
+            heads = [list(responses[i][:longest[i]]) for i in trajs]
+            if any(heads):  # none where every cut is at 0 (responses that start with CLOSE, cut after it)
+                pre = sampler.prefill(heads, after=pre)
             # 3. a row per cut: its trajectory's row with the response past b masked out, then the tail.
             pre = pre.select(rows([trajs.index(i) for i, _ in chunk]))
             end = pre.mask.shape[1]  # the response segment is right-aligned, ending here

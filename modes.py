@@ -8,12 +8,16 @@ mode uses and what it logs.
   grpo           no                  r_nat                                      group z-score
   final-margin   budget 1.0          r_nat + lam * final_margin (+-mean C)      group z-score
   process-brier  budgets .25/.5/.75  r_nat + lam * -mean_b (C_b - Y_b)^2        group z-score,
-  final-brier    budget 1.0          the same                                   unanimous groups dropped
+  final-brier    budget 1.0          the same; unanimous groups' R = 0          so theirs are 0
   rlcr           no                  correct - (correct - verbal conf)^2        group z-score
-  c2gspg         no                  correct (0/1)                              (r - mean r) / max(1 - c, 1e-6),
-                                                                                + 0.1 BCE(c_theta, r) in the loss
-r_nat = 2 * correct - 1 (signed, released). The budgets, corner and unanimous-group drop a mode
+  c2gspg         no                  correct (0/1)                              (r - mean r) / max(1 - c, 1e-6);
+                                                                                --c2gspg-bce: + 0.1 BCE(c_theta, r)
+r_nat = 2 * correct - 1 (signed, released). The budgets, corner and unanimous-group filter a mode
 implies are set by config.IMPLIED (flags given win); --corner picks the margin's rule (MARGINS).
+The filter (--drop-unanimous, released filter_natural_corner_groups) sets the reward of every
+trajectory in a group whose answers are all right or all wrong to 0: they stay in the update at
+advantage 0, in the token-mean's denominator. When every group of the step is unanimous the
+filter is off for that step, as released, so the step still trains on the Brier term.
 rlcr reads correctness from the last <answer> tag and its confidence from the last <confidence> tag
 (baselines.verbal_confidence, the released parser: "85" -> 0.85, "0.3" -> 0.3, missing or outside
 [0, 100] -> 0.5 and counted); c2gspg's
@@ -69,12 +73,14 @@ def unanimous(correct, group_size):
     return same.expand_as(g).reshape(-1)
 
 
-def reward_and_advantages(cfg, correct, calib, texts, seq_conf):
-    """One step's rewards R [N], advantages [N], kept [N] bool (trajectories that enter the update)
-    and the mode's components {name: [N] float} (logged per step as means, per sample as values).
+def reward_and_advantages(cfg, correct, calib, texts, seq_conf, all_unanimous=None):
+    """One step's rewards R [N], advantages [N] and the mode's components {name: [N] float} (logged
+    per step as means, per sample as values).
 
     correct [N] 0/1; calib [N] the probe modes' calibration term (else unused); texts: the responses
-    (rlcr reads its confidence there); seq_conf [N] c2gspg's sequence confidence (else None).
+    (rlcr reads its confidence there); seq_conf [N] c2gspg's sequence confidence (else None);
+    all_unanimous: whether every group of the step, on every rank, is unanimous (the filter's
+    fallback; None: judged on these groups).
     """
     mode, G = cfg["reward"], cfg["group_size"]
     parts = {}
@@ -92,16 +98,20 @@ def reward_and_advantages(cfg, correct, calib, texts, seq_conf):
         R = total_reward(correct, calib, lam=lam)
         if mode in PROBE_MODES:
             parts = {calibration_key(mode): calib}
-    adv = c2gspg_advantages(correct, seq_conf, G) if mode == "c2gspg" else group_advantages(R, G)
-    kept = torch.ones(len(correct), dtype=torch.bool)
     if cfg["drop_unanimous"]:
-        kept = ~unanimous(correct, G)
-        adv = adv * kept
-        parts["dropped"] = (~kept).float()
-    return R, adv, kept, parts
+        same = unanimous(correct, G)
+        if bool(same.all()) if all_unanimous is None else all_unanimous:
+            same = torch.zeros_like(same)  # every group unanimous: no filter this step, as released
+        R = R.masked_fill(same, 0.0)
+        parts["dropped"] = same.float()
+    adv = c2gspg_advantages(correct, seq_conf, G) if mode == "c2gspg" else group_advantages(R, G)
+    return R, adv, parts
 
 
 def extra_loss(cfg, correct):
-    """The term a mode adds to the policy loss (update.update's `extra`): C2GSPG's 0.1 * BCE(c_theta,
-    correct); None for the other modes."""
-    return c2gspg_loss(correct) if cfg["reward"] == "c2gspg" else None
+    """The term a mode adds to the policy loss (update.update's `extra`): with --c2gspg-bce seq-mean
+    or token-mean, C2GSPG's 0.1 * BCE(c_theta, correct); None otherwise (the released C2GSPG run,
+    whose actor never receives the BCE's labels, and every other mode)."""
+    if cfg["reward"] != "c2gspg" or cfg["c2gspg_bce"] == "off":
+        return None
+    return c2gspg_loss(correct, cfg["c2gspg_bce"])

@@ -141,24 +141,23 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
     if probed:
         with timer("probe"):
             calib, signal, stats, C = probe_margin(probe, probe_opt, feats, ends, labels, cfg, step_seed)
-    R, adv, kept, parts = modes.reward_and_advantages(cfg, correct, calib, out.texts, seq_conf)
+    all_unanimous = None
+    if cfg["drop_unanimous"]:  # the filter's fallback looks at every rank's groups
+        all_unanimous = all_sum([float((~modes.unanimous(correct, G)).sum())], device)[0] == 0
+    R, adv, parts = modes.reward_and_advantages(cfg, correct, calib, out.texts, seq_conf, all_unanimous)
     if samples is not None:
         samples += runlog.pick(
             step, cfg["log_samples"], problem=[rows[i]["problem"] for i in out.prompt_index], answer=golds,
             text=out.texts, correct=correct.tolist(), reward=R.tolist(),
             **{k: v.tolist() for k, v in parts.items()}, length=out.lengths, budgets=cuts, Y_b=labels,
             C_b=[C[i, :len(c)].tolist() if probed else [] for i, c in enumerate(cuts)])
-    # --drop-unanimous: the dropped groups' trajectories are not in the update at all
-    idx = kept.nonzero().flatten().tolist()
-    update_mbs = [[idx[j] for j in mb]
-                  for mb in micro_batches([lengths[i] for i in idx], cfg["micro_tokens"])]
 
     lr = sched.get_last_lr()[0]
     gaps = []  # the sampler gap of each epoch; the first is before any optimizer step
     with timer("update"):
         for epoch in range(cfg["ppo_epochs"]):  # stats of the last epoch are logged
             last = epoch == cfg["ppo_epochs"] - 1
-            upd = update(policy, opt, sched if last else None, batch, old_logp, adv, update_mbs, cfg,
+            upd = update(policy, opt, sched if last else None, batch, old_logp, adv, mbs, cfg,
                          device, modes.extra_loss(cfg, correct))
             gaps.append({k: upd.pop(k) for k in SAMPLER_GAP})
     local = [correct.sum().item(), R.sum().item(), signal.sum().item(),

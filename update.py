@@ -16,6 +16,9 @@ positions, so no [N, L, d] stack of hidden states (`output_hidden_states`) is ev
 `update` is one optimizer step over micro-batches (gradient accumulation). Rows are packed (grpo.pack) and cut into micro-batches of at most --micro-tokens padded tokens;
 each micro-batch's loss is weighted by its share of the batch, so the accumulated gradient is that
 of one loss over the whole batch however it is cut, on one process or on every rank under FSDP2.
+The one exception is --agg token-mean-per-micro-batch, the released verl actor's: each
+micro-batch's token-mean weighted by its share of the rows, so a token weighs more in a micro-batch
+of few tokens (the cut then changes the loss).
 
 Where the batch carries the sampler's log-probs (grpo.pack's sampler_logp), the update also measures
 how far the sampler (the bf16 generation copy on GPUs) is from the policy it trains, on the trained
@@ -32,7 +35,7 @@ from contextlib import nullcontext
 
 import torch
 
-from grpo import logprobs_from_hidden, policy_loss
+from grpo import aggregate, logprobs_from_hidden, policy_loss
 from harness.parallel import WORLD, all_gather, all_sum, sharded
 from probe import prefix_features
 
@@ -111,12 +114,15 @@ def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device, extra=Non
     """One optimizer step over the micro-batches `mbs` (lists of batch rows; rows in none of them are
     left out). Each micro-batch's loss is weighted by its share of the tokens (token-mean) or
     sequences (seq-mean, seq-sum-norm) of those rows, so the summed gradient is that of one loss over
-    them, however they are cut.
+    them, however they are cut; token-mean-per-micro-batch weighs its micro-batch token-means by
+    their rows (module docstring).
 
     extra: None, or a loss term (name, coef, term) a mode adds (modes.extra_loss): term(logp,
-    loss_mask, rows) gives the [n] per-sequence values of a micro-batch's rows from the current,
-    differentiable log-probs; the loss adds coef * their mean over all sequences (every rank), and
-    the result has that mean under `name`.
+    loss_mask, rows) gives a micro-batch's values from the current, differentiable log-probs,
+    either [n] per sequence, and the loss adds coef * their mean over all sequences (every rank),
+    or [n, T] per token, and the loss adds coef * their aggregate by --agg, weighted like the
+    policy loss (verl's agg_loss of a term broadcast to the tokens). The result has that mean or
+    aggregate under `name`.
 
     old_logp [N, T] from the scoring pass, or None for the on-policy case: the current log-probs,
     detached, so ratio = exp(logp - logp.detach()) is exactly 1 whatever the compute precision.
@@ -160,10 +166,16 @@ def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device, extra=Non
             part, ratio = sampler_gap(logp, sub["sampler_logp"], sub["loss_mask"])
             gap_sums, ratio_max = [a + b for a, b in zip(gap_sums, part)], max(ratio_max, ratio)
         weighted = loss * (w * WORLD / max(total, 1.0))
-        if term is not None:  # a mean over sequences; a padding micro-batch adds nothing
-            part_sum = term(logp, sub["loss_mask"], mb).sum() * float(real)
-            weighted = weighted + coef * part_sum * WORLD / max(n_seq, 1.0)
-            extra_sum += part_sum.item()
+        if term is not None:  # a padding micro-batch adds nothing
+            part = term(logp, sub["loss_mask"], mb)
+            if part.dim() == 2:  # per token: aggregated and weighted like the loss
+                part = aggregate(part, sub["loss_mask"], cfg["agg"], cfg["max_new_tokens"])
+                weighted = weighted + coef * part * (w * WORLD / max(total, 1.0))
+                extra_sum += part.item() * w / max(total, 1.0)
+            else:  # per sequence: a mean over sequences
+                part = part.sum() * float(real)
+                weighted = weighted + coef * part * WORLD / max(n_seq, 1.0)
+                extra_sum += part.item() / max(n_seq, 1.0)
         weighted.backward()
         for key, value in (("loss", loss.item()), *st.items()):
             sums[key] += value * w  # weighted like the loss: a batch-wide mean
@@ -178,7 +190,7 @@ def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device, extra=Non
     *means, extra, absd, k3, tokens = all_sum([*sums.values(), extra_sum, *gap_sums], device)  # one all-reduce
     out = dict(zip(sums, (v / max(total, 1.0) for v in means)), grad_norm=grad_norm)
     if term is not None:
-        out[name] = extra / max(n_seq, 1.0)
+        out[name] = extra
     if gap:
         out.update(sampler_gap=absd / max(tokens, 1.0), sampler_kl_k3=k3 / max(tokens, 1.0),
                    sampler_ratio_max=max(all_gather(ratio_max)))

@@ -11,6 +11,7 @@ import os
 import data
 import toy
 from harness.checkpoint import UserError
+from grpo import AGGS
 from modes import PROBE_MODES, REWARDS  # the --reward modes; harness/plan.py reads PROBE_MODES here
 
 # Defaults that depend on the world: the toy sizes for 2 CPU cores, the real ones from the released
@@ -32,7 +33,7 @@ COMMON = dict(model="toy", problem_field=None, answer_field=None, trust_remote_c
               clip_low=0.2, clip_high=0.2, agg="token-mean", chunk_size=1024, seed=0, keep=2,
               out=None, resume=None, system_prompt=None, log_samples=4, eval_probe_n=32, wandb=None,
               wandb_run=None, ppo_epochs=1, offload=False, nproc=None, gpus=None, gpu_mem=None,
-              plan=False, decode=None, drop_unanimous=False)
+              plan=False, decode=None, drop_unanimous=False, c2gspg_bce="off")
 NOT_SAVED = ("resume", "config", "plot")  # how a run was started, not what it is
 
 # --reward: RLCM, then the paper's baselines and ablations (docs/design.md, "Baselines"): modes.REWARDS.
@@ -202,12 +203,19 @@ def build_parser():
                         "final-margin corner), process-brier, final-brier (budget 1.0); "
                         "docs/design.md, Baselines")
     g.add_argument("--drop-unanimous", action=argparse.BooleanOptionalAction,
-                   help="leave prompt groups whose answers are all right or all wrong out of the update "
-                        "(on for the Brier modes, as released)")
+                   help="give prompt groups whose answers are all right or all wrong reward 0: they "
+                        "stay in the update at advantage 0 (in the token-mean), and a step where every "
+                        "group is unanimous is not filtered (on for the Brier modes, as released)")
+    g.add_argument("--c2gspg-bce", choices=("off", "seq-mean", "token-mean"),
+                   help="c2gspg only: add 0.1 x BCE(c_theta, correct) to the loss, as a mean over "
+                        "sequences or on every response token, aggregated like the policy loss "
+                        "(length-weighted under token-mean; the released loss function's form). off "
+                        "(default): the released run, whose actor drops the BCE's labels")
     g.add_argument("--lam", type=float)
     g.add_argument("--k", type=int, help="forced answers per prefix")
     g.add_argument("--forced-close", choices=("think", "eos"),
-                   help="token before the forced suffix: </think> (paper) or EOS (released code)")
+                   help="token before the forced suffix: </think> (paper) or EOS (released code); "
+                        "none where the cut already ends on it")
     g.add_argument("--budgets", type=fractions, metavar="F,F,...",
                    help="truncation points as fractions of each response (0.25,0.5,0.75; 1.0 alone "
                         "for the final-only ablations)")
@@ -231,7 +239,12 @@ def build_parser():
     g.add_argument("--grad-clip", type=float)
     g.add_argument("--clip-low", type=float)
     g.add_argument("--clip-high", type=float)
-    g.add_argument("--agg", choices=("token-mean", "seq-mean", "seq-sum-norm"))
+    g.add_argument("--agg", choices=AGGS,
+                   help="loss aggregation: token-mean (default: one mean over every response token "
+                        "of the batch, however it is cut); token-mean-per-micro-batch (the released "
+                        "verl actor: each micro-batch's token-mean, weighted by its rows, so a token "
+                        "counts more in a micro-batch of short responses); seq-mean; seq-sum-norm "
+                        "(Dr. GRPO, / --max-new-tokens)")
     g.add_argument("--micro-tokens", type=int, help="tokens per micro-batch (gradient accumulation)")
     g.add_argument("--chunk-size", type=int, help="positions per LM-head call when computing log-probs")
     g.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction)

@@ -107,6 +107,7 @@ def test_aggregations_hand_computed():
     # ratio 1 -> per-token loss = -A
     loss = lambda **kw: grpo.policy_loss(logp, logp, adv, mask, **kw)[0].item()
     assert loss(agg="token-mean") == pytest.approx(-(1 + 1 + 2) / 3)
+    assert loss(agg="token-mean-per-micro-batch") == loss(agg="token-mean")  # on one micro-batch
     assert loss(agg="seq-mean") == pytest.approx(-(1 + 2) / 2)
     assert loss(agg="seq-sum-norm", norm_const=3) == pytest.approx(-(2 / 3 + 2 / 3) / 2)
     assert loss(agg="seq-sum-norm", norm_const=2) == pytest.approx(-(2 / 2 + 2 / 2) / 2)

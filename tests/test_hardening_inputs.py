@@ -147,7 +147,7 @@ def test_a_resumed_config_json_is_checked_too(base_run, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         train.main(["--resume", run, "--steps", "2"])
     assert e.value.code == 2
-    assert one_line(capsys) == f'error: "agg": "evil" in {path}: must be one of token-mean, seq-mean, seq-sum-norm'
+    assert one_line(capsys) == f'error: "agg": "evil" in {path}: must be one of token-mean, token-mean-per-micro-batch, seq-mean, seq-sum-norm'
 
 
 # ---- D13 / D15: probe.pt and the post-hoc cache

@@ -39,6 +39,10 @@ def test_forced_ids_for_the_real_tokenizer():
     suffix = tok.encode(SUFFIX, add_special_tokens=False)
     assert forced_prompt(prompt, response, 3, tok) == prompt + response[:3] + [151649] + suffix
     assert forced_prompt(prompt, response, 3, tok, close="eos") == prompt + response[:3] + [151643] + suffix
+    # a cut right after the response's own </think> (151649) gets no second one; EOS (151643) likewise
+    closed = response[:3] + [151649, 151643]
+    assert forced_prompt(prompt, closed, 4, tok) == prompt + closed[:4] + suffix
+    assert forced_prompt(prompt, closed, 5, tok, close="eos") == prompt + closed + suffix
     assert tok.decode(suffix) == SUFFIX
 
 
@@ -54,6 +58,43 @@ def test_mc_labels_are_fractions_of_k_aligned_with_budgets():
     assert all(y in (0, 0.25, 0.5, 0.75, 1.0) for ys in labels for y in ys)
     n = sum(map(len, cuts))
     assert stats == {"prefixes": n, "forced_prompts": n, "answers": 4 * n}
+
+
+def test_the_close_token_is_never_doubled():
+    """The released build_forced_output_tokens skips the close token when the cut already ends on
+    it: at b = T a response ends on EOS, so with close="eos" the prompt holds one EOS, not two; a
+    cut right after the response's own </think> holds one </think>. Toy tokenizer ids."""
+    import toy
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(toy.base_model())
+    eos, think = tok.eos_token_id, tok.convert_tokens_to_ids("</think>")
+    suffix = tok.encode(SUFFIX, add_special_tokens=False)
+    prompt = tok.encode("<|user|>3+5<|assistant|><think>\n", add_special_tokens=False)
+    response = tok.encode("3+5=8\n</think>\\boxed{8}", add_special_tokens=False) + [eos]
+    T, after = len(response), response.index(think) + 1
+    assert response[T - 1] == eos and response[after - 1] == think
+    assert forced_prompt(prompt, response, T, tok, close="eos") == prompt + response + suffix
+    assert forced_prompt(prompt, response, after, tok) == prompt + response[:after] + suffix
+    assert forced_prompt(prompt, response, after - 1, tok) == prompt + response[:after] + suffix  # the same
+    assert forced_prompt(prompt, response, T, tok) == prompt + response + [think] + suffix  # not on </think>
+    assert forced_prompt(prompt, response, after, tok, close="eos") == prompt + response[:after] + [eos] + suffix
+
+
+@pytest.mark.parametrize("tree", [True, False])
+def test_mc_labels_ask_a_cut_ending_on_the_close_without_a_second_one(tree):
+    """With close="eos" the cuts T - 1 and T of a response ending on EOS are one forced prompt,
+    asked once; a response that is EOS alone is asked at prompt + EOS + suffix (a prefix of 0
+    response tokens). Both sampling paths give the same labels."""
+    tok, model = tiny.tokenizer(), tiny.model(seed=1)
+    prompts = [tok.encode("1+2=", add_special_tokens=False)] * 2
+    responses = [tok.encode("3 ok", add_special_tokens=False) + [tok.eos_token_id], [tok.eos_token_id]]
+    cuts = [[len(responses[0]) - 1, len(responses[0])], [1]]
+    stats = {}
+    ys = mc_labels(model, tok, prompts, responses, cuts, ["3", "3"], k=4, close="eos", suffix="{", seed=0,
+                   stats=stats, tree=tree)
+    assert stats == {"prefixes": 3, "forced_prompts": 2, "answers": 8}
+    assert ys[0][0] == ys[0][1] and ys == mc_labels(model, tok, prompts, responses, cuts, ["3", "3"], k=4,
+                                                    close="eos", suffix="{", seed=0, tree=not tree)
 
 
 def test_identical_forced_prompts_are_labelled_once(monkeypatch):

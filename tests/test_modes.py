@@ -25,7 +25,7 @@ SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "48
 # what each mode must log per step, beyond the common fields
 COMPONENTS = {"rlcm": {"margin"}, "grpo": set(), "final-margin": {"margin"},
               "process-brier": {"brier", "dropped"}, "final-brier": {"brier", "dropped"},
-              "rlcr": {"verbal_conf", "verbal_missing", "rlcr_brier"}, "c2gspg": {"seq_conf", "c2gspg_bce"}}
+              "rlcr": {"verbal_conf", "verbal_missing", "rlcr_brier"}, "c2gspg": {"seq_conf"}}
 NO_LABELS = ("grpo", "rlcr", "c2gspg")
 
 
@@ -42,12 +42,12 @@ def cfg_for(mode, **kw):
 def test_rlcr_confidence_and_reward(text, conf, missing):
     correct = torch.tensor([1.0, 0.0, 0.0, 0.0])
     texts = [text, "<confidence>1</confidence>", "<confidence>0</confidence>", "none"]
-    R, adv, kept, parts = modes.reward_and_advantages(cfg_for("rlcr"), correct, None, texts, None)
+    R, adv, parts = modes.reward_and_advantages(cfg_for("rlcr"), correct, None, texts, None)
     assert parts["verbal_conf"][0].item() == pytest.approx(conf)
     assert parts["verbal_missing"].tolist() == [float(missing), 0.0, 0.0, 1.0]  # counted per trajectory
     # correct - (correct - conf)^2 with 0/1 correctness: a right answer at 0.85 -> 1 - 0.0225
     assert R.tolist() == pytest.approx([1 - (1 - conf) ** 2, -1.0, 0.0, -0.25])
-    assert adv.tolist() == pytest.approx(grpo.group_advantages(R, 4).tolist()) and kept.all()
+    assert adv.tolist() == pytest.approx(grpo.group_advantages(R, 4).tolist())
 
 
 def test_rlcr_grades_the_last_answer_tag_not_the_box():
@@ -63,7 +63,7 @@ def test_c2gspg_advantages_by_hand():
     # mean r = 0.5; A = (r - 0.5) / (1 - c): 0.5/0.5, -0.5/0.1, -0.5/0.8, 0.5/0.01
     correct = torch.tensor([1.0, 0.0, 0.0, 1.0])
     c = torch.tensor([0.5, 0.9, 0.2, 0.99])
-    R, adv, kept, parts = modes.reward_and_advantages(cfg_for("c2gspg"), correct, None, [""] * 4, c)
+    R, adv, parts = modes.reward_and_advantages(cfg_for("c2gspg"), correct, None, [""] * 4, c)
     assert adv.tolist() == pytest.approx([1.0, -5.0, -0.625, 50.0], rel=1e-5)
     assert R.tolist() == [1.0, 0.0, 0.0, 1.0] and parts["seq_conf"] is c
 
@@ -99,23 +99,44 @@ def test_process_brier_worked_number():
     assert modes.calibration(torch.tensor([[0.2]]), torch.tensor([[0.0]]), one, cfg_for("rlcm")).item() == 0.0
 
 
-def test_brier_modes_drop_unanimous_groups():
-    """Group 1 all right, group 2 mixed, group 3 all wrong: only group 2 enters the update, although
-    the Brier term makes the rewards of the unanimous groups differ (so they would get advantages)."""
+def test_brier_modes_give_unanimous_groups_reward_zero():
+    """Group 1 all right, group 2 mixed, group 3 all wrong. As released, the unanimous groups'
+    rewards are set to 0, so their advantages are 0 (they stay in the update), although the Brier
+    term made their rewards differ; group 2 keeps its rewards and z-scores them."""
     assert modes.unanimous(torch.tensor([1, 1, 0, 0, 0, 0]), 3).tolist() == [False] * 3 + [True] * 3
     correct = torch.tensor([1.0, 1, 1, 1, 1, 0, 0, 1, 0, 0, 0, 0])
     calib = -torch.linspace(0.0, 0.5, 12)
+    signed = 2 * correct - 1 + 0.1 * calib
     for mode in ("process-brier", "final-brier"):
         cfg = config.resolve_args(["--reward", mode, "--group-size", "4", "--out", "unused"])
         assert cfg["drop_unanimous"] is True
-        R, adv, kept, parts = modes.reward_and_advantages(cfg, correct, calib, [""] * 12, None)
-        assert R.tolist() == pytest.approx((2 * correct - 1 + 0.1 * calib).tolist())
-        assert kept.tolist() == [False] * 4 + [True] * 4 + [False] * 4
-        assert (adv[~kept] == 0).all() and (adv[kept] != 0).all()
-        assert parts["dropped"].sum().item() == 8 and torch.equal(parts["brier"], calib)
+        R, adv, parts = modes.reward_and_advantages(cfg, correct, calib, [""] * 12, None)
+        assert R.tolist() == pytest.approx([0.0] * 4 + signed[4:8].tolist() + [0.0] * 4)
+        assert adv[:4].tolist() == [0.0] * 4 and adv[8:].tolist() == [0.0] * 4
+        assert adv[4:8].tolist() == pytest.approx(grpo.group_advantages(signed[4:8], 4).tolist())
+        assert parts["dropped"].tolist() == [1.0] * 4 + [0.0] * 4 + [1.0] * 4
+        assert torch.equal(parts["brier"], calib)
     cfg = config.resolve_args(["--reward", "process-brier", "--no-drop-unanimous", "--group-size", "4"])
-    R, adv, kept, _ = modes.reward_and_advantages(cfg, correct, calib, [""] * 12, None)
-    assert kept.all() and (adv[:4] != 0).all()   # without the drop the all-right group is trained on
+    R, adv, _ = modes.reward_and_advantages(cfg, correct, calib, [""] * 12, None)
+    assert R.tolist() == pytest.approx(signed.tolist()) and (adv[:4] != 0).all()
+
+
+def test_the_filter_is_off_when_every_group_is_unanimous():
+    """Released: with every group of the step unanimous, no group is filtered that step, so the
+    Brier term still trains (here: advantages +-0.7071 from -0.1 vs -0.3 in each group of two). Under
+    several ranks the step's verdict decides (all_unanimous), not this rank's groups."""
+    correct = torch.tensor([1.0, 1, 0, 0])
+    calib = torch.tensor([-0.1, -0.3, -0.1, -0.3])
+    cfg = cfg_for("final-brier", group_size=2, drop_unanimous=True)
+    R, adv, parts = modes.reward_and_advantages(cfg, correct, calib, [""] * 4, None)
+    assert R.tolist() == pytest.approx([0.99, 0.97, -1.01, -1.03])
+    assert adv.tolist() == pytest.approx([0.7071, -0.7071, 0.7071, -0.7071], abs=1e-4)  # std of 2: 0.01414
+    assert parts["dropped"].tolist() == [0.0] * 4
+    R, adv, parts = modes.reward_and_advantages(cfg, correct, calib, [""] * 4, None, all_unanimous=False)
+    assert R.tolist() == [0.0] * 4 and adv.tolist() == [0.0] * 4 and parts["dropped"].tolist() == [1.0] * 4
+    mixed = torch.tensor([1.0, 0, 0, 0])
+    R, adv, parts = modes.reward_and_advantages(cfg, mixed, calib, [""] * 4, None, all_unanimous=True)
+    assert parts["dropped"].tolist() == [0.0] * 4 and (adv != 0).all()
 
 
 def tiny_policy():
@@ -142,44 +163,56 @@ UPD = dict(agg="token-mean", temperature=1.0, chunk_size=8, clip_low=0.2, clip_h
 SCHED = type("Sched", (), {"step": lambda self: None})()
 
 
-def test_dropped_rows_are_out_of_the_update_entirely():
-    """Updating on the kept rows of a batch gives the gradient of a batch of those rows alone: the
-    dropped rows are not even in the token-mean's denominator."""
-    prompts, responses = [[3, 4], [5], [6, 7], [8]], [[9, 10, 1], [11, 1], [12, 13, 14, 1], [15, 1]]
-    adv = torch.tensor([0.0, 0.0, 1.0, -1.0])
-    policy = tiny_policy()
-    grads = []
-    for b, a, mbs in ((grpo.pack(prompts, responses, 0), adv, [[2], [3]]),
-                      (grpo.pack(prompts[2:], responses[2:], 0), adv[2:], [[0, 1]])):
-        opt = Capture(policy.parameters())
-        step.update(policy, opt, SCHED, b, None, a, mbs, dict(UPD, reward="process-brier"), torch.device("cpu"))
-        grads.append([g for g in opt.grads if g is not None])
-    assert grads[0] and all(torch.allclose(x, y, atol=1e-7) for x, y in zip(*grads))
+def test_c2gspg_bce_forms_on_the_issues_worked_case():
+    """Four responses, all right, of 1000, 8000, 7000 and 500 tokens at confidences 0.9, 0.15, 0.2,
+    0.95: BCE = -log c = (0.105, 1.897, 1.609, 0.051). The mean over sequences is 0.916; the
+    released form, each token carrying its sequence's BCE under the token-mean, weighs the long
+    ones: (0.105 * 1000 + 1.897 * 8000 + 1.609 * 7000 + 0.051 * 500) / 16500 = 1.611."""
+    lengths, conf = (1000, 8000, 7000, 500), (0.9, 0.15, 0.2, 0.95)
+    mask = torch.zeros(4, 8000)
+    for i, n in enumerate(lengths):
+        mask[i, :n] = 1
+    logp = torch.tensor(conf).log()[:, None] * mask   # exp(mean log-prob) = c
+    correct = torch.ones(4)
+    rows = [0, 1, 2, 3]
+    _, coef, seq = baselines.c2gspg_loss(correct, "seq-mean")
+    assert coef == 0.1 and seq(logp, mask, rows).tolist() == pytest.approx([0.105, 1.897, 1.609, 0.051], abs=5e-4)
+    assert seq(logp, mask, rows).mean().item() == pytest.approx(0.916, abs=5e-4)
+    _, _, tok = baselines.c2gspg_loss(correct, "token-mean")
+    assert grpo.aggregate(tok(logp, mask, rows), mask, "token-mean").item() == pytest.approx(1.611, abs=5e-4)
 
 
-def test_c2gspg_loss_adds_the_confidence_bce():
-    """With zero advantages only 0.1 * BCE(c_theta, r) is left; its logged value is the mean BCE of
-    c_theta = exp(mean response log-prob) computed here by hand, and it sends a gradient."""
+@pytest.mark.parametrize("form", ["off", "seq-mean", "token-mean"])
+def test_c2gspg_loss_has_the_confidence_bce_only_with_the_flag(tmp_path, form):
+    """With zero advantages only 0.1 * BCE(c_theta, r) can move the policy. The default (off, the
+    released run) adds nothing; seq-mean logs the mean BCE of c_theta = exp(mean response log-prob)
+    computed here by hand, token-mean the mean weighted by response tokens (3, 2, 4), and both send
+    a gradient. Micro-batches [0, 1], [2]: the weights hold across them."""
+    assert config.resolve_args(["--reward", "c2gspg", "--out", str(tmp_path)])["c2gspg_bce"] == "off"
     prompts, responses = [[3, 4], [5], [6, 7]], [[9, 10, 1], [11, 1], [12, 13, 14, 1]]
     b = grpo.pack(prompts, responses, 0)
     correct = torch.tensor([1.0, 0.0, 1.0])
     policy = tiny_policy()
     with torch.no_grad():
         logp = policy(b["input_ids"], b["attention_mask"])
-    c = [math.exp(sum(logp[i][j].item() for j in range(logp.shape[1]) if b["loss_mask"][i][j]) /
-                  b["loss_mask"][i].sum().item()) for i in range(3)]
+    n = b["loss_mask"].sum(1).tolist()
+    assert n == [3, 2, 4]
+    c = [math.exp(sum(logp[i][j].item() for j in range(logp.shape[1]) if b["loss_mask"][i][j]) / n[i])
+         for i in range(3)]
     bce = [-(r * math.log(x) + (1 - r) * math.log(1 - x)) for r, x in zip(correct.tolist(), c)]
     opt = Capture(policy.parameters())
-    cfg = dict(UPD, reward="c2gspg")
+    cfg = dict(UPD, reward="c2gspg", c2gspg_bce=form)
     stats = step.update(policy, opt, SCHED, b, None, torch.zeros(3), [[0, 1], [2]], cfg, torch.device("cpu"),
                         modes.extra_loss(cfg, correct))
-    assert stats["c2gspg_bce"] == pytest.approx(sum(bce) / 3, rel=1e-5)
-    assert stats["loss"] == 0.0 and sum(g.abs().sum() for g in opt.grads if g is not None) > 0
-    opt = Capture(policy.parameters())
-    cfg = dict(UPD, reward="grpo")
-    stats = step.update(policy, opt, SCHED, b, None, torch.zeros(3), [[0, 1], [2]], cfg, torch.device("cpu"),
-                        modes.extra_loss(cfg, correct))
-    assert "c2gspg_bce" not in stats and all(g is None or not g.any() for g in opt.grads)
+    moved = sum(g.abs().sum() for g in opt.grads if g is not None)
+    assert stats["loss"] == 0.0
+    if form == "off":
+        assert "c2gspg_bce" not in stats and moved == 0
+        return
+    want = sum(bce) / 3 if form == "seq-mean" else sum(x * k for x, k in zip(bce, n)) / sum(n)
+    assert stats["c2gspg_bce"] == pytest.approx(want, rel=1e-5) and moved > 0
+    cfg = dict(cfg, reward="grpo")   # the flag is c2gspg's alone
+    assert modes.extra_loss(cfg, correct) is None
 
 
 def test_implied_settings_and_explicit_flags_win(tmp_path):
@@ -263,8 +296,8 @@ def test_every_mode_runs_two_toy_steps_and_logs_its_components(tmp_path, monkeyp
     if mode == "rlcr":   # the toy base answers in RLCR's tags when the prompt asks: confidences are read
         assert json.load(open(os.path.join(run, "config.json")))["instruction"] == toy.RLCR_INSTRUCTION
         assert all(r["verbal_missing"] <= 2 and 0.2 < r["verbal_conf"] < 0.8 for r in rows), rows
-    if mode == "c2gspg":
-        assert all(0 < r["seq_conf"] < 1 and r["c2gspg_bce"] > 0 for r in rows)
+    if mode == "c2gspg":   # the released run: no BCE term
+        assert all(0 < r["seq_conf"] < 1 and "c2gspg_bce" not in r for r in rows)
     if mode in ("process-brier", "final-brier"):
         assert all(r["brier"] <= 0 and 0 <= r["dropped"] <= 1 for r in rows)
     held = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl")) if '"eval": true' in line]

@@ -1,5 +1,6 @@
 """step.rlcm_step, the one-screen RLCM step, against step.rl_step, the step train.py runs: the same
 toy batch and seed must give the same metrics and the same weights after the step."""
+import pytest
 import torch
 
 from harness import config
@@ -55,3 +56,37 @@ def test_rlcm_step_equals_rl_step_on_a_toy_batch(tmp_path):
     assert len(after) == len(full_weights)
     assert all(torch.equal(a, b) for a, b in zip(after, full_weights))  # the policy's, then the probe's
     assert not all(torch.equal(a, b) for a, b in zip(before, full_weights))  # the step moved the policy
+
+
+def test_unanimous_groups_stay_in_the_update_at_advantage_zero(tmp_path, monkeypatch):
+    """A Process-Brier step on the toy batch of the test above: its unanimous groups' rows go into
+    the update with advantage 0, so the token-mean's denominator counts their tokens (released).
+    On policy the gradient is that of -sum_n A_n sum_t logp_nt / sum_n T_n over every row, written
+    out here before the update runs; leaving the unanimous rows out, as before, divided by the kept
+    rows' tokens alone, a gradient larger by sum_n T_n / sum_kept T_n."""
+    cfg = config.resolve_args([*SMALL, "--reward", "process-brier", "--out", str(tmp_path)])
+    rows = data.load_rows("toy", split="train")[16:20]
+    seen = {}
+
+    def spy(policy, opt, sched, batch, old_logp, adv, mbs, cfg, *a):
+        m, params = batch["loss_mask"], list(policy.parameters())
+        logp = policy(batch["input_ids"], batch["attention_mask"], cfg["temperature"], cfg["chunk_size"])
+        for name, use in (("every", adv == adv), ("kept", adv != 0)):
+            loss = -(adv[:, None] * logp * m)[use].sum() / m[use].sum()
+            grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+            seen[name] = torch.nn.utils.get_total_norm([g for g in grads if g is not None]).item()
+            seen[name + "_tokens"] = m[use].sum().item()
+        seen["rows"] = sorted(i for mb in mbs for i in mb)
+        return step_update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, *a)
+
+    step_update = step.update
+    monkeypatch.setattr(step, "update", spy)
+    model, tok, probe, probe_opt, opt, sched = start(cfg)
+    policy, sampler = wrap(model, CPU)
+    row = step.rl_step(1, rows, policy, sampler, tok, probe, probe_opt, opt, sched, cfg, CPU, cfg["instruction"])
+    assert seen["rows"] == list(range(16)) and row["dropped"] == 0.25   # one group of four unanimous
+    print(f"\ngrad norm {row['grad_norm']:.6f}: over every row's {seen['every_tokens']:.0f} tokens "
+          f"{seen['every']:.6f}, over the kept rows' {seen['kept_tokens']:.0f} {seen['kept']:.6f}")
+    assert row["grad_norm"] == pytest.approx(seen["every"], rel=1e-4)
+    assert seen["kept"] / seen["every"] == pytest.approx(seen["every_tokens"] / seen["kept_tokens"], rel=1e-4)
+    assert seen["every_tokens"] > seen["kept_tokens"]

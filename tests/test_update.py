@@ -165,3 +165,32 @@ def test_an_extra_loss_term_is_a_mean_over_sequences_however_the_batch_is_cut():
     (0.5 * by_hand.mean()).backward()
     assert all(torch.allclose(a, p.grad, atol=1e-6) for a, p in zip(opt.grads, policy.parameters()))
     assert any(a.abs().sum() > 0 for a in opt.grads)
+
+
+def test_token_mean_per_micro_batch_is_the_released_weighting():
+    """--agg token-mean-per-micro-batch (the released verl actor): each micro-batch's token-mean,
+    weighted by its share of the rows. Responses of 6, 4, 1, 1 tokens with advantages 1, 1, -1, -1
+    in micro-batches [0, 1], [2, 3], on-policy (per-token loss -A): micro-batch A's token-mean is -1,
+    B's is +1, each at weight 2/4, so the loss is 0 (a token of B weighs (2/4)/2 = 0.25, one of A
+    (2/4)/10 = 0.05: 5x less). The default token-mean is -(6 + 4 - 1 - 1) / 12 = -2/3. The
+    gradient is that of 0.5 * tm_A + 0.5 * tm_B written out here."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(4, 60, (n,), generator=g).tolist() for n in (2, 3, 4, 2)]
+    responses = [torch.randint(4, 60, (n,), generator=g).tolist() for n in (6, 4, 1, 1)]
+    batch = pack(prompts, responses, pad_id=0)
+    adv, mbs = torch.tensor([1.0, 1.0, -1.0, -1.0]), [[0, 1], [2, 3]]
+    policy = LogprobModel(tiny.model(vocab_size=64, seed=6))
+    out = {}
+    for agg in ("token-mean", "token-mean-per-micro-batch"):
+        opt = Capture(policy.parameters())
+        stats = update.update(policy, opt, None, batch, None, adv, mbs, dict(CFG, agg=agg), CPU)
+        out[agg] = stats["loss"], opt.grads
+    assert out["token-mean"][0] == pytest.approx(-2 / 3, rel=1e-6)
+    assert out["token-mean-per-micro-batch"][0] == pytest.approx(0.0, abs=1e-7)
+    logp = policy(batch["input_ids"], batch["attention_mask"], CFG["temperature"], CFG["chunk_size"])
+    m = batch["loss_mask"]
+    by_hand = sum(len(mb) / 4 * (-adv[mb, None] * logp[mb] * m[mb]).sum() / m[mb].sum() for mb in mbs)
+    by_hand.backward()
+    grads = out["token-mean-per-micro-batch"][1]
+    assert all(torch.allclose(a, p.grad, atol=1e-6) for a, p in zip(grads, policy.parameters()))
+    assert not all(torch.allclose(a, b, atol=1e-4) for a, b in zip(grads, out["token-mean"][1]))
