@@ -26,8 +26,10 @@ Terms per device, with N parameters, W devices (ranks) and bf16 = 2 bytes:
   runtime         CUDA context and allocator slack (1 GiB), or the Python/torch process on CPU
 
 Phases do not overlap: the rollout holds its KV cache and prefill, the labels theirs, the update
-the gather, activations and log-prob chunk. peak = training state + generation copy + runtime +
-max(rollout, labels, update).
+the gather, activations and log-prob chunk, beside the static buffers of the last decode (the label
+KV cache, or the KV cache without forced answers), which stay allocated for the next step's decode
+of their shape. peak = training state + generation copy + runtime + max(rollout, labels,
+update + those buffers).
 With --offload (FSDP2's CPUOffloadPolicy) the training state lives in host memory (16 N / W per
 rank) and the optimizer step runs on the CPU: slower, but the GPU keeps only the rest.
 Host memory (sharded runs: several GPUs or --offload): rank 0 reads the fp32 weights (4 N) to
@@ -126,8 +128,11 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
              "label prefill": label_prefill, "activations": acts, "log-prob chunk": chunk,
              "runtime": RUNTIME[device]}
     update = gather + acts + chunk
+    # the last decode's static buffers (the labels' where there are any) are kept with the model
+    # for the next step's decode of that shape (staticcache.decoder), so the update runs beside them
+    held = label_kv or kv
     terms["peak"] = terms["training state"] + gen_copy + RUNTIME[device] + \
-        max(kv + prefill, label_kv + label_prefill, update)
+        max(kv + prefill, label_kv + label_prefill, update + held)
     # Host: rank 0 loads the fp32 weights (4 N) to broadcast them, and at every save gathers the
     # full fp32 model and AdamW state (parallel.full_state, cpu_offload: 4 N + 8 N); --offload keeps
     # each rank's shard of the training state there.

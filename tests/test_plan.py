@@ -44,7 +44,7 @@ def test_kv_cache_term_matches_a_real_static_cache():
     prompts = [[5] * plan.TOY_PROMPT_TOKENS] * 3
     for dtype, device in ((torch.float32, "cpu"), (torch.bfloat16, "cuda")):
         sampler = rollout.Sampler(model.to(dtype), tok, max_new_tokens=10, decode="static")
-        sampler.static.start(sampler.prefill(prompts), 4, 10)
+        sampler.static.start(model, sampler.prefill(prompts), 4, 10)
         held = sum(x.numel() * x.element_size() for x in sampler.static.shape.kv.keys + sampler.static.shape.kv.values)
         t = plan.estimate(model.config, cfg, 1, device)
         assert t["kv_shape"] == (12, 64) == tuple(sampler.static.shape.kv.keys[0].shape[::2])
