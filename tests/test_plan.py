@@ -155,3 +155,18 @@ def test_host_memory_is_printed_and_warned_about_not_refused(monkeypatch):
     lines.clear()
     plan.check(resolve_args(["--offload"]), show=True, log=lines.append)
     assert not any(line.startswith("warning") for line in lines)
+
+
+def test_the_update_runs_beside_the_static_buffers_kept_for_the_next_step():
+    """The last decode's static buffers (the labels', or the rollout's without forced answers) stay
+    with the model (staticcache.decoder), so the update's peak counts them."""
+    from transformers import Qwen2Config
+    config = Qwen2Config(vocab_size=1000, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=512)
+    cfg = dict(model="x", prompts_per_step=8, gen_batch=8, group_size=2, k=4, max_new_tokens=2000,
+               micro_tokens=32768, grad_ckpt=True, chunk_size=64, offload=False)
+    for reward, held in (("rlcm", "label KV cache"), ("grpo", "KV cache")):
+        t = plan.estimate(config, {**cfg, "reward": reward}, 1, "cuda")
+        update = t["FSDP gather"] + t["activations"] + t["log-prob chunk"]
+        assert t[held] > 0 and update + t[held] > max(t["KV cache"] + t["prefill"], t["label KV cache"] + t["label prefill"])
+        assert t["peak"] == t["training state"] + t["generation copy"] + t["runtime"] + update + t[held]
