@@ -15,10 +15,12 @@ How one chunk of prompts is generated:
        finished, finished rows are dropped from the batch and the cache. Eager.
        `Sampler(share_rows=True)` decodes the same samples with fewer rows (`_decode_shared`).
      - "static" (`Sampler._decode_static`): keys/values preallocated for all rows and a bucketed
-       maximum length (harness/staticcache.py); finished rows stay in place and are masked. On CUDA the
-       decode step is captured once per bucketed shape as a CUDA graph and replayed, so a step
-       costs what the GPU needs to read the weights and the cache, not Python and kernel launches.
-       On CPU the same step runs eagerly, which is how the tests pin it to the dynamic path.
+       maximum length (harness/staticcache.py); finished rows stay in place and are masked, and a
+       step attends over the live length only (bucketed as it grows). On CUDA the decode step is
+       captured as a CUDA graph once per shape and live length, kept with the model for the next
+       call, and replayed, so a step costs what the GPU needs to read the weights and the live
+       cache, not Python and kernel launches. On CPU the same step runs eagerly, which is how the
+       tests pin it to the dynamic path.
 
 Sampling: temperature 0 is greedy; otherwise p = softmax(logits / temperature) restricted to the
 smallest set of top tokens whose probability reaches top_p, and the token is argmax_v p_v / E_v with
@@ -147,8 +149,8 @@ def prefill(model, seqs, pad_id, after=None) -> Prefix:
 
 
 class Sampler:
-    """The sampling settings of one call plus, for the static path, its captured decode steps
-    (the last shape's, reused by the chunks of one call that share it, freed with the sampler).
+    """The sampling settings of one call plus, for the static path, the model's static decoder
+    (its last shape's buffers and captured steps, reused by every chunk and call of that shape).
 
     share_rows (dynamic path, `_decode_shared`; the static path ignores it): rows whose histories
     agree (the n samples of a row before they diverge) share one cache row and one forward; the
@@ -182,7 +184,7 @@ class Sampler:
         self.share_rows, self.close_depth, self._braces = share_rows, close_depth, {}
         self.cache_kw = _cache_kwarg(model)
         self.step_kw = {"logits_to_keep": 1} if _keeps_last_logits(model) else {}
-        self.static = staticcache.StaticDecoder(model, self.cache_kw) if decode == "static" else None
+        self.static = staticcache.decoder(model, self.cache_kw) if decode == "static" else None
         # A stop string of one byte (labels stop at "\n") lies inside one token, so a row stops
         # exactly when its new token's text holds it: each distinct id is decoded once per sampler.
         self.byte_stops = all(len(x.encode()) == 1 for x in self.stop_strs)
@@ -275,9 +277,9 @@ class Sampler:
 
     def _decode_static(self, prefix, n, state):
         """decode="static" (harness/staticcache.py): all rows stay in preallocated buffers, finished ones
-        masked in place; on CUDA each step replays a captured CUDA graph."""
+        masked in place; a step attends over the live length; on CUDA it replays a captured CUDA graph."""
         rows = len(state.done)
-        step = self.static.start(prefix, n, self.max_new_tokens)
+        step = self.static.start(self.model, prefix, n, self.max_new_tokens)
         prefix.cache = None  # copied into the static buffers; free it before decoding
         live, logits = torch.arange(rows, device=self.device), prefix.logits.repeat_interleave(n, 0)
         for t in range(self.max_new_tokens):

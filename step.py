@@ -11,7 +11,7 @@ import torch
 import data
 import modes
 import probe as probe_lib
-from harness import runlog
+from harness import runlog, staticcache
 from baselines import sequence_confidence
 from grade import is_correct
 from grpo import group_advantages, pack, policy_loss, token_logprobs
@@ -154,6 +154,7 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
 
     lr = sched.get_last_lr()[0]
     gaps = []  # the sampler gap of each epoch; the first is before any optimizer step
+    staticcache.release(sampler)  # the update needs the memory of the last decode's static buffers
     with timer("update"):
         for epoch in range(cfg["ppo_epochs"]):  # stats of the last epoch are logged
             last = epoch == cfg["ppo_epochs"] - 1

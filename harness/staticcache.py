@@ -1,10 +1,10 @@
 """A preallocated (static) KV cache and a decode step captured as a CUDA graph, for rollout.py.
 
-Why: a decode step of a 7B model should cost what the GPU needs to read the weights and the KV
-cache (about 14 GB + 56 KiB per token per row in bf16; 6-9 ms at batch 64 and 4k context on an
-H200/H100). An eager step with a growing `DynamicCache` costs Python, hundreds of kernel launches
-and a copy of the whole cache per step (concatenation) on top. Here every tensor the step touches
-has a fixed address and shape, so the step is recorded once per shape and replayed:
+Why: a decode step of a 7B model should cost what the GPU needs to read the weights and the live
+part of the KV cache (about 14 GB + 56 KiB per token per row in bf16; 6-9 ms at batch 64 and 4k
+context on an H200/H100). An eager step with a growing `DynamicCache` costs Python, hundreds of
+kernel launches and a copy of the whole cache per step (concatenation) on top. Here every tensor
+the step touches has a fixed address and shape, so the step is recorded once and replayed:
 
     keys, values   [R, H_kv, L, D] per layer; step t writes position W + t (`index_copy_` at a
                    device tensor, so the write position is data, not part of the graph)
@@ -12,27 +12,43 @@ has a fixed address and shape, so the step is recorded once per shape and replay
                    attend (its prompt tokens and the generated positions so far), dtype-min elsewhere
     tok, pos       [R], [R, 1]: this step's input token and position id per row
 
+Live length: a step attends only over the first n positions of the buffers (views of keys, values
+and bias narrowed to n), n = the positions written so far rounded up to a bucket
+(`live_length`: 64, 128, 192, 256, 384, 512, 768, 1024, 1536, ..., by less than 1/2, at most L).
+So a step reads about the live cache, not the whole preallocated length: the rollout of the
+released recipe (24 x 9216 buffers, live context about 300..8300) reads on average about 5,000
+positions per row (live: 4,300) instead of 9216. Each n is its own graph, captured the first time a decode
+reaches it (about ten per shape for an 8k rollout, two per power of two); the graphs of one
+shape share one memory pool (a replay's logits are read before the next replay).
+
 Rows that finish keep decoding a pad token in place (their samples are already final); nothing is
 dropped or reshaped. Shapes are bucketed (R and L rounded up by less than 1/8), so chunks of
-similar size reuse one graph. One shape is alive per decoder: a chunk of another shape frees the
-old buffers and graph before allocating its own, since chunks of varied width (forced answers
+similar size reuse one buffer set. One shape is alive per model: a chunk of another shape frees
+the old buffers and graphs before allocating its own, since chunks of varied width (forced answers
 after cuts of 1.5k..8k tokens, one bucket every 256-512 positions) would otherwise pile up tens of
-GiB of caches. The last shape lives as long as the rollout.Sampler that made it (one generate /
-mc_labels call), so its memory is free again for the training update.
+GiB of caches. The last shape is kept with the model (`decoder`), so the next call of that shape
+(the next RL step's rollout) replays its graphs instead of capturing them again; its buffers stay
+allocated meanwhile (harness/plan.py counts them through the update). Captures do not empty the
+allocator's cache (torch.cuda.graph would, at every capture): freed buffers stay in torch's cache
+for the next allocation, and the allocator frees cached blocks itself before it reports an OOM.
 
 The attention mask is passed as `{"full_attention": bias}`, which transformers' decoder models take
 as already built; so the model never looks at the cache's length and any transformers 5.x works.
 Models with sliding-window layers need the dynamic path.
 """
 import inspect
+import weakref
 
 import torch
 
+LIVE_MIN = 64  # the shortest live length a step attends over
 
-def bucket(x, lo):
-    """x rounded up to a multiple of max(lo, 2 ** (bit_length(x) - 4)), i.e. by less than 1/8
-    beyond lo: bucket(100, 1) == 104, bucket(8792, 64) == 9216, bucket(70, 64) == 128."""
-    step = max(lo, 1 << max(x.bit_length() - 4, 0))
+
+def bucket(x, lo, bits=4):
+    """x rounded up to a multiple of max(lo, 2 ** (bit_length(x) - bits)), i.e. by less than
+    2 ** (1 - bits) beyond lo: bucket(100, 1) == 104, bucket(8792, 64) == 9216, bucket(70, 64) == 128;
+    bits=2: bucket(300, 64, 2) == 384, bucket(400, 64, 2) == 512."""
+    step = max(lo, 1 << max(x.bit_length() - bits, 0))
     return -(-x // step) * step
 
 
@@ -42,31 +58,39 @@ def buffer_shape(rows, width, max_new_tokens):
     return bucket(rows, 1), bucket(width + max_new_tokens - 1, 64)
 
 
+def live_length(n, length):
+    """Positions a step attends over when n are written: n rounded up to a multiple of LIVE_MIN,
+    above 2 * LIVE_MIN to 2^k or 1.5 x 2^k, and at most `length` (the buffers')."""
+    return min(bucket(n, LIVE_MIN, bits=2), length)
+
+
 class StaticKV:
     """The cache object a decoder layer calls `update(key, value, layer_idx, ...)` on: writes this
-    step's [R, H, 1, D] at `write_at` and returns the layer's whole [R, H, L, D] buffers."""
+    step's [R, H, 1, D] at `write_at` and returns the layer's [R, H, live, D] views of its buffers."""
 
     def __init__(self, keys, values, write_at):
         self.keys, self.values, self.write_at = keys, values, write_at
+        self.live = keys[0].shape[2]  # positions the step attends over (set before each forward)
         self.seen = 0  # host-side count, for code that asks the cache for its length
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         k, v = self.keys[layer_idx], self.values[layer_idx]
         k.index_copy_(2, self.write_at, key_states)
         v.index_copy_(2, self.write_at, value_states)
-        return k, v
+        return k[:, :, :self.live], v[:, :, :self.live]
 
     def get_seq_length(self, layer_idx=0):
         return self.seen
 
 
 class _Shape:
-    """Buffers and, on CUDA, the captured step for one bucketed shape [R rows, L positions]."""
+    """Buffers and, on CUDA, the captured steps (one per live length) for one bucketed shape
+    [R rows, L positions]. Holds no reference to the model, so that `decoder`'s entry goes with it."""
 
     def __init__(self, model, cache_kw, rows, length, layers):
         k0 = layers[0].keys
         dev, dtype = k0.device, k0.dtype
-        self.model, self.cache_kw = model, cache_kw
+        self.cache_kw, self.length = cache_kw, length
         self.tok = torch.zeros(rows, dtype=torch.long, device=dev)
         self.pos = torch.zeros((rows, 1), dtype=torch.long, device=dev)
         self.bias = torch.full((rows, 1, 1, length), torch.finfo(dtype).min, dtype=dtype, device=dev)
@@ -76,51 +100,68 @@ class _Shape:
         # transformers < 5.2x derives a cache position from the cache unless given one.
         self.extra = {"cache_position": self.write_at} if "cache_position" in \
             inspect.signature(model.forward).parameters else {}
-        self.graph, self.logits = None, None
+        self.steps = {}  # live length -> (graph, its logits); (None, None) where steps run eagerly
+        self.pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
 
-    def forward(self):
-        out = self.model(input_ids=self.tok[:, None], attention_mask={"full_attention": self.bias},
-                         position_ids=self.pos, use_cache=True, **{self.cache_kw: self.kv}, **self.extra)
+    def forward(self, model, n):
+        """One eager step over the first n positions -> logits [R, V]."""
+        self.kv.live = n
+        out = model(input_ids=self.tok[:, None], attention_mask={"full_attention": self.bias[..., :n]},
+                    position_ids=self.pos, use_cache=True, **{self.cache_kw: self.kv}, **self.extra)
         return out.logits[:, -1]
 
-    def run(self):
+    def capture(self, model, n):
+        """(graph, logits) of the step over n positions, recorded on CUDA after a warm-up on a side
+        stream (lazy inits, library workspaces); the warm-up writes this step's keys and values,
+        which the replay writes again identically. Elsewhere (None, None): the step runs eagerly."""
         if self.tok.device.type != "cuda":
-            return self.forward()
-        if self.graph is None:
-            # Warm up on a side stream (lazy inits, library workspaces), then record. The warm-up
-            # writes this step's keys/values, which the replay below writes again identically.
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self.forward()
-            torch.cuda.current_stream().wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.logits = self.forward()
-        self.graph.replay()
-        return self.logits
+            return None, None
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.forward(model, n)
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(pool=self.pool)  # not torch.cuda.graph: it empties the cache first
+            try:
+                logits = self.forward(model, n)
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream().wait_stream(side)
+        return graph, logits
+
+    def run(self, model, n):
+        if n not in self.steps:
+            self.steps[n] = self.capture(model, n)
+        graph, logits = self.steps[n]
+        if graph is None:
+            return self.forward(model, n)
+        graph.replay()
+        return logits
 
 
 class StaticDecoder:
-    """Hands out decode steps over static buffers: those (and the graph) of the last shape asked for."""
+    """Hands out decode steps over static buffers: those (and the graphs) of the last shape asked for.
+    full: attend over the whole buffer at every step instead of the live length (the comparison
+    in scripts/bench.py)."""
 
     def __init__(self, model, cache_kw):
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         if "sliding_attention" in (getattr(cfg, "layer_types", None) or []) or \
                 getattr(cfg, "use_sliding_window", False):
             raise ValueError("the static KV cache does not handle sliding-window layers: use --decode dynamic")
-        self.model, self.cache_kw, self.key, self.shape = model, cache_kw, None, None
+        self.cache_kw, self.key, self.shape, self.full = cache_kw, None, None, False
 
-    def start(self, prefix, n, max_new_tokens):
+    def start(self, model, prefix, n, max_new_tokens):
         """Load `prefix` (its rows repeated n times) into the buffers of its shape; returns
         step(tok [R*n]) -> logits [R_bucket, V] for the next position."""
         B, W = prefix.mask.shape
         rows = B * n
         layers = prefix.cache.layers
-        key = buffer_shape(rows, W, max_new_tokens)
+        # dtype and device too: graphs read the weights at their addresses, which a model.to() moves
+        key = (*buffer_shape(rows, W, max_new_tokens), layers[0].keys.dtype, layers[0].keys.device)
         if key != self.key:
-            self.shape = self.key = None  # the old buffers and graph go before the new ones are allocated
-            self.shape, self.key = _Shape(self.model, self.cache_kw, *key, layers), key
+            self.shape = self.key = None  # the old buffers and graphs go before the new ones are allocated
+            self.shape, self.key = _Shape(model, self.cache_kw, *key[:2], layers), key
         s = self.shape
         for dst, src in zip(s.kv.keys + s.kv.values, [l.keys for l in layers] + [l.values for l in layers]):
             # Row i*n + j <- prefix row i, without materialising the repeat.
@@ -140,5 +181,26 @@ class StaticDecoder:
             s.write_at.fill_(col)
             s.kv.seen = col + 1
             at[0] += 1
-            return s.run()
+            return s.run(model, s.length if self.full else live_length(col + 1, s.length))
         return step
+
+
+_DECODERS = weakref.WeakKeyDictionary()
+
+
+def decoder(model, cache_kw):
+    """The model's StaticDecoder, made on first use and kept as long as the model: the shape of one
+    call (its buffers and captured steps) serves the next call of that shape, e.g. the next RL
+    step's rollout, without a new allocation or capture."""
+    if model not in _DECODERS:
+        _DECODERS[model] = StaticDecoder(model, cache_kw)
+    return _DECODERS[model]
+
+
+def release(model):
+    """Frees the model's static buffers and captured steps: the RL step calls it before the update,
+    whose activations need that memory (plan.py counts the buffers in the decode phases only). In
+    the RL step the labels' shape replaces the rollout's anyway, so keeping it would save no capture."""
+    d = _DECODERS.get(model)
+    if d is not None:
+        d.shape = d.key = None

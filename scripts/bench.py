@@ -2,7 +2,13 @@
 own `model.generate`, on the same prompts and sampling settings, in one run.
 
     python -m scripts.bench                                   # toy model, 32 prompts x 8 samples, 48 tokens
+    python -m scripts.bench --shape long                      # toy model, 2 x 8 rows, 1024 tokens, EOS off
     python -m scripts.bench --shape 7b --layers 4 --prompts 8 --samples 8 --prompt-len 2048 --max-new-tokens 256
+
+Paths: dynamic and static (rollout.py; static attends over the live length), static-full (the
+static path attending over its whole preallocated buffer at every step, as before the live length)
+and generate. `--shape long` is the long-context shape on the CPU, where the K/V cache a step
+reads outweighs the toy's weights: it shows what reading only the live length saves.
 
 `--shape 7b` builds DeepSeek-R1-Distill-Qwen-7B's architecture from its config (`--config DIR`, by
 default .device/r1_distill_qwen_7b, which ../shared/device/prepare.sh fills; no weights, no
@@ -10,7 +16,10 @@ download) with random weights and `--layers` decoder layers, in bf16 on CUDA. Pr
 then random token ids of `--prompt-len`; EOS is switched off so every row decodes every step.
 
 Per path: generated tokens, tokens/s, ms per decode step (wall time / decode steps, prefill
-included) and the ratio to model.generate's tokens/s. On CUDA also the bandwidth floor of a step:
+included), the ratio to model.generate's tokens/s, and MB/step: the bytes a decode step reads
+(weights as below, plus the K/V of the rows and positions it attends over, averaged over the steps;
+exact when no row stops early, an upper bound else), and for static, static-full's time and bytes
+over its own. On CUDA also the bandwidth floor of a step:
 the bytes a step must read (every weight but the input embedding table, plus the KV cache at the
 mean context prompt + max_new_tokens / 2, exact when no row stops early, as with --shape 7b) over
 the device's memory bandwidth (--bandwidth TB/s, or looked up: H100
@@ -26,6 +35,7 @@ import time
 import torch
 
 import rollout
+from harness import staticcache
 from harness.checkpoint import UserError
 from harness.config import check_values
 
@@ -33,6 +43,8 @@ from harness.config import check_values
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 CONFIG_7B = os.path.join(ROOT, ".device", "r1_distill_qwen_7b")
 BANDWIDTH_TBS = {"H200": 4.8, "H100": 3.35, "A100": 2.0}
+SHAPES = {"toy": dict(prompts=32, samples=8, max_new_tokens=48), "long": dict(prompts=2, samples=8, max_new_tokens=1024),
+          "7b": dict(prompts=32, samples=8, max_new_tokens=48)}  # defaults of the flags not given
 LIMITS = {key: (lambda v: v >= 1, ">= 1") for key in (
     "layers", "prompts", "samples", "prompt_len", "max_new_tokens", "repeat", "threads")}
 LIMITS.update(temperature=(lambda v: v >= 0, ">= 0 (0: greedy)"), top_p=(lambda v: 0 < v <= 1, "in (0, 1]"),
@@ -88,10 +100,16 @@ def shape_7b(path, layers, n_prompts, prompt_len, device, seed=0):
     return model, tok, random_prompts(len(tok), n_prompts, prompt_len, seed)
 
 
-def run_sampler(model, tok, prompts, args, decode, eos_ids):
-    out = rollout.generate(model, tok, prompts, n=args.samples, max_new_tokens=args.max_new_tokens,
-                           temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                           eos_ids=eos_ids, decode=decode)
+def run_sampler(model, tok, prompts, args, decode, eos_ids, full=False):
+    """full: the static path attends over its whole buffer at every step (static-full)."""
+    static = staticcache.decoder(model, rollout._cache_kwarg(model))
+    static.full = full
+    try:
+        out = rollout.generate(model, tok, prompts, n=args.samples, max_new_tokens=args.max_new_tokens,
+                               temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                               eos_ids=eos_ids, decode=decode)
+    finally:
+        static.full = False
     return sum(out.lengths), max(out.lengths)
 
 
@@ -115,9 +133,9 @@ def run_hf(model, tok, prompts, args, eos_ids):
     return new.numel(), new.shape[1]
 
 
-def floor_ms(model, rows, context, bandwidth_tbs):
-    """Bytes one decode step must read / bandwidth: weights (not the input embedding table, of
-    which a step reads only `rows` rows, unless it is tied to the LM head) + the KV cache."""
+def read_bytes(model, rows, context):
+    """Bytes a decode step reads: weights (not the input embedding table, of which a step reads
+    only `rows` rows, unless it is tied to the LM head) + the K/V of `rows` x `context` positions."""
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     emb = model.get_input_embeddings().weight
@@ -125,15 +143,34 @@ def floor_ms(model, rows, context, bandwidth_tbs):
         weights -= emb.numel() * emb.element_size()
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * emb.element_size()
-    return (weights + rows * context * kv_per_token) / (bandwidth_tbs * 1e12) * 1e3
+    return weights + rows * context * kv_per_token
+
+
+def floor_ms(model, rows, context, bandwidth_tbs):
+    """Bytes one decode step must read (the live KV cache) / bandwidth."""
+    return read_bytes(model, rows, context) / (bandwidth_tbs * 1e12) * 1e3
+
+
+def attended(path, rows, width, max_new_tokens):
+    """(rows, mean positions) a decode step of `path` attends over, if no row stops early: step t
+    (t = 0 .. max_new_tokens - 2; the first token comes from the prefill) has width + t + 1 written;
+    the static paths attend over their bucketed rows and the live length or the whole buffer."""
+    written = [width + t + 1 for t in range(max_new_tokens - 1)] or [width]
+    if path.startswith("static"):
+        rows, length = staticcache.buffer_shape(rows, width, max_new_tokens)
+        written = [length if path == "static-full" else staticcache.live_length(n, length) for n in written]
+    return rows, statistics.mean(written)
 
 
 def measure(model, tok, prompts, args, eos_ids, bandwidth=None):
     """Every path of args.paths, args.repeat times in turn after a short warm-up: per path a dict
     of tokens, seconds (the median), tok_s, steps, ms_step, vs_generate (tokens/s over
-    model.generate's), and with a bandwidth (TB/s) floor_ms and of_floor (floor / ms_step)."""
+    model.generate's), mb_step (MB a decode step reads), for static with static-full run too
+    full_time and full_bytes (static-full's ms_step and mb_step over static's), and with a
+    bandwidth (TB/s) floor_ms and of_floor (floor / ms_step)."""
     runs = {"dynamic": lambda: run_sampler(model, tok, prompts, args, "dynamic", eos_ids),
             "static": lambda: run_sampler(model, tok, prompts, args, "static", eos_ids),
+            "static-full": lambda: run_sampler(model, tok, prompts, args, "static", eos_ids, full=True),
             "generate": lambda: run_hf(model, tok, prompts, args, eos_ids)}
     paths = args.paths.split(",")
     if any(x not in runs for x in paths):
@@ -155,14 +192,19 @@ def measure(model, tok, prompts, args, eos_ids, bandwidth=None):
                 times[x].append(time.perf_counter() - t)
     context = statistics.mean(map(len, prompts)) + args.max_new_tokens / 2
     floor = floor_ms(model, len(prompts) * args.samples, context, bandwidth) if bandwidth else None
-    out = []
+    out, width = [], max(map(len, prompts))
     for x in paths:
         (tokens, steps), sec = counts[x], statistics.median(times[x])
         row = dict(path=x, tokens=tokens, seconds=sec, tok_s=tokens / sec, steps=steps,
-                   ms_step=sec / max(steps, 1) * 1e3)
+                   ms_step=sec / max(steps, 1) * 1e3,
+                   mb_step=read_bytes(model, *attended(x, len(prompts) * args.samples, width, args.max_new_tokens)) / 1e6)
         if floor:
             row.update(floor_ms=floor, of_floor=floor / row["ms_step"])
         out.append(row)
+    by = {r["path"]: r for r in out}
+    if "static" in by and "static-full" in by:
+        full, live = by["static-full"], by["static"]
+        live.update(full_time=full["ms_step"] / live["ms_step"], full_bytes=full["mb_step"] / live["mb_step"])
     ref = next((r["tok_s"] for r in out if r["path"] == "generate"), None)
     for row in out:  # tokens differ a little between paths (different random streams): compare rates
         row["vs_generate"] = row["tok_s"] / ref if ref else None
@@ -171,18 +213,19 @@ def measure(model, tok, prompts, args, eos_ids, bandwidth=None):
 
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--shape", choices=("toy", "7b"), default="toy")
+    p.add_argument("--shape", choices=tuple(SHAPES), default="toy", help="toy; long: the toy at 2 prompts x 8 "
+                   "samples x 1024 tokens, EOS off; 7b: the 7B architecture cut to --layers (module docstring)")
     p.add_argument("--config", default=CONFIG_7B, help="folder with the 7B config.json and tokenizer "
                    "for --shape 7b (default: .device/r1_distill_qwen_7b, from prepare.sh)")
     p.add_argument("--layers", type=int, default=4, help="decoder layers for --shape 7b")
-    p.add_argument("--prompts", type=int, default=32)
-    p.add_argument("--samples", type=int, default=8, help="samples per prompt")
+    p.add_argument("--prompts", type=int, help="default 32 (long: 2)")
+    p.add_argument("--samples", type=int, help="samples per prompt (default 8)")
     p.add_argument("--prompt-len", type=int, default=2048, help="random prompt tokens for --shape 7b")
-    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--max-new-tokens", type=int, help="default 48 (long: 1024)")
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--paths", default="dynamic,static,generate")
+    p.add_argument("--paths", default="dynamic,static,static-full,generate")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--bandwidth", type=float, help="memory bandwidth in TB/s (looked up on CUDA; given: also on CPU)")
     p.add_argument("--threads", type=int, help="CPU threads (default 1 for the toy on CPU, as train.py)")
@@ -192,6 +235,9 @@ def build_parser():
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    for key, value in SHAPES[args.shape].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     check_values(vars(args), LIMITS)
     try:
         device = torch.device(args.device)
@@ -201,13 +247,13 @@ def main(argv=None):
     if device.type == "cuda" and (device.index or 0) >= gpus:
         raise UserError(f"--device {args.device}: this torch build and machine show {gpus} CUDA devices; "
                         "use --device cpu" + (" or cuda:0" if gpus else ""))
-    threads = args.threads or (1 if device.type == "cpu" and args.shape == "toy" else None)
+    threads = args.threads or (1 if device.type == "cpu" and args.shape != "7b" else None)
     if threads:
         torch.set_num_threads(threads)
-    if args.shape == "toy":
+    if args.shape != "7b":
         model, tok, prompts = toy_world(args.prompts)
         model.to(device)
-        eos_ids = rollout.default_eos_ids(model, tok)
+        eos_ids = rollout.default_eos_ids(model, tok) if args.shape == "toy" else []
     else:
         model, tok, prompts = shape_7b(args.config, args.layers, args.prompts, args.prompt_len, device, args.seed)
         eos_ids = []
@@ -225,13 +271,19 @@ def main(argv=None):
             print(f"(no bandwidth known for {name}: pass --bandwidth TB/s for the floor)")
     rows = measure(model, tok, prompts, args, eos_ids, bandwidth)
     floor = bandwidth is not None
-    head = f"{'path':<10}{'tokens':>9}{'seconds':>9}{'tokens/s':>10}{'steps':>7}{'ms/step':>9}{'vs generate':>13}"
+    head = f"{'path':<12}{'tokens':>9}{'seconds':>9}{'tokens/s':>10}{'steps':>7}{'ms/step':>9}{'MB/step':>9}" \
+        f"{'vs generate':>13}"
     print(head + (f"{'floor ms':>10}{'of floor':>10}" if floor else ""))
     for r in rows:
-        line = f"{r['path']:<10}{r['tokens']:>9}{r['seconds']:>9.2f}{r['tok_s']:>10.1f}{r['steps']:>7}{r['ms_step']:>9.2f}"
-        line += f"{r['vs_generate']:>12.2f}x" if r["vs_generate"] else ""
+        line = f"{r['path']:<12}{r['tokens']:>9}{r['seconds']:>9.2f}{r['tok_s']:>10.1f}{r['steps']:>7}" \
+            f"{r['ms_step']:>9.2f}{r['mb_step']:>9.2f}"
+        line += f"{r['vs_generate']:>12.2f}x" if r["vs_generate"] else f"{'':>13}"
         line += f"{r['floor_ms']:>10.2f}{r['of_floor']:>10.0%}" if floor else ""
         print(line)
+    live = next((r for r in rows if "full_time" in r), None)
+    if live:
+        print(f"static-full / static (live length): {live['full_time']:.2f}x the time per step, "
+              f"{live['full_bytes']:.2f}x the bytes read per step")
     if floor:
         context = statistics.mean(map(len, prompts)) + args.max_new_tokens / 2
         print(f"floor: {len(prompts) * args.samples} rows at mean context {context:.0f} tokens, {bandwidth} TB/s")

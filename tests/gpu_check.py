@@ -11,13 +11,16 @@ random weights goes through what one RL step of the real command does, at sizes 
 
   build     the bf16 generation copy on the GPU
   rollout   static decode of 4 prompts (600 random tokens, the plan's prompt length) x 6 samples x
-            2048 new tokens, EOS off so every row runs to the end
+            2048 new tokens, EOS off so every row runs to the end; then the same rollout again (the
+            next RL step): the steps captured by each (one per live length, then none), the
+            allocator's empty_cache calls and whether the samples agree
   labels    label.mc_labels (static) on 24 synthetic responses of 200..2048 tokens, k=4, chunks of
             --gen-batch 8 cuts: the static shapes made, alive at most at once, and alive after it
   score     the scoring forward over those trajectories, micro-batch by micro-batch as step.py does
   update    update.update on one micro-batch of --micro-tokens: fp32 policy under bf16 autocast,
             gradient checkpointing, AdamW (the one-GPU path without --offload)
-  decode    tokens/s of the static and dynamic paths and of model.generate at the rollout's shape,
+  decode    tokens/s of the static path (live length), static-full (the whole buffer every step),
+            the dynamic path and model.generate at the rollout's shape, with the bytes a step reads,
             beside the bandwidth floor (scripts/bench.py; --bandwidth, default the H200's 4.8 TB/s)
   toy_fsdp  `train.py --offload --grad-ckpt` for two toy steps in a subprocess: a one-rank FSDP2
             group (sharding, NCCL, CPU offload, refresh_sampler, the DTensor grad norm, a save);
@@ -44,7 +47,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the project root, when run as a script
 from scripts import bench  # noqa: E402
-from harness import config  # noqa: E402
+from harness import config, staticcache  # noqa: E402
 import label  # noqa: E402
 from harness import plan  # noqa: E402
 import static_shapes  # noqa: E402  (beside this file)
@@ -96,6 +99,17 @@ def phase(ctx, row):
     row["peak_gib"] = gib(torch.cuda.max_memory_allocated()) if cuda else None
 
 
+@contextmanager
+def counting(owner, name, calls):
+    """Record a call (its arguments) in `calls` for every call of owner.name inside the block."""
+    f = getattr(owner, name)
+    setattr(owner, name, lambda *a, **kw: calls.append(a) or f(*a, **kw))
+    try:
+        yield
+    finally:
+        setattr(owner, name, f)
+
+
 def plan_terms(ctx, *names):
     """plan.estimate's peak, KV cache and label-phase terms, plus `names`, in GiB."""
     t = ctx["plan"]
@@ -131,15 +145,23 @@ def check_build(ctx):
 
 
 def check_rollout(ctx):
-    s, cfg, row = ctx["sizes"], ctx["cfg"], {}
-    with phase(ctx, row):
-        out = generate(ctx["model"], ctx["tok"], ctx["prompts"], n=s["group"], max_new_tokens=s["new"],
-                       temperature=cfg["temperature"], eos_ids=[], seed=0, batch_size=cfg["gen_batch"],
-                       decode="static")
+    s, cfg, row, again = ctx["sizes"], ctx["cfg"], {}, {}
+    rollout = lambda: generate(ctx["model"], ctx["tok"], ctx["prompts"], n=s["group"],  # noqa: E731
+                               max_new_tokens=s["new"], temperature=cfg["temperature"], eos_ids=[], seed=0,
+                               batch_size=cfg["gen_batch"], decode="static")
+    captures, emptied = [], []
+    with counting(staticcache._Shape, "capture", captures), counting(torch.cuda, "empty_cache", emptied):
+        with phase(ctx, row):
+            out = rollout()
+        first = len(captures)
+        with phase(ctx, again):
+            out_again = rollout()
     tokens = sum(out.lengths)
     return dict(row, rows=len(out.ids), prompt_len=s["prompt_len"], new_tokens=s["new"], tokens=tokens,
                 min_len=min(out.lengths), tok_s=round(tokens / row["seconds"], 1),
-                plan_gib=plan_terms(ctx, "generation copy", "prefill"))
+                captures=[first, len(captures) - first], live_lengths=[a[2] for a in captures],
+                empty_cache_calls=len(emptied), seconds_again=again["seconds"],
+                same_samples=out_again.ids == out.ids, plan_gib=plan_terms(ctx, "generation copy", "prefill"))
 
 
 def check_labels(ctx):

@@ -19,11 +19,34 @@ def test_floor_counts_weights_but_the_input_embedding_and_the_kv_cache():
 def test_every_path_runs_and_reports(capsys):
     bench.main(["--prompts", "2", "--samples", "2", "--max-new-tokens", "4", "--repeat", "1"])
     out = capsys.readouterr().out.splitlines()
-    rows = {line.split()[0]: line.split() for line in out[2:]}
-    assert set(rows) == {"dynamic", "static", "generate"}
+    rows = {line.split()[0]: line.split() for line in out[2:6]}
+    assert set(rows) == {"dynamic", "static", "static-full", "generate"}
     assert rows["generate"][-1] == "1.00x"
-    # the two sampler paths draw the same samples, so they generate the same number of tokens
-    assert rows["dynamic"][1] == rows["static"][1] and 4 <= int(rows["dynamic"][1]) <= 16
+    # the sampler paths draw the same samples, so they generate the same number of tokens
+    assert rows["dynamic"][1] == rows["static"][1] == rows["static-full"][1] and 4 <= int(rows["dynamic"][1]) <= 16
+    assert out[6].startswith("static-full / static (live length): ")
+
+
+def test_the_positions_each_path_attends_over():
+    """4 rows after a 3-token prefix, 100 new tokens: decode steps t = 0..98 have 4..102 positions
+    written; the static buffers hold bucket(102, 64) = 128, of which the live length attends over
+    64 while at most 64 are written (61 steps) and 128 after (38 steps)."""
+    assert bench.attended("dynamic", 4, 3, 100) == (4, 53)
+    assert bench.attended("static-full", 4, 3, 100) == (4, 128)
+    assert bench.attended("static", 4, 3, 100) == (4, pytest.approx((61 * 64 + 38 * 128) / 99))
+    assert bench.attended("static", 5, 3, 100)[0] == 5 and bench.attended("static", 17, 3, 100)[0] == 18
+
+
+def test_the_long_shape_reads_fewer_bytes_on_the_live_length(capsys):
+    bench.main(["--shape", "long", "--prompts", "1", "--samples", "2", "--max-new-tokens", "100",
+                "--repeat", "1", "--paths", "static,static-full"])
+    out = capsys.readouterr().out.splitlines()
+    assert "1 prompts x 2 samples, <= 100 new tokens" in out[0]
+    rows = {line.split()[0]: line.split() for line in out[2:4]}
+    assert rows["static"][1] == rows["static-full"][1] == "200"  # EOS off: every row runs to the end
+    ratio = float(rows["static-full"][6]) / float(rows["static"][6])
+    assert out[4].endswith("x the bytes read per step")
+    assert ratio > 1 and float(out[4].split(", ")[-1].split("x")[0]) == pytest.approx(ratio, abs=0.02)
 
 
 def test_the_7b_shape_reads_its_config_from_the_folder_given(tmp_path):

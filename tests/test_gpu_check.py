@@ -33,15 +33,21 @@ def test_the_dry_run_runs_every_check_and_prints_one_json_line_each(tmp_path):
     assert rows["build"]["vocab"] == 152064
     # EOS is off: every row decodes every one of its new tokens
     assert rows["rollout"]["tokens"] == n_rows * s["new"] and rows["rollout"]["min_len"] == s["new"]
+    # the second rollout (the next step's) replays the first one's steps: 16 + 15 positions live at
+    # most, one live length (64)
+    assert rows["rollout"]["captures"] == [1, 0] and rows["rollout"]["live_lengths"] == [64]
+    assert rows["rollout"]["same_samples"] and rows["rollout"]["empty_cache_calls"] == 0
     lengths = torch.linspace(s["shortest"], s["new"], n_rows).long().tolist()
     cuts = sum(len(label.budgets(m)) for m in lengths)
     lab = rows["labels"]
     assert lab["forced_prompts"] == cuts and rows["score"]["features"] == cuts
-    assert 1 <= lab["shapes_max_alive"] <= lab["shapes_made"] and lab["shapes_alive_after"] == 0
+    # the last shape is kept with the model for the next call of its shape
+    assert lab["shapes_max_alive"] == 1 <= lab["shapes_made"] and lab["shapes_alive_after"] == 1
     assert "KV cache" in lab["plan_gib"] and "peak" in rows["update"]["plan_gib"]
     assert rows["score"]["finite"] and 0 < rows["update"]["grad_norm"] < float("inf")
     dec = rows["decode"]
-    assert dec["static"]["tokens"] == dec["dynamic"]["tokens"] == n_rows * s["new"]
+    assert dec["static"]["tokens"] == dec["static-full"]["tokens"] == dec["dynamic"]["tokens"] == n_rows * s["new"]
+    assert dec["static"]["full_bytes"] >= 1 and dec["static-full"]["mb_step"] >= dec["static"]["mb_step"]
     assert dec["generate"]["vs_generate"] == 1.0 and dec["static"]["floor_ms"] > 0
     toy = rows["toy_fsdp"]
     assert [r["step"] for r in toy["steps"]] == [1, 2] and toy["checkpoint"] == "step_000002"

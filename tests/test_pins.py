@@ -36,11 +36,11 @@ def test_a_static_decode_step_does_not_repeat_kv(monkeypatch):
     def no_repeat(*a, **k):
         raise AssertionError("repeat_kv in a static decode step: transformers < 5.23?")
 
-    def decode_step(self):
+    def decode_step(self, *args):
         steps.append(1)
         with monkeypatch.context() as m:
             m.setattr(sdpa, "repeat_kv", no_repeat)
-            return forward(self)
+            return forward(self, *args)
 
     monkeypatch.setattr(staticcache._Shape, "forward", decode_step)
     prompts = [tok.encode("1+1="), tok.encode("what is 2*3?")]

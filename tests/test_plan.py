@@ -44,7 +44,7 @@ def test_kv_cache_term_matches_a_real_static_cache():
     prompts = [[5] * plan.TOY_PROMPT_TOKENS] * 3
     for dtype, device in ((torch.float32, "cpu"), (torch.bfloat16, "cuda")):
         sampler = rollout.Sampler(model.to(dtype), tok, max_new_tokens=10, decode="static")
-        sampler.static.start(sampler.prefill(prompts), 4, 10)
+        sampler.static.start(model, sampler.prefill(prompts), 4, 10)
         held = sum(x.numel() * x.element_size() for x in sampler.static.shape.kv.keys + sampler.static.shape.kv.values)
         t = plan.estimate(model.config, cfg, 1, device)
         assert t["kv_shape"] == (12, 64) == tuple(sampler.static.shape.kv.keys[0].shape[::2])
@@ -155,3 +155,29 @@ def test_host_memory_is_printed_and_warned_about_not_refused(monkeypatch):
     lines.clear()
     plan.check(resolve_args(["--offload"]), show=True, log=lines.append)
     assert not any(line.startswith("warning") for line in lines)
+
+
+def test_the_step_frees_the_static_buffers_before_the_update(tmp_path, monkeypatch):
+    """The plan counts the static K/V buffers in the decode phases only, so the RL step must free
+    the shape its last decode kept (staticcache.decoder keeps it for the next call) before the update."""
+    import data
+    import step
+    import train
+    from harness import config, staticcache
+    from harness.parallel import wrap
+    cfg = config.resolve_args(["--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "16",
+                               "--decode", "static", "--out", str(tmp_path)])
+    model, tok = train.load_policy("toy", cfg, torch.device("cpu"))
+    policy, sampler = wrap(model, torch.device("cpu"))
+    opt = torch.optim.AdamW(policy.parameters(), lr=cfg["lr"])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    import probe as probe_lib
+    probe = probe_lib.Probe(model.config.hidden_size)
+    alive = []
+    real = step.update
+    monkeypatch.setattr(step, "update", lambda *a, **k: alive.append(
+        staticcache.decoder(sampler, {}).shape is not None) or real(*a, **k))
+    step.rl_step(1, data.load_rows("toy", split="train")[:2], policy, sampler, tok, probe,
+                 probe_lib.make_optimizer(probe, lr=cfg["probe_lr"]), opt, sched, cfg, torch.device("cpu"),
+                 cfg["instruction"])
+    assert alive == [False]

@@ -212,6 +212,49 @@ def test_static_and_dynamic_decode_give_the_same_samples(model, tok, kw):
     assert {"eos", "stop"} <= seen
 
 
+@pytest.mark.parametrize("kw", SETTINGS, ids=["greedy", "sampled", "top-p"])
+def test_static_decode_over_the_live_length_gives_the_same_samples_across_buckets(model, tok, kw):
+    """A long decode crosses live-length buckets (64, 128 and the 192-position buffer): each step
+    attends over the bucket of the positions written so far, and the samples stay the dynamic ones."""
+    from harness.staticcache import live_length
+    prompts = [enc(tok, "1+2="), enc(tok, "what is 17*3? think.")]
+    common = dict(n=2, max_new_tokens=140, scores=True, eos_ids=[], **kw)
+    widths = []
+    hook = model.register_forward_pre_hook(lambda mod, args, k: widths.append(
+        k["attention_mask"]["full_attention"].shape[-1]) if isinstance(k["attention_mask"], dict) else None,
+        with_kwargs=True)
+    try:
+        static = rollout.generate(model, tok, prompts, decode="static", **common)
+    finally:
+        hook.remove()
+    free = rollout.generate(model, tok, prompts, decode="dynamic", **common)
+    assert free.ids == static.ids and static.lengths == [140] * 4
+    assert_same_scores(free, static)
+    W = 20  # the longer prompt; buffers of bucket(20 + 139, 64) = 192 positions
+    assert widths == [live_length(W + t + 1, 192) for t in range(139)]
+    assert [widths.count(w) for w in (64, 128, 192)] == [64 - W, 64, W + 139 - 128]
+
+
+def test_static_buffers_and_steps_are_kept_for_the_next_call_of_the_same_shape(model, tok, monkeypatch):
+    """Two identical rollouts (two RL steps): the second allocates no buffers and captures no step
+    (captures counted on the CPU, where a capture is the eager step's entry), and samples the same."""
+    from harness import staticcache
+    from static_shapes import Shapes
+    captures = []
+    capture = staticcache._Shape.capture
+    monkeypatch.setattr(staticcache._Shape, "capture", lambda self, m, n: captures.append(n) or capture(self, m, n))
+    shapes = Shapes(monkeypatch)
+    fresh = tiny.model(seed=5)  # no decoder kept from other tests
+    kw = dict(n=2, max_new_tokens=100, temperature=1.0, seed=7, eos_ids=[], decode="static")
+    first = rollout.generate(fresh, tok, [enc(tok, "abc"), enc(tok, "x")], **kw)
+    second = rollout.generate(fresh, tok, [enc(tok, "abc"), enc(tok, "x")], **kw)
+    assert len(shapes.made) == 1 and second.ids == first.ids
+    assert captures == [64, 128]  # the first call's, one per live length
+    # another shape replaces the kept one: one alive at a time, its steps captured anew
+    rollout.generate(fresh, tok, [enc(tok, "abc")] * 3, **kw)
+    assert [(s["rows"], s["alive"]) for s in shapes.made] == [(4, 1), (6, 1)] and captures[2:] == [64, 128]
+
+
 def test_one_byte_stop_string_stops_where_the_text_first_holds_it(model, tok):
     prompts = [enc(tok, "solve: 2x=8"), enc(tok, "a")]
     ref = rollout.generate(model, tok, prompts, max_new_tokens=24, temperature=0, eos_ids=[])
@@ -272,6 +315,9 @@ def test_bucketed_shapes():
     from harness.staticcache import bucket
     assert [bucket(x, 1) for x in (1, 7, 8, 9, 64, 65, 100)] == [1, 7, 8, 9, 64, 72, 104]
     assert bucket(70, 64) == 128 and bucket(8792, 64) == 9216
+    from harness.staticcache import live_length  # 2^k or 1.5 x 2^k, at least 64, at most the buffer
+    assert [live_length(n, 1000) for n in (1, 64, 65, 129, 193, 257, 385, 700, 999)] == \
+        [64, 64, 128, 192, 256, 384, 512, 768, 1000]
     assert rollout.default_decode(tiny.model()) == "dynamic"
     with pytest.raises(ValueError, match="decode must be"):
         rollout.generate(tiny.model(), tiny.tokenizer(), [[5]], decode="fast")
