@@ -162,3 +162,20 @@ def bootstrap(conf, correct, groups, stats=None, n_resamples=1000, seed=0, z=1.9
         point, pm = fn(conf, correct), z * float(np.std(draws[name]))
         out[name] = {"lo": max(point - pm, 0.0), "hi": min(point + pm, 1.0), "pm": pm}
     return out
+
+
+def advantage_parts(correct, rewards, group_size, kept=None, eps=1e-6):
+    """(sum |A_nat|, sum |A_cal|) over a step's trajectories: the group z-scored advantage
+    A = (R - mean R) / (std R + eps) of R = r_nat + calibration term (grpo.group_advantages), split
+    into the part from r_nat = 2 * correct - 1 and the part from the rest, so A_cal / (A_nat + A_cal)
+    is the share of the update's |advantage| that the calibration term sets. In a group whose
+    correctness has zero variance A_nat = 0: the calibration term alone sets its advantages.
+    kept: trajectories in the update (--drop-unanimous zeroes the others' advantages).
+    Example: correct (1, 0), R (1.05, -0.97): std 1.428, A_nat +-0.700, A_cal +-0.007."""
+    r = np.asarray(rewards, dtype=np.float64).reshape(-1, group_size)
+    nat = 2 * np.asarray(correct, dtype=np.float64).reshape(-1, group_size) - 1
+    scale = (r.std(axis=1, ddof=1, keepdims=True) if group_size > 1 else np.inf) + eps
+    a_nat = (nat - nat.mean(axis=1, keepdims=True)) / scale
+    a_cal = ((r - nat) - (r - nat).mean(axis=1, keepdims=True)) / scale
+    keep = np.ones(r.shape) if kept is None else np.asarray(kept, dtype=np.float64).reshape(r.shape)
+    return float(np.abs(a_nat * keep).sum()), float(np.abs(a_cal * keep).sum())
