@@ -5,9 +5,11 @@
     python reproduce.py --ablations                      # + Final-Margin, Process-Brier, Final-Brier
     python reproduce.py --methods grpo,rlcm --seeds 0    # a part of it
 
-How long (2 CPU cores, --jobs 2): the main table (12 trainings of 45 steps, 15 evaluations of 2000
-samples) took 1216 s (20 min) on a fresh clone; the ablations add 9 trainings and evaluations; a rerun
-with nothing left to do takes seconds.
+How long (2 CPU cores, --jobs 2): the main table is 16 trainings of 45 steps and 19 evaluations of
+3 x 2000 samples. Measured on a busy machine (one job per core): a training 333 s, an evaluation
+376 s (the post-hoc probe's fit about 4 min of it, each benchmark about 1 min), so about 100 min; on
+a quiet one, scaled from the one-benchmark table's 1216 s, about 35 min (not yet measured). The
+ablations add 9 trainings and evaluations; a rerun with nothing left to do takes seconds.
 
 Seeds: GRPO and RLCM 0-4 (the headline pair: their paired difference RLCM - GRPO per seed, same seed,
 base and data order, with a 95 % t interval over seeds), the others 0-2; --seeds sets one list for all.

@@ -44,14 +44,15 @@ lowered the probability of every sample. Weight decay 0.1, a larger warm-start l
 at weight 1 and random slips instead of fixed misconceptions leave one where such a step moves
 probability from wrong to right samples (tests/test_learning.py).
 
-The committed checkpoint, on the first 200 test problems (tests/test_toy.py): accuracy 0.440
-sampled at temperature 0.8 (0.575 at the evaluation temperature 0.6), 0.990 greedy; labels at K=4
-from the three budgets lie strictly between 0 and 1 for 39% of the prefixes, and the mean label
-at the 75% budget is 0.40 for trajectories that end correct against 0.15 for those that end wrong.
-Under RLCR_INSTRUCTION: accuracy 0.425 at 0.8 (0.590 at 0.6), 0.980 greedy, every response with a
-confidence tag, mean confidence 0.46 on right answers and 0.49 on wrong ones.
+The committed checkpoint, on the first 200 test problems (tests/test_toy.py): accuracy 0.430
+sampled at temperature 0.8, 1.000 greedy; labels at K=4 from the three budgets lie strictly between
+0 and 1 for 30% of the prefixes, and the mean label at the 75% budget is 0.59 for trajectories that
+end correct against 0.09 for those that end wrong. At the evaluation temperature 0.6 (evaluate.py,
+500 problems x 4 samples): toy 0.625, toy-long 0.424, toy-sub 0.263. The RLCR format's numbers were
+measured on the checkpoint before the toy benchmarks (accuracy 0.425 at 0.8, 0.980 greedy, every
+response with a confidence tag, mean confidence 0.46 on right answers and 0.49 on wrong ones).
 
-Rebuild. The committed `toy_base/` is rebuilt by one command, in about three minutes on one CPU
+Rebuild. The committed `toy_base/` is rebuilt by one command, in about five minutes on one CPU
 core, bit for bit (same safetensors bytes) on the same machine and torch build; the build
 runs on one thread, since float sums depend on how the work is split:
 
