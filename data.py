@@ -50,6 +50,10 @@ BENCHMARKS = {
 }
 
 
+# The toy world's benchmarks (toy.BENCHMARKS, named here so that data.py does not import the toy).
+TOY_BENCHMARKS = ("toy", "toy-long", "toy-sub")
+
+
 class DataError(ValueError):
     """A dataset problem the user can fix; the message is one line saying how."""
 
@@ -232,12 +236,12 @@ def drop_long_prompts(rows, tokenizer, max_tokens, instruction=INSTRUCTION):
 
 
 def load_rows(source, split=None, problem_field=None, answer_field=None, limit=None):
-    """[{"problem": str, "answer": str}] from "toy", a BENCHMARKS name, a local .json/.jsonl/.parquet
+    """[{"problem": str, "answer": str}] from a TOY_BENCHMARKS name, a BENCHMARKS name, a local .json/.jsonl/.parquet
     file, or a Hugging Face dataset id ("owner/name"). Fields are detected unless given."""
     spec = {}
-    if source == "toy":
+    if source in TOY_BENCHMARKS:
         import toy  # the offline world; imported here so data.py stands alone otherwise
-        records, where = toy.dataset(split or "train"), "toy"
+        records, where = toy.dataset(split or "train", source), source
     elif source in BENCHMARKS:
         spec = BENCHMARKS[source]
         records, where = _from_hub(spec["hf"], spec.get("config"), split or spec["split"]), spec["hf"]

@@ -56,6 +56,7 @@ REAL = dict(n=4, max_new_tokens=8000, every=500, forced_k=16, probe_questions=80
 TOY = dict(n=4, max_new_tokens=128, every=8, forced_k=4, probe_questions=80, probe_samples=8,
            posthoc_budgets=16, rows=256, score_batch=256)
 GRADER = "math"   # evaluation grades with grade.is_correct: normaliser + math-verify
+TOY_SOURCES = [f"{name}:test" for name in data.TOY_BENCHMARKS]   # the post-hoc probe fits on toy train
 # Allowed flag values (config.check_values): checked before any model, data or folder is touched.
 LIMITS = {key: (lambda v: v >= 1, ">= 1") for key in (
     "limit", "n_samples", "max_new_tokens", "batch_size", "threads", "every", "forced_k", "probe_questions")}
@@ -117,13 +118,13 @@ def load_model(name):
 
 
 def load_benchmark(spec, limit=None):
-    """(name, rows [{problem, answer}], instruction) for `toy` (its test split), a short name (data.BENCHMARKS,
+    """(name, rows [{problem, answer}], instruction) for a toy benchmark (its test split), a short name (data.BENCHMARKS,
     from the hub), a local .json/.jsonl/.parquet file, NAME=FILE (a local copy of a known benchmark, e.g.
     aime24=aime24.jsonl: named, and sampled, like it), or an HF dataset id (owner/name)."""
     name, _, path = spec.partition("=")
-    known = "toy, " + ", ".join(data.BENCHMARKS)
-    if name == "toy" and not path:
-        return "toy", data.load_rows("toy", split="test", limit=limit), toy.INSTRUCTION
+    known = ", ".join(data.TOY_BENCHMARKS + tuple(data.BENCHMARKS))
+    if name in data.TOY_BENCHMARKS and not path:
+        return name, data.load_rows(name, split="test", limit=limit), toy.INSTRUCTION
     if path:
         if name not in data.BENCHMARKS:
             raise UserError(f"unknown benchmark {name!r} in {spec!r}; known: {known}")
@@ -137,11 +138,11 @@ def load_benchmark(spec, limit=None):
 
 
 def benchmark_source(spec):
-    """What a benchmark spec reads (data.load_rows' order): "toy:test", a hub name or id, or a file's
-    resolved path."""
+    """What a benchmark spec reads (data.load_rows' order): "toy:test" (a toy benchmark's test split),
+    a hub name or id, or a file's resolved path."""
     where = spec.partition("=")[2] or spec
-    if where == "toy":
-        return "toy:test"
+    if where in data.TOY_BENCHMARKS:
+        return f"{where}:test"
     return os.path.realpath(where) if where not in data.BENCHMARKS and os.path.isfile(where) else where
 
 
@@ -149,7 +150,7 @@ def load_benchmarks(specs, limit=None):
     """[(name, rows, instruction, source)] (load_benchmark, benchmark_source). A name stands for one
     source: a file whose stem is taken, by the built-in toy (its name brings the toy world's settings)
     or by an earlier benchmark of the list (b1/q.jsonl, b2/q.jsonl), is named by its path as given."""
-    owner, out = {"toy": "toy:test"}, []
+    owner, out = {name: f"{name}:test" for name in data.TOY_BENCHMARKS}, []
     for spec in specs:
         name, rows, instruction = load_benchmark(spec, limit)
         source = benchmark_source(spec)
@@ -313,7 +314,7 @@ def run_prompt(path, args):
 
 def settings(bench, args):
     """Per-benchmark sampling and confidence settings: world defaults, overridden by flags."""
-    toy_world = bench == "toy"
+    toy_world = bench in data.TOY_BENCHMARKS
     w = TOY if toy_world else REAL
     s = dict(n=w["n"] if toy_world else BIG_N.get(bench, w["n"]), max_new_tokens=w["max_new_tokens"],
              every=w["every"], forced_k=w["forced_k"], suffix=label_lib.SUFFIX if toy_world else confidence.EVAL_SUFFIX,
@@ -337,7 +338,7 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
         return None, None
     # Fit data: the toy world's train split, or the RL training set for real models (released: lead_80,
     # the first 80 of the training set); problems of any benchmark being evaluated are skipped.
-    toy_only = all(source == "toy:test" for *_, source in loaded)
+    toy_only = all(source in TOY_SOURCES for *_, source in loaded)
     src = args.probe_data or ("toy" if toy_only else "deepscaler")
     w = TOY if src == "toy" else REAL
     s = settings("toy" if src == "toy" else src, args)
@@ -428,7 +429,8 @@ def parse_args(argv=None):
     g = p.add_argument_group("what to evaluate")
     g.add_argument("--model", action="append", required=True,
                    help="alias (toy, " + ", ".join(ALIASES) + "), HF id, model/checkpoint/run dir; repeatable")
-    g.add_argument("--benchmarks", default="toy", help="comma list: toy, math500, aime24, ..., FILE or NAME=FILE")
+    g.add_argument("--benchmarks", default="toy", help="comma list: toy, toy-long, toy-sub, math500, aime24, ..., "
+                   "FILE or NAME=FILE")
     g.add_argument("--limit", type=int, help="questions per benchmark")
     g.add_argument("--out", help="output dir (default RUN/eval or eval_out/<model>)")
     g = p.add_argument_group("sampling")
@@ -493,7 +495,7 @@ def main(argv=None):
     threads = torch.get_num_threads()
     # The toy model's matmuls are too small to gain from threads, and on a busy CPU threads that
     # wait for each other make generation 10x slower: one thread unless --threads says otherwise.
-    if args.threads or (not torch.cuda.is_available() and all(n == "toy" for n in names)):
+    if args.threads or (not torch.cuda.is_available() and all(n in data.TOY_BENCHMARKS for n in names)):
         torch.set_num_threads(args.threads or 1)
     try:
         for name in args.model:   # a missing model is a model error, not a benchmark's

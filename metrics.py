@@ -179,3 +179,19 @@ def pass_at_k(n, c, k):
     if n - c < k:
         return 1.0
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def advantage_parts(correct, rewards, group_size, eps=1e-6):
+    """(sum |A_nat|, sum |A_cal|) over a step's trajectories: the group z-scored advantage
+    A = (R - mean R) / (std R + eps) of R = r_nat + calibration term (grpo.group_advantages), split
+    into the part from r_nat = 2 * correct - 1 and the part from the rest, so A_cal / (A_nat + A_cal)
+    is the share of the update's |advantage| that the calibration term sets. In a group whose
+    correctness has zero variance A_nat = 0: the calibration term alone sets its advantages.
+    Under --drop-unanimous a unanimous group's R is 0, so both parts are 0 there.
+    Example: correct (1, 0), R (1.05, -0.97): std 1.428, A_nat +-0.700, A_cal +-0.007."""
+    r = np.asarray(rewards, dtype=np.float64).reshape(-1, group_size)
+    nat = 2 * np.asarray(correct, dtype=np.float64).reshape(-1, group_size) - 1
+    scale = (r.std(axis=1, ddof=1, keepdims=True) if group_size > 1 else np.inf) + eps
+    a_nat = (nat - nat.mean(axis=1, keepdims=True)) / scale
+    a_cal = ((r - nat) - (r - nat).mean(axis=1, keepdims=True)) / scale
+    return float(np.abs(a_nat).sum()), float(np.abs(a_cal).sum())

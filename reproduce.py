@@ -1,25 +1,33 @@
 """Reproduce the paper's comparison on the toy world: each method trained from the same base policy
 (the committed toy_base) for several seeds, each evaluated with its matching confidence, one table.
 
-    python reproduce.py                                  # Base, GRPO, RLCR, C2GSPG, RLCM x seeds 0,1,2
+    python reproduce.py                                  # Base, GRPO, RLCR, C2GSPG, RLCM; seeds below
     python reproduce.py --ablations                      # + Final-Margin, Process-Brier, Final-Brier
     python reproduce.py --methods grpo,rlcm --seeds 0    # a part of it
 
-How long (2 CPU cores, --jobs 2): the main table (12 trainings of 45 steps, 15 evaluations of 2000
-samples) took 1216 s (20 min) on a fresh clone; the ablations add 9 trainings and evaluations; a rerun
-with nothing left to do takes seconds.
+How long (2 CPU cores, --jobs 2): the main table is 16 trainings of 45 steps and 19 evaluations of
+3 x 2000 samples. Measured on a busy machine (one job per core): a training 333 s, an evaluation
+376 s (the post-hoc probe's fit about 4 min of it, each benchmark about 1 min), so about 100 min; on
+a quiet one, scaled from the one-benchmark table's 1216 s, about 35 min (not yet measured). The
+ablations add 9 trainings and evaluations; a rerun with nothing left to do takes seconds.
 
-Per method M and seed S: `train.py --reward M --seed S --out OUT/runs/M-seedS` (not for the base),
-then `evaluate.py --model RUN --benchmarks toy --confidence C --seed S --no-early-exit --out
-OUT/eval/M-seedS` with C the method's confidence (the post-hoc probe; RLCR: verbal; C2GSPG: the
+Seeds: GRPO and RLCM 0-4 (the headline pair: their paired difference RLCM - GRPO per seed, same seed,
+base and data order, with a 95 % t interval over seeds), the others 0-2; --seeds sets one list for all.
+Per method M and seed S: `train.py --reward M --seed S --out OUT/runs/M-seedS` (not for the base; RL
+trains on the toy's training split only), then `evaluate.py --model RUN --benchmarks toy,toy-long,toy-sub
+--confidence C --seed S --no-early-exit --out OUT/eval/M-seedS` (every toy benchmark; the post-hoc probe
+is fitted on training problems) with C the method's confidence (the post-hoc probe; RLCR: verbal; C2GSPG: the
 sequence likelihood). The base is evaluated once per seed too, so its spread shows the measurement
 noise. --jobs of these run at once as subprocesses (one thread each), logs in OUT/logs/.
 Resumable: a training or evaluation made with the arguments this command passes is not redone, an
 interrupted one continues (train.py --resume, evaluate.py's samples.jsonl): run the same command
 again. A run made with other settings (a smoke test's, into the same --out) is refused in one line;
 an evaluation made with other arguments is done again. Killed (SIGTERM, or SIGKILL), it takes its
-children with it. Finally OUT/table.md (mean +- std over seeds), OUT/results.json (every seed's
-numbers) and OUT/reliability_M.png (all seeds pooled).
+children with it. Finally OUT/table.md (mean +- std over seeds: Acc / PCE / ECE per benchmark and
+Overall, the unweighted mean over benchmarks; Brier and AUROC; the paired differences; per method why:
+the share of trajectories with a margin signal, the in-training probe's held-out AUROC, the share of
+|advantage| the calibration term sets), OUT/results.json (every seed's numbers) and
+OUT/reliability_M.png (all seeds and benchmarks pooled).
 """
 import argparse
 import contextlib
@@ -37,6 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+import data
 from harness import checkpoint
 import metrics
 from harness import runlog
@@ -53,6 +62,12 @@ NAMES = dict(zip(MAIN + ABLATIONS, ("Base", "GRPO", "RLCR", "C2GSPG", "RLCM", "F
 # evaluate.py --confidence of each method: the paper's (docs/design.md, "Baselines")
 CONFIDENCE = dict(dict.fromkeys(MAIN + ABLATIONS, "probe-posthoc"), rlcr="verbal", c2gspg="logits")
 KEYS = (("Acc", "acc"), ("PCE", "pce"), ("ECE", "ece"), ("Brier", "brier"), ("AUROC", "auroc"))
+BENCHMARKS = data.TOY_BENCHMARKS   # every method on each; "Overall" is their unweighted mean, as in the paper
+PAIR = ("grpo", "rlcm")            # the headline pair: more seeds, and their paired difference
+SEEDS = dict(dict.fromkeys(MAIN + ABLATIONS, (0, 1, 2)), **dict.fromkeys(PAIR, (0, 1, 2, 3, 4)))
+# From each run's metrics.jsonl (training_stats): why the calibration term does or does not act.
+WHY = (("margin signal", "signal_frac"), ("probe AUROC (held-out, in training)", "probe_auroc"),
+       ("calibration share of abs(advantage)", "calib_share"))
 ROOT = os.path.dirname(os.path.abspath(__file__))
 # What reproduce.py itself passes each run: --train-args / --eval-args that would change one is refused,
 # since the table labels every row with its method, seed and confidence.
@@ -64,11 +79,11 @@ quiet = lambda msg: None  # noqa: E731
 
 
 def parse_args(argv):
-    """(args, methods, seeds, jobs): every value checked before anything runs (UserError)."""
+    """(args, methods, seeds {method: [seed]}, jobs): every value checked before anything runs (UserError)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--methods", help="comma list of " + ", ".join(MAIN + ABLATIONS) + " (default: the main table)")
     p.add_argument("--ablations", action="store_true", help="add " + ", ".join(ABLATIONS) + " (a second table)")
-    p.add_argument("--seeds", default="0,1,2", help="comma list of seeds (default 0,1,2)")
+    p.add_argument("--seeds", help="comma list of seeds for every method (default: grpo, rlcm 0-4, the others 0-2)")
     p.add_argument("--jobs", default="2", help="trainings/evaluations run at once (default 2)")
     p.add_argument("--out", default=os.path.join("runs", "reproduce"))
     p.add_argument("--train-args", default="", help='passed to every train.py, e.g. "--steps 2 --eval-n 8"')
@@ -83,11 +98,12 @@ def parse_args(argv):
             raise UserError(f"--methods {args.methods}: unknown method {bad[0]!r}; known: {', '.join(known)}")
         methods = tuple(m for m in known if m in given)
     try:
-        seeds = [int(s) for s in args.seeds.split(",")]
+        seeds = [int(s) for s in args.seeds.split(",")] if args.seeds is not None else [0]
     except ValueError:
         seeds = []
     if not seeds or len(set(seeds)) < len(seeds) or not all(0 <= s < 2**32 for s in seeds):
         raise UserError(f"--seeds {args.seeds}: give distinct integers in [0, 2**32), e.g. 0,1,2")
+    seeds = {m: list(SEEDS[m]) if args.seeds is None else seeds for m in methods}
     try:
         jobs = int(args.jobs)
     except ValueError:
@@ -99,7 +115,7 @@ def parse_args(argv):
     except ValueError as e:
         raise UserError(f"--train-args / --eval-args: cannot split ({e}): check the quotes") from None
     for m in methods:
-        for s in seeds:
+        for s in seeds[m]:
             run, ev, _ = paths(args.out, m, s)
             if run is not None:
                 refuse_overrides("--train-args", train_flags, train_cmd(m, s, run), args.train_args, TRAIN_FIXED)
@@ -141,7 +157,7 @@ def train_cmd(method, seed, run):
 
 def eval_cmd(method, seed, run, ev):
     """evaluate.py's arguments, before --eval-args."""
-    return ["--model", run or "toy", "--benchmarks", "toy", "--confidence", CONFIDENCE[method], "--seed", str(seed),
+    return ["--model", run or "toy", "--benchmarks", ",".join(BENCHMARKS), "--confidence", CONFIDENCE[method], "--seed", str(seed),
             "--no-early-exit", "--out", ev]
 
 
@@ -184,15 +200,16 @@ def model_label(run):
 
 
 def eval_entry(eval_dir, label):
-    """This model's entry of EVAL/results.json if its toy results hold every metric as a number (AUROC
-    may be None: one class), else None: an evaluation still to do, so a rerun replaces a damaged entry."""
+    """This model's entry of EVAL/results.json if its results of every toy benchmark hold every metric as
+    a number (AUROC may be None: one class), else None: an evaluation still to do, so a rerun replaces a
+    damaged entry."""
     number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
     try:
         with open(os.path.join(eval_dir, "results.json"), encoding="utf-8") as f:
             entry = json.load(f).get(label)
-        toy = entry["benchmarks"]["toy"]
-        complete = all(number(toy.get(k)) for k in ("acc", "pce", "ece", "brier", "n")) and \
-            (toy.get("auroc") is None or number(toy["auroc"]))
+        complete = all(all(number(b.get(k)) for k in ("acc", "pce", "ece", "brier", "n")) and
+                       (b.get("auroc") is None or number(b["auroc"]))
+                       for b in (entry["benchmarks"][name] for name in BENCHMARKS))
     except (OSError, ValueError, AttributeError, KeyError, TypeError):
         return None
     return entry if complete else None
@@ -280,9 +297,9 @@ class Jobs:
             entry, fresh = eval_entry(ev, label), True
             if entry is None:
                 return self.fail(f"{name}: evaluation", f": {ev}/results.json holds no complete toy results of {label}")
-        b = entry["benchmarks"]["toy"]
+        accs = ", ".join(f"{b} {entry['benchmarks'][b]['acc']:.3f}" for b in BENCHMARKS)
         self.say(f"{name}: " + (f"evaluated in {time.time() - t:.0f} s" if fresh else "evaluated already") +
-                 f" (acc {b['acc']:.3f}, ECE {b['ece']:.3f}, n {b['n']})")
+                 f" (acc {accs}; n {entry['benchmarks'][BENCHMARKS[0]]['n']} each)")
         return True
 
 
@@ -294,66 +311,172 @@ def mean_std(values):
     return float(np.mean(vals)), (float(np.std(vals, ddof=1)) if len(vals) > 1 else None)
 
 
+def t_quantile(df, p=0.975):
+    """Student's t quantile (p in (0.5, 1)): the t-density integrated by Simpson's rule, inverted by
+    bisection (numpy has none, and scipy is not a requirement). df 4 -> 2.7764."""
+    const = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+    density = lambda x: const * (1 + x * x / df) ** (-(df + 1) / 2)  # noqa: E731
+
+    def cdf(x, n=2000):   # P(T <= x) for x >= 0
+        h = x / n
+        odd, even = sum(density((2 * i - 1) * h) for i in range(1, n // 2 + 1)), \
+            sum(density(2 * i * h) for i in range(1, n // 2))
+        return 0.5 + h / 3 * (density(0) + 4 * odd + 2 * even + density(x))
+    lo, hi = 0.0, 1000.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def paired(a, b):
+    """The paired difference b - a over the seeds both have ({seed: x}): per seed, its mean and a 95 %
+    t interval (mean +- t(0.975, n - 1) * sd / sqrt(n)); None where fewer than two seeds have both."""
+    seeds = [s for s in a if s in b and a[s] is not None and b[s] is not None]
+    diffs = {s: b[s] - a[s] for s in seeds}
+    if len(diffs) < 2:
+        return None
+    mean, sd = mean_std(list(diffs.values()))
+    pm = t_quantile(len(diffs) - 1) * sd / math.sqrt(len(diffs))
+    return dict(per_seed=diffs, mean=mean, lo=mean - pm, hi=mean + pm, pm=pm, n=len(diffs))
+
+
+def training_stats(run):
+    """From RUN/metrics.jsonl: held-out accuracy at the first and last check, and the means over the
+    run of the share of trajectories with a margin signal (signal_frac; 0 without a probe), of the
+    in-training probe's held-out AUROC (eval_probe_auroc) and of the calibration term's share of the
+    step's |advantage| (calib_adv_share; not for RLCR and C2GSPG). None where the run has none."""
+    start, end = held_out(run)
+    rows = checkpoint.read_jsonl(os.path.join(run, "metrics.jsonl"), say=quiet) if run else []
+    mean = lambda key, pick: mean_std([r.get(key) for r in rows if pick(r)])[0]  # noqa: E731
+    return dict(heldout_start=start, heldout_end=end, signal_frac=mean("signal_frac", lambda r: not r.get("eval")),
+                probe_auroc=mean("eval_probe_auroc", lambda r: r.get("eval")),
+                calib_share=mean("calib_adv_share", lambda r: not r.get("eval")))
+
+
+def overall(benches):
+    """{key: unweighted mean over the benchmarks where it is a number (None where none is)}."""
+    return {k: mean_std([b[k] for b in benches.values()])[0] for _, k in KEYS}
+
+
 def aggregate(out, methods, seeds):
-    """{method: {confidence, seeds: {seed: numbers and paths}, mean: {key: x}, std: {key: x}}} from each
-    OUT/eval/M-seedS/results.json (toy benchmark) and, for trained methods, OUT/runs/M-seedS/metrics.jsonl."""
+    """{method: {confidence, seeds: {seed: {benchmarks: {name: numbers}, Overall, training stats, paths}},
+    mean and std: {benchmark or "Overall": {key: x}, "train": {key: x}}} from each OUT/eval/M-seedS/
+    results.json (every toy benchmark) and, for trained methods, OUT/runs/M-seedS/metrics.jsonl."""
     agg = {}
     for m in methods:
         per = {}
-        for s in seeds:
+        for s in seeds[m]:
             run, ev, _ = paths(out, m, s)
             label = model_label(run)
             entry = eval_entry(ev, label)
             if entry is None:
                 raise UserError(f"{ev}/results.json holds no complete toy results for {label}: run the command again")
-            b, st = entry["benchmarks"]["toy"], entry.get("settings", {}).get("toy", {})
-            start, end = held_out(run)
-            per[s] = dict({k: b[k] for _, k in KEYS}, n=b["n"], heldout_start=start, heldout_end=end,
-                          model=label, run=run, eval=ev, confidence=entry["confidence"],
-                          questions=st.get("questions"), samples=st.get("n"))
-        keys = [k for _, k in KEYS] + ["heldout_start", "heldout_end"]
-        stats = {k: mean_std([per[s][k] for s in seeds]) for k in keys}
-        agg[m] = dict(confidence=CONFIDENCE[m], seeds=per, mean={k: v[0] for k, v in stats.items()},
-                      std={k: v[1] for k, v in stats.items()})
+            benches = {b: dict({k: entry["benchmarks"][b][k] for _, k in KEYS}, n=entry["benchmarks"][b]["n"])
+                       for b in BENCHMARKS}
+            st = entry.get("settings", {}).get(BENCHMARKS[0], {})
+            per[s] = dict(benchmarks=dict(benches, Overall=overall(benches)), train=training_stats(run), model=label,
+                          run=run, eval=ev, confidence=entry["confidence"], questions=st.get("questions"),
+                          samples=st.get("n"))
+        parts = dict({b: [k for _, k in KEYS] for b in BENCHMARKS + ("Overall",)},
+                     train=["heldout_start", "heldout_end"] + [k for _, k in WHY])
+        stats = {part: {k: mean_std([(per[s]["train"] if part == "train" else per[s]["benchmarks"][part])[k]
+                                     for s in per]) for k in keys} for part, keys in parts.items()}
+        agg[m] = dict(confidence=CONFIDENCE[m], seeds=per,
+                      mean={p: {k: v[0] for k, v in d.items()} for p, d in stats.items()},
+                      std={p: {k: v[1] for k, v in d.items()} for p, d in stats.items()})
     return agg
 
 
-def cell(res, key):
-    mean, std = res["mean"][key], res["std"][key]
+def cell(res, part, key):
+    mean, std = res["mean"][part][key], res["std"][part][key]
     if mean is None:
         return "-"
     return f"{mean:.3f}" + (f" +- {std:.3f}" if std is not None else "")
 
 
 def table(agg, methods):
-    lines = ["| method | confidence | " + " | ".join(c for c, _ in KEYS) + " | held-out acc (train start -> end) |",
-             "|---|---|" + "---:|" * len(KEYS) + "---|"]
+    """The paper's layout: a row per method; Acc / PCE / ECE of each benchmark and Overall."""
+    parts, keys = BENCHMARKS + ("Overall",), [k for k in KEYS if k[1] in ("acc", "pce", "ece")]
+    lines = ["| method | confidence | " + " | ".join(f"{p} {c}" for p in parts for c, _ in keys) + " |",
+             "|---|---|" + "---:|" * (len(parts) * len(keys))]
+    for m in methods:
+        lines.append(f"| {NAMES[m]} | {agg[m]['confidence']} | " +
+                     " | ".join(cell(agg[m], p, k) for p in parts for _, k in keys) + " |")
+    return "\n".join(lines)
+
+
+def side_table(agg, methods):
+    """Brier and AUROC beside the main table, and the held-out accuracy over training."""
+    parts, keys = BENCHMARKS + ("Overall",), [k for k in KEYS if k[1] in ("brier", "auroc")]
+    lines = ["| method | " + " | ".join(f"{p} {c}" for p in parts for c, _ in keys) +
+             " | held-out acc (train start -> end) |", "|---|" + "---:|" * (len(parts) * len(keys)) + "---|"]
     for m in methods:
         r = agg[m]
-        span = "-" if r["mean"]["heldout_start"] is None else \
-            f"{cell(r, 'heldout_start')} -> {cell(r, 'heldout_end')}"
-        lines.append(f"| {NAMES[m]} | {r['confidence']} | " + " | ".join(cell(r, k) for _, k in KEYS) + f" | {span} |")
+        span = "-" if r["mean"]["train"]["heldout_start"] is None else \
+            f"{cell(r, 'train', 'heldout_start')} -> {cell(r, 'train', 'heldout_end')}"
+        lines.append(f"| {NAMES[m]} | " + " | ".join(cell(r, p, k) for p in parts for _, k in keys) + f" | {span} |")
+    return "\n".join(lines)
+
+
+def differences(agg):
+    """{benchmark or "Overall": {key: paired(GRPO, RLCM)}} for Acc, PCE and ECE, or None without both."""
+    if not all(m in agg for m in PAIR):
+        return None
+    a, b = (agg[m]["seeds"] for m in PAIR)
+    return {p: {k: paired({s: a[s]["benchmarks"][p][k] for s in a}, {s: b[s]["benchmarks"][p][k] for s in b})
+                for k in ("acc", "pce", "ece")} for p in BENCHMARKS + ("Overall",)}
+
+
+def difference_table(diffs):
+    """RLCM - GRPO per benchmark and Overall: mean [95 % interval] (seeds), then each seed's difference."""
+    lines = ["| RLCM - GRPO | Acc | PCE | ECE |", "|---|---:|---:|---:|"]
+    for p, d in diffs.items():
+        lines.append(f"| {p} | " + " | ".join(
+            "-" if x is None else f"{x['mean']:+.3f} [{x['lo']:+.3f}, {x['hi']:+.3f}] (n {x['n']})"
+            for x in d.values()) + " |")
+    per = diffs["Overall"]["acc"] or diffs["Overall"]["pce"]
+    if per:
+        lines += ["", "Per seed (Overall): " + "; ".join(
+            f"seed {s}: " + ", ".join(f"{k} {diffs['Overall'][k]['per_seed'][s]:+.3f}" for k in ("acc", "pce", "ece")
+                                      if diffs["Overall"][k]) for s in per["per_seed"])]
+    return "\n".join(lines)
+
+
+def why_table(agg, methods):
+    """Per trained method, the means over training (training_stats) that say why the margin acts or not."""
+    lines = ["| method | " + " | ".join(c for c, _ in WHY) + " |", "|---|" + "---:|" * len(WHY)]
+    for m in methods:
+        if m != "base":
+            lines.append(f"| {NAMES[m]} | " + " | ".join(cell(agg[m], "train", k) for _, k in WHY) + " |")
     return "\n".join(lines)
 
 
 def accuracy_se(agg):
-    """Standard error sqrt(p(1-p)/n) of one accuracy at the base's (else the first method's) accuracy."""
+    """Standard error sqrt(p(1-p)/n) of one accuracy at the base's (else the first method's) accuracy on
+    each benchmark."""
     m = "base" if "base" in agg else next(iter(agg))
-    p, n = agg[m]["mean"]["acc"], next(iter(agg[m]["seeds"].values()))["n"]
-    return dict(method=m, p=p, n=n, se=math.sqrt(p * (1 - p) / n))
+    seed = next(iter(agg[m]["seeds"].values()))
+    out = {}
+    for b in BENCHMARKS:
+        p, n = agg[m]["mean"][b]["acc"], seed["benchmarks"][b]["n"]
+        out[b] = dict(p=p, n=n, se=math.sqrt(p * (1 - p) / n))
+    return dict(method=m, benchmarks=out)
 
 
 def plot_pooled(out, m, res):
-    """OUT/reliability_M.png: the reliability diagram of every seed's evaluation samples pooled."""
+    """OUT/reliability_M.png: the reliability diagram of every seed's evaluation samples pooled (every
+    toy benchmark)."""
     conf, correct = [], []
     for s in res["seeds"].values():
         for r in checkpoint.read_jsonl(os.path.join(s["eval"], "samples.jsonl"), say=quiet):
-            if (r["model"] == s["model"] and r["benchmark"] == "toy" and r["question"] < (s["questions"] or math.inf)
+            if (r["model"] == s["model"] and r["benchmark"] in BENCHMARKS and r["question"] < (s["questions"] or math.inf)
                     and r["sample"] < (s["samples"] or math.inf)):
                 conf.append(r["confidence"]), correct.append(r["correct"])
     path = os.path.join(out, f"reliability_{m}.png")
     c = metrics.calibration(conf, correct)
-    title = f"{NAMES[m]} | toy | {res['confidence']} | {len(res['seeds'])} seeds\nacc {c['acc']:.3f}  ECE {c['ece']:.3f}  n {c['n']}"
+    title = (f"{NAMES[m]} | toy benchmarks | {res['confidence']} | {len(res['seeds'])} seeds\n"
+             f"acc {c['acc']:.3f}  ECE {c['ece']:.3f}  n {c['n']}")
     plot_reliability(metrics.reliability(conf, correct), title, path)
     return path
 
@@ -363,21 +486,30 @@ def write_outputs(out, methods, seeds, argv):
     agg = aggregate(out, methods, seeds)
     prov = runlog.provenance(["reproduce.py", *argv], device="cpu")
     commit = prov["git_commit"][:7] + ("+dirty" if prov["git_commit"].endswith("+dirty") else "")
-    se = accuracy_se(agg)
+    se, diffs = accuracy_se(agg), differences(agg)
+    groups = {}
+    for m in methods:
+        groups.setdefault(", ".join(map(str, seeds[m])), []).append(NAMES[m])
     md = [f"Toy-world reproduction, {prov['date'].replace('T', ' ').replace('+00:00', ' UTC')}; "
-          f"command `python {prov['command']}`; commit {commit}; seeds {', '.join(map(str, seeds))} "
-          "(mean +- sample std over seeds)", ""]
+          f"command `python {prov['command']}`; commit {commit}; seeds "
+          + "; ".join(f"{', '.join(names)}: {s}" for s, names in groups.items())
+          + " (mean +- sample std over seeds); benchmarks " + ", ".join(BENCHMARKS)
+          + " (Overall: their unweighted mean)", ""]
     main, abl = [m for m in methods if m in MAIN], [m for m in methods if m in ABLATIONS]
     for part in (main, abl):
         if part:
-            md += [table(agg, part), ""]
-    md.append(f"Standard error of one accuracy on the evaluation's n = {se['n']} samples: sqrt(p(1-p)/n) = "
-              f"{se['se']:.3f} at p = {se['p']:.3f} ({NAMES[se['method']]}'s accuracy).")
+            md += [table(agg, part), "", side_table(agg, part), ""]
+    if diffs:
+        md += ["Paired difference RLCM - GRPO (same seed, base and data order): mean [95 % t interval over "
+               "seeds] (seeds)", "", difference_table(diffs), ""]
+    md += ["Why (means over training, then over seeds)", "", why_table(agg, methods), ""]
+    md.append(f"Standard error of one accuracy (sqrt(p(1-p)/n) at {NAMES[se['method']]}'s accuracy): " + ", ".join(
+        f"{b} {x['se']:.3f} at p = {x['p']:.3f}, n = {x['n']} samples" for b, x in se["benchmarks"].items()) + ".")
     for m in methods:
         agg[m]["reliability_png"] = plot_pooled(out, m, agg[m])
     checkpoint.write_json(os.path.join(out, "results.json"), clean(dict(
-        methods=agg, seeds=seeds, accuracy_se=se, command=prov["command"], date=prov["date"],
-        git_commit=prov["git_commit"], provenance=prov)))
+        methods=agg, seeds=seeds, benchmarks=list(BENCHMARKS), differences=diffs, accuracy_se=se,
+        command=prov["command"], date=prov["date"], git_commit=prov["git_commit"], provenance=prov)))
     text = "\n".join(md) + "\n"
     with checkpoint.replacing(os.path.join(out, "table.md")) as f:
         f.write(text)
@@ -398,7 +530,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         args, methods, seeds, jobs = parse_args(argv)
-        pairs = [(m, s) for s in seeds for m in methods]
+        pairs = [(m, s) for s in sorted(set().union(*seeds.values())) for m in methods if s in seeds[m]]
         todo = {(m, s): training(run, ev, train_cmd(m, s, run), args.train_args)
                 for m, s in pairs for run, ev, _ in [paths(args.out, m, s)] if run is not None}
     except UserError as e:

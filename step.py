@@ -16,7 +16,7 @@ from baselines import sequence_confidence
 from grade import is_correct
 from grpo import group_advantages, pack, policy_loss, token_logprobs
 from label import budgets, mc_labels
-from metrics import ece
+from metrics import advantage_parts, ece
 from harness.parallel import RANK, WORLD, all_gather, all_sum
 from reward import margin_reward, total_reward
 from rollout import generate
@@ -145,6 +145,8 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
     if cfg["drop_unanimous"]:  # the filter's fallback looks at every rank's groups
         all_unanimous = all_sum([float((~modes.unanimous(correct, G)).sum())], device)[0] == 0
     R, adv, parts = modes.reward_and_advantages(cfg, correct, calib, out.texts, seq_conf, all_unanimous)
+    shaped = mode not in ("rlcr", "c2gspg")   # R = r_nat + lam * calib: its calibration share is logged
+    a_nat, a_cal = advantage_parts(correct.cpu(), R.cpu(), G) if shaped else (0.0, 0.0)
     if samples is not None:
         samples += runlog.pick(
             step, cfg["log_samples"], problem=[rows[i]["problem"] for i in out.prompt_index], answer=golds,
@@ -163,15 +165,17 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
             gaps.append({k: upd.pop(k) for k in SAMPLER_GAP})
     local = [correct.sum().item(), R.sum().item(), signal.sum().item(),
              len(out.ids), sum(out.lengths), sum(f == "length" for f in out.finish),
-             zero_var_groups(R, G), len(rows), sum(out.entropy_sum),
+             zero_var_groups(R, G), len(rows), sum(out.entropy_sum), a_nat, a_cal,
              *(v.sum().item() for v in parts.values())]
-    acc, rsum, ssum, n, lsum, trunc, zvar, ngroups, esum, *psums = all_sum(local, device)
+    acc, rsum, ssum, n, lsum, trunc, zvar, ngroups, esum, a_nat, a_cal, *psums = all_sum(local, device)
     row = dict(step=step, accuracy=acc / n, reward=rsum / n,
                **{k: s if k in modes.COUNTED else s / n for k, s in zip(parts, psums)},
                signal_frac=ssum / n if probed else 0.0, **stats, zero_var_frac=zvar / max(ngroups, 1),
                len_mean=lsum / n, len_max=max(all_gather(max(out.lengths, default=0))),
                trunc_frac=trunc / n, **upd, **gaps[0], entropy=esum / max(lsum, 1), lr=lr, **timer.t)
     row["tok_per_s"] = lsum / max(row["t_rollout"], 1e-9)
+    if shaped:   # the share of sum |A| the calibration term sets (metrics.advantage_parts)
+        row["calib_adv_share"] = a_cal / max(a_nat + a_cal, 1e-12)
     row["peak_mem"] = peak_memory(device)
     return row
 

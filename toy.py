@@ -4,8 +4,11 @@
 exactly the code used for DeepSeek-R1-Distill-Qwen: chat template, generation that starts inside
 the thinking, `</think>`, `\\boxed{}` answers, forced answers after a truncated prefix, grading.
 
-Task. The user message is a sum of 3-5 single-digit terms, e.g. "3+5+7+2". The ideal response
-writes one running total per line, closes the thinking and boxes the result:
+Task. The user message is a sum of 3-5 single-digit terms, e.g. "3+5+7+2" (`toy`, what RL trains
+on). The toy benchmarks (BENCHMARKS) add two the warm start also covers: `toy-long`, 6-7 terms (the
+toy's "AIME": more lines to slip on than RL ever sees), and `toy-sub`, 3-5 terms some of which are
+subtracted, "9-6+7" (the toy's "OOD": a skill of the warm start that RL never practises). The ideal
+response writes one running total per line, closes the thinking and boxes the result:
 
     <|bos|><|user|>3+5+7+2<|assistant|><think>\\n      (the prompt, from the chat template)
     3+5=8\\n8+7=15\\n15+2=17\\n</think>\\boxed{17}<|eos|>  (the response)
@@ -17,8 +20,9 @@ rebuilds for every qwen2 checkpoint, R1 included), so any text round-trips exact
 
 Base policy. `base_model()` returns a directory with a warm-started Qwen2ForCausalLM (4 layers,
 hidden 128, 823k parameters, float32) and its tokenizer, loadable with AutoModelForCausalLM /
-AutoTokenizer. The warm start is supervised training on traces where each running total slips
-(off by 1 or 2, then continued from the wrong total) with probability 0.3, so the policy knows
+AutoTokenizer. The warm start is supervised training, on the train splits of all three benchmarks
+(60/20/20), on traces where each running total slips (off by 1 or 2, then continued from the wrong
+total) with probability 0.3, so the policy knows
 how to add (greedy decoding is right) but slips often when it samples, and GRPO has something to
 fix: at temperature 0.8 about half of the answers are wrong.
 It also learns the forced answer used by the calibration labels (label.py): after
@@ -40,14 +44,15 @@ lowered the probability of every sample. Weight decay 0.1, a larger warm-start l
 at weight 1 and random slips instead of fixed misconceptions leave one where such a step moves
 probability from wrong to right samples (tests/test_learning.py).
 
-The committed checkpoint, on the first 200 test problems (tests/test_toy.py): accuracy 0.440
-sampled at temperature 0.8 (0.575 at the evaluation temperature 0.6), 0.990 greedy; labels at K=4
-from the three budgets lie strictly between 0 and 1 for 39% of the prefixes, and the mean label
-at the 75% budget is 0.40 for trajectories that end correct against 0.15 for those that end wrong.
-Under RLCR_INSTRUCTION: accuracy 0.425 at 0.8 (0.590 at 0.6), 0.980 greedy, every response with a
-confidence tag, mean confidence 0.46 on right answers and 0.49 on wrong ones.
+The committed checkpoint, on the first 200 test problems (tests/test_toy.py): accuracy 0.430
+sampled at temperature 0.8, 1.000 greedy; labels at K=4 from the three budgets lie strictly between
+0 and 1 for 30% of the prefixes, and the mean label at the 75% budget is 0.59 for trajectories that
+end correct against 0.09 for those that end wrong. At the evaluation temperature 0.6 (evaluate.py,
+500 problems x 4 samples): toy 0.625, toy-long 0.424, toy-sub 0.263. The RLCR format's numbers were
+measured on the checkpoint before the toy benchmarks (accuracy 0.425 at 0.8, 0.980 greedy, every
+response with a confidence tag, mean confidence 0.46 on right answers and 0.49 on wrong ones).
 
-Rebuild. The committed `toy_base/` is rebuilt by one command, in about three minutes on one CPU
+Rebuild. The committed `toy_base/` is rebuilt by one command, in about five minutes on one CPU
 core, bit for bit (same safetensors bytes) on the same machine and torch build; the build
 runs on one thread, since float sums depend on how the work is split:
 
@@ -59,6 +64,7 @@ import itertools
 import math
 import os
 import random
+import re
 import shutil
 import tempfile
 import time
@@ -90,10 +96,16 @@ CHAT_TEMPLATE = (
 # Model, task and warm-start settings: one place, all of them part of the committed checkpoint.
 MODEL = dict(vocab_size=272, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-TERMS = (3, 5)          # number of terms per problem, inclusive
+TERMS = (3, 5)          # number of terms per problem, inclusive (`toy`, what RL trains on)
 N_TEST, N_TRAIN = 500, 6000
-WARM = dict(seed=0, steps=800, batch_size=32, lr=2e-3, beta2=0.95, warmup=50, weight_decay=0.1,
-            threads=1, p_slip=0.3, p_forced=0.3, w_forced=1.0, p_eos_close=0.25, p_rlcr=0.2)
+# The toy benchmarks (evaluate.py --benchmarks; "Overall" is their unweighted mean): name -> (terms,
+# signs). toy: the RL training distribution. toy-long, the toy's "AIME": more terms than RL sees, so
+# more lines to slip on. toy-sub, the toy's "OOD": terms may be subtracted, a skill of the warm start
+# that RL never practises. Each has a train split (the warm start's) and a test split (the benchmark).
+BENCHMARKS = {"toy": (TERMS, "+"), "toy-long": ((6, 7), "+"), "toy-sub": (TERMS, "+-")}
+WARM = dict(seed=0, steps=1000, batch_size=32, lr=2e-3, beta2=0.95, warmup=50, weight_decay=0.1,
+            threads=1, p_slip=0.3, p_forced=0.3, w_forced=1.0, p_eos_close=0.25, p_rlcr=0.2,
+            mix=(0.6, 0.2, 0.2))  # share of warm-start problems from each benchmark's train split
 CONFIDENCES = [f"0.{d}" for d in range(1, 10)]  # the warm start's verbal confidence: any, at random
 
 
@@ -124,30 +136,46 @@ def _is_test(problem):
     return int(hashlib.sha256(problem.encode()).hexdigest(), 16) % 10 == 0
 
 
-def dataset(split):
-    """Deterministic rows dict(problem="3+5+7+2", answer="17"); train and test are disjoint
-    because a hash of the problem text picks its split (a tenth of all problems are test)."""
+def dataset(split, name="toy"):
+    """Deterministic rows dict(problem="3+5+7+2", answer="17") of one of BENCHMARKS; train and test
+    are disjoint because a hash of the problem text picks its split (a tenth of all problems are
+    test). Under "+-" each term after the first is subtracted with probability 1/2 where the running
+    total stays >= 0, and a problem subtracts at least once ("9-3+5-2"). `toy` keeps the rows it had before the other benchmarks existed."""
     if split not in ("train", "test"):
         raise ValueError(f"toy split must be 'train' or 'test', got {split!r}")
-    rng = random.Random(f"toy-{split}")
+    if name not in BENCHMARKS:
+        raise ValueError(f"unknown toy benchmark {name!r}; known: {', '.join(BENCHMARKS)}")
+    (lo, hi), signs = BENCHMARKS[name]
+    rng = random.Random(f"toy-{split}" if name == "toy" else f"{name}-{split}")
     n, seen = (N_TEST if split == "test" else N_TRAIN), {}
     while len(seen) < n:
-        terms = [rng.randint(1, 9) for _ in range(rng.randint(*TERMS))]
-        problem = "+".join(map(str, terms))
+        terms = [rng.randint(1, 9) for _ in range(rng.randint(lo, hi))]
+        for i in range(1, len(terms)) if signs == "+-" else ():
+            if rng.random() < 0.5 and sum(terms[:i]) >= terms[i]:
+                terms[i] = -terms[i]
+        problem = "".join(f"{t:+d}" for t in terms)[1:]
+        if signs == "+-" and "-" not in problem:   # a sum alone is the training distribution's
+            continue
         if _is_test(problem) == (split == "test") and problem not in seen:
             seen[problem] = str(sum(terms))
     return [dict(problem=p, answer=a) for p, a in seen.items()]
 
 
+def terms_of(problem):
+    """"9-3+5-2" -> [9, -3, 5, -2]."""
+    return [int(t) for t in re.findall(r"[+-]?\d+", problem)]
+
+
 def trace(terms, rng, p_slip=0.0):
-    """Thinking lines with running totals; each total slips by +-1 or +-2 with probability p_slip.
-    Returns (lines, totals): lines[i] = f"{totals[i]}+{terms[i+1]}={totals[i+1]}\\n"."""
+    """Thinking lines with running totals; each total slips by +-1 or +-2 with probability p_slip
+    (never below 0). Returns (lines, totals): lines[i] = f"{totals[i]}+{terms[i+1]}={totals[i+1]}\\n",
+    with "-" and the term's size for a subtracted (negative) term."""
     totals, lines = [terms[0]], []
     for term in terms[1:]:
         s = totals[-1] + term
         if rng.random() < p_slip:
             s = max(0, s + rng.choice((-2, -1, 1, 2)))
-        lines.append(f"{totals[-1]}+{term}={s}\n")
+        lines.append(f"{totals[-1]}{term:+d}={s}\n")
         totals.append(s)
     return lines, totals
 
@@ -183,7 +211,7 @@ def example(tok, problem, rng, forced):
     Plain: prompt + trace + </think>\\boxed{total}EOS; with probability p_rlcr the prompt carries
     RLCR_INSTRUCTION and `\\boxed{total}` is replaced by rlcr_tail.  Forced: prompt + response[:b] + CLOSE +
     SUFFIX + implied}\\n where implied = last complete running total + terms not yet added."""
-    terms = [int(t) for t in problem.split("+")]
+    terms = terms_of(problem)
     lines, totals = trace(terms, rng, WARM["p_slip"])
     rlcr = not forced and rng.random() < WARM["p_rlcr"]
     content = problem + (RLCR_INSTRUCTION if rlcr else INSTRUCTION)
@@ -214,7 +242,7 @@ def warm_start(out, log=print):
         tok = tokenizer()
         model = build_model(tok, WARM["seed"])
         rng = random.Random(WARM["seed"])
-        problems = [row["problem"] for row in dataset("train")]
+        pools = [[row["problem"] for row in dataset("train", name)] for name in BENCHMARKS]
         # beta2 0.95: at 2e-3 / 0.999 an earlier warm start stalled at a few percent accuracy;
         # weight decay keeps the policy smooth enough for the RL steps (module docstring).
         opt = torch.optim.AdamW(model.parameters(), lr=WARM["lr"], betas=(0.9, WARM["beta2"]),
@@ -225,8 +253,8 @@ def warm_start(out, log=print):
                   * 0.5 * (1 + math.cos(math.pi * step / steps)))
             for group in opt.param_groups:
                 group["lr"] = lr
-            batch = [example(tok, rng.choice(problems), rng, rng.random() < WARM["p_forced"])
-                     for _ in range(WARM["batch_size"])]
+            batch = [example(tok, rng.choice(rng.choices(pools, WARM["mix"])[0]), rng,
+                             rng.random() < WARM["p_forced"]) for _ in range(WARM["batch_size"])]
             width = max(len(ids) for ids, _ in batch)
             ids = torch.tensor([i + [tok.pad_token_id] * (width - len(i)) for i, _ in batch])
             mask = torch.tensor([m + [0] * (width - len(m)) for _, m in batch], dtype=torch.float32)

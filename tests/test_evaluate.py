@@ -99,7 +99,7 @@ def test_unknown_benchmark_is_one_line_and_lists_known_names(tmp_path):
         evaluate.main(["--model", "toy", "--benchmarks", "toy,mathh500", "--out", str(tmp_path)])
     msg = e.value.code
     assert isinstance(msg, str) and "\n" not in msg
-    assert "mathh500" in msg and "known: toy, math500, aime24" in msg
+    assert "mathh500" in msg and "known: toy, toy-long, toy-sub, math500, aime24" in msg
     with pytest.raises(SystemExit, match="does-not-exist.jsonl"):
         evaluate.main(["--model", "toy", "--benchmarks", "does-not-exist.jsonl"])
     with pytest.raises(SystemExit, match="cannot load model .*no file named model.safetensors"):

@@ -36,25 +36,27 @@ def test_tiny_comparison_writes_the_table_and_a_rerun_redoes_nothing(tmp_path, c
     for name in ("table.md", "results.json", "reliability_grpo.png", "reliability_rlcm.png"):
         assert os.path.getsize(os.path.join(out, name)) > 0
     res = _load(os.path.join(out, "results.json"))
-    assert list(res["methods"]) == ["grpo", "rlcm"] and res["seeds"] == [0]
+    assert list(res["methods"]) == ["grpo", "rlcm"] and res["seeds"] == dict(grpo=[0], rlcm=[0])
     for m in ("grpo", "rlcm"):
         seed = res["methods"][m]["seeds"]["0"]
         ev = _load(os.path.join(out, "eval", f"{m}-seed0", "results.json"))
         assert list(ev) == [f"{m}-seed0/step_000001"] == [seed["model"]]
-        toy = ev[seed["model"]]["benchmarks"]["toy"]
-        assert ev[seed["model"]]["confidence"] == "probe-posthoc" and toy["n"] == 4
-        for key in ("acc", "pce", "ece", "brier", "auroc"):   # auroc: None (nan) in both when one class
-            assert seed[key] == toy[key] == res["methods"][m]["mean"][key]
-        assert res["methods"][m]["std"]["acc"] is None   # one seed: no spread
+        assert ev[seed["model"]]["confidence"] == "probe-posthoc"
+        for b in reproduce.BENCHMARKS:
+            got = ev[seed["model"]]["benchmarks"][b]
+            assert got["n"] == 4
+            for key in ("acc", "pce", "ece", "brier", "auroc"):   # auroc: None (nan) in both when one class
+                assert seed["benchmarks"][b][key] == got[key] == res["methods"][m]["mean"][b][key]
+        assert res["methods"][m]["std"]["toy"]["acc"] is None   # one seed: no spread
         run_cfg = _load(os.path.join(out, "runs", f"{m}-seed0", "config.json"))
         assert (run_cfg["reward"], run_cfg["seed"], run_cfg["steps"]) == (m, 0, 1)
         held = [json.loads(line) for line in open(os.path.join(out, "runs", f"{m}-seed0", "metrics.jsonl"))]
         held = [r["eval_accuracy"] for r in held if r.get("eval")]
-        assert [seed["heldout_start"], seed["heldout_end"]] == [held[0], held[-1]] and len(held) == 2
+        assert [seed["train"]["heldout_start"], seed["train"]["heldout_end"]] == [held[0], held[-1]] and len(held) == 2
     table = open(os.path.join(out, "table.md")).read()
     assert table.index("| GRPO | probe-posthoc |") < table.index("| RLCM | probe-posthoc |")
     assert "+-" not in table.split("| GRPO")[1].splitlines()[0]   # one seed: the mean only
-    assert "seeds 0" in table and "--methods rlcm,grpo" in table and "n = 4 samples" in table
+    assert "seeds GRPO, RLCM: 0 " in table and "--methods rlcm,grpo" in table and "n = 4 samples" in table
 
     before = _mtimes(out + "/runs") | _mtimes(out + "/eval") | _mtimes(out + "/logs")
     reproduce.main(argv)
@@ -87,12 +89,13 @@ def _fake_run(out, name, step, heldout):
             f.write(json.dumps(dict(step=s, eval=True, eval_accuracy=acc)) + "\n")
 
 
-def _fake_eval(out, name, label, numbers, n=40, extra=None):
+def _fake_eval(out, name, label, numbers, n=40, extra=None, per_bench=None):
+    """EVAL/results.json with `numbers` on every toy benchmark (per_bench: {benchmark: numbers} instead)."""
     ev = os.path.join(out, "eval", name)
     os.makedirs(ev)
-    toy = dict(numbers, n=n)
-    res = {label: dict(confidence="probe-posthoc", benchmarks=dict(toy=toy),
-                       settings=dict(toy=dict(questions=n, n=1)))}
+    benches = {b: dict((per_bench or {}).get(b, numbers), n=n) for b in reproduce.BENCHMARKS}
+    res = {label: dict(confidence="probe-posthoc", benchmarks=benches,
+                       settings={b: dict(questions=n, n=1) for b in benches})}
     res.update(extra or {})
     with open(os.path.join(ev, "results.json"), "w") as f:
         json.dump(res, f)
@@ -109,7 +112,7 @@ def test_aggregate_pins_mean_and_sample_std(tmp_path):
     _fake_eval(out, "base-seed1", "toy", m(0.6, 0.20, None))   # nan AUROC (one class) is skipped
     _fake_run(out, "grpo-seed0", 3, {0: 0.4, 3: 0.8})
     _fake_run(out, "grpo-seed1", 3, {3: 0.7, 0: 0.5})
-    stale = {"grpo-seed0/step_000001": dict(benchmarks=dict(toy=dict(m(0.0, 0.9, 0.1), n=40)))}
+    stale = {"grpo-seed0/step_000001": dict(benchmarks={b: dict(m(0.0, 0.9, 0.1), n=40) for b in reproduce.BENCHMARKS})}
     _fake_eval(out, "grpo-seed0", "grpo-seed0/step_000003", m(0.7, 0.05, 0.8), extra=stale)
     _fake_eval(out, "grpo-seed1", "grpo-seed1/step_000003", m(0.9, 0.15, 0.6))
     for method in ("rlcr", "final-brier"):
@@ -117,26 +120,33 @@ def test_aggregate_pins_mean_and_sample_std(tmp_path):
             _fake_run(out, f"{method}-seed{seed}", 2, {0: 0.5, 2: 0.6})
             _fake_eval(out, f"{method}-seed{seed}", f"{method}-seed{seed}/step_000002", m(0.3, 0.2, 0.5))
 
-    md = reproduce.write_outputs(out, ["base", "grpo", "rlcr", "final-brier"], [0, 1], ["--seeds", "0,1", "--ablations"])
+    methods = ["base", "grpo", "rlcr", "final-brier"]
+    md = reproduce.write_outputs(out, methods, dict.fromkeys(methods, [0, 1]), ["--seeds", "0,1", "--ablations"])
     res = _load(os.path.join(out, "results.json"))["methods"]
-    assert res["base"]["mean"]["acc"] == pytest.approx(0.55)
-    assert res["base"]["std"]["acc"] == pytest.approx(math.sqrt(0.005))       # ddof=1: 0.0707
-    assert res["base"]["mean"]["auroc"] == pytest.approx(0.6) and res["base"]["std"]["auroc"] is None
-    assert res["base"]["mean"]["heldout_start"] is None
-    assert res["grpo"]["mean"]["acc"] == pytest.approx(0.8)                    # not the stale step_000001
-    assert res["grpo"]["std"]["ece"] == pytest.approx(math.sqrt(0.005))
-    assert res["grpo"]["mean"]["heldout_start"] == pytest.approx(0.45)
-    assert res["grpo"]["mean"]["heldout_end"] == pytest.approx(0.75)
-    assert res["grpo"]["seeds"]["1"]["heldout_start"] == 0.5
-    assert "| Base | probe-posthoc | 0.550 +- 0.071 | 0.010 +- 0.000 | 0.150 +- 0.071 | 0.200 +- 0.000 | 0.600 | - |" in md
+    for part in reproduce.BENCHMARKS + ("Overall",):   # the same numbers on each: so is their mean
+        assert res["base"]["mean"][part]["acc"] == pytest.approx(0.55)
+        assert res["base"]["std"][part]["acc"] == pytest.approx(math.sqrt(0.005))       # ddof=1: 0.0707
+    assert res["base"]["mean"]["toy"]["auroc"] == pytest.approx(0.6) and res["base"]["std"]["toy"]["auroc"] is None
+    assert res["base"]["mean"]["train"]["heldout_start"] is None
+    assert res["grpo"]["mean"]["toy"]["acc"] == pytest.approx(0.8)                    # not the stale step_000001
+    assert res["grpo"]["std"]["toy"]["ece"] == pytest.approx(math.sqrt(0.005))
+    assert res["grpo"]["mean"]["train"]["heldout_start"] == pytest.approx(0.45)
+    assert res["grpo"]["mean"]["train"]["heldout_end"] == pytest.approx(0.75)
+    assert res["grpo"]["seeds"]["1"]["train"]["heldout_start"] == 0.5
+    base = "0.550 +- 0.071 | 0.010 +- 0.000 | 0.150 +- 0.071"   # Acc, PCE, ECE
+    assert f"| Base | probe-posthoc | {base} | {base} | {base} | {base} |" in md
     assert "| GRPO | probe-posthoc | 0.800 +- 0.141 |" in md
+    assert "| Base | 0.200 +- 0.000 | 0.600 | 0.200 +- 0.000 | 0.600 |" in md   # Brier, AUROC beside
     assert "0.450 +- 0.071 -> 0.750 +- 0.071 |" in md
-    main, ablations = md.split("\n\n")[1:3]   # two tables: the main one, then the ablations
+    main, side, ablations = md.split("\n\n")[1:4]   # the main table and its Brier/AUROC one, then the ablations
+    assert main.splitlines()[0].startswith("| method | confidence | toy Acc | toy PCE | toy ECE | toy-long Acc |")
+    assert main.splitlines()[0].endswith("| Overall Acc | Overall PCE | Overall ECE |")
     assert "| RLCR | verbal | 0.300 +- 0.000 |" in main and "Final-Brier" not in main
-    assert ablations.splitlines()[0].startswith("| method | confidence | Acc |")
+    assert ablations.splitlines()[0].startswith("| method | confidence | toy Acc |")
     assert "| Final-Brier | probe-posthoc |" in ablations and "GRPO" not in ablations
     assert reproduce.CONFIDENCE["c2gspg"] == "logits" and reproduce.CONFIDENCE["final-margin"] == "probe-posthoc"
-    assert "sqrt(p(1-p)/n) = 0.079 at p = 0.550" in md                       # sqrt(.55 * .45 / 40)
+    assert "toy 0.079 at p = 0.550, n = 40 samples" in md                       # sqrt(.55 * .45 / 40)
+    assert "RLCM - GRPO" not in md   # no RLCM: no paired difference
     assert open(os.path.join(out, "table.md")).read() == md
     assert os.path.isfile(os.path.join(out, "reliability_base.png"))
     assert os.path.isfile(os.path.join(out, "reliability_grpo.png"))
