@@ -215,7 +215,7 @@ def sample_key(ident, source, s, args, prompt, conf_kw):
     weights = prb and [[k, hashlib.sha256(v.detach().float().cpu().numpy().tobytes()).hexdigest()]
                        for k, v in prb.state_dict().items()]
     return digest(dict({k: v for k, v in conf_kw.items() if k != "prb"}, model=ident, benchmark=source,
-                       n=s["n"], max_new_tokens=s["max_new_tokens"], temperature=args.temperature,
+                       n=s["n"], max_new_tokens=s["max_new_tokens"], gate=s["gate"], temperature=args.temperature,
                        top_p=args.top_p, seed=args.seed, prompt=prompt, probe=weights))
 
 
@@ -239,6 +239,17 @@ def check_prompts(tok, model, loaded, args, run_instruction=None, system=None):
         data.check_context(tok, rows, instruction, getattr(model.config, "max_position_embeddings", None),
                            settings(bench, args)["max_new_tokens"], bench,
                            say=lambda m: print(m, file=sys.stderr), system=system)
+
+
+def natural_correct(text, answer, gold, form="box", gate="thinking"):
+    """The grade of a natural response: its answer (grade.extract) matches the gold and, with
+    gate="thinking" (released: natural_eval._evaluate_boxed), its thinking holds a box
+    (grade.boxed_in_thinking), so a response that boxes only after `</think>` counts as wrong;
+    gate="none" grades the answer alone. An RLCR answer (form="tag") needs its <answer> tag, as
+    released, and no box."""
+    if form == "box" and gate == "thinking" and not grade.boxed_in_thinking(text):
+        return False
+    return grade.answers_match(answer, gold, GRADER)
 
 
 def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, path, system=None,
@@ -281,7 +292,8 @@ def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, con
                 j, answer = missing[r % m], grade.extract(out.texts[r], GRADER, form)
                 f.write(json.dumps(dict(
                     model=label, benchmark=bench, question=q, sample=j, answer=answer,
-                    correct=int(grade.answers_match(answer, golds[r], GRADER)), confidence=float(conf[r]),
+                    correct=int(natural_correct(out.texts[r], answer, golds[r], form, s["gate"])),
+                    confidence=float(conf[r]),
                     length=out.lengths[r], finish=out.finish[r], source=conf_kw["source"], key=key, q=qids[q],
                     **extras[r])) + "\n")
             f.flush()
@@ -322,6 +334,8 @@ def settings(bench, args):
         if getattr(args, key if key != "n" else "n_samples") is not None:
             s[key] = getattr(args, key if key != "n" else "n_samples")
     s["batch"] = args.batch_size or max(1, w["rows"] // s["n"])
+    # The toy boxes after `</think>` by construction: the released gate would grade every answer wrong.
+    s["gate"] = args.gate or ("none" if toy_world else "thinking")
     return s
 
 
@@ -456,6 +470,9 @@ def parse_args(argv=None):
     g = p.add_argument_group("prompt (default: what the run trained with, else the benchmark's)")
     g.add_argument("--instruction", help="text appended to every problem")
     g.add_argument("--system-prompt", help="system turn before the problem")
+    g.add_argument("--gate", choices=("thinking", "none"),
+                   help="thinking (default; toy: none): a boxed answer counts only if a box appears before "
+                        "`</think>`, as the released evaluation counts it; none: the last box alone decides")
     g.add_argument("--answer", choices=("box", "tag"),
                    help="where the answer is read: the last \\boxed{} (default) or the last <answer> tag "
                         "(default for a run trained with --reward rlcr)")
