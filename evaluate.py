@@ -333,6 +333,10 @@ def settings(bench, args):
     for key in ("n", "max_new_tokens", "every", "forced_k"):
         if getattr(args, key if key != "n" else "n_samples") is not None:
             s[key] = getattr(args, key if key != "n" else "n_samples")
+    # verbal-forced (RLCR's released reading): its re-answer text (the toy: `</think>` alone) and
+    # n_forced re-answers, 4 on the 32-sample benchmarks and 1 elsewhere in the released configs.
+    s["reanswer"] = None if toy_world else confidence.RLCR_REANSWER
+    s["reanswer_k"] = args.forced_k or (w["forced_k"] if toy_world else 4 if bench in BIG_N else 1)
     s["batch"] = args.batch_size or max(1, w["rows"] // s["n"])
     # The toy boxes after `</think>` by construction: the released gate would grade every answer wrong.
     s["gate"] = args.gate or ("none" if toy_world else "thinking")
@@ -413,7 +417,7 @@ def evaluate_model(name, loaded, args):
         probe_source = source in ("probe", "probe-posthoc") and not args.no_early_exit
         conf_kw = dict(source=source, prb=prb, close_id=close_id, every=s["every"] if probe_source else None,
                        suffix=s["suffix"], close=args.forced_close, fractions=run_fractions(path),
-                       forced_k=s["forced_k"], budget=s["max_new_tokens"])
+                       forced_k=s["reanswer_k"], budget=s["max_new_tokens"], reanswer=s["reanswer"])
         key = sample_key(ident, bench_source, s, args, [instruction, prompt[1], prompt[2]], conf_kw)
         generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, samples, prompt[1],
                            prompt[2], key)
@@ -461,7 +465,8 @@ def parse_args(argv=None):
                         "--forced-k re-answers after the thinking (RLCR's released reading); logits: C2GSPG's")
     g.add_argument("--every", type=int, help="thinking tokens between probe budgets / exit checkpoints (500; toy 8)")
     g.add_argument("--posthoc-budgets", type=int, help="post-hoc budgets per rollout: every, 2 * every, ... (16)")
-    g.add_argument("--forced-k", type=int, help="forced answers per budget for post-hoc labels (16; toy 4)")
+    g.add_argument("--forced-k", type=int, help="forced answers per budget for post-hoc labels (16; toy 4) and "
+                                                "re-answers of verbal-forced (released: 4 on aime/amc, else 1; toy 4)")
     g.add_argument("--forced-close", choices=("think", "eos"), default="think")
     g.add_argument("--probe-data", help="questions for the post-hoc probe (default: toy train split / deepscaler)")
     g.add_argument("--probe-questions", type=int, help="how many (default 80, as released)")

@@ -12,9 +12,11 @@ Sources (one number in [0, 1] per sampled response):
                  above 1 read as percentages; a missing tag, no number or a value outside [0, 100]
                  reads as 0.5 (counted), as the released scorer reads it.
   verbal-forced  RLCR's released evaluation confidence: the thinking cut at the budget (the evaluation's
-                 max tokens: 8000, the toy's 128) or where it ended, `</think>` appended, --forced-k
-                 re-answers sampled (temperature 0.6, top-p 0.95, at most 512 tokens), the mean of their
-                 verbal confidences (a re-answer without a tag counts 0.5; counted).
+                 max tokens: 8000, the toy's 128) or where it ended, RLCR_REANSWER appended ("...</think>",
+                 "I am out of time, ..." with the 3-tag format and `<answer>` opened; the toy: `</think>`
+                 alone), k re-answers sampled (released: 4 on AIME / AMC, 1 elsewhere; temperature 0.6,
+                 top-p 0.95, at most 1000 tokens), the mean of their verbal confidences (a re-answer
+                 without a tag counts 0.5; counted).
   logits         exp(mean log-prob of the response tokens) at temperature 1 (C2GSPG's confidence).
 
 Post-hoc protocol (released evaluation code; each knob is an evaluate.py flag): 80 problems x 8
@@ -43,7 +45,7 @@ from harness import checkpoint
 import probe as probe_lib
 from baselines import verbal_confidence  # RLCR's parser, read here for --confidence verbal
 from grpo import pack, token_logprobs
-from data import chat_prompt
+from data import RLCR_FORMAT, chat_prompt
 from grade import answers_match, boxed_answer, is_correct
 from label import absolute_budgets, budgets, forced_prompt, mc_labels
 import rollout
@@ -52,19 +54,28 @@ from update import budget_ends, score
 
 SOURCES = ("probe", "probe-posthoc", "verbal", "verbal-forced", "logits")
 EVAL_SUFFIX = "\n\nIf I were to give the final answer now, the final answer would be \\boxed{"
+# RLCR's released forced re-answer (2_budget_eval_rlcr.py), after the thinking cut at the budget.
+RLCR_REANSWER = ("...</think>\n\nI am out of time, let me just output the final answer and confidence analysis "
+                 "in exactly this format:\n" + RLCR_FORMAT + "\n\n<answer>")
 GRID = [(lr, p, wd) for lr in (1e-3, 5e-4, 1e-4) for p in (0.5, 0.8) for wd in (1e-3, 1e-2)]
 
 
-def forced_verbal(model, tokenizer, prompts, responses, close_id, budget, k, seed=None, batch_size=8):
+def forced_verbal(model, tokenizer, prompts, responses, close_id, budget, k, seed=None, batch_size=8,
+                  close_text=RLCR_REANSWER, max_new_tokens=1000):
     """(conf [N], missing [N]): per response, the mean verbal confidence of k re-answers forced after
-    `prompt + thinking[:budget] + </think>` (thinking: up to its own `</think>`), and how many of the
-    k had no readable tag (read as 0.5)."""
+    `prompt + thinking[:budget] + close_text` (thinking: up to its own `</think>`), and how many of
+    the k had no readable tag (read as 0.5).
+
+    Released (2_budget_eval_rlcr.py): close_text = RLCR_REANSWER, tokenized on its own and appended
+    to the ids, at most 1000 new tokens (it also puts `<answer>` before a re-answer that lacks one,
+    for the answer, which is not read here). close_text=None closes with the `</think>` id alone
+    (the toy world, which reads no English)."""
     if close_id is None:
         raise ValueError("--confidence verbal-forced needs a `</think>` token in the tokenizer")
-    forced = [list(p) + list(r[:min(think_end(r, close_id), budget)]) + [close_id]
-              for p, r in zip(prompts, responses)]
-    texts = sample_by_length(model, tokenizer, forced, k, max_new_tokens=512, temperature=0.6, top_p=0.95,
-                             seed=seed, batch_size=max(1, batch_size // k))
+    close = [close_id] if close_text is None else tokenizer.encode(close_text, add_special_tokens=False)
+    forced = [list(p) + list(r[:min(think_end(r, close_id), budget)]) + close for p, r in zip(prompts, responses)]
+    texts = sample_by_length(model, tokenizer, forced, k, max_new_tokens=max_new_tokens, temperature=0.6,
+                             top_p=0.95, seed=seed, batch_size=max(1, batch_size // k))
     read = [[verbal_confidence(t) for t in ts] for ts in texts]
     return [sum(c for c, _ in r) / len(r) for r in read], [sum(m for _, m in r) for r in read]
 
@@ -301,7 +312,8 @@ def read_point(source, response, close_id, fractions=(0.25, 0.5, 0.75)):
 
 def sample_confidences(source, model, tokenizer, prompts, responses, texts, golds, prb=None,
                        close_id=None, every=None, exit_k=1, suffix=EVAL_SUFFIX, close="think", seed=0,
-                       batch_size=8, rows=64, fractions=(0.25, 0.5, 0.75), forced_k=16, budget=8000):
+                       batch_size=8, rows=64, fractions=(0.25, 0.5, 0.75), forced_k=16, budget=8000,
+                       reanswer=RLCR_REANSWER):
     """One confidence per response, plus per-sample extras for the results.
 
     Probe sources read their probe at read_point (the run's probe: its last training budget, with
@@ -318,7 +330,7 @@ def sample_confidences(source, model, tokenizer, prompts, responses, texts, gold
         return [c for c, _ in pairs], [{"verbal_missing": m} for _, m in pairs]
     if source == "verbal-forced":
         conf, missing = forced_verbal(model, tokenizer, prompts, responses, close_id, budget, forced_k,
-                                      seed=seed, batch_size=rows)
+                                      seed=seed, batch_size=rows, close_text=reanswer)
         return conf, [{"verbal_missing": m} for m in missing]
     if source == "logits":
         conf = logit_confidence(model, prompts, responses, tokenizer.pad_token_id, batch_size)
