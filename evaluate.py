@@ -372,7 +372,8 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
     protocol = dict(n=args.probe_samples or w["probe_samples"], max_new_tokens=s["max_new_tokens"],
                     temperature=args.temperature, top_p=args.top_p, every=s["every"],
                     count=args.posthoc_budgets or w["posthoc_budgets"], k=s["forced_k"], suffix=s["suffix"],
-                    close=args.forced_close, stop=[], copy_natural=True, epochs=100, patience=30, batch=64,
+                    close=args.forced_close, stop=[], copy_natural=True, lead="" if src == "toy" else confidence.EVAL_LEAD,
+                    gate=s["gate"], epochs=100, patience=30, batch=64,
                     val_frac=0.2, seed=42)
     print(f"post-hoc probe for {label}: {len(rows)} {src} questions ...", file=sys.stderr)
     prb, report = confidence.posthoc_probe(

@@ -21,10 +21,11 @@ Sources (one number in [0, 1] per sampled response):
 
 Post-hoc protocol (released evaluation code; each knob is an evaluate.py flag): 80 problems x 8
 samples; 16 budgets every 500 thinking tokens per rollout, a budget past the end of thinking reusing
-the end-of-thinking feature and label; forced answers `prompt + thinking[:b] + </think> + EVAL_SUFFIX`,
-16 per budget at temperature 0.6, top-p 0.95, at most 64 tokens, no stop string, read from the last
-box; where the thinking ended inside the budget and the response holds a box, the natural answer's
-correctness is copied instead; MLP d -> d/4 -> 1; validation problems (seed 42) added until they hold
+the end-of-thinking feature and label; forced answers `prompt + thinking[:b] + "..." + </think> +
+EVAL_SUFFIX`, 16 per budget at temperature 0.6, top-p 0.95, at most 64 tokens, no stop string, read
+from the last box; where the thinking ended inside the budget and holds a box itself, the natural
+answer's correctness is copied instead (the toy world: its own forced text, no "...", and a box
+anywhere, since it boxes after `</think>`); past-end budgets share one draw (released: one each); MLP d -> d/4 -> 1; validation problems (seed 42) added until they hold
 >= 20 % of the examples; BCE on soft labels, batch 64, up to 100 epochs, early stopping (patience 30)
 on validation BCE against rounded labels, ReduceLROnPlateau(0.5, 5); grid over lr x dropout x weight
 decay (GRID).
@@ -46,7 +47,7 @@ import probe as probe_lib
 from baselines import verbal_confidence  # RLCR's parser, read here for --confidence verbal
 from grpo import pack, token_logprobs
 from data import RLCR_FORMAT, chat_prompt
-from grade import answers_match, boxed_answer, is_correct
+from grade import answers_match, boxed_answer, boxed_in_thinking, is_correct
 from label import absolute_budgets, budgets, forced_prompt, mc_labels
 import rollout
 from rollout import generate
@@ -54,6 +55,7 @@ from update import budget_ends, score
 
 SOURCES = ("probe", "probe-posthoc", "verbal", "verbal-forced", "logits")
 EVAL_SUFFIX = "\n\nIf I were to give the final answer now, the final answer would be \\boxed{"
+EVAL_LEAD = "..."  # released: the cut thinking ends in "..." before `</think>` + EVAL_SUFFIX
 # RLCR's released forced re-answer (2_budget_eval_rlcr.py), after the thinking cut at the budget.
 RLCR_REANSWER = ("...</think>\n\nI am out of time, let me just output the final answer and confidence analysis "
                  "in exactly this format:\n" + RLCR_FORMAT + "\n\n<answer>")
@@ -167,25 +169,29 @@ def posthoc_budgets(thinking, every=500, count=16):
 
 def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions, ends, k=16,
                    suffix=EVAL_SUFFIX, close="think", stop=(), copy_natural=True, max_new_tokens=64,
-                   seed=0, rows=64):
+                   seed=0, rows=64, lead=EVAL_LEAD, gate="thinking"):
     """Labels Y_b for each rollout's budget positions (N lists of floats) and the count of copied ones.
 
-    Where the position is the end of thinking (ends[i]) and the natural response holds a box, the
-    natural answer's correctness (0 or 1) is copied (copy_natural). Elsewhere k answers are forced
-    from `prompt + response[:b] + CLOSE + suffix` (temperature 0.6, top-p 0.95, at most
-    max_new_tokens, `stop` strings; released: none) and each is read from the last box of
-    `suffix + completion`; Y_b is the fraction right. Equal forced prompts are sampled once.
+    Where the position is the end of thinking (ends[i]) and the thinking holds a box (gate="thinking",
+    released; gate="none": the response anywhere, the toy's rule), the natural answer's correctness
+    (0 or 1) is copied (copy_natural). Elsewhere k answers are forced from `prompt + response[:b] +
+    lead + CLOSE + suffix` (released: "..." + `</think>` + "\n\nIf I were ..."; temperature 0.6,
+    top-p 0.95, at most max_new_tokens, `stop` strings; released: none) and each is read from the
+    last box of `suffix + completion`; Y_b is the fraction right. Equal forced prompts are sampled once.
     """
+    lead_ids = tokenizer.encode(lead, add_special_tokens=False) if lead else []
     labels, todo, copied = [], {}, 0
     for i, ps in enumerate(positions):
-        natural = float(is_correct(texts[i], golds[i])) if boxed_answer(texts[i]) is not None else None
+        boxed = boxed_in_thinking(texts[i]) if gate == "thinking" else boxed_answer(texts[i]) is not None
+        natural = float(is_correct(texts[i], golds[i])) if boxed else None
         row = []
         for b in ps:
             if copy_natural and b >= ends[i] and natural is not None:
                 row.append(natural)
                 copied += 1
             else:
-                key = tuple(forced_prompt(prompts[i], responses[i], b, tokenizer, close, suffix))
+                cut = list(responses[i][:b]) + lead_ids
+                key = tuple(forced_prompt(prompts[i], cut, len(cut), tokenizer, close, suffix))
                 row.append(todo.setdefault(key, (len(todo), golds[i]))[0])
         labels.append(row)
     y = []
@@ -200,7 +206,7 @@ def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions
 
 def posthoc_examples(model, tokenizer, prompts, responses, texts, golds, groups, close_id, every=500,
                      count=16, k=16, suffix=EVAL_SUFFIX, close="think", stop=(), copy_natural=True,
-                     seed=0, batch_size=8, rows=64):
+                     seed=0, batch_size=8, rows=64, lead=EVAL_LEAD, gate="thinking"):
     """(feats [M, d], labels [M], groups [M], stats) for fitting a post-hoc probe on sampled responses.
 
     Every rollout contributes `count` examples, one per budget of posthoc_budgets(thinking, every,
@@ -212,7 +218,7 @@ def posthoc_examples(model, tokenizer, prompts, responses, texts, golds, groups,
     ends = [think_end(r, close_id) for r in responses]
     positions = [posthoc_budgets(e, every, count) for e in ends]
     labels, copied = posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions, ends, k,
-                                    suffix, close, stop, copy_natural, seed=seed, rows=rows)
+                                    suffix, close, stop, copy_natural, seed=seed, rows=rows, lead=lead, gate=gate)
     feats = features(model, prompts, responses, positions, tokenizer.pad_token_id, True, batch_size)
     x = torch.cat(feats)
     y = torch.tensor([v for ls in labels for v in ls], dtype=torch.float32)
@@ -364,7 +370,7 @@ def protocol_line(p, report):
             f"top-p {p['top_p']}, <= {p['max_new_tokens']} tokens); {p['count']} budgets every {p['every']} "
             f"thinking tokens per rollout, past the end of thinking: its feature and label "
             f"({report['past_end']} of {report['examples']} examples, natural answer copied for "
-            f"{report['natural_copied']}); forced text {'</think>' if p['close'] == 'think' else 'EOS'!r} + {p['suffix']!r}, {p['k']} answers at "
+            f"{report['natural_copied']}); forced text {p['lead']!r} + {'</think>' if p['close'] == 'think' else 'EOS'!r} + {p['suffix']!r}, {p['k']} answers at "
             f"T 0.6, top-p 0.95, <= 64 tokens, stop {stop}, answer from the last box; split seed {p['seed']}: "
             f"train {report['n_train']} examples ({report['train_problems']} problems) / val {report['n_val']} "
             f"({report['val_problems']} problems, {val_share:.1%}); up to {p['epochs']} epochs, patience "
@@ -408,7 +414,8 @@ def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, pro
     protocol, else fitted and saved. Returns (probe, report); report["protocol"] is `protocol`.
 
     protocol (evaluate.py builds it from its flags): n samples per question at temperature / top_p,
-    max_new_tokens; every / count budgets; k forced answers with suffix, close, stop, copy_natural;
+    max_new_tokens; every / count budgets; k forced answers with lead, suffix, close, stop,
+    copy_natural under gate;
     epochs, patience, batch, val_frac, seed of the fit. Samples n responses per question
     ({problem, answer}), labels their prefixes (posthoc_examples), runs fit_posthoc, and prints
     protocol_line to stderr.
@@ -429,7 +436,7 @@ def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, pro
     groups = [q for q in range(len(questions)) for _ in range(p["n"])]
     x, y, g, stats = posthoc_examples(model, tokenizer, rep, out.ids, out.texts, golds, groups, close_id,
                                       p["every"], p["count"], p["k"], p["suffix"], p["close"], tuple(p["stop"]),
-                                      p["copy_natural"], p["seed"] + 1, batch_size, rows)
+                                      p["copy_natural"], p["seed"] + 1, batch_size, rows, p["lead"], p["gate"])
     prb, report = fit_posthoc(x, y, g, seed=p["seed"], max_epochs=p["epochs"], patience=p["patience"],
                               batch_size=p["batch"], val_frac=p["val_frac"], device=_device(model))
     report.update(stats, protocol=p, questions=len(questions), samples=len(rep), prefixes=len(y),

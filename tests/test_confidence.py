@@ -171,7 +171,9 @@ def test_posthoc_examples_budget_rule_natural_copy_and_last_box(monkeypatch):
     # distinct forced prompts: rollouts 0 and 1 agree up to token 2; then rollout 1 at 4, rollout 2 at 2
     # (in that order on the dynamic path; the static path samples them shortest first)
     assert len(call["prompts"]) == 3 and call["n"] == 4
-    assert call["prompts"][0] == [1, 2, 3, 6, 7, 0] + [ord(c) for c in "S \\boxed{"] and call["stop"] == ()
+    # released: the cut thinking, "...", the close, the suffix
+    assert call["prompts"][0] == [1, 2, 3, 6, 7] + [ord(c) for c in "..."] + [0] + [ord(c) for c in "S \\boxed{"]
+    assert call["stop"] == ()
     assert (call["temperature"], call["top_p"], call["max_new_tokens"]) == (0.6, 0.95, 64)
     # features: every past-end budget of rollout 0 equals its end-of-thinking feature (position 3)
     end = confidence.features(model, prompts[:1], responses[:1], [[3]], 0, final_norm=True)[0][0]
@@ -301,6 +303,26 @@ def test_verbal_forced_on_the_toy_base_reads_its_rlcr_tags():
     # the base draws its confidence from 0.1 .. 0.9 whatever the trace: means of 4 such draws
     assert all(0.1 <= c <= 0.9 for c in conf) and len(set(conf)) > 1
     assert [e["verbal_missing"] for e in extras] == [0] * 8
+
+
+def test_posthoc_labels_copy_the_natural_answer_only_if_the_thinking_is_boxed(monkeypatch):
+    # Both rollouts end their thinking (id 9) at 3 tokens and are right; rollout 0 boxes only after
+    # </think> (R1's habit), rollout 1 inside the thinking too. Released (2_budget_eval.py): only
+    # rollout 1's past-end budgets copy its correctness (1.0); rollout 0's are forced (1 of 4 right).
+    def fake_generate(model, tok, prompts, n, **kw):
+        return type("S", (), {"texts": (["7}"] + ["3}"] * (n - 1)) * len(prompts)})()
+
+    monkeypatch.setattr(confidence, "generate", fake_generate)
+    responses = [[6, 7, 8, 9, 11], [6, 7, 8, 9, 11]]
+    texts = ["3+4=7</think>\\boxed{7}", "so \\boxed{7}</think>\\boxed{7}"]
+    positions, ends = [[2, 3, 3], [2, 3, 3]], [3, 3]
+    labels, copied = confidence.posthoc_labels(torch.nn.Linear(1, 1), _CharTok(), [[1], [1]], responses, texts, ["7", "7"], positions,
+                                               ends, k=4, suffix="\\boxed{", close="eos")
+    assert labels == [[0.25, 0.25, 0.25], [0.25, 1.0, 1.0]] and copied == 2
+    # gate="none" (the toy's rule): a box anywhere in the response is copied
+    labels, copied = confidence.posthoc_labels(torch.nn.Linear(1, 1), _CharTok(), [[1], [1]], responses, texts, ["7", "7"], positions,
+                                               ends, k=4, suffix="\\boxed{", close="eos", gate="none")
+    assert labels == [[0.25, 1.0, 1.0], [0.25, 1.0, 1.0]] and copied == 4
 
 
 def test_posthoc_labels_decode_one_bounded_shape_at_a_time(monkeypatch):
