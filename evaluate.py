@@ -60,7 +60,7 @@ GRADER = "math"   # evaluation grades with grade.is_correct: normaliser + math-v
 LIMITS = {key: (lambda v: v >= 1, ">= 1") for key in (
     "limit", "n_samples", "max_new_tokens", "batch_size", "threads", "every", "forced_k", "probe_questions")}
 LIMITS.update(temperature=(lambda v: v >= 0, ">= 0 (0: greedy)"), top_p=(lambda v: 0 < v <= 1, "in (0, 1]"),
-              seed=(lambda v: 0 <= v < 2**32, "in [0, 2**32)"))
+              seed=(lambda v: 0 <= v < 2**32, "in [0, 2**32)"), logit_temperature=(lambda v: v > 0, "> 0"))
 LOCKS = ExitStack()  # the lock of every output folder written, held until main() ends
 
 
@@ -418,7 +418,8 @@ def evaluate_model(name, loaded, args):
         probe_source = source in ("probe", "probe-posthoc") and not args.no_early_exit
         conf_kw = dict(source=source, prb=prb, close_id=close_id, every=s["every"] if probe_source else None,
                        suffix=s["suffix"], close=args.forced_close, fractions=run_fractions(path),
-                       forced_k=s["reanswer_k"], budget=s["max_new_tokens"], reanswer=s["reanswer"])
+                       forced_k=s["reanswer_k"], budget=s["max_new_tokens"], reanswer=s["reanswer"],
+                       logit_temperature=args.logit_temperature or run_config(path).get("temperature", 0.8))
         key = sample_key(ident, bench_source, s, args, [instruction, prompt[1], prompt[2]], conf_kw)
         generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, samples, prompt[1],
                            prompt[2], key)
@@ -464,6 +465,9 @@ def parse_args(argv=None):
                    help="default probe-posthoc (the paper's probe rows); probe: the run's own probe.pt, read "
                         "at its last training budget; verbal: the <confidence> tag; verbal-forced: the mean tag of "
                         "--forced-k re-answers after the thinking (RLCR's released reading); logits: C2GSPG's")
+    g.add_argument("--logit-temperature", type=float,
+                   help="temperature of --confidence logits (default: the run's training temperature, 0.8, "
+                        "where C2GSPG trained its confidence; 1: the raw model's)")
     g.add_argument("--every", type=int, help="thinking tokens between probe budgets / exit checkpoints (500; toy 8)")
     g.add_argument("--posthoc-budgets", type=int, help="post-hoc budgets per rollout: every, 2 * every, ... (16)")
     g.add_argument("--forced-k", type=int, help="forced answers per budget for post-hoc labels (16; toy 4) and "

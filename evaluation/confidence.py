@@ -17,7 +17,8 @@ Sources (one number in [0, 1] per sampled response):
                  alone), k re-answers sampled (released: 4 on AIME / AMC, 1 elsewhere; temperature 0.6,
                  top-p 0.95, at most 1000 tokens), the mean of their verbal confidences (a re-answer
                  without a tag counts 0.5; counted).
-  logits         exp(mean log-prob of the response tokens) at temperature 1 (C2GSPG's confidence).
+  logits         exp(mean log-prob of the response tokens) at the run's training temperature (0.8), where
+                 C2GSPG trained it (C2GSPG's confidence; `--logit-temperature 1`: the raw model's).
 
 Post-hoc protocol (released evaluation code; each knob is an evaluate.py flag): 80 problems x 8
 samples; 16 budgets every 500 thinking tokens per rollout, a budget past the end of thinking reusing
@@ -113,8 +114,10 @@ def _device(model):
     return next(model.parameters()).device
 
 
-def logit_confidence(model, prompts, responses, pad_id, batch_size=8):
-    """exp(mean_t log p(response token t)) at temperature 1, one float per response (EOS included).
+def logit_confidence(model, prompts, responses, pad_id, batch_size=8, temperature=0.8):
+    """exp(mean_t log p_T(response token t)) with logits / temperature, one float per response (EOS
+    included). C2GSPG trains this c at the sampling temperature (0.8; verl's old_log_probs are at the
+    rollout temperature), so it is read there by default; temperature=1 is the raw model's.
 
     prompts, responses: N lists of ids. Runs grpo.token_logprobs over grpo.pack micro-batches.
     """
@@ -123,7 +126,7 @@ def logit_confidence(model, prompts, responses, pad_id, batch_size=8):
         for s in range(0, len(prompts), batch_size):
             b = pack(prompts[s:s + batch_size], responses[s:s + batch_size], pad_id)
             dev = _device(model)
-            logp = token_logprobs(model, b["input_ids"].to(dev), b["attention_mask"].to(dev)).float().cpu()
+            logp = token_logprobs(model, b["input_ids"].to(dev), b["attention_mask"].to(dev), temperature).float().cpu()
             m = b["loss_mask"]
             mean = (logp * m).sum(1) / m.sum(1).clamp(min=1)
             out += torch.exp(mean).tolist()
@@ -319,7 +322,7 @@ def read_point(source, response, close_id, fractions=(0.25, 0.5, 0.75)):
 def sample_confidences(source, model, tokenizer, prompts, responses, texts, golds, prb=None,
                        close_id=None, every=None, exit_k=1, suffix=EVAL_SUFFIX, close="think", seed=0,
                        batch_size=8, rows=64, fractions=(0.25, 0.5, 0.75), forced_k=16, budget=8000,
-                       reanswer=RLCR_REANSWER):
+                       reanswer=RLCR_REANSWER, logit_temperature=0.8):
     """One confidence per response, plus per-sample extras for the results.
 
     Probe sources read their probe at read_point (the run's probe: its last training budget, with
@@ -339,7 +342,7 @@ def sample_confidences(source, model, tokenizer, prompts, responses, texts, gold
                                       seed=seed, batch_size=rows, close_text=reanswer)
         return conf, [{"verbal_missing": m} for m in missing]
     if source == "logits":
-        conf = logit_confidence(model, prompts, responses, tokenizer.pad_token_id, batch_size)
+        conf = logit_confidence(model, prompts, responses, tokenizer.pad_token_id, batch_size, logit_temperature)
         if not all(math.isfinite(c) for c in conf):  # never a NaN row in samples.jsonl
             raise FloatingPointError(f"{sum(not math.isfinite(c) for c in conf)} of {len(conf)} logit "
                                      "confidences are NaN or inf: the model's weights hold NaN or inf")

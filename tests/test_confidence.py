@@ -57,14 +57,17 @@ def test_posthoc_budgets_reuse_the_end_of_thinking():
     assert confidence.posthoc_budgets(1200, 500) == [500, 1000] + [1200] * 14
 
 
-def test_logit_confidence_is_exp_mean_response_logprob():
+def test_logit_confidence_is_exp_mean_response_logprob_at_the_training_temperature():
+    # C2GSPG's c is trained at the sampling temperature 0.8: read there by default, T = 1 on request.
     model = _tiny_model()
     prompts, responses = [[1, 2, 3], [4, 5]], [[6, 7], [8, 9, 10, 11]]
-    got = confidence.logit_confidence(model, prompts, responses, pad_id=0, batch_size=1)
-    for p, r, c in zip(prompts, responses, got):
-        ids = torch.tensor([p + r])
-        logp = model(ids).logits.log_softmax(-1)[0, :-1].gather(-1, ids[0, 1:, None]).squeeze(-1)
-        assert c == pytest.approx(math.exp(logp[len(p) - 1:].mean().item()), rel=1e-5)
+    for temperature, kw in ((0.8, {}), (1.0, dict(temperature=1.0))):
+        got = confidence.logit_confidence(model, prompts, responses, pad_id=0, batch_size=1, **kw)
+        for p, r, c in zip(prompts, responses, got):
+            ids = torch.tensor([p + r])
+            logits = model(ids).logits / temperature
+            logp = logits.log_softmax(-1)[0, :-1].gather(-1, ids[0, 1:, None]).squeeze(-1)
+            assert c == pytest.approx(math.exp(logp[len(p) - 1:].mean().item()), rel=1e-5)
 
 
 def test_features_positions():
