@@ -14,8 +14,9 @@ import re
 from grade import plain_number as _number  # integer gold answers: "025" -> "25"
 
 INSTRUCTION = " Let's think step by step and output the final answer within \\boxed{}."
-# --reward rlcr on a real model: the released RLCR prompt (scripts/data/deepscaler_dataset_rlcr.py,
-# `f"{problem}\n\n{RLCR_INSTRUCTION}"`); the answer is graded from the last <answer> tag, not a box.
+# --reward rlcr on a real model (docs/design.md, "Baselines"): the released RLCR prompt, word for word
+# (its deepscaler_dataset_rlcr script: `f"{problem}\n\n{RLCR_INSTRUCTION}"`); the answer is graded
+# from the last <answer> tag, not a box.
 # RLCR_FORMAT is also the format its released evaluation asks for when it forces a re-answer.
 RLCR_FORMAT = ("<answer> final answer here </answer>\n<analysis> confidence and uncertainty analysis here "
                "</analysis>\n<confidence> number between 0 and 1 </confidence>")

@@ -57,7 +57,7 @@ from update import budget_ends, score
 SOURCES = ("probe", "probe-posthoc", "verbal", "verbal-forced", "logits")
 EVAL_SUFFIX = "\n\nIf I were to give the final answer now, the final answer would be \\boxed{"
 EVAL_LEAD = "..."  # released: the cut thinking ends in "..." before `</think>` + EVAL_SUFFIX
-# RLCR's released forced re-answer (2_budget_eval_rlcr.py), after the thinking cut at the budget.
+# RLCR's released forced re-answer (2_budget_eval_rlcr), after the thinking cut at the budget.
 RLCR_REANSWER = ("...</think>\n\nI am out of time, let me just output the final answer and confidence analysis "
                  "in exactly this format:\n" + RLCR_FORMAT + "\n\n<answer>")
 GRID = [(lr, p, wd) for lr in (1e-3, 5e-4, 1e-4) for p in (0.5, 0.8) for wd in (1e-3, 1e-2)]
@@ -69,7 +69,7 @@ def forced_verbal(model, tokenizer, prompts, responses, close_id, budget, k, see
     `prompt + thinking[:budget] + close_text` (thinking: up to its own `</think>`), and how many of
     the k had no readable tag (read as 0.5).
 
-    Released (2_budget_eval_rlcr.py): close_text = RLCR_REANSWER, tokenized on its own and appended
+    Released (2_budget_eval_rlcr): close_text = RLCR_REANSWER, tokenized on its own and appended
     to the ids, at most 1000 new tokens (it also puts `<answer>` before a re-answer that lacks one,
     for the answer, which is not read here). close_text=None closes with the `</think>` id alone
     (the toy world, which reads no English)."""

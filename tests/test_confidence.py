@@ -253,7 +253,7 @@ def test_verbal_forced_cuts_the_thinking_closes_it_and_averages_k_reanswers(monk
 
 @pytest.mark.skipif(not os.path.isdir(tiny.REAL_TOKENIZER), reason="shared fixtures not present")
 def test_rlcr_reanswer_prompt_ids_on_the_r1_tokenizer(monkeypatch):
-    # Released (2_budget_eval_rlcr.py): prompt ids + thinking[:budget] + the ids of
+    # Released (2_budget_eval_rlcr): prompt ids + thinking[:budget] + the ids of
     # "...</think>\n\nI am out of time, ...\n\n<answer>", that text tokenized on its own; 1000 tokens.
     tok = tiny.real_tokenizer()
     seen = {}
@@ -310,7 +310,7 @@ def test_verbal_forced_on_the_toy_base_reads_its_rlcr_tags():
 
 def test_posthoc_labels_copy_the_natural_answer_only_if_the_thinking_is_boxed(monkeypatch):
     # Both rollouts end their thinking (id 9) at 3 tokens and are right; rollout 0 boxes only after
-    # </think> (R1's habit), rollout 1 inside the thinking too. Released (2_budget_eval.py): only
+    # </think> (R1's habit), rollout 1 inside the thinking too. Released (2_budget_eval): only
     # rollout 1's past-end budgets copy its correctness (1.0); rollout 0's are forced (1 of 4 right).
     def fake_generate(model, tok, prompts, n, **kw):
         return type("S", (), {"texts": (["7}"] + ["3}"] * (n - 1)) * len(prompts)})()

@@ -147,7 +147,7 @@ def test_toy_source_calls_toy_dataset(monkeypatch):
     assert seen == ["train", "test"]
 
 
-# The released RLCR prompt (scripts/data/deepscaler_dataset_rlcr.py), copied by hand: f"{problem}\n\n{it}".
+# The released RLCR prompt (scripts/data/deepscaler_dataset_rlcr), copied by hand: f"{problem}\n\n{it}".
 RELEASED_RLCR = ("Let's think step by step. Output the final answer inside <answer> </answer>. Then analyze your "
                  "confidence and uncertainty inside <analysis> </analysis>. Finally, output a confidence score "
                  "between 0 and 1 inside <confidence> </confidence>.\n\nUse exactly this format:\n"
