@@ -14,13 +14,16 @@ import re
 from grade import plain_number as _number  # integer gold answers: "025" -> "25"
 
 INSTRUCTION = " Let's think step by step and output the final answer within \\boxed{}."
-# --reward rlcr on a real model (docs/design.md, "Baselines": the released RLCR prompt, its middle sentence
-# paraphrased) with the 3-line format; the answer is graded from the last <answer> tag, not a box.
-RLCR_INSTRUCTION = ("\n\nLet's think step by step. Output the final answer inside <answer> </answer>. "
-                    "Then analyze how confident you are in that answer inside <analysis> </analysis>. "
-                    "Finally, output a confidence score between 0 and 1 inside <confidence> </confidence>."
-                    "\nUse this format:\n<answer> ... </answer>\n<analysis> ... </analysis>\n"
-                    "<confidence> ... </confidence>")
+# --reward rlcr on a real model (docs/design.md, "Baselines"): the released RLCR prompt, word for word
+# (its deepscaler_dataset_rlcr script: `f"{problem}\n\n{RLCR_INSTRUCTION}"`); the answer is graded
+# from the last <answer> tag, not a box.
+# RLCR_FORMAT is also the format its released evaluation asks for when it forces a re-answer.
+RLCR_FORMAT = ("<answer> final answer here </answer>\n<analysis> confidence and uncertainty analysis here "
+               "</analysis>\n<confidence> number between 0 and 1 </confidence>")
+RLCR_INSTRUCTION = ("\n\nLet's think step by step. Output the final answer inside <answer> </answer>. Then analyze "
+                    "your confidence and uncertainty inside <analysis> </analysis>. Finally, output a confidence "
+                    "score between 0 and 1 inside <confidence> </confidence>.\n\nUse exactly this format:\n"
+                    + RLCR_FORMAT)
 TEMPLATE_SECONDS = 5  # the most one chat-template render may take; a real template takes milliseconds
 PROBLEM_FIELDS = ("problem", "question", "prompt", "Question", "query")
 # Answer-like names only: `solution` is a worked text, never a gold answer.

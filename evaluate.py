@@ -61,7 +61,7 @@ TOY_SOURCES = [f"{name}:test" for name in data.TOY_BENCHMARKS]   # the post-hoc 
 LIMITS = {key: (lambda v: v >= 1, ">= 1") for key in (
     "limit", "n_samples", "max_new_tokens", "batch_size", "threads", "every", "forced_k", "probe_questions")}
 LIMITS.update(temperature=(lambda v: v >= 0, ">= 0 (0: greedy)"), top_p=(lambda v: 0 < v <= 1, "in (0, 1]"),
-              seed=(lambda v: 0 <= v < 2**32, "in [0, 2**32)"))
+              seed=(lambda v: 0 <= v < 2**32, "in [0, 2**32)"), logit_temperature=(lambda v: v > 0, "> 0"))
 LOCKS = ExitStack()  # the lock of every output folder written, held until main() ends
 
 
@@ -216,7 +216,7 @@ def sample_key(ident, source, s, args, prompt, conf_kw):
     weights = prb and [[k, hashlib.sha256(v.detach().float().cpu().numpy().tobytes()).hexdigest()]
                        for k, v in prb.state_dict().items()]
     return digest(dict({k: v for k, v in conf_kw.items() if k != "prb"}, model=ident, benchmark=source,
-                       n=s["n"], max_new_tokens=s["max_new_tokens"], temperature=args.temperature,
+                       n=s["n"], max_new_tokens=s["max_new_tokens"], gate=s["gate"], temperature=args.temperature,
                        top_p=args.top_p, seed=args.seed, prompt=prompt, probe=weights))
 
 
@@ -240,6 +240,17 @@ def check_prompts(tok, model, loaded, args, run_instruction=None, system=None):
         data.check_context(tok, rows, instruction, getattr(model.config, "max_position_embeddings", None),
                            settings(bench, args)["max_new_tokens"], bench,
                            say=lambda m: print(m, file=sys.stderr), system=system)
+
+
+def natural_correct(text, answer, gold, form="box", gate="thinking"):
+    """The grade of a natural response: its answer (grade.extract) matches the gold and, with
+    gate="thinking" (released: natural_eval._evaluate_boxed), its thinking holds a box
+    (grade.boxed_in_thinking), so a response that boxes only after `</think>` counts as wrong;
+    gate="none" grades the answer alone. An RLCR answer (form="tag") needs its <answer> tag, as
+    released, and no box."""
+    if form == "box" and gate == "thinking" and not grade.boxed_in_thinking(text):
+        return False
+    return grade.answers_match(answer, gold, GRADER)
 
 
 def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, path, system=None,
@@ -282,7 +293,8 @@ def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, con
                 j, answer = missing[r % m], grade.extract(out.texts[r], GRADER, form)
                 f.write(json.dumps(dict(
                     model=label, benchmark=bench, question=q, sample=j, answer=answer,
-                    correct=int(grade.answers_match(answer, golds[r], GRADER)), confidence=float(conf[r]),
+                    correct=int(natural_correct(out.texts[r], answer, golds[r], form, s["gate"])),
+                    confidence=float(conf[r]),
                     length=out.lengths[r], finish=out.finish[r], source=conf_kw["source"], key=key, q=qids[q],
                     **extras[r])) + "\n")
             f.flush()
@@ -322,7 +334,13 @@ def settings(bench, args):
     for key in ("n", "max_new_tokens", "every", "forced_k"):
         if getattr(args, key if key != "n" else "n_samples") is not None:
             s[key] = getattr(args, key if key != "n" else "n_samples")
+    # verbal-forced (RLCR's released reading): its re-answer text (the toy: `</think>` alone) and
+    # n_forced re-answers, 4 on the 32-sample benchmarks and 1 elsewhere in the released configs.
+    s["reanswer"] = None if toy_world else confidence.RLCR_REANSWER
+    s["reanswer_k"] = args.forced_k or (w["forced_k"] if toy_world else 4 if bench in BIG_N else 1)
     s["batch"] = args.batch_size or max(1, w["rows"] // s["n"])
+    # The toy boxes after `</think>` by construction: the released gate would grade every answer wrong.
+    s["gate"] = args.gate or ("none" if toy_world else "thinking")
     return s
 
 
@@ -355,7 +373,8 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
     protocol = dict(n=args.probe_samples or w["probe_samples"], max_new_tokens=s["max_new_tokens"],
                     temperature=args.temperature, top_p=args.top_p, every=s["every"],
                     count=args.posthoc_budgets or w["posthoc_budgets"], k=s["forced_k"], suffix=s["suffix"],
-                    close=args.forced_close, stop=[], copy_natural=True, epochs=100, patience=30, batch=64,
+                    close=args.forced_close, stop=[], copy_natural=True, lead="" if src == "toy" else confidence.EVAL_LEAD,
+                    gate=s["gate"], epochs=100, patience=30, batch=64,
                     val_frac=0.2, seed=42)
     print(f"post-hoc probe for {label}: {len(rows)} {src} questions ...", file=sys.stderr)
     prb, report = confidence.posthoc_probe(
@@ -400,7 +419,8 @@ def evaluate_model(name, loaded, args):
         probe_source = source in ("probe", "probe-posthoc") and not args.no_early_exit
         conf_kw = dict(source=source, prb=prb, close_id=close_id, every=s["every"] if probe_source else None,
                        suffix=s["suffix"], close=args.forced_close, fractions=run_fractions(path),
-                       forced_k=s["forced_k"], budget=s["max_new_tokens"])
+                       forced_k=s["reanswer_k"], budget=s["max_new_tokens"], reanswer=s["reanswer"],
+                       logit_temperature=args.logit_temperature or run_config(path).get("temperature", 0.8))
         key = sample_key(ident, bench_source, s, args, [instruction, prompt[1], prompt[2]], conf_kw)
         generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, samples, prompt[1],
                            prompt[2], key)
@@ -447,9 +467,13 @@ def parse_args(argv=None):
                    help="default probe-posthoc (the paper's probe rows); probe: the run's own probe.pt, read "
                         "at its last training budget; verbal: the <confidence> tag; verbal-forced: the mean tag of "
                         "--forced-k re-answers after the thinking (RLCR's released reading); logits: C2GSPG's")
+    g.add_argument("--logit-temperature", type=float,
+                   help="temperature of --confidence logits (default: the run's training temperature, 0.8, "
+                        "where C2GSPG trained its confidence; 1: the raw model's)")
     g.add_argument("--every", type=int, help="thinking tokens between probe budgets / exit checkpoints (500; toy 8)")
     g.add_argument("--posthoc-budgets", type=int, help="post-hoc budgets per rollout: every, 2 * every, ... (16)")
-    g.add_argument("--forced-k", type=int, help="forced answers per budget for post-hoc labels (16; toy 4)")
+    g.add_argument("--forced-k", type=int, help="forced answers per budget for post-hoc labels (16; toy 4) and "
+                                                "re-answers of verbal-forced (released: 4 on aime/amc, else 1; toy 4)")
     g.add_argument("--forced-close", choices=("think", "eos"), default="think")
     g.add_argument("--probe-data", help="questions for the post-hoc probe (default: toy train split / deepscaler)")
     g.add_argument("--probe-questions", type=int, help="how many (default 80, as released)")
@@ -458,6 +482,9 @@ def parse_args(argv=None):
     g = p.add_argument_group("prompt (default: what the run trained with, else the benchmark's)")
     g.add_argument("--instruction", help="text appended to every problem")
     g.add_argument("--system-prompt", help="system turn before the problem")
+    g.add_argument("--gate", choices=("thinking", "none"),
+                   help="thinking (default; toy: none): a boxed answer counts only if a box appears before "
+                        "`</think>`, as the released evaluation counts it; none: the last box alone decides")
     g.add_argument("--answer", choices=("box", "tag"),
                    help="where the answer is read: the last \\boxed{} (default) or the last <answer> tag "
                         "(default for a run trained with --reward rlcr)")

@@ -4,13 +4,17 @@
     is_correct(text, gold, grader="strict")     # the same under the released training rule
     answers_match(answer, gold, grader="math")  # an answer already extracted (a forced one) vs gold
 
-Two graders (`--grader` in train.py; evaluation always uses "math"):
+Three graders (`--grader` in train.py; evaluation always uses "math"):
 
 - "strict", the released training reward: the content of the last `\\boxed{` in the text (braces
   counted plainly; an unclosed last box is wrong) and the gold are each stripped of surrounding
   whitespace, a trailing ".0" is dropped, then every leading zero (after a minus sign too; "0" if
   nothing is left), and the two strings must be equal. So "007" = "7", "2.0" = "2", "0.5" = ".5" and
   an empty box = "0", but "\\dfrac{1}{2}" != "\\frac{1}{2}" and "1,000" != "1000".
+- "minerva", the released RLCR reward (rlcr.compute_score -> math_dapo.verify_extracted_answer): the
+  answer (its <answer> tag) and the gold are each put in Minerva's normal form (`minerva_form`,
+  Lewkowycz et al. 2022, appendix D) and must be equal strings. So "\\boxed{17}", "$17$", "x = 5",
+  "5 degrees" and "10,000" match 17, 5, 5, 10000, but "017" != "17" and "2.0" != "2".
 - "math", the safe grader of evaluation: the last `\\boxed{}` or `\\fbox{}` (or the bare
   "\\boxed 5"), spelling normalised (`_normalize`), plain decimals compared as exact numbers
   ("025" = 25 = 25.0), else math-verify. Only math-verify's LaTeX parser runs: its plain-expression
@@ -20,7 +24,7 @@ Two graders (`--grader` in train.py; evaluation always uses "math"):
 
 Time bound. A grading call returns within about GRADE_TIMEOUT_S on any input, in any thread:
 the text is scanned by linear patterns only; answers longer than MAX_ANSWER_CHARS are compared as
-plain strings before any regex sees them; math-verify runs in a worker process (harness/verifier.py,
+plain strings before any regex sees them (Minerva's form, quadratic, takes under 0.1 s at that length); math-verify runs in a worker process (harness/verifier.py,
 one per thread grading at the same moment) that stops itself at the deadline with an
 interval timer (math-verify's own timeout has whole seconds per parse and raises outside the main
 thread), and is killed if it has not answered by then. Starting a worker (importing sympy: 1 to 4 s,
@@ -34,7 +38,7 @@ from fractions import Fraction
 
 from harness.verifier import verify as _math_verify
 
-GRADERS = ("strict", "math")
+GRADERS = ("strict", "math", "minerva")
 GRADE_TIMEOUT_S = 1.0    # the most wall time one grading call takes, whatever the input
 MAX_ANSWER_CHARS = 2000  # longer answers are compared as plain strings: no regex, no parser
 
@@ -88,6 +92,40 @@ def strict_form(s: str) -> str:
     return sign + (s[len(sign):].lstrip("0") or "0")
 
 
+# Minerva's normal form, step by step (applied in this order, as released).
+_MINERVA_REPLACE = [("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""),
+                    ("mbox", "text"), (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}")]
+_MINERVA_UNITS = ["square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots",
+                  "sue", "points", "feet", "minutes", "digits", "cents", "degrees", "cm", "gm", "pounds", "meters",
+                  "meals", "edges", "students", "childrentickets", "multiples", "\\text{s}", "\\text{.}",
+                  "\\text{\ns}", "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}", "\\mathrm{th}",
+                  "^\\circ", "^{\\circ}", "\\;", ",\\!", "{,}", '"', "\\dots"]
+_MINERVA_UNWRAP = [re.compile(r"(.*?)(\$)(.*?)(\$)(.*)"), re.compile(r"\\text\{(.*?)\}"),
+                   re.compile(r"\\textbf\{(.*?)\}"), re.compile(r"\\overline\{(.*?)\}"),
+                   re.compile(r"\\boxed\{(.*)\}")]
+
+
+def minerva_form(s: str) -> str:
+    """Minerva's normal form of an answer (released math_dapo.normalize_final_answer): the part after
+    the last "=", spaces, articles and units removed, the first $...$ kept, \\text{} / \\textbf{} /
+    \\overline{} / \\boxed{} unwrapped, "\\frac12" -> "\\frac{1}{2}", "\\sqrt2" -> "\\sqrt{2}", "$"
+    dropped, and thousands commas of a whole number dropped.
+    minerva_form("x = \\boxed{10,000} units") == "10000"; minerva_form("017") == "017"."""
+    s = s.split("=")[-1]
+    for before, after in _MINERVA_REPLACE:
+        s = s.replace(before, after)
+    for unit in _MINERVA_UNITS:
+        s = s.replace(unit, "")
+    s = _MINERVA_UNWRAP[0].sub(r"$\3$", s)
+    for pattern in _MINERVA_UNWRAP[1:]:
+        s = pattern.sub(r"\1", s)
+    s = re.sub(r"(frac)([^{])(.)", r"frac{\2}{\3}", s)
+    s = re.sub(r"(sqrt)([^{])", r"sqrt{\2}", s).replace("$", "")
+    if s.replace(",", "").isdigit():
+        s = s.replace(",", "")
+    return s.strip()
+
+
 def _normalize(s: str) -> str:
     """Spelling-only differences: "\\left( 1{,}000 \\right)." and "(1000)" both give "(1000)"."""
     s = re.sub(r"\\(?:text|textbf|mathrm|mbox)\{([^{}]*)\}", r"\1", s)
@@ -119,6 +157,8 @@ def answers_match(pred, gold, grader="math", deadline=None) -> bool:
         return strict_form(pred) == strict_form(gold)
     if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
         return bool(pred) and pred == gold
+    if grader == "minerva":  # its $...$ pattern is quadratic: only on answers of bounded length
+        return minerva_form(pred) == minerva_form(gold)
     letter = gpqa_choice(pred) if gold in CHOICES else None
     if letter is not None:  # GPQA as released; an answer naming no option is graded as usual
         return letter == gold
@@ -156,6 +196,20 @@ def answer_tag(text):
     end = text.rfind("</answer>")
     start = text.rfind("<answer>", 0, end) if end >= 0 else -1
     return text[start + len("<answer>"):end].strip() if start >= 0 else None
+
+
+def thinking(text):
+    """The thinking of a response: the text before its first `</think>`, all of it when there is none
+    (the released evaluation's extract_thinking_content)."""
+    end = text.find("</think>")
+    return text if end < 0 else text[:end]
+
+
+def boxed_in_thinking(text):
+    """Whether the thinking holds a box: the released evaluation's gate on a natural answer (a rollout
+    counts as right only if so) and on copying it as a post-hoc label. `3+5=8</think>\\boxed{8}` has
+    none; `3+5=8 so \\boxed{8}</think>` has one."""
+    return boxed_answer(thinking(text)) is not None
 
 
 def extract(text, grader="math", form="box"):

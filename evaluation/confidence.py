@@ -12,17 +12,21 @@ Sources (one number in [0, 1] per sampled response):
                  above 1 read as percentages; a missing tag, no number or a value outside [0, 100]
                  reads as 0.5 (counted), as the released scorer reads it.
   verbal-forced  RLCR's released evaluation confidence: the thinking cut at the budget (the evaluation's
-                 max tokens: 8000, the toy's 128) or where it ended, `</think>` appended, --forced-k
-                 re-answers sampled (temperature 0.6, top-p 0.95, at most 512 tokens), the mean of their
-                 verbal confidences (a re-answer without a tag counts 0.5; counted).
-  logits         exp(mean log-prob of the response tokens) at temperature 1 (C2GSPG's confidence).
+                 max tokens: 8000, the toy's 128) or where it ended, RLCR_REANSWER appended ("...</think>",
+                 "I am out of time, ..." with the 3-tag format and `<answer>` opened; the toy: `</think>`
+                 alone), k re-answers sampled (released: 4 on AIME / AMC, 1 elsewhere; temperature 0.6,
+                 top-p 0.95, at most 1000 tokens), the mean of their verbal confidences (a re-answer
+                 without a tag counts 0.5; counted).
+  logits         exp(mean log-prob of the response tokens) at the run's training temperature (0.8), where
+                 C2GSPG trained it (C2GSPG's confidence; `--logit-temperature 1`: the raw model's).
 
 Post-hoc protocol (released evaluation code; each knob is an evaluate.py flag): 80 problems x 8
 samples; 16 budgets every 500 thinking tokens per rollout, a budget past the end of thinking reusing
-the end-of-thinking feature and label; forced answers `prompt + thinking[:b] + </think> + EVAL_SUFFIX`,
-16 per budget at temperature 0.6, top-p 0.95, at most 64 tokens, no stop string, read from the last
-box; where the thinking ended inside the budget and the response holds a box, the natural answer's
-correctness is copied instead; MLP d -> d/4 -> 1; validation problems (seed 42) added until they hold
+the end-of-thinking feature and label; forced answers `prompt + thinking[:b] + "..." + </think> +
+EVAL_SUFFIX`, 16 per budget at temperature 0.6, top-p 0.95, at most 64 tokens, no stop string, read
+from the last box; where the thinking ended inside the budget and holds a box itself, the natural
+answer's correctness is copied instead (the toy world: its own forced text, no "...", and a box
+anywhere, since it boxes after `</think>`); past-end budgets share one draw (released: one each); MLP d -> d/4 -> 1; validation problems (seed 42) added until they hold
 >= 20 % of the examples; BCE on soft labels, batch 64, up to 100 epochs, early stopping (patience 30)
 on validation BCE against rounded labels, ReduceLROnPlateau(0.5, 5); grid over lr x dropout x weight
 decay (GRID).
@@ -43,8 +47,8 @@ from harness import checkpoint
 import probe as probe_lib
 from baselines import verbal_confidence  # RLCR's parser, read here for --confidence verbal
 from grpo import pack, token_logprobs
-from data import chat_prompt
-from grade import answers_match, boxed_answer, is_correct
+from data import RLCR_FORMAT, chat_prompt
+from grade import answers_match, boxed_answer, boxed_in_thinking, is_correct
 from label import absolute_budgets, budgets, forced_prompt, mc_labels
 import rollout
 from rollout import generate
@@ -52,19 +56,29 @@ from update import budget_ends, score
 
 SOURCES = ("probe", "probe-posthoc", "verbal", "verbal-forced", "logits")
 EVAL_SUFFIX = "\n\nIf I were to give the final answer now, the final answer would be \\boxed{"
+EVAL_LEAD = "..."  # released: the cut thinking ends in "..." before `</think>` + EVAL_SUFFIX
+# RLCR's released forced re-answer (2_budget_eval_rlcr), after the thinking cut at the budget.
+RLCR_REANSWER = ("...</think>\n\nI am out of time, let me just output the final answer and confidence analysis "
+                 "in exactly this format:\n" + RLCR_FORMAT + "\n\n<answer>")
 GRID = [(lr, p, wd) for lr in (1e-3, 5e-4, 1e-4) for p in (0.5, 0.8) for wd in (1e-3, 1e-2)]
 
 
-def forced_verbal(model, tokenizer, prompts, responses, close_id, budget, k, seed=None, batch_size=8):
+def forced_verbal(model, tokenizer, prompts, responses, close_id, budget, k, seed=None, batch_size=8,
+                  close_text=RLCR_REANSWER, max_new_tokens=1000):
     """(conf [N], missing [N]): per response, the mean verbal confidence of k re-answers forced after
-    `prompt + thinking[:budget] + </think>` (thinking: up to its own `</think>`), and how many of the
-    k had no readable tag (read as 0.5)."""
+    `prompt + thinking[:budget] + close_text` (thinking: up to its own `</think>`), and how many of
+    the k had no readable tag (read as 0.5).
+
+    Released (2_budget_eval_rlcr): close_text = RLCR_REANSWER, tokenized on its own and appended
+    to the ids, at most 1000 new tokens (it also puts `<answer>` before a re-answer that lacks one,
+    for the answer, which is not read here). close_text=None closes with the `</think>` id alone
+    (the toy world, which reads no English)."""
     if close_id is None:
         raise ValueError("--confidence verbal-forced needs a `</think>` token in the tokenizer")
-    forced = [list(p) + list(r[:min(think_end(r, close_id), budget)]) + [close_id]
-              for p, r in zip(prompts, responses)]
-    texts = sample_by_length(model, tokenizer, forced, k, max_new_tokens=512, temperature=0.6, top_p=0.95,
-                             seed=seed, batch_size=max(1, batch_size // k))
+    close = [close_id] if close_text is None else tokenizer.encode(close_text, add_special_tokens=False)
+    forced = [list(p) + list(r[:min(think_end(r, close_id), budget)]) + close for p, r in zip(prompts, responses)]
+    texts = sample_by_length(model, tokenizer, forced, k, max_new_tokens=max_new_tokens, temperature=0.6,
+                             top_p=0.95, seed=seed, batch_size=max(1, batch_size // k))
     read = [[verbal_confidence(t) for t in ts] for ts in texts]
     return [sum(c for c, _ in r) / len(r) for r in read], [sum(m for _, m in r) for r in read]
 
@@ -100,8 +114,10 @@ def _device(model):
     return next(model.parameters()).device
 
 
-def logit_confidence(model, prompts, responses, pad_id, batch_size=8):
-    """exp(mean_t log p(response token t)) at temperature 1, one float per response (EOS included).
+def logit_confidence(model, prompts, responses, pad_id, batch_size=8, temperature=0.8):
+    """exp(mean_t log p_T(response token t)) with logits / temperature, one float per response (EOS
+    included). C2GSPG trains this c at the sampling temperature (0.8; verl's old_log_probs are at the
+    rollout temperature), so it is read there by default; temperature=1 is the raw model's.
 
     prompts, responses: N lists of ids. Runs grpo.token_logprobs over grpo.pack micro-batches.
     """
@@ -110,7 +126,7 @@ def logit_confidence(model, prompts, responses, pad_id, batch_size=8):
         for s in range(0, len(prompts), batch_size):
             b = pack(prompts[s:s + batch_size], responses[s:s + batch_size], pad_id)
             dev = _device(model)
-            logp = token_logprobs(model, b["input_ids"].to(dev), b["attention_mask"].to(dev)).float().cpu()
+            logp = token_logprobs(model, b["input_ids"].to(dev), b["attention_mask"].to(dev), temperature).float().cpu()
             m = b["loss_mask"]
             mean = (logp * m).sum(1) / m.sum(1).clamp(min=1)
             out += torch.exp(mean).tolist()
@@ -156,25 +172,29 @@ def posthoc_budgets(thinking, every=500, count=16):
 
 def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions, ends, k=16,
                    suffix=EVAL_SUFFIX, close="think", stop=(), copy_natural=True, max_new_tokens=64,
-                   seed=0, rows=64):
+                   seed=0, rows=64, lead=EVAL_LEAD, gate="thinking"):
     """Labels Y_b for each rollout's budget positions (N lists of floats) and the count of copied ones.
 
-    Where the position is the end of thinking (ends[i]) and the natural response holds a box, the
-    natural answer's correctness (0 or 1) is copied (copy_natural). Elsewhere k answers are forced
-    from `prompt + response[:b] + CLOSE + suffix` (temperature 0.6, top-p 0.95, at most
-    max_new_tokens, `stop` strings; released: none) and each is read from the last box of
-    `suffix + completion`; Y_b is the fraction right. Equal forced prompts are sampled once.
+    Where the position is the end of thinking (ends[i]) and the thinking holds a box (gate="thinking",
+    released; gate="none": the response anywhere, the toy's rule), the natural answer's correctness
+    (0 or 1) is copied (copy_natural). Elsewhere k answers are forced from `prompt + response[:b] +
+    lead + CLOSE + suffix` (released: "..." + `</think>` + "\n\nIf I were ..."; temperature 0.6,
+    top-p 0.95, at most max_new_tokens, `stop` strings; released: none) and each is read from the
+    last box of `suffix + completion`; Y_b is the fraction right. Equal forced prompts are sampled once.
     """
+    lead_ids = tokenizer.encode(lead, add_special_tokens=False) if lead else []
     labels, todo, copied = [], {}, 0
     for i, ps in enumerate(positions):
-        natural = float(is_correct(texts[i], golds[i])) if boxed_answer(texts[i]) is not None else None
+        boxed = boxed_in_thinking(texts[i]) if gate == "thinking" else boxed_answer(texts[i]) is not None
+        natural = float(is_correct(texts[i], golds[i])) if boxed else None
         row = []
         for b in ps:
             if copy_natural and b >= ends[i] and natural is not None:
                 row.append(natural)
                 copied += 1
             else:
-                key = tuple(forced_prompt(prompts[i], responses[i], b, tokenizer, close, suffix))
+                cut = list(responses[i][:b]) + lead_ids
+                key = tuple(forced_prompt(prompts[i], cut, len(cut), tokenizer, close, suffix))
                 row.append(todo.setdefault(key, (len(todo), golds[i]))[0])
         labels.append(row)
     y = []
@@ -189,7 +209,7 @@ def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions
 
 def posthoc_examples(model, tokenizer, prompts, responses, texts, golds, groups, close_id, every=500,
                      count=16, k=16, suffix=EVAL_SUFFIX, close="think", stop=(), copy_natural=True,
-                     seed=0, batch_size=8, rows=64):
+                     seed=0, batch_size=8, rows=64, lead=EVAL_LEAD, gate="thinking"):
     """(feats [M, d], labels [M], groups [M], stats) for fitting a post-hoc probe on sampled responses.
 
     Every rollout contributes `count` examples, one per budget of posthoc_budgets(thinking, every,
@@ -201,7 +221,7 @@ def posthoc_examples(model, tokenizer, prompts, responses, texts, golds, groups,
     ends = [think_end(r, close_id) for r in responses]
     positions = [posthoc_budgets(e, every, count) for e in ends]
     labels, copied = posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions, ends, k,
-                                    suffix, close, stop, copy_natural, seed=seed, rows=rows)
+                                    suffix, close, stop, copy_natural, seed=seed, rows=rows, lead=lead, gate=gate)
     feats = features(model, prompts, responses, positions, tokenizer.pad_token_id, True, batch_size)
     x = torch.cat(feats)
     y = torch.tensor([v for ls in labels for v in ls], dtype=torch.float32)
@@ -301,7 +321,8 @@ def read_point(source, response, close_id, fractions=(0.25, 0.5, 0.75)):
 
 def sample_confidences(source, model, tokenizer, prompts, responses, texts, golds, prb=None,
                        close_id=None, every=None, exit_k=1, suffix=EVAL_SUFFIX, close="think", seed=0,
-                       batch_size=8, rows=64, fractions=(0.25, 0.5, 0.75), forced_k=16, budget=8000):
+                       batch_size=8, rows=64, fractions=(0.25, 0.5, 0.75), forced_k=16, budget=8000,
+                       reanswer=RLCR_REANSWER, logit_temperature=0.8):
     """One confidence per response, plus per-sample extras for the results.
 
     Probe sources read their probe at read_point (the run's probe: its last training budget, with
@@ -318,10 +339,10 @@ def sample_confidences(source, model, tokenizer, prompts, responses, texts, gold
         return [c for c, _ in pairs], [{"verbal_missing": m} for _, m in pairs]
     if source == "verbal-forced":
         conf, missing = forced_verbal(model, tokenizer, prompts, responses, close_id, budget, forced_k,
-                                      seed=seed, batch_size=rows)
+                                      seed=seed, batch_size=rows, close_text=reanswer)
         return conf, [{"verbal_missing": m} for m in missing]
     if source == "logits":
-        conf = logit_confidence(model, prompts, responses, tokenizer.pad_token_id, batch_size)
+        conf = logit_confidence(model, prompts, responses, tokenizer.pad_token_id, batch_size, logit_temperature)
         if not all(math.isfinite(c) for c in conf):  # never a NaN row in samples.jsonl
             raise FloatingPointError(f"{sum(not math.isfinite(c) for c in conf)} of {len(conf)} logit "
                                      "confidences are NaN or inf: the model's weights hold NaN or inf")
@@ -352,7 +373,7 @@ def protocol_line(p, report):
             f"top-p {p['top_p']}, <= {p['max_new_tokens']} tokens); {p['count']} budgets every {p['every']} "
             f"thinking tokens per rollout, past the end of thinking: its feature and label "
             f"({report['past_end']} of {report['examples']} examples, natural answer copied for "
-            f"{report['natural_copied']}); forced text {'</think>' if p['close'] == 'think' else 'EOS'!r} + {p['suffix']!r}, {p['k']} answers at "
+            f"{report['natural_copied']}); forced text {p['lead']!r} + {'</think>' if p['close'] == 'think' else 'EOS'!r} + {p['suffix']!r}, {p['k']} answers at "
             f"T 0.6, top-p 0.95, <= 64 tokens, stop {stop}, answer from the last box; split seed {p['seed']}: "
             f"train {report['n_train']} examples ({report['train_problems']} problems) / val {report['n_val']} "
             f"({report['val_problems']} problems, {val_share:.1%}); up to {p['epochs']} epochs, patience "
@@ -396,7 +417,8 @@ def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, pro
     protocol, else fitted and saved. Returns (probe, report); report["protocol"] is `protocol`.
 
     protocol (evaluate.py builds it from its flags): n samples per question at temperature / top_p,
-    max_new_tokens; every / count budgets; k forced answers with suffix, close, stop, copy_natural;
+    max_new_tokens; every / count budgets; k forced answers with lead, suffix, close, stop,
+    copy_natural under gate;
     epochs, patience, batch, val_frac, seed of the fit. Samples n responses per question
     ({problem, answer}), labels their prefixes (posthoc_examples), runs fit_posthoc, and prints
     protocol_line to stderr.
@@ -417,7 +439,7 @@ def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, pro
     groups = [q for q in range(len(questions)) for _ in range(p["n"])]
     x, y, g, stats = posthoc_examples(model, tokenizer, rep, out.ids, out.texts, golds, groups, close_id,
                                       p["every"], p["count"], p["k"], p["suffix"], p["close"], tuple(p["stop"]),
-                                      p["copy_natural"], p["seed"] + 1, batch_size, rows)
+                                      p["copy_natural"], p["seed"] + 1, batch_size, rows, p["lead"], p["gate"])
     prb, report = fit_posthoc(x, y, g, seed=p["seed"], max_epochs=p["epochs"], patience=p["patience"],
                               batch_size=p["batch"], val_frac=p["val_frac"], device=_device(model))
     report.update(stats, protocol=p, questions=len(questions), samples=len(rep), prefixes=len(y),

@@ -9,6 +9,7 @@ import math
 import os
 
 import data
+import grade
 import toy
 from harness.checkpoint import UserError
 from grpo import AGGS
@@ -42,7 +43,7 @@ NOT_SAVED = ("resume", "config", "plot")  # how a run was started, not what it i
 IMPLIED = {"final-margin": dict(budgets=(1.0,), corner="final-margin"),
            "process-brier": dict(drop_unanimous=True),
            "final-brier": dict(budgets=(1.0,), drop_unanimous=True),
-           "rlcr": dict(instruction=data.RLCR_INSTRUCTION)}
+           "rlcr": dict(instruction=data.RLCR_INSTRUCTION, grader="minerva")}  # the released RLCR reward
 # The toy world (256 positions, bare sums) asks for RLCR's format with its own short prompt.
 TOY_IMPLIED = {"rlcr": dict(instruction=toy.RLCR_INSTRUCTION)}
 
@@ -223,10 +224,11 @@ def build_parser():
                    help="margin when only one side exists: 0 (RLCM); mean C / 1 - mean C (released "
                         "margin_corner); final-margin: +mean C / -mean C and 0 when both exist (released "
                         "conf_diff_v3; with --budgets 1.0, the Final-Margin ablation)")
-    g.add_argument("--grader", choices=("strict", "math"),
+    g.add_argument("--grader", choices=grade.GRADERS,
                    help="grader of r_nat and of the forced answers of Y_b: strict (released training "
                         "reward: last \\boxed{ and gold stripped, a trailing .0 and leading zeros "
-                        "dropped, then equal strings) or math (normaliser + math-verify, as evaluate.py)")
+                        "dropped, then equal strings), math (normaliser + math-verify, as evaluate.py) or "
+                        "minerva (Minerva's normal forms equal: the released RLCR reward, its default)")
     g.add_argument("--probe-lr", type=float)
     g.add_argument("--probe-passes", type=int)
     g.add_argument("--probe-batch", type=int)

@@ -1,4 +1,5 @@
 import math
+import os
 import random
 
 import pytest
@@ -8,6 +9,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from evaluation import confidence
 import probe as probe_lib
 import rollout
+import tiny
 
 
 class _Tok:
@@ -55,14 +57,17 @@ def test_posthoc_budgets_reuse_the_end_of_thinking():
     assert confidence.posthoc_budgets(1200, 500) == [500, 1000] + [1200] * 14
 
 
-def test_logit_confidence_is_exp_mean_response_logprob():
+def test_logit_confidence_is_exp_mean_response_logprob_at_the_training_temperature():
+    # C2GSPG's c is trained at the sampling temperature 0.8: read there by default, T = 1 on request.
     model = _tiny_model()
     prompts, responses = [[1, 2, 3], [4, 5]], [[6, 7], [8, 9, 10, 11]]
-    got = confidence.logit_confidence(model, prompts, responses, pad_id=0, batch_size=1)
-    for p, r, c in zip(prompts, responses, got):
-        ids = torch.tensor([p + r])
-        logp = model(ids).logits.log_softmax(-1)[0, :-1].gather(-1, ids[0, 1:, None]).squeeze(-1)
-        assert c == pytest.approx(math.exp(logp[len(p) - 1:].mean().item()), rel=1e-5)
+    for temperature, kw in ((0.8, {}), (1.0, dict(temperature=1.0))):
+        got = confidence.logit_confidence(model, prompts, responses, pad_id=0, batch_size=1, **kw)
+        for p, r, c in zip(prompts, responses, got):
+            ids = torch.tensor([p + r])
+            logits = model(ids).logits / temperature
+            logp = logits.log_softmax(-1)[0, :-1].gather(-1, ids[0, 1:, None]).squeeze(-1)
+            assert c == pytest.approx(math.exp(logp[len(p) - 1:].mean().item()), rel=1e-5)
 
 
 def test_features_positions():
@@ -169,7 +174,9 @@ def test_posthoc_examples_budget_rule_natural_copy_and_last_box(monkeypatch):
     # distinct forced prompts: rollouts 0 and 1 agree up to token 2; then rollout 1 at 4, rollout 2 at 2
     # (in that order on the dynamic path; the static path samples them shortest first)
     assert len(call["prompts"]) == 3 and call["n"] == 4
-    assert call["prompts"][0] == [1, 2, 3, 6, 7, 0] + [ord(c) for c in "S \\boxed{"] and call["stop"] == ()
+    # released: the cut thinking, "...", the close, the suffix
+    assert call["prompts"][0] == [1, 2, 3, 6, 7] + [ord(c) for c in "..."] + [0] + [ord(c) for c in "S \\boxed{"]
+    assert call["stop"] == ()
     assert (call["temperature"], call["top_p"], call["max_new_tokens"]) == (0.6, 0.95, 64)
     # features: every past-end budget of rollout 0 equals its end-of-thinking feature (position 3)
     end = confidence.features(model, prompts[:1], responses[:1], [[3]], 0, final_norm=True)[0][0]
@@ -221,7 +228,7 @@ def test_fit_posthoc_learns_a_signal_and_beats_the_base_rate(one_thread):
 
 
 def test_verbal_forced_cuts_the_thinking_closes_it_and_averages_k_reanswers(monkeypatch):
-    # The forced prompt is prompt + thinking[:min(end of thinking, budget)] + </think>; the confidence
+    # The toy's forced prompt is prompt + thinking[:min(end of thinking, budget)] + </think>; the confidence
     # is the mean of the k re-answers' tags, a re-answer without one reading 0.5 and counted.
     seen = {}
 
@@ -235,12 +242,52 @@ def test_verbal_forced_cuts_the_thinking_closes_it_and_averages_k_reanswers(monk
     CLOSE = 9
     prompts, responses = [[1, 2], [3]], [[5, 6, CLOSE, 7], [5, 6, 7, 8, 5]]
     model = torch.nn.Linear(1, 1)  # on the CPU: the dynamic path, prompts in the order given
-    conf, missing = confidence.forced_verbal(model, None, prompts, responses, CLOSE, budget=3, k=3, seed=0)
+    conf, missing = confidence.forced_verbal(model, None, prompts, responses, CLOSE, budget=3, k=3, seed=0,
+                                             close_text=None)
     assert seen["prompts"] == [[1, 2, 5, 6, CLOSE], [3, 5, 6, 7, CLOSE]] and seen["n"] == 3
     assert seen["kw"]["temperature"] == 0.6 and seen["kw"]["top_p"] == 0.95
     assert conf == pytest.approx([(0.9 + 0.3 + 0.5) / 3, (0.8 + 0.2 + 0.2) / 3]) and missing == [1, 0]
     with pytest.raises(ValueError, match="</think>"):
         confidence.forced_verbal(None, None, prompts, responses, None, budget=3, k=3)
+
+
+@pytest.mark.skipif(not os.path.isdir(tiny.REAL_TOKENIZER), reason="shared fixtures not present")
+def test_rlcr_reanswer_prompt_ids_on_the_r1_tokenizer(monkeypatch):
+    # Released (2_budget_eval_rlcr): prompt ids + thinking[:budget] + the ids of
+    # "...</think>\n\nI am out of time, ...\n\n<answer>", that text tokenized on its own; 1000 tokens.
+    tok = tiny.real_tokenizer()
+    seen = {}
+
+    def fake_generate(model, tok, prompts, n, **kw):
+        seen.update(prompts=prompts, kw=kw)
+        return rollout.Samples([[1]] * n, ["17</answer><confidence>0.7</confidence>"] * n, [1] * n, ["eos"] * n, [0] * n)
+
+    monkeypatch.setattr(confidence, "generate", fake_generate)
+    think = tok.convert_tokens_to_ids("</think>")
+    assert think == 151649
+    prompt, response = [151646, 151644, 16, 151645, 151648, 198], [18, 10, 20, 28, 23, 198, think, 59]
+    conf, missing = confidence.forced_verbal(torch.nn.Linear(1, 1), tok, [prompt], [response], think,
+                                             budget=4, k=1, seed=0)
+    close = seen["prompts"][0][len(prompt) + 4:]
+    assert seen["prompts"][0][:len(prompt) + 4] == prompt + response[:4]
+    assert len(close) == 60 and close[:6] == [1112, 151649, 271, 40, 1079, 700]   # ..., </think>, \n\n, I, am, out
+    assert close[-3:] == [27, 9217, 29]                                             # <answer>
+    assert tok.decode(close) == ("...</think>\n\nI am out of time, let me just output the final answer and "
+                                 "confidence analysis in exactly this format:\n<answer> final answer here </answer>\n"
+                                 "<analysis> confidence and uncertainty analysis here </analysis>\n<confidence> "
+                                 "number between 0 and 1 </confidence>\n\n<answer>")
+    assert seen["kw"]["max_new_tokens"] == 1000 and conf == [0.7] and missing == [0]
+    # the thinking ends at its own </think> when that comes before the budget
+    confidence.forced_verbal(torch.nn.Linear(1, 1), tok, [prompt], [response], think, budget=8000, k=1)
+    assert seen["prompts"][0][len(prompt):len(prompt) + 7] == response[:6] + [1112]
+
+
+def test_evaluation_reanswers_as_released():
+    import evaluate
+    args = evaluate.parse_args(["--model", "x"])
+    assert [evaluate.settings(b, args)["reanswer_k"] for b in ("aime24", "amc23", "math500", "toy")] == [4, 4, 1, 4]
+    assert evaluate.settings("math500", args)["reanswer"] == confidence.RLCR_REANSWER
+    assert evaluate.settings("toy", args)["reanswer"] is None
 
 
 def test_verbal_forced_on_the_toy_base_reads_its_rlcr_tags():
@@ -255,10 +302,30 @@ def test_verbal_forced_on_the_toy_base_reads_its_rlcr_tags():
     close = tok.convert_tokens_to_ids("</think>")
     conf, extras = confidence.sample_confidences("verbal-forced", model, tok, prompts, out.ids, out.texts,
                                                  [r["answer"] for r in rows], close_id=close, forced_k=4,
-                                                 budget=128, seed=1)
+                                                 budget=128, seed=1, reanswer=None)   # the toy's close
     # the base draws its confidence from 0.1 .. 0.9 whatever the trace: means of 4 such draws
     assert all(0.1 <= c <= 0.9 for c in conf) and len(set(conf)) > 1
     assert [e["verbal_missing"] for e in extras] == [0] * 8
+
+
+def test_posthoc_labels_copy_the_natural_answer_only_if_the_thinking_is_boxed(monkeypatch):
+    # Both rollouts end their thinking (id 9) at 3 tokens and are right; rollout 0 boxes only after
+    # </think> (R1's habit), rollout 1 inside the thinking too. Released (2_budget_eval): only
+    # rollout 1's past-end budgets copy its correctness (1.0); rollout 0's are forced (1 of 4 right).
+    def fake_generate(model, tok, prompts, n, **kw):
+        return type("S", (), {"texts": (["7}"] + ["3}"] * (n - 1)) * len(prompts)})()
+
+    monkeypatch.setattr(confidence, "generate", fake_generate)
+    responses = [[6, 7, 8, 9, 11], [6, 7, 8, 9, 11]]
+    texts = ["3+4=7</think>\\boxed{7}", "so \\boxed{7}</think>\\boxed{7}"]
+    positions, ends = [[2, 3, 3], [2, 3, 3]], [3, 3]
+    labels, copied = confidence.posthoc_labels(torch.nn.Linear(1, 1), _CharTok(), [[1], [1]], responses, texts, ["7", "7"], positions,
+                                               ends, k=4, suffix="\\boxed{", close="eos")
+    assert labels == [[0.25, 0.25, 0.25], [0.25, 1.0, 1.0]] and copied == 2
+    # gate="none" (the toy's rule): a box anywhere in the response is copied
+    labels, copied = confidence.posthoc_labels(torch.nn.Linear(1, 1), _CharTok(), [[1], [1]], responses, texts, ["7", "7"], positions,
+                                               ends, k=4, suffix="\\boxed{", close="eos", gate="none")
+    assert labels == [[0.25, 1.0, 1.0], [0.25, 1.0, 1.0]] and copied == 4
 
 
 def test_posthoc_labels_decode_one_bounded_shape_at_a_time(monkeypatch):

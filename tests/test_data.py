@@ -146,3 +146,25 @@ def test_toy_source_calls_toy_dataset(monkeypatch):
     data.load_rows("toy", split="test")
     data.load_rows("toy-long", split="test")
     assert seen == [("train", "toy"), ("test", "toy"), ("test", "toy-long")]
+
+
+# The released RLCR prompt (scripts/data/deepscaler_dataset_rlcr), copied by hand: f"{problem}\n\n{it}".
+RELEASED_RLCR = ("Let's think step by step. Output the final answer inside <answer> </answer>. Then analyze your "
+                 "confidence and uncertainty inside <analysis> </analysis>. Finally, output a confidence score "
+                 "between 0 and 1 inside <confidence> </confidence>.\n\nUse exactly this format:\n"
+                 "<answer> final answer here </answer>\n<analysis> confidence and uncertainty analysis here "
+                 "</analysis>\n<confidence> number between 0 and 1 </confidence>")
+
+
+def test_rlcr_prompt_is_the_released_string():
+    problem = "What is 3 + 5?"
+    assert problem + data.RLCR_INSTRUCTION == f"{problem}\n\n{RELEASED_RLCR}"
+    assert RELEASED_RLCR.endswith(data.RLCR_FORMAT)
+
+
+@needs_fixtures
+def test_rlcr_prompt_on_the_r1_template():
+    from tiny import real_tokenizer
+    tok = real_tokenizer()
+    text = tok.decode(data.chat_prompt(tok, "What is 3 + 5?", data.RLCR_INSTRUCTION))
+    assert text == f"<｜begin▁of▁sentence｜><｜User｜>What is 3 + 5?\n\n{RELEASED_RLCR}<｜Assistant｜><think>\n"

@@ -77,6 +77,23 @@ def test_benchmark_fixtures_in_their_real_layout(name, count, first_answer):
     assert n == (32 if name in ("aime24", "aime25", "amc23") else 4)
 
 
+def test_the_released_gate_needs_a_box_in_the_thinking():
+    # An R1-style response that boxes only after </think>: right by its last box, wrong under the
+    # released gate (natural_eval._evaluate_boxed), the default for real benchmarks.
+    after = "3+5=8\n</think>\n\nThe answer is \\boxed{8}"
+    inside = "3+5=8, so \\boxed{8}\n</think>\n\nThe answer is \\boxed{8}"
+    assert evaluate.natural_correct(after, "8", "8", gate="none")
+    assert not evaluate.natural_correct(after, "8", "8", gate="thinking")
+    assert evaluate.natural_correct(inside, "8", "8", gate="thinking")
+    assert not evaluate.natural_correct(inside, "9", "8", gate="thinking")
+    # RLCR answers need their tag, not a box
+    assert evaluate.natural_correct("</think><answer>8</answer>", "8", "8", form="tag", gate="thinking")
+    args = evaluate.parse_args(["--model", "x"])
+    assert evaluate.settings("math500", args)["gate"] == "thinking"
+    assert evaluate.settings("toy", args)["gate"] == "none"        # the toy boxes after </think> by design
+    assert evaluate.settings("math500", evaluate.parse_args(["--model", "x", "--gate", "none"]))["gate"] == "none"
+
+
 def test_short_names_resolve_to_hub_ids_without_downloading(monkeypatch):
     asked = []
 
@@ -220,7 +237,7 @@ def test_posthoc_probe_beats_the_base_rate_and_early_exit_keeps_its_bound(toy_di
     # The released protocol, scaled for the toy (budgets 8 .. 128), logged and saved with the fit.
     log = capsys.readouterr().err
     assert rep["log"] in log and "40 problems x 4 samples" in log and "16 budgets every 8 thinking tokens" in log
-    assert "forced text '</think>' + " in log and "stop none" in log and "ReduceLROnPlateau(0.5, 5)" in log
+    assert "forced text '' + '</think>' + " in log and "stop none" in log and "ReduceLROnPlateau(0.5, 5)" in log
     p = rep["protocol"]
     assert (p["questions"], p["n"], p["count"], p["every"], p["epochs"], p["patience"], p["batch"], p["seed"]) == \
         (40, 4, 16, 8, 100, 30, 64, 42)

@@ -324,3 +324,46 @@ def test_without_a_worker_math_verify_is_skipped_with_one_warning(monkeypatch, c
     assert grade.is_correct(r"\boxed{025}", "25") and grade.is_correct(r"\boxed{\dfrac{1}{2}}", r"\frac{1}{2}")
     err = capsys.readouterr().err
     assert err.count("math-verify worker did not start") == 1 and "FileNotFoundError" in err
+
+
+# RLCR's released reward (rlcr.compute_score): the last <answer> tag and the gold in Minerva's normal form.
+MINERVA = [
+    ("<answer> \\boxed{17} </answer>", "17", True, "17"),
+    ("<answer>$17$</answer>", "17", True, "17"),
+    ("<answer>x = 5</answer>", "5", True, "5"),
+    ("<answer>5 degrees</answer>", "5", True, "5"),
+    ("<answer>10,000</answer>", "10000", True, "10000"),
+    ("<answer>\\frac12</answer>", "\\frac{1}{2}", True, "\\frac{1}{2}"),
+    ("<answer>\\text{(B)}</answer>", "(B)", True, "(B)"),
+    ("<answer>017</answer>", "17", False, "017"),          # the strict rule drops the zero: right there
+    ("<answer>2.0</answer>", "2", False, "2.0"),           # and the ".0"
+    ("<answer>1,5</answer>", "15", True, "15"),            # every comma of a digit string goes, as released
+    ("no tag, \\boxed{17}", "17", False, None),            # no <answer> tag: no answer
+]
+
+
+@pytest.mark.parametrize("text, gold, right, form", MINERVA)
+def test_minerva_grader_is_the_released_rlcr_rule(text, gold, right, form):
+    answer = grade.answer_tag(text)
+    assert (grade.minerva_form(answer) if answer is not None else None) == form
+    assert grade.is_correct(text, gold, "minerva", form="tag") is right
+    # the strict box rule that graded RLCR before: right only on 017 and 2.0
+    strict = grade.is_correct(text, gold, "strict", form="tag")
+    assert strict is (text in ("<answer>017</answer>", "<answer>2.0</answer>"))
+
+
+def test_rlcr_trains_with_the_minerva_grader_by_default(tmp_path):
+    assert config.resolve_args(["--reward", "rlcr", "--out", str(tmp_path / "a")])["grader"] == "minerva"
+    assert config.resolve_args(["--reward", "rlcm", "--out", str(tmp_path / "b")])["grader"] == "math"
+    assert config.resolve_args(["--reward", "rlcr", "--grader", "strict", "--out", str(tmp_path / "c")])["grader"] \
+        == "strict"
+
+
+@pytest.mark.parametrize("text, boxed", [
+    ("3+5=8\n</think>\\boxed{8}", False),                   # R1's habit: the box only after </think>
+    ("3+5=8 so \\boxed{8}\n</think>The answer is \\boxed{8}", True),
+    ("no close tag, \\boxed{8}", True),                     # no </think>: the whole text is thinking
+    ("\\boxed{8</think>}", False),                          # a box cut by the end of thinking never closes
+])
+def test_boxed_in_thinking(text, boxed):
+    assert grade.boxed_in_thinking(text) is boxed

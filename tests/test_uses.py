@@ -1,4 +1,5 @@
 import math
+import random
 
 import pytest
 
@@ -84,15 +85,58 @@ def test_crc_threshold_on_a_hand_computed_set():
         assert not lower or uses.crc_bound(CAL, max(lower)) > eps     # the smallest such threshold
 
 
-def test_crc_threshold_requires_every_larger_candidate_to_satisfy_the_bound():
-    # Trace A is right if it exits at its first checkpoint (0.3) and wrong at its second (0.5), so the
-    # empirical risk is not monotone: bound(0.3) = 1/4 <= 0.4 but bound(0.5) = 2/4 > 0.4.
-    cal = [[{"checkpoints": [(5, 0.3, 1), (8, 0.5, 0)], "length": 9}],
-           [{"checkpoints": [(5, 0.1, 0)], "length": 9}], [{"checkpoints": [(5, 0.1, 0)], "length": 9}]]
-    assert uses.crc_bound(cal, 0.3) == pytest.approx(0.25)
+def test_calibration_uses_the_worst_exit_at_or_above_the_threshold():
+    # Trace A exits right at its first checkpoint (0.3) and wrong at its second (0.5): its real loss is
+    # 0 at lam = 0.3 but 1 at lam = 0.5, so the threshold is calibrated on bound_loss = 1[lam <= 0.5].
+    a = {"checkpoints": [(5, 0.3, 1), (8, 0.5, 0)], "length": 9}
+    assert uses.exit_outcome(a, 0.3)[0] == 0.0 and uses.exit_outcome(a, 0.5)[0] == 1.0
+    assert uses.worst_exit(a) == 0.5
+    assert uses.worst_exit({"checkpoints": [(1, 0.3, 1), (2, 0.5, 0), (3, 0.4, 0)], "length": 4}) == 0.5
+    assert uses.worst_exit({"checkpoints": [(1, 0.6, 1), (2, 0.5, 0)], "length": 4}) == -math.inf  # never an exit
+    cal = [[a], [{"checkpoints": [(5, 0.1, 0)], "length": 9}], [{"checkpoints": [(5, 0.1, 0)], "length": 9}]]
+    assert uses.crc_bound(cal, 0.3) == pytest.approx(0.5)     # (1 + 0 + 0 + 1) / 4; the real loss gives 0.25
     assert uses.crc_bound(cal, 0.5) == pytest.approx(0.5)
+    assert uses.crc_bound(cal, 0.1) == pytest.approx(1.0)      # (1 + 1 + 1 + 1) / 4
     assert uses.crc_threshold(cal, 0.4) == math.inf
     assert uses.crc_threshold(cal, 0.5) == 0.3
+
+
+def _synthetic_traces(rng, questions=120, per=2, checkpoints=6):
+    """Traces whose forced answer flips along the thinking (right, then wrong, then right ...), with a
+    confidence that rises with the tokens and, less, with being right: the loss is not monotone."""
+    units = []
+    for _ in range(questions):
+        hard, unit = rng.random(), []
+        for _ in range(per):
+            y, cps = int(rng.random() > hard), []
+            for j in range(checkpoints):
+                if rng.random() < 0.4:
+                    y = int(rng.random() > hard)
+                c = 0.5 * (j + 1) / checkpoints * (1 - hard) + 0.2 * y + rng.gauss(0, 0.15)
+                cps.append((10 * (j + 1), round(c, 3), y))
+            unit.append({"checkpoints": cps, "length": 10 * checkpoints + 10})
+        units.append(unit)
+    return units
+
+
+def test_early_exit_meets_its_risk_target_over_random_splits():
+    rng = random.Random(0)
+    units = _synthetic_traces(rng)
+    flips = sum(any(y1 and not y2 for (_, _, y1), (_, _, y2) in zip(tr["checkpoints"], tr["checkpoints"][1:]))
+                for unit in units for tr in unit)
+    assert flips > 50                                        # right, then wrong at a later checkpoint
+    rows = uses.split_early_exit(units, epsilons=(0.1, 0.2, 0.3), splits=200, seed=0)
+    for r in rows:
+        print(f"eps {r['epsilon']}: mean test risk {r['test_risk']:.3f} (sd {r['test_risk_sd']:.3f}), "
+              f"exits {r['exit_rate']:.0%}")
+        assert r["test_risk"] <= r["epsilon"]
+        assert r["exit_rate"] > 0.05                         # it exits: the target is not met by never exiting
+    # The split-0 row is early_exit on that split, and the mean is over all 200.
+    order = list(units)
+    random.Random(0).shuffle(order)
+    first = uses.early_exit(order[:60], order[60:])
+    assert [r["test_risk_split0"] for r in rows] == [r["test_risk"] for r in first]
+    assert [r["threshold"] for r in rows] == [r["threshold"] for r in first]
 
 
 def test_early_exit_reports_tokens_saved_and_test_risk():
@@ -115,6 +159,7 @@ def test_from_samples_groups_by_question():
     assert out["voting"]["k"] == [1, 2, 3]
     assert out["voting"]["majority"][-1] == 0.0 and out["voting"]["weighted"][-1] == 1.0
     assert [e["epsilon"] for e in out["early_exit"]] == [0.1, 0.2, 0.3]
+    assert all(e["splits"] == 100 and e["test_risk_sd"] >= 0.0 for e in out["early_exit"])
     assert "early_exit" not in uses.from_samples([{k: v for k, v in r.items() if k != "checkpoints"} for r in rows])
 
 
