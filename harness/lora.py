@@ -48,8 +48,10 @@ def add_adapter(model, cfg, base_path):
     the base), its base frozen. base_path is written into the adapter's config for loaders."""
     from peft import LoraConfig, get_peft_model
     config = LoraConfig(r=cfg["lora_rank"], lora_alpha=cfg["lora_alpha"], target_modules=targets(cfg["lora_targets"]),
-                        lora_dropout=0.0, base_model_name_or_path=base_path)
-    return get_peft_model(model, config).base_model.model
+                        lora_dropout=0.0)
+    model = get_peft_model(model, config).base_model.model
+    model.peft_config[ADAPTER].base_model_name_or_path = base_path  # peft puts the model's own name here
+    return model
 
 
 def with_adapter(model, cfg, ckpt=None):
