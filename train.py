@@ -38,7 +38,7 @@ import probe as probe_lib
 from step import Timer, rl_step
 from evaluation import heldout
 from evaluation.heldout import held_out_accuracy
-from harness import checkpoint as ckpt_lib, config, launch, plan, runlog
+from harness import checkpoint as ckpt_lib, config, launch, lora as lora_lib, plan, runlog
 from harness.checkpoint import UserError
 from harness.config import resolve_args
 from harness.parallel import MASTER, WORLD, full_state, load_sharded, refresh_sampler, setup, wrap
@@ -50,9 +50,15 @@ def print0(*a):
         tqdm.write(" ".join(str(x) for x in a))
 
 
-def load_policy(name, cfg, device):
-    """The policy in fp32 (bf16 compute comes from autocast / FSDP mixed precision) + tokenizer."""
-    model, tok = ckpt_lib.load_model(name, torch.float32, cfg["trust_remote_code"])
+def load_policy(cfg, device, ckpt=None):
+    """The policy (from checkpoint `ckpt` when resuming) + tokenizer. Full fine-tuning: fp32 weights
+    (bf16 compute comes from autocast / FSDP mixed precision). --lora-rank: the base with an fp32
+    adapter (harness/lora.py); on one GPU the frozen base is bf16, as it is also the generation copy."""
+    lora = cfg["lora_rank"] > 0
+    dtype = torch.bfloat16 if lora and device.type == "cuda" and WORLD == 1 and not cfg["offload"] else torch.float32
+    model, tok = ckpt_lib.load_model(cfg["model"] if lora else ckpt or cfg["model"], dtype, cfg["trust_remote_code"])
+    if lora:
+        model = lora_lib.with_adapter(model, cfg, ckpt)
     model.config.use_cache = False
     if cfg["grad_ckpt"]:
         checkpoint_activations(model)
@@ -102,11 +108,12 @@ def run(cfg):
     # the rollout samples from (the same model on one CPU process, a bf16 copy on a GPU), `model`
     # the unwrapped module (its config, save_pretrained)
     if torch.distributed.is_initialized():  # rank 0 reads the weights, the others get their shards
+        adapt = (lambda m, meta: lora_lib.with_adapter(m, cfg, None if meta else ckpt)) if cfg["lora_rank"] else None
         policy, sampler, model, tok = load_sharded(
-            ckpt or cfg["model"], device, cfg["offload"], cfg["trust_remote_code"],
-            checkpoint_activations if cfg["grad_ckpt"] else None)
+            cfg["model"] if adapt else ckpt or cfg["model"], device, cfg["offload"], cfg["trust_remote_code"],
+            checkpoint_activations if cfg["grad_ckpt"] else None, adapt)
     else:
-        model, tok = load_policy(ckpt or cfg["model"], cfg, device)
+        model, tok = load_policy(cfg, device, ckpt)
         policy, sampler = wrap(model, device)
     if cfg["max_prompt_tokens"]:
         rows, dropped = data.drop_long_prompts(rows, tok, cfg["max_prompt_tokens"], instruction)
@@ -116,7 +123,8 @@ def run(cfg):
     data.check_context(tok, rows, instruction, getattr(model.config, "max_position_embeddings", None),
                        cfg["max_new_tokens"], cfg["data"], say=print0, system=cfg["system_prompt"])
     folder.lock()
-    opt = torch.optim.AdamW(policy.parameters(), lr=cfg["lr"], weight_decay=0.0)
+    # under --lora-rank only the adapter requires gradients: AdamW holds state for it alone
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg["lr"], weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(cfg["warmup"], 1)))
     probe = probe_lib.Probe(model.config.hidden_size, cfg["probe_hidden"])  # None: d // 4, 0: linear
     probe_opt = probe_lib.make_optimizer(probe, lr=cfg["probe_lr"])

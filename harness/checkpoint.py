@@ -39,6 +39,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from harness import lora
 from probe import NotAProbe
 
 PREFIX = "step_"
@@ -148,6 +149,9 @@ def load_model(name, dtype=torch.float32, trust_remote_code=False):
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = resolve_model(name)
+    if lora.is_adapter(path):  # a --lora-rank checkpoint: its base (and its tokenizer), the adapter merged in
+        model, tok = load_model(lora.base_of(path), dtype, trust_remote_code)
+        return lora.merged(model, path), tok
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         check_shapes(path, trust_remote_code)
@@ -217,7 +221,8 @@ def missing(ckpt, resume=False):
         names = os.listdir(ckpt)
     except OSError:   # a file, or removed meanwhile
         return ["the folder"]
-    need = ("config.json", "state.pt", "probe.pt") if resume else ("config.json",)
+    config = lora.CONFIG if lora.is_adapter(ckpt) else "config.json"  # an adapter, or a whole model
+    need = (config, "state.pt", "probe.pt") if resume else (config,)
     lack = [n for n in need if not os.path.isfile(os.path.join(ckpt, n))]
     lack += [f"{n} (cut short)" for n in ("state.pt", "probe.pt")
              if os.path.isfile(os.path.join(ckpt, n)) and not _zip_ok(os.path.join(ckpt, n))]

@@ -34,7 +34,11 @@ COMMON = dict(model="toy", problem_field=None, answer_field=None, trust_remote_c
               clip_low=0.2, clip_high=0.2, agg="token-mean", chunk_size=1024, seed=0, keep=2,
               out=None, resume=None, system_prompt=None, log_samples=4, eval_probe_n=32, wandb=None,
               wandb_run=None, ppo_epochs=1, offload=False, nproc=None, gpus=None, gpu_mem=None,
-              plan=False, decode=None, drop_unanimous=False, c2gspg_bce="off")
+              plan=False, decode=None, drop_unanimous=False, c2gspg_bce="off", lora_rank=0, lora_alpha=32.0,
+              lora_targets="all-linear")
+# Under --lora-rank the default --lr is this many times the world's full fine-tuning rate ("LoRA
+# Without Regret", Schulman et al. 2025: about 10x; TRL's GRPO recipe: 1e-5 against 1e-6).
+LORA_LR_FACTOR = 10
 NOT_SAVED = ("resume", "config", "plot")  # how a run was started, not what it is
 
 # --reward: RLCM, then the paper's baselines and ablations (docs/design.md, "Baselines"): modes.REWARDS.
@@ -100,11 +104,14 @@ LIMITS = {
     "nproc": (lambda v: v >= 1, ">= 1"),
     "gpus": (lambda v: v >= 1, ">= 1"),
     "gpu_mem": (lambda v: v > 0, "> 0 (GiB)"),
+    "lora_rank": (lambda v: v >= 0, ">= 0 (0: full fine-tuning)"),
+    "lora_alpha": (lambda v: v > 0, "> 0"),
 }
 # On --resume these would make the saved data cursor, RNG states or probe refer to another run:
 # refused. Every other flag given with --resume applies from the next step and is written to
 # config.json (--lr and --probe-lr included: they replace the saved optimizers' rates).
-FIXED_ON_RESUME = ("model", "data", "problem_field", "answer_field", "seed", "reward", "probe_hidden")
+FIXED_ON_RESUME = ("model", "data", "problem_field", "answer_field", "seed", "reward", "probe_hidden",
+                   "lora_rank", "lora_alpha", "lora_targets")
 
 
 def check_values(cfg, limits=LIMITS):
@@ -236,7 +243,8 @@ def build_parser():
                    help="the probe's hidden width: d -> N -> 1 (default d/4: the released MLP, d -> d/4 -> 1); "
                         "0 trains the design card's linear probe d -> 1")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--lr", type=float)
+    g.add_argument("--lr", type=float, help=f"policy learning rate (toy {TOY['lr']}, real models {REAL['lr']}; "
+                   f"{LORA_LR_FACTOR}x that under --lora-rank)")
     g.add_argument("--warmup", type=int)
     g.add_argument("--grad-clip", type=float)
     g.add_argument("--clip-low", type=float)
@@ -255,6 +263,11 @@ def build_parser():
     g.add_argument("--offload", action="store_true", default=None,
                    help="keep params, grads and AdamW state in host memory (FSDP2 CPU offload): slow, "
                    "but the 7B model trains on one or two GPUs")
+    g.add_argument("--lora-rank", type=int, help="train a LoRA adapter of this rank on the frozen base "
+                   "(peft; 0: full fine-tuning, as in the paper). 16-64 suits a 7B; 32 fits one 80 GB GPU")
+    g.add_argument("--lora-alpha", type=float, help="LoRA scale alpha (the update is alpha / rank x B A)")
+    g.add_argument("--lora-targets", help="modules to adapt: all-linear (every linear layer of the "
+                   "decoder) or names, e.g. q_proj,v_proj")
     g = p.add_argument_group("devices")
     g.add_argument("--nproc", type=int, help="worker processes (default: every GPU; 1 on CPU)")
     g.add_argument("--plan", action="store_true", default=None,
@@ -319,6 +332,8 @@ def resolve_args(argv):
         if model == "toy":
             implied.update(TOY_IMPLIED.get(cfg["reward"], {}))
         cfg.update({k: v for k, v in implied.items() if k not in given})
+    if cfg["lora_rank"] and "lr" not in given and "lr" not in saved:
+        cfg["lr"] = LORA_LR_FACTOR * world["lr"]
     cfg["trust_remote_code"] = bool(given.get("trust_remote_code"))
     cfg.update({k: given.get(k) for k in NOT_SAVED})
     cfg["out"] = cfg["out"] or os.path.join("runs", os.path.basename(cfg["model"].rstrip("/")))

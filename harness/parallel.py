@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from grpo import token_logprobs
+from harness.lora import has_adapter
 
 RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 MASTER = RANK == 0
@@ -110,10 +111,12 @@ class LogprobModel(torch.nn.Module):
 def wrap(lm, device, offload=False):
     """(trainable module, generation copy). One process on CPU: both are the same fp32 model.
 
-    lm may be on the meta device (load_sharded): then both come back unmaterialised.
+    lm may be on the meta device (load_sharded): then both come back unmaterialised. Under
+    --lora-rank one process samples with the policy itself on a GPU too: its frozen base is bf16
+    already and its adapters stay unmerged (no copy to refresh).
     """
     sampler = lm
-    if device.type == "cuda" or dist.is_initialized():
+    if (device.type == "cuda" and not has_adapter(lm)) or dist.is_initialized():
         sampler = copy.deepcopy(lm).eval().requires_grad_(False)
         if device.type == "cuda":  # bf16 weights; the buffers (rotary inv_freq) stay fp32, as from_pretrained
             for p in sampler.parameters():  # leaves them: bf16 frequencies turn position 1000 by 1.2 rad
@@ -130,8 +133,12 @@ def wrap(lm, device, offload=False):
     return policy, sampler
 
 
-def load_sharded(name, device, offload=False, trust_remote_code=False, grad_ckpt=None):
+def load_sharded(name, device, offload=False, trust_remote_code=False, grad_ckpt=None, adapt=None):
     """(policy, sampler, lm, tokenizer) on every rank, reading the weights on rank 0 only.
+
+    adapt(model, meta) adds the LoRA adapter (--lora-rank): on rank 0 the one it trains (fresh or a
+    checkpoint's), on the meta model its shape; base and adapter are both fp32, so each FSDP2 unit
+    holds one dtype (verl #3470: mixed dtypes in one unit fail).
 
     Every rank builds the model on the meta device and shards it; rank 0 loads the full fp32 state
     dict on the CPU and broadcasts it shard by shard; the generation copy is then filled from the
@@ -144,7 +151,7 @@ def load_sharded(name, device, offload=False, trust_remote_code=False, grad_ckpt
     full = {}
     if MASTER:
         model, tok = load_model(name, torch.float32, trust_remote_code)
-        full = model.state_dict()
+        full = (adapt(model, meta=False) if adapt else model).state_dict()
         del model
     dist.barrier()  # rank 0 has resolved (and for the toy, built) the model directory
     path = resolve_model(name)
@@ -156,6 +163,8 @@ def load_sharded(name, device, offload=False, trust_remote_code=False, grad_ckpt
     with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
                                               trust_remote_code=trust_remote_code)
+    if adapt:
+        lm = adapt(lm, meta=True)
     lm.config.use_cache = False
     if grad_ckpt:
         grad_ckpt(lm)
@@ -202,15 +211,23 @@ def refresh_sampler(sampler, policy):
 
 
 def full_state(policy, opt):
-    """(model state dict, optimizer state dict) as full CPU tensors on rank 0 (None elsewhere)."""
+    """(model state dict, optimizer state dict) as full CPU tensors on rank 0 (None elsewhere).
+    Under --lora-rank the model's is the adapter's parameters alone: the frozen base is never saved."""
+    lm = policy.lm
     if not sharded(policy):
-        return policy.lm.state_dict(), opt.state_dict()
+        return (adapter_state(lm) if has_adapter(lm) else lm.state_dict()), opt.state_dict()
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
     opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_sd = get_model_state_dict(policy.lm, options=opts)
+    model_sd = adapter_state(lm) if has_adapter(lm) else get_model_state_dict(lm, options=opts)
     opt_sd = get_optimizer_state_dict(policy, opt, options=opts)
     return (model_sd, opt_sd) if MASTER else (None, None)
+
+
+def adapter_state(lm):
+    """{name: full CPU tensor} of the parameters that train (on every rank: full_tensor gathers)."""
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
+            for n, p in lm.named_parameters() if p.requires_grad}
 
 
 def load_optimizer(policy, opt, state):

@@ -36,11 +36,22 @@ broadcast them, and at every save gathers the full fp32 model and AdamW state (p
 are not counted. The check refuses on device memory only: the host may be another machine
 (--gpus / --gpu-mem), so host memory is printed, and flagged when it exceeds this machine's RAM.
 On CPU (the toy world) everything is fp32 and one process uses the policy as its generation copy.
+
+With --lora-rank R (harness/lora.py) only the adapter trains: n = R x (in + out) summed over the
+adapted linear layers. The frozen base holds no fp32 master, gradients or AdamW state:
+  training state  the frozen base: bf16 on one GPU (2 N), the fp32 shards (4 N / W) when sharded
+  adapter state   fp32 params + grads + AdamW of the adapter                16 n / W
+  generation copy none on one GPU or CPU process (it samples with the policy, adapters unmerged);
+                  the bf16 copy of base and adapter (2 (N + n)) when sharded
+  FSDP gather     the gathered layers' params only (no gradients for frozen weights)
+  host            rank 0 reads the fp32 base to broadcast it (4 N); a save gathers the adapter and
+                  its AdamW state only (12 n)
 """
 import os
 
 import torch
 
+from harness import lora
 from harness.checkpoint import UserError, first_line
 from harness.config import PROBE_MODES
 from harness.staticcache import buffer_shape  # the buffers StaticDecoder allocates
@@ -65,15 +76,16 @@ def model_config(name, trust_remote_code=False):
         raise UserError(f"cannot read the config of model {name!r}: {first}") from None
 
 
-def param_counts(config):
-    """(total, root, one decoder layer) parameter counts, from a model built on the meta device."""
+def param_counts(config, lora_targets="all-linear"):
+    """(total, root, one decoder layer, adapter parameters per unit of LoRA rank on lora_targets)
+    parameter counts, from a model built on the meta device."""
     from transformers import AutoModelForCausalLM
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     total = sum(p.numel() for p in model.parameters())
     layers = model.model.layers
     layer = sum(p.numel() for p in layers[0].parameters())
-    return total, total - layer * len(layers), layer
+    return total, total - layer * len(layers), layer, lora.adapter_params(model, 1, lora_targets)
 
 
 def kv_bytes_per_token(config, dtype_bytes):
@@ -87,13 +99,20 @@ def kv_bytes_per_token(config, dtype_bytes):
 def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
     """Bytes per device for each term (dict, in the order printed) plus 'peak', the host memory
     ('host': rank 0's, 'host node': all ranks'), and the static shapes ('kv_shape', 'label_kv_shape')."""
-    total, root, layer = counts or param_counts(config)
+    total, root, layer, per_rank = counts or param_counts(config, cfg.get("lora_targets", "all-linear"))
     cuda = device == "cuda"
     act_bytes = 2 if cuda else 4
     d, d_ff, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
-    state = 16 * total / world
-    shared_copy = not cuda and world == 1  # wrap(): one CPU process samples with the policy itself
-    gen_copy = 0 if shared_copy else act_bytes * total
+    sharded = world > 1 or offload
+    adapter = cfg.get("lora_rank", 0) * per_rank
+    if adapter:  # the frozen base and the adapter's fp32 state; one process samples with the policy
+        state = (4 * total if sharded else act_bytes * total) / world
+        adapter_state = 16 * adapter / world
+        gen_copy = act_bytes * (total + adapter) if sharded else 0
+    else:
+        state, adapter_state = 16 * total / world, 0.0
+        shared_copy = not cuda and world == 1  # wrap(): one CPU process samples with the policy itself
+        gen_copy = 0 if shared_copy else act_bytes * total
     prompts_here = -(-cfg["prompts_per_step"] // world)
     per_token = kv_bytes_per_token(config, act_bytes)
     layer_acts = lambda tokens: tokens * (8 * d + 3 * d_ff) * act_bytes  # noqa: E731  one layer's forward
@@ -113,7 +132,7 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
         label_shape = buffer_shape(cuts * cfg["k"], width, FORCED_ANSWER)
         label_kv = label_shape[0] * label_shape[1] * per_token
         label_prefill = layer_acts(cuts * width) + cuts * width * per_token
-    gather = 8 * (root + 2 * layer) if world > 1 or offload else 0
+    gather = (act_bytes if adapter else 8) * (root + 2 * layer) if sharded else 0
     T = max(cfg["micro_tokens"], P + new)  # a micro-batch holds >= 1 sequence
     one_layer = layer_acts(T)
     # kept: each layer's input with checkpointing, else every layer's buffers; then the backward of
@@ -121,19 +140,19 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
     kept = config.num_hidden_layers * (T * d * act_bytes if cfg["grad_ckpt"] else one_layer)
     acts = kept + (2 if cfg["grad_ckpt"] else 1) * one_layer
     chunk = 3 * cfg["chunk_size"] * vocab * 4  # chunks run over the micro-batch's flattened positions
-    terms = {"training state": 0.0 if offload else state, "generation copy": gen_copy,
+    terms = {"training state": 0.0 if offload else state, "adapter state": 0.0 if offload else adapter_state,
+             "generation copy": gen_copy,
              "FSDP gather": gather, "KV cache": kv, "prefill": prefill, "label KV cache": label_kv,
              "label prefill": label_prefill, "activations": acts, "log-prob chunk": chunk,
              "runtime": RUNTIME[device]}
     update = gather + acts + chunk
-    terms["peak"] = terms["training state"] + gen_copy + RUNTIME[device] + \
+    terms["peak"] = terms["training state"] + terms["adapter state"] + gen_copy + RUNTIME[device] + \
         max(kv + prefill, label_kv + label_prefill, update)
     # Host: rank 0 loads the fp32 weights (4 N) to broadcast them, and at every save gathers the
-    # full fp32 model and AdamW state (parallel.full_state, cpu_offload: 4 N + 8 N); --offload keeps
-    # each rank's shard of the training state there.
-    sharded = world > 1 or offload
-    offloaded = state if offload else 0.0
-    rank0 = offloaded + (12 * total if sharded else 0.0)
+    # full fp32 model and AdamW state (parallel.full_state, cpu_offload: 4 N + 8 N; the adapter's
+    # alone under LoRA); --offload keeps each rank's shard of the training state there.
+    offloaded = state + adapter_state if offload else 0.0
+    rank0 = offloaded + (max(4 * total, 12 * (adapter or total)) if sharded else 0.0)
     terms["host"] = rank0
     terms["host node"] = rank0 + (world - 1) * offloaded
     terms["kv_shape"], terms["label_kv_shape"] = kv_shape, label_shape
@@ -146,7 +165,8 @@ def prompt_tokens(cfg):
 
 def fixes(config, cfg, world, device, mem, counts):
     """The cheapest change that fits, tried in order of cost: a smaller --gen-batch or --micro-tokens
-    (slower, nothing else changes), --offload (much slower optimizer step), more GPUs."""
+    (slower, nothing else changes), --lora-rank 32 (an adapter trains instead of every weight: a
+    deviation from the paper's full fine-tuning), --offload (much slower optimizer step), more GPUs."""
     def peak(c, w=world, off=cfg.get("offload", False)):
         return estimate(config, c, w, device, off, counts)["peak"]
     for flag, key in (("--gen-batch", "gen_batch"), ("--micro-tokens", "micro_tokens")):
@@ -155,13 +175,18 @@ def fixes(config, cfg, world, device, mem, counts):
             c[key] //= 2
             if peak(c) <= mem:
                 return f"{flag} {c[key]} (peak {peak(c) / GiB:.1f} GiB)"
+    lora = None
+    if not cfg.get("lora_rank") and peak(dict(cfg, lora_rank=32)) <= mem:
+        lora = f"--lora-rank 32 (peak {peak(dict(cfg, lora_rank=32)) / GiB:.1f} GiB: trains a LoRA adapter, not every weight)"
+    fix = "a smaller model" + (" or a machine with GPUs" if device == "cpu" else "")
     if not cfg.get("offload") and peak(cfg, off=True) <= mem:
         host = estimate(config, cfg, world, device, True, counts)["host node"]
-        return f"--offload (peak {peak(cfg, off=True) / GiB:.1f} GiB, host {host / GiB:.0f} GiB per node)"
-    for w in range(world + 1, 1025):
-        if peak(cfg, w) <= mem:
-            return f"{w} GPUs (--gpus {w}: peak {peak(cfg, w) / GiB:.1f} GiB)"
-    return "a smaller model" + (" or a machine with GPUs" if device == "cpu" else "")
+        fix = f"--offload (peak {peak(cfg, off=True) / GiB:.1f} GiB, host {host / GiB:.0f} GiB per node)"
+    else:
+        w = next((w for w in range(world + 1, 1025) if peak(cfg, w) <= mem), None)
+        if w:
+            fix = f"{w} GPUs (--gpus {w}: peak {peak(cfg, w) / GiB:.1f} GiB)"
+    return f"{lora}; to keep full fine-tuning: {fix}" if lora else fix
 
 
 def detected(nproc=None):
@@ -192,25 +217,32 @@ def check(cfg, show=False, log=print):
         world = cfg.get("gpus") or world
         mem = cfg.get("gpu_mem") or (mem if torch.cuda.is_available() else 80.0)
     config = model_config(cfg["model"], cfg.get("trust_remote_code", False))
-    counts = param_counts(config)
+    counts = param_counts(config, cfg.get("lora_targets", "all-linear"))
     offload = bool(cfg.get("offload"))
     t = estimate(config, cfg, world, device, offload, counts)
     where = f"{world} x {mem:.0f} GiB {'GPU' if device == 'cuda' else 'CPU process'}"
     if show:
         size = f"{counts[0] / 1e9:.2f} B" if counts[0] >= 1e9 else f"{counts[0] / 1e6:.2f} M"
-        log(f"plan: {cfg['model']} ({size} parameters) on {where}"
+        rank = cfg.get("lora_rank", 0)
+        lora_note = f" with --lora-rank {rank} ({rank * counts[3] / 1e6:.1f} M adapter parameters)" if rank else ""
+        log(f"plan: {cfg['model']} ({size} parameters) on {where}{lora_note}"
             f"{' with --offload' if offload else ''}; per {'GPU' if device == 'cuda' else 'process'}:")
         notes = {"KV cache": "rollout: {} rows x {} tokens".format(*t["kv_shape"]),
                  "prefill": "one layer's forward over the prompts prefilled with that cache",
                  "label KV cache": "forced answers: {} rows x {} tokens".format(*t["label_kv_shape"]),
                  "label prefill": "one layer's forward and the prefill cache of one chunk of cuts",
                  "activations": "checkpointed" if cfg["grad_ckpt"] else "no checkpointing",
-                 "training state": "on the host (--offload)" if offload else "params, grads, AdamW (sharded)"}
-        for name in ("training state", "generation copy", "FSDP gather", "KV cache", "prefill",
+                 "training state": "on the host (--offload)" if offload else
+                 ("the frozen base" if rank else "params, grads, AdamW (sharded)"),
+                 "adapter state": "fp32 params, grads, AdamW of the adapter",
+                 "generation copy": "none: samples with the policy, adapters unmerged"
+                 if rank and not t["generation copy"] else ""}
+        for name in ("training state", *(("adapter state",) if rank else ()), "generation copy", "FSDP gather", "KV cache", "prefill",
                      "label KV cache", "label prefill", "activations", "log-prob chunk", "runtime", "peak"):
             log(f"  {name:<16}{t[name] / GiB:8.2f} GiB  {notes.get(name, '')}".rstrip())
         others = f"; {(t['host node'] - t['host']) / (world - 1) / GiB:.2f} GiB each other rank" if world > 1 else ""
-        log(f"  {'host':<16}{t['host'] / GiB:8.2f} GiB  rank 0 at a save (the full fp32 model and AdamW state)"
+        at = "loading (the fp32 base)" if rank else "a save (the full fp32 model and AdamW state)"
+        log(f"  {'host':<16}{t['host'] / GiB:8.2f} GiB  rank 0 at {at}"
             f"{others}; {t['host node'] / GiB:.0f} GiB per node")
     if here and t["host node"] > host_ram() and os.environ.get("RANK", "0") == "0":
         log(f"warning: the plan needs {t['host node'] / GiB:.0f} GiB of host memory at a save, this machine "

@@ -22,7 +22,7 @@ import torch
 
 import data
 from harness import checkpoint as ckpt_lib
-from harness import config
+from harness import config, lora
 from harness.checkpoint import UserError
 from harness.parallel import MASTER, all_gather, load_optimizer, teardown
 import probe as probe_lib
@@ -114,7 +114,10 @@ class RunFolder:
         what state.pt holds besides the RNG (step, cursor, optimizer, scheduler)."""
         if MASTER:
             def write(tmp):
-                model.save_pretrained(tmp, state_dict=model_sd)
+                if lora.has_adapter(model):
+                    lora.save(tmp, model, model_sd)
+                else:
+                    model.save_pretrained(tmp, state_dict=model_sd)
                 tok.save_pretrained(tmp)
                 probe_lib.save(os.path.join(tmp, "probe.pt"), probe, probe_opt)
                 torch.save(dict(state, rng=ckpt_lib.rng_state()), os.path.join(tmp, "state.pt"))

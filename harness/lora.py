@@ -1,0 +1,93 @@
+"""--lora-rank R: the policy trains a LoRA adapter (peft) on its frozen base instead of every weight.
+
+The adapter is injected into the Hugging Face model itself (`add_adapter` keeps peft's inner model,
+not its PeftModel wrapper), so everything downstream (the rollout, the scoring forward that feeds the
+probe, FSDP2's per-layer units) runs on an ordinary model whose linear layers are adapted; sampling
+uses the adapters unmerged. Only the adapter's parameters require gradients, so only they get
+gradients and AdamW state. A checkpoint holds the adapter in peft's own format
+(adapter_config.json + adapter_model.safetensors, loadable with `PeftModel.from_pretrained` on the
+base named in its config) beside the tokenizer, probe.pt and state.pt.
+
+peft is imported only here and only with --lora-rank: a run without it needs no peft.
+"""
+import json
+import os
+
+import torch
+
+CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+ADAPTER = "default"  # peft's adapter name, dropped from the saved keys as peft does
+
+
+def is_adapter(path):
+    """Whether a checkpoint folder holds an adapter (not a whole model)."""
+    return os.path.isfile(os.path.join(path, CONFIG))
+
+
+def has_adapter(model):
+    """Whether a model carries a LoRA adapter: peft marks the model it adapts."""
+    return hasattr(model, "peft_config")
+
+
+def targets(text):
+    """--lora-targets "all-linear" (every linear layer of the decoder, not the LM head) or a comma
+    list of module names ("q_proj,v_proj")."""
+    return text if text == "all-linear" else [t.strip() for t in text.split(",") if t.strip()]
+
+
+def adapter_params(model, rank, target_text):
+    """Parameters of a rank-`rank` adapter on `model`'s decoder layers: r x (in + out) per adapted
+    linear layer (lora_A is r x in, lora_B out x r). Works on a model on the meta device."""
+    wanted = targets(target_text)
+    return sum(rank * (m.in_features + m.out_features) for name, m in model.model.layers.named_modules()
+               if isinstance(m, torch.nn.Linear) and (wanted == "all-linear" or name.split(".")[-1] in wanted))
+
+
+def add_adapter(model, cfg, base_path):
+    """The model with a fresh adapter (lora_A random, lora_B zero: the adapted model starts equal to
+    the base), its base frozen. base_path is written into the adapter's config for loaders."""
+    from peft import LoraConfig, get_peft_model
+    config = LoraConfig(r=cfg["lora_rank"], lora_alpha=cfg["lora_alpha"], target_modules=targets(cfg["lora_targets"]),
+                        lora_dropout=0.0)
+    model = get_peft_model(model, config).base_model.model
+    model.peft_config[ADAPTER].base_model_name_or_path = base_path  # peft puts the model's own name here
+    return model
+
+
+def with_adapter(model, cfg, ckpt=None):
+    """The policy of a --lora-rank run: the base with the adapter of checkpoint `ckpt` (resume), or a
+    fresh one. A --lora-targets that names no module of the model is one UserError line."""
+    from harness.checkpoint import UserError, resolve_model
+    try:
+        return load_adapter(model, ckpt) if ckpt else add_adapter(model, cfg, resolve_model(cfg["model"]))
+    except ValueError as e:
+        raise UserError(f"--lora-targets {cfg['lora_targets']}: {str(e).splitlines()[0][:200]}") from None
+
+
+def load_adapter(model, ckpt, trainable=True):
+    """The model with the adapter saved in checkpoint `ckpt` (resume: trainable; evaluation: not)."""
+    from peft import PeftModel
+    return PeftModel.from_pretrained(model, ckpt, is_trainable=trainable).base_model.model
+
+
+def merged(model, ckpt):
+    """The base `model` with checkpoint `ckpt`'s adapter merged into its weights: a plain model that
+    samples as fast as the base (evaluation)."""
+    from peft import PeftModel
+    return PeftModel.from_pretrained(model, ckpt).merge_and_unload()
+
+
+def save(folder, model, state):
+    """Write the adapter in peft's format: its config, and its weights under peft's key names
+    (base_model.model. + the module path, without the adapter name)."""
+    from safetensors.torch import save_file
+    model.peft_config[ADAPTER].save_pretrained(folder)
+    weights = {"base_model.model." + k.replace(f".{ADAPTER}.", "."): v.detach().contiguous()
+               for k, v in state.items()}
+    save_file(weights, os.path.join(folder, WEIGHTS), metadata={"format": "pt"})
+
+
+def base_of(ckpt):
+    """The base model an adapter checkpoint was trained on (its adapter_config.json)."""
+    with open(os.path.join(ckpt, CONFIG), encoding="utf-8") as f:
+        return json.load(f)["base_model_name_or_path"]

@@ -1,0 +1,203 @@
+"""--lora-rank (harness/lora.py): the adapter trains on every path (one process, FSDP2 on two CPU
+processes, resume after a kill), saves in peft's format, evaluates, and the memory plan counts it."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import tiny
+import train
+from harness import lora, plan
+from harness.config import resolve_args
+from harness.parallel import full_state, wrap
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+FIXTURE_7B = os.path.join(ROOT, "..", "shared", "fixtures", "r1_distill_qwen_7b")
+RELEASED = ["--prompts-per-step", "32", "--group-size", "6", "--max-new-tokens", "8000"]
+SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "40", "--eval-n", "8",
+         "--eval-every", "0", "--gen-batch", "64"]
+CFG = dict(lora_rank=4, lora_alpha=8.0, lora_targets="all-linear", model="toy")
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONHASHSEED": "0"}
+
+
+def logprobs(model, ids):
+    """[1, T, V] next-token log-probs (peft's PeftModel forwards to the adapted model's logits)."""
+    with torch.no_grad():
+        return model(ids).logits.log_softmax(-1)
+
+
+@pytest.mark.parametrize("targets", ["all-linear", "q_proj,v_proj"])
+def test_the_plan_counts_the_adapter_peft_trains(targets):
+    model = lora.add_adapter(tiny.model(vocab_size=64, hidden=32, layers=2), dict(CFG, lora_targets=targets), "tiny")
+    trained = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in n for n in trained)
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == plan.param_counts(model.config, targets)[3] * 4
+    assert not any("lm_head" in n for n in trained)  # all-linear: the decoder's layers, not the LM head
+
+
+def test_lora_lr_default_is_10x_and_a_given_lr_wins():
+    assert resolve_args(["--lora-rank", "8"])["lr"] == pytest.approx(10 * resolve_args([])["lr"])
+    assert resolve_args(["--lora-rank", "8", "--lr", "3e-4"])["lr"] == 3e-4
+    assert resolve_args(["--model", "some/model", "--lora-rank", "32"])["lr"] == pytest.approx(1e-5)
+
+
+def test_a_toy_run_without_lora_never_imports_peft(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "peft", None)  # any `import peft` now raises ImportError
+    train.main(["--steps", "1", "--out", str(tmp_path / "run"), "--save-every", "0", *SMALL])
+    assert os.path.isfile(os.path.join(tmp_path, "run", "checkpoints", "step_000001", "model.safetensors"))
+
+
+def test_one_gpu_samples_with_the_adapted_policy_itself():
+    """No generation copy under LoRA in one process (built where the model is: no GPU needed)."""
+    model = lora.add_adapter(tiny.model(vocab_size=64, hidden=32, layers=2), CFG, "tiny")
+    policy, sampler = wrap(model, torch.device("cuda"))
+    assert sampler is model and policy.lm is model
+
+
+def test_a_saved_adapter_loads_with_peft_and_gives_the_same_logprobs(tmp_path):
+    """What a checkpoint saves (full_state, then lora.save) is peft's format: PeftModel.from_pretrained
+    on the base rebuilds the trained policy's log-probs exactly; evaluation's merged model to 1e-5."""
+    from peft import PeftModel
+    from harness.checkpoint import load_model
+    torch.manual_seed(0)
+    model = lora.with_adapter(load_model("toy")[0], CFG)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)  # as if trained: B = 0 would leave the adapted model equal to the base
+    policy, _ = wrap(model, torch.device("cpu"))
+    sd, _ = full_state(policy, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]))
+    lora.save(str(tmp_path), model, sd)
+    ids = torch.tensor([[5, 9, 3, 7, 11, 2, 40, 8]])
+    base = load_model("toy")[0]
+    before = logprobs(base, ids)
+    loaded = PeftModel.from_pretrained(base, str(tmp_path))
+    assert (logprobs(model, ids) - before).abs().max() > 1e-3  # the adapter changes the model
+    assert torch.equal(logprobs(loaded, ids), logprobs(model, ids))
+    merged, _ = load_model(str(tmp_path))  # evaluate.py's path: the base named in adapter_config.json
+    assert not lora.has_adapter(merged)
+    assert torch.allclose(logprobs(merged, ids), logprobs(model, ids), atol=1e-5)
+
+
+@pytest.mark.slow   # torchrun, two processes
+def test_lora_on_two_cpu_processes_equals_one(tmp_path):
+    outs = {}
+    for world in (1, 2):
+        out = str(tmp_path / f"w{world}.pt")
+        cmd = [sys.executable, os.path.join(HERE, "fsdp_lora.py"), out]
+        if world > 1:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *cmd[1:]]
+        env = {**ENV, "PYTHONPATH": os.pathsep.join([ROOT, HERE]), "OMP_NUM_THREADS": "1"}
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-3000:]
+        outs[world] = torch.load(out, weights_only=True)
+    one, two = outs[1]["model"], outs[2]["model"]
+    assert one.keys() == two.keys() and all("lora_" in k for k in one)  # the adapter alone is saved
+    init = lora.add_adapter(tiny.model(vocab_size=64, hidden=32, layers=2, seed=0), CFG, "tiny").state_dict()
+    for part in ("lora_A", "lora_B"):  # both moved (lora_B starts non-zero in the script)
+        assert max((one[k] - init[k]).abs().max().item() for k in one if part in k) > 1e-4, part
+    for k in one:
+        assert torch.allclose(one[k], two[k], atol=1e-5), (k, (one[k] - two[k]).abs().max())
+    assert outs[1]["steps"] == outs[2]["steps"] and len(outs[1]["steps"]) == len(one)
+    for r in (0, 1):  # the lean start: every rank holds rank 0's adapted model
+        assert torch.load(str(tmp_path / f"w2.pt.lean{r}")) == dict(sampler=0.0, policy=0.0, trainable=True)
+
+
+@pytest.mark.slow   # two 4-step train.py processes, one killed
+def test_lora_resume_is_exact_after_a_kill(tmp_path):
+    from safetensors.torch import load_file
+    args = [sys.executable, os.path.join(ROOT, "train.py"), "--steps", "4", "--save-every", "1", "--keep", "4", "--lora-rank", "4",
+            *SMALL]
+    full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
+    subprocess.run(args + ["--out", full], check=True, env=ENV, cwd=ROOT, capture_output=True)
+    proc = subprocess.Popen(args + ["--out", cut], env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    second = os.path.join(cut, "checkpoints", "step_000002")
+    deadline = time.time() + 300
+    while not os.path.isdir(second) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert os.path.isdir(second), "the run should have reached step 2 before the kill"
+    subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--resume", cut], check=True,
+                   env=ENV, cwd=ROOT, capture_output=True)
+    wa, wb = (load_file(os.path.join(r, "checkpoints", "step_000004", lora.WEIGHTS)) for r in (full, cut))
+    first = load_file(os.path.join(full, "checkpoints", "step_000001", lora.WEIGHTS))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert any(not torch.equal(wa[k], first[k]) for k in wa)  # steps 2-4 trained the adapter
+    rows = [[{k: v for k, v in r.items() if not k.startswith(("t_", "tok_per_s", "peak_mem"))}
+             for r in map(json.loads, open(os.path.join(d, "metrics.jsonl"))) if r["step"] >= 3] for d in (full, cut)]
+    assert rows[0] == rows[1] and len(rows[0]) == 3  # steps 3, 4 and the held-out check at 4
+
+
+def test_evaluate_runs_on_a_lora_run(tmp_path):
+    import evaluate
+    run = str(tmp_path / "run")
+    train.main(["--steps", "1", "--out", run, "--lora-rank", "4", *SMALL])
+    ckpt = os.path.join(run, "checkpoints", "step_000001")
+    assert sorted(n for n in os.listdir(ckpt) if "adapter" in n) == [lora.CONFIG, lora.WEIGHTS]
+    assert not os.path.exists(os.path.join(ckpt, "model.safetensors"))  # the frozen base is not saved again
+    out = str(tmp_path / "eval")
+    evaluate.main(["--model", run, "--benchmarks", "toy", "--limit", "2", "--n-samples", "1", "--max-new-tokens",
+                   "24", "--probe-questions", "4", "--probe-samples", "2", "--posthoc-budgets", "2", "--out", out])
+    files = os.listdir(out)
+    assert any(n.endswith(".json") for n in files), files
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--lora-rank", "4", "--lora-targets", "nothing_here"], "--lora-targets nothing_here"),
+    (["--lora-rank", "-1"], "--lora-rank -1: must be >= 0"),
+])
+def test_bad_lora_flags_end_in_one_line(tmp_path, capsys, argv, says):
+    with pytest.raises(SystemExit) as e:
+        train.main(["--steps", "1", "--out", str(tmp_path / "run"), *SMALL, *argv])
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.strip() and not x.startswith("Loading weights")]
+    assert e.value.code == 2 and len(lines) == 1 and says in lines[0], err
+    assert "Traceback" not in err
+
+
+def test_lora_flags_cannot_change_on_resume(tmp_path, capsys):
+    run = str(tmp_path / "run")
+    train.main(["--steps", "1", "--out", run, "--lora-rank", "4", "--save-every", "0", *SMALL])
+    with pytest.raises(SystemExit) as e:
+        train.main(["--resume", run, "--steps", "2", "--lora-rank", "8"])
+    assert e.value.code == 2 and "--lora-rank cannot change on resume" in capsys.readouterr().err
+
+
+needs_7b = pytest.mark.skipif(not os.path.isdir(FIXTURE_7B), reason="7B config fixture not present")
+
+
+@needs_7b
+def test_plan_7b_with_lora_32_fits_one_80_gib_gpu_without_offload(capsys):
+    args = ["--model", FIXTURE_7B, "--gpus", "1", "--gpu-mem", "80", *RELEASED]
+    train.main(args + ["--plan", "--lora-rank", "32"])
+    out = capsys.readouterr().out
+    assert "adapter state" in out and "fits: peak" in out
+    t = plan.check(resolve_args(args + ["--lora-rank", "32"]))
+    n, adapter = plan.param_counts(plan.model_config(FIXTURE_7B))[0], 80_740_352  # 2.52 M per unit of rank
+    assert t["training state"] == 2 * n            # the frozen base in bf16, nothing else
+    assert t["adapter state"] == 16 * adapter      # fp32 params, grads, AdamW: 1.2 GiB
+    assert t["generation copy"] == 0 and t["FSDP gather"] == 0
+    assert 38 * plan.GiB < t["peak"] < 45 * plan.GiB
+    # without LoRA the same node names --lora-rank 32 first, then full fine-tuning's --offload
+    with pytest.raises(SystemExit) as e:
+        train.main(args + ["--plan"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.index("--lora-rank 32") < err.index("--offload"), err
+
+
+@needs_7b
+def test_plan_with_lora_on_8_gpus_shards_the_fp32_base():
+    t = plan.check(resolve_args(["--model", FIXTURE_7B, "--gpus", "8", "--gpu-mem", "80", "--lora-rank", "32",
+                                 *RELEASED]))
+    n, adapter = plan.param_counts(plan.model_config(FIXTURE_7B))[0], 80_740_352
+    assert t["training state"] == 4 * n / 8 and t["adapter state"] == 16 * adapter / 8
+    assert t["generation copy"] == 2 * (n + adapter)
+    assert t["host"] == 4 * n  # rank 0 reads the fp32 base; a save gathers only the adapter (12 x 81 M)
