@@ -226,8 +226,8 @@ def example(tok, problem, rng, forced):
     implied = implied_answer(terms, lines, totals, b)
     close = (tok.eos_token_id if rng.random() < WARM["p_eos_close"]
              else tok.convert_tokens_to_ids("</think>"))
-    if response[b - 1] == close:  # as label.forced_prompt: a cut ending on the close gets no second one
-        b -= 1
+    # A cut ending on the close token gets a second one here, as label.forced_prompt built them when
+    # toy_base was made; it no longer does (released), and the labels still carry signal (tests/test_toy.py).
     head = prompt + response[:b] + [close] + tok.encode(SUFFIX, add_special_tokens=False)
     answer = tok.encode(f"{implied}}}\n", add_special_tokens=False)
     mask = ([0] * len(prompt) + [1] * b + [0] * (len(head) - len(prompt) - b)

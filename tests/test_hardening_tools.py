@@ -131,7 +131,7 @@ def test_an_equal_seed_and_reordered_flags_are_not_refused(tmp_path):
                                              "--train-args", "--seed 3 --steps 1", "--eval-args=--seed=3"])
     assert args.train_args == ["--seed", "3", "--steps", "1"] and jobs == 2
     ev = str(tmp_path / "ev")
-    entry = dict(provenance=dict(command=f"evaluate.py --limit 4 --model toy --out {ev} --seed 1 --benchmarks toy "
+    entry = dict(provenance=dict(command=f"evaluate.py --limit 4 --model toy --out {ev} --seed 1 --benchmarks toy,toy-long,toy-sub "
                                          "--confidence logits --no-early-exit"))
     cmd = reproduce.eval_cmd("c2gspg", 1, None, ev)
     assert reproduce.made_with(entry, cmd + ["--limit", "4"]) and not reproduce.made_with(entry, cmd)

@@ -80,11 +80,12 @@ def test_loss_gradient_is_the_per_sample_reinforce_gradient(cfg, rollouts):
     assert (g - ref).norm() / ref.norm() < 1e-4
 
 
-@pytest.mark.parametrize("lr_scale", [None, "peak"])
-def test_one_update_moves_probability_towards_positive_advantages(cfg, rollouts, lr_scale):
-    """One optimizer step as train.py takes it with the toy defaults: the first step (at the
-    warm-up lr) and a step at the peak lr, both on a fresh AdamW (the first, sign-like step of
-    Adam moves every parameter by about lr, the largest relative move of the run)."""
+@pytest.mark.parametrize("steps", [1, 3])
+def test_updates_move_probability_towards_positive_advantages(cfg, rollouts, steps):
+    """Optimizer steps as train.py takes them with the toy defaults, on one batch: the first (at the
+    warm-up lr, on a fresh AdamW), and the three of the warm-up, the last at the peak lr. (A fresh
+    AdamW's first, sign-like step at the peak lr, which training never takes, moves every parameter
+    by about lr and, on the committed base, lowers both sides.)"""
     path, batch, adv = rollouts
     assert (adv > 0).sum() >= 8 and (adv < 0).sum() >= 8
     lm = AutoModelForCausalLM.from_pretrained(path)
@@ -92,15 +93,16 @@ def test_one_update_moves_probability_towards_positive_advantages(cfg, rollouts,
     policy = LogprobModel(lm)
     before = sequence_logprobs(lm, batch, cfg["temperature"])
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg["lr"], weight_decay=0.0)  # as train.run
-    warmup = 1 if lr_scale == "peak" else max(cfg["warmup"], 1)
+    warmup = max(cfg["warmup"], 1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
     mbs = step.micro_batches(batch["attention_mask"].sum(1).tolist(), cfg["micro_tokens"])
     old = torch.zeros(batch["loss_mask"].shape)
     with torch.no_grad():
         old[:] = token_logprobs(lm, batch["input_ids"], batch["attention_mask"], cfg["temperature"])
-    step.update(policy, opt, sched, batch, old, adv, mbs, cfg, torch.device("cpu"))
+    for _ in range(steps):
+        step.update(policy, opt, sched, batch, old, adv, mbs, cfg, torch.device("cpu"))
     delta = sequence_logprobs(lm, batch, cfg["temperature"]) - before
     up, down = delta[adv > 0].mean().item(), delta[adv < 0].mean().item()
-    print(f"\nmean change of sequence log-prob, lr {opt.param_groups[0]['initial_lr']:.1e} / "
+    print(f"\nmean change of sequence log-prob after {steps} step(s), lr {opt.param_groups[0]['initial_lr']:.1e} / "
           f"warm-up {warmup}: positive advantage {up:+.4f}, negative {down:+.4f}")
     assert up > 0.005 and down < -0.005

@@ -167,7 +167,7 @@ def test_the_step_frees_the_static_buffers_before_the_update(tmp_path, monkeypat
     from harness.parallel import wrap
     cfg = config.resolve_args(["--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "16",
                                "--decode", "static", "--out", str(tmp_path)])
-    model, tok = train.load_policy("toy", cfg, torch.device("cpu"))
+    model, tok = train.load_policy(cfg, torch.device("cpu"))
     policy, sampler = wrap(model, torch.device("cpu"))
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg["lr"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)

@@ -20,7 +20,7 @@ SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "40
 
 def start(cfg):
     """The toy base policy, a fresh probe and both optimisers, built as train.run builds them."""
-    model, tok = train.load_policy("toy", cfg, CPU)
+    model, tok = train.load_policy(cfg, CPU)
     torch.manual_seed(cfg["seed"])  # the probe's initial weights and its dropout draw from here
     probe = probe_lib.Probe(model.config.hidden_size)
     probe_opt = probe_lib.make_optimizer(probe, lr=cfg["probe_lr"])
@@ -35,7 +35,7 @@ def weights(*modules):
 
 def test_rlcm_step_equals_rl_step_on_a_toy_batch(tmp_path):
     cfg = config.resolve_args([*SMALL, "--out", str(tmp_path)])
-    rows = data.load_rows("toy", split="train")[16:20]  # 3 of its 16 responses have margin signal
+    rows = data.load_rows("toy", split="train")[8:12]  # 3 of its 16 responses have margin signal
 
     model, tok, probe, probe_opt, opt, sched = start(cfg)
     before = weights(model, probe)
