@@ -9,14 +9,15 @@ of the confidence (weighted voting, conformal early exit).
 For each model and benchmark: n samples per question (temperature 0.6, top-p 1.0, up to 8000 tokens;
 32 samples on AIME 2024/2025 and AMC 2023, 4 elsewhere; the toy world: 4 samples of at most 128
 tokens), graded by the last \\boxed{} (math grader; a run trained with --reward rlcr: its last <answer>
-tag, `--answer`), each with a confidence (evaluation/confidence.py; default: the
+tag, `--answer`; LiveCodeBench: the last fenced code block, run against its tests), each with a confidence (evaluation/confidence.py; default: the
 post-hoc probe, fitted once per model with the released protocol and cached in --out; `probe` is the
 run's own probe.pt, read at its last training budget). Written to --out (default RUN/eval
 for a run or checkpoint, else eval_out/<model>): samples.jsonl (appended per batch: an interrupted
 evaluation resumes where it stopped; a row counts only for its model's resolved path, its benchmark's
 file and question, and the settings it was made with: sample_key), results.json (a model per label;
 another model with the same label is filed as label@HASH), reliability_<model>_<benchmark>.png. Metrics are
-computed per benchmark over all samples; "Overall" is the unweighted mean over benchmarks. results.json
+computed per benchmark over all samples, pass@k beside accuracy; "Overall" is the unweighted mean over the
+math benchmarks, and the OOD benchmarks (lcb, gpqa, logiqa) have a block and mean of their own. results.json
 and the printed table carry, per benchmark, the confidence source, grader and sampling settings.
 """
 import argparse
