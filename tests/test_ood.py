@@ -157,3 +157,13 @@ def test_an_evaluation_on_code_and_logiqa_prints_both_blocks_and_pass_at_k(tiny_
     rows = lambda text: [line.split("|")[1].strip() for line in text.splitlines() if line.startswith("| ")][1:]
     assert rows(math_block) == ["sums", "Overall"] and rows(ood_block) == ["lcb", "logiqa", "OOD overall"]
     assert "| 1: 0.375 2: 0.667 4: 1.000 |" in ood_block
+
+
+def test_the_hub_loaders_read_the_raw_files_and_the_harness_copy(monkeypatch):
+    asked = []
+    raw = [json.loads(line) for line in open(LCB)]
+    monkeypatch.setattr(data, "_hub_files", lambda hf_id, files: asked.append((hf_id, files)) or raw)
+    monkeypatch.setattr(data, "_from_hub", lambda hf_id, config, split: asked.append((hf_id, config, split))
+                        or [json.loads(line) for line in open(LOGIQA)])
+    assert len(evaluate.load_benchmark("lcb")[1]) == 2 and len(evaluate.load_benchmark("logiqa")[1]) == 3
+    assert asked == [("livecodebench/code_generation_lite", "test*.jsonl"), ("lighteval/logiqa_harness", "logiqa", "test")]
