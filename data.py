@@ -31,8 +31,8 @@ ANSWER_FIELDS = ("answer", "final_answer", "gold", "target", "Correct Answer")
 
 # short name -> where the benchmark lives on the hub (id, config, split) and its row layout
 # (docs/benchmarks.md). integer: answers are integers however stored ("025", 70.0); filter: (field,
-# substring) a row must have to be kept. LiveCodeBench and LogiQA are not here: code graded by
-# execution and multiple choice with an unchecked layout need their own graders.
+# substring) a row must have to be kept; files: raw json files of the hub repository, read with load_dataset("json") (datasets runs
+# no loading scripts).
 BENCHMARKS = {
     "math500": dict(hf="HuggingFaceH4/MATH-500", split="test", problem="problem", answer="answer"),
     "aime24": dict(hf="HuggingFaceH4/aime_2024", split="train", problem="problem", answer="answer",
@@ -47,10 +47,88 @@ BENCHMARKS = {
     "gpqa": dict(hf="Idavidrein/gpqa", config="gpqa_diamond", split="train", problem="Question",
                  answer="Correct Answer", choices=("Correct Answer", "Incorrect Answer 1",
                                                    "Incorrect Answer 2", "Incorrect Answer 3")),
+    # LiveCodeBench code generation, graded by running the code (harness/sandbox.py); the rows of a
+    # release window (LCB_RELEASES) by contest date.
+    "lcb": dict(hf="livecodebench/code_generation_lite", files="test*.jsonl", problem="question_content",
+                answer="public_test_cases"),
+    "logiqa": dict(hf="lighteval/logiqa_harness", config="logiqa", split="test", problem="question",
+                   answer="label"),
     "gsm8k": dict(hf="openai/gsm8k", config="main", split="test", problem="question", answer="answer"),
     "deepscaler": dict(hf="agentica-org/DeepScaleR-Preview-Dataset", split="train",
                        problem="problem", answer="answer"),
 }
+
+
+# Out-of-distribution benchmarks: evaluate.py reports them in their own block, apart from math's Overall.
+OOD = ("lcb", "gpqa", "logiqa")
+# LiveCodeBench's releases as contest months (first, last), from its README: release_vN holds every
+# problem up to vN's last month; "v4_v5" (--lcb-release) is v4's first month to v5's last, the window
+# of DeepSeek-R1's and lighteval's LiveCodeBench scores.
+LCB_RELEASES = {"v1": ("2023-05", "2024-03"), "v2": ("2024-04", "2024-05"), "v3": ("2024-06", "2024-07"),
+                "v4": ("2024-08", "2024-09"), "v5": ("2024-10", "2025-01"), "v6": ("2025-02", "2025-04")}
+LCB_RELEASE = "v4_v5"
+# lighteval's lcb:codegeneration prompt (prepare_prompt), the whole user turn: no instruction follows.
+LCB_PREAMBLE = ("You will be given a question (problem specification) and will generate a correct Python program "
+                "that matches the specification and passes all tests.\n\n")
+LCB_STARTER = ("You will use the following starter code to write the solution to the problem and enclose your "
+               "code within delimiters.\n")
+LCB_STDIN = ("Read the inputs from stdin solve the problem and write the answer to stdout (do not directly test "
+             "on the sample inputs). Enclose your code within delimiters as follows. Ensure that when the python "
+             "program runs, it reads the inputs, runs the algorithm and writes output to STDOUT.\n")
+# LogiQA is multiple choice with four options shown as A. to D.; the letter is asked for in a box.
+LOGIQA_INSTRUCTION = (" Let's think step by step and output the letter of the correct option (A, B, C or D) "
+                      "within \\boxed{}.")
+
+
+def kind(name):
+    """How a benchmark is graded: "code" (run against its tests), else "answer" (the last box)."""
+    return "code" if name == "lcb" else "answer"
+
+
+def instruction_for(name):
+    """The text appended to each problem of a benchmark: none for LiveCodeBench (its prompt is whole),
+    LogiQA's letter request, else the math INSTRUCTION."""
+    return {"lcb": "", "logiqa": LOGIQA_INSTRUCTION}.get(name, INSTRUCTION)
+
+
+def lcb_window(release):
+    """(first, last) contest month of an --lcb-release value: "v5", or "v4_v5" for v4 to v5."""
+    first, _, last = release.partition("_")
+    if first not in LCB_RELEASES or (last or first) not in LCB_RELEASES or first > (last or first):
+        raise DataError(f"--lcb-release {release!r}: give vN or vA_vB (A <= B) with versions in "
+                        f"{', '.join(LCB_RELEASES)}, e.g. v4_v5")
+    return LCB_RELEASES[first][0], LCB_RELEASES[last or first][1]
+
+
+def _lcb_row(r):
+    """(prompt, gold) of a LiveCodeBench row: lighteval's prompt, and the JSON string
+    {"tests": public + private tests, "fn_name": the method of class Solution, or null for stdin}
+    that grade.is_correct(..., grader="code") runs. Private tests are decoded without running code."""
+    from harness.sandbox import decode_private_tests
+    starter = r.get("starter_code")
+    prompt = LCB_PREAMBLE + f"Question: {r['question_content']}\n\n" + (
+        LCB_STARTER + f"```python\n{starter}\n```\n\n" if starter else LCB_STDIN + "```python\n# YOUR CODE HERE\n```\n\n")
+    try:
+        tests = json.loads(r["public_test_cases"]) + decode_private_tests(r.get("private_test_cases") or "[]")
+        fn_name = json.loads(r.get("metadata") or "{}").get("func_name")
+    except ValueError as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        raise DataError(f"LiveCodeBench problem {r.get('question_id')}: {first}: fix or drop the row") from None
+    return prompt, json.dumps({"tests": tests, "fn_name": fn_name})
+
+
+def _logiqa_row(r):
+    """(prompt, gold letter) of a LogiQA row: the passage, the question, the options as A. to D."""
+    options = [scrub(str(o)).strip() for o in r["options"]]
+    if len(options) != 4 or str(r["label"]).lower() not in ("a", "b", "c", "d"):
+        raise DataError(f"LogiQA row with {len(options)} options and label {r['label']!r}: need 4 and a-d")
+    text = "\n".join(f"{'ABCD'[k]}. {o}" for k, o in enumerate(options))
+    return f"{scrub(r['context']).strip()}\n\n{scrub(r['question']).strip()}\n\n{text}", str(r["label"]).upper()
+
+
+# Benchmarks whose rows are built from several fields (tests, options); a local copy (load_rows'
+# `like`) is built the same way.
+BUILD = {"lcb": _lcb_row, "logiqa": _logiqa_row}
 
 
 # The toy world's benchmarks (toy.BENCHMARKS, named here so that data.py does not import the toy).
@@ -178,8 +256,18 @@ def _looks_local(source):
 
 def _from_hub(hf_id, config, split):
     import datasets
+    return _hub(hf_id, lambda: datasets.load_dataset(hf_id, config, split=split))
+
+
+def _hub_files(hf_id, files):
+    """The rows of a hub repository's raw json files (a glob): datasets runs no loading script."""
+    import datasets
+    return _hub(hf_id, lambda: datasets.load_dataset("json", data_files=f"hf://datasets/{hf_id}/{files}", split="train"))
+
+
+def _hub(hf_id, load):
     try:
-        return list(datasets.load_dataset(hf_id, config, split=split))
+        return list(load())
     except Exception as e:
         reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
         raise DataError(f"cannot reach the Hugging Face hub for {hf_id} ({reason}): "
@@ -238,16 +326,23 @@ def drop_long_prompts(rows, tokenizer, max_tokens, instruction=INSTRUCTION):
     return [r for i, r in enumerate(rows) if i not in over], len(over)
 
 
-def load_rows(source, split=None, problem_field=None, answer_field=None, limit=None):
+def load_rows(source, split=None, problem_field=None, answer_field=None, limit=None, like=None,
+              lcb_release=LCB_RELEASE):
     """[{"problem": str, "answer": str}] from a TOY_BENCHMARKS name, a BENCHMARKS name, a local .json/.jsonl/.parquet
-    file, or a Hugging Face dataset id ("owner/name"). Fields are detected unless given."""
-    spec = {}
+    file, or a Hugging Face dataset id ("owner/name"). Fields are detected unless given.
+
+    like: the BENCHMARKS name whose layout a local file has; lcb and logiqa rows are then built as
+    the hub's are (BUILD). lcb_release: LiveCodeBench's window of contest months (lcb_window)."""
+    name = source if source in BENCHMARKS else like
+    spec = BENCHMARKS[like] if like in BUILD else {}
     if source in TOY_BENCHMARKS:
         import toy  # the offline world; imported here so data.py stands alone otherwise
         records, where = toy.dataset(split or "train", source), source
     elif source in BENCHMARKS:
         spec = BENCHMARKS[source]
-        records, where = _from_hub(spec["hf"], spec.get("config"), split or spec["split"]), spec["hf"]
+        records = (_hub_files(spec["hf"], spec["files"]) if "files" in spec
+                   else _from_hub(spec["hf"], spec.get("config"), split or spec["split"]))
+        where = spec["hf"]
     elif os.path.isdir(source):
         found = sorted(n for n in os.listdir(source) if n.lower().endswith((".json", ".jsonl", ".parquet")))
         raise DataError(f"{source} is a folder: pass one data file in it"
@@ -266,6 +361,9 @@ def load_rows(source, split=None, problem_field=None, answer_field=None, limit=N
     if spec.get("filter"):
         field, needle = spec["filter"]
         records = [r for r in records if needle in str(r.get(field, ""))]
+    if name == "lcb":
+        first, last = lcb_window(lcb_release)
+        records = [r for r in records if first <= str(r.get("contest_date", ""))[:7] <= last]
     if not records:
         raise DataError(f"{where} has no rows: check the file, split or filter")
     keys = set().union(*(r.keys() for r in records[:100]))
@@ -273,7 +371,9 @@ def load_rows(source, split=None, problem_field=None, answer_field=None, limit=N
     af = _field(keys, answer_field, spec.get("answer"), ANSWER_FIELDS, "answer", "--answer-field", where)
     rows = []
     for i, r in enumerate(records if limit is None else records[:limit]):
-        if spec.get("choices") and not (problem_field or answer_field):
+        if name in BUILD:
+            problem, answer = BUILD[name](r)
+        elif spec.get("choices") and not (problem_field or answer_field):
             problem, answer = _choices(r, i, spec)
         else:
             for field, value in ((pf, r.get(pf)), (af, _first(r.get(af)))):

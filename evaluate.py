@@ -9,14 +9,15 @@ of the confidence (weighted voting, conformal early exit).
 For each model and benchmark: n samples per question (temperature 0.6, top-p 1.0, up to 8000 tokens;
 32 samples on AIME 2024/2025 and AMC 2023, 4 elsewhere; the toy world: 4 samples of at most 128
 tokens), graded by the last \\boxed{} (math grader; a run trained with --reward rlcr: its last <answer>
-tag, `--answer`), each with a confidence (evaluation/confidence.py; default: the
+tag, `--answer`; LiveCodeBench: the last fenced code block, run against its tests), each with a confidence (evaluation/confidence.py; default: the
 post-hoc probe, fitted once per model with the released protocol and cached in --out; `probe` is the
 run's own probe.pt, read at its last training budget). Written to --out (default RUN/eval
 for a run or checkpoint, else eval_out/<model>): samples.jsonl (appended per batch: an interrupted
 evaluation resumes where it stopped; a row counts only for its model's resolved path, its benchmark's
 file and question, and the settings it was made with: sample_key), results.json (a model per label;
 another model with the same label is filed as label@HASH), reliability_<model>_<benchmark>.png. Metrics are
-computed per benchmark over all samples; "Overall" is the unweighted mean over benchmarks. results.json
+computed per benchmark over all samples, pass@k beside accuracy; "Overall" is the unweighted mean over the
+math benchmarks, and the OOD benchmarks (lcb, gpqa, logiqa) have a block and mean of their own. results.json
 and the printed table carry, per benchmark, the confidence source, grader and sampling settings.
 """
 import argparse
@@ -38,7 +39,7 @@ import probe as probe_lib
 import rollout
 from harness import runlog
 import toy
-from harness import checkpoint
+from harness import checkpoint, sandbox
 from harness.checkpoint import ALIASES, UserError, resolve_model
 from harness import config
 from harness.config import check_out, check_values
@@ -117,10 +118,11 @@ def load_model(name):
     return model.to(device).eval(), tok
 
 
-def load_benchmark(spec, limit=None):
+def load_benchmark(spec, limit=None, lcb_release=data.LCB_RELEASE):
     """(name, rows [{problem, answer}], instruction) for a toy benchmark (its test split), a short name (data.BENCHMARKS,
     from the hub), a local .json/.jsonl/.parquet file, NAME=FILE (a local copy of a known benchmark, e.g.
-    aime24=aime24.jsonl: named, and sampled, like it), or an HF dataset id (owner/name)."""
+    aime24=aime24.jsonl: named, and sampled, like it; lcb and logiqa rows built as the hub's), or an HF
+    dataset id (owner/name). lcb_release: LiveCodeBench's window (data.lcb_window)."""
     name, _, path = spec.partition("=")
     known = ", ".join(data.TOY_BENCHMARKS + tuple(data.BENCHMARKS))
     if name in data.TOY_BENCHMARKS and not path:
@@ -128,32 +130,35 @@ def load_benchmark(spec, limit=None):
     if path:
         if name not in data.BENCHMARKS:
             raise UserError(f"unknown benchmark {name!r} in {spec!r}; known: {known}")
-        return name, data.load_rows(path, limit=limit), data.INSTRUCTION
+        rows = data.load_rows(path, limit=limit, like=name, lcb_release=lcb_release)
+        return name, rows, data.instruction_for(name)
     if name.lower().endswith((".json", ".jsonl", ".parquet")):
         return os.path.splitext(os.path.basename(name))[0], data.load_rows(name, limit=limit), data.INSTRUCTION
     if name in data.BENCHMARKS or "/" in name:
-        return name, data.load_rows(name, limit=limit), data.INSTRUCTION
+        return name, data.load_rows(name, limit=limit, lcb_release=lcb_release), data.instruction_for(name)
     raise UserError(f"unknown benchmark {name!r}; known: {known}; or a local .json/.jsonl/.parquet file, "
                     "NAME=FILE, or an HF dataset id (owner/name)")
 
 
-def benchmark_source(spec):
+def benchmark_source(spec, lcb_release=data.LCB_RELEASE):
     """What a benchmark spec reads (data.load_rows' order): "toy:test" (a toy benchmark's test split),
-    a hub name or id, or a file's resolved path."""
-    where = spec.partition("=")[2] or spec
+    a hub name or id, or a file's resolved path; LiveCodeBench's with its release window ("lcb:v4_v5")."""
+    name, _, path = spec.partition("=")
+    where = path or spec
     if where in data.TOY_BENCHMARKS:
         return f"{where}:test"
-    return os.path.realpath(where) if where not in data.BENCHMARKS and os.path.isfile(where) else where
+    where = os.path.realpath(where) if where not in data.BENCHMARKS and os.path.isfile(where) else where
+    return f"{where}:{lcb_release}" if name == "lcb" else where
 
 
-def load_benchmarks(specs, limit=None):
+def load_benchmarks(specs, limit=None, lcb_release=data.LCB_RELEASE):
     """[(name, rows, instruction, source)] (load_benchmark, benchmark_source). A name stands for one
     source: a file whose stem is taken, by the built-in toy (its name brings the toy world's settings)
     or by an earlier benchmark of the list (b1/q.jsonl, b2/q.jsonl), is named by its path as given."""
     owner, out = {name: f"{name}:test" for name in data.TOY_BENCHMARKS}, []
     for spec in specs:
-        name, rows, instruction = load_benchmark(spec, limit)
-        source = benchmark_source(spec)
+        name, rows, instruction = load_benchmark(spec, limit, lcb_release)
+        source = benchmark_source(spec, lcb_release)
         if owner.setdefault(name, source) != source:
             name = spec
         out.append((name, rows, instruction, source))
@@ -288,12 +293,18 @@ def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, con
         conf, extras = confidence.sample_confidences(
             model=model, tokenizer=tok, prompts=[p for p in prompts for _ in range(m)], responses=out.ids,
             texts=out.texts, golds=golds, seed=seed + 1, batch_size=s["score_batch"], rows=s["rows"], **conf_kw)
+        if s.get("grader") == "code":   # the programs run in a bounded pool of sandboxed children
+            answers = [sandbox.extract_code(t) for t in out.texts]
+            right = sandbox.grade_many([grade.code_job(t, g) for t, g in zip(out.texts, golds)])
+        else:
+            answers = [grade.extract(t, GRADER, form) for t in out.texts]
+            right = [natural_correct(t, a, g, form, s["gate"]) for t, a, g in zip(out.texts, answers, golds)]
         with checkpoint.appending(path) as f:
             for r, (q, missing) in enumerate((c for c in chunk for _ in range(m))):
-                j, answer = missing[r % m], grade.extract(out.texts[r], GRADER, form)
+                j, answer = missing[r % m], answers[r]
                 f.write(json.dumps(dict(
                     model=label, benchmark=bench, question=q, sample=j, answer=answer,
-                    correct=int(natural_correct(out.texts[r], answer, golds[r], form, s["gate"])),
+                    correct=int(right[r]),
                     confidence=float(conf[r]),
                     length=out.lengths[r], finish=out.finish[r], source=conf_kw["source"], key=key, q=qids[q],
                     **extras[r])) + "\n")
@@ -328,9 +339,12 @@ def settings(bench, args):
     """Per-benchmark sampling and confidence settings: world defaults, overridden by flags."""
     toy_world = bench in data.TOY_BENCHMARKS
     w = TOY if toy_world else REAL
+    code = data.kind(bench) == "code"
     s = dict(n=w["n"] if toy_world else BIG_N.get(bench, w["n"]), max_new_tokens=w["max_new_tokens"],
              every=w["every"], forced_k=w["forced_k"], suffix=label_lib.SUFFIX if toy_world else confidence.EVAL_SUFFIX,
              score_batch=w["score_batch"], rows=w["rows"])
+    if code:   # the forced answer is a program (confidence.CODE_SUFFIX), graded by running it
+        s.update(suffix=confidence.CODE_SUFFIX, grader="code")
     for key in ("n", "max_new_tokens", "every", "forced_k"):
         if getattr(args, key if key != "n" else "n_samples") is not None:
             s[key] = getattr(args, key if key != "n" else "n_samples")
@@ -340,7 +354,8 @@ def settings(bench, args):
     s["reanswer_k"] = args.forced_k or (w["forced_k"] if toy_world else 4 if bench in BIG_N else 1)
     s["batch"] = args.batch_size or max(1, w["rows"] // s["n"])
     # The toy boxes after `</think>` by construction: the released gate would grade every answer wrong.
-    s["gate"] = args.gate or ("none" if toy_world else "thinking")
+    # Code has no box to gate on: the program of the last fenced block after the thinking is run.
+    s["gate"] = args.gate or ("none" if toy_world or code else "thinking")
     return s
 
 
@@ -363,7 +378,7 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
     if src == "toy":
         pool, instruction = data.load_rows("toy", split="train"), toy.INSTRUCTION
     else:
-        pool, instruction = data.load_rows(src), data.INSTRUCTION
+        pool, instruction = data.load_rows(src, lcb_release=args.lcb_release), data.instruction_for(src)
     instruction = instruction if prompt[0] is None else prompt[0]
     seen = {r["problem"] for _, rows, _, _ in loaded for r in rows}
     rows = [r for r in pool if r["problem"] not in seen][:args.probe_questions or w["probe_questions"]]
@@ -375,7 +390,7 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
                     count=args.posthoc_budgets or w["posthoc_budgets"], k=s["forced_k"], suffix=s["suffix"],
                     close=args.forced_close, stop=[], copy_natural=True, lead="" if src == "toy" else confidence.EVAL_LEAD,
                     gate=s["gate"], epochs=100, patience=30, batch=64,
-                    val_frac=0.2, seed=42)
+                    val_frac=0.2, seed=42, **({"grader": "code"} if s.get("grader") == "code" else {}))
     print(f"post-hoc probe for {label}: {len(rows)} {src} questions ...", file=sys.stderr)
     prb, report = confidence.posthoc_probe(
         os.path.join(out_dir, f"posthoc_probe_{label}_{digest(model_id(path), 8)}".replace("/", "_")), model, tok,
@@ -416,7 +431,9 @@ def evaluate_model(name, loaded, args):
     for bench, rows, instruction, bench_source in loaded:
         s = settings(bench, args)
         instruction = instruction if prompt[0] is None else prompt[0]
-        probe_source = source in ("probe", "probe-posthoc") and not args.no_early_exit
+        code = data.kind(bench) == "code"
+        # No early exit on code: its forced answers at each checkpoint would be programs to run.
+        probe_source = source in ("probe", "probe-posthoc") and not args.no_early_exit and not code
         conf_kw = dict(source=source, prb=prb, close_id=close_id, every=s["every"] if probe_source else None,
                        suffix=s["suffix"], close=args.forced_close, fractions=run_fractions(path),
                        forced_k=s["reanswer_k"], budget=s["max_new_tokens"], reanswer=s["reanswer"],
@@ -424,8 +441,13 @@ def evaluate_model(name, loaded, args):
         key = sample_key(ident, bench_source, s, args, [instruction, prompt[1], prompt[2]], conf_kw)
         generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, samples, prompt[1],
                            prompt[2], key)
-        res["benchmarks"][bench] = summarize(own_rows(read_samples(samples), key, rows, s["n"]), seed=args.seed)
-        res["settings"][bench] = dict(s, confidence=source, grader=GRADER, answer=prompt[2], temperature=args.temperature,
+        # Programs vote only when equal as text: the math grader would read code as math.
+        res["benchmarks"][bench] = summarize(own_rows(read_samples(samples), key, rows, s["n"]), seed=args.seed,
+                                             same=None if code else grade.answers_match)
+        window = " to ".join(data.lcb_window(args.lcb_release))
+        release = {"release": f"{args.lcb_release} (contests {window})"} if bench == "lcb" else {}
+        res["settings"][bench] = dict(s, confidence=source, grader=s.get("grader", GRADER), answer=prompt[2],
+                                      temperature=args.temperature, **release,
                                       top_p=args.top_p, seed=args.seed, questions=len(rows),
                                       instruction=instruction, system_prompt=prompt[1], key=key,
                                       benchmark_source=bench_source, benchmark_rows=digest(question_ids(rows)),
@@ -434,7 +456,11 @@ def evaluate_model(name, loaded, args):
         title = f"{label} | {bench} | {source}\nacc {b['acc']:.3f}  ECE {b['ece']:.3f}  n {b['n']}"
         plot_reliability(b["reliability"], title,
                          os.path.join(out_dir, f"reliability_{label}_{bench}.png".replace("/", "_")))
-    res["overall"] = overall(res["benchmarks"])
+    maths = {b: v for b, v in res["benchmarks"].items() if b not in data.OOD}
+    ood = {b: v for b, v in res["benchmarks"].items() if b in data.OOD}
+    res["overall"] = overall(maths)
+    if ood:
+        res["ood"] = overall(ood)
     if report is not None:
         res["posthoc_probe"] = report
     write_results(out_dir, label, res)
@@ -452,6 +478,9 @@ def parse_args(argv=None):
     g.add_argument("--benchmarks", default="toy", help="comma list: toy, toy-long, toy-sub, math500, aime24, ..., "
                    "FILE or NAME=FILE")
     g.add_argument("--limit", type=int, help="questions per benchmark")
+    g.add_argument("--lcb-release", default=data.LCB_RELEASE,
+                   help="LiveCodeBench window: vN or vA_vB, by contest month (default v4_v5: 2024-08 to 2025-01, "
+                        "the window of DeepSeek-R1's and lighteval's scores)")
     g.add_argument("--out", help="output dir (default RUN/eval or eval_out/<model>)")
     g = p.add_argument_group("sampling")
     g.add_argument("--n-samples", type=int, help="samples per question (default 32 on aime/amc, else 4)")
@@ -513,9 +542,10 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         check_values(vars(args), LIMITS)
+        data.lcb_window(args.lcb_release)
         if args.out:
             check_out(args.out)
-    except UserError as e:
+    except (UserError, data.DataError) as e:
         raise SystemExit(f"evaluate.py: error: {e}") from None
     names = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
     check_flags(names, args)
@@ -527,7 +557,7 @@ def main(argv=None):
     try:
         for name in args.model:   # a missing model is a model error, not a benchmark's
             checkpoint.check_available(name)
-        loaded = load_benchmarks(names, args.limit)   # every name checked before any model loads
+        loaded = load_benchmarks(names, args.limit, args.lcb_release)   # every name checked before any model loads
         results = dict(evaluate_model(name, loaded, args) for name in args.model)
     except checkpoint.Busy as e:   # another evaluation writes there: exit 2, its files untouched
         print(f"evaluate.py: error: {e}", file=sys.stderr)

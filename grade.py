@@ -3,6 +3,7 @@
     is_correct(text, gold)                      # last \\boxed{...} of a response vs the gold answer
     is_correct(text, gold, grader="strict")     # the same under the released training rule
     answers_match(answer, gold, grader="math")  # an answer already extracted (a forced one) vs gold
+    is_correct(text, gold, grader="code")       # the last fenced code block passes the gold's tests
 
 Three graders (`--grader` in train.py; evaluation always uses "math"):
 
@@ -22,6 +23,11 @@ Three graders (`--grader` in train.py; evaluation always uses "math"):
   letter A-D (GPQA) an answer that names an option ("A) 3.5 eV", "Option A", "(a)") is graded by
   that letter (gpqa_choice), as the released evaluation grades GPQA.
 
+- "code" (LiveCodeBench, evaluation only): the gold is the JSON string {"tests": [{"input", "output",
+  "testtype"}], "fn_name"} that data builds; the code of the last fenced block after the thinking
+  passes when every test passes, run in a sandboxed child (harness/sandbox.py: run_tests). Not a
+  training grader (GRADERS): it takes seconds, not microseconds.
+
 Time bound. A grading call returns within about GRADE_TIMEOUT_S on any input, in any thread:
 the text is scanned by linear patterns only; answers longer than MAX_ANSWER_CHARS are compared as
 plain strings before any regex sees them (Minerva's form, quadratic, takes under 0.1 s at that length); math-verify runs in a worker process (harness/verifier.py,
@@ -32,10 +38,12 @@ once per process and per thread grading at the same moment, and again after a ki
 in the bound. Where no worker can start, math-verify is skipped with one warning and only the
 normalised / numeric comparisons decide.
 """
+import json
 import re
 import time
 from fractions import Fraction
 
+from harness import sandbox
 from harness.verifier import verify as _math_verify
 
 GRADERS = ("strict", "math", "minerva")
@@ -220,8 +228,16 @@ def extract(text, grader="math", form="box"):
     return last_boxed(text) if grader == "strict" else boxed_answer(text)
 
 
+def code_job(text, gold):
+    """sandbox.run_tests' arguments for a response to a code problem (gold: its tests as JSON)."""
+    spec = json.loads(gold)
+    return dict(code=sandbox.extract_code(text), tests=spec["tests"], fn_name=spec["fn_name"])
+
+
 def is_correct(text, gold, grader="math", form="box") -> bool:
     """True only when the text gives an answer (its last complete box, or with form="tag" its last
-    <answer> tag) and it matches the gold answer."""
+    <answer> tag) and it matches the gold answer; grader="code": its code passes every test."""
+    if grader == "code":
+        return sandbox.run_tests(**code_job(text, gold))
     deadline = time.monotonic() + GRADE_TIMEOUT_S
     return answers_match(extract(text, grader, form), gold, grader, deadline)

@@ -48,7 +48,8 @@ import probe as probe_lib
 from baselines import verbal_confidence  # RLCR's parser, read here for --confidence verbal
 from grpo import pack, token_logprobs
 from data import RLCR_FORMAT, chat_prompt
-from grade import answers_match, boxed_answer, boxed_in_thinking, is_correct
+from grade import answers_match, boxed_answer, boxed_in_thinking, code_job, is_correct
+from harness import sandbox
 from label import absolute_budgets, budgets, forced_prompt, mc_labels
 import rollout
 from rollout import generate
@@ -57,6 +58,10 @@ from update import budget_ends, score
 SOURCES = ("probe", "probe-posthoc", "verbal", "verbal-forced", "logits")
 EVAL_SUFFIX = "\n\nIf I were to give the final answer now, the final answer would be \\boxed{"
 EVAL_LEAD = "..."  # released: the cut thinking ends in "..." before `</think>` + EVAL_SUFFIX
+# Code benchmarks (released 2_budget_eval, LiveCodeBench): the forced answer is a whole program, up to
+# CODE_TOKENS tokens after "..." + `</think>` + CODE_SUFFIX, graded by running it (grade's "code").
+CODE_SUFFIX = "\n\nHere is my final Python solution:\n"
+CODE_TOKENS = 2048
 # RLCR's released forced re-answer (2_budget_eval_rlcr), after the thinking cut at the budget.
 RLCR_REANSWER = ("...</think>\n\nI am out of time, let me just output the final answer and confidence analysis "
                  "in exactly this format:\n" + RLCR_FORMAT + "\n\n<answer>")
@@ -172,7 +177,7 @@ def posthoc_budgets(thinking, every=500, count=16):
 
 def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions, ends, k=16,
                    suffix=EVAL_SUFFIX, close="think", stop=(), copy_natural=True, max_new_tokens=64,
-                   seed=0, rows=64, lead=EVAL_LEAD, gate="thinking"):
+                   seed=0, rows=64, lead=EVAL_LEAD, gate="thinking", grader="math"):
     """Labels Y_b for each rollout's budget positions (N lists of floats) and the count of copied ones.
 
     Where the position is the end of thinking (ends[i]) and the thinking holds a box (gate="thinking",
@@ -181,12 +186,20 @@ def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions
     lead + CLOSE + suffix` (released: "..." + `</think>` + "\n\nIf I were ..."; temperature 0.6,
     top-p 0.95, at most max_new_tokens, `stop` strings; released: none) and each is read from the
     last box of `suffix + completion`; Y_b is the fraction right. Equal forced prompts are sampled once.
+    grader="code" (a code benchmark; suffix CODE_SUFFIX, max_new_tokens CODE_TOKENS as released): the
+    natural and forced answers are programs, graded by running them against the gold's tests (a
+    bounded pool, sandbox.grade_many); there is no box to gate on, so an ended thinking copies the
+    natural grade.
     """
     lead_ids = tokenizer.encode(lead, add_special_tokens=False) if lead else []
     labels, todo, copied = [], {}, 0
+    programs = sandbox.grade_many([code_job(t, g) for t, g in zip(texts, golds)]) if grader == "code" else None
     for i, ps in enumerate(positions):
-        boxed = boxed_in_thinking(texts[i]) if gate == "thinking" else boxed_answer(texts[i]) is not None
-        natural = float(is_correct(texts[i], golds[i])) if boxed else None
+        if programs is not None:
+            natural = float(programs[i])
+        else:
+            boxed = boxed_in_thinking(texts[i]) if gate == "thinking" else boxed_answer(texts[i]) is not None
+            natural = float(is_correct(texts[i], golds[i])) if boxed else None
         row = []
         for b in ps:
             if copy_natural and b >= ends[i] and natural is not None:
@@ -201,27 +214,34 @@ def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions
     if todo:
         texts = sample_by_length(model, tokenizer, list(todo), k, max_new_tokens=max_new_tokens, temperature=0.6,
                                  top_p=0.95, stop=stop, seed=seed, batch_size=max(1, rows // k))
-        y = [sum(answers_match(boxed_answer(suffix + t), gold) for t in ts) / k
-             for ts, (_, gold) in zip(texts, todo.values())]
+        if grader == "code":
+            passed = iter(sandbox.grade_many([code_job(t, gold) for ts, (_, gold) in zip(texts, todo.values())
+                                              for t in ts]))
+            y = [sum(next(passed) for _ in ts) / k for ts in texts]
+        else:
+            y = [sum(answers_match(boxed_answer(suffix + t), gold) for t in ts) / k
+                 for ts, (_, gold) in zip(texts, todo.values())]
     labels = [[v if isinstance(v, float) else y[v] for v in row] for row in labels]
     return labels, copied
 
 
 def posthoc_examples(model, tokenizer, prompts, responses, texts, golds, groups, close_id, every=500,
                      count=16, k=16, suffix=EVAL_SUFFIX, close="think", stop=(), copy_natural=True,
-                     seed=0, batch_size=8, rows=64, lead=EVAL_LEAD, gate="thinking"):
+                     seed=0, batch_size=8, rows=64, lead=EVAL_LEAD, gate="thinking", grader="math"):
     """(feats [M, d], labels [M], groups [M], stats) for fitting a post-hoc probe on sampled responses.
 
     Every rollout contributes `count` examples, one per budget of posthoc_budgets(thinking, every,
     count), M = count * N: the feature is the final normed state of the last token of prompt +
     thinking[:b] (budgets past the end of thinking reuse the end-of-thinking feature and label), the
-    label comes from posthoc_labels. groups[i] is the problem index, for the grouped split.
+    label comes from posthoc_labels (grader="code": programs, CODE_TOKENS each). groups[i] is the
+    problem index, for the grouped split.
     batch_size: sequences per scoring forward; rows: sequences per forced-answer generation call.
     """
     ends = [think_end(r, close_id) for r in responses]
     positions = [posthoc_budgets(e, every, count) for e in ends]
     labels, copied = posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions, ends, k,
-                                    suffix, close, stop, copy_natural, seed=seed, rows=rows, lead=lead, gate=gate)
+                                    suffix, close, stop, copy_natural, CODE_TOKENS if grader == "code" else 64,
+                                    seed=seed, rows=rows, lead=lead, gate=gate, grader=grader)
     feats = features(model, prompts, responses, positions, tokenizer.pad_token_id, True, batch_size)
     x = torch.cat(feats)
     y = torch.tensor([v for ls in labels for v in ls], dtype=torch.float32)
@@ -418,7 +438,7 @@ def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, pro
 
     protocol (evaluate.py builds it from its flags): n samples per question at temperature / top_p,
     max_new_tokens; every / count budgets; k forced answers with lead, suffix, close, stop,
-    copy_natural under gate;
+    copy_natural under gate; grader ("code" for a code benchmark's questions; absent: math);
     epochs, patience, batch, val_frac, seed of the fit. Samples n responses per question
     ({problem, answer}), labels their prefixes (posthoc_examples), runs fit_posthoc, and prints
     protocol_line to stderr.
@@ -439,12 +459,13 @@ def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, pro
     groups = [q for q in range(len(questions)) for _ in range(p["n"])]
     x, y, g, stats = posthoc_examples(model, tokenizer, rep, out.ids, out.texts, golds, groups, close_id,
                                       p["every"], p["count"], p["k"], p["suffix"], p["close"], tuple(p["stop"]),
-                                      p["copy_natural"], p["seed"] + 1, batch_size, rows, p["lead"], p["gate"])
+                                      p["copy_natural"], p["seed"] + 1, batch_size, rows, p["lead"], p["gate"],
+                                      p.get("grader", "math"))
     prb, report = fit_posthoc(x, y, g, seed=p["seed"], max_epochs=p["epochs"], patience=p["patience"],
                               batch_size=p["batch"], val_frac=p["val_frac"], device=_device(model))
     report.update(stats, protocol=p, questions=len(questions), samples=len(rep), prefixes=len(y),
                   label_mean=float(y.mean()),
-                  accuracy=sum(is_correct(t, a) for t, a in zip(out.texts, golds)) / len(golds))
+                  accuracy=sum(is_correct(t, a, p.get("grader", "math")) for t, a in zip(out.texts, golds)) / len(golds))
     report["log"] = protocol_line(p, report)
     print(report["log"], file=sys.stderr)
     with checkpoint.replacing(cache + ".pt", "wb") as f:

@@ -1,8 +1,9 @@
 """What an evaluation reports: per-benchmark metrics with bootstrap intervals, voting and early
 exit (summarize), reliability diagrams, the printed table and OUT/results.json.
 
-Metrics are computed per benchmark over all samples; "Overall" is the unweighted mean over
-benchmarks. Each row of the table names the confidence source, grader and sampling settings it was
+Metrics are computed per benchmark over all samples; "Overall" is the unweighted mean over the
+math benchmarks, and the OOD benchmarks (LiveCodeBench, GPQA, LogiQA: data.OOD) have their own
+block and mean ("ood" in results.json). pass@k is the unbiased estimator, k = 1, 2, 4, ..., n. Each row of the table names the confidence source, grader and sampling settings it was
 measured with, and each metric carries its 95 % interval over questions (`0.543 +- 0.012`).
 """
 import json
@@ -11,6 +12,7 @@ import os
 
 import numpy as np
 
+import data
 import grade
 import metrics
 from evaluation import uses
@@ -20,19 +22,32 @@ EPSILONS = (0.1, 0.2, 0.3)   # conformal early-exit risk levels
 COLUMNS = (("Acc", "acc"), ("ECE", "ece"), ("PCE", "pce"), ("Brier", "brier"), ("AUROC", "auroc"))
 
 
-def summarize(rows, n_bins=10, seed=0):
-    """Metrics (metrics.calibration), reliability rows, voting curves and early exit of one benchmark."""
+def summarize(rows, n_bins=10, seed=0, same=grade.answers_match):
+    """Metrics (metrics.calibration), pass@k, reliability rows, voting curves (answers equal under
+    `same`; None: equal strings) and early exit of one benchmark."""
     conf = [r["confidence"] for r in rows]
     correct = [r["correct"] for r in rows]
     res = metrics.calibration(conf, correct, n_bins)
     res["questions"] = len({r["question"] for r in rows})
+    res["pass_at_k"] = pass_at_k(rows)
     res["reliability"] = metrics.reliability(conf, correct, n_bins)
     # 95 % intervals over questions (metrics.bootstrap): printed as `0.543 +- 0.012`
     res["ci95"] = metrics.bootstrap(conf, correct, [r["question"] for r in rows], n_resamples=1000, seed=seed)
     if any("verbal_missing" in r for r in rows):
         res["verbal_missing"] = sum(bool(r.get("verbal_missing")) for r in rows)
-    res.update(uses.from_samples(rows, same=grade.answers_match, seed=seed, epsilons=EPSILONS))
+    res.update(uses.from_samples(rows, same=same, seed=seed, epsilons=EPSILONS))
     return res
+
+
+def pass_at_k(rows):
+    """{k: mean over questions of the unbiased pass@k (metrics.pass_at_k)} for k = 1, 2, 4, ... and n,
+    n the fewest samples any question has."""
+    by_q = {}
+    for r in rows:
+        by_q.setdefault(r["question"], []).append(r["correct"])
+    n = min(len(c) for c in by_q.values())
+    ks = sorted({2 ** i for i in range(n.bit_length()) if 2 ** i <= n} | {n})
+    return {k: float(np.mean([metrics.pass_at_k(len(c), sum(c), k) for c in by_q.values()])) for k in ks}
 
 
 def plot_reliability(rel, title, path):
@@ -65,18 +80,31 @@ def overall(benches):
 
 
 def table(results):
-    """Markdown: one block per model, one row per benchmark plus Overall, each benchmark with the
-    confidence source, grader and sampling settings it was measured with."""
+    """Markdown: one block per model, one row per benchmark with its pass@k, each with the confidence
+    source, grader and sampling settings it was measured with: the math benchmarks and their
+    Overall, then the OOD benchmarks (data.OOD) and their mean in a block of their own."""
     lines = []
     for label, res in results.items():
-        lines += ["", f"### {label}  (confidence: {res['confidence']})", "",
-                  "| benchmark | n | " + " | ".join(c for c, _ in COLUMNS) + " | " + " | ".join(SETTINGS) + " |",
-                  "|---|---:|" + "---:|" * len(COLUMNS) + "---|" * len(SETTINGS)]
-        for name, b in list(res["benchmarks"].items()) + [("Overall", dict(res["overall"], n=""))]:
-            st = res.get("settings", {}).get(name, {})
-            lines.append(f"| {name} | {b['n']} | " + " | ".join(_cell(b, k) for _, k in COLUMNS) + " | " +
-                         " | ".join(str(st.get(k, "")) for k in SETTINGS.values()) + " |")
+        head = ["| benchmark | n | Acc | pass@k | " + " | ".join(c for c, _ in COLUMNS[1:]) + " | " +
+                " | ".join(SETTINGS) + " |", "|---|---:|---:|---|" + "---:|" * (len(COLUMNS) - 1) + "---|" * len(SETTINGS)]
+        benches = res["benchmarks"]
+        maths = [(name, b) for name, b in benches.items() if name not in data.OOD]
+        ood = [(name, b) for name, b in benches.items() if name in data.OOD]
+        lines += ["", f"### {label}  (confidence: {res['confidence']})"]
+        if maths or not ood:
+            lines += ["", *head] + [_row(name, b, res) for name, b in maths + [("Overall", dict(res["overall"], n=""))]]
+        if ood:
+            release = res.get("settings", {}).get("lcb", {}).get("release")
+            lines += ["", "OOD" + (f" (lcb: LiveCodeBench {release})" if release else ""), "", *head]
+            lines += [_row(name, b, res) for name, b in ood + [("OOD overall", dict(res["ood"], n=""))]]
     return "\n".join(lines)
+
+
+def _row(name, b, res):
+    st = res.get("settings", {}).get(name, {})
+    cells = [_cell(b, "acc"), " ".join(f"{k}: {v:.3f}" for k, v in b.get("pass_at_k", {}).items())]
+    return (f"| {name} | {b['n']} | " + " | ".join(cells + [_cell(b, k) for _, k in COLUMNS[1:]]) + " | " +
+            " | ".join(str(st.get(k, "")) for k in SETTINGS.values()) + " |")
 
 
 # Per-benchmark settings printed with the table (results.json holds them all under "settings").

@@ -1,0 +1,169 @@
+"""The OOD benchmarks: LiveCodeBench (graded by running code) and LogiQA from their raw layouts in
+tests/fixtures/, the code grader, the post-hoc forced text for code, pass@k and the OOD block."""
+import json
+import os
+
+import pytest
+
+import data
+import evaluate
+import grade
+import rollout
+import tiny
+from evaluation import confidence
+from evaluation.report import summarize
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+LCB = os.path.join(FIXTURES, "lcb.jsonl")
+LOGIQA = os.path.join(FIXTURES, "logiqa.jsonl")
+
+SUM_RIGHT = "</think>\n```python\nn = int(input())\nprint(sum(map(int, input().split())))\n```"
+SUM_SIX = "</think>\n```python\nprint(6)\n```"   # passes the first two tests, not the third
+ADD_RIGHT = "</think>\n```python\nclass Solution:\n    def addTwo(self, a, b):\n        return a + b\n```"
+ADD_WRONG = "</think>\n```python\nclass Solution:\n    def addTwo(self, a, b):\n        return a - b\n```"
+
+
+def test_lcb_rows_from_the_raw_layout_in_the_release_window():
+    name, rows, instruction = evaluate.load_benchmark(f"lcb={LCB}")
+    assert (name, len(rows), instruction) == ("lcb", 2, "")      # the 2024-03 contest is outside v4_v5
+    stdin, functional = rows
+    assert stdin["problem"] == (
+        data.LCB_PREAMBLE + "Question: Given N and N integers, print their sum.\n\n" + data.LCB_STDIN
+        + "```python\n# YOUR CODE HERE\n```\n\n")
+    assert functional["problem"].endswith(
+        "Question: Return a + b.\n\n" + data.LCB_STARTER + "```python\nclass Solution:\n"
+        "    def addTwo(self, a: int, b: int) -> int:\n        \n```\n\n")
+    gold = json.loads(stdin["answer"])
+    # one public test, then the two private ones decoded from their base64(zlib(pickle(json))) blob
+    assert gold == {"fn_name": None, "tests": [
+        {"input": "3\n1 2 3\n", "output": "6\n", "testtype": "stdin"},
+        {"input": "2\n10 -4\n", "output": "6\n", "testtype": "stdin"},
+        {"input": "1\n7\n", "output": "7\n", "testtype": "stdin"}]}
+    assert json.loads(functional["answer"])["fn_name"] == "addTwo"
+    assert len(json.loads(functional["answer"])["tests"]) == 2
+    assert [r["problem"].split("Question: ")[1][:8] for r in data.load_rows(LCB, like="lcb", lcb_release="v1")] \
+        == ["Print 1."]
+    assert evaluate.benchmark_source(f"lcb={LCB}") == os.path.realpath(LCB) + ":v4_v5"
+    with pytest.raises(data.DataError, match="--lcb-release 'v5_v4'"):
+        data.lcb_window("v5_v4")
+
+
+def test_the_code_grader_runs_the_last_block_against_every_test():
+    stdin, functional = data.load_rows(LCB, like="lcb")
+    assert grade.is_correct(SUM_RIGHT, stdin["answer"], grader="code")
+    assert not grade.is_correct(SUM_SIX, stdin["answer"], grader="code")        # 2 of 3 tests pass
+    assert not grade.is_correct("no code at all", stdin["answer"], grader="code")
+    # the last fenced block after the thinking decides, not one inside it
+    assert not grade.is_correct(ADD_RIGHT.replace("</think>", "") + "</think>\nso\n```python\nx = 1\n```",
+                                functional["answer"], grader="code")
+    assert grade.is_correct(ADD_RIGHT, functional["answer"], grader="code")
+    assert not grade.is_correct(ADD_WRONG, functional["answer"], grader="code")
+
+
+def test_logiqa_rows_show_lettered_options_and_grade_like_gpqa():
+    name, rows, instruction = evaluate.load_benchmark(f"logiqa={LOGIQA}")
+    assert (name, len(rows), instruction) == ("logiqa", 3, data.LOGIQA_INSTRUCTION)
+    assert rows[0] == {"problem": "All cats are animals. Tom is a cat.\n\nWhich must be true?\n\nA. Tom is a dog.\n"
+                                  "B. Tom is an animal.\nC. Tom is not an animal.\nD. No cat is Tom.", "answer": "B"}
+    assert [r["answer"] for r in rows] == ["B", "C", "A"]
+    for box, right in (("B", True), ("(b)", True), ("Option B", True), ("B. Tom is an animal.", True), ("C", False)):
+        assert grade.is_correct(f"\\boxed{{{box}}}", "B") is right, box
+
+
+def test_posthoc_labels_for_code_force_a_program_and_run_it(monkeypatch):
+    tok = tiny.tokenizer()
+    tok.add_tokens(["</think>"])
+    close = tok.convert_tokens_to_ids("</think>")
+    gold = data.load_rows(LCB, like="lcb")[1]["answer"]
+    asked = {}
+
+    def fake_sample(model, tokenizer, prompts, k, **kw):
+        asked.update(prompts=prompts, k=k, **kw)
+        return [[ADD_RIGHT[len("</think>\n"):], ADD_WRONG[len("</think>\n"):]] for _ in prompts]
+
+    monkeypatch.setattr(confidence, "sample_by_length", fake_sample)
+    response = tok.encode("abc", add_special_tokens=False)
+    labels, copied = confidence.posthoc_labels(
+        None, tok, [[5, 6]], [response], ["abc"], [gold], [[1, 3]], [3], k=2, suffix=confidence.CODE_SUFFIX,
+        max_new_tokens=confidence.CODE_TOKENS, grader="code")
+    # budget 1: half the forced programs pass; budget 3 (the end): the natural answer (no code) copied
+    assert (labels, copied) == ([[0.5, 0.0]], 1)
+    assert asked["max_new_tokens"] == 2048 and asked["k"] == 2
+    assert [list(p) for p in asked["prompts"]] == [[5, 6] + response[:1] + tok.encode("...", add_special_tokens=False) + [close]
+                                + tok.encode("\n\nHere is my final Python solution:\n", add_special_tokens=False)]
+
+
+def test_pass_at_k_per_benchmark():
+    rows = [dict(question=q, sample=j, answer=None, correct=int(j < c), confidence=0.5, length=1)
+            for q, c in ((0, 1), (1, 0), (2, 4)) for j in range(4)]
+    # per question: c/n at k=1; 1 - C(n-c, 2)/C(n, 2) at k=2 (q0: 1 - 3/6); 1 once any is right at k=4
+    assert summarize(rows, same=None)["pass_at_k"] == pytest.approx({1: (0.25 + 0 + 1) / 3, 2: (0.5 + 0 + 1) / 3,
+                                                                     4: (1 + 0 + 1) / 3})
+    three = [dict(r, sample=r["sample"]) for r in rows if r["sample"] < 3]
+    assert list(summarize(three, same=None)["pass_at_k"]) == [1, 2, 3]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny random model whose context holds a LiveCodeBench prompt, with a plain chat template."""
+    path = str(tmp_path_factory.mktemp("tiny_ood"))
+    model, tok = tiny.model(), tiny.tokenizer()
+    model.config.max_position_embeddings = 2048
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_an_evaluation_on_code_and_logiqa_prints_both_blocks_and_pass_at_k(tiny_dir, tmp_path, monkeypatch, capsys):
+    """The tiny model's samples are replaced by fixed responses, so every number below is known (the
+    reloaded tokenizer decodes without spaces or unknown characters: the keys are written so)."""
+    sums = tmp_path / "sums.jsonl"
+    sums.write_text(json.dumps({"problem": "1+1", "answer": "2"}) + "\n")
+    canned = {"theirsum": [SUM_RIGHT, SUM_SIX, "", SUM_SIX],          # 1 of 4 right
+              "eturna+b": [ADD_RIGHT, ADD_WRONG, ADD_RIGHT, "none"],      # 2 of 4
+              "omisacat": ["\\boxed{B}</think>\\boxed{B}"] * 4,            # 4 of 4 (a box in the thinking)
+              "roadisdry": ["\\boxed{A}</think>\\boxed{A}"] * 4,
+              "nnisastudent": ["</think>\\boxed{A}"] * 4,                  # no box in the thinking: wrong
+              "1+1": ["\\boxed{2}</think>\\boxed{2}", "\\boxed{3}</think>"] * 2}
+    real = rollout.generate
+
+    def fixed(model, tok, prompts, n=1, **kw):
+        out = real(model, tok, prompts, n=n, **kw)
+        texts = [next(v for key, v in canned.items() if key in tok.decode(p)) for p in prompts]
+        out.texts = [texts[i][j] for i in range(len(prompts)) for j in range(n)]
+        return out
+
+    monkeypatch.setattr(rollout, "generate", fixed)
+    out = str(tmp_path / "out")
+    evaluate.main(["--model", tiny_dir, "--benchmarks", f"{sums},lcb={LCB},logiqa={LOGIQA}", "--out", out,
+                   "--confidence", "logits", "--n-samples", "4", "--max-new-tokens", "4", "--threads", "1"])
+    printed = capsys.readouterr().out
+    saved = json.load(open(os.path.join(out, "results.json")))[os.path.basename(tiny_dir)]
+    b = saved["benchmarks"]
+    assert b["lcb"]["acc"] == pytest.approx(3 / 8) and b["logiqa"]["acc"] == pytest.approx(4 / 12)
+    assert b["lcb"]["pass_at_k"] == pytest.approx({"1": 3 / 8, "2": (0.5 + 5 / 6) / 2, "4": 1.0})
+    assert b["logiqa"]["pass_at_k"] == pytest.approx({"1": 1 / 3, "2": 1 / 3, "4": 1 / 3})
+    assert b["sums"]["pass_at_k"] == pytest.approx({"1": 0.5, "2": 5 / 6, "4": 1.0})
+    assert saved["overall"]["acc"] == pytest.approx(0.5)                       # sums alone
+    assert saved["ood"]["acc"] == pytest.approx((3 / 8 + 1 / 3) / 2)
+    for key in ("ece", "pce"):
+        assert saved["ood"][key] == pytest.approx((b["lcb"][key] + b["logiqa"][key]) / 2)
+    assert saved["settings"]["lcb"]["grader"] == "code" and saved["settings"]["logiqa"]["grader"] == "math"
+    samples = [json.loads(line) for line in open(os.path.join(out, "samples.jsonl"))]
+    assert [r["answer"] for r in samples if r["benchmark"] == "lcb"][:2] == [
+        "n = int(input())\nprint(sum(map(int, input().split())))\n", "print(6)\n"]
+    math_block, ood_block = printed.split("\nOOD (lcb: LiveCodeBench v4_v5 (contests 2024-08 to 2025-01))\n")
+    rows = lambda text: [line.split("|")[1].strip() for line in text.splitlines() if line.startswith("| ")][1:]
+    assert rows(math_block) == ["sums", "Overall"] and rows(ood_block) == ["lcb", "logiqa", "OOD overall"]
+    assert "| 1: 0.375 2: 0.667 4: 1.000 |" in ood_block
+
+
+def test_the_hub_loaders_read_the_raw_files_and_the_harness_copy(monkeypatch):
+    asked = []
+    raw = [json.loads(line) for line in open(LCB)]
+    monkeypatch.setattr(data, "_hub_files", lambda hf_id, files: asked.append((hf_id, files)) or raw)
+    monkeypatch.setattr(data, "_from_hub", lambda hf_id, config, split: asked.append((hf_id, config, split))
+                        or [json.loads(line) for line in open(LOGIQA)])
+    assert len(evaluate.load_benchmark("lcb")[1]) == 2 and len(evaluate.load_benchmark("logiqa")[1]) == 3
+    assert asked == [("livecodebench/code_generation_lite", "test*.jsonl"), ("lighteval/logiqa_harness", "logiqa", "test")]
