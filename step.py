@@ -212,7 +212,7 @@ def probe_margin(probe, probe_opt, feats, ends, labels, cfg, seed):
     calib = modes.calibration(C, Y, valid, cfg)
     signal = (((Y == 1) & valid).any(1) & ((Y == 0) & valid).any(1)).float()
     C_all = probe_lib.predict(probe, X_all)
-    stats = dict(probe_bce=bce, probe_ece=ece(C_all.numpy(), Y_all.numpy()) if len(Y_all) else 0.0,
+    stats = dict(probe_bce=bce if len(Y_all) else 0.0, probe_ece=ece(C_all.numpy(), Y_all.numpy()) if len(Y_all) else 0.0,
                  label_mean=Y_all.mean().item() if len(Y_all) else 0.0,
                  label_mixed=((Y_all > 0) & (Y_all < 1)).float().mean().item() if len(Y_all) else 0.0,
                  prefixes=len(Y_all))
