@@ -37,7 +37,7 @@ def load(spec):
     """The function NAME of FILE.py, spec = "FILE.py:NAME"; UserError (one line) if it cannot be had."""
     path, _, name = spec.rpartition(":")
     if not path or not name:
-        raise UserError(f"--reward-fn {spec}: give FILE.py:NAME, e.g. --reward-fn my_reward.py:correctness")
+        raise UserError(f"--reward-fn {spec}: give FILE.py:NAME, the file, a colon and the function's name")
     if not os.path.isfile(path):
         raise UserError(f"--reward-fn {spec}: no file {path}; pass the path of a Python file")
     module_spec = importlib.util.spec_from_file_location("reward_fn", path)

@@ -46,7 +46,7 @@ def test_a_file_that_does_not_give_a_function_is_one_line(tmp_path, body, spec_e
         rewardfn.load(spec)
     assert says in str(e.value) and "\n" not in str(e.value)
     with pytest.raises(UserError, match="no file"):
-        rewardfn.load(str(tmp_path / "missing.py") + ":f")
+        rewardfn.load(str(tmp_path / "gone" / "fn.py") + ":f")
 
 
 @pytest.mark.parametrize("value, ok", [(1, 1.0), (0.25, 0.25), (None, None), (0.0, 0.0),
