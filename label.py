@@ -18,6 +18,8 @@ closes the forced `\\boxed{` (unclosed: wrong), and the label is
 
     Y_b = (1/K) * sum_k 1[answer_k == gold]     (== under the run's grader: grade.answers_match)
 
+(with --reward-fn, the mean of its values of the answers instead: harness/rewardfn.py).
+
 Identical forced prompts (samples of one problem that agree up to the cut, common for short
 prefixes) are labelled once and share their Y_b: it estimates the same probability.
 
@@ -49,6 +51,12 @@ SUFFIX = "\nIf I were to output the final answer now, it would be \\boxed{"
 def budgets(length, fractions=(0.25, 0.5, 0.75)):
     """Relative truncation points: budgets(8) == [2, 4, 6], budgets(3) == [1, 2], budgets(0) == []."""
     return sorted({b for b in (min(length, round(f * length)) for f in fractions) if b > 0})
+
+
+def labelled(budget_lists, labels):
+    """(budget_lists, labels) without the cuts whose label is None (--reward-fn skipped all K answers)."""
+    kept = [[(b, y) for b, y in zip(bs, ys) if y is not None] for bs, ys in zip(budget_lists, labels)]
+    return [[b for b, _ in pairs] for pairs in kept], [[y for _, y in pairs] for pairs in kept]
 
 
 def absolute_budgets(length, every):
@@ -100,7 +108,7 @@ def forced_answer(text):
 
 def mc_labels(model, tokenizer, prompts, responses, budget_lists, golds, k=4, temperature=0.8,
               top_p=1.0, max_new_tokens=32, close="think", suffix=SUFFIX, seed=None,
-              batch_size=None, stats=None, grader="math", decode=None, tree=True):
+              batch_size=None, stats=None, grader="math", decode=None, tree=True, judge=None):
     """Y_b for every (trajectory, cut b): the share of K answers forced after the cut that match
     the gold (module docstring).
 
@@ -108,6 +116,9 @@ def mc_labels(model, tokenizer, prompts, responses, budget_lists, golds, k=4, te
     answers; grader: "strict" or "math" (grade.py). Returns N lists of floats in [0, 1], aligned
     with budget_lists. If `stats` is a dict, the numbers of prefixes, forced prompts and sampled
     answers are added to it. tree, decode, batch_size: how the answers are sampled (sample_answers).
+    judge(answer, i) -> float in [0, 1] or None: --reward-fn's value of forced answer `answer` of
+    trajectory i in place of the grader (harness/rewardfn.py); Y_b is then the mean value of the
+    answers it judges, None where it judges none of the K.
     """
     # 1. The forced prompt after every cut. Equal ones (samples of a problem that agree up to the
     #    cut, common for short prefixes) estimate the same probability: each is asked once.
@@ -129,8 +140,12 @@ def mc_labels(model, tokenizer, prompts, responses, budget_lists, golds, k=4, te
     # 3. Y_b = the share of them that match the gold; a box that never closes is wrong.
     y = []
     for j, (i, _) in enumerate(cuts):
-        answers = (forced_answer(t) for t in texts[j * k:(j + 1) * k])
-        y.append(sum(a is not None and answers_match(a, golds[i], grader) for a in answers) / k)
+        answers = [forced_answer(t) for t in texts[j * k:(j + 1) * k]]
+        if judge is None:
+            y.append(sum(a is not None and answers_match(a, golds[i], grader) for a in answers) / k)
+        else:
+            values = [v for v in (0.0 if a is None else judge(a, i) for a in answers) if v is not None]
+            y.append(sum(values) / len(values) if values else None)
     if stats is not None:
         stats["prefixes"] = stats.get("prefixes", 0) + sum(map(len, where))
         stats["forced_prompts"] = stats.get("forced_prompts", 0) + len(cuts)

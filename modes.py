@@ -27,6 +27,7 @@ c = exp(mean token log-prob) of the response at the sampling temperature under t
 import torch
 
 import grade
+from harness import rewardfn
 from baselines import c2gspg_advantages, c2gspg_loss, rlcr_reward, verbal_confidence
 from grpo import group_advantages
 from reward import brier_reward, corner_margin, final_margin, margin_reward, total_reward
@@ -35,7 +36,7 @@ REWARDS = ("rlcm", "grpo", "final-margin", "process-brier", "final-brier", "rlcr
 PROBE_MODES = ("rlcm", "final-margin", "process-brier", "final-brier")  # forced-answer labels + probe
 BRIER_MODES = ("process-brier", "final-brier")
 MARGINS = {"zero": margin_reward, "margin-corner": corner_margin, "final-margin": final_margin}  # --corner
-COUNTED = ("verbal_missing",)  # components logged per step as a count; the others as a mean
+COUNTED = ("verbal_missing", "skipped")  # components logged per step as a count; the others as a mean
 
 
 def answer_form(mode):
@@ -55,6 +56,14 @@ def correctness(texts, golds, grader, mode):
                         dtype=torch.float32)
 
 
+def judged(texts, golds, rows, reward_fn):
+    """--reward-fn's correctness (harness/rewardfn.py): (values [N] float in [0, 1], 0 where
+    skipped; scored [N] bool, False where the function returned None)."""
+    values = [rewardfn.judge(reward_fn, t, g, r) for t, g, r in zip(texts, golds, rows)]
+    return (torch.tensor([v or 0.0 for v in values], dtype=torch.float32),
+            torch.tensor([v is not None for v in values], dtype=torch.bool))
+
+
 def calibration(C, Y, valid, cfg):
     """The probe modes' calibration term [N]: the margin by --corner (rlcm, final-margin) or the
     negative Brier."""
@@ -63,24 +72,31 @@ def calibration(C, Y, valid, cfg):
     return MARGINS[cfg["corner"]](C, Y, valid)
 
 
-def unanimous(correct, group_size):
-    """Bool [N]: True for every trajectory of a group whose answers are all right or all wrong.
+def unanimous(correct, group_size, scored=None):
+    """Bool [N]: True for every trajectory of a group whose answers are all right or all wrong
+    (with `scored`, --reward-fn's: whose scored answers all have one value).
 
     Example: correct (1, 1, 0, 0, 0, 0), group_size 3 -> (False, False, False, True, True, True).
     """
     g = torch.as_tensor(correct, dtype=torch.float32).view(-1, group_size)
-    same = (g == g[:, :1]).all(dim=1, keepdim=True)
+    if scored is None:
+        same = (g == g[:, :1]).all(dim=1, keepdim=True)
+    else:
+        s = scored.view(-1, group_size)
+        same = g.masked_fill(~s, -1.0).amax(1, keepdim=True) <= g.masked_fill(~s, 2.0).amin(1, keepdim=True)
     return same.expand_as(g).reshape(-1)
 
 
-def reward_and_advantages(cfg, correct, calib, texts, seq_conf, all_unanimous=None):
+def reward_and_advantages(cfg, correct, calib, texts, seq_conf, all_unanimous=None, scored=None):
     """One step's rewards R [N], advantages [N] and the mode's components {name: [N] float} (logged
     per step as means, per sample as values).
 
     correct [N] 0/1; calib [N] the probe modes' calibration term (else unused); texts: the responses
     (rlcr reads its confidence there); seq_conf [N] c2gspg's sequence confidence (else None);
     all_unanimous: whether every group of the step, on every rank, is unanimous (the filter's
-    fallback; None: judged on these groups).
+    fallback; None: judged on these groups); scored [N] bool: --reward-fn's judged samples (modes.judged;
+    None: all). An unscored sample gets R = 0 and advantage 0 and is left out of its group's
+    statistics, which the others' advantages are computed over (`skipped` is logged).
     """
     mode, G = cfg["reward"], cfg["group_size"]
     parts = {}
@@ -99,13 +115,24 @@ def reward_and_advantages(cfg, correct, calib, texts, seq_conf, all_unanimous=No
         if mode in PROBE_MODES:
             parts = {calibration_key(mode): calib}
     if cfg["drop_unanimous"]:
-        same = unanimous(correct, G)
+        same = unanimous(correct, G, scored)
         if bool(same.all()) if all_unanimous is None else all_unanimous:
             same = torch.zeros_like(same)  # every group unanimous: no filter this step, as released
         R = R.masked_fill(same, 0.0)
         parts["dropped"] = same.float()
-    adv = c2gspg_advantages(correct, seq_conf, G) if mode == "c2gspg" else group_advantages(R, G)
-    return R, adv, parts
+
+    def advantages(i, n):  # of the samples i, in groups of n
+        return c2gspg_advantages(correct[i], seq_conf[i], n) if mode == "c2gspg" else group_advantages(R[i], n)
+
+    if scored is None:
+        return R, advantages(slice(None), G), parts
+    adv = torch.zeros(len(R))
+    for start in range(0, len(R), G):  # each group's advantages over its scored samples alone
+        kept = start + torch.nonzero(scored[start:start + G]).view(-1)
+        if len(kept):
+            adv[kept] = advantages(kept, len(kept))
+    parts["skipped"] = (~scored).float()
+    return R.masked_fill(~scored, 0.0), adv, parts
 
 
 def extra_loss(cfg, correct):

@@ -11,11 +11,11 @@ import torch
 import data
 import modes
 import probe as probe_lib
-from harness import runlog, staticcache
+from harness import rewardfn, runlog, staticcache
 from baselines import sequence_confidence
 from grade import is_correct
 from grpo import group_advantages, pack, policy_loss, token_logprobs
-from label import budgets, mc_labels
+from label import budgets, labelled, mc_labels
 from metrics import advantage_parts, ece
 from harness.parallel import RANK, WORLD, all_gather, all_sum
 from reward import margin_reward, total_reward
@@ -106,14 +106,24 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
                        batch_size=cfg["gen_batch"], decode=cfg["decode"], scores=True)
     golds = [rows[i]["answer"] for i in out.prompt_index]
     traj_prompts = [prompts[i] for i in out.prompt_index]
-    correct = modes.correctness(out.texts, golds, cfg["grader"], mode)
+    fn, scored, judge = cfg["reward_fn"], None, None  # --reward-fn: the user's correctness (harness/rewardfn.py)
+    if fn:
+        traj_rows = [rows[i] for i in out.prompt_index]
+        correct, scored = modes.judged(out.texts, golds, traj_rows, fn)
+        judge = lambda answer, i: rewardfn.judge(fn, answer, golds[i], traj_rows[i])  # noqa: E731
+    else:
+        correct = modes.correctness(out.texts, golds, cfg["grader"], mode)
     cuts = [budgets(n, cfg["budgets"]) if probed else [] for n in out.lengths]
+    if fn:  # a skipped rollout gets no forced answers and no labels
+        cuts = [bs if s else [] for bs, s in zip(cuts, scored.tolist())]
     labels = [[] for _ in cuts]
     if probed:
         with timer("label"):
             labels = mc_labels(sampler, tok, traj_prompts, out.ids, cuts, golds, k=cfg["k"],
                                close=cfg["forced_close"], seed=seed + 7, batch_size=cfg["gen_batch"],
-                               grader=cfg["grader"], decode=cfg["decode"])
+                               grader=cfg["grader"], decode=cfg["decode"], judge=judge)
+        if fn:
+            cuts, labels = labelled(cuts, labels)
 
     batch = pack(traj_prompts, out.ids, tok.pad_token_id, out.logprobs)
     ends = budget_ends(batch["prompt_lens"], cuts)
@@ -143,8 +153,9 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
             calib, signal, stats, C = probe_margin(probe, probe_opt, feats, ends, labels, cfg, step_seed)
     all_unanimous = None
     if cfg["drop_unanimous"]:  # the filter's fallback looks at every rank's groups
-        all_unanimous = all_sum([float((~modes.unanimous(correct, G)).sum())], device)[0] == 0
-    R, adv, parts = modes.reward_and_advantages(cfg, correct, calib, out.texts, seq_conf, all_unanimous)
+        all_unanimous = all_sum([float((~modes.unanimous(correct, G, scored)).sum())], device)[0] == 0
+    R, adv, parts = modes.reward_and_advantages(cfg, correct, calib, out.texts, seq_conf, all_unanimous,
+                                                scored)
     shaped = mode not in ("rlcr", "c2gspg")   # R = r_nat + lam * calib: its calibration share is logged
     a_nat, a_cal = advantage_parts(correct.cpu(), R.cpu(), G) if shaped else (0.0, 0.0)
     if samples is not None:
@@ -163,12 +174,12 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
             upd = update(policy, opt, sched if last else None, batch, old_logp, adv, mbs, cfg,
                          device, modes.extra_loss(cfg, correct))
             gaps.append({k: upd.pop(k) for k in SAMPLER_GAP})
-    local = [correct.sum().item(), R.sum().item(), signal.sum().item(),
-             len(out.ids), sum(out.lengths), sum(f == "length" for f in out.finish),
+    local = [correct.sum().item(), len(out.ids) if scored is None else scored.sum().item(), R.sum().item(),
+             signal.sum().item(), len(out.ids), sum(out.lengths), sum(f == "length" for f in out.finish),
              zero_var_groups(R, G), len(rows), sum(out.entropy_sum), a_nat, a_cal,
              *(v.sum().item() for v in parts.values())]
-    acc, rsum, ssum, n, lsum, trunc, zvar, ngroups, esum, a_nat, a_cal, *psums = all_sum(local, device)
-    row = dict(step=step, accuracy=acc / n, reward=rsum / n,
+    acc, judged, rsum, ssum, n, lsum, trunc, zvar, ngroups, esum, a_nat, a_cal, *psums = all_sum(local, device)
+    row = dict(step=step, accuracy=acc / max(judged, 1), reward=rsum / n,
                **{k: s if k in modes.COUNTED else s / n for k, s in zip(parts, psums)},
                signal_frac=ssum / n if probed else 0.0, **stats, zero_var_frac=zvar / max(ngroups, 1),
                len_mean=lsum / n, len_max=max(all_gather(max(out.lengths, default=0))),
@@ -201,7 +212,7 @@ def probe_margin(probe, probe_opt, feats, ends, labels, cfg, seed):
     calib = modes.calibration(C, Y, valid, cfg)
     signal = (((Y == 1) & valid).any(1) & ((Y == 0) & valid).any(1)).float()
     C_all = probe_lib.predict(probe, X_all)
-    stats = dict(probe_bce=bce, probe_ece=ece(C_all.numpy(), Y_all.numpy()) if len(Y_all) else 0.0,
+    stats = dict(probe_bce=bce if len(Y_all) else 0.0, probe_ece=ece(C_all.numpy(), Y_all.numpy()) if len(Y_all) else 0.0,
                  label_mean=Y_all.mean().item() if len(Y_all) else 0.0,
                  label_mixed=((Y_all > 0) & (Y_all < 1)).float().mean().item() if len(Y_all) else 0.0,
                  prefixes=len(Y_all))

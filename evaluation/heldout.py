@@ -27,9 +27,9 @@ import data
 import metrics
 import modes
 import probe as probe_lib
-from harness import runlog
+from harness import rewardfn, runlog
 from grpo import pack
-from label import budgets, mc_labels
+from label import budgets, labelled, mc_labels
 from harness.parallel import RANK, WORLD, all_gather, all_sum
 from rollout import generate
 from update import budget_ends, score
@@ -44,12 +44,17 @@ def held_out_accuracy(sampler, tok, rows, cfg, instruction, device, probe=None, 
     calibration on the first eval_probe_n of these trajectories is added to it (below)."""
     mine = rows[RANK::WORLD]
     prompts = [data.chat_prompt(tok, r["problem"], instruction, cfg["system_prompt"]) for r in mine]
-    hits, trajs = 0, []
+    hits, trajs, judged = 0, [], len(mine)
     if prompts:
         out = generate(sampler, tok, prompts, max_new_tokens=cfg["max_new_tokens"], temperature=0.6,
                        seed=cfg["seed"] + 12345 + RANK, batch_size=cfg["gen_batch"],
                        decode=cfg["decode"])
-        hits = modes.correctness(out.texts, [r["answer"] for r in mine], "math", cfg["reward"]).sum().item()
+        golds = [r["answer"] for r in mine]
+        if cfg["reward_fn"]:  # the accuracy is the mean value of the responses it scores
+            values, scored = modes.judged(out.texts, golds, mine, cfg["reward_fn"])
+            hits, judged = values.sum().item(), scored.sum().item()
+        else:
+            hits = modes.correctness(out.texts, golds, "math", cfg["reward"]).sum().item()
         if probe_stats is not None:
             m = len(rows[:cfg["eval_probe_n"]][RANK::WORLD])
             trajs = probe_calibration(sampler, tok, probe, prompts[:m], out, mine[:m], cfg,
@@ -57,7 +62,7 @@ def held_out_accuracy(sampler, tok, rows, cfg, instruction, device, probe=None, 
     if probe_stats is not None:
         trajs = [t for part in all_gather(trajs) for t in part]
         probe_stats.update(summary(trajs, cfg["k"]), trajectories=trajs)
-    hits, n = all_sum([hits, len(mine)], device)
+    hits, n = all_sum([hits, judged], device)
     return hits / max(n, 1)
 
 
@@ -69,11 +74,15 @@ def probe_calibration(model, tok, prb, prompts, out, rows, cfg, seed):
     margin (or brier, under the Brier modes). Scoring runs in micro-batches of at most cfg["micro_tokens"] padded tokens.
     """
     from grade import is_correct
-    n = len(prompts)
+    n, fn = len(prompts), cfg["reward_fn"]
     golds = [r["answer"] for r in rows]
     cuts = [budgets(len(ids), cfg["budgets"]) for ids in out.ids[:n]]
+    judge = (lambda answer, i: rewardfn.judge(fn, answer, golds[i], rows[i])) if fn else None  # noqa: E731
     labels = mc_labels(model, tok, prompts, out.ids[:n], cuts, golds, k=cfg["k"], close=cfg["forced_close"],
-                       seed=seed, batch_size=cfg["gen_batch"], grader=cfg["grader"], decode=cfg["decode"])
+                       seed=seed, batch_size=cfg["gen_batch"], grader=cfg["grader"], decode=cfg["decode"],
+                       judge=judge)
+    if fn:
+        cuts, labels = labelled(cuts, labels)
     batch = pack(prompts, out.ids[:n], tok.pad_token_id)
     ends = budget_ends(batch["prompt_lens"], cuts)
     per = max(1, cfg["micro_tokens"] // batch["input_ids"].shape[1])
@@ -92,7 +101,8 @@ def probe_calibration(model, tok, prb, prompts, out, rows, cfg, seed):
     calib = modes.calibration(C, Y, valid, cfg)   # the margin, or the negative Brier (Brier modes)
     key = modes.calibration_key(cfg["reward"])
     return [dict(problem=runlog.clip(r["problem"]), answer=r["answer"], text=runlog.clip(t),
-                 correct=int(is_correct(t, r["answer"])), budgets=bs, Y_b=ys,
+                 correct=rewardfn.judge(fn, t, r["answer"], r) if fn else int(is_correct(t, r["answer"])),
+                 budgets=bs, Y_b=ys,
                  C_b=[round(c, 6) for c in C[i, :len(bs)].tolist()], **{key: calib[i].item()})
             for i, (r, t, bs, ys) in enumerate(zip(rows, out.texts, cuts, labels))]
 

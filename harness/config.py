@@ -11,6 +11,7 @@ import os
 import data
 import grade
 import toy
+from harness import rewardfn
 from harness.checkpoint import UserError
 from grpo import AGGS
 from modes import PROBE_MODES, REWARDS  # the --reward modes; harness/plan.py reads PROBE_MODES here
@@ -236,6 +237,11 @@ def build_parser():
                         "reward: last \\boxed{ and gold stripped, a trailing .0 and leading zeros "
                         "dropped, then equal strings), math (normaliser + math-verify, as evaluate.py) or "
                         "minerva (Minerva's normal forms equal: the released RLCR reward, its default)")
+    g.add_argument("--reward-fn", metavar="FILE.py:NAME",
+                   help="your correctness function NAME(response, answer, row) -> float in [0, 1] or "
+                        "None (skip the sample), in place of --grader for the natural answer and the "
+                        "forced answers (harness/rewardfn.py); never taken from a saved config: give "
+                        "it again with --resume")
     g.add_argument("--probe-lr", type=float)
     g.add_argument("--probe-passes", type=int)
     g.add_argument("--probe-batch", type=int)
@@ -311,6 +317,7 @@ def resolve_args(argv):
         if saved.pop("trust_remote_code", False) and not given.get("trust_remote_code"):
             raise UserError(f"--resume {run}: the run was started with --trust-remote-code, which is "
                             "never taken from a saved config; pass it again if you trust the code there")
+        check_reward_fn(saved, given, f"--resume {run}")
         for key in FIXED_ON_RESUME:
             if key in given and key in saved and given[key] != saved[key]:
                 raise UserError(f"--resume {run}: --{key.replace('_', '-')} cannot change on resume "
@@ -321,6 +328,7 @@ def resolve_args(argv):
     elif given.get("config"):
         saved = _read_config(given["config"])
         check_saved(saved, given["config"])
+        check_reward_fn(saved, given, f"--config {given['config']}")
     model = given.get("model", saved.get("model", "toy"))
     world = {**COMMON, **(TOY if model == "toy" else REAL)}
     cfg = {**world, **saved, **given}
@@ -335,11 +343,22 @@ def resolve_args(argv):
     if cfg["lora_rank"] and "lr" not in given and "lr" not in saved:
         cfg["lr"] = LORA_LR_FACTOR * world["lr"]
     cfg["trust_remote_code"] = bool(given.get("trust_remote_code"))
+    cfg["reward_fn"] = given.get("reward_fn")
+    if cfg["reward_fn"]:
+        rewardfn.load(cfg["reward_fn"])  # a file that does not import stops here, before any folder is made
     cfg.update({k: given.get(k) for k in NOT_SAVED})
     cfg["out"] = cfg["out"] or os.path.join("runs", os.path.basename(cfg["model"].rstrip("/")))
     check_values(cfg)
     check_out(cfg["out"])
     return cfg
+
+
+def check_reward_fn(saved, given, where):
+    """A run started with --reward-fn resumes (or is copied) only with --reward-fn given again: a
+    saved config names a file, and code is never run because a config says so."""
+    if saved.get("reward_fn") and not given.get("reward_fn"):
+        raise UserError(f"{where}: the run was started with --reward-fn {saved['reward_fn']}, which is "
+                        "never taken from a saved config; pass it again if you trust that file")
 
 
 def _read_config(path):

@@ -29,6 +29,7 @@ import probe as probe_lib
 
 LOCKS = ExitStack()  # the run folder's lock, released by exit_codes() however the run ends
 LOGS = ("metrics.jsonl", "samples.jsonl", "heldout.jsonl")
+MADE = []  # the run folder this process created (RunFolder.lock), for exit_codes' clean-up
 
 
 def hold_lock(out):
@@ -71,6 +72,8 @@ class RunFolder:
         """A new folder is locked only once the data and the model are known to load."""
         if not self.existed:
             hold_lock(self.out)
+            if MASTER:
+                MADE.append(self.out)
 
     def start(self, cfg):
         """A new run: config.json and empty logs (a link planted there is replaced, not followed)."""
@@ -135,15 +138,30 @@ def interrupted(cfg):
             f"python train.py --resume {out}{flag}")
 
 
+def remove_unstarted():
+    """A user error before the first step was logged (--reward-fn's first call, say) leaves no run
+    folder behind: the one this process made is removed if it holds only RunFolder.start's
+    config.json and empty logs (the lock is gone by now)."""
+    for out in filter(os.path.isdir, MADE):
+        names = set(os.listdir(out))
+        logs = [os.path.join(out, f) for f in LOGS if f in names]
+        if names <= {"config.json", *LOGS} and not any(os.path.getsize(p) for p in logs):
+            for name in names:
+                os.remove(os.path.join(out, name))
+            os.rmdir(out)
+
+
 @contextmanager
 def exit_codes():
     """train.py's main runs inside this: the module docstring's exit codes, the lock released and
     the process group torn down however it ends. Yields a dict whose "cfg" the Ctrl-C line reads."""
-    state, stopped = {}, False
+    state, stopped, user_error = {}, False, False
+    MADE.clear()  # a run in this process before (tests) is not this one
     try:
         yield state
     except (UserError, data.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
+        user_error = True
         sys.exit(2)
     except FloatingPointError as e:
         print(f"stopped: {e}; the last good checkpoint is left untouched", file=sys.stderr)
@@ -152,6 +170,8 @@ def exit_codes():
         stopped = True         # the line is printed below, once the progress bar has closed
     finally:
         LOCKS.close()
+        if user_error:
+            remove_unstarted()
         teardown()
     if stopped:
         if MASTER:

@@ -1,0 +1,72 @@
+"""--reward-fn FILE.py:NAME: a correctness function of your own in place of the built-in graders.
+
+    def my_correctness(response, answer, row):   # -> a float in [0, 1], or None to skip
+        return float(response.strip().endswith(answer))
+
+train.py calls it where it would grade (modes.judged, label.mc_labels, evaluation/heldout.py):
+
+- the natural answer of every rollout: `response` is the whole generated text (special tokens
+  dropped), `answer` the row's gold answer, `row` the data row ({"problem", "answer"});
+- every forced answer of the Monte-Carlo labels: `response` is the forced answer alone, the text
+  inside the forced `\\boxed{` up to its closing brace (label.forced_answer); an answer whose box
+  never closes is 0 without a call, as under the built-in graders. Y_b is the mean of the values.
+
+None skips: a rollout judged None keeps advantage 0 (it stays in the update, in the token-mean's
+denominator), is left out of its group's mean and std, gets no forced answers and no labels, and
+is counted in the step's `skipped`; the step's `accuracy` is the mean value of the others. A
+forced answer judged None is left out of its Y_b; a prefix whose K answers are all None has no
+label (it is not fitted or scored).
+
+The file is imported (importlib) only from the path given on the command line, never from a saved
+config: a resumed run is refused until --reward-fn is given again (harness/config.py), as with
+--trust-remote-code. It runs in this process with your permissions, like any code you pass.
+A missing file, an import error, a missing NAME, or a call that raises or returns anything but a
+number in [0, 1] (bool excluded) or None ends the run with one line, exit 2, before anything of
+that step is written.
+"""
+import functools
+import importlib.util
+import numbers
+import os
+
+from harness.checkpoint import UserError, first_line
+
+
+@functools.cache
+def load(spec):
+    """The function NAME of FILE.py, spec = "FILE.py:NAME"; UserError (one line) if it cannot be had."""
+    path, _, name = spec.rpartition(":")
+    if not path or not name:
+        raise UserError(f"--reward-fn {spec}: give FILE.py:NAME, the file, a colon and the function's name")
+    if not os.path.isfile(path):
+        raise UserError(f"--reward-fn {spec}: no file {path}; pass the path of a Python file")
+    module_spec = importlib.util.spec_from_file_location("reward_fn", path)
+    if module_spec is None:
+        raise UserError(f"--reward-fn {spec}: {path} is not a Python file (FILE.py:NAME)")
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except (Exception, SystemExit) as e:  # a sys.exit() in the file is an import failure too
+        raise UserError(f"--reward-fn {spec}: importing {path} failed ({type(e).__name__}: "
+                        f"{first_line(e)}); fix the file") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise UserError(f"--reward-fn {spec}: {path} has no function {name}"
+                        + (f" ({name} is a {type(fn).__name__})" if hasattr(module, name) else ""))
+    return fn
+
+
+def judge(spec, response, answer, row):
+    """The checked value of the function at spec for one response: a float in [0, 1], or None."""
+    try:
+        value = load(spec)(response, answer, dict(row))
+    except Exception as e:
+        raise UserError(f"--reward-fn {spec} raised {type(e).__name__}: {first_line(e)} "
+                        f"(on response {response[:40]!r}); fix the function") from None
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 <= value <= 1:
+        shown = repr(value)[:40]
+        raise UserError(f"--reward-fn {spec} returned {shown} ({type(value).__name__}) on response "
+                        f"{response[:40]!r}: it must return a float in [0, 1] or None")
+    return float(value)  # NaN fails 0 <= value above
