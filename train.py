@@ -193,7 +193,7 @@ def run(cfg):
         print0("seconds per phase: " + ", ".join(
             f"{p} {t:.1f}" + ("" if p == "rollout" else f" ({t / roll:.2f}x rollout)")
             for p, t in phase_sums.items()))
-        bench = " --benchmarks toy" if cfg["eval_data"] == "toy" else ""
+        bench = " --benchmarks " + ",".join(data.TOY_BENCHMARKS) if cfg["eval_data"] == "toy" else ""
         print0(f"curves: {runlog.plot_curves(out)}")
         print0(f"next: python evaluate.py --model {out}{bench}")
         if tracker:
