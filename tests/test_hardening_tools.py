@@ -101,7 +101,7 @@ POISON = "--lr -1"   # at 81f6578 the flags below are passed on: this makes the 
 
 @pytest.mark.parametrize("methods,flags,named", [
     ("grpo", ["--train-args", f"{POISON} --reward rlcm"], "--reward"),
-    ("grpo", ["--train-args", f"{POISON} --rew rlcm"], "--reward"),     # argparse's abbreviation
+    ("grpo", ["--seeds", "0,1", "--train-args", f"{POISON} --see 0"], "--seed"),  # argparse's abbreviation (of --reward every one is ambiguous: --reward-fn)
     ("grpo", ["--seeds", "0,1", "--train-args", f"{POISON} --seed 0"], "--seed"),  # seed 1's is overridden
     ("grpo", ["--train-args", f"{POISON} --out elsewhere"], "--out"),
     ("grpo", ["--train-args", f"{POISON} --resume elsewhere"], "--resume"),
@@ -117,6 +117,14 @@ def test_args_that_change_a_methods_reward_seed_confidence_or_folder_are_refused
     assert code == 2 and f"{named} is reproduce.py's to set for each method and seed" in err
     assert err.startswith("reproduce.py: error: --")
     assert not out.exists()
+
+
+def test_an_ambiguous_abbreviation_in_the_train_args_is_refused_in_one_line(tmp_path, capsys):
+    """--rew could be --reward or --reward-fn: refused before anything runs, like a named flag."""
+    out = tmp_path / "rep"
+    code, err = _exit(["--methods", "grpo", "--seeds", "0", "--out", str(out), "--train-args",
+                       f"{POISON} --rew rlcm"], capsys)
+    assert code == 2 and "ambiguous option: --rew could match --reward, --reward-fn" in err and not out.exists()
 
 
 @pytest.mark.parametrize("flags", [["--jobs", "²"], ["--train-args", "--steps ²"]])
