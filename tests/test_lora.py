@@ -2,10 +2,8 @@
 processes, resume after a kill), saves in peft's format, evaluates, and the memory plan counts it."""
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -112,21 +110,9 @@ def test_lora_on_two_cpu_processes_equals_one(tmp_path):
 @pytest.mark.slow   # two 4-step train.py processes, one killed
 def test_lora_resume_is_exact_after_a_kill(tmp_path):
     from safetensors.torch import load_file
-    args = [sys.executable, os.path.join(ROOT, "train.py"), "--steps", "4", "--save-every", "1", "--keep", "4", "--lora-rank", "4",
-            *SMALL]
-    full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
-    subprocess.run(args + ["--out", full], check=True, env=ENV, cwd=ROOT, capture_output=True)
-    proc = subprocess.Popen(args + ["--out", cut], env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    second = os.path.join(cut, "checkpoints", "step_000002")
-    deadline = time.time() + 300
-    while not os.path.isdir(second) and proc.poll() is None and time.time() < deadline:
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert os.path.isdir(second), "the run should have reached step 2 before the kill"
-    subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--resume", cut], check=True,
-                   env=ENV, cwd=ROOT, capture_output=True)
+    from test_train import kill_and_resume
+    full, cut = kill_and_resume(tmp_path, ["--steps", "4", "--save-every", "1", "--keep", "4", "--lora-rank", "4",
+                                           *SMALL], 2, ENV)
     wa, wb = (load_file(os.path.join(r, "checkpoints", "step_000004", lora.WEIGHTS)) for r in (full, cut))
     first = load_file(os.path.join(full, "checkpoints", "step_000001", lora.WEIGHTS))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -66,23 +66,30 @@ def test_grpo_reward_runs_no_forced_answers(tmp_path, monkeypatch):
     assert "probe_bce" not in row
 
 
-@pytest.mark.slow   # two 6-step train.py processes, one killed
-def test_resume_is_exact_after_a_kill(tmp_path):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0"}
-    args = [sys.executable, os.path.join(ROOT, "train.py"), "--steps", "6", "--save-every", "1", *SMALL]
+def kill_and_resume(tmp_path, flags, kill_after, env):
+    """(full, cut): `python train.py FLAGS` run whole into tmp_path/full, and into tmp_path/cut killed
+    (SIGKILL) once its checkpoint of step `kill_after` exists, then continued with --resume."""
+    args = [sys.executable, os.path.join(ROOT, "train.py"), *flags]
     full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
     subprocess.run(args + ["--out", full], check=True, env=env, cwd=ROOT, capture_output=True)
     proc = subprocess.Popen(args + ["--out", cut], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    third = os.path.join(cut, "checkpoints", "step_000003")
+    saved = os.path.join(cut, "checkpoints", f"step_{kill_after:06d}")
     deadline = time.time() + 300
-    while not os.path.isdir(third) and proc.poll() is None and time.time() < deadline:
+    while not os.path.isdir(saved) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert os.path.isdir(third), "the run should have reached step 3 before the kill"
+    assert os.path.isdir(saved), f"the run should have reached step {kill_after} before the kill"
     subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--resume", cut], check=True,
                    env=env, cwd=ROOT, capture_output=True)
+    return full, cut
+
+
+@pytest.mark.slow   # two 6-step train.py processes, one killed
+def test_resume_is_exact_after_a_kill(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0"}
+    full, cut = kill_and_resume(tmp_path, ["--steps", "6", "--save-every", "1", *SMALL], 3, env)
     a = [stable(r) for r in rows(full) if not r.get("eval") and r["step"] >= 4]
     b = [stable(r) for r in rows(cut) if not r.get("eval") and r["step"] >= 4]
     assert [r["step"] for r in a] == [4, 5, 6] and a == b
