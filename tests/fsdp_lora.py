@@ -26,10 +26,7 @@ model.train()
 policy, _ = wrap(model, device)
 opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-g = torch.Generator().manual_seed(0)
-prompts = [torch.randint(4, 60, (n,), generator=g).tolist() for n in (3, 5, 4, 2)]
-responses = [torch.randint(4, 60, (n,), generator=g).tolist() for n in (6, 2, 7, 3)]
-adv = torch.tensor([1.0, -0.5, 0.3, -1.2])
+prompts, responses, adv = tiny.fixed_rollouts()
 mine = list(range(RANK, 4, WORLD))
 batch = pack([prompts[i] for i in mine], [responses[i] for i in mine], pad_id=0)
 cfg = dict(agg="token-mean", max_new_tokens=8, temperature=0.8, chunk_size=4, clip_low=0.2,

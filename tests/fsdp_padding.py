@@ -13,9 +13,7 @@ from harness.parallel import MASTER, RANK, WORLD, full_state, setup, teardown, w
 
 device = setup()
 model = tiny.model(vocab_size=64, hidden=32, layers=2, seed=0).train()
-g = torch.Generator().manual_seed(0)
-prompts = [torch.randint(4, 60, (n,), generator=g).tolist() for n in (3, 5, 4, 2)]
-responses = [torch.randint(4, 60, (n,), generator=g).tolist() for n in (6, 2, 7, 3)]
+prompts, responses, adv = tiny.fixed_rollouts()
 deltas = [0.1, -0.2, 0.05, 0.3]
 with torch.no_grad():
     full = pack(prompts, responses, pad_id=0)
@@ -29,7 +27,7 @@ policy, _ = wrap(model, device)
 opt = torch.optim.SGD(policy.parameters(), lr=0.5)
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
 batch = pack([prompts[i] for i in mine], [responses[i] for i in mine], 0, [sampler[i] for i in mine])
-adv = torch.tensor([1.0, -0.5, 0.3, -1.2])[mine]
+adv = adv[mine]
 cfg = dict(agg="token-mean", reward="rlcm", max_new_tokens=8, temperature=0.8, chunk_size=4, clip_low=0.2,
            clip_high=0.2, grad_clip=1e9)
 mbs = [[j] for j in range(len(mine))] if WORLD == 2 else [[0], [1], [2], [3]]

@@ -22,10 +22,7 @@ model = tiny.model(vocab_size=64, hidden=32, layers=2, seed=0).train()
 policy, _ = wrap(model, device, offload)
 opt = torch.optim.SGD(policy.parameters(), lr=0.5)
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-g = torch.Generator().manual_seed(0)
-prompts = [torch.randint(4, 60, (n,), generator=g).tolist() for n in (3, 5, 4, 2)]
-responses = [torch.randint(4, 60, (n,), generator=g).tolist() for n in (6, 2, 7, 3)]
-adv = torch.tensor([1.0, -0.5, 0.3, -1.2])
+prompts, responses, adv = tiny.fixed_rollouts()
 mine = list(range(RANK, 4, WORLD))
 batch = pack([prompts[i] for i in mine], [responses[i] for i in mine], pad_id=0)
 old = torch.full(batch["loss_mask"].shape, -4.0)

@@ -46,3 +46,12 @@ def real_tokenizer():
         return None
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(REAL_TOKENIZER)
+
+
+def fixed_rollouts():
+    """(prompts, responses, advantages): the four sequences of ids (vocabulary 64) and their
+    advantages that the FSDP2 scripts (tests/fsdp_*.py) update on, the same on every rank."""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 60, (n,), generator=g).tolist() for n in (3, 5, 4, 2)]
+    responses = [torch.randint(4, 60, (n,), generator=g).tolist() for n in (6, 2, 7, 3)]
+    return prompts, responses, torch.tensor([1.0, -0.5, 0.3, -1.2])
