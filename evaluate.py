@@ -30,20 +30,18 @@ from contextlib import ExitStack
 import torch
 from tqdm import tqdm
 
-from evaluation import confidence
 import data
 import grade
 import label as label_lib
 import modes
 import probe as probe_lib
 import rollout
-from harness import runlog
 import toy
-from harness import checkpoint, sandbox
-from harness.checkpoint import ALIASES, UserError, resolve_model
-from harness import config
-from harness.config import check_out, check_values
+from evaluation import confidence
 from evaluation.report import overall, plot_reliability, read_results, report_uses, summarize, table, write_results
+from harness import checkpoint, config, runlog, sandbox
+from harness.checkpoint import ALIASES, UserError, resolve_model
+from harness.config import check_out, check_values
 
 BIG_N = {"aime24": 32, "aime25": 32, "amc23": 32}   # samples per question; 4 elsewhere
 # Per-world defaults. Toy: the forced text is the one the toy base learned (label.SUFFIX), and K is

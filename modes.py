@@ -27,13 +27,14 @@ c = exp(mean token log-prob) of the response at the sampling temperature under t
 import torch
 
 import grade
-from harness import rewardfn
 from baselines import c2gspg_advantages, c2gspg_loss, rlcr_reward, verbal_confidence
 from grpo import group_advantages
 from reward import brier_reward, corner_margin, final_margin, margin_reward, total_reward
+from harness import rewardfn
 
 REWARDS = ("rlcm", "grpo", "final-margin", "process-brier", "final-brier", "rlcr", "c2gspg")
 PROBE_MODES = ("rlcm", "final-margin", "process-brier", "final-brier")  # forced-answer labels + probe
+SHAPED = ("grpo",) + PROBE_MODES  # R = r_nat + lam * a calibration term (grpo: lam = 0)
 BRIER_MODES = ("process-brier", "final-brier")
 MARGINS = {"zero": margin_reward, "margin-corner": corner_margin, "final-margin": final_margin}  # --corner
 COUNTED = ("verbal_missing", "skipped")  # components logged per step as a count; the others as a mean

@@ -46,14 +46,11 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 import data
-from harness import checkpoint
-import metrics
-from harness import runlog
-from harness.checkpoint import UserError
-from harness import config
 import evaluate
-from harness import launch
+import metrics
 from evaluation.report import clean, plot_reliability
+from harness import checkpoint, config, launch, runlog
+from harness.checkpoint import UserError
 
 MAIN = ("base", "grpo", "rlcr", "c2gspg", "rlcm")
 ABLATIONS = ("final-margin", "process-brier", "final-brier")

@@ -11,17 +11,16 @@ import torch
 import data
 import modes
 import probe as probe_lib
-from harness import rewardfn, runlog, staticcache
 from baselines import sequence_confidence
 from grade import is_correct
 from grpo import group_advantages, pack, policy_loss, token_logprobs
 from label import budgets, labelled, mc_labels
 from metrics import advantage_parts, ece
-from harness.parallel import RANK, WORLD, all_gather, all_sum
 from reward import margin_reward, total_reward
 from rollout import generate
-from update import budget_ends, score
-from update import micro_batch, micro_batches, update
+from update import budget_ends, micro_batch, micro_batches, score, update
+from harness import rewardfn, runlog, staticcache
+from harness.parallel import RANK, WORLD, all_gather, all_sum
 
 
 def rlcm_step(model, tok, probe, probe_opt, opt, rows, cfg, step):
@@ -156,7 +155,7 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
         all_unanimous = all_sum([float((~modes.unanimous(correct, G, scored)).sum())], device)[0] == 0
     R, adv, parts = modes.reward_and_advantages(cfg, correct, calib, out.texts, seq_conf, all_unanimous,
                                                 scored)
-    shaped = mode not in ("rlcr", "c2gspg")   # R = r_nat + lam * calib: its calibration share is logged
+    shaped = mode in modes.SHAPED   # R = r_nat + lam * calib: its calibration share is logged
     a_nat, a_cal = advantage_parts(correct.cpu(), R.cpu(), G) if shaped else (0.0, 0.0)
     if samples is not None:
         samples += runlog.pick(

@@ -43,17 +43,16 @@ import zipfile
 
 import torch
 
-from harness import checkpoint
 import probe as probe_lib
+import rollout
 from baselines import verbal_confidence  # RLCR's parser, read here for --confidence verbal
-from grpo import pack, token_logprobs
 from data import RLCR_FORMAT, chat_prompt
 from grade import answers_match, boxed_answer, boxed_in_thinking, code_job, is_correct
-from harness import sandbox
+from grpo import pack, token_logprobs
 from label import absolute_budgets, budgets, forced_prompt, mc_labels
-import rollout
 from rollout import generate
 from update import budget_ends, score
+from harness import checkpoint, sandbox
 
 SOURCES = ("probe", "probe-posthoc", "verbal", "verbal-forced", "logits")
 EVAL_SUFFIX = "\n\nIf I were to give the final answer now, the final answer would be \\boxed{"

@@ -27,12 +27,12 @@ import data
 import metrics
 import modes
 import probe as probe_lib
-from harness import rewardfn, runlog
 from grpo import pack
 from label import budgets, labelled, mc_labels
-from harness.parallel import RANK, WORLD, all_gather, all_sum
 from rollout import generate
 from update import budget_ends, score
+from harness import rewardfn, runlog
+from harness.parallel import RANK, WORLD, all_gather, all_sum
 
 EPS = 1e-7
 

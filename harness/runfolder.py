@@ -21,11 +21,10 @@ from contextlib import ExitStack, contextmanager
 import torch
 
 import data
-from harness import checkpoint as ckpt_lib
-from harness import config, lora
+import probe as probe_lib
+from harness import checkpoint as ckpt_lib, config, lora
 from harness.checkpoint import UserError
 from harness.parallel import MASTER, all_gather, load_optimizer, teardown
-import probe as probe_lib
 
 LOCKS = ExitStack()  # the run folder's lock, released by exit_codes() however the run ends
 LOGS = ("metrics.jsonl", "samples.jsonl", "heldout.jsonl")

@@ -55,9 +55,8 @@ from harness.checkpoint import latest_checkpoint  # noqa: E402
 from grpo import pack  # noqa: E402
 from harness.parallel import LogprobModel  # noqa: E402
 from rollout import generate  # noqa: E402
-from update import budget_ends, score  # noqa: E402
 from train import checkpoint_activations  # noqa: E402
-from update import micro_batch, micro_batches, update  # noqa: E402
+from update import budget_ends, micro_batch, micro_batches, score, update  # noqa: E402
 
 GiB = 2**30
 # The real run's sizes where a phase has them (config.REAL: --gen-batch 8, --micro-tokens 16384),

@@ -161,6 +161,7 @@ def test_the_step_frees_the_static_buffers_before_the_update(tmp_path, monkeypat
     """The plan counts the static K/V buffers in the decode phases only, so the RL step must free
     the shape its last decode kept (staticcache.decoder keeps it for the next call) before the update."""
     import data
+    import probe as probe_lib
     import step
     import train
     from harness import config, staticcache
@@ -171,7 +172,6 @@ def test_the_step_frees_the_static_buffers_before_the_update(tmp_path, monkeypat
     policy, sampler = wrap(model, torch.device("cpu"))
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg["lr"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    import probe as probe_lib
     probe = probe_lib.Probe(model.config.hidden_size)
     alive = []
     real = step.update
