@@ -39,9 +39,12 @@ after it changes the answer. Both paths sample in groups of similar trajectory l
 prefixes carry no padding of long ones. The rollout's KV cache is not kept: holding it from the
 rollout until labelling would cost the whole batch's cache in memory.
 """
+from contextlib import nullcontext
+
 import torch
 
 from grade import answers_match
+from probe import LAST_K, last_layer, split_prefix_features
 from rollout import Sampler, Samples, chunk_generators, generate
 
 LENGTH_GROUP = 2  # trajectories whose longest cuts have bit lengths within this many share a group
@@ -53,10 +56,29 @@ def budgets(length, fractions=(0.25, 0.5, 0.75)):
     return sorted({b for b in (min(length, round(f * length)) for f in fractions) if b > 0})
 
 
-def labelled(budget_lists, labels):
-    """(budget_lists, labels) without the cuts whose label is None (--reward-fn skipped all K answers)."""
-    kept = [[(b, y) for b, y in zip(bs, ys) if y is not None] for bs, ys in zip(budget_lists, labels)]
-    return [[b for b, _ in pairs] for pairs in kept], [[y for _, y in pairs] for pairs in kept]
+def labelled(budget_lists, labels, feats=None):
+    """(budget_lists, labels) without the cuts whose label is None (--reward-fn skipped all K
+    answers); with feats (mc_labels(features=True)'s), (budget_lists, labels, feats) likewise."""
+    keep = [[m for m, y in enumerate(ys) if y is not None] for ys in labels]
+    out = [[bs[m] for m in ms] for bs, ms in zip(budget_lists, keep)], \
+        [[ys[m] for m in ms] for ys, ms in zip(labels, keep)]
+    return out if feats is None else (*out, [f[ms] for f, ms in zip(feats, keep)])
+
+
+def grid(lists, width=None):
+    """N per-trajectory lists aligned with their cuts (floats, or [n_i, d] tensors) -> a zero-padded
+    [N, width] (or [N, width, d]) float32 tensor, width = the longest list (at least 1)."""
+    width = width or max(1, max((len(x) for x in lists), default=0))
+    tensors = [torch.as_tensor(x, dtype=torch.float32) for x in lists]
+    out = torch.zeros(len(lists), width, *(tensors[0].shape[1:] if tensors else ()))
+    for i, x in enumerate(tensors):
+        out[i, :len(x)] = x
+    return out
+
+
+def cut_mask(budget_lists):
+    """[N, B] bool, True at the cuts of each list: where grid(...) of lists aligned with them is real."""
+    return grid([[1] * len(bs) for bs in budget_lists]) > 0
 
 
 def absolute_budgets(length, every):
@@ -108,7 +130,8 @@ def forced_answer(text):
 
 def mc_labels(model, tokenizer, prompts, responses, budget_lists, golds, k=4, temperature=0.8,
               top_p=1.0, max_new_tokens=32, close="think", suffix=SUFFIX, seed=None,
-              batch_size=None, stats=None, grader="math", decode=None, tree=True, judge=None):
+              batch_size=None, stats=None, grader="math", decode=None, tree=True, judge=None,
+              features=False):
     """Y_b for every (trajectory, cut b): the share of K answers forced after the cut that match
     the gold (module docstring).
 
@@ -119,7 +142,13 @@ def mc_labels(model, tokenizer, prompts, responses, budget_lists, golds, k=4, te
     judge(answer, i) -> float in [0, 1] or None: --reward-fn's value of forced answer `answer` of
     trajectory i in place of the grader (harness/rewardfn.py); Y_b is then the mean value of the
     answers it judges, None where it judges none of the K.
+    features=True: also the probe's features at every cut, probe.prefix_features of the last
+    layer's states of prompt + response[:b] under `model`, read from the forced answers' prefill,
+    which computes them anyway (module docstring); returns (labels, feats), feats N float32 CPU
+    tensors [len(cuts), d]. Needs tree=True.
     """
+    if features and not tree:
+        raise ValueError("features come from the prefix tree's prefill: use tree=True")
     # 1. The forced prompt after every cut. Equal ones (samples of a problem that agree up to the
     #    cut, common for short prefixes) estimate the same probability: each is asked once.
     tail = forced_prompt([], [], 0, tokenizer, close, suffix)  # CLOSE + SUFFIX, the same after every cut
@@ -132,11 +161,20 @@ def mc_labels(model, tokenizer, prompts, responses, budget_lists, golds, k=4, te
             if j == len(cuts):
                 cuts.append((i, b))
             where[-1].append(j)
+    # Each trajectory's features are read where its longest cut's forced prompt is asked (reads[j]),
+    # off the row of the trajectory that asks it when theirs agree up to that cut, else off its own.
+    reads, feats = [[] for _ in cuts], {} if features else None
+    for i, bs in enumerate(budget_lists if features else []):
+        if bs:
+            j = where[i][max(range(len(bs)), key=bs.__getitem__)]
+            src, last = cuts[j][0], max(bs)
+            same = list(prompts[src]) == list(prompts[i]) and list(responses[src][:last]) == list(responses[i][:last])
+            reads[j].append((i, list(bs), src if same and len(responses[src]) >= last else i))
     if not cuts:
-        return where  # N empty lists
+        return (where, [torch.zeros(0, model.config.hidden_size) for _ in where]) if features else where
     # 2. K answers to each: texts[j*k:(j+1)*k] for forced prompt j.
     texts = sample_answers(model, tokenizer, prompts, responses, cuts, tail, k, temperature, top_p,
-                           max_new_tokens, seed, batch_size, decode, tree).texts
+                           max_new_tokens, seed, batch_size, decode, tree, reads, feats).texts
     # 3. Y_b = the share of them that match the gold; a box that never closes is wrong.
     y = []
     for j, (i, _) in enumerate(cuts):
@@ -150,11 +188,15 @@ def mc_labels(model, tokenizer, prompts, responses, budget_lists, golds, k=4, te
         stats["prefixes"] = stats.get("prefixes", 0) + sum(map(len, where))
         stats["forced_prompts"] = stats.get("forced_prompts", 0) + len(cuts)
         stats["answers"] = stats.get("answers", 0) + len(cuts) * k
-    return [[y[j] for j in js] for js in where]
+    labels = [[y[j] for j in js] for js in where]
+    if not features:
+        return labels
+    return labels, [feats.get(i, torch.zeros(0, model.config.hidden_size)) for i in range(len(where))]
 
 
 def sample_answers(model, tokenizer, prompts, responses, cuts, tail, k, temperature=0.8, top_p=1.0,
-                   max_new_tokens=32, seed=None, batch_size=None, decode=None, tree=True):
+                   max_new_tokens=32, seed=None, batch_size=None, decode=None, tree=True, reads=None,
+                   features=None):
     """k samples of each forced prompt `prompts[i] + responses[i][:b] + tail`, (i, b) in cuts, in
     that order (Samples.ids and .texts [j*k:(j+1)*k] for cut j), stopping at a newline.
 
@@ -165,6 +207,9 @@ def sample_answers(model, tokenizer, prompts, responses, cuts, tail, k, temperat
     Either way the cuts are sampled in groups of similar trajectory length, each with its own seed
     (_length_groups), so that short prefixes carry no padding of long ones. batch_size: forced
     prompts per chunk; decode: rollout's decode path ("static" | "dynamic" | None: static on CUDA).
+    reads, features (fast path; mc_labels(features=True)): reads[j] lists the (trajectory i, its
+    cuts, the trajectory whose row they are read off) whose probe features the chunk asking cut j
+    reads into the dict features[i].
     """
     out = Samples([None] * (len(cuts) * k), [None] * (len(cuts) * k), [], [], [])
     for js, group_seed in _length_groups(cuts, seed):
@@ -175,7 +220,8 @@ def sample_answers(model, tokenizer, prompts, responses, cuts, tail, k, temperat
             forced = [list(prompts[i]) + list(responses[i][:b]) + list(tail) for i, b in group]
             part = generate(model, tokenizer, forced, n=k, stop=("\n",), **kw)
         else:  # the fast path
-            part = _forced_samples(model, tokenizer, prompts, responses, group, tail, k=k, **kw)
+            part = _forced_samples(model, tokenizer, prompts, responses, group, tail, k=k, **kw,
+                                   reads=reads and [reads[j] for j in js], features=features)
         for m, j in enumerate(js):
             out.ids[j * k:(j + 1) * k] = part.ids[m * k:(m + 1) * k]
             out.texts[j * k:(j + 1) * k] = part.texts[m * k:(m + 1) * k]
@@ -195,35 +241,47 @@ def _length_groups(cuts, seed):
 
 @torch.no_grad()
 def _forced_samples(model, tokenizer, prompts, responses, cut_of, tail, k, temperature, top_p,
-                    max_new_tokens, seed=None, batch_size=None, decode=None):
+                    max_new_tokens, seed=None, batch_size=None, decode=None, reads=None, features=None):
     """sample_answers' fast path (tree=True) for one group of cuts, in the same order: the samples
     of its plain path up to float rounding, ended at the brace that closes the forced box, with the
     prefill shared along the prefix tree (module docstring) and the K rows of a cut sharing a cache
-    row while they agree (rollout.Sampler(share_rows=True)).
+    row while they agree (rollout.Sampler(share_rows=True)). reads[m], aligned with cut_of: the
+    (trajectory, cuts, row) whose features the chunk of cut m reads into features (sample_answers).
     """
     sampler = Sampler(model, tokenizer, max_new_tokens, temperature, top_p, stop=("\n",), decode=decode,
                       share_rows=True, close_depth=1)
     batch_size = batch_size or len(cut_of)
-    chunks = [cut_of[s:s + batch_size] for s in range(0, len(cut_of), batch_size)]
+    reads = reads or [[] for _ in cut_of]
+    chunks = [(cut_of[s:s + batch_size], sum(reads[s:s + batch_size], [])) for s in range(0, len(cut_of), batch_size)]
     out = Samples([], [], [], [], [])
     was_training = model.training
     model.eval()
     try:
-        for chunk, gen in zip(chunks, chunk_generators(seed, len(chunks), sampler.device)):
-            trajs = list(dict.fromkeys(i for i, _ in chunk))
-            longest = {i: max(b for t, b in chunk if t == i) for i in trajs}
+        for (chunk, readers), gen in zip(chunks, chunk_generators(seed, len(chunks), sampler.device)):
+            # a row per trajectory asked here (or read here off its own row), its response
+            # prefilled up to the longest cut asked or read off it here
+            trajs = list(dict.fromkeys([i for i, _ in chunk] + [src for _, _, src in readers]))
+            head = dict.fromkeys(trajs, 0)
+            for i, b in chunk + [(src, max(bs)) for _, bs, src in readers]:
+                head[i] = max(head[i], b)
             distinct = list(dict.fromkeys(tuple(prompts[i]) for i in trajs))
             rows = lambda xs: torch.tensor(xs, device=sampler.device)  # noqa: E731
+            states = {}  # what the features need of the last layer's states of the two prefills
             # 1. each distinct problem prompt once; 2. each trajectory up to its longest cut once.
-            pre = sampler.prefill([list(p) for p in distinct])
+            with _keeping(model, readers, states, "prompt", lambda h: h[:, -(LAST_K - 1):].clone()):
+                pre = sampler.prefill([list(p) for p in distinct])
             pre = pre.select(rows([distinct.index(tuple(prompts[i])) for i in trajs]))
-            heads = [list(responses[i][:longest[i]]) for i in trajs]
+            heads = [list(responses[i][:head[i]]) for i in trajs]
             if any(heads):  # none where every cut is at 0 (responses that start with CLOSE, cut after it)
-                pre = sampler.prefill(heads, after=pre)
+                read = readers and _reader(readers, trajs, head, prompts, distinct, states, sampler.device)
+                with _keeping(model, readers, states, "feats", read):
+                    pre = sampler.prefill(heads, after=pre)
+                for m, (i, bs, _) in enumerate(readers):
+                    features[i] = states["feats"][m, :len(bs)].cpu()
             # 3. a row per cut: its trajectory's row with the response past b masked out, then the tail.
             pre = pre.select(rows([trajs.index(i) for i, _ in chunk]))
             end = pre.mask.shape[1]  # the response segment is right-aligned, ending here
-            cut_col = rows([end - longest[i] + b for i, b in chunk])
+            cut_col = rows([end - head[i] + b for i, b in chunk])
             pre.mask = pre.mask * (torch.arange(end, device=sampler.device) < cut_col[:, None])
             pre = sampler.prefill([list(tail)] * len(chunk), after=pre)
             ids, length, _ = sampler.sample(pre, k, gen)
@@ -232,3 +290,23 @@ def _forced_samples(model, tokenizer, prompts, responses, cut_of, tail, k, tempe
         model.train(was_training)
     out.texts = tokenizer.batch_decode(out.ids, skip_special_tokens=True)
     return out
+
+
+def _keeping(model, on, states, name, reduce):
+    """A context in which states[name] = reduce(the last layer's output of the forward run in it),
+    or nothing when not `on`."""
+    return last_layer(model, lambda h: states.__setitem__(name, reduce(h))) if on else nullcontext()
+
+
+def _reader(readers, trajs, head, prompts, distinct, states, device):
+    """reduce() for the response prefill of a chunk: its output h [rows, W, d] (rows = trajs, each
+    response right-aligned, head[i] long) -> the features of the readers' cuts [readers, B, d]
+    (probe.split_prefix_features) off their rows, the prompt's last positions from states["prompt"]."""
+    tail = states["prompt"]  # [distinct prompts, <= LAST_K - 1, d], right-aligned
+    tail = torch.nn.functional.pad(tail, (0, 0, LAST_K - 1 - tail.shape[1], 0))
+    tail = tail[[distinct.index(tuple(prompts[src])) for _, _, src in readers]]
+    at = torch.tensor([trajs.index(src) for _, _, src in readers], device=device)
+    cuts = grid([bs for _, bs, _ in readers]).long()
+    plens = [len(prompts[src]) for _, _, src in readers]
+    return lambda h: split_prefix_features(tail, h[at], [h.shape[1] - head[src] for _, _, src in readers],
+                                           cuts, plens)

@@ -5,6 +5,7 @@ a forced answer at a prefix is right. By default the released code's MLP d -> d/
 reaches the policy from here.
 """
 import os
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -30,7 +31,10 @@ class Probe(nn.Module):
         return self.net(x).squeeze(-1)
 
 
-def prefix_features(hidden, ends, last_k=4):
+LAST_K = 4  # positions averaged before each cut (the released avg_last_k)
+
+
+def prefix_features(hidden, ends, last_k=LAST_K):
     """Mean hidden state over the last_k positions before each prefix end.
 
     hidden [N, L, d]; ends [N, B] long absolute exclusive ends (prefix = tokens 0..e-1), entries <= 0
@@ -52,6 +56,41 @@ def prefix_features(hidden, ends, last_k=4):
     w = use.float().unsqueeze(-1)
     feats = (gathered * w).sum(2) / w.sum(2).clamp(min=1)
     return feats, valid
+
+
+@contextmanager
+def last_layer(model, fn):
+    """Inside the block, fn(hidden) sees the last decoder layer's output [R, L, d] (before the final
+    norm) of every forward of `model` (a transformers causal LM): the states the features read."""
+    def hook(module, args, output):
+        fn(output[0] if isinstance(output, tuple) else output)
+    handle = model.model.layers[-1].register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def split_prefix_features(tail, segment, start, cuts, prompt_lens, last_k=LAST_K):
+    """prefix_features for prefixes prompt + response[:b] whose hidden states were computed in two
+    pieces, the prompt and then the response on top of its cache (label.py's forced-answer prefill).
+
+    tail [R, last_k - 1, d]: each row's last last_k - 1 prompt positions (right-aligned: a prompt
+    of P tokens fills only its last P of them); segment [R, W, d]: response position t of row r at
+    column start[r] + t; cuts [R, B] long response cuts b (0 = none); prompt_lens [R]. Returns
+    [R, B, d] float32, prefix_features(hidden of prompt + response, P + b): the mean over response
+    positions t = b - last_k .. b - 1 that exist (t < 0 reads the prompt), 0 where b = 0.
+    """
+    R, W, _ = segment.shape
+    dev = segment.device
+    cuts, start, prompt_lens = (torch.as_tensor(x, device=dev) for x in (cuts, start, prompt_lens))
+    t = cuts.unsqueeze(-1) - last_k + torch.arange(last_k, device=dev)               # [R, B, k]
+    rows = torch.arange(R, device=dev).view(R, 1, 1)
+    x = segment[rows, (start.view(R, 1, 1) + t).clamp(0, W - 1)]                     # [R, B, k, d]
+    if last_k > 1:
+        x = torch.where((t >= 0).unsqueeze(-1), x, tail[rows, (last_k - 1 + t).clamp(0, last_k - 2)])
+    use = ((cuts > 0).unsqueeze(-1) & (t + prompt_lens.view(R, 1, 1) >= 0)).float().unsqueeze(-1)
+    return (x.float() * use).sum(2) / use.sum(2).clamp(min=1)
 
 
 def make_optimizer(probe, lr=1e-3, weight_decay=0.01):

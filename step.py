@@ -14,11 +14,11 @@ import probe as probe_lib
 from baselines import sequence_confidence
 from grade import is_correct
 from grpo import group_advantages, pack, policy_loss, token_logprobs
-from label import budgets, labelled, mc_labels
+from label import budgets, cut_mask, grid, labelled, mc_labels
 from metrics import advantage_parts, ece
 from reward import margin_reward, total_reward
 from rollout import generate
-from update import budget_ends, micro_batch, micro_batches, score, update
+from update import micro_batch, micro_batches, score, update
 from harness import rewardfn, runlog, staticcache
 from harness.parallel import RANK, WORLD, all_gather, all_sum
 
@@ -35,29 +35,26 @@ def rlcm_step(model, tok, probe, probe_opt, opt, rows, cfg, step):
                    top_p=cfg["top_p"], seed=seed, batch_size=cfg["gen_batch"], decode=cfg["decode"])
     prompts, golds = [prompts[i] for i in out.prompt_index], [rows[i]["answer"] for i in out.prompt_index]
     correct = torch.tensor([float(is_correct(t, g, cfg["grader"])) for t, g in zip(out.texts, golds)])
-    # 2. cut each response at 25/50/75 % of its tokens, force K answers there: Y_b = share of right ones
+    # 2. cut each response at 25/50/75 % of its tokens, force K answers there: Y_b = share of right ones;
+    #    h_b, the last layer's hidden states before each cut, come from the forced answers' prefill
     cuts = [budgets(n, cfg["budgets"]) for n in out.lengths]
-    ys = mc_labels(model, tok, prompts, out.ids, cuts, golds, k=cfg["k"], close=cfg["forced_close"],
-                   seed=seed + 7, batch_size=cfg["gen_batch"], grader=cfg["grader"], decode=cfg["decode"])
-    # 3. features h_b: the last layer's hidden states before each cut, from one no-grad forward
-    batch = pack(prompts, out.ids, tok.pad_token_id)
-    ends = budget_ends(batch["prompt_lens"], cuts)
-    _, h, valid = score(model, batch, ends, cfg["temperature"], cfg["chunk_size"], logprobs=False)
-    Y = torch.zeros(ends.shape)  # [N, B] like h_b, 0 where a response has fewer cuts
-    for i, y in enumerate(ys):
-        Y[i, :len(y)] = torch.tensor(y)
-    # 4. fit the probe on this batch's (h_b, Y_b), then read C_b = sigmoid(probe(h_b))
+    ys, hs = mc_labels(model, tok, prompts, out.ids, cuts, golds, k=cfg["k"], close=cfg["forced_close"],
+                       seed=seed + 7, batch_size=cfg["gen_batch"], grader=cfg["grader"], decode=cfg["decode"],
+                       features=True)
+    Y, h, valid = grid(ys), grid(hs), cut_mask(cuts)  # [N, B(, d)], B: most cuts
+    # 3. fit the probe on this batch's (h_b, Y_b), then read C_b = sigmoid(probe(h_b))
     probe_lib.fit(probe, probe_opt, h[valid], Y[valid], passes=cfg["probe_passes"],
                   batch_size=cfg["probe_batch"], seed=seed)
     C = torch.zeros(Y.shape)
     C[valid] = probe_lib.predict(probe, h[valid])
-    # 5. R = r_nat + lam * margin (mean C_b where Y_b = 1 minus mean C_b where Y_b = 0), r_nat = +-1;
+    # 4. R = r_nat + lam * margin (mean C_b where Y_b = 1 minus mean C_b where Y_b = 0), r_nat = +-1;
     #    advantages: R normalised within each prompt's group
     margin = margin_reward(C, Y, valid)
     R = total_reward(correct, margin, lam=cfg["lam"])
     adv = group_advantages(R, G)
-    # 6. one clipped policy-gradient step; on-policy, so the old log-probs are the current ones detached
+    # 5. one clipped policy-gradient step; on-policy, so the old log-probs are the current ones detached
     model.train()
+    batch = pack(prompts, out.ids, tok.pad_token_id)
     logp = token_logprobs(model, batch["input_ids"], batch["attention_mask"], cfg["temperature"],
                           cfg["chunk_size"])
     loss, _ = policy_loss(logp, logp.detach(), adv, batch["loss_mask"], cfg["clip_low"], cfg["clip_high"],
@@ -115,41 +112,39 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
     cuts = [budgets(n, cfg["budgets"]) if probed else [] for n in out.lengths]
     if fn:  # a skipped rollout gets no forced answers and no labels
         cuts = [bs if s else [] for bs, s in zip(cuts, scored.tolist())]
-    labels = [[] for _ in cuts]
-    if probed:
+    labels, feats = [[] for _ in cuts], []
+    if probed:  # the labels, and the probe's features from the forced answers' prefill (label.py)
         with timer("label"):
-            labels = mc_labels(sampler, tok, traj_prompts, out.ids, cuts, golds, k=cfg["k"],
-                               close=cfg["forced_close"], seed=seed + 7, batch_size=cfg["gen_batch"],
-                               grader=cfg["grader"], decode=cfg["decode"], judge=judge)
+            labels, feats = mc_labels(sampler, tok, traj_prompts, out.ids, cuts, golds, k=cfg["k"],
+                                      close=cfg["forced_close"], seed=seed + 7, batch_size=cfg["gen_batch"],
+                                      grader=cfg["grader"], decode=cfg["decode"], judge=judge, features=True)
         if fn:
-            cuts, labels = labelled(cuts, labels)
+            cuts, labels, feats = labelled(cuts, labels, feats)
 
     batch = pack(traj_prompts, out.ids, tok.pad_token_id, out.logprobs)
-    ends = budget_ends(batch["prompt_lens"], cuts)
     lengths = [len(p) + len(r) for p, r in zip(traj_prompts, out.ids)]
     mbs = micro_batches(lengths, cfg["micro_tokens"])
     # One update per batch is exactly on-policy: update() uses the current log-probs, detached, as
-    # the old ones, so this pass only gathers probe features (and is skipped without a probe), and
-    # C2GSPG's sequence confidence c under the rollout weights.
+    # the old ones. So a scoring pass under the rollout weights runs only for the old log-probs of
+    # several updates per batch, or for C2GSPG's sequence confidence c.
     on_policy, c2gspg = cfg["ppo_epochs"] == 1, mode == "c2gspg"
     old_logp = None if on_policy else torch.zeros(batch["loss_mask"].shape)
-    feats, seq_conf = [], torch.zeros(len(out.ids)) if c2gspg else None
-    with timer("score"):
-        for mb in mbs if probed or c2gspg or not on_policy else []:
-            sub, L = micro_batch(batch, mb, device)
-            lp, f, _ = score(sampler, sub, ends[mb], cfg["temperature"], cfg["chunk_size"],
-                             logprobs=c2gspg or not on_policy)
-            if not on_policy:
-                old_logp[mb, :L - 1] = lp.cpu()
-            if c2gspg:
-                seq_conf[mb] = sequence_confidence(lp, sub["loss_mask"]).cpu()
-            feats.append(f.cpu())
-    feats = torch.cat(feats) if feats else torch.zeros(0)
+    seq_conf = torch.zeros(len(out.ids)) if c2gspg else None
+    if c2gspg or not on_policy:
+        with timer("score"):
+            for mb in mbs:
+                sub, L = micro_batch(batch, mb, device)
+                lp, _, _ = score(sampler, sub, None, cfg["temperature"], cfg["chunk_size"])
+                if not on_policy:
+                    old_logp[mb, :L - 1] = lp.cpu()
+                if c2gspg:
+                    seq_conf[mb] = sequence_confidence(lp, sub["loss_mask"]).cpu()
 
     stats, calib, signal, C = {}, torch.zeros(len(out.ids)), torch.zeros(len(out.ids)), None
     if probed:
         with timer("probe"):
-            calib, signal, stats, C = probe_margin(probe, probe_opt, feats, ends, labels, cfg, step_seed)
+            calib, signal, stats, C = probe_margin(probe, probe_opt, grid(feats), grid(labels), cut_mask(cuts),
+                                                   cfg, step_seed)
     all_unanimous = None
     if cfg["drop_unanimous"]:  # the filter's fallback looks at every rank's groups
         all_unanimous = all_sum([float((~modes.unanimous(correct, G, scored)).sum())], device)[0] == 0
@@ -190,23 +185,20 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
     return row
 
 
-def probe_margin(probe, probe_opt, feats, ends, labels, cfg, seed):
-    """Fit the probe on this batch's (feature, Y_b) pairs, then score the same prefixes with it.
+def probe_margin(probe, probe_opt, feats, Y, valid, cfg, seed):
+    """Fit the probe on this batch's (feature, Y_b) pairs, feats [N, B, d] and Y [N, B] where valid
+    [N, B] (label.grid), then score the same prefixes with it.
 
     Returns (calib [N] the mode's calibration term, the margin or the negative Brier (modes.py),
     signal [N] (1 where both a solvable and an unsolvable prefix exist), stats, C [N, B] the
     probe's confidences, 0 where there is no budget). Every rank fits on the
     pooled pairs of all ranks with the same seed, so the probes stay identical without syncing weights.
     """
-    valid = ends > 0
-    Y = torch.zeros(ends.shape)
-    for i, ys in enumerate(labels):
-        Y[i, :len(ys)] = torch.tensor(ys, dtype=torch.float32)
     pooled = all_gather((feats[valid], Y[valid]))
     X_all, Y_all = torch.cat([x for x, _ in pooled]), torch.cat([y for _, y in pooled])
     bce = probe_lib.fit(probe, probe_opt, X_all, Y_all, passes=cfg["probe_passes"],
                         batch_size=cfg["probe_batch"], seed=seed)
-    C = torch.zeros(ends.shape)
+    C = torch.zeros(Y.shape)
     C[valid] = probe_lib.predict(probe, feats[valid])
     calib = modes.calibration(C, Y, valid, cfg)
     signal = (((Y == 1) & valid).any(1) & ((Y == 0) & valid).any(1)).float()

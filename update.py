@@ -37,7 +37,7 @@ import torch
 
 from grpo import aggregate, logprobs_from_hidden, policy_loss
 from harness.parallel import WORLD, all_gather, all_sum, sharded
-from probe import prefix_features
+from probe import LAST_K, last_layer, prefix_features
 
 
 def budget_ends(prompt_lens, budget_lists, width=None):
@@ -51,29 +51,23 @@ def budget_ends(prompt_lens, budget_lists, width=None):
 
 
 @torch.no_grad()
-def score(model, batch, ends, temperature=1.0, chunk_size=1024, last_k=4, final_norm=False,
+def score(model, batch, ends=None, temperature=1.0, chunk_size=1024, last_k=LAST_K, final_norm=False,
           logprobs=True):
     """Old log-probs and probe features from one forward.
 
-    batch: `grpo.pack` output (input_ids / attention_mask [N, L]); ends: [N, B] absolute ends.
-    Returns (old_logp [N, L-1] float32 or None, feats [N, B, d] float32, valid [N, B] bool).
+    batch: `grpo.pack` output (input_ids / attention_mask [N, L]); ends: [N, B] absolute ends, or
+    None for no features. Returns (old_logp [N, L-1] float32 or None, feats [N, B, d] float32 and
+    valid [N, B] bool, or None and None).
     """
     ids, mask = batch["input_ids"], batch["attention_mask"]
-    ends = ends.to(ids.device)
-    decoder = model.model
     captured = {}
-
-    def keep_needed(module, args, output):
-        hidden = output[0] if isinstance(output, tuple) else output
-        captured["feats"] = prefix_features(hidden, ends, last_k)
-
-    handle = None if final_norm else decoder.layers[-1].register_forward_hook(keep_needed)
-    try:
-        hidden = decoder(input_ids=ids, attention_mask=mask).last_hidden_state
-    finally:
-        if handle is not None:
-            handle.remove()
-    feats, valid = prefix_features(hidden, ends, 1) if final_norm else captured["feats"]
+    keep = nullcontext() if ends is None or final_norm else last_layer(
+        model, lambda hidden: captured.setdefault("feats", prefix_features(hidden, ends.to(ids.device), last_k)))
+    with keep:
+        hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+    feats, valid = captured.get("feats", (None, None))
+    if final_norm and ends is not None:
+        feats, valid = prefix_features(hidden, ends.to(ids.device), 1)
     old_logp = None
     if logprobs:
         old_logp = logprobs_from_hidden(hidden, model.lm_head, ids[:, 1:], temperature,

@@ -7,7 +7,8 @@ held_out_accuracy samples the same held-out problems with the same seed at every
 The probe's BCE/ECE logged per step (`probe_bce`, `probe_ece`) are in-sample: measured on the very
 prefixes it was just fitted to. The periodic held-out check also takes its first few held-out
 trajectories (`--eval-probe-n`), labels their prefixes exactly as a training step does (same
-budgets, same K, label.mc_labels), reads the run's probe on their features (score.score) and logs
+budgets, same K, label.mc_labels), reads the run's probe on their features (read as a step reads
+them, from the forced answers' prefill) and logs
 
     eval_probe_bce    -mean_b [Y_b log C_b + (1 - Y_b) log(1 - C_b)]        (soft labels, as fitted)
     eval_probe_ece    metrics.ece(C_b, Y_b)
@@ -27,10 +28,8 @@ import data
 import metrics
 import modes
 import probe as probe_lib
-from grpo import pack
-from label import budgets, labelled, mc_labels
+from label import budgets, cut_mask, grid, labelled, mc_labels
 from rollout import generate
-from update import budget_ends, score
 from harness import rewardfn, runlog
 from harness.parallel import RANK, WORLD, all_gather, all_sum
 
@@ -71,31 +70,20 @@ def probe_calibration(model, tok, prb, prompts, out, rows, cfg, seed):
     """Label and score the trajectories `out` (a rollout.Samples, one per prompt) of `rows`.
 
     Returns one dict per trajectory: problem, answer, text (clipped), correct, budgets, Y_b, C_b,
-    margin (or brier, under the Brier modes). Scoring runs in micro-batches of at most cfg["micro_tokens"] padded tokens.
+    margin (or brier, under the Brier modes). The features come from the labels' prefill, as in a step.
     """
     from grade import is_correct
     n, fn = len(prompts), cfg["reward_fn"]
     golds = [r["answer"] for r in rows]
     cuts = [budgets(len(ids), cfg["budgets"]) for ids in out.ids[:n]]
     judge = (lambda answer, i: rewardfn.judge(fn, answer, golds[i], rows[i])) if fn else None  # noqa: E731
-    labels = mc_labels(model, tok, prompts, out.ids[:n], cuts, golds, k=cfg["k"], close=cfg["forced_close"],
-                       seed=seed, batch_size=cfg["gen_batch"], grader=cfg["grader"], decode=cfg["decode"],
-                       judge=judge)
+    labels, feats = mc_labels(model, tok, prompts, out.ids[:n], cuts, golds, k=cfg["k"], close=cfg["forced_close"],
+                              seed=seed, batch_size=cfg["gen_batch"], grader=cfg["grader"], decode=cfg["decode"],
+                              judge=judge, features=True)
     if fn:
-        cuts, labels = labelled(cuts, labels)
-    batch = pack(prompts, out.ids[:n], tok.pad_token_id)
-    ends = budget_ends(batch["prompt_lens"], cuts)
-    per = max(1, cfg["micro_tokens"] // batch["input_ids"].shape[1])
-    device = next(model.parameters()).device
-    feats = []
-    for s in range(0, n, per):
-        sub = {k: v[s:s + per].to(device) for k, v in batch.items()}
-        feats.append(score(model, sub, ends[s:s + per], cfg["temperature"], cfg["chunk_size"], logprobs=False)[1].cpu())
-    feats = torch.cat(feats)
-    valid = ends > 0
-    Y, C = torch.zeros(ends.shape), torch.zeros(ends.shape)
-    for i, ys in enumerate(labels):
-        Y[i, :len(ys)] = torch.tensor(ys, dtype=torch.float32)
+        cuts, labels, feats = labelled(cuts, labels, feats)
+    Y, feats, valid = grid(labels), grid(feats), cut_mask(cuts)
+    C = torch.zeros(Y.shape)
     if valid.any():
         C[valid] = probe_lib.predict(prb, feats[valid]).cpu()
     calib = modes.calibration(C, Y, valid, cfg)   # the margin, or the negative Brier (Brier modes)

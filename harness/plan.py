@@ -17,7 +17,9 @@ Terms per device, with N parameters, W devices (ranks) and bf16 = 2 bytes:
                   prompt + the longest cut (3/4 of max_new_tokens) + the forced suffix + the answer
                   - 1, bucketed; one chunk's shape is alive at a time
   label prefill   one layer's forward over the chunk's prefixes plus their prefill cache (one row per
-                  cut), which is held while the static buffers are filled from it
+                  cut), which is held while the static buffers are filled from it; the probe's
+                  features are read off those rows (a trajectory whose tokens differ from the one
+                  that asks its longest cut's forced prompt right at that cut adds a row: rare)
   activations     one micro-batch of micro_tokens tokens: with checkpointing each layer keeps its
                   input (T x d), and the backward of one layer holds its recomputed forward buffers
                   (T x (8 d + 3 d_ff)) and their gradients (as much again); without, every layer

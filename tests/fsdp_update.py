@@ -14,6 +14,7 @@ import probe as probe_lib
 import tiny
 import step
 from grpo import pack
+from label import cut_mask, grid
 from harness.parallel import MASTER, RANK, WORLD, full_state, load_sharded, setup, teardown, wrap
 
 offload = os.environ.get("OFFLOAD") == "1"  # FSDP2 with CPUOffloadPolicy, also as one rank
@@ -36,9 +37,8 @@ torch.manual_seed(0)  # the same initial probe on every rank, as train.run build
 probe = probe_lib.Probe(32)
 probe_opt = probe_lib.make_optimizer(probe)
 feats = torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(100 + RANK))
-ends = torch.tensor([[5, 7, 9], [4, 6, 0]])
 labels = [[1.0, 0.5, 0.0], [0.25, 1.0]] if RANK == 0 else [[0.0, 0.0, 1.0], [0.75, 0.5]]
-step.probe_margin(probe, probe_opt, feats, ends, labels, cfg, seed=3)
+step.probe_margin(probe, probe_opt, feats, grid(labels), cut_mask(labels), cfg, seed=3)
 torch.save(probe.state_dict(), f"{sys.argv[1]}.probe{RANK}")
 
 if torch.distributed.is_initialized():  # the lean start: rank 0 reads the toy, the others get shards

@@ -14,9 +14,11 @@ random weights goes through what one RL step of the real command does, at sizes 
             2048 new tokens, EOS off so every row runs to the end; then the same rollout again (the
             next RL step): the steps captured by each (one per live length, then none), the
             allocator's empty_cache calls and whether the samples agree
-  labels    label.mc_labels (static) on 24 synthetic responses of 200..2048 tokens, k=4, chunks of
-            --gen-batch 8 cuts: the static shapes made, alive at most at once, and alive after it
-  score     the scoring forward over those trajectories, micro-batch by micro-batch as step.py does
+  labels    label.mc_labels (static, with the probe's features, as a step runs it) on 24 synthetic
+            responses of 200..2048 tokens, k=4, chunks of --gen-batch 8 cuts: the static shapes
+            made, alive at most at once, and alive after it
+  score     the scoring forward over those trajectories, micro-batch by micro-batch as step.py runs
+            it for old log-probs (--ppo-epochs > 1, C2GSPG)
   update    update.update on one micro-batch of --micro-tokens: fp32 policy under bf16 autocast,
             gradient checkpointing, AdamW (the one-GPU path without --offload)
   decode    tokens/s of the static path (live length), static-full (the whole buffer every step),
@@ -174,12 +176,13 @@ def check_labels(ctx):
     ctx.update(traj_prompts=prompts, responses=responses, cuts=cuts)
     stats, row = {}, {}
     with static_shapes.recording() as shapes, phase(ctx, row):
-        label.mc_labels(ctx["model"], ctx["tok"], prompts, responses, cuts, ["1"] * n, k=s["k"],
-                        max_new_tokens=s["answer_tokens"], seed=0, batch_size=cfg["gen_batch"],
-                        grader="strict", decode="static", stats=stats)
+        _, feats = label.mc_labels(ctx["model"], ctx["tok"], prompts, responses, cuts, ["1"] * n, k=s["k"],
+                                   max_new_tokens=s["answer_tokens"], seed=0, batch_size=cfg["gen_batch"],
+                                   grader="strict", decode="static", stats=stats, features=True)
     gc.collect()  # a shape still alive now is held by something, not waiting for the collector
     return dict(row, trajectories=n, lengths=[min(lengths), max(lengths)], k=s["k"],
                 batch_size=cfg["gen_batch"], forced_prompts=stats.get("forced_prompts"),
+                features=sum(map(len, feats)), features_finite=all(bool(torch.isfinite(f).all()) for f in feats),
                 shapes_made=len(shapes.made), shapes_max_alive=max((m["alive"] for m in shapes.made), default=0),
                 shapes_max_alive_kv_gib=gib(max((m["alive_bytes"] for m in shapes.made), default=0)),
                 shapes_alive_after=shapes.alive(), plan_gib=plan_terms(ctx, "generation copy", "prefill"))

@@ -40,7 +40,8 @@ def test_the_dry_run_runs_every_check_and_prints_one_json_line_each(tmp_path):
     lengths = torch.linspace(s["shortest"], s["new"], n_rows).long().tolist()
     cuts = sum(len(label.budgets(m)) for m in lengths)
     lab = rows["labels"]
-    assert lab["forced_prompts"] == cuts and rows["score"]["features"] == cuts
+    assert lab["forced_prompts"] == cuts and lab["features"] == rows["score"]["features"] == cuts
+    assert lab["features_finite"]
     # the last shape is kept with the model for the next call of its shape
     assert lab["shapes_max_alive"] == 1 <= lab["shapes_made"] and lab["shapes_alive_after"] == 1
     assert "KV cache" in lab["plan_gib"] and "peak" in rows["update"]["plan_gib"]

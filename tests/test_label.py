@@ -243,3 +243,40 @@ def test_static_labels_keep_one_shape_alive_within_the_plan(monkeypatch):
     term = plan.estimate(model.config, cfg, 1, "cpu")["label KV cache"]
     assert max(s["alive_bytes"] for s in shapes.made) <= term
     assert max(s["bytes"] for s in shapes.made) > 0.8 * term  # and the term is no loose bound
+
+
+@pytest.mark.parametrize("decode", ["dynamic", "static"])
+def test_features_from_the_forced_answers_prefill_equal_the_scoring_pass(decode):
+    """mc_labels(features=True) reads h_b from the prefill it runs anyway, and they equal the
+    separate scoring forward's (update.score) within float rounding, while its labels equal those
+    without features. The batch holds what the reading has to get right: responses equal to another
+    up to their longest cut (their forced prompts are all asked by that one, so they are read as an
+    extra row), a cut that ends on the close token (asked one token earlier, read at b), cuts below
+    LAST_K (the window reaches into the prompt), a prompt of 2 tokens (shorter than the window), a
+    response with no cuts, a cut whose forced prompt another response asks though the two differ
+    at the cut (read off a row of its own), and several chunks and length groups."""
+    tok, model = tiny.tokenizer(), tiny.model(seed=4)
+    gen = torch.Generator().manual_seed(1)
+    p = tok.encode("12+3=", add_special_tokens=False)
+    long = torch.randint(4, 60, (40,), generator=gen).tolist()
+    closing = tok.encode("15 because", add_special_tokens=False) + [tok.eos_token_id]
+    prompts = [p, p, p, p, p[:2], p, p, p]
+    responses = [long, list(long), long[:30], closing, tok.encode("seven", add_special_tokens=False),
+                 torch.randint(4, 60, (9,), generator=gen).tolist(), [3], long[:10] + [tok.eos_token_id]]
+    cuts = [budgets(len(r)) for r in responses[:-2]] + [[], [11]]
+    cuts[3] = cuts[3] + [len(closing)]  # its last cut ends on the close (EOS): asked at T - 1, read at T
+    # response 7's one cut is asked by response 0 (long[:10] + tail), but their tokens differ at
+    # position 10 (EOS vs long[10]): it is read off a row of its own
+    golds = ["15"] * len(prompts)
+    kw = dict(k=4, close="eos", suffix="{", seed=3, batch_size=3, decode=decode)
+    stats = {}
+    ys, feats = mc_labels(model, tok, prompts, responses, cuts, golds, features=True, stats=stats, **kw)
+    assert ys == mc_labels(model, tok, prompts, responses, cuts, golds, **kw)
+    assert stats["forced_prompts"] < stats["prefixes"]  # response 1 asked nothing of its own
+    batch = pack(prompts, responses, tok.pad_token_id)
+    ends = budget_ends(batch["prompt_lens"], cuts)
+    _, ref, valid = score(model, batch, ends, logprobs=False)
+    assert [f.shape for f in feats] == [(len(c), 32) for c in cuts]
+    for i, c in enumerate(cuts):
+        assert torch.allclose(feats[i], ref[i, :len(c)], atol=1e-5), i
+    assert not torch.allclose(feats[0][0], feats[0][1])  # not one state for every cut

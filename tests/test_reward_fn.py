@@ -192,5 +192,5 @@ def test_a_step_whose_samples_are_all_skipped_logs_finite_probe_numbers():
     prb = probe_lib.Probe(8, 0)
     cfg = dict(reward="rlcm", corner="zero", probe_passes=2, probe_batch=4)
     calib, signal, stats, C = step.probe_margin(prb, probe_lib.make_optimizer(prb, lr=1e-3), torch.zeros(2, 3, 8),
-                                                torch.zeros(2, 3, dtype=torch.long), [[], []], cfg, seed=0)
+                                                torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.bool), cfg, seed=0)
     assert stats["probe_bce"] == 0.0 and stats["prefixes"] == 0 and calib.tolist() == [0.0, 0.0]

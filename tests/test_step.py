@@ -90,3 +90,40 @@ def test_unanimous_groups_stay_in_the_update_at_advantage_zero(tmp_path, monkeyp
     assert row["grad_norm"] == pytest.approx(seen["every"], rel=1e-4)
     assert seen["kept"] / seen["every"] == pytest.approx(seen["every_tokens"] / seen["kept_tokens"], rel=1e-4)
     assert seen["every_tokens"] > seen["kept_tokens"]
+
+
+def test_a_default_step_reads_the_probe_features_from_the_labels_prefill(tmp_path, monkeypatch):
+    """On-policy RLCM runs no scoring pass (t_score stays 0): the probe's features come from the
+    forced answers' prefill, and on this fixed batch they equal the scoring forward's over the
+    rollout weights (update.score, what the step ran before) while the labels equal mc_labels'
+    without features."""
+    import copy
+    from grpo import pack
+    from update import budget_ends, score
+    cfg = config.resolve_args([*SMALL, "--out", str(tmp_path)])
+    rows = data.load_rows("toy", split="train")[8:12]
+    model, tok, probe, probe_opt, opt, sched = start(cfg)
+    rollout_weights = copy.deepcopy(model)
+    seen = {}
+
+    def spy(fn, name):
+        def wrapped(*a, **kw):
+            seen[name] = (a, kw)
+            return fn(*a, **kw)
+        return wrapped
+    monkeypatch.setattr(step, "mc_labels", spy(step.mc_labels, "labels"))
+    monkeypatch.setattr(step, "probe_margin", spy(step.probe_margin, "probe"))
+    monkeypatch.setattr(step, "score", lambda *a, **kw: pytest.fail("a scoring pass ran"))
+    policy, sampler = wrap(model, CPU)
+    row = step.rl_step(1, rows, policy, sampler, tok, probe, probe_opt, opt, sched, cfg, CPU, cfg["instruction"])
+    assert row["t_score"] == 0.0 and row["prefixes"] > 20
+
+    (_, _, prompts, responses, cuts, golds), kw = seen["labels"]
+    (_, _, feats, Y, valid, *_), _ = seen["probe"]
+    kw = {k: v for k, v in kw.items() if k != "features"}
+    labels = step.mc_labels(rollout_weights, tok, prompts, responses, cuts, golds, **kw)
+    assert Y[valid].tolist() == [y for ys in labels for y in ys]
+    batch = pack(prompts, responses, tok.pad_token_id)
+    _, ref, ref_valid = score(rollout_weights.eval(), batch, budget_ends(batch["prompt_lens"], cuts), logprobs=False)
+    assert torch.equal(valid, ref_valid)
+    assert torch.allclose(feats[valid], ref[valid], atol=1e-5), (feats[valid] - ref[valid]).abs().max()
