@@ -38,6 +38,15 @@ without). Sampling ends at the brace closing the forced box as well as at a newl
 after it changes the answer. Both paths sample in groups of similar trajectory length so short
 prefixes carry no padding of long ones. The rollout's KV cache is not kept: holding it from the
 rollout until labelling would cost the whole batch's cache in memory.
+
+The probe's features come from the same prefill (features=True, what a training step asks): the
+response prefill computes the last layer's state at every position before every cut, so a forward
+hook keeps the 4 before each cut (and the prompt prefill its last 3, for cuts below 4), exactly
+the numbers a separate forward over prompt + response gives up to float rounding, at no extra
+forward. A trajectory's features are read in the chunk that asks its longest cut's forced prompt,
+off the row of the trajectory that asks it (itself, or one that agrees with it up to that cut);
+one that differs from that one at the cut itself (the close token, which the forced prompt
+leaves out) gets a row of its own there.
 """
 from contextlib import nullcontext
 

@@ -1,17 +1,20 @@
-"""The two forwards of one RL step: scoring the rollout before the update, and the update.
+"""The forwards of one RL step: scoring the rollout before the update, where it is needed, and the update.
 
 `score` is one no-grad pass over prompt + response with the rollout weights. It yields:
 - old token log-probs at the sampling temperature (chunked LM head, `grpo.logprobs_from_hidden`),
   the denominators of the PPO ratio, needed only with several updates per batch (--ppo-epochs > 1;
-  with one update the old log-probs are the current ones, detached, and step.py passes
-  logprobs=False, so this pass never runs the LM head);
-- probe features at the truncation points: the last decoder layer's output (before the final
-  norm), averaged over the `last_k` = 4 positions before each budget end (`probe.prefix_features`).
-  With final_norm=True it is instead the final normed state of the single last token of the
-  prefix (the protocol of the released evaluation code).
+  with one update the old log-probs are the current ones, detached), and by C2GSPG's sequence
+  confidence; step.py runs it only then;
+- probe features at the truncation points (ends given): the last decoder layer's output (before
+  the final norm), averaged over the `last_k` = 4 positions before each budget end
+  (`probe.prefix_features`). With final_norm=True it is instead the final normed state of the
+  single last token of the prefix (the protocol of the released evaluation code). The post-hoc
+  probe reads its features here; a training step reads its own off the forced answers' prefill
+  (label.mc_labels(features=True)), which gives the same numbers within float rounding.
 
-The last layer's output is captured by a forward hook that immediately reduces it to the requested
-positions, so no [N, L, d] stack of hidden states (`output_hidden_states`) is ever kept.
+The last layer's output is captured by a forward hook (probe.last_layer) that immediately reduces
+it to the requested positions, so no [N, L, d] stack of hidden states (`output_hidden_states`) is
+ever kept.
 
 `update` is one optimizer step over micro-batches (gradient accumulation). Rows are packed (grpo.pack) and cut into micro-batches of at most --micro-tokens padded tokens;
 each micro-batch's loss is weighted by its share of the batch, so the accumulated gradient is that
