@@ -21,11 +21,9 @@ math benchmarks, and the OOD benchmarks (lcb, gpqa, logiqa) have a block and mea
 and the printed table carry, per benchmark, the confidence source, grader and sampling settings.
 """
 import argparse
-import hashlib
 import json
 import os
 import sys
-from contextlib import ExitStack
 
 import torch
 from tqdm import tqdm
@@ -38,7 +36,9 @@ import probe as probe_lib
 import rollout
 import toy
 from evaluation import confidence
-from evaluation.report import overall, plot_reliability, read_results, report_uses, summarize, table, write_results
+from evaluation.report import overall, plot_reliability, report_uses, summarize, table, write_results
+from evaluation.samples import (HELD, LOCKS, default_out, digest, filed_label, hold, model_id, model_label, ours,
+                                own_rows, question_ids, read_samples, run_dir, sample_key)
 from harness import checkpoint, config, runlog, sandbox
 from harness.checkpoint import ALIASES, UserError, resolve_model
 from harness.config import check_out, check_values
@@ -61,52 +61,6 @@ LIMITS = {key: (lambda v: v >= 1, ">= 1") for key in (
     "limit", "n_samples", "max_new_tokens", "batch_size", "threads", "every", "forced_k", "probe_questions")}
 LIMITS.update(temperature=(lambda v: v >= 0, ">= 0 (0: greedy)"), top_p=(lambda v: 0 < v <= 1, "in (0, 1]"),
               seed=(lambda v: 0 <= v < 2**32, "in [0, 2**32)"), logit_temperature=(lambda v: v > 0, "> 0"))
-LOCKS = ExitStack()  # the lock of every output folder written, held until main() ends
-
-
-def _run_dir(path):
-    """RUN for RUN/checkpoints/step_*, else None."""
-    parent = os.path.dirname(os.path.abspath(path))
-    return os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else None
-
-
-def model_label(name, path):
-    """Short stable name used in samples.jsonl and tables: 'toy', alias, 'run/step_000010', dir name."""
-    if name == "toy" or name in ALIASES or not os.path.isdir(path):
-        return name
-    run = _run_dir(path)
-    base = os.path.basename(os.path.abspath(path))
-    return f"{os.path.basename(run)}/{base}" if run else base
-
-
-def model_id(path):
-    """What makes a model this one: its resolved folder (a/model and b/model are two models, both
-    labelled "model"), else its hub id."""
-    return os.path.realpath(path) if os.path.isdir(path) else path
-
-
-def digest(obj, size=16):
-    """A short hash of a JSON value: the keys of samples, their questions and post-hoc probe files."""
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:size]
-
-
-def filed_label(label, ident, out_dir):
-    """The name a model is filed under in OUT (results.json, the samples' `model`, plot names): its
-    label, or label@HASH where OUT's results.json files another model under that label (a/model
-    evaluated, then b/model)."""
-    entry = read_results(out_dir).get(label)
-    if entry is None or entry.get("model_id") == ident:
-        return label
-    if "model_id" not in entry:
-        print(f"{os.path.join(out_dir, 'results.json')}: the entry of {label} has no model identity (an "
-              "older version): it is evaluated again and replaced", file=sys.stderr)
-        return label
-    return f"{label}@{digest(ident, 8)}"
-
-
-def default_out(name, path):
-    run = _run_dir(path) if os.path.isdir(path) else None
-    return os.path.join(run, "eval") if run else os.path.join("eval_out", model_label(name, path).replace("/", "_"))
 
 
 def load_model(name):
@@ -161,78 +115,6 @@ def load_benchmarks(specs, limit=None, lcb_release=data.LCB_RELEASE):
             name = spec
         out.append((name, rows, instruction, source))
     return out
-
-
-def _count(v):
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
-
-
-def is_sample(r):
-    """A row as evaluate.py writes it: names, indices >= 0, correct 0/1, a confidence in [0, 1]; rows
-    of this version (with a `key`) also hold what the summaries read. Rows of older versions (no key)
-    are never counted, but must still be rows."""
-    conf = r.get("confidence")
-    ok = (isinstance(r.get("model"), str) and isinstance(r.get("benchmark"), str) and _count(r.get("question"))
-          and _count(r.get("sample")) and r.get("correct") in (0, 1) and isinstance(conf, (int, float))
-          and not isinstance(conf, bool) and 0 <= conf <= 1)
-    return ok and ("key" not in r or (isinstance(r["key"], str) and isinstance(r.get("q"), str)
-                                      and "answer" in r and isinstance(r["answer"], (str, type(None)))
-                                      and _count(r.get("length")) and isinstance(r.get("checkpoints", []), list)))
-
-
-def read_samples(path):
-    """Rows of samples.jsonl; a last line cut by a kill is dropped from the file with a message, any
-    other line that is not a sample (is_sample) is one error naming the file and the line."""
-    return checkpoint.read_jsonl(path, valid=is_sample)
-
-
-def question_ids(rows):
-    """A hash of each question's text and gold: a sample counts only for the question it was made for."""
-    return [digest([r["problem"], r["answer"]], 12) for r in rows]
-
-
-def ours(r, key, qids):
-    """Whether a sample row was made with `key` for the question now at its index (qids: question_ids)."""
-    return r.get("key") == key and r["question"] < len(qids) and r["q"] == qids[r["question"]]
-
-
-def own_rows(samples, key, rows, n):
-    """The rows of `samples` made with `key` for these rows, once per (question, sample): a copied
-    line (two shards' files joined with cat) counts once, and a question edited since is sampled again."""
-    qids, mine = question_ids(rows), {}
-    for r in samples:
-        if ours(r, key, qids) and r["sample"] < n:
-            mine.setdefault((r["question"], r["sample"]), r)
-    return list(mine.values())
-
-
-def sample_key(ident, source, s, args, prompt, conf_kw):
-    """The key of one model's samples of one benchmark: the model, the benchmark's source and every
-    setting that changes what a sample is drawn from, its grade or its confidence (the probe's weights
-    included; batching and the KV cache only change which draw it is).
-
-    A resumed evaluation reuses the rows of its own key only. With other settings it samples anew
-    under a new key rather than refusing: samples.jsonl is append-only, so the old rows stay and
-    count again when their settings come back, and a sweep over temperatures or seeds can share one
-    --out."""
-    prb = conf_kw["prb"]
-    weights = prb and [[k, hashlib.sha256(v.detach().float().cpu().numpy().tobytes()).hexdigest()]
-                       for k, v in prb.state_dict().items()]
-    return digest(dict({k: v for k, v in conf_kw.items() if k != "prb"}, model=ident, benchmark=source,
-                       n=s["n"], max_new_tokens=s["max_new_tokens"], gate=s["gate"], temperature=args.temperature,
-                       top_p=args.top_p, seed=args.seed, prompt=prompt, probe=weights))
-
-
-def hold(out_dir):
-    """One writer per output folder: its lock is taken before anything is written there."""
-    check_out(out_dir)
-    key = os.path.realpath(out_dir)
-    if key not in HELD:
-        LOCKS.enter_context(checkpoint.locked(out_dir, "evaluation"))
-        HELD.add(key)
-
-
-HELD = set()
 
 
 def check_prompts(tok, model, loaded, args, run_instruction=None, system=None):
@@ -315,7 +197,7 @@ def run_config(path):
     """The config.json of a run (RUN, or RUN/checkpoints/step_*), else {} (a base model)."""
     if not os.path.isdir(path):
         return {}
-    run = _run_dir(path) or (path if os.path.isdir(os.path.join(path, "checkpoints")) else None)
+    run = run_dir(path) or (path if os.path.isdir(os.path.join(path, "checkpoints")) else None)
     if run and os.path.isfile(os.path.join(run, "config.json")):
         cfg = config.read_config(run, flag="--model")
         config.check_saved(cfg, os.path.join(run, "config.json"))
