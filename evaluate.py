@@ -39,8 +39,9 @@ from evaluation import confidence
 from evaluation.report import overall, plot_reliability, report_uses, summarize, table, write_results
 from evaluation.samples import (HELD, LOCKS, default_out, digest, filed_label, hold, model_id, model_label, ours,
                                 own_rows, question_ids, read_samples, run_dir, sample_key)
-from harness import checkpoint, config, runlog, sandbox
-from harness.checkpoint import ALIASES, UserError, resolve_model
+from harness import checkpoint, config, files, runlog, sandbox
+from harness.checkpoint import ALIASES, resolve_model
+from harness.files import UserError
 from harness.config import check_out, check_values
 
 BIG_N = {"aime24": 32, "aime25": 32, "amc23": 32}   # samples per question; 4 elsewhere
@@ -179,7 +180,7 @@ def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, con
         else:
             answers = [grade.extract(t, GRADER, form) for t in out.texts]
             right = [natural_correct(t, a, g, form, s["gate"]) for t, a, g in zip(out.texts, answers, golds)]
-        with checkpoint.appending(path) as f:
+        with files.appending(path) as f:
             for r, (q, missing) in enumerate((c for c in chunk for _ in range(m))):
                 j, answer = missing[r % m], answers[r]
                 f.write(json.dumps(dict(
@@ -439,7 +440,7 @@ def main(argv=None):
             checkpoint.check_available(name)
         loaded = load_benchmarks(names, args.limit, args.lcb_release)   # every name checked before any model loads
         results = dict(evaluate_model(name, loaded, args) for name in args.model)
-    except checkpoint.Busy as e:   # another evaluation writes there: exit 2, its files untouched
+    except files.Busy as e:   # another evaluation writes there: exit 2, its files untouched
         print(f"evaluate.py: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     except (ValueError, OSError, FloatingPointError) as e:   # UserError, data.DataError, NaN in a model or probe

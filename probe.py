@@ -156,7 +156,7 @@ class NotAProbe(ValueError):
 
 def save(path, probe, opt=None):
     """Write {dim, hidden, dropout, state_dict, optimizer} to `path` (a path or a binary file: the
-    callers pass a fresh checkpoint folder's path or a checkpoint.replacing file, never a link)."""
+    callers pass a fresh checkpoint folder's path or a files.replacing file, never a link)."""
     blob = {
         "dim": probe.dim, "hidden": probe.hidden, "dropout": probe.p_drop,
         "state_dict": {k: v.detach().cpu() for k, v in probe.state_dict().items()},

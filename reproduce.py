@@ -49,8 +49,8 @@ import data
 import evaluate
 import metrics
 from evaluation.report import clean, plot_reliability
-from harness import checkpoint, config, launch, runlog
-from harness.checkpoint import UserError
+from harness import checkpoint, config, files, launch, runlog
+from harness.files import UserError
 
 MAIN = ("base", "grpo", "rlcr", "c2gspg", "rlcm")
 ABLATIONS = ("final-margin", "process-brier", "final-brier")
@@ -225,7 +225,7 @@ def made_with(entry, cmd):
 
 def held_out(run):
     """(accuracy at the first held-out check, at the last) from RUN/metrics.jsonl, else (None, None)."""
-    rows = checkpoint.read_jsonl(os.path.join(run, "metrics.jsonl"), say=quiet) if run else []
+    rows = files.read_jsonl(os.path.join(run, "metrics.jsonl"), say=quiet) if run else []
     rows = sorted((r["step"], r["eval_accuracy"]) for r in rows if r.get("eval") and "eval_accuracy" in r)
     return (rows[0][1], rows[-1][1]) if rows else (None, None)
 
@@ -250,7 +250,7 @@ class Jobs:
 
     def child(self, cmd, log, what):
         """Run cmd with its output appended to log; True when it exits 0, else say why and False."""
-        with checkpoint.appending(log) as f:
+        with files.appending(log) as f:
             f.write(f"$ {shlex.join(cmd)}\n")
             f.flush()
             with CHILDREN_LOCK:   # so that stop_children() sees every child started before STOP
@@ -344,7 +344,7 @@ def training_stats(run):
     in-training probe's held-out AUROC (eval_probe_auroc) and of the calibration term's share of the
     step's |advantage| (calib_adv_share; not for RLCR and C2GSPG). None where the run has none."""
     start, end = held_out(run)
-    rows = checkpoint.read_jsonl(os.path.join(run, "metrics.jsonl"), say=quiet) if run else []
+    rows = files.read_jsonl(os.path.join(run, "metrics.jsonl"), say=quiet) if run else []
     mean = lambda key, pick: mean_std([r.get(key) for r in rows if pick(r)])[0]  # noqa: E731
     return dict(heldout_start=start, heldout_end=end, signal_frac=mean("signal_frac", lambda r: not r.get("eval")),
                 probe_auroc=mean("eval_probe_auroc", lambda r: r.get("eval")),
@@ -466,7 +466,7 @@ def plot_pooled(out, m, res):
     toy benchmark)."""
     conf, correct = [], []
     for s in res["seeds"].values():
-        for r in checkpoint.read_jsonl(os.path.join(s["eval"], "samples.jsonl"), say=quiet):
+        for r in files.read_jsonl(os.path.join(s["eval"], "samples.jsonl"), say=quiet):
             if (r["model"] == s["model"] and r["benchmark"] in BENCHMARKS and r["question"] < (s["questions"] or math.inf)
                     and r["sample"] < (s["samples"] or math.inf)):
                 conf.append(r["confidence"]), correct.append(r["correct"])
@@ -504,11 +504,11 @@ def write_outputs(out, methods, seeds, argv):
         f"{b} {x['se']:.3f} at p = {x['p']:.3f}, n = {x['n']} samples" for b, x in se["benchmarks"].items()) + ".")
     for m in methods:
         agg[m]["reliability_png"] = plot_pooled(out, m, agg[m])
-    checkpoint.write_json(os.path.join(out, "results.json"), clean(dict(
+    files.write_json(os.path.join(out, "results.json"), clean(dict(
         methods=agg, seeds=seeds, benchmarks=list(BENCHMARKS), differences=diffs, accuracy_se=se,
         command=prov["command"], date=prov["date"], git_commit=prov["git_commit"], provenance=prov)))
     text = "\n".join(md) + "\n"
-    with checkpoint.replacing(os.path.join(out, "table.md")) as f:
+    with files.replacing(os.path.join(out, "table.md")) as f:
         f.write(text)
     return text
 

@@ -38,8 +38,8 @@ import probe as probe_lib
 from step import Timer, rl_step
 from evaluation import heldout
 from evaluation.heldout import held_out_accuracy
-from harness import checkpoint as ckpt_lib, config, launch, lora as lora_lib, plan, runlog
-from harness.checkpoint import UserError
+from harness import checkpoint as ckpt_lib, config, files, launch, lora as lora_lib, plan, runlog
+from harness.files import UserError
 from harness.config import resolve_args
 from harness.parallel import MASTER, WORLD, full_state, load_sharded, refresh_sampler, setup, wrap
 from harness.runfolder import RunFolder, exit_codes
@@ -136,7 +136,7 @@ def run(cfg):
 
     def log(row):
         if MASTER:
-            with ckpt_lib.appending(folder.metrics) as f:
+            with files.appending(folder.metrics) as f:
                 f.write(json.dumps(row) + "\n")
             if tracker:
                 tracker.log(row)

@@ -52,7 +52,7 @@ from grpo import pack, token_logprobs
 from label import absolute_budgets, budgets, forced_prompt, mc_labels
 from rollout import generate
 from update import budget_ends, score
-from harness import checkpoint, sandbox
+from harness import files, sandbox
 
 SOURCES = ("probe", "probe-posthoc", "verbal", "verbal-forced", "logits")
 EVAL_SUFFIX = "\n\nIf I were to give the final answer now, the final answer would be \\boxed{"
@@ -417,7 +417,7 @@ def read_cache(path):
     except pickle.UnpicklingError:  # torch's message advises weights_only=False: never here
         why = "it holds objects other than tensors; not loaded"
     except (OSError, ValueError, RuntimeError, EOFError, KeyError, zipfile.BadZipFile, FloatingPointError) as e:
-        why = checkpoint.first_line(e)
+        why = files.first_line(e)
     print(f"warning: post-hoc probe cache {path} is damaged ({why}): fitting the probe again", file=sys.stderr)
     return None
 
@@ -467,7 +467,7 @@ def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, pro
                   accuracy=sum(is_correct(t, a, p.get("grader", "math")) for t, a in zip(out.texts, golds)) / len(golds))
     report["log"] = protocol_line(p, report)
     print(report["log"], file=sys.stderr)
-    with checkpoint.replacing(cache + ".pt", "wb") as f:
+    with files.replacing(cache + ".pt", "wb") as f:
         probe_lib.save(f, prb)
-    checkpoint.write_json(cache + ".json", report, indent=1)
+    files.write_json(cache + ".json", report, indent=1)
     return prb, report

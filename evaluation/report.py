@@ -16,7 +16,7 @@ import data
 import grade
 import metrics
 from evaluation import uses
-from harness.checkpoint import UserError, replacing, write_json
+from harness.files import UserError, replacing, write_json
 
 EPSILONS = (0.1, 0.2, 0.3)   # conformal early-exit risk levels
 COLUMNS = (("Acc", "acc"), ("ECE", "ece"), ("PCE", "pce"), ("Brier", "brier"), ("AUROC", "auroc"))

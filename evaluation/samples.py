@@ -13,7 +13,7 @@ import sys
 from contextlib import ExitStack
 
 from evaluation.report import read_results
-from harness import checkpoint
+from harness import files
 from harness.checkpoint import ALIASES
 from harness.config import check_out
 
@@ -85,7 +85,7 @@ def is_sample(r):
 def read_samples(path):
     """Rows of samples.jsonl; a last line cut by a kill is dropped from the file with a message, any
     other line that is not a sample (is_sample) is one error naming the file and the line."""
-    return checkpoint.read_jsonl(path, valid=is_sample)
+    return files.read_jsonl(path, valid=is_sample)
 
 
 def question_ids(rows):
@@ -130,7 +130,7 @@ def hold(out_dir):
     check_out(out_dir)
     key = os.path.realpath(out_dir)
     if key not in HELD:
-        LOCKS.enter_context(checkpoint.locked(out_dir, "evaluation"))
+        LOCKS.enter_context(files.locked(out_dir, "evaluation"))
         HELD.add(key)
 
 

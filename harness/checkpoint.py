@@ -11,7 +11,8 @@ directory, or a run directory (its latest checkpoint).
                          probe.pt        the probe and its optimizer (probe.save format)
                          state.pt        policy optimizer, scheduler, RNG states, data cursor, step
 
-    RUN/lock                             held by the one process writing the run (pid, host)
+    RUN/lock                             held by the one process writing the run (pid, host;
+                                         harness/files.py: locked)
 
 A checkpoint is written into a fresh `step_000010.<random>.tmp` and renamed when complete, so a
 crash or a full disk mid-write never replaces or damages the last good one; of the complete ones at or
@@ -19,20 +20,14 @@ below the step just saved only the last `keep` are kept. A checkpoint damaged af
 deleted or cut short), one whose state.pt holds another step, or a link in place of its folder is
 skipped for the previous complete one, with a message, and never pruned.
 
-Every file written in a run or evaluation folder is written without following a link planted there
-(`replacing`, `appending`, the lock): such a folder may come from someone else (a shared project
-folder, an unpacked archive), and a link in it must not make this code overwrite what it points to.
+The files inside a run folder are written whole and never through a link (harness/files.py).
 """
-import errno
 import json
 import os
 import random
-import secrets
 import shutil
-import socket
 import struct
 import sys
-import time
 import zipfile
 from contextlib import contextmanager
 
@@ -40,6 +35,7 @@ import numpy as np
 import torch
 
 from harness import lora
+from harness.files import UserError, first_line, fresh_name
 from probe import NotAProbe
 
 PREFIX = "step_"
@@ -47,19 +43,6 @@ ALIASES = {
     "deepseek-r1-distill-qwen-7b": "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
     "qwen3-4b-instruct": "Qwen/Qwen3-4B-Instruct-2507",
 }
-
-
-class UserError(ValueError):
-    """A problem the user can fix (bad name, missing file, offline hub): printed as one line."""
-
-
-def first_line(e, limit=200):
-    """An exception's message cut to its first line (a library's may run to pages), for one-line errors."""
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:limit]
-
-
-class Busy(UserError):
-    """The folder is locked by another live writer (train.py and evaluate.py exit 2)."""
 
 
 def resolve_model(name):
@@ -286,11 +269,6 @@ def set_rng_state(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _fresh(path):
-    """A new name beside PATH: random, so no link can have been planted there in advance."""
-    return f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-
-
 def _remove(path):
     """Remove a folder, or only the link where a link stands (never what it points to)."""
     if os.path.islink(path):
@@ -311,7 +289,7 @@ def save_checkpoint(run_dir, step, write, keep=2):
     for n in os.listdir(root):   # left by a save that was killed (we hold the run's lock: no one else saves)
         if n.startswith(PREFIX) and n.endswith(".tmp"):
             _remove(os.path.join(root, n))
-    tmp = _fresh(final)
+    tmp = fresh_name(final)
     os.mkdir(tmp)
     try:
         write(tmp)
@@ -323,7 +301,7 @@ def save_checkpoint(run_dir, step, write, keep=2):
                             "saved before it are intact") from None
         raise
     if os.path.lexists(final):   # the same step saved again (after a fallback): set the old one aside
-        old = _fresh(final)
+        old = fresh_name(final)
         os.replace(final, old)
         os.replace(tmp, final)
         _remove(old)
@@ -345,155 +323,3 @@ def apply_rates(opt, sched, lr, probe_opt, probe_lr):
         sched._last_lr = [g["lr"] for g in opt.param_groups]
     for g in probe_opt.param_groups:
         g["lr"] = probe_lr
-
-
-@contextmanager
-def _writing(path):
-    """A failed write (disk full, no permission) as one UserError line naming the file."""
-    try:
-        yield
-    except OSError as e:
-        raise UserError(f"cannot write {path}: {e.strerror or e}: free some space or check the "
-                        "folder's permissions") from None
-
-
-def _open_own(path, flags):
-    """os.open that never follows a link at PATH (O_NOFOLLOW): a planted one is one UserError line."""
-    try:
-        return os.open(path, flags | os.O_NOFOLLOW, 0o666)
-    except OSError as e:
-        if e.errno != errno.ELOOP:
-            raise
-        raise UserError(f"{path} is a symbolic link: this code never writes through one (it could point "
-                        "anywhere); put the file itself there, or remove it") from None
-
-
-@contextmanager
-def replacing(path, mode="w"):
-    """Write PATH whole or not at all, never through a link: the block writes a fresh file beside it
-    (a random name opened with O_EXCL, which no link can be planted at), which then replaces PATH
-    (os.replace swaps a link at PATH itself, not what it points to). On any error the fresh file is
-    removed and PATH is as it was."""
-    tmp = _fresh(path)
-    try:
-        with _writing(path), open(_open_own(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), mode) as f:
-            yield f
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-@contextmanager
-def appending(path):
-    """PATH opened to append (created if absent), never through a link: a symbolic link there is
-    refused in one line rather than replaced, because the rows logged so far are where it points and
-    resuming reads them (replacing would drop them; writing through would change a file elsewhere)."""
-    with _writing(path), open(_open_own(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a") as f:
-        yield f
-
-
-def write_json(path, obj, indent=2):
-    with replacing(path) as f:
-        json.dump(obj, f, indent=indent)
-
-
-def read_jsonl(path, valid=lambda row: True, say=None):
-    """Rows of a JSON-lines log we append to. A last line that is cut off or not JSON (a kill
-    mid-write) is dropped from the file with a message; any other bad line is a UserError naming the
-    file and line. `valid(row)` says whether a parsed row has the fields the log needs."""
-    say = say or (lambda msg: print(msg, file=sys.stderr))
-    if not os.path.lexists(path):
-        return []
-    with open(_open_own(path, os.O_RDONLY), "rb") as f:   # a link here is refused before any work
-        raw = f.read()
-    if raw and not raw.endswith(b"\n"):  # a kill between a row and its newline: end the line, so
-        raw += b"\n"                      # the next append starts a new one (a cut-off row is dropped below)
-        with appending(path) as f:
-            f.write("\n")
-    lines = raw.split(b"\n")
-    rows, last = [], max((i for i, line in enumerate(lines) if line.strip()), default=-1)
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line.decode("utf-8"))
-        except ValueError:
-            if i == last:
-                say(f"{path}: dropped a cut-off last line ({line[:60].decode('utf-8', 'replace')!r})")
-                with replacing(path, "wb") as f:
-                    f.write(b"".join(x + b"\n" for x in lines[:i] if x.strip()))
-                break
-            raise UserError(f"{path} line {i + 1} is not JSON: remove the line") from None
-        if not isinstance(row, dict) or not valid(row):
-            raise UserError(f"{path} line {i + 1} is not a row of this log ({line[:60].decode('utf-8', 'replace')}): "
-                            "remove the line")
-        rows.append(row)
-    return rows
-
-
-def truncate_metrics(path, last_step):
-    """Drop rows logged after the checkpoint we resume from (they will be produced again)."""
-    if not os.path.lexists(path):
-        return
-    rows = read_jsonl(path, valid=lambda r: isinstance(r.get("step"), int))
-    with replacing(path) as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows if r["step"] <= last_step)
-
-
-LOCK = "lock"
-
-
-@contextmanager
-def locked(folder, what="run"):
-    """Hold FOLDER/lock while writing into FOLDER: one writer per folder.
-
-    The lock is an flock on the file (the kernel drops it when the holder dies, however it dies),
-    and the file names the holder (pid, host, start) for the message a second writer gets: one
-    UserError line, exit 2. A lock file left by a dead process is taken over with a message; a link
-    in its place is refused (_open_own), never written through.
-    """
-    import fcntl
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, LOCK)
-    while True:
-        fd = _open_own(path, os.O_RDWR | os.O_CREAT)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            raise Busy(f"{folder} is in use by {_holder(path)}: another {what} is writing there; "
-                            f"wait for it to end or pass another --out") from None
-        try:
-            same = os.fstat(fd).st_ino == os.stat(path).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:   # else the previous holder removed the file between our open and flock: retry
-            break
-        os.close(fd)
-    old = os.read(fd, 4096).decode("utf-8", "replace").strip()
-    if old:
-        print(f"taking over the stale lock of {_holder(path, old)} in {folder} (that process is gone)",
-              file=sys.stderr)
-    os.ftruncate(fd, 0)
-    os.lseek(fd, 0, 0)
-    os.write(fd, json.dumps(dict(pid=os.getpid(), host=socket.gethostname(),
-                                 since=time.strftime("%Y-%m-%d %H:%M:%S"))).encode())
-    os.fsync(fd)
-    try:
-        yield path
-    finally:
-        os.unlink(path)
-        os.close(fd)
-
-
-def _holder(path, text=None):
-    try:
-        if text is None:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        h = json.loads(text)
-        return f"pid {h['pid']} on {h['host']} (since {h['since']})"
-    except (OSError, ValueError, KeyError, TypeError):
-        return f"another process (lock file {path})"

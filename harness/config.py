@@ -14,7 +14,7 @@ import toy
 from grpo import AGGS
 from modes import PROBE_MODES, REWARDS  # the --reward modes; harness/plan.py reads PROBE_MODES here
 from harness import rewardfn
-from harness.checkpoint import UserError
+from harness.files import UserError
 
 # Defaults that depend on the world: the toy sizes for 2 CPU cores, the real ones from the released
 # run script (docs/design.md, "Defaults").

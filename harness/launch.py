@@ -28,7 +28,7 @@ def worker_count(cfg):
     import torch
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if cfg.get("nproc") and gpus and cfg["nproc"] > gpus:
-        from harness.checkpoint import UserError
+        from harness.files import UserError
         raise UserError(f"--nproc {cfg['nproc']}: this machine shows only {gpus} GPUs (one worker per GPU)")
     return cfg.get("nproc") or gpus or 1
 

@@ -57,7 +57,8 @@ def add_adapter(model, cfg, base_path):
 def with_adapter(model, cfg, ckpt=None):
     """The policy of a --lora-rank run: the base with the adapter of checkpoint `ckpt` (resume), or a
     fresh one. A --lora-targets that names no module of the model is one UserError line."""
-    from harness.checkpoint import UserError, resolve_model
+    from harness.checkpoint import resolve_model
+    from harness.files import UserError
     try:
         return load_adapter(model, ckpt) if ckpt else add_adapter(model, cfg, resolve_model(cfg["model"]))
     except ValueError as e:

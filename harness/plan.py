@@ -54,7 +54,7 @@ import os
 import torch
 
 from harness import lora
-from harness.checkpoint import UserError, first_line
+from harness.files import UserError, first_line
 from harness.config import PROBE_MODES
 from harness.staticcache import buffer_shape  # the buffers StaticDecoder allocates
 

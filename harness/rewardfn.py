@@ -29,7 +29,7 @@ import importlib.util
 import numbers
 import os
 
-from harness.checkpoint import UserError, first_line
+from harness.files import UserError, first_line
 
 
 @functools.cache

@@ -1,7 +1,7 @@
 """A training run's folder: one writer at a time, resume from its last complete checkpoint, atomic
 checkpoints, and the exit codes of train.py.
 
-    OUT/lock               held by rank 0 while a run writes OUT (checkpoint.locked)
+    OUT/lock               held by rank 0 while a run writes OUT (files.locked)
     OUT/config.json        the settings (updated with what a resume changed)
     OUT/metrics.jsonl      one row per step and per held-out check
     OUT/samples.jsonl      the rollouts' texts (runlog.pick_samples)
@@ -22,8 +22,8 @@ import torch
 
 import data
 import probe as probe_lib
-from harness import checkpoint as ckpt_lib, config, lora
-from harness.checkpoint import UserError
+from harness import checkpoint as ckpt_lib, config, files, lora
+from harness.files import UserError
 from harness.parallel import MASTER, all_gather, load_optimizer, teardown
 
 LOCKS = ExitStack()  # the run folder's lock, released by exit_codes() however the run ends
@@ -37,7 +37,7 @@ def hold_lock(out):
     err = None
     if MASTER:
         try:
-            LOCKS.enter_context(ckpt_lib.locked(out, "training run"))
+            LOCKS.enter_context(files.locked(out, "training run"))
         except UserError as e:
             err = str(e)
     err = all_gather(err)[0]
@@ -78,9 +78,9 @@ class RunFolder:
         """A new run: config.json and empty logs (a link planted there is replaced, not followed)."""
         if MASTER:
             os.makedirs(self.out, exist_ok=True)
-            ckpt_lib.write_json(os.path.join(self.out, "config.json"), cfg)
+            files.write_json(os.path.join(self.out, "config.json"), cfg)
             for path in (self.metrics, self.samples, self.heldout):
-                with ckpt_lib.replacing(path):
+                with files.replacing(path):
                     pass
 
     def restore(self, cfg, policy, opt, sched, probe_opt):
@@ -102,10 +102,10 @@ class RunFolder:
         ckpt_lib.apply_rates(opt, sched, cfg["lr"], probe_opt, cfg["probe_lr"])
         if MASTER:
             for path in (self.metrics, self.samples, self.heldout):
-                ckpt_lib.truncate_metrics(path, step)
+                files.truncate_metrics(path, step)
             changed = config.changes(config.read_config(self.out), cfg)
             if changed:
-                ckpt_lib.write_json(os.path.join(self.out, "config.json"), {**cfg, "resume": None})
+                files.write_json(os.path.join(self.out, "config.json"), {**cfg, "resume": None})
                 self.say("changed on resume (written to config.json): " +
                          ", ".join(f"{k} {a} -> {b}" for k, a, b in changed))
         self.say(f"resuming {self.out} from step {step}")

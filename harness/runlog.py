@@ -18,7 +18,7 @@ import subprocess
 import sys
 from datetime import datetime, timezone
 
-from harness.checkpoint import UserError, appending, replacing, write_json
+from harness.files import UserError, appending, replacing, write_json
 
 TEXT_CHARS = 2000
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository

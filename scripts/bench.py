@@ -36,7 +36,7 @@ import torch
 
 import rollout
 from harness import staticcache
-from harness.checkpoint import UserError
+from harness.files import UserError
 from harness.config import check_values
 
 # prepare.sh (../shared/device/README.md) copies the 7B config and tokenizer into the checkout here.

@@ -2,7 +2,7 @@
 import pytest
 
 from scripts import bench
-from harness.checkpoint import UserError
+from harness.files import UserError
 import tiny
 
 

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from harness import checkpoint
+from harness import checkpoint, files
 from harness import config
 import evaluate
 import toy
@@ -53,8 +53,8 @@ def one_line(capsys):
 
 def snapshot(folder):
     out = {}
-    for d, _, files in os.walk(folder):
-        for n in files:
+    for d, _, names in os.walk(folder):
+        for n in names:
             with open(os.path.join(d, n), "rb") as f:
                 out[os.path.relpath(os.path.join(d, n), folder)] = f.read()
     return out
@@ -114,7 +114,7 @@ def test_trust_remote_code_is_never_taken_from_a_saved_config(run_copy, tmp_path
 @contextmanager
 def lock_holder(folder):
     """Another live process holding FOLDER's lock."""
-    code = "import sys, time\nfrom harness import checkpoint\nwith checkpoint.locked(sys.argv[1]):\n    print('held', flush=True)\n    time.sleep(300)\n"
+    code = "import sys, time\nfrom harness import files\nwith files.locked(sys.argv[1]):\n    print('held', flush=True)\n    time.sleep(300)\n"
     p = subprocess.Popen([sys.executable, "-c", code, folder], cwd=ROOT, env=ENV, stdout=subprocess.PIPE)
     try:
         assert p.stdout.readline().strip() == b"held"
@@ -148,12 +148,12 @@ def test_second_writer_on_a_run_folder_exits_2_and_changes_nothing(run_copy, cap
 
 
 def test_stale_run_lock_is_taken_over(run_copy, capsys):
-    with open(os.path.join(run_copy, checkpoint.LOCK), "w") as f:
+    with open(os.path.join(run_copy, files.LOCK), "w") as f:
         json.dump(dict(pid=dead_pid(), host="h", since="x"), f)
     train.main(["--resume", run_copy, "--steps", "3"])
     assert "taking over the stale lock of pid" in capsys.readouterr().err
     assert [r["step"] for r in metric_rows(run_copy) if not r.get("eval")] == [1, 2, 3]
-    assert not os.path.exists(os.path.join(run_copy, checkpoint.LOCK))   # released at the end
+    assert not os.path.exists(os.path.join(run_copy, files.LOCK))   # released at the end
 
 
 def test_second_writer_on_an_eval_folder_exits_2_and_stale_lock_is_taken_over(tmp_path, capsys):
@@ -167,7 +167,7 @@ def test_second_writer_on_an_eval_folder_exits_2_and_stale_lock_is_taken_over(tm
         assert e.value.code == 2
         err = one_line(capsys)
         assert f"in use by pid {holder.pid}" in err and snapshot(out) == before
-    with open(os.path.join(out, checkpoint.LOCK), "w") as f:
+    with open(os.path.join(out, files.LOCK), "w") as f:
         json.dump(dict(pid=dead_pid(), host="h", since="x"), f)
     with open(os.path.join(out, "samples.jsonl"), "a") as f:
         f.write('{"model": "toy", "bench')   # a kill in the middle of a row
@@ -371,7 +371,7 @@ def test_ctrl_c_keeps_the_last_checkpoint_and_prints_the_resume_command(tmp_path
     assert f"continue with: python train.py --resume {run}" in last
     ckpts = checkpoint.checkpoints(run)
     assert ckpts and all(checkpoint.missing(c, resume=True) == [] for c in ckpts)
-    assert not os.path.exists(os.path.join(run, checkpoint.LOCK))
+    assert not os.path.exists(os.path.join(run, files.LOCK))
     n = checkpoint.step_of(ckpts[-1]) + 1
     r = train_py("--resume", run, "--steps", str(n))
     assert r.returncode == 0, r.stderr[-2000:]
@@ -409,7 +409,7 @@ def test_ctrl_c_in_evaluate_exits_130_and_the_same_command_resumes(tmp_path):
     err = proc.communicate(timeout=120)[1]
     assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
     assert err.strip().splitlines()[-1].startswith("interrupted: the samples so far are kept")
-    assert not os.path.exists(os.path.join(out, checkpoint.LOCK))
+    assert not os.path.exists(os.path.join(out, files.LOCK))
     subprocess.run(cmd, env=ENV, cwd=ROOT, check=True, capture_output=True)
     rows = evaluate.read_samples(samples)
     assert sorted((r["question"], r["sample"]) for r in rows) == [(q, j) for q in range(60) for j in range(2)]

@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from harness import checkpoint
+from harness import checkpoint, files
 import evaluate
 from evaluation import report
 import train
@@ -96,7 +96,7 @@ def test_resume_writes_nothing_through_links_planted_at_temporary_names(run_copy
 
 
 def test_a_lock_that_is_a_link_is_refused_and_its_target_untouched(run_copy, tmp_path, capsys):
-    os.symlink(victim(tmp_path / "v.txt"), os.path.join(run_copy, checkpoint.LOCK))
+    os.symlink(victim(tmp_path / "v.txt"), os.path.join(run_copy, files.LOCK))
     with pytest.raises(SystemExit) as e:
         train.main(["--resume", run_copy, "--steps", "3"])
     err = one_line(capsys)
@@ -104,7 +104,7 @@ def test_a_lock_that_is_a_link_is_refused_and_its_target_untouched(run_copy, tmp
     assert read(tmp_path / "v.txt") == "precious\n"
     out = tmp_path / "eval"
     os.makedirs(out)
-    os.symlink(tmp_path / "v.txt", out / checkpoint.LOCK)
+    os.symlink(tmp_path / "v.txt", out / files.LOCK)
     with pytest.raises(SystemExit) as e:
         evaluate.main(["--model", "toy", "--out", str(out), *EVAL_SMALL, "--confidence", "logits"])
     assert "lock is a symbolic link" in str(e.value.code) and read(tmp_path / "v.txt") == "precious\n"
@@ -146,7 +146,7 @@ def test_a_full_disk_while_plotting_keeps_the_old_png(tmp_path):
     path = str(tmp_path / "reliability.png")
     report.plot_reliability(rel, "t", path)
     old = open(path, "rb").read()
-    with file_size_limit(len(old) // 4), pytest.raises(checkpoint.UserError, match="cannot write .*reliability.png"):
+    with file_size_limit(len(old) // 4), pytest.raises(files.UserError, match="cannot write .*reliability.png"):
         report.plot_reliability(rel, "t2", path)
     assert open(path, "rb").read() == old and os.listdir(tmp_path) == ["reliability.png"]
 
@@ -160,7 +160,7 @@ def test_a_checkpoint_pruned_while_loading_is_said_plainly(run_copy, monkeypatch
         shutil.rmtree(path)
         return load(path, **kw)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", pruned_first)
-    with pytest.raises(checkpoint.UserError, match=f"its checkpoint {ckpt(run_copy, 2)} was removed while loading"):
+    with pytest.raises(files.UserError, match=f"its checkpoint {ckpt(run_copy, 2)} was removed while loading"):
         checkpoint.load_model(run_copy)
 
 

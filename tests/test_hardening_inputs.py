@@ -19,7 +19,7 @@ import evaluate
 import probe as probe_lib
 import toy
 import train
-from harness.checkpoint import UserError
+from harness.files import UserError
 from tests import tiny
 
 SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "24", "--eval-n", "0",

@@ -15,7 +15,7 @@ from scripts import bench
 import reproduce
 from harness import runlog
 import train
-from harness.checkpoint import UserError
+from harness.files import UserError
 from test_reproduce import EVAL, TRAIN, _load, _mtimes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -3,7 +3,7 @@ import torch.nn.functional as F
 import pytest
 
 import probe as P
-from harness.checkpoint import UserError
+from harness.files import UserError
 
 
 def separable(m=128, d=16, seed=0):

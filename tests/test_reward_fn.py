@@ -12,7 +12,7 @@ import modes
 import tiny
 import train
 from harness import config, rewardfn
-from harness.checkpoint import UserError
+from harness.files import UserError
 from rollout import Samples
 
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "reward_fn.py")
