@@ -100,6 +100,11 @@ def test_forced_answers_are_judged_by_the_function(monkeypatch):
     assert ys == [[(1.0 + 0.5 + 0.0) / 3, None]]   # "17" 1, "16" 0.5, "x" skipped, "17" unclosed: 0
     assert seen == [("17", 0), ("16", 0), ("x", 0)] + [("x", 0)] * 4
     assert label.labelled([[1, 2]], ys) == ([[1]], [[0.5]])
+    # with features (one row per cut), the dropped cut's row goes with it
+    feats = [torch.tensor([[1.0, 2.0], [3.0, 4.0]])]
+    cuts, labels, kept = label.labelled([[1, 2]], ys, feats)
+    assert (cuts, labels) == ([[1]], [[0.5]]) and kept[0].tolist() == [[1.0, 2.0]]
+    assert label.grid(kept).tolist() == [[[1.0, 2.0]]] and label.cut_mask([[1], []]).tolist() == [[True], [False]]
 
 
 def test_two_steps_with_the_function(tmp_path):
