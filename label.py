@@ -317,5 +317,5 @@ def _reader(readers, trajs, head, prompts, distinct, states, device):
     at = torch.tensor([trajs.index(src) for _, _, src in readers], device=device)
     cuts = grid([bs for _, bs, _ in readers]).long()
     plens = [len(prompts[src]) for _, _, src in readers]
-    return lambda h: split_prefix_features(tail, h[at], [h.shape[1] - head[src] for _, _, src in readers],
-                                           cuts, plens)
+    return lambda h: split_prefix_features(tail, h, [h.shape[1] - head[src] for _, _, src in readers],
+                                           cuts, plens, rows=at)

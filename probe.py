@@ -71,24 +71,26 @@ def last_layer(model, fn):
         handle.remove()
 
 
-def split_prefix_features(tail, segment, start, cuts, prompt_lens, last_k=LAST_K):
+def split_prefix_features(tail, segment, start, cuts, prompt_lens, last_k=LAST_K, rows=None):
     """prefix_features for prefixes prompt + response[:b] whose hidden states were computed in two
     pieces, the prompt and then the response on top of its cache (label.py's forced-answer prefill).
 
-    tail [R, last_k - 1, d]: each row's last last_k - 1 prompt positions (right-aligned: a prompt
-    of P tokens fills only its last P of them); segment [R, W, d]: response position t of row r at
-    column start[r] + t; cuts [R, B] long response cuts b (0 = none); prompt_lens [R]. Returns
-    [R, B, d] float32, prefix_features(hidden of prompt + response, P + b): the mean over response
-    positions t = b - last_k .. b - 1 that exist (t < 0 reads the prompt), 0 where b = 0.
+    For R prefix rows: tail [R, last_k - 1, d], each row's last last_k - 1 prompt positions
+    (right-aligned: a prompt of P tokens fills only its last P of them); segment [S, W, d], row r's
+    response position t at segment[rows[r], start[r] + t] (rows default 0 .. R - 1; several rows
+    may read one segment row); cuts [R, B] long response cuts b (0 = none); prompt_lens [R].
+    Returns [R, B, d] float32, prefix_features(hidden of prompt + response, P + b): the mean over
+    response positions t = b - last_k .. b - 1 that exist (t < 0 reads the prompt), 0 where b = 0.
     """
-    R, W, _ = segment.shape
-    dev = segment.device
+    W, dev = segment.shape[1], segment.device
     cuts, start, prompt_lens = (torch.as_tensor(x, device=dev) for x in (cuts, start, prompt_lens))
+    R = len(cuts)
+    rows = torch.arange(R, device=dev) if rows is None else torch.as_tensor(rows, device=dev)
     t = cuts.unsqueeze(-1) - last_k + torch.arange(last_k, device=dev)               # [R, B, k]
-    rows = torch.arange(R, device=dev).view(R, 1, 1)
-    x = segment[rows, (start.view(R, 1, 1) + t).clamp(0, W - 1)]                     # [R, B, k, d]
+    x = segment[rows.view(R, 1, 1), (start.view(R, 1, 1) + t).clamp(0, W - 1)]       # [R, B, k, d]
     if last_k > 1:
-        x = torch.where((t >= 0).unsqueeze(-1), x, tail[rows, (last_k - 1 + t).clamp(0, last_k - 2)])
+        own = torch.arange(R, device=dev).view(R, 1, 1)
+        x = torch.where((t >= 0).unsqueeze(-1), x, tail[own, (last_k - 1 + t).clamp(0, last_k - 2)])
     use = ((cuts > 0).unsqueeze(-1) & (t + prompt_lens.view(R, 1, 1) >= 0)).float().unsqueeze(-1)
     return (x.float() * use).sum(2) / use.sum(2).clamp(min=1)
 
