@@ -6,10 +6,9 @@
     python reproduce.py --methods grpo,rlcm --seeds 0    # a part of it
 
 How long (2 CPU cores, --jobs 2): the main table is 16 trainings of 45 steps and 19 evaluations of
-3 x 2000 samples. Measured on a busy machine (one job per core): a training 333 s, an evaluation
-376 s (the post-hoc probe's fit about 4 min of it, each benchmark about 1 min), so about 100 min; on
-a quiet one, scaled from the one-benchmark table's 1216 s, about 35 min (not yet measured). The
-ablations add 9 trainings and evaluations; a rerun with nothing left to do takes seconds.
+3 x 2000 samples, the ablations 9 more of each. Measured on a fresh clone (2026-12-01): both tables
+2013 s, a training 55-82 s, an evaluation 28-114 s (the post-hoc probe's fit most of it; RLCR's and
+C2GSPG's, which need none, the short ones); a rerun with nothing left to do takes seconds.
 
 Seeds: GRPO and RLCM 0-4 (the headline pair: their paired difference RLCM - GRPO per seed, same seed,
 base and data order, with a 95 % t interval over seeds), the others 0-2; --seeds sets one list for all.
