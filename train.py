@@ -10,9 +10,9 @@
     python train.py --plot runs/toy                        # redraw runs/toy/curves.png
 
 One step (step.py; docs/design.md, "One RL step"): rollout -> grade -> budgets -> forced answers
-(Monte-Carlo labels Y_b) -> scoring forward (old log-probs + probe features) -> probe fit on this
-batch -> probe confidences C_b -> margin -> R = r_nat + lam * margin -> group advantages -> one
-clipped policy-gradient step. This file runs the steps: setup, held-out checks, checkpoints, logs, resume.
+(Monte-Carlo labels Y_b, and from their prefill the probe features h_b) -> probe fit on this batch
+-> probe confidences C_b -> margin -> R = r_nat + lam * margin -> group advantages -> one clipped
+policy-gradient step. This file runs the steps: setup, held-out checks, checkpoints, logs, resume.
 
 Kept from GRPO: group-normalised advantages, the clipped ratio, token-mean aggregation.
 Dropped: the KL penalty (kl_coef 0, as released) and several PPO epochs (one update per batch, so

@@ -1,9 +1,9 @@
 """--lora-rank R: the policy trains a LoRA adapter (peft) on its frozen base instead of every weight.
 
 The adapter is injected into the Hugging Face model itself (`add_adapter` keeps peft's inner model,
-not its PeftModel wrapper), so everything downstream (the rollout, the scoring forward that feeds the
-probe, FSDP2's per-layer units) runs on an ordinary model whose linear layers are adapted; sampling
-uses the adapters unmerged. Only the adapter's parameters require gradients, so only they get
+not its PeftModel wrapper), so everything downstream (the rollout, the forced answers' prefill that
+feeds the probe, FSDP2's per-layer units) runs on an ordinary model whose linear layers are adapted;
+sampling uses the adapters unmerged. Only the adapter's parameters require gradients, so only they get
 gradients and AdamW state. A checkpoint holds the adapter in peft's own format
 (adapter_config.json + adapter_model.safetensors, loadable with `PeftModel.from_pretrained` on the
 base named in its config) beside the tokenizer, probe.pt and state.pt.
