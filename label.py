@@ -178,7 +178,7 @@ def mc_labels(model, tokenizer, prompts, responses, budget_lists, golds, k=4, te
             j = where[i][max(range(len(bs)), key=bs.__getitem__)]
             src, last = cuts[j][0], max(bs)
             same = list(prompts[src]) == list(prompts[i]) and list(responses[src][:last]) == list(responses[i][:last])
-            reads[j].append((i, list(bs), src if same and len(responses[src]) >= last else i))
+            reads[j].append((i, list(bs), src if same else i))
     if not cuts:
         return (where, [torch.zeros(0, model.config.hidden_size) for _ in where]) if features else where
     # 2. K answers to each: texts[j*k:(j+1)*k] for forced prompt j.
