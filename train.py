@@ -90,8 +90,8 @@ def run(cfg):
         print0("--steps 0: nothing to train; nothing was loaded or written")
         return
     device = setup(cfg["offload"])
-    if device.type == "cpu" and cfg["model"] == "toy":
-        torch.set_num_threads(1)  # the toy's ops are too small to gain from threads; they only contend
+    if device.type == "cpu":   # what runs on a CPU here (the toy, a small local model) is too small
+        torch.set_num_threads(1)  # to gain from threads: they only contend (a step 10x slower)
     folder = RunFolder(cfg, say=print0)  # the lock, and the checkpoint to resume from
     if folder.done:
         return

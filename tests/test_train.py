@@ -225,3 +225,25 @@ def test_every_step_row_has_the_sampler_gap_and_the_rollout_entropy(tmp_path):
     for r in steps:
         assert r["sampler_gap"] < 1e-5 and r["sampler_kl_k3"] < 1e-8 and abs(r["sampler_ratio_max"] - 1) < 1e-4
         assert 0 < r["entropy"] < math.log(len(AutoTokenizer.from_pretrained(toy.base_model())))
+
+
+def test_a_local_model_folder_on_cpu_runs_on_one_thread_like_the_toy(tmp_path, monkeypatch):
+    # A model folder (here the toy's own, by path) used to keep torch's threads on a CPU: a step of
+    # the toy's size then ran about 10x slower unless OMP_NUM_THREADS=1 was set by hand.
+    import toy
+
+    class Loaded(Exception):
+        pass
+
+    def stop(*a, **k):
+        raise Loaded
+    monkeypatch.setattr(train, "RunFolder", stop)   # stop right after the device and threads are set
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with pytest.raises(Loaded):
+            train.main(["--model", toy.base_model(), "--data", "toy", "--eval-data", "toy", "--grader", "math",
+                        "--instruction=", "--max-prompt-tokens", "0", "--steps", "1", "--out", str(tmp_path / "run")])
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
