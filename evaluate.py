@@ -57,6 +57,7 @@ TOY = dict(n=4, max_new_tokens=128, every=8, forced_k=4, probe_questions=80, pro
            posthoc_budgets=16, rows=256, score_batch=256)
 GRADER = "math"   # evaluation grades with grade.is_correct: normaliser + math-verify
 TOY_SOURCES = [f"{name}:test" for name in data.TOY_BENCHMARKS]   # the post-hoc probe fits on toy train
+TOY_FITS = ("toy", "toy-pooled")   # --probe-data for the toy world (toy_fit_rows)
 # Allowed flag values (config.check_values): checked before any model, data or folder is touched.
 LIMITS = {key: (lambda v: v >= 1, ">= 1") for key in (
     "limit", "n_samples", "max_new_tokens", "batch_size", "threads", "every", "forced_k", "probe_questions")}
@@ -254,10 +255,11 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
     # the first 80 of the training set); problems of any benchmark being evaluated are skipped.
     toy_only = all(source in TOY_SOURCES for *_, source in loaded)
     src = args.probe_data or ("toy" if toy_only else "deepscaler")
-    w = TOY if src == "toy" else REAL
-    s = settings("toy" if src == "toy" else src, args)
-    if src == "toy":
-        pool, instruction = data.load_rows("toy", split="train"), toy.INSTRUCTION
+    is_toy = src in TOY_FITS
+    w = TOY if is_toy else REAL
+    s = settings("toy" if is_toy else src, args)
+    if is_toy:
+        pool, instruction = toy_fit_rows(src), toy.INSTRUCTION
     else:
         pool, instruction = data.load_rows(src, lcb_release=args.lcb_release), data.instruction_for(src)
     instruction = instruction if prompt[0] is None else prompt[0]
@@ -269,7 +271,7 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
     protocol = dict(n=args.probe_samples or w["probe_samples"], max_new_tokens=s["max_new_tokens"],
                     temperature=args.temperature, top_p=args.top_p, every=s["every"],
                     count=args.posthoc_budgets or w["posthoc_budgets"], k=s["forced_k"], suffix=s["suffix"],
-                    close=args.forced_close, stop=[], copy_natural=True, lead="" if src == "toy" else confidence.EVAL_LEAD,
+                    close=args.forced_close, stop=[], copy_natural=True, lead="" if is_toy else confidence.EVAL_LEAD,
                     gate=s["gate"], epochs=100, patience=30, batch=64,
                     val_frac=0.2, seed=42, **({"grader": "code"} if s.get("grader") == "code" else {}))
     print(f"post-hoc probe for {label}: {len(rows)} {src} questions ...", file=sys.stderr)
@@ -277,6 +279,17 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
         os.path.join(out_dir, f"posthoc_probe_{label}_{digest(model_id(path), 8)}".replace("/", "_")), model, tok,
         rows, instruction, close_id, protocol, batch_size=s["score_batch"], rows=s["rows"], system=prompt[1])
     return prb, dict(report, data=src)
+
+
+def toy_fit_rows(src):
+    """The post-hoc probe's toy fit questions: `toy`, RL's distribution alone (the released protocol
+    fits on the training set), or `toy-pooled`, the train splits of every toy benchmark taken in
+    turn, so the fit sees each benchmark's base rate and ECE measures what the state says about
+    correctness rather than the gap between the fit set's accuracy and a benchmark's."""
+    if src == "toy":
+        return data.load_rows("toy", split="train")
+    splits = [data.load_rows(name, split="train") for name in data.TOY_BENCHMARKS]
+    return [row for turn in zip(*splits) for row in turn]
 
 
 def run_fractions(path):
@@ -371,7 +384,7 @@ def parse_args(argv=None):
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--batch-size", type=int, help="questions per generation call (default 64 sequences; toy 256)")
     g.add_argument("--decode", choices=("static", "dynamic"), help="KV cache for decoding (default: static on CUDA)")
-    g.add_argument("--threads", type=int, help="CPU threads (default: torch's; 1 for the toy world on CPU)")
+    g.add_argument("--threads", type=int, help="CPU threads (default: 1 on a machine without a GPU, else torch's)")
     g = p.add_argument_group("confidence")
     g.add_argument("--confidence", choices=confidence.SOURCES,
                    help="default probe-posthoc (the paper's probe rows); probe: the run's own probe.pt, read "
@@ -385,7 +398,8 @@ def parse_args(argv=None):
     g.add_argument("--forced-k", type=int, help="forced answers per budget for post-hoc labels (16; toy 4) and "
                                                 "re-answers of verbal-forced (released: 4 on aime/amc, else 1; toy 4)")
     g.add_argument("--forced-close", choices=("think", "eos"), default="think")
-    g.add_argument("--probe-data", help="questions for the post-hoc probe (default: toy train split / deepscaler)")
+    g.add_argument("--probe-data", help="questions for the post-hoc probe (default: toy train split / deepscaler; "
+                   "toy-pooled: the train splits of every toy benchmark in turn, a fit matched to them all)")
     g.add_argument("--probe-questions", type=int, help="how many (default 80, as released)")
     g.add_argument("--probe-samples", type=int, help="rollouts per post-hoc question (default 8, as released)")
     g.add_argument("--no-early-exit", action="store_true", help="skip the forced answers at exit checkpoints")
@@ -431,9 +445,10 @@ def main(argv=None):
     names = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
     check_flags(names, args)
     threads = torch.get_num_threads()
-    # The toy model's matmuls are too small to gain from threads, and on a busy CPU threads that
-    # wait for each other make generation 10x slower: one thread unless --threads says otherwise.
-    if args.threads or (not torch.cuda.is_available() and all(n in data.TOY_BENCHMARKS for n in names)):
+    # What runs on a CPU here (the toy, a small local model) is too small to gain from threads, and
+    # on a busy CPU threads that wait for each other make generation 10x slower: one thread on a
+    # CPU unless --threads says otherwise.
+    if args.threads or not torch.cuda.is_available():
         torch.set_num_threads(args.threads or 1)
     try:
         for name in args.model:   # a missing model is a model error, not a benchmark's

@@ -398,7 +398,8 @@ def protocol_line(p, report):
             f"({report['val_problems']} problems, {val_share:.1%}); up to {p['epochs']} epochs, patience "
             f"{p['patience']}, ReduceLROnPlateau(0.5, 5), batch {p['batch']}; grid winner lr {report['lr']} "
             f"dropout {report['dropout']} wd {report['weight_decay']} after {report['epochs']} epochs (best "
-            f"{report['best_epoch']}); val BCE {report['val_bce']:.4f} vs base rate {report['base_bce']:.4f}")
+            f"{report['best_epoch']}); val BCE {report['val_bce']:.4f} vs {report['base_bce']:.4f} for a constant, which "
+            f"also ignores whether a prefix is past the end of thinking (there the label is the natural grade)")
 
 
 def read_cache(path):

@@ -247,7 +247,7 @@ def test_posthoc_probe_beats_the_base_rate_and_early_exit_keeps_its_bound(toy_di
     assert rep["epochs"] <= 100 and rep["best_epoch"] <= rep["epochs"] and len(rep["grid"]) == 12
     assert 0 < rep["natural_copied"] <= rep["past_end"] < rep["examples"]
     soft, rounded = rep["base_bce"] - rep["val_bce"], rep["base_bce_rounded"] - rep["val_bce_rounded"]
-    print(f"\npost-hoc probe on {rep['n_val']} validation prefixes: BCE {rep['val_bce']:.4f} vs base rate "
+    print(f"\npost-hoc probe on {rep['n_val']} validation prefixes: BCE {rep['val_bce']:.4f} vs a constant "
           f"{rep['base_bce']:.4f} (gain {soft:.4f}); against rounded labels (the early-stopping loss) "
           f"{rep['val_bce_rounded']:.4f} vs {rep['base_bce_rounded']:.4f} (gain {rounded:.4f})")
     assert rounded > 0.03 and soft > 0.01
@@ -288,3 +288,18 @@ def test_an_rlcr_run_is_prompted_and_graded_in_its_answer_tags(toy_dir, tmp_path
                            "--confidence", "verbal", "--limit", "4", "--n-samples", "1", "--answer", "box",
                            "--threads", "1"])
     assert again["rlcrrun/step_000010"]["benchmarks"]["toy"]["acc"] == 0.0
+
+
+def test_the_pooled_toy_fit_takes_every_toy_benchmarks_train_split_in_turn(toy_dir, tmp_path):
+    # --probe-data toy-pooled: the matched fit, on every toy benchmark's train split, so the post-hoc
+    # confidence is not fixed at RL's distribution's accuracy (docs/toy-world.md).
+    splits = {name: data.load_rows(name, split="train") for name in data.TOY_BENCHMARKS}
+    rows = evaluate.toy_fit_rows("toy-pooled")
+    assert rows[:6] == [splits[name][i] for i in (0, 1) for name in data.TOY_BENCHMARKS]
+    assert len(rows) == 3 * toy.N_TRAIN and evaluate.toy_fit_rows("toy") == splits["toy"]
+    res = evaluate.main(["--model", toy_dir, "--benchmarks", "toy-sub", *FAST, "--out", str(tmp_path),
+                         "--probe-data", "toy-pooled", "--probe-questions", "6", "--probe-samples", "2",
+                         "--posthoc-budgets", "2"])
+    rep = res["toy_base"]["posthoc_probe"]
+    assert rep["data"] == "toy-pooled" and rep["protocol"]["questions"] == 6
+    assert rep["n_train"] + rep["n_val"] == 6 * 2 * 2
