@@ -106,6 +106,15 @@ BENCHMARKS = {"toy": (TERMS, "+"), "toy-long": ((6, 7), "+"), "toy-sub": (TERMS,
 WARM = dict(seed=0, steps=1000, batch_size=32, lr=2e-3, beta2=0.95, warmup=50, weight_decay=0.1,
             threads=1, p_slip=0.3, p_forced=0.3, w_forced=1.0, p_eos_close=0.25, p_rlcr=0.2,
             mix=(0.6, 0.2, 0.2))  # share of warm-start problems from each benchmark's train split
+# The legible world (docs/toy-world.md), built next to the default one until its premises hold
+# (scripts/premises.py): a slip is likelier where a step carries or borrows (difficulty the model
+# can see), a wrong line is often flagged with "?" after its total (a slip the model noticed; the
+# trace goes on from the written total, so a flag never changes the answer), and every line also
+# writes what is left to add ("15+2=17|0"), so a forced answer is one addition from the last line.
+LEGIBLE = dict(WARM, steps=3000, p_forced=0.5, p_slip=0.12, p_slip_carry=0.45, p_flag_wrong=0.6,
+               p_flag_right=0.05, left=True,
+               benchmarks={"toy": ((4, 6), "+"), "toy-long": ((7, 8), "+"), "toy-sub": ((4, 6), "+-")})
+WORLDS = {"sum": dict(WARM, benchmarks=BENCHMARKS), "legible": LEGIBLE}
 CONFIDENCES = [f"0.{d}" for d in range(1, 10)]  # the warm start's verbal confidence: any, at random
 
 
@@ -136,17 +145,19 @@ def _is_test(problem):
     return int(hashlib.sha256(problem.encode()).hexdigest(), 16) % 10 == 0
 
 
-def dataset(split, name="toy"):
+def dataset(split, name="toy", world="sum"):
     """Deterministic rows dict(problem="3+5+7+2", answer="17") of one of BENCHMARKS; train and test
     are disjoint because a hash of the problem text picks its split (a tenth of all problems are
     test). Under "+-" each term after the first is subtracted with probability 1/2 where the running
     total stays >= 0, and a problem subtracts at least once ("9-3+5-2"). `toy` keeps the rows it had before the other benchmarks existed."""
     if split not in ("train", "test"):
         raise ValueError(f"toy split must be 'train' or 'test', got {split!r}")
-    if name not in BENCHMARKS:
-        raise ValueError(f"unknown toy benchmark {name!r}; known: {', '.join(BENCHMARKS)}")
-    (lo, hi), signs = BENCHMARKS[name]
-    rng = random.Random(f"toy-{split}" if name == "toy" else f"{name}-{split}")
+    benchmarks = WORLDS[world]["benchmarks"]
+    if name not in benchmarks:
+        raise ValueError(f"unknown toy benchmark {name!r}; known: {', '.join(benchmarks)}")
+    (lo, hi), signs = benchmarks[name]
+    seed = f"toy-{split}" if name == "toy" else f"{name}-{split}"
+    rng = random.Random(seed if world == "sum" else f"{world}-{seed}")
     n, seen = (N_TEST if split == "test" else N_TRAIN), {}
     while len(seen) < n:
         terms = [rng.randint(1, 9) for _ in range(rng.randint(lo, hi))]
@@ -180,6 +191,29 @@ def trace(terms, rng, p_slip=0.0):
     return lines, totals
 
 
+def carries(total, term):
+    """Whether adding `term` to `total` crosses a multiple of ten (a carry, or a borrow for a
+    subtracted term): 8+7 and 12-5 do, 3+5 and 17-5 do not."""
+    return (total + term) // 10 != total // 10
+
+
+def legible_trace(terms, rng, world):
+    """The legible world's thinking lines: like trace, but a step that carries or borrows slips
+    with p_slip_carry and the others with p_slip; a wrong total is flagged with "?" with
+    p_flag_wrong, a right one with p_flag_right; each line ends with what is left to add:
+    [3, 5, 7, 2] -> "3+5=8|9\n", "8+7=15|2\n", "15+2=17|0\n" (or "8+7=14?|2\n" for a noticed slip)."""
+    totals, lines = [terms[0]], []
+    for i, term in enumerate(terms[1:], 1):
+        s = totals[-1] + term
+        wrong = rng.random() < world["p_slip_carry" if carries(totals[-1], term) else "p_slip"]
+        if wrong:
+            s = max(0, s + rng.choice((-2, -1, 1, 2)))
+        flag = "?" if rng.random() < world["p_flag_wrong" if s != totals[-1] + term else "p_flag_right"] else ""
+        lines.append(f"{totals[-1]}{term:+d}={s}{flag}|{sum(terms[i + 1:])}\n")
+        totals.append(s)
+    return lines, totals
+
+
 def implied_answer(terms, lines, totals, b):
     """The answer a prefix of b response tokens implies: the last running total on a complete
     line plus the terms not yet added (one token per character in the thinking lines).
@@ -206,14 +240,14 @@ def rlcr_tail(total, rng):
             f"<confidence>{rng.choice(CONFIDENCES)}</confidence>")
 
 
-def example(tok, problem, rng, forced):
+def example(tok, problem, rng, forced, world=WARM):
     """One warm-start sequence: (ids, loss_mask), loss on response tokens only.
     Plain: prompt + trace + </think>\\boxed{total}EOS; with probability p_rlcr the prompt carries
     RLCR_INSTRUCTION and `\\boxed{total}` is replaced by rlcr_tail.  Forced: prompt + response[:b] + CLOSE +
     SUFFIX + implied}\\n where implied = last complete running total + terms not yet added."""
     terms = terms_of(problem)
-    lines, totals = trace(terms, rng, WARM["p_slip"])
-    rlcr = not forced and rng.random() < WARM["p_rlcr"]
+    lines, totals = (legible_trace(terms, rng, world) if world.get("left") else trace(terms, rng, world["p_slip"]))
+    rlcr = not forced and rng.random() < world["p_rlcr"]
     content = problem + (RLCR_INSTRUCTION if rlcr else INSTRUCTION)
     prompt = tok.apply_chat_template([{"role": "user", "content": content}],
                                      add_generation_prompt=True, tokenize=False)
@@ -224,39 +258,40 @@ def example(tok, problem, rng, forced):
         return prompt + response, [0] * len(prompt) + [1] * len(response)
     b = rng.randint(1, len(response))
     implied = implied_answer(terms, lines, totals, b)
-    close = (tok.eos_token_id if rng.random() < WARM["p_eos_close"]
+    close = (tok.eos_token_id if rng.random() < world["p_eos_close"]
              else tok.convert_tokens_to_ids("</think>"))
     # A cut ending on the close token gets a second one here, as label.forced_prompt built them when
     # toy_base was made; it no longer does (released), and the labels still carry signal (tests/test_toy.py).
     head = prompt + response[:b] + [close] + tok.encode(SUFFIX, add_special_tokens=False)
     answer = tok.encode(f"{implied}}}\n", add_special_tokens=False)
     mask = ([0] * len(prompt) + [1] * b + [0] * (len(head) - len(prompt) - b)
-            + [WARM["w_forced"]] * len(answer))
+            + [world["w_forced"]] * len(answer))
     return head + answer, mask
 
 
-def warm_start(out, log=print):
+def warm_start(out, log=print, world="sum"):
     """Supervised warm start (AdamW, linear warm-up then cosine), saved to `out` in float32.
     Deterministic: fixed seeds and a fixed thread count (float sums depend on the split)."""
+    name, world = world, WORLDS[world]
     threads = torch.get_num_threads()
-    torch.set_num_threads(WARM["threads"])
+    torch.set_num_threads(world["threads"])
     try:
         tok = tokenizer()
-        model = build_model(tok, WARM["seed"])
-        rng = random.Random(WARM["seed"])
-        pools = [[row["problem"] for row in dataset("train", name)] for name in BENCHMARKS]
+        model = build_model(tok, world["seed"])
+        rng = random.Random(world["seed"])
+        pools = [[row["problem"] for row in dataset("train", b, name)] for b in world["benchmarks"]]
         # beta2 0.95: at 2e-3 / 0.999 an earlier warm start stalled at a few percent accuracy;
         # weight decay keeps the policy smooth enough for the RL steps (module docstring).
-        opt = torch.optim.AdamW(model.parameters(), lr=WARM["lr"], betas=(0.9, WARM["beta2"]),
-                                weight_decay=WARM["weight_decay"])
-        steps, t0 = WARM["steps"], time.time()
+        opt = torch.optim.AdamW(model.parameters(), lr=world["lr"], betas=(0.9, world["beta2"]),
+                                weight_decay=world["weight_decay"])
+        steps, t0 = world["steps"], time.time()
         for step in range(steps):
-            lr = (WARM["lr"] * min(1.0, (step + 1) / WARM["warmup"])
+            lr = (world["lr"] * min(1.0, (step + 1) / world["warmup"])
                   * 0.5 * (1 + math.cos(math.pi * step / steps)))
             for group in opt.param_groups:
                 group["lr"] = lr
-            batch = [example(tok, rng.choice(rng.choices(pools, WARM["mix"])[0]), rng,
-                             rng.random() < WARM["p_forced"]) for _ in range(WARM["batch_size"])]
+            batch = [example(tok, rng.choice(rng.choices(pools, world["mix"])[0]), rng,
+                             rng.random() < world["p_forced"], world) for _ in range(world["batch_size"])]
             width = max(len(ids) for ids, _ in batch)
             ids = torch.tensor([i + [tok.pad_token_id] * (width - len(i)) for i, _ in batch])
             mask = torch.tensor([m + [0] * (width - len(m)) for _, m in batch], dtype=torch.float32)
@@ -281,7 +316,7 @@ def warm_start(out, log=print):
     return out
 
 
-def base_model(path=None, rebuild=False):
+def base_model(path=None, rebuild=False, world="sum"):
     """Directory of the warm-started base policy (default: the committed toy_base/), trained if
     missing or if rebuild=True. Written to a temporary sibling, then renamed into place."""
     path = os.path.abspath(path or BASE_DIR)
@@ -291,7 +326,7 @@ def base_model(path=None, rebuild=False):
         tmp, old = tempfile.mkdtemp(prefix=".toy_base.", dir=parent), None
         try:
             os.chmod(tmp, 0o755)
-            warm_start(tmp)
+            warm_start(tmp, world=world)
             if os.path.exists(path):
                 old = tempfile.mkdtemp(prefix=".toy_base.old.", dir=parent)
                 os.rename(path, os.path.join(old, "base"))
@@ -307,5 +342,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Rebuild the toy world's warm-started base policy.")
     parser.add_argument("--out", default=BASE_DIR,
                         help="output directory (default: toy_base/ next to toy.py)")
+    parser.add_argument("--world", default="sum", choices=sorted(WORLDS),
+                        help="sum: today's world (toy_base/); legible: the world of docs/toy-world.md")
     args = parser.parse_args()
-    print(base_model(args.out, rebuild=True))
+    if args.world != "sum" and args.out == BASE_DIR:
+        parser.error("--world legible needs its own --out DIR (toy_base/ is the default world's)")
+    print(base_model(args.out, rebuild=True, world=args.world))

@@ -146,7 +146,7 @@ def test_trace_and_implied_answers():
 def test_base_model_builds_atomically_once(tmp_path, monkeypatch):
     calls = []
 
-    def fake_warm_start(out, log=print):
+    def fake_warm_start(out, log=print, world="sum"):
         calls.append(out)
         open(os.path.join(out, "model.safetensors"), "w").close()
 

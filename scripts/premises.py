@@ -1,0 +1,269 @@
+"""Can RLCM's mechanism act in a toy world at all? Its premises, measured before any comparison.
+
+    python -m scripts.premises --model DIR --world legible            # (i) and (ii) on a warm start
+    python -m scripts.premises --model DIR --world legible --run RUN  # and (iii) from RL runs' logs
+
+(docs/toy-world.md says why each premise matters.) Each line prints the measured number beside its
+threshold and PASS or FAIL:
+
+(i)   errors the policy can know about: a teacher-forced linear probe on the last layer's state
+      right after each line's written total finds a wrong total (AUROC >= 0.9, held out by
+      problem); a probe on the end-of-thinking state (the post-hoc probe's feature) predicts final
+      correctness within each benchmark at AUROC >= 0.65, better than surface features (terms,
+      response and thinking length, lines). Samples at the evaluation's temperature 0.6.
+(ii)  forced answers that track whether the path is still right: on RL's distribution at the
+      training temperature 0.8, mean Y_b (label.mc_labels, K=4) >= 0.8 at the cuts (25/50/75 %)
+      before any visible error, for every cut, and <= 0.1 after a wrong total.
+(iii) room for the margin: in RLCM runs (`--run`, their metrics.jsonl), the share of trajectories
+      with a margin signal >= 0.25 and the calibration term's share of |advantage| >= 0.15, with
+      the held-out accuracy kept (final >= first).
+
+Probes are logistic regressions on standardised features (L2 picked on a grouped validation
+split), fitted and scored on disjoint problems, averaged over 3 random splits.
+"""
+import argparse
+import json
+import os
+import random
+import re
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import data
+import label
+import metrics
+import toy
+from evaluation.confidence import features, think_end
+from grade import is_correct
+from rollout import generate
+
+LINE = re.compile(r"^(\d+)([+-]\d+)=(\d+)(\??)(?:\|(\d+))?$")
+
+
+def parse(problem, text):
+    """Complete thinking lines of `text` checked against `problem`: a list of (error, flagged), where
+    error is None for a right line, "total" for a wrong total (or a line that does not follow the
+    written trace) and "left" for a right total with a wrong `|left` count."""
+    terms, out = toy.terms_of(problem), []
+    body = text.split("</think>")[0]
+    prev = terms[0]
+    for i, line in enumerate(body.split("\n")[:-1]):   # the last piece is not a complete line
+        m = LINE.match(line)
+        if not m or i + 1 >= len(terms) or int(m[1]) != prev or int(m[2]) != terms[i + 1]:
+            out.append(("total", False))
+            break
+        total, left = int(m[3]), m[5]
+        error = "total" if total != prev + terms[i + 1] else None
+        if error is None and left is not None and int(left) != sum(terms[i + 2:]):
+            error = "left"
+        out.append((error, m[4] == "?"))
+        prev = total
+    return out
+
+
+def logistic(x_tr, y_tr, x_te, groups_tr, seed):
+    """Probabilities on x_te from an L2 logistic regression on standardised x_tr, the L2 weight
+    picked on a 25 % grouped validation split of the training problems."""
+    mu, sd = x_tr.mean(0), x_tr.std(0) + 1e-6
+    x_tr, x_te = (x_tr - mu) / sd, (x_te - mu) / sd
+
+    def fit(x, y, l2):
+        w = torch.zeros(x.shape[1] + 1, requires_grad=True)
+        opt = torch.optim.LBFGS([w], max_iter=200, line_search_fn="strong_wolfe")
+        xb = torch.cat([x, torch.ones(len(x), 1)], 1)
+
+        def closure():
+            opt.zero_grad()
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(xb @ w, y) + l2 * (w[:-1] ** 2).sum()
+            loss.backward()
+            return loss
+        opt.step(closure)
+        return lambda z: torch.sigmoid(torch.cat([z, torch.ones(len(z), 1)], 1) @ w).detach()
+
+    uniq = sorted(set(groups_tr))
+    val = set(random.Random(seed).sample(uniq, max(1, len(uniq) // 4)))
+    va = torch.tensor([g in val for g in groups_tr])
+    best = min((1e-3, 1e-2, 1e-1), key=lambda l2: _bce(fit(x_tr[~va], y_tr[~va], l2)(x_tr[va]), y_tr[va]))
+    return fit(x_tr, y_tr, best)(x_te)
+
+
+def _bce(p, y):
+    return torch.nn.functional.binary_cross_entropy(p.clamp(1e-6, 1 - 1e-6), y).item()
+
+
+def held_out_auroc(x, y, groups, keep=None, splits=3):
+    """Mean AUROC over `splits` random 70/30 splits by group (problem); keep: a mask of the test
+    rows scored (all by default). None where a test part holds one class only."""
+    x, y = x.float(), torch.tensor(y, dtype=torch.float32)
+    uniq, out = sorted(set(groups)), []
+    for s in range(splits):
+        test = set(random.Random(s).sample(uniq, int(0.3 * len(uniq))))
+        te = torch.tensor([g in test for g in groups])
+        if keep is not None:
+            te_keep = te & torch.tensor(keep)
+        else:
+            te_keep = te
+        tr = ~te
+        if y[tr].min() == y[tr].max() or y[te_keep].min() == y[te_keep].max():
+            continue
+        p = logistic(x[tr], y[tr], x[te_keep], [g for g, t in zip(groups, tr.tolist()) if t], s)
+        out.append(metrics.auroc(p.tolist(), y[te_keep].bool().tolist()))
+    return sum(out) / len(out) if out else None
+
+
+def prompts_of(tok, rows):
+    return [data.chat_prompt(tok, r["problem"], "") for r in rows]
+
+
+def line_end_probe(model, tok, world, n, seed=0):
+    """(i) Teacher-forced traces with the world's slips: the last layer's (final-normed) state at the
+    last digit of each line's total, probed for "this total is wrong"."""
+    rng, w = random.Random(seed), toy.WORLDS[world]
+    rows = toy.dataset("train", "toy", world)
+    xs, ys, groups = [], [], []
+    for q in range(n):
+        problem = rng.choice(rows)["problem"]
+        terms = toy.terms_of(problem)
+        lines, totals = (toy.legible_trace(terms, rng, w) if w.get("left") else toy.trace(terms, rng, w["p_slip"]))
+        prompt = data.chat_prompt(tok, problem, "")
+        ids = prompt + tok.encode("".join(lines), add_special_tokens=False)
+        with torch.no_grad():
+            hidden = model.model(input_ids=torch.tensor([ids])).last_hidden_state[0]
+        at = len(prompt)
+        for i, line in enumerate(lines):
+            head = f"{totals[i]}{terms[i + 1]:+d}={totals[i + 1]}"
+            xs.append(hidden[at + len(head) - 1])
+            ys.append(float(totals[i + 1] != totals[i] + terms[i + 1]))
+            groups.append(q)
+            at += len(line)
+    return held_out_auroc(torch.stack(xs), ys, groups), sum(ys) / len(ys)
+
+
+def end_of_thinking(model, tok, world, n, samples, seed=0):
+    """(i) Per benchmark: accuracy, AUROC of the end-of-thinking probe, of surface features, and
+    of the probe on trajectories with no flag written (fitted on all); the sampled rates of a flag
+    after a wrong and after a right line (the mechanism's readout)."""
+    close = tok.convert_tokens_to_ids("</think>")
+    out = {}
+    for name in toy.WORLDS[world]["benchmarks"]:
+        rows = toy.dataset("test", name, world)[:n]
+        s = generate(model, tok, prompts_of(tok, rows), n=samples, max_new_tokens=160, temperature=0.6,
+                     seed=seed, batch_size=64)
+        prompts = [data.chat_prompt(tok, rows[i]["problem"], "") for i in s.prompt_index]
+        ends = [think_end(r, close) for r in s.ids]
+        feats = torch.stack([f[0] for f in features(model, prompts, s.ids, [[e] for e in ends],
+                                                    tok.pad_token_id, final_norm=True, batch_size=64)])
+        correct = [float(is_correct(t, rows[i]["answer"])) for t, i in zip(s.texts, s.prompt_index)]
+        surface = torch.tensor([[len(toy.terms_of(rows[i]["problem"])), len(r), e, t.count("\n")]
+                                for r, e, t, i in zip(s.ids, ends, s.texts, s.prompt_index)], dtype=torch.float32)
+        unflagged = ["?" not in t.split("</think>")[0] for t in s.texts]
+        lines = [line for t, i in zip(s.texts, s.prompt_index) for line in parse(rows[i]["problem"], t)]
+        wrong, right = [f for e, f in lines if e == "total"], [f for e, f in lines if e is None]
+        out[name] = dict(accuracy=sum(correct) / len(correct),
+                         flag_wrong=sum(wrong) / max(len(wrong), 1), flag_right=sum(right) / max(len(right), 1),
+                         probe=held_out_auroc(feats, correct, s.prompt_index),
+                         surface=held_out_auroc(surface, correct, s.prompt_index),
+                         probe_unflagged=held_out_auroc(feats, correct, s.prompt_index, keep=unflagged),
+                         flagged=1 - sum(unflagged) / len(unflagged))
+    return out
+
+
+def forced_labels(model, tok, world, n, samples, seed=0):
+    """(ii) Mean Y_b at cuts with no visible error before them (per cut: 25/50/75 %), after a wrong
+    total, and after a wrong `left` only; the share of trajectories with a Y=1 and a Y=0 cut."""
+    rows = toy.dataset("train", "toy", world)[:n]
+    s = generate(model, tok, prompts_of(tok, rows), n=samples, max_new_tokens=160, temperature=0.8,
+                 seed=seed, batch_size=64)
+    prompts = [data.chat_prompt(tok, rows[i]["problem"], "") for i in s.prompt_index]
+    cuts = [label.budgets(len(r)) for r in s.ids]
+    golds = [rows[i]["answer"] for i in s.prompt_index]
+    ys = label.mc_labels(model, tok, prompts, s.ids, cuts, golds, k=4, temperature=0.8, seed=seed)
+    clean, slipped, left_only, both = [[], [], []], [], [], 0
+    for r, bs, y, i in zip(s.ids, cuts, ys, s.prompt_index):
+        both += any(v == 1 for v in y) and any(v == 0 for v in y)
+        for j, (b, v) in enumerate(zip(bs, y)):
+            errors = [e for e, _ in parse(rows[i]["problem"], tok.decode(r[:b], skip_special_tokens=True))]
+            if "total" in errors:
+                slipped.append(v)
+            elif "left" in errors:
+                left_only.append(v)
+            else:
+                clean[min(j, 2)].append(v)
+    mean = lambda v: sum(v) / len(v) if v else None
+    return dict(clean=[mean(c) for c in clean], clean_n=[len(c) for c in clean], slipped=mean(slipped),
+                slipped_n=len(slipped), left_only=mean(left_only), left_only_n=len(left_only),
+                signal=both / len(s.ids))
+
+
+def run_stats(run):
+    """(iii) From a run's metrics.jsonl: mean signal share and calibration share of |advantage| over
+    its steps, and the first and last held-out accuracy."""
+    rows = [json.loads(line) for line in open(os.path.join(run, "metrics.jsonl"))]
+    steps = [r for r in rows if not r.get("eval")]
+    evals = [r["eval_accuracy"] for r in rows if r.get("eval")]
+    mean = lambda key: sum(r.get(key, 0.0) for r in steps) / max(len(steps), 1)
+    return dict(signal=mean("signal_frac"), calib_share=mean("calib_adv_share"),
+                acc_first=evals[0] if evals else None, acc_last=evals[-1] if evals else None)
+
+
+def verdict(name, value, op, threshold):
+    ok = value is not None and (value >= threshold if op == ">=" else value <= threshold)
+    shown = "n/a" if value is None else f"{value:.3f}"
+    print(f"{name:<72} {shown:>6}  {op} {threshold:<5} {'PASS' if ok else 'FAIL'}")
+    return ok
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="warm-started model folder (default: the committed toy_base/)")
+    p.add_argument("--world", default="sum", choices=sorted(toy.WORLDS))
+    p.add_argument("--run", action="append", default=[], help="an RLCM run folder for (iii); repeat for several")
+    p.add_argument("--n", type=int, default=300, help="questions per benchmark (i) and of RL's distribution (ii)")
+    p.add_argument("--json", help="also write every number to this file")
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)   # as the toy world runs (train.py): small matrices, one core is fastest
+    torch.manual_seed(0)
+    path = args.model or toy.base_model()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    out, ok = {}, []
+    with torch.no_grad():
+        out["line_end"], wrong = line_end_probe(model, tok, args.world, 2 * args.n)
+    ok.append(verdict(f"(i)   line-end probe finds a wrong total (teacher-forced, {wrong:.0%} wrong)",
+                      out["line_end"], ">=", 0.9))
+    out["end"] = end_of_thinking(model, tok, args.world, args.n, 4)
+    for name, r in out["end"].items():
+        ok.append(verdict(f"(i)   {name}: end-of-thinking probe AUROC (acc {r['accuracy']:.3f}, "
+                          f"surface {r['surface'] or 0:.3f})", r["probe"], ">=", 0.65))
+        ok.append(verdict(f"(i)   {name}: end-of-thinking probe - surface features",
+                          None if r["probe"] is None or r["surface"] is None else r["probe"] - r["surface"],
+                          ">=", 0.0))
+        print(f"      {name}: P(flag | wrong line) {r['flag_wrong']:.3f}, P(flag | right line) {r['flag_right']:.3f}; "
+              f"{r['flagged']:.3f} of samples flag a line; probe AUROC on the others "
+              f"{r['probe_unflagged'] if r['probe_unflagged'] is not None else float('nan'):.3f}")
+    out["labels"] = lab = forced_labels(model, tok, args.world, args.n, 8)
+    for j, (v, n) in enumerate(zip(lab["clean"], lab["clean_n"])):
+        ok.append(verdict(f"(ii)  mean Y_b before any error, cut {j + 1} of 3 ({n} cuts)", v, ">=", 0.8))
+    ok.append(verdict(f"(ii)  mean Y_b after a wrong total ({lab['slipped_n']} cuts)", lab["slipped"], "<=", 0.1))
+    print(f"      after a wrong left count only: {lab['left_only']} ({lab['left_only_n']} cuts); "
+          f"trajectories with a Y=1 and a Y=0 cut at T 0.8: {lab['signal']:.3f}")
+    out["runs"] = {}
+    for run in args.run:
+        r = out["runs"][run] = run_stats(run)
+        ok.append(verdict(f"(iii) {os.path.basename(run.rstrip('/'))}: signal share", r["signal"], ">=", 0.25))
+        ok.append(verdict(f"(iii) {os.path.basename(run.rstrip('/'))}: calibration share of |advantage|",
+                          r["calib_share"], ">=", 0.15))
+        ok.append(verdict(f"(iii) {os.path.basename(run.rstrip('/'))}: held-out accuracy last - first",
+                          None if r["acc_last"] is None else r["acc_last"] - r["acc_first"], ">=", 0.0))
+    if not args.run:
+        print("(iii) not measured: pass --run RUN (an RLCM run on this world)")
+    print(f"premises: {sum(ok)} of {len(ok)} hold")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0 if all(ok) and args.run else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,60 @@
+"""The legible toy world (docs/toy-world.md): slips where a step carries, noticed slips flagged with
+`?`, what is left to add on every line; and scripts/premises.py's reading of such lines."""
+import random
+
+import toy
+from scripts import premises
+
+W = toy.LEGIBLE
+
+
+def test_a_clean_legible_trace_writes_total_and_what_is_left():
+    clean = dict(W, p_slip=0.0, p_slip_carry=0.0, p_flag_right=0.0)
+    lines, totals = toy.legible_trace([3, 5, 7, 2], random.Random(0), clean)
+    assert lines == ["3+5=8|9\n", "8+7=15|2\n", "15+2=17|0\n"] and totals == [3, 8, 15, 17]
+    lines, _ = toy.legible_trace([9, -6, 7], random.Random(0), clean)
+    assert lines == ["9-6=3|7\n", "3+7=10|0\n"]
+
+
+def test_carries_and_borrows_cross_a_multiple_of_ten():
+    assert toy.carries(8, 7) and toy.carries(12, -5) and toy.carries(5, 5)
+    assert not toy.carries(3, 5) and not toy.carries(17, -5) and not toy.carries(10, -0)
+
+
+def test_slips_follow_carries_and_flags_follow_slips_at_the_world_rates():
+    rng, n = random.Random(1), {}
+    for _ in range(4000):
+        terms = [rng.randint(1, 9) for _ in range(5)]
+        lines, totals = toy.legible_trace(terms, rng, W)
+        for i, line in enumerate(lines):
+            wrong = totals[i + 1] != totals[i] + terms[i + 1]
+            key = ("carry" if toy.carries(totals[i], terms[i + 1]) else "plain", wrong)
+            n.setdefault(key, []).append("?|" in line)
+            assert line.endswith(f"|{sum(terms[i + 2:])}\n")   # what is left never slips
+    rate = lambda kind: len(n[(kind, True)]) / (len(n[(kind, True)]) + len(n[(kind, False)]))
+    assert abs(rate("carry") - W["p_slip_carry"]) < 0.02 and abs(rate("plain") - W["p_slip"]) < 0.02
+    flags = lambda wrong: [f for (kind, w), fs in n.items() if w == wrong for f in fs]
+    assert abs(sum(flags(True)) / len(flags(True)) - W["p_flag_wrong"]) < 0.03
+    assert abs(sum(flags(False)) / len(flags(False)) - W["p_flag_right"]) < 0.01
+
+
+def test_a_forced_answer_is_the_last_total_plus_what_is_left():
+    terms, lines, totals = [3, 5, 7, 2], ["3+5=8|9\n", "8+7=14?|2\n", "14+2=16|0\n"], [3, 8, 14, 16]
+    cuts = {3: 17, 8: 17, 17: 17, 18: 14 + 2, 30: 16}
+    assert {b: toy.implied_answer(terms, lines, totals, b) for b in cuts} == cuts
+
+
+def test_the_legible_benchmarks_are_their_own_and_harder():
+    for name, ((lo, hi), _) in W["benchmarks"].items():
+        rows = toy.dataset("test", name, "legible")
+        sizes = {len(toy.terms_of(r["problem"])) for r in rows}
+        assert min(sizes) == lo and max(sizes) == hi and len(rows) == toy.N_TEST
+    assert toy.dataset("train", "toy", "legible")[:3] != toy.dataset("train", "toy")[:3]
+
+
+def test_premises_read_right_wrong_and_miscounted_lines():
+    text = "3+5=8|9\n8+7=14?|2\n14+2=16|0\n16"
+    assert premises.parse("3+5+7+2", text) == [(None, False), ("total", True), (None, False)]
+    assert premises.parse("3+5+7+2", "3+5=8|8\n") == [("left", False)]
+    assert premises.parse("3+5+7+2", "3+5=8|9\n9+7=16|2\n") == [(None, False), ("total", False)]
+    assert premises.parse("3+5+7", "3+5=8\n8+7=15\n</think>\\boxed{15}") == [(None, False), (None, False)]
