@@ -220,20 +220,24 @@ def main(argv=None):
     p.add_argument("--world", default="sum", choices=sorted(toy.WORLDS))
     p.add_argument("--run", action="append", default=[], help="an RLCM run folder for (iii); repeat for several")
     p.add_argument("--n", type=int, default=300, help="questions per benchmark (i) and of RL's distribution (ii)")
+    p.add_argument("--parts", default="i,ii,iii", help="which premises to measure (default: i,ii,iii)")
     p.add_argument("--json", help="also write every number to this file")
     args = p.parse_args(argv)
     torch.set_num_threads(1)   # as the toy world runs (train.py): small matrices, one core is fastest
     torch.manual_seed(0)
+    parts = set(args.parts.split(","))
     path = args.model or toy.base_model()
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    tok = AutoTokenizer.from_pretrained(path)
+    if parts - {"iii"}:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        tok = AutoTokenizer.from_pretrained(path)
     out, ok = {}, []
-    with torch.no_grad():
-        out["line_end"], wrong = line_end_probe(model, tok, args.world, 2 * args.n)
-    ok.append(verdict(f"(i)   line-end probe finds a wrong total (teacher-forced, {wrong:.0%} wrong)",
-                      out["line_end"], ">=", 0.9))
-    out["end"] = end_of_thinking(model, tok, args.world, args.n, 4)
-    for name, r in out["end"].items():
+    if "i" in parts:
+        with torch.no_grad():
+            out["line_end"], wrong = line_end_probe(model, tok, args.world, 2 * args.n)
+        ok.append(verdict(f"(i)   line-end probe finds a wrong total (teacher-forced, {wrong:.0%} wrong)",
+                          out["line_end"], ">=", 0.9))
+        out["end"] = end_of_thinking(model, tok, args.world, args.n, 4)
+    for name, r in out.get("end", {}).items():
         ok.append(verdict(f"(i)   {name}: end-of-thinking probe AUROC (acc {r['accuracy']:.3f}, "
                           f"surface {r['surface'] or 0:.3f})", r["probe"], ">=", 0.65))
         ok.append(verdict(f"(i)   {name}: end-of-thinking probe - surface features",
@@ -242,12 +246,14 @@ def main(argv=None):
         print(f"      {name}: P(flag | wrong line) {r['flag_wrong']:.3f}, P(flag | right line) {r['flag_right']:.3f}; "
               f"{r['flagged']:.3f} of samples flag a line; probe AUROC on the others "
               f"{r['probe_unflagged'] if r['probe_unflagged'] is not None else float('nan'):.3f}")
-    out["labels"] = lab = forced_labels(model, tok, args.world, args.n, 8)
-    for j, (v, n) in enumerate(zip(lab["clean"], lab["clean_n"])):
-        ok.append(verdict(f"(ii)  mean Y_b before any error, cut {j + 1} of 3 ({n} cuts)", v, ">=", 0.8))
-    ok.append(verdict(f"(ii)  mean Y_b after a wrong total ({lab['slipped_n']} cuts)", lab["slipped"], "<=", 0.1))
-    print(f"      after a wrong left count only: {lab['left_only']} ({lab['left_only_n']} cuts); "
-          f"trajectories with a Y=1 and a Y=0 cut at T 0.8: {lab['signal']:.3f}")
+    if "ii" in parts:
+        out["labels"] = lab = forced_labels(model, tok, args.world, args.n, 8)
+        for j, (v, n) in enumerate(zip(lab["clean"], lab["clean_n"])):
+            ok.append(verdict(f"(ii)  mean Y_b before any error, cut {j + 1} of 3 ({n} cuts)", v, ">=", 0.8))
+        ok.append(verdict(f"(ii)  mean Y_b after a wrong total ({lab['slipped_n']} cuts)", lab["slipped"], "<=", 0.1))
+        left = "n/a" if lab["left_only"] is None else f"{lab['left_only']:.3f}"
+        print(f"      after a wrong left count only: {left} ({lab['left_only_n']} cuts); "
+              f"trajectories with a Y=1 and a Y=0 cut at T 0.8: {lab['signal']:.3f}")
     out["runs"] = {}
     for run in args.run:
         r = out["runs"][run] = run_stats(run)
@@ -256,13 +262,13 @@ def main(argv=None):
                           r["calib_share"], ">=", 0.15))
         ok.append(verdict(f"(iii) {os.path.basename(run.rstrip('/'))}: held-out accuracy last - first",
                           None if r["acc_last"] is None else r["acc_last"] - r["acc_first"], ">=", 0.0))
-    if not args.run:
+    if not args.run and "iii" in parts:
         print("(iii) not measured: pass --run RUN (an RLCM run on this world)")
     print(f"premises: {sum(ok)} of {len(ok)} hold")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
-    return 0 if all(ok) and args.run else 1
+    return 0 if all(ok) and ("iii" not in parts or args.run) else 1
 
 
 if __name__ == "__main__":

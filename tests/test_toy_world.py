@@ -58,3 +58,21 @@ def test_premises_read_right_wrong_and_miscounted_lines():
     assert premises.parse("3+5+7+2", "3+5=8|8\n") == [("left", False)]
     assert premises.parse("3+5+7+2", "3+5=8|9\n9+7=16|2\n") == [(None, False), ("total", False)]
     assert premises.parse("3+5+7", "3+5=8\n8+7=15\n</think>\\boxed{15}") == [(None, False), (None, False)]
+
+
+def test_premise_iii_reads_each_runs_log_against_its_thresholds(tmp_path, capsys):
+    import json
+
+    def run(name, calib, last_acc):
+        folder = tmp_path / name
+        folder.mkdir()
+        rows = [dict(step=0, eval=True, eval_accuracy=0.5), dict(step=1, signal_frac=0.2, calib_adv_share=calib),
+                dict(step=2, signal_frac=0.4, calib_adv_share=calib), dict(step=2, eval=True, eval_accuracy=last_acc)]
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(folder)
+    assert premises.main(["--parts", "iii", "--run", run("held", 0.2, 0.7)]) == 0
+    out = capsys.readouterr().out
+    assert "held: signal share" in out and " 0.300  >= 0.25  PASS" in out and "premises: 3 of 3 hold" in out
+    assert premises.main(["--parts", "iii", "--run", run("weak", 0.1, 0.4)]) == 1
+    out = capsys.readouterr().out
+    assert " 0.100  >= 0.15  FAIL" in out and "-0.100  >= 0.0   FAIL" in out and "premises: 1 of 3 hold" in out
