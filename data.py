@@ -59,7 +59,8 @@ BENCHMARKS = {
 }
 
 
-# Out-of-distribution benchmarks: evaluate.py reports them in their own block, apart from math's Overall.
+# Out-of-distribution benchmarks: evaluate.py reports them in their own block; the paper's Overall
+# is the mean over all benchmarks evaluated, with the math and OOD means beside it.
 OOD = ("lcb", "gpqa", "logiqa")
 # LiveCodeBench's releases as contest months (first, last), from its README: release_vN holds every
 # problem up to vN's last month; "v4_v5" (--lcb-release) is v4's first month to v5's last, the window

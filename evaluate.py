@@ -16,8 +16,9 @@ for a run or checkpoint, else eval_out/<model>): samples.jsonl (appended per bat
 evaluation resumes where it stopped; a row counts only for its model's resolved path, its benchmark's
 file and question, and the settings it was made with: sample_key), results.json (a model per label;
 another model with the same label is filed as label@HASH), reliability_<model>_<benchmark>.png. Metrics are
-computed per benchmark over all samples, pass@k beside accuracy; "Overall" is the unweighted mean over the
-math benchmarks, and the OOD benchmarks (lcb, gpqa, logiqa) have a block and mean of their own. results.json
+computed per benchmark over all samples, pass@k beside accuracy; "Overall" is the paper's, the unweighted
+mean over every benchmark evaluated; with OOD benchmarks (lcb, gpqa, logiqa) in the list, they have a block
+of their own, and the math and OOD means are printed beside it ("math", "ood" in results.json). results.json
 and the printed table carry, per benchmark, the confidence source, grader and sampling settings.
 """
 import argparse
@@ -128,15 +129,15 @@ def check_prompts(tok, model, loaded, args, run_instruction=None, system=None):
                            say=lambda m: print(m, file=sys.stderr), system=system)
 
 
-def natural_correct(text, answer, gold, form="box", gate="thinking"):
+def natural_correct(text, answer, gold, form="box", gate="thinking", letters=True):
     """The grade of a natural response: its answer (grade.extract) matches the gold and, with
     gate="thinking" (released: natural_eval._evaluate_boxed), its thinking holds a box
     (grade.boxed_in_thinking), so a response that boxes only after `</think>` counts as wrong;
     gate="none" grades the answer alone. An RLCR answer (form="tag") needs its <answer> tag, as
-    released, and no box."""
+    released, and no box. letters: grade.answers_match's (False for GPQA's boxed answers, as released)."""
     if form == "box" and gate == "thinking" and not grade.boxed_in_thinking(text):
         return False
-    return grade.answers_match(answer, gold, GRADER)
+    return grade.answers_match(answer, gold, GRADER, letters=letters)
 
 
 def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, path, system=None,
@@ -179,7 +180,10 @@ def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, con
             right = sandbox.grade_many([grade.code_job(t, g) for t, g in zip(out.texts, golds)])
         else:
             answers = [grade.extract(t, GRADER, form) for t in out.texts]
-            right = [natural_correct(t, a, g, form, s["gate"]) for t, a, g in zip(out.texts, answers, golds)]
+            # GPQA's natural boxed answers are graded as released (no option letter read off them);
+            # its RLCR answers and LogiQA's (the project's own protocol) by their letter
+            letters = form == "tag" or bench != "gpqa"
+            right = [natural_correct(t, a, g, form, s["gate"], letters) for t, a, g in zip(out.texts, answers, golds)]
         with files.appending(path) as f:
             for r, (q, missing) in enumerate((c for c in chunk for _ in range(m))):
                 j, answer = missing[r % m], answers[r]
@@ -337,9 +341,13 @@ def evaluate_model(name, loaded, args):
         title = f"{label} | {bench} | {source}\nacc {b['acc']:.3f}  ECE {b['ece']:.3f}  n {b['n']}"
         plot_reliability(b["reliability"], title,
                          os.path.join(out_dir, f"reliability_{label}_{bench}.png".replace("/", "_")))
+    # The paper's Overall: the mean over every benchmark evaluated (its 8: math, LCB, GPQA, LogiQA);
+    # beside it the means of the math and the OOD benchmarks.
     maths = {b: v for b, v in res["benchmarks"].items() if b not in data.OOD}
     ood = {b: v for b, v in res["benchmarks"].items() if b in data.OOD}
-    res["overall"] = overall(maths)
+    res["overall"] = overall(res["benchmarks"])
+    if maths:
+        res["math"] = overall(maths)
     if ood:
         res["ood"] = overall(ood)
     if report is not None:
