@@ -8,8 +8,8 @@ of the confidence (weighted voting, conformal early exit).
 
 For each model and benchmark: n samples per question (temperature 0.6, top-p 1.0, up to 8000 tokens;
 32 samples on AIME 2024/2025 and AMC 2023, 4 elsewhere; the toy world: 4 samples of at most 128
-tokens), graded by the last \\boxed{} (math grader; a run trained with --reward rlcr: its last <answer>
-tag, `--answer`; LiveCodeBench: the last fenced code block, run against its tests), each with a confidence (evaluation/confidence.py; default: the
+tokens), graded by the last \\boxed{} (math grader; a run trained with --reward rlcr, or any model under
+--mode rlcr, the released reading of RLCR and C2GSPG: its last <answer> tag, `--answer`; LiveCodeBench: the last fenced code block, run against its tests), each with a confidence (evaluation/confidence.py; default: the
 post-hoc probe, fitted once per model with the released protocol and cached in --out; `probe` is the
 run's own probe.pt, read at its last training budget). Written to --out (default RUN/eval
 for a run or checkpoint, else eval_out/<model>): samples.jsonl (appended per batch: an interrupted
@@ -216,8 +216,21 @@ def run_prompt(path, args):
     (None, None, "box"): the benchmark's own instruction."""
     cfg = run_config(path)
     pick = lambda flag, key: flag if flag is not None else cfg.get(key)  # noqa: E731
-    form = args.answer or modes.answer_form(cfg.get("reward"))
+    form = args.answer or ("tag" if args.mode == "rlcr" else modes.answer_form(cfg.get("reward")))
+    if args.mode == "rlcr":   # each benchmark's RLCR prompt (rlcr_prompts), not the run's
+        return args.instruction, pick(args.system_prompt, "system_prompt"), form
     return pick(args.instruction, "instruction"), pick(args.system_prompt, "system_prompt"), form
+
+
+def rlcr_prompts(loaded):
+    """--mode rlcr (the released evaluation's, for RLCR and C2GSPG): every benchmark asks in RLCR's
+    format, data.RLCR_INSTRUCTION (the toy world's: toy.RLCR_INSTRUCTION). LiveCodeBench, whose
+    answer is a program, has no RLCR form in the release: refused."""
+    if any(data.kind(bench) == "code" for bench, *_ in loaded):
+        raise UserError("--mode rlcr: lcb has no RLCR-format evaluation (its answer is a program, none in the "
+                        "release either): evaluate it without --mode rlcr")
+    return [(bench, rows, toy.RLCR_INSTRUCTION if bench in data.TOY_BENCHMARKS else data.RLCR_INSTRUCTION, src)
+            for bench, rows, _, src in loaded]
 
 
 def settings(bench, args):
@@ -406,7 +419,14 @@ def parse_args(argv=None):
     g.add_argument("--answer", choices=("box", "tag"),
                    help="where the answer is read: the last \\boxed{} (default) or the last <answer> tag "
                         "(default for a run trained with --reward rlcr)")
+    g.add_argument("--mode", choices=("boxed", "rlcr"), default="boxed",
+                   help="rlcr: the released evaluation's --mode rlcr, with which it evaluates RLCR and C2GSPG: "
+                        "every benchmark asks in RLCR's format (the RLCR prompt, whatever the run trained with), "
+                        "the answer is the last <answer> tag and the confidence --confidence verbal-forced (the "
+                        "mean <confidence> of forced re-answers) unless --confidence says otherwise")
     args = p.parse_args(argv)
+    if args.mode == "rlcr" and args.confidence is None:
+        args.confidence = "verbal-forced"
     args.argv = ["evaluate.py", *(sys.argv[1:] if argv is None else argv)]  # for results.json provenance
     return args
 
@@ -447,6 +467,7 @@ def main(argv=None):
         for name in args.model:   # a missing model is a model error, not a benchmark's
             checkpoint.check_available(name)
         loaded = load_benchmarks(names, args.limit, args.lcb_release)   # every name checked before any model loads
+        loaded = rlcr_prompts(loaded) if args.mode == "rlcr" else loaded
         results = dict(evaluate_model(name, loaded, args) for name in args.model)
     except files.Busy as e:   # another evaluation writes there: exit 2, its files untouched
         print(f"evaluate.py: error: {e}", file=sys.stderr)
