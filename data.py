@@ -59,7 +59,8 @@ BENCHMARKS = {
 }
 
 
-# Out-of-distribution benchmarks: evaluate.py reports them in their own block, apart from math's Overall.
+# Out-of-distribution benchmarks: evaluate.py reports them in their own block; the paper's Overall
+# is the mean over all benchmarks evaluated, with the math and OOD means beside it.
 OOD = ("lcb", "gpqa", "logiqa")
 # LiveCodeBench's releases as contest months (first, last), from its README: release_vN holds every
 # problem up to vN's last month; "v4_v5" (--lcb-release) is v4's first month to v5's last, the window
@@ -67,7 +68,10 @@ OOD = ("lcb", "gpqa", "logiqa")
 LCB_RELEASES = {"v1": ("2023-05", "2024-03"), "v2": ("2024-04", "2024-05"), "v3": ("2024-06", "2024-07"),
                 "v4": ("2024-08", "2024-09"), "v5": ("2024-10", "2025-01"), "v6": ("2025-02", "2025-04")}
 LCB_RELEASE = "v4_v5"
-# lighteval's lcb:codegeneration prompt (prepare_prompt), the whole user turn: no instruction follows.
+# The LiveCodeBench prompt, the whole user turn (no instruction follows): lighteval's lcb:codegeneration
+# text (prepare_prompt) with lcb_runner's stdin sentence ("Ensure that when the python program runs,
+# ...") added and a newline before each fence. The release's prompt sits in a parquet file (not
+# readable here); this one is the project's (README, difference table).
 LCB_PREAMBLE = ("You will be given a question (problem specification) and will generate a correct Python program "
                 "that matches the specification and passes all tests.\n\n")
 LCB_STARTER = ("You will use the following starter code to write the solution to the problem and enclose your "
@@ -101,7 +105,8 @@ def lcb_window(release):
 
 
 def _lcb_row(r):
-    """(prompt, gold) of a LiveCodeBench row: lighteval's prompt, and the JSON string
+    """(prompt, gold) of a LiveCodeBench row: the LCB_* prompt (lighteval's with lcb_runner's stdin
+    sentence), and the JSON string
     {"tests": public + private tests, "fn_name": the method of class Solution, or null for stdin}
     that grade.is_correct(..., grader="code") runs. Private tests are decoded without running code."""
     from harness.sandbox import decode_private_tests

@@ -8,16 +8,17 @@ of the confidence (weighted voting, conformal early exit).
 
 For each model and benchmark: n samples per question (temperature 0.6, top-p 1.0, up to 8000 tokens;
 32 samples on AIME 2024/2025 and AMC 2023, 4 elsewhere; the toy world: 4 samples of at most 128
-tokens), graded by the last \\boxed{} (math grader; a run trained with --reward rlcr: its last <answer>
-tag, `--answer`; LiveCodeBench: the last fenced code block, run against its tests), each with a confidence (evaluation/confidence.py; default: the
+tokens), graded by the last \\boxed{} (math grader; a run trained with --reward rlcr, or any model under
+--mode rlcr, the released reading of RLCR and C2GSPG: its last <answer> tag, `--answer`; LiveCodeBench: the last fenced code block, run against its tests), each with a confidence (evaluation/confidence.py; default: the
 post-hoc probe, fitted once per model with the released protocol and cached in --out; `probe` is the
 run's own probe.pt, read at its last training budget). Written to --out (default RUN/eval
 for a run or checkpoint, else eval_out/<model>): samples.jsonl (appended per batch: an interrupted
 evaluation resumes where it stopped; a row counts only for its model's resolved path, its benchmark's
 file and question, and the settings it was made with: sample_key), results.json (a model per label;
 another model with the same label is filed as label@HASH), reliability_<model>_<benchmark>.png. Metrics are
-computed per benchmark over all samples, pass@k beside accuracy; "Overall" is the unweighted mean over the
-math benchmarks, and the OOD benchmarks (lcb, gpqa, logiqa) have a block and mean of their own. results.json
+computed per benchmark over all samples, pass@k beside accuracy; "Overall" is the paper's, the unweighted
+mean over every benchmark evaluated; with OOD benchmarks (lcb, gpqa, logiqa) in the list, they have a block
+of their own, and the math and OOD means are printed beside it ("math", "ood" in results.json). results.json
 and the printed table carry, per benchmark, the confidence source, grader and sampling settings.
 """
 import argparse
@@ -129,15 +130,15 @@ def check_prompts(tok, model, loaded, args, run_instruction=None, system=None):
                            say=lambda m: print(m, file=sys.stderr), system=system)
 
 
-def natural_correct(text, answer, gold, form="box", gate="thinking"):
+def natural_correct(text, answer, gold, form="box", gate="thinking", letters=True):
     """The grade of a natural response: its answer (grade.extract) matches the gold and, with
     gate="thinking" (released: natural_eval._evaluate_boxed), its thinking holds a box
     (grade.boxed_in_thinking), so a response that boxes only after `</think>` counts as wrong;
     gate="none" grades the answer alone. An RLCR answer (form="tag") needs its <answer> tag, as
-    released, and no box."""
+    released, and no box. letters: grade.answers_match's (False for GPQA's boxed answers, as released)."""
     if form == "box" and gate == "thinking" and not grade.boxed_in_thinking(text):
         return False
-    return grade.answers_match(answer, gold, GRADER)
+    return grade.answers_match(answer, gold, GRADER, letters=letters)
 
 
 def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, path, system=None,
@@ -180,7 +181,10 @@ def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, con
             right = sandbox.grade_many([grade.code_job(t, g) for t, g in zip(out.texts, golds)])
         else:
             answers = [grade.extract(t, GRADER, form) for t in out.texts]
-            right = [natural_correct(t, a, g, form, s["gate"]) for t, a, g in zip(out.texts, answers, golds)]
+            # GPQA's natural boxed answers are graded as released (no option letter read off them);
+            # its RLCR answers and LogiQA's (the project's own protocol) by their letter
+            letters = form == "tag" or bench != "gpqa"
+            right = [natural_correct(t, a, g, form, s["gate"], letters) for t, a, g in zip(out.texts, answers, golds)]
         with files.appending(path) as f:
             for r, (q, missing) in enumerate((c for c in chunk for _ in range(m))):
                 j, answer = missing[r % m], answers[r]
@@ -213,8 +217,21 @@ def run_prompt(path, args):
     (None, None, "box"): the benchmark's own instruction."""
     cfg = run_config(path)
     pick = lambda flag, key: flag if flag is not None else cfg.get(key)  # noqa: E731
-    form = args.answer or modes.answer_form(cfg.get("reward"))
+    form = args.answer or ("tag" if args.mode == "rlcr" else modes.answer_form(cfg.get("reward")))
+    if args.mode == "rlcr":   # each benchmark's RLCR prompt (rlcr_prompts), not the run's
+        return args.instruction, pick(args.system_prompt, "system_prompt"), form
     return pick(args.instruction, "instruction"), pick(args.system_prompt, "system_prompt"), form
+
+
+def rlcr_prompts(loaded):
+    """--mode rlcr (the released evaluation's, for RLCR and C2GSPG): every benchmark asks in RLCR's
+    format, data.RLCR_INSTRUCTION (the toy world's: toy.RLCR_INSTRUCTION). LiveCodeBench, whose
+    answer is a program, has no RLCR form in the release: refused."""
+    if any(data.kind(bench) == "code" for bench, *_ in loaded):
+        raise UserError("--mode rlcr: lcb has no RLCR-format evaluation (its answer is a program, none in the "
+                        "release either): evaluate it without --mode rlcr")
+    return [(bench, rows, toy.RLCR_INSTRUCTION if bench in data.TOY_BENCHMARKS else data.RLCR_INSTRUCTION, src)
+            for bench, rows, _, src in loaded]
 
 
 def settings(bench, args):
@@ -350,9 +367,13 @@ def evaluate_model(name, loaded, args):
         title = f"{label} | {bench} | {source}\nacc {b['acc']:.3f}  ECE {b['ece']:.3f}  n {b['n']}"
         plot_reliability(b["reliability"], title,
                          os.path.join(out_dir, f"reliability_{label}_{bench}.png".replace("/", "_")))
+    # The paper's Overall: the mean over every benchmark evaluated (its 8: math, LCB, GPQA, LogiQA);
+    # beside it the means of the math and the OOD benchmarks.
     maths = {b: v for b, v in res["benchmarks"].items() if b not in data.OOD}
     ood = {b: v for b, v in res["benchmarks"].items() if b in data.OOD}
-    res["overall"] = overall(maths)
+    res["overall"] = overall(res["benchmarks"])
+    if maths:
+        res["math"] = overall(maths)
     if ood:
         res["ood"] = overall(ood)
     if report is not None:
@@ -412,7 +433,14 @@ def parse_args(argv=None):
     g.add_argument("--answer", choices=("box", "tag"),
                    help="where the answer is read: the last \\boxed{} (default) or the last <answer> tag "
                         "(default for a run trained with --reward rlcr)")
+    g.add_argument("--mode", choices=("boxed", "rlcr"), default="boxed",
+                   help="rlcr: the released evaluation's --mode rlcr, with which it evaluates RLCR and C2GSPG: "
+                        "every benchmark asks in RLCR's format (the RLCR prompt, whatever the run trained with), "
+                        "the answer is the last <answer> tag and the confidence --confidence verbal-forced (the "
+                        "mean <confidence> of forced re-answers) unless --confidence says otherwise")
     args = p.parse_args(argv)
+    if args.mode == "rlcr" and args.confidence is None:
+        args.confidence = "verbal-forced"
     args.argv = ["evaluate.py", *(sys.argv[1:] if argv is None else argv)]  # for results.json provenance
     return args
 
@@ -454,6 +482,7 @@ def main(argv=None):
         for name in args.model:   # a missing model is a model error, not a benchmark's
             checkpoint.check_available(name)
         loaded = load_benchmarks(names, args.limit, args.lcb_release)   # every name checked before any model loads
+        loaded = rlcr_prompts(loaded) if args.mode == "rlcr" else loaded
         results = dict(evaluate_model(name, loaded, args) for name in args.model)
     except files.Busy as e:   # another evaluation writes there: exit 2, its files untouched
         print(f"evaluate.py: error: {e}", file=sys.stderr)

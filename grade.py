@@ -153,9 +153,12 @@ def plain_number(s: str):
     return Fraction(s) if len(s) <= MAX_ANSWER_CHARS and _NUMBER.fullmatch(s) else None
 
 
-def answers_match(pred, gold, grader="math", deadline=None) -> bool:
+def answers_match(pred, gold, grader="math", deadline=None, letters=True) -> bool:
     """Is the extracted answer `pred` the gold answer under `grader` ("strict" or "math")?
-    `deadline` (time.monotonic()) defaults to GRADE_TIMEOUT_S from now."""
+    `deadline` (time.monotonic()) defaults to GRADE_TIMEOUT_S from now. letters: against a gold
+    option letter (A-D), read the letter an answer names (gpqa_choice), as the released evaluation
+    reads its forced and RLCR answers; letters=False grades it like any other answer, as the released
+    natural boxed grading does (`\\boxed{A) 3.5 eV}` against "A": wrong)."""
     if grader not in GRADERS:
         raise ValueError(f"grader must be one of {GRADERS}, got {grader!r}")
     if pred is None or gold is None:
@@ -167,7 +170,7 @@ def answers_match(pred, gold, grader="math", deadline=None) -> bool:
         return bool(pred) and pred == gold
     if grader == "minerva":  # its $...$ pattern is quadratic: only on answers of bounded length
         return minerva_form(pred) == minerva_form(gold)
-    letter = gpqa_choice(pred) if gold in CHOICES else None
+    letter = gpqa_choice(pred) if letters and gold in CHOICES else None
     if letter is not None:  # GPQA as released; an answer naming no option is graded as usual
         return letter == gold
     a, b = _normalize(pred), _normalize(gold)

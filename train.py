@@ -65,6 +65,13 @@ def load_policy(cfg, device, ckpt=None):
     return model.to(device), tok
 
 
+def warmup_factor(s, warmup, from_zero):
+    """The learning rate's factor at update s (0, 1, ...): linear warm-up to 1 over `warmup` updates.
+    from_zero (verl's, the released run): s / warmup, so the first update runs at lr 0; else
+    (s + 1) / warmup. warmup 10: update 0 at 0 or 0.1, update 9 at 0.9 or 1, update 10 at 1; warmup 0: 1."""
+    return 1.0 if s >= warmup else (s + (0 if from_zero else 1)) / warmup
+
+
 def checkpoint_activations(model):
     """Recompute each decoder layer in the backward pass (non-reentrant, works under FSDP2)."""
     kwargs = {"use_reentrant": False}
@@ -124,13 +131,16 @@ def run(cfg):
                        cfg["max_new_tokens"], cfg["data"], say=print0, system=cfg["system_prompt"])
     folder.lock()
     # under --lora-rank only the adapter requires gradients: AdamW holds state for it alone
-    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg["lr"], weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(cfg["warmup"], 1)))
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg["lr"],
+                            weight_decay=cfg["weight_decay"])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_factor(s, cfg["warmup"], cfg["warmup_from_zero"]))
     probe = probe_lib.Probe(model.config.hidden_size, cfg["probe_hidden"])  # None: d // 4, 0: linear
     probe_opt = probe_lib.make_optimizer(probe, lr=cfg["probe_lr"])
     step, cursor = 0, 0
     if ckpt:
         probe, probe_opt, step, cursor = folder.restore(cfg, policy, opt, sched, probe_opt)
+        for g in opt.param_groups:   # the restored state's decay gives way to the config's, like --lr
+            g["weight_decay"] = cfg["weight_decay"]
     else:
         folder.start(cfg)
 

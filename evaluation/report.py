@@ -1,9 +1,10 @@
 """What an evaluation reports: per-benchmark metrics with bootstrap intervals, voting and early
 exit (summarize), reliability diagrams, the printed table and OUT/results.json.
 
-Metrics are computed per benchmark over all samples; "Overall" is the unweighted mean over the
-math benchmarks, and the OOD benchmarks (LiveCodeBench, GPQA, LogiQA: data.OOD) have their own
-block and mean ("ood" in results.json). pass@k is the unbiased estimator, k = 1, 2, 4, ..., n. Each row of the table names the confidence source, grader and sampling settings it was
+Metrics are computed per benchmark over all samples; "Overall" is the paper's: the unweighted mean
+over every benchmark evaluated. The OOD benchmarks (LiveCodeBench, GPQA, LogiQA: data.OOD) have their
+own block; where both kinds are evaluated, the math and OOD means ("math", "ood" in results.json) are
+printed beside the Overall. pass@k is the unbiased estimator, k = 1, 2, 4, ..., n. Each row of the table names the confidence source, grader and sampling settings it was
 measured with, and each metric carries its 95 % interval over questions (`0.543 +- 0.012`).
 """
 import json
@@ -81,8 +82,10 @@ def overall(benches):
 
 def table(results):
     """Markdown: one block per model, one row per benchmark with its pass@k, each with the confidence
-    source, grader and sampling settings it was measured with: the math benchmarks and their
-    Overall, then the OOD benchmarks (data.OOD) and their mean in a block of their own."""
+    source, grader and sampling settings it was measured with: the math benchmarks, then the OOD
+    benchmarks (data.OOD) in a block of their own, and the paper's Overall (the mean over all of them).
+    Where both kinds are evaluated, the math and OOD means close their blocks and stand again beside
+    the Overall in a last block."""
     lines = []
     for label, res in results.items():
         head = ["| benchmark | n | Acc | pass@k | " + " | ".join(c for c, _ in COLUMNS[1:]) + " | " +
@@ -90,13 +93,20 @@ def table(results):
         benches = res["benchmarks"]
         maths = [(name, b) for name, b in benches.items() if name not in data.OOD]
         ood = [(name, b) for name, b in benches.items() if name in data.OOD]
+        total = ("Overall", dict(res["overall"], n=""))
         lines += ["", f"### {label}  (confidence: {res['confidence']})"]
-        if maths or not ood:
-            lines += ["", *head] + [_row(name, b, res) for name, b in maths + [("Overall", dict(res["overall"], n=""))]]
+        if maths:
+            last = ("Math mean", dict(res["math"], n="")) if ood else total
+            lines += ["", *head] + [_row(name, b, res) for name, b in maths + [last]]
         if ood:
             release = res.get("settings", {}).get("lcb", {}).get("release")
+            last = ("OOD mean", dict(res["ood"], n="")) if maths else total
             lines += ["", "OOD" + (f" (lcb: LiveCodeBench {release})" if release else ""), "", *head]
-            lines += [_row(name, b, res) for name, b in ood + [("OOD overall", dict(res["ood"], n=""))]]
+            lines += [_row(name, b, res) for name, b in ood + [last]]
+        if maths and ood:   # the paper's Overall, with the two means beside it
+            lines += ["", f"Overall (the paper's): the mean over all {len(benches)} benchmarks", "", *head]
+            lines += [_row(name, dict(m, n=""), res) for name, m in
+                      (("Math mean", res["math"]), ("OOD mean", res["ood"]), ("Overall", res["overall"]))]
     return "\n".join(lines)
 
 

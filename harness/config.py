@@ -19,13 +19,16 @@ from harness.files import UserError
 # Defaults that depend on the world: the toy sizes for 2 CPU cores, the real ones from the released
 # run script (docs/design.md, "Defaults").
 TOY = dict(data="toy", eval_data="toy", steps=45, prompts_per_step=16, group_size=8, lr=1e-4,
-           warmup=3, max_new_tokens=48, eval_n=500, eval_every=10, save_every=10, grad_ckpt=False,
+           warmup=3, warmup_from_zero=False, weight_decay=0.0, max_new_tokens=48, eval_n=500, eval_every=10, save_every=10, grad_ckpt=False,
            micro_tokens=8192, gen_batch=256, grader="math",
            instruction="")  # toy problems are complete user messages
-# The released run script: 32 prompts x 6 samples, 8000 new tokens, prompts over 600 tokens dropped.
+# The released run script: 32 prompts x 6 samples, 8000 new tokens, prompts over 600 tokens dropped,
+# a checkpoint every 40 steps (save_freq=40: the paper's steps 560 and 600); its actor's AdamW keeps
+# verl's weight decay 0.01 and verl's warm-up, whose first update runs at lr 0 (lr x step / 10 from
+# step 0). The toy keeps its own (no decay, the first update at lr / warmup): its README numbers.
 REAL = dict(data="deepscaler", eval_data="math500", steps=600, prompts_per_step=32, group_size=6,
-            lr=1e-6, warmup=10, max_new_tokens=8000, max_prompt_tokens=600, eval_n=100, eval_every=50,
-            save_every=50, grad_ckpt=True, micro_tokens=16384, instruction=data.INSTRUCTION,
+            lr=1e-6, warmup=10, warmup_from_zero=True, weight_decay=0.01, max_new_tokens=8000,
+            max_prompt_tokens=600, eval_n=100, eval_every=50, save_every=40, grad_ckpt=True, micro_tokens=16384, instruction=data.INSTRUCTION,
             grader="strict",  # the released training reward
             gen_batch=8)  # 8 prompts x 6 = 48 rows x 8k tokens: ~22 GB of KV cache for the 7B
 COMMON = dict(model="toy", problem_field=None, answer_field=None, trust_remote_code=False,
@@ -88,6 +91,7 @@ LIMITS = {
     "probe_hidden": (lambda v: v >= 0, ">= 0 (0: the linear probe)"),
     "lr": (lambda v: v > 0, "> 0"),
     "warmup": (lambda v: v >= 0, ">= 0"),
+    "weight_decay": (lambda v: v >= 0, ">= 0"),
     "grad_clip": (lambda v: v > 0, "> 0"),
     "clip_low": (lambda v: 0 <= v < 1, "in [0, 1)"),
     "clip_high": (lambda v: v >= 0, ">= 0"),
@@ -251,7 +255,14 @@ def build_parser():
     g = p.add_argument_group("optimisation")
     g.add_argument("--lr", type=float, help=f"policy learning rate (toy {TOY['lr']}, real models {REAL['lr']}; "
                    f"{LORA_LR_FACTOR}x that under --lora-rank)")
-    g.add_argument("--warmup", type=int)
+    g.add_argument("--warmup", type=int, help="warm-up updates: the learning rate rises linearly to --lr")
+    g.add_argument("--warmup-from-zero", action=argparse.BooleanOptionalAction,
+                   help="the first update runs at lr 0, then lr x s / warmup (verl's warm-up, the released "
+                        "run; default for real models); --no-warmup-from-zero: lr x (s + 1) / warmup, the "
+                        "first update at lr / warmup (the toy's default)")
+    g.add_argument("--weight-decay", type=float,
+                   help="the policy's AdamW weight decay (real models 0.01: verl's default, which the released "
+                        "run keeps; toy 0)")
     g.add_argument("--grad-clip", type=float)
     g.add_argument("--clip-low", type=float)
     g.add_argument("--clip-high", type=float)

@@ -31,7 +31,9 @@ def real_model(tmp_path_factory):
 
 RELEASED = dict(prompts_per_step=32, group_size=6, max_new_tokens=8000, max_prompt_tokens=600,
                 budgets=[0.25, 0.5, 0.75], corner="zero", temperature=0.8, top_p=1.0, k=4, lam=0.1,
-                lr=1e-6, warmup=10, clip_low=0.2, clip_high=0.2, agg="token-mean", data="deepscaler")
+                lr=1e-6, warmup=10, clip_low=0.2, clip_high=0.2, agg="token-mean", data="deepscaler",
+                # verl's actor AdamW default (rlcm.sh sets none), verl's warm-up, save_freq=40
+                weight_decay=0.01, warmup_from_zero=True, save_every=40)
 
 
 def test_resolved_config_of_a_real_model_run_has_the_released_defaults(real_model, tmp_path, capsys,
@@ -67,6 +69,36 @@ def test_resolved_config_of_a_real_model_run_has_the_released_defaults(real_mode
 def test_toy_world_keeps_its_sizes_and_filters_nothing():
     cfg = config.resolve_args([])
     assert (cfg["prompts_per_step"], cfg["group_size"], cfg["max_prompt_tokens"]) == (16, 8, 0)
+    # the toy's README numbers were trained with these: no decay, the first update at lr / 3
+    assert (cfg["weight_decay"], cfg["warmup_from_zero"], cfg["save_every"]) == (0.0, False, 10)
+
+
+def test_warmup_factor_is_verls_from_zero_and_the_toys_shifted_by_one():
+    """verl's constant-with-warm-up (transformers' get_constant_schedule_with_warmup, stepped after each
+    update): factor s / 10 at update s, so 0.0 at the first update and 1.0 from update 10 on."""
+    released = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.0]
+    assert [train.warmup_factor(s, 10, True) for s in range(12)] == pytest.approx(released, abs=1e-12)
+    assert [train.warmup_factor(s, 3, False) for s in range(4)] == pytest.approx([1 / 3, 2 / 3, 1.0, 1.0])
+    assert train.warmup_factor(0, 0, True) == train.warmup_factor(0, 0, False) == 1.0   # no warm-up
+
+
+def test_the_optimizer_takes_the_configs_weight_decay_and_a_first_update_at_lr_0(tmp_path, monkeypatch):
+    """train.run builds AdamW with --weight-decay and the scheduler with --warmup-from-zero: under the
+    released pair the first update leaves the weights as they were (lr 0, so no decay either)."""
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def stop(step, rows, policy, sampler, tok, probe, probe_opt, opt, sched, *a, **k):
+        seen.update(wd=opt.param_groups[0]["weight_decay"], lr=sched.get_last_lr()[0])
+        raise Stop
+    monkeypatch.setattr(train, "rl_step", stop)
+    monkeypatch.setattr(train, "held_out_accuracy", lambda *a, **k: 0.0)
+    with pytest.raises(Stop):
+        train.main(["--weight-decay", "0.01", "--warmup-from-zero", "--warmup", "10", "--lr", "1e-6",
+                    "--eval-n", "1", "--out", str(tmp_path / "run")])
+    assert seen == dict(wd=0.01, lr=0.0)
 
 
 def test_budgets_flag():

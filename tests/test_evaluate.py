@@ -11,6 +11,7 @@ import metrics
 import probe as probe_lib
 import rollout
 import toy
+import train
 from evaluation import uses
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -303,3 +304,31 @@ def test_the_pooled_toy_fit_takes_every_toy_benchmarks_train_split_in_turn(toy_d
     rep = res["toy_base"]["posthoc_probe"]
     assert rep["data"] == "toy-pooled" and rep["protocol"]["questions"] == 6
     assert rep["n_train"] + rep["n_val"] == 6 * 2 * 2
+
+
+def test_the_readmes_c2gspg_command_reads_forced_rlcr_confidences_on_a_toy_c2gspg_run(tmp_path, capsys):
+    """The released evaluation reads C2GSPG in --mode rlcr (its README): RLCR-format prompts, the
+    answer in <answer>, the confidence the mean <confidence> of forced re-answers. The README's row
+    names `--mode rlcr`; `--confidence verbal` alone keeps the run's boxed prompt, under which a
+    C2GSPG run writes no tag: 0.5 on every sample."""
+    run = str(tmp_path / "c2gspg")
+    train.main(["--reward", "c2gspg", "--steps", "2", "--out", run, "--prompts-per-step", "4", "--group-size", "4",
+                "--max-new-tokens", "48", "--eval-n", "0", "--save-every", "0"])
+    assert json.load(open(os.path.join(run, "config.json")))["instruction"] == toy.INSTRUCTION   # boxed
+    few = ["--benchmarks", "toy", "--limit", "12", "--n-samples", "2", "--threads", "1"]
+    evaluate.main(["--model", run, "--confidence", "verbal", "--out", str(tmp_path / "verbal"), *few])
+    rows = _rows(str(tmp_path / "verbal" / "samples.jsonl"))
+    assert {r["confidence"] for r in rows} == {0.5} and all(r["verbal_missing"] for r in rows)
+    res = evaluate.main(["--model", run, "--mode", "rlcr", "--out", str(tmp_path / "rlcr"), *few])
+    rows = _rows(str(tmp_path / "rlcr" / "samples.jsonl"))
+    st = res["c2gspg/step_000002"]["settings"]["toy"]
+    assert (st["confidence"], st["answer"], st["instruction"]) == ("verbal-forced", "tag", toy.RLCR_INSTRUCTION)
+    conf = [r["confidence"] for r in rows]
+    # each the mean of 4 re-answers' tags, which the toy draws from 0.1 .. 0.9: a multiple of 1/40
+    assert len(set(conf)) > 3 and all(0.1 <= c <= 0.9 and abs(c * 40 - round(c * 40)) < 1e-9 for c in conf)
+    assert all(0 <= r["verbal_missing"] <= 4 for r in rows)   # re-answers without a tag, of 4 (read 0.5)
+    assert sum(r["verbal_missing"] for r in rows) <= len(rows) * 4 // 10
+    assert all(r["answer"] is not None for r in rows) and 0 < res["c2gspg/step_000002"]["benchmarks"]["toy"]["acc"]
+    with pytest.raises(SystemExit, match="--mode rlcr: lcb has no RLCR-format evaluation"):
+        evaluate.main(["--model", run, "--mode", "rlcr", "--benchmarks", f"lcb={ROOT}/tests/fixtures/lcb.jsonl",
+                       "--out", str(tmp_path / "lcb")])

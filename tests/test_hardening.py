@@ -221,6 +221,16 @@ def test_resume_applies_and_records_changed_lr_and_steps(run_copy, capsys):
     assert "at step 3 already (--steps 3): nothing to train" in capsys.readouterr().out
 
 
+def test_resume_applies_a_changed_weight_decay_over_the_restored_optimizers(run_copy):
+    """The optimizer state restored from state.pt holds the decay it was saved with (the toy's 0.0);
+    --weight-decay given with --resume replaces it, as --lr replaces the rate."""
+    train.main(["--resume", run_copy, "--steps", "3", "--weight-decay", "0.05"])
+    assert json.load(open(os.path.join(run_copy, "config.json")))["weight_decay"] == 0.05
+    latest = checkpoint.latest_checkpoint(run_copy)
+    state = torch.load(os.path.join(latest, "state.pt"), weights_only=True)
+    assert latest.endswith("3") and [g["weight_decay"] for g in state["optimizer"]["param_groups"]] == [0.05]
+
+
 def test_resume_lr_during_warmup_is_scaled_like_the_rest(run_copy, capsys):
     shutil.rmtree(os.path.join(run_copy, "checkpoints", "step_000002"))
     train.main(["--resume", run_copy, "--steps", "2", "--lr", "3e-3"])

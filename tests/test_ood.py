@@ -145,17 +145,25 @@ def test_an_evaluation_on_code_and_logiqa_prints_both_blocks_and_pass_at_k(tiny_
     assert b["lcb"]["pass_at_k"] == pytest.approx({"1": 3 / 8, "2": (0.5 + 5 / 6) / 2, "4": 1.0})
     assert b["logiqa"]["pass_at_k"] == pytest.approx({"1": 1 / 3, "2": 1 / 3, "4": 1 / 3})
     assert b["sums"]["pass_at_k"] == pytest.approx({"1": 0.5, "2": 5 / 6, "4": 1.0})
-    assert saved["overall"]["acc"] == pytest.approx(0.5)                       # sums alone
+    assert saved["math"]["acc"] == pytest.approx(0.5)                          # sums alone
     assert saved["ood"]["acc"] == pytest.approx((3 / 8 + 1 / 3) / 2)
+    # the paper's Overall: the mean over every benchmark evaluated, not the mean of the two means
+    assert saved["overall"]["acc"] == pytest.approx((1 / 2 + 3 / 8 + 1 / 3) / 3)    # 0.4028, not 0.4271
     for key in ("ece", "pce"):
         assert saved["ood"][key] == pytest.approx((b["lcb"][key] + b["logiqa"][key]) / 2)
+        assert saved["overall"][key] == pytest.approx((b["sums"][key] + b["lcb"][key] + b["logiqa"][key]) / 3)
     assert saved["settings"]["lcb"]["grader"] == "code" and saved["settings"]["logiqa"]["grader"] == "math"
     samples = [json.loads(line) for line in open(os.path.join(out, "samples.jsonl"))]
     assert [r["answer"] for r in samples if r["benchmark"] == "lcb"][:2] == [
         "n = int(input())\nprint(sum(map(int, input().split())))\n", "print(6)\n"]
-    math_block, ood_block = printed.split("\nOOD (lcb: LiveCodeBench v4_v5 (contests 2024-08 to 2025-01))\n")
+    math_block, rest = printed.split("\nOOD (lcb: LiveCodeBench v4_v5 (contests 2024-08 to 2025-01))\n")
+    ood_block, all_block = rest.split("\nOverall (the paper's): the mean over all 3 benchmarks\n")
     rows = lambda text: [line.split("|")[1].strip() for line in text.splitlines() if line.startswith("| ")][1:]
-    assert rows(math_block) == ["sums", "Overall"] and rows(ood_block) == ["lcb", "logiqa", "OOD overall"]
+    assert rows(math_block) == ["sums", "Math mean"] and rows(ood_block) == ["lcb", "logiqa", "OOD mean"]
+    assert rows(all_block) == ["Math mean", "OOD mean", "Overall"]
+    cells = [line.split("|") for line in all_block.splitlines() if line.startswith("| ")][1:]
+    acc = {c[1].strip(): c[3].strip() for c in cells}
+    assert acc == {"Math mean": "0.500", "OOD mean": "0.354", "Overall": "0.403"}
     assert "| 1: 0.375 2: 0.667 4: 1.000 |" in ood_block
 
 
@@ -167,3 +175,37 @@ def test_the_hub_loaders_read_the_raw_files_and_the_harness_copy(monkeypatch):
                         or [json.loads(line) for line in open(LOGIQA)])
     assert len(evaluate.load_benchmark("lcb")[1]) == 2 and len(evaluate.load_benchmark("logiqa")[1]) == 3
     assert asked == [("livecodebench/code_generation_lite", "test*.jsonl"), ("lighteval/logiqa_harness", "logiqa", "test")]
+
+
+def test_gpqa_natural_boxed_answers_are_graded_as_released_and_logiqa_by_its_letter(tiny_dir, tmp_path,
+                                                                                      monkeypatch, capsys):
+    """Released (1_obtain_validation_rollouts: compute_score(strict_box_verify=True) on natural boxed
+    answers): `\\boxed{A) 3.5 eV}` against gold "A" fails the strict box, the normal forms, eval and
+    sympy, so it is wrong; `\\boxed{A}` is right. Option letters are read off forced and RLCR answers
+    only. LogiQA has no released grader: the project reads its letter (README, LogiQA row)."""
+    gpqa = tmp_path / "gpqa.jsonl"
+    gold, option = "C", "C) neon"   # a row as data._choices lays GPQA out
+    gpqa.write_text(json.dumps({"problem": "Which gas?\n\nA) iron\nB) zinc\nC) neon\nD) lead", "answer": gold}) + "\n")
+    canned = {"ichgas": [f"\\boxed{{{option}}}</think>\\boxed{{{option}}}", f"\\boxed{{{gold}}}</think>"] * 2,
+              "omisacat": ["\\boxed{B. Tom is an animal.}</think>\\boxed{B}"] * 4,
+              "roadisdry": ["\\boxed{A}</think>"] * 4, "nnisastudent": ["\\boxed{A}</think>"] * 4}
+    real = rollout.generate
+
+    def fixed(model, tok, prompts, n=1, **kw):
+        out = real(model, tok, prompts, n=n, **kw)
+        texts = [next(v for key, v in canned.items() if key in tok.decode(p)) for p in prompts]
+        out.texts = [texts[i][j] for i in range(len(prompts)) for j in range(n)]
+        return out
+
+    monkeypatch.setattr(rollout, "generate", fixed)
+    out = str(tmp_path / "out")
+    evaluate.main(["--model", tiny_dir, "--benchmarks", f"gpqa={gpqa},logiqa={LOGIQA}", "--out", out,
+                   "--confidence", "logits", "--n-samples", "4", "--max-new-tokens", "4", "--threads", "1"])
+    capsys.readouterr()
+    samples = [json.loads(line) for line in open(os.path.join(out, "samples.jsonl"))]
+    assert [r["correct"] for r in samples if r["benchmark"] == "gpqa"] == [0, 1, 0, 1]
+    logiqa = [r["correct"] for r in samples if r["benchmark"] == "logiqa"]
+    assert logiqa[:4] == [1, 1, 1, 1]    # "B. Tom is an animal." against B: the letter, the project's rule
+    # the forced (post-hoc) and RLCR readings keep the released letter rule
+    assert grade.answers_match(option, gold) and not grade.answers_match(option, gold, letters=False)
+    assert evaluate.natural_correct(f"</think><answer>{option}</answer>", option, gold, form="tag", letters=True)

@@ -24,8 +24,9 @@ def start(cfg):
     torch.manual_seed(cfg["seed"])  # the probe's initial weights and its dropout draw from here
     probe = probe_lib.Probe(model.config.hidden_size)
     probe_opt = probe_lib.make_optimizer(probe, lr=cfg["probe_lr"])
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(cfg["warmup"], 1)))
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: train.warmup_factor(s, cfg["warmup"],
+                                                                                 cfg["warmup_from_zero"]))
     return model, tok, probe, probe_opt, opt, sched
 
 
