@@ -62,6 +62,17 @@ def parse(problem, text):
     return out
 
 
+def on_path(problem, text):
+    """Whether the last complete thinking line's total is the true sum of the terms so far (or no
+    line is complete): two slips that cancel put a trace back on the path."""
+    terms, body = toy.terms_of(problem), text.split("</think>")[0]
+    lines = body.split("\n")[:-1]
+    if not lines:
+        return True
+    m = LINE.match(lines[-1])
+    return bool(m) and len(lines) < len(terms) and int(m[3]) == sum(terms[:len(lines) + 1])
+
+
 def logistic(x_tr, y_tr, x_te, groups_tr, seed):
     """Probabilities on x_te from an L2 logistic regression on standardised x_tr, the L2 weight
     picked on a 25 % grouped validation split of the training problems."""
@@ -170,8 +181,9 @@ def end_of_thinking(model, tok, world, n, samples, seed=0):
 
 
 def forced_labels(model, tok, world, n, samples, seed=0):
-    """(ii) Mean Y_b at cuts with no visible error before them (per cut: 25/50/75 %), after a wrong
-    total, and after a wrong `left` only; the share of trajectories with a Y=1 and a Y=0 cut."""
+    """(ii) Mean Y_b at cuts with no visible error before them (per cut: 25/50/75 %), off the path
+    after a wrong total, back on it after slips that cancel, and after a wrong `left` only; the share
+    of trajectories with a Y=1 and a Y=0 cut."""
     rows = toy.dataset("train", "toy", world)[:n]
     s = generate(model, tok, prompts_of(tok, rows), n=samples, max_new_tokens=160, temperature=0.8,
                  seed=seed, batch_size=64)
@@ -179,12 +191,15 @@ def forced_labels(model, tok, world, n, samples, seed=0):
     cuts = [label.budgets(len(r)) for r in s.ids]
     golds = [rows[i]["answer"] for i in s.prompt_index]
     ys = label.mc_labels(model, tok, prompts, s.ids, cuts, golds, k=4, temperature=0.8, seed=seed)
-    clean, slipped, left_only, both = [[], [], []], [], [], 0
+    clean, slipped, left_only, recovered, both = [[], [], []], [], [], [], 0
     for r, bs, y, i in zip(s.ids, cuts, ys, s.prompt_index):
         both += any(v == 1 for v in y) and any(v == 0 for v in y)
         for j, (b, v) in enumerate(zip(bs, y)):
-            errors = [e for e, _ in parse(rows[i]["problem"], tok.decode(r[:b], skip_special_tokens=True))]
-            if "total" in errors:
+            text = tok.decode(r[:b], skip_special_tokens=True)
+            errors = [e for e, _ in parse(rows[i]["problem"], text)]
+            if "total" in errors and on_path(rows[i]["problem"], text):
+                recovered.append(v)
+            elif "total" in errors:
                 slipped.append(v)
             elif "left" in errors:
                 left_only.append(v)
@@ -193,6 +208,7 @@ def forced_labels(model, tok, world, n, samples, seed=0):
     mean = lambda v: sum(v) / len(v) if v else None
     return dict(clean=[mean(c) for c in clean], clean_n=[len(c) for c in clean], slipped=mean(slipped),
                 slipped_n=len(slipped), left_only=mean(left_only), left_only_n=len(left_only),
+                recovered=mean(recovered), recovered_n=len(recovered),
                 signal=both / len(s.ids))
 
 
@@ -250,9 +266,11 @@ def main(argv=None):
         out["labels"] = lab = forced_labels(model, tok, args.world, args.n, 8)
         for j, (v, n) in enumerate(zip(lab["clean"], lab["clean_n"])):
             ok.append(verdict(f"(ii)  mean Y_b before any error, cut {j + 1} of 3 ({n} cuts)", v, ">=", 0.8))
-        ok.append(verdict(f"(ii)  mean Y_b after a wrong total ({lab['slipped_n']} cuts)", lab["slipped"], "<=", 0.1))
-        left = "n/a" if lab["left_only"] is None else f"{lab['left_only']:.3f}"
-        print(f"      after a wrong left count only: {left} ({lab['left_only_n']} cuts); "
+        ok.append(verdict(f"(ii)  mean Y_b off the path, after a wrong total ({lab['slipped_n']} cuts)",
+                          lab["slipped"], "<=", 0.1))
+        shown = lambda v: "n/a" if v is None else f"{v:.3f}"
+        print(f"      back on the path after slips that cancel: {shown(lab['recovered'])} ({lab['recovered_n']} "
+              f"cuts); after a wrong left count only: {shown(lab['left_only'])} ({lab['left_only_n']} cuts); "
               f"trajectories with a Y=1 and a Y=0 cut at T 0.8: {lab['signal']:.3f}")
     out["runs"] = {}
     for run in args.run:

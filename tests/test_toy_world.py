@@ -76,3 +76,9 @@ def test_premise_iii_reads_each_runs_log_against_its_thresholds(tmp_path, capsys
     assert premises.main(["--parts", "iii", "--run", run("weak", 0.1, 0.4)]) == 1
     out = capsys.readouterr().out
     assert " 0.100  >= 0.15  FAIL" in out and "-0.100  >= 0.0   FAIL" in out and "premises: 1 of 3 hold" in out
+
+
+def test_a_trace_is_back_on_the_path_when_its_slips_cancel():
+    assert premises.on_path("3+5+7+2", "3+5=8|9\n8+7=15|2\n1")
+    assert not premises.on_path("3+5+7+2", "3+5=9?|9\n9+7=16|2\n")
+    assert premises.on_path("3+5+7+2", "3+5=9?|9\n9+7=15|2\n") and premises.on_path("3+5+7+2", "3+")
