@@ -2,6 +2,7 @@
 
     python -m scripts.premises --model DIR --world legible            # (i) and (ii) on a warm start
     python -m scripts.premises --model DIR --world legible --run RUN  # and (iii) from RL runs' logs
+    python -m scripts.premises --model RUN --world legible --parts i  # the mechanism after RL
 
 (docs/toy-world.md says why each premise matters.) Each line prints the measured number beside its
 threshold and PASS or FAIL:
@@ -36,6 +37,7 @@ import metrics
 import toy
 from evaluation.confidence import features, think_end
 from grade import is_correct
+from harness.checkpoint import resolve_model
 from rollout import generate
 
 LINE = re.compile(r"^(\d+)([+-]\d+)=(\d+)(\??)(?:\|(\d+))?$")
@@ -232,7 +234,8 @@ def verdict(name, value, op, threshold):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None, help="warm-started model folder (default: the committed toy_base/)")
+    p.add_argument("--model", default=None, help="a model or run folder: a warm start, or a trained run for the "
+                   "mechanism's readouts (default: the committed toy_base/)")
     p.add_argument("--world", default="sum", choices=sorted(toy.WORLDS))
     p.add_argument("--run", action="append", default=[], help="an RLCM run folder for (iii); repeat for several")
     p.add_argument("--n", type=int, default=300, help="questions per benchmark (i) and of RL's distribution (ii)")
@@ -242,7 +245,7 @@ def main(argv=None):
     torch.set_num_threads(1)   # as the toy world runs (train.py): small matrices, one core is fastest
     torch.manual_seed(0)
     parts = set(args.parts.split(","))
-    path = args.model or toy.base_model()
+    path = resolve_model(args.model or "toy")   # a run folder reads its latest checkpoint
     if parts - {"iii"}:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         tok = AutoTokenizer.from_pretrained(path)
