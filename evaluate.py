@@ -363,6 +363,8 @@ def parse_args(argv=None):
                    help="LiveCodeBench window: vN or vA_vB, by contest month (default v4_v5: 2024-08 to 2025-01, "
                         "the window of DeepSeek-R1's and lighteval's scores)")
     g.add_argument("--out", help="output dir (default RUN/eval or eval_out/<model>)")
+    g.add_argument("--unconfined-code", action="store_true", help="where the code sandbox cannot make namespaces, "
+                   "run lcb's programs without them (harness/sandbox.py), accepting that they can escape")
     g = p.add_argument_group("sampling")
     g.add_argument("--n-samples", type=int, help="samples per question (default 32 on aime/amc, else 4)")
     g.add_argument("--max-new-tokens", type=int, help="default 8000 (toy: 128)")
@@ -430,6 +432,7 @@ def main(argv=None):
         raise SystemExit(f"evaluate.py: error: {e}") from None
     names = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
     check_flags(names, args)
+    sandbox.allow_unconfined = args.unconfined_code
     threads = torch.get_num_threads()
     # The toy model's matmuls are too small to gain from threads, and on a busy CPU threads that
     # wait for each other make generation 10x slower: one thread unless --threads says otherwise.
