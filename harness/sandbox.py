@@ -125,7 +125,7 @@ def run_tests(code, tests, fn_name=None, per_test_s=6.0):
             msg = next(lines, None)
             if not isinstance(msg, dict) or not _passes(msg, test, functional):
                 return False
-        return True
+        return not (confined and _started_processes(child))  # as LiveCodeBench's guard: no processes
     finally:
         _stop(child)
         os.close(read_fd)
@@ -141,15 +141,27 @@ def _command(root, confined):
     return [UNSHARE, *user, *NAMESPACES, "--", *child]
 
 
+def _children(pid):
+    """The processes that `pid` (any of its threads) started and that are still there, zombies included."""
+    found = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                found += [int(p) for p in f.read().split()]
+    except OSError:  # gone, or a kernel without /proc/PID/task/TID/children
+        pass
+    return found
+
+
+def _started_processes(child):
+    """Whether the solution (PID 1 of its namespace, the one child of `unshare`) has a process left."""
+    return any(_children(inner) for inner in _children(child.pid))
+
+
 def _stop(child):
     """Kill the child and everything it started. Confined: kill the namespace's PID 1, which takes every
     process of the namespace with it before `unshare` can return; then the group, then `unshare` itself."""
-    try:
-        with open(f"/proc/{child.pid}/task/{child.pid}/children") as f:
-            inner = [int(p) for p in f.read().split()]
-    except OSError:
-        inner = []
-    for kill in [functools.partial(os.kill, p, signal.SIGKILL) for p in inner] + [
+    for kill in [functools.partial(os.kill, p, signal.SIGKILL) for p in _children(child.pid)] + [
             lambda: os.killpg(child.pid, signal.SIGKILL), child.kill]:
         try:
             kill()
