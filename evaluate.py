@@ -442,6 +442,8 @@ def main(argv=None):
         for name in args.model:   # a missing model is a model error, not a benchmark's
             checkpoint.check_available(name)
         loaded = load_benchmarks(names, args.limit, args.lcb_release)   # every name checked before any model loads
+        if any(data.kind(name) == "code" for name, *_ in loaded):
+            sandbox.check()   # can programs be confined here (or --unconfined-code)? Said before any model loads
         results = dict(evaluate_model(name, loaded, args) for name in args.model)
     except files.Busy as e:   # another evaluation writes there: exit 2, its files untouched
         print(f"evaluate.py: error: {e}", file=sys.stderr)

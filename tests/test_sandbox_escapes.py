@@ -213,7 +213,13 @@ def test_without_namespaces_no_code_runs_unless_the_user_accepts_it(monkeypatch,
         monkeypatch.setattr(sandbox, "allow_unconfined", True)
         assert sandbox.run_tests(code, one) and trace.exists()   # accepted: it runs, unconfined
         assert "UNCONFINED" in capsys.readouterr().err
+        # evaluate.py says so before any model loads or any sample is drawn, unless --unconfined-code
+        lcb = os.path.join(ROOT, "tests", "fixtures", "lcb.jsonl")
+        with pytest.raises(SystemExit) as exit_:
+            evaluate.main(["--model", "toy", "--benchmarks", f"lcb={lcb}", "--out", str(tmp_path / "ev")])
+        assert str(exit_.value.code).startswith("evaluate.py: error: sandbox: cannot confine")
+        assert "\n" not in str(exit_.value.code) and not (tmp_path / "ev" / "samples.jsonl").exists()
+        assert evaluate.parse_args(["--model", "m", "--unconfined-code"]).unconfined_code
     finally:
         sandbox._why_not.cache_clear()
-    assert evaluate.parse_args(["--model", "m", "--unconfined-code"]).unconfined_code
-    assert not evaluate.parse_args(["--model", "m"]).unconfined_code
+        sandbox.allow_unconfined = False
