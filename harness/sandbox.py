@@ -163,8 +163,17 @@ def _started_processes(child):
 def _stop(child):
     """Kill the child and everything it started. Confined: kill the namespace's PID 1, which takes every
     process of the namespace with it before `unshare` can return; then the group, then `unshare` itself."""
-    for kill in [functools.partial(os.kill, p, signal.SIGKILL) for p in _children(child.pid)] + [
-            lambda: os.killpg(child.pid, signal.SIGKILL), child.kill]:
+    for pid in _children(child.pid):
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            continue
+        try:  # still unshare's own child once the pidfd is open: the pid was not reused, fd is that process
+            if pid in _children(child.pid):
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+        finally:
+            os.close(fd)
+    for kill in (lambda: os.killpg(child.pid, signal.SIGKILL), child.kill):
         try:
             kill()
         except (ProcessLookupError, PermissionError):
