@@ -64,6 +64,7 @@ from harness.sandbox_child import LINE_BYTES
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_child.py")
 UNSHARE = "unshare"             # util-linux
+START_S = 60                    # a child has this long to confine itself and say "ready"
 NAMESPACES = ("--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child")
 ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8",
        "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
@@ -97,7 +98,8 @@ def run_tests(code, tests, fn_name=None, per_test_s=6.0):
         return False
     confined = check()
     total_s = (per_test_s + 1) * len(tests) + 5
-    deadline = time.monotonic() + total_s
+    start = time.monotonic()
+    deadline = [start + max(START_S, total_s)]   # until "ready": a child that cannot start is not a wrong answer
     workdir = tempfile.mkdtemp(prefix="sandbox-")   # confined: the mount point of the child's root
     read_fd, write_fd = os.pipe()
     payload = {"code": code, "inputs": [t["input"] for t in tests], "functional": functional,
@@ -123,6 +125,7 @@ def run_tests(code, tests, fn_name=None, per_test_s=6.0):
         if next(lines, None) != {"ready": True}:   # sent before any solution code runs
             raise SandboxUnavailable(f"sandbox: a child stopped before running the program "
                                      f"({_why_not.__wrapped__() or 'run it again'})")
+        deadline[0] = start + total_s
         for test in tests:
             msg = next(lines, None)
             if not isinstance(msg, dict) or not _passes(msg, test, functional):
@@ -225,8 +228,9 @@ def grade_many(jobs, workers=2):
 
 
 def _lines_until(fd, deadline, limit=LINE_BYTES):
-    """Yield the child's JSON lines (None for one that does not parse) until EOF or the deadline; a line
-    longer than `limit` ends it (None), so that a child flooding the pipe costs the grader at most that."""
+    """Yield the child's JSON lines (None for one that does not parse) until EOF or deadline[0] (a list:
+    the caller may move it); a line longer than `limit` ends it (None), so that a child flooding the
+    pipe costs the grader at most that."""
     buf, start = bytearray(), 0
     while True:
         end = buf.find(b"\n", start)
@@ -242,7 +246,7 @@ def _lines_until(fd, deadline, limit=LINE_BYTES):
             yield None
             return
         start = len(buf)
-        left = deadline - time.monotonic()
+        left = deadline[0] - time.monotonic()
         if left <= 0 or not select.select([fd], [], [], left)[0]:
             return
         chunk = os.read(fd, 1 << 20)
