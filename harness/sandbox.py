@@ -132,7 +132,7 @@ def run_tests(code, tests, fn_name=None, per_test_s=6.0):
                 return False
         return not (confined and _started_processes(child))  # as LiveCodeBench's guard: no processes
     finally:
-        _stop(child)
+        _stop(child, confined)
         os.close(read_fd)
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -163,10 +163,11 @@ def _started_processes(child):
     return any(_children(inner) for inner in _children(child.pid))
 
 
-def _stop(child):
+def _stop(child, confined):
     """Kill the child and everything it started. Confined: kill the namespace's PID 1, which takes every
-    process of the namespace with it before `unshare` can return; then the group, then `unshare` itself."""
-    for pid in _children(child.pid):
+    process of the namespace with it, and let `unshare` see that and return; then the group and `unshare`
+    itself, for an unconfined child or an `unshare` that does not return."""
+    for pid in _children(child.pid) if confined else ():
         try:
             fd = os.pidfd_open(pid)
         except OSError:
@@ -174,6 +175,10 @@ def _stop(child):
         try:  # still unshare's own child once the pidfd is open: the pid was not reused, fd is that process
             if pid in _children(child.pid):
                 signal.pidfd_send_signal(fd, signal.SIGKILL)
+                child.wait(timeout=5)
+                return
+        except subprocess.TimeoutExpired:
+            pass
         finally:
             os.close(fd)
     for kill in (lambda: os.killpg(child.pid, signal.SIGKILL), child.kill):
