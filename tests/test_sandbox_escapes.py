@@ -154,6 +154,8 @@ def _grade_as(as_user, programs=(), threaded="", flood=""):
     survivors = _alive(b"31.33")
     for pid in survivors:
         os.kill(pid, 9)
+    if done.returncode != 0:
+        shutil.rmtree(folder, ignore_errors=True)
     assert done.returncode == 0, f"the grader died ({done.returncode}): {done.stderr[-2000:]}"
     results = json.loads(done.stdout.splitlines()[-1])
     assert results["next sample"]
