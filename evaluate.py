@@ -397,6 +397,8 @@ def parse_args(argv=None):
                    help="LiveCodeBench window: vN or vA_vB, by contest month (default v4_v5: 2024-08 to 2025-01, "
                         "the window of DeepSeek-R1's and lighteval's scores)")
     g.add_argument("--out", help="output dir (default RUN/eval or eval_out/<model>)")
+    g.add_argument("--unconfined-code", action="store_true", help="where the code sandbox cannot make namespaces, "
+                   "run lcb's programs without them (harness/sandbox.py), accepting that they can escape")
     g = p.add_argument_group("sampling")
     g.add_argument("--n-samples", type=int, help="samples per question (default 32 on aime/amc, else 4)")
     g.add_argument("--max-new-tokens", type=int, help="default 8000 (toy: 128)")
@@ -472,6 +474,7 @@ def main(argv=None):
         raise SystemExit(f"evaluate.py: error: {e}") from None
     names = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
     check_flags(names, args)
+    sandbox.allow_unconfined = args.unconfined_code
     threads = torch.get_num_threads()
     # What runs on a CPU here (the toy, a small local model) is too small to gain from threads, and
     # on a busy CPU threads that wait for each other make generation 10x slower: one thread on a
@@ -483,6 +486,8 @@ def main(argv=None):
             checkpoint.check_available(name)
         loaded = load_benchmarks(names, args.limit, args.lcb_release)   # every name checked before any model loads
         loaded = rlcr_prompts(loaded) if args.mode == "rlcr" else loaded
+        if any(data.kind(name) == "code" for name, *_ in loaded):
+            sandbox.check()   # can programs be confined here (or --unconfined-code)? Said before any model loads
         results = dict(evaluate_model(name, loaded, args) for name in args.model)
     except files.Busy as e:   # another evaluation writes there: exit 2, its files untouched
         print(f"evaluate.py: error: {e}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""Grade model-written Python by running it against LiveCodeBench-style tests in a throwaway child.
+"""Grade model-written Python by running it against LiveCodeBench-style tests in a confined child.
 
     code = extract_code(response)                      # last fenced block after </think>, or None
     ok = run_tests(code, tests, fn_name=None)          # True when every test passes
@@ -13,29 +13,37 @@ is one JSON argument per line, the return value must equal the JSON output (tupl
 Both modes first run LiveCodeBench's import prelude, so a solution that uses `heapq` or
 `defaultdict` without importing them passes as it does there.
 
-How one solution runs. `python -I` runs this file as a child, started with subprocess, in a new
-session (its own process group) with a scrubbed environment and a fresh empty working directory
-that is removed afterwards. The child reads the code and the test *inputs* from stdin; the expected
-outputs never enter it, so the code cannot read them and print them back. Before the code runs it
-sets resource limits (CPU seconds, 2 GiB of address space, no file writes, no new processes or
-threads, 32 open files, no core dumps) and a guard in the spirit of LiveCodeBench's
-`reliability_guard`: destructive and process-spawning calls (os.system, os.kill, os.fork,
-os.remove, subprocess.Popen, shutil.rmtree, ...) become None, `open` reads only the test input
-(`open(0)`), and the socket modules refuse to make sockets. Each test has an alarm of `per_test_s`;
-the child streams one JSON line per test back over a pipe (never pickle), and the parent compares,
-stops at the first failure, and kills the whole process group at the end or after the global
-timeout `(per_test_s + 1) * n_tests + 5` s.
+How one solution runs (harness/sandbox_child.py). `unshare` starts `python -I` in new mount, network,
+PID, IPC and UTS namespaces, and the child confines itself before any solution code runs. What is
+isolated: the network (a namespace whose only interface, lo, is down: no connection anywhere, abstract
+unix sockets included); processes (its own PID namespace and /proc: the grader and every other process
+are invisible, so they cannot be read (/proc/<pid>/environ, cmdline, mem), signalled or traced; the
+solution runs as PID 1, so every process it starts, setsid or not, dies with it, and one still there
+at the end fails the sample, as LiveCodeBench's guard allows no processes); files (a read-only
+root holding only read-only binds of /usr, the /bin-like folders and Python's installation, plus a
+private 64 MiB tmpfs at /tmp, gone afterwards: the grader's folders, the benchmark files, home
+folders (but Python's installation, where it lives in one), /etc, /dev and /sys are not there); users (uid 65534 in a user namespace of its own, which is
+the real uid 65534 when the grader is root and the grader's own uid otherwise, with no capabilities and
+no_new_privs); System V IPC and the host name. Limits, the same for every uid: CPU seconds, 2 GiB of
+address space per process, 32 tasks (threads allowed, as in LiveCodeBench), 32 open files, no core
+dumps. What is not isolated: CPU time and memory in sum (no cgroup: up to 32 processes of 2 GiB each
+until the deadline), reading what those binds hold and the machine-wide files of /proc (cpuinfo,
+meminfo, sys), and the kernel itself (its system calls are all allowed: no seccomp). A guard like
+LiveCodeBench's `reliability_guard` still makes os.system, os.fork, subprocess, file access beyond
+`open(0)` and sockets fail by name, so that a solution is graded as there.
 
-What this is not: a security boundary against code written to escape it. The guard is Python-level
-patching; code that re-imports a module, uses `_io.FileIO`, or reaches libc through ctypes gets
-past it (to files, the network, other processes). What holds regardless is the timeouts, the
-process-group kill, the throwaway directory, the scrubbed environment and the resource limits, the
-limits only as far as the kernel enforces them: it exempts root from the process limit and lets
-root raise limits again. Run the evaluation as an ordinary user (or in a container) when grading
-code from models you do not trust.
+The gold outputs never enter the child, nor the grader's argv or environment: it gets the code and
+the test *inputs* on stdin and a scrubbed environment, streams one JSON line per test back over a pipe
+(never pickle), and the grader compares, stops at the first failure and reads at most LINE_BYTES per
+line. The child is killed at the end or after the global timeout `(per_test_s + 1) * n_tests + 5` s.
+Where namespaces cannot be made (no `unshare`, user namespaces disabled), run_tests raises
+SandboxUnavailable in one line and runs nothing, unless `allow_unconfined` is set (evaluate.py
+--unconfined-code): then the child runs unconfined, with only the guard, the limits, a scrubbed
+environment and a throwaway directory, which code written to escape gets past.
 """
 import base64
 import binascii
+import functools
 import io
 import json
 import os
@@ -52,14 +60,20 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from decimal import Decimal
 
-MEMORY_BYTES = 2 << 30          # address space of one child (RLIMIT_AS)
-OPEN_FILES = 32                 # RLIMIT_NOFILE
-OUTPUT_CHARS = 1 << 24          # longer stdout than this per test counts as wrong (protects the parent)
-PRELUDE = "".join(f"from {m} import *\nimport {m}\n" for m in (
-    "string", "re", "datetime", "collections", "heapq", "bisect", "copy", "math", "random",
-    "statistics", "itertools", "functools", "operator", "io", "sys", "json")) + (
-    "from builtins import *\nfrom typing import *\nsys.setrecursionlimit(50000)\n")
+from harness.sandbox_child import LINE_BYTES
+
+CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_child.py")
+UNSHARE = "unshare"             # util-linux
+START_S = 60                    # a child has this long to confine itself and say "ready"
+NAMESPACES = ("--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child")
+ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8",
+       "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+allow_unconfined = False        # set by evaluate.py --unconfined-code: run code unconfined where namespaces fail
 _FENCE = re.compile(r"^[ \t]*```[^\n`]*\n(.*?)^[ \t]*```", re.M | re.S)
+
+
+class SandboxUnavailable(OSError):
+    """The child cannot be confined here; the message is one line that says what to do."""
 
 
 def extract_code(response):
@@ -82,19 +96,19 @@ def run_tests(code, tests, fn_name=None, per_test_s=6.0):
         raise ValueError("run_tests: functional tests need fn_name (the method of class Solution)")
     if code is None:
         return False
+    confined = check()
     total_s = (per_test_s + 1) * len(tests) + 5
-    deadline = time.monotonic() + total_s
-    workdir = tempfile.mkdtemp(prefix="sandbox-")
+    start = time.monotonic()
+    deadline = [start + max(START_S, total_s)]   # until "ready": a child that cannot start is not a wrong answer
+    workdir = tempfile.mkdtemp(prefix="sandbox-")   # confined: the mount point of the child's root
     read_fd, write_fd = os.pipe()
     payload = {"code": code, "inputs": [t["input"] for t in tests], "functional": functional,
                "fn_name": fn_name, "per_test_s": per_test_s, "cpu_s": int(total_s) + 1,
-               "out_fd": write_fd}
-    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8",
-           "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+               "out_fd": write_fd, "confined": confined, "root": workdir}
     try:
-        child = subprocess.Popen([sys.executable, "-I", "-B", os.path.abspath(__file__)], cwd=workdir,
-                                 env=env, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.DEVNULL, pass_fds=(write_fd,), start_new_session=True)
+        child = subprocess.Popen(_command(workdir, confined), cwd=workdir, env=ENV, stdin=subprocess.PIPE,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(write_fd,),
+                                 start_new_session=True)
     except BaseException:
         os.close(read_fd)
         shutil.rmtree(workdir, ignore_errors=True)
@@ -106,24 +120,110 @@ def run_tests(code, tests, fn_name=None, per_test_s=6.0):
             child.stdin.write(json.dumps(payload).encode())
             child.stdin.close()
         except BrokenPipeError:
-            return False
+            pass
         lines = _lines_until(read_fd, deadline)
+        if next(lines, None) != {"ready": True}:   # sent before any solution code runs
+            raise SandboxUnavailable(f"sandbox: a child stopped before running the program "
+                                     f"({_why_not.__wrapped__() or 'run it again'})")
+        deadline[0] = start + total_s
         for test in tests:
             msg = next(lines, None)
             if not isinstance(msg, dict) or not _passes(msg, test, functional):
                 return False
-        return True
+        return not (confined and _started_processes(child))  # as LiveCodeBench's guard: no processes
     finally:
-        # The group first, while the unreaped child still holds its id, then the child itself in
-        # case it left the group.
-        for kill in (lambda: os.killpg(child.pid, signal.SIGKILL), child.kill):
-            try:
-                kill()
-            except (ProcessLookupError, PermissionError):
-                pass
-        child.wait()
+        _stop(child, confined)
         os.close(read_fd)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _command(root, confined):
+    """The child's command line: under `unshare` (a grader that is not root first maps itself to 65534)."""
+    child = [sys.executable, "-I", "-B", CHILD]
+    if not confined:
+        return child
+    user = () if os.geteuid() == 0 else ("--map-user=65534", "--map-group=65534", "--keep-caps")
+    return [UNSHARE, *user, *NAMESPACES, "--", *child]
+
+
+def _children(pid):
+    """The processes that `pid` (any of its threads) started and that are still there, zombies included."""
+    found = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                found += [int(p) for p in f.read().split()]
+    except OSError:  # gone, or a kernel without /proc/PID/task/TID/children
+        pass
+    return found
+
+
+def _started_processes(child):
+    """Whether the solution (PID 1 of its namespace, the one child of `unshare`) has a process left."""
+    return any(_children(inner) for inner in _children(child.pid))
+
+
+def _stop(child, confined):
+    """Kill the child and everything it started. Confined: kill the namespace's PID 1, which takes every
+    process of the namespace with it, and let `unshare` see that and return; then the group and `unshare`
+    itself, for an unconfined child or an `unshare` that does not return."""
+    for pid in _children(child.pid) if confined else ():
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            continue
+        try:  # still unshare's own child once the pidfd is open: the pid was not reused, fd is that process
+            if pid in _children(child.pid):
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+                child.wait(timeout=5)
+                return
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            os.close(fd)
+    for kill in (lambda: os.killpg(child.pid, signal.SIGKILL), child.kill):
+        try:
+            kill()
+        except (ProcessLookupError, PermissionError):
+            pass
+    child.wait()
+
+
+@functools.cache
+def _why_not():
+    """None when a child can confine itself here, else why not (one line). Run once per process."""
+    root = tempfile.mkdtemp(prefix="sandbox-")
+    payload = {"code": "", "inputs": [], "functional": False, "fn_name": None, "per_test_s": 1,
+               "cpu_s": 5, "out_fd": 1, "confined": True, "root": root}
+    try:
+        done = subprocess.run(_command(root, True), input=json.dumps(payload).encode(), env=ENV, cwd=root,
+                              capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return str(e)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    if done.stdout.startswith(b'{"ready": true}'):
+        return None
+    said = done.stderr.decode(errors="replace").strip().splitlines()
+    return said[-1][:300] if said else f"exit status {done.returncode}"
+
+
+def check():
+    """True: programs run confined. False: unconfined, allowed. Else SandboxUnavailable, and nothing runs."""
+    why = _why_not()
+    if why is None:
+        return True
+    if not allow_unconfined:
+        raise SandboxUnavailable(f"sandbox: cannot confine programs in namespaces here ({why}); no code was run. "
+                                 "Allow unprivileged user namespaces, or accept running model-written code "
+                                 "unconfined with evaluate.py --unconfined-code")
+    if not _warned:
+        _warned.append(why)
+        print(f"sandbox: running model-written code UNCONFINED (--unconfined-code; {why})", file=sys.stderr)
+    return False
+
+
+_warned = []
 
 
 def grade_many(jobs, workers=2):
@@ -132,8 +232,10 @@ def grade_many(jobs, workers=2):
         return list(pool.map(lambda job: run_tests(**job), jobs))
 
 
-def _lines_until(fd, deadline):
-    """Yield the child's JSON lines (None for one that does not parse) until EOF or the deadline."""
+def _lines_until(fd, deadline, limit=LINE_BYTES):
+    """Yield the child's JSON lines (None for one that does not parse) until EOF or deadline[0] (a list:
+    the caller may move it); a line longer than `limit` ends it (None), so that a child flooding the
+    pipe costs the grader at most that."""
     buf, start = bytearray(), 0
     while True:
         end = buf.find(b"\n", start)
@@ -145,8 +247,11 @@ def _lines_until(fd, deadline):
             del buf[:end + 1]
             start = 0
             continue
+        if len(buf) > limit:
+            yield None
+            return
         start = len(buf)
-        left = deadline - time.monotonic()
+        left = deadline[0] - time.monotonic()
         if left <= 0 or not select.select([fd], [], [], left)[0]:
             return
         chunk = os.read(fd, 1 << 20)
@@ -206,142 +311,3 @@ def decode_private_tests(blob):
     if not isinstance(text, str):
         raise ValueError(f"private tests: the pickle holds a {type(text).__name__}, not a JSON string")
     return json.loads(text)
-
-
-# The child: everything below runs in the `python -I` process, never in the evaluation.
-
-class _Timeout(BaseException):
-    """The per-test alarm; a BaseException so that `except Exception` in the solution does not eat it."""
-
-
-def _limit(cpu_s):
-    """Resource limits of the child, set before any solution code runs (soft = hard)."""
-    import resource
-    for name, value in (("RLIMIT_CPU", cpu_s), ("RLIMIT_AS", MEMORY_BYTES), ("RLIMIT_FSIZE", 0),
-                        ("RLIMIT_NPROC", 0), ("RLIMIT_NOFILE", OPEN_FILES), ("RLIMIT_CORE", 0)):
-        resource.setrlimit(getattr(resource, name), (value, value))
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file write then fails with an error, not a kill
-    resource.setrlimit = resource.prlimit = None
-
-
-def _guard(stdin_text):
-    """Disable destructive calls, file access beyond `open(0)`, and sockets (see the module docstring)."""
-    import builtins
-    import posix
-    import shutil as shutil_
-    import socket
-    import _posixsubprocess
-    import _socket
-    import subprocess as subprocess_
-
-    def guarded_open(file, mode="r", *args, **kwargs):
-        if file == 0:  # `open(0).read()` reads the test's stdin
-            return io.BytesIO(stdin_text[0].encode()) if "b" in mode else io.StringIO(stdin_text[0])
-        raise PermissionError(f"sandbox: no file access ({file!r})")
-
-    def refused(*args, **kwargs):
-        raise PermissionError("sandbox: no network")
-
-    builtins.open = io.open = guarded_open
-    for module in (os, posix):
-        for name in ("kill", "killpg", "system", "popen", "putenv", "unsetenv", "remove", "removedirs",
-                     "rmdir", "unlink", "rename", "renames", "replace", "truncate", "ftruncate", "open",
-                     "link", "symlink", "mkdir", "makedirs", "chmod", "fchmod", "lchmod", "chown",
-                     "fchown", "lchown", "chroot", "chdir", "fchdir", "getcwd", "setuid", "setgid",
-                     "fork", "forkpty", "vfork", "execv", "execve", "execl", "execle", "execlp",
-                     "execlpe", "execvp", "execvpe", "spawnv", "spawnve", "spawnl", "spawnle", "spawnlp",
-                     "spawnlpe", "spawnvp", "spawnvpe", "posix_spawn", "posix_spawnp", "setsid",
-                     "setpgid", "setpgrp"):
-            if hasattr(module, name):
-                setattr(module, name, None)
-    shutil_.rmtree = shutil_.move = shutil_.chown = None
-    subprocess_.Popen = None
-    _posixsubprocess.fork_exec = None
-    for module in (socket, _socket):
-        for name in ("socket", "socketpair", "fromfd", "create_connection", "create_server"):
-            if hasattr(module, name):
-                setattr(module, name, refused)
-    for name in ("ctypes", "_ctypes", "resource", "psutil", "multiprocessing", "pty", "tkinter"):
-        sys.modules[name] = None
-    builtins.help = None
-
-
-def _child():
-    """Run the solution on each input and write one JSON line per test to the result pipe."""
-    import builtins
-    payload = json.loads(sys.stdin.buffer.read())
-    out_fd, write, dumps = payload["out_fd"], os.write, json.dumps
-
-    def send(msg):
-        data = (dumps(msg) + "\n").encode()
-        while data:
-            data = data[write(out_fd, data):]
-
-    def timed(fn):
-        """fn() under the per-test alarm: ("ok", value), ("exit", None) on sys.exit, or ("error", why)."""
-        signal.setitimer(signal.ITIMER_REAL, payload["per_test_s"])
-        try:
-            return "ok", fn()
-        except _Timeout:
-            return "error", "timeout"
-        except SystemExit:
-            return "exit", None
-        except BaseException as e:  # the solution's own failure, reported, never raised
-            return "error", type(e).__name__
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-
-    def on_alarm(signum, frame):
-        raise _Timeout
-
-    signal.signal(signal.SIGALRM, on_alarm)
-    current_input = [""]
-    _limit(payload["cpu_s"])
-    _guard(current_input)
-    status, compiled = timed(lambda: compile(payload["code"], "<solution>", "exec"))
-    if status != "ok":
-        return send({"error": f"compile: {compiled}"})
-    if payload["functional"]:
-        scope = {"__name__": "__solution__", "__builtins__": builtins}
-
-        def load():
-            exec(PRELUDE, scope)
-            exec(compiled, scope)
-            name = payload["fn_name"]
-            return getattr(scope["Solution"](), name) if "Solution" in scope else scope[name]
-
-        status, target = timed(load)
-        if status != "ok":
-            return send({"error": f"load: {target}"})
-        for text in payload["inputs"]:
-            status, value = timed(lambda: target(*[json.loads(line) for line in text.split("\n")]))
-            try:
-                send({"ret": value} if status == "ok" else {"error": value or status})
-            except (TypeError, ValueError):
-                send({"error": f"return value of type {type(value).__name__} is not JSON"})
-        return
-    real_stdout = sys.stdout
-    for text in payload["inputs"]:
-        # A fresh module per test, stdin and stdout as real text streams (with .buffer) over bytes.
-        current_input[0] = text
-        sys.stdin = io.TextIOWrapper(io.BytesIO(text.encode()), encoding="utf-8")
-        sys.stdout = out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", write_through=True)
-        scope = {"__name__": "__main__", "__builtins__": builtins}
-
-        def script():
-            exec(PRELUDE, scope)
-            exec(compiled, scope)
-
-        status, error = timed(script)
-        sys.stdout = real_stdout
-        printed = out.buffer.getvalue()
-        if status == "error":
-            send({"error": error})
-        elif len(printed) > OUTPUT_CHARS:
-            send({"error": "output too long"})
-        else:
-            send({"out": printed.decode("utf-8", errors="replace")})
-
-
-if __name__ == "__main__":
-    _child()

@@ -1,0 +1,243 @@
+"""The child of harness/sandbox.py: it confines itself, then runs one solution on each test input.
+
+    unshare [--map-user=65534 --map-group=65534 --keep-caps] --mount --net --pid --ipc --uts --fork \\
+        --kill-child -- python -I -B sandbox_child.py        # the payload (JSON) on stdin
+
+`unshare` (util-linux) gives the child new mount, network, PID, IPC and UTS namespaces; a grader that is not
+root also gets a user namespace in which the child keeps the capabilities to mount (`--keep-caps`). Before
+any solution code runs, `confine` builds the child's whole view of the file system (a read-only tmpfs root
+holding read-only binds of /usr, the /bin-like folders and Python's prefix, a fresh /proc of its own PID
+namespace and a private 64 MiB tmpfs /tmp), drops to uid 65534 (a root grader's child becomes the real
+uid 65534), enters a user namespace of its own that maps only that id, chroots, and drops every
+capability (no_new_privs, empty bounding set). Then it sets resource limits, a guard in the spirit of
+LiveCodeBench's `reliability_guard` (os.system, os.fork, subprocess, ... become None; `open` reads only
+`open(0)`; sockets refused), and reports one JSON line per test on the result pipe.
+The child is written for `python -I`: it imports nothing outside the standard library.
+"""
+import io
+import json
+import os
+import signal
+import sys
+
+MEMORY_BYTES = 2 << 30          # address space of one process (RLIMIT_AS)
+OPEN_FILES = 32                 # RLIMIT_NOFILE
+TASKS = 32                      # processes and threads together (RLIMIT_NPROC, counted in the child's user namespace)
+TMP_BYTES = 64 << 20            # the private /tmp, and the largest file (RLIMIT_FSIZE)
+OUTPUT_CHARS = 1 << 24          # longer stdout than this per test counts as wrong
+LINE_BYTES = 2 * OUTPUT_CHARS + 4096  # the longest report line; the grader reads no further
+UID = 65534                     # the child's user and group id inside its user namespace
+PRELUDE = "".join(f"from {m} import *\nimport {m}\n" for m in (
+    "string", "re", "datetime", "collections", "heapq", "bisect", "copy", "math", "random",
+    "statistics", "itertools", "functools", "operator", "io", "sys", "json")) + (
+    "from builtins import *\nfrom typing import *\nsys.setrecursionlimit(50000)\n")
+TOPS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")  # what Python and its libraries need
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 1, 2, 4, 8, 32, 4096
+CLONE_NEWUSER = 0x10000000
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT = 1, 4, 24, 38, 47
+
+
+def confine(root):
+    """Make `root` (an empty folder) the child's read-only world, then drop uid and capabilities."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def call(name, *args):
+        if getattr(libc, name)(*args) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"sandbox: {name}{args[:2]}: {os.strerror(err)}")
+
+    def mount(src, dst, fstype, flags, data=None):
+        call("mount", src.encode(), dst.encode(), fstype and fstype.encode(), flags, data and data.encode())
+
+    def bind(src, dst):  # read-only; a remount must keep the flags the source mount already has
+        os.makedirs(dst, exist_ok=True)
+        mount(src, dst, None, MS_BIND)
+        keep = os.statvfs(src).f_flag & (os.ST_NOSUID | os.ST_NODEV | os.ST_NOEXEC | os.ST_NOATIME
+                                         | os.ST_NODIRATIME | os.ST_RELATIME)
+        mount("none", dst, None, MS_REMOUNT | MS_BIND | MS_RDONLY | keep)
+
+    mount("sandbox", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
+    os.chdir(root)
+    bound = []
+    for top in TOPS:
+        if os.path.islink("/" + top):
+            os.symlink(os.readlink("/" + top), top)
+        elif os.path.isdir("/" + top):
+            bind("/" + top, top)
+            bound.append("/" + top + "/")
+    for need in (sys.base_prefix, os.path.dirname(sys.executable)):  # e.g. a Python under /opt or a home
+        need = os.path.realpath(need)
+        if not any((need + "/").startswith(b) for b in bound):
+            bind(need, need.lstrip("/"))
+            bound.append(need + "/")
+    os.mkdir("proc")
+    mount("proc", "proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    os.mkdir("tmp")
+    mount("tmp", "tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={TMP_BYTES},mode=1777")
+    mount("none", ".", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    if os.getuid() == 0:  # a root grader: no user namespace yet; become the real uid 65534
+        os.setgroups([])
+        os.setresgid(UID, UID, UID)
+        os.setresuid(UID, UID, UID)
+    call("prctl", PR_SET_DUMPABLE, 1, 0, 0, 0)  # a uid change made /proc/self root's: it must write its maps
+    # A user namespace of the child's own (before chroot: the kernel refuses one inside a chroot), so
+    # that the process limit counts only the child's own tasks, whatever the grader's uid.
+    call("unshare", CLONE_NEWUSER)
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{UID} {UID} 1"), ("gid_map", f"{UID} {UID} 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
+    os.chroot(".")
+    os.chdir("/tmp")
+    call("prctl", PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
+    call("prctl", PR_CAP_AMBIENT, 4, 0, 0, 0)  # PR_CAP_AMBIENT_CLEAR_ALL
+    for cap in range(64):
+        libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)  # EINVAL past the last capability the kernel knows
+    header, caps = (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()  # version 3, pid 0: all zero
+    call("capset", header, caps)
+    call("prctl", PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # unshare gone: the child too (a uid change reset it)
+    os.setsid()  # a group of its own: kill(0, ...) from the solution reaches nothing outside
+
+
+class _Timeout(BaseException):
+    """The per-test alarm; a BaseException so that `except Exception` in the solution does not eat it."""
+
+
+def _limit(cpu_s, confined):
+    """Resource limits, the same for every grader uid (soft = hard). Unconfined: no file writes, and no
+    process limit, which would count the grader's own processes."""
+    import resource
+    limits = [("RLIMIT_CPU", cpu_s), ("RLIMIT_AS", MEMORY_BYTES), ("RLIMIT_NOFILE", OPEN_FILES),
+              ("RLIMIT_CORE", 0), ("RLIMIT_FSIZE", TMP_BYTES if confined else 0)]
+    for name, value in limits + ([("RLIMIT_NPROC", TASKS)] if confined else []):
+        resource.setrlimit(getattr(resource, name), (value, value))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a file write then fails with an error, not a kill
+    resource.setrlimit = resource.prlimit = None
+
+
+def _guard(stdin_text):
+    """LiveCodeBench-style: destructive calls, file access beyond `open(0)` and sockets refused by name."""
+    import builtins
+    import posix
+    import shutil as shutil_
+    import socket
+    import _posixsubprocess
+    import _socket
+    import subprocess as subprocess_
+
+    def guarded_open(file, mode="r", *args, **kwargs):
+        if file == 0:  # `open(0).read()` reads the test's stdin
+            return io.BytesIO(stdin_text[0].encode()) if "b" in mode else io.StringIO(stdin_text[0])
+        raise PermissionError(f"sandbox: no file access ({file!r})")
+
+    def refused(*args, **kwargs):
+        raise PermissionError("sandbox: no network")
+
+    builtins.open = io.open = guarded_open
+    for module in (os, posix):
+        for name in ("kill", "killpg", "system", "popen", "putenv", "unsetenv", "remove", "removedirs",
+                     "rmdir", "unlink", "rename", "renames", "replace", "truncate", "ftruncate", "open",
+                     "link", "symlink", "mkdir", "makedirs", "chmod", "fchmod", "lchmod", "chown",
+                     "fchown", "lchown", "chroot", "chdir", "fchdir", "getcwd", "setuid", "setgid",
+                     "fork", "forkpty", "vfork", "execv", "execve", "execl", "execle", "execlp",
+                     "execlpe", "execvp", "execvpe", "spawnv", "spawnve", "spawnl", "spawnle", "spawnlp",
+                     "spawnlpe", "spawnvp", "spawnvpe", "posix_spawn", "posix_spawnp", "setsid",
+                     "setpgid", "setpgrp"):
+            if hasattr(module, name):
+                setattr(module, name, None)
+    shutil_.rmtree = shutil_.move = shutil_.chown = None
+    subprocess_.Popen = None
+    _posixsubprocess.fork_exec = None
+    for module in (socket, _socket):
+        for name in ("socket", "socketpair", "fromfd", "create_connection", "create_server"):
+            if hasattr(module, name):
+                setattr(module, name, refused)
+    for name in ("ctypes", "_ctypes", "resource", "psutil", "multiprocessing", "pty", "tkinter"):
+        sys.modules[name] = None
+    builtins.help = None
+
+
+def main():
+    """Confine (unless told not to), say "ready", then run the solution on each input, one JSON line per test."""
+    import builtins
+    payload = json.loads(sys.stdin.buffer.read())
+    out_fd, write, dumps = payload["out_fd"], os.write, json.dumps
+
+    def send(msg):
+        data = (dumps(msg, ensure_ascii=False) + "\n").encode(errors="replace")
+        if len(data) > LINE_BYTES:
+            data = b'{"error": "output too long"}\n'
+        while data:
+            data = data[write(out_fd, data):]
+
+    def timed(fn):
+        """fn() under the per-test alarm: ("ok", value), ("exit", None) on sys.exit, or ("error", why)."""
+        signal.setitimer(signal.ITIMER_REAL, payload["per_test_s"])
+        try:
+            return "ok", fn()
+        except _Timeout:
+            return "error", "timeout"
+        except SystemExit:
+            return "exit", None
+        except BaseException as e:  # the solution's own failure, reported, never raised
+            return "error", type(e).__name__
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+
+    def on_alarm(signum, frame):
+        raise _Timeout
+
+    if payload["confined"]:
+        confine(payload["root"])
+    send({"ready": True})
+    signal.signal(signal.SIGALRM, on_alarm)
+    current_input = [""]
+    _limit(payload["cpu_s"], payload["confined"])
+    _guard(current_input)
+    status, compiled = timed(lambda: compile(payload["code"], "<solution>", "exec"))
+    if status != "ok":
+        return send({"error": f"compile: {compiled}"})
+    if payload["functional"]:
+        scope = {"__name__": "__solution__", "__builtins__": builtins}
+
+        def load():
+            exec(PRELUDE, scope)
+            exec(compiled, scope)
+            name = payload["fn_name"]
+            return getattr(scope["Solution"](), name) if "Solution" in scope else scope[name]
+
+        status, target = timed(load)
+        if status != "ok":
+            return send({"error": f"load: {target}"})
+        for text in payload["inputs"]:
+            status, value = timed(lambda: target(*[json.loads(line) for line in text.split("\n")]))
+            try:
+                send({"ret": value} if status == "ok" else {"error": value or status})
+            except (TypeError, ValueError):
+                send({"error": f"return value of type {type(value).__name__} is not JSON"})
+        return
+    real_stdout = sys.stdout
+    for text in payload["inputs"]:
+        # A fresh module per test, stdin and stdout as real text streams (with .buffer) over bytes.
+        current_input[0] = text
+        sys.stdin = io.TextIOWrapper(io.BytesIO(text.encode()), encoding="utf-8")
+        sys.stdout = out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", write_through=True)
+        scope = {"__name__": "__main__", "__builtins__": builtins}
+
+        def script():
+            exec(PRELUDE, scope)
+            exec(compiled, scope)
+
+        status, error = timed(script)
+        sys.stdout = real_stdout
+        printed = out.buffer.getvalue()
+        if status == "error":
+            send({"error": error})
+        elif len(printed) > OUTPUT_CHARS:
+            send({"error": "output too long"})
+        else:
+            send({"out": printed.decode("utf-8", errors="replace")})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""The red team's sandbox escapes (../shared/reviews/red-team-3.md, C1-C16, M5, M9), run through the
+code grader as root and as an ordinary user (uid 65534): no connection, no file outside changed, the
+grader alive, no process left, the gold not printed; a correct threaded solution passes.
+
+A driver process plays the grader (as evaluate.py does: the benchmark file on its command line, the
+gold in its memory, a secret in its environment) and grades every program with run_tests; this test
+checks what the programs could have harmed. Programs that cheat print what they found and pass only
+if they found the gold; programs that harm attack and then print the right answer.
+"""
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HARM = {  # attack, then print 1 (the right answer)
+    "C1 _socket.SocketType": "import _socket\n_socket.SocketType().connect(('127.0.0.1', {port}))",
+    "C2 socket.SocketType": "import socket\nsocket.SocketType().connect(('127.0.0.1', {port}))",
+    "C3 re-imported _socket": "import sys\ndel sys.modules['socket'], sys.modules['_socket']\nimport socket\n"
+                              "socket.create_connection(('127.0.0.1', {port}), timeout=2)",
+    "C4 FileIO truncates": "import io\nio.FileIO({a!r}, 'w').close()",
+    "C5 mmap writes": "import io, mmap\nf = io.FileIO({b!r}, 'r+')\nm = mmap.mmap(f.fileno(), 0)\n"
+                      "m[:6] = b'HACKED'\nm.flush()",
+    "C6 posix.unlink": "import sys\ndel sys.modules['posix']\nimport posix\nposix.unlink({c!r})",
+    "C6 posix.rename": "import sys\ndel sys.modules['posix']\nimport posix\nposix.rename({d!r}, {d!r} + '.moved')",
+    "C7 FileIO creates": "import io\nio.FileIO({x!r}, 'x').close()",
+    "C8 raise RLIMIT_FSIZE": "import sys\ndel sys.modules['resource']\nimport resource\n"
+                             "resource.setrlimit(resource.RLIMIT_FSIZE, (-1, -1))",
+    "C13 pidfd_send_signal": "import os, signal\nsignal.pidfd_send_signal(os.pidfd_open(os.getppid()), 9)",
+    "C14 posix.kill": "import os, sys\ndel sys.modules['posix']\nimport posix\nposix.kill(os.getppid(), 9)\n"
+                      "posix.kill(os.getppid(), 15)",
+    "C15 fork, setsid, sleep": "import sys, time\ndel sys.modules['posix']\nimport posix\nif posix.fork() == 0:\n"
+                               "    posix.setsid()\n    posix.execv('/bin/sleep', ['sleep', '31.337'])\ntime.sleep(0.5)",
+    "C16 fork, setsid, shell": "import sys, time\ndel sys.modules['posix']\nimport posix\nif posix.fork() == 0:\n"
+                               "    posix.setsid()\n    posix.execv('/bin/sh', ['sh', '-c', 'echo x > {e}; sleep 31.338'])\n"
+                               "time.sleep(0.5)",
+    "M9 more threads than the task limit": "import threading, time\nts = [threading.Thread(target=time.sleep, "
+                                           "args=(1,)) for _ in range(40)]\nfor t in ts:\n    t.start()",
+}
+CHEAT = {  # print what they found: right only if they found the gold
+    "C9 reads the benchmark file": "import io, json\nprint(json.loads(io.FileIO({bench!r}).read())[0]['output'])",
+    "C10 /proc/ppid/environ": "import io, os\nprint([e for e in io.FileIO('/proc/%d/environ' % os.getppid()).read()"
+                              ".split(b'\\0') if e.startswith(b'RLCM_SECRET=')][0][12:].decode())",
+    "C11 /proc/ppid/cmdline and cwd": (
+        "import io, os, json, sys\np, given = os.getppid(), sys.stdin.read().strip()\n"
+        "for arg in io.FileIO('/proc/%d/cmdline' % p).read().decode().split('\\0'):\n"
+        "    if arg.endswith('.json'):\n"
+        "        path = arg if arg.startswith('/') else '/proc/%d/cwd/%s' % (p, arg)\n"
+        "        for t in json.loads(io.FileIO(path).read()):\n"
+        "            if t['input'].strip() == given:\n                print(t['output'])\n"),
+    "C12 /proc/ppid/mem": (
+        "import io, os, sys, json\np = os.getppid()\n"
+        "needle = json.dumps(sys.stdin.read())[:-1].encode() + b'\", \"output\": \"'\nout = 'none'\n"
+        "for line in io.FileIO('/proc/%d/maps' % p).read().decode().splitlines():\n"
+        "    a, b = [int(x, 16) for x in line.split()[0].split('-')]\n"
+        "    if 'rw' not in line.split()[1] or b - a > (256 << 20): continue\n"
+        "    try:\n        m = io.FileIO('/proc/%d/mem' % p); m.seek(a); chunk = m.read(b - a)\n"
+        "    except OSError: continue\n    i = chunk.find(needle)\n"
+        "    if i >= 0:\n        j = i + len(needle); out = chunk[j:chunk.index(b'\"', j)].decode(); break\n"
+        "print(out)\n"),
+}
+THREADED = ("import threading\ndef main():\n    a, b = map(int, input().split())\n    print(a + b)\n"
+            "threading.stack_size(1 << 26)\nt = threading.Thread(target=main)\nt.start()\nt.join()\n")
+FLOOD = ("import sys, os\nf = sys._getframe()\nwhile 'out_fd' not in f.f_locals:\n    f = f.f_back\n"
+         "for _ in range(384):\n    os.write(f.f_locals['out_fd'], b'x' * (1 << 20))\n")
+DRIVER = """
+import json, os, random, resource, socket, sys
+from harness.sandbox import run_tests
+bench, folder = sys.argv[1], sys.argv[2]
+listener = socket.socket()
+listener.bind(("127.0.0.1", 0))
+listener.listen()
+listener.setblocking(False)
+names = {n: os.path.join(folder, n) for n in "abcdex"}
+tests = json.load(open(bench))
+gold = json.dumps({"tests": tests, "fn_name": None})   # held as data.py holds it
+one = [{"input": "", "output": "1", "testtype": "stdin"}]
+results = {}
+for name, code in json.loads(sys.stdin.read()).items():
+    code = code.format(port=listener.getsockname()[1], bench=bench, **names)
+    if name.startswith("C10"):
+        results[name] = run_tests(code, [{"input": "", "output": os.environ["RLCM_SECRET"], "testtype": "stdin"}],
+                                  per_test_s=3)
+    else:
+        results[name] = run_tests(code + "\\nprint(1)\\n" if "print(" not in code else code,
+                                  one if "print(" not in code else tests, per_test_s=3)
+try:
+    listener.accept()
+    results["a connection"] = True
+except BlockingIOError:
+    pass
+if sys.argv[3]:
+    results["threaded"] = run_tests(sys.argv[3], [{"input": "20 22", "output": "42", "testtype": "stdin"}])
+if sys.argv[4]:
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    results["flood"] = run_tests(sys.argv[4], one)
+    results["flood MB kept"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024
+results["next sample"] = run_tests("print(1)", one)
+print(json.dumps(results))
+"""
+
+
+def _python_for(user):
+    """An interpreter with which `user` (setpriv arguments, or none) can grade a program here."""
+    check = "from harness.sandbox import run_tests\nassert run_tests('print(1)', [{'input': '', 'output': '1', " \
+            "'testtype': 'stdin'}])\n"
+    for python in (sys.executable, shutil.which("python3", path=os.defpath)):
+        if python and subprocess.run([*user, python, "-c", check], cwd=ROOT, env={"PYTHONPATH": ROOT},
+                                     capture_output=True).returncode == 0:
+            return python
+    return None
+
+
+def _alive(marker):
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker in f.read():
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
+def _grade_as(as_user, programs=(), threaded="", flood=""):
+    """Run DRIVER as `as_user` ("root" or "ordinary": uid 65534) in a fresh folder of victims; returns
+    (results, the victims' folder, survivors): the caller checks and removes the folder."""
+    if os.geteuid() != 0 or not shutil.which("setpriv"):
+        pytest.skip("needs root, and setpriv to become uid 65534")
+    user = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if as_user == "ordinary" else []
+    python = _python_for(user)
+    if python is None:
+        pytest.skip(f"no Python that {as_user} can run with this checkout ({ROOT})")
+    folder = tempfile.mkdtemp(prefix="escapes-")  # writable by the grader's user, whoever it is
+    os.chmod(folder, 0o777)
+    for name in "abcd":
+        with open(os.path.join(folder, name), "w") as f:
+            f.write("precious data\n")
+        os.chmod(os.path.join(folder, name), 0o666)
+    answer = str(random.randrange(10 ** 11, 10 ** 12))
+    bench = os.path.join(folder, "bench.json")
+    with open(bench, "w") as f:
+        json.dump([{"input": "count the widgets 4242\n", "output": answer, "testtype": "stdin"}], f)
+    os.chmod(bench, 0o644)
+    done = subprocess.run([*user, python, "-c", DRIVER, bench, folder, threaded, flood], cwd=ROOT,
+                          input=json.dumps(dict(programs)), capture_output=True, text=True, timeout=600,
+                          env={"PYTHONPATH": ROOT, "PATH": os.environ["PATH"], "RLCM_SECRET": answer})
+    survivors = _alive(b"31.33")
+    for pid in survivors:
+        os.kill(pid, 9)
+    if done.returncode != 0:
+        shutil.rmtree(folder, ignore_errors=True)
+    assert done.returncode == 0, f"the grader died ({done.returncode}): {done.stderr[-2000:]}"
+    results = json.loads(done.stdout.splitlines()[-1])
+    assert results["next sample"]
+    return results, folder, survivors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("as_user", ["root", "ordinary"])
+def test_red_team_escapes_fail_and_harm_nothing(as_user):
+    results, folder, survivors = _grade_as(as_user, {**HARM, **CHEAT})
+    try:
+        passed = sorted(name for name in {**HARM, **CHEAT} if results[name])
+        # C14: kill(getppid() == 0, ...) signals the solution's own group; as PID 1 of its namespace it
+        # ignores that, so the program goes on and prints the right answer, having harmed nothing
+        assert passed == ["C14 posix.kill"], passed                 # no other escape worked, no gold printed
+        assert "a connection" not in results
+        assert not survivors, "a process the solution started outlived the grade"
+        for name in "abcd":
+            with open(os.path.join(folder, name)) as f:
+                assert f.read() == "precious data\n", name
+        assert sorted(os.listdir(folder)) == ["a", "b", "bench.json", "c", "d"]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.slow
+def test_a_threaded_solution_passes_under_any_uid():
+    # M9: LiveCodeBench allows threads; the task limit counts only the child's own, whatever the uid
+    for as_user in ("root", "ordinary"):
+        results, folder, _ = _grade_as(as_user, threaded=THREADED)
+        shutil.rmtree(folder, ignore_errors=True)
+        assert results["threaded"], f"a correct threaded solution failed as {as_user}"
+
+
+@pytest.mark.slow
+def test_a_flood_of_the_result_pipe_costs_the_grader_little():
+    # M5: 384 MiB without a newline on the result pipe; the grader reads at most LINE_BYTES (32 MiB)
+    results, folder, _ = _grade_as("root", flood=FLOOD)
+    shutil.rmtree(folder, ignore_errors=True)
+    assert not results["flood"]
+    assert results["flood MB kept"] < 160, f"the grader's peak memory grew {results['flood MB kept']} MB"
+
+
+def test_without_namespaces_no_code_runs_unless_the_user_accepts_it(monkeypatch, tmp_path, capsys):
+    import evaluate
+    from harness import sandbox
+    trace = tmp_path / "ran"
+    code = f"import io\nio.FileIO({str(trace)!r}, 'x').close()\nprint(1)"   # leaves a file if it runs unconfined
+    one = [{"input": "", "output": "1", "testtype": "stdin"}]
+    monkeypatch.setattr(sandbox, "UNSHARE", "no-such-unshare")   # as where util-linux or user namespaces are missing
+    sandbox._why_not.cache_clear()
+    try:
+        with pytest.raises(sandbox.SandboxUnavailable, match="^sandbox: cannot confine .*no-such-unshare.*"
+                                                             "evaluate.py --unconfined-code$") as err:
+            sandbox.run_tests(code, one)
+        assert "\n" not in str(err.value) and not trace.exists()
+        monkeypatch.setattr(sandbox, "allow_unconfined", True)
+        assert sandbox.run_tests(code, one) and trace.exists()   # accepted: it runs, unconfined
+        assert "UNCONFINED" in capsys.readouterr().err
+        # evaluate.py says so before any model loads or any sample is drawn, unless --unconfined-code
+        lcb = os.path.join(ROOT, "tests", "fixtures", "lcb.jsonl")
+        with pytest.raises(SystemExit) as exit_:
+            evaluate.main(["--model", "toy", "--benchmarks", f"lcb={lcb}", "--out", str(tmp_path / "ev")])
+        assert str(exit_.value.code).startswith("evaluate.py: error: sandbox: cannot confine")
+        assert "\n" not in str(exit_.value.code) and not (tmp_path / "ev" / "samples.jsonl").exists()
+        assert evaluate.parse_args(["--model", "m", "--unconfined-code"]).unconfined_code
+    finally:
+        sandbox._why_not.cache_clear()
+        sandbox.allow_unconfined = False
