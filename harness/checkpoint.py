@@ -18,7 +18,8 @@ A checkpoint is written into a fresh `step_000010.<random>.tmp` and renamed when
 crash or a full disk mid-write never replaces or damages the last good one; of the complete ones at or
 below the step just saved only the last `keep` are kept. A checkpoint damaged afterwards (a file
 deleted or cut short), one whose state.pt holds another step, or a link in place of its folder is
-skipped for the previous complete one, with a message, and never pruned.
+skipped for the previous complete one, with a message, and never pruned. A link in place of
+RUN/checkpoints itself is refused in one line (it would make this run write into another).
 
 The files inside a run folder are written whole and never through a link (harness/files.py).
 """
@@ -155,9 +156,19 @@ def load_model(name, dtype=torch.float32, trust_remote_code=False):
     return model, tok
 
 
+def _own_root(run_dir):
+    """RUN/checkpoints, refused in one line when it is a link: a link there (to another run's
+    checkpoints) would make a resume read that run, save into it and prune it."""
+    root = os.path.join(run_dir, "checkpoints")
+    if os.path.islink(root):
+        raise UserError(f"{root} is a link (to {os.readlink(root)}): a run's checkpoints must be a folder of its "
+                        "own; replace the link with a copy of the folder, or remove it")
+    return root
+
+
 def checkpoints(run_dir):
     """Published checkpoint directories of a run (step_NNNNNN, no .tmp), oldest first."""
-    root = os.path.join(run_dir, "checkpoints")
+    root = _own_root(run_dir)
     if not os.path.isdir(root):
         return []
     names = sorted(n for n in os.listdir(root) if n.startswith(PREFIX) and n[len(PREFIX):].isdigit())
@@ -283,7 +294,7 @@ def save_checkpoint(run_dir, step, write, keep=2):
     Damaged ones and newer ones are never counted, so they never make a good one go. A failed write
     (a full disk) is one UserError line; the folder is removed and the checkpoints before it stay."""
     from safetensors import SafetensorError
-    root = os.path.join(run_dir, "checkpoints")
+    root = _own_root(run_dir)
     final = os.path.join(root, f"{PREFIX}{step:06d}")
     os.makedirs(root, exist_ok=True)
     for n in os.listdir(root):   # left by a save that was killed (we hold the run's lock: no one else saves)
