@@ -314,7 +314,7 @@ def _choices(row, index, spec):
     order = list(range(len(options)))
     random.Random(index).shuffle(order)
     letters = "ABCD"
-    problem = row[spec["problem"]].strip() + "\n\n" + "\n".join(
+    problem = scrub(str(row[spec["problem"]])).strip() + "\n\n" + "\n".join(
         f"{letters[k]}) {options[j]}" for k, j in enumerate(order))
     return problem, letters[order.index(0)]
 
@@ -332,9 +332,10 @@ def load_rows(source, split=None, problem_field=None, answer_field=None, limit=N
     file, or a Hugging Face dataset id ("owner/name"). Fields are detected unless given.
 
     like: the BENCHMARKS name whose layout a local file has; lcb and logiqa rows are then built as
-    the hub's are (BUILD). lcb_release: LiveCodeBench's window of contest months (lcb_window)."""
+    the hub's are (BUILD), and gpqa rows with its option fields get their options and a letter gold.
+    lcb_release: LiveCodeBench's window of contest months (lcb_window)."""
     name = source if source in BENCHMARKS else like
-    spec = BENCHMARKS[like] if like in BUILD else {}
+    spec = BENCHMARKS[like] if like in BUILD or "choices" in BENCHMARKS.get(like, {}) else {}
     if source in TOY_BENCHMARKS:
         import toy  # the offline world; imported here so data.py stands alone otherwise
         records, where = toy.dataset(split or "train", source), source
@@ -369,11 +370,17 @@ def load_rows(source, split=None, problem_field=None, answer_field=None, limit=N
     keys = set().union(*(r.keys() for r in records[:100]))
     pf = _field(keys, problem_field, spec.get("problem"), PROBLEM_FIELDS, "problem", "--problem-field", where)
     af = _field(keys, answer_field, spec.get("answer"), ANSWER_FIELDS, "answer", "--answer-field", where)
+    # GPQA's layout (its options in fields of their own), on the hub or in a local copy: options shown, letter gold
+    choices = spec.get("choices") if not (problem_field or answer_field) and keys & set(spec.get("choices", ())) else None
     rows = []
     for i, r in enumerate(records if limit is None else records[:limit]):
         if name in BUILD:
             problem, answer = BUILD[name](r)
-        elif spec.get("choices") and not (problem_field or answer_field):
+        elif choices:
+            lack = [f for f in (spec["problem"], *choices) if not isinstance(r.get(f), (str, int, float))]
+            if lack:
+                raise DataError(f"{where}: row {i} has no {lack[0]!r} field: a {like or name} file in the hub's layout "
+                                f"needs {spec['problem']!r} and {', '.join(map(repr, choices))}; fix the row")
             problem, answer = _choices(r, i, spec)
         else:
             for field, value in ((pf, r.get(pf)), (af, _first(r.get(af)))):
