@@ -45,3 +45,30 @@ def test_a_local_gpqa_file_is_built_as_the_hubs_gpqa(tmp_path):
     path.write_text(json.dumps({k: v for k, v in GPQA_ROW.items() if k != "Incorrect Answer 2"}) + "\n")
     with pytest.raises(data.DataError, match=f"^{path}: row 0 has no 'Incorrect Answer 2' field: a gpqa file"):
         evaluate.load_benchmark(f"gpqa={path}")
+
+
+def test_a_cut_between_the_posthoc_caches_two_files_never_pairs_another_protocols_probe(tmp_path, monkeypatch, capsys):
+    # H8: at a7c59f5 the report (.json, with the protocol) and the probe (.pt) were two files: after a
+    # kill between them a new .pt sat beside the old .json, and the old protocol got the other probe.
+    import torch
+    from evaluation import confidence
+    import probe as probe_lib
+    from harness import files
+    import test_hardening_inputs as hi
+    cache = hi.cache_files(tmp_path)            # protocol A's probe and report, both in c.pt
+    files.write_json(cache + ".json", {"protocol": confidence.cache_protocol(hi.PROTOCOL, [], "")})
+    other = probe_lib.Probe(8)
+    with torch.no_grad():
+        other.net[0].weight.fill_(0.5)
+    # the state a kill after the first write of the old layout left: another protocol's probe in c.pt,
+    # A's report in c.json (here the probe comes with its own protocol, as posthoc_probe writes it)
+    probe_lib.save(cache + ".pt", other)
+    torch.save(dict(torch.load(cache + ".pt"), report=json.dumps({"protocol": dict(hi.PROTOCOL, n=8)})), cache + ".pt")
+    with pytest.raises(hi.Refit):               # protocol A is fitted again, not answered with n=8's probe
+        hi.posthoc(cache, monkeypatch)
+    probe_lib.save(cache + ".pt", probe_lib.Probe(8))
+    torch.save(dict(torch.load(cache + ".pt"), report=json.dumps({"protocol": confidence.cache_protocol(
+        hi.PROTOCOL, [], "")})), cache + ".pt")
+    prb, report = hi.posthoc(cache, monkeypatch)   # A's own file: used as it is
+    assert report["protocol"]["n"] == 1 and prb.net[0].weight.abs().max().item() != 0.5
+
