@@ -13,7 +13,7 @@ tag, `--answer`; LiveCodeBench: the last fenced code block, run against its test
 post-hoc probe, fitted once per model with the released protocol and cached in --out; `probe` is the
 run's own probe.pt, read at its last training budget). Written to --out (default RUN/eval
 for a run or checkpoint, else eval_out/<model>): samples.jsonl (appended per batch: an interrupted
-evaluation resumes where it stopped; a row counts only for its model's resolved path, its benchmark's
+evaluation resumes where it stopped; a row counts only for its model's resolved path and content, its benchmark's
 file and question, and the settings it was made with: sample_key), results.json (a model per label;
 another model with the same label is filed as label@HASH), reliability_<model>_<benchmark>.png. Metrics are
 computed per benchmark over all samples, pass@k beside accuracy; "Overall" is the unweighted mean over the

@@ -195,14 +195,24 @@ def model_label(run):
     return ckpt and evaluate.model_label(run, ckpt)
 
 
-def eval_entry(eval_dir, label):
-    """This model's entry of EVAL/results.json if its results of every toy benchmark hold every metric as
+def model_ident(run):
+    """What evaluate.py records as the model's identity (evaluation/samples.model_id: its folder and
+    content) for the toy base or the run's latest checkpoint; None before its first checkpoint."""
+    ckpt = checkpoint.resolve_model("toy") if run is None else checkpoint.latest_checkpoint(run, quiet)
+    return ckpt and evaluate.model_id(ckpt)
+
+
+def eval_entry(eval_dir, label, ident):
+    """This model's entry of EVAL/results.json if it is of this very model (`ident`, model_ident: not of
+    one trained before in the same folder) and its results of every toy benchmark hold every metric as
     a number (AUROC may be None: one class), else None: an evaluation still to do, so a rerun replaces a
     damaged entry."""
     number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
     try:
         with open(os.path.join(eval_dir, "results.json"), encoding="utf-8") as f:
             entry = json.load(f).get(label)
+        if entry["model_id"] != ident:
+            return None
         complete = all(all(number(b.get(k)) for k in ("acc", "pce", "ece", "brier", "n")) and
                        (b.get("auroc") is None or number(b["auroc"]))
                        for b in (entry["benchmarks"][name] for name in BENCHMARKS))
@@ -284,13 +294,13 @@ class Jobs:
             start, end = held_out(run)
             self.say(f"{name}: " + (f"trained in {time.time() - t:.0f} s" if how is not None else "trained already") +
                      (f" (held-out {start:.2f} -> {end:.2f})" if start is not None else ""))
-        label, t, fresh = model_label(run), time.time(), False
+        label, ident, t, fresh = model_label(run), model_ident(run), time.time(), False
         cmd = eval_cmd(method, seed, run, ev) + self.args.eval_args
-        entry = eval_entry(ev, label)
+        entry = eval_entry(ev, label, ident)
         if entry is None or not made_with(entry, cmd):
             if not self.child([py, os.path.join(ROOT, "evaluate.py"), *cmd], log + ".eval.log", f"{name}: evaluation"):
                 return False
-            entry, fresh = eval_entry(ev, label), True
+            entry, fresh = eval_entry(ev, label, ident), True
             if entry is None:
                 return self.fail(f"{name}: evaluation", f": {ev}/results.json holds no complete toy results of {label}")
         accs = ", ".join(f"{b} {entry['benchmarks'][b]['acc']:.3f}" for b in BENCHMARKS)
@@ -365,7 +375,7 @@ def aggregate(out, methods, seeds):
         for s in seeds[m]:
             run, ev, _ = paths(out, m, s)
             label = model_label(run)
-            entry = eval_entry(ev, label)
+            entry = eval_entry(ev, label, model_ident(run))
             if entry is None:
                 raise UserError(f"{ev}/results.json holds no complete toy results for {label}: run the command again")
             benches = {b: dict({k: entry["benchmarks"][b][k] for _, k in KEYS}, n=entry["benchmarks"][b]["n"])

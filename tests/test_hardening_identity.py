@@ -72,3 +72,38 @@ def test_a_cut_between_the_posthoc_caches_two_files_never_pairs_another_protocol
     prb, report = hi.posthoc(cache, monkeypatch)   # A's own file: used as it is
     assert report["protocol"]["n"] == 1 and prb.net[0].weight.abs().max().item() != 0.5
 
+
+FAST = ["--benchmarks", "toy,toy-long,toy-sub", "--limit", "6", "--n-samples", "2", "--max-new-tokens", "24", "--threads", "1",
+        "--confidence", "logits"]
+
+
+def retrain_in_place(folder):
+    """The model in `folder` replaced by another of the same shapes (its embedding rows reversed), as a
+    run deleted and trained again to the same step leaves it."""
+    from safetensors.torch import load_file, save_file
+    p = os.path.join(folder, "model.safetensors")
+    sd = load_file(p)
+    sd["model.embed_tokens.weight"] = sd["model.embed_tokens.weight"].flip(0).contiguous()
+    save_file(sd, p, metadata={"format": "pt"})
+
+
+def test_a_model_trained_again_in_place_is_evaluated_again_not_given_the_old_samples(tmp_path, capsys):
+    # H7: at a7c59f5 a model was its path: the second evaluation into E printed the first model's
+    # numbers (all its samples reused), and reproduce.py's eval_entry called it "evaluated already".
+    import evaluate
+    import reproduce
+    import toy
+    model = str(tmp_path / "model")
+    shutil.copytree(toy.base_model(), model)
+    first = evaluate.main(["--model", model, "--out", str(tmp_path / "e"), *FAST])["model"]
+    assert reproduce.eval_entry(str(tmp_path / "e"), "model", evaluate.model_id(model))["model_id"] == first["model_id"]
+    retrain_in_place(model)
+    capsys.readouterr()
+    again = evaluate.main(["--model", model, "--out", str(tmp_path / "e"), *FAST])
+    assert "is of the model that was in" in capsys.readouterr().err
+    fresh = evaluate.main(["--model", model, "--out", str(tmp_path / "e2"), *FAST])["model"]
+    assert list(again) == ["model"] and again["model"]["benchmarks"] == fresh["benchmarks"]
+    assert fresh["benchmarks"]["toy"]["acc"] != first["benchmarks"]["toy"]["acc"]
+    assert again["model"]["model_id"] != first["model_id"] and again["model"]["model_id"].startswith(
+        os.path.realpath(model) + "#")
+    assert reproduce.eval_entry(str(tmp_path / "e"), "model", first["model_id"]) is None   # the old model's: gone
