@@ -67,7 +67,8 @@ WHY = (("margin signal", "signal_frac"), ("probe AUROC (held-out, in training)",
 ROOT = os.path.dirname(os.path.abspath(__file__))
 # What reproduce.py itself passes each run: --train-args / --eval-args that would change one is refused,
 # since the table labels every row with its method, seed and confidence.
-TRAIN_FIXED = ("reward", "seed", "out", "resume", "model", "plot")
+# RL trains on the toy's training split and checks on its test split: data and eval_data are fixed too.
+TRAIN_FIXED = ("reward", "seed", "out", "resume", "model", "plot", "data", "eval_data")
 EVAL_FIXED = ("model", "benchmarks", "confidence", "seed", "out")
 PRINT, STOP = threading.Lock(), threading.Event()
 CHILDREN, CHILDREN_LOCK = set(), threading.Lock()   # the running train.py / evaluate.py processes
@@ -129,6 +130,8 @@ def parsed(parse, words, what):
     except SystemExit:
         why = (err.getvalue().strip().splitlines() or ["cannot parse them"])[-1].partition("error: ")
         raise UserError(f"{what}: {why[2] or why[0]}") from None
+    except UserError as e:   # train.py's own checks of the resolved values
+        raise UserError(f"{what}: {e}") from None
 
 
 def refuse_overrides(flag, parse, base, extra, fixed):
@@ -143,7 +146,9 @@ def refuse_overrides(flag, parse, base, extra, fixed):
 
 
 def train_flags(words):
-    return config.build_parser().parse_args(words)
+    """train.py's configuration for these arguments as train.py resolves it: what a --config file
+    sets (its model, its data) counts as if given on the command line."""
+    return argparse.Namespace(**config.resolve_args(words))
 
 
 def train_cmd(method, seed, run):

@@ -107,3 +107,22 @@ def test_a_model_trained_again_in_place_is_evaluated_again_not_given_the_old_sam
     assert again["model"]["model_id"] != first["model_id"] and again["model"]["model_id"].startswith(
         os.path.realpath(model) + "#")
     assert reproduce.eval_entry(str(tmp_path / "e"), "model", first["model_id"]) is None   # the old model's: gone
+
+
+@pytest.mark.parametrize("key, value", [("model", "runs/other"), ("data", "toy-sub")])
+def test_reproduce_refuses_a_config_file_that_changes_the_model_or_the_data(tmp_path, key, value):
+    # H11: at a7c59f5 --train-args "--config FILE" passed (argparse's model was None before and after)
+    # and every method trained from FILE's model while the table said toy_base.
+    import reproduce
+    from harness import config
+    from harness.files import UserError
+    cfg = dict(config.resolve_args(["--out", str(tmp_path / "x")]), **{key: value})
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(cfg))
+    argv = ["--methods", "grpo", "--seeds", "0", "--out", str(tmp_path / "rep")]
+    with pytest.raises(UserError, match=f"^--train-args --config {path} --steps 1: --{key} is reproduce.py's to set"):
+        reproduce.parse_args(argv + ["--train-args", f"--config {path} --steps 1"])
+    # L7: the same value as a flag (at a7c59f5 --data toy-sub was accepted)
+    with pytest.raises(UserError, match=f"--{key} is reproduce.py's to set for each method and seed"):
+        reproduce.parse_args(argv + ["--train-args", f"--{key} {value}"])
+    assert not os.path.exists(tmp_path / "rep")
