@@ -56,7 +56,9 @@ def load_policy(cfg, device, ckpt=None):
     adapter (harness/lora.py); on one GPU the frozen base is bf16, as it is also the generation copy."""
     lora = cfg["lora_rank"] > 0
     dtype = torch.bfloat16 if lora and device.type == "cuda" and WORLD == 1 and not cfg["offload"] else torch.float32
-    model, tok = ckpt_lib.load_model(cfg["model"] if lora else ckpt or cfg["model"], dtype, cfg["trust_remote_code"])
+    # a LoRA run resumes on the base its checkpoint was trained on (not what --model names now)
+    base = (lora_lib.base_of(ckpt) if ckpt else cfg["model"]) if lora else ckpt or cfg["model"]
+    model, tok = ckpt_lib.load_model(base, dtype, cfg["trust_remote_code"])
     if lora:
         model = lora_lib.with_adapter(model, cfg, ckpt)
     model.config.use_cache = False
@@ -108,9 +110,9 @@ def run(cfg):
     # the rollout samples from (the same model on one CPU process, a bf16 copy on a GPU), `model`
     # the unwrapped module (its config, save_pretrained)
     if torch.distributed.is_initialized():  # rank 0 reads the weights, the others get their shards
-        adapt = (lambda m, meta: lora_lib.with_adapter(m, cfg, None if meta else ckpt)) if cfg["lora_rank"] else None
+        adapt = (lambda m, meta: lora_lib.with_adapter(m, cfg, ckpt, fresh=meta)) if cfg["lora_rank"] else None
         policy, sampler, model, tok = load_sharded(
-            cfg["model"] if adapt else ckpt or cfg["model"], device, cfg["offload"], cfg["trust_remote_code"],
+            (lora_lib.base_of(ckpt) if ckpt else cfg["model"]) if adapt else ckpt or cfg["model"], device, cfg["offload"], cfg["trust_remote_code"],
             checkpoint_activations if cfg["grad_ckpt"] else None, adapt)
     else:
         model, tok = load_policy(cfg, device, ckpt)

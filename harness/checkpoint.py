@@ -35,7 +35,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from harness import lora
+from harness import adapter, lora
 from harness.files import UserError, first_line, fresh_name
 from probe import NotAProbe
 
@@ -135,7 +135,13 @@ def load_model(name, dtype=torch.float32, trust_remote_code=False):
     path = resolve_model(name)
     if lora.is_adapter(path):  # a --lora-rank checkpoint: its base (and its tokenizer), the adapter merged in
         model, tok = load_model(lora.base_of(path), dtype, trust_remote_code)
-        return lora.merged(model, path), tok
+        # merged into a weight another layer shares (a tied LM head), it would change that layer too: unmerged
+        keep = adapter.tied(model, adapter.read_config(path).get("target_modules") or [])
+        try:
+            return (lora.load_adapter(model, path, trainable=False) if keep else lora.merged(model, path)), tok
+        except (RuntimeError, ValueError) as e:   # peft's size mismatch or unknown module: pages of text
+            raise UserError(f"{path}: its adapter does not fit its base ({first_line(e)}): restore "
+                            f"{lora.CONFIG} from a copy of the run") from None
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         check_shapes(path, trust_remote_code)
