@@ -104,16 +104,19 @@ def _lcb_row(r):
     """(prompt, gold) of a LiveCodeBench row: lighteval's prompt, and the JSON string
     {"tests": public + private tests, "fn_name": the method of class Solution, or null for stdin}
     that grade.is_correct(..., grader="code") runs. Private tests are decoded without running code."""
-    from harness.sandbox import decode_private_tests
-    starter = r.get("starter_code")
-    prompt = LCB_PREAMBLE + f"Question: {r['question_content']}\n\n" + (
-        LCB_STARTER + f"```python\n{starter}\n```\n\n" if starter else LCB_STDIN + "```python\n# YOUR CODE HERE\n```\n\n")
+    from evaluation import lcb   # the tests and the metadata, each checked (a bad row: one line, now)
+    starter, question = r.get("starter_code"), r.get("question_content")
     try:
-        tests = json.loads(r["public_test_cases"]) + decode_private_tests(r.get("private_test_cases") or "[]")
-        fn_name = json.loads(r.get("metadata") or "{}").get("func_name")
+        if not isinstance(question, str) or not question.strip():
+            raise lcb.RowError(f"question_content is {json.dumps(question, default=str)[:40]}, not the problem's text")
+        if starter is not None and not isinstance(starter, str):
+            raise lcb.RowError(f"starter_code is {type(starter).__name__}, not code")
+        tests, fn_name = lcb.tests_of(r)
     except ValueError as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise DataError(f"LiveCodeBench problem {r.get('question_id')}: {first}: fix or drop the row") from None
+    prompt = LCB_PREAMBLE + f"Question: {question}\n\n" + (
+        LCB_STARTER + f"```python\n{starter}\n```\n\n" if starter else LCB_STDIN + "```python\n# YOUR CODE HERE\n```\n\n")
     return prompt, json.dumps({"tests": tests, "fn_name": fn_name})
 
 
@@ -208,7 +211,7 @@ def chat_prompt(tokenizer, problem: str, instruction: str = INSTRUCTION, system:
 
 def _read_file(path):
     """Rows of a local .jsonl, .json (a list, or a dict holding one list of rows) or .parquet file
-    (told by its content, so a mistyped extension still reads)."""
+    (told by its content, so a mistyped extension still reads; a .jsonl's lines are rows, even one)."""
     if not os.path.isfile(path):
         raise DataError(f"file not found: {path}: check the path (json, jsonl or parquet)")
     with open(path, "rb") as f:
@@ -235,9 +238,9 @@ def _read_file(path):
             except json.JSONDecodeError as e:
                 raise DataError(f"{path} is neither JSON nor JSON lines (line {i + 1}, column {e.colno}: "
                                 f"{e.msg}): fix the file") from None
-    if isinstance(data, dict):
+    if isinstance(data, dict):   # a .jsonl of one line is one row, whatever fields it holds
         lists = [v for v in data.values() if isinstance(v, list)]
-        data = lists[0] if len(lists) == 1 else [data]
+        data = lists[0] if len(lists) == 1 and not path.lower().endswith(".jsonl") else [data]
     if not isinstance(data, list):
         raise DataError(f"{path} holds {json.dumps(data)[:40]} at the top level, not rows: give a "
                         "list of objects with problem and answer fields, or one object per line")

@@ -320,6 +320,7 @@ def evaluate_model(name, loaded, args):
                        forced_k=s["reanswer_k"], budget=s["max_new_tokens"], reanswer=s["reanswer"],
                        logit_temperature=args.logit_temperature or run_config(path).get("temperature", 0.8))
         key = sample_key(ident, bench_source, s, args, [instruction, prompt[1], prompt[2]], conf_kw)
+        earlier = len(own_rows(read_samples(samples), key, rows, s["n"]))   # drawn by an earlier, cut command
         generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, samples, prompt[1],
                            prompt[2], key)
         # Programs vote only when equal as text: the math grader would read code as math.
@@ -329,7 +330,7 @@ def evaluate_model(name, loaded, args):
         release = {"release": f"{args.lcb_release} (contests {window})"} if bench == "lcb" else {}
         res["settings"][bench] = dict(s, confidence=source, grader=s.get("grader", GRADER), answer=prompt[2],
                                       temperature=args.temperature, **release,
-                                      top_p=args.top_p, seed=args.seed, questions=len(rows),
+                                      top_p=args.top_p, seed=args.seed, questions=len(rows), samples_earlier=earlier,
                                       instruction=instruction, system_prompt=prompt[1], key=key,
                                       benchmark_source=bench_source, benchmark_rows=digest(question_ids(rows)),
                                       bootstrap=dict(resamples=1000, unit="question", seed=args.seed))

@@ -67,6 +67,11 @@ def load_policy(cfg, device, ckpt=None):
     return model.to(device), tok
 
 
+def scored(acc):
+    """An accuracy as printed: nan (a --reward-fn skipped every response) is no number but words."""
+    return "nothing scored (--reward-fn skipped every response)" if acc != acc else f"{acc:.3f}"
+
+
 def checkpoint_activations(model):
     """Recompute each decoder layer in the backward pass (non-reentrant, works under FSDP2)."""
     kwargs = {"use_reentrant": False}
@@ -111,8 +116,9 @@ def run(cfg):
     # the unwrapped module (its config, save_pretrained)
     if torch.distributed.is_initialized():  # rank 0 reads the weights, the others get their shards
         adapt = (lambda m, meta: lora_lib.with_adapter(m, cfg, ckpt, fresh=meta)) if cfg["lora_rank"] else None
+        base = (lora_lib.base_of(ckpt) if ckpt else cfg["model"]) if adapt else ckpt or cfg["model"]
         policy, sampler, model, tok = load_sharded(
-            (lora_lib.base_of(ckpt) if ckpt else cfg["model"]) if adapt else ckpt or cfg["model"], device, cfg["offload"], cfg["trust_remote_code"],
+            base, device, cfg["offload"], cfg["trust_remote_code"],
             checkpoint_activations if cfg["grad_ckpt"] else None, adapt)
     else:
         model, tok = load_policy(cfg, device, ckpt)
@@ -154,7 +160,7 @@ def run(cfg):
                  t_eval=time.perf_counter() - t))
         if MASTER:
             runlog.append_jsonl(folder.heldout, [dict(step=at, **t) for t in trajs])
-        print0(f"step {at}: held-out accuracy {acc:.3f} on {len(eval_rows)} problems" + heldout.describe(probe_stats))
+        print0(f"step {at}: held-out accuracy {scored(acc)} on {len(eval_rows)} problems" + heldout.describe(probe_stats))
         return acc
 
     def save(at):
@@ -190,7 +196,7 @@ def run(cfg):
         out = folder.out
         print0(f"\nrun: {out}  (latest checkpoint: {ckpt_lib.latest_checkpoint(out)})")
         if first_acc is not None and final_acc is not None:
-            print0(f"held-out accuracy: {first_acc:.3f} at the start -> {final_acc:.3f} at step {step}")
+            print0(f"held-out accuracy: {scored(first_acc)} at the start -> {scored(final_acc)} at step {step}")
         roll = max(phase_sums["rollout"], 1e-9)
         print0("seconds per phase: " + ", ".join(
             f"{p} {t:.1f}" + ("" if p == "rollout" else f" ({t / roll:.2f}x rollout)")

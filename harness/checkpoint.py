@@ -148,7 +148,7 @@ def load_model(name, dtype=torch.float32, trust_remote_code=False):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
     except UserError:
         raise
-    except (OSError, ValueError, KeyError, SafetensorError) as e:
+    except (OSError, ValueError, KeyError, SafetensorError, RuntimeError) as e:   # safetensors: "unable to open file"
         if path != name and not os.path.lexists(path):
             raise UserError(f"cannot load model {name!r}: its checkpoint {path} was removed while loading "
                             "(the run is still saving and keeps only the last --keep): try again") from None
