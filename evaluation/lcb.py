@@ -8,9 +8,13 @@ The hub stores the tests and the metadata as JSON strings (private tests also as
 base64(zlib(pickle(json))): harness/sandbox.decode_private_tests); a local copy may hold them decoded
 already (a list, an object), which is read as it is.
 """
+import base64
+import binascii
 import json
+import zlib
 
 TYPES = ("stdin", "functional")
+LIMIT = 1 << 30   # bytes private tests may inflate to: real ones are tens of MB, a zlib bomb is not bounded
 
 
 class RowError(ValueError):
@@ -33,12 +37,31 @@ def _field(r, name, default, decode=json.loads):
     return value
 
 
+def _bounded(blob, name):
+    """RowError when a base64(zlib(...)) blob inflates past LIMIT, found in 16 MB chunks that are not kept
+    (zlib.decompress would first allocate all of it: 2 GB from a 1.4 MB row). Anything else is left to
+    decode_private_tests, which says what is wrong with it."""
+    try:
+        data, d, total = base64.b64decode(blob), zlib.decompressobj(), 0
+        while data:
+            total += len(d.decompress(data, 1 << 24))
+            if total > LIMIT:
+                raise RowError(f"{name} inflates to more than {LIMIT >> 20} MB (a zlib bomb?)")
+            data = d.unconsumed_tail
+    except (binascii.Error, zlib.error, ValueError) as e:
+        if isinstance(e, RowError):
+            raise
+
+
 def tests_of(r):
     """(tests, fn_name) of a LiveCodeBench row: public then private tests, each {"input": str,
     "output": str, "testtype": stdin | functional}, all of one type (functional: fn_name, the method
     of class Solution, from the metadata's func_name). RowError when any of it is not so."""
     from harness.sandbox import decode_private_tests
     public = _field(r, "public_test_cases", None)
+    blob = r.get("private_test_cases")
+    if isinstance(blob, str) and blob and not blob.lstrip().startswith("["):
+        _bounded(blob, "private_test_cases")
     private = _field(r, "private_test_cases", "[]", decode_private_tests)
     meta = _field(r, "metadata", "{}")
     for name, value in (("public_test_cases", public), ("private_test_cases", private)):

@@ -186,3 +186,31 @@ def test_results_say_how_many_samples_an_earlier_command_drew(tmp_path):
     path.write_text(lines[0] + "\n")   # as a cut after the first batch leaves it
     res = evaluate.main(["--model", "toy", *EVAL, "--out", str(out)])["toy"]
     assert res["settings"]["toy"]["samples_earlier"] == 1 and res["benchmarks"]["toy"]["n"] == 2
+
+
+def test_a_zlib_bomb_in_private_tests_is_refused_before_it_inflates(tmp_path, monkeypatch):
+    # M4 (C35): at a7c59f5 zlib.decompress had no bound (1.4 MB row -> 2.06 GB). Here the bound is
+    # lowered to 1 MB so that the original code, which inflates 4 MB, fails in a moment.
+    import base64
+    import json
+    import resource
+    import zlib
+    import data
+    from evaluation import lcb
+    monkeypatch.setattr(lcb, "LIMIT", 1 << 20, raising=False)   # raising=False: a7c59f5 had no bound
+    z = zlib.compressobj(9)
+    blob = base64.b64encode(b"".join([z.compress(b"\0" * (1 << 22)), z.flush()])).decode()
+    row = dict(json.loads(open(LCB).readline()), private_test_cases=blob)
+    path = tmp_path / "lcb.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    with pytest.raises(data.DataError, match="^LiveCodeBench problem abc001_a: private_test_cases inflates to more "
+                                             "than 1 MB \\(a zlib bomb\\?\\): fix or drop the row$"):
+        evaluate.load_benchmark(f"lcb={path}")
+    # the real bound (1 GiB) on the red team's 1.4 MB row: refused without holding what it inflates to
+    monkeypatch.setattr(lcb, "LIMIT", 1 << 30)
+    z = zlib.compressobj(9)
+    blob = base64.b64encode(b"".join([z.compress(b"\0" * (1 << 24)) for _ in range(65)] + [z.flush()])).decode()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(lcb.RowError, match="inflates to more than 1024 MB"):
+        lcb.tests_of(dict(row, private_test_cases=blob))
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200 * 1024   # kB: under 200 MB more
