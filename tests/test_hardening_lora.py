@@ -116,3 +116,26 @@ def test_lora_on_a_tied_layer_is_refused_before_training(tmp_path, capsys):
     line = one_line(capsys)
     assert line.startswith("error: --lora-targets lm_head: lm_head shares its weight with another layer"), line
     assert not os.path.exists(tmp_path / "r")
+
+
+def test_an_adapter_on_a_tied_layer_is_evaluated_as_it_was_trained(tmp_path):
+    # M8 (evaluation): at a7c59f5 checkpoint.load_model merged an lm_head adapter into the weight the
+    # input embedding shares: logits off by up to 2.32 from the policy that was trained.
+    import torch
+    ckpt = str(tmp_path / "ckpt")
+    os.makedirs(ckpt)
+    base, tok = checkpoint.load_model("toy")
+    policy = lora.add_adapter(base, dict(lora_rank=4, lora_alpha=32.0, lora_targets="lm_head"),
+                              checkpoint.resolve_model("toy"))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)   # a trained adapter (lora_B starts at zero)
+    lora.save(ckpt, policy, {n: p for n, p in policy.named_parameters() if p.requires_grad})
+    tok.save_pretrained(ckpt)
+    evaluated, _ = checkpoint.load_model(ckpt)
+    ids = torch.tensor([tok.encode("3+4+2=")])
+    with torch.no_grad():
+        diff = (policy.eval()(ids).logits - evaluated.eval()(ids).logits).abs().max().item()
+    assert diff < 1e-5, diff
