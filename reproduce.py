@@ -111,12 +111,14 @@ def parse_args(argv):
         args.train_args, args.eval_args = shlex.split(args.train_args), shlex.split(args.eval_args)
     except ValueError as e:
         raise UserError(f"--train-args / --eval-args: cannot split ({e}): check the quotes") from None
-    for m in methods:
-        for s in seeds[m]:
-            run, ev, _ = paths(args.out, m, s)
-            if run is not None:
-                refuse_overrides("--train-args", train_flags, train_cmd(m, s, run), args.train_args, TRAIN_FIXED)
-            refuse_overrides("--eval-args", evaluate.parse_args, eval_cmd(m, s, run, ev), args.eval_args, EVAL_FIXED)
+    each = [(m, s, *paths(args.out, m, s)[:2]) for m in methods for s in seeds[m]]
+    for m, s, run, ev in each:
+        if run is not None:
+            refuse_overrides("--train-args", train_flags, train_cmd(m, s, run), args.train_args, TRAIN_FIXED)
+        refuse_overrides("--eval-args", evaluate.parse_args, eval_cmd(m, s, run, ev), args.eval_args, EVAL_FIXED)
+    for m, s, run, ev in each:   # then as train.py resolves them: what a --config file sets counts too
+        if run is not None:
+            refuse_overrides("--train-args", train_config, train_cmd(m, s, run), args.train_args, TRAIN_FIXED)
     config.check_out(args.out)
     return args, methods, seeds, jobs
 
@@ -146,6 +148,10 @@ def refuse_overrides(flag, parse, base, extra, fixed):
 
 
 def train_flags(words):
+    return config.build_parser().parse_args(words)
+
+
+def train_config(words):
     """train.py's configuration for these arguments as train.py resolves it: what a --config file
     sets (its model, its data) counts as if given on the command line."""
     return argparse.Namespace(**config.resolve_args(words))
