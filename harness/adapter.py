@@ -10,6 +10,7 @@ used. A checkpoint without base.json (an older version) names its base in adapte
 """
 import json
 import os
+import re
 
 import torch
 
@@ -92,9 +93,12 @@ def tied(model, wanted):
     embedding, so merging an adapter there would change the embedding too."""
     if wanted == "all-linear":
         return []
+    if isinstance(wanted, str):   # peft reads any other string as a regular expression on the full name
+        picked = lambda name: re.fullmatch(wanted, name) is not None  # noqa: E731
+    else:
+        picked = lambda name: name in wanted or name.split(".")[-1] in wanted  # noqa: E731
     owners = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         owners.setdefault(id(p), []).append(name)
-    return [name for name, m in model.named_modules()
-            if (name in wanted or name.split(".")[-1] in wanted)
+    return [name for name, m in model.named_modules() if picked(name)
             and isinstance(getattr(m, "weight", None), torch.nn.Parameter) and len(owners[id(m.weight)]) > 1]
