@@ -152,9 +152,14 @@ def train_flags(words):
 
 
 def train_config(words):
-    """train.py's configuration for these arguments as train.py resolves it: what a --config file
-    sets (its model, its data) counts as if given on the command line."""
-    return argparse.Namespace(**config.resolve_args(words))
+    """TRAIN_FIXED as train.py resolves them from these arguments: a flag, else what a --config file
+    sets (its model, its data), else the toy world's default. Other values are left to train.py, so
+    that a bad one fails its training child, as it would without --config."""
+    given = vars(train_flags(words))
+    saved = config._read_config(given["config"]) if given["config"] else {}   # as train.py reads it
+    world = {**config.COMMON, **config.TOY}
+    return argparse.Namespace(**{k: given[k] if given[k] is not None else saved.get(k, world.get(k))
+                                 for k in TRAIN_FIXED})
 
 
 def train_cmd(method, seed, run):
