@@ -1,5 +1,6 @@
-"""Red team 3's medium and low items outside the sandbox and LoRA (M1, M2, M3, M6, L1-L3, L5, L6, L9,
-L10): each test is built from its reproduction and says how the code of a7c59f5 failed it."""
+"""Red team 3's medium and low items outside the sandbox and LoRA (M1-M4, M6, L1-L3, L5, L6, L9,
+L10; L7 is in test_hardening_identity.py): each test is built from its reproduction and says how the
+code of a7c59f5 failed it."""
 import os
 import subprocess
 import sys
