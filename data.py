@@ -109,16 +109,19 @@ def _lcb_row(r):
     sentence), and the JSON string
     {"tests": public + private tests, "fn_name": the method of class Solution, or null for stdin}
     that grade.is_correct(..., grader="code") runs. Private tests are decoded without running code."""
-    from harness.sandbox import decode_private_tests
-    starter = r.get("starter_code")
-    prompt = LCB_PREAMBLE + f"Question: {r['question_content']}\n\n" + (
-        LCB_STARTER + f"```python\n{starter}\n```\n\n" if starter else LCB_STDIN + "```python\n# YOUR CODE HERE\n```\n\n")
+    from evaluation import lcb   # the tests and the metadata, each checked (a bad row: one line, now)
+    starter, question = r.get("starter_code"), r.get("question_content")
     try:
-        tests = json.loads(r["public_test_cases"]) + decode_private_tests(r.get("private_test_cases") or "[]")
-        fn_name = json.loads(r.get("metadata") or "{}").get("func_name")
+        if not isinstance(question, str) or not question.strip():
+            raise lcb.RowError(f"question_content is {json.dumps(question, default=str)[:40]}, not the problem's text")
+        if starter is not None and not isinstance(starter, str):
+            raise lcb.RowError(f"starter_code is {type(starter).__name__}, not code")
+        tests, fn_name = lcb.tests_of(r)
     except ValueError as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
         raise DataError(f"LiveCodeBench problem {r.get('question_id')}: {first}: fix or drop the row") from None
+    prompt = LCB_PREAMBLE + f"Question: {question}\n\n" + (
+        LCB_STARTER + f"```python\n{starter}\n```\n\n" if starter else LCB_STDIN + "```python\n# YOUR CODE HERE\n```\n\n")
     return prompt, json.dumps({"tests": tests, "fn_name": fn_name})
 
 
@@ -213,7 +216,7 @@ def chat_prompt(tokenizer, problem: str, instruction: str = INSTRUCTION, system:
 
 def _read_file(path):
     """Rows of a local .jsonl, .json (a list, or a dict holding one list of rows) or .parquet file
-    (told by its content, so a mistyped extension still reads)."""
+    (told by its content, so a mistyped extension still reads; a .jsonl's lines are rows, even one)."""
     if not os.path.isfile(path):
         raise DataError(f"file not found: {path}: check the path (json, jsonl or parquet)")
     with open(path, "rb") as f:
@@ -240,9 +243,9 @@ def _read_file(path):
             except json.JSONDecodeError as e:
                 raise DataError(f"{path} is neither JSON nor JSON lines (line {i + 1}, column {e.colno}: "
                                 f"{e.msg}): fix the file") from None
-    if isinstance(data, dict):
+    if isinstance(data, dict):   # a .jsonl of one line is one row, whatever fields it holds
         lists = [v for v in data.values() if isinstance(v, list)]
-        data = lists[0] if len(lists) == 1 else [data]
+        data = lists[0] if len(lists) == 1 and not path.lower().endswith(".jsonl") else [data]
     if not isinstance(data, list):
         raise DataError(f"{path} holds {json.dumps(data)[:40]} at the top level, not rows: give a "
                         "list of objects with problem and answer fields, or one object per line")
@@ -319,7 +322,7 @@ def _choices(row, index, spec):
     order = list(range(len(options)))
     random.Random(index).shuffle(order)
     letters = "ABCD"
-    problem = row[spec["problem"]].strip() + "\n\n" + "\n".join(
+    problem = scrub(str(row[spec["problem"]])).strip() + "\n\n" + "\n".join(
         f"{letters[k]}) {options[j]}" for k, j in enumerate(order))
     return problem, letters[order.index(0)]
 
@@ -337,9 +340,10 @@ def load_rows(source, split=None, problem_field=None, answer_field=None, limit=N
     file, or a Hugging Face dataset id ("owner/name"). Fields are detected unless given.
 
     like: the BENCHMARKS name whose layout a local file has; lcb and logiqa rows are then built as
-    the hub's are (BUILD). lcb_release: LiveCodeBench's window of contest months (lcb_window)."""
+    the hub's are (BUILD), and gpqa rows with its option fields get their options and a letter gold.
+    lcb_release: LiveCodeBench's window of contest months (lcb_window)."""
     name = source if source in BENCHMARKS else like
-    spec = BENCHMARKS[like] if like in BUILD else {}
+    spec = BENCHMARKS[like] if like in BUILD or "choices" in BENCHMARKS.get(like, {}) else {}
     if source in TOY_BENCHMARKS:
         import toy  # the offline world; imported here so data.py stands alone otherwise
         records, where = toy.dataset(split or "train", source), source
@@ -374,11 +378,17 @@ def load_rows(source, split=None, problem_field=None, answer_field=None, limit=N
     keys = set().union(*(r.keys() for r in records[:100]))
     pf = _field(keys, problem_field, spec.get("problem"), PROBLEM_FIELDS, "problem", "--problem-field", where)
     af = _field(keys, answer_field, spec.get("answer"), ANSWER_FIELDS, "answer", "--answer-field", where)
+    # GPQA's layout (its options in fields of their own), on the hub or in a local copy: options shown, letter gold
+    choices = spec.get("choices") if not (problem_field or answer_field) and keys & set(spec.get("choices", ())) else None
     rows = []
     for i, r in enumerate(records if limit is None else records[:limit]):
         if name in BUILD:
             problem, answer = BUILD[name](r)
-        elif spec.get("choices") and not (problem_field or answer_field):
+        elif choices:
+            lack = [f for f in (spec["problem"], *choices) if not isinstance(r.get(f), (str, int, float))]
+            if lack:
+                raise DataError(f"{where}: row {i} has no {lack[0]!r} field: a {like or name} file in the hub's layout "
+                                f"needs {spec['problem']!r} and {', '.join(map(repr, choices))}; fix the row")
             problem, answer = _choices(r, i, spec)
         else:
             for field, value in ((pf, r.get(pf)), (af, _first(r.get(af)))):

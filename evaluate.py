@@ -13,7 +13,7 @@ tokens), graded by the last \\boxed{} (math grader; a run trained with --reward 
 post-hoc probe, fitted once per model with the released protocol and cached in --out; `probe` is the
 run's own probe.pt, read at its last training budget). Written to --out (default RUN/eval
 for a run or checkpoint, else eval_out/<model>): samples.jsonl (appended per batch: an interrupted
-evaluation resumes where it stopped; a row counts only for its model's resolved path, its benchmark's
+evaluation resumes where it stopped; a row counts only for its model's resolved path and content, its benchmark's
 file and question, and the settings it was made with: sample_key), results.json (a model per label;
 another model with the same label is filed as label@HASH), reliability_<model>_<benchmark>.png. Metrics are
 computed per benchmark over all samples, pass@k beside accuracy; "Overall" is the paper's, the unweighted
@@ -350,6 +350,7 @@ def evaluate_model(name, loaded, args):
                        forced_k=s["reanswer_k"], budget=s["max_new_tokens"], reanswer=s["reanswer"],
                        logit_temperature=args.logit_temperature or run_config(path).get("temperature", 0.8))
         key = sample_key(ident, bench_source, s, args, [instruction, prompt[1], prompt[2]], conf_kw)
+        earlier = len(own_rows(read_samples(samples), key, rows, s["n"]))   # drawn by an earlier, cut command
         generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, samples, prompt[1],
                            prompt[2], key)
         # Programs vote only when equal as text: the math grader would read code as math.
@@ -359,7 +360,7 @@ def evaluate_model(name, loaded, args):
         release = {"release": f"{args.lcb_release} (contests {window})"} if bench == "lcb" else {}
         res["settings"][bench] = dict(s, confidence=source, grader=s.get("grader", GRADER), answer=prompt[2],
                                       temperature=args.temperature, **release,
-                                      top_p=args.top_p, seed=args.seed, questions=len(rows),
+                                      top_p=args.top_p, seed=args.seed, questions=len(rows), samples_earlier=earlier,
                                       instruction=instruction, system_prompt=prompt[1], key=key,
                                       benchmark_source=bench_source, benchmark_rows=digest(question_ids(rows)),
                                       bootstrap=dict(resamples=1000, unit="question", seed=args.seed))

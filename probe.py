@@ -156,13 +156,13 @@ class NotAProbe(ValueError):
     """A file that is not a probe saved by `save` (checkpoint.reading makes it one line)."""
 
 
-def save(path, probe, opt=None):
-    """Write {dim, hidden, dropout, state_dict, optimizer} to `path` (a path or a binary file: the
-    callers pass a fresh checkpoint folder's path or a files.replacing file, never a link)."""
+def save(path, probe, opt=None, **extra):
+    """Write {dim, hidden, dropout, state_dict, optimizer, **extra} to `path` (a path or a binary file:
+    the callers pass a fresh checkpoint folder's path or a files.replacing file, never a link)."""
     blob = {
         "dim": probe.dim, "hidden": probe.hidden, "dropout": probe.p_drop,
         "state_dict": {k: v.detach().cpu() for k, v in probe.state_dict().items()},
-        "optimizer": opt.state_dict() if opt is not None else None,
+        "optimizer": opt.state_dict() if opt is not None else None, **extra,
     }
     if isinstance(path, (str, os.PathLike)):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

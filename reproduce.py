@@ -67,7 +67,8 @@ WHY = (("margin signal", "signal_frac"), ("probe AUROC (held-out, in training)",
 ROOT = os.path.dirname(os.path.abspath(__file__))
 # What reproduce.py itself passes each run: --train-args / --eval-args that would change one is refused,
 # since the table labels every row with its method, seed and confidence.
-TRAIN_FIXED = ("reward", "seed", "out", "resume", "model", "plot")
+# RL trains on the toy's training split and checks on its test split: data and eval_data are fixed too.
+TRAIN_FIXED = ("reward", "seed", "out", "resume", "model", "plot", "data", "eval_data")
 EVAL_FIXED = ("model", "benchmarks", "confidence", "seed", "out")
 PRINT, STOP = threading.Lock(), threading.Event()
 CHILDREN, CHILDREN_LOCK = set(), threading.Lock()   # the running train.py / evaluate.py processes
@@ -110,12 +111,14 @@ def parse_args(argv):
         args.train_args, args.eval_args = shlex.split(args.train_args), shlex.split(args.eval_args)
     except ValueError as e:
         raise UserError(f"--train-args / --eval-args: cannot split ({e}): check the quotes") from None
-    for m in methods:
-        for s in seeds[m]:
-            run, ev, _ = paths(args.out, m, s)
-            if run is not None:
-                refuse_overrides("--train-args", train_flags, train_cmd(m, s, run), args.train_args, TRAIN_FIXED)
-            refuse_overrides("--eval-args", evaluate.parse_args, eval_cmd(m, s, run, ev), args.eval_args, EVAL_FIXED)
+    each = [(m, s, *paths(args.out, m, s)[:2]) for m in methods for s in seeds[m]]
+    for m, s, run, ev in each:
+        if run is not None:
+            refuse_overrides("--train-args", train_flags, train_cmd(m, s, run), args.train_args, TRAIN_FIXED)
+        refuse_overrides("--eval-args", evaluate.parse_args, eval_cmd(m, s, run, ev), args.eval_args, EVAL_FIXED)
+    for m, s, run, ev in each:   # then as train.py resolves them: what a --config file sets counts too
+        if run is not None:
+            refuse_overrides("--train-args", train_config, train_cmd(m, s, run), args.train_args, TRAIN_FIXED)
     config.check_out(args.out)
     return args, methods, seeds, jobs
 
@@ -129,6 +132,8 @@ def parsed(parse, words, what):
     except SystemExit:
         why = (err.getvalue().strip().splitlines() or ["cannot parse them"])[-1].partition("error: ")
         raise UserError(f"{what}: {why[2] or why[0]}") from None
+    except UserError as e:   # train.py's own checks of the resolved values
+        raise UserError(f"{what}: {e}") from None
 
 
 def refuse_overrides(flag, parse, base, extra, fixed):
@@ -144,6 +149,17 @@ def refuse_overrides(flag, parse, base, extra, fixed):
 
 def train_flags(words):
     return config.build_parser().parse_args(words)
+
+
+def train_config(words):
+    """TRAIN_FIXED as train.py resolves them from these arguments: a flag, else what a --config file
+    sets (its model, its data), else the toy world's default. Other values are left to train.py, so
+    that a bad one fails its training child, as it would without --config."""
+    given = vars(train_flags(words))
+    saved = config._read_config(given["config"]) if given["config"] else {}   # as train.py reads it
+    world = {**config.COMMON, **config.TOY}
+    return argparse.Namespace(**{k: given[k] if given[k] is not None else saved.get(k, world.get(k))
+                                 for k in TRAIN_FIXED})
 
 
 def train_cmd(method, seed, run):
@@ -195,14 +211,24 @@ def model_label(run):
     return ckpt and evaluate.model_label(run, ckpt)
 
 
-def eval_entry(eval_dir, label):
-    """This model's entry of EVAL/results.json if its results of every toy benchmark hold every metric as
+def model_ident(run):
+    """What evaluate.py records as the model's identity (evaluation/samples.model_id: its folder and
+    content) for the toy base or the run's latest checkpoint; None before its first checkpoint."""
+    ckpt = checkpoint.resolve_model("toy") if run is None else checkpoint.latest_checkpoint(run, quiet)
+    return ckpt and evaluate.model_id(ckpt)
+
+
+def eval_entry(eval_dir, label, ident):
+    """This model's entry of EVAL/results.json if it is of this very model (`ident`, model_ident: not of
+    one trained before in the same folder) and its results of every toy benchmark hold every metric as
     a number (AUROC may be None: one class), else None: an evaluation still to do, so a rerun replaces a
     damaged entry."""
     number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
     try:
         with open(os.path.join(eval_dir, "results.json"), encoding="utf-8") as f:
             entry = json.load(f).get(label)
+        if entry["model_id"] != ident:
+            return None
         complete = all(all(number(b.get(k)) for k in ("acc", "pce", "ece", "brier", "n")) and
                        (b.get("auroc") is None or number(b["auroc"]))
                        for b in (entry["benchmarks"][name] for name in BENCHMARKS))
@@ -284,13 +310,13 @@ class Jobs:
             start, end = held_out(run)
             self.say(f"{name}: " + (f"trained in {time.time() - t:.0f} s" if how is not None else "trained already") +
                      (f" (held-out {start:.2f} -> {end:.2f})" if start is not None else ""))
-        label, t, fresh = model_label(run), time.time(), False
+        label, ident, t, fresh = model_label(run), model_ident(run), time.time(), False
         cmd = eval_cmd(method, seed, run, ev) + self.args.eval_args
-        entry = eval_entry(ev, label)
+        entry = eval_entry(ev, label, ident)
         if entry is None or not made_with(entry, cmd):
             if not self.child([py, os.path.join(ROOT, "evaluate.py"), *cmd], log + ".eval.log", f"{name}: evaluation"):
                 return False
-            entry, fresh = eval_entry(ev, label), True
+            entry, fresh = eval_entry(ev, label, ident), True
             if entry is None:
                 return self.fail(f"{name}: evaluation", f": {ev}/results.json holds no complete toy results of {label}")
         accs = ", ".join(f"{b} {entry['benchmarks'][b]['acc']:.3f}" for b in BENCHMARKS)
@@ -365,7 +391,7 @@ def aggregate(out, methods, seeds):
         for s in seeds[m]:
             run, ev, _ = paths(out, m, s)
             label = model_label(run)
-            entry = eval_entry(ev, label)
+            entry = eval_entry(ev, label, model_ident(run))
             if entry is None:
                 raise UserError(f"{ev}/results.json holds no complete toy results for {label}: run the command again")
             benches = {b: dict({k: entry["benchmarks"][b][k] for _, k in KEYS}, n=entry["benchmarks"][b]["n"])

@@ -3,6 +3,7 @@ update per batch, built from the functions `rl_step` calls. `rl_step` is the ste
 logs: the same computation (tests/test_step.py holds the two equal) with ranks, micro-batches,
 --ppo-epochs > 1, the baselines and ablations (modes.py), timers and the metrics row.
 """
+import math
 import time
 from contextlib import contextmanager
 
@@ -173,7 +174,7 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
              zero_var_groups(R, G), len(rows), sum(out.entropy_sum), a_nat, a_cal,
              *(v.sum().item() for v in parts.values())]
     acc, judged, rsum, ssum, n, lsum, trunc, zvar, ngroups, esum, a_nat, a_cal, *psums = all_sum(local, device)
-    row = dict(step=step, accuracy=acc / max(judged, 1), reward=rsum / n,
+    row = dict(step=step, accuracy=acc / judged if judged else math.nan, reward=rsum / n,   # nan: nothing scored
                **{k: s if k in modes.COUNTED else s / n for k, s in zip(parts, psums)},
                signal_frac=ssum / n if probed else 0.0, **stats, zero_var_frac=zvar / max(ngroups, 1),
                len_mean=lsum / n, len_max=max(all_gather(max(out.lengths, default=0))),
@@ -203,7 +204,9 @@ def probe_margin(probe, probe_opt, feats, Y, valid, cfg, seed):
     calib = modes.calibration(C, Y, valid, cfg)
     signal = (((Y == 1) & valid).any(1) & ((Y == 0) & valid).any(1)).float()
     C_all = probe_lib.predict(probe, X_all)
-    stats = dict(probe_bce=bce if len(Y_all) else 0.0, probe_ece=ece(C_all.numpy(), Y_all.numpy()) if len(Y_all) else 0.0,
+    # no labelled prefix (a --reward-fn that skips everything): the probe was not fitted, its numbers are nan
+    stats = dict(probe_bce=bce if len(Y_all) else math.nan,
+                 probe_ece=ece(C_all.numpy(), Y_all.numpy()) if len(Y_all) else math.nan,
                  label_mean=Y_all.mean().item() if len(Y_all) else 0.0,
                  label_mixed=((Y_all > 0) & (Y_all < 1)).float().mean().item() if len(Y_all) else 0.0,
                  prefixes=len(Y_all))

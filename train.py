@@ -56,7 +56,9 @@ def load_policy(cfg, device, ckpt=None):
     adapter (harness/lora.py); on one GPU the frozen base is bf16, as it is also the generation copy."""
     lora = cfg["lora_rank"] > 0
     dtype = torch.bfloat16 if lora and device.type == "cuda" and WORLD == 1 and not cfg["offload"] else torch.float32
-    model, tok = ckpt_lib.load_model(cfg["model"] if lora else ckpt or cfg["model"], dtype, cfg["trust_remote_code"])
+    # a LoRA run resumes on the base its checkpoint was trained on (not what --model names now)
+    base = (lora_lib.base_of(ckpt) if ckpt else cfg["model"]) if lora else ckpt or cfg["model"]
+    model, tok = ckpt_lib.load_model(base, dtype, cfg["trust_remote_code"])
     if lora:
         model = lora_lib.with_adapter(model, cfg, ckpt)
     model.config.use_cache = False
@@ -70,6 +72,11 @@ def warmup_factor(s, warmup, from_zero):
     from_zero (verl's, the released run): s / warmup, so the first update runs at lr 0; else
     (s + 1) / warmup. warmup 10: update 0 at 0 or 0.1, update 9 at 0.9 or 1, update 10 at 1; warmup 0: 1."""
     return 1.0 if s >= warmup else (s + (0 if from_zero else 1)) / warmup
+
+
+def scored(acc):
+    """An accuracy as printed: nan (a --reward-fn skipped every response) is no number but words."""
+    return "nothing scored (--reward-fn skipped every response)" if acc != acc else f"{acc:.3f}"
 
 
 def checkpoint_activations(model):
@@ -115,9 +122,10 @@ def run(cfg):
     # the rollout samples from (the same model on one CPU process, a bf16 copy on a GPU), `model`
     # the unwrapped module (its config, save_pretrained)
     if torch.distributed.is_initialized():  # rank 0 reads the weights, the others get their shards
-        adapt = (lambda m, meta: lora_lib.with_adapter(m, cfg, None if meta else ckpt)) if cfg["lora_rank"] else None
+        adapt = (lambda m, meta: lora_lib.with_adapter(m, cfg, ckpt, fresh=meta)) if cfg["lora_rank"] else None
+        base = (lora_lib.base_of(ckpt) if ckpt else cfg["model"]) if adapt else ckpt or cfg["model"]
         policy, sampler, model, tok = load_sharded(
-            cfg["model"] if adapt else ckpt or cfg["model"], device, cfg["offload"], cfg["trust_remote_code"],
+            base, device, cfg["offload"], cfg["trust_remote_code"],
             checkpoint_activations if cfg["grad_ckpt"] else None, adapt)
     else:
         model, tok = load_policy(cfg, device, ckpt)
@@ -162,7 +170,7 @@ def run(cfg):
                  t_eval=time.perf_counter() - t))
         if MASTER:
             runlog.append_jsonl(folder.heldout, [dict(step=at, **t) for t in trajs])
-        print0(f"step {at}: held-out accuracy {acc:.3f} on {len(eval_rows)} problems" + heldout.describe(probe_stats))
+        print0(f"step {at}: held-out accuracy {scored(acc)} on {len(eval_rows)} problems" + heldout.describe(probe_stats))
         return acc
 
     def save(at):
@@ -198,7 +206,7 @@ def run(cfg):
         out = folder.out
         print0(f"\nrun: {out}  (latest checkpoint: {ckpt_lib.latest_checkpoint(out)})")
         if first_acc is not None and final_acc is not None:
-            print0(f"held-out accuracy: {first_acc:.3f} at the start -> {final_acc:.3f} at step {step}")
+            print0(f"held-out accuracy: {scored(first_acc)} at the start -> {scored(final_acc)} at step {step}")
         roll = max(phase_sums["rollout"], 1e-9)
         print0("seconds per phase: " + ", ".join(
             f"{p} {t:.1f}" + ("" if p == "rollout" else f" ({t / roll:.2f}x rollout)")

@@ -403,21 +403,21 @@ def protocol_line(p, report):
 
 
 def read_cache(path):
-    """A post-hoc cache file: the report (.json, a dict) or the probe (.pt); None, with one line
-    naming the file, when it is damaged (cut short, not a probe, a pickle payload, NaN weights):
-    the probe is then fitted again and the file replaced. A .pt is read with weights_only (no
-    code runs) and checked by probe.load before anything of its sizes is built."""
+    """(probe, report) of a post-hoc cache file (`posthoc_probe` writes both into one .pt, so a cut
+    between two writes can never pair one protocol's report with another's probe); None, with one
+    line naming the file, when it is damaged (cut short, not a probe, a pickle payload, NaN weights,
+    no report): the probe is then fitted again and the file replaced. Read with weights_only (no code
+    runs) and checked by probe.load before anything of its sizes is built."""
     try:
-        if path.endswith(".pt"):
-            return probe_lib.load(path)[0]
-        with open(path, encoding="utf-8") as f:
-            report = json.load(f)
+        prb = probe_lib.load(path)[0]
+        report = json.loads(torch.load(path, map_location="cpu", weights_only=True).get("report") or "null")
         if isinstance(report, dict):
-            return report
-        why = "not a JSON object"
+            return prb, report
+        why = "it holds no report (an older version's file)"
     except pickle.UnpicklingError:  # torch's message advises weights_only=False: never here
         why = "it holds objects other than tensors; not loaded"
-    except (OSError, ValueError, RuntimeError, EOFError, KeyError, zipfile.BadZipFile, FloatingPointError) as e:
+    except (OSError, ValueError, TypeError, RuntimeError, EOFError, KeyError, zipfile.BadZipFile,
+            FloatingPointError) as e:
         why = files.first_line(e)
     print(f"warning: post-hoc probe cache {path} is damaged ({why}): fitting the probe again", file=sys.stderr)
     return None
@@ -433,8 +433,9 @@ def cache_protocol(protocol, questions, instruction, system=None):
 
 def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, protocol, batch_size=8, rows=64,
                   system=None):
-    """The post-hoc probe of a model: loaded from `cache`.pt / .json if fitted there with the same
-    protocol, else fitted and saved. Returns (probe, report); report["protocol"] is `protocol`.
+    """The post-hoc probe of a model: loaded from `cache`.pt (probe and report in one file, written
+    atomically) if fitted there with the same protocol, else fitted and saved (and the report copied
+    to `cache`.json for people). Returns (probe, report); report["protocol"] is `protocol`.
 
     protocol (evaluate.py builds it from its flags): n samples per question at temperature / top_p,
     max_new_tokens; every / count budgets; k forced answers with lead, suffix, close, stop,
@@ -444,12 +445,9 @@ def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, pro
     protocol_line to stderr.
     """
     p = cache_protocol(protocol, questions, instruction, system)
-    if os.path.exists(cache + ".pt") and os.path.exists(cache + ".json"):
-        report = read_cache(cache + ".json")
-        if report is not None and report.get("protocol") == p:
-            prb = read_cache(cache + ".pt")
-            if prb is not None:
-                return prb, report
+    cached = read_cache(cache + ".pt") if os.path.exists(cache + ".pt") else None
+    if cached is not None and cached[1].get("protocol") == p:
+        return cached
     prompts = [chat_prompt(tokenizer, r["problem"], instruction, system) for r in questions]
     out = generate(model, tokenizer, prompts, n=p["n"], max_new_tokens=p["max_new_tokens"],
                    temperature=p["temperature"], top_p=p["top_p"], seed=p["seed"],
@@ -468,7 +466,7 @@ def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, pro
                   accuracy=sum(is_correct(t, a, p.get("grader", "math")) for t, a in zip(out.texts, golds)) / len(golds))
     report["log"] = protocol_line(p, report)
     print(report["log"], file=sys.stderr)
-    with files.replacing(cache + ".pt", "wb") as f:
-        probe_lib.save(f, prb)
-    files.write_json(cache + ".json", report, indent=1)
+    with files.replacing(cache + ".pt", "wb") as f:   # the one file read back: probe and report together
+        probe_lib.save(f, prb, report=json.dumps(report))
+    files.write_json(cache + ".json", report, indent=1)   # a copy to read; never read back
     return prb, report

@@ -40,7 +40,8 @@ EPS = 1e-7
 def held_out_accuracy(sampler, tok, rows, cfg, instruction, device, probe=None, probe_stats=None):
     """Accuracy on a fixed slice of the held-out split at the evaluation temperature (0.6) with a
     fixed seed, so every check of a run samples the same way. With a `probe_stats` dict, the probe's
-    calibration on the first eval_probe_n of these trajectories is added to it (below)."""
+    calibration on the first eval_probe_n of these trajectories is added to it (below). nan when
+    nothing was scored (a --reward-fn that returned None for every response)."""
     mine = rows[RANK::WORLD]
     prompts = [data.chat_prompt(tok, r["problem"], instruction, cfg["system_prompt"]) for r in mine]
     hits, trajs, judged = 0, [], len(mine)
@@ -62,7 +63,7 @@ def held_out_accuracy(sampler, tok, rows, cfg, instruction, device, probe=None, 
         trajs = [t for part in all_gather(trajs) for t in part]
         probe_stats.update(summary(trajs, cfg["k"]), trajectories=trajs)
     hits, n = all_sum([hits, judged], device)
-    return hits / max(n, 1)
+    return hits / n if n else float("nan")   # nan: --reward-fn skipped every response, nothing was scored
 
 
 @torch.no_grad()

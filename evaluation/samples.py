@@ -1,6 +1,6 @@
 """What identifies a model's samples, and the samples file evaluate.py appends to.
 
-A model is its resolved folder or hub id (model_id), shown under a short label (model_label) and
+A model is its resolved folder and content, or its hub id (model_id), shown under a short label (model_label) and
 filed under label@HASH where another model already holds that label in the output folder
 (filed_label). A sample row counts only for its model, its benchmark's source, its question's
 text and gold (question_ids) and the settings it was drawn with (sample_key); read_samples checks
@@ -13,7 +13,7 @@ import sys
 from contextlib import ExitStack
 
 from evaluation.report import read_results
-from harness import files
+from harness import files, identity
 from harness.checkpoint import ALIASES
 from harness.config import check_out
 
@@ -36,9 +36,13 @@ def model_label(name, path):
 
 
 def model_id(path):
-    """What makes a model this one: its resolved folder (a/model and b/model are two models, both
-    labelled "model"), else its hub id."""
-    return os.path.realpath(path) if os.path.isdir(path) else path
+    """What makes a model this one: its resolved folder and its content (harness/identity.py: a run
+    trained again in place is another model), "FOLDER#HASH"; else its hub id."""
+    return f"{os.path.realpath(path)}#{identity.of(path)}" if os.path.isdir(path) else path
+
+
+def _folder(ident):
+    return ident.partition("#")[0]
 
 
 def digest(obj, size=16):
@@ -56,6 +60,11 @@ def filed_label(label, ident, out_dir):
     if "model_id" not in entry:
         print(f"{os.path.join(out_dir, 'results.json')}: the entry of {label} has no model identity (an "
               "older version): it is evaluated again and replaced", file=sys.stderr)
+        return label
+    if isinstance(entry["model_id"], str) and _folder(entry["model_id"]) == _folder(ident):
+        print(f"{os.path.join(out_dir, 'results.json')}: the entry of {label} is of the model that was in "
+              f"{_folder(ident)} before (trained again or replaced since): it is evaluated again and replaced",
+              file=sys.stderr)
         return label
     return f"{label}@{digest(ident, 8)}"
 

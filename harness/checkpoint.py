@@ -18,7 +18,8 @@ A checkpoint is written into a fresh `step_000010.<random>.tmp` and renamed when
 crash or a full disk mid-write never replaces or damages the last good one; of the complete ones at or
 below the step just saved only the last `keep` are kept. A checkpoint damaged afterwards (a file
 deleted or cut short), one whose state.pt holds another step, or a link in place of its folder is
-skipped for the previous complete one, with a message, and never pruned.
+skipped for the previous complete one, with a message, and never pruned. A link in place of
+RUN/checkpoints itself is refused in one line (it would make this run write into another).
 
 The files inside a run folder are written whole and never through a link (harness/files.py).
 """
@@ -34,7 +35,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from harness import lora
+from harness import adapter, lora
 from harness.files import UserError, first_line, fresh_name
 from probe import NotAProbe
 
@@ -134,14 +135,20 @@ def load_model(name, dtype=torch.float32, trust_remote_code=False):
     path = resolve_model(name)
     if lora.is_adapter(path):  # a --lora-rank checkpoint: its base (and its tokenizer), the adapter merged in
         model, tok = load_model(lora.base_of(path), dtype, trust_remote_code)
-        return lora.merged(model, path), tok
+        # merged into a weight another layer shares (a tied LM head), it would change that layer too: unmerged
+        keep = adapter.tied(model, adapter.read_config(path).get("target_modules") or [])
+        try:
+            return (lora.load_adapter(model, path, trainable=False) if keep else lora.merged(model, path)), tok
+        except (RuntimeError, ValueError) as e:   # peft's size mismatch or unknown module: pages of text
+            raise UserError(f"{path}: its adapter does not fit its base ({first_line(e)}): restore "
+                            f"{lora.CONFIG} from a copy of the run") from None
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         check_shapes(path, trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
     except UserError:
         raise
-    except (OSError, ValueError, KeyError, SafetensorError) as e:
+    except (OSError, ValueError, KeyError, SafetensorError, RuntimeError) as e:   # safetensors: "unable to open file"
         if path != name and not os.path.lexists(path):
             raise UserError(f"cannot load model {name!r}: its checkpoint {path} was removed while loading "
                             "(the run is still saving and keeps only the last --keep): try again") from None
@@ -155,9 +162,19 @@ def load_model(name, dtype=torch.float32, trust_remote_code=False):
     return model, tok
 
 
+def _own_root(run_dir):
+    """RUN/checkpoints, refused in one line when it is a link: a link there (to another run's
+    checkpoints) would make a resume read that run, save into it and prune it."""
+    root = os.path.join(run_dir, "checkpoints")
+    if os.path.islink(root):
+        raise UserError(f"{root} is a link (to {os.readlink(root)}): a run's checkpoints must be a folder of its "
+                        "own; replace the link with a copy of the folder, or remove it")
+    return root
+
+
 def checkpoints(run_dir):
     """Published checkpoint directories of a run (step_NNNNNN, no .tmp), oldest first."""
-    root = os.path.join(run_dir, "checkpoints")
+    root = _own_root(run_dir)
     if not os.path.isdir(root):
         return []
     names = sorted(n for n in os.listdir(root) if n.startswith(PREFIX) and n[len(PREFIX):].isdigit())
@@ -283,7 +300,7 @@ def save_checkpoint(run_dir, step, write, keep=2):
     Damaged ones and newer ones are never counted, so they never make a good one go. A failed write
     (a full disk) is one UserError line; the folder is removed and the checkpoints before it stay."""
     from safetensors import SafetensorError
-    root = os.path.join(run_dir, "checkpoints")
+    root = _own_root(run_dir)
     final = os.path.join(root, f"{PREFIX}{step:06d}")
     os.makedirs(root, exist_ok=True)
     for n in os.listdir(root):   # left by a save that was killed (we hold the run's lock: no one else saves)

@@ -357,6 +357,7 @@ def resolve_args(argv):
     cfg["reward_fn"] = given.get("reward_fn")
     if cfg["reward_fn"]:
         rewardfn.load(cfg["reward_fn"])  # a file that does not import stops here, before any folder is made
+    cfg["reward_fn_sha256"] = rewardfn.digest(cfg["reward_fn"])   # the file edited since: a change on resume
     cfg.update({k: given.get(k) for k in NOT_SAVED})
     cfg["out"] = cfg["out"] or os.path.join("runs", os.path.basename(cfg["model"].rstrip("/")))
     check_values(cfg)

@@ -12,6 +12,7 @@ import json
 import os
 import secrets
 import socket
+import stat
 import sys
 import time
 from contextlib import contextmanager
@@ -46,14 +47,25 @@ def _writing(path):
 
 
 def _open_own(path, flags):
-    """os.open that never follows a link at PATH (O_NOFOLLOW): a planted one is one UserError line."""
+    """os.open that never follows a link at PATH (O_NOFOLLOW) and opens only a regular file: a planted
+    link is one UserError line, and so is a FIFO (O_NONBLOCK: it would block the open or the read
+    forever), a directory or a device."""
     try:
-        return os.open(path, flags | os.O_NOFOLLOW, 0o666)
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
     except OSError as e:
-        if e.errno != errno.ELOOP:
+        if e.errno == errno.ELOOP:
+            raise UserError(f"{path} is a symbolic link: this code never writes through one (it could point "
+                            "anywhere); put the file itself there, or remove it") from None
+        if e.errno not in (errno.EISDIR, errno.ENXIO):   # ENXIO: a FIFO opened to write with no reader
             raise
-        raise UserError(f"{path} is a symbolic link: this code never writes through one (it could point "
-                        "anywhere); put the file itself there, or remove it") from None
+        fd = None
+    if fd is None or not stat.S_ISREG(os.fstat(fd).st_mode):
+        if fd is not None:
+            os.close(fd)
+        raise UserError(f"{path} is not a regular file (a folder, a FIFO or a device in its place): remove it, "
+                        "and run the command again")
+    os.set_blocking(fd, True)
+    return fd
 
 
 @contextmanager

@@ -6,11 +6,11 @@ feeds the probe, FSDP2's per-layer units) runs on an ordinary model whose linear
 sampling uses the adapters unmerged. Only the adapter's parameters require gradients, so only they get
 gradients and AdamW state. A checkpoint holds the adapter in peft's own format
 (adapter_config.json + adapter_model.safetensors, loadable with `PeftModel.from_pretrained` on the
-base named in its config) beside the tokenizer, probe.pt and state.pt.
+base named in its config) beside the tokenizer, probe.pt, state.pt and base.json (the base by content,
+harness/adapter.py: a resume and an evaluation use that very base).
 
 peft is imported only here and only with --lora-rank: a run without it needs no peft.
 """
-import json
 import os
 
 import torch
@@ -54,15 +54,26 @@ def add_adapter(model, cfg, base_path):
     return model
 
 
-def with_adapter(model, cfg, ckpt=None):
+def with_adapter(model, cfg, ckpt=None, fresh=False):
     """The policy of a --lora-rank run: the base with the adapter of checkpoint `ckpt` (resume), or a
-    fresh one. A --lora-targets that names no module of the model is one UserError line."""
+    fresh one (also with `fresh`: its shape, on the meta device). A --lora-targets that names no module
+    of the model, or one whose weight another layer shares, is one UserError line."""
+    from harness.adapter import base_of, tied
     from harness.checkpoint import resolve_model
     from harness.files import UserError
+    base = base_of(ckpt) if ckpt else resolve_model(cfg["model"])   # a resume: the base it was trained on
+    shared = [] if ckpt else tied(model, targets(cfg["lora_targets"]))
+    if shared:
+        raise UserError(f"--lora-targets {cfg['lora_targets']}: {', '.join(shared)} shares its weight with another "
+                        "layer (tie_word_embeddings): merging the adapter for evaluation would change both; "
+                        "adapt other modules")
     try:
-        return load_adapter(model, ckpt) if ckpt else add_adapter(model, cfg, resolve_model(cfg["model"]))
+        model = load_adapter(model, ckpt) if ckpt and not fresh else add_adapter(model, cfg, base)
     except ValueError as e:
         raise UserError(f"--lora-targets {cfg['lora_targets']}: {str(e).splitlines()[0][:200]}") from None
+    # the base by its absolute path (a cwd-relative one breaks in another folder); base.json records more
+    model.peft_config[ADAPTER].base_model_name_or_path = os.path.abspath(base) if os.path.isdir(base) else base
+    return model
 
 
 def load_adapter(model, ckpt, trainable=True):
@@ -86,9 +97,11 @@ def save(folder, model, state):
     weights = {"base_model.model." + k.replace(f".{ADAPTER}.", "."): v.detach().contiguous()
                for k, v in state.items()}
     save_file(weights, os.path.join(folder, WEIGHTS), metadata={"format": "pt"})
+    from harness.adapter import record_base
+    record_base(folder, model.peft_config[ADAPTER].base_model_name_or_path)   # the base, by content
 
 
 def base_of(ckpt):
-    """The base model an adapter checkpoint was trained on (its adapter_config.json)."""
-    with open(os.path.join(ckpt, CONFIG), encoding="utf-8") as f:
-        return json.load(f)["base_model_name_or_path"]
+    """The base model an adapter checkpoint was trained on, checked by content (harness/adapter.py)."""
+    from harness.adapter import base_of
+    return base_of(ckpt)

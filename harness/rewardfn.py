@@ -20,11 +20,12 @@ label (it is not fitted or scored).
 The file is imported (importlib) only from the path given on the command line, never from a saved
 config: a resumed run is refused until --reward-fn is given again (harness/config.py), as with
 --trust-remote-code. It runs in this process with your permissions, like any code you pass.
-A missing file, an import error, a missing NAME, or a call that raises or returns anything but a
-number in [0, 1] (bool excluded) or None ends the run with one line, exit 2, before anything of
-that step is written.
+A missing file, an import error, a missing NAME, or a call that raises (SystemExit and other
+BaseExceptions included; KeyboardInterrupt is Ctrl-C) or returns anything but a number in [0, 1]
+(bool excluded) or None ends the run with one line, exit 2, before anything of that step is written.
 """
 import functools
+import hashlib
 import importlib.util
 import numbers
 import os
@@ -56,11 +57,22 @@ def load(spec):
     return fn
 
 
+def digest(spec):
+    """The sha256 of the file at spec (None without --reward-fn): config.json records it, so that a file
+    edited since is reported on resume and refused by reproduce.py, not taken for the same function."""
+    if not spec:
+        return None
+    with open(spec.rpartition(":")[0], "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
 def judge(spec, response, answer, row):
     """The checked value of the function at spec for one response: a float in [0, 1], or None."""
     try:
         value = load(spec)(response, answer, dict(row))
-    except Exception as e:
+    except KeyboardInterrupt:   # Ctrl-C while it runs: train.py's own line (it cannot be told from a raise)
+        raise
+    except BaseException as e:   # sys.exit() in it too: it must not end the run as a success
         raise UserError(f"--reward-fn {spec} raised {type(e).__name__}: {first_line(e)} "
                         f"(on response {response[:40]!r}); fix the function") from None
     if value is None:

@@ -206,9 +206,9 @@ PROTOCOL = dict(stop=[], n=1, max_new_tokens=1, temperature=1.0, top_p=1.0, seed
 
 
 def cache_files(tmp_path):
-    """A good post-hoc cache (probe .pt and report .json) under tmp_path / c, for PROTOCOL and no questions."""
-    probe_lib.save(str(tmp_path / "c.pt"), probe_lib.Probe(8))
-    write(tmp_path / "c.json", json.dumps({"protocol": confidence.cache_protocol(PROTOCOL, [], "")}))
+    """A good post-hoc cache (probe and report in c.pt) under tmp_path / c, for PROTOCOL and no questions."""
+    probe_lib.save(str(tmp_path / "c.pt"), probe_lib.Probe(8),
+                   report=json.dumps({"protocol": confidence.cache_protocol(PROTOCOL, [], "")}))
     return str(tmp_path / "c")
 
 
@@ -234,7 +234,10 @@ CACHE_CASES = {   # what is done to the cache, the file named, words of the reas
     "pt a pickle payload": (lambda c: torch.save({"x": os.system}, c + ".pt"), ".pt",
                             "(it holds objects other than tensors; not loaded)"),
     "pt NaN weights": (lambda c: nan_weights(c + ".pt"), ".pt", "holds NaN or inf probe weights"),
-    "json a list": (lambda c: write(c + ".json", "[]"), ".json", "(not a JSON object)"),
+    "pt without its report": (lambda c: probe_lib.save(c + ".pt", probe_lib.Probe(8)), ".pt",
+                              "(it holds no report (an older version's file))"),
+    "pt report a list": (lambda c: probe_lib.save(c + ".pt", probe_lib.Probe(8), report="[]"), ".pt",
+                         "(it holds no report"),
 }
 
 

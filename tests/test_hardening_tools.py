@@ -86,7 +86,7 @@ def test_a_damaged_entry_is_evaluated_again(done, capsys, damage):
         toy["acc"] = str(toy["acc"])
     with open(path, "w") as f:
         json.dump(res, f)
-    assert reproduce.eval_entry(os.path.dirname(path), "toy") is None
+    assert reproduce.eval_entry(os.path.dirname(path), "toy", reproduce.model_ident(None)) is None
     with pytest.raises(UserError, match=f"{path} holds no complete toy results for toy: run the command again"):
         reproduce.aggregate(out, ["base"], {"base": [0]})
     reproduce.main(argv)   # at 81f6578: a KeyError traceback / a FAILED line that no rerun clears

@@ -94,7 +94,8 @@ def _fake_eval(out, name, label, numbers, n=40, extra=None, per_bench=None):
     ev = os.path.join(out, "eval", name)
     os.makedirs(ev)
     benches = {b: dict((per_bench or {}).get(b, numbers), n=n) for b in reproduce.BENCHMARKS}
-    res = {label: dict(confidence="probe-posthoc", benchmarks=benches,
+    run = None if name.startswith("base") else os.path.join(out, "runs", name)   # (made by _fake_run first)
+    res = {label: dict(confidence="probe-posthoc", benchmarks=benches, model_id=reproduce.model_ident(run),
                        settings={b: dict(questions=n, n=1) for b in benches})}
     res.update(extra or {})
     with open(os.path.join(ev, "results.json"), "w") as f:

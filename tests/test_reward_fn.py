@@ -1,6 +1,7 @@
 """--reward-fn FILE.py:NAME (harness/rewardfn.py): loading, the value check, skipping, the forced
 answers' labels, two toy steps with it, and the one-line stops that leave nothing behind."""
 import json
+import math
 import os
 
 import pytest
@@ -190,12 +191,14 @@ def test_never_taken_from_a_saved_config(tmp_path):
     assert config.resolve_args(["--out", str(tmp_path / "c")])["reward_fn"] is None
 
 
-def test_a_step_whose_samples_are_all_skipped_logs_finite_probe_numbers():
-    """No prefix to fit (every rollout skipped): probe_bce is 0 like the other probe stats, not NaN."""
+def test_a_step_whose_samples_are_all_skipped_logs_no_probe_numbers():
+    """No prefix to fit (every rollout skipped): the probe was not fitted, so its BCE and ECE are nan,
+    not a 0.0 that reads as a perfect fit (red team 3, M2)."""
     import probe as probe_lib
     import step
     prb = probe_lib.Probe(8, 0)
     cfg = dict(reward="rlcm", corner="zero", probe_passes=2, probe_batch=4)
     calib, signal, stats, C = step.probe_margin(prb, probe_lib.make_optimizer(prb, lr=1e-3), torch.zeros(2, 3, 8),
                                                 torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.bool), cfg, seed=0)
-    assert stats["probe_bce"] == 0.0 and stats["prefixes"] == 0 and calib.tolist() == [0.0, 0.0]
+    assert math.isnan(stats["probe_bce"]) and math.isnan(stats["probe_ece"]) and stats["prefixes"] == 0
+    assert calib.tolist() == [0.0, 0.0]
