@@ -74,6 +74,16 @@ def checkpoint_activations(model):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+def new_probe(cfg, dim):
+    """A fresh probe (hidden None: d // 4, 0: linear) and its optimizer, the same on every rank.
+    Loading moves torch's RNG differently per rank (peft's LoRA init draws from it, twice on rank 0:
+    its model and the meta one), and the probe's init and its fit's dropout both draw from it; so it
+    is reseeded from the run's seed here, which leaves the RNG of a run without LoRA as it was."""
+    torch.manual_seed(cfg["seed"])
+    probe = probe_lib.Probe(dim, cfg["probe_hidden"])
+    return probe, probe_lib.make_optimizer(probe, lr=cfg["probe_lr"])
+
+
 def next_rows(rows, cursor, count, seed):
     """`count` training rows from an endless, per-epoch shuffled stream; returns (rows, cursor)."""
     out, orders = [], {}
@@ -126,8 +136,7 @@ def run(cfg):
     # under --lora-rank only the adapter requires gradients: AdamW holds state for it alone
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg["lr"], weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(cfg["warmup"], 1)))
-    probe = probe_lib.Probe(model.config.hidden_size, cfg["probe_hidden"])  # None: d // 4, 0: linear
-    probe_opt = probe_lib.make_optimizer(probe, lr=cfg["probe_lr"])
+    probe, probe_opt = new_probe(cfg, model.config.hidden_size)
     step, cursor = 0, 0
     if ckpt:
         probe, probe_opt, step, cursor = folder.restore(cfg, policy, opt, sched, probe_opt)

@@ -11,7 +11,9 @@ import torch
 
 import step
 import tiny
+import train
 from grpo import pack
+from label import cut_mask, grid
 from harness import lora
 from harness.parallel import MASTER, RANK, WORLD, full_state, load_sharded, setup, teardown, wrap
 
@@ -38,8 +40,18 @@ if torch.distributed.is_initialized():
     from harness.checkpoint import load_model
     torch.manual_seed(5)
     ref = lora.with_adapter(load_model("toy")[0], CFG)
-    torch.manual_seed(5 if MASTER else 6)  # the other ranks' own draws must not matter: rank 0's adapter is broadcast
+    # every rank seeded alike, as train.run does; then rank 0 draws the adapter's init twice (its
+    # model and the meta one), the others once: rank 0's adapter is broadcast, and the probe built
+    # next (train.new_probe, no reseeding here) and its fit (dropout) must be the same on every rank
+    torch.manual_seed(5)
     lean, sampler, lm, _ = load_sharded("toy", device, adapt=lambda m, meta: lora.with_adapter(m, CFG))
+    probe, probe_opt = train.new_probe(dict(seed=3, probe_hidden=None, probe_lr=1e-2), lm.config.hidden_size)
+    init = {k: v.clone() for k, v in probe.state_dict().items()}
+    feats = torch.randn(2, 3, lm.config.hidden_size, generator=torch.Generator().manual_seed(100 + RANK))
+    labels = [[1.0, 0.5, 0.0], [0.25, 1.0]] if RANK == 0 else [[0.0, 0.0, 1.0], [0.75, 0.5]]
+    step.probe_margin(probe, probe_opt, feats, grid(labels), cut_mask(labels),
+                      dict(CFG, reward="rlcm", probe_passes=4, probe_batch=2, corner="zero"), seed=3)
+    torch.save(dict(init=init, fitted=probe.state_dict()), f"{sys.argv[1]}.probe{RANK}")
     ids = torch.tensor([[5, 9, 3, 7, 11, 2, 40]])
     with torch.no_grad():
         mine = dict(lm.named_parameters())

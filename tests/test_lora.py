@@ -105,6 +105,15 @@ def test_lora_on_two_cpu_processes_equals_one(tmp_path):
     assert outs[1]["steps"] == outs[2]["steps"] and len(outs[1]["steps"]) == len(one)
     for r in (0, 1):  # the lean start: every rank holds rank 0's adapted model
         assert torch.load(str(tmp_path / f"w2.pt.lean{r}")) == dict(sampler=0.0, policy=0.0, trainable=True)
+    # the probe: peft's init moved each rank's RNG differently, yet both ranks built and fitted the
+    # same probe, the one the run's seed gives whatever was drawn before
+    a, b = (torch.load(str(tmp_path / f"w2.pt.probe{r}"), weights_only=True) for r in (0, 1))
+    torch.manual_seed(123)
+    fresh = train.new_probe(dict(seed=3, probe_hidden=None, probe_lr=1e-2), 128)[0].state_dict()  # the toy's d
+    for part in ("init", "fitted"):
+        assert all(torch.equal(a[part][k], b[part][k]) for k in fresh), part
+    assert all(torch.equal(a["init"][k], fresh[k]) for k in fresh)
+    assert any(not torch.equal(a["fitted"][k], fresh[k]) for k in fresh)  # the fit moved it
 
 
 @pytest.mark.slow   # two 4-step train.py processes, one killed
