@@ -100,6 +100,7 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
         out = generate(sampler, tok, prompts, n=G, max_new_tokens=cfg["max_new_tokens"],
                        temperature=cfg["temperature"], top_p=cfg["top_p"], seed=seed,
                        batch_size=cfg["gen_batch"], decode=cfg["decode"], scores=True)
+    staticcache.release(sampler)  # no label chunk reuses the rollout's shape: free it before their prefill
     golds = [rows[i]["answer"] for i in out.prompt_index]
     traj_prompts = [prompts[i] for i in out.prompt_index]
     fn, scored, judge = cfg["reward_fn"], None, None  # --reward-fn: the user's correctness (harness/rewardfn.py)

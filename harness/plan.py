@@ -28,7 +28,8 @@ Terms per device, with N parameters, W devices (ranks) and bf16 = 2 bytes:
   runtime         CUDA context and allocator slack (1 GiB), or the Python/torch process on CPU
 
 Phases do not overlap: the rollout holds its KV cache and prefill, the labels theirs, the update
-the gather, activations and log-prob chunk. peak = training state + generation copy + runtime +
+the gather, activations and log-prob chunk (the step frees the rollout's static buffers before the
+first label prefill, and the labels' before the update: tests/test_plan.py holds both). peak = training state + generation copy + runtime +
 max(rollout, labels, update).
 With --offload (FSDP2's CPUOffloadPolicy) the training state lives in host memory (16 N / W per
 rank) and the optimizer step runs on the CPU: slower, but the GPU keeps only the rest.

@@ -138,6 +138,39 @@ def test_kv_terms_match_what_a_toy_step_allocates(tmp_path, monkeypatch):
         assert t[term] == pytest.approx(measured, rel=0.15), (name, t[term], measured)
 
 
+def test_no_static_buffers_beyond_the_label_term_sit_under_a_label_prefill(tmp_path, monkeypatch):
+    """The plan's label phase holds one label chunk's static buffers beside the next chunk's prefill.
+    Here the rollout's shape (64 rows x 64 positions) is larger than any label shape, so it must be
+    freed before the first label prefill: the static K/V bytes alive at every prefill of the label
+    phase (recorded when it runs) stay within the plan's label KV term."""
+    import rollout
+    import step
+    from static_shapes import Shapes
+    shapes, under = Shapes(monkeypatch), []
+    real_prefill, real_labels = rollout.Sampler.prefill, step.mc_labels
+
+    def prefill(self, *a, **kw):
+        if shapes.phase == "label":
+            under.append(sum(b for r, b in shapes.live if r() is not None))
+        return real_prefill(self, *a, **kw)
+
+    def labels(*a, **kw):
+        shapes.phase = "label"
+        try:
+            return real_labels(*a, **kw)
+        finally:
+            shapes.phase = None
+    monkeypatch.setattr(rollout.Sampler, "prefill", prefill)
+    monkeypatch.setattr(step, "mc_labels", labels)
+    args = ["--steps", "1", "--decode", "static", "--eval-n", "0", "--prompts-per-step", "4",
+            "--group-size", "16", "--gen-batch", "4", "--save-every", "0"]
+    train.main(args + ["--out", str(tmp_path / "run")])
+    t = plan.estimate(plan.model_config("toy"), resolve_args(args), 1, "cpu")
+    rollout_bytes = next(s["bytes"] for s in shapes.made if s["phase"] is None)
+    assert t["kv_shape"] == (64, 64) and rollout_bytes == t["KV cache"] > t["label KV cache"]
+    assert under and max(under) <= t["label KV cache"], (max(under), t["label KV cache"])
+
+
 def test_host_memory_is_printed_and_warned_about_not_refused(monkeypatch):
     """Host memory cannot be checked for another node, so the plan prints it and, planning for this
     machine, warns when a save would need more than it has; only device memory refuses a run."""
