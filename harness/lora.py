@@ -43,6 +43,17 @@ def adapter_params(model, rank, target_text):
                if isinstance(m, torch.nn.Linear) and (wanted == "all-linear" or name.split(".")[-1] in wanted))
 
 
+def cast_bytes(model, target_text):
+    """Bytes per token that the largest adapted linear adds to a forward where the adapter is fp32
+    on a bf16 base (one GPU): peft casts its input to fp32 (4 x in) and holds lora_B's scaled output
+    and its fp32 sum with the base's output at once (2 x 4 x out) before casting back; all freed
+    after that linear. Works on a model on the meta device."""
+    wanted = targets(target_text)
+    return max((4 * m.in_features + 8 * m.out_features for name, m in model.model.layers.named_modules()
+                if isinstance(m, torch.nn.Linear) and (wanted == "all-linear" or name.split(".")[-1] in wanted)),
+               default=0)
+
+
 def add_adapter(model, cfg, base_path):
     """The model with a fresh adapter (lora_A random, lora_B zero: the adapted model starts equal to
     the base), its base frozen. base_path is written into the adapter's config for loaders."""

@@ -12,7 +12,7 @@ Terms per device, with N parameters, W devices (ranks) and bf16 = 2 bytes:
                   x kv_heads x head_dim x 2, as the decoder buckets them: rows = min(gen_batch,
                   prompts per rank) x group_size, positions = prompt + max_new_tokens - 1, rounded up
                   (24 x 9216 for 24 x 8599 on the released recipe)
-  prefill         one layer's forward (T x (8 d + 3 d_ff)) over the prompts that fill that cache
+  prefill         one layer's forward (T x (8 d + 3 d_ff) x 2) over the prompts that fill that cache
   label KV cache  the forced answers' static buffers: a chunk of gen_batch cuts x k rows, positions =
                   prompt + the longest cut (3/4 of max_new_tokens) + the forced suffix + the answer
                   - 1, bucketed; one chunk's shape is alive at a time
@@ -24,7 +24,8 @@ Terms per device, with N parameters, W devices (ranks) and bf16 = 2 bytes:
                   input (T x d), and the backward of one layer holds its recomputed forward buffers
                   (T x (8 d + 3 d_ff)) and their gradients (as much again); without, every layer
                   keeps its buffers and one layer's gradients come on top
-  log-prob chunk  chunk_size positions x vocab fp32 logits, log-softmax and its gradient (x 3)
+  log-prob chunk  chunk_size positions x vocab x 3 fp32: a chunk's backward holds its recomputed
+                  log-softmax, the gradient gather scatters into and log-softmax's gradient
   runtime         CUDA context and allocator slack (1 GiB), or the Python/torch process on CPU
 
 Phases do not overlap: the rollout holds its KV cache and prefill, the labels theirs, the update
@@ -47,6 +48,9 @@ adapted linear layers. The frozen base holds no fp32 master, gradients or AdamW 
   generation copy none on one GPU or CPU process (it samples with the policy, adapters unmerged);
                   the bf16 copy of base and adapter (2 (N + n)) when sharded
   FSDP gather     the gathered layers' params only (no gradients for frozen weights)
+  prefills        on one GPU the fp32 adapter on the bf16 base casts each adapted linear's input
+                  to fp32 and sums in fp32: T x (4 in + 8 out) of its largest linear on top of a
+                  layer's forward (lora.cast_bytes; 7B all-linear: 162 KiB per token)
   host            rank 0 reads the fp32 base to broadcast it (4 N); a save gathers the adapter and
                   its AdamW state only (12 n)
 """
@@ -81,14 +85,16 @@ def model_config(name, trust_remote_code=False):
 
 def param_counts(config, lora_targets="all-linear"):
     """(total, root, one decoder layer, adapter parameters per unit of LoRA rank on lora_targets)
-    parameter counts, from a model built on the meta device."""
+    parameter counts, and the bytes per token of an fp32 adapter's casts on a bf16 base
+    (lora.cast_bytes), from a model built on the meta device."""
     from transformers import AutoModelForCausalLM
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     total = sum(p.numel() for p in model.parameters())
     layers = model.model.layers
     layer = sum(p.numel() for p in layers[0].parameters())
-    return total, total - layer * len(layers), layer, lora.adapter_params(model, 1, lora_targets)
+    return (total, total - layer * len(layers), layer, lora.adapter_params(model, 1, lora_targets),
+            lora.cast_bytes(model, lora_targets))
 
 
 def kv_bytes_per_token(config, dtype_bytes):
@@ -102,7 +108,7 @@ def kv_bytes_per_token(config, dtype_bytes):
 def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
     """Bytes per device for each term (dict, in the order printed) plus 'peak', the host memory
     ('host': rank 0's, 'host node': all ranks'), and the static shapes ('kv_shape', 'label_kv_shape')."""
-    total, root, layer, per_rank = counts or param_counts(config, cfg.get("lora_targets", "all-linear"))
+    total, root, layer, per_rank, cast = counts or param_counts(config, cfg.get("lora_targets", "all-linear"))
     cuda = device == "cuda"
     act_bytes = 2 if cuda else 4
     d, d_ff, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
@@ -119,11 +125,14 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
     prompts_here = -(-cfg["prompts_per_step"] // world)
     per_token = kv_bytes_per_token(config, act_bytes)
     layer_acts = lambda tokens: tokens * (8 * d + 3 * d_ff) * act_bytes  # noqa: E731  one layer's forward
+    # a prefill's layer: on one GPU the fp32 adapter on the bf16 base adds one linear's casts
+    lora_casts = cast if adapter and cuda and not sharded else 0
+    prefill_acts = lambda tokens: layer_acts(tokens) + tokens * lora_casts  # noqa: E731
     P, G, new = prompt_tokens(cfg), cfg["group_size"], cfg["max_new_tokens"]
     # rollout: gen_batch prompts prefilled at once, their KV repeated for the G samples
     prompts = min(cfg["gen_batch"], prompts_here)
     kv_shape = buffer_shape(prompts * G, P, new)
-    kv, prefill = kv_shape[0] * kv_shape[1] * per_token, layer_acts(prompts * P)
+    kv, prefill = kv_shape[0] * kv_shape[1] * per_token, prefill_acts(prompts * P)
     label_shape, label_kv, label_prefill = (0, 0), 0, 0
     if cfg.get("reward", "rlcm") in PROBE_MODES:
         # forced answers (label._forced_samples): chunks of gen_batch cuts x k rows after the prompt,
@@ -134,7 +143,7 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
         width = P + int(new * max(fractions)) + FORCED_SUFFIX
         label_shape = buffer_shape(cuts * cfg["k"], width, FORCED_ANSWER)
         label_kv = label_shape[0] * label_shape[1] * per_token
-        label_prefill = layer_acts(cuts * width) + cuts * width * per_token
+        label_prefill = prefill_acts(cuts * width) + cuts * width * per_token
     gather = (act_bytes if adapter else 8) * (root + 2 * layer) if sharded else 0
     T = max(cfg["micro_tokens"], P + new)  # a micro-batch holds >= 1 sequence
     one_layer = layer_acts(T)

@@ -180,12 +180,46 @@ def test_plan_7b_with_lora_32_fits_one_80_gib_gpu_without_offload(capsys):
     assert t["training state"] == 2 * n            # the frozen base in bf16, nothing else
     assert t["adapter state"] == 16 * adapter      # fp32 params, grads, AdamW: 1.2 GiB
     assert t["generation copy"] == 0 and t["FSDP gather"] == 0
-    assert 38 * plan.GiB < t["peak"] < 45 * plan.GiB
+    # the label prefill: gen_batch 8 cuts x (600 + 6000 + 32) tokens, one layer's forward, their
+    # cache, and the fp32 adapter's casts on the bf16 base at gate/up_proj (4 x 3584 + 8 x 18944)
+    T = 8 * 6632
+    assert t["label prefill"] == T * ((8 * 3584 + 3 * 18944) * 2 + 56 * 1024 + 4 * 3584 + 8 * 18944)
+    assert 45 * plan.GiB < t["peak"] < 50 * plan.GiB  # 48.1: the label phase
     # without LoRA the same node names --lora-rank 32 first, then full fine-tuning's --offload
     with pytest.raises(SystemExit) as e:
         train.main(args + ["--plan"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.index("--lora-rank 32") < err.index("--offload"), err
+
+
+def test_the_plan_counts_the_fp32_casts_of_an_adapter_on_a_bf16_base():
+    """One GPU keeps the frozen base in bf16 and peft's adapter in fp32: each adapted linear casts
+    its input to fp32 and sums in fp32. The plan adds its largest linear's casts per token to a
+    prefill's layer; the bytes a CPU prefill allocates beyond the base's, at its peak, stay within
+    that term (and close to it: gate/up_proj plans 4 d + 8 d_ff, the peak falls at down_proj)."""
+    import copy
+    from live_bytes import LiveBytes
+    base = tiny.model(vocab_size=64, hidden=32, layers=2).to(torch.bfloat16)
+    adapted = lora.add_adapter(copy.deepcopy(base), CFG, "tiny")
+    assert {p.dtype for n, p in adapted.named_parameters() if "lora_" in n} == {torch.float32}
+    ids = torch.randint(3, 64, (4, 300))
+    peaks = []
+    for model in (base, adapted):
+        with torch.no_grad(), LiveBytes() as live:
+            model.model(input_ids=ids, use_cache=True)
+        peaks.append(live.peak)
+    per_token = plan.param_counts(base.config)[4]
+    assert per_token == 4 * 32 + 8 * 64  # hidden 32, intermediate 64
+    assert 0.75 * per_token * ids.numel() < peaks[1] - peaks[0] <= per_token * ids.numel()
+    cfg = dict(model="x", prompts_per_step=4, gen_batch=4, group_size=2, k=1, max_new_tokens=10,
+               micro_tokens=64, grad_ckpt=True, chunk_size=8, lora_rank=4)
+    with_casts, sharded, cpu = (plan.estimate(base.config, cfg, w, dev)["label prefill"]
+                                for w, dev in ((1, "cuda"), (2, "cuda"), (1, "cpu")))
+    without = plan.estimate(base.config, dict(cfg, lora_rank=0), 1, "cuda")["label prefill"]
+    # 4 cuts x (600 + 7 + 32) tokens; sharded ranks sample with a bf16 copy of base and adapter, a
+    # CPU process in fp32 throughout: no casts
+    assert with_casts - without == 4 * 639 * per_token and sharded == without
+    assert cpu == plan.estimate(base.config, dict(cfg, lora_rank=0), 1, "cpu")["label prefill"]
 
 
 @needs_7b

@@ -17,7 +17,7 @@ needs_7b = pytest.mark.skipif(not os.path.isdir(FIXTURE_7B), reason="7B config f
 
 def test_parameter_terms_match_a_real_model():
     model = tiny.model(vocab_size=300, hidden=32, layers=3)
-    total, root, layer, _ = plan.param_counts(model.config)
+    total, root, layer, _, _ = plan.param_counts(model.config)
     assert total == sum(p.numel() for p in model.parameters())
     assert layer == sum(p.numel() for p in model.model.layers[1].parameters())
     assert root == sum(p.numel() for n, p in model.named_parameters() if ".layers." not in n)
@@ -50,6 +50,29 @@ def test_kv_cache_term_matches_a_real_static_cache():
         assert t["kv_shape"] == (12, 64) == tuple(sampler.static.shape.kv.keys[0].shape[::2])
         assert t["KV cache"] == held
         assert t["label KV cache"] == 0
+
+
+def test_log_prob_chunk_term_matches_what_a_chunk_allocates():
+    """The update's LM head runs chunk by chunk, each checkpointed (grpo.logprobs_from_hidden). With
+    bf16 weights, as FSDP2 gathers them, a chunk's backward holds its recomputed log-softmax, the
+    gradient gather scatters into and log-softmax's own gradient at once: 3 fp32 [chunk, V]; the
+    bf16 logits and their fp32 copy are gone by then. The bytes a CPU run allocates over a forward
+    and backward of several chunks peak at the plan's term (the rest: the head's bf16 gradient)."""
+    from grpo import logprobs_from_hidden
+    from live_bytes import LiveBytes
+    model = tiny.model(vocab_size=20000, hidden=8, layers=1).to(torch.bfloat16)
+    cfg = dict(model="x", prompts_per_step=1, gen_batch=1, group_size=1, k=1, max_new_tokens=10,
+               micro_tokens=64, grad_ckpt=True, chunk_size=128, reward="grpo")
+    term = plan.estimate(model.config, cfg, 1, "cuda")["log-prob chunk"]
+    assert term == 3 * 128 * 20000 * 4
+    hidden = torch.randn(2, 257, 8, dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, 20000, (2, 256))
+    with LiveBytes() as live:
+        logp = logprobs_from_hidden(hidden, model.lm_head, targets, 0.8, 128)  # 4 chunks
+        forward = live.peak
+        logp.float().sum().backward()
+    assert forward < 0.7 * term  # no gradient: bf16 logits + fp32 copy, or fp32 copy + log-softmax
+    assert live.peak == pytest.approx(term, rel=0.03), (live.peak, term)
 
 
 def test_the_7b_head_geometry_gives_56_kib_per_token():
