@@ -33,7 +33,10 @@ the gather, activations and log-prob chunk (the step frees the rollout's static 
 first label prefill, and the labels' before the update: tests/test_plan.py holds both). peak = training state + generation copy + runtime +
 max(rollout, labels, update).
 With --offload (FSDP2's CPUOffloadPolicy) the training state lives in host memory (16 N / W per
-rank) and the optimizer step runs on the CPU: slower, but the GPU keeps only the rest.
+rank) and the optimizer step runs on the CPU: slower, but the GPU keeps only the rest. The update
+then accumulates the micro-batches' gradients unsharded in fp32 on the GPU and reduces them once
+(update.py): +4 N ("held grads"; the adapter's 4 n under LoRA); --offload-grads host reduces and
+copies them after every micro-batch instead (no such term, a blocking copy per micro-batch).
 Host memory (sharded runs: several GPUs or --offload): rank 0 reads the fp32 weights (4 N) to
 broadcast them, and at every save gathers the full fp32 model and AdamW state (parallel.full_state:
 4 N + 8 N = 12 N, 91 GB for the 7B), on top of its offloaded shard; the Python processes themselves
@@ -152,12 +155,13 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
     kept = config.num_hidden_layers * (T * d * act_bytes if cfg["grad_ckpt"] else one_layer)
     acts = kept + (2 if cfg["grad_ckpt"] else 1) * one_layer
     chunk = 3 * cfg["chunk_size"] * vocab * 4  # chunks run over the micro-batch's flattened positions
+    held = 4 * (adapter or total) if offload and cfg.get("offload_grads", "gpu") == "gpu" else 0
     terms = {"training state": 0.0 if offload else state, "adapter state": 0.0 if offload else adapter_state,
              "generation copy": gen_copy,
              "FSDP gather": gather, "KV cache": kv, "prefill": prefill, "label KV cache": label_kv,
              "label prefill": label_prefill, "activations": acts, "log-prob chunk": chunk,
-             "runtime": RUNTIME[device]}
-    update = gather + acts + chunk
+             "held grads": held, "runtime": RUNTIME[device]}
+    update = gather + acts + chunk + held
     terms["peak"] = terms["training state"] + terms["adapter state"] + gen_copy + RUNTIME[device] + \
         max(kv + prefill, label_kv + label_prefill, update)
     # Host: rank 0 loads the fp32 weights (4 N) to broadcast them, and at every save gathers the
@@ -177,10 +181,15 @@ def prompt_tokens(cfg):
 
 def fixes(config, cfg, world, device, mem, counts):
     """The cheapest change that fits, tried in order of cost: a smaller --gen-batch or --micro-tokens
-    (slower, nothing else changes), --lora-rank 32 (an adapter trains instead of every weight: a
-    deviation from the paper's full fine-tuning), --offload (much slower optimizer step), more GPUs."""
+    (slower, nothing else changes; under --offload first --offload-grads host), --lora-rank 32 (an
+    adapter trains instead of every weight: a deviation from the paper's full fine-tuning), --offload
+    (much slower optimizer step; with --offload-grads host where the held gradients do not fit), more
+    GPUs."""
     def peak(c, w=world, off=cfg.get("offload", False)):
         return estimate(config, c, w, device, off, counts)["peak"]
+    if cfg.get("offload") and cfg.get("offload_grads", "gpu") == "gpu" and \
+            peak(dict(cfg, offload_grads="host")) <= mem:
+        return f"--offload-grads host (peak {peak(dict(cfg, offload_grads='host')) / GiB:.1f} GiB: slower update)"
     for flag, key in (("--gen-batch", "gen_batch"), ("--micro-tokens", "micro_tokens")):
         c = dict(cfg)
         while c[key] > 1:
@@ -191,9 +200,11 @@ def fixes(config, cfg, world, device, mem, counts):
     if not cfg.get("lora_rank") and peak(dict(cfg, lora_rank=32)) <= mem:
         lora = f"--lora-rank 32 (peak {peak(dict(cfg, lora_rank=32)) / GiB:.1f} GiB: trains a LoRA adapter, not every weight)"
     fix = "a smaller model" + (" or a machine with GPUs" if device == "cpu" else "")
-    if not cfg.get("offload") and peak(cfg, off=True) <= mem:
-        host = estimate(config, cfg, world, device, True, counts)["host node"]
-        fix = f"--offload (peak {peak(cfg, off=True) / GiB:.1f} GiB, host {host / GiB:.0f} GiB per node)"
+    off = next((c for c in (cfg, dict(cfg, offload_grads="host")) if peak(c, off=True) <= mem), None)
+    if not cfg.get("offload") and off:
+        host = estimate(config, off, world, device, True, counts)["host node"]
+        flag = "--offload" + (" --offload-grads host" if off is not cfg else "")
+        fix = f"{flag} (peak {peak(off, off=True) / GiB:.1f} GiB, host {host / GiB:.0f} GiB per node)"
     else:
         w = next((w for w in range(world + 1, 1025) if peak(cfg, w) <= mem), None)
         if w:
@@ -244,13 +255,15 @@ def check(cfg, show=False, log=print):
                  "label KV cache": "forced answers: {} rows x {} tokens".format(*t["label_kv_shape"]),
                  "label prefill": "one layer's forward and the prefill cache of one chunk of cuts",
                  "activations": "checkpointed" if cfg["grad_ckpt"] else "no checkpointing",
+                 "held grads": "fp32 gradients held unsharded until the last micro-batch",
                  "training state": "on the host (--offload)" if offload else
                  ("the frozen base" if rank else "params, grads, AdamW (sharded)"),
                  "adapter state": "fp32 params, grads, AdamW of the adapter",
                  "generation copy": "none: samples with the policy, adapters unmerged"
                  if rank and not t["generation copy"] else ""}
         for name in ("training state", *(("adapter state",) if rank else ()), "generation copy", "FSDP gather", "KV cache", "prefill",
-                     "label KV cache", "label prefill", "activations", "log-prob chunk", "runtime", "peak"):
+                     "label KV cache", "label prefill", "activations", "log-prob chunk",
+                     *(("held grads",) if t["held grads"] else ()), "runtime", "peak"):
             log(f"  {name:<16}{t[name] / GiB:8.2f} GiB  {notes.get(name, '')}".rstrip())
         others = f"; {(t['host node'] - t['host']) / (world - 1) / GiB:.2f} GiB each other rank" if world > 1 else ""
         at = "loading (the fp32 base)" if rank else "a save (the full fp32 model and AdamW state)"

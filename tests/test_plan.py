@@ -112,6 +112,16 @@ def test_one_gpu_needs_offload_and_fits_with_it(capsys):
     assert e.value.code == 2 and len(err.splitlines()) == 1 and "--offload" in err, err
     t = plan.check(resolve_args(args + ["--offload"]))
     assert t["peak"] < 80 * plan.GiB and t["training state"] == 0
+    # the update holds the fp32 gradients unsharded until the last micro-batch (update.py): 4 N,
+    # 28.4 GiB; with --offload-grads host they go to the host after each micro-batch instead
+    n = plan.param_counts(plan.model_config(FIXTURE_7B))[0]
+    host = plan.check(resolve_args(args + ["--offload", "--offload-grads", "host"]))
+    assert t["held grads"] == 4 * n and host["held grads"] == 0
+    assert t["peak"] - host["peak"] == 4 * n - (host["KV cache"] + host["prefill"]) + \
+        (host["FSDP gather"] + host["activations"] + host["log-prob chunk"])  # the update is the peak now
+    with pytest.raises(SystemExit):  # 48 GB: the held gradients do not fit, the per-micro-batch copy does
+        train.main(["--model", FIXTURE_7B, "--gpus", "1", "--gpu-mem", "48", *RELEASED, "--offload", "--plan"])
+    assert "cheapest fix: --offload-grads host (peak 39.6 GiB" in capsys.readouterr().err
     # the offloaded training state (16 N) plus, at a save, the full fp32 model and AdamW state (12 N)
     assert t["host"] == t["host node"] == pytest.approx(28 * 7.62e9, rel=0.01)
 
