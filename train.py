@@ -53,7 +53,7 @@ def print0(*a):
 def load_policy(cfg, device, ckpt=None):
     """The policy (from checkpoint `ckpt` when resuming) + tokenizer. Full fine-tuning: fp32 weights
     (bf16 compute comes from autocast / FSDP mixed precision). --lora-rank: the base with an fp32
-    adapter (harness/lora.py); on one GPU the frozen base is bf16, as it is also the generation copy."""
+    adapter (harness/lora.py); on one GPU the frozen base is bf16 (it samples from a merged bf16 copy)."""
     lora = cfg["lora_rank"] > 0
     dtype = torch.bfloat16 if lora and device.type == "cuda" and WORLD == 1 and not cfg["offload"] else torch.float32
     model, tok = ckpt_lib.load_model(cfg["model"] if lora else ckpt or cfg["model"], dtype, cfg["trust_remote_code"])

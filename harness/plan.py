@@ -30,8 +30,8 @@ Terms per device, with N parameters, W devices (ranks) and bf16 = 2 bytes:
 
 Phases do not overlap: the rollout holds its KV cache and prefill, the labels theirs, the update
 the gather, activations and log-prob chunk (the step frees the rollout's static buffers before the
-first label prefill, and the labels' before the update: tests/test_plan.py holds both). peak = training state + generation copy + runtime +
-max(rollout, labels, update).
+first label prefill, and the labels' before the update: tests/test_plan.py holds both).
+peak = training state + generation copy + runtime + max(rollout, labels, update).
 With --offload (FSDP2's CPUOffloadPolicy) the training state lives in host memory (16 N / W per
 rank) and the optimizer step runs on the CPU: slower, but the GPU keeps only the rest. The update
 then accumulates the micro-batches' gradients unsharded in fp32 on the GPU and reduces them once
@@ -48,12 +48,11 @@ With --lora-rank R (harness/lora.py) only the adapter trains: n = R x (in + out)
 adapted linear layers. The frozen base holds no fp32 master, gradients or AdamW state:
   training state  the frozen base: bf16 on one GPU (2 N), the fp32 shards (4 N / W) when sharded
   adapter state   fp32 params + grads + AdamW of the adapter                16 n / W
-  generation copy none on one GPU or CPU process (it samples with the policy, adapters unmerged);
-                  the bf16 copy of base and adapter (2 (N + n)) when sharded
+  generation copy on one GPU a plain bf16 copy with the adapter merged (2 N: lora.merged_copy; sampling
+                  with the fp32 adapter on the bf16 base would cast each adapted linear's input to
+                  fp32, T x (4 in + 8 out) more per prefill, 8 GiB in the 7B's label prefill); none
+                  in a CPU process; the bf16 copy of base and adapter (2 (N + n)) when sharded
   FSDP gather     the gathered layers' params only (no gradients for frozen weights)
-  prefills        on one GPU the fp32 adapter on the bf16 base casts each adapted linear's input
-                  to fp32 and sums in fp32: T x (4 in + 8 out) of its largest linear on top of a
-                  layer's forward (lora.cast_bytes; 7B all-linear: 162 KiB per token)
   host            rank 0 reads the fp32 base to broadcast it (4 N); a save gathers the adapter and
                   its AdamW state only (12 n)
 """
@@ -88,16 +87,14 @@ def model_config(name, trust_remote_code=False):
 
 def param_counts(config, lora_targets="all-linear"):
     """(total, root, one decoder layer, adapter parameters per unit of LoRA rank on lora_targets)
-    parameter counts, and the bytes per token of an fp32 adapter's casts on a bf16 base
-    (lora.cast_bytes), from a model built on the meta device."""
+    parameter counts, from a model built on the meta device."""
     from transformers import AutoModelForCausalLM
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     total = sum(p.numel() for p in model.parameters())
     layers = model.model.layers
     layer = sum(p.numel() for p in layers[0].parameters())
-    return (total, total - layer * len(layers), layer, lora.adapter_params(model, 1, lora_targets),
-            lora.cast_bytes(model, lora_targets))
+    return total, total - layer * len(layers), layer, lora.adapter_params(model, 1, lora_targets)
 
 
 def kv_bytes_per_token(config, dtype_bytes):
@@ -111,7 +108,7 @@ def kv_bytes_per_token(config, dtype_bytes):
 def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
     """Bytes per device for each term (dict, in the order printed) plus 'peak', the host memory
     ('host': rank 0's, 'host node': all ranks'), and the static shapes ('kv_shape', 'label_kv_shape')."""
-    total, root, layer, per_rank, cast = counts or param_counts(config, cfg.get("lora_targets", "all-linear"))
+    total, root, layer, per_rank = counts or param_counts(config, cfg.get("lora_targets", "all-linear"))
     cuda = device == "cuda"
     act_bytes = 2 if cuda else 4
     d, d_ff, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
@@ -120,7 +117,7 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
     if adapter:  # the frozen base and the adapter's fp32 state; one process samples with the policy
         state = (4 * total if sharded else act_bytes * total) / world
         adapter_state = 16 * adapter / world
-        gen_copy = act_bytes * (total + adapter) if sharded else 0
+        gen_copy = act_bytes * (total + adapter) if sharded else (act_bytes * total if cuda else 0)
     else:
         state, adapter_state = 16 * total / world, 0.0
         shared_copy = not cuda and world == 1  # wrap(): one CPU process samples with the policy itself
@@ -128,14 +125,11 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
     prompts_here = -(-cfg["prompts_per_step"] // world)
     per_token = kv_bytes_per_token(config, act_bytes)
     layer_acts = lambda tokens: tokens * (8 * d + 3 * d_ff) * act_bytes  # noqa: E731  one layer's forward
-    # a prefill's layer: on one GPU the fp32 adapter on the bf16 base adds one linear's casts
-    lora_casts = cast if adapter and cuda and not sharded else 0
-    prefill_acts = lambda tokens: layer_acts(tokens) + tokens * lora_casts  # noqa: E731
     P, G, new = prompt_tokens(cfg), cfg["group_size"], cfg["max_new_tokens"]
     # rollout: gen_batch prompts prefilled at once, their KV repeated for the G samples
     prompts = min(cfg["gen_batch"], prompts_here)
     kv_shape = buffer_shape(prompts * G, P, new)
-    kv, prefill = kv_shape[0] * kv_shape[1] * per_token, prefill_acts(prompts * P)
+    kv, prefill = kv_shape[0] * kv_shape[1] * per_token, layer_acts(prompts * P)
     label_shape, label_kv, label_prefill = (0, 0), 0, 0
     if cfg.get("reward", "rlcm") in PROBE_MODES:
         # forced answers (label._forced_samples): chunks of gen_batch cuts x k rows after the prompt,
@@ -146,7 +140,7 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
         width = P + int(new * max(fractions)) + FORCED_SUFFIX
         label_shape = buffer_shape(cuts * cfg["k"], width, FORCED_ANSWER)
         label_kv = label_shape[0] * label_shape[1] * per_token
-        label_prefill = prefill_acts(cuts * width) + cuts * width * per_token
+        label_prefill = layer_acts(cuts * width) + cuts * width * per_token
     gather = (act_bytes if adapter else 8) * (root + 2 * layer) if sharded else 0
     T = max(cfg["micro_tokens"], P + new)  # a micro-batch holds >= 1 sequence
     one_layer = layer_acts(T)
@@ -259,8 +253,9 @@ def check(cfg, show=False, log=print):
                  "training state": "on the host (--offload)" if offload else
                  ("the frozen base" if rank else "params, grads, AdamW (sharded)"),
                  "adapter state": "fp32 params, grads, AdamW of the adapter",
-                 "generation copy": "none: samples with the policy, adapters unmerged"
-                 if rank and not t["generation copy"] else ""}
+                 "generation copy": ("none: samples with the policy" if not t["generation copy"] else
+                                     "bf16, the adapter merged" if world == 1 and not offload else
+                                     "bf16, base and adapter") if rank else ""}
         for name in ("training state", *(("adapter state",) if rank else ()), "generation copy", "FSDP gather", "KV cache", "prefill",
                      "label KV cache", "label prefill", "activations", "log-prob chunk",
                      *(("held grads",) if t["held grads"] else ()), "runtime", "peak"):

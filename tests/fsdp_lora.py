@@ -15,7 +15,7 @@ import train
 from grpo import pack
 from label import cut_mask, grid
 from harness import lora
-from harness.parallel import MASTER, RANK, WORLD, full_state, load_sharded, setup, teardown, wrap
+from harness.parallel import MASTER, RANK, WORLD, full_state, load_sharded, refresh_sampler, setup, teardown, wrap
 
 CFG = dict(lora_rank=4, lora_alpha=8.0, lora_targets="all-linear", model="toy")
 device = setup()
@@ -52,10 +52,17 @@ if torch.distributed.is_initialized():
     step.probe_margin(probe, probe_opt, feats, grid(labels), cut_mask(labels),
                       dict(CFG, reward="rlcm", probe_passes=4, probe_batch=2, corner="zero"), seed=3)
     torch.save(dict(init=init, fitted=probe.state_dict()), f"{sys.argv[1]}.probe{RANK}")
+    # a refresh after a step gathers the adapter alone: the frozen base was copied once, at the start
+    from torch.distributed.tensor import DTensor
+    gathered, full_tensor = [], DTensor.full_tensor
+    DTensor.full_tensor = lambda self, *a, **kw: gathered.append(1) or full_tensor(self, *a, **kw)
+    refresh_sampler(sampler, lean)
+    DTensor.full_tensor = full_tensor
     ids = torch.tensor([[5, 9, 3, 7, 11, 2, 40]])
     with torch.no_grad():
         mine = dict(lm.named_parameters())
         diff = dict(sampler=(sampler(ids).logits - ref(ids).logits).abs().max().item(),
+                    gathered=len(gathered) == sum(p.requires_grad for p in lm.parameters()) > 0,
                     policy=max((mine[n].full_tensor() - p).abs().max().item() for n, p in ref.named_parameters()),
                     trainable=sorted(n for n, p in lm.named_parameters() if p.requires_grad)
                     == sorted(n for n, p in ref.named_parameters() if p.requires_grad))

@@ -17,7 +17,7 @@ needs_7b = pytest.mark.skipif(not os.path.isdir(FIXTURE_7B), reason="7B config f
 
 def test_parameter_terms_match_a_real_model():
     model = tiny.model(vocab_size=300, hidden=32, layers=3)
-    total, root, layer, _, _ = plan.param_counts(model.config)
+    total, root, layer, _ = plan.param_counts(model.config)
     assert total == sum(p.numel() for p in model.parameters())
     assert layer == sum(p.numel() for p in model.model.layers[1].parameters())
     assert root == sum(p.numel() for n, p in model.named_parameters() if ".layers." not in n)
