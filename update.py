@@ -67,7 +67,7 @@ def score(model, batch, ends=None, temperature=1.0, chunk_size=1024, last_k=LAST
     keep = nullcontext() if ends is None or final_norm else last_layer(
         model, lambda hidden: captured.setdefault("feats", prefix_features(hidden, ends.to(ids.device), last_k)))
     with keep:
-        hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        hidden = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state  # no K/V kept
     feats, valid = captured.get("feats", (None, None))
     if final_norm and ends is not None:
         feats, valid = prefix_features(hidden, ends.to(ids.device), 1)

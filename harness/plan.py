@@ -169,6 +169,27 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
     return terms
 
 
+def label_chunk(cuts, k, width, config, free):
+    """Cuts per chunk of forced answers (label.mc_labels' batch_size) that fit `free` bytes: at most
+    `cuts`, fewer where one chunk of them at `width` positions (prompt + the longest cut + the tail)
+    cannot hold, per cut, the prefill cache row it selects (width x K/V bytes per token), its k rows
+    of static buffers filled from it (k x width) and the masked tail prefill's expanded K/V of one
+    layer (width x 2 x heads x head_dim, twice: SDPA's repeat and the cache's concatenation), in bf16.
+    evaluate.py's early exit (64 rows, k = 1, AIME's 8000 tokens) needs it on an 80 GB GPU."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    per_cut = width * ((1 + k) * kv_bytes_per_token(config, 2) + 2 * 2 * heads * head_dim * 2)
+    return max(1, min(cuts, int(free // per_cut)))
+
+
+def free_bytes(device):
+    """Bytes a new allocation can still get on a CUDA device: free on the device plus what torch's
+    allocator holds unused (it frees those before it reports an out-of-memory), less a tenth for
+    fragmentation and the workspaces of kernels."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return 0.9 * (free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
 def prompt_tokens(cfg):
     return TOY_PROMPT_TOKENS if cfg["model"] == "toy" else PROMPT_TOKENS
 
