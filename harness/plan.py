@@ -176,10 +176,14 @@ def label_chunk(cuts, k, width, config, free):
     of static buffers filled from it (k x width) and the masked tail prefill's expanded K/V of one
     layer (width x 2 x heads x head_dim, twice: SDPA's repeat and the cache's concatenation), in bf16.
     evaluate.py's early exit (64 rows, k = 1, AIME's 8000 tokens) needs it on an 80 GB GPU."""
+    return max(1, min(cuts, int(free // cut_bytes(k, width, config))))
+
+
+def cut_bytes(k, width, config):
+    """What one cut of a chunk of forced answers holds at `width` positions (label_chunk), bf16."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    per_cut = width * ((1 + k) * kv_bytes_per_token(config, 2) + 2 * 2 * heads * head_dim * 2)
-    return max(1, min(cuts, int(free // per_cut)))
+    return width * ((1 + k) * kv_bytes_per_token(config, 2) + 2 * 2 * heads * head_dim * 2)
 
 
 def free_bytes(device):
