@@ -409,6 +409,9 @@ def parse_args(argv=None):
     g.add_argument("--batch-size", type=int, help="questions per generation call (default 64 sequences; toy 256)")
     g.add_argument("--decode", choices=("static", "dynamic"), help="KV cache for decoding (default: static on CUDA)")
     g.add_argument("--threads", type=int, help="CPU threads (default: 1 on a machine without a GPU, else torch's)")
+    g.add_argument("--plan", action="store_true", help="print each benchmark's memory peak on one GPU and exit "
+                   "(harness/evalplan.py; from the model's config alone)")
+    g.add_argument("--gpu-mem", type=float, help="GiB of the GPU to plan for (default: this one's, else 80)")
     g = p.add_argument_group("confidence")
     g.add_argument("--confidence", choices=confidence.SOURCES,
                    help="default probe-posthoc (the paper's probe rows); probe: the run's own probe.pt, read "
@@ -485,6 +488,13 @@ def main(argv=None):
     try:
         for name in args.model:   # a missing model is a model error, not a benchmark's
             checkpoint.check_available(name)
+        if args.plan:   # before any benchmark or weights are read
+            from harness import evalplan
+            mem = args.gpu_mem or (torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0)
+            for name in args.model:
+                evalplan.check(name, [(b, settings(b, args)) for b in names], mem,
+                               early_exit=not args.no_early_exit)
+            return None
         loaded = load_benchmarks(names, args.limit, args.lcb_release)   # every name checked before any model loads
         loaded = rlcr_prompts(loaded) if args.mode == "rlcr" else loaded
         if any(data.kind(name) == "code" for name, *_ in loaded):

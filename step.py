@@ -96,11 +96,13 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
     prompts = [data.chat_prompt(tok, r["problem"], instruction, cfg["system_prompt"]) for r in rows]
     step_seed = cfg["seed"] * 1_000_003 + step * 101
     seed = step_seed + RANK  # each rank samples its own groups
+    captured = staticcache.captures()
     sampler.eval()
     with timer("rollout"):
         out = generate(sampler, tok, prompts, n=G, max_new_tokens=cfg["max_new_tokens"],
                        temperature=cfg["temperature"], top_p=cfg["top_p"], seed=seed,
                        batch_size=cfg["gen_batch"], decode=cfg["decode"], scores=True)
+    staticcache.release(sampler)  # no label chunk reuses the rollout's shape: free it before their prefill
     golds = [rows[i]["answer"] for i in out.prompt_index]
     traj_prompts = [prompts[i] for i in out.prompt_index]
     fn, scored, judge = cfg["reward_fn"], None, None  # --reward-fn: the user's correctness (harness/rewardfn.py)
@@ -171,14 +173,15 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
             gaps.append({k: upd.pop(k) for k in SAMPLER_GAP})
     local = [correct.sum().item(), len(out.ids) if scored is None else scored.sum().item(), R.sum().item(),
              signal.sum().item(), len(out.ids), sum(out.lengths), sum(f == "length" for f in out.finish),
-             zero_var_groups(R, G), len(rows), sum(out.entropy_sum), a_nat, a_cal,
-             *(v.sum().item() for v in parts.values())]
-    acc, judged, rsum, ssum, n, lsum, trunc, zvar, ngroups, esum, a_nat, a_cal, *psums = all_sum(local, device)
+             zero_var_groups(R, G), len(rows), sum(out.entropy_sum), staticcache.captures() - captured,
+             a_nat, a_cal, *(v.sum().item() for v in parts.values())]
+    acc, judged, rsum, ssum, n, lsum, trunc, zvar, ngroups, esum, caps, a_nat, a_cal, *psums = all_sum(local, device)
     row = dict(step=step, accuracy=acc / judged if judged else math.nan, reward=rsum / n,   # nan: nothing scored
                **{k: s if k in modes.COUNTED else s / n for k, s in zip(parts, psums)},
                signal_frac=ssum / n if probed else 0.0, **stats, zero_var_frac=zvar / max(ngroups, 1),
                len_mean=lsum / n, len_max=max(all_gather(max(out.lengths, default=0))),
-               trunc_frac=trunc / n, **upd, **gaps[0], entropy=esum / max(lsum, 1), lr=lr, **timer.t)
+               trunc_frac=trunc / n, **upd, **gaps[0], entropy=esum / max(lsum, 1), lr=lr,
+               captures=int(caps), **timer.t)  # static decode steps captured, all ranks (staticcache.captures)
     row["tok_per_s"] = lsum / max(row["t_rollout"], 1e-9)
     if shaped:   # the share of sum |A| the calibration term sets (metrics.advantage_parts)
         row["calib_adv_share"] = a_cal / max(a_nat + a_cal, 1e-12)

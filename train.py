@@ -53,7 +53,7 @@ def print0(*a):
 def load_policy(cfg, device, ckpt=None):
     """The policy (from checkpoint `ckpt` when resuming) + tokenizer. Full fine-tuning: fp32 weights
     (bf16 compute comes from autocast / FSDP mixed precision). --lora-rank: the base with an fp32
-    adapter (harness/lora.py); on one GPU the frozen base is bf16, as it is also the generation copy."""
+    adapter (harness/lora.py); on one GPU the frozen base is bf16 (it samples from a merged bf16 copy)."""
     lora = cfg["lora_rank"] > 0
     dtype = torch.bfloat16 if lora and device.type == "cuda" and WORLD == 1 and not cfg["offload"] else torch.float32
     # a LoRA run resumes on the base its checkpoint was trained on (not what --model names now)
@@ -86,6 +86,16 @@ def checkpoint_activations(model):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def new_probe(cfg, dim):
+    """A fresh probe (hidden None: d // 4, 0: linear) and its optimizer, the same on every rank.
+    Loading moves torch's RNG differently per rank (peft's LoRA init draws from it, twice on rank 0:
+    its model and the meta one), and the probe's init and its fit's dropout both draw from it; so it
+    is reseeded from the run's seed here, which leaves the RNG of a run without LoRA as it was."""
+    torch.manual_seed(cfg["seed"])
+    probe = probe_lib.Probe(dim, cfg["probe_hidden"])
+    return probe, probe_lib.make_optimizer(probe, lr=cfg["probe_lr"])
 
 
 def next_rows(rows, cursor, count, seed):
@@ -142,8 +152,7 @@ def run(cfg):
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=cfg["lr"],
                             weight_decay=cfg["weight_decay"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_factor(s, cfg["warmup"], cfg["warmup_from_zero"]))
-    probe = probe_lib.Probe(model.config.hidden_size, cfg["probe_hidden"])  # None: d // 4, 0: linear
-    probe_opt = probe_lib.make_optimizer(probe, lr=cfg["probe_lr"])
+    probe, probe_opt = new_probe(cfg, model.config.hidden_size)
     step, cursor = 0, 0
     if ckpt:
         probe, probe_opt, step, cursor = folder.restore(cfg, policy, opt, sched, probe_opt)

@@ -67,7 +67,7 @@ def score(model, batch, ends=None, temperature=1.0, chunk_size=1024, last_k=LAST
     keep = nullcontext() if ends is None or final_norm else last_layer(
         model, lambda hidden: captured.setdefault("feats", prefix_features(hidden, ends.to(ids.device), last_k)))
     with keep:
-        hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        hidden = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state  # no K/V kept
     feats, valid = captured.get("feats", (None, None))
     if final_norm and ends is not None:
         feats, valid = prefix_features(hidden, ends.to(ids.device), 1)
@@ -127,6 +127,8 @@ def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device, extra=Non
     With batch["sampler_logp"] the result also has sampler_gap, sampler_kl_k3 and
     sampler_ratio_max (the module docstring), from this call's forward, before its optimizer step.
 
+    With --offload (and --offload-grads gpu) gradients are reduced and copied to the host after the
+    last micro-batch only (FSDP2's set_requires_gradient_sync), the same sums in another order.
     Ranks with fewer micro-batches than another run padding ones, because FSDP2 needs the same
     number of forward/backward calls on every rank (not the same sizes): one row cut to 2 tokens,
     at weight 0.
@@ -145,8 +147,13 @@ def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device, extra=Non
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if plain_gpu else nullcontext()
     gap = "sampler_logp" in batch
     gap_sums, ratio_max = [0.0, 0.0, 0.0], 0.0  # sum |d|, sum k3, tokens; see sampler_gap
+    # --offload: FSDP2 would reduce-scatter each micro-batch's gradients and add them into the host
+    # shards with a blocking copy; held unsharded on the GPU instead, they are reduced once
+    hold = sharded(policy) and cfg.get("offload") and cfg.get("offload_grads", "gpu") == "gpu"
     for j in range(n_mb):
         real = j < len(mbs)
+        if hold:
+            policy.set_requires_gradient_sync(j == n_mb - 1)
         mb = mbs[j] if real else [0]
         w = weights[mb].sum().item() if real else 0.0  # a whole number: exact means below
         sub, L = micro_batch(batch, mb, device, length=None if real else 2)

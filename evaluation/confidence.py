@@ -52,7 +52,7 @@ from grpo import pack, token_logprobs
 from label import absolute_budgets, budgets, forced_prompt, mc_labels
 from rollout import generate
 from update import budget_ends, score
-from harness import files, sandbox
+from harness import files, plan, sandbox, staticcache
 
 SOURCES = ("probe", "probe-posthoc", "verbal", "verbal-forced", "logits")
 EVAL_SUFFIX = "\n\nIf I were to give the final answer now, the final answer would be \\boxed{"
@@ -368,6 +368,7 @@ def sample_confidences(source, model, tokenizer, prompts, responses, texts, gold
         return conf, [{} for _ in texts]
     if source not in ("probe", "probe-posthoc") or prb is None:
         raise ValueError(f"confidence source {source!r} needs a probe; sources: {', '.join(SOURCES)}")
+    staticcache.release(model)  # the generation's static shape: neither the features nor the labels reuse it
     ends = [think_end(r, close_id) for r in responses]
     bls = [([b for b in absolute_budgets(te, every) if b < te] if every else []) +
            [read_point(source, r, close_id, fractions)] for r, te in zip(responses, ends)]
@@ -376,9 +377,14 @@ def sample_confidences(source, model, tokenizer, prompts, responses, texts, gold
     confs = probe_confidences(prb, feats)
     extras = [{} for _ in texts]
     if every:
+        chunk = max(1, rows // exit_k)  # on a GPU, fewer cuts where a chunk of them would not fit
+        if _device(model).type == "cuda":
+            width = max((len(p) + max(bl) for p, bl in zip(prompts, bls)), default=0) + plan.FORCED_SUFFIX
+            chunk = plan.label_chunk(chunk, exit_k, width, model.config, plan.free_bytes(_device(model)))
         ys = mc_labels(model, tokenizer, prompts, responses, [bl[:-1] for bl in bls], golds, k=exit_k,
                        temperature=0.6, top_p=0.95, max_new_tokens=64, close=close, suffix=suffix,
-                       seed=seed, batch_size=max(1, rows // exit_k))
+                       seed=seed, batch_size=chunk)
+        staticcache.release(model)  # nor does the next batch's generation reuse the labels' shape
         extras = [{"checkpoints": [[b, round(c, 6), y] for b, c, y in zip(bl, cs, yl)]}
                   for bl, cs, yl in zip(bls, confs, ys)]
     return [cs[-1] for cs in confs], extras
@@ -452,6 +458,7 @@ def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, pro
     out = generate(model, tokenizer, prompts, n=p["n"], max_new_tokens=p["max_new_tokens"],
                    temperature=p["temperature"], top_p=p["top_p"], seed=p["seed"],
                    batch_size=max(1, rows // p["n"]))
+    staticcache.release(model)  # the labels below have shapes of their own
     rep = [q for q in prompts for _ in range(p["n"])]
     golds = [r["answer"] for r in questions for _ in range(p["n"])]
     groups = [q for q in range(len(questions)) for _ in range(p["n"])]

@@ -30,7 +30,7 @@ import modes
 import probe as probe_lib
 from label import budgets, cut_mask, grid, labelled, mc_labels
 from rollout import generate
-from harness import rewardfn, runlog
+from harness import rewardfn, runlog, staticcache
 from harness.parallel import RANK, WORLD, all_gather, all_sum
 
 EPS = 1e-7
@@ -49,6 +49,7 @@ def held_out_accuracy(sampler, tok, rows, cfg, instruction, device, probe=None, 
         out = generate(sampler, tok, prompts, max_new_tokens=cfg["max_new_tokens"], temperature=0.6,
                        seed=cfg["seed"] + 12345 + RANK, batch_size=cfg["gen_batch"],
                        decode=cfg["decode"])
+        staticcache.release(sampler)  # as in a step: the labels' prefill must not sit on the rollout's shape
         golds = [r["answer"] for r in mine]
         if cfg["reward_fn"]:  # the accuracy is the mean value of the responses it scores
             values, scored = modes.judged(out.texts, golds, mine, cfg["reward_fn"])
@@ -59,6 +60,7 @@ def held_out_accuracy(sampler, tok, rows, cfg, instruction, device, probe=None, 
             m = len(rows[:cfg["eval_probe_n"]][RANK::WORLD])
             trajs = probe_calibration(sampler, tok, probe, prompts[:m], out, mine[:m], cfg,
                                       seed=cfg["seed"] + 54321 + RANK)
+            staticcache.release(sampler)  # nor the next step's rollout prefill on the labels'
     if probe_stats is not None:
         trajs = [t for part in all_gather(trajs) for t in part]
         probe_stats.update(summary(trajs, cfg["k"]), trajectories=trajs)

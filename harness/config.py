@@ -37,7 +37,7 @@ COMMON = dict(model="toy", problem_field=None, answer_field=None, trust_remote_c
               probe_batch=16, probe_hidden=None, grad_clip=1.0,
               clip_low=0.2, clip_high=0.2, agg="token-mean", chunk_size=1024, seed=0, keep=2,
               out=None, resume=None, system_prompt=None, log_samples=4, eval_probe_n=32, wandb=None,
-              wandb_run=None, ppo_epochs=1, offload=False, nproc=None, gpus=None, gpu_mem=None,
+              wandb_run=None, ppo_epochs=1, offload=False, offload_grads="gpu", nproc=None, gpus=None, gpu_mem=None,
               plan=False, decode=None, drop_unanimous=False, c2gspg_bce="off", lora_rank=0, lora_alpha=32.0,
               lora_targets="all-linear")
 # Under --lora-rank the default --lr is this many times the world's full fine-tuning rate ("LoRA
@@ -280,6 +280,11 @@ def build_parser():
     g.add_argument("--offload", action="store_true", default=None,
                    help="keep params, grads and AdamW state in host memory (FSDP2 CPU offload): slow, "
                    "but the 7B model trains on one or two GPUs")
+    g.add_argument("--offload-grads", choices=("gpu", "host"),
+                   help="with --offload: gpu (default) accumulates the micro-batches' fp32 gradients "
+                   "unsharded on the GPU and reduces and copies them to the host once per step (+4 "
+                   "bytes per trained parameter on the GPU); host does so after every micro-batch "
+                   "(FSDP2's default: less GPU memory, a blocking copy per micro-batch)")
     g.add_argument("--lora-rank", type=int, help="train a LoRA adapter of this rank on the frozen base "
                    "(peft; 0: full fine-tuning, as in the paper). 16-64 suits a 7B; 32 fits one 80 GB GPU")
     g.add_argument("--lora-alpha", type=float, help="LoRA scale alpha (the update is alpha / rank x B A)")

@@ -1,9 +1,11 @@
 """--lora-rank R: the policy trains a LoRA adapter (peft) on its frozen base instead of every weight.
 
 The adapter is injected into the Hugging Face model itself (`add_adapter` keeps peft's inner model,
-not its PeftModel wrapper), so everything downstream (the rollout, the forced answers' prefill that
-feeds the probe, FSDP2's per-layer units) runs on an ordinary model whose linear layers are adapted;
-sampling uses the adapters unmerged. Only the adapter's parameters require gradients, so only they get
+not its PeftModel wrapper), so everything downstream (FSDP2's per-layer units, the update) runs on
+an ordinary model whose linear layers are adapted. A CPU process samples with that model itself; on
+one GPU the rollout and the labels sample from a plain bf16 copy with the adapter merged into its
+weights (`merged_copy`, refreshed after each step by `merge_into`); on several, from the bf16 copy
+of the adapted model, whose frozen base is copied once (harness/parallel.py). Only the adapter's parameters require gradients, so only they get
 gradients and AdamW state. A checkpoint holds the adapter in peft's own format
 (adapter_config.json + adapter_model.safetensors, loadable with `PeftModel.from_pretrained` on the
 base named in its config) beside the tokenizer, probe.pt, state.pt and base.json (the base by content,
@@ -41,6 +43,39 @@ def adapter_params(model, rank, target_text):
     wanted = targets(target_text)
     return sum(rank * (m.in_features + m.out_features) for name, m in model.model.layers.named_modules()
                if isinstance(m, torch.nn.Linear) and (wanted == "all-linear" or name.split(".")[-1] in wanted))
+
+
+def merged_copy(model, dtype=torch.bfloat16):
+    """The generation copy of an adapted `model` on one GPU: the same model without peft's layers
+    (each adapted linear is its base linear again) in `dtype`, its weights merged by `merge_into`.
+    It samples as fast as the base: no fp32 adapter, no casts, one kernel per linear."""
+    import copy
+    from peft.tuners.lora import LoraLayer
+    plain = copy.deepcopy(model).eval().requires_grad_(False)
+    for name, m in list(plain.named_modules()):
+        if isinstance(m, LoraLayer):
+            parent, _, leaf = name.rpartition(".")
+            setattr(plain.get_submodule(parent), leaf, m.base_layer)
+    if hasattr(plain, "peft_config"):
+        del plain.peft_config  # a plain model now (has_adapter is False)
+    for p in plain.parameters():  # parameters only: the rotary frequencies stay fp32 (parallel.wrap)
+        p.data = p.data.to(dtype)
+    merge_into(plain, model)
+    return plain
+
+
+@torch.no_grad()
+def merge_into(plain, model):
+    """Write each adapted linear of `model` (frozen W, adapter A, B, scale s = alpha / rank) into
+    `plain` (merged_copy) as W + s B A, computed in fp32 and cast once to the copy's dtype. The other
+    weights are frozen: merged_copy copied them. `model` is not touched: merging into the trained
+    policy itself, and unmerging after, would drift its bf16 base a rounding at a time."""
+    from peft.tuners.lora import LoraLayer
+    for name, m in model.named_modules():
+        if isinstance(m, LoraLayer):
+            A, B = m.lora_A[ADAPTER].weight.float(), m.lora_B[ADAPTER].weight.float()
+            merged = torch.addmm(m.base_layer.weight.float(), B, A, alpha=m.scaling[ADAPTER])
+            plain.get_submodule(name).weight.copy_(merged)
 
 
 def add_adapter(model, cfg, base_path):

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from grpo import token_logprobs
-from harness.lora import has_adapter
+from harness.lora import has_adapter, merge_into, merged_copy
 
 RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 MASTER = RANK == 0
@@ -112,11 +112,13 @@ def wrap(lm, device, offload=False):
     """(trainable module, generation copy). One process on CPU: both are the same fp32 model.
 
     lm may be on the meta device (load_sharded): then both come back unmaterialised. Under
-    --lora-rank one process samples with the policy itself on a GPU too: its frozen base is bf16
-    already and its adapters stay unmerged (no copy to refresh).
+    --lora-rank one GPU samples from a plain bf16 copy with the adapter merged in (lora.merged_copy:
+    no fp32 adapter and its casts in every decode step); several ranks from the adapted model's copy.
     """
     sampler = lm
-    if (device.type == "cuda" and not has_adapter(lm)) or dist.is_initialized():
+    if device.type == "cuda" and has_adapter(lm) and not dist.is_initialized():
+        sampler = merged_copy(lm)
+    elif (device.type == "cuda" and not has_adapter(lm)) or dist.is_initialized():
         sampler = copy.deepcopy(lm).eval().requires_grad_(False)
         if device.type == "cuda":  # bf16 weights; the buffers (rotary inv_freq) stay fp32, as from_pretrained
             for p in sampler.parameters():  # leaves them: bf16 frequencies turn position 1000 by 1.2 rad
@@ -174,7 +176,7 @@ def load_sharded(name, device, offload=False, trust_remote_code=False, grad_ckpt
     del full
     rebuild_buffers(lm, device)  # buffers are not offloaded: they stay where the compute runs
     sampler.to_empty(device=device)
-    refresh_sampler(sampler, policy)
+    refresh_sampler(sampler, policy, frozen=True)
     rebuild_buffers(sampler, device)
     return policy, sampler, lm, tok
 
@@ -198,14 +200,21 @@ def rebuild_buffers(model, device):
 
 
 @torch.no_grad()
-def refresh_sampler(sampler, policy):
-    """Copy the trained (possibly sharded) weights into the generation copy."""
+def refresh_sampler(sampler, policy, frozen=False):
+    """Copy the trained (possibly sharded) weights into the generation copy: those that train, and
+    with frozen=True (the first fill) the frozen ones too, so a LoRA run never gathers its frozen
+    base again. One GPU's merged LoRA copy gets W + s B A of each adapted linear (lora.merge_into)."""
     if sampler is policy.lm:
+        return
+    if has_adapter(policy.lm) and not has_adapter(sampler):
+        merge_into(sampler, policy.lm)
         return
     # remove_duplicate=False: a copy built by to_empty from the meta device has lost its tied
     # embeddings (the LM head is its own tensor), so every name is filled
     params = dict(sampler.named_parameters(remove_duplicate=False))
     for name, p in policy.lm.named_parameters(remove_duplicate=False):
+        if not (p.requires_grad or frozen):
+            continue
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         params[name].copy_(full.to(params[name].dtype))
 

@@ -12,7 +12,7 @@ Terms per device, with N parameters, W devices (ranks) and bf16 = 2 bytes:
                   x kv_heads x head_dim x 2, as the decoder buckets them: rows = min(gen_batch,
                   prompts per rank) x group_size, positions = prompt + max_new_tokens - 1, rounded up
                   (24 x 9216 for 24 x 8599 on the released recipe)
-  prefill         one layer's forward (T x (8 d + 3 d_ff)) over the prompts that fill that cache
+  prefill         one layer's forward (T x (8 d + 3 d_ff) x 2) over the prompts that fill that cache
   label KV cache  the forced answers' static buffers: a chunk of gen_batch cuts x k rows, positions =
                   prompt + the longest cut (3/4 of max_new_tokens) + the forced suffix + the answer
                   - 1, bucketed; one chunk's shape is alive at a time
@@ -24,14 +24,19 @@ Terms per device, with N parameters, W devices (ranks) and bf16 = 2 bytes:
                   input (T x d), and the backward of one layer holds its recomputed forward buffers
                   (T x (8 d + 3 d_ff)) and their gradients (as much again); without, every layer
                   keeps its buffers and one layer's gradients come on top
-  log-prob chunk  chunk_size positions x vocab fp32 logits, log-softmax and its gradient (x 3)
+  log-prob chunk  chunk_size positions x vocab x 3 fp32: a chunk's backward holds its recomputed
+                  log-softmax, the gradient gather scatters into and log-softmax's gradient
   runtime         CUDA context and allocator slack (1 GiB), or the Python/torch process on CPU
 
 Phases do not overlap: the rollout holds its KV cache and prefill, the labels theirs, the update
-the gather, activations and log-prob chunk. peak = training state + generation copy + runtime +
-max(rollout, labels, update).
+the gather, activations and log-prob chunk (the step frees the rollout's static buffers before the
+first label prefill, and the labels' before the update: tests/test_plan.py holds both).
+peak = training state + generation copy + runtime + max(rollout, labels, update).
 With --offload (FSDP2's CPUOffloadPolicy) the training state lives in host memory (16 N / W per
-rank) and the optimizer step runs on the CPU: slower, but the GPU keeps only the rest.
+rank) and the optimizer step runs on the CPU: slower, but the GPU keeps only the rest. The update
+then accumulates the micro-batches' gradients unsharded in fp32 on the GPU and reduces them once
+(update.py): +4 N ("held grads"; the adapter's 4 n under LoRA); --offload-grads host reduces and
+copies them after every micro-batch instead (no such term, a blocking copy per micro-batch).
 Host memory (sharded runs: several GPUs or --offload): rank 0 reads the fp32 weights (4 N) to
 broadcast them, and at every save gathers the full fp32 model and AdamW state (parallel.full_state:
 4 N + 8 N = 12 N, 91 GB for the 7B), on top of its offloaded shard; the Python processes themselves
@@ -43,8 +48,10 @@ With --lora-rank R (harness/lora.py) only the adapter trains: n = R x (in + out)
 adapted linear layers. The frozen base holds no fp32 master, gradients or AdamW state:
   training state  the frozen base: bf16 on one GPU (2 N), the fp32 shards (4 N / W) when sharded
   adapter state   fp32 params + grads + AdamW of the adapter                16 n / W
-  generation copy none on one GPU or CPU process (it samples with the policy, adapters unmerged);
-                  the bf16 copy of base and adapter (2 (N + n)) when sharded
+  generation copy on one GPU a plain bf16 copy with the adapter merged (2 N: lora.merged_copy; sampling
+                  with the fp32 adapter on the bf16 base would cast each adapted linear's input to
+                  fp32, T x (4 in + 8 out) more per prefill, 8 GiB in the 7B's label prefill); none
+                  in a CPU process; the bf16 copy of base and adapter (2 (N + n)) when sharded
   FSDP gather     the gathered layers' params only (no gradients for frozen weights)
   host            rank 0 reads the fp32 base to broadcast it (4 N); a save gathers the adapter and
                   its AdamW state only (12 n)
@@ -110,7 +117,7 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
     if adapter:  # the frozen base and the adapter's fp32 state; one process samples with the policy
         state = (4 * total if sharded else act_bytes * total) / world
         adapter_state = 16 * adapter / world
-        gen_copy = act_bytes * (total + adapter) if sharded else 0
+        gen_copy = act_bytes * (total + adapter) if sharded else (act_bytes * total if cuda else 0)
     else:
         state, adapter_state = 16 * total / world, 0.0
         shared_copy = not cuda and world == 1  # wrap(): one CPU process samples with the policy itself
@@ -142,12 +149,13 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
     kept = config.num_hidden_layers * (T * d * act_bytes if cfg["grad_ckpt"] else one_layer)
     acts = kept + (2 if cfg["grad_ckpt"] else 1) * one_layer
     chunk = 3 * cfg["chunk_size"] * vocab * 4  # chunks run over the micro-batch's flattened positions
+    held = 4 * (adapter or total) if offload and cfg.get("offload_grads", "gpu") == "gpu" else 0
     terms = {"training state": 0.0 if offload else state, "adapter state": 0.0 if offload else adapter_state,
              "generation copy": gen_copy,
              "FSDP gather": gather, "KV cache": kv, "prefill": prefill, "label KV cache": label_kv,
              "label prefill": label_prefill, "activations": acts, "log-prob chunk": chunk,
-             "runtime": RUNTIME[device]}
-    update = gather + acts + chunk
+             "held grads": held, "runtime": RUNTIME[device]}
+    update = gather + acts + chunk + held
     terms["peak"] = terms["training state"] + terms["adapter state"] + gen_copy + RUNTIME[device] + \
         max(kv + prefill, label_kv + label_prefill, update)
     # Host: rank 0 loads the fp32 weights (4 N) to broadcast them, and at every save gathers the
@@ -161,16 +169,46 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
     return terms
 
 
+def label_chunk(cuts, k, width, config, free):
+    """Cuts per chunk of forced answers (label.mc_labels' batch_size) that fit `free` bytes: at most
+    `cuts`, fewer where one chunk of them at `width` positions (prompt + the longest cut + the tail)
+    cannot hold, per cut, the prefill cache row it selects (width x K/V bytes per token), its k rows
+    of static buffers filled from it (k x width) and the masked tail prefill's expanded K/V of one
+    layer (width x 2 x heads x head_dim, twice: SDPA's repeat and the cache's concatenation), in bf16.
+    evaluate.py's early exit (64 rows, k = 1, AIME's 8000 tokens) needs it on an 80 GB GPU."""
+    return max(1, min(cuts, int(free // cut_bytes(k, width, config))))
+
+
+def cut_bytes(k, width, config):
+    """What one cut of a chunk of forced answers holds at `width` positions (label_chunk), bf16."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return width * ((1 + k) * kv_bytes_per_token(config, 2) + 2 * 2 * heads * head_dim * 2)
+
+
+def free_bytes(device):
+    """Bytes a new allocation can still get on a CUDA device: free on the device plus what torch's
+    allocator holds unused (it frees those before it reports an out-of-memory), less a tenth for
+    fragmentation and the workspaces of kernels."""
+    free, _ = torch.cuda.mem_get_info(device)
+    return 0.9 * (free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
 def prompt_tokens(cfg):
     return TOY_PROMPT_TOKENS if cfg["model"] == "toy" else PROMPT_TOKENS
 
 
 def fixes(config, cfg, world, device, mem, counts):
     """The cheapest change that fits, tried in order of cost: a smaller --gen-batch or --micro-tokens
-    (slower, nothing else changes), --lora-rank 32 (an adapter trains instead of every weight: a
-    deviation from the paper's full fine-tuning), --offload (much slower optimizer step), more GPUs."""
+    (slower, nothing else changes; under --offload first --offload-grads host), --lora-rank 32 (an
+    adapter trains instead of every weight: a deviation from the paper's full fine-tuning), --offload
+    (much slower optimizer step; with --offload-grads host where the held gradients do not fit), more
+    GPUs."""
     def peak(c, w=world, off=cfg.get("offload", False)):
         return estimate(config, c, w, device, off, counts)["peak"]
+    if cfg.get("offload") and cfg.get("offload_grads", "gpu") == "gpu" and \
+            peak(dict(cfg, offload_grads="host")) <= mem:
+        return f"--offload-grads host (peak {peak(dict(cfg, offload_grads='host')) / GiB:.1f} GiB: slower update)"
     for flag, key in (("--gen-batch", "gen_batch"), ("--micro-tokens", "micro_tokens")):
         c = dict(cfg)
         while c[key] > 1:
@@ -181,9 +219,11 @@ def fixes(config, cfg, world, device, mem, counts):
     if not cfg.get("lora_rank") and peak(dict(cfg, lora_rank=32)) <= mem:
         lora = f"--lora-rank 32 (peak {peak(dict(cfg, lora_rank=32)) / GiB:.1f} GiB: trains a LoRA adapter, not every weight)"
     fix = "a smaller model" + (" or a machine with GPUs" if device == "cpu" else "")
-    if not cfg.get("offload") and peak(cfg, off=True) <= mem:
-        host = estimate(config, cfg, world, device, True, counts)["host node"]
-        fix = f"--offload (peak {peak(cfg, off=True) / GiB:.1f} GiB, host {host / GiB:.0f} GiB per node)"
+    off = next((c for c in (cfg, dict(cfg, offload_grads="host")) if peak(c, off=True) <= mem), None)
+    if not cfg.get("offload") and off:
+        host = estimate(config, off, world, device, True, counts)["host node"]
+        flag = "--offload" + (" --offload-grads host" if off is not cfg else "")
+        fix = f"{flag} (peak {peak(off, off=True) / GiB:.1f} GiB, host {host / GiB:.0f} GiB per node)"
     else:
         w = next((w for w in range(world + 1, 1025) if peak(cfg, w) <= mem), None)
         if w:
@@ -234,13 +274,16 @@ def check(cfg, show=False, log=print):
                  "label KV cache": "forced answers: {} rows x {} tokens".format(*t["label_kv_shape"]),
                  "label prefill": "one layer's forward and the prefill cache of one chunk of cuts",
                  "activations": "checkpointed" if cfg["grad_ckpt"] else "no checkpointing",
+                 "held grads": "fp32 gradients held unsharded until the last micro-batch",
                  "training state": "on the host (--offload)" if offload else
                  ("the frozen base" if rank else "params, grads, AdamW (sharded)"),
                  "adapter state": "fp32 params, grads, AdamW of the adapter",
-                 "generation copy": "none: samples with the policy, adapters unmerged"
-                 if rank and not t["generation copy"] else ""}
+                 "generation copy": ("none: samples with the policy" if not t["generation copy"] else
+                                     "bf16, the adapter merged" if world == 1 and not offload else
+                                     "bf16, base and adapter") if rank else ""}
         for name in ("training state", *(("adapter state",) if rank else ()), "generation copy", "FSDP gather", "KV cache", "prefill",
-                     "label KV cache", "label prefill", "activations", "log-prob chunk", "runtime", "peak"):
+                     "label KV cache", "label prefill", "activations", "log-prob chunk",
+                     *(("held grads",) if t["held grads"] else ()), "runtime", "peak"):
             log(f"  {name:<16}{t[name] / GiB:8.2f} GiB  {notes.get(name, '')}".rstrip())
         others = f"; {(t['host node'] - t['host']) / (world - 1) / GiB:.2f} GiB each other rank" if world > 1 else ""
         at = "loading (the fp32 base)" if rank else "a save (the full fp32 model and AdamW state)"

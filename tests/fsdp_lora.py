@@ -11,9 +11,11 @@ import torch
 
 import step
 import tiny
+import train
 from grpo import pack
+from label import cut_mask, grid
 from harness import lora
-from harness.parallel import MASTER, RANK, WORLD, full_state, load_sharded, setup, teardown, wrap
+from harness.parallel import MASTER, RANK, WORLD, full_state, load_sharded, refresh_sampler, setup, teardown, wrap
 
 CFG = dict(lora_rank=4, lora_alpha=8.0, lora_targets="all-linear", model="toy")
 device = setup()
@@ -38,12 +40,29 @@ if torch.distributed.is_initialized():
     from harness.checkpoint import load_model
     torch.manual_seed(5)
     ref = lora.with_adapter(load_model("toy")[0], CFG)
-    torch.manual_seed(5 if MASTER else 6)  # the other ranks' own draws must not matter: rank 0's adapter is broadcast
+    # every rank seeded alike, as train.run does; then rank 0 draws the adapter's init twice (its
+    # model and the meta one), the others once: rank 0's adapter is broadcast, and the probe built
+    # next (train.new_probe, no reseeding here) and its fit (dropout) must be the same on every rank
+    torch.manual_seed(5)
     lean, sampler, lm, _ = load_sharded("toy", device, adapt=lambda m, meta: lora.with_adapter(m, CFG))
+    probe, probe_opt = train.new_probe(dict(seed=3, probe_hidden=None, probe_lr=1e-2), lm.config.hidden_size)
+    init = {k: v.clone() for k, v in probe.state_dict().items()}
+    feats = torch.randn(2, 3, lm.config.hidden_size, generator=torch.Generator().manual_seed(100 + RANK))
+    labels = [[1.0, 0.5, 0.0], [0.25, 1.0]] if RANK == 0 else [[0.0, 0.0, 1.0], [0.75, 0.5]]
+    step.probe_margin(probe, probe_opt, feats, grid(labels), cut_mask(labels),
+                      dict(CFG, reward="rlcm", probe_passes=4, probe_batch=2, corner="zero"), seed=3)
+    torch.save(dict(init=init, fitted=probe.state_dict()), f"{sys.argv[1]}.probe{RANK}")
+    # a refresh after a step gathers the adapter alone: the frozen base was copied once, at the start
+    from torch.distributed.tensor import DTensor
+    gathered, full_tensor = [], DTensor.full_tensor
+    DTensor.full_tensor = lambda self, *a, **kw: gathered.append(1) or full_tensor(self, *a, **kw)
+    refresh_sampler(sampler, lean)
+    DTensor.full_tensor = full_tensor
     ids = torch.tensor([[5, 9, 3, 7, 11, 2, 40]])
     with torch.no_grad():
         mine = dict(lm.named_parameters())
         diff = dict(sampler=(sampler(ids).logits - ref(ids).logits).abs().max().item(),
+                    gathered=len(gathered) == sum(p.requires_grad for p in lm.parameters()) > 0,
                     policy=max((mine[n].full_tensor() - p).abs().max().item() for n, p in ref.named_parameters()),
                     trainable=sorted(n for n, p in lm.named_parameters() if p.requires_grad)
                     == sorted(n for n, p in ref.named_parameters() if p.requires_grad))

@@ -18,6 +18,7 @@ from label import cut_mask, grid
 from harness.parallel import MASTER, RANK, WORLD, full_state, load_sharded, setup, teardown, wrap
 
 offload = os.environ.get("OFFLOAD") == "1"  # FSDP2 with CPUOffloadPolicy, also as one rank
+grads = os.environ.get("OFFLOAD_GRADS", "gpu")  # --offload-grads
 device = setup(offload)
 model = tiny.model(vocab_size=64, hidden=32, layers=2, seed=0).train()
 policy, _ = wrap(model, device, offload)
@@ -28,9 +29,15 @@ mine = list(range(RANK, 4, WORLD))
 batch = pack([prompts[i] for i in mine], [responses[i] for i in mine], pad_id=0)
 old = torch.full(batch["loss_mask"].shape, -4.0)
 cfg = dict(agg="token-mean", reward="rlcm", max_new_tokens=8, temperature=0.8, chunk_size=4, clip_low=0.2,
-           clip_high=0.2, grad_clip=1e9, probe_passes=4, probe_batch=4, corner="zero")
+           clip_high=0.2, grad_clip=1e9, probe_passes=4, probe_batch=4, corner="zero", offload=offload,
+           offload_grads=grads)
 mbs = [[j] for j in range(len(mine))]  # one sequence per micro-batch: accumulation is exercised
+scatters = []  # FSDP2's reduce-scatters of gradients in the update (one per FSDP unit each time)
+counted = torch.distributed.reduce_scatter_single
+torch.distributed.reduce_scatter_single = lambda *a, **kw: scatters.append(1) or counted(*a, **kw)
 stats = step.update(policy, opt, sched, batch, old, adv[mine], mbs, cfg, device)
+torch.distributed.reduce_scatter_single = counted
+torch.save(len(scatters), f"{sys.argv[1]}.scatters{RANK}")
 state, _ = full_state(policy, opt)
 
 torch.manual_seed(0)  # the same initial probe on every rank, as train.run builds it

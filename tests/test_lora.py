@@ -51,11 +51,55 @@ def test_a_toy_run_without_lora_never_imports_peft(tmp_path, monkeypatch):
     assert os.path.isfile(os.path.join(tmp_path, "run", "checkpoints", "step_000001", "model.safetensors"))
 
 
-def test_one_gpu_samples_with_the_adapted_policy_itself():
-    """No generation copy under LoRA in one process (built where the model is: no GPU needed)."""
-    model = lora.add_adapter(tiny.model(vocab_size=64, hidden=32, layers=2), CFG, "tiny")
+def adapted_bf16(hidden=32):
+    """(the one-GPU policy: a bf16 tiny base with peft's fp32 adapter, lora_B as if trained; its base)."""
+    import copy
+    base = tiny.model(vocab_size=64, hidden=hidden, layers=2).to(torch.bfloat16)
+    model = lora.add_adapter(copy.deepcopy(base), CFG, "tiny")
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.2, generator=torch.Generator().manual_seed(len(n)))
+    assert {p.dtype for n, p in model.named_parameters() if "lora_" in n} == {torch.float32}
+    return model, base
+
+
+def test_one_gpu_samples_from_a_merged_bf16_copy():
+    """wrap() on one GPU (built where the model is: no GPU needed): the generation copy is a plain
+    model, no peft layer, every weight bf16, each adapted linear W + s B A. Its log-probs are no
+    further from the exact policy (all fp32) than those of the unmerged bf16 policy it replaces."""
+    from peft.tuners.lora import LoraLayer
+    model, base = adapted_bf16()
     policy, sampler = wrap(model, torch.device("cuda"))
-    assert sampler is model and policy.lm is model
+    assert policy.lm is model and sampler is not model and not lora.has_adapter(sampler)
+    assert not any(isinstance(m, LoraLayer) for m in sampler.modules())
+    assert {p.dtype for p in sampler.parameters()} == {torch.bfloat16}
+    assert sorted(n for n, _ in sampler.named_parameters()) == sorted(n for n, _ in base.named_parameters())
+    exact = __import__("copy").deepcopy(model).float()
+    ids = torch.randint(3, 64, (2, 40), generator=torch.Generator().manual_seed(0))
+    want = logprobs(exact, ids)
+    merged, unmerged = (logprobs(m, ids).float() - want for m in (sampler, model))
+    assert (logprobs(base, ids).float() - want).abs().max() > 0.1  # the adapter matters here
+    assert merged.abs().max() <= 2 * unmerged.abs().max() and merged.abs().mean() <= 2 * unmerged.abs().mean()
+
+
+def test_a_refresh_merges_the_trained_adapter_and_never_touches_the_base():
+    from harness.parallel import refresh_sampler
+    model, _ = adapted_bf16()
+    policy, sampler = wrap(model, torch.device("cuda"))
+    frozen = {n: p.clone() for n, p in model.named_parameters() if not p.requires_grad}
+    ids = torch.randint(3, 64, (2, 40), generator=torch.Generator().manual_seed(0))
+    before = logprobs(sampler, ids)
+    with torch.no_grad():  # an optimizer step on the adapter
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                p.add_(0.1 * torch.randn(p.shape, generator=torch.Generator().manual_seed(len(n))))
+    assert torch.equal(logprobs(sampler, ids), before)  # the copy is refreshed only when asked
+    refresh_sampler(sampler, policy)
+    after = lora.merged_copy(model)  # a copy merged from scratch
+    assert all(torch.equal(p, dict(after.named_parameters())[n]) for n, p in sampler.named_parameters())
+    assert (logprobs(sampler, ids) - before).abs().max() > 1e-2
+    assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if not p.requires_grad)
 
 
 def test_a_saved_adapter_loads_with_peft_and_gives_the_same_logprobs(tmp_path):
@@ -104,7 +148,16 @@ def test_lora_on_two_cpu_processes_equals_one(tmp_path):
         assert torch.allclose(one[k], two[k], atol=1e-5), (k, (one[k] - two[k]).abs().max())
     assert outs[1]["steps"] == outs[2]["steps"] and len(outs[1]["steps"]) == len(one)
     for r in (0, 1):  # the lean start: every rank holds rank 0's adapted model
-        assert torch.load(str(tmp_path / f"w2.pt.lean{r}")) == dict(sampler=0.0, policy=0.0, trainable=True)
+        assert torch.load(str(tmp_path / f"w2.pt.lean{r}")) == dict(sampler=0.0, gathered=True, policy=0.0, trainable=True)
+    # the probe: peft's init moved each rank's RNG differently, yet both ranks built and fitted the
+    # same probe, the one the run's seed gives whatever was drawn before
+    a, b = (torch.load(str(tmp_path / f"w2.pt.probe{r}"), weights_only=True) for r in (0, 1))
+    torch.manual_seed(123)
+    fresh = train.new_probe(dict(seed=3, probe_hidden=None, probe_lr=1e-2), 128)[0].state_dict()  # the toy's d
+    for part in ("init", "fitted"):
+        assert all(torch.equal(a[part][k], b[part][k]) for k in fresh), part
+    assert all(torch.equal(a["init"][k], fresh[k]) for k in fresh)
+    assert any(not torch.equal(a["fitted"][k], fresh[k]) for k in fresh)  # the fit moved it
 
 
 @pytest.mark.slow   # two 4-step train.py processes, one killed
@@ -170,13 +223,36 @@ def test_plan_7b_with_lora_32_fits_one_80_gib_gpu_without_offload(capsys):
     n, adapter = plan.param_counts(plan.model_config(FIXTURE_7B))[0], 80_740_352  # 2.52 M per unit of rank
     assert t["training state"] == 2 * n            # the frozen base in bf16, nothing else
     assert t["adapter state"] == 16 * adapter      # fp32 params, grads, AdamW: 1.2 GiB
-    assert t["generation copy"] == 0 and t["FSDP gather"] == 0
-    assert 38 * plan.GiB < t["peak"] < 45 * plan.GiB
+    assert t["generation copy"] == 2 * n and t["FSDP gather"] == 0  # the merged bf16 copy
+    # the label prefill: gen_batch 8 cuts x (600 + 6000 + 32) tokens, one layer's forward and their
+    # cache, on the merged copy: no casts
+    T = 8 * 6632
+    assert t["label prefill"] == T * ((8 * 3584 + 3 * 18944) * 2 + 56 * 1024)
+    assert 53 * plan.GiB < t["peak"] < 57 * plan.GiB  # 55.0: the rollout
     # without LoRA the same node names --lora-rank 32 first, then full fine-tuning's --offload
     with pytest.raises(SystemExit) as e:
         train.main(args + ["--plan"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.index("--lora-rank 32") < err.index("--offload"), err
+
+
+def test_the_merged_copy_prefills_in_the_bytes_of_the_base():
+    """The plan counts a prefill's layer as the base model's: true of the merged copy. Sampling with
+    the fp32 adapter on the bf16 base instead casts each adapted linear's input to fp32 and sums in
+    fp32, up to T x (4 in + 8 out) of its largest linear more (8 GiB in the 7B's label prefill):
+    the bytes a CPU prefill allocates, at its peak, over 4 x 300 tokens."""
+    from live_bytes import LiveBytes
+    model, base = adapted_bf16()
+    sampler = lora.merged_copy(model)
+    ids = torch.randint(3, 64, (4, 300))
+    peaks = []
+    for m in (base, sampler, model):
+        with torch.no_grad(), LiveBytes() as live:
+            m.model(input_ids=ids, use_cache=True)
+        peaks.append(live.peak)
+    assert peaks[1] == peaks[0]
+    largest = 4 * 32 + 8 * 64  # gate/up_proj: hidden 32 in, intermediate 64 out
+    assert 0.75 * largest * ids.numel() < peaks[2] - peaks[0] <= largest * ids.numel()
 
 
 @needs_7b

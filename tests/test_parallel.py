@@ -9,10 +9,10 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run(tmp_path, world, offload=False):
-    out = str(tmp_path / f"w{world}{'-offload' if offload else ''}.pt")
+def run(tmp_path, world, offload=False, grads="gpu"):
+    out = str(tmp_path / f"w{world}{'-offload-' + grads if offload else ''}.pt")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE]), "OMP_NUM_THREADS": "1",
-           "OFFLOAD": "1" if offload else "0"}
+           "OFFLOAD": "1" if offload else "0", "OFFLOAD_GRADS": grads}
     cmd = [sys.executable, os.path.join(HERE, "fsdp_update.py"), out]
     if world > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -49,7 +49,22 @@ def test_offloaded_update_equals_single_process(tmp_path):
     assert one.keys() == off.keys()
     for k in one:
         assert torch.allclose(one[k], off[k], atol=1e-6), (k, (one[k] - off[k]).abs().max())
-    assert torch.load(str(tmp_path / "w1-offload.pt.lean0")) == dict(sampler=0.0, policy=0.0, buffers=0.0)
+    assert torch.load(str(tmp_path / "w1-offload-gpu.pt.lean0")) == dict(sampler=0.0, policy=0.0, buffers=0.0)
+
+
+@pytest.mark.slow   # torchrun, two processes, twice
+def test_offload_reduces_gradients_once_per_step(tmp_path):
+    """--offload on two ranks: the micro-batches' gradients are held unsharded and reduce-scattered
+    after the last one only (--offload-grads gpu), where FSDP2 by default reduce-scatters (and, on a
+    GPU, copies to the host with a blocking copy) after each; the same update either way, and the
+    one-process one. Each rank runs 2 micro-batches over 3 FSDP units (2 layers and the root)."""
+    one = run(tmp_path, 1)
+    held, each = run(tmp_path, 2, offload=True), run(tmp_path, 2, offload=True, grads="host")
+    for k in one:
+        assert torch.allclose(held[k], each[k], atol=1e-6), (k, (held[k] - each[k]).abs().max())
+        assert torch.allclose(held[k], one[k], atol=1e-5), (k, (held[k] - one[k]).abs().max())
+    count = lambda grads, r: torch.load(str(tmp_path / f"w2-offload-{grads}.pt.scatters{r}"))  # noqa: E731
+    assert [count("gpu", r) for r in (0, 1)] == [3, 3] and [count("host", r) for r in (0, 1)] == [6, 6]
 
 
 def test_rebuild_buffers_repairs_what_to_empty_leaves_as_garbage(tmp_path):

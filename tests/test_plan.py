@@ -52,6 +52,29 @@ def test_kv_cache_term_matches_a_real_static_cache():
         assert t["label KV cache"] == 0
 
 
+def test_log_prob_chunk_term_matches_what_a_chunk_allocates():
+    """The update's LM head runs chunk by chunk, each checkpointed (grpo.logprobs_from_hidden). With
+    bf16 weights, as FSDP2 gathers them, a chunk's backward holds its recomputed log-softmax, the
+    gradient gather scatters into and log-softmax's own gradient at once: 3 fp32 [chunk, V]; the
+    bf16 logits and their fp32 copy are gone by then. The bytes a CPU run allocates over a forward
+    and backward of several chunks peak at the plan's term (the rest: the head's bf16 gradient)."""
+    from grpo import logprobs_from_hidden
+    from live_bytes import LiveBytes
+    model = tiny.model(vocab_size=20000, hidden=8, layers=1).to(torch.bfloat16)
+    cfg = dict(model="x", prompts_per_step=1, gen_batch=1, group_size=1, k=1, max_new_tokens=10,
+               micro_tokens=64, grad_ckpt=True, chunk_size=128, reward="grpo")
+    term = plan.estimate(model.config, cfg, 1, "cuda")["log-prob chunk"]
+    assert term == 3 * 128 * 20000 * 4
+    hidden = torch.randn(2, 257, 8, dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, 20000, (2, 256))
+    with LiveBytes() as live:
+        logp = logprobs_from_hidden(hidden, model.lm_head, targets, 0.8, 128)  # 4 chunks
+        forward = live.peak
+        logp.float().sum().backward()
+    assert forward < 0.7 * term  # no gradient: bf16 logits + fp32 copy, or fp32 copy + log-softmax
+    assert live.peak == pytest.approx(term, rel=0.03), (live.peak, term)
+
+
 def test_the_7b_head_geometry_gives_56_kib_per_token():
     from transformers import Qwen2Config
     cfg = Qwen2Config(hidden_size=3584, num_attention_heads=28, num_key_value_heads=4, num_hidden_layers=28)
@@ -89,6 +112,16 @@ def test_one_gpu_needs_offload_and_fits_with_it(capsys):
     assert e.value.code == 2 and len(err.splitlines()) == 1 and "--offload" in err, err
     t = plan.check(resolve_args(args + ["--offload"]))
     assert t["peak"] < 80 * plan.GiB and t["training state"] == 0
+    # the update holds the fp32 gradients unsharded until the last micro-batch (update.py): 4 N,
+    # 28.4 GiB; with --offload-grads host they go to the host after each micro-batch instead
+    n = plan.param_counts(plan.model_config(FIXTURE_7B))[0]
+    host = plan.check(resolve_args(args + ["--offload", "--offload-grads", "host"]))
+    assert t["held grads"] == 4 * n and host["held grads"] == 0
+    assert t["peak"] - host["peak"] == 4 * n - (host["KV cache"] + host["prefill"]) + \
+        (host["FSDP gather"] + host["activations"] + host["log-prob chunk"])  # the update is the peak now
+    with pytest.raises(SystemExit):  # 48 GB: the held gradients do not fit, the per-micro-batch copy does
+        train.main(["--model", FIXTURE_7B, "--gpus", "1", "--gpu-mem", "48", *RELEASED, "--offload", "--plan"])
+    assert "cheapest fix: --offload-grads host (peak 39.6 GiB" in capsys.readouterr().err
     # the offloaded training state (16 N) plus, at a save, the full fp32 model and AdamW state (12 N)
     assert t["host"] == t["host node"] == pytest.approx(28 * 7.62e9, rel=0.01)
 
@@ -136,6 +169,39 @@ def test_kv_terms_match_what_a_toy_step_allocates(tmp_path, monkeypatch):
     for name, term in (("rollout", "KV cache"), ("label", "label KV cache")):
         measured = max(s["bytes"] for s in shapes.made if s["phase"] == name)
         assert t[term] == pytest.approx(measured, rel=0.15), (name, t[term], measured)
+
+
+def test_no_static_buffers_beyond_the_label_term_sit_under_a_label_prefill(tmp_path, monkeypatch):
+    """The plan's label phase holds one label chunk's static buffers beside the next chunk's prefill.
+    Here the rollout's shape (64 rows x 64 positions) is larger than any label shape, so it must be
+    freed before the first label prefill: the static K/V bytes alive at every prefill of the label
+    phase (recorded when it runs) stay within the plan's label KV term."""
+    import rollout
+    import step
+    from static_shapes import Shapes
+    shapes, under = Shapes(monkeypatch), []
+    real_prefill, real_labels = rollout.Sampler.prefill, step.mc_labels
+
+    def prefill(self, *a, **kw):
+        if shapes.phase == "label":
+            under.append(sum(b for r, b in shapes.live if r() is not None))
+        return real_prefill(self, *a, **kw)
+
+    def labels(*a, **kw):
+        shapes.phase = "label"
+        try:
+            return real_labels(*a, **kw)
+        finally:
+            shapes.phase = None
+    monkeypatch.setattr(rollout.Sampler, "prefill", prefill)
+    monkeypatch.setattr(step, "mc_labels", labels)
+    args = ["--steps", "1", "--decode", "static", "--eval-n", "0", "--prompts-per-step", "4",
+            "--group-size", "16", "--gen-batch", "4", "--save-every", "0"]
+    train.main(args + ["--out", str(tmp_path / "run")])
+    t = plan.estimate(plan.model_config("toy"), resolve_args(args), 1, "cpu")
+    rollout_bytes = next(s["bytes"] for s in shapes.made if s["phase"] is None)
+    assert t["kv_shape"] == (64, 64) and rollout_bytes == t["KV cache"] > t["label KV cache"]
+    assert under and max(under) <= t["label KV cache"], (max(under), t["label KV cache"])
 
 
 def test_host_memory_is_printed_and_warned_about_not_refused(monkeypatch):

@@ -128,3 +128,25 @@ def test_a_default_step_reads_the_probe_features_from_the_labels_prefill(tmp_pat
     _, ref, ref_valid = score(rollout_weights.eval(), batch, budget_ends(batch["prompt_lens"], cuts), logprobs=False)
     assert torch.equal(valid, ref_valid)
     assert torch.allclose(feats[valid], ref[valid], atol=1e-5), (feats[valid] - ref[valid]).abs().max()
+
+
+def test_the_step_row_counts_the_decode_steps_it_captured(tmp_path, monkeypatch):
+    """On the static path every (shape, live length) a step decodes at is captured the first time it
+    runs (eagerly recorded on the CPU); the RL step keeps no shape across phases or steps, so the
+    second step captures again, and its row says how many."""
+    from harness import staticcache
+    calls = []
+    capture = staticcache._Shape.capture
+    monkeypatch.setattr(staticcache._Shape, "capture", lambda self, m, n: calls.append(n) or capture(self, m, n))
+    cfg = config.resolve_args([*SMALL, "--decode", "static", "--out", str(tmp_path)])
+    rows = data.load_rows("toy", split="train")[8:12]
+    model, tok, probe, probe_opt, opt, sched = start(cfg)
+    policy, sampler = wrap(model, CPU)
+    counts = []
+    for at in (1, 2):
+        before = len(calls)
+        row = step.rl_step(at, rows, policy, sampler, tok, probe, probe_opt, opt, sched, cfg, CPU, cfg["instruction"])
+        counts.append((row["captures"], len(calls) - before))
+    # rollout: 4 x 4 rows from a <= 16-token prompt over 40 new tokens: live lengths 64 (one
+    # shape, buffers of 64 positions); labels: at least one shape of their own
+    assert all(logged == seen >= 2 for logged, seen in counts), counts

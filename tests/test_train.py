@@ -19,7 +19,7 @@ SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "40
          "--eval-every", "0", "--gen-batch", "64"]
 STEP_FIELDS = {"step", "accuracy", "reward", "margin", "signal_frac", "probe_bce", "probe_ece",
                "zero_var_frac", "len_mean", "len_max", "trunc_frac", "clip_frac", "kl", "grad_norm",
-               "lr", "t_rollout", "t_label", "t_score", "t_probe", "t_update", "tok_per_s", "peak_mem"}
+               "lr", "t_rollout", "t_label", "t_score", "t_probe", "t_update", "tok_per_s", "peak_mem", "captures"}
 
 
 def rows(run):
