@@ -114,7 +114,7 @@ def test_t_quantile_and_paired_interval_worked_numbers():
 def _fake(out, method, seed, acc, pce, ece, train_rows=()):
     """A run (for a trained method) and its evaluation: the given numbers on every toy benchmark except
     toy-long, which gets acc - 0.2 (so Overall acc is acc - 0.2 / 3)."""
-    label = "toy"
+    label, run = "toy", None
     if method != "base":
         run = os.path.join(out, "runs", f"{method}-seed{seed}")
         ckpt = os.path.join(run, "checkpoints", "step_000002")
@@ -132,7 +132,7 @@ def _fake(out, method, seed, acc, pce, ece, train_rows=()):
     benches = {b: dict(acc=acc - (0.2 if b == "toy-long" else 0), pce=pce, ece=ece, brier=0.2, auroc=0.7, n=40)
                for b in reproduce.BENCHMARKS}
     with open(os.path.join(ev, "results.json"), "w") as f:
-        json.dump({label: dict(confidence="probe-posthoc", benchmarks=benches,
+        json.dump({label: dict(confidence="probe-posthoc", benchmarks=benches, model_id=reproduce.model_ident(run),
                                settings={b: dict(questions=40, n=1) for b in benches})}, f)
     with open(os.path.join(ev, "samples.jsonl"), "w") as f:
         for b in reproduce.BENCHMARKS:
