@@ -214,6 +214,12 @@ def legible_trace(terms, rng, world):
     return lines, totals
 
 
+def world_trace(terms, rng, world):
+    """The thinking lines of `world` (a WORLDS entry): legible_trace where lines carry what is
+    left, else trace at its p_slip."""
+    return legible_trace(terms, rng, world) if world.get("left") else trace(terms, rng, world["p_slip"])
+
+
 def implied_answer(terms, lines, totals, b):
     """The answer a prefix of b response tokens implies: the last running total on a complete
     line plus the terms not yet added (one token per character in the thinking lines).
@@ -246,7 +252,7 @@ def example(tok, problem, rng, forced, world=WARM):
     RLCR_INSTRUCTION and `\\boxed{total}` is replaced by rlcr_tail.  Forced: prompt + response[:b] + CLOSE +
     SUFFIX + implied}\\n where implied = last complete running total + terms not yet added."""
     terms = terms_of(problem)
-    lines, totals = (legible_trace(terms, rng, world) if world.get("left") else trace(terms, rng, world["p_slip"]))
+    lines, totals = world_trace(terms, rng, world)
     rlcr = not forced and rng.random() < world["p_rlcr"]
     content = problem + (RLCR_INSTRUCTION if rlcr else INSTRUCTION)
     prompt = tok.apply_chat_template([{"role": "user", "content": content}],

@@ -113,11 +113,7 @@ def held_out_auroc(x, y, groups, keep=None, splits=3):
     for s in range(splits):
         test = set(random.Random(s).sample(uniq, int(0.3 * len(uniq))))
         te = torch.tensor([g in test for g in groups])
-        if keep is not None:
-            te_keep = te & torch.tensor(keep)
-        else:
-            te_keep = te
-        tr = ~te
+        tr, te_keep = ~te, te if keep is None else te & torch.tensor(keep)
         if y[tr].min() == y[tr].max() or y[te_keep].min() == y[te_keep].max():
             continue
         p = logistic(x[tr], y[tr], x[te_keep], [g for g, t in zip(groups, tr.tolist()) if t], s)
@@ -138,7 +134,7 @@ def line_end_probe(model, tok, world, n, seed=0):
     for q in range(n):
         problem = rng.choice(rows)["problem"]
         terms = toy.terms_of(problem)
-        lines, totals = (toy.legible_trace(terms, rng, w) if w.get("left") else toy.trace(terms, rng, w["p_slip"]))
+        lines, totals = toy.world_trace(terms, rng, w)
         prompt = data.chat_prompt(tok, problem, "")
         ids = prompt + tok.encode("".join(lines), add_special_tokens=False)
         with torch.no_grad():
@@ -161,9 +157,9 @@ def end_of_thinking(model, tok, world, n, samples, seed=0):
     out = {}
     for name in toy.WORLDS[world]["benchmarks"]:
         rows = toy.dataset("test", name, world)[:n]
-        s = generate(model, tok, prompts_of(tok, rows), n=samples, max_new_tokens=160, temperature=0.6,
-                     seed=seed, batch_size=64)
-        prompts = [data.chat_prompt(tok, rows[i]["problem"], "") for i in s.prompt_index]
+        asked = prompts_of(tok, rows)
+        s = generate(model, tok, asked, n=samples, max_new_tokens=160, temperature=0.6, seed=seed, batch_size=64)
+        prompts = [asked[i] for i in s.prompt_index]
         ends = [think_end(r, close) for r in s.ids]
         feats = torch.stack([f[0] for f in features(model, prompts, s.ids, [[e] for e in ends],
                                                     tok.pad_token_id, final_norm=True, batch_size=64)])
@@ -187,9 +183,9 @@ def forced_labels(model, tok, world, n, samples, seed=0):
     after a wrong total, back on it after slips that cancel, and after a wrong `left` only; the share
     of trajectories with a Y=1 and a Y=0 cut."""
     rows = toy.dataset("train", "toy", world)[:n]
-    s = generate(model, tok, prompts_of(tok, rows), n=samples, max_new_tokens=160, temperature=0.8,
-                 seed=seed, batch_size=64)
-    prompts = [data.chat_prompt(tok, rows[i]["problem"], "") for i in s.prompt_index]
+    asked = prompts_of(tok, rows)
+    s = generate(model, tok, asked, n=samples, max_new_tokens=160, temperature=0.8, seed=seed, batch_size=64)
+    prompts = [asked[i] for i in s.prompt_index]
     cuts = [label.budgets(len(r)) for r in s.ids]
     golds = [rows[i]["answer"] for i in s.prompt_index]
     ys = label.mc_labels(model, tok, prompts, s.ids, cuts, golds, k=4, temperature=0.8, seed=seed)

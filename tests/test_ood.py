@@ -103,6 +103,20 @@ def test_pass_at_k_per_benchmark():
     assert list(summarize(three, same=None)["pass_at_k"]) == [1, 2, 3]
 
 
+def answer_with(monkeypatch, canned):
+    """rollout.generate samples as usual, then each prompt's texts are replaced by the canned ones of
+    the first key its decoded prompt contains (the j-th sample gets canned[key][j])."""
+    real = rollout.generate
+
+    def fixed(model, tok, prompts, n=1, **kw):
+        out = real(model, tok, prompts, n=n, **kw)
+        texts = [next(v for key, v in canned.items() if key in tok.decode(p)) for p in prompts]
+        out.texts = [texts[i][j] for i in range(len(prompts)) for j in range(n)]
+        return out
+
+    monkeypatch.setattr(rollout, "generate", fixed)
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     """A tiny random model whose context holds a LiveCodeBench prompt, with a plain chat template."""
@@ -126,15 +140,7 @@ def test_an_evaluation_on_code_and_logiqa_prints_both_blocks_and_pass_at_k(tiny_
               "roadisdry": ["\\boxed{A}</think>\\boxed{A}"] * 4,
               "nnisastudent": ["</think>\\boxed{A}"] * 4,                  # no box in the thinking: wrong
               "1+1": ["\\boxed{2}</think>\\boxed{2}", "\\boxed{3}</think>"] * 2}
-    real = rollout.generate
-
-    def fixed(model, tok, prompts, n=1, **kw):
-        out = real(model, tok, prompts, n=n, **kw)
-        texts = [next(v for key, v in canned.items() if key in tok.decode(p)) for p in prompts]
-        out.texts = [texts[i][j] for i in range(len(prompts)) for j in range(n)]
-        return out
-
-    monkeypatch.setattr(rollout, "generate", fixed)
+    answer_with(monkeypatch, canned)
     out = str(tmp_path / "out")
     evaluate.main(["--model", tiny_dir, "--benchmarks", f"{sums},lcb={LCB},logiqa={LOGIQA}", "--out", out,
                    "--confidence", "logits", "--n-samples", "4", "--max-new-tokens", "4", "--threads", "1"])
@@ -189,15 +195,7 @@ def test_gpqa_natural_boxed_answers_are_graded_as_released_and_logiqa_by_its_let
     canned = {"ichgas": [f"\\boxed{{{option}}}</think>\\boxed{{{option}}}", f"\\boxed{{{gold}}}</think>"] * 2,
               "omisacat": ["\\boxed{B. Tom is an animal.}</think>\\boxed{B}"] * 4,
               "roadisdry": ["\\boxed{A}</think>"] * 4, "nnisastudent": ["\\boxed{A}</think>"] * 4}
-    real = rollout.generate
-
-    def fixed(model, tok, prompts, n=1, **kw):
-        out = real(model, tok, prompts, n=n, **kw)
-        texts = [next(v for key, v in canned.items() if key in tok.decode(p)) for p in prompts]
-        out.texts = [texts[i][j] for i in range(len(prompts)) for j in range(n)]
-        return out
-
-    monkeypatch.setattr(rollout, "generate", fixed)
+    answer_with(monkeypatch, canned)
     out = str(tmp_path / "out")
     evaluate.main(["--model", tiny_dir, "--benchmarks", f"gpqa={gpqa},logiqa={LOGIQA}", "--out", out,
                    "--confidence", "logits", "--n-samples", "4", "--max-new-tokens", "4", "--threads", "1"])
