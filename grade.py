@@ -153,6 +153,15 @@ def plain_number(s: str):
     return Fraction(s) if len(s) <= MAX_ANSWER_CHARS and _NUMBER.fullmatch(s) else None
 
 
+_SUM = re.compile(r"[-+]?\d+(?:[+-]\d+)+")  # integers added and subtracted: "15+2", "9-3+5-2"
+
+
+def integer_sum(s: str):
+    """Exact value of a sum of integers ("15+2" -> 17, "9-3+5-2" -> 9), else None: what math-verify
+    computes for it, without its parser (the legible toy world's forced answers are such sums)."""
+    return sum(map(int, _NUMBER.findall(s))) if len(s) <= MAX_ANSWER_CHARS and _SUM.fullmatch(s) else None
+
+
 def answers_match(pred, gold, grader="math", deadline=None, letters=True) -> bool:
     """Is the extracted answer `pred` the gold answer under `grader` ("strict" or "math")?
     `deadline` (time.monotonic()) defaults to GRADE_TIMEOUT_S from now. letters: against a gold
@@ -181,6 +190,8 @@ def answers_match(pred, gold, grader="math", deadline=None, letters=True) -> boo
     na, nb = plain_number(a), plain_number(b)
     if na is not None and nb is not None:
         return na == nb
+    if nb is not None and integer_sum(a) is not None:
+        return integer_sum(a) == nb
     return _math_verify(pred, gold, deadline or time.monotonic() + GRADE_TIMEOUT_S)
 
 

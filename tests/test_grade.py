@@ -133,6 +133,17 @@ def test_math_grader(text, gold, ok):
     assert grade.is_correct(text, gold, "math") is ok
 
 
+def test_a_sum_of_integers_is_graded_by_its_value_without_math_verify(monkeypatch):
+    # the legible toy world's forced answers ("15+2"): thousands of them per RL step, so no parser
+    monkeypatch.setattr(grade, "_math_verify", lambda *a: pytest.fail("math-verify called"))
+    cases = [("15+2", "17", True), ("15-3", "12", True), ("9-3+5-2", "9", True), ("15+2", "18", False),
+             ("-4+1", "-3", True), ("3+5+7+2", "17.0", True)]
+    assert [grade.answers_match(p, g, "math") for p, g, _ in cases] == [ok for _, _, ok in cases]
+    assert grade.integer_sum("15+2") == 17 and grade.integer_sum("15") is None   # a plain number is not a sum
+    assert grade.integer_sum("1+") is None and grade.integer_sum("2*3") is None and grade.integer_sum("1.5+1") is None
+    assert not grade.answers_match("15+2", "17", "strict")   # the released training reward compares forms
+
+
 @pytest.mark.parametrize("text, gold, ok", [
     (r"\boxed{A) 3.5 eV}", "A", True),       # the option as listed (data._choices): wrong at 33d36b1
     (r"\boxed{Option A}", "A", True),        # wrong at 33d36b1
