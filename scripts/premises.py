@@ -40,7 +40,7 @@ from grade import is_correct
 from harness.checkpoint import resolve_model
 from rollout import generate
 
-LINE = re.compile(r"^(\d+)([+-]\d+)=(\d+)(\??)(?:\|(\d+))?$")
+LINE = re.compile(r"^(\d+)([+-]\d+)=(\d+)(\??)(?:\|(-?\d+))?$")
 
 
 def parse(problem, text):
