@@ -109,10 +109,10 @@ WARM = dict(seed=0, steps=1000, batch_size=32, lr=2e-3, beta2=0.95, warmup=50, w
 # The legible world (docs/toy-world.md), built next to the default one until its premises hold
 # (scripts/premises.py): a slip is likelier where a step carries or borrows (difficulty the model
 # can see), a wrong line is often flagged with "?" after its total (a slip the model noticed; the
-# trace goes on from the written total, so a flag never changes the answer), and every line also
-# writes what is left to add ("15+2=17|0"), so a forced answer is one addition from the last line.
+# trace goes on from the written total, so a flag never changes the answer), and a forced answer is
+# the sum the path implies ("14+2": the last total and the terms not yet added), so it copies the path.
 LEGIBLE = dict(WARM, steps=3000, p_forced=0.5, p_slip=0.12, p_slip_carry=0.45, p_flag_wrong=0.6,
-               p_flag_right=0.05, left=True,
+               p_flag_right=0.05, forced_sum=True, mix=(0.5, 0.2, 0.3),
                benchmarks={"toy": ((4, 6), "+"), "toy-long": ((7, 8), "+"), "toy-sub": ((4, 6), "+-")})
 WORLDS = {"sum": dict(WARM, benchmarks=BENCHMARKS), "legible": LEGIBLE}
 CONFIDENCES = [f"0.{d}" for d in range(1, 10)]  # the warm start's verbal confidence: any, at random
@@ -198,26 +198,25 @@ def carries(total, term):
 
 
 def legible_trace(terms, rng, world):
-    """The legible world's thinking lines: like trace, but a step that carries or borrows slips
-    with p_slip_carry and the others with p_slip; a wrong total is flagged with "?" with
-    p_flag_wrong, a right one with p_flag_right; each line ends with what is left to add:
-    [3, 5, 7, 2] -> "3+5=8|9\n", "8+7=15|2\n", "15+2=17|0\n" (or "8+7=14?|2\n" for a noticed slip)."""
+    """The legible world's thinking lines: like trace, but a step that carries or borrows slips with
+    p_slip_carry and the others with p_slip, and a wrong total is flagged with "?" with p_flag_wrong,
+    a right one with p_flag_right: [3, 5, 7, 2] -> "3+5=8\n", "8+7=15\n", "15+2=17\n" (or "8+7=14?\n"
+    for a noticed slip)."""
     totals, lines = [terms[0]], []
-    for i, term in enumerate(terms[1:], 1):
+    for term in terms[1:]:
         s = totals[-1] + term
-        wrong = rng.random() < world["p_slip_carry" if carries(totals[-1], term) else "p_slip"]
-        if wrong:
+        if rng.random() < world["p_slip_carry" if carries(totals[-1], term) else "p_slip"]:
             s = max(0, s + rng.choice((-2, -1, 1, 2)))
         flag = "?" if rng.random() < world["p_flag_wrong" if s != totals[-1] + term else "p_flag_right"] else ""
-        lines.append(f"{totals[-1]}{term:+d}={s}{flag}|{sum(terms[i + 1:])}\n")
+        lines.append(f"{totals[-1]}{term:+d}={s}{flag}\n")
         totals.append(s)
     return lines, totals
 
 
 def world_trace(terms, rng, world):
-    """The thinking lines of `world` (a WORLDS entry): legible_trace where lines carry what is
-    left, else trace at its p_slip."""
-    return legible_trace(terms, rng, world) if world.get("left") else trace(terms, rng, world["p_slip"])
+    """The thinking lines of `world` (a WORLDS entry): legible_trace in the legible world, else trace
+    at its p_slip."""
+    return legible_trace(terms, rng, world) if "p_slip_carry" in world else trace(terms, rng, world["p_slip"])
 
 
 def implied_answer(terms, lines, totals, b):
@@ -226,6 +225,17 @@ def implied_answer(terms, lines, totals, b):
     For 3+5+7+2 written as "3+5=8\\n8+7=14\\n...": b=3 -> 17, b=6 -> 17, b=13 -> 14+2 = 16."""
     done = sum(1 for end in itertools.accumulate(map(len, lines)) if end <= b)
     return totals[done] + sum(terms[done + 1:])
+
+
+def implied_sum(problem, terms, lines, totals, b):
+    """The legible world's forced answer: the answer a prefix of b response tokens implies, written as
+    the sum it implies, so that a forced answer copies the written path and the problem instead of
+    adding in the model's head (graded by value: grade.integer_sum): the last complete line's total
+    followed by the terms not yet added, the problem itself before any line is complete. It reads
+    nothing the final answer does not: the last written total is the final answer's too.
+    For 3+5+7+2 written as "3+5=8\\n8+7=14\\n...": b=3 -> "3+5+7+2", b=6 -> "8+7+2", b=12 -> "14+2"."""
+    done = sum(1 for end in itertools.accumulate(map(len, lines)) if end <= b)
+    return problem if done == 0 else f"{totals[done]}" + "".join(f"{t:+d}" for t in terms[done + 1:])
 
 
 def build_model(tok, seed=0):
@@ -263,7 +273,8 @@ def example(tok, problem, rng, forced, world=WARM):
     if not forced:
         return prompt + response, [0] * len(prompt) + [1] * len(response)
     b = rng.randint(1, len(response))
-    implied = implied_answer(terms, lines, totals, b)
+    implied = (implied_sum(problem, terms, lines, totals, b) if world.get("forced_sum")
+               else implied_answer(terms, lines, totals, b))
     close = (tok.eos_token_id if rng.random() < world["p_eos_close"]
              else tok.convert_tokens_to_ids("</think>"))
     # A cut ending on the close token gets a second one here, as label.forced_prompt built them when

@@ -40,13 +40,13 @@ from grade import is_correct
 from harness.checkpoint import resolve_model
 from rollout import generate
 
-LINE = re.compile(r"^(\d+)([+-]\d+)=(\d+)(\??)(?:\|(-?\d+))?$")
+LINE = re.compile(r"^(\d+)([+-]\d+)=(\d+)(\??)$")
 
 
 def parse(problem, text):
     """Complete thinking lines of `text` checked against `problem`: a list of (error, flagged), where
-    error is None for a right line, "total" for a wrong total (or a line that does not follow the
-    written trace) and "left" for a right total with a wrong `|left` count."""
+    error is None for a right line and "total" for a wrong total (or a line that does not follow the
+    written trace, which ends the reading)."""
     terms, out = toy.terms_of(problem), []
     body = text.split("</think>")[0]
     prev = terms[0]
@@ -55,11 +55,8 @@ def parse(problem, text):
         if not m or i + 1 >= len(terms) or int(m[1]) != prev or int(m[2]) != terms[i + 1]:
             out.append(("total", False))
             break
-        total, left = int(m[3]), m[5]
-        error = "total" if total != prev + terms[i + 1] else None
-        if error is None and left is not None and int(left) != sum(terms[i + 2:]):
-            error = "left"
-        out.append((error, m[4] == "?"))
+        total = int(m[3])
+        out.append(("total" if total != prev + terms[i + 1] else None, m[4] == "?"))
         prev = total
     return out
 
@@ -180,8 +177,8 @@ def end_of_thinking(model, tok, world, n, samples, seed=0):
 
 def forced_labels(model, tok, world, n, samples, seed=0):
     """(ii) Mean Y_b at cuts with no visible error before them (per cut: 25/50/75 %), off the path
-    after a wrong total, back on it after slips that cancel, and after a wrong `left` only; the share
-    of trajectories with a Y=1 and a Y=0 cut."""
+    after a wrong total and back on it after slips that cancel; the share of trajectories with a Y=1
+    and a Y=0 cut."""
     rows = toy.dataset("train", "toy", world)[:n]
     asked = prompts_of(tok, rows)
     s = generate(model, tok, asked, n=samples, max_new_tokens=160, temperature=0.8, seed=seed, batch_size=64)
@@ -189,7 +186,7 @@ def forced_labels(model, tok, world, n, samples, seed=0):
     cuts = [label.budgets(len(r)) for r in s.ids]
     golds = [rows[i]["answer"] for i in s.prompt_index]
     ys = label.mc_labels(model, tok, prompts, s.ids, cuts, golds, k=4, temperature=0.8, seed=seed)
-    clean, slipped, left_only, recovered, both = [[], [], []], [], [], [], 0
+    clean, slipped, recovered, both = [[], [], []], [], [], 0
     for r, bs, y, i in zip(s.ids, cuts, ys, s.prompt_index):
         both += any(v == 1 for v in y) and any(v == 0 for v in y)
         for j, (b, v) in enumerate(zip(bs, y)):
@@ -199,13 +196,11 @@ def forced_labels(model, tok, world, n, samples, seed=0):
                 recovered.append(v)
             elif "total" in errors:
                 slipped.append(v)
-            elif "left" in errors:
-                left_only.append(v)
             else:
                 clean[min(j, 2)].append(v)
     mean = lambda v: sum(v) / len(v) if v else None
     return dict(clean=[mean(c) for c in clean], clean_n=[len(c) for c in clean], slipped=mean(slipped),
-                slipped_n=len(slipped), left_only=mean(left_only), left_only_n=len(left_only),
+                slipped_n=len(slipped),
                 recovered=mean(recovered), recovered_n=len(recovered),
                 signal=both / len(s.ids))
 
@@ -269,8 +264,7 @@ def main(argv=None):
                           lab["slipped"], "<=", 0.1))
         shown = lambda v: "n/a" if v is None else f"{v:.3f}"
         print(f"      back on the path after slips that cancel: {shown(lab['recovered'])} ({lab['recovered_n']} "
-              f"cuts); after a wrong left count only: {shown(lab['left_only'])} ({lab['left_only_n']} cuts); "
-              f"trajectories with a Y=1 and a Y=0 cut at T 0.8: {lab['signal']:.3f}")
+              f"cuts); trajectories with a Y=1 and a Y=0 cut at T 0.8: {lab['signal']:.3f}")
     out["runs"] = {}
     for run in args.run:
         r = out["runs"][run] = run_stats(run)

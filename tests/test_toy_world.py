@@ -2,18 +2,19 @@
 `?`, what is left to add on every line; and scripts/premises.py's reading of such lines."""
 import random
 
+import grade
 import toy
 from scripts import premises
 
 W = toy.LEGIBLE
 
 
-def test_a_clean_legible_trace_writes_total_and_what_is_left():
+def test_a_clean_legible_trace_writes_each_running_total():
     clean = dict(W, p_slip=0.0, p_slip_carry=0.0, p_flag_right=0.0)
     lines, totals = toy.legible_trace([3, 5, 7, 2], random.Random(0), clean)
-    assert lines == ["3+5=8|9\n", "8+7=15|2\n", "15+2=17|0\n"] and totals == [3, 8, 15, 17]
+    assert lines == ["3+5=8\n", "8+7=15\n", "15+2=17\n"] and totals == [3, 8, 15, 17]
     lines, _ = toy.legible_trace([9, -6, 7], random.Random(0), clean)
-    assert lines == ["9-6=3|7\n", "3+7=10|0\n"]
+    assert lines == ["9-6=3\n", "3+7=10\n"]
 
 
 def test_carries_and_borrows_cross_a_multiple_of_ten():
@@ -29,8 +30,7 @@ def test_slips_follow_carries_and_flags_follow_slips_at_the_world_rates():
         for i, line in enumerate(lines):
             wrong = totals[i + 1] != totals[i] + terms[i + 1]
             key = ("carry" if toy.carries(totals[i], terms[i + 1]) else "plain", wrong)
-            n.setdefault(key, []).append("?|" in line)
-            assert line.endswith(f"|{sum(terms[i + 2:])}\n")   # what is left never slips
+            n.setdefault(key, []).append(line.endswith("?\n"))
     rate = lambda kind: len(n[(kind, True)]) / (len(n[(kind, True)]) + len(n[(kind, False)]))
     assert abs(rate("carry") - W["p_slip_carry"]) < 0.02 and abs(rate("plain") - W["p_slip"]) < 0.02
     flags = lambda wrong: [f for (kind, w), fs in n.items() if w == wrong for f in fs]
@@ -38,10 +38,19 @@ def test_slips_follow_carries_and_flags_follow_slips_at_the_world_rates():
     assert abs(sum(flags(False)) / len(flags(False)) - W["p_flag_right"]) < 0.01
 
 
-def test_a_forced_answer_is_the_last_total_plus_what_is_left():
-    terms, lines, totals = [3, 5, 7, 2], ["3+5=8|9\n", "8+7=14?|2\n", "14+2=16|0\n"], [3, 8, 14, 16]
-    cuts = {3: 17, 8: 17, 17: 17, 18: 14 + 2, 30: 16}
-    assert {b: toy.implied_answer(terms, lines, totals, b) for b in cuts} == cuts
+def test_a_legible_forced_answer_is_the_sum_the_path_implies_so_it_copies_the_path():
+    terms, lines, totals = [3, 5, 7, 2], ["3+5=8\n", "8+7=14?\n", "14+2=16\n"], [3, 8, 14, 16]
+    cuts = {3: "3+5+7+2", 6: "8+7+2", 13: "8+7+2", 14: "14+2", 21: "14+2", 22: "16"}
+    assert {b: toy.implied_sum("3+5+7+2", terms, lines, totals, b) for b in cuts} == cuts
+    assert {b: grade.integer_sum(v) or int(v) for b, v in cuts.items()} == {
+        b: toy.implied_answer(terms, lines, totals, b) for b in cuts}   # the sum world's answer, by value
+    assert toy.implied_sum("9-6+2-7", [9, -6, 2, -7], ["9-6=3\n"], [9, 3], 6) == "3+2-7"
+    # a warm-start forced example ends in such a sum
+    tok, rng = toy.tokenizer(), random.Random(0)
+    for _ in range(20):
+        ids, _ = toy.example(tok, "9-3+5-2+4", rng, True, W)
+        answer = tok.decode(ids).rsplit("\\boxed{", 1)[1].split("}")[0]
+        assert grade.integer_sum(answer) is not None or answer.isdigit()
 
 
 def test_the_legible_benchmarks_are_their_own_and_harder():
@@ -52,12 +61,12 @@ def test_the_legible_benchmarks_are_their_own_and_harder():
     assert toy.dataset("train", "toy", "legible")[:3] != toy.dataset("train", "toy")[:3]
 
 
-def test_premises_read_right_wrong_and_miscounted_lines():
-    text = "3+5=8|9\n8+7=14?|2\n14+2=16|0\n16"
+def test_premises_read_right_and_wrong_lines():
+    text = "3+5=8\n8+7=14?\n14+2=16\n16"
     assert premises.parse("3+5+7+2", text) == [(None, False), ("total", True), (None, False)]
-    assert premises.parse("3+5+7+2", "3+5=8|8\n") == [("left", False)]
-    assert premises.parse("3+5+7+2", "3+5=8|9\n9+7=16|2\n") == [(None, False), ("total", False)]
+    assert premises.parse("3+5+7+2", "3+5=8\n9+7=16\n") == [(None, False), ("total", False)]
     assert premises.parse("3+5+7", "3+5=8\n8+7=15\n</think>\\boxed{15}") == [(None, False), (None, False)]
+    assert premises.parse("9-6+2-7", "9-6=3\n3+2=6?\n") == [(None, False), ("total", True)]
 
 
 def test_premise_iii_reads_each_runs_log_against_its_thresholds(tmp_path, capsys):
@@ -79,6 +88,6 @@ def test_premise_iii_reads_each_runs_log_against_its_thresholds(tmp_path, capsys
 
 
 def test_a_trace_is_back_on_the_path_when_its_slips_cancel():
-    assert premises.on_path("3+5+7+2", "3+5=8|9\n8+7=15|2\n1")
-    assert not premises.on_path("3+5+7+2", "3+5=9?|9\n9+7=16|2\n")
-    assert premises.on_path("3+5+7+2", "3+5=9?|9\n9+7=15|2\n") and premises.on_path("3+5+7+2", "3+")
+    assert premises.on_path("3+5+7+2", "3+5=8\n8+7=15\n1")
+    assert not premises.on_path("3+5+7+2", "3+5=9?\n9+7=16\n")
+    assert premises.on_path("3+5+7+2", "3+5=9?\n9+7=15\n") and premises.on_path("3+5+7+2", "3+")
