@@ -416,6 +416,16 @@ def free_models(ctx):
         torch.cuda.empty_cache()
 
 
+def recover(ctx):
+    """After a failed check (an out-of-memory, say): free the static buffers it may have left with the
+    sampler, and the allocator's cache, so that the next checks have the memory they would have had."""
+    if "sampler" in ctx:
+        staticcache.release(ctx["sampler"])
+    gc.collect()
+    if ctx.get("device") is not None and ctx["device"].type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def subprocess_run(ctx, name, script, flags):
     """`python script flags --out TMP/name`, in the time the box leaves -> (folder, seconds)."""
     out = os.path.join(ctx["tmp"], name)
@@ -514,6 +524,7 @@ def run_checks(checks, ctx, out, deadline=None):
                     where = f" (at {os.path.relpath(ours[-1].filename, ROOT)}:{ours[-1].lineno})" if ours else ""
                     row = {"check": name, "error": f"{type(e).__name__}: {str(e)[:1500]}{where}"}
                     log.write(f"== {name}\n{traceback.format_exc()}\n")
+                    recover(ctx)
             line = json.dumps(row)
             print(line, flush=True)
             lines.write(line + "\n")

@@ -6,12 +6,14 @@ import os
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import gpu_check
 import label
+from harness import staticcache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(ROOT, "..", "shared", "fixtures", "r1_distill_qwen_7b")
@@ -114,6 +116,17 @@ def test_a_failing_check_is_one_error_line_and_the_others_still_run(tmp_path, ca
     table = gpu_check.summary(rows, 12.0).splitlines()
     assert table[2].startswith("broken") and "ERROR ValueError: no such phase" in table[2]
     assert table[4].split()[-1] == "three"
+
+
+def test_a_failed_check_leaves_no_static_buffers_with_the_sampler(tmp_path, capsys):
+    sampler = torch.nn.Linear(1, 1)
+    staticcache._DECODERS[sampler] = SimpleNamespace(shape="the labels' buffers", key=(32, 7168))
+
+    def out_of_memory(ctx):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    rows = gpu_check.run_checks([("labels", out_of_memory, 0)], gpu_check.Context(sampler=sampler), str(tmp_path))
+    assert rows[0]["error"].startswith("OutOfMemoryError") and staticcache._DECODERS[sampler].shape is None
 
 
 def test_a_check_without_room_in_the_time_box_is_skipped_and_the_next_that_fits_runs(tmp_path, capsys):
