@@ -1,4 +1,4 @@
-"""One RL step of the 7B recipe, its decode speed and the toy runs on one GPU, in about 3 minutes
+"""One RL step of the 7B recipe, its decode speed and the toy runs on one GPU, in 3-4 minutes
 (time-boxed to 390 s; not collected by pytest: tests/test_gpu_check.py runs its dry run):
 
     python tests/gpu_check.py --all --config .device/r1_distill_qwen_7b --out OUT    # on an H200
