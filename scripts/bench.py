@@ -61,13 +61,16 @@ def toy_world(n_prompts):
     return model, tok, [data.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
 
 
-def cut_config(path, layers):
-    """The transformers config in folder `path` (config.json), cut to its first `layers` layers."""
+def cut_config(path, layers=None):
+    """The transformers config in folder `path` (config.json), cut to its first `layers` layers
+    (None: all of them)."""
     from transformers import AutoConfig
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise UserError(f"no config.json in {path}: pass --config DIR (bash ../shared/device/prepare.sh "
                         "puts R1-Distill-Qwen-7B's in .device/r1_distill_qwen_7b)")
     cfg = AutoConfig.from_pretrained(path)
+    if layers is None:
+        return cfg
     cfg.num_hidden_layers = layers
     if getattr(cfg, "layer_types", None):
         cfg.layer_types = cfg.layer_types[:layers]

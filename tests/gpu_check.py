@@ -1,77 +1,109 @@
-"""The node's path on one GPU in about 6 minutes (not collected by pytest; tests/test_gpu_check.py
-runs its dry run):
+"""One RL step of the 7B recipe, its decode speed and the toy runs on one GPU, in 3-4 minutes
+(time-boxed to 390 s; not collected by pytest: tests/test_gpu_check.py runs its dry run):
 
     python tests/gpu_check.py --all --config .device/r1_distill_qwen_7b --out OUT    # on an H200
     python tests/gpu_check.py --all --dry-run --config DIR --out OUT                 # tiny, on the CPU
 
 --config is a folder with DeepSeek-R1-Distill-Qwen-7B's config.json and tokenizer, no weights
-(../shared/device/prepare.sh copies it into .device/, the folder that travels to a GPU machine).
-A 4-layer cut of that model at real widths (hidden 3584, 28 heads, 4 KV heads, vocab 152,064) with
-random weights goes through what one RL step of the real command does, at sizes of the real run:
+(../shared/device/prepare.sh copies it into .device/, the folder that travels to a GPU machine). The
+model is that architecture at its full depth (28 layers, hidden 3584, 28 heads, 4 KV heads, vocab
+152,064, N = 7.62 B) with random weights: an fp32 trainer and its bf16 generation copy, as train.py
+holds them in one process on a GPU. Sizes are one rank's of the 8-GPU recipe (4 prompts x 6 samples
+= 24 rows). The times are estimates from bytes and FLOPs at the H200's 4.8 TB/s and about 500 TFLOP/s:
 
-  build     the bf16 generation copy on the GPU
-  rollout   static decode of 4 prompts (600 random tokens, the plan's prompt length) x 6 samples x
-            2048 new tokens, EOS off so every row runs to the end; then the same rollout again (the
-            next RL step): the steps captured by each (one per live length, then none), the
-            allocator's empty_cache calls and whether the samples agree
-  labels    label.mc_labels (static, with the probe's features, as a step runs it) on 24 synthetic
-            responses of 200..2048 tokens, k=4, chunks of --gen-batch 8 cuts: the static shapes
-            made, alive at most at once, and alive after it
-  score     the scoring forward over those trajectories, micro-batch by micro-batch as step.py runs
-            it for old log-probs (--ppo-epochs > 1, C2GSPG)
-  update    update.update on one micro-batch of --micro-tokens: fp32 policy under bf16 autocast,
-            gradient checkpointing, AdamW (the one-GPU path without --offload)
-  decode    tokens/s of the static path (live length), static-full (the whole buffer every step),
-            the dynamic path and model.generate at the rollout's shape, with the bytes a step reads,
-            beside the bandwidth floor (scripts/bench.py; --bandwidth, default the H200's 4.8 TB/s)
-  toy_fsdp  `train.py --offload --grad-ckpt` for two toy steps in a subprocess: a one-rank FSDP2
-            group (sharding, NCCL, CPU offload, refresh_sampler, the DTensor grad norm, a save);
-            per step the ratio, the sampler-vs-trainer gap and the entropy
+  check     what it runs                                                                 H200, est.
+  build     the fp32 trainer (4 N = 30.5 GB) and parallel.wrap's bf16 copy (2 N = 15.2 GB)     10 s
+            (a deepcopy, then the cast: 8 N for a moment, which no plan term counts)
+  rollout   rollout.generate, static, scores on, EOS off: 24 rows x 1024 tokens after 600-token  7 s
+            prompts; a step reads 14.1 GB of weights + about 1.7 GB of K/V (3.3 ms at the floor,
+            about 6 at 55 %), + 4 captures
+  labels    label.mc_labels at real lengths: 24 random responses of 200..8000 tokens, 72 cuts,   10 s
+            k = 4, chunks of 8 cuts (buffers up to 32 x 7168), features on; a prefill of about 80k
+            tokens (1.2 PFLOP) and 9 chunks x 31 steps of about 20 GB; the captures counted and timed
+  score     update.score over those trajectories (about 115k tokens: 1.8 PFLOP)                   5 s
+  update    update.update on the rollout (39k tokens, micro-batches of <= 16384) with the fp32      8 s
+            trainer, bf16 autocast, checkpointing: 8 N FLOP a token, 2.4 PFLOP. SGD at lr 0 stands
+            in for AdamW, whose 8 N (61 GB) do not fit beside the rest; its sampler gap is the bf16
+            static sampler's log-probs against the fp32 trainer's, at 7B width
+  decode    a 1 GiB device copy (the bandwidth measured); then 24 rows after prompts of 6000       30 s
+            tokens, 255 steps each of static (timed after a warm-up call), static-full, dynamic and
+            static with a rank-32 adapter (fp32, unmerged: warm-up, then timed): about 23 GB a step
+            (dynamic about 40: its cache grows by copying), 39 TB in all (8 s at the floor), + 6
+            prefills of 4 x 6000 tokens (2.2 PFLOP)
+  toy_lora  train.py --lora-rank 8, 2 toy steps (the one-GPU recipe: a merged bf16 copy samples;   30-60 s
+            the adapter save); a subprocess, whose start-up dominates
+  toy_fsdp  train.py --offload --grad-ckpt, 2 toy steps: a one-rank FSDP2 group (sharding, CPU    30-60 s
+            offload, refresh_sampler, the DTensor grad norm, a save)
+  toy_eval  evaluate.py on the toy benchmark with toy_lora's checkpoint (its adapter merged; the    30-60 s
+            toy base if there is none): the static path, the post-hoc probe, the early exit
 
-Each phase from rollout to update prints its peak (torch.cuda.max_memory_allocated, so without
-the CUDA context) beside plan.estimate for the same cut and sizes. One JSON line per check on
-stdout and in OUT/gpu_check.jsonl; a check that fails prints {"check": ..., "error": ...} (its
-traceback goes to OUT/gpu_check.log) and the others still run; the exit code is 1 if any failed.
+Each in-process check records its seconds and the most memory it added above what was held when it
+began (torch.cuda.max_memory_allocated; on the CPU tests/live_bytes.py), beside the plan's terms for
+what it allocates (harness/plan.py, the check's sizes), their sum and measured / planned; the toy
+runs their step rows' peak_mem beside the plan's peak for their settings (less the runtime on a GPU,
+which peak_mem does not see). A ratio above 1 is memory no plan term counts.
+
+What one GPU can show: CUDA graphs (rollout, label shapes, peft layers inside them at 7B width), bf16
+numerics at 7B width, memory and speed of a rank's phases at full depth, the one-GPU LoRA recipe,
+FSDP2 with CPU offload on one rank, evaluate.py on CUDA. What it cannot: anything between ranks. A
+one-rank group issues no cross-rank collective, so NCCL, the gloo traffic of --offload on two or
+more GPUs, FSDP2's gathers and reduce-scatters, and ranks waiting on each other are not measured;
+nor is an H100's 80 GB limit (the ratios carry over, the headroom does not), nor anything that needs
+trained weights (lengths, labels and accuracies of random weights mean nothing).
+
+Out: OUT/gpu_check.jsonl (a JSON line per check, also on stdout), OUT/gpu_check.txt (the summary
+table, also printed) and OUT/gpu_check.log (tracebacks, the toy runs' output): three files; the toy
+runs write into a temporary folder, removed at the end. A failing check is an {"check", "error"} line
+and the others still run; a check the time box has no room for, an {"check", "skipped"} line. The exit
+code is 1 if any failed.
 """
 import argparse
+import copy
 import gc
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
-from contextlib import contextmanager
+import warnings
+from contextlib import contextmanager, nullcontext
+from types import SimpleNamespace
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the project root, when run as a script
-from scripts import bench  # noqa: E402
-from harness import config, staticcache  # noqa: E402
 import label  # noqa: E402
-from harness import plan  # noqa: E402
+import rollout  # noqa: E402
 import static_shapes  # noqa: E402  (beside this file)
-from harness.checkpoint import latest_checkpoint  # noqa: E402
 from grpo import pack  # noqa: E402
-from harness.parallel import LogprobModel  # noqa: E402
-from rollout import generate  # noqa: E402
+from harness import config, lora, plan, staticcache  # noqa: E402
+from harness.checkpoint import latest_checkpoint  # noqa: E402
+from harness.parallel import wrap  # noqa: E402
+from live_bytes import LiveBytes  # noqa: E402  (beside this file)
+from scripts import bench  # noqa: E402
 from train import checkpoint_activations  # noqa: E402
-from update import budget_ends, micro_batch, micro_batches, score, update  # noqa: E402
+from update import budget_ends, micro_batches, micro_batch, score, update  # noqa: E402
 
 GiB = 2**30
-# The real run's sizes where a phase has them (config.REAL: --gen-batch 8, --micro-tokens 16384),
-# cut so that every check fits the time box; --dry-run shrinks widths and sizes for the CPU.
-# answer_tokens: mc_labels' default, which step.py uses.
-SIZES = dict(layers=4, prompts=4, group=6, prompt_len=plan.PROMPT_TOKENS, new=2048, shortest=200, k=4,
-             answer_tokens=32)
-DRY = dict(layers=2, prompts=2, group=2, prompt_len=16, new=16, shortest=8, k=2, answer_tokens=8,
-           hidden=64, heads=4, kv_heads=2)  # the vocabulary stays: the pad id and </think> are near its end
-TOY_STEPS = ["--steps", "2", "--eval-n", "0", "--offload", "--grad-ckpt", "--save-every", "1"]
+SHAPE = staticcache._Shape  # the static decoder's buffer set, whose captures `capturing` times
+# Sizes on the GPU: one rank of the 8-GPU recipe (config.REAL); --dry-run takes DRY's for the CPU.
+SIZES = dict(layers=None, prompts=4, group=6, prompt_len=plan.PROMPT_TOKENS, rollout_new=1024,
+             shortest=200, longest=config.REAL["max_new_tokens"], k=4, answer_tokens=plan.FORCED_ANSWER,
+             decode_prompt=6000, decode_steps=256, adapter_rank=32, toy_rank=8, copy_mib=1024,
+             eval_flags=["--limit", "16", "--probe-questions", "16", "--probe-samples", "4"])
+# the vocabulary stays (the pad id and </think> are near its end); prompt_len is the toy world's,
+# which the plan assumes for --model toy
+DRY = dict(layers=2, hidden=64, heads=4, kv_heads=2, prompts=2, group=2, prompt_len=plan.TOY_PROMPT_TOKENS,
+           rollout_new=16, shortest=8, longest=48, k=2, answer_tokens=8, decode_prompt=40, decode_steps=8,
+           adapter_rank=4, copy_mib=16,
+           eval_flags=["--limit", "4", "--n-samples", "2", "--probe-questions", "4", "--probe-samples", "2"])
 TOY_DRY = ["--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "16"]  # the CPU is slow
-STEP_FIELDS = ("ratio_mean", "sampler_gap", "sampler_kl_k3", "sampler_ratio_max", "entropy",
-               "grad_norm", "peak_mem")
+STEP_FIELDS = ("ratio_mean", "sampler_gap", "sampler_kl_k3", "sampler_ratio_max", "entropy", "grad_norm",
+               "captures", "t_rollout", "t_label", "t_update", "peak_mem")
 
 
 class Context(dict):
@@ -82,236 +114,476 @@ class Context(dict):
 
 
 def gib(x):
-    return None if x is None else round(x / GiB, 2)
+    """Bytes in GiB to 4 significant digits (the dry run's are a few KiB)."""
+    return None if x is None else float(f"{x / GiB:.4g}")
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 @contextmanager
 def phase(ctx, row):
-    """Time the block and record its peak memory (CUDA) into `row`."""
-    cuda = ctx["device"].type == "cuda"
+    """Time the block; put its seconds into `row`, and what was held when it began (CUDA) and the
+    most it added above that: yields a namespace whose .added (bytes) is set at the end."""
+    device, m = ctx["device"], SimpleNamespace(added=None)
+    cuda, held = device.type == "cuda", 0
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        held = torch.cuda.memory_allocated()
+        row["held_gib"] = gib(held)
+    meter = nullcontext() if cuda else LiveBytes()
     t = time.perf_counter()
-    yield
-    if cuda:
-        torch.cuda.synchronize()
+    with meter:
+        yield m
+    sync(device)
     row["seconds"] = round(time.perf_counter() - t, 2)
-    row["peak_gib"] = gib(torch.cuda.max_memory_allocated()) if cuda else None
+    m.added = torch.cuda.max_memory_allocated() - held if cuda else meter.peak
+    row["added_gib"] = gib(m.added)
+
+
+def versus_plan(row, measured, terms):
+    """The plan's terms (name -> bytes) for what `measured` bytes are, their sum and measured / sum."""
+    total = sum(terms.values())
+    row.update(plan_gib={k: gib(v) for k, v in terms.items()}, expected_gib=gib(total),
+               ratio=round(measured / total, 3) if total and measured is not None else None)
+    return row
 
 
 @contextmanager
-def counting(owner, name, calls):
-    """Record a call (its arguments) in `calls` for every call of owner.name inside the block."""
-    f = getattr(owner, name)
-    setattr(owner, name, lambda *a, **kw: calls.append(a) or f(*a, **kw))
+def capturing(device):
+    """The static decoder's captures inside the block (a CUDA graph each on a GPU, after one warm-up
+    step; on the CPU the eager step it would be): count, live lengths and seconds."""
+    rec, capture = SimpleNamespace(count=0, lengths=[], seconds=0.0), SHAPE.capture
+
+    def timed(shape, model, n):
+        sync(device)
+        t = time.perf_counter()
+        out = capture(shape, model, n)
+        sync(device)
+        rec.count, rec.seconds = rec.count + 1, rec.seconds + time.perf_counter() - t
+        rec.lengths.append(n)
+        return out
+    SHAPE.capture = timed
     try:
-        yield
+        yield rec
     finally:
-        setattr(owner, name, f)
+        SHAPE.capture = capture
 
 
-def plan_terms(ctx, *names):
-    """plan.estimate's peak, KV cache and label-phase terms, plus `names`, in GiB."""
-    t = ctx["plan"]
-    keys = ["peak", "KV cache", *names, *(k for k in t if any(w in k.lower() for w in ("label", "forced")))]
-    return {k: gib(t[k]) for k in dict.fromkeys(keys) if isinstance(t.get(k), (int, float))}
+def run_cfg(ctx, new):
+    """The run's settings with this check's sizes and `new` tokens: what plan.estimate and update read."""
+    s = ctx["sizes"]
+    return {**config.COMMON, **config.REAL, "model": "toy" if ctx["args"].dry_run else "gpu-check",
+            "prompts_per_step": s["prompts"], "group_size": s["group"], "max_new_tokens": new, "k": s["k"],
+            "grad_ckpt": True}
+
+
+def planned(ctx, new):
+    return plan.estimate(ctx["cfg"], run_cfg(ctx, new), 1, ctx["device"].type, False, ctx["counts"])
 
 
 def check_build(ctx):
-    s, path = ctx["sizes"], ctx["args"].config
-    cut = bench.cut_config(path, s["layers"])
-    if ctx["args"].dry_run:
-        cut.hidden_size, cut.intermediate_size = s["hidden"], 2 * s["hidden"]
-        cut.num_attention_heads, cut.num_key_value_heads = s["heads"], s["kv_heads"]
-        cut.head_dim = s["hidden"] // s["heads"]
+    s, args, device = ctx["sizes"], ctx["args"], ctx["device"]
+    cfg = bench.cut_config(args.config, s["layers"])
+    if args.dry_run:
+        cfg.hidden_size, cfg.intermediate_size = s["hidden"], 2 * s["hidden"]
+        cfg.num_attention_heads, cfg.num_key_value_heads = s["heads"], s["kv_heads"]
+        cfg.head_dim = s["hidden"] // s["heads"]
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(args.config)
     row = {}
-    with phase(ctx, row):
-        model = bench.random_model(cut, ctx["device"]).eval().requires_grad_(False)
-    vocab = min(len(tok), cut.vocab_size)
-    ctx.update(cut=cut, tok=tok, model=model, vocab=vocab,
+    with phase(ctx, row) as m:  # train.load_policy's order, then its one-process wrap
+        lm = bench.random_model(cfg, device, dtype=torch.float32, seed=0)
+        lm.config.use_cache = False
+        checkpoint_activations(lm)
+        policy, sampler = wrap(lm, device)
+    vocab = min(len(tok), cfg.vocab_size)
+    ctx.update(cfg=cfg, tok=tok, lm=lm, policy=policy, sampler=sampler.eval(), vocab=vocab,
+               counts=plan.param_counts(cfg),
                prompts=bench.random_prompts(vocab, s["prompts"], s["prompt_len"], seed=0))
-    # the run's settings with this check's sizes: what plan.estimate and update.update read
-    ctx["cfg"] = {**config.COMMON, **config.REAL, "model": "gpu-check-cut", "prompts_per_step": s["prompts"],
-                  "group_size": s["group"], "max_new_tokens": s["new"], "k": s["k"], "grad_ckpt": True}
-    counts = plan.param_counts(cut)
-    ctx["plan"] = plan.estimate(cut, ctx["cfg"], 1, "cuda", False, counts)
-    return dict(row, layers=cut.num_hidden_layers, hidden=cut.hidden_size, heads=cut.num_attention_heads,
-                kv_heads=cut.num_key_value_heads, vocab=cut.vocab_size, dtype=str(model.dtype),
-                device=str(ctx["device"]), params=sum(p.numel() for p in model.parameters()),
-                plan_params=counts[0], plan_gib={k: gib(v) for k, v in ctx["plan"].items()
-                                                 if isinstance(v, (int, float))})
+    assert plan.prompt_tokens(run_cfg(ctx, 1)) == s["prompt_len"], "the plan assumes another prompt length"
+    t = planned(ctx, s["rollout_new"])
+    versus_plan(row, m.added, {"generation copy": t["generation copy"],
+                               "fp32 weights (training state / 4)": t["training state"] / 4})
+    gpu = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
+    versions = {name: version(name) for name in ("torch", "transformers", "peft")}
+    return dict(row, layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, heads=cfg.num_attention_heads,
+                kv_heads=cfg.num_key_value_heads, vocab=cfg.vocab_size, params=sum(p.numel() for p in lm.parameters()),
+                plan_params=ctx["counts"][0], sampler_dtype=str(next(sampler.parameters()).dtype),
+                device=gpu.name if gpu else "cpu", device_gib=gib(gpu.total_memory) if gpu else None, **versions,
+                headline=f"{ctx['counts'][0] / 1e9:.2f} B parameters, {cfg.num_hidden_layers} layers; "
+                         f"{gpu.name if gpu else 'cpu'}, " + ", ".join(f"{k} {v}" for k, v in versions.items()))
+
+
+def version(package):
+    """The installed version of `package`, None where it is missing (peft may be, on a GPU machine)."""
+    from importlib.metadata import PackageNotFoundError, version as installed
+    try:
+        return installed(package)
+    except PackageNotFoundError:
+        return None
 
 
 def check_rollout(ctx):
-    s, cfg, row, again = ctx["sizes"], ctx["cfg"], {}, {}
-    rollout = lambda: generate(ctx["model"], ctx["tok"], ctx["prompts"], n=s["group"],  # noqa: E731
-                               max_new_tokens=s["new"], temperature=cfg["temperature"], eos_ids=[], seed=0,
-                               batch_size=cfg["gen_batch"], decode="static")
-    captures, emptied = [], []
-    with counting(staticcache._Shape, "capture", captures), counting(torch.cuda, "empty_cache", emptied):
-        with phase(ctx, row):
-            out = rollout()
-        first = len(captures)
-        with phase(ctx, again):
-            out_again = rollout()
-    tokens = sum(out.lengths)
-    return dict(row, rows=len(out.ids), prompt_len=s["prompt_len"], new_tokens=s["new"], tokens=tokens,
-                min_len=min(out.lengths), tok_s=round(tokens / row["seconds"], 1),
-                captures=[first, len(captures) - first], live_lengths=[a[2] for a in captures],
-                empty_cache_calls=len(emptied), seconds_again=again["seconds"],
-                same_samples=out_again.ids == out.ids, plan_gib=plan_terms(ctx, "generation copy", "prefill"))
+    s, sampler, device = ctx["sizes"], ctx["sampler"], ctx["device"]
+    cfg, row = run_cfg(ctx, s["rollout_new"]), {}
+    with capturing(device) as caps, static_shapes.recording() as shapes, phase(ctx, row) as m:
+        out = rollout.generate(sampler, ctx["tok"], ctx["prompts"], n=s["group"], max_new_tokens=s["rollout_new"],
+                               temperature=cfg["temperature"], eos_ids=[], seed=0, batch_size=cfg["gen_batch"],
+                               decode="static", scores=True)
+    staticcache.release(sampler)  # as step.py does before the labels
+    ctx["rollout"] = out
+    t = planned(ctx, s["rollout_new"])
+    versus_plan(row, m.added, {"KV cache": t["KV cache"], "prefill": t["prefill"]})
+    decode_s = row["seconds"] - caps.seconds
+    ms = decode_s / (s["rollout_new"] - 1) * 1e3  # the prefill (2400 tokens) counted in: about 1 %
+    return dict(row, rows=len(out.ids), new_tokens=s["rollout_new"], tokens=sum(out.lengths), min_len=min(out.lengths),
+                ms_step=round(ms, 2), captures=caps.count, capture_seconds=round(caps.seconds, 2),
+                live_lengths=caps.lengths, kv_vs_plan=round(shapes.made[-1]["bytes"] / t["KV cache"], 3),
+                headline=f"{len(out.ids)} rows x {s['rollout_new']} tokens: {ms:.2f} ms a step, "
+                         f"{caps.count} captures in {caps.seconds:.2f} s")
 
 
 def check_labels(ctx):
-    s, cfg = ctx["sizes"], ctx["cfg"]
-    n = s["prompts"] * s["group"]
+    s, sampler, device = ctx["sizes"], ctx["sampler"], ctx["device"]
+    cfg, n = run_cfg(ctx, s["longest"]), s["prompts"] * s["group"]
     g = torch.Generator().manual_seed(1)
-    lengths = torch.linspace(s["shortest"], s["new"], n).long().tolist()
+    lengths = torch.linspace(s["shortest"], s["longest"], n).long().tolist()
     responses = [torch.randint(ctx["vocab"], (m,), generator=g).tolist() for m in lengths]
     prompts = [ctx["prompts"][i // s["group"]] for i in range(n)]
     cuts = [label.budgets(m, cfg["budgets"]) for m in lengths]
     ctx.update(traj_prompts=prompts, responses=responses, cuts=cuts)
     stats, row = {}, {}
-    with static_shapes.recording() as shapes, phase(ctx, row):
-        _, feats = label.mc_labels(ctx["model"], ctx["tok"], prompts, responses, cuts, ["1"] * n, k=s["k"],
+    with capturing(device) as caps, static_shapes.recording() as shapes, phase(ctx, row) as m:
+        _, feats = label.mc_labels(sampler, ctx["tok"], prompts, responses, cuts, ["1"] * n, k=s["k"],
                                    max_new_tokens=s["answer_tokens"], seed=0, batch_size=cfg["gen_batch"],
                                    grader="strict", decode="static", stats=stats, features=True)
-    gc.collect()  # a shape still alive now is held by something, not waiting for the collector
-    return dict(row, trajectories=n, lengths=[min(lengths), max(lengths)], k=s["k"],
-                batch_size=cfg["gen_batch"], forced_prompts=stats.get("forced_prompts"),
-                features=sum(map(len, feats)), features_finite=all(bool(torch.isfinite(f).all()) for f in feats),
-                shapes_made=len(shapes.made), shapes_max_alive=max((m["alive"] for m in shapes.made), default=0),
-                shapes_max_alive_kv_gib=gib(max((m["alive_bytes"] for m in shapes.made), default=0)),
-                shapes_alive_after=shapes.alive(), plan_gib=plan_terms(ctx, "generation copy", "prefill"))
+    staticcache.release(sampler)  # as step.py does before the update
+    t = planned(ctx, s["longest"])
+    versus_plan(row, m.added, {"label KV cache": t["label KV cache"], "label prefill": t["label prefill"]})
+    alive_kv = max((x["alive_bytes"] for x in shapes.made), default=0)
+    return dict(row, trajectories=n, lengths=[min(lengths), max(lengths)], k=s["k"], batch_size=cfg["gen_batch"],
+                forced_prompts=stats.get("forced_prompts"), features=sum(map(len, feats)),
+                features_finite=all(bool(torch.isfinite(f).all()) for f in feats),
+                captures=caps.count, capture_seconds=round(caps.seconds, 2), shapes_made=len(shapes.made),
+                shapes_max_alive=max((x["alive"] for x in shapes.made), default=0), shapes_max_alive_kv_gib=gib(alive_kv),
+                kv_vs_plan=round(alive_kv / t["label KV cache"], 3),
+                headline=f"{stats.get('forced_prompts')} cuts of responses up to {max(lengths)} tokens: "
+                         f"{len(shapes.made)} shapes, {caps.count} captures in {caps.seconds:.2f} s")
 
 
 def check_score(ctx):
-    cfg, tok = ctx["cfg"], ctx["tok"]
+    cfg, tok = run_cfg(ctx, ctx["sizes"]["longest"]), ctx["tok"]
     batch = pack(ctx["traj_prompts"], ctx["responses"], tok.pad_token_id)
     ends = budget_ends(batch["prompt_lens"], ctx["cuts"])
     lengths = [len(p) + len(r) for p, r in zip(ctx["traj_prompts"], ctx["responses"])]
     mbs = micro_batches(lengths, cfg["micro_tokens"])
-    ctx.update(batch=batch, lengths=lengths)
     finite, n_feats, row = True, 0, {}
-    with phase(ctx, row):
+    with phase(ctx, row) as m:
         for mb in mbs:
             sub, _ = micro_batch(batch, mb, ctx["device"])
-            lp, feats, valid = score(ctx["model"], sub, ends[mb], cfg["temperature"], cfg["chunk_size"])
+            lp, feats, valid = score(ctx["sampler"], sub, ends[mb], cfg["temperature"], cfg["chunk_size"])
             finite &= bool(torch.isfinite(lp).all()) and bool(torch.isfinite(feats[valid]).all())
             n_feats += int(valid.sum())
+    t = planned(ctx, ctx["sizes"]["longest"])  # no term of its own: the plan takes the update's to bound it
+    versus_plan(row, m.added, {"activations": t["activations"], "log-prob chunk": t["log-prob chunk"]})
     return dict(row, micro_batches=len(mbs), tokens=sum(lengths), features=n_feats, finite=finite,
-                plan_gib=plan_terms(ctx, "generation copy"))
+                tok_s=round(sum(lengths) / row["seconds"]),
+                headline=f"{sum(lengths)} tokens in {len(mbs)} micro-batches, {sum(lengths) / row['seconds']:.0f} tokens/s")
 
 
 def check_update(ctx):
-    cfg, device = ctx["cfg"], ctx["device"]
-    lm = bench.random_model(ctx["cut"], device, dtype=torch.float32, seed=1)
-    lm.config.use_cache = False
-    checkpoint_activations(lm)
-    policy = LogprobModel(lm)
-    opt = torch.optim.AdamW(policy.parameters(), lr=1e-6, weight_decay=0.0)
-    mb = micro_batches(ctx["lengths"], cfg["micro_tokens"])[-1]  # the longest rows come last
-    adv = torch.randn(len(ctx["lengths"]), generator=torch.Generator().manual_seed(2))
+    s, device, out, tok = ctx["sizes"], ctx["device"], ctx["rollout"], ctx["tok"]
+    cfg = run_cfg(ctx, s["rollout_new"])
+    batch = pack([ctx["prompts"][i] for i in out.prompt_index], out.ids, tok.pad_token_id, out.logprobs)
+    lengths = batch["attention_mask"].sum(1).tolist()
+    mbs = micro_batches(lengths, cfg["micro_tokens"])
+    adv = torch.randn(len(lengths), generator=torch.Generator().manual_seed(2))
+    policy = ctx["policy"]
+    opt = torch.optim.SGD(policy.parameters(), lr=0.0)  # no state (AdamW's would not fit); the weights stay
     row = {}
     try:
-        with phase(ctx, row):
-            st = update(policy, opt, None, ctx["batch"], None, adv, [mb], cfg, device)
-    finally:
-        del policy, opt, lm
+        with phase(ctx, row) as m:
+            st = update(policy, opt, None, batch, None, adv, mbs, cfg, device)
+    finally:  # the decode and the toy runs need no trainer
+        del ctx["policy"], ctx["lm"], policy, opt
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return dict(row, rows=len(mb), padded_tokens=len(mb) * max(ctx["lengths"][i] for i in mb),
-                loss=round(st["loss"], 4), grad_norm=st["grad_norm"],
-                plan_gib=plan_terms(ctx, "training state", "generation copy", "activations",
-                                    "log-prob chunk"))
+    t = planned(ctx, s["rollout_new"])
+    versus_plan(row, m.added, {"fp32 gradients (training state / 4)": t["training state"] / 4,
+                               "activations": t["activations"], "log-prob chunk": t["log-prob chunk"]})
+    vocab_bias = float(torch.log(torch.tensor(ctx["cfg"].vocab_size / len(tok))))
+    return dict(row, micro_batches=len(mbs), tokens=sum(lengths), tok_s=round(sum(lengths) / row["seconds"]),
+                loss=round(st["loss"], 4), grad_norm=st["grad_norm"], sampler_gap=st["sampler_gap"],
+                sampler_kl_k3=st["sampler_kl_k3"], sampler_ratio_max=st["sampler_ratio_max"],
+                vocab_bias=round(vocab_bias, 5),
+                headline=f"{sum(lengths) / row['seconds']:.0f} tokens/s; sampler gap {st['sampler_gap']:.4f} "
+                         f"(k3 {st['sampler_kl_k3']:.2e}; near-uniform logits alone: {vocab_bias:.4f})")
+
+
+def copy_bandwidth(device, mib, reps=10):
+    """TB/s of a device-to-device copy of `mib` MiB, counting the bytes read and the bytes written."""
+    src = torch.empty(mib * 2**20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync(device)
+    t = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    sync(device)
+    return 2 * src.numel() * reps / (time.perf_counter() - t) / 1e12
+
+
+def decode_call(model, tok, prompts, s, decode="static", full=False):
+    """One decode of `prompts` x s["group"] rows, s["decode_steps"] tokens, EOS off, timed apart from its
+    prefill -> (seconds, captures, ids [rows, steps])."""
+    sampler = rollout.Sampler(model, tok, max_new_tokens=s["decode_steps"], temperature=0.8, eos_ids=[],
+                              decode=decode)
+    if sampler.static:
+        sampler.static.full = full
+    try:
+        prefix = sampler.prefill(prompts)
+        gen = rollout.chunk_generators(0, 1, sampler.device)[0]
+        before = staticcache.captures()
+        sync(sampler.device)
+        t = time.perf_counter()
+        ids, *_ = sampler.sample(prefix, s["group"], gen)
+        sync(sampler.device)
+        return time.perf_counter() - t, staticcache.captures() - before, ids
+    finally:
+        if sampler.static:
+            sampler.static.full = False
 
 
 def check_decode(ctx):
-    s, args = ctx["sizes"], ctx["args"]
-    bargs = bench.build_parser().parse_args(
-        ["--samples", str(s["group"]), "--max-new-tokens", str(s["new"]), "--repeat", "1",
-         "--temperature", str(ctx["cfg"]["temperature"])])
-    rows = bench.measure(ctx["model"], ctx["tok"], ctx["prompts"], bargs, [], args.bandwidth)
-    paths = {r.pop("path"): {k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()}
-             for r in rows}
-    gpu = torch.cuda.get_device_name() if ctx["device"].type == "cuda" else "cpu"
-    return dict(rows=s["prompts"] * s["group"], prompt_len=s["prompt_len"], new_tokens=s["new"], gpu=gpu,
-                bandwidth_tbs=args.bandwidth, bandwidth_note="given by --bandwidth (default: the H200's), "
-                "not measured", **paths)
+    s, args, device, tok = ctx["sizes"], ctx["args"], ctx["device"], ctx["tok"]
+    model = ctx["sampler"].eval()
+    t0 = time.perf_counter()
+    measured = copy_bandwidth(device, s["copy_mib"])
+    prompts = bench.random_prompts(ctx["vocab"], s["prompts"], s["decode_prompt"], seed=1)
+    rows, width, steps = s["prompts"] * s["group"], s["decode_prompt"], s["decode_steps"]
+    floor_bytes = bench.read_bytes(model, *bench.attended("dynamic", rows, width, steps))  # the exact live K/V
+    paths, tokens, adapter = {}, {}, {}
+
+    def timed(name, m, decode="static", full=False, warm=False):
+        try:
+            m = m if isinstance(m, torch.nn.Module) else m()  # a model, or what builds one
+            if warm:  # the same shape once before: its captures, which the timed call replays
+                sec, caps, _ = decode_call(m, tok, prompts, s, decode, full)
+                paths[name + " warm-up"] = dict(seconds=round(sec, 2), captures=caps)
+            sec, caps, ids = decode_call(m, tok, prompts, s, decode, full)
+            ms = sec / (steps - 1) * 1e3  # the first token comes from the prefill
+            read = bench.read_bytes(m, *bench.attended("static-full" if full else decode, rows, width, steps))
+            tokens[name] = ids
+            paths[name] = dict(ms_step=round(ms, 3), captures=caps, mb_step=round(read / 1e6, 1),
+                               of_floor=round(floor_bytes / (measured * 1e12) * 1e3 / ms, 3),
+                               same_tokens_as_static=bool(torch.equal(ids, tokens["static"])) if "static" in tokens else None)
+        except Exception as e:  # noqa: BLE001  one path's failure leaves the others' numbers
+            ctx["log"].write(f"== decode {name}\n{traceback.format_exc()}\n")
+            paths[name] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+
+    def adapted():  # a copy of the model with an unmerged adapter, as peft makes it (fp32 on a bf16 base)
+        m = lora.add_adapter(copy.deepcopy(model), {**config.COMMON, "lora_rank": s["adapter_rank"]}, args.config)
+        adapter["dtype"] = str(next(p.dtype for n, p in m.named_parameters() if "lora_A" in n))
+        return m
+
+    timed("static", model, warm=True)
+    timed("static-full", model, full=True)
+    timed("dynamic", model, decode="dynamic")
+    staticcache.release(model)
+    timed(f"lora-{s['adapter_rank']}", adapted, warm=True)  # the copy and its graphs go with the call
+    gc.collect()
+    ms = {k: v["ms_step"] for k, v in paths.items() if "ms_step" in v}
+    floor = {"nominal": round(floor_bytes / (args.bandwidth * 1e12) * 1e3, 3),
+             "measured": round(floor_bytes / (measured * 1e12) * 1e3, 3)}
+    return dict(seconds=round(time.perf_counter() - t0, 2), rows=rows, prompt_len=width, steps=steps,
+                copy_tbs=float(f"{measured:.4g}"), nominal_tbs=args.bandwidth, floor_ms=floor,
+                floor_mb_step=round(floor_bytes / 1e6, 1), adapter_dtype=adapter.get("dtype"), paths=paths,
+                headline=", ".join(f"{k} {v:.2f}" for k, v in ms.items()) + f" ms a step; floor {floor['nominal']:.2f}"
+                         f" at {args.bandwidth} TB/s, {floor['measured']:.2f} at the {measured:.3g} TB/s copied")
+
+
+def free_models(ctx):
+    """Drop the in-process models before a toy run (it is another process on the same GPU)."""
+    for key in ("sampler", "lm", "policy", "rollout"):
+        ctx.pop(key, None)
+    gc.collect()
+    if ctx["device"].type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def recover(ctx):
+    """After a failed check (an out-of-memory, say): free the static buffers it may have left with the
+    sampler, and the allocator's cache, so that the next checks have the memory they would have had."""
+    if "sampler" in ctx:
+        staticcache.release(ctx["sampler"])
+    gc.collect()
+    if ctx.get("device") is not None and ctx["device"].type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def subprocess_run(ctx, name, script, flags):
+    """`python script flags --out TMP/name`, in the time the box leaves -> (folder, seconds)."""
+    out = os.path.join(ctx["tmp"], name)
+    cmd = [sys.executable, os.path.join(ROOT, script), *flags, "--out", out]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    timeout = ctx["time_left"](ctx["args"].toy_timeout)
+    t = time.perf_counter()
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    seconds = round(time.perf_counter() - t, 1)
+    tail = (done.stdout + done.stderr).strip().splitlines()[-30:]
+    ctx["log"].write(f"== {name}: {' '.join(cmd[1:])}\n" + "\n".join(tail) + "\n")
+    if done.returncode:
+        raise RuntimeError(f"{script} exited {done.returncode} after {seconds} s: " + " | ".join(tail[-6:]))
+    return out, seconds
+
+
+def train_toy(ctx, name, flags):
+    """Two toy RL steps of train.py with `flags`: their step rows and checkpoint, beside the plan."""
+    free_models(ctx)
+    flags = ["--steps", "2", "--eval-n", "0", "--save-every", "1", *flags]
+    out, seconds = subprocess_run(ctx, name, "train.py", flags + (TOY_DRY if ctx["args"].dry_run else []))
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        steps = [r for r in map(json.loads, f) if not r.get("eval")]
+    with open(os.path.join(out, "config.json")) as f:
+        cfg = json.load(f)
+    cuda = ctx["device"].type == "cuda"
+    t = plan.estimate(plan.model_config(cfg["model"]), cfg, 1, ctx["device"].type, bool(cfg.get("offload")))
+    ckpt = latest_checkpoint(out, say=lambda m: None)
+    row = dict(seconds=seconds, command=" ".join(["train.py", *flags]),
+               steps=[{"step": r["step"], **{k: r.get(k) for k in STEP_FIELDS}} for r in steps],
+               checkpoint=os.path.basename(ckpt) if ckpt else None, added_gib=max(r["peak_mem"] for r in steps))
+    versus_plan(row, row["added_gib"] * GiB, {"peak" + (" less runtime" if cuda else ""):
+                                              t["peak"] - (t["runtime"] if cuda else 0)})
+    return row, ckpt
+
+
+def check_toy_lora(ctx):
+    row, ckpt = train_toy(ctx, "toy-lora", ["--lora-rank", str(ctx["sizes"]["toy_rank"])])
+    from safetensors import safe_open
+    with safe_open(os.path.join(ckpt, lora.WEIGHTS), "pt") as f:
+        tensors = len(list(f.keys()))
+    ctx["lora_run"] = os.path.dirname(os.path.dirname(ckpt))
+    last = row["steps"][-1]
+    return dict(row, adapter=lora.is_adapter(ckpt), adapter_tensors=tensors,
+                headline=f"2 steps, sampler gap {last['sampler_gap']:.2e}, {last['captures']} captures in the "
+                         f"last; {row['checkpoint']} holds {tensors} adapter tensors")
 
 
 def check_toy_fsdp(ctx):
-    out = os.path.join(ctx["args"].out, "toy-fsdp")
-    shutil.rmtree(out, ignore_errors=True)
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *TOY_STEPS, "--out", out]
-    cmd += TOY_DRY if ctx["args"].dry_run else []
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    t = time.perf_counter()
-    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=ctx["args"].toy_timeout)
-    seconds = round(time.perf_counter() - t, 1)
-    if done.returncode:
-        tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-6:])
-        raise RuntimeError(f"train.py exited {done.returncode} after {seconds} s: {tail}")
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        steps = [r for r in map(json.loads, f) if not r.get("eval")]
-    ckpt = latest_checkpoint(out, say=lambda m: None)
-    return dict(seconds=seconds, command=" ".join(cmd[1:]).replace(ROOT + os.sep, ""),
-                steps=[{"step": r["step"], **{k: r.get(k) for k in STEP_FIELDS}} for r in steps],
-                checkpoint=os.path.basename(ckpt) if ckpt else None)
+    row, _ = train_toy(ctx, "toy-fsdp", ["--offload", "--grad-ckpt"])
+    last = row["steps"][-1]
+    return dict(row, headline=f"2 steps on a one-rank group, sampler gap {last['sampler_gap']:.2e}, "
+                              f"update {last['t_update']:.1f} s; saved {row['checkpoint']}")
 
 
-CHECKS = [("build", check_build), ("rollout", check_rollout), ("labels", check_labels),
-          ("score", check_score), ("update", check_update), ("decode", check_decode),
-          ("toy_fsdp", check_toy_fsdp)]
+def check_toy_eval(ctx):
+    free_models(ctx)
+    model = ctx.get("lora_run", "toy")
+    out, seconds = subprocess_run(ctx, "toy-eval", "evaluate.py",
+                                  ["--model", model, "--benchmarks", "toy", *ctx["sizes"]["eval_flags"]])
+    with open(os.path.join(out, "results.json")) as f:
+        res = next(iter(json.load(f).values()))
+    b, probe = res["benchmarks"]["toy"], res.get("posthoc_probe", {})
+    exits = [{k: e.get(k) for k in ("epsilon", "exit_rate", "test_risk")} for e in b.get("early_exit", [])]
+    return dict(seconds=seconds, model="toy_lora's run" if model != "toy" else "toy", device=res["provenance"]["device"],
+                confidence=res["confidence"], n=b["n"], acc=b["acc"], ece=b["ece"], probe_val_bce=probe.get("val_bce"),
+                probe_base_bce=probe.get("base_bce"), early_exit=exits,
+                headline=f"{b['n']} samples of {'the LoRA checkpoint' if model != 'toy' else 'the toy'}: acc "
+                         f"{b['acc']:.3f}, ECE {b['ece']:.3f}, post-hoc probe, early exit at {len(exits)} risks")
 
 
-def run_checks(checks, ctx, out):
+# (name, check, seconds it is given on an H200: the module docstring's estimate with a margin)
+CHECKS = [("build", check_build, 20), ("rollout", check_rollout, 15), ("labels", check_labels, 20),
+          ("score", check_score, 10), ("update", check_update, 15), ("decode", check_decode, 45),
+          ("toy_lora", check_toy_lora, 40), ("toy_fsdp", check_toy_fsdp, 40), ("toy_eval", check_toy_eval, 40)]
+
+
+def run_checks(checks, ctx, out, deadline=None):
     """Each check in turn, one JSON line for each on stdout and in OUT/gpu_check.jsonl; a failure
-    becomes an "error" line (traceback in OUT/gpu_check.log). Returns the names that failed."""
-    failed = []
+    becomes an "error" line (traceback in OUT/gpu_check.log), a check that would end past `deadline`
+    (time.monotonic()) a "skipped" one. Returns the rows."""
+    rows = []
+    ctx["time_left"] = lambda cap: cap if deadline is None else max(1, min(cap, deadline - time.monotonic()))
     with open(os.path.join(out, "gpu_check.jsonl"), "w") as lines, \
             open(os.path.join(out, "gpu_check.log"), "w") as log:
-        for name, fn in checks:
-            try:
-                row = {"check": name, **fn(ctx)}
-            except Exception as e:  # noqa: BLE001  one broken phase must not hide the others
-                ours = [f for f in traceback.extract_tb(e.__traceback__) if f.filename.startswith(ROOT)]
-                where = f"{os.path.relpath(ours[-1].filename, ROOT)}:{ours[-1].lineno}"
-                row = {"check": name, "error": f"{type(e).__name__}: {str(e)[:1500]} (at {where})"}
-                log.write(f"== {name}\n{traceback.format_exc()}\n")
-                failed.append(name)
+        ctx["log"] = log
+        for name, fn, needs in checks:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left < needs:
+                row = {"check": name, "skipped": f"the time box has {left:.0f} s left, it needs about {needs} s"}
+            else:
+                try:
+                    row = {"check": name, **fn(ctx)}
+                except Exception as e:  # noqa: BLE001  one broken phase must not hide the others
+                    ours = [f for f in traceback.extract_tb(e.__traceback__) if f.filename.startswith(ROOT)]
+                    where = f" (at {os.path.relpath(ours[-1].filename, ROOT)}:{ours[-1].lineno})" if ours else ""
+                    row = {"check": name, "error": f"{type(e).__name__}: {str(e)[:1500]}{where}"}
+                    log.write(f"== {name}\n{traceback.format_exc()}\n")
+                    recover(ctx)
             line = json.dumps(row)
             print(line, flush=True)
             lines.write(line + "\n")
             lines.flush()
-    return failed
+            log.flush()
+            rows.append(row)
+    return rows
+
+
+def summary(rows, seconds):
+    """The table of gpu_check.txt: a line per check with its seconds, memory against the plan and
+    the number that matters."""
+    num = lambda v, w, f: " " + (format(v, f"{w - 1}{f}") if isinstance(v, (int, float)) else "-".rjust(w - 1))  # noqa: E731
+    lines = [f"gpu_check: {seconds:.0f} s in all; memory: what a check added (GiB) against the plan's terms for it",
+             f"{'check':<10}{'seconds':>9}{'added':>9}{'planned':>9}{'ratio':>7}  result"]
+    for r in rows:
+        text = r.get("headline") or r.get("error") or r.get("skipped", "")
+        lines.append(f"{r['check']:<10}{num(r.get('seconds'), 9, '.1f')}{num(r.get('added_gib'), 9, '.4g')}"
+                     f"{num(r.get('expected_gib'), 9, '.4g')}{num(r.get('ratio'), 7, '.2f')}  "
+                     + ("" if "headline" in r else "ERROR " if "error" in r else "SKIPPED ") + text[:300])
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--all", action="store_true", required=True, help="run every check (" +
-                   ", ".join(n for n, _ in CHECKS) + ")")
+                   ", ".join(name for name, *_ in CHECKS) + ")")
     p.add_argument("--config", default=os.path.join(ROOT, ".device", "r1_distill_qwen_7b"),
                    help="folder with the 7B config.json and tokenizer (default: .device/r1_distill_qwen_7b)")
-    p.add_argument("--out", required=True, help="folder for gpu_check.jsonl, gpu_check.log and toy-fsdp/")
+    p.add_argument("--out", required=True, help="folder for gpu_check.jsonl, gpu_check.txt and gpu_check.log")
     p.add_argument("--dry-run", action="store_true", help="tiny widths and sizes on the CPU (the test)")
-    p.add_argument("--bandwidth", type=float, default=4.8, help="GPU memory bandwidth in TB/s for the "
-                   "decode floor (default 4.8, the H200's)")
-    p.add_argument("--toy-timeout", type=int, default=180, help="seconds for the toy_fsdp subprocess")
+    p.add_argument("--bandwidth", type=float, default=4.8, help="nominal memory bandwidth in TB/s for the "
+                   "decode floor, beside the measured one (default 4.8, the H200's)")
+    p.add_argument("--time-box", type=float, help="seconds for every check together (default 390, inside "
+                   "check.sh's 420; none with --dry-run); a check without room for its estimate is skipped")
+    p.add_argument("--toy-timeout", type=int, help="seconds at most for each toy run (default 120; 900 with --dry-run)")
     args = p.parse_args(argv)
+    if args.time_box is None:
+        args.time_box = 0 if args.dry_run else 390
+    args.toy_timeout = args.toy_timeout or (900 if args.dry_run else 120)
+    start = time.monotonic()
     os.makedirs(args.out, exist_ok=True)
     from transformers.utils import logging
-    logging.set_verbosity_error()  # generation-config notes would bury the JSON lines
+    logging.set_verbosity_error()  # generation-config notes and deprecations would bury the JSON lines
+    warnings.filterwarnings("ignore", category=FutureWarning)
     device = torch.device("cpu" if args.dry_run or not torch.cuda.is_available() else "cuda")
     if args.dry_run:
         torch.set_num_threads(1)  # tiny ops gain nothing from threads on a shared CPU, as in train.py
-    ctx = Context(args=args, device=device, sizes={**SIZES, **DRY} if args.dry_run else dict(SIZES))
-    return 1 if run_checks(CHECKS, ctx, args.out) else 0
+    tmp = tempfile.mkdtemp(prefix="gpu_check_")  # the toy runs: outside OUT, which brings back few files
+    ctx = Context(args=args, device=device, tmp=tmp, sizes={**SIZES, **DRY} if args.dry_run else dict(SIZES))
+    try:
+        rows = run_checks(CHECKS, ctx, args.out, start + args.time_box if args.time_box else None)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    table = summary(rows, time.monotonic() - start)
+    with open(os.path.join(args.out, "gpu_check.txt"), "w") as f:
+        f.write(table)
+    print(table, end="")
+    return 1 if any("error" in r for r in rows) else 0
 
 
 if __name__ == "__main__":

@@ -1,78 +1,149 @@
 """tests/gpu_check.py: its dry run (tiny widths on the CPU) runs every check, so the GPU check cannot
-rot between GPU runs; and one failing check is reported while the others still run."""
+rot between GPU runs, and leaves three files in its --out; one failing check is reported while the
+others still run; a check the time box has no room for is skipped."""
 import json
 import os
 import subprocess
 import sys
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import gpu_check
 import label
+from harness import staticcache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE = os.path.join(ROOT, "..", "shared", "fixtures", "r1_distill_qwen_7b")
 
 
-@pytest.mark.slow   # every check in a subprocess
+@pytest.mark.slow   # every check in a subprocess, three of them running train.py or evaluate.py
 @pytest.mark.skipif(not os.path.isdir(FIXTURE), reason="needs the 7B config and tokenizer fixture")
-def test_the_dry_run_runs_every_check_and_prints_one_json_line_each(tmp_path):
+def test_the_dry_run_runs_every_check_and_brings_back_three_files(tmp_path):
     out = tmp_path / "out"
     done = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "gpu_check.py"), "--all", "--dry-run",
-                           "--config", FIXTURE, "--out", str(out)], capture_output=True, text=True, timeout=300)
-    lines = done.stdout.splitlines()
+                           "--config", FIXTURE, "--out", str(out)], capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # what comes back from a GPU machine: the JSON lines, the summary and the log; the toy runs elsewhere
+    assert sorted(os.listdir(out)) == ["gpu_check.jsonl", "gpu_check.log", "gpu_check.txt"]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     assert (out / "gpu_check.jsonl").read_text().splitlines() == lines
+    assert done.stdout.endswith((out / "gpu_check.txt").read_text())
     rows = {r["check"]: r for r in map(json.loads, lines)}
-    assert list(rows) == [name for name, _ in gpu_check.CHECKS]
+    assert list(rows) == [name for name, *_ in gpu_check.CHECKS]
     assert not [r for r in rows.values() if "error" in r or "skipped" in r]
     s = {**gpu_check.SIZES, **gpu_check.DRY}
     n_rows = s["prompts"] * s["group"]
-    assert rows["build"]["params"] == rows["build"]["plan_params"]
-    assert rows["build"]["vocab"] == 152064
-    # EOS is off: every row decodes every one of its new tokens
-    assert rows["rollout"]["tokens"] == n_rows * s["new"] and rows["rollout"]["min_len"] == s["new"]
-    # the second rollout (the next step's) replays the first one's steps: 16 + 15 positions live at
-    # most, one live length (64)
-    assert rows["rollout"]["captures"] == [1, 0] and rows["rollout"]["live_lengths"] == [64]
-    assert rows["rollout"]["same_samples"] and rows["rollout"]["empty_cache_calls"] == 0
-    lengths = torch.linspace(s["shortest"], s["new"], n_rows).long().tolist()
+    build = rows["build"]
+    assert build["params"] == build["plan_params"] and build["vocab"] == 152064
+    # one CPU process samples with the policy: the plan's copy is 0 and the fp32 weights are all it holds
+    assert build["plan_gib"]["generation copy"] == 0 and build["ratio"] == pytest.approx(1.0, abs=0.01)
+    roll = rows["rollout"]
+    # EOS is off: every row decodes every one of its new tokens; one live length (64), its step recorded
+    # once; the buffers are the plan's KV cache term to the byte
+    assert roll["tokens"] == n_rows * s["rollout_new"] and roll["min_len"] == s["rollout_new"]
+    assert roll["captures"] == 1 and roll["live_lengths"] == [64] and roll["kv_vs_plan"] == 1.0
+    lengths = torch.linspace(s["shortest"], s["longest"], n_rows).long().tolist()
     cuts = sum(len(label.budgets(m)) for m in lengths)
     lab = rows["labels"]
     assert lab["forced_prompts"] == cuts and lab["features"] == rows["score"]["features"] == cuts
-    assert lab["features_finite"]
-    # the last shape is kept with the model for the next call of its shape
-    assert lab["shapes_max_alive"] == 1 <= lab["shapes_made"] and lab["shapes_alive_after"] == 1
-    assert "KV cache" in lab["plan_gib"] and "peak" in rows["update"]["plan_gib"]
-    assert rows["score"]["finite"] and 0 < rows["update"]["grad_norm"] < float("inf")
+    assert lab["features_finite"] and rows["score"]["finite"]
+    # one shape alive at a time, within the plan's label K/V term; each shape records a step at least
+    assert lab["shapes_max_alive"] == 1 and 0 < lab["kv_vs_plan"] <= 1 and lab["captures"] >= lab["shapes_made"]
+    for name in ("build", "rollout", "labels", "score", "update"):
+        assert rows[name]["expected_gib"] > 0 and rows[name]["ratio"] > 0, name
+    upd = rows["update"]
+    assert 0 < upd["grad_norm"] < float("inf") and upd["tokens"] == n_rows * (s["prompt_len"] + s["rollout_new"])
+    # the CPU samples with the trainer itself: the only gap left is the sampler's normalisation over
+    # the tokenizer's ids, not the model's 152,064 rows, on near-uniform logits
+    assert upd["sampler_gap"] == pytest.approx(upd["vocab_bias"], rel=0.05)
     dec = rows["decode"]
-    assert dec["static"]["tokens"] == dec["static-full"]["tokens"] == dec["dynamic"]["tokens"] == n_rows * s["new"]
-    assert dec["static"]["full_bytes"] >= 1 and dec["static-full"]["mb_step"] >= dec["static"]["mb_step"]
-    assert dec["generate"]["vs_generate"] == 1.0 and dec["static"]["floor_ms"] > 0
-    toy = rows["toy_fsdp"]
-    assert [r["step"] for r in toy["steps"]] == [1, 2] and toy["checkpoint"] == "step_000002"
-    assert all(r["ratio_mean"] == pytest.approx(1.0) for r in toy["steps"])  # one update per batch
+    rank = s["adapter_rank"]
+    assert list(dec["paths"]) == ["static warm-up", "static", "static-full", "dynamic", f"lora-{rank} warm-up",
+                                  f"lora-{rank}"]
+    timed = [dec["paths"][p] for p in ("static", "static-full", "dynamic", f"lora-{rank}")]
+    # the timed calls replay what the warm-ups recorded; every path samples the same tokens (lora_B is 0)
+    assert dec["paths"]["static warm-up"]["captures"] >= 1 and [p["captures"] for p in timed] == [0, 0, 0, 0]
+    assert all(p["same_tokens_as_static"] for p in timed[1:]) and all(p["ms_step"] > 0 for p in timed)
+    assert dec["paths"]["static-full"]["mb_step"] >= dec["paths"]["static"]["mb_step"]
+    assert dec["copy_tbs"] > 0 and 0 < dec["floor_ms"]["nominal"] and dec["adapter_dtype"] == "torch.float32"
+    lora, fsdp = rows["toy_lora"], rows["toy_fsdp"]
+    for toy in (lora, fsdp):
+        assert [r["step"] for r in toy["steps"]] == [1, 2] and toy["checkpoint"] == "step_000002"
+        assert all(r["ratio_mean"] == pytest.approx(1.0) for r in toy["steps"])  # one update per batch
+        assert toy["expected_gib"] > 0 and toy["ratio"] > 0
+    # the toy's decoder has 28 linear layers (4 of them in each of its layers): an A and a B for each
+    assert lora["adapter"] and lora["adapter_tensors"] == 2 * 28
+    ev = rows["toy_eval"]
+    assert ev["model"] == "toy_lora's run" and ev["device"] == "cpu" and ev["confidence"] == "probe-posthoc"
+    assert ev["n"] == 4 * 2 and ev["early_exit"] and ev["probe_val_bce"] > 0
+
+
+@pytest.mark.slow   # builds the dry run's model and decodes with it
+@pytest.mark.skipif(not os.path.isdir(FIXTURE), reason="needs the 7B config and tokenizer fixture")
+def test_a_decode_path_that_fails_leaves_the_other_paths_numbers(tmp_path, monkeypatch):
+    def no_peft(*args, **kwargs):
+        raise ImportError("No module named 'peft'")  # a GPU machine's image may lack it
+
+    monkeypatch.setattr(gpu_check.lora, "add_adapter", no_peft)
+    monkeypatch.setattr(gpu_check, "CHECKS", [c for c in gpu_check.CHECKS if c[0] in ("build", "decode")])
+    assert gpu_check.main(["--all", "--dry-run", "--config", FIXTURE, "--out", str(tmp_path)]) == 0
+    dec = json.loads((tmp_path / "gpu_check.jsonl").read_text().splitlines()[1])
+    rank = gpu_check.DRY["adapter_rank"]
+    assert dec["paths"][f"lora-{rank}"] == {"error": "ImportError: No module named 'peft'"}
+    assert all(dec["paths"][p]["ms_step"] > 0 for p in ("static", "static-full", "dynamic"))
+    assert dec["adapter_dtype"] is None and "== decode lora" in (tmp_path / "gpu_check.log").read_text()
 
 
 def test_a_failing_check_is_one_error_line_and_the_others_still_run(tmp_path, capsys):
     def broken(ctx):
         raise ValueError("no such phase")
 
-    checks = [("broken", broken), ("needs_it", lambda ctx: {"x": ctx["model"]}),
-              ("fine", lambda ctx: {"value": 3})]
-    assert gpu_check.run_checks(checks, gpu_check.Context(), str(tmp_path)) == ["broken", "needs_it"]
-    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    checks = [("broken", broken, 0), ("needs_it", lambda ctx: {"x": ctx["model"]}, 0),
+              ("fine", lambda ctx: {"value": 3, "headline": "three"}, 0)]
+    rows = gpu_check.run_checks(checks, gpu_check.Context(), str(tmp_path))
+    assert [r["check"] for r in rows if "error" in r] == ["broken", "needs_it"]
+    printed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert printed == rows
     line = broken.__code__.co_firstlineno + 1
     assert rows[0] == {"check": "broken", "error": f"ValueError: no such phase (at tests/test_gpu_check.py:{line})"}
     assert rows[1]["error"].startswith("RuntimeError: needs 'model' from an earlier check, which failed")
-    assert rows[2] == {"check": "fine", "value": 3}
+    assert rows[2] == {"check": "fine", "value": 3, "headline": "three"}
     assert (tmp_path / "gpu_check.jsonl").read_text().splitlines() == [json.dumps(r) for r in rows]
     assert "Traceback" in (tmp_path / "gpu_check.log").read_text()
+    table = gpu_check.summary(rows, 12.0).splitlines()
+    assert table[2].startswith("broken") and "ERROR ValueError: no such phase" in table[2]
+    assert table[4].split()[-1] == "three"
 
 
-def test_the_exit_code_says_a_check_failed(tmp_path, monkeypatch):
-    monkeypatch.setattr(gpu_check, "CHECKS", [("fine", lambda ctx: {})])
+def test_a_failed_check_leaves_no_static_buffers_with_the_sampler(tmp_path, capsys):
+    sampler = torch.nn.Linear(1, 1)
+    staticcache._DECODERS[sampler] = SimpleNamespace(shape="the labels' buffers", key=(32, 7168))
+
+    def out_of_memory(ctx):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    rows = gpu_check.run_checks([("labels", out_of_memory, 0)], gpu_check.Context(sampler=sampler), str(tmp_path))
+    assert rows[0]["error"].startswith("OutOfMemoryError") and staticcache._DECODERS[sampler].shape is None
+
+
+def test_a_check_without_room_in_the_time_box_is_skipped_and_the_next_that_fits_runs(tmp_path, capsys):
+    checks = [("quick", lambda ctx: {}, 1), ("long", lambda ctx: {}, 3600), ("quick_again", lambda ctx: {}, 1)]
+    rows = gpu_check.run_checks(checks, gpu_check.Context(), str(tmp_path), deadline=time.monotonic() + 60)
+    assert [list(r) for r in rows] == [["check"], ["check", "skipped"], ["check"]]
+    assert rows[1]["skipped"].endswith("it needs about 3600 s")
+
+
+def test_the_plan_ratio_is_measured_over_the_sum_of_the_plan_terms():
+    row = gpu_check.versus_plan({}, 3 * gpu_check.GiB, {"a": 1 * gpu_check.GiB, "b": 3 * gpu_check.GiB})
+    assert row == {"plan_gib": {"a": 1.0, "b": 3.0}, "expected_gib": 4.0, "ratio": 0.75}
+
+
+def test_the_exit_code_says_a_check_failed_and_only_three_files_are_written(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "CHECKS", [("fine", lambda ctx: {}, 0)])
     assert gpu_check.main(["--all", "--out", str(tmp_path)]) == 0
-    monkeypatch.setattr(gpu_check, "CHECKS", [("fine", lambda ctx: {}), ("broken", lambda ctx: 1 / 0)])
+    monkeypatch.setattr(gpu_check, "CHECKS", [("fine", lambda ctx: {}, 0), ("broken", lambda ctx: 1 / 0, 0)])
     assert gpu_check.main(["--all", "--out", str(tmp_path)]) == 1
+    assert sorted(os.listdir(tmp_path)) == ["gpu_check.jsonl", "gpu_check.log", "gpu_check.txt"]
