@@ -9,10 +9,11 @@ module is imported. Without them everything here is the identity and the code ru
 Layout on N GPUs (docs/design.md, "Scale"): the trained policy is sharded with FSDP2 (`fully_shard` per
 decoder layer, then the root; bf16 compute, fp32 gradient reduction); each rank keeps a plain
 bf16 copy of the full weights for generation, labelling and scoring, refreshed after every
-optimizer step; whole prompt groups stay on one rank. With --offload the sharded fp32 params,
-grads and AdamW state live in host memory (FSDP2 `CPUOffloadPolicy`; also on one GPU, as a
-one-rank FSDP group). Sharded starts are memory-lean (`load_sharded`): only rank 0 reads the
-weights, every rank builds the model on the meta device and receives its shard by broadcast.
+optimizer step one layer at a time by an all-gather on the GPU; whole prompt groups stay on one
+rank. With --offload the sharded fp32 params, grads and AdamW state live in host memory (FSDP2
+`CPUOffloadPolicy`; also on one GPU, as a one-rank FSDP group). Sharded starts are memory-lean
+(`load_sharded`): only rank 0 reads the weights, every rank builds the model on the meta device
+and receives its shard by broadcast.
 """
 import copy
 import datetime
