@@ -157,7 +157,8 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
     chunk = 3 * cfg["chunk_size"] * vocab * 4  # chunks run over the micro-batch's flattened positions
     held = 4 * (adapter or total) if offload and cfg.get("offload_grads", "gpu") == "gpu" else 0
     group = max(layer, vocab * d)  # the refresh's largest group: a decoder layer or the embedding
-    refresh = act_bytes * group * (1 + 1 / world) + (4 * group / world if cuda and offload else 0) if sharded else 0
+    staged = 4 * group / world if cuda and offload else 0  # a host shard's fp32 copy on the GPU
+    refresh = (act_bytes * group * (1 + 1 / world) + staged) if sharded else 0
     terms = {"training state": 0.0 if offload else state, "adapter state": 0.0 if offload else adapter_state,
              "generation copy": gen_copy,
              "FSDP gather": gather, "KV cache": kv, "prefill": prefill, "label KV cache": label_kv,
