@@ -9,10 +9,11 @@ module is imported. Without them everything here is the identity and the code ru
 Layout on N GPUs (docs/design.md, "Scale"): the trained policy is sharded with FSDP2 (`fully_shard` per
 decoder layer, then the root; bf16 compute, fp32 gradient reduction); each rank keeps a plain
 bf16 copy of the full weights for generation, labelling and scoring, refreshed after every
-optimizer step; whole prompt groups stay on one rank. With --offload the sharded fp32 params,
-grads and AdamW state live in host memory (FSDP2 `CPUOffloadPolicy`; also on one GPU, as a
-one-rank FSDP group). Sharded starts are memory-lean (`load_sharded`): only rank 0 reads the
-weights, every rank builds the model on the meta device and receives its shard by broadcast.
+optimizer step one layer at a time by an all-gather on the GPU; whole prompt groups stay on one
+rank. With --offload the sharded fp32 params, grads and AdamW state live in host memory (FSDP2
+`CPUOffloadPolicy`; also on one GPU, as a one-rank FSDP group). Sharded starts are memory-lean
+(`load_sharded`): only rank 0 reads the weights, every rank builds the model on the meta device
+and receives its shard by broadcast.
 """
 import copy
 import datetime
@@ -203,7 +204,10 @@ def rebuild_buffers(model, device):
 def refresh_sampler(sampler, policy, frozen=False):
     """Copy the trained (possibly sharded) weights into the generation copy: those that train, and
     with frozen=True (the first fill) the frozen ones too, so a LoRA run never gathers its frozen
-    base again. One GPU's merged LoRA copy gets W + s B A of each adapted linear (lora.merge_into)."""
+    base again. One GPU's merged LoRA copy gets W + s B A of each adapted linear (lora.merge_into).
+    Sharded, each decoder layer (and each parameter outside the layers) is one all-gather on the
+    copy's device (`gather_into`): under --offload the host shards go to the GPU and NCCL gathers
+    them there, where each parameter's full_tensor() would gather in fp32 over gloo on the host."""
     if sampler is policy.lm:
         return
     if has_adapter(policy.lm) and not has_adapter(sampler):
@@ -212,11 +216,45 @@ def refresh_sampler(sampler, policy, frozen=False):
     # remove_duplicate=False: a copy built by to_empty from the meta device has lost its tied
     # embeddings (the LM head is its own tensor), so every name is filled
     params = dict(sampler.named_parameters(remove_duplicate=False))
+    layer_of = {id(p): i for i, layer in enumerate(policy.lm.model.layers) for p in layer.parameters()}
+    groups = {}
     for name, p in policy.lm.named_parameters(remove_duplicate=False):
-        if not (p.requires_grad or frozen):
-            continue
-        full = p.full_tensor() if hasattr(p, "full_tensor") else p
-        params[name].copy_(full.to(params[name].dtype))
+        if p.requires_grad or frozen:
+            groups.setdefault(layer_of.get(id(p), name), []).append((params[name], p))
+    for pairs in groups.values():
+        if sharded(policy):
+            gather_into(pairs)
+        else:
+            for dst, p in pairs:
+                dst.copy_(p)  # casts to the copy's dtype
+
+
+def gather_into(pairs):
+    """Fill full tensors from the FSDP2 shards of a group of parameters with one all-gather on the
+    full tensors' device, in their dtype. pairs: [(dst [d0, ...], DTensor of the same shape)].
+
+    FSDP2 shards rows as torch.chunk does: with c = ceil(d0 / W), rank r holds rows [r c, r c + c)
+    (fewer, or none, at the end). Each rank writes its rows of every parameter into one buffer, each
+    padded to c rows, so one all-gather serves the group; the copy to the buffer casts
+    (the same bits as casting the gathered tensor: a cast is per element). Under --offload the
+    shards are in pinned host memory, so the copy to the GPU does not block, and the group's
+    collective takes NCCL on GPU tensors (backend "cuda:nccl,cpu:gloo"). Extra memory: the buffer
+    and the gathered group, c x W rows of each parameter in the copy's dtype (plan.py, "refresh").
+    """
+    rows = [-(-dst.shape[0] // WORLD) for dst, _ in pairs]
+    slots = [c * dst[0].numel() for c, (dst, _) in zip(rows, pairs)]  # dst[0]: one row
+    at = [sum(slots[:i]) for i in range(len(pairs))]
+    send = torch.empty(sum(slots), dtype=pairs[0][0].dtype, device=pairs[0][0].device)
+    for (dst, p), a in zip(pairs, at):
+        local = p.to_local().reshape(-1)
+        send[a:a + local.numel()].copy_(local, non_blocking=True)  # the padding rows stay unset
+    gathered = torch.empty(WORLD * send.numel(), dtype=send.dtype, device=send.device)
+    dist.all_gather_single(gathered, send)  # gloo takes the flat form only
+    gathered = gathered.view(WORLD, -1)
+    for (dst, _), a, c in zip(pairs, at, rows):
+        for r in range(WORLD):
+            part = dst[r * c:(r + 1) * c]  # rank r's rows
+            part.copy_(gathered[r, a:a + part.numel()].view(part.shape))
 
 
 def full_state(policy, opt):

@@ -26,12 +26,18 @@ Terms per device, with N parameters, W devices (ranks) and bf16 = 2 bytes:
                   keeps its buffers and one layer's gradients come on top
   log-prob chunk  chunk_size positions x vocab x 3 fp32: a chunk's backward holds its recomputed
                   log-softmax, the gradient gather scatters into and log-softmax's gradient
+  refresh         sharded runs, after the update: the generation copy is refreshed one group at a time
+                  (parallel.gather_into: a decoder layer, or one parameter outside the layers, the
+                  largest being the embedding, vocab x d): the group's shard and the gathered group
+                  in the copy's dtype, 2 g (1 + 1 / W) for the largest group g, and with --offload on
+                  a GPU one parameter's fp32 shard on its way from the host, at most 4 g / W
   runtime         CUDA context and allocator slack (1 GiB), or the Python/torch process on CPU
 
 Phases do not overlap: the rollout holds its KV cache and prefill, the labels theirs, the update
-the gather, activations and log-prob chunk (the step frees the rollout's static buffers before the
-first label prefill, and the labels' before the update: tests/test_plan.py holds both).
-peak = training state + generation copy + runtime + max(rollout, labels, update).
+the gather, activations and log-prob chunk, the refresh its group (the step frees the rollout's
+static buffers before the first label prefill, and the labels' before the update: tests/test_plan.py
+holds both; tests/test_parallel.py holds the refresh term to the bytes a two-rank refresh allocates).
+peak = training state + generation copy + runtime + max(rollout, labels, update, refresh).
 With --offload (FSDP2's CPUOffloadPolicy) the training state lives in host memory (16 N / W per
 rank) and the optimizer step runs on the CPU: slower, but the GPU keeps only the rest. The update
 then accumulates the micro-batches' gradients unsharded in fp32 on the GPU and reduces them once
@@ -150,14 +156,17 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
     acts = kept + (2 if cfg["grad_ckpt"] else 1) * one_layer
     chunk = 3 * cfg["chunk_size"] * vocab * 4  # chunks run over the micro-batch's flattened positions
     held = 4 * (adapter or total) if offload and cfg.get("offload_grads", "gpu") == "gpu" else 0
+    group = max(layer, vocab * d)  # the refresh's largest group: a decoder layer or the embedding
+    staged = 4 * group / world if cuda and offload else 0  # a host shard's fp32 copy on the GPU
+    refresh = (act_bytes * group * (1 + 1 / world) + staged) if sharded else 0
     terms = {"training state": 0.0 if offload else state, "adapter state": 0.0 if offload else adapter_state,
              "generation copy": gen_copy,
              "FSDP gather": gather, "KV cache": kv, "prefill": prefill, "label KV cache": label_kv,
              "label prefill": label_prefill, "activations": acts, "log-prob chunk": chunk,
-             "held grads": held, "runtime": RUNTIME[device]}
+             "held grads": held, "refresh": refresh, "runtime": RUNTIME[device]}
     update = gather + acts + chunk + held
     terms["peak"] = terms["training state"] + terms["adapter state"] + gen_copy + RUNTIME[device] + \
-        max(kv + prefill, label_kv + label_prefill, update)
+        max(kv + prefill, label_kv + label_prefill, update, refresh)
     # Host: rank 0 loads the fp32 weights (4 N) to broadcast them, and at every save gathers the
     # full fp32 model and AdamW state (parallel.full_state, cpu_offload: 4 N + 8 N; the adapter's
     # alone under LoRA); --offload keeps each rank's shard of the training state there.
@@ -275,6 +284,7 @@ def check(cfg, show=False, log=print):
                  "label prefill": "one layer's forward and the prefill cache of one chunk of cuts",
                  "activations": "checkpointed" if cfg["grad_ckpt"] else "no checkpointing",
                  "held grads": "fp32 gradients held unsharded until the last micro-batch",
+                 "refresh": "the generation copy's refresh: one layer (or the embedding) gathered",
                  "training state": "on the host (--offload)" if offload else
                  ("the frozen base" if rank else "params, grads, AdamW (sharded)"),
                  "adapter state": "fp32 params, grads, AdamW of the adapter",
@@ -283,7 +293,8 @@ def check(cfg, show=False, log=print):
                                      "bf16, base and adapter") if rank else ""}
         for name in ("training state", *(("adapter state",) if rank else ()), "generation copy", "FSDP gather", "KV cache", "prefill",
                      "label KV cache", "label prefill", "activations", "log-prob chunk",
-                     *(("held grads",) if t["held grads"] else ()), "runtime", "peak"):
+                     *(("held grads",) if t["held grads"] else ()), *(("refresh",) if t["refresh"] else ()),
+                     "runtime", "peak"):
             log(f"  {name:<16}{t[name] / GiB:8.2f} GiB  {notes.get(name, '')}".rstrip())
         others = f"; {(t['host node'] - t['host']) / (world - 1) / GiB:.2f} GiB each other rank" if world > 1 else ""
         at = "loading (the fp32 base)" if rank else "a save (the full fp32 model and AdamW state)"

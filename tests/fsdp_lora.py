@@ -52,17 +52,17 @@ if torch.distributed.is_initialized():
     step.probe_margin(probe, probe_opt, feats, grid(labels), cut_mask(labels),
                       dict(CFG, reward="rlcm", probe_passes=4, probe_batch=2, corner="zero"), seed=3)
     torch.save(dict(init=init, fitted=probe.state_dict()), f"{sys.argv[1]}.probe{RANK}")
-    # a refresh after a step gathers the adapter alone: the frozen base was copied once, at the start
-    from torch.distributed.tensor import DTensor
-    gathered, full_tensor = [], DTensor.full_tensor
-    DTensor.full_tensor = lambda self, *a, **kw: gathered.append(1) or full_tensor(self, *a, **kw)
+    # a refresh after a step gathers the adapter alone (elements gathered, padding included: every
+    # adapter dimension splits evenly here): the frozen base was copied once, at the start
+    gathered, gather = [], torch.distributed.all_gather_single
+    torch.distributed.all_gather_single = lambda out, *a, **kw: gathered.append(out.numel()) or gather(out, *a, **kw)
     refresh_sampler(sampler, lean)
-    DTensor.full_tensor = full_tensor
+    torch.distributed.all_gather_single = gather
     ids = torch.tensor([[5, 9, 3, 7, 11, 2, 40]])
     with torch.no_grad():
         mine = dict(lm.named_parameters())
         diff = dict(sampler=(sampler(ids).logits - ref(ids).logits).abs().max().item(),
-                    gathered=len(gathered) == sum(p.requires_grad for p in lm.parameters()) > 0,
+                    gathered=sum(gathered) == sum(p.numel() for p in lm.parameters() if p.requires_grad) > 0,
                     policy=max((mine[n].full_tensor() - p).abs().max().item() for n, p in ref.named_parameters()),
                     trainable=sorted(n for n, p in lm.named_parameters() if p.requires_grad)
                     == sorted(n for n, p in ref.named_parameters() if p.requires_grad))

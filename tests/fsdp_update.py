@@ -1,5 +1,5 @@
 """Run by test_parallel.py: one policy update on a fixed batch, in 1 process or under torchrun,
-then one probe fit on features that differ per rank.
+then (sharded) the refresh of the generation copy, then one probe fit on features that differ per rank.
 
 Each rank takes every WORLD-th sequence; with FSDP2 the update must equal the one-process update
 on the whole batch (the loss is a token-mean over all ranks' tokens). The probe is fitted on the
@@ -15,13 +15,15 @@ import tiny
 import step
 from grpo import pack
 from label import cut_mask, grid
-from harness.parallel import MASTER, RANK, WORLD, full_state, load_sharded, setup, teardown, wrap
+from live_bytes import LiveBytes
+from harness.parallel import (MASTER, RANK, WORLD, full_state, gather_into, load_sharded, refresh_sampler, setup,
+                              sharded, teardown, wrap)
 
 offload = os.environ.get("OFFLOAD") == "1"  # FSDP2 with CPUOffloadPolicy, also as one rank
 grads = os.environ.get("OFFLOAD_GRADS", "gpu")  # --offload-grads
 device = setup(offload)
 model = tiny.model(vocab_size=64, hidden=32, layers=2, seed=0).train()
-policy, _ = wrap(model, device, offload)
+policy, sampler = wrap(model, device, offload)
 opt = torch.optim.SGD(policy.parameters(), lr=0.5)
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
 prompts, responses, adv = tiny.fixed_rollouts()
@@ -39,6 +41,32 @@ stats = step.update(policy, opt, sched, batch, old, adv[mine], mbs, cfg, device)
 torch.distributed.reduce_scatter_single = counted
 torch.save(len(scatters), f"{sys.argv[1]}.scatters{RANK}")
 state, _ = full_state(policy, opt)
+
+if sharded(policy):  # the refresh of the generation copy after the step, against today's full_tensor() per parameter
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    calls, full_tensor, gather = [], DTensor.full_tensor, torch.distributed.all_gather_single
+    before = {n: p.to_local().clone() for n, p in model.named_parameters()}
+    refresh = {}
+    for dtype in (torch.float32, torch.bfloat16):  # the copy's dtype on CPU and on CUDA
+        for p in sampler.parameters():
+            p.data = torch.full_like(p.data, float("nan"), dtype=dtype)
+        DTensor.full_tensor = lambda self, *a, **kw: calls.append("full_tensor") or full_tensor(self, *a, **kw)
+        torch.distributed.all_gather_single = lambda *a, **kw: calls.append("all_gather") or gather(*a, **kw)
+        with LiveBytes(known=[*sampler.parameters(), *(p.to_local() for p in model.parameters())]) as live:
+            refresh_sampler(sampler, policy)
+        DTensor.full_tensor, torch.distributed.all_gather_single = full_tensor, gather
+        copy = dict(sampler.named_parameters())
+        refresh[dtype] = dict(calls=calls[:], equal=all(torch.equal(copy[n], p.full_tensor().to(dtype))
+                                                        for n, p in model.named_parameters()), bytes=live.peak)
+        calls.clear()
+    refresh["policy unchanged"] = all(torch.equal(p.to_local(), before[n]) for n, p in model.named_parameters())
+    # rows that do not split evenly: 5 rows on 2 ranks are 3 + 2, 1 row is 1 + none (torch.chunk)
+    full = [torch.arange(15.0).view(5, 3), torch.arange(4.0).view(1, 4), torch.arange(7.0)]
+    dst = [torch.zeros_like(t) for t in full]
+    mesh = next(iter(model.parameters())).device_mesh
+    gather_into([(d, distribute_tensor(t, mesh, [Shard(0)])) for d, t in zip(dst, full)])
+    refresh["uneven"] = all(torch.equal(d, t) for d, t in zip(dst, full))
+    torch.save(refresh, f"{sys.argv[1]}.refresh{RANK}")
 
 torch.manual_seed(0)  # the same initial probe on every rank, as train.run builds it
 probe = probe_lib.Probe(32)

@@ -11,11 +11,13 @@ from torch.utils._pytree import tree_flatten
 class LiveBytes(TorchDispatchMode):
     """with LiveBytes() as m: ...; then m.peak: the most bytes that storages made inside the block
     held at once (storages made before it are not counted), m.now: those still alive. Sees the
-    backward's ops as well (autograd carries the mode to the ops it runs)."""
+    backward's ops as well (autograd carries the mode to the ops it runs). A view made inside the
+    block of a tensor made before it looks like a new storage: name such tensors in `known`."""
 
-    def __init__(self):
+    def __init__(self, known=()):
         super().__init__()
         self.live, self.now, self.peak = {}, 0, 0
+        self.known = {t.untyped_storage().data_ptr() for t in known}
 
     def _free(self, key):
         self.now -= self.live.pop(key)
@@ -26,7 +28,7 @@ class LiveBytes(TorchDispatchMode):
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 storage = t.untyped_storage()
                 key = storage.data_ptr()
-                if key and key not in self.live:
+                if key and key not in self.live and key not in self.known:
                     self.live[key] = storage.nbytes()
                     self.now += storage.nbytes()
                     self.peak = max(self.peak, self.now)

@@ -67,6 +67,32 @@ def test_offload_reduces_gradients_once_per_step(tmp_path):
     assert [count("gpu", r) for r in (0, 1)] == [3, 3] and [count("host", r) for r in (0, 1)] == [6, 6]
 
 
+@pytest.mark.slow   # torchrun, two processes
+def test_offload_refreshes_the_generation_copy_with_one_gather_per_layer(tmp_path):
+    """--offload on two ranks: after the step the generation copy is refreshed with one all-gather
+    per decoder layer and per parameter outside them (2 layers + embedding, norm, LM head: 5), on
+    the copy's device and in its dtype (parallel.gather_into), with no full_tensor() (an fp32 gloo
+    gather of each host shard); bitwise what full_tensor() cast to the copy's dtype gives, in fp32
+    (the CPU's copy) and bf16 (CUDA's), and the policy untouched. Shards of rows that do not split
+    evenly (5 rows: 3 + 2, 1 row: 1 + none) come back whole. The bytes it allocates are the plan's
+    refresh term: the largest group's shard and gathered group (a layer, 9,344 parameters), in fp32
+    as on the CPU and in bf16 as on a GPU without --offload. That the gathers run on the GPU over
+    NCCL, and the fp32 shard a GPU stages on its way from the host, only a GPU can show."""
+    from harness import plan
+    run(tmp_path, 2, offload=True)
+    config = __import__("tiny").model(vocab_size=64, hidden=32, layers=2).config
+    cfg = dict(model="x", prompts_per_step=4, gen_batch=4, group_size=2, k=1, max_new_tokens=10,
+               micro_tokens=64, grad_ckpt=False, chunk_size=8, reward="grpo")
+    term = {torch.float32: plan.estimate(config, cfg, 2, "cpu", offload=True)["refresh"],
+            torch.bfloat16: plan.estimate(config, cfg, 2, "cuda")["refresh"]}
+    assert term == {torch.float32: 4 * 9344 * 1.5, torch.bfloat16: 2 * 9344 * 1.5}
+    for r in (0, 1):
+        refresh = torch.load(str(tmp_path / f"w2-offload-gpu.pt.refresh{r}"))
+        for dtype in (torch.float32, torch.bfloat16):
+            assert refresh[dtype] == dict(calls=["all_gather"] * 5, equal=True, bytes=term[dtype]), (r, dtype)
+        assert refresh["policy unchanged"] and refresh["uneven"]
+
+
 def test_rebuild_buffers_repairs_what_to_empty_leaves_as_garbage(tmp_path):
     """A model built on the meta device and materialised with to_empty has its weights loaded from
     the state dict, but not its rotary inv_freq (a non-persistent buffer): rebuild it."""
