@@ -39,7 +39,7 @@ COMMON = dict(model="toy", problem_field=None, answer_field=None, trust_remote_c
               out=None, resume=None, system_prompt=None, log_samples=4, eval_probe_n=32, wandb=None,
               wandb_run=None, ppo_epochs=1, offload=False, offload_grads="gpu", nproc=None, gpus=None, gpu_mem=None,
               plan=False, decode=None, drop_unanimous=False, c2gspg_bce="off", lora_rank=0, lora_alpha=32.0,
-              lora_targets="all-linear")
+              lora_targets="all-linear", probe_labels="mc")
 # Under --lora-rank the default --lr is this many times the world's full fine-tuning rate ("LoRA
 # Without Regret", Schulman et al. 2025: about 10x; TRL's GRPO recipe: 1e-5 against 1e-6).
 LORA_LR_FACTOR = 10
@@ -116,7 +116,7 @@ LIMITS = {
 # refused. Every other flag given with --resume applies from the next step and is written to
 # config.json (--lr and --probe-lr included: they replace the saved optimizers' rates).
 FIXED_ON_RESUME = ("model", "data", "problem_field", "answer_field", "seed", "reward", "probe_hidden",
-                   "lora_rank", "lora_alpha", "lora_targets")
+                   "lora_rank", "lora_alpha", "lora_targets", "probe_labels")
 
 
 def check_values(cfg, limits=LIMITS):
@@ -249,6 +249,10 @@ def build_parser():
     g.add_argument("--probe-lr", type=float)
     g.add_argument("--probe-passes", type=int)
     g.add_argument("--probe-batch", type=int)
+    g.add_argument("--probe-labels", choices=("mc", "shuffled"),
+                   help="what the probe is fitted on each step: mc (the method: the step's Monte-Carlo labels Y_b) or "
+                        "shuffled (a control: the same labels permuted across the step's cuts, seeded by the run's "
+                        "seed and step; the margin still scores the real prefixes against the real labels)")
     g.add_argument("--probe-hidden", type=int, metavar="N",
                    help="the probe's hidden width: d -> N -> 1 (default d/4: the released MLP, d -> d/4 -> 1); "
                         "0 trains the design card's linear probe d -> 1")
@@ -366,6 +370,9 @@ def resolve_args(argv):
     cfg.update({k: given.get(k) for k in NOT_SAVED})
     cfg["out"] = cfg["out"] or os.path.join("runs", os.path.basename(cfg["model"].rstrip("/")))
     check_values(cfg)
+    if cfg["probe_labels"] != "mc" and cfg["reward"] not in PROBE_MODES:
+        raise UserError(f"--probe-labels {cfg['probe_labels']}: --reward {cfg['reward']} fits no probe; "
+                        "drop it or use a probe mode (" + ", ".join(PROBE_MODES) + ")")
     check_out(cfg["out"])
     return cfg
 
