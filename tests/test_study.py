@@ -45,3 +45,32 @@ def test_the_quiet_world_writes_the_legible_traces_without_a_flag():
     for i in range(300):   # the warm start's sequences, forced ones included
         ids, _ = toy.example(tok, rows[i]["problem"], rng, i % 2 == 0, QUIET)
         assert "?" not in tok.decode(ids)
+
+
+def test_train_and_evaluate_read_a_worlds_rows_by_its_name(tmp_path):
+    """--toy-world: the toy benchmark names read that world's rows (train.py's --data / --eval-data,
+    evaluate.py's benchmarks and toy post-hoc fits); given with a --model folder, the toy world's
+    defaults apply; a run keeps its world on resume and refuses another."""
+    import data
+    import evaluate
+    from harness import config
+    from harness.files import UserError
+    legible = {split: toy.dataset(split, "toy", "legible") for split in ("train", "test")}
+    assert data.load_rows("toy", split="test", toy_world="legible") == legible["test"]
+    assert data.load_rows("toy", split="test") == toy.dataset("test", "toy") != legible["test"]
+    [(name, rows, _, _)] = evaluate.load_benchmarks(["toy"], limit=3, toy_world="legible")
+    assert (name, rows) == ("toy", legible["test"][:3])
+    assert evaluate.toy_fit_rows("toy", "legible") == legible["train"]
+    assert evaluate.toy_fit_rows("toy-pooled", "legible")[:3] == [
+        toy.dataset("train", b, "legible")[0] for b in data.TOY_BENCHMARKS]
+
+    cfg = config.resolve_args(["--model", toy.BASE_DIR, "--toy-world", "legible", "--out", str(tmp_path / "a")])
+    assert (cfg["toy_world"], cfg["data"], cfg["max_new_tokens"], cfg["lr"]) == ("legible", "toy", 48, 1e-4)
+    assert config.resolve_args(["--model", toy.BASE_DIR, "--out", str(tmp_path / "b")])["data"] == "deepscaler"
+    assert config.resolve_args(["--out", str(tmp_path / "c")])["toy_world"] is None   # --model toy: the sum world
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(dict(model=toy.BASE_DIR, toy_world="legible", seed=0)))
+    assert config.resolve_args(["--resume", str(run)])["max_new_tokens"] == 48   # the toy world's, from the saved world
+    with pytest.raises(UserError, match="--toy-world cannot change on resume"):
+        config.resolve_args(["--resume", str(run), "--toy-world", "sum"])
