@@ -74,3 +74,25 @@ def test_train_and_evaluate_read_a_worlds_rows_by_its_name(tmp_path):
     assert config.resolve_args(["--resume", str(run)])["max_new_tokens"] == 48   # the toy world's, from the saved world
     with pytest.raises(UserError, match="--toy-world cannot change on resume"):
         config.resolve_args(["--resume", str(run), "--toy-world", "sum"])
+
+
+def test_the_readouts_count_flags_after_wrong_and_right_lines_and_rank_the_unflagged():
+    from evaluation import mechanism
+    from scripts import premises
+    assert premises.parse is mechanism.parse   # one reader of the lines, shared
+    sample = lambda bench, problem, text, correct, conf: dict(  # noqa: E731
+        benchmark=bench, problem=problem, text=text + "</think>\\boxed{0}", correct=correct, confidence=conf)
+    rows = [sample("toy", "3+5+7+2", "3+5=8|9\n8+7=14?|2\n14+2=16|0\n", 0, 0.2),   # a slip, flagged
+            sample("toy", "3+5+7+2", "3+5=8|9\n8+7=15|2\n15+2=17|0\n", 1, 0.9),
+            sample("toy", "3+5+7+2", "3+5=8|9\n8+7=16|2\n16+2=18|0\n", 0, 0.4),    # a slip, not flagged
+            sample("toy", "3+5+7+2", "3+5=8?|9\n8+7=15|2\n15+2=17|0\n", 1, 0.3),   # a right line flagged
+            sample("toy-long", "9+9", "9+9=18|0\n", 1, 0.7)]
+    got = mechanism.readouts(rows)
+    assert got["toy"] == dict(flag_wrong=0.5, wrong_lines=2, flag_right=0.1, right_lines=10,
+                              auroc_unflagged=1.0, unflagged=2)   # 0.9 (right) above 0.4 (wrong); 0.2, 0.3 flagged
+    assert got["toy-long"] == dict(flag_wrong=None, wrong_lines=0, flag_right=0.0, right_lines=1,
+                                   auroc_unflagged=None, unflagged=1)   # one class: no AUROC
+    assert got["Overall"] == dict(flag_wrong=0.5, flag_right=0.05, auroc_unflagged=1.0)
+    # ranked the other way round, the unflagged AUROC says so
+    rows[1]["confidence"] = 0.1
+    assert mechanism.readouts(rows)["toy"]["auroc_unflagged"] == 0.0
