@@ -15,6 +15,7 @@ with confidence c falls in bin `min(floor(c * n), n - 1)`. Empty bins contribute
 Example: conf (0.9, 0.9, 0.1, 0.1), correct (1, 0, 0, 0): bin 9 has gap 0.9 - 0.5 = 0.4, bin 1 has
 gap 0.1 - 0 = 0.1, each holds half the samples, so ECE = PCE = 0.5 * 0.4 + 0.5 * 0.1 = 0.25.
 """
+import functools
 import math
 
 import numpy as np
@@ -191,6 +192,7 @@ def mean_std(values):
     return float(np.mean(vals)), (float(np.std(vals, ddof=1)) if len(vals) > 1 else None)
 
 
+@functools.lru_cache(maxsize=None)   # 120,000 density values a call; a study asks for the same few hundreds of times
 def t_quantile(df, p=0.975):
     """Student's t quantile (p in (0.5, 1)): the t-density integrated by Simpson's rule, inverted by
     bisection (numpy has none, and scipy is not a requirement). df 4 -> 2.7764."""

@@ -2,17 +2,19 @@
 slips (`?` after a wrong line, docs/toy-world.md), and does its end-of-thinking confidence tell right
 from wrong beyond the flags it wrote?
 
-    rows = [r for r in files.read_jsonl("EVAL/samples.jsonl") if r["key"] == key]  # a toy row keeps
-    readouts(rows)   # {benchmark: {flag_wrong, flag_right, ...}, "Overall": their means}  problem, text
+    readouts(of_evaluation(EVAL, entry))   # {benchmark: {flag_wrong, flag_right, auroc_unflagged, ...},
+                                           #  "Overall": their means}; entry: EVAL/results.json's model
 
 A thinking line is `total+term=total'` (the sum world), with `|left` (the legible world), and `?` after
 the total where the trace flags it: "8+7=14?|2". parse checks each complete line against the problem.
 """
 import math
+import os
 import re
 
 import metrics
 import toy
+from evaluation.samples import read_samples
 
 LINE = re.compile(r"^(\d+)([+-]\d+)=(\d+)(\??)(?:\|(\d+))?$")
 READOUTS = ("flag_wrong", "flag_right", "auroc_unflagged")   # the per-model numbers, with their counts
@@ -67,3 +69,15 @@ def readouts(samples):
     means = {k: [b[k] for b in out.values() if b[k] is not None] for k in READOUTS}
     out["Overall"] = {k: sum(v) / len(v) if v else None for k, v in means.items()}
     return out
+
+
+def of_evaluation(eval_dir, entry):
+    """The samples behind one model's results.json entry (evaluate.py) in EVAL/samples.jsonl: the rows
+    made with each benchmark's recorded key (its model, settings and probe), within its questions and
+    samples, once each; rows of a version that kept no text are left out."""
+    settings, rows = entry["settings"], {}
+    for r in read_samples(os.path.join(eval_dir, "samples.jsonl")):
+        s = settings.get(r["benchmark"])
+        if s and r.get("key") == s["key"] and r["question"] < s["questions"] and r["sample"] < s["n"] and "text" in r:
+            rows.setdefault((r["benchmark"], r["question"], r["sample"]), r)
+    return list(rows.values())

@@ -96,3 +96,106 @@ def test_the_readouts_count_flags_after_wrong_and_right_lines_and_rank_the_unfla
     # ranked the other way round, the unflagged AUROC says so
     rows[1]["confidence"] = 0.1
     assert mechanism.readouts(rows)["toy"]["auroc_unflagged"] == 0.0
+
+
+# The verdict on hand-made numbers: GRPO's Overall is a constant, each variant's is GRPO's plus an effect
+# plus a seed pattern that sums to 0 over the 8 seeds, so each paired mean is the effect exactly and its
+# interval is +-0.0060 around it.
+PATTERN = (1.0, -1.0, 0.5, -0.5, 0.8, -0.8, 0.2, -0.2)
+GRPO = dict(acc=0.80, ece=0.10, pce=0.08, brier=0.15, auroc=0.70, flag_wrong=0.50, flag_right=0.05,
+            auroc_unflagged=0.60)
+GAINS = dict(auroc=0.05, ece=-0.04, pce=-0.04, flag_wrong=0.10, auroc_unflagged=0.02)
+
+
+def _per(effects, signal=0.30, calib=0.20):
+    """per[variant][seed] as reproduce.write_study builds it (Overall only); effects {variant: {key: x}}."""
+    from evaluation import study
+    per = {}
+    for i, v in enumerate(["grpo", *effects]):
+        for seed in range(8):
+            jitter = 0.0 if v == "grpo" else 0.01 * PATTERN[(seed + i) % 8]
+            x = {k: base + effects.get(v, {}).get(k, 0.0) + jitter for k, base in GRPO.items()}
+            per.setdefault(v, {})[seed] = {
+                study.MATCHED: dict(Overall={k: x[k] for _, k in study.KEYS}),
+                study.RELEASED: dict(Overall={k: x[k] for _, k in study.KEYS}),
+                "readouts": dict(Overall={k: x[k] for _, k in study.READOUTS}),
+                "train": dict(signal_frac=signal, calib_share=calib, heldout_start=0.6, heldout_end=0.9)}
+    return per
+
+
+def _verdict(effects, **train):
+    from evaluation import study
+    per = _per(effects, **train)
+    diffs = study.differences(per)
+    result = study.verdict(per, diffs)
+    return result, {c["text"].split(" (")[0]: c["holds"] for c in result["criteria"]}, study.report(per, diffs, result)
+
+
+def test_the_verdict_is_for_when_every_for_criterion_holds():
+    effects = {"rlcm-0.3": dict(auroc=0.02, ece=-0.01, pce=-0.01), "rlcm-1": GAINS,
+               "rlcm-3": dict(GAINS, auroc=0.08, ece=-0.06, acc=-0.01), "rlcm-shuffled": {}, "rlcm-quiet": {}}
+    result, holds, md = _verdict(effects)
+    assert result["outcome"] == "for", result["line"]
+    assert [c["holds"] for c in result["criteria"]] == [True] * 6 + [False] * 3
+    assert "**Verdict (for).** For the paper's direction" in md
+    assert "| for | Overall AUROC >= +0.03, interval excluding 0 | +0.050 [+0.044, +0.056] | yes |" in md
+    assert "AUROC +0.020 / +0.050 / +0.080; ECE -0.010 / -0.040 / -0.060 | yes |" in md
+    assert "| RLCM lam 1 - GRPO | Overall | +0.000 [-0.006, +0.006] | -0.040 [-0.046, -0.034] |" in md
+    assert "| RLCM lam 1, no `?` - GRPO, no `?` |" not in md   # no quiet GRPO: no quiet pair
+    # a gain just under the threshold, or an interval touching 0, is not one
+    assert _verdict(dict(effects, **{"rlcm-1": dict(GAINS, auroc=0.029)}))[0]["outcome"] == "inconclusive"
+
+
+def test_the_verdict_is_against_when_nothing_moves_although_the_margin_had_room():
+    effects = dict.fromkeys(("rlcm-0.3", "rlcm-1", "rlcm-3", "rlcm-shuffled"), {})
+    result, holds, _ = _verdict(effects)
+    assert result["outcome"] == "against" and holds["intervals holding 0 while premise"]
+    assert result["line"].startswith("Against the paper's direction: intervals holding 0 while premise (iii) holds")
+    # the same nothing where the margin had no room (premise (iii) fails) decides nothing
+    result, holds, _ = _verdict(effects, calib=0.05)
+    assert result["outcome"] == "inconclusive" and not any(c["holds"] for c in result["criteria"] if c["side"] == "against")
+    assert "For fails on: Overall AUROC >= +0.03" in result["line"]
+    # gains bought with accuracy
+    lossy = dict(effects, **{"rlcm-1": dict(GAINS, acc=-0.05)})
+    assert _verdict(lossy)[0]["outcome"] == "against" and _verdict(lossy)[1]["gains only with an accuracy loss"]
+
+
+def test_the_verdict_is_inconclusive_when_the_gain_does_not_grow_with_lam():
+    effects = {"rlcm-0.3": dict(GAINS, auroc=0.06), "rlcm-1": GAINS, "rlcm-3": dict(GAINS, auroc=0.08),
+               "rlcm-shuffled": {}}
+    result, holds, _ = _verdict(effects)
+    assert result["outcome"] == "inconclusive"
+    assert [k for k, v in holds.items() if not v and k.startswith(("growing", "Overall", "the mech", "no eff"))] == \
+        ["growing with lam"]
+    assert result["line"] == ("Inconclusive: no Against criterion holds, and For fails on: growing with lam (lam 0.3 "
+                              "/ 1 / 3: AUROC not falling, ECE not rising).")
+
+
+def test_the_verdict_is_against_when_shuffled_labels_do_as_well():
+    effects = {"rlcm-0.3": dict(auroc=0.02, ece=-0.01, pce=-0.01), "rlcm-1": GAINS, "rlcm-3": dict(GAINS, auroc=0.08),
+               "rlcm-shuffled": dict(GAINS, auroc=0.06)}
+    result, holds, _ = _verdict(effects)
+    assert result["outcome"] == "against" and holds["the shuffled control doing as well"]
+    assert not holds["no effect in the shuffled control"]
+    assert "the shuffled control doing as well" in result["line"]
+    # a shuffled control with a smaller effect than RLCM's is neither "no effect" nor "as well": inconclusive
+    assert _verdict(dict(effects, **{"rlcm-shuffled": dict(GAINS, auroc=0.02)}))[0]["outcome"] == "inconclusive"
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--study"], "--study needs --base DIR"),
+    (["--study", "--base", toy.BASE_DIR], "--study needs --quiet-base DIR"),
+    (["--study", "--methods", "grpo", "--base", "nowhere"], "--base nowhere: no model there"),
+    (["--base", toy.BASE_DIR], "--base is for --study"),
+    (["--study", "--ablations"], "--ablations is for the paper's table"),
+    (["--study", "--methods", "grpo,rlcm"], "unknown method 'rlcm'"),
+    (["--study", "--methods", "rlcm-1", "--base", toy.BASE_DIR, "--train-args", "--lam 2"], "--lam is reproduce.py's"),
+    (["--study", "--methods", "rlcm-1", "--base", toy.BASE_DIR, "--eval-args", "--probe-data toy"], "--probe-data is")])
+def test_bad_study_flags_exit_2_with_one_line_and_create_nothing(tmp_path, capsys, flags, says):
+    import reproduce
+    out = tmp_path / "study"
+    with pytest.raises(SystemExit) as e:
+        reproduce.main(["--out", str(out), *flags])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and says in err, err
+    assert not out.exists()
