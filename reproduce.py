@@ -566,8 +566,8 @@ def study_cost(args, work, todo, jobs):
                 evaluations.append((len(BENCHMARKS) * questions * (ev.n_samples or evaluate.TOY["n"]), fit))
     cpu, wall = study.estimate(trainings, evaluations, jobs)
     return (f"study: {len(trainings)} of {len(work)} trainings and {len(evaluations)} of "
-            f"{sum(len(j['evals']) for j in work)} evaluations to do, about {cpu / 3600:.1f} CPU-hours: "
-            f"{wall / 3600:.1f} h at --jobs {jobs} on {os.cpu_count()} cores (estimated from the sum world's "
+            f"{sum(len(j['evals']) for j in work)} evaluations to do: about {study.duration(cpu)} of CPU, "
+            f"{study.duration(wall)} at --jobs {jobs} on {os.cpu_count()} cores (estimated from the sum world's "
             "measured timings, scaled by steps, rollouts, tokens and samples: evaluation/study.py)")
 
 

@@ -78,8 +78,9 @@ def jobs(out, variants, seeds, bases, world):
         for v in variants:
             name = f"{v}-seed{seed}"
             run, log = os.path.join(out, "runs", name), os.path.join(out, "logs", name)
-            train = [*VARIANTS[v]["train"], "--seed", str(seed), "--out", run, "--model", bases[VARIANTS[v]["base"]],
-                     "--toy-world", world, *WORLD_TRAIN]
+            base = os.path.abspath(bases[VARIANTS[v]["base"]])   # the run's config holds it: any cwd resumes it
+            train = [*VARIANTS[v]["train"], "--seed", str(seed), "--out", run, "--model", base, "--toy-world", world,
+                     *WORLD_TRAIN]
             evals = [dict(dir=os.path.join(out, folder, name), folder=folder, log=f"{log}.{folder}.log", what=f" ({fit} fit)",
                           cmd=["--model", run, "--benchmarks", ",".join(BENCHMARKS), "--confidence", "probe-posthoc",
                                "--seed", str(seed), "--no-early-exit", "--out", os.path.join(out, folder, name),
@@ -105,6 +106,11 @@ def estimate(trainings, evaluations, jobs, cores=None):
     cpu = (sum(steps * rollouts * tokens * ROLLOUT_TOKEN_S for steps, rollouts, tokens in trainings)
            + sum(samples * SAMPLE_S + fit * FIT_ROLLOUT_S for samples, fit in evaluations))
     return cpu, cpu / max(1, min(jobs, cores or os.cpu_count() or 1))
+
+
+def duration(seconds):
+    """3600 -> "1.0 h", 150 -> "2.5 min"."""
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
 
 
 def differences(per):

@@ -199,3 +199,82 @@ def test_bad_study_flags_exit_2_with_one_line_and_create_nothing(tmp_path, capsy
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1 and says in err, err
     assert not out.exists()
+
+
+def test_the_study_runs_each_variant_from_its_base_with_both_fits(tmp_path):
+    import reproduce
+    from evaluation import study
+    quiet = tmp_path / "quiet"
+    quiet.mkdir()
+    (quiet / "config.json").write_text("{}")
+    args, methods, seeds, _ = reproduce.parse_args(["--study", "--base", toy.BASE_DIR, "--quiet-base", str(quiet),
+                                                    "--out", str(tmp_path / "s")])
+    assert methods == tuple(study.VARIANTS) and seeds["rlcm-quiet"] == list(range(8)) and args.world == "legible"
+    work = {j["name"]: j for j in reproduce.job_list(args, methods, seeds)}
+    assert len(work) == 7 * 8 and list(work)[:2] == ["grpo seed 0", "rlcm-0.3 seed 0"]
+    flags = lambda words: dict(zip(words[::2], words[1::2]))  # noqa: E731
+    train = flags(work["rlcm-shuffled seed 3"]["train"])
+    assert (train["--reward"], train["--lam"], train["--probe-labels"], train["--seed"]) == ("rlcm", "1", "shuffled", "3")
+    assert (train["--model"], train["--toy-world"], train["--max-new-tokens"]) == (toy.BASE_DIR, "legible", "72")
+    assert flags(work["rlcm-quiet seed 0"]["train"])["--model"] == str(quiet)
+    assert flags(work["grpo-quiet seed 0"]["train"])["--model"] == str(quiet)
+    assert "--lam" not in work["grpo seed 0"]["train"] and "--probe-labels" not in work["rlcm-3 seed 0"]["train"]
+    evals = work["rlcm-1 seed 0"]["evals"]
+    assert [(e["folder"], e["cmd"][e["cmd"].index("--probe-data") + 1]) for e in evals] == \
+        [("eval", "toy-pooled"), ("eval-released", "toy")]
+    assert all("--no-early-exit" in e["cmd"] and e["cmd"][-2:] == ["--toy-world", "legible"] for e in evals)
+    assert study.estimate([(45, 128, 72)] * 56, [(6000, 640)] * 112, jobs=2, cores=2) == \
+        (pytest.approx(17080), pytest.approx(8540))
+
+
+TRAIN = ("--steps 2 --prompts-per-step 4 --group-size 4 --max-new-tokens 40 --eval-n 8 --eval-every 0 "
+         "--log-samples 0 --eval-probe-n 0")
+EVAL = "--limit 4 --n-samples 1 --max-new-tokens 64 --probe-questions 4 --probe-samples 2 --posthoc-budgets 2"
+
+
+@pytest.mark.slow   # four trainings and eight evaluations
+def test_a_tiny_study_writes_its_table_and_verdict_and_a_rerun_redoes_nothing(tmp_path, capsys):
+    import os
+    import reproduce
+    out = str(tmp_path / "study")
+    argv = ["--study", "--world", "sum", "--base", toy.BASE_DIR, "--quiet-base", toy.BASE_DIR, "--methods",
+            "grpo,rlcm-shuffled", "--seeds", "0,1", "--out", out, "--train-args", TRAIN, "--eval-args", EVAL]
+    reproduce.main(argv)
+    printed = capsys.readouterr().out
+    assert printed.startswith("study: 4 of 4 trainings and 8 of 8 evaluations to do: about ") and "[12/12]" in printed
+    assert "rlcm-shuffled seed 1: evaluated in" in printed and "(toy-pooled fit)" in printed
+    cfg = json.load(open(os.path.join(out, "runs", "rlcm-shuffled-seed0", "config.json")))
+    assert (cfg["reward"], cfg["lam"], cfg["probe_labels"], cfg["toy_world"], cfg["model"], cfg["steps"]) == \
+        ("rlcm", 1.0, "shuffled", "sum", toy.BASE_DIR, 2)
+    for folder, fit in (("eval", "toy-pooled"), ("eval-released", "toy")):
+        [entry] = json.load(open(os.path.join(out, folder, "grpo-seed1", "results.json"))).values()
+        assert entry["posthoc_probe"]["data"] == fit and entry["settings"]["toy"]["toy_world"] == "sum"
+    rows = [json.loads(line) for line in open(os.path.join(out, "eval", "grpo-seed1", "samples.jsonl"))]
+    assert len(rows) == 12 and all(r["text"] and r["problem"] for r in rows)
+
+    res = json.load(open(os.path.join(out, "results.json")))
+    assert sorted(res["study"]) == ["grpo", "rlcm-shuffled"] and sorted(res["study"]["grpo"]) == ["0", "1"]
+    seed = res["study"]["grpo"]["1"]
+    entry = json.load(open(os.path.join(out, "eval", "grpo-seed1", "results.json")))["grpo-seed1/step_000002"]
+    assert seed["eval"]["toy"]["ece"] == entry["benchmarks"]["toy"]["ece"]
+    assert seed["readouts"]["Overall"]["flag_right"] == 0.0   # the sum world writes no `?`
+    assert seed["train"]["heldout_start"] is not None
+    assert res["differences"]["rlcm-shuffled"]["matched"]["Overall"]["ece"]["n"] == 2
+    assert res["verdict"]["outcome"] == "inconclusive"   # no RLCM lam 1 here: For fails on missing numbers
+    table = open(os.path.join(out, "table.md")).read()
+    assert "| RLCM lam 1, shuffled-label probe - GRPO | Overall |" in table and "**Verdict (inconclusive).**" in table
+
+    def mtimes():
+        return {os.path.join(d, n): os.stat(os.path.join(d, n)).st_mtime_ns
+                for sub in ("runs", "eval", "eval-released", "logs") for d, _, ns in os.walk(os.path.join(out, sub))
+                for n in ns}
+    before = mtimes()
+    reproduce.main(argv)
+    printed = capsys.readouterr().out
+    assert printed.startswith("study: 0 of 4 trainings and 0 of 8 evaluations to do")
+    assert printed.count("trained already") == 4 and printed.count("evaluated already") == 8 and mtimes() == before
+    # another world into the same folder: its runs are refused, not mixed
+    with pytest.raises(SystemExit) as e:
+        reproduce.main([a if a != "sum" else "legible" for a in argv])
+    assert e.value.code == 2 and "was trained with other settings: --toy-world sum (this command: legible)" in \
+        capsys.readouterr().err
