@@ -26,8 +26,8 @@ from harness.parallel import RANK, WORLD, all_gather, all_sum
 
 def rlcm_step(model, tok, probe, probe_opt, opt, rows, cfg, step):
     """One RLCM step on one process (model: a transformers causal LM that samples and trains) ->
-    its metrics. The same samples, metrics and weights as rl_step with --reward rlcm, --ppo-epochs 1,
-    --probe-labels mc and one micro-batch; the learning-rate schedule is left to the caller."""
+    its metrics. The same samples, metrics and weights as rl_step with --reward rlcm, --ppo-epochs 1
+    and one micro-batch; the learning-rate schedule is left to the caller."""
     G, seed = cfg["group_size"], cfg["seed"] * 1_000_003 + step * 101  # rl_step's seeds
     prompts = [data.chat_prompt(tok, r["problem"], cfg["instruction"], cfg["system_prompt"]) for r in rows]
     # 1. rollout: G responses per prompt, each right (1) or wrong (0) by its last \boxed{}
