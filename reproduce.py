@@ -9,7 +9,8 @@
 How long (2 CPU cores, --jobs 2): the main table is 16 trainings of 45 steps and 19 evaluations of
 3 x 2000 samples, the ablations 9 more of each. Measured on a fresh clone (2026-12-01): both tables
 2013 s, a training 55-82 s, an evaluation 28-114 s (the post-hoc probe's fit most of it; RLCR's and
-C2GSPG's, which need none, the short ones); a rerun with nothing left to do takes seconds.
+C2GSPG's, which need none, the short ones); a rerun with nothing left to do takes seconds. --study
+prints its own estimate before it starts (docs/toy-world.md, "Running the pre-registered study").
 
 Seeds: GRPO and RLCM 0-4 (the headline pair: their paired difference RLCM - GRPO per seed, same seed,
 base and data order, with a 95 % t interval over seeds), the others 0-2; --seeds sets one list for all.
@@ -42,7 +43,6 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-
 
 import data
 import evaluate
