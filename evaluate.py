@@ -14,7 +14,8 @@ post-hoc probe, fitted once per model with the released protocol and cached in -
 run's own probe.pt, read at its last training budget). Written to --out (default RUN/eval
 for a run or checkpoint, else eval_out/<model>): samples.jsonl (appended per batch: an interrupted
 evaluation resumes where it stopped; a row counts only for its model's resolved path and content, its benchmark's
-file and question, and the settings it was made with: sample_key), results.json (a model per label;
+file and question, and the settings it was made with: sample_key; a toy row also holds its problem and response
+text, which the mechanism's readouts parse: evaluation/mechanism.py), results.json (a model per label;
 another model with the same label is filed as label@HASH), reliability_<model>_<benchmark>.png. Metrics are
 computed per benchmark over all samples, pass@k beside accuracy; "Overall" is the paper's, the unweighted
 mean over every benchmark evaluated; with OOD benchmarks (lcb, gpqa, logiqa) in the list, they have a block
@@ -73,15 +74,15 @@ def load_model(name):
     return model.to(device).eval(), tok
 
 
-def load_benchmark(spec, limit=None, lcb_release=data.LCB_RELEASE):
-    """(name, rows [{problem, answer}], instruction) for a toy benchmark (its test split), a short name (data.BENCHMARKS,
+def load_benchmark(spec, limit=None, lcb_release=data.LCB_RELEASE, toy_world="sum"):
+    """(name, rows [{problem, answer}], instruction) for a toy benchmark (its test split in `toy_world`), a short name (data.BENCHMARKS,
     from the hub), a local .json/.jsonl/.parquet file, NAME=FILE (a local copy of a known benchmark, e.g.
     aime24=aime24.jsonl: named, and sampled, like it; lcb and logiqa rows built as the hub's), or an HF
     dataset id (owner/name). lcb_release: LiveCodeBench's window (data.lcb_window)."""
     name, _, path = spec.partition("=")
     known = ", ".join(data.TOY_BENCHMARKS + tuple(data.BENCHMARKS))
     if name in data.TOY_BENCHMARKS and not path:
-        return name, data.load_rows(name, split="test", limit=limit), toy.INSTRUCTION
+        return name, data.load_rows(name, split="test", limit=limit, toy_world=toy_world), toy.INSTRUCTION
     if path:
         if name not in data.BENCHMARKS:
             raise UserError(f"unknown benchmark {name!r} in {spec!r}; known: {known}")
@@ -106,13 +107,13 @@ def benchmark_source(spec, lcb_release=data.LCB_RELEASE):
     return f"{where}:{lcb_release}" if name == "lcb" else where
 
 
-def load_benchmarks(specs, limit=None, lcb_release=data.LCB_RELEASE):
+def load_benchmarks(specs, limit=None, lcb_release=data.LCB_RELEASE, toy_world="sum"):
     """[(name, rows, instruction, source)] (load_benchmark, benchmark_source). A name stands for one
     source: a file whose stem is taken, by the built-in toy (its name brings the toy world's settings)
     or by an earlier benchmark of the list (b1/q.jsonl, b2/q.jsonl), is named by its path as given."""
     owner, out = {name: f"{name}:test" for name in data.TOY_BENCHMARKS}, []
     for spec in specs:
-        name, rows, instruction = load_benchmark(spec, limit, lcb_release)
+        name, rows, instruction = load_benchmark(spec, limit, lcb_release, toy_world)
         source = benchmark_source(spec, lcb_release)
         if owner.setdefault(name, source) != source:
             name = spec
@@ -188,12 +189,14 @@ def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, con
         with files.appending(path) as f:
             for r, (q, missing) in enumerate((c for c in chunk for _ in range(m))):
                 j, answer = missing[r % m], answers[r]
+                # a toy trace is a few lines: kept, so that the mechanism's readouts need no model
+                trace = dict(problem=rows[q]["problem"], text=out.texts[r]) if bench in data.TOY_BENCHMARKS else {}
                 f.write(json.dumps(dict(
                     model=label, benchmark=bench, question=q, sample=j, answer=answer,
                     correct=int(right[r]),
                     confidence=float(conf[r]),
                     length=out.lengths[r], finish=out.finish[r], source=conf_kw["source"], key=key, q=qids[q],
-                    **extras[r])) + "\n")
+                    **trace, **extras[r])) + "\n")
             f.flush()
         bar.update(len(chunk) * m)
     bar.close()
@@ -276,7 +279,7 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
     w = TOY if is_toy else REAL
     s = settings("toy" if is_toy else src, args)
     if is_toy:
-        pool, instruction = toy_fit_rows(src), toy.INSTRUCTION
+        pool, instruction = toy_fit_rows(src, args.toy_world), toy.INSTRUCTION
     else:
         pool, instruction = data.load_rows(src, lcb_release=args.lcb_release), data.instruction_for(src)
     instruction = instruction if prompt[0] is None else prompt[0]
@@ -298,14 +301,15 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
     return prb, dict(report, data=src)
 
 
-def toy_fit_rows(src):
+def toy_fit_rows(src, world="sum"):
     """The post-hoc probe's toy fit questions: `toy`, RL's distribution alone (the released protocol
     fits on the training set), or `toy-pooled`, the train splits of every toy benchmark taken in
     turn, so the fit sees each benchmark's base rate and ECE measures what the state says about
-    correctness rather than the gap between the fit set's accuracy and a benchmark's."""
+    correctness rather than the gap between the fit set's accuracy and a benchmark's. world: whose
+    rows (toy.WORLDS)."""
     if src == "toy":
-        return data.load_rows("toy", split="train")
-    splits = [data.load_rows(name, split="train") for name in data.TOY_BENCHMARKS]
+        return data.load_rows("toy", split="train", toy_world=world)
+    splits = [data.load_rows(name, split="train", toy_world=world) for name in data.TOY_BENCHMARKS]
     return [row for turn in zip(*splits) for row in turn]
 
 
@@ -358,8 +362,9 @@ def evaluate_model(name, loaded, args):
                                              same=None if code else grade.answers_match)
         window = " to ".join(data.lcb_window(args.lcb_release))
         release = {"release": f"{args.lcb_release} (contests {window})"} if bench == "lcb" else {}
+        world = {"toy_world": args.toy_world} if bench in data.TOY_BENCHMARKS else {}
         res["settings"][bench] = dict(s, confidence=source, grader=s.get("grader", GRADER), answer=prompt[2],
-                                      temperature=args.temperature, **release,
+                                      temperature=args.temperature, **release, **world,
                                       top_p=args.top_p, seed=args.seed, questions=len(rows), samples_earlier=earlier,
                                       instruction=instruction, system_prompt=prompt[1], key=key,
                                       benchmark_source=bench_source, benchmark_rows=digest(question_ids(rows)),
@@ -394,6 +399,8 @@ def parse_args(argv=None):
     g.add_argument("--benchmarks", default="toy", help="comma list: toy, toy-long, toy-sub, math500, aime24, ..., "
                    "FILE or NAME=FILE")
     g.add_argument("--limit", type=int, help="questions per benchmark")
+    g.add_argument("--toy-world", default="sum", choices=sorted(toy.WORLDS),
+                   help="whose rows the toy benchmarks and the toy post-hoc fit read (toy.WORLDS; default sum)")
     g.add_argument("--lcb-release", default=data.LCB_RELEASE,
                    help="LiveCodeBench window: vN or vA_vB, by contest month (default v4_v5: 2024-08 to 2025-01, "
                         "the window of DeepSeek-R1's and lighteval's scores)")
@@ -495,7 +502,7 @@ def main(argv=None):
                 evalplan.check(name, [(b, settings(b, args)) for b in names], mem,
                                early_exit=not args.no_early_exit)
             return None
-        loaded = load_benchmarks(names, args.limit, args.lcb_release)   # every name checked before any model loads
+        loaded = load_benchmarks(names, args.limit, args.lcb_release, args.toy_world)   # every name checked before any model loads
         loaded = rlcr_prompts(loaded) if args.mode == "rlcr" else loaded
         if any(data.kind(name) == "code" for name, *_ in loaded):
             sandbox.check()   # can programs be confined here (or --unconfined-code)? Said before any model loads

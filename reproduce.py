@@ -4,11 +4,13 @@
     python reproduce.py                                  # Base, GRPO, RLCR, C2GSPG, RLCM; seeds below
     python reproduce.py --ablations                      # + Final-Margin, Process-Brier, Final-Brier
     python reproduce.py --methods grpo,rlcm --seeds 0    # a part of it
+    python reproduce.py --study --base DIR --quiet-base DIR   # the pre-registered study (evaluation/study.py)
 
 How long (2 CPU cores, --jobs 2): the main table is 16 trainings of 45 steps and 19 evaluations of
 3 x 2000 samples, the ablations 9 more of each. Measured on a fresh clone (2026-12-01): both tables
 2013 s, a training 55-82 s, an evaluation 28-114 s (the post-hoc probe's fit most of it; RLCR's and
-C2GSPG's, which need none, the short ones); a rerun with nothing left to do takes seconds.
+C2GSPG's, which need none, the short ones); a rerun with nothing left to do takes seconds. --study
+prints its own estimate before it starts (docs/toy-world.md, "Running the pre-registered study").
 
 Seeds: GRPO and RLCM 0-4 (the headline pair: their paired difference RLCM - GRPO per seed, same seed,
 base and data order, with a 95 % t interval over seeds), the others 0-2; --seeds sets one list for all.
@@ -42,11 +44,12 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
-
 import data
 import evaluate
 import metrics
+import toy
+from metrics import mean_std, paired
+from evaluation import mechanism, study
 from evaluation.report import clean, plot_reliability
 from harness import checkpoint, config, files, launch, runlog
 from harness.files import UserError
@@ -78,16 +81,25 @@ quiet = lambda msg: None  # noqa: E731
 def parse_args(argv):
     """(args, methods, seeds {method: [seed]}, jobs): every value checked before anything runs (UserError)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--methods", help="comma list of " + ", ".join(MAIN + ABLATIONS) + " (default: the main table)")
+    p.add_argument("--methods", help="comma list of " + ", ".join(MAIN + ABLATIONS) + " (default: the main table); "
+                   "with --study of " + ", ".join(study.VARIANTS) + " (default: all)")
     p.add_argument("--ablations", action="store_true", help="add " + ", ".join(ABLATIONS) + " (a second table)")
-    p.add_argument("--seeds", help="comma list of seeds for every method (default: grpo, rlcm 0-4, the others 0-2)")
+    p.add_argument("--seeds", help="comma list of seeds for every method (default: grpo, rlcm 0-4, the others 0-2; "
+                   "--study: 0-7)")
     p.add_argument("--jobs", default="2", help="trainings/evaluations run at once (default 2)")
-    p.add_argument("--out", default=os.path.join("runs", "reproduce"))
+    p.add_argument("--out", help="default runs/reproduce (--study: runs/study)")
     p.add_argument("--train-args", default="", help='passed to every train.py, e.g. "--steps 2 --eval-n 8"')
     p.add_argument("--eval-args", default="", help='passed to every evaluate.py, e.g. "--limit 4"')
+    g = p.add_argument_group("the pre-registered study (evaluation/study.py; docs/toy-world.md)")
+    g.add_argument("--study", action="store_true", help="run it instead of the paper's table")
+    g.add_argument("--base", help="the legible world's warm start (python toy.py --world legible --out DIR)")
+    g.add_argument("--quiet-base", help="the same world's without `?` (python toy.py --world legible-quiet --out DIR)")
+    g.add_argument("--world", default="legible", choices=sorted(toy.WORLDS),
+                   help="whose rows every run trains and is evaluated on (default legible)")
     args = p.parse_args(argv)
-    known = MAIN + ABLATIONS
-    methods = MAIN + (ABLATIONS if args.ablations else ())
+    args.out = args.out or os.path.join("runs", "study" if args.study else "reproduce")
+    known = tuple(study.VARIANTS) if args.study else MAIN + ABLATIONS
+    methods = known if args.study else MAIN + (ABLATIONS if args.ablations else ())
     if args.methods is not None:
         given = [m.strip() for m in args.methods.split(",") if m.strip()]
         bad = [m for m in given if m not in known] or ([] if given else [args.methods])
@@ -100,7 +112,9 @@ def parse_args(argv):
         seeds = []
     if not seeds or len(set(seeds)) < len(seeds) or not all(0 <= s < 2**32 for s in seeds):
         raise UserError(f"--seeds {args.seeds}: give distinct integers in [0, 2**32), e.g. 0,1,2")
-    seeds = {m: list(SEEDS[m]) if args.seeds is None else seeds for m in methods}
+    default = lambda m: study.SEEDS if args.study else SEEDS[m]  # noqa: E731
+    seeds = {m: list(default(m)) if args.seeds is None else seeds for m in methods}
+    study.check_flags(args, methods)
     try:
         jobs = int(args.jobs)
     except ValueError:
@@ -111,16 +125,39 @@ def parse_args(argv):
         args.train_args, args.eval_args = shlex.split(args.train_args), shlex.split(args.eval_args)
     except ValueError as e:
         raise UserError(f"--train-args / --eval-args: cannot split ({e}): check the quotes") from None
-    each = [(m, s, *paths(args.out, m, s)[:2]) for m in methods for s in seeds[m]]
-    for m, s, run, ev in each:
-        if run is not None:
-            refuse_overrides("--train-args", train_flags, train_cmd(m, s, run), args.train_args, TRAIN_FIXED)
-        refuse_overrides("--eval-args", evaluate.parse_args, eval_cmd(m, s, run, ev), args.eval_args, EVAL_FIXED)
-    for m, s, run, ev in each:   # then as train.py resolves them: what a --config file sets counts too
-        if run is not None:
-            refuse_overrides("--train-args", train_config, train_cmd(m, s, run), args.train_args, TRAIN_FIXED)
+    train_fixed = TRAIN_FIXED + (study.TRAIN_FIXED if args.study else ())
+    eval_fixed = EVAL_FIXED + (study.EVAL_FIXED if args.study else ())
+    work = job_list(args, methods, seeds)
+    for j in work:
+        if j["train"]:
+            refuse_overrides("--train-args", train_flags, j["train"], args.train_args, train_fixed)
+        for e in j["evals"]:
+            refuse_overrides("--eval-args", evaluate.parse_args, e["cmd"], args.eval_args, eval_fixed)
+    for j in work:   # then as train.py resolves them: what a --config file sets counts too
+        if j["train"]:
+            refuse_overrides("--train-args", lambda words: train_config(words, train_fixed), j["train"],
+                             args.train_args, train_fixed)
     config.check_out(args.out)
     return args, methods, seeds, jobs
+
+
+def job_list(args, methods, seeds):
+    """What runs: per method (or study variant) and seed, dict(name, variant, seed, run (None for the
+    base), log, train: train.py's arguments, evals: [dict(dir, folder, cmd: evaluate.py's arguments,
+    log, what)]), seed by seed."""
+    if args.study:
+        return study.jobs(args.out, methods, seeds[methods[0]], dict(base=args.base, quiet=args.quiet_base),
+                          args.world)
+    out = []
+    for s in sorted(set().union(*seeds.values())):
+        for m in methods:
+            if s in seeds[m]:
+                run, ev, log = paths(args.out, m, s)
+                out.append(dict(name=f"{m} seed {s}", variant=m, seed=s, run=run, log=log,
+                                train=run and train_cmd(m, s, run),
+                                evals=[dict(dir=ev, folder="eval", cmd=eval_cmd(m, s, run, ev), log=log + ".eval.log",
+                                            what="")]))
+    return out
 
 
 def parsed(parse, words, what):
@@ -151,15 +188,15 @@ def train_flags(words):
     return config.build_parser().parse_args(words)
 
 
-def train_config(words):
-    """TRAIN_FIXED as train.py resolves them from these arguments: a flag, else what a --config file
+def train_config(words, fixed=TRAIN_FIXED):
+    """`fixed` as train.py resolves them from these arguments: a flag, else what a --config file
     sets (its model, its data), else the toy world's default. Other values are left to train.py, so
     that a bad one fails its training child, as it would without --config."""
     given = vars(train_flags(words))
     saved = config._read_config(given["config"]) if given["config"] else {}   # as train.py reads it
     world = {**config.COMMON, **config.TOY}
     return argparse.Namespace(**{k: given[k] if given[k] is not None else saved.get(k, world.get(k))
-                                 for k in TRAIN_FIXED})
+                                 for k in fixed})
 
 
 def train_cmd(method, seed, run):
@@ -293,74 +330,37 @@ class Jobs:
             tail = "".join(f"\n  | {line}" for line in f.read().splitlines()[-8:])
         return self.fail(what, f" (exit {rc}): {shlex.join(cmd)}\n  log: {log}{tail}")
 
-    def __call__(self, method, seed):
+    def __call__(self, job):
         try:
-            return self.job(method, seed)
+            return self.job(job)
         except (UserError, OSError, ValueError, KeyError) as e:   # a damaged config.json or results.json
-            return self.fail(f"{method} seed {seed}", f": {type(e).__name__}: {e}")
+            return self.fail(job["name"], f": {type(e).__name__}: {e}")
 
-    def job(self, method, seed):
-        run, ev, log = paths(self.args.out, method, seed)
-        name, py = f"{method} seed {seed}", sys.executable
+    def job(self, job):
+        run, name, py = job["run"], job["name"], sys.executable
         if run is not None:
-            how, t = self.todo[method, seed], time.time()
-            if how is not None and not self.child([py, os.path.join(ROOT, "train.py"), *how], log + ".train.log",
+            how, t = self.todo[name], time.time()
+            if how is not None and not self.child([py, os.path.join(ROOT, "train.py"), *how], job["log"] + ".train.log",
                                                   f"{name}: training"):
                 return False
             start, end = held_out(run)
             self.say(f"{name}: " + (f"trained in {time.time() - t:.0f} s" if how is not None else "trained already") +
                      (f" (held-out {start:.2f} -> {end:.2f})" if start is not None else ""))
-        label, ident, t, fresh = model_label(run), model_ident(run), time.time(), False
-        cmd = eval_cmd(method, seed, run, ev) + self.args.eval_args
-        entry = eval_entry(ev, label, ident)
-        if entry is None or not made_with(entry, cmd):
-            if not self.child([py, os.path.join(ROOT, "evaluate.py"), *cmd], log + ".eval.log", f"{name}: evaluation"):
-                return False
-            entry, fresh = eval_entry(ev, label, ident), True
-            if entry is None:
-                return self.fail(f"{name}: evaluation", f": {ev}/results.json holds no complete toy results of {label}")
-        accs = ", ".join(f"{b} {entry['benchmarks'][b]['acc']:.3f}" for b in BENCHMARKS)
-        self.say(f"{name}: " + (f"evaluated in {time.time() - t:.0f} s" if fresh else "evaluated already") +
-                 f" (acc {accs}; n {entry['benchmarks'][BENCHMARKS[0]]['n']} each)")
+        label, ident = model_label(run), model_ident(run)
+        for e in job["evals"]:
+            ev, cmd, t, fresh = e["dir"], e["cmd"] + self.args.eval_args, time.time(), False
+            entry = eval_entry(ev, label, ident)
+            if entry is None or not made_with(entry, cmd):
+                if not self.child([py, os.path.join(ROOT, "evaluate.py"), *cmd], e["log"], f"{name}: evaluation{e['what']}"):
+                    return False
+                entry, fresh = eval_entry(ev, label, ident), True
+                if entry is None:
+                    return self.fail(f"{name}: evaluation{e['what']}",
+                                     f": {ev}/results.json holds no complete toy results of {label}")
+            accs = ", ".join(f"{b} {entry['benchmarks'][b]['acc']:.3f}" for b in BENCHMARKS)
+            self.say(f"{name}: " + (f"evaluated in {time.time() - t:.0f} s" if fresh else "evaluated already") +
+                     f"{e['what']} (acc {accs}; n {entry['benchmarks'][BENCHMARKS[0]]['n']} each)")
         return True
-
-
-def mean_std(values):
-    """(mean, sample std with ddof=1) of the finite values; std None for one value, both None for none."""
-    vals = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
-    if not vals:
-        return None, None
-    return float(np.mean(vals)), (float(np.std(vals, ddof=1)) if len(vals) > 1 else None)
-
-
-def t_quantile(df, p=0.975):
-    """Student's t quantile (p in (0.5, 1)): the t-density integrated by Simpson's rule, inverted by
-    bisection (numpy has none, and scipy is not a requirement). df 4 -> 2.7764."""
-    const = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
-    density = lambda x: const * (1 + x * x / df) ** (-(df + 1) / 2)  # noqa: E731
-
-    def cdf(x, n=2000):   # P(T <= x) for x >= 0
-        h = x / n
-        odd, even = sum(density((2 * i - 1) * h) for i in range(1, n // 2 + 1)), \
-            sum(density(2 * i * h) for i in range(1, n // 2))
-        return 0.5 + h / 3 * (density(0) + 4 * odd + 2 * even + density(x))
-    lo, hi = 0.0, 1000.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
-    return (lo + hi) / 2
-
-
-def paired(a, b):
-    """The paired difference b - a over the seeds both have ({seed: x}): per seed, its mean and a 95 %
-    t interval (mean +- t(0.975, n - 1) * sd / sqrt(n)); None where fewer than two seeds have both."""
-    seeds = [s for s in a if s in b and a[s] is not None and b[s] is not None]
-    diffs = {s: b[s] - a[s] for s in seeds}
-    if len(diffs) < 2:
-        return None
-    mean, sd = mean_std(list(diffs.values()))
-    pm = t_quantile(len(diffs) - 1) * sd / math.sqrt(len(diffs))
-    return dict(per_seed=diffs, mean=mean, lo=mean - pm, hi=mean + pm, pm=pm, n=len(diffs))
 
 
 def training_stats(run):
@@ -503,17 +503,23 @@ def plot_pooled(out, m, res):
     return path
 
 
+def stamp(argv):
+    """(provenance, "DATE; command `...`; commit C") of this command, for the head of table.md."""
+    prov = runlog.provenance(["reproduce.py", *argv], device="cpu")
+    commit = prov["git_commit"][:7] + ("+dirty" if prov["git_commit"].endswith("+dirty") else "")
+    return prov, (f"{prov['date'].replace('T', ' ').replace('+00:00', ' UTC')}; command `python {prov['command']}`; "
+                  f"commit {commit}")
+
+
 def write_outputs(out, methods, seeds, argv):
     """table.md, results.json and the reliability diagrams; returns the markdown."""
     agg = aggregate(out, methods, seeds)
-    prov = runlog.provenance(["reproduce.py", *argv], device="cpu")
-    commit = prov["git_commit"][:7] + ("+dirty" if prov["git_commit"].endswith("+dirty") else "")
+    prov, when = stamp(argv)
     se, diffs = accuracy_se(agg), differences(agg)
     groups = {}
     for m in methods:
         groups.setdefault(", ".join(map(str, seeds[m])), []).append(NAMES[m])
-    md = [f"Toy-world reproduction, {prov['date'].replace('T', ' ').replace('+00:00', ' UTC')}; "
-          f"command `python {prov['command']}`; commit {commit}; seeds "
+    md = [f"Toy-world reproduction, {when}; seeds "
           + "; ".join(f"{', '.join(names)}: {s}" for s, names in groups.items())
           + " (mean +- sample std over seeds); benchmarks " + ", ".join(BENCHMARKS)
           + " (Overall: their unweighted mean)", ""]
@@ -538,6 +544,64 @@ def write_outputs(out, methods, seeds, argv):
     return text
 
 
+def study_cost(args, work, todo, jobs):
+    """One line: the trainings and evaluations of the study still to do and their estimated time
+    (study.estimate), from the sizes they will run with."""
+    trainings, evaluations = [], []
+    for j in work:
+        how = todo[j["name"]]
+        if how is not None:
+            cfg = config.resolve_args(how)
+            ckpt = "--resume" in how and checkpoint.latest_checkpoint(j["run"], quiet, resume=True)
+            left = cfg["steps"] - (checkpoint.step_of(ckpt) if ckpt else 0)
+            trainings.append((left, cfg["prompts_per_step"] * cfg["group_size"], cfg["max_new_tokens"]))
+        label = model_label(j["run"]) if how is None else None
+        for e in j["evals"]:
+            cmd = e["cmd"] + args.eval_args
+            entry = label and eval_entry(e["dir"], label, model_ident(j["run"]))
+            if not entry or not made_with(entry, cmd):
+                ev = evaluate.parse_args(cmd)
+                questions = min(ev.limit or toy.N_TEST, toy.N_TEST)
+                fit = (ev.probe_questions or evaluate.TOY["probe_questions"]) * (ev.probe_samples or evaluate.TOY["probe_samples"])
+                evaluations.append((len(BENCHMARKS) * questions * (ev.n_samples or evaluate.TOY["n"]), fit))
+    cpu, wall = study.estimate(trainings, evaluations, jobs)
+    return (f"study: {len(trainings)} of {len(work)} trainings and {len(evaluations)} of "
+            f"{sum(len(j['evals']) for j in work)} evaluations to do: about {study.duration(cpu)} of CPU, "
+            f"{study.duration(wall)} at --jobs {jobs} on {os.cpu_count()} cores (estimated from the sum world's "
+            "measured timings, scaled by steps, rollouts, tokens and samples: evaluation/study.py)")
+
+
+def write_study(args, work, argv):
+    """The study's table.md and results.json (evaluation/study.py: the numbers of every variant and
+    seed, their paired differences, the mechanism's readouts and the verdict); returns the markdown."""
+    per = {}
+    for j in work:
+        label, ident = model_label(j["run"]), model_ident(j["run"])
+        got = dict(train=training_stats(j["run"]))
+        for e in j["evals"]:
+            entry = eval_entry(e["dir"], label, ident)
+            if entry is None:
+                raise UserError(f"{e['dir']}/results.json holds no complete toy results for {label}: run the command again")
+            benches = {b: {k: entry["benchmarks"][b][k] for _, k in KEYS} for b in BENCHMARKS}
+            got[e["folder"]] = dict(benches, Overall=overall(benches))
+            if e["folder"] == study.MATCHED:
+                got["readouts"] = mechanism.readouts(mechanism.of_evaluation(e["dir"], entry))
+        per.setdefault(j["variant"], {})[j["seed"]] = got
+    diffs = study.differences(per)
+    result = study.verdict(per, diffs)
+    prov, when = stamp(argv)
+    seeds = sorted({j["seed"] for j in work})
+    text = (f"Pre-registered study on the {args.world} toy world (evaluation/study.py), {when}; "
+            f"seeds {', '.join(map(str, seeds))} (paired); benchmarks {', '.join(BENCHMARKS)} (Overall: their "
+            f"unweighted mean)\n\n{study.report(per, diffs, result)}\n")
+    files.write_json(os.path.join(args.out, "results.json"), clean(dict(
+        study=per, differences=diffs, verdict=result, benchmarks=list(BENCHMARKS), command=prov["command"],
+        date=prov["date"], git_commit=prov["git_commit"], provenance=prov)))
+    with files.replacing(os.path.join(args.out, "table.md")) as f:
+        f.write(text)
+    return text
+
+
 def stop_children(signum, frame):
     """SIGTERM: terminate the children, then end as Ctrl-C does. (A SIGKILL gives no handler a chance:
     each child also gets the parent-death signal, harness/launch.py's, so none is left to hold its folder.)"""
@@ -552,18 +616,20 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         args, methods, seeds, jobs = parse_args(argv)
-        pairs = [(m, s) for s in sorted(set().union(*seeds.values())) for m in methods if s in seeds[m]]
-        todo = {(m, s): training(run, ev, train_cmd(m, s, run), args.train_args)
-                for m, s in pairs for run, ev, _ in [paths(args.out, m, s)] if run is not None}
+        work = job_list(args, methods, seeds)
+        todo = {j["name"]: training(j["run"], j["evals"][0]["dir"], j["train"], args.train_args)
+                for j in work if j["run"] is not None}
+        if args.study:
+            print(study_cost(args, work, todo, jobs), flush=True)
     except UserError as e:
         print(f"reproduce.py: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
     t0 = time.time()
     STOP.clear()
-    run_jobs = Jobs(args, sum(1 if m == "base" else 2 for m, _ in pairs), todo)
+    run_jobs = Jobs(args, sum((j["run"] is not None) + len(j["evals"]) for j in work), todo)
     pool = ThreadPoolExecutor(jobs)
-    futures = [pool.submit(run_jobs, m, s) for m, s in pairs]
+    futures = [pool.submit(run_jobs, j) for j in work]
     default = signal.signal(signal.SIGTERM, stop_children)
     try:
         ok = [f.result() for f in futures]
@@ -581,7 +647,7 @@ def main(argv=None):
               "fix the cause and run the same command again (finished steps are kept)", file=sys.stderr)
         raise SystemExit(1)
     try:
-        print("\n" + write_outputs(args.out, methods, seeds, argv))
+        print("\n" + (write_study(args, work, argv) if args.study else write_outputs(args.out, methods, seeds, argv)))
     except UserError as e:
         print(f"reproduce.py: error: {e}", file=sys.stderr)
         raise SystemExit(1) from None

@@ -197,10 +197,13 @@ def probe_margin(probe, probe_opt, feats, Y, valid, cfg, seed):
     signal [N] (1 where both a solvable and an unsolvable prefix exist), stats, C [N, B] the
     probe's confidences, 0 where there is no budget). Every rank fits on the
     pooled pairs of all ranks with the same seed, so the probes stay identical without syncing weights.
+    --probe-labels shuffled (a control, not the method): the fit sees the labels permuted across the
+    step's cuts (shuffled), while C and the margin are still those of the real prefixes and labels.
     """
     pooled = all_gather((feats[valid], Y[valid]))
     X_all, Y_all = torch.cat([x for x, _ in pooled]), torch.cat([y for _, y in pooled])
-    bce = probe_lib.fit(probe, probe_opt, X_all, Y_all, passes=cfg["probe_passes"],
+    fit_Y = shuffled(Y_all, seed) if cfg.get("probe_labels") == "shuffled" else Y_all
+    bce = probe_lib.fit(probe, probe_opt, X_all, fit_Y, passes=cfg["probe_passes"],
                         batch_size=cfg["probe_batch"], seed=seed)
     C = torch.zeros(Y.shape)
     C[valid] = probe_lib.predict(probe, feats[valid])
@@ -214,6 +217,13 @@ def probe_margin(probe, probe_opt, feats, Y, valid, cfg, seed):
                  label_mixed=((Y_all > 0) & (Y_all < 1)).float().mean().item() if len(Y_all) else 0.0,
                  prefixes=len(Y_all))
     return calib, signal, stats, C
+
+
+def shuffled(Y, seed):
+    """Y [P] permuted by a permutation drawn from `seed` alone (the run's seed and step: the same on
+    every rank and after a resume; torch's global RNG is left alone): [1., 0., 0.5] -> e.g. [0., 0.5, 1.].
+    With it the probe can learn the labels' base rate but nothing a prefix says about its own label."""
+    return Y[torch.randperm(len(Y), generator=torch.Generator().manual_seed(seed))]
 
 
 def zero_var_groups(R, G):

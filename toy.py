@@ -114,7 +114,11 @@ WARM = dict(seed=0, steps=1000, batch_size=32, lr=2e-3, beta2=0.95, warmup=50, w
 LEGIBLE = dict(WARM, steps=3000, p_forced=0.5, p_slip=0.12, p_slip_carry=0.45, p_flag_wrong=0.6,
                p_flag_right=0.05, forced_sum=True, mix=(0.5, 0.2, 0.3),
                benchmarks={"toy": ((4, 6), "+"), "toy-long": ((7, 8), "+"), "toy-sub": ((4, 6), "+-")})
-WORLDS = {"sum": dict(WARM, benchmarks=BENCHMARKS), "legible": LEGIBLE}
+# The study's control without a written signal: the legible world whose traces never flag a slip,
+# on the legible world's rows (`data`: the world whose datasets it reads), so that the two warm
+# starts differ in the `?` alone.
+WORLDS = {"sum": dict(WARM, benchmarks=BENCHMARKS), "legible": LEGIBLE,
+          "legible-quiet": dict(LEGIBLE, p_flag_wrong=0.0, p_flag_right=0.0, data="legible")}
 CONFIDENCES = [f"0.{d}" for d in range(1, 10)]  # the warm start's verbal confidence: any, at random
 
 
@@ -156,7 +160,7 @@ def dataset(split, name="toy", world="sum"):
     if name not in benchmarks:
         raise ValueError(f"unknown toy benchmark {name!r}; known: {', '.join(benchmarks)}")
     (lo, hi), signs = benchmarks[name]
-    seed = f"toy-{split}" if name == "toy" else f"{name}-{split}"
+    seed, world = f"toy-{split}" if name == "toy" else f"{name}-{split}", WORLDS[world].get("data", world)
     rng = random.Random(seed if world == "sum" else f"{world}-{seed}")
     n, seen = (N_TEST if split == "test" else N_TRAIN), {}
     while len(seen) < n:
@@ -360,8 +364,9 @@ if __name__ == "__main__":
     parser.add_argument("--out", default=BASE_DIR,
                         help="output directory (default: toy_base/ next to toy.py)")
     parser.add_argument("--world", default="sum", choices=sorted(WORLDS),
-                        help="sum: today's world (toy_base/); legible: the world of docs/toy-world.md")
+                        help="sum: today's world (toy_base/); legible: the world of docs/toy-world.md; "
+                             "legible-quiet: the same without `?` (the study's control)")
     args = parser.parse_args()
     if args.world != "sum" and args.out == BASE_DIR:
-        parser.error("--world legible needs its own --out DIR (toy_base/ is the default world's)")
+        parser.error(f"--world {args.world} needs its own --out DIR (toy_base/ is the default world's)")
     print(base_model(args.out, rebuild=True, world=args.world))

@@ -123,9 +123,9 @@ def run(cfg):
     tracker = runlog.tracker(cfg, folder.out) if MASTER else None  # before any slow loading: fails fast without wandb
     split = "train" if cfg["data"] == "toy" else None
     rows = data.load_rows(cfg["data"], split=split, problem_field=cfg["problem_field"],
-                          answer_field=cfg["answer_field"])
+                          answer_field=cfg["answer_field"], toy_world=cfg["toy_world"])
     eval_rows = data.load_rows(cfg["eval_data"], split="test" if cfg["eval_data"] == "toy" else None,
-                               limit=cfg["eval_n"]) if cfg["eval_n"] else []
+                               limit=cfg["eval_n"], toy_world=cfg["toy_world"]) if cfg["eval_n"] else []
     torch.manual_seed(cfg["seed"]), np.random.seed(cfg["seed"]), random.seed(cfg["seed"])
 
     # the policy: `policy` is what the update trains (FSDP2-sharded on several ranks), `sampler` what
@@ -221,6 +221,7 @@ def run(cfg):
             f"{p} {t:.1f}" + ("" if p == "rollout" else f" ({t / roll:.2f}x rollout)")
             for p, t in phase_sums.items()))
         bench = " --benchmarks " + ",".join(data.TOY_BENCHMARKS) if cfg["eval_data"] == "toy" else ""
+        bench += f" --toy-world {cfg['toy_world']}" if bench and cfg["toy_world"] else ""
         print0(f"curves: {runlog.plot_curves(out)}")
         print0(f"next: python evaluate.py --model {out}{bench}")
         if tracker:

@@ -39,7 +39,7 @@ COMMON = dict(model="toy", problem_field=None, answer_field=None, trust_remote_c
               out=None, resume=None, system_prompt=None, log_samples=4, eval_probe_n=32, wandb=None,
               wandb_run=None, ppo_epochs=1, offload=False, offload_grads="gpu", nproc=None, gpus=None, gpu_mem=None,
               plan=False, decode=None, drop_unanimous=False, c2gspg_bce="off", lora_rank=0, lora_alpha=32.0,
-              lora_targets="all-linear")
+              lora_targets="all-linear", probe_labels="mc", toy_world=None)
 # Under --lora-rank the default --lr is this many times the world's full fine-tuning rate ("LoRA
 # Without Regret", Schulman et al. 2025: about 10x; TRL's GRPO recipe: 1e-5 against 1e-6).
 LORA_LR_FACTOR = 10
@@ -116,7 +116,7 @@ LIMITS = {
 # refused. Every other flag given with --resume applies from the next step and is written to
 # config.json (--lr and --probe-lr included: they replace the saved optimizers' rates).
 FIXED_ON_RESUME = ("model", "data", "problem_field", "answer_field", "seed", "reward", "probe_hidden",
-                   "lora_rank", "lora_alpha", "lora_targets")
+                   "lora_rank", "lora_alpha", "lora_targets", "probe_labels", "toy_world")
 
 
 def check_values(cfg, limits=LIMITS):
@@ -192,6 +192,9 @@ def build_parser():
     g.add_argument("--problem-field")
     g.add_argument("--answer-field")
     g.add_argument("--eval-data", help="held-out set for the accuracy check (default: toy test / math500)")
+    g.add_argument("--toy-world", choices=sorted(toy.WORLDS),
+                   help="whose rows the toy benchmark names (--data, --eval-data) read (toy.WORLDS; default sum, "
+                        "the world of --model toy); given, the toy world's defaults apply to a --model folder too")
     g.add_argument("--max-prompt-tokens", type=int,
                    help="drop training problems whose chat prompt is longer (600 for real models, as "
                         "released; 0 keeps all)")
@@ -249,6 +252,10 @@ def build_parser():
     g.add_argument("--probe-lr", type=float)
     g.add_argument("--probe-passes", type=int)
     g.add_argument("--probe-batch", type=int)
+    g.add_argument("--probe-labels", choices=("mc", "shuffled"),
+                   help="what the probe is fitted on each step: mc (the method: the step's Monte-Carlo labels Y_b) or "
+                        "shuffled (a control: the same labels permuted across the step's cuts, seeded by the run's "
+                        "seed and step; the margin still scores the real prefixes against the real labels)")
     g.add_argument("--probe-hidden", type=int, metavar="N",
                    help="the probe's hidden width: d -> N -> 1 (default d/4: the released MLP, d -> d/4 -> 1); "
                         "0 trains the design card's linear probe d -> 1")
@@ -346,14 +353,15 @@ def resolve_args(argv):
         check_saved(saved, given["config"])
         check_reward_fn(saved, given, f"--config {given['config']}")
     model = given.get("model", saved.get("model", "toy"))
-    world = {**COMMON, **(TOY if model == "toy" else REAL)}
+    is_toy = model == "toy" or given.get("toy_world", saved.get("toy_world")) is not None
+    world = {**COMMON, **(TOY if is_toy else REAL)}
     cfg = {**world, **saved, **given}
     if saved.get("reward") != cfg["reward"]:
         # Another mode than the saved one (--config): what the saved mode implied goes back to the
         # defaults, so --config FINAL_BRIER --reward rlcm trains with rlcm's budgets and no filter.
         implied = {k: world[k] for k in IMPLIED.get(saved.get("reward"), {})}
         implied.update(IMPLIED.get(cfg["reward"], {}))
-        if model == "toy":
+        if is_toy:
             implied.update(TOY_IMPLIED.get(cfg["reward"], {}))
         cfg.update({k: v for k, v in implied.items() if k not in given})
     if cfg["lora_rank"] and "lr" not in given and "lr" not in saved:
@@ -366,6 +374,9 @@ def resolve_args(argv):
     cfg.update({k: given.get(k) for k in NOT_SAVED})
     cfg["out"] = cfg["out"] or os.path.join("runs", os.path.basename(cfg["model"].rstrip("/")))
     check_values(cfg)
+    if cfg["probe_labels"] != "mc" and cfg["reward"] not in PROBE_MODES:
+        raise UserError(f"--probe-labels {cfg['probe_labels']}: --reward {cfg['reward']} fits no probe; "
+                        "drop it or use a probe mode (" + ", ".join(PROBE_MODES) + ")")
     check_out(cfg["out"])
     return cfg
 

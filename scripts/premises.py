@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import random
-import re
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -36,30 +35,10 @@ import label
 import metrics
 import toy
 from evaluation.confidence import features, think_end
+from evaluation.mechanism import LINE, parse
 from grade import is_correct
 from harness.checkpoint import resolve_model
 from rollout import generate
-
-LINE = re.compile(r"^(\d+)([+-]\d+)=(\d+)(\??)$")
-
-
-def parse(problem, text):
-    """Complete thinking lines of `text` checked against `problem`: a list of (error, flagged), where
-    error is None for a right line and "total" for a wrong total (or a line that does not follow the
-    written trace, which ends the reading)."""
-    terms, out = toy.terms_of(problem), []
-    body = text.split("</think>")[0]
-    prev = terms[0]
-    for i, line in enumerate(body.split("\n")[:-1]):   # the last piece is not a complete line
-        m = LINE.match(line)
-        if not m or i + 1 >= len(terms) or int(m[1]) != prev or int(m[2]) != terms[i + 1]:
-            out.append(("total", False))
-            break
-        total = int(m[3])
-        out.append(("total" if total != prev + terms[i + 1] else None, m[4] == "?"))
-        prev = total
-    return out
-
 
 def on_path(problem, text):
     """Whether the last complete thinking line's total is the true sum of the terms so far (or no

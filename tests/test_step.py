@@ -150,3 +150,51 @@ def test_the_step_row_counts_the_decode_steps_it_captured(tmp_path, monkeypatch)
     # rollout: 4 x 4 rows from a <= 16-token prompt over 40 new tokens: live lengths 64 (one
     # shape, buffers of 64 positions); labels: at least one shape of their own
     assert all(logged == seen >= 2 for logged, seen in counts), counts
+
+
+def test_a_shuffled_label_probe_fits_a_permutation_and_scores_the_real_labels(tmp_path, monkeypatch):
+    """--probe-labels shuffled (the study's control): on the same batch the probe is fitted on the same
+    features with the step's labels permuted by a permutation of the run's seed and step alone, and the
+    margin still scores the real labels; the step's numbers differ from mc's. (mc itself is held bit
+    for bit by test_rlcm_step_equals_rl_step_on_a_toy_batch: rlcm_step knows no shuffling.)"""
+    import modes
+    rows = data.load_rows("toy", split="train")[8:12]
+    seen = {}
+
+    def spy(fn, name):
+        def wrapped(*a, **kw):
+            seen.setdefault(name, []).append([x.clone() if torch.is_tensor(x) else x for x in a])
+            return fn(*a, **kw)
+        return wrapped
+    monkeypatch.setattr(step.probe_lib, "fit", spy(step.probe_lib.fit, "fit"))
+    monkeypatch.setattr(modes, "calibration", spy(modes.calibration, "margin"))
+    got = {}
+    for labels in ("mc", "shuffled"):
+        cfg = config.resolve_args([*SMALL, "--probe-labels", labels, "--out", str(tmp_path / labels)])
+        assert cfg["probe_labels"] == labels
+        model, tok, probe, probe_opt, opt, sched = start(cfg)
+        policy, sampler = wrap(model, CPU)
+        got[labels] = step.rl_step(1, rows, policy, sampler, tok, probe, probe_opt, opt, sched, cfg, CPU, "")
+    (_, _, X_mc, Y_mc), (_, _, X_sh, Y_sh) = [a[:4] for a in seen["fit"]]
+    assert torch.equal(X_mc, X_sh) and len(Y_mc) == got["mc"]["prefixes"] > 20   # the same rollout and cuts
+    assert sorted(Y_sh.tolist()) == sorted(Y_mc.tolist()) and not torch.equal(Y_sh, Y_mc)
+    seed = cfg["seed"] * 1_000_003 + 1 * 101   # the run's seed and step
+    assert torch.equal(Y_sh, Y_mc[torch.randperm(len(Y_mc), generator=torch.Generator().manual_seed(seed))])
+    assert torch.equal(step.shuffled(Y_mc, seed), Y_sh)   # the same permutation again: a resume gets it too
+    (_, Y_margin_mc, valid, _), (_, Y_margin_sh, _, _) = seen["margin"]
+    assert torch.equal(Y_margin_sh, Y_margin_mc) and Y_margin_mc[valid].tolist() == Y_mc.tolist()
+    assert got["shuffled"]["margin"] != got["mc"]["margin"] and got["shuffled"]["probe_bce"] != got["mc"]["probe_bce"]
+
+
+def test_probe_labels_is_saved_kept_on_resume_and_refused_without_a_probe(tmp_path):
+    import json
+    from harness.files import UserError
+    assert config.resolve_args(["--out", str(tmp_path / "a")])["probe_labels"] == "mc"
+    with pytest.raises(UserError, match="--probe-labels shuffled: --reward grpo fits no probe"):
+        config.resolve_args(["--reward", "grpo", "--probe-labels", "shuffled", "--out", str(tmp_path / "b")])
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(dict(reward="rlcm", probe_labels="shuffled", seed=0)))
+    assert config.resolve_args(["--resume", str(run)])["probe_labels"] == "shuffled"
+    with pytest.raises(UserError, match="--probe-labels cannot change on resume"):
+        config.resolve_args(["--resume", str(run), "--probe-labels", "mc"])

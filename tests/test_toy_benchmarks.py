@@ -102,13 +102,13 @@ def test_default_seeds_give_the_headline_pair_five():
 
 
 def test_t_quantile_and_paired_interval_worked_numbers():
-    assert reproduce.t_quantile(4) == pytest.approx(2.776445, abs=1e-5)
-    assert reproduce.t_quantile(1) == pytest.approx(12.706205, abs=1e-4)
+    assert metrics.t_quantile(4) == pytest.approx(2.776445, abs=1e-5)
+    assert metrics.t_quantile(1) == pytest.approx(12.706205, abs=1e-4)
     # differences 0.5, 0, 1: mean 0.5, sd 0.5, t(0.975, 2) = 4.302653 -> +- 4.302653 * 0.5 / sqrt(3) = 1.242069
-    d = reproduce.paired({0: 1.0, 1: 2.0, 2: 3.0, 9: 0.0}, {0: 1.5, 1: 2.0, 2: 4.0})
+    d = metrics.paired({0: 1.0, 1: 2.0, 2: 3.0, 9: 0.0}, {0: 1.5, 1: 2.0, 2: 4.0})
     assert d["per_seed"] == {0: 0.5, 1: 0.0, 2: 1.0} and d["n"] == 3   # seed 9: GRPO only, not paired
     assert (d["mean"], d["pm"]) == (pytest.approx(0.5), pytest.approx(1.242069, abs=1e-5))
-    assert reproduce.paired({0: 1.0}, {0: 2.0}) is None
+    assert metrics.paired({0: 1.0}, {0: 2.0}) is None
 
 
 def _fake(out, method, seed, acc, pce, ece, train_rows=()):
