@@ -82,11 +82,11 @@ def test_the_readouts_count_flags_after_wrong_and_right_lines_and_rank_the_unfla
     assert premises.parse is mechanism.parse   # one reader of the lines, shared
     sample = lambda bench, problem, text, correct, conf: dict(  # noqa: E731
         benchmark=bench, problem=problem, text=text + "</think>\\boxed{0}", correct=correct, confidence=conf)
-    rows = [sample("toy", "3+5+7+2", "3+5=8|9\n8+7=14?|2\n14+2=16|0\n", 0, 0.2),   # a slip, flagged
-            sample("toy", "3+5+7+2", "3+5=8|9\n8+7=15|2\n15+2=17|0\n", 1, 0.9),
-            sample("toy", "3+5+7+2", "3+5=8|9\n8+7=16|2\n16+2=18|0\n", 0, 0.4),    # a slip, not flagged
-            sample("toy", "3+5+7+2", "3+5=8?|9\n8+7=15|2\n15+2=17|0\n", 1, 0.3),   # a right line flagged
-            sample("toy-long", "9+9", "9+9=18|0\n", 1, 0.7)]
+    rows = [sample("toy", "3+5+7+2", "3+5=8\n8+7=14?\n14+2=16\n", 0, 0.2),   # a slip, flagged
+            sample("toy", "3+5+7+2", "3+5=8\n8+7=15\n15+2=17\n", 1, 0.9),
+            sample("toy", "3+5+7+2", "3+5=8\n8+7=16\n16+2=18\n", 0, 0.4),    # a slip, not flagged
+            sample("toy", "3+5+7+2", "3+5=8?\n8+7=15\n15+2=17\n", 1, 0.3),   # a right line flagged
+            sample("toy-long", "9+9", "9+9=18\n", 1, 0.7)]
     got = mechanism.readouts(rows)
     assert got["toy"] == dict(flag_wrong=0.5, wrong_lines=2, flag_right=0.1, right_lines=10,
                               auroc_unflagged=1.0, unflagged=2)   # 0.9 (right) above 0.4 (wrong); 0.2, 0.3 flagged
