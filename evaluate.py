@@ -204,23 +204,23 @@ def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, con
             source=conf_kw["source"], key=key, q=qids[q], **extras[r])) + "\n"
             for r, (q, missing) in enumerate(c for c in chunk for _ in range(m))]
 
-    written = shard.Rounds(path, bar)
-    for chunk in shard.deal(calls(todo, s["batch"])):   # this worker's call of each round
-        if chunk is None:
-            written.add(None)
-            continue
-        m = len(chunk[0][1])
-        prompts = [data.chat_prompt(tok, rows[q]["problem"], instruction, system) for q, _ in chunk]
-        seed = args.seed * 1_000_003 + chunk[0][0] * 1009 + m
-        out = rollout.generate(model, tok, prompts, n=m, max_new_tokens=s["max_new_tokens"],
-                               temperature=args.temperature, top_p=args.top_p, seed=seed,
-                               batch_size=len(prompts), decode=args.decode)
-        golds = [rows[q]["answer"] for q, _ in chunk for _ in range(m)]
-        conf, extras = confidence.sample_confidences(
-            model=model, tokenizer=tok, prompts=[p for p in prompts for _ in range(m)], responses=out.ids,
-            texts=out.texts, golds=golds, seed=seed + 1, batch_size=s["score_batch"], rows=s["rows"], **conf_kw)
-        written.add(call_rows, chunk, m, out, conf, extras, golds)
-    written.close()
+    with shard.Rounds(path, bar) as written:
+        for chunk in shard.deal(calls(todo, s["batch"])):   # this worker's call of each round
+            if chunk is None:
+                written.add(None)
+                continue
+            m = len(chunk[0][1])
+            prompts = [data.chat_prompt(tok, rows[q]["problem"], instruction, system) for q, _ in chunk]
+            seed = args.seed * 1_000_003 + chunk[0][0] * 1009 + m
+            out = rollout.generate(model, tok, prompts, n=m, max_new_tokens=s["max_new_tokens"],
+                                   temperature=args.temperature, top_p=args.top_p, seed=seed,
+                                   batch_size=len(prompts), decode=args.decode)
+            golds = [rows[q]["answer"] for q, _ in chunk for _ in range(m)]
+            conf, extras = confidence.sample_confidences(
+                model=model, tokenizer=tok, prompts=[p for p in prompts for _ in range(m)], responses=out.ids,
+                texts=out.texts, golds=golds, seed=seed + 1, batch_size=s["score_batch"], rows=s["rows"],
+                **conf_kw)
+            written.add(call_rows, chunk, m, out, conf, extras, golds)
     bar.close()
 
 

@@ -73,8 +73,10 @@ class Rounds:
 
     add(fn, *args) queues one round's work of this rank: fn(*args) -> lines (JSON rows, each ending in
     a newline) runs in one background thread while the caller generates the next round; then the
-    previous round is gathered and written. fn None: this rank has no call in the round. close()
-    writes what is left. `bar` (a tqdm) advances by the rows written.
+    previous round is gathered and written. fn None: this rank has no call in the round. close(), or
+    leaving a `with` block, writes what is left, in one process also when the block is left by an
+    error or Ctrl-C (the rounds already generated are kept for the resume; one worker of several
+    cannot gather alone, and the launcher stops the others). `bar` (a tqdm) advances by the rows written.
     """
 
     def __init__(self, path, bar=None):
@@ -91,6 +93,15 @@ class Rounds:
         self.pending.append(job)
         if len(self.pending) > 1:   # the round before this one has had this round's generation to grade
             self._write(self.pending.pop(0))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, *_):
+        if kind is None or WORLD == 1:
+            self.close()
+        else:
+            self.pool.shutdown(wait=False, cancel_futures=True)
 
     def close(self):
         while self.pending:

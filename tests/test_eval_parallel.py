@@ -58,6 +58,16 @@ def test_grading_overlaps_the_next_call_and_rows_stay_in_call_order(tmp_path):
     assert overlapped == [True] * 4
 
 
+def test_a_stopped_process_keeps_every_call_it_generated(tmp_path):
+    path = str(tmp_path / "samples.jsonl")
+    with pytest.raises(KeyboardInterrupt):
+        with shard.Rounds(path) as written:
+            for k in range(2):
+                written.add(lambda k=k: [json.dumps({"call": k}) + "\n"])
+            raise KeyboardInterrupt   # Ctrl-C while call 2 generates: calls 0 and 1 are still written
+    assert [json.loads(r)["call"] for r in open(path).read().splitlines()] == [0, 1]
+
+
 def _evaluate(out, *extra):
     done = subprocess.run([sys.executable, "evaluate.py", *SMALL, "--out", str(out), *extra], cwd=ROOT, env=ENV,
                           capture_output=True, text=True, timeout=900)
