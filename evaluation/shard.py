@@ -28,7 +28,8 @@ import torch.distributed as dist
 from harness import files
 from harness.parallel import MASTER, RANK, WORLD
 
-# Rank 0 fits the post-hoc probe alone (hours for the 7B) while the other ranks wait in share().
+# Rank 0 fits the post-hoc probe alone while the other ranks wait in share(): 640 rollouts and their
+# forced answers, est. one to a few hours for the 7B on one GPU (not measured).
 TIMEOUT = datetime.timedelta(hours=24)
 
 
@@ -53,11 +54,13 @@ def share(obj):
 
 
 def share_probe(got, device):
-    """Rank 0's (probe or None, report or None) on every rank, the probe on this rank's `device`."""
+    """Rank 0's (probe or None, report or None) on every rank. The probe sits where rank 0's does: on
+    the CPU (a run's probe.pt) or on the GPU it was fitted on, here this rank's `device`."""
     if WORLD == 1:
         return got
-    prb, report = share((got[0] and copy.deepcopy(got[0]).cpu(), got[1]) if MASTER else None)
-    return got if MASTER else (prb and prb.to(device), report)
+    on_gpu = MASTER and got[0] is not None and next(got[0].parameters()).device.type == "cuda"
+    prb, report, on_gpu = share((got[0] and copy.deepcopy(got[0]).cpu(), got[1], on_gpu) if MASTER else None)
+    return got if MASTER else (prb and prb.to(device if on_gpu else "cpu"), report)
 
 
 def deal(calls):
