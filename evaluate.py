@@ -3,8 +3,9 @@ of the confidence (weighted voting, conformal early exit).
 
     python evaluate.py --model runs/toy --benchmarks toy                      # CPU, about a minute
     python evaluate.py --model toy --model runs/toy --benchmarks toy --confidence probe-posthoc
+    python evaluate.py --model runs/toy --benchmarks toy --nproc 2            # two CPU workers: the same files
     python evaluate.py --model deepseek-r1-distill-qwen-7b --model runs/rlcm \\
-        --benchmarks math500,aime24,aime25,amc23                              # GPU
+        --benchmarks math500,aime24,aime25,amc23                              # one worker per GPU
 
 For each model and benchmark: n samples per question (temperature 0.6, top-p 1.0, up to 8000 tokens;
 32 samples on AIME 2024/2025 and AMC 2023, 4 elsewhere; the toy world: 4 samples of at most 128
@@ -12,7 +13,7 @@ tokens), graded by the last \\boxed{} (math grader; a run trained with --reward 
 --mode rlcr, the released reading of RLCR and C2GSPG: its last <answer> tag, `--answer`; LiveCodeBench: the last fenced code block, run against its tests), each with a confidence (evaluation/confidence.py; default: the
 post-hoc probe, fitted once per model with the released protocol and cached in --out; `probe` is the
 run's own probe.pt, read at its last training budget). Written to --out (default RUN/eval
-for a run or checkpoint, else eval_out/<model>): samples.jsonl (appended per batch: an interrupted
+for a run or checkpoint, else eval_out/<model>): samples.jsonl (appended per generate call: an interrupted
 evaluation resumes where it stopped; a row counts only for its model's resolved path and content, its benchmark's
 file and question, and the settings it was made with: sample_key; a toy row also holds its problem and response
 text, which the mechanism's readouts parse: evaluation/mechanism.py), results.json (a model per label;
@@ -37,14 +38,15 @@ import modes
 import probe as probe_lib
 import rollout
 import toy
-from evaluation import confidence
+from evaluation import confidence, shard
 from evaluation.report import overall, plot_reliability, report_uses, summarize, table, write_results
 from evaluation.samples import (HELD, LOCKS, default_out, digest, filed_label, hold, model_id, model_label, ours,
                                 own_rows, question_ids, read_samples, run_dir, sample_key)
-from harness import checkpoint, config, files, runlog, sandbox
+from harness import checkpoint, config, files, launch, runlog, sandbox
 from harness.checkpoint import ALIASES, resolve_model
 from harness.files import UserError
 from harness.config import check_out, check_values
+from harness.parallel import MASTER, teardown
 
 BIG_N = {"aime24": 32, "aime25": 32, "amc23": 32}   # samples per question; 4 elsewhere
 # Per-world defaults. Toy: the forced text is the one the toy base learned (label.SUFFIX), and K is
@@ -62,7 +64,8 @@ TOY_SOURCES = [f"{name}:test" for name in data.TOY_BENCHMARKS]   # the post-hoc 
 TOY_FITS = ("toy", "toy-pooled")   # --probe-data for the toy world (toy_fit_rows)
 # Allowed flag values (config.check_values): checked before any model, data or folder is touched.
 LIMITS = {key: (lambda v: v >= 1, ">= 1") for key in (
-    "limit", "n_samples", "max_new_tokens", "batch_size", "threads", "every", "forced_k", "probe_questions")}
+    "limit", "n_samples", "max_new_tokens", "batch_size", "threads", "every", "forced_k", "probe_questions",
+    "nproc")}
 LIMITS.update(temperature=(lambda v: v >= 0, ">= 0 (0: greedy)"), top_p=(lambda v: 0 < v <= 1, "in (0, 1]"),
               seed=(lambda v: 0 <= v < 2**32, "in [0, 2**32)"), logit_temperature=(lambda v: v > 0, "> 0"))
 
@@ -142,63 +145,85 @@ def natural_correct(text, answer, gold, form="box", gate="thinking", letters=Tru
     return grade.answers_match(answer, gold, GRADER, letters=letters)
 
 
-def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, path, system=None,
-                       form="box", key=None):
-    """Sample, grade and score every missing (question, sample) of one benchmark, appending per batch.
-
-    s: the benchmark's settings (n, max_new_tokens, ...); conf_kw: arguments of
-    confidence.sample_confidences; form: where the answer is read (grade.extract: "box" or "tag");
-    key: sample_key. Rows already in `path` for key (own_rows) are kept, not regenerated.
-    """
+def missing_samples(path, label, bench, rows, n, key):
+    """[(question, [sample indices not yet in `path` for key])] of the questions missing any."""
     have, qids = read_samples(path), question_ids(rows)
-    done = {(r["question"], r["sample"]) for r in own_rows(have, key, rows, s["n"])}
-    todo = [(q, [j for j in range(s["n"]) if (q, j) not in done]) for q in range(len(rows))]
+    done = {(r["question"], r["sample"]) for r in own_rows(have, key, rows, n)}
+    todo = [(q, [j for j in range(n) if (q, j) not in done]) for q in range(len(rows))]
     todo = [t for t in todo if t[1]]
     other = sum(r["model"] == label and r["benchmark"] == bench and not ours(r, key, qids) for r in have)
     if todo and other:
         print(f"{path}: {other} rows of {label} on {bench} were sampled with other settings, for other "
               "questions or by an older version: not reused", file=sys.stderr)
-    bar = tqdm(total=len(rows) * s["n"], initial=len(rows) * s["n"] - sum(len(m) for _, m in todo),
-               desc=f"{label} {bench}", file=sys.stderr)
-    i = 0
-    while i < len(todo):
-        # A batch: up to batch_size questions missing the same number of samples (one generate call).
-        m = len(todo[i][1])
-        chunk = [todo[i]]
-        while len(chunk) < s["batch"] and i + len(chunk) < len(todo) and len(todo[i + len(chunk)][1]) == m:
-            chunk.append(todo[i + len(chunk)])
-        i += len(chunk)
-        prompts = [data.chat_prompt(tok, rows[q]["problem"], instruction, system) for q, _ in chunk]
-        seed = args.seed * 1_000_003 + chunk[0][0] * 1009 + m
-        out = rollout.generate(model, tok, prompts, n=m, max_new_tokens=s["max_new_tokens"],
-                       temperature=args.temperature, top_p=args.top_p, seed=seed, batch_size=len(prompts),
-                       decode=args.decode)
-        golds = [rows[q]["answer"] for q, _ in chunk for _ in range(m)]
-        conf, extras = confidence.sample_confidences(
-            model=model, tokenizer=tok, prompts=[p for p in prompts for _ in range(m)], responses=out.ids,
-            texts=out.texts, golds=golds, seed=seed + 1, batch_size=s["score_batch"], rows=s["rows"], **conf_kw)
-        if s.get("grader") == "code":   # the programs run in a bounded pool of sandboxed children
-            answers = [sandbox.extract_code(t) for t in out.texts]
-            right = sandbox.grade_many([grade.code_job(t, g) for t, g in zip(out.texts, golds)])
+    return todo
+
+
+def calls(todo, size):
+    """The generate calls of a benchmark, in order: runs of up to `size` questions of `todo` missing the
+    same number of samples. A call's samples depend on all of its questions (evaluation/shard.py), so
+    workers share calls, never questions."""
+    out = []
+    for q, missing in todo:
+        if out and len(out[-1]) < size and len(out[-1][0][1]) == len(missing):
+            out[-1].append((q, missing))
         else:
-            answers = [grade.extract(t, GRADER, form) for t in out.texts]
-            # GPQA's natural boxed answers are graded as released (no option letter read off them);
-            # its RLCR answers and LogiQA's (the project's own protocol) by their letter
-            letters = form == "tag" or bench != "gpqa"
-            right = [natural_correct(t, a, g, form, s["gate"], letters) for t, a, g in zip(out.texts, answers, golds)]
-        with files.appending(path) as f:
-            for r, (q, missing) in enumerate((c for c in chunk for _ in range(m))):
-                j, answer = missing[r % m], answers[r]
-                # a toy trace is a few lines: kept, so that the mechanism's readouts need no model
-                trace = dict(problem=rows[q]["problem"], text=out.texts[r]) if bench in data.TOY_BENCHMARKS else {}
-                f.write(json.dumps(dict(
-                    model=label, benchmark=bench, question=q, sample=j, answer=answer,
-                    correct=int(right[r]),
-                    confidence=float(conf[r]),
-                    length=out.lengths[r], finish=out.finish[r], source=conf_kw["source"], key=key, q=qids[q],
-                    **trace, **extras[r])) + "\n")
-            f.flush()
-        bar.update(len(chunk) * m)
+            out.append([(q, missing)])
+    return out
+
+
+def grade_call(texts, golds, bench, s, form):
+    """(answers, right) of one call's responses."""
+    if s.get("grader") == "code":   # the programs run in a bounded pool of sandboxed children
+        return [sandbox.extract_code(t) for t in texts], sandbox.grade_many(
+            [grade.code_job(t, g) for t, g in zip(texts, golds)])
+    answers = [grade.extract(t, GRADER, form) for t in texts]
+    # GPQA's natural boxed answers are graded as released (no option letter read off them);
+    # its RLCR answers and LogiQA's (the project's own protocol) by their letter
+    letters = form == "tag" or bench != "gpqa"
+    return answers, [natural_correct(t, a, g, form, s["gate"], letters) for t, a, g in zip(texts, answers, golds)]
+
+
+def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, path, system=None,
+                       form="box", key=None):
+    """Sample, grade and score every missing (question, sample) of one benchmark, appending per call.
+
+    s: the benchmark's settings (n, max_new_tokens, ...); conf_kw: arguments of
+    confidence.sample_confidences; form: where the answer is read (grade.extract: "box" or "tag");
+    key: sample_key. Rows already in `path` for key (own_rows) are kept, not regenerated. With several
+    workers each runs whole calls, and rank 0 writes every row as one process would (evaluation/shard.py).
+    """
+    qids = question_ids(rows)
+    todo = shard.share(missing_samples(path, label, bench, rows, s["n"], key) if MASTER else None)
+    bar = tqdm(total=len(rows) * s["n"], initial=len(rows) * s["n"] - sum(len(m) for _, m in todo),
+               desc=f"{label} {bench}", file=sys.stderr, disable=not MASTER)
+
+    def call_rows(chunk, m, out, conf, extras, golds):   # in the grading thread, while the next call generates
+        answers, right = grade_call(out.texts, golds, bench, s, form)
+        # a toy trace is a few lines: kept, so that the mechanism's readouts need no model
+        trace = lambda q, r: dict(problem=rows[q]["problem"], text=out.texts[r]) if bench in data.TOY_BENCHMARKS else {}  # noqa: E731
+        return [json.dumps(dict(
+            model=label, benchmark=bench, question=q, sample=missing[r % m], answer=answers[r],
+            correct=int(right[r]), confidence=float(conf[r]), length=out.lengths[r], finish=out.finish[r],
+            source=conf_kw["source"], key=key, q=qids[q], **trace(q, r), **extras[r])) + "\n"
+            for r, (q, missing) in enumerate(c for c in chunk for _ in range(m))]
+
+    with shard.Rounds(path, bar) as written:
+        for chunk in shard.deal(calls(todo, s["batch"])):   # this worker's call of each round
+            if chunk is None:
+                written.add(None)
+                continue
+            m = len(chunk[0][1])
+            prompts = [data.chat_prompt(tok, rows[q]["problem"], instruction, system) for q, _ in chunk]
+            seed = args.seed * 1_000_003 + chunk[0][0] * 1009 + m
+            out = rollout.generate(model, tok, prompts, n=m, max_new_tokens=s["max_new_tokens"],
+                                   temperature=args.temperature, top_p=args.top_p, seed=seed,
+                                   batch_size=len(prompts), decode=args.decode)
+            golds = [rows[q]["answer"] for q, _ in chunk for _ in range(m)]
+            conf, extras = confidence.sample_confidences(
+                model=model, tokenizer=tok, prompts=[p for p in prompts for _ in range(m)], responses=out.ids,
+                texts=out.texts, golds=golds, seed=seed + 1, batch_size=s["score_batch"], rows=s["rows"],
+                **conf_kw)
+            written.add(call_rows, chunk, m, out, conf, extras, golds)
     bar.close()
 
 
@@ -329,17 +354,20 @@ def evaluate_model(name, loaded, args):
     path = resolve_model(name)
     label, ident = model_label(name, path), model_id(path)
     out_dir = args.out or default_out(name, path)
-    if os.path.isdir(out_dir):   # a second writer stops before loading anything
+    if MASTER and os.path.isdir(out_dir):   # a second writer stops before loading anything
         hold(out_dir)
     model, tok = load_model(name)
     prompt = run_prompt(path, args)
     check_prompts(tok, model, loaded, args, prompt[0], prompt[1])
-    hold(out_dir)   # a new folder is made only now that the model loads and the prompts fit
-    label = filed_label(label, ident, out_dir)   # reads results.json: a damaged one is refused now
+    if MASTER:   # rank 0 alone reads and writes the folder; the other ranks get what they need from it
+        hold(out_dir)   # a new folder is made only now that the model loads and the prompts fit
+        label = filed_label(label, ident, out_dir)   # reads results.json: a damaged one is refused now
+    label = shard.share(label)
     source = args.confidence or default_confidence(name)
     think = tok.convert_tokens_to_ids("</think>")
     close_id = None if think is None or think == tok.unk_token_id else think
-    prb, report = get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded, prompt)
+    prb, report = shard.share_probe(get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded, prompt)
+                                    if MASTER else None, next(model.parameters()).device)   # fitted once
     samples = os.path.join(out_dir, "samples.jsonl")
     res = {"path": path, "model_id": ident, "confidence": source, "out": out_dir, "benchmarks": {}, "settings": {},
            "provenance": runlog.provenance(args.argv, next(model.parameters()).device)}
@@ -354,9 +382,11 @@ def evaluate_model(name, loaded, args):
                        forced_k=s["reanswer_k"], budget=s["max_new_tokens"], reanswer=s["reanswer"],
                        logit_temperature=args.logit_temperature or run_config(path).get("temperature", 0.8))
         key = sample_key(ident, bench_source, s, args, [instruction, prompt[1], prompt[2]], conf_kw)
-        earlier = len(own_rows(read_samples(samples), key, rows, s["n"]))   # drawn by an earlier, cut command
+        earlier = MASTER and len(own_rows(read_samples(samples), key, rows, s["n"]))   # by an earlier, cut command
         generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, samples, prompt[1],
                            prompt[2], key)
+        if not MASTER:
+            continue
         # Programs vote only when equal as text: the math grader would read code as math.
         res["benchmarks"][bench] = summarize(own_rows(read_samples(samples), key, rows, s["n"]), seed=args.seed,
                                              same=None if code else grade.answers_match)
@@ -373,6 +403,8 @@ def evaluate_model(name, loaded, args):
         title = f"{label} | {bench} | {source}\nacc {b['acc']:.3f}  ECE {b['ece']:.3f}  n {b['n']}"
         plot_reliability(b["reliability"], title,
                          os.path.join(out_dir, f"reliability_{label}_{bench}.png".replace("/", "_")))
+    if not MASTER:   # rank 0 writes the results
+        return label, None
     # The paper's Overall: the mean over every benchmark evaluated (its 8: math, LCB, GPQA, LogiQA);
     # beside it the means of the math and the OOD benchmarks.
     maths = {b: v for b, v in res["benchmarks"].items() if b not in data.OOD}
@@ -416,6 +448,8 @@ def parse_args(argv=None):
     g.add_argument("--batch-size", type=int, help="questions per generation call (default 64 sequences; toy 256)")
     g.add_argument("--decode", choices=("static", "dynamic"), help="KV cache for decoding (default: static on CUDA)")
     g.add_argument("--threads", type=int, help="CPU threads (default: 1 on a machine without a GPU, else torch's)")
+    g.add_argument("--nproc", type=int, help="workers (default: one per visible GPU, else 1), each running whole "
+                   "generate calls: the same samples.jsonl as one process (evaluation/shard.py)")
     g.add_argument("--plan", action="store_true", help="print each benchmark's memory peak on one GPU and exit "
                    "(harness/evalplan.py; from the model's config alone)")
     g.add_argument("--gpu-mem", type=float, help="GiB of the GPU to plan for (default: this one's, else 80)")
@@ -506,6 +540,15 @@ def main(argv=None):
         loaded = rlcr_prompts(loaded) if args.mode == "rlcr" else loaded
         if any(data.kind(name) == "code" for name, *_ in loaded):
             sandbox.check()   # can programs be confined here (or --unconfined-code)? Said before any model loads
+        workers = launch.worker_count(vars(args))
+        if workers > 1:   # one worker per GPU (or --nproc), each running this command: evaluation/shard.py
+            for name in args.model:
+                checkpoint.fetch(name)   # now: rank 0 would download inside the group while the others wait
+            code = launch.launch(os.path.abspath(__file__), args.argv[1:], workers)
+            if code:
+                raise SystemExit(code)
+            return None
+        shard.setup()
         results = dict(evaluate_model(name, loaded, args) for name in args.model)
     except files.Busy as e:   # another evaluation writes there: exit 2, its files untouched
         print(f"evaluate.py: error: {e}", file=sys.stderr)
@@ -518,10 +561,13 @@ def main(argv=None):
         torch.set_num_threads(threads)
         LOCKS.close()
         HELD.clear()
+        teardown()
     if results is None:
         print("\ninterrupted: the samples so far are kept; run the same command again to continue",
               file=sys.stderr)
         raise SystemExit(130)
+    if not MASTER:
+        return None
     print(table(results))
     print()
     print(report_uses(results))

@@ -1,4 +1,5 @@
-"""Start one training worker per GPU (or `--nproc N` workers on CPU) from a plain `python train.py`.
+"""Start one worker per GPU (or `--nproc N` workers on CPU) from a plain `python train.py` (or `python
+evaluate.py`).
 
 Each worker is a fresh `python train.py ARGS` with RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR /
 MASTER_PORT set, which is what `torchrun --standalone --nproc_per_node N` does: harness/parallel.py reads
@@ -125,7 +126,8 @@ def launch(script, argv, nproc):
     _, rank, code = bad[0]
     text = tail(os.path.join(logs, f"rank{rank}.log"))
     last = text.splitlines()[-1] if text else ""
-    if code == 2 and last.startswith("error:"):  # a user error: its one line (rank 0's is already shown)
+    # a user error: its one line (rank 0's is already shown); evaluate.py's reads "evaluate.py: error: ..."
+    if (code == 2 and last.startswith("error:")) or last.startswith(f"{os.path.basename(script)}: error:"):
         if last not in "".join(shown):
             print(last, file=sys.stderr)
     else:

@@ -1,0 +1,125 @@
+"""Evaluation on every GPU of a node: one worker per GPU, each running whole generate calls, and one
+samples.jsonl with the rows one process would have written, in the same order.
+
+    python evaluate.py --model M --benchmarks math500,aime24   # one worker per visible GPU
+    python evaluate.py --model toy --benchmarks toy --nproc 2  # two CPU workers (gloo): the same bytes
+    torchrun --nproc_per_node 8 evaluate.py --model M ...      # torchrun's ranks: the same path
+
+The workers are started by train.py's launcher (harness/launch.py) and take their rank from the
+environment (harness/parallel.py). What is dealt out is a generate call, not a question: a call's
+samples depend on its questions together (its seed is that of its first question, its sampling
+noise is drawn per row of the call, its prompts are padded to the longest), so each call is formed
+exactly as one process forms it and run whole by one worker. In round r, rank k runs call
+r * WORLD + k; the rows of a round are gathered to rank 0, which appends them in call order. Rank 0
+alone reads and writes the output folder (the samples, the post-hoc probe's cache, results.json);
+the other ranks receive what they need from it (share).
+
+Grading (LiveCodeBench's programs run in sandboxed children for seconds) runs in a thread while the
+next call generates (Rounds): rows are appended one round behind the generation.
+"""
+import copy
+import datetime
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+from harness import files
+from harness.parallel import MASTER, RANK, WORLD
+
+# Rank 0 fits the post-hoc probe alone while the other ranks wait in share(): 640 rollouts and their
+# forced answers, est. one to a few hours for the 7B on one GPU (not measured).
+TIMEOUT = datetime.timedelta(hours=24)
+
+
+def setup():
+    """Join the workers' group (several ranks only) and put this rank on its own GPU. The group is
+    gloo on every device: the ranks exchange Python objects (the calls to run, the probe, the rows),
+    never the model's tensors."""
+    if WORLD == 1 or dist.is_initialized():
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("gloo", rank=RANK, world_size=WORLD, timeout=TIMEOUT)
+
+
+def share(obj):
+    """Rank 0's `obj` on every rank (what rank 0 alone reads from the output folder)."""
+    if WORLD == 1:
+        return obj
+    box = [obj if MASTER else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def share_probe(got, device):
+    """Rank 0's (probe or None, report or None) on every rank. The probe sits where rank 0's does: on
+    the CPU (a run's probe.pt) or on the GPU it was fitted on, here this rank's `device`."""
+    if WORLD == 1:
+        return got
+    on_gpu = MASTER and got[0] is not None and next(got[0].parameters()).device.type == "cuda"
+    prb, report, on_gpu = share((got[0] and copy.deepcopy(got[0]).cpu(), got[1], on_gpu) if MASTER else None)
+    return got if MASTER else (prb and prb.to(device if on_gpu else "cpu"), report)
+
+
+def deal(calls):
+    """This rank's call of each round (None once the calls run out): every rank sees as many rounds."""
+    rounds = -(-len(calls) // WORLD)
+    for r in range(rounds):
+        i = r * WORLD + RANK
+        yield calls[i] if i < len(calls) else None
+
+
+class Rounds:
+    """The rows of a benchmark's rounds, appended to `path` by rank 0 in call order.
+
+    add(fn, *args) queues one round's work of this rank: fn(*args) -> lines (JSON rows, each ending in
+    a newline) runs in one background thread while the caller generates the next round; then the
+    previous round is gathered and written. fn None: this rank has no call in the round. close(), or
+    leaving a `with` block, writes what is left, in one process also when the block is left by an
+    error or Ctrl-C (the rounds already generated are kept for the resume; one worker of several
+    cannot gather alone, and the launcher stops the others). `bar` (a tqdm) advances by the rows written.
+    """
+
+    def __init__(self, path, bar=None):
+        self.path, self.bar = path, bar
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grading")
+        self.pending = []
+
+    def add(self, fn=None, *args):
+        if fn is None:
+            job = Future()
+            job.set_result([])
+        else:
+            job = self.pool.submit(fn, *args)
+        self.pending.append(job)
+        if len(self.pending) > 1:   # the round before this one has had this round's generation to grade
+            self._write(self.pending.pop(0))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, *_):
+        if kind is None or WORLD == 1:
+            self.close()
+        else:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def close(self):
+        while self.pending:
+            self._write(self.pending.pop(0))
+        self.pool.shutdown()
+
+    def _write(self, job):
+        lines = job.result()
+        if WORLD > 1:
+            every = [None] * WORLD
+            dist.all_gather_object(every, lines)
+            lines = [line for rank_lines in every for line in rank_lines]
+        if MASTER and lines:
+            with files.appending(self.path) as f:
+                f.writelines(lines)
+                f.flush()
+        if self.bar is not None:
+            self.bar.update(len(lines))
