@@ -190,8 +190,9 @@ def answers_match(pred, gold, grader="math", deadline=None, letters=True) -> boo
     na, nb = plain_number(a), plain_number(b)
     if na is not None and nb is not None:
         return na == nb
-    if nb is not None and integer_sum(a) is not None:
-        return integer_sum(a) == nb
+    total = integer_sum(a) if nb is not None else None
+    if total is not None:
+        return total == nb
     return _math_verify(pred, gold, deadline or time.monotonic() + GRADE_TIMEOUT_S)
 
 

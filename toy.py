@@ -223,11 +223,16 @@ def world_trace(terms, rng, world):
     return legible_trace(terms, rng, world) if "p_slip_carry" in world else trace(terms, rng, world["p_slip"])
 
 
+def lines_done(lines, b):
+    """How many of `lines` a prefix of b response tokens holds whole (one token per character)."""
+    return sum(1 for end in itertools.accumulate(map(len, lines)) if end <= b)
+
+
 def implied_answer(terms, lines, totals, b):
     """The answer a prefix of b response tokens implies: the last running total on a complete
     line plus the terms not yet added (one token per character in the thinking lines).
     For 3+5+7+2 written as "3+5=8\\n8+7=14\\n...": b=3 -> 17, b=6 -> 17, b=13 -> 14+2 = 16."""
-    done = sum(1 for end in itertools.accumulate(map(len, lines)) if end <= b)
+    done = lines_done(lines, b)
     return totals[done] + sum(terms[done + 1:])
 
 
@@ -238,7 +243,7 @@ def implied_sum(problem, terms, lines, totals, b):
     followed by the terms not yet added, the problem itself before any line is complete. It reads
     nothing the final answer does not: the last written total is the final answer's too.
     For 3+5+7+2 written as "3+5=8\\n8+7=14\\n...": b=3 -> "3+5+7+2", b=6 -> "8+7+2", b=12 -> "14+2"."""
-    done = sum(1 for end in itertools.accumulate(map(len, lines)) if end <= b)
+    done = lines_done(lines, b)
     return problem if done == 0 else f"{totals[done]}" + "".join(f"{t:+d}" for t in terms[done + 1:])
 
 
