@@ -220,16 +220,33 @@ def refresh_sampler(sampler, policy, frozen=False):
     groups = {}
     for name, p in policy.lm.named_parameters(remove_duplicate=False):
         if p.requires_grad or frozen:
-            groups.setdefault(layer_of.get(id(p), name), []).append((params[name], p))
-    for pairs in groups.values():
-        if sharded(policy):
-            gather_into(pairs)
-        else:
+            # one dtype per group: a group's buffer takes its first copy's dtype
+            groups.setdefault((layer_of.get(id(p), name), params[name].dtype), []).append((params[name], p))
+    if not sharded(policy):
+        for pairs in groups.values():
             for dst, p in pairs:
                 dst.copy_(p)  # casts to the copy's dtype
+        return
+    # one buffer per dtype, its largest group's, serves every group in turn: a group's collective may
+    # hold its tensors after it returns (gloo's worker drops them later), so a buffer per group could
+    # outlive it into the next group's and the refresh's peak would be timing, not the plan
+    size = {}
+    for (_, dtype), pairs in groups.items():
+        size[dtype] = max(size.get(dtype, 0), sum(slots(pairs)[1]))
+    device = next(iter(params.values())).device
+    buffers = {dtype: torch.empty((WORLD + 1) * n, dtype=dtype, device=device) for dtype, n in size.items()}
+    for (_, dtype), pairs in groups.items():
+        gather_into(pairs, buffers[dtype])
 
 
-def gather_into(pairs):
+def slots(pairs):
+    """([c, ...], [slot, ...]): each parameter's rows per rank (c = ceil(d0 / W), as FSDP2 shards them)
+    and its slot in a group's buffer, c rows."""
+    rows = [-(-dst.shape[0] // WORLD) for dst, _ in pairs]
+    return rows, [c * dst[0].numel() for c, (dst, _) in zip(rows, pairs)]  # dst[0]: one row
+
+
+def gather_into(pairs, buffer=None):
     """Fill full tensors from the FSDP2 shards of a group of parameters with one all-gather on the
     full tensors' device, in their dtype. pairs: [(dst [d0, ...], DTensor of the same shape)].
 
@@ -239,16 +256,18 @@ def gather_into(pairs):
     (the same bits as casting the gathered tensor: a cast is per element). Under --offload the
     shards are in pinned host memory, so the copy to the GPU does not block, and the group's
     collective takes NCCL on GPU tensors (backend "cuda:nccl,cpu:gloo"). Extra memory: the buffer
-    and the gathered group, c x W rows of each parameter in the copy's dtype (plan.py, "refresh").
+    and the gathered group, c x W rows of each parameter in the copy's dtype (plan.py, "refresh"):
+    `buffer`, (W + 1) x the group's slots or more, where the caller passes one for every group.
     """
-    rows = [-(-dst.shape[0] // WORLD) for dst, _ in pairs]
-    slots = [c * dst[0].numel() for c, (dst, _) in zip(rows, pairs)]  # dst[0]: one row
-    at = [sum(slots[:i]) for i in range(len(pairs))]
-    send = torch.empty(sum(slots), dtype=pairs[0][0].dtype, device=pairs[0][0].device)
+    rows, sizes = slots(pairs)
+    at = [sum(sizes[:i]) for i in range(len(pairs))]
+    n = sum(sizes)
+    if buffer is None:
+        buffer = torch.empty((WORLD + 1) * n, dtype=pairs[0][0].dtype, device=pairs[0][0].device)
+    send, gathered = buffer[:n], buffer[n:(WORLD + 1) * n]
     for (dst, p), a in zip(pairs, at):
         local = p.to_local().reshape(-1)
         send[a:a + local.numel()].copy_(local, non_blocking=True)  # the padding rows stay unset
-    gathered = torch.empty(WORLD * send.numel(), dtype=send.dtype, device=send.device)
     dist.all_gather_single(gathered, send)  # gloo takes the flat form only
     gathered = gathered.view(WORLD, -1)
     for (dst, _), a, c in zip(pairs, at, rows):

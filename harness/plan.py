@@ -28,10 +28,10 @@ Terms per device, with N parameters, W devices (ranks) and bf16 = 2 bytes:
                   log-softmax, the gradient gather scatters into and log-softmax's gradient
   refresh         sharded runs, after the update: the generation copy is refreshed one group at a time
                   (parallel.gather_into: a decoder layer, or one parameter outside the layers, the
-                  largest being the embedding, vocab x d): the group's shard and the gathered group
-                  in the copy's dtype, for the two largest groups g1, g2 (the previous group's buffers
-                  may outlive its collective into the next one's): 2 (g1 + g2) (1 + 1 / W), and with
-                  --offload on a GPU one parameter's fp32 shard on its way from the host, at most 4 g1 / W
+                  largest being the embedding, vocab x d) through one buffer sized for the largest
+                  group g1: its shard and the gathered group in the copy's dtype, 2 g1 (1 + 1 / W),
+                  and with --offload on a GPU one parameter's fp32 shard on its way from the host, at
+                  most 4 g1 / W
   runtime         CUDA context and allocator slack (1 GiB), or the Python/torch process on CPU
 
 Phases do not overlap: the rollout holds its KV cache and prefill, the labels theirs, the update
@@ -157,12 +157,11 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
     acts = kept + (2 if cfg["grad_ckpt"] else 1) * one_layer
     chunk = 3 * cfg["chunk_size"] * vocab * 4  # chunks run over the micro-batch's flattened positions
     held = 4 * (adapter or total) if offload and cfg.get("offload_grads", "gpu") == "gpu" else 0
-    # the refresh's groups: each decoder layer, the embedding and an untied LM head. Two may be alive at
-    # once: a group's buffers go when its collective's work object is released, which may be after the
-    # next group's are allocated (measured on two gloo ranks under load: tests/test_parallel.py)
-    largest, second = sorted([layer, vocab * d] + ([vocab * d] if not config.tie_word_embeddings else []))[-2:][::-1]
+    # the refresh's groups: each decoder layer, the embedding and an untied LM head, gathered in turn
+    # through one buffer sized for the largest (parallel.refresh_sampler)
+    largest = max(layer, vocab * d)
     staged = 4 * largest / world if cuda and offload else 0  # a host shard's fp32 copy on the GPU
-    refresh = (act_bytes * (largest + second) * (1 + 1 / world) + staged) if sharded else 0
+    refresh = (act_bytes * largest * (1 + 1 / world) + staged) if sharded else 0
     terms = {"training state": 0.0 if offload else state, "adapter state": 0.0 if offload else adapter_state,
              "generation copy": gen_copy,
              "FSDP gather": gather, "KV cache": kv, "prefill": prefill, "label KV cache": label_kv,
@@ -288,7 +287,7 @@ def check(cfg, show=False, log=print):
                  "label prefill": "one layer's forward and the prefill cache of one chunk of cuts",
                  "activations": "checkpointed" if cfg["grad_ckpt"] else "no checkpointing",
                  "held grads": "fp32 gradients held unsharded until the last micro-batch",
-                 "refresh": "the generation copy's refresh: two groups (a layer, the embedding) gathered",
+                 "refresh": "the generation copy's refresh: its largest group (a layer or the embedding) gathered",
                  "training state": "on the host (--offload)" if offload else
                  ("the frozen base" if rank else "params, grads, AdamW (sharded)"),
                  "adapter state": "fp32 params, grads, AdamW of the adapter",
