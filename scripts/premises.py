@@ -11,7 +11,8 @@ threshold and PASS or FAIL:
       right after each line's written total finds a wrong total (AUROC >= 0.9, held out by
       problem); a probe on the end-of-thinking state (the post-hoc probe's feature) predicts final
       correctness within each benchmark at AUROC >= 0.65, better than surface features (terms,
-      response and thinking length, lines). Samples at the evaluation's temperature 0.6.
+      response and thinking length without the `?` written, lines). Samples at the evaluation's
+      temperature 0.6.
 (ii)  forced answers that track whether the path is still right: on RL's distribution at the
       training temperature 0.8, mean Y_b (label.mc_labels, K=4) >= 0.8 at the cuts (25/50/75 %)
       before any visible error, for every cut, and <= 0.1 after a wrong total.
@@ -125,6 +126,15 @@ def line_end_probe(model, tok, world, n, seed=0):
     return held_out_auroc(torch.stack(xs), ys, groups), sum(ys) / len(ys)
 
 
+def surface_features(problems, ids, ends, texts):
+    """Per sample: terms, response and thinking length in tokens, lines. The lengths leave out the `?`
+    written (one token each), which is the legible signal itself, not a surface feature: counted in,
+    toy-sub's surface AUROC read 0.688 on the seed-0 warm start, 0.638 without."""
+    flags = [t.split("</think>")[0].count("?") for t in texts]
+    return torch.tensor([[len(toy.terms_of(p)), len(r) - q, e - q, t.count("\n")]
+                         for p, r, e, t, q in zip(problems, ids, ends, texts, flags)], dtype=torch.float32)
+
+
 def end_of_thinking(model, tok, world, n, samples, seed=0):
     """(i) Per benchmark: accuracy, AUROC of the end-of-thinking probe, of surface features, and
     of the probe on trajectories with no flag written (fitted on all); the sampled rates of a flag
@@ -140,8 +150,7 @@ def end_of_thinking(model, tok, world, n, samples, seed=0):
         feats = torch.stack([f[0] for f in features(model, prompts, s.ids, [[e] for e in ends],
                                                     tok.pad_token_id, final_norm=True, batch_size=64)])
         correct = [float(is_correct(t, rows[i]["answer"])) for t, i in zip(s.texts, s.prompt_index)]
-        surface = torch.tensor([[len(toy.terms_of(rows[i]["problem"])), len(r), e, t.count("\n")]
-                                for r, e, t, i in zip(s.ids, ends, s.texts, s.prompt_index)], dtype=torch.float32)
+        surface = surface_features([rows[i]["problem"] for i in s.prompt_index], s.ids, ends, s.texts)
         unflagged = ["?" not in t.split("</think>")[0] for t in s.texts]
         lines = [line for t, i in zip(s.texts, s.prompt_index) for line in parse(rows[i]["problem"], t)]
         wrong, right = [f for e, f in lines if e == "total"], [f for e, f in lines if e is None]
@@ -149,6 +158,8 @@ def end_of_thinking(model, tok, world, n, samples, seed=0):
                          flag_wrong=sum(wrong) / max(len(wrong), 1), flag_right=sum(right) / max(len(right), 1),
                          probe=held_out_auroc(feats, correct, s.prompt_index),
                          surface=held_out_auroc(surface, correct, s.prompt_index),
+                         flag_only=held_out_auroc(torch.tensor([[float(not u)] for u in unflagged]), correct,
+                                                  s.prompt_index),
                          probe_unflagged=held_out_auroc(feats, correct, s.prompt_index, keep=unflagged),
                          flagged=1 - sum(unflagged) / len(unflagged))
     return out
@@ -234,7 +245,8 @@ def main(argv=None):
                           ">=", 0.0))
         print(f"      {name}: P(flag | wrong line) {r['flag_wrong']:.3f}, P(flag | right line) {r['flag_right']:.3f}; "
               f"{r['flagged']:.3f} of samples flag a line; probe AUROC on the others "
-              f"{r['probe_unflagged'] if r['probe_unflagged'] is not None else float('nan'):.3f}")
+              f"{r['probe_unflagged'] if r['probe_unflagged'] is not None else float('nan'):.3f}; "
+              f"AUROC of whether a `?` was written {r['flag_only'] if r['flag_only'] is not None else float('nan'):.3f}")
     if "ii" in parts:
         out["labels"] = lab = forced_labels(model, tok, args.world, args.n, 8)
         for j, (v, n) in enumerate(zip(lab["clean"], lab["clean_n"])):

@@ -69,6 +69,17 @@ def test_premises_read_right_and_wrong_lines():
     assert premises.parse("9-6+2-7", "9-6=3\n3+2=6?\n") == [(None, False), ("total", True)]
 
 
+def test_premises_surface_features_leave_the_flags_out_of_the_lengths():
+    """Two samples of one problem that differ in a `?` alone have the same surface features."""
+    tok = toy.tokenizer()
+    texts = ["3+5=8\n8+7=14?\n14+2=16\n</think>\\boxed{16}", "3+5=8\n8+7=14\n14+2=16\n</think>\\boxed{16}"]
+    ids = [tok.encode(t, add_special_tokens=False) for t in texts]
+    assert len(ids[0]) == len(ids[1]) + 1
+    ends = [r.index(tok.convert_tokens_to_ids("</think>")) for r in ids]
+    x = premises.surface_features(["3+5+7+2"] * 2, ids, ends, texts)
+    assert x.tolist() == [[4.0, len(ids[1]), 21.0, 3.0]] * 2   # 21 bytes of thinking, a token a byte
+
+
 def test_premise_iii_reads_each_runs_log_against_its_thresholds(tmp_path, capsys):
     import json
 
