@@ -1,11 +1,12 @@
 """The paper's comparison on the toy world, as reproduce.py runs it: the methods and the confidence
 each is evaluated with, where each run's and evaluation's results lie (and whether an evaluation is
-complete, of this very model and made with these arguments), and the tables over seeds. write_outputs writes OUT/table.md (mean
-+- std over seeds: Acc / PCE / ECE per benchmark and Overall, the unweighted mean over benchmarks;
-Brier and AUROC; the paired differences RLCM - GRPO; per method why: the share of trajectories with a
-margin signal, the in-training probe's held-out AUROC, the share of |advantage| the calibration term
-sets), OUT/results.json (every seed's numbers) and OUT/reliability_M.png (all seeds and benchmarks
-pooled).
+complete, of this very model and made with these arguments), and the tables over seeds.
+
+write_outputs writes OUT/table.md (mean +- std over seeds: Acc / PCE / ECE per benchmark and Overall,
+the unweighted mean over benchmarks; Brier and AUROC; the paired differences RLCM - GRPO; per method
+why: the share of trajectories with a margin signal, the in-training probe's held-out AUROC, the share
+of |advantage| the calibration term sets), OUT/results.json (every seed's numbers) and
+OUT/reliability_M.png (all seeds and benchmarks pooled).
 """
 import contextlib
 import io
