@@ -1,6 +1,6 @@
 """The pre-registered comparison on the legible toy world (the README's toy section; docs/toy-world.md,
-"The study"): which runs it makes, their paired differences, and the verdict by the rule written down
-before any of them ran. reproduce.py runs it and writes OUT/table.md:
+"The study"): which runs it makes, what they will cost, their paired differences, and the verdict by
+the rule written down before any of them ran, in OUT/table.md and OUT/results.json. reproduce.py runs it:
 
     python reproduce.py --study --base LEGIBLE_BASE --quiet-base QUIET_BASE
 
@@ -15,6 +15,11 @@ samples.
 import os
 
 import data
+import evaluate
+import toy
+from evaluation import comparison, mechanism
+from evaluation.report import clean
+from harness import checkpoint, config, files
 from harness.files import UserError
 from metrics import mean_std, paired
 
@@ -259,3 +264,61 @@ def report(per, diffs, result):
            "| side | criterion (RLCM lam 1 - GRPO, matched fit, Overall) | measured | holds |", "|---|---|---|---|"]
     md += [f"| {c['side']} | {c['text']} | {c['shown']} | {'yes' if c['holds'] else 'no'} |" for c in result["criteria"]]
     return "\n".join(md)
+
+
+def study_cost(args, work, todo, jobs):
+    """One line: the trainings and evaluations of the study still to do and their estimated time
+    (estimate), from the sizes they will run with."""
+    trainings, evaluations = [], []
+    for j in work:
+        how = todo[j["name"]]
+        if how is not None:
+            cfg = config.resolve_args(how)
+            ckpt = "--resume" in how and checkpoint.latest_checkpoint(j["run"], comparison.quiet, resume=True)
+            left = cfg["steps"] - (checkpoint.step_of(ckpt) if ckpt else 0)
+            trainings.append((left, cfg["prompts_per_step"] * cfg["group_size"], cfg["max_new_tokens"]))
+        label = comparison.model_label(j["run"]) if how is None else None
+        for e in j["evals"]:
+            cmd = e["cmd"] + args.eval_args
+            entry = label and comparison.eval_entry(e["dir"], label, comparison.model_ident(j["run"]))
+            if not entry or not comparison.made_with(entry, cmd):
+                ev = evaluate.parse_args(cmd)
+                questions = min(ev.limit or toy.N_TEST, toy.N_TEST)
+                fit = (ev.probe_questions or evaluate.TOY["probe_questions"]) * (ev.probe_samples or evaluate.TOY["probe_samples"])
+                evaluations.append((len(BENCHMARKS) * questions * (ev.n_samples or evaluate.TOY["n"]), fit))
+    cpu, wall = estimate(trainings, evaluations, jobs)
+    return (f"study: {len(trainings)} of {len(work)} trainings and {len(evaluations)} of "
+            f"{sum(len(j['evals']) for j in work)} evaluations to do: about {duration(cpu)} of CPU, "
+            f"{duration(wall)} at --jobs {jobs} on {os.cpu_count()} cores (estimated from the sum world's "
+            "measured timings, scaled by steps, rollouts, tokens and samples: evaluation/study.py)")
+
+
+def write_study(args, work, argv):
+    """The study's table.md and results.json (the numbers of every variant and seed, their paired
+    differences, the mechanism's readouts and the verdict); returns the markdown."""
+    per = {}
+    for j in work:
+        label, ident = comparison.model_label(j["run"]), comparison.model_ident(j["run"])
+        got = dict(train=comparison.training_stats(j["run"]))
+        for e in j["evals"]:
+            entry = comparison.eval_entry(e["dir"], label, ident)
+            if entry is None:
+                raise UserError(f"{e['dir']}/results.json holds no complete toy results for {label}: run the command again")
+            benches = {b: {k: entry["benchmarks"][b][k] for _, k in comparison.KEYS} for b in BENCHMARKS}
+            got[e["folder"]] = dict(benches, Overall=comparison.overall(benches))
+            if e["folder"] == MATCHED:
+                got["readouts"] = mechanism.readouts(mechanism.of_evaluation(e["dir"], entry))
+        per.setdefault(j["variant"], {})[j["seed"]] = got
+    diffs = differences(per)
+    result = verdict(per, diffs)
+    prov, when = comparison.stamp(argv)
+    seeds = sorted({j["seed"] for j in work})
+    text = (f"Pre-registered study on the {args.world} toy world (evaluation/study.py), {when}; "
+            f"seeds {', '.join(map(str, seeds))} (paired); benchmarks {', '.join(BENCHMARKS)} (Overall: their "
+            f"unweighted mean)\n\n{report(per, diffs, result)}\n")
+    files.write_json(os.path.join(args.out, "results.json"), clean(dict(
+        study=per, differences=diffs, verdict=result, benchmarks=list(BENCHMARKS), command=prov["command"],
+        date=prov["date"], git_commit=prov["git_commit"], provenance=prov)))
+    with files.replacing(os.path.join(args.out, "table.md")) as f:
+        f.write(text)
+    return text

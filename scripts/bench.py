@@ -34,13 +34,15 @@ import time
 
 import torch
 
-import rollout
-from harness import staticcache
-from harness.files import UserError
-from harness.config import check_values
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
+if not __package__:   # run as a file (python scripts/bench.py), Python puts scripts/ on the path, -m the root
+    sys.path.insert(0, ROOT)
+import rollout  # noqa: E402
+from harness import staticcache  # noqa: E402
+from harness.files import UserError  # noqa: E402
+from harness.config import check_values  # noqa: E402
 
 # prepare.sh (../shared/device/README.md) copies the 7B config and tokenizer into the checkout here.
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 CONFIG_7B = os.path.join(ROOT, ".device", "r1_distill_qwen_7b")
 BANDWIDTH_TBS = {"H200": 4.8, "H100": 3.35, "A100": 2.0}
 SHAPES = {"toy": dict(prompts=32, samples=8, max_new_tokens=48), "long": dict(prompts=2, samples=8, max_new_tokens=1024),

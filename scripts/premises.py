@@ -27,19 +27,23 @@ import argparse
 import json
 import os
 import random
+import sys
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import data
-import label
-import metrics
-import toy
-from evaluation.confidence import features, think_end
-from evaluation.mechanism import LINE, parse
-from grade import is_correct
-from harness.checkpoint import resolve_model
-from rollout import generate
+if not __package__:   # run as a file (python scripts/premises.py), Python puts scripts/ on the path, -m the root
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import data  # noqa: E402
+import label  # noqa: E402
+import metrics  # noqa: E402
+import toy  # noqa: E402
+from evaluation.confidence import features, think_end  # noqa: E402
+from evaluation.mechanism import LINE, parse  # noqa: E402
+from grade import is_correct  # noqa: E402
+from harness.checkpoint import resolve_model  # noqa: E402
+from rollout import generate  # noqa: E402
+
 
 def on_path(problem, text):
     """Whether the last complete thinking line's total is the true sum of the terms so far (or no

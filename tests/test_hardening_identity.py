@@ -91,12 +91,12 @@ def test_a_model_trained_again_in_place_is_evaluated_again_not_given_the_old_sam
     # H7: at a7c59f5 a model was its path: the second evaluation into E printed the first model's
     # numbers (all its samples reused), and reproduce.py's eval_entry called it "evaluated already".
     import evaluate
-    import reproduce
     import toy
+    from evaluation import comparison
     model = str(tmp_path / "model")
     shutil.copytree(toy.base_model(), model)
     first = evaluate.main(["--model", model, "--out", str(tmp_path / "e"), *FAST])["model"]
-    assert reproduce.eval_entry(str(tmp_path / "e"), "model", evaluate.model_id(model))["model_id"] == first["model_id"]
+    assert comparison.eval_entry(str(tmp_path / "e"), "model", evaluate.model_id(model))["model_id"] == first["model_id"]
     retrain_in_place(model)
     capsys.readouterr()
     again = evaluate.main(["--model", model, "--out", str(tmp_path / "e"), *FAST])
@@ -106,7 +106,7 @@ def test_a_model_trained_again_in_place_is_evaluated_again_not_given_the_old_sam
     assert fresh["benchmarks"]["toy"]["acc"] != first["benchmarks"]["toy"]["acc"]
     assert again["model"]["model_id"] != first["model_id"] and again["model"]["model_id"].startswith(
         os.path.realpath(model) + "#")
-    assert reproduce.eval_entry(str(tmp_path / "e"), "model", first["model_id"]) is None   # the old model's: gone
+    assert comparison.eval_entry(str(tmp_path / "e"), "model", first["model_id"]) is None   # the old model's: gone
 
 
 @pytest.mark.parametrize("key, value", [("model", "runs/other"), ("data", "toy-sub")])

@@ -13,6 +13,7 @@ import pytest
 
 from scripts import bench
 import reproduce
+from evaluation import comparison
 from harness import runlog
 import train
 from harness.files import UserError
@@ -86,14 +87,14 @@ def test_a_damaged_entry_is_evaluated_again(done, capsys, damage):
         toy["acc"] = str(toy["acc"])
     with open(path, "w") as f:
         json.dump(res, f)
-    assert reproduce.eval_entry(os.path.dirname(path), "toy", reproduce.model_ident(None)) is None
+    assert comparison.eval_entry(os.path.dirname(path), "toy", comparison.model_ident(None)) is None
     with pytest.raises(UserError, match=f"{path} holds no complete toy results for toy: run the command again"):
-        reproduce.aggregate(out, ["base"], {"base": [0]})
+        comparison.aggregate(out, ["base"], {"base": [0]})
     reproduce.main(argv)   # at 81f6578: a KeyError traceback / a FAILED line that no rerun clears
     printed = capsys.readouterr().out
     assert "base seed 0: evaluated in" in printed and "grpo seed 0: evaluated already" in printed
     assert _base_entry(out)[1]["toy"]["benchmarks"]["toy"]["acc"] == good["acc"]
-    assert reproduce.aggregate(out, ["base"], {"base": [0]})["base"]["mean"]["toy"]["pce"] == good["pce"]
+    assert comparison.aggregate(out, ["base"], {"base": [0]})["base"]["mean"]["toy"]["pce"] == good["pce"]
 
 
 POISON = "--lr -1"   # at 81f6578 the flags below are passed on: this makes the child fail at once
@@ -142,8 +143,8 @@ def test_an_equal_seed_and_reordered_flags_are_not_refused(tmp_path):
     entry = dict(provenance=dict(command=f"evaluate.py --limit 4 --model toy --out {ev} --seed 1 --benchmarks toy,toy-long,toy-sub "
                                          "--confidence logits --no-early-exit"))
     cmd = reproduce.eval_cmd("c2gspg", 1, None, ev)
-    assert reproduce.made_with(entry, cmd + ["--limit", "4"]) and not reproduce.made_with(entry, cmd)
-    assert not reproduce.made_with({}, cmd)
+    assert comparison.made_with(entry, cmd + ["--limit", "4"]) and not comparison.made_with(entry, cmd)
+    assert not comparison.made_with({}, cmd)
 
 
 def _alive(pid):

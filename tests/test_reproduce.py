@@ -8,7 +8,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import metrics
 import reproduce
+from evaluation import comparison
 
 TRAIN = ("--steps 1 --prompts-per-step 4 --group-size 4 --max-new-tokens 40 --eval-n 8 --eval-every 0 "
          "--log-samples 0 --eval-probe-n 0")
@@ -42,7 +44,7 @@ def test_tiny_comparison_writes_the_table_and_a_rerun_redoes_nothing(tmp_path, c
         ev = _load(os.path.join(out, "eval", f"{m}-seed0", "results.json"))
         assert list(ev) == [f"{m}-seed0/step_000001"] == [seed["model"]]
         assert ev[seed["model"]]["confidence"] == "probe-posthoc"
-        for b in reproduce.BENCHMARKS:
+        for b in comparison.BENCHMARKS:
             got = ev[seed["model"]]["benchmarks"][b]
             assert got["n"] == 4
             for key in ("acc", "pce", "ece", "brier", "auroc"):   # auroc: None (nan) in both when one class
@@ -93,9 +95,9 @@ def _fake_eval(out, name, label, numbers, n=40, extra=None, per_bench=None):
     """EVAL/results.json with `numbers` on every toy benchmark (per_bench: {benchmark: numbers} instead)."""
     ev = os.path.join(out, "eval", name)
     os.makedirs(ev)
-    benches = {b: dict((per_bench or {}).get(b, numbers), n=n) for b in reproduce.BENCHMARKS}
+    benches = {b: dict((per_bench or {}).get(b, numbers), n=n) for b in comparison.BENCHMARKS}
     run = None if name.startswith("base") else os.path.join(out, "runs", name)   # (made by _fake_run first)
-    res = {label: dict(confidence="probe-posthoc", benchmarks=benches, model_id=reproduce.model_ident(run),
+    res = {label: dict(confidence="probe-posthoc", benchmarks=benches, model_id=comparison.model_ident(run),
                        settings={b: dict(questions=n, n=1) for b in benches})}
     res.update(extra or {})
     with open(os.path.join(ev, "results.json"), "w") as f:
@@ -113,7 +115,7 @@ def test_aggregate_pins_mean_and_sample_std(tmp_path):
     _fake_eval(out, "base-seed1", "toy", m(0.6, 0.20, None))   # nan AUROC (one class) is skipped
     _fake_run(out, "grpo-seed0", 3, {0: 0.4, 3: 0.8})
     _fake_run(out, "grpo-seed1", 3, {3: 0.7, 0: 0.5})
-    stale = {"grpo-seed0/step_000001": dict(benchmarks={b: dict(m(0.0, 0.9, 0.1), n=40) for b in reproduce.BENCHMARKS})}
+    stale = {"grpo-seed0/step_000001": dict(benchmarks={b: dict(m(0.0, 0.9, 0.1), n=40) for b in comparison.BENCHMARKS})}
     _fake_eval(out, "grpo-seed0", "grpo-seed0/step_000003", m(0.7, 0.05, 0.8), extra=stale)
     _fake_eval(out, "grpo-seed1", "grpo-seed1/step_000003", m(0.9, 0.15, 0.6))
     for method in ("rlcr", "final-brier"):
@@ -122,9 +124,9 @@ def test_aggregate_pins_mean_and_sample_std(tmp_path):
             _fake_eval(out, f"{method}-seed{seed}", f"{method}-seed{seed}/step_000002", m(0.3, 0.2, 0.5))
 
     methods = ["base", "grpo", "rlcr", "final-brier"]
-    md = reproduce.write_outputs(out, methods, dict.fromkeys(methods, [0, 1]), ["--seeds", "0,1", "--ablations"])
+    md = comparison.write_outputs(out, methods, dict.fromkeys(methods, [0, 1]), ["--seeds", "0,1", "--ablations"])
     res = _load(os.path.join(out, "results.json"))["methods"]
-    for part in reproduce.BENCHMARKS + ("Overall",):   # the same numbers on each: so is their mean
+    for part in comparison.BENCHMARKS + ("Overall",):   # the same numbers on each: so is their mean
         assert res["base"]["mean"][part]["acc"] == pytest.approx(0.55)
         assert res["base"]["std"][part]["acc"] == pytest.approx(math.sqrt(0.005))       # ddof=1: 0.0707
     assert res["base"]["mean"]["toy"]["auroc"] == pytest.approx(0.6) and res["base"]["std"]["toy"]["auroc"] is None
@@ -145,13 +147,13 @@ def test_aggregate_pins_mean_and_sample_std(tmp_path):
     assert "| RLCR | verbal | 0.300 +- 0.000 |" in main and "Final-Brier" not in main
     assert ablations.splitlines()[0].startswith("| method | confidence | toy Acc |")
     assert "| Final-Brier | probe-posthoc |" in ablations and "GRPO" not in ablations
-    assert reproduce.CONFIDENCE["c2gspg"] == "logits" and reproduce.CONFIDENCE["final-margin"] == "probe-posthoc"
+    assert comparison.CONFIDENCE["c2gspg"] == "logits" and comparison.CONFIDENCE["final-margin"] == "probe-posthoc"
     assert "toy 0.079 at p = 0.550, n = 40 samples" in md                       # sqrt(.55 * .45 / 40)
     assert "RLCM - GRPO" not in md   # no RLCM: no paired difference
     assert open(os.path.join(out, "table.md")).read() == md
     assert os.path.isfile(os.path.join(out, "reliability_base.png"))
     assert os.path.isfile(os.path.join(out, "reliability_grpo.png"))
-    assert reproduce.mean_std([0.25]) == (0.25, None) and reproduce.mean_std([None]) == (None, None)
+    assert metrics.mean_std([0.25]) == (0.25, None) and metrics.mean_std([None]) == (None, None)
 
 
 @pytest.mark.parametrize("flags", [["--methods", "grpo,ppo"], ["--methods", ","], ["--seeds", "0,x"],

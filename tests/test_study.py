@@ -108,7 +108,7 @@ GAINS = dict(auroc=0.05, ece=-0.04, pce=-0.04, flag_wrong=0.10, auroc_unflagged=
 
 
 def _per(effects, signal=0.30, calib=0.20):
-    """per[variant][seed] as reproduce.write_study builds it (Overall only); effects {variant: {key: x}}."""
+    """per[variant][seed] as study.write_study builds it (Overall only); effects {variant: {key: x}}."""
     from evaluation import study
     per = {}
     for i, v in enumerate(["grpo", *effects]):

@@ -16,6 +16,7 @@ import metrics
 import reproduce
 import rollout
 import toy
+from evaluation import comparison
 from grpo import group_advantages
 from harness import config
 
@@ -94,7 +95,7 @@ def test_advantage_parts_split_the_group_advantage():
 
 def test_default_seeds_give_the_headline_pair_five():
     _, methods, seeds, _ = reproduce.parse_args([])
-    assert methods == reproduce.MAIN
+    assert methods == comparison.MAIN
     assert seeds == dict(base=[0, 1, 2], grpo=[0, 1, 2, 3, 4], rlcr=[0, 1, 2], c2gspg=[0, 1, 2], rlcm=[0, 1, 2, 3, 4])
     assert reproduce.parse_args(["--seeds", "7"])[2]["rlcm"] == [7]
     cmd = reproduce.eval_cmd("rlcm", 0, "RUN", "EV")
@@ -130,12 +131,12 @@ def _fake(out, method, seed, acc, pce, ece, train_rows=()):
     ev = os.path.join(out, "eval", f"{method}-seed{seed}")
     os.makedirs(ev)
     benches = {b: dict(acc=acc - (0.2 if b == "toy-long" else 0), pce=pce, ece=ece, brier=0.2, auroc=0.7, n=40)
-               for b in reproduce.BENCHMARKS}
+               for b in comparison.BENCHMARKS}
     with open(os.path.join(ev, "results.json"), "w") as f:
-        json.dump({label: dict(confidence="probe-posthoc", benchmarks=benches, model_id=reproduce.model_ident(run),
+        json.dump({label: dict(confidence="probe-posthoc", benchmarks=benches, model_id=comparison.model_ident(run),
                                settings={b: dict(questions=40, n=1) for b in benches})}, f)
     with open(os.path.join(ev, "samples.jsonl"), "w") as f:
-        for b in reproduce.BENCHMARKS:
+        for b in comparison.BENCHMARKS:
             f.write("".join(json.dumps(dict(model=label, benchmark=b, question=q, sample=0, correct=q % 2,
                                             confidence=0.5)) + "\n" for q in range(40)))
 
@@ -149,7 +150,7 @@ def test_reproduce_prints_the_benchmarks_overall_differences_and_why(tmp_path):
         _fake(out, "rlcm", s, rlcm_acc[s], 0.08, 0.05 + 0.01 * s,
               [dict(step=1, signal_frac=0.3, calib_adv_share=0.1), dict(step=2, signal_frac=0.5, calib_adv_share=0.3),
                dict(step=2, eval=True, eval_accuracy=0.6, eval_probe_auroc=0.7 + 0.01 * s)])
-    md = reproduce.write_outputs(out, ["grpo", "rlcm"], dict(grpo=seeds, rlcm=seeds), [])
+    md = comparison.write_outputs(out, ["grpo", "rlcm"], dict(grpo=seeds, rlcm=seeds), [])
     res = json.load(open(os.path.join(out, "results.json")))
     assert res["methods"]["grpo"]["mean"]["Overall"]["acc"] == pytest.approx(0.6 - 0.2 / 3)
     assert res["methods"]["rlcm"]["mean"]["toy-long"]["acc"] == pytest.approx(0.61 - 0.2)
