@@ -35,6 +35,7 @@ from tqdm import tqdm
 import data
 import modes
 import probe as probe_lib
+import prompts as prompts_lib
 from step import Timer, rl_step
 from evaluation import heldout
 from evaluation.heldout import held_out_accuracy
@@ -141,11 +142,11 @@ def run(cfg):
         model, tok = load_policy(cfg, device, ckpt)
         policy, sampler = wrap(model, device)
     if cfg["max_prompt_tokens"]:
-        rows, dropped = data.drop_long_prompts(rows, tok, cfg["max_prompt_tokens"], instruction)
+        rows, dropped = prompts_lib.drop_long_prompts(rows, tok, cfg["max_prompt_tokens"], instruction)
         print0(f"training set: {len(rows)} problems, {dropped} dropped (prompt over {cfg['max_prompt_tokens']} tokens)")
         if not rows:
             raise UserError(f"every training prompt is over --max-prompt-tokens {cfg['max_prompt_tokens']}: raise it")
-    data.check_context(tok, rows, instruction, getattr(model.config, "max_position_embeddings", None),
+    prompts_lib.check_context(tok, rows, instruction, getattr(model.config, "max_position_embeddings", None),
                        cfg["max_new_tokens"], cfg["data"], say=print0, system=cfg["system_prompt"])
     folder.lock()
     # under --lora-rank only the adapter requires gradients: AdamW holds state for it alone

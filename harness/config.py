@@ -8,7 +8,7 @@ import json
 import math
 import os
 
-import data
+import prompts as prompts_lib
 import grade
 import toy
 from grpo import AGGS
@@ -28,7 +28,7 @@ TOY = dict(data="toy", eval_data="toy", steps=45, prompts_per_step=16, group_siz
 # step 0). The toy keeps its own (no decay, the first update at lr / warmup): its README numbers.
 REAL = dict(data="deepscaler", eval_data="math500", steps=600, prompts_per_step=32, group_size=6,
             lr=1e-6, warmup=10, warmup_from_zero=True, weight_decay=0.01, max_new_tokens=8000,
-            max_prompt_tokens=600, eval_n=100, eval_every=50, save_every=40, grad_ckpt=True, micro_tokens=16384, instruction=data.INSTRUCTION,
+            max_prompt_tokens=600, eval_n=100, eval_every=50, save_every=40, grad_ckpt=True, micro_tokens=16384, instruction=prompts_lib.INSTRUCTION,
             grader="strict",  # the released training reward
             gen_batch=8)  # 8 prompts x 6 = 48 rows x 8k tokens: ~22 GB of KV cache for the 7B
 COMMON = dict(model="toy", problem_field=None, answer_field=None, trust_remote_code=False,
@@ -51,7 +51,7 @@ NOT_SAVED = ("resume", "config", "plot")  # how a run was started, not what it i
 IMPLIED = {"final-margin": dict(budgets=(1.0,), corner="final-margin"),
            "process-brier": dict(drop_unanimous=True),
            "final-brier": dict(budgets=(1.0,), drop_unanimous=True),
-           "rlcr": dict(instruction=data.RLCR_INSTRUCTION, grader="minerva")}  # the released RLCR reward
+           "rlcr": dict(instruction=prompts_lib.RLCR_INSTRUCTION, grader="minerva")}  # the released RLCR reward
 # The toy world (256 positions, bare sums) asks for RLCR's format with its own short prompt.
 TOY_IMPLIED = {"rlcr": dict(instruction=toy.RLCR_INSTRUCTION)}
 

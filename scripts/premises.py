@@ -30,9 +30,9 @@ import random
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import data
 import label
 import metrics
+import prompts as prompts_lib
 import toy
 from evaluation.confidence import features, think_end
 from evaluation.mechanism import LINE, parse
@@ -98,7 +98,7 @@ def held_out_auroc(x, y, groups, keep=None, splits=3):
 
 
 def prompts_of(tok, rows):
-    return [data.chat_prompt(tok, r["problem"], "") for r in rows]
+    return [prompts_lib.chat_prompt(tok, r["problem"], "") for r in rows]
 
 
 def line_end_probe(model, tok, world, n, seed=0):
@@ -111,7 +111,7 @@ def line_end_probe(model, tok, world, n, seed=0):
         problem = rng.choice(rows)["problem"]
         terms = toy.terms_of(problem)
         lines, totals = toy.world_trace(terms, rng, w)
-        prompt = data.chat_prompt(tok, problem, "")
+        prompt = prompts_lib.chat_prompt(tok, problem, "")
         ids = prompt + tok.encode("".join(lines), add_special_tokens=False)
         with torch.no_grad():
             hidden = model.model(input_ids=torch.tensor([ids])).last_hidden_state[0]

@@ -390,17 +390,18 @@ def test_ctrl_c_keeps_the_last_checkpoint_and_prints_the_resume_command(tmp_path
 
 def test_prompts_past_the_context_are_refused_and_overflow_is_warned():
     import data
+    import prompts as prompts_lib
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(toy.base_model())   # context 256
     short = {"problem": "1+1", "answer": "2"}
-    n = len(data.chat_prompt(tok, short["problem"], ""))
+    n = len(prompts_lib.chat_prompt(tok, short["problem"], ""))
     said = []
-    data.check_context(tok, [short], "", 256, 256 - n, "d", say=said.append)
+    prompts_lib.check_context(tok, [short], "", 256, 256 - n, "d", say=said.append)
     assert said == []                                        # exactly fills the context
-    data.check_context(tok, [short], "", 256, 257 - n, "d", say=said.append)
+    prompts_lib.check_context(tok, [short], "", 256, 257 - n, "d", say=said.append)
     assert len(said) == 1 and "1 of 1 prompts plus" in said[0]
     with pytest.raises(data.DataError, match=r"d: 1 prompt\(s\) do not fit .* \(row 1: "):
-        data.check_context(tok, [short, {"problem": "2" * 300, "answer": "2"}], "", 256, 10, "d")
+        prompts_lib.check_context(tok, [short, {"problem": "2" * 300, "answer": "2"}], "", 256, 10, "d")
 
 
 @pytest.mark.slow   # evaluate.py killed and resumed

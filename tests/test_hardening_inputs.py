@@ -17,6 +17,7 @@ from harness import config
 import data
 import evaluate
 import probe as probe_lib
+import prompts as prompts_lib
 import toy
 import train
 from harness.files import UserError
@@ -357,10 +358,10 @@ TEMPLATE_CASES = {   # template, system prompt, words in the DataError
 @pytest.mark.parametrize("case", TEMPLATE_CASES)
 def test_a_chat_template_that_fails_is_one_data_error(case, monkeypatch):
     template, system, words = TEMPLATE_CASES[case]
-    monkeypatch.setattr(data, "TEMPLATE_SECONDS", 0.2, raising=False)
+    monkeypatch.setattr(prompts_lib, "TEMPLATE_SECONDS", 0.2, raising=False)
     start = time.perf_counter()
     with pytest.raises(data.DataError) as e:
-        data.chat_prompt(templated(template), "1+1", "", system)
+        prompts_lib.chat_prompt(templated(template), "1+1", "", system)
     assert words in str(e.value), str(e.value)
     assert time.perf_counter() - start < 5
 
@@ -368,6 +369,6 @@ def test_a_chat_template_that_fails_is_one_data_error(case, monkeypatch):
 def test_the_first_prompt_is_rendered_with_the_system_turn_before_any_folder_is_made():
     tok = templated(TEMPLATE_CASES["raises on a system turn"][0])
     rows = [{"problem": "1+1", "answer": "2"}]
-    data.check_context(tok, rows, "", None, 8, "toy")   # no system turn: renders
+    prompts_lib.check_context(tok, rows, "", None, 8, "toy")   # no system turn: renders
     with pytest.raises(data.DataError, match="System role not supported"):
-        data.check_context(tok, rows, "", None, 8, "toy", system="be careful")
+        prompts_lib.check_context(tok, rows, "", None, 8, "toy", system="be careful")
