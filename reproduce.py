@@ -51,7 +51,7 @@ import toy
 from metrics import mean_std, paired
 from evaluation import mechanism, study
 from evaluation.report import clean, plot_reliability
-from harness import checkpoint, config, files, launch, runlog
+from harness import checkpoint, config, files, flags, launch, runlog
 from harness.files import UserError
 
 MAIN = ("base", "grpo", "rlcr", "c2gspg", "rlcm")
@@ -185,7 +185,7 @@ def refuse_overrides(flag, parse, base, extra, fixed):
 
 
 def train_flags(words):
-    return config.build_parser().parse_args(words)
+    return flags.build_parser().parse_args(words)
 
 
 def train_config(words, fixed=TRAIN_FIXED):
@@ -194,7 +194,7 @@ def train_config(words, fixed=TRAIN_FIXED):
     that a bad one fails its training child, as it would without --config."""
     given = vars(train_flags(words))
     saved = config._read_config(given["config"]) if given["config"] else {}   # as train.py reads it
-    world = {**config.COMMON, **config.TOY}
+    world = {**flags.COMMON, **flags.TOY}
     return argparse.Namespace(**{k: given[k] if given[k] is not None else saved.get(k, world.get(k))
                                  for k in fixed})
 

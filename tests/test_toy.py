@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from harness import config
+from harness import flags
 from evaluation import confidence
 import grade
 import label
@@ -93,7 +93,7 @@ def test_rlcr_examples_carry_the_instruction_the_tags_and_a_random_confidence(to
         conf, missing = confidence.verbal_confidence(text)
         assert not missing and conf in [float(c) for c in toy.CONFIDENCES]
         seen[ok, conf] += 1
-        assert len(ids) - len(prompt) <= config.TOY["max_new_tokens"]   # fits the rollout budget
+        assert len(ids) - len(prompt) <= flags.TOY["max_new_tokens"]   # fits the rollout budget
     n = sum(seen.values())
     assert 0.1 * 400 < n < 0.3 * 400   # p_rlcr of the plain examples
     for ok in (True, False):   # right and wrong traces alike draw every confidence

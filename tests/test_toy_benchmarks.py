@@ -18,7 +18,7 @@ import reproduce
 import rollout
 import toy
 from grpo import group_advantages
-from harness import config
+from harness import flags
 
 
 def test_benchmarks_are_deterministic_disjoint_and_what_they_say():
@@ -75,7 +75,7 @@ def test_evaluate_loads_every_toy_benchmark_with_the_toy_settings():
 
 
 def test_rl_trains_on_the_toy_training_split_only():
-    assert config.TOY["data"] == "toy" and data.load_rows("toy", split="train") == toy.dataset("train")
+    assert flags.TOY["data"] == "toy" and data.load_rows("toy", split="train") == toy.dataset("train")
 
 
 def test_advantage_parts_split_the_group_advantage():
