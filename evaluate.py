@@ -43,7 +43,7 @@ from evaluation import confidence, shard
 from evaluation.report import overall, plot_reliability, report_uses, summarize, table, write_results
 from evaluation.samples import (HELD, LOCKS, default_out, digest, filed_label, hold, model_id, model_label, ours,
                                 own_rows, question_ids, read_samples, run_dir, sample_key)
-from harness import checkpoint, config, files, launch, runlog, sandbox
+from harness import checkpoint, config, files, launch, models, runlog, sandbox
 from harness.checkpoint import ALIASES, resolve_model
 from harness.files import UserError
 from harness.config import check_out, check_values
@@ -74,7 +74,7 @@ LIMITS.update(temperature=(lambda v: v >= 0, ">= 0 (0: greedy)"), top_p=(lambda 
 def load_model(name):
     """(model in eval mode on the GPU if there is one, tokenizer); trust_remote_code stays off."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tok = checkpoint.load_model(name, torch.bfloat16 if device == "cuda" else torch.float32)
+    model, tok = models.load_model(name, torch.bfloat16 if device == "cuda" else torch.float32)
     return model.to(device).eval(), tok
 
 

@@ -39,7 +39,7 @@ import prompts as prompts_lib
 from step import Timer, rl_step
 from evaluation import heldout
 from evaluation.heldout import held_out_accuracy
-from harness import checkpoint as ckpt_lib, config, files, launch, lora as lora_lib, plan, runlog
+from harness import checkpoint as ckpt_lib, config, files, launch, lora as lora_lib, models, plan, runlog
 from harness.files import UserError
 from harness.config import resolve_args
 from harness.parallel import MASTER, WORLD, full_state, load_sharded, refresh_sampler, setup, wrap
@@ -59,7 +59,7 @@ def load_policy(cfg, device, ckpt=None):
     dtype = torch.bfloat16 if lora and device.type == "cuda" and WORLD == 1 and not cfg["offload"] else torch.float32
     # a LoRA run resumes on the base its checkpoint was trained on (not what --model names now)
     base = (lora_lib.base_of(ckpt) if ckpt else cfg["model"]) if lora else ckpt or cfg["model"]
-    model, tok = ckpt_lib.load_model(base, dtype, cfg["trust_remote_code"])
+    model, tok = models.load_model(base, dtype, cfg["trust_remote_code"])
     if lora:
         model = lora_lib.with_adapter(model, cfg, ckpt)
     model.config.use_cache = False

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from harness import checkpoint
+from harness import checkpoint, models
 from evaluation import confidence
 from harness import flags
 import data
@@ -329,7 +329,7 @@ def test_weights_that_do_not_fit_the_config_are_one_line(tmp_path):
         cfg = json.load(f)
     write(os.path.join(model, "config.json"), json.dumps(dict(cfg, vocab_size=5000)))
     with pytest.raises(UserError) as e:
-        checkpoint.load_model(model)
+        models.load_model(model)
     assert str(e.value).startswith(f"{model}/model.safetensors: model.embed_tokens.weight has shape [272, ")
     assert "builds [5000, " in str(e.value)
 
