@@ -254,7 +254,7 @@ def run_prompt(path, args):
 
 def rlcr_prompts(loaded):
     """--mode rlcr (the released evaluation's, for RLCR and C2GSPG): every benchmark asks in RLCR's
-    format, prompts_lib.RLCR_INSTRUCTION (the toy world's: toy.RLCR_INSTRUCTION). LiveCodeBench, whose
+    format, prompts.RLCR_INSTRUCTION (the toy world's: toy.RLCR_INSTRUCTION). LiveCodeBench, whose
     answer is a program, has no RLCR form in the release: refused."""
     if any(data.kind(bench) == "code" for bench, *_ in loaded):
         raise UserError("--mode rlcr: lcb has no RLCR-format evaluation (its answer is a program, none in the "

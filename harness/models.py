@@ -12,32 +12,6 @@ from harness.checkpoint import resolve_model
 from harness.files import UserError, first_line
 
 
-def check_shapes(path, trust_remote_code=False):
-    """UserError before any weight is allocated when a local model's safetensors hold a tensor of
-    another shape than its config.json builds (vocab_size 2e6 beside 272 rows of embeddings would
-    first allocate 1.4 GB). The model is built on the meta device: no memory."""
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
-    files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors")) if os.path.isdir(path) else []
-    if not files:
-        return
-    try:
-        cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-        with torch.device("meta"):
-            want = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(
-                cfg, trust_remote_code=trust_remote_code).state_dict().items()}
-    except Exception:  # an unusual config: from_pretrained says what is wrong with it
-        return
-    for n in files:
-        with safe_open(os.path.join(path, n), "pt") as f:
-            for key in f.keys():
-                shape = tuple(f.get_slice(key).get_shape())
-                if want.get(key, shape) != shape:
-                    raise UserError(f"{os.path.join(path, n)}: {key} has shape {list(shape)} but "
-                                    f"{os.path.join(path, 'config.json')} builds {list(want[key])}: the weights "
-                                    "and the config are of different models; restore the matching config.json")
-
-
 def load_model(name, dtype=torch.float32, trust_remote_code=False):
     """(model, tokenizer) for a --model value; any loading failure becomes one UserError line."""
     from safetensors import SafetensorError
@@ -70,3 +44,29 @@ def load_model(name, dtype=torch.float32, trust_remote_code=False):
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return model, tok
+
+
+def check_shapes(path, trust_remote_code=False):
+    """UserError before any weight is allocated when a local model's safetensors hold a tensor of
+    another shape than its config.json builds (vocab_size 2e6 beside 272 rows of embeddings would
+    first allocate 1.4 GB). The model is built on the meta device: no memory."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+    files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors")) if os.path.isdir(path) else []
+    if not files:
+        return
+    try:
+        cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            want = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(
+                cfg, trust_remote_code=trust_remote_code).state_dict().items()}
+    except Exception:  # an unusual config: from_pretrained says what is wrong with it
+        return
+    for n in files:
+        with safe_open(os.path.join(path, n), "pt") as f:
+            for key in f.keys():
+                shape = tuple(f.get_slice(key).get_shape())
+                if want.get(key, shape) != shape:
+                    raise UserError(f"{os.path.join(path, n)}: {key} has shape {list(shape)} but "
+                                    f"{os.path.join(path, 'config.json')} builds {list(want[key])}: the weights "
+                                    "and the config are of different models; restore the matching config.json")
