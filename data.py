@@ -1,9 +1,8 @@
-"""Datasets and prompts.
+"""Datasets: each benchmark's rows, from the hub, a local file or the toy world.
 
     rows = load_rows("math500")                     # [{"problem": str, "answer": str}, ...]
-    ids = chat_prompt(tokenizer, rows[0]["problem"])
 
-Answer extraction and grading live in grade.py.
+The prompts built from them live in prompts.py; answer extraction and grading in grade.py.
 """
 import json
 import math
@@ -13,18 +12,6 @@ import re
 
 from grade import plain_number as _number  # integer gold answers: "025" -> "25"
 
-INSTRUCTION = " Let's think step by step and output the final answer within \\boxed{}."
-# --reward rlcr on a real model (docs/design.md, "Baselines"): the released RLCR prompt, word for word
-# (its deepscaler_dataset_rlcr script: `f"{problem}\n\n{RLCR_INSTRUCTION}"`); the answer is graded
-# from the last <answer> tag, not a box.
-# RLCR_FORMAT is also the format its released evaluation asks for when it forces a re-answer.
-RLCR_FORMAT = ("<answer> final answer here </answer>\n<analysis> confidence and uncertainty analysis here "
-               "</analysis>\n<confidence> number between 0 and 1 </confidence>")
-RLCR_INSTRUCTION = ("\n\nLet's think step by step. Output the final answer inside <answer> </answer>. Then analyze "
-                    "your confidence and uncertainty inside <analysis> </analysis>. Finally, output a confidence "
-                    "score between 0 and 1 inside <confidence> </confidence>.\n\nUse exactly this format:\n"
-                    + RLCR_FORMAT)
-TEMPLATE_SECONDS = 5  # the most one chat-template render may take; a real template takes milliseconds
 PROBLEM_FIELDS = ("problem", "question", "prompt", "Question", "query")
 # Answer-like names only: `solution` is a worked text, never a gold answer.
 ANSWER_FIELDS = ("answer", "final_answer", "gold", "target", "Correct Answer")
@@ -79,20 +66,11 @@ LCB_STARTER = ("You will use the following starter code to write the solution to
 LCB_STDIN = ("Read the inputs from stdin solve the problem and write the answer to stdout (do not directly test "
              "on the sample inputs). Enclose your code within delimiters as follows. Ensure that when the python "
              "program runs, it reads the inputs, runs the algorithm and writes output to STDOUT.\n")
-# LogiQA is multiple choice with four options shown as A. to D.; the letter is asked for in a box.
-LOGIQA_INSTRUCTION = (" Let's think step by step and output the letter of the correct option (A, B, C or D) "
-                      "within \\boxed{}.")
 
 
 def kind(name):
     """How a benchmark is graded: "code" (run against its tests), else "answer" (the last box)."""
     return "code" if name == "lcb" else "answer"
-
-
-def instruction_for(name):
-    """The text appended to each problem of a benchmark: none for LiveCodeBench (its prompt is whole),
-    LogiQA's letter request, else the math INSTRUCTION."""
-    return {"lcb": "", "logiqa": LOGIQA_INSTRUCTION}.get(name, INSTRUCTION)
 
 
 def lcb_window(release):
@@ -156,62 +134,6 @@ def scrub(text: str) -> str:
     text = re.sub(r"[\x07\x08\t\x0b\x0c\r](?=[A-Za-z])", lambda m: _ESCAPES[m.group()], text)
     text = text.replace("\r\n", "\n").replace("\t", " ")
     return re.sub(r"[\x00-\x08\x0b-\x1f\x7f]", "", text)
-
-
-class _Slow(BaseException):
-    """Raised by the render timer; a BaseException, so that no `except Exception` swallows it."""
-
-
-def _render(tokenizer, messages, **kw):
-    """apply_chat_template, where a template that raises (jinja2's TemplateError, its sandbox's
-    SecurityError), is missing, or renders for over TEMPLATE_SECONDS is one DataError line.
-
-    The bound is an interval timer around each render: it stops any template, whatever the prompt
-    it is given, for microseconds per render. Signals reach only the main thread, so elsewhere
-    the render is unbounded."""
-    import signal
-    import threading
-    from jinja2 import TemplateError
-
-    def stop(signum, frame):
-        raise _Slow
-    timed = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
-    try:
-        if timed:
-            before = signal.signal(signal.SIGALRM, stop)
-            signal.setitimer(signal.ITIMER_REAL, TEMPLATE_SECONDS)
-        try:
-            return tokenizer.apply_chat_template(messages, **kw)
-        finally:
-            if timed:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-                signal.signal(signal.SIGALRM, before or signal.SIG_DFL)  # None: a handler set outside Python
-    except _Slow:
-        raise DataError(f"this model's chat template renders one prompt for over {TEMPLATE_SECONDS} s: "
-                        "fix its chat_template") from None
-    except (TemplateError, ValueError, TypeError) as e:
-        first = (str(e).strip().splitlines() or [""])[0][:200]
-        fix = " or drop --system-prompt" if messages[0]["role"] == "system" else ""
-        raise DataError(f"this model's chat template cannot render the prompt ({type(e).__name__}: {first}): "
-                        f"give the model a working chat_template{fix}") from None
-
-
-def chat_prompt(tokenizer, problem: str, instruction: str = INSTRUCTION, system: str = None) -> list[int]:
-    """Prompt ids: chat template over one user turn `problem + instruction` (after a system turn
-    when `system` is given), generation prompt added (R1: BOS <｜User｜>...<｜Assistant｜><think>\\n).
-    Tokenized by the template itself, since re-tokenizing the rendered string would add a second BOS."""
-    messages = [{"role": "user", "content": problem + instruction}]
-    if system:
-        messages.insert(0, {"role": "system", "content": system})
-        if _render(tokenizer, messages, tokenize=False) == _render(tokenizer, messages[1:], tokenize=False):
-            raise DataError("this model's chat template drops the system turn: put the text in the "
-                            "instruction (--instruction) instead")
-    out = _render(tokenizer, messages, add_generation_prompt=True, tokenize=True)
-    ids = [int(i) for i in (out["input_ids"] if hasattr(out, "keys") else out)]
-    bos = tokenizer.bos_token_id
-    while bos is not None and len(ids) > 1 and ids[0] == ids[1] == bos:
-        ids.pop(0)
-    return ids
 
 
 def _read_file(path):
@@ -327,13 +249,6 @@ def _choices(row, index, spec):
     return problem, letters[order.index(0)]
 
 
-def drop_long_prompts(rows, tokenizer, max_tokens, instruction=INSTRUCTION):
-    """(rows whose chat prompt has at most max_tokens tokens, number dropped); the released training
-    set drops longer prompts (600 tokens) when it is loaded."""
-    over = {i for i, _ in long_prompts(tokenizer, rows, instruction, max_tokens)}
-    return [r for i, r in enumerate(rows) if i not in over], len(over)
-
-
 def load_rows(source, split=None, problem_field=None, answer_field=None, limit=None, like=None,
               lcb_release=LCB_RELEASE, toy_world=None):
     """[{"problem": str, "answer": str}] from a TOY_BENCHMARKS name, a BENCHMARKS name, a local .json/.jsonl/.parquet
@@ -402,43 +317,3 @@ def load_rows(source, split=None, problem_field=None, answer_field=None, limit=N
                             f"(fields {pf!r}, {af!r}): fix the data or pass --problem-field/--answer-field")
         rows.append({"problem": problem, "answer": answer})
     return rows
-
-
-def check_context(tokenizer, rows, instruction, context, max_new_tokens, where, say=print, system=None):
-    """DataError when a prompt leaves no room to generate in the model's `context` tokens; `say` a
-    warning when prompts plus max_new_tokens overflow it (those samples will be cut short). The
-    first row is rendered with the `system` turn first: a chat template that fails on it stops
-    here, before any folder is made."""
-    if rows:
-        chat_prompt(tokenizer, rows[0]["problem"], instruction, system)
-    if not context:
-        return
-    over = long_prompts(tokenizer, rows, instruction, context - max_new_tokens)
-    too_long = [(i, n) for i, n in over if n >= context]
-    if too_long:
-        raise DataError(f"{where}: {len(too_long)} prompt(s) do not fit the model's context of {context} "
-                        f"tokens (row {too_long[0][0]}: {too_long[0][1]} tokens): shorten or remove them")
-    if over:
-        say(f"warning: {where}: {len(over)} of {len(rows)} prompts plus {max_new_tokens} new tokens exceed "
-            f"the model's context of {context} tokens")
-
-
-def long_prompts(tokenizer, rows, instruction, limit):
-    """[(row index, prompt tokens)] for rows whose chat prompt is longer than `limit` tokens.
-
-    Only rows that could be that long are tokenized: a prompt has at most the template's own
-    tokens plus two per UTF-8 byte of the problem (byte-level tokenizers give at most one)."""
-    import logging
-    base = len(chat_prompt(tokenizer, "", instruction))
-    out, log = [], logging.getLogger("transformers")
-    level = log.level
-    log.setLevel(logging.ERROR)  # the tokenizer's "longer than the maximum length" warning: we say it better
-    try:
-        for i, r in enumerate(rows):
-            if base + 2 * len(r["problem"].encode("utf-8")) > limit:
-                n = len(chat_prompt(tokenizer, r["problem"], instruction))
-                if n > limit:
-                    out.append((i, n))
-    finally:
-        log.setLevel(level)
-    return out

@@ -36,13 +36,14 @@ import grade
 import label as label_lib
 import modes
 import probe as probe_lib
+import prompts as prompts_lib
 import rollout
 import toy
 from evaluation import confidence, shard
 from evaluation.report import overall, plot_reliability, report_uses, summarize, table, write_results
 from evaluation.samples import (HELD, LOCKS, default_out, digest, filed_label, hold, model_id, model_label, ours,
                                 own_rows, question_ids, read_samples, run_dir, sample_key)
-from harness import checkpoint, config, files, launch, runlog, sandbox
+from harness import checkpoint, config, files, launch, models, runlog, sandbox
 from harness.checkpoint import ALIASES, resolve_model
 from harness.files import UserError
 from harness.config import check_out, check_values
@@ -73,7 +74,7 @@ LIMITS.update(temperature=(lambda v: v >= 0, ">= 0 (0: greedy)"), top_p=(lambda 
 def load_model(name):
     """(model in eval mode on the GPU if there is one, tokenizer); trust_remote_code stays off."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tok = checkpoint.load_model(name, torch.bfloat16 if device == "cuda" else torch.float32)
+    model, tok = models.load_model(name, torch.bfloat16 if device == "cuda" else torch.float32)
     return model.to(device).eval(), tok
 
 
@@ -90,11 +91,11 @@ def load_benchmark(spec, limit=None, lcb_release=data.LCB_RELEASE, toy_world="su
         if name not in data.BENCHMARKS:
             raise UserError(f"unknown benchmark {name!r} in {spec!r}; known: {known}")
         rows = data.load_rows(path, limit=limit, like=name, lcb_release=lcb_release)
-        return name, rows, data.instruction_for(name)
+        return name, rows, prompts_lib.instruction_for(name)
     if name.lower().endswith((".json", ".jsonl", ".parquet")):
-        return os.path.splitext(os.path.basename(name))[0], data.load_rows(name, limit=limit), data.INSTRUCTION
+        return os.path.splitext(os.path.basename(name))[0], data.load_rows(name, limit=limit), prompts_lib.INSTRUCTION
     if name in data.BENCHMARKS or "/" in name:
-        return name, data.load_rows(name, limit=limit, lcb_release=lcb_release), data.instruction_for(name)
+        return name, data.load_rows(name, limit=limit, lcb_release=lcb_release), prompts_lib.instruction_for(name)
     raise UserError(f"unknown benchmark {name!r}; known: {known}; or a local .json/.jsonl/.parquet file, "
                     "NAME=FILE, or an HF dataset id (owner/name)")
 
@@ -129,7 +130,7 @@ def check_prompts(tok, model, loaded, args, run_instruction=None, system=None):
     cannot render it; warn on overflow."""
     for bench, rows, instruction, _ in loaded:
         instruction = instruction if run_instruction is None else run_instruction
-        data.check_context(tok, rows, instruction, getattr(model.config, "max_position_embeddings", None),
+        prompts_lib.check_context(tok, rows, instruction, getattr(model.config, "max_position_embeddings", None),
                            settings(bench, args)["max_new_tokens"], bench,
                            say=lambda m: print(m, file=sys.stderr), system=system)
 
@@ -213,7 +214,7 @@ def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, con
                 written.add(None)
                 continue
             m = len(chunk[0][1])
-            prompts = [data.chat_prompt(tok, rows[q]["problem"], instruction, system) for q, _ in chunk]
+            prompts = [prompts_lib.chat_prompt(tok, rows[q]["problem"], instruction, system) for q, _ in chunk]
             seed = args.seed * 1_000_003 + chunk[0][0] * 1009 + m
             out = rollout.generate(model, tok, prompts, n=m, max_new_tokens=s["max_new_tokens"],
                                    temperature=args.temperature, top_p=args.top_p, seed=seed,
@@ -253,12 +254,12 @@ def run_prompt(path, args):
 
 def rlcr_prompts(loaded):
     """--mode rlcr (the released evaluation's, for RLCR and C2GSPG): every benchmark asks in RLCR's
-    format, data.RLCR_INSTRUCTION (the toy world's: toy.RLCR_INSTRUCTION). LiveCodeBench, whose
+    format, prompts.RLCR_INSTRUCTION (the toy world's: toy.RLCR_INSTRUCTION). LiveCodeBench, whose
     answer is a program, has no RLCR form in the release: refused."""
     if any(data.kind(bench) == "code" for bench, *_ in loaded):
         raise UserError("--mode rlcr: lcb has no RLCR-format evaluation (its answer is a program, none in the "
                         "release either): evaluate it without --mode rlcr")
-    return [(bench, rows, toy.RLCR_INSTRUCTION if bench in data.TOY_BENCHMARKS else data.RLCR_INSTRUCTION, src)
+    return [(bench, rows, toy.RLCR_INSTRUCTION if bench in data.TOY_BENCHMARKS else prompts_lib.RLCR_INSTRUCTION, src)
             for bench, rows, _, src in loaded]
 
 
@@ -306,7 +307,7 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
     if is_toy:
         pool, instruction = toy_fit_rows(src, args.toy_world), toy.INSTRUCTION
     else:
-        pool, instruction = data.load_rows(src, lcb_release=args.lcb_release), data.instruction_for(src)
+        pool, instruction = data.load_rows(src, lcb_release=args.lcb_release), prompts_lib.instruction_for(src)
     instruction = instruction if prompt[0] is None else prompt[0]
     seen = {r["problem"] for _, rows, _, _ in loaded for r in rows}
     rows = [r for r in pool if r["problem"] not in seen][:args.probe_questions or w["probe_questions"]]

@@ -43,7 +43,7 @@ import toy
 from evaluation import study
 from evaluation.comparison import (ABLATIONS, BENCHMARKS, CONFIDENCE, MAIN, PAIR, eval_entry, held_out, made_with,
                                    model_ident, model_label, parsed, paths, quiet, write_outputs)
-from harness import checkpoint, config, files, launch
+from harness import checkpoint, config, files, flags, launch
 from harness.files import UserError
 
 SEEDS = dict(dict.fromkeys(MAIN + ABLATIONS, (0, 1, 2)), **dict.fromkeys(PAIR, (0, 1, 2, 3, 4)))
@@ -151,7 +151,7 @@ def refuse_overrides(flag, parse, base, extra, fixed):
 
 
 def train_flags(words):
-    return config.build_parser().parse_args(words)
+    return flags.build_parser().parse_args(words)
 
 
 def train_config(words, fixed=TRAIN_FIXED):
@@ -160,7 +160,7 @@ def train_config(words, fixed=TRAIN_FIXED):
     that a bad one fails its training child, as it would without --config."""
     given = vars(train_flags(words))
     saved = config._read_config(given["config"]) if given["config"] else {}   # as train.py reads it
-    world = {**config.COMMON, **config.TOY}
+    world = {**flags.COMMON, **flags.TOY}
     return argparse.Namespace(**{k: given[k] if given[k] is not None else saved.get(k, world.get(k))
                                  for k in fixed})
 

@@ -35,10 +35,11 @@ from tqdm import tqdm
 import data
 import modes
 import probe as probe_lib
+import prompts as prompts_lib
 from step import Timer, rl_step
 from evaluation import heldout
 from evaluation.heldout import held_out_accuracy
-from harness import checkpoint as ckpt_lib, config, files, launch, lora as lora_lib, plan, runlog
+from harness import checkpoint as ckpt_lib, config, files, launch, lora as lora_lib, models, plan, runlog
 from harness.files import UserError
 from harness.config import resolve_args
 from harness.parallel import MASTER, WORLD, full_state, load_sharded, refresh_sampler, setup, wrap
@@ -58,7 +59,7 @@ def load_policy(cfg, device, ckpt=None):
     dtype = torch.bfloat16 if lora and device.type == "cuda" and WORLD == 1 and not cfg["offload"] else torch.float32
     # a LoRA run resumes on the base its checkpoint was trained on (not what --model names now)
     base = (lora_lib.base_of(ckpt) if ckpt else cfg["model"]) if lora else ckpt or cfg["model"]
-    model, tok = ckpt_lib.load_model(base, dtype, cfg["trust_remote_code"])
+    model, tok = models.load_model(base, dtype, cfg["trust_remote_code"])
     if lora:
         model = lora_lib.with_adapter(model, cfg, ckpt)
     model.config.use_cache = False
@@ -141,11 +142,11 @@ def run(cfg):
         model, tok = load_policy(cfg, device, ckpt)
         policy, sampler = wrap(model, device)
     if cfg["max_prompt_tokens"]:
-        rows, dropped = data.drop_long_prompts(rows, tok, cfg["max_prompt_tokens"], instruction)
+        rows, dropped = prompts_lib.drop_long_prompts(rows, tok, cfg["max_prompt_tokens"], instruction)
         print0(f"training set: {len(rows)} problems, {dropped} dropped (prompt over {cfg['max_prompt_tokens']} tokens)")
         if not rows:
             raise UserError(f"every training prompt is over --max-prompt-tokens {cfg['max_prompt_tokens']}: raise it")
-    data.check_context(tok, rows, instruction, getattr(model.config, "max_position_embeddings", None),
+    prompts_lib.check_context(tok, rows, instruction, getattr(model.config, "max_position_embeddings", None),
                        cfg["max_new_tokens"], cfg["data"], say=print0, system=cfg["system_prompt"])
     folder.lock()
     # under --lora-rank only the adapter requires gradients: AdamW holds state for it alone

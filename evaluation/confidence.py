@@ -46,10 +46,10 @@ import torch
 import probe as probe_lib
 import rollout
 from baselines import verbal_confidence  # RLCR's parser, read here for --confidence verbal
-from data import RLCR_FORMAT, chat_prompt
 from grade import answers_match, boxed_answer, boxed_in_thinking, code_job, is_correct
 from grpo import pack, token_logprobs
 from label import absolute_budgets, budgets, forced_prompt, mc_labels
+from prompts import RLCR_FORMAT, chat_prompt
 from rollout import generate
 from update import budget_ends, score
 from harness import files, plan, sandbox, staticcache

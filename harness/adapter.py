@@ -20,6 +20,11 @@ from harness.files import UserError, first_line, write_json
 BASE, CONFIG, WEIGHTS = "base.json", "adapter_config.json", "adapter_model.safetensors"
 
 
+def is_adapter(path):
+    """Whether a checkpoint folder holds an adapter (not a whole model)."""
+    return os.path.isfile(os.path.join(path, CONFIG))
+
+
 def record_base(folder, base):
     """Write FOLDER/base.json for an adapter trained on `base` (a folder or a hub id)."""
     rel = os.path.relpath(base, folder) if os.path.isdir(base) else None
@@ -64,7 +69,6 @@ def _check_rank(path, weights, r):
 def base_of(ckpt):
     """The base model an adapter checkpoint was trained on: a folder holding that very model (base.json),
     or the hub id it names; UserError when it is gone or has changed, or names an adapter itself."""
-    from harness.lora import is_adapter
     named = read_config(ckpt)["base_model_name_or_path"]
     try:
         with open(os.path.join(ckpt, BASE), encoding="utf-8") as f:

@@ -17,13 +17,8 @@ import os
 
 import torch
 
-CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+WEIGHTS = "adapter_model.safetensors"
 ADAPTER = "default"  # peft's adapter name, dropped from the saved keys as peft does
-
-
-def is_adapter(path):
-    """Whether a checkpoint folder holds an adapter (not a whole model)."""
-    return os.path.isfile(os.path.join(path, CONFIG))
 
 
 def has_adapter(model):

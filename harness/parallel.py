@@ -150,7 +150,8 @@ def load_sharded(name, device, offload=False, trust_remote_code=False, grad_ckpt
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from harness.checkpoint import load_model, resolve_model
+    from harness.checkpoint import resolve_model
+    from harness.models import load_model
     full = {}
     if MASTER:
         model, tok = load_model(name, torch.float32, trust_remote_code)

@@ -54,13 +54,13 @@ LIMITS.update(temperature=(lambda v: v >= 0, ">= 0 (0: greedy)"), top_p=(lambda 
 
 
 def toy_world(n_prompts):
-    import data
+    import prompts as prompts_lib
     import toy
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = toy.base_model()
     model, tok = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     rows = toy.dataset("train")[:n_prompts]
-    return model, tok, [data.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
+    return model, tok, [prompts_lib.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
 
 
 def cut_config(path, layers=None):

@@ -34,9 +34,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 if not __package__:   # run as a file (python scripts/premises.py), Python puts scripts/ on the path, -m the root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import data  # noqa: E402
 import label  # noqa: E402
 import metrics  # noqa: E402
+import prompts as prompts_lib  # noqa: E402
 import toy  # noqa: E402
 from evaluation.confidence import features, think_end  # noqa: E402
 from evaluation.mechanism import LINE, parse  # noqa: E402
@@ -103,7 +103,7 @@ def held_out_auroc(x, y, groups, keep=None, splits=3):
 
 
 def prompts_of(tok, rows):
-    return [data.chat_prompt(tok, r["problem"], "") for r in rows]
+    return [prompts_lib.chat_prompt(tok, r["problem"], "") for r in rows]
 
 
 def line_end_probe(model, tok, world, n, seed=0):
@@ -116,7 +116,7 @@ def line_end_probe(model, tok, world, n, seed=0):
         problem = rng.choice(rows)["problem"]
         terms = toy.terms_of(problem)
         lines, totals = toy.world_trace(terms, rng, w)
-        prompt = data.chat_prompt(tok, problem, "")
+        prompt = prompts_lib.chat_prompt(tok, problem, "")
         ids = prompt + tok.encode("".join(lines), add_special_tokens=False)
         with torch.no_grad():
             hidden = model.model(input_ids=torch.tensor([ids])).last_hidden_state[0]

@@ -37,7 +37,7 @@ stats = step.update(policy, opt, sched, batch, None, adv[mine], [[j] for j in ra
 state, opt_state = full_state(policy, opt)
 
 if torch.distributed.is_initialized():
-    from harness.checkpoint import load_model
+    from harness.models import load_model
     torch.manual_seed(5)
     ref = lora.with_adapter(load_model("toy")[0], CFG)
     # every rank seeded alike, as train.run does; then rank 0 draws the adapter's init twice (its

@@ -77,7 +77,7 @@ step.probe_margin(probe, probe_opt, feats, grid(labels), cut_mask(labels), cfg, 
 torch.save(probe.state_dict(), f"{sys.argv[1]}.probe{RANK}")
 
 if torch.distributed.is_initialized():  # the lean start: rank 0 reads the toy, the others get shards
-    from harness.checkpoint import load_model
+    from harness.models import load_model
     ref, _ = load_model("toy")
     lean, sampler, lm, _ = load_sharded("toy", device, offload)
     ids = torch.tensor([[5, 9, 3, 7, 11, 2, 40]])

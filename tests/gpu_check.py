@@ -80,8 +80,10 @@ import label  # noqa: E402
 import rollout  # noqa: E402
 import static_shapes  # noqa: E402  (beside this file)
 from grpo import pack  # noqa: E402
-from harness import config, lora, plan, staticcache  # noqa: E402
+from harness import lora, plan, staticcache  # noqa: E402
+from harness.adapter import is_adapter  # noqa: E402
 from harness.checkpoint import latest_checkpoint  # noqa: E402
+from harness.flags import COMMON, REAL  # noqa: E402
 from harness.parallel import wrap  # noqa: E402
 from live_bytes import LiveBytes  # noqa: E402  (beside this file)
 from scripts import bench  # noqa: E402
@@ -90,9 +92,9 @@ from update import budget_ends, micro_batches, micro_batch, score, update  # noq
 
 GiB = 2**30
 SHAPE = staticcache._Shape  # the static decoder's buffer set, whose captures `capturing` times
-# Sizes on the GPU: one rank of the 8-GPU recipe (config.REAL); --dry-run takes DRY's for the CPU.
+# Sizes on the GPU: one rank of the 8-GPU recipe (harness/flags.py: REAL); --dry-run takes DRY's for the CPU.
 SIZES = dict(layers=None, prompts=4, group=6, prompt_len=plan.PROMPT_TOKENS, rollout_new=1024,
-             shortest=200, longest=config.REAL["max_new_tokens"], k=4, answer_tokens=plan.FORCED_ANSWER,
+             shortest=200, longest=REAL["max_new_tokens"], k=4, answer_tokens=plan.FORCED_ANSWER,
              decode_prompt=6000, decode_steps=256, adapter_rank=32, toy_rank=8, copy_mib=1024,
              eval_flags=["--limit", "16", "--probe-questions", "16", "--probe-samples", "4"])
 # the vocabulary stays (the pad id and </think> are near its end); prompt_len is the toy world's,
@@ -176,7 +178,7 @@ def capturing(device):
 def run_cfg(ctx, new):
     """The run's settings with this check's sizes and `new` tokens: what plan.estimate and update read."""
     s = ctx["sizes"]
-    return {**config.COMMON, **config.REAL, "model": "toy" if ctx["args"].dry_run else "gpu-check",
+    return {**COMMON, **REAL, "model": "toy" if ctx["args"].dry_run else "gpu-check",
             "prompts_per_step": s["prompts"], "group_size": s["group"], "max_new_tokens": new, "k": s["k"],
             "grad_ckpt": True}
 
@@ -387,7 +389,7 @@ def check_decode(ctx):
             paths[name] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
 
     def adapted():  # a copy of the model with an unmerged adapter, as peft makes it (fp32 on a bf16 base)
-        m = lora.add_adapter(copy.deepcopy(model), {**config.COMMON, "lora_rank": s["adapter_rank"]}, args.config)
+        m = lora.add_adapter(copy.deepcopy(model), {**COMMON, "lora_rank": s["adapter_rank"]}, args.config)
         adapter["dtype"] = str(next(p.dtype for n, p in m.named_parameters() if "lora_A" in n))
         return m
 
@@ -469,7 +471,7 @@ def check_toy_lora(ctx):
         tensors = len(list(f.keys()))
     ctx["lora_run"] = os.path.dirname(os.path.dirname(ckpt))
     last = row["steps"][-1]
-    return dict(row, adapter=lora.is_adapter(ckpt), adapter_tensors=tensors,
+    return dict(row, adapter=is_adapter(ckpt), adapter_tensors=tensors,
                 headline=f"2 steps, sampler gap {last['sampler_gap']:.2e}, {last['captures']} captures in the "
                          f"last; {row['checkpoint']} holds {tensors} adapter tensors")
 

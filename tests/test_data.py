@@ -1,4 +1,4 @@
-"""data.py: chat prompts and dataset loading (local fixtures only); grading is in test_grade.py."""
+"""data.py: dataset loading (local fixtures only); prompts are in test_prompts.py, grading in test_grade.py."""
 import json
 import os
 import sys
@@ -15,37 +15,6 @@ needs_fixtures = pytest.mark.skipif(not os.path.isdir(FIXTURES), reason="shared 
 def test_scrub_restores_latex_escapes():
     assert data.scrub("$\x0crac{1}{2} \times 3$\r\n\x00ok\t1") == "$\\frac{1}{2} \\times 3$\nok 1"
     assert data.scrub("\x08inom{5}{2}") == "\\binom{5}{2}"
-
-
-class FakeTokenizer:
-    bos_token_id = 5
-
-    def __init__(self, out):
-        self.out = out
-
-    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
-        assert add_generation_prompt and tokenize and messages[0]["content"].endswith(data.INSTRUCTION)
-        return self.out
-
-
-def test_chat_prompt_returns_plain_ids_with_one_bos():
-    assert data.chat_prompt(FakeTokenizer({"input_ids": [5, 5, 7, 8]}), "p") == [5, 7, 8]
-    assert data.chat_prompt(FakeTokenizer([5, 9]), "p") == [5, 9]
-
-
-@needs_fixtures
-def test_chat_prompt_with_the_real_tokenizer():
-    from tests import tiny  # imported here: the grading tests need no transformers
-    tok = tiny.real_tokenizer()
-    if tok is None:
-        pytest.skip("shared fixture r1_distill_qwen_7b not present")
-    problem = data.load_rows(os.path.join(FIXTURES, "math500.jsonl"), limit=1)[0]["problem"]
-    ids = data.chat_prompt(tok, problem)
-    assert isinstance(ids, list) and all(type(i) is int for i in ids)
-    assert ids[0] == 151646 and ids.count(151646) == 1
-    assert ids[-3:] == [151645, 151648, 198]
-    assert tok.decode(ids).endswith("<｜Assistant｜><think>\n")
-    assert problem + data.INSTRUCTION in tok.decode(ids)
 
 
 @needs_fixtures
@@ -146,25 +115,3 @@ def test_toy_source_calls_toy_dataset(monkeypatch):
     data.load_rows("toy", split="test")
     data.load_rows("toy-long", split="test", toy_world="legible")
     assert seen == [("train", "toy", "sum"), ("test", "toy", "sum"), ("test", "toy-long", "legible")]
-
-
-# The released RLCR prompt (scripts/data/deepscaler_dataset_rlcr), copied by hand: f"{problem}\n\n{it}".
-RELEASED_RLCR = ("Let's think step by step. Output the final answer inside <answer> </answer>. Then analyze your "
-                 "confidence and uncertainty inside <analysis> </analysis>. Finally, output a confidence score "
-                 "between 0 and 1 inside <confidence> </confidence>.\n\nUse exactly this format:\n"
-                 "<answer> final answer here </answer>\n<analysis> confidence and uncertainty analysis here "
-                 "</analysis>\n<confidence> number between 0 and 1 </confidence>")
-
-
-def test_rlcr_prompt_is_the_released_string():
-    problem = "What is 3 + 5?"
-    assert problem + data.RLCR_INSTRUCTION == f"{problem}\n\n{RELEASED_RLCR}"
-    assert RELEASED_RLCR.endswith(data.RLCR_FORMAT)
-
-
-@needs_fixtures
-def test_rlcr_prompt_on_the_r1_template():
-    from tiny import real_tokenizer
-    tok = real_tokenizer()
-    text = tok.decode(data.chat_prompt(tok, "What is 3 + 5?", data.RLCR_INSTRUCTION))
-    assert text == f"<｜begin▁of▁sentence｜><｜User｜>What is 3 + 5?\n\n{RELEASED_RLCR}<｜Assistant｜><think>\n"

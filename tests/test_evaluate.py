@@ -9,6 +9,7 @@ import data
 import evaluate
 import metrics
 import probe as probe_lib
+import prompts as prompts_lib
 import rollout
 import toy
 import train
@@ -69,7 +70,7 @@ def test_benchmark_fixtures_in_their_real_layout(name, count, first_answer):
     with open(path) as f:
         raw = [json.loads(line) for line in f]
     bench, rows, instruction = evaluate.load_benchmark(f"{name}={path}")
-    assert bench == name and len(rows) == count and instruction == data.INSTRUCTION
+    assert bench == name and len(rows) == count and instruction == prompts_lib.INSTRUCTION
     assert rows[0]["problem"] == (raw[0].get("problem") or raw[0]["question"]).strip()
     assert rows[0]["answer"] == (first_answer or str(raw[0]["answer"]))
     assert evaluate.load_benchmark(path, limit=3)[0] == name          # a bare file is named by its stem

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from harness import checkpoint, files
-from harness import config
+from harness import flags
 import evaluate
 import toy
 import train
@@ -211,7 +211,7 @@ def test_resume_with_a_truncated_latest_safetensors_falls_back(run_copy, capsys)
 def test_resume_applies_and_records_changed_lr_and_steps(run_copy, capsys):
     train.main(["--resume", run_copy, "--steps", "3", "--lr", "1e-3"])
     printed = capsys.readouterr().out
-    assert "changed on resume" in printed and f"lr {config.TOY['lr']} -> 0.001" in printed and "steps 2 -> 3" in printed
+    assert "changed on resume" in printed and f"lr {flags.TOY['lr']} -> 0.001" in printed and "steps 2 -> 3" in printed
     cfg = json.load(open(os.path.join(run_copy, "config.json")))
     assert cfg["steps"] == 3 and cfg["lr"] == 1e-3 and cfg["resume"] is None
     (row,) = [r for r in metric_rows(run_copy) if r["step"] == 3 and not r.get("eval")]
@@ -390,17 +390,18 @@ def test_ctrl_c_keeps_the_last_checkpoint_and_prints_the_resume_command(tmp_path
 
 def test_prompts_past_the_context_are_refused_and_overflow_is_warned():
     import data
+    import prompts as prompts_lib
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(toy.base_model())   # context 256
     short = {"problem": "1+1", "answer": "2"}
-    n = len(data.chat_prompt(tok, short["problem"], ""))
+    n = len(prompts_lib.chat_prompt(tok, short["problem"], ""))
     said = []
-    data.check_context(tok, [short], "", 256, 256 - n, "d", say=said.append)
+    prompts_lib.check_context(tok, [short], "", 256, 256 - n, "d", say=said.append)
     assert said == []                                        # exactly fills the context
-    data.check_context(tok, [short], "", 256, 257 - n, "d", say=said.append)
+    prompts_lib.check_context(tok, [short], "", 256, 257 - n, "d", say=said.append)
     assert len(said) == 1 and "1 of 1 prompts plus" in said[0]
     with pytest.raises(data.DataError, match=r"d: 1 prompt\(s\) do not fit .* \(row 1: "):
-        data.check_context(tok, [short, {"problem": "2" * 300, "answer": "2"}], "", 256, 10, "d")
+        prompts_lib.check_context(tok, [short, {"problem": "2" * 300, "answer": "2"}], "", 256, 10, "d")
 
 
 @pytest.mark.slow   # evaluate.py killed and resumed

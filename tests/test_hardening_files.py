@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from harness import checkpoint, files
+from harness import checkpoint, files, models
 import evaluate
 from evaluation import report
 import train
@@ -161,7 +161,7 @@ def test_a_checkpoint_pruned_while_loading_is_said_plainly(run_copy, monkeypatch
         return load(path, **kw)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", pruned_first)
     with pytest.raises(files.UserError, match=f"its checkpoint {ckpt(run_copy, 2)} was removed while loading"):
-        checkpoint.load_model(run_copy)
+        models.load_model(run_copy)
 
 
 def test_a_checkpoint_pruned_while_listing_is_passed_over_for_the_newer_one(run_copy, monkeypatch):

@@ -11,12 +11,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from harness import checkpoint
+from harness import checkpoint, models
 from evaluation import confidence
-from harness import config
+from harness import flags
 import data
 import evaluate
 import probe as probe_lib
+import prompts as prompts_lib
 import toy
 import train
 from harness.files import UserError
@@ -106,7 +107,7 @@ def test_a_utf8_byte_order_mark_is_accepted(tmp_path):
 # ---- D11: a config file's values pass the command line's checks
 
 def config_file(tmp_path, **change):
-    cfg = {**config.COMMON, **config.TOY, "steps": 1, "prompts_per_step": 4, "group_size": 4,
+    cfg = {**flags.COMMON, **flags.TOY, "steps": 1, "prompts_per_step": 4, "group_size": 4,
            "max_new_tokens": 24, "eval_n": 0, "budgets": [0.25, 0.5, 0.75], **change}
     return write(tmp_path / "cfg.json", json.dumps(cfg))
 
@@ -328,7 +329,7 @@ def test_weights_that_do_not_fit_the_config_are_one_line(tmp_path):
         cfg = json.load(f)
     write(os.path.join(model, "config.json"), json.dumps(dict(cfg, vocab_size=5000)))
     with pytest.raises(UserError) as e:
-        checkpoint.load_model(model)
+        models.load_model(model)
     assert str(e.value).startswith(f"{model}/model.safetensors: model.embed_tokens.weight has shape [272, ")
     assert "builds [5000, " in str(e.value)
 
@@ -357,10 +358,10 @@ TEMPLATE_CASES = {   # template, system prompt, words in the DataError
 @pytest.mark.parametrize("case", TEMPLATE_CASES)
 def test_a_chat_template_that_fails_is_one_data_error(case, monkeypatch):
     template, system, words = TEMPLATE_CASES[case]
-    monkeypatch.setattr(data, "TEMPLATE_SECONDS", 0.2, raising=False)
+    monkeypatch.setattr(prompts_lib, "TEMPLATE_SECONDS", 0.2, raising=False)
     start = time.perf_counter()
     with pytest.raises(data.DataError) as e:
-        data.chat_prompt(templated(template), "1+1", "", system)
+        prompts_lib.chat_prompt(templated(template), "1+1", "", system)
     assert words in str(e.value), str(e.value)
     assert time.perf_counter() - start < 5
 
@@ -368,6 +369,6 @@ def test_a_chat_template_that_fails_is_one_data_error(case, monkeypatch):
 def test_the_first_prompt_is_rendered_with_the_system_turn_before_any_folder_is_made():
     tok = templated(TEMPLATE_CASES["raises on a system turn"][0])
     rows = [{"problem": "1+1", "answer": "2"}]
-    data.check_context(tok, rows, "", None, 8, "toy")   # no system turn: renders
+    prompts_lib.check_context(tok, rows, "", None, 8, "toy")   # no system turn: renders
     with pytest.raises(data.DataError, match="System role not supported"):
-        data.check_context(tok, rows, "", None, 8, "toy", system="be careful")
+        prompts_lib.check_context(tok, rows, "", None, 8, "toy", system="be careful")

@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 import train
-from harness import checkpoint, identity, lora
+from harness import adapter, checkpoint, identity, lora, models
 from harness.files import UserError
 from test_hardening import SMALL, base_run, one_line  # noqa: F401 (fixture)
 
@@ -45,8 +45,8 @@ def test_a_lora_run_resumes_on_the_base_it_was_trained_on_not_the_runs_latest(pa
     step2 = os.path.join(a, "checkpoints", "step_000002")
     train.main(["--resume", a, "--steps", "3", "--save-every", "1", "--keep", "10"])
     assert checkpoint.resolve_model(a).endswith("step_000003")
-    loaded, real = [], checkpoint.load_model
-    monkeypatch.setattr(checkpoint, "load_model", lambda name, *a, **k: loaded.append(name) or real(name, *a, **k))
+    loaded, real = [], models.load_model
+    monkeypatch.setattr(models, "load_model", lambda name, *a, **k: loaded.append(name) or real(name, *a, **k))
     train.main(["--resume", l, "--steps", "2", "--save-every", "1"])
     assert [os.path.realpath(n) for n in loaded] == [os.path.realpath(step2)]
     ckpt = os.path.join(l, "checkpoints", "step_000002")
@@ -56,7 +56,7 @@ def test_a_lora_run_resumes_on_the_base_it_was_trained_on_not_the_runs_latest(pa
     shutil.rmtree(step2)   # the base pruned (--keep): one line, not the run's newer step
     capsys.readouterr()
     with pytest.raises(UserError, match=f"^{ckpt}: the base its adapter was trained on .* is gone or holds another model"):
-        checkpoint.load_model(l)
+        models.load_model(l)
 
 
 def test_a_lora_checkpoint_finds_its_base_from_another_folder_and_a_moved_clone(pair, tmp_path, monkeypatch):
@@ -65,12 +65,12 @@ def test_a_lora_checkpoint_finds_its_base_from_another_folder_and_a_moved_clone(
     monkeypatch.chdir(tmp_path)
     ckpt = checkpoint.latest_checkpoint(os.path.join(pair, "l"))
     assert os.path.realpath(lora.base_of(ckpt)) == os.path.realpath(os.path.join(pair, "a", "checkpoints", "step_000002"))
-    model, _ = checkpoint.load_model(os.path.join(pair, "l"))
+    model, _ = models.load_model(os.path.join(pair, "l"))
     assert type(model).__name__ == "Qwen2ForCausalLM"
 
 
 def edit_config(ckpt, **change):
-    path = os.path.join(ckpt, lora.CONFIG)
+    path = os.path.join(ckpt, adapter.CONFIG)
     with open(path) as f:
         cfg = json.load(f)
     cfg.update(change)
@@ -86,7 +86,7 @@ DAMAGE = {   # what is done to adapter_config.json (an older checkpoint's: no ba
     "no base": (lambda c: edit_config(c, base_model_name_or_path=None), "names no base model"),
     "r 4 -> 8": (lambda c: edit_config(c, r=8), "r 8, but"),
     "r 100000": (lambda c: edit_config(c, r=100000), "r 100000, but"),
-    "not JSON": (lambda c: open(os.path.join(c, lora.CONFIG), "w").write("{bad"), "cannot be read (Expecting"),
+    "not JSON": (lambda c: open(os.path.join(c, adapter.CONFIG), "w").write("{bad"), "cannot be read (Expecting"),
 }
 
 
@@ -101,8 +101,8 @@ def test_a_damaged_adapter_config_is_one_line_naming_it(pair, case, monkeypatch)
     damage, words = DAMAGE[case]
     damage(ckpt)
     with pytest.raises(UserError) as e:
-        checkpoint.load_model(ckpt)
-    assert str(e.value).startswith(os.path.join(ckpt, lora.CONFIG)) and words in str(e.value), str(e.value)
+        models.load_model(ckpt)
+    assert str(e.value).startswith(os.path.join(ckpt, adapter.CONFIG)) and words in str(e.value), str(e.value)
     assert "\n" not in str(e.value)
 
 
@@ -124,7 +124,7 @@ def test_an_adapter_on_a_tied_layer_is_evaluated_as_it_was_trained(tmp_path):
     import torch
     ckpt = str(tmp_path / "ckpt")
     os.makedirs(ckpt)
-    base, tok = checkpoint.load_model("toy")
+    base, tok = models.load_model("toy")
     policy = lora.add_adapter(base, dict(lora_rank=4, lora_alpha=32.0, lora_targets="lm_head"),
                               checkpoint.resolve_model("toy"))
     torch.manual_seed(0)
@@ -134,7 +134,7 @@ def test_an_adapter_on_a_tied_layer_is_evaluated_as_it_was_trained(tmp_path):
                 p.normal_(0, 0.05)   # a trained adapter (lora_B starts at zero)
     lora.save(ckpt, policy, {n: p for n, p in policy.named_parameters() if p.requires_grad})
     tok.save_pretrained(ckpt)
-    evaluated, _ = checkpoint.load_model(ckpt)
+    evaluated, _ = models.load_model(ckpt)
     ids = torch.tensor([tok.encode("3+4+2=")])
     with torch.no_grad():
         diff = (policy.eval()(ids).logits - evaluated.eval()(ids).logits).abs().max().item()

@@ -143,7 +143,7 @@ def test_a_checkpoint_pruned_while_it_loads_is_one_line(tmp_path, monkeypatch):
     import shutil
     import toy
     import transformers
-    from harness import checkpoint
+    from harness import models
     from harness.files import UserError
     ckpt = tmp_path / "run" / "checkpoints" / "step_000001"
     shutil.copytree(toy.base_model(), ckpt)
@@ -154,7 +154,7 @@ def test_a_checkpoint_pruned_while_it_loads_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", pruned)
     with pytest.raises(UserError, match=f"^cannot load model '{tmp_path / 'run'}': its checkpoint {ckpt} was "
                                         "removed while loading"):
-        checkpoint.load_model(str(tmp_path / "run"))
+        models.load_model(str(tmp_path / "run"))
 
 
 def test_an_edited_reward_fn_file_is_a_change_on_resume(tmp_path):

@@ -164,15 +164,15 @@ def test_plain_and_tree_labels_are_equal_on_the_toy():
     """mc_labels on the toy policy's own rollouts: the plain path (tree=False) and the default fast
     path give the same labels and counts for the same seed (in length groups, with equal forced
     prompts asked once), and the labels are graded."""
-    import data
     import label
+    import prompts as prompts_lib
     import toy
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from rollout import generate
     model = AutoModelForCausalLM.from_pretrained(toy.base_model()).eval()
     tok = AutoTokenizer.from_pretrained(toy.base_model())
     rows = toy.dataset("test")[:5]
-    prompts = [data.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
+    prompts = [prompts_lib.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
     out = generate(model, tok, prompts, n=3, max_new_tokens=96, temperature=0.8, seed=0)
     responses = out.ids + [out.ids[0][:4]]  # a short one: a second length group
     prompts = [prompts[i] for i in out.prompt_index] + [prompts[0]]

@@ -10,7 +10,7 @@ import torch
 
 import tiny
 import train
-from harness import lora, plan
+from harness import adapter, lora, plan
 from harness.config import resolve_args
 from harness.parallel import full_state, wrap
 
@@ -106,7 +106,7 @@ def test_a_saved_adapter_loads_with_peft_and_gives_the_same_logprobs(tmp_path):
     """What a checkpoint saves (full_state, then lora.save) is peft's format: PeftModel.from_pretrained
     on the base rebuilds the trained policy's log-probs exactly; evaluation's merged model to 1e-5."""
     from peft import PeftModel
-    from harness.checkpoint import load_model
+    from harness.models import load_model
     torch.manual_seed(0)
     model = lora.with_adapter(load_model("toy")[0], CFG)
     with torch.no_grad():
@@ -180,7 +180,7 @@ def test_evaluate_runs_on_a_lora_run(tmp_path):
     run = str(tmp_path / "run")
     train.main(["--steps", "1", "--out", run, "--lora-rank", "4", *SMALL])
     ckpt = os.path.join(run, "checkpoints", "step_000001")
-    assert sorted(n for n in os.listdir(ckpt) if "adapter" in n) == [lora.CONFIG, lora.WEIGHTS]
+    assert sorted(n for n in os.listdir(ckpt) if "adapter" in n) == [adapter.CONFIG, lora.WEIGHTS]
     assert not os.path.exists(os.path.join(ckpt, "model.safetensors"))  # the frozen base is not saved again
     out = str(tmp_path / "eval")
     evaluate.main(["--model", run, "--benchmarks", "toy", "--limit", "2", "--n-samples", "1", "--max-new-tokens",

@@ -8,13 +8,15 @@ import sys
 import numpy as np
 import pytest
 
-import data
 import evaluate
 import grade
 import metrics
+import prompts as prompts_lib
 from harness import runlog
+import step
 import toy
 import train
+from evaluation import heldout
 from harness.config import resolve_args
 from test_hardening import PROBE_SMALL
 from test_train import SMALL, rows
@@ -148,12 +150,13 @@ def test_wandb_mirrors_every_row_once_and_resume_continues_the_run(tmp_path, mon
 def test_instruction_changes_the_prompt_and_evaluate_reuses_it(tmp_path, monkeypatch):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(toy.base_model())
-    plain, marked = data.chat_prompt(tok, "1+2", ""), data.chat_prompt(tok, "1+2", " =")
+    plain, marked = prompts_lib.chat_prompt(tok, "1+2", ""), prompts_lib.chat_prompt(tok, "1+2", " =")
     assert len(marked) > len(plain) and tok.decode(marked).replace(" =", "", 1) == tok.decode(plain)
     seen = []
-    real = data.chat_prompt
-    monkeypatch.setattr(data, "chat_prompt",
-                        lambda t, p, i=data.INSTRUCTION, s=None: seen.append((i, s)) or real(t, p, i, s))
+    real = prompts_lib.chat_prompt
+    spy = lambda t, p, i=prompts_lib.INSTRUCTION, s=None: seen.append((i, s)) or real(t, p, i, s)  # noqa: E731
+    for where in (prompts_lib, step, heldout):   # step.py and heldout.py import chat_prompt by name
+        monkeypatch.setattr(where, "chat_prompt", spy)
     out = str(tmp_path / "r")
     run_main(["--steps", "1", "--out", out, "--instruction", " =", *SMALL])
     assert json.load(open(os.path.join(out, "config.json")))["instruction"] == " ="

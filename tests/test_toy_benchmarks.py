@@ -13,12 +13,13 @@ import data
 import evaluate
 import grade
 import metrics
+import prompts as prompts_lib
 import reproduce
 import rollout
 import toy
 from evaluation import comparison
 from grpo import group_advantages
-from harness import config
+from harness import flags
 
 
 def test_benchmarks_are_deterministic_disjoint_and_what_they_say():
@@ -75,7 +76,7 @@ def test_evaluate_loads_every_toy_benchmark_with_the_toy_settings():
 
 
 def test_rl_trains_on_the_toy_training_split_only():
-    assert config.TOY["data"] == "toy" and data.load_rows("toy", split="train") == toy.dataset("train")
+    assert flags.TOY["data"] == "toy" and data.load_rows("toy", split="train") == toy.dataset("train")
 
 
 def test_advantage_parts_split_the_group_advantage():
@@ -173,7 +174,7 @@ def test_the_base_policy_is_above_chance_on_every_benchmark():
     model, tok = AutoModelForCausalLM.from_pretrained(toy.base_model()).eval(), AutoTokenizer.from_pretrained(toy.base_model())
     for name in toy.BENCHMARKS:
         rows = toy.dataset("test", name)[:40]
-        prompts = [data.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
+        prompts = [prompts_lib.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
         out = rollout.generate(model, tok, prompts, max_new_tokens=128, temperature=0.6, seed=0)
         acc = sum(grade.is_correct(t, r["answer"]) for t, r in zip(out.texts, rows)) / len(rows)
         print(f"\n{name}: base accuracy at T=0.6 on 40 problems {acc:.3f}")

@@ -1,0 +1,262 @@
+"""The run's configuration: world defaults (toy vs real model), the command line, and resume.
+
+Every flag of train.py, its default in each world (TOY, REAL, COMMON, and what a --reward mode
+implies) and its allowed values (LIMITS). harness/config.py resolves them: flags given now > the
+saved config.json of a resumed run > the defaults below, every value checked against LIMITS before
+any model, data or folder is touched.
+"""
+import argparse
+
+import grade
+import prompts as prompts_lib
+import toy
+from grpo import AGGS
+from modes import REWARDS  # the --reward modes
+
+# Defaults that depend on the world: the toy sizes for 2 CPU cores, the real ones from the released
+# run script (docs/design.md, "Defaults").
+TOY = dict(data="toy", eval_data="toy", steps=45, prompts_per_step=16, group_size=8, lr=1e-4,
+           warmup=3, warmup_from_zero=False, weight_decay=0.0, max_new_tokens=48, eval_n=500, eval_every=10, save_every=10, grad_ckpt=False,
+           micro_tokens=8192, gen_batch=256, grader="math",
+           instruction="")  # toy problems are complete user messages
+# The released run script: 32 prompts x 6 samples, 8000 new tokens, prompts over 600 tokens dropped,
+# a checkpoint every 40 steps (save_freq=40: the paper's steps 560 and 600); its actor's AdamW keeps
+# verl's weight decay 0.01 and verl's warm-up, whose first update runs at lr 0 (lr x step / 10 from
+# step 0). The toy keeps its own (no decay, the first update at lr / warmup): its README numbers.
+REAL = dict(data="deepscaler", eval_data="math500", steps=600, prompts_per_step=32, group_size=6,
+            lr=1e-6, warmup=10, warmup_from_zero=True, weight_decay=0.01, max_new_tokens=8000,
+            max_prompt_tokens=600, eval_n=100, eval_every=50, save_every=40, grad_ckpt=True, micro_tokens=16384, instruction=prompts_lib.INSTRUCTION,
+            grader="strict",  # the released training reward
+            gen_batch=8)  # 8 prompts x 6 = 48 rows x 8k tokens: ~22 GB of KV cache for the 7B
+COMMON = dict(model="toy", problem_field=None, answer_field=None, trust_remote_code=False,
+              temperature=0.8, top_p=1.0, reward="rlcm", lam=0.1, k=4, forced_close="think",
+              corner="zero", budgets=(0.25, 0.5, 0.75), max_prompt_tokens=0, probe_lr=1e-3, probe_passes=16,
+              probe_batch=16, probe_hidden=None, grad_clip=1.0,
+              clip_low=0.2, clip_high=0.2, agg="token-mean", chunk_size=1024, seed=0, keep=2,
+              out=None, resume=None, system_prompt=None, log_samples=4, eval_probe_n=32, wandb=None,
+              wandb_run=None, ppo_epochs=1, offload=False, offload_grads="gpu", nproc=None, gpus=None, gpu_mem=None,
+              plan=False, decode=None, drop_unanimous=False, c2gspg_bce="off", lora_rank=0, lora_alpha=32.0,
+              lora_targets="all-linear", probe_labels="mc", toy_world=None)
+# Under --lora-rank the default --lr is this many times the world's full fine-tuning rate ("LoRA
+# Without Regret", Schulman et al. 2025: about 10x; TRL's GRPO recipe: 1e-5 against 1e-6).
+LORA_LR_FACTOR = 10
+
+# --reward: RLCM, then the paper's baselines and ablations (docs/design.md, "Baselines"): modes.REWARDS.
+# What a mode implies. Flags given now win; a resumed run of the same mode keeps what it saved;
+# a saved config of another mode loses what its own mode implied (resolve_args).
+IMPLIED = {"final-margin": dict(budgets=(1.0,), corner="final-margin"),
+           "process-brier": dict(drop_unanimous=True),
+           "final-brier": dict(budgets=(1.0,), drop_unanimous=True),
+           "rlcr": dict(instruction=prompts_lib.RLCR_INSTRUCTION, grader="minerva")}  # the released RLCR reward
+# The toy world (256 positions, bare sums) asks for RLCR's format with its own short prompt.
+TOY_IMPLIED = {"rlcr": dict(instruction=toy.RLCR_INSTRUCTION)}
+
+DATA_HELP = ("toy | deepscaler | HF dataset id | local json/jsonl/parquet. deepscaler (40k problems, "
+             "downloads) is a superset of the released training set, the GRPO-LEAD stage-1 file "
+             "(7,721 problems, stage1_data.json in the authors' repository; not on the hub): "
+             "--data stage1_data.json reproduces it")
+
+
+def fractions(text):
+    """--budgets "0.25,0.5,0.75" -> (0.25, 0.5, 0.75); each fraction of the response in (0, 1]."""
+    try:
+        out = tuple(float(f) for f in text.split(",") if f.strip())
+    except ValueError:
+        out = ()
+    if not out or not all(0 < f <= 1 for f in out):
+        raise argparse.ArgumentTypeError(f"{text!r}: give fractions in (0, 1], e.g. 0.25,0.5,0.75 or 1.0")
+    return out
+
+
+# Allowed values, one line per flag: (test, what the test says). Floats must also be finite.
+# A flag missing here is unchecked; add yours in one line.
+LIMITS = {
+    "steps": (lambda v: v >= 0, ">= 0 (0: nothing to train)"),
+    "prompts_per_step": (lambda v: v >= 1, ">= 1"),
+    # every mode normalises advantages within a group: one sample per prompt has no advantage
+    "group_size": (lambda v: v >= 2, ">= 2 (advantages are normalised within a prompt's group)"),
+    "max_new_tokens": (lambda v: v >= 1, ">= 1"),
+    "gen_batch": (lambda v: v >= 1, ">= 1"),
+    "temperature": (lambda v: v > 0, "> 0 (log-probs are taken at the sampling temperature)"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "lam": (lambda v: v >= 0, ">= 0"),
+    "k": (lambda v: v >= 1, ">= 1"),
+    "probe_lr": (lambda v: v > 0, "> 0"),
+    "probe_passes": (lambda v: v >= 1, ">= 1"),
+    "probe_batch": (lambda v: v >= 1, ">= 1"),
+    "probe_hidden": (lambda v: v >= 0, ">= 0 (0: the linear probe)"),
+    "lr": (lambda v: v > 0, "> 0"),
+    "warmup": (lambda v: v >= 0, ">= 0"),
+    "weight_decay": (lambda v: v >= 0, ">= 0"),
+    "grad_clip": (lambda v: v > 0, "> 0"),
+    "clip_low": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "clip_high": (lambda v: v >= 0, ">= 0"),
+    "micro_tokens": (lambda v: v >= 1, ">= 1"),
+    "chunk_size": (lambda v: v >= 1, ">= 1"),
+    "seed": (lambda v: 0 <= v < 2**32, "in [0, 2**32)"),
+    "save_every": (lambda v: v >= 0, ">= 0 (0: only at the end)"),
+    "keep": (lambda v: v >= 1, ">= 1"),
+    "eval_every": (lambda v: v >= 0, ">= 0 (0: at the start and the end only)"),
+    "eval_n": (lambda v: v >= 0, ">= 0 (0: no held-out check)"),
+    "max_prompt_tokens": (lambda v: v >= 0, ">= 0 (0: keep every prompt)"),
+    "log_samples": (lambda v: v >= 0, ">= 0"),
+    "eval_probe_n": (lambda v: v >= 0, ">= 0 (0: off)"),
+    "ppo_epochs": (lambda v: v >= 1, ">= 1"),
+    "nproc": (lambda v: v >= 1, ">= 1"),
+    "gpus": (lambda v: v >= 1, ">= 1"),
+    "gpu_mem": (lambda v: v > 0, "> 0 (GiB)"),
+    "lora_rank": (lambda v: v >= 0, ">= 0 (0: full fine-tuning)"),
+    "lora_alpha": (lambda v: v > 0, "> 0"),
+}
+# On --resume these would make the saved data cursor, RNG states or probe refer to another run:
+# refused. Every other flag given with --resume applies from the next step and is written to
+# config.json (--lr and --probe-lr included: they replace the saved optimizers' rates).
+FIXED_ON_RESUME = ("model", "data", "problem_field", "answer_field", "seed", "reward", "probe_hidden",
+                   "lora_rank", "lora_alpha", "lora_targets", "probe_labels", "toy_world")
+
+
+def build_parser():
+    """Every default is None here: unset flags are filled from COMMON and TOY/REAL in resolve_args."""
+    fmt = lambda d: ", ".join(f"{k}={v}" for k, v in d.items())  # noqa: E731
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=(
+        f"defaults: {fmt(COMMON)}. toy world: {fmt(TOY)}. real models: {fmt(REAL)}."))
+    g = p.add_argument_group("model and data")
+    g.add_argument("--model", help="toy | deepseek-r1-distill-qwen-7b | qwen3-4b-instruct | HF id | local dir")
+    g.add_argument("--data", help=DATA_HELP)
+    g.add_argument("--problem-field")
+    g.add_argument("--answer-field")
+    g.add_argument("--eval-data", help="held-out set for the accuracy check (default: toy test / math500)")
+    g.add_argument("--toy-world", choices=sorted(toy.WORLDS),
+                   help="whose rows the toy benchmark names (--data, --eval-data) read (toy.WORLDS; default sum, "
+                        "the world of --model toy); given, the toy world's defaults apply to a --model folder too")
+    g.add_argument("--max-prompt-tokens", type=int,
+                   help="drop training problems whose chat prompt is longer (600 for real models, as "
+                        "released; 0 keeps all)")
+    g.add_argument("--trust-remote-code", action="store_true", default=None,
+                   help="run modelling code shipped with the model; never taken from a saved "
+                        "config: give it again with --resume")
+    g.add_argument("--instruction", help="text appended to every problem in the user turn (saved; "
+                   "evaluate.py reuses it for this run's checkpoints)")
+    g.add_argument("--system-prompt", help="system turn before the problem (saved and reused like --instruction)")
+    g = p.add_argument_group("rollout")
+    g.add_argument("--prompts-per-step", type=int)
+    g.add_argument("--group-size", type=int)
+    g.add_argument("--max-new-tokens", type=int)
+    g.add_argument("--temperature", type=float)
+    g.add_argument("--top-p", type=float)
+    g.add_argument("--gen-batch", type=int, help="prompts per generation call")
+    g.add_argument("--decode", choices=("static", "dynamic"),
+                   help="KV cache for decoding: static + CUDA graphs (default on CUDA) or dynamic (default on CPU)")
+    g = p.add_argument_group("reward, labels and probe")
+    g.add_argument("--reward", choices=REWARDS,
+                   help="rlcm; the baselines grpo, rlcr, c2gspg; the ablations final-margin (budget 1.0, "
+                        "final-margin corner), process-brier, final-brier (budget 1.0); "
+                        "docs/design.md, Baselines")
+    g.add_argument("--drop-unanimous", action=argparse.BooleanOptionalAction,
+                   help="give prompt groups whose answers are all right or all wrong reward 0: they "
+                        "stay in the update at advantage 0 (in the token-mean), and a step where every "
+                        "group is unanimous is not filtered (on for the Brier modes, as released)")
+    g.add_argument("--c2gspg-bce", choices=("off", "seq-mean", "token-mean"),
+                   help="c2gspg only: add 0.1 x BCE(c_theta, correct) to the loss, as a mean over "
+                        "sequences or on every response token, aggregated like the policy loss "
+                        "(length-weighted under token-mean; the released loss function's form). off "
+                        "(default): the released run, whose actor drops the BCE's labels")
+    g.add_argument("--lam", type=float)
+    g.add_argument("--k", type=int, help="forced answers per prefix")
+    g.add_argument("--forced-close", choices=("think", "eos"),
+                   help="token before the forced suffix: </think> (paper) or EOS (released code); "
+                        "none where the cut already ends on it")
+    g.add_argument("--budgets", type=fractions, metavar="F,F,...",
+                   help="truncation points as fractions of each response (0.25,0.5,0.75; 1.0 alone "
+                        "for the final-only ablations)")
+    g.add_argument("--corner", choices=("zero", "margin-corner", "final-margin"),
+                   help="margin when only one side exists: 0 (RLCM); mean C / 1 - mean C (released "
+                        "margin_corner); final-margin: +mean C / -mean C and 0 when both exist (released "
+                        "conf_diff_v3; with --budgets 1.0, the Final-Margin ablation)")
+    g.add_argument("--grader", choices=grade.GRADERS,
+                   help="grader of r_nat and of the forced answers of Y_b: strict (released training "
+                        "reward: last \\boxed{ and gold stripped, a trailing .0 and leading zeros "
+                        "dropped, then equal strings), math (normaliser + math-verify, as evaluate.py) or "
+                        "minerva (Minerva's normal forms equal: the released RLCR reward, its default)")
+    g.add_argument("--reward-fn", metavar="FILE.py:NAME",
+                   help="your correctness function NAME(response, answer, row) -> float in [0, 1] or "
+                        "None (skip the sample), in place of --grader for the natural answer and the "
+                        "forced answers (harness/rewardfn.py); never taken from a saved config: give "
+                        "it again with --resume")
+    g.add_argument("--probe-lr", type=float)
+    g.add_argument("--probe-passes", type=int)
+    g.add_argument("--probe-batch", type=int)
+    g.add_argument("--probe-labels", choices=("mc", "shuffled"),
+                   help="what the probe is fitted on each step: mc (the method: the step's Monte-Carlo labels Y_b) or "
+                        "shuffled (a control: the same labels permuted across the step's cuts, seeded by the run's "
+                        "seed and step; the margin still scores the real prefixes against the real labels)")
+    g.add_argument("--probe-hidden", type=int, metavar="N",
+                   help="the probe's hidden width: d -> N -> 1 (default d/4: the released MLP, d -> d/4 -> 1); "
+                        "0 trains the design card's linear probe d -> 1")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--lr", type=float, help=f"policy learning rate (toy {TOY['lr']}, real models {REAL['lr']}; "
+                   f"{LORA_LR_FACTOR}x that under --lora-rank)")
+    g.add_argument("--warmup", type=int, help="warm-up updates: the learning rate rises linearly to --lr")
+    g.add_argument("--warmup-from-zero", action=argparse.BooleanOptionalAction,
+                   help="the first update runs at lr 0, then lr x s / warmup (verl's warm-up, the released "
+                        "run; default for real models); --no-warmup-from-zero: lr x (s + 1) / warmup, the "
+                        "first update at lr / warmup (the toy's default)")
+    g.add_argument("--weight-decay", type=float,
+                   help="the policy's AdamW weight decay (real models 0.01: verl's default, which the released "
+                        "run keeps; toy 0)")
+    g.add_argument("--grad-clip", type=float)
+    g.add_argument("--clip-low", type=float)
+    g.add_argument("--clip-high", type=float)
+    g.add_argument("--agg", choices=AGGS,
+                   help="loss aggregation: token-mean (default: one mean over every response token "
+                        "of the batch, however it is cut); token-mean-per-micro-batch (the released "
+                        "verl actor: each micro-batch's token-mean, weighted by its rows, so a token "
+                        "counts more in a micro-batch of short responses); seq-mean; seq-sum-norm "
+                        "(Dr. GRPO, / --max-new-tokens)")
+    g.add_argument("--micro-tokens", type=int, help="tokens per micro-batch (gradient accumulation)")
+    g.add_argument("--chunk-size", type=int, help="positions per LM-head call when computing log-probs")
+    g.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction)
+    g.add_argument("--ppo-epochs", type=int, help="optimizer steps per batch; 1 (released) is exactly "
+                   "on-policy: the old log-probs are the current ones, detached")
+    g.add_argument("--offload", action="store_true", default=None,
+                   help="keep params, grads and AdamW state in host memory (FSDP2 CPU offload): slow, "
+                   "but the 7B model trains on one or two GPUs")
+    g.add_argument("--offload-grads", choices=("gpu", "host"),
+                   help="with --offload: gpu (default) accumulates the micro-batches' fp32 gradients "
+                   "unsharded on the GPU and reduces and copies them to the host once per step (+4 "
+                   "bytes per trained parameter on the GPU); host does so after every micro-batch "
+                   "(FSDP2's default: less GPU memory, a blocking copy per micro-batch)")
+    g.add_argument("--lora-rank", type=int, help="train a LoRA adapter of this rank on the frozen base "
+                   "(peft; 0: full fine-tuning, as in the paper). 16-64 suits a 7B; 32 fits one 80 GB GPU")
+    g.add_argument("--lora-alpha", type=float, help="LoRA scale alpha (the update is alpha / rank x B A)")
+    g.add_argument("--lora-targets", help="modules to adapt: all-linear (every linear layer of the "
+                   "decoder) or names, e.g. q_proj,v_proj")
+    g = p.add_argument_group("devices")
+    g.add_argument("--nproc", type=int, help="worker processes (default: every GPU; 1 on CPU)")
+    g.add_argument("--plan", action="store_true", default=None,
+                   help="print the per-GPU memory plan from the model config and exit")
+    g.add_argument("--gpus", type=int, help="plan for this many GPUs instead of the detected ones")
+    g.add_argument("--gpu-mem", type=float, help="plan for GPUs of this many GiB")
+    g = p.add_argument_group("run")
+    g.add_argument("--steps", type=int, help="RL steps in all (0: nothing to do)")
+    g.add_argument("--out", help="run directory (default runs/<model>)")
+    g.add_argument("--seed", type=int)
+    g.add_argument("--save-every", type=int, help="checkpoint every N steps (0: only at the end)")
+    g.add_argument("--keep", type=int, help="checkpoints kept (>= 1)")
+    g.add_argument("--eval-every", type=int, help="held-out accuracy every N steps (0: start and end only)")
+    g.add_argument("--eval-n", type=int, help="held-out problems in the accuracy check (0: no check)")
+    g.add_argument("--resume", metavar="RUN_DIR", help=(
+        "continue this run from its latest complete checkpoint. Flags given with it apply from the "
+        "next step and are written to RUN/config.json, except " +
+        ", ".join("--" + k.replace("_", "-") for k in FIXED_ON_RESUME) +
+        ", which are refused (they would break exact resume)"))
+    g.add_argument("--config", metavar="FILE", help="start a new run from a saved config.json (flags given win)")
+    g = p.add_argument_group("what the run leaves (harness/runlog.py, evaluation/heldout.py)")
+    g.add_argument("--log-samples", type=int, help="trajectories per step written to RUN/samples.jsonl")
+    g.add_argument("--eval-probe-n", type=int, help="held-out trajectories labelled at each held-out check "
+                   "to measure the probe out of sample (0: off)")
+    g.add_argument("--wandb", metavar="PROJECT", help="mirror metrics to Weights & Biases (pip install wandb)")
+    g.add_argument("--wandb-run", metavar="NAME", help="W&B run name")
+    g.add_argument("--plot", metavar="RUN", help="only draw RUN/curves.png from RUN/metrics.jsonl and exit")
+    return p
+
