@@ -35,7 +35,7 @@ import time
 import torch
 
 import rollout
-from harness import staticcache
+from harness import sampling, staticcache
 from harness.files import UserError
 from harness.config import check_values
 
@@ -105,7 +105,7 @@ def shape_7b(path, layers, n_prompts, prompt_len, device, seed=0):
 
 def run_sampler(model, tok, prompts, args, decode, eos_ids, full=False):
     """full: the static path attends over its whole buffer at every step (static-full)."""
-    static = staticcache.decoder(model, rollout._cache_kwarg(model))
+    static = staticcache.decoder(model, sampling._cache_kwarg(model))
     static.full = full
     try:
         out = rollout.generate(model, tok, prompts, n=args.samples, max_new_tokens=args.max_new_tokens,
@@ -256,7 +256,7 @@ def main(argv=None):
     if args.shape != "7b":
         model, tok, prompts = toy_world(args.prompts)
         model.to(device)
-        eos_ids = rollout.default_eos_ids(model, tok) if args.shape == "toy" else []
+        eos_ids = sampling.default_eos_ids(model, tok) if args.shape == "toy" else []
     else:
         model, tok, prompts = shape_7b(args.config, args.layers, args.prompts, args.prompt_len, device, args.seed)
         eos_ids = []

@@ -10,6 +10,7 @@ from evaluation import confidence
 import probe as probe_lib
 import rollout
 import tiny
+from harness import sampling
 
 
 class _Tok:
@@ -335,7 +336,7 @@ def test_posthoc_labels_decode_one_bounded_shape_at_a_time(monkeypatch):
     first, none is built twice."""
     import tiny
     from static_shapes import Shapes
-    monkeypatch.setattr(rollout, "default_decode", lambda model: "static")
+    monkeypatch.setattr(sampling, "default_decode", lambda model: "static")
     tok, model = tiny.tokenizer(), tiny.model(seed=4)
     gen = torch.Generator().manual_seed(0)
     lengths = [30, 90, 150, 240, 330, 420]
