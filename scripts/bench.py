@@ -54,8 +54,9 @@ LIMITS.update(temperature=(lambda v: v >= 0, ">= 0 (0: greedy)"), top_p=(lambda 
 def toy_world(n_prompts):
     import data
     import toy
+    import toy_warm
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    path = toy.base_model()
+    path = toy_warm.base_model()
     model, tok = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     rows = toy.dataset("train")[:n_prompts]
     return model, tok, [data.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]

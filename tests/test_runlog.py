@@ -13,7 +13,7 @@ import evaluate
 import grade
 import metrics
 from harness import runlog
-import toy
+import toy_warm
 import train
 from harness.config import resolve_args
 from test_hardening import PROBE_SMALL
@@ -147,7 +147,7 @@ def test_wandb_mirrors_every_row_once_and_resume_continues_the_run(tmp_path, mon
 
 def test_instruction_changes_the_prompt_and_evaluate_reuses_it(tmp_path, monkeypatch):
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(toy.base_model())
+    tok = AutoTokenizer.from_pretrained(toy_warm.base_model())
     plain, marked = data.chat_prompt(tok, "1+2", ""), data.chat_prompt(tok, "1+2", " =")
     assert len(marked) > len(plain) and tok.decode(marked).replace(" =", "", 1) == tok.decode(plain)
     seen = []
