@@ -33,7 +33,7 @@ it, and each cut adds only CLOSE + SUFFIX on top of the trajectory's cache with 
 the cut masked out. So a trajectory costs one prefix prefill plus len(budgets) short suffixes
 (the plain path: len(budgets) full forced prompts), plus K * (answer length) decode positions per
 prefix, where the K answers of a prefix share one cache row and one forward for as long as they
-agree (on the dynamic path: `rollout.Sampler(share_rows=True)`; the samples are the same as
+agree (on the dynamic path: `Sampler(share_rows=True)`, harness/sampling.py; the samples are the same as
 without). Sampling ends at the brace closing the forced box as well as at a newline: nothing
 after it changes the answer. Both paths sample in groups of similar trajectory length so short
 prefixes carry no padding of long ones. The rollout's KV cache is not kept: holding it from the
@@ -54,7 +54,8 @@ import torch
 
 from grade import answers_match
 from probe import LAST_K, last_layer, split_prefix_features
-from rollout import Sampler, Samples, chunk_generators, generate
+from harness.sampling import Sampler
+from rollout import Samples, chunk_generators, generate
 
 LENGTH_GROUP = 2  # trajectories whose longest cuts have bit lengths within this many share a group
 SUFFIX = "\nIf I were to output the final answer now, it would be \\boxed{"
@@ -254,7 +255,7 @@ def _forced_samples(model, tokenizer, prompts, responses, cut_of, tail, k, tempe
     """sample_answers' fast path (tree=True) for one group of cuts, in the same order: the samples
     of its plain path up to float rounding, ended at the brace that closes the forced box, with the
     prefill shared along the prefix tree (module docstring) and the K rows of a cut sharing a cache
-    row while they agree (rollout.Sampler(share_rows=True)). reads[m], aligned with cut_of: the
+    row while they agree (harness/sampling.py: Sampler(share_rows=True)). reads[m], aligned with cut_of: the
     (trajectory, cuts, row) whose features the chunk of cut m reads into features (sample_answers).
     """
     sampler = Sampler(model, tokenizer, max_new_tokens, temperature, top_p, stop=("\n",), decode=decode,

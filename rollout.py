@@ -3,32 +3,11 @@
     samples = generate(model, tokenizer, prompts, n=8, max_new_tokens=1024, temperature=0.8, seed=0)
     samples.ids[i * 8 + j]   # j-th continuation of prompts[i]: generated ids only, EOS/stop included
 
-How one chunk of prompts is generated:
-  1. prefill (eager): the chunk's B prompts, LEFT-padded to the longest, in one forward pass; position
-     ids are `cumsum(attention_mask) - 1` (clamped at 0) so every prompt starts at position 0.
-     `prefill(..., after=prefix)` appends a further segment to an existing cache (label.py builds
-     forced prompts this way: the prompt once, then the response, then the forced suffix per cut).
-  2. share: rows i*n .. i*n+n-1 continue prompt i; they share its prefill.
-  3. decode, one new token per step, in one of two ways (`decode=`; default static on CUDA):
-     - "dynamic" (`Sampler._decode_dynamic`, the reference and the loop to read first): a
-       `DynamicCache` that grows by one position per step; once a quarter of the batch has
-       finished, finished rows are dropped from the batch and the cache. Eager.
-       `Sampler(share_rows=True)` decodes the same samples with fewer rows (`_decode_shared`).
-     - "static" (`Sampler._decode_static`): keys/values preallocated for all rows and a bucketed
-       maximum length (harness/staticcache.py); finished rows stay in place and are masked, and a
-       step attends over the live length only (bucketed as it grows). On CUDA the decode step is
-       captured as a CUDA graph once per shape and live length, kept with the model for the next
-       call, and replayed, so a step costs what the GPU needs to read the weights and the live
-       cache, not Python and kernel launches. On CPU the same step runs eagerly, which is how the
-       tests pin it to the dynamic path.
-
-Sampling: temperature 0 is greedy; otherwise p = softmax(logits / temperature) restricted to the
-smallest set of top tokens whose probability reaches top_p, and the token is argmax_v p_v / E_v with
-E_v ~ Exp(1) drawn for every row of the chunk at every step (the exponential race: token v wins with
-probability p_v / sum(p)). Drawing for every row, running or not, makes the random stream independent
-of which rows are still in the batch, so both decode paths give the same samples for the same seed.
-Ids the tokenizer does not have (the 7B model's embedding has 152,064 rows, the tokenizer about
-151,666 ids) are never sampled.
+Prompts go in chunks of batch_size. A chunk's prompts are prefilled once, the n samples of a prompt
+share its prefill, and every row gets one new token per step (temperature, top_p: sample_next),
+decoded "dynamic" (a DynamicCache that grows by a position per step, the reference loop:
+Sampler._decode_dynamic) or "static" (preallocated buffers and CUDA graphs: harness/staticcache.py;
+the default on CUDA); both give the same samples for a seed. The sampler is harness/sampling.py.
 
 Scores (scores=True, the RL step's rollout): with every sampled token come its log-prob and the
 entropy of the distribution it was drawn from, both under the full softmax(logits / temperature)
@@ -37,17 +16,12 @@ computes at the same temperature, so update.py can measure how far the sampler (
 GPUs) is from the policy it trains. They come from the logits each step already has: one more
 log-softmax per step, kept on the device and copied to the host once per chunk.
 """
-import inspect
 from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
-from transformers import DynamicCache
 
-from harness import staticcache
-
-DECODES = ("static", "dynamic")
-_REASONS = ("running", "eos", "stop", "length")
+from harness.sampling import REASONS, Sampler
 
 
 @dataclass
@@ -60,322 +34,6 @@ class Samples:
     prompt_index: list[int] # which prompt each sample continues
     logprobs: list[list[float]] = field(default_factory=list)  # per id: the sampler's log-prob (Scores)
     entropy_sum: list[float] = field(default_factory=list)     # sum over the ids of the entropy (Scores)
-
-
-@dataclass
-class Prefix:
-    """The state after a prefill: R rows that can be continued or sampled from.
-
-    cache: DynamicCache over W columns; mask [R, W] long (1 = a real token; holes are allowed);
-    last_pos [R, 1]: position id of each row's last token; logits [R, V]: next-token logits.
-    """
-    cache: DynamicCache
-    mask: torch.Tensor
-    last_pos: torch.Tensor
-    logits: torch.Tensor
-
-    def select(self, index):
-        """Rows by index (repeats allowed), e.g. one trajectory row per cut; consumes self."""
-        self.cache.batch_select_indices(index)
-        return Prefix(self.cache, self.mask[index], self.last_pos[index], self.logits[index])
-
-
-def default_eos_ids(model, tokenizer) -> list[int]:
-    """EOS ids from the generation config and the tokenizer (R1: 151643), deduplicated."""
-    ids = []
-    for eos in (getattr(getattr(model, "generation_config", None), "eos_token_id", None),
-                tokenizer.eos_token_id):
-        ids += eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
-    return sorted(set(int(i) for i in ids))
-
-
-def default_decode(model) -> str:
-    return "static" if next(model.parameters()).device.type == "cuda" else "dynamic"
-
-
-def sample_next(logits, temperature=1.0, top_p=1.0, noise=None):
-    """Next token per row. logits [R, V] float, noise [R, V] ~ Exp(1) -> ids [R] long.
-
-    temperature 0: argmax (noise unused). Otherwise p = softmax(logits / temperature); with top_p < 1
-    a token is kept when the probability mass of the tokens ranked before it is < top_p (so the top
-    one always is); the sample is argmax over kept v of p_v / noise_v (noise_v > 0; an infinite
-    one only makes v lose).
-    """
-    if temperature == 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p < 1.0:
-        p_sorted, order = probs.sort(dim=-1, descending=True)
-        drop = (p_sorted.cumsum(-1) - p_sorted) >= top_p
-        probs = probs.scatter(-1, order, p_sorted.masked_fill(drop, 0))
-    return (probs / noise).argmax(-1)
-
-
-def token_scores(logits, tok, temperature=1.0):
-    """(log-prob of tok [R], entropy [R]) under softmax(logits / temperature), logits [R, V] float
-    (-inf where an id is masked); temperature 0 is scored at 1 (the module docstring, Scores)."""
-    logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
-    return logp.gather(-1, tok[:, None]).squeeze(-1), torch.special.entr(logp.exp()).sum(-1)
-
-
-def _cache_kwarg(model) -> str:
-    # transformers 5.x renamed `past_key_values` to `cache` (the old name is deprecated, removal 5.40).
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def _keeps_last_logits(model) -> bool:
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
-
-
-@torch.no_grad()
-def prefill(model, seqs, pad_id, after=None) -> Prefix:
-    """One eager forward over `seqs` (R non-empty id lists), each LEFT-padded to the longest and
-    appended after `after` (a Prefix of R rows, whose cache is extended in place) or from scratch."""
-    device = next(model.parameters()).device
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    seg = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-        seg[i, width - len(s):] = 1
-    ids, seg = ids.to(device), seg.to(device)
-    mask = seg if after is None else torch.cat([after.mask, seg], dim=1)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -width:]
-    cache = DynamicCache(config=model.config) if after is None else after.cache
-    extra = {"logits_to_keep": 1} if _keeps_last_logits(model) else {}
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                **{_cache_kwarg(model): cache}, **extra)
-    return Prefix(cache, mask, positions[:, -1:], out.logits[:, -1])
-
-
-class Sampler:
-    """The sampling settings of one call plus, for the static path, the model's static decoder
-    (its last shape's buffers and captured steps, reused by every chunk and call of that shape).
-
-    share_rows (dynamic path, `_decode_shared`; the static path ignores it): rows whose histories
-    agree (the n samples of a row before they diverge) share one cache row and one forward; the
-    samples are the same as without. It pays for many samples of short answers (label.py: K forced
-    answers that mostly agree), not for long rollouts, whose rows diverge early and would move the
-    cache at every fork.
-
-    close_depth: a row also stops (reason "stop") at the token where close_depth plus the "{" minus
-    the "}" of its generated text reaches 0: label.py's forced answers end at the brace that closes
-    the forced `\\boxed{` (close_depth=1), after which nothing can change the answer.
-    """
-
-    def __init__(self, model, tokenizer, max_new_tokens=256, temperature=1.0, top_p=1.0, stop=(),
-                 eos_ids=None, decode=None, share_rows=False, close_depth=None):
-        if max_new_tokens < 1:
-            raise ValueError(f"need max_new_tokens >= 1, got {max_new_tokens}")
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
-        decode = decode or default_decode(model)
-        if decode not in DECODES:
-            raise ValueError(f"decode must be one of {DECODES}, got {decode!r}")
-        if isinstance(stop, (str, int)):
-            stop = (stop,)
-        self.model, self.tokenizer, self.decode = model, tokenizer, decode
-        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
-        self.stop_strs = [s for s in stop if isinstance(s, str) and s]
-        self.stop_ids = [int(s) for s in stop if not isinstance(s, str)]
-        self.eos_ids = default_eos_ids(model, tokenizer) if eos_ids is None else [int(i) for i in eos_ids]
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.eos_ids or [0])[0]
-        self.device = next(model.parameters()).device
-        self.share_rows, self.close_depth, self._braces = share_rows, close_depth, {}
-        self.cache_kw = _cache_kwarg(model)
-        self.step_kw = {"logits_to_keep": 1} if _keeps_last_logits(model) else {}
-        self.static = staticcache.decoder(model, self.cache_kw) if decode == "static" else None
-        # A stop string of one byte (labels stop at "\n") lies inside one token, so a row stops
-        # exactly when its new token's text holds it: each distinct id is decoded once per sampler.
-        self.byte_stops = all(len(x.encode()) == 1 for x in self.stop_strs)
-        self._has_stop = {}
-
-    def braces(self, tok):
-        """Per token of `tok`: ("{" minus "}" count, lowest running value of it) of its text."""
-        ids = tok.unique()
-        fresh = [i for i in ids.tolist() if i not in self._braces]
-        for i, text in zip(fresh, self.tokenizer.batch_decode([[i] for i in fresh], skip_special_tokens=True)):
-            depth = low = 0
-            for ch in text:
-                depth += (ch == "{") - (ch == "}")
-                low = min(low, depth)
-            self._braces[i] = (depth, low)
-        table = torch.tensor([self._braces[i] for i in ids.tolist()], dtype=torch.long, device=tok.device)
-        return table[torch.searchsorted(ids, tok)].unbind(-1)
-
-    def stop_tokens(self, tok):
-        """The ids among `tok` whose text contains a one-byte stop string (one host copy per step)."""
-        ids = tok.unique().tolist()
-        fresh = [i for i in ids if i not in self._has_stop]
-        for i, text in zip(fresh, self.tokenizer.batch_decode([[i] for i in fresh], skip_special_tokens=True)):
-            self._has_stop[i] = any(x in text for x in self.stop_strs)
-        return torch.tensor([i for i in ids if self._has_stop[i]], dtype=torch.long, device=tok.device)
-
-    def prefill(self, seqs, after=None) -> Prefix:
-        return prefill(self.model, seqs, self.pad_id, after)
-
-    @torch.no_grad()
-    def sample(self, prefix, n=1, generator=None, scores=False):
-        """n continuations of every row of `prefix` (consumed) -> ids [R*n, T], lengths [R*n],
-        reasons [R*n] (index into _REASONS) on the device; row i*n + j continues prefix row i.
-        scores: also the log-prob of every id [R*n, T] (0 past the row's length) and the sum of its
-        entropies [R*n] (module docstring, Scores).
-
-        _decode_dynamic is the reference loop; _decode_shared (share_rows) and _decode_static
-        (decode="static") are faster ways to the same samples (tests/test_rollout.py).
-        """
-        state = _Rows(self, prefix.logits.shape[0] * n, generator, scores)
-        if self.static is not None:
-            self._decode_static(prefix, n, state)
-        elif self.share_rows:
-            self._decode_shared(prefix, n, state)
-        else:
-            self._decode_dynamic(prefix, n, state)
-        return state.result()
-
-    def _decode_dynamic(self, prefix, n, state):
-        """The reference: every prefix row repeated n times in a DynamicCache that grows by one
-        position per step, until every row has finished or max_new_tokens are sampled."""
-        cache, mask, pos, logits = prefix.cache, prefix.mask, prefix.last_pos, prefix.logits
-        if n > 1:
-            cache.batch_repeat_interleave(n)
-            logits, mask, pos = (x.repeat_interleave(n, dim=0) for x in (logits, mask, pos))
-        live = torch.arange(len(logits), device=self.device)  # rows not yet dropped from the batch
-        for t in range(self.max_new_tokens):
-            tok = state.advance(t, logits, live)
-            keep = ~state.done[live]
-            n_keep = int(keep.sum())
-            if t == self.max_new_tokens - 1 or n_keep == 0:
-                return
-            if n_keep <= 0.75 * len(live):
-                # Drop finished rows from the batch (and their KV cache) so long tails decode cheaply.
-                idx = keep.nonzero().squeeze(1)
-                live, tok = live[idx], tok[idx]
-                cache.batch_select_indices(idx)
-                mask, pos = mask[idx], pos[idx]
-            logits, mask, pos = self._forward(cache, tok, mask, pos)
-
-    def _decode_shared(self, prefix, n, state):
-        """_decode_dynamic with share_rows: the rows whose histories agree (at first the n samples
-        of a prefix row) share one cache row and one forward, so a step runs one cache row per
-        distinct (cache row, new token) of the running rows."""
-        cache, mask, pos, logits = prefix.cache, prefix.mask, prefix.last_pos, prefix.logits
-        live = torch.arange(len(logits) * n, device=self.device)  # rows still running
-        src = live // n  # the cache row (and logits row) of each live row
-        for t in range(self.max_new_tokens):
-            tok = state.advance(t, logits[src], live)
-            keep = ~state.done[live]
-            if t == self.max_new_tokens - 1 or int(keep.sum()) == 0:
-                return
-            width = logits.shape[-1]
-            key, src = torch.unique(src[keep] * width + tok[keep], return_inverse=True)
-            idx, live = key // width, live[keep]
-            if len(idx) != len(mask) or not bool((idx == torch.arange(len(idx), device=idx.device)).all()):
-                cache.batch_select_indices(idx)  # rows fork or finish (else nothing moves)
-                mask, pos = mask[idx], pos[idx]
-            logits, mask, pos = self._forward(cache, key % width, mask, pos)
-
-    def _decode_static(self, prefix, n, state):
-        """decode="static" (harness/staticcache.py): all rows stay in preallocated buffers, finished ones
-        masked in place; a step attends over the live length; on CUDA it replays a captured CUDA graph."""
-        rows = len(state.done)
-        step = self.static.start(self.model, prefix, n, self.max_new_tokens)
-        prefix.cache = None  # copied into the static buffers; free it before decoding
-        live, logits = torch.arange(rows, device=self.device), prefix.logits.repeat_interleave(n, 0)
-        for t in range(self.max_new_tokens):
-            tok = state.advance(t, logits, live)
-            # A host sync per step only where stop strings need one anyway, or on CPU.
-            check = self.stop_strs or self.device.type != "cuda" or t % 8 == 0
-            if t == self.max_new_tokens - 1 or (check and bool(state.done.all())):
-                return
-            logits = step(tok)[:rows]
-
-    def _forward(self, cache, tok, mask, pos):
-        """One eager decode step: tok [R] at the next position of each cache row -> (logits [R, V],
-        mask, pos) extended by it."""
-        mask = torch.cat([mask, mask.new_ones(len(mask), 1)], dim=1)
-        pos = pos + 1
-        out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, use_cache=True,
-                         **{self.cache_kw: cache}, **self.step_kw)
-        return out.logits[:, -1], mask, pos
-
-
-class _Rows:
-    """Per-row bookkeeping shared by the decode loops: sampling, ids, lengths, finish reasons, scores."""
-
-    def __init__(self, s, rows, generator, scores=False):
-        self.s, self.generator, dev = s, generator, s.device
-        self.ids = torch.full((rows, s.max_new_tokens), s.pad_id, dtype=torch.long, device=dev)
-        self.done = torch.zeros(rows, dtype=torch.bool, device=dev)
-        self.reason = torch.zeros(rows, dtype=torch.long, device=dev)
-        self.length = torch.zeros(rows, dtype=torch.long, device=dev)
-        self.logp = torch.zeros((rows, s.max_new_tokens), device=dev) if scores else None
-        self.entropy = torch.zeros(rows, device=dev) if scores else None
-        self.eos = torch.tensor(s.eos_ids, dtype=torch.long, device=dev)
-        self.stop = torch.tensor(s.stop_ids, dtype=torch.long, device=dev)
-        self.vocab = len(s.tokenizer)
-        self.depth = torch.full((rows,), s.close_depth or 0, dtype=torch.long, device=dev)
-        # Each token decodes to at least one character, so a stop string of k characters ending at
-        # the new token lies within the last k tokens; a few more absorb partial UTF-8 bytes.
-        self.window = max((len(x) for x in s.stop_strs), default=0) + 4
-
-    def advance(self, t, logits, live):
-        """Sample step t for rows `live` from their logits [len(live), V]; returns the fed tokens
-        (pad for rows already finished)."""
-        s = self.s
-        logits = logits.float()
-        if logits.shape[-1] > self.vocab:
-            logits = logits.clone()
-            logits[:, self.vocab:] = float("-inf")
-        noise = None
-        if s.temperature > 0:  # Exp(1) = -log(U) for every row of the chunk, live or not (see the docstring)
-            noise = torch.rand((len(self.done), logits.shape[-1]), device=logits.device, generator=self.generator)
-            noise = noise[live].log_().neg_()
-        done = self.done[live]
-        tok = torch.where(done, s.pad_id, sample_next(logits, s.temperature, s.top_p, noise))
-        self.ids[live, t] = tok
-        if self.logp is not None:
-            logp, entropy = token_scores(logits, tok, s.temperature)
-            self.logp[live, t] = logp.masked_fill(done, 0)
-            self.entropy[live] += entropy.masked_fill(done, 0)
-        active = ~done
-        self.length[live] += active.long()
-        hit_eos = active & torch.isin(tok, self.eos)
-        hit_stop = active & ~hit_eos & torch.isin(tok, self.stop)
-        self.reason[live] = torch.where(hit_eos, 1, torch.where(hit_stop, 2, self.reason[live]))
-        self.done[live] = done | hit_eos | hit_stop
-        if s.stop_strs:
-            running = live[~self.done[live]]
-            if s.byte_stops:
-                hits = running[torch.isin(tok[~self.done[live]], s.stop_tokens(tok))]
-            else:
-                # The last few tokens of each running row, decoded in one batched call and searched.
-                rs = running.tolist()
-                tails = s.tokenizer.batch_decode(self.ids[rs, max(0, t + 1 - self.window):t + 1].tolist(),
-                                                 skip_special_tokens=True) if rs else []
-                hits = torch.tensor([r for r, text in zip(rs, tails) if any(x in text for x in s.stop_strs)],
-                                    dtype=torch.long, device=self.done.device)
-            self.reason[hits], self.done[hits] = 2, True
-        if s.close_depth is not None:  # braces are one byte, inside one token (as one-byte stops)
-            delta, low = s.braces(tok)
-            closed = live[~self.done[live] & (self.depth[live] + low <= 0)]
-            self.depth[live] += delta
-            self.reason[closed], self.done[closed] = 2, True
-        return tok
-
-    def result(self):
-        out = self.ids, self.length, torch.where(self.done, self.reason, 3)
-        return out if self.logp is None else (*out, self.logp, self.entropy)
-
-
-def chunk_generators(seed, count, device):
-    """One generator per chunk, each seeded from `seed`: a chunk's samples do not depend on how
-    many random draws earlier chunks made (the static path may run a few steps past the end)."""
-    if seed is None:
-        return [None] * count
-    base = torch.Generator().manual_seed(seed)
-    seeds = torch.randint(2 ** 62, (count,), generator=base).tolist()
-    return [torch.Generator(device=device).manual_seed(s) for s in seeds]
 
 
 def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0,
@@ -414,9 +72,19 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
                     result.logprobs.append(scored[0][r][:length[r]])
                     result.entropy_sum.append(scored[1][r])
                 result.lengths.append(length[r])
-                result.finish.append(_REASONS[reason[r]])
+                result.finish.append(REASONS[reason[r]])
                 result.prompt_index.append(start + r // n)
     finally:
         model.train(was_training)
     result.texts = tokenizer.batch_decode(result.ids, skip_special_tokens=True) if result.ids else []
     return result
+
+
+def chunk_generators(seed, count, device):
+    """One generator per chunk, each seeded from `seed`: a chunk's samples do not depend on how
+    many random draws earlier chunks made (the static path may run a few steps past the end)."""
+    if seed is None:
+        return [None] * count
+    base = torch.Generator().manual_seed(seed)
+    seeds = torch.randint(2 ** 62, (count,), generator=base).tolist()
+    return [torch.Generator(device=device).manual_seed(s) for s in seeds]

@@ -1,4 +1,4 @@
-"""The offline toy world: a per-character tokenizer, a tiny Qwen2 model, an arithmetic task.
+"""The offline toy world: a per-character tokenizer, an arithmetic task and the tiny model's shape.
 
 `python train.py` runs the whole RLCM loop on this world on a laptop CPU in minutes, through
 exactly the code used for DeepSeek-R1-Distill-Qwen: chat template, generation that starts inside
@@ -18,39 +18,8 @@ rebuilds for every qwen2 checkpoint, R1 included), so any text round-trips exact
 <|bos|> <|eos|> <|pad|> <|user|> <|assistant|>; added but not special, like R1: <think>, </think>,
 \\boxed{ and the forced sentence, so the forced suffix "\\n" + sentence is two tokens.
 
-Base policy. `base_model()` returns a directory with a warm-started Qwen2ForCausalLM (4 layers,
-hidden 128, 823k parameters, float32) and its tokenizer, loadable with AutoModelForCausalLM /
-AutoTokenizer. The warm start is supervised training, on the train splits of all three benchmarks
-(60/20/20), on traces where each running total slips (off by 1 or 2, then continued from the wrong
-total) with probability 0.3, so the policy knows
-how to add (greedy decoding is right) but slips often when it samples, and GRPO has something to
-fix: at temperature 0.8 about half of the answers are wrong.
-It also learns the forced answer used by the calibration labels (label.py): after
-`prompt + response[:b] + </think> + SUFFIX` (or EOS instead of `</think>`, the released code's
-variant) the target is the answer the prefix implies, the last running total written (right or
-wrong) plus the terms not yet added, done "mentally". That is easy near the end and hard early,
-so Monte-Carlo labels are graded and depend on the prefix, as they do for a real reasoning model.
-(In an early trial, a model that never saw the forced suffix was wrong from every prefix.)
-RLCR's format, chosen by the prompt: under RLCR_INSTRUCTION (what `--reward rlcr` trains with on
-the toy) the same trace ends in `</think><answer>17</answer>\\n<analysis></analysis>\\n<confidence>0.4
-</confidence>` instead of the box, the confidence drawn at random from 0.1 .. 0.9 whatever the trace,
-so the base policy speaks the format but its verbal confidence says nothing: RL has to learn it.
-The tags are single added tokens, so the longest such response (46 tokens) fits the 48 of a rollout.
-
-Why this warm start (the RL run must visibly learn in 45 steps at AdamW lr 1e-4, whose first
-steps move every weight by about lr): an earlier one (lr 1e-3, no weight decay, forced answers
-weighted 4x, forgotten carries on fixed pairs) left a policy so sharp that any step of that size
-lowered the probability of every sample. Weight decay 0.1, a larger warm-start lr, forced answers
-at weight 1 and random slips instead of fixed misconceptions leave one where such a step moves
-probability from wrong to right samples (tests/test_learning.py).
-
-The committed checkpoint, on the first 200 test problems (tests/test_toy.py): accuracy 0.430
-sampled at temperature 0.8, 1.000 greedy; labels at K=4 from the three budgets lie strictly between
-0 and 1 for 30% of the prefixes, and the mean label at the 75% budget is 0.59 for trajectories that
-end correct against 0.09 for those that end wrong. At the evaluation temperature 0.6 (evaluate.py,
-500 problems x 4 samples): toy 0.625, toy-long 0.424, toy-sub 0.263. The RLCR format's numbers were
-measured on the checkpoint before the toy benchmarks (accuracy 0.425 at 0.8, 0.980 greedy, every
-response with a confidence tag, mean confidence 0.46 on right answers and 0.49 on wrong ones).
+Base policy. toy_warm.py warm-starts a tiny Qwen2ForCausalLM (MODEL) on this world's traces and
+saves it with the tokenizer as the committed `toy_base/` (`toy_warm.base_model()`).
 
 Rebuild. The committed `toy_base/` is rebuilt by one command, in about five minutes on one CPU
 core, bit for bit (same safetensors bytes) on the same machine and torch build; the build
@@ -61,21 +30,16 @@ runs on one thread, since float sums depend on how the work is split:
 import argparse
 import hashlib
 import itertools
-import math
 import os
 import random
 import re
-import shutil
-import tempfile
-import time
 
-import torch
 from tokenizers import AddedToken
-from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
+from transformers import Qwen2Tokenizer
 
 INSTRUCTION = ""  # toy problems are complete user messages
 # --reward rlcr on the toy: the prompt that asks for RLCR's answer format (the toy's stand-in for
-# data.RLCR_INSTRUCTION, which would not fit its 256 positions); see rlcr_tail.
+# data.RLCR_INSTRUCTION, which would not fit its 256 positions); see toy_warm.rlcr_tail.
 RLCR_INSTRUCTION = "\nFormat: <answer> <analysis> <confidence>"
 SUFFIX = "\nIf I were to output the final answer now, it would be \\boxed{"  # = label.SUFFIX
 BASE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "toy_base")
@@ -119,7 +83,6 @@ LEGIBLE = dict(WARM, steps=3000, p_forced=0.5, p_slip=0.12, p_slip_carry=0.45, p
 # starts differ in the `?` alone.
 WORLDS = {"sum": dict(WARM, benchmarks=BENCHMARKS), "legible": LEGIBLE,
           "legible-quiet": dict(LEGIBLE, p_flag_wrong=0.0, p_flag_right=0.0, data="legible")}
-CONFIDENCES = [f"0.{d}" for d in range(1, 10)]  # the warm start's verbal confidence: any, at random
 
 
 def byte_symbols():
@@ -247,124 +210,8 @@ def implied_sum(problem, terms, lines, totals, b):
     return problem if done == 0 else f"{totals[done]}" + "".join(f"{t:+d}" for t in terms[done + 1:])
 
 
-def build_model(tok, seed=0):
-    """Fresh Qwen2ForCausalLM from MODEL (float32, tied embeddings, ~0.8M parameters)."""
-    torch.manual_seed(seed)
-    config = Qwen2Config(**MODEL, tie_word_embeddings=True, rope_theta=10000.0,
-                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id, dtype="float32")
-    return Qwen2ForCausalLM(config)
-
-
-def rlcr_tail(total, rng):
-    """What follows `</think>` under RLCR_INSTRUCTION: the answer, an empty analysis (the toy has
-    no words to analyse with) and a confidence drawn at random from CONFIDENCES, whatever the trace:
-    the warm start teaches the format but no calibration, so `--reward rlcr` has to learn it.
-    17 -> "<answer>17</answer>\\n<analysis></analysis>\\n<confidence>0.4</confidence>"."""
-    return (f"<answer>{total}</answer>\n<analysis></analysis>\n"
-            f"<confidence>{rng.choice(CONFIDENCES)}</confidence>")
-
-
-def example(tok, problem, rng, forced, world=WARM):
-    """One warm-start sequence: (ids, loss_mask), loss on response tokens only.
-    Plain: prompt + trace + </think>\\boxed{total}EOS; with probability p_rlcr the prompt carries
-    RLCR_INSTRUCTION and `\\boxed{total}` is replaced by rlcr_tail.  Forced: prompt + response[:b] + CLOSE +
-    SUFFIX + implied}\\n where implied = last complete running total + terms not yet added."""
-    terms = terms_of(problem)
-    lines, totals = world_trace(terms, rng, world)
-    rlcr = not forced and rng.random() < world["p_rlcr"]
-    content = problem + (RLCR_INSTRUCTION if rlcr else INSTRUCTION)
-    prompt = tok.apply_chat_template([{"role": "user", "content": content}],
-                                     add_generation_prompt=True, tokenize=False)
-    prompt = tok.encode(prompt, add_special_tokens=False)
-    tail = rlcr_tail(totals[-1], rng) if rlcr else f"\\boxed{{{totals[-1]}}}"
-    response = tok.encode("".join(lines) + "</think>" + tail, add_special_tokens=False) + [tok.eos_token_id]
-    if not forced:
-        return prompt + response, [0] * len(prompt) + [1] * len(response)
-    b = rng.randint(1, len(response))
-    implied = (implied_sum(problem, terms, lines, totals, b) if world.get("forced_sum")
-               else implied_answer(terms, lines, totals, b))
-    close = (tok.eos_token_id if rng.random() < world["p_eos_close"]
-             else tok.convert_tokens_to_ids("</think>"))
-    # A cut ending on the close token gets a second one here, as label.forced_prompt built them when
-    # toy_base was made; it no longer does (released), and the labels still carry signal (tests/test_toy.py).
-    head = prompt + response[:b] + [close] + tok.encode(SUFFIX, add_special_tokens=False)
-    answer = tok.encode(f"{implied}}}\n", add_special_tokens=False)
-    mask = ([0] * len(prompt) + [1] * b + [0] * (len(head) - len(prompt) - b)
-            + [world["w_forced"]] * len(answer))
-    return head + answer, mask
-
-
-def warm_start(out, log=print, world="sum"):
-    """Supervised warm start (AdamW, linear warm-up then cosine), saved to `out` in float32.
-    Deterministic: fixed seeds and a fixed thread count (float sums depend on the split)."""
-    name, world = world, WORLDS[world]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(world["threads"])
-    try:
-        tok = tokenizer()
-        model = build_model(tok, world["seed"])
-        rng = random.Random(world["seed"])
-        pools = [[row["problem"] for row in dataset("train", b, name)] for b in world["benchmarks"]]
-        # beta2 0.95: at 2e-3 / 0.999 an earlier warm start stalled at a few percent accuracy;
-        # weight decay keeps the policy smooth enough for the RL steps (module docstring).
-        opt = torch.optim.AdamW(model.parameters(), lr=world["lr"], betas=(0.9, world["beta2"]),
-                                weight_decay=world["weight_decay"])
-        steps, t0 = world["steps"], time.time()
-        for step in range(steps):
-            lr = (world["lr"] * min(1.0, (step + 1) / world["warmup"])
-                  * 0.5 * (1 + math.cos(math.pi * step / steps)))
-            for group in opt.param_groups:
-                group["lr"] = lr
-            batch = [example(tok, rng.choice(rng.choices(pools, world["mix"])[0]), rng,
-                             rng.random() < world["p_forced"], world) for _ in range(world["batch_size"])]
-            width = max(len(ids) for ids, _ in batch)
-            ids = torch.tensor([i + [tok.pad_token_id] * (width - len(i)) for i, _ in batch])
-            mask = torch.tensor([m + [0] * (width - len(m)) for _, m in batch], dtype=torch.float32)
-            logits = model(input_ids=ids, attention_mask=(ids != tok.pad_token_id).long()).logits
-            # token t is predicted from position t-1; weighted mean over the batch's response tokens
-            nll = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(),
-                                                    reduction="none")
-            loss = (nll * mask[:, 1:].flatten()).sum() / mask[:, 1:].sum()
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            if step == 0 or (step + 1) % 100 == 0:
-                log(f"warm start {step + 1:4d}/{steps}  loss {loss.item():.4f}  lr {lr:.2e}  "
-                    f"{time.time() - t0:.0f}s")
-        model.generation_config.eos_token_id = tok.eos_token_id
-        model.generation_config.pad_token_id = tok.pad_token_id
-        model.save_pretrained(out, safe_serialization=True)
-        tok.save_pretrained(out)
-    finally:
-        torch.set_num_threads(threads)
-    return out
-
-
-def base_model(path=None, rebuild=False, world="sum"):
-    """Directory of the warm-started base policy (default: the committed toy_base/), trained if
-    missing or if rebuild=True. Written to a temporary sibling, then renamed into place."""
-    path = os.path.abspath(path or BASE_DIR)
-    if rebuild or not os.path.exists(os.path.join(path, "model.safetensors")):
-        parent = os.path.dirname(path)
-        os.makedirs(parent, exist_ok=True)
-        tmp, old = tempfile.mkdtemp(prefix=".toy_base.", dir=parent), None
-        try:
-            os.chmod(tmp, 0o755)
-            warm_start(tmp, world=world)
-            if os.path.exists(path):
-                old = tempfile.mkdtemp(prefix=".toy_base.old.", dir=parent)
-                os.rename(path, os.path.join(old, "base"))
-            os.rename(tmp, path)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if old:
-                shutil.rmtree(old, ignore_errors=True)
-    return path
-
-
 if __name__ == "__main__":
+    from toy_warm import base_model  # toy_warm imports this world: only the command imports it back
     parser = argparse.ArgumentParser(description="Rebuild the toy world's warm-started base policy.")
     parser.add_argument("--out", default=BASE_DIR,
                         help="output directory (default: toy_base/ next to toy.py)")

@@ -44,7 +44,6 @@ import zipfile
 import torch
 
 import probe as probe_lib
-import rollout
 from baselines import verbal_confidence  # RLCR's parser, read here for --confidence verbal
 from grade import answers_match, boxed_answer, boxed_in_thinking, code_job, is_correct
 from grpo import pack, token_logprobs
@@ -52,7 +51,7 @@ from label import absolute_budgets, budgets, forced_prompt, mc_labels
 from prompts import RLCR_FORMAT, chat_prompt
 from rollout import generate
 from update import budget_ends, score
-from harness import files, plan, sandbox, staticcache
+from harness import files, plan, sampling, sandbox, staticcache
 
 SOURCES = ("probe", "probe-posthoc", "verbal", "verbal-forced", "logits")
 EVAL_SUFFIX = "\n\nIf I were to give the final answer now, the final answer would be \\boxed{"
@@ -99,7 +98,7 @@ def sample_by_length(model, tokenizer, prompts, k, **kw):
     earlier versions for the same seed.
     """
     order = list(range(len(prompts)))
-    if rollout.default_decode(model) == "static":
+    if sampling.default_decode(model) == "static":
         order.sort(key=lambda i: len(prompts[i]))
     out = generate(model, tokenizer, [list(prompts[i]) for i in order], n=k, **kw)
     texts = [None] * len(prompts)

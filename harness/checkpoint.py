@@ -49,8 +49,8 @@ ALIASES = {
 def resolve_model(name):
     """Alias, HF id, model dir, checkpoint dir or run dir (-> its latest complete checkpoint)."""
     if name == "toy":
-        import toy  # the offline world; builds its base policy on first use
-        return toy.base_model()
+        import toy_warm  # the offline world's warm start: builds its base policy on first use
+        return toy_warm.base_model()
     if name in ALIASES:
         return ALIASES[name]
     if os.path.isdir(os.path.join(name, "checkpoints")):

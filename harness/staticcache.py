@@ -1,4 +1,4 @@
-"""A preallocated (static) KV cache and a decode step captured as a CUDA graph, for rollout.py.
+"""A preallocated (static) KV cache and a decode step captured as a CUDA graph, for harness/sampling.py.
 
 Why: a decode step of a 7B model should cost what the GPU needs to read the weights and the live
 part of the KV cache (about 14 GB + 56 KiB per token per row in bf16; 6-9 ms at batch 64 and 4k

@@ -38,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the reposi
 if not __package__:   # run as a file (python scripts/bench.py), Python puts scripts/ on the path, -m the root
     sys.path.insert(0, ROOT)
 import rollout  # noqa: E402
-from harness import staticcache  # noqa: E402
+from harness import sampling, staticcache  # noqa: E402
 from harness.files import UserError  # noqa: E402
 from harness.config import check_values  # noqa: E402
 
@@ -56,8 +56,9 @@ LIMITS.update(temperature=(lambda v: v >= 0, ">= 0 (0: greedy)"), top_p=(lambda 
 def toy_world(n_prompts):
     import prompts as prompts_lib
     import toy
+    import toy_warm
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    path = toy.base_model()
+    path = toy_warm.base_model()
     model, tok = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     rows = toy.dataset("train")[:n_prompts]
     return model, tok, [prompts_lib.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
@@ -107,7 +108,7 @@ def shape_7b(path, layers, n_prompts, prompt_len, device, seed=0):
 
 def run_sampler(model, tok, prompts, args, decode, eos_ids, full=False):
     """full: the static path attends over its whole buffer at every step (static-full)."""
-    static = staticcache.decoder(model, rollout._cache_kwarg(model))
+    static = staticcache.decoder(model, sampling._cache_kwarg(model))
     static.full = full
     try:
         out = rollout.generate(model, tok, prompts, n=args.samples, max_new_tokens=args.max_new_tokens,
@@ -258,7 +259,7 @@ def main(argv=None):
     if args.shape != "7b":
         model, tok, prompts = toy_world(args.prompts)
         model.to(device)
-        eos_ids = rollout.default_eos_ids(model, tok) if args.shape == "toy" else []
+        eos_ids = sampling.default_eos_ids(model, tok) if args.shape == "toy" else []
     else:
         model, tok, prompts = shape_7b(args.config, args.layers, args.prompts, args.prompt_len, device, args.seed)
         eos_ids = []

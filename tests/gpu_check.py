@@ -80,7 +80,7 @@ import label  # noqa: E402
 import rollout  # noqa: E402
 import static_shapes  # noqa: E402  (beside this file)
 from grpo import pack  # noqa: E402
-from harness import lora, plan, staticcache  # noqa: E402
+from harness import lora, plan, sampling, staticcache  # noqa: E402
 from harness.adapter import is_adapter  # noqa: E402
 from harness.checkpoint import latest_checkpoint  # noqa: E402
 from harness.flags import COMMON, REAL  # noqa: E402
@@ -343,7 +343,7 @@ def copy_bandwidth(device, mib, reps=10):
 def decode_call(model, tok, prompts, s, decode="static", full=False):
     """One decode of `prompts` x s["group"] rows, s["decode_steps"] tokens, EOS off, timed apart from its
     prefill -> (seconds, captures, ids [rows, steps])."""
-    sampler = rollout.Sampler(model, tok, max_new_tokens=s["decode_steps"], temperature=0.8, eos_ids=[],
+    sampler = sampling.Sampler(model, tok, max_new_tokens=s["decode_steps"], temperature=0.8, eos_ids=[],
                               decode=decode)
     if sampler.static:
         sampler.static.full = full

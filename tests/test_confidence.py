@@ -10,6 +10,7 @@ from evaluation import confidence
 import probe as probe_lib
 import rollout
 import tiny
+from harness import sampling
 
 
 class _Tok:
@@ -293,8 +294,9 @@ def test_evaluation_reanswers_as_released():
 def test_verbal_forced_on_the_toy_base_reads_its_rlcr_tags():
     import prompts as prompts_lib
     import toy
+    import toy_warm
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    path = toy.base_model()
+    path = toy_warm.base_model()
     model, tok = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
     rows = toy.dataset("test")[:8]
     prompts = [prompts_lib.chat_prompt(tok, r["problem"], toy.RLCR_INSTRUCTION) for r in rows]
@@ -335,7 +337,7 @@ def test_posthoc_labels_decode_one_bounded_shape_at_a_time(monkeypatch):
     first, none is built twice."""
     import tiny
     from static_shapes import Shapes
-    monkeypatch.setattr(rollout, "default_decode", lambda model: "static")
+    monkeypatch.setattr(sampling, "default_decode", lambda model: "static")
     tok, model = tiny.tokenizer(), tiny.model(seed=4)
     gen = torch.Generator().manual_seed(0)
     lengths = [30, 90, 150, 240, 330, 420]

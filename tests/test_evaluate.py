@@ -12,6 +12,7 @@ import probe as probe_lib
 import prompts as prompts_lib
 import rollout
 import toy
+import toy_warm
 import train
 from evaluation import uses
 
@@ -22,7 +23,7 @@ FAST = ["--limit", "6", "--n-samples", "2", "--max-new-tokens", "48", "--threads
 
 @pytest.fixture(scope="module")
 def toy_dir():
-    return toy.base_model()
+    return toy_warm.base_model()
 
 
 @pytest.fixture(scope="module")

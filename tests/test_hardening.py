@@ -15,7 +15,7 @@ import torch
 from harness import checkpoint, files
 from harness import flags
 import evaluate
-import toy
+import toy_warm
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -271,7 +271,7 @@ def refused_pickle(run):
 
 def truncated_model(tmp_path):
     model = str(tmp_path / "model")
-    shutil.copytree(toy.base_model(), model)
+    shutil.copytree(toy_warm.base_model(), model)
     path = os.path.join(model, "model.safetensors")
     os.truncate(path, os.path.getsize(path) - 100)
     return ["--model", model, "--data", "toy", "--eval-data", "toy"]
@@ -392,7 +392,7 @@ def test_prompts_past_the_context_are_refused_and_overflow_is_warned():
     import data
     import prompts as prompts_lib
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(toy.base_model())   # context 256
+    tok = AutoTokenizer.from_pretrained(toy_warm.base_model())   # context 256
     short = {"problem": "1+1", "answer": "2"}
     n = len(prompts_lib.chat_prompt(tok, short["problem"], ""))
     said = []

@@ -18,7 +18,7 @@ import data
 import evaluate
 import probe as probe_lib
 import prompts as prompts_lib
-import toy
+import toy_warm
 import train
 from harness.files import UserError
 from tests import tiny
@@ -55,7 +55,7 @@ def base_run(tmp_path_factory):
 def nan_model(tmp_path):
     """The toy base model with one NaN weight in its last MLP."""
     path = str(tmp_path / "nan")
-    shutil.copytree(toy.base_model(), path)
+    shutil.copytree(toy_warm.base_model(), path)
     weights = os.path.join(path, "model.safetensors")
     sd = load_file(weights)
     key = next(k for k in sd if k.endswith("mlp.down_proj.weight"))
@@ -324,7 +324,7 @@ def test_a_bad_run_config_is_one_line_when_evaluating_the_run(case, tmp_path):
 
 def test_weights_that_do_not_fit_the_config_are_one_line(tmp_path):
     model = str(tmp_path / "model")
-    shutil.copytree(toy.base_model(), model)
+    shutil.copytree(toy_warm.base_model(), model)
     with open(os.path.join(model, "config.json")) as f:
         cfg = json.load(f)
     write(os.path.join(model, "config.json"), json.dumps(dict(cfg, vocab_size=5000)))

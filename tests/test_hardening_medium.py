@@ -141,12 +141,12 @@ def test_a_checkpoint_pruned_while_it_loads_is_one_line(tmp_path, monkeypatch):
     # L5 (C63): at a7c59f5 safetensors' "unable to open file <...> in read-only mode" (a RuntimeError)
     # came out bare, a traceback in evaluate.py, when the run pruned the checkpoint mid-load.
     import shutil
-    import toy
+    import toy_warm
     import transformers
     from harness import models
     from harness.files import UserError
     ckpt = tmp_path / "run" / "checkpoints" / "step_000001"
-    shutil.copytree(toy.base_model(), ckpt)
+    shutil.copytree(toy_warm.base_model(), ckpt)
 
     def pruned(path, **kw):
         shutil.rmtree(ckpt)

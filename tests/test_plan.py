@@ -34,7 +34,7 @@ def test_parameter_terms_match_a_real_model():
 
 
 def test_kv_cache_term_matches_a_real_static_cache():
-    import rollout
+    from harness import sampling
     model = tiny.model(vocab_size=300, hidden=32, layers=3)
     tok = tiny.tokenizer()
     cfg = dict(model="toy", prompts_per_step=8, gen_batch=3, group_size=4, k=1, max_new_tokens=10,
@@ -43,7 +43,7 @@ def test_kv_cache_term_matches_a_real_static_cache():
     # = 25 positions, rounded up to the 64 of the smallest length bucket
     prompts = [[5] * plan.TOY_PROMPT_TOKENS] * 3
     for dtype, device in ((torch.float32, "cpu"), (torch.bfloat16, "cuda")):
-        sampler = rollout.Sampler(model.to(dtype), tok, max_new_tokens=10, decode="static")
+        sampler = sampling.Sampler(model.to(dtype), tok, max_new_tokens=10, decode="static")
         sampler.static.start(model, sampler.prefill(prompts), 4, 10)
         held = sum(x.numel() * x.element_size() for x in sampler.static.shape.kv.keys + sampler.static.shape.kv.values)
         t = plan.estimate(model.config, cfg, 1, device)
@@ -181,11 +181,11 @@ def test_no_static_buffers_beyond_the_label_term_sit_under_a_label_prefill(tmp_p
     Here the rollout's shape (64 rows x 64 positions) is larger than any label shape, so it must be
     freed before the first label prefill: the static K/V bytes alive at every prefill of the label
     phase (recorded when it runs) stay within the plan's label KV term."""
-    import rollout
     import step
+    from harness import sampling
     from static_shapes import Shapes
     shapes, under = Shapes(monkeypatch), []
-    real_prefill, real_labels = rollout.Sampler.prefill, step.mc_labels
+    real_prefill, real_labels = sampling.Sampler.prefill, step.mc_labels
 
     def prefill(self, *a, **kw):
         if shapes.phase == "label":
@@ -198,7 +198,7 @@ def test_no_static_buffers_beyond_the_label_term_sit_under_a_label_prefill(tmp_p
             return real_labels(*a, **kw)
         finally:
             shapes.phase = None
-    monkeypatch.setattr(rollout.Sampler, "prefill", prefill)
+    monkeypatch.setattr(sampling.Sampler, "prefill", prefill)
     monkeypatch.setattr(step, "mc_labels", labels)
     args = ["--steps", "1", "--decode", "static", "--eval-n", "0", "--prompts-per-step", "4",
             "--group-size", "16", "--gen-batch", "4", "--save-every", "0"]
