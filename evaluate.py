@@ -38,7 +38,7 @@ import modes
 import probe as probe_lib
 import rollout
 import toy
-from evaluation import confidence, shard
+from evaluation import confidence, posthoc, shard
 from evaluation.report import overall, plot_reliability, report_uses, summarize, table, write_results
 from evaluation.samples import (HELD, LOCKS, default_out, digest, filed_label, hold, model_id, model_label, ours,
                                 own_rows, question_ids, read_samples, run_dir, sample_key)
@@ -270,8 +270,8 @@ def settings(bench, args):
     s = dict(n=w["n"] if toy_world else BIG_N.get(bench, w["n"]), max_new_tokens=w["max_new_tokens"],
              every=w["every"], forced_k=w["forced_k"], suffix=label_lib.SUFFIX if toy_world else confidence.EVAL_SUFFIX,
              score_batch=w["score_batch"], rows=w["rows"])
-    if code:   # the forced answer is a program (confidence.CODE_SUFFIX), graded by running it
-        s.update(suffix=confidence.CODE_SUFFIX, grader="code")
+    if code:   # the forced answer is a program (posthoc.CODE_SUFFIX), graded by running it
+        s.update(suffix=posthoc.CODE_SUFFIX, grader="code")
     for key in ("n", "max_new_tokens", "every", "forced_k"):
         if getattr(args, key if key != "n" else "n_samples") is not None:
             s[key] = getattr(args, key if key != "n" else "n_samples")
@@ -316,11 +316,11 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
     protocol = dict(n=args.probe_samples or w["probe_samples"], max_new_tokens=s["max_new_tokens"],
                     temperature=args.temperature, top_p=args.top_p, every=s["every"],
                     count=args.posthoc_budgets or w["posthoc_budgets"], k=s["forced_k"], suffix=s["suffix"],
-                    close=args.forced_close, stop=[], copy_natural=True, lead="" if is_toy else confidence.EVAL_LEAD,
+                    close=args.forced_close, stop=[], copy_natural=True, lead="" if is_toy else posthoc.EVAL_LEAD,
                     gate=s["gate"], epochs=100, patience=30, batch=64,
                     val_frac=0.2, seed=42, **({"grader": "code"} if s.get("grader") == "code" else {}))
     print(f"post-hoc probe for {label}: {len(rows)} {src} questions ...", file=sys.stderr)
-    prb, report = confidence.posthoc_probe(
+    prb, report = posthoc.posthoc_probe(
         os.path.join(out_dir, f"posthoc_probe_{label}_{digest(model_id(path), 8)}".replace("/", "_")), model, tok,
         rows, instruction, close_id, protocol, batch_size=s["score_batch"], rows=s["rows"], system=prompt[1])
     return prb, dict(report, data=src)

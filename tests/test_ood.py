@@ -10,7 +10,7 @@ import evaluate
 import grade
 import rollout
 import tiny
-from evaluation import confidence
+from evaluation import posthoc
 from evaluation.report import summarize
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
@@ -81,11 +81,11 @@ def test_posthoc_labels_for_code_force_a_program_and_run_it(monkeypatch):
         asked.update(prompts=prompts, k=k, **kw)
         return [[ADD_RIGHT[len("</think>\n"):], ADD_WRONG[len("</think>\n"):]] for _ in prompts]
 
-    monkeypatch.setattr(confidence, "sample_by_length", fake_sample)
+    monkeypatch.setattr(posthoc, "sample_by_length", fake_sample)
     response = tok.encode("abc", add_special_tokens=False)
-    labels, copied = confidence.posthoc_labels(
-        None, tok, [[5, 6]], [response], ["abc"], [gold], [[1, 3]], [3], k=2, suffix=confidence.CODE_SUFFIX,
-        max_new_tokens=confidence.CODE_TOKENS, grader="code")
+    labels, copied = posthoc.posthoc_labels(
+        None, tok, [[5, 6]], [response], ["abc"], [gold], [[1, 3]], [3], k=2, suffix=posthoc.CODE_SUFFIX,
+        max_new_tokens=posthoc.CODE_TOKENS, grader="code")
     # budget 1: half the forced programs pass; budget 3 (the end): the natural answer (no code) copied
     assert (labels, copied) == ([[0.5, 0.0]], 1)
     assert asked["max_new_tokens"] == 2048 and asked["k"] == 2
