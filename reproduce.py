@@ -49,7 +49,7 @@ import evaluate
 import metrics
 import toy
 from metrics import mean_std, paired
-from evaluation import mechanism, study
+from evaluation import benchmarks, mechanism, study
 from evaluation.report import clean, plot_reliability
 from harness import checkpoint, config, files, launch, runlog
 from harness.files import UserError
@@ -562,8 +562,8 @@ def study_cost(args, work, todo, jobs):
             if not entry or not made_with(entry, cmd):
                 ev = evaluate.parse_args(cmd)
                 questions = min(ev.limit or toy.N_TEST, toy.N_TEST)
-                fit = (ev.probe_questions or evaluate.TOY["probe_questions"]) * (ev.probe_samples or evaluate.TOY["probe_samples"])
-                evaluations.append((len(BENCHMARKS) * questions * (ev.n_samples or evaluate.TOY["n"]), fit))
+                fit = (ev.probe_questions or benchmarks.TOY["probe_questions"]) * (ev.probe_samples or benchmarks.TOY["probe_samples"])
+                evaluations.append((len(BENCHMARKS) * questions * (ev.n_samples or benchmarks.TOY["n"]), fit))
     cpu, wall = study.estimate(trainings, evaluations, jobs)
     return (f"study: {len(trainings)} of {len(work)} trainings and {len(evaluations)} of "
             f"{sum(len(j['evals']) for j in work)} evaluations to do: about {study.duration(cpu)} of CPU, "

@@ -47,9 +47,9 @@ def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, pro
     atomically) if fitted there with the same protocol, else fitted and saved (and the report copied
     to `cache`.json for people). Returns (probe, report); report["protocol"] is `protocol`.
 
-    protocol (evaluate.py builds it from its flags): n samples per question at temperature / top_p,
-    max_new_tokens; every / count budgets; k forced answers with lead, suffix, close, stop,
-    copy_natural under gate; grader ("code" for a code benchmark's questions; absent: math);
+    protocol (evaluation/probes.py builds it from evaluate.py's flags): n samples per question at
+    temperature / top_p, max_new_tokens; every / count budgets; k forced answers with lead, suffix, close,
+    stop, copy_natural under gate; grader ("code" for a code benchmark's questions; absent: math);
     epochs, patience, batch, val_frac, seed of the fit. Samples n responses per question
     ({problem, answer}), labels their prefixes (posthoc_examples), runs fit_posthoc, and prints
     protocol_line to stderr.

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from evaluation import confidence, posthoc
+from evaluation import benchmarks, confidence, posthoc
 import probe as probe_lib
 import rollout
 import tiny
@@ -285,9 +285,9 @@ def test_rlcr_reanswer_prompt_ids_on_the_r1_tokenizer(monkeypatch):
 def test_evaluation_reanswers_as_released():
     import evaluate
     args = evaluate.parse_args(["--model", "x"])
-    assert [evaluate.settings(b, args)["reanswer_k"] for b in ("aime24", "amc23", "math500", "toy")] == [4, 4, 1, 4]
-    assert evaluate.settings("math500", args)["reanswer"] == confidence.RLCR_REANSWER
-    assert evaluate.settings("toy", args)["reanswer"] is None
+    assert [benchmarks.settings(b, args)["reanswer_k"] for b in ("aime24", "amc23", "math500", "toy")] == [4, 4, 1, 4]
+    assert benchmarks.settings("math500", args)["reanswer"] == confidence.RLCR_REANSWER
+    assert benchmarks.settings("toy", args)["reanswer"] is None
 
 
 def test_verbal_forced_on_the_toy_base_reads_its_rlcr_tags():

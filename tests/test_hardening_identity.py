@@ -35,16 +35,16 @@ def test_a_local_gpqa_file_is_built_as_the_hubs_gpqa(tmp_path):
     # H6: at a7c59f5 gpqa=FILE gave {'problem': 'Which gas do plants absorb?', 'answer': 'Carbon dioxide'}:
     # no options, the answer text as gold (a response naming the right letter scored 0).
     import data
-    import evaluate
+    from evaluation import benchmarks
     path = tmp_path / "gpqa.jsonl"
     path.write_text(json.dumps(GPQA_ROW) + "\n")
-    name, rows, _ = evaluate.load_benchmark(f"gpqa={path}")
+    name, rows, _ = benchmarks.load_benchmark(f"gpqa={path}")
     assert name == "gpqa" and rows == [{"problem": "Which gas do plants absorb?\n\nA) Helium\nB) Carbon dioxide\n"
                                                    "C) Oxygen\nD) Neon", "answer": "B"}]
     assert (rows[0]["problem"], rows[0]["answer"]) == data._choices(GPQA_ROW, 0, data.BENCHMARKS["gpqa"])
     path.write_text(json.dumps({k: v for k, v in GPQA_ROW.items() if k != "Incorrect Answer 2"}) + "\n")
     with pytest.raises(data.DataError, match=f"^{path}: row 0 has no 'Incorrect Answer 2' field: a gpqa file"):
-        evaluate.load_benchmark(f"gpqa={path}")
+        benchmarks.load_benchmark(f"gpqa={path}")
 
 
 def test_a_cut_between_the_posthoc_caches_two_files_never_pairs_another_protocols_probe(tmp_path, monkeypatch, capsys):

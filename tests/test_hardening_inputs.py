@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from harness import checkpoint
-from evaluation import confidence, posthoc
+from evaluation import benchmarks, confidence, posthoc, probes
 from harness import config
 import data
 import evaluate
@@ -313,7 +313,7 @@ def test_a_bad_run_config_is_one_line_when_evaluating_the_run(case, tmp_path):
     ckpt = tmp_path / "run" / "checkpoints" / "step_000001"
     os.makedirs(ckpt)
     write(tmp_path / "run" / "config.json", content)
-    for read in (evaluate.run_config, evaluate.run_fractions):
+    for read in (benchmarks.run_config, probes.run_fractions):
         with pytest.raises(UserError) as e:
             read(str(ckpt))
         assert str(tmp_path / "run") in str(e.value) and words in str(e.value), str(e.value)
