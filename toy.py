@@ -39,7 +39,7 @@ from transformers import Qwen2Tokenizer
 
 INSTRUCTION = ""  # toy problems are complete user messages
 # --reward rlcr on the toy: the prompt that asks for RLCR's answer format (the toy's stand-in for
-# data.RLCR_INSTRUCTION, which would not fit its 256 positions); see toy_warm.rlcr_tail.
+# prompts.RLCR_INSTRUCTION, which would not fit its 256 positions); see toy_warm.rlcr_tail.
 RLCR_INSTRUCTION = "\nFormat: <answer> <analysis> <confidence>"
 SUFFIX = "\nIf I were to output the final answer now, it would be \\boxed{"  # = label.SUFFIX
 BASE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "toy_base")

@@ -1,4 +1,4 @@
-"""Where a sample's confidence comes from at evaluation, and the post-hoc probe.
+"""Where a sample's confidence comes from at evaluation: sample_confidences, one number per response.
 
 Sources (one number in [0, 1] per sampled response):
   probe          the run's own probe (probe.pt in the checkpoint), read where it was trained: the
@@ -6,7 +6,7 @@ Sources (one number in [0, 1] per sampled response):
                  over the 4 tokens before the prefix end) at the last of the run's budgets (75% of the
                  response by default), not at the end of thinking, where it never saw data.
   probe-posthoc  a probe fitted after training with the released evaluation protocol (the paper's
-                 probe rows): feature = final normed hidden state of the last token of prompt +
+                 probe rows; evaluation/posthoc.py): feature = final normed hidden state of the last token of prompt +
                  thinking; read at the end of thinking.
   verbal         the number in the last <confidence>...</confidence> tag (RLCR's format); values
                  above 1 read as percentages; a missing tag, no number or a value outside [0, 100]
@@ -19,51 +19,87 @@ Sources (one number in [0, 1] per sampled response):
                  without a tag counts 0.5; counted).
   logits         exp(mean log-prob of the response tokens) at the run's training temperature (0.8), where
                  C2GSPG trained it (C2GSPG's confidence; `--logit-temperature 1`: the raw model's).
-
-Post-hoc protocol (released evaluation code; each knob is an evaluate.py flag): 80 problems x 8
-samples; 16 budgets every 500 thinking tokens per rollout, a budget past the end of thinking reusing
-the end-of-thinking feature and label; forced answers `prompt + thinking[:b] + "..." + </think> +
-EVAL_SUFFIX`, 16 per budget at temperature 0.6, top-p 0.95, at most 64 tokens, no stop string, read
-from the last box; where the thinking ended inside the budget and holds a box itself, the natural
-answer's correctness is copied instead (the toy world: its own forced text, no "...", and a box
-anywhere, since it boxes after `</think>`); past-end budgets share one draw (released: one each); MLP d -> d/4 -> 1; validation problems (seed 42) added until they hold
->= 20 % of the examples; BCE on soft labels, batch 64, up to 100 epochs, early stopping (patience 30)
-on validation BCE against rounded labels, ReduceLROnPlateau(0.5, 5); grid over lr x dropout x weight
-decay (GRID).
 """
-import copy
-import hashlib
-import json
 import math
-import os
-import pickle
-import random
-import sys
-import zipfile
 
 import torch
 
 import probe as probe_lib
 from baselines import verbal_confidence  # RLCR's parser, read here for --confidence verbal
-from grade import answers_match, boxed_answer, boxed_in_thinking, code_job, is_correct
 from grpo import pack, token_logprobs
-from label import absolute_budgets, budgets, forced_prompt, mc_labels
-from prompts import RLCR_FORMAT, chat_prompt
+from label import absolute_budgets, budgets, mc_labels
+from prompts import RLCR_FORMAT
 from rollout import generate
 from update import budget_ends, score
-from harness import files, plan, sampling, sandbox, staticcache
+from harness import plan, sampling, staticcache
 
 SOURCES = ("probe", "probe-posthoc", "verbal", "verbal-forced", "logits")
+# The released forced answer's text, after the cut thinking and `</think>` (exit checkpoints, post-hoc labels).
 EVAL_SUFFIX = "\n\nIf I were to give the final answer now, the final answer would be \\boxed{"
-EVAL_LEAD = "..."  # released: the cut thinking ends in "..." before `</think>` + EVAL_SUFFIX
-# Code benchmarks (released 2_budget_eval, LiveCodeBench): the forced answer is a whole program, up to
-# CODE_TOKENS tokens after "..." + `</think>` + CODE_SUFFIX, graded by running it (grade's "code").
-CODE_SUFFIX = "\n\nHere is my final Python solution:\n"
-CODE_TOKENS = 2048
 # RLCR's released forced re-answer (2_budget_eval_rlcr), after the thinking cut at the budget.
 RLCR_REANSWER = ("...</think>\n\nI am out of time, let me just output the final answer and confidence analysis "
                  "in exactly this format:\n" + RLCR_FORMAT + "\n\n<answer>")
-GRID = [(lr, p, wd) for lr in (1e-3, 5e-4, 1e-4) for p in (0.5, 0.8) for wd in (1e-3, 1e-2)]
+
+
+def sample_confidences(source, model, tokenizer, prompts, responses, texts, golds, prb=None,
+                       close_id=None, every=None, exit_k=1, suffix=EVAL_SUFFIX, close="think", seed=0,
+                       batch_size=8, rows=64, fractions=(0.25, 0.5, 0.75), forced_k=16, budget=8000,
+                       reanswer=RLCR_REANSWER, logit_temperature=0.8):
+    """One confidence per response, plus per-sample extras for the results.
+
+    Probe sources read their probe at read_point (the run's probe: its last training budget, with
+    `fractions` from the run's config; the post-hoc probe: the end of thinking).
+
+    Returns (conf [N] floats, extras [N] dicts). verbal: extras {"verbal_missing": bool}; verbal-forced:
+    {"verbal_missing": how many of the forced_k re-answers had no tag}. Probe sources
+    with `every`: extras {"checkpoints": [[t, c_t, y_t], ...]} for t = every, 2 * every, ... below the
+    end of thinking: the probe's confidence after t thinking tokens and whether one forced answer there
+    (what an early exit would output; temperature 0.6, top-p 0.95) is right, for uses.early_exit.
+    """
+    if source == "verbal":
+        pairs = [verbal_confidence(t) for t in texts]
+        return [c for c, _ in pairs], [{"verbal_missing": m} for _, m in pairs]
+    if source == "verbal-forced":
+        conf, missing = forced_verbal(model, tokenizer, prompts, responses, close_id, budget, forced_k,
+                                      seed=seed, batch_size=rows, close_text=reanswer)
+        return conf, [{"verbal_missing": m} for m in missing]
+    if source == "logits":
+        conf = logit_confidence(model, prompts, responses, tokenizer.pad_token_id, batch_size, logit_temperature)
+        if not all(math.isfinite(c) for c in conf):  # never a NaN row in samples.jsonl
+            raise FloatingPointError(f"{sum(not math.isfinite(c) for c in conf)} of {len(conf)} logit "
+                                     "confidences are NaN or inf: the model's weights hold NaN or inf")
+        return conf, [{} for _ in texts]
+    if source not in ("probe", "probe-posthoc") or prb is None:
+        raise ValueError(f"confidence source {source!r} needs a probe; sources: {', '.join(SOURCES)}")
+    staticcache.release(model)  # the generation's static shape: neither the features nor the labels reuse it
+    ends = [think_end(r, close_id) for r in responses]
+    bls = [([b for b in absolute_budgets(te, every) if b < te] if every else []) +
+           [read_point(source, r, close_id, fractions)] for r, te in zip(responses, ends)]
+    feats = features(model, prompts, responses, bls, tokenizer.pad_token_id, source == "probe-posthoc",
+                     batch_size)
+    confs = probe_confidences(prb, feats)
+    extras = [{} for _ in texts]
+    if every:
+        chunk = max(1, rows // exit_k)  # on a GPU, fewer cuts where a chunk of them would not fit
+        if _device(model).type == "cuda":
+            width = max((len(p) + max(bl) for p, bl in zip(prompts, bls)), default=0) + plan.FORCED_SUFFIX
+            chunk = plan.label_chunk(chunk, exit_k, width, model.config, plan.free_bytes(_device(model)))
+        ys = mc_labels(model, tokenizer, prompts, responses, [bl[:-1] for bl in bls], golds, k=exit_k,
+                       temperature=0.6, top_p=0.95, max_new_tokens=64, close=close, suffix=suffix,
+                       seed=seed, batch_size=chunk)
+        staticcache.release(model)  # nor does the next batch's generation reuse the labels' shape
+        extras = [{"checkpoints": [[b, round(c, 6), y] for b, c, y in zip(bl, cs, yl)]}
+                  for bl, cs, yl in zip(bls, confs, ys)]
+    return [cs[-1] for cs in confs], extras
+
+
+def read_point(source, response, close_id, fractions=(0.25, 0.5, 0.75)):
+    """Where a probe is read for a sample's confidence, in response tokens: the end of thinking for the
+    post-hoc probe; for the run's own probe the last of its training budgets (label.budgets of the
+    response length with the run's fractions: 6 for a response of 8 tokens), where it saw data."""
+    if source == "probe":
+        return max(budgets(len(response), fractions), default=0)
+    return think_end(response, close_id)
 
 
 def forced_verbal(model, tokenizer, prompts, responses, close_id, budget, k, seed=None, batch_size=8,
@@ -162,317 +198,3 @@ def probe_confidences(prb, feats):
         out.append(probs[s:s + len(f)])
         s += len(f)
     return out
-
-
-def posthoc_budgets(thinking, every=500, count=16):
-    """The released budgets every, 2 * every, ..., count * every thinking tokens, as the prefix length
-    read at each: a budget past the end of thinking reads the end of thinking.
-
-    posthoc_budgets(20, 8, 4) == [8, 16, 20, 20]; always `count` entries per rollout.
-    """
-    return [min(every * (i + 1), thinking) for i in range(count)]
-
-
-def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions, ends, k=16,
-                   suffix=EVAL_SUFFIX, close="think", stop=(), copy_natural=True, max_new_tokens=64,
-                   seed=0, rows=64, lead=EVAL_LEAD, gate="thinking", grader="math"):
-    """Labels Y_b for each rollout's budget positions (N lists of floats) and the count of copied ones.
-
-    Where the position is the end of thinking (ends[i]) and the thinking holds a box (gate="thinking",
-    released; gate="none": the response anywhere, the toy's rule), the natural answer's correctness
-    (0 or 1) is copied (copy_natural). Elsewhere k answers are forced from `prompt + response[:b] +
-    lead + CLOSE + suffix` (released: "..." + `</think>` + "\n\nIf I were ..."; temperature 0.6,
-    top-p 0.95, at most max_new_tokens, `stop` strings; released: none) and each is read from the
-    last box of `suffix + completion`; Y_b is the fraction right. Equal forced prompts are sampled once.
-    grader="code" (a code benchmark; suffix CODE_SUFFIX, max_new_tokens CODE_TOKENS as released): the
-    natural and forced answers are programs, graded by running them against the gold's tests (a
-    bounded pool, sandbox.grade_many); there is no box to gate on, so an ended thinking copies the
-    natural grade.
-    """
-    lead_ids = tokenizer.encode(lead, add_special_tokens=False) if lead else []
-    labels, todo, copied = [], {}, 0
-    programs = sandbox.grade_many([code_job(t, g) for t, g in zip(texts, golds)]) if grader == "code" else None
-    for i, ps in enumerate(positions):
-        if programs is not None:
-            natural = float(programs[i])
-        else:
-            boxed = boxed_in_thinking(texts[i]) if gate == "thinking" else boxed_answer(texts[i]) is not None
-            natural = float(is_correct(texts[i], golds[i])) if boxed else None
-        row = []
-        for b in ps:
-            if copy_natural and b >= ends[i] and natural is not None:
-                row.append(natural)
-                copied += 1
-            else:
-                cut = list(responses[i][:b]) + lead_ids
-                key = tuple(forced_prompt(prompts[i], cut, len(cut), tokenizer, close, suffix))
-                row.append(todo.setdefault(key, (len(todo), golds[i]))[0])
-        labels.append(row)
-    y = []
-    if todo:
-        texts = sample_by_length(model, tokenizer, list(todo), k, max_new_tokens=max_new_tokens, temperature=0.6,
-                                 top_p=0.95, stop=stop, seed=seed, batch_size=max(1, rows // k))
-        if grader == "code":
-            passed = iter(sandbox.grade_many([code_job(t, gold) for ts, (_, gold) in zip(texts, todo.values())
-                                              for t in ts]))
-            y = [sum(next(passed) for _ in ts) / k for ts in texts]
-        else:
-            y = [sum(answers_match(boxed_answer(suffix + t), gold) for t in ts) / k
-                 for ts, (_, gold) in zip(texts, todo.values())]
-    labels = [[v if isinstance(v, float) else y[v] for v in row] for row in labels]
-    return labels, copied
-
-
-def posthoc_examples(model, tokenizer, prompts, responses, texts, golds, groups, close_id, every=500,
-                     count=16, k=16, suffix=EVAL_SUFFIX, close="think", stop=(), copy_natural=True,
-                     seed=0, batch_size=8, rows=64, lead=EVAL_LEAD, gate="thinking", grader="math"):
-    """(feats [M, d], labels [M], groups [M], stats) for fitting a post-hoc probe on sampled responses.
-
-    Every rollout contributes `count` examples, one per budget of posthoc_budgets(thinking, every,
-    count), M = count * N: the feature is the final normed state of the last token of prompt +
-    thinking[:b] (budgets past the end of thinking reuse the end-of-thinking feature and label), the
-    label comes from posthoc_labels (grader="code": programs, CODE_TOKENS each). groups[i] is the
-    problem index, for the grouped split.
-    batch_size: sequences per scoring forward; rows: sequences per forced-answer generation call.
-    """
-    ends = [think_end(r, close_id) for r in responses]
-    positions = [posthoc_budgets(e, every, count) for e in ends]
-    labels, copied = posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions, ends, k,
-                                    suffix, close, stop, copy_natural, CODE_TOKENS if grader == "code" else 64,
-                                    seed=seed, rows=rows, lead=lead, gate=gate, grader=grader)
-    feats = features(model, prompts, responses, positions, tokenizer.pad_token_id, True, batch_size)
-    x = torch.cat(feats)
-    y = torch.tensor([v for ls in labels for v in ls], dtype=torch.float32)
-    g = torch.tensor([grp for grp, ps in zip(groups, positions) for _ in ps], dtype=torch.long)
-    past = sum(b >= e for ps, e in zip(positions, ends) for b in ps)
-    return x, y, g, dict(examples=len(y), past_end=past, natural_copied=copied)
-
-
-def bce(p, y):
-    """Mean binary cross-entropy -(y log p + (1 - y) log(1 - p)), p clamped to [1e-6, 1 - 1e-6]."""
-    p = torch.as_tensor(p, dtype=torch.float64).clamp(1e-6, 1 - 1e-6)
-    y = torch.as_tensor(y, dtype=torch.float64)
-    return float(-(y * p.log() + (1 - y) * (1 - p).log()).mean())
-
-
-def split_groups(groups, val_frac=0.2, seed=42):
-    """Boolean masks (train [M], val [M]): problems in a seeded random order go to validation until it
-    holds at least val_frac of the examples (the released rule); whole problems stay on one side."""
-    uniq = sorted(set(groups.tolist()))
-    random.Random(seed).shuffle(uniq)
-    size = {q: 0 for q in uniq}
-    for q in groups.tolist():
-        size[q] += 1
-    val, held = set(), 0
-    for q in uniq:
-        if held >= val_frac * len(groups):
-            break
-        val.add(q)
-        held += size[q]
-    is_val = torch.tensor([g in val for g in groups.tolist()], dtype=torch.bool)
-    return ~is_val, is_val
-
-
-def fit_posthoc(x, y, groups, seed=42, max_epochs=100, patience=30, batch_size=64, grid=GRID, device="cpu",
-                val_frac=0.2, plateau=(0.5, 5)):
-    """Fit the post-hoc probe (released protocol): grid search with early stopping, grouped split.
-
-    x [M, d], y [M] soft labels, groups [M]. Split: split_groups(val_frac, seed). For each (lr,
-    dropout, weight decay) in grid: a fresh Probe(d, d // 4, dropout) (torch seed `seed`) with AdamW,
-    one shuffled pass per epoch on the training part (minibatch batch_size), ReduceLROnPlateau(factor,
-    patience = plateau) on the validation loss = BCE against round(y); stop after `patience` epochs
-    without a lower one, keep the best epoch. Returns (probe with the lowest validation loss over the
-    grid, report: its config and epochs, the split sizes, validation BCE on soft and rounded labels,
-    and the same for the constant predictors mean(y_train) and mean(round(y_train))).
-    """
-    if not torch.isfinite(x).all():
-        raise FloatingPointError(f"post-hoc probe: {int((~torch.isfinite(x)).any(1).sum())} of {len(x)} "
-                                 "features are NaN or inf: the model's weights hold NaN or inf")
-    tr, va = split_groups(groups, val_frac, seed)
-    if tr.sum() == 0 or va.sum() == 0:
-        raise ValueError("post-hoc probe needs at least two problems with labelled prefixes; raise --probe-questions")
-    xt, yt, xv, yv = (t.to(device) for t in (x[tr], y[tr], x[va], y[va]))
-    best, runs = (math.inf, None, None), []
-    for lr, drop, wd in grid:
-        torch.manual_seed(seed)
-        prb = probe_lib.Probe(x.shape[1], dropout=drop).to(device)
-        opt = probe_lib.make_optimizer(prb, lr=lr, weight_decay=wd)
-        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=plateau[0], patience=plateau[1])
-        run_best, state, bad, best_epoch = math.inf, None, 0, 0
-        for epoch in range(max_epochs):
-            probe_lib.fit(prb, opt, xt, yt, passes=1, batch_size=batch_size, seed=seed + epoch)
-            loss = bce(probe_lib.predict(prb, xv), yv.round())
-            sched.step(loss)
-            if loss < run_best - 1e-6:
-                run_best, state, bad, best_epoch = loss, copy.deepcopy(prb.state_dict()), 0, epoch + 1
-            else:
-                bad += 1
-                if bad >= patience:
-                    break
-        runs.append(dict(lr=lr, dropout=drop, weight_decay=wd, epochs=epoch + 1, best_epoch=best_epoch,
-                         val_loss=run_best))
-        if run_best < best[0]:
-            best = (run_best, state, runs[-1])
-    if best[1] is None:
-        raise FloatingPointError("post-hoc probe: no fit in the grid reached a finite validation loss")
-    prb = probe_lib.Probe(x.shape[1], dropout=best[2]["dropout"])
-    prb.load_state_dict(best[1])
-    yt, yv = yt.cpu(), yv.cpu()
-    pv = probe_lib.predict(prb, xv.cpu())
-    # The constant predictors: the training base rate of the soft labels and of the rounded ones.
-    base, base_r = torch.full_like(yv, float(yt.mean())), torch.full_like(yv, float(yt.round().mean()))
-    report = dict(best[2], n_train=int(tr.sum()), n_val=int(va.sum()),
-                  val_problems=len(set(groups[va].tolist())), train_problems=len(set(groups[tr].tolist())),
-                  val_bce=bce(pv, yv), val_bce_rounded=bce(pv, yv.round()), base_rate=float(yt.mean()),
-                  base_bce=bce(base, yv), base_bce_rounded=bce(base_r, yv.round()), grid=runs)
-    return prb, report
-
-
-def read_point(source, response, close_id, fractions=(0.25, 0.5, 0.75)):
-    """Where a probe is read for a sample's confidence, in response tokens: the end of thinking for the
-    post-hoc probe; for the run's own probe the last of its training budgets (label.budgets of the
-    response length with the run's fractions: 6 for a response of 8 tokens), where it saw data."""
-    if source == "probe":
-        return max(budgets(len(response), fractions), default=0)
-    return think_end(response, close_id)
-
-
-def sample_confidences(source, model, tokenizer, prompts, responses, texts, golds, prb=None,
-                       close_id=None, every=None, exit_k=1, suffix=EVAL_SUFFIX, close="think", seed=0,
-                       batch_size=8, rows=64, fractions=(0.25, 0.5, 0.75), forced_k=16, budget=8000,
-                       reanswer=RLCR_REANSWER, logit_temperature=0.8):
-    """One confidence per response, plus per-sample extras for the results.
-
-    Probe sources read their probe at read_point (the run's probe: its last training budget, with
-    `fractions` from the run's config; the post-hoc probe: the end of thinking).
-
-    Returns (conf [N] floats, extras [N] dicts). verbal: extras {"verbal_missing": bool}; verbal-forced:
-    {"verbal_missing": how many of the forced_k re-answers had no tag}. Probe sources
-    with `every`: extras {"checkpoints": [[t, c_t, y_t], ...]} for t = every, 2 * every, ... below the
-    end of thinking: the probe's confidence after t thinking tokens and whether one forced answer there
-    (what an early exit would output; temperature 0.6, top-p 0.95) is right, for uses.early_exit.
-    """
-    if source == "verbal":
-        pairs = [verbal_confidence(t) for t in texts]
-        return [c for c, _ in pairs], [{"verbal_missing": m} for _, m in pairs]
-    if source == "verbal-forced":
-        conf, missing = forced_verbal(model, tokenizer, prompts, responses, close_id, budget, forced_k,
-                                      seed=seed, batch_size=rows, close_text=reanswer)
-        return conf, [{"verbal_missing": m} for m in missing]
-    if source == "logits":
-        conf = logit_confidence(model, prompts, responses, tokenizer.pad_token_id, batch_size, logit_temperature)
-        if not all(math.isfinite(c) for c in conf):  # never a NaN row in samples.jsonl
-            raise FloatingPointError(f"{sum(not math.isfinite(c) for c in conf)} of {len(conf)} logit "
-                                     "confidences are NaN or inf: the model's weights hold NaN or inf")
-        return conf, [{} for _ in texts]
-    if source not in ("probe", "probe-posthoc") or prb is None:
-        raise ValueError(f"confidence source {source!r} needs a probe; sources: {', '.join(SOURCES)}")
-    staticcache.release(model)  # the generation's static shape: neither the features nor the labels reuse it
-    ends = [think_end(r, close_id) for r in responses]
-    bls = [([b for b in absolute_budgets(te, every) if b < te] if every else []) +
-           [read_point(source, r, close_id, fractions)] for r, te in zip(responses, ends)]
-    feats = features(model, prompts, responses, bls, tokenizer.pad_token_id, source == "probe-posthoc",
-                     batch_size)
-    confs = probe_confidences(prb, feats)
-    extras = [{} for _ in texts]
-    if every:
-        chunk = max(1, rows // exit_k)  # on a GPU, fewer cuts where a chunk of them would not fit
-        if _device(model).type == "cuda":
-            width = max((len(p) + max(bl) for p, bl in zip(prompts, bls)), default=0) + plan.FORCED_SUFFIX
-            chunk = plan.label_chunk(chunk, exit_k, width, model.config, plan.free_bytes(_device(model)))
-        ys = mc_labels(model, tokenizer, prompts, responses, [bl[:-1] for bl in bls], golds, k=exit_k,
-                       temperature=0.6, top_p=0.95, max_new_tokens=64, close=close, suffix=suffix,
-                       seed=seed, batch_size=chunk)
-        staticcache.release(model)  # nor does the next batch's generation reuse the labels' shape
-        extras = [{"checkpoints": [[b, round(c, 6), y] for b, c, y in zip(bl, cs, yl)]}
-                  for bl, cs, yl in zip(bls, confs, ys)]
-    return [cs[-1] for cs in confs], extras
-
-
-def protocol_line(p, report):
-    """The post-hoc fit in one paragraph: what was sampled, labelled, split and chosen."""
-    stop = ", ".join(map(repr, p["stop"])) or "none"
-    val_share = report["n_val"] / max(report["n_train"] + report["n_val"], 1)
-    return (f"post-hoc probe protocol: {p['questions']} problems x {p['n']} samples (T {p['temperature']}, "
-            f"top-p {p['top_p']}, <= {p['max_new_tokens']} tokens); {p['count']} budgets every {p['every']} "
-            f"thinking tokens per rollout, past the end of thinking: its feature and label "
-            f"({report['past_end']} of {report['examples']} examples, natural answer copied for "
-            f"{report['natural_copied']}); forced text {p['lead']!r} + {'</think>' if p['close'] == 'think' else 'EOS'!r} + {p['suffix']!r}, {p['k']} answers at "
-            f"T 0.6, top-p 0.95, <= 64 tokens, stop {stop}, answer from the last box; split seed {p['seed']}: "
-            f"train {report['n_train']} examples ({report['train_problems']} problems) / val {report['n_val']} "
-            f"({report['val_problems']} problems, {val_share:.1%}); up to {p['epochs']} epochs, patience "
-            f"{p['patience']}, ReduceLROnPlateau(0.5, 5), batch {p['batch']}; grid winner lr {report['lr']} "
-            f"dropout {report['dropout']} wd {report['weight_decay']} after {report['epochs']} epochs (best "
-            f"{report['best_epoch']}); val BCE {report['val_bce']:.4f} vs {report['base_bce']:.4f} for a constant, which "
-            f"also ignores whether a prefix is past the end of thinking (there the label is the natural grade)")
-
-
-def read_cache(path):
-    """(probe, report) of a post-hoc cache file (`posthoc_probe` writes both into one .pt, so a cut
-    between two writes can never pair one protocol's report with another's probe); None, with one
-    line naming the file, when it is damaged (cut short, not a probe, a pickle payload, NaN weights,
-    no report): the probe is then fitted again and the file replaced. Read with weights_only (no code
-    runs) and checked by probe.load before anything of its sizes is built."""
-    try:
-        prb = probe_lib.load(path)[0]
-        report = json.loads(torch.load(path, map_location="cpu", weights_only=True).get("report") or "null")
-        if isinstance(report, dict):
-            return prb, report
-        why = "it holds no report (an older version's file)"
-    except pickle.UnpicklingError:  # torch's message advises weights_only=False: never here
-        why = "it holds objects other than tensors; not loaded"
-    except (OSError, ValueError, TypeError, RuntimeError, EOFError, KeyError, zipfile.BadZipFile,
-            FloatingPointError) as e:
-        why = files.first_line(e)
-    print(f"warning: post-hoc probe cache {path} is damaged ({why}): fitting the probe again", file=sys.stderr)
-    return None
-
-
-def cache_protocol(protocol, questions, instruction, system=None):
-    """What a cached post-hoc probe must have been fitted with to be reused: the protocol, and the fit
-    data (the same count of other questions, or another prompt, is another probe)."""
-    fit_data = [[r["problem"], r["answer"]] for r in questions] + [instruction, system]
-    return dict(protocol, questions=len(questions), stop=list(protocol["stop"]),
-                data=hashlib.sha256(json.dumps(fit_data).encode()).hexdigest()[:16])
-
-
-def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, protocol, batch_size=8, rows=64,
-                  system=None):
-    """The post-hoc probe of a model: loaded from `cache`.pt (probe and report in one file, written
-    atomically) if fitted there with the same protocol, else fitted and saved (and the report copied
-    to `cache`.json for people). Returns (probe, report); report["protocol"] is `protocol`.
-
-    protocol (evaluate.py builds it from its flags): n samples per question at temperature / top_p,
-    max_new_tokens; every / count budgets; k forced answers with lead, suffix, close, stop,
-    copy_natural under gate; grader ("code" for a code benchmark's questions; absent: math);
-    epochs, patience, batch, val_frac, seed of the fit. Samples n responses per question
-    ({problem, answer}), labels their prefixes (posthoc_examples), runs fit_posthoc, and prints
-    protocol_line to stderr.
-    """
-    p = cache_protocol(protocol, questions, instruction, system)
-    cached = read_cache(cache + ".pt") if os.path.exists(cache + ".pt") else None
-    if cached is not None and cached[1].get("protocol") == p:
-        return cached
-    prompts = [chat_prompt(tokenizer, r["problem"], instruction, system) for r in questions]
-    out = generate(model, tokenizer, prompts, n=p["n"], max_new_tokens=p["max_new_tokens"],
-                   temperature=p["temperature"], top_p=p["top_p"], seed=p["seed"],
-                   batch_size=max(1, rows // p["n"]))
-    staticcache.release(model)  # the labels below have shapes of their own
-    rep = [q for q in prompts for _ in range(p["n"])]
-    golds = [r["answer"] for r in questions for _ in range(p["n"])]
-    groups = [q for q in range(len(questions)) for _ in range(p["n"])]
-    x, y, g, stats = posthoc_examples(model, tokenizer, rep, out.ids, out.texts, golds, groups, close_id,
-                                      p["every"], p["count"], p["k"], p["suffix"], p["close"], tuple(p["stop"]),
-                                      p["copy_natural"], p["seed"] + 1, batch_size, rows, p["lead"], p["gate"],
-                                      p.get("grader", "math"))
-    prb, report = fit_posthoc(x, y, g, seed=p["seed"], max_epochs=p["epochs"], patience=p["patience"],
-                              batch_size=p["batch"], val_frac=p["val_frac"], device=_device(model))
-    report.update(stats, protocol=p, questions=len(questions), samples=len(rep), prefixes=len(y),
-                  label_mean=float(y.mean()),
-                  accuracy=sum(is_correct(t, a, p.get("grader", "math")) for t, a in zip(out.texts, golds)) / len(golds))
-    report["log"] = protocol_line(p, report)
-    print(report["log"], file=sys.stderr)
-    with files.replacing(cache + ".pt", "wb") as f:   # the one file read back: probe and report together
-        probe_lib.save(f, prb, report=json.dumps(report))
-    files.write_json(cache + ".json", report, indent=1)   # a copy to read; never read back
-    return prb, report

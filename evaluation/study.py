@@ -17,7 +17,7 @@ import os
 import data
 import evaluate
 import toy
-from evaluation import comparison, mechanism
+from evaluation import benchmarks, comparison, mechanism
 from evaluation.report import clean
 from harness import checkpoint, config, files
 from harness.files import UserError
@@ -284,8 +284,8 @@ def study_cost(args, work, todo, jobs):
             if not entry or not comparison.made_with(entry, cmd):
                 ev = evaluate.parse_args(cmd)
                 questions = min(ev.limit or toy.N_TEST, toy.N_TEST)
-                fit = (ev.probe_questions or evaluate.TOY["probe_questions"]) * (ev.probe_samples or evaluate.TOY["probe_samples"])
-                evaluations.append((len(BENCHMARKS) * questions * (ev.n_samples or evaluate.TOY["n"]), fit))
+                fit = (ev.probe_questions or benchmarks.TOY["probe_questions"]) * (ev.probe_samples or benchmarks.TOY["probe_samples"])
+                evaluations.append((len(BENCHMARKS) * questions * (ev.n_samples or benchmarks.TOY["n"]), fit))
     cpu, wall = estimate(trainings, evaluations, jobs)
     return (f"study: {len(trainings)} of {len(work)} trainings and {len(evaluations)} of "
             f"{sum(len(j['evals']) for j in work)} evaluations to do: about {duration(cpu)} of CPU, "

@@ -26,8 +26,9 @@ GiB = plan.GiB
 
 
 def estimate(config, s, mem, prompt_tokens=plan.PROMPT_TOKENS, early_exit=True):
-    """Bytes per term (dict, in the order printed) for one benchmark's settings `s` (evaluate.settings:
-    batch, n, max_new_tokens, score_batch, rows) on a GPU of `mem` bytes; 'cuts': the early exit's chunk."""
+    """Bytes per term (dict, in the order printed) for one benchmark's settings `s` (the settings of
+    evaluation/benchmarks.py: batch, n, max_new_tokens, score_batch, rows) on a GPU of `mem` bytes; 'cuts':
+    the early exit's chunk."""
     d, d_ff = config.hidden_size, config.intermediate_size
     layer = lambda tokens: tokens * (8 * d + 3 * d_ff) * 2  # noqa: E731  one layer's forward, bf16
     weights, runtime = 2 * plan.param_counts(config)[0], plan.RUNTIME["cuda"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from evaluation import confidence
+from evaluation import benchmarks, confidence, posthoc
 import probe as probe_lib
 import rollout
 import tiny
@@ -52,10 +52,10 @@ def test_think_end():
 
 
 def test_posthoc_budgets_reuse_the_end_of_thinking():
-    assert confidence.posthoc_budgets(20, 8, 4) == [8, 16, 20, 20]
-    assert confidence.posthoc_budgets(16, 8, 3) == [8, 16, 16]
-    assert confidence.posthoc_budgets(9000, 500) == list(range(500, 8001, 500))   # the released 16
-    assert confidence.posthoc_budgets(1200, 500) == [500, 1000] + [1200] * 14
+    assert posthoc.posthoc_budgets(20, 8, 4) == [8, 16, 20, 20]
+    assert posthoc.posthoc_budgets(16, 8, 3) == [8, 16, 16]
+    assert posthoc.posthoc_budgets(9000, 500) == list(range(500, 8001, 500))   # the released 16
+    assert posthoc.posthoc_budgets(1200, 500) == [500, 1000] + [1200] * 14
 
 
 def test_logit_confidence_is_exp_mean_response_logprob_at_the_training_temperature():
@@ -110,7 +110,7 @@ def test_sample_confidences_probe_reads_the_end_of_thinking():
 
 def test_split_groups_keeps_problems_whole():
     groups = torch.tensor([q for q in range(10) for _ in range(3)])
-    tr, va = confidence.split_groups(groups, seed=1)
+    tr, va = posthoc.split_groups(groups, seed=1)
     assert int(va.sum()) == 6 and not set(groups[tr].tolist()) & set(groups[va].tolist())
 
 
@@ -119,7 +119,7 @@ def test_split_adds_validation_problems_until_they_hold_a_fifth_of_the_examples(
     until it holds >= 20 % of the examples, and stops there (without its last problem it is < 20 %)."""
     sizes = [1, 7, 2, 16, 3, 5, 1, 9, 4, 12, 6, 2]
     groups = torch.tensor([q for q, n in enumerate(sizes) for _ in range(n)])
-    tr, va = confidence.split_groups(groups)
+    tr, va = posthoc.split_groups(groups)
     held = int(va.sum())
     assert held >= 0.2 * len(groups) and int(tr.sum()) + held == len(groups)
     val = set(groups[va].tolist())
@@ -129,7 +129,7 @@ def test_split_adds_validation_problems_until_they_hold_a_fifth_of_the_examples(
     added = order[:len(val)]
     assert set(added) == val                       # a prefix of the seeded order
     assert held - sizes[added[-1]] < 0.2 * len(groups)
-    assert confidence.split_groups(groups)[1].tolist() == va.tolist()    # seed 42 by default
+    assert posthoc.split_groups(groups)[1].tolist() == va.tolist()    # seed 42 by default
 
 
 class _CharTok:
@@ -160,7 +160,7 @@ def test_posthoc_examples_budget_rule_natural_copy_and_last_box(monkeypatch):
         return type("S", (), {"texts": (["5} no, \\boxed{7}"] + ["3}"] * (n - 1)) * len(prompts)})()
 
     monkeypatch.setattr(confidence, "generate", fake_generate)
-    x, y, g, stats = confidence.posthoc_examples(model, _CharTok(), prompts, responses, texts, golds,
+    x, y, g, stats = posthoc.posthoc_examples(model, _CharTok(), prompts, responses, texts, golds,
                                                  groups=[0, 0, 1], close_id=close, every=2, count=16, k=4,
                                                  suffix="S \\boxed{", close="eos")
     assert x.shape == (48, 16) and y.shape == (48,) and g.tolist() == [0] * 32 + [1] * 16
@@ -201,8 +201,8 @@ def test_sample_confidences_own_probe_reads_its_last_training_budget():
 
 
 def test_bce_hand_computed():
-    assert confidence.bce([0.5, 0.5], [1.0, 0.0]) == pytest.approx(math.log(2))
-    assert confidence.bce([0.8], [0.25]) == pytest.approx(-(0.25 * math.log(0.8) + 0.75 * math.log(0.2)))
+    assert posthoc.bce([0.5, 0.5], [1.0, 0.0]) == pytest.approx(math.log(2))
+    assert posthoc.bce([0.8], [0.25]) == pytest.approx(-(0.25 * math.log(0.8) + 0.75 * math.log(0.2)))
 
 
 @pytest.fixture
@@ -220,12 +220,12 @@ def test_fit_posthoc_learns_a_signal_and_beats_the_base_rate(one_thread):
     y = torch.sigmoid(3 * x[:, 0]).round(decimals=1)      # soft labels that depend on one feature
     groups = torch.arange(400) // 4
     grid = [(1e-2, 0.5, 1e-3), (1e-3, 0.5, 1e-3)]
-    prb, rep = confidence.fit_posthoc(x, y, groups, grid=grid, max_epochs=30, patience=5)
+    prb, rep = posthoc.fit_posthoc(x, y, groups, grid=grid, max_epochs=30, patience=5)
     assert rep["n_train"] + rep["n_val"] == 400 and rep["n_val"] == 80
     assert rep["lr"] in (1e-2, 1e-3) and prb.hidden == 2
     assert rep["val_bce"] < rep["base_bce"] - 0.1
     with pytest.raises(ValueError, match="two problems"):
-        confidence.fit_posthoc(x[:4], y[:4], groups[:4])
+        posthoc.fit_posthoc(x[:4], y[:4], groups[:4])
 
 
 def test_verbal_forced_cuts_the_thinking_closes_it_and_averages_k_reanswers(monkeypatch):
@@ -286,9 +286,9 @@ def test_rlcr_reanswer_prompt_ids_on_the_r1_tokenizer(monkeypatch):
 def test_evaluation_reanswers_as_released():
     import evaluate
     args = evaluate.parse_args(["--model", "x"])
-    assert [evaluate.settings(b, args)["reanswer_k"] for b in ("aime24", "amc23", "math500", "toy")] == [4, 4, 1, 4]
-    assert evaluate.settings("math500", args)["reanswer"] == confidence.RLCR_REANSWER
-    assert evaluate.settings("toy", args)["reanswer"] is None
+    assert [benchmarks.settings(b, args)["reanswer_k"] for b in ("aime24", "amc23", "math500", "toy")] == [4, 4, 1, 4]
+    assert benchmarks.settings("math500", args)["reanswer"] == confidence.RLCR_REANSWER
+    assert benchmarks.settings("toy", args)["reanswer"] is None
 
 
 def test_verbal_forced_on_the_toy_base_reads_its_rlcr_tags():
@@ -321,11 +321,11 @@ def test_posthoc_labels_copy_the_natural_answer_only_if_the_thinking_is_boxed(mo
     responses = [[6, 7, 8, 9, 11], [6, 7, 8, 9, 11]]
     texts = ["3+4=7</think>\\boxed{7}", "so \\boxed{7}</think>\\boxed{7}"]
     positions, ends = [[2, 3, 3], [2, 3, 3]], [3, 3]
-    labels, copied = confidence.posthoc_labels(torch.nn.Linear(1, 1), _CharTok(), [[1], [1]], responses, texts, ["7", "7"], positions,
+    labels, copied = posthoc.posthoc_labels(torch.nn.Linear(1, 1), _CharTok(), [[1], [1]], responses, texts, ["7", "7"], positions,
                                                ends, k=4, suffix="\\boxed{", close="eos")
     assert labels == [[0.25, 0.25, 0.25], [0.25, 1.0, 1.0]] and copied == 2
     # gate="none" (the toy's rule): a box anywhere in the response is copied
-    labels, copied = confidence.posthoc_labels(torch.nn.Linear(1, 1), _CharTok(), [[1], [1]], responses, texts, ["7", "7"], positions,
+    labels, copied = posthoc.posthoc_labels(torch.nn.Linear(1, 1), _CharTok(), [[1], [1]], responses, texts, ["7", "7"], positions,
                                                ends, k=4, suffix="\\boxed{", close="eos", gate="none")
     assert labels == [[0.25, 1.0, 1.0], [0.25, 1.0, 1.0]] and copied == 4
 
@@ -344,7 +344,7 @@ def test_posthoc_labels_decode_one_bounded_shape_at_a_time(monkeypatch):
     responses = [torch.randint(4, 60, (n,), generator=gen).tolist() for n in lengths]
     positions = [list(range(30, n + 1, 30)) for n in lengths]
     shapes = Shapes(monkeypatch)
-    labels, copied = confidence.posthoc_labels(model, tok, [[5, 6]] * 6, responses, [""] * 6, ["3"] * 6,
+    labels, copied = posthoc.posthoc_labels(model, tok, [[5, 6]] * 6, responses, [""] * 6, ["3"] * 6,
                                                positions, lengths, k=4, suffix="{", close="eos",
                                                copy_natural=False, max_new_tokens=8, rows=8)
     assert [len(y) for y in labels] == [len(p) for p in positions] and copied == 0

@@ -9,8 +9,7 @@ import time
 
 import pytest
 
-import evaluate
-from evaluation import shard
+from evaluation import generation, shard
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONHASHSEED": "0"}
@@ -22,7 +21,7 @@ SMALL = ["--model", "toy", "--benchmarks", "toy,toy-long", "--limit", "5", "--n-
 
 def test_calls_are_one_process_batches_and_every_rank_sees_every_round(monkeypatch):
     todo = [(0, [0, 1]), (1, [0, 1]), (2, [0, 1]), (3, [1]), (4, [1]), (5, [0, 1])]
-    calls = evaluate.calls(todo, 2)
+    calls = generation.calls(todo, 2)
     # runs of up to 2 questions missing the same number of samples, as one process makes them
     assert [[q for q, _ in c] for c in calls] == [[0, 1], [2], [3, 4], [5]]
     monkeypatch.setattr(shard, "WORLD", 3)

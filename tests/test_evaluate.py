@@ -14,7 +14,7 @@ import rollout
 import toy
 import toy_warm
 import train
-from evaluation import uses
+from evaluation import benchmarks, generation, probes, uses
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "..", "shared", "fixtures")
@@ -70,13 +70,13 @@ def test_benchmark_fixtures_in_their_real_layout(name, count, first_answer):
     path = os.path.join(FIXTURES, f"{name}.jsonl")
     with open(path) as f:
         raw = [json.loads(line) for line in f]
-    bench, rows, instruction = evaluate.load_benchmark(f"{name}={path}")
+    bench, rows, instruction = benchmarks.load_benchmark(f"{name}={path}")
     assert bench == name and len(rows) == count and instruction == prompts_lib.INSTRUCTION
     assert rows[0]["problem"] == (raw[0].get("problem") or raw[0]["question"]).strip()
     assert rows[0]["answer"] == (first_answer or str(raw[0]["answer"]))
-    assert evaluate.load_benchmark(path, limit=3)[0] == name          # a bare file is named by its stem
-    assert len(evaluate.load_benchmark(path, limit=3)[1]) == 3
-    n = evaluate.settings(name, evaluate.parse_args(["--model", "x"]))["n"]
+    assert benchmarks.load_benchmark(path, limit=3)[0] == name          # a bare file is named by its stem
+    assert len(benchmarks.load_benchmark(path, limit=3)[1]) == 3
+    n = benchmarks.settings(name, evaluate.parse_args(["--model", "x"]))["n"]
     assert n == (32 if name in ("aime24", "aime25", "amc23") else 4)
 
 
@@ -85,16 +85,16 @@ def test_the_released_gate_needs_a_box_in_the_thinking():
     # released gate (natural_eval._evaluate_boxed), the default for real benchmarks.
     after = "3+5=8\n</think>\n\nThe answer is \\boxed{8}"
     inside = "3+5=8, so \\boxed{8}\n</think>\n\nThe answer is \\boxed{8}"
-    assert evaluate.natural_correct(after, "8", "8", gate="none")
-    assert not evaluate.natural_correct(after, "8", "8", gate="thinking")
-    assert evaluate.natural_correct(inside, "8", "8", gate="thinking")
-    assert not evaluate.natural_correct(inside, "9", "8", gate="thinking")
+    assert generation.natural_correct(after, "8", "8", gate="none")
+    assert not generation.natural_correct(after, "8", "8", gate="thinking")
+    assert generation.natural_correct(inside, "8", "8", gate="thinking")
+    assert not generation.natural_correct(inside, "9", "8", gate="thinking")
     # RLCR answers need their tag, not a box
-    assert evaluate.natural_correct("</think><answer>8</answer>", "8", "8", form="tag", gate="thinking")
+    assert generation.natural_correct("</think><answer>8</answer>", "8", "8", form="tag", gate="thinking")
     args = evaluate.parse_args(["--model", "x"])
-    assert evaluate.settings("math500", args)["gate"] == "thinking"
-    assert evaluate.settings("toy", args)["gate"] == "none"        # the toy boxes after </think> by design
-    assert evaluate.settings("math500", evaluate.parse_args(["--model", "x", "--gate", "none"]))["gate"] == "none"
+    assert benchmarks.settings("math500", args)["gate"] == "thinking"
+    assert benchmarks.settings("toy", args)["gate"] == "none"        # the toy boxes after </think> by design
+    assert benchmarks.settings("math500", evaluate.parse_args(["--model", "x", "--gate", "none"]))["gate"] == "none"
 
 
 def test_short_names_resolve_to_hub_ids_without_downloading(monkeypatch):
@@ -107,10 +107,10 @@ def test_short_names_resolve_to_hub_ids_without_downloading(monkeypatch):
 
     monkeypatch.setattr(data, "_from_hub", fake_hub)
     for name in ("math500", "aime24", "aime25", "amc23"):
-        evaluate.load_benchmark(name)
+        benchmarks.load_benchmark(name)
     assert asked == [("HuggingFaceH4/MATH-500", None, "test"), ("HuggingFaceH4/aime_2024", None, "train"),
                      ("yentinglin/aime_2025", None, "train"), ("AI-MO/aimo-validation-amc", None, "train")]
-    assert evaluate.load_benchmark("amc23")[1] == [{"problem": "1+1", "answer": "2"}]   # 2023 rows only
+    assert benchmarks.load_benchmark("amc23")[1] == [{"problem": "1+1", "answer": "2"}]   # 2023 rows only
 
 
 def test_unknown_benchmark_is_one_line_and_lists_known_names(tmp_path):
@@ -169,11 +169,11 @@ def test_two_models_side_by_side_and_metrics_match_samples(toy_dir, run_dir, tmp
 
 
 def test_default_confidence_is_the_posthoc_probe_with_the_released_fit_data():
-    assert evaluate.default_confidence("deepseek-r1-distill-qwen-7b") == "probe-posthoc"
-    assert evaluate.default_confidence("runs/toy") == "probe-posthoc"
-    for w in (evaluate.REAL, evaluate.TOY):
+    assert probes.default_confidence("deepseek-r1-distill-qwen-7b") == "probe-posthoc"
+    assert probes.default_confidence("runs/toy") == "probe-posthoc"
+    for w in (benchmarks.REAL, benchmarks.TOY):
         assert (w["probe_questions"], w["probe_samples"], w["posthoc_budgets"]) == (80, 8, 16)
-    assert (evaluate.REAL["every"], evaluate.REAL["forced_k"]) == (500, 16)   # budgets 500 .. 8000
+    assert (benchmarks.REAL["every"], benchmarks.REAL["forced_k"]) == (500, 16)   # budgets 500 .. 8000
 
 
 def test_the_runs_own_probe_is_read_at_its_training_budgets(run_dir, tmp_path, monkeypatch):
@@ -199,8 +199,8 @@ def test_the_runs_own_probe_is_read_at_its_training_budgets(run_dir, tmp_path, m
     run = tmp_path / "run"
     (run / "checkpoints" / "step_000001").mkdir(parents=True)
     (run / "config.json").write_text(json.dumps({"budgets": [1.0]}))
-    assert evaluate.run_fractions(str(run / "checkpoints" / "step_000001")) == (1.0,)
-    assert evaluate.run_fractions(str(run)) == (1.0,)
+    assert probes.run_fractions(str(run / "checkpoints" / "step_000001")) == (1.0,)
+    assert probes.run_fractions(str(run)) == (1.0,)
 
 
 def test_interrupted_evaluation_resumes_without_regenerating(toy_dir, tmp_path, monkeypatch):
@@ -297,9 +297,9 @@ def test_the_pooled_toy_fit_takes_every_toy_benchmarks_train_split_in_turn(toy_d
     # --probe-data toy-pooled: the matched fit, on every toy benchmark's train split, so the post-hoc
     # confidence is not fixed at RL's distribution's accuracy (docs/toy-world.md).
     splits = {name: data.load_rows(name, split="train") for name in data.TOY_BENCHMARKS}
-    rows = evaluate.toy_fit_rows("toy-pooled")
+    rows = probes.toy_fit_rows("toy-pooled")
     assert rows[:6] == [splits[name][i] for i in (0, 1) for name in data.TOY_BENCHMARKS]
-    assert len(rows) == 3 * toy.N_TRAIN and evaluate.toy_fit_rows("toy") == splits["toy"]
+    assert len(rows) == 3 * toy.N_TRAIN and probes.toy_fit_rows("toy") == splits["toy"]
     res = evaluate.main(["--model", toy_dir, "--benchmarks", "toy-sub", *FAST, "--out", str(tmp_path),
                          "--probe-data", "toy-pooled", "--probe-questions", "6", "--probe-samples", "2",
                          "--posthoc-budgets", "2"])

@@ -35,28 +35,28 @@ def test_a_local_gpqa_file_is_built_as_the_hubs_gpqa(tmp_path):
     # H6: at a7c59f5 gpqa=FILE gave {'problem': 'Which gas do plants absorb?', 'answer': 'Carbon dioxide'}:
     # no options, the answer text as gold (a response naming the right letter scored 0).
     import data
-    import evaluate
+    from evaluation import benchmarks
     path = tmp_path / "gpqa.jsonl"
     path.write_text(json.dumps(GPQA_ROW) + "\n")
-    name, rows, _ = evaluate.load_benchmark(f"gpqa={path}")
+    name, rows, _ = benchmarks.load_benchmark(f"gpqa={path}")
     assert name == "gpqa" and rows == [{"problem": "Which gas do plants absorb?\n\nA) Helium\nB) Carbon dioxide\n"
                                                    "C) Oxygen\nD) Neon", "answer": "B"}]
     assert (rows[0]["problem"], rows[0]["answer"]) == data._choices(GPQA_ROW, 0, data.BENCHMARKS["gpqa"])
     path.write_text(json.dumps({k: v for k, v in GPQA_ROW.items() if k != "Incorrect Answer 2"}) + "\n")
     with pytest.raises(data.DataError, match=f"^{path}: row 0 has no 'Incorrect Answer 2' field: a gpqa file"):
-        evaluate.load_benchmark(f"gpqa={path}")
+        benchmarks.load_benchmark(f"gpqa={path}")
 
 
 def test_a_cut_between_the_posthoc_caches_two_files_never_pairs_another_protocols_probe(tmp_path, monkeypatch, capsys):
     # H8: at a7c59f5 the report (.json, with the protocol) and the probe (.pt) were two files: after a
     # kill between them a new .pt sat beside the old .json, and the old protocol got the other probe.
     import torch
-    from evaluation import confidence
+    from evaluation import posthoc
     import probe as probe_lib
     from harness import files
     import test_hardening_inputs as hi
     cache = hi.cache_files(tmp_path)            # protocol A's probe and report, both in c.pt
-    files.write_json(cache + ".json", {"protocol": confidence.cache_protocol(hi.PROTOCOL, [], "")})
+    files.write_json(cache + ".json", {"protocol": posthoc.cache_protocol(hi.PROTOCOL, [], "")})
     other = probe_lib.Probe(8)
     with torch.no_grad():
         other.net[0].weight.fill_(0.5)
@@ -65,11 +65,11 @@ def test_a_cut_between_the_posthoc_caches_two_files_never_pairs_another_protocol
     probe_lib.save(cache + ".pt", other)
     torch.save(dict(torch.load(cache + ".pt"), report=json.dumps({"protocol": dict(hi.PROTOCOL, n=8)})), cache + ".pt")
     with pytest.raises(hi.Refit):               # protocol A is fitted again, not answered with n=8's probe
-        hi.posthoc(cache, monkeypatch)
+        hi.cached_probe(cache, monkeypatch)
     probe_lib.save(cache + ".pt", probe_lib.Probe(8))
-    torch.save(dict(torch.load(cache + ".pt"), report=json.dumps({"protocol": confidence.cache_protocol(
+    torch.save(dict(torch.load(cache + ".pt"), report=json.dumps({"protocol": posthoc.cache_protocol(
         hi.PROTOCOL, [], "")})), cache + ".pt")
-    prb, report = hi.posthoc(cache, monkeypatch)   # A's own file: used as it is
+    prb, report = hi.cached_probe(cache, monkeypatch)   # A's own file: used as it is
     assert report["protocol"]["n"] == 1 and prb.net[0].weight.abs().max().item() != 0.5
 
 

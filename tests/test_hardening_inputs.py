@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from harness import checkpoint, models
-from evaluation import confidence
+from evaluation import benchmarks, confidence, posthoc, probes
 from harness import flags
 import data
 import evaluate
@@ -209,7 +209,7 @@ PROTOCOL = dict(stop=[], n=1, max_new_tokens=1, temperature=1.0, top_p=1.0, seed
 def cache_files(tmp_path):
     """A good post-hoc cache (probe and report in c.pt) under tmp_path / c, for PROTOCOL and no questions."""
     probe_lib.save(str(tmp_path / "c.pt"), probe_lib.Probe(8),
-                   report=json.dumps({"protocol": confidence.cache_protocol(PROTOCOL, [], "")}))
+                   report=json.dumps({"protocol": posthoc.cache_protocol(PROTOCOL, [], "")}))
     return str(tmp_path / "c")
 
 
@@ -217,11 +217,11 @@ class Refit(Exception):
     """Raised where posthoc_probe starts sampling to fit the probe again."""
 
 
-def posthoc(cache, monkeypatch):
+def cached_probe(cache, monkeypatch):
     def refit(*a, **k):
         raise Refit
-    monkeypatch.setattr(confidence, "generate", refit)
-    return confidence.posthoc_probe(cache, None, None, [], "", None, PROTOCOL)
+    monkeypatch.setattr(posthoc, "generate", refit)
+    return posthoc.posthoc_probe(cache, None, None, [], "", None, PROTOCOL)
 
 
 def nan_weights(path):
@@ -246,11 +246,11 @@ CACHE_CASES = {   # what is done to the cache, the file named, words of the reas
 def test_a_damaged_posthoc_cache_is_named_in_one_line_and_fitted_again(case, tmp_path, capsys, monkeypatch):
     damage, ext, words = CACHE_CASES[case]
     cache = cache_files(tmp_path)
-    prb, report = posthoc(cache, monkeypatch)   # the good cache is used as it is
-    assert prb.dim == 8 and report == {"protocol": confidence.cache_protocol(PROTOCOL, [], "")}
+    prb, report = cached_probe(cache, monkeypatch)   # the good cache is used as it is
+    assert prb.dim == 8 and report == {"protocol": posthoc.cache_protocol(PROTOCOL, [], "")}
     damage(cache)
     with pytest.raises(Refit):   # 81f6578: TypeError, a torch traceback, or the NaN probe returned
-        posthoc(cache, monkeypatch)
+        cached_probe(cache, monkeypatch)
     line = one_line(capsys)
     assert line.startswith(f"warning: post-hoc probe cache {cache}{ext} is damaged") and words in line, line
     assert "weights_only" not in line and line.endswith("fitting the probe again")
@@ -267,7 +267,7 @@ def test_posthoc_fit_on_nan_features_says_so():
     x = torch.randn(40, 8)
     x[3, 1] = math.nan
     with pytest.raises(FloatingPointError, match="post-hoc probe: 1 of 40 features are NaN or inf"):
-        confidence.fit_posthoc(x, torch.rand(40), torch.arange(40) // 4, max_epochs=2)
+        posthoc.fit_posthoc(x, torch.rand(40), torch.arange(40) // 4, max_epochs=2)
 
 
 def test_training_a_nan_model_with_a_probe_stops_with_exit_3(nan_model, tmp_path, capsys):
@@ -314,7 +314,7 @@ def test_a_bad_run_config_is_one_line_when_evaluating_the_run(case, tmp_path):
     ckpt = tmp_path / "run" / "checkpoints" / "step_000001"
     os.makedirs(ckpt)
     write(tmp_path / "run" / "config.json", content)
-    for read in (evaluate.run_config, evaluate.run_fractions):
+    for read in (benchmarks.run_config, probes.run_fractions):
         with pytest.raises(UserError) as e:
             read(str(ckpt))
         assert str(tmp_path / "run") in str(e.value) and words in str(e.value), str(e.value)

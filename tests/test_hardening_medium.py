@@ -8,6 +8,7 @@ import sys
 import pytest
 
 import evaluate
+from evaluation import benchmarks
 from test_hardening import ENV, EVAL_SMALL, ROOT, base_run, one_line, run_copy  # noqa: F401 (fixtures)
 
 EVAL = [*EVAL_SMALL, "--confidence", "logits"]
@@ -117,7 +118,7 @@ def test_a_malformed_lcb_row_is_one_line_naming_its_problem_at_load(tmp_path, ca
     path = tmp_path / "lcb.jsonl"
     path.write_text(json.dumps(row) + "\n")
     with pytest.raises(data.DataError) as e:
-        evaluate.load_benchmark(f"lcb={path}")
+        benchmarks.load_benchmark(f"lcb={path}")
     assert str(e.value).startswith(f"LiveCodeBench problem abc001_a: {words}") and str(e.value).endswith(
         ": fix or drop the row") and "\n" not in str(e.value), str(e.value)
 
@@ -131,7 +132,7 @@ def test_a_one_row_lcb_jsonl_with_decoded_tests_and_metadata_is_that_row(tmp_pat
                metadata={"func_name": None})
     path = tmp_path / "lcb.jsonl"
     path.write_text(json.dumps(row) + "\n")
-    name, rows, _ = evaluate.load_benchmark(f"lcb={path}")
+    name, rows, _ = benchmarks.load_benchmark(f"lcb={path}")
     assert name == "lcb" and len(rows) == 1
     gold = json.loads(rows[0]["answer"])
     assert gold == {"tests": json.loads(first["public_test_cases"]) + row["private_test_cases"], "fn_name": None}
@@ -206,7 +207,7 @@ def test_a_zlib_bomb_in_private_tests_is_refused_before_it_inflates(tmp_path, mo
     path.write_text(json.dumps(row) + "\n")
     with pytest.raises(data.DataError, match="^LiveCodeBench problem abc001_a: private_test_cases inflates to more "
                                              "than 1 MB \\(a zlib bomb\\?\\): fix or drop the row$"):
-        evaluate.load_benchmark(f"lcb={path}")
+        benchmarks.load_benchmark(f"lcb={path}")
     # the real bound (1 GiB) on the red team's 1.4 MB row: refused without holding what it inflates to
     monkeypatch.setattr(lcb, "LIMIT", 1 << 30)
     z = zlib.compressobj(9)

@@ -11,7 +11,7 @@ import grade
 import prompts as prompts_lib
 import rollout
 import tiny
-from evaluation import confidence
+from evaluation import benchmarks, generation, posthoc
 from evaluation.report import summarize
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
@@ -25,7 +25,7 @@ ADD_WRONG = "</think>\n```python\nclass Solution:\n    def addTwo(self, a, b):\n
 
 
 def test_lcb_rows_from_the_raw_layout_in_the_release_window():
-    name, rows, instruction = evaluate.load_benchmark(f"lcb={LCB}")
+    name, rows, instruction = benchmarks.load_benchmark(f"lcb={LCB}")
     assert (name, len(rows), instruction) == ("lcb", 2, "")      # the 2024-03 contest is outside v4_v5
     stdin, functional = rows
     assert stdin["problem"] == (
@@ -44,7 +44,7 @@ def test_lcb_rows_from_the_raw_layout_in_the_release_window():
     assert len(json.loads(functional["answer"])["tests"]) == 2
     assert [r["problem"].split("Question: ")[1][:8] for r in data.load_rows(LCB, like="lcb", lcb_release="v1")] \
         == ["Print 1."]
-    assert evaluate.benchmark_source(f"lcb={LCB}") == os.path.realpath(LCB) + ":v4_v5"
+    assert benchmarks.benchmark_source(f"lcb={LCB}") == os.path.realpath(LCB) + ":v4_v5"
     with pytest.raises(data.DataError, match="--lcb-release 'v5_v4'"):
         data.lcb_window("v5_v4")
 
@@ -62,7 +62,7 @@ def test_the_code_grader_runs_the_last_block_against_every_test():
 
 
 def test_logiqa_rows_show_lettered_options_and_grade_like_gpqa():
-    name, rows, instruction = evaluate.load_benchmark(f"logiqa={LOGIQA}")
+    name, rows, instruction = benchmarks.load_benchmark(f"logiqa={LOGIQA}")
     assert (name, len(rows), instruction) == ("logiqa", 3, prompts_lib.LOGIQA_INSTRUCTION)
     assert rows[0] == {"problem": "All cats are animals. Tom is a cat.\n\nWhich must be true?\n\nA. Tom is a dog.\n"
                                   "B. Tom is an animal.\nC. Tom is not an animal.\nD. No cat is Tom.", "answer": "B"}
@@ -82,11 +82,11 @@ def test_posthoc_labels_for_code_force_a_program_and_run_it(monkeypatch):
         asked.update(prompts=prompts, k=k, **kw)
         return [[ADD_RIGHT[len("</think>\n"):], ADD_WRONG[len("</think>\n"):]] for _ in prompts]
 
-    monkeypatch.setattr(confidence, "sample_by_length", fake_sample)
+    monkeypatch.setattr(posthoc, "sample_by_length", fake_sample)
     response = tok.encode("abc", add_special_tokens=False)
-    labels, copied = confidence.posthoc_labels(
-        None, tok, [[5, 6]], [response], ["abc"], [gold], [[1, 3]], [3], k=2, suffix=confidence.CODE_SUFFIX,
-        max_new_tokens=confidence.CODE_TOKENS, grader="code")
+    labels, copied = posthoc.posthoc_labels(
+        None, tok, [[5, 6]], [response], ["abc"], [gold], [[1, 3]], [3], k=2, suffix=posthoc.CODE_SUFFIX,
+        max_new_tokens=posthoc.CODE_TOKENS, grader="code")
     # budget 1: half the forced programs pass; budget 3 (the end): the natural answer (no code) copied
     assert (labels, copied) == ([[0.5, 0.0]], 1)
     assert asked["max_new_tokens"] == 2048 and asked["k"] == 2
@@ -180,7 +180,7 @@ def test_the_hub_loaders_read_the_raw_files_and_the_harness_copy(monkeypatch):
     monkeypatch.setattr(data, "_hub_files", lambda hf_id, files: asked.append((hf_id, files)) or raw)
     monkeypatch.setattr(data, "_from_hub", lambda hf_id, config, split: asked.append((hf_id, config, split))
                         or [json.loads(line) for line in open(LOGIQA)])
-    assert len(evaluate.load_benchmark("lcb")[1]) == 2 and len(evaluate.load_benchmark("logiqa")[1]) == 3
+    assert len(benchmarks.load_benchmark("lcb")[1]) == 2 and len(benchmarks.load_benchmark("logiqa")[1]) == 3
     assert asked == [("livecodebench/code_generation_lite", "test*.jsonl"), ("lighteval/logiqa_harness", "logiqa", "test")]
 
 
@@ -207,4 +207,4 @@ def test_gpqa_natural_boxed_answers_are_graded_as_released_and_logiqa_by_its_let
     assert logiqa[:4] == [1, 1, 1, 1]    # "B. Tom is an animal." against B: the letter, the project's rule
     # the forced (post-hoc) and RLCR readings keep the released letter rule
     assert grade.answers_match(option, gold) and not grade.answers_match(option, gold, letters=False)
-    assert evaluate.natural_correct(f"</think><answer>{option}</answer>", option, gold, form="tag", letters=True)
+    assert generation.natural_correct(f"</think><answer>{option}</answer>", option, gold, form="tag", letters=True)

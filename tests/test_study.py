@@ -53,16 +53,16 @@ def test_train_and_evaluate_read_a_worlds_rows_by_its_name(tmp_path):
     evaluate.py's benchmarks and toy post-hoc fits); given with a --model folder, the toy world's
     defaults apply; a run keeps its world on resume and refuses another."""
     import data
-    import evaluate
+    from evaluation import benchmarks, probes
     from harness import config
     from harness.files import UserError
     legible = {split: toy.dataset(split, "toy", "legible") for split in ("train", "test")}
     assert data.load_rows("toy", split="test", toy_world="legible") == legible["test"]
     assert data.load_rows("toy", split="test") == toy.dataset("test", "toy") != legible["test"]
-    [(name, rows, _, _)] = evaluate.load_benchmarks(["toy"], limit=3, toy_world="legible")
+    [(name, rows, _, _)] = benchmarks.load_benchmarks(["toy"], limit=3, toy_world="legible")
     assert (name, rows) == ("toy", legible["test"][:3])
-    assert evaluate.toy_fit_rows("toy", "legible") == legible["train"]
-    assert evaluate.toy_fit_rows("toy-pooled", "legible")[:3] == [
+    assert probes.toy_fit_rows("toy", "legible") == legible["train"]
+    assert probes.toy_fit_rows("toy-pooled", "legible")[:3] == [
         toy.dataset("train", b, "legible")[0] for b in data.TOY_BENCHMARKS]
 
     cfg = config.resolve_args(["--model", toy.BASE_DIR, "--toy-world", "legible", "--out", str(tmp_path / "a")])

@@ -18,7 +18,7 @@ import reproduce
 import rollout
 import toy
 import toy_warm
-from evaluation import comparison
+from evaluation import benchmarks, comparison, probes
 from grpo import group_advantages
 from harness import flags
 
@@ -61,17 +61,17 @@ def test_the_longest_trace_fits_the_positions_and_the_evaluation_budget():
             if not forced:
                 response = max(response, sum(1 for m in mask if m))
     assert longest <= toy.MODEL["max_position_embeddings"]
-    assert response <= evaluate.TOY["max_new_tokens"]
+    assert response <= benchmarks.TOY["max_new_tokens"]
 
 
 def test_evaluate_loads_every_toy_benchmark_with_the_toy_settings():
-    loaded = evaluate.load_benchmarks(["toy", "toy-long", "toy-sub"], limit=5)
+    loaded = benchmarks.load_benchmarks(["toy", "toy-long", "toy-sub"], limit=5)
     assert [(name, source) for name, _, _, source in loaded] == [
         ("toy", "toy:test"), ("toy-long", "toy-long:test"), ("toy-sub", "toy-sub:test")]
     assert loaded[1][1] == toy.dataset("test", "toy-long")[:5] and loaded[2][2] == toy.INSTRUCTION
-    assert all(source in evaluate.TOY_SOURCES for *_, source in loaded)   # the post-hoc probe fits on toy train
+    assert all(source in probes.TOY_SOURCES for *_, source in loaded)   # the post-hoc probe fits on toy train
     args = evaluate.parse_args(["--model", "toy", "--benchmarks", "toy-long"])
-    s = evaluate.settings("toy-long", args)
+    s = benchmarks.settings("toy-long", args)
     assert (s["n"], s["max_new_tokens"], s["every"], s["forced_k"]) == (4, 128, 8, 4)
     assert data.load_rows("toy-sub", split="train")[:2] == toy.dataset("train", "toy-sub")[:2]
 
