@@ -98,18 +98,20 @@ def jobs(out, variants, seeds, bases, world):
     return out_jobs
 
 
-# Seconds on 2 CPU cores at --jobs 2 (one thread a job), measured on the sum world (the README's
-# reproduction, 2026-12-01): a training of 45 steps x 16 x 8 rollouts of up to 48 tokens took 55-82 s;
-# an evaluation of 3 x 2000 samples 28 s without a post-hoc fit and 86-114 s with one (80 x 8 rollouts).
-ROLLOUT_TOKEN_S = 70 / (45 * 16 * 8 * 48)   # a training's, per rollout token (labels, probe, update included)
-SAMPLE_S = 28 / 6000                        # an evaluation's, per sample
-FIT_ROLLOUT_S = (100 - 28) / (80 * 8)       # a post-hoc fit's, per rollout (its forced answers included)
+# Seconds on 2 CPU cores at --jobs 2 (one thread a job), measured on the study's own seed 1
+# (2026-12-02): a training of 45 steps x 16 x 8 rollouts of up to 72 tokens took 140-178 s; an
+# evaluation of 3 x 2000 samples with its post-hoc fit (80 x 8 rollouts) 147-149 s with the released
+# fit and 188-216 s with the matched one: 180 s, split between the samples and the fit as on the sum
+# world, where one without a fit took 28 s and one with a fit 100 (the README's reproduction).
+ROLLOUT_TOKEN_S = 150 / (45 * 16 * 8 * 72)  # a training's, per rollout token (labels, probe, update included)
+SAMPLE_S = 1.8 * 28 / 6000                  # an evaluation's, per sample
+FIT_ROLLOUT_S = 1.8 * (100 - 28) / (80 * 8)  # a post-hoc fit's, per rollout (its forced answers included)
 
 
 def estimate(trainings, evaluations, jobs, cores=None):
     """(CPU seconds, wall seconds) of trainings [(steps, rollouts a step, max new tokens)] and evaluations
     [(samples, post-hoc fit rollouts)] run --jobs at a time on `cores` (default: this machine's).
-    The default study, 56 trainings of 45 x 128 x 72 and 112 evaluations of 6000 + 640: 17,080 s."""
+    The default study, 56 trainings of 45 x 128 x 72 and 112 evaluations of 6000 + 640: 28,560 s."""
     cpu = (sum(steps * rollouts * tokens * ROLLOUT_TOKEN_S for steps, rollouts, tokens in trainings)
            + sum(samples * SAMPLE_S + fit * FIT_ROLLOUT_S for samples, fit in evaluations))
     return cpu, cpu / max(1, min(jobs, cores or os.cpu_count() or 1))
@@ -289,7 +291,7 @@ def study_cost(args, work, todo, jobs):
     cpu, wall = estimate(trainings, evaluations, jobs)
     return (f"study: {len(trainings)} of {len(work)} trainings and {len(evaluations)} of "
             f"{sum(len(j['evals']) for j in work)} evaluations to do: about {duration(cpu)} of CPU, "
-            f"{duration(wall)} at --jobs {jobs} on {os.cpu_count()} cores (estimated from the sum world's "
+            f"{duration(wall)} at --jobs {jobs} on {os.cpu_count()} cores (estimated from the study's "
             "measured timings, scaled by steps, rollouts, tokens and samples: evaluation/study.py)")
 
 

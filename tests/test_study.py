@@ -225,7 +225,7 @@ def test_the_study_runs_each_variant_from_its_base_with_both_fits(tmp_path):
         [("eval", "toy-pooled"), ("eval-released", "toy")]
     assert all("--no-early-exit" in e["cmd"] and e["cmd"][-2:] == ["--toy-world", "legible"] for e in evals)
     assert study.estimate([(45, 128, 72)] * 56, [(6000, 640)] * 112, jobs=2, cores=2) == \
-        (pytest.approx(17080), pytest.approx(8540))
+        (pytest.approx(56 * 150 + 112 * 180), pytest.approx(28560 / 2))
 
 
 TRAIN = ("--steps 2 --prompts-per-step 4 --group-size 4 --max-new-tokens 40 --eval-n 8 --eval-every 0 "
