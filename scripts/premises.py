@@ -39,7 +39,7 @@ import metrics  # noqa: E402
 import prompts as prompts_lib  # noqa: E402
 import toy  # noqa: E402
 from evaluation.confidence import features, think_end  # noqa: E402
-from evaluation.mechanism import LINE, parse  # noqa: E402
+from evaluation.mechanism import LINE, flagged, parse  # noqa: E402
 from grade import is_correct  # noqa: E402
 from harness.checkpoint import resolve_model  # noqa: E402
 from rollout import generate  # noqa: E402
@@ -155,7 +155,7 @@ def end_of_thinking(model, tok, world, n, samples, seed=0):
                                                     tok.pad_token_id, final_norm=True, batch_size=64)])
         correct = [float(is_correct(t, rows[i]["answer"])) for t, i in zip(s.texts, s.prompt_index)]
         surface = surface_features([rows[i]["problem"] for i in s.prompt_index], s.ids, ends, s.texts)
-        unflagged = ["?" not in t.split("</think>")[0] for t in s.texts]
+        unflagged = [not flagged(t) for t in s.texts]
         lines = [line for t, i in zip(s.texts, s.prompt_index) for line in parse(rows[i]["problem"], t)]
         wrong, right = [f for e, f in lines if e == "total"], [f for e, f in lines if e is None]
         out[name] = dict(accuracy=sum(correct) / len(correct),
