@@ -250,19 +250,18 @@ def _choices(row, index, spec):
 
 
 def load_rows(source, split=None, problem_field=None, answer_field=None, limit=None, like=None,
-              lcb_release=LCB_RELEASE, toy_world=None):
+              lcb_release=LCB_RELEASE):
     """[{"problem": str, "answer": str}] from a TOY_BENCHMARKS name, a BENCHMARKS name, a local .json/.jsonl/.parquet
     file, or a Hugging Face dataset id ("owner/name"). Fields are detected unless given.
 
     like: the BENCHMARKS name whose layout a local file has; lcb and logiqa rows are then built as
     the hub's are (BUILD), and gpqa rows with its option fields get their options and a letter gold.
-    lcb_release: LiveCodeBench's window of contest months (lcb_window). toy_world: whose rows a toy
-    benchmark name reads (toy.WORLDS; None: the default world's)."""
+    lcb_release: LiveCodeBench's window of contest months (lcb_window)."""
     name = source if source in BENCHMARKS else like
     spec = BENCHMARKS[like] if like in BUILD or "choices" in BENCHMARKS.get(like, {}) else {}
     if source in TOY_BENCHMARKS:
         import toy  # the offline world; imported here so data.py stands alone otherwise
-        records, where = toy.dataset(split or "train", source, toy_world or "sum"), source
+        records, where = toy.dataset(split or "train", source), source
     elif source in BENCHMARKS:
         spec = BENCHMARKS[source]
         records = (_hub_files(spec["hf"], spec["files"]) if "files" in spec

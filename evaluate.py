@@ -148,8 +148,9 @@ def parse_args(argv=None):
     g.add_argument("--benchmarks", default="toy", help="comma list: toy, toy-long, toy-sub, math500, aime24, ..., "
                    "FILE or NAME=FILE")
     g.add_argument("--limit", type=int, help="questions per benchmark")
-    g.add_argument("--toy-world", default="sum", choices=sorted(toy.WORLDS),
-                   help="whose rows the toy benchmarks and the toy post-hoc fit read (toy.WORLDS; default sum)")
+    g.add_argument("--toy-world", default=toy.WORLD, choices=sorted(toy.WORLDS),
+                   help=f"the toy world the models were warm-started in, recorded with the toy benchmarks' results "
+                        f"(toy.WORLDS; default {toy.WORLD}, --model toy's; both read the same rows)")
     g.add_argument("--lcb-release", default=data.LCB_RELEASE,
                    help="LiveCodeBench window: vN or vA_vB, by contest month (default v4_v5: 2024-08 to 2025-01, "
                         "the window of DeepSeek-R1's and lighteval's scores)")
@@ -185,7 +186,8 @@ def parse_args(argv=None):
     g.add_argument("--forced-close", choices=("think", "eos"), default="think")
     g.add_argument("--probe-data", help="questions for the post-hoc probe (default: toy train split / deepscaler; "
                    "toy-pooled: the train splits of every toy benchmark in turn, a fit matched to them all)")
-    g.add_argument("--probe-questions", type=int, help="how many (default 80, as released)")
+    g.add_argument("--probe-questions", type=int, help="how many (default 80, as released; toy-pooled: 80 from each toy "
+                   "benchmark, 240)")
     g.add_argument("--probe-samples", type=int, help="rollouts per post-hoc question (default 8, as released)")
     g.add_argument("--no-early-exit", action="store_true", help="skip the forced answers at exit checkpoints")
     g = p.add_argument_group("prompt (default: what the run trained with, else the benchmark's)")
@@ -253,7 +255,7 @@ def main(argv=None):
                 evalplan.check(name, [(b, settings(b, args)) for b in names], mem,
                                early_exit=not args.no_early_exit)
             return None
-        loaded = load_benchmarks(names, args.limit, args.lcb_release, args.toy_world)   # every name checked before any model loads
+        loaded = load_benchmarks(names, args.limit, args.lcb_release)   # every name checked before any model loads
         loaded = rlcr_prompts(loaded) if args.mode == "rlcr" else loaded
         if any(data.kind(name) == "code" for name, *_ in loaded):
             sandbox.check()   # can programs be confined here (or --unconfined-code)? Said before any model loads

@@ -4,14 +4,19 @@
 exactly the code used for DeepSeek-R1-Distill-Qwen: chat template, generation that starts inside
 the thinking, `</think>`, `\\boxed{}` answers, forced answers after a truncated prefix, grading.
 
-Task. The user message is a sum of 3-5 single-digit terms, e.g. "3+5+7+2" (`toy`, what RL trains
-on). The toy benchmarks (BENCHMARKS) add two the warm start also covers: `toy-long`, 6-7 terms (the
-toy's "AIME": more lines to slip on than RL ever sees), and `toy-sub`, 3-5 terms some of which are
-subtracted, "9-6+7" (the toy's "OOD": a skill of the warm start that RL never practises). The ideal
+Task. The user message is a sum of 4-6 single-digit terms, e.g. "3+5+7+2" (`toy`, what RL trains
+on). The toy benchmarks (BENCHMARKS) add two the warm start also covers: `toy-long`, 7-8 terms (the
+toy's "AIME": more lines to slip on than RL ever sees), and `toy-sub`, 4-6 terms some of which are
+subtracted, "9-6+7+1" (the toy's "OOD": a skill of the warm start that RL never practises). The ideal
 response writes one running total per line, closes the thinking and boxes the result:
 
     <|bos|><|user|>3+5+7+2<|assistant|><think>\\n      (the prompt, from the chat template)
     3+5=8\\n8+7=15\\n15+2=17\\n</think>\\boxed{17}<|eos|>  (the response)
+
+A step that carries or borrows (8+7) slips more often than one that does not, and a slip is often
+marked with "?" after the written total ("8+7=14?"), the trace going on from that total: the
+world's errors are ones the model can see coming and notice, which is what RLCM's probe and margin
+act on (docs/toy-world.md: the design, each choice's reason, and the premises measured on it).
 
 Tokenizer. One token per byte (a byte-level BPE with no merges, the pipeline AutoTokenizer
 rebuilds for every qwen2 checkpoint, R1 included), so any text round-trips exactly; specials
@@ -21,7 +26,7 @@ rebuilds for every qwen2 checkpoint, R1 included), so any text round-trips exact
 Base policy. toy_warm.py warm-starts a tiny Qwen2ForCausalLM (MODEL) on this world's traces and
 saves it with the tokenizer as the committed `toy_base/` (`toy_warm.base_model()`).
 
-Rebuild. The committed `toy_base/` is rebuilt by one command, in about five minutes on one CPU
+Rebuild. The committed `toy_base/` is rebuilt by one command, in about fifteen minutes on one CPU
 core, bit for bit (same safetensors bytes) on the same machine and torch build; the build
 runs on one thread, since float sums depend on how the work is split:
 
@@ -60,29 +65,26 @@ CHAT_TEMPLATE = (
 # Model, task and warm-start settings: one place, all of them part of the committed checkpoint.
 MODEL = dict(vocab_size=272, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-TERMS = (3, 5)          # number of terms per problem, inclusive (`toy`, what RL trains on)
+TERMS = (4, 6)          # number of terms per problem, inclusive (`toy`, what RL trains on)
 N_TEST, N_TRAIN = 500, 6000
 # The toy benchmarks (evaluate.py --benchmarks; "Overall" is their unweighted mean): name -> (terms,
 # signs). toy: the RL training distribution. toy-long, the toy's "AIME": more terms than RL sees, so
 # more lines to slip on. toy-sub, the toy's "OOD": terms may be subtracted, a skill of the warm start
 # that RL never practises. Each has a train split (the warm start's) and a test split (the benchmark).
-BENCHMARKS = {"toy": (TERMS, "+"), "toy-long": ((6, 7), "+"), "toy-sub": (TERMS, "+-")}
-WARM = dict(seed=0, steps=1000, batch_size=32, lr=2e-3, beta2=0.95, warmup=50, weight_decay=0.1,
-            threads=1, p_slip=0.3, p_forced=0.3, w_forced=1.0, p_eos_close=0.25, p_rlcr=0.2,
-            mix=(0.6, 0.2, 0.2))  # share of warm-start problems from each benchmark's train split
-# The legible world (docs/toy-world.md), built next to the default one until its premises hold
-# (scripts/premises.py): a slip is likelier where a step carries or borrows (difficulty the model
-# can see), a wrong line is often flagged with "?" after its total (a slip the model noticed; the
-# trace goes on from the written total, so a flag never changes the answer), and a forced answer is
-# the sum the path implies ("14+2": the last total and the terms not yet added), so it copies the path.
-LEGIBLE = dict(WARM, steps=3000, p_forced=0.5, p_slip=0.12, p_slip_carry=0.45, p_flag_wrong=0.6,
-               p_flag_right=0.05, forced_sum=True, mix=(0.5, 0.2, 0.3),
-               benchmarks={"toy": ((4, 6), "+"), "toy-long": ((7, 8), "+"), "toy-sub": ((4, 6), "+-")})
-# The study's control without a written signal: the legible world whose traces never flag a slip,
-# on the legible world's rows (`data`: the world whose datasets it reads), so that the two warm
-# starts differ in the `?` alone.
-WORLDS = {"sum": dict(WARM, benchmarks=BENCHMARKS), "legible": LEGIBLE,
-          "legible-quiet": dict(LEGIBLE, p_flag_wrong=0.0, p_flag_right=0.0, data="legible")}
+BENCHMARKS = {"toy": (TERMS, "+"), "toy-long": ((7, 8), "+"), "toy-sub": (TERMS, "+-")}
+# The warm start (docs/toy-world.md says why each value): a slip is likelier where a step carries or
+# borrows (p_slip_carry; difficulty the model can see), a wrong line is often flagged with "?" after
+# its total (p_flag_wrong: a slip the model noticed; the trace goes on from the written total, so a
+# flag never changes the answer), and a forced answer is the sum the path implies ("14+2": the last
+# total and the terms not yet added), so it copies the path.
+WARM = dict(seed=0, steps=3000, batch_size=32, lr=2e-3, beta2=0.95, warmup=50, weight_decay=0.1,
+            threads=1, p_slip=0.12, p_slip_carry=0.45, p_flag_wrong=0.6, p_flag_right=0.05,
+            p_forced=0.5, w_forced=1.0, p_eos_close=0.25, p_rlcr=0.2,
+            mix=(0.5, 0.2, 0.3))  # share of warm-start problems from each benchmark's train split
+# The world (`legible`: toy_base/), and the study's control without a written signal, whose traces
+# never flag a slip: the same rows and the same warm start but for the `?`.
+WORLD = "legible"
+WORLDS = {WORLD: WARM, "legible-quiet": dict(WARM, p_flag_wrong=0.0, p_flag_right=0.0)}
 
 
 def byte_symbols():
@@ -112,19 +114,17 @@ def _is_test(problem):
     return int(hashlib.sha256(problem.encode()).hexdigest(), 16) % 10 == 0
 
 
-def dataset(split, name="toy", world="sum"):
+def dataset(split, name="toy"):
     """Deterministic rows dict(problem="3+5+7+2", answer="17") of one of BENCHMARKS; train and test
     are disjoint because a hash of the problem text picks its split (a tenth of all problems are
     test). Under "+-" each term after the first is subtracted with probability 1/2 where the running
-    total stays >= 0, and a problem subtracts at least once ("9-3+5-2"). `toy` keeps the rows it had before the other benchmarks existed."""
+    total stays >= 0, and a problem subtracts at least once ("9-3+5-2")."""
     if split not in ("train", "test"):
         raise ValueError(f"toy split must be 'train' or 'test', got {split!r}")
-    benchmarks = WORLDS[world]["benchmarks"]
-    if name not in benchmarks:
-        raise ValueError(f"unknown toy benchmark {name!r}; known: {', '.join(benchmarks)}")
-    (lo, hi), signs = benchmarks[name]
-    seed, world = f"toy-{split}" if name == "toy" else f"{name}-{split}", WORLDS[world].get("data", world)
-    rng = random.Random(seed if world == "sum" else f"{world}-{seed}")
+    if name not in BENCHMARKS:
+        raise ValueError(f"unknown toy benchmark {name!r}; known: {', '.join(BENCHMARKS)}")
+    (lo, hi), signs = BENCHMARKS[name]
+    rng = random.Random(f"legible-{name}-{split}")   # the seed the rows had when two worlds lived here
     n, seen = (N_TEST if split == "test" else N_TRAIN), {}
     while len(seen) < n:
         terms = [rng.randint(1, 9) for _ in range(rng.randint(lo, hi))]
@@ -144,30 +144,18 @@ def terms_of(problem):
     return [int(t) for t in re.findall(r"[+-]?\d+", problem)]
 
 
-def trace(terms, rng, p_slip=0.0):
-    """Thinking lines with running totals; each total slips by +-1 or +-2 with probability p_slip
-    (never below 0). Returns (lines, totals): lines[i] = f"{totals[i]}+{terms[i+1]}={totals[i+1]}\\n",
-    with "-" and the term's size for a subtracted (negative) term."""
-    totals, lines = [terms[0]], []
-    for term in terms[1:]:
-        s = totals[-1] + term
-        if rng.random() < p_slip:
-            s = max(0, s + rng.choice((-2, -1, 1, 2)))
-        lines.append(f"{totals[-1]}{term:+d}={s}\n")
-        totals.append(s)
-    return lines, totals
-
-
 def carries(total, term):
     """Whether adding `term` to `total` crosses a multiple of ten (a carry, or a borrow for a
     subtracted term): 8+7 and 12-5 do, 3+5 and 17-5 do not."""
     return (total + term) // 10 != total // 10
 
 
-def legible_trace(terms, rng, world):
-    """The legible world's thinking lines: like trace, but a step that carries or borrows slips with
-    p_slip_carry and the others with p_slip, and a wrong total is flagged with "?" with p_flag_wrong,
-    a right one with p_flag_right: [3, 5, 7, 2] -> "3+5=8\n", "8+7=15\n", "15+2=17\n" (or "8+7=14?\n"
+def trace(terms, rng, world=WARM):
+    """Thinking lines with running totals, continued from the written total: a step that carries or
+    borrows slips (by +-1 or +-2, never below 0) with world's p_slip_carry and the others with p_slip,
+    and a wrong total is flagged with "?" with p_flag_wrong, a right one with p_flag_right. Returns
+    (lines, totals), lines[i] = f"{totals[i]}+{terms[i+1]}={totals[i+1]}" + flag + "\\n" (with "-" and
+    the term's size for a subtracted term): [3, 5, 7, 2] -> "3+5=8\n", "8+7=15\n", "15+2=17\n" (or "8+7=14?\n"
     for a noticed slip)."""
     totals, lines = [terms[0]], []
     for term in terms[1:]:
@@ -180,27 +168,13 @@ def legible_trace(terms, rng, world):
     return lines, totals
 
 
-def world_trace(terms, rng, world):
-    """The thinking lines of `world` (a WORLDS entry): legible_trace in the legible world, else trace
-    at its p_slip."""
-    return legible_trace(terms, rng, world) if "p_slip_carry" in world else trace(terms, rng, world["p_slip"])
-
-
 def lines_done(lines, b):
     """How many of `lines` a prefix of b response tokens holds whole (one token per character)."""
     return sum(1 for end in itertools.accumulate(map(len, lines)) if end <= b)
 
 
-def implied_answer(terms, lines, totals, b):
-    """The answer a prefix of b response tokens implies: the last running total on a complete
-    line plus the terms not yet added (one token per character in the thinking lines).
-    For 3+5+7+2 written as "3+5=8\\n8+7=14\\n...": b=3 -> 17, b=6 -> 17, b=13 -> 14+2 = 16."""
-    done = lines_done(lines, b)
-    return totals[done] + sum(terms[done + 1:])
-
-
 def implied_sum(problem, terms, lines, totals, b):
-    """The legible world's forced answer: the answer a prefix of b response tokens implies, written as
+    """The forced answer the warm start teaches: the answer a prefix of b response tokens implies, written as
     the sum it implies, so that a forced answer copies the written path and the problem instead of
     adding in the model's head (graded by value: grade.integer_sum): the last complete line's total
     followed by the terms not yet added, the problem itself before any line is complete. It reads
@@ -215,10 +189,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Rebuild the toy world's warm-started base policy.")
     parser.add_argument("--out", default=BASE_DIR,
                         help="output directory (default: toy_base/ next to toy.py)")
-    parser.add_argument("--world", default="sum", choices=sorted(WORLDS),
-                        help="sum: today's world (toy_base/); legible: the world of docs/toy-world.md; "
-                             "legible-quiet: the same without `?` (the study's control)")
+    parser.add_argument("--world", default=WORLD, choices=sorted(WORLDS),
+                        help=f"{WORLD}: the world (toy_base/); legible-quiet: the same without `?` (the "
+                             "study's control, docs/toy-world.md)")
     args = parser.parse_args()
-    if args.world != "sum" and args.out == BASE_DIR:
+    if args.world != WORLD and args.out == BASE_DIR:
         parser.error(f"--world {args.world} needs its own --out DIR (toy_base/ is the default world's)")
     print(base_model(args.out, rebuild=True, world=args.world))

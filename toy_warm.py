@@ -4,37 +4,33 @@
 
 Base policy. `base_model()` returns a directory with a warm-started Qwen2ForCausalLM (4 layers,
 hidden 128, 823k parameters, float32) and its tokenizer, loadable with AutoModelForCausalLM /
-AutoTokenizer. The warm start is supervised training, on the train splits of all three benchmarks
-(60/20/20), on traces where each running total slips (off by 1 or 2, then continued from the wrong
-total) with probability 0.3, so the policy knows
-how to add (greedy decoding is right) but slips often when it samples, and GRPO has something to
-fix: at temperature 0.8 about half of the answers are wrong.
-It also learns the forced answer used by the calibration labels (label.py): after
-`prompt + response[:b] + </think> + SUFFIX` (or EOS instead of `</think>`, the released code's
-variant) the target is the answer the prefix implies, the last running total written (right or
-wrong) plus the terms not yet added, done "mentally". That is easy near the end and hard early,
-so Monte-Carlo labels are graded and depend on the prefix, as they do for a real reasoning model.
-(In an early trial, a model that never saw the forced suffix was wrong from every prefix.)
+AutoTokenizer. The warm start is supervised training (3,000 steps), on the train splits of all three
+benchmarks (50/20/30), on toy.trace's traces: a step that carries or borrows slips (off by 1 or 2,
+then continued from the wrong total) with probability 0.45, any other with 0.12, and a wrong total
+is followed by "?" with probability 0.6 (a right one with 0.05). So the policy knows how to add
+(greedy decoding is right), slips when it samples where the step is hard, often notices it in
+writing, and GRPO has something to fix: at temperature 0.8 about half of the answers are wrong.
+It also learns the forced answer used by the calibration labels (label.py), in half of its examples:
+after `prompt + response[:b] + </think> + SUFFIX` (or EOS instead of `</think>`, the released code's
+variant) the target is the sum the prefix implies, the last running total written (right or wrong)
+and the terms not yet added ("14+2", graded by value), so a forced answer copies the path: it is
+right exactly when the path so far is (docs/toy-world.md, premise (ii)).
 RLCR's format, chosen by the prompt: under RLCR_INSTRUCTION (what `--reward rlcr` trains with on
 the toy) the same trace ends in `</think><answer>17</answer>\\n<analysis></analysis>\\n<confidence>0.4
 </confidence>` instead of the box, the confidence drawn at random from 0.1 .. 0.9 whatever the trace,
 so the base policy speaks the format but its verbal confidence says nothing: RL has to learn it.
-The tags are single added tokens, so the longest such response (46 tokens) fits the 48 of a rollout.
 
-Why this warm start (the RL run must visibly learn in 45 steps at AdamW lr 1e-4, whose first
-steps move every weight by about lr): an earlier one (lr 1e-3, no weight decay, forced answers
-weighted 4x, forgotten carries on fixed pairs) left a policy so sharp that any step of that size
-lowered the probability of every sample. Weight decay 0.1, a larger warm-start lr, forced answers
-at weight 1 and random slips instead of fixed misconceptions leave one where such a step moves
-probability from wrong to right samples (tests/test_learning.py).
+Why weight decay 0.1, lr 2e-3 and random slips (the RL run must visibly learn in 45 steps): an
+earlier warm start (lr 1e-3, no weight decay, forced answers weighted 4x, forgotten carries on fixed
+pairs) left a policy so sharp that any step of RL's size lowered the probability of every sample;
+this one leaves a policy where such a step moves probability from wrong to right samples
+(tests/test_learning.py).
 
-The committed checkpoint, on the first 200 test problems (tests/test_toy.py): accuracy 0.430
-sampled at temperature 0.8, 1.000 greedy; labels at K=4 from the three budgets lie strictly between
-0 and 1 for 30% of the prefixes, and the mean label at the 75% budget is 0.59 for trajectories that
-end correct against 0.09 for those that end wrong. At the evaluation temperature 0.6 (evaluate.py,
-500 problems x 4 samples): toy 0.625, toy-long 0.424, toy-sub 0.263. The RLCR format's numbers were
-measured on the checkpoint before the toy benchmarks (accuracy 0.425 at 0.8, 0.980 greedy, every
-response with a confidence tag, mean confidence 0.46 on right answers and 0.49 on wrong ones).
+The committed checkpoint, on the first 200 test problems (tests/test_toy.py): accuracy 0.480
+sampled at temperature 0.8, 1.000 greedy; every label at K=4 is 0 or 1 (a forced answer copies
+the path), and the mean label at the 25/50/75% budgets is 0.948/0.896/0.938 for trajectories that
+end correct against 0.673/0.442/0.192 for those that end wrong. At the evaluation temperature 0.6
+(evaluate.py, 500 problems x 4 samples): toy 0.628, toy-long 0.450, toy-sub 0.656.
 """
 import math
 import os
@@ -46,8 +42,8 @@ import time
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from toy import (BASE_DIR, INSTRUCTION, MODEL, RLCR_INSTRUCTION, SUFFIX, WARM, WORLDS, dataset,
-                 implied_answer, implied_sum, terms_of, tokenizer, world_trace)
+from toy import (BASE_DIR, BENCHMARKS, INSTRUCTION, MODEL, RLCR_INSTRUCTION, SUFFIX, WARM, WORLD, WORLDS,
+                 dataset, implied_sum, terms_of, tokenizer, trace)
 
 CONFIDENCES = [f"0.{d}" for d in range(1, 10)]  # the warm start's verbal confidence: any, at random
 
@@ -74,9 +70,10 @@ def example(tok, problem, rng, forced, world=WARM):
     """One warm-start sequence: (ids, loss_mask), loss on response tokens only.
     Plain: prompt + trace + </think>\\boxed{total}EOS; with probability p_rlcr the prompt carries
     RLCR_INSTRUCTION and `\\boxed{total}` is replaced by rlcr_tail.  Forced: prompt + response[:b] + CLOSE +
-    SUFFIX + implied}\\n where implied = last complete running total + terms not yet added."""
+    SUFFIX + implied}\\n where implied = the last complete line's total and the terms not yet added,
+    written as a sum ("14+2"; toy.implied_sum)."""
     terms = terms_of(problem)
-    lines, totals = world_trace(terms, rng, world)
+    lines, totals = trace(terms, rng, world)
     rlcr = not forced and rng.random() < world["p_rlcr"]
     content = problem + (RLCR_INSTRUCTION if rlcr else INSTRUCTION)
     prompt = tok.apply_chat_template([{"role": "user", "content": content}],
@@ -87,8 +84,7 @@ def example(tok, problem, rng, forced, world=WARM):
     if not forced:
         return prompt + response, [0] * len(prompt) + [1] * len(response)
     b = rng.randint(1, len(response))
-    implied = (implied_sum(problem, terms, lines, totals, b) if world.get("forced_sum")
-               else implied_answer(terms, lines, totals, b))
+    implied = implied_sum(problem, terms, lines, totals, b)
     close = (tok.eos_token_id if rng.random() < world["p_eos_close"]
              else tok.convert_tokens_to_ids("</think>"))
     # A cut ending on the close token gets a second one here, as label.forced_prompt built them when
@@ -100,17 +96,17 @@ def example(tok, problem, rng, forced, world=WARM):
     return head + answer, mask
 
 
-def warm_start(out, log=print, world="sum"):
+def warm_start(out, log=print, world=WORLD):
     """Supervised warm start (AdamW, linear warm-up then cosine), saved to `out` in float32.
     Deterministic: fixed seeds and a fixed thread count (float sums depend on the split)."""
-    name, world = world, WORLDS[world]
+    world = WORLDS[world]
     threads = torch.get_num_threads()
     torch.set_num_threads(world["threads"])
     try:
         tok = tokenizer()
         model = build_model(tok, world["seed"])
         rng = random.Random(world["seed"])
-        pools = [[row["problem"] for row in dataset("train", b, name)] for b in world["benchmarks"]]
+        pools = [[row["problem"] for row in dataset("train", b)] for b in BENCHMARKS]
         # beta2 0.95: at 2e-3 / 0.999 an earlier warm start stalled at a few percent accuracy;
         # weight decay keeps the policy smooth enough for the RL steps (module docstring).
         opt = torch.optim.AdamW(model.parameters(), lr=world["lr"], betas=(0.9, world["beta2"]),
@@ -147,7 +143,7 @@ def warm_start(out, log=print, world="sum"):
     return out
 
 
-def base_model(path=None, rebuild=False, world="sum"):
+def base_model(path=None, rebuild=False, world=WORLD):
     """Directory of the warm-started base policy (default: the committed toy_base/), trained if
     missing or if rebuild=True. Written to a temporary sibling, then renamed into place."""
     path = os.path.abspath(path or BASE_DIR)

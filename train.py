@@ -124,9 +124,9 @@ def run(cfg):
     tracker = runlog.tracker(cfg, folder.out) if MASTER else None  # before any slow loading: fails fast without wandb
     split = "train" if cfg["data"] == "toy" else None
     rows = data.load_rows(cfg["data"], split=split, problem_field=cfg["problem_field"],
-                          answer_field=cfg["answer_field"], toy_world=cfg["toy_world"])
+                          answer_field=cfg["answer_field"])
     eval_rows = data.load_rows(cfg["eval_data"], split="test" if cfg["eval_data"] == "toy" else None,
-                               limit=cfg["eval_n"], toy_world=cfg["toy_world"]) if cfg["eval_n"] else []
+                               limit=cfg["eval_n"]) if cfg["eval_n"] else []
     torch.manual_seed(cfg["seed"]), np.random.seed(cfg["seed"]), random.seed(cfg["seed"])
 
     # the policy: `policy` is what the update trains (FSDP2-sharded on several ranks), `sampler` what

@@ -52,13 +52,13 @@ def settings(bench, args):
     return s
 
 
-def load_benchmarks(specs, limit=None, lcb_release=data.LCB_RELEASE, toy_world="sum"):
+def load_benchmarks(specs, limit=None, lcb_release=data.LCB_RELEASE):
     """[(name, rows, instruction, source)] (load_benchmark, benchmark_source). A name stands for one
     source: a file whose stem is taken, by the built-in toy (its name brings the toy world's settings)
     or by an earlier benchmark of the list (b1/q.jsonl, b2/q.jsonl), is named by its path as given."""
     owner, out = {name: f"{name}:test" for name in data.TOY_BENCHMARKS}, []
     for spec in specs:
-        name, rows, instruction = load_benchmark(spec, limit, lcb_release, toy_world)
+        name, rows, instruction = load_benchmark(spec, limit, lcb_release)
         source = benchmark_source(spec, lcb_release)
         if owner.setdefault(name, source) != source:
             name = spec
@@ -66,15 +66,15 @@ def load_benchmarks(specs, limit=None, lcb_release=data.LCB_RELEASE, toy_world="
     return out
 
 
-def load_benchmark(spec, limit=None, lcb_release=data.LCB_RELEASE, toy_world="sum"):
-    """(name, rows [{problem, answer}], instruction) for a toy benchmark (its test split in `toy_world`), a short name (data.BENCHMARKS,
+def load_benchmark(spec, limit=None, lcb_release=data.LCB_RELEASE):
+    """(name, rows [{problem, answer}], instruction) for a toy benchmark (its test split), a short name (data.BENCHMARKS,
     from the hub), a local .json/.jsonl/.parquet file, NAME=FILE (a local copy of a known benchmark, e.g.
     aime24=aime24.jsonl: named, and sampled, like it; lcb and logiqa rows built as the hub's), or an HF
     dataset id (owner/name). lcb_release: LiveCodeBench's window (data.lcb_window)."""
     name, _, path = spec.partition("=")
     known = ", ".join(data.TOY_BENCHMARKS + tuple(data.BENCHMARKS))
     if name in data.TOY_BENCHMARKS and not path:
-        return name, data.load_rows(name, split="test", limit=limit, toy_world=toy_world), toy.INSTRUCTION
+        return name, data.load_rows(name, split="test", limit=limit), toy.INSTRUCTION
     if path:
         if name not in data.BENCHMARKS:
             raise UserError(f"unknown benchmark {name!r} in {spec!r}; known: {known}")

@@ -43,12 +43,14 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
     w = TOY if is_toy else REAL
     s = settings("toy" if is_toy else src, args)
     if is_toy:
-        pool, instruction = toy_fit_rows(src, args.toy_world), toy.INSTRUCTION
+        pool, instruction = toy_fit_rows(src), toy.INSTRUCTION
     else:
         pool, instruction = data.load_rows(src, lcb_release=args.lcb_release), prompts_lib.instruction_for(src)
     instruction = instruction if prompt[0] is None else prompt[0]
     seen = {r["problem"] for _, rows, _, _ in loaded for r in rows}
-    rows = [r for r in pool if r["problem"] not in seen][:args.probe_questions or w["probe_questions"]]
+    # toy-pooled: the released fit's size from each benchmark (80 x 3), so each is fitted on as many as `toy` alone is
+    size = w["probe_questions"] * (len(data.TOY_BENCHMARKS) if src == "toy-pooled" else 1)
+    rows = [r for r in pool if r["problem"] not in seen][:args.probe_questions or size]
     if not rows:
         raise UserError(f"--probe-data {src}: all its {len(pool)} questions are in the evaluated benchmarks, so "
                         "no fit questions are left: pass other --probe-data")
@@ -65,15 +67,14 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
     return prb, dict(report, data=src)
 
 
-def toy_fit_rows(src, world="sum"):
+def toy_fit_rows(src):
     """The post-hoc probe's toy fit questions: `toy`, RL's distribution alone (the released protocol
     fits on the training set), or `toy-pooled`, the train splits of every toy benchmark taken in
     turn, so the fit sees each benchmark's base rate and ECE measures what the state says about
-    correctness rather than the gap between the fit set's accuracy and a benchmark's. world: whose
-    rows (toy.WORLDS)."""
+    correctness rather than the gap between the fit set's accuracy and a benchmark's."""
     if src == "toy":
-        return data.load_rows("toy", split="train", toy_world=world)
-    splits = [data.load_rows(name, split="train", toy_world=world) for name in data.TOY_BENCHMARKS]
+        return data.load_rows("toy", split="train")
+    splits = [data.load_rows(name, split="train") for name in data.TOY_BENCHMARKS]
     return [row for turn in zip(*splits) for row in turn]
 
 

@@ -1,8 +1,8 @@
-"""The pre-registered comparison on the legible toy world (the README's toy section; docs/toy-world.md,
+"""The pre-registered comparison on the toy world (the README's toy section; docs/toy-world.md,
 "The study"): which runs it makes, what they will cost, their paired differences, and the verdict by
 the rule written down before any of them ran, in OUT/table.md and OUT/results.json. reproduce.py runs it:
 
-    python reproduce.py --study --base LEGIBLE_BASE --quiet-base QUIET_BASE
+    python reproduce.py --study --base BASE --quiet-base QUIET_BASE   # python toy.py [--world legible-quiet] --out DIR
 
 Seven variants, each trained with train.py from its base on `toy`'s training split for seeds 0-7
 (paired: the same seed gives the same data order and evaluation draws), each evaluated on every toy
@@ -39,15 +39,17 @@ HEADLINE, DOSES, SHUFFLED = "rlcm-1", ("rlcm-0.3", "rlcm-1", "rlcm-3"), "rlcm-sh
 SEEDS = tuple(range(8))
 MATCHED, RELEASED = "eval", "eval-released"   # the evaluations' folders under OUT
 FITS = ((MATCHED, "toy-pooled"), (RELEASED, "toy"))   # and evaluate.py --probe-data of each
+# Fit questions of both fits as the study ran (before toy-pooled's default became 80 from each benchmark).
+FIT_QUESTIONS = "80"
 BENCHMARKS = data.TOY_BENCHMARKS
 PARTS = BENCHMARKS + ("Overall",)
 KEYS = (("Acc", "acc"), ("ECE", "ece"), ("PCE", "pce"), ("Brier", "brier"), ("AUROC", "auroc"))
 READOUTS = (("`?` after a wrong line", "flag_wrong"), ("`?` after a right line", "flag_right"),
             ("AUROC without `?`", "auroc_unflagged"))
-# The legible world's traces of 6 terms run to 49 tokens with their flags (2000 training rows): the sum
-# world's 48 would cut some. 72, as docs/toy-world.md's premise (iii) runs; and RL at lr 2e-5, where
-# its premise (iii) holds (at the toy's 1e-4 RL removes the slips the margin ranks within 20 steps).
-# --train-args may change either.
+# The world's traces of 6 terms run to 49 tokens with their flags (2000 training rows), so 48 would
+# cut some: 72, as docs/toy-world.md's premise (iii) runs; and RL at lr 2e-5, where its premise (iii)
+# holds (at 1e-4 RL removes the slips the margin ranks within 20 steps). The toy's defaults now, written
+# out so that the study's commands stay what they were when it ran. --train-args may change either.
 WORLD_TRAIN = ["--max-new-tokens", "72", "--lr", "2e-5"]
 # What the study sets for each run, on top of reproduce.py's own: --train-args / --eval-args that
 # would change one are refused.
@@ -62,12 +64,12 @@ def check_flags(args, methods):
     --study alone, each a model folder where a chosen variant starts from it, and --ablations without it."""
     given = [f for f, v in (("--base", args.base), ("--quiet-base", args.quiet_base)) if v is not None]
     if not args.study:
-        if given or args.world != "legible":
+        if given or args.world != toy.WORLD:
             raise UserError(f"{(given or ['--world'])[0]} is for --study: add --study, or drop it")
         return
     if args.ablations:
         raise UserError("--ablations is for the paper's table: drop it, or --study")
-    build = dict(base="python toy.py --world legible --out DIR", quiet="python toy.py --world legible-quiet --out DIR")
+    build = dict(base="python toy.py --out DIR", quiet="python toy.py --world legible-quiet --out DIR")
     for key, flag in (("base", "--base"), ("quiet", "--quiet-base")):
         path = getattr(args, flag[2:].replace("-", "_"))
         if any(VARIANTS[m]["base"] == key for m in methods) and path is None:
@@ -91,7 +93,7 @@ def jobs(out, variants, seeds, bases, world):
             evals = [dict(dir=os.path.join(out, folder, name), folder=folder, log=f"{log}.{folder}.log", what=f" ({fit} fit)",
                           cmd=["--model", run, "--benchmarks", ",".join(BENCHMARKS), "--confidence", "probe-posthoc",
                                "--seed", str(seed), "--no-early-exit", "--out", os.path.join(out, folder, name),
-                               "--probe-data", fit, "--toy-world", world])
+                               "--probe-data", fit, "--probe-questions", FIT_QUESTIONS, "--toy-world", world])
                      for folder, fit in FITS]
             out_jobs.append(dict(name=f"{v} seed {seed}", variant=v, seed=seed, run=run, log=log, train=train,
                                  evals=evals))
@@ -101,8 +103,8 @@ def jobs(out, variants, seeds, bases, world):
 # Seconds on 2 CPU cores at --jobs 2 (one thread a job), measured on the study's own seed 1
 # (2026-12-02): a training of 45 steps x 16 x 8 rollouts of up to 72 tokens took 140-178 s; an
 # evaluation of 3 x 2000 samples with its post-hoc fit (80 x 8 rollouts) 147-149 s with the released
-# fit and 188-216 s with the matched one: 180 s, split between the samples and the fit as on the sum
-# world, where one without a fit took 28 s and one with a fit 100 (the README's reproduction).
+# fit and 188-216 s with the matched one: 180 s, split between the samples and the fit as on the
+# earlier `sum` world, where one without a fit took 28 s and one with a fit 100.
 ROLLOUT_TOKEN_S = 150 / (45 * 16 * 8 * 72)  # a training's, per rollout token (labels, probe, update included)
 SAMPLE_S = 1.8 * 28 / 6000                  # an evaluation's, per sample
 FIT_ROLLOUT_S = 1.8 * (100 - 28) / (80 * 8)  # a post-hoc fit's, per rollout (its forced answers included)

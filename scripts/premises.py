@@ -1,8 +1,8 @@
 """Can RLCM's mechanism act in a toy world at all? Its premises, measured before any comparison.
 
-    python -m scripts.premises --model DIR --world legible            # (i) and (ii) on a warm start
-    python -m scripts.premises --model DIR --world legible --run RUN  # and (iii) from RL runs' logs
-    python -m scripts.premises --model RUN --world legible --parts i  # the mechanism after RL
+    python -m scripts.premises                           # (i) and (ii) on the committed toy_base/
+    python -m scripts.premises --run runs/toy            # and (iii) from RLCM runs' logs (repeatable)
+    python -m scripts.premises --model RUN --parts i     # the mechanism after RL
 
 (docs/toy-world.md says why each premise matters.) Each line prints the measured number beside its
 threshold and PASS or FAIL:
@@ -110,12 +110,12 @@ def line_end_probe(model, tok, world, n, seed=0):
     """(i) Teacher-forced traces with the world's slips: the last layer's (final-normed) state at the
     last digit of each line's total, probed for "this total is wrong"."""
     rng, w = random.Random(seed), toy.WORLDS[world]
-    rows = toy.dataset("train", "toy", world)
+    rows = toy.dataset("train", "toy")
     xs, ys, groups = [], [], []
     for q in range(n):
         problem = rng.choice(rows)["problem"]
         terms = toy.terms_of(problem)
-        lines, totals = toy.world_trace(terms, rng, w)
+        lines, totals = toy.trace(terms, rng, w)
         prompt = prompts_lib.chat_prompt(tok, problem, "")
         ids = prompt + tok.encode("".join(lines), add_special_tokens=False)
         with torch.no_grad():
@@ -145,8 +145,8 @@ def end_of_thinking(model, tok, world, n, samples, seed=0):
     after a wrong and after a right line (the mechanism's readout)."""
     close = tok.convert_tokens_to_ids("</think>")
     out = {}
-    for name in toy.WORLDS[world]["benchmarks"]:
-        rows = toy.dataset("test", name, world)[:n]
+    for name in toy.BENCHMARKS:
+        rows = toy.dataset("test", name)[:n]
         asked = prompts_of(tok, rows)
         s = generate(model, tok, asked, n=samples, max_new_tokens=160, temperature=0.6, seed=seed, batch_size=64)
         prompts = [asked[i] for i in s.prompt_index]
@@ -173,7 +173,7 @@ def forced_labels(model, tok, world, n, samples, seed=0):
     """(ii) Mean Y_b at cuts with no visible error before them (per cut: 25/50/75 %), off the path
     after a wrong total and back on it after slips that cancel; the share of trajectories with a Y=1
     and a Y=0 cut."""
-    rows = toy.dataset("train", "toy", world)[:n]
+    rows = toy.dataset("train", "toy")[:n]
     asked = prompts_of(tok, rows)
     s = generate(model, tok, asked, n=samples, max_new_tokens=160, temperature=0.8, seed=seed, batch_size=64)
     prompts = [asked[i] for i in s.prompt_index]
@@ -221,7 +221,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="a model or run folder: a warm start, or a trained run for the "
                    "mechanism's readouts (default: the committed toy_base/)")
-    p.add_argument("--world", default="sum", choices=sorted(toy.WORLDS))
+    p.add_argument("--world", default=toy.WORLD, choices=sorted(toy.WORLDS),
+                   help="whose slips the teacher-forced traces of (i) have (default: the world's)")
     p.add_argument("--run", action="append", default=[], help="an RLCM run folder for (iii); repeat for several")
     p.add_argument("--n", type=int, default=300, help="questions per benchmark (i) and of RL's distribution (ii)")
     p.add_argument("--parts", default="i,ii,iii", help="which premises to measure (default: i,ii,iii)")

@@ -109,9 +109,9 @@ def test_benchmark_names_resolve_to_hub_ids(fake_hub):
 def test_toy_source_calls_toy_dataset(monkeypatch):
     seen = []
     fake = types.ModuleType("toy")
-    fake.dataset = lambda split, name, world: seen.append((split, name, world)) or [{"problem": "1+1=", "answer": "2"}]
+    fake.dataset = lambda split, name: seen.append((split, name)) or [{"problem": "1+1=", "answer": "2"}]
     monkeypatch.setitem(sys.modules, "toy", fake)
     assert data.load_rows("toy") == [{"problem": "1+1=", "answer": "2"}]
     data.load_rows("toy", split="test")
-    data.load_rows("toy-long", split="test", toy_world="legible")
-    assert seen == [("train", "toy", "sum"), ("test", "toy", "sum"), ("test", "toy-long", "legible")]
+    data.load_rows("toy-long", split="test")
+    assert seen == [("train", "toy"), ("test", "toy"), ("test", "toy-long")]

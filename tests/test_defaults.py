@@ -71,6 +71,8 @@ def test_toy_world_keeps_its_sizes_and_filters_nothing():
     assert (cfg["prompts_per_step"], cfg["group_size"], cfg["max_prompt_tokens"]) == (16, 8, 0)
     # the toy's README numbers were trained with these: no decay, the first update at lr / 3
     assert (cfg["weight_decay"], cfg["warmup_from_zero"], cfg["save_every"]) == (0.0, False, 10)
+    # where the toy's margin acts (docs/toy-world.md, premise (iii)): lam 1, lr 2e-5; 72 tokens hold every trace
+    assert (cfg["lam"], cfg["lr"], cfg["max_new_tokens"]) == (1.0, 2e-5, 72)
 
 
 def test_warmup_factor_is_verls_from_zero_and_the_toys_shifted_by_one():

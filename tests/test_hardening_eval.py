@@ -16,7 +16,7 @@ from test_evaluate import _rows
 import test_hardening
 from test_hardening import one_line, snapshot
 
-FAST = ["--limit", "4", "--n-samples", "2", "--max-new-tokens", "24", "--threads", "1", "--confidence", "logits"]
+FAST = ["--limit", "4", "--n-samples", "2", "--max-new-tokens", "56", "--threads", "1", "--confidence", "logits"]
 PH = ["--probe-questions", "4", "--probe-samples", "2", "--posthoc-budgets", "2"]
 
 

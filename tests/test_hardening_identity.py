@@ -73,7 +73,7 @@ def test_a_cut_between_the_posthoc_caches_two_files_never_pairs_another_protocol
     assert report["protocol"]["n"] == 1 and prb.net[0].weight.abs().max().item() != 0.5
 
 
-FAST = ["--benchmarks", "toy,toy-long,toy-sub", "--limit", "6", "--n-samples", "2", "--max-new-tokens", "24", "--threads", "1",
+FAST = ["--benchmarks", "toy,toy-long,toy-sub", "--limit", "6", "--n-samples", "2", "--max-new-tokens", "56", "--threads", "1",
         "--confidence", "logits"]
 
 

@@ -20,7 +20,7 @@ import step
 import train
 from harness.parallel import LogprobModel
 
-SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "48", "--eval-n", "8",
+SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "64", "--eval-n", "8",
          "--eval-every", "0", "--gen-batch", "64", "--save-every", "0"]
 # what each mode must log per step, beyond the common fields
 COMPONENTS = {"rlcm": {"margin"}, "grpo": set(), "final-margin": {"margin"},
@@ -106,9 +106,9 @@ def test_brier_modes_give_unanimous_groups_reward_zero():
     assert modes.unanimous(torch.tensor([1, 1, 0, 0, 0, 0]), 3).tolist() == [False] * 3 + [True] * 3
     correct = torch.tensor([1.0, 1, 1, 1, 1, 0, 0, 1, 0, 0, 0, 0])
     calib = -torch.linspace(0.0, 0.5, 12)
-    signed = 2 * correct - 1 + 0.1 * calib
+    signed = 2 * correct - 1 + 0.1 * calib   # lam 0.1, the released (the toy's default is 1)
     for mode in ("process-brier", "final-brier"):
-        cfg = config.resolve_args(["--reward", mode, "--group-size", "4", "--out", "unused"])
+        cfg = config.resolve_args(["--reward", mode, "--group-size", "4", "--lam", "0.1", "--out", "unused"])
         assert cfg["drop_unanimous"] is True
         R, adv, parts = modes.reward_and_advantages(cfg, correct, calib, [""] * 12, None)
         assert R.tolist() == pytest.approx([0.0] * 4 + signed[4:8].tolist() + [0.0] * 4)
@@ -116,7 +116,7 @@ def test_brier_modes_give_unanimous_groups_reward_zero():
         assert adv[4:8].tolist() == pytest.approx(grpo.group_advantages(signed[4:8], 4).tolist())
         assert parts["dropped"].tolist() == [1.0] * 4 + [0.0] * 4 + [1.0] * 4
         assert torch.equal(parts["brier"], calib)
-    cfg = config.resolve_args(["--reward", "process-brier", "--no-drop-unanimous", "--group-size", "4"])
+    cfg = config.resolve_args(["--reward", "process-brier", "--no-drop-unanimous", "--group-size", "4", "--lam", "0.1"])
     R, adv, _ = modes.reward_and_advantages(cfg, correct, calib, [""] * 12, None)
     assert R.tolist() == pytest.approx(signed.tolist()) and (adv[:4] != 0).all()
 

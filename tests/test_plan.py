@@ -167,8 +167,9 @@ def test_kv_terms_match_what_a_toy_step_allocates(tmp_path, monkeypatch):
         return run
     monkeypatch.setattr(step, "generate", phase("rollout", step.generate))
     monkeypatch.setattr(step, "mc_labels", phase("label", step.mc_labels))
+    # 48 new tokens, which the toy's responses fill: the plan sizes every phase for full-length responses
     args = ["--steps", "1", "--decode", "static", "--eval-n", "0", "--prompts-per-step", "4",
-            "--group-size", "4", "--gen-batch", "4", "--save-every", "0"]
+            "--group-size", "4", "--gen-batch", "4", "--save-every", "0", "--max-new-tokens", "48"]
     train.main(args + ["--out", str(tmp_path / "run")])
     t = plan.estimate(plan.model_config("toy"), resolve_args(args), 1, "cpu")
     for name, term in (("rollout", "KV cache"), ("label", "label KV cache")):
@@ -201,7 +202,7 @@ def test_no_static_buffers_beyond_the_label_term_sit_under_a_label_prefill(tmp_p
     monkeypatch.setattr(sampling.Sampler, "prefill", prefill)
     monkeypatch.setattr(step, "mc_labels", labels)
     args = ["--steps", "1", "--decode", "static", "--eval-n", "0", "--prompts-per-step", "4",
-            "--group-size", "16", "--gen-batch", "4", "--save-every", "0"]
+            "--group-size", "16", "--gen-batch", "4", "--save-every", "0", "--max-new-tokens", "48"]
     train.main(args + ["--out", str(tmp_path / "run")])
     t = plan.estimate(plan.model_config("toy"), resolve_args(args), 1, "cpu")
     rollout_bytes = next(s["bytes"] for s in shapes.made if s["phase"] is None)

@@ -71,7 +71,8 @@ def test_warm_start_examples_use_the_inference_layout(tok):
     for _ in range(20):
         ids, mask = toy_warm.example(tok, "3+5+7+2", rng, forced=True)
         answer = tok.decode(ids).rsplit("\\boxed{", 1)[1]
-        assert answer.endswith("}\n") and 0 <= int(answer[:-2]) <= 30
+        implied = answer[:-2]   # the sum the path implies ("14+2"), or its last total
+        assert answer.endswith("}\n") and 0 <= (int(implied) if implied.isdigit() else grade.integer_sum(implied)) <= 40
         heads = [label.forced_prompt(prompt, r, b, tok, close) for close in ("think", "eos")
                  for r in [ids[len(prompt):]] for b in range(1, len(r))]
         assert any(ids[:len(h)] == h and len(ids) - len(h) == len(answer) for h in heads)
@@ -81,22 +82,23 @@ def test_warm_start_examples_use_the_inference_layout(tok):
 def test_rlcr_examples_carry_the_instruction_the_tags_and_a_random_confidence(tok):
     # The RLCR prompt picks the format; the confidence is drawn whatever the trace (no calibration).
     rng, seen = random.Random(3), collections.Counter()
-    prompt = prompts_lib.chat_prompt(tok, "9+9+9+9+9", toy.RLCR_INSTRUCTION)
-    for _ in range(400):
-        ids, mask = toy_warm.example(tok, "9+9+9+9+9", rng, forced=False)
+    prompt = prompts_lib.chat_prompt(tok, "5+5+5+5+5", toy.RLCR_INSTRUCTION)
+    for _ in range(2000):   # two carries: about a quarter of the traces are right
+        ids, mask = toy_warm.example(tok, "5+5+5+5+5", rng, forced=False)
         if ids[:len(prompt)] != prompt:
             assert "<answer>" not in tok.decode(ids)   # the plain prompt keeps the box
             continue
         text = tok.decode(ids[len(prompt):], skip_special_tokens=True)
         think, tail = text.split("</think>")
-        ok = int(think.split("=")[-1]) == 45
-        assert grade.answer_tag(text) == think.split("=")[-1].strip() and "\\boxed" not in text
+        total = think.split("=")[-1].strip().rstrip("?")   # a noticed slip's `?` is not part of the total
+        ok = int(total) == 25
+        assert grade.answer_tag(text) == total and "\\boxed" not in text
         conf, missing = confidence.verbal_confidence(text)
         assert not missing and conf in [float(c) for c in toy_warm.CONFIDENCES]
         seen[ok, conf] += 1
         assert len(ids) - len(prompt) <= flags.TOY["max_new_tokens"]   # fits the rollout budget
     n = sum(seen.values())
-    assert 0.1 * 400 < n < 0.3 * 400   # p_rlcr of the plain examples
+    assert 0.1 * 2000 < n < 0.3 * 2000   # p_rlcr of the plain examples
     for ok in (True, False):   # right and wrong traces alike draw every confidence
         assert {c for (o, c) in seen if o == ok} == {float(c) for c in toy_warm.CONFIDENCES}
     assert len(tok) <= toy.MODEL["vocab_size"] and len(enc(tok, "<answer>1</answer>")) == 3
@@ -121,33 +123,28 @@ def test_dataset_is_deterministic_disjoint_and_graded_right():
     assert not {r["problem"] for r in train} & {r["problem"] for r in test}
     for row in train[:500] + test:
         terms = [int(t) for t in row["problem"].split("+")]
-        assert 3 <= len(terms) <= 5 and all(1 <= t <= 9 for t in terms)
+        assert 4 <= len(terms) <= 6 and all(1 <= t <= 9 for t in terms)
         assert row["answer"] == str(sum(terms))
-    assert {len(r["problem"].split("+")) for r in test} == {3, 4, 5}
+    assert {len(r["problem"].split("+")) for r in test} == {4, 5, 6}
     with pytest.raises(ValueError):
         toy.dataset("validation")
 
 
-def test_trace_and_implied_answers():
+def test_trace_slips_go_on_from_the_written_total():
     rng = random.Random(0)
-    lines, totals = toy.trace([3, 5, 7, 2], rng)
-    assert "".join(lines) == "3+5=8\n8+7=15\n15+2=17\n" and totals == [3, 8, 15, 17]
-    # every total slips at p_slip=1: off by 1 or 2 from the previous (wrong) total plus the term
+    # every total slips at p 1: off by 1 or 2 from the previous (wrong) total plus the term
+    always = dict(toy.WARM, p_slip=1.0, p_slip_carry=1.0, p_flag_wrong=0.0)
     for _ in range(20):
-        lines, totals = toy.trace([3, 5, 7, 2], rng, p_slip=1.0)
+        lines, totals = toy.trace([3, 5, 7, 2], rng, always)
         steps = [t - prev - term for prev, term, t in zip(totals, [5, 7, 2], totals[1:])]
         assert all(abs(d) in (1, 2) for d in steps)
         assert lines == [f"{a}+{b}={c}\n" for a, b, c in zip(totals, [5, 7, 2], totals[1:])]
-    wrong = [3, 8, 14, 16]
-    lines = ["3+5=8\n", "8+7=14\n", "14+2=16\n"]
-    implied = [toy.implied_answer([3, 5, 7, 2], lines, wrong, b) for b in (1, 5, 6, 12, 13, 20, 21, 40)]
-    assert implied == [17, 17, 17, 17, 16, 16, 16, 16]
 
 
 def test_base_model_builds_atomically_once(tmp_path, monkeypatch):
     calls = []
 
-    def fake_warm_start(out, log=print, world="sum"):
+    def fake_warm_start(out, log=print, world=toy.WORLD):
         calls.append(out)
         open(os.path.join(out, "model.safetensors"), "w").close()
 
@@ -217,5 +214,7 @@ def test_forced_answer_labels_carry_signal(base, rollouts):
             means[f, ok] = sum(ys) / len(ys)
             print(f"mean Y at {f:.0%}, trajectories that end {'correct' if ok else 'wrong'}: "
                   f"{means[f, ok]:.3f} (n={len(ys)})")
-    assert len(flat) >= 300 and graded >= 0.2
-    assert means[0.75, True] - means[0.75, False] >= 0.2
+    # A forced answer copies the path, so it is (nearly) always right or always wrong: the labels say
+    # whether the path so far is right, and differ most between right and wrong trajectories late.
+    assert len(flat) >= 300 and graded <= 0.05
+    assert means[0.25, True] - means[0.25, False] >= 0.2 and means[0.75, True] - means[0.75, False] >= 0.5

@@ -26,9 +26,9 @@ from harness import flags
 def test_benchmarks_are_deterministic_disjoint_and_what_they_say():
     assert data.TOY_BENCHMARKS == tuple(toy.BENCHMARKS) == ("toy", "toy-long", "toy-sub")
     first = {name: [r["problem"] for r in toy.dataset("test", name)[:3]] for name in toy.BENCHMARKS}
-    assert first == {"toy": ["2+4+4", "9+9+1+8+5", "5+3+9+6+8"],   # the rows `toy` always had
-                     "toy-long": ["5+3+4+1+6+9+1", "7+7+7+7+1+3", "5+2+2+1+5+3+7"],
-                     "toy-sub": ["5-5+9", "9-9+8+1", "9-6+7+4+8"]}
+    assert {name: rows[:2] for name, rows in first.items()} == {
+        "toy": ["7+5+3+8+8", "4+2+7+7"], "toy-long": ["8+5+8+8+1+8+1+3", "6+9+9+5+4+1+4"],
+        "toy-sub": ["8+5-9+1+5-1", "9+1-6+8-8"]}   # the study's rows (test_toy_world.py)
     for name in toy.BENCHMARKS:
         train, test = toy.dataset("train", name), toy.dataset("test", name)
         assert test == toy.dataset("test", name) and len(test) == toy.N_TEST and len(train) == toy.N_TRAIN
@@ -38,25 +38,26 @@ def test_benchmarks_are_deterministic_disjoint_and_what_they_say():
             assert row["answer"] == str(sum(terms)) and all(1 <= abs(t) <= 9 for t in terms)
             assert all(sum(terms[:i]) >= 0 for i in range(1, len(terms) + 1))   # totals never below 0
         sizes = {len(toy.terms_of(r["problem"])) for r in test}
-        assert sizes == ({6, 7} if name == "toy-long" else {3, 4, 5})
+        assert sizes == ({7, 8} if name == "toy-long" else {4, 5, 6})
         minus = {"-" in r["problem"] for r in test}
         assert minus == ({True} if name == "toy-sub" else {False})   # every toy-sub problem subtracts
     with pytest.raises(ValueError, match="toy-hard"):
         toy.dataset("test", "toy-hard")
 
 
-def test_subtraction_traces_and_implied_answers():
-    lines, totals = toy.trace(toy.terms_of("9-6+7"), random.Random(0))
-    assert "".join(lines) == "9-6=3\n3+7=10\n" and totals == [9, 3, 10]
-    assert toy.implied_answer([9, -6, 7], lines, totals, 1) == 10       # nothing written: all mentally
-    assert toy.implied_answer([9, -6, 7], ["9-6=4\n", "4+7=11\n"], [9, 4, 11], 6) == 11   # a slip carries on
+def test_subtraction_traces_and_forced_answers():
+    lines, totals = toy.trace(toy.terms_of("9-6+7"), random.Random(0), dict(toy.WARM, p_slip_carry=0.0, p_slip=0.0))
+    assert "".join(lines).replace("?", "") == "9-6=3\n3+7=10\n" and totals == [9, 3, 10]
+    assert toy.implied_sum("9-6+7", [9, -6, 7], lines, totals, 1) == "9-6+7"      # nothing written: the problem
+    assert toy.implied_sum("9-6+7", [9, -6, 7], ["9-6=4\n", "4+7=11\n"], [9, 4, 11], 6) == "4+7"   # a slip carries on
+    assert grade.integer_sum("4+7") == 11
 
 
 def test_the_longest_trace_fits_the_positions_and_the_evaluation_budget():
     tok, rng, longest, response = toy.tokenizer(), random.Random(0), 0, 0
     for _ in range(300):
         for forced in (False, True):
-            ids, mask = toy_warm.example(tok, "+".join(["9"] * 7), rng, forced)
+            ids, mask = toy_warm.example(tok, "+".join(["9"] * 8), rng, forced)
             longest = max(longest, len(ids))
             if not forced:
                 response = max(response, sum(1 for m in mask if m))
@@ -180,3 +181,18 @@ def test_the_base_policy_is_above_chance_on_every_benchmark():
         acc = sum(grade.is_correct(t, r["answer"]) for t, r in zip(out.texts, rows)) / len(rows)
         print(f"\n{name}: base accuracy at T=0.6 on 40 problems {acc:.3f}")
         assert acc > 0.2
+
+
+@pytest.mark.parametrize("given, want", [([], 240), (["--probe-questions", "80"], 80)])
+def test_the_pooled_fit_takes_the_released_size_from_each_benchmark(given, want, tmp_path, monkeypatch):
+    """--probe-data toy-pooled: 80 questions from each toy benchmark in turn (240), so each is fitted on as
+    many as the released fit (`toy`, 80) has; --probe-questions still sets the total."""
+    seen = {}
+    monkeypatch.setattr(probes.posthoc, "posthoc_probe",
+                        lambda cache, model, tok, questions, *a, **k: seen.update(rows=questions) or (None, {}))
+    for data_, size in (("toy-pooled", want), ("toy", 80)):
+        args = evaluate.parse_args(["--model", "toy", "--probe-data", data_, *given])
+        seen.clear()
+        probes.get_probe("probe-posthoc", None, None, "base", toy.BASE_DIR, str(tmp_path), args, 0)
+        assert len(seen["rows"]) == size
+    assert [r["problem"] for r in seen["rows"][:2]] == [r["problem"] for r in toy.dataset("train")[:2]]

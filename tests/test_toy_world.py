@@ -1,5 +1,5 @@
-"""The legible toy world (docs/toy-world.md): slips where a step carries, noticed slips flagged with
-`?`, what is left to add on every line; and scripts/premises.py's reading of such lines."""
+"""The toy world's traces (docs/toy-world.md): slips where a step carries, noticed slips flagged with
+`?`, forced answers that copy the path; and scripts/premises.py's reading of such lines."""
 import random
 
 import grade
@@ -7,14 +7,14 @@ import toy
 import toy_warm
 from scripts import premises
 
-W = toy.LEGIBLE
+W = toy.WARM
 
 
-def test_a_clean_legible_trace_writes_each_running_total():
+def test_a_clean_trace_writes_each_running_total():
     clean = dict(W, p_slip=0.0, p_slip_carry=0.0, p_flag_right=0.0)
-    lines, totals = toy.legible_trace([3, 5, 7, 2], random.Random(0), clean)
+    lines, totals = toy.trace([3, 5, 7, 2], random.Random(0), clean)
     assert lines == ["3+5=8\n", "8+7=15\n", "15+2=17\n"] and totals == [3, 8, 15, 17]
-    lines, _ = toy.legible_trace([9, -6, 7], random.Random(0), clean)
+    lines, _ = toy.trace([9, -6, 7], random.Random(0), clean)
     assert lines == ["9-6=3\n", "3+7=10\n"]
 
 
@@ -27,7 +27,7 @@ def test_slips_follow_carries_and_flags_follow_slips_at_the_world_rates():
     rng, n = random.Random(1), {}
     for _ in range(4000):
         terms = [rng.randint(1, 9) for _ in range(5)]
-        lines, totals = toy.legible_trace(terms, rng, W)
+        lines, totals = toy.trace(terms, rng, W)
         for i, line in enumerate(lines):
             wrong = totals[i + 1] != totals[i] + terms[i + 1]
             key = ("carry" if toy.carries(totals[i], terms[i + 1]) else "plain", wrong)
@@ -39,12 +39,12 @@ def test_slips_follow_carries_and_flags_follow_slips_at_the_world_rates():
     assert abs(sum(flags(False)) / len(flags(False)) - W["p_flag_right"]) < 0.01
 
 
-def test_a_legible_forced_answer_is_the_sum_the_path_implies_so_it_copies_the_path():
+def test_a_forced_answer_is_the_sum_the_path_implies_so_it_copies_the_path():
     terms, lines, totals = [3, 5, 7, 2], ["3+5=8\n", "8+7=14?\n", "14+2=16\n"], [3, 8, 14, 16]
     cuts = {3: "3+5+7+2", 6: "8+7+2", 13: "8+7+2", 14: "14+2", 21: "14+2", 22: "16"}
     assert {b: toy.implied_sum("3+5+7+2", terms, lines, totals, b) for b in cuts} == cuts
-    assert {b: grade.integer_sum(v) or int(v) for b, v in cuts.items()} == {
-        b: toy.implied_answer(terms, lines, totals, b) for b in cuts}   # the sum world's answer, by value
+    # graded by value: the written total plus what is left, right or wrong
+    assert {b: grade.integer_sum(v) or int(v) for b, v in cuts.items()} == {3: 17, 6: 17, 13: 17, 14: 16, 21: 16, 22: 16}
     assert toy.implied_sum("9-6+2-7", [9, -6, 2, -7], ["9-6=3\n"], [9, 3], 6) == "3+2-7"
     # a warm-start forced example ends in such a sum
     tok, rng = toy.tokenizer(), random.Random(0)
@@ -54,12 +54,17 @@ def test_a_legible_forced_answer_is_the_sum_the_path_implies_so_it_copies_the_pa
         assert grade.integer_sum(answer) is not None or answer.isdigit()
 
 
-def test_the_legible_benchmarks_are_their_own_and_harder():
-    for name, ((lo, hi), _) in W["benchmarks"].items():
-        rows = toy.dataset("test", name, "legible")
+def test_the_benchmarks_have_their_sizes_and_the_rows_the_study_ran_on():
+    for name, ((lo, hi), _) in toy.BENCHMARKS.items():
+        rows = toy.dataset("test", name)
         sizes = {len(toy.terms_of(r["problem"])) for r in rows}
         assert min(sizes) == lo and max(sizes) == hi and len(rows) == toy.N_TEST
-    assert toy.dataset("train", "toy", "legible")[:3] != toy.dataset("train", "toy")[:3]
+    # the rows the pre-registered study trained and evaluated on, before the world became the only one
+    assert [r["problem"] for r in toy.dataset("test", "toy")[:2]] == ["7+5+3+8+8", "4+2+7+7"]
+    assert [r["problem"] for r in toy.dataset("test", "toy-long")[:2]] == ["8+5+8+8+1+8+1+3", "6+9+9+5+4+1+4"]
+    assert [r["problem"] for r in toy.dataset("test", "toy-sub")[:2]] == ["8+5-9+1+5-1", "9+1-6+8-8"]
+    assert [toy.dataset("train", n)[0]["problem"] for n in toy.BENCHMARKS] == [
+        "3+5+5+1+1", "9+5+5+7+4+9+4+5", "5-3+4+6+9"]
 
 
 def test_premises_read_right_and_wrong_lines():

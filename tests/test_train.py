@@ -37,7 +37,7 @@ def test_two_steps_write_a_complete_run(tmp_path):
     run = str(tmp_path / "run")
     train.main(["--steps", "2", "--out", run, "--save-every", "1", *SMALL])
     cfg = json.load(open(os.path.join(run, "config.json")))
-    assert cfg["steps"] == 2 and cfg["reward"] == "rlcm" and cfg["lam"] == 0.1
+    assert cfg["steps"] == 2 and cfg["reward"] == "rlcm" and cfg["lam"] == 1.0   # the toy's (docs/toy-world.md)
     logged = rows(run)
     steps = [r for r in logged if not r.get("eval")]
     assert [r["step"] for r in steps] == [1, 2]
