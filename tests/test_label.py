@@ -164,7 +164,9 @@ def test_shared_prefix_prefill_samples_like_full_forced_prompts(decode):
 def test_plain_and_tree_labels_are_equal_on_the_toy():
     """mc_labels on the toy policy's own rollouts: the plain path (tree=False) and the default fast
     path give the same labels and counts for the same seed (in length groups, with equal forced
-    prompts asked once), and the labels are graded."""
+    prompts asked once), and the labels are graded. The forced answers are drawn at temperature 2: at
+    the rollout's 0.8 the toy's forced answer copies the path, so every label would be 0 or 1 and the
+    equality would not see the K answers' draws."""
     import label
     import prompts as prompts_lib
     import toy
@@ -184,7 +186,7 @@ def test_plain_and_tree_labels_are_equal_on_the_toy():
     for tree in (True, False):
         stats = {}
         ys = mc_labels(model, tok, prompts, responses, cuts, golds, k=4, seed=1, batch_size=5, stats=stats,
-                       tree=tree)
+                       tree=tree, temperature=2.0)
         labels[tree] = ys, stats
     assert labels[True] == labels[False]
     ys, stats = labels[True]

@@ -106,4 +106,5 @@ def test_updates_move_probability_towards_positive_advantages(cfg, rollouts, ste
     up, down = delta[adv > 0].mean().item(), delta[adv < 0].mean().item()
     print(f"\nmean change of sequence log-prob after {steps} step(s), lr {opt.param_groups[0]['initial_lr']:.1e} / "
           f"warm-up {warmup}: positive advantage {up:+.4f}, negative {down:+.4f}")
-    assert up > 0.005 and down < -0.005
+    # a step moves a log-prob by about lr per unit of gradient: 0.005 at the earlier toy lr 1e-4, 0.001 at 2e-5
+    assert up > 50 * cfg["lr"] and down < -50 * cfg["lr"]

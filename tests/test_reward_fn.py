@@ -131,7 +131,8 @@ def test_two_steps_with_the_function(tmp_path):
     natural = [c for c in judged if "\n" in c[0]]   # every toy response has a line: its first sum
     assert len(natural) >= 2 * 16 + 2 * 8            # the rollouts and the held-out checks' responses
     forced = [c[0] for c in judged if "\n" not in c[0]]
-    assert len(forced) > 50 and not any("boxed" in a or "}" in a or len(a) > 8 for a in forced)
+    # the forced answer is the sum the path implies, at most 6 single-digit terms ("9+9+9+9+9+9": 11 characters)
+    assert len(forced) > 50 and not any("boxed" in a or "}" in a or len(a) > 11 for a in forced)
     assert json.load(open(os.path.join(run, "config.json")))["reward_fn"] == spec
 
 
