@@ -158,7 +158,7 @@ _SUM = re.compile(r"[-+]?\d+(?:[+-]\d+)+")  # integers added and subtracted: "15
 
 def integer_sum(s: str):
     """Exact value of a sum of integers ("15+2" -> 17, "9-3+5-2" -> 9), else None: what math-verify
-    computes for it, without its parser (the legible toy world's forced answers are such sums)."""
+    computes for it, without its parser (the toy world's forced answers are such sums)."""
     return sum(map(int, _NUMBER.findall(s))) if len(s) <= MAX_ANSWER_CHARS and _SUM.fullmatch(s) else None
 
 

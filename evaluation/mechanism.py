@@ -5,7 +5,7 @@ from wrong beyond the flags it wrote?
     readouts(of_evaluation(EVAL, entry))   # {benchmark: {flag_wrong, flag_right, auroc_unflagged, ...},
                                            #  "Overall": their means}; entry: EVAL/results.json's model
 
-A thinking line is `total+term=total'`, with `?` after the total where the trace flags it (the legible
+A thinking line is `total+term=total'`, with `?` after the total where the trace flags it (the toy
 world): "8+7=14?". parse checks each complete line against the problem.
 """
 import math
