@@ -139,7 +139,7 @@ def surface_features(problems, ids, ends, texts):
                          for p, r, e, t, q in zip(problems, ids, ends, texts, flags)], dtype=torch.float32)
 
 
-def end_of_thinking(model, tok, world, n, samples, seed=0):
+def end_of_thinking(model, tok, n, samples, seed=0):
     """(i) Per benchmark: accuracy, AUROC of the end-of-thinking probe, of surface features, and
     of the probe on trajectories with no flag written (fitted on all); the sampled rates of a flag
     after a wrong and after a right line (the mechanism's readout)."""
@@ -169,7 +169,7 @@ def end_of_thinking(model, tok, world, n, samples, seed=0):
     return out
 
 
-def forced_labels(model, tok, world, n, samples, seed=0):
+def forced_labels(model, tok, n, samples, seed=0):
     """(ii) Mean Y_b at cuts with no visible error before them (per cut: 25/50/75 %), off the path
     after a wrong total and back on it after slips that cancel; the share of trajectories with a Y=1
     and a Y=0 cut."""
@@ -241,7 +241,7 @@ def main(argv=None):
             out["line_end"], wrong = line_end_probe(model, tok, args.world, 2 * args.n)
         ok.append(verdict(f"(i)   line-end probe finds a wrong total (teacher-forced, {wrong:.0%} wrong)",
                           out["line_end"], ">=", 0.9))
-        out["end"] = end_of_thinking(model, tok, args.world, args.n, 4)
+        out["end"] = end_of_thinking(model, tok, args.n, 4)
     for name, r in out.get("end", {}).items():
         ok.append(verdict(f"(i)   {name}: end-of-thinking probe AUROC (acc {r['accuracy']:.3f}, "
                           f"surface {r['surface'] or 0:.3f})", r["probe"], ">=", 0.65))
@@ -253,7 +253,7 @@ def main(argv=None):
               f"{r['probe_unflagged'] if r['probe_unflagged'] is not None else float('nan'):.3f}; "
               f"AUROC of whether a `?` was written {r['flag_only'] if r['flag_only'] is not None else float('nan'):.3f}")
     if "ii" in parts:
-        out["labels"] = lab = forced_labels(model, tok, args.world, args.n, 8)
+        out["labels"] = lab = forced_labels(model, tok, args.n, 8)
         for j, (v, n) in enumerate(zip(lab["clean"], lab["clean_n"])):
             ok.append(verdict(f"(ii)  mean Y_b before any error, cut {j + 1} of 3 ({n} cuts)", v, ">=", 0.8))
         ok.append(verdict(f"(ii)  mean Y_b off the path, after a wrong total ({lab['slipped_n']} cuts)",

@@ -28,7 +28,7 @@ def test_benchmarks_are_deterministic_disjoint_and_what_they_say():
     first = {name: [r["problem"] for r in toy.dataset("test", name)[:3]] for name in toy.BENCHMARKS}
     assert {name: rows[:2] for name, rows in first.items()} == {
         "toy": ["7+5+3+8+8", "4+2+7+7"], "toy-long": ["8+5+8+8+1+8+1+3", "6+9+9+5+4+1+4"],
-        "toy-sub": ["8+5-9+1+5-1", "9+1-6+8-8"]}   # the study's rows (test_toy_world.py)
+        "toy-sub": ["8+5-9+1+5-1", "9+1-6+8-8"]}   # the study's rows (hashes: test_study.py)
     for name in toy.BENCHMARKS:
         train, test = toy.dataset("train", name), toy.dataset("test", name)
         assert test == toy.dataset("test", name) and len(test) == toy.N_TEST and len(train) == toy.N_TRAIN
