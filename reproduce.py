@@ -25,7 +25,9 @@ interrupted one continues (train.py --resume, evaluate.py's samples.jsonl): run 
 again. A run made with other settings (a smoke test's, into the same --out) is refused in one line;
 an evaluation made with other arguments is done again. Killed (SIGTERM, or SIGKILL), it takes its
 children with it. Finally OUT/table.md, OUT/results.json and OUT/reliability_M.png: the numbers over
-seeds, their paired differences and why (evaluation/comparison.py; --study: evaluation/study.py).
+seeds, their paired differences and why (evaluation/comparison.py; --study: evaluation/study.py,
+from OUT/records/, one path-free file per finished variant and seed, which another machine's study
+takes for that job when copied into its OUT/records/).
 """
 import argparse
 import json
@@ -40,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import evaluate
 import toy
-from evaluation import study
+from evaluation import records, study
 from evaluation.comparison import (ABLATIONS, BENCHMARKS, CONFIDENCE, MAIN, PAIR, eval_entry, held_out, made_with,
                                    model_ident, model_label, parsed, paths, quiet, write_outputs)
 from harness import checkpoint, config, files, flags, launch
@@ -205,9 +207,9 @@ class Jobs:
         self.args, self.total, self.todo, self.done, self.failed = args, total, todo, 0, []
         self.env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
-    def say(self, line):
+    def say(self, line, steps=1):
         with PRINT:
-            self.done += 1
+            self.done += steps
             print(f"[{self.done}/{self.total}] {line}", flush=True)
 
     def fail(self, what, detail):
@@ -244,6 +246,9 @@ class Jobs:
 
     def job(self, job):
         run, name, py = job["run"], job["name"], sys.executable
+        if self.args.study and records.read(self.args, job) is not None:
+            self.say(f"{name}: recorded already ({records.path(self.args, job)})", 1 + len(job["evals"]))
+            return True
         if run is not None:
             how, t = self.todo[name], time.time()
             if how is not None and not self.child([py, os.path.join(ROOT, "train.py"), *how], job["log"] + ".train.log",
@@ -266,6 +271,8 @@ class Jobs:
             accs = ", ".join(f"{b} {entry['benchmarks'][b]['acc']:.3f}" for b in BENCHMARKS)
             self.say(f"{name}: " + (f"evaluated in {time.time() - t:.0f} s" if fresh else "evaluated already") +
                      f"{e['what']} (acc {accs}; n {entry['benchmarks'][BENCHMARKS[0]]['n']} each)")
+        if self.args.study:
+            records.write(self.args, job)
         return True
 
 

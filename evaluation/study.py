@@ -17,7 +17,7 @@ import os
 import data
 import evaluate
 import toy
-from evaluation import benchmarks, comparison, mechanism
+from evaluation import benchmarks, comparison, records
 from evaluation.report import clean
 from harness import checkpoint, config, files
 from harness.files import UserError
@@ -100,20 +100,21 @@ def jobs(out, variants, seeds, bases, world):
     return out_jobs
 
 
-# Seconds on 2 CPU cores at --jobs 2 (one thread a job), measured on the study's own seed 1
-# (2026-12-02): a training of 45 steps x 16 x 8 rollouts of up to 72 tokens took 140-178 s; an
-# evaluation of 3 x 2000 samples with its post-hoc fit (80 x 8 rollouts) 147-149 s with the released
-# fit and 188-216 s with the matched one: 180 s, split between the samples and the fit as on the
-# earlier `sum` world, where one without a fit took 28 s and one with a fit 100.
-ROLLOUT_TOKEN_S = 150 / (45 * 16 * 8 * 72)  # a training's, per rollout token (labels, probe, update included)
-SAMPLE_S = 1.8 * 28 / 6000                  # an evaluation's, per sample
-FIT_ROLLOUT_S = 1.8 * (100 - 28) / (80 * 8)  # a post-hoc fit's, per rollout (its forced answers included)
+# Seconds on 2 CPU cores at --jobs 2 (one thread a job), measured on the study's own seeds 0-3 at
+# c4fd32c (2026-12-02): a training of 45 steps x 16 x 8 rollouts of up to 72 tokens took 130-205 s, an
+# evaluation of 3 x 2000 samples with its post-hoc fit (80 x 8 rollouts) 275-340 s with the matched fit
+# and 210-290 s with the released one: 170 s and 280 s, the evaluation's split between the samples and
+# the fit as on the earlier `sum` world, where one without a fit took 28 s and one with a fit 100.
+# (An earlier estimate from seed 1 alone, 150 s and 180 s, was about 1.5x under what the study took.)
+ROLLOUT_TOKEN_S = 170 / (45 * 16 * 8 * 72)  # a training's, per rollout token (labels, probe, update included)
+SAMPLE_S = 280 * 0.28 / 6000                # an evaluation's, per sample
+FIT_ROLLOUT_S = 280 * 0.72 / (80 * 8)       # a post-hoc fit's, per rollout (its forced answers included)
 
 
 def estimate(trainings, evaluations, jobs, cores=None):
     """(CPU seconds, wall seconds) of trainings [(steps, rollouts a step, max new tokens)] and evaluations
     [(samples, post-hoc fit rollouts)] run --jobs at a time on `cores` (default: this machine's).
-    The default study, 56 trainings of 45 x 128 x 72 and 112 evaluations of 6000 + 640: 28,560 s."""
+    The default study, 56 trainings of 45 x 128 x 72 and 112 evaluations of 6000 + 640: 40,880 s."""
     cpu = (sum(steps * rollouts * tokens * ROLLOUT_TOKEN_S for steps, rollouts, tokens in trainings)
            + sum(samples * SAMPLE_S + fit * FIT_ROLLOUT_S for samples, fit in evaluations))
     return cpu, cpu / max(1, min(jobs, cores or os.cpu_count() or 1))
@@ -276,6 +277,8 @@ def study_cost(args, work, todo, jobs):
     trainings, evaluations = [], []
     for j in work:
         how = todo[j["name"]]
+        if records.read(args, j) is not None:
+            continue
         if how is not None:
             cfg = config.resolve_args(how)
             ckpt = "--resume" in how and checkpoint.latest_checkpoint(j["run"], comparison.quiet, resume=True)
@@ -299,30 +302,25 @@ def study_cost(args, work, todo, jobs):
 
 def write_study(args, work, argv):
     """The study's table.md and results.json (the numbers of every variant and seed, their paired
-    differences, the mechanism's readouts and the verdict); returns the markdown."""
-    per = {}
+    differences, the mechanism's readouts and the verdict), from the jobs' records; returns the markdown."""
+    per, commits = {}, {}
     for j in work:
-        label, ident = comparison.model_label(j["run"]), comparison.model_ident(j["run"])
-        got = dict(train=comparison.training_stats(j["run"]))
-        for e in j["evals"]:
-            entry = comparison.eval_entry(e["dir"], label, ident)
-            if entry is None:
-                raise UserError(f"{e['dir']}/results.json holds no complete toy results for {label}: run the command again")
-            benches = {b: {k: entry["benchmarks"][b][k] for _, k in comparison.KEYS} for b in BENCHMARKS}
-            got[e["folder"]] = dict(benches, Overall=comparison.overall(benches))
-            if e["folder"] == MATCHED:
-                got["readouts"] = mechanism.readouts(mechanism.of_evaluation(e["dir"], entry))
-        per.setdefault(j["variant"], {})[j["seed"]] = got
+        rec = records.read(args, j)
+        if rec is None:
+            raise UserError(f"{records.path(args, j)}: missing or made with other settings: run the command again")
+        per.setdefault(j["variant"], {})[j["seed"]] = rec["numbers"]
+        commits[rec["git_commit"]] = commits.get(rec["git_commit"], 0) + 1
     diffs = differences(per)
     result = verdict(per, diffs)
     prov, when = comparison.stamp(argv)
     seeds = sorted({j["seed"] for j in work})
+    made = ", ".join(f"{c[:7]}{'+dirty' if c.endswith('+dirty') else ''} ({n})" for c, n in commits.items())
     text = (f"Pre-registered study on the {args.world} toy world (evaluation/study.py), {when}; "
             f"seeds {', '.join(map(str, seeds))} (paired); benchmarks {', '.join(BENCHMARKS)} (Overall: their "
-            f"unweighted mean)\n\n{report(per, diffs, result)}\n")
+            f"unweighted mean); jobs recorded at commit {made}\n\n{report(per, diffs, result)}\n")
     files.write_json(os.path.join(args.out, "results.json"), clean(dict(
         study=per, differences=diffs, verdict=result, benchmarks=list(BENCHMARKS), command=prov["command"],
-        date=prov["date"], git_commit=prov["git_commit"], provenance=prov)))
+        date=prov["date"], git_commit=prov["git_commit"], recorded_at=commits, provenance=prov)))
     with files.replacing(os.path.join(args.out, "table.md")) as f:
         f.write(text)
     return text

@@ -223,7 +223,7 @@ def test_the_study_runs_each_variant_from_its_base_with_both_fits(tmp_path):
     assert all("--no-early-exit" in e["cmd"] and e["cmd"][-4:] == ["--probe-questions", "80", "--toy-world", "legible"]
                for e in evals)   # both fits at the size the study ran with, whatever toy-pooled's default
     assert study.estimate([(45, 128, 72)] * 56, [(6000, 640)] * 112, jobs=2, cores=2) == \
-        (pytest.approx(56 * 150 + 112 * 180), pytest.approx(28560 / 2))
+        (pytest.approx(56 * 170 + 112 * 280), pytest.approx(40880 / 2))
 
 
 TRAIN = ("--steps 2 --prompts-per-step 4 --group-size 4 --max-new-tokens 40 --eval-n 8 --eval-every 0 "
@@ -271,7 +271,28 @@ def test_a_tiny_study_writes_its_table_and_verdict_and_a_rerun_redoes_nothing(tm
     reproduce.main(argv)
     printed = capsys.readouterr().out
     assert printed.startswith("study: 0 of 4 trainings and 0 of 8 evaluations to do")
-    assert printed.count("trained already") == 4 and printed.count("evaluated already") == 8 and mtimes() == before
+    assert printed.count("recorded already") == 4 and "[12/12]" in printed and mtimes() == before
+    assert json.load(open(os.path.join(out, "results.json")))["study"] == res["study"]
+    # the records alone, copied to another folder (another machine), stand for the jobs: nothing runs again,
+    # and the table is the same; a record made with other settings is not taken for the job
+    import shutil
+    other = str(tmp_path / "other")
+    shutil.copytree(os.path.join(out, "records"), os.path.join(other, "records"))
+    rec = json.load(open(os.path.join(other, "records", "grpo-seed0.json")))
+    assert rec["made_with"]["train"][:6] == ["--reward", "grpo", "--seed", "0", "--out", "--model"]   # no paths
+    assert str(tmp_path) not in json.dumps(rec) and rec["git_commit"] and len(rec["model"]) == 16
+    assert rec["numbers"]["eval"]["toy"]["ece"] == res["study"]["grpo"]["0"]["eval"]["toy"]["ece"]
+    moved = [*argv[:argv.index("--out")], "--out", other, *argv[argv.index("--out") + 2:]]
+    reproduce.main(moved)
+    printed = capsys.readouterr().out
+    assert printed.startswith("study: 0 of 4 trainings and 0 of 8 evaluations to do")
+    assert not os.path.exists(os.path.join(other, "runs"))
+    assert open(os.path.join(other, "table.md")).read().split("\n")[2:] == table.split("\n")[2:]
+    from evaluation import records
+    for extra, taken in (([], True), (["--eval-args", EVAL + " --limit 3"], False), (["--train-args", TRAIN + " --lr 1e-5"], False)):
+        args, methods, seeds, _ = reproduce.parse_args([*moved, *extra])
+        job = reproduce.job_list(args, methods, seeds)[0]
+        assert (records.read(args, job) is not None) == taken
     # another world into the same folder: its runs are refused, not mixed
     with pytest.raises(SystemExit) as e:
         reproduce.main([*argv, "--world", "legible-quiet"])
