@@ -298,3 +298,31 @@ def test_a_tiny_study_writes_its_table_and_verdict_and_a_rerun_redoes_nothing(tm
         reproduce.main([*argv, "--world", "legible-quiet"])
     assert e.value.code == 2 and "was trained with other settings: --toy-world legible (this command: legible-quiet)" in \
         capsys.readouterr().err
+
+
+def test_the_readme_and_the_docs_hold_what_the_committed_records_print(tmp_path):
+    """docs/reproduce/study/records/ holds the study's 56 records (evaluation/records.py); given them,
+    study.write_study runs nothing and writes the table that docs/reproduce/study/table.md holds and
+    whose Overall differences, readouts and verdict the README quotes."""
+    import os
+    import shutil
+    import reproduce
+    from evaluation import study
+    root = os.path.dirname(toy.BASE_DIR)
+    shutil.copytree(os.path.join(root, "docs", "reproduce", "study", "records"), tmp_path / "records")
+    args, methods, seeds, _ = reproduce.parse_args(["--study", "--base", toy.BASE_DIR, "--quiet-base",
+                                                    os.path.join(root, "toy_base_quiet"), "--out", str(tmp_path)])
+    work = reproduce.job_list(args, methods, seeds)
+    text = study.write_study(args, work, [])
+    assert len(os.listdir(tmp_path / "records")) == len(work) == 56
+    with open(os.path.join(root, "docs", "reproduce", "study", "table.md"), encoding="utf-8") as f:
+        assert f.read().split("\n")[1:] == text.split("\n")[1:]   # the first line: when and with what command
+    res = json.load(open(tmp_path / "results.json"))
+    with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    for v, ref in study.REFERENCE.items():
+        m, r = res["differences"][v]["matched"]["Overall"], res["differences"][v]["readouts"]["Overall"]
+        row = f"| {study.VARIANTS[v]['label']} - {study.VARIANTS[ref]['label']} | " + " | ".join(
+            study._shown(x) for x in (m["acc"], m["ece"], m["pce"], m["auroc"], r["flag_wrong"])) + " |"
+        assert row in readme
+    assert f"**Verdict: {res['verdict']['outcome']}" in readme
