@@ -42,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import evaluate
 import toy
-from evaluation import records, study
+from evaluation import cost, records, study
 from evaluation.comparison import (ABLATIONS, BENCHMARKS, CONFIDENCE, MAIN, PAIR, eval_entry, held_out, made_with,
                                    model_ident, model_label, parsed, paths, quiet, write_outputs)
 from harness import checkpoint, config, files, flags, launch
@@ -294,7 +294,7 @@ def main(argv=None):
         todo = {j["name"]: training(j["run"], j["evals"][0]["dir"], j["train"], args.train_args)
                 for j in work if j["run"] is not None}
         if args.study:
-            print(study.study_cost(args, work, todo, jobs), flush=True)
+            print(cost.summary(args, work, todo, jobs), flush=True)
     except UserError as e:
         print(f"reproduce.py: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -201,7 +201,7 @@ def test_bad_study_flags_exit_2_with_one_line_and_create_nothing(tmp_path, capsy
 
 def test_the_study_runs_each_variant_from_its_base_with_both_fits(tmp_path):
     import reproduce
-    from evaluation import study
+    from evaluation import cost, study
     quiet = tmp_path / "quiet"
     quiet.mkdir()
     (quiet / "config.json").write_text("{}")
@@ -222,7 +222,7 @@ def test_the_study_runs_each_variant_from_its_base_with_both_fits(tmp_path):
         [("eval", "toy-pooled"), ("eval-released", "toy")]
     assert all("--no-early-exit" in e["cmd"] and e["cmd"][-4:] == ["--probe-questions", "80", "--toy-world", "legible"]
                for e in evals)   # both fits at the size the study ran with, whatever toy-pooled's default
-    assert study.estimate([(45, 128, 72)] * 56, [(6000, 640)] * 112, jobs=2, cores=2) == \
+    assert cost.estimate([(45, 128, 72)] * 56, [(6000, 640)] * 112, jobs=2, cores=2) == \
         (pytest.approx(56 * 170 + 112 * 280), pytest.approx(40880 / 2))
 
 
