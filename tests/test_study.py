@@ -308,17 +308,18 @@ def test_the_readme_and_the_docs_hold_what_the_committed_records_print(tmp_path)
     import shutil
     import reproduce
     from evaluation import study
-    root = os.path.dirname(toy.BASE_DIR)
-    shutil.copytree(os.path.join(root, "docs", "reproduce", "study", "records"), tmp_path / "records")
+    committed = os.path.join(reproduce.ROOT, "docs", "reproduce", "study")
+    shutil.copytree(os.path.join(committed, "records"), tmp_path / "records")
     args, methods, seeds, _ = reproduce.parse_args(["--study", "--base", toy.BASE_DIR, "--quiet-base",
-                                                    os.path.join(root, "toy_base_quiet"), "--out", str(tmp_path)])
+                                                    os.path.join(reproduce.ROOT, "toy_base_quiet"), "--out", str(tmp_path)])
     work = reproduce.job_list(args, methods, seeds)
     text = study.write_study(args, work, [])
     assert len(os.listdir(tmp_path / "records")) == len(work) == 56
-    with open(os.path.join(root, "docs", "reproduce", "study", "table.md"), encoding="utf-8") as f:
+    with open(os.path.join(committed, "table.md"), encoding="utf-8") as f:
         assert f.read().split("\n")[1:] == text.split("\n")[1:]   # the first line: when and with what command
-    res = json.load(open(tmp_path / "results.json"))
-    with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
+    with open(tmp_path / "results.json", encoding="utf-8") as f:
+        res = json.load(f)
+    with open(os.path.join(reproduce.ROOT, "README.md"), encoding="utf-8") as f:
         readme = f.read()
     for v, ref in study.REFERENCE.items():
         m, r = res["differences"][v]["matched"]["Overall"], res["differences"][v]["readouts"]["Overall"]
