@@ -31,13 +31,18 @@ LOGS = ("metrics.jsonl", "samples.jsonl", "heldout.jsonl")
 MADE = []  # the run folder this process created (RunFolder.lock), for exit_codes' clean-up
 
 
-def hold_lock(out):
+def hold_lock(out, new=False):
     """One writer per run folder: rank 0 holds OUT/lock until the run ends; if another process holds
-    it, every rank stops with the same one line."""
+    it, every rank stops with the same one line. new: the folder was absent when this run began, so
+    a run found there now (one that started and ended while this one loaded) is refused, untouched."""
     err = None
     if MASTER:
         try:
             LOCKS.enter_context(files.locked(out, "training run"))
+            found = [f for f in ("config.json", "checkpoints") if os.path.lexists(os.path.join(out, f))]
+            if new and found:
+                raise UserError(f"{out} was taken by another run while this one loaded (it holds {found[0]}): "
+                                f"pass --resume {out} to continue that run, or another --out")
         except UserError as e:
             err = str(e)
     err = all_gather(err)[0]
@@ -70,7 +75,7 @@ class RunFolder:
     def lock(self):
         """A new folder is locked only once the data and the model are known to load."""
         if not self.existed:
-            hold_lock(self.out)
+            hold_lock(self.out, new=True)
             if MASTER:
                 MADE.append(self.out)
 

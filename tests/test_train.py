@@ -247,3 +247,42 @@ def test_a_local_model_folder_on_cpu_runs_on_one_thread_like_the_toy(tmp_path, m
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def folder_bytes(folder):
+    """{relative path: bytes} of every file under folder."""
+    out = {}
+    for d, _, names in os.walk(folder):
+        for n in names:
+            with open(os.path.join(d, n), "rb") as f:
+                out[os.path.relpath(os.path.join(d, n), folder)] = f.read()
+    return out
+
+
+def error_lines(capsys):
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    return [x for x in err.replace("\r", "\n").splitlines() if x.strip() and not x.startswith("Loading weights")]
+
+
+def test_a_new_run_that_finds_another_in_its_folder_refuses_and_leaves_it(tmp_path, monkeypatch, capsys):
+    """Two new runs given one --out: run A starts and ends while B loads its data (made certain here:
+    B's first data.load_rows runs A to the end). B takes the free lock, finds A's files, and stops."""
+    run, real, first = str(tmp_path / "run"), train.data.load_rows, {}
+
+    def a_runs_meanwhile(*a, **k):
+        if not first:
+            first["A"] = None
+            train.main(["--steps", "1", "--save-every", "1", "--out", run, *SMALL])
+            first["A"] = folder_bytes(run)
+            capsys.readouterr()
+        return real(*a, **k)
+    monkeypatch.setattr(train.data, "load_rows", a_runs_meanwhile)
+    with pytest.raises(SystemExit) as e:
+        train.main(["--steps", "1", "--save-every", "1", "--seed", "7", "--out", run, *SMALL])
+    (err,) = error_lines(capsys)
+    assert e.value.code == 2 and err.startswith(f"error: {run} was taken by another run while this one loaded"), err
+    assert f"--resume {run}" in err
+    assert {"config.json", "metrics.jsonl", os.path.join("checkpoints", "step_000001", "model.safetensors"),
+            os.path.join("checkpoints", "step_000001", "state.pt")} <= set(first["A"])
+    assert folder_bytes(run) == first["A"]   # A's config (seed 0), logs and step 1, byte for byte
