@@ -14,6 +14,7 @@ rates of this command replace the saved ones.
 Exit codes: 2 a user error (one line "error: ..."), 3 a numeric fault (non-finite loss or gradient:
 the last good checkpoint is untouched), 130 Ctrl-C (one line saying how to continue).
 """
+import hashlib
 import os
 import sys
 from contextlib import ExitStack, contextmanager
@@ -60,6 +61,7 @@ class RunFolder:
         self.existed = all_gather(os.path.isdir(self.out))[0]
         if self.existed:  # locked before its checkpoints are read
             hold_lock(self.out)
+        self.check_data(cfg)
         self.ckpt = ckpt = ckpt_lib.latest_checkpoint(self.out, say=say, resume=True)
         if cfg["resume"] and ckpt is None:
             raise UserError(f"--resume {self.out}: the run has no complete checkpoint; start it again "
@@ -71,6 +73,16 @@ class RunFolder:
         if self.done:
             say(f"{self.out} is at step {ckpt_lib.step_of(ckpt)} already (--steps {cfg['steps']}): "
                 "nothing to train; pass a larger --steps")
+
+    def check_data(self, cfg):
+        """A local --data file is recorded by content (cfg["data_sha256"]): a resume on other rows would
+        continue the saved data cursor into them, so a file changed since the run began is refused."""
+        now = all_gather(data_digest(cfg["data"]) if MASTER else None)[0]
+        saved, cfg["data_sha256"] = cfg.get("data_sha256"), now
+        if cfg["resume"] and saved and saved != now:
+            raise UserError(f"--resume {self.out}: {cfg['data']} changed since the run began (sha256 {saved[:12]} "
+                            f"in config.json, now {(now or 'no file')[:12]}): put the run's data back, or start "
+                            "a new run with another --out")
 
     def lock(self):
         """A new folder is locked only once the data and the model are known to load."""
@@ -129,6 +141,17 @@ class RunFolder:
                 probe_lib.save(os.path.join(tmp, "probe.pt"), probe, probe_opt)
                 torch.save(dict(state, rng=ckpt_lib.rng_state()), os.path.join(tmp, "state.pt"))
             ckpt_lib.save_checkpoint(self.out, at, write, keep=keep)
+
+
+def data_digest(source):
+    """The sha256 of a local data file (None for a benchmark name or a hub id)."""
+    if source in data.TOY_BENCHMARKS or source in data.BENCHMARKS or not os.path.isfile(source):
+        return None
+    h = hashlib.sha256()
+    with open(source, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def interrupted(cfg):

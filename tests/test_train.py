@@ -286,3 +286,23 @@ def test_a_new_run_that_finds_another_in_its_folder_refuses_and_leaves_it(tmp_pa
     assert {"config.json", "metrics.jsonl", os.path.join("checkpoints", "step_000001", "model.safetensors"),
             os.path.join("checkpoints", "step_000001", "state.pt")} <= set(first["A"])
     assert folder_bytes(run) == first["A"]   # A's config (seed 0), logs and step 1, byte for byte
+
+
+def test_a_resume_on_changed_data_refuses_in_one_line(tmp_path, capsys):
+    import hashlib
+    import data
+    problems = data.load_rows("toy", split="train")[:16]
+    path = write_jsonl(tmp_path / "d.jsonl", problems)
+    run = str(tmp_path / "run")
+    train.main(["--steps", "1", "--out", run, "--data", path, "--eval-data", "toy", *SMALL])
+    with open(path, "rb") as f:
+        assert json.load(open(os.path.join(run, "config.json")))["data_sha256"] == hashlib.sha256(f.read()).hexdigest()
+    before = folder_bytes(run)
+    write_jsonl(path, problems[::-1])   # the same problems in another order: the saved cursor means other rows
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train.main(["--resume", run, "--steps", "2"])
+    (err,) = error_lines(capsys)
+    assert e.value.code == 2 and err.startswith(f"error: --resume {run}: {path} changed since the run began"), err
+    assert "put the run's data back, or start a new run with another --out" in err
+    assert folder_bytes(run) == before
