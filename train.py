@@ -188,7 +188,7 @@ def run(cfg):
         folder.save(at, model, model_sd, tok, probe, probe_opt, dict(
             step=at, cursor=cursor, optimizer=opt_sd, scheduler=sched.state_dict()), keep=cfg["keep"])
 
-    first_acc = evaluate(0) if step == 0 else None
+    first_acc = evaluate(0) if step == 0 else folder.first_accuracy()   # resumed: as its log says
     final_acc = first_acc
     phase_sums = dict.fromkeys(Timer.PHASES, 0.0)
     bar = tqdm(range(step + 1, cfg["steps"] + 1), initial=step, total=cfg["steps"], disable=not MASTER,

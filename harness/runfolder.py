@@ -128,6 +128,11 @@ class RunFolder:
         self.say(f"resuming {self.out} from step {step}")
         return probe, probe_opt, step, cursor
 
+    def first_accuracy(self):
+        """The held-out accuracy logged at step 0 (None if none was), for a resumed run's last line."""
+        rows = files.read_jsonl(self.metrics) if MASTER else []
+        return next((r.get("eval_accuracy") for r in rows if r.get("eval") and r.get("step") == 0), None)
+
     def save(self, at, model, model_sd, tok, probe, probe_opt, state, keep):
         """checkpoint-`at`, written whole or not at all; the oldest beyond `keep` are pruned. state:
         what state.pt holds besides the RNG (step, cursor, optimizer, scheduler)."""

@@ -176,3 +176,13 @@ def test_a_checkpoint_pruned_while_listing_is_passed_over_for_the_newer_one(run_
     monkeypatch.setattr(checkpoint, "checkpoints", lambda run: next(listings, None) or real(run))
     said = []
     assert checkpoint.latest_checkpoint(run_copy, say=said.append) == ckpt(run_copy, 3) and said == []
+
+
+# ---- newcomer 5: a resumed run ends with the held-out line, its start from the run's log
+
+def test_a_resumed_run_prints_the_held_out_line_with_the_start_from_its_log(run_copy, capsys):
+    start = [r["eval_accuracy"] for r in metric_rows(run_copy) if r.get("eval") and r["step"] == 0]
+    train.main(["--resume", run_copy, "--steps", "3"])
+    end = [r["eval_accuracy"] for r in metric_rows(run_copy) if r.get("eval") and r["step"] == 3]
+    assert len(start) == len(end) == 1
+    assert f"held-out accuracy: {start[0]:.3f} at the start -> {end[0]:.3f} at step 3" in capsys.readouterr().out
