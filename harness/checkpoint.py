@@ -14,12 +14,13 @@ directory, or a run directory (its latest checkpoint); harness/models.py loads w
     RUN/lock                             held by the one process writing the run (pid, host;
                                          harness/files.py: locked)
 
-A checkpoint is written into a fresh `step_000010.<random>.tmp` and renamed when complete, so a
-crash or a full disk mid-write never replaces or damages the last good one; of the complete ones at or
-below the step just saved only the last `keep` are kept. A checkpoint damaged afterwards (a file
-deleted or cut short), one whose state.pt holds another step, or a link in place of its folder is
-skipped for the previous complete one, with a message, and never pruned. A link in place of
-RUN/checkpoints itself is refused in one line (it would make this run write into another).
+A checkpoint is written into a fresh `step_000010.<random>.tmp`, fsynced (its files, then the folder),
+renamed when complete and the rename fsynced, so a crash (of the process or of the machine) or a full
+disk mid-write never replaces or damages the last good one; only then are older ones pruned: of the
+complete ones at or below the step just saved only the last `keep` are kept. A checkpoint damaged
+afterwards (a file deleted or cut short), one whose state.pt holds another step, or a link in place
+of its folder is skipped for the previous complete one, with a message, and never pruned. A link in
+place of RUN/checkpoints itself is refused in one line (it would make this run write into another).
 
 The files inside a run folder are written whole and never through a link (harness/files.py).
 """
@@ -234,6 +235,23 @@ def _remove(path):
         shutil.rmtree(path, ignore_errors=True)
 
 
+def _fsync(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync_tree(folder):
+    """fsync every file under folder, then the folders themselves (the deepest first): a machine crash
+    after the rename then finds the files whole, not empty."""
+    for d, _, names in os.walk(folder, topdown=False):
+        for n in names:
+            _fsync(os.path.join(d, n))
+        _fsync(d)
+
+
 def save_checkpoint(run_dir, step, write, keep=2):
     """Call write(tmp_dir) to fill a new checkpoint in a fresh folder, then publish it atomically and
     prune: of the complete checkpoints at or below `step`, all but the last `keep` (keep 0: none).
@@ -250,6 +268,7 @@ def save_checkpoint(run_dir, step, write, keep=2):
     os.mkdir(tmp)
     try:
         write(tmp)
+        _sync_tree(tmp)   # on disk before the rename publishes it, and before any older one is pruned
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, (OSError, RuntimeError, SafetensorError)):   # torch.save says RuntimeError
@@ -261,9 +280,11 @@ def save_checkpoint(run_dir, step, write, keep=2):
         old = fresh_name(final)
         os.replace(final, old)
         os.replace(tmp, final)
+        _fsync(root)
         _remove(old)
     else:
         os.replace(tmp, final)
+        _fsync(root)
     done = [c for c in checkpoints(run_dir) if step_of(c) <= step and not missing(c, resume=True)]
     for old in done[:-keep] if keep > 0 else []:
         _remove(old)

@@ -178,6 +178,38 @@ def test_a_checkpoint_pruned_while_listing_is_passed_over_for_the_newer_one(run_
     assert checkpoint.latest_checkpoint(run_copy, say=said.append) == ckpt(run_copy, 3) and said == []
 
 
+# ---- red team 4, case 30: a checkpoint is on disk before it is published and before any older one goes
+
+def test_a_checkpoint_is_fsynced_before_its_rename_and_the_rename_before_any_prune(run_copy, monkeypatch):
+    events, real_fsync, real_replace, real_remove = [], os.fsync, os.replace, checkpoint._remove
+
+    def fsync(fd):
+        events.append(("fsync", os.path.realpath(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(a, b):
+        events.append(("replace", os.path.realpath(a), os.path.realpath(b)))
+        return real_replace(a, b)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(checkpoint, "_remove", lambda p: events.append(("prune", p)) or real_remove(p))
+
+    def write(tmp):   # step 2's files, saved as step 3
+        for n in os.listdir(ckpt(run_copy, 2)):
+            shutil.copy(os.path.join(ckpt(run_copy, 2), n), tmp)
+        state = os.path.join(tmp, "state.pt")
+        torch.save({**torch.load(state, weights_only=True), "step": 3}, state)
+    checkpoint.save_checkpoint(run_copy, 3, write, keep=1)
+    root = os.path.realpath(os.path.join(run_copy, "checkpoints"))
+    (i,) = [i for i, e in enumerate(events) if e[0] == "replace"]
+    tmp, final = events[i][1:]
+    assert final == os.path.join(root, "step_000003")
+    files_synced = [e[1] for e in events[:i - 1]]
+    assert sorted(files_synced) == sorted(os.path.join(tmp, n) for n in os.listdir(final))   # each file, then
+    assert events[i - 1] == ("fsync", tmp)                                                  # the folder, then
+    assert events[i + 1:] == [("fsync", root), ("prune", ckpt(run_copy, 1)), ("prune", ckpt(run_copy, 2))]
+
+
 # ---- newcomer 5: a resumed run ends with the held-out line, its start from the run's log
 
 def test_a_resumed_run_prints_the_held_out_line_with_the_start_from_its_log(run_copy, capsys):
