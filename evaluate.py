@@ -229,13 +229,16 @@ def check_flags(names, args):
 
 def main(argv=None):
     args = parse_args(argv)
-    try:
+    try:   # what argparse cannot check, and a missing model: one line and exit 2, like argparse and train.py
         check_values(vars(args), LIMITS)
         data.lcb_window(args.lcb_release)
         if args.out:
             check_out(args.out)
-    except (UserError, data.DataError) as e:
-        raise SystemExit(f"evaluate.py: error: {e}") from None
+        for name in args.model:   # a missing model is a model error, not a benchmark's
+            checkpoint.check_available(name)
+    except (ValueError, OSError) as e:   # UserError, data.DataError
+        print(f"evaluate.py: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     names = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
     check_flags(names, args)
     sandbox.allow_unconfined = args.unconfined_code
@@ -246,8 +249,6 @@ def main(argv=None):
     if args.threads or not torch.cuda.is_available():
         torch.set_num_threads(args.threads or 1)
     try:
-        for name in args.model:   # a missing model is a model error, not a benchmark's
-            checkpoint.check_available(name)
         if args.plan:   # before any benchmark or weights are read
             from harness import evalplan
             mem = args.gpu_mem or (torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0)

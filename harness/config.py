@@ -66,7 +66,10 @@ def check_world(cfg, world):
 
 
 def check_out(path, flag="--out"):
-    """A folder we can create or write into: not a file, and its nearest existing parent writable."""
+    """A folder we can create or write into: not a link or a file, and its nearest existing parent writable."""
+    if os.path.islink(path.rstrip("/") or "/"):   # dangling or not: where it points is not what was asked for
+        raise UserError(f"{flag} {path} is a symbolic link (to {os.readlink(path.rstrip('/'))}): pass the folder "
+                        "itself, or another path")
     if os.path.exists(path) and not os.path.isdir(path):
         raise UserError(f"{flag} {path} is a file, not a folder: pass a folder path")
     parent = os.path.abspath(path)
@@ -127,7 +130,7 @@ def resolve_args(argv):
     if cfg["probe_labels"] != "mc" and cfg["reward"] not in PROBE_MODES:
         raise UserError(f"--probe-labels {cfg['probe_labels']}: --reward {cfg['reward']} fits no probe; "
                         "drop it or use a probe mode (" + ", ".join(PROBE_MODES) + ")")
-    check_out(cfg["out"])
+    check_out(cfg["out"], "--resume" if cfg["resume"] else "--out")
     return cfg
 
 

@@ -334,3 +334,10 @@ def test_the_readmes_c2gspg_command_reads_forced_rlcr_confidences_on_a_toy_c2gsp
     with pytest.raises(SystemExit, match="--mode rlcr: lcb has no RLCR-format evaluation"):
         evaluate.main(["--model", run, "--mode", "rlcr", "--benchmarks", f"lcb={ROOT}/tests/fixtures/lcb.jsonl",
                        "--out", str(tmp_path / "lcb")])
+
+
+def test_a_missing_model_is_one_line_and_exit_2_as_in_train_py(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--model", str(tmp_path / "runs" / "nope"), "--benchmarks", "toy"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err == f"evaluate.py: error: model directory {tmp_path}/runs/nope does not exist", err

@@ -15,6 +15,7 @@ import evaluate
 from evaluation import report
 import train
 from test_hardening import EVAL_SMALL, base_run, metric_rows, one_line, run_copy  # noqa: F401 (fixtures)
+from test_train import SMALL
 
 
 def ckpt(run, step):
@@ -208,6 +209,31 @@ def test_a_checkpoint_is_fsynced_before_its_rename_and_the_rename_before_any_pru
     assert sorted(files_synced) == sorted(os.path.join(tmp, n) for n in os.listdir(final))   # each file, then
     assert events[i - 1] == ("fsync", tmp)                                                  # the folder, then
     assert events[i + 1:] == [("fsync", root), ("prune", ckpt(run_copy, 1)), ("prune", ckpt(run_copy, 2))]
+
+
+# ---- red team 4, case 25: a link at --out is refused before anything loads
+
+@pytest.mark.parametrize("target", ["dangling", "a folder"])
+def test_a_link_at_out_is_refused_in_one_line_before_anything_loads(target, tmp_path, monkeypatch, capsys):
+    import data
+
+    def loads(*a, **k):
+        raise AssertionError("nothing may load before --out is checked")
+    monkeypatch.setattr(data, "load_rows", loads)
+    monkeypatch.setattr(models, "load_model", loads)
+    where, link = tmp_path / "elsewhere", str(tmp_path / "out")
+    if target == "a folder":
+        os.makedirs(where)
+    os.symlink(where, link)
+    with pytest.raises(SystemExit) as e:
+        train.main(["--steps", "1", "--out", link, *SMALL])
+    assert e.value.code == 2 and one_line(capsys) == f"error: --out {link} is a symbolic link (to {where}): pass " \
+        "the folder itself, or another path"
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--model", "toy", "--out", link, *EVAL_SMALL])
+    assert e.value.code == 2 and one_line(capsys) == f"evaluate.py: error: --out {link} is a symbolic link (to " \
+        f"{where}): pass the folder itself, or another path"
+    assert os.path.islink(link) and (os.listdir(where) == [] if target == "a folder" else not os.path.exists(where))
 
 
 # ---- newcomer 5: a resumed run ends with the held-out line, its start from the run's log
