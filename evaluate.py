@@ -42,7 +42,7 @@ from evaluation import confidence, shard
 from evaluation.benchmarks import check_prompts, load_benchmarks, rlcr_prompts, run_config, run_prompt, settings
 from evaluation.generation import GRADER, generate_benchmark
 from evaluation.probes import default_confidence, get_probe, run_fractions
-from evaluation.report import overall, plot_reliability, report_uses, summarize, table, write_results
+from evaluation.report import means, plot_reliability, report_uses, summarize, table, write_results
 from evaluation.samples import (HELD, LOCKS, default_out, digest, filed_label, hold, model_id, model_label,
                                 own_rows, question_ids, read_samples, sample_key)
 from harness import checkpoint, files, launch, models, runlog, sandbox
@@ -122,18 +122,13 @@ def evaluate_model(name, loaded, args):
                          os.path.join(out_dir, f"reliability_{label}_{bench}.png".replace("/", "_")))
     if not MASTER:   # rank 0 writes the results
         return label, None
-    # The paper's Overall: the mean over every benchmark evaluated (its 8: math, LCB, GPQA, LogiQA);
-    # beside it the means of the math and the OOD benchmarks.
-    maths = {b: v for b, v in res["benchmarks"].items() if b not in data.OOD}
-    ood = {b: v for b, v in res["benchmarks"].items() if b in data.OOD}
-    res["overall"] = overall(res["benchmarks"])
-    if maths:
-        res["math"] = overall(maths)
-    if ood:
-        res["ood"] = overall(ood)
+    res.update(means(res["benchmarks"]))   # the paper's Overall, and the math and OOD means
     if report is not None:
         res["posthoc_probe"] = report
-    write_results(out_dir, label, res)
+    kept = write_results(out_dir, label, res)
+    if kept:
+        print(f"{os.path.join(out_dir, 'results.json')} keeps {label}'s earlier {', '.join(kept)} beside these "
+              "(the same model, confidence and probe); its Overall is over all of them", file=sys.stderr)
     del model
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

@@ -72,12 +72,21 @@ def plot_reliability(rel, title, path):
 
 
 def overall(benches):
-    """Unweighted mean over benchmarks of each metric (benchmarks where it is nan are skipped)."""
+    """Unweighted mean over benchmarks of each metric (benchmarks where it is nan, or None as results.json
+    keeps a nan, are skipped)."""
     out = {}
     for _, key in COLUMNS:
-        vals = [b[key] for b in benches.values() if not math.isnan(b[key])]
+        vals = [b[key] for b in benches.values() if b[key] is not None and not math.isnan(b[key])]
         out[key] = float(np.mean(vals)) if vals else math.nan
     return out
+
+
+def means(benches):
+    """The paper's Overall, the mean over every benchmark (its 8: math, LCB, GPQA, LogiQA), and beside it
+    the means of the math and of the OOD benchmarks where there are any: {"overall", "math", "ood"}."""
+    maths = {b: v for b, v in benches.items() if b not in data.OOD}
+    ood = {b: v for b, v in benches.items() if b in data.OOD}
+    return dict(overall=overall(benches), **{k: overall(v) for k, v in (("math", maths), ("ood", ood)) if v})
 
 
 def table(results):
@@ -154,11 +163,21 @@ def read_results(out_dir):
 
 
 def write_results(out_dir, label, res):
-    """Merge this model's results into OUT/results.json (other models' entries are kept)."""
+    """Merge this model's results into OUT/results.json: other models' entries are kept, and so are the
+    benchmarks of this model's entry that this evaluation left out, where that entry had the same model
+    (model_id), confidence and post-hoc probe; its means are then over all its benchmarks. Returns
+    the names of the benchmarks kept."""
     path = os.path.join(out_dir, "results.json")
     old = read_results(out_dir)
-    old[label] = clean(res)
+    new, before = clean(res), old.get(label, {})
+    same = all(before.get(k) == new.get(k) for k in ("model_id", "confidence", "posthoc_probe"))
+    kept = [b for b in before.get("benchmarks", {}) if b not in new["benchmarks"]] if same else []
+    for key in ("benchmarks", "settings") if kept else ():
+        new[key] = {**{b: before[key][b] for b in kept if b in before.get(key, {})}, **new[key]}
+    new.pop("math", None), new.pop("ood", None)
+    old[label] = dict(new, **clean(means(new["benchmarks"])))
     write_json(path, old, indent=1)
+    return kept
 
 
 def report_uses(results):

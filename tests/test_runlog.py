@@ -205,3 +205,25 @@ def test_clip_and_pick():
     got = runlog.pick(7, 3, text=list("abcdefghij"), y=[[i / 3] for i in range(10)])
     assert [r["text"] for r in got] == ["a", "e", "j"] and got[1]["y"] == [1.3333] and got[0]["step"] == 7
     assert runlog.pick(7, 0, text=["a"]) == [] and len(runlog.pick(1, 5, text=["a", "b"])) == 2
+
+
+def test_evaluating_fewer_benchmarks_keeps_the_others_in_results_json(tmp_path, capsys):
+    out = str(tmp_path / "e")
+    argv = ["--model", "toy", "--limit", "3", "--n-samples", "1", "--max-new-tokens", "24", "--confidence",
+            "logits", "--threads", "1", "--out", out]
+    evaluate.main(argv + ["--benchmarks", "toy,toy-long"])
+    first = json.load(open(os.path.join(out, "results.json")))["toy"]
+    capsys.readouterr()
+    evaluate.main(argv + ["--benchmarks", "toy", "--seed", "1"])   # other samples of toy
+    assert "keeps toy's earlier toy-long beside these" in capsys.readouterr().err
+    now = json.load(open(os.path.join(out, "results.json")))["toy"]
+    assert list(now["benchmarks"]) == ["toy-long", "toy"] and now["settings"]["toy"]["seed"] == 1
+    assert now["benchmarks"]["toy-long"] == first["benchmarks"]["toy-long"]
+    assert now["settings"]["toy-long"] == first["settings"]["toy-long"]
+    accs = [now["benchmarks"][b]["acc"] for b in ("toy", "toy-long")]
+    assert now["overall"]["acc"] == pytest.approx(sum(accs) / 2) and now["math"] == now["overall"]
+    # another confidence (or model, or post-hoc probe) replaces the entry: its numbers are of another reading
+    from evaluation import report
+    assert report.write_results(out, "toy", dict(now, confidence="verbal", benchmarks={"toy": now["benchmarks"]["toy"]},
+                                                 settings={})) == []
+    assert list(json.load(open(os.path.join(out, "results.json")))["toy"]["benchmarks"]) == ["toy"]
