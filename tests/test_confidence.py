@@ -252,6 +252,21 @@ def test_verbal_forced_cuts_the_thinking_closes_it_and_averages_k_reanswers(monk
         confidence.forced_verbal(None, None, prompts, responses, None, budget=3, k=3)
 
 
+@pytest.mark.parametrize("text, expected", [
+    # Released (2_budget_eval --rlcr): no complete <answer> tag, or a blank one, and a `\\boxed{`:
+    # the boxed fallback, confidence 0.5 whatever the <confidence> tag says
+    ("\\boxed{5} <confidence>0.9</confidence>", (0.5, True)),
+    ("</answer> so \\boxed{5} <confidence>0.9</confidence>", (0.5, True)),   # opened by the prompt, blank
+    ("<answer> $ $ </answer> \\boxed{5} <confidence>0.9</confidence>", (0.5, True)),
+    ("\\boxed{5</answer> <confidence>0.9</confidence>", (0.9, False)),       # its answer is "\\boxed{5"
+    ("5</answer> \\boxed{5} <confidence>0.9</confidence>", (0.9, False)),    # a complete tag: its confidence
+    ("<confidence>0.9</confidence>", (0.9, False)),                          # no box: the tag, as before
+    ("\\fbox{5} <confidence>0.9</confidence>", (0.9, False)),                # only `\\boxed{` triggers it
+])
+def test_a_reanswer_without_its_answer_tag_but_with_a_box_reads_half_as_released(text, expected):
+    assert confidence.reanswer_confidence(text) == expected
+
+
 @pytest.mark.skipif(not os.path.isdir(tiny.REAL_TOKENIZER), reason="shared fixtures not present")
 def test_rlcr_reanswer_prompt_ids_on_the_r1_tokenizer(monkeypatch):
     # Released (2_budget_eval_rlcr): prompt ids + thinking[:budget] + the ids of

@@ -334,3 +334,12 @@ def test_the_readmes_c2gspg_command_reads_forced_rlcr_confidences_on_a_toy_c2gsp
     with pytest.raises(SystemExit, match="--mode rlcr: lcb has no RLCR-format evaluation"):
         evaluate.main(["--model", run, "--mode", "rlcr", "--benchmarks", f"lcb={ROOT}/tests/fixtures/lcb.jsonl",
                        "--out", str(tmp_path / "lcb")])
+
+
+def test_an_empty_rlcr_answer_tag_followed_by_a_box_is_graded_by_the_box_as_released():
+    # released: 1_obtain --use_rlcr falls back to the strict box where the tag is blank; natural_eval
+    # gates on the tag being there, so without a tag the box does not count
+    s = {"gate": "thinking"}
+    texts = ["</think><answer></answer> so \\boxed{5}", "</think>\\boxed{5}", "</think><answer></answer> \\boxed{4}"]
+    assert generation.grade_call(texts, ["5"] * 3, "math500", s, "tag") == (["5", None, "4"], [True, False, False])
+
