@@ -111,8 +111,8 @@ def forced_verbal(model, tokenizer, prompts, responses, close_id, budget, k, see
     the k had no readable tag (read as 0.5).
 
     Released (2_budget_eval_rlcr): close_text = RLCR_REANSWER, tokenized on its own and appended
-    to the ids, at most 1000 new tokens; each re-answer read by reanswer_confidence. close_text=None closes with the `</think>` id alone
-    (the toy world, which reads no English)."""
+    to the ids, at most 1000 new tokens; each re-answer read by reanswer_confidence. close_text=None
+    closes with the `</think>` id alone (the toy world, which reads no English)."""
     if close_id is None:
         raise ValueError("--confidence verbal-forced needs a `</think>` token in the tokenizer")
     close = [close_id] if close_text is None else tokenizer.encode(close_text, add_special_tokens=False)

@@ -106,7 +106,8 @@ def natural_correct(text, answer, gold, form="box", gate="thinking", letters=Tru
     gate="thinking" (released: natural_eval._evaluate_boxed), its thinking holds a box
     (grade.boxed_in_thinking), so a response that boxes only after `</think>` counts as wrong;
     gate="none" grades the answer alone. An RLCR answer (form="tag", grade.rlcr_answer) needs its
-    <answer> tag, as released, and no box (a blank tag: the text's last box). letters: grade.answers_match's (False for GPQA's boxed answers, as released)."""
+    <answer> tag, as released, and no box (a blank tag: the text's last box). letters:
+    grade.answers_match's (False for GPQA's boxed answers, as released)."""
     if form == "box" and gate == "thinking" and not grade.boxed_in_thinking(text):
         return False
     return grade.answers_match(answer, gold, GRADER, letters=letters)

@@ -8,10 +8,11 @@ the end-of-thinking feature and label; forced answers `prompt + thinking[:b] + "
 EVAL_SUFFIX`, 16 per budget at temperature 0.6, top-p 0.95, at most 64 tokens, no stop string, read
 from the last box; where the thinking ended inside the budget and holds a box itself, the natural
 answer's correctness is copied instead (the toy world: its own forced text, no "...", and a box
-anywhere, since it boxes after `</think>`); past-end budgets share one draw (released: one each); MLP d -> d/4 -> 1; validation problems (numpy's seed 42 order) added while they hold
-< 20 % of the examples; BCE on soft labels, batch 64, up to 100 epochs, early stopping (patience 30)
-on validation BCE against rounded labels (the mean of per-batch means), ReduceLROnPlateau(0.5, 5);
-grid over lr x dropout x weight decay (GRID).
+anywhere, since it boxes after `</think>`); past-end budgets share one draw (released: one each);
+MLP d -> d/4 -> 1; validation problems (numpy's seed 42 order) added while they hold < 20 % of the
+examples; BCE on soft labels, batch 64, up to 100 epochs, early stopping (patience 30) on validation
+BCE against rounded labels (the mean of per-batch means), ReduceLROnPlateau(0.5, 5); grid over lr x
+dropout x weight decay (GRID).
 """
 import copy
 import hashlib
@@ -104,7 +105,8 @@ def posthoc_examples(model, tokenizer, prompts, responses, texts, golds, groups,
     ends = [think_end(r, close_id) for r in responses]
     forced = prompts
     if tokens == "text":
-        responses = [tokenizer.encode(tokenizer.decode(r[:e]), add_special_tokens=False) for r, e in zip(responses, ends)]
+        responses = [tokenizer.encode(tokenizer.decode(r[:e]), add_special_tokens=False)
+                     for r, e in zip(responses, ends)]
         ends = [len(r) for r in responses]
         bos = tokenizer.bos_token_id
         forced = [p[1:] if bos is not None and p[:1] == [bos] else p for p in map(list, prompts)]
@@ -188,9 +190,10 @@ def fit_posthoc(x, y, groups, seed=42, max_epochs=100, patience=30, batch_size=6
     one shuffled pass per epoch on the training part (minibatch batch_size), ReduceLROnPlateau(factor,
     patience = plateau) on the validation loss = BCE against round(y) (val_loss: rule "released", the
     mean of per-batch means, lower when strictly lower; "project", one mean over the examples, lower by
-    1e-6); stop after `patience` epochs without a lower one, keep the best epoch. Returns (probe with the lowest validation loss over the
-    grid, report: its config and epochs, the split sizes, validation BCE on soft and rounded labels,
-    and the same for the constant predictors mean(y_train) and mean(round(y_train))).
+    1e-6); stop after `patience` epochs without a lower one, keep the best epoch. Returns (probe with
+    the lowest validation loss over the grid, report: its config and epochs, the split sizes,
+    validation BCE on soft and rounded labels, and the same for the constant predictors mean(y_train)
+    and mean(round(y_train))).
     """
     if not torch.isfinite(x).all():
         raise FloatingPointError(f"post-hoc probe: {int((~torch.isfinite(x)).any(1).sum())} of {len(x)} "
@@ -262,7 +265,8 @@ def split_groups(groups, val_frac=0.2, seed=42, rule="released"):
         val += members[q]
     val = val if rule == "released" else sorted(val)
     held = set(val)
-    return torch.tensor([i for i in range(len(ids)) if i not in held], dtype=torch.long), torch.tensor(val, dtype=torch.long)
+    train = [i for i in range(len(ids)) if i not in held]
+    return torch.tensor(train, dtype=torch.long), torch.tensor(val, dtype=torch.long)
 
 
 def val_loss(prb, x, y, batch_size=64, rule="released"):
