@@ -184,6 +184,12 @@ def parse_args(argv=None):
     g.add_argument("--probe-questions", type=int, help="how many (default 80, as released; toy-pooled: 80 from each toy "
                    "benchmark, 240)")
     g.add_argument("--probe-samples", type=int, help="rollouts per post-hoc question (default 8, as released)")
+    g.add_argument("--posthoc-fit", choices=("released", "project"), default="released",
+                   help="the post-hoc fit's split and validation loss: released (numpy's generator, the mean of "
+                        "per-batch means) or project (random.Random, one mean over the examples)")
+    g.add_argument("--posthoc-tokens", choices=("sampled", "text"), default="sampled",
+                   help="post-hoc budgets and forced prompts: the sampled ids with the prompt's BOS (default) or, "
+                        "as released, the thinking re-tokenized from its text and forced prompts without BOS")
     g.add_argument("--no-early-exit", action="store_true", help="skip the forced answers at exit checkpoints")
     g = p.add_argument_group("prompt (default: what the run trained with, else the benchmark's)")
     g.add_argument("--instruction", help="text appended to every problem")

@@ -20,8 +20,9 @@ Three graders (`--grader` in train.py; evaluation always uses "math"):
   "\\boxed 5"), spelling normalised (`_normalize`), plain decimals compared as exact numbers
   ("025" = 25 = 25.0), else math-verify. Only math-verify's LaTeX parser runs: its plain-expression
   parser goes through sympy's parse_expr, which calls eval on model text. Against a gold option
-  letter A-D (GPQA) an answer that names an option ("A) 3.5 eV", "Option A", "(a)") is graded by
-  that letter (gpqa_choice), as the released evaluation grades GPQA.
+  letter A-D (GPQA) a forced or RLCR answer that names an option ("A) 3.5 eV", "Option A", "(a)") is
+  graded by that letter (gpqa_choice), a natural boxed one by the released rule (released_letter),
+  as the released evaluation grades GPQA.
 
 - "code" (LiveCodeBench, evaluation only): the gold is the JSON string {"tests": [{"input", "output",
   "testtype"}], "fn_name"} that data builds; the code of the last fenced block after the thinking
@@ -166,8 +167,8 @@ def answers_match(pred, gold, grader="math", deadline=None, letters=True) -> boo
     """Is the extracted answer `pred` the gold answer under `grader` ("strict" or "math")?
     `deadline` (time.monotonic()) defaults to GRADE_TIMEOUT_S from now. letters: against a gold
     option letter (A-D), read the letter an answer names (gpqa_choice), as the released evaluation
-    reads its forced and RLCR answers; letters=False grades it like any other answer, as the released
-    natural boxed grading does (`\\boxed{A) 3.5 eV}` against "A": wrong)."""
+    reads its forced and RLCR answers; letters=False grades it as the released natural boxed grading
+    does (released_letter: `\\boxed{A) 3.5 eV}`, `\\boxed{a}` against "A": wrong)."""
     if grader not in GRADERS:
         raise ValueError(f"grader must be one of {GRADERS}, got {grader!r}")
     if pred is None or gold is None:
@@ -179,6 +180,8 @@ def answers_match(pred, gold, grader="math", deadline=None, letters=True) -> boo
         return bool(pred) and pred == gold
     if grader == "minerva":  # its $...$ pattern is quadratic: only on answers of bounded length
         return minerva_form(pred) == minerva_form(gold)
+    if gold in CHOICES and not letters:  # GPQA's natural boxed answer: the released strict-box grader
+        return released_letter(pred, gold)
     letter = gpqa_choice(pred) if letters and gold in CHOICES else None
     if letter is not None:  # GPQA as released; an answer naming no option is graded as usual
         return letter == gold
@@ -198,6 +201,14 @@ def answers_match(pred, gold, grader="math", deadline=None, letters=True) -> boo
 
 CHOICES = ("A", "B", "C", "D")  # a gold answer that is one of these is a GPQA option letter (data._choices)
 _CHOICE_WORD = re.compile(r"\b(?:OPTION|CHOICE|ANSWER)\s*[:\-]?\s*([A-D])\b")
+
+
+def released_letter(pred, gold):
+    """A natural boxed answer against an option letter as the released evaluation grades it (math_dapo
+    is_correct_strict_box): Minerva's normal form equal to the letter (`A`, `$A$`, `\\text{A}`, `x = A`),
+    or sympy's reading of the raw text the letter's symbol (`(A)`); the letter named in other words
+    (`a`, `\\text{(B)}`, `A) 3.5 eV`) is wrong. Without the sympy call: no model text reaches a parser."""
+    return minerva_form(pred) == gold or re.fullmatch(rf"\s*\(\s*{gold}\s*\)\s*", pred.strip("$")) is not None
 
 
 def gpqa_choice(answer):
@@ -221,6 +232,22 @@ def answer_tag(text):
     return text[start + len("<answer>"):end].strip() if start >= 0 else None
 
 
+def blank_answer(tag):
+    """Whether an RLCR answer tag counts as no answer in the released evaluation: none, or empty in
+    Minerva's form (rlcr.compute_score's pred: "", "$ $")."""
+    return tag is None or not tag.strip() or (len(tag) <= MAX_ANSWER_CHARS and not minerva_form(tag))
+
+
+def rlcr_answer(text):
+    """The answer of a natural RLCR response as the released evaluation grades it (1_obtain_validation_
+    rollouts --use_rlcr, gated by natural_eval on a complete tag): the last <answer> tag, None without
+    one; where that tag is blank and the text holds a `\\boxed{`, the last box instead (strict
+    extraction: None if it never closes). "<answer></answer> so \\boxed{5}" -> "5". Evaluation only:
+    the training reward (rlcr.compute_score) has no box fallback."""
+    tag = answer_tag(text)
+    return last_boxed(text) if tag is not None and blank_answer(tag) and "\\boxed{" in text else tag
+
+
 def thinking(text):
     """The thinking of a response: the text before its first `</think>`, all of it when there is none
     (the released evaluation's extract_thinking_content)."""
@@ -230,9 +257,10 @@ def thinking(text):
 
 def boxed_in_thinking(text):
     """Whether the thinking holds a box: the released evaluation's gate on a natural answer (a rollout
-    counts as right only if so) and on copying it as a post-hoc label. `3+5=8</think>\\boxed{8}` has
-    none; `3+5=8 so \\boxed{8}</think>` has one."""
-    return boxed_answer(thinking(text)) is not None
+    counts as right only if so) and on copying it as a post-hoc label: last_boxed_only_string, so only
+    a `\\boxed{` that closes counts (not `\\fbox{}`, not the bare `\\boxed 5`). `3+5=8</think>\\boxed{8}`
+    has none; `3+5=8 so \\boxed{8}</think>` has one."""
+    return last_boxed(thinking(text)) is not None
 
 
 def extract(text, grader="math", form="box"):

@@ -124,10 +124,12 @@ def run_prompt(path, args):
 def rlcr_prompts(loaded):
     """--mode rlcr (the released evaluation's, for RLCR and C2GSPG): every benchmark asks in RLCR's
     format, prompts.RLCR_INSTRUCTION (the toy world's: toy.RLCR_INSTRUCTION). LiveCodeBench, whose
-    answer is a program, has no RLCR form in the release: refused."""
+    answer is a program, is refused: the release ships livecodebench_lite_rlcr.parquet, but no evaluation
+    config or grader reads it."""
     if any(data.kind(bench) == "code" for bench, *_ in loaded):
-        raise UserError("--mode rlcr: lcb has no RLCR-format evaluation (its answer is a program, none in the "
-                        "release either): evaluate it without --mode rlcr")
+        raise UserError("--mode rlcr: lcb has no RLCR-format evaluation here (its answer is a program; the release "
+                        "ships livecodebench_lite_rlcr.parquet but no config or grader for it): evaluate it "
+                        "without --mode rlcr")
     return [(bench, rows, toy.RLCR_INSTRUCTION if bench in data.TOY_BENCHMARKS else prompts_lib.RLCR_INSTRUCTION, src)
             for bench, rows, _, src in loaded]
 

@@ -16,7 +16,8 @@ Sources (one number in [0, 1] per sampled response):
                  "I am out of time, ..." with the 3-tag format and `<answer>` opened; the toy: `</think>`
                  alone), k re-answers sampled (released: 4 on AIME / AMC, 1 elsewhere; temperature 0.6,
                  top-p 0.95, at most 1000 tokens), the mean of their verbal confidences (a re-answer
-                 without a tag counts 0.5; counted).
+                 without a tag counts 0.5, as does one with a box and no answer tag or a blank one:
+                 reanswer_confidence; counted).
   logits         exp(mean log-prob of the response tokens) at the run's training temperature (0.8), where
                  C2GSPG trained it (C2GSPG's confidence; `--logit-temperature 1`: the raw model's).
 """
@@ -26,6 +27,7 @@ import torch
 
 import probe as probe_lib
 from baselines import verbal_confidence  # RLCR's parser, read here for --confidence verbal
+from grade import answer_tag, blank_answer
 from grpo import pack, token_logprobs
 from label import absolute_budgets, budgets, mc_labels
 from prompts import RLCR_FORMAT
@@ -109,17 +111,28 @@ def forced_verbal(model, tokenizer, prompts, responses, close_id, budget, k, see
     the k had no readable tag (read as 0.5).
 
     Released (2_budget_eval_rlcr): close_text = RLCR_REANSWER, tokenized on its own and appended
-    to the ids, at most 1000 new tokens (it also puts `<answer>` before a re-answer that lacks one,
-    for the answer, which is not read here). close_text=None closes with the `</think>` id alone
-    (the toy world, which reads no English)."""
+    to the ids, at most 1000 new tokens; each re-answer read by reanswer_confidence. close_text=None
+    closes with the `</think>` id alone (the toy world, which reads no English)."""
     if close_id is None:
         raise ValueError("--confidence verbal-forced needs a `</think>` token in the tokenizer")
     close = [close_id] if close_text is None else tokenizer.encode(close_text, add_special_tokens=False)
     forced = [list(p) + list(r[:min(think_end(r, close_id), budget)]) + close for p, r in zip(prompts, responses)]
     texts = sample_by_length(model, tokenizer, forced, k, max_new_tokens=max_new_tokens, temperature=0.6,
                              top_p=0.95, seed=seed, batch_size=max(1, batch_size // k))
-    read = [[verbal_confidence(t) for t in ts] for ts in texts]
+    read = [[reanswer_confidence(t) for t in ts] for ts in texts]
     return [sum(c for c, _ in r) / len(r) for r in read], [sum(m for _, m in r) for r in read]
+
+
+def reanswer_confidence(text):
+    """(confidence, missing) of one forced RLCR re-answer as released (2_budget_eval --rlcr): its
+    verbal confidence, but (0.5, True) where it has no complete <answer> tag, or a blank one, and
+    holds a `\\boxed{` (the released boxed fallback). The re-answer continues an opened `<answer>`:
+    its `</answer>` closes that one. reanswer_confidence("\\boxed{5} <confidence>0.9</confidence>") ==
+    (0.5, True); reanswer_confidence("5</answer> <confidence>0.9</confidence>") == (0.9, False)."""
+    tagged = text if "<answer>" in text or "</answer>" not in text else "<answer>" + text
+    if "\\boxed{" in text and blank_answer(answer_tag(tagged)):
+        return 0.5, True
+    return verbal_confidence(text)
 
 
 def sample_by_length(model, tokenizer, prompts, k, **kw):

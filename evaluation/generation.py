@@ -94,7 +94,7 @@ def grade_call(texts, golds, bench, s, form):
     if s.get("grader") == "code":   # the programs run in a bounded pool of sandboxed children
         return [sandbox.extract_code(t) for t in texts], sandbox.grade_many(
             [grade.code_job(t, g) for t, g in zip(texts, golds)])
-    answers = [grade.extract(t, GRADER, form) for t in texts]
+    answers = [grade.rlcr_answer(t) if form == "tag" else grade.extract(t, GRADER, form) for t in texts]
     # GPQA's natural boxed answers are graded as released (no option letter read off them);
     # its RLCR answers and LogiQA's (the project's own protocol) by their letter
     letters = form == "tag" or bench != "gpqa"
@@ -105,8 +105,9 @@ def natural_correct(text, answer, gold, form="box", gate="thinking", letters=Tru
     """The grade of a natural response: its answer (grade.extract) matches the gold and, with
     gate="thinking" (released: natural_eval._evaluate_boxed), its thinking holds a box
     (grade.boxed_in_thinking), so a response that boxes only after `</think>` counts as wrong;
-    gate="none" grades the answer alone. An RLCR answer (form="tag") needs its <answer> tag, as
-    released, and no box. letters: grade.answers_match's (False for GPQA's boxed answers, as released)."""
+    gate="none" grades the answer alone. An RLCR answer (form="tag", grade.rlcr_answer) needs its
+    <answer> tag, as released, and no box (a blank tag: the text's last box). letters:
+    grade.answers_match's (False for GPQA's boxed answers, as released)."""
     if form == "box" and gate == "thinking" and not grade.boxed_in_thinking(text):
         return False
     return grade.answers_match(answer, gold, GRADER, letters=letters)

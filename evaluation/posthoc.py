@@ -8,10 +8,11 @@ the end-of-thinking feature and label; forced answers `prompt + thinking[:b] + "
 EVAL_SUFFIX`, 16 per budget at temperature 0.6, top-p 0.95, at most 64 tokens, no stop string, read
 from the last box; where the thinking ended inside the budget and holds a box itself, the natural
 answer's correctness is copied instead (the toy world: its own forced text, no "...", and a box
-anywhere, since it boxes after `</think>`); past-end budgets share one draw (released: one each); MLP d -> d/4 -> 1; validation problems (seed 42) added until they hold
->= 20 % of the examples; BCE on soft labels, batch 64, up to 100 epochs, early stopping (patience 30)
-on validation BCE against rounded labels, ReduceLROnPlateau(0.5, 5); grid over lr x dropout x weight
-decay (GRID).
+anywhere, since it boxes after `</think>`); past-end budgets share one draw (released: one each);
+MLP d -> d/4 -> 1; validation problems (numpy's seed 42 order) added while they hold < 20 % of the
+examples; BCE on soft labels, batch 64, up to 100 epochs, early stopping (patience 30) on validation
+BCE against rounded labels (the mean of per-batch means), ReduceLROnPlateau(0.5, 5); grid over lr x
+dropout x weight decay (GRID).
 """
 import copy
 import hashlib
@@ -23,7 +24,9 @@ import random
 import sys
 import zipfile
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 
 import probe as probe_lib
 from prompts import chat_prompt
@@ -69,9 +72,10 @@ def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, pro
     x, y, g, stats = posthoc_examples(model, tokenizer, rep, out.ids, out.texts, golds, groups, close_id,
                                       p["every"], p["count"], p["k"], p["suffix"], p["close"], tuple(p["stop"]),
                                       p["copy_natural"], p["seed"] + 1, batch_size, rows, p["lead"], p["gate"],
-                                      p.get("grader", "math"))
+                                      p.get("grader", "math"), p.get("tokens", "sampled"))
     prb, report = fit_posthoc(x, y, g, seed=p["seed"], max_epochs=p["epochs"], patience=p["patience"],
-                              batch_size=p["batch"], val_frac=p["val_frac"], device=next(model.parameters()).device)
+                              batch_size=p["batch"], val_frac=p["val_frac"], device=next(model.parameters()).device,
+                              rule=p.get("fit", "released"))
     report.update(stats, protocol=p, questions=len(questions), samples=len(rep), prefixes=len(y),
                   label_mean=float(y.mean()),
                   accuracy=sum(is_correct(t, a, p.get("grader", "math")) for t, a in zip(out.texts, golds)) / len(golds))
@@ -85,7 +89,8 @@ def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, pro
 
 def posthoc_examples(model, tokenizer, prompts, responses, texts, golds, groups, close_id, every=500,
                      count=16, k=16, suffix=EVAL_SUFFIX, close="think", stop=(), copy_natural=True,
-                     seed=0, batch_size=8, rows=64, lead=EVAL_LEAD, gate="thinking", grader="math"):
+                     seed=0, batch_size=8, rows=64, lead=EVAL_LEAD, gate="thinking", grader="math",
+                     tokens="sampled"):
     """(feats [M, d], labels [M], groups [M], stats) for fitting a post-hoc probe on sampled responses.
 
     Every rollout contributes `count` examples, one per budget of posthoc_budgets(thinking, every,
@@ -94,10 +99,19 @@ def posthoc_examples(model, tokenizer, prompts, responses, texts, golds, groups,
     label comes from posthoc_labels (grader="code": programs, CODE_TOKENS each). groups[i] is the
     problem index, for the grouped split.
     batch_size: sequences per scoring forward; rows: sequences per forced-answer generation call.
+    tokens="text" (released: 2_budget_eval, 3_reproduce): the thinking re-tokenized from its text, the
+    budgets counted in those tokens, and the forced prompts without the prompt's BOS (the features keep it).
     """
     ends = [think_end(r, close_id) for r in responses]
+    forced = prompts
+    if tokens == "text":
+        responses = [tokenizer.encode(tokenizer.decode(r[:e]), add_special_tokens=False)
+                     for r, e in zip(responses, ends)]
+        ends = [len(r) for r in responses]
+        bos = tokenizer.bos_token_id
+        forced = [p[1:] if bos is not None and p[:1] == [bos] else p for p in map(list, prompts)]
     positions = [posthoc_budgets(e, every, count) for e in ends]
-    labels, copied = posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions, ends, k,
+    labels, copied = posthoc_labels(model, tokenizer, forced, responses, texts, golds, positions, ends, k,
                                     suffix, close, stop, copy_natural, CODE_TOKENS if grader == "code" else 64,
                                     seed=seed, rows=rows, lead=lead, gate=gate, grader=grader)
     feats = features(model, prompts, responses, positions, tokenizer.pad_token_id, True, batch_size)
@@ -168,22 +182,24 @@ def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions
 
 
 def fit_posthoc(x, y, groups, seed=42, max_epochs=100, patience=30, batch_size=64, grid=GRID, device="cpu",
-                val_frac=0.2, plateau=(0.5, 5)):
+                val_frac=0.2, plateau=(0.5, 5), rule="released"):
     """Fit the post-hoc probe (released protocol): grid search with early stopping, grouped split.
 
-    x [M, d], y [M] soft labels, groups [M]. Split: split_groups(val_frac, seed). For each (lr,
+    x [M, d], y [M] soft labels, groups [M]. Split: split_groups(val_frac, seed, rule). For each (lr,
     dropout, weight decay) in grid: a fresh Probe(d, d // 4, dropout) (torch seed `seed`) with AdamW,
     one shuffled pass per epoch on the training part (minibatch batch_size), ReduceLROnPlateau(factor,
-    patience = plateau) on the validation loss = BCE against round(y); stop after `patience` epochs
-    without a lower one, keep the best epoch. Returns (probe with the lowest validation loss over the
-    grid, report: its config and epochs, the split sizes, validation BCE on soft and rounded labels,
-    and the same for the constant predictors mean(y_train) and mean(round(y_train))).
+    patience = plateau) on the validation loss = BCE against round(y) (val_loss: rule "released", the
+    mean of per-batch means, lower when strictly lower; "project", one mean over the examples, lower by
+    1e-6); stop after `patience` epochs without a lower one, keep the best epoch. Returns (probe with
+    the lowest validation loss over the grid, report: its config and epochs, the split sizes,
+    validation BCE on soft and rounded labels, and the same for the constant predictors mean(y_train)
+    and mean(round(y_train))).
     """
     if not torch.isfinite(x).all():
         raise FloatingPointError(f"post-hoc probe: {int((~torch.isfinite(x)).any(1).sum())} of {len(x)} "
                                  "features are NaN or inf: the model's weights hold NaN or inf")
-    tr, va = split_groups(groups, val_frac, seed)
-    if tr.sum() == 0 or va.sum() == 0:
+    tr, va = split_groups(groups, val_frac, seed, rule)
+    if len(tr) == 0 or len(va) == 0:
         raise ValueError("post-hoc probe needs at least two problems with labelled prefixes; raise --probe-questions")
     xt, yt, xv, yv = (t.to(device) for t in (x[tr], y[tr], x[va], y[va]))
     best, runs = (math.inf, None, None), []
@@ -195,9 +211,9 @@ def fit_posthoc(x, y, groups, seed=42, max_epochs=100, patience=30, batch_size=6
         run_best, state, bad, best_epoch = math.inf, None, 0, 0
         for epoch in range(max_epochs):
             probe_lib.fit(prb, opt, xt, yt, passes=1, batch_size=batch_size, seed=seed + epoch)
-            loss = bce(probe_lib.predict(prb, xv), yv.round())
+            loss = val_loss(prb, xv, yv.round(), batch_size, rule)
             sched.step(loss)
-            if loss < run_best - 1e-6:
+            if loss < run_best - (1e-6 if rule == "project" else 0):
                 run_best, state, bad, best_epoch = loss, copy.deepcopy(prb.state_dict()), 0, epoch + 1
             else:
                 bad += 1
@@ -215,29 +231,56 @@ def fit_posthoc(x, y, groups, seed=42, max_epochs=100, patience=30, batch_size=6
     pv = probe_lib.predict(prb, xv.cpu())
     # The constant predictors: the training base rate of the soft labels and of the rounded ones.
     base, base_r = torch.full_like(yv, float(yt.mean())), torch.full_like(yv, float(yt.round().mean()))
-    report = dict(best[2], n_train=int(tr.sum()), n_val=int(va.sum()),
+    report = dict(best[2], n_train=len(tr), n_val=len(va),
                   val_problems=len(set(groups[va].tolist())), train_problems=len(set(groups[tr].tolist())),
                   val_bce=bce(pv, yv), val_bce_rounded=bce(pv, yv.round()), base_rate=float(yt.mean()),
                   base_bce=bce(base, yv), base_bce_rounded=bce(base_r, yv.round()), grid=runs)
     return prb, report
 
 
-def split_groups(groups, val_frac=0.2, seed=42):
-    """Boolean masks (train [M], val [M]): problems in a seeded random order go to validation until it
-    holds at least val_frac of the examples (the released rule); whole problems stay on one side."""
-    uniq = sorted(set(groups.tolist()))
-    random.Random(seed).shuffle(uniq)
-    size = {q: 0 for q in uniq}
-    for q in groups.tolist():
-        size[q] += 1
-    val, held = set(), 0
-    for q in uniq:
-        if held >= val_frac * len(groups):
+def split_groups(groups, val_frac=0.2, seed=42, rule="released"):
+    """Example indices (train [M_t] ascending, val [M_v]): problems in a seeded random order go to
+    validation until it holds val_frac of the examples; whole problems stay on one side.
+
+    rule "released" (4_probe_training.build_group_split_indices): problems in order of first appearance
+    shuffled by np.random.RandomState(seed), added while fewer than max(1, int(M * val_frac)) examples
+    are held, val in that order (it sets val_loss's batches). "project": random.Random(seed) over the
+    sorted problems, added until >= val_frac * M are held, val ascending."""
+    ids = groups.tolist()
+    order = list(dict.fromkeys(ids))
+    if rule == "released":
+        np.random.RandomState(seed).shuffle(order)
+        target = max(1, int(len(ids) * val_frac))
+    else:
+        order = sorted(order)
+        random.Random(seed).shuffle(order)
+        target = val_frac * len(ids)
+    members = {q: [] for q in order}
+    for i, q in enumerate(ids):
+        members[q].append(i)
+    val = []
+    for q in order:
+        if len(val) >= target:
             break
-        val.add(q)
-        held += size[q]
-    is_val = torch.tensor([g in val for g in groups.tolist()], dtype=torch.bool)
-    return ~is_val, is_val
+        val += members[q]
+    val = val if rule == "released" else sorted(val)
+    held = set(val)
+    train = [i for i in range(len(ids)) if i not in held]
+    return torch.tensor(train, dtype=torch.long), torch.tensor(val, dtype=torch.long)
+
+
+def val_loss(prb, x, y, batch_size=64, rule="released"):
+    """Validation BCE of the probe on x [M, d] against y [M]: rule "released" (4_probe_training), the
+    mean over batches of batch_size (in x's order) of each batch's mean BCE-with-logits, so a short last
+    batch weighs as much as a full one; "project": bce, one mean over the M examples."""
+    if rule == "project":
+        return bce(probe_lib.predict(prb, x), y)
+    prb.eval()
+    with torch.no_grad():
+        logits = prb(x.float())
+    means = [F.binary_cross_entropy_with_logits(logits[s:s + batch_size], y[s:s + batch_size].float()).item()
+             for s in range(0, len(y), batch_size)]
+    return sum(means) / len(means)
 
 
 def bce(p, y):

@@ -36,7 +36,7 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
     if source != "probe-posthoc":
         return None, None
     # Fit data: the toy world's train split, or the RL training set for real models (released: lead_80,
-    # the first 80 of the training set); problems of any benchmark being evaluated are skipped.
+    # 80 problems of its own choosing); problems of any benchmark being evaluated are skipped.
     toy_only = all(source in TOY_SOURCES for *_, source in loaded)
     src = args.probe_data or ("toy" if toy_only else "deepscaler")
     is_toy = src in TOY_FITS
@@ -58,8 +58,9 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
                     temperature=args.temperature, top_p=args.top_p, every=s["every"],
                     count=args.posthoc_budgets or w["posthoc_budgets"], k=s["forced_k"], suffix=s["suffix"],
                     close=args.forced_close, stop=[], copy_natural=True, lead="" if is_toy else posthoc.EVAL_LEAD,
-                    gate=s["gate"], epochs=100, patience=30, batch=64,
-                    val_frac=0.2, seed=42, **({"grader": "code"} if s.get("grader") == "code" else {}))
+                    gate=s["gate"], epochs=100, patience=30, batch=64, val_frac=0.2, seed=42, fit=args.posthoc_fit,
+                    **({"grader": "code"} if s.get("grader") == "code" else {}),
+                    **({"tokens": "text"} if args.posthoc_tokens == "text" else {}))
     print(f"post-hoc probe for {label}: {len(rows)} {src} questions ...", file=sys.stderr)
     prb, report = posthoc.posthoc_probe(
         os.path.join(out_dir, f"posthoc_probe_{label}_{digest(model_id(path), 8)}".replace("/", "_")), model, tok,

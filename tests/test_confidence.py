@@ -2,6 +2,7 @@ import math
 import os
 import random
 
+import numpy as np
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -110,26 +111,100 @@ def test_sample_confidences_probe_reads_the_end_of_thinking():
 
 def test_split_groups_keeps_problems_whole():
     groups = torch.tensor([q for q in range(10) for _ in range(3)])
-    tr, va = posthoc.split_groups(groups, seed=1)
-    assert int(va.sum()) == 6 and not set(groups[tr].tolist()) & set(groups[va].tolist())
+    for rule in ("released", "project"):
+        tr, va = posthoc.split_groups(groups, seed=1, rule=rule)
+        assert len(va) == 6 and not set(groups[tr].tolist()) & set(groups[va].tolist())
+        assert sorted(tr.tolist() + va.tolist()) == list(range(30))
 
 
-def test_split_adds_validation_problems_until_they_hold_a_fifth_of_the_examples():
-    """Problems of very different sizes: the validation side grows problem by problem (seed 42 order)
-    until it holds >= 20 % of the examples, and stops there (without its last problem it is < 20 %)."""
+def test_split_adds_validation_problems_in_the_released_generators_order():
+    """Released (4_probe_training.build_group_split_indices, split_mode "prompt"): the problems in
+    order of first appearance, shuffled by np.random.RandomState(42), go to validation while it holds
+    fewer than int(0.2 * M) examples; validation keeps that order (it sets the loss's batches)."""
     sizes = [1, 7, 2, 16, 3, 5, 1, 9, 4, 12, 6, 2]
-    groups = torch.tensor([q for q, n in enumerate(sizes) for _ in range(n)])
+    first_seen = [3, 0, 7, 1, 4, 2, 9, 5, 11, 6, 10, 8]     # problem ids in order of first appearance
+    groups = torch.tensor([q for q in first_seen for _ in range(sizes[q])])
+    order = list(first_seen)
+    np.random.RandomState(42).shuffle(order)
+    target = int(0.2 * len(groups))
+    want, held = [], 0
+    for q in order:
+        if held < target:
+            want.append(q)
+            held += sizes[q]
     tr, va = posthoc.split_groups(groups)
-    held = int(va.sum())
-    assert held >= 0.2 * len(groups) and int(tr.sum()) + held == len(groups)
-    val = set(groups[va].tolist())
-    assert not val & set(groups[tr].tolist())
+    assert [g for g in dict.fromkeys(groups[va].tolist())] == want      # numpy's order, whole problems
+    assert len(va) == held and len(tr) + held == len(groups)
+    assert not set(groups[tr].tolist()) & set(want)
+    # the project's rule (--posthoc-fit project): random.Random(42) over the sorted problems, >= 20 %
+    tr, va = posthoc.split_groups(groups, rule="project")
     order = list(range(len(sizes)))
     random.Random(42).shuffle(order)
+    val = set(groups[va].tolist())
     added = order[:len(val)]
-    assert set(added) == val                       # a prefix of the seeded order
-    assert held - sizes[added[-1]] < 0.2 * len(groups)
-    assert posthoc.split_groups(groups)[1].tolist() == va.tolist()    # seed 42 by default
+    assert set(added) == val and len(va) >= 0.2 * len(groups) > len(va) - sizes[added[-1]]
+    assert va.tolist() == sorted(va.tolist())
+
+
+def test_the_validation_loss_is_the_released_mean_of_batch_means():
+    """Released (4_probe_training.train_single_run): val_loss += BCEWithLogits per batch of 64, then /=
+    the number of batches: a short last batch weighs as much as a full one. The project's rule: one mean."""
+    torch.manual_seed(0)
+    prb = probe_lib.Probe(4, 1, dropout=0.0)
+    x, y = torch.randn(70, 4), (torch.rand(70) > 0.5).float()
+    logits = prb(x).detach()
+    per = torch.nn.functional.binary_cross_entropy_with_logits(logits, y, reduction="none")
+    released = (per[:64].mean() + per[64:].mean()) / 2
+    assert posthoc.val_loss(prb, x, y) == pytest.approx(float(released), rel=1e-6)
+    assert posthoc.val_loss(prb, x, y, rule="project") == pytest.approx(float(per.mean()), rel=1e-5)
+    assert abs(float(released) - float(per.mean())) > 1e-3          # the two rules differ here
+
+
+def test_a_fit_keeps_an_epoch_only_when_its_loss_is_strictly_lower(monkeypatch):
+    """Released: `val_loss < best_val_loss`; the project's rule asks for 1e-6 less. Epoch 2's loss is
+    5e-7 below epoch 1's: kept as released, not by the project's rule."""
+    x, y = torch.randn(40, 4), (torch.arange(40) % 2).float()
+    groups = torch.arange(40) // 4
+    for rule, best in (("released", 2), ("project", 1)):
+        losses = iter([1.0, 1.0 - 5e-7, 2.0, 2.0, 2.0])
+        monkeypatch.setattr(posthoc, "val_loss", lambda *a, **k: next(losses))
+        _, rep = posthoc.fit_posthoc(x, y, groups, grid=[(1e-3, 0.5, 1e-2)], max_epochs=5, patience=30, rule=rule)
+        assert rep["best_epoch"] == best and rep["epochs"] == 5
+
+
+class _MergeTok:
+    """A tokenizer whose id 20 is "ab", which encoding never produces: a sampled [20] re-tokenizes as
+    [5, 6]. BOS is id 1."""
+    eos_token_id, pad_token_id, bos_token_id = 0, 0, 1
+    chars = {"a": 5, "b": 6, "c": 7}
+
+    def encode(self, text, add_special_tokens=False):
+        return [self.chars[c] for c in text]
+
+    def decode(self, ids):
+        return "".join("ab" if i == 20 else {v: k for k, v in self.chars.items()}[i] for i in ids)
+
+
+def test_posthoc_tokens_text_counts_budgets_in_the_retokenized_thinking_without_bos(monkeypatch):
+    """Released (2_budget_eval: tokenizer(prompt, add_special_tokens=False) of a prompt decoded without
+    its special tokens, the thinking re-tokenized from its text): --posthoc-tokens text. Default: the
+    sampled ids, the prompt's BOS kept."""
+    model, calls = _tiny_model(), []
+
+    def fake_generate(model, tok, prompts, n, max_new_tokens, temperature, top_p, stop, seed, batch_size):
+        calls.append(prompts)
+        return type("S", (), {"texts": ["x"] * n * len(prompts)})()
+
+    monkeypatch.setattr(confidence, "generate", fake_generate)
+    kw = dict(groups=[0], close_id=9, every=2, count=4, k=1, suffix="", close="eos", lead="")
+    x, _, _, _ = posthoc.posthoc_examples(model, _MergeTok(), [[1, 2, 3]], [[20, 20, 7]], ["never boxed"], ["7"], **kw)
+    assert calls[-1] == [[1, 2, 3, 20, 20, 0], [1, 2, 3, 20, 20, 7, 0]]       # budgets 2, 3, 3, 3 of 3 ids
+    x, _, _, _ = posthoc.posthoc_examples(model, _MergeTok(), [[1, 2, 3]], [[20, 20, 7]], ["never boxed"], ["7"],
+                                          tokens="text", **kw)
+    assert calls[-1] == [[2, 3, 5, 6, 0], [2, 3, 5, 6, 5, 6, 0], [2, 3, 5, 6, 5, 6, 7, 0]]   # 2, 4, 5, 5 of 5
+    # the feature at budget 4: prompt (BOS kept) + "abab" as re-tokenized
+    want = confidence.features(model, [[1, 2, 3]], [[5, 6, 5, 6, 7]], [[4]], 0, final_norm=True)[0][0]
+    assert torch.allclose(x[1], want, atol=1e-6)
 
 
 class _CharTok:
@@ -250,6 +325,21 @@ def test_verbal_forced_cuts_the_thinking_closes_it_and_averages_k_reanswers(monk
     assert conf == pytest.approx([(0.9 + 0.3 + 0.5) / 3, (0.8 + 0.2 + 0.2) / 3]) and missing == [1, 0]
     with pytest.raises(ValueError, match="</think>"):
         confidence.forced_verbal(None, None, prompts, responses, None, budget=3, k=3)
+
+
+@pytest.mark.parametrize("text, expected", [
+    # Released (2_budget_eval --rlcr): no complete <answer> tag, or a blank one, and a `\\boxed{`:
+    # the boxed fallback, confidence 0.5 whatever the <confidence> tag says
+    ("\\boxed{5} <confidence>0.9</confidence>", (0.5, True)),
+    ("</answer> so \\boxed{5} <confidence>0.9</confidence>", (0.5, True)),   # opened by the prompt, blank
+    ("<answer> $ $ </answer> \\boxed{5} <confidence>0.9</confidence>", (0.5, True)),
+    ("\\boxed{5</answer> <confidence>0.9</confidence>", (0.9, False)),       # its answer is "\\boxed{5"
+    ("5</answer> \\boxed{5} <confidence>0.9</confidence>", (0.9, False)),    # a complete tag: its confidence
+    ("<confidence>0.9</confidence>", (0.9, False)),                          # no box: the tag, as before
+    ("\\fbox{5} <confidence>0.9</confidence>", (0.9, False)),                # only `\\boxed{` triggers it
+])
+def test_a_reanswer_without_its_answer_tag_but_with_a_box_reads_half_as_released(text, expected):
+    assert confidence.reanswer_confidence(text) == expected
 
 
 @pytest.mark.skipif(not os.path.isdir(tiny.REAL_TOKENIZER), reason="shared fixtures not present")

@@ -341,3 +341,26 @@ def test_a_missing_model_is_one_line_and_exit_2_as_in_train_py(tmp_path, capsys)
         evaluate.main(["--model", str(tmp_path / "runs" / "nope"), "--benchmarks", "toy"])
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and err == f"evaluate.py: error: model directory {tmp_path}/runs/nope does not exist", err
+
+
+def test_an_empty_rlcr_answer_tag_followed_by_a_box_is_graded_by_the_box_as_released():
+    # released: 1_obtain --use_rlcr falls back to the strict box where the tag is blank; natural_eval
+    # gates on the tag being there, so without a tag the box does not count
+    s = {"gate": "thinking"}
+    texts = ["</think><answer></answer> so \\boxed{5}", "</think>\\boxed{5}", "</think><answer></answer> \\boxed{4}"]
+    assert generation.grade_call(texts, ["5"] * 3, "math500", s, "tag") == (["5", None, "4"], [True, False, False])
+
+
+def test_the_posthoc_fit_rules_reach_the_protocol(tmp_path, monkeypatch):
+    # released by default (numpy's split, the mean of batch means); the project's fit and the released
+    # token counting one flag away; a cache fitted under another rule is another protocol
+    seen = {}
+    monkeypatch.setattr(probes.posthoc, "posthoc_probe",
+                        lambda cache, model, tok, questions, instruction, close_id, protocol, **k:
+                        seen.update(protocol) or (None, {}))
+    for given, fit, tokens in (([], "released", None),
+                               (["--posthoc-fit", "project", "--posthoc-tokens", "text"], "project", "text")):
+        seen.clear()
+        probes.get_probe("probe-posthoc", None, None, "base", toy.BASE_DIR, str(tmp_path),
+                         evaluate.parse_args(["--model", "toy", *given]), 0)
+        assert seen["fit"] == fit and seen.get("tokens") == tokens

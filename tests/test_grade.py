@@ -375,6 +375,35 @@ def test_rlcr_trains_with_the_minerva_grader_by_default(tmp_path):
     ("3+5=8 so \\boxed{8}\n</think>The answer is \\boxed{8}", True),
     ("no close tag, \\boxed{8}", True),                     # no </think>: the whole text is thinking
     ("\\boxed{8</think>}", False),                          # a box cut by the end of thinking never closes
+    # the released gate is last_boxed_only_string: `\\boxed{` only, and the last one must close
+    ("so \\fbox{8}</think>\\boxed{8}", False),
+    ("so $\\boxed 8$</think>\\boxed{8}", False),
+    ("\\boxed{8} then \\boxed{9</think>", False),
 ])
 def test_boxed_in_thinking(text, boxed):
     assert grade.boxed_in_thinking(text) is boxed
+
+
+@pytest.mark.parametrize("answer, gold, right", [
+    # GPQA's natural boxed answers as the released strict-box grader reads them (letters=False):
+    # Minerva's normal form equal to the letter, or sympy's reading of "(A)"
+    ("A", "A", True), ("$A$", "A", True), ("\\text{A}", "A", True), ("x = A", "A", True), ("(A)", "A", True),
+    ("a", "A", False), ("\\text{(B)}", "B", False), ("A) 3.5 eV", "A", False), ("B", "A", False),
+])
+def test_gpqa_natural_letters_are_graded_as_released(answer, gold, right):
+    assert grade.answers_match(answer, gold, letters=False) is right
+    assert grade.answers_match(answer, gold) is (answer != "B")    # forced and RLCR answers: by the letter
+
+
+@pytest.mark.parametrize("text, answer", [
+    ("<answer>5</answer>", "5"),
+    # released (1_obtain --use_rlcr): a blank tag and a `\\boxed{` in the text: graded by the last box
+    ("<answer></answer> so \\boxed{5}", "5"),
+    ("\\boxed{4} <answer>$ $</answer> \\boxed{5}", "5"),
+    ("<answer></answer> so \\boxed{5", None),         # a box that never closes: nothing to grade
+    ("<answer></answer> so \\fbox{5}", ""),            # `\\boxed{` only
+    ("\\boxed{5}", None),                              # no tag: natural_eval's gate, wrong
+])
+def test_rlcr_natural_answer_falls_back_to_the_box_on_a_blank_tag(text, answer):
+    assert grade.rlcr_answer(text) == answer
+    assert grade.answer_tag("<answer></answer> \\boxed{5}") == ""     # training's reward: no fallback
