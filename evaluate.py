@@ -246,15 +246,15 @@ def main(argv=None):
     if args.threads or not torch.cuda.is_available():
         torch.set_num_threads(args.threads or 1)
     try:
-        for name in args.model:   # a missing model is a model error, not a benchmark's
-            checkpoint.check_available(name)
-        if args.plan:   # before any benchmark or weights are read
+        if args.plan:   # from each model's config alone (a named model's ships: no hub), before any benchmark is read
             from harness import evalplan
             mem = args.gpu_mem or (torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0)
             for name in args.model:
                 evalplan.check(name, [(b, settings(b, args)) for b in names], mem,
                                early_exit=not args.no_early_exit)
             return None
+        for name in args.model:   # a missing model is a model error, not a benchmark's
+            checkpoint.check_available(name)
         loaded = load_benchmarks(names, args.limit, args.lcb_release)   # every name checked before any model loads
         loaded = rlcr_prompts(loaded) if args.mode == "rlcr" else loaded
         if any(data.kind(name) == "code" for name, *_ in loaded):
