@@ -235,7 +235,7 @@ def main(argv=None):
         data.lcb_window(args.lcb_release)
         if args.out:
             check_out(args.out)
-        for name in args.model:   # a missing model is a model error, not a benchmark's
+        for name in [] if args.plan else args.model:   # a plan reads a config alone (a named model's ships)
             checkpoint.check_available(name)
     except (ValueError, OSError) as e:   # UserError, data.DataError
         print(f"evaluate.py: error: {e}", file=sys.stderr)
@@ -250,7 +250,7 @@ def main(argv=None):
     if args.threads or not torch.cuda.is_available():
         torch.set_num_threads(args.threads or 1)
     try:
-        if args.plan:   # before any benchmark or weights are read
+        if args.plan:   # from each model's config alone (a named model's ships: no hub), before any benchmark is read
             from harness import evalplan
             mem = args.gpu_mem or (torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0)
             for name in args.model:

@@ -44,6 +44,9 @@ PREFIX = "step_"
 ALIASES = {
     "deepseek-r1-distill-qwen-7b": "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
     "qwen3-4b-instruct": "Qwen/Qwen3-4B-Instruct-2507",
+    # the authors' released RLCM checkpoints (the paper's 7B at step 600, the 4B at step 240)
+    "rlcm-7b": "Melodramas/RLCM-DeepSeek-R1-Distill-Qwen-7B",
+    "rlcm-4b": "Melodramas/RLCM-Qwen3-4B-Instruct",
 }
 
 

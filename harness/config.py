@@ -1,6 +1,7 @@
 """A run's configuration, resolved and checked: the flags given now > the saved config.json of a
-resumed run (or a --config file) > the world defaults (harness/flags.py: the flags, their defaults
-and LIMITS). Every value is checked before any model, data or folder is touched.
+resumed run (or a --config file) > the world defaults and a named model's recipe (harness/flags.py:
+the flags, their defaults, RECIPES and LIMITS). Every value is checked before any model, data or
+folder is touched.
 """
 import json
 import math
@@ -8,9 +9,10 @@ import os
 
 from modes import PROBE_MODES  # harness/plan.py reads PROBE_MODES here
 from harness import rewardfn
+from harness.checkpoint import ALIASES
 from harness.files import UserError
-from harness.flags import (COMMON, FIXED_ON_RESUME, IMPLIED, LIMITS, LORA_LR_FACTOR, REAL, TOY, TOY_IMPLIED,
-                           build_parser, fractions)
+from harness.flags import (COMMON, FIXED_ON_RESUME, IMPLIED, LIMITS, LORA_LR_FACTOR, REAL, RECIPES, TOY,
+                           TOY_IMPLIED, build_parser, fractions)
 
 NOT_SAVED = ("resume", "config", "plot")  # how a run was started, not what it is
 
@@ -107,7 +109,7 @@ def resolve_args(argv):
         check_reward_fn(saved, given, f"--config {given['config']}")
     model = given.get("model", saved.get("model", "toy"))
     is_toy = model == "toy" or given.get("toy_world", saved.get("toy_world")) is not None
-    world = {**COMMON, **(TOY if is_toy else REAL)}
+    world = {**COMMON, **(TOY if is_toy else {**REAL, **RECIPES.get(ALIASES.get(model, model), {})})}
     cfg = {**world, **saved, **given}
     if saved.get("reward") != cfg["reward"]:
         # Another mode than the saved one (--config): what the saved mode implied goes back to the

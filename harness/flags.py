@@ -31,6 +31,13 @@ REAL = dict(data="deepscaler", eval_data="math500", steps=600, prompts_per_step=
             max_prompt_tokens=600, eval_n=100, eval_every=50, save_every=40, grad_ckpt=True, micro_tokens=16384, instruction=prompts_lib.INSTRUCTION,
             grader="strict",  # the released training reward
             gen_batch=8)  # 8 prompts x 6 = 48 rows x 8k tokens: ~22 GB of KV cache for the 7B
+# A named model whose release has a run script of its own: what differs from REAL (the 7B's script),
+# by its hub id. Qwen3-4B-Instruct (scripts/train/qwen3_4b_instruct/rlcm.sh) keeps the 7B script's
+# batch, lengths (600, 8000), lr, warm-up, lam, K, budgets and save_freq, and adds enable_thinking off
+# (not passed here: Qwen3-4B-Instruct-2507 has no thinking mode, and its card says the flag is no
+# longer needed), vLLM's tensor-parallel 1 and context 10,000 (600 + 8000 fit); the paper's 4B
+# checkpoint is step 240, "longer than ~240 steps was unstable" (the release's README).
+RECIPES = {"Qwen/Qwen3-4B-Instruct-2507": dict(steps=240)}
 COMMON = dict(model="toy", problem_field=None, answer_field=None, trust_remote_code=False,
               temperature=0.8, top_p=1.0, reward="rlcm", lam=0.1, k=4, forced_close="think",
               corner="zero", budgets=(0.25, 0.5, 0.75), max_prompt_tokens=0, probe_lr=1e-3, probe_passes=16,
@@ -124,7 +131,8 @@ def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=(
         f"defaults: {fmt(COMMON)}. toy world: {fmt(TOY)}. real models: {fmt(REAL)}."))
     g = p.add_argument_group("model and data")
-    g.add_argument("--model", help="toy | deepseek-r1-distill-qwen-7b | qwen3-4b-instruct | HF id | local dir")
+    g.add_argument("--model", help="toy | deepseek-r1-distill-qwen-7b | qwen3-4b-instruct (the release's 4B recipe: "
+                   f"{RECIPES['Qwen/Qwen3-4B-Instruct-2507']['steps']} steps) | HF id | local dir")
     g.add_argument("--data", help=DATA_HELP)
     g.add_argument("--problem-field")
     g.add_argument("--answer-field")

@@ -1,5 +1,6 @@
 """Loading a model: (model, tokenizer) for any --model value (harness/checkpoint.py: resolve_model),
-a LoRA checkpoint merged into its base (harness/lora.py), and any failure one UserError line.
+a LoRA checkpoint merged into its base (harness/lora.py), and any failure one UserError line; the
+named models' shipped config.json, which memory plans read without the hub (config_path).
 
     model, tok = load_model("deepseek-r1-distill-qwen-7b", torch.bfloat16)
 """
@@ -10,6 +11,22 @@ import torch
 from harness import adapter, lora
 from harness.checkpoint import resolve_model
 from harness.files import UserError, first_line
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The named models' public config.json, shipped in configs/NAME/ (no tokenizer, no weights): a plan
+# reads its architecture there, offline. The released RLCM checkpoints are full fine-tunes of their
+# bases: the same shapes.
+SHIPPED = {"deepseek-ai/DeepSeek-R1-Distill-Qwen-7B": "DeepSeek-R1-Distill-Qwen-7B",
+           "Melodramas/RLCM-DeepSeek-R1-Distill-Qwen-7B": "DeepSeek-R1-Distill-Qwen-7B",
+           "Qwen/Qwen3-4B-Instruct-2507": "Qwen3-4B-Instruct-2507",
+           "Melodramas/RLCM-Qwen3-4B-Instruct": "Qwen3-4B-Instruct-2507"}
+
+
+def config_path(name):
+    """Where a --model value's config.json is read for a plan: the shipped copy of a named hub model,
+    else what resolve_model names (a folder, a checkpoint, another hub id)."""
+    path = resolve_model(name)
+    return os.path.join(ROOT, "configs", SHIPPED[path]) if path in SHIPPED else path
 
 
 def load_model(name, dtype=torch.float32, trust_remote_code=False):

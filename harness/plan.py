@@ -67,7 +67,7 @@ import os
 
 import torch
 
-from harness import lora
+from harness import lora, models
 from harness.files import UserError, first_line
 from harness.config import PROBE_MODES
 from harness.staticcache import buffer_shape  # the buffers StaticDecoder allocates
@@ -81,15 +81,16 @@ RUNTIME = {"cuda": 1.0 * GiB, "cpu": 1.0 * GiB}
 
 
 def model_config(name, trust_remote_code=False):
-    """The transformers config of a --model value, without reading its weights."""
+    """The transformers config of a --model value, without reading its weights: a named model's shipped
+    config.json (models.SHIPPED: no hub), else its folder's or the hub's."""
     from transformers import AutoConfig
-    from harness.checkpoint import resolve_model
-    path = resolve_model(name)
+    path = models.config_path(name)
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         first = first_line(e, 300)
-        raise UserError(f"cannot read the config of model {name!r}: {first}") from None
+        raise UserError(f"cannot read the config of model {name!r}: {first} -- offline? pass a local folder "
+                        "holding its config.json") from None
 
 
 def param_counts(config, lora_targets="all-linear"):

@@ -13,12 +13,13 @@ import train
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "..", "shared", "fixtures")
 TOKENIZER = os.path.join(FIXTURES, "r1_distill_qwen_7b")
-pytestmark = pytest.mark.skipif(not os.path.isdir(TOKENIZER), reason="shared tokenizer fixture missing")
 
 
 @pytest.fixture(scope="module")
 def real_model(tmp_path_factory):
     """A directory that loads like a real model: random 1-layer weights, the real tokenizer."""
+    if not os.path.isdir(TOKENIZER):
+        pytest.skip("shared tokenizer fixture missing")
     path = str(tmp_path_factory.mktemp("tiny_r1"))
     tok = AutoTokenizer.from_pretrained(TOKENIZER)
     cfg = Qwen2Config(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -64,6 +65,26 @@ def test_resolved_config_of_a_real_model_run_has_the_released_defaults(real_mode
     resolved = config.resolve_args(["--model", path])
     assert {k: resolved[k] for k in RELEASED} == {**RELEASED, "budgets": (0.25, 0.5, 0.75)}
     assert resolved["grader"] == "strict" and cfg["grader"] == "strict"
+
+
+def test_the_4b_name_resolves_to_the_released_4b_recipe():
+    """scripts/train/qwen3_4b_instruct/rlcm.sh sets the 7B script's values (RELEASED above) and the paper
+    evaluates its step 240 (the release's README); its post-hoc fit, configs/probe_training_qwen3_4b/
+    lead.json, is the 7B's: 80 problems x 8 rollouts at T 0.6 of 8000 tokens, budgets 500 .. 8000, 16
+    forced answers each."""
+    import evaluate
+    from evaluation.benchmarks import REAL as EVAL, settings
+    for name in ("qwen3-4b-instruct", "Qwen/Qwen3-4B-Instruct-2507"):
+        cfg = config.resolve_args(["--model", name])
+        assert {k: cfg[k] for k in RELEASED} == {**RELEASED, "budgets": (0.25, 0.5, 0.75)}
+        assert (cfg["steps"], cfg["save_every"], cfg["grader"], cfg["reward"]) == (240, 40, "strict", "rlcm")
+    assert config.resolve_args(["--model", "qwen3-4b-instruct", "--steps", "300"])["steps"] == 300
+    assert config.resolve_args(["--model", "deepseek-r1-distill-qwen-7b"])["steps"] == 600
+    assert config.resolve_args(["--model", "rlcm-4b"])["steps"] == 600   # a released checkpoint: no recipe
+    args = evaluate.parse_args(["--model", "rlcm-4b", "--benchmarks", "aime24"])
+    s = settings("deepscaler", args)
+    assert (EVAL["probe_questions"], EVAL["probe_samples"], args.temperature, s["max_new_tokens"], s["every"],
+            EVAL["posthoc_budgets"], s["forced_k"]) == (80, 8, 0.6, 8000, 500, 16, 16)
 
 
 def test_toy_world_keeps_its_sizes_and_filters_nothing():

@@ -10,9 +10,8 @@ import train
 from harness.config import resolve_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FIXTURE_7B = os.path.join(ROOT, "..", "shared", "fixtures", "r1_distill_qwen_7b")
+FIXTURE_7B = "deepseek-r1-distill-qwen-7b"   # its config.json ships (configs/): planned offline
 RELEASED = ["--prompts-per-step", "32", "--group-size", "6", "--max-new-tokens", "8000"]
-needs_7b = pytest.mark.skipif(not os.path.isdir(FIXTURE_7B), reason="7B config fixture not present")
 
 
 def test_parameter_terms_match_a_real_model():
@@ -81,7 +80,6 @@ def test_the_7b_head_geometry_gives_56_kib_per_token():
     assert plan.kv_bytes_per_token(cfg, 2) == 56 * 1024  # docs/design.md, "Scale"
 
 
-@needs_7b
 def test_plan_for_8_gpus_fits_under_70_gib(capsys):
     train.main(["--model", FIXTURE_7B, "--plan", "--gpus", "8", "--gpu-mem", "80", *RELEASED])
     out = capsys.readouterr().out
@@ -103,7 +101,6 @@ def test_plan_for_8_gpus_fits_under_70_gib(capsys):
     assert "label KV cache" in out and "host" in out
 
 
-@needs_7b
 def test_one_gpu_needs_offload_and_fits_with_it(capsys):
     args = ["--model", FIXTURE_7B, "--gpus", "1", "--gpu-mem", "80", *RELEASED]
     with pytest.raises(SystemExit) as e:
@@ -131,11 +128,14 @@ def test_one_gpu_needs_offload_and_fits_with_it(capsys):
     assert t["host"] == t["host node"] == pytest.approx(28 * 7.62e9, rel=0.01)
 
 
-@needs_7b
 def test_a_start_that_cannot_fit_stops_before_loading(tmp_path, capsys, monkeypatch):
+    import shutil
+    from harness import models
     monkeypatch.setattr(train, "run", lambda cfg: pytest.fail("run() must not start"))
+    folder = tmp_path / "m"   # a local model (a start needs one offline): the 7B's config.json alone
+    shutil.copytree(models.config_path(FIXTURE_7B), folder)
     with pytest.raises(SystemExit):
-        train.main(["--model", FIXTURE_7B, "--gpus", "2", "--gpu-mem", "40", "--out", str(tmp_path / "r")])
+        train.main(["--model", str(folder), "--gpus", "2", "--gpu-mem", "40", "--out", str(tmp_path / "r")])
     assert "cheapest fix" in capsys.readouterr().err
 
 
@@ -253,3 +253,66 @@ def test_the_step_frees_the_static_buffers_before_the_update(tmp_path, monkeypat
                  probe_lib.make_optimizer(probe, lr=cfg["probe_lr"]), opt, sched, cfg, torch.device("cpu"),
                  cfg["instruction"])
     assert alive == [False]
+
+
+def test_every_named_model_plans_offline_from_its_shipped_config(capsys, monkeypatch):
+    """No hub and no model folder: each alias's plan reads configs/NAME/config.json, for train.py and
+    evaluate.py, and prints the README's figures."""
+    import evaluate
+    from harness.checkpoint import ALIASES
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    train.main(["--model", "deepseek-r1-distill-qwen-7b", "--plan", "--gpus", "8", "--gpu-mem", "80"])
+    assert "fits: peak 52.9 of 80 GiB" in capsys.readouterr().out   # README.md, "The 7B run"
+    for name in ALIASES:
+        train.main(["--model", name, "--plan", "--gpus", "8", "--gpu-mem", "80"])
+        assert capsys.readouterr().out.splitlines()[-1].startswith("fits: peak")
+        assert evaluate.main(["--model", name, "--benchmarks", "math500", "--plan", "--gpu-mem", "141"]) is None
+        assert "math500 on 1 x 141 GiB GPU" in capsys.readouterr().out
+    evaluate.main(["--model", "rlcm-7b", "--benchmarks", "math500", "--plan", "--gpu-mem", "80"])
+    assert capsys.readouterr().out.strip().endswith("peak 72.8 GiB")   # the 7B's: the release is its fine-tune
+
+
+def test_the_shipped_configs_are_the_public_ones():
+    """The architecture the plans read: the 7B's is its public config.json (a copy of the shared
+    fixture where that exists), the 4B's the sizes Qwen3-4B-Instruct-2507 publishes."""
+    from harness import models
+    from harness.checkpoint import resolve_model
+    assert resolve_model("rlcm-7b") == "Melodramas/RLCM-DeepSeek-R1-Distill-Qwen-7B"
+    assert resolve_model("rlcm-4b") == "Melodramas/RLCM-Qwen3-4B-Instruct"
+    seven = plan.model_config("rlcm-7b")
+    assert plan.model_config("deepseek-r1-distill-qwen-7b").to_dict() == seven.to_dict()
+    fixture = os.path.join(ROOT, "..", "shared", "fixtures", "r1_distill_qwen_7b", "config.json")
+    if os.path.isfile(fixture):
+        with open(fixture) as a, open(os.path.join(models.config_path("rlcm-7b"), "config.json")) as b:
+            assert a.read() == b.read()
+    four = plan.model_config("qwen3-4b-instruct")
+    assert (four.model_type, four.hidden_size, four.intermediate_size, four.num_hidden_layers,
+            four.num_attention_heads, four.num_key_value_heads, four.head_dim, four.vocab_size,
+            four.tie_word_embeddings) == ("qwen3", 2560, 9728, 36, 32, 8, 128, 151936, True)
+    assert 4.0e9 < plan.param_counts(four)[0] < 4.05e9   # "4.0B" on its card, the tied embedding once
+    assert plan.model_config("rlcm-4b").to_dict() == four.to_dict()
+
+
+def test_the_refusal_and_the_reference_give_the_same_fixes_in_the_same_order(capsys):
+    """One 80 GB GPU and the 7B: the refusal's fixes, as docs/reference.md quotes them."""
+    with pytest.raises(SystemExit):
+        train.main(["--model", "deepseek-r1-distill-qwen-7b", "--plan", "--gpus", "1", "--gpu-mem", "80"])
+    fix = capsys.readouterr().err.strip().split("cheapest fix: ")[1]
+    assert fix.startswith("--lora-rank 32 (peak 55.0 GiB") and "to keep full fine-tuning: --offload" in fix
+    with open(os.path.join(ROOT, "docs", "reference.md")) as f:
+        assert f'"cheapest fix: {fix}"' in " ".join(f.read().split())
+
+
+def test_the_4b_recipe_on_one_80_gb_gpu(capsys):
+    """Qwen3-4B-Instruct's full fine-tune (16 N = 59.9 GiB of training state) fits one 80 GB GPU with
+    one prompt per generation call; its K/V is 144 KiB a token (36 layers x 8 heads x 128), 2.6x the
+    7B's, so the default 8 prompts x 6 samples x 9216 positions (60.8 GiB) do not fit."""
+    args = ["--model", "qwen3-4b-instruct", "--plan", "--gpus", "1", "--gpu-mem", "80"]
+    with pytest.raises(SystemExit) as e:
+        train.main(args)
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().endswith("cheapest fix: --gen-batch 1 (peak 76.1 GiB)")
+    train.main(args + ["--gen-batch", "1"])
+    out = capsys.readouterr().out
+    assert "training state     59.94 GiB" in out and "fits: peak 76.1 of 80 GiB" in out
+    assert plan.kv_bytes_per_token(plan.model_config("qwen3-4b-instruct"), 2) == 144 * 1024
