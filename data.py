@@ -13,6 +13,10 @@ import re
 from grade import plain_number as _number  # integer gold answers: "025" -> "25"
 
 PROBLEM_FIELDS = ("problem", "question", "prompt", "Question", "query")
+# The longest problem a row may hold, in characters. Real problems are under 10,000 (LiveCodeBench's
+# statements with their starter code); a row far longer is a broken file, and tokenizing it would
+# take minutes and gigabytes before anything said so.
+MAX_PROBLEM_CHARS = 200_000
 # Answer-like names only: `solution` is a worked text, never a gold answer.
 ANSWER_FIELDS = ("answer", "final_answer", "gold", "target", "Correct Answer")
 
@@ -249,6 +253,20 @@ def _choices(row, index, spec):
     return problem, letters[order.index(0)]
 
 
+def _check_text(where, i, problem, answer):
+    """A row's text bounded where it is read: a problem of at most MAX_PROBLEM_CHARS, valid Unicode
+    (JSON can spell a lone surrogate, "\\ud800", which no tokenizer takes)."""
+    if len(problem) > MAX_PROBLEM_CHARS:
+        raise DataError(f"{where}: row {i} has a problem of {len(problem):,} characters, over the "
+                        f"{MAX_PROBLEM_CHARS:,} a row may hold (data.MAX_PROBLEM_CHARS): fix or drop the row")
+    for field, text in (("problem", problem), ("answer", answer)):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise DataError(f"{where}: row {i} {field} is not valid Unicode ({e.reason}, {text[e.start]!r} at "
+                            f"character {e.start}): fix the row") from None
+
+
 def load_rows(source, split=None, problem_field=None, answer_field=None, limit=None, like=None,
               lcb_release=LCB_RELEASE):
     """[{"problem": str, "answer": str}] from a TOY_BENCHMARKS name, a BENCHMARKS name, a local .json/.jsonl/.parquet
@@ -314,5 +332,6 @@ def load_rows(source, split=None, problem_field=None, answer_field=None, limit=N
         if not problem or answer in (None, ""):
             raise DataError(f"{where}: row {i} has an empty {'problem' if not problem else 'answer'} "
                             f"(fields {pf!r}, {af!r}): fix the data or pass --problem-field/--answer-field")
+        _check_text(where, i, problem, answer)
         rows.append({"problem": problem, "answer": answer})
     return rows

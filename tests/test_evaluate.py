@@ -334,3 +334,26 @@ def test_the_readmes_c2gspg_command_reads_forced_rlcr_confidences_on_a_toy_c2gsp
     with pytest.raises(SystemExit, match="--mode rlcr: lcb has no RLCR-format evaluation"):
         evaluate.main(["--model", run, "--mode", "rlcr", "--benchmarks", f"lcb={ROOT}/tests/fixtures/lcb.jsonl",
                        "--out", str(tmp_path / "lcb")])
+
+
+
+def test_an_unbounded_row_stops_train_and_evaluate_before_any_model_loads(tmp_path, monkeypatch, capsys):
+    """A 300,000-character problem or a lone surrogate in a data file: one line naming the file and the
+    row, before any model is loaded (red team 4, cases 26 and 27: before, 46 s and 2.3 GB, then the
+    model's chat template was blamed). train.py exits 2; evaluate.py ends, as for every user error, with
+    its one line."""
+    def no_model(*a, **k):
+        raise AssertionError("a model was loaded")
+    monkeypatch.setattr(train, "load_policy", no_model)
+    monkeypatch.setattr(evaluate, "load_model", no_model)
+    big, lone = tmp_path / "big.jsonl", tmp_path / "lone.jsonl"
+    big.write_text(json.dumps({"problem": "1+" * 150_000, "answer": "1"}) + "\n")
+    lone.write_text('{"problem": "2+2", "answer": "4"}\n{"problem": "2+2 \\ud800", "answer": "4"}\n')
+    for path, why in ((big, "row 0 has a problem of 300,000 characters"), (lone, "row 1 problem is not valid Unicode")):
+        with pytest.raises(SystemExit) as e:
+            train.main(["--data", str(path), "--steps", "1", "--out", str(tmp_path / f"run_{path.stem}")])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and err.startswith(f"error: {path}: {why}") and "\n" not in err, err
+        with pytest.raises(SystemExit) as e:
+            evaluate.main(["--model", "toy", "--benchmarks", f"math500={path}", "--out", str(tmp_path / "eval")])
+        assert e.value.code.startswith(f"evaluate.py: error: {path}: {why}") and "\n" not in e.value.code
