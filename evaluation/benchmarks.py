@@ -123,11 +123,16 @@ def run_prompt(path, args):
 
 def rlcr_prompts(loaded):
     """--mode rlcr (the released evaluation's, for RLCR and C2GSPG): every benchmark asks in RLCR's
-    format, prompts.RLCR_INSTRUCTION (the toy world's: toy.RLCR_INSTRUCTION). LiveCodeBench, whose
-    answer is a program, has no RLCR form in the release: refused."""
+    format, prompts.RLCR_INSTRUCTION (the toy world's: toy.RLCR_INSTRUCTION), or in a verl file's own
+    prompt when that asks for it (the release's _rlcr parquets). LiveCodeBench, whose answer is a
+    program, has no RLCR form in the release: refused."""
     if any(data.kind(bench) == "code" for bench, *_ in loaded):
         raise UserError("--mode rlcr: lcb has no RLCR-format evaluation (its answer is a program, none in the "
                         "release either): evaluate it without --mode rlcr")
+    for bench, rows, *_ in loaded:   # a released chat list is the whole prompt: RLCR's is not added to it
+        if rows and "messages" in rows[0] and "<confidence>" not in rows[0]["problem"]:
+            raise UserError(f"--mode rlcr: {bench}'s prompts are a verl file's, as released, and do not ask for "
+                            "RLCR's format: pass the release's _rlcr parquet of it, or drop --mode rlcr")
     return [(bench, rows, toy.RLCR_INSTRUCTION if bench in data.TOY_BENCHMARKS else prompts_lib.RLCR_INSTRUCTION, src)
             for bench, rows, _, src in loaded]
 

@@ -139,3 +139,29 @@ def test_rows_are_bounded_where_they_are_read(tmp_path):
     with pytest.raises(data.DataError, match=rf"^{lone}: row 0 answer is not valid Unicode"):
         data.load_rows(str(lone))
 
+
+def write_verl(path, rows):
+    """A parquet in verl's layout, as the release ships its benchmarks and lead_80.parquet (its
+    deepscaler_dataset script): rows of (chat content, ground truth)."""
+    import pyarrow
+    import pyarrow.parquet
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist([
+        {"data_source": "math", "prompt": [{"role": "user", "content": content}], "ability": "math",
+         "reward_model": {"style": "rule", "ground_truth": gold}, "extra_info": {"split": "test", "index": i}}
+        for i, (content, gold) in enumerate(rows)]), path)
+    return str(path)
+
+
+def test_verl_layout_parquets_read_as_released(tmp_path):
+    """The prompt is the chat list as released (its instruction already in it), the gold
+    reward_model.ground_truth; before, such a file stopped with "no answer field"."""
+    asked = "What is 2+3? Let's think step by step and output the final answer within \\boxed{}."
+    path = write_verl(tmp_path / "lead.parquet", [(asked, "5"), ("Compute 7*6.", "42")])
+    rows = data.load_rows(path)
+    assert rows == [{"problem": asked, "answer": "5", "messages": [{"role": "user", "content": asked}]},
+                    {"problem": "Compute 7*6.", "answer": "42", "messages": [{"role": "user", "content": "Compute 7*6."}]}]
+    assert data.load_rows(path, like="logiqa") == rows   # a released benchmark's file: its own prompt, not rebuilt
+    with pytest.raises(data.DataError, match="LiveCodeBench file in verl's layout"):
+        data.load_rows(path, like="lcb")
+    with pytest.raises(data.DataError, match=r"row 0 has an empty answer \(fields 'prompt', 'reward_model.ground_truth'\)"):
+        data.load_rows(write_verl(tmp_path / "nogold.parquet", [(asked, "")]))
