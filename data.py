@@ -13,6 +13,10 @@ import re
 from grade import plain_number as _number  # integer gold answers: "025" -> "25"
 
 PROBLEM_FIELDS = ("problem", "question", "prompt", "Question", "query")
+# The longest problem a row may hold, in characters. Real problems are under 10,000 (LiveCodeBench's
+# statements with their starter code); a row far longer is a broken file, and tokenizing it would
+# take minutes and gigabytes before anything said so.
+MAX_PROBLEM_CHARS = 200_000
 # Answer-like names only: `solution` is a worked text, never a gold answer.
 ANSWER_FIELDS = ("answer", "final_answer", "gold", "target", "Correct Answer")
 
@@ -249,10 +253,47 @@ def _choices(row, index, spec):
     return problem, letters[order.index(0)]
 
 
+def _verl_row(r, i, where):
+    """(problem text, gold, chat list) of a row in verl's layout, the release's parquets: `prompt` the
+    chat list [{role, content}] as released (its user turn already holds the instruction),
+    `reward_model.ground_truth` the gold. The problem text (logs, question ids) is the turns' contents."""
+    chat, gold = r.get("prompt"), (r.get("reward_model") or {}).get("ground_truth")
+    turn = lambda m: isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)  # noqa: E731
+    if not (isinstance(chat, list) and chat and all(map(turn, chat))):
+        raise DataError(f"{where}: row {i} prompt is {str(chat)[:40]!r}, not a chat list of {{role, content}} "
+                        "(verl's layout): fix the row")
+    messages = [{"role": m["role"], "content": m["content"]} for m in chat]
+    return "\n\n".join(m["content"] for m in messages).strip(), gold, messages
+
+
+def _gradable(where, i, field, value):
+    """A row's field value, when it is text or a number (a dict, list, bool or NaN can never be graded)."""
+    if isinstance(value, (dict, list, bool)) or (isinstance(value, float) and not math.isfinite(value)):
+        raise DataError(f"{where}: row {i} field {field!r} is {str(value)[:40]!r} "
+                        f"({type(value).__name__}), which can never be graded: give text or a number")
+    return value
+
+
+def _check_text(where, i, problem, answer):
+    """A row's text bounded where it is read: a problem of at most MAX_PROBLEM_CHARS, valid Unicode
+    (JSON can spell a lone surrogate, "\\ud800", which no tokenizer takes)."""
+    if len(problem) > MAX_PROBLEM_CHARS:
+        raise DataError(f"{where}: row {i} has a problem of {len(problem):,} characters, over the "
+                        f"{MAX_PROBLEM_CHARS:,} a row may hold (data.MAX_PROBLEM_CHARS): fix or drop the row")
+    for field, text in (("problem", problem), ("answer", answer)):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise DataError(f"{where}: row {i} {field} is not valid Unicode ({e.reason}, {text[e.start]!r} at "
+                            f"character {e.start}): fix the row") from None
+
+
 def load_rows(source, split=None, problem_field=None, answer_field=None, limit=None, like=None,
               lcb_release=LCB_RELEASE):
     """[{"problem": str, "answer": str}] from a TOY_BENCHMARKS name, a BENCHMARKS name, a local .json/.jsonl/.parquet
-    file, or a Hugging Face dataset id ("owner/name"). Fields are detected unless given.
+    file, or a Hugging Face dataset id ("owner/name"). Fields are detected unless given. A file in verl's
+    layout (the release's parquets: `prompt` a chat list, `reward_model.ground_truth`) gives rows that
+    also hold "messages", the chat list as released, which prompts.row_prompt renders as is.
 
     like: the BENCHMARKS name whose layout a local file has; lcb and logiqa rows are then built as
     the hub's are (BUILD), and gpqa rows with its option fields get their options and a letter gold.
@@ -285,19 +326,32 @@ def load_rows(source, split=None, problem_field=None, answer_field=None, limit=N
     if spec.get("filter"):
         field, needle = spec["filter"]
         records = [r for r in records if needle in str(r.get(field, ""))]
+    # verl's layout (the release's parquets): the prompt as released, the gold from reward_model
+    verl = bool(records) and not (problem_field or answer_field) and isinstance(records[0].get("reward_model"), dict) \
+        and isinstance(records[0].get("prompt"), list)
+    if verl and name == "lcb":
+        raise DataError(f"{where}: a LiveCodeBench file in verl's layout holds its tests in verl's form, which "
+                        "this project's code grader does not read: use lcb (the hub's rows) or a copy of them")
     if name == "lcb":
         first, last = lcb_window(lcb_release)
         records = [r for r in records if first <= str(r.get("contest_date", ""))[:7] <= last]
     if not records:
         raise DataError(f"{where} has no rows: check the file, split or filter")
     keys = set().union(*(r.keys() for r in records[:100]))
-    pf = _field(keys, problem_field, spec.get("problem"), PROBLEM_FIELDS, "problem", "--problem-field", where)
-    af = _field(keys, answer_field, spec.get("answer"), ANSWER_FIELDS, "answer", "--answer-field", where)
+    if verl:
+        pf, af = "prompt", "reward_model.ground_truth"
+    else:
+        pf = _field(keys, problem_field, spec.get("problem"), PROBLEM_FIELDS, "problem", "--problem-field", where)
+        af = _field(keys, answer_field, spec.get("answer"), ANSWER_FIELDS, "answer", "--answer-field", where)
     # GPQA's layout (its options in fields of their own), on the hub or in a local copy: options shown, letter gold
     choices = spec.get("choices") if not (problem_field or answer_field) and keys & set(spec.get("choices", ())) else None
     rows = []
     for i, r in enumerate(records if limit is None else records[:limit]):
-        if name in BUILD:
+        messages = None
+        if verl:
+            problem, gold, messages = _verl_row(r, i, where)
+            answer = _answer_text(_gradable(where, i, af, _first(gold)), spec.get("integer"))
+        elif name in BUILD:
             problem, answer = BUILD[name](r)
         elif choices:
             lack = [f for f in (spec["problem"], *choices) if not isinstance(r.get(f), (str, int, float))]
@@ -306,13 +360,11 @@ def load_rows(source, split=None, problem_field=None, answer_field=None, limit=N
                                 f"needs {spec['problem']!r} and {', '.join(map(repr, choices))}; fix the row")
             problem, answer = _choices(r, i, spec)
         else:
-            for field, value in ((pf, r.get(pf)), (af, _first(r.get(af)))):
-                if isinstance(value, (dict, list, bool)) or (isinstance(value, float) and not math.isfinite(value)):
-                    raise DataError(f"{where}: row {i} field {field!r} is {str(value)[:40]!r} "
-                                    f"({type(value).__name__}), which can never be graded: give text or a number")
-            problem, answer = scrub(str(r.get(pf) or "")).strip(), _answer_text(r.get(af), spec.get("integer"))
+            problem = scrub(str(_gradable(where, i, pf, r.get(pf)) or "")).strip()
+            answer = _answer_text(_gradable(where, i, af, _first(r.get(af))), spec.get("integer"))
         if not problem or answer in (None, ""):
             raise DataError(f"{where}: row {i} has an empty {'problem' if not problem else 'answer'} "
                             f"(fields {pf!r}, {af!r}): fix the data or pass --problem-field/--answer-field")
-        rows.append({"problem": problem, "answer": answer})
+        _check_text(where, i, problem, answer)
+        rows.append({"problem": problem, "answer": answer, **({"messages": messages} if messages else {})})
     return rows

@@ -1,6 +1,6 @@
 """Prompts: the instruction each benchmark's problems get and the chat-template prompt ids.
 
-    ids = chat_prompt(tokenizer, rows[0]["problem"], instruction_for("math500"))
+    ids = row_prompt(tokenizer, rows[0], instruction_for("math500"))
 
 The rows come from data.py (load_rows); check_context and drop_long_prompts fit them to the model.
 """
@@ -77,6 +77,20 @@ def chat_prompt(tokenizer, problem: str, instruction: str = INSTRUCTION, system:
         if _render(tokenizer, messages, tokenize=False) == _render(tokenizer, messages[1:], tokenize=False):
             raise DataError("this model's chat template drops the system turn: put the text in the "
                             "instruction (--instruction) instead")
+    return _ids(tokenizer, messages)
+
+
+def row_prompt(tokenizer, row, instruction: str = INSTRUCTION, system: str = None) -> list[int]:
+    """Prompt ids of a data row: chat_prompt over its problem, or, for a row read from a file in verl's
+    layout (the release's parquets), its chat list row["messages"] as released: that prompt already
+    holds the release's instruction, so neither `instruction` nor `system` is added."""
+    if "messages" in row:
+        return _ids(tokenizer, row["messages"])
+    return chat_prompt(tokenizer, row["problem"], instruction, system)
+
+
+def _ids(tokenizer, messages):
+    """The chat template over `messages`, generation prompt added, tokenized; one BOS."""
     out = _render(tokenizer, messages, add_generation_prompt=True, tokenize=True)
     ids = [int(i) for i in (out["input_ids"] if hasattr(out, "keys") else out)]
     bos = tokenizer.bos_token_id
@@ -98,7 +112,7 @@ def check_context(tokenizer, rows, instruction, context, max_new_tokens, where, 
     first row is rendered with the `system` turn first: a chat template that fails on it stops
     here, before any folder is made."""
     if rows:
-        chat_prompt(tokenizer, rows[0]["problem"], instruction, system)
+        row_prompt(tokenizer, rows[0], instruction, system)
     if not context:
         return
     over = long_prompts(tokenizer, rows, instruction, context - max_new_tokens)
@@ -115,7 +129,8 @@ def long_prompts(tokenizer, rows, instruction, limit):
     """[(row index, prompt tokens)] for rows whose chat prompt is longer than `limit` tokens.
 
     Only rows that could be that long are tokenized: a prompt has at most the template's own
-    tokens plus two per UTF-8 byte of the problem (byte-level tokenizers give at most one)."""
+    tokens (per turn of a released chat list) plus two per UTF-8 byte of the problem (byte-level
+    tokenizers give at most one)."""
     import logging
     base = len(chat_prompt(tokenizer, "", instruction))
     out, log = [], logging.getLogger("transformers")
@@ -123,8 +138,8 @@ def long_prompts(tokenizer, rows, instruction, limit):
     log.setLevel(logging.ERROR)  # the tokenizer's "longer than the maximum length" warning: we say it better
     try:
         for i, r in enumerate(rows):
-            if base + 2 * len(r["problem"].encode("utf-8")) > limit:
-                n = len(chat_prompt(tokenizer, r["problem"], instruction))
+            if base * max(1, len(r.get("messages", ()))) + 2 * len(r["problem"].encode("utf-8")) > limit:
+                n = len(row_prompt(tokenizer, r, instruction))
                 if n > limit:
                     out.append((i, n))
     finally:

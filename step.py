@@ -16,7 +16,7 @@ from grade import is_correct
 from grpo import group_advantages, pack, policy_loss, token_logprobs
 from label import budgets, cut_mask, grid, labelled, mc_labels
 from metrics import advantage_parts, ece
-from prompts import chat_prompt
+from prompts import row_prompt
 from reward import margin_reward, total_reward
 from rollout import generate
 from update import micro_batch, micro_batches, score, update
@@ -29,7 +29,7 @@ def rlcm_step(model, tok, probe, probe_opt, opt, rows, cfg, step):
     its metrics. The same samples, metrics and weights as rl_step with --reward rlcm, --ppo-epochs 1
     and one micro-batch; the learning-rate schedule is left to the caller."""
     G, seed = cfg["group_size"], cfg["seed"] * 1_000_003 + step * 101  # rl_step's seeds
-    prompts = [chat_prompt(tok, r["problem"], cfg["instruction"], cfg["system_prompt"]) for r in rows]
+    prompts = [row_prompt(tok, r, cfg["instruction"], cfg["system_prompt"]) for r in rows]
     # 1. rollout: G responses per prompt, each right (1) or wrong (0) by its last \boxed{}
     model.eval()
     out = generate(model, tok, prompts, n=G, max_new_tokens=cfg["max_new_tokens"], temperature=cfg["temperature"],
@@ -93,7 +93,7 @@ def rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched
     timer, G, mode = Timer(), cfg["group_size"], cfg["reward"]
     probed = mode in modes.PROBE_MODES  # forced-answer labels and the probe (modes.py)
     rows = batch_rows[RANK::WORLD]  # whole prompt groups stay on one rank
-    prompts = [chat_prompt(tok, r["problem"], instruction, cfg["system_prompt"]) for r in rows]
+    prompts = [row_prompt(tok, r, instruction, cfg["system_prompt"]) for r in rows]
     step_seed = cfg["seed"] * 1_000_003 + step * 101
     seed = step_seed + RANK  # each rank samples its own groups
     captured = staticcache.captures()

@@ -130,6 +130,10 @@ def rlcr_prompts(loaded):
         raise UserError("--mode rlcr: lcb has no RLCR-format evaluation here (its answer is a program; the release "
                         "ships livecodebench_lite_rlcr.parquet but no config or grader for it): evaluate it "
                         "without --mode rlcr")
+    for bench, rows, *_ in loaded:   # a released chat list is the whole prompt: RLCR's is not added to it
+        if rows and "messages" in rows[0] and "<confidence>" not in rows[0]["problem"]:
+            raise UserError(f"--mode rlcr: {bench}'s prompts are a verl file's, as released, and do not ask for "
+                            "RLCR's format: pass the release's _rlcr parquet of it, or drop --mode rlcr")
     return [(bench, rows, toy.RLCR_INSTRUCTION if bench in data.TOY_BENCHMARKS else prompts_lib.RLCR_INSTRUCTION, src)
             for bench, rows, _, src in loaded]
 

@@ -49,7 +49,7 @@ def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, con
                 written.add(None)
                 continue
             m = len(chunk[0][1])
-            prompts = [prompts_lib.chat_prompt(tok, rows[q]["problem"], instruction, system) for q, _ in chunk]
+            prompts = [prompts_lib.row_prompt(tok, rows[q], instruction, system) for q, _ in chunk]
             seed = args.seed * 1_000_003 + chunk[0][0] * 1009 + m
             out = rollout.generate(model, tok, prompts, n=m, max_new_tokens=s["max_new_tokens"],
                                    temperature=args.temperature, top_p=args.top_p, seed=seed,

@@ -28,7 +28,7 @@ import metrics
 import modes
 import probe as probe_lib
 from label import budgets, cut_mask, grid, labelled, mc_labels
-from prompts import chat_prompt
+from prompts import row_prompt
 from rollout import generate
 from harness import rewardfn, runlog, staticcache
 from harness.parallel import RANK, WORLD, all_gather, all_sum
@@ -43,7 +43,7 @@ def held_out_accuracy(sampler, tok, rows, cfg, instruction, device, probe=None, 
     calibration on the first eval_probe_n of these trajectories is added to it (below). nan when
     nothing was scored (a --reward-fn that returned None for every response)."""
     mine = rows[RANK::WORLD]
-    prompts = [chat_prompt(tok, r["problem"], instruction, cfg["system_prompt"]) for r in mine]
+    prompts = [row_prompt(tok, r, instruction, cfg["system_prompt"]) for r in mine]
     hits, trajs, judged = 0, [], len(mine)
     if prompts:
         out = generate(sampler, tok, prompts, max_new_tokens=cfg["max_new_tokens"], temperature=0.6,

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 import probe as probe_lib
-from prompts import chat_prompt
+from prompts import row_prompt
 from grade import answers_match, boxed_answer, boxed_in_thinking, code_job, is_correct
 from label import forced_prompt
 from rollout import generate
@@ -61,7 +61,7 @@ def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, pro
     cached = read_cache(cache + ".pt") if os.path.exists(cache + ".pt") else None
     if cached is not None and cached[1].get("protocol") == p:
         return cached
-    prompts = [chat_prompt(tokenizer, r["problem"], instruction, system) for r in questions]
+    prompts = [row_prompt(tokenizer, r, instruction, system) for r in questions]
     out = generate(model, tokenizer, prompts, n=p["n"], max_new_tokens=p["max_new_tokens"],
                    temperature=p["temperature"], top_p=p["top_p"], seed=p["seed"],
                    batch_size=max(1, rows // p["n"]))

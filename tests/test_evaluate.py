@@ -364,3 +364,79 @@ def test_the_posthoc_fit_rules_reach_the_protocol(tmp_path, monkeypatch):
         probes.get_probe("probe-posthoc", None, None, "base", toy.BASE_DIR, str(tmp_path),
                          evaluate.parse_args(["--model", "toy", *given]), 0)
         assert seen["fit"] == fit and seen.get("tokens") == tokens
+
+
+@pytest.fixture
+def verl_files(tmp_path, monkeypatch):
+    """(benchmark parquet, fit parquet, rendered): toy problems in verl's layout, the release's (its
+    third benchmark question with a wrong gold), and every chat list the chat template renders."""
+    from test_data import write_verl
+    bench, fit = toy.dataset("test")[:3], toy.dataset("train")[:4]
+    golds = [bench[0]["answer"], bench[1]["answer"], "-1"]
+    rendered, render = [], prompts_lib._render
+    monkeypatch.setattr(prompts_lib, "_render", lambda tok, m, **kw: rendered.append(m) or render(tok, m, **kw))
+    return (write_verl(tmp_path / "math500.parquet", [(r["problem"], g) for r, g in zip(bench, golds)]),
+            write_verl(tmp_path / "lead_80.parquet", [(r["problem"], r["answer"]) for r in fit]), rendered)
+
+
+def test_verl_layout_parquets_are_evaluated_and_fitted_on_as_released(verl_files, tmp_path):
+    """--benchmarks math500=FILE.parquet and --probe-data FILE.parquet in verl's layout: each prompt is
+    the parquet's chat list rendered as is (math500's instruction not appended again), each gold its
+    reward_model.ground_truth. Before, both stopped with "no answer field"."""
+    from evaluation.samples import digest
+    bench_file, fit_file, rendered = verl_files
+    res = evaluate.main(["--model", "toy", "--benchmarks", f"math500={bench_file}", "--probe-data", fit_file,
+                         "--out", str(tmp_path / "out"), "--n-samples", "4", "--max-new-tokens", "48", "--gate",
+                         "none", "--every", "8", "--probe-questions", "4", "--probe-samples", "2",
+                         "--posthoc-budgets", "2", "--threads", "1"])
+    bench, fit = data.load_rows(bench_file), data.load_rows(fit_file)
+    for r in bench + fit:
+        assert [{"role": "user", "content": r["problem"]}] in rendered
+        assert [{"role": "user", "content": r["problem"] + prompts_lib.INSTRUCTION}] not in rendered
+    samples = _rows(str(tmp_path / "out" / "samples.jsonl"))
+    assert len(samples) == 12 and {s["benchmark"] for s in samples} == {"math500"}
+    assert [digest([r["problem"], r["answer"]], 12) for r in bench] == [
+        next(s["q"] for s in samples if s["question"] == q) for q in range(3)]
+    right = [sum(s["correct"] for s in samples if s["question"] == q) for q in range(3)]
+    assert right[0] + right[1] > 0 and right[2] == 0    # graded against the ground truths: "-1" is never right
+    (report,) = [m["posthoc_probe"] for m in res.values()]
+    assert report["data"] == fit_file and report["protocol"]["questions"] == 4
+    with pytest.raises(SystemExit, match=r"--mode rlcr: math500's prompts are a verl file's, as released, and do not "):
+        evaluate.main(["--model", "toy", "--benchmarks", f"math500={bench_file}", "--mode", "rlcr"])
+
+
+def test_train_reads_verl_layout_parquets(verl_files, tmp_path):
+    """train.py --data FILE.parquet and --eval-data FILE.parquet in verl's layout: the training and
+    held-out prompts are their chat lists."""
+    bench_file, fit_file, rendered = verl_files
+    train.main(["--data", fit_file, "--eval-data", bench_file, "--eval-n", "3", "--steps", "1", "--out",
+                str(tmp_path / "run"), "--prompts-per-step", "4", "--group-size", "2", "--max-new-tokens", "40",
+                "--save-every", "0"])
+    for r in data.load_rows(fit_file) + data.load_rows(bench_file):
+        assert [{"role": "user", "content": r["problem"]}] in rendered
+    metrics = _rows(str(tmp_path / "run" / "metrics.jsonl"))
+    held = [m for m in metrics if m.get("eval")]
+    assert [m.get("step") for m in metrics if not m.get("eval")] == [1] and len(held) == 2
+    assert all(m["eval_n"] == 3 and m["eval_accuracy"] <= 2 / 3 for m in held)   # the third gold, "-1", is never right
+
+
+def test_an_unbounded_row_stops_train_and_evaluate_before_any_model_loads(tmp_path, monkeypatch, capsys):
+    """A 300,000-character problem or a lone surrogate in a data file: one line naming the file and the
+    row, before any model is loaded (red team 4, cases 26 and 27: before, 46 s and 2.3 GB, then the
+    model's chat template was blamed). train.py exits 2; evaluate.py ends, as for every user error, with
+    its one line."""
+    def no_model(*a, **k):
+        raise AssertionError("a model was loaded")
+    monkeypatch.setattr(train, "load_policy", no_model)
+    monkeypatch.setattr(evaluate, "load_model", no_model)
+    big, lone = tmp_path / "big.jsonl", tmp_path / "lone.jsonl"
+    big.write_text(json.dumps({"problem": "1+" * 150_000, "answer": "1"}) + "\n")
+    lone.write_text('{"problem": "2+2", "answer": "4"}\n{"problem": "2+2 \\ud800", "answer": "4"}\n')
+    for path, why in ((big, "row 0 has a problem of 300,000 characters"), (lone, "row 1 problem is not valid Unicode")):
+        with pytest.raises(SystemExit) as e:
+            train.main(["--data", str(path), "--steps", "1", "--out", str(tmp_path / f"run_{path.stem}")])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and err.startswith(f"error: {path}: {why}") and "\n" not in err, err
+        with pytest.raises(SystemExit) as e:
+            evaluate.main(["--model", "toy", "--benchmarks", f"math500={path}", "--out", str(tmp_path / "eval")])
+        assert e.value.code.startswith(f"evaluate.py: error: {path}: {why}") and "\n" not in e.value.code
