@@ -47,8 +47,11 @@ def expendable():
     the grader, holding a model, keeps its own), and a fresh anonymous session keyring in place of the
     grader's, whose keys (a token a login or a container runtime keeps there) it could read or clear."""
     import ctypes
-    with open("/proc/self/oom_score_adj", "w") as f:
-        f.write("1000")
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:  # a read-only /proc (some containers): the OOM killer then goes by size alone
+        pass
     machine = os.uname().machine
     if machine not in KEYCTL:
         raise OSError(f"sandbox: keyctl's system call number on {machine} is not known to sandbox_child.py, "
@@ -56,7 +59,8 @@ def expendable():
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.syscall(ctypes.c_long(KEYCTL[machine]), ctypes.c_long(KEYCTL_JOIN_SESSION_KEYRING), None) < 0:
         err = ctypes.get_errno()
-        if err != errno.ENOSYS:  # a kernel without keys has no keyring to share
+        if err not in (errno.ENOSYS, errno.EPERM):  # no keys in the kernel, or keyctl refused (Docker's
+            # seccomp profile) to this process and so to the program: no keyring to share
             raise OSError(err, f"sandbox: cannot join a session keyring of its own: {os.strerror(err)}")
 
 

@@ -274,8 +274,8 @@ def test_a_program_cannot_read_or_clear_the_graders_session_keyring(as_user):
     try:
         results = _as(as_user, "keyring", THIEF)
     except AssertionError as e:
-        if "KEYCTL_JOIN" in str(e) or "Function not implemented" in str(e):
-            pytest.skip("no kernel keyrings here")
+        if "KEYCTL_JOIN" in str(e):
+            pytest.skip("the grader cannot join a session keyring here (no keys in the kernel, or keyctl refused)")
         raise
     assert results == {"stolen": False, "kept": True, "control": True}
 
