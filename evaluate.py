@@ -243,6 +243,9 @@ def main(argv=None):
     names = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
     check_flags(names, args)
     sandbox.allow_unconfined = args.unconfined_code
+    # besides the grader's folder, the project and the HF cache, a program sees none of these, wherever they lie
+    sandbox.hide += [p for p in (*(b.partition("=")[2] or b for b in names), *args.model, args.out)
+                     if p and os.path.exists(p)]
     threads = torch.get_num_threads()
     # What runs on a CPU here (the toy, a small local model) is too small to gain from threads, and
     # on a busy CPU threads that wait for each other make generation 10x slower: one thread on a

@@ -13,33 +13,36 @@ is one JSON argument per line, the return value must equal the JSON output (tupl
 Both modes first run LiveCodeBench's import prelude, so a solution that uses `heapq` or
 `defaultdict` without importing them passes as it does there.
 
-How one solution runs (harness/sandbox_child.py). `unshare` starts `python -I` in new mount, network,
-PID, IPC and UTS namespaces, and the child confines itself before any solution code runs. What is
-isolated: the network (a namespace whose only interface, lo, is down: no connection anywhere, abstract
-unix sockets included); processes (its own PID namespace and /proc: the grader and every other process
-are invisible, so they cannot be read (/proc/<pid>/environ, cmdline, mem), signalled or traced; the
-solution runs as PID 1, so every process it starts, setsid or not, dies with it, and one still there
-at the end fails the sample, as LiveCodeBench's guard allows no processes); files (a read-only
-root holding only read-only binds of /usr, the /bin-like folders and Python's installation, plus a
-private 64 MiB tmpfs at /tmp, gone afterwards: the grader's folders, the benchmark files, home
-folders (but Python's installation, where it lives in one), /etc, /dev and /sys are not there); users (uid 65534 in a user namespace of its own, which is
-the real uid 65534 when the grader is root and the grader's own uid otherwise, with no capabilities and
-no_new_privs); System V IPC and the host name. Limits, the same for every uid: CPU seconds, 2 GiB of
-address space per process, 32 tasks (threads allowed, as in LiveCodeBench), 32 open files, no core
-dumps. What is not isolated: CPU time and memory in sum (no cgroup: up to 32 processes of 2 GiB each
-until the deadline), reading what those binds hold and the machine-wide files of /proc (cpuinfo,
-meminfo, sys), and the kernel itself (its system calls are all allowed: no seccomp). A guard like
-LiveCodeBench's `reliability_guard` still makes os.system, os.fork, subprocess, file access beyond
+How one solution runs (harness/sandbox_child.py). `unshare` starts `python -I` in new mount, network, PID,
+IPC and UTS namespaces, and the child confines itself before any solution code runs. What is isolated: the
+network (a namespace whose only interface, lo, is down: no connection anywhere, abstract unix sockets
+included); processes (its own PID namespace and /proc: the grader and every other process are invisible, so
+they cannot be read (/proc/<pid>/environ, cmdline, mem), signalled or traced; the solution runs as PID 1, so
+every process it starts, setsid or not, dies with it, and one still there at the end fails the sample, as
+LiveCodeBench's guard allows no processes); files (a read-only root holding only read-only binds of /usr,
+the /bin-like folders and Python's installation, plus a private 64 MiB tmpfs at /tmp, gone afterwards: home
+folders (but Python's installation, where it lives in one), /etc, /dev and /sys are not there, and the
+grader's folder, this project, the Hugging Face cache and `hide` (evaluate.py's models, benchmark files and
+--out) are covered by an empty tmpfs where they lie in a bound tree, a checkout under /usr/local/src say);
+keys (a session keyring of its own in place of the grader's, which may hold a login's or a container's
+tokens); users (uid 65534 in a user namespace of its own, which is the real uid 65534 when the grader is
+root and the grader's own uid otherwise, with no capabilities and no_new_privs); System V IPC and the host
+name. Limits, the same for every uid: CPU seconds, 2 GiB of address space per process, 32 tasks (threads
+allowed, as in LiveCodeBench), 32 open files, no core dumps; oom_score_adj 1000, so that the OOM killer
+takes the program before the grader. What is not isolated: CPU time and memory in sum (no cgroup: up to 32
+processes of 2 GiB each until the deadline), reading what those binds hold and the machine-wide files of
+/proc (cpuinfo, meminfo, sys), and the kernel itself (its system calls are all allowed: no seccomp). A guard
+like LiveCodeBench's `reliability_guard` still makes os.system, os.fork, subprocess, file access beyond
 `open(0)` and sockets fail by name, so that a solution is graded as there.
 
-The gold outputs never enter the child, nor the grader's argv or environment: it gets the code and
-the test *inputs* on stdin and a scrubbed environment, streams one JSON line per test back over a pipe
-(never pickle), and the grader compares, stops at the first failure and reads at most LINE_BYTES per
-line. The child is killed at the end or after the global timeout `(per_test_s + 1) * n_tests + 5` s.
-Where namespaces cannot be made (no `unshare`, user namespaces disabled), run_tests raises
-SandboxUnavailable in one line and runs nothing, unless `allow_unconfined` is set (evaluate.py
---unconfined-code): then the child runs unconfined, with only the guard, the limits, a scrubbed
-environment and a throwaway directory, which code written to escape gets past.
+The gold outputs never enter the child, nor the grader's argv or environment: it gets the code and the test
+*inputs* on stdin and a scrubbed environment, streams one JSON line per test back over a pipe (never
+pickle), and the grader compares, stops at the first failure and reads at most LINE_BYTES per line; a line
+that does not decode fails the sample. The child is killed at the end or after the global timeout
+`(per_test_s + 1) * n_tests + 5` s. Where namespaces cannot be made (no `unshare`, user namespaces
+disabled), run_tests raises SandboxUnavailable in one line and runs nothing, unless `allow_unconfined` is
+set (evaluate.py --unconfined-code): then the child runs unconfined, with only the guard, the limits, a
+scrubbed environment and a throwaway directory, which code written to escape gets past.
 """
 import base64
 import binascii
@@ -63,12 +66,15 @@ from decimal import Decimal
 from harness.sandbox_child import LINE_BYTES
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_child.py")
+PROJECT = os.path.dirname(os.path.dirname(CHILD))
+HF_CACHES = ("HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_CACHE")
 UNSHARE = "unshare"             # util-linux
 START_S = 60                    # a child has this long to confine itself and say "ready"
 NAMESPACES = ("--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child")
 ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8",
        "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 allow_unconfined = False        # set by evaluate.py --unconfined-code: run code unconfined where namespaces fail
+hide = []                       # what else a program must not see (evaluate.py: models, benchmarks, --out)
 _FENCE = re.compile(r"^[ \t]*```[^\n`]*\n(.*?)^[ \t]*```", re.M | re.S)
 
 
@@ -104,7 +110,7 @@ def run_tests(code, tests, fn_name=None, per_test_s=6.0):
     read_fd, write_fd = os.pipe()
     payload = {"code": code, "inputs": [t["input"] for t in tests], "functional": functional,
                "fn_name": fn_name, "per_test_s": per_test_s, "cpu_s": int(total_s) + 1,
-               "out_fd": write_fd, "confined": confined, "root": workdir}
+               "out_fd": write_fd, "confined": confined, "root": workdir, "hide": _hidden()}
     try:
         child = subprocess.Popen(_command(workdir, confined), cwd=workdir, env=ENV, stdin=subprocess.PIPE,
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(write_fd,),
@@ -135,6 +141,18 @@ def run_tests(code, tests, fn_name=None, per_test_s=6.0):
         _stop(child, confined)
         os.close(read_fd)
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _hidden():
+    """What the child must not see, resolved: the grader's folder, this project, the Hugging Face cache
+    and `hide`. The child hides those that lie in a tree it binds (harness/sandbox_child.py: confine)."""
+    try:
+        paths = [os.getcwd()]
+    except OSError:  # a folder since removed holds nothing
+        paths = []
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    paths += [PROJECT, os.path.join(cache, "huggingface"), *map(os.environ.get, HF_CACHES), *hide]
+    return sorted({os.path.realpath(p) for p in paths if p})
 
 
 def _command(root, confined):
@@ -194,7 +212,7 @@ def _why_not():
     """None when a child can confine itself here, else why not (one line). Run once per process."""
     root = tempfile.mkdtemp(prefix="sandbox-")
     payload = {"code": "", "inputs": [], "functional": False, "fn_name": None, "per_test_s": 1,
-               "cpu_s": 5, "out_fd": 1, "confined": True, "root": root}
+               "cpu_s": 5, "out_fd": 1, "confined": True, "root": root, "hide": _hidden()}
     try:
         done = subprocess.run(_command(root, True), input=json.dumps(payload).encode(), env=ENV, cwd=root,
                               capture_output=True, timeout=60)
@@ -214,9 +232,15 @@ def check():
     if why is None:
         return True
     if not allow_unconfined:
+        if UNSHARE in why and "No such file" in why:
+            fix = "Install util-linux's unshare"
+        elif "unshare" in why:
+            fix = "Allow unprivileged user namespaces"
+        else:
+            fix = "Fix that"
         raise SandboxUnavailable(f"sandbox: cannot confine programs in namespaces here ({why}); no code was run. "
-                                 "Allow unprivileged user namespaces, or accept running model-written code "
-                                 "unconfined with evaluate.py --unconfined-code")
+                                 f"{fix}, or accept running model-written code unconfined with evaluate.py "
+                                 "--unconfined-code")
     if not _warned:
         _warned.append(why)
         print(f"sandbox: running model-written code UNCONFINED (--unconfined-code; {why})", file=sys.stderr)
@@ -242,7 +266,7 @@ def _lines_until(fd, deadline, limit=LINE_BYTES):
         if end >= 0:
             try:
                 yield json.loads(bytes(buf[:end]))
-            except ValueError:
+            except Exception:  # not JSON, or nested past the recursion limit ("[" * 100000): a failed sample
                 yield None
             del buf[:end + 1]
             start = 0
@@ -269,15 +293,19 @@ def _passes(msg, test, functional):
 
 def same_output(got, want):
     """stdout comparison: the same number of stripped lines, each equal or equal as Decimal tokens."""
-    got_lines = [line.strip() for line in got.strip().split("\n")]
-    want_lines = [line.strip() for line in want.strip().split("\n")]
-    if len(got_lines) != len(want_lines):
+    got, want = got.strip(), want.strip()
+    if got.count("\n") != want.count("\n"):  # counted before anything is built: a cost bounded by the gold's
         return False
-    for g, w in zip(got_lines, want_lines):
+    for g, w in zip(got.split("\n"), want.split("\n")):
+        g, w = g.strip(), w.strip()
         if g == w:
             continue
+        want_tokens = w.split()
+        got_tokens = g.split(None, len(want_tokens))  # one more than the gold's at most
+        if len(got_tokens) != len(want_tokens):
+            return False
         try:
-            if [Decimal(x) for x in g.split()] != [Decimal(x) for x in w.split()]:
+            if any(Decimal(a) != Decimal(b) for a, b in zip(got_tokens, want_tokens)):
                 return False
         except ArithmeticError:  # a token that is not a number (decimal.InvalidOperation)
             return False

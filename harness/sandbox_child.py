@@ -5,15 +5,17 @@
 
 `unshare` (util-linux) gives the child new mount, network, PID, IPC and UTS namespaces; a grader that is not
 root also gets a user namespace in which the child keeps the capabilities to mount (`--keep-caps`). Before
-any solution code runs, `confine` builds the child's whole view of the file system (a read-only tmpfs root
-holding read-only binds of /usr, the /bin-like folders and Python's prefix, a fresh /proc of its own PID
-namespace and a private 64 MiB tmpfs /tmp), drops to uid 65534 (a root grader's child becomes the real
-uid 65534), enters a user namespace of its own that maps only that id, chroots, and drops every
-capability (no_new_privs, empty bounding set). Then it sets resource limits, a guard in the spirit of
-LiveCodeBench's `reliability_guard` (os.system, os.fork, subprocess, ... become None; `open` reads only
-`open(0)`; sockets refused), and reports one JSON line per test on the result pipe.
+any solution code runs, `expendable` gives it oom_score_adj 1000 and a session keyring of its own, and
+`confine` builds the child's whole view of the file system (a read-only tmpfs root holding a fresh /proc of
+its own PID namespace, a private 64 MiB tmpfs /tmp and read-only binds of /usr, the /bin-like folders and
+Python's prefix, in which an empty tmpfs covers what the grader hides), drops to uid 65534 (a root grader's
+child becomes the real uid 65534), enters a user namespace of its own that maps only that id, chroots, and
+drops every capability (no_new_privs, empty bounding set). Then it sets resource limits, a guard in the
+spirit of LiveCodeBench's `reliability_guard` (os.system, os.fork, subprocess, ... become None; `open` reads
+only `open(0)`; sockets refused), and reports one JSON line per test on the result pipe.
 The child is written for `python -I`: it imports nothing outside the standard library.
 """
+import errno
 import io
 import json
 import os
@@ -35,10 +37,36 @@ TOPS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32")  # what Python 
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 1, 2, 4, 8, 32, 4096
 CLONE_NEWUSER = 0x10000000
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT = 1, 4, 24, 38, 47
+KEYCTL = {"x86_64": 250, "i686": 288, "aarch64": 219, "riscv64": 219, "loongarch64": 219,  # keyctl's number
+          "ppc64le": 271, "ppc64": 271, "s390x": 280}
+KEYCTL_JOIN_SESSION_KEYRING = 1
 
 
-def confine(root):
-    """Make `root` (an empty folder) the child's read-only world, then drop uid and capabilities."""
+def expendable():
+    """Before any solution code runs, confined or not: the OOM killer's first choice (oom_score_adj 1000;
+    the grader, holding a model, keeps its own), and a fresh anonymous session keyring in place of the
+    grader's, whose keys (a token a login or a container runtime keeps there) it could read or clear."""
+    import ctypes
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:  # a read-only /proc (some containers): the OOM killer then goes by size alone
+        pass
+    machine = os.uname().machine
+    if machine not in KEYCTL:
+        raise OSError(f"sandbox: keyctl's system call number on {machine} is not known to sandbox_child.py, "
+                      "so a program would share the grader's session keyring: add it to KEYCTL")
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(ctypes.c_long(KEYCTL[machine]), ctypes.c_long(KEYCTL_JOIN_SESSION_KEYRING), None) < 0:
+        err = ctypes.get_errno()
+        if err not in (errno.ENOSYS, errno.EPERM):  # no keys in the kernel, or keyctl refused (Docker's
+            # seccomp profile) to this process and so to the program: no keyring to share
+            raise OSError(err, f"sandbox: cannot join a session keyring of its own: {os.strerror(err)}")
+
+
+def confine(root, hide=()):
+    """Make `root` (an empty folder) the child's read-only world, with nothing of `hide` (resolved paths)
+    in it, then drop uid and capabilities."""
     import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
 
@@ -51,30 +79,56 @@ def confine(root):
         call("mount", src.encode(), dst.encode(), fstype and fstype.encode(), flags, data and data.encode())
 
     def bind(src, dst):  # read-only; a remount must keep the flags the source mount already has
-        os.makedirs(dst, exist_ok=True)
+        if os.path.isdir(src):
+            os.makedirs(dst, exist_ok=True)
         mount(src, dst, None, MS_BIND)
         keep = os.statvfs(src).f_flag & (os.ST_NOSUID | os.ST_NODEV | os.ST_NOEXEC | os.ST_NOATIME
                                          | os.ST_NODIRATIME | os.ST_RELATIME)
         mount("none", dst, None, MS_REMOUNT | MS_BIND | MS_RDONLY | keep)
 
+    def inside(path, trees):
+        return any((path + "/").startswith(tree + "/") for tree in trees)
+
     mount("sandbox", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
     os.chdir(root)
+    # /proc and /tmp first, so that a Python installed under /tmp is bound inside the child's own /tmp
+    os.mkdir("proc")
+    mount("proc", "proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    os.mkdir("tmp")
+    mount("tmp", "tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={TMP_BYTES},mode=1777")
     bound = []
     for top in TOPS:
         if os.path.islink("/" + top):
             os.symlink(os.readlink("/" + top), top)
         elif os.path.isdir("/" + top):
             bind("/" + top, top)
-            bound.append("/" + top + "/")
-    for need in (sys.base_prefix, os.path.dirname(sys.executable)):  # e.g. a Python under /opt or a home
-        need = os.path.realpath(need)
-        if not any((need + "/").startswith(b) for b in bound):
+            bound.append("/" + top)
+    needs = {os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix)}  # e.g. under /opt or a home
+    for need in sorted(needs):
+        if not inside(need, bound):
             bind(need, need.lstrip("/"))
-            bound.append(need + "/")
-    os.mkdir("proc")
-    mount("proc", "proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    os.mkdir("tmp")
-    mount("tmp", "tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={TMP_BYTES},mode=1777")
+            bound.append(need)
+    # What the grader hides (its folder, the project, benchmarks, the HF cache) is in a bound tree only
+    # where it lies below one (a checkout under /usr/local/src): an empty tmpfs over a folder, an empty
+    # file over a file, and what Python needs from inside one bound again on top.
+    hidden = []
+    with open("empty", "x"):
+        pass
+    for path in sorted(hide):  # a folder before what it holds, which its tmpfs then hides
+        if path in bound or not inside(path, bound) or not os.path.lexists(path[1:]):
+            continue
+        if os.path.isdir(path[1:]):
+            mount("hidden", path[1:], "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=64k,mode=755")
+        else:
+            bind("empty", path[1:])
+        hidden.append(path)
+    os.unlink("empty")
+    for need in sorted(needs):
+        if inside(need, hidden):
+            bind(need, need.lstrip("/"))
+    for path in hidden:
+        if os.path.isdir(path[1:]):
+            mount("none", path[1:], None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
     mount("none", ".", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
     if os.getuid() == 0:  # a root grader: no user namespace yet; become the real uid 65534
         os.setgroups([])
@@ -187,8 +241,9 @@ def main():
     def on_alarm(signum, frame):
         raise _Timeout
 
+    expendable()
     if payload["confined"]:
-        confine(payload["root"])
+        confine(payload["root"], payload["hide"])
     send({"ready": True})
     signal.signal(signal.SIGALRM, on_alarm)
     current_input = [""]

@@ -199,6 +199,149 @@ def test_a_flood_of_the_result_pipe_costs_the_grader_little():
     assert results["flood MB kept"] < 160, f"the grader's peak memory grew {results['flood MB kept']} MB"
 
 
+# What a grader holds beyond its memory (red-team-4: 1-3): a session keyring with a token in it, the result
+# pipe the program inherits, and its folders under a tree the child binds (a checkout under /usr/local/src).
+THIEF = """import sys
+for m in ("ctypes", "_ctypes"):
+    sys.modules.pop(m, None)
+import ctypes
+libc = ctypes.CDLL(None)
+libc.syscall.restype = ctypes.c_long
+L, buf = ctypes.c_long, ctypes.create_string_buffer(4096)
+n = libc.syscall(L({keyctl}), L(11), L(-3), buf, L(4096))  # KEYCTL_READ of the session keyring: its key ids
+found = []
+for i in range(0, max(n, 0), 4):
+    got = ctypes.create_string_buffer(256)
+    m = libc.syscall(L({keyctl}), L(11), L(int.from_bytes(buf.raw[i:i + 4], sys.byteorder)), got, L(256))
+    found += [got.raw[:m].decode(errors="replace")] if m > 0 else []
+libc.syscall(L({keyctl}), L(7), L(-3))  # KEYCTL_CLEAR
+print(found[0] if found else "none")
+"""
+NESTED = ("import os, sys\nf = sys._getframe()\nwhile 'out_fd' not in f.f_locals:\n    f = f.f_back\n"
+          "os.write(f.f_locals['out_fd'], b'[' * 100000 + b'\\n')\nprint(1)\n")
+READ = "import io\ntry:\n    print(io.FileIO({path!r}).read().decode())\nexcept OSError as e:\n    print(type(e).__name__)\n"
+STATE = """
+import ctypes, json, os, secrets, subprocess, sys
+from harness import sandbox
+kind, one, results = sys.argv[1], [{"input": "", "output": "1", "testtype": "stdin"}], {}
+if kind == "keyring":   # as a login (pam_keyinit) or a container runtime leaves one, with a token in it
+    from harness.sandbox_child import KEYCTL
+    libc = ctypes.CDLL(None)
+    libc.syscall.restype = ctypes.c_long
+    L, keyctl = ctypes.c_long, KEYCTL[os.uname().machine]
+    assert libc.syscall(L(keyctl), L(1), None) > 0   # KEYCTL_JOIN_SESSION_KEYRING
+    secret = secrets.token_hex(8)
+    key = libc.syscall(L(keyctl - 2), b"user", b"hf_token", secret.encode(), L(len(secret)), L(-3))  # add_key
+    thief = sys.argv[2].format(keyctl=keyctl)
+    results["stolen"] = sandbox.run_tests(thief, [{"input": "", "output": secret, "testtype": "stdin"}])
+    got = ctypes.create_string_buffer(64)
+    n = libc.syscall(L(keyctl), L(11), L(key), got, L(64))   # KEYCTL_READ
+    results["kept"] = got.raw[:n].decode() == secret
+    # the control: the same program run unconfined finds the token (and clears the keyring)
+    results["control"] = subprocess.run([sys.executable, "-c", thief], capture_output=True,
+                                        text=True).stdout.strip() == secret
+elif kind == "pipe":
+    results["nested"] = sandbox.run_tests(sys.argv[2], one)
+    results["next sample"] = sandbox.run_tests("print(1)", one)
+else:   # the grader's folder (its cwd), this project, the HF cache, and a benchmark (folder and file)
+    sandbox.hide += [os.path.join(kind, "bench"), os.path.join(kind, "loose.json")]
+    for name in ("cwd/gold", "project/gold", "hf/token", "bench/gold", "loose.json", "visible"):
+        with open(os.path.join(kind, name)) as f:
+            gold = [{"input": "", "output": f.read(), "testtype": "stdin"}]
+        results[name] = sandbox.run_tests(sys.argv[2].format(path=os.path.join(kind, name)), gold)
+print(json.dumps(results))
+"""
+
+
+def _as(as_user, *argv, cwd=ROOT, pythonpath=ROOT, env=()):
+    """Run STATE with `argv` as the current user ("self") or as uid 65534 ("nobody"); its results."""
+    user = []
+    if as_user == "nobody":
+        if os.geteuid() != 0 or not shutil.which("setpriv"):
+            pytest.skip("needs root, and setpriv to become uid 65534")
+        user = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    python = _python_for(user)
+    if python is None:
+        pytest.skip(f"no Python that {as_user} can run with this checkout ({ROOT})")
+    done = subprocess.run([*user, python, "-c", STATE, *argv], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env={"PYTHONPATH": pythonpath, "PATH": os.defpath, **dict(env)})
+    assert done.returncode == 0, f"the grader died ({done.returncode}): {done.stderr[-2000:]}"
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("as_user", ["self", "nobody"])
+def test_a_program_cannot_read_or_clear_the_graders_session_keyring(as_user):
+    try:
+        results = _as(as_user, "keyring", THIEF)
+    except AssertionError as e:
+        if "KEYCTL_JOIN" in str(e):
+            pytest.skip("the grader cannot join a session keyring here (no keys in the kernel, or keyctl refused)")
+        raise
+    assert results == {"stolen": False, "kept": True, "control": True}
+
+
+@pytest.mark.parametrize("as_user", ["self", "nobody"])
+def test_a_line_on_the_result_pipe_that_does_not_decode_fails_that_sample_only(as_user):
+    # "[" * 100000 makes json.loads raise RecursionError: the sample fails and the next one grades
+    assert _as(as_user, "pipe", NESTED) == {"nested": False, "next sample": True}
+
+
+def _folder_under_a_bound_tree():
+    """A new folder (755) in a tree the child binds (/usr, Python's installation), or None."""
+    for tree in ("/usr/local/share", "/usr/local", "/usr/share", os.path.join(sys.base_prefix, "share")):
+        if os.path.isdir(tree) and os.access(tree, os.W_OK):
+            folder = tempfile.mkdtemp(dir=tree, prefix="rlcm-hidden-")
+            os.chmod(folder, 0o755)
+            return folder
+    return None
+
+
+@pytest.mark.parametrize("as_user", ["self", "nobody"])
+def test_the_graders_folders_are_hidden_under_any_tree(as_user):
+    # red-team-4 case 3: a checkout under /usr/local/src (Docker's WORKDIR /usr/src/app) was readable
+    folder = _folder_under_a_bound_tree()
+    if folder is None:
+        pytest.skip("no folder under a tree the sandbox binds (/usr, Python's installation) is writable here")
+    try:
+        for sub in ("cwd", "project", "hf", "bench"):
+            os.mkdir(os.path.join(folder, sub), 0o755)
+        shutil.copytree(os.path.join(ROOT, "harness"), os.path.join(folder, "project", "harness"))
+        for name in ("cwd/gold", "project/gold", "hf/token", "bench/gold", "loose.json", "visible"):
+            with open(os.path.join(folder, name), "w") as f:
+                f.write(str(random.randrange(10 ** 11, 10 ** 12)))
+            os.chmod(os.path.join(folder, name), 0o644)
+        results = _as(as_user, folder, READ, cwd=os.path.join(folder, "cwd"),
+                      pythonpath=os.path.join(folder, "project"), env={"HF_HOME": os.path.join(folder, "hf")})
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    # only the file nothing hides is read: the control, which shows the tree is bound
+    assert results == {"cwd/gold": False, "project/gold": False, "hf/token": False, "bench/gold": False,
+                       "loose.json": False, "visible": True}
+
+
+def test_evaluate_hides_its_benchmarks_models_and_output(monkeypatch, tmp_path):
+    import evaluate
+    from harness import sandbox
+    monkeypatch.setattr(sandbox, "hide", [])
+    lcb = os.path.join(ROOT, "tests", "fixtures", "lcb.jsonl")
+    with pytest.raises(SystemExit, match="no-model"):   # the paths are named before any model loads
+        evaluate.main(["--model", str(tmp_path / "no-model"), "--benchmarks", f"toy,lcb={lcb}", "--out", str(tmp_path)])
+    assert sandbox.hide == [lcb, str(tmp_path)]   # what exists of them
+
+
+def test_where_programs_cannot_be_confined_the_line_names_the_cause(monkeypatch):
+    from harness import sandbox
+    for why, fix in (("unshare: unshare failed: Operation not permitted", "Allow unprivileged user namespaces"),
+                     ("[Errno 2] No such file or directory: 'unshare'", "Install util-linux's unshare"),
+                     ("FileExistsError: [Errno 17] File exists: 'tmp'", "Fix that")):
+        monkeypatch.setattr(sandbox, "_why_not", lambda: why)
+        with pytest.raises(sandbox.SandboxUnavailable) as err:
+            sandbox.check()
+        assert str(err.value) == (f"sandbox: cannot confine programs in namespaces here ({why}); no code was run. "
+                                  f"{fix}, or accept running model-written code unconfined with evaluate.py "
+                                  "--unconfined-code")
+
+
 def test_without_namespaces_no_code_runs_unless_the_user_accepts_it(monkeypatch, tmp_path, capsys):
     import evaluate
     from harness import sandbox
