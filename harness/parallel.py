@@ -269,7 +269,8 @@ def gather_into(pairs, buffer=None):
     for (dst, p), a in zip(pairs, at):
         local = p.to_local().reshape(-1)
         send[a:a + local.numel()].copy_(local, non_blocking=True)  # the padding rows stay unset
-    dist.all_gather_single(gathered, send)  # gloo takes the flat form only
+    # gloo takes the flat form only; torch 2.13 renamed it from all_gather_into_tensor (same arguments)
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(gathered, send)
     gathered = gathered.view(WORLD, -1)
     for (dst, _), a, c in zip(pairs, at, rows):
         for r in range(WORLD):
