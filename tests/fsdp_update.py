@@ -27,7 +27,8 @@ if os.environ.get("OLD_TORCH") == "1":
 
     class Torch211FSDP:
         def __getattr__(self, name):
-            return getattr(torch.distributed.distributed_c10d if name == "all_gather_single" else torch.distributed, name)
+            new = name == "all_gather_single"
+            return getattr(torch.distributed.distributed_c10d if new else torch.distributed, name)
     _fsdp_collectives.dist = Torch211FSDP()
     del torch.distributed.all_gather_single
 GATHER = "all_gather_single" if hasattr(torch.distributed, "all_gather_single") else "all_gather_into_tensor"
