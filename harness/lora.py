@@ -3,13 +3,13 @@
 The adapter is injected into the Hugging Face model itself (`add_adapter` keeps peft's inner model,
 not its PeftModel wrapper), so everything downstream (FSDP2's per-layer units, the update) runs on
 an ordinary model whose linear layers are adapted. A CPU process samples with that model itself; on
-one GPU the rollout and the labels sample from a plain bf16 copy with the adapter merged into its
-weights (`merged_copy`, refreshed after each step by `merge_into`); on several, from the bf16 copy
-of the adapted model, whose frozen base is copied once (harness/parallel.py). Only the adapter's parameters require gradients, so only they get
-gradients and AdamW state. A checkpoint holds the adapter in peft's own format
-(adapter_config.json + adapter_model.safetensors, loadable with `PeftModel.from_pretrained` on the
-base named in its config) beside the tokenizer, probe.pt, state.pt and base.json (the base by content,
-harness/adapter.py: a resume and an evaluation use that very base).
+one GPU or several the rollout and the labels sample from a plain bf16 copy with the adapter merged
+into its weights (`merged_copy`, refreshed after each step by `merge_into`; harness/parallel.py).
+Only the adapter's parameters require gradients, so only they get gradients and AdamW state. A
+checkpoint holds the adapter in peft's own format (adapter_config.json + adapter_model.safetensors,
+loadable with `PeftModel.from_pretrained` on the base named in its config) beside the tokenizer,
+probe.pt, state.pt and base.json (the base by content, harness/adapter.py: a resume and an
+evaluation use that very base).
 
 peft is imported only here and only with --lora-rank: a run without it needs no peft.
 """
@@ -41,7 +41,7 @@ def adapter_params(model, rank, target_text):
 
 
 def merged_copy(model, dtype=torch.bfloat16):
-    """The generation copy of an adapted `model` on one GPU: the same model without peft's layers
+    """The generation copy of an adapted `model` on GPUs: the same model without peft's layers
     (each adapted linear is its base linear again) in `dtype`, its weights merged by `merge_into`.
     It samples as fast as the base: no fp32 adapter, no casts, one kernel per linear."""
     import copy
@@ -60,17 +60,25 @@ def merged_copy(model, dtype=torch.bfloat16):
 
 
 @torch.no_grad()
-def merge_into(plain, model):
+def merge_into(plain, model, gathered=None):
     """Write each adapted linear of `model` (frozen W, adapter A, B, scale s = alpha / rank) into
     `plain` (merged_copy) as W + s B A, computed in fp32 and cast once to the copy's dtype. The other
     weights are frozen: merged_copy copied them. `model` is not touched: merging into the trained
-    policy itself, and unmerging after, would drift its bf16 base a rounding at a time."""
+    policy itself, and unmerging after, would drift its bf16 base a rounding at a time.
+    A sharded `model` (parallel.refresh_sampler) passes `gathered`, {parameter name: full tensor} of
+    the adapters of one group, whose W it has gathered into `plain`: those linears alone are merged."""
     from peft.tuners.lora import LoraLayer
     for name, m in model.named_modules():
-        if isinstance(m, LoraLayer):
-            A, B = m.lora_A[ADAPTER].weight.float(), m.lora_B[ADAPTER].weight.float()
-            merged = torch.addmm(m.base_layer.weight.float(), B, A, alpha=m.scaling[ADAPTER])
-            plain.get_submodule(name).weight.copy_(merged)
+        if not isinstance(m, LoraLayer):
+            continue
+        dst = plain.get_submodule(name).weight
+        if gathered is None:
+            W, A, B = m.base_layer.weight, m.lora_A[ADAPTER].weight, m.lora_B[ADAPTER].weight
+        elif f"{name}.lora_A.{ADAPTER}.weight" in gathered:
+            W, A, B = dst, gathered[f"{name}.lora_A.{ADAPTER}.weight"], gathered[f"{name}.lora_B.{ADAPTER}.weight"]
+        else:
+            continue
+        dst.copy_(torch.addmm(W.float(), B.float(), A.float(), alpha=m.scaling[ADAPTER]))
 
 
 def add_adapter(model, cfg, base_path):

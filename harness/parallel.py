@@ -17,6 +17,7 @@ and receives its shard by broadcast.
 """
 import copy
 import datetime
+import math
 import os
 
 import torch
@@ -113,13 +114,13 @@ def wrap(lm, device, offload=False):
     """(trainable module, generation copy). One process on CPU: both are the same fp32 model.
 
     lm may be on the meta device (load_sharded): then both come back unmaterialised. Under
-    --lora-rank one GPU samples from a plain bf16 copy with the adapter merged in (lora.merged_copy:
-    no fp32 adapter and its casts in every decode step); several ranks from the adapted model's copy.
+    --lora-rank the copy is a plain model with the adapter merged into its weights (lora.merged_copy,
+    bf16 on a GPU): no adapter and its casts in every decode step, on one GPU as on several.
     """
     sampler = lm
-    if device.type == "cuda" and has_adapter(lm) and not dist.is_initialized():
-        sampler = merged_copy(lm)
-    elif (device.type == "cuda" and not has_adapter(lm)) or dist.is_initialized():
+    if has_adapter(lm) and (device.type == "cuda" or dist.is_initialized()):
+        sampler = merged_copy(lm, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    elif device.type == "cuda" or dist.is_initialized():
         sampler = copy.deepcopy(lm).eval().requires_grad_(False)
         if device.type == "cuda":  # bf16 weights; the buffers (rotary inv_freq) stay fp32, as from_pretrained
             for p in sampler.parameters():  # leaves them: bf16 frequencies turn position 1000 by 1.2 rad
@@ -204,47 +205,63 @@ def rebuild_buffers(model, device):
 @torch.no_grad()
 def refresh_sampler(sampler, policy, frozen=False):
     """Copy the trained (possibly sharded) weights into the generation copy: those that train, and
-    with frozen=True (the first fill) the frozen ones too, so a LoRA run never gathers its frozen
-    base again. One GPU's merged LoRA copy gets W + s B A of each adapted linear (lora.merge_into).
-    Sharded, each decoder layer (and each parameter outside the layers) is one all-gather on the
-    copy's device (`gather_into`): under --offload the host shards go to the GPU and NCCL gathers
+    with frozen=True (the first fill) the frozen ones too. Under --lora-rank the copy is merged: one
+    GPU's gets W + s B A of each adapted linear (lora.merge_into); a sharded one gathers each adapted
+    linear's frozen W again (its merge overwrote it) with the adapter beside it in fp32, and merges them
+    the same way; the other frozen weights are gathered once, at the start.
+    Sharded, each decoder layer (and each parameter outside the layers) is one all-gather per dtype on
+    the copy's device (`gather_into`): under --offload the host shards go to the GPU and NCCL gathers
     them there, where each parameter's full_tensor() would gather in fp32 over gloo on the host."""
-    if sampler is policy.lm:
+    lm = policy.lm
+    if sampler is lm:
         return
-    if has_adapter(policy.lm) and not has_adapter(sampler):
-        merge_into(sampler, policy.lm)
+    if has_adapter(lm) and not sharded(policy):
+        merge_into(sampler, lm)
         return
     # remove_duplicate=False: a copy built by to_empty from the meta device has lost its tied
     # embeddings (the LM head is its own tensor), so every name is filled
     params = dict(sampler.named_parameters(remove_duplicate=False))
-    layer_of = {id(p): i for i, layer in enumerate(policy.lm.model.layers) for p in layer.parameters()}
-    groups = {}
-    for name, p in policy.lm.named_parameters(remove_duplicate=False):
-        if p.requires_grad or frozen:
-            # one dtype per group: a group's buffer takes its first copy's dtype
-            groups.setdefault((layer_of.get(id(p), name), params[name].dtype), []).append((params[name], p))
+    layer_of = {id(p): i for i, layer in enumerate(lm.model.layers) for p in layer.parameters()}
+    units = {}  # a decoder layer or one parameter outside them: [(name, the copy's tensor or None, shard)]
+    for name, p in lm.named_parameters(remove_duplicate=False):
+        if ".lora_" in name:  # the adapter, gathered into a temporary
+            units.setdefault(layer_of.get(id(p), name), []).append((name, None, p))
+        elif p.requires_grad or frozen or name.endswith(".base_layer.weight"):  # an adapted linear's W
+            units.setdefault(layer_of.get(id(p), name), []).append((name, params[name.replace(".base_layer.", ".")], p))
     if not sharded(policy):
-        for pairs in groups.values():
-            for dst, p in pairs:
+        for unit in units.values():
+            for _, dst, p in unit:
                 dst.copy_(p)  # casts to the copy's dtype
         return
+
+    def by_dtype(unit):  # one all-gather per dtype: a group's buffer takes its first copy's dtype
+        groups = {}
+        for name, dst, p in unit:
+            groups.setdefault(torch.float32 if dst is None else dst.dtype, []).append((name, dst, p))
+        return groups.items()
     # one buffer per dtype, its largest group's, serves every group in turn: a group's collective may
     # hold its tensors after it returns (gloo's worker drops them later), so a buffer per group could
     # outlive it into the next group's and the refresh's peak would be timing, not the plan
     size = {}
-    for (_, dtype), pairs in groups.items():
-        size[dtype] = max(size.get(dtype, 0), sum(slots(pairs)[1]))
+    for unit in units.values():
+        for dtype, group in by_dtype(unit):
+            size[dtype] = max(size.get(dtype, 0), sum(slots([p.shape for *_, p in group])[1]))
     device = next(iter(params.values())).device
     buffers = {dtype: torch.empty((WORLD + 1) * n, dtype=dtype, device=device) for dtype, n in size.items()}
-    for (_, dtype), pairs in groups.items():
-        gather_into(pairs, buffers[dtype])
+    for unit in units.values():
+        adapter = {}
+        for dtype, group in by_dtype(unit):
+            gather_into([(adapter.setdefault(name, torch.empty(p.shape, dtype=dtype, device=device))
+                          if dst is None else dst, p) for name, dst, p in group], buffers[dtype])
+        if adapter:
+            merge_into(sampler, lm, adapter)
 
 
-def slots(pairs):
+def slots(shapes):
     """([c, ...], [slot, ...]): each parameter's rows per rank (c = ceil(d0 / W), as FSDP2 shards them)
     and its slot in a group's buffer, c rows."""
-    rows = [-(-dst.shape[0] // WORLD) for dst, _ in pairs]
-    return rows, [c * dst[0].numel() for c, (dst, _) in zip(rows, pairs)]  # dst[0]: one row
+    rows = [-(-shape[0] // WORLD) for shape in shapes]
+    return rows, [c * math.prod(shape[1:]) for c, shape in zip(rows, shapes)]
 
 
 def gather_into(pairs, buffer=None):
@@ -260,7 +277,7 @@ def gather_into(pairs, buffer=None):
     and the gathered group, c x W rows of each parameter in the copy's dtype (plan.py, "refresh"):
     `buffer`, (W + 1) x the group's slots or more, where the caller passes one for every group.
     """
-    rows, sizes = slots(pairs)
+    rows, sizes = slots([dst.shape for dst, _ in pairs])
     at = [sum(sizes[:i]) for i in range(len(pairs))]
     n = sum(sizes)
     if buffer is None:
@@ -269,7 +286,8 @@ def gather_into(pairs, buffer=None):
     for (dst, p), a in zip(pairs, at):
         local = p.to_local().reshape(-1)
         send[a:a + local.numel()].copy_(local, non_blocking=True)  # the padding rows stay unset
-    dist.all_gather_single(gathered, send)  # gloo takes the flat form only
+    # gloo takes the flat form only; torch 2.13 renamed it from all_gather_into_tensor (same arguments)
+    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(gathered, send)
     gathered = gathered.view(WORLD, -1)
     for (dst, _), a, c in zip(pairs, at, rows):
         for r in range(WORLD):

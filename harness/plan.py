@@ -57,8 +57,10 @@ adapted linear layers. The frozen base holds no fp32 master, gradients or AdamW 
   adapter state   fp32 params + grads + AdamW of the adapter                16 n / W
   generation copy on one GPU a plain bf16 copy with the adapter merged (2 N: lora.merged_copy; sampling
                   with the fp32 adapter on the bf16 base would cast each adapted linear's input to
-                  fp32, T x (4 in + 8 out) more per prefill, 8 GiB in the 7B's label prefill); none
-                  in a CPU process; the bf16 copy of base and adapter (2 (N + n)) when sharded
+                  fp32, T x (4 in + 8 out) more per prefill, 8 GiB in the 7B's label prefill), the
+                  same when sharded; none in a CPU process
+  refresh         sharded, as above, plus the merge: a layer's adapter gathered in fp32 (8 n / L)
+                  and one linear's W + s B A in fp32 beside its cast (8 d d_ff at most)
   FSDP gather     the gathered layers' params only (no gradients for frozen weights)
   host            rank 0 reads the fp32 base to broadcast it (4 N); a save gathers the adapter and
                   its AdamW state only (12 n)
@@ -125,7 +127,7 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
     if adapter:  # the frozen base and the adapter's fp32 state; one process samples with the policy
         state = (4 * total if sharded else act_bytes * total) / world
         adapter_state = 16 * adapter / world
-        gen_copy = act_bytes * (total + adapter) if sharded else (act_bytes * total if cuda else 0)
+        gen_copy = act_bytes * total if sharded or cuda else 0
     else:
         state, adapter_state = 16 * total / world, 0.0
         shared_copy = not cuda and world == 1  # wrap(): one CPU process samples with the policy itself
@@ -162,7 +164,8 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
     # through one buffer sized for the largest (parallel.refresh_sampler)
     largest = max(layer, vocab * d)
     staged = 4 * largest / world if cuda and offload else 0  # a host shard's fp32 copy on the GPU
-    refresh = (act_bytes * largest * (1 + 1 / world) + staged) if sharded else 0
+    merge = 8 * adapter / config.num_hidden_layers + 8 * d * d_ff if adapter else 0  # lora.merge_into
+    refresh = (act_bytes * largest * (1 + 1 / world) + staged + merge) if sharded else 0
     terms = {"training state": 0.0 if offload else state, "adapter state": 0.0 if offload else adapter_state,
              "generation copy": gen_copy,
              "FSDP gather": gather, "KV cache": kv, "prefill": prefill, "label KV cache": label_kv,
@@ -293,8 +296,7 @@ def check(cfg, show=False, log=print):
                  ("the frozen base" if rank else "params, grads, AdamW (sharded)"),
                  "adapter state": "fp32 params, grads, AdamW of the adapter",
                  "generation copy": ("none: samples with the policy" if not t["generation copy"] else
-                                     "bf16, the adapter merged" if world == 1 and not offload else
-                                     "bf16, base and adapter") if rank else ""}
+                                     "bf16, the adapter merged") if rank else ""}
         for name in ("training state", *(("adapter state",) if rank else ()), "generation copy", "FSDP gather", "KV cache", "prefill",
                      "label KV cache", "label prefill", "activations", "log-prob chunk",
                      *(("held grads",) if t["held grads"] else ()), *(("refresh",) if t["refresh"] else ()),

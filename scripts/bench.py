@@ -3,17 +3,18 @@ own `model.generate`, on the same prompts and sampling settings, in one run.
 
     python -m scripts.bench                                   # toy model, 32 prompts x 8 samples, 48 tokens
     python -m scripts.bench --shape long                      # toy model, 2 x 8 rows, 1024 tokens, EOS off
-    python -m scripts.bench --shape 7b --layers 4 --prompts 8 --samples 8 --prompt-len 2048 --max-new-tokens 256
+    python -m scripts.bench --shape 7b --config DIR --layers 4 --prompts 8 --prompt-len 2048 --max-new-tokens 256
 
 Paths: dynamic and static (rollout.py; static attends over the live length), static-full (the
 static path attending over its whole preallocated buffer at every step, as before the live length)
 and generate. `--shape long` is the long-context shape on the CPU, where the K/V cache a step
 reads outweighs the toy's weights: it shows what reading only the live length saves.
 
-`--shape 7b` builds DeepSeek-R1-Distill-Qwen-7B's architecture from its config (`--config DIR`, by
-default .device/r1_distill_qwen_7b, which ../shared/device/prepare.sh fills; no weights, no
-download) with random weights and `--layers` decoder layers, in bf16 on CUDA. Prompts are
-then random token ids of `--prompt-len`; EOS is switched off so every row decodes every step.
+`--shape 7b` builds a model's architecture from `--config DIR`, a folder holding its config.json and
+tokenizer and no weights (DeepSeek-R1-Distill-Qwen-7B's: `hf download
+deepseek-ai/DeepSeek-R1-Distill-Qwen-7B --include "*.json" --local-dir DIR`), with random weights
+and `--layers` decoder layers, in bf16 on CUDA. Prompts are then random token ids of
+`--prompt-len`; EOS is switched off so every row decodes every step.
 
 Per path: generated tokens, tokens/s, ms per decode step (wall time / decode steps, prefill
 included), the ratio to model.generate's tokens/s, and MB/step: the bytes a decode step reads
@@ -42,8 +43,9 @@ from harness import sampling, staticcache  # noqa: E402
 from harness.files import UserError  # noqa: E402
 from harness.config import check_values  # noqa: E402
 
-# prepare.sh (../shared/device/README.md) copies the 7B config and tokenizer into the checkout here.
-CONFIG_7B = os.path.join(ROOT, ".device", "r1_distill_qwen_7b")
+# what --config needs, and how to get it without the weights
+CONFIG_HINT = ("a folder with the model's config.json and tokenizer, no weights (hf download "
+               "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B --include '*.json' --local-dir DIR)")
 BANDWIDTH_TBS = {"H200": 4.8, "H100": 3.35, "A100": 2.0}
 SHAPES = {"toy": dict(prompts=32, samples=8, max_new_tokens=48), "long": dict(prompts=2, samples=8, max_new_tokens=1024),
           "7b": dict(prompts=32, samples=8, max_new_tokens=48)}  # defaults of the flags not given
@@ -68,9 +70,7 @@ def cut_config(path, layers=None):
     """The transformers config in folder `path` (config.json), cut to its first `layers` layers
     (None: all of them)."""
     from transformers import AutoConfig
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise UserError(f"no config.json in {path}: pass --config DIR (bash ../shared/device/prepare.sh "
-                        "puts R1-Distill-Qwen-7B's in .device/r1_distill_qwen_7b)")
+    check_config(path)
     cfg = AutoConfig.from_pretrained(path)
     if layers is None:
         return cfg
@@ -78,6 +78,15 @@ def cut_config(path, layers=None):
     if getattr(cfg, "layer_types", None):
         cfg.layer_types = cfg.layer_types[:layers]
     return cfg
+
+
+def check_config(path):
+    """One UserError line unless `path` (--config) holds a config.json and a tokenizer."""
+    if not path:
+        raise UserError(f"--config DIR is needed: {CONFIG_HINT}")
+    for need in ("config.json", "tokenizer_config.json"):
+        if not os.path.isfile(os.path.join(path, need)):
+            raise UserError(f"no {need} in {path}: pass --config DIR, {CONFIG_HINT}")
 
 
 def random_model(cfg, device, dtype=None, seed=0):
@@ -221,8 +230,8 @@ def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", choices=tuple(SHAPES), default="toy", help="toy; long: the toy at 2 prompts x 8 "
                    "samples x 1024 tokens, EOS off; 7b: the 7B architecture cut to --layers (module docstring)")
-    p.add_argument("--config", default=CONFIG_7B, help="folder with the 7B config.json and tokenizer "
-                   "for --shape 7b (default: .device/r1_distill_qwen_7b, from prepare.sh)")
+    p.add_argument("--config", help="for --shape 7b: a folder with the model's config.json and tokenizer "
+                   "(no weights), e.g. DeepSeek-R1-Distill-Qwen-7B's")
     p.add_argument("--layers", type=int, default=4, help="decoder layers for --shape 7b")
     p.add_argument("--prompts", type=int, help="default 32 (long: 2)")
     p.add_argument("--samples", type=int, help="samples per prompt (default 8)")

@@ -1,10 +1,12 @@
 """Run by test_lora.py: one LoRA policy update on a fixed batch, in 1 process or under torchrun.
 
 As tests/fsdp_update.py, with an adapter on the tiny model: each rank takes every WORLD-th sequence,
-and the sharded update of the adapter must equal the one-process update on the whole batch. Then
-the lean start with an adapter (rank 0 adapts the toy, the others get their shards) must give the
-adapted model rank 0 built.
+and the sharded update of the adapter must equal the one-process update on the whole batch. Sharded,
+the generation copy is the merged one: refreshed after the step, its log-probs against the adapted
+policy's, in fp32 and in bf16. Then the lean start with an adapter (rank 0 adapts the toy, the
+others get their shards) must give the adapted model rank 0 built.
 """
+import copy as copy_lib
 import sys
 
 import torch
@@ -12,11 +14,12 @@ import torch
 import step
 import tiny
 import train
-from grpo import pack
+from grpo import pack, token_logprobs
 from label import cut_mask, grid
 from harness import lora
 from harness.parallel import MASTER, RANK, WORLD, full_state, load_sharded, refresh_sampler, setup, teardown, wrap
 
+GATHER = "all_gather_single" if hasattr(torch.distributed, "all_gather_single") else "all_gather_into_tensor"
 CFG = dict(lora_rank=4, lora_alpha=8.0, lora_targets="all-linear", model="toy")
 device = setup()
 model = lora.add_adapter(tiny.model(vocab_size=64, hidden=32, layers=2, seed=0), CFG, "tiny")
@@ -25,7 +28,8 @@ with torch.no_grad():  # lora_B starts at zero, which leaves lora_A without a gr
         if "lora_B" in n:
             p.normal_(0, 0.1)
 model.train()
-policy, _ = wrap(model, device)
+frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+policy, sampler = wrap(model, device)
 opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
 prompts, responses, adv = tiny.fixed_rollouts()
@@ -35,6 +39,40 @@ cfg = dict(agg="token-mean", max_new_tokens=8, temperature=0.8, chunk_size=4, cl
            clip_high=0.2, grad_clip=1e9)
 stats = step.update(policy, opt, sched, batch, None, adv[mine], [[j] for j in range(len(mine))], cfg, device)
 state, opt_state = full_state(policy, opt)
+if torch.distributed.is_initialized():  # the merged copy after the step, against the adapted policy itself
+    from peft.tuners.lora import LoraLayer
+    ids = torch.randint(3, 64, (4, 24), generator=torch.Generator().manual_seed(7))
+    mask = torch.ones_like(ids)
+    merged = dict(plain=not any(isinstance(m, LoraLayer) for m in sampler.modules()))
+    for dtype in (torch.float32, torch.bfloat16):  # the copy's dtype on CPU, then on CUDA
+        for p in sampler.parameters():
+            p.data = p.data.to(dtype)
+        refresh_sampler(sampler, policy)
+        with torch.no_grad():
+            err = (token_logprobs(sampler, ids, mask) - policy(ids, mask)).abs()
+            merged[str(dtype)] = (err.max().item(), err.mean().item())
+            policy.reshard()  # the root's forward leaves its weights gathered
+            if dtype == torch.float32:  # the adapter moved the merged weights off the base
+                weights = dict(sampler.named_parameters())
+                merged["moved"] = min((weights[n.replace(".base_layer.", ".")] - p.full_tensor()).abs().max().item()
+                                      for n, p in model.named_parameters() if n.endswith(".base_layer.weight"))
+    # the copy several ranks sampled from before: the adapted model, unmerged, cast to bf16
+    full = {n: p.full_tensor() for n, p in model.named_parameters()}
+    unmerged = lora.add_adapter(tiny.model(vocab_size=64, hidden=32, layers=2, seed=0), CFG, "tiny")
+    unmerged.load_state_dict(full)
+    with torch.no_grad():
+        err = (token_logprobs(copy_lib.deepcopy(unmerged).to(torch.bfloat16), ids, mask) - policy(ids, mask)).abs()
+        merged["unmerged bf16"] = (err.max().item(), err.mean().item())
+        policy.reshard()
+    # the copy one GPU merges (lora.merged_copy) from the same adapter on the same base, bf16 there
+    for n, p in unmerged.named_parameters():
+        if not p.requires_grad:
+            p.data = p.data.to(torch.bfloat16)
+    one_gpu = dict(lora.merged_copy(unmerged).named_parameters())
+    merged["one GPU's"] = all(torch.equal(p, one_gpu[n]) for n, p in sampler.named_parameters())
+    merged["base"] = all(torch.equal(p.full_tensor(), frozen[n]) for n, p in model.named_parameters()
+                         if not p.requires_grad)
+    torch.save(merged, f"{sys.argv[1]}.merged{RANK}")
 
 if torch.distributed.is_initialized():
     from harness.models import load_model
@@ -52,17 +90,19 @@ if torch.distributed.is_initialized():
     step.probe_margin(probe, probe_opt, feats, grid(labels), cut_mask(labels),
                       dict(CFG, reward="rlcm", probe_passes=4, probe_batch=2, corner="zero"), seed=3)
     torch.save(dict(init=init, fitted=probe.state_dict()), f"{sys.argv[1]}.probe{RANK}")
-    # a refresh after a step gathers the adapter alone (elements gathered, padding included: every
-    # adapter dimension splits evenly here): the frozen base was copied once, at the start
-    gathered, gather = [], torch.distributed.all_gather_single
-    torch.distributed.all_gather_single = lambda out, *a, **kw: gathered.append(out.numel()) or gather(out, *a, **kw)
+    # a refresh after a step gathers the adapter and the adapted linears' frozen W, which its merge
+    # overwrites (elements gathered, padding included: every dimension splits evenly here); the other
+    # frozen weights were copied once, at the start
+    gathered, gather = [], getattr(torch.distributed, GATHER)
+    setattr(torch.distributed, GATHER, lambda out, *a, **kw: gathered.append(out.numel()) or gather(out, *a, **kw))
     refresh_sampler(sampler, lean)
-    torch.distributed.all_gather_single = gather
+    setattr(torch.distributed, GATHER, gather)
     ids = torch.tensor([[5, 9, 3, 7, 11, 2, 40]])
     with torch.no_grad():
         mine = dict(lm.named_parameters())
         diff = dict(sampler=(sampler(ids).logits - ref(ids).logits).abs().max().item(),
-                    gathered=sum(gathered) == sum(p.numel() for p in lm.parameters() if p.requires_grad) > 0,
+                    gathered=sum(gathered) == sum(p.numel() for n, p in lm.named_parameters()
+                                                  if p.requires_grad or n.endswith(".base_layer.weight")) > 0,
                     policy=max((mine[n].full_tensor() - p).abs().max().item() for n, p in ref.named_parameters()),
                     trainable=sorted(n for n, p in lm.named_parameters() if p.requires_grad)
                     == sorted(n for n, p in ref.named_parameters() if p.requires_grad))

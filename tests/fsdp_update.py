@@ -20,6 +20,18 @@ from harness.parallel import (MASTER, RANK, WORLD, full_state, gather_into, load
                               sharded, teardown, wrap)
 
 offload = os.environ.get("OFFLOAD") == "1"  # FSDP2 with CPUOffloadPolicy, also as one rank
+if os.environ.get("OLD_TORCH") == "1":
+    # torch before 2.13 (the GPU check's machine has 2.11) names all_gather_single all_gather_into_tensor;
+    # its own FSDP2 calls that older name, so FSDP2's view of torch.distributed keeps the new one here
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    class Torch211FSDP:
+        def __getattr__(self, name):
+            new = name == "all_gather_single"
+            return getattr(torch.distributed.distributed_c10d if new else torch.distributed, name)
+    _fsdp_collectives.dist = Torch211FSDP()
+    del torch.distributed.all_gather_single
+GATHER = "all_gather_single" if hasattr(torch.distributed, "all_gather_single") else "all_gather_into_tensor"
 grads = os.environ.get("OFFLOAD_GRADS", "gpu")  # --offload-grads
 device = setup(offload)
 model = tiny.model(vocab_size=64, hidden=32, layers=2, seed=0).train()
@@ -44,17 +56,18 @@ state, _ = full_state(policy, opt)
 
 if sharded(policy):  # the refresh of the generation copy after the step, against today's full_tensor() per parameter
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-    calls, full_tensor, gather = [], DTensor.full_tensor, torch.distributed.all_gather_single
+    calls, full_tensor, gather = [], DTensor.full_tensor, getattr(torch.distributed, GATHER)
     before = {n: p.to_local().clone() for n, p in model.named_parameters()}
     refresh = {}
     for dtype in (torch.float32, torch.bfloat16):  # the copy's dtype on CPU and on CUDA
         for p in sampler.parameters():
             p.data = torch.full_like(p.data, float("nan"), dtype=dtype)
         DTensor.full_tensor = lambda self, *a, **kw: calls.append("full_tensor") or full_tensor(self, *a, **kw)
-        torch.distributed.all_gather_single = lambda *a, **kw: calls.append("all_gather") or gather(*a, **kw)
+        setattr(torch.distributed, GATHER, lambda *a, **kw: calls.append("all_gather") or gather(*a, **kw))
         with LiveBytes(known=[*sampler.parameters(), *(p.to_local() for p in model.parameters())]) as live:
             refresh_sampler(sampler, policy)
-        DTensor.full_tensor, torch.distributed.all_gather_single = full_tensor, gather
+        DTensor.full_tensor = full_tensor
+        setattr(torch.distributed, GATHER, gather)
         copy = dict(sampler.named_parameters())
         refresh[dtype] = dict(calls=calls[:], equal=all(torch.equal(copy[n], p.full_tensor().to(dtype))
                                                         for n, p in model.named_parameters()), bytes=live.peak)

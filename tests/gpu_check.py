@@ -1,15 +1,16 @@
 """One RL step of the 7B recipe, its decode speed and the toy runs on one GPU, in 3-4 minutes
 (time-boxed to 390 s; not collected by pytest: tests/test_gpu_check.py runs its dry run):
 
-    python tests/gpu_check.py --all --config .device/r1_distill_qwen_7b --out OUT    # on an H200
-    python tests/gpu_check.py --all --dry-run --config DIR --out OUT                 # tiny, on the CPU
+    python tests/gpu_check.py --all --config DIR --out OUT              # on an H200
+    python tests/gpu_check.py --all --dry-run --config DIR --out OUT    # tiny, on the CPU
 
---config is a folder with DeepSeek-R1-Distill-Qwen-7B's config.json and tokenizer, no weights
-(../shared/device/prepare.sh copies it into .device/, the folder that travels to a GPU machine). The
-model is that architecture at its full depth (28 layers, hidden 3584, 28 heads, 4 KV heads, vocab
-152,064, N = 7.62 B) with random weights: an fp32 trainer and its bf16 generation copy, as train.py
-holds them in one process on a GPU. Sizes are one rank's of the 8-GPU recipe (4 prompts x 6 samples
-= 24 rows). The times are estimates from bytes and FLOPs at the H200's 4.8 TB/s and about 500 TFLOP/s:
+--config DIR is a folder with DeepSeek-R1-Distill-Qwen-7B's config.json and tokenizer, no weights
+(`hf download deepseek-ai/DeepSeek-R1-Distill-Qwen-7B --include "*.json" --local-dir DIR`). The
+maintainers' prepared GPU machine runs it through `.device/check.sh`, with its own copy of that
+folder and the pinned wheels. The model is that architecture at its full depth (28 layers, hidden
+3584, 28 heads, 4 KV heads, vocab 152,064, N = 7.62 B) with random weights: an fp32 trainer and its
+bf16 generation copy, as train.py holds them in one process on a GPU. Sizes are one rank's of the
+8-GPU recipe (4 prompts x 6 samples = 24 rows). The times are estimates from bytes and FLOPs at the H200's 4.8 TB/s and about 500 TFLOP/s:
 
   check     what it runs                                                                 H200, est.
   build     the fp32 trainer (4 N = 30.5 GB) and parallel.wrap's bf16 copy (2 N = 15.2 GB)     10 s
@@ -24,12 +25,14 @@ holds them in one process on a GPU. Sizes are one rank's of the 8-GPU recipe (4 
   update    update.update on the rollout (39k tokens, micro-batches of <= 16384) with the fp32      8 s
             trainer, bf16 autocast, checkpointing: 8 N FLOP a token, 2.4 PFLOP. SGD at lr 0 stands
             in for AdamW, whose 8 N (61 GB) do not fit beside the rest; its sampler gap is the bf16
-            static sampler's log-probs against the fp32 trainer's, at 7B width
+            static sampler's log-probs against the fp32 trainer's, at 7B width; on a GPU autocast
+            keeps bf16 casts of the fp32 weights (2 N) through each forward, which no plan term counts
   decode    a 1 GiB device copy (the bandwidth measured); then 24 rows after prompts of 6000       30 s
             tokens, 255 steps each of static (timed after a warm-up call), static-full, dynamic and
-            static with a rank-32 adapter (fp32, unmerged: warm-up, then timed): about 23 GB a step
-            (dynamic about 40: its cache grows by copying), 39 TB in all (8 s at the floor), + 6
-            prefills of 4 x 6000 tokens (2.2 PFLOP)
+            the LoRA recipes' sampler (a rank-32 adapter merged into a plain bf16 copy,
+            lora.merged_copy: warm-up, then timed): about 23 GB a step (dynamic about 40: its cache
+            grows by copying), 39 TB in all (8 s at the floor), + 6 prefills of 4 x 6000 tokens
+            (2.2 PFLOP)
   toy_lora  train.py --lora-rank 8, 2 toy steps (the one-GPU recipe: a merged bf16 copy samples;   30-60 s
             the adapter save); a subprocess, whose start-up dominates
   toy_fsdp  train.py --offload --grad-ckpt, 2 toy steps: a one-rank FSDP2 group (sharding, CPU    30-60 s
@@ -43,7 +46,7 @@ what it allocates (harness/plan.py, the check's sizes), their sum and measured /
 runs their step rows' peak_mem beside the plan's peak for their settings (less the runtime on a GPU,
 which peak_mem does not see). A ratio above 1 is memory no plan term counts.
 
-What one GPU can show: CUDA graphs (rollout, label shapes, peft layers inside them at 7B width), bf16
+What one GPU can show: CUDA graphs (rollout, label shapes, the merged LoRA copy's), bf16
 numerics at 7B width, memory and speed of a rank's phases at full depth, the one-GPU LoRA recipe,
 FSDP2 with CPU offload on one rank, evaluate.py on CUDA. What it cannot: anything between ranks. A
 one-rank group issues no cross-rank collective, so NCCL, the gloo traffic of --offload on two or
@@ -52,7 +55,8 @@ nor is an H100's 80 GB limit (the ratios carry over, the headroom does not), nor
 trained weights (lengths, labels and accuracies of random weights mean nothing).
 
 Out: OUT/gpu_check.jsonl (a JSON line per check, also on stdout), OUT/gpu_check.txt (the summary
-table, also printed) and OUT/gpu_check.log (tracebacks, the toy runs' output): three files; the toy
+table, also printed, headed by the torch, transformers and peft it measured with) and
+OUT/gpu_check.log (tracebacks, the toy runs' output): three files; the toy
 runs write into a temporary folder, removed at the end. A failing check is an {"check", "error"} line
 and the others still run; a check the time box has no room for, an {"check", "skipped"} line. The exit
 code is 1 if any failed.
@@ -83,6 +87,7 @@ from grpo import pack  # noqa: E402
 from harness import lora, plan, sampling, staticcache  # noqa: E402
 from harness.adapter import is_adapter  # noqa: E402
 from harness.checkpoint import latest_checkpoint  # noqa: E402
+from harness.files import UserError  # noqa: E402
 from harness.flags import COMMON, REAL  # noqa: E402
 from harness.parallel import wrap  # noqa: E402
 from live_bytes import LiveBytes  # noqa: E402  (beside this file)
@@ -319,12 +324,13 @@ def check_update(ctx):
     versus_plan(row, m.added, {"fp32 gradients (training state / 4)": t["training state"] / 4,
                                "activations": t["activations"], "log-prob chunk": t["log-prob chunk"]})
     vocab_bias = float(torch.log(torch.tensor(ctx["cfg"].vocab_size / len(tok))))
+    unplanned = "; autocast's bf16 casts of the weights (2 N) are in no plan term" if device.type == "cuda" else ""
     return dict(row, micro_batches=len(mbs), tokens=sum(lengths), tok_s=round(sum(lengths) / row["seconds"]),
                 loss=round(st["loss"], 4), grad_norm=st["grad_norm"], sampler_gap=st["sampler_gap"],
                 sampler_kl_k3=st["sampler_kl_k3"], sampler_ratio_max=st["sampler_ratio_max"],
                 vocab_bias=round(vocab_bias, 5),
                 headline=f"{sum(lengths) / row['seconds']:.0f} tokens/s; sampler gap {st['sampler_gap']:.4f} "
-                         f"(k3 {st['sampler_kl_k3']:.2e}; near-uniform logits alone: {vocab_bias:.4f})")
+                         f"(k3 {st['sampler_kl_k3']:.2e}; near-uniform logits alone: {vocab_bias:.4f}){unplanned}")
 
 
 def copy_bandwidth(device, mib, reps=10):
@@ -388,23 +394,27 @@ def check_decode(ctx):
             ctx["log"].write(f"== decode {name}\n{traceback.format_exc()}\n")
             paths[name] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
 
-    def adapted():  # a copy of the model with an unmerged adapter, as peft makes it (fp32 on a bf16 base)
+    def merged():  # the LoRA recipes' sampler: the adapter merged into a plain copy in the model's dtype
+        from peft.tuners.lora import LoraLayer
         m = lora.add_adapter(copy.deepcopy(model), {**COMMON, "lora_rank": s["adapter_rank"]}, args.config)
-        adapter["dtype"] = str(next(p.dtype for n, p in m.named_parameters() if "lora_A" in n))
-        return m
+        plain = lora.merged_copy(m, next(model.parameters()).dtype)
+        adapter.update(dtype=str(next(plain.parameters()).dtype),
+                       peft_layers=sum(isinstance(x, LoraLayer) for x in plain.modules()))
+        return plain
 
     timed("static", model, warm=True)
     timed("static-full", model, full=True)
     timed("dynamic", model, decode="dynamic")
     staticcache.release(model)
-    timed(f"lora-{s['adapter_rank']}", adapted, warm=True)  # the copy and its graphs go with the call
+    timed(f"lora-{s['adapter_rank']}", merged, warm=True)  # the copy and its graphs go with the call
     gc.collect()
     ms = {k: v["ms_step"] for k, v in paths.items() if "ms_step" in v}
     floor = {"nominal": round(floor_bytes / (args.bandwidth * 1e12) * 1e3, 3),
              "measured": round(floor_bytes / (measured * 1e12) * 1e3, 3)}
     return dict(seconds=round(time.perf_counter() - t0, 2), rows=rows, prompt_len=width, steps=steps,
                 copy_tbs=float(f"{measured:.4g}"), nominal_tbs=args.bandwidth, floor_ms=floor,
-                floor_mb_step=round(floor_bytes / 1e6, 1), adapter_dtype=adapter.get("dtype"), paths=paths,
+                floor_mb_step=round(floor_bytes / 1e6, 1), lora_dtype=adapter.get("dtype"),
+                lora_peft_layers=adapter.get("peft_layers"), paths=paths,
                 headline=", ".join(f"{k} {v:.2f}" for k, v in ms.items()) + f" ms a step; floor {floor['nominal']:.2f}"
                          f" at {args.bandwidth} TB/s, {floor['measured']:.2f} at the {measured:.3g} TB/s copied")
 
@@ -537,10 +547,12 @@ def run_checks(checks, ctx, out, deadline=None):
 
 
 def summary(rows, seconds):
-    """The table of gpu_check.txt: a line per check with its seconds, memory against the plan and
-    the number that matters."""
+    """The table of gpu_check.txt: the packages it measured with, then a line per check with its
+    seconds, memory against the plan and the number that matters."""
     num = lambda v, w, f: " " + (format(v, f"{w - 1}{f}") if isinstance(v, (int, float)) else "-".rjust(w - 1))  # noqa: E731
-    lines = [f"gpu_check: {seconds:.0f} s in all; memory: what a check added (GiB) against the plan's terms for it",
+    packages = ", ".join(f"{name} {version(name) or 'missing'}" for name in ("torch", "transformers", "peft"))
+    lines = [f"gpu_check: {seconds:.0f} s in all, measured with {packages}",
+             "memory: what a check added (GiB) against the plan's terms for it",
              f"{'check':<10}{'seconds':>9}{'added':>9}{'planned':>9}{'ratio':>7}  result"]
     for r in rows:
         text = r.get("headline") or r.get("error") or r.get("skipped", "")
@@ -554,8 +566,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--all", action="store_true", required=True, help="run every check (" +
                    ", ".join(name for name, *_ in CHECKS) + ")")
-    p.add_argument("--config", default=os.path.join(ROOT, ".device", "r1_distill_qwen_7b"),
-                   help="folder with the 7B config.json and tokenizer (default: .device/r1_distill_qwen_7b)")
+    p.add_argument("--config", help="a folder with DeepSeek-R1-Distill-Qwen-7B's config.json and tokenizer, "
+                   "no weights (module docstring)")
     p.add_argument("--out", required=True, help="folder for gpu_check.jsonl, gpu_check.txt and gpu_check.log")
     p.add_argument("--dry-run", action="store_true", help="tiny widths and sizes on the CPU (the test)")
     p.add_argument("--bandwidth", type=float, default=4.8, help="nominal memory bandwidth in TB/s for the "
@@ -564,6 +576,11 @@ def main(argv=None):
                    "check.sh's 420; none with --dry-run); a check without room for its estimate is skipped")
     p.add_argument("--toy-timeout", type=int, help="seconds at most for each toy run (default 120; 900 with --dry-run)")
     args = p.parse_args(argv)
+    try:
+        bench.check_config(args.config)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.time_box is None:
         args.time_box = 0 if args.dry_run else 390
     args.toy_timeout = args.toy_timeout or (900 if args.dry_run else 120)

@@ -57,3 +57,12 @@ def test_the_7b_shape_reads_its_config_from_the_folder_given(tmp_path):
         pytest.skip("needs the 7B config and tokenizer fixture")
     cfg = bench.cut_config(tiny.REAL_TOKENIZER, 3)
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_key_value_heads, cfg.vocab_size) == (3, 3584, 4, 152064)
+
+
+def test_the_7b_shape_without_a_config_folder_says_what_to_pass(tmp_path):
+    """A user's clone has no prepared folder to default to: --config names one with config.json and a tokenizer."""
+    with pytest.raises(UserError, match="^--config DIR is needed: a folder with the model's config.json and tokenizer"):
+        bench.main(["--shape", "7b"])
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(UserError, match="^no tokenizer_config.json in .*: pass --config DIR, .*hf download"):
+        bench.main(["--shape", "7b", "--config", str(tmp_path)])

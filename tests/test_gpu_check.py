@@ -68,7 +68,10 @@ def test_the_dry_run_runs_every_check_and_brings_back_three_files(tmp_path):
     assert dec["paths"]["static warm-up"]["captures"] >= 1 and [p["captures"] for p in timed] == [0, 0, 0, 0]
     assert all(p["same_tokens_as_static"] for p in timed[1:]) and all(p["ms_step"] > 0 for p in timed)
     assert dec["paths"]["static-full"]["mb_step"] >= dec["paths"]["static"]["mb_step"]
-    assert dec["copy_tbs"] > 0 and 0 < dec["floor_ms"]["nominal"] and dec["adapter_dtype"] == "torch.float32"
+    assert dec["copy_tbs"] > 0 and 0 < dec["floor_ms"]["nominal"]
+    # the LoRA path times what the LoRA recipes sample with: the adapter merged into a plain copy in the
+    # sampler's dtype (fp32 on the CPU, bf16 on a GPU), no peft layer left in the decode step
+    assert dec["lora_dtype"] == "torch.float32" and dec["lora_peft_layers"] == 0
     lora, fsdp = rows["toy_lora"], rows["toy_fsdp"]
     for toy in (lora, fsdp):
         assert [r["step"] for r in toy["steps"]] == [1, 2] and toy["checkpoint"] == "step_000002"
@@ -94,7 +97,7 @@ def test_a_decode_path_that_fails_leaves_the_other_paths_numbers(tmp_path, monke
     rank = gpu_check.DRY["adapter_rank"]
     assert dec["paths"][f"lora-{rank}"] == {"error": "ImportError: No module named 'peft'"}
     assert all(dec["paths"][p]["ms_step"] > 0 for p in ("static", "static-full", "dynamic"))
-    assert dec["adapter_dtype"] is None and "== decode lora" in (tmp_path / "gpu_check.log").read_text()
+    assert dec["lora_dtype"] is None and "== decode lora" in (tmp_path / "gpu_check.log").read_text()
 
 
 def test_a_failing_check_is_one_error_line_and_the_others_still_run(tmp_path, capsys):
@@ -114,8 +117,8 @@ def test_a_failing_check_is_one_error_line_and_the_others_still_run(tmp_path, ca
     assert (tmp_path / "gpu_check.jsonl").read_text().splitlines() == [json.dumps(r) for r in rows]
     assert "Traceback" in (tmp_path / "gpu_check.log").read_text()
     table = gpu_check.summary(rows, 12.0).splitlines()
-    assert table[2].startswith("broken") and "ERROR ValueError: no such phase" in table[2]
-    assert table[4].split()[-1] == "three"
+    assert table[3].startswith("broken") and "ERROR ValueError: no such phase" in table[3]
+    assert table[5].split()[-1] == "three"
 
 
 def test_a_failed_check_leaves_no_static_buffers_with_the_sampler(tmp_path, capsys):
@@ -141,9 +144,40 @@ def test_the_plan_ratio_is_measured_over_the_sum_of_the_plan_terms():
     assert row == {"plan_gib": {"a": 1.0, "b": 3.0}, "expected_gib": 4.0, "ratio": 0.75}
 
 
+def config_folder(path):
+    """What --config needs: the model's config.json and tokenizer (their contents unread here)."""
+    path.mkdir()
+    for name in ("config.json", "tokenizer_config.json"):
+        (path / name).write_text("{}")
+    return str(path)
+
+
 def test_the_exit_code_says_a_check_failed_and_only_three_files_are_written(tmp_path, monkeypatch):
+    config, out = config_folder(tmp_path / "config"), tmp_path / "out"
     monkeypatch.setattr(gpu_check, "CHECKS", [("fine", lambda ctx: {}, 0)])
-    assert gpu_check.main(["--all", "--out", str(tmp_path)]) == 0
+    assert gpu_check.main(["--all", "--config", config, "--out", str(out)]) == 0
     monkeypatch.setattr(gpu_check, "CHECKS", [("fine", lambda ctx: {}, 0), ("broken", lambda ctx: 1 / 0, 0)])
-    assert gpu_check.main(["--all", "--out", str(tmp_path)]) == 1
-    assert sorted(os.listdir(tmp_path)) == ["gpu_check.jsonl", "gpu_check.log", "gpu_check.txt"]
+    assert gpu_check.main(["--all", "--config", config, "--out", str(out)]) == 1
+    assert sorted(os.listdir(out)) == ["gpu_check.jsonl", "gpu_check.log", "gpu_check.txt"]
+
+
+def test_the_summary_names_the_packages_it_measured_with(tmp_path, monkeypatch):
+    import peft
+    import transformers
+    monkeypatch.setattr(gpu_check, "CHECKS", [("fine", lambda ctx: {}, 0)])
+    assert gpu_check.main(["--all", "--config", config_folder(tmp_path / "config"), "--out", str(tmp_path)]) == 0
+    first = (tmp_path / "gpu_check.txt").read_text().splitlines()[0]
+    assert first.endswith(f"measured with torch {torch.__version__}, transformers {transformers.__version__}, "
+                          f"peft {peft.__version__}"), first
+
+
+def test_without_a_config_folder_the_check_says_what_to_pass_in_one_line(tmp_path, monkeypatch, capsys):
+    """A user's clone has no prepared folder: --config names one holding the 7B's config.json and tokenizer."""
+    monkeypatch.setattr(gpu_check, "CHECKS", [("fine", lambda ctx: {}, 0)])
+    out = tmp_path / "out"
+    for argv, says in [([], "error: --config DIR is needed: a folder with the model's config.json and tokenizer"),
+                       (["--config", str(tmp_path)], f"error: no config.json in {tmp_path}: pass --config DIR, ")]:
+        assert gpu_check.main(["--all", "--out", str(out), *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(says) and "hf download" in err[0], err
+    assert not out.exists()

@@ -149,6 +149,16 @@ def test_lora_on_two_cpu_processes_equals_one(tmp_path):
     assert outs[1]["steps"] == outs[2]["steps"] and len(outs[1]["steps"]) == len(one)
     for r in (0, 1):  # the lean start: every rank holds rank 0's adapted model
         assert torch.load(str(tmp_path / f"w2.pt.lean{r}")) == dict(sampler=0.0, gathered=True, policy=0.0, trainable=True)
+    # several ranks sample from a plain copy with the adapter merged, as one GPU does (no peft layer):
+    # refreshed after the step, every merged weight has moved off the base, the frozen base is
+    # untouched, and its log-probs are the sharded adapted policy's: to fp32 rounding in fp32 (the
+    # CPU's copy); in bf16 (a GPU's) it is bit for bit the copy one GPU merges from the same adapter,
+    # as close to the policy on average as the unmerged bf16 copy several ranks sampled from before
+    for r in (0, 1):
+        merged = torch.load(str(tmp_path / f"w2.pt.merged{r}"))
+        assert merged["plain"] and merged["base"] and merged["moved"] > 1e-3 and merged["one GPU's"], merged
+        assert merged["torch.float32"][0] < 1e-5, merged
+        assert merged["torch.bfloat16"][1] < min(0.05, 1.5 * merged["unmerged bf16"][1]), merged
     # the probe: peft's init moved each rank's RNG differently, yet both ranks built and fitted the
     # same probe, the one the run's seed gives whatever was drawn before
     a, b = (torch.load(str(tmp_path / f"w2.pt.probe{r}"), weights_only=True) for r in (0, 1))
@@ -261,5 +271,5 @@ def test_plan_with_lora_on_8_gpus_shards_the_fp32_base():
                                  *RELEASED]))
     n, adapter = plan.param_counts(plan.model_config(FIXTURE_7B))[0], 80_740_352
     assert t["training state"] == 4 * n / 8 and t["adapter state"] == 16 * adapter / 8
-    assert t["generation copy"] == 2 * (n + adapter)
+    assert t["generation copy"] == 2 * n  # the merged copy, as on one GPU
     assert t["host"] == 4 * n  # rank 0 reads the fp32 base; a save gathers only the adapter (12 x 81 M)

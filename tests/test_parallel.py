@@ -9,10 +9,10 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run(tmp_path, world, offload=False, grads="gpu"):
-    out = str(tmp_path / f"w{world}{'-offload-' + grads if offload else ''}.pt")
+def run(tmp_path, world, offload=False, grads="gpu", old_torch=False):
+    out = str(tmp_path / f"w{world}{'-offload-' + grads if offload else ''}{'-old' if old_torch else ''}.pt")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE]), "OMP_NUM_THREADS": "1",
-           "OFFLOAD": "1" if offload else "0", "OFFLOAD_GRADS": grads}
+           "OFFLOAD": "1" if offload else "0", "OFFLOAD_GRADS": grads, "OLD_TORCH": "1" if old_torch else "0"}
     cmd = [sys.executable, os.path.join(HERE, "fsdp_update.py"), out]
     if world > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -94,6 +94,24 @@ def test_offload_refreshes_the_generation_copy_with_one_gather_per_layer(tmp_pat
             got = refresh[dtype].pop("bytes")
             assert refresh[dtype] == dict(calls=["all_gather"] * 5, equal=True), (r, dtype)
             assert got == term[dtype], (r, dtype, got)
+        assert refresh["policy unchanged"] and refresh["uneven"]
+
+
+@pytest.mark.slow   # torchrun, two processes, and one process
+def test_two_ranks_run_on_a_torch_without_all_gather_single(tmp_path):
+    """torch before 2.13 (2.11 on the GPU check's machine) has all_gather_into_tensor, not its new
+    name all_gather_single: the lean start and the refresh after the step take the older name and fill
+    the generation copy exactly, with one all-gather per group (2 layers, embedding, norm, LM head)."""
+    one, old = run(tmp_path, 1), run(tmp_path, 2, offload=True, old_torch=True)
+    for k in one:
+        assert torch.allclose(old[k], one[k], atol=1e-5), (k, (old[k] - one[k]).abs().max())
+    for r in (0, 1):
+        lean = torch.load(str(tmp_path / f"w2-offload-gpu-old.pt.lean{r}"))
+        assert lean == dict(sampler=0.0, policy=0.0, buffers=0.0)
+        refresh = torch.load(str(tmp_path / f"w2-offload-gpu-old.pt.refresh{r}"))
+        for dtype in (torch.float32, torch.bfloat16):
+            refresh[dtype].pop("bytes")
+            assert refresh[dtype] == dict(calls=["all_gather"] * 5, equal=True), (r, dtype)
         assert refresh["policy unchanged"] and refresh["uneven"]
 
 
