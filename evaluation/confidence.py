@@ -122,9 +122,10 @@ def forced_verbal(model, tokenizer, prompts, responses, close_id, budget, k, see
     return [sum(c for c, _ in r) / len(r) for r in read], [sum(m for _, m in r) for r in read]
 
 
-def sample_by_length(model, tokenizer, prompts, k, **kw):
+def sample_by_length(model, tokenizer, prompts, k, run=None, **kw):
     """The k sampled texts of each prompt (lists, in the order given); on the static path (CUDA)
-    sampled shortest prompt first.
+    sampled shortest prompt first. run: the generate called (default rollout.generate; the post-hoc
+    fit's: evaluation/shard.generate_dealt, its chunks dealt to evaluate.py's workers).
 
     Forced prompts come a rollout's budgets after one another, so in that order the width changes at
     nearly every chunk, and with it the static decoder's shape: a new buffer set and capture per
@@ -136,7 +137,7 @@ def sample_by_length(model, tokenizer, prompts, k, **kw):
     order = list(range(len(prompts)))
     if sampling.default_decode(model) == "static":
         order.sort(key=lambda i: len(prompts[i]))
-    out = generate(model, tokenizer, [list(prompts[i]) for i in order], n=k, **kw)
+    out = (run or generate)(model, tokenizer, [list(prompts[i]) for i in order], n=k, **kw)
     texts = [None] * len(prompts)
     for j, i in enumerate(order):
         texts[i] = out.texts[j * k:(j + 1) * k]

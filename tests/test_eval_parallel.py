@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from evaluation import generation, shard
 
@@ -95,3 +96,39 @@ def test_a_user_error_in_a_worker_is_its_one_line(tmp_path):
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert done.returncode == 1
     assert done.stderr.count("missing.jsonl") == 1 and "worker 0 of 2 failed" not in done.stderr, done.stderr[-2000:]
+
+
+def _posthoc(tmp_path, world):
+    out = str(tmp_path / f"w{world}")
+    cmd = [os.path.join(ROOT, "tests", "posthoc_workers.py"), out]
+    cmd = [sys.executable, *(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
+                             if world > 1 else []), *cmd]
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    work = [json.load(open(f"{out}.rank{r}.json")) for r in range(world)]
+    return work, open(out + "_probe.pt", "rb").read(), torch.load(out + ".data.pt", weights_only=True)
+
+
+@pytest.mark.slow   # the post-hoc fit in one process, then under torchrun as two workers
+def test_two_workers_share_the_posthoc_fit_and_fit_the_probe_of_one_process(tmp_path):
+    """evaluate.py's workers each make a share of the post-hoc probe's data, dealt as the benchmarks'
+    calls are (chunk i to rank i % 2): the rollouts' and forced answers' generate chunks, the feature
+    batches and the gradings. Merged in order, they are one process's data, and rank 0 fits the same
+    probe from them, byte for byte."""
+    (one,), probe1, data1 = _posthoc(tmp_path, 1)
+    two, probe2, data2 = _posthoc(tmp_path, 2)
+    # one process: 2 rollout calls (6 prompts, 4 a call), then the forced answers' calls (2 prompts a call)
+    assert [count for count, _ in one["chunks"]] == [2, 9]
+    assert all(ran == list(range(count)) for count, ran in one["chunks"])
+    for (count, _), rank0, rank1 in zip(one["chunks"], two[0]["chunks"], two[1]["chunks"]):
+        assert rank0 == [count, list(range(0, count, 2))] and rank1 == [count, list(range(1, count, 2))]
+    # 12 rollouts scored in batches of 5 (0-4 and 10-11 on rank 0, 5-9 on rank 1); the 72 forced
+    # answers (18 prompts x 4) graded half each
+    assert (one["scored"], two[0]["scored"], two[1]["scored"]) == (12, 7, 5)
+    assert (one["graded"], two[0]["graded"], two[1]["graded"]) == (72, 36, 36)
+    assert (one["fitted"], two[0]["fitted"], two[1]["fitted"]) == (True, True, False)   # rank 0 fits
+    assert data1.keys() == data2.keys() == {"x", "y", "g"} and len(data1["y"]) == 12 * 16
+    assert all(torch.equal(data1[k], data2[k]) for k in data1)
+    assert 0 < float(data1["y"].mean()) < 1
+    assert probe1 == probe2
