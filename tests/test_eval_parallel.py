@@ -35,6 +35,21 @@ def test_calls_are_one_process_batches_and_every_rank_sees_every_round(monkeypat
     assert in_order == calls + [None, None]
 
 
+def test_a_chunk_of_generate_samples_as_in_the_whole_call():
+    """rollout.generate(chunks=...), what the post-hoc fit deals to each worker: the chosen chunks'
+    rows are the whole call's, whichever chunks run and in whatever order."""
+    import rollout
+    import tiny
+    tok, model = tiny.tokenizer(), tiny.model(seed=3)
+    prompts = [tok.encode(p) for p in ("1+1=", "2*3=", "7-5=", "9/3=", "4+4=")]
+    kw = dict(n=2, max_new_tokens=6, temperature=1.0, seed=11, batch_size=2)
+    whole = rollout.generate(model, tok, prompts, **kw)
+    part = rollout.generate(model, tok, prompts, chunks=[2, 0], **kw)   # chunk 2: prompt 4; chunk 0: prompts 0, 1
+    assert part.prompt_index == [4, 4, 0, 0, 1, 1]
+    assert part.ids == [whole.ids[r] for r in (8, 9, 0, 1, 2, 3)]
+    assert len(set(map(tuple, whole.ids))) > 5   # sampled, not one greedy answer
+
+
 def test_grading_overlaps_the_next_call_and_rows_stay_in_call_order(tmp_path):
     path = str(tmp_path / "samples.jsonl")
     generating = [threading.Event() for _ in range(4)]
