@@ -34,15 +34,15 @@ import rollout
 from harness import files
 from harness.parallel import MASTER, RANK, WORLD
 
-# A rank waits at each gather for the slowest: a round of calls, or a phase of the post-hoc fit (a
-# worker's share of its rollouts or forced answers, est. minutes to an hour for the 7B on one GPU).
+# A rank waits at each gather for the slowest: a round of calls, a phase of the post-hoc fit (a
+# worker's share of its rollouts or forced answers), rank 0's fit of the probe; a safe upper bound.
 TIMEOUT = datetime.timedelta(hours=24)
 
 
 def setup():
     """Join the workers' group (several ranks only) and put this rank on its own GPU. The group is
-    gloo on every device: the ranks exchange Python objects (the calls to run, the probe, the rows),
-    never the model's tensors."""
+    gloo on every device: the ranks exchange Python objects (the calls to run, the rows, the post-hoc
+    fit's samples and features, the probe), never the model's tensors."""
     if WORLD == 1 or dist.is_initialized():
         return
     if torch.cuda.is_available():
