@@ -83,8 +83,10 @@ def evaluate_model(name, loaded, args):
     source = args.confidence or default_confidence(name)
     think = tok.convert_tokens_to_ids("</think>")
     close_id = None if think is None or think == tok.unk_token_id else think
-    prb, report = shard.share_probe(get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded, prompt)
-                                    if MASTER else None, next(model.parameters()).device)   # fitted once
+    # fitted once: every worker makes a share of the post-hoc probe's data, rank 0 fits it (evaluation/posthoc.py)
+    got = get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded, prompt) \
+        if MASTER or source == "probe-posthoc" else None
+    prb, report = shard.share_probe(got, next(model.parameters()).device)
     samples = os.path.join(out_dir, "samples.jsonl")
     res = {"path": path, "model_id": ident, "confidence": source, "out": out_dir, "benchmarks": {}, "settings": {},
            "provenance": runlog.provenance(args.argv, next(model.parameters()).device)}

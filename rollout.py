@@ -38,7 +38,7 @@ class Samples:
 
 def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0,
              stop=(), eos_ids=None, seed=None, batch_size=None, progress=False, decode=None,
-             scores=False) -> Samples:
+             scores=False, chunks=None) -> Samples:
     """Sample n continuations of each prompt. prompts: list of token-id lists (chat template applied).
 
     stop: strings (stop once the generated text contains one) and/or token ids; the token that
@@ -47,7 +47,9 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
     scores: Samples.logprobs and .entropy_sum score every sampled id (module docstring, Scores);
     the RL step asks for them, evaluation does not (empty lists then).
     batch_size: prompts per chunk (rows = batch_size * n). decode: "static" | "dynamic" | None
-    (static on CUDA, dynamic elsewhere).
+    (static on CUDA, dynamic elsewhere). chunks: the indices of the chunks to sample (None: all), the
+    others skipped; each keeps its own generator, so its samples are those of a call that runs them all
+    (evaluation/shard.py deals them to workers). progress: a bar (a string: its label).
     """
     if n < 1 or max_new_tokens < 1:
         raise ValueError(f"need n >= 1 and max_new_tokens >= 1, got n={n}, max_new_tokens={max_new_tokens}")
@@ -57,12 +59,13 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
     batch_size = batch_size or max(len(prompts), 1)
     starts = range(0, len(prompts), batch_size)
     gens = chunk_generators(seed, len(starts), sampler.device)
+    todo = [(starts[i], gens[i]) for i in (range(len(starts)) if chunks is None else chunks)]
 
     was_training = model.training
     model.eval()
     result = Samples([], [], [], [], [])
     try:
-        for start, gen in tqdm(list(zip(starts, gens)), desc="generate", disable=not progress):
+        for start, gen in tqdm(todo, desc=progress if isinstance(progress, str) else "generate", disable=not progress):
             chunk = [list(map(int, p)) for p in prompts[start:start + batch_size]]
             out = sampler.sample(sampler.prefill(chunk), n, gen, scores)
             ids, length, reason, *scored = (x.tolist() for x in out)

@@ -135,9 +135,10 @@ def reanswer_confidence(text):
     return verbal_confidence(text)
 
 
-def sample_by_length(model, tokenizer, prompts, k, **kw):
+def sample_by_length(model, tokenizer, prompts, k, run=None, **kw):
     """The k sampled texts of each prompt (lists, in the order given); on the static path (CUDA)
-    sampled shortest prompt first.
+    sampled shortest prompt first. run: the generate called (default rollout.generate; the post-hoc
+    fit's: evaluation/shard.generate_dealt, its chunks dealt to evaluate.py's workers).
 
     Forced prompts come a rollout's budgets after one another, so in that order the width changes at
     nearly every chunk, and with it the static decoder's shape: a new buffer set and capture per
@@ -149,7 +150,7 @@ def sample_by_length(model, tokenizer, prompts, k, **kw):
     order = list(range(len(prompts)))
     if sampling.default_decode(model) == "static":
         order.sort(key=lambda i: len(prompts[i]))
-    out = generate(model, tokenizer, [list(prompts[i]) for i in order], n=k, **kw)
+    out = (run or generate)(model, tokenizer, [list(prompts[i]) for i in order], n=k, **kw)
     texts = [None] * len(prompts)
     for j, i in enumerate(order):
         texts[i] = out.texts[j * k:(j + 1) * k]

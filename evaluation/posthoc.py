@@ -15,6 +15,7 @@ BCE against rounded labels (the mean of per-batch means), ReduceLROnPlateau(0.5,
 dropout x weight decay (GRID).
 """
 import copy
+import functools
 import hashlib
 import json
 import math
@@ -32,9 +33,10 @@ import probe as probe_lib
 from prompts import row_prompt
 from grade import answers_match, boxed_answer, boxed_in_thinking, code_job, is_correct
 from label import forced_prompt
-from rollout import generate
+from evaluation import shard
 from evaluation.confidence import EVAL_SUFFIX, features, sample_by_length, think_end
 from harness import files, sandbox, staticcache
+from harness.parallel import MASTER
 
 EVAL_LEAD = "..."  # released: the cut thinking ends in "..." before `</think>` + EVAL_SUFFIX
 # Code benchmarks (released 2_budget_eval, LiveCodeBench): the forced answer is a whole program, up to
@@ -56,15 +58,19 @@ def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, pro
     epochs, patience, batch, val_frac, seed of the fit. Samples n responses per question
     ({problem, answer}), labels their prefixes (posthoc_examples), runs fit_posthoc, and prints
     protocol_line to stderr.
+
+    With evaluate.py's workers every rank calls this: the generate chunks, feature batches and
+    gradings are dealt to them (evaluation/shard.py), each drawn as one process draws it; rank 0
+    alone reads the cache and fits, the others return (None, None).
     """
     p = cache_protocol(protocol, questions, instruction, system)
-    cached = read_cache(cache + ".pt") if os.path.exists(cache + ".pt") else None
-    if cached is not None and cached[1].get("protocol") == p:
-        return cached
+    cached = read_cache(cache + ".pt") if MASTER and os.path.exists(cache + ".pt") else None
+    if shard.share(cached is not None and cached[1].get("protocol") == p):
+        return cached if MASTER else (None, None)
     prompts = [row_prompt(tokenizer, r, instruction, system) for r in questions]
-    out = generate(model, tokenizer, prompts, n=p["n"], max_new_tokens=p["max_new_tokens"],
-                   temperature=p["temperature"], top_p=p["top_p"], seed=p["seed"],
-                   batch_size=max(1, rows // p["n"]))
+    out = shard.generate_dealt(model, tokenizer, prompts, n=p["n"], max_new_tokens=p["max_new_tokens"],
+                               temperature=p["temperature"], top_p=p["top_p"], seed=p["seed"],
+                               batch_size=max(1, rows // p["n"]), progress="post-hoc rollouts")
     staticcache.release(model)  # the labels below have shapes of their own
     rep = [q for q in prompts for _ in range(p["n"])]
     golds = [r["answer"] for r in questions for _ in range(p["n"])]
@@ -72,7 +78,10 @@ def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, pro
     x, y, g, stats = posthoc_examples(model, tokenizer, rep, out.ids, out.texts, golds, groups, close_id,
                                       p["every"], p["count"], p["k"], p["suffix"], p["close"], tuple(p["stop"]),
                                       p["copy_natural"], p["seed"] + 1, batch_size, rows, p["lead"], p["gate"],
-                                      p.get("grader", "math"), p.get("tokens", "sampled"))
+                                      p.get("grader", "math"), p.get("tokens", "sampled"),
+                                      functools.partial(shard.generate_dealt, progress="post-hoc forced answers"))
+    if not MASTER:
+        return None, None
     prb, report = fit_posthoc(x, y, g, seed=p["seed"], max_epochs=p["epochs"], patience=p["patience"],
                               batch_size=p["batch"], val_frac=p["val_frac"], device=next(model.parameters()).device,
                               rule=p.get("fit", "released"))
@@ -90,7 +99,7 @@ def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, pro
 def posthoc_examples(model, tokenizer, prompts, responses, texts, golds, groups, close_id, every=500,
                      count=16, k=16, suffix=EVAL_SUFFIX, close="think", stop=(), copy_natural=True,
                      seed=0, batch_size=8, rows=64, lead=EVAL_LEAD, gate="thinking", grader="math",
-                     tokens="sampled"):
+                     tokens="sampled", run=None):
     """(feats [M, d], labels [M], groups [M], stats) for fitting a post-hoc probe on sampled responses.
 
     Every rollout contributes `count` examples, one per budget of posthoc_budgets(thinking, every,
@@ -98,7 +107,8 @@ def posthoc_examples(model, tokenizer, prompts, responses, texts, golds, groups,
     thinking[:b] (budgets past the end of thinking reuse the end-of-thinking feature and label), the
     label comes from posthoc_labels (grader="code": programs, CODE_TOKENS each). groups[i] is the
     problem index, for the grouped split.
-    batch_size: sequences per scoring forward; rows: sequences per forced-answer generation call.
+    batch_size: sequences per scoring forward; rows: sequences per forced-answer generation call;
+    run: posthoc_labels'. The feature batches are dealt to evaluate.py's workers (shard.spread).
     tokens="text" (released: 2_budget_eval, 3_reproduce): the thinking re-tokenized from its text, the
     budgets counted in those tokens, and the forced prompts without the prompt's BOS (the features keep it).
     """
@@ -113,9 +123,12 @@ def posthoc_examples(model, tokenizer, prompts, responses, texts, golds, groups,
     positions = [posthoc_budgets(e, every, count) for e in ends]
     labels, copied = posthoc_labels(model, tokenizer, forced, responses, texts, golds, positions, ends, k,
                                     suffix, close, stop, copy_natural, CODE_TOKENS if grader == "code" else 64,
-                                    seed=seed, rows=rows, lead=lead, gate=gate, grader=grader)
-    feats = features(model, prompts, responses, positions, tokenizer.pad_token_id, True, batch_size)
-    x = torch.cat(feats)
+                                    seed=seed, rows=rows, lead=lead, gate=gate, grader=grader, run=run)
+
+    def scored(starts):
+        return [features(model, prompts[s:s + batch_size], responses[s:s + batch_size],
+                         positions[s:s + batch_size], tokenizer.pad_token_id, True, batch_size) for s in starts]
+    x = torch.cat([f for batch in shard.spread(scored, list(range(0, len(prompts), batch_size))) for f in batch])
     y = torch.tensor([v for ls in labels for v in ls], dtype=torch.float32)
     g = torch.tensor([grp for grp, ps in zip(groups, positions) for _ in ps], dtype=torch.long)
     past = sum(b >= e for ps, e in zip(positions, ends) for b in ps)
@@ -133,7 +146,7 @@ def posthoc_budgets(thinking, every=500, count=16):
 
 def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions, ends, k=16,
                    suffix=EVAL_SUFFIX, close="think", stop=(), copy_natural=True, max_new_tokens=64,
-                   seed=0, rows=64, lead=EVAL_LEAD, gate="thinking", grader="math"):
+                   seed=0, rows=64, lead=EVAL_LEAD, gate="thinking", grader="math", run=None):
     """Labels Y_b for each rollout's budget positions (N lists of floats) and the count of copied ones.
 
     Where the position is the end of thinking (ends[i]) and the thinking holds a box (gate="thinking",
@@ -145,11 +158,13 @@ def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions
     grader="code" (a code benchmark; suffix CODE_SUFFIX, max_new_tokens CODE_TOKENS as released): the
     natural and forced answers are programs, graded by running them against the gold's tests (a
     bounded pool, sandbox.grade_many); there is no box to gate on, so an ended thinking copies the
-    natural grade.
+    natural grade. run: the generate the forced answers are sampled with (sample_by_length's; posthoc_probe:
+    shard.generate_dealt); their grading is dealt to evaluate.py's workers (shard.spread).
     """
     lead_ids = tokenizer.encode(lead, add_special_tokens=False) if lead else []
     labels, todo, copied = [], {}, 0
-    programs = sandbox.grade_many([code_job(t, g) for t, g in zip(texts, golds)]) if grader == "code" else None
+    programs = None if grader != "code" else shard.spread(sandbox.grade_many,
+                                                          [code_job(t, g) for t, g in zip(texts, golds)])
     for i, ps in enumerate(positions):
         if programs is not None:
             natural = float(programs[i])
@@ -169,14 +184,14 @@ def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions
     y = []
     if todo:
         texts = sample_by_length(model, tokenizer, list(todo), k, max_new_tokens=max_new_tokens, temperature=0.6,
-                                 top_p=0.95, stop=stop, seed=seed, batch_size=max(1, rows // k))
+                                 top_p=0.95, stop=stop, seed=seed, batch_size=max(1, rows // k), run=run)
+        forced = [(ts, gold) for ts, (_, gold) in zip(texts, todo.values())]
         if grader == "code":
-            passed = iter(sandbox.grade_many([code_job(t, gold) for ts, (_, gold) in zip(texts, todo.values())
-                                              for t in ts]))
+            passed = iter(shard.spread(sandbox.grade_many, [code_job(t, gold) for ts, gold in forced for t in ts]))
             y = [sum(next(passed) for _ in ts) / k for ts in texts]
         else:
-            y = [sum(answers_match(boxed_answer(suffix + t), gold) for t in ts) / k
-                 for ts, (_, gold) in zip(texts, todo.values())]
+            y = shard.spread(lambda part: [sum(answers_match(boxed_answer(suffix + t), gold) for t in ts) / k
+                                           for ts, gold in part], forced)
     labels = [[v if isinstance(v, float) else y[v] for v in row] for row in labels]
     return labels, copied
 

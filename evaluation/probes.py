@@ -65,7 +65,7 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
     prb, report = posthoc.posthoc_probe(
         os.path.join(out_dir, f"posthoc_probe_{label}_{digest(model_id(path), 8)}".replace("/", "_")), model, tok,
         rows, instruction, close_id, protocol, batch_size=s["score_batch"], rows=s["rows"], system=prompt[1])
-    return prb, dict(report, data=src)
+    return prb, report and dict(report, data=src)   # (None, None) on a worker other than rank 0
 
 
 def toy_fit_rows(src):

@@ -14,10 +14,15 @@ r * WORLD + k; the rows of a round are gathered to rank 0, which appends them in
 alone reads and writes the output folder (the samples, the post-hoc probe's cache, results.json);
 the other ranks receive what they need from it (share).
 
+The post-hoc probe's fit data is made the same way (evaluation/posthoc.py): its rollouts' and forced
+answers' generate chunks (generate_dealt), feature batches and gradings (spread) are dealt as calls
+are, chunk i to rank i % WORLD, and merged in order on every rank; rank 0 fits the probe from them.
+
 Grading (LiveCodeBench's programs run in sandboxed children for seconds) runs in a thread while the
 next call generates (Rounds): rows are appended one round behind the generation.
 """
 import copy
+import dataclasses
 import datetime
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,18 +30,19 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
+import rollout
 from harness import files
 from harness.parallel import MASTER, RANK, WORLD
 
-# Rank 0 fits the post-hoc probe alone while the other ranks wait in share(): 640 rollouts and their
-# forced answers, est. one to a few hours for the 7B on one GPU (not measured).
+# A rank waits at each gather for the slowest: a round of calls, a phase of the post-hoc fit (a
+# worker's share of its rollouts or forced answers), rank 0's fit of the probe; a safe upper bound.
 TIMEOUT = datetime.timedelta(hours=24)
 
 
 def setup():
     """Join the workers' group (several ranks only) and put this rank on its own GPU. The group is
-    gloo on every device: the ranks exchange Python objects (the calls to run, the probe, the rows),
-    never the model's tensors."""
+    gloo on every device: the ranks exchange Python objects (the calls to run, the rows, the post-hoc
+    fit's samples and features, the probe), never the model's tensors."""
     if WORLD == 1 or dist.is_initialized():
         return
     if torch.cuda.is_available():
@@ -69,6 +75,37 @@ def deal(calls):
     for r in range(rounds):
         i = r * WORLD + RANK
         yield calls[i] if i < len(calls) else None
+
+
+def spread(fn, items):
+    """fn(items) (a list in, one result per item out) with the items dealt to the workers, item i to
+    rank i % WORLD as deal deals calls; the results merged in item order, on every rank."""
+    if WORLD == 1:
+        return fn(items)
+    mine = range(RANK, len(items), WORLD)
+    got = fn([items[i] for i in mine])
+    every = [None] * WORLD
+    dist.all_gather_object(every, got)
+    return [every[i % WORLD][i // WORLD] for i in range(len(items))]
+
+
+def generate_dealt(model, tokenizer, prompts, n=1, batch_size=None, progress=None, **kw):
+    """rollout.generate's Samples of every prompt, on every rank, its chunks dealt to the workers
+    (chunk i to rank i % WORLD, as deal deals calls): each chunk is sampled whole with its own
+    generator, so the samples are one process's. progress: the label of rank 0's bar (its chunks)."""
+    if WORLD == 1:
+        return rollout.generate(model, tokenizer, prompts, n, batch_size=batch_size, progress=progress, **kw)
+    count = -(-len(prompts) // (batch_size or max(len(prompts), 1)))
+    mine = range(RANK, count, WORLD)
+    out = rollout.generate(model, tokenizer, prompts, n, batch_size=batch_size, chunks=mine,
+                           progress=MASTER and progress and f"{progress} (worker 0: {len(mine)} of {count} calls)", **kw)
+    every = [None] * WORLD
+    dist.all_gather_object(every, out)
+    # a prompt's rows come from one chunk, hence one rank: by prompt, in that rank's order
+    order = sorted((p, k, r) for k, s in enumerate(every) for r, p in enumerate(s.prompt_index))
+    column = lambda name: [getattr(every[k], name)[r] for _, k, r in order] if any(  # noqa: E731
+        getattr(s, name) for s in every) else []
+    return rollout.Samples(**{f.name: column(f.name) for f in dataclasses.fields(rollout.Samples)})
 
 
 class Rounds:

@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from evaluation import generation, shard
 
@@ -32,6 +33,21 @@ def test_calls_are_one_process_batches_and_every_rank_sees_every_round(monkeypat
     assert [len(d) for d in dealt] == [2, 2, 2]   # as many rounds on every rank (each round gathers)
     in_order = [d[r] for r in range(2) for d in dealt]   # round r, rank k: call r * WORLD + k
     assert in_order == calls + [None, None]
+
+
+def test_a_chunk_of_generate_samples_as_in_the_whole_call():
+    """rollout.generate(chunks=...), what the post-hoc fit deals to each worker: the chosen chunks'
+    rows are the whole call's, whichever chunks run and in whatever order."""
+    import rollout
+    import tiny
+    tok, model = tiny.tokenizer(), tiny.model(seed=3)
+    prompts = [tok.encode(p) for p in ("1+1=", "2*3=", "7-5=", "9/3=", "4+4=")]
+    kw = dict(n=2, max_new_tokens=6, temperature=1.0, seed=11, batch_size=2)
+    whole = rollout.generate(model, tok, prompts, **kw)
+    part = rollout.generate(model, tok, prompts, chunks=[2, 0], **kw)   # chunk 2: prompt 4; chunk 0: prompts 0, 1
+    assert part.prompt_index == [4, 4, 0, 0, 1, 1]
+    assert part.ids == [whole.ids[r] for r in (8, 9, 0, 1, 2, 3)]
+    assert len(set(map(tuple, whole.ids))) > 5   # sampled, not one greedy answer
 
 
 def test_grading_overlaps_the_next_call_and_rows_stay_in_call_order(tmp_path):
@@ -95,3 +111,39 @@ def test_a_user_error_in_a_worker_is_its_one_line(tmp_path):
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert done.returncode == 1
     assert done.stderr.count("missing.jsonl") == 1 and "worker 0 of 2 failed" not in done.stderr, done.stderr[-2000:]
+
+
+def _posthoc(tmp_path, world):
+    out = str(tmp_path / f"w{world}")
+    cmd = [os.path.join(ROOT, "tests", "posthoc_workers.py"), out]
+    cmd = [sys.executable, *(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
+                             if world > 1 else []), *cmd]
+    env = {**ENV, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    work = [json.load(open(f"{out}.rank{r}.json")) for r in range(world)]
+    return work, open(out + "_probe.pt", "rb").read(), torch.load(out + ".data.pt", weights_only=True)
+
+
+@pytest.mark.slow   # the post-hoc fit in one process, then under torchrun as two workers
+def test_two_workers_share_the_posthoc_fit_and_fit_the_probe_of_one_process(tmp_path):
+    """evaluate.py's workers each make a share of the post-hoc probe's data, dealt as the benchmarks'
+    calls are (chunk i to rank i % 2): the rollouts' and forced answers' generate chunks, the feature
+    batches and the gradings. Merged in order, they are one process's data, and rank 0 fits the same
+    probe from them, byte for byte."""
+    (one,), probe1, data1 = _posthoc(tmp_path, 1)
+    two, probe2, data2 = _posthoc(tmp_path, 2)
+    # one process: 2 rollout calls (6 prompts, 4 a call), then the forced answers' calls (2 prompts a call)
+    assert [count for count, _ in one["chunks"]] == [2, 9]
+    assert all(ran == list(range(count)) for count, ran in one["chunks"])
+    for (count, _), rank0, rank1 in zip(one["chunks"], two[0]["chunks"], two[1]["chunks"]):
+        assert rank0 == [count, list(range(0, count, 2))] and rank1 == [count, list(range(1, count, 2))]
+    # 12 rollouts scored in batches of 5 (0-4 and 10-11 on rank 0, 5-9 on rank 1); the 72 forced
+    # answers (18 prompts x 4) graded half each
+    assert (one["scored"], two[0]["scored"], two[1]["scored"]) == (12, 7, 5)
+    assert (one["graded"], two[0]["graded"], two[1]["graded"]) == (72, 36, 36)
+    assert (one["fitted"], two[0]["fitted"], two[1]["fitted"]) == (True, True, False)   # rank 0 fits
+    assert data1.keys() == data2.keys() == {"x", "y", "g"} and len(data1["y"]) == 12 * 16
+    assert all(torch.equal(data1[k], data2[k]) for k in data1)
+    assert 0 < float(data1["y"].mean()) < 1
+    assert probe1 == probe2
