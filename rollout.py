@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from harness.sampling import REASONS, Sampler
+from harness.sampling import REASONS, Sampler, row_generators
 
 
 @dataclass
@@ -38,7 +38,7 @@ class Samples:
 
 def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0,
              stop=(), eos_ids=None, seed=None, batch_size=None, progress=False, decode=None,
-             scores=False) -> Samples:
+             scores=False, keyed=False) -> Samples:
     """Sample n continuations of each prompt. prompts: list of token-id lists (chat template applied).
 
     stop: strings (stop once the generated text contains one) and/or token ids; the token that
@@ -47,7 +47,9 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
     scores: Samples.logprobs and .entropy_sum score every sampled id (module docstring, Scores);
     the RL step asks for them, evaluation does not (empty lists then).
     batch_size: prompts per chunk (rows = batch_size * n). decode: "static" | "dynamic" | None
-    (static on CUDA, dynamic elsewhere).
+    (static on CUDA, dynamic elsewhere). keyed: each row draws from a generator of its own, seeded
+    from (seed, its prompt, its sample index) (harness/sampling.row_generators), so that a prompt's
+    samples do not depend on batch_size or on the other prompts either (label.py's forced answers).
     """
     if n < 1 or max_new_tokens < 1:
         raise ValueError(f"need n >= 1 and max_new_tokens >= 1, got n={n}, max_new_tokens={max_new_tokens}")
@@ -64,6 +66,7 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
     try:
         for start, gen in tqdm(list(zip(starts, gens)), desc="generate", disable=not progress):
             chunk = [list(map(int, p)) for p in prompts[start:start + batch_size]]
+            gen = row_generators(seed, chunk, n, sampler.device) if keyed else gen
             out = sampler.sample(sampler.prefill(chunk), n, gen, scores)
             ids, length, reason, *scored = (x.tolist() for x in out)
             for r in range(len(ids)):
