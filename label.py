@@ -36,7 +36,10 @@ prefix, where the K answers of a prefix share one cache row and one forward for 
 agree (on the dynamic path: `Sampler(share_rows=True)`, harness/sampling.py; the samples are the same as
 without). Sampling ends at the brace closing the forced box as well as at a newline: nothing
 after it changes the answer. Both paths sample in groups of similar trajectory length so short
-prefixes carry no padding of long ones. The rollout's KV cache is not kept: holding it from the
+prefixes carry no padding of long ones. Each answer draws from a random stream of its own, seeded
+from (seed, its forced prompt, its index among the K) (harness/sampling.py: row_generators), so the
+labels do not depend on how the cuts are grouped or chunked: batch_size, and with it the memory
+free, changes only the speed. The rollout's KV cache is not kept: holding it from the
 rollout until labelling would cost the whole batch's cache in memory.
 
 The probe's features come from the same prefill (features=True, what a training step asks): the
@@ -54,8 +57,8 @@ import torch
 
 from grade import answers_match
 from probe import LAST_K, last_layer, split_prefix_features
-from harness.sampling import Sampler
-from rollout import Samples, chunk_generators, generate
+from harness.sampling import Sampler, row_generators
+from rollout import Samples, generate
 
 LENGTH_GROUP = 2  # trajectories whose longest cuts have bit lengths within this many share a group
 SUFFIX = "\nIf I were to output the final answer now, it would be \\boxed{"
@@ -214,21 +217,22 @@ def sample_answers(model, tokenizer, prompts, responses, cuts, tail, k, temperat
     tree=True (the default) is the fast path, `_forced_samples`: the same samples up to float
     rounding, ended at the brace that closes the forced box (the answer is complete there), with
     the prefill shared along the prefix tree (module docstring); tests/test_label.py holds them equal.
-    Either way the cuts are sampled in groups of similar trajectory length, each with its own seed
-    (_length_groups), so that short prefixes carry no padding of long ones. batch_size: forced
-    prompts per chunk; decode: rollout's decode path ("static" | "dynamic" | None: static on CUDA).
+    Either way the cuts are sampled in groups of similar trajectory length (_length_groups), so that
+    short prefixes carry no padding of long ones, and each of the k answers of a forced prompt draws
+    from its own stream, seeded from (seed, the forced prompt, its index) (module docstring): the
+    samples do not depend on the groups or chunks. batch_size: forced prompts per chunk; decode: rollout's decode path ("static" | "dynamic" | None: static on CUDA).
     reads, features (fast path; mc_labels(features=True)): reads[j] lists the (trajectory i, its
     cuts, the trajectory whose row they are read off) whose probe features the chunk asking cut j
     reads into the dict features[i].
     """
     out = Samples([None] * (len(cuts) * k), [None] * (len(cuts) * k), [], [], [])
-    for js, group_seed in _length_groups(cuts, seed):
+    for js in _length_groups(cuts):
         group = [cuts[j] for j in js]
-        kw = dict(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=group_seed,
+        kw = dict(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
                   batch_size=batch_size, decode=decode)
         if not tree:  # the plain path
             forced = [list(prompts[i]) + list(responses[i][:b]) + list(tail) for i, b in group]
-            part = generate(model, tokenizer, forced, n=k, stop=("\n",), **kw)
+            part = generate(model, tokenizer, forced, n=k, stop=("\n",), keyed=True, **kw)
         else:  # the fast path
             part = _forced_samples(model, tokenizer, prompts, responses, group, tail, k=k, **kw,
                                    reads=reads and [reads[j] for j in js], features=features)
@@ -238,15 +242,15 @@ def sample_answers(model, tokenizer, prompts, responses, cuts, tail, k, temperat
     return out
 
 
-def _length_groups(cuts, seed):
-    """[(indices into cuts, seed)]: the cuts grouped by their trajectory's longest cut, to within a
-    factor of 4 (bit lengths within LENGTH_GROUP), shortest group first; seeds seed + 7919 * g."""
+def _length_groups(cuts):
+    """[indices into cuts]: the cuts grouped by their trajectory's longest cut, to within a factor
+    of 4 (bit lengths within LENGTH_GROUP), shortest group first."""
     longest, groups = {}, {}
     for i, b in cuts:
         longest[i] = max(longest.get(i, 0), b)
     for j, (i, _) in enumerate(cuts):
         groups.setdefault(longest[i].bit_length() // LENGTH_GROUP, []).append(j)
-    return [(groups[key], None if seed is None else seed + 7919 * g) for g, key in enumerate(sorted(groups))]
+    return [groups[key] for key in sorted(groups)]
 
 
 @torch.no_grad()
@@ -267,7 +271,9 @@ def _forced_samples(model, tokenizer, prompts, responses, cut_of, tail, k, tempe
     was_training = model.training
     model.eval()
     try:
-        for (chunk, readers), gen in zip(chunks, chunk_generators(seed, len(chunks), sampler.device)):
+        for chunk, readers in chunks:
+            gens = row_generators(seed, [list(prompts[i]) + list(responses[i][:b]) + list(tail) for i, b in chunk],
+                                  k, sampler.device)  # the plain path's: keyed by the forced prompt
             # a row per trajectory asked here (or read here off its own row), its response
             # prefilled up to the longest cut asked or read off it here
             trajs = list(dict.fromkeys([i for i, _ in chunk] + [src for _, _, src in readers]))
@@ -294,7 +300,7 @@ def _forced_samples(model, tokenizer, prompts, responses, cut_of, tail, k, tempe
             cut_col = rows([end - head[i] + b for i, b in chunk])
             pre.mask = pre.mask * (torch.arange(end, device=sampler.device) < cut_col[:, None])
             pre = sampler.prefill([list(tail)] * len(chunk), after=pre)
-            ids, length, _ = sampler.sample(pre, k, gen)
+            ids, length, _ = sampler.sample(pre, k, gens)
             out.ids += [r[:n] for r, n in zip(ids.tolist(), length.tolist())]
     finally:
         model.train(was_training)

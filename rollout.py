@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from harness.sampling import REASONS, Sampler
+from harness.sampling import REASONS, Sampler, row_generators
 
 
 @dataclass
@@ -38,7 +38,7 @@ class Samples:
 
 def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0,
              stop=(), eos_ids=None, seed=None, batch_size=None, progress=False, decode=None,
-             scores=False, chunks=None) -> Samples:
+             scores=False, chunks=None, keyed=False) -> Samples:
     """Sample n continuations of each prompt. prompts: list of token-id lists (chat template applied).
 
     stop: strings (stop once the generated text contains one) and/or token ids; the token that
@@ -49,7 +49,9 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
     batch_size: prompts per chunk (rows = batch_size * n). decode: "static" | "dynamic" | None
     (static on CUDA, dynamic elsewhere). chunks: the indices of the chunks to sample (None: all), the
     others skipped; each keeps its own generator, so its samples are those of a call that runs them all
-    (evaluation/shard.py deals them to workers). progress: a bar (a string: its label).
+    (evaluation/shard.py deals them to workers). progress: a bar (a string: its label). keyed: each row draws from a generator of its own, seeded
+    from (seed, its prompt, its sample index) (harness/sampling.row_generators), so that a prompt's
+    samples do not depend on batch_size or on the other prompts either (label.py's forced answers).
     """
     if n < 1 or max_new_tokens < 1:
         raise ValueError(f"need n >= 1 and max_new_tokens >= 1, got n={n}, max_new_tokens={max_new_tokens}")
@@ -67,6 +69,7 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
     try:
         for start, gen in tqdm(todo, desc=progress if isinstance(progress, str) else "generate", disable=not progress):
             chunk = [list(map(int, p)) for p in prompts[start:start + batch_size]]
+            gen = row_generators(seed, chunk, n, sampler.device) if keyed else gen
             out = sampler.sample(sampler.prefill(chunk), n, gen, scores)
             ids, length, reason, *scored = (x.tolist() for x in out)
             for r in range(len(ids)):

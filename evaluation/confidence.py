@@ -82,7 +82,9 @@ def sample_confidences(source, model, tokenizer, prompts, responses, texts, gold
     confs = probe_confidences(prb, feats)
     extras = [{} for _ in texts]
     if every:
-        chunk = max(1, rows // exit_k)  # on a GPU, fewer cuts where a chunk of them would not fit
+        # On a GPU, fewer cuts where a chunk of them would not fit: a speed choice only, since each
+        # forced answer draws from its own stream (label.py), whatever chunk it lands in.
+        chunk = max(1, rows // exit_k)
         if _device(model).type == "cuda":
             width = max((len(p) + max(bl) for p, bl in zip(prompts, bls)), default=0) + plan.FORCED_SUFFIX
             chunk = plan.label_chunk(chunk, exit_k, width, model.config, plan.free_bytes(_device(model)))

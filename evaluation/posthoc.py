@@ -7,12 +7,13 @@ samples; 16 budgets every 500 thinking tokens per rollout, a budget past the end
 the end-of-thinking feature and label; forced answers `prompt + thinking[:b] + "..." + </think> +
 EVAL_SUFFIX`, 16 per budget at temperature 0.6, top-p 0.95, at most 64 tokens, no stop string, read
 from the last box; where the thinking ended inside the budget and holds a box itself, the natural
-answer's correctness is copied instead (the toy world: its own forced text, no "...", and a box
-anywhere, since it boxes after `</think>`); past-end budgets share one draw (released: one each);
-MLP d -> d/4 -> 1; validation problems (numpy's seed 42 order) added while they hold < 20 % of the
-examples; BCE on soft labels, batch 64, up to 100 epochs, early stopping (patience 30) on validation
-BCE against rounded labels (the mean of per-batch means), ReduceLROnPlateau(0.5, 5); grid over lr x
-dropout x weight decay (GRID).
+answer's correctness is copied instead (the toy world: its own forced text, no "...", stopped at the
+newline that ends the answer it was taught, since it writes more boxes after it, and a box anywhere,
+since it boxes after `</think>`); past-end budgets share one draw (released: one each); MLP d -> d/4 -> 1;
+validation problems (numpy's seed 42 order) added while they hold < 20 % of the examples; BCE on soft
+labels, batch 64, up to 100 epochs, early stopping (patience 30) on validation BCE against rounded
+labels (the mean of per-batch means), ReduceLROnPlateau(0.5, 5); grid over lr x dropout x weight decay
+(GRID).
 """
 import copy
 import functools
@@ -153,8 +154,9 @@ def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions
     released; gate="none": the response anywhere, the toy's rule), the natural answer's correctness
     (0 or 1) is copied (copy_natural). Elsewhere k answers are forced from `prompt + response[:b] +
     lead + CLOSE + suffix` (released: "..." + `</think>` + "\n\nIf I were ..."; temperature 0.6,
-    top-p 0.95, at most max_new_tokens, `stop` strings; released: none) and each is read from the
-    last box of `suffix + completion`; Y_b is the fraction right. Equal forced prompts are sampled once.
+    top-p 0.95, at most max_new_tokens, `stop` strings; released: none; the toy: "\n") and each is
+    read from the last box of `suffix + completion` (with the toy's stop, the box of its answer);
+    Y_b is the fraction right. Equal forced prompts are sampled once.
     grader="code" (a code benchmark; suffix CODE_SUFFIX, max_new_tokens CODE_TOKENS as released): the
     natural and forced answers are programs, graded by running them against the gold's tests (a
     bounded pool, sandbox.grade_many); there is no box to gate on, so an ended thinking copies the

@@ -54,11 +54,14 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
     if not rows:
         raise UserError(f"--probe-data {src}: all its {len(pool)} questions are in the evaluated benchmarks, so "
                         "no fit questions are left: pass other --probe-data")
+    # The forced answers: released, 64 tokens with no stop, read from the last box; the toy's stop at
+    # the newline that ends the answer it was taught (`implied}\n`), before the boxes it writes after.
     protocol = dict(n=args.probe_samples or w["probe_samples"], max_new_tokens=s["max_new_tokens"],
                     temperature=args.temperature, top_p=args.top_p, every=s["every"],
                     count=args.posthoc_budgets or w["posthoc_budgets"], k=s["forced_k"], suffix=s["suffix"],
-                    close=args.forced_close, stop=[], copy_natural=True, lead="" if is_toy else posthoc.EVAL_LEAD,
-                    gate=s["gate"], epochs=100, patience=30, batch=64, val_frac=0.2, seed=42, fit=args.posthoc_fit,
+                    close=args.forced_close, stop=["\n"] if is_toy else [], copy_natural=True,
+                    lead="" if is_toy else posthoc.EVAL_LEAD, gate=s["gate"], epochs=100, patience=30, batch=64,
+                    val_frac=0.2, seed=42, fit=args.posthoc_fit,
                     **({"grader": "code"} if s.get("grader") == "code" else {}),
                     **({"tokens": "text"} if args.posthoc_tokens == "text" else {}))
     print(f"post-hoc probe for {label}: {len(rows)} {src} questions ...", file=sys.stderr)

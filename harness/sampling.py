@@ -27,10 +27,15 @@ smallest set of top tokens whose probability reaches top_p, and the token is arg
 E_v ~ Exp(1) drawn for every row of the chunk at every step (the exponential race: token v wins with
 probability p_v / sum(p)). Drawing for every row, running or not, makes the random stream independent
 of which rows are still in the batch, so both decode paths give the same samples for the same seed.
+With a generator per row instead (row_generators: seeded from the row's prompt and sample index), a
+row draws from its own stream while it runs, so its sample does not depend on the chunk it lands in
+either (label.py's forced answers: the chunk size is then a choice of memory and speed alone).
 Ids the tokenizer does not have (the 7B model's embedding has 152,064 rows, the tokenizer about
 151,666 ids) are never sampled.
 """
+import hashlib
 import inspect
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +76,22 @@ def default_eos_ids(model, tokenizer) -> list[int]:
 
 def default_decode(model) -> str:
     return "static" if next(model.parameters()).device.type == "cuda" else "dynamic"
+
+
+def row_generators(seed, prompts, n, device):
+    """One generator per row of `prompts` (id lists) sampled n times, rows i*n .. i*n+n-1 for prompt i,
+    each seeded from a hash of (seed, prompt i's ids, j): a row's draws depend on what it samples, not
+    on which chunk holds it or where. None for seed None (the global generator)."""
+    if seed is None:
+        return None
+    out = []
+    for p in prompts:
+        h = hashlib.blake2b(f"{seed}:".encode() + array("q", p).tobytes(), digest_size=8)
+        for j in range(n):
+            hj = h.copy()
+            hj.update(j.to_bytes(4, "little"))
+            out.append(torch.Generator(device=device).manual_seed(int.from_bytes(hj.digest(), "little") >> 1))
+    return out
 
 
 def sample_next(logits, temperature=1.0, top_p=1.0, noise=None):
@@ -198,6 +219,7 @@ class Sampler:
     def sample(self, prefix, n=1, generator=None, scores=False):
         """n continuations of every row of `prefix` (consumed) -> ids [R*n, T], lengths [R*n],
         reasons [R*n] (index into REASONS) on the device; row i*n + j continues prefix row i.
+        generator: one for the chunk, or a list of R*n, one per row (row_generators).
         scores: also the log-prob of every id [R*n, T] (0 past the row's length) and the sum of its
         entropies [R*n] (rollout.py's docstring, Scores).
 
@@ -307,11 +329,16 @@ class _Rows:
         if logits.shape[-1] > self.vocab:
             logits = logits.clone()
             logits[:, self.vocab:] = float("-inf")
-        noise = None
-        if s.temperature > 0:  # Exp(1) = -log(U) for every row of the chunk, live or not (see the docstring)
+        noise, done = None, self.done[live]
+        if s.temperature > 0 and isinstance(self.generator, list):  # a stream per row: the running rows draw
+            noise = torch.full_like(logits, 0.5)
+            at = live.tolist()
+            for m in (~done).nonzero().squeeze(1).tolist():
+                noise[m] = torch.rand(logits.shape[-1], device=logits.device, generator=self.generator[at[m]])
+            noise = noise.log_().neg_()
+        elif s.temperature > 0:  # Exp(1) = -log(U) for every row of the chunk, live or not (see the docstring)
             noise = torch.rand((len(self.done), logits.shape[-1]), device=logits.device, generator=self.generator)
             noise = noise[live].log_().neg_()
-        done = self.done[live]
         tok = torch.where(done, s.pad_id, sample_next(logits, s.temperature, s.top_p, noise))
         self.ids[live, t] = tok
         if self.logp is not None:

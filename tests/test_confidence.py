@@ -260,6 +260,31 @@ def test_posthoc_examples_budget_rule_natural_copy_and_last_box(monkeypatch):
     assert not torch.allclose(x[0], end, atol=1e-4)
 
 
+def test_early_exit_lines_do_not_depend_on_the_chunk(monkeypatch):
+    """The early exit's forced answers are sampled in chunks of cuts sized from the memory free (on
+    a GPU, plan.label_chunk); each answer draws from its own stream, so chunks of 2 and of 64 cuts
+    give the same checkpoint lines. Graded here by the parity of the sampled text's length, so that
+    a line sees every draw of the random model (whose answers would otherwise all be wrong)."""
+    import label
+    import tiny
+    monkeypatch.setattr(label, "forced_answer", lambda text: text)
+    monkeypatch.setattr(label, "answers_match", lambda answer, gold, grader: len(answer) % 2 == 0)
+    tok, model = tiny.tokenizer(), tiny.model(seed=2)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 60, (n,), generator=gen).tolist() for n in (3, 5, 4)]
+    responses = [torch.randint(4, 60, (n,), generator=gen).tolist() for n in (12, 17, 9)]
+    prb = probe_lib.Probe(32, dropout=0.0)
+    lines = {}
+    for rows in (2, 64):
+        _, extras = confidence.sample_confidences("probe-posthoc", model, tok, prompts, responses, [""] * 3,
+                                                  ["1"] * 3, prb=prb, close_id=3, every=2, suffix="{",
+                                                  close="eos", seed=5, rows=rows)
+        lines[rows] = [e["checkpoints"] for e in extras]
+    assert lines[2] == lines[64]
+    ys = [y for ls in lines[2] for _, _, y in ls]
+    assert len(ys) == 5 + 8 + 4 and 0 < sum(ys) < len(ys)
+
+
 def test_sample_confidences_own_probe_reads_its_last_training_budget():
     model = _tiny_model()
     prb = probe_lib.Probe(16, dropout=0.0)

@@ -246,7 +246,7 @@ def test_posthoc_probe_beats_the_base_rate_and_early_exit_keeps_its_bound(toy_di
     # The released protocol, scaled for the toy (budgets 8 .. 128), logged and saved with the fit.
     log = capsys.readouterr().err
     assert rep["log"] in log and "40 problems x 4 samples" in log and "16 budgets every 8 thinking tokens" in log
-    assert "forced text '' + '</think>' + " in log and "stop none" in log and "ReduceLROnPlateau(0.5, 5)" in log
+    assert "forced text '' + '</think>' + " in log and "stop '\\n'" in log and "ReduceLROnPlateau(0.5, 5)" in log
     p = rep["protocol"]
     assert (p["questions"], p["n"], p["count"], p["every"], p["epochs"], p["patience"], p["batch"], p["seed"]) == \
         (40, 4, 16, 8, 100, 30, 64, 42)

@@ -138,7 +138,7 @@ def test_shared_prefix_prefill_samples_like_full_forced_prompts(decode):
     prompts = [enc("1+2="), enc("1+2="), enc("what is 17*3?"), enc("9-4")]
     responses = [enc("3 ok fine"), enc("3 no way"), enc("51 since"), enc("5 ok")]
     cut_of = [(i, b) for i, r in enumerate(responses) for b in budgets(len(r))]
-    assert len(label._length_groups(cut_of, 0)) == 1  # one tree: "1+2=" is prefilled once for two trajectories
+    assert len(label._length_groups(cut_of)) == 1  # one tree: "1+2=" is prefilled once for two trajectories
     tail = forced_prompt([], [], 0, tok, "eos", "{")
     closed = 0
     for kw in (dict(temperature=0.0), dict(temperature=1.0, seed=3), dict(temperature=0.8, top_p=0.9, seed=5)):
@@ -161,12 +161,14 @@ def test_shared_prefix_prefill_samples_like_full_forced_prompts(decode):
     assert len({tuple(x) for x in ref.ids}) > 5  # the answers differ between prompts and samples
 
 
-def test_plain_and_tree_labels_are_equal_on_the_toy():
+def test_plain_and_tree_labels_are_equal_on_the_toy_whatever_the_chunk():
     """mc_labels on the toy policy's own rollouts: the plain path (tree=False) and the default fast
     path give the same labels and counts for the same seed (in length groups, with equal forced
-    prompts asked once), and the labels are graded. The forced answers are drawn at temperature 2: at
-    the rollout's 0.8 the toy's forced answer copies the path, so every label would be 0 or 1 and the
-    equality would not see the K answers' draws."""
+    prompts asked once), and so do chunks of 2, 5 and all forced prompts (each answer draws from its
+    own stream: the chunk, which the early exit sizes from the memory free, changes only the speed);
+    and the labels are graded. The forced answers are drawn at temperature 2: at the rollout's 0.8
+    the toy's forced answer copies the path, so every label would be 0 or 1 and the equality would
+    not see the K answers' draws."""
     import label
     import prompts as prompts_lib
     import toy
@@ -183,14 +185,14 @@ def test_plain_and_tree_labels_are_equal_on_the_toy():
     golds = [rows[i]["answer"] for i in out.prompt_index] + [rows[0]["answer"]]
     cuts = [budgets(len(r)) for r in responses]
     labels = {}
-    for tree in (True, False):
+    for tree, chunk in ((True, 5), (False, 5), (True, 2), (True, None), (False, 2)):
         stats = {}
-        ys = mc_labels(model, tok, prompts, responses, cuts, golds, k=4, seed=1, batch_size=5, stats=stats,
+        ys = mc_labels(model, tok, prompts, responses, cuts, golds, k=4, seed=1, batch_size=chunk, stats=stats,
                        tree=tree, temperature=2.0)
-        labels[tree] = ys, stats
-    assert labels[True] == labels[False]
-    ys, stats = labels[True]
-    assert len(label._length_groups([(i, b) for i, bs in enumerate(cuts) for b in bs], 0)) >= 2
+        labels[tree, chunk] = ys, stats
+    assert all(v == labels[True, 5] for v in labels.values())
+    ys, stats = labels[True, 5]
+    assert len(label._length_groups([(i, b) for i, bs in enumerate(cuts) for b in bs])) >= 2
     assert stats["forced_prompts"] < stats["prefixes"]  # equal forced prompts were asked once
     assert len({y for y_i in ys for y in y_i}) >= 3  # graded labels, not all 0 or all 1
 

@@ -103,3 +103,44 @@ def test_a_trace_is_back_on_the_path_when_its_slips_cancel():
     assert premises.on_path("3+5+7+2", "3+5=8\n8+7=15\n1")
     assert not premises.on_path("3+5+7+2", "3+5=9?\n9+7=16\n")
     assert premises.on_path("3+5+7+2", "3+5=9?\n9+7=15\n") and premises.on_path("3+5+7+2", "3+")
+
+
+def test_posthoc_labels_inside_the_thinking_copy_the_path_on_the_warm_start(tmp_path, monkeypatch):
+    """evaluate.py's post-hoc fit on the toy (the protocol get_probe builds): at budgets inside the
+    thinking and before any wrong total, the warm start's forced answer copies the path, so its
+    label is high. The toy ends that answer at `}\\n` and writes more boxes after it, so a
+    continuation read from its last box, unstopped (the release's reading), labels them about 0."""
+    import evaluate
+    import prompts as prompts_lib
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from evaluation import posthoc, probes
+    from evaluation.confidence import think_end
+    from evaluation.mechanism import parse
+    from rollout import generate
+    seen = {}
+    monkeypatch.setattr(probes.posthoc, "posthoc_probe", lambda cache, model, tok, questions, instruction, close_id,
+                        protocol, **kw: seen.update(rows=questions, p=protocol) or (None, {}))
+    probes.get_probe("probe-posthoc", None, None, "base", toy.BASE_DIR, str(tmp_path),
+                     evaluate.parse_args(["--model", "toy"]), 0)
+    p, rows = seen["p"], seen["rows"][:16]
+    model = AutoModelForCausalLM.from_pretrained(toy.BASE_DIR).eval()
+    tok = AutoTokenizer.from_pretrained(toy.BASE_DIR)
+    asked = [prompts_lib.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
+    out = generate(model, tok, asked, n=4, max_new_tokens=p["max_new_tokens"], temperature=p["temperature"],
+                   top_p=p["top_p"], seed=0)
+    ends = [think_end(r, tok.convert_tokens_to_ids("</think>")) for r in out.ids]
+    positions = [posthoc.posthoc_budgets(e, p["every"], p["count"]) for e in ends]
+    labels, _ = posthoc.posthoc_labels(model, tok, [asked[i] for i in out.prompt_index], out.ids, out.texts,
+                                       [rows[i]["answer"] for i in out.prompt_index], positions, ends, p["k"],
+                                       p["suffix"], p["close"], tuple(p["stop"]), p["copy_natural"], seed=1,
+                                       lead=p["lead"], gate=p["gate"])
+    cuts = {False: [], True: []}   # in-thinking labels before any wrong total, and after one
+    for r, i, ps, e, ys in zip(out.ids, out.prompt_index, positions, ends, labels):
+        for b, y in zip(ps, ys):
+            if b < e:
+                cuts["total" in [err for err, _ in parse(rows[i]["problem"], tok.decode(r[:b]))]].append(y)
+    mean = {slipped: sum(ys) / max(len(ys), 1) for slipped, ys in cuts.items()}
+    print(f"\nin-thinking labels: {len(cuts[False])} clean, mean {mean[False]:.3f}; "
+          f"{len(cuts[True])} after a wrong total, mean {mean[True]:.3f}")
+    assert len(cuts[False]) >= 60 and mean[False] >= 0.9
+    assert len(cuts[True]) >= 10 and mean[True] <= 0.1   # the label reads the path: not always right
