@@ -49,9 +49,10 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
     batch_size: prompts per chunk (rows = batch_size * n). decode: "static" | "dynamic" | None
     (static on CUDA, dynamic elsewhere). chunks: the indices of the chunks to sample (None: all), the
     others skipped; each keeps its own generator, so its samples are those of a call that runs them all
-    (evaluation/shard.py deals them to workers). progress: a bar (a string: its label). keyed: each row draws from a generator of its own, seeded
-    from (seed, its prompt, its sample index) (harness/sampling.row_generators), so that a prompt's
-    samples do not depend on batch_size or on the other prompts either (label.py's forced answers).
+    (evaluation/shard.py deals them to workers). progress: a bar (a string: its label). keyed: each
+    row draws from a generator of its own, seeded from (seed, its prompt, its sample index)
+    (harness/sampling.row_generators), so that a prompt's samples do not depend on batch_size or on
+    the other prompts either (label.py's forced answers).
     """
     if n < 1 or max_new_tokens < 1:
         raise ValueError(f"need n >= 1 and max_new_tokens >= 1, got n={n}, max_new_tokens={max_new_tokens}")
