@@ -13,10 +13,8 @@ import grade
 import metrics
 import prompts as prompts_lib
 from harness import runlog
-import step
 import toy_warm
 import train
-from evaluation import heldout
 from harness.config import resolve_args
 from test_hardening import PROBE_SMALL
 from test_train import SMALL, rows
@@ -156,8 +154,7 @@ def test_instruction_changes_the_prompt_and_evaluate_reuses_it(tmp_path, monkeyp
     seen = []
     real = prompts_lib.chat_prompt
     spy = lambda t, p, i=prompts_lib.INSTRUCTION, s=None: seen.append((i, s)) or real(t, p, i, s)  # noqa: E731
-    for where in (prompts_lib, step, heldout):   # step.py and heldout.py import chat_prompt by name
-        monkeypatch.setattr(where, "chat_prompt", spy)
+    monkeypatch.setattr(prompts_lib, "chat_prompt", spy)   # which prompts.row_prompt calls for every plain row
     out = str(tmp_path / "r")
     run_main(["--steps", "1", "--out", out, "--instruction", " =", *SMALL])
     assert json.load(open(os.path.join(out, "config.json")))["instruction"] == " ="
