@@ -220,7 +220,7 @@ class Refit(Exception):
 def cached_probe(cache, monkeypatch):
     def refit(*a, **k):
         raise Refit
-    monkeypatch.setattr(posthoc, "generate", refit)
+    monkeypatch.setattr(posthoc.shard, "generate_dealt", refit)
     return posthoc.posthoc_probe(cache, None, None, [], "", None, PROTOCOL)
 
 
