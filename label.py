@@ -42,7 +42,8 @@ labels do not depend on how the cuts are grouped or chunked: batch_size, and wit
 free, changes only the speed. The rollout's KV cache is not kept: holding it from the
 rollout until labelling would cost the whole batch's cache in memory.
 
-The probe's features come from the same prefill (features=True, what a training step asks): the
+On the fast path the probe's features come from the same prefill (features=True, what a training
+step asks; the plain path runs one forward over prompt + response instead, plain_features): the
 response prefill computes the last layer's state at every position before every cut, so a forward
 hook keeps the 4 before each cut (and the prompt prefill its last 3, for cuts below 4), exactly
 the numbers a separate forward over prompt + response gives up to float rounding, at no extra
@@ -59,6 +60,7 @@ from grade import answers_match
 from probe import LAST_K, last_layer, split_prefix_features
 from harness.sampling import Sampler, row_generators
 from rollout import Samples, generate
+from update import budget_ends, score
 
 LENGTH_GROUP = 2  # trajectories whose longest cuts have bit lengths within this many share a group
 SUFFIX = "\nIf I were to output the final answer now, it would be \\boxed{"
@@ -156,12 +158,12 @@ def mc_labels(model, tokenizer, prompts, responses, budget_lists, golds, k=4, te
     trajectory i in place of the grader (harness/rewardfn.py); Y_b is then the mean value of the
     answers it judges, None where it judges none of the K.
     features=True: also the probe's features at every cut, probe.prefix_features of the last
-    layer's states of prompt + response[:b] under `model`, read from the forced answers' prefill,
-    which computes them anyway (module docstring); returns (labels, feats), feats N float32 CPU
-    tensors [len(cuts), d]. Needs tree=True.
+    layer's states of prompt + response[:b] under `model`; returns (labels, feats), feats N float32
+    CPU tensors [len(cuts), d]. tree=False (the plain path): one forward over each prompt + response
+    (plain_features). tree=True (the fast path): read from the forced answers' prefill, which
+    computes them anyway (module docstring). tests/test_label.py
+    (test_plain_and_tree_features_are_equal_on_the_toy) holds the two equal.
     """
-    if features and not tree:
-        raise ValueError("features come from the prefix tree's prefill: use tree=True")
     # 1. The forced prompt after every cut. Equal ones (samples of a problem that agree up to the
     #    cut, common for short prefixes) estimate the same probability: each is asked once.
     tail = forced_prompt([], [], 0, tokenizer, close, suffix)  # CLOSE + SUFFIX, the same after every cut
@@ -177,7 +179,7 @@ def mc_labels(model, tokenizer, prompts, responses, budget_lists, golds, k=4, te
     # Each trajectory's features are read where its longest cut's forced prompt is asked (reads[j]),
     # off the row of the trajectory that asks it when theirs agree up to that cut, else off its own.
     reads, feats = [[] for _ in cuts], {} if features else None
-    for i, bs in enumerate(budget_lists if features else []):
+    for i, bs in enumerate(budget_lists if features and tree else []):
         if bs:
             j = where[i][max(range(len(bs)), key=bs.__getitem__)]
             src, last = cuts[j][0], max(bs)
@@ -204,7 +206,25 @@ def mc_labels(model, tokenizer, prompts, responses, budget_lists, golds, k=4, te
     labels = [[y[j] for j in js] for js in where]
     if not features:
         return labels
+    if not tree:  # the plain path
+        return labels, [plain_features(model, p, r, bs) for p, r, bs in zip(prompts, responses, budget_lists)]
     return labels, [feats.get(i, torch.zeros(0, model.config.hidden_size)) for i in range(len(where))]
+
+
+def plain_features(model, prompt, response, cuts):
+    """The probe's features at the cuts of one trajectory, the plain way (mc_labels(tree=False,
+    features=True)): one forward over prompt + response (update.score), probe.prefix_features of the
+    last layer's states before each cut b. Returns float32 CPU [len(cuts), d]; the tree path's equal
+    it within float rounding (tests/test_label.py: test_plain_and_tree_features_are_equal_on_the_toy)."""
+    ids = torch.tensor([list(prompt) + list(response)], device=next(model.parameters()).device)
+    was_training = model.training
+    model.eval()
+    try:
+        _, feats, _ = score(model, dict(input_ids=ids, attention_mask=torch.ones_like(ids)),
+                            budget_ends([len(prompt)], [cuts]), logprobs=False)
+    finally:
+        model.train(was_training)
+    return feats[0, :len(cuts)].cpu()
 
 
 def sample_answers(model, tokenizer, prompts, responses, cuts, tail, k, temperature=0.8, top_p=1.0,

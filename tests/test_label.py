@@ -197,6 +197,36 @@ def test_plain_and_tree_labels_are_equal_on_the_toy_whatever_the_chunk():
     assert len({y for y_i in ys for y in y_i}) >= 3  # graded labels, not all 0 or all 1
 
 
+
+def test_plain_and_tree_features_are_equal_on_the_toy():
+    """mc_labels(features=True) on the toy policy's own rollouts: the plain path (tree=False: one
+    forward over each prompt + response, label.plain_features) gives the tree path's labels exactly
+    and its features h_b within float rounding, in the same shapes and dtype; a response with no
+    cuts gets an empty [0, d]. The model is left in the mode it was in."""
+    import prompts as prompts_lib
+    import toy
+    import toy_warm
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from rollout import generate
+    model = AutoModelForCausalLM.from_pretrained(toy_warm.base_model()).train()
+    tok = AutoTokenizer.from_pretrained(toy_warm.base_model())
+    rows = toy.dataset("test")[:3]
+    prompts = [prompts_lib.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
+    out = generate(model, tok, prompts, n=2, max_new_tokens=64, temperature=0.8, seed=0)
+    prompts = [prompts[i] for i in out.prompt_index]
+    golds = [rows[i]["answer"] for i in out.prompt_index]
+    cuts = [budgets(len(r)) for r in out.ids[:-1]] + [[]]
+    kw = dict(k=4, seed=1, batch_size=3, temperature=2.0, features=True)
+    ys, feats = mc_labels(model, tok, prompts, out.ids, cuts, golds, tree=False, **kw)
+    assert model.training
+    tree_ys, ref = mc_labels(model, tok, prompts, out.ids, cuts, golds, **kw)
+    assert ys == tree_ys and [f.shape for f in feats] == [(len(c), model.config.hidden_size) for c in cuts]
+    assert sum(map(len, cuts)) >= 10 and len({y for y_i in ys for y in y_i}) >= 2
+    for f, g in zip(feats, ref):
+        assert f.dtype == g.dtype == torch.float32 and f.device.type == "cpu"
+        assert torch.allclose(f, g, atol=1e-5), (f - g).abs().max()
+    assert not torch.allclose(feats[0][0], feats[0][1])  # not one state for every cut
+
 def test_features_are_causal_and_logprobs_match():
     """Features at budget b from the full trajectory equal those from the prefix alone; the old
     log-probs of this forward equal a separate token_logprobs computation."""
