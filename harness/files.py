@@ -8,6 +8,7 @@ folder, an unpacked archive), and a link in it must not make this code overwrite
 `locked` holds a folder for its one writer.
 """
 import errno
+import hashlib
 import json
 import os
 import secrets
@@ -92,6 +93,15 @@ def appending(path):
     resuming reads them (replacing would drop them; writing through would change a file elsewhere)."""
     with _writing(path), open(_open_own(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a") as f:
         yield f
+
+
+def sha256(path):
+    """The sha256 hex digest of a file's bytes, read a MiB at a time."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def write_json(path, obj, indent=2):

@@ -25,11 +25,11 @@ BaseExceptions included; KeyboardInterrupt is Ctrl-C) or returns anything but a 
 (bool excluded) or None ends the run with one line, exit 2, before anything of that step is written.
 """
 import functools
-import hashlib
 import importlib.util
 import numbers
 import os
 
+from harness import files
 from harness.files import UserError, first_line
 
 
@@ -60,10 +60,7 @@ def load(spec):
 def digest(spec):
     """The sha256 of the file at spec (None without --reward-fn): config.json records it, so that a file
     edited since is reported on resume and refused by reproduce.py, not taken for the same function."""
-    if not spec:
-        return None
-    with open(spec.rpartition(":")[0], "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
+    return files.sha256(spec.rpartition(":")[0]) if spec else None
 
 
 def judge(spec, response, answer, row):

@@ -14,7 +14,6 @@ rates of this command replace the saved ones.
 Exit codes: 2 a user error (one line "error: ..."), 3 a numeric fault (non-finite loss or gradient:
 the last good checkpoint is untouched), 130 Ctrl-C (one line saying how to continue).
 """
-import hashlib
 import os
 import sys
 from contextlib import ExitStack, contextmanager
@@ -152,11 +151,7 @@ def data_digest(source):
     """The sha256 of a local data file (None for a benchmark name or a hub id)."""
     if source in data.TOY_BENCHMARKS or source in data.BENCHMARKS or not os.path.isfile(source):
         return None
-    h = hashlib.sha256()
-    with open(source, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+    return files.sha256(source)
 
 
 def interrupted(cfg):
