@@ -240,7 +240,8 @@ def sample_answers(model, tokenizer, prompts, responses, cuts, tail, k, temperat
     Either way the cuts are sampled in groups of similar trajectory length (_length_groups), so that
     short prefixes carry no padding of long ones, and each of the k answers of a forced prompt draws
     from its own stream, seeded from (seed, the forced prompt, its index) (module docstring): the
-    samples do not depend on the groups or chunks. batch_size: forced prompts per chunk; decode: rollout's decode path ("static" | "dynamic" | None: static on CUDA).
+    samples do not depend on the groups or chunks. batch_size: forced prompts per chunk; decode:
+    rollout's decode path ("static" | "dynamic" | None: static on CUDA).
     reads, features (fast path; mc_labels(features=True)): reads[j] lists the (trajectory i, its
     cuts, the trajectory whose row they are read off) whose probe features the chunk asking cut j
     reads into the dict features[i].

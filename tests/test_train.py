@@ -11,6 +11,7 @@ import torch
 
 import step
 import train
+from test_hardening import snapshot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOLATILE = ("t_", "tok_per_s", "peak_mem")  # metrics.jsonl fields that vary between identical runs
@@ -249,16 +250,6 @@ def test_a_local_model_folder_on_cpu_runs_on_one_thread_like_the_toy(tmp_path, m
         torch.set_num_threads(before)
 
 
-def folder_bytes(folder):
-    """{relative path: bytes} of every file under folder."""
-    out = {}
-    for d, _, names in os.walk(folder):
-        for n in names:
-            with open(os.path.join(d, n), "rb") as f:
-                out[os.path.relpath(os.path.join(d, n), folder)] = f.read()
-    return out
-
-
 def error_lines(capsys):
     err = capsys.readouterr().err
     assert "Traceback" not in err, err
@@ -274,7 +265,7 @@ def test_a_new_run_that_finds_another_in_its_folder_refuses_and_leaves_it(tmp_pa
         if not first:
             first["A"] = None
             train.main(["--steps", "1", "--save-every", "1", "--out", run, *SMALL])
-            first["A"] = folder_bytes(run)
+            first["A"] = snapshot(run)
             capsys.readouterr()
         return real(*a, **k)
     monkeypatch.setattr(train.data, "load_rows", a_runs_meanwhile)
@@ -285,7 +276,7 @@ def test_a_new_run_that_finds_another_in_its_folder_refuses_and_leaves_it(tmp_pa
     assert f"--resume {run}" in err
     assert {"config.json", "metrics.jsonl", os.path.join("checkpoints", "step_000001", "model.safetensors"),
             os.path.join("checkpoints", "step_000001", "state.pt")} <= set(first["A"])
-    assert folder_bytes(run) == first["A"]   # A's config (seed 0), logs and step 1, byte for byte
+    assert snapshot(run) == first["A"]   # A's config (seed 0), logs and step 1, byte for byte
 
 
 def test_a_resume_on_changed_data_refuses_in_one_line(tmp_path, capsys):
@@ -297,7 +288,7 @@ def test_a_resume_on_changed_data_refuses_in_one_line(tmp_path, capsys):
     train.main(["--steps", "1", "--out", run, "--data", path, "--eval-data", "toy", *SMALL])
     with open(path, "rb") as f:
         assert json.load(open(os.path.join(run, "config.json")))["data_sha256"] == hashlib.sha256(f.read()).hexdigest()
-    before = folder_bytes(run)
+    before = snapshot(run)
     write_jsonl(path, problems[::-1])   # the same problems in another order: the saved cursor means other rows
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
@@ -305,4 +296,4 @@ def test_a_resume_on_changed_data_refuses_in_one_line(tmp_path, capsys):
     (err,) = error_lines(capsys)
     assert e.value.code == 2 and err.startswith(f"error: --resume {run}: {path} changed since the run began"), err
     assert "put the run's data back, or start a new run with another --out" in err
-    assert folder_bytes(run) == before
+    assert snapshot(run) == before
