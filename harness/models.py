@@ -46,7 +46,9 @@ def load_model(name, dtype=torch.float32, trust_remote_code=False):
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         check_shapes(path, trust_remote_code)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+        # use_kernels=False: by default transformers swaps layers for kernels from the hub
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, trust_remote_code=trust_remote_code, use_kernels=False)
     except UserError:
         raise
     except (OSError, ValueError, KeyError, SafetensorError, RuntimeError) as e:   # safetensors: "unable to open file"

@@ -233,7 +233,8 @@ def main(argv=None):
     parts = set(args.parts.split(","))
     path = resolve_model(args.model or "toy")   # a run folder reads its latest checkpoint
     if parts - {"iii"}:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_kernels=False)
+        model.eval()
         tok = AutoTokenizer.from_pretrained(path)
     out, ok = {}, []
     if "i" in parts:

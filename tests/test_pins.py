@@ -50,3 +50,14 @@ def test_a_static_decode_step_does_not_repeat_kv(monkeypatch):
     ref = rollout.generate(model, tok, prompts, n=2, max_new_tokens=6, temperature=0.8, seed=0,
                            decode="dynamic", eos_ids=[])
     assert out.ids == ref.ids
+
+
+def test_a_model_loads_without_the_kernels_package(monkeypatch):
+    """transformers 5.25 kernelizes on from_pretrained unless told not to, and refuses without the
+    `kernels` package: the GPU machine's first run failed so on the toy. Loading must not need it."""
+    import transformers.modeling_utils as mu
+
+    from harness.models import load_model
+    monkeypatch.setattr(mu, "is_kernels_available", lambda *a, **k: False)
+    model, tok = load_model("toy", torch.float32)
+    assert not model.use_kernels and tok.pad_token_id is not None
