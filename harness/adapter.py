@@ -3,7 +3,7 @@ content, and its adapter_config.json, checked before peft reads it.
 
 At save time `record_base` writes CKPT/base.json: the base's path (absolute for a folder), its path
 from the checkpoint (a clone moved whole still finds a base inside it) and its identity
-(harness/identity.py). `base_of` returns the first of those paths that holds a model of that
+(files.identity). `base_of` returns the first of those paths that holds a model of that
 identity, so a resume trains, and an evaluation merges, on the very base the adapter was trained on:
 a base run that trained on, or a folder of that name that holds another model, is one line, never
 used. A checkpoint without base.json (an older version) names its base in adapter_config.json only.
@@ -14,8 +14,7 @@ import re
 
 import torch
 
-from harness import identity
-from harness.files import UserError, first_line, write_json
+from harness.files import UserError, first_line, identity, write_json
 
 BASE, CONFIG, WEIGHTS = "base.json", "adapter_config.json", "adapter_model.safetensors"
 
@@ -28,7 +27,7 @@ def is_adapter(path):
 def record_base(folder, base):
     """Write FOLDER/base.json for an adapter trained on `base` (a folder or a hub id)."""
     rel = os.path.relpath(base, folder) if os.path.isdir(base) else None
-    write_json(os.path.join(folder, BASE), dict(path=base, relative=rel, identity=identity.of(base)))
+    write_json(os.path.join(folder, BASE), dict(path=base, relative=rel, identity=identity(base)))
 
 
 def read_config(ckpt):
@@ -82,7 +81,7 @@ def base_of(ckpt):
     for path in filter(None, paths):
         if os.path.isdir(path) and is_adapter(path):
             continue   # an adapter is never a base (one naming itself would recurse)
-        if want is None or identity.of(path) == want:
+        if want is None or identity(path) == want:
             return os.path.normpath(path) if os.path.isdir(path) else path
     if want is None:
         raise UserError(f"{os.path.join(ckpt, CONFIG)}: its base {named} is an adapter checkpoint, not a model: "

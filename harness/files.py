@@ -5,7 +5,7 @@ Every file written in such a folder is written without following a link planted 
 (`replacing`, `appending`, the lock): a folder may come from someone else (a shared project
 folder, an unpacked archive), and a link in it must not make this code overwrite what it points to.
 `read_jsonl` reads the JSON-lines logs (metrics, samples) and repairs a last line cut by a kill;
-`locked` holds a folder for its one writer.
+`locked` holds a folder for its one writer; `identity` names a model folder by its content.
 """
 import errno
 import hashlib
@@ -207,3 +207,39 @@ def _holder(path, text=None):
         return f"pid {h['pid']} on {h['host']} (since {h['since']})"
     except (OSError, ValueError, KeyError, TypeError):
         return f"another process (lock file {path})"
+
+
+WHOLE = 64 << 20
+HEAD, SAMPLES, SLICE = 1 << 20, 64, 1 << 16
+NOT_THE_MODEL = ("state.pt", "probe.pt")
+
+
+def identity(path):
+    """What a model is, by content: a 16-hex-digit hash of its folder's files (names and content), so
+    that a folder trained again, replaced or copied over is never taken for the model it held before;
+    a hub id or alias stands for itself. Sub-folders (eval/) and the optimizer's and probe's states
+    are not the model; a LoRA checkpoint's base.json (harness/adapter.py) names its base's identity.
+
+    A file of at most WHOLE bytes is hashed whole; a larger one by its size, its first HEAD bytes (a
+    safetensors header) and SAMPLES slices spread over it: training changes every weight, so a
+    retrained model differs in every slice, while a 15 GB model costs a few MB of reading."""
+    if not os.path.isdir(path):
+        return path
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        if name in NOT_THE_MODEL or name.startswith(".") or not os.path.isfile(full):
+            continue
+        h.update(f"{name}\0".encode())
+        size = os.path.getsize(full)
+        h.update(f"{size}\0".encode())
+        with open(full, "rb") as f:
+            if size <= WHOLE:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+                continue
+            h.update(f.read(HEAD))
+            for k in range(SAMPLES):
+                f.seek(HEAD + (size - HEAD - SLICE) * k // (SAMPLES - 1))
+                h.update(f.read(SLICE))
+    return h.hexdigest()[:16]

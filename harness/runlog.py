@@ -69,11 +69,6 @@ def append_jsonl(path, rows):
             f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
-def read_jsonl(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def read_metrics(path):
     """The rows of a metrics.jsonl for a plot, with only their numeric values. Lines that are not JSON
     objects with a numeric step (a cut-off last line is what a kill leaves) and plotted values that are
