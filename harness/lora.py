@@ -1,23 +1,19 @@
 """--lora-rank R: the policy trains a LoRA adapter (peft) on its frozen base instead of every weight.
 
 The adapter is injected into the Hugging Face model itself (`add_adapter` keeps peft's inner model,
-not its PeftModel wrapper), so everything downstream (FSDP2's per-layer units, the update) runs on
-an ordinary model whose linear layers are adapted. A CPU process samples with that model itself; on
-one GPU or several the rollout and the labels sample from a plain bf16 copy with the adapter merged
-into its weights (`merged_copy`, refreshed after each step by `merge_into`; harness/parallel.py).
-Only the adapter's parameters require gradients, so only they get gradients and AdamW state. A
-checkpoint holds the adapter in peft's own format (adapter_config.json + adapter_model.safetensors,
-loadable with `PeftModel.from_pretrained` on the base named in its config) beside the tokenizer,
-probe.pt, state.pt and base.json (the base by content, harness/adapter.py: a resume and an
-evaluation use that very base).
-
-peft is imported only here and only with --lora-rank: a run without it needs no peft.
+not its PeftModel wrapper), so FSDP2's per-layer units and the update run on an ordinary model whose
+linear layers are adapted; only the adapter's parameters get gradients and AdamW state. On GPUs the
+rollout and the labels sample from a plain bf16 copy with the adapter merged in (`merged_copy`,
+refreshed after each step by `merge_into`); a CPU process samples with the policy itself. A
+checkpoint holds the adapter in peft's format (adapter_config.json + adapter_model.safetensors)
+and base.json, its base by content (harness/adapter.py). peft is imported only with --lora-rank.
 """
 import os
 
 import torch
 
-WEIGHTS = "adapter_model.safetensors"
+from harness.adapter import WEIGHTS, base_of, record_base, tied  # noqa: F401 (base_of: lora.base_of)
+
 ADAPTER = "default"  # peft's adapter name, dropped from the saved keys as peft does
 
 
@@ -96,7 +92,6 @@ def with_adapter(model, cfg, ckpt=None, fresh=False):
     """The policy of a --lora-rank run: the base with the adapter of checkpoint `ckpt` (resume), or a
     fresh one (also with `fresh`: its shape, on the meta device). A --lora-targets that names no module
     of the model, or one whose weight another layer shares, is one UserError line."""
-    from harness.adapter import base_of, tied
     from harness.checkpoint import resolve_model
     from harness.files import UserError
     base = base_of(ckpt) if ckpt else resolve_model(cfg["model"])   # a resume: the base it was trained on
@@ -135,11 +130,4 @@ def save(folder, model, state):
     weights = {"base_model.model." + k.replace(f".{ADAPTER}.", "."): v.detach().contiguous()
                for k, v in state.items()}
     save_file(weights, os.path.join(folder, WEIGHTS), metadata={"format": "pt"})
-    from harness.adapter import record_base
     record_base(folder, model.peft_config[ADAPTER].base_model_name_or_path)   # the base, by content
-
-
-def base_of(ckpt):
-    """The base model an adapter checkpoint was trained on, checked by content (harness/adapter.py)."""
-    from harness.adapter import base_of
-    return base_of(ckpt)
