@@ -4,27 +4,14 @@ model's config alone (the model is built on the meta device: no weights are read
     python train.py --model deepseek-r1-distill-qwen-7b --plan --gpus 8 --gpu-mem 80       # check
     python evaluate.py --model deepseek-r1-distill-qwen-7b --benchmarks aime24 --plan      # eval_check
 
-Training (`estimate`): the terms per device are docs/design.md's table "The memory plan"; --offload,
---lora-rank and host memory are in docs/reference.md, "The memory plans". Phases do not overlap:
-peak = training state + generation copy + runtime + max(rollout, labels, update, refresh), since
-the step frees the rollout's static buffers before the first label prefill and the labels' before
-the update (tests/test_plan.py; tests/test_parallel.py holds the refresh term to the bytes a
-two-rank refresh allocates). The check refuses on device memory only: the host may be another
-machine (--gpus / --gpu-mem), so host memory is printed, and flagged above this machine's RAM.
-On CPU (the toy world) everything is fp32 and one process uses the policy as its generation copy.
-
-Evaluation (`eval_estimate`), per GPU, one benchmark's calls one after another, N parameters:
-  weights         the bf16 model                                                    2 N
-  generation      one call's static K/V (batch questions x n samples rows, positions prompt +
-                  max_new_tokens - 1, bucketed) and the prompts' prefill (one layer's forward);
-                  freed before the features (evaluation/confidence.py)
-  features        one score_batch forward over prompt + response without a cache: one layer's
-                  forward and the decoder's output
-  early exit      a chunk of forced answers at the exit checkpoints: as many cuts (at most rows,
-                  k = 1) as the memory left holds (label_chunk)
-  runtime         CUDA context and allocator slack (1 GiB)
-peak = weights + runtime + max(generation, features, early exit); the post-hoc probe's rollouts
-have the generation's shape.
+The terms: docs/design.md, "The memory plan" (training), and docs/reference.md, "The memory plans"
+(--offload, --lora-rank, host memory, evaluation). Phases do not overlap, so a peak is what every
+phase holds plus the largest phase: for training max(rollout, labels, update, refresh), since the
+step frees the rollout's static buffers before the first label prefill and the labels' before the
+update (tests/test_plan.py); for evaluation max(generation, features, early exit). The check
+refuses on device memory only: the host may be another machine (--gpus / --gpu-mem), so host
+memory is printed, and flagged above this machine's RAM. On CPU (the toy world) everything is
+fp32 and one process uses the policy as its generation copy.
 """
 import os
 
@@ -103,9 +90,8 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
     kv, prefill = kv_shape[0] * kv_shape[1] * per_token, layer_acts(prompts * P)
     label_shape, label_kv, label_prefill = (0, 0), 0, 0
     if cfg.get("reward", "rlcm") in PROBE_MODES:
-        # forced answers (label._forced_samples): chunks of gen_batch cuts x k rows after the prompt,
-        # the longest cut (3/4 of the response) and the forced tail; the chunk's own prefill cache
-        # (one row per cut) is still held while the static buffers are filled from it.
+        # forced answers (label._forced_samples): gen_batch cuts x k rows after the prompt, the
+        # longest cut and the forced tail; the chunk's prefill cache (one row per cut) is still held.
         fractions = cfg.get("budgets", (0.25, 0.5, 0.75))
         cuts = min(cfg["gen_batch"], prompts_here * G * len(fractions))
         width = P + int(new * max(fractions)) + FORCED_SUFFIX
@@ -115,8 +101,8 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
     gather = (act_bytes if adapter else 8) * (root + 2 * layer) if sharded else 0
     T = max(cfg["micro_tokens"], P + new)  # a micro-batch holds >= 1 sequence
     one_layer = layer_acts(T)
-    # kept: each layer's input with checkpointing, else every layer's buffers; then the backward of
-    # one layer: its buffers recomputed (checkpointing) and their gradients
+    # each layer's input (checkpointing) or buffers, then one layer's backward (recomputed buffers
+    # and their gradients)
     kept = config.num_hidden_layers * (T * d * act_bytes if cfg["grad_ckpt"] else one_layer)
     acts = kept + (2 if cfg["grad_ckpt"] else 1) * one_layer
     chunk = 3 * cfg["chunk_size"] * vocab * 4  # chunks run over the micro-batch's flattened positions
@@ -135,9 +121,8 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
     update = gather + acts + chunk + held
     terms["peak"] = terms["training state"] + terms["adapter state"] + gen_copy + RUNTIME[device] + \
         max(kv + prefill, label_kv + label_prefill, update, refresh)
-    # Host: rank 0 loads the fp32 weights (4 N) to broadcast them, and at every save gathers the
-    # full fp32 model and AdamW state (parallel.full_state, cpu_offload: 4 N + 8 N; the adapter's
-    # alone under LoRA); --offload keeps each rank's shard of the training state there.
+    # Host: rank 0 loads the fp32 weights (4 N) and gathers the full fp32 model and AdamW state at
+    # every save (12 N; the adapter's alone under LoRA); --offload keeps each rank's shard there.
     offloaded = state + adapter_state if offload else 0.0
     rank0 = offloaded + (max(4 * total, 12 * (adapter or total)) if sharded else 0.0)
     terms["host"] = rank0
@@ -147,12 +132,10 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
 
 
 def label_chunk(cuts, k, width, config, free):
-    """Cuts per chunk of forced answers (label.mc_labels' batch_size) that fit `free` bytes: at most
-    `cuts`, fewer where one chunk of them at `width` positions (prompt + the longest cut + the tail)
-    cannot hold, per cut, the prefill cache row it selects (width x K/V bytes per token), its k rows
-    of static buffers filled from it (k x width) and the masked tail prefill's expanded K/V of one
-    layer (width x 2 x heads x head_dim, twice: SDPA's repeat and the cache's concatenation), in bf16.
-    evaluate.py's early exit (64 rows, k = 1, AIME's 8000 tokens) needs it on an 80 GB GPU."""
+    """Cuts per chunk of forced answers (label.mc_labels' batch_size) that fit `free` bytes, at most
+    `cuts`, at `width` positions (prompt + the longest cut + the tail): per cut (cut_bytes, bf16) the
+    prefill cache row it selects, its k rows of static buffers and the masked tail prefill's expanded
+    K/V of one layer (width x 2 x heads x head_dim, twice: SDPA's repeat and the concatenation)."""
     return max(1, min(cuts, int(free // cut_bytes(k, width, config))))
 
 
@@ -164,9 +147,8 @@ def cut_bytes(k, width, config):
 
 
 def free_bytes(device):
-    """Bytes a new allocation can still get on a CUDA device: free on the device plus what torch's
-    allocator holds unused (it frees those before it reports an out-of-memory), less a tenth for
-    fragmentation and the workspaces of kernels."""
+    """Bytes a new allocation can still get on a CUDA device: free plus what torch's allocator holds
+    unused (freed before an out-of-memory), less a tenth for fragmentation and kernel workspaces."""
     free, _ = torch.cuda.mem_get_info(device)
     return 0.9 * (free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
@@ -176,11 +158,9 @@ def prompt_tokens(cfg):
 
 
 def fixes(config, cfg, world, device, mem, counts):
-    """The cheapest change that fits, tried in order of cost: a smaller --gen-batch or --micro-tokens
-    (slower, nothing else changes; under --offload first --offload-grads host), --lora-rank 32 (an
-    adapter trains instead of every weight: a deviation from the paper's full fine-tuning), --offload
-    (much slower optimizer step; with --offload-grads host where the held gradients do not fit), more
-    GPUs."""
+    """The cheapest change that fits, in order of cost: (under --offload, --offload-grads host) a
+    smaller --gen-batch or --micro-tokens, --lora-rank 32 (not the paper's full fine-tuning),
+    --offload (with --offload-grads host where the held gradients do not fit), more GPUs."""
     def peak(c, w=world, off=cfg.get("offload", False)):
         return estimate(config, c, w, device, off, counts)["peak"]
     if cfg.get("offload") and cfg.get("offload_grads", "gpu") == "gpu" and \
@@ -224,11 +204,8 @@ def host_ram():
 
 
 def check(cfg, show=False, log=print):
-    """Print the plan (show=True) and raise UserError when the peak exceeds the device memory.
-
-    --gpus / --gpu-mem describe a node other than this one (planning from a laptop); otherwise the
-    detected devices are used.
-    """
+    """Print the plan (show=True) and raise UserError when the peak exceeds the device memory;
+    --gpus / --gpu-mem describe a node other than this one, else the detected devices count."""
     device, world, mem = detected(cfg.get("nproc"))
     here = not (cfg.get("gpus") or cfg.get("gpu_mem"))
     if not here:

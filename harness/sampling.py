@@ -14,14 +14,11 @@ Rows i*n .. i*n+n-1 continue prompt i, decoded by one of three loops that give t
   - `_decode_static` (decode="static", the default on CUDA): preallocated buffers, a step over the
     live length, replayed as a CUDA graph (harness/staticcache.py); eager on CPU.
 
-Sampling: temperature 0 is greedy; otherwise p = softmax(logits / temperature) restricted to the
-smallest set of top tokens whose probability reaches top_p, and the token is argmax_v p_v / E_v with
-E_v ~ Exp(1) drawn for every row of the chunk at every step (the exponential race: token v wins with
-probability p_v / sum(p)). Drawing for every row, running or not, makes the random stream independent
-of which rows are still in the batch, so every decode path gives the same samples for the same seed.
-With a generator per row instead (row_generators: seeded from the row's prompt and sample index), a
-row's sample does not depend on the chunk it lands in either (label.py's forced answers). Ids the
-tokenizer does not have (an embedding padded beyond it) are never sampled.
+Sampling (`sample_next`) is an exponential race whose noise E_v ~ Exp(1) is drawn for every row of
+the chunk at every step, running or not: the random stream does not depend on which rows are still
+in the batch, so every decode path gives the same samples for the same seed. With a generator per
+row instead (`row_generators`), a row's sample does not depend on the chunk it lands in either
+(label.py's forced answers). Ids the tokenizer does not have (a padded embedding) are never sampled.
 """
 import hashlib
 import inspect
@@ -90,7 +87,7 @@ def sample_next(logits, temperature=1.0, top_p=1.0, noise=None):
     temperature 0: argmax (noise unused). Otherwise p = softmax(logits / temperature); with top_p < 1
     a token is kept when the probability mass of the tokens ranked before it is < top_p (so the top
     one always is); the sample is argmax over kept v of p_v / noise_v (noise_v > 0; an infinite
-    one only makes v lose).
+    one only makes v lose): token v wins with probability p_v / sum(p).
     """
     if temperature == 0:
         return logits.argmax(-1)
@@ -144,9 +141,9 @@ class Sampler:
 
     share_rows (dynamic path only) pays for many samples of short answers (label.py: K forced
     answers that mostly agree), not for long rollouts, whose rows diverge early and would move the
-    cache at every fork. close_depth: a row also stops (reason "stop") at the token where close_depth plus the "{" minus
-    the "}" of its generated text reaches 0: label.py's forced answers end at the brace that closes
-    the forced `\\boxed{` (close_depth=1), after which nothing can change the answer.
+    cache at every fork. close_depth: a row also stops (reason "stop") at the token where
+    close_depth plus the "{" minus the "}" of its generated text reaches 0: label.py's forced
+    answers end at the brace that closes the forced `\\boxed{` (close_depth=1).
     """
 
     def __init__(self, model, tokenizer, max_new_tokens=256, temperature=1.0, top_p=1.0, stop=(),
@@ -171,8 +168,7 @@ class Sampler:
         self.cache_kw = _cache_kwarg(model)
         self.step_kw = {"logits_to_keep": 1} if _keeps_last_logits(model) else {}
         self.static = staticcache.decoder(model, self.cache_kw) if decode == "static" else None
-        # A stop string of one byte (labels stop at "\n") lies inside one token, so a row stops
-        # exactly when its new token's text holds it: each distinct id is decoded once per sampler.
+        # A one-byte stop string (labels stop at "\n") lies inside one token: each id is decoded once.
         self.byte_stops = all(len(x.encode()) == 1 for x in self.stop_strs)
         self._has_stop = {}
 

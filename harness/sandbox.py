@@ -13,18 +13,15 @@ is one JSON argument per line, the return value must equal the JSON output (tupl
 Both modes first run LiveCodeBench's import prelude, so a solution that uses `heapq` or
 `defaultdict` without importing them passes as it does there.
 
-The child (harness/sandbox_child.py) runs under `unshare` in namespaces of its own: no network, no
-other process, a read-only system in which the grader's folder, this project, the Hugging Face
-cache and `hide` are covered, a keyring of its own, uid 65534, resource limits and a guard like
-LiveCodeBench's. What is isolated and what is not: docs/reference.md, "The code sandbox".
-The gold outputs never enter the child, nor the grader's argv or environment: it gets the code and
-the test *inputs* on stdin and a scrubbed environment, streams one JSON line per test back over a
-pipe (never pickle), and the grader compares, stops at the first failure and reads at most
+The child (harness/sandbox_child.py) confines itself in namespaces of its own (what is isolated and
+what is not: docs/reference.md, "The code sandbox"). The gold outputs never enter it: it gets the
+code and the test *inputs* on stdin and a scrubbed environment, streams one JSON line per test back
+over a pipe (never pickle), and the grader compares, stops at the first failure and reads at most
 LINE_BYTES per line; a line that does not decode fails the sample. The child is killed at the end
-or after the global timeout `(per_test_s + 1) * n_tests + 5` s. Where namespaces cannot be made,
-run_tests raises SandboxUnavailable in one line and runs nothing, unless `allow_unconfined` is set
-(evaluate.py --unconfined-code): then only the guard, the limits, a scrubbed environment and a
-throwaway directory stand, which code written to escape gets past.
+or after `(per_test_s + 1) * n_tests + 5` s. Where namespaces cannot be made, run_tests raises
+SandboxUnavailable in one line and runs nothing, unless `allow_unconfined` is set (evaluate.py
+--unconfined-code): then only the guard, the limits, a scrubbed environment and a throwaway
+directory stand, which code written to escape gets past.
 """
 import base64
 import binascii

@@ -37,9 +37,8 @@ KEYCTL_JOIN_SESSION_KEYRING = 1
 
 
 def expendable():
-    """Before any solution code runs, confined or not: the OOM killer's first choice (oom_score_adj 1000;
-    the grader, holding a model, keeps its own), and a fresh anonymous session keyring in place of the
-    grader's, whose keys (a token a login or a container runtime keeps there) it could read or clear."""
+    """Confined or not: the OOM killer's first choice (oom_score_adj 1000), and a fresh session keyring
+    in place of the grader's, whose keys (a login's or a container runtime's tokens) it could read."""
     import ctypes
     try:
         with open("/proc/self/oom_score_adj", "w") as f:
@@ -102,9 +101,8 @@ def confine(root, hide=()):
         if not inside(need, bound):
             bind(need, need.lstrip("/"))
             bound.append(need)
-    # What the grader hides (its folder, the project, benchmarks, the HF cache) is in a bound tree only
-    # where it lies below one (a checkout under /usr/local/src): an empty tmpfs over a folder, an empty
-    # file over a file, and what Python needs from inside one bound again on top.
+    # What the grader hides and lies in a bound tree (a checkout under /usr/local/src): an empty tmpfs
+    # over a folder, an empty file over a file, and what Python needs from inside one bound again.
     hidden = []
     with open("empty", "x"):
         pass

@@ -135,9 +135,8 @@ class _Shape:
 
 
 class StaticDecoder:
-    """Hands out decode steps over static buffers: those (and the graphs) of the last shape asked for.
-    full: attend over the whole buffer at every step instead of the live length (the comparison
-    in scripts/bench.py)."""
+    """Hands out decode steps over the buffers (and graphs) of the last shape asked for. full: attend
+    over the whole buffer instead of the live length (scripts/bench.py's comparison)."""
 
     def __init__(self, model, cache_kw):
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -184,9 +183,8 @@ _DECODERS = weakref.WeakKeyDictionary()
 
 
 def decoder(model, cache_kw):
-    """The model's StaticDecoder, made on first use and kept as long as the model: the shape of one
-    call (its buffers and captured steps) serves the next call of that shape, until `release` or a
-    call of another shape, without a new allocation or capture."""
+    """The model's StaticDecoder, kept as long as the model: the shape of one call (its buffers and
+    captured steps) serves the next call of that shape, until `release` or another shape."""
     if model not in _DECODERS:
         _DECODERS[model] = StaticDecoder(model, cache_kw)
     return _DECODERS[model]
