@@ -11,13 +11,9 @@ touches has a fixed address and shape, so the step is recorded once and replayed
 A step attends only over the first n positions (`live_length`: those written so far, bucketed);
 each n is its own graph, captured the first time a decode reaches it, and the graphs of one shape
 share one memory pool (a replay's logits are read before the next replay). Rows that finish keep
-decoding a pad token in place. Shapes are bucketed (R and L by less than 1/8), and one shape is
-alive per model: a chunk of another shape frees the old buffers and graphs first. The last shape
-is kept with the model (`decoder`) until `release`, which the RL step calls after the rollout and
-after the labels (harness/plan.py counts the buffers in the decode phases only); `captures()`
-counts the captures, and the step row logs them. Captures do not empty the allocator's cache
-(torch.cuda.graph would, at every capture). Why, and what it costs: docs/reference.md, "The static
-decoder".
+decoding a pad token in place. Shapes are bucketed (`buffer_shape`), and one shape is alive per
+model (`decoder`, `release`): a chunk of another shape frees the old buffers and graphs first.
+Why, and what it costs: docs/reference.md, "The static decoder".
 
 The attention mask is passed as `{"full_attention": bias}`, which transformers' decoder models take
 as already built; so the model never looks at the cache's length and any transformers 5.x works.
