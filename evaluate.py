@@ -166,7 +166,7 @@ def parse_args(argv=None):
     g.add_argument("--nproc", type=int, help="workers (default: one per visible GPU, else 1), each running whole "
                    "generate calls: the same samples.jsonl as one process (evaluation/shard.py)")
     g.add_argument("--plan", action="store_true", help="print each benchmark's memory peak on one GPU and exit "
-                   "(harness/evalplan.py; from the model's config alone)")
+                   "(harness/plan.py; from the model's config alone)")
     g.add_argument("--gpu-mem", type=float, help="GiB of the GPU to plan for (default: this one's, else 80)")
     g = p.add_argument_group("confidence")
     g.add_argument("--confidence", choices=confidence.SOURCES,
@@ -256,11 +256,11 @@ def main(argv=None):
         torch.set_num_threads(args.threads or 1)
     try:
         if args.plan:   # from each model's config alone (a named model's ships: no hub), before any benchmark is read
-            from harness import evalplan
+            from harness import plan
             mem = args.gpu_mem or (torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0)
             for name in args.model:
-                evalplan.check(name, [(b, settings(b, args)) for b in names], mem,
-                               early_exit=not args.no_early_exit)
+                plan.eval_check(name, [(b, settings(b, args)) for b in names], mem,
+                                early_exit=not args.no_early_exit)
             return None
         loaded = load_benchmarks(names, args.limit, args.lcb_release)   # every name checked before any model loads
         loaded = rlcr_prompts(loaded) if args.mode == "rlcr" else loaded

@@ -11,7 +11,7 @@ import os
 import data
 from evaluation import comparison, mechanism
 from evaluation.report import clean
-from harness import files, identity, runlog
+from harness import files, runlog
 from harness.files import UserError
 
 
@@ -40,7 +40,7 @@ def made_with(args, job):
     """What a record must have been made with to stand for this job on any machine: the variant and
     seed, the train.py and evaluate.py arguments without paths, and the warm start by content."""
     base = job["train"][job["train"].index("--model") + 1]
-    return dict(variant=job["variant"], seed=job["seed"], base=identity.of(base),
+    return dict(variant=job["variant"], seed=job["seed"], base=files.identity(base),
                 train=_portable(job["train"] + args.train_args),
                 evals=[_portable(e["cmd"] + args.eval_args) for e in job["evals"]])
 

@@ -13,7 +13,7 @@ import sys
 from contextlib import ExitStack
 
 from evaluation.report import read_results
-from harness import files, identity
+from harness import files
 from harness.checkpoint import ALIASES
 from harness.config import check_out
 
@@ -36,9 +36,9 @@ def model_label(name, path):
 
 
 def model_id(path):
-    """What makes a model this one: its resolved folder and its content (harness/identity.py: a run
+    """What makes a model this one: its resolved folder and its content (harness/files.identity: a run
     trained again in place is another model), "FOLDER#HASH"; else its hub id."""
-    return f"{os.path.realpath(path)}#{identity.of(path)}" if os.path.isdir(path) else path
+    return f"{os.path.realpath(path)}#{files.identity(path)}" if os.path.isdir(path) else path
 
 
 def _folder(ident):

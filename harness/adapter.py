@@ -1,12 +1,11 @@
 """What a LoRA checkpoint rests on (--lora-rank, harness/lora.py): its base model, found by path and
 content, and its adapter_config.json, checked before peft reads it.
 
-At save time `record_base` writes CKPT/base.json: the base's path (absolute for a folder), its path
-from the checkpoint (a clone moved whole still finds a base inside it) and its identity
-(harness/identity.py). `base_of` returns the first of those paths that holds a model of that
-identity, so a resume trains, and an evaluation merges, on the very base the adapter was trained on:
-a base run that trained on, or a folder of that name that holds another model, is one line, never
-used. A checkpoint without base.json (an older version) names its base in adapter_config.json only.
+`record_base` writes CKPT/base.json: the base's path, its path from the checkpoint (a clone moved
+whole still finds a base inside it) and its files.identity. `base_of` returns the first of those
+paths that holds a model of that identity, so a resume trains, and an evaluation merges, on the very
+base the adapter was trained on: a base trained on since, or another model in its place, is one
+line. A checkpoint without base.json names its base in adapter_config.json only.
 """
 import json
 import os
@@ -14,8 +13,7 @@ import re
 
 import torch
 
-from harness import identity
-from harness.files import UserError, first_line, write_json
+from harness.files import UserError, first_line, identity, write_json
 
 BASE, CONFIG, WEIGHTS = "base.json", "adapter_config.json", "adapter_model.safetensors"
 
@@ -28,13 +26,12 @@ def is_adapter(path):
 def record_base(folder, base):
     """Write FOLDER/base.json for an adapter trained on `base` (a folder or a hub id)."""
     rel = os.path.relpath(base, folder) if os.path.isdir(base) else None
-    write_json(os.path.join(folder, BASE), dict(path=base, relative=rel, identity=identity.of(base)))
+    write_json(os.path.join(folder, BASE), dict(path=base, relative=rel, identity=identity(base)))
 
 
 def read_config(ckpt):
-    """CKPT/adapter_config.json as a dict, refused in one line naming the file when it is not JSON, names
-    no base, or holds a rank that its weights do not have (peft would first allocate that rank for every
-    adapted layer, then fail with pages of size mismatches)."""
+    """CKPT/adapter_config.json as a dict; UserError when it is not JSON, names no base, or holds a
+    rank its weights do not have (peft would allocate that rank, then fail in pages)."""
     path = os.path.join(ckpt, CONFIG)
     try:
         with open(path, encoding="utf-8") as f:
@@ -82,7 +79,7 @@ def base_of(ckpt):
     for path in filter(None, paths):
         if os.path.isdir(path) and is_adapter(path):
             continue   # an adapter is never a base (one naming itself would recurse)
-        if want is None or identity.of(path) == want:
+        if want is None or identity(path) == want:
             return os.path.normpath(path) if os.path.isdir(path) else path
     if want is None:
         raise UserError(f"{os.path.join(ckpt, CONFIG)}: its base {named} is an adapter checkpoint, not a model: "
@@ -92,9 +89,8 @@ def base_of(ckpt):
 
 
 def tied(model, wanted):
-    """The modules among `wanted` (lora.targets: a list of names, or "all-linear", which leaves the LM
-    head out) whose weight another module shares: with tie_word_embeddings the LM head is the input
-    embedding, so merging an adapter there would change the embedding too."""
+    """The modules among `wanted` (lora.targets; "all-linear" leaves the LM head out) whose weight
+    another module shares (tie_word_embeddings): merging an adapter there would change both."""
     if wanted == "all-linear":
         return []
     if isinstance(wanted, str):   # peft reads any other string as a regular expression on the full name

@@ -5,7 +5,7 @@ Every file written in such a folder is written without following a link planted 
 (`replacing`, `appending`, the lock): a folder may come from someone else (a shared project
 folder, an unpacked archive), and a link in it must not make this code overwrite what it points to.
 `read_jsonl` reads the JSON-lines logs (metrics, samples) and repairs a last line cut by a kill;
-`locked` holds a folder for its one writer.
+`locked` holds a folder for its one writer; `identity` names a model folder by its content.
 """
 import errno
 import hashlib
@@ -72,9 +72,8 @@ def _open_own(path, flags):
 @contextmanager
 def replacing(path, mode="w"):
     """Write PATH whole or not at all, never through a link: the block writes a fresh file beside it
-    (a random name opened with O_EXCL, which no link can be planted at), which then replaces PATH
-    (os.replace swaps a link at PATH itself, not what it points to). On any error the fresh file is
-    removed and PATH is as it was."""
+    (a random name opened with O_EXCL), which then replaces PATH (os.replace swaps a link at PATH
+    itself, not what it points to); on any error PATH is as it was."""
     tmp = fresh_name(path)
     try:
         with _writing(path), open(_open_own(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), mode) as f:
@@ -157,13 +156,9 @@ LOCK = "lock"
 
 @contextmanager
 def locked(folder, what="run"):
-    """Hold FOLDER/lock while writing into FOLDER: one writer per folder.
-
-    The lock is an flock on the file (the kernel drops it when the holder dies, however it dies),
-    and the file names the holder (pid, host, start) for the message a second writer gets: one
-    UserError line, exit 2. A lock file left by a dead process is taken over with a message; a link
-    in its place is refused (_open_own), never written through.
-    """
+    """Hold FOLDER/lock while writing into FOLDER: one writer per folder. An flock (the kernel drops
+    it when the holder dies, however it dies) on a file naming the holder (pid, host, start) for a
+    second writer's one-line Busy; a dead process's lock is taken over with a message."""
     import fcntl
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, LOCK)
@@ -207,3 +202,36 @@ def _holder(path, text=None):
         return f"pid {h['pid']} on {h['host']} (since {h['since']})"
     except (OSError, ValueError, KeyError, TypeError):
         return f"another process (lock file {path})"
+
+
+WHOLE = 64 << 20
+HEAD, SAMPLES, SLICE = 1 << 20, 64, 1 << 16
+NOT_THE_MODEL = ("state.pt", "probe.pt")
+
+
+def identity(path):
+    """What a model is, by content: a 16-hex-digit hash of its folder's files (names and content, not
+    sub-folders, state.pt or probe.pt), so that a folder trained again, replaced or copied over is
+    never taken for the model it held before; a hub id or alias stands for itself. A file over WHOLE
+    bytes is hashed by its size, its first HEAD bytes (a safetensors header) and SAMPLES slices:
+    training changes every weight, so a retrained model differs in every slice."""
+    if not os.path.isdir(path):
+        return path
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(path)):
+        full = os.path.join(path, name)
+        if name in NOT_THE_MODEL or name.startswith(".") or not os.path.isfile(full):
+            continue
+        h.update(f"{name}\0".encode())
+        size = os.path.getsize(full)
+        h.update(f"{size}\0".encode())
+        with open(full, "rb") as f:
+            if size <= WHOLE:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    h.update(block)
+                continue
+            h.update(f.read(HEAD))
+            for k in range(SAMPLES):
+                f.seek(HEAD + (size - HEAD - SLICE) * k // (SAMPLES - 1))
+                h.update(f.read(SLICE))
+    return h.hexdigest()[:16]

@@ -1,16 +1,10 @@
-"""Start one worker per GPU (or `--nproc N` workers on CPU) from a plain `python train.py` (or `python
-evaluate.py`).
+"""One worker per GPU (or `--nproc N` on CPU) from a plain `python train.py` or `python evaluate.py`.
 
-Each worker is a fresh `python train.py ARGS` with RANK / LOCAL_RANK / WORLD_SIZE / MASTER_ADDR /
-MASTER_PORT set, which is what `torchrun --standalone --nproc_per_node N` does: harness/parallel.py reads
-the rank when it is imported, so workers must be new interpreters (not forks of this one). Under
-torchrun (RANK already set) nothing is launched; multi-node runs use `torchrun --nnodes M ...`
-and take the same code path.
-
-Rank 0 writes to this terminal; the other ranks write to log files in a temporary folder. When a
-worker fails, the others are stopped at once and the launcher exits with that worker's exit code,
-printing its last lines once (one "error: ..." line for a user error). Workers die with the
-launcher (Linux parent-death signal), so a killed launcher leaves no orphans behind to resume over.
+Each worker is a fresh `python train.py ARGS` with torchrun's RANK / WORLD_SIZE / MASTER_* set
+(harness/parallel.py reads the rank when it is imported, so no forks); under torchrun nothing is
+launched. Rank 0 writes to this terminal, the others to log files. When a worker fails, the others
+are stopped and the launcher exits with its exit code, printing its last lines once (one "error:"
+line for a user error). Workers die with the launcher (Linux parent-death signal): no orphans.
 """
 import os
 import shutil
@@ -84,7 +78,7 @@ def launch(script, argv, nproc):
         threading.Thread(target=watch, args=(rank, proc), daemon=True).start()
 
     def relay(proc, log):
-        # rank 0's stderr (progress bar, tracebacks) goes to the terminal until some worker fails
+        # rank 0's stderr goes to the terminal until some worker fails
         for chunk in iter(lambda: os.read(proc.stderr.fileno(), 4096), b""):
             log.write(chunk.decode(errors="replace"))
             log.flush()

@@ -1,23 +1,19 @@
 """--lora-rank R: the policy trains a LoRA adapter (peft) on its frozen base instead of every weight.
 
 The adapter is injected into the Hugging Face model itself (`add_adapter` keeps peft's inner model,
-not its PeftModel wrapper), so everything downstream (FSDP2's per-layer units, the update) runs on
-an ordinary model whose linear layers are adapted. A CPU process samples with that model itself; on
-one GPU or several the rollout and the labels sample from a plain bf16 copy with the adapter merged
-into its weights (`merged_copy`, refreshed after each step by `merge_into`; harness/parallel.py).
-Only the adapter's parameters require gradients, so only they get gradients and AdamW state. A
-checkpoint holds the adapter in peft's own format (adapter_config.json + adapter_model.safetensors,
-loadable with `PeftModel.from_pretrained` on the base named in its config) beside the tokenizer,
-probe.pt, state.pt and base.json (the base by content, harness/adapter.py: a resume and an
-evaluation use that very base).
-
-peft is imported only here and only with --lora-rank: a run without it needs no peft.
+not its PeftModel wrapper), so FSDP2's per-layer units and the update run on an ordinary model whose
+linear layers are adapted; only the adapter's parameters get gradients and AdamW state. On GPUs the
+rollout and the labels sample from a plain bf16 copy with the adapter merged in (`merged_copy`,
+refreshed after each step by `merge_into`); a CPU process samples with the policy itself. A
+checkpoint holds the adapter in peft's format (adapter_config.json + adapter_model.safetensors)
+and base.json, its base by content (harness/adapter.py). peft is imported only with --lora-rank.
 """
 import os
 
 import torch
 
-WEIGHTS = "adapter_model.safetensors"
+from harness.adapter import WEIGHTS, base_of, record_base, tied  # noqa: F401 (base_of: lora.base_of)
+
 ADAPTER = "default"  # peft's adapter name, dropped from the saved keys as peft does
 
 
@@ -41,9 +37,8 @@ def adapter_params(model, rank, target_text):
 
 
 def merged_copy(model, dtype=torch.bfloat16):
-    """The generation copy of an adapted `model` on GPUs: the same model without peft's layers
-    (each adapted linear is its base linear again) in `dtype`, its weights merged by `merge_into`.
-    It samples as fast as the base: no fp32 adapter, no casts, one kernel per linear."""
+    """The generation copy of an adapted `model` on GPUs: the model without peft's layers in `dtype`,
+    the adapter merged into its weights (`merge_into`): it samples as fast as the base."""
     import copy
     from peft.tuners.lora import LoraLayer
     plain = copy.deepcopy(model).eval().requires_grad_(False)
@@ -62,11 +57,10 @@ def merged_copy(model, dtype=torch.bfloat16):
 @torch.no_grad()
 def merge_into(plain, model, gathered=None):
     """Write each adapted linear of `model` (frozen W, adapter A, B, scale s = alpha / rank) into
-    `plain` (merged_copy) as W + s B A, computed in fp32 and cast once to the copy's dtype. The other
-    weights are frozen: merged_copy copied them. `model` is not touched: merging into the trained
-    policy itself, and unmerging after, would drift its bf16 base a rounding at a time.
-    A sharded `model` (parallel.refresh_sampler) passes `gathered`, {parameter name: full tensor} of
-    the adapters of one group, whose W it has gathered into `plain`: those linears alone are merged."""
+    `plain` (merged_copy) as W + s B A, in fp32 cast once to the copy's dtype. `model` is not
+    touched: merging into the policy and unmerging after would drift its bf16 base a rounding at a
+    time. A sharded `model` (parallel.refresh_sampler) passes `gathered`, {parameter name: full
+    tensor} of one group's adapters, whose W it has gathered into `plain`: those alone are merged."""
     from peft.tuners.lora import LoraLayer
     for name, m in model.named_modules():
         if not isinstance(m, LoraLayer):
@@ -82,8 +76,8 @@ def merge_into(plain, model, gathered=None):
 
 
 def add_adapter(model, cfg, base_path):
-    """The model with a fresh adapter (lora_A random, lora_B zero: the adapted model starts equal to
-    the base), its base frozen. base_path is written into the adapter's config for loaders."""
+    """The model with a fresh adapter (lora_B zero: it starts equal to the base), its base frozen;
+    base_path is written into the adapter's config for loaders."""
     from peft import LoraConfig, get_peft_model
     config = LoraConfig(r=cfg["lora_rank"], lora_alpha=cfg["lora_alpha"], target_modules=targets(cfg["lora_targets"]),
                         lora_dropout=0.0)
@@ -94,9 +88,7 @@ def add_adapter(model, cfg, base_path):
 
 def with_adapter(model, cfg, ckpt=None, fresh=False):
     """The policy of a --lora-rank run: the base with the adapter of checkpoint `ckpt` (resume), or a
-    fresh one (also with `fresh`: its shape, on the meta device). A --lora-targets that names no module
-    of the model, or one whose weight another layer shares, is one UserError line."""
-    from harness.adapter import base_of, tied
+    fresh one (also with `fresh`: its shape, on the meta device). A bad --lora-targets: UserError."""
     from harness.checkpoint import resolve_model
     from harness.files import UserError
     base = base_of(ckpt) if ckpt else resolve_model(cfg["model"])   # a resume: the base it was trained on
@@ -121,25 +113,16 @@ def load_adapter(model, ckpt, trainable=True):
 
 
 def merged(model, ckpt):
-    """The base `model` with checkpoint `ckpt`'s adapter merged into its weights: a plain model that
-    samples as fast as the base (evaluation)."""
+    """The base `model` with checkpoint `ckpt`'s adapter merged into its weights (evaluation)."""
     from peft import PeftModel
     return PeftModel.from_pretrained(model, ckpt).merge_and_unload()
 
 
 def save(folder, model, state):
-    """Write the adapter in peft's format: its config, and its weights under peft's key names
-    (base_model.model. + the module path, without the adapter name)."""
+    """Write the adapter in peft's format (key names without the adapter name) and base.json."""
     from safetensors.torch import save_file
     model.peft_config[ADAPTER].save_pretrained(folder)
     weights = {"base_model.model." + k.replace(f".{ADAPTER}.", "."): v.detach().contiguous()
                for k, v in state.items()}
     save_file(weights, os.path.join(folder, WEIGHTS), metadata={"format": "pt"})
-    from harness.adapter import record_base
     record_base(folder, model.peft_config[ADAPTER].base_model_name_or_path)   # the base, by content
-
-
-def base_of(ckpt):
-    """The base model an adapter checkpoint was trained on, checked by content (harness/adapter.py)."""
-    from harness.adapter import base_of
-    return base_of(ckpt)

@@ -13,9 +13,8 @@ from harness.checkpoint import resolve_model
 from harness.files import UserError, first_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The named models' public config.json, shipped in configs/NAME/ (no tokenizer, no weights): a plan
-# reads its architecture there, offline. The released RLCM checkpoints are full fine-tunes of their
-# bases: the same shapes.
+# The named models' config.json, shipped in configs/NAME/ for plans offline (RLCM's are full
+# fine-tunes of their bases: the same shapes).
 SHIPPED = {"deepseek-ai/DeepSeek-R1-Distill-Qwen-7B": "DeepSeek-R1-Distill-Qwen-7B",
            "Melodramas/RLCM-DeepSeek-R1-Distill-Qwen-7B": "DeepSeek-R1-Distill-Qwen-7B",
            "Qwen/Qwen3-4B-Instruct-2507": "Qwen3-4B-Instruct-2507",
@@ -67,8 +66,7 @@ def load_model(name, dtype=torch.float32, trust_remote_code=False):
 
 def check_shapes(path, trust_remote_code=False):
     """UserError before any weight is allocated when a local model's safetensors hold a tensor of
-    another shape than its config.json builds (vocab_size 2e6 beside 272 rows of embeddings would
-    first allocate 1.4 GB). The model is built on the meta device: no memory."""
+    another shape than its config.json builds (a model built on the meta device: no memory)."""
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
     files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors")) if os.path.isdir(path) else []

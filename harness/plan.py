@@ -1,69 +1,17 @@
-"""Memory plan: what one GPU (or the host) must hold for a model and a run's settings, from the
+"""Memory plans: what one GPU (or the host) must hold for a model and a run's settings, from the
 model's config alone (the model is built on the meta device: no weights are read).
 
-    python train.py --model deepseek-r1-distill-qwen-7b --plan --gpus 8 --gpu-mem 80
+    python train.py --model deepseek-r1-distill-qwen-7b --plan --gpus 8 --gpu-mem 80       # check
+    python evaluate.py --model deepseek-r1-distill-qwen-7b --benchmarks aime24 --plan      # eval_check
 
-Terms per device, with N parameters, W devices (ranks) and bf16 = 2 bytes:
-  training state  fp32 params + fp32 grads + AdamW (2 x fp32)   16 N / W   (FSDP2 shards them)
-  generation copy bf16 full weights on every rank                2 N
-  FSDP gather     the root (embeddings, LM head) and two decoder layers unsharded while they run:
-                  bf16 params + bf16 grads + fp32 reduce buffer  8 (N_root + 2 N_layer)
-  KV cache        the rollout's static buffers (harness/staticcache.py): rows x positions x layers x 2 (K, V)
-                  x kv_heads x head_dim x 2, as the decoder buckets them: rows = min(gen_batch,
-                  prompts per rank) x group_size, positions = prompt + max_new_tokens - 1, rounded up
-                  (24 x 9216 for 24 x 8599 on the released recipe)
-  prefill         one layer's forward (T x (8 d + 3 d_ff) x 2) over the prompts that fill that cache
-  label KV cache  the forced answers' static buffers: a chunk of gen_batch cuts x k rows, positions =
-                  prompt + the longest cut (3/4 of max_new_tokens) + the forced suffix + the answer
-                  - 1, bucketed; one chunk's shape is alive at a time
-  label prefill   one layer's forward over the chunk's prefixes plus their prefill cache (one row per
-                  cut), which is held while the static buffers are filled from it; the probe's
-                  features are read off those rows (a trajectory whose tokens differ from the one
-                  that asks its longest cut's forced prompt right at that cut adds a row: rare)
-  activations     one micro-batch of micro_tokens tokens: with checkpointing each layer keeps its
-                  input (T x d), and the backward of one layer holds its recomputed forward buffers
-                  (T x (8 d + 3 d_ff)) and their gradients (as much again); without, every layer
-                  keeps its buffers and one layer's gradients come on top
-  log-prob chunk  chunk_size positions x vocab x 3 fp32: a chunk's backward holds its recomputed
-                  log-softmax, the gradient gather scatters into and log-softmax's gradient
-  refresh         sharded runs, after the update: the generation copy is refreshed one group at a time
-                  (parallel.gather_into: a decoder layer, or one parameter outside the layers, the
-                  largest being the embedding, vocab x d) through one buffer sized for the largest
-                  group g1: its shard and the gathered group in the copy's dtype, 2 g1 (1 + 1 / W),
-                  and with --offload on a GPU one parameter's fp32 shard on its way from the host, at
-                  most 4 g1 / W
-  runtime         CUDA context and allocator slack (1 GiB), or the Python/torch process on CPU
-
-Phases do not overlap: the rollout holds its KV cache and prefill, the labels theirs, the update
-the gather, activations and log-prob chunk, the refresh its group (the step frees the rollout's
-static buffers before the first label prefill, and the labels' before the update: tests/test_plan.py
-holds both; tests/test_parallel.py holds the refresh term to the bytes a two-rank refresh allocates).
-peak = training state + generation copy + runtime + max(rollout, labels, update, refresh).
-With --offload (FSDP2's CPUOffloadPolicy) the training state lives in host memory (16 N / W per
-rank) and the optimizer step runs on the CPU: slower, but the GPU keeps only the rest. The update
-then accumulates the micro-batches' gradients unsharded in fp32 on the GPU and reduces them once
-(update.py): +4 N ("held grads"; the adapter's 4 n under LoRA); --offload-grads host reduces and
-copies them after every micro-batch instead (no such term, a blocking copy per micro-batch).
-Host memory (sharded runs: several GPUs or --offload): rank 0 reads the fp32 weights (4 N) to
-broadcast them, and at every save gathers the full fp32 model and AdamW state (parallel.full_state:
-4 N + 8 N = 12 N, 91 GB for the 7B), on top of its offloaded shard; the Python processes themselves
-are not counted. The check refuses on device memory only: the host may be another machine
-(--gpus / --gpu-mem), so host memory is printed, and flagged when it exceeds this machine's RAM.
-On CPU (the toy world) everything is fp32 and one process uses the policy as its generation copy.
-
-With --lora-rank R (harness/lora.py) only the adapter trains: n = R x (in + out) summed over the
-adapted linear layers. The frozen base holds no fp32 master, gradients or AdamW state:
-  training state  the frozen base: bf16 on one GPU (2 N), the fp32 shards (4 N / W) when sharded
-  adapter state   fp32 params + grads + AdamW of the adapter                16 n / W
-  generation copy on one GPU a plain bf16 copy with the adapter merged (2 N: lora.merged_copy; sampling
-                  with the fp32 adapter on the bf16 base would cast each adapted linear's input to
-                  fp32, T x (4 in + 8 out) more per prefill, 8 GiB in the 7B's label prefill), the
-                  same when sharded; none in a CPU process
-  refresh         sharded, as above, plus the merge: a layer's adapter gathered in fp32 (8 n / L)
-                  and one linear's W + s B A in fp32 beside its cast (8 d d_ff at most)
-  FSDP gather     the gathered layers' params only (no gradients for frozen weights)
-  host            rank 0 reads the fp32 base to broadcast it (4 N); a save gathers the adapter and
-                  its AdamW state only (12 n)
+The terms: docs/design.md, "Scale" (training), and docs/reference.md, "The memory plans"
+(--offload, --lora-rank, host memory, evaluation). Phases do not overlap, so a peak is what every
+phase holds plus the largest phase: for training max(rollout, labels, update, refresh), since the
+step frees the rollout's static buffers before the first label prefill and the labels' before the
+update (tests/test_plan.py); for evaluation max(generation, features, early exit). The check
+refuses on device memory only: the host may be another machine (--gpus / --gpu-mem), so host
+memory is printed, and flagged above this machine's RAM. On CPU (the toy world) everything is
+fp32 and one process uses the policy as its generation copy.
 """
 import os
 
@@ -142,9 +90,8 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
     kv, prefill = kv_shape[0] * kv_shape[1] * per_token, layer_acts(prompts * P)
     label_shape, label_kv, label_prefill = (0, 0), 0, 0
     if cfg.get("reward", "rlcm") in PROBE_MODES:
-        # forced answers (label._forced_samples): chunks of gen_batch cuts x k rows after the prompt,
-        # the longest cut (3/4 of the response) and the forced tail; the chunk's own prefill cache
-        # (one row per cut) is still held while the static buffers are filled from it.
+        # forced answers (label._forced_samples): gen_batch cuts x k rows after the prompt, the
+        # longest cut and the forced tail; the chunk's prefill cache (one row per cut) is still held.
         fractions = cfg.get("budgets", (0.25, 0.5, 0.75))
         cuts = min(cfg["gen_batch"], prompts_here * G * len(fractions))
         width = P + int(new * max(fractions)) + FORCED_SUFFIX
@@ -154,8 +101,8 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
     gather = (act_bytes if adapter else 8) * (root + 2 * layer) if sharded else 0
     T = max(cfg["micro_tokens"], P + new)  # a micro-batch holds >= 1 sequence
     one_layer = layer_acts(T)
-    # kept: each layer's input with checkpointing, else every layer's buffers; then the backward of
-    # one layer: its buffers recomputed (checkpointing) and their gradients
+    # each layer's input (checkpointing) or buffers, then one layer's backward (recomputed buffers
+    # and their gradients)
     kept = config.num_hidden_layers * (T * d * act_bytes if cfg["grad_ckpt"] else one_layer)
     acts = kept + (2 if cfg["grad_ckpt"] else 1) * one_layer
     chunk = 3 * cfg["chunk_size"] * vocab * 4  # chunks run over the micro-batch's flattened positions
@@ -174,9 +121,8 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
     update = gather + acts + chunk + held
     terms["peak"] = terms["training state"] + terms["adapter state"] + gen_copy + RUNTIME[device] + \
         max(kv + prefill, label_kv + label_prefill, update, refresh)
-    # Host: rank 0 loads the fp32 weights (4 N) to broadcast them, and at every save gathers the
-    # full fp32 model and AdamW state (parallel.full_state, cpu_offload: 4 N + 8 N; the adapter's
-    # alone under LoRA); --offload keeps each rank's shard of the training state there.
+    # Host: rank 0 loads the fp32 weights (4 N) and gathers the full fp32 model and AdamW state at
+    # every save (12 N; the adapter's alone under LoRA); --offload keeps each rank's shard there.
     offloaded = state + adapter_state if offload else 0.0
     rank0 = offloaded + (max(4 * total, 12 * (adapter or total)) if sharded else 0.0)
     terms["host"] = rank0
@@ -186,12 +132,10 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
 
 
 def label_chunk(cuts, k, width, config, free):
-    """Cuts per chunk of forced answers (label.mc_labels' batch_size) that fit `free` bytes: at most
-    `cuts`, fewer where one chunk of them at `width` positions (prompt + the longest cut + the tail)
-    cannot hold, per cut, the prefill cache row it selects (width x K/V bytes per token), its k rows
-    of static buffers filled from it (k x width) and the masked tail prefill's expanded K/V of one
-    layer (width x 2 x heads x head_dim, twice: SDPA's repeat and the cache's concatenation), in bf16.
-    evaluate.py's early exit (64 rows, k = 1, AIME's 8000 tokens) needs it on an 80 GB GPU."""
+    """Cuts per chunk of forced answers (label.mc_labels' batch_size) that fit `free` bytes, at most
+    `cuts`, at `width` positions (prompt + the longest cut + the tail): per cut (cut_bytes, bf16) the
+    prefill cache row it selects, its k rows of static buffers and the masked tail prefill's expanded
+    K/V of one layer (width x 2 x heads x head_dim, twice: SDPA's repeat and the concatenation)."""
     return max(1, min(cuts, int(free // cut_bytes(k, width, config))))
 
 
@@ -203,9 +147,8 @@ def cut_bytes(k, width, config):
 
 
 def free_bytes(device):
-    """Bytes a new allocation can still get on a CUDA device: free on the device plus what torch's
-    allocator holds unused (it frees those before it reports an out-of-memory), less a tenth for
-    fragmentation and the workspaces of kernels."""
+    """Bytes a new allocation can still get on a CUDA device: free plus what torch's allocator holds
+    unused (freed before an out-of-memory), less a tenth for fragmentation and kernel workspaces."""
     free, _ = torch.cuda.mem_get_info(device)
     return 0.9 * (free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
@@ -215,11 +158,9 @@ def prompt_tokens(cfg):
 
 
 def fixes(config, cfg, world, device, mem, counts):
-    """The cheapest change that fits, tried in order of cost: a smaller --gen-batch or --micro-tokens
-    (slower, nothing else changes; under --offload first --offload-grads host), --lora-rank 32 (an
-    adapter trains instead of every weight: a deviation from the paper's full fine-tuning), --offload
-    (much slower optimizer step; with --offload-grads host where the held gradients do not fit), more
-    GPUs."""
+    """The cheapest change that fits, in order of cost: (under --offload, --offload-grads host) a
+    smaller --gen-batch or --micro-tokens, --lora-rank 32 (not the paper's full fine-tuning),
+    --offload (with --offload-grads host where the held gradients do not fit), more GPUs."""
     def peak(c, w=world, off=cfg.get("offload", False)):
         return estimate(config, c, w, device, off, counts)["peak"]
     if cfg.get("offload") and cfg.get("offload_grads", "gpu") == "gpu" and \
@@ -263,11 +204,8 @@ def host_ram():
 
 
 def check(cfg, show=False, log=print):
-    """Print the plan (show=True) and raise UserError when the peak exceeds the device memory.
-
-    --gpus / --gpu-mem describe a node other than this one (planning from a laptop); otherwise the
-    detected devices are used.
-    """
+    """Print the plan (show=True) and raise UserError when the peak exceeds the device memory;
+    --gpus / --gpu-mem describe a node other than this one, else the detected devices count."""
     device, world, mem = detected(cfg.get("nproc"))
     here = not (cfg.get("gpus") or cfg.get("gpu_mem"))
     if not here:
@@ -315,3 +253,46 @@ def check(cfg, show=False, log=print):
     if show:
         log(f"fits: peak {t['peak'] / GiB:.1f} of {mem:.0f} GiB")
     return t
+
+
+def eval_estimate(config, s, mem, prompt_tokens=PROMPT_TOKENS, early_exit=True):
+    """Bytes per term (dict, in the order printed) for one benchmark's settings `s` (the settings of
+    evaluation/benchmarks.py: batch, n, max_new_tokens, score_batch, rows) on a GPU of `mem` bytes;
+    'cuts': the early exit's chunk."""
+    d, d_ff = config.hidden_size, config.intermediate_size
+    layer = lambda tokens: tokens * (8 * d + 3 * d_ff) * 2  # noqa: E731  one layer's forward, bf16
+    weights, runtime = 2 * param_counts(config)[0], RUNTIME["cuda"]
+    shape = buffer_shape(s["batch"] * s["n"], prompt_tokens, s["max_new_tokens"])
+    length = prompt_tokens + s["max_new_tokens"]
+    t = {"weights": weights,
+         "generation": shape[0] * shape[1] * kv_bytes_per_token(config, 2) + layer(s["batch"] * prompt_tokens),
+         "features": layer(s["score_batch"] * length) + s["score_batch"] * length * d * 2}
+    width = length + FORCED_SUFFIX
+    left = 0.9 * (mem - weights - runtime)  # free_bytes: a tenth kept for fragmentation
+    t["cuts"] = label_chunk(s["rows"], 1, width, config, left) if early_exit else 0
+    t["early exit"] = t["cuts"] * cut_bytes(1, width, config)
+    t["runtime"] = runtime
+    t["peak"] = weights + runtime + max(t["generation"], t["features"], t["early exit"])
+    t["shape"] = shape
+    return t
+
+
+def eval_check(model, benches, mem_gib, log=print, early_exit=True):
+    """Print each benchmark's plan for `model` on one GPU of mem_gib GiB ([(name, settings)]);
+    UserError on the first that cannot fit, naming the --batch-size that would."""
+    config, mem = model_config(model), mem_gib * GiB
+    out = {}
+    for name, s in benches:
+        t = out[name] = eval_estimate(config, s, mem, early_exit=early_exit)
+        log(f"plan: {name} on 1 x {mem_gib:.0f} GiB GPU: weights {t['weights'] / GiB:.1f}, generation "
+            f"{t['generation'] / GiB:.1f} ({t['shape'][0]} rows x {t['shape'][1]}), features {t['features'] / GiB:.1f}, "
+            f"early exit {t['early exit'] / GiB:.1f} ({t['cuts']} cuts per chunk), runtime "
+            f"{t['runtime'] / GiB:.1f}: peak {t['peak'] / GiB:.1f} GiB")
+        if t["peak"] > mem:
+            q = s["batch"]
+            while q > 1 and eval_estimate(config, dict(s, batch=q), mem, early_exit=early_exit)["peak"] > mem:
+                q //= 2
+            fix = f"--batch-size {q}" if eval_estimate(config, dict(s, batch=q), mem, early_exit=early_exit)["peak"] <= mem \
+                else "a GPU with more memory"
+            raise UserError(f"plan: {name} needs a peak of {t['peak'] / GiB:.1f} GiB, more than {mem_gib:.0f}; fix: {fix}")
+    return out

@@ -3,26 +3,13 @@
     def my_correctness(response, answer, row):   # -> a float in [0, 1], or None to skip
         return float(response.strip().endswith(answer))
 
-train.py calls it where it would grade (modes.judged, label.mc_labels, evaluation/heldout.py):
-
-- the natural answer of every rollout: `response` is the whole generated text (special tokens
-  dropped), `answer` the row's gold answer, `row` the data row ({"problem", "answer"});
-- every forced answer of the Monte-Carlo labels: `response` is the forced answer alone, the text
-  inside the forced `\\boxed{` up to its closing brace (label.forced_answer); an answer whose box
-  never closes is 0 without a call, as under the built-in graders. Y_b is the mean of the values.
-
-None skips: a rollout judged None keeps advantage 0 (it stays in the update, in the token-mean's
-denominator), is left out of its group's mean and std, gets no forced answers and no labels, and
-is counted in the step's `skipped`; the step's `accuracy` is the mean value of the others. A
-forced answer judged None is left out of its Y_b; a prefix whose K answers are all None has no
-label (it is not fitted or scored).
-
-The file is imported (importlib) only from the path given on the command line, never from a saved
-config: a resumed run is refused until --reward-fn is given again (harness/config.py), as with
---trust-remote-code. It runs in this process with your permissions, like any code you pass.
-A missing file, an import error, a missing NAME, or a call that raises (SystemExit and other
-BaseExceptions included; KeyboardInterrupt is Ctrl-C) or returns anything but a number in [0, 1]
-(bool excluded) or None ends the run with one line, exit 2, before anything of that step is written.
+train.py calls it where it would grade (modes.judged, label.mc_labels, evaluation/heldout.py): on
+every rollout's whole text, and on every forced answer alone (the text inside the forced `\\boxed{`;
+a box that never closes is 0 without a call). None skips the sample; what a skip means for the
+advantages, labels and logged accuracy: docs/reference.md, "--reward-fn". The file is imported only
+from the command line, never from a saved config, and runs in this process with your permissions.
+A missing file or NAME, an import error, a raise or a value that is not a number in [0, 1] (bool
+excluded) or None ends the run with one line, exit 2, before anything of that step is written.
 """
 import functools
 import importlib.util

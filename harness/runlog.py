@@ -1,14 +1,7 @@
-"""What a run leaves for the people watching it, next to metrics.jsonl:
-
-    RUN/samples.jsonl    a few trajectories per step (--log-samples N, default 4): problem, gold answer,
-                         response text, correctness, reward and margin, and per budget b: Y_b and C_b
-    RUN/heldout.jsonl    the labelled held-out trajectories of each held-out check (evaluation/heldout.py)
-    RUN/curves.png       the main curves, drawn from metrics.jsonl at the end of a run or with
-                         `python train.py --plot RUN`
-    RUN/wandb_run.json   the Weights & Biases run id when --wandb is on, so --resume continues that run
-
-Texts are capped at TEXT_CHARS characters each (the first and last half kept, the cut marked), so a
-step of 8000-token responses adds a few KB, not MBs. Also `provenance()`: where a result came from.
+"""What a run leaves for the people watching it, next to metrics.jsonl (docs/reference.md, "What a
+run leaves"): samples.jsonl (`pick`, texts `clip`ped to TEXT_CHARS), heldout.jsonl, curves.png
+(`plot_curves`, or `python train.py --plot RUN`), wandb_run.json (`Tracker`, so --resume continues
+that W&B run); and `provenance()`: where a result came from.
 """
 import json
 import os
@@ -69,15 +62,10 @@ def append_jsonl(path, rows):
             f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
-def read_jsonl(path):
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def read_metrics(path):
-    """The rows of a metrics.jsonl for a plot, with only their numeric values. Lines that are not JSON
-    objects with a numeric step (a cut-off last line is what a kill leaves) and plotted values that are
-    not finite numbers are skipped, counted in one line on stderr; the file is only read (--resume repairs it)."""
+    """The rows of a metrics.jsonl for a plot, numeric values only. Lines that are not JSON objects
+    with a numeric step and plotted values that are not finite numbers are skipped, counted in one
+    line on stderr; the file is only read (--resume repairs it)."""
     rows, lines, values = [], 0, 0
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in filter(str.strip, f):
@@ -101,8 +89,8 @@ def _number(v):
 
 
 class Tracker:
-    """Mirrors metrics rows to Weights & Biases. wandb is imported only here (it is optional, not in
-    requirements.txt); the run id is kept in RUN/wandb_run.json so a resumed run logs to the same run."""
+    """Mirrors metrics rows to Weights & Biases (optional: imported only here); the run id is kept in
+    RUN/wandb_run.json so a resumed run logs to the same run."""
 
     def __init__(self, run_dir, project, name=None, config=None):
         try:

@@ -3,35 +3,22 @@
     sampler = Sampler(model, tokenizer, max_new_tokens=64, temperature=0.8)
     ids, lengths, reasons = sampler.sample(sampler.prefill(prompts), n=4, generator=gen)  # on the device
 
-How one chunk of prompts is generated:
-  1. prefill (eager): the chunk's B prompts, LEFT-padded to the longest, in one forward pass; position
-     ids are `cumsum(attention_mask) - 1` (clamped at 0) so every prompt starts at position 0.
-     `prefill(..., after=prefix)` appends a further segment to an existing cache (label.py builds
-     forced prompts this way: the prompt once, then the response, then the forced suffix per cut).
-  2. share: rows i*n .. i*n+n-1 continue prompt i; they share its prefill.
-  3. decode, one new token per step, in one of two ways (`decode=`; default static on CUDA):
-     - "dynamic" (`Sampler._decode_dynamic`, the reference and the loop to read first): a
-       `DynamicCache` that grows by one position per step; once a quarter of the batch has
-       finished, finished rows are dropped from the batch and the cache. Eager.
-       `Sampler(share_rows=True)` decodes the same samples with fewer rows (`_decode_shared`).
-     - "static" (`Sampler._decode_static`): keys/values preallocated for all rows and a bucketed
-       maximum length (harness/staticcache.py); finished rows stay in place and are masked, and a
-       step attends over the live length only (bucketed as it grows). On CUDA the decode step is
-       captured as a CUDA graph once per shape and live length, kept with the model for the next
-       call, and replayed, so a step costs what the GPU needs to read the weights and the live
-       cache, not Python and kernel launches. On CPU the same step runs eagerly, which is how the
-       tests pin it to the dynamic path.
+`prefill`: the prompts LEFT-padded to the longest in one eager forward, position ids
+`cumsum(attention_mask) - 1` (clamped at 0) so every prompt starts at 0; `after=prefix` appends a
+segment to an existing cache (label.py: the prompt once, the response, then each cut's suffix).
+Rows i*n .. i*n+n-1 continue prompt i, decoded by one of three loops that give the same samples
+(tests/test_rollout.py):
+  - `_decode_dynamic`, the reference and the loop to read first: a DynamicCache that grows by one
+    position per step; once a quarter of the batch has finished, finished rows are dropped;
+  - `_decode_shared` (share_rows=True): rows whose histories agree share one cache row;
+  - `_decode_static` (decode="static", the default on CUDA): preallocated buffers, a step over the
+    live length, replayed as a CUDA graph (harness/staticcache.py); eager on CPU.
 
-Sampling: temperature 0 is greedy; otherwise p = softmax(logits / temperature) restricted to the
-smallest set of top tokens whose probability reaches top_p, and the token is argmax_v p_v / E_v with
-E_v ~ Exp(1) drawn for every row of the chunk at every step (the exponential race: token v wins with
-probability p_v / sum(p)). Drawing for every row, running or not, makes the random stream independent
-of which rows are still in the batch, so both decode paths give the same samples for the same seed.
-With a generator per row instead (row_generators: seeded from the row's prompt and sample index), a
-row draws from its own stream while it runs, so its sample does not depend on the chunk it lands in
-either (label.py's forced answers: the chunk size is then a choice of memory and speed alone).
-Ids the tokenizer does not have (the 7B model's embedding has 152,064 rows, the tokenizer about
-151,666 ids) are never sampled.
+Sampling (`sample_next`) is an exponential race whose noise E_v ~ Exp(1) is drawn for every row of
+the chunk at every step, running or not: the random stream does not depend on which rows are still
+in the batch, so every decode path gives the same samples for the same seed. With a generator per
+row instead (`row_generators`), a row's sample does not depend on the chunk it lands in either
+(label.py's forced answers). Ids the tokenizer does not have (a padded embedding) are never sampled.
 """
 import hashlib
 import inspect
@@ -66,7 +53,7 @@ class Prefix:
 
 
 def default_eos_ids(model, tokenizer) -> list[int]:
-    """EOS ids from the generation config and the tokenizer (R1: 151643), deduplicated."""
+    """EOS ids from the generation config and the tokenizer, deduplicated."""
     ids = []
     for eos in (getattr(getattr(model, "generation_config", None), "eos_token_id", None),
                 tokenizer.eos_token_id):
@@ -100,7 +87,7 @@ def sample_next(logits, temperature=1.0, top_p=1.0, noise=None):
     temperature 0: argmax (noise unused). Otherwise p = softmax(logits / temperature); with top_p < 1
     a token is kept when the probability mass of the tokens ranked before it is < top_p (so the top
     one always is); the sample is argmax over kept v of p_v / noise_v (noise_v > 0; an infinite
-    one only makes v lose).
+    one only makes v lose): token v wins with probability p_v / sum(p).
     """
     if temperature == 0:
         return logits.argmax(-1)
@@ -150,18 +137,13 @@ def prefill(model, seqs, pad_id, after=None) -> Prefix:
 
 
 class Sampler:
-    """The sampling settings of one call plus, for the static path, the model's static decoder
-    (its last shape's buffers and captured steps, reused by every chunk and call of that shape).
+    """The sampling settings of one call plus, for the static path, the model's static decoder.
 
-    share_rows (dynamic path, `_decode_shared`; the static path ignores it): rows whose histories
-    agree (the n samples of a row before they diverge) share one cache row and one forward; the
-    samples are the same as without. It pays for many samples of short answers (label.py: K forced
+    share_rows (dynamic path only) pays for many samples of short answers (label.py: K forced
     answers that mostly agree), not for long rollouts, whose rows diverge early and would move the
-    cache at every fork.
-
-    close_depth: a row also stops (reason "stop") at the token where close_depth plus the "{" minus
-    the "}" of its generated text reaches 0: label.py's forced answers end at the brace that closes
-    the forced `\\boxed{` (close_depth=1), after which nothing can change the answer.
+    cache at every fork. close_depth: a row also stops (reason "stop") at the token where
+    close_depth plus the "{" minus the "}" of its generated text reaches 0: label.py's forced
+    answers end at the brace that closes the forced `\\boxed{` (close_depth=1).
     """
 
     def __init__(self, model, tokenizer, max_new_tokens=256, temperature=1.0, top_p=1.0, stop=(),
@@ -186,8 +168,7 @@ class Sampler:
         self.cache_kw = _cache_kwarg(model)
         self.step_kw = {"logits_to_keep": 1} if _keeps_last_logits(model) else {}
         self.static = staticcache.decoder(model, self.cache_kw) if decode == "static" else None
-        # A stop string of one byte (labels stop at "\n") lies inside one token, so a row stops
-        # exactly when its new token's text holds it: each distinct id is decoded once per sampler.
+        # A one-byte stop string (labels stop at "\n") lies inside one token: each id is decoded once.
         self.byte_stops = all(len(x.encode()) == 1 for x in self.stop_strs)
         self._has_stop = {}
 
@@ -222,9 +203,6 @@ class Sampler:
         generator: one for the chunk, or a list of R*n, one per row (row_generators).
         scores: also the log-prob of every id [R*n, T] (0 past the row's length) and the sum of its
         entropies [R*n] (rollout.py's docstring, Scores).
-
-        _decode_dynamic is the reference loop; _decode_shared (share_rows) and _decode_static
-        (decode="static") are faster ways to the same samples (tests/test_rollout.py).
         """
         state = _Rows(self, prefix.logits.shape[0] * n, generator, scores)
         if self.static is not None:
@@ -258,9 +236,8 @@ class Sampler:
             logits, mask, pos = self._forward(cache, tok, mask, pos)
 
     def _decode_shared(self, prefix, n, state):
-        """_decode_dynamic with share_rows: the rows whose histories agree (at first the n samples
-        of a prefix row) share one cache row and one forward, so a step runs one cache row per
-        distinct (cache row, new token) of the running rows."""
+        """_decode_dynamic with one cache row per distinct (cache row, new token) of the running rows
+        (at first one per prefix row for its n samples)."""
         cache, mask, pos, logits = prefix.cache, prefix.mask, prefix.last_pos, prefix.logits
         live = torch.arange(len(logits) * n, device=self.device)  # rows still running
         src = live // n  # the cache row (and logits row) of each live row
@@ -278,8 +255,7 @@ class Sampler:
             logits, mask, pos = self._forward(cache, key % width, mask, pos)
 
     def _decode_static(self, prefix, n, state):
-        """decode="static" (harness/staticcache.py): all rows stay in preallocated buffers, finished ones
-        masked in place; a step attends over the live length; on CUDA it replays a captured CUDA graph."""
+        """All rows in preallocated buffers (harness/staticcache.py), finished ones masked in place."""
         rows = len(state.done)
         step = self.static.start(self.model, prefix, n, self.max_new_tokens)
         prefix.cache = None  # copied into the static buffers; free it before decoding

@@ -13,36 +13,15 @@ is one JSON argument per line, the return value must equal the JSON output (tupl
 Both modes first run LiveCodeBench's import prelude, so a solution that uses `heapq` or
 `defaultdict` without importing them passes as it does there.
 
-How one solution runs (harness/sandbox_child.py). `unshare` starts `python -I` in new mount, network, PID,
-IPC and UTS namespaces, and the child confines itself before any solution code runs. What is isolated: the
-network (a namespace whose only interface, lo, is down: no connection anywhere, abstract unix sockets
-included); processes (its own PID namespace and /proc: the grader and every other process are invisible, so
-they cannot be read (/proc/<pid>/environ, cmdline, mem), signalled or traced; the solution runs as PID 1, so
-every process it starts, setsid or not, dies with it, and one still there at the end fails the sample, as
-LiveCodeBench's guard allows no processes); files (a read-only root holding only read-only binds of /usr,
-the /bin-like folders and Python's installation, plus a private 64 MiB tmpfs at /tmp, gone afterwards: home
-folders (but Python's installation, where it lives in one), /etc, /dev and /sys are not there, and the
-grader's folder, this project, the Hugging Face cache and `hide` (evaluate.py's models, benchmark files and
---out) are covered by an empty tmpfs where they lie in a bound tree, a checkout under /usr/local/src say);
-keys (a session keyring of its own in place of the grader's, which may hold a login's or a container's
-tokens); users (uid 65534 in a user namespace of its own, which is the real uid 65534 when the grader is
-root and the grader's own uid otherwise, with no capabilities and no_new_privs); System V IPC and the host
-name. Limits, the same for every uid: CPU seconds, 2 GiB of address space per process, 32 tasks (threads
-allowed, as in LiveCodeBench), 32 open files, no core dumps; oom_score_adj 1000, so that the OOM killer
-takes the program before the grader. What is not isolated: CPU time and memory in sum (no cgroup: up to 32
-processes of 2 GiB each until the deadline), reading what those binds hold and the machine-wide files of
-/proc (cpuinfo, meminfo, sys), and the kernel itself (its system calls are all allowed: no seccomp). A guard
-like LiveCodeBench's `reliability_guard` still makes os.system, os.fork, subprocess, file access beyond
-`open(0)` and sockets fail by name, so that a solution is graded as there.
-
-The gold outputs never enter the child, nor the grader's argv or environment: it gets the code and the test
-*inputs* on stdin and a scrubbed environment, streams one JSON line per test back over a pipe (never
-pickle), and the grader compares, stops at the first failure and reads at most LINE_BYTES per line; a line
-that does not decode fails the sample. The child is killed at the end or after the global timeout
-`(per_test_s + 1) * n_tests + 5` s. Where namespaces cannot be made (no `unshare`, user namespaces
-disabled), run_tests raises SandboxUnavailable in one line and runs nothing, unless `allow_unconfined` is
-set (evaluate.py --unconfined-code): then the child runs unconfined, with only the guard, the limits, a
-scrubbed environment and a throwaway directory, which code written to escape gets past.
+The child (harness/sandbox_child.py) confines itself in namespaces of its own (what is isolated and
+what is not: docs/reference.md, "The code sandbox"). The gold outputs never enter it: it gets the
+code and the test *inputs* on stdin and a scrubbed environment, streams one JSON line per test back
+over a pipe (never pickle), and the grader compares, stops at the first failure and reads at most
+LINE_BYTES per line; a line that does not decode fails the sample. The child is killed at the end
+or after `(per_test_s + 1) * n_tests + 5` s. Where namespaces cannot be made, run_tests raises
+SandboxUnavailable in one line and runs nothing, unless `allow_unconfined` is set (evaluate.py
+--unconfined-code): then only the guard, the limits, a scrubbed environment and a throwaway
+directory stand, which code written to escape gets past.
 """
 import base64
 import binascii

@@ -3,17 +3,11 @@
     unshare [--map-user=65534 --map-group=65534 --keep-caps] --mount --net --pid --ipc --uts --fork \\
         --kill-child -- python -I -B sandbox_child.py        # the payload (JSON) on stdin
 
-`unshare` (util-linux) gives the child new mount, network, PID, IPC and UTS namespaces; a grader that is not
-root also gets a user namespace in which the child keeps the capabilities to mount (`--keep-caps`). Before
-any solution code runs, `expendable` gives it oom_score_adj 1000 and a session keyring of its own, and
-`confine` builds the child's whole view of the file system (a read-only tmpfs root holding a fresh /proc of
-its own PID namespace, a private 64 MiB tmpfs /tmp and read-only binds of /usr, the /bin-like folders and
-Python's prefix, in which an empty tmpfs covers what the grader hides), drops to uid 65534 (a root grader's
-child becomes the real uid 65534), enters a user namespace of its own that maps only that id, chroots, and
-drops every capability (no_new_privs, empty bounding set). Then it sets resource limits, a guard in the
-spirit of LiveCodeBench's `reliability_guard` (os.system, os.fork, subprocess, ... become None; `open` reads
-only `open(0)`; sockets refused), and reports one JSON line per test on the result pipe.
-The child is written for `python -I`: it imports nothing outside the standard library.
+Before any solution code runs: `expendable` (the OOM killer's first choice, a keyring of its own),
+`confine` (the child's whole view of the file system, then uid 65534 in a user namespace of its
+own, chroot, no capabilities), `_limit` (resource limits) and `_guard` (LiveCodeBench-style
+refusals by name). The steps and their reasons: docs/reference.md, "The code sandbox". Written
+for `python -I`: it imports nothing outside the standard library.
 """
 import errno
 import io
@@ -43,9 +37,8 @@ KEYCTL_JOIN_SESSION_KEYRING = 1
 
 
 def expendable():
-    """Before any solution code runs, confined or not: the OOM killer's first choice (oom_score_adj 1000;
-    the grader, holding a model, keeps its own), and a fresh anonymous session keyring in place of the
-    grader's, whose keys (a token a login or a container runtime keeps there) it could read or clear."""
+    """Confined or not: the OOM killer's first choice (oom_score_adj 1000), and a fresh session keyring
+    in place of the grader's, whose keys (a login's or a container runtime's tokens) it could read."""
     import ctypes
     try:
         with open("/proc/self/oom_score_adj", "w") as f:
@@ -108,9 +101,8 @@ def confine(root, hide=()):
         if not inside(need, bound):
             bind(need, need.lstrip("/"))
             bound.append(need)
-    # What the grader hides (its folder, the project, benchmarks, the HF cache) is in a bound tree only
-    # where it lies below one (a checkout under /usr/local/src): an empty tmpfs over a folder, an empty
-    # file over a file, and what Python needs from inside one bound again on top.
+    # What the grader hides and lies in a bound tree (a checkout under /usr/local/src): an empty tmpfs
+    # over a folder, an empty file over a file, and what Python needs from inside one bound again.
     hidden = []
     with open("empty", "x"):
         pass

@@ -1,10 +1,6 @@
-"""A preallocated (static) KV cache and a decode step captured as a CUDA graph, for harness/sampling.py.
-
-Why: a decode step of a 7B model should cost what the GPU needs to read the weights and the live
-part of the KV cache (about 14 GB + 56 KiB per token per row in bf16; 6-9 ms at batch 64 and 4k
-context on an H200/H100). An eager step with a growing `DynamicCache` costs Python, hundreds of
-kernel launches and a copy of the whole cache per step (concatenation) on top. Here every tensor
-the step touches has a fixed address and shape, so the step is recorded once and replayed:
+"""A preallocated (static) KV cache and a decode step captured as a CUDA graph, for harness/sampling.py
+(`Sampler._decode_static`: the dynamic loop's samples, tests/test_rollout.py). Every tensor the step
+touches has a fixed address and shape, so the step is recorded once and replayed:
 
     keys, values   [R, H_kv, L, D] per layer; step t writes position W + t (`index_copy_` at a
                    device tensor, so the write position is data, not part of the graph)
@@ -12,28 +8,12 @@ the step touches has a fixed address and shape, so the step is recorded once and
                    attend (its prompt tokens and the generated positions so far), dtype-min elsewhere
     tok, pos       [R], [R, 1]: this step's input token and position id per row
 
-Live length: a step attends only over the first n positions of the buffers (views of keys, values
-and bias narrowed to n), n = the positions written so far rounded up to a bucket
-(`live_length`: 64, 128, 192, 256, 384, 512, 768, 1024, 1536, ..., by less than 1/2, at most L).
-So a step reads about the live cache, not the whole preallocated length: the rollout of the
-released recipe (24 x 9216 buffers, live context about 300..8300) reads on average about 5,000
-positions per row (live: 4,300) instead of 9216. Each n is its own graph, captured the first time a decode
-reaches it (about ten per shape for an 8k rollout, two per power of two); the graphs of one
-shape share one memory pool (a replay's logits are read before the next replay).
-
-Rows that finish keep decoding a pad token in place (their samples are already final); nothing is
-dropped or reshaped. Shapes are bucketed (R and L rounded up by less than 1/8), so chunks of
-similar size reuse one buffer set. One shape is alive per model: a chunk of another shape frees
-the old buffers and graphs before allocating its own, since chunks of varied width (forced answers
-after cuts of 1.5k..8k tokens, one bucket every 256-512 positions) would otherwise pile up tens of
-GiB of caches. The last shape is kept with the model (`decoder`) until `release`: a later call of
-that shape (the next label chunk of one shape, evaluation's next batch) replays its graphs instead
-of capturing them again. An RL step keeps nothing across phases: it releases the rollout's shape
-before the labels' prefill and the labels' before the update (harness/plan.py counts the buffers
-in the decode phases only), so every step captures its shapes anew (about 19 per rank at the 7B
-recipe, 30-60 ms each); `captures()` counts them, and the step row logs them. Captures do not empty the
-allocator's cache (torch.cuda.graph would, at every capture): freed buffers stay in torch's cache
-for the next allocation, and the allocator frees cached blocks itself before it reports an OOM.
+A step attends only over the first n positions (`live_length`: those written so far, bucketed);
+each n is its own graph, captured the first time a decode reaches it, and the graphs of one shape
+share one memory pool (a replay's logits are read before the next replay). Rows that finish keep
+decoding a pad token in place. Shapes are bucketed (`buffer_shape`), and one shape is alive per
+model (`decoder`, `release`): a chunk of another shape frees the old buffers and graphs first.
+Why, and what it costs: docs/reference.md, "The static decoder".
 
 The attention mask is passed as `{"full_attention": bias}`, which transformers' decoder models take
 as already built; so the model never looks at the cache's length and any transformers 5.x works.
@@ -151,9 +131,8 @@ class _Shape:
 
 
 class StaticDecoder:
-    """Hands out decode steps over static buffers: those (and the graphs) of the last shape asked for.
-    full: attend over the whole buffer at every step instead of the live length (the comparison
-    in scripts/bench.py)."""
+    """Hands out decode steps over the buffers (and graphs) of the last shape asked for. full: attend
+    over the whole buffer instead of the live length (scripts/bench.py's comparison)."""
 
     def __init__(self, model, cache_kw):
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -200,9 +179,8 @@ _DECODERS = weakref.WeakKeyDictionary()
 
 
 def decoder(model, cache_kw):
-    """The model's StaticDecoder, made on first use and kept as long as the model: the shape of one
-    call (its buffers and captured steps) serves the next call of that shape, until `release` or a
-    call of another shape, without a new allocation or capture."""
+    """The model's StaticDecoder, kept as long as the model: the shape of one call (its buffers and
+    captured steps) serves the next call of that shape, until `release` or another shape."""
     if model not in _DECODERS:
         _DECODERS[model] = StaticDecoder(model, cache_kw)
     return _DECODERS[model]
@@ -210,9 +188,8 @@ def decoder(model, cache_kw):
 
 def release(model):
     """Frees the model's static buffers and captured steps. The RL step calls it after the rollout
-    (no label chunk has the rollout's shape, and the labels' first prefill must not sit on its
-    buffers) and before the update, whose activations need that memory: plan.py counts the buffers
-    in the decode phases only."""
+    (no label chunk has its shape, and the labels' first prefill must not sit on its buffers) and
+    before the update, whose activations need that memory."""
     d = _DECODERS.get(model)
     if d is not None:
         d.shape = d.key = None

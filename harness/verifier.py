@@ -1,11 +1,10 @@
 """The math-verify worker pool behind grade.answers_match: a grading call that returns in time.
 
-math-verify (sympy) can take seconds or loop on model text, raises its own timeout only in the main
-thread, and imports sympy for 1-4 s. So it runs in worker processes (this module run with -m, one
-per thread grading at the same moment), each answering JSON requests [pred, gold, seconds] with
-"1" / "0"; a worker stops itself at the deadline with an interval timer, and one that has not
-answered by then is killed and replaced. Where no worker can start, `verify` answers False and
-grade.py's normalised and numeric comparisons decide alone.
+math-verify (sympy) can loop on model text and raises its own timeout only in the main thread, so
+it runs in worker processes (this module run with -m, one per thread grading at once), each
+answering JSON requests [pred, gold, seconds] with "1" / "0"; a worker stops itself at the deadline
+with an interval timer, and one that has not answered by then is killed and replaced. Where no
+worker can start, `verify` answers False and grade.py's own comparisons decide alone.
 """
 import atexit
 import json
@@ -162,8 +161,8 @@ def _serve():
         except (_Deadline, Exception):  # a timeout or a parser bug on model text: a wrong answer
             return False
 
-    # The first comparison of each kind imports and caches parts of sympy (up to 1 s each on a
-    # busy machine): done here, before "ready", so that no real answer's deadline pays for it.
+    # The first comparison of each kind imports parts of sympy: done before "ready", so that no
+    # real answer's deadline pays for it.
     for pred, gold in WARM_UP:
         same(pred, gold, START_TIMEOUT_S)
     print("ready", flush=True)

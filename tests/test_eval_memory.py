@@ -1,6 +1,6 @@
 """Evaluation's memory: the generation's static buffers are freed before the features pass and the
 early exit's labels, the features pass builds no K/V cache, the early exit's label chunks are sized
-from the memory left (harness/plan.label_chunk), and evaluate.py --plan (harness/evalplan.py)."""
+from the memory left (harness/plan.label_chunk), and evaluate.py --plan (harness/plan.eval_check)."""
 import os
 
 import pytest
@@ -10,7 +10,7 @@ import probe as probe_lib
 import rollout
 import tiny
 from evaluation import benchmarks, confidence
-from harness import evalplan, plan, staticcache
+from harness import plan, staticcache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE_7B = os.path.join(ROOT, "..", "shared", "fixtures", "r1_distill_qwen_7b")
@@ -68,7 +68,7 @@ def test_evaluate_plan_for_the_7b_on_the_readme_benchmarks_fits_80_gib(capsys):
     # each); the early exit: 90 % of 80 GiB less the bf16 weights and 1 GiB, in cuts of 8632 positions
     config = plan.model_config(FIXTURE_7B)
     n, d, ff = plan.param_counts(config)[0], 3584, 18944
-    t = evalplan.estimate(config, benchmarks.settings("aime24", evaluate.parse_args(["--model", "x"])), 80 * plan.GiB)
+    t = plan.eval_estimate(config, benchmarks.settings("aime24", evaluate.parse_args(["--model", "x"])), 80 * plan.GiB)
     assert t["generation"] == 64 * 9216 * 56 * 1024 + 2 * 600 * (8 * d + 3 * ff) * 2
     assert t["features"] == 8 * 8600 * ((8 * d + 3 * ff) * 2 + 2 * d)
     left = 0.9 * (80 * plan.GiB - 2 * n - plan.GiB)

@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 import train
-from harness import adapter, checkpoint, identity, lora, models
+from harness import adapter, checkpoint, files, lora, models
 from harness.files import UserError
 from test_hardening import SMALL, base_run, one_line  # noqa: F401 (fixture)
 
@@ -51,7 +51,7 @@ def test_a_lora_run_resumes_on_the_base_it_was_trained_on_not_the_runs_latest(pa
     assert [os.path.realpath(n) for n in loaded] == [os.path.realpath(step2)]
     ckpt = os.path.join(l, "checkpoints", "step_000002")
     with open(os.path.join(ckpt, "base.json")) as f:
-        assert json.load(f)["identity"] == identity.of(step2)
+        assert json.load(f)["identity"] == files.identity(step2)
     assert os.path.realpath(lora.base_of(ckpt)) == os.path.realpath(step2)
     shutil.rmtree(step2)   # the base pruned (--keep): one line, not the run's newer step
     capsys.readouterr()

@@ -12,7 +12,7 @@ import evaluate
 import grade
 import metrics
 import prompts as prompts_lib
-from harness import runlog
+from harness import files, runlog
 import toy_warm
 import train
 from harness.config import resolve_args
@@ -34,7 +34,7 @@ def run(tmp_path_factory):
 
 
 def test_samples_hold_two_trajectories_per_step_with_labels_and_confidences(run):
-    samples = runlog.read_jsonl(os.path.join(run, "samples.jsonl"))
+    samples = files.read_jsonl(os.path.join(run, "samples.jsonl"))
     assert [s["step"] for s in samples] == [1, 1, 2, 2]
     for s in samples:
         assert {"problem", "answer", "text", "correct", "reward", "margin", "budgets", "Y_b", "C_b"} <= set(s)
@@ -50,7 +50,7 @@ def test_samples_hold_two_trajectories_per_step_with_labels_and_confidences(run)
 
 def test_held_out_rows_carry_the_probe_calibration_of_the_logged_prefixes(run):
     evals = [r for r in rows(run) if r.get("eval")]
-    held = runlog.read_jsonl(os.path.join(run, "heldout.jsonl"))
+    held = files.read_jsonl(os.path.join(run, "heldout.jsonl"))
     assert [r["step"] for r in evals] == [0, 1, 2]
     for r in evals:
         mine = [t for t in held if t["step"] == r["step"]]
