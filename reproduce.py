@@ -4,7 +4,7 @@
     python reproduce.py                                  # Base, GRPO, RLCR, C2GSPG, RLCM; seeds below
     python reproduce.py --ablations                      # + Final-Margin, Process-Brier, Final-Brier
     python reproduce.py --methods grpo,rlcm --seeds 0    # a part of it
-    python reproduce.py --study --base DIR --quiet-base DIR   # the pre-registered study (evaluation/study.py)
+    python reproduce.py --study --base DIR --quiet-base DIR   # the pre-registered study (study/study.py)
 
 How long (2 CPU cores, --jobs 2): the main table is 16 trainings of 45 steps and 19 evaluations of
 3 x 2000 samples, the ablations 9 more of each. Measured on a fresh clone (2026-12-01): both tables
@@ -25,7 +25,7 @@ interrupted one continues (train.py --resume, evaluate.py's samples.jsonl): run 
 again. A run made with other settings (a smoke test's, into the same --out) is refused in one line;
 an evaluation made with other arguments is done again. Killed (SIGTERM, or SIGKILL), it takes its
 children with it. Finally OUT/table.md, OUT/results.json and OUT/reliability_M.png: the numbers over
-seeds, their paired differences and why (evaluation/comparison.py; --study: evaluation/study.py,
+seeds, their paired differences and why (study/comparison.py; --study: study/study.py,
 from OUT/records/, one path-free file per finished variant and seed, which another machine's study
 takes for that job when copied into its OUT/records/).
 """
@@ -42,11 +42,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import evaluate
 import toy
-from evaluation import cost, records, study
-from evaluation.comparison import (ABLATIONS, BENCHMARKS, CONFIDENCE, MAIN, PAIR, eval_entry, held_out, made_with,
-                                   model_ident, model_label, parsed, paths, quiet, write_outputs)
 from harness import checkpoint, config, files, flags, launch
 from harness.files import UserError
+from study import study
+from study.comparison import (ABLATIONS, BENCHMARKS, CONFIDENCE, MAIN, PAIR, eval_entry, held_out, made_with,
+                              model_of, parsed, paths, quiet, write_outputs)
 
 SEEDS = dict(dict.fromkeys(MAIN + ABLATIONS, (0, 1, 2)), **dict.fromkeys(PAIR, (0, 1, 2, 3, 4)))
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -71,7 +71,7 @@ def parse_args(argv):
     p.add_argument("--out", help="default runs/reproduce (--study: runs/study)")
     p.add_argument("--train-args", default="", help='passed to every train.py, e.g. "--steps 2 --eval-n 8"')
     p.add_argument("--eval-args", default="", help='passed to every evaluate.py, e.g. "--limit 4"')
-    g = p.add_argument_group("the pre-registered study (evaluation/study.py; docs/toy-world.md)")
+    g = p.add_argument_group("the pre-registered study (study/study.py; docs/toy-world.md)")
     g.add_argument("--study", action="store_true", help="run it instead of the paper's table")
     g.add_argument("--base", help="the world's warm start (python toy.py --out DIR; as toy_base/)")
     g.add_argument("--quiet-base", help="the same world's without `?` (python toy.py --world legible-quiet --out DIR)")
@@ -246,8 +246,8 @@ class Jobs:
 
     def job(self, job):
         run, name, py = job["run"], job["name"], sys.executable
-        if self.args.study and records.read(self.args, job) is not None:
-            self.say(f"{name}: recorded already ({records.path(self.args, job)})", 1 + len(job["evals"]))
+        if self.args.study and study.read_record(self.args, job) is not None:
+            self.say(f"{name}: recorded already ({study.record_path(self.args, job)})", 1 + len(job["evals"]))
             return True
         if run is not None:
             how, t = self.todo[name], time.time()
@@ -257,7 +257,7 @@ class Jobs:
             start, end = held_out(run)
             self.say(f"{name}: " + (f"trained in {time.time() - t:.0f} s" if how is not None else "trained already") +
                      (f" (held-out {start:.2f} -> {end:.2f})" if start is not None else ""))
-        label, ident = model_label(run), model_ident(run)
+        label, ident = model_of(run)
         for e in job["evals"]:
             ev, cmd, t, fresh = e["dir"], e["cmd"] + self.args.eval_args, time.time(), False
             entry = eval_entry(ev, label, ident)
@@ -272,7 +272,7 @@ class Jobs:
             self.say(f"{name}: " + (f"evaluated in {time.time() - t:.0f} s" if fresh else "evaluated already") +
                      f"{e['what']} (acc {accs}; n {entry['benchmarks'][BENCHMARKS[0]]['n']} each)")
         if self.args.study:
-            records.write(self.args, job)
+            study.write_record(self.args, job)
         return True
 
 
@@ -294,7 +294,7 @@ def main(argv=None):
         todo = {j["name"]: training(j["run"], j["evals"][0]["dir"], j["train"], args.train_args)
                 for j in work if j["run"] is not None}
         if args.study:
-            print(cost.summary(args, work, todo, jobs), flush=True)
+            print(study.cost_summary(args, work, todo, jobs), flush=True)
     except UserError as e:
         print(f"reproduce.py: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

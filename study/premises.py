@@ -1,8 +1,8 @@
 """Can RLCM's mechanism act in a toy world at all? Its premises, measured before any comparison.
 
-    python -m scripts.premises                           # (i) and (ii) on the committed toy_base/
-    python -m scripts.premises --run runs/toy            # and (iii) from RLCM runs' logs (repeatable)
-    python -m scripts.premises --model RUN --parts i     # the mechanism after RL
+    python -m study.premises                           # (i) and (ii) on the committed toy_base/
+    python -m study.premises --run runs/toy            # and (iii) from RLCM runs' logs (repeatable)
+    python -m study.premises --model RUN --parts i     # the mechanism after RL
 
 (docs/toy-world.md says why each premise matters.) Each line prints the measured number beside its
 threshold and PASS or FAIL:
@@ -32,14 +32,14 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-if not __package__:   # run as a file (python scripts/premises.py), Python puts scripts/ on the path, -m the root
+if not __package__:   # run as a file (python study/premises.py), Python puts study/ on the path, -m the root
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import label  # noqa: E402
 import metrics  # noqa: E402
 import prompts as prompts_lib  # noqa: E402
 import toy  # noqa: E402
 from evaluation.confidence import features, think_end  # noqa: E402
-from evaluation.mechanism import LINE, flagged, parse  # noqa: E402
+from study.mechanism import LINE, flagged, parse  # noqa: E402
 from grade import is_correct  # noqa: E402
 from harness.checkpoint import resolve_model  # noqa: E402
 from rollout import generate  # noqa: E402

@@ -1,6 +1,6 @@
 """The pre-registered comparison on the toy world (the README's toy section; docs/toy-world.md,
-"The study"): which runs it makes (their cost: evaluation/cost.py), their paired differences, and the verdict by
-the rule written down before any of them ran, in OUT/table.md and OUT/results.json. reproduce.py runs it:
+"The study"): which runs it makes and what they will cost, their records, their paired differences,
+and the verdict by the rule written down before any of them ran, in OUT/table.md and OUT/results.json.
 
     python reproduce.py --study --base BASE --quiet-base QUIET_BASE   # python toy.py [--world legible-quiet] --out DIR
 
@@ -9,18 +9,25 @@ Seven variants, each trained with train.py from its base on `toy`'s training spl
 benchmark (500 questions x 4 samples) twice: with the post-hoc probe fitted on every toy benchmark's
 training split (`--probe-data toy-pooled`, the matched fit, which the verdict reads) and on `toy` alone
 (the released protocol, shown beside it). Each RLCM variant is compared with GRPO on the same base,
-seed by seed; the mechanism's readouts (evaluation/mechanism.py) come from the matched evaluations'
-samples.
+seed by seed; the mechanism's readouts (study/mechanism.py) come from the matched evaluations' samples.
+
+Records: one path-free file per finished variant and seed, OUT/records/VARIANT-seedS.json, with the
+numbers the table reads, the commit it ran at and the trained model's hash. A job whose record was made
+with the same arguments and warm start (by content) is skipped, so records copied into another
+machine's OUT/records/ stand for their jobs there: a study runs over several sittings or machines.
 """
+import json
 import os
 
 import data
+import evaluate
 import toy
-from evaluation import comparison, records
-from evaluation.report import clean
-from harness import files
+from evaluation import benchmarks
+from evaluation.report import COLUMNS, clean, overall
+from harness import checkpoint, config, files, identity, runlog
 from harness.files import UserError
-from metrics import mean_std, paired
+from study import comparison, mechanism
+from study.stats import cell, mean_std, paired
 
 VARIANTS = {   # name: what the table calls it, train.py's arguments, whose base it starts from
     "grpo": dict(label="GRPO", train=["--reward", "grpo"], base="base"),
@@ -42,7 +49,6 @@ FITS = ((MATCHED, "toy-pooled"), (RELEASED, "toy"))   # and evaluate.py --probe-
 FIT_QUESTIONS = "80"
 BENCHMARKS = data.TOY_BENCHMARKS
 PARTS = BENCHMARKS + ("Overall",)
-KEYS = (("Acc", "acc"), ("ECE", "ece"), ("PCE", "pce"), ("Brier", "brier"), ("AUROC", "auroc"))
 READOUTS = (("`?` after a wrong line", "flag_wrong"), ("`?` after a right line", "flag_right"),
             ("AUROC without `?`", "auroc_unflagged"))
 # The world's traces of 6 terms run to 49 tokens with their flags (2000 training rows), so 48 would
@@ -99,9 +105,116 @@ def jobs(out, variants, seeds, bases, world):
     return out_jobs
 
 
+def numbers(job):
+    """What the table reads of one finished job: dict(train, eval, eval-released: {part: {key: x}},
+    readouts: {part: {key: x}}), from its run and evaluation folders."""
+    label, ident = comparison.model_of(job["run"])
+    got = dict(train=comparison.training_stats(job["run"]))
+    for e in job["evals"]:
+        entry = comparison.eval_entry(e["dir"], label, ident)
+        if entry is None:
+            raise UserError(f"{e['dir']}/results.json holds no complete toy results for {label}: run the command again")
+        benches = {b: {k: entry["benchmarks"][b][k] for _, k in comparison.KEYS} for b in BENCHMARKS}
+        got[e["folder"]] = dict(benches, Overall=overall(benches))
+        if e["folder"] == MATCHED:
+            got["readouts"] = mechanism.readouts(mechanism.of_evaluation(e["dir"], entry))
+    return got
+
+
+def _portable(words):
+    """A command's words with the values of --out and --model (this machine's paths) left out."""
+    return [w for i, w in enumerate(words) if i == 0 or words[i - 1] not in ("--out", "--model")]
+
+
+def record_key(args, job):
+    """What a record must have been made with to stand for this job on any machine: the variant and
+    seed, the train.py and evaluate.py arguments without paths, and the warm start by content."""
+    base = job["train"][job["train"].index("--model") + 1]
+    return dict(variant=job["variant"], seed=job["seed"], base=identity.of(base),
+                train=_portable(job["train"] + args.train_args),
+                evals=[_portable(e["cmd"] + args.eval_args) for e in job["evals"]])
+
+
+def record_path(args, job):
+    return os.path.join(args.out, "records", f"{job['variant']}-seed{job['seed']}.json")
+
+
+def read_record(args, job):
+    """The job's record (dict: made_with, numbers, git_commit, date, model) when OUT/records holds one
+    made with this job's settings, else None: the job is run (or found done in its folders) again."""
+    where = record_path(args, job)
+    try:
+        with open(where, encoding="utf-8") as f:
+            rec = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise UserError(f"{where}: not a study record ({files.first_line(e)}): remove it to run the job again") from None
+    made = json.loads(json.dumps(record_key(args, job)))
+    return rec if isinstance(rec, dict) and rec.get("made_with") == made else None
+
+
+def write_record(args, job):
+    """Record a finished job's numbers in OUT/records (a few KB, no path)."""
+    prov = runlog.provenance(["reproduce.py"], device="cpu")
+    os.makedirs(os.path.dirname(record_path(args, job)), exist_ok=True)
+    files.write_json(record_path(args, job), clean(dict(
+        made_with=record_key(args, job), numbers=numbers(job), git_commit=prov["git_commit"], date=prov["date"],
+        model=comparison.model_of(job["run"])[1].partition("#")[2])))
+
+
+# Seconds on 2 CPU cores at --jobs 2 (one thread a job), from the study's own timings (docs/reference.md,
+# "The study's layer"): a training's per rollout token, an evaluation's per sample and per fit rollout.
+ROLLOUT_TOKEN_S = 170 / (45 * 16 * 8 * 72)
+SAMPLE_S = 280 * 0.28 / 6000
+FIT_ROLLOUT_S = 280 * 0.72 / (80 * 8)
+
+
+def cost_estimate(trainings, evaluations, jobs, cores=None):
+    """(CPU seconds, wall seconds) of trainings [(steps, rollouts a step, max new tokens)] and evaluations
+    [(samples, post-hoc fit rollouts)] run --jobs at a time on `cores` (default: this machine's)."""
+    cpu = (sum(steps * rollouts * tokens * ROLLOUT_TOKEN_S for steps, rollouts, tokens in trainings)
+           + sum(samples * SAMPLE_S + fit * FIT_ROLLOUT_S for samples, fit in evaluations))
+    return cpu, cpu / max(1, min(jobs, cores or os.cpu_count() or 1))
+
+
+def _duration(seconds):
+    """3600 -> "1.0 h", 150 -> "2.5 min"."""
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
+
+
+def cost_summary(args, work, todo, jobs):
+    """One line: the trainings and evaluations still to do and their estimated time (cost_estimate),
+    from the sizes they will run with."""
+    trainings, evaluations = [], []
+    for j in work:
+        how = todo[j["name"]]
+        if read_record(args, j) is not None:
+            continue
+        if how is not None:
+            cfg = config.resolve_args(how)
+            ckpt = "--resume" in how and checkpoint.latest_checkpoint(j["run"], comparison.quiet, resume=True)
+            left = cfg["steps"] - (checkpoint.step_of(ckpt) if ckpt else 0)
+            trainings.append((left, cfg["prompts_per_step"] * cfg["group_size"], cfg["max_new_tokens"]))
+        label, ident = comparison.model_of(j["run"]) if how is None else (None, None)
+        for e in j["evals"]:
+            cmd = e["cmd"] + args.eval_args
+            entry = label and comparison.eval_entry(e["dir"], label, ident)
+            if not entry or not comparison.made_with(entry, cmd):
+                ev, toy_ = evaluate.parse_args(cmd), benchmarks.TOY
+                questions = min(ev.limit or toy.N_TEST, toy.N_TEST)
+                fit = (ev.probe_questions or toy_["probe_questions"]) * (ev.probe_samples or toy_["probe_samples"])
+                evaluations.append((len(BENCHMARKS) * questions * (ev.n_samples or toy_["n"]), fit))
+    cpu, wall = cost_estimate(trainings, evaluations, jobs)
+    return (f"study: {len(trainings)} of {len(work)} trainings and {len(evaluations)} of "
+            f"{sum(len(j['evals']) for j in work)} evaluations to do: about {_duration(cpu)} of CPU, "
+            f"{_duration(wall)} at --jobs {jobs} on {os.cpu_count()} cores (estimated from the study's "
+            "measured timings, scaled by steps, rollouts, tokens and samples: study/study.py)")
+
+
 def differences(per):
     """{variant: {"matched" | "released": {part: {key: paired}}, "readouts": {part: {key: paired}}}}:
-    metrics.paired(reference, variant) over the seeds both have, for each variant whose reference is in
+    paired(reference, variant) over the seeds both have, for each variant whose reference is in
     `per`. per: {variant: {seed: {"eval" | "eval-released": {part: {key: x}}, "readouts": {part: {key: x}},
     "train": {...}}}}, part a benchmark or "Overall"."""
     out = {}
@@ -111,7 +224,7 @@ def differences(per):
         pick = lambda m, what, part, k: {s: n[what][part].get(k) for s, n in per[m].items() if part in n[what]}  # noqa: E731
         out[v] = {name: {part: {k: paired(pick(ref, what, part, k), pick(v, what, part, k)) for _, k in keys}
                          for part in PARTS}
-                  for name, what, keys in (("matched", MATCHED, KEYS), ("released", RELEASED, KEYS),
+                  for name, what, keys in (("matched", MATCHED, COLUMNS), ("released", RELEASED, COLUMNS),
                                            ("readouts", "readouts", READOUTS))}
     return out
 
@@ -195,38 +308,34 @@ def verdict(per, diffs):
     return dict(outcome=outcome, line=line, criteria=criteria)
 
 
-def _cell(values, fmt="{:.3f}"):
-    mean, sd = mean_std(values)
-    return "-" if mean is None else fmt.format(mean) + ("" if sd is None else f" +- {sd:.3f}")
-
-
 def report(per, diffs, result):
     """table.md's body: each variant's Overall numbers (both fits), the paired differences per benchmark
     and Overall, the mechanism's readouts, the training's why, and the verdict beside its criteria."""
     variants = [v for v in VARIANTS if v in per]
     label = lambda v: VARIANTS[v]["label"]  # noqa: E731
-    col = lambda v, what, part, k: [n[what].get(part, {}).get(k) for n in per[v].values()]  # noqa: E731
+    # mean +- sd over seeds of variant v's Overall k (what: a fit, or "readouts"), and of a training number
+    col = lambda v, what, k: cell(*mean_std([n[what].get("Overall", {}).get(k) for n in per[v].values()]))  # noqa: E731
+    train = lambda v, k: cell(*mean_std([n["train"].get(k) for n in per[v].values()]))  # noqa: E731
     md = ["Per variant, Overall (mean +- sd over seeds): matched fit (`--probe-data toy-pooled`), then the "
           "released one (`toy`)", "",
           "| variant | Acc | ECE | PCE | Brier | AUROC | released: ECE | PCE | Brier | AUROC |",
           "|---|" + "---:|" * 9]
     for v in variants:
         md.append(f"| {label(v)} | " + " | ".join(
-            [_cell(col(v, MATCHED, "Overall", k)) for _, k in KEYS]
-            + [_cell(col(v, RELEASED, "Overall", k)) for _, k in KEYS[1:]]) + " |")
+            [col(v, MATCHED, k) for _, k in COLUMNS] + [col(v, RELEASED, k) for _, k in COLUMNS[1:]]) + " |")
     md += ["", "Paired differences, variant - reference (same seed): mean [95 % t interval] over seeds; matched "
            "fit, and the released fit's Overall last", "",
-           "| variant - reference | part | " + " | ".join(c for c, _ in KEYS) + " | seeds |", "|---|---|" + "---:|" * 6]
+           "| variant - reference | part | " + " | ".join(c for c, _ in COLUMNS) + " | seeds |", "|---|---|" + "---:|" * 6]
     for v, d in diffs.items():
         name = f"{label(v)} - {label(REFERENCE[v])}"
         for what, part in [("matched", p) for p in PARTS] + [("released", "Overall")]:
             n = next((x["n"] for x in d[what][part].values() if x), 0)
             shown = part if what == "matched" else "Overall (released fit)"
-            md.append(f"| {name} | {shown} | " + " | ".join(_shown(d[what][part][k]) for _, k in KEYS) + f" | {n} |")
-    md += ["", "The mechanism (evaluation/mechanism.py, from the matched evaluations' samples; mean over benchmarks, "
+            md.append(f"| {name} | {shown} | " + " | ".join(_shown(d[what][part][k]) for _, k in COLUMNS) + f" | {n} |")
+    md += ["", "The mechanism (study/mechanism.py, from the matched evaluations' samples; mean over benchmarks, "
            "then mean +- sd over seeds), and its paired differences", "",
            "| variant | " + " | ".join(c for c, _ in READOUTS) + " |", "|---|" + "---:|" * len(READOUTS)]
-    md += [f"| {label(v)} | " + " | ".join(_cell(col(v, "readouts", "Overall", k)) for _, k in READOUTS) + " |"
+    md += [f"| {label(v)} | " + " | ".join(col(v, "readouts", k) for _, k in READOUTS) + " |"
            for v in variants]
     md += ["", "| variant - reference | " + " | ".join(c for c, _ in READOUTS) + " |", "|---|" + "---:|" * len(READOUTS)]
     md += [f"| {label(v)} - {label(REFERENCE[v])} | " + " | ".join(_shown(d["readouts"]["Overall"][k]) for _, k in READOUTS)
@@ -236,9 +345,8 @@ def report(per, diffs, result):
            "| variant | signal share | calibration share of abs(advantage) | held-out acc start -> end |",
            "|---|---:|---:|---|"]
     for v in variants:
-        t = lambda k: [n["train"].get(k) for n in per[v].values()]  # noqa: E731
-        md.append(f"| {label(v)} | {_cell(t('signal_frac'))} | {_cell(t('calib_share'))} | "
-                  f"{_cell(t('heldout_start'))} -> {_cell(t('heldout_end'))} |")
+        md.append(f"| {label(v)} | {train(v, 'signal_frac')} | {train(v, 'calib_share')} | "
+                  f"{train(v, 'heldout_start')} -> {train(v, 'heldout_end')} |")
     md += ["", f"**Verdict ({result['outcome']}).** {result['line']}", "",
            "| side | criterion (RLCM lam 1 - GRPO, matched fit, Overall) | measured | holds |", "|---|---|---|---|"]
     md += [f"| {c['side']} | {c['text']} | {c['shown']} | {'yes' if c['holds'] else 'no'} |" for c in result["criteria"]]
@@ -250,9 +358,9 @@ def write_study(args, work, argv):
     differences, the mechanism's readouts and the verdict), from the jobs' records; returns the markdown."""
     per, commits = {}, {}
     for j in work:
-        rec = records.read(args, j)
+        rec = read_record(args, j)
         if rec is None:
-            raise UserError(f"{records.path(args, j)}: missing or made with other settings: run the command again")
+            raise UserError(f"{record_path(args, j)}: missing or made with other settings: run the command again")
         per.setdefault(j["variant"], {})[j["seed"]] = rec["numbers"]
         commits[rec["git_commit"]] = commits.get(rec["git_commit"], 0) + 1
     diffs = differences(per)
@@ -260,7 +368,7 @@ def write_study(args, work, argv):
     prov, when = comparison.stamp(argv)
     seeds = sorted({j["seed"] for j in work})
     made = ", ".join(f"{c[:7]}{'+dirty' if c.endswith('+dirty') else ''} ({n})" for c, n in commits.items())
-    text = (f"Pre-registered study on the {args.world} toy world (evaluation/study.py), {when}; "
+    text = (f"Pre-registered study on the {args.world} toy world (study/study.py), {when}; "
             f"seeds {', '.join(map(str, seeds))} (paired); benchmarks {', '.join(BENCHMARKS)} (Overall: their "
             f"unweighted mean); jobs recorded at commit {made}\n\n{report(per, diffs, result)}\n")
     files.write_json(os.path.join(args.out, "results.json"), clean(dict(

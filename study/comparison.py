@@ -18,10 +18,11 @@ import shlex
 import data
 import evaluate
 import metrics
-from metrics import mean_std, paired
-from evaluation.report import clean, plot_reliability
+from evaluation.report import clean, overall, plot_reliability
+from evaluation.samples import model_id, model_label
 from harness import checkpoint, files, runlog
 from harness.files import UserError
+from study.stats import cell, mean_std, paired
 
 MAIN = ("base", "grpo", "rlcr", "c2gspg", "rlcm")
 ABLATIONS = ("final-margin", "process-brier", "final-brier")
@@ -45,20 +46,13 @@ def paths(out, method, seed):
             os.path.join(out, "logs", name))
 
 
-def model_label(run):
-    """The name evaluate.py files this model under (evaluate.model_label): toy, or RUN_NAME/step_NNNNNN
-    for the run's latest checkpoint; None before its first checkpoint."""
+def model_of(run):
+    """(label, identity) that evaluate.py files the toy base (run None) or the run's latest checkpoint
+    under (evaluation/samples.py: model_label, model_id); (None, None) before its first checkpoint."""
     if run is None:
-        return "toy"
+        return "toy", model_id(checkpoint.resolve_model("toy"))
     ckpt = checkpoint.latest_checkpoint(run, quiet)
-    return ckpt and evaluate.model_label(run, ckpt)
-
-
-def model_ident(run):
-    """What evaluate.py records as the model's identity (evaluation/samples.model_id: its folder and
-    content) for the toy base or the run's latest checkpoint; None before its first checkpoint."""
-    ckpt = checkpoint.resolve_model("toy") if run is None else checkpoint.latest_checkpoint(run, quiet)
-    return ckpt and evaluate.model_id(ckpt)
+    return (model_label(run, ckpt), model_id(ckpt)) if ckpt else (None, None)
 
 
 def eval_entry(eval_dir, label, ident):
@@ -124,11 +118,6 @@ def training_stats(run):
                 calib_share=mean("calib_adv_share", lambda r: not r.get("eval")))
 
 
-def overall(benches):
-    """{key: unweighted mean over the benchmarks where it is a number (None where none is)}."""
-    return {k: mean_std([b[k] for b in benches.values()])[0] for _, k in KEYS}
-
-
 def aggregate(out, methods, seeds):
     """{method: {confidence, seeds: {seed: {benchmarks: {name: numbers}, Overall, training stats, paths}},
     mean and std: {benchmark or "Overall": {key: x}, "train": {key: x}}} from each OUT/eval/M-seedS/
@@ -138,8 +127,8 @@ def aggregate(out, methods, seeds):
         per = {}
         for s in seeds[m]:
             run, ev, _ = paths(out, m, s)
-            label = model_label(run)
-            entry = eval_entry(ev, label, model_ident(run))
+            label, ident = model_of(run)
+            entry = eval_entry(ev, label, ident)
             if entry is None:
                 raise UserError(f"{ev}/results.json holds no complete toy results for {label}: run the command again")
             benches = {b: dict({k: entry["benchmarks"][b][k] for _, k in KEYS}, n=entry["benchmarks"][b]["n"])
@@ -158,11 +147,8 @@ def aggregate(out, methods, seeds):
     return agg
 
 
-def cell(res, part, key):
-    mean, std = res["mean"][part][key], res["std"][part][key]
-    if mean is None:
-        return "-"
-    return f"{mean:.3f}" + (f" +- {std:.3f}" if std is not None else "")
+def _cell_of(res, part, key):
+    return cell(res["mean"][part][key], res["std"][part][key])
 
 
 def table(agg, methods):
@@ -172,7 +158,7 @@ def table(agg, methods):
              "|---|---|" + "---:|" * (len(parts) * len(keys))]
     for m in methods:
         lines.append(f"| {NAMES[m]} | {agg[m]['confidence']} | " +
-                     " | ".join(cell(agg[m], p, k) for p in parts for _, k in keys) + " |")
+                     " | ".join(_cell_of(agg[m], p, k) for p in parts for _, k in keys) + " |")
     return "\n".join(lines)
 
 
@@ -184,8 +170,8 @@ def side_table(agg, methods):
     for m in methods:
         r = agg[m]
         span = "-" if r["mean"]["train"]["heldout_start"] is None else \
-            f"{cell(r, 'train', 'heldout_start')} -> {cell(r, 'train', 'heldout_end')}"
-        lines.append(f"| {NAMES[m]} | " + " | ".join(cell(r, p, k) for p in parts for _, k in keys) + f" | {span} |")
+            f"{_cell_of(r, 'train', 'heldout_start')} -> {_cell_of(r, 'train', 'heldout_end')}"
+        lines.append(f"| {NAMES[m]} | " + " | ".join(_cell_of(r, p, k) for p in parts for _, k in keys) + f" | {span} |")
     return "\n".join(lines)
 
 
@@ -218,7 +204,7 @@ def why_table(agg, methods):
     lines = ["| method | " + " | ".join(c for c, _ in WHY) + " |", "|---|" + "---:|" * len(WHY)]
     for m in methods:
         if m != "base":
-            lines.append(f"| {NAMES[m]} | " + " | ".join(cell(agg[m], "train", k) for _, k in WHY) + " |")
+            lines.append(f"| {NAMES[m]} | " + " | ".join(_cell_of(agg[m], "train", k) for _, k in WHY) + " |")
     return "\n".join(lines)
 
 

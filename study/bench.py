@@ -1,9 +1,9 @@
 """Generation throughput: the project's sampler (static and dynamic KV cache) against transformers'
 own `model.generate`, on the same prompts and sampling settings, in one run.
 
-    python -m scripts.bench                                   # toy model, 32 prompts x 8 samples, 48 tokens
-    python -m scripts.bench --shape long                      # toy model, 2 x 8 rows, 1024 tokens, EOS off
-    python -m scripts.bench --shape 7b --config DIR --layers 4 --prompts 8 --prompt-len 2048 --max-new-tokens 256
+    python -m study.bench                                   # toy model, 32 prompts x 8 samples, 48 tokens
+    python -m study.bench --shape long                      # toy model, 2 x 8 rows, 1024 tokens, EOS off
+    python -m study.bench --shape 7b --config DIR --layers 4 --prompts 8 --prompt-len 2048 --max-new-tokens 256
 
 Paths: dynamic and static (rollout.py; static attends over the live length), static-full (the
 static path attending over its whole preallocated buffer at every step, as before the live length)
@@ -36,7 +36,7 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
-if not __package__:   # run as a file (python scripts/bench.py), Python puts scripts/ on the path, -m the root
+if not __package__:   # run as a file (python study/bench.py), Python puts study/ on the path, -m the root
     sys.path.insert(0, ROOT)
 import rollout  # noqa: E402
 from harness import sampling, staticcache  # noqa: E402
