@@ -1,33 +1,18 @@
 """Reproduce the paper's comparison on the toy world: each method trained from the same base policy
 (the committed toy_base) for several seeds, each evaluated with its matching confidence, one table.
 
-    python reproduce.py                                  # Base, GRPO, RLCR, C2GSPG, RLCM; seeds below
-    python reproduce.py --ablations                      # + Final-Margin, Process-Brier, Final-Brier
-    python reproduce.py --methods grpo,rlcm --seeds 0    # a part of it
+    python reproduce.py                                 # Base, GRPO, RLCR, C2GSPG, RLCM; seeds below
+    python reproduce.py --ablations                     # + Final-Margin, Process-Brier, Final-Brier
+    python reproduce.py --methods grpo,rlcm --seeds 0   # a part of it
     python reproduce.py --study --base DIR --quiet-base DIR   # the pre-registered study (study/study.py)
 
-How long (2 CPU cores, --jobs 2): the main table is 16 trainings of 45 steps and 19 evaluations of
-3 x 2000 samples, the ablations 9 more of each. Measured on a fresh clone (2026-12-01): both tables
-2013 s, a training 55-82 s, an evaluation 28-114 s (the post-hoc probe's fit most of it; RLCR's and
-C2GSPG's, which need none, the short ones); a rerun with nothing left to do takes seconds. --study
-prints its own estimate before it starts (docs/toy-world.md, "Running the pre-registered study").
-
-Seeds: GRPO and RLCM 0-4 (the headline pair: their paired difference RLCM - GRPO per seed, same seed,
-base and data order, with a 95 % t interval over seeds), the others 0-2; --seeds sets one list for all.
-Per method M and seed S: `train.py --reward M --seed S --out OUT/runs/M-seedS` (not for the base; RL
-trains on the toy's training split only), then `evaluate.py --model RUN --benchmarks toy,toy-long,toy-sub
---confidence C --seed S --no-early-exit --out OUT/eval/M-seedS` (every toy benchmark; the post-hoc probe
-is fitted on training problems) with C the method's confidence (the post-hoc probe; RLCR: verbal; C2GSPG: the
-sequence likelihood). The base is evaluated once per seed too, so its spread shows the measurement
-noise. --jobs of these run at once as subprocesses (one thread each), logs in OUT/logs/.
-Resumable: a training or evaluation made with the arguments this command passes is not redone, an
-interrupted one continues (train.py --resume, evaluate.py's samples.jsonl): run the same command
-again. A run made with other settings (a smoke test's, into the same --out) is refused in one line;
-an evaluation made with other arguments is done again. Killed (SIGTERM, or SIGKILL), it takes its
-children with it. Finally OUT/table.md, OUT/results.json and OUT/reliability_M.png: the numbers over
-seeds, their paired differences and why (study/comparison.py; --study: study/study.py,
-from OUT/records/, one path-free file per finished variant and seed, which another machine's study
-takes for that job when copied into its OUT/records/).
+What each run is, how long it takes and what it printed: docs/reference.md, "The paper's comparison,
+on the toy world". Seeds: GRPO and RLCM 0-4 (the headline pair, with their paired difference per
+seed), the others 0-2. Per method and seed, train.py then evaluate.py (job_list), --jobs at a time
+as subprocesses with one thread each, logs in OUT/logs/. Resumable: what was made with this
+command's arguments is not redone, an interrupted run or evaluation continues; run the same command
+again. Finally OUT/table.md, OUT/results.json and OUT/reliability_M.png (study/comparison.py;
+--study: study/study.py, from OUT/records/).
 """
 import argparse
 import json

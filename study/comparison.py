@@ -1,12 +1,7 @@
 """The paper's comparison on the toy world, as reproduce.py runs it: the methods and the confidence
 each is evaluated with, where each run's and evaluation's results lie (and whether an evaluation is
-complete, of this very model and made with these arguments), and the tables over seeds.
-
-write_outputs writes OUT/table.md (mean +- std over seeds: Acc / PCE / ECE per benchmark and Overall,
-the unweighted mean over benchmarks; Brier and AUROC; the paired differences RLCM - GRPO; per method
-why: the share of trajectories with a margin signal, the in-training probe's held-out AUROC, the share
-of |advantage| the calibration term sets), OUT/results.json (every seed's numbers) and
-OUT/reliability_M.png (all seeds and benchmarks pooled).
+complete, of this very model and made with these arguments), and the tables over seeds
+(write_outputs: OUT/table.md, OUT/results.json, OUT/reliability_M.png).
 """
 import contextlib
 import io
@@ -246,7 +241,10 @@ def stamp(argv):
 
 
 def write_outputs(out, methods, seeds, argv):
-    """table.md, results.json and the reliability diagrams; returns the markdown."""
+    """OUT/table.md (mean +- std over seeds: Acc / PCE / ECE per benchmark and Overall, the unweighted
+    mean over benchmarks; Brier and AUROC; the paired differences RLCM - GRPO; why per method:
+    WHY), OUT/results.json (every seed's numbers) and OUT/reliability_M.png (all seeds and
+    benchmarks pooled); returns the markdown."""
     agg = aggregate(out, methods, seeds)
     prov, when = stamp(argv)
     se, diffs = accuracy_se(agg), differences(agg)

@@ -1,27 +1,15 @@
 """Can RLCM's mechanism act in a toy world at all? Its premises, measured before any comparison.
 
-    python -m study.premises                           # (i) and (ii) on the committed toy_base/
-    python -m study.premises --run runs/toy            # and (iii) from RLCM runs' logs (repeatable)
-    python -m study.premises --model RUN --parts i     # the mechanism after RL
+    python -m study.premises                         # (i) and (ii) on the committed toy_base/
+    python -m study.premises --run runs/toy          # and (iii) from RLCM runs' logs (repeatable)
+    python -m study.premises --model RUN --parts i   # the mechanism after RL
 
-(docs/toy-world.md says why each premise matters.) Each line prints the measured number beside its
-threshold and PASS or FAIL:
-
-(i)   errors the policy can know about: a teacher-forced linear probe on the last layer's state
-      right after each line's written total finds a wrong total (AUROC >= 0.9, held out by
-      problem); a probe on the end-of-thinking state (the post-hoc probe's feature) predicts final
-      correctness within each benchmark at AUROC >= 0.65, better than surface features (terms,
-      response and thinking length without the `?` written, lines). Samples at the evaluation's
-      temperature 0.6.
-(ii)  forced answers that track whether the path is still right: on RL's distribution at the
-      training temperature 0.8, mean Y_b (label.mc_labels, K=4) >= 0.8 at the cuts (25/50/75 %)
-      before any visible error, for every cut, and <= 0.1 after a wrong total.
-(iii) room for the margin: in RLCM runs (`--run`, their metrics.jsonl), the share of trajectories
-      with a margin signal >= 0.25 and the calibration term's share of |advantage| >= 0.15, with
-      the held-out accuracy kept (final >= first).
-
-Probes are logistic regressions on standardised features (L2 picked on a grouped validation
-split), fitted and scored on disjoint problems, averaged over 3 random splits.
+Each line prints the measured number beside its threshold and PASS or FAIL (main); what each
+premise is and why it matters: docs/toy-world.md. (i) errors the policy can know about
+(line_end_probe, end_of_thinking; samples at the evaluation's temperature 0.6), (ii) forced answers
+that track whether the path is still right (forced_labels, at the training temperature 0.8), (iii)
+room for the margin (run_stats, from RLCM runs' metrics.jsonl). Probes are logistic regressions on
+standardised features, fitted and scored on disjoint problems, averaged over 3 random splits.
 """
 import argparse
 import json
@@ -32,7 +20,7 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-if not __package__:   # run as a file (python study/premises.py), Python puts study/ on the path, -m the root
+if not __package__:   # run as a file (python study/premises.py), Python puts study/ on the path
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import label  # noqa: E402
 import metrics  # noqa: E402
@@ -132,8 +120,7 @@ def line_end_probe(model, tok, world, n, seed=0):
 
 def surface_features(problems, ids, ends, texts):
     """Per sample: terms, response and thinking length in tokens, lines. The lengths leave out the `?`
-    written (one token each), which is the legible signal itself, not a surface feature: counted in,
-    toy-sub's surface AUROC read 0.688 on the seed-0 warm start, 0.638 without."""
+    written (one token each), which is the legible signal itself, not a surface feature."""
     flags = [t.split("</think>")[0].count("?") for t in texts]
     return torch.tensor([[len(toy.terms_of(p)), len(r) - q, e - q, t.count("\n")]
                          for p, r, e, t, q in zip(problems, ids, ends, texts, flags)], dtype=torch.float32)

@@ -1,20 +1,18 @@
 """The pre-registered comparison on the toy world (the README's toy section; docs/toy-world.md,
-"The study"): which runs it makes and what they will cost, their records, their paired differences,
-and the verdict by the rule written down before any of them ran, in OUT/table.md and OUT/results.json.
+"The study"): which runs it makes and what they will cost, their records, their paired
+differences, and the verdict by the rule written down before any of them ran, in OUT/table.md and
+OUT/results.json.
 
-    python reproduce.py --study --base BASE --quiet-base QUIET_BASE   # python toy.py [--world legible-quiet] --out DIR
+    python reproduce.py --study --base BASE --quiet-base QUIET   # BASE: python toy.py --out DIR
 
-Seven variants, each trained with train.py from its base on `toy`'s training split for seeds 0-7
-(paired: the same seed gives the same data order and evaluation draws), each evaluated on every toy
-benchmark (500 questions x 4 samples) twice: with the post-hoc probe fitted on every toy benchmark's
-training split (`--probe-data toy-pooled`, the matched fit, which the verdict reads) and on `toy` alone
-(the released protocol, shown beside it). Each RLCM variant is compared with GRPO on the same base,
-seed by seed; the mechanism's readouts (study/mechanism.py) come from the matched evaluations' samples.
+(QUIET: `python toy.py --world legible-quiet --out DIR`.) VARIANTS, each trained for seeds 0-7
+(paired: same data order and evaluation draws) and evaluated with two post-hoc fits: the matched
+one (`--probe-data toy-pooled`), which the verdict reads, and the released one (`toy`) beside it.
 
-Records: one path-free file per finished variant and seed, OUT/records/VARIANT-seedS.json, with the
-numbers the table reads, the commit it ran at and the trained model's hash. A job whose record was made
-with the same arguments and warm start (by content) is skipped, so records copied into another
-machine's OUT/records/ stand for their jobs there: a study runs over several sittings or machines.
+Records: one path-free file per finished variant and seed, OUT/records/VARIANT-seedS.json, with
+the numbers the table reads, the commit it ran at and the trained model's hash. A job whose record
+was made with the same arguments and warm start (by content) is skipped, so records copied into
+another machine's OUT/records/ stand for their jobs there: a study runs over several sittings.
 """
 import json
 import os
@@ -45,28 +43,28 @@ HEADLINE, DOSES, SHUFFLED = "rlcm-1", ("rlcm-0.3", "rlcm-1", "rlcm-3"), "rlcm-sh
 SEEDS = tuple(range(8))
 MATCHED, RELEASED = "eval", "eval-released"   # the evaluations' folders under OUT
 FITS = ((MATCHED, "toy-pooled"), (RELEASED, "toy"))   # and evaluate.py --probe-data of each
-# Fit questions of both fits as the study ran (before toy-pooled's default became 80 from each benchmark).
-FIT_QUESTIONS = "80"
+FIT_QUESTIONS = "80"   # both fits' questions as the study ran, whatever toy-pooled's default
 BENCHMARKS = data.TOY_BENCHMARKS
 PARTS = BENCHMARKS + ("Overall",)
 READOUTS = (("`?` after a wrong line", "flag_wrong"), ("`?` after a right line", "flag_right"),
             ("AUROC without `?`", "auroc_unflagged"))
-# The world's traces of 6 terms run to 49 tokens with their flags (2000 training rows), so 48 would
-# cut some: 72, as docs/toy-world.md's premise (iii) runs; and RL at lr 2e-5, where its premise (iii)
-# holds (at 1e-4 RL removes the slips the margin ranks within 20 steps). The toy's defaults now, written
-# out so that the study's commands stay what they were when it ran. --train-args may change either.
+# The world's traces of 6 terms run to 49 tokens with their flags, so 48 would cut some: 72; and RL
+# at lr 2e-5, where premise (iii) holds (docs/toy-world.md). The toy's defaults, written out so that
+# the study's commands stay what they were when it ran. --train-args may change either.
 WORLD_TRAIN = ["--max-new-tokens", "72", "--lr", "2e-5"]
 # What the study sets for each run, on top of reproduce.py's own: --train-args / --eval-args that
 # would change one are refused.
 TRAIN_FIXED = ("lam", "probe_labels", "toy_world")
 EVAL_FIXED = ("probe_data", "toy_world", "no_early_exit")
-# The pre-registered thresholds (README): an effect, a calibration change, the accuracy band, premise (iii)
+# The pre-registered thresholds (README): an effect, a calibration change, the accuracy band,
+# premise (iii)
 AUROC_GAIN, CALIB_DROP, ACC_BAND, SIGNAL, CALIB_SHARE = 0.03, -0.02, 0.02, 0.25, 0.15
 
 
 def check_flags(args, methods):
-    """reproduce.py's flags (args) for these variants: UserError unless --base and --quiet-base come with
-    --study alone, each a model folder where a chosen variant starts from it, and --ablations without it."""
+    """reproduce.py's flags (args) for these variants: UserError unless --base and --quiet-base come
+    with --study alone, each a model folder where a chosen variant starts from it, and --ablations
+    without it."""
     given = [f for f, v in (("--base", args.base), ("--quiet-base", args.quiet_base)) if v is not None]
     if not args.study:
         if given or args.world != toy.WORLD:
@@ -78,9 +76,11 @@ def check_flags(args, methods):
     for key, flag in (("base", "--base"), ("quiet", "--quiet-base")):
         path = getattr(args, flag[2:].replace("-", "_"))
         if any(VARIANTS[m]["base"] == key for m in methods) and path is None:
-            raise UserError(f"--study needs {flag} DIR, the warm start its runs start from ({build[key]})")
+            raise UserError(f"--study needs {flag} DIR, the warm start its runs start from "
+                            f"({build[key]})")
         if path is not None and not os.path.isfile(os.path.join(path, "config.json")):
-            raise UserError(f"{flag} {path}: no model there (config.json missing); build one: {build[key]}")
+            raise UserError(f"{flag} {path}: no model there (config.json missing); build one: "
+                            f"{build[key]}")
 
 
 def jobs(out, variants, seeds, bases, world):
@@ -92,16 +92,18 @@ def jobs(out, variants, seeds, bases, world):
         for v in variants:
             name = f"{v}-seed{seed}"
             run, log = os.path.join(out, "runs", name), os.path.join(out, "logs", name)
-            base = os.path.abspath(bases[VARIANTS[v]["base"]])   # the run's config holds it: any cwd resumes it
-            train = [*VARIANTS[v]["train"], "--seed", str(seed), "--out", run, "--model", base, "--toy-world", world,
-                     *WORLD_TRAIN]
-            evals = [dict(dir=os.path.join(out, folder, name), folder=folder, log=f"{log}.{folder}.log", what=f" ({fit} fit)",
-                          cmd=["--model", run, "--benchmarks", ",".join(BENCHMARKS), "--confidence", "probe-posthoc",
-                               "--seed", str(seed), "--no-early-exit", "--out", os.path.join(out, folder, name),
-                               "--probe-data", fit, "--probe-questions", FIT_QUESTIONS, "--toy-world", world])
+            base = os.path.abspath(bases[VARIANTS[v]["base"]])   # in the run's config: any cwd resumes it
+            train = [*VARIANTS[v]["train"], "--seed", str(seed), "--out", run, "--model", base,
+                     "--toy-world", world, *WORLD_TRAIN]
+            evals = [dict(dir=os.path.join(out, folder, name), folder=folder, log=f"{log}.{folder}.log",
+                          what=f" ({fit} fit)",
+                          cmd=["--model", run, "--benchmarks", ",".join(BENCHMARKS), "--confidence",
+                               "probe-posthoc", "--seed", str(seed), "--no-early-exit", "--out",
+                               os.path.join(out, folder, name), "--probe-data", fit, "--probe-questions",
+                               FIT_QUESTIONS, "--toy-world", world])
                      for folder, fit in FITS]
-            out_jobs.append(dict(name=f"{v} seed {seed}", variant=v, seed=seed, run=run, log=log, train=train,
-                                 evals=evals))
+            out_jobs.append(dict(name=f"{v} seed {seed}", variant=v, seed=seed, run=run, log=log,
+                                 train=train, evals=evals))
     return out_jobs
 
 
@@ -113,7 +115,8 @@ def numbers(job):
     for e in job["evals"]:
         entry = comparison.eval_entry(e["dir"], label, ident)
         if entry is None:
-            raise UserError(f"{e['dir']}/results.json holds no complete toy results for {label}: run the command again")
+            raise UserError(f"{e['dir']}/results.json holds no complete toy results for {label}: "
+                            "run the command again")
         benches = {b: {k: entry["benchmarks"][b][k] for _, k in comparison.KEYS} for b in BENCHMARKS}
         got[e["folder"]] = dict(benches, Overall=overall(benches))
         if e["folder"] == MATCHED:
@@ -149,7 +152,8 @@ def read_record(args, job):
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
-        raise UserError(f"{where}: not a study record ({files.first_line(e)}): remove it to run the job again") from None
+        raise UserError(f"{where}: not a study record ({files.first_line(e)}): remove it to run the "
+                        "job again") from None
     made = json.loads(json.dumps(record_key(args, job)))
     return rec if isinstance(rec, dict) and rec.get("made_with") == made else None
 
@@ -159,20 +163,22 @@ def write_record(args, job):
     prov = runlog.provenance(["reproduce.py"], device="cpu")
     os.makedirs(os.path.dirname(record_path(args, job)), exist_ok=True)
     files.write_json(record_path(args, job), clean(dict(
-        made_with=record_key(args, job), numbers=numbers(job), git_commit=prov["git_commit"], date=prov["date"],
-        model=comparison.model_of(job["run"])[1].partition("#")[2])))
+        made_with=record_key(args, job), numbers=numbers(job), git_commit=prov["git_commit"],
+        date=prov["date"], model=comparison.model_of(job["run"])[1].partition("#")[2])))
 
 
-# Seconds on 2 CPU cores at --jobs 2 (one thread a job), from the study's own timings (docs/reference.md,
-# "The study's layer"): a training's per rollout token, an evaluation's per sample and per fit rollout.
+# Seconds on 2 CPU cores at --jobs 2 (one thread a job), from the study's own timings
+# (docs/reference.md, "The study's layer"): a training's per rollout token, an evaluation's per
+# sample and per post-hoc fit rollout.
 ROLLOUT_TOKEN_S = 170 / (45 * 16 * 8 * 72)
 SAMPLE_S = 280 * 0.28 / 6000
 FIT_ROLLOUT_S = 280 * 0.72 / (80 * 8)
 
 
 def cost_estimate(trainings, evaluations, jobs, cores=None):
-    """(CPU seconds, wall seconds) of trainings [(steps, rollouts a step, max new tokens)] and evaluations
-    [(samples, post-hoc fit rollouts)] run --jobs at a time on `cores` (default: this machine's)."""
+    """(CPU seconds, wall seconds) of trainings [(steps, rollouts a step, max new tokens)] and
+    evaluations [(samples, post-hoc fit rollouts)] run --jobs at a time on `cores` (default: this
+    machine's)."""
     cpu = (sum(steps * rollouts * tokens * ROLLOUT_TOKEN_S for steps, rollouts, tokens in trainings)
            + sum(samples * SAMPLE_S + fit * FIT_ROLLOUT_S for samples, fit in evaluations))
     return cpu, cpu / max(1, min(jobs, cores or os.cpu_count() or 1))
@@ -193,7 +199,8 @@ def cost_summary(args, work, todo, jobs):
             continue
         if how is not None:
             cfg = config.resolve_args(how)
-            ckpt = "--resume" in how and checkpoint.latest_checkpoint(j["run"], comparison.quiet, resume=True)
+            ckpt = "--resume" in how and checkpoint.latest_checkpoint(j["run"], comparison.quiet,
+                                                                      resume=True)
             left = cfg["steps"] - (checkpoint.step_of(ckpt) if ckpt else 0)
             trainings.append((left, cfg["prompts_per_step"] * cfg["group_size"], cfg["max_new_tokens"]))
         label, ident = comparison.model_of(j["run"]) if how is None else (None, None)
@@ -203,7 +210,8 @@ def cost_summary(args, work, todo, jobs):
             if not entry or not comparison.made_with(entry, cmd):
                 ev, toy_ = evaluate.parse_args(cmd), benchmarks.TOY
                 questions = min(ev.limit or toy.N_TEST, toy.N_TEST)
-                fit = (ev.probe_questions or toy_["probe_questions"]) * (ev.probe_samples or toy_["probe_samples"])
+                fit = ((ev.probe_questions or toy_["probe_questions"])
+                       * (ev.probe_samples or toy_["probe_samples"]))
                 evaluations.append((len(BENCHMARKS) * questions * (ev.n_samples or toy_["n"]), fit))
     cpu, wall = cost_estimate(trainings, evaluations, jobs)
     return (f"study: {len(trainings)} of {len(work)} trainings and {len(evaluations)} of "
@@ -213,17 +221,18 @@ def cost_summary(args, work, todo, jobs):
 
 
 def differences(per):
-    """{variant: {"matched" | "released": {part: {key: paired}}, "readouts": {part: {key: paired}}}}:
-    paired(reference, variant) over the seeds both have, for each variant whose reference is in
-    `per`. per: {variant: {seed: {"eval" | "eval-released": {part: {key: x}}, "readouts": {part: {key: x}},
-    "train": {...}}}}, part a benchmark or "Overall"."""
+    """{variant: {"matched" | "released" | "readouts": {part: {key: paired}}}}: paired(reference,
+    variant) over the seeds both have, for each variant whose reference is in `per`. per: {variant:
+    {seed: {"eval" | "eval-released" | "readouts": {part: {key: x}}, "train": {...}}}}, part a
+    benchmark or "Overall"."""
     out = {}
     for v, ref in REFERENCE.items():
         if v not in per or ref not in per:
             continue
-        pick = lambda m, what, part, k: {s: n[what][part].get(k) for s, n in per[m].items() if part in n[what]}  # noqa: E731
-        out[v] = {name: {part: {k: paired(pick(ref, what, part, k), pick(v, what, part, k)) for _, k in keys}
-                         for part in PARTS}
+        def pick(m, what, part, k):
+            return {s: n[what][part].get(k) for s, n in per[m].items() if part in n[what]}
+        out[v] = {name: {part: {k: paired(pick(ref, what, part, k), pick(v, what, part, k))
+                                for _, k in keys} for part in PARTS}
                   for name, what, keys in (("matched", MATCHED, COLUMNS), ("released", RELEASED, COLUMNS),
                                            ("readouts", "readouts", READOUTS))}
     return out
@@ -243,24 +252,15 @@ def _holds_zero(d):
 
 
 def verdict(per, diffs):
-    """The pre-registered rule, on the matched fit's Overall paired differences (RLCM lam 1 - GRPO unless
-    said) -> dict(outcome "for" | "against" | "inconclusive", line, criteria [dict(side, text, shown, holds)]).
-
-    For (all): AUROC >= +0.03 and ECE, PCE <= -0.02, each interval excluding 0; accuracy's mean within
-    +-0.02; growing with lam (the AUROC difference's mean does not fall from lam 0.3 to 1 to 3, the ECE
-    difference's does not rise); the mechanism moving the same way (`?` after a wrong line rises,
-    interval above 0, and the AUROC on samples without `?` rises in the mean); no effect in the shuffled
-    control (its AUROC, ECE and PCE intervals all hold 0).
-    Against (any): the AUROC, ECE and PCE intervals all hold 0 while premise (iii) holds (RLCM lam 1's
-    signal share >= 0.25 and calibration share of |advantage| >= 0.15, means over training and seeds);
-    the AUROC and calibration gains with an accuracy mean below -0.02; the shuffled control as good (its
-    AUROC interval above 0, its AUROC mean at least RLCM's and its ECE and PCE means at most RLCM's).
-    Otherwise inconclusive. The two sides exclude each other; the quiet world is reported beside, the
-    rule names none of it. A missing number fails its criterion."""
+    """The pre-registered rule (README; docs/toy-world.md, "The study"), on the matched fit's Overall
+    paired differences (RLCM lam 1 - GRPO unless said) -> dict(outcome "for" | "against" |
+    "inconclusive", line, criteria [dict(side, text, shown, holds)]): "for" when every For
+    criterion holds, "against" when any Against one does, else inconclusive (the two sides exclude
+    each other). Each criterion's text says what it checks; a missing number fails it."""
     auroc, ece, pce, acc = (_get(diffs, HEADLINE, k) for k in ("auroc", "ece", "pce", "acc"))
     sh = {k: _get(diffs, SHUFFLED, k) for k in ("auroc", "ece", "pce")}
     flag, quiet_auc = (_get(diffs, HEADLINE, k, "readouts") for k in ("flag_wrong", "auroc_unflagged"))
-    dose = {k: [None if _get(diffs, v, k) is None else _get(diffs, v, k)["mean"] for v in DOSES] for k in ("auroc", "ece")}
+    dose = {k: [(_get(diffs, v, k) or {}).get("mean") for v in DOSES] for k in ("auroc", "ece")}
     train = {k: mean_std([n["train"].get(k) for n in per.get(HEADLINE, {}).values()])[0]
              for k in ("signal_frac", "calib_share")}
     gain = auroc is not None and auroc["mean"] >= AUROC_GAIN and auroc["lo"] > 0
@@ -277,8 +277,10 @@ def verdict(per, diffs):
     three = lambda d: f"AUROC {_shown(d['auroc'])}, ECE {_shown(d['ece'])}, PCE {_shown(d['pce'])}"  # noqa: E731
     criteria = [
         ("for", "Overall AUROC >= +0.03, interval excluding 0", _shown(auroc), gain),
-        ("for", "Overall ECE and PCE <= -0.02, intervals excluding 0", f"ECE {_shown(ece)}, PCE {_shown(pce)}", calib),
-        ("for", "Overall accuracy within +-0.02 (mean)", _shown(acc), acc is not None and abs(acc["mean"]) <= ACC_BAND),
+        ("for", "Overall ECE and PCE <= -0.02, intervals excluding 0",
+         f"ECE {_shown(ece)}, PCE {_shown(pce)}", calib),
+        ("for", "Overall accuracy within +-0.02 (mean)", _shown(acc),
+         acc is not None and abs(acc["mean"]) <= ACC_BAND),
         ("for", "growing with lam (lam 0.3 / 1 / 3: AUROC not falling, ECE not rising)",
          f"AUROC {doses('auroc')}; ECE {doses('ece')}", grows),
         ("for", "the mechanism moving the same way (`?` after a wrong line up, interval above 0; "
@@ -286,9 +288,9 @@ def verdict(per, diffs):
          flag is not None and flag["lo"] > 0 and quiet_auc is not None and quiet_auc["mean"] > 0),
         ("for", "no effect in the shuffled control (its AUROC, ECE and PCE intervals hold 0)", three(sh),
          all(_holds_zero(d) for d in sh.values())),
-        ("against", "intervals holding 0 while premise (iii) holds (signal share >= 0.25, calibration share "
-         ">= 0.15)", f"{three(dict(auroc=auroc, ece=ece, pce=pce))}; signal share {number(train['signal_frac'])}, "
-         f"calibration share {number(train['calib_share'])}",
+        ("against", "intervals holding 0 while premise (iii) holds (signal share >= 0.25, "
+         "calibration share >= 0.15)", f"{three(dict(auroc=auroc, ece=ece, pce=pce))}; signal share "
+         f"{number(train['signal_frac'])}, calibration share {number(train['calib_share'])}",
          all(_holds_zero(d) for d in (auroc, ece, pce)) and premise),
         ("against", "gains only with an accuracy loss (the first two For criteria, accuracy mean < -0.02)",
          _shown(acc), gain and calib and acc is not None and acc["mean"] < -ACC_BAND),
@@ -303,8 +305,8 @@ def verdict(per, diffs):
     elif against:
         outcome, line = "against", "Against the paper's direction: " + "; ".join(against) + "."
     else:
-        outcome, line = "inconclusive", "Inconclusive: no Against criterion holds, and For fails on: " + \
-            "; ".join(failed) + "."
+        outcome = "inconclusive"
+        line = "Inconclusive: no Against criterion holds, and For fails on: " + "; ".join(failed) + "."
     return dict(outcome=outcome, line=line, criteria=criteria)
 
 
