@@ -30,8 +30,8 @@ import toy
 from harness import checkpoint, config, files, flags, launch
 from harness.files import UserError
 from study import study
-from study.comparison import (ABLATIONS, BENCHMARKS, CONFIDENCE, MAIN, PAIR, eval_entry, held_out, made_with,
-                              model_of, parsed, paths, quiet, write_outputs)
+from study.comparison import (ABLATIONS, BENCHMARKS, CONFIDENCE, MAIN, PAIR, eval_entry, made_with,
+                              model_of, parsed, paths, quiet, training_stats, write_outputs)
 
 SEEDS = dict(dict.fromkeys(MAIN + ABLATIONS, (0, 1, 2)), **dict.fromkeys(PAIR, (0, 1, 2, 3, 4)))
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -239,7 +239,7 @@ class Jobs:
             if how is not None and not self.child([py, os.path.join(ROOT, "train.py"), *how], job["log"] + ".train.log",
                                                   f"{name}: training"):
                 return False
-            start, end = held_out(run)
+            start, end = (training_stats(run)[k] for k in ("heldout_start", "heldout_end"))
             self.say(f"{name}: " + (f"trained in {time.time() - t:.0f} s" if how is not None else "trained already") +
                      (f" (held-out {start:.2f} -> {end:.2f})" if start is not None else ""))
         label, ident = model_of(run)

@@ -93,20 +93,14 @@ def parsed(parse, words, what):
         raise UserError(f"{what}: {e}") from None
 
 
-def held_out(run):
-    """(accuracy at the first held-out check, at the last) from RUN/metrics.jsonl, else (None, None)."""
-    rows = files.read_jsonl(os.path.join(run, "metrics.jsonl"), say=quiet) if run else []
-    rows = sorted((r["step"], r["eval_accuracy"]) for r in rows if r.get("eval") and "eval_accuracy" in r)
-    return (rows[0][1], rows[-1][1]) if rows else (None, None)
-
-
 def training_stats(run):
     """From RUN/metrics.jsonl: held-out accuracy at the first and last check, and the means over the
     run of the share of trajectories with a margin signal (signal_frac; 0 without a probe), of the
     in-training probe's held-out AUROC (eval_probe_auroc) and of the calibration term's share of the
     step's |advantage| (calib_adv_share; not for RLCR and C2GSPG). None where the run has none."""
-    start, end = held_out(run)
     rows = files.read_jsonl(os.path.join(run, "metrics.jsonl"), say=quiet) if run else []
+    held = sorted((r["step"], r["eval_accuracy"]) for r in rows if r.get("eval") and "eval_accuracy" in r)
+    start, end = (held[0][1], held[-1][1]) if held else (None, None)
     mean = lambda key, pick: mean_std([r.get(key) for r in rows if pick(r)])[0]  # noqa: E731
     return dict(heldout_start=start, heldout_end=end, signal_frac=mean("signal_frac", lambda r: not r.get("eval")),
                 probe_auroc=mean("eval_probe_auroc", lambda r: r.get("eval")),
@@ -146,7 +140,7 @@ def _cell_of(res, part, key):
     return cell(res["mean"][part][key], res["std"][part][key])
 
 
-def table(agg, methods):
+def main_table(agg, methods):
     """The paper's layout: a row per method; Acc / PCE / ECE of each benchmark and Overall."""
     parts, keys = BENCHMARKS + ("Overall",), [k for k in KEYS if k[1] in ("acc", "pce", "ece")]
     lines = ["| method | confidence | " + " | ".join(f"{p} {c}" for p in parts for c, _ in keys) + " |",
@@ -170,7 +164,7 @@ def side_table(agg, methods):
     return "\n".join(lines)
 
 
-def differences(agg):
+def headline_differences(agg):
     """{benchmark or "Overall": {key: paired(GRPO, RLCM)}} for Acc, PCE and ECE, or None without both."""
     if not all(m in agg for m in PAIR):
         return None
@@ -247,7 +241,7 @@ def write_outputs(out, methods, seeds, argv):
     benchmarks pooled); returns the markdown."""
     agg = aggregate(out, methods, seeds)
     prov, when = stamp(argv)
-    se, diffs = accuracy_se(agg), differences(agg)
+    se, diffs = accuracy_se(agg), headline_differences(agg)
     groups = {}
     for m in methods:
         groups.setdefault(", ".join(map(str, seeds[m])), []).append(NAMES[m])
@@ -258,7 +252,7 @@ def write_outputs(out, methods, seeds, argv):
     main, abl = [m for m in methods if m in MAIN], [m for m in methods if m in ABLATIONS]
     for part in (main, abl):
         if part:
-            md += [table(agg, part), "", side_table(agg, part), ""]
+            md += [main_table(agg, part), "", side_table(agg, part), ""]
     if diffs:
         md += ["Paired difference RLCM - GRPO (same seed, base and data order): mean [95 % t interval over "
                "seeds] (seeds)", "", difference_table(diffs), ""]

@@ -197,7 +197,8 @@ def run_stats(run):
                 acc_first=evals[0] if evals else None, acc_last=evals[-1] if evals else None)
 
 
-def verdict(name, value, op, threshold):
+def premise(name, value, op, threshold):
+    """Print one premise's line (value, threshold, PASS or FAIL); True if it holds."""
     ok = value is not None and (value >= threshold if op == ">=" else value <= threshold)
     shown = "n/a" if value is None else f"{value:.3f}"
     print(f"{name:<72} {shown:>6}  {op} {threshold:<5} {'PASS' if ok else 'FAIL'}")
@@ -227,13 +228,13 @@ def main(argv=None):
     if "i" in parts:
         with torch.no_grad():
             out["line_end"], wrong = line_end_probe(model, tok, args.world, 2 * args.n)
-        ok.append(verdict(f"(i)   line-end probe finds a wrong total (teacher-forced, {wrong:.0%} wrong)",
+        ok.append(premise(f"(i)   line-end probe finds a wrong total (teacher-forced, {wrong:.0%} wrong)",
                           out["line_end"], ">=", 0.9))
         out["end"] = end_of_thinking(model, tok, args.n, 4)
     for name, r in out.get("end", {}).items():
-        ok.append(verdict(f"(i)   {name}: end-of-thinking probe AUROC (acc {r['accuracy']:.3f}, "
+        ok.append(premise(f"(i)   {name}: end-of-thinking probe AUROC (acc {r['accuracy']:.3f}, "
                           f"surface {r['surface'] or 0:.3f})", r["probe"], ">=", 0.65))
-        ok.append(verdict(f"(i)   {name}: end-of-thinking probe - surface features",
+        ok.append(premise(f"(i)   {name}: end-of-thinking probe - surface features",
                           None if r["probe"] is None or r["surface"] is None else r["probe"] - r["surface"],
                           ">=", 0.0))
         print(f"      {name}: P(flag | wrong line) {r['flag_wrong']:.3f}, P(flag | right line) {r['flag_right']:.3f}; "
@@ -243,8 +244,8 @@ def main(argv=None):
     if "ii" in parts:
         out["labels"] = lab = forced_labels(model, tok, args.n, 8)
         for j, (v, n) in enumerate(zip(lab["clean"], lab["clean_n"])):
-            ok.append(verdict(f"(ii)  mean Y_b before any error, cut {j + 1} of 3 ({n} cuts)", v, ">=", 0.8))
-        ok.append(verdict(f"(ii)  mean Y_b off the path, after a wrong total ({lab['slipped_n']} cuts)",
+            ok.append(premise(f"(ii)  mean Y_b before any error, cut {j + 1} of 3 ({n} cuts)", v, ">=", 0.8))
+        ok.append(premise(f"(ii)  mean Y_b off the path, after a wrong total ({lab['slipped_n']} cuts)",
                           lab["slipped"], "<=", 0.1))
         shown = lambda v: "n/a" if v is None else f"{v:.3f}"
         print(f"      back on the path after slips that cancel: {shown(lab['recovered'])} ({lab['recovered_n']} "
@@ -252,10 +253,10 @@ def main(argv=None):
     out["runs"] = {}
     for run in args.run:
         r = out["runs"][run] = run_stats(run)
-        ok.append(verdict(f"(iii) {os.path.basename(run.rstrip('/'))}: signal share", r["signal"], ">=", 0.25))
-        ok.append(verdict(f"(iii) {os.path.basename(run.rstrip('/'))}: calibration share of |advantage|",
+        ok.append(premise(f"(iii) {os.path.basename(run.rstrip('/'))}: signal share", r["signal"], ">=", 0.25))
+        ok.append(premise(f"(iii) {os.path.basename(run.rstrip('/'))}: calibration share of |advantage|",
                           r["calib_share"], ">=", 0.15))
-        ok.append(verdict(f"(iii) {os.path.basename(run.rstrip('/'))}: held-out accuracy last - first",
+        ok.append(premise(f"(iii) {os.path.basename(run.rstrip('/'))}: held-out accuracy last - first",
                           None if r["acc_last"] is None else r["acc_last"] - r["acc_first"], ">=", 0.0))
     if not args.run and "iii" in parts:
         print("(iii) not measured: pass --run RUN (an RLCM run on this world)")
