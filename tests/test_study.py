@@ -326,3 +326,12 @@ def test_the_readme_and_the_docs_hold_what_the_committed_records_print(tmp_path)
             study._shown(x) for x in (m["acc"], m["ece"], m["pce"], m["auroc"], r["flag_wrong"])) + " |"
         assert row in readme
     assert f"**Verdict: {res['verdict']['outcome']}" in readme
+
+
+def test_the_study_stands_above_evaluation_and_nothing_below_imports_it():
+    """study/ and reproduce.py may use evaluation/, harness/ and the method; none of those uses them."""
+    from test_imports import project_imports
+    edges = project_imports()
+    assert {"study.study", "study.comparison", "study.stats"} <= set(edges) and "evaluation.report" in edges["study.study"]
+    above = lambda name: name.startswith("study.") or name == "reproduce"  # noqa: E731
+    assert [(m, n) for m, names in edges.items() if not above(m) for n in names if above(n)] == []
