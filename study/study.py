@@ -208,11 +208,12 @@ def cost_summary(args, work, todo, jobs):
             cmd = e["cmd"] + args.eval_args
             entry = label and comparison.eval_entry(e["dir"], label, ident)
             if not entry or not comparison.made_with(entry, cmd):
-                ev, toy_ = evaluate.parse_args(cmd), benchmarks.TOY
+                ev, toy_eval = evaluate.parse_args(cmd), benchmarks.TOY   # and the toy's defaults
                 questions = min(ev.limit or toy.N_TEST, toy.N_TEST)
-                fit = ((ev.probe_questions or toy_["probe_questions"])
-                       * (ev.probe_samples or toy_["probe_samples"]))
-                evaluations.append((len(BENCHMARKS) * questions * (ev.n_samples or toy_["n"]), fit))
+                fit = ((ev.probe_questions or toy_eval["probe_questions"])
+                       * (ev.probe_samples or toy_eval["probe_samples"]))
+                samples = len(BENCHMARKS) * questions * (ev.n_samples or toy_eval["n"])
+                evaluations.append((samples, fit))
     cpu, wall = cost_estimate(trainings, evaluations, jobs)
     return (f"study: {len(trainings)} of {len(work)} trainings and {len(evaluations)} of "
             f"{sum(len(j['evals']) for j in work)} evaluations to do: about {_duration(cpu)} of CPU, "
