@@ -18,7 +18,7 @@ evaluation/probes.py). Written to --out (default RUN/eval for a run or checkpoin
 samples.jsonl (appended per generate call: an interrupted evaluation resumes where it stopped; a row counts
 only for its model's resolved path and content, its benchmark's file and question, and the settings it was
 made with: sample_key; a toy row also holds its problem and response text, which the mechanism's readouts
-parse: evaluation/mechanism.py), results.json (a model per label; another model with the same label is filed
+parse: study/mechanism.py), results.json (a model per label; another model with the same label is filed
 as label@HASH), reliability_<model>_<benchmark>.png. Metrics are computed per benchmark over all samples,
 pass@k beside accuracy; "Overall" is the paper's, the unweighted mean over every benchmark evaluated; with OOD
 benchmarks (lcb, gpqa, logiqa) in the list, they have a block of their own, and the math and OOD means are

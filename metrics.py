@@ -1,5 +1,5 @@
 """Calibration metrics: ECE, PCE, Brier score, AUROC and the reliability table (numpy in, floats out); pass@k;
-the paired difference of two methods over seeds with its t interval.
+the share of the advantage the calibration term sets.
 
 Inputs are 1-D sequences of the same length N > 0: `conf` in [0, 1] (the model's probability of being
 right) and `correct` in [0, 1] (1 = right, 0 = wrong; AUROC needs exactly 0/1).
@@ -15,7 +15,6 @@ with confidence c falls in bin `min(floor(c * n), n - 1)`. Empty bins contribute
 Example: conf (0.9, 0.9, 0.1, 0.1), correct (1, 0, 0, 0): bin 9 has gap 0.9 - 0.5 = 0.4, bin 1 has
 gap 0.1 - 0 = 0.1, each holds half the samples, so ECE = PCE = 0.5 * 0.4 + 0.5 * 0.1 = 0.25.
 """
-import functools
 import math
 
 import numpy as np
@@ -181,48 +180,6 @@ def pass_at_k(n, c, k):
     if n - c < k:
         return 1.0
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
-
-
-def mean_std(values):
-    """(mean, sample std with ddof=1) of the finite values (None and nan skipped); std None for one
-    value, both None for none. [0.5, 0.6, None] -> (0.55, 0.0707)."""
-    vals = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
-    if not vals:
-        return None, None
-    return float(np.mean(vals)), (float(np.std(vals, ddof=1)) if len(vals) > 1 else None)
-
-
-@functools.lru_cache(maxsize=None)   # 120,000 density values a call; a study asks for the same few hundreds of times
-def t_quantile(df, p=0.975):
-    """Student's t quantile (p in (0.5, 1)): the t-density integrated by Simpson's rule, inverted by
-    bisection (numpy has none, and scipy is not a requirement). df 4 -> 2.7764."""
-    const = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
-    density = lambda x: const * (1 + x * x / df) ** (-(df + 1) / 2)  # noqa: E731
-
-    def cdf(x, n=2000):   # P(T <= x) for x >= 0
-        h = x / n
-        odd, even = sum(density((2 * i - 1) * h) for i in range(1, n // 2 + 1)), \
-            sum(density(2 * i * h) for i in range(1, n // 2))
-        return 0.5 + h / 3 * (density(0) + 4 * odd + 2 * even + density(x))
-    lo, hi = 0.0, 1000.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
-    return (lo + hi) / 2
-
-
-def paired(a, b):
-    """The paired difference b - a over the seeds both have ({seed: x}; None skipped): per seed, its mean
-    and a 95 % t interval (mean +- t(0.975, n - 1) * sd / sqrt(n)); None where fewer than two seeds
-    have both. The comparisons of reproduce.py (RLCM - GRPO, same seed, base and data order) and of
-    the study (evaluation/study.py)."""
-    seeds = [s for s in a if s in b and a[s] is not None and b[s] is not None]
-    diffs = {s: b[s] - a[s] for s in seeds}
-    if len(diffs) < 2:
-        return None
-    mean, sd = mean_std(list(diffs.values()))
-    pm = t_quantile(len(diffs) - 1) * sd / math.sqrt(len(diffs))
-    return dict(per_seed=diffs, mean=mean, lo=mean - pm, hi=mean + pm, pm=pm, n=len(diffs))
 
 
 def advantage_parts(correct, rewards, group_size, eps=1e-6):

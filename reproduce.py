@@ -1,33 +1,18 @@
 """Reproduce the paper's comparison on the toy world: each method trained from the same base policy
 (the committed toy_base) for several seeds, each evaluated with its matching confidence, one table.
 
-    python reproduce.py                                  # Base, GRPO, RLCR, C2GSPG, RLCM; seeds below
-    python reproduce.py --ablations                      # + Final-Margin, Process-Brier, Final-Brier
-    python reproduce.py --methods grpo,rlcm --seeds 0    # a part of it
-    python reproduce.py --study --base DIR --quiet-base DIR   # the pre-registered study (evaluation/study.py)
+    python reproduce.py                                 # Base, GRPO, RLCR, C2GSPG, RLCM; seeds below
+    python reproduce.py --ablations                     # + Final-Margin, Process-Brier, Final-Brier
+    python reproduce.py --methods grpo,rlcm --seeds 0   # a part of it
+    python reproduce.py --study --base DIR --quiet-base DIR   # the pre-registered study (study/study.py)
 
-How long (2 CPU cores, --jobs 2): the main table is 16 trainings of 45 steps and 19 evaluations of
-3 x 2000 samples, the ablations 9 more of each. Measured on a fresh clone (2026-12-01): both tables
-2013 s, a training 55-82 s, an evaluation 28-114 s (the post-hoc probe's fit most of it; RLCR's and
-C2GSPG's, which need none, the short ones); a rerun with nothing left to do takes seconds. --study
-prints its own estimate before it starts (docs/toy-world.md, "Running the pre-registered study").
-
-Seeds: GRPO and RLCM 0-4 (the headline pair: their paired difference RLCM - GRPO per seed, same seed,
-base and data order, with a 95 % t interval over seeds), the others 0-2; --seeds sets one list for all.
-Per method M and seed S: `train.py --reward M --seed S --out OUT/runs/M-seedS` (not for the base; RL
-trains on the toy's training split only), then `evaluate.py --model RUN --benchmarks toy,toy-long,toy-sub
---confidence C --seed S --no-early-exit --out OUT/eval/M-seedS` (every toy benchmark; the post-hoc probe
-is fitted on training problems) with C the method's confidence (the post-hoc probe; RLCR: verbal; C2GSPG: the
-sequence likelihood). The base is evaluated once per seed too, so its spread shows the measurement
-noise. --jobs of these run at once as subprocesses (one thread each), logs in OUT/logs/.
-Resumable: a training or evaluation made with the arguments this command passes is not redone, an
-interrupted one continues (train.py --resume, evaluate.py's samples.jsonl): run the same command
-again. A run made with other settings (a smoke test's, into the same --out) is refused in one line;
-an evaluation made with other arguments is done again. Killed (SIGTERM, or SIGKILL), it takes its
-children with it. Finally OUT/table.md, OUT/results.json and OUT/reliability_M.png: the numbers over
-seeds, their paired differences and why (evaluation/comparison.py; --study: evaluation/study.py,
-from OUT/records/, one path-free file per finished variant and seed, which another machine's study
-takes for that job when copied into its OUT/records/).
+What each run is, how long it takes and what it printed: docs/reference.md, "The paper's comparison,
+on the toy world". Seeds: GRPO and RLCM 0-4 (the headline pair, with their paired difference per
+seed), the others 0-2. Per method and seed, train.py then evaluate.py (job_list), --jobs at a time
+as subprocesses with one thread each, logs in OUT/logs/. Resumable: what was made with this
+command's arguments is not redone, an interrupted run or evaluation continues; run the same command
+again. Finally OUT/table.md, OUT/results.json and OUT/reliability_M.png (study/comparison.py;
+--study: study/study.py, from OUT/records/).
 """
 import argparse
 import json
@@ -42,11 +27,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import evaluate
 import toy
-from evaluation import cost, records, study
-from evaluation.comparison import (ABLATIONS, BENCHMARKS, CONFIDENCE, MAIN, PAIR, eval_entry, held_out, made_with,
-                                   model_ident, model_label, parsed, paths, quiet, write_outputs)
 from harness import checkpoint, config, files, flags, launch
 from harness.files import UserError
+from study import study
+from study.comparison import (ABLATIONS, BENCHMARKS, CONFIDENCE, MAIN, PAIR, eval_entry, made_with,
+                              model_of, parsed, paths, quiet, training_stats, write_outputs)
 
 SEEDS = dict(dict.fromkeys(MAIN + ABLATIONS, (0, 1, 2)), **dict.fromkeys(PAIR, (0, 1, 2, 3, 4)))
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -71,7 +56,7 @@ def parse_args(argv):
     p.add_argument("--out", help="default runs/reproduce (--study: runs/study)")
     p.add_argument("--train-args", default="", help='passed to every train.py, e.g. "--steps 2 --eval-n 8"')
     p.add_argument("--eval-args", default="", help='passed to every evaluate.py, e.g. "--limit 4"')
-    g = p.add_argument_group("the pre-registered study (evaluation/study.py; docs/toy-world.md)")
+    g = p.add_argument_group("the pre-registered study (study/study.py; docs/toy-world.md)")
     g.add_argument("--study", action="store_true", help="run it instead of the paper's table")
     g.add_argument("--base", help="the world's warm start (python toy.py --out DIR; as toy_base/)")
     g.add_argument("--quiet-base", help="the same world's without `?` (python toy.py --world legible-quiet --out DIR)")
@@ -246,18 +231,18 @@ class Jobs:
 
     def job(self, job):
         run, name, py = job["run"], job["name"], sys.executable
-        if self.args.study and records.read(self.args, job) is not None:
-            self.say(f"{name}: recorded already ({records.path(self.args, job)})", 1 + len(job["evals"]))
+        if self.args.study and study.read_record(self.args, job) is not None:
+            self.say(f"{name}: recorded already ({study.record_path(self.args, job)})", 1 + len(job["evals"]))
             return True
         if run is not None:
             how, t = self.todo[name], time.time()
             if how is not None and not self.child([py, os.path.join(ROOT, "train.py"), *how], job["log"] + ".train.log",
                                                   f"{name}: training"):
                 return False
-            start, end = held_out(run)
+            start, end = (training_stats(run)[k] for k in ("heldout_start", "heldout_end"))
             self.say(f"{name}: " + (f"trained in {time.time() - t:.0f} s" if how is not None else "trained already") +
                      (f" (held-out {start:.2f} -> {end:.2f})" if start is not None else ""))
-        label, ident = model_label(run), model_ident(run)
+        label, ident = model_of(run)
         for e in job["evals"]:
             ev, cmd, t, fresh = e["dir"], e["cmd"] + self.args.eval_args, time.time(), False
             entry = eval_entry(ev, label, ident)
@@ -272,7 +257,7 @@ class Jobs:
             self.say(f"{name}: " + (f"evaluated in {time.time() - t:.0f} s" if fresh else "evaluated already") +
                      f"{e['what']} (acc {accs}; n {entry['benchmarks'][BENCHMARKS[0]]['n']} each)")
         if self.args.study:
-            records.write(self.args, job)
+            study.write_record(self.args, job)
         return True
 
 
@@ -294,7 +279,7 @@ def main(argv=None):
         todo = {j["name"]: training(j["run"], j["evals"][0]["dir"], j["train"], args.train_args)
                 for j in work if j["run"] is not None}
         if args.study:
-            print(cost.summary(args, work, todo, jobs), flush=True)
+            print(study.cost_summary(args, work, todo, jobs), flush=True)
     except UserError as e:
         print(f"reproduce.py: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

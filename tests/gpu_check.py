@@ -91,7 +91,7 @@ from harness.files import UserError  # noqa: E402
 from harness.flags import COMMON, REAL  # noqa: E402
 from harness.parallel import wrap  # noqa: E402
 from live_bytes import LiveBytes  # noqa: E402  (beside this file)
-from scripts import bench  # noqa: E402
+from study import bench  # noqa: E402
 from train import checkpoint_activations  # noqa: E402
 from update import budget_ends, micro_batches, micro_batch, score, update  # noqa: E402
 

@@ -1,7 +1,7 @@
-"""scripts/bench.py: the bandwidth floor formula, and one tiny run of every path on the toy model."""
+"""study/bench.py: the bandwidth floor formula, and one tiny run of every path on the toy model."""
 import pytest
 
-from scripts import bench
+from study import bench
 from harness.files import UserError
 import tiny
 

@@ -92,7 +92,7 @@ def test_a_model_trained_again_in_place_is_evaluated_again_not_given_the_old_sam
     # numbers (all its samples reused), and reproduce.py's eval_entry called it "evaluated already".
     import evaluate
     import toy_warm
-    from evaluation import comparison
+    from study import comparison
     model = str(tmp_path / "model")
     shutil.copytree(toy_warm.base_model(), model)
     first = evaluate.main(["--model", model, "--out", str(tmp_path / "e"), *FAST])["model"]

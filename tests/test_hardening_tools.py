@@ -1,6 +1,6 @@
 """Red team 2, the tools: reproduce.py decides "done" from the arguments a run or evaluation was made
 with and refuses extra arguments that would relabel a row (D4, D7), its children die with it (D10),
-bad --jobs and damaged result entries (D21); scripts/bench.py's flag checks (D20); the curves plot reads a
+bad --jobs and damaged result entries (D21); study/bench.py's flag checks (D20); the curves plot reads a
 damaged metrics.jsonl (D18)."""
 import json
 import os
@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from scripts import bench
+from study import bench
 import reproduce
-from evaluation import comparison
+from study import comparison
 from harness import runlog
 import train
 from harness.files import UserError
@@ -87,7 +87,7 @@ def test_a_damaged_entry_is_evaluated_again(done, capsys, damage):
         toy["acc"] = str(toy["acc"])
     with open(path, "w") as f:
         json.dump(res, f)
-    assert comparison.eval_entry(os.path.dirname(path), "toy", comparison.model_ident(None)) is None
+    assert comparison.eval_entry(os.path.dirname(path), "toy", comparison.model_of(None)[1]) is None
     with pytest.raises(UserError, match=f"{path} holds no complete toy results for toy: run the command again"):
         comparison.aggregate(out, ["base"], {"base": [0]})
     reproduce.main(argv)   # at 81f6578: a KeyError traceback / a FAILED line that no rerun clears
@@ -230,8 +230,8 @@ def test_bench_checks_its_flags_before_loading_anything(flags, line):
     assert str(e.value).startswith(line)
 
 
-@pytest.mark.slow   # scripts/bench.py in a subprocess
+@pytest.mark.slow   # study/bench.py in a subprocess
 def test_bench_flag_error_is_one_line_exit_2():
-    p = subprocess.run([sys.executable, "-m", "scripts.bench", "--repeat", "0"], capture_output=True,
+    p = subprocess.run([sys.executable, "-m", "study.bench", "--repeat", "0"], capture_output=True,
                        text=True, cwd=ROOT)
     assert p.returncode == 2 and p.stderr.strip() == "error: --repeat 0: must be >= 1"

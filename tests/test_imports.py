@@ -4,7 +4,7 @@ import ast
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("evaluation", "harness", "scripts")
+PACKAGES = ("evaluation", "harness", "study")
 
 
 def project_imports():

@@ -8,9 +8,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import metrics
 import reproduce
-from evaluation import comparison
+from study import comparison, stats
 
 TRAIN = ("--steps 1 --prompts-per-step 4 --group-size 4 --max-new-tokens 40 --eval-n 8 --eval-every 0 "
          "--log-samples 0 --eval-probe-n 0")
@@ -97,7 +96,7 @@ def _fake_eval(out, name, label, numbers, n=40, extra=None, per_bench=None):
     os.makedirs(ev)
     benches = {b: dict((per_bench or {}).get(b, numbers), n=n) for b in comparison.BENCHMARKS}
     run = None if name.startswith("base") else os.path.join(out, "runs", name)   # (made by _fake_run first)
-    res = {label: dict(confidence="probe-posthoc", benchmarks=benches, model_id=comparison.model_ident(run),
+    res = {label: dict(confidence="probe-posthoc", benchmarks=benches, model_id=comparison.model_of(run)[1],
                        settings={b: dict(questions=n, n=1) for b in benches})}
     res.update(extra or {})
     with open(os.path.join(ev, "results.json"), "w") as f:
@@ -153,7 +152,7 @@ def test_aggregate_pins_mean_and_sample_std(tmp_path):
     assert open(os.path.join(out, "table.md")).read() == md
     assert os.path.isfile(os.path.join(out, "reliability_base.png"))
     assert os.path.isfile(os.path.join(out, "reliability_grpo.png"))
-    assert metrics.mean_std([0.25]) == (0.25, None) and metrics.mean_std([None]) == (None, None)
+    assert stats.mean_std([0.25]) == (0.25, None) and stats.mean_std([None]) == (None, None)
 
 
 @pytest.mark.parametrize("flags", [["--methods", "grpo,ppo"], ["--methods", ","], ["--seeds", "0,x"],

@@ -1,4 +1,4 @@
-"""The pre-registered study's machinery (evaluation/study.py, `reproduce.py --study`): the world without
+"""The pre-registered study's machinery (study/study.py, `reproduce.py --study`): the world without
 a written signal, the rows it ran on, --toy-world, the mechanism's readouts on hand-made samples, the verdict
 rule on hand-made per-seed numbers (one case per outcome), and a tiny end-to-end run."""
 import hashlib
@@ -75,8 +75,7 @@ def test_the_toy_names_read_the_worlds_rows_and_toy_world_marks_a_model_folder_a
 
 
 def test_the_readouts_count_flags_after_wrong_and_right_lines_and_rank_the_unflagged():
-    from evaluation import mechanism
-    from scripts import premises
+    from study import mechanism, premises
     assert premises.parse is mechanism.parse   # one reader of the lines, shared
     sample = lambda bench, problem, text, correct, conf: dict(  # noqa: E731
         benchmark=bench, problem=problem, text=text + "</think>\\boxed{0}", correct=correct, confidence=conf)
@@ -107,22 +106,22 @@ GAINS = dict(auroc=0.05, ece=-0.04, pce=-0.04, flag_wrong=0.10, auroc_unflagged=
 
 def _per(effects, signal=0.30, calib=0.20):
     """per[variant][seed] as study.write_study builds it (Overall only); effects {variant: {key: x}}."""
-    from evaluation import study
+    from study import study
     per = {}
     for i, v in enumerate(["grpo", *effects]):
         for seed in range(8):
             jitter = 0.0 if v == "grpo" else 0.01 * PATTERN[(seed + i) % 8]
             x = {k: base + effects.get(v, {}).get(k, 0.0) + jitter for k, base in GRPO.items()}
             per.setdefault(v, {})[seed] = {
-                study.MATCHED: dict(Overall={k: x[k] for _, k in study.KEYS}),
-                study.RELEASED: dict(Overall={k: x[k] for _, k in study.KEYS}),
+                study.MATCHED: dict(Overall={k: x[k] for _, k in study.COLUMNS}),
+                study.RELEASED: dict(Overall={k: x[k] for _, k in study.COLUMNS}),
                 "readouts": dict(Overall={k: x[k] for _, k in study.READOUTS}),
                 "train": dict(signal_frac=signal, calib_share=calib, heldout_start=0.6, heldout_end=0.9)}
     return per
 
 
 def _verdict(effects, **train):
-    from evaluation import study
+    from study import study
     per = _per(effects, **train)
     diffs = study.differences(per)
     result = study.verdict(per, diffs)
@@ -201,7 +200,7 @@ def test_bad_study_flags_exit_2_with_one_line_and_create_nothing(tmp_path, capsy
 
 def test_the_study_runs_each_variant_from_its_base_with_both_fits(tmp_path):
     import reproduce
-    from evaluation import cost, study
+    from study import study
     quiet = tmp_path / "quiet"
     quiet.mkdir()
     (quiet / "config.json").write_text("{}")
@@ -222,7 +221,7 @@ def test_the_study_runs_each_variant_from_its_base_with_both_fits(tmp_path):
         [("eval", "toy-pooled"), ("eval-released", "toy")]
     assert all("--no-early-exit" in e["cmd"] and e["cmd"][-4:] == ["--probe-questions", "80", "--toy-world", "legible"]
                for e in evals)   # both fits at the size the study ran with, whatever toy-pooled's default
-    assert cost.estimate([(45, 128, 72)] * 56, [(6000, 640)] * 112, jobs=2, cores=2) == \
+    assert study.cost_estimate([(45, 128, 72)] * 56, [(6000, 640)] * 112, jobs=2, cores=2) == \
         (pytest.approx(56 * 170 + 112 * 280), pytest.approx(40880 / 2))
 
 
@@ -288,11 +287,11 @@ def test_a_tiny_study_writes_its_table_and_verdict_and_a_rerun_redoes_nothing(tm
     assert printed.startswith("study: 0 of 4 trainings and 0 of 8 evaluations to do")
     assert not os.path.exists(os.path.join(other, "runs"))
     assert open(os.path.join(other, "table.md")).read().split("\n")[2:] == table.split("\n")[2:]
-    from evaluation import records
+    from study import study
     for extra, taken in (([], True), (["--eval-args", EVAL + " --limit 3"], False), (["--train-args", TRAIN + " --lr 1e-5"], False)):
         args, methods, seeds, _ = reproduce.parse_args([*moved, *extra])
         job = reproduce.job_list(args, methods, seeds)[0]
-        assert (records.read(args, job) is not None) == taken
+        assert (study.read_record(args, job) is not None) == taken
     # another world into the same folder: its runs are refused, not mixed
     with pytest.raises(SystemExit) as e:
         reproduce.main([*argv, "--world", "legible-quiet"])
@@ -301,13 +300,13 @@ def test_a_tiny_study_writes_its_table_and_verdict_and_a_rerun_redoes_nothing(tm
 
 
 def test_the_readme_and_the_docs_hold_what_the_committed_records_print(tmp_path):
-    """docs/reproduce/study/records/ holds the study's 56 records (evaluation/records.py); given them,
+    """docs/reproduce/study/records/ holds the study's 56 records (study/study.py); given them,
     study.write_study runs nothing and writes the table that docs/reproduce/study/table.md holds and
     whose Overall differences, readouts and verdict the README quotes."""
     import os
     import shutil
     import reproduce
-    from evaluation import study
+    from study import study
     committed = os.path.join(reproduce.ROOT, "docs", "reproduce", "study")
     shutil.copytree(os.path.join(committed, "records"), tmp_path / "records")
     args, methods, seeds, _ = reproduce.parse_args(["--study", "--base", toy.BASE_DIR, "--quiet-base",
@@ -327,3 +326,12 @@ def test_the_readme_and_the_docs_hold_what_the_committed_records_print(tmp_path)
             study._shown(x) for x in (m["acc"], m["ece"], m["pce"], m["auroc"], r["flag_wrong"])) + " |"
         assert row in readme
     assert f"**Verdict: {res['verdict']['outcome']}" in readme
+
+
+def test_the_study_stands_above_evaluation_and_nothing_below_imports_it():
+    """study/ and reproduce.py may use evaluation/, harness/ and the method; none of those uses them."""
+    from test_imports import project_imports
+    edges = project_imports()
+    assert {"study.study", "study.comparison", "study.stats"} <= set(edges) and "evaluation.report" in edges["study.study"]
+    above = lambda name: name.startswith("study.") or name == "reproduce"  # noqa: E731
+    assert [(m, n) for m, names in edges.items() if not above(m) for n in names if above(n)] == []

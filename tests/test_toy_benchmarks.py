@@ -18,9 +18,10 @@ import reproduce
 import rollout
 import toy
 import toy_warm
-from evaluation import benchmarks, comparison, probes
+from evaluation import benchmarks, probes
 from grpo import group_advantages
 from harness import flags
+from study import comparison, stats
 
 
 def test_benchmarks_are_deterministic_disjoint_and_what_they_say():
@@ -106,13 +107,13 @@ def test_default_seeds_give_the_headline_pair_five():
 
 
 def test_t_quantile_and_paired_interval_worked_numbers():
-    assert metrics.t_quantile(4) == pytest.approx(2.776445, abs=1e-5)
-    assert metrics.t_quantile(1) == pytest.approx(12.706205, abs=1e-4)
+    assert stats.t_quantile(4) == pytest.approx(2.776445, abs=1e-5)
+    assert stats.t_quantile(1) == pytest.approx(12.706205, abs=1e-4)
     # differences 0.5, 0, 1: mean 0.5, sd 0.5, t(0.975, 2) = 4.302653 -> +- 4.302653 * 0.5 / sqrt(3) = 1.242069
-    d = metrics.paired({0: 1.0, 1: 2.0, 2: 3.0, 9: 0.0}, {0: 1.5, 1: 2.0, 2: 4.0})
+    d = stats.paired({0: 1.0, 1: 2.0, 2: 3.0, 9: 0.0}, {0: 1.5, 1: 2.0, 2: 4.0})
     assert d["per_seed"] == {0: 0.5, 1: 0.0, 2: 1.0} and d["n"] == 3   # seed 9: GRPO only, not paired
     assert (d["mean"], d["pm"]) == (pytest.approx(0.5), pytest.approx(1.242069, abs=1e-5))
-    assert metrics.paired({0: 1.0}, {0: 2.0}) is None
+    assert stats.paired({0: 1.0}, {0: 2.0}) is None
 
 
 def _fake(out, method, seed, acc, pce, ece, train_rows=()):
@@ -136,7 +137,7 @@ def _fake(out, method, seed, acc, pce, ece, train_rows=()):
     benches = {b: dict(acc=acc - (0.2 if b == "toy-long" else 0), pce=pce, ece=ece, brier=0.2, auroc=0.7, n=40)
                for b in comparison.BENCHMARKS}
     with open(os.path.join(ev, "results.json"), "w") as f:
-        json.dump({label: dict(confidence="probe-posthoc", benchmarks=benches, model_id=comparison.model_ident(run),
+        json.dump({label: dict(confidence="probe-posthoc", benchmarks=benches, model_id=comparison.model_of(run)[1],
                                settings={b: dict(questions=40, n=1) for b in benches})}, f)
     with open(os.path.join(ev, "samples.jsonl"), "w") as f:
         for b in comparison.BENCHMARKS:

@@ -1,11 +1,11 @@
 """The toy world's traces (docs/toy-world.md): slips where a step carries, noticed slips flagged with
-`?`, forced answers that copy the path; and scripts/premises.py's reading of such lines."""
+`?`, forced answers that copy the path; and study/premises.py's reading of such lines."""
 import random
 
 import grade
 import toy
 import toy_warm
-from scripts import premises
+from study import premises
 
 W = toy.WARM
 
@@ -115,7 +115,7 @@ def test_posthoc_labels_inside_the_thinking_copy_the_path_on_the_warm_start(tmp_
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from evaluation import posthoc, probes
     from evaluation.confidence import think_end
-    from evaluation.mechanism import parse
+    from study.mechanism import parse
     from rollout import generate
     seen = {}
     monkeypatch.setattr(probes.posthoc, "posthoc_probe", lambda cache, model, tok, questions, instruction, close_id,

@@ -1,12 +1,7 @@
 """The paper's comparison on the toy world, as reproduce.py runs it: the methods and the confidence
 each is evaluated with, where each run's and evaluation's results lie (and whether an evaluation is
-complete, of this very model and made with these arguments), and the tables over seeds.
-
-write_outputs writes OUT/table.md (mean +- std over seeds: Acc / PCE / ECE per benchmark and Overall,
-the unweighted mean over benchmarks; Brier and AUROC; the paired differences RLCM - GRPO; per method
-why: the share of trajectories with a margin signal, the in-training probe's held-out AUROC, the share
-of |advantage| the calibration term sets), OUT/results.json (every seed's numbers) and
-OUT/reliability_M.png (all seeds and benchmarks pooled).
+complete, of this very model and made with these arguments), and the tables over seeds
+(write_outputs: OUT/table.md, OUT/results.json, OUT/reliability_M.png).
 """
 import contextlib
 import io
@@ -18,10 +13,11 @@ import shlex
 import data
 import evaluate
 import metrics
-from metrics import mean_std, paired
-from evaluation.report import clean, plot_reliability
+from evaluation.report import clean, overall, plot_reliability
+from evaluation.samples import model_id, model_label
 from harness import checkpoint, files, runlog
 from harness.files import UserError
+from study.stats import cell, mean_std, paired
 
 MAIN = ("base", "grpo", "rlcr", "c2gspg", "rlcm")
 ABLATIONS = ("final-margin", "process-brier", "final-brier")
@@ -45,20 +41,13 @@ def paths(out, method, seed):
             os.path.join(out, "logs", name))
 
 
-def model_label(run):
-    """The name evaluate.py files this model under (evaluate.model_label): toy, or RUN_NAME/step_NNNNNN
-    for the run's latest checkpoint; None before its first checkpoint."""
+def model_of(run):
+    """(label, identity) that evaluate.py files the toy base (run None) or the run's latest checkpoint
+    under (evaluation/samples.py: model_label, model_id); (None, None) before its first checkpoint."""
     if run is None:
-        return "toy"
+        return "toy", model_id(checkpoint.resolve_model("toy"))
     ckpt = checkpoint.latest_checkpoint(run, quiet)
-    return ckpt and evaluate.model_label(run, ckpt)
-
-
-def model_ident(run):
-    """What evaluate.py records as the model's identity (evaluation/samples.model_id: its folder and
-    content) for the toy base or the run's latest checkpoint; None before its first checkpoint."""
-    ckpt = checkpoint.resolve_model("toy") if run is None else checkpoint.latest_checkpoint(run, quiet)
-    return ckpt and evaluate.model_id(ckpt)
+    return (model_label(run, ckpt), model_id(ckpt)) if ckpt else (None, None)
 
 
 def eval_entry(eval_dir, label, ident):
@@ -104,29 +93,18 @@ def parsed(parse, words, what):
         raise UserError(f"{what}: {e}") from None
 
 
-def held_out(run):
-    """(accuracy at the first held-out check, at the last) from RUN/metrics.jsonl, else (None, None)."""
-    rows = files.read_jsonl(os.path.join(run, "metrics.jsonl"), say=quiet) if run else []
-    rows = sorted((r["step"], r["eval_accuracy"]) for r in rows if r.get("eval") and "eval_accuracy" in r)
-    return (rows[0][1], rows[-1][1]) if rows else (None, None)
-
-
 def training_stats(run):
     """From RUN/metrics.jsonl: held-out accuracy at the first and last check, and the means over the
     run of the share of trajectories with a margin signal (signal_frac; 0 without a probe), of the
     in-training probe's held-out AUROC (eval_probe_auroc) and of the calibration term's share of the
     step's |advantage| (calib_adv_share; not for RLCR and C2GSPG). None where the run has none."""
-    start, end = held_out(run)
     rows = files.read_jsonl(os.path.join(run, "metrics.jsonl"), say=quiet) if run else []
+    held = sorted((r["step"], r["eval_accuracy"]) for r in rows if r.get("eval") and "eval_accuracy" in r)
+    start, end = (held[0][1], held[-1][1]) if held else (None, None)
     mean = lambda key, pick: mean_std([r.get(key) for r in rows if pick(r)])[0]  # noqa: E731
     return dict(heldout_start=start, heldout_end=end, signal_frac=mean("signal_frac", lambda r: not r.get("eval")),
                 probe_auroc=mean("eval_probe_auroc", lambda r: r.get("eval")),
                 calib_share=mean("calib_adv_share", lambda r: not r.get("eval")))
-
-
-def overall(benches):
-    """{key: unweighted mean over the benchmarks where it is a number (None where none is)}."""
-    return {k: mean_std([b[k] for b in benches.values()])[0] for _, k in KEYS}
 
 
 def aggregate(out, methods, seeds):
@@ -138,8 +116,8 @@ def aggregate(out, methods, seeds):
         per = {}
         for s in seeds[m]:
             run, ev, _ = paths(out, m, s)
-            label = model_label(run)
-            entry = eval_entry(ev, label, model_ident(run))
+            label, ident = model_of(run)
+            entry = eval_entry(ev, label, ident)
             if entry is None:
                 raise UserError(f"{ev}/results.json holds no complete toy results for {label}: run the command again")
             benches = {b: dict({k: entry["benchmarks"][b][k] for _, k in KEYS}, n=entry["benchmarks"][b]["n"])
@@ -158,21 +136,18 @@ def aggregate(out, methods, seeds):
     return agg
 
 
-def cell(res, part, key):
-    mean, std = res["mean"][part][key], res["std"][part][key]
-    if mean is None:
-        return "-"
-    return f"{mean:.3f}" + (f" +- {std:.3f}" if std is not None else "")
+def _cell_of(res, part, key):
+    return cell(res["mean"][part][key], res["std"][part][key])
 
 
-def table(agg, methods):
+def main_table(agg, methods):
     """The paper's layout: a row per method; Acc / PCE / ECE of each benchmark and Overall."""
     parts, keys = BENCHMARKS + ("Overall",), [k for k in KEYS if k[1] in ("acc", "pce", "ece")]
     lines = ["| method | confidence | " + " | ".join(f"{p} {c}" for p in parts for c, _ in keys) + " |",
              "|---|---|" + "---:|" * (len(parts) * len(keys))]
     for m in methods:
         lines.append(f"| {NAMES[m]} | {agg[m]['confidence']} | " +
-                     " | ".join(cell(agg[m], p, k) for p in parts for _, k in keys) + " |")
+                     " | ".join(_cell_of(agg[m], p, k) for p in parts for _, k in keys) + " |")
     return "\n".join(lines)
 
 
@@ -184,12 +159,12 @@ def side_table(agg, methods):
     for m in methods:
         r = agg[m]
         span = "-" if r["mean"]["train"]["heldout_start"] is None else \
-            f"{cell(r, 'train', 'heldout_start')} -> {cell(r, 'train', 'heldout_end')}"
-        lines.append(f"| {NAMES[m]} | " + " | ".join(cell(r, p, k) for p in parts for _, k in keys) + f" | {span} |")
+            f"{_cell_of(r, 'train', 'heldout_start')} -> {_cell_of(r, 'train', 'heldout_end')}"
+        lines.append(f"| {NAMES[m]} | " + " | ".join(_cell_of(r, p, k) for p in parts for _, k in keys) + f" | {span} |")
     return "\n".join(lines)
 
 
-def differences(agg):
+def headline_differences(agg):
     """{benchmark or "Overall": {key: paired(GRPO, RLCM)}} for Acc, PCE and ECE, or None without both."""
     if not all(m in agg for m in PAIR):
         return None
@@ -218,7 +193,7 @@ def why_table(agg, methods):
     lines = ["| method | " + " | ".join(c for c, _ in WHY) + " |", "|---|" + "---:|" * len(WHY)]
     for m in methods:
         if m != "base":
-            lines.append(f"| {NAMES[m]} | " + " | ".join(cell(agg[m], "train", k) for _, k in WHY) + " |")
+            lines.append(f"| {NAMES[m]} | " + " | ".join(_cell_of(agg[m], "train", k) for _, k in WHY) + " |")
     return "\n".join(lines)
 
 
@@ -260,10 +235,13 @@ def stamp(argv):
 
 
 def write_outputs(out, methods, seeds, argv):
-    """table.md, results.json and the reliability diagrams; returns the markdown."""
+    """OUT/table.md (mean +- std over seeds: Acc / PCE / ECE per benchmark and Overall, the unweighted
+    mean over benchmarks; Brier and AUROC; the paired differences RLCM - GRPO; why per method:
+    WHY), OUT/results.json (every seed's numbers) and OUT/reliability_M.png (all seeds and
+    benchmarks pooled); returns the markdown."""
     agg = aggregate(out, methods, seeds)
     prov, when = stamp(argv)
-    se, diffs = accuracy_se(agg), differences(agg)
+    se, diffs = accuracy_se(agg), headline_differences(agg)
     groups = {}
     for m in methods:
         groups.setdefault(", ".join(map(str, seeds[m])), []).append(NAMES[m])
@@ -274,7 +252,7 @@ def write_outputs(out, methods, seeds, argv):
     main, abl = [m for m in methods if m in MAIN], [m for m in methods if m in ABLATIONS]
     for part in (main, abl):
         if part:
-            md += [table(agg, part), "", side_table(agg, part), ""]
+            md += [main_table(agg, part), "", side_table(agg, part), ""]
     if diffs:
         md += ["Paired difference RLCM - GRPO (same seed, base and data order): mean [95 % t interval over "
                "seeds] (seeds)", "", difference_table(diffs), ""]

@@ -1,27 +1,15 @@
 """Can RLCM's mechanism act in a toy world at all? Its premises, measured before any comparison.
 
-    python -m scripts.premises                           # (i) and (ii) on the committed toy_base/
-    python -m scripts.premises --run runs/toy            # and (iii) from RLCM runs' logs (repeatable)
-    python -m scripts.premises --model RUN --parts i     # the mechanism after RL
+    python -m study.premises                         # (i) and (ii) on the committed toy_base/
+    python -m study.premises --run runs/toy          # and (iii) from RLCM runs' logs (repeatable)
+    python -m study.premises --model RUN --parts i   # the mechanism after RL
 
-(docs/toy-world.md says why each premise matters.) Each line prints the measured number beside its
-threshold and PASS or FAIL:
-
-(i)   errors the policy can know about: a teacher-forced linear probe on the last layer's state
-      right after each line's written total finds a wrong total (AUROC >= 0.9, held out by
-      problem); a probe on the end-of-thinking state (the post-hoc probe's feature) predicts final
-      correctness within each benchmark at AUROC >= 0.65, better than surface features (terms,
-      response and thinking length without the `?` written, lines). Samples at the evaluation's
-      temperature 0.6.
-(ii)  forced answers that track whether the path is still right: on RL's distribution at the
-      training temperature 0.8, mean Y_b (label.mc_labels, K=4) >= 0.8 at the cuts (25/50/75 %)
-      before any visible error, for every cut, and <= 0.1 after a wrong total.
-(iii) room for the margin: in RLCM runs (`--run`, their metrics.jsonl), the share of trajectories
-      with a margin signal >= 0.25 and the calibration term's share of |advantage| >= 0.15, with
-      the held-out accuracy kept (final >= first).
-
-Probes are logistic regressions on standardised features (L2 picked on a grouped validation
-split), fitted and scored on disjoint problems, averaged over 3 random splits.
+Each line prints the measured number beside its threshold and PASS or FAIL (main); what each
+premise is and why it matters: docs/toy-world.md. (i) errors the policy can know about
+(line_end_probe, end_of_thinking; samples at the evaluation's temperature 0.6), (ii) forced answers
+that track whether the path is still right (forced_labels, at the training temperature 0.8), (iii)
+room for the margin (run_stats, from RLCM runs' metrics.jsonl). Probes are logistic regressions on
+standardised features, fitted and scored on disjoint problems, averaged over 3 random splits.
 """
 import argparse
 import json
@@ -32,14 +20,14 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-if not __package__:   # run as a file (python scripts/premises.py), Python puts scripts/ on the path, -m the root
+if not __package__:   # run as a file (python study/premises.py), Python puts study/ on the path
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import label  # noqa: E402
 import metrics  # noqa: E402
 import prompts as prompts_lib  # noqa: E402
 import toy  # noqa: E402
 from evaluation.confidence import features, think_end  # noqa: E402
-from evaluation.mechanism import LINE, flagged, parse  # noqa: E402
+from study.mechanism import LINE, flagged, parse  # noqa: E402
 from grade import is_correct  # noqa: E402
 from harness.checkpoint import resolve_model  # noqa: E402
 from rollout import generate  # noqa: E402
@@ -132,8 +120,7 @@ def line_end_probe(model, tok, world, n, seed=0):
 
 def surface_features(problems, ids, ends, texts):
     """Per sample: terms, response and thinking length in tokens, lines. The lengths leave out the `?`
-    written (one token each), which is the legible signal itself, not a surface feature: counted in,
-    toy-sub's surface AUROC read 0.688 on the seed-0 warm start, 0.638 without."""
+    written (one token each), which is the legible signal itself, not a surface feature."""
     flags = [t.split("</think>")[0].count("?") for t in texts]
     return torch.tensor([[len(toy.terms_of(p)), len(r) - q, e - q, t.count("\n")]
                          for p, r, e, t, q in zip(problems, ids, ends, texts, flags)], dtype=torch.float32)
@@ -210,7 +197,8 @@ def run_stats(run):
                 acc_first=evals[0] if evals else None, acc_last=evals[-1] if evals else None)
 
 
-def verdict(name, value, op, threshold):
+def premise(name, value, op, threshold):
+    """Print one premise's line (value, threshold, PASS or FAIL); True if it holds."""
     ok = value is not None and (value >= threshold if op == ">=" else value <= threshold)
     shown = "n/a" if value is None else f"{value:.3f}"
     print(f"{name:<72} {shown:>6}  {op} {threshold:<5} {'PASS' if ok else 'FAIL'}")
@@ -240,13 +228,13 @@ def main(argv=None):
     if "i" in parts:
         with torch.no_grad():
             out["line_end"], wrong = line_end_probe(model, tok, args.world, 2 * args.n)
-        ok.append(verdict(f"(i)   line-end probe finds a wrong total (teacher-forced, {wrong:.0%} wrong)",
+        ok.append(premise(f"(i)   line-end probe finds a wrong total (teacher-forced, {wrong:.0%} wrong)",
                           out["line_end"], ">=", 0.9))
         out["end"] = end_of_thinking(model, tok, args.n, 4)
     for name, r in out.get("end", {}).items():
-        ok.append(verdict(f"(i)   {name}: end-of-thinking probe AUROC (acc {r['accuracy']:.3f}, "
+        ok.append(premise(f"(i)   {name}: end-of-thinking probe AUROC (acc {r['accuracy']:.3f}, "
                           f"surface {r['surface'] or 0:.3f})", r["probe"], ">=", 0.65))
-        ok.append(verdict(f"(i)   {name}: end-of-thinking probe - surface features",
+        ok.append(premise(f"(i)   {name}: end-of-thinking probe - surface features",
                           None if r["probe"] is None or r["surface"] is None else r["probe"] - r["surface"],
                           ">=", 0.0))
         print(f"      {name}: P(flag | wrong line) {r['flag_wrong']:.3f}, P(flag | right line) {r['flag_right']:.3f}; "
@@ -256,8 +244,8 @@ def main(argv=None):
     if "ii" in parts:
         out["labels"] = lab = forced_labels(model, tok, args.n, 8)
         for j, (v, n) in enumerate(zip(lab["clean"], lab["clean_n"])):
-            ok.append(verdict(f"(ii)  mean Y_b before any error, cut {j + 1} of 3 ({n} cuts)", v, ">=", 0.8))
-        ok.append(verdict(f"(ii)  mean Y_b off the path, after a wrong total ({lab['slipped_n']} cuts)",
+            ok.append(premise(f"(ii)  mean Y_b before any error, cut {j + 1} of 3 ({n} cuts)", v, ">=", 0.8))
+        ok.append(premise(f"(ii)  mean Y_b off the path, after a wrong total ({lab['slipped_n']} cuts)",
                           lab["slipped"], "<=", 0.1))
         shown = lambda v: "n/a" if v is None else f"{v:.3f}"
         print(f"      back on the path after slips that cancel: {shown(lab['recovered'])} ({lab['recovered_n']} "
@@ -265,10 +253,10 @@ def main(argv=None):
     out["runs"] = {}
     for run in args.run:
         r = out["runs"][run] = run_stats(run)
-        ok.append(verdict(f"(iii) {os.path.basename(run.rstrip('/'))}: signal share", r["signal"], ">=", 0.25))
-        ok.append(verdict(f"(iii) {os.path.basename(run.rstrip('/'))}: calibration share of |advantage|",
+        ok.append(premise(f"(iii) {os.path.basename(run.rstrip('/'))}: signal share", r["signal"], ">=", 0.25))
+        ok.append(premise(f"(iii) {os.path.basename(run.rstrip('/'))}: calibration share of |advantage|",
                           r["calib_share"], ">=", 0.15))
-        ok.append(verdict(f"(iii) {os.path.basename(run.rstrip('/'))}: held-out accuracy last - first",
+        ok.append(premise(f"(iii) {os.path.basename(run.rstrip('/'))}: held-out accuracy last - first",
                           None if r["acc_last"] is None else r["acc_last"] - r["acc_first"], ">=", 0.0))
     if not args.run and "iii" in parts:
         print("(iii) not measured: pass --run RUN (an RLCM run on this world)")

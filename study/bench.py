@@ -1,31 +1,24 @@
 """Generation throughput: the project's sampler (static and dynamic KV cache) against transformers'
 own `model.generate`, on the same prompts and sampling settings, in one run.
 
-    python -m scripts.bench                                   # toy model, 32 prompts x 8 samples, 48 tokens
-    python -m scripts.bench --shape long                      # toy model, 2 x 8 rows, 1024 tokens, EOS off
-    python -m scripts.bench --shape 7b --config DIR --layers 4 --prompts 8 --prompt-len 2048 --max-new-tokens 256
+    python -m study.bench                  # toy model, 32 prompts x 8 samples, 48 tokens
+    python -m study.bench --shape long     # toy model, 2 x 8 rows, 1024 tokens, EOS off
+    python -m study.bench --shape 7b --config DIR --layers 4 --prompts 8 --prompt-len 2048
 
 Paths: dynamic and static (rollout.py; static attends over the live length), static-full (the
-static path attending over its whole preallocated buffer at every step, as before the live length)
-and generate. `--shape long` is the long-context shape on the CPU, where the K/V cache a step
-reads outweighs the toy's weights: it shows what reading only the live length saves.
-
-`--shape 7b` builds a model's architecture from `--config DIR`, a folder holding its config.json and
-tokenizer and no weights (DeepSeek-R1-Distill-Qwen-7B's: `hf download
-deepseek-ai/DeepSeek-R1-Distill-Qwen-7B --include "*.json" --local-dir DIR`), with random weights
-and `--layers` decoder layers, in bf16 on CUDA. Prompts are then random token ids of
-`--prompt-len`; EOS is switched off so every row decodes every step.
+static path attending over its whole preallocated buffer at every step) and generate. `--shape
+long` is the long-context shape on the CPU, where the K/V cache a step reads outweighs the toy's
+weights. `--shape 7b` builds a model's architecture from `--config DIR` (its config.json and
+tokenizer, no weights: CONFIG_HINT) with random weights and `--layers` decoder layers, in bf16 on
+CUDA, on random prompts of `--prompt-len` tokens, EOS off.
 
 Per path: generated tokens, tokens/s, ms per decode step (wall time / decode steps, prefill
 included), the ratio to model.generate's tokens/s, and MB/step: the bytes a decode step reads
-(weights as below, plus the K/V of the rows and positions it attends over, averaged over the steps;
-exact when no row stops early, an upper bound else), and for static, static-full's time and bytes
-over its own. On CUDA also the bandwidth floor of a step:
-the bytes a step must read (every weight but the input embedding table, plus the KV cache at the
-mean context prompt + max_new_tokens / 2, exact when no row stops early, as with --shape 7b) over
-the device's memory bandwidth (--bandwidth TB/s, or looked up: H100
-3.35, H200 4.8, A100 2.0), and the fraction of it reached (floor / measured ms per step).
-Paths run in turn, `--repeat` times; the median is reported, so a noisy machine shifts all alike.
+(read_bytes, averaged over the steps; exact when no row stops early, an upper bound else), for
+static also static-full's time and bytes over its own. On CUDA also the bandwidth floor of a step
+(floor_ms, at the mean context prompt + max_new_tokens / 2, over --bandwidth TB/s or the device's
+looked up) and the fraction of it reached. Paths run in turn, `--repeat` times; the median is
+reported, so a noisy machine shifts all alike.
 """
 import argparse
 import os
@@ -36,7 +29,7 @@ import time
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
-if not __package__:   # run as a file (python scripts/bench.py), Python puts scripts/ on the path, -m the root
+if not __package__:   # run as a file (python study/bench.py), Python puts study/ on the path
     sys.path.insert(0, ROOT)
 import rollout  # noqa: E402
 from harness import sampling, staticcache  # noqa: E402
@@ -47,8 +40,9 @@ from harness.config import check_values  # noqa: E402
 CONFIG_HINT = ("a folder with the model's config.json and tokenizer, no weights (hf download "
                "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B --include '*.json' --local-dir DIR)")
 BANDWIDTH_TBS = {"H200": 4.8, "H100": 3.35, "A100": 2.0}
-SHAPES = {"toy": dict(prompts=32, samples=8, max_new_tokens=48), "long": dict(prompts=2, samples=8, max_new_tokens=1024),
-          "7b": dict(prompts=32, samples=8, max_new_tokens=48)}  # defaults of the flags not given
+SHAPES = {"toy": dict(prompts=32, samples=8, max_new_tokens=48),   # defaults of the flags not given
+          "long": dict(prompts=2, samples=8, max_new_tokens=1024),
+          "7b": dict(prompts=32, samples=8, max_new_tokens=48)}
 LIMITS = {key: (lambda v: v >= 1, ">= 1") for key in (
     "layers", "prompts", "samples", "prompt_len", "max_new_tokens", "repeat", "threads")}
 LIMITS.update(temperature=(lambda v: v >= 0, ">= 0 (0: greedy)"), top_p=(lambda v: 0 < v <= 1, "in (0, 1]"),
@@ -90,15 +84,12 @@ def check_config(path):
 
 
 def random_model(cfg, device, dtype=None, seed=0):
-    """A model of architecture `cfg` with random weights, built on `device` (bf16 on CUDA, fp32 else)."""
+    """A model of architecture `cfg` with random weights on `device` (bf16 on CUDA, fp32 else)."""
     from transformers import AutoModelForCausalLM
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     torch.manual_seed(seed)
     with torch.device(device):
-        try:
-            return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-        except TypeError:  # transformers before `dtype` replaced `torch_dtype`
-            return AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype)
+        return AutoModelForCausalLM.from_config(cfg, dtype=dtype)
 
 
 def random_prompts(vocab, n_prompts, prompt_len, seed=0):
@@ -206,13 +197,13 @@ def measure(model, tok, prompts, args, eos_ids, bandwidth=None):
                 sync()
                 times[x].append(time.perf_counter() - t)
     context = statistics.mean(map(len, prompts)) + args.max_new_tokens / 2
-    floor = floor_ms(model, len(prompts) * args.samples, context, bandwidth) if bandwidth else None
-    out, width = [], max(map(len, prompts))
+    out, width, rows = [], max(map(len, prompts)), len(prompts) * args.samples
+    floor = floor_ms(model, rows, context, bandwidth) if bandwidth else None
     for x in paths:
         (tokens, steps), sec = counts[x], statistics.median(times[x])
         row = dict(path=x, tokens=tokens, seconds=sec, tok_s=tokens / sec, steps=steps,
                    ms_step=sec / max(steps, 1) * 1e3,
-                   mb_step=read_bytes(model, *attended(x, len(prompts) * args.samples, width, args.max_new_tokens)) / 1e6)
+                   mb_step=read_bytes(model, *attended(x, rows, width, args.max_new_tokens)) / 1e6)
         if floor:
             row.update(floor_ms=floor, of_floor=floor / row["ms_step"])
         out.append(row)
