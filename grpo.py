@@ -1,5 +1,5 @@
-"""GRPO pieces as small pure functions: packing, group advantages, chunked token log-probs, and the clipped
-policy loss.
+"""GRPO pieces as small pure functions: packing, group advantages, chunked token log-probs, and the
+clipped policy loss (no KL penalty, as released).
 
 Packed layout: input_ids[i] = prompt_i + response_i + [pad] * ... (right padding). Token t (t >= 1) is
 predicted from position t - 1, so log-prob tensors are [N, L-1] over targets input_ids[:, 1:], and the
@@ -135,19 +135,15 @@ def aggregate(values, mask, agg="token-mean", norm_const=None):
     raise ValueError(f"agg must be one of {', '.join(AGGS)}, got {agg!r}")
 
 
-def policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.2, agg="token-mean",
-                ref_logp=None, kl_coef=0.0, norm_const=None):
-    """Clipped-ratio policy loss with an optional k3 KL penalty.
+def policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.2, agg="token-mean", norm_const=None):
+    """Clipped-ratio policy loss.
 
-    logp, old_logp, mask, ref_logp: [N, T]; adv: [N] (broadcast over tokens) or [N, T].
+    logp, old_logp, mask: [N, T]; adv: [N] (broadcast over tokens) or [N, T].
       ratio = exp(logp - old_logp)
       l_t   = -min(ratio * A, clamp(ratio, 1 - clip_low, 1 + clip_high) * A)
-              + kl_coef * (exp(ref - logp) - (ref - logp) - 1)
-      The KL term is the k3 estimator of KL(pi || ref) from J. Schulman, "Approximating KL
-      divergence" (2020, http://joschu.net/blog/kl-approx.html); it is only added when ref_logp is given.
     agg: how the per-token losses become one number (aggregate).
     Returns (loss scalar, stats): clip_frac = share of masked tokens where the clipped term is taken,
-    ratio_mean = masked mean ratio, kl = masked mean k3 (0.0 without ref_logp).
+    ratio_mean = masked mean ratio.
     """
     m = mask.to(logp.dtype)
     a = adv.unsqueeze(-1) if adv.dim() == 1 else adv
@@ -155,19 +151,9 @@ def policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.2, agg="tok
     ratio = torch.exp(logp - old_logp)
     unclipped = ratio * a
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * a
-    per_token = -torch.minimum(unclipped, clipped)
-    kl = None
-    if ref_logp is not None:
-        diff = ref_logp - logp
-        kl = torch.exp(diff) - diff - 1
-        per_token = per_token + kl_coef * kl
-    loss = aggregate(per_token, m, agg, norm_const)
+    loss = aggregate(-torch.minimum(unclipped, clipped), m, agg, norm_const)
     with torch.no_grad():
         denom = m.sum().clamp(min=1)
-        stats = {
-            "clip_frac": float(((clipped < unclipped).to(m.dtype) * m).sum() / denom),
-            "ratio_mean": float((ratio * m).sum() / denom),
-            "kl": float((kl * m).sum() / denom) if kl is not None else 0.0,
-        }
+        stats = {"clip_frac": float(((clipped < unclipped).to(m.dtype) * m).sum() / denom),
+                 "ratio_mean": float((ratio * m).sum() / denom)}
     return loss, stats
-

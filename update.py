@@ -27,7 +27,7 @@ Where the batch carries the sampler's log-probs (grpo.pack's sampler_logp), the 
 how far the sampler (the bf16 generation copy on GPUs) is from the policy it trains, on the trained
 rows' response tokens against this update's own forward, with d = logp_trainer - logp_sampler:
   sampler_gap        mean over tokens of |d|
-  sampler_kl_k3      mean over tokens of r - 1 - log r, r = exp(d): k3 (grpo.policy_loss) of
+  sampler_kl_k3      mean over tokens of r - 1 - log r, r = exp(d): Schulman's k3 estimate of
                      KL(sampler || trainer), since the tokens are drawn from the sampler
   sampler_ratio_max  the largest sequence ratio exp(sum over its tokens of d)
 all in float64 (a sequence sums thousands of tokens; k3 of a small d is about d^2 / 2). In the
@@ -139,6 +139,7 @@ def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device, extra=Non
     total, n_seq = all_sum([sum(weights[mb].sum().item() for mb in mbs), sum(map(len, mbs))], device)
     # FSDP averages gradients over ranks, so each rank's share is scaled back up by WORLD
     n_mb = int(max(all_gather(len(mbs))))
+    # kl stays 0 (no KL penalty, as released): a metrics.jsonl column kept for its readers
     sums = dict.fromkeys(("loss", "clip_frac", "kl", "ratio_mean"), 0.0)
     name, coef, term = extra or (None, None, None)
     extra_sum = 0.0
