@@ -96,14 +96,6 @@ def cut_mask(budget_lists):
     return grid([[1] * len(bs) for bs in budget_lists]) > 0
 
 
-def absolute_budgets(length, every):
-    """Absolute truncation points every `every` tokens, up to and including `length` if it falls on one.
-
-    absolute_budgets(1200, 500) == [500, 1000]; used for post-hoc probes at evaluation.
-    """
-    return list(range(every, length + 1, every))
-
-
 def close_id(tokenizer, close="think"):
     """Token id inserted between the prefix and the suffix: `</think>` or the EOS token."""
     if close == "eos":

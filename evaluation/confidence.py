@@ -29,7 +29,7 @@ import probe as probe_lib
 from baselines import verbal_confidence  # RLCR's parser, read here for --confidence verbal
 from grade import answer_tag, blank_answer
 from grpo import pack, token_logprobs
-from label import absolute_budgets, budgets, mc_labels
+from label import budgets, mc_labels
 from prompts import RLCR_FORMAT
 from rollout import generate
 from update import budget_ends, score
@@ -75,7 +75,7 @@ def sample_confidences(source, model, tokenizer, prompts, responses, texts, gold
         raise ValueError(f"confidence source {source!r} needs a probe; sources: {', '.join(SOURCES)}")
     staticcache.release(model)  # the generation's static shape: neither the features nor the labels reuse it
     ends = [think_end(r, close_id) for r in responses]
-    bls = [([b for b in absolute_budgets(te, every) if b < te] if every else []) +
+    bls = [([b for b in absolute_cuts(te, every) if b < te] if every else []) +
            [read_point(source, r, close_id, fractions)] for r, te in zip(responses, ends)]
     feats = features(model, prompts, responses, bls, tokenizer.pad_token_id, source == "probe-posthoc",
                      batch_size)
@@ -95,6 +95,12 @@ def sample_confidences(source, model, tokenizer, prompts, responses, texts, gold
         extras = [{"checkpoints": [[b, round(c, 6), y] for b, c, y in zip(bl, cs, yl)]}
                   for bl, cs, yl in zip(bls, confs, ys)]
     return [cs[-1] for cs in confs], extras
+
+
+def absolute_cuts(length, every):
+    """Cuts every `every` tokens, up to and including `length` if it falls on one:
+    absolute_cuts(1200, 500) == [500, 1000]."""
+    return list(range(every, length + 1, every))
 
 
 def read_point(source, response, close_id, fractions=(0.25, 0.5, 0.75)):
