@@ -7,27 +7,14 @@ of the confidence (weighted voting, conformal early exit).
     python evaluate.py --model deepseek-r1-distill-qwen-7b --model runs/rlcm \\
         --benchmarks math500,aime24,aime25,amc23                              # one worker per GPU
 
-For each model and benchmark: n samples per question (temperature 0.6, top-p 1.0, up to 8000 tokens; 32
-samples on AIME 2024/2025 and AMC 2023, 4 elsewhere; the toy world: 4 samples of at most 128 tokens;
-evaluation/benchmarks.py), graded by the last \\boxed{} (math grader; a run trained with --reward rlcr, or any
-model under --mode rlcr, the released reading of RLCR and C2GSPG: its last <answer> tag, `--answer`;
-LiveCodeBench: the last fenced code block, run against its tests), each with a confidence
-(evaluation/confidence.py; default: the post-hoc probe, fitted once per model with the released protocol and
-cached in --out, evaluation/posthoc.py; `probe` is the run's own probe.pt, read at its last training budget;
-evaluation/probes.py). Written to --out (default RUN/eval for a run or checkpoint, else eval_out/<model>):
-samples.jsonl (appended per generate call: an interrupted evaluation resumes where it stopped; a row counts
-only for its model's resolved path and content, its benchmark's file and question, and the settings it was
-made with: sample_key; a toy row also holds its problem and response text, which the mechanism's readouts
-parse: evaluation/mechanism.py), results.json (a model per label; another model with the same label is filed
-as label@HASH), reliability_<model>_<benchmark>.png. Metrics are computed per benchmark over all samples,
-pass@k beside accuracy; "Overall" is the paper's, the unweighted mean over every benchmark evaluated; with OOD
-benchmarks (lcb, gpqa, logiqa) in the list, they have a block of their own, and the math and OOD means are
-printed beside it ("math", "ood" in results.json). results.json and the printed table carry, per benchmark,
-the confidence source, grader and sampling settings.
+Per model and benchmark: n samples per question, graded, each with a confidence (default: the
+post-hoc probe), appended to --out/samples.jsonl (an interrupted evaluation resumes), then the
+metrics with 95 % intervals, pass@k, voting and early exit in --out/results.json and the printed
+table, and a reliability diagram. Settings and protocol: docs/reference.md, "Evaluation".
 
-This file is the command: its flags, and evaluate_model, the method for one model (load, pick the probe,
-then per benchmark generate, summarize and plot). One benchmark's sampling, grading and appending is
-evaluation/generation.py; the workers of --nproc, evaluation/shard.py; the metrics, evaluation/report.py.
+This file is the command: its flags, and evaluate_model, one model (load, pick the probe, then per
+benchmark generate, summarize and plot). One benchmark's sampling is evaluation/generation.py; the
+workers of --nproc, evaluation/shard.py; the metrics, evaluation/report.py.
 """
 import argparse
 import os
@@ -214,22 +201,6 @@ def parse_args(argv=None):
     return args
 
 
-def check_flags(names, args):
-    """Flags whose meaning argparse cannot check: refused like its own errors, one line and exit 2,
-    before anything is read or written (an empty list would replace a model's results with none)."""
-    run = args.out and next((f for f in ("metrics.jsonl", "checkpoints") if os.path.exists(os.path.join(args.out, f))),
-                            None)
-    try:
-        if not names:
-            raise UserError(f"--benchmarks {args.benchmarks!r} names no benchmark: pass e.g. toy or math500,aime24")
-        if run:
-            raise UserError(f"--out {args.out} is a training run's folder (it has {run}): evaluate into "
-                            f"{os.path.join(args.out, 'eval')} (the default for --model {args.out}) or another folder")
-    except UserError as e:
-        print(f"evaluate.py: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-
-
 def main(argv=None):
     args = parse_args(argv)
     try:   # what argparse cannot check, and a missing model: one line and exit 2, like argparse and train.py
@@ -239,19 +210,23 @@ def main(argv=None):
             check_out(args.out)
         for name in [] if args.plan else args.model:   # a plan reads a config alone (a named model's ships)
             checkpoint.check_available(name)
+        names = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
+        if not names:   # an empty list would replace a model's results with none
+            raise UserError(f"--benchmarks {args.benchmarks!r} names no benchmark: pass e.g. toy or math500,aime24")
+        run = args.out and next((f for f in ("metrics.jsonl", "checkpoints")
+                                 if os.path.exists(os.path.join(args.out, f))), None)
+        if run:
+            raise UserError(f"--out {args.out} is a training run's folder (it has {run}): evaluate into "
+                            f"{os.path.join(args.out, 'eval')} (the default for --model {args.out}) or another folder")
     except (ValueError, OSError) as e:   # UserError, data.DataError
         print(f"evaluate.py: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    names = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
-    check_flags(names, args)
     sandbox.allow_unconfined = args.unconfined_code
     # besides the grader's folder, the project and the HF cache, a program sees none of these, wherever they lie
     sandbox.hide += [p for p in (*(b.partition("=")[2] or b for b in names), *args.model, args.out)
                      if p and os.path.exists(p)]
     threads = torch.get_num_threads()
-    # What runs on a CPU here (the toy, a small local model) is too small to gain from threads, and
-    # on a busy CPU threads that wait for each other make generation 10x slower: one thread on a
-    # CPU unless --threads says otherwise.
+    # the toy or a small model on a CPU gains nothing from threads, and on a busy CPU loses much
     if args.threads or not torch.cuda.is_available():
         torch.set_num_threads(args.threads or 1)
     try:

@@ -29,15 +29,9 @@ Three graders (`--grader` in train.py; evaluation always uses "math"):
   passes when every test passes, run in a sandboxed child (harness/sandbox.py: run_tests). Not a
   training grader (GRADERS): it takes seconds, not microseconds.
 
-Time bound. A grading call returns within about GRADE_TIMEOUT_S on any input, in any thread:
-the text is scanned by linear patterns only; answers longer than MAX_ANSWER_CHARS are compared as
-plain strings before any regex sees them (Minerva's form, quadratic, takes under 0.1 s at that length); math-verify runs in a worker process (harness/verifier.py,
-one per thread grading at the same moment) that stops itself at the deadline with an
-interval timer (math-verify's own timeout has whole seconds per parse and raises outside the main
-thread), and is killed if it has not answered by then. Starting a worker (importing sympy: 1 to 4 s,
-once per process and per thread grading at the same moment, and again after a kill) is not counted
-in the bound. Where no worker can start, math-verify is skipped with one warning and only the
-normalised / numeric comparisons decide.
+Time bound: a grading call returns within about GRADE_TIMEOUT_S on any input, in any thread
+(linear patterns only, long answers compared as plain strings, math-verify in a worker process
+stopped at the deadline: harness/verifier.py; docs/reference.md, "... leaves, in more words").
 """
 import json
 import re

@@ -10,11 +10,9 @@ Sampler._decode_dynamic) or "static" (preallocated buffers and CUDA graphs: harn
 the default on CUDA); both give the same samples for a seed. The sampler is harness/sampling.py.
 
 Scores (scores=True, the RL step's rollout): with every sampled token come its log-prob and the
-entropy of the distribution it was drawn from, both under the full softmax(logits / temperature)
-over the tokenizer's ids (temperature 0: at temperature 1), not the top_p-restricted one. That is what the trainer's grpo.token_logprobs
-computes at the same temperature, so update.py can measure how far the sampler (a bf16 copy on
-GPUs) is from the policy it trains. They come from the logits each step already has: one more
-log-softmax per step, kept on the device and copied to the host once per chunk.
+entropy of the distribution it was drawn from, under the full softmax(logits / temperature) (at
+temperature 1 for greedy), not the top_p-restricted one: what grpo.token_logprobs computes, so
+update.py can measure how far the sampler is from the policy it trains.
 """
 from dataclasses import dataclass, field
 
@@ -47,12 +45,10 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
     scores: Samples.logprobs and .entropy_sum score every sampled id (module docstring, Scores);
     the RL step asks for them, evaluation does not (empty lists then).
     batch_size: prompts per chunk (rows = batch_size * n). decode: "static" | "dynamic" | None
-    (static on CUDA, dynamic elsewhere). chunks: the indices of the chunks to sample (None: all), the
-    others skipped; each keeps its own generator, so its samples are those of a call that runs them all
-    (evaluation/shard.py deals them to workers). progress: a bar (a string: its label). keyed: each
-    row draws from a generator of its own, seeded from (seed, its prompt, its sample index)
-    (harness/sampling.row_generators), so that a prompt's samples do not depend on batch_size or on
-    the other prompts either (label.py's forced answers).
+    (static on CUDA). chunks: the indices of the chunks to sample (None: all), each with the
+    generator it has in a call that runs them all (evaluation/shard.py). progress: a bar (a string:
+    its label). keyed: a generator per row, seeded from (seed, its prompt, its sample index), so a
+    prompt's samples do not depend on batch_size or the other prompts (label.py's forced answers).
     """
     if n < 1 or max_new_tokens < 1:
         raise ValueError(f"need n >= 1 and max_new_tokens >= 1, got n={n}, max_new_tokens={max_new_tokens}")

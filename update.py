@@ -1,37 +1,24 @@
 """The forwards of one RL step: scoring the rollout before the update, where it is needed, and the update.
 
-`score` is one no-grad pass over prompt + response with the rollout weights. It yields:
-- old token log-probs at the sampling temperature (chunked LM head, `grpo.logprobs_from_hidden`),
-  the denominators of the PPO ratio, needed only with several updates per batch (--ppo-epochs > 1;
-  with one update the old log-probs are the current ones, detached), and by C2GSPG's sequence
-  confidence; step.py runs it only then;
-- probe features at the truncation points (ends given): the last decoder layer's output (before
-  the final norm), averaged over the `last_k` = 4 positions before each budget end
-  (`probe.prefix_features`). With final_norm=True it is instead the final normed state of the
-  single last token of the prefix (the protocol of the released evaluation code). The post-hoc
-  probe reads its features here; a training step reads its own off the forced answers' prefill
-  (label.mc_labels(features=True)), which gives the same numbers within float rounding.
+`score` is one no-grad pass over prompt + response with the rollout weights: old token log-probs at
+the sampling temperature (needed only with --ppo-epochs > 1 and by C2GSPG's sequence confidence;
+with one update they are the current ones, detached), and the probe's features at the cut ends
+(probe.prefix_features; final_norm=True: the post-hoc probe's, the final normed state of the last
+token). A forward hook (probe.last_layer) reduces the last layer's output to those positions, so no
+[N, L, d] stack of hidden states is kept.
 
-The last layer's output is captured by a forward hook (probe.last_layer) that immediately reduces
-it to the requested positions, so no [N, L, d] stack of hidden states (`output_hidden_states`) is
-ever kept.
+`update` is one optimizer step over micro-batches of at most --micro-tokens padded tokens, each
+weighted by its share of the batch, so the gradient is that of one loss over the batch however it
+is cut, on one process or under FSDP2 (--agg token-mean-per-micro-batch, the released verl actor's,
+weighs each micro-batch's token-mean by its rows instead).
 
-`update` is one optimizer step over micro-batches (gradient accumulation). Rows are packed (grpo.pack) and cut into micro-batches of at most --micro-tokens padded tokens;
-each micro-batch's loss is weighted by its share of the batch, so the accumulated gradient is that
-of one loss over the whole batch however it is cut, on one process or on every rank under FSDP2.
-The one exception is --agg token-mean-per-micro-batch, the released verl actor's: each
-micro-batch's token-mean weighted by its share of the rows, so a token weighs more in a micro-batch
-of few tokens (the cut then changes the loss).
-
-Where the batch carries the sampler's log-probs (grpo.pack's sampler_logp), the update also measures
-how far the sampler (the bf16 generation copy on GPUs) is from the policy it trains, on the trained
-rows' response tokens against this update's own forward, with d = logp_trainer - logp_sampler:
+Where the batch carries the sampler's log-probs (grpo.pack's sampler_logp), the update measures how
+far the sampler (the bf16 generation copy on GPUs) is from the policy, with d = logp_trainer -
+logp_sampler on the trained response tokens, in float64:
   sampler_gap        mean over tokens of |d|
   sampler_kl_k3      mean over tokens of r - 1 - log r, r = exp(d): Schulman's k3 estimate of
                      KL(sampler || trainer), since the tokens are drawn from the sampler
   sampler_ratio_max  the largest sequence ratio exp(sum over its tokens of d)
-all in float64 (a sequence sums thousands of tokens; k3 of a small d is about d^2 / 2). In the
-on-policy default the PPO ratio is 1 by construction, so these are the only view of that gap.
 """
 import math
 from contextlib import nullcontext
@@ -109,10 +96,7 @@ def micro_batch(batch, rows, device, length=None):
 
 def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device, extra=None):
     """One optimizer step over the micro-batches `mbs` (lists of batch rows; rows in none of them are
-    left out). Each micro-batch's loss is weighted by its share of the tokens (token-mean) or
-    sequences (seq-mean, seq-sum-norm) of those rows, so the summed gradient is that of one loss over
-    them, however they are cut; token-mean-per-micro-batch weighs its micro-batch token-means by
-    their rows (module docstring).
+    left out), each weighted by its share of the tokens (token-mean) or sequences of those rows.
 
     extra: None, or a loss term (name, coef, term) a mode adds (modes.extra_loss): term(logp,
     loss_mask, rows) gives a micro-batch's values from the current, differentiable log-probs,

@@ -1,25 +1,15 @@
 """Where a sample's confidence comes from at evaluation: sample_confidences, one number per response.
 
 Sources (one number in [0, 1] per sampled response):
-  probe          the run's own probe (probe.pt in the checkpoint), read where it was trained: the
-                 training feature (the last decoder layer's output before the final norm, averaged
-                 over the 4 tokens before the prefix end) at the last of the run's budgets (75% of the
-                 response by default), not at the end of thinking, where it never saw data.
-  probe-posthoc  a probe fitted after training with the released evaluation protocol (the paper's
-                 probe rows; evaluation/posthoc.py): feature = final normed hidden state of the last token of prompt +
-                 thinking; read at the end of thinking.
-  verbal         the number in the last <confidence>...</confidence> tag (RLCR's format); values
-                 above 1 read as percentages; a missing tag, no number or a value outside [0, 100]
-                 reads as 0.5 (counted), as the released scorer reads it.
-  verbal-forced  RLCR's released evaluation confidence: the thinking cut at the budget (the evaluation's
-                 max tokens: 8000, the toy's 128) or where it ended, RLCR_REANSWER appended ("...</think>",
-                 "I am out of time, ..." with the 3-tag format and `<answer>` opened; the toy: `</think>`
-                 alone), k re-answers sampled (released: 4 on AIME / AMC, 1 elsewhere; temperature 0.6,
-                 top-p 0.95, at most 1000 tokens), the mean of their verbal confidences (a re-answer
-                 without a tag counts 0.5, as does one with a box and no answer tag or a blank one:
-                 reanswer_confidence; counted).
-  logits         exp(mean log-prob of the response tokens) at the run's training temperature (0.8), where
-                 C2GSPG trained it (C2GSPG's confidence; `--logit-temperature 1`: the raw model's).
+  probe          the run's own probe.pt, on the training feature at the last of the run's budgets
+                 (where it saw data; not at the end of thinking)
+  probe-posthoc  the post-hoc probe (evaluation/posthoc.py) on the final normed state of the last
+                 thinking token
+  verbal         the last <confidence> tag (RLCR's format; baselines.verbal_confidence)
+  verbal-forced  RLCR's released reading: the mean tag of k re-answers forced after the thinking
+                 cut at the budget (forced_verbal)
+  logits         exp(mean log-prob of the response) at the run's training temperature, where C2GSPG
+                 trained it (logit_confidence)
 """
 import math
 
@@ -52,11 +42,11 @@ def sample_confidences(source, model, tokenizer, prompts, responses, texts, gold
     Probe sources read their probe at read_point (the run's probe: its last training budget, with
     `fractions` from the run's config; the post-hoc probe: the end of thinking).
 
-    Returns (conf [N] floats, extras [N] dicts). verbal: extras {"verbal_missing": bool}; verbal-forced:
-    {"verbal_missing": how many of the forced_k re-answers had no tag}. Probe sources
-    with `every`: extras {"checkpoints": [[t, c_t, y_t], ...]} for t = every, 2 * every, ... below the
-    end of thinking: the probe's confidence after t thinking tokens and whether one forced answer there
-    (what an early exit would output; temperature 0.6, top-p 0.95) is right, for uses.early_exit.
+    Returns (conf [N] floats, extras [N] dicts). verbal: extras {"verbal_missing": bool};
+    verbal-forced: {"verbal_missing": how many of the forced_k re-answers had no tag}. Probe sources
+    with `every`: {"checkpoints": [[t, c_t, y_t], ...]} for t = every, 2 * every, ... below the end of
+    thinking: the probe's confidence after t thinking tokens and whether one forced answer there
+    (what an early exit would output; T 0.6, top-p 0.95) is right, for uses.early_exit.
     """
     if source == "verbal":
         pairs = [verbal_confidence(t) for t in texts]
@@ -148,12 +138,9 @@ def sample_by_length(model, tokenizer, prompts, k, run=None, **kw):
     sampled shortest prompt first. run: the generate called (default rollout.generate; the post-hoc
     fit's: evaluation/shard.generate_dealt, its chunks dealt to evaluate.py's workers).
 
-    Forced prompts come a rollout's budgets after one another, so in that order the width changes at
-    nearly every chunk, and with it the static decoder's shape: a new buffer set and capture per
-    chunk (1557 of 1604 chunks of the released post-hoc protocol, 24 when sorted) and 35 % more
-    prefill positions than tokens. Sorted, a chunk holds prompts of about one width. The dynamic
-    path (CPU) keeps the given order: it has no shapes to keep, and its samples stay those of
-    earlier versions for the same seed.
+    Forced prompts come a rollout's budgets after one another, so in that order the width, and with
+    it the static decoder's shape, changes at nearly every chunk; sorted, a chunk holds prompts of
+    about one width. The dynamic path keeps the given order: it has no shapes to keep.
     """
     order = list(range(len(prompts)))
     if sampling.default_decode(model) == "static":

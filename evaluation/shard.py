@@ -5,21 +5,12 @@ samples.jsonl with the rows one process would have written, in the same order.
     python evaluate.py --model toy --benchmarks toy --nproc 2  # two CPU workers (gloo): the same bytes
     torchrun --nproc_per_node 8 evaluate.py --model M ...      # torchrun's ranks: the same path
 
-The workers are started by train.py's launcher (harness/launch.py) and take their rank from the
-environment (harness/parallel.py). What is dealt out is a generate call, not a question: a call's
-samples depend on its questions together (its seed is that of its first question, its sampling
-noise is drawn per row of the call, its prompts are padded to the longest), so each call is formed
-exactly as one process forms it and run whole by one worker. In round r, rank k runs call
-r * WORLD + k; the rows of a round are gathered to rank 0, which appends them in call order. Rank 0
-alone reads and writes the output folder (the samples, the post-hoc probe's cache, results.json);
-the other ranks receive what they need from it (share).
-
-The post-hoc probe's fit data is made the same way (evaluation/posthoc.py): its rollouts' and forced
-answers' generate chunks (generate_dealt), feature batches and gradings (spread) are dealt as calls
-are, chunk i to rank i % WORLD, and merged in order on every rank; rank 0 fits the probe from them.
-
-Grading (LiveCodeBench's programs run in sandboxed children for seconds) runs in a thread while the
-next call generates (Rounds): rows are appended one round behind the generation.
+What is dealt out is a generate call, not a question: a call's samples depend on its questions
+together (seed, per-row noise, padding), so each call is formed as one process forms it and run
+whole by one worker: in round r, rank k runs call r * WORLD + k, and rank 0 appends the round's
+rows in call order. Rank 0 alone reads and writes the output folder; the others get what they need
+from it (share). The post-hoc probe's generate chunks, feature batches and gradings are dealt the
+same way (generate_dealt, spread). Grading runs in a thread while the next call generates (Rounds).
 """
 import copy
 import dataclasses
@@ -34,8 +25,7 @@ import rollout
 from harness import files
 from harness.parallel import MASTER, RANK, WORLD
 
-# A rank waits at each gather for the slowest: a round of calls, a phase of the post-hoc fit (a
-# worker's share of its rollouts or forced answers), rank 0's fit of the probe; a safe upper bound.
+# a rank waits at each gather for the slowest (a round, a phase of the post-hoc fit): a safe bound
 TIMEOUT = datetime.timedelta(hours=24)
 
 
@@ -111,12 +101,11 @@ def generate_dealt(model, tokenizer, prompts, n=1, batch_size=None, progress=Non
 class Rounds:
     """The rows of a benchmark's rounds, appended to `path` by rank 0 in call order.
 
-    add(fn, *args) queues one round's work of this rank: fn(*args) -> lines (JSON rows, each ending in
-    a newline) runs in one background thread while the caller generates the next round; then the
-    previous round is gathered and written. fn None: this rank has no call in the round. close(), or
-    leaving a `with` block, writes what is left, in one process also when the block is left by an
-    error or Ctrl-C (the rounds already generated are kept for the resume; one worker of several
-    cannot gather alone, and the launcher stops the others). `bar` (a tqdm) advances by the rows written.
+    add(fn, *args) queues this rank's round: fn(*args) -> lines (JSON rows ending in a newline) runs
+    in a background thread while the caller generates the next round; then the previous round is
+    gathered and written. fn None: no call in this round. Leaving the `with` block writes what is
+    left, in one process also on an error or Ctrl-C (kept for the resume; one worker of several
+    cannot gather alone). `bar` (a tqdm) advances by the rows written.
     """
 
     def __init__(self, path, bar=None):

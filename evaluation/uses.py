@@ -1,38 +1,31 @@
 """Two uses of a calibrated confidence: weighted voting over samples, and early exit from a trace.
 
-Voting. Each question has n sampled answers, each with a confidence c_i. Answers are grouped into
-clusters of equal answers (`cluster_answers`); the vote picks
+Voting. A question's n sampled answers, each with a confidence c_i, are grouped into clusters of
+equal answers (`cluster_answers`); samples without an answer abstain, ties go to the cluster that
+appears first. `voting_curves`: accuracy as the votes k grow (1, 2, 4, ..., n), over random subsets.
 
     majority:  argmax_a  sum_i 1[answer_i = a]
     weighted:  argmax_a  sum_i 1[answer_i = a] * c_i
 
-Samples without an answer abstain. Ties go to the cluster that appears first among the voters, so the
-result is deterministic. `voting_curves` reports accuracy as the number of votes k grows (1, 2, 4, ..., n),
-averaged over random size-k subsets of each question's samples.
+Early exit (conformal risk control, Angelopoulos et al. 2022). A trace has checkpoints j = 1..J
+every `every` thinking tokens, each with the probe confidence c_j, the tokens t_j so far and y_j = 1
+if an answer forced there is right. At threshold lam it exits at the first j with c_j >= lam:
 
-Early exit (conformal risk control, Angelopoulos et al. 2022, "Conformal Risk Control"). A trace has
-checkpoints j = 1..J along its thinking (every `every` tokens), each with the probe confidence c_j, the
-number of tokens t_j generated so far and y_j = 1 if an answer forced there is right. With threshold
-lam the trace exits at the first j with c_j >= lam; its loss is a wrong answer at exit:
+    loss(lam) = 1 - y_j  at the exit checkpoint j,   0 if the trace never exits
 
-    loss(lam) = 1 - y_j  at the exit checkpoint j,   0 if the trace never exits (it runs to its end)
-
-CRC's guarantee, E[test risk] <= epsilon, holds only for a loss that is non-increasing in lam, and this
-one is not: raising lam can move an exit from a right checkpoint to a later, wrong one. So the
-threshold is calibrated on its smallest non-increasing upper bound, the worst exit at lam or above,
+CRC needs a loss non-increasing in lam, and this one is not (a higher lam can move an exit from a
+right checkpoint to a later, wrong one), so the threshold is calibrated on its smallest
+non-increasing upper bound, the worst exit at lam or above:
 
     bound_loss(lam) = max_{lam' >= lam} loss(lam') = 1[lam <= m],   m = the highest c_j of a wrong
                       checkpoint that is some threshold's exit (c_j above every earlier c), else -inf
 
-and loss <= bound_loss gives E[test loss] <= E[test bound_loss] <= epsilon. The exchangeable units are
-questions, not traces (the samples of one question are not independent): a question's loss L_i is the
-mean bound_loss of its traces. On a calibration split of n questions the threshold is the smallest
-candidate lam with
+The exchangeable units are questions (a question's samples are not independent): L_i is the mean
+bound_loss of its traces, and on n calibration questions the threshold is the smallest lam with
 
     (n * mean_i L_i(lam) + 1) / (n + 1) <= epsilon
 
-(the CRC bound for losses in [0, 1]). The test split reports its risk (the real loss) and the tokens
-saved; the guarantee is over random calibration / test splits, one split's risk scatters around it.
+The guarantee E[test risk] <= epsilon is over random calibration / test splits.
 """
 import math
 import random
@@ -87,13 +80,10 @@ def vote_sizes(n):
 
 
 def voting_curves(questions, draws=16, seed=0):
-    """Accuracy of majority and confidence-weighted voting versus the number of votes k.
-
-    questions: list of dicts with equal-length lists "keys" (cluster ids, None = no answer),
-    "correct" (0/1 per sample) and "conf" (per sample); a cluster's correctness is that of its first
-    sample. For each k in vote_sizes(min n), accuracy is averaged over `draws` random size-k subsets per
-    question (one subset, all samples, when k = n). Returns {"k": [...], "majority": [...], "weighted": [...]}.
-    """
+    """{"k", "majority", "weighted"}: accuracy of both votes for k in vote_sizes(min n), averaged
+    over `draws` random size-k subsets per question (all samples at k = n). questions: dicts of
+    equal-length lists "keys" (cluster ids, None = no answer), "correct" (0/1; a cluster's is its
+    first sample's) and "conf"."""
     if not questions:
         return {"k": [], "majority": [], "weighted": []}
     n = min(len(q["keys"]) for q in questions)
@@ -200,12 +190,9 @@ def early_exit(cal, test, epsilons=(0.1, 0.2, 0.3)):
 
 
 def split_early_exit(units, epsilons=(0.1, 0.2, 0.3), splits=100, seed=0):
-    """early_exit over `splits` seeded random halvings of the units (questions): the first half
-    calibrates, the second is the test. The guarantee is E[test risk] <= epsilon over such splits,
-    and one split's test risk scatters around that mean (sd about 0.02-0.04 on the toy's 250
-    questions a side), so each row holds split 0's threshold and cal_bound and, over all splits, the
-    mean test_risk (with test_risk_sd), exit_rate and tokens_saved, and the split-0 test risk
-    (test_risk_split0).
+    """early_exit over `splits` seeded random halvings of the units (questions), the first half
+    calibrating: per epsilon, split 0's threshold, cal_bound and test_risk_split0, and over all
+    splits the mean test_risk (test_risk_sd), exit_rate and tokens_saved.
     """
     runs = []
     for s in range(splits):
@@ -224,11 +211,8 @@ def split_early_exit(units, epsilons=(0.1, 0.2, 0.3), splits=100, seed=0):
 
 
 def from_samples(rows, same=None, draws=16, seed=0, epsilons=(0.1, 0.2, 0.3), splits=100):
-    """Voting curves and (when every row has probe "checkpoints") early exit from samples.jsonl rows.
-
-    rows: dicts with question, sample, answer, correct, confidence, length[, checkpoints]. Early exit
-    is split_early_exit over the questions (`splits` seeded halvings).
-    """
+    """Voting curves and (when every row has probe "checkpoints") split_early_exit from samples.jsonl
+    rows (question, sample, answer, correct, confidence, length[, checkpoints])."""
     by_q = {}
     for r in rows:
         by_q.setdefault(r["question"], []).append(r)
