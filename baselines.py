@@ -25,9 +25,8 @@ def verbal_confidence(text):
     as is, (1, 100] / 100: "0.8" -> 0.8, "85" or "85%" -> 0.85. No tag, no number, or a value below 0
     or above 100 -> (0.5, True): RL cannot earn a sure 1.0 or 0.0 by writing "150" or "-3".
 
-    The matches are found as the regex's would be (each from the first opening tag after the
-    previous match to the nearest closing tag) by str.find moving forward: linear in the text, so a
-    policy that repeats "<confidence>" 8,000 times costs one pass, not one pass per tag.
+    The matches are the regex's, found by str.find moving forward: linear in the text, however many
+    "<confidence>" a policy repeats.
     """
     span, pos = None, 0
     while (start := text.find("<confidence>", pos)) >= 0:

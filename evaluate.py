@@ -129,18 +129,16 @@ def parse_args(argv=None):
     g = p.add_argument_group("what to evaluate")
     g.add_argument("--model", action="append", required=True,
                    help="alias (toy, " + ", ".join(ALIASES) + "), HF id, model/checkpoint/run dir; repeatable")
-    g.add_argument("--benchmarks", default="toy", help="comma list: toy, toy-long, toy-sub, math500, aime24, ..., "
-                   "FILE or NAME=FILE")
+    g.add_argument("--benchmarks", default="toy", help="comma list: toy, math500, ..., FILE or NAME=FILE")
     g.add_argument("--limit", type=int, help="questions per benchmark")
     g.add_argument("--toy-world", default=toy.WORLD, choices=sorted(toy.WORLDS),
                    help=f"the toy world the models were warm-started in, recorded with the toy benchmarks' results "
                         f"(toy.WORLDS; default {toy.WORLD}, --model toy's; both read the same rows)")
     g.add_argument("--lcb-release", default=data.LCB_RELEASE,
-                   help="LiveCodeBench window: vN or vA_vB, by contest month (default v4_v5: 2024-08 to 2025-01, "
-                        "the window of DeepSeek-R1's and lighteval's scores)")
+                   help="LiveCodeBench window: vN or vA_vB (default v4_v5, DeepSeek-R1's and lighteval's)")
     g.add_argument("--out", help="output dir (default RUN/eval or eval_out/<model>)")
-    g.add_argument("--unconfined-code", action="store_true", help="where the code sandbox cannot make namespaces, "
-                   "run lcb's programs without them (harness/sandbox.py), accepting that they can escape")
+    g.add_argument("--unconfined-code", action="store_true",
+                   help="run lcb's programs without namespaces where the sandbox has none (they can escape)")
     g = p.add_argument_group("sampling")
     g.add_argument("--n-samples", type=int, help="samples per question (default 32 on aime/amc, else 4)")
     g.add_argument("--max-new-tokens", type=int, help="default 8000 (toy: 128)")
@@ -150,50 +148,38 @@ def parse_args(argv=None):
     g.add_argument("--batch-size", type=int, help="questions per generation call (default 64 sequences; toy 256)")
     g.add_argument("--decode", choices=("static", "dynamic"), help="KV cache for decoding (default: static on CUDA)")
     g.add_argument("--threads", type=int, help="CPU threads (default: 1 on a machine without a GPU, else torch's)")
-    g.add_argument("--nproc", type=int, help="workers (default: one per visible GPU, else 1), each running whole "
-                   "generate calls: the same samples.jsonl as one process (evaluation/shard.py)")
-    g.add_argument("--plan", action="store_true", help="print each benchmark's memory peak on one GPU and exit "
-                   "(harness/evalplan.py; from the model's config alone)")
+    g.add_argument("--nproc", type=int, help="workers (default: one per GPU, else 1): the same samples.jsonl")
+    g.add_argument("--plan", action="store_true", help="print each benchmark's memory peak on one GPU, exit")
     g.add_argument("--gpu-mem", type=float, help="GiB of the GPU to plan for (default: this one's, else 80)")
     g = p.add_argument_group("confidence")
     g.add_argument("--confidence", choices=confidence.SOURCES,
-                   help="default probe-posthoc (the paper's probe rows); probe: the run's own probe.pt, read "
-                        "at its last training budget; verbal: the <confidence> tag; verbal-forced: the mean tag of "
-                        "--forced-k re-answers after the thinking (RLCR's released reading); logits: C2GSPG's")
+                   help="default probe-posthoc (the paper's); probe: the run's probe.pt; verbal: the "
+                        "<confidence> tag; verbal-forced: RLCR's released reading; logits: C2GSPG's")
     g.add_argument("--logit-temperature", type=float,
-                   help="temperature of --confidence logits (default: the run's training temperature, 0.8, "
-                        "where C2GSPG trained its confidence; 1: the raw model's)")
+                   help="temperature of --confidence logits (default: the run's training one, 0.8)")
     g.add_argument("--every", type=int, help="thinking tokens between probe budgets / exit checkpoints (500; toy 8)")
     g.add_argument("--posthoc-budgets", type=int, help="post-hoc budgets per rollout: every, 2 * every, ... (16)")
-    g.add_argument("--forced-k", type=int, help="forced answers per budget for post-hoc labels (16; toy 4) and "
-                                                "re-answers of verbal-forced (released: 4 on aime/amc, else 1; toy 4)")
+    g.add_argument("--forced-k", type=int,
+                   help="forced answers per post-hoc budget (16; toy 4) and verbal-forced re-answers")
     g.add_argument("--forced-close", choices=("think", "eos"), default="think")
-    g.add_argument("--probe-data", help="questions for the post-hoc probe (default: toy train split / deepscaler; "
-                   "toy-pooled: the train splits of every toy benchmark in turn, a fit matched to them all)")
-    g.add_argument("--probe-questions", type=int, help="how many (default 80, as released; toy-pooled: 80 from each toy "
-                   "benchmark, 240)")
+    g.add_argument("--probe-data", help="post-hoc probe questions (default: toy / deepscaler; toy-pooled)")
+    g.add_argument("--probe-questions", type=int, help="how many (default 80, as released; toy-pooled 240)")
     g.add_argument("--probe-samples", type=int, help="rollouts per post-hoc question (default 8, as released)")
     g.add_argument("--posthoc-fit", choices=("released", "project"), default="released",
-                   help="the post-hoc fit's split and validation loss: released (numpy's generator, the mean of "
-                        "per-batch means) or project (random.Random, one mean over the examples)")
+                   help="the post-hoc fit's split and validation loss: as released, or the project's")
     g.add_argument("--posthoc-tokens", choices=("sampled", "text"), default="sampled",
-                   help="post-hoc budgets and forced prompts: the sampled ids with the prompt's BOS (default) or, "
-                        "as released, the thinking re-tokenized from its text and forced prompts without BOS")
+                   help="post-hoc forced prompts: the sampled ids (default) or, as released, re-tokenized")
     g.add_argument("--no-early-exit", action="store_true", help="skip the forced answers at exit checkpoints")
     g = p.add_argument_group("prompt (default: what the run trained with, else the benchmark's)")
     g.add_argument("--instruction", help="text appended to every problem")
     g.add_argument("--system-prompt", help="system turn before the problem")
     g.add_argument("--gate", choices=("thinking", "none"),
-                   help="thinking (default; toy: none): a boxed answer counts only if a box appears before "
-                        "`</think>`, as the released evaluation counts it; none: the last box alone decides")
+                   help="thinking (default; toy: none): right only with a box before `</think>`, as released")
     g.add_argument("--answer", choices=("box", "tag"),
-                   help="where the answer is read: the last \\boxed{} (default) or the last <answer> tag "
-                        "(default for a run trained with --reward rlcr)")
+                   help="the answer: the last \\boxed{} or <answer> tag (default: tag for an rlcr run)")
     g.add_argument("--mode", choices=("boxed", "rlcr"), default="boxed",
-                   help="rlcr: the released evaluation's --mode rlcr, with which it evaluates RLCR and C2GSPG: "
-                        "every benchmark asks in RLCR's format (the RLCR prompt, whatever the run trained with), "
-                        "the answer is the last <answer> tag and the confidence --confidence verbal-forced (the "
-                        "mean <confidence> of forced re-answers) unless --confidence says otherwise")
+                   help="rlcr: the released evaluation's for RLCR and C2GSPG: RLCR's prompt, the <answer> "
+                        "tag and --confidence verbal-forced unless --confidence says otherwise")
     args = p.parse_args(argv)
     if args.mode == "rlcr" and args.confidence is None:
         args.confidence = "verbal-forced"

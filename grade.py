@@ -5,29 +5,18 @@
     answers_match(answer, gold, grader="math")  # an answer already extracted (a forced one) vs gold
     is_correct(text, gold, grader="code")       # the last fenced code block passes the gold's tests
 
-Three graders (`--grader` in train.py; evaluation always uses "math"):
-
-- "strict", the released training reward: the content of the last `\\boxed{` in the text (braces
-  counted plainly; an unclosed last box is wrong) and the gold are each stripped of surrounding
-  whitespace, a trailing ".0" is dropped, then every leading zero (after a minus sign too; "0" if
-  nothing is left), and the two strings must be equal. So "007" = "7", "2.0" = "2", "0.5" = ".5" and
-  an empty box = "0", but "\\dfrac{1}{2}" != "\\frac{1}{2}" and "1,000" != "1000".
-- "minerva", the released RLCR reward (rlcr.compute_score -> math_dapo.verify_extracted_answer): the
-  answer (its <answer> tag) and the gold are each put in Minerva's normal form (`minerva_form`,
-  Lewkowycz et al. 2022, appendix D) and must be equal strings. So "\\boxed{17}", "$17$", "x = 5",
-  "5 degrees" and "10,000" match 17, 5, 5, 10000, but "017" != "17" and "2.0" != "2".
-- "math", the safe grader of evaluation: the last `\\boxed{}` or `\\fbox{}` (or the bare
-  "\\boxed 5"), spelling normalised (`_normalize`), plain decimals compared as exact numbers
-  ("025" = 25 = 25.0), else math-verify. Only math-verify's LaTeX parser runs: its plain-expression
-  parser goes through sympy's parse_expr, which calls eval on model text. Against a gold option
-  letter A-D (GPQA) a forced or RLCR answer that names an option ("A) 3.5 eV", "Option A", "(a)") is
-  graded by that letter (gpqa_choice), a natural boxed one by the released rule (released_letter),
-  as the released evaluation grades GPQA.
-
-- "code" (LiveCodeBench, evaluation only): the gold is the JSON string {"tests": [{"input", "output",
-  "testtype"}], "fn_name"} that data builds; the code of the last fenced block after the thinking
-  passes when every test passes, run in a sandboxed child (harness/sandbox.py: run_tests). Not a
-  training grader (GRADERS): it takes seconds, not microseconds.
+Graders (`--grader` in train.py; evaluation always uses "math"):
+- "strict", the released training reward: the last `\\boxed{` (braces counted plainly; unclosed:
+  wrong) and the gold, each in strict_form, must be equal strings: "007" = "7", "2.0" = "2", but
+  "\\dfrac{1}{2}" != "\\frac{1}{2}" and "1,000" != "1000".
+- "minerva", the released RLCR reward: the <answer> tag and the gold, each in Minerva's normal form
+  (minerva_form), must be equal strings: "$17$", "x = 5", "10,000" match 17, 5, 10000.
+- "math", evaluation's safe grader: the last `\\boxed{}` or `\\fbox{}`, spelling normalised, plain
+  decimals compared as exact numbers, else math-verify's LaTeX parser only (its plain-expression
+  parser calls eval on model text). Against a GPQA option letter, a forced or RLCR answer naming an
+  option is graded by that letter (gpqa_choice), a natural boxed one as released (released_letter).
+- "code" (LiveCodeBench, evaluation only): the last fenced block after the thinking passes every
+  test of the gold's JSON, run in a sandboxed child (harness/sandbox.py); not a training grader.
 
 Time bound: a grading call returns within about GRADE_TIMEOUT_S on any input, in any thread
 (linear patterns only, long answers compared as plain strings, math-verify in a worker process

@@ -70,15 +70,11 @@ def _chunk_logprobs(h, lm_head, t, temperature):
 
 
 def logprobs_from_hidden(hidden, lm_head, targets, temperature=1.0, chunk_size=1024):
-    """Log-probs of targets at a sampling temperature, never holding full-vocabulary logits for more
-    than chunk_size positions.
-
-    hidden [N, L, d] final (normed) hidden states; targets [N, L-1] (= input_ids[:, 1:]); hidden
-    positions 0..L-2 predict targets. Returns logp [N, L-1] float32:
+    """Log-probs [N, L-1] float32 of targets [N, L-1] (= input_ids[:, 1:]) from hidden [N, L, d]:
       logp[n, t] = log_softmax(lm_head(hidden[n, t]) / temperature)[targets[n, t]]
-    The LM head runs on chunks of chunk_size flattened positions. When gradients are needed each chunk
-    is checkpointed: autograd would otherwise keep every chunk's [chunk, V] softmax for the backward,
-    i.e. the full logits again; the backward recomputes them one chunk at a time.
+
+    The LM head runs on chunks of chunk_size positions, each checkpointed when gradients are needed
+    (autograd would otherwise keep every chunk's [chunk, V] softmax, the full logits again).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
@@ -135,7 +131,8 @@ def aggregate(values, mask, agg="token-mean", norm_const=None):
     raise ValueError(f"agg must be one of {', '.join(AGGS)}, got {agg!r}")
 
 
-def policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.2, agg="token-mean", norm_const=None):
+def policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.2, agg="token-mean",
+                norm_const=None):
     """Clipped-ratio policy loss.
 
     logp, old_logp, mask: [N, T]; adv: [N] (broadcast over tokens) or [N, T].

@@ -39,9 +39,7 @@ def sample_confidences(source, model, tokenizer, prompts, responses, texts, gold
                        reanswer=RLCR_REANSWER, logit_temperature=0.8):
     """One confidence per response, plus per-sample extras for the results.
 
-    Probe sources read their probe at read_point (the run's probe: its last training budget, with
-    `fractions` from the run's config; the post-hoc probe: the end of thinking).
-
+    Probe sources read their probe at read_point (`fractions`: the run's config's).
     Returns (conf [N] floats, extras [N] dicts). verbal: extras {"verbal_missing": bool};
     verbal-forced: {"verbal_missing": how many of the forced_k re-answers had no tag}. Probe sources
     with `every`: {"checkpoints": [[t, c_t, y_t], ...]} for t = every, 2 * every, ... below the end of
@@ -104,13 +102,9 @@ def read_point(source, response, close_id, fractions=(0.25, 0.5, 0.75)):
 
 def forced_verbal(model, tokenizer, prompts, responses, close_id, budget, k, seed=None, batch_size=8,
                   close_text=RLCR_REANSWER, max_new_tokens=1000):
-    """(conf [N], missing [N]): per response, the mean verbal confidence of k re-answers forced after
-    `prompt + thinking[:budget] + close_text` (thinking: up to its own `</think>`), and how many of
-    the k had no readable tag (read as 0.5).
-
-    Released (2_budget_eval_rlcr): close_text = RLCR_REANSWER, tokenized on its own and appended
-    to the ids, at most 1000 new tokens; each re-answer read by reanswer_confidence. close_text=None
-    closes with the `</think>` id alone (the toy world, which reads no English)."""
+    """(conf [N], missing [N]): per response, the mean reanswer_confidence of k re-answers forced after
+    `prompt + thinking[:budget] + close_text` (released: RLCR_REANSWER, tokenized on its own; None:
+    the `</think>` id alone, for the toy), and how many of the k had no readable tag."""
     if close_id is None:
         raise ValueError("--confidence verbal-forced needs a `</think>` token in the tokenizer")
     close = [close_id] if close_text is None else tokenizer.encode(close_text, add_special_tokens=False)
@@ -164,10 +158,7 @@ def _device(model):
 
 def logit_confidence(model, prompts, responses, pad_id, batch_size=8, temperature=0.8):
     """exp(mean_t log p_T(response token t)) with logits / temperature, one float per response (EOS
-    included). C2GSPG trains this c at the sampling temperature (0.8; verl's old_log_probs are at the
-    rollout temperature), so it is read there by default; temperature=1 is the raw model's.
-
-    prompts, responses: N lists of ids. Runs grpo.token_logprobs over grpo.pack micro-batches.
+    included): C2GSPG's confidence, trained at the sampling temperature; temperature=1: the raw model's.
     """
     out = []
     with torch.no_grad():

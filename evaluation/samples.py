@@ -1,10 +1,5 @@
-"""What identifies a model's samples, and the samples file evaluate.py appends to.
-
-A model is its resolved folder and content, or its hub id (model_id), shown under a short label (model_label) and
-filed under label@HASH where another model already holds that label in the output folder
-(filed_label). A sample row counts only for its model, its benchmark's source, its question's
-text and gold (question_ids) and the settings it was drawn with (sample_key); read_samples checks
-every row of samples.jsonl (is_sample). One writer per output folder (hold).
+"""What identifies a model's samples (model_id, model_label, filed_label, sample_key), and the
+samples file evaluate.py appends to (read_samples, own_rows); one writer per output folder (hold).
 """
 import hashlib
 import json
