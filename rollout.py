@@ -1,13 +1,12 @@
-"""Batched sampling with a KV cache: rollouts, forced answers and evaluation all go through here.
+"""Batched sampling with a KV cache, for rollouts, evaluation and label.py's plain path (its fast
+path builds a harness/sampling.Sampler itself).
 
     samples = generate(model, tokenizer, prompts, n=8, max_new_tokens=1024, temperature=0.8, seed=0)
     samples.ids[i * 8 + j]   # j-th continuation of prompts[i]: generated ids only, EOS/stop included
 
-Prompts go in chunks of batch_size. A chunk's prompts are prefilled once, the n samples of a prompt
-share its prefill, and every row gets one new token per step (temperature, top_p: sample_next),
-decoded "dynamic" (a DynamicCache that grows by a position per step, the reference loop:
-Sampler._decode_dynamic) or "static" (preallocated buffers and CUDA graphs: harness/staticcache.py;
-the default on CUDA); both give the same samples for a seed. The sampler is harness/sampling.py.
+A chunk of batch_size prompts is prefilled once, its n samples per prompt sharing the prefill, then
+decoded "dynamic" (the reference loop, Sampler._decode_dynamic in harness/sampling.py) or "static"
+(CUDA graphs, harness/staticcache.py; the default on CUDA): the same samples for a seed.
 
 Scores (scores=True, the RL step's rollout): with every sampled token come its log-prob and the
 entropy of the distribution it was drawn from, under the full softmax(logits / temperature) (at

@@ -98,24 +98,14 @@ def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device, extra=Non
     """One optimizer step over the micro-batches `mbs` (lists of batch rows; rows in none of them are
     left out), each weighted by its share of the tokens (token-mean) or sequences of those rows.
 
-    extra: None, or a loss term (name, coef, term) a mode adds (modes.extra_loss): term(logp,
-    loss_mask, rows) gives a micro-batch's values from the current, differentiable log-probs,
-    either [n] per sequence, and the loss adds coef * their mean over all sequences (every rank),
-    or [n, T] per token, and the loss adds coef * their aggregate by --agg, weighted like the
-    policy loss (verl's agg_loss of a term broadcast to the tokens). The result has that mean or
-    aggregate under `name`.
-
-    old_logp [N, T] from the scoring pass, or None for the on-policy case: the current log-probs,
-    detached, so ratio = exp(logp - logp.detach()) is exactly 1 whatever the compute precision.
-    sched: stepped after the optimizer (None: not stepped, for all but the last PPO epoch).
-    With batch["sampler_logp"] the result also has sampler_gap, sampler_kl_k3 and
-    sampler_ratio_max (the module docstring), from this call's forward, before its optimizer step.
-
-    With --offload (and --offload-grads gpu) gradients are reduced and copied to the host after the
-    last micro-batch only (FSDP2's set_requires_gradient_sync), the same sums in another order.
-    Ranks with fewer micro-batches than another run padding ones, because FSDP2 needs the same
-    number of forward/backward calls on every rank (not the same sizes): one row cut to 2 tokens,
-    at weight 0.
+    extra: None, or a mode's loss term (name, coef, term) (modes.extra_loss): term(logp, loss_mask,
+    rows) gives a micro-batch's values from the differentiable log-probs, [n] per sequence (the loss
+    adds coef * their mean over all sequences) or [n, T] per token (coef * their aggregate by --agg,
+    weighted like the policy loss); the result has that mean or aggregate under `name`.
+    old_logp [N, T] from the scoring pass, or None on-policy: the current log-probs, detached, so
+    the ratio is exactly 1. sched: stepped after the optimizer (None: not stepped).
+    Ranks with fewer micro-batches run padding ones (one row cut to 2 tokens, at weight 0): FSDP2
+    needs as many forward/backward calls on every rank.
     """
     policy.train()
     mask = batch["loss_mask"]

@@ -1,10 +1,6 @@
-"""The held-out check during training: accuracy, and the probe out of sample (its calibration on
-held-out trajectories).
-
-held_out_accuracy samples the same held-out problems with the same seed at every check (T 0.6), so
-two checks of a run differ only by the policy. Unlike the step's in-sample probe_bce / probe_ece, it
-labels the prefixes of its first --eval-probe-n trajectories as a step does (label.mc_labels) and
-logs the probe out of sample:
+"""The held-out check during training: accuracy, with the same problems and seed at every check
+(T 0.6), and the probe out of sample, on the prefixes of the first --eval-probe-n trajectories,
+labelled as a step labels them (unlike the step's in-sample probe_bce / probe_ece):
 
     eval_probe_bce    -mean_b [Y_b log C_b + (1 - Y_b) log(1 - C_b)]        (soft labels, as fitted)
     eval_probe_ece    metrics.ece(C_b, Y_b)
@@ -13,9 +9,6 @@ logs the probe out of sample:
     eval_margin       mean over trajectories of reward.margin_reward (the reward it would have earned);
                       under the Brier modes eval_brier, the mean of reward.brier_reward instead
     eval_probe_prefixes  how many prefixes
-
-With soft labels the ECE over prefixes equals the ECE over the K forced answers, so all three read
-the same binary events.
 """
 import numpy as np
 import torch

@@ -1,31 +1,18 @@
 """Two uses of a calibrated confidence: weighted voting over samples, and early exit from a trace.
 
-Voting. A question's n sampled answers, each with a confidence c_i, are grouped into clusters of
-equal answers (`cluster_answers`); samples without an answer abstain, ties go to the cluster that
-appears first. `voting_curves`: accuracy as the votes k grow (1, 2, 4, ..., n), over random subsets.
+Voting over clusters of equal answers (cluster_answers; no answer abstains, ties go to the first):
+majority argmax_a sum_i 1[answer_i = a], weighted argmax_a sum_i 1[answer_i = a] * c_i.
 
-    majority:  argmax_a  sum_i 1[answer_i = a]
-    weighted:  argmax_a  sum_i 1[answer_i = a] * c_i
+Early exit (conformal risk control, Angelopoulos et al. 2022). A trace's checkpoints j, every
+`every` thinking tokens, hold its probe confidence c_j, tokens t_j and y_j = 1 if an answer forced
+there is right; at threshold lam it exits at the first c_j >= lam, with loss 1 - y_j (0 if it never
+exits). That loss is not monotone in lam, so lam is calibrated on its monotone upper bound
 
-Early exit (conformal risk control, Angelopoulos et al. 2022). A trace has checkpoints j = 1..J
-every `every` thinking tokens, each with the probe confidence c_j, the tokens t_j so far and y_j = 1
-if an answer forced there is right. At threshold lam it exits at the first j with c_j >= lam:
+    bound_loss(lam) = max_{lam' >= lam} loss(lam') = 1[lam <= m]   (m: worst_exit)
 
-    loss(lam) = 1 - y_j  at the exit checkpoint j,   0 if the trace never exits
-
-CRC needs a loss non-increasing in lam, and this one is not (a higher lam can move an exit from a
-right checkpoint to a later, wrong one), so the threshold is calibrated on its smallest
-non-increasing upper bound, the worst exit at lam or above:
-
-    bound_loss(lam) = max_{lam' >= lam} loss(lam') = 1[lam <= m],   m = the highest c_j of a wrong
-                      checkpoint that is some threshold's exit (c_j above every earlier c), else -inf
-
-The exchangeable units are questions (a question's samples are not independent): L_i is the mean
-bound_loss of its traces, and on n calibration questions the threshold is the smallest lam with
-
-    (n * mean_i L_i(lam) + 1) / (n + 1) <= epsilon
-
-The guarantee E[test risk] <= epsilon is over random calibration / test splits.
+with questions as the exchangeable units (L_i: the mean bound_loss of a question's traces): on n
+calibration questions, the smallest lam with (n * mean_i L_i(lam) + 1) / (n + 1) <= epsilon. The
+guarantee E[test risk] <= epsilon is over random calibration / test splits (docs/reference.md).
 """
 import math
 import random
@@ -34,12 +21,9 @@ import numpy as np
 
 
 def cluster_answers(answers, same=None):
-    """Cluster ids for one question's answers: equal answers share an id, None stays None.
-
-    answers: list of str or None; same(a, b) -> bool decides equality of two distinct strings
-    (e.g. grade.answers_match), compared against each cluster's first answer. Ids count from 0 in
-    order of first appearance: cluster_answers(["2", None, "2", "3"]) == [0, None, 0, 1].
-    """
+    """Cluster ids of one question's answers, from 0 by first appearance, None staying None; same(a,
+    b) (e.g. grade.answers_match) compares an answer with each cluster's first one.
+    cluster_answers(["2", None, "2", "3"]) == [0, None, 0, 1]."""
     reps, ids = [], []
     for a in answers:
         if a is None:
@@ -56,12 +40,9 @@ def cluster_answers(answers, same=None):
 
 
 def vote(keys, confs=None):
-    """Winning key of one vote: keys [k] (None abstains), confs [k] or None for a plain majority.
-
-    Returns the key with the largest total weight (count, or sum of confidences), ties broken by the
-    first appearance in `keys`; None when every voter abstains.
-    vote([1, 0, 0]) == 0; vote([1, 0, 0], [0.9, 0.3, 0.4]) == 1; vote([1, 0]) == 1.
-    """
+    """The key of largest total weight (count, or with confs the sum of confidences), ties to the
+    first (None abstains; all abstaining: None). vote([1, 0, 0]) == 0; vote([1, 0, 0], [0.9, 0.3, 0.4])
+    == 1; vote([1, 0]) == 1."""
     score, first = {}, {}
     for i, k in enumerate(keys):
         if k is None:
@@ -109,11 +90,8 @@ def voting_curves(questions, draws=16, seed=0):
 
 
 def exit_outcome(trace, lam):
-    """(loss, tokens) of one trace at threshold lam.
-
-    trace: {"checkpoints": [(t_j, c_j, y_j), ...] in increasing t, "length": tokens of the full trace}.
-    Exits at the first c_j >= lam with loss 1 - y_j and t_j tokens; else loss 0 and the full length.
-    """
+    """(loss, tokens) of a trace {"checkpoints": [(t_j, c_j, y_j), ...], "length"} at threshold lam:
+    (1 - y_j, t_j) at the first c_j >= lam, else (0, length)."""
     for t, c, y in trace["checkpoints"]:
         if c >= lam:
             return 1.0 - float(y), float(t)
@@ -121,11 +99,8 @@ def exit_outcome(trace, lam):
 
 
 def worst_exit(trace):
-    """m of a trace: the highest confidence of a wrong checkpoint at which some threshold exits
-    (its confidence above every earlier one), -inf if none; bound_loss(lam) = 1[lam <= m].
-
-    For checkpoints (c, y) = (0.3, 1), (0.5, 0), (0.4, 0): m = 0.5 (0.4 is never an exit).
-    """
+    """m of a trace: the highest confidence of a wrong checkpoint at which some threshold exits (its
+    confidence above every earlier one), -inf if none. (c, y) = (0.3, 1), (0.5, 0), (0.4, 0): 0.5."""
     top, m = -math.inf, -math.inf
     for _, c, y in trace["checkpoints"]:
         if c > top:
@@ -142,11 +117,8 @@ def crc_bound(units, lam):
 
 
 def crc_threshold(units, epsilon):
-    """Smallest threshold lam with crc_bound(units, lam) <= epsilon (the bound falls as lam grows).
-
-    Candidates are the checkpoint confidences seen in `units` plus inf (never exit). Returns inf when
-    only never-exiting is safe, None when even that bound exceeds epsilon (1 / (n + 1) > epsilon).
-    """
+    """Smallest lam among the checkpoint confidences with crc_bound(units, lam) <= epsilon: inf when
+    only never exiting is, None when not even that (1 / (n + 1) > epsilon)."""
     n = len(units)
     if 1.0 / (n + 1) > epsilon:
         return None
@@ -165,12 +137,9 @@ def crc_threshold(units, epsilon):
 
 
 def early_exit(cal, test, epsilons=(0.1, 0.2, 0.3)):
-    """For each epsilon: the CRC threshold on the `cal` units and what it does on the `test` units.
-
-    cal, test: lists of units (one list of traces per question). Returns a list of dicts {epsilon,
-    threshold (None: infeasible, inf: never exit), cal_bound, and over the test traces: test_risk =
-    mean loss, exit_rate, tokens_saved = 1 - sum(tokens used) / sum(full lengths)}.
-    """
+    """Per epsilon, a dict: the CRC threshold on the `cal` units (lists of traces, one per question;
+    None: infeasible, inf: never exit), cal_bound, and on the test traces test_risk (mean loss),
+    exit_rate and tokens_saved = 1 - sum(tokens used) / sum(full lengths)."""
     traces = [tr for unit in test for tr in unit]
     full = sum(float(tr["length"]) for tr in traces) or 1.0
     rows = []
