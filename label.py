@@ -1,35 +1,26 @@
 """Monte-Carlo labels for reasoning prefixes: truncate, force an answer K times, count.
 
-For a response of T generated tokens (EOS included) RLCM cuts it at
+A response of T generated tokens (EOS included) is cut at (Python round: half to even, zeros and
+duplicates dropped)
 
-    b = min(T, round(f * T))   for f in (0.25, 0.5, 0.75)     (Python round: half to even)
+    b = min(T, round(f * T))   for f in (0.25, 0.5, 0.75)
 
-drops zeros and duplicates, and asks the policy to answer right now from each prefix:
+and the policy answers right now from each prefix, K = 4 times (temperature 0.8, top-p 1.0, at most
+32 tokens, stopped at a newline); an answer is the text up to the brace closing the forced box:
 
     forced = prompt + response[:b] + CLOSE + SUFFIX
-    SUFFIX = "\\nIf I were to output the final answer now, it would be \\\\boxed{"
+    Y_b    = (1/K) * sum_k 1[answer_k == gold]    (grade.answers_match; --reward-fn: its mean value)
 
-CLOSE is `</think>` (close="think", the paper's description) or the tokenizer's EOS token
-(close="eos", what the released code inserts); a prefix that already ends on it gets no second one
-(the released build_forced_output_tokens: at b = T the response ends on EOS, and a cut may fall
-right after the response's own `</think>`). K continuations are sampled (K=4, temperature 0.8,
-top-p 1.0, at most 32 tokens, stop at a newline); the forced answer is the text up to the brace that
-closes the forced `\\boxed{` (unclosed: wrong), and the label is
+CLOSE is `</think>` (close="think", the paper's) or the EOS token (close="eos", the released code),
+not doubled where the prefix already ends on it (closed_cut). Equal forced prompts are asked once.
 
-    Y_b = (1/K) * sum_k 1[answer_k == gold]     (== under the run's grader: grade.answers_match)
-
-(with --reward-fn, the mean of its values of the answers instead: harness/rewardfn.py).
-
-Identical forced prompts (samples of one problem that agree up to the cut) are labelled once.
-
-`mc_labels` is this algorithm in three steps (forced prompts, K answers to each, Y_b). The answers
-come from `sample_answers`: its plain path (tree=False), the one to read, is rollout.generate on
-each whole forced prompt; its default, the fast path (`_forced_samples`), gives the same samples
-(tests/test_label.py) at less cost, prefilling along the prefix tree the forced prompts of a
-trajectory make, and reads the probe's features (features=True) off that same prefill. Each answer
-draws from a random stream seeded from (seed, its forced prompt, its index among the K), so the
-labels do not depend on how the cuts are grouped or chunked. How the fast path shares its prefill:
-docs/reference.md, "Evaluation and the method's leaves, in more words".
+`mc_labels` is this algorithm in three steps (forced prompts, K answers to each, Y_b). Its answers
+come from `sample_answers`: the plain path (tree=False), the one to read, is rollout.generate on
+each whole forced prompt; the fast path (the default, `_forced_samples`) gives the same samples
+(tests/test_label.py) at less cost, prefilling along the prefix tree of a trajectory's forced
+prompts, and reads the probe's features off that prefill. Each answer draws from a stream seeded
+from (seed, its forced prompt, its index), so labels do not depend on how cuts are grouped.
+How the tree is shared: docs/reference.md, "Evaluation and the method's leaves, in more words".
 """
 from contextlib import nullcontext
 

@@ -4,8 +4,7 @@ so this file can be copied into any project as is.
 Shapes: N trajectories, B prefixes (truncation points) per trajectory.
   conf   [N, B]  probe confidence C_b = sigmoid(probe(h_b)) of prefix b, in [0, 1]
   labels [N, B]  Monte-Carlo label Y_b in [0, 1] (fraction of K forced answers that were right)
-  mask   [N, B]  1 where prefix b exists (responses have different numbers of prefixes), else 0
-  correct [N]    1 if the final answer is right, else 0 (bool or 0/1 float)
+  mask   [N, B]  1 where prefix b exists, else 0;  correct [N]  1 if the final answer is right, else 0
 
 RLCM:
   margin  = mean(C_b : Y_b == 1) - mean(C_b : Y_b == 0)   (solvable minus unsolvable prefixes),
