@@ -46,13 +46,6 @@ LIMITS.update(temperature=(lambda v: v >= 0, ">= 0 (0: greedy)"), top_p=(lambda 
               seed=(lambda v: 0 <= v < 2**32, "in [0, 2**32)"), logit_temperature=(lambda v: v > 0, "> 0"))
 
 
-def load_model(name):
-    """(model in eval mode on the GPU if there is one, tokenizer); trust_remote_code stays off."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tok = models.load_model(name, torch.bfloat16 if device == "cuda" else torch.float32)
-    return model.to(device).eval(), tok
-
-
 def evaluate_model(name, loaded, args):
     """Generate (resuming), score and summarize one model on every benchmark; returns its results."""
     path = resolve_model(name)
@@ -60,7 +53,9 @@ def evaluate_model(name, loaded, args):
     out_dir = args.out or default_out(name, path)
     if MASTER and os.path.isdir(out_dir):   # a second writer stops before loading anything
         hold(out_dir)
-    model, tok = load_model(name)
+    device = "cuda" if torch.cuda.is_available() else "cpu"   # trust_remote_code stays off
+    model, tok = models.load_model(name, torch.bfloat16 if device == "cuda" else torch.float32)
+    model = model.to(device).eval()
     prompt = run_prompt(path, args)
     check_prompts(tok, model, loaded, args, prompt[0], prompt[1])
     if MASTER:   # rank 0 alone reads and writes the folder; the other ranks get what they need from it

@@ -222,11 +222,9 @@ def blank_answer(tag):
 
 
 def rlcr_answer(text):
-    """The answer of a natural RLCR response as the released evaluation grades it (1_obtain_validation_
-    rollouts --use_rlcr, gated by natural_eval on a complete tag): the last <answer> tag, None without
-    one; where that tag is blank and the text holds a `\\boxed{`, the last box instead (strict
-    extraction: None if it never closes). "<answer></answer> so \\boxed{5}" -> "5". Evaluation only:
-    the training reward (rlcr.compute_score) has no box fallback."""
+    """The answer of a natural RLCR response as the released evaluation reads it: the last <answer>
+    tag, None without one; a blank tag in a text with a `\\boxed{`: the last box (strict extraction).
+    "<answer></answer> so \\boxed{5}" -> "5". Evaluation only: the training reward has no fallback."""
     tag = answer_tag(text)
     return last_boxed(text) if tag is not None and blank_answer(tag) and "\\boxed{" in text else tag
 
@@ -239,10 +237,8 @@ def thinking(text):
 
 
 def boxed_in_thinking(text):
-    """Whether the thinking holds a box: the released evaluation's gate on a natural answer (a rollout
-    counts as right only if so) and on copying it as a post-hoc label: last_boxed_only_string, so only
-    a `\\boxed{` that closes counts (not `\\fbox{}`, not the bare `\\boxed 5`). `3+5=8</think>\\boxed{8}`
-    has none; `3+5=8 so \\boxed{8}</think>` has one."""
+    """Whether the thinking holds a `\\boxed{` that closes (not `\\fbox{}` nor `\\boxed 5`): the released
+    evaluation's gate on a natural answer. `3+5=8</think>\\boxed{8}` has none; `8 \\boxed{8}</think>` one."""
     return last_boxed(thinking(text)) is not None
 
 

@@ -92,9 +92,8 @@ def absolute_cuts(length, every):
 
 
 def read_point(source, response, close_id, fractions=(0.25, 0.5, 0.75)):
-    """Where a probe is read for a sample's confidence, in response tokens: the end of thinking for the
-    post-hoc probe; for the run's own probe the last of its training budgets (label.budgets of the
-    response length with the run's fractions: 6 for a response of 8 tokens), where it saw data."""
+    """Where a probe is read, in response tokens: the post-hoc probe at the end of thinking, the run's
+    own at its last training cut (label.budgets with the run's fractions: 6 of 8 tokens)."""
     if source == "probe":
         return max(budgets(len(response), fractions), default=0)
     return think_end(response, close_id)
@@ -129,8 +128,7 @@ def reanswer_confidence(text):
 
 def sample_by_length(model, tokenizer, prompts, k, run=None, **kw):
     """The k sampled texts of each prompt (lists, in the order given); on the static path (CUDA)
-    sampled shortest prompt first. run: the generate called (default rollout.generate; the post-hoc
-    fit's: evaluation/shard.generate_dealt, its chunks dealt to evaluate.py's workers).
+    sampled shortest prompt first. run: the generate called (default rollout.generate).
 
     Forced prompts come a rollout's budgets after one another, so in that order the width, and with
     it the static decoder's shape, changes at nearly every chunk; sorted, a chunk holds prompts of
@@ -173,11 +171,8 @@ def logit_confidence(model, prompts, responses, pad_id, batch_size=8, temperatur
 
 
 def features(model, prompts, responses, budget_lists, pad_id, final_norm, batch_size=8):
-    """Probe features at each budget of each response: N tensors [B_i, d] float32 on CPU.
-
-    final_norm=False: training features (mean of the 4 pre-norm states before prompt_len + b);
-    final_norm=True: the post-hoc feature (final normed state of the token at prompt_len + b - 1).
-    """
+    """Probe features at each cut of each response, N tensors [B_i, d] float32 on CPU: the training
+    feature, or with final_norm the post-hoc one (the final normed state at prompt_len + b - 1)."""
     out = []
     for s in range(0, len(prompts), batch_size):
         ps, rs, bs = prompts[s:s + batch_size], responses[s:s + batch_size], budget_lists[s:s + batch_size]

@@ -31,8 +31,7 @@ TIMEOUT = datetime.timedelta(hours=24)
 
 def setup():
     """Join the workers' group (several ranks only) and put this rank on its own GPU. The group is
-    gloo on every device: the ranks exchange Python objects (the calls to run, the rows, the post-hoc
-    fit's samples and features, the probe), never the model's tensors."""
+    gloo on every device: the ranks exchange Python objects, never the model's tensors."""
     if WORLD == 1 or dist.is_initialized():
         return
     if torch.cuda.is_available():
@@ -50,8 +49,8 @@ def share(obj):
 
 
 def share_probe(got, device):
-    """Rank 0's (probe or None, report or None) on every rank. The probe sits where rank 0's does: on
-    the CPU (a run's probe.pt) or on the GPU it was fitted on, here this rank's `device`."""
+    """Rank 0's (probe or None, report or None) on every rank, the probe on the CPU or, where rank 0's
+    is on its GPU, on this rank's `device`."""
     if WORLD == 1:
         return got
     on_gpu = MASTER and got[0] is not None and next(got[0].parameters()).device.type == "cuda"
@@ -80,9 +79,8 @@ def spread(fn, items):
 
 
 def generate_dealt(model, tokenizer, prompts, n=1, batch_size=None, progress=None, **kw):
-    """rollout.generate's Samples of every prompt, on every rank, its chunks dealt to the workers
-    (chunk i to rank i % WORLD, as deal deals calls): each chunk is sampled whole with its own
-    generator, so the samples are one process's. progress: the label of rank 0's bar (its chunks)."""
+    """rollout.generate's Samples of every prompt on every rank, chunk i sampled whole by rank
+    i % WORLD with its own generator: one process's samples. progress: rank 0's bar's label."""
     if WORLD == 1:
         return rollout.generate(model, tokenizer, prompts, n, batch_size=batch_size, progress=progress, **kw)
     count = -(-len(prompts) // (batch_size or max(len(prompts), 1)))
