@@ -37,10 +37,8 @@ def sample_confidences(source, model, tokenizer, prompts, responses, texts, gold
                        close_id=None, every=None, exit_k=1, suffix=EVAL_SUFFIX, close="think", seed=0,
                        batch_size=8, rows=64, fractions=(0.25, 0.5, 0.75), forced_k=16, budget=8000,
                        reanswer=RLCR_REANSWER, logit_temperature=0.8):
-    """One confidence per response, plus per-sample extras for the results.
-
-    Probe sources read their probe at read_point (`fractions`: the run's config's).
-    Returns (conf [N] floats, extras [N] dicts). verbal: extras {"verbal_missing": bool};
+    """(conf [N] floats, extras [N] dicts): one confidence per response, probes read at read_point
+    (`fractions`: the run's config's). verbal: extras {"verbal_missing": bool};
     verbal-forced: {"verbal_missing": how many of the forced_k re-answers had no tag}. Probe sources
     with `every`: {"checkpoints": [[t, c_t, y_t], ...]} for t = every, 2 * every, ... below the end of
     thinking: the probe's confidence after t thinking tokens and whether one forced answer there
@@ -128,11 +126,8 @@ def reanswer_confidence(text):
 
 def sample_by_length(model, tokenizer, prompts, k, run=None, **kw):
     """The k sampled texts of each prompt (lists, in the order given); on the static path (CUDA)
-    sampled shortest prompt first. run: the generate called (default rollout.generate).
-
-    Forced prompts come a rollout's budgets after one another, so in that order the width, and with
-    it the static decoder's shape, changes at nearly every chunk; sorted, a chunk holds prompts of
-    about one width. The dynamic path keeps the given order: it has no shapes to keep.
+    sampled shortest prompt first, so that a chunk holds prompts of about one width (one static
+    shape) rather than a rollout's budgets in turn. run: the generate called (rollout.generate's).
     """
     order = list(range(len(prompts)))
     if sampling.default_decode(model) == "static":

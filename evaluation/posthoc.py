@@ -110,20 +110,15 @@ def posthoc_examples(model, tokenizer, prompts, responses, texts, golds, groups,
 
 
 def posthoc_budgets(thinking, every=500, count=16):
-    """The released budgets every, 2 * every, ..., count * every thinking tokens, as the prefix length
-    read at each: a budget past the end of thinking reads the end of thinking.
-
-    posthoc_budgets(20, 8, 4) == [8, 16, 20, 20]; always `count` entries per rollout.
-    """
+    """The released budgets every, 2 * every, ..., count * every as the prefix length read at each,
+    one past the end of thinking reading its end: posthoc_budgets(20, 8, 4) == [8, 16, 20, 20]."""
     return [min(every * (i + 1), thinking) for i in range(count)]
 
 
 def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions, ends, k=16,
                    suffix=EVAL_SUFFIX, close="think", stop=(), copy_natural=True, max_new_tokens=64,
                    seed=0, rows=64, lead=EVAL_LEAD, gate="thinking", grader="math", run=None):
-    """(Y_b for each rollout's budget positions: N lists of floats, how many were copied).
-
-    At the end of thinking (ends[i]) of a thinking that holds a box (gate="thinking"; "none": a box
+    """(Y_b for each rollout's budget positions: N lists of floats, how many were copied). At the end of thinking (ends[i]) of a thinking that holds a box (gate="thinking"; "none": a box
     anywhere), the natural answer's grade is copied (copy_natural). Elsewhere Y_b is the share of k
     answers forced from `prompt + response[:b] + lead + CLOSE + suffix` (T 0.6, top-p 0.95) that
     are right, read from the last box of `suffix + answer`; equal forced prompts are sampled once.

@@ -177,5 +177,12 @@ def report_uses(results):
             p = res["posthoc_probe"]
             lines.append(f"{label}: post-hoc probe val BCE {p['val_bce']:.4f} vs base rate {p['base_bce']:.4f} "
                          f"(lr {p['lr']}, dropout {p['dropout']}, wd {p['weight_decay']}, {p['prefixes']} prefixes)")
-        lines += [f"{label} {bench} {line}" for bench, b in res["benchmarks"].items() for line in uses.describe(b)]
+        for bench, b in res["benchmarks"].items():
+            v = b["voting"]
+            lines.append(f"{label} {bench} voting k={v['k']}: majority " + " ".join(f"{a:.3f}" for a in v["majority"])
+                         + " | weighted " + " ".join(f"{a:.3f}" for a in v["weighted"]))
+            lines += [f"{label} {bench} early exit eps {e['epsilon']}, mean of {e['splits']} random half splits: "
+                      f"test risk {e['test_risk']:.3f} (sd {e['test_risk_sd']:.3f}), exits {e['exit_rate']:.0%}, "
+                      f"tokens saved {e['tokens_saved']:.1%}; split 0: threshold {e['threshold']}, cal bound "
+                      f"{e['cal_bound']:.3f}, test risk {e['test_risk_split0']:.3f}" for e in b.get("early_exit", [])]
     return "\n".join(lines)

@@ -195,16 +195,3 @@ def from_samples(rows, same=None, draws=16, seed=0, epsilons=(0.1, 0.2, 0.3), sp
         units = [[{"checkpoints": r["checkpoints"], "length": r["length"]} for r in by_q[q]] for q in sorted(by_q)]
         out["early_exit"] = split_early_exit(units, epsilons, splits, seed)
     return out
-
-
-def describe(res):
-    """Printable lines for a from_samples result: the voting curves, one line per early-exit epsilon."""
-    v = res["voting"]
-    lines = [f"voting k={v['k']}: majority " + " ".join(f"{a:.3f}" for a in v["majority"])
-             + " | weighted " + " ".join(f"{a:.3f}" for a in v["weighted"])]
-    for e in res.get("early_exit", []):
-        lines.append(f"early exit eps {e['epsilon']}, mean of {e['splits']} random half splits: test risk "
-                     f"{e['test_risk']:.3f} (sd {e['test_risk_sd']:.3f}), exits {e['exit_rate']:.0%}, tokens saved "
-                     f"{e['tokens_saved']:.1%}; split 0: threshold {e['threshold']}, cal bound {e['cal_bound']:.3f}, "
-                     f"test risk {e['test_risk_split0']:.3f}")
-    return lines
