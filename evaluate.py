@@ -7,14 +7,10 @@ of the confidence (weighted voting, conformal early exit).
     python evaluate.py --model deepseek-r1-distill-qwen-7b --model runs/rlcm \\
         --benchmarks math500,aime24,aime25,amc23                              # one worker per GPU
 
-Per model and benchmark: n samples per question, graded, each with a confidence (default: the
-post-hoc probe), appended to --out/samples.jsonl (an interrupted evaluation resumes), then the
-metrics with 95 % intervals, pass@k, voting and early exit in --out/results.json and the printed
-table, and a reliability diagram. Settings and protocol: docs/reference.md, "Evaluation".
-
-This file is the command: its flags, and evaluate_model, one model (load, pick the probe, then per
-benchmark generate, summarize and plot). One benchmark's sampling is evaluation/generation.py; the
-workers of --nproc, evaluation/shard.py; the metrics, evaluation/report.py.
+Per model and benchmark (evaluate_model): n samples per question, graded, each with a confidence,
+appended to --out/samples.jsonl (evaluation/generation.py; an interrupted evaluation resumes), then
+the metrics in --out/results.json and the printed table (evaluation/report.py), and a reliability
+diagram. Settings and protocol: docs/reference.md, "Evaluation".
 """
 import argparse
 import os

@@ -1,20 +1,15 @@
 """The forwards of one RL step: scoring the rollout before the update, where it is needed, and the update.
 
-`score` is one no-grad pass over prompt + response with the rollout weights: old token log-probs at
-the sampling temperature (needed only with --ppo-epochs > 1 and by C2GSPG's sequence confidence;
-with one update they are the current ones, detached), and the probe's features at the cut ends
-(probe.prefix_features; final_norm=True: the post-hoc probe's, the final normed state of the last
-token). A forward hook (probe.last_layer) reduces the last layer's output to those positions, so no
-[N, L, d] stack of hidden states is kept.
+`score`, one no-grad pass over prompt + response: old token log-probs (for --ppo-epochs > 1 and
+C2GSPG's confidence) and the probe's features at the cut ends, which a forward hook
+(probe.last_layer) reduces to those positions, so no [N, L, d] stack of hidden states is kept.
 
-`update` is one optimizer step over micro-batches of at most --micro-tokens padded tokens, each
-weighted by its share of the batch, so the gradient is that of one loss over the batch however it
-is cut, on one process or under FSDP2 (--agg token-mean-per-micro-batch, the released verl actor's,
-weighs each micro-batch's token-mean by its rows instead).
-
-Where the batch carries the sampler's log-probs (grpo.pack's sampler_logp), the update measures how
-far the sampler (the bf16 generation copy on GPUs) is from the policy, with d = logp_trainer -
-logp_sampler on the trained response tokens, in float64:
+`update`, one optimizer step over micro-batches of at most --micro-tokens padded tokens, each
+weighted by its share of the batch: the gradient of one loss over the batch however it is cut, on
+one process or under FSDP2 (--agg token-mean-per-micro-batch weighs them by rows, as verl does).
+With the sampler's log-probs in the batch (grpo.pack's sampler_logp) it measures how far the sampler
+(the bf16 generation copy on GPUs) is from the policy, d = logp_trainer - logp_sampler per trained
+response token, in float64:
   sampler_gap        mean over tokens of |d|
   sampler_kl_k3      mean over tokens of r - 1 - log r, r = exp(d): Schulman's k3 estimate of
                      KL(sampler || trainer), since the tokens are drawn from the sampler
@@ -47,7 +42,8 @@ def score(model, batch, ends=None, temperature=1.0, chunk_size=1024, last_k=LAST
 
     batch: `grpo.pack` output (input_ids / attention_mask [N, L]); ends: [N, B] absolute ends, or
     None for no features. Returns (old_logp [N, L-1] float32 or None, feats [N, B, d] float32 and
-    valid [N, B] bool, or None and None).
+    valid [N, B] bool, or None and None). final_norm: the post-hoc probe's feature, the final normed
+    state of the last token before each end, in place of probe.prefix_features' training one.
     """
     ids, mask = batch["input_ids"], batch["attention_mask"]
     captured = {}

@@ -1,6 +1,4 @@
-"""Where a sample's confidence comes from at evaluation: sample_confidences, one number per response.
-
-Sources (one number in [0, 1] per sampled response):
+"""Where a sample's confidence, a number in [0, 1], comes from at evaluation (sample_confidences):
   probe          the run's own probe.pt, on the training feature at the last of the run's budgets
                  (where it saw data; not at the end of thinking)
   probe-posthoc  the post-hoc probe (evaluation/posthoc.py) on the final normed state of the last

@@ -5,12 +5,10 @@ samples.jsonl with the rows one process would have written, in the same order.
     python evaluate.py --model toy --benchmarks toy --nproc 2  # two CPU workers (gloo): the same bytes
     torchrun --nproc_per_node 8 evaluate.py --model M ...      # torchrun's ranks: the same path
 
-What is dealt out is a generate call, not a question: a call's samples depend on its questions
-together (seed, per-row noise, padding), so each call is formed as one process forms it and run
-whole by one worker: in round r, rank k runs call r * WORLD + k, and rank 0 appends the round's
-rows in call order. Rank 0 alone reads and writes the output folder; the others get what they need
-from it (share). The post-hoc probe's generate chunks, feature batches and gradings are dealt the
-same way (generate_dealt, spread). Grading runs in a thread while the next call generates (Rounds).
+A call's samples depend on its questions together (seed, per-row noise, padding), so whole calls
+are dealt: in round r, rank k runs call r * WORLD + k, and rank 0, which alone reads and writes the
+output folder, appends the round's rows in call order. The post-hoc fit's work is dealt the same way
+(generate_dealt, spread). Grading runs in a thread while the next call generates (Rounds).
 """
 import copy
 import dataclasses
