@@ -95,11 +95,8 @@ def logprobs_from_hidden(hidden, lm_head, targets, temperature=1.0, chunk_size=1
 
 
 def token_logprobs(model, input_ids, attention_mask, temperature=1.0, chunk_size=1024):
-    """Log-probs [N, L-1] of input_ids[:, 1:] under a causal LM (a transformers *ForCausalLM).
-
-    Runs the decoder model.model(...) for the final hidden states, then logprobs_from_hidden with
-    model.lm_head; model(...) is never called, so [N, L, V] logits never exist.
-    """
+    """Log-probs [N, L-1] of input_ids[:, 1:] under a transformers *ForCausalLM: its decoder, then
+    logprobs_from_hidden with its lm_head, so [N, L, V] logits never exist."""
     hidden = model.model(input_ids=input_ids, attention_mask=attention_mask,
                          use_cache=False).last_hidden_state
     return logprobs_from_hidden(hidden, model.lm_head, input_ids[:, 1:], temperature, chunk_size)

@@ -38,11 +38,10 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
              scores=False, chunks=None, keyed=False) -> Samples:
     """Sample n continuations of each prompt. prompts: list of token-id lists (chat template applied).
 
-    stop: strings (stop once the generated text contains one) and/or token ids; the token that
-    completes a stop is kept. eos_ids default to the generation config's and tokenizer's EOS.
-    seed: the same seed, prompts and batch_size give the same samples, with either decode path.
-    scores: Samples.logprobs and .entropy_sum score every sampled id (module docstring, Scores);
-    the RL step asks for them, evaluation does not (empty lists then).
+    stop: strings (stop once the generated text contains one) and/or token ids, the token that
+    completes a stop kept. eos_ids: default the generation config's and tokenizer's. seed: the same
+    seed, prompts and batch_size give the same samples, on either decode path. scores:
+    Samples.logprobs and .entropy_sum (module docstring; else empty lists).
     batch_size: prompts per chunk (rows = batch_size * n). decode: "static" | "dynamic" | None
     (static on CUDA). chunks: the indices of the chunks to sample (None: all), each with the
     generator it has in a call that runs them all (evaluation/shard.py). progress: a bar (a string:
