@@ -25,9 +25,8 @@ def verbal_confidence(text):
     as is, (1, 100] / 100: "0.8" -> 0.8, "85" or "85%" -> 0.85. No tag, no number, or a value below 0
     or above 100 -> (0.5, True): RL cannot earn a sure 1.0 or 0.0 by writing "150" or "-3".
 
-    The matches are found as the regex's would be (each from the first opening tag after the
-    previous match to the nearest closing tag) by str.find moving forward: linear in the text, so a
-    policy that repeats "<confidence>" 8,000 times costs one pass, not one pass per tag.
+    The matches are the regex's, found by str.find moving forward: linear in the text, however many
+    "<confidence>" a policy repeats.
     """
     span, pos = None, 0
     while (start := text.find("<confidence>", pos)) >= 0:
@@ -57,11 +56,8 @@ def sequence_confidence(logp, mask):
 
 
 def c2gspg_advantages(rewards01, conf, group_size):
-    """C2GSPG's advantage: A = (r - mean_group r) / max(1 - c, 1e-6), [N] -> [N].
-
-    rewards01: 0/1 correctness; conf: the sequence confidence c, detached (the advantage is a
-    constant; the BCE term is c2gspg_loss).
-    """
+    """C2GSPG's advantage: A = (r - mean_group r) / max(1 - c, 1e-6), [N] -> [N]; rewards01: 0/1
+    correctness; conf: the sequence confidence c, detached (the BCE term is c2gspg_loss)."""
     r = torch.as_tensor(rewards01, dtype=torch.float32)
     c = torch.as_tensor(conf).detach().to(r.device, torch.float32)
     if group_size < 1 or r.numel() % group_size or c.shape != r.shape:
@@ -80,15 +76,9 @@ def c2gspg_bce(c, rewards01):
 
 
 def c2gspg_loss(correct, form="seq-mean"):
-    """C2GSPG's term of the policy loss, as update.update's `extra` (name, coefficient, term):
-    0.1 * BCE(c_theta, correct), logged as c2gspg_bce, in one of two forms (--c2gspg-bce):
-      seq-mean    the mean over sequences
-      token-mean  every response token carries its sequence's BCE, aggregated like the policy loss
-                  (the released compute_policy_loss_c2gspg's agg_loss: with --agg token-mean a
-                  length-weighted mean, so an 8000-token response counts 16x a 500-token one)
-
-    correct [N] 0/1 for the batch's rows; the term gets the current policy's log-probs of a
-    micro-batch (logp, loss_mask [n, T]) and its row indices.
+    """C2GSPG's term of the policy loss, update.update's `extra` (name, coefficient, term): 0.1 *
+    BCE(c_theta, correct [N] 0/1), logged as c2gspg_bce, as the mean over sequences ("seq-mean") or
+    with every response token carrying its sequence's BCE ("token-mean", the released agg_loss).
     """
     if form not in ("seq-mean", "token-mean"):
         raise ValueError(f"form must be 'seq-mean' or 'token-mean', got {form!r}")

@@ -7,27 +7,10 @@ of the confidence (weighted voting, conformal early exit).
     python evaluate.py --model deepseek-r1-distill-qwen-7b --model runs/rlcm \\
         --benchmarks math500,aime24,aime25,amc23                              # one worker per GPU
 
-For each model and benchmark: n samples per question (temperature 0.6, top-p 1.0, up to 8000 tokens; 32
-samples on AIME 2024/2025 and AMC 2023, 4 elsewhere; the toy world: 4 samples of at most 128 tokens;
-evaluation/benchmarks.py), graded by the last \\boxed{} (math grader; a run trained with --reward rlcr, or any
-model under --mode rlcr, the released reading of RLCR and C2GSPG: its last <answer> tag, `--answer`;
-LiveCodeBench: the last fenced code block, run against its tests), each with a confidence
-(evaluation/confidence.py; default: the post-hoc probe, fitted once per model with the released protocol and
-cached in --out, evaluation/posthoc.py; `probe` is the run's own probe.pt, read at its last training budget;
-evaluation/probes.py). Written to --out (default RUN/eval for a run or checkpoint, else eval_out/<model>):
-samples.jsonl (appended per generate call: an interrupted evaluation resumes where it stopped; a row counts
-only for its model's resolved path and content, its benchmark's file and question, and the settings it was
-made with: sample_key; a toy row also holds its problem and response text, which the mechanism's readouts
-parse: study/mechanism.py), results.json (a model per label; another model with the same label is filed
-as label@HASH), reliability_<model>_<benchmark>.png. Metrics are computed per benchmark over all samples,
-pass@k beside accuracy; "Overall" is the paper's, the unweighted mean over every benchmark evaluated; with OOD
-benchmarks (lcb, gpqa, logiqa) in the list, they have a block of their own, and the math and OOD means are
-printed beside it ("math", "ood" in results.json). results.json and the printed table carry, per benchmark,
-the confidence source, grader and sampling settings.
-
-This file is the command: its flags, and evaluate_model, the method for one model (load, pick the probe,
-then per benchmark generate, summarize and plot). One benchmark's sampling, grading and appending is
-evaluation/generation.py; the workers of --nproc, evaluation/shard.py; the metrics, evaluation/report.py.
+Per model and benchmark (evaluate_model): n samples per question, graded, each with a confidence,
+appended to --out/samples.jsonl (evaluation/generation.py; an interrupted evaluation resumes), then
+the metrics in --out/results.json and the printed table (evaluation/report.py), and a reliability
+diagram. Settings and protocol: docs/reference.md, "Evaluation".
 """
 import argparse
 import os
@@ -59,13 +42,6 @@ LIMITS.update(temperature=(lambda v: v >= 0, ">= 0 (0: greedy)"), top_p=(lambda 
               seed=(lambda v: 0 <= v < 2**32, "in [0, 2**32)"), logit_temperature=(lambda v: v > 0, "> 0"))
 
 
-def load_model(name):
-    """(model in eval mode on the GPU if there is one, tokenizer); trust_remote_code stays off."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, tok = models.load_model(name, torch.bfloat16 if device == "cuda" else torch.float32)
-    return model.to(device).eval(), tok
-
-
 def evaluate_model(name, loaded, args):
     """Generate (resuming), score and summarize one model on every benchmark; returns its results."""
     path = resolve_model(name)
@@ -73,7 +49,9 @@ def evaluate_model(name, loaded, args):
     out_dir = args.out or default_out(name, path)
     if MASTER and os.path.isdir(out_dir):   # a second writer stops before loading anything
         hold(out_dir)
-    model, tok = load_model(name)
+    device = "cuda" if torch.cuda.is_available() else "cpu"   # trust_remote_code stays off
+    model, tok = models.load_model(name, torch.bfloat16 if device == "cuda" else torch.float32)
+    model = model.to(device).eval()
     prompt = run_prompt(path, args)
     check_prompts(tok, model, loaded, args, prompt[0], prompt[1])
     if MASTER:   # rank 0 alone reads and writes the folder; the other ranks get what they need from it
@@ -142,18 +120,16 @@ def parse_args(argv=None):
     g = p.add_argument_group("what to evaluate")
     g.add_argument("--model", action="append", required=True,
                    help="alias (toy, " + ", ".join(ALIASES) + "), HF id, model/checkpoint/run dir; repeatable")
-    g.add_argument("--benchmarks", default="toy", help="comma list: toy, toy-long, toy-sub, math500, aime24, ..., "
-                   "FILE or NAME=FILE")
+    g.add_argument("--benchmarks", default="toy", help="comma list: toy, math500, ..., FILE or NAME=FILE")
     g.add_argument("--limit", type=int, help="questions per benchmark")
     g.add_argument("--toy-world", default=toy.WORLD, choices=sorted(toy.WORLDS),
                    help=f"the toy world the models were warm-started in, recorded with the toy benchmarks' results "
                         f"(toy.WORLDS; default {toy.WORLD}, --model toy's; both read the same rows)")
     g.add_argument("--lcb-release", default=data.LCB_RELEASE,
-                   help="LiveCodeBench window: vN or vA_vB, by contest month (default v4_v5: 2024-08 to 2025-01, "
-                        "the window of DeepSeek-R1's and lighteval's scores)")
+                   help="LiveCodeBench window: vN or vA_vB (default v4_v5, DeepSeek-R1's and lighteval's)")
     g.add_argument("--out", help="output dir (default RUN/eval or eval_out/<model>)")
-    g.add_argument("--unconfined-code", action="store_true", help="where the code sandbox cannot make namespaces, "
-                   "run lcb's programs without them (harness/sandbox.py), accepting that they can escape")
+    g.add_argument("--unconfined-code", action="store_true",
+                   help="run lcb's programs without namespaces where the sandbox has none (they can escape)")
     g = p.add_argument_group("sampling")
     g.add_argument("--n-samples", type=int, help="samples per question (default 32 on aime/amc, else 4)")
     g.add_argument("--max-new-tokens", type=int, help="default 8000 (toy: 128)")
@@ -163,71 +139,43 @@ def parse_args(argv=None):
     g.add_argument("--batch-size", type=int, help="questions per generation call (default 64 sequences; toy 256)")
     g.add_argument("--decode", choices=("static", "dynamic"), help="KV cache for decoding (default: static on CUDA)")
     g.add_argument("--threads", type=int, help="CPU threads (default: 1 on a machine without a GPU, else torch's)")
-    g.add_argument("--nproc", type=int, help="workers (default: one per visible GPU, else 1), each running whole "
-                   "generate calls: the same samples.jsonl as one process (evaluation/shard.py)")
-    g.add_argument("--plan", action="store_true", help="print each benchmark's memory peak on one GPU and exit "
-                   "(harness/plan.py; from the model's config alone)")
+    g.add_argument("--nproc", type=int, help="workers (default: one per GPU, else 1): the same samples.jsonl")
+    g.add_argument("--plan", action="store_true", help="print each benchmark's memory peak on one GPU, exit")
     g.add_argument("--gpu-mem", type=float, help="GiB of the GPU to plan for (default: this one's, else 80)")
     g = p.add_argument_group("confidence")
     g.add_argument("--confidence", choices=confidence.SOURCES,
-                   help="default probe-posthoc (the paper's probe rows); probe: the run's own probe.pt, read "
-                        "at its last training budget; verbal: the <confidence> tag; verbal-forced: the mean tag of "
-                        "--forced-k re-answers after the thinking (RLCR's released reading); logits: C2GSPG's")
+                   help="default probe-posthoc (the paper's); probe: the run's probe.pt; verbal: the "
+                        "<confidence> tag; verbal-forced: RLCR's released reading; logits: C2GSPG's")
     g.add_argument("--logit-temperature", type=float,
-                   help="temperature of --confidence logits (default: the run's training temperature, 0.8, "
-                        "where C2GSPG trained its confidence; 1: the raw model's)")
+                   help="temperature of --confidence logits (default: the run's training one, 0.8)")
     g.add_argument("--every", type=int, help="thinking tokens between probe budgets / exit checkpoints (500; toy 8)")
     g.add_argument("--posthoc-budgets", type=int, help="post-hoc budgets per rollout: every, 2 * every, ... (16)")
-    g.add_argument("--forced-k", type=int, help="forced answers per budget for post-hoc labels (16; toy 4) and "
-                                                "re-answers of verbal-forced (released: 4 on aime/amc, else 1; toy 4)")
+    g.add_argument("--forced-k", type=int,
+                   help="forced answers per post-hoc budget (16; toy 4) and verbal-forced re-answers")
     g.add_argument("--forced-close", choices=("think", "eos"), default="think")
-    g.add_argument("--probe-data", help="questions for the post-hoc probe (default: toy train split / deepscaler; "
-                   "toy-pooled: the train splits of every toy benchmark in turn, a fit matched to them all)")
-    g.add_argument("--probe-questions", type=int, help="how many (default 80, as released; toy-pooled: 80 from each toy "
-                   "benchmark, 240)")
+    g.add_argument("--probe-data", help="post-hoc probe questions (default: toy / deepscaler; toy-pooled)")
+    g.add_argument("--probe-questions", type=int, help="how many (default 80, as released; toy-pooled 240)")
     g.add_argument("--probe-samples", type=int, help="rollouts per post-hoc question (default 8, as released)")
     g.add_argument("--posthoc-fit", choices=("released", "project"), default="released",
-                   help="the post-hoc fit's split and validation loss: released (numpy's generator, the mean of "
-                        "per-batch means) or project (random.Random, one mean over the examples)")
+                   help="the post-hoc fit's split and validation loss: as released, or the project's")
     g.add_argument("--posthoc-tokens", choices=("sampled", "text"), default="sampled",
-                   help="post-hoc budgets and forced prompts: the sampled ids with the prompt's BOS (default) or, "
-                        "as released, the thinking re-tokenized from its text and forced prompts without BOS")
+                   help="post-hoc forced prompts: the sampled ids (default) or, as released, re-tokenized")
     g.add_argument("--no-early-exit", action="store_true", help="skip the forced answers at exit checkpoints")
     g = p.add_argument_group("prompt (default: what the run trained with, else the benchmark's)")
     g.add_argument("--instruction", help="text appended to every problem")
     g.add_argument("--system-prompt", help="system turn before the problem")
     g.add_argument("--gate", choices=("thinking", "none"),
-                   help="thinking (default; toy: none): a boxed answer counts only if a box appears before "
-                        "`</think>`, as the released evaluation counts it; none: the last box alone decides")
+                   help="thinking (default; toy: none): right only with a box before `</think>`, as released")
     g.add_argument("--answer", choices=("box", "tag"),
-                   help="where the answer is read: the last \\boxed{} (default) or the last <answer> tag "
-                        "(default for a run trained with --reward rlcr)")
+                   help="the answer: the last \\boxed{} or <answer> tag (default: tag for an rlcr run)")
     g.add_argument("--mode", choices=("boxed", "rlcr"), default="boxed",
-                   help="rlcr: the released evaluation's --mode rlcr, with which it evaluates RLCR and C2GSPG: "
-                        "every benchmark asks in RLCR's format (the RLCR prompt, whatever the run trained with), "
-                        "the answer is the last <answer> tag and the confidence --confidence verbal-forced (the "
-                        "mean <confidence> of forced re-answers) unless --confidence says otherwise")
+                   help="rlcr: the released evaluation's for RLCR and C2GSPG: RLCR's prompt, the <answer> "
+                        "tag and --confidence verbal-forced unless --confidence says otherwise")
     args = p.parse_args(argv)
     if args.mode == "rlcr" and args.confidence is None:
         args.confidence = "verbal-forced"
     args.argv = ["evaluate.py", *(sys.argv[1:] if argv is None else argv)]  # for results.json provenance
     return args
-
-
-def check_flags(names, args):
-    """Flags whose meaning argparse cannot check: refused like its own errors, one line and exit 2,
-    before anything is read or written (an empty list would replace a model's results with none)."""
-    run = args.out and next((f for f in ("metrics.jsonl", "checkpoints") if os.path.exists(os.path.join(args.out, f))),
-                            None)
-    try:
-        if not names:
-            raise UserError(f"--benchmarks {args.benchmarks!r} names no benchmark: pass e.g. toy or math500,aime24")
-        if run:
-            raise UserError(f"--out {args.out} is a training run's folder (it has {run}): evaluate into "
-                            f"{os.path.join(args.out, 'eval')} (the default for --model {args.out}) or another folder")
-    except UserError as e:
-        print(f"evaluate.py: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 def main(argv=None):
@@ -239,19 +187,23 @@ def main(argv=None):
             check_out(args.out)
         for name in [] if args.plan else args.model:   # a plan reads a config alone (a named model's ships)
             checkpoint.check_available(name)
+        names = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
+        if not names:   # an empty list would replace a model's results with none
+            raise UserError(f"--benchmarks {args.benchmarks!r} names no benchmark: pass e.g. toy or math500,aime24")
+        run = args.out and next((f for f in ("metrics.jsonl", "checkpoints")
+                                 if os.path.exists(os.path.join(args.out, f))), None)
+        if run:
+            raise UserError(f"--out {args.out} is a training run's folder (it has {run}): evaluate into "
+                            f"{os.path.join(args.out, 'eval')} (the default for --model {args.out}) or another folder")
     except (ValueError, OSError) as e:   # UserError, data.DataError
         print(f"evaluate.py: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    names = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
-    check_flags(names, args)
     sandbox.allow_unconfined = args.unconfined_code
     # besides the grader's folder, the project and the HF cache, a program sees none of these, wherever they lie
     sandbox.hide += [p for p in (*(b.partition("=")[2] or b for b in names), *args.model, args.out)
                      if p and os.path.exists(p)]
     threads = torch.get_num_threads()
-    # What runs on a CPU here (the toy, a small local model) is too small to gain from threads, and
-    # on a busy CPU threads that wait for each other make generation 10x slower: one thread on a
-    # CPU unless --threads says otherwise.
+    # the toy or a small model on a CPU gains nothing from threads, and on a busy CPU loses much
     if args.threads or not torch.cuda.is_available():
         torch.set_num_threads(args.threads or 1)
     try:

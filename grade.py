@@ -5,39 +5,22 @@
     answers_match(answer, gold, grader="math")  # an answer already extracted (a forced one) vs gold
     is_correct(text, gold, grader="code")       # the last fenced code block passes the gold's tests
 
-Three graders (`--grader` in train.py; evaluation always uses "math"):
+Graders (`--grader` in train.py; evaluation always uses "math"):
+- "strict", the released training reward: the last `\\boxed{` (braces counted plainly; unclosed:
+  wrong) and the gold, each in strict_form, must be equal strings: "007" = "7", "2.0" = "2", but
+  "\\dfrac{1}{2}" != "\\frac{1}{2}" and "1,000" != "1000".
+- "minerva", the released RLCR reward: the <answer> tag and the gold, each in Minerva's normal form
+  (minerva_form), must be equal strings: "$17$", "x = 5", "10,000" match 17, 5, 10000.
+- "math", evaluation's safe grader: the last `\\boxed{}` or `\\fbox{}`, spelling normalised, plain
+  decimals compared as exact numbers, else math-verify's LaTeX parser only (its plain-expression
+  parser calls eval on model text). Against a GPQA option letter, a forced or RLCR answer naming an
+  option is graded by that letter (gpqa_choice), a natural boxed one as released (released_letter).
+- "code" (LiveCodeBench, evaluation only): the last fenced block after the thinking passes every
+  test of the gold's JSON, run in a sandboxed child (harness/sandbox.py); not a training grader.
 
-- "strict", the released training reward: the content of the last `\\boxed{` in the text (braces
-  counted plainly; an unclosed last box is wrong) and the gold are each stripped of surrounding
-  whitespace, a trailing ".0" is dropped, then every leading zero (after a minus sign too; "0" if
-  nothing is left), and the two strings must be equal. So "007" = "7", "2.0" = "2", "0.5" = ".5" and
-  an empty box = "0", but "\\dfrac{1}{2}" != "\\frac{1}{2}" and "1,000" != "1000".
-- "minerva", the released RLCR reward (rlcr.compute_score -> math_dapo.verify_extracted_answer): the
-  answer (its <answer> tag) and the gold are each put in Minerva's normal form (`minerva_form`,
-  Lewkowycz et al. 2022, appendix D) and must be equal strings. So "\\boxed{17}", "$17$", "x = 5",
-  "5 degrees" and "10,000" match 17, 5, 5, 10000, but "017" != "17" and "2.0" != "2".
-- "math", the safe grader of evaluation: the last `\\boxed{}` or `\\fbox{}` (or the bare
-  "\\boxed 5"), spelling normalised (`_normalize`), plain decimals compared as exact numbers
-  ("025" = 25 = 25.0), else math-verify. Only math-verify's LaTeX parser runs: its plain-expression
-  parser goes through sympy's parse_expr, which calls eval on model text. Against a gold option
-  letter A-D (GPQA) a forced or RLCR answer that names an option ("A) 3.5 eV", "Option A", "(a)") is
-  graded by that letter (gpqa_choice), a natural boxed one by the released rule (released_letter),
-  as the released evaluation grades GPQA.
-
-- "code" (LiveCodeBench, evaluation only): the gold is the JSON string {"tests": [{"input", "output",
-  "testtype"}], "fn_name"} that data builds; the code of the last fenced block after the thinking
-  passes when every test passes, run in a sandboxed child (harness/sandbox.py: run_tests). Not a
-  training grader (GRADERS): it takes seconds, not microseconds.
-
-Time bound. A grading call returns within about GRADE_TIMEOUT_S on any input, in any thread:
-the text is scanned by linear patterns only; answers longer than MAX_ANSWER_CHARS are compared as
-plain strings before any regex sees them (Minerva's form, quadratic, takes under 0.1 s at that length); math-verify runs in a worker process (harness/verifier.py,
-one per thread grading at the same moment) that stops itself at the deadline with an
-interval timer (math-verify's own timeout has whole seconds per parse and raises outside the main
-thread), and is killed if it has not answered by then. Starting a worker (importing sympy: 1 to 4 s,
-once per process and per thread grading at the same moment, and again after a kill) is not counted
-in the bound. Where no worker can start, math-verify is skipped with one warning and only the
-normalised / numeric comparisons decide.
+Time bound: a grading call returns within about GRADE_TIMEOUT_S on any input, in any thread
+(linear patterns only, long answers compared as plain strings, math-verify in a worker process
+stopped at the deadline: harness/verifier.py; docs/reference.md, "... leaves, in more words").
 """
 import json
 import re
@@ -239,11 +222,9 @@ def blank_answer(tag):
 
 
 def rlcr_answer(text):
-    """The answer of a natural RLCR response as the released evaluation grades it (1_obtain_validation_
-    rollouts --use_rlcr, gated by natural_eval on a complete tag): the last <answer> tag, None without
-    one; where that tag is blank and the text holds a `\\boxed{`, the last box instead (strict
-    extraction: None if it never closes). "<answer></answer> so \\boxed{5}" -> "5". Evaluation only:
-    the training reward (rlcr.compute_score) has no box fallback."""
+    """The answer of a natural RLCR response as the released evaluation reads it: the last <answer>
+    tag, None without one; a blank tag in a text with a `\\boxed{`: the last box (strict extraction).
+    "<answer></answer> so \\boxed{5}" -> "5". Evaluation only: the training reward has no fallback."""
     tag = answer_tag(text)
     return last_boxed(text) if tag is not None and blank_answer(tag) and "\\boxed{" in text else tag
 
@@ -256,10 +237,8 @@ def thinking(text):
 
 
 def boxed_in_thinking(text):
-    """Whether the thinking holds a box: the released evaluation's gate on a natural answer (a rollout
-    counts as right only if so) and on copying it as a post-hoc label: last_boxed_only_string, so only
-    a `\\boxed{` that closes counts (not `\\fbox{}`, not the bare `\\boxed 5`). `3+5=8</think>\\boxed{8}`
-    has none; `3+5=8 so \\boxed{8}</think>` has one."""
+    """Whether the thinking holds a `\\boxed{` that closes (not `\\fbox{}` nor `\\boxed 5`): the released
+    evaluation's gate on a natural answer. `3+5=8</think>\\boxed{8}` has none; `8 \\boxed{8}</think>` one."""
     return last_boxed(thinking(text)) is not None
 
 

@@ -1,5 +1,5 @@
-"""GRPO pieces as small pure functions: packing, group advantages, chunked token log-probs, and the clipped
-policy loss.
+"""GRPO pieces as small pure functions: packing, group advantages, chunked token log-probs, and the
+clipped policy loss (no KL penalty, as released).
 
 Packed layout: input_ids[i] = prompt_i + response_i + [pad] * ... (right padding). Token t (t >= 1) is
 predicted from position t - 1, so log-prob tensors are [N, L-1] over targets input_ids[:, 1:], and the
@@ -70,15 +70,11 @@ def _chunk_logprobs(h, lm_head, t, temperature):
 
 
 def logprobs_from_hidden(hidden, lm_head, targets, temperature=1.0, chunk_size=1024):
-    """Log-probs of targets at a sampling temperature, never holding full-vocabulary logits for more
-    than chunk_size positions.
-
-    hidden [N, L, d] final (normed) hidden states; targets [N, L-1] (= input_ids[:, 1:]); hidden
-    positions 0..L-2 predict targets. Returns logp [N, L-1] float32:
+    """Log-probs [N, L-1] float32 of targets [N, L-1] (= input_ids[:, 1:]) from hidden [N, L, d]:
       logp[n, t] = log_softmax(lm_head(hidden[n, t]) / temperature)[targets[n, t]]
-    The LM head runs on chunks of chunk_size flattened positions. When gradients are needed each chunk
-    is checkpointed: autograd would otherwise keep every chunk's [chunk, V] softmax for the backward,
-    i.e. the full logits again; the backward recomputes them one chunk at a time.
+
+    The LM head runs on chunks of chunk_size positions, each checkpointed when gradients are needed
+    (autograd would otherwise keep every chunk's [chunk, V] softmax, the full logits again).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
@@ -99,11 +95,8 @@ def logprobs_from_hidden(hidden, lm_head, targets, temperature=1.0, chunk_size=1
 
 
 def token_logprobs(model, input_ids, attention_mask, temperature=1.0, chunk_size=1024):
-    """Log-probs [N, L-1] of input_ids[:, 1:] under a causal LM (a transformers *ForCausalLM).
-
-    Runs the decoder model.model(...) for the final hidden states, then logprobs_from_hidden with
-    model.lm_head; model(...) is never called, so [N, L, V] logits never exist.
-    """
+    """Log-probs [N, L-1] of input_ids[:, 1:] under a transformers *ForCausalLM: its decoder, then
+    logprobs_from_hidden with its lm_head, so [N, L, V] logits never exist."""
     hidden = model.model(input_ids=input_ids, attention_mask=attention_mask,
                          use_cache=False).last_hidden_state
     return logprobs_from_hidden(hidden, model.lm_head, input_ids[:, 1:], temperature, chunk_size)
@@ -136,18 +129,15 @@ def aggregate(values, mask, agg="token-mean", norm_const=None):
 
 
 def policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.2, agg="token-mean",
-                ref_logp=None, kl_coef=0.0, norm_const=None):
-    """Clipped-ratio policy loss with an optional k3 KL penalty.
+                norm_const=None):
+    """Clipped-ratio policy loss.
 
-    logp, old_logp, mask, ref_logp: [N, T]; adv: [N] (broadcast over tokens) or [N, T].
+    logp, old_logp, mask: [N, T]; adv: [N] (broadcast over tokens) or [N, T].
       ratio = exp(logp - old_logp)
       l_t   = -min(ratio * A, clamp(ratio, 1 - clip_low, 1 + clip_high) * A)
-              + kl_coef * (exp(ref - logp) - (ref - logp) - 1)
-      The KL term is the k3 estimator of KL(pi || ref) from J. Schulman, "Approximating KL
-      divergence" (2020, http://joschu.net/blog/kl-approx.html); it is only added when ref_logp is given.
     agg: how the per-token losses become one number (aggregate).
     Returns (loss scalar, stats): clip_frac = share of masked tokens where the clipped term is taken,
-    ratio_mean = masked mean ratio, kl = masked mean k3 (0.0 without ref_logp).
+    ratio_mean = masked mean ratio.
     """
     m = mask.to(logp.dtype)
     a = adv.unsqueeze(-1) if adv.dim() == 1 else adv
@@ -155,19 +145,9 @@ def policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.2, agg="tok
     ratio = torch.exp(logp - old_logp)
     unclipped = ratio * a
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * a
-    per_token = -torch.minimum(unclipped, clipped)
-    kl = None
-    if ref_logp is not None:
-        diff = ref_logp - logp
-        kl = torch.exp(diff) - diff - 1
-        per_token = per_token + kl_coef * kl
-    loss = aggregate(per_token, m, agg, norm_const)
+    loss = aggregate(-torch.minimum(unclipped, clipped), m, agg, norm_const)
     with torch.no_grad():
         denom = m.sum().clamp(min=1)
-        stats = {
-            "clip_frac": float(((clipped < unclipped).to(m.dtype) * m).sum() / denom),
-            "ratio_mean": float((ratio * m).sum() / denom),
-            "kl": float((kl * m).sum() / denom) if kl is not None else 0.0,
-        }
+        stats = {"clip_frac": float(((clipped < unclipped).to(m.dtype) * m).sum() / denom),
+                 "ratio_mean": float((ratio * m).sum() / denom)}
     return loss, stats
-

@@ -1,56 +1,26 @@
 """Monte-Carlo labels for reasoning prefixes: truncate, force an answer K times, count.
 
-For a response of T generated tokens (EOS included) RLCM cuts it at
+A response of T generated tokens (EOS included) is cut at (Python round: half to even, zeros and
+duplicates dropped)
 
-    b = min(T, round(f * T))   for f in (0.25, 0.5, 0.75)     (Python round: half to even)
+    b = min(T, round(f * T))   for f in (0.25, 0.5, 0.75)
 
-drops zeros and duplicates, and asks the policy to answer right now from each prefix:
+and the policy answers right now from each prefix, K = 4 times (temperature 0.8, top-p 1.0, at most
+32 tokens, stopped at a newline); an answer is the text up to the brace closing the forced box:
 
     forced = prompt + response[:b] + CLOSE + SUFFIX
-    SUFFIX = "\\nIf I were to output the final answer now, it would be \\\\boxed{"
+    Y_b    = (1/K) * sum_k 1[answer_k == gold]    (grade.answers_match; --reward-fn: its mean value)
 
-CLOSE is `</think>` (close="think", the paper's description) or the tokenizer's EOS token
-(close="eos", what the released code inserts); a prefix that already ends on it gets no second one
-(the released build_forced_output_tokens: at b = T the response ends on EOS, and a cut may fall
-right after the response's own `</think>`). K continuations are sampled (K=4, temperature 0.8,
-top-p 1.0, at most 32 tokens, stop at a newline); the forced answer is the text up to the brace that
-closes the forced `\\boxed{` (unclosed: wrong), and the label is
+CLOSE is `</think>` (close="think", the paper's) or the EOS token (close="eos", the released code),
+not doubled where the prefix already ends on it (closed_cut). Equal forced prompts are asked once.
 
-    Y_b = (1/K) * sum_k 1[answer_k == gold]     (== under the run's grader: grade.answers_match)
-
-(with --reward-fn, the mean of its values of the answers instead: harness/rewardfn.py).
-
-Identical forced prompts (samples of one problem that agree up to the cut, common for short
-prefixes) are labelled once and share their Y_b: it estimates the same probability.
-
-The code: `mc_labels` is this algorithm in three steps (forced prompts, K answers to each, Y_b).
-The answers come from `sample_answers`, whose plain path (tree=False), the one to read, is
-rollout.generate on each whole forced prompt. Its default, the fast path (`_forced_samples`),
-gives the same samples (tests/test_label.py) at less cost: the forced prompts of a trajectory
-share everything before their cut, so their prefill follows that tree. Per chunk, each distinct
-problem prompt is prefilled once, each trajectory's response up to its longest cut once on top of
-it, and each cut adds only CLOSE + SUFFIX on top of the trajectory's cache with the columns past
-the cut masked out. So a trajectory costs one prefix prefill plus len(budgets) short suffixes
-(the plain path: len(budgets) full forced prompts), plus K * (answer length) decode positions per
-prefix, where the K answers of a prefix share one cache row and one forward for as long as they
-agree (on the dynamic path: `Sampler(share_rows=True)`, harness/sampling.py; the samples are the same as
-without). Sampling ends at the brace closing the forced box as well as at a newline: nothing
-after it changes the answer. Both paths sample in groups of similar trajectory length so short
-prefixes carry no padding of long ones. Each answer draws from a random stream of its own, seeded
-from (seed, its forced prompt, its index among the K) (harness/sampling.py: row_generators), so the
-labels do not depend on how the cuts are grouped or chunked: batch_size, and with it the memory
-free, changes only the speed. The rollout's KV cache is not kept: holding it from the
-rollout until labelling would cost the whole batch's cache in memory.
-
-On the fast path the probe's features come from the same prefill (features=True, what a training
-step asks; the plain path runs one forward over prompt + response instead, plain_features): the
-response prefill computes the last layer's state at every position before every cut, so a forward
-hook keeps the 4 before each cut (and the prompt prefill its last 3, for cuts below 4), exactly
-the numbers a separate forward over prompt + response gives up to float rounding, at no extra
-forward. A trajectory's features are read in the chunk that asks its longest cut's forced prompt,
-off the row of the trajectory that asks it (itself, or one that agrees with it up to that cut);
-one that differs from that one at the cut itself (the close token, which the forced prompt
-leaves out) gets a row of its own there.
+`mc_labels` is this algorithm in three steps (forced prompts, K answers to each, Y_b). Its answers
+come from `sample_answers`: the plain path (tree=False), the one to read, is rollout.generate on
+each whole forced prompt; the fast path (the default, `_forced_samples`) gives the same samples
+(tests/test_label.py) at less cost, prefilling along the prefix tree of a trajectory's forced
+prompts, and reads the probe's features off that prefill. Each answer draws from a stream seeded
+from (seed, its forced prompt, its index), so labels do not depend on how cuts are grouped.
+How the tree is shared: docs/reference.md, "Evaluation and the method's leaves, in more words".
 """
 from contextlib import nullcontext
 
@@ -94,14 +64,6 @@ def grid(lists, width=None):
 def cut_mask(budget_lists):
     """[N, B] bool, True at the cuts of each list: where grid(...) of lists aligned with them is real."""
     return grid([[1] * len(bs) for bs in budget_lists]) > 0
-
-
-def absolute_budgets(length, every):
-    """Absolute truncation points every `every` tokens, up to and including `length` if it falls on one.
-
-    absolute_budgets(1200, 500) == [500, 1000]; used for post-hoc probes at evaluation.
-    """
-    return list(range(every, length + 1, every))
 
 
 def close_id(tokenizer, close="think"):
@@ -148,20 +110,16 @@ def mc_labels(model, tokenizer, prompts, responses, budget_lists, golds, k=4, te
               batch_size=None, stats=None, grader="math", decode=None, tree=True, judge=None,
               features=False):
     """Y_b for every (trajectory, cut b): the share of K answers forced after the cut that match
-    the gold (module docstring).
+    the gold under `grader` (module docstring).
 
-    prompts, responses: N lists of token ids; budget_lists: N lists of cuts b; golds: N gold
-    answers; grader: "strict" or "math" (grade.py). Returns N lists of floats in [0, 1], aligned
-    with budget_lists. If `stats` is a dict, the numbers of prefixes, forced prompts and sampled
-    answers are added to it. tree, decode, batch_size: how the answers are sampled (sample_answers).
-    judge(answer, i) -> float in [0, 1] or None: --reward-fn's value of forced answer `answer` of
-    trajectory i in place of the grader (harness/rewardfn.py); Y_b is then the mean value of the
-    answers it judges, None where it judges none of the K.
-    features=True: also the probe's features at every cut, probe.prefix_features of the last
-    layer's states of prompt + response[:b] under `model`; returns (labels, feats), feats N float32
-    CPU tensors [len(cuts), d]. tree=False (the plain path): one forward over each prompt + response
-    (plain_features). tree=True (the fast path): read from the forced answers' prefill, which
-    computes them anyway (module docstring). tests/test_label.py
+    prompts, responses: N lists of token ids; budget_lists: N lists of cuts b; golds: N answers.
+    Returns N lists of floats in [0, 1], aligned with budget_lists. stats: a dict the numbers of
+    prefixes, forced prompts and answers are added to. tree, decode, batch_size: sample_answers'.
+    judge(answer, i) -> float in [0, 1] or None: --reward-fn's value in place of the grader
+    (harness/rewardfn.py); Y_b is then the mean of the values given, None where none is.
+    features=True: returns (labels, feats), feats N float32 CPU tensors [len(cuts), d] of
+    probe.prefix_features at every cut: tree=False one forward over prompt + response
+    (plain_features), tree=True off the forced answers' prefill; test_label.py
     (test_plain_and_tree_features_are_equal_on_the_toy) holds the two equal.
     """
     # 1. The forced prompt after every cut. Equal ones (samples of a problem that agree up to the
@@ -212,10 +170,8 @@ def mc_labels(model, tokenizer, prompts, responses, budget_lists, golds, k=4, te
 
 
 def plain_features(model, prompt, response, cuts):
-    """The probe's features at the cuts of one trajectory, the plain way (mc_labels(tree=False,
-    features=True)): one forward over prompt + response (update.score), probe.prefix_features of the
-    last layer's states before each cut b. Returns float32 CPU [len(cuts), d]; the tree path's equal
-    it within float rounding (tests/test_label.py: test_plain_and_tree_features_are_equal_on_the_toy)."""
+    """The probe's features at the cuts of one trajectory, the plain way: one forward over prompt +
+    response (update.score), probe.prefix_features before each cut. float32 CPU [len(cuts), d]."""
     ids = torch.tensor([list(prompt) + list(response)], device=next(model.parameters()).device)
     was_training = model.training
     model.eval()
@@ -233,18 +189,13 @@ def sample_answers(model, tokenizer, prompts, responses, cuts, tail, k, temperat
     """k samples of each forced prompt `prompts[i] + responses[i][:b] + tail`, (i, b) in cuts, in
     that order (Samples.ids and .texts [j*k:(j+1)*k] for cut j), stopping at a newline.
 
-    tree=False is the plain path, the reference: rollout.generate on the whole forced prompts.
-    tree=True (the default) is the fast path, `_forced_samples`: the same samples up to float
-    rounding, ended at the brace that closes the forced box (the answer is complete there), with
-    the prefill shared along the prefix tree (module docstring); tests/test_label.py holds them equal.
-    Either way the cuts are sampled in groups of similar trajectory length (_length_groups), so that
-    short prefixes carry no padding of long ones, and each of the k answers of a forced prompt draws
-    from its own stream, seeded from (seed, the forced prompt, its index) (module docstring): the
-    samples do not depend on the groups or chunks. batch_size: forced prompts per chunk; decode:
-    rollout's decode path ("static" | "dynamic" | None: static on CUDA).
-    reads, features (fast path; mc_labels(features=True)): reads[j] lists the (trajectory i, its
-    cuts, the trajectory whose row they are read off) whose probe features the chunk asking cut j
-    reads into the dict features[i].
+    tree=False, the plain path: rollout.generate on the whole forced prompts. tree=True, the fast
+    path (`_forced_samples`): the same samples up to float rounding, ended at the brace that closes
+    the forced box, the prefill shared along the prefix tree. Both sample the cuts in groups of
+    similar trajectory length (_length_groups), so short prefixes carry no padding of long ones.
+    batch_size: forced prompts per chunk; decode: rollout's. reads, features (fast path): reads[j]
+    lists the (trajectory i, its cuts, the trajectory whose row they are read off) whose features
+    the chunk asking cut j reads into the dict features[i].
     """
     out = Samples([None] * (len(cuts) * k), [None] * (len(cuts) * k), [], [], [])
     for js in _length_groups(cuts):
@@ -277,12 +228,9 @@ def _length_groups(cuts):
 @torch.no_grad()
 def _forced_samples(model, tokenizer, prompts, responses, cut_of, tail, k, temperature, top_p,
                     max_new_tokens, seed=None, batch_size=None, decode=None, reads=None, features=None):
-    """sample_answers' fast path (tree=True) for one group of cuts, in the same order: the samples
-    of its plain path up to float rounding, ended at the brace that closes the forced box, with the
-    prefill shared along the prefix tree (module docstring) and the K rows of a cut sharing a cache
-    row while they agree (harness/sampling.py: Sampler(share_rows=True)). reads[m], aligned with cut_of: the
-    (trajectory, cuts, row) whose features the chunk of cut m reads into features (sample_answers).
-    """
+    """sample_answers' fast path for one group of cuts, in the same order, the K rows of a cut
+    sharing a cache row while they agree (Sampler(share_rows=True)). reads[m], aligned with cut_of:
+    sample_answers' reads."""
     sampler = Sampler(model, tokenizer, max_new_tokens, temperature, top_p, stop=("\n",), decode=decode,
                       share_rows=True, close_depth=1)
     batch_size = batch_size or len(cut_of)

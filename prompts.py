@@ -7,10 +7,8 @@ The rows come from data.py (load_rows); check_context and drop_long_prompts fit 
 from data import DataError
 
 INSTRUCTION = " Let's think step by step and output the final answer within \\boxed{}."
-# --reward rlcr on a real model (docs/design.md, "Baselines"): the released RLCR prompt, word for word
-# (its deepscaler_dataset_rlcr script: `f"{problem}\n\n{RLCR_INSTRUCTION}"`); the answer is graded
-# from the last <answer> tag, not a box.
-# RLCR_FORMAT is also the format its released evaluation asks for when it forces a re-answer.
+# --reward rlcr on a real model: the released RLCR prompt, word for word (docs/design.md, "Baselines");
+# RLCR_FORMAT is also what its released evaluation asks of a forced re-answer.
 RLCR_FORMAT = ("<answer> final answer here </answer>\n<analysis> confidence and uncertainty analysis here "
                "</analysis>\n<confidence> number between 0 and 1 </confidence>")
 RLCR_INSTRUCTION = ("\n\nLet's think step by step. Output the final answer inside <answer> </answer>. Then analyze "
@@ -34,12 +32,8 @@ class _Slow(BaseException):
 
 
 def _render(tokenizer, messages, **kw):
-    """apply_chat_template, where a template that raises (jinja2's TemplateError, its sandbox's
-    SecurityError), is missing, or renders for over TEMPLATE_SECONDS is one DataError line.
-
-    The bound is an interval timer around each render: it stops any template, whatever the prompt
-    it is given, for microseconds per render. Signals reach only the main thread, so elsewhere
-    the render is unbounded."""
+    """apply_chat_template, where a template that raises, is missing, or renders for over
+    TEMPLATE_SECONDS (an interval timer: main thread only) is one DataError line."""
     import signal
     import threading
     from jinja2 import TemplateError
@@ -108,9 +102,8 @@ def drop_long_prompts(rows, tokenizer, max_tokens, instruction=INSTRUCTION):
 
 def check_context(tokenizer, rows, instruction, context, max_new_tokens, where, say=print, system=None):
     """DataError when a prompt leaves no room to generate in the model's `context` tokens; `say` a
-    warning when prompts plus max_new_tokens overflow it (those samples will be cut short). The
-    first row is rendered with the `system` turn first: a chat template that fails on it stops
-    here, before any folder is made."""
+    warning when prompts plus max_new_tokens overflow it. The first row is rendered (with `system`)
+    first: a chat template that fails stops here, before any folder is made."""
     if rows:
         row_prompt(tokenizer, rows[0], instruction, system)
     if not context:
@@ -126,11 +119,8 @@ def check_context(tokenizer, rows, instruction, context, max_new_tokens, where, 
 
 
 def long_prompts(tokenizer, rows, instruction, limit):
-    """[(row index, prompt tokens)] for rows whose chat prompt is longer than `limit` tokens.
-
-    Only rows that could be that long are tokenized: a prompt has at most the template's own
-    tokens (per turn of a released chat list) plus two per UTF-8 byte of the problem (byte-level
-    tokenizers give at most one)."""
+    """[(row index, prompt tokens)] for rows whose chat prompt is longer than `limit` tokens. Only rows
+    that could be are tokenized: at most the template's tokens (per turn) plus two per UTF-8 byte."""
     import logging
     base = len(chat_prompt(tokenizer, "", instruction))
     out, log = [], logging.getLogger("transformers")

@@ -4,8 +4,7 @@ so this file can be copied into any project as is.
 Shapes: N trajectories, B prefixes (truncation points) per trajectory.
   conf   [N, B]  probe confidence C_b = sigmoid(probe(h_b)) of prefix b, in [0, 1]
   labels [N, B]  Monte-Carlo label Y_b in [0, 1] (fraction of K forced answers that were right)
-  mask   [N, B]  1 where prefix b exists (responses have different numbers of prefixes), else 0
-  correct [N]    1 if the final answer is right, else 0 (bool or 0/1 float)
+  mask   [N, B]  1 where prefix b exists, else 0;  correct [N]  1 if the final answer is right, else 0
 
 RLCM:
   margin  = mean(C_b : Y_b == 1) - mean(C_b : Y_b == 0)   (solvable minus unsolvable prefixes),
@@ -14,19 +13,14 @@ RLCM:
   R       = r_nat + lam * margin,  r_nat = 2 * correct - 1 (signed, +1/-1, released) or correct (0/1)
 Defaults: lam = 0.1, signed correctness.
 
-The ablations' calibration terms, each its own function:
-  corner_margin   the margin, and for one-sided traces the released `conf_diff` with
-                  `margin_corner=True`: mean C if only solvable, 1 - mean C if only unsolvable
-  final_margin    Final-Margin (released `conf_diff_v3` as its script sets it: tau 0, alpha_both 0,
-                  alpha_only_correct = alpha_only_incorrect = 1; run with budget 1.0 only):
-                  +mean C if only solvable, -mean C if only unsolvable, 0 when both sides exist
-  brier_reward    -mean_b (C_b - Y_b)^2: Process-Brier (the RLCM budgets), Final-Brier (budget 1.0)
+The ablations' calibration terms: corner_margin (released `conf_diff`, margin_corner=True),
+final_margin (Final-Margin, released `conf_diff_v3` as its script sets it) and brier_reward
+(Process-Brier with the RLCM budgets, Final-Brier with budget 1.0).
 """
 import torch
 
 
 def _float(x):
-    """x as a floating tensor (bool / int / list inputs become float32)."""
     x = torch.as_tensor(x)
     return x if x.is_floating_point() else x.float()
 

@@ -1,20 +1,17 @@
-"""Batched sampling with a KV cache: rollouts, forced answers and evaluation all go through here.
+"""Batched sampling with a KV cache, for rollouts, evaluation and label.py's plain path (its fast
+path builds a harness/sampling.Sampler itself).
 
     samples = generate(model, tokenizer, prompts, n=8, max_new_tokens=1024, temperature=0.8, seed=0)
     samples.ids[i * 8 + j]   # j-th continuation of prompts[i]: generated ids only, EOS/stop included
 
-Prompts go in chunks of batch_size. A chunk's prompts are prefilled once, the n samples of a prompt
-share its prefill, and every row gets one new token per step (temperature, top_p: sample_next),
-decoded "dynamic" (a DynamicCache that grows by a position per step, the reference loop:
-Sampler._decode_dynamic) or "static" (preallocated buffers and CUDA graphs: harness/staticcache.py;
-the default on CUDA); both give the same samples for a seed. The sampler is harness/sampling.py.
+A chunk of batch_size prompts is prefilled once, its n samples per prompt sharing the prefill, then
+decoded "dynamic" (the reference loop, Sampler._decode_dynamic in harness/sampling.py) or "static"
+(CUDA graphs, harness/staticcache.py; the default on CUDA): the same samples for a seed.
 
 Scores (scores=True, the RL step's rollout): with every sampled token come its log-prob and the
-entropy of the distribution it was drawn from, both under the full softmax(logits / temperature)
-over the tokenizer's ids (temperature 0: at temperature 1), not the top_p-restricted one. That is what the trainer's grpo.token_logprobs
-computes at the same temperature, so update.py can measure how far the sampler (a bf16 copy on
-GPUs) is from the policy it trains. They come from the logits each step already has: one more
-log-softmax per step, kept on the device and copied to the host once per chunk.
+entropy of the distribution it was drawn from, under the full softmax(logits / temperature) (at
+temperature 1 for greedy), not the top_p-restricted one: what grpo.token_logprobs computes, so
+update.py can measure how far the sampler is from the policy it trains.
 """
 from dataclasses import dataclass, field
 
@@ -41,18 +38,15 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
              scores=False, chunks=None, keyed=False) -> Samples:
     """Sample n continuations of each prompt. prompts: list of token-id lists (chat template applied).
 
-    stop: strings (stop once the generated text contains one) and/or token ids; the token that
-    completes a stop is kept. eos_ids default to the generation config's and tokenizer's EOS.
-    seed: the same seed, prompts and batch_size give the same samples, with either decode path.
-    scores: Samples.logprobs and .entropy_sum score every sampled id (module docstring, Scores);
-    the RL step asks for them, evaluation does not (empty lists then).
+    stop: strings (stop once the generated text contains one) and/or token ids, the token that
+    completes a stop kept. eos_ids: default the generation config's and tokenizer's. seed: the same
+    seed, prompts and batch_size give the same samples, on either decode path. scores:
+    Samples.logprobs and .entropy_sum (module docstring; else empty lists).
     batch_size: prompts per chunk (rows = batch_size * n). decode: "static" | "dynamic" | None
-    (static on CUDA, dynamic elsewhere). chunks: the indices of the chunks to sample (None: all), the
-    others skipped; each keeps its own generator, so its samples are those of a call that runs them all
-    (evaluation/shard.py deals them to workers). progress: a bar (a string: its label). keyed: each
-    row draws from a generator of its own, seeded from (seed, its prompt, its sample index)
-    (harness/sampling.row_generators), so that a prompt's samples do not depend on batch_size or on
-    the other prompts either (label.py's forced answers).
+    (static on CUDA). chunks: the indices of the chunks to sample (None: all), each with the
+    generator it has in a call that runs them all (evaluation/shard.py). progress: a bar (a string:
+    its label). keyed: a generator per row, seeded from (seed, its prompt, its sample index), so a
+    prompt's samples do not depend on batch_size or the other prompts (label.py's forced answers).
     """
     if n < 1 or max_new_tokens < 1:
         raise ValueError(f"need n >= 1 and max_new_tokens >= 1, got n={n}, max_new_tokens={max_new_tokens}")

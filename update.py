@@ -1,37 +1,19 @@
 """The forwards of one RL step: scoring the rollout before the update, where it is needed, and the update.
 
-`score` is one no-grad pass over prompt + response with the rollout weights. It yields:
-- old token log-probs at the sampling temperature (chunked LM head, `grpo.logprobs_from_hidden`),
-  the denominators of the PPO ratio, needed only with several updates per batch (--ppo-epochs > 1;
-  with one update the old log-probs are the current ones, detached), and by C2GSPG's sequence
-  confidence; step.py runs it only then;
-- probe features at the truncation points (ends given): the last decoder layer's output (before
-  the final norm), averaged over the `last_k` = 4 positions before each budget end
-  (`probe.prefix_features`). With final_norm=True it is instead the final normed state of the
-  single last token of the prefix (the protocol of the released evaluation code). The post-hoc
-  probe reads its features here; a training step reads its own off the forced answers' prefill
-  (label.mc_labels(features=True)), which gives the same numbers within float rounding.
+`score`, one no-grad pass over prompt + response: old token log-probs (for --ppo-epochs > 1 and
+C2GSPG's confidence) and the probe's features at the cut ends, which a forward hook
+(probe.last_layer) reduces to those positions, so no [N, L, d] stack of hidden states is kept.
 
-The last layer's output is captured by a forward hook (probe.last_layer) that immediately reduces
-it to the requested positions, so no [N, L, d] stack of hidden states (`output_hidden_states`) is
-ever kept.
-
-`update` is one optimizer step over micro-batches (gradient accumulation). Rows are packed (grpo.pack) and cut into micro-batches of at most --micro-tokens padded tokens;
-each micro-batch's loss is weighted by its share of the batch, so the accumulated gradient is that
-of one loss over the whole batch however it is cut, on one process or on every rank under FSDP2.
-The one exception is --agg token-mean-per-micro-batch, the released verl actor's: each
-micro-batch's token-mean weighted by its share of the rows, so a token weighs more in a micro-batch
-of few tokens (the cut then changes the loss).
-
-Where the batch carries the sampler's log-probs (grpo.pack's sampler_logp), the update also measures
-how far the sampler (the bf16 generation copy on GPUs) is from the policy it trains, on the trained
-rows' response tokens against this update's own forward, with d = logp_trainer - logp_sampler:
+`update`, one optimizer step over micro-batches of at most --micro-tokens padded tokens, each
+weighted by its share of the batch: the gradient of one loss over the batch however it is cut, on
+one process or under FSDP2 (--agg token-mean-per-micro-batch weighs them by rows, as verl does).
+With the sampler's log-probs in the batch (grpo.pack's sampler_logp) it measures how far the sampler
+(the bf16 generation copy on GPUs) is from the policy, d = logp_trainer - logp_sampler per trained
+response token, in float64:
   sampler_gap        mean over tokens of |d|
-  sampler_kl_k3      mean over tokens of r - 1 - log r, r = exp(d): k3 (grpo.policy_loss) of
+  sampler_kl_k3      mean over tokens of r - 1 - log r, r = exp(d): Schulman's k3 estimate of
                      KL(sampler || trainer), since the tokens are drawn from the sampler
   sampler_ratio_max  the largest sequence ratio exp(sum over its tokens of d)
-all in float64 (a sequence sums thousands of tokens; k3 of a small d is about d^2 / 2). In the
-on-policy default the PPO ratio is 1 by construction, so these are the only view of that gap.
 """
 import math
 from contextlib import nullcontext
@@ -60,7 +42,8 @@ def score(model, batch, ends=None, temperature=1.0, chunk_size=1024, last_k=LAST
 
     batch: `grpo.pack` output (input_ids / attention_mask [N, L]); ends: [N, B] absolute ends, or
     None for no features. Returns (old_logp [N, L-1] float32 or None, feats [N, B, d] float32 and
-    valid [N, B] bool, or None and None).
+    valid [N, B] bool, or None and None). final_norm: the post-hoc probe's feature, the final normed
+    state of the last token before each end, in place of probe.prefix_features' training one.
     """
     ids, mask = batch["input_ids"], batch["attention_mask"]
     captured = {}
@@ -109,29 +92,16 @@ def micro_batch(batch, rows, device, length=None):
 
 def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device, extra=None):
     """One optimizer step over the micro-batches `mbs` (lists of batch rows; rows in none of them are
-    left out). Each micro-batch's loss is weighted by its share of the tokens (token-mean) or
-    sequences (seq-mean, seq-sum-norm) of those rows, so the summed gradient is that of one loss over
-    them, however they are cut; token-mean-per-micro-batch weighs its micro-batch token-means by
-    their rows (module docstring).
+    left out), each weighted by its share of the tokens (token-mean) or sequences of those rows.
 
-    extra: None, or a loss term (name, coef, term) a mode adds (modes.extra_loss): term(logp,
-    loss_mask, rows) gives a micro-batch's values from the current, differentiable log-probs,
-    either [n] per sequence, and the loss adds coef * their mean over all sequences (every rank),
-    or [n, T] per token, and the loss adds coef * their aggregate by --agg, weighted like the
-    policy loss (verl's agg_loss of a term broadcast to the tokens). The result has that mean or
-    aggregate under `name`.
-
-    old_logp [N, T] from the scoring pass, or None for the on-policy case: the current log-probs,
-    detached, so ratio = exp(logp - logp.detach()) is exactly 1 whatever the compute precision.
-    sched: stepped after the optimizer (None: not stepped, for all but the last PPO epoch).
-    With batch["sampler_logp"] the result also has sampler_gap, sampler_kl_k3 and
-    sampler_ratio_max (the module docstring), from this call's forward, before its optimizer step.
-
-    With --offload (and --offload-grads gpu) gradients are reduced and copied to the host after the
-    last micro-batch only (FSDP2's set_requires_gradient_sync), the same sums in another order.
-    Ranks with fewer micro-batches than another run padding ones, because FSDP2 needs the same
-    number of forward/backward calls on every rank (not the same sizes): one row cut to 2 tokens,
-    at weight 0.
+    extra: None, or a mode's loss term (name, coef, term) (modes.extra_loss): term(logp, loss_mask,
+    rows) gives a micro-batch's values from the differentiable log-probs, [n] per sequence (the loss
+    adds coef * their mean over all sequences) or [n, T] per token (coef * their aggregate by --agg,
+    weighted like the policy loss); the result has that mean or aggregate under `name`.
+    old_logp [N, T] from the scoring pass, or None on-policy: the current log-probs, detached, so
+    the ratio is exactly 1. sched: stepped after the optimizer (None: not stepped).
+    Ranks with fewer micro-batches run padding ones (one row cut to 2 tokens, at weight 0): FSDP2
+    needs as many forward/backward calls on every rank.
     """
     policy.train()
     mask = batch["loss_mask"]
@@ -139,6 +109,7 @@ def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device, extra=Non
     total, n_seq = all_sum([sum(weights[mb].sum().item() for mb in mbs), sum(map(len, mbs))], device)
     # FSDP averages gradients over ranks, so each rank's share is scaled back up by WORLD
     n_mb = int(max(all_gather(len(mbs))))
+    # kl stays 0 (no KL penalty, as released): a metrics.jsonl column kept for its readers
     sums = dict.fromkeys(("loss", "clip_frac", "kl", "ratio_mean"), 0.0)
     name, coef, term = extra or (None, None, None)
     extra_sum = 0.0

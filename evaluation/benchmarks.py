@@ -16,12 +16,8 @@ from harness import config
 from harness.files import UserError
 
 BIG_N = {"aime24": 32, "aime25": 32, "amc23": 32}   # samples per question; 4 elsewhere
-# Per-world defaults. Toy: the forced text is the one the toy base learned (label.SUFFIX), and K is
-# smaller than the released 16; `every` is in thinking tokens (toy traces think for ~10-40 tokens).
-# batch: questions per generation call (64 sequences of 8000 tokens: ~30 GB of KV cache for the 7B);
-# score_batch: sequences per scoring forward.
-# Post-hoc probe (released): probe_questions x probe_samples rollouts, posthoc_budgets budgets every
-# `every` thinking tokens (500 .. 8000; the toy: 8 .. 128, its whole generation budget).
+# Per-world defaults (docs/reference.md, "Evaluation"); every: thinking tokens between budgets;
+# rows: sequences per generation call; score_batch: sequences per scoring forward.
 REAL = dict(n=4, max_new_tokens=8000, every=500, forced_k=16, probe_questions=80, probe_samples=8,
             posthoc_budgets=16, rows=64, score_batch=8)
 TOY = dict(n=4, max_new_tokens=128, every=8, forced_k=4, probe_questions=80, probe_samples=8,
@@ -53,9 +49,8 @@ def settings(bench, args):
 
 
 def load_benchmarks(specs, limit=None, lcb_release=data.LCB_RELEASE):
-    """[(name, rows, instruction, source)] (load_benchmark, benchmark_source). A name stands for one
-    source: a file whose stem is taken, by the built-in toy (its name brings the toy world's settings)
-    or by an earlier benchmark of the list (b1/q.jsonl, b2/q.jsonl), is named by its path as given."""
+    """[(name, rows, instruction, source)]. A name stands for one source: a file whose stem is taken
+    (by a toy benchmark, or an earlier one: b1/q.jsonl, b2/q.jsonl) is named by its path as given."""
     owner, out = {name: f"{name}:test" for name in data.TOY_BENCHMARKS}, []
     for spec in specs:
         name, rows, instruction = load_benchmark(spec, limit, lcb_release)
@@ -67,10 +62,9 @@ def load_benchmarks(specs, limit=None, lcb_release=data.LCB_RELEASE):
 
 
 def load_benchmark(spec, limit=None, lcb_release=data.LCB_RELEASE):
-    """(name, rows [{problem, answer}], instruction) for a toy benchmark (its test split), a short name (data.BENCHMARKS,
-    from the hub), a local .json/.jsonl/.parquet file, NAME=FILE (a local copy of a known benchmark, e.g.
-    aime24=aime24.jsonl: named, and sampled, like it; lcb and logiqa rows built as the hub's), or an HF
-    dataset id (owner/name). lcb_release: LiveCodeBench's window (data.lcb_window)."""
+    """(name, rows [{problem, answer}], instruction) for a toy benchmark (its test split), a known
+    name (data.BENCHMARKS), a local .json/.jsonl/.parquet file, NAME=FILE (a local copy of a known
+    benchmark, named and sampled like it), or an HF dataset id (owner/name)."""
     name, _, path = spec.partition("=")
     known = ", ".join(data.TOY_BENCHMARKS + tuple(data.BENCHMARKS))
     if name in data.TOY_BENCHMARKS and not path:
@@ -123,9 +117,7 @@ def run_prompt(path, args):
 
 def rlcr_prompts(loaded):
     """--mode rlcr (the released evaluation's, for RLCR and C2GSPG): every benchmark asks in RLCR's
-    format, prompts.RLCR_INSTRUCTION (the toy world's: toy.RLCR_INSTRUCTION). LiveCodeBench, whose
-    answer is a program, is refused: the release ships livecodebench_lite_rlcr.parquet, but no evaluation
-    config or grader reads it."""
+    format (prompts.RLCR_INSTRUCTION; the toy's: toy.RLCR_INSTRUCTION); LiveCodeBench is refused."""
     if any(data.kind(bench) == "code" for bench, *_ in loaded):
         raise UserError("--mode rlcr: lcb has no RLCR-format evaluation here (its answer is a program; the release "
                         "ships livecodebench_lite_rlcr.parquet but no config or grader for it): evaluate it "

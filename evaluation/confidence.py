@@ -1,25 +1,13 @@
-"""Where a sample's confidence comes from at evaluation: sample_confidences, one number per response.
-
-Sources (one number in [0, 1] per sampled response):
-  probe          the run's own probe (probe.pt in the checkpoint), read where it was trained: the
-                 training feature (the last decoder layer's output before the final norm, averaged
-                 over the 4 tokens before the prefix end) at the last of the run's budgets (75% of the
-                 response by default), not at the end of thinking, where it never saw data.
-  probe-posthoc  a probe fitted after training with the released evaluation protocol (the paper's
-                 probe rows; evaluation/posthoc.py): feature = final normed hidden state of the last token of prompt +
-                 thinking; read at the end of thinking.
-  verbal         the number in the last <confidence>...</confidence> tag (RLCR's format); values
-                 above 1 read as percentages; a missing tag, no number or a value outside [0, 100]
-                 reads as 0.5 (counted), as the released scorer reads it.
-  verbal-forced  RLCR's released evaluation confidence: the thinking cut at the budget (the evaluation's
-                 max tokens: 8000, the toy's 128) or where it ended, RLCR_REANSWER appended ("...</think>",
-                 "I am out of time, ..." with the 3-tag format and `<answer>` opened; the toy: `</think>`
-                 alone), k re-answers sampled (released: 4 on AIME / AMC, 1 elsewhere; temperature 0.6,
-                 top-p 0.95, at most 1000 tokens), the mean of their verbal confidences (a re-answer
-                 without a tag counts 0.5, as does one with a box and no answer tag or a blank one:
-                 reanswer_confidence; counted).
-  logits         exp(mean log-prob of the response tokens) at the run's training temperature (0.8), where
-                 C2GSPG trained it (C2GSPG's confidence; `--logit-temperature 1`: the raw model's).
+"""Where a sample's confidence, a number in [0, 1], comes from at evaluation (sample_confidences):
+  probe          the run's own probe.pt, on the training feature at the last of the run's budgets
+                 (where it saw data; not at the end of thinking)
+  probe-posthoc  the post-hoc probe (evaluation/posthoc.py) on the final normed state of the last
+                 thinking token
+  verbal         the last <confidence> tag (RLCR's format; baselines.verbal_confidence)
+  verbal-forced  RLCR's released reading: the mean tag of k re-answers forced after the thinking
+                 cut at the budget (forced_verbal)
+  logits         exp(mean log-prob of the response) at the run's training temperature, where C2GSPG
+                 trained it (logit_confidence)
 """
 import math
 
@@ -29,7 +17,7 @@ import probe as probe_lib
 from baselines import verbal_confidence  # RLCR's parser, read here for --confidence verbal
 from grade import answer_tag, blank_answer
 from grpo import pack, token_logprobs
-from label import absolute_budgets, budgets, mc_labels
+from label import budgets, mc_labels
 from prompts import RLCR_FORMAT
 from rollout import generate
 from update import budget_ends, score
@@ -47,16 +35,12 @@ def sample_confidences(source, model, tokenizer, prompts, responses, texts, gold
                        close_id=None, every=None, exit_k=1, suffix=EVAL_SUFFIX, close="think", seed=0,
                        batch_size=8, rows=64, fractions=(0.25, 0.5, 0.75), forced_k=16, budget=8000,
                        reanswer=RLCR_REANSWER, logit_temperature=0.8):
-    """One confidence per response, plus per-sample extras for the results.
-
-    Probe sources read their probe at read_point (the run's probe: its last training budget, with
-    `fractions` from the run's config; the post-hoc probe: the end of thinking).
-
-    Returns (conf [N] floats, extras [N] dicts). verbal: extras {"verbal_missing": bool}; verbal-forced:
-    {"verbal_missing": how many of the forced_k re-answers had no tag}. Probe sources
-    with `every`: extras {"checkpoints": [[t, c_t, y_t], ...]} for t = every, 2 * every, ... below the
-    end of thinking: the probe's confidence after t thinking tokens and whether one forced answer there
-    (what an early exit would output; temperature 0.6, top-p 0.95) is right, for uses.early_exit.
+    """(conf [N] floats, extras [N] dicts): one confidence per response, probes read at read_point
+    (`fractions`: the run's config's). verbal: extras {"verbal_missing": bool};
+    verbal-forced: {"verbal_missing": how many of the forced_k re-answers had no tag}. Probe sources
+    with `every`: {"checkpoints": [[t, c_t, y_t], ...]} for t = every, 2 * every, ... below the end of
+    thinking: the probe's confidence after t thinking tokens and whether one forced answer there
+    (what an early exit would output; T 0.6, top-p 0.95) is right, for uses.early_exit.
     """
     if source == "verbal":
         pairs = [verbal_confidence(t) for t in texts]
@@ -75,7 +59,7 @@ def sample_confidences(source, model, tokenizer, prompts, responses, texts, gold
         raise ValueError(f"confidence source {source!r} needs a probe; sources: {', '.join(SOURCES)}")
     staticcache.release(model)  # the generation's static shape: neither the features nor the labels reuse it
     ends = [think_end(r, close_id) for r in responses]
-    bls = [([b for b in absolute_budgets(te, every) if b < te] if every else []) +
+    bls = [([b for b in absolute_cuts(te, every) if b < te] if every else []) +
            [read_point(source, r, close_id, fractions)] for r, te in zip(responses, ends)]
     feats = features(model, prompts, responses, bls, tokenizer.pad_token_id, source == "probe-posthoc",
                      batch_size)
@@ -97,10 +81,15 @@ def sample_confidences(source, model, tokenizer, prompts, responses, texts, gold
     return [cs[-1] for cs in confs], extras
 
 
+def absolute_cuts(length, every):
+    """Cuts every `every` tokens, up to and including `length` if it falls on one:
+    absolute_cuts(1200, 500) == [500, 1000]."""
+    return list(range(every, length + 1, every))
+
+
 def read_point(source, response, close_id, fractions=(0.25, 0.5, 0.75)):
-    """Where a probe is read for a sample's confidence, in response tokens: the end of thinking for the
-    post-hoc probe; for the run's own probe the last of its training budgets (label.budgets of the
-    response length with the run's fractions: 6 for a response of 8 tokens), where it saw data."""
+    """Where a probe is read, in response tokens: the post-hoc probe at the end of thinking, the run's
+    own at its last training cut (label.budgets with the run's fractions: 6 of 8 tokens)."""
     if source == "probe":
         return max(budgets(len(response), fractions), default=0)
     return think_end(response, close_id)
@@ -108,13 +97,9 @@ def read_point(source, response, close_id, fractions=(0.25, 0.5, 0.75)):
 
 def forced_verbal(model, tokenizer, prompts, responses, close_id, budget, k, seed=None, batch_size=8,
                   close_text=RLCR_REANSWER, max_new_tokens=1000):
-    """(conf [N], missing [N]): per response, the mean verbal confidence of k re-answers forced after
-    `prompt + thinking[:budget] + close_text` (thinking: up to its own `</think>`), and how many of
-    the k had no readable tag (read as 0.5).
-
-    Released (2_budget_eval_rlcr): close_text = RLCR_REANSWER, tokenized on its own and appended
-    to the ids, at most 1000 new tokens; each re-answer read by reanswer_confidence. close_text=None
-    closes with the `</think>` id alone (the toy world, which reads no English)."""
+    """(conf [N], missing [N]): per response, the mean reanswer_confidence of k re-answers forced after
+    `prompt + thinking[:budget] + close_text` (released: RLCR_REANSWER, tokenized on its own; None:
+    the `</think>` id alone, for the toy), and how many of the k had no readable tag."""
     if close_id is None:
         raise ValueError("--confidence verbal-forced needs a `</think>` token in the tokenizer")
     close = [close_id] if close_text is None else tokenizer.encode(close_text, add_special_tokens=False)
@@ -139,15 +124,8 @@ def reanswer_confidence(text):
 
 def sample_by_length(model, tokenizer, prompts, k, run=None, **kw):
     """The k sampled texts of each prompt (lists, in the order given); on the static path (CUDA)
-    sampled shortest prompt first. run: the generate called (default rollout.generate; the post-hoc
-    fit's: evaluation/shard.generate_dealt, its chunks dealt to evaluate.py's workers).
-
-    Forced prompts come a rollout's budgets after one another, so in that order the width changes at
-    nearly every chunk, and with it the static decoder's shape: a new buffer set and capture per
-    chunk (1557 of 1604 chunks of the released post-hoc protocol, 24 when sorted) and 35 % more
-    prefill positions than tokens. Sorted, a chunk holds prompts of about one width. The dynamic
-    path (CPU) keeps the given order: it has no shapes to keep, and its samples stay those of
-    earlier versions for the same seed.
+    sampled shortest prompt first, so that a chunk holds prompts of about one width (one static
+    shape) rather than a rollout's budgets in turn. run: the generate called (rollout.generate's).
     """
     order = list(range(len(prompts)))
     if sampling.default_decode(model) == "static":
@@ -171,10 +149,7 @@ def _device(model):
 
 def logit_confidence(model, prompts, responses, pad_id, batch_size=8, temperature=0.8):
     """exp(mean_t log p_T(response token t)) with logits / temperature, one float per response (EOS
-    included). C2GSPG trains this c at the sampling temperature (0.8; verl's old_log_probs are at the
-    rollout temperature), so it is read there by default; temperature=1 is the raw model's.
-
-    prompts, responses: N lists of ids. Runs grpo.token_logprobs over grpo.pack micro-batches.
+    included): C2GSPG's confidence, trained at the sampling temperature; temperature=1: the raw model's.
     """
     out = []
     with torch.no_grad():
@@ -189,11 +164,8 @@ def logit_confidence(model, prompts, responses, pad_id, batch_size=8, temperatur
 
 
 def features(model, prompts, responses, budget_lists, pad_id, final_norm, batch_size=8):
-    """Probe features at each budget of each response: N tensors [B_i, d] float32 on CPU.
-
-    final_norm=False: training features (mean of the 4 pre-norm states before prompt_len + b);
-    final_norm=True: the post-hoc feature (final normed state of the token at prompt_len + b - 1).
-    """
+    """Probe features at each cut of each response, N tensors [B_i, d] float32 on CPU: the training
+    feature, or with final_norm the post-hoc one (the final normed state at prompt_len + b - 1)."""
     out = []
     for s in range(0, len(prompts), batch_size):
         ps, rs, bs = prompts[s:s + batch_size], responses[s:s + batch_size], budget_lists[s:s + batch_size]

@@ -21,12 +21,9 @@ GRADER = "math"   # evaluation grades with grade.is_correct: normaliser + math-v
 
 def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, path, system=None,
                        form="box", key=None):
-    """Sample, grade and score every missing (question, sample) of one benchmark, appending per call.
-
-    s: the benchmark's settings (n, max_new_tokens, ...); conf_kw: arguments of
-    confidence.sample_confidences; form: where the answer is read (grade.extract: "box" or "tag");
-    key: sample_key. Rows already in `path` for key (own_rows) are kept, not regenerated. With several
-    workers each runs whole calls, and rank 0 writes every row as one process would (evaluation/shard.py).
+    """Sample, grade and score every (question, sample) of one benchmark not yet in `path` for
+    `key` (sample_key), appending per call. s: the benchmark's settings; conf_kw:
+    confidence.sample_confidences' arguments; form: grade.extract's ("box" or "tag").
     """
     qids = question_ids(rows)
     todo = shard.share(missing_samples(path, label, bench, rows, s["n"], key) if MASTER else None)
@@ -102,12 +99,9 @@ def grade_call(texts, golds, bench, s, form):
 
 
 def natural_correct(text, answer, gold, form="box", gate="thinking", letters=True):
-    """The grade of a natural response: its answer (grade.extract) matches the gold and, with
-    gate="thinking" (released: natural_eval._evaluate_boxed), its thinking holds a box
-    (grade.boxed_in_thinking), so a response that boxes only after `</think>` counts as wrong;
-    gate="none" grades the answer alone. An RLCR answer (form="tag", grade.rlcr_answer) needs its
-    <answer> tag, as released, and no box (a blank tag: the text's last box). letters:
-    grade.answers_match's (False for GPQA's boxed answers, as released)."""
+    """The grade of a natural response: its answer matches the gold and, with gate="thinking"
+    (released: natural_eval), its thinking holds a box (grade.boxed_in_thinking); gate="none", or an
+    RLCR answer (form="tag"), the answer alone. letters: grade.answers_match's."""
     if form == "box" and gate == "thinking" and not grade.boxed_in_thinking(text):
         return False
     return grade.answers_match(answer, gold, GRADER, letters=letters)

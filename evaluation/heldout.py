@@ -1,14 +1,6 @@
-"""The held-out check during training: accuracy, and the probe out of sample (its calibration on
-held-out trajectories).
-
-held_out_accuracy samples the same held-out problems with the same seed at every check (temperature
-0.6), so two checks of a run differ only by the policy.
-
-The probe's BCE/ECE logged per step (`probe_bce`, `probe_ece`) are in-sample: measured on the very
-prefixes it was just fitted to. The periodic held-out check also takes its first few held-out
-trajectories (`--eval-probe-n`), labels their prefixes exactly as a training step does (same
-budgets, same K, label.mc_labels), reads the run's probe on their features (read as a step reads
-them, from the forced answers' prefill) and logs
+"""The held-out check during training: accuracy, with the same problems and seed at every check
+(T 0.6), and the probe out of sample, on the prefixes of the first --eval-probe-n trajectories,
+labelled as a step labels them (unlike the step's in-sample probe_bce / probe_ece):
 
     eval_probe_bce    -mean_b [Y_b log C_b + (1 - Y_b) log(1 - C_b)]        (soft labels, as fitted)
     eval_probe_ece    metrics.ece(C_b, Y_b)
@@ -17,9 +9,6 @@ them, from the forced answers' prefill) and logs
     eval_margin       mean over trajectories of reward.margin_reward (the reward it would have earned);
                       under the Brier modes eval_brier, the mean of reward.brier_reward instead
     eval_probe_prefixes  how many prefixes
-
-With soft labels the ECE over prefixes equals the ECE over the K forced answers, so all three read
-the same binary events.
 """
 import numpy as np
 import torch
@@ -38,10 +27,9 @@ EPS = 1e-7
 
 @torch.no_grad()
 def held_out_accuracy(sampler, tok, rows, cfg, instruction, device, probe=None, probe_stats=None):
-    """Accuracy on a fixed slice of the held-out split at the evaluation temperature (0.6) with a
-    fixed seed, so every check of a run samples the same way. With a `probe_stats` dict, the probe's
-    calibration on the first eval_probe_n of these trajectories is added to it (below). nan when
-    nothing was scored (a --reward-fn that returned None for every response)."""
+    """Accuracy on the held-out `rows` (module docstring); with a `probe_stats` dict, the probe's
+    calibration on the first eval_probe_n trajectories is added to it. nan when nothing was scored
+    (a --reward-fn that returned None for every response)."""
     mine = rows[RANK::WORLD]
     prompts = [row_prompt(tok, r, instruction, cfg["system_prompt"]) for r in mine]
     hits, trajs, judged = 0, [], len(mine)
@@ -70,11 +58,8 @@ def held_out_accuracy(sampler, tok, rows, cfg, instruction, device, probe=None, 
 
 @torch.no_grad()
 def probe_calibration(model, tok, prb, prompts, out, rows, cfg, seed):
-    """Label and score the trajectories `out` (a rollout.Samples, one per prompt) of `rows`.
-
-    Returns one dict per trajectory: problem, answer, text (clipped), correct, budgets, Y_b, C_b,
-    margin (or brier, under the Brier modes). The features come from the labels' prefill, as in a step.
-    """
+    """Label and score the trajectories `out` (a rollout.Samples, one per prompt) of `rows`: a dict
+    per trajectory (problem, answer, text clipped, correct, budgets, Y_b, C_b, margin or brier)."""
     from grade import is_correct
     n, fn = len(prompts), cfg["reward_fn"]
     golds = [r["answer"] for r in rows]

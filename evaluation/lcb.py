@@ -1,12 +1,10 @@
-"""A LiveCodeBench row's tests, read and checked when the benchmark is loaded (data._lcb_row), so that
-a malformed row is one line naming its problem before anything is generated, never a traceback at
-grading time nor a sample graded wrong because its test could not run.
+"""A LiveCodeBench row's tests, checked when the benchmark is loaded (data._lcb_row): a malformed row
+is one line naming its problem before anything is generated.
 
     tests, fn_name = lcb.tests_of(row)   # [{"input": str, "output": str, "testtype": "stdin"}], None
 
-The hub stores the tests and the metadata as JSON strings (private tests also as
-base64(zlib(pickle(json))): harness/sandbox.decode_private_tests); a local copy may hold them decoded
-already (a list, an object), which is read as it is.
+The hub stores them as JSON strings (private tests as base64(zlib(pickle(json))):
+harness/sandbox.decode_private_tests); a local copy may hold them decoded already.
 """
 import base64
 import binascii
@@ -38,9 +36,8 @@ def _field(r, name, default, decode=json.loads):
 
 
 def _bounded(blob, name):
-    """RowError when a base64(zlib(...)) blob inflates past LIMIT, found in 16 MB chunks that are not kept
-    (zlib.decompress would first allocate all of it: 2 GB from a 1.4 MB row). Anything else is left to
-    decode_private_tests, which says what is wrong with it."""
+    """RowError when a base64(zlib(...)) blob inflates past LIMIT, found in 16 MB chunks that are not
+    kept (zlib.decompress would allocate all of it first); anything else is decode_private_tests'."""
     try:
         data, d, total = base64.b64decode(blob), zlib.decompressobj(), 0
         while data:

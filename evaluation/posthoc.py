@@ -1,19 +1,7 @@
-"""The post-hoc probe: a probe fitted on a model after training with the released evaluation protocol
-(--confidence probe-posthoc, the paper's probe rows), then read by evaluation/confidence.py at the end
-of thinking. posthoc_probe samples, labels and fits it, and caches it per model in evaluate.py's --out.
-
-Post-hoc protocol (released evaluation code; each knob is an evaluate.py flag): 80 problems x 8
-samples; 16 budgets every 500 thinking tokens per rollout, a budget past the end of thinking reusing
-the end-of-thinking feature and label; forced answers `prompt + thinking[:b] + "..." + </think> +
-EVAL_SUFFIX`, 16 per budget at temperature 0.6, top-p 0.95, at most 64 tokens, no stop string, read
-from the last box; where the thinking ended inside the budget and holds a box itself, the natural
-answer's correctness is copied instead (the toy world: its own forced text, no "...", stopped at the
-newline that ends the answer it was taught, since it writes more boxes after it, and a box anywhere,
-since it boxes after `</think>`); past-end budgets share one draw (released: one each); MLP d -> d/4 -> 1;
-validation problems (numpy's seed 42 order) added while they hold < 20 % of the examples; BCE on soft
-labels, batch 64, up to 100 epochs, early stopping (patience 30) on validation BCE against rounded
-labels (the mean of per-batch means), ReduceLROnPlateau(0.5, 5); grid over lr x dropout x weight decay
-(GRID).
+"""The post-hoc probe (--confidence probe-posthoc, the paper's probe rows): fitted on a model after
+training with the released evaluation protocol, then read by evaluation/confidence.py at the end of
+thinking. posthoc_probe samples, labels and fits it, and caches it per model in evaluate.py's --out.
+The protocol, its flags and where it differs from the release: docs/reference.md, "Evaluation".
 """
 import copy
 import functools
@@ -49,20 +37,11 @@ GRID = [(lr, p, wd) for lr in (1e-3, 5e-4, 1e-4) for p in (0.5, 0.8) for wd in (
 
 def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, protocol, batch_size=8, rows=64,
                   system=None):
-    """The post-hoc probe of a model: loaded from `cache`.pt (probe and report in one file, written
-    atomically) if fitted there with the same protocol, else fitted and saved (and the report copied
-    to `cache`.json for people). Returns (probe, report); report["protocol"] is `protocol`.
-
-    protocol (evaluation/probes.py builds it from evaluate.py's flags): n samples per question at
-    temperature / top_p, max_new_tokens; every / count budgets; k forced answers with lead, suffix, close,
-    stop, copy_natural under gate; grader ("code" for a code benchmark's questions; absent: math);
-    epochs, patience, batch, val_frac, seed of the fit. Samples n responses per question
-    ({problem, answer}), labels their prefixes (posthoc_examples), runs fit_posthoc, and prints
-    protocol_line to stderr.
-
-    With evaluate.py's workers every rank calls this: the generate chunks, feature batches and
-    gradings are dealt to them (evaluation/shard.py), each drawn as one process draws it; rank 0
-    alone reads the cache and fits, the others return (None, None).
+    """(probe, report) of a model: read from `cache`.pt (probe and report in one file) if fitted
+    there with the same protocol, else fitted (posthoc_examples, fit_posthoc) and saved, the report
+    copied to `cache`.json for people. protocol: the dict evaluation/probes.py builds from the flags.
+    Every rank of evaluate.py's workers calls this and gets a share of the sampling and grading
+    (evaluation/shard.py); rank 0 alone reads the cache and fits, the others return (None, None).
     """
     p = cache_protocol(protocol, questions, instruction, system)
     cached = read_cache(cache + ".pt") if MASTER and os.path.exists(cache + ".pt") else None
@@ -101,17 +80,11 @@ def posthoc_examples(model, tokenizer, prompts, responses, texts, golds, groups,
                      count=16, k=16, suffix=EVAL_SUFFIX, close="think", stop=(), copy_natural=True,
                      seed=0, batch_size=8, rows=64, lead=EVAL_LEAD, gate="thinking", grader="math",
                      tokens="sampled", run=None):
-    """(feats [M, d], labels [M], groups [M], stats) for fitting a post-hoc probe on sampled responses.
-
-    Every rollout contributes `count` examples, one per budget of posthoc_budgets(thinking, every,
-    count), M = count * N: the feature is the final normed state of the last token of prompt +
-    thinking[:b] (budgets past the end of thinking reuse the end-of-thinking feature and label), the
-    label comes from posthoc_labels (grader="code": programs, CODE_TOKENS each). groups[i] is the
-    problem index, for the grouped split.
-    batch_size: sequences per scoring forward; rows: sequences per forced-answer generation call;
-    run: posthoc_labels'. The feature batches are dealt to evaluate.py's workers (shard.spread).
-    tokens="text" (released: 2_budget_eval, 3_reproduce): the thinking re-tokenized from its text, the
-    budgets counted in those tokens, and the forced prompts without the prompt's BOS (the features keep it).
+    """(feats [M, d], labels [M], groups [M] problem indices, stats), M = count * N: one example
+    per rollout and budget of posthoc_budgets, the feature the final normed state of the last token
+    of prompt + thinking[:b], the label posthoc_labels'. batch_size: sequences per scoring forward;
+    rows: per forced-answer generation call. tokens="text" (released): the thinking re-tokenized
+    from its text, and the forced prompts without the prompt's BOS (the features keep it).
     """
     ends = [think_end(r, close_id) for r in responses]
     forced = prompts
@@ -137,31 +110,20 @@ def posthoc_examples(model, tokenizer, prompts, responses, texts, golds, groups,
 
 
 def posthoc_budgets(thinking, every=500, count=16):
-    """The released budgets every, 2 * every, ..., count * every thinking tokens, as the prefix length
-    read at each: a budget past the end of thinking reads the end of thinking.
-
-    posthoc_budgets(20, 8, 4) == [8, 16, 20, 20]; always `count` entries per rollout.
-    """
+    """The released budgets every, 2 * every, ..., count * every as the prefix length read at each,
+    one past the end of thinking reading its end: posthoc_budgets(20, 8, 4) == [8, 16, 20, 20]."""
     return [min(every * (i + 1), thinking) for i in range(count)]
 
 
 def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions, ends, k=16,
                    suffix=EVAL_SUFFIX, close="think", stop=(), copy_natural=True, max_new_tokens=64,
                    seed=0, rows=64, lead=EVAL_LEAD, gate="thinking", grader="math", run=None):
-    """Labels Y_b for each rollout's budget positions (N lists of floats) and the count of copied ones.
-
-    Where the position is the end of thinking (ends[i]) and the thinking holds a box (gate="thinking",
-    released; gate="none": the response anywhere, the toy's rule), the natural answer's correctness
-    (0 or 1) is copied (copy_natural). Elsewhere k answers are forced from `prompt + response[:b] +
-    lead + CLOSE + suffix` (released: "..." + `</think>` + "\n\nIf I were ..."; temperature 0.6,
-    top-p 0.95, at most max_new_tokens, `stop` strings; released: none; the toy: "\n") and each is
-    read from the last box of `suffix + completion` (with the toy's stop, the box of its answer);
-    Y_b is the fraction right. Equal forced prompts are sampled once.
-    grader="code" (a code benchmark; suffix CODE_SUFFIX, max_new_tokens CODE_TOKENS as released): the
-    natural and forced answers are programs, graded by running them against the gold's tests (a
-    bounded pool, sandbox.grade_many); there is no box to gate on, so an ended thinking copies the
-    natural grade. run: the generate the forced answers are sampled with (sample_by_length's; posthoc_probe:
-    shard.generate_dealt); their grading is dealt to evaluate.py's workers (shard.spread).
+    """(Y_b for each rollout's budget positions: N lists of floats, how many were copied). At the end of thinking (ends[i]) of a thinking that holds a box (gate="thinking"; "none": a box
+    anywhere), the natural answer's grade is copied (copy_natural). Elsewhere Y_b is the share of k
+    answers forced from `prompt + response[:b] + lead + CLOSE + suffix` (T 0.6, top-p 0.95) that
+    are right, read from the last box of `suffix + answer`; equal forced prompts are sampled once.
+    grader="code": answers are programs, run against the gold's tests (sandbox.grade_many).
+    run: the generate the forced answers are sampled with (sample_by_length's).
     """
     lead_ids = tokenizer.encode(lead, add_special_tokens=False) if lead else []
     labels, todo, copied = [], {}, 0
@@ -200,17 +162,12 @@ def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions
 
 def fit_posthoc(x, y, groups, seed=42, max_epochs=100, patience=30, batch_size=64, grid=GRID, device="cpu",
                 val_frac=0.2, plateau=(0.5, 5), rule="released"):
-    """Fit the post-hoc probe (released protocol): grid search with early stopping, grouped split.
-
-    x [M, d], y [M] soft labels, groups [M]. Split: split_groups(val_frac, seed, rule). For each (lr,
-    dropout, weight decay) in grid: a fresh Probe(d, d // 4, dropout) (torch seed `seed`) with AdamW,
-    one shuffled pass per epoch on the training part (minibatch batch_size), ReduceLROnPlateau(factor,
-    patience = plateau) on the validation loss = BCE against round(y) (val_loss: rule "released", the
-    mean of per-batch means, lower when strictly lower; "project", one mean over the examples, lower by
-    1e-6); stop after `patience` epochs without a lower one, keep the best epoch. Returns (probe with
-    the lowest validation loss over the grid, report: its config and epochs, the split sizes,
-    validation BCE on soft and rounded labels, and the same for the constant predictors mean(y_train)
-    and mean(round(y_train))).
+    """The released fit: x [M, d], y [M] soft labels, groups [M], split by split_groups. For each
+    (lr, dropout, weight decay) of the grid, a fresh Probe(d, d // 4, dropout) (torch seed `seed`),
+    AdamW, an epoch one shuffled pass, ReduceLROnPlateau(*plateau) on val_loss against round(y)
+    ("project": lower by 1e-6 to count), stopped after `patience` epochs without a lower one.
+    Returns (the grid's best probe, report: its settings, the split, its validation BCE beside the
+    constant predictors mean(y_train) and mean(round(y_train))).
     """
     if not torch.isfinite(x).all():
         raise FloatingPointError(f"post-hoc probe: {int((~torch.isfinite(x)).any(1).sum())} of {len(x)} "
@@ -256,13 +213,11 @@ def fit_posthoc(x, y, groups, seed=42, max_epochs=100, patience=30, batch_size=6
 
 
 def split_groups(groups, val_frac=0.2, seed=42, rule="released"):
-    """Example indices (train [M_t] ascending, val [M_v]): problems in a seeded random order go to
-    validation until it holds val_frac of the examples; whole problems stay on one side.
-
-    rule "released" (4_probe_training.build_group_split_indices): problems in order of first appearance
-    shuffled by np.random.RandomState(seed), added while fewer than max(1, int(M * val_frac)) examples
-    are held, val in that order (it sets val_loss's batches). "project": random.Random(seed) over the
-    sorted problems, added until >= val_frac * M are held, val ascending."""
+    """(train [M_t] ascending, val [M_v]) example indices, whole problems on one side. "released"
+    (build_group_split_indices): problems by first appearance, shuffled by np.random.RandomState(seed),
+    added to val while it holds < max(1, int(M * val_frac)) examples, val in that order (val_loss's
+    batches). "project": random.Random(seed) over the sorted problems, until >= val_frac * M, val
+    ascending."""
     ids = groups.tolist()
     order = list(dict.fromkeys(ids))
     if rule == "released":
@@ -287,9 +242,8 @@ def split_groups(groups, val_frac=0.2, seed=42, rule="released"):
 
 
 def val_loss(prb, x, y, batch_size=64, rule="released"):
-    """Validation BCE of the probe on x [M, d] against y [M]: rule "released" (4_probe_training), the
-    mean over batches of batch_size (in x's order) of each batch's mean BCE-with-logits, so a short last
-    batch weighs as much as a full one; "project": bce, one mean over the M examples."""
+    """BCE of the probe on x [M, d] against y [M]: "released", the mean of per-batch means (batches of
+    batch_size in x's order: a short last batch weighs as a full one); "project", one mean (bce)."""
     if rule == "project":
         return bce(probe_lib.predict(prb, x), y)
     prb.eval()
@@ -316,11 +270,9 @@ def cache_protocol(protocol, questions, instruction, system=None):
 
 
 def read_cache(path):
-    """(probe, report) of a post-hoc cache file (`posthoc_probe` writes both into one .pt, so a cut
-    between two writes can never pair one protocol's report with another's probe); None, with one
-    line naming the file, when it is damaged (cut short, not a probe, a pickle payload, NaN weights,
-    no report): the probe is then fitted again and the file replaced. Read with weights_only (no code
-    runs) and checked by probe.load before anything of its sizes is built."""
+    """(probe, report) of a post-hoc cache file, or None with one line naming it where it is damaged
+    (cut short, not a probe, a pickle payload, NaN weights, no report): the probe is fitted again.
+    Read with weights_only and checked by probe.load before anything of its sizes is built."""
     try:
         prb = probe_lib.load(path)[0]
         report = json.loads(torch.load(path, map_location="cpu", weights_only=True).get("report") or "null")

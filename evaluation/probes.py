@@ -35,8 +35,7 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
             return probe_lib.load(os.path.join(path, "probe.pt"))[0], None
     if source != "probe-posthoc":
         return None, None
-    # Fit data: the toy world's train split, or the RL training set for real models (released: lead_80,
-    # 80 problems of its own choosing); problems of any benchmark being evaluated are skipped.
+    # fit data: the toy's train split, or the RL set (released: lead_80), less any evaluated problem
     toy_only = all(source in TOY_SOURCES for *_, source in loaded)
     src = args.probe_data or ("toy" if toy_only else "deepscaler")
     is_toy = src in TOY_FITS
@@ -54,8 +53,7 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
     if not rows:
         raise UserError(f"--probe-data {src}: all its {len(pool)} questions are in the evaluated benchmarks, so "
                         "no fit questions are left: pass other --probe-data")
-    # The forced answers: released, 64 tokens with no stop, read from the last box; the toy's stop at
-    # the newline that ends the answer it was taught (`implied}\n`), before the boxes it writes after.
+    # the toy's forced answers stop at the newline that ends its answer, before the boxes it writes after
     protocol = dict(n=args.probe_samples or w["probe_samples"], max_new_tokens=s["max_new_tokens"],
                     temperature=args.temperature, top_p=args.top_p, every=s["every"],
                     count=args.posthoc_budgets or w["posthoc_budgets"], k=s["forced_k"], suffix=s["suffix"],
@@ -72,9 +70,8 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
 
 
 def toy_fit_rows(src):
-    """The post-hoc probe's toy fit questions: `toy`, RL's distribution alone (the released protocol
-    fits on the training set), or `toy-pooled`, the train splits of every toy benchmark taken in
-    turn, so the fit sees each benchmark's base rate and ECE measures what the state says about
+    """The post-hoc probe's toy fit questions: `toy`, RL's train split (as released), or `toy-pooled`,
+    the train splits of every toy benchmark in turn, so ECE measures what the state says about
     correctness rather than the gap between the fit set's accuracy and a benchmark's."""
     if src == "toy":
         return data.load_rows("toy", split="train")

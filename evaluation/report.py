@@ -1,11 +1,8 @@
 """What an evaluation reports: per-benchmark metrics with bootstrap intervals, voting and early
 exit (summarize), reliability diagrams, the printed table and OUT/results.json.
 
-Metrics are computed per benchmark over all samples; "Overall" is the paper's: the unweighted mean
-over every benchmark evaluated. The OOD benchmarks (LiveCodeBench, GPQA, LogiQA: data.OOD) have their
-own block; where both kinds are evaluated, the math and OOD means ("math", "ood" in results.json) are
-printed beside the Overall. pass@k is the unbiased estimator, k = 1, 2, 4, ..., n. Each row of the table names the confidence source, grader and sampling settings it was
-measured with, and each metric carries its 95 % interval over questions (`0.543 +- 0.012`).
+Metrics are per benchmark over all samples; "Overall" is the paper's, the unweighted mean over every
+benchmark evaluated; the OOD benchmarks (data.OOD) have their own block and mean ("math", "ood").
 """
 import json
 import math
@@ -29,8 +26,14 @@ def summarize(rows, n_bins=10, seed=0, same=grade.answers_match):
     conf = [r["confidence"] for r in rows]
     correct = [r["correct"] for r in rows]
     res = metrics.calibration(conf, correct, n_bins)
-    res["questions"] = len({r["question"] for r in rows})
-    res["pass_at_k"] = pass_at_k(rows)
+    by_q = {}
+    for r in rows:
+        by_q.setdefault(r["question"], []).append(r["correct"])
+    res["questions"] = len(by_q)
+    # the mean over questions of the unbiased pass@k, k = 1, 2, 4, ... and n, the fewest samples
+    ks = uses.vote_sizes(min(len(c) for c in by_q.values()))
+    res["pass_at_k"] = {k: float(np.mean([metrics.pass_at_k(len(c), sum(c), k) for c in by_q.values()]))
+                        for k in ks}
     res["reliability"] = metrics.reliability(conf, correct, n_bins)
     # 95 % intervals over questions (metrics.bootstrap): printed as `0.543 +- 0.012`
     res["ci95"] = metrics.bootstrap(conf, correct, [r["question"] for r in rows], n_resamples=1000, seed=seed)
@@ -38,17 +41,6 @@ def summarize(rows, n_bins=10, seed=0, same=grade.answers_match):
         res["verbal_missing"] = sum(bool(r.get("verbal_missing")) for r in rows)
     res.update(uses.from_samples(rows, same=same, seed=seed, epsilons=EPSILONS))
     return res
-
-
-def pass_at_k(rows):
-    """{k: mean over questions of the unbiased pass@k (metrics.pass_at_k)} for k = 1, 2, 4, ... and n,
-    n the fewest samples any question has."""
-    by_q = {}
-    for r in rows:
-        by_q.setdefault(r["question"], []).append(r["correct"])
-    n = min(len(c) for c in by_q.values())
-    ks = sorted({2 ** i for i in range(n.bit_length()) if 2 ** i <= n} | {n})
-    return {k: float(np.mean([metrics.pass_at_k(len(c), sum(c), k) for c in by_q.values()])) for k in ks}
 
 
 def plot_reliability(rel, title, path):
@@ -90,11 +82,9 @@ def means(benches):
 
 
 def table(results):
-    """Markdown: one block per model, one row per benchmark with its pass@k, each with the confidence
-    source, grader and sampling settings it was measured with: the math benchmarks, then the OOD
-    benchmarks (data.OOD) in a block of their own, and the paper's Overall (the mean over all of them).
-    Where both kinds are evaluated, the math and OOD means close their blocks and stand again beside
-    the Overall in a last block."""
+    """Markdown: per model, a row per benchmark (pass@k, 95 % intervals, the confidence source, grader
+    and sampling settings), the math benchmarks, then the OOD ones in a block of their own, each
+    closed by its mean; with both kinds, a last block puts the two means beside the Overall."""
     lines = []
     for label, res in results.items():
         head = ["| benchmark | n | Acc | pass@k | " + " | ".join(c for c, _ in COLUMNS[1:]) + " | " +
@@ -163,10 +153,9 @@ def read_results(out_dir):
 
 
 def write_results(out_dir, label, res):
-    """Merge this model's results into OUT/results.json: other models' entries are kept, and so are the
-    benchmarks of this model's entry that this evaluation left out, where that entry had the same model
-    (model_id), confidence and post-hoc probe; its means are then over all its benchmarks. Returns
-    the names of the benchmarks kept."""
+    """Merge this model's results into OUT/results.json: other models' entries are kept, and so are
+    the benchmarks of this model's entry this evaluation left out, where that entry had the same
+    model_id, confidence and post-hoc probe (its means then over all). Returns the names kept."""
     path = os.path.join(out_dir, "results.json")
     old = read_results(out_dir)
     new, before = clean(res), old.get(label, {})
@@ -188,5 +177,12 @@ def report_uses(results):
             p = res["posthoc_probe"]
             lines.append(f"{label}: post-hoc probe val BCE {p['val_bce']:.4f} vs base rate {p['base_bce']:.4f} "
                          f"(lr {p['lr']}, dropout {p['dropout']}, wd {p['weight_decay']}, {p['prefixes']} prefixes)")
-        lines += [f"{label} {bench} {line}" for bench, b in res["benchmarks"].items() for line in uses.describe(b)]
+        for bench, b in res["benchmarks"].items():
+            v = b["voting"]
+            lines.append(f"{label} {bench} voting k={v['k']}: majority " + " ".join(f"{a:.3f}" for a in v["majority"])
+                         + " | weighted " + " ".join(f"{a:.3f}" for a in v["weighted"]))
+            lines += [f"{label} {bench} early exit eps {e['epsilon']}, mean of {e['splits']} random half splits: "
+                      f"test risk {e['test_risk']:.3f} (sd {e['test_risk_sd']:.3f}), exits {e['exit_rate']:.0%}, "
+                      f"tokens saved {e['tokens_saved']:.1%}; split 0: threshold {e['threshold']}, cal bound "
+                      f"{e['cal_bound']:.3f}, test risk {e['test_risk_split0']:.3f}" for e in b.get("early_exit", [])]
     return "\n".join(lines)

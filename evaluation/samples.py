@@ -1,10 +1,5 @@
-"""What identifies a model's samples, and the samples file evaluate.py appends to.
-
-A model is its resolved folder and content, or its hub id (model_id), shown under a short label (model_label) and
-filed under label@HASH where another model already holds that label in the output folder
-(filed_label). A sample row counts only for its model, its benchmark's source, its question's
-text and gold (question_ids) and the settings it was drawn with (sample_key); read_samples checks
-every row of samples.jsonl (is_sample). One writer per output folder (hold).
+"""What identifies a model's samples (model_id, model_label, filed_label, sample_key), and the
+samples file evaluate.py appends to (read_samples, own_rows); one writer per output folder (hold).
 """
 import hashlib
 import json
@@ -36,8 +31,8 @@ def model_label(name, path):
 
 
 def model_id(path):
-    """What makes a model this one: its resolved folder and its content (harness/files.identity: a run
-    trained again in place is another model), "FOLDER#HASH"; else its hub id."""
+    """"FOLDER#HASH", its resolved folder and content (harness/files.identity: a run trained
+    again in place is another model); else its hub id."""
     return f"{os.path.realpath(path)}#{files.identity(path)}" if os.path.isdir(path) else path
 
 
@@ -51,9 +46,8 @@ def digest(obj, size=16):
 
 
 def filed_label(label, ident, out_dir):
-    """The name a model is filed under in OUT (results.json, the samples' `model`, plot names): its
-    label, or label@HASH where OUT's results.json files another model under that label (a/model
-    evaluated, then b/model)."""
+    """The name a model is filed under in OUT: its label, or label@HASH where OUT's results.json
+    files another model under it (a/model evaluated, then b/model)."""
     entry = read_results(out_dir).get(label)
     if entry is None or entry.get("model_id") == ident:
         return label
@@ -79,9 +73,8 @@ def _count(v):
 
 
 def is_sample(r):
-    """A row as evaluate.py writes it: names, indices >= 0, correct 0/1, a confidence in [0, 1]; rows
-    of this version (with a `key`) also hold what the summaries read. Rows of older versions (no key)
-    are never counted, but must still be rows."""
+    """A row as evaluate.py writes it: names, indices >= 0, correct 0/1, a confidence in [0, 1], and
+    with a `key` what the summaries read (rows without one are never counted)."""
     conf = r.get("confidence")
     ok = (isinstance(r.get("model"), str) and isinstance(r.get("benchmark"), str) and _count(r.get("question"))
           and _count(r.get("sample")) and r.get("correct") in (0, 1) and isinstance(conf, (int, float))
@@ -119,13 +112,9 @@ def own_rows(samples, key, rows, n):
 
 def sample_key(ident, source, s, args, prompt, conf_kw):
     """The key of one model's samples of one benchmark: the model, the benchmark's source and every
-    setting that changes what a sample is drawn from, its grade or its confidence (the probe's weights
-    included; batching and the KV cache only change which draw it is).
-
-    A resumed evaluation reuses the rows of its own key only. With other settings it samples anew
-    under a new key rather than refusing: samples.jsonl is append-only, so the old rows stay and
-    count again when their settings come back, and a sweep over temperatures or seeds can share one
-    --out."""
+    setting that changes a sample's draw, grade or confidence (the probe's weights included). A
+    resume reuses its own key's rows only; other settings sample anew beside the old rows, which
+    count again when their settings come back (a sweep over seeds can share one --out)."""
     prb = conf_kw["prb"]
     weights = prb and [[k, hashlib.sha256(v.detach().float().cpu().numpy().tobytes()).hexdigest()]
                        for k, v in prb.state_dict().items()]

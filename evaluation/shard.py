@@ -5,21 +5,10 @@ samples.jsonl with the rows one process would have written, in the same order.
     python evaluate.py --model toy --benchmarks toy --nproc 2  # two CPU workers (gloo): the same bytes
     torchrun --nproc_per_node 8 evaluate.py --model M ...      # torchrun's ranks: the same path
 
-The workers are started by train.py's launcher (harness/launch.py) and take their rank from the
-environment (harness/parallel.py). What is dealt out is a generate call, not a question: a call's
-samples depend on its questions together (its seed is that of its first question, its sampling
-noise is drawn per row of the call, its prompts are padded to the longest), so each call is formed
-exactly as one process forms it and run whole by one worker. In round r, rank k runs call
-r * WORLD + k; the rows of a round are gathered to rank 0, which appends them in call order. Rank 0
-alone reads and writes the output folder (the samples, the post-hoc probe's cache, results.json);
-the other ranks receive what they need from it (share).
-
-The post-hoc probe's fit data is made the same way (evaluation/posthoc.py): its rollouts' and forced
-answers' generate chunks (generate_dealt), feature batches and gradings (spread) are dealt as calls
-are, chunk i to rank i % WORLD, and merged in order on every rank; rank 0 fits the probe from them.
-
-Grading (LiveCodeBench's programs run in sandboxed children for seconds) runs in a thread while the
-next call generates (Rounds): rows are appended one round behind the generation.
+A call's samples depend on its questions together (seed, per-row noise, padding), so whole calls
+are dealt: in round r, rank k runs call r * WORLD + k, and rank 0, which alone reads and writes the
+output folder, appends the round's rows in call order. The post-hoc fit's work is dealt the same way
+(generate_dealt, spread). Grading runs in a thread while the next call generates (Rounds).
 """
 import copy
 import dataclasses
@@ -34,15 +23,13 @@ import rollout
 from harness import files
 from harness.parallel import MASTER, RANK, WORLD
 
-# A rank waits at each gather for the slowest: a round of calls, a phase of the post-hoc fit (a
-# worker's share of its rollouts or forced answers), rank 0's fit of the probe; a safe upper bound.
+# a rank waits at each gather for the slowest (a round, a phase of the post-hoc fit): a safe bound
 TIMEOUT = datetime.timedelta(hours=24)
 
 
 def setup():
     """Join the workers' group (several ranks only) and put this rank on its own GPU. The group is
-    gloo on every device: the ranks exchange Python objects (the calls to run, the rows, the post-hoc
-    fit's samples and features, the probe), never the model's tensors."""
+    gloo on every device: the ranks exchange Python objects, never the model's tensors."""
     if WORLD == 1 or dist.is_initialized():
         return
     if torch.cuda.is_available():
@@ -60,8 +47,8 @@ def share(obj):
 
 
 def share_probe(got, device):
-    """Rank 0's (probe or None, report or None) on every rank. The probe sits where rank 0's does: on
-    the CPU (a run's probe.pt) or on the GPU it was fitted on, here this rank's `device`."""
+    """Rank 0's (probe or None, report or None) on every rank, the probe on the CPU or, where rank 0's
+    is on its GPU, on this rank's `device`."""
     if WORLD == 1:
         return got
     on_gpu = MASTER and got[0] is not None and next(got[0].parameters()).device.type == "cuda"
@@ -90,9 +77,8 @@ def spread(fn, items):
 
 
 def generate_dealt(model, tokenizer, prompts, n=1, batch_size=None, progress=None, **kw):
-    """rollout.generate's Samples of every prompt, on every rank, its chunks dealt to the workers
-    (chunk i to rank i % WORLD, as deal deals calls): each chunk is sampled whole with its own
-    generator, so the samples are one process's. progress: the label of rank 0's bar (its chunks)."""
+    """rollout.generate's Samples of every prompt on every rank, chunk i sampled whole by rank
+    i % WORLD with its own generator: one process's samples. progress: rank 0's bar's label."""
     if WORLD == 1:
         return rollout.generate(model, tokenizer, prompts, n, batch_size=batch_size, progress=progress, **kw)
     count = -(-len(prompts) // (batch_size or max(len(prompts), 1)))
@@ -111,12 +97,11 @@ def generate_dealt(model, tokenizer, prompts, n=1, batch_size=None, progress=Non
 class Rounds:
     """The rows of a benchmark's rounds, appended to `path` by rank 0 in call order.
 
-    add(fn, *args) queues one round's work of this rank: fn(*args) -> lines (JSON rows, each ending in
-    a newline) runs in one background thread while the caller generates the next round; then the
-    previous round is gathered and written. fn None: this rank has no call in the round. close(), or
-    leaving a `with` block, writes what is left, in one process also when the block is left by an
-    error or Ctrl-C (the rounds already generated are kept for the resume; one worker of several
-    cannot gather alone, and the launcher stops the others). `bar` (a tqdm) advances by the rows written.
+    add(fn, *args) queues this rank's round: fn(*args) -> lines (JSON rows ending in a newline) runs
+    in a background thread while the caller generates the next round; then the previous round is
+    gathered and written. fn None: no call in this round. Leaving the `with` block writes what is
+    left, in one process also on an error or Ctrl-C (kept for the resume; one worker of several
+    cannot gather alone). `bar` (a tqdm) advances by the rows written.
     """
 
     def __init__(self, path, bar=None):

@@ -1,38 +1,18 @@
 """Two uses of a calibrated confidence: weighted voting over samples, and early exit from a trace.
 
-Voting. Each question has n sampled answers, each with a confidence c_i. Answers are grouped into
-clusters of equal answers (`cluster_answers`); the vote picks
+Voting over clusters of equal answers (cluster_answers; no answer abstains, ties go to the first):
+majority argmax_a sum_i 1[answer_i = a], weighted argmax_a sum_i 1[answer_i = a] * c_i.
 
-    majority:  argmax_a  sum_i 1[answer_i = a]
-    weighted:  argmax_a  sum_i 1[answer_i = a] * c_i
+Early exit (conformal risk control, Angelopoulos et al. 2022). A trace's checkpoints j, every
+`every` thinking tokens, hold its probe confidence c_j, tokens t_j and y_j = 1 if an answer forced
+there is right; at threshold lam it exits at the first c_j >= lam, with loss 1 - y_j (0 if it never
+exits). That loss is not monotone in lam, so lam is calibrated on its monotone upper bound
 
-Samples without an answer abstain. Ties go to the cluster that appears first among the voters, so the
-result is deterministic. `voting_curves` reports accuracy as the number of votes k grows (1, 2, 4, ..., n),
-averaged over random size-k subsets of each question's samples.
+    bound_loss(lam) = max_{lam' >= lam} loss(lam') = 1[lam <= m]   (m: worst_exit)
 
-Early exit (conformal risk control, Angelopoulos et al. 2022, "Conformal Risk Control"). A trace has
-checkpoints j = 1..J along its thinking (every `every` tokens), each with the probe confidence c_j, the
-number of tokens t_j generated so far and y_j = 1 if an answer forced there is right. With threshold
-lam the trace exits at the first j with c_j >= lam; its loss is a wrong answer at exit:
-
-    loss(lam) = 1 - y_j  at the exit checkpoint j,   0 if the trace never exits (it runs to its end)
-
-CRC's guarantee, E[test risk] <= epsilon, holds only for a loss that is non-increasing in lam, and this
-one is not: raising lam can move an exit from a right checkpoint to a later, wrong one. So the
-threshold is calibrated on its smallest non-increasing upper bound, the worst exit at lam or above,
-
-    bound_loss(lam) = max_{lam' >= lam} loss(lam') = 1[lam <= m],   m = the highest c_j of a wrong
-                      checkpoint that is some threshold's exit (c_j above every earlier c), else -inf
-
-and loss <= bound_loss gives E[test loss] <= E[test bound_loss] <= epsilon. The exchangeable units are
-questions, not traces (the samples of one question are not independent): a question's loss L_i is the
-mean bound_loss of its traces. On a calibration split of n questions the threshold is the smallest
-candidate lam with
-
-    (n * mean_i L_i(lam) + 1) / (n + 1) <= epsilon
-
-(the CRC bound for losses in [0, 1]). The test split reports its risk (the real loss) and the tokens
-saved; the guarantee is over random calibration / test splits, one split's risk scatters around it.
+with questions as the exchangeable units (L_i: the mean bound_loss of a question's traces): on n
+calibration questions, the smallest lam with (n * mean_i L_i(lam) + 1) / (n + 1) <= epsilon. The
+guarantee E[test risk] <= epsilon is over random calibration / test splits (docs/reference.md).
 """
 import math
 import random
@@ -41,12 +21,9 @@ import numpy as np
 
 
 def cluster_answers(answers, same=None):
-    """Cluster ids for one question's answers: equal answers share an id, None stays None.
-
-    answers: list of str or None; same(a, b) -> bool decides equality of two distinct strings
-    (e.g. grade.answers_match), compared against each cluster's first answer. Ids count from 0 in
-    order of first appearance: cluster_answers(["2", None, "2", "3"]) == [0, None, 0, 1].
-    """
+    """Cluster ids of one question's answers, from 0 by first appearance, None staying None; same(a,
+    b) (e.g. grade.answers_match) compares an answer with each cluster's first one.
+    cluster_answers(["2", None, "2", "3"]) == [0, None, 0, 1]."""
     reps, ids = [], []
     for a in answers:
         if a is None:
@@ -63,12 +40,9 @@ def cluster_answers(answers, same=None):
 
 
 def vote(keys, confs=None):
-    """Winning key of one vote: keys [k] (None abstains), confs [k] or None for a plain majority.
-
-    Returns the key with the largest total weight (count, or sum of confidences), ties broken by the
-    first appearance in `keys`; None when every voter abstains.
-    vote([1, 0, 0]) == 0; vote([1, 0, 0], [0.9, 0.3, 0.4]) == 1; vote([1, 0]) == 1.
-    """
+    """The key of largest total weight (count, or with confs the sum of confidences), ties to the
+    first (None abstains; all abstaining: None). vote([1, 0, 0]) == 0; vote([1, 0, 0], [0.9, 0.3, 0.4])
+    == 1; vote([1, 0]) == 1."""
     score, first = {}, {}
     for i, k in enumerate(keys):
         if k is None:
@@ -87,13 +61,10 @@ def vote_sizes(n):
 
 
 def voting_curves(questions, draws=16, seed=0):
-    """Accuracy of majority and confidence-weighted voting versus the number of votes k.
-
-    questions: list of dicts with equal-length lists "keys" (cluster ids, None = no answer),
-    "correct" (0/1 per sample) and "conf" (per sample); a cluster's correctness is that of its first
-    sample. For each k in vote_sizes(min n), accuracy is averaged over `draws` random size-k subsets per
-    question (one subset, all samples, when k = n). Returns {"k": [...], "majority": [...], "weighted": [...]}.
-    """
+    """{"k", "majority", "weighted"}: accuracy of both votes for k in vote_sizes(min n), averaged
+    over `draws` random size-k subsets per question (all samples at k = n). questions: dicts of
+    equal-length lists "keys" (cluster ids, None = no answer), "correct" (0/1; a cluster's is its
+    first sample's) and "conf"."""
     if not questions:
         return {"k": [], "majority": [], "weighted": []}
     n = min(len(q["keys"]) for q in questions)
@@ -119,11 +90,8 @@ def voting_curves(questions, draws=16, seed=0):
 
 
 def exit_outcome(trace, lam):
-    """(loss, tokens) of one trace at threshold lam.
-
-    trace: {"checkpoints": [(t_j, c_j, y_j), ...] in increasing t, "length": tokens of the full trace}.
-    Exits at the first c_j >= lam with loss 1 - y_j and t_j tokens; else loss 0 and the full length.
-    """
+    """(loss, tokens) of a trace {"checkpoints": [(t_j, c_j, y_j), ...], "length"} at threshold lam:
+    (1 - y_j, t_j) at the first c_j >= lam, else (0, length)."""
     for t, c, y in trace["checkpoints"]:
         if c >= lam:
             return 1.0 - float(y), float(t)
@@ -131,11 +99,8 @@ def exit_outcome(trace, lam):
 
 
 def worst_exit(trace):
-    """m of a trace: the highest confidence of a wrong checkpoint at which some threshold exits
-    (its confidence above every earlier one), -inf if none; bound_loss(lam) = 1[lam <= m].
-
-    For checkpoints (c, y) = (0.3, 1), (0.5, 0), (0.4, 0): m = 0.5 (0.4 is never an exit).
-    """
+    """m of a trace: the highest confidence of a wrong checkpoint at which some threshold exits (its
+    confidence above every earlier one), -inf if none. (c, y) = (0.3, 1), (0.5, 0), (0.4, 0): 0.5."""
     top, m = -math.inf, -math.inf
     for _, c, y in trace["checkpoints"]:
         if c > top:
@@ -152,11 +117,8 @@ def crc_bound(units, lam):
 
 
 def crc_threshold(units, epsilon):
-    """Smallest threshold lam with crc_bound(units, lam) <= epsilon (the bound falls as lam grows).
-
-    Candidates are the checkpoint confidences seen in `units` plus inf (never exit). Returns inf when
-    only never-exiting is safe, None when even that bound exceeds epsilon (1 / (n + 1) > epsilon).
-    """
+    """Smallest lam among the checkpoint confidences with crc_bound(units, lam) <= epsilon: inf when
+    only never exiting is, None when not even that (1 / (n + 1) > epsilon)."""
     n = len(units)
     if 1.0 / (n + 1) > epsilon:
         return None
@@ -175,12 +137,9 @@ def crc_threshold(units, epsilon):
 
 
 def early_exit(cal, test, epsilons=(0.1, 0.2, 0.3)):
-    """For each epsilon: the CRC threshold on the `cal` units and what it does on the `test` units.
-
-    cal, test: lists of units (one list of traces per question). Returns a list of dicts {epsilon,
-    threshold (None: infeasible, inf: never exit), cal_bound, and over the test traces: test_risk =
-    mean loss, exit_rate, tokens_saved = 1 - sum(tokens used) / sum(full lengths)}.
-    """
+    """Per epsilon, a dict: the CRC threshold on the `cal` units (lists of traces, one per question;
+    None: infeasible, inf: never exit), cal_bound, and on the test traces test_risk (mean loss),
+    exit_rate and tokens_saved = 1 - sum(tokens used) / sum(full lengths)."""
     traces = [tr for unit in test for tr in unit]
     full = sum(float(tr["length"]) for tr in traces) or 1.0
     rows = []
@@ -200,12 +159,9 @@ def early_exit(cal, test, epsilons=(0.1, 0.2, 0.3)):
 
 
 def split_early_exit(units, epsilons=(0.1, 0.2, 0.3), splits=100, seed=0):
-    """early_exit over `splits` seeded random halvings of the units (questions): the first half
-    calibrates, the second is the test. The guarantee is E[test risk] <= epsilon over such splits,
-    and one split's test risk scatters around that mean (sd about 0.02-0.04 on the toy's 250
-    questions a side), so each row holds split 0's threshold and cal_bound and, over all splits, the
-    mean test_risk (with test_risk_sd), exit_rate and tokens_saved, and the split-0 test risk
-    (test_risk_split0).
+    """early_exit over `splits` seeded random halvings of the units (questions), the first half
+    calibrating: per epsilon, split 0's threshold, cal_bound and test_risk_split0, and over all
+    splits the mean test_risk (test_risk_sd), exit_rate and tokens_saved.
     """
     runs = []
     for s in range(splits):
@@ -224,11 +180,8 @@ def split_early_exit(units, epsilons=(0.1, 0.2, 0.3), splits=100, seed=0):
 
 
 def from_samples(rows, same=None, draws=16, seed=0, epsilons=(0.1, 0.2, 0.3), splits=100):
-    """Voting curves and (when every row has probe "checkpoints") early exit from samples.jsonl rows.
-
-    rows: dicts with question, sample, answer, correct, confidence, length[, checkpoints]. Early exit
-    is split_early_exit over the questions (`splits` seeded halvings).
-    """
+    """Voting curves and (when every row has probe "checkpoints") split_early_exit from samples.jsonl
+    rows (question, sample, answer, correct, confidence, length[, checkpoints])."""
     by_q = {}
     for r in rows:
         by_q.setdefault(r["question"], []).append(r)
@@ -242,16 +195,3 @@ def from_samples(rows, same=None, draws=16, seed=0, epsilons=(0.1, 0.2, 0.3), sp
         units = [[{"checkpoints": r["checkpoints"], "length": r["length"]} for r in by_q[q]] for q in sorted(by_q)]
         out["early_exit"] = split_early_exit(units, epsilons, splits, seed)
     return out
-
-
-def describe(res):
-    """Printable lines for a from_samples result: the voting curves, one line per early-exit epsilon."""
-    v = res["voting"]
-    lines = [f"voting k={v['k']}: majority " + " ".join(f"{a:.3f}" for a in v["majority"])
-             + " | weighted " + " ".join(f"{a:.3f}" for a in v["weighted"])]
-    for e in res.get("early_exit", []):
-        lines.append(f"early exit eps {e['epsilon']}, mean of {e['splits']} random half splits: test risk "
-                     f"{e['test_risk']:.3f} (sd {e['test_risk_sd']:.3f}), exits {e['exit_rate']:.0%}, tokens saved "
-                     f"{e['tokens_saved']:.1%}; split 0: threshold {e['threshold']}, cal bound {e['cal_bound']:.3f}, "
-                     f"test risk {e['test_risk_split0']:.3f}")
-    return lines

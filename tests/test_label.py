@@ -6,7 +6,7 @@ import torch
 
 import tiny
 from grpo import pack, token_logprobs
-from label import SUFFIX, absolute_budgets, budgets, forced_answer, forced_prompt, mc_labels
+from label import SUFFIX, budgets, forced_answer, forced_prompt, mc_labels
 from probe import prefix_features
 from update import budget_ends, score
 
@@ -21,7 +21,6 @@ def test_budgets_follow_python_round():
     assert budgets(2) == [1, 2]          # round(0.5) == 0 is dropped, round(1.5) == 2
     assert budgets(10) == [2, 5, 8]      # round(2.5) == 2 (half to even), round(7.5) == 8
     assert budgets(4, fractions=(1.0,)) == [4]
-    assert absolute_budgets(1200, 500) == [500, 1000] and absolute_budgets(1000, 500) == [500, 1000]
 
 
 def test_forced_answer_reads_up_to_the_closing_brace():
