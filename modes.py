@@ -65,6 +65,16 @@ def judged(texts, golds, rows, reward_fn):
             torch.tensor([v is not None for v in values], dtype=torch.bool))
 
 
+def grades(texts, golds, rows, cfg):
+    """The step's grades (correct [N] float, scored, judge): the mode's (correctness), or with
+    --reward-fn the user's (judged), scored [N] bool where it gave a value and judge(answer, i)
+    grading response i's forced answers alike (label.mc_labels); scored, judge None without it."""
+    fn = cfg["reward_fn"]
+    if not fn:
+        return correctness(texts, golds, cfg["grader"], cfg["reward"]), None, None
+    return (*judged(texts, golds, rows, fn), lambda answer, i: rewardfn.judge(fn, answer, golds[i], rows[i]))
+
+
 def calibration(C, Y, valid, cfg):
     """The probe modes' calibration term [N]: the margin by --corner (rlcm, final-margin) or the
     negative Brier."""

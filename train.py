@@ -36,7 +36,7 @@ import data
 import modes
 import probe as probe_lib
 import prompts as prompts_lib
-from step import Timer, rl_step
+from step import Learner, Timer, rl_step
 from evaluation import heldout
 from evaluation.heldout import held_out_accuracy
 from harness import checkpoint as ckpt_lib, config, files, launch, lora as lora_lib, models, plan, runlog
@@ -190,14 +190,14 @@ def run(cfg):
 
     first_acc = evaluate(0) if step == 0 else folder.first_accuracy()   # resumed: as its log says
     final_acc = first_acc
+    learner = Learner(policy, sampler, tok, probe, probe_opt, opt, sched, device)
     phase_sums = dict.fromkeys(Timer.PHASES, 0.0)
     bar = tqdm(range(step + 1, cfg["steps"] + 1), initial=step, total=cfg["steps"], disable=not MASTER,
                desc=cfg["reward"])
     for step in bar:
         batch_rows, cursor = next_rows(rows, cursor, cfg["prompts_per_step"], cfg["seed"])
         picked = []
-        row = rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched, cfg,
-                      device, instruction, picked)
+        row = rl_step(step, batch_rows, learner, cfg, picked)
         refresh_sampler(sampler, policy)
         log(row)
         if MASTER:
