@@ -1,7 +1,5 @@
-"""One RL step, as train.py runs it: `rl_step` (README.md, "The algorithm"), then the helpers
-through which ranks, the scoring pass, the probe's fit and the metrics row enter it. The modes'
-rewards, advantages and grading: modes.py.
-"""
+"""One RL step as train.py runs it: `rl_step` (README.md, "The algorithm"), then the helpers through
+which ranks, the scoring pass, the probe's fit and the metrics row enter it; the modes: modes.py."""
 import math
 import time
 from collections import namedtuple
@@ -21,60 +19,59 @@ from update import micro_batch, micro_batches, score, update
 from harness import runlog, staticcache
 from harness.parallel import RANK, WORLD, all_gather, all_sum
 
-# What a step works on: `policy` the model the update trains (FSDP2-sharded on several ranks),
-# `sampler` the one the rollout samples from (train.py), their tokenizer, the probe, both optimizers.
+# What a step works on (train.py: `policy` the update trains, `sampler` the rollout samples from)
 Learner = namedtuple("Learner", "policy sampler tok probe probe_opt opt sched device")
 SAMPLER_GAP = ("sampler_gap", "sampler_kl_k3", "sampler_ratio_max")  # update.py's module docstring
 
 
 def rl_step(step, rows, run, cfg, samples=None):
-    """One RL step on this rank's share of `rows` (run: a Learner) -> its metrics row, the same on
-    every rank. `samples` receives cfg["log_samples"] of this rank's trajectories (runlog.pick)."""
-    G, probed, timer = cfg["group_size"], cfg["reward"] in modes.PROBE_MODES, Timer()  # probed: labels, probe
-    rows, seed = rows[RANK::WORLD], cfg["seed"] * 1_000_003 + step * 101  # a rank: its own prompt groups
+    """One RL step on this rank's share of `rows` (run: a Learner) -> the metrics row of all ranks."""
+    G, probed, timer = cfg["group_size"], cfg["reward"] in modes.PROBE_MODES, Timer()
+    rows, seed = rows[RANK::WORLD], cfg["seed"] * 1_000_003 + step * 101  # whole groups per rank
     prompts = [row_prompt(run.tok, r, cfg["instruction"], cfg["system_prompt"]) for r in rows]
     with timer("rollout"):  # 1. rollout: G responses per prompt, each rank sampling its own
-        out = generate(run.sampler.eval(), run.tok, prompts, n=G, max_new_tokens=cfg["max_new_tokens"],
-                       temperature=cfg["temperature"], top_p=cfg["top_p"], seed=seed + RANK,
-                       batch_size=cfg["gen_batch"], decode=cfg["decode"], scores=True)
+        out = generate(run.sampler.eval(), run.tok, prompts, n=G, seed=seed + RANK, scores=True,
+                       max_new_tokens=cfg["max_new_tokens"], temperature=cfg["temperature"],
+                       top_p=cfg["top_p"], batch_size=cfg["gen_batch"], decode=cfg["decode"])
     staticcache.release(run.sampler)  # no label chunk reuses the rollout's shape: free it first
     traj, prompts = [rows[i] for i in out.prompt_index], [prompts[i] for i in out.prompt_index]
     golds = [r["answer"] for r in traj]
-    # 2. grade: right (1) or wrong (0) by the last \boxed{}; --reward-fn: the user's value, where scored
+    # 2. grade: 1 if the last \boxed{} is right, else 0; --reward-fn: the user's value, where scored
     correct, scored, judge = modes.grades(out.texts, golds, traj, cfg)
-    # 3. cut each response at 25/50/75 % of its tokens, force K answers at each cut: Y_b = share of right
-    #    ones, h_b = the last layer's states before the cut (their prefill); 4. fit the probe on (h_b, Y_b)
+    # 3. a probe mode cuts each response at 25/50/75 % of its tokens and forces K answers at each
+    #    cut: Y_b = the share right; h_b = the states before the cut. 4. The probe fits (h_b, Y_b)
     cuts = [budgets(n, cfg["budgets"]) if probed and (scored is None or scored[i]) else []
-            for i, n in enumerate(out.lengths)]  # a response --reward-fn skipped gets no forced answers
-    labels, C, calib, signal, stats = [[] for _ in cuts], None, torch.zeros(len(cuts)), torch.zeros(len(cuts)), {}
+            for i, n in enumerate(out.lengths)]  # none where --reward-fn skipped the response
+    labels, C, calib, signal, stats = [[] for _ in cuts], None, *torch.zeros(2, len(cuts)), {}
     if probed:
         with timer("label"):
-            labels, feats = mc_labels(run.sampler, run.tok, prompts, out.ids, cuts, golds, k=cfg["k"],
-                                      close=cfg["forced_close"], seed=seed + RANK + 7, batch_size=cfg["gen_batch"],
-                                      grader=cfg["grader"], decode=cfg["decode"], judge=judge, features=True)
-        cuts, labels, feats = labelled(cuts, labels, feats)  # less cuts --reward-fn judged no answer of
+            labels, feats = mc_labels(run.sampler, run.tok, prompts, out.ids, cuts, golds,
+                                      k=cfg["k"], seed=seed + RANK + 7, close=cfg["forced_close"],
+                                      batch_size=cfg["gen_batch"], decode=cfg["decode"],
+                                      grader=cfg["grader"], judge=judge, features=True)
+        cuts, labels, feats = labelled(cuts, labels, feats)  # less cuts with no judged answer
         with timer("probe"):  # C_b = sigmoid(probe(h_b)), the margin (modes.calibration)
-            calib, signal, stats, C = probe_margin(run.probe, run.probe_opt, grid(feats), grid(labels),
-                                                   cut_mask(cuts), cfg, seed)
+            calib, signal, stats, C = probe_margin(run.probe, run.probe_opt, grid(feats),
+                                                   grid(labels), cut_mask(cuts), cfg, seed)
     batch = pack(prompts, out.ids, run.tok.pad_token_id, out.logprobs)
     mbs = micro_batches([len(p) + len(r) for p, r in zip(prompts, out.ids)], cfg["micro_tokens"])
-    seq_conf, old_logp = rollout_scores(run, batch, mbs, cfg, timer)  # C2GSPG's c, --ppo-epochs > 1's
+    seq_conf, old_logp = rollout_scores(run, batch, mbs, cfg, timer)  # C2GSPG's c; --ppo-epochs > 1
     # 5. R = r_nat + lam * margin; advantages: R normalised within each prompt's group (modes.py)
     R, adv, parts = modes.reward_and_advantages(cfg, correct, calib, out.texts, seq_conf,
-                                                all_unanimous(correct, scored, cfg, run.device), scored)
+                                                all_unanimous(run, cfg, correct, scored), scored)
     if samples is not None:
         samples += picked(step, cfg, traj, out, correct, R, parts, cuts, labels, C)
     # 6. clipped policy-gradient steps over micro-batches; one per batch is on-policy (update.py)
-    lr = run.sched.get_last_lr()[0]
-    staticcache.release(run.sampler)  # the update needs the memory of the last decode's static buffers
-    with timer("update"):  # one update per --ppo-epochs, the schedule stepped after the last
-        upds = [update(run.policy, run.opt, run.sched if e == cfg["ppo_epochs"] - 1 else None, batch, old_logp,
-                       adv, mbs, cfg, run.device, modes.extra_loss(cfg, correct)) for e in range(cfg["ppo_epochs"])]
-    return metrics_row(step, cfg, run.device, out, correct, scored, R, parts, signal, stats, upds, lr, timer)
+    lr, last = run.sched.get_last_lr()[0], cfg["ppo_epochs"] - 1  # sched steps after the last
+    staticcache.release(run.sampler)  # the update needs the memory the last decode's buffers hold
+    with timer("update"):  # one update per --ppo-epochs
+        upds = [update(run.policy, run.opt, run.sched if e == last else None, batch, old_logp, adv,
+                       mbs, cfg, run.device, modes.extra_loss(cfg, correct)) for e in range(last + 1)]
+    return metrics_row(step, cfg, run, out, correct, scored, R, parts, signal, stats, upds, lr, timer)
 
 
 class Timer:
-    """A step's seconds per phase (t_*) and the static decode steps it captured (staticcache.captures)."""
+    """A step's seconds per phase (t_*) and the static decode steps it captured (captures)."""
     PHASES = ("rollout", "label", "score", "probe", "update")
 
     def __init__(self):
@@ -90,9 +87,8 @@ class Timer:
 
 
 def rollout_scores(run, batch, mbs, cfg, timer):
-    """(seq_conf [N], old_logp [N, T]) under the rollout weights, each None unless asked for: C2GSPG's
-    sequence confidence c, and the old log-probs of several updates per batch (--ppo-epochs > 1).
-    One update per batch is exactly on-policy: update() takes the current log-probs, detached."""
+    """(seq_conf [N] C2GSPG's c, old_logp [N, T] for --ppo-epochs > 1) under the rollout weights,
+    each None unless asked for: one update per batch is on-policy (update() detaches its own)."""
     on_policy, c2gspg = cfg["ppo_epochs"] == 1, cfg["reward"] == "c2gspg"
     old_logp = None if on_policy else torch.zeros(batch["loss_mask"].shape)
     seq_conf = torch.zeros(len(batch["loss_mask"])) if c2gspg else None
@@ -108,12 +104,13 @@ def rollout_scores(run, batch, mbs, cfg, timer):
     return seq_conf, old_logp
 
 
-def all_unanimous(correct, scored, cfg, device):
+def all_unanimous(run, cfg, correct, scored):
     """--drop-unanimous: whether every group of the step, on every rank, is unanimous (then the
     filter is off for the step, modes.reward_and_advantages); None without the filter."""
     if not cfg["drop_unanimous"]:
         return None
-    return all_sum([float((~modes.unanimous(correct, cfg["group_size"], scored)).sum())], device)[0] == 0
+    mixed = (~modes.unanimous(correct, cfg["group_size"], scored)).sum()
+    return all_sum([float(mixed)], run.device)[0] == 0
 
 
 def all_summed(sums, device):
@@ -122,55 +119,51 @@ def all_summed(sums, device):
 
 
 def picked(step, cfg, traj, out, correct, R, parts, cuts, labels, C):
-    """cfg["log_samples"] of this rank's trajectories for samples.jsonl (runlog.pick)."""
-    return runlog.pick(
-        step, cfg["log_samples"], problem=[r["problem"] for r in traj], answer=[r["answer"] for r in traj],
-        text=out.texts, correct=correct.tolist(), reward=R.tolist(), **{k: v.tolist() for k, v in parts.items()},
-        length=out.lengths, budgets=cuts, Y_b=labels,
-        C_b=[C[i, :len(c)].tolist() if C is not None else [] for i, c in enumerate(cuts)])
+    """rl_step's `samples`: cfg["log_samples"] of this rank's trajectories, rows of samples.jsonl."""
+    C_b = [C[i, :len(c)].tolist() if C is not None else [] for i, c in enumerate(cuts)]
+    return runlog.pick(step, cfg["log_samples"], problem=[r["problem"] for r in traj],
+                       answer=[r["answer"] for r in traj], text=out.texts, correct=correct.tolist(),
+                       reward=R.tolist(), **{k: v.tolist() for k, v in parts.items()},
+                       length=out.lengths, budgets=cuts, Y_b=labels, C_b=C_b)
 
 
-def metrics_row(step, cfg, device, out, correct, scored, R, parts, signal, stats, upds, lr, timer):
-    """The step's row of metrics.jsonl: means over every rank's samples, the probe's stats, the last
-    update's stats (upds: one per --ppo-epochs) with the sampler gap of the first, before any
-    optimizer step (update.update), the learning rate it ran at, the timings (docs/reference.md)."""
+def metrics_row(step, cfg, run, out, correct, scored, R, parts, signal, stats, upds, lr, timer):
+    """The step's row of metrics.jsonl (docs/reference.md): means over every rank's samples, the
+    probe's stats, the last update's (upds: one per epoch) with the first's sampler gap, timings."""
     G, n, probed = cfg["group_size"], len(out.ids), cfg["reward"] in modes.PROBE_MODES
-    shaped = cfg["reward"] in modes.SHAPED  # R = r_nat + lam * calib: its calibration share is logged
+    shaped = cfg["reward"] in modes.SHAPED  # R = r_nat + lam * calib: its share of |A| is logged
     a_nat, a_cal = advantage_parts(correct.cpu(), R.cpu(), G) if shaped else (0.0, 0.0)
+    zero_var = (R.view(-1, G).std(1) == 0).sum().item() if len(R) else 0  # groups whose R all agree
     s = all_summed(dict(
         correct=correct.sum().item(), judged=n if scored is None else scored.sum().item(),
         reward=R.sum().item(), signal=signal.sum().item(), n=n, tokens=sum(out.lengths),
-        truncated=sum(f == "length" for f in out.finish), zero_var=zero_var_groups(R, G), groups=n // G,
+        truncated=sum(f == "length" for f in out.finish), zero_var=zero_var, groups=n // G,
         entropy=sum(out.entropy_sum), captures=staticcache.captures() - timer.captured, a_nat=a_nat,
-        a_cal=a_cal, **{"part " + k: v.sum().item() for k, v in parts.items()}), device)
-    n = s["n"]
-    row = dict(step=step, accuracy=s["correct"] / s["judged"] if s["judged"] else math.nan,  # nan: none scored
-               reward=s["reward"] / n, **{k: s["part " + k] / (1 if k in modes.COUNTED else n) for k in parts},
+        a_cal=a_cal, **{"part " + k: v.sum().item() for k, v in parts.items()}), run.device)
+    n, tokens = s["n"], s["tokens"]
+    acc = s["correct"] / s["judged"] if s["judged"] else math.nan  # nan: --reward-fn scored none
+    row = dict(step=step, accuracy=acc, reward=s["reward"] / n,
+               **{k: s["part " + k] / (1 if k in modes.COUNTED else n) for k in parts},
                signal_frac=s["signal"] / n if probed else 0.0, **stats,
-               zero_var_frac=s["zero_var"] / max(s["groups"], 1), len_mean=s["tokens"] / n,
+               zero_var_frac=s["zero_var"] / max(s["groups"], 1), len_mean=tokens / n,
                len_max=max(all_gather(max(out.lengths, default=0))), trunc_frac=s["truncated"] / n,
                **{k: v for k, v in upds[-1].items() if k not in SAMPLER_GAP},
-               **{k: upds[0][k] for k in SAMPLER_GAP}, entropy=s["entropy"] / max(s["tokens"], 1), lr=lr,
+               **{k: upds[0][k] for k in SAMPLER_GAP}, entropy=s["entropy"] / max(tokens, 1), lr=lr,
                captures=int(s["captures"]), **timer.t)
-    row["tok_per_s"] = s["tokens"] / max(row["t_rollout"], 1e-9)
+    row["tok_per_s"] = tokens / max(row["t_rollout"], 1e-9)
     if shaped:  # the share of sum |A| the calibration term sets (metrics.advantage_parts)
         row["calib_adv_share"] = s["a_cal"] / max(s["a_nat"] + s["a_cal"], 1e-12)
-    row["peak_mem"] = peak_memory(device)
+    row["peak_mem"] = peak_memory(run.device)
     return row
 
 
 def probe_margin(probe, probe_opt, feats, Y, valid, cfg, seed):
-    """Fit the probe on this batch's (feature, Y_b) pairs, feats [N, B, d] and Y [N, B] where valid
-    [N, B] (label.grid), then score the same prefixes with it.
-
-    Returns (calib [N] the mode's calibration term, the margin or the negative Brier (modes.py),
-    signal [N] (1 where both a solvable and an unsolvable prefix exist), stats, C [N, B] the
-    probe's confidences, 0 where there is no budget). Every rank fits on the
-    pooled pairs of all ranks with the same seed, so the probes stay identical without syncing weights.
-    --probe-labels shuffled (a control, not the method): the fit sees the labels permuted across the
-    step's cuts (shuffled), while C and the margin are still those of the real prefixes and labels.
-    """
-    pooled = all_gather((feats[valid], Y[valid]))
+    """Fit the probe on the (feature, Y_b) pairs of every rank, feats [N, B, d] and Y [N, B] where
+    valid [N, B] (label.grid), then score this rank's prefixes: (calib [N] the mode's calibration
+    term (modes.calibration), signal [N] 1 where both a solvable and an unsolvable prefix exist,
+    stats, C [N, B] the probe's confidences, 0 where there is no cut). --probe-labels shuffled fits
+    on the labels permuted (shuffled); C and the margin still score the real ones."""
+    pooled = all_gather((feats[valid], Y[valid]))  # one fit, one seed on every rank: equal probes
     X_all, Y_all = torch.cat([x for x, _ in pooled]), torch.cat([y for _, y in pooled])
     fit_Y = shuffled(Y_all, seed) if cfg.get("probe_labels") == "shuffled" else Y_all
     bce = probe_lib.fit(probe, probe_opt, X_all, fit_Y, passes=cfg["probe_passes"],
@@ -179,25 +172,21 @@ def probe_margin(probe, probe_opt, feats, Y, valid, cfg, seed):
     C[valid] = probe_lib.predict(probe, feats[valid])
     calib = modes.calibration(C, Y, valid, cfg)
     signal = (((Y == 1) & valid).any(1) & ((Y == 0) & valid).any(1)).float()
-    C_all = probe_lib.predict(probe, X_all)
-    # no labelled prefix (a --reward-fn that skips everything): the probe was not fitted, its numbers are nan
-    stats = dict(probe_bce=bce if len(Y_all) else math.nan,
-                 probe_ece=ece(C_all.numpy(), Y_all.numpy()) if len(Y_all) else math.nan,
-                 label_mean=Y_all.mean().item() if len(Y_all) else 0.0,
-                 label_mixed=((Y_all > 0) & (Y_all < 1)).float().mean().item() if len(Y_all) else 0.0,
+    C_all, some = probe_lib.predict(probe, X_all), len(Y_all) > 0
+    # no labelled prefix (--reward-fn skipped everything): no fit, its numbers are nan
+    stats = dict(probe_bce=bce if some else math.nan,
+                 probe_ece=ece(C_all.numpy(), Y_all.numpy()) if some else math.nan,
+                 label_mean=Y_all.mean().item() if some else 0.0,
+                 label_mixed=((Y_all > 0) & (Y_all < 1)).float().mean().item() if some else 0.0,
                  prefixes=len(Y_all))
     return calib, signal, stats, C
 
 
 def shuffled(Y, seed):
     """Y [P] permuted by a permutation drawn from `seed` alone (the run's seed and step: the same on
-    every rank and after a resume; torch's global RNG is left alone): [1., 0., 0.5] -> e.g. [0., 0.5, 1.].
-    With it the probe can learn the labels' base rate but nothing a prefix says about its own label."""
+    every rank and after a resume; torch's global RNG left alone): [1, 0, .5] -> e.g. [0, .5, 1].
+    The probe can then learn the labels' base rate, but not what a prefix says about its label."""
     return Y[torch.randperm(len(Y), generator=torch.Generator().manual_seed(seed))]
-
-
-def zero_var_groups(R, G):
-    return (R.view(-1, G).std(1) == 0).sum().item() if len(R) else 0
 
 
 def peak_memory(device):
