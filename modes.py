@@ -1,7 +1,6 @@
-"""The --reward modes: RLCM, the paper's baselines and its ablations (docs/design.md, "Baselines"),
-as train.py runs them. The formulas live in reward.py (RLCM's margin and the ablations' terms),
-grpo.py (group advantages) and baselines.py (RLCR and C2GSPG whole); this file says which one each
-mode uses and what it logs.
+"""The --reward modes: RLCM, the paper's baselines and its ablations (docs/design.md, "Baselines"):
+which formula each uses and what it logs. The formulas: reward.py (RLCM's margin, the ablations'
+terms), grpo.py (group advantages), baselines.py (RLCR and C2GSPG whole).
 
   mode           probe at    reward R                             advantages
   rlcm           .25/.5/.75  r_nat + lam * margin (--corner)      group z-score
@@ -11,7 +10,7 @@ mode uses and what it logs.
   final-brier    1.0         the same; unanimous groups' R = 0    so theirs are 0
   rlcr           -           correct - (correct - verbal conf)^2  group z-score
   c2gspg         -           correct (0/1)                        (r - mean r) / max(1 - c, 1e-6);
-                                                                  --c2gspg-bce: + 0.1 BCE(c_theta, r)
+                                                                  --c2gspg-bce: + 0.1 BCE(c, r)
 r_nat = 2 * correct - 1 (signed, released). flags.IMPLIED sets the budgets, corner and filter a
 mode implies (flags given win). The filter, RLCR's parser, C2GSPG's c: docs/design.md, "Baselines".
 """
@@ -90,10 +89,10 @@ def unanimous(correct, group_size, scored=None):
 def reward_and_advantages(cfg, correct, calib, texts, seq_conf, all_unanimous=None, scored=None):
     """One step's rewards R [N], advantages [N] and the mode's components {name: [N] float} (logged
     per step as means, per sample as values). correct [N] 0/1; calib [N] the probe modes'
-    calibration term; texts: the responses (rlcr reads its confidence there); seq_conf [N] c2gspg's
-    c; all_unanimous: whether every group of the step, on every rank, is unanimous (the filter's
-    fallback; None: judged on these groups); scored [N] bool: --reward-fn's judged samples (None:
-    all). An unscored sample gets R = 0 and advantage 0 and is left out of its group's statistics."""
+    calibration term; texts: the responses (rlcr reads its confidence there); seq_conf [N]
+    c2gspg's c; all_unanimous: whether every group of the step, on every rank, is unanimous (the
+    filter's fallback; None: judged on these groups); scored [N] bool: --reward-fn's judged samples
+    (None: all). An unscored sample gets R = 0 and advantage 0, out of its group's statistics."""
     mode, G = cfg["reward"], cfg["group_size"]
     if mode == "rlcr":
         conf, missing = map(list, zip(*[verbal_confidence(t) for t in texts])) if texts else ([], [])
@@ -130,9 +129,8 @@ def reward_and_advantages(cfg, correct, calib, texts, seq_conf, all_unanimous=No
 
 
 def extra_loss(cfg, correct):
-    """The term a mode adds to the policy loss (update.update's `extra`): with --c2gspg-bce seq-mean
-    or token-mean, C2GSPG's 0.1 * BCE(c_theta, correct); None otherwise (the released C2GSPG run,
-    whose actor never receives the BCE's labels, and every other mode)."""
+    """The term a mode adds to the policy loss (update.update's `extra`): with --c2gspg-bce,
+    C2GSPG's 0.1 * BCE(c_theta, correct); else None (the released C2GSPG run's, docs/design.md)."""
     if cfg["reward"] != "c2gspg" or cfg["c2gspg_bce"] == "off":
         return None
     return c2gspg_loss(correct, cfg["c2gspg_bce"])

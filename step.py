@@ -90,27 +90,23 @@ def rollout_scores(run, batch, mbs, cfg, timer):
     """(seq_conf [N] C2GSPG's c, old_logp [N, T] for --ppo-epochs > 1) under the rollout weights,
     each None unless asked for: one update per batch is on-policy (update() detaches its own)."""
     on_policy, c2gspg = cfg["ppo_epochs"] == 1, cfg["reward"] == "c2gspg"
-    old_logp = None if on_policy else torch.zeros(batch["loss_mask"].shape)
-    seq_conf = torch.zeros(len(batch["loss_mask"])) if c2gspg else None
-    if c2gspg or not on_policy:
-        with timer("score"):
-            for mb in mbs:
-                sub, L = micro_batch(batch, mb, run.device)
-                lp, _, _ = score(run.sampler, sub, None, cfg["temperature"], cfg["chunk_size"])
-                if not on_policy:
-                    old_logp[mb, :L - 1] = lp.cpu()
-                if c2gspg:
-                    seq_conf[mb] = sequence_confidence(lp, sub["loss_mask"]).cpu()
-    return seq_conf, old_logp
+    if on_policy and not c2gspg:
+        return None, None
+    seq_conf, old_logp = torch.zeros(len(batch["loss_mask"])), torch.zeros(batch["loss_mask"].shape)
+    with timer("score"):
+        for mb in mbs:
+            sub, L = micro_batch(batch, mb, run.device)
+            lp, _, _ = score(run.sampler, sub, None, cfg["temperature"], cfg["chunk_size"])
+            seq_conf[mb] = sequence_confidence(lp, sub["loss_mask"]).cpu()
+            old_logp[mb, :L - 1] = lp.cpu()
+    return seq_conf if c2gspg else None, None if on_policy else old_logp
 
 
 def all_unanimous(run, cfg, correct, scored):
     """--drop-unanimous: whether every group of the step, on every rank, is unanimous (then the
     filter is off for the step, modes.reward_and_advantages); None without the filter."""
-    if not cfg["drop_unanimous"]:
-        return None
     mixed = (~modes.unanimous(correct, cfg["group_size"], scored)).sum()
-    return all_sum([float(mixed)], run.device)[0] == 0
+    return all_sum([float(mixed)], run.device)[0] == 0 if cfg["drop_unanimous"] else None
 
 
 def all_summed(sums, device):
