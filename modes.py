@@ -48,17 +48,15 @@ def correctness(texts, golds, grader, mode):
 
 
 def judged(texts, golds, rows, reward_fn):
-    """--reward-fn's correctness (harness/rewardfn.py): (values [N] float in [0, 1], 0 where
-    skipped; scored [N] bool, False where the function returned None)."""
+    """--reward-fn's grades (harness/rewardfn.py): values [N] (0: skipped) and scored [N] bool."""
     values = [rewardfn.judge(reward_fn, t, g, r) for t, g, r in zip(texts, golds, rows)]
     return (torch.tensor([v or 0.0 for v in values], dtype=torch.float32),
             torch.tensor([v is not None for v in values], dtype=torch.bool))
 
 
 def grades(texts, golds, rows, cfg):
-    """The step's grades (correct [N] float, scored, judge): the mode's (correctness), or with
-    --reward-fn the user's (judged), scored [N] bool where it gave a value and judge(answer, i)
-    grading response i's forced answers alike (label.mc_labels); scored, judge None without it."""
+    """The step's (correct [N], scored, judge): the mode's grades, or --reward-fn's (judged) and
+    a judge(answer, i) of response i's forced answers (label.mc_labels); else scored, judge None."""
     fn = cfg["reward_fn"]
     if not fn:
         return correctness(texts, golds, cfg["grader"], cfg["reward"]), None, None

@@ -25,7 +25,7 @@ SAMPLER_GAP = ("sampler_gap", "sampler_kl_k3", "sampler_ratio_max")  # update.py
 
 
 def rl_step(step, rows, run, cfg, samples=None):
-    """One RL step on this rank's share of `rows` (run: a Learner) -> the metrics row of all ranks."""
+    """One RL step on this rank's share of `rows` (run: a Learner) -> all ranks' metrics row."""
     G, probed, timer = cfg["group_size"], cfg["reward"] in modes.PROBE_MODES, Timer()
     rows, seed = rows[RANK::WORLD], cfg["seed"] * 1_000_003 + step * 101  # whole groups per rank
     prompts = [row_prompt(run.tok, r, cfg["instruction"], cfg["system_prompt"]) for r in rows]
@@ -36,7 +36,7 @@ def rl_step(step, rows, run, cfg, samples=None):
     staticcache.release(run.sampler)  # no label chunk reuses the rollout's shape: free it first
     traj, prompts = [rows[i] for i in out.prompt_index], [prompts[i] for i in out.prompt_index]
     golds = [r["answer"] for r in traj]
-    # 2. grade: 1 if the last \boxed{} is right, else 0; --reward-fn: the user's value, where scored
+    # 2. grade: 1 if the last \boxed{} (rlcr: <answer>) is right, else 0, or --reward-fn's value
     correct, scored, judge = modes.grades(out.texts, golds, traj, cfg)
     # 3. a probe mode cuts each response at 25/50/75 % of its tokens and forces K answers at each
     #    cut: Y_b = the share right; h_b = the states before the cut. 4. The probe fits (h_b, Y_b)
@@ -115,7 +115,7 @@ def all_summed(sums, device):
 
 
 def picked(step, cfg, traj, out, correct, R, parts, cuts, labels, C):
-    """rl_step's `samples`: cfg["log_samples"] of this rank's trajectories, rows of samples.jsonl."""
+    """rl_step's `samples`: cfg["log_samples"] of this rank's trajectories (samples.jsonl)."""
     C_b = [C[i, :len(c)].tolist() if C is not None else [] for i, c in enumerate(cuts)]
     return runlog.pick(step, cfg["log_samples"], problem=[r["problem"] for r in traj],
                        answer=[r["answer"] for r in traj], text=out.texts, correct=correct.tolist(),
@@ -155,10 +155,9 @@ def metrics_row(step, cfg, run, out, correct, scored, R, parts, signal, stats, u
 
 def probe_margin(probe, probe_opt, feats, Y, valid, cfg, seed):
     """Fit the probe on the (feature, Y_b) pairs of every rank, feats [N, B, d] and Y [N, B] where
-    valid [N, B] (label.grid), then score this rank's prefixes: (calib [N] the mode's calibration
-    term (modes.calibration), signal [N] 1 where both a solvable and an unsolvable prefix exist,
-    stats, C [N, B] the probe's confidences, 0 where there is no cut). --probe-labels shuffled fits
-    on the labels permuted (shuffled); C and the margin still score the real ones."""
+    valid [N, B] (label.grid); score this rank's -> (calib [N] modes.calibration, signal [N] 1
+    where a solvable and an unsolvable prefix both exist, stats, C [N, B] the confidences, 0 off
+    the cuts). --probe-labels shuffled fits on labels permuted; C and calib use the real ones."""
     pooled = all_gather((feats[valid], Y[valid]))  # one fit, one seed on every rank: equal probes
     X_all, Y_all = torch.cat([x for x, _ in pooled]), torch.cat([y for _, y in pooled])
     fit_Y = shuffled(Y_all, seed) if cfg.get("probe_labels") == "shuffled" else Y_all
