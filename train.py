@@ -49,8 +49,7 @@ def load_policy(cfg, device, ckpt=None):
     adapter (harness/lora.py); on one GPU the frozen base is bf16 (it samples from a merged bf16 copy)."""
     lora = cfg["lora_rank"] > 0
     dtype = torch.bfloat16 if lora and device.type == "cuda" and WORLD == 1 and not cfg["offload"] else torch.float32
-    # a LoRA run resumes on the base its checkpoint was trained on (not what --model names now)
-    base = (lora_lib.base_of(ckpt) if ckpt else cfg["model"]) if lora else ckpt or cfg["model"]
+    base = lora_lib.base_of(ckpt) if lora and ckpt else ckpt or cfg["model"]  # LoRA: ckpt's base
     model, tok = models.load_model(base, dtype, cfg["trust_remote_code"])
     if lora:
         model = lora_lib.with_adapter(model, cfg, ckpt)
@@ -119,7 +118,7 @@ def run(cfg):
     # (the same model on one CPU process, a bf16 copy on a GPU), `model` the module (save_pretrained)
     if torch.distributed.is_initialized():  # rank 0 reads the weights, the others get their shards
         adapt = (lambda m, meta: lora_lib.with_adapter(m, cfg, ckpt, fresh=meta)) if cfg["lora_rank"] else None
-        base = (lora_lib.base_of(ckpt) if ckpt else cfg["model"]) if adapt else ckpt or cfg["model"]
+        base = lora_lib.base_of(ckpt) if adapt and ckpt else ckpt or cfg["model"]
         policy, sampler, model, tok = load_sharded(
             base, device, cfg["offload"], cfg["trust_remote_code"],
             checkpoint_activations if cfg["grad_ckpt"] else None, adapt)
@@ -147,9 +146,10 @@ def run(cfg):
     else:
         folder.start(cfg)
 
-    def log(row):
+    def log(row, samples=()):  # a metrics row, and the step's samples
         if MASTER:
             runlog.append_jsonl(folder.metrics, [row])
+            runlog.append_jsonl(folder.samples, samples)
             if tracker:
                 tracker.log(row)
 
@@ -182,11 +182,8 @@ def run(cfg):
         picked = []
         row = rl_step(step, batch_rows, learner, cfg, picked)
         refresh_sampler(sampler, policy)
-        log(row)
-        if MASTER:
-            runlog.append_jsonl(folder.samples, picked)
-        for p in Timer.PHASES:
-            phase_sums[p] += row["t_" + p]
+        log(row, picked)
+        phase_sums = {p: t + row["t_" + p] for p, t in phase_sums.items()}
         bar.set_postfix(acc=f"{row['accuracy']:.2f}", R=f"{row['reward']:+.2f}",
                         margin=f"{row.get('margin', 0.0):+.3f}", sig=f"{row['signal_frac']:.2f}",
                         roll=f"{row['t_rollout']:.1f}s", label=f"{row['t_label']:.1f}s")
