@@ -1,28 +1,18 @@
-"""The --reward modes: RLCM, the paper's baselines and its ablations (docs/design.md, "Baselines"),
-as train.py runs them. The formulas live in reward.py (RLCM's margin and the ablations' terms),
-grpo.py (group advantages) and baselines.py (RLCR and C2GSPG whole); this file says which one each
-mode uses and what it logs.
+"""The --reward modes: RLCM, the paper's baselines and its ablations (docs/design.md, "Baselines"):
+which formula each uses and what it logs. The formulas: reward.py (RLCM's margin, the ablations'
+terms), grpo.py (group advantages), baselines.py (RLCR and C2GSPG whole).
 
-  mode           labels + probe      reward R                                   advantages
-  rlcm           budgets .25/.5/.75  r_nat + lam * margin (--corner, zero)      group z-score
-  grpo           no                  r_nat                                      group z-score
-  final-margin   budget 1.0          r_nat + lam * final_margin (+-mean C)      group z-score
-  process-brier  budgets .25/.5/.75  r_nat + lam * -mean_b (C_b - Y_b)^2        group z-score,
-  final-brier    budget 1.0          the same; unanimous groups' R = 0          so theirs are 0
-  rlcr           no                  correct - (correct - verbal conf)^2        group z-score
-  c2gspg         no                  correct (0/1)                              (r - mean r) / max(1 - c, 1e-6);
-                                                                                --c2gspg-bce: + 0.1 BCE(c_theta, r)
-r_nat = 2 * correct - 1 (signed, released). The budgets, corner and unanimous-group filter a mode
-implies are set by flags.IMPLIED (flags given win); --corner picks the margin's rule (MARGINS).
-The filter (--drop-unanimous, released filter_natural_corner_groups) sets the reward of every
-trajectory in a group whose answers are all right or all wrong to 0: they stay in the update at
-advantage 0, in the token-mean's denominator. When every group of the step is unanimous the
-filter is off for that step, as released, so the step still trains on the Brier term.
-rlcr reads correctness from the last <answer> tag and its confidence from the last <confidence> tag
-(baselines.verbal_confidence, the released parser: "85" -> 0.85, "0.3" -> 0.3, missing or outside
-[0, 100] -> 0.5 and counted); c2gspg's
-c = exp(mean token log-prob) of the response at the sampling temperature under the rollout weights
-(baselines.sequence_confidence).
+  mode           probe at    reward R                             advantages
+  rlcm           .25/.5/.75  r_nat + lam * margin (--corner)      group z-score
+  grpo           -           r_nat                                group z-score
+  final-margin   1.0         r_nat + lam * final_margin           group z-score
+  process-brier  .25/.5/.75  r_nat + lam * -mean_b (C_b - Y_b)^2  group z-score,
+  final-brier    1.0         the same; unanimous groups' R = 0    so theirs are 0
+  rlcr           -           correct - (correct - verbal conf)^2  group z-score
+  c2gspg         -           correct (0/1)                        (r - mean r) / max(1 - c, 1e-6);
+                                                                  --c2gspg-bce: + 0.1 BCE(c, r)
+r_nat = 2 * correct - 1 (signed, released). flags.IMPLIED sets the budgets, corner and filter a
+mode implies (flags given win). The filter, RLCR's parser, C2GSPG's c: docs/design.md, "Baselines".
 """
 import torch
 
@@ -33,15 +23,15 @@ from reward import brier_reward, corner_margin, final_margin, margin_reward, tot
 from harness import rewardfn
 
 REWARDS = ("rlcm", "grpo", "final-margin", "process-brier", "final-brier", "rlcr", "c2gspg")
-PROBE_MODES = ("rlcm", "final-margin", "process-brier", "final-brier")  # forced-answer labels + probe
+PROBE_MODES = ("rlcm", "final-margin", "process-brier", "final-brier")  # forced answers + probe
 SHAPED = ("grpo",) + PROBE_MODES  # R = r_nat + lam * a calibration term (grpo: lam = 0)
 BRIER_MODES = ("process-brier", "final-brier")
-MARGINS = {"zero": margin_reward, "margin-corner": corner_margin, "final-margin": final_margin}  # --corner
-COUNTED = ("verbal_missing", "skipped")  # components logged per step as a count; the others as a mean
+MARGINS = {"zero": margin_reward, "margin-corner": corner_margin, "final-margin": final_margin}
+COUNTED = ("verbal_missing", "skipped")  # logged per step as a count; other components as a mean
 
 
 def answer_form(mode):
-    """Where a mode's responses give their answer (grade.extract): rlcr's last <answer> tag, else the box."""
+    """Where a mode's responses answer (grade.extract): rlcr's last <answer> tag, else the box."""
     return "tag" if mode == "rlcr" else "box"
 
 
@@ -58,16 +48,24 @@ def correctness(texts, golds, grader, mode):
 
 
 def judged(texts, golds, rows, reward_fn):
-    """--reward-fn's correctness (harness/rewardfn.py): (values [N] float in [0, 1], 0 where
-    skipped; scored [N] bool, False where the function returned None)."""
+    """--reward-fn's grades (harness/rewardfn.py): values [N] (0: skipped) and scored [N] bool."""
     values = [rewardfn.judge(reward_fn, t, g, r) for t, g, r in zip(texts, golds, rows)]
     return (torch.tensor([v or 0.0 for v in values], dtype=torch.float32),
             torch.tensor([v is not None for v in values], dtype=torch.bool))
 
 
+def grades(texts, golds, rows, cfg):
+    """The step's (correct [N], scored, judge): the mode's grades, or --reward-fn's (judged) and
+    a judge(answer, i) of response i's forced answers (label.mc_labels); else scored, judge None."""
+    fn = cfg["reward_fn"]
+    if not fn:
+        return correctness(texts, golds, cfg["grader"], cfg["reward"]), None, None
+    judge = lambda answer, i: rewardfn.judge(fn, answer, golds[i], rows[i])  # noqa: E731
+    return (*judged(texts, golds, rows, fn), judge)
+
+
 def calibration(C, Y, valid, cfg):
-    """The probe modes' calibration term [N]: the margin by --corner (rlcm, final-margin) or the
-    negative Brier."""
+    """The probe modes' calibration term [N]: the margin by --corner, or the negative Brier."""
     if cfg["reward"] in BRIER_MODES:
         return brier_reward(C, Y, valid)
     return MARGINS[cfg["corner"]](C, Y, valid)
@@ -75,10 +73,8 @@ def calibration(C, Y, valid, cfg):
 
 def unanimous(correct, group_size, scored=None):
     """Bool [N]: True for every trajectory of a group whose answers are all right or all wrong
-    (with `scored`, --reward-fn's: whose scored answers all have one value).
-
-    Example: correct (1, 1, 0, 0, 0, 0), group_size 3 -> (False, False, False, True, True, True).
-    """
+    (with `scored`, --reward-fn's: whose scored answers all have one value). Example: correct
+    (1, 1, 0, 0, 0, 0), group_size 3 -> (False, False, False, True, True, True)."""
     g = torch.as_tensor(correct, dtype=torch.float32).view(-1, group_size)
     if scored is None:
         same = (g == g[:, :1]).all(dim=1, keepdim=True)
@@ -90,17 +86,12 @@ def unanimous(correct, group_size, scored=None):
 
 def reward_and_advantages(cfg, correct, calib, texts, seq_conf, all_unanimous=None, scored=None):
     """One step's rewards R [N], advantages [N] and the mode's components {name: [N] float} (logged
-    per step as means, per sample as values).
-
-    correct [N] 0/1; calib [N] the probe modes' calibration term (else unused); texts: the responses
-    (rlcr reads its confidence there); seq_conf [N] c2gspg's sequence confidence (else None);
-    all_unanimous: whether every group of the step, on every rank, is unanimous (the filter's
-    fallback; None: judged on these groups); scored [N] bool: --reward-fn's judged samples (modes.judged;
-    None: all). An unscored sample gets R = 0 and advantage 0 and is left out of its group's
-    statistics, which the others' advantages are computed over (`skipped` is logged).
-    """
+    per step as means, per sample as values). correct [N] 0/1; calib [N] the probe modes'
+    calibration term; texts: the responses (rlcr reads its confidence there); seq_conf [N]
+    c2gspg's c; all_unanimous: whether every group of the step, on every rank, is unanimous (the
+    filter's fallback; None: judged on these groups); scored [N] bool: --reward-fn's judged samples
+    (None: all). An unscored sample gets R = 0 and advantage 0, out of its group's statistics."""
     mode, G = cfg["reward"], cfg["group_size"]
-    parts = {}
     if mode == "rlcr":
         conf, missing = map(list, zip(*[verbal_confidence(t) for t in texts])) if texts else ([], [])
         conf = torch.tensor(conf, dtype=torch.float32)
@@ -113,8 +104,7 @@ def reward_and_advantages(cfg, correct, calib, texts, seq_conf, all_unanimous=No
     else:
         lam = 0.0 if mode == "grpo" else cfg["lam"]
         R = total_reward(correct, calib, lam=lam)
-        if mode in PROBE_MODES:
-            parts = {calibration_key(mode): calib}
+        parts = {calibration_key(mode): calib} if mode in PROBE_MODES else {}
     if cfg["drop_unanimous"]:
         same = unanimous(correct, G, scored)
         if bool(same.all()) if all_unanimous is None else all_unanimous:
@@ -137,9 +127,8 @@ def reward_and_advantages(cfg, correct, calib, texts, seq_conf, all_unanimous=No
 
 
 def extra_loss(cfg, correct):
-    """The term a mode adds to the policy loss (update.update's `extra`): with --c2gspg-bce seq-mean
-    or token-mean, C2GSPG's 0.1 * BCE(c_theta, correct); None otherwise (the released C2GSPG run,
-    whose actor never receives the BCE's labels, and every other mode)."""
+    """The term a mode adds to the policy loss (update.update's `extra`): with --c2gspg-bce,
+    C2GSPG's 0.1 * BCE(c_theta, correct); else None (the released C2GSPG run's, docs/design.md)."""
     if cfg["reward"] != "c2gspg" or cfg["c2gspg_bce"] == "off":
         return None
     return c2gspg_loss(correct, cfg["c2gspg_bce"])

@@ -9,20 +9,12 @@
     python train.py --resume runs/toy                      # continue a run from its last checkpoint
     python train.py --plot runs/toy                        # redraw runs/toy/curves.png
 
-One step (step.py; docs/design.md, "One RL step"): rollout -> grade -> budgets -> forced answers
-(Monte-Carlo labels Y_b, and from their prefill the probe features h_b) -> probe fit on this batch
--> probe confidences C_b -> margin -> R = r_nat + lam * margin -> group advantages -> one clipped
-policy-gradient step. This file runs the steps: setup, held-out checks, checkpoints, logs, resume.
-
-Kept from GRPO: group-normalised advantages, the clipped ratio, token-mean aggregation.
-Dropped: the KL penalty (kl_coef 0, as released) and several PPO epochs (one update per batch, so
-the old log-probs are the current ones detached and the ratio is exactly 1; --ppo-epochs > 1 keeps
-the rollout weights' log-probs as the old ones).
+One step: step.rl_step (README.md, "The algorithm"; docs/design.md, "One RL step"). This file runs
+the steps: setup, held-out checks, checkpoints, logs, resume. Kept from GRPO: group-normalised
+advantages, the clipped ratio, token-mean aggregation; dropped: the KL penalty (as released). With
+one update per batch (--ppo-epochs 1) the old log-probs are the current ones detached (ratio 1).
 The probe never sends a gradient into the policy: the margin enters only through the scalar reward.
---reward picks RLCM, a baseline (grpo, rlcr, c2gspg) or an ablation (final-margin, process-brier,
-final-brier); modes.py says what each one computes.
 """
-import json
 import os
 import random
 import sys
@@ -36,10 +28,10 @@ import data
 import modes
 import probe as probe_lib
 import prompts as prompts_lib
-from step import Timer, rl_step
+from step import Learner, Timer, rl_step
 from evaluation import heldout
 from evaluation.heldout import held_out_accuracy
-from harness import checkpoint as ckpt_lib, config, files, launch, lora as lora_lib, models, plan, runlog
+from harness import checkpoint as ckpt_lib, config, launch, lora as lora_lib, models, plan, runlog
 from harness.files import UserError
 from harness.config import resolve_args
 from harness.parallel import MASTER, WORLD, full_state, load_sharded, refresh_sampler, setup, wrap
@@ -57,8 +49,7 @@ def load_policy(cfg, device, ckpt=None):
     adapter (harness/lora.py); on one GPU the frozen base is bf16 (it samples from a merged bf16 copy)."""
     lora = cfg["lora_rank"] > 0
     dtype = torch.bfloat16 if lora and device.type == "cuda" and WORLD == 1 and not cfg["offload"] else torch.float32
-    # a LoRA run resumes on the base its checkpoint was trained on (not what --model names now)
-    base = (lora_lib.base_of(ckpt) if ckpt else cfg["model"]) if lora else ckpt or cfg["model"]
+    base = lora_lib.base_of(ckpt) if lora and ckpt else ckpt or cfg["model"]  # LoRA: ckpt's base
     model, tok = models.load_model(base, dtype, cfg["trust_remote_code"])
     if lora:
         model = lora_lib.with_adapter(model, cfg, ckpt)
@@ -82,18 +73,13 @@ def scored(acc):
 
 def checkpoint_activations(model):
     """Recompute each decoder layer in the backward pass (non-reentrant, works under FSDP2)."""
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
 
 def new_probe(cfg, dim):
-    """A fresh probe (hidden None: d // 4, 0: linear) and its optimizer, the same on every rank.
-    Loading moves torch's RNG differently per rank (peft's LoRA init draws from it, twice on rank 0:
-    its model and the meta one), and the probe's init and its fit's dropout both draw from it; so it
-    is reseeded from the run's seed here, which leaves the RNG of a run without LoRA as it was."""
+    """A fresh probe (hidden None: d // 4, 0: linear) and its optimizer, the same on every rank:
+    loading moves torch's RNG differently per rank (peft's LoRA init), and the probe's init and its
+    fit's dropout draw from it, so it is reseeded from the run's seed (a run without LoRA: as it was)."""
     torch.manual_seed(cfg["seed"])
     probe = probe_lib.Probe(dim, cfg["probe_hidden"])
     return probe, probe_lib.make_optimizer(probe, lr=cfg["probe_lr"])
@@ -122,19 +108,17 @@ def run(cfg):
         return
     ckpt, instruction = folder.ckpt, cfg["instruction"]
     tracker = runlog.tracker(cfg, folder.out) if MASTER else None  # before any slow loading: fails fast without wandb
-    split = "train" if cfg["data"] == "toy" else None
-    rows = data.load_rows(cfg["data"], split=split, problem_field=cfg["problem_field"],
-                          answer_field=cfg["answer_field"])
+    rows = data.load_rows(cfg["data"], split="train" if cfg["data"] == "toy" else None,
+                          problem_field=cfg["problem_field"], answer_field=cfg["answer_field"])
     eval_rows = data.load_rows(cfg["eval_data"], split="test" if cfg["eval_data"] == "toy" else None,
                                limit=cfg["eval_n"]) if cfg["eval_n"] else []
     torch.manual_seed(cfg["seed"]), np.random.seed(cfg["seed"]), random.seed(cfg["seed"])
 
-    # the policy: `policy` is what the update trains (FSDP2-sharded on several ranks), `sampler` what
-    # the rollout samples from (the same model on one CPU process, a bf16 copy on a GPU), `model`
-    # the unwrapped module (its config, save_pretrained)
+    # `policy` the update trains (FSDP2-sharded on several ranks), `sampler` the rollout samples from
+    # (the same model on one CPU process, a bf16 copy on a GPU), `model` the module (save_pretrained)
     if torch.distributed.is_initialized():  # rank 0 reads the weights, the others get their shards
         adapt = (lambda m, meta: lora_lib.with_adapter(m, cfg, ckpt, fresh=meta)) if cfg["lora_rank"] else None
-        base = (lora_lib.base_of(ckpt) if ckpt else cfg["model"]) if adapt else ckpt or cfg["model"]
+        base = lora_lib.base_of(ckpt) if adapt and ckpt else ckpt or cfg["model"]
         policy, sampler, model, tok = load_sharded(
             base, device, cfg["offload"], cfg["trust_remote_code"],
             checkpoint_activations if cfg["grad_ckpt"] else None, adapt)
@@ -162,10 +146,10 @@ def run(cfg):
     else:
         folder.start(cfg)
 
-    def log(row):
+    def log(row, samples=()):  # a metrics row, and the step's samples
         if MASTER:
-            with files.appending(folder.metrics) as f:
-                f.write(json.dumps(row) + "\n")
+            runlog.append_jsonl(folder.metrics, [row])
+            runlog.append_jsonl(folder.samples, samples)
             if tracker:
                 tracker.log(row)
 
@@ -188,22 +172,18 @@ def run(cfg):
         folder.save(at, model, model_sd, tok, probe, probe_opt, dict(
             step=at, cursor=cursor, optimizer=opt_sd, scheduler=sched.state_dict()), keep=cfg["keep"])
 
-    first_acc = evaluate(0) if step == 0 else folder.first_accuracy()   # resumed: as its log says
-    final_acc = first_acc
+    first_acc = final_acc = evaluate(0) if step == 0 else folder.first_accuracy()  # resumed: its log's
+    learner = Learner(policy, sampler, tok, probe, probe_opt, opt, sched, device)
     phase_sums = dict.fromkeys(Timer.PHASES, 0.0)
     bar = tqdm(range(step + 1, cfg["steps"] + 1), initial=step, total=cfg["steps"], disable=not MASTER,
                desc=cfg["reward"])
     for step in bar:
         batch_rows, cursor = next_rows(rows, cursor, cfg["prompts_per_step"], cfg["seed"])
         picked = []
-        row = rl_step(step, batch_rows, policy, sampler, tok, probe, probe_opt, opt, sched, cfg,
-                      device, instruction, picked)
+        row = rl_step(step, batch_rows, learner, cfg, picked)
         refresh_sampler(sampler, policy)
-        log(row)
-        if MASTER:
-            runlog.append_jsonl(folder.samples, picked)
-        for p in Timer.PHASES:
-            phase_sums[p] += row["t_" + p]
+        log(row, picked)
+        phase_sums = {p: t + row["t_" + p] for p, t in phase_sums.items()}
         bar.set_postfix(acc=f"{row['accuracy']:.2f}", R=f"{row['reward']:+.2f}",
                         margin=f"{row.get('margin', 0.0):+.3f}", sig=f"{row['signal_frac']:.2f}",
                         roll=f"{row['t_rollout']:.1f}s", label=f"{row['t_label']:.1f}s")
@@ -213,8 +193,7 @@ def run(cfg):
         if last or (cfg["save_every"] and step % cfg["save_every"] == 0):
             save(step)
     if MASTER:
-        out = folder.out
-        print0(f"\nrun: {out}  (latest checkpoint: {ckpt_lib.latest_checkpoint(out)})")
+        print0(f"\nrun: {folder.out}  (latest checkpoint: {ckpt_lib.latest_checkpoint(folder.out)})")
         if first_acc is not None and final_acc is not None:
             print0(f"held-out accuracy: {scored(first_acc)} at the start -> {scored(final_acc)} at step {step}")
         roll = max(phase_sums["rollout"], 1e-9)
@@ -223,8 +202,8 @@ def run(cfg):
             for p, t in phase_sums.items()))
         bench = " --benchmarks " + ",".join(data.TOY_BENCHMARKS) if cfg["eval_data"] == "toy" else ""
         bench += f" --toy-world {cfg['toy_world']}" if bench and cfg["toy_world"] else ""
-        print0(f"curves: {runlog.plot_curves(out)}")
-        print0(f"next: python evaluate.py --model {out}{bench}")
+        print0(f"curves: {runlog.plot_curves(folder.out)}")
+        print0(f"next: python evaluate.py --model {folder.out}{bench}")
         if tracker:
             tracker.finish()
 
@@ -243,14 +222,13 @@ def main(argv=None):
         plan.check(cfg, show=False)  # an impossible run stops here, before any weights are read
         workers = launch.worker_count(cfg)
         config.check_world(cfg, max(workers, WORLD))  # here, or in each worker under torchrun
-        if workers > 1:
-            if not cfg["resume"]:
-                ckpt_lib.fetch(cfg["model"])  # before the workers start: rank 0 would download in the group
-            code = launch.launch(os.path.abspath(__file__), sys.argv[1:] if argv is None else argv, workers)
-            if code:
-                sys.exit(code)
-            return
-        run(cfg)
+        if workers == 1:
+            return run(cfg)
+        if not cfg["resume"]:
+            ckpt_lib.fetch(cfg["model"])  # before the workers start: rank 0 would download in the group
+        code = launch.launch(os.path.abspath(__file__), sys.argv[1:] if argv is None else argv, workers)
+        if code:
+            sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -115,14 +115,16 @@ def test_every_cited_section_of_the_design_notes_is_a_heading():
 
 
 def test_the_readme_opens_with_the_one_screen_step_as_it_is_in_the_code():
-    """The README's first code block is `step.rlcm_step` verbatim, so the algorithm a reader meets
-    first is the one the tests run (tests/test_step.py), not a paraphrase that can drift."""
+    """The README's first code block is `step.rl_step` verbatim, so the algorithm a reader meets
+    first is the one train.py runs, not a paraphrase that can drift."""
     import inspect
     import step
+    import train
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         text = f.read()
     first = re.search(r"```(\w*)\n(.*?)```", text, re.S)
     assert first.group(1) == "python"
-    assert first.group(2).rstrip("\n") == inspect.getsource(step.rlcm_step).rstrip("\n")
+    assert first.group(2).rstrip("\n") == inspect.getsource(step.rl_step).rstrip("\n")
+    assert train.rl_step is step.rl_step
     assert text.index(first.group(0)) < text.index("## Two commands")
     assert len(text.splitlines()) <= 220, "the README is for a learner: reference material goes to docs/"

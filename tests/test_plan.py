@@ -249,9 +249,9 @@ def test_the_step_frees_the_static_buffers_before_the_update(tmp_path, monkeypat
     real = step.update
     monkeypatch.setattr(step, "update", lambda *a, **k: alive.append(
         staticcache.decoder(sampler, {}).shape is not None) or real(*a, **k))
-    step.rl_step(1, data.load_rows("toy", split="train")[:2], policy, sampler, tok, probe,
-                 probe_lib.make_optimizer(probe, lr=cfg["probe_lr"]), opt, sched, cfg, torch.device("cpu"),
-                 cfg["instruction"])
+    step.rl_step(1, data.load_rows("toy", split="train")[:2], step.Learner(
+        policy, sampler, tok, probe, probe_lib.make_optimizer(probe, lr=cfg["probe_lr"]), opt, sched,
+        torch.device("cpu")), cfg)
     assert alive == [False]
 
 

@@ -1,5 +1,6 @@
-"""step.rlcm_step, the one-screen RLCM step, against step.rl_step, the step train.py runs: the same
-toy batch and seed must give the same metrics and the same weights after the step."""
+"""step.rl_step, the step train.py runs, against the RLCM step written out here from the files it
+calls (one process, one micro-batch, one update): the same toy batch and seed must give the same
+metrics and the same weights after the step."""
 import pytest
 import torch
 
@@ -8,12 +9,18 @@ import data
 import probe as probe_lib
 import step
 import train
+from grade import is_correct
+from grpo import group_advantages, pack, policy_loss, token_logprobs
+from label import budgets, cut_mask, grid, mc_labels
+from prompts import row_prompt
+from reward import margin_reward, total_reward
+from rollout import generate
 from harness.parallel import wrap
 
 CPU = torch.device("cpu")
 # --lam: not total_reward's default 0.1, so a step that ignores cfg["lam"] differs;
 # --grad-clip: the step's gradient norm here is about 0.6, so a step without the clip differs.
-# The toy's --micro-tokens 8192 holds these 16 responses in one micro-batch, as rlcm_step takes them.
+# The toy's --micro-tokens 8192 holds these 16 responses in one micro-batch, as the test's step takes them.
 SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "40", "--lam", "0.5",
          "--grad-clip", "0.1"]
 
@@ -34,24 +41,53 @@ def weights(*modules):
     return [p.detach().clone() for m in modules for p in m.parameters()]
 
 
-def test_rlcm_step_equals_rl_step_on_a_toy_batch(tmp_path):
+def test_rl_step_is_the_rlcm_step_written_out_on_a_toy_batch(tmp_path):
     cfg = config.resolve_args([*SMALL, "--out", str(tmp_path)])
     rows = data.load_rows("toy", split="train")[8:12]  # 3 of its 16 responses have margin signal
 
     model, tok, probe, probe_opt, opt, sched = start(cfg)
     before = weights(model, probe)
     policy, sampler = wrap(model, CPU)
-    full = step.rl_step(1, rows, policy, sampler, tok, probe, probe_opt, opt, sched, cfg, CPU,
-                        cfg["instruction"])
+    full = step.rl_step(1, rows, step.Learner(policy, sampler, tok, probe, probe_opt, opt, sched, CPU), cfg)
     full_weights = weights(model, probe)
 
+    # The RLCM step on one process, from the building blocks (the learning-rate schedule left out)
     model, tok, probe, probe_opt, opt, _ = start(cfg)
-    ref = step.rlcm_step(model, tok, probe, probe_opt, opt, rows, cfg, 1)
+    G, seed = cfg["group_size"], cfg["seed"] * 1_000_003 + 1 * 101  # step 1's seed
+    prompts = [row_prompt(tok, r, cfg["instruction"], cfg["system_prompt"]) for r in rows]
+    model.eval()
+    out = generate(model, tok, prompts, n=G, max_new_tokens=cfg["max_new_tokens"], temperature=cfg["temperature"],
+                   top_p=cfg["top_p"], seed=seed, batch_size=cfg["gen_batch"], decode=cfg["decode"])
+    prompts, golds = [prompts[i] for i in out.prompt_index], [rows[i]["answer"] for i in out.prompt_index]
+    correct = torch.tensor([float(is_correct(t, g, cfg["grader"])) for t, g in zip(out.texts, golds)])
+    cuts = [budgets(n, cfg["budgets"]) for n in out.lengths]
+    ys, hs = mc_labels(model, tok, prompts, out.ids, cuts, golds, k=cfg["k"], close=cfg["forced_close"],
+                       seed=seed + 7, batch_size=cfg["gen_batch"], grader=cfg["grader"], decode=cfg["decode"],
+                       features=True)
+    Y, h, valid = grid(ys), grid(hs), cut_mask(cuts)
+    probe_lib.fit(probe, probe_opt, h[valid], Y[valid], passes=cfg["probe_passes"],
+                  batch_size=cfg["probe_batch"], seed=seed)
+    C = torch.zeros(Y.shape)
+    C[valid] = probe_lib.predict(probe, h[valid])
+    margin = margin_reward(C, Y, valid)
+    R = total_reward(correct, margin, lam=cfg["lam"])
+    adv = group_advantages(R, G)
+    model.train()
+    batch = pack(prompts, out.ids, tok.pad_token_id)
+    logp = token_logprobs(model, batch["input_ids"], batch["attention_mask"], cfg["temperature"],
+                          cfg["chunk_size"])
+    loss, _ = policy_loss(logp, logp.detach(), adv, batch["loss_mask"], cfg["clip_low"], cfg["clip_high"],
+                          agg=cfg["agg"], norm_const=cfg["max_new_tokens"])
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"])
+    opt.step()
+    ref = dict(accuracy=correct.mean().item(), reward=R.mean().item(), margin=margin.mean().item(),
+               loss=loss.item())
 
     # the batch can tell a wrong step apart: some answers right, some wrong, a margin that moves R
     assert 0 < full["accuracy"] < 1 and full["margin"] != 0 and full["signal_frac"] > 0
     # equal, not close: N = 16 responses, and dividing by 16 is exact in float32 too, so rl_step's
-    # float64 sum / N and rlcm_step's float32 mean are the same number
+    # float64 sum / N and the float32 mean here are the same number
     assert ref == {k: full[k] for k in ("accuracy", "reward", "margin", "loss")}, (ref, full)
     after = weights(model, probe)
     assert len(after) == len(full_weights)
@@ -84,7 +120,7 @@ def test_unanimous_groups_stay_in_the_update_at_advantage_zero(tmp_path, monkeyp
     monkeypatch.setattr(step, "update", spy)
     model, tok, probe, probe_opt, opt, sched = start(cfg)
     policy, sampler = wrap(model, CPU)
-    row = step.rl_step(1, rows, policy, sampler, tok, probe, probe_opt, opt, sched, cfg, CPU, cfg["instruction"])
+    row = step.rl_step(1, rows, step.Learner(policy, sampler, tok, probe, probe_opt, opt, sched, CPU), cfg)
     assert seen["rows"] == list(range(16)) and row["dropped"] == 0.25   # one group of four unanimous
     print(f"\ngrad norm {row['grad_norm']:.6f}: over every row's {seen['every_tokens']:.0f} tokens "
           f"{seen['every']:.6f}, over the kept rows' {seen['kept_tokens']:.0f} {seen['kept']:.6f}")
@@ -116,7 +152,7 @@ def test_a_default_step_reads_the_probe_features_from_the_labels_prefill(tmp_pat
     monkeypatch.setattr(step, "probe_margin", spy(step.probe_margin, "probe"))
     monkeypatch.setattr(step, "score", lambda *a, **kw: pytest.fail("a scoring pass ran"))
     policy, sampler = wrap(model, CPU)
-    row = step.rl_step(1, rows, policy, sampler, tok, probe, probe_opt, opt, sched, cfg, CPU, cfg["instruction"])
+    row = step.rl_step(1, rows, step.Learner(policy, sampler, tok, probe, probe_opt, opt, sched, CPU), cfg)
     assert row["t_score"] == 0.0 and row["prefixes"] > 20
 
     (_, _, prompts, responses, cuts, golds), kw = seen["labels"]
@@ -145,7 +181,7 @@ def test_the_step_row_counts_the_decode_steps_it_captured(tmp_path, monkeypatch)
     counts = []
     for at in (1, 2):
         before = len(calls)
-        row = step.rl_step(at, rows, policy, sampler, tok, probe, probe_opt, opt, sched, cfg, CPU, cfg["instruction"])
+        row = step.rl_step(at, rows, step.Learner(policy, sampler, tok, probe, probe_opt, opt, sched, CPU), cfg)
         counts.append((row["captures"], len(calls) - before))
     # rollout: 4 x 4 rows from a <= 16-token prompt over 40 new tokens: live lengths 64 (one
     # shape, buffers of 64 positions); labels: at least one shape of their own
@@ -156,7 +192,7 @@ def test_a_shuffled_label_probe_fits_a_permutation_and_scores_the_real_labels(tm
     """--probe-labels shuffled (the study's control): on the same batch the probe is fitted on the same
     features with the step's labels permuted by a permutation of the run's seed and step alone, and the
     margin still scores the real labels; the step's numbers differ from mc's. (mc itself is held bit
-    for bit by test_rlcm_step_equals_rl_step_on_a_toy_batch: rlcm_step knows no shuffling.)"""
+    for bit by test_rl_step_is_the_rlcm_step_written_out_on_a_toy_batch, which knows no shuffling.)"""
     import modes
     rows = data.load_rows("toy", split="train")[8:12]
     seen = {}
@@ -174,7 +210,8 @@ def test_a_shuffled_label_probe_fits_a_permutation_and_scores_the_real_labels(tm
         assert cfg["probe_labels"] == labels
         model, tok, probe, probe_opt, opt, sched = start(cfg)
         policy, sampler = wrap(model, CPU)
-        got[labels] = step.rl_step(1, rows, policy, sampler, tok, probe, probe_opt, opt, sched, cfg, CPU, "")
+        cfg["instruction"] = ""
+        got[labels] = step.rl_step(1, rows, step.Learner(policy, sampler, tok, probe, probe_opt, opt, sched, CPU), cfg)
     (_, _, X_mc, Y_mc), (_, _, X_sh, Y_sh) = [a[:4] for a in seen["fit"]]
     assert torch.equal(X_mc, X_sh) and len(Y_mc) == got["mc"]["prefixes"] > 20   # the same rollout and cuts
     assert sorted(Y_sh.tolist()) == sorted(Y_mc.tolist()) and not torch.equal(Y_sh, Y_mc)
