@@ -26,9 +26,9 @@ from contextlib import nullcontext
 
 import torch
 
+from decode import Sampler, row_generators
 from grade import answers_match
 from probe import LAST_K, last_layer, split_prefix_features
-from harness.sampling import Sampler, row_generators
 from rollout import Samples, generate
 from update import budget_ends, score
 

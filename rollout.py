@@ -1,11 +1,11 @@
 """Batched sampling with a KV cache, for rollouts, evaluation and label.py's plain path (its fast
-path builds a harness/sampling.Sampler itself).
+path builds a decode.Sampler itself).
 
     samples = generate(model, tokenizer, prompts, n=8, max_new_tokens=1024, temperature=0.8, seed=0)
     samples.ids[i * 8 + j]   # j-th continuation of prompts[i]: generated ids only, EOS/stop included
 
 A chunk of batch_size prompts is prefilled once, its n samples per prompt sharing the prefill, then
-decoded "dynamic" (the reference loop, Sampler._decode_dynamic in harness/sampling.py) or "static"
+decoded "dynamic" (the reference loop, Sampler._decode_dynamic in decode.py) or "static"
 (CUDA graphs, harness/staticcache.py; the default on CUDA): the same samples for a seed.
 
 Scores (scores=True, the RL step's rollout): with every sampled token come its log-prob and the
@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from tqdm import tqdm
 
-from harness.sampling import REASONS, Sampler, row_generators
+from decode import REASONS, Sampler, row_generators
 
 
 @dataclass

@@ -13,6 +13,7 @@ import math
 
 import torch
 
+import decode
 import probe as probe_lib
 from baselines import verbal_confidence  # RLCR's parser, read here for --confidence verbal
 from grade import answer_tag, blank_answer
@@ -21,7 +22,7 @@ from label import budgets, mc_labels
 from prompts import RLCR_FORMAT
 from rollout import generate
 from update import budget_ends, score
-from harness import plan, sampling, staticcache
+from harness import plan, staticcache
 
 SOURCES = ("probe", "probe-posthoc", "verbal", "verbal-forced", "logits")
 # The released forced answer's text, after the cut thinking and `</think>` (exit checkpoints, post-hoc labels).
@@ -128,7 +129,7 @@ def sample_by_length(model, tokenizer, prompts, k, run=None, **kw):
     shape) rather than a rollout's budgets in turn. run: the generate called (rollout.generate's).
     """
     order = list(range(len(prompts)))
-    if sampling.default_decode(model) == "static":
+    if decode.default_decode(model) == "static":
         order.sort(key=lambda i: len(prompts[i]))
     out = (run or generate)(model, tokenizer, [list(prompts[i]) for i in order], n=k, **kw)
     texts = [None] * len(prompts)

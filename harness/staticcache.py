@@ -1,4 +1,4 @@
-"""A preallocated (static) KV cache and a decode step captured as a CUDA graph, for harness/sampling.py
+"""A preallocated (static) KV cache and a decode step captured as a CUDA graph, for decode.py
 (`Sampler._decode_static`: the dynamic loop's samples, tests/test_rollout.py). Every tensor the step
 touches has a fixed address and shape, so the step is recorded once and replayed:
 

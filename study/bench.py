@@ -32,7 +32,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the reposi
 if not __package__:   # run as a file (python study/bench.py), Python puts study/ on the path
     sys.path.insert(0, ROOT)
 import rollout  # noqa: E402
-from harness import sampling, staticcache  # noqa: E402
+import decode as sampling  # noqa: E402
+from harness import staticcache  # noqa: E402
 from harness.files import UserError  # noqa: E402
 from harness.config import check_values  # noqa: E402
 

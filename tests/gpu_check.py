@@ -84,7 +84,8 @@ import label  # noqa: E402
 import rollout  # noqa: E402
 import static_shapes  # noqa: E402  (beside this file)
 from grpo import pack  # noqa: E402
-from harness import lora, plan, sampling, staticcache  # noqa: E402
+import decode as sampling  # noqa: E402
+from harness import lora, plan, staticcache  # noqa: E402
 from harness.adapter import is_adapter  # noqa: E402
 from harness.checkpoint import latest_checkpoint  # noqa: E402
 from harness.files import UserError  # noqa: E402

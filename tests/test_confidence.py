@@ -11,7 +11,7 @@ from evaluation import benchmarks, confidence, posthoc
 import probe as probe_lib
 import rollout
 import tiny
-from harness import sampling
+import decode as sampling
 
 
 class _Tok:

@@ -1,4 +1,4 @@
-"""rollout.generate and its sampler (harness/sampling.py) on a tiny random Qwen2 and a character
+"""rollout.generate and its sampler (decode.py) on a tiny random Qwen2 and a character
 tokenizer (tests/tiny.py), CPU only."""
 import math
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import rollout
-from harness import sampling
+import decode as sampling
 from tests import tiny
 
 @pytest.fixture(scope="module")
