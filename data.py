@@ -11,6 +11,7 @@ import random
 import re
 
 from grade import plain_number as _number  # integer gold answers: "025" -> "25"
+from harness.files import UserError, sha256
 
 PROBLEM_FIELDS = ("problem", "question", "prompt", "Question", "query")
 # The longest problem a row may hold, in characters. Real problems are under 10,000 (LiveCodeBench's
@@ -125,8 +126,15 @@ BUILD = {"lcb": _lcb_row, "logiqa": _logiqa_row}
 TOY_BENCHMARKS = ("toy", "toy-long", "toy-sub")
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A dataset problem the user can fix; the message is one line saying how."""
+
+
+def digest(source):
+    """The sha256 of a local data file (None for a benchmark name or a hub id)."""
+    if source in TOY_BENCHMARKS or source in BENCHMARKS or not os.path.isfile(source):
+        return None
+    return sha256(source)
 
 
 _ESCAPES = {"\x07": "\\a", "\x08": "\\b", "\t": "\\t", "\x0b": "\\v", "\x0c": "\\f", "\r": "\\r"}

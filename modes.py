@@ -13,7 +13,7 @@ mode uses and what it logs.
   c2gspg         no                  correct (0/1)                              (r - mean r) / max(1 - c, 1e-6);
                                                                                 --c2gspg-bce: + 0.1 BCE(c_theta, r)
 r_nat = 2 * correct - 1 (signed, released). The budgets, corner and unanimous-group filter a mode
-implies are set by flags.IMPLIED (flags given win); --corner picks the margin's rule (MARGINS).
+implies are set by config.IMPLIED (flags given win); --corner picks the margin's rule (MARGINS).
 The filter (--drop-unanimous, released filter_natural_corner_groups) sets the reward of every
 trajectory in a group whose answers are all right or all wrong to 0: they stay in the update at
 advantage 0, in the token-mean's denominator. When every group of the step is unanimous the

@@ -11,6 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from harness.files import UserError
+
 
 class Probe(nn.Module):
     """MLP d -> hidden -> 1 (Linear, ReLU, Dropout, Linear); hidden defaults to d // 4, hidden=0 gives
@@ -152,8 +154,8 @@ def predict(probe, feats):
     return out
 
 
-class NotAProbe(ValueError):
-    """A file that is not a probe saved by `save` (checkpoint.reading makes it one line)."""
+class NotAProbe(UserError):
+    """A file that is not a probe saved by `save` (one line, like every UserError)."""
 
 
 def save(path, probe, opt=None, **extra):
@@ -212,3 +214,11 @@ def load(path):
     probe = Probe(blob["dim"], blob["hidden"], blob["dropout"])
     probe.load_state_dict(blob["state_dict"])
     return probe, blob["optimizer"]
+
+
+def restore(path, lr):
+    """A saved probe and its optimizer (make_optimizer at rate lr, then the saved state): a resume."""
+    probe, state = load(path)
+    opt = make_optimizer(probe, lr=lr)
+    opt.load_state_dict(state)
+    return probe, opt

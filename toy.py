@@ -26,13 +26,8 @@ rebuilds for every qwen2 checkpoint, R1 included), so any text round-trips exact
 Base policy. toy_warm.py warm-starts a tiny Qwen2ForCausalLM (MODEL) on this world's traces and
 saves it with the tokenizer as the committed `toy_base/` (`toy_warm.base_model()`).
 
-Rebuild. The committed `toy_base/` is rebuilt by one command, in about fifteen minutes on one CPU
-core, bit for bit (same safetensors bytes) on the same machine and torch build; the build
-runs on one thread, since float sums depend on how the work is split:
-
-    python toy.py                 # or: python toy.py --out DIR
+Rebuild. The committed `toy_base/` is rebuilt by `python toy_warm.py` (or `--out DIR`).
 """
-import argparse
 import hashlib
 import itertools
 import os
@@ -183,16 +178,3 @@ def implied_sum(problem, terms, lines, totals, b):
     done = lines_done(lines, b)
     return problem if done == 0 else f"{totals[done]}" + "".join(f"{t:+d}" for t in terms[done + 1:])
 
-
-if __name__ == "__main__":
-    from toy_warm import base_model  # toy_warm imports this world: only the command imports it back
-    parser = argparse.ArgumentParser(description="Rebuild the toy world's warm-started base policy.")
-    parser.add_argument("--out", default=BASE_DIR,
-                        help="output directory (default: toy_base/ next to toy.py)")
-    parser.add_argument("--world", default=WORLD, choices=sorted(WORLDS),
-                        help=f"{WORLD}: the world (toy_base/); legible-quiet: the same without `?` (the "
-                             "study's control, docs/toy-world.md)")
-    args = parser.parse_args()
-    if args.world != WORLD and args.out == BASE_DIR:
-        parser.error(f"--world {args.world} needs its own --out DIR (toy_base/ is the default world's)")
-    print(base_model(args.out, rebuild=True, world=args.world))

@@ -7,7 +7,8 @@ import data
 import evaluate
 import toy
 from evaluation import benchmarks, comparison, records
-from harness import checkpoint, config
+import config
+from harness import checkpoint
 
 # Seconds on 2 CPU cores at --jobs 2 (one thread a job), measured on the study's own seeds 0-3 at
 # c4fd32c (2026-12-02): a training of 45 steps x 16 x 8 rollouts of up to 72 tokens took 130-205 s, an

@@ -2,7 +2,7 @@
 "The study"): which runs it makes (their cost: evaluation/cost.py), their paired differences, and the verdict by
 the rule written down before any of them ran, in OUT/table.md and OUT/results.json. reproduce.py runs it:
 
-    python reproduce.py --study --base BASE --quiet-base QUIET_BASE   # python toy.py [--world legible-quiet] --out DIR
+    python reproduce.py --study --base BASE --quiet-base QUIET_BASE   # python toy_warm.py [--world legible-quiet] --out DIR
 
 Seven variants, each trained with train.py from its base on `toy`'s training split for seeds 0-7
 (paired: the same seed gives the same data order and evaluation draws), each evaluated on every toy
@@ -68,7 +68,7 @@ def check_flags(args, methods):
         return
     if args.ablations:
         raise UserError("--ablations is for the paper's table: drop it, or --study")
-    build = dict(base="python toy.py --out DIR", quiet="python toy.py --world legible-quiet --out DIR")
+    build = dict(base="python toy_warm.py --out DIR", quiet="python toy_warm.py --world legible-quiet --out DIR")
     for key, flag in (("base", "--base"), ("quiet", "--quiet-base")):
         path = getattr(args, flag[2:].replace("-", "_"))
         if any(VARIANTS[m]["base"] == key for m in methods) and path is None:

@@ -38,9 +38,10 @@ import torch
 
 from harness import adapter
 from harness.files import UserError, first_line, fresh_name
-from probe import NotAProbe
 
 PREFIX = "step_"
+# --model toy: the toy world's committed warm start (toy.BASE_DIR; `python toy_warm.py` rebuilds it)
+TOY_BASE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "toy_base")
 ALIASES = {
     "deepseek-r1-distill-qwen-7b": "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
     "qwen3-4b-instruct": "Qwen/Qwen3-4B-Instruct-2507",
@@ -53,8 +54,9 @@ ALIASES = {
 def resolve_model(name):
     """Alias, HF id, model dir, checkpoint dir or run dir (-> its latest complete checkpoint)."""
     if name == "toy":
-        import toy_warm  # the offline world's warm start: builds its base policy on first use
-        return toy_warm.base_model()
+        if not os.path.exists(os.path.join(TOY_BASE, "model.safetensors")):
+            raise UserError(f"--model toy: {TOY_BASE} is missing; rebuild it with python toy_warm.py")
+        return TOY_BASE
     if name in ALIASES:
         return ALIASES[name]
     if os.path.isdir(os.path.join(name, "checkpoints")):
@@ -202,8 +204,6 @@ def reading(path):
     import pickle
     try:
         yield
-    except NotAProbe as e:
-        raise UserError(str(e)) from None
     except pickle.UnpicklingError:
         raise UserError(f"{path} holds objects other than tensors and plain data, so it was not "
                         "loaded (that could run code): it was not written by this code") from None

@@ -23,7 +23,6 @@ import os
 import torch
 import torch.distributed as dist
 
-from grpo import token_logprobs
 from harness.lora import has_adapter, merge_into, merged_copy
 
 RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -94,24 +93,26 @@ def all_gather(obj):
 
 
 class LogprobModel(torch.nn.Module):
-    """The policy as one module whose forward is the chunked token log-prob computation.
+    """The policy as one module whose forward is the chunked token log-prob computation, logprobs
+    (grpo.token_logprobs: lm, ids, mask, temperature, chunk_size -> [N, L - 1]).
 
     FSDP2 gathers a module's own parameters around its forward: with the whole computation
     (decoder + chunked LM head) inside the root forward, the LM head runs chunk by chunk on
     gathered weights and its gradient is reduced once.
     """
 
-    def __init__(self, lm):
+    def __init__(self, lm, logprobs):
         super().__init__()
-        self.lm = lm
+        self.lm, self.logprobs = lm, logprobs
 
     def forward(self, input_ids, attention_mask, temperature=1.0, chunk_size=1024):
         # a fresh tensor, not a view: FSDP2 hooks the output for the backward all-gather
-        return token_logprobs(self.lm, input_ids, attention_mask, temperature, chunk_size).clone()
+        return self.logprobs(self.lm, input_ids, attention_mask, temperature, chunk_size).clone()
 
 
-def wrap(lm, device, offload=False):
+def wrap(lm, device, logprobs, offload=False):
     """(trainable module, generation copy). One process on CPU: both are the same fp32 model.
+    The trainable module's forward is logprobs (grpo.token_logprobs, LogprobModel).
 
     lm may be on the meta device (load_sharded): then both come back unmaterialised. Under
     --lora-rank the copy is a plain model with the adapter merged into its weights (lora.merged_copy,
@@ -125,7 +126,7 @@ def wrap(lm, device, offload=False):
         if device.type == "cuda":  # bf16 weights; the buffers (rotary inv_freq) stay fp32, as from_pretrained
             for p in sampler.parameters():  # leaves them: bf16 frequencies turn position 1000 by 1.2 rad
                 p.data = p.data.to(torch.bfloat16)
-    policy = LogprobModel(lm)
+    policy = LogprobModel(lm, logprobs)
     if dist.is_initialized():
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
@@ -137,7 +138,8 @@ def wrap(lm, device, offload=False):
     return policy, sampler
 
 
-def load_sharded(name, device, offload=False, trust_remote_code=False, grad_ckpt=None, adapt=None):
+def load_sharded(name, device, logprobs, offload=False, trust_remote_code=False, grad_ckpt=None,
+                 adapt=None):
     """(policy, sampler, lm, tokenizer) on every rank, reading the weights on rank 0 only.
 
     adapt(model, meta) adds the LoRA adapter (--lora-rank): on rank 0 the one it trains (fresh or a
@@ -173,7 +175,7 @@ def load_sharded(name, device, offload=False, trust_remote_code=False, grad_ckpt
     lm.config.use_cache = False
     if grad_ckpt:
         grad_ckpt(lm)
-    policy, sampler = wrap(lm, device, offload)
+    policy, sampler = wrap(lm, device, logprobs, offload)
     policy.to_empty(device="cpu" if offload else device)  # offloaded shards live on the host
     set_model_state_dict(lm, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     del full

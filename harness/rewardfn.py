@@ -18,7 +18,7 @@ forced answer judged None is left out of its Y_b; a prefix whose K answers are a
 label (it is not fitted or scored).
 
 The file is imported (importlib) only from the path given on the command line, never from a saved
-config: a resumed run is refused until --reward-fn is given again (harness/config.py), as with
+config: a resumed run is refused until --reward-fn is given again (config.py), as with
 --trust-remote-code. It runs in this process with your permissions, like any code you pass.
 A missing file, an import error, a missing NAME, or a call that raises (SystemExit and other
 BaseExceptions included; KeyboardInterrupt is Ctrl-C) or returns anything but a number in [0, 1]

@@ -41,7 +41,7 @@ if not __package__:   # run as a file (python scripts/bench.py), Python puts scr
 import rollout  # noqa: E402
 from harness import sampling, staticcache  # noqa: E402
 from harness.files import UserError  # noqa: E402
-from harness.config import check_values  # noqa: E402
+from config import check_values  # noqa: E402
 
 # what --config needs, and how to get it without the weights
 CONFIG_HINT = ("a folder with the model's config.json and tokenizer, no weights (hf download "

@@ -7,7 +7,7 @@ import torch
 from harness import plan
 import tiny
 import train
-from harness.config import resolve_args
+from config import resolve_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE_7B = "deepseek-r1-distill-qwen-7b"   # its config.json ships (configs/): planned offline
@@ -236,12 +236,13 @@ def test_the_step_frees_the_static_buffers_before_the_update(tmp_path, monkeypat
     import probe as probe_lib
     import step
     import train
-    from harness import config, staticcache
+    import config
+    from harness import staticcache
     from harness.parallel import wrap
     cfg = config.resolve_args(["--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "16",
                                "--decode", "static", "--out", str(tmp_path)])
     model, tok = train.load_policy(cfg, torch.device("cpu"))
-    policy, sampler = wrap(model, torch.device("cpu"))
+    policy, sampler = wrap(model, torch.device("cpu"), token_logprobs)
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg["lr"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     probe = probe_lib.Probe(model.config.hidden_size)

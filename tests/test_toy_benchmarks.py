@@ -20,7 +20,7 @@ import toy
 import toy_warm
 from evaluation import benchmarks, comparison, probes
 from grpo import group_advantages
-from harness import flags
+import config
 
 
 def test_benchmarks_are_deterministic_disjoint_and_what_they_say():
@@ -78,7 +78,7 @@ def test_evaluate_loads_every_toy_benchmark_with_the_toy_settings():
 
 
 def test_rl_trains_on_the_toy_training_split_only():
-    assert flags.TOY["data"] == "toy" and data.load_rows("toy", split="train") == toy.dataset("train")
+    assert config.TOY["data"] == "toy" and data.load_rows("toy", split="train") == toy.dataset("train")
 
 
 def test_advantage_parts_split_the_group_advantage():
