@@ -23,8 +23,7 @@ from harness.runfolder import check_out, read_config
 NOT_SAVED = ("resume", "config", "plot")  # how a run was started, not what it is
 
 # Defaults that depend on the world: the toy sizes for 2 CPU cores, the real ones from the released
-# run script (docs/design.md, "Defaults").
-# The toy's lr and lam are where its margin acts: docs/reference.md, "The toy's warm start and ...".
+# run script. The toy's lr and lam: docs/reference.md, "The toy's warm start and the run's defaults".
 TOY = dict(data="toy", eval_data="toy", steps=45, prompts_per_step=16, group_size=8, lr=2e-5, lam=1.0,
            warmup=3, warmup_from_zero=False, weight_decay=0.0, max_new_tokens=72, eval_n=500, eval_every=10, save_every=10, grad_ckpt=False,
            micro_tokens=8192, gen_batch=256, grader="math",
@@ -39,11 +38,7 @@ REAL = dict(data="deepscaler", eval_data="math500", steps=600, prompts_per_step=
             grader="strict",  # the released training reward
             gen_batch=8)  # 8 prompts x 6 = 48 rows x 8k tokens: ~22 GB of KV cache for the 7B
 # A named model whose release has a run script of its own: what differs from REAL (the 7B's script),
-# by its hub id. Qwen3-4B-Instruct (scripts/train/qwen3_4b_instruct/rlcm.sh) keeps the 7B script's
-# batch, lengths (600, 8000), lr, warm-up, lam, K, budgets and save_freq, and adds enable_thinking off
-# (not passed here: Qwen3-4B-Instruct-2507 has no thinking mode, and its card says the flag is no
-# longer needed), vLLM's tensor-parallel 1 and context 10,000 (600 + 8000 fit); the paper's 4B
-# checkpoint is step 240, "longer than ~240 steps was unstable" (the release's README).
+# by its hub id (docs/reference.md: the 4B's recipe).
 RECIPES = {"Qwen/Qwen3-4B-Instruct-2507": dict(steps=240)}
 COMMON = dict(model="toy", problem_field=None, answer_field=None, trust_remote_code=False,
               temperature=0.8, top_p=1.0, reward="rlcm", lam=0.1, k=4, forced_close="think",

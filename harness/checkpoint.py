@@ -3,24 +3,16 @@
 `resolve_model` turns what a user types after --model into something from_pretrained loads:
 an alias (`deepseek-r1-distill-qwen-7b`), `toy`, an HF id, a model directory, a checkpoint
 directory, or a run directory (its latest checkpoint); harness/models.py loads what it names.
+A run's folder: harness/runfolder.py.
 
-    RUN/config.json                      the resolved configuration (written at start)
-    RUN/metrics.jsonl                    one row per step, plus held-out evaluation rows
-    RUN/checkpoints/step_000010/         the policy (save_pretrained) + tokenizer, loadable by
-                                         AutoModelForCausalLM / AutoTokenizer as they are
-                         probe.pt        the probe and its optimizer (probe.save format)
-                         state.pt        policy optimizer, scheduler, RNG states, data cursor, step
-
-    RUN/lock                             held by the one process writing the run (pid, host;
-                                         harness/files.py: locked)
-
-A checkpoint is written into a fresh `step_000010.<random>.tmp`, fsynced (its files, then the folder),
-renamed when complete and the rename fsynced, so a crash (of the process or of the machine) or a full
-disk mid-write never replaces or damages the last good one; only then are older ones pruned: of the
-complete ones at or below the step just saved only the last `keep` are kept. A checkpoint damaged
-afterwards (a file deleted or cut short), one whose state.pt holds another step, or a link in place
-of its folder is skipped for the previous complete one, with a message, and never pruned. A link in
-place of RUN/checkpoints itself is refused in one line (it would make this run write into another).
+A checkpoint is written into a fresh `step_000010.<random>.tmp`, fsynced (its files, then the
+folder), renamed when complete and the rename fsynced, so a crash (of the process or of the machine)
+or a full disk mid-write never replaces or damages the last good one; only then are older ones
+pruned: of the complete ones at or below the step just saved only the last `keep` are kept. A
+checkpoint damaged afterwards (a file deleted or cut short), one whose state.pt holds another step,
+or a link in place of its folder is skipped for the previous complete one, with a message, and never
+pruned. A link in place of RUN/checkpoints itself is refused in one line (it would make this run
+write into another).
 
 The files inside a run folder are written whole and never through a link (harness/files.py).
 """
@@ -66,7 +58,7 @@ def resolve_model(name):
         return ckpt
     if os.path.isdir(name):
         return name
-    # owner/name is an HF id unless `owner` is a local folder (runs/typo: say so instead of asking the hub)
+    # owner/name is an HF id unless `owner` is a local folder (runs/typo: say so, not ask the hub)
     if name.count("/") == 1 and not name.startswith((".", "/")) and not os.path.isdir(name.split("/")[0]):
         return name
     if "/" in name:
@@ -159,15 +151,15 @@ def _saved_step(path):
 
 def missing(ckpt, resume=False):
     """What a checkpoint lacks to be loaded as a model (resume: to be resumed from): [] when complete.
-    probe.pt is needed only to resume, but must be whole wherever it is. The folder must be the run's
-    own (not a link to another run's) and its state.pt saved at the step in its name."""
+    probe.pt is needed only to resume, but must be whole wherever it is. The folder must be the
+    run's own (not a link to another run's) and its state.pt saved at the step in its name."""
     if os.path.islink(ckpt):
         return ["a folder of its own (it is a link)"]
     try:
         names = os.listdir(ckpt)
     except OSError:   # a file, or removed meanwhile
         return ["the folder"]
-    config = adapter.CONFIG if adapter.is_adapter(ckpt) else "config.json"  # an adapter, or a whole model
+    config = adapter.CONFIG if adapter.is_adapter(ckpt) else "config.json"  # an adapter, or a model
     need = (config, "state.pt", "probe.pt") if resume else (config,)
     lack = [n for n in need if not os.path.isfile(os.path.join(ckpt, n))]
     lack += [f"{n} (cut short)" for n in ("state.pt", "probe.pt")
@@ -191,7 +183,7 @@ def latest_checkpoint(run_dir, say=None, resume=False):
         lack = missing(ckpt, resume)
         if not lack:
             return ckpt
-        if not os.path.lexists(ckpt):   # pruned by the run's writer while we looked: a newer one is there
+        if not os.path.lexists(ckpt):   # pruned by the run's writer while we looked: a newer one exists
             return latest_checkpoint(run_dir, say, resume)
         say(f"skipping incomplete checkpoint {ckpt}: missing {', '.join(lack)}")
     return None
@@ -264,14 +256,14 @@ def save_checkpoint(run_dir, step, write, keep=2):
     root = _own_root(run_dir)
     final = os.path.join(root, f"{PREFIX}{step:06d}")
     os.makedirs(root, exist_ok=True)
-    for n in os.listdir(root):   # left by a save that was killed (we hold the run's lock: no one else saves)
+    for n in os.listdir(root):   # left by a killed save (we hold the run's lock: no one else saves)
         if n.startswith(PREFIX) and n.endswith(".tmp"):
             _remove(os.path.join(root, n))
     tmp = fresh_name(final)
     os.mkdir(tmp)
     try:
         write(tmp)
-        _sync_tree(tmp)   # on disk before the rename publishes it, and before any older one is pruned
+        _sync_tree(tmp)   # on disk before the rename publishes it and any older one is pruned
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, (OSError, RuntimeError, SafetensorError)):   # torch.save says RuntimeError
@@ -279,7 +271,7 @@ def save_checkpoint(run_dir, step, write, keep=2):
             raise UserError(f"cannot write checkpoint {final} ({first}): is the disk full? The checkpoints "
                             "saved before it are intact") from None
         raise
-    if os.path.lexists(final):   # the same step saved again (after a fallback): set the old one aside
+    if os.path.lexists(final):   # the same step saved again (after a fallback): old one aside
         old = fresh_name(final)
         os.replace(final, old)
         os.replace(tmp, final)

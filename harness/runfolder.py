@@ -6,7 +6,8 @@ checkpoints, and the exit codes of train.py.
     OUT/metrics.jsonl      one row per step and per held-out check
     OUT/samples.jsonl      the rollouts' texts (runlog.pick_samples)
     OUT/heldout.jsonl      the labelled held-out trajectories of each held-out check
-    OUT/checkpoint-S/      weights, tokenizer, probe.pt, state.pt (optimizers, scheduler, cursor, RNG)
+    OUT/checkpoints/step_000010/   weights, tokenizer (AutoModelForCausalLM / AutoTokenizer load
+                           them as they are), probe.pt, state.pt (optimizers, scheduler, cursor, RNG)
 
 A resumed run continues exactly where the checkpoint left it: the jsonl files are cut back to its
 step, the optimizers, the scheduler, the data cursor and every RNG are restored, and the learning
@@ -32,8 +33,8 @@ MADE = []  # the run folder this process created (RunFolder.lock), for exit_code
 
 def hold_lock(out, new=False):
     """One writer per run folder: rank 0 holds OUT/lock until the run ends; if another process holds
-    it, every rank stops with the same one line. new: the folder was absent when this run began, so
-    a run found there now (one that started and ended while this one loaded) is refused, untouched."""
+    it, every rank stops with the same one line. new: the folder was absent when this run began, so a
+    run found there now (one that started and ended while this one loaded) is refused, untouched."""
     err = None
     if MASTER:
         try:
@@ -73,9 +74,9 @@ class RunFolder:
                 "nothing to train; pass a larger --steps")
 
     def check_data(self, cfg, digest):
-        """A local --data file is recorded by content (cfg["data_sha256"], digest: data.digest): a resume
-        on other rows would continue the saved data cursor into them, so a file changed since the run
-        began is refused."""
+        """A local --data file is recorded by content (cfg["data_sha256"], digest: data.digest): a
+        resume on other rows would continue the saved data cursor into them, so a file changed since
+        the run began is refused."""
         now = all_gather(digest(cfg["data"]) if MASTER else None)[0]
         saved, cfg["data_sha256"] = cfg.get("data_sha256"), now
         if cfg["resume"] and saved and saved != now:
@@ -101,7 +102,7 @@ class RunFolder:
 
     def restore(self, cfg, policy, opt, sched, load_probe):
         """Loads the checkpoint's optimizer, scheduler, probe and RNG state into this run; returns
-        (probe, probe_opt, step, cursor). load_probe(path, lr) -> (probe, probe_opt): probe.restore."""
+        (probe, probe_opt, step, cursor). load_probe: probe.restore(path, lr) -> (probe, probe_opt)."""
         ckpt = self.ckpt
         with ckpt_lib.reading(os.path.join(ckpt, "state.pt")):
             # mmap: the optimizer state is read from rank 0 (load_optimizer broadcasts it), so other
@@ -112,7 +113,7 @@ class RunFolder:
             step, cursor = state["step"], state["cursor"]
         with ckpt_lib.reading(os.path.join(ckpt, "probe.pt")):
             probe, probe_opt = load_probe(os.path.join(ckpt, "probe.pt"), cfg["probe_lr"])
-        ckpt_lib.set_rng_state(state["rng"])  # last: building the probe above draws from torch's RNG
+        ckpt_lib.set_rng_state(state["rng"])  # last: building the probe draws from torch's RNG
         ckpt_lib.apply_rates(opt, sched, cfg["lr"], probe_opt, cfg["probe_lr"])
         if MASTER:
             for path in (self.metrics, self.samples, self.heldout):
@@ -148,7 +149,7 @@ class RunFolder:
 
 def check_out(path, flag="--out"):
     """A folder we can create or write into: not a link or a file, and its nearest existing parent writable."""
-    if os.path.islink(path.rstrip("/") or "/"):   # dangling or not: where it points is not what was asked for
+    if os.path.islink(path.rstrip("/") or "/"):   # dangling or not: it points elsewhere than asked
         raise UserError(f"{flag} {path} is a symbolic link (to {os.readlink(path.rstrip('/'))}): pass the folder "
                         "itself, or another path")
     if os.path.exists(path) and not os.path.isdir(path):
@@ -221,7 +222,7 @@ def exit_codes():
     except FloatingPointError as e:
         print(f"stopped: {e}; the last good checkpoint is left untouched", file=sys.stderr)
         sys.exit(3)
-    except KeyboardInterrupt:  # nothing new is finished or saved: the last checkpoint stays as it is
+    except KeyboardInterrupt:  # nothing new is finished or saved: the last checkpoint stays
         stopped = True         # the line is printed below, once the progress bar has closed
     finally:
         LOCKS.close()
