@@ -1,9 +1,9 @@
 """The run's configuration: world defaults (toy vs real model), the command line, and resume.
 
-Every flag of train.py, its default in each world (TOY, REAL, COMMON, a named model's RECIPES, and
-what a --reward mode implies) and its allowed values (LIMITS). resolve_args resolves them: flags given
-now > the saved config.json of a resumed run (or a --config file) > the defaults below, every value
-checked against LIMITS before any model, data or folder is touched.
+Every flag of train.py, its default in each world (TOY, REAL, COMMON, a named model's RECIPES,
+and what a --reward mode implies) and its allowed values (LIMITS). resolve_args resolves them: flags
+given now > the saved config.json of a resumed run (or a --config file) > the defaults below, every
+value checked against LIMITS before any model, data or folder is touched.
 """
 import argparse
 import json
@@ -22,8 +22,8 @@ from harness.runfolder import check_out, read_config
 
 NOT_SAVED = ("resume", "config", "plot")  # how a run was started, not what it is
 
-# Defaults that depend on the world: the toy sizes for 2 CPU cores, the real ones from the released
-# run script. The toy's lr and lam: docs/reference.md, "The toy's warm start and the run's defaults".
+# Defaults that depend on the world (docs/design.md, "Defaults"): the toy sizes for 2 CPU cores, the
+# real ones from the released run script. Why the toy's lr and lam: docs/reference.md (the end).
 TOY = dict(data="toy", eval_data="toy", steps=45, prompts_per_step=16, group_size=8, lr=2e-5, lam=1.0,
            warmup=3, warmup_from_zero=False, weight_decay=0.0, max_new_tokens=72, eval_n=500, eval_every=10, save_every=10, grad_ckpt=False,
            micro_tokens=8192, gen_batch=256, grader="math",
@@ -53,9 +53,8 @@ COMMON = dict(model="toy", problem_field=None, answer_field=None, trust_remote_c
 # Without Regret", Schulman et al. 2025: about 10x; TRL's GRPO recipe: 1e-5 against 1e-6).
 LORA_LR_FACTOR = 10
 
-# --reward: RLCM, then the paper's baselines and ablations (docs/design.md, "Baselines"): modes.REWARDS.
-# What a mode implies. Flags given now win; a resumed run of the same mode keeps what it saved;
-# a saved config of another mode loses what its own mode implied (resolve_args).
+# What a --reward mode implies (docs/design.md, "Baselines"). Flags given now win; a resumed run of
+# the same mode keeps what it saved; a saved config of another mode loses what its mode implied.
 IMPLIED = {"final-margin": dict(budgets=(1.0,), corner="final-margin"),
            "process-brier": dict(drop_unanimous=True),
            "final-brier": dict(budgets=(1.0,), drop_unanimous=True),

@@ -9,15 +9,11 @@ all three benchmarks, on toy.trace's traces: a step that carries or borrows slip
 any other, and a wrong total is often followed by "?". So the policy knows how to add (greedy
 decoding is right), slips when it samples where the step is hard, often notices it in writing, and
 GRPO has something to fix.
-It also learns the forced answer used by the calibration labels (label.py), in half of its examples:
-after `prompt + response[:b] + </think> + SUFFIX` (or EOS instead of `</think>`, the released code's
-variant) the target is the sum the prefix implies, the last running total written (right or wrong)
-and the terms not yet added ("14+2", graded by value), so a forced answer copies the path: it is
-right exactly when the path so far is (docs/toy-world.md, premise (ii)).
-RLCR's format, chosen by the prompt: under RLCR_INSTRUCTION the same trace ends in
-`</think><answer>17</answer>\\n<analysis></analysis>\\n<confidence>0.4</confidence>` instead of the
-box, the confidence drawn at random whatever the trace: RL has to learn it. Why these settings, and
-what the committed checkpoint measures: docs/reference.md, "The toy's warm start".
+It also learns, in half of its examples, the forced answer of the calibration labels (label.py):
+the sum the prefix implies (toy.implied_sum), so a forced answer is right exactly when the path so
+far is (docs/toy-world.md, premise (ii)); and, under RLCR_INSTRUCTION, RLCR's format with a random
+verbal confidence (rlcr_tail). Why these settings, and what the committed checkpoint measures:
+docs/reference.md, "The toy's warm start".
 """
 import argparse
 import math
