@@ -201,10 +201,8 @@ def damage(blob):
 
 def load(path):
     """Rebuild a saved probe (on CPU) -> (probe, optimizer state dict or None): a file that is not
-    one (`damage`) is NotAProbe, NaN or inf weights a FloatingPointError, both naming it.
-
-    Load the optimizer state with make_optimizer(probe).load_state_dict(state) (or use restore).
-    """
+    one (`damage`) is NotAProbe, NaN or inf weights a FloatingPointError, both naming it. With its
+    optimizer: restore."""
     blob = torch.load(path, map_location="cpu", weights_only=True)
     why = damage(blob)
     if why:

@@ -81,9 +81,8 @@ def check_available(name):
 
 def fetch(name):
     """Download an HF model into the local cache now, before the workers start, so that rank 0 does
-    not download it (15 GB for the 7B) inside the process group while the other ranks wait. Local
-    directories, the toy and an offline hub need nothing. Other frameworks' copies of the weights
-    are skipped: from_pretrained reads the safetensors."""
+    not download it inside the process group while the other ranks wait. Local directories, the toy
+    and an offline hub need nothing. Other frameworks' copies of the weights are skipped."""
     path = resolve_model(name)
     from huggingface_hub import constants, snapshot_download
     if os.path.isdir(path) or constants.HF_HUB_OFFLINE:

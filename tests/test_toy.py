@@ -158,6 +158,14 @@ def test_base_model_builds_atomically_once(tmp_path, monkeypatch):
     assert len(calls) == 2 and sorted(os.listdir(tmp_path)) == ["base"]  # no temp dir left
 
 
+def test_model_toy_without_its_base_says_how_to_rebuild_it(tmp_path, monkeypatch):
+    from harness import checkpoint
+    from harness.files import UserError
+    monkeypatch.setattr(checkpoint, "TOY_BASE", str(tmp_path / "toy_base"))
+    with pytest.raises(UserError, match=r"toy_base is missing; rebuild it with python toy_warm.py$"):
+        resolve_model("toy")
+
+
 @pytest.fixture(scope="module")
 def base():
     path = toy_warm.base_model()
