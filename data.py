@@ -11,6 +11,7 @@ import random
 import re
 
 from grade import plain_number as _number  # integer gold answers: "025" -> "25"
+from harness.files import UserError, first_line, sha256
 
 PROBLEM_FIELDS = ("problem", "question", "prompt", "Question", "query")
 # The longest problem a row may hold, in characters. Real problems are under 10,000 (LiveCodeBench's
@@ -91,7 +92,7 @@ def _lcb_row(r):
     sentence), and the JSON string
     {"tests": public + private tests, "fn_name": the method of class Solution, or null for stdin}
     that grade.is_correct(..., grader="code") runs. Private tests are decoded without running code."""
-    from evaluation import lcb   # the tests and the metadata, each checked (a bad row: one line, now)
+    from evaluation import lcb   # the tests and the metadata, each checked (a bad row: one line)
     starter, question = r.get("starter_code"), r.get("question_content")
     try:
         if not isinstance(question, str) or not question.strip():
@@ -100,8 +101,7 @@ def _lcb_row(r):
             raise lcb.RowError(f"starter_code is {type(starter).__name__}, not code")
         tests, fn_name = lcb.tests_of(r)
     except ValueError as e:
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-        raise DataError(f"LiveCodeBench problem {r.get('question_id')}: {first}: fix or drop the row") from None
+        raise DataError(f"LiveCodeBench problem {r.get('question_id')}: {first_line(e)}: fix or drop the row") from None
     prompt = LCB_PREAMBLE + f"Question: {question}\n\n" + (
         LCB_STARTER + f"```python\n{starter}\n```\n\n" if starter else LCB_STDIN + "```python\n# YOUR CODE HERE\n```\n\n")
     return prompt, json.dumps({"tests": tests, "fn_name": fn_name})
@@ -125,8 +125,15 @@ BUILD = {"lcb": _lcb_row, "logiqa": _logiqa_row}
 TOY_BENCHMARKS = ("toy", "toy-long", "toy-sub")
 
 
-class DataError(ValueError):
+class DataError(UserError):
     """A dataset problem the user can fix; the message is one line saying how."""
+
+
+def digest(source):
+    """The sha256 of a local data file (None for a benchmark name or a hub id)."""
+    if source in TOY_BENCHMARKS or source in BENCHMARKS or not os.path.isfile(source):
+        return None
+    return sha256(source)
 
 
 _ESCAPES = {"\x07": "\\a", "\x08": "\\b", "\t": "\\t", "\x0b": "\\v", "\x0c": "\\f", "\r": "\\r"}
@@ -152,8 +159,7 @@ def _read_file(path):
         try:
             return pyarrow.parquet.read_table(path).to_pylist()
         except Exception as e:  # pyarrow's errors have no common base besides Exception
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            raise DataError(f"{path} is not a readable parquet file ({first}): fix or replace it") from None
+            raise DataError(f"{path} is not a readable parquet file ({first_line(e)}): fix or replace it") from None
     try:
         text = raw.decode("utf-8-sig")  # a byte-order mark (Windows editors write one) is not data
     except UnicodeDecodeError as e:

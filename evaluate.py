@@ -30,8 +30,9 @@ from evaluation.samples import (HELD, LOCKS, default_out, digest, filed_label, h
                                 own_rows, question_ids, read_samples, sample_key)
 from harness import checkpoint, files, launch, models, runlog, sandbox
 from harness.checkpoint import ALIASES, resolve_model
+from harness.runfolder import check_out
 from harness.files import UserError
-from harness.config import check_out, check_values
+from config import check_values
 from harness.parallel import MASTER, teardown
 
 # Allowed flag values (config.check_values): checked before any model, data or folder is touched.

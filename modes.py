@@ -11,7 +11,7 @@ terms), grpo.py (group advantages), baselines.py (RLCR and C2GSPG whole).
   rlcr           -           correct - (correct - verbal conf)^2  group z-score
   c2gspg         -           correct (0/1)                        (r - mean r) / max(1 - c, 1e-6);
                                                                   --c2gspg-bce: + 0.1 BCE(c, r)
-r_nat = 2 * correct - 1 (signed, released). flags.IMPLIED sets the budgets, corner and filter a
+r_nat = 2 * correct - 1 (signed, released). config.IMPLIED sets the budgets, corner and filter a
 mode implies (flags given win). The filter, RLCR's parser, C2GSPG's c: docs/design.md, "Baselines".
 """
 import torch

@@ -11,6 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from harness.files import UserError
+
 
 class Probe(nn.Module):
     """MLP d -> hidden -> 1 (Linear, ReLU, Dropout, Linear); hidden defaults to d // 4, hidden=0 gives
@@ -37,8 +39,8 @@ LAST_K = 4  # positions averaged before each cut (the released avg_last_k)
 def prefix_features(hidden, ends, last_k=LAST_K):
     """Mean hidden state over the last_k positions before each prefix end.
 
-    hidden [N, L, d]; ends [N, B] long absolute exclusive ends (prefix = tokens 0..e-1), entries <= 0
-    are padding. Returns feats [N, B, d] float32 and valid [N, B] bool (= ends > 0):
+    hidden [N, L, d]; ends [N, B] long absolute exclusive ends (prefix = tokens 0..e-1), entries
+    <= 0 are padding. Returns feats [N, B, d] float32 and valid [N, B] bool (= ends > 0):
       feats[n, b] = mean(hidden[n, p] for p in max(e - last_k, 0) .. e - 1),  e = ends[n, b]
     and 0 where not valid. Only the B * last_k needed positions are gathered.
     """
@@ -107,9 +109,9 @@ def _device(probe):
 def fit(probe, opt, feats, targets, passes=16, batch_size=16, seed=0):
     """Fit the probe with BCE-with-logits on soft targets: feats [M, d], targets [M] in [0, 1].
 
-    `passes` shuffled passes over the data (order from torch.Generator seeded with `seed`), minibatches
-    of batch_size, train mode (dropout on). Returns the sample-weighted mean BCE of the last pass
-    (nan when M == 0: nothing to fit, no step taken).
+    `passes` shuffled passes over the data (order from torch.Generator seeded with `seed`),
+    minibatches of batch_size, train mode (dropout on). Returns the sample-weighted mean BCE of the
+    last pass (nan when M == 0: nothing to fit, no step taken).
     """
     dev = _device(probe)
     feats = torch.as_tensor(feats).float().to(dev)
@@ -152,8 +154,8 @@ def predict(probe, feats):
     return out
 
 
-class NotAProbe(ValueError):
-    """A file that is not a probe saved by `save` (checkpoint.reading makes it one line)."""
+class NotAProbe(UserError):
+    """A file that is not a probe saved by `save` (one line, like every UserError)."""
 
 
 def save(path, probe, opt=None, **extra):
@@ -199,10 +201,8 @@ def damage(blob):
 
 def load(path):
     """Rebuild a saved probe (on CPU) -> (probe, optimizer state dict or None): a file that is not
-    one (`damage`) is NotAProbe, NaN or inf weights a FloatingPointError, both naming it.
-
-    Load the optimizer state with make_optimizer(probe).load_state_dict(state) after moving the probe.
-    """
+    one (`damage`) is NotAProbe, NaN or inf weights a FloatingPointError, both naming it. With its
+    optimizer: restore."""
     blob = torch.load(path, map_location="cpu", weights_only=True)
     why = damage(blob)
     if why:
@@ -212,3 +212,11 @@ def load(path):
     probe = Probe(blob["dim"], blob["hidden"], blob["dropout"])
     probe.load_state_dict(blob["state_dict"])
     return probe, blob["optimizer"]
+
+
+def restore(path, lr):
+    """A saved probe and its optimizer (make_optimizer at rate lr, then the saved state): a resume."""
+    probe, state = load(path)
+    opt = make_optimizer(probe, lr=lr)
+    opt.load_state_dict(state)
+    return probe, opt

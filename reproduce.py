@@ -25,9 +25,11 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import config
 import evaluate
 import toy
-from harness import checkpoint, config, files, flags, launch
+from harness import checkpoint, files, launch
+from harness.runfolder import check_out, read_config
 from harness.files import UserError
 from study import study
 from study.comparison import (ABLATIONS, BENCHMARKS, CONFIDENCE, MAIN, PAIR, eval_entry, made_with,
@@ -58,8 +60,8 @@ def parse_args(argv):
     p.add_argument("--eval-args", default="", help='passed to every evaluate.py, e.g. "--limit 4"')
     g = p.add_argument_group("the pre-registered study (study/study.py; docs/toy-world.md)")
     g.add_argument("--study", action="store_true", help="run it instead of the paper's table")
-    g.add_argument("--base", help="the world's warm start (python toy.py --out DIR; as toy_base/)")
-    g.add_argument("--quiet-base", help="the same world's without `?` (python toy.py --world legible-quiet --out DIR)")
+    g.add_argument("--base", help="the world's warm start (python toy_warm.py --out DIR; as toy_base/)")
+    g.add_argument("--quiet-base", help="the same world's without `?` (python toy_warm.py --world legible-quiet --out DIR)")
     g.add_argument("--world", default=toy.WORLD, choices=sorted(toy.WORLDS),
                    help=f"the --toy-world every run names (default {toy.WORLD})")
     args = p.parse_args(argv)
@@ -103,7 +105,7 @@ def parse_args(argv):
         if j["train"]:
             refuse_overrides("--train-args", lambda words: train_config(words, train_fixed), j["train"],
                              args.train_args, train_fixed)
-    config.check_out(args.out)
+    check_out(args.out)
     return args, methods, seeds, jobs
 
 
@@ -138,7 +140,7 @@ def refuse_overrides(flag, parse, base, extra, fixed):
 
 
 def train_flags(words):
-    return flags.build_parser().parse_args(words)
+    return config.build_parser().parse_args(words)
 
 
 def train_config(words, fixed=TRAIN_FIXED):
@@ -147,7 +149,7 @@ def train_config(words, fixed=TRAIN_FIXED):
     that a bad one fails its training child, as it would without --config."""
     given = vars(train_flags(words))
     saved = config._read_config(given["config"]) if given["config"] else {}   # as train.py reads it
-    world = {**flags.COMMON, **flags.TOY}
+    world = {**config.COMMON, **config.TOY}
     return argparse.Namespace(**{k: given[k] if given[k] is not None else saved.get(k, world.get(k))
                                  for k in fixed})
 
@@ -172,7 +174,7 @@ def training(run, ev, cmd, extra):
     ckpt = os.path.isfile(os.path.join(run, "config.json")) and checkpoint.latest_checkpoint(run, quiet, resume=True)
     if not ckpt:
         return cmd + extra
-    saved, wanted = config.read_config(run), config.resolve_args(cmd + extra)
+    saved, wanted = read_config(run), config.resolve_args(cmd + extra)
     skip = set(config.NOT_SAVED) | {"out", "steps", "trust_remote_code"}
     redo = f"remove it and {ev} to train and evaluate it again, or pass another --out"
     differ = [f"--{k.replace('_', '-')} {saved[k]} (this command: {wanted[k]})" for k in saved

@@ -23,16 +23,9 @@ rebuilds for every qwen2 checkpoint, R1 included), so any text round-trips exact
 <|bos|> <|eos|> <|pad|> <|user|> <|assistant|>; added but not special, like R1: <think>, </think>,
 \\boxed{ and the forced sentence, so the forced suffix "\\n" + sentence is two tokens.
 
-Base policy. toy_warm.py warm-starts a tiny Qwen2ForCausalLM (MODEL) on this world's traces and
-saves it with the tokenizer as the committed `toy_base/` (`toy_warm.base_model()`).
-
-Rebuild. The committed `toy_base/` is rebuilt by one command, in about fifteen minutes on one CPU
-core, bit for bit (same safetensors bytes) on the same machine and torch build; the build
-runs on one thread, since float sums depend on how the work is split:
-
-    python toy.py                 # or: python toy.py --out DIR
+Base policy. toy_warm.py warm-starts a tiny Qwen2ForCausalLM (MODEL) on this world's traces into
+the committed `toy_base/` (`toy_warm.base_model()`; `python toy_warm.py` rebuilds it).
 """
-import argparse
 import hashlib
 import itertools
 import os
@@ -50,8 +43,7 @@ SUFFIX = "\nIf I were to output the final answer now, it would be \\boxed{"  # =
 BASE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "toy_base")
 
 SPECIALS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>"]
-# Not special, like R1's <think>: decode(skip_special_tokens=True) keeps them. The forced
-# sentence is one token so the forced suffix is two ids ("\n", sentence).
+# Not special, like R1's <think>: decode(skip_special_tokens=True) keeps them.
 ADDED = ["<think>", "</think>", "\\boxed{", SUFFIX[1:], "<answer>", "</answer>", "<analysis>", "</analysis>",
          "<confidence>", "</confidence>"]
 CHAT_TEMPLATE = (
@@ -67,16 +59,11 @@ MODEL = dict(vocab_size=272, hidden_size=128, intermediate_size=384, num_hidden_
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 TERMS = (4, 6)          # number of terms per problem, inclusive (`toy`, what RL trains on)
 N_TEST, N_TRAIN = 500, 6000
-# The toy benchmarks (evaluate.py --benchmarks; "Overall" is their unweighted mean): name -> (terms,
-# signs). toy: the RL training distribution. toy-long, the toy's "AIME": more terms than RL sees, so
-# more lines to slip on. toy-sub, the toy's "OOD": terms may be subtracted, a skill of the warm start
-# that RL never practises. Each has a train split (the warm start's) and a test split (the benchmark).
+# The toy benchmarks (the module docstring; "Overall" is their unweighted mean): name -> (terms,
+# signs). Each has a train split (the warm start's) and a test split (the benchmark).
 BENCHMARKS = {"toy": (TERMS, "+"), "toy-long": ((7, 8), "+"), "toy-sub": (TERMS, "+-")}
-# The warm start (docs/toy-world.md says why each value): a slip is likelier where a step carries or
-# borrows (p_slip_carry; difficulty the model can see), a wrong line is often flagged with "?" after
-# its total (p_flag_wrong: a slip the model noticed; the trace goes on from the written total, so a
-# flag never changes the answer), and a forced answer is the sum the path implies ("14+2": the last
-# total and the terms not yet added), so it copies the path.
+# The warm start (toy_warm.py; docs/toy-world.md says why each value): a slip is likelier where a
+# step carries or borrows (p_slip_carry), a wrong line is often flagged with "?" (p_flag_wrong).
 WARM = dict(seed=0, steps=3000, batch_size=32, lr=2e-3, beta2=0.95, warmup=50, weight_decay=0.1,
             threads=1, p_slip=0.12, p_slip_carry=0.45, p_flag_wrong=0.6, p_flag_right=0.05,
             p_forced=0.5, w_forced=1.0, p_eos_close=0.25, p_rlcr=0.2,
@@ -124,7 +111,7 @@ def dataset(split, name="toy"):
     if name not in BENCHMARKS:
         raise ValueError(f"unknown toy benchmark {name!r}; known: {', '.join(BENCHMARKS)}")
     (lo, hi), signs = BENCHMARKS[name]
-    rng = random.Random(f"legible-{name}-{split}")   # the seed the rows had when two worlds lived here
+    rng = random.Random(f"legible-{name}-{split}")   # a fixed seed per benchmark and split
     n, seen = (N_TEST if split == "test" else N_TRAIN), {}
     while len(seen) < n:
         terms = [rng.randint(1, 9) for _ in range(rng.randint(lo, hi))]
@@ -183,16 +170,3 @@ def implied_sum(problem, terms, lines, totals, b):
     done = lines_done(lines, b)
     return problem if done == 0 else f"{totals[done]}" + "".join(f"{t:+d}" for t in terms[done + 1:])
 
-
-if __name__ == "__main__":
-    from toy_warm import base_model  # toy_warm imports this world: only the command imports it back
-    parser = argparse.ArgumentParser(description="Rebuild the toy world's warm-started base policy.")
-    parser.add_argument("--out", default=BASE_DIR,
-                        help="output directory (default: toy_base/ next to toy.py)")
-    parser.add_argument("--world", default=WORLD, choices=sorted(WORLDS),
-                        help=f"{WORLD}: the world (toy_base/); legible-quiet: the same without `?` (the "
-                             "study's control, docs/toy-world.md)")
-    args = parser.parse_args()
-    if args.world != WORLD and args.out == BASE_DIR:
-        parser.error(f"--world {args.world} needs its own --out DIR (toy_base/ is the default world's)")
-    print(base_model(args.out, rebuild=True, world=args.world))

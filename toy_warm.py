@@ -1,37 +1,21 @@
 """The warm start that builds the toy world's base policy, `toy_base/` (the world is toy.py).
 
-    path = base_model()   # the committed toy_base/ (trained here if missing); `python toy.py` rebuilds it
+    path = base_model()   # the committed toy_base/ (trained here if missing)
+    python toy_warm.py    # rebuilds it (or --out DIR); one thread: float sums depend on the split
 
-Base policy. `base_model()` returns a directory with a warm-started Qwen2ForCausalLM (4 layers,
-hidden 128, 823k parameters, float32) and its tokenizer, loadable with AutoModelForCausalLM /
-AutoTokenizer. The warm start is supervised training (3,000 steps), on the train splits of all three
-benchmarks (50/20/30), on toy.trace's traces: a step that carries or borrows slips (off by 1 or 2,
-then continued from the wrong total) with probability 0.45, any other with 0.12, and a wrong total
-is followed by "?" with probability 0.6 (a right one with 0.05). So the policy knows how to add
-(greedy decoding is right), slips when it samples where the step is hard, often notices it in
-writing, and GRPO has something to fix: at temperature 0.8 about half of the answers are wrong.
-It also learns the forced answer used by the calibration labels (label.py), in half of its examples:
-after `prompt + response[:b] + </think> + SUFFIX` (or EOS instead of `</think>`, the released code's
-variant) the target is the sum the prefix implies, the last running total written (right or wrong)
-and the terms not yet added ("14+2", graded by value), so a forced answer copies the path: it is
-right exactly when the path so far is (docs/toy-world.md, premise (ii)).
-RLCR's format, chosen by the prompt: under RLCR_INSTRUCTION (what `--reward rlcr` trains with on
-the toy) the same trace ends in `</think><answer>17</answer>\\n<analysis></analysis>\\n<confidence>0.4
-</confidence>` instead of the box, the confidence drawn at random from 0.1 .. 0.9 whatever the trace,
-so the base policy speaks the format but its verbal confidence says nothing: RL has to learn it.
-
-Why weight decay 0.1, lr 2e-3 and random slips (the RL run must visibly learn in 45 steps): an
-earlier warm start (lr 1e-3, no weight decay, forced answers weighted 4x, forgotten carries on fixed
-pairs) left a policy so sharp that any step of RL's size lowered the probability of every sample;
-this one leaves a policy where such a step moves probability from wrong to right samples
-(tests/test_learning.py).
-
-The committed checkpoint, on the first 200 test problems (tests/test_toy.py): accuracy 0.480
-sampled at temperature 0.8, 1.000 greedy; every label at K=4 is 0 or 1 (a forced answer copies
-the path), and the mean label at the 25/50/75% budgets is 0.948/0.896/0.938 for trajectories that
-end correct against 0.673/0.442/0.192 for those that end wrong. At the evaluation temperature 0.6
-(evaluate.py, 500 problems x 4 samples): toy 0.628, toy-long 0.450, toy-sub 0.656.
+Base policy: a warm-started Qwen2ForCausalLM (toy.MODEL, float32) and its tokenizer, loadable with
+AutoModelForCausalLM / AutoTokenizer. The warm start is supervised training on the train splits of
+all three benchmarks, on toy.trace's traces: a step that carries or borrows slips more often than
+any other, and a wrong total is often followed by "?". So the policy knows how to add (greedy
+decoding is right), slips when it samples where the step is hard, often notices it in writing, and
+GRPO has something to fix.
+It also learns, in half of its examples, the forced answer of the calibration labels (label.py):
+the sum the prefix implies (toy.implied_sum), so a forced answer is right exactly when the path so
+far is (docs/toy-world.md, premise (ii)); and, under RLCR_INSTRUCTION, RLCR's format with a random
+verbal confidence (rlcr_tail). Why these settings, and what the committed checkpoint measures:
+docs/reference.md, "The toy's warm start".
 """
+import argparse
 import math
 import os
 import random
@@ -87,8 +71,8 @@ def example(tok, problem, rng, forced, world=WARM):
     implied = implied_sum(problem, terms, lines, totals, b)
     close = (tok.eos_token_id if rng.random() < world["p_eos_close"]
              else tok.convert_tokens_to_ids("</think>"))
-    # A cut ending on the close token gets a second one here, as label.forced_prompt built them when
-    # toy_base was made; it no longer does (released), and the labels still carry signal (tests/test_toy.py).
+    # A cut ending on the close token gets a second one here (label.forced_prompt adds none, as
+    # released): toy_base was built so, and its labels still carry signal (tests/test_toy.py).
     head = prompt + response[:b] + [close] + tok.encode(SUFFIX, add_special_tokens=False)
     answer = tok.encode(f"{implied}}}\n", add_special_tokens=False)
     mask = ([0] * len(prompt) + [1] * b + [0] * (len(head) - len(prompt) - b)
@@ -107,8 +91,7 @@ def warm_start(out, log=print, world=WORLD):
         model = build_model(tok, world["seed"])
         rng = random.Random(world["seed"])
         pools = [[row["problem"] for row in dataset("train", b)] for b in BENCHMARKS]
-        # beta2 0.95: at 2e-3 / 0.999 an earlier warm start stalled at a few percent accuracy;
-        # weight decay keeps the policy smooth enough for the RL steps (module docstring).
+        # beta2 0.95 and weight decay: docs/reference.md, "The toy's warm start"
         opt = torch.optim.AdamW(model.parameters(), lr=world["lr"], betas=(0.9, world["beta2"]),
                                 weight_decay=world["weight_decay"])
         steps, t0 = world["steps"], time.time()
@@ -163,3 +146,16 @@ def base_model(path=None, rebuild=False, world=WORLD):
             if old:
                 shutil.rmtree(old, ignore_errors=True)
     return path
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Rebuild the toy world's warm-started base policy.")
+    parser.add_argument("--out", default=BASE_DIR,
+                        help="output directory (default: toy_base/)")
+    parser.add_argument("--world", default=WORLD, choices=sorted(WORLDS),
+                        help=f"{WORLD}: the world (toy_base/); legible-quiet: the same without `?` (the "
+                             "study's control, docs/toy-world.md)")
+    args = parser.parse_args()
+    if args.world != WORLD and args.out == BASE_DIR:
+        parser.error(f"--world {args.world} needs its own --out DIR (toy_base/ is the default world's)")
+    print(base_model(args.out, rebuild=True, world=args.world))

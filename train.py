@@ -24,16 +24,17 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+import config
 import data
 import modes
 import probe as probe_lib
 import prompts as prompts_lib
+from grpo import token_logprobs
 from step import Learner, Timer, rl_step
 from evaluation import heldout
 from evaluation.heldout import held_out_accuracy
-from harness import checkpoint as ckpt_lib, config, launch, lora as lora_lib, models, plan, runlog
+from harness import checkpoint as ckpt_lib, launch, lora as lora_lib, models, plan, runlog
 from harness.files import UserError
-from harness.config import resolve_args
 from harness.parallel import MASTER, WORLD, full_state, load_sharded, refresh_sampler, setup, wrap
 from harness.runfolder import RunFolder, exit_codes
 
@@ -103,7 +104,7 @@ def run(cfg):
     device = setup(cfg["offload"])
     if device.type == "cpu":   # what runs on a CPU here (the toy, a small local model) is too small
         torch.set_num_threads(1)  # to gain from threads: they only contend (a step 10x slower)
-    folder = RunFolder(cfg, say=print0)  # the lock, and the checkpoint to resume from
+    folder = RunFolder(cfg, print0, data.digest)  # the lock, and the checkpoint to resume from
     if folder.done:
         return
     ckpt, instruction = folder.ckpt, cfg["instruction"]
@@ -120,11 +121,11 @@ def run(cfg):
         adapt = (lambda m, meta: lora_lib.with_adapter(m, cfg, ckpt, fresh=meta)) if cfg["lora_rank"] else None
         base = lora_lib.base_of(ckpt) if adapt and ckpt else ckpt or cfg["model"]
         policy, sampler, model, tok = load_sharded(
-            base, device, cfg["offload"], cfg["trust_remote_code"],
+            base, device, token_logprobs, cfg["offload"], cfg["trust_remote_code"],
             checkpoint_activations if cfg["grad_ckpt"] else None, adapt)
     else:
         model, tok = load_policy(cfg, device, ckpt)
-        policy, sampler = wrap(model, device)
+        policy, sampler = wrap(model, device, token_logprobs)
     if cfg["max_prompt_tokens"]:
         rows, dropped = prompts_lib.drop_long_prompts(rows, tok, cfg["max_prompt_tokens"], instruction)
         print0(f"training set: {len(rows)} problems, {dropped} dropped (prompt over {cfg['max_prompt_tokens']} tokens)")
@@ -140,7 +141,7 @@ def run(cfg):
     probe, probe_opt = new_probe(cfg, model.config.hidden_size)
     step, cursor = 0, 0
     if ckpt:
-        probe, probe_opt, step, cursor = folder.restore(cfg, policy, opt, sched, probe_opt)
+        probe, probe_opt, step, cursor = folder.restore(cfg, policy, opt, sched, probe_lib.restore)
         for g in opt.param_groups:   # the restored state's decay gives way to the config's, like --lr
             g["weight_decay"] = cfg["weight_decay"]
     else:
@@ -169,7 +170,7 @@ def run(cfg):
 
     def save(at):
         model_sd, opt_sd = full_state(policy, opt)
-        folder.save(at, model, model_sd, tok, probe, probe_opt, dict(
+        folder.save(at, model, model_sd, tok, lambda p: probe_lib.save(p, probe, probe_opt), dict(
             step=at, cursor=cursor, optimizer=opt_sd, scheduler=sched.state_dict()), keep=cfg["keep"])
 
     first_acc = final_acc = evaluate(0) if step == 0 else folder.first_accuracy()  # resumed: its log's
@@ -210,16 +211,16 @@ def run(cfg):
 
 def main(argv=None):
     with exit_codes() as state:  # exit 2 / 3 / 130, the lock released: harness/runfolder.py
-        cfg = state["cfg"] = resolve_args(argv)
+        cfg = state["cfg"] = config.resolve_args(argv)
         if cfg["plot"]:
             print(runlog.plot_curves(cfg["plot"]))
             return
         if cfg["plan"]:
-            plan.check(cfg, show=True)
+            plan.check(cfg, show=True, probed=cfg["reward"] in modes.PROBE_MODES)
             return
         if not cfg["resume"]:
             ckpt_lib.check_available(cfg["model"])  # a missing model is reported before anything is read
-        plan.check(cfg, show=False)  # an impossible run stops here, before any weights are read
+        plan.check(cfg, probed=cfg["reward"] in modes.PROBE_MODES)  # an impossible run stops here
         workers = launch.worker_count(cfg)
         config.check_world(cfg, max(workers, WORLD))  # here, or in each worker under torchrun
         if workers == 1:

@@ -5,6 +5,7 @@ of each benchmark (settings: the world's defaults below, overridden by evaluate.
 import os
 import sys
 
+import config  # check_saved: the saved values as train.py's parser would take them
 import data
 import label as label_lib
 import modes
@@ -12,7 +13,7 @@ import prompts as prompts_lib
 import toy
 from evaluation import confidence, posthoc
 from evaluation.samples import run_dir
-from harness import config
+from harness.runfolder import read_config
 from harness.files import UserError
 
 BIG_N = {"aime24": 32, "aime25": 32, "amc23": 32}   # samples per question; 4 elsewhere
@@ -136,7 +137,7 @@ def run_config(path):
         return {}
     run = run_dir(path) or (path if os.path.isdir(os.path.join(path, "checkpoints")) else None)
     if run and os.path.isfile(os.path.join(run, "config.json")):
-        cfg = config.read_config(run, flag="--model")
+        cfg = read_config(run, flag="--model")
         config.check_saved(cfg, os.path.join(run, "config.json"))
         return cfg
     return {}

@@ -10,7 +10,7 @@ from contextlib import ExitStack
 from evaluation.report import read_results
 from harness import files
 from harness.checkpoint import ALIASES
-from harness.config import check_out
+from harness.runfolder import check_out
 
 LOCKS = ExitStack()  # the lock of every output folder written, held until evaluate.main() ends
 

@@ -3,24 +3,16 @@
 `resolve_model` turns what a user types after --model into something from_pretrained loads:
 an alias (`deepseek-r1-distill-qwen-7b`), `toy`, an HF id, a model directory, a checkpoint
 directory, or a run directory (its latest checkpoint); harness/models.py loads what it names.
+A run's folder: harness/runfolder.py.
 
-    RUN/config.json                      the resolved configuration (written at start)
-    RUN/metrics.jsonl                    one row per step, plus held-out evaluation rows
-    RUN/checkpoints/step_000010/         the policy (save_pretrained) + tokenizer, loadable by
-                                         AutoModelForCausalLM / AutoTokenizer as they are
-                         probe.pt        the probe and its optimizer (probe.save format)
-                         state.pt        policy optimizer, scheduler, RNG states, data cursor, step
-
-    RUN/lock                             held by the one process writing the run (pid, host;
-                                         harness/files.py: locked)
-
-A checkpoint is written into a fresh `step_000010.<random>.tmp`, fsynced (its files, then the folder),
-renamed when complete and the rename fsynced, so a crash (of the process or of the machine) or a full
-disk mid-write never replaces or damages the last good one; only then are older ones pruned: of the
-complete ones at or below the step just saved only the last `keep` are kept. A checkpoint damaged
-afterwards (a file deleted or cut short), one whose state.pt holds another step, or a link in place
-of its folder is skipped for the previous complete one, with a message, and never pruned. A link in
-place of RUN/checkpoints itself is refused in one line (it would make this run write into another).
+A checkpoint is written into a fresh `step_000010.<random>.tmp`, fsynced (its files, then the
+folder), renamed when complete and the rename fsynced, so a crash (of the process or of the machine)
+or a full disk mid-write never replaces or damages the last good one; only then are older ones
+pruned: of the complete ones at or below the step just saved only the last `keep` are kept. A
+checkpoint damaged afterwards (a file deleted or cut short), one whose state.pt holds another step,
+or a link in place of its folder is skipped for the previous complete one, with a message, and never
+pruned. A link in place of RUN/checkpoints itself is refused in one line (it would make this run
+write into another).
 
 The files inside a run folder are written whole and never through a link (harness/files.py).
 """
@@ -38,9 +30,10 @@ import torch
 
 from harness import adapter
 from harness.files import UserError, first_line, fresh_name
-from probe import NotAProbe
 
 PREFIX = "step_"
+# --model toy: the toy world's committed warm start (toy.BASE_DIR; `python toy_warm.py` rebuilds it)
+TOY_BASE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "toy_base")
 ALIASES = {
     "deepseek-r1-distill-qwen-7b": "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
     "qwen3-4b-instruct": "Qwen/Qwen3-4B-Instruct-2507",
@@ -53,8 +46,9 @@ ALIASES = {
 def resolve_model(name):
     """Alias, HF id, model dir, checkpoint dir or run dir (-> its latest complete checkpoint)."""
     if name == "toy":
-        import toy_warm  # the offline world's warm start: builds its base policy on first use
-        return toy_warm.base_model()
+        if not os.path.exists(os.path.join(TOY_BASE, "model.safetensors")):
+            raise UserError(f"--model toy: {TOY_BASE} is missing; rebuild it with python toy_warm.py")
+        return TOY_BASE
     if name in ALIASES:
         return ALIASES[name]
     if os.path.isdir(os.path.join(name, "checkpoints")):
@@ -64,7 +58,7 @@ def resolve_model(name):
         return ckpt
     if os.path.isdir(name):
         return name
-    # owner/name is an HF id unless `owner` is a local folder (runs/typo: say so instead of asking the hub)
+    # owner/name is an HF id unless `owner` is a local folder (runs/typo: say so, not ask the hub)
     if name.count("/") == 1 and not name.startswith((".", "/")) and not os.path.isdir(name.split("/")[0]):
         return name
     if "/" in name:
@@ -87,9 +81,8 @@ def check_available(name):
 
 def fetch(name):
     """Download an HF model into the local cache now, before the workers start, so that rank 0 does
-    not download it (15 GB for the 7B) inside the process group while the other ranks wait. Local
-    directories, the toy and an offline hub need nothing. Other frameworks' copies of the weights
-    are skipped: from_pretrained reads the safetensors."""
+    not download it inside the process group while the other ranks wait. Local directories, the toy
+    and an offline hub need nothing. Other frameworks' copies of the weights are skipped."""
     path = resolve_model(name)
     from huggingface_hub import constants, snapshot_download
     if os.path.isdir(path) or constants.HF_HUB_OFFLINE:
@@ -157,15 +150,15 @@ def _saved_step(path):
 
 def missing(ckpt, resume=False):
     """What a checkpoint lacks to be loaded as a model (resume: to be resumed from): [] when complete.
-    probe.pt is needed only to resume, but must be whole wherever it is. The folder must be the run's
-    own (not a link to another run's) and its state.pt saved at the step in its name."""
+    probe.pt is needed only to resume, but must be whole wherever it is. The folder must be the
+    run's own (not a link to another run's) and its state.pt saved at the step in its name."""
     if os.path.islink(ckpt):
         return ["a folder of its own (it is a link)"]
     try:
         names = os.listdir(ckpt)
     except OSError:   # a file, or removed meanwhile
         return ["the folder"]
-    config = adapter.CONFIG if adapter.is_adapter(ckpt) else "config.json"  # an adapter, or a whole model
+    config = adapter.CONFIG if adapter.is_adapter(ckpt) else "config.json"  # an adapter, or a model
     need = (config, "state.pt", "probe.pt") if resume else (config,)
     lack = [n for n in need if not os.path.isfile(os.path.join(ckpt, n))]
     lack += [f"{n} (cut short)" for n in ("state.pt", "probe.pt")
@@ -189,7 +182,7 @@ def latest_checkpoint(run_dir, say=None, resume=False):
         lack = missing(ckpt, resume)
         if not lack:
             return ckpt
-        if not os.path.lexists(ckpt):   # pruned by the run's writer while we looked: a newer one is there
+        if not os.path.lexists(ckpt):   # pruned by the run's writer while we looked: a newer one exists
             return latest_checkpoint(run_dir, say, resume)
         say(f"skipping incomplete checkpoint {ckpt}: missing {', '.join(lack)}")
     return None
@@ -202,8 +195,6 @@ def reading(path):
     import pickle
     try:
         yield
-    except NotAProbe as e:
-        raise UserError(str(e)) from None
     except pickle.UnpicklingError:
         raise UserError(f"{path} holds objects other than tensors and plain data, so it was not "
                         "loaded (that could run code): it was not written by this code") from None
@@ -264,14 +255,14 @@ def save_checkpoint(run_dir, step, write, keep=2):
     root = _own_root(run_dir)
     final = os.path.join(root, f"{PREFIX}{step:06d}")
     os.makedirs(root, exist_ok=True)
-    for n in os.listdir(root):   # left by a save that was killed (we hold the run's lock: no one else saves)
+    for n in os.listdir(root):   # left by a killed save (we hold the run's lock: no one else saves)
         if n.startswith(PREFIX) and n.endswith(".tmp"):
             _remove(os.path.join(root, n))
     tmp = fresh_name(final)
     os.mkdir(tmp)
     try:
         write(tmp)
-        _sync_tree(tmp)   # on disk before the rename publishes it, and before any older one is pruned
+        _sync_tree(tmp)   # on disk before the rename publishes it and any older one is pruned
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, (OSError, RuntimeError, SafetensorError)):   # torch.save says RuntimeError
@@ -279,7 +270,7 @@ def save_checkpoint(run_dir, step, write, keep=2):
             raise UserError(f"cannot write checkpoint {final} ({first}): is the disk full? The checkpoints "
                             "saved before it are intact") from None
         raise
-    if os.path.lexists(final):   # the same step saved again (after a fallback): set the old one aside
+    if os.path.lexists(final):   # the same step saved again (after a fallback): old one aside
         old = fresh_name(final)
         os.replace(final, old)
         os.replace(tmp, final)

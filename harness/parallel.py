@@ -1,13 +1,13 @@
 """One node of GPUs: process setup, FSDP2 sharding, collectives, and the generation copy.
 
 `python train.py` on a machine with several GPUs (or with `--nproc N`) starts one worker per GPU
-(harness/launch.py), each a fresh `python train.py` with RANK / WORLD_SIZE / LOCAL_RANK set, exactly as
+(harness/launch.py), each a fresh `python train.py` with RANK / WORLD_SIZE / LOCAL_RANK set, as
 `torchrun --nproc_per_node N train.py ...` does; both read the rank from the environment when this
 module is imported. Without them everything here is the identity and the code runs as one process
 (CPU or one GPU). On CPU the same path runs with the gloo backend (tests use two processes).
 
-Layout on N GPUs (docs/design.md, "Scale"): the trained policy is sharded with FSDP2 (`fully_shard` per
-decoder layer, then the root; bf16 compute, fp32 gradient reduction); each rank keeps a plain
+Layout on N GPUs (docs/design.md, "Scale"): the trained policy is sharded with FSDP2 (`fully_shard`
+per decoder layer, then the root; bf16 compute, fp32 gradient reduction); each rank keeps a plain
 bf16 copy of the full weights for generation, labelling and scoring, refreshed after every
 optimizer step one layer at a time by an all-gather on the GPU; whole prompt groups stay on one
 rank. With --offload the sharded fp32 params, grads and AdamW state live in host memory (FSDP2
@@ -23,7 +23,6 @@ import os
 import torch
 import torch.distributed as dist
 
-from grpo import token_logprobs
 from harness.lora import has_adapter, merge_into, merged_copy
 
 RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -94,27 +93,29 @@ def all_gather(obj):
 
 
 class LogprobModel(torch.nn.Module):
-    """The policy as one module whose forward is the chunked token log-prob computation.
+    """The policy as one module whose forward is the chunked token log-prob computation, logprobs
+    (grpo.token_logprobs: lm, ids, mask, temperature, chunk_size -> [N, L - 1]).
 
     FSDP2 gathers a module's own parameters around its forward: with the whole computation
     (decoder + chunked LM head) inside the root forward, the LM head runs chunk by chunk on
     gathered weights and its gradient is reduced once.
     """
 
-    def __init__(self, lm):
+    def __init__(self, lm, logprobs):
         super().__init__()
-        self.lm = lm
+        self.lm, self.logprobs = lm, logprobs
 
     def forward(self, input_ids, attention_mask, temperature=1.0, chunk_size=1024):
         # a fresh tensor, not a view: FSDP2 hooks the output for the backward all-gather
-        return token_logprobs(self.lm, input_ids, attention_mask, temperature, chunk_size).clone()
+        return self.logprobs(self.lm, input_ids, attention_mask, temperature, chunk_size).clone()
 
 
-def wrap(lm, device, offload=False):
+def wrap(lm, device, logprobs, offload=False):
     """(trainable module, generation copy). One process on CPU: both are the same fp32 model.
+    The trainable module's forward is logprobs (grpo.token_logprobs, LogprobModel).
 
     lm may be on the meta device (load_sharded): then both come back unmaterialised. Under
-    --lora-rank the copy is a plain model with the adapter merged into its weights (lora.merged_copy,
+    --lora-rank the copy is a plain model with the adapter merged into its weights (merged_copy,
     bf16 on a GPU): no adapter and its casts in every decode step, on one GPU as on several.
     """
     sampler = lm
@@ -122,10 +123,11 @@ def wrap(lm, device, offload=False):
         sampler = merged_copy(lm, torch.bfloat16 if device.type == "cuda" else torch.float32)
     elif device.type == "cuda" or dist.is_initialized():
         sampler = copy.deepcopy(lm).eval().requires_grad_(False)
-        if device.type == "cuda":  # bf16 weights; the buffers (rotary inv_freq) stay fp32, as from_pretrained
-            for p in sampler.parameters():  # leaves them: bf16 frequencies turn position 1000 by 1.2 rad
+        # bf16 weights; the buffers (rotary inv_freq) stay fp32, as from_pretrained leaves them:
+        if device.type == "cuda":  # bf16 frequencies turn position 1000 by 1.2 rad
+            for p in sampler.parameters():
                 p.data = p.data.to(torch.bfloat16)
-    policy = LogprobModel(lm)
+    policy = LogprobModel(lm, logprobs)
     if dist.is_initialized():
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
@@ -137,7 +139,8 @@ def wrap(lm, device, offload=False):
     return policy, sampler
 
 
-def load_sharded(name, device, offload=False, trust_remote_code=False, grad_ckpt=None, adapt=None):
+def load_sharded(name, device, logprobs, offload=False, trust_remote_code=False, grad_ckpt=None,
+                 adapt=None):
     """(policy, sampler, lm, tokenizer) on every rank, reading the weights on rank 0 only.
 
     adapt(model, meta) adds the LoRA adapter (--lora-rank): on rank 0 the one it trains (fresh or a
@@ -173,7 +176,7 @@ def load_sharded(name, device, offload=False, trust_remote_code=False, grad_ckpt
     lm.config.use_cache = False
     if grad_ckpt:
         grad_ckpt(lm)
-    policy, sampler = wrap(lm, device, offload)
+    policy, sampler = wrap(lm, device, logprobs, offload)
     policy.to_empty(device="cpu" if offload else device)  # offloaded shards live on the host
     set_model_state_dict(lm, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     del full
@@ -222,7 +225,7 @@ def refresh_sampler(sampler, policy, frozen=False):
     # embeddings (the LM head is its own tensor), so every name is filled
     params = dict(sampler.named_parameters(remove_duplicate=False))
     layer_of = {id(p): i for i, layer in enumerate(lm.model.layers) for p in layer.parameters()}
-    units = {}  # a decoder layer or one parameter outside them: [(name, the copy's tensor or None, shard)]
+    units = {}  # a decoder layer or one parameter outside them: [(name, copy's tensor or None, shard)]
     for name, p in lm.named_parameters(remove_duplicate=False):
         if ".lora_" in name:  # the adapter, gathered into a temporary
             units.setdefault(layer_of.get(id(p), name), []).append((name, None, p))
@@ -239,9 +242,9 @@ def refresh_sampler(sampler, policy, frozen=False):
         for name, dst, p in unit:
             groups.setdefault(torch.float32 if dst is None else dst.dtype, []).append((name, dst, p))
         return groups.items()
-    # one buffer per dtype, its largest group's, serves every group in turn: a group's collective may
-    # hold its tensors after it returns (gloo's worker drops them later), so a buffer per group could
-    # outlive it into the next group's and the refresh's peak would be timing, not the plan
+    # one buffer per dtype, its largest group's, serves every group in turn: a group's collective
+    # may hold its tensors after it returns (gloo's worker drops them later), so a buffer per group
+    # could outlive it into the next group's and the refresh's peak would be timing, not the plan
     size = {}
     for unit in units.values():
         for dtype, group in by_dtype(unit):
@@ -286,7 +289,7 @@ def gather_into(pairs, buffer=None):
     for (dst, p), a in zip(pairs, at):
         local = p.to_local().reshape(-1)
         send[a:a + local.numel()].copy_(local, non_blocking=True)  # the padding rows stay unset
-    # gloo takes the flat form only; torch 2.13 renamed it from all_gather_into_tensor (same arguments)
+    # gloo takes the flat form only (torch 2.13's name for all_gather_into_tensor, same arguments)
     (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(gathered, send)
     gathered = gathered.view(WORLD, -1)
     for (dst, _), a, c in zip(pairs, at, rows):
@@ -297,7 +300,7 @@ def gather_into(pairs, buffer=None):
 
 def full_state(policy, opt):
     """(model state dict, optimizer state dict) as full CPU tensors on rank 0 (None elsewhere).
-    Under --lora-rank the model's is the adapter's parameters alone: the frozen base is never saved."""
+    Under --lora-rank the model's is the adapter's parameters alone: the base is never saved."""
     lm = policy.lm
     if not sharded(policy):
         return (adapter_state(lm) if has_adapter(lm) else lm.state_dict()), opt.state_dict()

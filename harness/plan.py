@@ -19,7 +19,6 @@ import torch
 
 from harness import lora, models
 from harness.files import UserError, first_line
-from harness.config import PROBE_MODES
 from harness.staticcache import buffer_shape  # the buffers StaticDecoder allocates
 
 GiB = 2**30
@@ -63,9 +62,10 @@ def kv_bytes_per_token(config, dtype_bytes):
     return config.num_hidden_layers * 2 * kv * head_dim * dtype_bytes
 
 
-def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
+def estimate(config, cfg, world, device="cuda", offload=False, counts=None, probed=True):
     """Bytes per device for each term (dict, in the order printed) plus 'peak', the host memory
-    ('host': rank 0's, 'host node': all ranks'), and the static shapes ('kv_shape', 'label_kv_shape')."""
+    ('host': rank 0's, 'host node': all ranks'), and the static shapes ('kv_shape', 'label_kv_shape').
+    probed: the --reward mode labels forced answers and fits a probe (modes.PROBE_MODES)."""
     total, root, layer, per_rank = counts or param_counts(config, cfg.get("lora_targets", "all-linear"))
     cuda = device == "cuda"
     act_bytes = 2 if cuda else 4
@@ -89,7 +89,7 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None):
     kv_shape = buffer_shape(prompts * G, P, new)
     kv, prefill = kv_shape[0] * kv_shape[1] * per_token, layer_acts(prompts * P)
     label_shape, label_kv, label_prefill = (0, 0), 0, 0
-    if cfg.get("reward", "rlcm") in PROBE_MODES:
+    if probed:
         # forced answers (label._forced_samples): gen_batch cuts x k rows after the prompt, the
         # longest cut and the forced tail; the chunk's prefill cache (one row per cut) is still held.
         fractions = cfg.get("budgets", (0.25, 0.5, 0.75))
@@ -157,12 +157,12 @@ def prompt_tokens(cfg):
     return TOY_PROMPT_TOKENS if cfg["model"] == "toy" else PROMPT_TOKENS
 
 
-def fixes(config, cfg, world, device, mem, counts):
+def fixes(config, cfg, world, device, mem, counts, probed=True):
     """The cheapest change that fits, in order of cost: (under --offload, --offload-grads host) a
     smaller --gen-batch or --micro-tokens, --lora-rank 32 (not the paper's full fine-tuning),
     --offload (with --offload-grads host where the held gradients do not fit), more GPUs."""
     def peak(c, w=world, off=cfg.get("offload", False)):
-        return estimate(config, c, w, device, off, counts)["peak"]
+        return estimate(config, c, w, device, off, counts, probed)["peak"]
     if cfg.get("offload") and cfg.get("offload_grads", "gpu") == "gpu" and \
             peak(dict(cfg, offload_grads="host")) <= mem:
         return f"--offload-grads host (peak {peak(dict(cfg, offload_grads='host')) / GiB:.1f} GiB: slower update)"
@@ -178,7 +178,7 @@ def fixes(config, cfg, world, device, mem, counts):
     fix = "a smaller model" + (" or a machine with GPUs" if device == "cpu" else "")
     off = next((c for c in (cfg, dict(cfg, offload_grads="host")) if peak(c, off=True) <= mem), None)
     if not cfg.get("offload") and off:
-        host = estimate(config, off, world, device, True, counts)["host node"]
+        host = estimate(config, off, world, device, True, counts, probed)["host node"]
         flag = "--offload" + (" --offload-grads host" if off is not cfg else "")
         fix = f"{flag} (peak {peak(off, off=True) / GiB:.1f} GiB, host {host / GiB:.0f} GiB per node)"
     else:
@@ -203,7 +203,7 @@ def host_ram():
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def check(cfg, show=False, log=print):
+def check(cfg, show=False, log=print, probed=True):
     """Print the plan (show=True) and raise UserError when the peak exceeds the device memory;
     --gpus / --gpu-mem describe a node other than this one, else the detected devices count."""
     device, world, mem = detected(cfg.get("nproc"))
@@ -215,7 +215,7 @@ def check(cfg, show=False, log=print):
     config = model_config(cfg["model"], cfg.get("trust_remote_code", False))
     counts = param_counts(config, cfg.get("lora_targets", "all-linear"))
     offload = bool(cfg.get("offload"))
-    t = estimate(config, cfg, world, device, offload, counts)
+    t = estimate(config, cfg, world, device, offload, counts, probed)
     where = f"{world} x {mem:.0f} GiB {'GPU' if device == 'cuda' else 'CPU process'}"
     if show:
         size = f"{counts[0] / 1e9:.2f} B" if counts[0] >= 1e9 else f"{counts[0] / 1e6:.2f} M"
@@ -249,7 +249,7 @@ def check(cfg, show=False, log=print):
             f"has {host_ram() / GiB:.0f} GiB")
     if t["peak"] > mem * GiB:
         raise UserError(f"plan: peak {t['peak'] / GiB:.1f} GiB per device exceeds {mem:.0f} GiB on "
-                        f"{where}; cheapest fix: {fixes(config, cfg, world, device, mem * GiB, counts)}")
+                        f"{where}; cheapest fix: {fixes(config, cfg, world, device, mem * GiB, counts, probed)}")
     if show:
         log(f"fits: peak {t['peak'] / GiB:.1f} of {mem:.0f} GiB")
     return t

@@ -6,7 +6,8 @@ checkpoints, and the exit codes of train.py.
     OUT/metrics.jsonl      one row per step and per held-out check
     OUT/samples.jsonl      the rollouts' texts (runlog.pick_samples)
     OUT/heldout.jsonl      the labelled held-out trajectories of each held-out check
-    OUT/checkpoint-S/      weights, tokenizer, probe.pt, state.pt (optimizers, scheduler, cursor, RNG)
+    OUT/checkpoints/step_000010/   weights, tokenizer (AutoModelForCausalLM / AutoTokenizer load
+                           them as they are), probe.pt, state.pt (optimizers, scheduler, cursor, RNG)
 
 A resumed run continues exactly where the checkpoint left it: the jsonl files are cut back to its
 step, the optimizers, the scheduler, the data cursor and every RNG are restored, and the learning
@@ -14,15 +15,14 @@ rates of this command replace the saved ones.
 Exit codes: 2 a user error (one line "error: ..."), 3 a numeric fault (non-finite loss or gradient:
 the last good checkpoint is untouched), 130 Ctrl-C (one line saying how to continue).
 """
+import json
 import os
 import sys
 from contextlib import ExitStack, contextmanager
 
 import torch
 
-import data
-import probe as probe_lib
-from harness import checkpoint as ckpt_lib, config, files, lora
+from harness import checkpoint as ckpt_lib, files, lora
 from harness.files import UserError
 from harness.parallel import MASTER, all_gather, load_optimizer, teardown
 
@@ -33,8 +33,8 @@ MADE = []  # the run folder this process created (RunFolder.lock), for exit_code
 
 def hold_lock(out, new=False):
     """One writer per run folder: rank 0 holds OUT/lock until the run ends; if another process holds
-    it, every rank stops with the same one line. new: the folder was absent when this run began, so
-    a run found there now (one that started and ended while this one loaded) is refused, untouched."""
+    it, every rank stops with the same one line. new: the folder was absent when this run began, so a
+    run found there now (one that started and ended while this one loaded) is refused, untouched."""
     err = None
     if MASTER:
         try:
@@ -53,14 +53,14 @@ def hold_lock(out, new=False):
 class RunFolder:
     """cfg["out"] and the checkpoint this run starts from (None: a new run)."""
 
-    def __init__(self, cfg, say):
+    def __init__(self, cfg, say, data_digest):
         self.out, self.say = cfg["out"], say
         self.metrics, self.samples, self.heldout = (os.path.join(self.out, f) for f in LOGS)
         # rank 0's view, so that every rank takes the same branch to hold_lock
         self.existed = all_gather(os.path.isdir(self.out))[0]
         if self.existed:  # locked before its checkpoints are read
             hold_lock(self.out)
-        self.check_data(cfg)
+        self.check_data(cfg, data_digest)
         self.ckpt = ckpt = ckpt_lib.latest_checkpoint(self.out, say=say, resume=True)
         if cfg["resume"] and ckpt is None:
             raise UserError(f"--resume {self.out}: the run has no complete checkpoint; start it again "
@@ -73,10 +73,11 @@ class RunFolder:
             say(f"{self.out} is at step {ckpt_lib.step_of(ckpt)} already (--steps {cfg['steps']}): "
                 "nothing to train; pass a larger --steps")
 
-    def check_data(self, cfg):
-        """A local --data file is recorded by content (cfg["data_sha256"]): a resume on other rows would
-        continue the saved data cursor into them, so a file changed since the run began is refused."""
-        now = all_gather(data_digest(cfg["data"]) if MASTER else None)[0]
+    def check_data(self, cfg, digest):
+        """A local --data file is recorded by content (cfg["data_sha256"], digest: data.digest): a
+        resume on other rows would continue the saved data cursor into them, so a file changed since
+        the run began is refused."""
+        now = all_gather(digest(cfg["data"]) if MASTER else None)[0]
         saved, cfg["data_sha256"] = cfg.get("data_sha256"), now
         if cfg["resume"] and saved and saved != now:
             raise UserError(f"--resume {self.out}: {cfg['data']} changed since the run began (sha256 {saved[:12]} "
@@ -99,9 +100,9 @@ class RunFolder:
                 with files.replacing(path):
                     pass
 
-    def restore(self, cfg, policy, opt, sched, probe_opt):
+    def restore(self, cfg, policy, opt, sched, load_probe):
         """Loads the checkpoint's optimizer, scheduler, probe and RNG state into this run; returns
-        (probe, probe_opt, step, cursor)."""
+        (probe, probe_opt, step, cursor). load_probe: probe.restore(path, lr) -> (probe, probe_opt)."""
         ckpt = self.ckpt
         with ckpt_lib.reading(os.path.join(ckpt, "state.pt")):
             # mmap: the optimizer state is read from rank 0 (load_optimizer broadcasts it), so other
@@ -111,15 +112,13 @@ class RunFolder:
             sched.load_state_dict(state["scheduler"])
             step, cursor = state["step"], state["cursor"]
         with ckpt_lib.reading(os.path.join(ckpt, "probe.pt")):
-            probe, probe_state = probe_lib.load(os.path.join(ckpt, "probe.pt"))
-            probe_opt = probe_lib.make_optimizer(probe, lr=cfg["probe_lr"])
-            probe_opt.load_state_dict(probe_state)
-        ckpt_lib.set_rng_state(state["rng"])  # last: building the probe above draws from torch's RNG
+            probe, probe_opt = load_probe(os.path.join(ckpt, "probe.pt"), cfg["probe_lr"])
+        ckpt_lib.set_rng_state(state["rng"])  # last: building the probe draws from torch's RNG
         ckpt_lib.apply_rates(opt, sched, cfg["lr"], probe_opt, cfg["probe_lr"])
         if MASTER:
             for path in (self.metrics, self.samples, self.heldout):
                 files.truncate_metrics(path, step)
-            changed = config.changes(config.read_config(self.out), cfg)
+            changed = changes(read_config(self.out), cfg)
             if changed:
                 files.write_json(os.path.join(self.out, "config.json"), {**cfg, "resume": None})
                 self.say("changed on resume (written to config.json): " +
@@ -132,9 +131,10 @@ class RunFolder:
         rows = files.read_jsonl(self.metrics) if MASTER else []
         return next((r.get("eval_accuracy") for r in rows if r.get("eval") and r.get("step") == 0), None)
 
-    def save(self, at, model, model_sd, tok, probe, probe_opt, state, keep):
+    def save(self, at, model, model_sd, tok, save_probe, state, keep):
         """checkpoint-`at`, written whole or not at all; the oldest beyond `keep` are pruned. state:
-        what state.pt holds besides the RNG (step, cursor, optimizer, scheduler)."""
+        what state.pt holds besides the RNG (step, cursor, optimizer, scheduler); save_probe(path)
+        writes probe.pt."""
         if MASTER:
             def write(tmp):
                 if lora.has_adapter(model):
@@ -142,16 +142,45 @@ class RunFolder:
                 else:
                     model.save_pretrained(tmp, state_dict=model_sd)
                 tok.save_pretrained(tmp)
-                probe_lib.save(os.path.join(tmp, "probe.pt"), probe, probe_opt)
+                save_probe(os.path.join(tmp, "probe.pt"))
                 torch.save(dict(state, rng=ckpt_lib.rng_state()), os.path.join(tmp, "state.pt"))
             ckpt_lib.save_checkpoint(self.out, at, write, keep=keep)
 
 
-def data_digest(source):
-    """The sha256 of a local data file (None for a benchmark name or a hub id)."""
-    if source in data.TOY_BENCHMARKS or source in data.BENCHMARKS or not os.path.isfile(source):
-        return None
-    return files.sha256(source)
+def check_out(path, flag="--out"):
+    """A folder we can create or write into: not a link or a file, and its nearest existing parent writable."""
+    if os.path.islink(path.rstrip("/") or "/"):   # dangling or not: it points elsewhere than asked
+        raise UserError(f"{flag} {path} is a symbolic link (to {os.readlink(path.rstrip('/'))}): pass the folder "
+                        "itself, or another path")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"{flag} {path} is a file, not a folder: pass a folder path")
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {path}: {parent} is not writable; pass a folder you can write to")
+
+def read_config(run, flag="--resume"):
+    """RUN/config.json as a dict, or one UserError line saying what is wrong with it."""
+    path = os.path.join(run, "config.json")
+    if not os.path.isfile(path):
+        raise UserError(f"{flag} {run}: no run there (config.json missing); "
+                        "pass the --out directory of an earlier run")
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (ValueError, OSError) as e:
+        raise UserError(f"{flag} {run}: {path} is unreadable ({type(e).__name__}: {e}); "
+                        "restore it or start a new run") from None
+    if not isinstance(saved, dict):
+        raise UserError(f"{flag} {run}: {path} is not a JSON object; restore it or start a new run")
+    return saved
+
+
+def changes(saved, cfg):
+    """[(key, saved value, new value)] for saved keys whose value differs in cfg (resume bookkeeping)."""
+    skip = ("resume", "out", "trust_remote_code")
+    return [(k, saved[k], cfg[k]) for k in saved if k in cfg and k not in skip and saved[k] != cfg[k]]
 
 
 def interrupted(cfg):
@@ -186,14 +215,14 @@ def exit_codes():
     MADE.clear()  # a run in this process before (tests) is not this one
     try:
         yield state
-    except (UserError, data.DataError) as e:
+    except UserError as e:   # data.DataError and probe.NotAProbe too
         print(f"error: {e}", file=sys.stderr)
         user_error = True
         sys.exit(2)
     except FloatingPointError as e:
         print(f"stopped: {e}; the last good checkpoint is left untouched", file=sys.stderr)
         sys.exit(3)
-    except KeyboardInterrupt:  # nothing new is finished or saved: the last checkpoint stays as it is
+    except KeyboardInterrupt:  # nothing new is finished or saved: the last checkpoint stays
         stopped = True         # the line is printed below, once the progress bar has closed
     finally:
         LOCKS.close()

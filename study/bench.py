@@ -35,7 +35,7 @@ import rollout  # noqa: E402
 import decode as sampling  # noqa: E402
 from harness import staticcache  # noqa: E402
 from harness.files import UserError  # noqa: E402
-from harness.config import check_values  # noqa: E402
+from config import check_values  # noqa: E402
 
 # what --config needs, and how to get it without the weights
 CONFIG_HINT = ("a folder with the model's config.json and tokenizer, no weights (hf download "

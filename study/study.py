@@ -3,9 +3,9 @@
 differences, and the verdict by the rule written down before any of them ran, in OUT/table.md and
 OUT/results.json.
 
-    python reproduce.py --study --base BASE --quiet-base QUIET   # BASE: python toy.py --out DIR
+    python reproduce.py --study --base BASE --quiet-base QUIET   # BASE: python toy_warm.py --out DIR
 
-(QUIET: `python toy.py --world legible-quiet --out DIR`.) VARIANTS, each trained for seeds 0-7
+(QUIET: `python toy_warm.py --world legible-quiet --out DIR`.) VARIANTS, each trained for seeds 0-7
 (paired: same data order and evaluation draws) and evaluated with two post-hoc fits: the matched
 one (`--probe-data toy-pooled`), which the verdict reads, and the released one (`toy`) beside it.
 
@@ -17,12 +17,13 @@ another machine's OUT/records/ stand for their jobs there: a study runs over sev
 import json
 import os
 
+import config
 import data
 import evaluate
 import toy
 from evaluation import benchmarks
 from evaluation.report import COLUMNS, clean, overall
-from harness import checkpoint, config, files, runlog
+from harness import checkpoint, files, runlog
 from harness.files import UserError
 from study import comparison, mechanism
 from study.stats import cell, mean_std, paired
@@ -72,7 +73,7 @@ def check_flags(args, methods):
         return
     if args.ablations:
         raise UserError("--ablations is for the paper's table: drop it, or --study")
-    build = dict(base="python toy.py --out DIR", quiet="python toy.py --world legible-quiet --out DIR")
+    build = dict(base="python toy_warm.py --out DIR", quiet="python toy_warm.py --world legible-quiet --out DIR")
     for key, flag in (("base", "--base"), ("quiet", "--quiet-base")):
         path = getattr(args, flag[2:].replace("-", "_"))
         if any(VARIANTS[m]["base"] == key for m in methods) and path is None:

@@ -29,7 +29,7 @@ with torch.no_grad():  # lora_B starts at zero, which leaves lora_A without a gr
             p.normal_(0, 0.1)
 model.train()
 frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-policy, sampler = wrap(model, device)
+policy, sampler = wrap(model, device, token_logprobs)
 opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
 prompts, responses, adv = tiny.fixed_rollouts()
@@ -82,7 +82,7 @@ if torch.distributed.is_initialized():
     # model and the meta one), the others once: rank 0's adapter is broadcast, and the probe built
     # next (train.new_probe, no reseeding here) and its fit (dropout) must be the same on every rank
     torch.manual_seed(5)
-    lean, sampler, lm, _ = load_sharded("toy", device, adapt=lambda m, meta: lora.with_adapter(m, CFG))
+    lean, sampler, lm, _ = load_sharded("toy", device, token_logprobs, adapt=lambda m, meta: lora.with_adapter(m, CFG))
     probe, probe_opt = train.new_probe(dict(seed=3, probe_hidden=None, probe_lr=1e-2), lm.config.hidden_size)
     init = {k: v.clone() for k, v in probe.state_dict().items()}
     feats = torch.randn(2, 3, lm.config.hidden_size, generator=torch.Generator().manual_seed(100 + RANK))

@@ -23,7 +23,7 @@ mine = [[0], [1, 2, 3]][RANK] if WORLD == 2 else [0, 1, 2, 3]
 shapes = []  # what this rank's decoder forwards: rank 0 pads with two (1, 2) micro-batches
 model.model.register_forward_pre_hook(lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)),
                                       with_kwargs=True)
-policy, _ = wrap(model, device)
+policy, _ = wrap(model, device, token_logprobs)
 opt = torch.optim.SGD(policy.parameters(), lr=0.5)
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
 batch = pack([prompts[i] for i in mine], [responses[i] for i in mine], 0, [sampler[i] for i in mine])

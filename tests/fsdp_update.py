@@ -13,7 +13,7 @@ import torch
 import probe as probe_lib
 import tiny
 import step
-from grpo import pack
+from grpo import pack, token_logprobs
 from label import cut_mask, grid
 from live_bytes import LiveBytes
 from harness.parallel import (MASTER, RANK, WORLD, full_state, gather_into, load_sharded, refresh_sampler, setup,
@@ -35,7 +35,7 @@ GATHER = "all_gather_single" if hasattr(torch.distributed, "all_gather_single") 
 grads = os.environ.get("OFFLOAD_GRADS", "gpu")  # --offload-grads
 device = setup(offload)
 model = tiny.model(vocab_size=64, hidden=32, layers=2, seed=0).train()
-policy, sampler = wrap(model, device, offload)
+policy, sampler = wrap(model, device, token_logprobs, offload)
 opt = torch.optim.SGD(policy.parameters(), lr=0.5)
 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
 prompts, responses, adv = tiny.fixed_rollouts()
@@ -92,7 +92,7 @@ torch.save(probe.state_dict(), f"{sys.argv[1]}.probe{RANK}")
 if torch.distributed.is_initialized():  # the lean start: rank 0 reads the toy, the others get shards
     from harness.models import load_model
     ref, _ = load_model("toy")
-    lean, sampler, lm, _ = load_sharded("toy", device, offload)
+    lean, sampler, lm, _ = load_sharded("toy", device, token_logprobs, offload)
     ids = torch.tensor([[5, 9, 3, 7, 11, 2, 40]])
     with torch.no_grad():
         diffs = dict(sampler=(sampler(ids).logits - ref(ids).logits).abs().max().item())

@@ -83,13 +83,13 @@ sys.path.insert(0, ROOT)  # the project root, when run as a script
 import label  # noqa: E402
 import rollout  # noqa: E402
 import static_shapes  # noqa: E402  (beside this file)
-from grpo import pack  # noqa: E402
+from grpo import pack, token_logprobs  # noqa: E402
 import decode as sampling  # noqa: E402
 from harness import lora, plan, staticcache  # noqa: E402
 from harness.adapter import is_adapter  # noqa: E402
 from harness.checkpoint import latest_checkpoint  # noqa: E402
 from harness.files import UserError  # noqa: E402
-from harness.flags import COMMON, REAL  # noqa: E402
+from config import COMMON, REAL  # noqa: E402
 from harness.parallel import wrap  # noqa: E402
 from live_bytes import LiveBytes  # noqa: E402  (beside this file)
 from study import bench  # noqa: E402
@@ -98,7 +98,7 @@ from update import budget_ends, micro_batches, micro_batch, score, update  # noq
 
 GiB = 2**30
 SHAPE = staticcache._Shape  # the static decoder's buffer set, whose captures `capturing` times
-# Sizes on the GPU: one rank of the 8-GPU recipe (harness/flags.py: REAL); --dry-run takes DRY's for the CPU.
+# Sizes on the GPU: one rank of the 8-GPU recipe (config.py: REAL); --dry-run takes DRY's for the CPU.
 SIZES = dict(layers=None, prompts=4, group=6, prompt_len=plan.PROMPT_TOKENS, rollout_new=1024,
              shortest=200, longest=REAL["max_new_tokens"], k=4, answer_tokens=plan.FORCED_ANSWER,
              decode_prompt=6000, decode_steps=256, adapter_rank=32, toy_rank=8, copy_mib=1024,
@@ -207,7 +207,7 @@ def check_build(ctx):
         lm = bench.random_model(cfg, device, dtype=torch.float32, seed=0)
         lm.config.use_cache = False
         checkpoint_activations(lm)
-        policy, sampler = wrap(lm, device)
+        policy, sampler = wrap(lm, device, token_logprobs)
     vocab = min(len(tok), cfg.vocab_size)
     ctx.update(cfg=cfg, tok=tok, lm=lm, policy=policy, sampler=sampler.eval(), vocab=vocab,
                counts=plan.param_counts(cfg),

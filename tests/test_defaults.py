@@ -6,7 +6,7 @@ import os
 import pytest
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-from harness import config
+import config
 import prompts as prompts_lib
 import train
 

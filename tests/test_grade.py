@@ -8,7 +8,8 @@ from fractions import Fraction
 
 import pytest
 
-from harness import config, flags, verifier
+import config
+from harness import verifier
 import grade
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "fixtures")
@@ -242,7 +243,7 @@ def test_forced_answers_and_labels_use_the_run_grader(monkeypatch):
 
 
 def test_grader_flag_defaults_per_world():
-    assert flags.REAL["grader"] == "strict" and flags.TOY["grader"] == "math"
+    assert config.REAL["grader"] == "strict" and config.TOY["grader"] == "math"
     assert config.resolve_args(["--model", "some/model"])["grader"] == "strict"
     assert config.resolve_args(["--model", "some/model", "--grader", "math"])["grader"] == "math"
     assert config.resolve_args([])["grader"] == "math"

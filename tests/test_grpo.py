@@ -143,7 +143,7 @@ def test_micro_batches_do_not_change_loss_or_gradient(agg):
     b = grpo.pack([[5, 6, 7], [8, 9], [3], [4, 4]],
                   [[10, 11, 12, 13, 14, EOS], [13, EOS], [20, 21, 22, EOS], [30, EOS]], pad_id=PAD)
     adv = torch.tensor([1.0, -0.5, 0.25, -2.0])
-    policy = LogprobModel(tiny_qwen2())
+    policy = LogprobModel(tiny_qwen2(), grpo.token_logprobs)
     with torch.no_grad():   # old log-probs a little off the current ones, so ratios differ from 1
         old = policy(b["input_ids"], b["attention_mask"]) + 0.1 * torch.randn(b["loss_mask"].shape)
     cfg = dict(agg=agg, temperature=1.0, chunk_size=5, clip_low=0.2, clip_high=0.2, grad_clip=1e9,

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from harness import checkpoint, files
-from harness import flags
+import config
 import evaluate
 import toy_warm
 import train
@@ -211,7 +211,7 @@ def test_resume_with_a_truncated_latest_safetensors_falls_back(run_copy, capsys)
 def test_resume_applies_and_records_changed_lr_and_steps(run_copy, capsys):
     train.main(["--resume", run_copy, "--steps", "3", "--lr", "1e-3"])
     printed = capsys.readouterr().out
-    assert "changed on resume" in printed and f"lr {flags.TOY['lr']} -> 0.001" in printed and "steps 2 -> 3" in printed
+    assert "changed on resume" in printed and f"lr {config.TOY['lr']} -> 0.001" in printed and "steps 2 -> 3" in printed
     cfg = json.load(open(os.path.join(run_copy, "config.json")))
     assert cfg["steps"] == 3 and cfg["lr"] == 1e-3 and cfg["resume"] is None
     (row,) = [r for r in metric_rows(run_copy) if r["step"] == 3 and not r.get("eval")]

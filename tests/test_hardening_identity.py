@@ -114,7 +114,7 @@ def test_reproduce_refuses_a_config_file_that_changes_the_model_or_the_data(tmp_
     # H11: at a7c59f5 --train-args "--config FILE" passed (argparse's model was None before and after)
     # and every method trained from FILE's model while the table said toy_base.
     import reproduce
-    from harness import config
+    import config
     from harness.files import UserError
     cfg = dict(config.resolve_args(["--out", str(tmp_path / "x")]), **{key: value})
     path = tmp_path / "cfg.json"

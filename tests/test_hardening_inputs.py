@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from harness import checkpoint, models
 from evaluation import benchmarks, confidence, posthoc, probes
-from harness import flags
+import config
 import data
 import evaluate
 import probe as probe_lib
@@ -107,7 +107,7 @@ def test_a_utf8_byte_order_mark_is_accepted(tmp_path):
 # ---- D11: a config file's values pass the command line's checks
 
 def config_file(tmp_path, **change):
-    cfg = {**flags.COMMON, **flags.TOY, "steps": 1, "prompts_per_step": 4, "group_size": 4,
+    cfg = {**config.COMMON, **config.TOY, "steps": 1, "prompts_per_step": 4, "group_size": 4,
            "max_new_tokens": 24, "eval_n": 0, "budgets": [0.25, 0.5, 0.75], **change}
     return write(tmp_path / "cfg.json", json.dumps(cfg))
 

@@ -162,7 +162,8 @@ def test_an_edited_reward_fn_file_is_a_change_on_resume(tmp_path):
     # L6 (C51): at a7c59f5 only the path was saved: a resume went on with the edited function, no word,
     # and reproduce.py called the run "trained already".
     import json
-    from harness import config, rewardfn
+    import config
+    from harness import rewardfn, runfolder
     fn = tmp_path / "fn.py"
     fn.write_text("def f(response, answer, row):\n    return 1.0\n")
     run = tmp_path / "run"
@@ -175,7 +176,7 @@ def test_an_edited_reward_fn_file_is_a_change_on_resume(tmp_path):
     import hashlib
     before = hashlib.sha256(b"def f(response, answer, row):\n    return 1.0\n").hexdigest()
     after = hashlib.sha256(b"def f(response, answer, row):\n    return 0.0\n").hexdigest()
-    assert config.changes(saved, now) == [("reward_fn_sha256", before, after)]
+    assert runfolder.changes(saved, now) == [("reward_fn_sha256", before, after)]
 
 
 def test_results_say_how_many_samples_an_earlier_command_drew(tmp_path):

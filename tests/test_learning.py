@@ -13,7 +13,7 @@ import prompts as prompts_lib
 import toy
 import toy_warm
 import step
-from harness.config import resolve_args
+from config import resolve_args
 from grpo import group_advantages, pack, policy_loss, token_logprobs
 from harness.parallel import LogprobModel
 from rollout import generate
@@ -91,7 +91,7 @@ def test_updates_move_probability_towards_positive_advantages(cfg, rollouts, ste
     assert (adv > 0).sum() >= 8 and (adv < 0).sum() >= 8
     lm = AutoModelForCausalLM.from_pretrained(path)
     lm.config.use_cache = False
-    policy = LogprobModel(lm)
+    policy = LogprobModel(lm, token_logprobs)
     before = sequence_logprobs(lm, batch, cfg["temperature"])
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg["lr"], weight_decay=0.0)  # as train.run
     warmup = max(cfg["warmup"], 1)

@@ -11,7 +11,8 @@ import torch
 import tiny
 import train
 from harness import adapter, lora, plan
-from harness.config import resolve_args
+from config import resolve_args
+from grpo import token_logprobs
 from harness.parallel import full_state, wrap
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -70,7 +71,7 @@ def test_one_gpu_samples_from_a_merged_bf16_copy():
     further from the exact policy (all fp32) than those of the unmerged bf16 policy it replaces."""
     from peft.tuners.lora import LoraLayer
     model, base = adapted_bf16()
-    policy, sampler = wrap(model, torch.device("cuda"))
+    policy, sampler = wrap(model, torch.device("cuda"), token_logprobs)
     assert policy.lm is model and sampler is not model and not lora.has_adapter(sampler)
     assert not any(isinstance(m, LoraLayer) for m in sampler.modules())
     assert {p.dtype for p in sampler.parameters()} == {torch.bfloat16}
@@ -86,7 +87,7 @@ def test_one_gpu_samples_from_a_merged_bf16_copy():
 def test_a_refresh_merges_the_trained_adapter_and_never_touches_the_base():
     from harness.parallel import refresh_sampler
     model, _ = adapted_bf16()
-    policy, sampler = wrap(model, torch.device("cuda"))
+    policy, sampler = wrap(model, torch.device("cuda"), token_logprobs)
     frozen = {n: p.clone() for n, p in model.named_parameters() if not p.requires_grad}
     ids = torch.randint(3, 64, (2, 40), generator=torch.Generator().manual_seed(0))
     before = logprobs(sampler, ids)
@@ -113,7 +114,7 @@ def test_a_saved_adapter_loads_with_peft_and_gives_the_same_logprobs(tmp_path):
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.05)  # as if trained: B = 0 would leave the adapted model equal to the base
-    policy, _ = wrap(model, torch.device("cpu"))
+    policy, _ = wrap(model, torch.device("cpu"), token_logprobs)
     sd, _ = full_state(policy, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad]))
     lora.save(str(tmp_path), model, sd)
     ids = torch.tensor([[5, 9, 3, 7, 11, 2, 40, 8]])

@@ -10,7 +10,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import baselines
 from evaluation import confidence
-from harness import config
+import config
 import grade
 import grpo
 import modes
@@ -143,7 +143,7 @@ def tiny_policy():
     torch.manual_seed(0)
     lm = Qwen2ForCausalLM(Qwen2Config(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                       num_key_value_heads=1, intermediate_size=32, max_position_embeddings=32))
-    return LogprobModel(lm)
+    return LogprobModel(lm, grpo.token_logprobs)
 
 
 class Capture:

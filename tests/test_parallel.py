@@ -83,9 +83,9 @@ def test_offload_refreshes_the_generation_copy_with_one_gather_per_layer(tmp_pat
     run(tmp_path, 2, offload=True)
     config = __import__("tiny").model(vocab_size=64, hidden=32, layers=2).config
     cfg = dict(model="x", prompts_per_step=4, gen_batch=4, group_size=2, k=1, max_new_tokens=10,
-               micro_tokens=64, grad_ckpt=False, chunk_size=8, reward="grpo")
-    term = {torch.float32: plan.estimate(config, cfg, 2, "cpu", offload=True)["refresh"],
-            torch.bfloat16: plan.estimate(config, cfg, 2, "cuda")["refresh"]}
+               micro_tokens=64, grad_ckpt=False, chunk_size=8)
+    term = {torch.float32: plan.estimate(config, cfg, 2, "cpu", offload=True, probed=False)["refresh"],
+            torch.bfloat16: plan.estimate(config, cfg, 2, "cuda", probed=False)["refresh"]}
     # the largest group: a layer (9,344 parameters), its shard and the gathered group
     assert term == {torch.float32: 4 * 9344 * 1.5, torch.bfloat16: 2 * 9344 * 1.5}
     for r in (0, 1):
@@ -141,7 +141,7 @@ def test_on_policy_update_equals_the_scored_old_logprobs_in_fp32():
     step as old log-probs from a separate scoring pass with the same fp32 weights."""
     import copy
     import step
-    from grpo import pack
+    from grpo import pack, token_logprobs
     from harness.parallel import wrap
     from update import score
     g = torch.Generator().manual_seed(1)
@@ -153,7 +153,7 @@ def test_on_policy_update_equals_the_scored_old_logprobs_in_fp32():
     mbs, out = [[0, 1], [2]], {}
     for path in ("on-policy", "scored"):
         model = __import__("tiny").model(vocab_size=64, hidden=32, layers=2, seed=0)
-        policy, _ = wrap(model, torch.device("cpu"))
+        policy, _ = wrap(model, torch.device("cpu"), token_logprobs)
         opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         old = None
@@ -194,9 +194,10 @@ def test_setup_picks_a_backend_for_cpu_collectives_and_a_long_timeout(monkeypatc
 def test_the_one_gpu_generation_copy_is_bf16_with_fp32_rotary_frequencies():
     """wrap's generation copy on CUDA (built where the model is, so no GPU is needed): bf16 weights,
     the rotary inv_freq exactly as built in fp32; in bf16 it turns position 1000 by about 1.2 rad."""
+    from grpo import token_logprobs
     from harness.parallel import wrap
     model = __import__("tiny").model(vocab_size=64, hidden=32, layers=2, seed=0)
-    policy, sampler = wrap(model, torch.device("cuda"))
+    policy, sampler = wrap(model, torch.device("cuda"), token_logprobs)
     assert policy.lm is model and all(p.dtype == torch.float32 for p in model.parameters())
     assert all(p.dtype == torch.bfloat16 for p in sampler.parameters())
     fresh = type(model.model.rotary_emb)(config=model.config)

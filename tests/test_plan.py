@@ -7,7 +7,7 @@ import torch
 from harness import plan
 import tiny
 import train
-from harness.config import resolve_args
+from config import resolve_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURE_7B = "deepseek-r1-distill-qwen-7b"   # its config.json ships (configs/): planned offline
@@ -37,7 +37,7 @@ def test_kv_cache_term_matches_a_real_static_cache():
     model = tiny.model(vocab_size=300, hidden=32, layers=3)
     tok = tiny.tokenizer()
     cfg = dict(model="toy", prompts_per_step=8, gen_batch=3, group_size=4, k=1, max_new_tokens=10,
-               micro_tokens=64, grad_ckpt=True, chunk_size=8, reward="grpo")  # no forced answers
+               micro_tokens=64, grad_ckpt=True, chunk_size=8)
     # gen_batch 3 prompts x group_size 4 = 12 rows (a bucket already); 16 prompt tokens + 10 new - 1
     # = 25 positions, rounded up to the 64 of the smallest length bucket
     prompts = [[5] * plan.TOY_PROMPT_TOKENS] * 3
@@ -45,7 +45,7 @@ def test_kv_cache_term_matches_a_real_static_cache():
         sampler = sampling.Sampler(model.to(dtype), tok, max_new_tokens=10, decode="static")
         sampler.static.start(model, sampler.prefill(prompts), 4, 10)
         held = sum(x.numel() * x.element_size() for x in sampler.static.shape.kv.keys + sampler.static.shape.kv.values)
-        t = plan.estimate(model.config, cfg, 1, device)
+        t = plan.estimate(model.config, cfg, 1, device, probed=False)  # no forced answers
         assert t["kv_shape"] == (12, 64) == tuple(sampler.static.shape.kv.keys[0].shape[::2])
         assert t["KV cache"] == held
         assert t["label KV cache"] == 0
@@ -61,8 +61,8 @@ def test_log_prob_chunk_term_matches_what_a_chunk_allocates():
     from live_bytes import LiveBytes
     model = tiny.model(vocab_size=20000, hidden=8, layers=1).to(torch.bfloat16)
     cfg = dict(model="x", prompts_per_step=1, gen_batch=1, group_size=1, k=1, max_new_tokens=10,
-               micro_tokens=64, grad_ckpt=True, chunk_size=128, reward="grpo")
-    term = plan.estimate(model.config, cfg, 1, "cuda")["log-prob chunk"]
+               micro_tokens=64, grad_ckpt=True, chunk_size=128)
+    term = plan.estimate(model.config, cfg, 1, "cuda", probed=False)["log-prob chunk"]
     assert term == 3 * 128 * 20000 * 4
     hidden = torch.randn(2, 257, 8, dtype=torch.bfloat16, requires_grad=True)
     targets = torch.randint(0, 20000, (2, 256))
@@ -236,12 +236,14 @@ def test_the_step_frees_the_static_buffers_before_the_update(tmp_path, monkeypat
     import probe as probe_lib
     import step
     import train
-    from harness import config, staticcache
+    import config
+    from grpo import token_logprobs
+    from harness import staticcache
     from harness.parallel import wrap
     cfg = config.resolve_args(["--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "16",
                                "--decode", "static", "--out", str(tmp_path)])
     model, tok = train.load_policy(cfg, torch.device("cpu"))
-    policy, sampler = wrap(model, torch.device("cpu"))
+    policy, sampler = wrap(model, torch.device("cpu"), token_logprobs)
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg["lr"])
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     probe = probe_lib.Probe(model.config.hidden_size)

@@ -108,10 +108,10 @@ def test_save_load_roundtrip(tmp_path):
 
 
 def test_default_probe_is_the_released_mlp_and_the_flag_gives_the_linear_one():
-    from harness import config, flags
+    import config
     assert config.resolve_args([])["probe_hidden"] is None
     # d -> d/4 -> 1: 4,161 weights for the toy (d 128), 3,213,057 for the 7B (d 3584)
-    assert sum(p.numel() for p in P.Probe(128, flags.COMMON["probe_hidden"]).parameters()) == 4161
+    assert sum(p.numel() for p in P.Probe(128, config.COMMON["probe_hidden"]).parameters()) == 4161
     assert sum(p.numel() for p in P.Probe(3584).parameters()) == 3_213_057
     assert config.resolve_args(["--probe-hidden", "0"])["probe_hidden"] == 0
     with pytest.raises(UserError, match="--probe-hidden -1: must be >= 0"):

@@ -12,7 +12,8 @@ import label
 import modes
 import tiny
 import train
-from harness import config, rewardfn
+import config
+from harness import rewardfn
 from harness.files import UserError
 from rollout import Samples
 

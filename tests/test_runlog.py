@@ -15,7 +15,7 @@ import prompts as prompts_lib
 from harness import files, runlog
 import toy_warm
 import train
-from harness.config import resolve_args
+from config import resolve_args
 from test_hardening import PROBE_SMALL
 from test_train import SMALL, rows
 

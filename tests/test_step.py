@@ -4,7 +4,7 @@ metrics and the same weights after the step."""
 import pytest
 import torch
 
-from harness import config
+import config
 import data
 import probe as probe_lib
 import step
@@ -47,7 +47,7 @@ def test_rl_step_is_the_rlcm_step_written_out_on_a_toy_batch(tmp_path):
 
     model, tok, probe, probe_opt, opt, sched = start(cfg)
     before = weights(model, probe)
-    policy, sampler = wrap(model, CPU)
+    policy, sampler = wrap(model, CPU, token_logprobs)
     full = step.rl_step(1, rows, step.Learner(policy, sampler, tok, probe, probe_opt, opt, sched, CPU), cfg)
     full_weights = weights(model, probe)
 
@@ -119,7 +119,7 @@ def test_unanimous_groups_stay_in_the_update_at_advantage_zero(tmp_path, monkeyp
     step_update = step.update
     monkeypatch.setattr(step, "update", spy)
     model, tok, probe, probe_opt, opt, sched = start(cfg)
-    policy, sampler = wrap(model, CPU)
+    policy, sampler = wrap(model, CPU, token_logprobs)
     row = step.rl_step(1, rows, step.Learner(policy, sampler, tok, probe, probe_opt, opt, sched, CPU), cfg)
     assert seen["rows"] == list(range(16)) and row["dropped"] == 0.25   # one group of four unanimous
     print(f"\ngrad norm {row['grad_norm']:.6f}: over every row's {seen['every_tokens']:.0f} tokens "
@@ -151,7 +151,7 @@ def test_a_default_step_reads_the_probe_features_from_the_labels_prefill(tmp_pat
     monkeypatch.setattr(step, "mc_labels", spy(step.mc_labels, "labels"))
     monkeypatch.setattr(step, "probe_margin", spy(step.probe_margin, "probe"))
     monkeypatch.setattr(step, "score", lambda *a, **kw: pytest.fail("a scoring pass ran"))
-    policy, sampler = wrap(model, CPU)
+    policy, sampler = wrap(model, CPU, token_logprobs)
     row = step.rl_step(1, rows, step.Learner(policy, sampler, tok, probe, probe_opt, opt, sched, CPU), cfg)
     assert row["t_score"] == 0.0 and row["prefixes"] > 20
 
@@ -177,7 +177,7 @@ def test_the_step_row_counts_the_decode_steps_it_captured(tmp_path, monkeypatch)
     cfg = config.resolve_args([*SMALL, "--decode", "static", "--out", str(tmp_path)])
     rows = data.load_rows("toy", split="train")[8:12]
     model, tok, probe, probe_opt, opt, sched = start(cfg)
-    policy, sampler = wrap(model, CPU)
+    policy, sampler = wrap(model, CPU, token_logprobs)
     counts = []
     for at in (1, 2):
         before = len(calls)
@@ -209,7 +209,7 @@ def test_a_shuffled_label_probe_fits_a_permutation_and_scores_the_real_labels(tm
         cfg = config.resolve_args([*SMALL, "--probe-labels", labels, "--out", str(tmp_path / labels)])
         assert cfg["probe_labels"] == labels
         model, tok, probe, probe_opt, opt, sched = start(cfg)
-        policy, sampler = wrap(model, CPU)
+        policy, sampler = wrap(model, CPU, token_logprobs)
         cfg["instruction"] = ""
         got[labels] = step.rl_step(1, rows, step.Learner(policy, sampler, tok, probe, probe_opt, opt, sched, CPU), cfg)
     (_, _, X_mc, Y_mc), (_, _, X_sh, Y_sh) = [a[:4] for a in seen["fit"]]

@@ -52,7 +52,7 @@ def test_the_toy_names_read_the_worlds_rows_and_toy_world_marks_a_model_folder_a
     defaults; a run keeps its world on resume and refuses another."""
     import data
     from evaluation import benchmarks, probes
-    from harness import config
+    import config
     from harness.files import UserError
     rows = {split: toy.dataset(split, "toy") for split in ("train", "test")}
     assert data.load_rows("toy", split="test") == rows["test"]

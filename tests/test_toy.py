@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from harness import flags
+import config
+from harness.checkpoint import resolve_model
 from evaluation import confidence
 import grade
 import label
@@ -96,7 +97,7 @@ def test_rlcr_examples_carry_the_instruction_the_tags_and_a_random_confidence(to
         conf, missing = confidence.verbal_confidence(text)
         assert not missing and conf in [float(c) for c in toy_warm.CONFIDENCES]
         seen[ok, conf] += 1
-        assert len(ids) - len(prompt) <= flags.TOY["max_new_tokens"]   # fits the rollout budget
+        assert len(ids) - len(prompt) <= config.TOY["max_new_tokens"]   # fits the rollout budget
     n = sum(seen.values())
     assert 0.1 * 2000 < n < 0.3 * 2000   # p_rlcr of the plain examples
     for ok in (True, False):   # right and wrong traces alike draw every confidence
@@ -157,10 +158,18 @@ def test_base_model_builds_atomically_once(tmp_path, monkeypatch):
     assert len(calls) == 2 and sorted(os.listdir(tmp_path)) == ["base"]  # no temp dir left
 
 
+def test_model_toy_without_its_base_says_how_to_rebuild_it(tmp_path, monkeypatch):
+    from harness import checkpoint
+    from harness.files import UserError
+    monkeypatch.setattr(checkpoint, "TOY_BASE", str(tmp_path / "toy_base"))
+    with pytest.raises(UserError, match=r"toy_base is missing; rebuild it with python toy_warm.py$"):
+        resolve_model("toy")
+
+
 @pytest.fixture(scope="module")
 def base():
     path = toy_warm.base_model()
-    assert path == toy.BASE_DIR, "the committed toy_base/ is missing: run `python toy.py`"
+    assert path == toy.BASE_DIR == resolve_model("toy"), "the committed toy_base/ is missing: run `python toy_warm.py`"
     model = AutoModelForCausalLM.from_pretrained(path)
     return model.eval(), AutoTokenizer.from_pretrained(path)
 

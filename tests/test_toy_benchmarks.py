@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 
+import config
 import data
 import evaluate
 import grade
@@ -20,7 +21,6 @@ import toy
 import toy_warm
 from evaluation import benchmarks, probes
 from grpo import group_advantages
-from harness import flags
 from study import comparison, stats
 
 
@@ -79,7 +79,7 @@ def test_evaluate_loads_every_toy_benchmark_with_the_toy_settings():
 
 
 def test_rl_trains_on_the_toy_training_split_only():
-    assert flags.TOY["data"] == "toy" and data.load_rows("toy", split="train") == toy.dataset("train")
+    assert config.TOY["data"] == "toy" and data.load_rows("toy", split="train") == toy.dataset("train")
 
 
 def test_advantage_parts_split_the_group_advantage():

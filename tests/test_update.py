@@ -21,7 +21,7 @@ CPU = torch.device("cpu")
 
 
 def run_update(lm, batch, mbs, adv=None):
-    policy = LogprobModel(lm)
+    policy = LogprobModel(lm, token_logprobs)
     opt = torch.optim.SGD(policy.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     adv = torch.linspace(-1, 1, len(batch["input_ids"])) if adv is None else adv
@@ -153,7 +153,7 @@ def test_an_extra_loss_term_is_a_mean_over_sequences_however_the_batch_is_cut():
         seen.append(list(rows))
         return (logp * mask).sum(-1)
 
-    policy = LogprobModel(tiny.model(vocab_size=64, seed=4))
+    policy = LogprobModel(tiny.model(vocab_size=64, seed=4), token_logprobs)
     cfg = {k: v for k, v in CFG.items() if k != "reward"}
     opt = Capture(policy.parameters())
     stats = update.update(policy, opt, None, batch, None, torch.zeros(3), [[0, 1], [2]], cfg, CPU,
@@ -179,7 +179,7 @@ def test_token_mean_per_micro_batch_is_the_released_weighting():
     responses = [torch.randint(4, 60, (n,), generator=g).tolist() for n in (6, 4, 1, 1)]
     batch = pack(prompts, responses, pad_id=0)
     adv, mbs = torch.tensor([1.0, 1.0, -1.0, -1.0]), [[0, 1], [2, 3]]
-    policy = LogprobModel(tiny.model(vocab_size=64, seed=6))
+    policy = LogprobModel(tiny.model(vocab_size=64, seed=6), token_logprobs)
     out = {}
     for agg in ("token-mean", "token-mean-per-micro-batch"):
         opt = Capture(policy.parameters())

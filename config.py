@@ -1,23 +1,29 @@
 """The run's configuration: world defaults (toy vs real model), the command line, and resume.
 
-Every flag of train.py, its default in each world (TOY, REAL, COMMON, and what a --reward mode
-implies) and its allowed values (LIMITS). harness/config.py resolves them: flags given now > the
-saved config.json of a resumed run > the defaults below, every value checked against LIMITS before
-any model, data or folder is touched.
+Every flag of train.py, its default in each world (TOY, REAL, COMMON, a named model's RECIPES,
+and what a --reward mode implies) and its allowed values (LIMITS). resolve_args resolves them: flags
+given now > the saved config.json of a resumed run (or a --config file) > the defaults below, every
+value checked against LIMITS before any model, data or folder is touched.
 """
 import argparse
+import json
+import math
+import os
 
 import grade
 import prompts as prompts_lib
 import toy
 from grpo import AGGS
-from modes import REWARDS  # the --reward modes
+from modes import PROBE_MODES, REWARDS  # the --reward modes; those that fit a probe
+from harness import rewardfn
+from harness.checkpoint import ALIASES
+from harness.files import UserError
+from harness.runfolder import check_out, read_config
 
-# Defaults that depend on the world: the toy sizes for 2 CPU cores, the real ones from the released
-# run script (docs/design.md, "Defaults").
-# The toy's lr and lam are where its margin acts (docs/toy-world.md, premise (iii)): at lr 1e-4 RL
-# removes within 20 steps the slips the margin ranks, and lam 1 (the released 0.1) gives the
-# calibration term 0.19 of |advantage| at a cost of 0.008 accuracy; 72 tokens hold every trace.
+NOT_SAVED = ("resume", "config", "plot")  # how a run was started, not what it is
+
+# Defaults that depend on the world (docs/design.md, "Defaults"): the toy sizes for 2 CPU cores, the
+# real ones from the released run script. Why the toy's lr and lam: docs/reference.md (the end).
 TOY = dict(data="toy", eval_data="toy", steps=45, prompts_per_step=16, group_size=8, lr=2e-5, lam=1.0,
            warmup=3, warmup_from_zero=False, weight_decay=0.0, max_new_tokens=72, eval_n=500, eval_every=10, save_every=10, grad_ckpt=False,
            micro_tokens=8192, gen_batch=256, grader="math",
@@ -32,11 +38,7 @@ REAL = dict(data="deepscaler", eval_data="math500", steps=600, prompts_per_step=
             grader="strict",  # the released training reward
             gen_batch=8)  # 8 prompts x 6 = 48 rows x 8k tokens: ~22 GB of KV cache for the 7B
 # A named model whose release has a run script of its own: what differs from REAL (the 7B's script),
-# by its hub id. Qwen3-4B-Instruct (scripts/train/qwen3_4b_instruct/rlcm.sh) keeps the 7B script's
-# batch, lengths (600, 8000), lr, warm-up, lam, K, budgets and save_freq, and adds enable_thinking off
-# (not passed here: Qwen3-4B-Instruct-2507 has no thinking mode, and its card says the flag is no
-# longer needed), vLLM's tensor-parallel 1 and context 10,000 (600 + 8000 fit); the paper's 4B
-# checkpoint is step 240, "longer than ~240 steps was unstable" (the release's README).
+# by its hub id (docs/reference.md: the 4B's recipe).
 RECIPES = {"Qwen/Qwen3-4B-Instruct-2507": dict(steps=240)}
 COMMON = dict(model="toy", problem_field=None, answer_field=None, trust_remote_code=False,
               temperature=0.8, top_p=1.0, reward="rlcm", lam=0.1, k=4, forced_close="think",
@@ -51,9 +53,8 @@ COMMON = dict(model="toy", problem_field=None, answer_field=None, trust_remote_c
 # Without Regret", Schulman et al. 2025: about 10x; TRL's GRPO recipe: 1e-5 against 1e-6).
 LORA_LR_FACTOR = 10
 
-# --reward: RLCM, then the paper's baselines and ablations (docs/design.md, "Baselines"): modes.REWARDS.
-# What a mode implies. Flags given now win; a resumed run of the same mode keeps what it saved;
-# a saved config of another mode loses what its own mode implied (resolve_args).
+# What a --reward mode implies (docs/design.md, "Baselines"). Flags given now win; a resumed run of
+# the same mode keeps what it saved; a saved config of another mode loses what its mode implied.
 IMPLIED = {"final-margin": dict(budgets=(1.0,), corner="final-margin"),
            "process-brier": dict(drop_unanimous=True),
            "final-brier": dict(budgets=(1.0,), drop_unanimous=True),
@@ -271,3 +272,126 @@ def build_parser():
     g.add_argument("--plot", metavar="RUN", help="only draw RUN/curves.png from RUN/metrics.jsonl and exit")
     return p
 
+
+def check_values(cfg, limits=LIMITS):
+    """UserError (one line) for the first value outside its limits; None values are skipped."""
+    for key, (ok, what) in limits.items():
+        v = cfg.get(key)
+        if v is None:
+            continue
+        bad = isinstance(v, bool) or not isinstance(v, (int, float))
+        if bad or (isinstance(v, float) and not math.isfinite(v)) or not ok(v):
+            raise UserError(f"--{key.replace('_', '-')} {v}: must be {what}")
+
+
+def check_saved(saved, where):
+    """UserError (one line naming the key and value as they are in the file `where`) for a value of a
+    saved or given config.json that the command line would refuse: the parser's type or choices,
+    then LIMITS. null is a default; keys the parser does not know are left alone."""
+    actions = {a.dest: a for a in build_parser()._actions}
+    for key, v in saved.items():
+        a = actions.get(key)
+        if a is None or v is None:
+            continue
+        number = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if a.choices:
+            ok, what = v in a.choices, "one of " + ", ".join(a.choices)
+        elif a.type is int:
+            ok, what = number and isinstance(v, int), "an integer"
+        elif a.type is float:
+            ok, what = number, "a number"
+        elif a.type is fractions:
+            ok = isinstance(v, list) and bool(v) and all(
+                isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f <= 1 for f in v)
+            what = "a list of fractions in (0, 1], e.g. [0.25, 0.5]"
+        elif a.nargs == 0:
+            ok, what = isinstance(v, bool), "true or false"
+        else:
+            ok, what = isinstance(v, str), "a string"
+        if ok and key in LIMITS:
+            ok, what = (not isinstance(v, float) or math.isfinite(v)) and LIMITS[key][0](v), LIMITS[key][1]
+        if not ok:
+            raise UserError(f"{json.dumps(key)}: {json.dumps(v)[:60]} in {where}: must be {what}")
+
+
+def check_world(cfg, world):
+    """Whole prompt groups go to the ranks in turn: a rank without one would have nothing to train
+    on, and the others would wait for it in the next collective."""
+    n = cfg["prompts_per_step"]
+    if n < world:
+        raise UserError(f"--prompts-per-step {n} leaves some of the {world} workers without a prompt: "
+                        f"use --prompts-per-step >= {world} or fewer GPUs (--nproc {n})")
+
+
+def resolve_args(argv):
+    """CLI -> checked config dict: flags given now > the saved config of a resumed run > world
+    defaults. trust_remote_code is only ever the flag given now."""
+    given = {k: v for k, v in vars(build_parser().parse_args(argv)).items() if v is not None}
+    check_values(given)   # the flags as typed first, so the message names what the user wrote
+    saved = {}
+    if given.get("resume"):
+        run = given["resume"]
+        saved = read_config(run)
+        check_saved(saved, os.path.join(run, "config.json"))
+        if saved.pop("trust_remote_code", False) and not given.get("trust_remote_code"):
+            raise UserError(f"--resume {run}: the run was started with --trust-remote-code, which is "
+                            "never taken from a saved config; pass it again if you trust the code there")
+        check_reward_fn(saved, given, f"--resume {run}")
+        for key in FIXED_ON_RESUME:
+            if key in given and key in saved and given[key] != saved[key]:
+                raise UserError(f"--resume {run}: --{key.replace('_', '-')} cannot change on resume "
+                                f"(saved {saved[key]!r}, given {given[key]!r}); start a new run with --out")
+        if "out" in given and os.path.abspath(given["out"]) != os.path.abspath(run):
+            raise UserError(f"--resume {run} writes into {run}: drop --out {given['out']}")
+        given["out"] = run
+    elif given.get("config"):
+        saved = _read_config(given["config"])
+        check_saved(saved, given["config"])
+        check_reward_fn(saved, given, f"--config {given['config']}")
+    model = given.get("model", saved.get("model", "toy"))
+    is_toy = model == "toy" or given.get("toy_world", saved.get("toy_world")) is not None
+    world = {**COMMON, **(TOY if is_toy else {**REAL, **RECIPES.get(ALIASES.get(model, model), {})})}
+    cfg = {**world, **saved, **given}
+    if saved.get("reward") != cfg["reward"]:
+        # Another mode than the saved one (--config): what the saved mode implied goes back to the
+        # defaults, so --config FINAL_BRIER --reward rlcm trains with rlcm's budgets and no filter.
+        implied = {k: world[k] for k in IMPLIED.get(saved.get("reward"), {})}
+        implied.update(IMPLIED.get(cfg["reward"], {}))
+        if is_toy:
+            implied.update(TOY_IMPLIED.get(cfg["reward"], {}))
+        cfg.update({k: v for k, v in implied.items() if k not in given})
+    if cfg["lora_rank"] and "lr" not in given and "lr" not in saved:
+        cfg["lr"] = LORA_LR_FACTOR * world["lr"]
+    cfg["trust_remote_code"] = bool(given.get("trust_remote_code"))
+    cfg["reward_fn"] = given.get("reward_fn")
+    if cfg["reward_fn"]:
+        rewardfn.load(cfg["reward_fn"])  # a file that does not import stops here, before any folder is made
+    cfg["reward_fn_sha256"] = rewardfn.digest(cfg["reward_fn"])   # the file edited since: a change on resume
+    cfg.update({k: given.get(k) for k in NOT_SAVED})
+    cfg["out"] = cfg["out"] or os.path.join("runs", os.path.basename(cfg["model"].rstrip("/")))
+    check_values(cfg)
+    if cfg["probe_labels"] != "mc" and cfg["reward"] not in PROBE_MODES:
+        raise UserError(f"--probe-labels {cfg['probe_labels']}: --reward {cfg['reward']} fits no probe; "
+                        "drop it or use a probe mode (" + ", ".join(PROBE_MODES) + ")")
+    check_out(cfg["out"], "--resume" if cfg["resume"] else "--out")
+    return cfg
+
+
+def check_reward_fn(saved, given, where):
+    """A run started with --reward-fn resumes (or is copied) only with --reward-fn given again: a
+    saved config names a file, and code is never run because a config says so."""
+    if saved.get("reward_fn") and not given.get("reward_fn"):
+        raise UserError(f"{where}: the run was started with --reward-fn {saved['reward_fn']}, which is "
+                        "never taken from a saved config; pass it again if you trust that file")
+
+
+def _read_config(path):
+    """A saved config.json minus where and how that run was started (its --out is not reused)."""
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"--config {path}: cannot read it ({e}); pass a run's config.json") from None
+    if not isinstance(saved, dict):
+        raise UserError(f"--config {path}: not a config (a JSON object of settings); pass a run's config.json")
+    return {k: v for k, v in saved.items() if k not in NOT_SAVED + ("out",)}
