@@ -2,18 +2,8 @@
 the share of the advantage the calibration term sets.
 
 Inputs are 1-D sequences of the same length N > 0: `conf` in [0, 1] (the model's probability of being
-right) and `correct` in [0, 1] (1 = right, 0 = wrong; AUROC needs exactly 0/1).
-
-Bins are equal-width, `[i/n, (i+1)/n)` for i = 0..n-1, and the last bin also holds 1.0; a sample
-with confidence c falls in bin `min(floor(c * n), n - 1)`. Empty bins contribute nothing.
-
-    ECE   = sum_bins n_bin / N * |mean_conf_bin - accuracy_bin|
-    PCE   = sum_bins n_bin / N * max(mean_conf_bin - accuracy_bin, 0)     (over-confidence only)
-    Brier = mean_i (conf_i - correct_i)^2
-    AUROC = P(conf of a right sample > conf of a wrong one), ties count 1/2 (Mann-Whitney U)
-
-Example: conf (0.9, 0.9, 0.1, 0.1), correct (1, 0, 0, 0): bin 9 has gap 0.9 - 0.5 = 0.4, bin 1 has
-gap 0.1 - 0 = 0.1, each holds half the samples, so ECE = PCE = 0.5 * 0.4 + 0.5 * 0.1 = 0.25.
+right) and `correct` in [0, 1] (1 = right, 0 = wrong; AUROC needs exactly 0/1). Bins are equal-width
+`[i/n, (i+1)/n)`, the last also holding 1.0; empty bins contribute nothing (docs/reference.md).
 """
 import math
 
@@ -91,18 +81,8 @@ def brier(conf, correct):
 
 def _average_ranks(x):
     """1-based ranks of x [N] with tied values given the average of their ranks."""
-    order = np.argsort(x, kind="mergesort")
-    xs = x[order]
-    ranks = np.empty(x.size, dtype=np.float64)
-    start = 0
-    # Runs of equal values share the mean of the ranks start+1 .. end.
-    while start < x.size:
-        end = start + 1
-        while end < x.size and xs[end] == xs[start]:
-            end += 1
-        ranks[order[start:end]] = (start + 1 + end) / 2.0
-        start = end
-    return ranks
+    _, where, counts = np.unique(x, return_inverse=True, return_counts=True)
+    return (np.cumsum(counts) - (counts - 1) / 2.0)[where]
 
 
 def auroc(conf, correct):
