@@ -56,12 +56,10 @@ def close_id(tokenizer, close="think"):
     """Token id inserted between the prefix and the suffix: `</think>` or the EOS token."""
     if close == "eos":
         return tokenizer.eos_token_id
-    if close == "think":
-        tid = tokenizer.convert_tokens_to_ids("</think>")
-        if tid is None or tid == tokenizer.unk_token_id:
-            raise ValueError("the tokenizer has no `</think>` token: use --forced-close eos")
-        return tid
-    raise ValueError(f"close must be 'think' or 'eos', got {close!r}")
+    tid = tokenizer.convert_tokens_to_ids("</think>")
+    if tid is None or tid == tokenizer.unk_token_id:
+        raise ValueError("the tokenizer has no `</think>` token: use --forced-close eos")
+    return tid
 
 
 def forced_prompt(prompt, response, b, tokenizer, close="think", suffix=SUFFIX):
