@@ -7,10 +7,8 @@ of the confidence (weighted voting, conformal early exit).
     python evaluate.py --model deepseek-r1-distill-qwen-7b --model runs/rlcm \\
         --benchmarks math500,aime24,aime25,amc23                              # one worker per GPU
 
-Per model and benchmark (evaluate_model): n samples per question, graded, each with a confidence,
-appended to --out/samples.jsonl (evaluation/generation.py; an interrupted evaluation resumes), then
-the metrics in --out/results.json and the printed table (evaluation/report.py), and a reliability
-diagram. Settings and protocol: docs/reference.md, "Evaluation".
+Per model and benchmark (evaluate_model): graded samples with a confidence in --out/samples.jsonl
+(resumable), metrics in --out/results.json and the table; protocol: docs/reference.md, "Evaluation".
 """
 import argparse
 import os

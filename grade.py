@@ -215,17 +215,13 @@ def rlcr_answer(text):
     return last_boxed(text) if tag is not None and blank_answer(tag) and "\\boxed{" in text else tag
 
 
-def thinking(text):
-    """The thinking of a response: the text before its first `</think>`, all of it when there is none
-    (the released evaluation's extract_thinking_content)."""
-    end = text.find("</think>")
-    return text if end < 0 else text[:end]
-
-
 def boxed_in_thinking(text):
-    """Whether the thinking holds a `\\boxed{` that closes (not `\\fbox{}` nor `\\boxed 5`): the released
-    evaluation's gate on a natural answer. `3+5=8</think>\\boxed{8}` has none; `8 \\boxed{8}</think>` one."""
-    return last_boxed(thinking(text)) is not None
+    """Whether the thinking (the text before the first `</think>`, all of it without one: released
+    extract_thinking_content) holds a `\\boxed{` that closes (not `\\fbox{}` nor `\\boxed 5`), the
+    released gate on a natural answer: `3+5=8</think>\\boxed{8}` has none, `8 \\boxed{8}</think>`
+    one."""
+    end = text.find("</think>")
+    return last_boxed(text if end < 0 else text[:end]) is not None
 
 
 def extract(text, grader="math", form="box"):

@@ -102,9 +102,7 @@ def mc_labels(model, tokenizer, prompts, responses, budget_lists, golds, k=4, te
     judge(answer, i) -> float in [0, 1] or None: --reward-fn's value in place of the grader
     (harness/rewardfn.py); Y_b is then the mean of the values given, None where none is.
     features=True: returns (labels, feats), feats N float32 CPU tensors [len(cuts), d] of
-    probe.prefix_features at every cut: tree=False one forward over prompt + response
-    (plain_features), tree=True off the forced answers' prefill; test_label.py
-    (test_plain_and_tree_features_are_equal_on_the_toy) holds the two equal.
+    probe.prefix_features at every cut: tree=False plain_features, tree=True the same off a prefill.
     """
     # 1. The forced prompt after every cut. Equal ones (samples of a problem that agree up to the
     #    cut, common for short prefixes) estimate the same probability: each is asked once.

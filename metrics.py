@@ -149,7 +149,6 @@ def pass_at_k(n, c, k):
     The product form (Chen et al. 2021, the HumanEval paper) never forms the binomials, which
     overflow a float from n ~ 1000; it is 1 when n - c < k (every k-subset holds a right sample).
     Example: n = 5, c = 2, k = 2: 1 - C(3, 2) / C(5, 2) = 1 - 3/10 = 0.7; with k = 1 it is c / n.
-    A benchmark's pass@k is the mean over its questions.
     """
     if not 0 <= c <= n or not 1 <= k <= n:
         raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")

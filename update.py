@@ -19,8 +19,7 @@ def budget_ends(prompt_lens, budget_lists, width=None):
     width = width or max((len(bs) for bs in budget_lists), default=0)
     ends = torch.zeros(len(budget_lists), max(width, 1), dtype=torch.long)
     for i, bs in enumerate(budget_lists):
-        for j, b in enumerate(bs):
-            ends[i, j] = int(prompt_lens[i]) + b
+        ends[i, :len(bs)] = torch.tensor(bs, dtype=torch.long) + int(prompt_lens[i])
     return ends
 
 

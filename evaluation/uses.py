@@ -53,9 +53,7 @@ def voting_curves(questions, draws=16, seed=0):
     over `draws` random size-k subsets per question (all samples at k = n). questions: dicts of
     equal-length lists "keys" (cluster ids, None = no answer), "correct" (0/1; a cluster's is its
     first sample's) and "conf"."""
-    if not questions:
-        return {"k": [], "majority": [], "weighted": []}
-    n = min(len(q["keys"]) for q in questions)
+    n = min((len(q["keys"]) for q in questions), default=0)
     rng = random.Random(seed)
     out = {"k": [], "majority": [], "weighted": []}
     for k in vote_sizes(n):
