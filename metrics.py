@@ -27,15 +27,10 @@ def _check(conf, correct):
     return conf, correct
 
 
-def _bin_index(conf, n_bins):
-    """Bin of each confidence: min(floor(c * n_bins), n_bins - 1), so 1.0 lands in the last bin."""
-    return np.minimum(np.floor(conf * n_bins).astype(np.int64), n_bins - 1)
-
-
 def reliability(conf, correct, n_bins=10):
     """Per-bin rows {lo, hi, count, mean_conf, accuracy}, n_bins rows; empty bins: count 0, nan, nan."""
     conf, correct = _check(conf, correct)
-    idx = _bin_index(conf, n_bins)
+    idx = np.minimum(np.floor(conf * n_bins).astype(np.int64), n_bins - 1)  # 1.0: the last bin
     rows = []
     for i in range(n_bins):
         sel = idx == i
@@ -77,12 +72,6 @@ def brier(conf, correct):
     return float(((conf - correct) ** 2).mean())
 
 
-def _average_ranks(x):
-    """1-based ranks of x [N] with tied values given the average of their ranks."""
-    _, where, counts = np.unique(x, return_inverse=True, return_counts=True)
-    return (np.cumsum(counts) - (counts - 1) / 2.0)[where]
-
-
 def auroc(conf, correct):
     """Area under the ROC curve of conf as a predictor of correct; nan when only one class is present.
 
@@ -96,7 +85,8 @@ def auroc(conf, correct):
     n0 = correct.size - n1
     if n1 == 0 or n0 == 0:
         return math.nan
-    ranks = _average_ranks(conf)
+    _, where, counts = np.unique(conf, return_inverse=True, return_counts=True)
+    ranks = (np.cumsum(counts) - (counts - 1) / 2.0)[where]
     return float((ranks[correct == 1].sum() - n1 * (n1 + 1) / 2.0) / (n1 * n0))
 
 
