@@ -14,8 +14,6 @@ from rollout import generate
 from harness import rewardfn, runlog, staticcache
 from harness.parallel import RANK, WORLD, all_gather, all_sum
 
-EPS = 1e-7
-
 
 @torch.no_grad()
 def held_out_accuracy(sampler, tok, rows, cfg, instruction, device, probe=None, probe_stats=None):
@@ -81,7 +79,7 @@ def summary(trajectories, k):
     C = np.array([c for t in trajectories for c in t["C_b"]], dtype=np.float64)
     if Y.size == 0:
         return dict(eval_probe_prefixes=0)
-    Cc = np.clip(C, EPS, 1 - EPS)
+    Cc = np.clip(C, 1e-7, 1 - 1e-7)
     right = np.rint(Y * k).astype(int)
     forced = np.concatenate([[1.0] * r + [0.0] * (k - r) for r in right])
     return dict(eval_probe_bce=float(-(Y * np.log(Cc) + (1 - Y) * np.log(1 - Cc)).mean()),

@@ -202,7 +202,6 @@ def fit_posthoc(x, y, groups, seed=42, max_epochs=100, patience=30, batch_size=6
     prb.load_state_dict(best[1])
     yt, yv = yt.cpu(), yv.cpu()
     pv = probe_lib.predict(prb, xv.cpu())
-    # The constant predictors: the training base rate of the soft labels and of the rounded ones.
     base, base_r = torch.full_like(yv, float(yt.mean())), torch.full_like(yv, float(yt.round().mean()))
     report = dict(best[2], n_train=len(tr), n_val=len(va),
                   val_problems=len(set(groups[va].tolist())), train_problems=len(set(groups[tr].tolist())),
