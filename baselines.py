@@ -60,8 +60,6 @@ def c2gspg_advantages(rewards01, conf, group_size):
     correctness; conf: the sequence confidence c, detached (the BCE term is c2gspg_loss)."""
     r = torch.as_tensor(rewards01, dtype=torch.float32)
     c = torch.as_tensor(conf).detach().to(r.device, torch.float32)
-    if group_size < 1 or r.numel() % group_size or c.shape != r.shape:
-        raise ValueError(f"need rewards and conf of equal length, divisible into groups of {group_size}")
     g = r.view(-1, group_size)
     centred = (g - g.mean(dim=1, keepdim=True)).reshape(-1)
     return centred / (1 - c).clamp(min=1e-6)
@@ -80,9 +78,6 @@ def c2gspg_loss(correct, form="seq-mean"):
     BCE(c_theta, correct [N] 0/1), logged as c2gspg_bce, as the mean over sequences ("seq-mean") or
     with every response token carrying its sequence's BCE ("token-mean", the released agg_loss).
     """
-    if form not in ("seq-mean", "token-mean"):
-        raise ValueError(f"form must be 'seq-mean' or 'token-mean', got {form!r}")
-
     def bce(logp, mask, rows):
         per_seq = c2gspg_bce(sequence_confidence(logp, mask), correct[rows].to(logp.device))
         return per_seq if form == "seq-mean" else per_seq[:, None].expand(mask.shape)

@@ -7,10 +7,8 @@ of the confidence (weighted voting, conformal early exit).
     python evaluate.py --model deepseek-r1-distill-qwen-7b --model runs/rlcm \\
         --benchmarks math500,aime24,aime25,amc23                              # one worker per GPU
 
-Per model and benchmark (evaluate_model): n samples per question, graded, each with a confidence,
-appended to --out/samples.jsonl (evaluation/generation.py; an interrupted evaluation resumes), then
-the metrics in --out/results.json and the printed table (evaluation/report.py), and a reliability
-diagram. Settings and protocol: docs/reference.md, "Evaluation".
+Per model and benchmark (evaluate_model): graded samples with a confidence in --out/samples.jsonl
+(resumable), metrics in --out/results.json and the table; protocol: docs/reference.md, "Evaluation".
 """
 import argparse
 import os
@@ -124,10 +122,8 @@ def parse_args(argv=None):
     g.add_argument("--benchmarks", default="toy", help="comma list: toy, math500, ..., FILE or NAME=FILE")
     g.add_argument("--limit", type=int, help="questions per benchmark")
     g.add_argument("--toy-world", default=toy.WORLD, choices=sorted(toy.WORLDS),
-                   help=f"the toy world the models were warm-started in, recorded with the toy benchmarks' results "
-                        f"(toy.WORLDS; default {toy.WORLD}, --model toy's; both read the same rows)")
-    g.add_argument("--lcb-release", default=data.LCB_RELEASE,
-                   help="LiveCodeBench window: vN or vA_vB (default v4_v5, DeepSeek-R1's and lighteval's)")
+                   help="the toy world the models were warm-started in, recorded with the results")
+    g.add_argument("--lcb-release", default=data.LCB_RELEASE, help="the lcb window: vN or vA_vB")
     g.add_argument("--out", help="output dir (default RUN/eval or eval_out/<model>)")
     g.add_argument("--unconfined-code", action="store_true",
                    help="run lcb's programs without namespaces where the sandbox has none (they can escape)")
@@ -145,33 +141,27 @@ def parse_args(argv=None):
     g.add_argument("--gpu-mem", type=float, help="GiB of the GPU to plan for (default: this one's, else 80)")
     g = p.add_argument_group("confidence")
     g.add_argument("--confidence", choices=confidence.SOURCES,
-                   help="default probe-posthoc (the paper's); probe: the run's probe.pt; verbal: the "
-                        "<confidence> tag; verbal-forced: RLCR's released reading; logits: C2GSPG's")
-    g.add_argument("--logit-temperature", type=float,
-                   help="temperature of --confidence logits (default: the run's training one, 0.8)")
+                   help="where a sample's confidence comes from (default probe-posthoc)")
+    g.add_argument("--logit-temperature", type=float, help="temperature of --confidence logits")
     g.add_argument("--every", type=int, help="thinking tokens between probe budgets / exit checkpoints (500; toy 8)")
     g.add_argument("--posthoc-budgets", type=int, help="post-hoc budgets per rollout: every, 2 * every, ... (16)")
-    g.add_argument("--forced-k", type=int,
-                   help="forced answers per post-hoc budget (16; toy 4) and verbal-forced re-answers")
+    g.add_argument("--forced-k", type=int, help="forced answers per post-hoc budget (16; toy 4)")
     g.add_argument("--forced-close", choices=("think", "eos"), default="think")
     g.add_argument("--probe-data", help="post-hoc probe questions (default: toy / deepscaler; toy-pooled)")
     g.add_argument("--probe-questions", type=int, help="how many (default 80, as released; toy-pooled 240)")
     g.add_argument("--probe-samples", type=int, help="rollouts per post-hoc question (default 8, as released)")
     g.add_argument("--posthoc-fit", choices=("released", "project"), default="released",
-                   help="the post-hoc fit's split and validation loss: as released, or the project's")
+                   help="the post-hoc fit's split and validation loss")
     g.add_argument("--posthoc-tokens", choices=("sampled", "text"), default="sampled",
                    help="post-hoc forced prompts: the sampled ids (default) or, as released, re-tokenized")
     g.add_argument("--no-early-exit", action="store_true", help="skip the forced answers at exit checkpoints")
     g = p.add_argument_group("prompt (default: what the run trained with, else the benchmark's)")
     g.add_argument("--instruction", help="text appended to every problem")
     g.add_argument("--system-prompt", help="system turn before the problem")
-    g.add_argument("--gate", choices=("thinking", "none"),
-                   help="thinking (default; toy: none): right only with a box before `</think>`, as released")
-    g.add_argument("--answer", choices=("box", "tag"),
-                   help="the answer: the last \\boxed{} or <answer> tag (default: tag for an rlcr run)")
+    g.add_argument("--gate", choices=("thinking", "none"), help="thinking: a box before </think>")
+    g.add_argument("--answer", choices=("box", "tag"), help="the last \\boxed{} or <answer>")
     g.add_argument("--mode", choices=("boxed", "rlcr"), default="boxed",
-                   help="rlcr: the released evaluation's for RLCR and C2GSPG: RLCR's prompt, the <answer> "
-                        "tag and --confidence verbal-forced unless --confidence says otherwise")
+                   help="rlcr: RLCR's prompt, the <answer> tag and --confidence verbal-forced")
     args = p.parse_args(argv)
     if args.mode == "rlcr" and args.confidence is None:
         args.confidence = "verbal-forced"

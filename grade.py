@@ -5,22 +5,8 @@
     answers_match(answer, gold, grader="math")  # an answer already extracted (a forced one) vs gold
     is_correct(text, gold, grader="code")       # the last fenced code block passes the gold's tests
 
-Graders (`--grader` in train.py; evaluation always uses "math"):
-- "strict", the released training reward: the last `\\boxed{` (braces counted plainly; unclosed:
-  wrong) and the gold, each in strict_form, must be equal strings: "007" = "7", "2.0" = "2", but
-  "\\dfrac{1}{2}" != "\\frac{1}{2}" and "1,000" != "1000".
-- "minerva", the released RLCR reward: the <answer> tag and the gold, each in Minerva's normal form
-  (minerva_form), must be equal strings: "$17$", "x = 5", "10,000" match 17, 5, 10000.
-- "math", evaluation's safe grader: the last `\\boxed{}` or `\\fbox{}`, spelling normalised, plain
-  decimals compared as exact numbers, else math-verify's LaTeX parser only (its plain-expression
-  parser calls eval on model text). Against a GPQA option letter, a forced or RLCR answer naming an
-  option is graded by that letter (gpqa_choice), a natural boxed one as released (released_letter).
-- "code" (LiveCodeBench, evaluation only): the last fenced block after the thinking passes every
-  test of the gold's JSON, run in a sandboxed child (harness/sandbox.py); not a training grader.
-
-Time bound: a grading call returns within about GRADE_TIMEOUT_S on any input, in any thread
-(linear patterns only, long answers compared as plain strings, math-verify in a worker process
-stopped at the deadline: harness/verifier.py; docs/reference.md, "... leaves, in more words").
+Graders ("strict", "minerva", "math": evaluation's, "code") and the time bound of every grading
+call (GRADE_TIMEOUT_S): docs/reference.md, "Evaluation and the method's leaves, in more words".
 """
 import json
 import re
@@ -229,17 +215,13 @@ def rlcr_answer(text):
     return last_boxed(text) if tag is not None and blank_answer(tag) and "\\boxed{" in text else tag
 
 
-def thinking(text):
-    """The thinking of a response: the text before its first `</think>`, all of it when there is none
-    (the released evaluation's extract_thinking_content)."""
-    end = text.find("</think>")
-    return text if end < 0 else text[:end]
-
-
 def boxed_in_thinking(text):
-    """Whether the thinking holds a `\\boxed{` that closes (not `\\fbox{}` nor `\\boxed 5`): the released
-    evaluation's gate on a natural answer. `3+5=8</think>\\boxed{8}` has none; `8 \\boxed{8}</think>` one."""
-    return last_boxed(thinking(text)) is not None
+    """Whether the thinking (the text before the first `</think>`, all of it without one: released
+    extract_thinking_content) holds a `\\boxed{` that closes (not `\\fbox{}` nor `\\boxed 5`), the
+    released gate on a natural answer: `3+5=8</think>\\boxed{8}` has none, `8 \\boxed{8}</think>`
+    one."""
+    end = text.find("</think>")
+    return last_boxed(text if end < 0 else text[:end]) is not None
 
 
 def extract(text, grader="math", form="box"):

@@ -21,9 +21,6 @@ def pack(prompts, responses, pad_id, logprobs=None):
       loss_mask [0, 1, 1, 0] (targets 6, 7, 2, pad).
     The mask is by position, not by id, so an EOS that equals pad_id is still trained.
     """
-    if len(prompts) != len(responses) or not prompts:
-        raise ValueError(f"need one response per prompt and at least one pair, got "
-                         f"{len(prompts)} prompts and {len(responses)} responses")
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (the first response token is predicted from it)")
     n = len(prompts)
@@ -76,11 +73,7 @@ def logprobs_from_hidden(hidden, lm_head, targets, temperature=1.0, chunk_size=1
     The LM head runs on chunks of chunk_size positions, each checkpointed when gradients are needed
     (autograd would otherwise keep every chunk's [chunk, V] softmax, the full logits again).
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
     n, L, d = hidden.shape
-    if targets.shape != (n, L - 1):
-        raise ValueError(f"targets must be [N, L-1] = [{n}, {L - 1}], got {list(targets.shape)}")
     h = hidden[:, :-1].reshape(-1, d)
     t = targets.reshape(-1).to(hidden.device)
     grad = torch.is_grad_enabled() and (h.requires_grad or any(p.requires_grad for p in lm_head.parameters()))

@@ -1,26 +1,12 @@
 """Monte-Carlo labels for reasoning prefixes: truncate, force an answer K times, count.
 
-A response of T generated tokens (EOS included) is cut at (Python round: half to even, zeros and
-duplicates dropped)
-
-    b = min(T, round(f * T))   for f in (0.25, 0.5, 0.75)
-
-and the policy answers right now from each prefix, K = 4 times (temperature 0.8, top-p 1.0, at most
-32 tokens, stopped at a newline); an answer is the text up to the brace closing the forced box:
-
-    forced = prompt + response[:b] + CLOSE + SUFFIX
+    b      = min(T, round(f * T))   for f in (0.25, 0.5, 0.75)    (T: response tokens, EOS included)
+    forced = prompt + response[:b] + CLOSE + SUFFIX                (CLOSE: `</think>` or EOS)
     Y_b    = (1/K) * sum_k 1[answer_k == gold]    (grade.answers_match; --reward-fn: its mean value)
 
-CLOSE is `</think>` (close="think", the paper's) or the EOS token (close="eos", the released code),
-not doubled where the prefix already ends on it (closed_cut). Equal forced prompts are asked once.
-
-`mc_labels` is this algorithm in three steps (forced prompts, K answers to each, Y_b). Its answers
-come from `sample_answers`: the plain path (tree=False), the one to read, is rollout.generate on
-each whole forced prompt; the fast path (the default, `_forced_samples`) gives the same samples
-(tests/test_label.py) at less cost, prefilling along the prefix tree of a trajectory's forced
-prompts, and reads the probe's features off that prefill. Each answer draws from a stream seeded
-from (seed, its forced prompt, its index), so labels do not depend on how cuts are grouped.
-How the tree is shared: docs/reference.md, "Evaluation and the method's leaves, in more words".
+`mc_labels` is the algorithm; its answers come from `sample_answers`: the plain path (tree=False),
+the one to read, or the default fast path along each trajectory's prefix tree, which gives the same
+samples (tests/test_label.py). Details: docs/reference.md, "... the method's leaves, in more words".
 """
 from contextlib import nullcontext
 
@@ -70,12 +56,10 @@ def close_id(tokenizer, close="think"):
     """Token id inserted between the prefix and the suffix: `</think>` or the EOS token."""
     if close == "eos":
         return tokenizer.eos_token_id
-    if close == "think":
-        tid = tokenizer.convert_tokens_to_ids("</think>")
-        if tid is None or tid == tokenizer.unk_token_id:
-            raise ValueError("the tokenizer has no `</think>` token: use --forced-close eos")
-        return tid
-    raise ValueError(f"close must be 'think' or 'eos', got {close!r}")
+    tid = tokenizer.convert_tokens_to_ids("</think>")
+    if tid is None or tid == tokenizer.unk_token_id:
+        raise ValueError("the tokenizer has no `</think>` token: use --forced-close eos")
+    return tid
 
 
 def forced_prompt(prompt, response, b, tokenizer, close="think", suffix=SUFFIX):
@@ -118,9 +102,7 @@ def mc_labels(model, tokenizer, prompts, responses, budget_lists, golds, k=4, te
     judge(answer, i) -> float in [0, 1] or None: --reward-fn's value in place of the grader
     (harness/rewardfn.py); Y_b is then the mean of the values given, None where none is.
     features=True: returns (labels, feats), feats N float32 CPU tensors [len(cuts), d] of
-    probe.prefix_features at every cut: tree=False one forward over prompt + response
-    (plain_features), tree=True off the forced answers' prefill; test_label.py
-    (test_plain_and_tree_features_are_equal_on_the_toy) holds the two equal.
+    probe.prefix_features at every cut: tree=False plain_features, tree=True the same off a prefill.
     """
     # 1. The forced prompt after every cut. Equal ones (samples of a problem that agree up to the
     #    cut, common for short prefixes) estimate the same probability: each is asked once.

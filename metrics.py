@@ -2,18 +2,8 @@
 the share of the advantage the calibration term sets.
 
 Inputs are 1-D sequences of the same length N > 0: `conf` in [0, 1] (the model's probability of being
-right) and `correct` in [0, 1] (1 = right, 0 = wrong; AUROC needs exactly 0/1).
-
-Bins are equal-width, `[i/n, (i+1)/n)` for i = 0..n-1, and the last bin also holds 1.0; a sample
-with confidence c falls in bin `min(floor(c * n), n - 1)`. Empty bins contribute nothing.
-
-    ECE   = sum_bins n_bin / N * |mean_conf_bin - accuracy_bin|
-    PCE   = sum_bins n_bin / N * max(mean_conf_bin - accuracy_bin, 0)     (over-confidence only)
-    Brier = mean_i (conf_i - correct_i)^2
-    AUROC = P(conf of a right sample > conf of a wrong one), ties count 1/2 (Mann-Whitney U)
-
-Example: conf (0.9, 0.9, 0.1, 0.1), correct (1, 0, 0, 0): bin 9 has gap 0.9 - 0.5 = 0.4, bin 1 has
-gap 0.1 - 0 = 0.1, each holds half the samples, so ECE = PCE = 0.5 * 0.4 + 0.5 * 0.1 = 0.25.
+right) and `correct` in [0, 1] (1 = right, 0 = wrong; AUROC needs exactly 0/1). Bins are equal-width
+`[i/n, (i+1)/n)`, the last also holding 1.0; empty bins contribute nothing (docs/reference.md).
 """
 import math
 
@@ -37,17 +27,10 @@ def _check(conf, correct):
     return conf, correct
 
 
-def _bin_index(conf, n_bins):
-    """Bin of each confidence: min(floor(c * n_bins), n_bins - 1), so 1.0 lands in the last bin."""
-    if int(n_bins) < 1:
-        raise ValueError(f"n_bins must be a positive integer, got {n_bins}")
-    return np.minimum(np.floor(conf * n_bins).astype(np.int64), n_bins - 1)
-
-
 def reliability(conf, correct, n_bins=10):
     """Per-bin rows {lo, hi, count, mean_conf, accuracy}, n_bins rows; empty bins: count 0, nan, nan."""
     conf, correct = _check(conf, correct)
-    idx = _bin_index(conf, n_bins)
+    idx = np.minimum(np.floor(conf * n_bins).astype(np.int64), n_bins - 1)  # 1.0: the last bin
     rows = []
     for i in range(n_bins):
         sel = idx == i
@@ -89,22 +72,6 @@ def brier(conf, correct):
     return float(((conf - correct) ** 2).mean())
 
 
-def _average_ranks(x):
-    """1-based ranks of x [N] with tied values given the average of their ranks."""
-    order = np.argsort(x, kind="mergesort")
-    xs = x[order]
-    ranks = np.empty(x.size, dtype=np.float64)
-    start = 0
-    # Runs of equal values share the mean of the ranks start+1 .. end.
-    while start < x.size:
-        end = start + 1
-        while end < x.size and xs[end] == xs[start]:
-            end += 1
-        ranks[order[start:end]] = (start + 1 + end) / 2.0
-        start = end
-    return ranks
-
-
 def auroc(conf, correct):
     """Area under the ROC curve of conf as a predictor of correct; nan when only one class is present.
 
@@ -118,7 +85,8 @@ def auroc(conf, correct):
     n0 = correct.size - n1
     if n1 == 0 or n0 == 0:
         return math.nan
-    ranks = _average_ranks(conf)
+    _, where, counts = np.unique(conf, return_inverse=True, return_counts=True)
+    ranks = (np.cumsum(counts) - (counts - 1) / 2.0)[where]
     return float((ranks[correct == 1].sum() - n1 * (n1 + 1) / 2.0) / (n1 * n0))
 
 
@@ -149,8 +117,6 @@ def bootstrap(conf, correct, groups, stats=None, n_resamples=1000, seed=0, z=1.9
     conf, correct = _check(conf, correct)
     stats = stats or {"acc": lambda c, y: float(y.mean()), "ece": ece, "pce": pce}
     _, members = np.unique(np.asarray(groups).reshape(-1), return_inverse=True)
-    if members.size != conf.size:
-        raise ValueError(f"groups has {members.size} entries for {conf.size} samples")
     by_group = [np.flatnonzero(members == g) for g in range(members.max() + 1)]
     rng = np.random.default_rng(seed)
     draws = {name: [] for name in stats}
@@ -173,7 +139,6 @@ def pass_at_k(n, c, k):
     The product form (Chen et al. 2021, the HumanEval paper) never forms the binomials, which
     overflow a float from n ~ 1000; it is 1 when n - c < k (every k-subset holds a right sample).
     Example: n = 5, c = 2, k = 2: 1 - C(3, 2) / C(5, 2) = 1 - 3/10 = 0.7; with k = 1 it is c / n.
-    A benchmark's pass@k is the mean over its questions.
     """
     if not 0 <= c <= n or not 1 <= k <= n:
         raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")

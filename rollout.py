@@ -4,14 +4,8 @@ path builds a decode.Sampler itself).
     samples = generate(model, tokenizer, prompts, n=8, max_new_tokens=1024, temperature=0.8, seed=0)
     samples.ids[i * 8 + j]   # j-th continuation of prompts[i]: generated ids only, EOS/stop included
 
-A chunk of batch_size prompts is prefilled once, its n samples per prompt sharing the prefill, then
-decoded "dynamic" (the reference loop, Sampler._decode_dynamic in decode.py) or "static"
-(CUDA graphs, harness/staticcache.py; the default on CUDA): the same samples for a seed.
-
-Scores (scores=True, the RL step's rollout): with every sampled token come its log-prob and the
-entropy of the distribution it was drawn from, under the full softmax(logits / temperature) (at
-temperature 1 for greedy), not the top_p-restricted one: what grpo.token_logprobs computes, so
-update.py can measure how far the sampler is from the policy it trains.
+Decoding is "dynamic" (the reference loop: decode.py, Sampler._decode_dynamic) or "static" (CUDA
+graphs, the default on CUDA): the same samples for a seed (docs/reference.md).
 """
 from dataclasses import dataclass, field
 
@@ -41,7 +35,7 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
     stop: strings (stop once the generated text contains one) and/or token ids, the token that
     completes a stop kept. eos_ids: default the generation config's and tokenizer's. seed: the same
     seed, prompts and batch_size give the same samples, on either decode path. scores:
-    Samples.logprobs and .entropy_sum (module docstring; else empty lists).
+    Samples.logprobs and .entropy_sum under softmax(logits / temperature), not top-p's (else []).
     batch_size: prompts per chunk (rows = batch_size * n). decode: "static" | "dynamic" | None
     (static on CUDA). chunks: the indices of the chunks to sample (None: all), each with the
     generator it has in a call that runs them all (evaluation/shard.py). progress: a bar (a string:

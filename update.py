@@ -1,19 +1,8 @@
-"""The forwards of one RL step: scoring the rollout before the update, where it is needed, and the update.
-
-`score`, one no-grad pass over prompt + response: old token log-probs (for --ppo-epochs > 1 and
-C2GSPG's confidence) and the probe's features at the cut ends, which a forward hook
-(probe.last_layer) reduces to those positions, so no [N, L, d] stack of hidden states is kept.
-
+"""The forwards of one RL step: `score`, one no-grad pass over prompt + response for the old token
+log-probs and the probe's features at the cut ends (a forward hook keeps only those positions), and
 `update`, one optimizer step over micro-batches of at most --micro-tokens padded tokens, each
-weighted by its share of the batch: the gradient of one loss over the batch however it is cut, on
-one process or under FSDP2 (--agg token-mean-per-micro-batch weighs them by rows, as verl does).
-With the sampler's log-probs in the batch (grpo.pack's sampler_logp) it measures how far the sampler
-(the bf16 generation copy on GPUs) is from the policy, d = logp_trainer - logp_sampler per trained
-response token, in float64:
-  sampler_gap        mean over tokens of |d|
-  sampler_kl_k3      mean over tokens of r - 1 - log r, r = exp(d): Schulman's k3 estimate of
-                     KL(sampler || trainer), since the tokens are drawn from the sampler
-  sampler_ratio_max  the largest sequence ratio exp(sum over its tokens of d)
+weighted by its share of the batch, which also measures the sampler's gap to the policy
+(sampler_gap, sampler_kl_k3, sampler_ratio_max; docs/reference.md).
 """
 import math
 from contextlib import nullcontext
@@ -30,8 +19,7 @@ def budget_ends(prompt_lens, budget_lists, width=None):
     width = width or max((len(bs) for bs in budget_lists), default=0)
     ends = torch.zeros(len(budget_lists), max(width, 1), dtype=torch.long)
     for i, bs in enumerate(budget_lists):
-        for j, b in enumerate(bs):
-            ends[i, j] = int(prompt_lens[i]) + b
+        ends[i, :len(bs)] = torch.tensor(bs, dtype=torch.long) + int(prompt_lens[i])
     return ends
 
 

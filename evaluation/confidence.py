@@ -180,10 +180,6 @@ def features(model, prompts, responses, budget_lists, pad_id, final_norm, batch_
 
 def probe_confidences(prb, feats):
     """Probe probabilities for a list of [B_i, d] feature tensors -> list of lists of floats."""
-    flat = torch.cat(feats) if feats else torch.zeros(0, prb.dim)
-    probs = probe_lib.predict(prb, flat).cpu().tolist() if len(flat) else []
-    out, s = [], 0
-    for f in feats:
-        out.append(probs[s:s + len(f)])
-        s += len(f)
-    return out
+    sizes = [len(f) for f in feats]
+    probs = probe_lib.predict(prb, torch.cat(feats)).cpu() if sum(sizes) else torch.zeros(0)
+    return [p.tolist() for p in probs.split(sizes)]

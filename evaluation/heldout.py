@@ -1,14 +1,6 @@
 """The held-out check during training: accuracy, with the same problems and seed at every check
-(T 0.6), and the probe out of sample, on the prefixes of the first --eval-probe-n trajectories,
-labelled as a step labels them (unlike the step's in-sample probe_bce / probe_ece):
-
-    eval_probe_bce    -mean_b [Y_b log C_b + (1 - Y_b) log(1 - C_b)]        (soft labels, as fitted)
-    eval_probe_ece    metrics.ece(C_b, Y_b)
-    eval_probe_auroc  metrics.auroc over the K forced answers: each prefix counts K times with its
-                      C_b, K * Y_b of them right (nan when all are right or all wrong)
-    eval_margin       mean over trajectories of reward.margin_reward (the reward it would have earned);
-                      under the Brier modes eval_brier, the mean of reward.brier_reward instead
-    eval_probe_prefixes  how many prefixes
+(T 0.6), and the probe out of sample (eval_probe_bce, _ece, _auroc, eval_margin or eval_brier;
+docs/reference.md) on the prefixes of the first --eval-probe-n trajectories, labelled as in a step.
 """
 import numpy as np
 import torch
@@ -22,12 +14,10 @@ from rollout import generate
 from harness import rewardfn, runlog, staticcache
 from harness.parallel import RANK, WORLD, all_gather, all_sum
 
-EPS = 1e-7
-
 
 @torch.no_grad()
 def held_out_accuracy(sampler, tok, rows, cfg, instruction, device, probe=None, probe_stats=None):
-    """Accuracy on the held-out `rows` (module docstring); with a `probe_stats` dict, the probe's
+    """Accuracy on the held-out `rows`; with a `probe_stats` dict, the probe's
     calibration on the first eval_probe_n trajectories is added to it. nan when nothing was scored
     (a --reward-fn that returned None for every response)."""
     mine = rows[RANK::WORLD]
@@ -84,12 +74,12 @@ def probe_calibration(model, tok, prb, prompts, out, rows, cfg, seed):
 
 
 def summary(trajectories, k):
-    """The eval_probe_* numbers of the module docstring from probe_calibration's dicts."""
+    """The eval_probe_* numbers (docs/reference.md) from probe_calibration's dicts."""
     Y = np.array([y for t in trajectories for y in t["Y_b"]], dtype=np.float64)
     C = np.array([c for t in trajectories for c in t["C_b"]], dtype=np.float64)
     if Y.size == 0:
         return dict(eval_probe_prefixes=0)
-    Cc = np.clip(C, EPS, 1 - EPS)
+    Cc = np.clip(C, 1e-7, 1 - 1e-7)
     right = np.rint(Y * k).astype(int)
     forced = np.concatenate([[1.0] * r + [0.0] * (k - r) for r in right])
     return dict(eval_probe_bce=float(-(Y * np.log(Cc) + (1 - Y) * np.log(1 - Cc)).mean()),

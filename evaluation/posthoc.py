@@ -162,12 +162,11 @@ def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions
 
 def fit_posthoc(x, y, groups, seed=42, max_epochs=100, patience=30, batch_size=64, grid=GRID, device="cpu",
                 val_frac=0.2, plateau=(0.5, 5), rule="released"):
-    """The released fit: x [M, d], y [M] soft labels, groups [M], split by split_groups. For each
-    (lr, dropout, weight decay) of the grid, a fresh Probe(d, d // 4, dropout) (torch seed `seed`),
-    AdamW, an epoch one shuffled pass, ReduceLROnPlateau(*plateau) on val_loss against round(y)
-    ("project": lower by 1e-6 to count), stopped after `patience` epochs without a lower one.
-    Returns (the grid's best probe, report: its settings, the split, its validation BCE beside the
-    constant predictors mean(y_train) and mean(round(y_train))).
+    """The released fit (docs/reference.md, "Evaluation"): x [M, d], y [M] soft labels, groups [M],
+    split by split_groups, a fresh Probe per grid point (torch seed `seed`), val_loss against
+    round(y) ("project": lower by 1e-6 to count). Returns (the grid's best probe, report: its
+    settings, the split, its validation BCE beside the constant predictors mean(y_train) and
+    mean(round(y_train))).
     """
     if not torch.isfinite(x).all():
         raise FloatingPointError(f"post-hoc probe: {int((~torch.isfinite(x)).any(1).sum())} of {len(x)} "
@@ -203,7 +202,6 @@ def fit_posthoc(x, y, groups, seed=42, max_epochs=100, patience=30, batch_size=6
     prb.load_state_dict(best[1])
     yt, yv = yt.cpu(), yv.cpu()
     pv = probe_lib.predict(prb, xv.cpu())
-    # The constant predictors: the training base rate of the soft labels and of the rounded ones.
     base, base_r = torch.full_like(yv, float(yt.mean())), torch.full_like(yv, float(yt.round().mean()))
     report = dict(best[2], n_train=len(tr), n_val=len(va),
                   val_problems=len(set(groups[va].tolist())), train_problems=len(set(groups[tr].tolist())),

@@ -1,8 +1,6 @@
 """What an evaluation reports: per-benchmark metrics with bootstrap intervals, voting and early
-exit (summarize), reliability diagrams, the printed table and OUT/results.json.
-
-Metrics are per benchmark over all samples; "Overall" is the paper's, the unweighted mean over every
-benchmark evaluated; the OOD benchmarks (data.OOD) have their own block and mean ("math", "ood").
+exit (summarize), reliability diagrams, the printed table and OUT/results.json (means: the paper's
+Overall, and the math and OOD benchmarks' means; docs/reference.md).
 """
 import json
 import math

@@ -1,14 +1,6 @@
-"""Evaluation on every GPU of a node: one worker per GPU, each running whole generate calls, and one
-samples.jsonl with the rows one process would have written, in the same order.
-
-    python evaluate.py --model M --benchmarks math500,aime24   # one worker per visible GPU
-    python evaluate.py --model toy --benchmarks toy --nproc 2  # two CPU workers (gloo): the same bytes
-    torchrun --nproc_per_node 8 evaluate.py --model M ...      # torchrun's ranks: the same path
-
-A call's samples depend on its questions together (seed, per-row noise, padding), so whole calls
-are dealt: in round r, rank k runs call r * WORLD + k, and rank 0, which alone reads and writes the
-output folder, appends the round's rows in call order. The post-hoc fit's work is dealt the same way
-(generate_dealt, spread). Grading runs in a thread while the next call generates (Rounds).
+"""Evaluation on every GPU of a node: one worker per GPU (or --nproc N on a CPU, or torchrun's
+ranks), each running whole generate calls, and one samples.jsonl with the rows one process would
+have written, in the same order (docs/reference.md).
 """
 import copy
 import dataclasses

@@ -1,18 +1,6 @@
-"""Two uses of a calibrated confidence: weighted voting over samples, and early exit from a trace.
-
-Voting over clusters of equal answers (cluster_answers; no answer abstains, ties go to the first):
-majority argmax_a sum_i 1[answer_i = a], weighted argmax_a sum_i 1[answer_i = a] * c_i.
-
-Early exit (conformal risk control, Angelopoulos et al. 2022). A trace's checkpoints j, every
-`every` thinking tokens, hold its probe confidence c_j, tokens t_j and y_j = 1 if an answer forced
-there is right; at threshold lam it exits at the first c_j >= lam, with loss 1 - y_j (0 if it never
-exits). That loss is not monotone in lam, so lam is calibrated on its monotone upper bound
-
-    bound_loss(lam) = max_{lam' >= lam} loss(lam') = 1[lam <= m]   (m: worst_exit)
-
-with questions as the exchangeable units (L_i: the mean bound_loss of a question's traces): on n
-calibration questions, the smallest lam with (n * mean_i L_i(lam) + 1) / (n + 1) <= epsilon. The
-guarantee E[test risk] <= epsilon is over random calibration / test splits (docs/reference.md).
+"""Two uses of a calibrated confidence: weighted voting over samples (vote, voting_curves), and
+an early exit from a trace at the first checkpoint whose confidence reaches a threshold,
+calibrated by conformal risk control over questions (split_early_exit; docs/reference.md).
 """
 import math
 import random
@@ -65,9 +53,7 @@ def voting_curves(questions, draws=16, seed=0):
     over `draws` random size-k subsets per question (all samples at k = n). questions: dicts of
     equal-length lists "keys" (cluster ids, None = no answer), "correct" (0/1; a cluster's is its
     first sample's) and "conf"."""
-    if not questions:
-        return {"k": [], "majority": [], "weighted": []}
-    n = min(len(q["keys"]) for q in questions)
+    n = min((len(q["keys"]) for q in questions), default=0)
     rng = random.Random(seed)
     out = {"k": [], "majority": [], "weighted": []}
     for k in vote_sizes(n):
