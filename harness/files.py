@@ -1,11 +1,10 @@
 """Files in run and evaluation folders, written whole and never through a link, and the one-line
 error a user can fix (UserError), which the rest of harness raises too.
 
-Every file written in such a folder is written without following a link planted there
-(`replacing`, `appending`, the lock): a folder may come from someone else (a shared project
-folder, an unpacked archive), and a link in it must not make this code overwrite what it points to.
-`read_jsonl` reads the JSON-lines logs (metrics, samples) and repairs a last line cut by a kill;
-`locked` holds a folder for its one writer; `identity` names a model folder by its content.
+Every file is written without following a link planted there (`replacing`, `appending`, the lock):
+a folder may come from someone else, and a link must not make this code overwrite what it points to.
+`read_jsonl` repairs a log's last line cut by a kill; `locked` holds a folder for its one writer;
+`identity` names a model folder by its content.
 """
 import errno
 import hashlib

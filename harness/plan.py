@@ -4,14 +4,8 @@ model's config alone (the model is built on the meta device: no weights are read
     python train.py --model deepseek-r1-distill-qwen-7b --plan --gpus 8 --gpu-mem 80       # check
     python evaluate.py --model deepseek-r1-distill-qwen-7b --benchmarks aime24 --plan      # eval_check
 
-The terms: docs/design.md, "Scale" (training), and docs/reference.md, "The memory plans"
-(--offload, --lora-rank, host memory, evaluation). Phases do not overlap, so a peak is what every
-phase holds plus the largest phase: for training max(rollout, labels, update, refresh), since the
-step frees the rollout's static buffers before the first label prefill and the labels' before the
-update (tests/test_plan.py); for evaluation max(generation, features, early exit). The check
-refuses on device memory only: the host may be another machine (--gpus / --gpu-mem), so host
-memory is printed, and flagged above this machine's RAM. On CPU (the toy world) everything is
-fp32 and one process uses the policy as its generation copy.
+The terms, and how a peak sums them: docs/design.md, "Scale" (training), and docs/reference.md,
+"The memory plans".
 """
 import os
 

@@ -3,22 +3,10 @@
     sampler = Sampler(model, tokenizer, max_new_tokens=64, temperature=0.8)
     ids, lengths, reasons = sampler.sample(sampler.prefill(prompts), n=4, generator=gen)  # on the device
 
-`prefill`: the prompts LEFT-padded to the longest in one eager forward, position ids
-`cumsum(attention_mask) - 1` (clamped at 0) so every prompt starts at 0; `after=prefix` appends a
-segment to an existing cache (label.py: the prompt once, the response, then each cut's suffix).
 Rows i*n .. i*n+n-1 continue prompt i, decoded by one of three loops that give the same samples
-(tests/test_rollout.py):
-  - `_decode_dynamic`, the reference and the loop to read first: a DynamicCache that grows by one
-    position per step; once a quarter of the batch has finished, finished rows are dropped;
-  - `_decode_shared` (share_rows=True): rows whose histories agree share one cache row;
-  - `_decode_static` (decode="static", the default on CUDA): preallocated buffers, a step over the
-    live length, replayed as a CUDA graph (harness/staticcache.py); eager on CPU.
-
-Sampling (`sample_next`) is an exponential race whose noise E_v ~ Exp(1) is drawn for every row of
-the chunk at every step, running or not: the random stream does not depend on which rows are still
-in the batch, so every decode path gives the same samples for the same seed. With a generator per
-row instead (`row_generators`), a row's sample does not depend on the chunk it lands in either
-(label.py's forced answers). Ids the tokenizer does not have (a padded embedding) are never sampled.
+(tests/test_rollout.py): `_decode_dynamic`, the reference to read first; `_decode_shared`
+(share_rows=True); `_decode_static` (the default on CUDA, harness/staticcache.py). How they differ
+and why every path draws the same samples: docs/reference.md, "The sampler".
 """
 import hashlib
 import inspect
@@ -138,13 +126,8 @@ def prefill(model, seqs, pad_id, after=None) -> Prefix:
 
 class Sampler:
     """The sampling settings of one call plus, for the static path, the model's static decoder.
-
-    share_rows (dynamic path only) pays for many samples of short answers (label.py: K forced
-    answers that mostly agree), not for long rollouts, whose rows diverge early and would move the
-    cache at every fork. close_depth: a row also stops (reason "stop") at the token where
-    close_depth plus the "{" minus the "}" of its generated text reaches 0: label.py's forced
-    answers end at the brace that closes the forced `\\boxed{` (close_depth=1).
-    """
+    close_depth: a row also stops ("stop") where close_depth + "{" - "}" of its text reaches 0
+    (label.py: 1, the brace that closes the forced `\\boxed{`); share_rows: docs/reference.md."""
 
     def __init__(self, model, tokenizer, max_new_tokens=256, temperature=1.0, top_p=1.0, stop=(),
                  eos_ids=None, decode=None, share_rows=False, close_depth=None):
