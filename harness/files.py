@@ -17,6 +17,11 @@ import sys
 import time
 from contextlib import contextmanager
 
+LOCK = "lock"
+WHOLE = 64 << 20
+HEAD, SAMPLES, SLICE = 1 << 20, 64, 1 << 16
+NOT_THE_MODEL = ("state.pt", "probe.pt")
+
 
 class UserError(ValueError):
     """A problem the user can fix (bad name, missing file, offline hub): printed as one line."""
@@ -94,12 +99,8 @@ def appending(path):
 
 
 def sha256(path):
-    """The sha256 hex digest of a file's bytes, read a MiB at a time."""
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def write_json(path, obj, indent=2):
@@ -150,9 +151,6 @@ def truncate_metrics(path, last_step):
         f.writelines(json.dumps(r) + "\n" for r in rows if r["step"] <= last_step)
 
 
-LOCK = "lock"
-
-
 @contextmanager
 def locked(folder, what="run"):
     """Hold FOLDER/lock while writing into FOLDER: one writer per folder. An flock (the kernel drops
@@ -201,11 +199,6 @@ def _holder(path, text=None):
         return f"pid {h['pid']} on {h['host']} (since {h['since']})"
     except (OSError, ValueError, KeyError, TypeError):
         return f"another process (lock file {path})"
-
-
-WHOLE = 64 << 20
-HEAD, SAMPLES, SLICE = 1 << 20, 64, 1 << 16
-NOT_THE_MODEL = ("state.pt", "probe.pt")
 
 
 def identity(path):
