@@ -14,7 +14,6 @@ BASE, CONFIG, WEIGHTS = "base.json", "adapter_config.json", "adapter_model.safet
 
 
 def is_adapter(path):
-    """Whether a checkpoint folder holds an adapter (not a whole model)."""
     return os.path.isfile(os.path.join(path, CONFIG))
 
 

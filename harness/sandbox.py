@@ -40,6 +40,7 @@ ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8",
        "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 allow_unconfined = False        # set by evaluate.py --unconfined-code: run code unconfined where namespaces fail
 hide = []                       # what else a program must not see (evaluate.py: models, benchmarks, --out)
+_warned = []                    # the reason, once the unconfined warning is printed
 _FENCE = re.compile(r"^[ \t]*```[^\n`]*\n(.*?)^[ \t]*```", re.M | re.S)
 
 
@@ -101,7 +102,8 @@ def run_tests(code, tests, fn_name=None, per_test_s=6.0):
             msg = next(lines, None)
             if not isinstance(msg, dict) or not _passes(msg, test, functional):
                 return False
-        return not (confined and _started_processes(child))  # as LiveCodeBench's guard: no processes
+        # LiveCodeBench's guard: the solution (its namespace's PID 1) must leave no process
+        return not (confined and any(_children(inner) for inner in _children(child.pid)))
     finally:
         _stop(child, confined)
         os.close(read_fd)
@@ -139,11 +141,6 @@ def _children(pid):
     except OSError:  # gone, or a kernel without /proc/PID/task/TID/children
         pass
     return found
-
-
-def _started_processes(child):
-    """Whether the solution (PID 1 of its namespace, the one child of `unshare`) has a process left."""
-    return any(_children(inner) for inner in _children(child.pid))
 
 
 def _stop(child, confined):
@@ -210,9 +207,6 @@ def check():
         _warned.append(why)
         print(f"sandbox: running model-written code UNCONFINED (--unconfined-code; {why})", file=sys.stderr)
     return False
-
-
-_warned = []
 
 
 def grade_many(jobs, workers=2):
