@@ -228,10 +228,8 @@ def check(cfg, show=False, log=print):
                  "adapter state": "fp32 params, grads, AdamW of the adapter",
                  "generation copy": ("none: samples with the policy" if not t["generation copy"] else
                                      "bf16, the adapter merged") if rank else ""}
-        for name in ("training state", *(("adapter state",) if rank else ()), "generation copy", "FSDP gather", "KV cache", "prefill",
-                     "label KV cache", "label prefill", "activations", "log-prob chunk",
-                     *(("held grads",) if t["held grads"] else ()), *(("refresh",) if t["refresh"] else ()),
-                     "runtime", "peak"):
+        hidden = {"adapter state": not rank, "held grads": not t["held grads"], "refresh": not t["refresh"]}
+        for name in [n for n in list(t)[:list(t).index("peak") + 1] if not hidden.get(n)]:  # estimate's order
             log(f"  {name:<16}{t[name] / GiB:8.2f} GiB  {notes.get(name, '')}".rstrip())
         others = f"; {(t['host node'] - t['host']) / (world - 1) / GiB:.2f} GiB each other rank" if world > 1 else ""
         at = "loading (the fp32 base)" if rank else "a save (the full fp32 model and AdamW state)"
