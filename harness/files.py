@@ -1,10 +1,7 @@
-"""Files in run and evaluation folders, written whole and never through a link, and the one-line
-error a user can fix (UserError), which the rest of harness raises too.
-
-Every file is written without following a link planted there (`replacing`, `appending`, the lock):
-a folder may come from someone else, and a link must not make this code overwrite what it points to.
-`read_jsonl` repairs a log's last line cut by a kill; `locked` holds a folder for its one writer;
-`identity` names a model folder by its content.
+"""Files in run and evaluation folders, written whole and never through a link planted there
+(`replacing`, `appending`, the lock: a folder may come from someone else), and the one-line error a
+user can fix (UserError), which the rest of harness raises too. `read_jsonl` repairs a log's last
+line cut by a kill; `locked` holds a folder for its one writer; `identity` names a model by content.
 """
 import errno
 import hashlib
