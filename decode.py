@@ -3,22 +3,10 @@
     sampler = Sampler(model, tokenizer, max_new_tokens=64, temperature=0.8)
     ids, lengths, reasons = sampler.sample(sampler.prefill(prompts), n=4, generator=gen)  # on the device
 
-`prefill`: the prompts LEFT-padded to the longest in one eager forward, position ids
-`cumsum(attention_mask) - 1` (clamped at 0) so every prompt starts at 0; `after=prefix` appends a
-segment to an existing cache (label.py: the prompt once, the response, then each cut's suffix).
 Rows i*n .. i*n+n-1 continue prompt i, decoded by one of three loops that give the same samples
-(tests/test_rollout.py):
-  - `_decode_dynamic`, the reference and the loop to read first: a DynamicCache that grows by one
-    position per step; once a quarter of the batch has finished, finished rows are dropped;
-  - `_decode_shared` (share_rows=True): rows whose histories agree share one cache row;
-  - `_decode_static` (decode="static", the default on CUDA): preallocated buffers, a step over the
-    live length, replayed as a CUDA graph (harness/staticcache.py); eager on CPU.
-
-Sampling (`sample_next`) is an exponential race whose noise E_v ~ Exp(1) is drawn for every row of
-the chunk at every step, running or not: the random stream does not depend on which rows are still
-in the batch, so every decode path gives the same samples for the same seed. With a generator per
-row instead (`row_generators`), a row's sample does not depend on the chunk it lands in either
-(label.py's forced answers). Ids the tokenizer does not have (a padded embedding) are never sampled.
+(tests/test_rollout.py): `_decode_dynamic`, the reference to read first; `_decode_shared`
+(share_rows=True); `_decode_static` (the default on CUDA, harness/staticcache.py). How they differ
+and why every path draws the same samples: docs/reference.md, "The sampler".
 """
 import hashlib
 import inspect
@@ -111,40 +99,10 @@ def _cache_kwarg(model) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def _keeps_last_logits(model) -> bool:
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
-
-
-@torch.no_grad()
-def prefill(model, seqs, pad_id, after=None) -> Prefix:
-    """One eager forward over `seqs` (R non-empty id lists), each LEFT-padded to the longest and
-    appended after `after` (a Prefix of R rows, whose cache is extended in place) or from scratch."""
-    device = next(model.parameters()).device
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
-    seg = torch.zeros((len(seqs), width), dtype=torch.long)
-    for i, s in enumerate(seqs):
-        ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-        seg[i, width - len(s):] = 1
-    ids, seg = ids.to(device), seg.to(device)
-    mask = seg if after is None else torch.cat([after.mask, seg], dim=1)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -width:]
-    cache = DynamicCache(config=model.config) if after is None else after.cache
-    extra = {"logits_to_keep": 1} if _keeps_last_logits(model) else {}
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                **{_cache_kwarg(model): cache}, **extra)
-    return Prefix(cache, mask, positions[:, -1:], out.logits[:, -1])
-
-
 class Sampler:
     """The sampling settings of one call plus, for the static path, the model's static decoder.
-
-    share_rows (dynamic path only) pays for many samples of short answers (label.py: K forced
-    answers that mostly agree), not for long rollouts, whose rows diverge early and would move the
-    cache at every fork. close_depth: a row also stops (reason "stop") at the token where
-    close_depth plus the "{" minus the "}" of its generated text reaches 0: label.py's forced
-    answers end at the brace that closes the forced `\\boxed{` (close_depth=1).
-    """
+    close_depth: a row also stops ("stop") where close_depth + "{" - "}" of its text reaches 0
+    (label.py: 1, the brace that closes the forced `\\boxed{`); share_rows: docs/reference.md."""
 
     def __init__(self, model, tokenizer, max_new_tokens=256, temperature=1.0, top_p=1.0, stop=(),
                  eos_ids=None, decode=None, share_rows=False, close_depth=None):
@@ -155,8 +113,6 @@ class Sampler:
         decode = decode or default_decode(model)
         if decode not in DECODES:
             raise ValueError(f"decode must be one of {DECODES}, got {decode!r}")
-        if isinstance(stop, (str, int)):
-            stop = (stop,)
         self.model, self.tokenizer, self.decode = model, tokenizer, decode
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.stop_strs = [s for s in stop if isinstance(s, str) and s]
@@ -166,7 +122,8 @@ class Sampler:
         self.device = next(model.parameters()).device
         self.share_rows, self.close_depth, self._braces = share_rows, close_depth, {}
         self.cache_kw = _cache_kwarg(model)
-        self.step_kw = {"logits_to_keep": 1} if _keeps_last_logits(model) else {}
+        keeps_last = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.step_kw = {"logits_to_keep": 1} if keeps_last else {}
         self.static = staticcache.decoder(model, self.cache_kw) if decode == "static" else None
         # A one-byte stop string (labels stop at "\n") lies inside one token: each id is decoded once.
         self.byte_stops = all(len(x.encode()) == 1 for x in self.stop_strs)
@@ -193,8 +150,23 @@ class Sampler:
             self._has_stop[i] = any(x in text for x in self.stop_strs)
         return torch.tensor([i for i in ids if self._has_stop[i]], dtype=torch.long, device=tok.device)
 
+    @torch.no_grad()
     def prefill(self, seqs, after=None) -> Prefix:
-        return prefill(self.model, seqs, self.pad_id, after)
+        """One eager forward over `seqs` (R non-empty id lists), each LEFT-padded to the longest and
+        appended after `after` (a Prefix of R rows, whose cache is extended in place) or from scratch."""
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+        seg = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+            seg[i, width - len(s):] = 1
+        ids, seg = ids.to(self.device), seg.to(self.device)
+        mask = seg if after is None else torch.cat([after.mask, seg], dim=1)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -width:]
+        cache = DynamicCache(config=self.model.config) if after is None else after.cache
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         **{self.cache_kw: cache}, **self.step_kw)
+        return Prefix(cache, mask, positions[:, -1:], out.logits[:, -1])
 
     @torch.no_grad()
     def sample(self, prefix, n=1, generator=None, scores=False):

@@ -1,11 +1,6 @@
 """What a LoRA checkpoint rests on (--lora-rank, harness/lora.py): its base model, found by path and
-content, and its adapter_config.json, checked before peft reads it.
-
-`record_base` writes CKPT/base.json: the base's path, its path from the checkpoint (a clone moved
-whole still finds a base inside it) and its files.identity. `base_of` returns the first of those
-paths that holds a model of that identity, so a resume trains, and an evaluation merges, on the very
-base the adapter was trained on: a base trained on since, or another model in its place, is one
-line. A checkpoint without base.json names its base in adapter_config.json only.
+content (base.json; docs/reference.md, "LoRA checkpoints"), and its adapter_config.json, checked
+before peft reads it.
 """
 import json
 import os
@@ -19,7 +14,6 @@ BASE, CONFIG, WEIGHTS = "base.json", "adapter_config.json", "adapter_model.safet
 
 
 def is_adapter(path):
-    """Whether a checkpoint folder holds an adapter (not a whole model)."""
     return os.path.isfile(os.path.join(path, CONFIG))
 
 

@@ -1,11 +1,7 @@
-"""Files in run and evaluation folders, written whole and never through a link, and the one-line
-error a user can fix (UserError), which the rest of harness raises too.
-
-Every file written in such a folder is written without following a link planted there
-(`replacing`, `appending`, the lock): a folder may come from someone else (a shared project
-folder, an unpacked archive), and a link in it must not make this code overwrite what it points to.
-`read_jsonl` reads the JSON-lines logs (metrics, samples) and repairs a last line cut by a kill;
-`locked` holds a folder for its one writer; `identity` names a model folder by its content.
+"""Files in run and evaluation folders, written whole and never through a link planted there
+(`replacing`, `appending`, the lock: a folder may come from someone else), and the one-line error a
+user can fix (UserError), which the rest of harness raises too. `read_jsonl` repairs a log's last
+line cut by a kill; `locked` holds a folder for its one writer; `identity` names a model by content.
 """
 import errno
 import hashlib
@@ -17,6 +13,11 @@ import stat
 import sys
 import time
 from contextlib import contextmanager
+
+LOCK = "lock"
+WHOLE = 64 << 20
+HEAD, SAMPLES, SLICE = 1 << 20, 64, 1 << 16
+NOT_THE_MODEL = ("state.pt", "probe.pt")
 
 
 class UserError(ValueError):
@@ -95,12 +96,8 @@ def appending(path):
 
 
 def sha256(path):
-    """The sha256 hex digest of a file's bytes, read a MiB at a time."""
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def write_json(path, obj, indent=2):
@@ -151,9 +148,6 @@ def truncate_metrics(path, last_step):
         f.writelines(json.dumps(r) + "\n" for r in rows if r["step"] <= last_step)
 
 
-LOCK = "lock"
-
-
 @contextmanager
 def locked(folder, what="run"):
     """Hold FOLDER/lock while writing into FOLDER: one writer per folder. An flock (the kernel drops
@@ -202,11 +196,6 @@ def _holder(path, text=None):
         return f"pid {h['pid']} on {h['host']} (since {h['since']})"
     except (OSError, ValueError, KeyError, TypeError):
         return f"another process (lock file {path})"
-
-
-WHOLE = 64 << 20
-HEAD, SAMPLES, SLICE = 1 << 20, 64, 1 << 16
-NOT_THE_MODEL = ("state.pt", "probe.pt")
 
 
 def identity(path):

@@ -1,10 +1,7 @@
 """One worker per GPU (or `--nproc N` on CPU) from a plain `python train.py` or `python evaluate.py`.
 
-Each worker is a fresh `python train.py ARGS` with torchrun's RANK / WORLD_SIZE / MASTER_* set
-(harness/parallel.py reads the rank when it is imported, so no forks); under torchrun nothing is
-launched. Rank 0 writes to this terminal, the others to log files. When a worker fails, the others
-are stopped and the launcher exits with its exit code, printing its last lines once (one "error:"
-line for a user error). Workers die with the launcher (Linux parent-death signal): no orphans.
+Each worker is a fresh `python train.py ARGS` with torchrun's variables set; under torchrun nothing
+is launched. How workers log, fail and stop: docs/reference.md, "The launcher".
 """
 import os
 import shutil

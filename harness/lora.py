@@ -1,12 +1,9 @@
 """--lora-rank R: the policy trains a LoRA adapter (peft) on its frozen base instead of every weight.
 
-The adapter is injected into the Hugging Face model itself (`add_adapter` keeps peft's inner model,
-not its PeftModel wrapper), so FSDP2's per-layer units and the update run on an ordinary model whose
-linear layers are adapted; only the adapter's parameters get gradients and AdamW state. On GPUs the
-rollout and the labels sample from a plain bf16 copy with the adapter merged in (`merged_copy`,
-refreshed after each step by `merge_into`); a CPU process samples with the policy itself. A
-checkpoint holds the adapter in peft's format (adapter_config.json + adapter_model.safetensors)
-and base.json, its base by content (harness/adapter.py). peft is imported only with --lora-rank.
+The adapter is injected into the Hugging Face model itself (`add_adapter`), so FSDP2 and the update
+run on an ordinary model whose linear layers are adapted; on GPUs the rollout and the labels sample
+from a bf16 copy with the adapter merged (`merged_copy`, `merge_into`). docs/reference.md, "LoRA
+checkpoints". peft is imported only with --lora-rank.
 """
 import os
 

@@ -4,14 +4,8 @@ model's config alone (the model is built on the meta device: no weights are read
     python train.py --model deepseek-r1-distill-qwen-7b --plan --gpus 8 --gpu-mem 80       # check
     python evaluate.py --model deepseek-r1-distill-qwen-7b --benchmarks aime24 --plan      # eval_check
 
-The terms: docs/design.md, "Scale" (training), and docs/reference.md, "The memory plans"
-(--offload, --lora-rank, host memory, evaluation). Phases do not overlap, so a peak is what every
-phase holds plus the largest phase: for training max(rollout, labels, update, refresh), since the
-step frees the rollout's static buffers before the first label prefill and the labels' before the
-update (tests/test_plan.py); for evaluation max(generation, features, early exit). The check
-refuses on device memory only: the host may be another machine (--gpus / --gpu-mem), so host
-memory is printed, and flagged above this machine's RAM. On CPU (the toy world) everything is
-fp32 and one process uses the policy as its generation copy.
+The terms, and how a peak sums them: docs/design.md, "Scale" (training), and docs/reference.md,
+"The memory plans".
 """
 import os
 
@@ -133,14 +127,14 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None, prob
 
 def label_chunk(cuts, k, width, config, free):
     """Cuts per chunk of forced answers (label.mc_labels' batch_size) that fit `free` bytes, at most
-    `cuts`, at `width` positions (prompt + the longest cut + the tail): per cut (cut_bytes, bf16) the
-    prefill cache row it selects, its k rows of static buffers and the masked tail prefill's expanded
-    K/V of one layer (width x 2 x heads x head_dim, twice: SDPA's repeat and the concatenation)."""
+    `cuts`, at `width` positions (prompt + the longest cut + the tail)."""
     return max(1, min(cuts, int(free // cut_bytes(k, width, config))))
 
 
 def cut_bytes(k, width, config):
-    """What one cut of a chunk of forced answers holds at `width` positions (label_chunk), bf16."""
+    """Bytes one cut of a chunk of forced answers holds at `width` positions, bf16: the prefill cache
+    row it selects, its k rows of static buffers and the masked tail prefill's expanded K/V of one
+    layer (width x 2 x heads x head_dim, twice: SDPA's repeat and the concatenation)."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return width * ((1 + k) * kv_bytes_per_token(config, 2) + 2 * 2 * heads * head_dim * 2)
@@ -163,9 +157,9 @@ def fixes(config, cfg, world, device, mem, counts, probed=True):
     --offload (with --offload-grads host where the held gradients do not fit), more GPUs."""
     def peak(c, w=world, off=cfg.get("offload", False)):
         return estimate(config, c, w, device, off, counts, probed)["peak"]
-    if cfg.get("offload") and cfg.get("offload_grads", "gpu") == "gpu" and \
-            peak(dict(cfg, offload_grads="host")) <= mem:
-        return f"--offload-grads host (peak {peak(dict(cfg, offload_grads='host')) / GiB:.1f} GiB: slower update)"
+    host_grads = peak(dict(cfg, offload_grads="host"))
+    if cfg.get("offload") and cfg.get("offload_grads", "gpu") == "gpu" and host_grads <= mem:
+        return f"--offload-grads host (peak {host_grads / GiB:.1f} GiB: slower update)"
     for flag, key in (("--gen-batch", "gen_batch"), ("--micro-tokens", "micro_tokens")):
         c = dict(cfg)
         while c[key] > 1:
@@ -199,7 +193,6 @@ def detected(nproc=None):
 
 
 def host_ram():
-    """This machine's physical memory in bytes."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
@@ -235,10 +228,8 @@ def check(cfg, show=False, log=print, probed=True):
                  "adapter state": "fp32 params, grads, AdamW of the adapter",
                  "generation copy": ("none: samples with the policy" if not t["generation copy"] else
                                      "bf16, the adapter merged") if rank else ""}
-        for name in ("training state", *(("adapter state",) if rank else ()), "generation copy", "FSDP gather", "KV cache", "prefill",
-                     "label KV cache", "label prefill", "activations", "log-prob chunk",
-                     *(("held grads",) if t["held grads"] else ()), *(("refresh",) if t["refresh"] else ()),
-                     "runtime", "peak"):
+        hidden = {"adapter state": not rank, "held grads": not t["held grads"], "refresh": not t["refresh"]}
+        for name in [n for n in list(t)[:list(t).index("peak") + 1] if not hidden.get(n)]:  # estimate's order
             log(f"  {name:<16}{t[name] / GiB:8.2f} GiB  {notes.get(name, '')}".rstrip())
         others = f"; {(t['host node'] - t['host']) / (world - 1) / GiB:.2f} GiB each other rank" if world > 1 else ""
         at = "loading (the fp32 base)" if rank else "a save (the full fp32 model and AdamW state)"
@@ -255,17 +246,17 @@ def check(cfg, show=False, log=print, probed=True):
     return t
 
 
-def eval_estimate(config, s, mem, prompt_tokens=PROMPT_TOKENS, early_exit=True):
+def eval_estimate(config, s, mem, early_exit=True):
     """Bytes per term (dict, in the order printed) for one benchmark's settings `s` (the settings of
     evaluation/benchmarks.py: batch, n, max_new_tokens, score_batch, rows) on a GPU of `mem` bytes;
     'cuts': the early exit's chunk."""
     d, d_ff = config.hidden_size, config.intermediate_size
     layer = lambda tokens: tokens * (8 * d + 3 * d_ff) * 2  # noqa: E731  one layer's forward, bf16
     weights, runtime = 2 * param_counts(config)[0], RUNTIME["cuda"]
-    shape = buffer_shape(s["batch"] * s["n"], prompt_tokens, s["max_new_tokens"])
-    length = prompt_tokens + s["max_new_tokens"]
+    shape = buffer_shape(s["batch"] * s["n"], PROMPT_TOKENS, s["max_new_tokens"])
+    length = PROMPT_TOKENS + s["max_new_tokens"]
     t = {"weights": weights,
-         "generation": shape[0] * shape[1] * kv_bytes_per_token(config, 2) + layer(s["batch"] * prompt_tokens),
+         "generation": shape[0] * shape[1] * kv_bytes_per_token(config, 2) + layer(s["batch"] * PROMPT_TOKENS),
          "features": layer(s["score_batch"] * length) + s["score_batch"] * length * d * 2}
     width = length + FORCED_SUFFIX
     left = 0.9 * (mem - weights - runtime)  # free_bytes: a tenth kept for fragmentation
@@ -289,10 +280,11 @@ def eval_check(model, benches, mem_gib, log=print, early_exit=True):
             f"early exit {t['early exit'] / GiB:.1f} ({t['cuts']} cuts per chunk), runtime "
             f"{t['runtime'] / GiB:.1f}: peak {t['peak'] / GiB:.1f} GiB")
         if t["peak"] > mem:
+            def fits(q):
+                return eval_estimate(config, dict(s, batch=q), mem, early_exit=early_exit)["peak"] <= mem
             q = s["batch"]
-            while q > 1 and eval_estimate(config, dict(s, batch=q), mem, early_exit=early_exit)["peak"] > mem:
+            while q > 1 and not fits(q):
                 q //= 2
-            fix = f"--batch-size {q}" if eval_estimate(config, dict(s, batch=q), mem, early_exit=early_exit)["peak"] <= mem \
-                else "a GPU with more memory"
+            fix = f"--batch-size {q}" if fits(q) else "a GPU with more memory"
             raise UserError(f"plan: {name} needs a peak of {t['peak'] / GiB:.1f} GiB, more than {mem_gib:.0f}; fix: {fix}")
     return out

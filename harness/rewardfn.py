@@ -3,13 +3,9 @@
     def my_correctness(response, answer, row):   # -> a float in [0, 1], or None to skip
         return float(response.strip().endswith(answer))
 
-train.py calls it where it would grade (modes.judged, label.mc_labels, evaluation/heldout.py): on
-every rollout's whole text, and on every forced answer alone (the text inside the forced `\\boxed{`;
-a box that never closes is 0 without a call). None skips the sample; what a skip means for the
-advantages, labels and logged accuracy: docs/reference.md, "--reward-fn". The file is imported only
-from the command line, never from a saved config, and runs in this process with your permissions.
-A missing file or NAME, an import error, a raise or a value that is not a number in [0, 1] (bool
-excluded) or None ends the run with one line, exit 2, before anything of that step is written.
+train.py calls it where it would grade: on every rollout's whole text and on every forced answer
+alone. What None (a skip) means, and the one-line errors: docs/reference.md, "--reward-fn". The file
+is imported only from the command line and runs in this process with your permissions.
 """
 import functools
 import importlib.util

@@ -115,14 +115,13 @@ class Tracker:
 
 
 def tracker(cfg, run_dir):
-    """A Tracker when cfg["wandb"] names a project, else None."""
     if not cfg.get("wandb"):
         return None
     return Tracker(run_dir, cfg["wandb"], cfg.get("wandb_run"), config=cfg)
 
 
-def plot_curves(run_dir, path=None):
-    """Draw PANELS from RUN/metrics.jsonl into RUN/curves.png (or path); returns the path."""
+def plot_curves(run_dir):
+    """Draw PANELS from RUN/metrics.jsonl into RUN/curves.png; returns its path."""
     metrics = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(metrics):
         raise UserError(f"--plot {run_dir}: no metrics.jsonl there; pass the --out directory of a run")
@@ -146,7 +145,7 @@ def plot_curves(run_dir, path=None):
             ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
     fig.suptitle(f"{os.path.basename(os.path.abspath(run_dir))}  (dashed: held-out checks)", fontsize=11)
     fig.tight_layout()
-    path = path or os.path.join(run_dir, "curves.png")
+    path = os.path.join(run_dir, "curves.png")
     with replacing(path, "wb") as f:
         fig.savefig(f, dpi=72, format="png")
     plt.close(fig)
@@ -164,14 +163,12 @@ def git_commit():
         return "unknown"
 
 
-def provenance(argv, device=None):
+def provenance(argv, device):
     """Where a result comes from: commit, versions, UTC date, command line, device."""
     import torch
     import transformers
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     name = str(device)
-    if str(device).startswith("cuda") and torch.cuda.is_available():
+    if name.startswith("cuda") and torch.cuda.is_available():
         name = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
     return dict(git_commit=git_commit(), torch=torch.__version__, transformers=transformers.__version__,
                 python=platform.python_version(), date=datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -5,23 +5,9 @@
     oks = grade_many([{"code": c, "tests": t, "fn_name": f}, ...], workers=2)
     tests = decode_private_tests(row["private_test_cases"])
 
-A test is `{"input": str, "output": str, "testtype": "stdin" | "functional"}`. stdin: the code runs
-as a script with the input on stdin; its stdout must equal the output line by line after stripping,
-each line exactly or else token by token as `Decimal` (LiveCodeBench's `grade_stdio`). functional:
-the code defines LeetCode's `class Solution` (or a plain function) with method `fn_name`; the input
-is one JSON argument per line, the return value must equal the JSON output (tuples count as lists).
-Both modes first run LiveCodeBench's import prelude, so a solution that uses `heapq` or
-`defaultdict` without importing them passes as it does there.
-
-The child (harness/sandbox_child.py) confines itself in namespaces of its own (what is isolated and
-what is not: docs/reference.md, "The code sandbox"). The gold outputs never enter it: it gets the
-code and the test *inputs* on stdin and a scrubbed environment, streams one JSON line per test back
-over a pipe (never pickle), and the grader compares, stops at the first failure and reads at most
-LINE_BYTES per line; a line that does not decode fails the sample. The child is killed at the end
-or after `(per_test_s + 1) * n_tests + 5` s. Where namespaces cannot be made, run_tests raises
-SandboxUnavailable in one line and runs nothing, unless `allow_unconfined` is set (evaluate.py
---unconfined-code): then only the guard, the limits, a scrubbed environment and a throwaway
-directory stand, which code written to escape gets past.
+A test is `{"input": str, "output": str, "testtype": "stdin" | "functional"}`, graded by
+LiveCodeBench's rules (`same_output`). The child (harness/sandbox_child.py), what it isolates, the
+protocol and --unconfined-code: docs/reference.md, "The code sandbox".
 """
 import base64
 import binascii
@@ -54,6 +40,7 @@ ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8",
        "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 allow_unconfined = False        # set by evaluate.py --unconfined-code: run code unconfined where namespaces fail
 hide = []                       # what else a program must not see (evaluate.py: models, benchmarks, --out)
+_warned = []                    # the reason, once the unconfined warning is printed
 _FENCE = re.compile(r"^[ \t]*```[^\n`]*\n(.*?)^[ \t]*```", re.M | re.S)
 
 
@@ -115,7 +102,8 @@ def run_tests(code, tests, fn_name=None, per_test_s=6.0):
             msg = next(lines, None)
             if not isinstance(msg, dict) or not _passes(msg, test, functional):
                 return False
-        return not (confined and _started_processes(child))  # as LiveCodeBench's guard: no processes
+        # LiveCodeBench's guard: the solution (its namespace's PID 1) must leave no process
+        return not (confined and any(_children(inner) for inner in _children(child.pid)))
     finally:
         _stop(child, confined)
         os.close(read_fd)
@@ -153,11 +141,6 @@ def _children(pid):
     except OSError:  # gone, or a kernel without /proc/PID/task/TID/children
         pass
     return found
-
-
-def _started_processes(child):
-    """Whether the solution (PID 1 of its namespace, the one child of `unshare`) has a process left."""
-    return any(_children(inner) for inner in _children(child.pid))
 
 
 def _stop(child, confined):
@@ -224,9 +207,6 @@ def check():
         _warned.append(why)
         print(f"sandbox: running model-written code UNCONFINED (--unconfined-code; {why})", file=sys.stderr)
     return False
-
-
-_warned = []
 
 
 def grade_many(jobs, workers=2):

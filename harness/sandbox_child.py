@@ -3,11 +3,8 @@
     unshare [--map-user=65534 --map-group=65534 --keep-caps] --mount --net --pid --ipc --uts --fork \\
         --kill-child -- python -I -B sandbox_child.py        # the payload (JSON) on stdin
 
-Before any solution code runs: `expendable` (the OOM killer's first choice, a keyring of its own),
-`confine` (the child's whole view of the file system, then uid 65534 in a user namespace of its
-own, chroot, no capabilities), `_limit` (resource limits) and `_guard` (LiveCodeBench-style
-refusals by name). The steps and their reasons: docs/reference.md, "The code sandbox". Written
-for `python -I`: it imports nothing outside the standard library.
+Before any solution code runs: `expendable`, `confine`, `_limit` and `_guard` (docs/reference.md,
+"The code sandbox"). Written for `python -I`: it imports nothing outside the standard library.
 """
 import errno
 import io

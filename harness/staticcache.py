@@ -1,23 +1,8 @@
 """A preallocated (static) KV cache and a decode step captured as a CUDA graph, for decode.py
 (`Sampler._decode_static`: the dynamic loop's samples, tests/test_rollout.py). Every tensor the step
-touches has a fixed address and shape, so the step is recorded once and replayed:
-
-    keys, values   [R, H_kv, L, D] per layer; step t writes position W + t (`index_copy_` at a
-                   device tensor, so the write position is data, not part of the graph)
-    bias           [R, 1, 1, L] additive attention mask in the model dtype: 0 where a row may
-                   attend (its prompt tokens and the generated positions so far), dtype-min elsewhere
-    tok, pos       [R], [R, 1]: this step's input token and position id per row
-
-A step attends only over the first n positions (`live_length`: those written so far, bucketed);
-each n is its own graph, captured the first time a decode reaches it, and the graphs of one shape
-share one memory pool (a replay's logits are read before the next replay). Rows that finish keep
-decoding a pad token in place. Shapes are bucketed (`buffer_shape`), and one shape is alive per
-model (`decoder`, `release`): a chunk of another shape frees the old buffers and graphs first.
-Why, and what it costs: docs/reference.md, "The static decoder".
-
-The attention mask is passed as `{"full_attention": bias}`, which transformers' decoder models take
-as already built; so the model never looks at the cache's length and any transformers 5.x works.
-Models with sliding-window layers need the dynamic path.
+touches has a fixed address and shape, so the step is recorded once per live length and replayed;
+one bucketed shape is alive per model (`decoder`, `release`). The buffers, the live length and why:
+docs/reference.md, "The static decoder". Models with sliding-window layers need the dynamic path.
 """
 import inspect
 import weakref

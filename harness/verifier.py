@@ -1,10 +1,8 @@
 """The math-verify worker pool behind grade.answers_match: a grading call that returns in time.
 
-math-verify (sympy) can loop on model text and raises its own timeout only in the main thread, so
-it runs in worker processes (this module run with -m, one per thread grading at once), each
-answering JSON requests [pred, gold, seconds] with "1" / "0"; a worker stops itself at the deadline
-with an interval timer, and one that has not answered by then is killed and replaced. Where no
-worker can start, `verify` answers False and grade.py's own comparisons decide alone.
+math-verify (sympy) can loop on model text, so it runs in worker processes (this module run with
+-m) answering JSON requests [pred, gold, seconds] with "1" / "0": docs/reference.md, "grade.py's
+time bound".
 """
 import atexit
 import json
