@@ -123,7 +123,7 @@ def parse_args(argv=None):
     g.add_argument("--limit", type=int, help="questions per benchmark")
     g.add_argument("--toy-world", default=toy.WORLD, choices=sorted(toy.WORLDS),
                    help="the toy world the models were warm-started in, recorded with the results")
-    g.add_argument("--lcb-release", default=data.LCB_RELEASE, help="the lcb window: vN or vA_vB")
+    g.add_argument("--lcb-release", default=data.LCB_RELEASE, help="the lcb window: vN or vA_vB (default v4_v5)")
     g.add_argument("--out", help="output dir (default RUN/eval or eval_out/<model>)")
     g.add_argument("--unconfined-code", action="store_true",
                    help="run lcb's programs without namespaces where the sandbox has none (they can escape)")
@@ -142,7 +142,7 @@ def parse_args(argv=None):
     g = p.add_argument_group("confidence")
     g.add_argument("--confidence", choices=confidence.SOURCES,
                    help="where a sample's confidence comes from (default probe-posthoc)")
-    g.add_argument("--logit-temperature", type=float, help="temperature of --confidence logits")
+    g.add_argument("--logit-temperature", type=float, help="temperature of --confidence logits (default: the run's, 0.8)")
     g.add_argument("--every", type=int, help="thinking tokens between probe budgets / exit checkpoints (500; toy 8)")
     g.add_argument("--posthoc-budgets", type=int, help="post-hoc budgets per rollout: every, 2 * every, ... (16)")
     g.add_argument("--forced-k", type=int, help="forced answers per post-hoc budget (16; toy 4)")
@@ -158,8 +158,8 @@ def parse_args(argv=None):
     g = p.add_argument_group("prompt (default: what the run trained with, else the benchmark's)")
     g.add_argument("--instruction", help="text appended to every problem")
     g.add_argument("--system-prompt", help="system turn before the problem")
-    g.add_argument("--gate", choices=("thinking", "none"), help="thinking: a box before </think>")
-    g.add_argument("--answer", choices=("box", "tag"), help="the last \\boxed{} or <answer>")
+    g.add_argument("--gate", choices=("thinking", "none"), help="thinking (default; toy: none): right only with a box before </think>")
+    g.add_argument("--answer", choices=("box", "tag"), help="the last \\boxed{} or <answer> (default: tag for an rlcr run)")
     g.add_argument("--mode", choices=("boxed", "rlcr"), default="boxed",
                    help="rlcr: RLCR's prompt, the <answer> tag and --confidence verbal-forced")
     args = p.parse_args(argv)
