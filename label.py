@@ -16,7 +16,7 @@ from decode import Sampler, row_generators
 from grade import answers_match
 from probe import LAST_K, last_layer, split_prefix_features
 from rollout import Samples, generate
-from update import budget_ends, score
+from update import budget_ends, forward_pass
 
 LENGTH_GROUP = 2  # trajectories whose longest cuts have bit lengths within this many share a group
 SUFFIX = "\nIf I were to output the final answer now, it would be \\boxed{"
@@ -153,12 +153,12 @@ def mc_labels(model, tokenizer, prompts, responses, budget_lists, golds, k=4, te
 
 def plain_features(model, prompt, response, cuts):
     """The probe's features at the cuts of one trajectory, the plain way: one forward over prompt +
-    response (update.score), probe.prefix_features before each cut. float32 CPU [len(cuts), d]."""
+    response (update.forward_pass), probe.prefix_features before each cut: [len(cuts), d] fp32 CPU."""
     ids = torch.tensor([list(prompt) + list(response)], device=next(model.parameters()).device)
     was_training = model.training
     model.eval()
     try:
-        _, feats, _ = score(model, dict(input_ids=ids, attention_mask=torch.ones_like(ids)),
+        _, feats, _ = forward_pass(model, dict(input_ids=ids, attention_mask=torch.ones_like(ids)),
                             budget_ends([len(prompt)], [cuts]), logprobs=False)
     finally:
         model.train(was_training)

@@ -64,7 +64,7 @@ def grades(texts, golds, rows, cfg):
     return (*judged(texts, golds, rows, fn), judge)
 
 
-def calibration(C, Y, valid, cfg):
+def calibration_term(C, Y, valid, cfg):
     """The probe modes' calibration term [N]: the margin by --corner, or the negative Brier."""
     if cfg["reward"] in BRIER_MODES:
         return brier_reward(C, Y, valid)

@@ -15,7 +15,7 @@ from label import budgets, cut_mask, grid, labelled, mc_labels
 from metrics import advantage_parts, ece
 from prompts import row_prompt
 from rollout import generate
-from update import micro_batch, micro_batches, score, update
+from update import micro_batch, micro_batches, forward_pass, update
 from harness import runlog, staticcache
 from harness.parallel import RANK, WORLD, all_gather, all_sum
 
@@ -50,7 +50,7 @@ def rl_step(step, rows, run, cfg, samples=None):
                                       batch_size=cfg["gen_batch"], decode=cfg["decode"],
                                       grader=cfg["grader"], judge=judge, features=True)
         cuts, labels, feats = labelled(cuts, labels, feats)  # less cuts with no judged answer
-        with timer("probe"):  # C_b = sigmoid(probe(h_b)), the margin (modes.calibration)
+        with timer("probe"):  # C_b = sigmoid(probe(h_b)), the margin (modes.calibration_term_term)
             calib, signal, stats, C = probe_margin(run.probe, run.probe_opt, grid(feats),
                                                    grid(labels), cut_mask(cuts), cfg, seed)
     batch = pack(prompts, out.ids, run.tok.pad_token_id, out.logprobs)
@@ -96,7 +96,7 @@ def rollout_scores(run, batch, mbs, cfg, timer):
     with timer("score"):
         for mb in mbs:
             sub, L = micro_batch(batch, mb, run.device)
-            lp, _, _ = score(run.sampler, sub, None, cfg["temperature"], cfg["chunk_size"])
+            lp, _, _ = forward_pass(run.sampler, sub, None, cfg["temperature"], cfg["chunk_size"])
             seq_conf[mb] = sequence_confidence(lp, sub["loss_mask"]).cpu()
             old_logp[mb, :L - 1] = lp.cpu()
     return seq_conf if c2gspg else None, None if on_policy else old_logp
@@ -155,7 +155,7 @@ def metrics_row(step, cfg, run, out, correct, scored, R, parts, signal, stats, u
 
 def probe_margin(probe, probe_opt, feats, Y, valid, cfg, seed):
     """Fit the probe on the (feature, Y_b) pairs of every rank, feats [N, B, d] and Y [N, B] where
-    valid [N, B] (label.grid); score this rank's -> (calib [N] modes.calibration, signal [N] 1
+    valid [N, B] (label.grid); score this rank's -> (calib [N] modes.calibration_term, signal [N] 1
     where a solvable and an unsolvable prefix both exist, stats, C [N, B] the confidences, 0 off
     the cuts). --probe-labels shuffled fits on labels permuted; C and calib use the real ones."""
     pooled = all_gather((feats[valid], Y[valid]))  # one fit, one seed on every rank: equal probes
@@ -165,7 +165,7 @@ def probe_margin(probe, probe_opt, feats, Y, valid, cfg, seed):
                         batch_size=cfg["probe_batch"], seed=seed)
     C = torch.zeros(Y.shape)
     C[valid] = probe_lib.predict(probe, feats[valid])
-    calib = modes.calibration(C, Y, valid, cfg)
+    calib = modes.calibration_term(C, Y, valid, cfg)
     signal = (((Y == 1) & valid).any(1) & ((Y == 0) & valid).any(1)).float()
     C_all, some = probe_lib.predict(probe, X_all), len(Y_all) > 0
     # no labelled prefix (--reward-fn skipped everything): no fit, its numbers are nan

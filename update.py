@@ -24,8 +24,8 @@ def budget_ends(prompt_lens, budget_lists, width=None):
 
 
 @torch.no_grad()
-def score(model, batch, ends=None, temperature=1.0, chunk_size=1024, last_k=LAST_K, final_norm=False,
-          logprobs=True):
+def forward_pass(model, batch, ends=None, temperature=1.0, chunk_size=1024, last_k=LAST_K,
+                 final_norm=False, logprobs=True):
     """Old log-probs and probe features from one forward.
 
     batch: `grpo.pack` output (input_ids / attention_mask [N, L]); ends: [N, B] absolute ends, or

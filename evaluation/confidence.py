@@ -21,7 +21,7 @@ from grpo import pack, token_logprobs
 from label import budgets, mc_labels
 from prompts import RLCR_FORMAT
 from rollout import generate
-from update import budget_ends, score
+from update import budget_ends, forward_pass
 from harness import plan, staticcache
 
 SOURCES = ("probe", "probe-posthoc", "verbal", "verbal-forced", "logits")
@@ -173,7 +173,7 @@ def features(model, prompts, responses, budget_lists, pad_id, final_norm, batch_
         b = pack(ps, rs, pad_id)
         batch = {k: v.to(_device(model)) for k, v in b.items()}
         ends = budget_ends(b["prompt_lens"].tolist(), bs)
-        _, feats, _ = score(model, batch, ends, final_norm=final_norm, logprobs=False)
+        _, feats, _ = forward_pass(model, batch, ends, final_norm=final_norm, logprobs=False)
         out += [feats[i, :len(bl)].float().cpu() for i, bl in enumerate(bs)]
     return out
 

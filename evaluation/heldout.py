@@ -64,7 +64,7 @@ def probe_calibration(model, tok, prb, prompts, out, rows, cfg, seed):
     C = torch.zeros(Y.shape)
     if valid.any():
         C[valid] = probe_lib.predict(prb, feats[valid]).cpu()
-    calib = modes.calibration(C, Y, valid, cfg)   # the margin, or the negative Brier (Brier modes)
+    calib = modes.calibration_term(C, Y, valid, cfg)   # the margin, or the negative Brier
     key = modes.calibration_key(cfg["reward"])
     return [dict(problem=runlog.clip(r["problem"]), answer=r["answer"], text=runlog.clip(t),
                  correct=rewardfn.judge(fn, t, r["answer"], r) if fn else int(is_correct(t, r["answer"])),

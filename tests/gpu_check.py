@@ -21,7 +21,7 @@ bf16 generation copy, as train.py holds them in one process on a GPU. Sizes are 
   labels    label.mc_labels at real lengths: 24 random responses of 200..8000 tokens, 72 cuts,   10 s
             k = 4, chunks of 8 cuts (buffers up to 32 x 7168), features on; a prefill of about 80k
             tokens (1.2 PFLOP) and 9 chunks x 31 steps of about 20 GB; the captures counted and timed
-  score     update.score over those trajectories (about 115k tokens: 1.8 PFLOP)                   5 s
+  score     update.forward_pass over those trajectories (about 115k tokens: 1.8 PFLOP)                   5 s
   update    update.update on the rollout (39k tokens, micro-batches of <= 16384) with the fp32      8 s
             trainer, bf16 autocast, checkpointing: 8 N FLOP a token, 2.4 PFLOP. SGD at lr 0 stands
             in for AdamW, whose 8 N (61 GB) do not fit beside the rest; its sampler gap is the bf16
@@ -94,7 +94,7 @@ from harness.parallel import wrap  # noqa: E402
 from live_bytes import LiveBytes  # noqa: E402  (beside this file)
 from study import bench  # noqa: E402
 from train import checkpoint_activations  # noqa: E402
-from update import budget_ends, micro_batches, micro_batch, score, update  # noqa: E402
+from update import budget_ends, micro_batches, micro_batch, forward_pass, update  # noqa: E402
 
 GiB = 2**30
 SHAPE = staticcache._Shape  # the static decoder's buffer set, whose captures `capturing` times
@@ -293,7 +293,7 @@ def check_score(ctx):
     with phase(ctx, row) as m:
         for mb in mbs:
             sub, _ = micro_batch(batch, mb, ctx["device"])
-            lp, feats, valid = score(ctx["sampler"], sub, ends[mb], cfg["temperature"], cfg["chunk_size"])
+            lp, feats, valid = forward_pass(ctx["sampler"], sub, ends[mb], cfg["temperature"], cfg["chunk_size"])
             finite &= bool(torch.isfinite(lp).all()) and bool(torch.isfinite(feats[valid]).all())
             n_feats += int(valid.sum())
     t = planned(ctx, ctx["sizes"]["longest"])  # no term of its own: the plan takes the update's to bound it

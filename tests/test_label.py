@@ -8,7 +8,7 @@ import tiny
 from grpo import pack, token_logprobs
 from label import SUFFIX, budgets, forced_answer, forced_prompt, mc_labels
 from probe import prefix_features
-from update import budget_ends, score
+from update import budget_ends, forward_pass
 
 FIXTURE_7B = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "fixtures", "r1_distill_qwen_7b")
 
@@ -236,7 +236,7 @@ def test_features_are_causal_and_logprobs_match():
     cuts = [budgets(len(r)) for r in responses]
     batch = pack(prompts, responses, tok.pad_token_id)
     ends = budget_ends(batch["prompt_lens"], cuts)
-    old_logp, feats, valid = score(model, batch, ends, temperature=0.7, chunk_size=3)
+    old_logp, feats, valid = forward_pass(model, batch, ends, temperature=0.7, chunk_size=3)
     assert valid.tolist() == [[True] * 3, [True] * 3]
     ref = token_logprobs(model, batch["input_ids"], batch["attention_mask"], 0.7)
     m = batch["loss_mask"].bool()
@@ -250,7 +250,7 @@ def test_features_are_causal_and_logprobs_match():
             h.remove()
             alone, _ = prefix_features(captured["h"], torch.tensor([[ids.shape[1]]]), 4)
             assert torch.allclose(feats[i, j], alone[0, 0], atol=1e-5)
-    _, final, _ = score(model, batch, ends, final_norm=True, logprobs=False)
+    _, final, _ = forward_pass(model, batch, ends, final_norm=True, logprobs=False)
     normed = model.model(input_ids=torch.tensor([prompts[0] + responses[0][:cuts[0][0]]])).last_hidden_state
     assert torch.allclose(final[0, 0], normed[0, -1], atol=1e-5)
 
@@ -283,7 +283,7 @@ def test_static_labels_keep_one_shape_alive_within_the_plan(monkeypatch):
 @pytest.mark.parametrize("decode", ["dynamic", "static"])
 def test_features_from_the_forced_answers_prefill_equal_the_scoring_pass(decode):
     """mc_labels(features=True) reads h_b from the prefill it runs anyway, and they equal the
-    separate scoring forward's (update.score) within float rounding, while its labels equal those
+    separate scoring forward's (update.forward_pass) within float rounding, while its labels equal those
     without features. The batch holds what the reading has to get right: responses equal to another
     up to their longest cut (their forced prompts are all asked by that one, so they are read as an
     extra row), a cut that ends on the close token (asked one token earlier, read at b), cuts below
@@ -310,7 +310,7 @@ def test_features_from_the_forced_answers_prefill_equal_the_scoring_pass(decode)
     assert stats["forced_prompts"] < stats["prefixes"]  # response 1 asked nothing of its own
     batch = pack(prompts, responses, tok.pad_token_id)
     ends = budget_ends(batch["prompt_lens"], cuts)
-    _, ref, valid = score(model, batch, ends, logprobs=False)
+    _, ref, valid = forward_pass(model, batch, ends, logprobs=False)
     assert [f.shape for f in feats] == [(len(c), 32) for c in cuts]
     for i, c in enumerate(cuts):
         assert torch.allclose(feats[i], ref[i, :len(c)], atol=1e-5), i

@@ -88,15 +88,15 @@ def test_evaluation_reads_verbal_confidence_with_rlcrs_parser():
 def test_process_brier_worked_number():
     C, Y = torch.tensor([[0.9, 0.5, 0.1]]), torch.tensor([[1.0, 0.5, 0.0]])
     valid = torch.ones(1, 3, dtype=torch.bool)
-    assert modes.calibration(C, Y, valid, cfg_for("process-brier")).item() == pytest.approx(-0.0067, abs=5e-5)
-    assert modes.calibration(C, Y, valid, cfg_for("rlcm")).item() == pytest.approx(0.8)
+    assert modes.calibration_term(C, Y, valid, cfg_for("process-brier")).item() == pytest.approx(-0.0067, abs=5e-5)
+    assert modes.calibration_term(C, Y, valid, cfg_for("rlcm")).item() == pytest.approx(0.8)
     # final-margin with budget 1.0: only one side -> +C or -C
     one = torch.ones(1, 1, dtype=torch.bool)
     fm = cfg_for("final-margin", corner="final-margin")
-    assert modes.calibration(torch.tensor([[0.2]]), torch.tensor([[0.0]]), one, fm).item() == pytest.approx(-0.2)
+    assert modes.calibration_term(torch.tensor([[0.2]]), torch.tensor([[0.0]]), one, fm).item() == pytest.approx(-0.2)
     mc = cfg_for("rlcm", corner="margin-corner")   # the released corner rule: 1 - mean C
-    assert modes.calibration(torch.tensor([[0.2]]), torch.tensor([[0.0]]), one, mc).item() == pytest.approx(0.8)
-    assert modes.calibration(torch.tensor([[0.2]]), torch.tensor([[0.0]]), one, cfg_for("rlcm")).item() == 0.0
+    assert modes.calibration_term(torch.tensor([[0.2]]), torch.tensor([[0.0]]), one, mc).item() == pytest.approx(0.8)
+    assert modes.calibration_term(torch.tensor([[0.2]]), torch.tensor([[0.0]]), one, cfg_for("rlcm")).item() == 0.0
 
 
 def test_brier_modes_give_unanimous_groups_reward_zero():

@@ -143,7 +143,7 @@ def test_on_policy_update_equals_the_scored_old_logprobs_in_fp32():
     import step
     from grpo import pack, token_logprobs
     from harness.parallel import wrap
-    from update import score
+    from update import forward_pass
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(4, 60, (n,), generator=g).tolist() for n in (3, 5, 4)]
     responses = [torch.randint(4, 60, (n,), generator=g).tolist() for n in (6, 2, 7)]
@@ -158,7 +158,7 @@ def test_on_policy_update_equals_the_scored_old_logprobs_in_fp32():
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         old = None
         if path == "scored":
-            old = score(copy.deepcopy(model).eval(), batch, torch.zeros(3, 1, dtype=torch.long),
+            old = forward_pass(copy.deepcopy(model).eval(), batch, torch.zeros(3, 1, dtype=torch.long),
                         cfg["temperature"], cfg["chunk_size"])[0]
         stats = step.update(policy, opt, sched, batch, old, adv, mbs, cfg, torch.device("cpu"))
         out[path] = (stats, {k: v.detach().clone() for k, v in model.state_dict().items()})

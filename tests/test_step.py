@@ -132,11 +132,11 @@ def test_unanimous_groups_stay_in_the_update_at_advantage_zero(tmp_path, monkeyp
 def test_a_default_step_reads_the_probe_features_from_the_labels_prefill(tmp_path, monkeypatch):
     """On-policy RLCM runs no scoring pass (t_score stays 0): the probe's features come from the
     forced answers' prefill, and on this fixed batch they equal the scoring forward's over the
-    rollout weights (update.score, what the step ran before) while the labels equal mc_labels'
+    rollout weights (update.forward_pass, what the step ran before) while the labels equal mc_labels'
     without features."""
     import copy
     from grpo import pack
-    from update import budget_ends, score
+    from update import budget_ends, forward_pass
     cfg = config.resolve_args([*SMALL, "--out", str(tmp_path)])
     rows = data.load_rows("toy", split="train")[8:12]
     model, tok, probe, probe_opt, opt, sched = start(cfg)
@@ -150,7 +150,7 @@ def test_a_default_step_reads_the_probe_features_from_the_labels_prefill(tmp_pat
         return wrapped
     monkeypatch.setattr(step, "mc_labels", spy(step.mc_labels, "labels"))
     monkeypatch.setattr(step, "probe_margin", spy(step.probe_margin, "probe"))
-    monkeypatch.setattr(step, "score", lambda *a, **kw: pytest.fail("a scoring pass ran"))
+    monkeypatch.setattr(step, "forward_pass", lambda *a, **kw: pytest.fail("a scoring pass ran"))
     policy, sampler = wrap(model, CPU, token_logprobs)
     row = step.rl_step(1, rows, step.Learner(policy, sampler, tok, probe, probe_opt, opt, sched, CPU), cfg)
     assert row["t_score"] == 0.0 and row["prefixes"] > 20
@@ -161,7 +161,7 @@ def test_a_default_step_reads_the_probe_features_from_the_labels_prefill(tmp_pat
     labels = step.mc_labels(rollout_weights, tok, prompts, responses, cuts, golds, **kw)
     assert Y[valid].tolist() == [y for ys in labels for y in ys]
     batch = pack(prompts, responses, tok.pad_token_id)
-    _, ref, ref_valid = score(rollout_weights.eval(), batch, budget_ends(batch["prompt_lens"], cuts), logprobs=False)
+    _, ref, ref_valid = forward_pass(rollout_weights.eval(), batch, budget_ends(batch["prompt_lens"], cuts), logprobs=False)
     assert torch.equal(valid, ref_valid)
     assert torch.allclose(feats[valid], ref[valid], atol=1e-5), (feats[valid] - ref[valid]).abs().max()
 
@@ -203,7 +203,7 @@ def test_a_shuffled_label_probe_fits_a_permutation_and_scores_the_real_labels(tm
             return fn(*a, **kw)
         return wrapped
     monkeypatch.setattr(step.probe_lib, "fit", spy(step.probe_lib.fit, "fit"))
-    monkeypatch.setattr(modes, "calibration", spy(modes.calibration, "margin"))
+    monkeypatch.setattr(modes, "calibration_term", spy(modes.calibration_term, "margin"))
     got = {}
     for labels in ("mc", "shuffled"):
         cfg = config.resolve_args([*SMALL, "--probe-labels", labels, "--out", str(tmp_path / labels)])
