@@ -1,9 +1,13 @@
 """study/bench.py: the bandwidth floor formula, and one tiny run of every path on the toy model."""
+import subprocess
+import sys
+
 import pytest
 
 from study import bench
 from harness.files import UserError
 import tiny
+from runs import ROOT
 
 
 def test_floor_counts_weights_but_the_input_embedding_and_the_kv_cache():
@@ -66,3 +70,24 @@ def test_the_7b_shape_without_a_config_folder_says_what_to_pass(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(UserError, match="^no tokenizer_config.json in .*: pass --config DIR, .*hf download"):
         bench.main(["--shape", "7b", "--config", str(tmp_path)])
+
+
+@pytest.mark.parametrize("flags,line", [
+    (["--prompts", "0"], "--prompts 0: must be >= 1"),
+    (["--samples", "-1"], "--samples -1: must be >= 1"),
+    (["--top-p", "0"], "--top-p 0.0: must be in (0, 1]"),
+    (["--repeat", "0"], "--repeat 0: must be >= 1"),
+    (["--device", "cuda:99"], "--device cuda:99: this torch build and machine show"),
+    (["--device", "gpu"], "--device gpu: not a device"),
+])
+def test_bench_checks_its_flags_before_loading_anything(flags, line):
+    with pytest.raises(UserError) as e:
+        bench.main(flags)
+    assert str(e.value).startswith(line)
+
+
+@pytest.mark.slow   # study/bench.py in a subprocess
+def test_bench_flag_error_is_one_line_exit_2():
+    p = subprocess.run([sys.executable, "-m", "study.bench", "--repeat", "0"], capture_output=True,
+                       text=True, cwd=ROOT)
+    assert p.returncode == 2 and p.stderr.strip() == "error: --repeat 0: must be >= 1"

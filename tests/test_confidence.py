@@ -1,6 +1,7 @@
 import math
 import os
 import random
+import time
 
 import numpy as np
 import pytest
@@ -472,3 +473,12 @@ def test_posthoc_labels_decode_one_bounded_shape_at_a_time(monkeypatch):
     assert max(s["alive"] for s in shapes.made) == 1
     # sampled shortest first, each shape is built once (widths only grow)
     assert len({(s["rows"], s["length"]) for s in shapes.made}) == len(shapes.made)
+
+
+def test_verbal_confidence_on_100_kb_of_repeated_tags_is_fast_and_reads_the_last_tag():
+    start = time.perf_counter()
+    conf = confidence.verbal_confidence("<confidence>" * 8500)   # 102 KB, no closing tag
+    assert time.perf_counter() - start < 0.1   # 81f6578: 12 s for 96 KB
+    assert conf == (0.5, True)
+    text = "<confidence>0.7</confidence>" + "<confidence>" * 8500 + "<confidence> 0.3 </confidence> <confidence>0.9"
+    assert confidence.verbal_confidence(text) == (0.3, False)   # the last complete tag

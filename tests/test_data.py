@@ -7,6 +7,7 @@ import types
 import pytest
 
 import data
+from runs import jsonl, write
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "fixtures")
 needs_fixtures = pytest.mark.skipif(not os.path.isdir(FIXTURES), reason="shared fixtures not present")
@@ -165,3 +166,57 @@ def test_verl_layout_parquets_read_as_released(tmp_path):
         data.load_rows(path, like="lcb")
     with pytest.raises(data.DataError, match=r"row 0 has an empty answer \(fields 'prompt', 'reward_model.ground_truth'\)"):
         data.load_rows(write_verl(tmp_path / "nogold.parquet", [(asked, "")]))
+
+
+def test_a_mistyped_extension_on_an_existing_file_still_reads(tmp_path):
+    import data
+    path = jsonl(tmp_path / "d.jsnol", [{"problem": "1+1", "answer": "2"}])
+    assert data.load_rows(path) == [{"problem": "1+1", "answer": "2"}]
+    assert data.load_rows(path, limit=0) == []   # 0 means none, not all
+
+
+GPQA_ROW = {"Question": "Which gas do plants absorb?", "Correct Answer": "Carbon dioxide", "Incorrect Answer 1": "Oxygen",
+            "Incorrect Answer 2": "Helium", "Incorrect Answer 3": "Neon"}
+
+
+def test_a_local_gpqa_file_is_built_as_the_hubs_gpqa(tmp_path):
+    # H6: at a7c59f5 gpqa=FILE gave {'problem': 'Which gas do plants absorb?', 'answer': 'Carbon dioxide'}:
+    # no options, the answer text as gold (a response naming the right letter scored 0).
+    import data
+    from evaluation import benchmarks
+    path = tmp_path / "gpqa.jsonl"
+    path.write_text(json.dumps(GPQA_ROW) + "\n")
+    name, rows, _ = benchmarks.load_benchmark(f"gpqa={path}")
+    assert name == "gpqa" and rows == [{"problem": "Which gas do plants absorb?\n\nA) Helium\nB) Carbon dioxide\n"
+                                                   "C) Oxygen\nD) Neon", "answer": "B"}]
+    assert (rows[0]["problem"], rows[0]["answer"]) == data._choices(GPQA_ROW, 0, data.BENCHMARKS["gpqa"])
+    path.write_text(json.dumps({k: v for k, v in GPQA_ROW.items() if k != "Incorrect Answer 2"}) + "\n")
+    with pytest.raises(data.DataError, match=f"^{path}: row 0 has no 'Incorrect Answer 2' field: a gpqa file"):
+        benchmarks.load_benchmark(f"gpqa={path}")
+
+
+DATA_CASES = {   # name: (file content, words in the DataError)
+    "dict answer": ('[{"problem": "1+2", "answer": {"value": "3"}}]', "row 0 field 'answer'"),
+    "bool answer": ('[{"problem": "1+2", "answer": true}]', "row 0 field 'answer' is 'True' (bool)"),
+    "NaN answer": ('{"problem": "1+2", "answer": 1}\n{"problem": "1+2", "answer": NaN}\n', "row 1 field 'answer'"),
+    "dict problem": ('[{"problem": {"text": "1+2"}, "answer": "3"}]', "row 0 field 'problem'"),
+    "non-dict row": ('[{"problem": "1+2", "answer": "3"}, 5, "x"]', "row 1 is 5, not an object"),
+    "scalar file": ("5", "holds 5 at the top level, not rows"),
+    "null file": ("null", "holds null at the top level"),
+    "bad line 5": ("".join('{"problem": "1+2", "answer": "3"}\n' for _ in range(4)) + '{"problem": "1+2", "answer": }\n',
+                   "(line 5, column"),
+}
+
+
+@pytest.mark.parametrize("case", DATA_CASES)
+def test_bad_data_is_one_line_naming_the_file_and_the_row(case, tmp_path):
+    content, words = DATA_CASES[case]
+    path = write(tmp_path / "d.jsonl", content)
+    with pytest.raises(data.DataError) as e:
+        data.load_rows(path)
+    assert path in str(e.value) and words in str(e.value), str(e.value)
+
+
+def test_a_utf8_byte_order_mark_is_accepted(tmp_path):
+    path = write(tmp_path / "d.json", b'\xef\xbb\xbf[{"problem": "1+2", "answer": 3}]')
+    assert data.load_rows(path) == [{"problem": "1+2", "answer": "3"}]

@@ -1,6 +1,10 @@
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -15,6 +19,9 @@ import toy
 import toy_warm
 import train
 from evaluation import benchmarks, generation, probes, uses
+from harness import files
+from harness.files import UserError
+from runs import ENV, EVAL_SMALL, PROBE_SMALL, jsonl, one_line, sigint_default, write
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "..", "shared", "fixtures")
@@ -446,3 +453,98 @@ def test_an_unbounded_row_stops_train_and_evaluate_before_any_model_loads(tmp_pa
         with pytest.raises(SystemExit) as e:
             evaluate.main(["--model", "toy", "--benchmarks", f"math500={path}", "--out", str(tmp_path / "eval")])
         assert e.value.code.startswith(f"evaluate.py: error: {path}: {why}") and "\n" not in e.value.code
+
+
+EVAL_CASES = {
+    "n-samples 0": (lambda t: ["--n-samples", "0"], "--n-samples 0: must be >= 1"),
+    "limit 0": (lambda t: ["--limit", "0"], "--limit 0: must be >= 1"),
+    "max-new-tokens -1": (lambda t: ["--max-new-tokens", "-1"], "--max-new-tokens -1: must be >= 1"),
+    "top-p nan": (lambda t: ["--top-p", "nan"], "--top-p nan: must be in (0, 1]"),
+    "out is a file": (lambda t: ["--out", write(t / "f", "x")], "is a file, not a folder"),
+    "{} line in samples.jsonl": (lambda t: ["--out", t / "eval"], "samples.jsonl line 2 is not a row of this log"),
+    "100,000-char prompt": (lambda t: ["--benchmarks", jsonl(t / "q.jsonl", [{"problem": "1" * 100_000, "answer": "1"}])],
+                            "do not fit the model's context of 256 tokens"),
+}
+
+
+@pytest.mark.parametrize("case", EVAL_CASES)
+def test_evaluate_refuses_in_one_line(case, tmp_path, capsys):
+    make, words = EVAL_CASES[case]
+    if case.startswith("{}"):
+        os.makedirs(tmp_path / "eval")
+        jsonl(tmp_path / "eval" / "samples.jsonl", [dict(model="toy", benchmark="toy", question=0, sample=0,
+                                                          correct=1, confidence=0.5), {}])
+    argv = ["--model", "toy", *EVAL_SMALL, "--out", str(tmp_path / "new")] + [str(a) for a in make(tmp_path)]
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(argv)
+    msg = e.value.code
+    if msg == 2:   # a flag's value, checked before anything loads: on stderr, exit 2 like argparse's
+        msg = one_line(capsys)
+    assert isinstance(msg, str) and "\n" not in msg and words in msg, msg
+    assert not os.path.exists(tmp_path / "new")
+
+
+@pytest.mark.slow   # evaluate.py killed and resumed
+def test_ctrl_c_in_evaluate_exits_130_and_the_same_command_resumes(tmp_path):
+    out = str(tmp_path / "eval")
+    cmd = [sys.executable, os.path.join(ROOT, "evaluate.py"), "--model", "toy", "--benchmarks", "toy",
+           "--limit", "60", "--n-samples", "2", "--max-new-tokens", "24", "--batch-size", "4", *PROBE_SMALL,
+           "--out", out]
+    proc = subprocess.Popen(cmd, env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=sigint_default)
+    samples = os.path.join(out, "samples.jsonl")
+    deadline = time.time() + 300
+    while not (os.path.exists(samples) and os.path.getsize(samples)) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130 and "Traceback" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1].startswith("interrupted: the samples so far are kept")
+    assert not os.path.exists(os.path.join(out, files.LOCK))
+    subprocess.run(cmd, env=ENV, cwd=ROOT, check=True, capture_output=True)
+    rows = evaluate.read_samples(samples)
+    assert sorted((r["question"], r["sample"]) for r in rows) == [(q, j) for q in range(60) for j in range(2)]
+
+
+EVAL = ["--benchmarks", "toy", "--limit", "2", "--n-samples", "1", "--max-new-tokens", "8",
+        "--confidence", "logits"]
+
+
+def test_evaluating_a_nan_model_writes_no_nan_rows(nan_model, tmp_path):
+    out = tmp_path / "eval"
+    for _ in range(2):   # 81f6578: NaN rows appended, then every rerun failed on them
+        with pytest.raises(SystemExit) as e:
+            evaluate.main(["--model", nan_model, *EVAL, "--out", str(out)])
+        assert e.value.code == ("evaluate.py: error: 2 of 2 logit confidences are NaN or inf: the model's "
+                                "weights hold NaN or inf")
+        assert not os.path.exists(out / "samples.jsonl") or os.path.getsize(out / "samples.jsonl") == 0
+
+
+def test_results_json_that_is_not_an_object_is_refused_before_sampling(tmp_path):
+    out = tmp_path / "eval"
+    os.makedirs(out)
+    write(out / "results.json", "[]")
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--model", "toy", *EVAL, "--out", str(out)])
+    assert e.value.code == (f"evaluate.py: error: {out / 'results.json'} is not an object of results per model: "
+                            "remove it (samples.jsonl keeps every sample)")
+    assert not os.path.exists(out / "samples.jsonl")
+
+
+RUN_CONFIG_CASES = {
+    "a list": ("[1, 2]", "is not a JSON object"),
+    "budgets 0.75": ('{"budgets": 0.75}', '"budgets": 0.75 in'),
+    "instruction 5": ('{"instruction": 5}', '"instruction": 5 in'),
+}
+
+
+@pytest.mark.parametrize("case", RUN_CONFIG_CASES)
+def test_a_bad_run_config_is_one_line_when_evaluating_the_run(case, tmp_path):
+    content, words = RUN_CONFIG_CASES[case]
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000001"
+    os.makedirs(ckpt)
+    write(tmp_path / "run" / "config.json", content)
+    for read in (benchmarks.run_config, probes.run_fractions):
+        with pytest.raises(UserError) as e:
+            read(str(ckpt))
+        assert str(tmp_path / "run") in str(e.value) and words in str(e.value), str(e.value)

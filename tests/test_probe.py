@@ -1,9 +1,17 @@
+import math
+import os
+import shutil
+
 import torch
 import torch.nn.functional as F
 import pytest
 
 import probe as P
+import probe as probe_lib
+import train
+from harness import checkpoint
 from harness.files import UserError
+from runs import SMALL_NO_EVAL as SMALL, one_line_past_bars as one_line, one_step_run  # noqa: F401 (fixture: base_run)
 
 
 def separable(m=128, d=16, seed=0):
@@ -176,3 +184,65 @@ def test_split_prefix_features_equal_prefix_features_of_the_whole_sequence():
         want, _ = prefix_features(whole[r][None], ends)
         assert torch.allclose(got[m], want[0]), m
     assert got[1, 1:].abs().sum() == 0 and not torch.allclose(got[0, 0], got[0, 1])
+
+
+def saved_probe(tmp_path, **change):
+    prb = probe_lib.Probe(16)
+    probe_lib.save(str(tmp_path / "probe.pt"), prb, probe_lib.make_optimizer(prb))
+    blob = torch.load(tmp_path / "probe.pt", weights_only=True)
+    torch.save(change.pop("whole", None) or {**blob, **change}, tmp_path / "probe.pt")
+    return str(tmp_path / "probe.pt")
+
+
+PROBE_CASES = {
+    "a list": (dict(whole=[1, 2, 3]), "(a list, not a dict)"),
+    "dropout 2.0": (dict(dropout=2.0), "(dropout 2.0 is not a probability)"),
+    "dim 'abc'": (dict(dim="abc"), "(dim 'abc' and hidden 4 are not sizes)"),
+    "dim 20000": (dict(dim=20000, hidden=20000), "(its weights are not those of a probe of dim 20000, hidden 20000)"),
+    "optimizer a list": (dict(optimizer=[1]), "(its optimizer state is not one)"),
+}
+
+
+@pytest.mark.parametrize("case", PROBE_CASES)
+def test_a_damaged_probe_file_is_refused_before_anything_is_built(case, tmp_path, monkeypatch):
+    change, words = PROBE_CASES[case]
+    path = saved_probe(tmp_path, **change)
+    built = []
+    monkeypatch.setattr(probe_lib.Probe, "__init__", lambda self, *a, **k: built.append(a) or 1 / 0)
+    with pytest.raises(probe_lib.NotAProbe) as e:
+        probe_lib.load(path)
+    assert str(e.value) == f"{path} is not a probe saved by this code {words}: use an earlier checkpoint"
+    assert built == []   # 81f6578: Probe(20000, 20000) was built (1.6 GB) before the weights were compared
+
+
+def test_resume_with_a_probe_pt_that_is_a_list_is_one_line(base_run, tmp_path, capsys):
+    run = str(tmp_path / "run")
+    shutil.copytree(base_run, run)
+    path = os.path.join(checkpoint.latest_checkpoint(run), "probe.pt")
+    torch.save([1, 2, 3], path)
+    with pytest.raises(SystemExit) as e:
+        train.main(["--resume", run, "--steps", "2"])
+    assert e.value.code == 2 and one_line(capsys) == f"error: {path} is not a probe saved by this code " \
+        "(a list, not a dict): use an earlier checkpoint"
+
+
+def test_nan_probe_weights_are_a_numeric_fault_naming_the_file(tmp_path):
+    prb = probe_lib.Probe(8)
+    with torch.no_grad():
+        prb.net[0].weight[0, 0] = float("nan")
+    probe_lib.save(str(tmp_path / "p.pt"), prb)
+    with pytest.raises(FloatingPointError, match="p.pt holds NaN or inf probe weights"):
+        probe_lib.load(str(tmp_path / "p.pt"))
+
+
+def test_predict_refuses_nan_features():
+    with pytest.raises(FloatingPointError, match="NaN or inf"):
+        probe_lib.predict(probe_lib.Probe(4), torch.tensor([[0.0, math.nan, 0.0, 0.0]]))
+
+
+def test_training_a_nan_model_with_a_probe_stops_with_exit_3(nan_model, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        train.main(["--model", nan_model, "--data", "toy", "--eval-data", "toy", "--steps", "1",
+                    "--out", str(tmp_path / "run"), *SMALL])
+    line = one_line(capsys)
+    assert e.value.code == 3 and line.startswith("stopped: the probe's features or confidences are NaN or inf"), line

@@ -1,10 +1,13 @@
 """prompts.py: the chat prompt's ids and the released RLCR instruction (local fixtures only)."""
 import os
+import time
 
 import pytest
 
 import data
 import prompts as prompts_lib
+import toy_warm
+from tests import tiny
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "fixtures")
 needs_fixtures = pytest.mark.skipif(not os.path.isdir(FIXTURES), reason="shared fixtures not present")
@@ -61,3 +64,59 @@ def test_rlcr_prompt_on_the_r1_template():
     tok = real_tokenizer()
     text = tok.decode(prompts_lib.chat_prompt(tok, "What is 3 + 5?", prompts_lib.RLCR_INSTRUCTION))
     assert text == f"<｜begin▁of▁sentence｜><｜User｜>What is 3 + 5?\n\n{RELEASED_RLCR}<｜Assistant｜><think>\n"
+
+
+def test_prompts_past_the_context_are_refused_and_overflow_is_warned():
+    import data
+    import prompts as prompts_lib
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(toy_warm.base_model())   # context 256
+    short = {"problem": "1+1", "answer": "2"}
+    n = len(prompts_lib.chat_prompt(tok, short["problem"], ""))
+    said = []
+    prompts_lib.check_context(tok, [short], "", 256, 256 - n, "d", say=said.append)
+    assert said == []                                        # exactly fills the context
+    prompts_lib.check_context(tok, [short], "", 256, 257 - n, "d", say=said.append)
+    assert len(said) == 1 and "1 of 1 prompts plus" in said[0]
+    with pytest.raises(data.DataError, match=r"d: 1 prompt\(s\) do not fit .* \(row 1: "):
+        prompts_lib.check_context(tok, [short, {"problem": "2" * 300, "answer": "2"}], "", 256, 10, "d")
+
+
+def templated(template):
+    tok = tiny.tokenizer()
+    tok.chat_template = template
+    return tok
+
+
+PLAIN = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+TEMPLATE_CASES = {   # template, system prompt, words in the DataError
+    "raises on a system turn": ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not "
+                                "supported') }}{% endif %}" + PLAIN, "be careful",
+                                "(TemplateError: System role not supported): give the model a working "
+                                "chat_template or drop --system-prompt"),
+    "missing": (None, None, "(ValueError: "),
+    "sandbox": ("{{ ''.__class__.__mro__[1].__subclasses__() }}" + PLAIN, None, "(SecurityError: "),
+    "never ends": ("{% for i in range(100000) %}{% for j in range(100) %}{% endfor %}{% endfor %}" + PLAIN, None,
+                   "renders one prompt for over 0.2 s"),
+}
+
+
+@pytest.mark.parametrize("case", TEMPLATE_CASES)
+def test_a_chat_template_that_fails_is_one_data_error(case, monkeypatch):
+    template, system, words = TEMPLATE_CASES[case]
+    monkeypatch.setattr(prompts_lib, "TEMPLATE_SECONDS", 0.2, raising=False)
+    start = time.perf_counter()
+    with pytest.raises(data.DataError) as e:
+        prompts_lib.chat_prompt(templated(template), "1+1", "", system)
+    assert words in str(e.value), str(e.value)
+    assert time.perf_counter() - start < 5
+
+
+def test_the_first_prompt_is_rendered_with_the_system_turn_before_any_folder_is_made():
+    tok = templated(TEMPLATE_CASES["raises on a system turn"][0])
+    rows = [{"problem": "1+1", "answer": "2"}]
+    prompts_lib.check_context(tok, rows, "", None, 8, "toy")   # no system turn: renders
+    with pytest.raises(data.DataError, match="System role not supported"):
+        prompts_lib.check_context(tok, rows, "", None, 8, "toy", system="be careful")

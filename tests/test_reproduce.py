@@ -3,6 +3,11 @@ hand-made results with pinned means and stds, bad flags, and a failed child."""
 import json
 import math
 import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -10,6 +15,8 @@ from safetensors.torch import save_file
 
 import reproduce
 from study import comparison, stats
+from harness.files import UserError
+from runs import ROOT
 
 TRAIN = ("--steps 1 --prompts-per-step 4 --group-size 4 --max-new-tokens 40 --eval-n 8 --eval-every 0 "
          "--log-samples 0 --eval-probe-n 0")
@@ -183,3 +190,231 @@ def test_a_failed_child_exits_1_without_a_table_and_others_go_on(tmp_path, capsy
     assert not os.path.exists(os.path.join(out, "table.md"))
     assert not os.path.exists(os.path.join(out, "eval", "grpo-seed0"))      # its evaluation never ran
     assert "toy" in _load(os.path.join(out, "eval", "base-seed0", "results.json"))   # the base went on
+
+
+FAST = ["--benchmarks", "toy,toy-long,toy-sub", "--limit", "6", "--n-samples", "2", "--max-new-tokens", "56", "--threads", "1",
+        "--confidence", "logits"]
+
+
+def retrain_in_place(folder):
+    """The model in `folder` replaced by another of the same shapes (its embedding rows reversed), as a
+    run deleted and trained again to the same step leaves it."""
+    from safetensors.torch import load_file, save_file
+    p = os.path.join(folder, "model.safetensors")
+    sd = load_file(p)
+    sd["model.embed_tokens.weight"] = sd["model.embed_tokens.weight"].flip(0).contiguous()
+    save_file(sd, p, metadata={"format": "pt"})
+
+
+def test_a_model_trained_again_in_place_is_evaluated_again_not_given_the_old_samples(tmp_path, capsys):
+    # H7: at a7c59f5 a model was its path: the second evaluation into E printed the first model's
+    # numbers (all its samples reused), and reproduce.py's eval_entry called it "evaluated already".
+    import evaluate
+    import toy_warm
+    from study import comparison
+    model = str(tmp_path / "model")
+    shutil.copytree(toy_warm.base_model(), model)
+    first = evaluate.main(["--model", model, "--out", str(tmp_path / "e"), *FAST])["model"]
+    assert comparison.eval_entry(str(tmp_path / "e"), "model", evaluate.model_id(model))["model_id"] == first["model_id"]
+    retrain_in_place(model)
+    capsys.readouterr()
+    again = evaluate.main(["--model", model, "--out", str(tmp_path / "e"), *FAST])
+    assert "is of the model that was in" in capsys.readouterr().err
+    fresh = evaluate.main(["--model", model, "--out", str(tmp_path / "e2"), *FAST])["model"]
+    assert list(again) == ["model"] and again["model"]["benchmarks"] == fresh["benchmarks"]
+    assert fresh["benchmarks"]["toy"]["acc"] != first["benchmarks"]["toy"]["acc"]
+    assert again["model"]["model_id"] != first["model_id"] and again["model"]["model_id"].startswith(
+        os.path.realpath(model) + "#")
+    assert comparison.eval_entry(str(tmp_path / "e"), "model", first["model_id"]) is None   # the old model's: gone
+
+
+@pytest.mark.parametrize("key, value", [("model", "runs/other"), ("data", "toy-sub")])
+def test_reproduce_refuses_a_config_file_that_changes_the_model_or_the_data(tmp_path, key, value):
+    # H11: at a7c59f5 --train-args "--config FILE" passed (argparse's model was None before and after)
+    # and every method trained from FILE's model while the table said toy_base.
+    import reproduce
+    import config
+    from harness.files import UserError
+    cfg = dict(config.resolve_args(["--out", str(tmp_path / "x")]), **{key: value})
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(cfg))
+    argv = ["--methods", "grpo", "--seeds", "0", "--out", str(tmp_path / "rep")]
+    with pytest.raises(UserError, match=f"^--train-args --config {path} --steps 1: --{key} is reproduce.py's to set"):
+        reproduce.parse_args(argv + ["--train-args", f"--config {path} --steps 1"])
+    # L7: the same value as a flag (at a7c59f5 --data toy-sub was accepted)
+    with pytest.raises(UserError, match=f"--{key} is reproduce.py's to set for each method and seed"):
+        reproduce.parse_args(argv + ["--train-args", f"--{key} {value}"])
+    assert not os.path.exists(tmp_path / "rep")
+
+
+@pytest.fixture(scope="module")
+def done(tmp_path_factory):
+    """(out, argv) of a finished tiny reproduction of the base and GRPO, seed 0."""
+    out = str(tmp_path_factory.mktemp("rep") / "rep")
+    argv = ["--methods", "base,grpo", "--seeds", "0", "--out", out, "--train-args", TRAIN, "--eval-args", EVAL]
+    reproduce.main(argv)
+    return out, argv
+
+
+def _exit(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        reproduce.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return e.value.code, err
+
+
+@pytest.mark.slow   # the `done` reproduction
+def test_a_run_made_with_other_settings_is_refused_not_reused(done, capsys):
+    out, argv = done
+    capsys.readouterr()
+    before = _mtimes(out)
+    plain = TRAIN.replace(" --log-samples 0", "")   # as a plain run: the default --log-samples 4
+    code, err = _exit(argv[:-4] + ["--train-args", plain, "--eval-args", EVAL], capsys)
+    run = os.path.join(out, "runs", "grpo-seed0")
+    assert code == 2 and f"{run} was trained with other settings: --log-samples 0 (this command: 4)" in err
+    assert os.path.join(out, "eval", "grpo-seed0") in err
+    code, err = _exit(argv[:-4] + ["--eval-args", EVAL], capsys)   # the smoke test's 1 step, a plain 45
+    assert code == 2 and "--prompts-per-step 4 (this command: 16)" in err
+    assert _mtimes(out) == before   # refused before anything ran
+
+
+def _base_entry(out):
+    path = os.path.join(out, "eval", "base-seed0", "results.json")
+    return path, _load(path)
+
+
+@pytest.mark.slow   # the `done` reproduction, three evaluations
+def test_an_evaluation_made_with_other_settings_is_redone(done, capsys):
+    out, argv = done
+    base = ["--methods", "base", "--seeds", "0", "--out", out]
+    reproduce.main(base + ["--eval-args", EVAL + " --n-samples 2"])
+    printed = capsys.readouterr().out
+    assert "base seed 0: evaluated in" in printed and "evaluated already" not in printed
+    assert _base_entry(out)[1]["toy"]["benchmarks"]["toy"]["n"] == 8   # 4 questions x 2
+    reproduce.main(base + ["--eval-args", EVAL])                       # and back: 1 sample each
+    assert "base seed 0: evaluated in" in capsys.readouterr().out
+    assert _base_entry(out)[1]["toy"]["benchmarks"]["toy"]["n"] == 4
+    reproduce.main(base + ["--eval-args", EVAL])
+    assert "base seed 0: evaluated already" in capsys.readouterr().out
+
+
+@pytest.mark.slow   # the `done` reproduction
+@pytest.mark.parametrize("damage", ["missing pce", "acc a string"])
+def test_a_damaged_entry_is_evaluated_again(done, capsys, damage):
+    out, argv = done
+    path, res = _base_entry(out)
+    toy = res["toy"]["benchmarks"]["toy"]
+    good = dict(toy)
+    if damage == "missing pce":
+        del toy["pce"]
+    else:
+        toy["acc"] = str(toy["acc"])
+    with open(path, "w") as f:
+        json.dump(res, f)
+    assert comparison.eval_entry(os.path.dirname(path), "toy", comparison.model_of(None)[1]) is None
+    with pytest.raises(UserError, match=f"{path} holds no complete toy results for toy: run the command again"):
+        comparison.aggregate(out, ["base"], {"base": [0]})
+    reproduce.main(argv)   # at 81f6578: a KeyError traceback / a FAILED line that no rerun clears
+    printed = capsys.readouterr().out
+    assert "base seed 0: evaluated in" in printed and "grpo seed 0: evaluated already" in printed
+    assert _base_entry(out)[1]["toy"]["benchmarks"]["toy"]["acc"] == good["acc"]
+    assert comparison.aggregate(out, ["base"], {"base": [0]})["base"]["mean"]["toy"]["pce"] == good["pce"]
+
+
+POISON = "--lr -1"   # at 81f6578 the flags below are passed on: this makes the child fail at once
+
+
+@pytest.mark.parametrize("methods,flags,named", [
+    ("grpo", ["--train-args", f"{POISON} --reward rlcm"], "--reward"),
+    ("grpo", ["--seeds", "0,1", "--train-args", f"{POISON} --see 0"], "--seed"),  # argparse's abbreviation (of --reward every one is ambiguous: --reward-fn)
+    ("grpo", ["--seeds", "0,1", "--train-args", f"{POISON} --seed 0"], "--seed"),  # seed 1's is overridden
+    ("grpo", ["--train-args", f"{POISON} --out elsewhere"], "--out"),
+    ("grpo", ["--train-args", f"{POISON} --resume elsewhere"], "--resume"),
+    ("base", ["--eval-args", "--limit 0 --confidence logits"], "--confidence"),
+    ("base", ["--eval-args", "--limit 0 --seed 5"], "--seed"),
+    ("base", ["--eval-args", "--limit 0 --benchmarks math500"], "--benchmarks"),
+    ("base", ["--eval-args", "--limit 0 --model other"], "--model"),
+])
+def test_args_that_change_a_methods_reward_seed_confidence_or_folder_are_refused(tmp_path, capsys, methods,
+                                                                                 flags, named):
+    out = tmp_path / "rep"
+    code, err = _exit(["--methods", methods, "--seeds", "0", "--out", str(out), *flags], capsys)
+    assert code == 2 and f"{named} is reproduce.py's to set for each method and seed" in err
+    assert err.startswith("reproduce.py: error: --")
+    assert not out.exists()
+
+
+def test_an_ambiguous_abbreviation_in_the_train_args_is_refused_in_one_line(tmp_path, capsys):
+    """--rew could be --reward or --reward-fn: refused before anything runs, like a named flag."""
+    out = tmp_path / "rep"
+    code, err = _exit(["--methods", "grpo", "--seeds", "0", "--out", str(out), "--train-args",
+                       f"{POISON} --rew rlcm"], capsys)
+    assert code == 2 and "ambiguous option: --rew could match --reward, --reward-fn" in err and not out.exists()
+
+
+@pytest.mark.parametrize("flags", [["--jobs", "²"], ["--train-args", "--steps ²"]])
+def test_superscript_numbers_are_one_line(tmp_path, capsys, flags):
+    out = tmp_path / "rep"
+    code, err = _exit(["--methods", "grpo", "--seeds", "0", "--out", str(out), *flags], capsys)
+    assert code == 2 and "²" in err and not out.exists()
+
+
+def test_an_equal_seed_and_reordered_flags_are_not_refused(tmp_path):
+    args, _, _, jobs = reproduce.parse_args(["--methods", "grpo", "--seeds", "3", "--out", str(tmp_path / "r"),
+                                             "--train-args", "--seed 3 --steps 1", "--eval-args=--seed=3"])
+    assert args.train_args == ["--seed", "3", "--steps", "1"] and jobs == 2
+    ev = str(tmp_path / "ev")
+    entry = dict(provenance=dict(command=f"evaluate.py --limit 4 --model toy --out {ev} --seed 1 --benchmarks toy,toy-long,toy-sub "
+                                         "--confidence logits --no-early-exit"))
+    cmd = reproduce.eval_cmd("c2gspg", 1, None, ev)
+    assert comparison.made_with(entry, cmd + ["--limit", "4"]) and not comparison.made_with(entry, cmd)
+    assert not comparison.made_with({}, cmd)
+
+
+def _alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow   # reproduce.py in a subprocess
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_killing_reproduce_kills_its_children(tmp_path, sig):
+    """reproduce.py with its train.py replaced by one that sleeps: killed, it leaves no child running."""
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    pid_file = fake / "child.pid"
+    (fake / "train.py").write_text(
+        "import os, time\n"
+        f"open({str(pid_file) + '.tmp'!r}, 'w').write(str(os.getpid()))\n"
+        f"os.replace({str(pid_file) + '.tmp'!r}, {str(pid_file)!r})\n"
+        "time.sleep(120)\n")
+    code = "import sys, reproduce; reproduce.ROOT = sys.argv[1]; reproduce.main(sys.argv[2:])"
+    parent = subprocess.Popen([sys.executable, "-c", code, str(fake), "--methods", "grpo", "--seeds", "0",
+                               "--out", str(tmp_path / "rep")], cwd=ROOT, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=ROOT))
+    child = None
+    try:
+        deadline = time.time() + 120
+        while not pid_file.exists():
+            assert parent.poll() is None and time.time() < deadline, parent.stderr.read()
+            time.sleep(0.2)
+        child = int(pid_file.read_text())
+        parent.send_signal(sig)
+        parent.wait(30)
+        deadline = time.time() + 10
+        while _alive(child) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not _alive(child)   # at 81f6578: still sleeping, re-parented
+        if sig == signal.SIGTERM:
+            assert parent.returncode == 130
+            assert "run the same command again" in parent.stderr.read().decode()
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        if child and _alive(child):
+            os.kill(child, signal.SIGKILL)

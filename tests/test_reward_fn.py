@@ -16,6 +16,7 @@ import config
 from harness import rewardfn
 from harness.files import UserError
 from rollout import Samples
+from runs import one_line
 
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "reward_fn.py")
 SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "40", "--eval-every", "0",
@@ -204,3 +205,63 @@ def test_a_step_whose_samples_are_all_skipped_logs_no_probe_numbers():
                                                 torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.bool), cfg, seed=0)
     assert math.isnan(stats["probe_bce"]) and math.isnan(stats["probe_ece"]) and stats["prefixes"] == 0
     assert calib.tolist() == [0.0, 0.0]
+
+
+SMALL_RUN = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "24", "--eval-every", "0",
+             "--gen-batch", "64", "--eval-n", "8", "--save-every", "0"]
+
+
+FN = ("import sys\ndef quits(response, answer, row):\n    sys.exit(0)\nclass Stop(BaseException):\n    pass\n"
+      "def stops(response, answer, row):\n    raise Stop('x')\ndef skips(response, answer, row):\n    return None\n")
+
+
+@pytest.mark.parametrize("name, raised", [("quits", "SystemExit: 0"), ("stops", "Stop: x")])
+def test_a_reward_fn_that_exits_or_raises_a_base_exception_is_one_line_exit_2(tmp_path, capsys, name, raised):
+    # M1: at a7c59f5 sys.exit(0) in the function ended train.py with exit 0, no word and a half-made
+    # folder; a BaseException subclass gave a traceback and exit 1.
+    import train
+    (tmp_path / "fn.py").write_text(FN)
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        train.main(["--steps", "2", "--out", str(run), "--reward-fn", f"{tmp_path / 'fn.py'}:{name}", *SMALL_RUN])
+    assert e.value.code == 2 and not run.exists()   # its first call is the step-0 held-out check
+    line = one_line(capsys)
+    assert line.startswith(f"error: --reward-fn {tmp_path / 'fn.py'}:{name} raised {raised} (on response"), line
+
+
+def test_a_reward_fn_that_skips_everything_reports_nothing_scored_not_zero(tmp_path, capsys):
+    # M2: at a7c59f5 "held-out accuracy: 0.000 at the start -> 0.000", and step rows with accuracy 0.0.
+    import json
+    import math
+    import train
+    (tmp_path / "fn.py").write_text(FN)
+    run = tmp_path / "run"
+    train.main(["--steps", "1", "--out", str(run), "--reward-fn", f"{tmp_path / 'fn.py'}:skips", *SMALL_RUN])
+    out = capsys.readouterr().out
+    assert ("held-out accuracy: nothing scored (--reward-fn skipped every response) at the start -> nothing scored "
+            "(--reward-fn skipped every response) at step 1") in out and "accuracy: 0.000" not in out
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    step = [r for r in rows if not r.get("eval")][0]
+    assert [math.isnan(r["eval_accuracy"]) for r in rows if r.get("eval")] == [True, True]
+    assert step["skipped"] == 16 and math.isnan(step["accuracy"]) and math.isnan(step["probe_bce"])
+
+
+def test_an_edited_reward_fn_file_is_a_change_on_resume(tmp_path):
+    # L6 (C51): at a7c59f5 only the path was saved: a resume went on with the edited function, no word,
+    # and reproduce.py called the run "trained already".
+    import json
+    import config
+    from harness import rewardfn, runfolder
+    fn = tmp_path / "fn.py"
+    fn.write_text("def f(response, answer, row):\n    return 1.0\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    saved = json.loads(json.dumps(config.resolve_args(["--reward-fn", f"{fn}:f", "--out", str(run)])))  # as saved
+    (run / "config.json").write_text(json.dumps(saved))
+    fn.write_text("def f(response, answer, row):\n    return 0.0\n")
+    rewardfn.load.cache_clear()
+    now = config.resolve_args(["--resume", str(run), "--reward-fn", f"{fn}:f"])
+    import hashlib
+    before = hashlib.sha256(b"def f(response, answer, row):\n    return 1.0\n").hexdigest()
+    after = hashlib.sha256(b"def f(response, answer, row):\n    return 0.0\n").hexdigest()
+    assert runfolder.changes(saved, now) == [("reward_fn_sha256", before, after)]

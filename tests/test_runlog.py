@@ -16,7 +16,7 @@ from harness import files, runlog
 import toy_warm
 import train
 from config import resolve_args
-from test_hardening import PROBE_SMALL
+from runs import PROBE_SMALL
 from test_train import SMALL, rows
 
 K = 4
@@ -224,3 +224,24 @@ def test_evaluating_fewer_benchmarks_keeps_the_others_in_results_json(tmp_path, 
     assert report.write_results(out, "toy", dict(now, confidence="verbal", benchmarks={"toy": now["benchmarks"]["toy"]},
                                                  settings={})) == []
     assert list(json.load(open(os.path.join(out, "results.json")))["toy"]["benchmarks"]) == ["toy"]
+
+
+METRICS = json.dumps(dict(step=1, reward=0.5, accuracy=0.25, len_mean=30)) + "\n"
+
+
+@pytest.mark.parametrize("tail,lines,values", [
+    ('{"step": 2, "rew', 1, 0),                                  # a kill mid-write
+    ("[1, 2, 3]\n", 1, 0),                                      # not an object
+    ('{"step": 2, "reward": Infinity, "accuracy": NaN}\n', 0, 2),
+    ('{"step": 2, "reward": "0.7", "len_mean": [3]}\n{"step": "3", "reward": 1}\n', 1, 2),
+])
+def test_the_plot_skips_what_it_cannot_draw_and_says_so(tmp_path, capsys, tail, lines, values):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(METRICS + tail)
+    train.main(["--plot", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert out.strip() == str(tmp_path / "curves.png") and os.path.getsize(out.strip()) > 0
+    assert err.strip() == (f"{path}: skipped {lines} line(s) that are not rows and {values} value(s) that are "
+                           "not finite numbers")
+    assert path.read_text() == METRICS + tail   # only read
+    assert runlog.read_metrics(str(path))[0] == dict(step=1, reward=0.5, accuracy=0.25, len_mean=30)

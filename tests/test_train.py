@@ -1,6 +1,7 @@
 """The RL loop end to end on the toy world: run directory, resume, errors, the grpo switch."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -9,15 +10,16 @@ import time
 import pytest
 import torch
 
+import config
 import step
+import toy_warm
 import train
-from test_hardening import snapshot
+from harness import checkpoint, files
+from runs import ENV, SMALL, jsonl, metric_rows, one_line, sigint_default, snapshot, train_py, write
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOLATILE = ("t_", "tok_per_s", "peak_mem")  # metrics.jsonl fields that vary between identical runs
 FIXTURE_7B = os.path.join(ROOT, "..", "shared", "fixtures", "r1_distill_qwen_7b")
-SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "40", "--eval-n", "8",
-         "--eval-every", "0", "--gen-batch", "64"]
 STEP_FIELDS = {"step", "accuracy", "reward", "margin", "signal_frac", "probe_bce", "probe_ece",
                "zero_var_frac", "len_mean", "len_max", "trunc_frac", "clip_frac", "kl", "grad_norm",
                "lr", "t_rollout", "t_label", "t_score", "t_probe", "t_update", "tok_per_s", "peak_mem", "captures"}
@@ -297,3 +299,209 @@ def test_a_resume_on_changed_data_refuses_in_one_line(tmp_path, capsys):
     assert e.value.code == 2 and err.startswith(f"error: --resume {run}: {path} changed since the run began"), err
     assert "put the run's data back, or start a new run with another --out" in err
     assert snapshot(run) == before
+
+
+EVIL = """import os
+open(os.environ["RLCM_MARKER"], "w").write("ran")
+from transformers import Qwen2ForCausalLM
+
+
+class EvilForCausalLM(Qwen2ForCausalLM):
+    pass
+"""
+
+
+@pytest.mark.slow   # train.py in a subprocess
+def test_trust_remote_code_is_never_taken_from_a_saved_config(run_copy, tmp_path):
+    cfg_path = os.path.join(run_copy, "config.json")
+    cfg = json.load(open(cfg_path))
+    cfg["trust_remote_code"] = True
+    json.dump(cfg, open(cfg_path, "w"))
+    for ckpt in checkpoint.checkpoints(run_copy):
+        with open(os.path.join(ckpt, "modeling_evil.py"), "w") as f:
+            f.write(EVIL)
+        c = json.load(open(os.path.join(ckpt, "config.json")))
+        c["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
+        json.dump(c, open(os.path.join(ckpt, "config.json"), "w"))
+    marker = tmp_path / "marker"
+    ENV.update(RLCM_MARKER=str(marker), HF_MODULES_CACHE=str(tmp_path / "modules"))
+    try:
+        r = train_py("--resume", run_copy, "--steps", "3")
+        assert r.returncode == 2 and not marker.exists()
+        err = r.stderr.strip()
+        assert len(err.splitlines()) == 1 and "--trust-remote-code" in err and "Traceback" not in err, err
+        r = train_py("--resume", run_copy, "--steps", "3", "--trust-remote-code")
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert marker.read_text() == "ran"   # allowed when the flag is given now
+    finally:
+        ENV.pop("RLCM_MARKER"), ENV.pop("HF_MODULES_CACHE")
+    assert json.load(open(cfg_path))["trust_remote_code"] is True
+
+
+def test_resume_drops_a_cut_off_metrics_line(run_copy, capsys):
+    with open(os.path.join(run_copy, "metrics.jsonl"), "a") as f:
+        f.write('{"step": 3, "accur')
+    train.main(["--resume", run_copy, "--steps", "3"])
+    assert "dropped a cut-off last line" in capsys.readouterr().err
+    assert [r["step"] for r in metric_rows(run_copy) if not r.get("eval")] == [1, 2, 3]
+
+
+def test_resume_skips_a_checkpoint_without_state_pt(run_copy, capsys):
+    os.remove(os.path.join(run_copy, "checkpoints", "step_000002", "state.pt"))
+    train.main(["--resume", run_copy, "--steps", "2"])
+    out = capsys.readouterr()
+    assert "skipping incomplete checkpoint" in out.out + out.err and "missing state.pt" in out.out + out.err
+    assert "resuming" in out.out and "from step 1" in out.out
+    steps = [r["step"] for r in metric_rows(run_copy) if not r.get("eval")]
+    assert steps == [1, 2]   # step 2 was logged again, once
+    assert checkpoint.missing(os.path.join(run_copy, "checkpoints", "step_000002"), resume=True) == []
+
+
+def test_resume_with_a_truncated_latest_safetensors_falls_back(run_copy, capsys):
+    path = os.path.join(run_copy, "checkpoints", "step_000002", "model.safetensors")
+    os.truncate(path, os.path.getsize(path) // 2)
+    assert checkpoint.missing(os.path.dirname(path)) == ["model.safetensors (cut short)"]
+    train.main(["--resume", run_copy, "--steps", "2"])
+    assert "from step 1" in capsys.readouterr().out
+
+
+def test_resume_applies_and_records_changed_lr_and_steps(run_copy, capsys):
+    train.main(["--resume", run_copy, "--steps", "3", "--lr", "1e-3"])
+    printed = capsys.readouterr().out
+    assert "changed on resume" in printed and f"lr {config.TOY['lr']} -> 0.001" in printed and "steps 2 -> 3" in printed
+    cfg = json.load(open(os.path.join(run_copy, "config.json")))
+    assert cfg["steps"] == 3 and cfg["lr"] == 1e-3 and cfg["resume"] is None
+    (row,) = [r for r in metric_rows(run_copy) if r["step"] == 3 and not r.get("eval")]
+    assert row["lr"] == pytest.approx(1e-3)   # warm-up (3 steps) is over at step 3: the new rate in full
+    # a plain --resume later remembers both
+    train.main(["--resume", run_copy])
+    assert "at step 3 already (--steps 3): nothing to train" in capsys.readouterr().out
+
+
+def test_resume_applies_a_changed_weight_decay_over_the_restored_optimizers(run_copy):
+    """The optimizer state restored from state.pt holds the decay it was saved with (the toy's 0.0);
+    --weight-decay given with --resume replaces it, as --lr replaces the rate."""
+    train.main(["--resume", run_copy, "--steps", "3", "--weight-decay", "0.05"])
+    assert json.load(open(os.path.join(run_copy, "config.json")))["weight_decay"] == 0.05
+    latest = checkpoint.latest_checkpoint(run_copy)
+    state = torch.load(os.path.join(latest, "state.pt"), weights_only=True)
+    assert latest.endswith("3") and [g["weight_decay"] for g in state["optimizer"]["param_groups"]] == [0.05]
+
+
+def test_resume_lr_during_warmup_is_scaled_like_the_rest(run_copy, capsys):
+    shutil.rmtree(os.path.join(run_copy, "checkpoints", "step_000002"))
+    train.main(["--resume", run_copy, "--steps", "2", "--lr", "3e-3"])
+    (row,) = [r for r in metric_rows(run_copy) if r["step"] == 2 and not r.get("eval")]
+    assert row["lr"] == pytest.approx(3e-3 * 2 / 3)   # warm-up 3: factor (1 + 1) / 3 at the second step
+
+
+def test_save_every_0_saves_at_the_end_and_eval_n_0_evaluates_nothing(tmp_path):
+    run = str(tmp_path / "run")
+    train.main(["--steps", "2", "--out", run, *SMALL, "--save-every", "0", "--eval-n", "0"])
+    assert os.listdir(os.path.join(run, "checkpoints")) == ["step_000002"]
+    assert [r["step"] for r in metric_rows(run)] == [1, 2]   # no held-out rows
+
+
+def test_steps_0_does_nothing_and_says_so(tmp_path, capsys):
+    train.main(["--steps", "0", "--out", str(tmp_path / "run")])
+    assert "--steps 0: nothing to train" in capsys.readouterr().out
+    assert not os.path.exists(tmp_path / "run")
+
+
+def refused_pickle(run):
+    ckpt = checkpoint.latest_checkpoint(run)
+    torch.save({"step": 2, "hook": os.system}, os.path.join(ckpt, "state.pt"))   # a global: refused
+    return ["--resume", run, "--steps", "3"]
+
+
+def truncated_model(tmp_path):
+    model = str(tmp_path / "model")
+    shutil.copytree(toy_warm.base_model(), model)
+    path = os.path.join(model, "model.safetensors")
+    os.truncate(path, os.path.getsize(path) - 100)
+    return ["--model", model, "--data", "toy", "--eval-data", "toy"]
+
+
+TRAIN_CASES = {   # name: (argv from (tmp_path, run_copy), words in the one line)
+    "group-size 1": (lambda t, r: ["--group-size", "1"], "--group-size 1: must be >= 2"),
+    "group-size 0": (lambda t, r: ["--group-size", "0"], "--group-size 0: must be >= 2"),
+    "prompts-per-step 0": (lambda t, r: ["--prompts-per-step", "0"], "--prompts-per-step 0: must be >= 1"),
+    "prompts-per-step -3": (lambda t, r: ["--prompts-per-step", "-3"], "--prompts-per-step -3: must be >= 1"),
+    "k 0": (lambda t, r: ["--k", "0"], "--k 0: must be >= 1"),
+    "max-new-tokens 0": (lambda t, r: ["--max-new-tokens", "0"], "--max-new-tokens 0: must be >= 1"),
+    "lr nan": (lambda t, r: ["--lr", "nan"], "--lr nan: must be > 0"),
+    "lr -1": (lambda t, r: ["--lr", "-1"], "--lr -1.0: must be > 0"),
+    "temperature 0": (lambda t, r: ["--temperature", "0"], "--temperature 0.0: must be > 0"),
+    "top-p 1.5": (lambda t, r: ["--top-p", "1.5"], "--top-p 1.5: must be in (0, 1]"),
+    "save-every -1": (lambda t, r: ["--save-every", "-1"], "--save-every -1: must be >= 0"),
+    "eval-n -1": (lambda t, r: ["--eval-n", "-1"], "--eval-n -1: must be >= 0"),
+    "keep 0": (lambda t, r: ["--keep", "0"], "--keep 0: must be >= 1"),
+    "out is a file": (lambda t, r: ["--out", write(t / "f", "x")], "is a file, not a folder"),
+    "out not writable": (lambda t, r: ["--out", "/proc/1/run"], "is not writable"),
+    "broken config.json": (lambda t, r: ["--resume", os.path.dirname(write(os.path.join(r, "config.json"), "{broken"))],
+                           "config.json is unreadable (JSONDecodeError"),
+    "truncated safetensors": (lambda t, r: truncated_model(t), "weights file is damaged"),
+    "corrupt parquet": (lambda t, r: ["--data", write(t / "d.parquet", b"PAR1 not really")],
+                        "is not a readable parquet file"),
+    "non-UTF-8 data": (lambda t, r: ["--data", write(t / "d.jsonl", b'{"problem": "\xff\xfe", "answer": "1"}\n')],
+                       "is not UTF-8 text (byte 0xff at offset 13)"),
+    "data is a folder": (lambda t, r: ["--data", str(t)], "is a folder: pass one data file in it"),
+    "mistyped extension": (lambda t, r: ["--data", str(t / "train.jsnol")], "file not found"),
+    "missing model dir": (lambda t, r: ["--model", str(t / "no-model")], "model directory"),
+    "missing HF model": (lambda t, r: ["--model", "no-such-org/no-such-model-xyz"],
+                         "not in the local Hugging Face cache"),
+    "100,000-char prompt": (lambda t, r: ["--data", jsonl(t / "d.jsonl", [{"problem": "1" * 100_000, "answer": "1"}])],
+                            "do not fit the model's context of 256 tokens (row 0"),
+    "refused pickle": (lambda t, r: refused_pickle(r), "was not loaded (that could run code)"),
+    "seed changed on resume": (lambda t, r: ["--resume", r, "--seed", "7"], "--seed cannot change on resume"),
+}
+
+
+@pytest.mark.parametrize("case", TRAIN_CASES)
+def test_train_refuses_in_one_line_and_makes_no_folder(case, tmp_path, run_copy, capsys):
+    make, words = TRAIN_CASES[case]
+    argv = make(tmp_path, run_copy)
+    resume = "--resume" in argv
+    before = snapshot(run_copy)
+    out = [] if resume or "--out" in argv else ["--out", str(tmp_path / "new")]
+    with pytest.raises(SystemExit) as e:
+        train.main(argv + out + ["--steps", "3"])
+    err = one_line(capsys)
+    assert e.value.code == 2 and err.startswith("error: ") and words in err, err
+    assert "weights_only" not in err
+    assert not os.path.exists(tmp_path / "new")
+    if resume:
+        assert snapshot(run_copy) == before
+
+
+@pytest.mark.slow   # train.py killed and resumed
+def test_ctrl_c_keeps_the_last_checkpoint_and_prints_the_resume_command(tmp_path):
+    run = str(tmp_path / "run")
+    args = [sys.executable, os.path.join(ROOT, "train.py"), "--steps", "40", "--save-every", "1", *SMALL]
+    proc = subprocess.Popen(args + ["--out", run], env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=sigint_default)
+    first = os.path.join(run, "checkpoints", "step_000001")
+    deadline = time.time() + 300
+    while not os.path.isdir(first) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    err = proc.communicate(timeout=120)[1]
+    assert proc.returncode == 130, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and last.startswith("interrupted:")
+    assert f"continue with: python train.py --resume {run}" in last
+    ckpts = checkpoint.checkpoints(run)
+    assert ckpts and all(checkpoint.missing(c, resume=True) == [] for c in ckpts)
+    assert not os.path.exists(os.path.join(run, files.LOCK))
+    n = checkpoint.step_of(ckpts[-1]) + 1
+    r = train_py("--resume", run, "--steps", str(n))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert [x["step"] for x in metric_rows(run) if not x.get("eval")] == list(range(1, n + 1))
+
+
+def test_a_resumed_run_prints_the_held_out_line_with_the_start_from_its_log(run_copy, capsys):
+    start = [r["eval_accuracy"] for r in metric_rows(run_copy) if r.get("eval") and r["step"] == 0]
+    train.main(["--resume", run_copy, "--steps", "3"])
+    end = [r["eval_accuracy"] for r in metric_rows(run_copy) if r.get("eval") and r["step"] == 3]
+    assert len(start) == len(end) == 1
+    assert f"held-out accuracy: {start[0]:.3f} at the start -> {end[0]:.3f} at step 3" in capsys.readouterr().out

@@ -1,5 +1,5 @@
-"""What identifies a model, a benchmark and a sample in an evaluation folder (red team 2: D3, D5, D6,
-D12, D16, D17, D25): different things never share samples, post-hoc probes or results entries."""
+"""What identifies a model, a benchmark and a sample in an evaluation folder (evaluation/samples.py
+and results.json): different things never share samples, post-hoc probes or results entries."""
 import json
 import os
 import shutil
@@ -10,19 +10,23 @@ from safetensors.torch import load_file, save_file
 from evaluation import confidence
 import evaluate
 import metrics
+import runs
 import toy
 import toy_warm
+from runs import one_line, snapshot
 from test_evaluate import _rows
-import test_hardening
-from test_hardening import one_line, snapshot
+from test_files import EVAL
+
 
 FAST = ["--limit", "4", "--n-samples", "2", "--max-new-tokens", "56", "--threads", "1", "--confidence", "logits"]
+
+
 PH = ["--probe-questions", "4", "--probe-samples", "2", "--posthoc-budgets", "2"]
 
 
 def jsonl(path, rows):
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    return test_hardening.jsonl(path, rows)
+    return runs.jsonl(path, rows)
 
 
 def run(*args):
@@ -185,3 +189,15 @@ def test_probe_data_that_is_all_benchmark_questions_is_one_line(tmp_path, capsys
     msg = refused(capsys, "--model", "toy", "--benchmarks", q, "--probe-data", q, "--out", tmp_path / "out",
                   *fast, *PH)
     assert "no fit questions are left" in msg and q in msg
+
+
+def test_results_say_how_many_samples_an_earlier_command_drew(tmp_path):
+    # L9 (C65): at a7c59f5 results.json did not say that an evaluation was resumed after a cut.
+    out = tmp_path / "e"
+    evaluate.main(["--model", "toy", *EVAL, "--out", str(out)])
+    path = out / "samples.jsonl"
+    lines = path.read_text().splitlines()
+    assert len(lines) == 2   # 2 questions x 1 sample
+    path.write_text(lines[0] + "\n")   # as a cut after the first batch leaves it
+    res = evaluate.main(["--model", "toy", *EVAL, "--out", str(out)])["toy"]
+    assert res["settings"]["toy"]["samples_earlier"] == 1 and res["benchmarks"]["toy"]["n"] == 2

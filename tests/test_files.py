@@ -1,0 +1,209 @@
+"""harness/files.py on folders someone else may have prepared: one writer per folder (a live lock
+refuses, a stale one is taken over), no write through a planted link, a FIFO or folder in a file's
+place and a full disk each end in one line."""
+import json
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
+
+import pytest
+
+import evaluate
+import train
+from evaluation import report
+from harness import checkpoint, files, models
+from runs import ENV, EVAL_SMALL, ROOT, SMALL, ckpt, file_size_limit, metric_rows, one_line, snapshot
+
+
+@contextmanager
+def lock_holder(folder):
+    """Another live process holding FOLDER's lock."""
+    code = "import sys, time\nfrom harness import files\nwith files.locked(sys.argv[1]):\n    print('held', flush=True)\n    time.sleep(300)\n"
+    p = subprocess.Popen([sys.executable, "-c", code, folder], cwd=ROOT, env=ENV, stdout=subprocess.PIPE)
+    try:
+        assert p.stdout.readline().strip() == b"held"
+        yield p
+    finally:
+        p.kill()
+        p.wait()
+
+
+def dead_pid():
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def test_second_writer_on_a_run_folder_exits_2_and_changes_nothing(run_copy, capsys):
+    with lock_holder(run_copy) as holder:
+        before = snapshot(run_copy)
+        for argv in (["--resume", run_copy, "--steps", "3"], ["--out", run_copy, "--steps", "1", *SMALL]):
+            with pytest.raises(SystemExit) as e:
+                train.main(argv)
+            assert e.value.code == 2
+            err = one_line(capsys)
+            assert f"in use by pid {holder.pid} on " in err and run_copy in err
+            assert snapshot(run_copy) == before
+
+
+def test_stale_run_lock_is_taken_over(run_copy, capsys):
+    with open(os.path.join(run_copy, files.LOCK), "w") as f:
+        json.dump(dict(pid=dead_pid(), host="h", since="x"), f)
+    train.main(["--resume", run_copy, "--steps", "3"])
+    assert "taking over the stale lock of pid" in capsys.readouterr().err
+    assert [r["step"] for r in metric_rows(run_copy) if not r.get("eval")] == [1, 2, 3]
+    assert not os.path.exists(os.path.join(run_copy, files.LOCK))   # released at the end
+
+
+def test_second_writer_on_an_eval_folder_exits_2_and_stale_lock_is_taken_over(tmp_path, capsys):
+    out = str(tmp_path / "eval")
+    evaluate.main(["--model", "toy", "--out", out, *EVAL_SMALL])
+    capsys.readouterr()
+    with lock_holder(out) as holder:
+        before = snapshot(out)
+        with pytest.raises(SystemExit) as e:
+            evaluate.main(["--model", "toy", "--out", out, *EVAL_SMALL, "--seed", "1"])
+        assert e.value.code == 2
+        err = one_line(capsys)
+        assert f"in use by pid {holder.pid}" in err and snapshot(out) == before
+    with open(os.path.join(out, files.LOCK), "w") as f:
+        json.dump(dict(pid=dead_pid(), host="h", since="x"), f)
+    with open(os.path.join(out, "samples.jsonl"), "a") as f:
+        f.write('{"model": "toy", "bench')   # a kill in the middle of a row
+    evaluate.main(["--model", "toy", "--out", out, *EVAL_SMALL])
+    err = capsys.readouterr().err
+    assert "taking over the stale lock" in err and "dropped a cut-off last line" in err
+    assert len(evaluate.read_samples(os.path.join(out, "samples.jsonl"))) == 2
+
+
+def victim(path, text="precious\n"):
+    with open(path, "w") as f:
+        f.write(text)
+    return str(path)
+
+
+def read(path):
+    with open(path) as f:
+        return f.read()
+
+
+def test_resume_writes_nothing_through_links_planted_at_temporary_names(run_copy, tmp_path):
+    names = ["metrics.jsonl.tmp", "config.json.tmp", "samples.jsonl.tmp", "curves.png.tmp"]
+    for n in names:
+        os.symlink(victim(tmp_path / f"victim_{n}"), os.path.join(run_copy, n))
+    os.makedirs(tmp_path / "victim_dir")
+    victim(tmp_path / "victim_dir" / "keep.txt")
+    os.symlink(tmp_path / "victim_dir", ckpt(run_copy, 3) + ".tmp")   # the old fixed name of step 3's folder
+    train.main(["--resume", run_copy, "--steps", "3"])
+    assert all(read(tmp_path / f"victim_{n}") == "precious\n" for n in names)
+    assert os.listdir(tmp_path / "victim_dir") == ["keep.txt"]
+    assert [r["step"] for r in metric_rows(run_copy) if not r.get("eval")] == [1, 2, 3]
+    assert checkpoint.missing(ckpt(run_copy, 3), resume=True) == []
+
+
+def test_a_lock_that_is_a_link_is_refused_and_its_target_untouched(run_copy, tmp_path, capsys):
+    os.symlink(victim(tmp_path / "v.txt"), os.path.join(run_copy, files.LOCK))
+    with pytest.raises(SystemExit) as e:
+        train.main(["--resume", run_copy, "--steps", "3"])
+    err = one_line(capsys)
+    assert e.value.code == 2 and "lock is a symbolic link" in err, err
+    assert read(tmp_path / "v.txt") == "precious\n"
+    out = tmp_path / "eval"
+    os.makedirs(out)
+    os.symlink(tmp_path / "v.txt", out / files.LOCK)
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--model", "toy", "--out", str(out), *EVAL_SMALL, "--confidence", "logits"])
+    assert "lock is a symbolic link" in str(e.value.code) and read(tmp_path / "v.txt") == "precious\n"
+
+
+def test_evaluate_replaces_links_it_rewrites_and_refuses_one_it_would_append_through(tmp_path):
+    out = tmp_path / "eval"
+    os.makedirs(out)
+    planted = ["results.json.tmp", "reliability_toy_toy.png"]
+    for n in planted:
+        os.symlink(victim(tmp_path / f"victim_{n}"), out / n)
+    evaluate.main(["--model", "toy", "--out", str(out), *EVAL_SMALL, "--confidence", "logits"])
+    assert all(read(tmp_path / f"victim_{n}") == "precious\n" for n in planted)
+    assert not os.path.islink(out / "reliability_toy_toy.png") and os.path.getsize(out / "reliability_toy_toy.png") > 0
+    os.remove(out / "samples.jsonl")
+    os.symlink(victim(tmp_path / "victim_samples"), out / "samples.jsonl")
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--model", "toy", "--out", str(out), *EVAL_SMALL, "--confidence", "logits", "--seed", "1"])
+    assert "samples.jsonl is a symbolic link" in str(e.value.code) and "\n" not in str(e.value.code)
+    assert read(tmp_path / "victim_samples") == "precious\n"
+
+
+def test_a_full_disk_while_plotting_keeps_the_old_png(tmp_path):
+    rel = [dict(lo=i / 10, hi=(i + 1) / 10, accuracy=0.5, count=3) for i in range(10)]
+    path = str(tmp_path / "reliability.png")
+    report.plot_reliability(rel, "t", path)
+    old = open(path, "rb").read()
+    with file_size_limit(len(old) // 4), pytest.raises(files.UserError, match="cannot write .*reliability.png"):
+        report.plot_reliability(rel, "t2", path)
+    assert open(path, "rb").read() == old and os.listdir(tmp_path) == ["reliability.png"]
+
+
+@pytest.mark.parametrize("target", ["dangling", "a folder"])
+def test_a_link_at_out_is_refused_in_one_line_before_anything_loads(target, tmp_path, monkeypatch, capsys):
+    import data
+
+    def loads(*a, **k):
+        raise AssertionError("nothing may load before --out is checked")
+    monkeypatch.setattr(data, "load_rows", loads)
+    monkeypatch.setattr(models, "load_model", loads)
+    where, link = tmp_path / "elsewhere", str(tmp_path / "out")
+    if target == "a folder":
+        os.makedirs(where)
+    os.symlink(where, link)
+    with pytest.raises(SystemExit) as e:
+        train.main(["--steps", "1", "--out", link, *SMALL])
+    assert e.value.code == 2 and one_line(capsys) == f"error: --out {link} is a symbolic link (to {where}): pass " \
+        "the folder itself, or another path"
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--model", "toy", "--out", link, *EVAL_SMALL])
+    assert e.value.code == 2 and one_line(capsys) == f"evaluate.py: error: --out {link} is a symbolic link (to " \
+        f"{where}): pass the folder itself, or another path"
+    assert os.path.islink(link) and (os.listdir(where) == [] if target == "a folder" else not os.path.exists(where))
+
+
+EVAL = [*EVAL_SMALL, "--confidence", "logits"]
+
+
+def script(name, *args, timeout=120):
+    """python NAME ARGS in a subprocess; the test fails, not hangs, if it is still running at `timeout`."""
+    try:
+        return subprocess.run([sys.executable, os.path.join(ROOT, name), *args], env=ENV, cwd=ROOT,
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{name} {' '.join(args)} still running after {timeout} s")
+
+
+@pytest.mark.slow   # evaluate.py and train.py in subprocesses
+@pytest.mark.parametrize("name", ["lock", "samples.jsonl"])
+def test_a_fifo_planted_in_an_eval_or_run_folder_is_one_line_not_a_hang(tmp_path, run_copy, name):
+    # M6: at a7c59f5 a FIFO named lock blocked os.read, one named samples.jsonl the open: killed at 120 s.
+    out = tmp_path / "e"
+    out.mkdir()
+    os.mkfifo(out / name)
+    p = script("evaluate.py", "--model", "toy", *EVAL, "--out", str(out))
+    assert p.returncode != 0 and p.stderr.strip().splitlines()[-1] == (
+        f"evaluate.py: error: {out / name} is not a regular file (a folder, a FIFO or a device in its place): "
+        "remove it, and run the command again"), p.stderr[-2000:]
+    if name == "lock":
+        os.mkfifo(os.path.join(run_copy, "lock"))
+        try:
+            p = script("train.py", "--resume", run_copy, "--steps", "3")
+        finally:
+            os.remove(os.path.join(run_copy, "lock"))
+        assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith(
+            f"error: {os.path.join(run_copy, 'lock')} is not a regular file"), p.stderr[-2000:]
+
+
+def test_a_folder_named_lock_is_one_line_that_says_what_to_do(tmp_path, capsys):
+    # L10: at a7c59f5 "evaluate.py: error: [Errno 21] Is a directory: '.../lock'", with no fix.
+    (tmp_path / "e" / "lock").mkdir(parents=True)
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--model", "toy", *EVAL, "--out", str(tmp_path / "e")])
+    assert e.value.code == (f"evaluate.py: error: {tmp_path / 'e' / 'lock'} is not a regular file (a folder, a FIFO "
+                            "or a device in its place): remove it, and run the command again")
