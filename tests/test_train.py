@@ -208,7 +208,7 @@ def test_every_rank_takes_rank_0s_view_of_the_run_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(runfolder, "all_gather", lambda obj: [True])  # rank 0 saw the folder; this rank does not
     monkeypatch.setattr(runfolder, "hold_lock", lock)
     monkeypatch.setattr(train.data, "load_rows", lambda *a, **k: events.append("load") or [])
-    cfg = train.resolve_args(["--steps", "1", "--out", str(tmp_path / "run"), *SMALL])
+    cfg = config.resolve_args(["--steps", "1", "--out", str(tmp_path / "run"), *SMALL])
     with pytest.raises(Stop):
         train.run(cfg)
     assert events == ["lock"]
