@@ -1,18 +1,9 @@
-"""The pre-registered comparison on the toy world (the README's toy section; docs/toy-world.md,
-"The study"): which runs it makes and what they will cost, their records, their paired
-differences, and the verdict by the rule written down before any of them ran, in OUT/table.md and
-OUT/results.json.
+"""The pre-registered comparison on the toy world (docs/toy-world.md, "Running the pre-registered
+study"): its runs and what they will cost, their records (OUT/records/VARIANT-seedS.json, which
+stand for their jobs on any machine), their paired differences, and the verdict by the rule written
+down before any of them ran, in OUT/table.md and OUT/results.json.
 
-    python reproduce.py --study --base BASE --quiet-base QUIET   # BASE: python toy.py --out DIR
-
-(QUIET: `python toy.py --world legible-quiet --out DIR`.) VARIANTS, each trained for seeds 0-7
-(paired: same data order and evaluation draws) and evaluated with two post-hoc fits: the matched
-one (`--probe-data toy-pooled`), which the verdict reads, and the released one (`toy`) beside it.
-
-Records: one path-free file per finished variant and seed, OUT/records/VARIANT-seedS.json, with
-the numbers the table reads, the commit it ran at and the trained model's hash. A job whose record
-was made with the same arguments and warm start (by content) is skipped, so records copied into
-another machine's OUT/records/ stand for their jobs there: a study runs over several sittings.
+    python reproduce.py --study --base toy_base --quiet-base toy_base_quiet
 """
 import json
 import os
@@ -48,23 +39,19 @@ BENCHMARKS = data.TOY_BENCHMARKS
 PARTS = BENCHMARKS + ("Overall",)
 READOUTS = (("`?` after a wrong line", "flag_wrong"), ("`?` after a right line", "flag_right"),
             ("AUROC without `?`", "auroc_unflagged"))
-# The world's traces of 6 terms run to 49 tokens with their flags, so 48 would cut some: 72; and RL
-# at lr 2e-5, where premise (iii) holds (docs/toy-world.md). The toy's defaults, written out so that
-# the study's commands stay what they were when it ran. --train-args may change either.
+# 72 tokens (traces of 6 terms run to 49 with their flags) and lr 2e-5 (premise (iii) holds): the
+# toy's defaults, written out so the study's commands stay as they ran; --train-args may change it.
 WORLD_TRAIN = ["--max-new-tokens", "72", "--lr", "2e-5"]
-# What the study sets for each run, on top of reproduce.py's own: --train-args / --eval-args that
-# would change one are refused.
+# What the study sets for each run besides reproduce.py's own: --train-args / --eval-args may not.
 TRAIN_FIXED = ("lam", "probe_labels", "toy_world")
 EVAL_FIXED = ("probe_data", "toy_world", "no_early_exit")
-# The pre-registered thresholds (README): an effect, a calibration change, the accuracy band,
-# premise (iii)
+# The pre-registered thresholds (README): effect, calibration change, accuracy band, premise (iii)
 AUROC_GAIN, CALIB_DROP, ACC_BAND, SIGNAL, CALIB_SHARE = 0.03, -0.02, 0.02, 0.25, 0.15
 
 
 def check_flags(args, methods):
-    """reproduce.py's flags (args) for these variants: UserError unless --base and --quiet-base come
-    with --study alone, each a model folder where a chosen variant starts from it, and --ablations
-    without it."""
+    """UserError unless --base and --quiet-base come with --study alone, each a model folder where a
+    chosen variant starts from it, and --ablations without it."""
     given = [f for f, v in (("--base", args.base), ("--quiet-base", args.quiet_base)) if v is not None]
     if not args.study:
         if given or args.world != toy.WORLD:
@@ -167,9 +154,8 @@ def write_record(args, job):
         date=prov["date"], model=comparison.model_of(job["run"])[1].partition("#")[2])))
 
 
-# Seconds on 2 CPU cores at --jobs 2 (one thread a job), from the study's own timings
-# (docs/reference.md, "The study's layer"): a training's per rollout token, an evaluation's per
-# sample and per post-hoc fit rollout.
+# Seconds on 2 CPU cores at --jobs 2, from the study's own timings (docs/reference.md, "The study's
+# layer"): a training's per rollout token, an evaluation's per sample and per post-hoc fit rollout.
 ROLLOUT_TOKEN_S = 170 / (45 * 16 * 8 * 72)
 SAMPLE_S = 280 * 0.28 / 6000
 FIT_ROLLOUT_S = 280 * 0.72 / (80 * 8)
@@ -185,13 +171,11 @@ def cost_estimate(trainings, evaluations, jobs, cores=None):
 
 
 def _duration(seconds):
-    """3600 -> "1.0 h", 150 -> "2.5 min"."""
     return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
 
 
 def cost_summary(args, work, todo, jobs):
-    """One line: the trainings and evaluations still to do and their estimated time (cost_estimate),
-    from the sizes they will run with."""
+    """One line: the trainings and evaluations left and their estimated time, from their sizes."""
     trainings, evaluations = [], []
     for j in work:
         how = todo[j["name"]]
@@ -253,11 +237,9 @@ def _holds_zero(d):
 
 
 def verdict(per, diffs):
-    """The pre-registered rule (README; docs/toy-world.md, "The study"), on the matched fit's Overall
-    paired differences (RLCM lam 1 - GRPO unless said) -> dict(outcome "for" | "against" |
-    "inconclusive", line, criteria [dict(side, text, shown, holds)]): "for" when every For
-    criterion holds, "against" when any Against one does, else inconclusive (the two sides exclude
-    each other). Each criterion's text says what it checks; a missing number fails it."""
+    """The pre-registered rule (README) on the matched fit's Overall paired differences -> dict(
+    outcome "for" | "against" | "inconclusive", line, criteria [dict(side, text, shown, holds)]); a
+    missing number fails its criterion."""
     auroc, ece, pce, acc = (_get(diffs, HEADLINE, k) for k in ("auroc", "ece", "pce", "acc"))
     sh = {k: _get(diffs, SHUFFLED, k) for k in ("auroc", "ece", "pce")}
     flag, quiet_auc = (_get(diffs, HEADLINE, k, "readouts") for k in ("flag_wrong", "auroc_unflagged"))
