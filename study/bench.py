@@ -14,6 +14,7 @@ import sys
 import time
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 if not __package__:   # run as a file (python study/bench.py), Python puts study/ on the path
@@ -39,7 +40,6 @@ def toy_world(n_prompts):
     import prompts as prompts_lib
     import toy
     import toy_warm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     path = toy_warm.base_model()
     model, tok = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
     rows = toy.dataset("train")[:n_prompts]
@@ -48,7 +48,6 @@ def toy_world(n_prompts):
 
 def cut_config(path, layers=None):
     """The config in folder `path`, cut to its first `layers` layers (None: all of them)."""
-    from transformers import AutoConfig
     check_config(path)
     cfg = AutoConfig.from_pretrained(path)
     if layers is None:
@@ -70,7 +69,6 @@ def check_config(path):
 
 def random_model(cfg, device, dtype=None, seed=0):
     """A model of architecture `cfg` with random weights on `device` (bf16 on CUDA, fp32 else)."""
-    from transformers import AutoModelForCausalLM
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     torch.manual_seed(seed)
     with torch.device(device):
@@ -118,7 +116,7 @@ def run_hf(model, tok, prompts, args, eos_ids):
 def read_bytes(model, rows, context):
     """Bytes a decode step reads: weights (not the input embedding table, of which a step reads
     only `rows` rows, unless it is tied to the LM head) + the K/V of `rows` x `context` positions."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cfg = model.config.get_text_config()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     emb = model.get_input_embeddings().weight
     if emb is not model.get_output_embeddings().weight:
@@ -221,7 +219,7 @@ def main(argv=None):
         device = torch.device(args.device)
     except RuntimeError:
         raise UserError(f"--device {args.device}: not a device; use cpu or cuda") from None
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = torch.cuda.device_count()
     if device.type == "cuda" and (device.index or 0) >= gpus:
         raise UserError(f"--device {args.device}: this torch build and machine show {gpus} CUDA devices; "
                         "use --device cpu" + (" or cuda:0" if gpus else ""))
@@ -233,7 +231,6 @@ def main(argv=None):
         model.to(device)
         eos_ids = sampling.default_eos_ids(model, tok) if args.shape == "toy" else []
     else:   # the architecture in --config (no weights) with --layers random decoder layers
-        from transformers import AutoTokenizer
         model = random_model(cut_config(args.config, args.layers), device, seed=args.seed)
         tok = AutoTokenizer.from_pretrained(args.config)
         prompts, eos_ids = random_prompts(len(tok), args.prompts, args.prompt_len, args.seed), []
