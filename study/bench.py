@@ -36,16 +36,6 @@ LIMITS.update(temperature=(lambda v: v >= 0, ">= 0 (0: greedy)"), top_p=(lambda 
               seed=(lambda v: 0 <= v < 2**32, "in [0, 2**32)"), bandwidth=(lambda v: v > 0, "> 0 (TB/s)"))
 
 
-def toy_world(n_prompts):
-    import prompts as prompts_lib
-    import toy
-    import toy_warm
-    path = toy_warm.base_model()
-    model, tok = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
-    rows = toy.dataset("train")[:n_prompts]
-    return model, tok, [prompts_lib.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
-
-
 def cut_config(path, layers=None):
     """The config in folder `path`, cut to its first `layers` layers (None: all of them)."""
     check_config(path)
@@ -226,9 +216,15 @@ def main(argv=None):
     threads = args.threads or (1 if device.type == "cpu" and args.shape != "7b" else None)
     if threads:
         torch.set_num_threads(threads)
-    if args.shape != "7b":
-        model, tok, prompts = toy_world(args.prompts)
+    if args.shape != "7b":   # the committed toy_base/ on the toy's training problems
+        import prompts as prompts_lib
+        import toy
+        import toy_warm
+        path = toy_warm.base_model()
+        model, tok = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
         model.to(device)
+        rows = toy.dataset("train")[:args.prompts]
+        prompts = [prompts_lib.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
         eos_ids = sampling.default_eos_ids(model, tok) if args.shape == "toy" else []
     else:   # the architecture in --config (no weights) with --layers random decoder layers
         model = random_model(cut_config(args.config, args.layers), device, seed=args.seed)

@@ -86,10 +86,6 @@ def held_out_auroc(x, y, groups, keep=None, splits=3):
     return sum(out) / len(out) if out else None
 
 
-def prompts_of(tok, rows):
-    return [prompts_lib.chat_prompt(tok, r["problem"], "") for r in rows]
-
-
 def line_end_probe(model, tok, world, n, seed=0):
     """(i) Teacher-forced traces with the world's slips: the last layer's (final-normed) state at the
     last digit of each line's total, probed for "this total is wrong"."""
@@ -130,7 +126,7 @@ def end_of_thinking(model, tok, n, samples, seed=0):
     out = {}
     for name in toy.BENCHMARKS:
         rows = toy.dataset("test", name)[:n]
-        asked = prompts_of(tok, rows)
+        asked = [prompts_lib.chat_prompt(tok, r["problem"], "") for r in rows]
         s = generate(model, tok, asked, n=samples, max_new_tokens=160, temperature=0.6, seed=seed, batch_size=64)
         prompts = [asked[i] for i in s.prompt_index]
         ends = [think_end(r, close) for r in s.ids]
@@ -157,7 +153,7 @@ def forced_labels(model, tok, n, samples, seed=0):
     after a wrong total and back on it after slips that cancel; the share of trajectories with a Y=1
     and a Y=0 cut."""
     rows = toy.dataset("train", "toy")[:n]
-    asked = prompts_of(tok, rows)
+    asked = [prompts_lib.chat_prompt(tok, r["problem"], "") for r in rows]
     s = generate(model, tok, asked, n=samples, max_new_tokens=160, temperature=0.8, seed=seed, batch_size=64)
     prompts = [asked[i] for i in s.prompt_index]
     cuts = [label.budgets(len(r)) for r in s.ids]
@@ -217,7 +213,6 @@ def main(argv=None):
     path = resolve_model(args.model or "toy")   # a run folder reads its latest checkpoint
     if parts - {"iii"}:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_kernels=False)
-        model.eval()
         tok = AutoTokenizer.from_pretrained(path)
     out, ok = {}, []
     if "i" in parts:
