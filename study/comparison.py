@@ -135,27 +135,22 @@ def _cell_of(res, part, key):
     return cell(res["mean"][part][key], res["std"][part][key])
 
 
-def main_table(agg, methods):
-    """The paper's layout: a row per method; Acc / PCE / ECE of each benchmark and Overall."""
-    parts, keys = BENCHMARKS + ("Overall",), [k for k in KEYS if k[1] in ("acc", "pce", "ece")]
-    lines = ["| method | confidence | " + " | ".join(f"{p} {c}" for p in parts for c, _ in keys) + " |",
-             "|---|---|" + "---:|" * (len(parts) * len(keys))]
-    for m in methods:
-        lines.append(f"| {NAMES[m]} | {agg[m]['confidence']} | " +
-                     " | ".join(_cell_of(agg[m], p, k) for p in parts for _, k in keys) + " |")
-    return "\n".join(lines)
-
-
-def side_table(agg, methods):
-    """Brier and AUROC beside the main table, and the held-out accuracy over training."""
-    parts, keys = BENCHMARKS + ("Overall",), [k for k in KEYS if k[1] in ("brier", "auroc")]
-    lines = ["| method | " + " | ".join(f"{p} {c}" for p in parts for c, _ in keys) +
-             " | held-out acc (train start -> end) |", "|---|" + "---:|" * (len(parts) * len(keys)) + "---|"]
+def tables(agg, methods):
+    """The paper's layout, a row per method: Acc / PCE / ECE of each benchmark and Overall; then Brier
+    and AUROC beside it, with the held-out accuracy over training."""
+    parts = BENCHMARKS + ("Overall",)
+    main, side = ([k for k in KEYS if k[1] in which] for which in (("acc", "pce", "ece"), ("brier", "auroc")))
+    head = lambda keys: " | ".join(f"{p} {c}" for p in parts for c, _ in keys)  # noqa: E731
+    cells = lambda r, keys: " | ".join(_cell_of(r, p, k) for p in parts for _, k in keys)  # noqa: E731
+    lines = [f"| method | confidence | {head(main)} |", "|---|---|" + "---:|" * (len(parts) * len(main))]
+    lines += [f"| {NAMES[m]} | {agg[m]['confidence']} | {cells(agg[m], main)} |" for m in methods]
+    lines += ["", f"| method | {head(side)} | held-out acc (train start -> end) |",
+              "|---|" + "---:|" * (len(parts) * len(side)) + "---|"]
     for m in methods:
         r = agg[m]
         span = "-" if r["mean"]["train"]["heldout_start"] is None else \
             f"{_cell_of(r, 'train', 'heldout_start')} -> {_cell_of(r, 'train', 'heldout_end')}"
-        lines.append(f"| {NAMES[m]} | " + " | ".join(_cell_of(r, p, k) for p in parts for _, k in keys) + f" | {span} |")
+        lines.append(f"| {NAMES[m]} | {cells(r, side)} | {span} |")
     return "\n".join(lines)
 
 
@@ -243,7 +238,7 @@ def write_outputs(out, methods, seeds, argv):
     main, abl = [m for m in methods if m in MAIN], [m for m in methods if m in ABLATIONS]
     for part in (main, abl):
         if part:
-            md += [main_table(agg, part), "", side_table(agg, part), ""]
+            md += [tables(agg, part), ""]
     if diffs:
         md += ["Paired difference RLCM - GRPO (same seed, base and data order): mean [95 % t interval over "
                "seeds] (seeds)", "", difference_table(diffs), ""]
