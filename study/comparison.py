@@ -139,7 +139,7 @@ def tables(agg, methods):
     """The paper's layout, a row per method: Acc / PCE / ECE of each benchmark and Overall; then Brier
     and AUROC beside it, with the held-out accuracy over training."""
     parts = BENCHMARKS + ("Overall",)
-    main, side = ([k for k in KEYS if k[1] in which] for which in (("acc", "pce", "ece"), ("brier", "auroc")))
+    main, side = KEYS[:3], KEYS[3:]   # Acc, PCE, ECE; Brier, AUROC
     head = lambda keys: " | ".join(f"{p} {c}" for p in parts for c, _ in keys)  # noqa: E731
     cells = lambda r, keys: " | ".join(_cell_of(r, p, k) for p in parts for _, k in keys)  # noqa: E731
     lines = [f"| method | confidence | {head(main)} |", "|---|---|" + "---:|" * (len(parts) * len(main))]
