@@ -298,6 +298,7 @@ def report(per, diffs, result):
     and Overall, the mechanism's readouts, the training's why, and the verdict beside its criteria."""
     variants = [v for v in VARIANTS if v in per]
     label = lambda v: VARIANTS[v]["label"]  # noqa: E731
+    row = lambda *cells: "| " + " | ".join(cells) + " |"  # noqa: E731
     # mean +- sd over seeds of variant v's Overall k (what: a fit, or "readouts"), and of a training number
     col = lambda v, what, k: cell(*mean_std([n[what].get("Overall", {}).get(k) for n in per[v].values()]))  # noqa: E731
     train = lambda v, k: cell(*mean_std([n["train"].get(k) for n in per[v].values()]))  # noqa: E731
@@ -305,36 +306,33 @@ def report(per, diffs, result):
           "released one (`toy`)", "",
           "| variant | Acc | ECE | PCE | Brier | AUROC | released: ECE | PCE | Brier | AUROC |",
           "|---|" + "---:|" * 9]
-    for v in variants:
-        md.append(f"| {label(v)} | " + " | ".join(
-            [col(v, MATCHED, k) for _, k in COLUMNS] + [col(v, RELEASED, k) for _, k in COLUMNS[1:]]) + " |")
+    md += [row(label(v), *[col(v, MATCHED, k) for _, k in COLUMNS], *[col(v, RELEASED, k) for _, k in COLUMNS[1:]])
+           for v in variants]
     md += ["", "Paired differences, variant - reference (same seed): mean [95 % t interval] over seeds; matched "
            "fit, and the released fit's Overall last", "",
-           "| variant - reference | part | " + " | ".join(c for c, _ in COLUMNS) + " | seeds |", "|---|---|" + "---:|" * 6]
+           row("variant - reference", "part", *[c for c, _ in COLUMNS], "seeds"), "|---|---|" + "---:|" * 6]
     for v, d in diffs.items():
         name = f"{label(v)} - {label(REFERENCE[v])}"
         for what, part in [("matched", p) for p in PARTS] + [("released", "Overall")]:
             n = next((x["n"] for x in d[what][part].values() if x), 0)
             shown = part if what == "matched" else "Overall (released fit)"
-            md.append(f"| {name} | {shown} | " + " | ".join(_shown(d[what][part][k]) for _, k in COLUMNS) + f" | {n} |")
+            md.append(row(name, shown, *[_shown(d[what][part][k]) for _, k in COLUMNS], str(n)))
     md += ["", "The mechanism (study/mechanism.py, from the matched evaluations' samples; mean over benchmarks, "
            "then mean +- sd over seeds), and its paired differences", "",
-           "| variant | " + " | ".join(c for c, _ in READOUTS) + " |", "|---|" + "---:|" * len(READOUTS)]
-    md += [f"| {label(v)} | " + " | ".join(col(v, "readouts", k) for _, k in READOUTS) + " |"
-           for v in variants]
-    md += ["", "| variant - reference | " + " | ".join(c for c, _ in READOUTS) + " |", "|---|" + "---:|" * len(READOUTS)]
-    md += [f"| {label(v)} - {label(REFERENCE[v])} | " + " | ".join(_shown(d["readouts"]["Overall"][k]) for _, k in READOUTS)
-           + " |" for v, d in diffs.items()]
+           row("variant", *[c for c, _ in READOUTS]), "|---|" + "---:|" * len(READOUTS)]
+    md += [row(label(v), *[col(v, "readouts", k) for _, k in READOUTS]) for v in variants]
+    md += ["", row("variant - reference", *[c for c, _ in READOUTS]), "|---|" + "---:|" * len(READOUTS)]
+    md += [row(f"{label(v)} - {label(REFERENCE[v])}", *[_shown(d["readouts"]["Overall"][k]) for _, k in READOUTS])
+           for v, d in diffs.items()]
     md += ["", "Why (means over training, then mean +- sd over seeds; premise (iii): signal share >= 0.25, "
            "calibration share >= 0.15)", "",
            "| variant | signal share | calibration share of abs(advantage) | held-out acc start -> end |",
            "|---|---:|---:|---|"]
-    for v in variants:
-        md.append(f"| {label(v)} | {train(v, 'signal_frac')} | {train(v, 'calib_share')} | "
-                  f"{train(v, 'heldout_start')} -> {train(v, 'heldout_end')} |")
+    md += [row(label(v), train(v, "signal_frac"), train(v, "calib_share"),
+               f"{train(v, 'heldout_start')} -> {train(v, 'heldout_end')}") for v in variants]
     md += ["", f"**Verdict ({result['outcome']}).** {result['line']}", "",
            "| side | criterion (RLCM lam 1 - GRPO, matched fit, Overall) | measured | holds |", "|---|---|---|---|"]
-    md += [f"| {c['side']} | {c['text']} | {c['shown']} | {'yes' if c['holds'] else 'no'} |" for c in result["criteria"]]
+    md += [row(c["side"], c["text"], c["shown"], "yes" if c["holds"] else "no") for c in result["criteria"]]
     return "\n".join(md)
 
 
