@@ -6,13 +6,10 @@
     python reproduce.py --methods grpo,rlcm --seeds 0   # a part of it
     python reproduce.py --study --base DIR --quiet-base DIR   # the pre-registered study (study/study.py)
 
-What each run is, how long it takes and what it printed: docs/reference.md, "The paper's comparison,
-on the toy world". Seeds: GRPO and RLCM 0-4 (the headline pair, with their paired difference per
-seed), the others 0-2. Per method and seed, train.py then evaluate.py (job_list), --jobs at a time
-as subprocesses with one thread each, logs in OUT/logs/. Resumable: what was made with this
-command's arguments is not redone, an interrupted run or evaluation continues; run the same command
-again. Finally OUT/table.md, OUT/results.json and OUT/reliability_M.png (study/comparison.py;
---study: study/study.py, from OUT/records/).
+Per method and seed, train.py then evaluate.py, --jobs at a time as one-thread subprocesses, logs in
+OUT/logs/; what was made with these arguments is not redone, so the same command continues. Then
+OUT/table.md, OUT/results.json and OUT/reliability_M.png. What each run is and what it printed:
+docs/reference.md, "The paper's comparison, on the toy world".
 """
 import argparse
 import json
@@ -37,9 +34,8 @@ from study.comparison import (ABLATIONS, BENCHMARKS, CONFIDENCE, MAIN, PAIR, eva
 
 SEEDS = dict(dict.fromkeys(MAIN + ABLATIONS, (0, 1, 2)), **dict.fromkeys(PAIR, (0, 1, 2, 3, 4)))
 ROOT = os.path.dirname(os.path.abspath(__file__))
-# What reproduce.py itself passes each run: --train-args / --eval-args that would change one is refused,
-# since the table labels every row with its method, seed and confidence.
-# RL trains on the toy's training split and checks on its test split: data and eval_data are fixed too.
+# What reproduce.py itself passes each run, which --train-args / --eval-args may not change: the table
+# labels every row with its method, seed and confidence, and RL trains and checks on the toy's splits.
 TRAIN_FIXED = ("reward", "seed", "out", "resume", "model", "plot", "data", "eval_data")
 EVAL_FIXED = ("model", "benchmarks", "confidence", "seed", "out")
 PRINT, STOP = threading.Lock(), threading.Event()
@@ -98,7 +94,8 @@ def parse_args(argv):
     work = job_list(args, methods, seeds)
     for j in work:
         if j["train"]:
-            refuse_overrides("--train-args", train_flags, j["train"], args.train_args, train_fixed)
+            refuse_overrides("--train-args", config.build_parser().parse_args, j["train"], args.train_args,
+                             train_fixed)
         for e in j["evals"]:
             refuse_overrides("--eval-args", evaluate.parse_args, e["cmd"], args.eval_args, eval_fixed)
     for j in work:   # then as train.py resolves them: what a --config file sets counts too
@@ -139,15 +136,10 @@ def refuse_overrides(flag, parse, base, extra, fixed):
                             f"seed (here {before[key]}); drop it (--methods, --seeds and --out choose what runs)")
 
 
-def train_flags(words):
-    return config.build_parser().parse_args(words)
-
-
 def train_config(words, fixed=TRAIN_FIXED):
     """`fixed` as train.py resolves them from these arguments: a flag, else what a --config file
-    sets (its model, its data), else the toy world's default. Other values are left to train.py, so
-    that a bad one fails its training child, as it would without --config."""
-    given = vars(train_flags(words))
+    sets, else the toy world's default. Other values are left to train.py to check."""
+    given = vars(config.build_parser().parse_args(words))
     saved = config._read_config(given["config"]) if given["config"] else {}   # as train.py reads it
     world = {**config.COMMON, **config.TOY}
     return argparse.Namespace(**{k: given[k] if given[k] is not None else saved.get(k, world.get(k))
@@ -168,9 +160,8 @@ def eval_cmd(method, seed, run, ev):
 def training(run, ev, cmd, extra):
     """train.py's arguments that bring `run` to what `train.py CMD EXTRA` makes there, None when it is
     there already: CMD EXTRA for a folder without a checkpoint, a resume for a run with fewer steps.
-    The settings a run was made with are its config.json; a run made with other ones (a smoke test's
-    --steps 1, another --lr) is refused, not continued (that would mix two settings in one run) nor
-    trained again (that would delete a run someone may want): the line says what differs and what to do."""
+    A run made with other settings (its config.json) is refused, neither continued (mixing two
+    settings) nor trained again (deleting a run someone may want)."""
     ckpt = os.path.isfile(os.path.join(run, "config.json")) and checkpoint.latest_checkpoint(run, quiet, resume=True)
     if not ckpt:
         return cmd + extra

@@ -5,20 +5,7 @@ own `model.generate`, on the same prompts and sampling settings, in one run.
     python -m study.bench --shape long     # toy model, 2 x 8 rows, 1024 tokens, EOS off
     python -m study.bench --shape 7b --config DIR --layers 4 --prompts 8 --prompt-len 2048
 
-Paths: dynamic and static (rollout.py; static attends over the live length), static-full (the
-static path attending over its whole preallocated buffer at every step) and generate. `--shape
-long` is the long-context shape on the CPU, where the K/V cache a step reads outweighs the toy's
-weights. `--shape 7b` builds a model's architecture from `--config DIR` (its config.json and
-tokenizer, no weights: CONFIG_HINT) with random weights and `--layers` decoder layers, in bf16 on
-CUDA, on random prompts of `--prompt-len` tokens, EOS off.
-
-Per path: generated tokens, tokens/s, ms per decode step (wall time / decode steps, prefill
-included), the ratio to model.generate's tokens/s, and MB/step: the bytes a decode step reads
-(read_bytes, averaged over the steps; exact when no row stops early, an upper bound else), for
-static also static-full's time and bytes over its own. On CUDA also the bandwidth floor of a step
-(floor_ms, at the mean context prompt + max_new_tokens / 2, over --bandwidth TB/s or the device's
-looked up) and the fraction of it reached. Paths run in turn, `--repeat` times; the median is
-reported, so a noisy machine shifts all alike.
+The paths and what each column means: docs/reference.md, "The study's layer".
 """
 import argparse
 import os
@@ -27,6 +14,7 @@ import sys
 import time
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 if not __package__:   # run as a file (python study/bench.py), Python puts study/ on the path
@@ -37,7 +25,6 @@ from harness import staticcache  # noqa: E402
 from harness.files import UserError  # noqa: E402
 from config import check_values  # noqa: E402
 
-# what --config needs, and how to get it without the weights
 CONFIG_HINT = ("a folder with the model's config.json and tokenizer, no weights (hf download "
                "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B --include '*.json' --local-dir DIR)")
 BANDWIDTH_TBS = {"H200": 4.8, "H100": 3.35, "A100": 2.0}
@@ -50,21 +37,8 @@ LIMITS.update(temperature=(lambda v: v >= 0, ">= 0 (0: greedy)"), top_p=(lambda 
               seed=(lambda v: 0 <= v < 2**32, "in [0, 2**32)"), bandwidth=(lambda v: v > 0, "> 0 (TB/s)"))
 
 
-def toy_world(n_prompts):
-    import prompts as prompts_lib
-    import toy
-    import toy_warm
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    path = toy_warm.base_model()
-    model, tok = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
-    rows = toy.dataset("train")[:n_prompts]
-    return model, tok, [prompts_lib.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
-
-
 def cut_config(path, layers=None):
-    """The transformers config in folder `path` (config.json), cut to its first `layers` layers
-    (None: all of them)."""
-    from transformers import AutoConfig
+    """The config in folder `path`, cut to its first `layers` layers (None: all of them)."""
     check_config(path)
     cfg = AutoConfig.from_pretrained(path)
     if layers is None:
@@ -86,7 +60,6 @@ def check_config(path):
 
 def random_model(cfg, device, dtype=None, seed=0):
     """A model of architecture `cfg` with random weights on `device` (bf16 on CUDA, fp32 else)."""
-    from transformers import AutoModelForCausalLM
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     torch.manual_seed(seed)
     with torch.device(device):
@@ -96,15 +69,6 @@ def random_model(cfg, device, dtype=None, seed=0):
 def random_prompts(vocab, n_prompts, prompt_len, seed=0):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(vocab, (n_prompts, prompt_len), generator=g).tolist()
-
-
-def shape_7b(path, layers, n_prompts, prompt_len, device, seed=0):
-    """R1-Distill-Qwen-7B's architecture (config and tokenizer in `path`, no weights) with `layers`
-    random decoder layers; random prompts."""
-    from transformers import AutoTokenizer
-    model = random_model(cut_config(path, layers), device, seed=seed)
-    tok = AutoTokenizer.from_pretrained(path)
-    return model, tok, random_prompts(len(tok), n_prompts, prompt_len, seed)
 
 
 def run_sampler(model, tok, prompts, args, decode, eos_ids, full=False):
@@ -143,7 +107,7 @@ def run_hf(model, tok, prompts, args, eos_ids):
 def read_bytes(model, rows, context):
     """Bytes a decode step reads: weights (not the input embedding table, of which a step reads
     only `rows` rows, unless it is tied to the LM head) + the K/V of `rows` x `context` positions."""
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cfg = model.config.get_text_config()
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     emb = model.get_input_embeddings().weight
     if emb is not model.get_output_embeddings().weight:
@@ -154,7 +118,6 @@ def read_bytes(model, rows, context):
 
 
 def floor_ms(model, rows, context, bandwidth_tbs):
-    """Bytes one decode step must read (the live KV cache) / bandwidth."""
     return read_bytes(model, rows, context) / (bandwidth_tbs * 1e12) * 1e3
 
 
@@ -171,10 +134,8 @@ def attended(path, rows, width, max_new_tokens):
 
 def measure(model, tok, prompts, args, eos_ids, bandwidth=None):
     """Every path of args.paths, args.repeat times in turn after a short warm-up: per path a dict
-    of tokens, seconds (the median), tok_s, steps, ms_step, vs_generate (tokens/s over
-    model.generate's), mb_step (MB a decode step reads), for static with static-full run too
-    full_time and full_bytes (static-full's ms_step and mb_step over static's), and with a
-    bandwidth (TB/s) floor_ms and of_floor (floor / ms_step)."""
+    of tokens, seconds (the median), tok_s, steps, ms_step, vs_generate, mb_step, for static beside
+    static-full full_time and full_bytes (its ratios), and with a bandwidth floor_ms and of_floor."""
     runs = {"dynamic": lambda: run_sampler(model, tok, prompts, args, "dynamic", eos_ids),
             "static": lambda: run_sampler(model, tok, prompts, args, "static", eos_ids),
             "static-full": lambda: run_sampler(model, tok, prompts, args, "static", eos_ids, full=True),
@@ -221,9 +182,8 @@ def measure(model, tok, prompts, args, eos_ids, bandwidth=None):
 def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", choices=tuple(SHAPES), default="toy", help="toy; long: the toy at 2 prompts x 8 "
-                   "samples x 1024 tokens, EOS off; 7b: the 7B architecture cut to --layers (module docstring)")
-    p.add_argument("--config", help="for --shape 7b: a folder with the model's config.json and tokenizer "
-                   "(no weights), e.g. DeepSeek-R1-Distill-Qwen-7B's")
+                   "samples x 1024 tokens, EOS off; 7b: the 7B architecture cut to --layers")
+    p.add_argument("--config", help="for --shape 7b: a folder with the model's config.json and tokenizer")
     p.add_argument("--layers", type=int, default=4, help="decoder layers for --shape 7b")
     p.add_argument("--prompts", type=int, help="default 32 (long: 2)")
     p.add_argument("--samples", type=int, help="samples per prompt (default 8)")
@@ -250,20 +210,27 @@ def main(argv=None):
         device = torch.device(args.device)
     except RuntimeError:
         raise UserError(f"--device {args.device}: not a device; use cpu or cuda") from None
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpus = torch.cuda.device_count()
     if device.type == "cuda" and (device.index or 0) >= gpus:
         raise UserError(f"--device {args.device}: this torch build and machine show {gpus} CUDA devices; "
                         "use --device cpu" + (" or cuda:0" if gpus else ""))
     threads = args.threads or (1 if device.type == "cpu" and args.shape != "7b" else None)
     if threads:
         torch.set_num_threads(threads)
-    if args.shape != "7b":
-        model, tok, prompts = toy_world(args.prompts)
+    if args.shape != "7b":   # the committed toy_base/ on the toy's training problems
+        import prompts as prompts_lib
+        import toy
+        import toy_warm
+        path = toy_warm.base_model()
+        model, tok = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
         model.to(device)
+        rows = toy.dataset("train")[:args.prompts]
+        prompts = [prompts_lib.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
         eos_ids = sampling.default_eos_ids(model, tok) if args.shape == "toy" else []
-    else:
-        model, tok, prompts = shape_7b(args.config, args.layers, args.prompts, args.prompt_len, device, args.seed)
-        eos_ids = []
+    else:   # the architecture in --config (no weights) with --layers random decoder layers
+        model = random_model(cut_config(args.config, args.layers), device, seed=args.seed)
+        tok = AutoTokenizer.from_pretrained(args.config)
+        prompts, eos_ids = random_prompts(len(tok), args.prompts, args.prompt_len, args.seed), []
     model.eval()
     params = sum(q.numel() for q in model.parameters())
     print(f"{args.shape}: {model.config.num_hidden_layers} layers, {params / 1e6:.1f}M parameters, "

@@ -1,7 +1,5 @@
 """The paper's comparison on the toy world, as reproduce.py runs it: the methods and the confidence
-each is evaluated with, where each run's and evaluation's results lie (and whether an evaluation is
-complete, of this very model and made with these arguments), and the tables over seeds
-(write_outputs: OUT/table.md, OUT/results.json, OUT/reliability_M.png).
+each is evaluated with, where their results lie, and the tables over seeds (write_outputs).
 """
 import contextlib
 import io
@@ -51,10 +49,9 @@ def model_of(run):
 
 
 def eval_entry(eval_dir, label, ident):
-    """This model's entry of EVAL/results.json if it is of this very model (`ident`, model_ident: not of
-    one trained before in the same folder) and its results of every toy benchmark hold every metric as
-    a number (AUROC may be None: one class), else None: an evaluation still to do, so a rerun replaces a
-    damaged entry."""
+    """This model's entry of EVAL/results.json if it is of this very model (`ident`: not of one trained
+    before in the same folder) with every metric of every toy benchmark a number (AUROC may be None:
+    one class), else None: an evaluation still to do, so a rerun replaces a damaged entry."""
     number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
     try:
         with open(os.path.join(eval_dir, "results.json"), encoding="utf-8") as f:
@@ -94,10 +91,8 @@ def parsed(parse, words, what):
 
 
 def training_stats(run):
-    """From RUN/metrics.jsonl: held-out accuracy at the first and last check, and the means over the
-    run of the share of trajectories with a margin signal (signal_frac; 0 without a probe), of the
-    in-training probe's held-out AUROC (eval_probe_auroc) and of the calibration term's share of the
-    step's |advantage| (calib_adv_share; not for RLCR and C2GSPG). None where the run has none."""
+    """From RUN/metrics.jsonl: held-out accuracy at the first and last check, and the run's means of
+    signal_frac, eval_probe_auroc and calib_adv_share (calib_share). None where the run has none."""
     rows = files.read_jsonl(os.path.join(run, "metrics.jsonl"), say=quiet) if run else []
     held = sorted((r["step"], r["eval_accuracy"]) for r in rows if r.get("eval") and "eval_accuracy" in r)
     start, end = (held[0][1], held[-1][1]) if held else (None, None)
@@ -140,27 +135,22 @@ def _cell_of(res, part, key):
     return cell(res["mean"][part][key], res["std"][part][key])
 
 
-def main_table(agg, methods):
-    """The paper's layout: a row per method; Acc / PCE / ECE of each benchmark and Overall."""
-    parts, keys = BENCHMARKS + ("Overall",), [k for k in KEYS if k[1] in ("acc", "pce", "ece")]
-    lines = ["| method | confidence | " + " | ".join(f"{p} {c}" for p in parts for c, _ in keys) + " |",
-             "|---|---|" + "---:|" * (len(parts) * len(keys))]
-    for m in methods:
-        lines.append(f"| {NAMES[m]} | {agg[m]['confidence']} | " +
-                     " | ".join(_cell_of(agg[m], p, k) for p in parts for _, k in keys) + " |")
-    return "\n".join(lines)
-
-
-def side_table(agg, methods):
-    """Brier and AUROC beside the main table, and the held-out accuracy over training."""
-    parts, keys = BENCHMARKS + ("Overall",), [k for k in KEYS if k[1] in ("brier", "auroc")]
-    lines = ["| method | " + " | ".join(f"{p} {c}" for p in parts for c, _ in keys) +
-             " | held-out acc (train start -> end) |", "|---|" + "---:|" * (len(parts) * len(keys)) + "---|"]
+def tables(agg, methods):
+    """The paper's layout, a row per method: Acc / PCE / ECE of each benchmark and Overall; then Brier
+    and AUROC beside it, with the held-out accuracy over training."""
+    parts = BENCHMARKS + ("Overall",)
+    main, side = KEYS[:3], KEYS[3:]   # Acc, PCE, ECE; Brier, AUROC
+    head = lambda keys: " | ".join(f"{p} {c}" for p in parts for c, _ in keys)  # noqa: E731
+    cells = lambda r, keys: " | ".join(_cell_of(r, p, k) for p in parts for _, k in keys)  # noqa: E731
+    lines = [f"| method | confidence | {head(main)} |", "|---|---|" + "---:|" * (len(parts) * len(main))]
+    lines += [f"| {NAMES[m]} | {agg[m]['confidence']} | {cells(agg[m], main)} |" for m in methods]
+    lines += ["", f"| method | {head(side)} | held-out acc (train start -> end) |",
+              "|---|" + "---:|" * (len(parts) * len(side)) + "---|"]
     for m in methods:
         r = agg[m]
         span = "-" if r["mean"]["train"]["heldout_start"] is None else \
             f"{_cell_of(r, 'train', 'heldout_start')} -> {_cell_of(r, 'train', 'heldout_end')}"
-        lines.append(f"| {NAMES[m]} | " + " | ".join(_cell_of(r, p, k) for p in parts for _, k in keys) + f" | {span} |")
+        lines.append(f"| {NAMES[m]} | {cells(r, side)} | {span} |")
     return "\n".join(lines)
 
 
@@ -198,8 +188,7 @@ def why_table(agg, methods):
 
 
 def accuracy_se(agg):
-    """Standard error sqrt(p(1-p)/n) of one accuracy at the base's (else the first method's) accuracy on
-    each benchmark."""
+    """Standard error sqrt(p(1-p)/n) of one accuracy at the base's (else the first method's) accuracy."""
     m = "base" if "base" in agg else next(iter(agg))
     seed = next(iter(agg[m]["seeds"].values()))
     out = {}
@@ -210,8 +199,7 @@ def accuracy_se(agg):
 
 
 def plot_pooled(out, m, res):
-    """OUT/reliability_M.png: the reliability diagram of every seed's evaluation samples pooled (every
-    toy benchmark)."""
+    """OUT/reliability_M.png: the reliability diagram of every seed's samples, every benchmark pooled."""
     conf, correct = [], []
     for s in res["seeds"].values():
         for r in files.read_jsonl(os.path.join(s["eval"], "samples.jsonl"), say=quiet):
@@ -235,9 +223,7 @@ def stamp(argv):
 
 
 def write_outputs(out, methods, seeds, argv):
-    """OUT/table.md (mean +- std over seeds: Acc / PCE / ECE per benchmark and Overall, the unweighted
-    mean over benchmarks; Brier and AUROC; the paired differences RLCM - GRPO; why per method:
-    WHY), OUT/results.json (every seed's numbers) and OUT/reliability_M.png (all seeds and
+    """OUT/table.md, OUT/results.json (every seed's numbers) and OUT/reliability_M.png (all seeds and
     benchmarks pooled); returns the markdown."""
     agg = aggregate(out, methods, seeds)
     prov, when = stamp(argv)
@@ -252,7 +238,7 @@ def write_outputs(out, methods, seeds, argv):
     main, abl = [m for m in methods if m in MAIN], [m for m in methods if m in ABLATIONS]
     for part in (main, abl):
         if part:
-            md += [main_table(agg, part), "", side_table(agg, part), ""]
+            md += [tables(agg, part), ""]
     if diffs:
         md += ["Paired difference RLCM - GRPO (same seed, base and data order): mean [95 % t interval over "
                "seeds] (seeds)", "", difference_table(diffs), ""]

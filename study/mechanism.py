@@ -4,9 +4,6 @@ from wrong beyond the flags it wrote?
 
     readouts(of_evaluation(EVAL, entry))   # {benchmark: {flag_wrong, flag_right, auroc_unflagged, ...},
                                            #  "Overall": their means}; entry: EVAL/results.json's model
-
-A thinking line is `total+term=total'`, with `?` after the total where the trace flags it (the toy
-world): "8+7=14?". parse checks each complete line against the problem.
 """
 import math
 import os
@@ -16,7 +13,7 @@ import metrics
 import toy
 from evaluation.samples import read_samples
 
-LINE = re.compile(r"^(\d+)([+-]\d+)=(\d+)(\??)$")
+LINE = re.compile(r"^(\d+)([+-]\d+)=(\d+)(\??)$")   # a thinking line, "8+7=14?": `?` flags a slip
 READOUTS = ("flag_wrong", "flag_right", "auroc_unflagged")   # the per-model numbers, with their counts
 
 

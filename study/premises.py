@@ -4,12 +4,8 @@
     python -m study.premises --run runs/toy          # and (iii) from RLCM runs' logs (repeatable)
     python -m study.premises --model RUN --parts i   # the mechanism after RL
 
-Each line prints the measured number beside its threshold and PASS or FAIL (main); what each
-premise is and why it matters: docs/toy-world.md. (i) errors the policy can know about
-(line_end_probe, end_of_thinking; samples at the evaluation's temperature 0.6), (ii) forced answers
-that track whether the path is still right (forced_labels, at the training temperature 0.8), (iii)
-room for the margin (run_stats, from RLCM runs' metrics.jsonl). Probes are logistic regressions on
-standardised features, fitted and scored on disjoint problems, averaged over 3 random splits.
+Each line prints the measured number beside its threshold and PASS or FAIL; what each premise is
+and why it matters: docs/toy-world.md.
 """
 import argparse
 import json
@@ -90,10 +86,6 @@ def held_out_auroc(x, y, groups, keep=None, splits=3):
     return sum(out) / len(out) if out else None
 
 
-def prompts_of(tok, rows):
-    return [prompts_lib.chat_prompt(tok, r["problem"], "") for r in rows]
-
-
 def line_end_probe(model, tok, world, n, seed=0):
     """(i) Teacher-forced traces with the world's slips: the last layer's (final-normed) state at the
     last digit of each line's total, probed for "this total is wrong"."""
@@ -134,7 +126,7 @@ def end_of_thinking(model, tok, n, samples, seed=0):
     out = {}
     for name in toy.BENCHMARKS:
         rows = toy.dataset("test", name)[:n]
-        asked = prompts_of(tok, rows)
+        asked = [prompts_lib.chat_prompt(tok, r["problem"], "") for r in rows]
         s = generate(model, tok, asked, n=samples, max_new_tokens=160, temperature=0.6, seed=seed, batch_size=64)
         prompts = [asked[i] for i in s.prompt_index]
         ends = [think_end(r, close) for r in s.ids]
@@ -161,7 +153,7 @@ def forced_labels(model, tok, n, samples, seed=0):
     after a wrong total and back on it after slips that cancel; the share of trajectories with a Y=1
     and a Y=0 cut."""
     rows = toy.dataset("train", "toy")[:n]
-    asked = prompts_of(tok, rows)
+    asked = [prompts_lib.chat_prompt(tok, r["problem"], "") for r in rows]
     s = generate(model, tok, asked, n=samples, max_new_tokens=160, temperature=0.8, seed=seed, batch_size=64)
     prompts = [asked[i] for i in s.prompt_index]
     cuts = [label.budgets(len(r)) for r in s.ids]
@@ -207,8 +199,7 @@ def premise(name, value, op, threshold):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None, help="a model or run folder: a warm start, or a trained run for the "
-                   "mechanism's readouts (default: the committed toy_base/)")
+    p.add_argument("--model", default=None, help="a warm start or a trained run (default: the committed toy_base/)")
     p.add_argument("--world", default=toy.WORLD, choices=sorted(toy.WORLDS),
                    help="whose slips the teacher-forced traces of (i) have (default: the world's)")
     p.add_argument("--run", action="append", default=[], help="an RLCM run folder for (iii); repeat for several")
@@ -222,7 +213,6 @@ def main(argv=None):
     path = resolve_model(args.model or "toy")   # a run folder reads its latest checkpoint
     if parts - {"iii"}:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_kernels=False)
-        model.eval()
         tok = AutoTokenizer.from_pretrained(path)
     out, ok = {}, []
     if "i" in parts:
@@ -252,11 +242,11 @@ def main(argv=None):
               f"cuts); trajectories with a Y=1 and a Y=0 cut at T 0.8: {lab['signal']:.3f}")
     out["runs"] = {}
     for run in args.run:
-        r = out["runs"][run] = run_stats(run)
-        ok.append(premise(f"(iii) {os.path.basename(run.rstrip('/'))}: signal share", r["signal"], ">=", 0.25))
-        ok.append(premise(f"(iii) {os.path.basename(run.rstrip('/'))}: calibration share of |advantage|",
-                          r["calib_share"], ">=", 0.15))
-        ok.append(premise(f"(iii) {os.path.basename(run.rstrip('/'))}: held-out accuracy last - first",
+        r, name = run_stats(run), os.path.basename(run.rstrip("/"))
+        out["runs"][run] = r
+        ok.append(premise(f"(iii) {name}: signal share", r["signal"], ">=", 0.25))
+        ok.append(premise(f"(iii) {name}: calibration share of |advantage|", r["calib_share"], ">=", 0.15))
+        ok.append(premise(f"(iii) {name}: held-out accuracy last - first",
                           None if r["acc_last"] is None else r["acc_last"] - r["acc_first"], ">=", 0.0))
     if not args.run and "iii" in parts:
         print("(iii) not measured: pass --run RUN (an RLCM run on this world)")

@@ -1,18 +1,9 @@
-"""The pre-registered comparison on the toy world (the README's toy section; docs/toy-world.md,
-"The study"): which runs it makes and what they will cost, their records, their paired
-differences, and the verdict by the rule written down before any of them ran, in OUT/table.md and
-OUT/results.json.
+"""The pre-registered comparison on the toy world (docs/toy-world.md, "Running the pre-registered
+study"): its runs and what they will cost, their records (OUT/records/VARIANT-seedS.json, which
+stand for their jobs on any machine), their paired differences, and the verdict by the rule written
+down before any of them ran, in OUT/table.md and OUT/results.json.
 
-    python reproduce.py --study --base BASE --quiet-base QUIET   # BASE: python toy_warm.py --out DIR
-
-(QUIET: `python toy_warm.py --world legible-quiet --out DIR`.) VARIANTS, each trained for seeds 0-7
-(paired: same data order and evaluation draws) and evaluated with two post-hoc fits: the matched
-one (`--probe-data toy-pooled`), which the verdict reads, and the released one (`toy`) beside it.
-
-Records: one path-free file per finished variant and seed, OUT/records/VARIANT-seedS.json, with
-the numbers the table reads, the commit it ran at and the trained model's hash. A job whose record
-was made with the same arguments and warm start (by content) is skipped, so records copied into
-another machine's OUT/records/ stand for their jobs there: a study runs over several sittings.
+    python reproduce.py --study --base toy_base --quiet-base toy_base_quiet
 """
 import json
 import os
@@ -49,23 +40,19 @@ BENCHMARKS = data.TOY_BENCHMARKS
 PARTS = BENCHMARKS + ("Overall",)
 READOUTS = (("`?` after a wrong line", "flag_wrong"), ("`?` after a right line", "flag_right"),
             ("AUROC without `?`", "auroc_unflagged"))
-# The world's traces of 6 terms run to 49 tokens with their flags, so 48 would cut some: 72; and RL
-# at lr 2e-5, where premise (iii) holds (docs/toy-world.md). The toy's defaults, written out so that
-# the study's commands stay what they were when it ran. --train-args may change either.
+# 72 tokens (traces of 6 terms run to 49 with their flags) and lr 2e-5 (premise (iii) holds): the
+# toy's defaults, written out so the study's commands stay as they ran; --train-args may change it.
 WORLD_TRAIN = ["--max-new-tokens", "72", "--lr", "2e-5"]
-# What the study sets for each run, on top of reproduce.py's own: --train-args / --eval-args that
-# would change one are refused.
+# What the study sets for each run besides reproduce.py's own: --train-args / --eval-args may not.
 TRAIN_FIXED = ("lam", "probe_labels", "toy_world")
 EVAL_FIXED = ("probe_data", "toy_world", "no_early_exit")
-# The pre-registered thresholds (README): an effect, a calibration change, the accuracy band,
-# premise (iii)
+# The pre-registered thresholds (README): effect, calibration change, accuracy band, premise (iii)
 AUROC_GAIN, CALIB_DROP, ACC_BAND, SIGNAL, CALIB_SHARE = 0.03, -0.02, 0.02, 0.25, 0.15
 
 
 def check_flags(args, methods):
-    """reproduce.py's flags (args) for these variants: UserError unless --base and --quiet-base come
-    with --study alone, each a model folder where a chosen variant starts from it, and --ablations
-    without it."""
+    """UserError unless --base and --quiet-base come with --study alone, each a model folder where a
+    chosen variant starts from it, and --ablations without it."""
     given = [f for f, v in (("--base", args.base), ("--quiet-base", args.quiet_base)) if v is not None]
     if not args.study:
         if given or args.world != toy.WORLD:
@@ -168,9 +155,8 @@ def write_record(args, job):
         date=prov["date"], model=comparison.model_of(job["run"])[1].partition("#")[2])))
 
 
-# Seconds on 2 CPU cores at --jobs 2 (one thread a job), from the study's own timings
-# (docs/reference.md, "The study's layer"): a training's per rollout token, an evaluation's per
-# sample and per post-hoc fit rollout.
+# Seconds on 2 CPU cores at --jobs 2, from the study's own timings (docs/reference.md, "The study's
+# layer"): a training's per rollout token, an evaluation's per sample and per post-hoc fit rollout.
 ROLLOUT_TOKEN_S = 170 / (45 * 16 * 8 * 72)
 SAMPLE_S = 280 * 0.28 / 6000
 FIT_ROLLOUT_S = 280 * 0.72 / (80 * 8)
@@ -186,13 +172,11 @@ def cost_estimate(trainings, evaluations, jobs, cores=None):
 
 
 def _duration(seconds):
-    """3600 -> "1.0 h", 150 -> "2.5 min"."""
     return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min"
 
 
 def cost_summary(args, work, todo, jobs):
-    """One line: the trainings and evaluations still to do and their estimated time (cost_estimate),
-    from the sizes they will run with."""
+    """One line: the trainings and evaluations left and their estimated time, from their sizes."""
     trainings, evaluations = [], []
     for j in work:
         how = todo[j["name"]]
@@ -254,11 +238,9 @@ def _holds_zero(d):
 
 
 def verdict(per, diffs):
-    """The pre-registered rule (README; docs/toy-world.md, "The study"), on the matched fit's Overall
-    paired differences (RLCM lam 1 - GRPO unless said) -> dict(outcome "for" | "against" |
-    "inconclusive", line, criteria [dict(side, text, shown, holds)]): "for" when every For
-    criterion holds, "against" when any Against one does, else inconclusive (the two sides exclude
-    each other). Each criterion's text says what it checks; a missing number fails it."""
+    """The pre-registered rule (README) on the matched fit's Overall paired differences -> dict(
+    outcome "for" | "against" | "inconclusive", line, criteria [dict(side, text, shown, holds)]); a
+    missing number fails its criterion."""
     auroc, ece, pce, acc = (_get(diffs, HEADLINE, k) for k in ("auroc", "ece", "pce", "acc"))
     sh = {k: _get(diffs, SHUFFLED, k) for k in ("auroc", "ece", "pce")}
     flag, quiet_auc = (_get(diffs, HEADLINE, k, "readouts") for k in ("flag_wrong", "auroc_unflagged"))
@@ -317,6 +299,7 @@ def report(per, diffs, result):
     and Overall, the mechanism's readouts, the training's why, and the verdict beside its criteria."""
     variants = [v for v in VARIANTS if v in per]
     label = lambda v: VARIANTS[v]["label"]  # noqa: E731
+    row = lambda *cells: "| " + " | ".join(cells) + " |"  # noqa: E731
     # mean +- sd over seeds of variant v's Overall k (what: a fit, or "readouts"), and of a training number
     col = lambda v, what, k: cell(*mean_std([n[what].get("Overall", {}).get(k) for n in per[v].values()]))  # noqa: E731
     train = lambda v, k: cell(*mean_std([n["train"].get(k) for n in per[v].values()]))  # noqa: E731
@@ -324,36 +307,33 @@ def report(per, diffs, result):
           "released one (`toy`)", "",
           "| variant | Acc | ECE | PCE | Brier | AUROC | released: ECE | PCE | Brier | AUROC |",
           "|---|" + "---:|" * 9]
-    for v in variants:
-        md.append(f"| {label(v)} | " + " | ".join(
-            [col(v, MATCHED, k) for _, k in COLUMNS] + [col(v, RELEASED, k) for _, k in COLUMNS[1:]]) + " |")
+    md += [row(label(v), *[col(v, MATCHED, k) for _, k in COLUMNS], *[col(v, RELEASED, k) for _, k in COLUMNS[1:]])
+           for v in variants]
     md += ["", "Paired differences, variant - reference (same seed): mean [95 % t interval] over seeds; matched "
            "fit, and the released fit's Overall last", "",
-           "| variant - reference | part | " + " | ".join(c for c, _ in COLUMNS) + " | seeds |", "|---|---|" + "---:|" * 6]
+           row("variant - reference", "part", *[c for c, _ in COLUMNS], "seeds"), "|---|---|" + "---:|" * 6]
     for v, d in diffs.items():
         name = f"{label(v)} - {label(REFERENCE[v])}"
         for what, part in [("matched", p) for p in PARTS] + [("released", "Overall")]:
             n = next((x["n"] for x in d[what][part].values() if x), 0)
             shown = part if what == "matched" else "Overall (released fit)"
-            md.append(f"| {name} | {shown} | " + " | ".join(_shown(d[what][part][k]) for _, k in COLUMNS) + f" | {n} |")
+            md.append(row(name, shown, *[_shown(d[what][part][k]) for _, k in COLUMNS], str(n)))
     md += ["", "The mechanism (study/mechanism.py, from the matched evaluations' samples; mean over benchmarks, "
            "then mean +- sd over seeds), and its paired differences", "",
-           "| variant | " + " | ".join(c for c, _ in READOUTS) + " |", "|---|" + "---:|" * len(READOUTS)]
-    md += [f"| {label(v)} | " + " | ".join(col(v, "readouts", k) for _, k in READOUTS) + " |"
-           for v in variants]
-    md += ["", "| variant - reference | " + " | ".join(c for c, _ in READOUTS) + " |", "|---|" + "---:|" * len(READOUTS)]
-    md += [f"| {label(v)} - {label(REFERENCE[v])} | " + " | ".join(_shown(d["readouts"]["Overall"][k]) for _, k in READOUTS)
-           + " |" for v, d in diffs.items()]
+           row("variant", *[c for c, _ in READOUTS]), "|---|" + "---:|" * len(READOUTS)]
+    md += [row(label(v), *[col(v, "readouts", k) for _, k in READOUTS]) for v in variants]
+    md += ["", row("variant - reference", *[c for c, _ in READOUTS]), "|---|" + "---:|" * len(READOUTS)]
+    md += [row(f"{label(v)} - {label(REFERENCE[v])}", *[_shown(d["readouts"]["Overall"][k]) for _, k in READOUTS])
+           for v, d in diffs.items()]
     md += ["", "Why (means over training, then mean +- sd over seeds; premise (iii): signal share >= 0.25, "
            "calibration share >= 0.15)", "",
            "| variant | signal share | calibration share of abs(advantage) | held-out acc start -> end |",
            "|---|---:|---:|---|"]
-    for v in variants:
-        md.append(f"| {label(v)} | {train(v, 'signal_frac')} | {train(v, 'calib_share')} | "
-                  f"{train(v, 'heldout_start')} -> {train(v, 'heldout_end')} |")
+    md += [row(label(v), train(v, "signal_frac"), train(v, "calib_share"),
+               f"{train(v, 'heldout_start')} -> {train(v, 'heldout_end')}") for v in variants]
     md += ["", f"**Verdict ({result['outcome']}).** {result['line']}", "",
            "| side | criterion (RLCM lam 1 - GRPO, matched fit, Overall) | measured | holds |", "|---|---|---|---|"]
-    md += [f"| {c['side']} | {c['text']} | {c['shown']} | {'yes' if c['holds'] else 'no'} |" for c in result["criteria"]]
+    md += [row(c["side"], c["text"], c["shown"], "yes" if c["holds"] else "no") for c in result["criteria"]]
     return "\n".join(md)
 
 
