@@ -16,22 +16,23 @@ from decode import Sampler, row_generators
 from grade import answers_match
 from probe import LAST_K, last_layer, split_prefix_features
 from rollout import Samples, generate
-from update import budget_ends, forward_pass
+from update import cut_ends, forward_pass
 
 LENGTH_GROUP = 2  # trajectories whose longest cuts have bit lengths within this many share a group
 SUFFIX = "\nIf I were to output the final answer now, it would be \\boxed{"
 
 
-def budgets(length, fractions=(0.25, 0.5, 0.75)):
-    """Relative truncation points: budgets(8) == [2, 4, 6], budgets(3) == [1, 2], budgets(0) == []."""
-    return sorted({b for b in (min(length, round(f * length)) for f in fractions) if b > 0})
+def cuts_of(length, budgets=(0.25, 0.5, 0.75)):
+    """The cuts (token counts) the budgets (fractions) give: cuts_of(8) == [2, 4, 6], cuts_of(3) ==
+    [1, 2], cuts_of(0) == []."""
+    return sorted({b for b in (min(length, round(f * length)) for f in budgets) if b > 0})
 
 
-def labelled(budget_lists, labels, feats=None):
-    """(budget_lists, labels) without the cuts whose label is None (--reward-fn skipped all K
-    answers); with feats (mc_labels(features=True)'s), (budget_lists, labels, feats) likewise."""
+def labelled(cut_lists, labels, feats=None):
+    """(cut_lists, labels) without the cuts whose label is None (--reward-fn skipped all K
+    answers); with feats (mc_labels(features=True)'s), (cut_lists, labels, feats) likewise."""
     keep = [[m for m, y in enumerate(ys) if y is not None] for ys in labels]
-    out = [[bs[m] for m in ms] for bs, ms in zip(budget_lists, keep)], \
+    out = [[bs[m] for m in ms] for bs, ms in zip(cut_lists, keep)], \
         [[ys[m] for m in ms] for ys, ms in zip(labels, keep)]
     return out if feats is None else (*out, [f[ms] for f, ms in zip(feats, keep)])
 
@@ -47,9 +48,9 @@ def grid(lists, width=None):
     return out
 
 
-def cut_mask(budget_lists):
+def cut_mask(cut_lists):
     """[N, B] bool, True at the cuts of each list: where grid(...) of lists aligned with them is real."""
-    return grid([[1] * len(bs) for bs in budget_lists]) > 0
+    return grid([[1] * len(bs) for bs in cut_lists]) > 0
 
 
 def close_id(tokenizer, close="think"):
@@ -89,15 +90,15 @@ def forced_answer(text):
     return None
 
 
-def mc_labels(model, tokenizer, prompts, responses, budget_lists, golds, k=4, temperature=0.8,
+def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, temperature=0.8,
               top_p=1.0, max_new_tokens=32, close="think", suffix=SUFFIX, seed=None,
               batch_size=None, stats=None, grader="math", decode=None, tree=True, judge=None,
               features=False):
     """Y_b for every (trajectory, cut b): the share of K answers forced after the cut that match
     the gold under `grader` (module docstring).
 
-    prompts, responses: N lists of token ids; budget_lists: N lists of cuts b; golds: N answers.
-    Returns N lists of floats in [0, 1], aligned with budget_lists. stats: a dict the numbers of
+    prompts, responses: N lists of token ids; cut_lists: N lists of cuts b; golds: N answers.
+    Returns N lists of floats in [0, 1], aligned with cut_lists. stats: a dict the numbers of
     prefixes, forced prompts and answers are added to. tree, decode, batch_size: sample_answers'.
     judge(answer, i) -> float in [0, 1] or None: --reward-fn's value in place of the grader
     (harness/rewardfn.py); Y_b is then the mean of the values given, None where none is.
@@ -108,7 +109,7 @@ def mc_labels(model, tokenizer, prompts, responses, budget_lists, golds, k=4, te
     #    cut, common for short prefixes) estimate the same probability: each is asked once.
     tail = forced_prompt([], [], 0, tokenizer, close, suffix)  # CLOSE + SUFFIX, the same after every cut
     index, cuts, where = {}, [], []  # cuts[j]: the (trajectory, b) of distinct forced prompt j
-    for i, (p, r, bs) in enumerate(zip(prompts, responses, budget_lists)):
+    for i, (p, r, bs) in enumerate(zip(prompts, responses, cut_lists)):
         where.append([])  # the j of each of trajectory i's cuts
         for b in bs:
             b = closed_cut(r, b, tail[0])  # a cut ending on CLOSE is asked without a second one
@@ -119,7 +120,7 @@ def mc_labels(model, tokenizer, prompts, responses, budget_lists, golds, k=4, te
     # Each trajectory's features are read where its longest cut's forced prompt is asked (reads[j]),
     # off the row of the trajectory that asks it when theirs agree up to that cut, else off its own.
     reads, feats = [[] for _ in cuts], {} if features else None
-    for i, bs in enumerate(budget_lists if features and tree else []):
+    for i, bs in enumerate(cut_lists if features and tree else []):
         if bs:
             j = where[i][max(range(len(bs)), key=bs.__getitem__)]
             src, last = cuts[j][0], max(bs)
@@ -147,7 +148,7 @@ def mc_labels(model, tokenizer, prompts, responses, budget_lists, golds, k=4, te
     if not features:
         return labels
     if not tree:  # the plain path
-        return labels, [plain_features(model, p, r, bs) for p, r, bs in zip(prompts, responses, budget_lists)]
+        return labels, [plain_features(model, p, r, bs) for p, r, bs in zip(prompts, responses, cut_lists)]
     return labels, [feats.get(i, torch.zeros(0, model.config.hidden_size)) for i in range(len(where))]
 
 
@@ -159,7 +160,7 @@ def plain_features(model, prompt, response, cuts):
     model.eval()
     try:
         _, feats, _ = forward_pass(model, dict(input_ids=ids, attention_mask=torch.ones_like(ids)),
-                            budget_ends([len(prompt)], [cuts]), logprobs=False)
+                            cut_ends([len(prompt)], [cuts]), logprobs=False)
     finally:
         model.train(was_training)
     return feats[0, :len(cuts)].cpu()

@@ -11,7 +11,7 @@ import modes
 import probe as probe_lib
 from baselines import sequence_confidence
 from grpo import pack
-from label import budgets, cut_mask, grid, labelled, mc_labels
+from label import cuts_of, cut_mask, grid, labelled, mc_labels
 from metrics import advantage_parts, ece
 from prompts import row_prompt
 from rollout import generate
@@ -40,7 +40,7 @@ def rl_step(step, rows, run, cfg, samples=None):
     correct, scored, judge = modes.grades(out.texts, golds, traj, cfg)
     # 3. a probe mode cuts each response at 25/50/75 % of its tokens and forces K answers at each
     #    cut: Y_b = the share right; h_b = the states before the cut. 4. The probe fits (h_b, Y_b)
-    cuts = [budgets(n, cfg["budgets"]) if probed and (scored is None or scored[i]) else []
+    cuts = [cuts_of(n, cfg["budgets"]) if probed and (scored is None or scored[i]) else []
             for i, n in enumerate(out.lengths)]  # none where --reward-fn skipped the response
     labels, C, calib, signal, stats = [[] for _ in cuts], None, *torch.zeros(2, len(cuts)), {}
     if probed:

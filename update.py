@@ -14,11 +14,11 @@ from harness.parallel import WORLD, all_gather, all_sum, sharded
 from probe import LAST_K, last_layer, prefix_features
 
 
-def budget_ends(prompt_lens, budget_lists, width=None):
+def cut_ends(prompt_lens, cut_lists, width=None):
     """Absolute exclusive ends `len(prompt_i) + b` as a [N, B] long tensor (0 = no budget)."""
-    width = width or max((len(bs) for bs in budget_lists), default=0)
-    ends = torch.zeros(len(budget_lists), max(width, 1), dtype=torch.long)
-    for i, bs in enumerate(budget_lists):
+    width = width or max((len(bs) for bs in cut_lists), default=0)
+    ends = torch.zeros(len(cut_lists), max(width, 1), dtype=torch.long)
+    for i, bs in enumerate(cut_lists):
         ends[i, :len(bs)] = torch.tensor(bs, dtype=torch.long) + int(prompt_lens[i])
     return ends
 

@@ -18,10 +18,10 @@ import probe as probe_lib
 from baselines import verbal_confidence  # RLCR's parser, read here for --confidence verbal
 from grade import answer_tag, blank_answer
 from grpo import pack, token_logprobs
-from label import budgets, mc_labels
+from label import cuts_of, mc_labels
 from prompts import RLCR_FORMAT
 from rollout import generate
-from update import budget_ends, forward_pass
+from update import cut_ends, forward_pass
 from harness import plan, staticcache
 
 SOURCES = ("probe", "probe-posthoc", "verbal", "verbal-forced", "logits")
@@ -90,9 +90,9 @@ def absolute_cuts(length, every):
 
 def read_point(source, response, close_id, fractions=(0.25, 0.5, 0.75)):
     """Where a probe is read, in response tokens: the post-hoc probe at the end of thinking, the run's
-    own at its last training cut (label.budgets with the run's fractions: 6 of 8 tokens)."""
+    own at its last training cut (label.cuts_of with the run's fractions: 6 of 8 tokens)."""
     if source == "probe":
-        return max(budgets(len(response), fractions), default=0)
+        return max(cuts_of(len(response), fractions), default=0)
     return think_end(response, close_id)
 
 
@@ -164,15 +164,15 @@ def logit_confidence(model, prompts, responses, pad_id, batch_size=8, temperatur
     return out
 
 
-def features(model, prompts, responses, budget_lists, pad_id, final_norm, batch_size=8):
+def features(model, prompts, responses, cut_lists, pad_id, final_norm, batch_size=8):
     """Probe features at each cut of each response, N tensors [B_i, d] float32 on CPU: the training
     feature, or with final_norm the post-hoc one (the final normed state at prompt_len + b - 1)."""
     out = []
     for s in range(0, len(prompts), batch_size):
-        ps, rs, bs = prompts[s:s + batch_size], responses[s:s + batch_size], budget_lists[s:s + batch_size]
+        ps, rs, bs = prompts[s:s + batch_size], responses[s:s + batch_size], cut_lists[s:s + batch_size]
         b = pack(ps, rs, pad_id)
         batch = {k: v.to(_device(model)) for k, v in b.items()}
-        ends = budget_ends(b["prompt_lens"].tolist(), bs)
+        ends = cut_ends(b["prompt_lens"].tolist(), bs)
         _, feats, _ = forward_pass(model, batch, ends, final_norm=final_norm, logprobs=False)
         out += [feats[i, :len(bl)].float().cpu() for i, bl in enumerate(bs)]
     return out

@@ -8,7 +8,7 @@ import torch
 import metrics
 import modes
 import probe as probe_lib
-from label import budgets, cut_mask, grid, labelled, mc_labels
+from label import cuts_of, cut_mask, grid, labelled, mc_labels
 from prompts import row_prompt
 from rollout import generate
 from harness import rewardfn, runlog, staticcache
@@ -53,7 +53,7 @@ def probe_calibration(model, tok, prb, prompts, out, rows, cfg, seed):
     from grade import is_correct
     n, fn = len(prompts), cfg["reward_fn"]
     golds = [r["answer"] for r in rows]
-    cuts = [budgets(len(ids), cfg["budgets"]) for ids in out.ids[:n]]
+    cuts = [cuts_of(len(ids), cfg["budgets"]) for ids in out.ids[:n]]
     judge = (lambda answer, i: rewardfn.judge(fn, answer, golds[i], rows[i])) if fn else None  # noqa: E731
     labels, feats = mc_labels(model, tok, prompts, out.ids[:n], cuts, golds, k=cfg["k"], close=cfg["forced_close"],
                               seed=seed, batch_size=cfg["gen_batch"], grader=cfg["grader"], decode=cfg["decode"],

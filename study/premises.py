@@ -156,7 +156,7 @@ def forced_labels(model, tok, n, samples, seed=0):
     asked = [prompts_lib.chat_prompt(tok, r["problem"], "") for r in rows]
     s = generate(model, tok, asked, n=samples, max_new_tokens=160, temperature=0.8, seed=seed, batch_size=64)
     prompts = [asked[i] for i in s.prompt_index]
-    cuts = [label.budgets(len(r)) for r in s.ids]
+    cuts = [label.cuts_of(len(r)) for r in s.ids]
     golds = [rows[i]["answer"] for i in s.prompt_index]
     ys = label.mc_labels(model, tok, prompts, s.ids, cuts, golds, k=4, temperature=0.8, seed=seed)
     clean, slipped, recovered, both = [[], [], []], [], [], 0

@@ -94,7 +94,7 @@ from harness.parallel import wrap  # noqa: E402
 from live_bytes import LiveBytes  # noqa: E402  (beside this file)
 from study import bench  # noqa: E402
 from train import checkpoint_activations  # noqa: E402
-from update import budget_ends, micro_batches, micro_batch, forward_pass, update  # noqa: E402
+from update import cut_ends, micro_batches, micro_batch, forward_pass, update  # noqa: E402
 
 GiB = 2**30
 SHAPE = staticcache._Shape  # the static decoder's buffer set, whose captures `capturing` times
@@ -262,7 +262,7 @@ def check_labels(ctx):
     lengths = torch.linspace(s["shortest"], s["longest"], n).long().tolist()
     responses = [torch.randint(ctx["vocab"], (m,), generator=g).tolist() for m in lengths]
     prompts = [ctx["prompts"][i // s["group"]] for i in range(n)]
-    cuts = [label.budgets(m, cfg["budgets"]) for m in lengths]
+    cuts = [label.cuts_of(m, cfg["budgets"]) for m in lengths]
     ctx.update(traj_prompts=prompts, responses=responses, cuts=cuts)
     stats, row = {}, {}
     with capturing(device) as caps, static_shapes.recording() as shapes, phase(ctx, row) as m:
@@ -286,7 +286,7 @@ def check_labels(ctx):
 def check_score(ctx):
     cfg, tok = run_cfg(ctx, ctx["sizes"]["longest"]), ctx["tok"]
     batch = pack(ctx["traj_prompts"], ctx["responses"], tok.pad_token_id)
-    ends = budget_ends(batch["prompt_lens"], ctx["cuts"])
+    ends = cut_ends(batch["prompt_lens"], ctx["cuts"])
     lengths = [len(p) + len(r) for p, r in zip(ctx["traj_prompts"], ctx["responses"])]
     mbs = micro_batches(lengths, cfg["micro_tokens"])
     finite, n_feats, row = True, 0, {}

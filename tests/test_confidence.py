@@ -297,7 +297,7 @@ def test_sample_confidences_own_probe_reads_its_last_training_budget():
     prompts, responses = [[1, 2, 3]] * 2, [[6, 7, 9, 11, 2, 3, 4, 5], [6, 7, 8, 6]]
     conf, _ = confidence.sample_confidences("probe", model, _Tok(), prompts, responses, ["", ""], ["1", "1"],
                                             prb=prb, close_id=9)
-    # budgets(8) == [2, 4, 6], budgets(4) == [1, 2, 3]: read at 6 and 3, on the training feature
+    # cuts_of(8) == [2, 4, 6], cuts_of(4) == [1, 2, 3]: read at 6 and 3, on the training feature
     feats = confidence.features(model, prompts, responses, [[6], [3]], 0, final_norm=False)
     assert conf == pytest.approx(probe_lib.predict(prb, torch.cat(feats)).tolist(), rel=1e-5)
     conf1, _ = confidence.sample_confidences("probe", model, _Tok(), prompts, responses, ["", ""], ["1", "1"],

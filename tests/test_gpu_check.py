@@ -46,7 +46,7 @@ def test_the_dry_run_runs_every_check_and_brings_back_three_files(tmp_path):
     assert roll["tokens"] == n_rows * s["rollout_new"] and roll["min_len"] == s["rollout_new"]
     assert roll["captures"] == 1 and roll["live_lengths"] == [64] and roll["kv_vs_plan"] == 1.0
     lengths = torch.linspace(s["shortest"], s["longest"], n_rows).long().tolist()
-    cuts = sum(len(label.budgets(m)) for m in lengths)
+    cuts = sum(len(label.cuts_of(m)) for m in lengths)
     lab = rows["labels"]
     assert lab["forced_prompts"] == cuts and lab["features"] == rows["score"]["features"] == cuts
     assert lab["features_finite"] and rows["score"]["finite"]

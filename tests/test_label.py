@@ -6,21 +6,21 @@ import torch
 
 import tiny
 from grpo import pack, token_logprobs
-from label import SUFFIX, budgets, forced_answer, forced_prompt, mc_labels
+from label import SUFFIX, cuts_of, forced_answer, forced_prompt, mc_labels
 from probe import prefix_features
-from update import budget_ends, forward_pass
+from update import cut_ends, forward_pass
 
 FIXTURE_7B = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "fixtures", "r1_distill_qwen_7b")
 
 
 def test_budgets_follow_python_round():
-    assert budgets(8) == [2, 4, 6]
-    assert budgets(3) == [1, 2]
-    assert budgets(1) == [1]
-    assert budgets(0) == []
-    assert budgets(2) == [1, 2]          # round(0.5) == 0 is dropped, round(1.5) == 2
-    assert budgets(10) == [2, 5, 8]      # round(2.5) == 2 (half to even), round(7.5) == 8
-    assert budgets(4, fractions=(1.0,)) == [4]
+    assert cuts_of(8) == [2, 4, 6]
+    assert cuts_of(3) == [1, 2]
+    assert cuts_of(1) == [1]
+    assert cuts_of(0) == []
+    assert cuts_of(2) == [1, 2]          # round(0.5) == 0 is dropped, round(1.5) == 2
+    assert cuts_of(10) == [2, 5, 8]      # round(2.5) == 2 (half to even), round(7.5) == 8
+    assert cuts_of(4, budgets=(1.0,)) == [4]
 
 
 def test_forced_answer_reads_up_to_the_closing_brace():
@@ -49,7 +49,7 @@ def test_mc_labels_are_fractions_of_k_aligned_with_budgets():
     tok, model = tiny.tokenizer(), tiny.model(seed=1)
     prompts = [tok.encode("1+2=", add_special_tokens=False)] * 3
     responses = [tok.encode(s, add_special_tokens=False) for s in ("3 ok", "4 no way", "")]
-    cuts = [budgets(len(r)) for r in responses]
+    cuts = [cuts_of(len(r)) for r in responses]
     stats = {}
     labels = mc_labels(model, tok, prompts, responses, cuts, ["3", "3", "3"], k=4, close="eos",
                        suffix="{", seed=0, stats=stats)
@@ -136,7 +136,7 @@ def test_shared_prefix_prefill_samples_like_full_forced_prompts(decode):
     enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
     prompts = [enc("1+2="), enc("1+2="), enc("what is 17*3?"), enc("9-4")]
     responses = [enc("3 ok fine"), enc("3 no way"), enc("51 since"), enc("5 ok")]
-    cut_of = [(i, b) for i, r in enumerate(responses) for b in budgets(len(r))]
+    cut_of = [(i, b) for i, r in enumerate(responses) for b in cuts_of(len(r))]
     assert len(label._length_groups(cut_of)) == 1  # one tree: "1+2=" is prefilled once for two trajectories
     tail = forced_prompt([], [], 0, tok, "eos", "{")
     closed = 0
@@ -182,7 +182,7 @@ def test_plain_and_tree_labels_are_equal_on_the_toy_whatever_the_chunk():
     responses = out.ids + [out.ids[0][:4]]  # a short one: a second length group
     prompts = [prompts[i] for i in out.prompt_index] + [prompts[0]]
     golds = [rows[i]["answer"] for i in out.prompt_index] + [rows[0]["answer"]]
-    cuts = [budgets(len(r)) for r in responses]
+    cuts = [cuts_of(len(r)) for r in responses]
     labels = {}
     for tree, chunk in ((True, 5), (False, 5), (True, 2), (True, None), (False, 2)):
         stats = {}
@@ -214,7 +214,7 @@ def test_plain_and_tree_features_are_equal_on_the_toy():
     out = generate(model, tok, prompts, n=2, max_new_tokens=64, temperature=0.8, seed=0)
     prompts = [prompts[i] for i in out.prompt_index]
     golds = [rows[i]["answer"] for i in out.prompt_index]
-    cuts = [budgets(len(r)) for r in out.ids[:-1]] + [[]]
+    cuts = [cuts_of(len(r)) for r in out.ids[:-1]] + [[]]
     kw = dict(k=4, seed=1, batch_size=3, temperature=2.0, features=True)
     ys, feats = mc_labels(model, tok, prompts, out.ids, cuts, golds, tree=False, **kw)
     assert model.training
@@ -233,9 +233,9 @@ def test_features_are_causal_and_logprobs_match():
     prompts = [tok.encode("12+3=", add_special_tokens=False), tok.encode("7=", add_special_tokens=False)]
     responses = [tok.encode("15 because", add_special_tokens=False) + [tok.eos_token_id],
                  tok.encode("seven", add_special_tokens=False)]
-    cuts = [budgets(len(r)) for r in responses]
+    cuts = [cuts_of(len(r)) for r in responses]
     batch = pack(prompts, responses, tok.pad_token_id)
-    ends = budget_ends(batch["prompt_lens"], cuts)
+    ends = cut_ends(batch["prompt_lens"], cuts)
     old_logp, feats, valid = forward_pass(model, batch, ends, temperature=0.7, chunk_size=3)
     assert valid.tolist() == [[True] * 3, [True] * 3]
     ref = token_logprobs(model, batch["input_ids"], batch["attention_mask"], 0.7)
@@ -266,7 +266,7 @@ def test_static_labels_keep_one_shape_alive_within_the_plan(monkeypatch):
     lengths = [8, 20, 40, 70, 110, 160, 230, 300, 380]
     prompts = [tok.encode("1+2=", add_special_tokens=False)] * len(lengths)
     responses = [torch.randint(4, 60, (n,), generator=gen).tolist() for n in lengths]
-    cuts = [budgets(n) for n in lengths]
+    cuts = [cuts_of(n) for n in lengths]
     shapes = Shapes(monkeypatch)
     ys = mc_labels(model, tok, prompts, responses, cuts, ["3"] * len(lengths), k=4, close="eos", suffix="{",
                    seed=0, batch_size=2, decode="static")
@@ -298,7 +298,7 @@ def test_features_from_the_forced_answers_prefill_equal_the_scoring_pass(decode)
     prompts = [p, p, p, p, p[:2], p, p, p]
     responses = [long, list(long), long[:30], closing, tok.encode("seven", add_special_tokens=False),
                  torch.randint(4, 60, (9,), generator=gen).tolist(), [3], long[:10] + [tok.eos_token_id]]
-    cuts = [budgets(len(r)) for r in responses[:-2]] + [[], [11]]
+    cuts = [cuts_of(len(r)) for r in responses[:-2]] + [[], [11]]
     cuts[3] = cuts[3] + [len(closing)]  # its last cut ends on the close (EOS): asked at T - 1, read at T
     # response 7's one cut is asked by response 0 (long[:10] + tail), but their tokens differ at
     # position 10 (EOS vs long[10]): it is read off a row of its own
@@ -309,7 +309,7 @@ def test_features_from_the_forced_answers_prefill_equal_the_scoring_pass(decode)
     assert ys == mc_labels(model, tok, prompts, responses, cuts, golds, **kw)
     assert stats["forced_prompts"] < stats["prefixes"]  # response 1 asked nothing of its own
     batch = pack(prompts, responses, tok.pad_token_id)
-    ends = budget_ends(batch["prompt_lens"], cuts)
+    ends = cut_ends(batch["prompt_lens"], cuts)
     _, ref, valid = forward_pass(model, batch, ends, logprobs=False)
     assert [f.shape for f in feats] == [(len(c), 32) for c in cuts]
     for i, c in enumerate(cuts):

@@ -11,7 +11,7 @@ import step
 import train
 from grade import is_correct
 from grpo import group_advantages, pack, policy_loss, token_logprobs
-from label import budgets, cut_mask, grid, mc_labels
+from label import cuts_of, cut_mask, grid, mc_labels
 from prompts import row_prompt
 from reward import margin_reward, total_reward
 from rollout import generate
@@ -60,7 +60,7 @@ def test_rl_step_is_the_rlcm_step_written_out_on_a_toy_batch(tmp_path):
                    top_p=cfg["top_p"], seed=seed, batch_size=cfg["gen_batch"], decode=cfg["decode"])
     prompts, golds = [prompts[i] for i in out.prompt_index], [rows[i]["answer"] for i in out.prompt_index]
     correct = torch.tensor([float(is_correct(t, g, cfg["grader"])) for t, g in zip(out.texts, golds)])
-    cuts = [budgets(n, cfg["budgets"]) for n in out.lengths]
+    cuts = [cuts_of(n, cfg["budgets"]) for n in out.lengths]
     ys, hs = mc_labels(model, tok, prompts, out.ids, cuts, golds, k=cfg["k"], close=cfg["forced_close"],
                        seed=seed + 7, batch_size=cfg["gen_batch"], grader=cfg["grader"], decode=cfg["decode"],
                        features=True)
@@ -136,7 +136,7 @@ def test_a_default_step_reads_the_probe_features_from_the_labels_prefill(tmp_pat
     without features."""
     import copy
     from grpo import pack
-    from update import budget_ends, forward_pass
+    from update import cut_ends, forward_pass
     cfg = config.resolve_args([*SMALL, "--out", str(tmp_path)])
     rows = data.load_rows("toy", split="train")[8:12]
     model, tok, probe, probe_opt, opt, sched = start(cfg)
@@ -161,7 +161,7 @@ def test_a_default_step_reads_the_probe_features_from_the_labels_prefill(tmp_pat
     labels = step.mc_labels(rollout_weights, tok, prompts, responses, cuts, golds, **kw)
     assert Y[valid].tolist() == [y for ys in labels for y in ys]
     batch = pack(prompts, responses, tok.pad_token_id)
-    _, ref, ref_valid = forward_pass(rollout_weights.eval(), batch, budget_ends(batch["prompt_lens"], cuts), logprobs=False)
+    _, ref, ref_valid = forward_pass(rollout_weights.eval(), batch, cut_ends(batch["prompt_lens"], cuts), logprobs=False)
     assert torch.equal(valid, ref_valid)
     assert torch.allclose(feats[valid], ref[valid], atol=1e-5), (feats[valid] - ref[valid]).abs().max()
 

@@ -211,7 +211,7 @@ def test_base_policy_is_neither_hopeless_nor_perfect(base, rollouts):
 def test_forced_answer_labels_carry_signal(base, rollouts):
     model, tok = base
     prompts, golds, out, correct = rollouts
-    budgets = [label.budgets(n) for n in out.lengths]
+    budgets = [label.cuts_of(n) for n in out.lengths]
     labels = label.mc_labels(model, tok, prompts, out.ids, budgets, golds, k=4, seed=0)
     flat = [y for ys in labels for y in ys]
     graded = sum(0 < y < 1 for y in flat) / len(flat)
