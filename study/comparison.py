@@ -102,7 +102,7 @@ def training_stats(run):
                 calib_share=mean("calib_adv_share", lambda r: not r.get("eval")))
 
 
-def aggregate(out, methods, seeds):
+def over_seeds(out, methods, seeds):
     """{method: {confidence, seeds: {seed: {benchmarks: {name: numbers}, Overall, training stats, paths}},
     mean and std: {benchmark or "Overall": {key: x}, "train": {key: x}}} from each OUT/eval/M-seedS/
     results.json (every toy benchmark) and, for trained methods, OUT/runs/M-seedS/metrics.jsonl."""
@@ -225,7 +225,7 @@ def stamp(argv):
 def write_outputs(out, methods, seeds, argv):
     """OUT/table.md, OUT/results.json (every seed's numbers) and OUT/reliability_M.png (all seeds and
     benchmarks pooled); returns the markdown."""
-    agg = aggregate(out, methods, seeds)
+    agg = over_seeds(out, methods, seeds)
     prov, when = stamp(argv)
     se, diffs = accuracy_se(agg), headline_differences(agg)
     groups = {}

@@ -314,12 +314,12 @@ def test_a_damaged_entry_is_evaluated_again(done, capsys, damage):
         json.dump(res, f)
     assert comparison.eval_entry(os.path.dirname(path), "toy", comparison.model_of(None)[1]) is None
     with pytest.raises(UserError, match=f"{path} holds no complete toy results for toy: run the command again"):
-        comparison.aggregate(out, ["base"], {"base": [0]})
+        comparison.over_seeds(out, ["base"], {"base": [0]})
     reproduce.main(argv)   # at 81f6578: a KeyError traceback / a FAILED line that no rerun clears
     printed = capsys.readouterr().out
     assert "base seed 0: evaluated in" in printed and "grpo seed 0: evaluated already" in printed
     assert _base_entry(out)[1]["toy"]["benchmarks"]["toy"]["acc"] == good["acc"]
-    assert comparison.aggregate(out, ["base"], {"base": [0]})["base"]["mean"]["toy"]["pce"] == good["pce"]
+    assert comparison.over_seeds(out, ["base"], {"base": [0]})["base"]["mean"]["toy"]["pce"] == good["pce"]
 
 
 POISON = "--lr -1"   # at 81f6578 the flags below are passed on: this makes the child fail at once
