@@ -299,8 +299,7 @@ def check_world(cfg, world):
 
 
 def resolve_args(argv):
-    """CLI -> checked config dict: flags given now > the saved config of a resumed run > world
-    defaults. trust_remote_code is only ever the flag given now."""
+    """CLI -> checked config dict (precedence: the module docstring); trust_remote_code as given."""
     given = {k: v for k, v in vars(build_parser().parse_args(argv)).items() if v is not None}
     check_values(given)   # the flags as typed first, so the message names what the user wrote
     saved = {}

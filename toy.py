@@ -41,8 +41,7 @@ N_TEST, N_TRAIN = 500, 6000
 # The toy benchmarks (docs/reference.md; "Overall" is their unweighted mean): name -> (terms,
 # signs). Each has a train split (the warm start's) and a test split (the benchmark).
 BENCHMARKS = {"toy": (TERMS, "+"), "toy-long": ((7, 8), "+"), "toy-sub": (TERMS, "+-")}
-# The warm start (toy_warm.py; docs/toy-world.md says why each value): a slip is likelier where a
-# step carries or borrows (p_slip_carry), a wrong line is often flagged with "?" (p_flag_wrong).
+# The warm start (toy_warm.py, trace; docs/toy-world.md says why each value).
 WARM = dict(seed=0, steps=3000, batch_size=32, lr=2e-3, beta2=0.95, warmup=50, weight_decay=0.1,
             threads=1, p_slip=0.12, p_slip_carry=0.45, p_flag_wrong=0.6, p_flag_right=0.05,
             p_forced=0.5, w_forced=1.0, p_eos_close=0.25, p_rlcr=0.2,

@@ -68,8 +68,7 @@ def example(tok, problem, rng, forced, world=WARM):
 
 
 def warm_start(out, log=print, world=WORLD):
-    """Supervised warm start (AdamW, linear warm-up then cosine), saved to `out` in float32.
-    Deterministic: fixed seeds and a fixed thread count (float sums depend on the split)."""
+    """Supervised warm start (AdamW, warm-up then cosine; fixed seeds, threads) into `out`, fp32."""
     world = WORLDS[world]
     threads = torch.get_num_threads()
     torch.set_num_threads(world["threads"])
