@@ -28,17 +28,14 @@ TOY = dict(data="toy", eval_data="toy", steps=45, prompts_per_step=16, group_siz
            warmup=3, warmup_from_zero=False, weight_decay=0.0, max_new_tokens=72, eval_n=500, eval_every=10, save_every=10, grad_ckpt=False,
            micro_tokens=8192, gen_batch=256, grader="math",
            instruction="")  # toy problems are complete user messages
-# The released run script: 32 prompts x 6 samples, 8000 new tokens, prompts over 600 tokens dropped,
-# a checkpoint every 40 steps (save_freq=40: the paper's steps 560 and 600); its actor's AdamW keeps
-# verl's weight decay 0.01 and verl's warm-up, whose first update runs at lr 0 (lr x step / 10 from
-# step 0). The toy keeps its own (no decay, the first update at lr / warmup): its README numbers.
+# The released run script (save_freq=40: the paper's steps 560 and 600; verl's AdamW decay and
+# warm-up). The toy keeps its own (no decay, the first update at lr / warmup): its README numbers.
 REAL = dict(data="deepscaler", eval_data="math500", steps=600, prompts_per_step=32, group_size=6,
             lr=1e-6, warmup=10, warmup_from_zero=True, weight_decay=0.01, max_new_tokens=8000,
             max_prompt_tokens=600, eval_n=100, eval_every=50, save_every=40, grad_ckpt=True, micro_tokens=16384, instruction=prompts_lib.INSTRUCTION,
             grader="strict",  # the released training reward
             gen_batch=8)  # 8 prompts x 6 = 48 rows x 8k tokens: ~22 GB of KV cache for the 7B
-# A named model whose release has a run script of its own: what differs from REAL (the 7B's script),
-# by its hub id (docs/reference.md: the 4B's recipe).
+# hub id -> what its own released run script changes in REAL (docs/reference.md: the 4B's recipe)
 RECIPES = {"Qwen/Qwen3-4B-Instruct-2507": dict(steps=240)}
 COMMON = dict(model="toy", problem_field=None, answer_field=None, trust_remote_code=False,
               temperature=0.8, top_p=1.0, reward="rlcm", lam=0.1, k=4, forced_close="think",
@@ -62,10 +59,8 @@ IMPLIED = {"final-margin": dict(budgets=(1.0,), corner="final-margin"),
 # The toy world (256 positions, bare sums) asks for RLCR's format with its own short prompt.
 TOY_IMPLIED = {"rlcr": dict(instruction=toy.RLCR_INSTRUCTION)}
 
-DATA_HELP = ("toy | deepscaler | HF dataset id | local json/jsonl/parquet. deepscaler (40k problems, "
-             "downloads) is a superset of the released training set, the GRPO-LEAD stage-1 file "
-             "(7,721 problems, stage1_data.json in the authors' repository; not on the hub): "
-             "--data stage1_data.json reproduces it")
+DATA_HELP = ("toy | deepscaler (40k, downloads; holds the released 7,721: --data stage1_data.json, "
+             "the authors' file, not on the hub) | HF dataset id | local json/jsonl/parquet")
 
 
 def fractions(text):
@@ -119,15 +114,14 @@ LIMITS = {
     "lora_rank": (lambda v: v >= 0, ">= 0 (0: full fine-tuning)"),
     "lora_alpha": (lambda v: v > 0, "> 0"),
 }
-# On --resume these would make the saved data cursor, RNG states or probe refer to another run:
-# refused. Every other flag given with --resume applies from the next step and is written to
-# config.json (--lr and --probe-lr included: they replace the saved optimizers' rates).
+# Refused on --resume: the saved data cursor, RNG states or probe would refer to another run. Others
+# apply from the next step, written to config.json (--lr, --probe-lr: replace the saved rates).
 FIXED_ON_RESUME = ("model", "data", "problem_field", "answer_field", "seed", "reward", "probe_hidden",
                    "lora_rank", "lora_alpha", "lora_targets", "probe_labels", "toy_world")
 
 
 def build_parser():
-    """Every default is None here: unset flags are filled from COMMON and TOY/REAL in resolve_args."""
+    """Every default is None here: resolve_args fills unset flags from COMMON and TOY/REAL."""
     fmt = lambda d: ", ".join(f"{k}={v}" for k, v in d.items())  # noqa: E731
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=(
         f"defaults: {fmt(COMMON)}. toy world: {fmt(TOY)}. real models: {fmt(REAL)}."))
@@ -138,15 +132,12 @@ def build_parser():
     g.add_argument("--problem-field")
     g.add_argument("--answer-field")
     g.add_argument("--eval-data", help="held-out set for the accuracy check (default: toy test / math500)")
-    g.add_argument("--toy-world", choices=sorted(toy.WORLDS),
-                   help=f"the toy world a --model folder was warm-started in (toy.WORLDS; --model toy is {toy.WORLD}'s): "
-                        "given, the toy world's defaults apply to it (both read the same rows)")
+    g.add_argument("--toy-world", choices=sorted(toy.WORLDS), help="the toy world a --model folder "
+                   f"was warm-started in (--model toy: {toy.WORLD}); the toy's defaults then apply")
     g.add_argument("--max-prompt-tokens", type=int,
-                   help="drop training problems whose chat prompt is longer (600 for real models, as "
-                        "released; 0 keeps all)")
+                   help="drop training problems with longer prompts (0 keeps all; real models 600)")
     g.add_argument("--trust-remote-code", action="store_true", default=None,
-                   help="run modelling code shipped with the model; never taken from a saved "
-                        "config: give it again with --resume")
+                   help="run modelling code shipped with the model; give it again with --resume")
     g.add_argument("--instruction", help="text appended to every problem in the user turn (saved; "
                    "evaluate.py reuses it for this run's checkpoints)")
     g.add_argument("--system-prompt", help="system turn before the problem (saved and reused like --instruction)")
@@ -165,43 +156,35 @@ def build_parser():
                         "final-margin corner), process-brier, final-brier (budget 1.0); "
                         "docs/design.md, Baselines")
     g.add_argument("--drop-unanimous", action=argparse.BooleanOptionalAction,
-                   help="give prompt groups whose answers are all right or all wrong reward 0: they "
-                        "stay in the update at advantage 0 (in the token-mean), and a step where every "
-                        "group is unanimous is not filtered (on for the Brier modes, as released)")
+                   help="reward 0 for groups all right or all wrong (kept at advantage 0, no step "
+                        "filtered); on for the Brier modes, as released")
     g.add_argument("--c2gspg-bce", choices=("off", "seq-mean", "token-mean"),
-                   help="c2gspg only: add 0.1 x BCE(c_theta, correct) to the loss, as a mean over "
-                        "sequences or on every response token, aggregated like the policy loss "
-                        "(length-weighted under token-mean; the released loss function's form). off "
-                        "(default): the released run, whose actor drops the BCE's labels")
+                   help="c2gspg only: add 0.1 x BCE(c_theta, correct) per sequence or per token, "
+                        "aggregated like the policy loss; off (default): as the released actor")
     g.add_argument("--lam", type=float)
     g.add_argument("--k", type=int, help="forced answers per prefix")
     g.add_argument("--forced-close", choices=("think", "eos"),
-                   help="token before the forced suffix: </think> (paper) or EOS (released code); "
-                        "none where the cut already ends on it")
+                   help="token before the forced suffix (none where the cut ends on it): </think> "
+                        "(paper) or EOS (released code)")
     g.add_argument("--budgets", type=fractions, metavar="F,F,...",
-                   help="truncation points as fractions of each response (0.25,0.5,0.75; 1.0 alone "
-                        "for the final-only ablations)")
+                   help="truncation points, fractions of each response (1.0: final-only ablations)")
     g.add_argument("--corner", choices=("zero", "margin-corner", "final-margin"),
-                   help="margin when only one side exists: 0 (RLCM); mean C / 1 - mean C (released "
-                        "margin_corner); final-margin: +mean C / -mean C and 0 when both exist (released "
-                        "conf_diff_v3; with --budgets 1.0, the Final-Margin ablation)")
+                   help="margin when a side is empty: 0 (RLCM); margin-corner: mean C / 1 - mean C "
+                        "(margin_corner); final-margin: +/-mean C, 0 if both exist (conf_diff_v3)")
     g.add_argument("--grader", choices=grade.GRADERS,
-                   help="grader of r_nat and of the forced answers of Y_b: strict (released training "
-                        "reward: last \\boxed{ and gold stripped, a trailing .0 and leading zeros "
-                        "dropped, then equal strings), math (normaliser + math-verify, as evaluate.py) or "
-                        "minerva (Minerva's normal forms equal: the released RLCR reward, its default)")
+                   help="grader of r_nat and Y_b: strict (released: last \\boxed{ == gold as text, "
+                        "less trailing .0 and leading zeros), math (math-verify, as evaluate.py), "
+                        "minerva (Minerva's normal forms: RLCR's released reward, its default)")
     g.add_argument("--reward-fn", metavar="FILE.py:NAME",
-                   help="your correctness function NAME(response, answer, row) -> float in [0, 1] or "
-                        "None (skip the sample), in place of --grader for the natural answer and the "
-                        "forced answers (harness/rewardfn.py); never taken from a saved config: give "
-                        "it again with --resume")
+                   help="your correctness function NAME(response, answer, row) -> float in [0, 1] "
+                        "or None (skip the sample), in place of --grader (harness/rewardfn.py); "
+                        "never saved: give it again with --resume")
     g.add_argument("--probe-lr", type=float)
     g.add_argument("--probe-passes", type=int)
     g.add_argument("--probe-batch", type=int)
     g.add_argument("--probe-labels", choices=("mc", "shuffled"),
-                   help="what the probe is fitted on each step: mc (the method: the step's Monte-Carlo labels Y_b) or "
-                        "shuffled (a control: the same labels permuted across the step's cuts, seeded by the run's "
-                        "seed and step; the margin still scores the real prefixes against the real labels)")
+                   help="the probe's labels: mc (the step's Y_b) or shuffled (a control: permuted "
+                        "across the step's cuts; the margin still uses the real labels)")
     g.add_argument("--probe-hidden", type=int, metavar="N",
                    help="the probe's hidden width: d -> N -> 1 (default d/4: the released MLP, d -> d/4 -> 1); "
                         "0 trains the design card's linear probe d -> 1")
@@ -210,21 +193,17 @@ def build_parser():
                    f"{LORA_LR_FACTOR}x that under --lora-rank)")
     g.add_argument("--warmup", type=int, help="warm-up updates: the learning rate rises linearly to --lr")
     g.add_argument("--warmup-from-zero", action=argparse.BooleanOptionalAction,
-                   help="the first update runs at lr 0, then lr x s / warmup (verl's warm-up, the released "
-                        "run; default for real models); --no-warmup-from-zero: lr x (s + 1) / warmup, the "
-                        "first update at lr / warmup (the toy's default)")
+                   help="lr x s / warmup from lr 0 (verl's; real models' default); "
+                        "--no-warmup-from-zero: lr x (s + 1) / warmup (the toy's)")
     g.add_argument("--weight-decay", type=float,
-                   help="the policy's AdamW weight decay (real models 0.01: verl's default, which the released "
-                        "run keeps; toy 0)")
+                   help="the policy's AdamW decay (real models 0.01: verl's, as released; toy 0)")
     g.add_argument("--grad-clip", type=float)
     g.add_argument("--clip-low", type=float)
     g.add_argument("--clip-high", type=float)
     g.add_argument("--agg", choices=AGGS,
-                   help="loss aggregation: token-mean (default: one mean over every response token "
-                        "of the batch, however it is cut); token-mean-per-micro-batch (the released "
-                        "verl actor: each micro-batch's token-mean, weighted by its rows, so a token "
-                        "counts more in a micro-batch of short responses); seq-mean; seq-sum-norm "
-                        "(Dr. GRPO, / --max-new-tokens)")
+                   help="loss aggregation: token-mean (default: over the batch's response tokens); "
+                        "token-mean-per-micro-batch (verl's, released: weighted by rows); "
+                        "seq-mean; seq-sum-norm (Dr. GRPO, / --max-new-tokens)")
     g.add_argument("--micro-tokens", type=int, help="tokens per micro-batch (gradient accumulation)")
     g.add_argument("--chunk-size", type=int, help="positions per LM-head call when computing log-probs")
     g.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction)
@@ -234,10 +213,8 @@ def build_parser():
                    help="keep params, grads and AdamW state in host memory (FSDP2 CPU offload): slow, "
                    "but the 7B model trains on one or two GPUs")
     g.add_argument("--offload-grads", choices=("gpu", "host"),
-                   help="with --offload: gpu (default) accumulates the micro-batches' fp32 gradients "
-                   "unsharded on the GPU and reduces and copies them to the host once per step (+4 "
-                   "bytes per trained parameter on the GPU); host does so after every micro-batch "
-                   "(FSDP2's default: less GPU memory, a blocking copy per micro-batch)")
+                   help="with --offload: gpu (default) keeps fp32 grads on GPU, to the host once "
+                   "a step (+4 B/param); host: every micro-batch (less memory, a blocking copy)")
     g.add_argument("--lora-rank", type=int, help="train a LoRA adapter of this rank on the frozen base "
                    "(peft; 0: full fine-tuning, as in the paper). 16-64 suits a 7B; 32 fits one 80 GB GPU")
     g.add_argument("--lora-alpha", type=float, help="LoRA scale alpha (the update is alpha / rank x B A)")
@@ -285,9 +262,8 @@ def check_values(cfg, limits=LIMITS):
 
 
 def check_saved(saved, where):
-    """UserError (one line naming the key and value as they are in the file `where`) for a value of a
-    saved or given config.json that the command line would refuse: the parser's type or choices,
-    then LIMITS. null is a default; keys the parser does not know are left alone."""
+    """UserError (one line naming the key and value as in the file `where`) for a config.json value
+    the command line would refuse (type, choices, LIMITS); null and unknown keys pass."""
     actions = {a.dest: a for a in build_parser()._actions}
     for key, v in saved.items():
         a = actions.get(key)
@@ -315,8 +291,7 @@ def check_saved(saved, where):
 
 
 def check_world(cfg, world):
-    """Whole prompt groups go to the ranks in turn: a rank without one would have nothing to train
-    on, and the others would wait for it in the next collective."""
+    """Prompt groups go to the ranks in turn: a rank without one would stall the next collective."""
     n = cfg["prompts_per_step"]
     if n < world:
         raise UserError(f"--prompts-per-step {n} leaves some of the {world} workers without a prompt: "
@@ -324,8 +299,7 @@ def check_world(cfg, world):
 
 
 def resolve_args(argv):
-    """CLI -> checked config dict: flags given now > the saved config of a resumed run > world
-    defaults. trust_remote_code is only ever the flag given now."""
+    """CLI -> checked config dict (precedence: the module docstring); trust_remote_code as given."""
     given = {k: v for k, v in vars(build_parser().parse_args(argv)).items() if v is not None}
     check_values(given)   # the flags as typed first, so the message names what the user wrote
     saved = {}

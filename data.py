@@ -14,17 +14,15 @@ from grade import plain_number as _number  # integer gold answers: "025" -> "25"
 from harness.files import UserError, first_line, sha256
 
 PROBLEM_FIELDS = ("problem", "question", "prompt", "Question", "query")
-# The longest problem a row may hold, in characters. Real problems are under 10,000 (LiveCodeBench's
-# statements with their starter code); a row far longer is a broken file, and tokenizing it would
-# take minutes and gigabytes before anything said so.
+# The longest problem a row may hold, in characters: real ones are under 10,000; a far longer row is
+# a broken file, whose tokenizing would take minutes and gigabytes before anything said so.
 MAX_PROBLEM_CHARS = 200_000
 # Answer-like names only: `solution` is a worked text, never a gold answer.
 ANSWER_FIELDS = ("answer", "final_answer", "gold", "target", "Correct Answer")
 
-# short name -> where the benchmark lives on the hub (id, config, split) and its row layout
-# (docs/benchmarks.md). integer: answers are integers however stored ("025", 70.0); filter: (field,
-# substring) a row must have to be kept; files: raw json files of the hub repository, read with load_dataset("json") (datasets runs
-# no loading scripts).
+# short name -> its hub id, config, split and row layout (docs/benchmarks.md). integer: answers are
+# integers however stored ("025", 70.0); filter: (field, substring) a kept row has; files: the hub
+# repository's raw json files (datasets runs no loading scripts).
 BENCHMARKS = {
     "math500": dict(hf="HuggingFaceH4/MATH-500", split="test", problem="problem", answer="answer"),
     "aime24": dict(hf="HuggingFaceH4/aime_2024", split="train", problem="problem", answer="answer",
@@ -60,10 +58,8 @@ OOD = ("lcb", "gpqa", "logiqa")
 LCB_RELEASES = {"v1": ("2023-05", "2024-03"), "v2": ("2024-04", "2024-05"), "v3": ("2024-06", "2024-07"),
                 "v4": ("2024-08", "2024-09"), "v5": ("2024-10", "2025-01"), "v6": ("2025-02", "2025-04")}
 LCB_RELEASE = "v4_v5"
-# The LiveCodeBench prompt, the whole user turn (no instruction follows): lighteval's lcb:codegeneration
-# text (prepare_prompt) with lcb_runner's stdin sentence ("Ensure that when the python program runs,
-# ...") added and a newline before each fence. The release's prompt sits in a parquet file (not
-# readable here); this one is the project's (README, difference table).
+# The LiveCodeBench prompt, the whole user turn: lighteval's lcb:codegeneration text, lcb_runner's
+# stdin sentence ("Ensure that ...") added, a newline before each fence (README, difference table).
 LCB_PREAMBLE = ("You will be given a question (problem specification) and will generate a correct Python program "
                 "that matches the specification and passes all tests.\n\n")
 LCB_STARTER = ("You will use the following starter code to write the solution to the problem and enclose your "
@@ -88,10 +84,9 @@ def lcb_window(release):
 
 
 def _lcb_row(r):
-    """(prompt, gold) of a LiveCodeBench row: the LCB_* prompt (lighteval's with lcb_runner's stdin
-    sentence), and the JSON string
-    {"tests": public + private tests, "fn_name": the method of class Solution, or null for stdin}
-    that grade.is_correct(..., grader="code") runs. Private tests are decoded without running code."""
+    """(prompt, gold) of a LiveCodeBench row: the LCB_* prompt and the JSON string {"tests": public
+    + private tests, "fn_name": Solution's method, or null for stdin} that grade.is_correct(...,
+    grader="code") runs. Private tests are decoded without running code."""
     from evaluation import lcb   # the tests and the metadata, each checked (a bad row: one line)
     starter, question = r.get("starter_code"), r.get("question_content")
     try:
@@ -185,9 +180,8 @@ def _read_file(path):
 
 
 def _looks_local(source):
-    """A path rather than an HF id (owner/name): starts with . or /, has more than one /, its first
-    part is a local folder, or it ends in a file extension (train.jsnol; owner/name only when the
-    extension looks like a data file's)."""
+    """A path rather than an HF id (owner/name): starts with . / ~, has two /, starts with a local
+    folder, or ends in an extension (a bare name's any: train.jsnol; owner/name's a data file's)."""
     ext = os.path.splitext(source)[1].lower()[1:]
     return (source.startswith((".", "/", "~")) or source.count("/") > 1 or os.path.isdir(source.split("/")[0])
             or ("/" not in source and ext.isalpha())
@@ -260,9 +254,8 @@ def _choices(row, index, spec):
 
 
 def _verl_row(r, i, where):
-    """(problem text, gold, chat list) of a row in verl's layout, the release's parquets: `prompt` the
-    chat list [{role, content}] as released (its user turn already holds the instruction),
-    `reward_model.ground_truth` the gold. The problem text (logs, question ids) is the turns' contents."""
+    """(problem text, gold, chat list) of a row in verl's layout (the release's parquets): `prompt`
+    the chat list as released, `reward_model.ground_truth` the gold; the text joins the turns."""
     chat, gold = r.get("prompt"), (r.get("reward_model") or {}).get("ground_truth")
     turn = lambda m: isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)  # noqa: E731
     if not (isinstance(chat, list) and chat and all(map(turn, chat))):
@@ -296,14 +289,12 @@ def _check_text(where, i, problem, answer):
 
 def load_rows(source, split=None, problem_field=None, answer_field=None, limit=None, like=None,
               lcb_release=LCB_RELEASE):
-    """[{"problem": str, "answer": str}] from a TOY_BENCHMARKS name, a BENCHMARKS name, a local .json/.jsonl/.parquet
-    file, or a Hugging Face dataset id ("owner/name"). Fields are detected unless given. A file in verl's
-    layout (the release's parquets: `prompt` a chat list, `reward_model.ground_truth`) gives rows that
-    also hold "messages", the chat list as released, which prompts.row_prompt renders as is.
-
-    like: the BENCHMARKS name whose layout a local file has; lcb and logiqa rows are then built as
-    the hub's are (BUILD), and gpqa rows with its option fields get their options and a letter gold.
-    lcb_release: LiveCodeBench's window of contest months (lcb_window)."""
+    """[{"problem": str, "answer": str}] from a TOY_BENCHMARKS or BENCHMARKS name, a local
+    json/jsonl/parquet file or an HF dataset id ("owner/name"); fields are found unless given. Rows
+    of a file in verl's layout (`prompt` a chat list, `reward_model.ground_truth`) also hold
+    "messages", rendered as is.
+    like: the BENCHMARKS name whose layout a local file has (BUILD, gpqa's options); lcb_release:
+    LiveCodeBench's window of contest months (lcb_window)."""
     name = source if source in BENCHMARKS else like
     spec = BENCHMARKS[like] if like in BUILD or "choices" in BENCHMARKS.get(like, {}) else {}
     if source in TOY_BENCHMARKS:

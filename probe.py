@@ -102,18 +102,12 @@ def make_optimizer(probe, lr=1e-3, weight_decay=0.01):
     return torch.optim.AdamW(probe.parameters(), lr=lr, weight_decay=weight_decay)
 
 
-def _device(probe):
-    return next(probe.parameters()).device
-
-
 def fit(probe, opt, feats, targets, passes=16, batch_size=16, seed=0):
-    """Fit the probe with BCE-with-logits on soft targets: feats [M, d], targets [M] in [0, 1].
-
-    `passes` shuffled passes over the data (order from torch.Generator seeded with `seed`),
-    minibatches of batch_size, train mode (dropout on). Returns the sample-weighted mean BCE of the
-    last pass (nan when M == 0: nothing to fit, no step taken).
+    """Fit the probe with BCE-with-logits on soft targets: feats [M, d], targets [M] in [0, 1];
+    `passes` passes in an order seeded by `seed`, dropout on. Returns the last pass's
+    sample-weighted mean BCE (nan when M == 0: no step taken).
     """
-    dev = _device(probe)
+    dev = next(probe.parameters()).device
     feats = torch.as_tensor(feats).float().to(dev)
     targets = torch.as_tensor(targets).float().to(dev)
     if feats.dim() != 2 or targets.shape != feats.shape[:1]:
@@ -142,10 +136,9 @@ def fit(probe, opt, feats, targets, passes=16, batch_size=16, seed=0):
 
 def predict(probe, feats):
     """Probabilities sigmoid(probe(feats)): feats [M, d] -> [M] in (0, 1); eval mode, no grad.
-    FloatingPointError when a feature or a probability is NaN or inf (NaN in the policy or the
-    probe), so that no NaN confidence reaches a reward, a metric or a file."""
+    FloatingPointError for a NaN or inf feature or probability: none reaches a reward or a file."""
     probe.eval()
-    feats = torch.as_tensor(feats).float().to(_device(probe))
+    feats = torch.as_tensor(feats).float().to(next(probe.parameters()).device)
     with torch.no_grad():
         out = torch.sigmoid(probe(feats))
     if not (torch.isfinite(feats).all() and torch.isfinite(out).all()):
@@ -159,8 +152,7 @@ class NotAProbe(UserError):
 
 
 def save(path, probe, opt=None, **extra):
-    """Write {dim, hidden, dropout, state_dict, optimizer, **extra} to `path` (a path or a binary file:
-    the callers pass a fresh checkpoint folder's path or a files.replacing file, never a link)."""
+    """Write {dim, hidden, dropout, state_dict, optimizer, **extra} to `path` (or a binary file)."""
     blob = {
         "dim": probe.dim, "hidden": probe.hidden, "dropout": probe.p_drop,
         "state_dict": {k: v.detach().cpu() for k, v in probe.state_dict().items()},
@@ -179,9 +171,8 @@ def shapes(dim, hidden):
 
 
 def damage(blob):
-    """What makes a loaded blob not a probe saved by `save` (sizes, dropout and tensors that do not
-    fit together), else None. Sizes are checked against the tensors the file holds, so a file that
-    claims a dim of 20000 is refused before anything of that size is allocated."""
+    """What makes a loaded blob not a probe saved by `save`, else None. Sizes are checked against
+    the tensors it holds: a claimed dim of 20000 is refused before anything so big is allocated."""
     if not isinstance(blob, dict):
         return f"a {type(blob).__name__}, not a dict"
     dim, hidden, p, sd = (blob.get(k) for k in ("dim", "hidden", "dropout", "state_dict"))
@@ -200,9 +191,8 @@ def damage(blob):
 
 
 def load(path):
-    """Rebuild a saved probe (on CPU) -> (probe, optimizer state dict or None): a file that is not
-    one (`damage`) is NotAProbe, NaN or inf weights a FloatingPointError, both naming it. With its
-    optimizer: restore."""
+    """A saved probe (on CPU) -> (probe, optimizer state or None); NotAProbe for a file that is not
+    one (`damage`), FloatingPointError for NaN or inf weights."""
     blob = torch.load(path, map_location="cpu", weights_only=True)
     why = damage(blob)
     if why:

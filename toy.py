@@ -1,30 +1,9 @@
 """The offline toy world: a per-character tokenizer, an arithmetic task and the tiny model's shape.
 
-`python train.py` runs the whole RLCM loop on this world on a laptop CPU in minutes, through
-exactly the code used for DeepSeek-R1-Distill-Qwen: chat template, generation that starts inside
-the thinking, `</think>`, `\\boxed{}` answers, forced answers after a truncated prefix, grading.
-
-Task. The user message is a sum of 4-6 single-digit terms, e.g. "3+5+7+2" (`toy`, what RL trains
-on). The toy benchmarks (BENCHMARKS) add two the warm start also covers: `toy-long`, 7-8 terms (the
-toy's "AIME": more lines to slip on than RL ever sees), and `toy-sub`, 4-6 terms some of which are
-subtracted, "9-6+7+1" (the toy's "OOD": a skill of the warm start that RL never practises). The ideal
-response writes one running total per line, closes the thinking and boxes the result:
-
-    <|bos|><|user|>3+5+7+2<|assistant|><think>\\n      (the prompt, from the chat template)
-    3+5=8\\n8+7=15\\n15+2=17\\n</think>\\boxed{17}<|eos|>  (the response)
-
-A step that carries or borrows (8+7) slips more often than one that does not, and a slip is often
-marked with "?" after the written total ("8+7=14?"), the trace going on from that total: the
-world's errors are ones the model can see coming and notice, which is what RLCM's probe and margin
-act on (docs/toy-world.md: the design, each choice's reason, and the premises measured on it).
-
-Tokenizer. One token per byte (a byte-level BPE with no merges, the pipeline AutoTokenizer
-rebuilds for every qwen2 checkpoint, R1 included), so any text round-trips exactly; specials
-<|bos|> <|eos|> <|pad|> <|user|> <|assistant|>; added but not special, like R1: <think>, </think>,
-\\boxed{ and the forced sentence, so the forced suffix "\\n" + sentence is two tokens.
-
-Base policy. toy_warm.py warm-starts a tiny Qwen2ForCausalLM (MODEL) on this world's traces into
-the committed `toy_base/` (`toy_warm.base_model()`; `python toy_warm.py` rebuilds it).
+`python train.py` runs the whole RLCM loop on this world on a CPU in minutes, through the code used
+for real models. A problem is a sum ("3+5+7+2"); the response writes one running total per line,
+closes the thinking and boxes the result; a step that carries slips more often, often flagged "?".
+Design and reasons: docs/toy-world.md; the tokenizer: docs/reference.md, "The toy's warm start".
 """
 import hashlib
 import itertools
@@ -59,11 +38,10 @@ MODEL = dict(vocab_size=272, hidden_size=128, intermediate_size=384, num_hidden_
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 TERMS = (4, 6)          # number of terms per problem, inclusive (`toy`, what RL trains on)
 N_TEST, N_TRAIN = 500, 6000
-# The toy benchmarks (the module docstring; "Overall" is their unweighted mean): name -> (terms,
+# The toy benchmarks (docs/reference.md; "Overall" is their unweighted mean): name -> (terms,
 # signs). Each has a train split (the warm start's) and a test split (the benchmark).
 BENCHMARKS = {"toy": (TERMS, "+"), "toy-long": ((7, 8), "+"), "toy-sub": (TERMS, "+-")}
-# The warm start (toy_warm.py; docs/toy-world.md says why each value): a slip is likelier where a
-# step carries or borrows (p_slip_carry), a wrong line is often flagged with "?" (p_flag_wrong).
+# The warm start (toy_warm.py, trace; docs/toy-world.md says why each value).
 WARM = dict(seed=0, steps=3000, batch_size=32, lr=2e-3, beta2=0.95, warmup=50, weight_decay=0.1,
             threads=1, p_slip=0.12, p_slip_carry=0.45, p_flag_wrong=0.6, p_flag_right=0.05,
             p_forced=0.5, w_forced=1.0, p_eos_close=0.25, p_rlcr=0.2,
@@ -82,10 +60,8 @@ def byte_symbols():
 
 
 def tokenizer():
-    """Byte-level BPE with no merges, so every character (byte) is one token, plus R1's mechanics:
-    no BOS on encode, the chat template adds exactly one and ends in `<|assistant|><think>\\n`.
-    It is a Qwen2Tokenizer because that is what AutoTokenizer rebuilds for any qwen2 checkpoint
-    (R1 included): same pre-tokenizer, byte-level decoder, exact round trip of any text."""
+    """A Qwen2Tokenizer (what AutoTokenizer rebuilds for any qwen2 checkpoint) with no merges: a
+    token per byte. As R1: no BOS on encode; the chat template adds one, ends in `<think>\\n`."""
     vocab = {t: i for i, t in enumerate(SPECIALS + byte_symbols())}
     tok = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, bos_token="<|bos|>",
                          eos_token="<|eos|>", pad_token="<|pad|>",
@@ -102,10 +78,9 @@ def _is_test(problem):
 
 
 def dataset(split, name="toy"):
-    """Deterministic rows dict(problem="3+5+7+2", answer="17") of one of BENCHMARKS; train and test
-    are disjoint because a hash of the problem text picks its split (a tenth of all problems are
-    test). Under "+-" each term after the first is subtracted with probability 1/2 where the running
-    total stays >= 0, and a problem subtracts at least once ("9-3+5-2")."""
+    """Deterministic rows dict(problem="3+5+7+2", answer="17") of one of BENCHMARKS; a hash of the
+    problem picks its split (a tenth are test). Under "+-" a term after the first is subtracted with
+    probability 1/2 where the total stays >= 0, at least once a problem ("9-3+5-2")."""
     if split not in ("train", "test"):
         raise ValueError(f"toy split must be 'train' or 'test', got {split!r}")
     if name not in BENCHMARKS:
@@ -138,12 +113,10 @@ def carries(total, term):
 
 
 def trace(terms, rng, world=WARM):
-    """Thinking lines with running totals, continued from the written total: a step that carries or
-    borrows slips (by +-1 or +-2, never below 0) with world's p_slip_carry and the others with p_slip,
-    and a wrong total is flagged with "?" with p_flag_wrong, a right one with p_flag_right. Returns
-    (lines, totals), lines[i] = f"{totals[i]}+{terms[i+1]}={totals[i+1]}" + flag + "\\n" (with "-" and
-    the term's size for a subtracted term): [3, 5, 7, 2] -> "3+5=8\n", "8+7=15\n", "15+2=17\n" (or "8+7=14?\n"
-    for a noticed slip)."""
+    """(lines, totals): a thinking line per term with the running total, continued from the written
+    one. A step that carries or borrows slips (+-1 or +-2, never below 0) with p_slip_carry, others
+    with p_slip; a wrong total is flagged "?" with p_flag_wrong, a right one with p_flag_right.
+    [3, 5, 7, 2] -> "3+5=8\n", "8+7=15\n", "15+2=17\n" (or "8+7=14?\n" for a noticed slip)."""
     totals, lines = [terms[0]], []
     for term in terms[1:]:
         s = totals[-1] + term
@@ -161,11 +134,9 @@ def lines_done(lines, b):
 
 
 def implied_sum(problem, terms, lines, totals, b):
-    """The forced answer the warm start teaches: the answer a prefix of b response tokens implies, written as
-    the sum it implies, so that a forced answer copies the written path and the problem instead of
-    adding in the model's head (graded by value: grade.integer_sum): the last complete line's total
-    followed by the terms not yet added, the problem itself before any line is complete. It reads
-    nothing the final answer does not: the last written total is the final answer's too.
+    """The forced answer the warm start teaches at a prefix of b response tokens: the sum it implies
+    (graded by value: grade.integer_sum), the last complete line's total and the terms not yet
+    added, or the problem before any line is complete: a forced answer copies the path, never adds.
     For 3+5+7+2 written as "3+5=8\\n8+7=14\\n...": b=3 -> "3+5+7+2", b=6 -> "8+7+2", b=12 -> "14+2"."""
     done = lines_done(lines, b)
     return problem if done == 0 else f"{totals[done]}" + "".join(f"{t:+d}" for t in terms[done + 1:])

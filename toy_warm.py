@@ -3,17 +3,7 @@
     path = base_model()   # the committed toy_base/ (trained here if missing)
     python toy_warm.py    # rebuilds it (or --out DIR); one thread: float sums depend on the split
 
-Base policy: a warm-started Qwen2ForCausalLM (toy.MODEL, float32) and its tokenizer, loadable with
-AutoModelForCausalLM / AutoTokenizer. The warm start is supervised training on the train splits of
-all three benchmarks, on toy.trace's traces: a step that carries or borrows slips more often than
-any other, and a wrong total is often followed by "?". So the policy knows how to add (greedy
-decoding is right), slips when it samples where the step is hard, often notices it in writing, and
-GRPO has something to fix.
-It also learns, in half of its examples, the forced answer of the calibration labels (label.py):
-the sum the prefix implies (toy.implied_sum), so a forced answer is right exactly when the path so
-far is (docs/toy-world.md, premise (ii)); and, under RLCR_INSTRUCTION, RLCR's format with a random
-verbal confidence (rlcr_tail). Why these settings, and what the committed checkpoint measures:
-docs/reference.md, "The toy's warm start".
+What it teaches and why these settings: docs/reference.md, "The toy's warm start".
 """
 import argparse
 import math
@@ -42,20 +32,17 @@ def build_model(tok, seed=0):
 
 
 def rlcr_tail(total, rng):
-    """What follows `</think>` under RLCR_INSTRUCTION: the answer, an empty analysis (the toy has
-    no words to analyse with) and a confidence drawn at random from CONFIDENCES, whatever the trace:
-    the warm start teaches the format but no calibration, so `--reward rlcr` has to learn it.
+    """What follows `</think>` under RLCR_INSTRUCTION: the answer, an empty analysis and a random
+    confidence: the format without calibration, which `--reward rlcr` has to learn.
     17 -> "<answer>17</answer>\\n<analysis></analysis>\\n<confidence>0.4</confidence>"."""
     return (f"<answer>{total}</answer>\n<analysis></analysis>\n"
             f"<confidence>{rng.choice(CONFIDENCES)}</confidence>")
 
 
 def example(tok, problem, rng, forced, world=WARM):
-    """One warm-start sequence: (ids, loss_mask), loss on response tokens only.
-    Plain: prompt + trace + </think>\\boxed{total}EOS; with probability p_rlcr the prompt carries
-    RLCR_INSTRUCTION and `\\boxed{total}` is replaced by rlcr_tail.  Forced: prompt + response[:b] + CLOSE +
-    SUFFIX + implied}\\n where implied = the last complete line's total and the terms not yet added,
-    written as a sum ("14+2"; toy.implied_sum)."""
+    """One warm-start sequence: (ids, loss_mask), loss on response tokens only. Plain: prompt +
+    trace + </think>\\boxed{total}EOS (p_rlcr: RLCR_INSTRUCTION, rlcr_tail for the box). Forced:
+    prompt + response[:b] + CLOSE + SUFFIX + implied}\\n (toy.implied_sum: "14+2")."""
     terms = terms_of(problem)
     lines, totals = trace(terms, rng, world)
     rlcr = not forced and rng.random() < world["p_rlcr"]
@@ -81,8 +68,7 @@ def example(tok, problem, rng, forced, world=WARM):
 
 
 def warm_start(out, log=print, world=WORLD):
-    """Supervised warm start (AdamW, linear warm-up then cosine), saved to `out` in float32.
-    Deterministic: fixed seeds and a fixed thread count (float sums depend on the split)."""
+    """Supervised warm start (AdamW, warm-up then cosine; fixed seeds, threads) into `out`, fp32."""
     world = WORLDS[world]
     threads = torch.get_num_threads()
     torch.set_num_threads(world["threads"])

@@ -1,20 +1,8 @@
 """Where models and runs live: aliases, run directories, atomic checkpoints.
 
-`resolve_model` turns what a user types after --model into something from_pretrained loads:
-an alias (`deepseek-r1-distill-qwen-7b`), `toy`, an HF id, a model directory, a checkpoint
-directory, or a run directory (its latest checkpoint); harness/models.py loads what it names.
-A run's folder: harness/runfolder.py.
-
-A checkpoint is written into a fresh `step_000010.<random>.tmp`, fsynced (its files, then the
-folder), renamed when complete and the rename fsynced, so a crash (of the process or of the machine)
-or a full disk mid-write never replaces or damages the last good one; only then are older ones
-pruned: of the complete ones at or below the step just saved only the last `keep` are kept. A
-checkpoint damaged afterwards (a file deleted or cut short), one whose state.pt holds another step,
-or a link in place of its folder is skipped for the previous complete one, with a message, and never
-pruned. A link in place of RUN/checkpoints itself is refused in one line (it would make this run
-write into another).
-
-The files inside a run folder are written whole and never through a link (harness/files.py).
+`resolve_model` turns what follows --model (alias, `toy`, HF id, model, checkpoint or run directory)
+into what from_pretrained loads. A checkpoint is written into a fresh `.tmp` folder, fsynced and
+renamed whole; a damaged one is skipped, never pruned (docs/reference.md, "What a run leaves").
 """
 import json
 import os
@@ -80,9 +68,8 @@ def check_available(name):
 
 
 def fetch(name):
-    """Download an HF model into the local cache now, before the workers start, so that rank 0 does
-    not download it inside the process group while the other ranks wait. Local directories, the toy
-    and an offline hub need nothing. Other frameworks' copies of the weights are skipped."""
+    """Download an HF model into the cache before the workers start (rank 0 would download it inside
+    the process group while the others wait); not other frameworks' copies of the weights."""
     path = resolve_model(name)
     from huggingface_hub import constants, snapshot_download
     if os.path.isdir(path) or constants.HF_HUB_OFFLINE:
@@ -100,8 +87,7 @@ def step_of(ckpt):
 
 
 def _own_root(run_dir):
-    """RUN/checkpoints, refused in one line when it is a link: a link there (to another run's
-    checkpoints) would make a resume read that run, save into it and prune it."""
+    """RUN/checkpoints; a link is refused (a resume would read, save into and prune another run)."""
     root = os.path.join(run_dir, "checkpoints")
     if os.path.islink(root):
         raise UserError(f"{root} is a link (to {os.readlink(root)}): a run's checkpoints must be a folder of its "
@@ -140,8 +126,7 @@ def _zip_ok(path):
 
 
 def _saved_step(path):
-    """The step a state.pt says it was saved at, or None when it cannot tell (reading it to resume
-    then says why). mmap: only the pickle is read, not the optimizer state."""
+    """The step a state.pt was saved at, or None (a resume says why); mmap: the pickle alone."""
     try:
         return torch.load(path, weights_only=True, mmap=True, map_location="cpu").get("step")
     except Exception:
@@ -149,9 +134,8 @@ def _saved_step(path):
 
 
 def missing(ckpt, resume=False):
-    """What a checkpoint lacks to be loaded as a model (resume: to be resumed from): [] when complete.
-    probe.pt is needed only to resume, but must be whole wherever it is. The folder must be the
-    run's own (not a link to another run's) and its state.pt saved at the step in its name."""
+    """What a checkpoint lacks to be loaded as a model (resume: resumed from): [] when complete. Its
+    own folder (not a link), whole files, a state.pt of the step in its name; probe.pt to resume."""
     if os.path.islink(ckpt):
         return ["a folder of its own (it is a link)"]
     try:
@@ -247,10 +231,9 @@ def _sync_tree(folder):
 
 
 def save_checkpoint(run_dir, step, write, keep=2):
-    """Call write(tmp_dir) to fill a new checkpoint in a fresh folder, then publish it atomically and
-    prune: of the complete checkpoints at or below `step`, all but the last `keep` (keep 0: none).
-    Damaged ones and newer ones are never counted, so they never make a good one go. A failed write
-    (a full disk) is one UserError line; the folder is removed and the checkpoints before it stay."""
+    """Call write(tmp_dir) to fill a new checkpoint in a fresh folder, publish it atomically, then
+    prune all but the last `keep` (0: none pruned) complete ones at or below `step`, never damaged
+    or newer ones. A failed write (a full disk) is one UserError line; the ones before it stay."""
     from safetensors import SafetensorError
     root = _own_root(run_dir)
     final = os.path.join(root, f"{PREFIX}{step:06d}")
@@ -270,15 +253,13 @@ def save_checkpoint(run_dir, step, write, keep=2):
             raise UserError(f"cannot write checkpoint {final} ({first}): is the disk full? The checkpoints "
                             "saved before it are intact") from None
         raise
-    if os.path.lexists(final):   # the same step saved again (after a fallback): old one aside
-        old = fresh_name(final)
+    old = fresh_name(final) if os.path.lexists(final) else None
+    if old:   # the same step saved again (after a fallback): old one aside
         os.replace(final, old)
-        os.replace(tmp, final)
-        _fsync(root)
+    os.replace(tmp, final)
+    _fsync(root)
+    if old:
         _remove(old)
-    else:
-        os.replace(tmp, final)
-        _fsync(root)
     done = [c for c in checkpoints(run_dir) if step_of(c) <= step and not missing(c, resume=True)]
     for old in done[:-keep] if keep > 0 else []:
         _remove(old)

@@ -1,19 +1,7 @@
 """One node of GPUs: process setup, FSDP2 sharding, collectives, and the generation copy.
 
-`python train.py` on a machine with several GPUs (or with `--nproc N`) starts one worker per GPU
-(harness/launch.py), each a fresh `python train.py` with RANK / WORLD_SIZE / LOCAL_RANK set, as
-`torchrun --nproc_per_node N train.py ...` does; both read the rank from the environment when this
-module is imported. Without them everything here is the identity and the code runs as one process
-(CPU or one GPU). On CPU the same path runs with the gloo backend (tests use two processes).
-
-Layout on N GPUs (docs/design.md, "Scale"): the trained policy is sharded with FSDP2 (`fully_shard`
-per decoder layer, then the root; bf16 compute, fp32 gradient reduction); each rank keeps a plain
-bf16 copy of the full weights for generation, labelling and scoring, refreshed after every
-optimizer step one layer at a time by an all-gather on the GPU; whole prompt groups stay on one
-rank. With --offload the sharded fp32 params, grads and AdamW state live in host memory (FSDP2
-`CPUOffloadPolicy`; also on one GPU, as a one-rank FSDP group). Sharded starts are memory-lean
-(`load_sharded`): only rank 0 reads the weights, every rank builds the model on the meta device
-and receives its shard by broadcast.
+Workers get RANK / WORLD_SIZE / LOCAL_RANK from harness/launch.py or torchrun; without them this is
+the identity and the code runs as one process (CPU: gloo). Layout: docs/design.md, "Scale".
 """
 import copy
 import datetime
@@ -27,16 +15,14 @@ from harness.lora import has_adapter, merge_into, merged_copy
 
 RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 MASTER = RANK == 0
-# Rank 0 alone writes each checkpoint (about 91 GB for the 7B: fp32 weights + AdamW) and, under
-# torchrun with a cold cache, downloads the weights while the other ranks wait in a collective;
-# NCCL's default of 10 minutes would abort them (an hour covers a save at 25 MB/s)
+# Rank 0 alone writes each checkpoint (91 GB for the 7B) or, under torchrun, downloads the weights
+# while the others wait in a collective: NCCL's 10 minutes would abort them (an hour: 25 MB/s)
 TIMEOUT = datetime.timedelta(hours=1)
 
 
 def backend(cuda, offload):
-    """The process group's backend. With --offload the shards live on the host, and DTensor's
-    full_tensor / clip_grad_norm_ / full state dicts issue collectives on those CPU tensors, which
-    NCCL cannot serve (pytorch#148532): gloo takes the CPU ones."""
+    """The process group's backend. With --offload DTensor's full_tensor, clip_grad_norm_ and full
+    state dicts run collectives on host shards, which NCCL cannot serve (pytorch#148532): gloo's."""
     if not cuda:
         return "gloo"
     return "cuda:nccl,cpu:gloo" if offload else "nccl"
@@ -93,12 +79,9 @@ def all_gather(obj):
 
 
 class LogprobModel(torch.nn.Module):
-    """The policy as one module whose forward is the chunked token log-prob computation, logprobs
-    (grpo.token_logprobs: lm, ids, mask, temperature, chunk_size -> [N, L - 1]).
-
-    FSDP2 gathers a module's own parameters around its forward: with the whole computation
-    (decoder + chunked LM head) inside the root forward, the LM head runs chunk by chunk on
-    gathered weights and its gradient is reduced once.
+    """The policy as one module whose forward is logprobs (grpo.token_logprobs: lm, ids, mask,
+    temperature, chunk_size -> [N, L - 1]): inside the root forward, FSDP2 runs the chunked LM head
+    on weights gathered once and reduces its gradient once.
     """
 
     def __init__(self, lm, logprobs):
@@ -111,13 +94,8 @@ class LogprobModel(torch.nn.Module):
 
 
 def wrap(lm, device, logprobs, offload=False):
-    """(trainable module, generation copy). One process on CPU: both are the same fp32 model.
-    The trainable module's forward is logprobs (grpo.token_logprobs, LogprobModel).
-
-    lm may be on the meta device (load_sharded): then both come back unmaterialised. Under
-    --lora-rank the copy is a plain model with the adapter merged into its weights (merged_copy,
-    bf16 on a GPU): no adapter and its casts in every decode step, on one GPU as on several.
-    """
+    """(trainable LogprobModel, generation copy); one process on CPU: the same fp32 model. A meta lm
+    (load_sharded) gives both unmaterialised. Under --lora-rank the copy has the adapter merged."""
     sampler = lm
     if has_adapter(lm) and (device.type == "cuda" or dist.is_initialized()):
         sampler = merged_copy(lm, torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -141,16 +119,12 @@ def wrap(lm, device, logprobs, offload=False):
 
 def load_sharded(name, device, logprobs, offload=False, trust_remote_code=False, grad_ckpt=None,
                  adapt=None):
-    """(policy, sampler, lm, tokenizer) on every rank, reading the weights on rank 0 only.
+    """(policy, sampler, lm, tokenizer) on every rank, reading the weights on rank 0 only, which
+    broadcasts them shard by shard to the meta-built, sharded model on every rank.
 
-    adapt(model, meta) adds the LoRA adapter (--lora-rank): on rank 0 the one it trains (fresh or a
-    checkpoint's), on the meta model its shape; base and adapter are both fp32, so each FSDP2 unit
-    holds one dtype (verl #3470: mixed dtypes in one unit fail).
-
-    Every rank builds the model on the meta device and shards it; rank 0 loads the full fp32 state
-    dict on the CPU and broadcasts it shard by shard; the generation copy is then filled from the
-    shards. Non-persistent buffers (rotary inv_freq) are not in any state dict: to_empty leaves
-    them as garbage, so they are rebuilt from the config (`rebuild_buffers`).
+    adapt(model, meta) adds the LoRA adapter (--lora-rank), fp32 like the base, so each FSDP2 unit
+    holds one dtype (verl #3470: mixed dtypes in one unit fail). Non-persistent buffers (rotary
+    inv_freq) are in no state dict: to_empty leaves garbage, so `rebuild_buffers` remakes them.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -208,13 +182,10 @@ def rebuild_buffers(model, device):
 @torch.no_grad()
 def refresh_sampler(sampler, policy, frozen=False):
     """Copy the trained (possibly sharded) weights into the generation copy: those that train, and
-    with frozen=True (the first fill) the frozen ones too. Under --lora-rank the copy is merged: one
-    GPU's gets W + s B A of each adapted linear (lora.merge_into); a sharded one gathers each adapted
-    linear's frozen W again (its merge overwrote it) with the adapter beside it in fp32, and merges them
-    the same way; the other frozen weights are gathered once, at the start.
-    Sharded, each decoder layer (and each parameter outside the layers) is one all-gather per dtype on
-    the copy's device (`gather_into`): under --offload the host shards go to the GPU and NCCL gathers
-    them there, where each parameter's full_tensor() would gather in fp32 over gloo on the host."""
+    with frozen=True (the first fill) the frozen ones too. Under --lora-rank an adapted linear gets
+    W + s B A (lora.merge_into; sharded, its W is gathered again: the merge overwrote it).
+    Sharded, each decoder layer (and each other parameter) is one all-gather per dtype on the copy's
+    device (`gather_into`), not full_tensor()'s fp32 gather over gloo on the host (--offload)."""
     lm = policy.lm
     if sampler is lm:
         return
@@ -271,14 +242,10 @@ def gather_into(pairs, buffer=None):
     """Fill full tensors from the FSDP2 shards of a group of parameters with one all-gather on the
     full tensors' device, in their dtype. pairs: [(dst [d0, ...], DTensor of the same shape)].
 
-    FSDP2 shards rows as torch.chunk does: with c = ceil(d0 / W), rank r holds rows [r c, r c + c)
-    (fewer, or none, at the end). Each rank writes its rows of every parameter into one buffer, each
-    padded to c rows, so one all-gather serves the group; the copy to the buffer casts
-    (the same bits as casting the gathered tensor: a cast is per element). Under --offload the
-    shards are in pinned host memory, so the copy to the GPU does not block, and the group's
-    collective takes NCCL on GPU tensors (backend "cuda:nccl,cpu:gloo"). Extra memory: the buffer
-    and the gathered group, c x W rows of each parameter in the copy's dtype (plan.py, "refresh"):
-    `buffer`, (W + 1) x the group's slots or more, where the caller passes one for every group.
+    FSDP2 shards rows as torch.chunk does: rank r holds rows [r c, r c + c), c = ceil(d0 / W). Each
+    rank writes its rows of every parameter, padded to c rows and cast (per element: the same bits),
+    into one buffer, so one all-gather serves the group (pinned host shards under --offload: the
+    copy does not block). `buffer`: (W + 1) x the group's slots or more (plan.py, "refresh").
     """
     rows, sizes = slots([dst.shape for dst, _ in pairs])
     at = [sum(sizes[:i]) for i in range(len(pairs))]

@@ -1,17 +1,6 @@
 """A training run's folder: one writer at a time, resume from its last complete checkpoint, atomic
-checkpoints, and the exit codes of train.py.
+checkpoints, and the exit codes of train.py (layout: docs/reference.md, "What a run leaves").
 
-    OUT/lock               held by rank 0 while a run writes OUT (files.locked)
-    OUT/config.json        the settings (updated with what a resume changed)
-    OUT/metrics.jsonl      one row per step and per held-out check
-    OUT/samples.jsonl      the rollouts' texts (runlog.pick_samples)
-    OUT/heldout.jsonl      the labelled held-out trajectories of each held-out check
-    OUT/checkpoints/step_000010/   weights, tokenizer (AutoModelForCausalLM / AutoTokenizer load
-                           them as they are), probe.pt, state.pt (optimizers, scheduler, cursor, RNG)
-
-A resumed run continues exactly where the checkpoint left it: the jsonl files are cut back to its
-step, the optimizers, the scheduler, the data cursor and every RNG are restored, and the learning
-rates of this command replace the saved ones.
 Exit codes: 2 a user error (one line "error: ..."), 3 a numeric fault (non-finite loss or gradient:
 the last good checkpoint is untouched), 130 Ctrl-C (one line saying how to continue).
 """
@@ -32,9 +21,8 @@ MADE = []  # the run folder this process created (RunFolder.lock), for exit_code
 
 
 def hold_lock(out, new=False):
-    """One writer per run folder: rank 0 holds OUT/lock until the run ends; if another process holds
-    it, every rank stops with the same one line. new: the folder was absent when this run began, so a
-    run found there now (one that started and ended while this one loaded) is refused, untouched."""
+    """One writer per run folder: rank 0 holds OUT/lock until the run ends (held: every rank stops
+    in one line). new: the folder was absent at the start; a run found there now is refused."""
     err = None
     if MASTER:
         try:
@@ -74,9 +62,8 @@ class RunFolder:
                 "nothing to train; pass a larger --steps")
 
     def check_data(self, cfg, digest):
-        """A local --data file is recorded by content (cfg["data_sha256"], digest: data.digest): a
-        resume on other rows would continue the saved data cursor into them, so a file changed since
-        the run began is refused."""
+        """A local --data file is recorded by content (cfg["data_sha256"], digest: data.digest): one
+        changed since the run began is refused on resume (the data cursor would read other rows)."""
         now = all_gather(digest(cfg["data"]) if MASTER else None)[0]
         saved, cfg["data_sha256"] = cfg.get("data_sha256"), now
         if cfg["resume"] and saved and saved != now:
@@ -132,9 +119,8 @@ class RunFolder:
         return next((r.get("eval_accuracy") for r in rows if r.get("eval") and r.get("step") == 0), None)
 
     def save(self, at, model, model_sd, tok, save_probe, state, keep):
-        """checkpoint-`at`, written whole or not at all; the oldest beyond `keep` are pruned. state:
-        what state.pt holds besides the RNG (step, cursor, optimizer, scheduler); save_probe(path)
-        writes probe.pt."""
+        """Checkpoint `at`, written whole or not at all (the oldest beyond `keep` pruned). state:
+        state.pt's step, cursor, optimizer, scheduler (+ RNG); save_probe(path) writes probe.pt."""
         if MASTER:
             def write(tmp):
                 if lora.has_adapter(model):
@@ -195,9 +181,8 @@ def interrupted(cfg):
 
 
 def remove_unstarted():
-    """A user error before the first step was logged (--reward-fn's first call, say) leaves no run
-    folder behind: the one this process made is removed if it holds only RunFolder.start's
-    config.json and empty logs (the lock is gone by now)."""
+    """A user error before the first step was logged leaves no run folder: the one this process made
+    goes if it holds only RunFolder.start's config.json and empty logs (the lock is gone by now)."""
     for out in filter(os.path.isdir, MADE):
         names = set(os.listdir(out))
         logs = [os.path.join(out, f) for f in LOGS if f in names]
