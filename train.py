@@ -223,7 +223,7 @@ def main(argv=None):
         plan.check(cfg, probed=cfg["reward"] in modes.PROBE_MODES)  # an impossible run stops here
         workers = launch.worker_count(cfg)
         config.check_world(cfg, max(workers, WORLD))  # here, or in each worker under torchrun
-        if workers == 1:
+        if workers <= 1:  # one process, or a worker already (0)
             return run(cfg)
         if not cfg["resume"]:
             ckpt_lib.fetch(cfg["model"])  # before the workers start: rank 0 would download in the group
