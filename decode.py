@@ -3,9 +3,10 @@
     sampler = Sampler(model, tokenizer, max_new_tokens=64, temperature=0.8)
     ids, lengths, reasons = sampler.sample(sampler.prefill(prompts), n=4, generator=gen)  # on the device
 
-Rows i*n .. i*n+n-1 continue prompt i, decoded by one of three loops that give the same samples
-(tests/test_rollout.py): `_decode_dynamic`, the reference to read first; `_decode_shared`
-(share_rows=True); `_decode_static` (the default on CUDA, harness/staticcache.py). How they differ
+Rows i*n .. i*n+n-1 continue prompt i, decoded by one of three loops that give the same samples:
+`_decode_dynamic`, the reference to read first; `_decode_shared` (share_rows=True: tests/test_rollout.py::
+test_shared_rows_give_the_same_samples_with_fewer_rows); `_decode_static` (the default on CUDA,
+harness/staticcache.py: ::test_static_and_dynamic_decode_give_the_same_samples). How they differ
 and why every path draws the same samples: docs/reference.md, "The sampler".
 """
 import hashlib

@@ -6,7 +6,8 @@
 
 `mc_labels` is the algorithm; its answers come from `sample_answers`: the plain path (tree=False),
 the one to read, or the default fast path along each trajectory's prefix tree, which gives the same
-samples (tests/test_label.py). Details: docs/reference.md, "... the method's leaves, in more words".
+labels and features (tests/test_label.py::test_plain_and_tree_labels_are_equal_on_the_toy_whatever_the_chunk,
+::test_plain_and_tree_features_are_equal_on_the_toy). More: docs/reference.md, "... the method's leaves".
 """
 from contextlib import nullcontext
 
