@@ -7,19 +7,20 @@ Design and reasons: docs/toy-world.md; the tokenizer: docs/reference.md, "The to
 """
 import hashlib
 import itertools
-import os
 import random
 import re
 
 from tokenizers import AddedToken
 from transformers import Qwen2Tokenizer
 
+from harness.checkpoint import TOY_BASE
+
 INSTRUCTION = ""  # toy problems are complete user messages
 # --reward rlcr on the toy: the prompt that asks for RLCR's answer format (the toy's stand-in for
 # prompts.RLCR_INSTRUCTION, which would not fit its 256 positions); see toy_warm.rlcr_tail.
 RLCR_INSTRUCTION = "\nFormat: <answer> <analysis> <confidence>"
 SUFFIX = "\nIf I were to output the final answer now, it would be \\boxed{"  # = label.SUFFIX
-BASE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "toy_base")
+BASE_DIR = TOY_BASE  # the committed warm start, where --model toy looks (harness/checkpoint.py)
 
 SPECIALS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>"]
 # Not special, like R1's <think>: decode(skip_special_tokens=True) keeps them.

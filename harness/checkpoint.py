@@ -20,7 +20,7 @@ from harness import adapter
 from harness.files import UserError, first_line, fresh_name
 
 PREFIX = "step_"
-# --model toy: the toy world's committed warm start (toy.BASE_DIR; `python toy_warm.py` rebuilds it)
+# --model toy: the toy world's committed warm start (`python toy_warm.py` rebuilds it)
 TOY_BASE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "toy_base")
 ALIASES = {
     "deepseek-r1-distill-qwen-7b": "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
