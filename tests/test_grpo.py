@@ -135,7 +135,7 @@ class Capture:
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean", "seq-sum-norm"])
 def test_micro_batches_do_not_change_loss_or_gradient(agg):
-    """train.update over one micro-batch and over uneven micro-batches of the same rows (different
+    """update.update over one micro-batch and over uneven micro-batches of the same rows (different
     padded widths) gives the same loss and the same summed gradient, for every aggregation."""
     import step
     from harness.parallel import LogprobModel

@@ -387,8 +387,8 @@ def test_lora_on_a_tied_layer_is_refused_before_training(tmp_path, capsys):
 
 
 def test_an_adapter_on_a_tied_layer_is_evaluated_as_it_was_trained(tmp_path):
-    # M8 (evaluation): at a7c59f5 checkpoint.load_model merged an lm_head adapter into the weight the
-    # input embedding shares: logits off by up to 2.32 from the policy that was trained.
+    # M8 (evaluation): at a7c59f5 loading a checkpoint (models.load_model today) merged an lm_head adapter
+    # into the weight the input embedding shares: logits off by up to 2.32 from the policy that was trained.
     import torch
     ckpt = str(tmp_path / "ckpt")
     os.makedirs(ckpt)
