@@ -1,4 +1,5 @@
-"""No dangling references: every file the project names is in the repository.
+"""No dangling references: every file the project names is in the repository, and every name it cites
+(`module.name`, `file.py:name`, `file.py::test`) is defined there (the last tests below).
 
 What counts as a name: a `NAME.py` or `NAME.md` (with or without folders before it) or a `docs/...`
 path, anywhere in the project's .py files (comments, docstrings, strings; this file's own examples
@@ -13,8 +14,11 @@ Not checked:
   files under `verl/` and `scripts/eval/` (the authors' repository). This repository has neither
   folder (checked below), so a path under one is never one of its own files.
 """
+import ast
+import io
 import os
 import re
+import tokenize
 import subprocess
 import sys
 
@@ -128,3 +132,105 @@ def test_the_readme_opens_with_the_one_screen_step_as_it_is_in_the_code():
     assert train.rl_step is step.rl_step
     assert text.index(first.group(0)) < text.index("## Two commands")
     assert len(text.splitlines()) <= 220, "the README is for a learner: reference material goes to docs/"
+
+
+# A cited name: `module.name`, `file.py:name` or `file.py::name` (a test), the name maybe `Class.method`.
+CITED = re.compile(r"(?<![\w./-])(?:([\w/]+\.py)::?|([A-Za-z_]\w*)\.)([A-Za-z_][\w.:]*\w)")
+PACKAGES = ("harness", "evaluation", "tests")
+EXTENSIONS = {"py", "md", "json", "jsonl", "pt", "png", "txt", "log"}  # `config.json` is a file, not a name
+NOT_NAMES = {  # cited names whose first part is a module's name but that are not that module's
+    "samples.ids": "a field of the Samples that rollout.py's docstring calls samples",
+    "train.jsnol": "the mistyped file name data.py's docstring gives as an example",
+    "probe.reward_mode": "a setting of the released code (the map in docs/reference.md)",
+    "probe.reward_weight": "a setting of the released code (the map in docs/reference.md)",
+}
+STALE = {  # stale, in files being rewritten: the rewrite's merge fixes them and empties this
+    "step.py: modes.calibration_term_term",
+    "README.md: modes.calibration_term_term",  # the README's first block is step.rl_step
+}
+
+
+def modules():
+    """Each project module's name -> its file: the top-level .py files and those of PACKAGES."""
+    files = [f for f in project_files() if f.endswith(".py") and os.path.dirname(f) in ("",) + PACKAGES]
+    return {os.path.basename(f)[:-3]: f for f in files if not f.endswith("__init__.py")}
+
+
+def defined(path):
+    """What the module at `path` defines at its top level: name -> the names its class defines (None
+    for a function or a value)."""
+    def names(body):
+        out = {}
+        for node in body:
+            if isinstance(node, ast.ClassDef):
+                out[node.name] = set(names(node.body))
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                out[node.name] = None
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                out |= dict.fromkeys(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):  # a name imported is the module's too
+                out |= dict.fromkeys((a.asname or a.name).split(".")[0] for a in node.names)
+            elif hasattr(node, "body"):  # if, try, with
+                out |= names(node.body + getattr(node, "orelse", []))
+        return out
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        return names(ast.parse(f.read()).body)
+
+
+def prose(path):
+    """The comments and docstrings of a .py file, or the whole of a .md file."""
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        text = f.read()
+    if not path.endswith(".py"):
+        return text
+    tokens = tokenize.generate_tokens(io.StringIO(text).readline)
+    comments = [t.string for t in tokens if t.type == tokenize.COMMENT]
+    docs = [ast.get_docstring(n) or "" for n in ast.walk(ast.parse(text))
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+    return "\n".join(comments + docs)
+
+
+def stale_names(text, where, mods):
+    """The names cited in `text` (from file `where`) that their project module does not define."""
+    bad = []
+    for m in CITED.finditer(text):
+        file, first, rest = m.groups()
+        parts = rest.replace("::", ".").split(".")
+        if file:
+            near = os.path.join(os.path.dirname(where), file)
+            path = next((p for p in (file, near) if os.path.exists(os.path.join(ROOT, p))),
+                        mods.get(os.path.basename(file)[:-3]))
+        elif first in PACKAGES:
+            path, parts = mods.get(parts[0]), parts[1:]
+        else:
+            path = mods.get(first)
+        if not path or not parts or parts[-1] in EXTENSIONS or m.group(0) in NOT_NAMES:
+            continue
+        defs = defined(path)
+        members = defs.get(parts[0], set())
+        if parts[0] not in defs or len(parts) > 1 and members is not None and parts[1] not in members:
+            bad.append(f"{where}: {m.group(0)}")
+    return bad
+
+
+def test_a_wrong_name_is_found_and_other_names_are_left_alone(tmp_path):
+    (tmp_path / "mod.py").write_text("import os as system\n"
+                                     "class Probe:\n    size: int = 4\n    def fit(self): ...\n"
+                                     "def test_fit(): ...\n"
+                                     "if True:\n    LIMIT = 1\n")
+    mods = {"mod": str(tmp_path / "mod.py")}
+    right = "mod.Probe.fit (mod.py:Probe.size, tests/mod.py::test_fit, `harness.mod.LIMIT`, mod.system) " \
+            "mod.LIMIT.real, torch.nn, a.py:12, self.Probe, mod.jsonl, mod.py."
+    wrong = "mod.Probe.fitt, mod.py:nope, tests/mod.py::test_x, harness.mod.Nope, mod.probe"
+    assert stale_names(right, "README.md", mods) == []
+    assert stale_names(wrong, "README.md", mods) == ["README.md: " + n for n in wrong.split(", ")]
+
+
+def test_every_name_cited_in_the_comments_and_the_docs_exists():
+    mods = modules()
+    texts = [f for f in project_files() if f.endswith(".py") or f == "README.md"
+             or (f.startswith("docs" + os.sep) and f.endswith(".md"))]
+    bad = {b for f in texts for b in stale_names(prose(f), f, mods)}
+    assert not bad - STALE, "cited but not defined:\n" + "\n".join(sorted(bad - STALE))
+    assert not STALE - bad, "no longer stale: drop them from STALE"
