@@ -232,5 +232,5 @@ def test_every_name_cited_in_the_comments_and_the_docs_exists():
     texts = [f for f in project_files() if f.endswith(".py") or f == "README.md"
              or (f.startswith("docs" + os.sep) and f.endswith(".md"))]
     bad = {b for f in texts for b in stale_names(prose(f), f, mods)}
-    assert not bad - STALE, "cited but not defined:\n" + "\n".join(sorted(bad - STALE))
-    assert not STALE - bad, "no longer stale: drop them from STALE"
+    assert not bad - set(STALE), "cited but not defined:\n" + "\n".join(sorted(bad - set(STALE)))
+    assert not set(STALE) - bad, "no longer stale: drop them from STALE"
