@@ -186,6 +186,7 @@ def _why_not():
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if done.stdout.startswith(b'{"ready": true}'):
+        sys.stderr.write(done.stderr.decode(errors="replace"))  # once: "sandbox: no seccomp filter (...)"
         return None
     said = done.stderr.decode(errors="replace").strip().splitlines()
     return said[-1][:300] if said else f"exit status {done.returncode}"
