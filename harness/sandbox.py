@@ -32,6 +32,8 @@ from harness.sandbox_child import LINE_BYTES
 
 CHILD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_child.py")
 PROJECT = os.path.dirname(os.path.dirname(CHILD))
+with open(CHILD) as _f:
+    CHILD_SOURCE = _f.read()    # run as `python -c`: the child's code names no host path
 HF_CACHES = ("HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_CACHE")
 UNSHARE = "unshare"             # util-linux
 START_S = 60                    # a child has this long to confine itself and say "ready"
@@ -127,7 +129,7 @@ def _hidden():
 
 def _command(root, confined):
     """The child's command line: under `unshare` (a grader that is not root first maps itself to 65534)."""
-    child = [sys.executable, "-I", "-B", CHILD]
+    child = [sys.executable, "-I", "-B", "-c", CHILD_SOURCE]
     if not confined:
         return child
     user = () if os.geteuid() == 0 else ("--map-user=65534", "--map-group=65534", "--keep-caps")

@@ -1,10 +1,10 @@
 """The child of harness/sandbox.py: it confines itself, then runs one solution on each test input.
 
     unshare [--map-user=65534 --map-group=65534 --keep-caps] --mount --net --pid --ipc --uts --fork \\
-        --kill-child -- python -I -B sandbox_child.py        # the payload (JSON) on stdin
+        --kill-child -- python -I -B -c "$(cat sandbox_child.py)"   # the payload (JSON) on stdin
 
-Before any solution code runs: `expendable`, `confine`, `_limit` and `_guard` (docs/reference.md,
-"The code sandbox"). Written for `python -I`: it imports nothing outside the standard library.
+Before any solution code runs: `expendable`, `confine`, `refuse_syscalls`, `_limit` and `_guard`
+(docs/reference.md, "The code sandbox"). Written for `python -I`: it imports nothing outside the standard library.
 """
 import errno
 import io
@@ -97,9 +97,8 @@ def confine(root, hide=()):
 
     mount("sandbox", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
     os.chdir(root)
-    # /proc and /tmp first, so that a Python installed under /tmp is bound inside the child's own /tmp
-    os.mkdir("proc")
-    mount("proc", "proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    # No /proc: its mountinfo would name the host paths bound and hidden here. /tmp first, so that a
+    # Python installed under /tmp is bound inside the child's own /tmp.
     os.mkdir("tmp")
     mount("tmp", "tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={TMP_BYTES},mode=1777")
     bound = []
@@ -140,8 +139,9 @@ def confine(root, hide=()):
         os.setresgid(UID, UID, UID)
         os.setresuid(UID, UID, UID)
     call("prctl", PR_SET_DUMPABLE, 1, 0, 0, 0)  # a uid change made /proc/self root's: it must write its maps
-    # A user namespace of the child's own (before chroot: the kernel refuses one inside a chroot), so
-    # that the process limit counts only the child's own tasks, whatever the grader's uid.
+    # A user namespace of the child's own (before chroot: the kernel refuses one inside a chroot; its
+    # maps are written through the grader's /proc), so that the process limit counts only the child's
+    # own tasks, whatever the grader's uid.
     call("unshare", CLONE_NEWUSER)
     for name, text in (("setgroups", "deny"), ("uid_map", f"{UID} {UID} 1"), ("gid_map", f"{UID} {UID} 1")):
         with open(f"/proc/self/{name}", "w") as f:
@@ -167,15 +167,15 @@ def refuse_syscalls(machine=None):
     why = f"no system call table for {machine} in sandbox_child.REFUSED"
     if column is not None:
         numbers = sorted({row[column] for row in REFUSED.values()})
-        n, ld, jeq, jge, ret = len(numbers), 0x20, 0x15, 0x35, 0x06   # BPF_LD|W|ABS, BPF_JMP|JEQ/JGE|K, BPF_RET
+        n, ld, jeq, jge, ret = len(numbers), 0x20, 0x15, 0x35, 0x06   # BPF_LD|W|ABS, JMP|JEQ/JGE|K, RET
         program = [(ld, 0, 0, 4), (jeq, 0, n + 3, arch), (ld, 0, 0, 0), (jge, n + 1, 0, 0x40000000)]
         program += [(jeq, n - i, 0, number) for i, number in enumerate(numbers)]   # jump to the last line
         program += [(ret, 0, 0, 0x7FFF0000), (ret, 0, 0, 0x50000 | errno.EPERM)]   # allow; errno EPERM
         code = ctypes.create_string_buffer(b"".join(struct.pack("=HBBI", *line) for line in program))
         fprog = ctypes.create_string_buffer(struct.pack("HP", len(program), ctypes.addressof(code)))
         libc = ctypes.CDLL(None, use_errno=True)
-        if not (libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) or libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER,
-                                                                          fprog, 0, 0)):
+        private = libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0
+        if private and libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, fprog, 0, 0) == 0:
             return
         why = f"prctl: {os.strerror(ctypes.get_errno())}"
     print(f"sandbox: no seccomp filter ({why}): programs may call io_uring, bpf, ptrace and the like",
@@ -244,6 +244,7 @@ def main():
     """Confine (unless told not to), say "ready", then run the solution on each input, one JSON line per test."""
     import builtins
     payload = json.loads(sys.stdin.buffer.read())
+    root, hide = payload.pop("root"), payload.pop("hide")
     out_fd, write, dumps = payload["out_fd"], os.write, json.dumps
 
     def send(msg):
@@ -272,7 +273,8 @@ def main():
 
     expendable()
     if payload["confined"]:
-        confine(payload["root"], payload["hide"])
+        confine(root, hide)
+    del root, hide  # host paths: nothing the program can reach (gc, frames) holds them
     refuse_syscalls()
     signal.signal(signal.SIGALRM, on_alarm)
     current_input = [""]
