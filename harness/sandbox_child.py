@@ -4,7 +4,8 @@
         --kill-child -- python -I -B -c "$(cat sandbox_child.py)"   # the payload (JSON) on stdin
 
 Before any solution code runs: `expendable`, `confine`, `refuse_syscalls`, `_limit` and `_guard`
-(docs/reference.md, "The code sandbox"). Written for `python -I`: it imports nothing outside the standard library.
+(docs/reference.md, "The code sandbox"). Written for `python -I`: it imports nothing outside the
+standard library.
 """
 import errno
 import io
