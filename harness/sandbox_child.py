@@ -1,16 +1,18 @@
 """The child of harness/sandbox.py: it confines itself, then runs one solution on each test input.
 
     unshare [--map-user=65534 --map-group=65534 --keep-caps] --mount --net --pid --ipc --uts --fork \\
-        --kill-child -- python -I -B sandbox_child.py        # the payload (JSON) on stdin
+        --kill-child -- python -I -B -c "$(cat sandbox_child.py)"   # the payload (JSON) on stdin
 
-Before any solution code runs: `expendable`, `confine`, `_limit` and `_guard` (docs/reference.md,
-"The code sandbox"). Written for `python -I`: it imports nothing outside the standard library.
+Before any solution code runs: `expendable`, `confine`, `refuse_syscalls`, `_limit` and `_guard`
+(docs/reference.md, "The code sandbox"). Written for `python -I`: it imports nothing outside the
+standard library.
 """
 import errno
 import io
 import json
 import os
 import signal
+import struct
 import sys
 
 MEMORY_BYTES = 2 << 30          # address space of one process (RLIMIT_AS)
@@ -31,6 +33,21 @@ PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_CAP_
 KEYCTL = {"x86_64": 250, "i686": 288, "aarch64": 219, "riscv64": 219, "loongarch64": 219,  # keyctl's number
           "ppc64le": 271, "ppc64": 271, "s390x": 280}
 KEYCTL_JOIN_SESSION_KEYRING = 1
+# System calls no test program needs, refused with EPERM by a seccomp filter: name -> (x86_64, aarch64)
+REFUSED = {
+    "io_uring_setup": (425, 425), "io_uring_enter": (426, 426), "io_uring_register": (427, 427),
+    "bpf": (321, 280), "perf_event_open": (298, 241), "userfaultfd": (323, 282), "ptrace": (101, 117),
+    "keyctl": (250, 219), "add_key": (248, 217), "request_key": (249, 218), "unshare": (272, 97),
+    "setns": (308, 268), "mount": (165, 40), "umount2": (166, 39), "pivot_root": (155, 41),
+    "chroot": (161, 51), "open_tree": (428, 428), "move_mount": (429, 429), "fsopen": (430, 430),
+    "fsconfig": (431, 431), "fsmount": (432, 432), "fspick": (433, 433), "mount_setattr": (442, 442),
+    "kexec_load": (246, 104), "kexec_file_load": (320, 294), "init_module": (175, 105),
+    "finit_module": (313, 273), "delete_module": (176, 106), "swapon": (167, 224), "swapoff": (168, 225),
+    "reboot": (169, 142), "acct": (163, 89), "quotactl": (179, 60), "fanotify_init": (300, 262),
+    "open_by_handle_at": (304, 265), "name_to_handle_at": (303, 264), "process_vm_readv": (310, 270),
+    "process_vm_writev": (311, 271), "pidfd_getfd": (438, 438), "kcmp": (312, 272)}
+ARCHES = {"x86_64": (0, 0xC000003E), "aarch64": (1, 0xC00000B7)}  # machine -> (REFUSED column, AUDIT_ARCH_*)
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 
 
 def expendable():
@@ -81,9 +98,8 @@ def confine(root, hide=()):
 
     mount("sandbox", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
     os.chdir(root)
-    # /proc and /tmp first, so that a Python installed under /tmp is bound inside the child's own /tmp
-    os.mkdir("proc")
-    mount("proc", "proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    # No /proc: its mountinfo would name the host paths bound and hidden here. /tmp first, so that a
+    # Python installed under /tmp is bound inside the child's own /tmp.
     os.mkdir("tmp")
     mount("tmp", "tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={TMP_BYTES},mode=1777")
     bound = []
@@ -124,8 +140,9 @@ def confine(root, hide=()):
         os.setresgid(UID, UID, UID)
         os.setresuid(UID, UID, UID)
     call("prctl", PR_SET_DUMPABLE, 1, 0, 0, 0)  # a uid change made /proc/self root's: it must write its maps
-    # A user namespace of the child's own (before chroot: the kernel refuses one inside a chroot), so
-    # that the process limit counts only the child's own tasks, whatever the grader's uid.
+    # A user namespace of the child's own (before chroot: the kernel refuses one inside a chroot; its
+    # maps are written through the grader's /proc), so that the process limit counts only the child's
+    # own tasks, whatever the grader's uid.
     call("unshare", CLONE_NEWUSER)
     for name, text in (("setgroups", "deny"), ("uid_map", f"{UID} {UID} 1"), ("gid_map", f"{UID} {UID} 1")):
         with open(f"/proc/self/{name}", "w") as f:
@@ -140,6 +157,30 @@ def confine(root, hide=()):
     call("capset", header, caps)
     call("prctl", PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # unshare gone: the child too (a uid change reset it)
     os.setsid()  # a group of its own: kill(0, ...) from the solution reaches nothing outside
+
+
+def refuse_syscalls(machine=None):
+    """Install a seccomp filter (classic BPF) under which REFUSED, and any call of another ABI (x32,
+    32-bit), fail with EPERM; where the machine or the kernel cannot, say so in one line and go on."""
+    import ctypes
+    machine = machine or os.uname().machine
+    column, arch = ARCHES.get(machine, (None, None))
+    why = f"no system call table for {machine} in sandbox_child.REFUSED"
+    if column is not None:
+        numbers = sorted({row[column] for row in REFUSED.values()})
+        n, ld, jeq, jge, ret = len(numbers), 0x20, 0x15, 0x35, 0x06   # BPF_LD|W|ABS, JMP|JEQ/JGE|K, RET
+        program = [(ld, 0, 0, 4), (jeq, 0, n + 3, arch), (ld, 0, 0, 0), (jge, n + 1, 0, 0x40000000)]
+        program += [(jeq, n - i, 0, number) for i, number in enumerate(numbers)]   # jump to the last line
+        program += [(ret, 0, 0, 0x7FFF0000), (ret, 0, 0, 0x50000 | errno.EPERM)]   # allow; errno EPERM
+        code = ctypes.create_string_buffer(b"".join(struct.pack("=HBBI", *line) for line in program))
+        fprog = ctypes.create_string_buffer(struct.pack("HP", len(program), ctypes.addressof(code)))
+        libc = ctypes.CDLL(None, use_errno=True)
+        private = libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0
+        if private and libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, fprog, 0, 0) == 0:
+            return
+        why = f"prctl: {os.strerror(ctypes.get_errno())}"
+    print(f"sandbox: no seccomp filter ({why}): programs may call io_uring, bpf, ptrace and the like",
+          file=sys.stderr)
 
 
 class _Timeout(BaseException):
@@ -204,6 +245,7 @@ def main():
     """Confine (unless told not to), say "ready", then run the solution on each input, one JSON line per test."""
     import builtins
     payload = json.loads(sys.stdin.buffer.read())
+    root, hide = payload.pop("root"), payload.pop("hide")
     out_fd, write, dumps = payload["out_fd"], os.write, json.dumps
 
     def send(msg):
@@ -232,13 +274,15 @@ def main():
 
     expendable()
     if payload["confined"]:
-        confine(payload["root"], payload["hide"])
-    send({"ready": True})
+        confine(root, hide)
+    del root, hide  # host paths: nothing the program can reach (gc, frames) holds them
+    refuse_syscalls()
     signal.signal(signal.SIGALRM, on_alarm)
     current_input = [""]
     _limit(payload["cpu_s"], payload["confined"])
     _guard(current_input)
     status, compiled = timed(lambda: compile(payload["code"], "<solution>", "exec"))
+    send({"ready": True})  # the grader times each reply from here
     if status != "ok":
         return send({"error": f"compile: {compiled}"})
     if payload["functional"]:

@@ -117,8 +117,32 @@ def test_a_python_under_tmp_runs_programs_confined():
 
 def test_a_program_is_the_oom_killers_first_choice():
     # the grader holding a model keeps its own oom_score_adj; the program's processes have the highest
-    code = "import io\nprint(io.FileIO('/proc/self/oom_score_adj').read().decode())"
-    assert run_tests(code, stdin_tests(("", "1000")))
+    # (read from here: the child has no /proc)
+    children, scores = harness.sandbox._children, set()
+    with ThreadPoolExecutor(1) as pool:
+        graded = pool.submit(run_tests, "import time\ntime.sleep(2)\nprint(1)", stdin_tests(("", "1")))
+        while not graded.done():
+            for pid in (inner for unshare in children(os.getpid()) for inner in children(unshare)):
+                try:
+                    with open(f"/proc/{pid}/oom_score_adj") as f:
+                        scores.add(f.read().strip())
+                except OSError:  # gone
+                    pass
+            time.sleep(0.05)
+    assert graded.result() and "1000" in scores, scores
+
+
+def test_a_program_that_ignores_its_alarm_is_still_timed():
+    # red-team-5 case 1: the alarm lives in the program's own process; the grader times each reply itself
+    deaf = "import signal, time\nsignal.signal(signal.SIGALRM, signal.SIG_IGN)\n"
+    three = stdin_tests(*[("", "1")] * 3)
+    for code, tests, fn_name in ((deaf + "time.sleep(3)\nprint(1)\n", three, None),
+                                 (deaf + APPEND_RIGHT.replace("return", "time.sleep(3)\n        return"),
+                                  APPEND, "push")):
+        start = time.monotonic()
+        assert not run_tests(code, tests, fn_name, per_test_s=1)
+        assert time.monotonic() - start < 4.5
+    assert run_tests(deaf + "print(1)", three, per_test_s=1)
 
 
 def test_functional_right_and_wrong():
@@ -192,8 +216,7 @@ ATTACKS = {
 }
 
 
-@pytest.mark.parametrize("kind", [pytest.param(k, marks=pytest.mark.slow) if k == "loop_eating_the_alarm"
-                                  else k for k in ATTACKS])
+@pytest.mark.parametrize("kind", ATTACKS)
 def test_hostile_solution_fails_fast_and_harms_nothing(kind, tmp_path):
     sentinel = tmp_path / "sentinel"
     sentinel.write_text("keep")
@@ -213,8 +236,8 @@ def test_hostile_solution_fails_fast_and_harms_nothing(kind, tmp_path):
     finally:
         listener.close()
     assert not passed
-    # the per-test alarm stops a plain loop; one that swallows the alarm runs into the global timeout
-    assert took < ((per_test_s + 1) * len(ADD) + 5 + 1 if kind == "loop_eating_the_alarm" else 3)
+    # the per-test alarm stops a plain loop; one that swallows the alarm is late by the grader's clock
+    assert took < (per_test_s + 3 if kind == "loop_eating_the_alarm" else 3)
     assert not _pids_with("31337"), "a process the solution started is still alive"
     assert sentinel.read_text() == "keep" and not (tmp_path / "written").exists()
     assert run_tests(ADD_RIGHT, ADD)  # and the next sample still grades

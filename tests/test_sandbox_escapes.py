@@ -371,3 +371,55 @@ def test_without_namespaces_no_code_runs_unless_the_user_accepts_it(monkeypatch,
     finally:
         sandbox._why_not.cache_clear()
         sandbox.allow_unconfined = False
+
+
+# red-team-5 cases 8 and 9: system calls no test program needs, and host paths the child could read
+SYSCALLS = """import errno, sys
+for m in ("ctypes", "_ctypes"):
+    sys.modules.pop(m, None)
+import ctypes
+libc = ctypes.CDLL(None, use_errno=True)
+def call(number, *args):
+    return "ok" if libc.syscall(ctypes.c_long(number), *args) >= 0 else errno.errorcode[ctypes.get_errno()]
+print(call({io_uring_setup}, 8, ctypes.create_string_buffer(120)), call({keyctl}, 0, -3, 0))
+"""
+HOST_PATHS = """import gc, io, os, sys
+def look():
+    seen = [repr(o) for o in gc.get_objects()]
+    frame = sys._getframe().f_back
+    while frame:
+        seen.append(repr(frame.f_locals))
+        frame = frame.f_back
+    try:
+        mounts = io.FileIO("/proc/self/mountinfo").read().decode()
+    except OSError:
+        mounts = ""
+    found = any(path[::-1] in s for path in {reversed_paths!r} for s in seen)   # the code's text holds none
+    return found, os.path.realpath(sys.base_prefix) in mounts or "sandbox-" in mounts
+print(*look())
+"""
+
+
+def test_a_program_cannot_make_the_system_calls_no_test_needs():
+    from harness.sandbox import run_tests
+    from harness.sandbox_child import ARCHES, REFUSED
+    machine = os.uname().machine
+    if machine not in ARCHES:
+        pytest.skip(f"no system call table for {machine}")
+    numbers = {name: REFUSED[name][ARCHES[machine][0]] for name in ("io_uring_setup", "keyctl")}
+    refused = [{"input": "", "output": "EPERM EPERM", "testtype": "stdin"}]
+    assert run_tests(SYSCALLS.format(**numbers), refused)
+    assert run_tests(THREADED, [{"input": "20 22", "output": "42", "testtype": "stdin"}])   # threads start
+    # where the filter cannot be installed, one line says so and the program runs on
+    done = subprocess.run([sys.executable, "-c", "from harness.sandbox_child import refuse_syscalls\n"
+                           "refuse_syscalls('vax')\nprint('ran')"], cwd=ROOT, capture_output=True, text=True)
+    assert done.stdout == "ran\n" and done.stderr.startswith("sandbox: no seccomp filter") \
+        and done.stderr.count("\n") == 1, done.stderr
+
+
+def test_a_program_finds_no_host_path(monkeypatch):
+    from harness import sandbox
+    hidden = "/no/such/folder-7781"
+    monkeypatch.setattr(sandbox, "hide", [hidden])
+    code = HOST_PATHS.format(reversed_paths=[hidden[::-1], os.path.realpath(ROOT)[::-1]])   # and this project
+    assert sandbox.run_tests(code, [{"input": "", "output": "False False", "testtype": "stdin"}])
