@@ -104,6 +104,10 @@ def _lcb_row(r):
 
 def _logiqa_row(r):
     """(prompt, gold letter) of a LogiQA row: the passage, the question, the options as A. to D."""
+    lack = next((f for f in ("context", "question", "options", "label") if r.get(f) is None), None)
+    if lack:
+        raise DataError(f"LogiQA row with no {lack!r}: a logiqa file needs the hub's context, question, options "
+                        "and label (a file in another layout: rename it, e.g. DIR/logiqa_mine.jsonl)")
     options = [scrub(str(o)).strip() for o in r["options"]]
     if len(options) != 4 or str(r["label"]).lower() not in ("a", "b", "c", "d"):
         raise DataError(f"LogiQA row with {len(options)} options and label {r['label']!r}: need 4 and a-d")

@@ -13,6 +13,7 @@ import rollout
 import tiny
 from evaluation import benchmarks, generation, posthoc
 from evaluation.report import summarize
+from runs import write
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 LCB = os.path.join(FIXTURES, "lcb.jsonl")
@@ -69,6 +70,22 @@ def test_logiqa_rows_show_lettered_options_and_grade_like_gpqa():
     assert [r["answer"] for r in rows] == ["B", "C", "A"]
     for box, right in (("B", True), ("(b)", True), ("Option B", True), ("B. Tom is an animal.", True), ("C", False)):
         assert grade.is_correct(f"\\boxed{{{box}}}", "B") is right, box
+
+
+def test_a_file_named_after_a_known_benchmark_is_read_as_that_benchmark(tmp_path):
+    # red team 5, case 5: a bare DIR/gpqa.jsonl was named gpqa but asked without its options, gold "photon"
+    gpqa = write(tmp_path / "gpqa.jsonl", json.dumps({"Question": "What carries light?", "Correct Answer": "photon",
+                                                      **{f"Incorrect Answer {i}": w for i, w in
+                                                         enumerate(("gluon", "W boson", "graviton"), 1)}}))
+    bare, named = benchmarks.load_benchmarks([gpqa]), benchmarks.load_benchmarks([f"gpqa={gpqa}"])
+    assert bare == named and bare[0][1] == [{"problem": "What carries light?\n\nA) W boson\nB) photon\nC) gluon"
+                                                        "\nD) graviton", "answer": "B"}]
+    lcb = write(tmp_path / "lcb.jsonl", open(LCB).read())   # LiveCodeBench's release window is in its source
+    assert benchmarks.load_benchmarks([lcb]) == benchmarks.load_benchmarks([f"lcb={lcb}"])
+    assert benchmarks.load_benchmarks([lcb])[0][3].endswith("lcb.jsonl:v4_v5")
+    plain = write(tmp_path / "logiqa.jsonl", json.dumps({"problem": "Which? A. x B. y C. z D. w", "answer": "B"}))
+    with pytest.raises(data.DataError, match="LogiQA row with no 'context': a logiqa file needs"):   # was a KeyError
+        benchmarks.load_benchmarks([plain])
 
 
 def test_posthoc_labels_for_code_force_a_program_and_run_it(monkeypatch):
