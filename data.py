@@ -9,6 +9,7 @@ import math
 import os
 import random
 import re
+import sys
 
 from grade import plain_number as _number  # integer gold answers: "025" -> "25"
 from harness.files import UserError, first_line, sha256
@@ -174,6 +175,11 @@ def _read_file(path):
             except json.JSONDecodeError as e:
                 raise DataError(f"{path} is neither JSON nor JSON lines (line {i + 1}, column {e.colno}: "
                                 f"{e.msg}): fix the file") from None
+            except ValueError:
+                raise _long_integer(path, i + 1) from None
+    except ValueError:   # a document (or a first line) stopped before its end: the line of the first long run
+        digits = re.search(r"\d{%d}" % (sys.get_int_max_str_digits() + 1), text)
+        raise _long_integer(path, text.count("\n", 0, digits.start()) + 1 if digits else "?") from None
     if isinstance(data, dict):   # a .jsonl of one line is one row, whatever fields it holds
         lists = [v for v in data.values() if isinstance(v, list)]
         data = lists[0] if len(lists) == 1 and not path.lower().endswith(".jsonl") else [data]
@@ -181,6 +187,12 @@ def _read_file(path):
         raise DataError(f"{path} holds {json.dumps(data)[:40]} at the top level, not rows: give a "
                         "list of objects with problem and answer fields, or one object per line")
     return data
+
+
+def _long_integer(path, line):
+    """Python's int-string limit (sys.get_int_max_str_digits): json.loads raises a plain ValueError."""
+    return DataError(f"{path}: line {line} holds an integer of over {sys.get_int_max_str_digits():,} digits, "
+                     "which Python does not read as a number: fix the row (or write the value as a string)")
 
 
 def _looks_local(source):
