@@ -127,6 +127,8 @@ def parse_args(argv=None):
     g.add_argument("--out", help="output dir (default RUN/eval or eval_out/<model>)")
     g.add_argument("--unconfined-code", action="store_true",
                    help="run lcb's programs without namespaces where the sandbox has none (they can escape)")
+    g.add_argument("--no-log-text", action="store_true",
+                   help="keep no problem and response text in samples.jsonl, for space (default: kept)")
     g = p.add_argument_group("sampling")
     g.add_argument("--n-samples", type=int, help="samples per question (default 32 on aime/amc, else 4)")
     g.add_argument("--max-new-tokens", type=int, help="default 8000 (toy: 128)")
