@@ -104,7 +104,8 @@ def evaluate_model(name, loaded, args):
     res.update(means(res["benchmarks"]))   # the paper's Overall, and the math and OOD means
     if report is not None:
         res["posthoc_probe"] = report
-    kept = write_results(out_dir, label, res)
+    kept, res["mixed_settings"] = write_results(out_dir, label, res, lambda bench: dict(
+        settings(bench, args), temperature=args.temperature, top_p=args.top_p, seed=args.seed))
     if kept:
         print(f"{os.path.join(out_dir, 'results.json')} keeps {label}'s earlier {', '.join(kept)} beside these "
               "(the same model, confidence and probe); its Overall is over all of them", file=sys.stderr)
