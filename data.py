@@ -9,6 +9,7 @@ import math
 import os
 import random
 import re
+import sys
 
 from grade import plain_number as _number  # integer gold answers: "025" -> "25"
 from harness.files import UserError, first_line, sha256
@@ -104,6 +105,10 @@ def _lcb_row(r):
 
 def _logiqa_row(r):
     """(prompt, gold letter) of a LogiQA row: the passage, the question, the options as A. to D."""
+    lack = next((f for f in ("context", "question", "options", "label") if r.get(f) is None), None)
+    if lack:
+        raise DataError(f"LogiQA row with no {lack!r}: a logiqa file needs the hub's context, question, options "
+                        "and label (a file in another layout: rename it, e.g. DIR/logiqa_mine.jsonl)")
     options = [scrub(str(o)).strip() for o in r["options"]]
     if len(options) != 4 or str(r["label"]).lower() not in ("a", "b", "c", "d"):
         raise DataError(f"LogiQA row with {len(options)} options and label {r['label']!r}: need 4 and a-d")
@@ -170,6 +175,11 @@ def _read_file(path):
             except json.JSONDecodeError as e:
                 raise DataError(f"{path} is neither JSON nor JSON lines (line {i + 1}, column {e.colno}: "
                                 f"{e.msg}): fix the file") from None
+            except ValueError:
+                raise _long_integer(path, i + 1) from None
+    except ValueError:   # a document (or a first line) stopped before its end: the line of the first long run
+        digits = re.search(r"\d{%d}" % (sys.get_int_max_str_digits() + 1), text)
+        raise _long_integer(path, text.count("\n", 0, digits.start()) + 1 if digits else "?") from None
     if isinstance(data, dict):   # a .jsonl of one line is one row, whatever fields it holds
         lists = [v for v in data.values() if isinstance(v, list)]
         data = lists[0] if len(lists) == 1 and not path.lower().endswith(".jsonl") else [data]
@@ -177,6 +187,12 @@ def _read_file(path):
         raise DataError(f"{path} holds {json.dumps(data)[:40]} at the top level, not rows: give a "
                         "list of objects with problem and answer fields, or one object per line")
     return data
+
+
+def _long_integer(path, line):
+    """Python's int-string limit (sys.get_int_max_str_digits): json.loads raises a plain ValueError."""
+    return DataError(f"{path}: line {line} holds an integer of over {sys.get_int_max_str_digits():,} digits, "
+                     "which Python does not read as a number: fix the row (or write the value as a string)")
 
 
 def _looks_local(source):

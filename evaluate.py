@@ -104,7 +104,8 @@ def evaluate_model(name, loaded, args):
     res.update(means(res["benchmarks"]))   # the paper's Overall, and the math and OOD means
     if report is not None:
         res["posthoc_probe"] = report
-    kept = write_results(out_dir, label, res)
+    kept, res["mixed_settings"] = write_results(out_dir, label, res, lambda bench: dict(
+        settings(bench, args), temperature=args.temperature, top_p=args.top_p, seed=args.seed))
     if kept:
         print(f"{os.path.join(out_dir, 'results.json')} keeps {label}'s earlier {', '.join(kept)} beside these "
               "(the same model, confidence and probe); its Overall is over all of them", file=sys.stderr)
@@ -127,6 +128,8 @@ def parse_args(argv=None):
     g.add_argument("--out", help="output dir (default RUN/eval or eval_out/<model>)")
     g.add_argument("--unconfined-code", action="store_true",
                    help="run lcb's programs without namespaces where the sandbox has none (they can escape)")
+    g.add_argument("--no-log-text", action="store_true",
+                   help="keep no problem and response text in samples.jsonl, for space (default: kept)")
     g = p.add_argument_group("sampling")
     g.add_argument("--n-samples", type=int, help="samples per question (default 32 on aime/amc, else 4)")
     g.add_argument("--max-new-tokens", type=int, help="default 8000 (toy: 128)")

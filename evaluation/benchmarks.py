@@ -66,7 +66,7 @@ def load_benchmark(spec, limit=None, lcb_release=data.LCB_RELEASE):
     """(name, rows [{problem, answer}], instruction) for a toy benchmark (its test split), a known
     name (data.BENCHMARKS), a local .json/.jsonl/.parquet file, NAME=FILE (a local copy of a known
     benchmark, named and sampled like it), or an HF dataset id (owner/name)."""
-    name, _, path = spec.partition("=")
+    name, _, path = as_named(spec).partition("=")
     known = ", ".join(data.TOY_BENCHMARKS + tuple(data.BENCHMARKS))
     if name in data.TOY_BENCHMARKS and not path:
         return name, data.load_rows(name, split="test", limit=limit), toy.INSTRUCTION
@@ -83,9 +83,18 @@ def load_benchmark(spec, limit=None, lcb_release=data.LCB_RELEASE):
                     "NAME=FILE, or an HF dataset id (owner/name)")
 
 
+def as_named(spec):
+    """NAME=FILE for a file whose stem is a known benchmark (DIR/gpqa.jsonl): named by its stem, it is
+    read as that benchmark (gpqa's options and letter gold), never as plain rows filed under its name."""
+    stem = os.path.splitext(os.path.basename(spec))[0]
+    known = "=" not in spec and stem in data.BENCHMARKS and spec.lower().endswith((".json", ".jsonl", ".parquet"))
+    return f"{stem}={spec}" if known else spec
+
+
 def benchmark_source(spec, lcb_release=data.LCB_RELEASE):
     """What a benchmark spec reads (data.load_rows' order): "toy:test" (a toy benchmark's test split),
     a hub name or id, or a file's resolved path; LiveCodeBench's with its release window ("lcb:v4_v5")."""
+    spec = as_named(spec)
     name, _, path = spec.partition("=")
     where = path or spec
     if where in data.TOY_BENCHMARKS:

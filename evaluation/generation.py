@@ -7,7 +7,6 @@ import sys
 
 from tqdm import tqdm
 
-import data
 import grade
 import prompts as prompts_lib
 import rollout
@@ -32,12 +31,13 @@ def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, con
 
     def call_rows(chunk, m, out, conf, extras, golds):   # in the grading thread, while the next call generates
         answers, right = grade_call(out.texts, golds, bench, s, form)
-        # a toy trace is a few lines: kept, so that the mechanism's readouts need no model
-        trace = lambda q, r: dict(problem=rows[q]["problem"], text=out.texts[r]) if bench in data.TOY_BENCHMARKS else {}  # noqa: E731
+
+        def texts(q, r):   # so that a grade can be read, and the mechanism's readouts need no model
+            return {} if args.no_log_text else dict(problem=rows[q]["problem"], text=out.texts[r])
         return [json.dumps(dict(
             model=label, benchmark=bench, question=q, sample=missing[r % m], answer=answers[r],
             correct=int(right[r]), confidence=float(conf[r]), length=out.lengths[r], finish=out.finish[r],
-            source=conf_kw["source"], key=key, q=qids[q], **trace(q, r), **extras[r])) + "\n"
+            source=conf_kw["source"], key=key, q=qids[q], **texts(q, r), **extras[r])) + "\n"
             for r, (q, missing) in enumerate(c for c in chunk for _ in range(m))]
 
     with shard.Rounds(path, bar) as written:

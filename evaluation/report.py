@@ -104,6 +104,10 @@ def table(results):
             lines += ["", f"Overall (the paper's): the mean over all {len(benches)} benchmarks", "", *head]
             lines += [_row(name, dict(m, n=""), res) for name, m in
                       (("Math mean", res["math"]), ("OOD mean", res["ood"]), ("Overall", res["overall"]))]
+        for bench, diff in res.get("mixed_settings", {}).items():
+            was = ", ".join(f"{k} {a} (here {b})" for k, (a, b) in diff.items())
+            lines += ["", f"* mixed settings: results.json's Overall for {label} also averages {bench}, "
+                      f"evaluated earlier with {was}"]
     return "\n".join(lines)
 
 
@@ -114,6 +118,9 @@ def _row(name, b, res):
             " | ".join(str(st.get(k, "")) for k in SETTINGS.values()) + " |")
 
 
+# The settings an Overall's benchmarks share when one command evaluates them all (n and max_new_tokens
+# as its defaults per benchmark): one kept from an earlier evaluation with others is "mixed_settings".
+MIXED = ("n", "max_new_tokens", "temperature", "top_p", "seed", "gate", "every", "forced_k")
 # Per-benchmark settings printed with the table (results.json holds them all under "settings").
 SETTINGS = {"confidence": "confidence", "grader": "grader", "samples": "n", "temp": "temperature",
             "top-p": "top_p", "max tokens": "max_new_tokens"}
@@ -150,10 +157,12 @@ def read_results(out_dir):
     return old
 
 
-def write_results(out_dir, label, res):
+def write_results(out_dir, label, res, now=None):
     """Merge this model's results into OUT/results.json: other models' entries are kept, and so are
     the benchmarks of this model's entry this evaluation left out, where that entry had the same
-    model_id, confidence and post-hoc probe (its means then over all). Returns the names kept."""
+    model_id, confidence and post-hoc probe (its means then over all). now(bench): the settings this
+    evaluation gives a benchmark; a kept one evaluated with other MIXED settings is filed under
+    "mixed_settings" ({bench: {setting: [earlier, now]}}). Returns (the names kept, mixed_settings)."""
     path = os.path.join(out_dir, "results.json")
     old = read_results(out_dir)
     new, before = clean(res), old.get(label, {})
@@ -161,10 +170,14 @@ def write_results(out_dir, label, res):
     kept = [b for b in before.get("benchmarks", {}) if b not in new["benchmarks"]] if same else []
     for key in ("benchmarks", "settings") if kept else ():
         new[key] = {**{b: before[key][b] for b in kept if b in before.get(key, {})}, **new[key]}
+    earlier = lambda b: before.get("settings", {}).get(b, {})  # noqa: E731
+    mixed = {b: {k: [earlier(b).get(k), now(b)[k]] for k in MIXED if earlier(b).get(k) != now(b)[k]}
+             for b in kept} if now else {}
+    mixed = {b: diff for b, diff in mixed.items() if diff}
     new.pop("math", None), new.pop("ood", None)
-    old[label] = dict(new, **clean(means(new["benchmarks"])))
+    old[label] = dict(new, **clean(means(new["benchmarks"])), **({"mixed_settings": mixed} if mixed else {}))
     write_json(path, old, indent=1)
-    return kept
+    return kept, mixed
 
 
 def report_uses(results):

@@ -445,7 +445,15 @@ def test_an_unbounded_row_stops_train_and_evaluate_before_any_model_loads(tmp_pa
     big, lone = tmp_path / "big.jsonl", tmp_path / "lone.jsonl"
     big.write_text(json.dumps({"problem": "1+" * 150_000, "answer": "1"}) + "\n")
     lone.write_text('{"problem": "2+2", "answer": "4"}\n{"problem": "2+2 \\ud800", "answer": "4"}\n')
-    for path, why in ((big, "row 0 has a problem of 300,000 characters"), (lone, "row 1 problem is not valid Unicode")):
+    # red team 5, case 6: an integer over Python's 4,300 digits was a ValueError traceback naming no file
+    row, long = '{"problem": "2+2", "answer": 4}', '{"problem": "2+2", "answer": %s}' % ("4" * 5000)
+    digits = "holds an integer of over 4,300 digits, which Python does not read as a number: fix the row"
+    cases = [(big, "row 0 has a problem of 300,000 characters"), (lone, "row 1 problem is not valid Unicode")]
+    for name, text, line in (("int3.jsonl", f"{row}\n{row}\n{long}\n", 3),
+                             ("int1.jsonl", f"{long}\n{row}\n", 1), ("int2.json", f"[{row},\n{long}]", 2)):
+        cases.append((tmp_path / name, f"line {line} {digits}"))
+        cases[-1][0].write_text(text)
+    for path, why in cases:
         with pytest.raises(SystemExit) as e:
             train.main(["--data", str(path), "--steps", "1", "--out", str(tmp_path / f"run_{path.stem}")])
         err = capsys.readouterr().err.strip()

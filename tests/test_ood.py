@@ -13,6 +13,7 @@ import rollout
 import tiny
 from evaluation import benchmarks, generation, posthoc
 from evaluation.report import summarize
+from runs import write
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 LCB = os.path.join(FIXTURES, "lcb.jsonl")
@@ -69,6 +70,22 @@ def test_logiqa_rows_show_lettered_options_and_grade_like_gpqa():
     assert [r["answer"] for r in rows] == ["B", "C", "A"]
     for box, right in (("B", True), ("(b)", True), ("Option B", True), ("B. Tom is an animal.", True), ("C", False)):
         assert grade.is_correct(f"\\boxed{{{box}}}", "B") is right, box
+
+
+def test_a_file_named_after_a_known_benchmark_is_read_as_that_benchmark(tmp_path):
+    # red team 5, case 5: a bare DIR/gpqa.jsonl was named gpqa but asked without its options, gold "photon"
+    gpqa = write(tmp_path / "gpqa.jsonl", json.dumps({"Question": "What carries light?", "Correct Answer": "photon",
+                                                      **{f"Incorrect Answer {i}": w for i, w in
+                                                         enumerate(("gluon", "W boson", "graviton"), 1)}}))
+    bare, named = benchmarks.load_benchmarks([gpqa]), benchmarks.load_benchmarks([f"gpqa={gpqa}"])
+    assert bare == named and bare[0][1] == [{"problem": "What carries light?\n\nA) W boson\nB) photon\nC) gluon"
+                                                        "\nD) graviton", "answer": "B"}]
+    lcb = write(tmp_path / "lcb.jsonl", open(LCB).read())   # LiveCodeBench's release window is in its source
+    assert benchmarks.load_benchmarks([lcb]) == benchmarks.load_benchmarks([f"lcb={lcb}"])
+    assert benchmarks.load_benchmarks([lcb])[0][3].endswith("lcb.jsonl:v4_v5")
+    plain = write(tmp_path / "logiqa.jsonl", json.dumps({"problem": "Which? A. x B. y C. z D. w", "answer": "B"}))
+    with pytest.raises(data.DataError, match="LogiQA row with no 'context': a logiqa file needs"):   # was a KeyError
+        benchmarks.load_benchmarks([plain])
 
 
 def test_posthoc_labels_for_code_force_a_program_and_run_it(monkeypatch):
@@ -208,6 +225,22 @@ def test_gpqa_natural_boxed_answers_are_graded_as_released_and_logiqa_by_its_let
     # the forced (post-hoc) and RLCR readings keep the released letter rule
     assert grade.answers_match(option, gold) and not grade.answers_match(option, gold, letters=False)
     assert generation.natural_correct(f"</think><answer>{option}</answer>", option, gold, form="tag", letters=True)
+
+
+def test_samples_keep_their_text_on_any_benchmark_unless_no_log_text(tiny_dir, tmp_path, monkeypatch, capsys):
+    """Issue 51: only the toy's rows kept their text, so a wrong grade on a real benchmark could not be
+    read. The text is no part of a sample's key: rows with and without it are reused alike."""
+    sums = write(tmp_path / "sums.jsonl", json.dumps({"problem": "1+1", "answer": "2"}) + "\n")
+    canned = ["\\boxed{2}</think>\\boxed{2}", "\\boxed{3}</think>"]
+    answer_with(monkeypatch, {"1+1": canned})
+    samples = lambda out: [json.loads(line) for line in open(tmp_path / out / "samples.jsonl")]  # noqa: E731
+    small = ["--benchmarks", sums, "--confidence", "logits", "--n-samples", "2", "--max-new-tokens", "4"]
+    for out, *flag in (("a",), ("a", "--no-log-text"), ("b", "--no-log-text")):
+        evaluate.main(["--model", tiny_dir, "--out", str(tmp_path / out), "--threads", "1", *small, *flag])
+    logged = samples("a")   # 2 rows: the second command found both samples in it and drew none
+    assert [(r["problem"], r["text"], r["correct"]) for r in logged] == [("1+1", canned[0], 1),
+                                                                        ("1+1", canned[1], 0)]
+    assert samples("b") == [{k: v for k, v in r.items() if k not in ("problem", "text")} for r in logged]
 
 
 BAD_ROWS = {   # (change to the fixture's first row, the words of the one line); at a7c59f5:

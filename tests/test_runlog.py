@@ -212,17 +212,25 @@ def test_evaluating_fewer_benchmarks_keeps_the_others_in_results_json(tmp_path, 
     first = json.load(open(os.path.join(out, "results.json")))["toy"]
     capsys.readouterr()
     evaluate.main(argv + ["--benchmarks", "toy", "--seed", "1"])   # other samples of toy
-    assert "keeps toy's earlier toy-long beside these" in capsys.readouterr().err
+    printed = capsys.readouterr()
+    assert "keeps toy's earlier toy-long beside these" in printed.err
     now = json.load(open(os.path.join(out, "results.json")))["toy"]
+    # red team 5, case 14: that Overall averages toy-long at seed 0 with toy at seed 1, and says so
+    assert now["mixed_settings"] == {"toy-long": {"seed": [0, 1]}}
+    assert ("\n* mixed settings: results.json's Overall for toy also averages toy-long, evaluated earlier "
+            "with seed 0 (here 1)\n") in printed.out
     assert list(now["benchmarks"]) == ["toy-long", "toy"] and now["settings"]["toy"]["seed"] == 1
     assert now["benchmarks"]["toy-long"] == first["benchmarks"]["toy-long"]
     assert now["settings"]["toy-long"] == first["settings"]["toy-long"]
     accs = [now["benchmarks"][b]["acc"] for b in ("toy", "toy-long")]
     assert now["overall"]["acc"] == pytest.approx(sum(accs) / 2) and now["math"] == now["overall"]
+    evaluate.main(argv + ["--benchmarks", "toy-long", "--seed", "1"])   # toy's seed: one protocol again
+    assert "mixed settings" not in capsys.readouterr().out
+    assert "mixed_settings" not in json.load(open(os.path.join(out, "results.json")))["toy"]
     # another confidence (or model, or post-hoc probe) replaces the entry: its numbers are of another reading
     from evaluation import report
     assert report.write_results(out, "toy", dict(now, confidence="verbal", benchmarks={"toy": now["benchmarks"]["toy"]},
-                                                 settings={})) == []
+                                                 settings={})) == ([], {})
     assert list(json.load(open(os.path.join(out, "results.json")))["toy"]["benchmarks"]) == ["toy"]
 
 
