@@ -5,19 +5,18 @@
     answers_match(answer, gold, grader="math")  # an answer already extracted (a forced one) vs gold
     is_correct(text, gold, grader="code")       # the last fenced code block passes the gold's tests
 
-Graders ("strict", "minerva", "math": evaluation's, "code") and the time bound of every grading
-call (GRADE_TIMEOUT_S): docs/reference.md, "Evaluation and the method's leaves, in more words".
+Graders ("strict", "minerva", "math": evaluation's, "code") and math-verify's CPU-time budget
+(GRADE_TIMEOUT_S): docs/reference.md, "Evaluation and the method's leaves, in more words".
 """
 import json
 import re
-import time
 from fractions import Fraction
 
 from harness import sandbox
 from harness.verifier import verify as _math_verify
 
 GRADERS = ("strict", "math", "minerva")
-GRADE_TIMEOUT_S = 1.0    # the most wall time one grading call takes, whatever the input
+GRADE_TIMEOUT_S = 1.0    # math-verify's CPU seconds per comparison; one that runs out is graded wrong
 MAX_ANSWER_CHARS = 2000  # longer answers are compared as plain strings: no regex, no parser
 
 
@@ -132,12 +131,11 @@ def integer_sum(s: str):
     return sum(map(int, _NUMBER.findall(s))) if len(s) <= MAX_ANSWER_CHARS and _SUM.fullmatch(s) else None
 
 
-def answers_match(pred, gold, grader="math", deadline=None, letters=True) -> bool:
+def answers_match(pred, gold, grader="math", letters=True) -> bool:
     """Is the extracted answer `pred` the gold answer under `grader` ("strict" or "math")?
-    `deadline` (time.monotonic()) defaults to GRADE_TIMEOUT_S from now. letters: against a gold
-    option letter (A-D), read the letter an answer names (gpqa_choice), as the released evaluation
-    reads its forced and RLCR answers; letters=False grades it as the released natural boxed grading
-    does (released_letter: `\\boxed{A) 3.5 eV}`, `\\boxed{a}` against "A": wrong)."""
+    letters: against a gold option letter (A-D), read the letter an answer names (gpqa_choice), as
+    the released evaluation reads its forced and RLCR answers; letters=False grades it as the released
+    natural boxed grading does (released_letter: `\\boxed{A) 3.5 eV}`, `\\boxed{a}` against "A": wrong)."""
     if grader not in GRADERS:
         raise ValueError(f"grader must be one of {GRADERS}, got {grader!r}")
     if pred is None or gold is None:
@@ -165,7 +163,7 @@ def answers_match(pred, gold, grader="math", deadline=None, letters=True) -> boo
     total = integer_sum(a) if nb is not None else None
     if total is not None:
         return total == nb
-    return _math_verify(pred, gold, deadline or time.monotonic() + GRADE_TIMEOUT_S)
+    return _math_verify(pred, gold, GRADE_TIMEOUT_S)
 
 
 CHOICES = ("A", "B", "C", "D")  # a gold answer that is one of these is a GPQA option letter (data._choices)
@@ -243,5 +241,4 @@ def is_correct(text, gold, grader="math", form="box") -> bool:
     <answer> tag) and it matches the gold answer; grader="code": its code passes every test."""
     if grader == "code":
         return sandbox.run_tests(**code_job(text, gold))
-    deadline = time.monotonic() + GRADE_TIMEOUT_S
-    return answers_match(extract(text, grader, form), gold, grader, deadline)
+    return answers_match(extract(text, grader, form), gold, grader)

@@ -1,8 +1,9 @@
-"""The math-verify worker pool behind grade.answers_match: a grading call that returns in time.
+"""The math-verify worker pool behind grade.answers_match: a verdict that does not depend on the load.
 
 math-verify (sympy) can loop on model text, so it runs in worker processes (this module run with
--m) answering JSON requests [pred, gold, seconds] with "1" / "0": docs/reference.md, "grade.py's
-time bound".
+-m) answering JSON requests [pred, gold, seconds] with "1" / "0". Its budget is the worker's CPU
+time, not wall time, so a busy or paused machine gives the same grade: docs/reference.md,
+"grade.py's time bound".
 """
 import atexit
 import json
@@ -15,7 +16,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: -m runs from here
 START_TIMEOUT_S = 60     # waiting for a new math-verify worker to import sympy (not in the bound)
-REPLY_S = 0.25           # the worker stops this long before the deadline, to answer in time
+REPLY_S = 0.25           # CPU time past its budget for a worker to stop and answer before it is killed
+WALL_S = 30              # no verdict in this much wall time (a stopped or starved worker): wrong, warned
+TICK_S = 0.05            # how often the parent reads the worker's CPU time while it waits
 
 
 class _Worker:
@@ -41,18 +44,32 @@ class _Worker:
         line, self.buf = self.buf.split(b"\n", 1)
         return line.decode()
 
-    def ask(self, pred, gold, deadline, seconds=None):
-        """True / False from math-verify, or None when no answer came by the deadline."""
-        seconds = deadline - time.monotonic() - REPLY_S if seconds is None else seconds
-        if seconds <= 0:
-            return False
-        request = memoryview((json.dumps([pred, gold, seconds]) + "\n").encode())
+    def cpu_s(self):
+        """CPU seconds the worker has used (utime + stime of /proc/PID/stat); wall time without /proc."""
+        try:
+            with open(f"/proc/{self.proc.pid}/stat") as f:
+                utime, stime = f.read().rsplit(")", 1)[1].split()[11:13]
+            return (int(utime) + int(stime)) / os.sysconf("SC_CLK_TCK")
+        except OSError:
+            return time.monotonic()
+
+    def ask(self, pred, gold, seconds, timer=None):
+        """True / False from math-verify within `seconds` of the worker's CPU time, or None when it has
+        none by then (its own timer, `timer` if a test gives it another, is the first stop) or by WALL_S."""
+        request = memoryview((json.dumps([pred, gold, timer or seconds]) + "\n").encode())
+        limit, backstop = self.cpu_s() + seconds + REPLY_S, time.monotonic() + WALL_S
         try:
             while request:
                 request = request[os.write(self.proc.stdin.fileno(), request):]
         except OSError:  # it has exited
             return None
-        answer = self.line(deadline)
+        answer = None
+        while answer is None and self.proc.poll() is None and self.cpu_s() < limit:
+            if time.monotonic() > backstop:
+                print(f"grade: math-verify gave no verdict in {WALL_S} s of wall time (an overloaded or "
+                      "stopped process?): graded wrong", file=sys.stderr)
+                return None
+            answer = self.line(min(time.monotonic() + TICK_S, backstop))
         return None if answer is None else answer == "1"
 
     def kill(self):
@@ -90,14 +107,12 @@ def _take():
     return None
 
 
-def verify(pred, gold, deadline):
-    """math-verify's verdict on two answers by `deadline` (time.monotonic()); False when it has none."""
-    waited = time.monotonic()
+def verify(pred, gold, seconds):
+    """math-verify's verdict on two answers within `seconds` of a worker's CPU time; False without one."""
     worker = _take()
     if worker is None:
         return False
-    deadline += time.monotonic() - waited  # a worker's start is not grading time
-    ok = worker.ask(pred, gold, deadline)
+    ok = worker.ask(pred, gold, seconds)
     if ok is None:  # still computing (a C loop the timer cannot stop) or dead: replace it
         worker.kill()
         try:
@@ -141,7 +156,7 @@ def _serve():
     def stop(signum, frame):
         raise _Deadline
 
-    signal.signal(signal.SIGALRM, stop)
+    signal.signal(signal.SIGPROF, stop)
     latex = [LatexExtractionConfig()]
 
     @functools.lru_cache(maxsize=4096)  # a gold is graded G times per prompt, K per prefix
@@ -151,16 +166,16 @@ def _serve():
     def same(pred, gold, seconds):
         try:
             try:
-                signal.setitimer(signal.ITIMER_REAL, seconds)
+                signal.setitimer(signal.ITIMER_PROF, seconds)  # CPU time: the load does not change it
                 g, p = parsed(gold), parsed(pred)
                 return bool(g and p and verify(g, p, timeout_seconds=None))
             finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.setitimer(signal.ITIMER_PROF, 0)
         except (_Deadline, Exception):  # a timeout or a parser bug on model text: a wrong answer
             return False
 
     # The first comparison of each kind imports parts of sympy: done before "ready", so that no
-    # real answer's deadline pays for it.
+    # real answer's budget pays for it.
     for pred, gold in WARM_UP:
         same(pred, gold, START_TIMEOUT_S)
     print("ready", flush=True)
