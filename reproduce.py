@@ -60,7 +60,6 @@ PRINT, STOP = threading.Lock(), threading.Event()
 CHILDREN, CHILDREN_LOCK = set(), threading.Lock()   # the running train.py / evaluate.py processes
 
 
-
 def parse_args(argv):
     """(args, methods, seeds {method: [seed]}, jobs): every value checked before anything runs (UserError)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -147,14 +146,14 @@ def parsed(parse, words, what):
         raise UserError(f"{what}: {e}") from None
 
 
-def train_config(words, fixed=TRAIN_FIXED):
-    """`fixed` as train.py resolves them from these arguments: a flag, else what a --config file
+def train_config(words):
+    """TRAIN_FIXED as train.py resolves them from these arguments: a flag, else what a --config file
     sets, else the toy world's default. Other values are left to train.py to check."""
     given = vars(config.build_parser().parse_args(words))
     saved = config._read_config(given["config"]) if given["config"] else {}   # as train.py reads it
     world = {**config.COMMON, **config.TOY}
     return argparse.Namespace(**{k: given[k] if given[k] is not None else saved.get(k, world.get(k))
-                                 for k in fixed})
+                                 for k in TRAIN_FIXED})
 
 
 def train_cmd(method, seed, run):
@@ -253,9 +252,9 @@ class Jobs:
         self.args, self.total, self.todo, self.done, self.failed = args, total, todo, 0, []
         self.env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
-    def say(self, line, steps=1):
+    def say(self, line):
         with PRINT:
-            self.done += steps
+            self.done += 1
             print(f"[{self.done}/{self.total}] {line}", flush=True)
 
     def fail(self, what, detail):
@@ -538,7 +537,7 @@ def main(argv=None):
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
     t0 = time.time()
     STOP.clear()
-    run_jobs = Jobs(args, sum((j["run"] is not None) + 1 for j in work), todo)
+    run_jobs = Jobs(args, len(work) + len(todo), todo)
     pool = ThreadPoolExecutor(jobs)
     futures = [pool.submit(run_jobs, j) for j in work]
     default = signal.signal(signal.SIGTERM, stop_children)
