@@ -4,7 +4,6 @@
     python reproduce.py                                 # Base, GRPO, RLCR, C2GSPG, RLCM; seeds below
     python reproduce.py --ablations                     # + Final-Margin, Process-Brier, Final-Brier
     python reproduce.py --methods grpo,rlcm --seeds 0   # a part of it
-    python reproduce.py --study --base DIR --quiet-base DIR   # the pre-registered study (study/study.py)
 
 Per method and seed, train.py then evaluate.py, --jobs at a time as one-thread subprocesses, logs in
 OUT/logs/; what was made with these arguments is not redone, so the same command continues. Then
@@ -12,7 +11,11 @@ OUT/table.md, OUT/results.json and OUT/reliability_M.png. What each run is and w
 docs/reference.md, "The paper's comparison, on the toy world".
 """
 import argparse
+import contextlib
+import functools
+import io
 import json
+import math
 import os
 import shlex
 import signal
@@ -22,16 +25,31 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+
 import config
+import data
 import evaluate
-import toy
-from harness import checkpoint, files, launch
+import metrics
+from evaluation.report import clean, overall, plot_reliability
+from evaluation.samples import model_id, model_label
+from harness import checkpoint, files, launch, runlog
 from harness.runfolder import check_out, read_config
 from harness.files import UserError
-from study import study
-from study.comparison import (ABLATIONS, BENCHMARKS, CONFIDENCE, MAIN, PAIR, eval_entry, made_with,
-                              model_of, parsed, paths, quiet, training_stats, write_outputs)
 
+MAIN = ("base", "grpo", "rlcr", "c2gspg", "rlcm")
+ABLATIONS = ("final-margin", "process-brier", "final-brier")
+NAMES = dict(zip(MAIN + ABLATIONS, ("Base", "GRPO", "RLCR", "C2GSPG", "RLCM", "Final-Margin", "Process-Brier",
+                                    "Final-Brier")))
+# evaluate.py --confidence of each method: the paper's (docs/design.md, "Baselines")
+CONFIDENCE = dict(dict.fromkeys(MAIN + ABLATIONS, "probe-posthoc"), rlcr="verbal", c2gspg="logits")
+KEYS = (("Acc", "acc"), ("PCE", "pce"), ("ECE", "ece"), ("Brier", "brier"), ("AUROC", "auroc"))
+BENCHMARKS = data.TOY_BENCHMARKS   # every method on each; "Overall" is their unweighted mean, as in the paper
+PAIR = ("grpo", "rlcm")            # the headline pair: more seeds, and their paired difference
+# From each run's metrics.jsonl (training_stats): why the calibration term does or does not act.
+WHY = (("margin signal", "signal_frac"), ("probe AUROC (held-out, in training)", "probe_auroc"),
+       ("calibration share of abs(advantage)", "calib_share"))
+quiet = lambda msg: None  # noqa: E731
 SEEDS = dict(dict.fromkeys(MAIN + ABLATIONS, (0, 1, 2)), **dict.fromkeys(PAIR, (0, 1, 2, 3, 4)))
 ROOT = os.path.dirname(os.path.abspath(__file__))
 # What reproduce.py itself passes each run, which --train-args / --eval-args may not change: the table
@@ -45,25 +63,16 @@ CHILDREN, CHILDREN_LOCK = set(), threading.Lock()   # the running train.py / eva
 def parse_args(argv):
     """(args, methods, seeds {method: [seed]}, jobs): every value checked before anything runs (UserError)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--methods", help="comma list of " + ", ".join(MAIN + ABLATIONS) + " (default: the main table); "
-                   "with --study of " + ", ".join(study.VARIANTS) + " (default: all)")
+    p.add_argument("--methods", help=f"comma list of {', '.join(MAIN + ABLATIONS)} (default: the main table)")
     p.add_argument("--ablations", action="store_true", help="add " + ", ".join(ABLATIONS) + " (a second table)")
-    p.add_argument("--seeds", help="comma list of seeds for every method (default: grpo, rlcm 0-4, the others 0-2; "
-                   "--study: 0-7)")
+    p.add_argument("--seeds", help="comma list of seeds for every method (default: grpo, rlcm 0-4, others 0-2)")
     p.add_argument("--jobs", default="2", help="trainings/evaluations run at once (default 2)")
-    p.add_argument("--out", help="default runs/reproduce (--study: runs/study)")
+    p.add_argument("--out", help="default runs/reproduce")
     p.add_argument("--train-args", default="", help='passed to every train.py, e.g. "--steps 2 --eval-n 8"')
     p.add_argument("--eval-args", default="", help='passed to every evaluate.py, e.g. "--limit 4"')
-    g = p.add_argument_group("the pre-registered study (study/study.py; docs/toy-world.md)")
-    g.add_argument("--study", action="store_true", help="run it instead of the paper's table")
-    g.add_argument("--base", help="the world's warm start (python toy_warm.py --out DIR; as toy_base/)")
-    g.add_argument("--quiet-base", help="the same world's without `?` (python toy_warm.py --world legible-quiet --out DIR)")
-    g.add_argument("--world", default=toy.WORLD, choices=sorted(toy.WORLDS),
-                   help=f"the --toy-world every run names (default {toy.WORLD})")
     args = p.parse_args(argv)
-    args.out = args.out or os.path.join("runs", "study" if args.study else "reproduce")
-    known = tuple(study.VARIANTS) if args.study else MAIN + ABLATIONS
-    methods = known if args.study else MAIN + (ABLATIONS if args.ablations else ())
+    args.out = args.out or os.path.join("runs", "reproduce")
+    known, methods = MAIN + ABLATIONS, MAIN + (ABLATIONS if args.ablations else ())
     if args.methods is not None:
         given = [m.strip() for m in args.methods.split(",") if m.strip()]
         bad = [m for m in given if m not in known] or ([] if given else [args.methods])
@@ -76,9 +85,7 @@ def parse_args(argv):
         seeds = []
     if not seeds or len(set(seeds)) < len(seeds) or not all(0 <= s < 2**32 for s in seeds):
         raise UserError(f"--seeds {args.seeds}: give distinct integers in [0, 2**32), e.g. 0,1,2")
-    default = lambda m: study.SEEDS if args.study else SEEDS[m]  # noqa: E731
-    seeds = {m: list(default(m)) if args.seeds is None else seeds for m in methods}
-    study.check_flags(args, methods)
+    seeds = {m: list(SEEDS[m]) if args.seeds is None else seeds for m in methods}
     try:
         jobs = int(args.jobs)
     except ValueError:
@@ -89,39 +96,29 @@ def parse_args(argv):
         args.train_args, args.eval_args = shlex.split(args.train_args), shlex.split(args.eval_args)
     except ValueError as e:
         raise UserError(f"--train-args / --eval-args: cannot split ({e}): check the quotes") from None
-    train_fixed = TRAIN_FIXED + (study.TRAIN_FIXED if args.study else ())
-    eval_fixed = EVAL_FIXED + (study.EVAL_FIXED if args.study else ())
     work = job_list(args, methods, seeds)
     for j in work:
         if j["train"]:
             refuse_overrides("--train-args", config.build_parser().parse_args, j["train"], args.train_args,
-                             train_fixed)
-        for e in j["evals"]:
-            refuse_overrides("--eval-args", evaluate.parse_args, e["cmd"], args.eval_args, eval_fixed)
+                             TRAIN_FIXED)
+        refuse_overrides("--eval-args", evaluate.parse_args, j["eval"], args.eval_args, EVAL_FIXED)
     for j in work:   # then as train.py resolves them: what a --config file sets counts too
         if j["train"]:
-            refuse_overrides("--train-args", lambda words: train_config(words, train_fixed), j["train"],
-                             args.train_args, train_fixed)
+            refuse_overrides("--train-args", train_config, j["train"], args.train_args, TRAIN_FIXED)
     check_out(args.out)
     return args, methods, seeds, jobs
 
 
 def job_list(args, methods, seeds):
-    """What runs: per method (or study variant) and seed, dict(name, variant, seed, run (None for the
-    base), log, train: train.py's arguments, evals: [dict(dir, folder, cmd: evaluate.py's arguments,
-    log, what)]), seed by seed."""
-    if args.study:
-        return study.jobs(args.out, methods, seeds[methods[0]], dict(base=args.base, quiet=args.quiet_base),
-                          args.world)
+    """What runs: per method and seed, dict(name, run (None for the base), ev (its evaluation's folder),
+    log, train: train.py's arguments, eval: evaluate.py's arguments), seed by seed."""
     out = []
     for s in sorted(set().union(*seeds.values())):
         for m in methods:
             if s in seeds[m]:
                 run, ev, log = paths(args.out, m, s)
-                out.append(dict(name=f"{m} seed {s}", variant=m, seed=s, run=run, log=log,
-                                train=run and train_cmd(m, s, run),
-                                evals=[dict(dir=ev, folder="eval", cmd=eval_cmd(m, s, run, ev), log=log + ".eval.log",
-                                            what="")]))
+                out.append(dict(name=f"{m} seed {s}", run=run, ev=ev, log=log,
+                                train=run and train_cmd(m, s, run), eval=eval_cmd(m, s, run, ev)))
     return out
 
 
@@ -136,14 +133,27 @@ def refuse_overrides(flag, parse, base, extra, fixed):
                             f"seed (here {before[key]}); drop it (--methods, --seeds and --out choose what runs)")
 
 
-def train_config(words, fixed=TRAIN_FIXED):
-    """`fixed` as train.py resolves them from these arguments: a flag, else what a --config file
+def parsed(parse, words, what):
+    """parse(words), with argparse's usage-and-exit on a bad word turned into one UserError line."""
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return parse(words)
+    except SystemExit:
+        why = (err.getvalue().strip().splitlines() or ["cannot parse them"])[-1].partition("error: ")
+        raise UserError(f"{what}: {why[2] or why[0]}") from None
+    except UserError as e:   # train.py's own checks of the resolved values
+        raise UserError(f"{what}: {e}") from None
+
+
+def train_config(words):
+    """TRAIN_FIXED as train.py resolves them from these arguments: a flag, else what a --config file
     sets, else the toy world's default. Other values are left to train.py to check."""
     given = vars(config.build_parser().parse_args(words))
     saved = config._read_config(given["config"]) if given["config"] else {}   # as train.py reads it
     world = {**config.COMMON, **config.TOY}
     return argparse.Namespace(**{k: given[k] if given[k] is not None else saved.get(k, world.get(k))
-                                 for k in fixed})
+                                 for k in TRAIN_FIXED})
 
 
 def train_cmd(method, seed, run):
@@ -155,6 +165,51 @@ def eval_cmd(method, seed, run, ev):
     """evaluate.py's arguments, before --eval-args."""
     return ["--model", run or "toy", "--benchmarks", ",".join(BENCHMARKS), "--confidence", CONFIDENCE[method], "--seed", str(seed),
             "--no-early-exit", "--out", ev]
+
+
+def paths(out, method, seed):
+    """(run dir or None for the base, eval dir, log prefix) of one job."""
+    name = f"{method}-seed{seed}"
+    return (None if method == "base" else os.path.join(out, "runs", name), os.path.join(out, "eval", name),
+            os.path.join(out, "logs", name))
+
+
+def model_of(run):
+    """(label, identity) that evaluate.py files the toy base (run None) or the run's latest checkpoint
+    under (evaluation/samples.py: model_label, model_id); (None, None) before its first checkpoint."""
+    if run is None:
+        return "toy", model_id(checkpoint.resolve_model("toy"))
+    ckpt = checkpoint.latest_checkpoint(run, quiet)
+    return (model_label(run, ckpt), model_id(ckpt)) if ckpt else (None, None)
+
+
+def eval_entry(eval_dir, label, ident):
+    """This model's entry of EVAL/results.json if it is of this very model (`ident`: not of one trained
+    before in the same folder) with every metric of every toy benchmark a number (AUROC may be None:
+    one class), else None: an evaluation still to do, so a rerun replaces a damaged entry."""
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+    try:
+        with open(os.path.join(eval_dir, "results.json"), encoding="utf-8") as f:
+            entry = json.load(f).get(label)
+        if entry["model_id"] != ident:
+            return None
+        complete = all(all(number(b.get(k)) for k in ("acc", "pce", "ece", "brier", "n")) and
+                       (b.get("auroc") is None or number(b["auroc"]))
+                       for b in (entry["benchmarks"][name] for name in BENCHMARKS))
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return None
+    return entry if complete else None
+
+
+def made_with(entry, cmd):
+    """Whether evaluate.py made `entry` with the arguments `cmd` (its recorded command, parsed)."""
+    try:
+        then = shlex.split(entry["provenance"]["command"])[1:]   # "evaluate.py ARGS"
+        then = vars(parsed(evaluate.parse_args, then, "results.json"))
+    except (KeyError, TypeError, ValueError, UserError):
+        return False
+    now = vars(evaluate.parse_args(cmd))
+    return {**then, "argv": None} == {**now, "argv": None}
 
 
 def training(run, ev, cmd, extra):
@@ -178,6 +233,18 @@ def training(run, ev, cmd, extra):
     return None if step == steps else ["--resume", run, "--steps", str(steps), *extra]
 
 
+def training_stats(run):
+    """From RUN/metrics.jsonl: held-out accuracy at the first and last check, and the run's means of
+    signal_frac, eval_probe_auroc and calib_adv_share (calib_share). None where the run has none."""
+    rows = files.read_jsonl(os.path.join(run, "metrics.jsonl"), say=quiet) if run else []
+    held = sorted((r["step"], r["eval_accuracy"]) for r in rows if r.get("eval") and "eval_accuracy" in r)
+    start, end = (held[0][1], held[-1][1]) if held else (None, None)
+    mean = lambda key, pick: mean_std([r.get(key) for r in rows if pick(r)])[0]  # noqa: E731
+    return dict(heldout_start=start, heldout_end=end, signal_frac=mean("signal_frac", lambda r: not r.get("eval")),
+                probe_auroc=mean("eval_probe_auroc", lambda r: r.get("eval")),
+                calib_share=mean("calib_adv_share", lambda r: not r.get("eval")))
+
+
 class Jobs:
     """One (method, seed) per call, run in a pool thread: train, then evaluate; one line per finished step."""
 
@@ -185,9 +252,9 @@ class Jobs:
         self.args, self.total, self.todo, self.done, self.failed = args, total, todo, 0, []
         self.env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
 
-    def say(self, line, steps=1):
+    def say(self, line):
         with PRINT:
-            self.done += steps
+            self.done += 1
             print(f"[{self.done}/{self.total}] {line}", flush=True)
 
     def fail(self, what, detail):
@@ -224,9 +291,6 @@ class Jobs:
 
     def job(self, job):
         run, name, py = job["run"], job["name"], sys.executable
-        if self.args.study and study.read_record(self.args, job) is not None:
-            self.say(f"{name}: recorded already ({study.record_path(self.args, job)})", 1 + len(job["evals"]))
-            return True
         if run is not None:
             how, t = self.todo[name], time.time()
             if how is not None and not self.child([py, os.path.join(ROOT, "train.py"), *how], job["log"] + ".train.log",
@@ -235,22 +299,20 @@ class Jobs:
             start, end = (training_stats(run)[k] for k in ("heldout_start", "heldout_end"))
             self.say(f"{name}: " + (f"trained in {time.time() - t:.0f} s" if how is not None else "trained already") +
                      (f" (held-out {start:.2f} -> {end:.2f})" if start is not None else ""))
-        label, ident = model_of(run)
-        for e in job["evals"]:
-            ev, cmd, t, fresh = e["dir"], e["cmd"] + self.args.eval_args, time.time(), False
+        (label, ident), ev, cmd, t = model_of(run), job["ev"], job["eval"] + self.args.eval_args, time.time()
+        entry = eval_entry(ev, label, ident)
+        fresh = entry is None or not made_with(entry, cmd)
+        if fresh:
+            if not self.child([py, os.path.join(ROOT, "evaluate.py"), *cmd], job["log"] + ".eval.log",
+                              f"{name}: evaluation"):
+                return False
             entry = eval_entry(ev, label, ident)
-            if entry is None or not made_with(entry, cmd):
-                if not self.child([py, os.path.join(ROOT, "evaluate.py"), *cmd], e["log"], f"{name}: evaluation{e['what']}"):
-                    return False
-                entry, fresh = eval_entry(ev, label, ident), True
-                if entry is None:
-                    return self.fail(f"{name}: evaluation{e['what']}",
-                                     f": {ev}/results.json holds no complete toy results of {label}")
-            accs = ", ".join(f"{b} {entry['benchmarks'][b]['acc']:.3f}" for b in BENCHMARKS)
-            self.say(f"{name}: " + (f"evaluated in {time.time() - t:.0f} s" if fresh else "evaluated already") +
-                     f"{e['what']} (acc {accs}; n {entry['benchmarks'][BENCHMARKS[0]]['n']} each)")
-        if self.args.study:
-            study.write_record(self.args, job)
+            if entry is None:
+                return self.fail(f"{name}: evaluation",
+                                 f": {ev}/results.json holds no complete toy results of {label}")
+        accs = ", ".join(f"{b} {entry['benchmarks'][b]['acc']:.3f}" for b in BENCHMARKS)
+        self.say(f"{name}: " + (f"evaluated in {time.time() - t:.0f} s" if fresh else "evaluated already") +
+                 f" (acc {accs}; n {entry['benchmarks'][BENCHMARKS[0]]['n']} each)")
         return True
 
 
@@ -264,22 +326,218 @@ def stop_children(signum, frame):
     raise KeyboardInterrupt
 
 
+# The table: every seed's results read back, over seeds, as the paper lays them out.
+def over_seeds(out, methods, seeds):
+    """{method: {confidence, seeds: {seed: {benchmarks: {name: numbers}, Overall, training stats, paths}},
+    mean and std: {benchmark or "Overall": {key: x}, "train": {key: x}}} from each OUT/eval/M-seedS/
+    results.json (every toy benchmark) and, for trained methods, OUT/runs/M-seedS/metrics.jsonl."""
+    agg = {}
+    for m in methods:
+        per = {}
+        for s in seeds[m]:
+            run, ev, _ = paths(out, m, s)
+            label, ident = model_of(run)
+            entry = eval_entry(ev, label, ident)
+            if entry is None:
+                raise UserError(f"{ev}/results.json holds no complete toy results for {label}: run the command again")
+            benches = {b: dict({k: entry["benchmarks"][b][k] for _, k in KEYS}, n=entry["benchmarks"][b]["n"])
+                       for b in BENCHMARKS}
+            st = entry.get("settings", {}).get(BENCHMARKS[0], {})
+            per[s] = dict(benchmarks=dict(benches, Overall=overall(benches)), train=training_stats(run), model=label,
+                          run=run, eval=ev, confidence=entry["confidence"], questions=st.get("questions"),
+                          samples=st.get("n"))
+        parts = dict({b: [k for _, k in KEYS] for b in BENCHMARKS + ("Overall",)},
+                     train=["heldout_start", "heldout_end"] + [k for _, k in WHY])
+        stats = {part: {k: mean_std([(per[s]["train"] if part == "train" else per[s]["benchmarks"][part])[k]
+                                     for s in per]) for k in keys} for part, keys in parts.items()}
+        agg[m] = dict(confidence=CONFIDENCE[m], seeds=per,
+                      mean={p: {k: v[0] for k, v in d.items()} for p, d in stats.items()},
+                      std={p: {k: v[1] for k, v in d.items()} for p, d in stats.items()})
+    return agg
+
+
+def _cell_of(res, part, key):
+    return cell(res["mean"][part][key], res["std"][part][key])
+
+
+def tables(agg, methods):
+    """The paper's layout, a row per method: Acc / PCE / ECE of each benchmark and Overall; then Brier
+    and AUROC beside it, with the held-out accuracy over training."""
+    parts = BENCHMARKS + ("Overall",)
+    main, side = KEYS[:3], KEYS[3:]   # Acc, PCE, ECE; Brier, AUROC
+    head = lambda keys: " | ".join(f"{p} {c}" for p in parts for c, _ in keys)  # noqa: E731
+    cells = lambda r, keys: " | ".join(_cell_of(r, p, k) for p in parts for _, k in keys)  # noqa: E731
+    lines = [f"| method | confidence | {head(main)} |", "|---|---|" + "---:|" * (len(parts) * len(main))]
+    lines += [f"| {NAMES[m]} | {agg[m]['confidence']} | {cells(agg[m], main)} |" for m in methods]
+    lines += ["", f"| method | {head(side)} | held-out acc (train start -> end) |",
+              "|---|" + "---:|" * (len(parts) * len(side)) + "---|"]
+    for m in methods:
+        r = agg[m]
+        span = "-" if r["mean"]["train"]["heldout_start"] is None else \
+            f"{_cell_of(r, 'train', 'heldout_start')} -> {_cell_of(r, 'train', 'heldout_end')}"
+        lines.append(f"| {NAMES[m]} | {cells(r, side)} | {span} |")
+    return "\n".join(lines)
+
+
+def headline_differences(agg):
+    """{benchmark or "Overall": {key: paired(GRPO, RLCM)}} for Acc, PCE and ECE, or None without both."""
+    if not all(m in agg for m in PAIR):
+        return None
+    a, b = (agg[m]["seeds"] for m in PAIR)
+    return {p: {k: paired({s: a[s]["benchmarks"][p][k] for s in a}, {s: b[s]["benchmarks"][p][k] for s in b})
+                for k in ("acc", "pce", "ece")} for p in BENCHMARKS + ("Overall",)}
+
+
+def difference_table(diffs):
+    """RLCM - GRPO per benchmark and Overall: mean [95 % interval] (seeds), then each seed's difference."""
+    lines = ["| RLCM - GRPO | Acc | PCE | ECE |", "|---|---:|---:|---:|"]
+    for p, d in diffs.items():
+        lines.append(f"| {p} | " + " | ".join(
+            "-" if x is None else f"{x['mean']:+.3f} [{x['lo']:+.3f}, {x['hi']:+.3f}] (n {x['n']})"
+            for x in d.values()) + " |")
+    per = diffs["Overall"]["acc"] or diffs["Overall"]["pce"]
+    if per:
+        lines += ["", "Per seed (Overall): " + "; ".join(
+            f"seed {s}: " + ", ".join(f"{k} {diffs['Overall'][k]['per_seed'][s]:+.3f}" for k in ("acc", "pce", "ece")
+                                      if diffs["Overall"][k]) for s in per["per_seed"])]
+    return "\n".join(lines)
+
+
+def why_table(agg, methods):
+    """Per trained method, the means over training (training_stats) that say why the margin acts or not."""
+    lines = ["| method | " + " | ".join(c for c, _ in WHY) + " |", "|---|" + "---:|" * len(WHY)]
+    for m in methods:
+        if m != "base":
+            lines.append(f"| {NAMES[m]} | " + " | ".join(_cell_of(agg[m], "train", k) for _, k in WHY) + " |")
+    return "\n".join(lines)
+
+
+def accuracy_se(agg):
+    """Standard error sqrt(p(1-p)/n) of one accuracy at the base's (else the first method's) accuracy."""
+    m = "base" if "base" in agg else next(iter(agg))
+    seed = next(iter(agg[m]["seeds"].values()))
+    out = {}
+    for b in BENCHMARKS:
+        p, n = agg[m]["mean"][b]["acc"], seed["benchmarks"][b]["n"]
+        out[b] = dict(p=p, n=n, se=math.sqrt(p * (1 - p) / n))
+    return dict(method=m, benchmarks=out)
+
+
+def plot_pooled(out, m, res):
+    """OUT/reliability_M.png: the reliability diagram of every seed's samples, every benchmark pooled."""
+    conf, correct = [], []
+    for s in res["seeds"].values():
+        for r in files.read_jsonl(os.path.join(s["eval"], "samples.jsonl"), say=quiet):
+            if (r["model"] == s["model"] and r["benchmark"] in BENCHMARKS and r["question"] < (s["questions"] or math.inf)
+                    and r["sample"] < (s["samples"] or math.inf)):
+                conf.append(r["confidence"]), correct.append(r["correct"])
+    path = os.path.join(out, f"reliability_{m}.png")
+    c = metrics.calibration(conf, correct)
+    title = (f"{NAMES[m]} | toy benchmarks | {res['confidence']} | {len(res['seeds'])} seeds\n"
+             f"acc {c['acc']:.3f}  ECE {c['ece']:.3f}  n {c['n']}")
+    plot_reliability(metrics.reliability(conf, correct), title, path)
+    return path
+
+
+def write_outputs(out, methods, seeds, argv):
+    """OUT/table.md, OUT/results.json (every seed's numbers) and OUT/reliability_M.png (all seeds and
+    benchmarks pooled); returns the markdown."""
+    agg = over_seeds(out, methods, seeds)
+    prov = runlog.provenance(["reproduce.py", *argv], device="cpu")
+    commit = prov["git_commit"][:7] + ("+dirty" if prov["git_commit"].endswith("+dirty") else "")
+    when = (f"{prov['date'].replace('T', ' ').replace('+00:00', ' UTC')}; command `python {prov['command']}`; "
+            f"commit {commit}")
+    se, diffs = accuracy_se(agg), headline_differences(agg)
+    groups = {}
+    for m in methods:
+        groups.setdefault(", ".join(map(str, seeds[m])), []).append(NAMES[m])
+    md = [f"Toy-world reproduction, {when}; seeds "
+          + "; ".join(f"{', '.join(names)}: {s}" for s, names in groups.items())
+          + " (mean +- sample std over seeds); benchmarks " + ", ".join(BENCHMARKS)
+          + " (Overall: their unweighted mean)", ""]
+    main, abl = [m for m in methods if m in MAIN], [m for m in methods if m in ABLATIONS]
+    for part in (main, abl):
+        if part:
+            md += [tables(agg, part), ""]
+    if diffs:
+        md += ["Paired difference RLCM - GRPO (same seed, base and data order): mean [95 % t interval over "
+               "seeds] (seeds)", "", difference_table(diffs), ""]
+    md += ["Why (means over training, then over seeds)", "", why_table(agg, methods), ""]
+    md.append(f"Standard error of one accuracy (sqrt(p(1-p)/n) at {NAMES[se['method']]}'s accuracy): " + ", ".join(
+        f"{b} {x['se']:.3f} at p = {x['p']:.3f}, n = {x['n']} samples" for b, x in se["benchmarks"].items()) + ".")
+    for m in methods:
+        agg[m]["reliability_png"] = plot_pooled(out, m, agg[m])
+    files.write_json(os.path.join(out, "results.json"), clean(dict(
+        methods=agg, seeds=seeds, benchmarks=list(BENCHMARKS), differences=diffs, accuracy_se=se,
+        command=prov["command"], date=prov["date"], git_commit=prov["git_commit"], provenance=prov)))
+    text = "\n".join(md) + "\n"
+    with files.replacing(os.path.join(out, "table.md")) as f:
+        f.write(text)
+    return text
+
+
+# Statistics over seeds: mean and sample std, the paired difference of two methods with its 95 % t
+# interval, and a table cell "mean +- sd".
+def mean_std(values):
+    """(mean, sample std with ddof=1) of the finite values (None and nan skipped); std None for one
+    value, both None for none. [0.5, 0.6, None] -> (0.55, 0.0707)."""
+    vals = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    if not vals:
+        return None, None
+    return float(np.mean(vals)), (float(np.std(vals, ddof=1)) if len(vals) > 1 else None)
+
+
+@functools.lru_cache(maxsize=None)   # 120,000 density values a call, asked for the same df many times
+def t_quantile(df, p=0.975):
+    """Student's t quantile (p in (0.5, 1)): the t-density integrated by Simpson's rule, inverted by
+    bisection (numpy has none, and scipy is not a requirement). df 4 -> 2.7764."""
+    const = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+    density = lambda x: const * (1 + x * x / df) ** (-(df + 1) / 2)  # noqa: E731
+
+    def cdf(x, n=2000):   # P(T <= x) for x >= 0
+        h = x / n
+        odd, even = sum(density((2 * i - 1) * h) for i in range(1, n // 2 + 1)), \
+            sum(density(2 * i * h) for i in range(1, n // 2))
+        return 0.5 + h / 3 * (density(0) + 4 * odd + 2 * even + density(x))
+    lo, hi = 0.0, 1000.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
+    return (lo + hi) / 2
+
+
+def paired(a, b):
+    """The paired difference b - a over the seeds both have ({seed: x}; None skipped): per seed, its mean
+    and a 95 % t interval (mean +- t(0.975, n - 1) * sd / sqrt(n)); None where fewer than two seeds
+    have both."""
+    seeds = [s for s in a if s in b and a[s] is not None and b[s] is not None]
+    diffs = {s: b[s] - a[s] for s in seeds}
+    if len(diffs) < 2:
+        return None
+    mean, sd = mean_std(list(diffs.values()))
+    pm = t_quantile(len(diffs) - 1) * sd / math.sqrt(len(diffs))
+    return dict(per_seed=diffs, mean=mean, lo=mean - pm, hi=mean + pm, pm=pm, n=len(diffs))
+
+
+def cell(mean, sd):
+    """A table's "0.512 +- 0.034"; "0.512" without an sd, "-" without a mean."""
+    return "-" if mean is None else f"{mean:.3f}" + ("" if sd is None else f" +- {sd:.3f}")
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         args, methods, seeds, jobs = parse_args(argv)
         work = job_list(args, methods, seeds)
-        todo = {j["name"]: training(j["run"], j["evals"][0]["dir"], j["train"], args.train_args)
+        todo = {j["name"]: training(j["run"], j["ev"], j["train"], args.train_args)
                 for j in work if j["run"] is not None}
-        if args.study:
-            print(study.cost_summary(args, work, todo, jobs), flush=True)
     except UserError as e:
         print(f"reproduce.py: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
     t0 = time.time()
     STOP.clear()
-    run_jobs = Jobs(args, sum((j["run"] is not None) + len(j["evals"]) for j in work), todo)
+    run_jobs = Jobs(args, len(work) + len(todo), todo)
     pool = ThreadPoolExecutor(jobs)
     futures = [pool.submit(run_jobs, j) for j in work]
     default = signal.signal(signal.SIGTERM, stop_children)
@@ -299,7 +557,7 @@ def main(argv=None):
               "fix the cause and run the same command again (finished steps are kept)", file=sys.stderr)
         raise SystemExit(1)
     try:
-        print("\n" + (study.write_study(args, work, argv) if args.study else write_outputs(args.out, methods, seeds, argv)))
+        print("\n" + write_outputs(args.out, methods, seeds, argv))
     except UserError as e:
         print(f"reproduce.py: error: {e}", file=sys.stderr)
         raise SystemExit(1) from None

@@ -16,8 +16,8 @@ import time
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from toy import (BASE_DIR, BENCHMARKS, INSTRUCTION, MODEL, RLCR_INSTRUCTION, SUFFIX, WARM, WORLD, WORLDS,
-                 dataset, implied_sum, terms_of, tokenizer, trace)
+from toy import (BASE_DIR, BENCHMARKS, INSTRUCTION, MODEL, RLCR_INSTRUCTION, SUFFIX, WARM, dataset,
+                 implied_sum, terms_of, tokenizer, trace)
 
 CONFIDENCES = [f"0.{d}" for d in range(1, 10)]  # the warm start's verbal confidence: any, at random
 
@@ -39,13 +39,13 @@ def rlcr_tail(total, rng):
             f"<confidence>{rng.choice(CONFIDENCES)}</confidence>")
 
 
-def example(tok, problem, rng, forced, world=WARM):
+def example(tok, problem, rng, forced):
     """One warm-start sequence: (ids, loss_mask), loss on response tokens only. Plain: prompt +
     trace + </think>\\boxed{total}EOS (p_rlcr: RLCR_INSTRUCTION, rlcr_tail for the box). Forced:
     prompt + response[:b] + CLOSE + SUFFIX + implied}\\n (toy.implied_sum: "14+2")."""
     terms = terms_of(problem)
-    lines, totals = trace(terms, rng, world)
-    rlcr = not forced and rng.random() < world["p_rlcr"]
+    lines, totals = trace(terms, rng)
+    rlcr = not forced and rng.random() < WARM["p_rlcr"]
     content = problem + (RLCR_INSTRUCTION if rlcr else INSTRUCTION)
     prompt = tok.apply_chat_template([{"role": "user", "content": content}],
                                      add_generation_prompt=True, tokenize=False)
@@ -56,38 +56,37 @@ def example(tok, problem, rng, forced, world=WARM):
         return prompt + response, [0] * len(prompt) + [1] * len(response)
     b = rng.randint(1, len(response))
     implied = implied_sum(problem, terms, lines, totals, b)
-    close = (tok.eos_token_id if rng.random() < world["p_eos_close"]
+    close = (tok.eos_token_id if rng.random() < WARM["p_eos_close"]
              else tok.convert_tokens_to_ids("</think>"))
     # A cut ending on the close token gets a second one here (label.forced_prompt adds none, as
     # released): toy_base was built so, and its labels still carry signal (tests/test_toy.py).
     head = prompt + response[:b] + [close] + tok.encode(SUFFIX, add_special_tokens=False)
     answer = tok.encode(f"{implied}}}\n", add_special_tokens=False)
     mask = ([0] * len(prompt) + [1] * b + [0] * (len(head) - len(prompt) - b)
-            + [world["w_forced"]] * len(answer))
+            + [WARM["w_forced"]] * len(answer))
     return head + answer, mask
 
 
-def warm_start(out, log=print, world=WORLD):
+def warm_start(out, log=print):
     """Supervised warm start (AdamW, warm-up then cosine; fixed seeds, threads) into `out`, fp32."""
-    world = WORLDS[world]
     threads = torch.get_num_threads()
-    torch.set_num_threads(world["threads"])
+    torch.set_num_threads(WARM["threads"])
     try:
         tok = tokenizer()
-        model = build_model(tok, world["seed"])
-        rng = random.Random(world["seed"])
+        model = build_model(tok, WARM["seed"])
+        rng = random.Random(WARM["seed"])
         pools = [[row["problem"] for row in dataset("train", b)] for b in BENCHMARKS]
         # beta2 0.95 and weight decay: docs/reference.md, "The toy's warm start"
-        opt = torch.optim.AdamW(model.parameters(), lr=world["lr"], betas=(0.9, world["beta2"]),
-                                weight_decay=world["weight_decay"])
-        steps, t0 = world["steps"], time.time()
+        opt = torch.optim.AdamW(model.parameters(), lr=WARM["lr"], betas=(0.9, WARM["beta2"]),
+                                weight_decay=WARM["weight_decay"])
+        steps, t0 = WARM["steps"], time.time()
         for step in range(steps):
-            lr = (world["lr"] * min(1.0, (step + 1) / world["warmup"])
+            lr = (WARM["lr"] * min(1.0, (step + 1) / WARM["warmup"])
                   * 0.5 * (1 + math.cos(math.pi * step / steps)))
             for group in opt.param_groups:
                 group["lr"] = lr
-            batch = [example(tok, rng.choice(rng.choices(pools, world["mix"])[0]), rng,
-                             rng.random() < world["p_forced"], world) for _ in range(world["batch_size"])]
+            batch = [example(tok, rng.choice(rng.choices(pools, WARM["mix"])[0]), rng,
+                             rng.random() < WARM["p_forced"]) for _ in range(WARM["batch_size"])]
             width = max(len(ids) for ids, _ in batch)
             ids = torch.tensor([i + [tok.pad_token_id] * (width - len(i)) for i, _ in batch])
             mask = torch.tensor([m + [0] * (width - len(m)) for _, m in batch], dtype=torch.float32)
@@ -112,7 +111,7 @@ def warm_start(out, log=print, world=WORLD):
     return out
 
 
-def base_model(path=None, rebuild=False, world=WORLD):
+def base_model(path=None, rebuild=False):
     """Directory of the warm-started base policy (default: the committed toy_base/), trained if
     missing or if rebuild=True. Written to a temporary sibling, then renamed into place."""
     path = os.path.abspath(path or BASE_DIR)
@@ -122,7 +121,7 @@ def base_model(path=None, rebuild=False, world=WORLD):
         tmp, old = tempfile.mkdtemp(prefix=".toy_base.", dir=parent), None
         try:
             os.chmod(tmp, 0o755)
-            warm_start(tmp, world=world)
+            warm_start(tmp)
             if os.path.exists(path):
                 old = tempfile.mkdtemp(prefix=".toy_base.old.", dir=parent)
                 os.rename(path, os.path.join(old, "base"))
@@ -138,10 +137,5 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Rebuild the toy world's warm-started base policy.")
     parser.add_argument("--out", default=BASE_DIR,
                         help="output directory (default: toy_base/)")
-    parser.add_argument("--world", default=WORLD, choices=sorted(WORLDS),
-                        help=f"{WORLD}: the world (toy_base/); legible-quiet: the same without `?` (the "
-                             "study's control, docs/toy-world.md)")
     args = parser.parse_args()
-    if args.world != WORLD and args.out == BASE_DIR:
-        parser.error(f"--world {args.world} needs its own --out DIR (toy_base/ is the default world's)")
-    print(base_model(args.out, rebuild=True, world=args.world))
+    print(base_model(args.out, rebuild=True))

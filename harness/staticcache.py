@@ -118,7 +118,7 @@ class _Shape:
 class StaticDecoder:
     """Hands out decode steps over static buffers: those (and the graphs) of the last shape asked for.
     full: attend over the whole buffer at every step instead of the live length (the comparison
-    in study/bench.py)."""
+    in tests/bench.py and tests/gpu_check.py)."""
 
     def __init__(self, model, cache_kw):
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config

@@ -92,7 +92,7 @@ from harness.files import UserError  # noqa: E402
 from config import COMMON, REAL  # noqa: E402
 from harness.parallel import wrap  # noqa: E402
 from live_bytes import LiveBytes  # noqa: E402  (beside this file)
-from study import bench  # noqa: E402
+import bench  # noqa: E402  (beside this file)
 from train import checkpoint_activations  # noqa: E402
 from update import cut_ends, micro_batches, micro_batch, forward_pass, update  # noqa: E402
 

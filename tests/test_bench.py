@@ -1,10 +1,11 @@
-"""study/bench.py: the bandwidth floor formula, and one tiny run of every path on the toy model."""
+"""tests/bench.py: the bandwidth floor formula, and one tiny run of every path on the toy model."""
+import os
 import subprocess
 import sys
 
 import pytest
 
-from study import bench
+import bench
 from harness.files import UserError
 import tiny
 from runs import ROOT
@@ -86,8 +87,18 @@ def test_bench_checks_its_flags_before_loading_anything(flags, line):
     assert str(e.value).startswith(line)
 
 
-@pytest.mark.slow   # study/bench.py in a subprocess
+@pytest.mark.slow   # tests/bench.py in a subprocess, run as a file
 def test_bench_flag_error_is_one_line_exit_2():
-    p = subprocess.run([sys.executable, "-m", "study.bench", "--repeat", "0"], capture_output=True,
+    p = subprocess.run([sys.executable, os.path.join("tests", "bench.py"), "--repeat", "0"], capture_output=True,
                        text=True, cwd=ROOT)
     assert p.returncode == 2 and p.stderr.strip() == "error: --repeat 0: must be >= 1"
+
+
+def test_bench_run_as_a_file_prints_its_help():
+    """Run as a file, Python puts tests/, not the repository root, on the path: the project's modules are
+    found all the same."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    p = subprocess.run([sys.executable, os.path.join("tests", "bench.py"), "--help"], cwd=ROOT,
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("usage: bench.py ")

@@ -30,6 +30,7 @@ ELSEWHERE = {
     "verl/": "the released code (the authors' repository; the map in docs/reference.md)",
     "scripts/eval/": "the released code's evaluation scripts (the map in docs/reference.md)",
     "core_algos.py": "verl's policy-loss file in the released code (the map in docs/reference.md)",
+    "study/": "the finished toy study's code, at commit 51f0271 (docs/toy-world.md, \"Rerunning the study\")",
     "OUT/": "a command's --out folder (reproduce.py writes OUT/table.md)",
     "runs/": "the run folders training and reproduce.py write",
     "table.md": "the table reproduce.py writes into its --out folder",

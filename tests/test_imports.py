@@ -6,7 +6,7 @@ import ast
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = ("evaluation", "harness", "study")
+PACKAGES = ("evaluation", "harness")
 
 
 def project_imports():
@@ -71,3 +71,10 @@ def test_harness_imports_no_top_level_file():
     assert {"probe", "toy"} <= top and "harness.parallel" in edges
     up = sorted(f"{m} -> {n}" for m in edges if m.startswith("harness.") for n in edges[m] & top)
     assert not up, "harness/ imports the method (pass what it needs in): " + ", ".join(up)
+
+
+def test_reproduce_stands_above_and_nothing_imports_it():
+    """reproduce.py (the paper's table) uses evaluation/, harness/ and the method; none of those uses it."""
+    edges = project_imports()
+    assert {"evaluation.report", "harness.checkpoint", "evaluate"} <= edges["reproduce"]
+    assert [m for m, names in edges.items() if "reproduce" in names] == []

@@ -14,7 +14,6 @@ import torch
 from safetensors.torch import save_file
 
 import reproduce
-from study import comparison, stats
 from harness.files import UserError
 from runs import ROOT
 
@@ -50,7 +49,7 @@ def test_tiny_comparison_writes_the_table_and_a_rerun_redoes_nothing(tmp_path, c
         ev = _load(os.path.join(out, "eval", f"{m}-seed0", "results.json"))
         assert list(ev) == [f"{m}-seed0/step_000001"] == [seed["model"]]
         assert ev[seed["model"]]["confidence"] == "probe-posthoc"
-        for b in comparison.BENCHMARKS:
+        for b in reproduce.BENCHMARKS:
             got = ev[seed["model"]]["benchmarks"][b]
             assert got["n"] == 4
             for key in ("acc", "pce", "ece", "brier", "auroc"):   # auroc: None (nan) in both when one class
@@ -101,9 +100,9 @@ def _fake_eval(out, name, label, numbers, n=40, extra=None, per_bench=None):
     """EVAL/results.json with `numbers` on every toy benchmark (per_bench: {benchmark: numbers} instead)."""
     ev = os.path.join(out, "eval", name)
     os.makedirs(ev)
-    benches = {b: dict((per_bench or {}).get(b, numbers), n=n) for b in comparison.BENCHMARKS}
+    benches = {b: dict((per_bench or {}).get(b, numbers), n=n) for b in reproduce.BENCHMARKS}
     run = None if name.startswith("base") else os.path.join(out, "runs", name)   # (made by _fake_run first)
-    res = {label: dict(confidence="probe-posthoc", benchmarks=benches, model_id=comparison.model_of(run)[1],
+    res = {label: dict(confidence="probe-posthoc", benchmarks=benches, model_id=reproduce.model_of(run)[1],
                        settings={b: dict(questions=n, n=1) for b in benches})}
     res.update(extra or {})
     with open(os.path.join(ev, "results.json"), "w") as f:
@@ -121,7 +120,7 @@ def test_aggregate_pins_mean_and_sample_std(tmp_path):
     _fake_eval(out, "base-seed1", "toy", m(0.6, 0.20, None))   # nan AUROC (one class) is skipped
     _fake_run(out, "grpo-seed0", 3, {0: 0.4, 3: 0.8})
     _fake_run(out, "grpo-seed1", 3, {3: 0.7, 0: 0.5})
-    stale = {"grpo-seed0/step_000001": dict(benchmarks={b: dict(m(0.0, 0.9, 0.1), n=40) for b in comparison.BENCHMARKS})}
+    stale = {"grpo-seed0/step_000001": dict(benchmarks={b: dict(m(0.0, 0.9, 0.1), n=40) for b in reproduce.BENCHMARKS})}
     _fake_eval(out, "grpo-seed0", "grpo-seed0/step_000003", m(0.7, 0.05, 0.8), extra=stale)
     _fake_eval(out, "grpo-seed1", "grpo-seed1/step_000003", m(0.9, 0.15, 0.6))
     for method in ("rlcr", "final-brier"):
@@ -130,9 +129,9 @@ def test_aggregate_pins_mean_and_sample_std(tmp_path):
             _fake_eval(out, f"{method}-seed{seed}", f"{method}-seed{seed}/step_000002", m(0.3, 0.2, 0.5))
 
     methods = ["base", "grpo", "rlcr", "final-brier"]
-    md = comparison.write_outputs(out, methods, dict.fromkeys(methods, [0, 1]), ["--seeds", "0,1", "--ablations"])
+    md = reproduce.write_outputs(out, methods, dict.fromkeys(methods, [0, 1]), ["--seeds", "0,1", "--ablations"])
     res = _load(os.path.join(out, "results.json"))["methods"]
-    for part in comparison.BENCHMARKS + ("Overall",):   # the same numbers on each: so is their mean
+    for part in reproduce.BENCHMARKS + ("Overall",):   # the same numbers on each: so is their mean
         assert res["base"]["mean"][part]["acc"] == pytest.approx(0.55)
         assert res["base"]["std"][part]["acc"] == pytest.approx(math.sqrt(0.005))       # ddof=1: 0.0707
     assert res["base"]["mean"]["toy"]["auroc"] == pytest.approx(0.6) and res["base"]["std"]["toy"]["auroc"] is None
@@ -153,13 +152,13 @@ def test_aggregate_pins_mean_and_sample_std(tmp_path):
     assert "| RLCR | verbal | 0.300 +- 0.000 |" in main and "Final-Brier" not in main
     assert ablations.splitlines()[0].startswith("| method | confidence | toy Acc |")
     assert "| Final-Brier | probe-posthoc |" in ablations and "GRPO" not in ablations
-    assert comparison.CONFIDENCE["c2gspg"] == "logits" and comparison.CONFIDENCE["final-margin"] == "probe-posthoc"
+    assert reproduce.CONFIDENCE["c2gspg"] == "logits" and reproduce.CONFIDENCE["final-margin"] == "probe-posthoc"
     assert "toy 0.079 at p = 0.550, n = 40 samples" in md                       # sqrt(.55 * .45 / 40)
     assert "RLCM - GRPO" not in md   # no RLCM: no paired difference
     assert open(os.path.join(out, "table.md")).read() == md
     assert os.path.isfile(os.path.join(out, "reliability_base.png"))
     assert os.path.isfile(os.path.join(out, "reliability_grpo.png"))
-    assert stats.mean_std([0.25]) == (0.25, None) and stats.mean_std([None]) == (None, None)
+    assert reproduce.mean_std([0.25]) == (0.25, None) and reproduce.mean_std([None]) == (None, None)
 
 
 @pytest.mark.parametrize("flags", [["--methods", "grpo,ppo"], ["--methods", ","], ["--seeds", "0,x"],
@@ -211,11 +210,10 @@ def test_a_model_trained_again_in_place_is_evaluated_again_not_given_the_old_sam
     # numbers (all its samples reused), and reproduce.py's eval_entry called it "evaluated already".
     import evaluate
     import toy_warm
-    from study import comparison
     model = str(tmp_path / "model")
     shutil.copytree(toy_warm.base_model(), model)
     first = evaluate.main(["--model", model, "--out", str(tmp_path / "e"), *FAST])["model"]
-    assert comparison.eval_entry(str(tmp_path / "e"), "model", evaluate.model_id(model))["model_id"] == first["model_id"]
+    assert reproduce.eval_entry(str(tmp_path / "e"), "model", evaluate.model_id(model))["model_id"] == first["model_id"]
     retrain_in_place(model)
     capsys.readouterr()
     again = evaluate.main(["--model", model, "--out", str(tmp_path / "e"), *FAST])
@@ -225,7 +223,7 @@ def test_a_model_trained_again_in_place_is_evaluated_again_not_given_the_old_sam
     assert fresh["benchmarks"]["toy"]["acc"] != first["benchmarks"]["toy"]["acc"]
     assert again["model"]["model_id"] != first["model_id"] and again["model"]["model_id"].startswith(
         os.path.realpath(model) + "#")
-    assert comparison.eval_entry(str(tmp_path / "e"), "model", first["model_id"]) is None   # the old model's: gone
+    assert reproduce.eval_entry(str(tmp_path / "e"), "model", first["model_id"]) is None   # the old model's: gone
 
 
 @pytest.mark.parametrize("key, value", [("model", "runs/other"), ("data", "toy-sub")])
@@ -312,14 +310,14 @@ def test_a_damaged_entry_is_evaluated_again(done, capsys, damage):
         toy["acc"] = str(toy["acc"])
     with open(path, "w") as f:
         json.dump(res, f)
-    assert comparison.eval_entry(os.path.dirname(path), "toy", comparison.model_of(None)[1]) is None
+    assert reproduce.eval_entry(os.path.dirname(path), "toy", reproduce.model_of(None)[1]) is None
     with pytest.raises(UserError, match=f"{path} holds no complete toy results for toy: run the command again"):
-        comparison.over_seeds(out, ["base"], {"base": [0]})
+        reproduce.over_seeds(out, ["base"], {"base": [0]})
     reproduce.main(argv)   # at 81f6578: a KeyError traceback / a FAILED line that no rerun clears
     printed = capsys.readouterr().out
     assert "base seed 0: evaluated in" in printed and "grpo seed 0: evaluated already" in printed
     assert _base_entry(out)[1]["toy"]["benchmarks"]["toy"]["acc"] == good["acc"]
-    assert comparison.over_seeds(out, ["base"], {"base": [0]})["base"]["mean"]["toy"]["pce"] == good["pce"]
+    assert reproduce.over_seeds(out, ["base"], {"base": [0]})["base"]["mean"]["toy"]["pce"] == good["pce"]
 
 
 POISON = "--lr -1"   # at 81f6578 the flags below are passed on: this makes the child fail at once
@@ -368,8 +366,8 @@ def test_an_equal_seed_and_reordered_flags_are_not_refused(tmp_path):
     entry = dict(provenance=dict(command=f"evaluate.py --limit 4 --model toy --out {ev} --seed 1 --benchmarks toy,toy-long,toy-sub "
                                          "--confidence logits --no-early-exit"))
     cmd = reproduce.eval_cmd("c2gspg", 1, None, ev)
-    assert comparison.made_with(entry, cmd + ["--limit", "4"]) and not comparison.made_with(entry, cmd)
-    assert not comparison.made_with({}, cmd)
+    assert reproduce.made_with(entry, cmd + ["--limit", "4"]) and not reproduce.made_with(entry, cmd)
+    assert not reproduce.made_with({}, cmd)
 
 
 def _alive(pid):

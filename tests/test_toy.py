@@ -145,7 +145,7 @@ def test_trace_slips_go_on_from_the_written_total():
 def test_base_model_builds_atomically_once(tmp_path, monkeypatch):
     calls = []
 
-    def fake_warm_start(out, log=print, world=toy.WORLD):
+    def fake_warm_start(out, log=print):
         calls.append(out)
         open(os.path.join(out, "model.safetensors"), "w").close()
 

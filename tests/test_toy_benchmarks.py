@@ -21,7 +21,6 @@ import toy
 import toy_warm
 from evaluation import benchmarks, probes
 from grpo import group_advantages
-from study import comparison, stats
 
 
 def test_benchmarks_are_deterministic_disjoint_and_what_they_say():
@@ -29,7 +28,7 @@ def test_benchmarks_are_deterministic_disjoint_and_what_they_say():
     first = {name: [r["problem"] for r in toy.dataset("test", name)[:3]] for name in toy.BENCHMARKS}
     assert {name: rows[:2] for name, rows in first.items()} == {
         "toy": ["7+5+3+8+8", "4+2+7+7"], "toy-long": ["8+5+8+8+1+8+1+3", "6+9+9+5+4+1+4"],
-        "toy-sub": ["8+5-9+1+5-1", "9+1-6+8-8"]}   # the study's rows (hashes: test_study.py)
+        "toy-sub": ["8+5-9+1+5-1", "9+1-6+8-8"]}   # the study's rows (hashes below)
     for name in toy.BENCHMARKS:
         train, test = toy.dataset("train", name), toy.dataset("test", name)
         assert test == toy.dataset("test", name) and len(test) == toy.N_TEST and len(train) == toy.N_TRAIN
@@ -44,6 +43,44 @@ def test_benchmarks_are_deterministic_disjoint_and_what_they_say():
         assert minus == ({True} if name == "toy-sub" else {False})   # every toy-sub problem subtracts
     with pytest.raises(ValueError, match="toy-hard"):
         toy.dataset("test", "toy-hard")
+
+
+def test_the_worlds_rows_are_as_they_were():
+    """Pinned at 4b29540, when the world was built beside the earlier `sum` one: every number measured on
+    it (docs/toy-world.md, the study) was measured on these rows."""
+    import hashlib
+    pins = {"test/toy": "9e0346a90e5f4ee4", "test/toy-long": "bcaa527dad38f641", "test/toy-sub": "bc56499a9e264c05",
+            "train/toy": "124cda8e60380e7a", "train/toy-long": "66d69562f825171d", "train/toy-sub": "78c21b5aa1638f93"}
+    for where, pin in pins.items():
+        split, name = where.split("/")
+        rows = toy.dataset(split, name)
+        assert hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16] == pin, where
+
+
+def test_the_toy_names_read_the_worlds_rows_and_toy_world_marks_a_model_folder_as_toy(tmp_path):
+    """The toy benchmark names read the world's rows (train.py's --data / --eval-data, evaluate.py's
+    benchmarks and toy post-hoc fits); --toy-world given with a --model folder applies the toy world's
+    defaults; a run keeps its world on resume and refuses another."""
+    from harness.files import UserError
+    rows = {split: toy.dataset(split, "toy") for split in ("train", "test")}
+    assert data.load_rows("toy", split="test") == rows["test"]
+    [(name, got, _, _)] = benchmarks.load_benchmarks(["toy"], limit=3)
+    assert (name, got) == ("toy", rows["test"][:3])
+    assert probes.toy_fit_rows("toy") == rows["train"]
+    assert probes.toy_fit_rows("toy-pooled")[:3] == [toy.dataset("train", b)[0] for b in data.TOY_BENCHMARKS]
+
+    cfg = config.resolve_args(["--model", toy.BASE_DIR, "--toy-world", toy.WORLD, "--out", str(tmp_path / "a")])
+    assert (cfg["toy_world"], cfg["data"], cfg["max_new_tokens"], cfg["lr"], cfg["lam"]) == \
+        (toy.WORLD, "toy", 72, 2e-5, 1.0)
+    assert config.resolve_args(["--model", toy.BASE_DIR, "--out", str(tmp_path / "b")])["data"] == "deepscaler"
+    assert config.resolve_args(["--out", str(tmp_path / "c")])["toy_world"] is None   # --model toy: the world's
+    for world, name in ((toy.WORLD, "toy"), (None, "real")):
+        run = tmp_path / name
+        run.mkdir()
+        (run / "config.json").write_text(json.dumps(dict(model=toy.BASE_DIR, toy_world=world, seed=0)))
+    assert config.resolve_args(["--resume", str(tmp_path / "toy")])["max_new_tokens"] == 72   # the saved world's
+    with pytest.raises(UserError, match="--toy-world cannot change on resume"):
+        config.resolve_args(["--resume", str(tmp_path / "real"), "--toy-world", toy.WORLD])
 
 
 def test_subtraction_traces_and_forced_answers():
@@ -99,7 +136,7 @@ def test_advantage_parts_split_the_group_advantage():
 
 def test_default_seeds_give_the_headline_pair_five():
     _, methods, seeds, _ = reproduce.parse_args([])
-    assert methods == comparison.MAIN
+    assert methods == reproduce.MAIN
     assert seeds == dict(base=[0, 1, 2], grpo=[0, 1, 2, 3, 4], rlcr=[0, 1, 2], c2gspg=[0, 1, 2], rlcm=[0, 1, 2, 3, 4])
     assert reproduce.parse_args(["--seeds", "7"])[2]["rlcm"] == [7]
     cmd = reproduce.eval_cmd("rlcm", 0, "RUN", "EV")
@@ -107,13 +144,13 @@ def test_default_seeds_give_the_headline_pair_five():
 
 
 def test_t_quantile_and_paired_interval_worked_numbers():
-    assert stats.t_quantile(4) == pytest.approx(2.776445, abs=1e-5)
-    assert stats.t_quantile(1) == pytest.approx(12.706205, abs=1e-4)
+    assert reproduce.t_quantile(4) == pytest.approx(2.776445, abs=1e-5)
+    assert reproduce.t_quantile(1) == pytest.approx(12.706205, abs=1e-4)
     # differences 0.5, 0, 1: mean 0.5, sd 0.5, t(0.975, 2) = 4.302653 -> +- 4.302653 * 0.5 / sqrt(3) = 1.242069
-    d = stats.paired({0: 1.0, 1: 2.0, 2: 3.0, 9: 0.0}, {0: 1.5, 1: 2.0, 2: 4.0})
+    d = reproduce.paired({0: 1.0, 1: 2.0, 2: 3.0, 9: 0.0}, {0: 1.5, 1: 2.0, 2: 4.0})
     assert d["per_seed"] == {0: 0.5, 1: 0.0, 2: 1.0} and d["n"] == 3   # seed 9: GRPO only, not paired
     assert (d["mean"], d["pm"]) == (pytest.approx(0.5), pytest.approx(1.242069, abs=1e-5))
-    assert stats.paired({0: 1.0}, {0: 2.0}) is None
+    assert reproduce.paired({0: 1.0}, {0: 2.0}) is None
 
 
 def _fake(out, method, seed, acc, pce, ece, train_rows=()):
@@ -135,12 +172,12 @@ def _fake(out, method, seed, acc, pce, ece, train_rows=()):
     ev = os.path.join(out, "eval", f"{method}-seed{seed}")
     os.makedirs(ev)
     benches = {b: dict(acc=acc - (0.2 if b == "toy-long" else 0), pce=pce, ece=ece, brier=0.2, auroc=0.7, n=40)
-               for b in comparison.BENCHMARKS}
+               for b in reproduce.BENCHMARKS}
     with open(os.path.join(ev, "results.json"), "w") as f:
-        json.dump({label: dict(confidence="probe-posthoc", benchmarks=benches, model_id=comparison.model_of(run)[1],
+        json.dump({label: dict(confidence="probe-posthoc", benchmarks=benches, model_id=reproduce.model_of(run)[1],
                                settings={b: dict(questions=40, n=1) for b in benches})}, f)
     with open(os.path.join(ev, "samples.jsonl"), "w") as f:
-        for b in comparison.BENCHMARKS:
+        for b in reproduce.BENCHMARKS:
             f.write("".join(json.dumps(dict(model=label, benchmark=b, question=q, sample=0, correct=q % 2,
                                             confidence=0.5)) + "\n" for q in range(40)))
 
@@ -154,7 +191,7 @@ def test_reproduce_prints_the_benchmarks_overall_differences_and_why(tmp_path):
         _fake(out, "rlcm", s, rlcm_acc[s], 0.08, 0.05 + 0.01 * s,
               [dict(step=1, signal_frac=0.3, calib_adv_share=0.1), dict(step=2, signal_frac=0.5, calib_adv_share=0.3),
                dict(step=2, eval=True, eval_accuracy=0.6, eval_probe_auroc=0.7 + 0.01 * s)])
-    md = comparison.write_outputs(out, ["grpo", "rlcm"], dict(grpo=seeds, rlcm=seeds), [])
+    md = reproduce.write_outputs(out, ["grpo", "rlcm"], dict(grpo=seeds, rlcm=seeds), [])
     res = json.load(open(os.path.join(out, "results.json")))
     assert res["methods"]["grpo"]["mean"]["Overall"]["acc"] == pytest.approx(0.6 - 0.2 / 3)
     assert res["methods"]["rlcm"]["mean"]["toy-long"]["acc"] == pytest.approx(0.61 - 0.2)

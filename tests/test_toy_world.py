@@ -1,11 +1,11 @@
 """The toy world's traces (docs/toy-world.md): slips where a step carries, noticed slips flagged with
-`?`, forced answers that copy the path; and study/premises.py's reading of such lines."""
+`?`, forced answers that copy the path."""
 import random
+import re
 
 import grade
 import toy
 import toy_warm
-from study import premises
 
 W = toy.WARM
 
@@ -49,7 +49,7 @@ def test_a_forced_answer_is_the_sum_the_path_implies_so_it_copies_the_path():
     # a warm-start forced example ends in such a sum
     tok, rng = toy.tokenizer(), random.Random(0)
     for _ in range(20):
-        ids, _ = toy_warm.example(tok, "9-3+5-2+4", rng, True, W)
+        ids, _ = toy_warm.example(tok, "9-3+5-2+4", rng, True)
         answer = tok.decode(ids).rsplit("\\boxed{", 1)[1].split("}")[0]
         assert grade.integer_sum(answer) is not None or answer.isdigit()
 
@@ -59,50 +59,19 @@ def test_the_benchmarks_have_their_sizes():
         rows = toy.dataset("test", name)
         sizes = {len(toy.terms_of(r["problem"])) for r in rows}
         assert min(sizes) == lo and max(sizes) == hi and len(rows) == toy.N_TEST
-    # the rows the study ran on are pinned by hash in tests/test_study.py
+    # the rows the study ran on are pinned by hash in tests/test_toy_benchmarks.py
 
 
-def test_premises_read_right_and_wrong_lines():
-    text = "3+5=8\n8+7=14?\n14+2=16\n16"
-    assert premises.parse("3+5+7+2", text) == [(None, False), ("total", True), (None, False)]
-    assert premises.parse("3+5+7+2", "3+5=8\n9+7=16\n") == [(None, False), ("total", False)]
-    assert premises.parse("3+5+7", "3+5=8\n8+7=15\n</think>\\boxed{15}") == [(None, False), (None, False)]
-    assert premises.parse("9-6+2-7", "9-6=3\n3+2=6?\n") == [(None, False), ("total", True)]
-
-
-def test_premises_surface_features_leave_the_flags_out_of_the_lengths():
-    """Two samples of one problem that differ in a `?` alone have the same surface features."""
-    tok = toy.tokenizer()
-    texts = ["3+5=8\n8+7=14?\n14+2=16\n</think>\\boxed{16}", "3+5=8\n8+7=14\n14+2=16\n</think>\\boxed{16}"]
-    ids = [tok.encode(t, add_special_tokens=False) for t in texts]
-    assert len(ids[0]) == len(ids[1]) + 1
-    ends = [r.index(tok.convert_tokens_to_ids("</think>")) for r in ids]
-    x = premises.surface_features(["3+5+7+2"] * 2, ids, ends, texts)
-    assert x.tolist() == [[4.0, len(ids[1]), 21.0, 3.0]] * 2   # 21 bytes of thinking, a token a byte
-
-
-def test_premise_iii_reads_each_runs_log_against_its_thresholds(tmp_path, capsys):
-    import json
-
-    def run(name, calib, last_acc):
-        folder = tmp_path / name
-        folder.mkdir()
-        rows = [dict(step=0, eval=True, eval_accuracy=0.5), dict(step=1, signal_frac=0.2, calib_adv_share=calib),
-                dict(step=2, signal_frac=0.4, calib_adv_share=calib), dict(step=2, eval=True, eval_accuracy=last_acc)]
-        (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        return str(folder)
-    assert premises.main(["--parts", "iii", "--run", run("held", 0.2, 0.7)]) == 0
-    out = capsys.readouterr().out
-    assert "held: signal share" in out and " 0.300  >= 0.25  PASS" in out and "premises: 3 of 3 hold" in out
-    assert premises.main(["--parts", "iii", "--run", run("weak", 0.1, 0.4)]) == 1
-    out = capsys.readouterr().out
-    assert " 0.100  >= 0.15  FAIL" in out and "-0.100  >= 0.0   FAIL" in out and "premises: 1 of 3 hold" in out
-
-
-def test_a_trace_is_back_on_the_path_when_its_slips_cancel():
-    assert premises.on_path("3+5+7+2", "3+5=8\n8+7=15\n1")
-    assert not premises.on_path("3+5+7+2", "3+5=9?\n9+7=16\n")
-    assert premises.on_path("3+5+7+2", "3+5=9?\n9+7=15\n") and premises.on_path("3+5+7+2", "3+")
+def slipped(problem, text):
+    """Whether a complete thinking line of `text` writes a wrong total, or leaves the trace of `problem`."""
+    terms, total = toy.terms_of(problem), None
+    for i, line in enumerate(text.split("</think>")[0].split("\n")[:-1]):   # the last piece is not whole
+        m = re.match(r"^(\d+)([+-]\d+)=(\d+)\??$", line)
+        if not m or i + 1 >= len(terms) or int(m[1]) != (terms[0] if total is None else total) or \
+                int(m[2]) != terms[i + 1] or int(m[3]) != int(m[1]) + terms[i + 1]:
+            return True
+        total = int(m[3])
+    return False
 
 
 def test_posthoc_labels_inside_the_thinking_copy_the_path_on_the_warm_start(tmp_path, monkeypatch):
@@ -115,8 +84,9 @@ def test_posthoc_labels_inside_the_thinking_copy_the_path_on_the_warm_start(tmp_
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from evaluation import posthoc, probes
     from evaluation.confidence import think_end
-    from study.mechanism import parse
     from rollout import generate
+    assert slipped("3+5+7+2", "3+5=8\n8+7=14?\n14+2=16\n16") and slipped("3+5+7+2", "3+5=8\n9+7=16\n")
+    assert not slipped("3+5+7", "3+5=8\n8+7=15\n</think>\\boxed{15}") and not slipped("3+5+7+2", "3+5=8\n8+7=1")
     seen = {}
     monkeypatch.setattr(probes.posthoc, "posthoc_probe", lambda cache, model, tok, questions, instruction, close_id,
                         protocol, **kw: seen.update(rows=questions, p=protocol) or (None, {}))
@@ -138,7 +108,7 @@ def test_posthoc_labels_inside_the_thinking_copy_the_path_on_the_warm_start(tmp_
     for r, i, ps, e, ys in zip(out.ids, out.prompt_index, positions, ends, labels):
         for b, y in zip(ps, ys):
             if b < e:
-                cuts["total" in [err for err, _ in parse(rows[i]["problem"], tok.decode(r[:b]))]].append(y)
+                cuts[slipped(rows[i]["problem"], tok.decode(r[:b]))].append(y)
     mean = {slipped: sum(ys) / max(len(ys), 1) for slipped, ys in cuts.items()}
     print(f"\nin-thinking labels: {len(cuts[False])} clean, mean {mean[False]:.3f}; "
           f"{len(cuts[True])} after a wrong total, mean {mean[True]:.3f}")

@@ -1,11 +1,12 @@
 """Generation throughput: the project's sampler (static and dynamic KV cache) against transformers'
 own `model.generate`, on the same prompts and sampling settings, in one run.
 
-    python -m study.bench                  # toy model, 32 prompts x 8 samples, 48 tokens
-    python -m study.bench --shape long     # toy model, 2 x 8 rows, 1024 tokens, EOS off
-    python -m study.bench --shape 7b --config DIR --layers 4 --prompts 8 --prompt-len 2048
+    python tests/bench.py                  # toy model, 32 prompts x 8 samples, 48 tokens
+    python tests/bench.py --shape long     # toy model, 2 x 8 rows, 1024 tokens, EOS off
+    python tests/bench.py --shape 7b --config DIR --layers 4 --prompts 8 --prompt-len 2048
 
-The paths and what each column means: docs/reference.md, "The study's layer".
+A developer's measurement, used by tests/gpu_check.py. The paths and what each column means:
+docs/reference.md, "Decoding speed".
 """
 import argparse
 import os
@@ -17,7 +18,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
-if not __package__:   # run as a file (python study/bench.py), Python puts study/ on the path
+if not __package__:   # run as a file (python tests/bench.py), Python puts tests/ on the path
     sys.path.insert(0, ROOT)
 import rollout  # noqa: E402
 import decode as sampling  # noqa: E402
