@@ -113,10 +113,13 @@ class RunFolder:
         self.say(f"resuming {self.out} from step {step}")
         return probe, probe_opt, step, cursor
 
-    def first_accuracy(self):
-        """The held-out accuracy logged at step 0 (None if none was), for a resumed run's last line."""
+    def first_accuracy(self, cfg, n):
+        """(the held-out accuracy logged at step 0, None if none was; whether it was of another set than
+        this run's n problems of cfg["eval_data"]), for a resumed run's last line."""
         rows = files.read_jsonl(self.metrics) if MASTER else []
-        return next((r.get("eval_accuracy") for r in rows if r.get("eval") and r.get("step") == 0), None)
+        first = next((r for r in rows if r.get("eval") and r.get("step") == 0), {})
+        other = (first.get("eval_n", n), first.get("eval_data", cfg["eval_data"])) != (n, cfg["eval_data"])
+        return first.get("eval_accuracy"), other
 
     def save(self, at, model, model_sd, tok, save_probe, state, keep):
         """Checkpoint `at`, written whole or not at all (the oldest beyond `keep` pruned). state:
