@@ -347,7 +347,7 @@ def resolve_args(argv):
     if cfg["probe_labels"] != "mc" and cfg["reward"] not in PROBE_MODES:
         raise UserError(f"--probe-labels {cfg['probe_labels']}: --reward {cfg['reward']} fits no probe; "
                         "drop it or use a probe mode (" + ", ".join(PROBE_MODES) + ")")
-    check_out(cfg["out"], "--resume" if cfg["resume"] else "--out")
+    check_out(cfg["out"], "--resume" if cfg["resume"] else "--out", None if cfg["resume"] else "train.py")
     return cfg
 
 

@@ -26,7 +26,7 @@ from evaluation.probes import default_confidence, get_probe, run_fractions
 from evaluation.report import means, plot_reliability, report_uses, summarize, table, write_results
 from evaluation.samples import (HELD, LOCKS, default_out, digest, filed_label, hold, model_id, model_label,
                                 own_rows, question_ids, read_samples, sample_key)
-from harness import checkpoint, files, launch, models, runlog, sandbox
+from harness import checkpoint, launch, models, runlog, sandbox
 from harness.checkpoint import ALIASES, resolve_model
 from harness.runfolder import check_out
 from harness.files import UserError
@@ -178,17 +178,12 @@ def main(argv=None):
         check_values(vars(args), LIMITS)
         data.lcb_window(args.lcb_release)
         if args.out:
-            check_out(args.out)
+            check_out(args.out, "--out", "evaluate.py")   # not a training run's or a model's folder
         for name in [] if args.plan else args.model:   # a plan reads a config alone (a named model's ships)
             checkpoint.check_available(name)
         names = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
         if not names:   # an empty list would replace a model's results with none
             raise UserError(f"--benchmarks {args.benchmarks!r} names no benchmark: pass e.g. toy or math500,aime24")
-        run = args.out and next((f for f in ("metrics.jsonl", "checkpoints")
-                                 if os.path.exists(os.path.join(args.out, f))), None)
-        if run:
-            raise UserError(f"--out {args.out} is a training run's folder (it has {run}): evaluate into "
-                            f"{os.path.join(args.out, 'eval')} (the default for --model {args.out}) or another folder")
     except (ValueError, OSError) as e:   # UserError, data.DataError
         print(f"evaluate.py: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -222,10 +217,10 @@ def main(argv=None):
             return None
         shard.setup()
         results = dict(evaluate_model(name, loaded, args) for name in args.model)
-    except files.Busy as e:   # another evaluation writes there: exit 2, its files untouched
+    except (ValueError, OSError) as e:   # UserError (a refused plan, files.Busy), data.DataError: exit 2
         print(f"evaluate.py: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    except (ValueError, OSError, FloatingPointError) as e:   # UserError, data.DataError, NaN in a model or probe
+    except FloatingPointError as e:   # NaN in a model or probe
         raise SystemExit(f"evaluate.py: error: {e}") from None
     except KeyboardInterrupt:   # samples are appended per batch: the same command continues from here
         results = None          # the line is printed below, once the progress bar has closed
@@ -243,6 +238,8 @@ def main(argv=None):
     print(table(results))
     print()
     print(report_uses(results))
+    outs = dict.fromkeys(r["out"] for r in results.values())
+    print(f"\nresults: {', '.join(outs)}  (results.json, samples.jsonl, reliability_*.png)")
     return results
 
 

@@ -161,8 +161,8 @@ def run(cfg):
         probe_stats = {} if cfg["reward"] in modes.PROBE_MODES and cfg["eval_probe_n"] > 0 else None
         acc = held_out_accuracy(sampler, tok, eval_rows, cfg, instruction, device, probe, probe_stats)
         trajs = probe_stats.pop("trajectories") if probe_stats else []
-        log(dict(step=at, eval=True, eval_accuracy=acc, eval_n=len(eval_rows), **(probe_stats or {}),
-                 t_eval=time.perf_counter() - t))
+        log(dict(step=at, eval=True, eval_accuracy=acc, eval_n=len(eval_rows), eval_data=cfg["eval_data"],
+                 **(probe_stats or {}), t_eval=time.perf_counter() - t))
         if MASTER:
             runlog.append_jsonl(folder.heldout, [dict(step=at, **t) for t in trajs])
         print0(f"step {at}: held-out accuracy {scored(acc)} on {len(eval_rows)} problems" + heldout.describe(probe_stats))
@@ -173,7 +173,9 @@ def run(cfg):
         folder.save(at, model, model_sd, tok, lambda p: probe_lib.save(p, probe, probe_opt), dict(
             step=at, cursor=cursor, optimizer=opt_sd, scheduler=sched.state_dict()), keep=cfg["keep"])
 
-    first_acc = final_acc = evaluate(0) if step == 0 else folder.first_accuracy()  # resumed: its log's
+    # resumed: the start's accuracy from the log, and whether it was of another held-out set
+    first_acc, other_set = (evaluate(0), False) if step == 0 else folder.first_accuracy(cfg, len(eval_rows))
+    final_acc = first_acc
     learner = Learner(policy, sampler, tok, probe, probe_opt, opt, sched, device)
     phase_sums = dict.fromkeys(Timer.PHASES, 0.0)
     bar = tqdm(range(step + 1, cfg["steps"] + 1), initial=step, total=cfg["steps"], disable=not MASTER,
@@ -196,7 +198,9 @@ def run(cfg):
     if MASTER:
         print0(f"\nrun: {folder.out}  (latest checkpoint: {ckpt_lib.latest_checkpoint(folder.out)})")
         if first_acc is not None and final_acc is not None:
-            print0(f"held-out accuracy: {scored(first_acc)} at the start -> {scored(final_acc)} at step {step}")
+            other = " (two different held-out sets: --eval-n or --eval-data changed on resume)"
+            print0(f"held-out accuracy: {scored(first_acc)} at the start -> {scored(final_acc)} at step "
+                   f"{step}" + (other if other_set else ""))
         roll = max(phase_sums["rollout"], 1e-9)
         print0("seconds per phase: " + ", ".join(
             f"{p} {t:.1f}" + ("" if p == "rollout" else f" ({t / roll:.2f}x rollout)")

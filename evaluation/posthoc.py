@@ -17,6 +17,7 @@ import zipfile
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tqdm import tqdm
 
 import probe as probe_lib
 from prompts import row_prompt
@@ -47,6 +48,8 @@ def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, pro
     cached = read_cache(cache + ".pt") if MASTER and os.path.exists(cache + ".pt") else None
     if shard.share(cached is not None and cached[1].get("protocol") == p):
         return cached if MASTER else (None, None)
+    say(f"fitting it (then cached in {cache}.pt): {len(questions)} questions x {p['n']} rollouts, forced "
+        f"answers at their budgets, a fit over {len(GRID)} settings")
     prompts = [row_prompt(tokenizer, r, instruction, system) for r in questions]
     out = shard.generate_dealt(model, tokenizer, prompts, n=p["n"], max_new_tokens=p["max_new_tokens"],
                                temperature=p["temperature"], top_p=p["top_p"], seed=p["seed"],
@@ -76,6 +79,12 @@ def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, pro
     return prb, report
 
 
+def say(phase):
+    """One line on stderr per phase of the post-hoc fit, which takes minutes between its bars."""
+    if MASTER:
+        print(f"post-hoc probe: {phase}", file=sys.stderr, flush=True)
+
+
 def posthoc_examples(model, tokenizer, prompts, responses, texts, golds, groups, close_id, every=500,
                      count=16, k=16, suffix=EVAL_SUFFIX, close="think", stop=(), copy_natural=True,
                      seed=0, batch_size=8, rows=64, lead=EVAL_LEAD, gate="thinking", grader="math",
@@ -98,6 +107,7 @@ def posthoc_examples(model, tokenizer, prompts, responses, texts, golds, groups,
     labels, copied = posthoc_labels(model, tokenizer, forced, responses, texts, golds, positions, ends, k,
                                     suffix, close, stop, copy_natural, CODE_TOKENS if grader == "code" else 64,
                                     seed=seed, rows=rows, lead=lead, gate=gate, grader=grader, run=run)
+    say(f"reading the hidden state at {sum(map(len, positions))} prefixes")
 
     def scored(starts):
         return [features(model, prompts[s:s + batch_size], responses[s:s + batch_size],
@@ -150,6 +160,7 @@ def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions
         texts = sample_by_length(model, tokenizer, list(todo), k, max_new_tokens=max_new_tokens, temperature=0.6,
                                  top_p=0.95, stop=stop, seed=seed, batch_size=max(1, rows // k), run=run)
         forced = [(ts, gold) for ts, (_, gold) in zip(texts, todo.values())]
+        say(f"grading {len(todo) * k} forced answers")
         if grader == "code":
             passed = iter(shard.spread(sandbox.grade_many, [code_job(t, gold) for ts, gold in forced for t in ts]))
             y = [sum(next(passed) for _ in ts) / k for ts in texts]
@@ -176,7 +187,7 @@ def fit_posthoc(x, y, groups, seed=42, max_epochs=100, patience=30, batch_size=6
         raise ValueError("post-hoc probe needs at least two problems with labelled prefixes; raise --probe-questions")
     xt, yt, xv, yv = (t.to(device) for t in (x[tr], y[tr], x[va], y[va]))
     best, runs = (math.inf, None, None), []
-    for lr, drop, wd in grid:
+    for lr, drop, wd in tqdm(grid, desc="post-hoc fit over the grid"):
         torch.manual_seed(seed)
         prb = probe_lib.Probe(x.shape[1], dropout=drop).to(device)
         opt = probe_lib.make_optimizer(prb, lr=lr, weight_decay=wd)

@@ -113,10 +113,13 @@ class RunFolder:
         self.say(f"resuming {self.out} from step {step}")
         return probe, probe_opt, step, cursor
 
-    def first_accuracy(self):
-        """The held-out accuracy logged at step 0 (None if none was), for a resumed run's last line."""
+    def first_accuracy(self, cfg, n):
+        """(the held-out accuracy logged at step 0, None if none was; whether it was of another set than
+        this run's n problems of cfg["eval_data"]), for a resumed run's last line."""
         rows = files.read_jsonl(self.metrics) if MASTER else []
-        return next((r.get("eval_accuracy") for r in rows if r.get("eval") and r.get("step") == 0), None)
+        first = next((r for r in rows if r.get("eval") and r.get("step") == 0), {})
+        other = (first.get("eval_n", n), first.get("eval_data", cfg["eval_data"])) != (n, cfg["eval_data"])
+        return first.get("eval_accuracy"), other
 
     def save(self, at, model, model_sd, tok, save_probe, state, keep):
         """Checkpoint `at`, written whole or not at all (the oldest beyond `keep` pruned). state:
@@ -133,8 +136,9 @@ class RunFolder:
             ckpt_lib.save_checkpoint(self.out, at, write, keep=keep)
 
 
-def check_out(path, flag="--out"):
-    """A folder we can create or write into: not a link or a file, and its nearest existing parent writable."""
+def check_out(path, flag="--out", writer=None):
+    """A folder we can create or write into: not a link or a file, and its nearest existing parent writable.
+    writer "train.py" or "evaluate.py": nor a folder of another kind whose files it would overwrite."""
     if os.path.islink(path.rstrip("/") or "/"):   # dangling or not: it points elsewhere than asked
         raise UserError(f"{flag} {path} is a symbolic link (to {os.readlink(path.rstrip('/'))}): pass the folder "
                         "itself, or another path")
@@ -145,6 +149,36 @@ def check_out(path, flag="--out"):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
         raise UserError(f"{flag} {path}: {parent} is not writable; pass a folder you can write to")
+    kind, shown = folder_kind(path) if writer and os.path.isdir(path) else ("empty", [])
+    if kind not in TAKES.get(writer, ("empty",)):
+        what = dict(run="is a training run's folder", model="is a model's folder", evaluation="is an "
+                    "evaluation's folder", other="holds files and is no training run's folder")
+        takes = ", or an evaluation's" if writer == "evaluate.py" else " (or resumes a run there)"
+        fix = (f"evaluate into {os.path.join(path, 'eval')} (the default for --model {path}) or another "
+               "folder" if kind == "run" else
+               f"{writer} writes only into a new or empty folder{takes}; pass another {flag}")
+        raise UserError(f"{flag} {path} {what[kind]} (it has {', '.join(shown[:3])}): {fix}")
+
+
+# What each writer's --out may already be: train.py only its own runs (a resume, or a new run's
+# refusal later), evaluate.py anything but a run or a model (a sweep may share a folder).
+TAKES = {"train.py": ("empty", "run"), "evaluate.py": ("empty", "evaluation", "other")}
+
+
+def folder_kind(path):
+    """(kind, the names that show it) of an existing folder: "run" (metrics.jsonl, checkpoints, or the
+    wandb_run.json a --wandb run writes first), "model" (config.json beside weights), "evaluation"
+    (samples.jsonl or results.json), "empty" (nothing but a lock), else "other"."""
+    names = sorted(set(os.listdir(path)) - {files.LOCK})
+    weights = [n for n in names if n.endswith((".safetensors", ".bin"))]
+    run = ("metrics.jsonl", "checkpoints", "wandb_run.json")
+    for kind, shown in (("run", [n for n in run if n in names]),
+                        ("model", ["config.json", *weights] if weights and "config.json" in names else []),
+                        ("evaluation", [n for n in ("samples.jsonl", "results.json") if n in names])):
+        if shown:
+            return kind, shown
+    return ("other", names) if names else ("empty", [])
+
 
 def read_config(run, flag="--resume"):
     """RUN/config.json as a dict, or one UserError line saying what is wrong with it."""

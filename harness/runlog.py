@@ -108,7 +108,8 @@ class Tracker:
         write_json(path, dict(id=self.run.id, project=project))
 
     def log(self, row):
-        self.run.log({k: v for k, v in row.items() if k not in ("step", "eval")}, step=row["step"])
+        skip = ("step", "eval", "eval_data")   # eval_data, a name, stays in metrics.jsonl
+        self.run.log({k: v for k, v in row.items() if k not in skip}, step=row["step"])
 
     def finish(self):
         self.run.finish()

@@ -49,6 +49,20 @@ def one_line_past_bars(capsys):
     return lines[0]
 
 
+def refusal(capsys, main, argv):
+    """The one error line main(argv) ends with on stderr as it exits 2, as bad input does (after
+    progress, if any)."""
+    capsys.readouterr()   # what ran before is not this command's
+    with pytest.raises(SystemExit) as e:
+        main([str(a) for a in argv])
+    err = capsys.readouterr().err
+    lines = [x for x in err.replace("\r", "\n").splitlines()
+             if x.strip() and not ("it/s]" in x or "s/it]" in x or x.startswith("Loading weights"))]
+    errors = [x for x in lines if x.startswith("error: ") or ": error: " in x]
+    assert e.value.code == 2 and errors == lines[-1:] and "Traceback" not in err, (e.value.code, err)
+    return lines[-1]
+
+
 def snapshot(folder):
     out = {}
     for d, _, names in os.walk(folder):

@@ -76,4 +76,4 @@ def test_evaluate_plan_for_the_7b_on_the_readme_benchmarks_fits_80_gib(capsys):
     assert t["peak"] == 2 * n + plan.GiB + t["early exit"] < 75 * plan.GiB
     with pytest.raises(SystemExit) as e:  # 40 GiB: the generation's 64 rows do not fit, 32 do
         evaluate.main(["--model", FIXTURE_7B, "--benchmarks", "aime24", "--plan", "--gpu-mem", "40"])
-    assert "fix: --batch-size 1" in str(e.value)
+    assert e.value.code == 2 and "fix: --batch-size 1" in capsys.readouterr().err

@@ -101,7 +101,8 @@ def test_two_workers_write_the_samples_and_numbers_of_one_process(tmp_path):
     r1, r2 = res1["toy"], res2["toy"]
     for key in ("benchmarks", "overall", "math", "settings", "posthoc_probe", "model_id"):
         assert r1[key] == r2[key], key
-    assert one.stdout == two.stdout   # rank 0 prints the table; the other worker prints nothing
+    # rank 0 prints the table and its folder; the other worker prints nothing
+    assert one.stdout.replace(str(tmp_path / "one"), "OUT") == two.stdout.replace(str(tmp_path / "two"), "OUT")
 
 
 @pytest.mark.slow   # the launcher and two workers
@@ -109,7 +110,7 @@ def test_a_user_error_in_a_worker_is_its_one_line(tmp_path):
     done = subprocess.run([sys.executable, "evaluate.py", "--model", "toy", "--benchmarks", "toy", "--limit", "2",
                            "--nproc", "2", "--probe-data", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o")],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 1
+    assert done.returncode == 2
     assert done.stderr.count("missing.jsonl") == 1 and "worker 0 of 2 failed" not in done.stderr, done.stderr[-2000:]
 
 

@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -21,7 +22,7 @@ import train
 from evaluation import benchmarks, generation, probes, uses
 from harness import files
 from harness.files import UserError
-from runs import ENV, EVAL_SMALL, PROBE_SMALL, jsonl, one_line, sigint_default, write
+from runs import ENV, EVAL_SMALL, PROBE_SMALL, jsonl, refusal, sigint_default, write
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "..", "shared", "fixtures")
@@ -122,24 +123,21 @@ def test_short_names_resolve_to_hub_ids_without_downloading(monkeypatch):
     assert benchmarks.load_benchmark("amc23")[1] == [{"problem": "1+1", "answer": "2"}]   # 2023 rows only
 
 
-def test_unknown_benchmark_is_one_line_and_lists_known_names(tmp_path):
-    # SystemExit with a string: Python prints it as one line on stderr and exits with status 1.
-    with pytest.raises(SystemExit) as e:
-        evaluate.main(["--model", "toy", "--benchmarks", "toy,mathh500", "--out", str(tmp_path)])
-    msg = e.value.code
-    assert isinstance(msg, str) and "\n" not in msg
+def test_unknown_benchmark_is_one_line_and_lists_known_names(tmp_path, capsys):
+    msg = refusal(capsys, evaluate.main, ["--model", "toy", "--benchmarks", "toy,mathh500",
+                                          "--out", tmp_path])
     assert "mathh500" in msg and "known: toy, toy-long, toy-sub, math500, aime24" in msg
-    with pytest.raises(SystemExit, match="does-not-exist.jsonl"):
-        evaluate.main(["--model", "toy", "--benchmarks", "does-not-exist.jsonl"])
-    with pytest.raises(SystemExit, match="unknown benchmark 'aime26'"):
-        evaluate.main(["--model", "toy", "--benchmarks", f"aime26={tmp_path}/aime25.jsonl"])
+    assert "does-not-exist.jsonl" in refusal(capsys, evaluate.main, ["--model", "toy", "--benchmarks",
+                                                                      "does-not-exist.jsonl"])
+    assert "unknown benchmark 'aime26'" in refusal(capsys, evaluate.main, [
+        "--model", "toy", "--benchmarks", f"aime26={tmp_path}/aime25.jsonl"])
 
 
 @needs_fixtures
-def test_a_model_without_weights_is_one_line(tmp_path):
-    with pytest.raises(SystemExit, match="cannot load model .*no file named model.safetensors"):
-        evaluate.main(["--model", os.path.join(FIXTURES, "r1_distill_qwen_7b"), "--benchmarks", "toy",
-                       "--out", str(tmp_path)])       # the real tokenizer and config, no weights
+def test_a_model_without_weights_is_one_line(tmp_path, capsys):
+    model = os.path.join(FIXTURES, "r1_distill_qwen_7b")   # the real tokenizer and config, no weights
+    msg = refusal(capsys, evaluate.main, ["--model", model, "--benchmarks", "toy", "--out", tmp_path])
+    assert re.search("cannot load model .*no file named model.safetensors", msg), msg
 
 
 def test_two_models_side_by_side_and_metrics_match_samples(toy_dir, run_dir, tmp_path, capsys):
@@ -344,9 +342,9 @@ def test_the_readmes_c2gspg_command_reads_forced_rlcr_confidences_on_a_toy_c2gsp
     assert all(0 <= r["verbal_missing"] <= 4 for r in rows)   # re-answers without a tag, of 4 (read 0.5)
     assert sum(r["verbal_missing"] for r in rows) <= len(rows) * 4 // 10
     assert all(r["answer"] is not None for r in rows) and 0 < res["c2gspg/step_000002"]["benchmarks"]["toy"]["acc"]
-    with pytest.raises(SystemExit, match="--mode rlcr: lcb has no RLCR-format evaluation"):
-        evaluate.main(["--model", run, "--mode", "rlcr", "--benchmarks", f"lcb={ROOT}/tests/fixtures/lcb.jsonl",
-                       "--out", str(tmp_path / "lcb")])
+    assert "--mode rlcr: lcb has no RLCR-format evaluation" in refusal(capsys, evaluate.main, [
+        "--model", run, "--mode", "rlcr", "--benchmarks", f"lcb={ROOT}/tests/fixtures/lcb.jsonl",
+        "--out", tmp_path / "lcb"])
 
 
 def test_a_missing_model_is_one_line_and_exit_2_as_in_train_py(tmp_path, capsys):
@@ -392,7 +390,7 @@ def verl_files(tmp_path, monkeypatch):
             write_verl(tmp_path / "lead_80.parquet", [(r["problem"], r["answer"]) for r in fit]), rendered)
 
 
-def test_verl_layout_parquets_are_evaluated_and_fitted_on_as_released(verl_files, tmp_path):
+def test_verl_layout_parquets_are_evaluated_and_fitted_on_as_released(verl_files, tmp_path, capsys):
     """--benchmarks math500=FILE.parquet and --probe-data FILE.parquet in verl's layout: each prompt is
     the parquet's chat list rendered as is (math500's instruction not appended again), each gold its
     reward_model.ground_truth. Before, both stopped with "no answer field"."""
@@ -414,8 +412,8 @@ def test_verl_layout_parquets_are_evaluated_and_fitted_on_as_released(verl_files
     assert right[0] + right[1] > 0 and right[2] == 0    # graded against the ground truths: "-1" is never right
     (report,) = [m["posthoc_probe"] for m in res.values()]
     assert report["data"] == fit_file and report["protocol"]["questions"] == 4
-    with pytest.raises(SystemExit, match=r"--mode rlcr: math500's prompts are a verl file's, as released, and do not "):
-        evaluate.main(["--model", "toy", "--benchmarks", f"math500={bench_file}", "--mode", "rlcr"])
+    assert "--mode rlcr: math500's prompts are a verl file's, as released, and do not " in refusal(
+        capsys, evaluate.main, ["--model", "toy", "--benchmarks", f"math500={bench_file}", "--mode", "rlcr"])
 
 
 def test_train_reads_verl_layout_parquets(verl_files, tmp_path):
@@ -458,9 +456,24 @@ def test_an_unbounded_row_stops_train_and_evaluate_before_any_model_loads(tmp_pa
             train.main(["--data", str(path), "--steps", "1", "--out", str(tmp_path / f"run_{path.stem}")])
         err = capsys.readouterr().err.strip()
         assert e.value.code == 2 and err.startswith(f"error: {path}: {why}") and "\n" not in err, err
-        with pytest.raises(SystemExit) as e:
-            evaluate.main(["--model", "toy", "--benchmarks", f"math500={path}", "--out", str(tmp_path / "eval")])
-        assert e.value.code.startswith(f"evaluate.py: error: {path}: {why}") and "\n" not in e.value.code
+        line = refusal(capsys, evaluate.main, ["--model", "toy", "--benchmarks", f"math500={path}", "--out",
+                                               tmp_path / "eval"])
+        assert line.startswith(f"evaluate.py: error: {path}: {why}"), line
+
+
+def test_the_posthoc_fit_shows_each_phase_and_evaluate_ends_naming_its_folder(tmp_path, capsys):
+    # newcomer 6: minutes of silence after the forced answers' bar, and no word of where the results went
+    out = tmp_path / "eval"
+    evaluate.main(["--model", "toy", *EVAL_SMALL, "--out", str(out)])
+    printed = capsys.readouterr()
+    phases = ["post-hoc probe: fitting it (then cached in", "post-hoc rollouts: 100%",
+              "post-hoc forced answers: 100%", "post-hoc probe: grading ",
+              "post-hoc probe: reading the hidden state at 16 prefixes",   # 4 questions x 2 samples x 2
+              "post-hoc fit over the grid: 100%|", "| 12/12 [", "post-hoc probe protocol: "]
+    at = [printed.err.find(p) for p in phases]
+    assert -1 not in at and at == sorted(at), dict(zip(phases, at))
+    assert printed.out.splitlines()[-1] == f"results: {out}  (results.json, samples.jsonl, reliability_*.png)"
+    assert sorted(os.listdir(out))[-3:] == ["reliability_toy_toy.png", "results.json", "samples.jsonl"]
 
 
 EVAL_CASES = {
@@ -482,13 +495,9 @@ def test_evaluate_refuses_in_one_line(case, tmp_path, capsys):
         os.makedirs(tmp_path / "eval")
         jsonl(tmp_path / "eval" / "samples.jsonl", [dict(model="toy", benchmark="toy", question=0, sample=0,
                                                           correct=1, confidence=0.5), {}])
-    argv = ["--model", "toy", *EVAL_SMALL, "--out", str(tmp_path / "new")] + [str(a) for a in make(tmp_path)]
-    with pytest.raises(SystemExit) as e:
-        evaluate.main(argv)
-    msg = e.value.code
-    if msg == 2:   # a flag's value, checked before anything loads: on stderr, exit 2 like argparse's
-        msg = one_line(capsys)
-    assert isinstance(msg, str) and "\n" not in msg and words in msg, msg
+    msg = refusal(capsys, evaluate.main, ["--model", "toy", *EVAL_SMALL, "--out", tmp_path / "new",
+                                          *make(tmp_path)])
+    assert words in msg, msg
     assert not os.path.exists(tmp_path / "new")
 
 
@@ -528,14 +537,13 @@ def test_evaluating_a_nan_model_writes_no_nan_rows(nan_model, tmp_path):
         assert not os.path.exists(out / "samples.jsonl") or os.path.getsize(out / "samples.jsonl") == 0
 
 
-def test_results_json_that_is_not_an_object_is_refused_before_sampling(tmp_path):
+def test_results_json_that_is_not_an_object_is_refused_before_sampling(tmp_path, capsys):
     out = tmp_path / "eval"
     os.makedirs(out)
     write(out / "results.json", "[]")
-    with pytest.raises(SystemExit) as e:
-        evaluate.main(["--model", "toy", *EVAL, "--out", str(out)])
-    assert e.value.code == (f"evaluate.py: error: {out / 'results.json'} is not an object of results per model: "
-                            "remove it (samples.jsonl keeps every sample)")
+    assert refusal(capsys, evaluate.main, ["--model", "toy", *EVAL, "--out", out]) == (
+        f"evaluate.py: error: {out / 'results.json'} is not an object of results per model: "
+        "remove it (samples.jsonl keeps every sample)")
     assert not os.path.exists(out / "samples.jsonl")
 
 

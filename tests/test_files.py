@@ -3,17 +3,21 @@ refuses, a stale one is taken over), no write through a planted link, a FIFO or 
 place and a full disk each end in one line."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 from contextlib import contextmanager
 
 import pytest
 
+import config
 import evaluate
+import toy_warm
 import train
 from evaluation import report
 from harness import checkpoint, files, models
-from runs import ENV, EVAL_SMALL, ROOT, SMALL, ckpt, file_size_limit, metric_rows, one_line, snapshot
+from runs import (ENV, EVAL_SMALL, ROOT, SMALL, ckpt, file_size_limit, jsonl, metric_rows, one_line, refusal,
+                  snapshot, write)
 
 
 @contextmanager
@@ -112,12 +116,12 @@ def test_a_lock_that_is_a_link_is_refused_and_its_target_untouched(run_copy, tmp
     out = tmp_path / "eval"
     os.makedirs(out)
     os.symlink(tmp_path / "v.txt", out / files.LOCK)
-    with pytest.raises(SystemExit) as e:
-        evaluate.main(["--model", "toy", "--out", str(out), *EVAL_SMALL, "--confidence", "logits"])
-    assert "lock is a symbolic link" in str(e.value.code) and read(tmp_path / "v.txt") == "precious\n"
+    argv = ["--model", "toy", "--out", out, *EVAL_SMALL, "--confidence", "logits"]
+    assert "lock is a symbolic link" in refusal(capsys, evaluate.main, argv)
+    assert read(tmp_path / "v.txt") == "precious\n"
 
 
-def test_evaluate_replaces_links_it_rewrites_and_refuses_one_it_would_append_through(tmp_path):
+def test_evaluate_replaces_links_it_rewrites_and_refuses_one_it_would_append_through(tmp_path, capsys):
     out = tmp_path / "eval"
     os.makedirs(out)
     planted = ["results.json.tmp", "reliability_toy_toy.png"]
@@ -128,9 +132,8 @@ def test_evaluate_replaces_links_it_rewrites_and_refuses_one_it_would_append_thr
     assert not os.path.islink(out / "reliability_toy_toy.png") and os.path.getsize(out / "reliability_toy_toy.png") > 0
     os.remove(out / "samples.jsonl")
     os.symlink(victim(tmp_path / "victim_samples"), out / "samples.jsonl")
-    with pytest.raises(SystemExit) as e:
-        evaluate.main(["--model", "toy", "--out", str(out), *EVAL_SMALL, "--confidence", "logits", "--seed", "1"])
-    assert "samples.jsonl is a symbolic link" in str(e.value.code) and "\n" not in str(e.value.code)
+    assert "samples.jsonl is a symbolic link" in refusal(capsys, evaluate.main, [
+        "--model", "toy", "--out", out, *EVAL_SMALL, "--confidence", "logits", "--seed", "1"])
     assert read(tmp_path / "victim_samples") == "precious\n"
 
 
@@ -165,6 +168,40 @@ def test_a_link_at_out_is_refused_in_one_line_before_anything_loads(target, tmp_
     assert e.value.code == 2 and one_line(capsys) == f"evaluate.py: error: --out {link} is a symbolic link (to " \
         f"{where}): pass the folder itself, or another path"
     assert os.path.islink(link) and (os.listdir(where) == [] if target == "a folder" else not os.path.exists(where))
+
+
+NOT_RUNS = {   # red team 5, cases 3 and 4: train.py took each for a new run and wrote over its files
+    "evaluation": ("is an evaluation's folder (it has samples.jsonl, results.json)", lambda out: [
+        jsonl(out / "samples.jsonl", [dict(model="toy", benchmark="toy", question=0, sample=0, correct=1,
+                                           confidence=0.5)]), write(out / "results.json", "{}")]),
+    "model": ("is a model's folder (it has config.json, model.safetensors)",
+              lambda out: shutil.copytree(toy_warm.base_model(), out, dirs_exist_ok=True)),
+    "notes": ("holds files and is no training run's folder (it has notes.txt)",
+              lambda out: write(out / "notes.txt", "x")),
+}
+
+
+@pytest.mark.parametrize("kind", NOT_RUNS)
+def test_train_refuses_an_out_that_is_no_run_in_one_line_and_leaves_its_files(kind, tmp_path, capsys):
+    says, make = NOT_RUNS[kind]
+    out = tmp_path / "out"
+    os.makedirs(out)
+    make(out)
+    before = snapshot(out)
+    model = str(out) if kind == "model" else "toy"   # --model DIR --out DIR: the model's own folder
+    with pytest.raises(SystemExit) as e:
+        train.main(["--model", model, "--steps", "1", "--out", str(out), *SMALL])
+    assert e.value.code == 2 and one_line(capsys) == (
+        f"error: --out {out} {says}: train.py writes only into a new or empty folder (or resumes a run "
+        "there); pass another --out")
+    assert snapshot(out) == before
+
+
+def test_train_takes_an_empty_folder_one_with_a_stale_lock_and_its_own_run(run_copy, tmp_path):
+    os.makedirs(tmp_path / "empty")
+    write(tmp_path / "empty" / files.LOCK, "")   # a run killed as it began leaves its lock
+    for out in (str(tmp_path / "empty"), run_copy):   # its own run: RunFolder asks for --resume
+        assert config.resolve_args(["--out", out])["out"] == out
 
 
 EVAL = [*EVAL_SMALL, "--confidence", "logits"]
@@ -203,7 +240,6 @@ def test_a_fifo_planted_in_an_eval_or_run_folder_is_one_line_not_a_hang(tmp_path
 def test_a_folder_named_lock_is_one_line_that_says_what_to_do(tmp_path, capsys):
     # L10: at a7c59f5 "evaluate.py: error: [Errno 21] Is a directory: '.../lock'", with no fix.
     (tmp_path / "e" / "lock").mkdir(parents=True)
-    with pytest.raises(SystemExit) as e:
-        evaluate.main(["--model", "toy", *EVAL, "--out", str(tmp_path / "e")])
-    assert e.value.code == (f"evaluate.py: error: {tmp_path / 'e' / 'lock'} is not a regular file (a folder, a FIFO "
-                            "or a device in its place): remove it, and run the command again")
+    assert refusal(capsys, evaluate.main, ["--model", "toy", *EVAL, "--out", tmp_path / "e"]) == (
+        f"evaluate.py: error: {tmp_path / 'e' / 'lock'} is not a regular file (a folder, a FIFO "
+        "or a device in its place): remove it, and run the command again")

@@ -9,7 +9,6 @@ import torch
 
 import probe as probe_lib
 from evaluation import posthoc
-from runs import one_line_past_bars as one_line
 
 
 def test_a_cut_between_the_posthoc_caches_two_files_never_pairs_another_protocols_probe(tmp_path, monkeypatch, capsys):
@@ -87,7 +86,8 @@ def test_a_damaged_posthoc_cache_is_named_in_one_line_and_fitted_again(case, tmp
     damage(cache)
     with pytest.raises(Refit):   # 81f6578: TypeError, a torch traceback, or the NaN probe returned
         cached_probe(cache, monkeypatch)
-    line = one_line(capsys)
+    line, fitting = capsys.readouterr().err.splitlines()   # the warning, then the fit's first phase
+    assert fitting.startswith("post-hoc probe: fitting it")
     assert line.startswith(f"warning: post-hoc probe cache {cache}{ext} is damaged") and words in line, line
     assert "weights_only" not in line and line.endswith("fitting the probe again")
 

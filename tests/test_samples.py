@@ -13,7 +13,7 @@ import metrics
 import runs
 import toy
 import toy_warm
-from runs import one_line, snapshot
+from runs import snapshot
 from test_evaluate import _rows
 from test_files import EVAL
 
@@ -33,15 +33,8 @@ def run(*args):
     return evaluate.main([str(a) for a in args])
 
 
-def refused(capsys, *args, code=None):
-    """The one line evaluate.py ends with (SystemExit with a string, or a line on stderr and `code`)."""
-    with pytest.raises(SystemExit) as e:
-        run(*args)
-    if isinstance(e.value.code, str):
-        assert code is None and "\n" not in e.value.code
-        return e.value.code
-    assert e.value.code == code
-    return one_line(capsys)
+def refused(capsys, *args):
+    return runs.refusal(capsys, evaluate.main, args)
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +119,7 @@ def test_benchmarks_are_their_files_and_rows_not_their_names(tmp_path):
     assert again["acc"] == 0.0 and again["n"] == 8
 
 
-def test_samples_rows_are_checked_and_duplicates_count_once(tmp_path):
+def test_samples_rows_are_checked_and_duplicates_count_once(tmp_path, capsys):
     # D12: at 81f6578 a duplicated row was counted twice (n 9 for 4 x 2), and rows with question
     # "3" (TypeError), -5 (counted) or without an answer (KeyError in evaluation/uses.py) were not refused.
     first = run("--model", "toy", "--out", tmp_path, *FAST)["toy"]["benchmarks"]["toy"]
@@ -139,9 +132,8 @@ def test_samples_rows_are_checked_and_duplicates_count_once(tmp_path):
     for bad in (dict(row, question="3"), dict(row, question=-5), dict(row, question=1.5), dict(row, sample=True),
                 dict(row, confidence=float("nan")), dict(row, correct=7), no_answer):
         path.write_text(good + json.dumps(bad) + "\n" + good.splitlines()[1] + "\n")
-        with pytest.raises(SystemExit) as e:
-            run("--model", "toy", "--out", tmp_path, *FAST)
-        assert f"{path} line 9 is not a row of this log" in e.value.code, bad
+        msg = refused(capsys, "--model", "toy", "--out", tmp_path, *FAST)
+        assert f"{path} line 9 is not a row of this log" in msg, bad
 
 
 def test_rows_and_entries_of_an_older_version_are_not_reused(tmp_path, capsys):
@@ -167,9 +159,19 @@ def test_evaluate_refuses_a_training_run_folder_as_out(tmp_path, capsys):
     jsonl(run_dir / "metrics.jsonl", [{"step": 1}])
     (run_dir / "samples.jsonl").write_text("")
     before = snapshot(run_dir)
-    msg = refused(capsys, "--model", "toy", "--out", run_dir, *FAST, code=2)
+    msg = refused(capsys, "--model", "toy", "--out", run_dir, *FAST)
     assert "is a training run's folder" in msg and str(run_dir) in msg
     assert snapshot(run_dir) == before
+
+
+def test_evaluate_refuses_a_model_folder_as_out(tmp_path, capsys):
+    # red team 5: before, samples.jsonl, results.json and the reliability diagrams went in beside the weights
+    model = str(shutil.copytree(toy_warm.base_model(), tmp_path / "model"))
+    before = snapshot(model)
+    assert refused(capsys, "--model", model, "--out", model, *FAST) == (
+        f"evaluate.py: error: --out {model} is a model's folder (it has config.json, model.safetensors): "
+        "evaluate.py writes only into a new or empty folder, or an evaluation's; pass another --out")
+    assert snapshot(model) == before
 
 
 def test_an_empty_benchmark_list_is_refused_and_keeps_the_results(tmp_path, capsys):
@@ -177,7 +179,7 @@ def test_an_empty_benchmark_list_is_refused_and_keeps_the_results(tmp_path, caps
     run("--model", "toy", "--out", tmp_path, *FAST)
     before = snapshot(tmp_path)
     capsys.readouterr()
-    msg = refused(capsys, "--model", "toy", "--benchmarks", " , ", "--out", tmp_path, *FAST, code=2)
+    msg = refused(capsys, "--model", "toy", "--benchmarks", " , ", "--out", tmp_path, *FAST)
     assert "--benchmarks ' , ' names no benchmark" in msg
     assert snapshot(tmp_path) == before
 

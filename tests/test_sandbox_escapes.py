@@ -365,8 +365,9 @@ def test_without_namespaces_no_code_runs_unless_the_user_accepts_it(monkeypatch,
         lcb = os.path.join(ROOT, "tests", "fixtures", "lcb.jsonl")
         with pytest.raises(SystemExit) as exit_:
             evaluate.main(["--model", "toy", "--benchmarks", f"lcb={lcb}", "--out", str(tmp_path / "ev")])
-        assert str(exit_.value.code).startswith("evaluate.py: error: sandbox: cannot confine")
-        assert "\n" not in str(exit_.value.code) and not (tmp_path / "ev" / "samples.jsonl").exists()
+        err = capsys.readouterr().err.strip()
+        assert exit_.value.code == 2 and err.startswith("evaluate.py: error: sandbox: cannot confine")
+        assert "\n" not in err and not (tmp_path / "ev" / "samples.jsonl").exists()
         assert evaluate.parse_args(["--model", "m", "--unconfined-code"]).unconfined_code
     finally:
         sandbox._why_not.cache_clear()

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import config
+import data
 import step
 import toy_warm
 import train
@@ -504,4 +505,15 @@ def test_a_resumed_run_prints_the_held_out_line_with_the_start_from_its_log(run_
     train.main(["--resume", run_copy, "--steps", "3"])
     end = [r["eval_accuracy"] for r in metric_rows(run_copy) if r.get("eval") and r["step"] == 3]
     assert len(start) == len(end) == 1
-    assert f"held-out accuracy: {start[0]:.3f} at the start -> {end[0]:.3f} at step 3" in capsys.readouterr().out
+    line = f"held-out accuracy: {start[0]:.3f} at the start -> {end[0]:.3f} at step 3\n"
+    assert line in capsys.readouterr().out
+
+
+def test_a_resume_on_another_held_out_set_says_its_last_line_compares_two_sets(run_copy, tmp_path, capsys):
+    # red team 5, case 15: "A at the start -> B" compared the start's 8 problems with 4, or another file's
+    other_file = jsonl(tmp_path / "held.jsonl", data.load_rows("toy", split="train", limit=8))
+    for step, flags in ((3, ["--eval-n", "4"]), (4, ["--eval-n", "8", "--eval-data", other_file]), (5, [])):
+        train.main(["--resume", run_copy, "--steps", str(step), *flags])
+        (line,) = [x for x in capsys.readouterr().out.splitlines() if x.startswith("held-out accuracy:")]
+        assert line.endswith(f"at step {step} (two different held-out sets: --eval-n or --eval-data changed "
+                             "on resume)"), line   # at step 5 too: 8 problems as at the start, but other ones
