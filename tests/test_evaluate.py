@@ -16,7 +16,6 @@ import probe as probe_lib
 import prompts as prompts_lib
 import rollout
 import toy
-import toy_warm
 import train
 from evaluation import benchmarks, generation, probes, uses
 from harness import files
@@ -31,7 +30,7 @@ FAST = ["--limit", "6", "--n-samples", "2", "--max-new-tokens", "48", "--threads
 
 @pytest.fixture(scope="module")
 def toy_dir():
-    return toy_warm.base_model()
+    return toy.base_model()
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import pytest
 
 import data
 import prompts as prompts_lib
-import toy_warm
+import toy
 from tests import tiny
 
 FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "fixtures")
@@ -70,7 +70,7 @@ def test_prompts_past_the_context_are_refused_and_overflow_is_warned():
     import data
     import prompts as prompts_lib
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(toy_warm.base_model())   # context 256
+    tok = AutoTokenizer.from_pretrained(toy.base_model())   # context 256
     short = {"problem": "1+1", "answer": "2"}
     n = len(prompts_lib.chat_prompt(tok, short["problem"], ""))
     said = []

@@ -12,7 +12,6 @@ import evaluate
 import metrics
 import runs
 import toy
-import toy_warm
 from runs import one_line, snapshot
 from test_evaluate import _rows
 from test_files import EVAL
@@ -49,7 +48,7 @@ def two_models(tmp_path_factory):
     """a/model (the toy base) and b/model (its embedding rows reversed: another model, same folder name)."""
     root = tmp_path_factory.mktemp("models")
     for side in "ab":
-        shutil.copytree(toy_warm.base_model(), root / side / "model")
+        shutil.copytree(toy.base_model(), root / side / "model")
     p = str(root / "b" / "model" / "model.safetensors")
     sd = load_file(p)
     sd["model.embed_tokens.weight"] = sd["model.embed_tokens.weight"].flip(0).contiguous()
