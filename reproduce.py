@@ -56,8 +56,8 @@ def parse_args(argv):
     p.add_argument("--eval-args", default="", help='passed to every evaluate.py, e.g. "--limit 4"')
     g = p.add_argument_group("the pre-registered study (study/study.py; docs/toy-world.md)")
     g.add_argument("--study", action="store_true", help="run it instead of the paper's table")
-    g.add_argument("--base", help="the world's warm start (python toy_warm.py --out DIR; as toy_base/)")
-    g.add_argument("--quiet-base", help="the same world's without `?` (python toy_warm.py --world legible-quiet --out DIR)")
+    g.add_argument("--base", help="the world's warm start (python toy.py --out DIR; as toy_base/)")
+    g.add_argument("--quiet-base", help="the same world's without `?` (python toy.py --world legible-quiet --out DIR)")
     g.add_argument("--world", default=toy.WORLD, choices=sorted(toy.WORLDS),
                    help=f"the --toy-world every run names (default {toy.WORLD})")
     args = p.parse_args(argv)

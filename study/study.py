@@ -60,7 +60,7 @@ def check_flags(args, methods):
         return
     if args.ablations:
         raise UserError("--ablations is for the paper's table: drop it, or --study")
-    build = dict(base="python toy_warm.py --out DIR", quiet="python toy_warm.py --world legible-quiet --out DIR")
+    build = dict(base="python toy.py --out DIR", quiet="python toy.py --world legible-quiet --out DIR")
     for key, flag in (("base", "--base"), ("quiet", "--quiet-base")):
         path = getattr(args, flag[2:].replace("-", "_"))
         if any(VARIANTS[m]["base"] == key for m in methods) and path is None:

@@ -8,7 +8,6 @@ import random
 import pytest
 
 import toy
-import toy_warm
 
 QUIET = toy.WORLDS["legible-quiet"]
 
@@ -42,7 +41,7 @@ def test_the_quiet_world_writes_the_legible_traces_without_a_flag():
     tok, rng = toy.tokenizer(), random.Random(0)
     rows = toy.dataset("train", "toy")
     for i in range(300):   # the warm start's sequences, forced ones included
-        ids, _ = toy_warm.example(tok, rows[i]["problem"], rng, i % 2 == 0, QUIET)
+        ids, _ = toy.example(tok, rows[i]["problem"], rng, i % 2 == 0, QUIET)
         assert "?" not in tok.decode(ids)
 
 
