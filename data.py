@@ -4,12 +4,15 @@
 
 The prompts built from them live in prompts.py; answer extraction and grading in grade.py.
 """
+import base64
+import binascii
 import json
 import math
 import os
 import random
 import re
 import sys
+import zlib
 
 from grade import plain_number as _number  # integer gold answers: "025" -> "25"
 from harness.files import UserError, first_line, sha256
@@ -59,6 +62,9 @@ OOD = ("lcb", "gpqa", "logiqa")
 LCB_RELEASES = {"v1": ("2023-05", "2024-03"), "v2": ("2024-04", "2024-05"), "v3": ("2024-06", "2024-07"),
                 "v4": ("2024-08", "2024-09"), "v5": ("2024-10", "2025-01"), "v6": ("2025-02", "2025-04")}
 LCB_RELEASE = "v4_v5"
+LCB_TEST_TYPES = ("stdin", "functional")
+# Bytes LiveCodeBench's private tests may inflate to: real ones are tens of MB, a zlib bomb is not bounded.
+LCB_TESTS_LIMIT = 1 << 30
 # The LiveCodeBench prompt, the whole user turn: lighteval's lcb:codegeneration text, lcb_runner's
 # stdin sentence ("Ensure that ...") added, a newline before each fence (README, difference table).
 LCB_PREAMBLE = ("You will be given a question (problem specification) and will generate a correct Python program "
@@ -84,18 +90,87 @@ def lcb_window(release):
     return LCB_RELEASES[first][0], LCB_RELEASES[last or first][1]
 
 
+def _lcb_field(r, name, default, decode=json.loads):
+    value = r.get(name)
+    if value is None or value == "":
+        value = default
+    if isinstance(value, str):
+        try:
+            return decode(value)
+        except RecursionError:   # nested thousands deep: no test is
+            raise ValueError(f"{name} is nested too deep to be tests") from None
+        except MemoryError:      # a zlib bomb larger than this machine's memory
+            raise ValueError(f"{name} decodes to more than this machine's memory") from None
+        except ValueError as e:
+            said = str(e).strip().splitlines()[0][:200] if str(e).strip() else "not JSON"
+            raise ValueError(f"{name}: {said}") from None
+    return value
+
+
+def _lcb_bounded(blob, name):
+    """ValueError when a base64(zlib(...)) blob inflates past LCB_TESTS_LIMIT, found in 16 MB chunks
+    that are not kept (zlib.decompress would allocate all of it first); a blob that is not one is
+    decode_private_tests' to refuse."""
+    try:
+        data, d, total = base64.b64decode(blob), zlib.decompressobj(), 0
+        while data and total <= LCB_TESTS_LIMIT:
+            total += len(d.decompress(data, 1 << 24))
+            data = d.unconsumed_tail
+    except (binascii.Error, zlib.error, ValueError):
+        return
+    if total > LCB_TESTS_LIMIT:
+        raise ValueError(f"{name} inflates to more than {LCB_TESTS_LIMIT >> 20} MB (a zlib bomb?)")
+
+
+def lcb_tests(r):
+    """(tests, fn_name) of a LiveCodeBench row: public then private tests, each {"input": str,
+    "output": str, "testtype": stdin | functional}, all of one type (functional: fn_name, the method
+    of class Solution, from the metadata's func_name). ValueError when any of it is not so.
+    The hub stores them as JSON strings, private tests as base64(zlib(pickle(json))) (decoded
+    without running code: harness/sandbox.py:decode_private_tests); a local copy may hold them decoded."""
+    from harness.sandbox import decode_private_tests
+    public = _lcb_field(r, "public_test_cases", None)
+    blob = r.get("private_test_cases")
+    if isinstance(blob, str) and blob and not blob.lstrip().startswith("["):
+        _lcb_bounded(blob, "private_test_cases")
+    private = _lcb_field(r, "private_test_cases", "[]", decode_private_tests)
+    meta = _lcb_field(r, "metadata", "{}")
+    for name, value in (("public_test_cases", public), ("private_test_cases", private)):
+        if not isinstance(value, list):
+            raise ValueError(f"{name} is {type(value).__name__}, not a list of tests")
+    if not isinstance(meta, dict):
+        raise ValueError(f"metadata is {type(meta).__name__}, not an object")
+    tests, fn_name = public + private, meta.get("func_name")
+    if not tests:
+        raise ValueError("it has no tests")
+    for i, t in enumerate(tests):
+        if not isinstance(t, dict) or not all(isinstance(t.get(k), str) for k in ("input", "output")) \
+                or t.get("testtype") not in LCB_TEST_TYPES:
+            shown = json.dumps(t, default=str)[:60]
+            raise ValueError(f"test {i} is {shown}, not {{\"input\": text, \"output\": text, \"testtype\": "
+                             f"{' or '.join(LCB_TEST_TYPES)}}}")
+    kinds = {t["testtype"] for t in tests}
+    if len(kinds) > 1:
+        raise ValueError("it mixes stdin and functional tests")
+    if kinds == {"functional"} and not (isinstance(fn_name, str) and fn_name.isidentifier()):
+        raise ValueError(f"its tests are functional but metadata's func_name is {fn_name!r}, "
+                         "not a method name")
+    return tests, fn_name
+
+
 def _lcb_row(r):
     """(prompt, gold) of a LiveCodeBench row: the LCB_* prompt and the JSON string {"tests": public
     + private tests, "fn_name": Solution's method, or null for stdin} that grade.is_correct(...,
-    grader="code") runs. Private tests are decoded without running code."""
-    from evaluation import lcb   # the tests and the metadata, each checked (a bad row: one line)
+    grader="code") runs. The tests and the metadata are each checked (lcb_tests): a bad row is one
+    line."""
     starter, question = r.get("starter_code"), r.get("question_content")
     try:
         if not isinstance(question, str) or not question.strip():
-            raise lcb.RowError(f"question_content is {json.dumps(question, default=str)[:40]}, not the problem's text")
+            shown = json.dumps(question, default=str)[:40]
+            raise ValueError(f"question_content is {shown}, not the problem's text")
         if starter is not None and not isinstance(starter, str):
-            raise lcb.RowError(f"starter_code is {type(starter).__name__}, not code")
-        tests, fn_name = lcb.tests_of(r)
+            raise ValueError(f"starter_code is {type(starter).__name__}, not code")
+        tests, fn_name = lcb_tests(r)
     except ValueError as e:
         raise DataError(f"LiveCodeBench problem {r.get('question_id')}: {first_line(e)}: fix or drop the row") from None
     prompt = LCB_PREAMBLE + f"Question: {question}\n\n" + (

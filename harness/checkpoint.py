@@ -16,12 +16,11 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+import toy   # --model toy: the toy world's committed warm start (toy.BASE_DIR; `python toy.py` rebuilds it)
 from harness import adapter
 from harness.files import UserError, first_line, fresh_name
 
 PREFIX = "step_"
-# --model toy: the toy world's committed warm start (`python toy_warm.py` rebuilds it)
-TOY_BASE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "toy_base")
 ALIASES = {
     "deepseek-r1-distill-qwen-7b": "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
     "qwen3-4b-instruct": "Qwen/Qwen3-4B-Instruct-2507",
@@ -34,9 +33,9 @@ ALIASES = {
 def resolve_model(name):
     """Alias, HF id, model dir, checkpoint dir or run dir (-> its latest complete checkpoint)."""
     if name == "toy":
-        if not os.path.exists(os.path.join(TOY_BASE, "model.safetensors")):
-            raise UserError(f"--model toy: {TOY_BASE} is missing; rebuild it with python toy_warm.py")
-        return TOY_BASE
+        if not os.path.exists(os.path.join(toy.BASE_DIR, "model.safetensors")):
+            raise UserError(f"--model toy: {toy.BASE_DIR} is missing; rebuild it with python toy.py")
+        return toy.BASE_DIR
     if name in ALIASES:
         return ALIASES[name]
     if os.path.isdir(os.path.join(name, "checkpoints")):

@@ -221,8 +221,7 @@ def main(argv=None):
     if args.shape != "7b":   # the committed toy_base/ on the toy's training problems
         import prompts as prompts_lib
         import toy
-        import toy_warm
-        path = toy_warm.base_model()
+        path = toy.base_model()
         model, tok = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
         model.to(device)
         rows = toy.dataset("train")[:args.prompts]

@@ -31,9 +31,9 @@ def run_copy(base_run, tmp_path):
 def nan_model(tmp_path):
     """The toy base model with one NaN weight in its last MLP."""
     from safetensors.torch import load_file, save_file
-    import toy_warm
+    import toy
     path = str(tmp_path / "nan")
-    shutil.copytree(toy_warm.base_model(), path)
+    shutil.copytree(toy.base_model(), path)
     weights = os.path.join(path, "model.safetensors")
     sd = load_file(weights)
     key = next(k for k in sd if k.endswith("mlp.down_proj.weight"))

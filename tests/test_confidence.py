@@ -415,9 +415,9 @@ def test_evaluation_reanswers_as_released():
 def test_verbal_forced_on_the_toy_base_reads_its_rlcr_tags():
     import prompts as prompts_lib
     import toy
-    import toy_warm
+    import toy
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    path = toy_warm.base_model()
+    path = toy.base_model()
     model, tok = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
     rows = toy.dataset("test")[:8]
     prompts = [prompts_lib.chat_prompt(tok, r["problem"], toy.RLCR_INSTRUCTION) for r in rows]

@@ -9,8 +9,7 @@ import pytest
 import data
 from runs import jsonl, write
 
-FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "fixtures")
-needs_fixtures = pytest.mark.skipif(not os.path.isdir(FIXTURES), reason="shared fixtures not present")
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")   # the benchmarks' files
 
 
 def test_scrub_restores_latex_escapes():
@@ -18,7 +17,6 @@ def test_scrub_restores_latex_escapes():
     assert data.scrub("\x08inom{5}{2}") == "\\binom{5}{2}"
 
 
-@needs_fixtures
 def test_benchmark_files_in_their_real_layouts():
     math500 = data.load_rows(os.path.join(FIXTURES, "math500.jsonl"))
     assert len(math500) == 500 and math500[0]["answer"] == r"\left( 3, \frac{\pi}{2} \right)"

@@ -11,8 +11,8 @@ import prompts as prompts_lib
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FIXTURES = os.path.join(ROOT, "..", "shared", "fixtures")
-TOKENIZER = os.path.join(FIXTURES, "r1_distill_qwen_7b")
+FIXTURES = os.path.join(ROOT, "tests", "fixtures")   # the benchmarks' files
+TOKENIZER = os.path.join(ROOT, "..", "shared", "fixtures", "r1_distill_qwen_7b")   # outside the repository
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,6 @@ import probe as probe_lib
 import prompts as prompts_lib
 import rollout
 import toy
-import toy_warm
 import train
 from evaluation import benchmarks, generation, probes, uses
 from harness import files
@@ -25,14 +24,14 @@ from harness.files import UserError
 from runs import ENV, EVAL_SMALL, PROBE_SMALL, jsonl, refusal, sigint_default, write
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FIXTURES = os.path.join(ROOT, "..", "shared", "fixtures")
-needs_fixtures = pytest.mark.skipif(not os.path.isdir(FIXTURES), reason="shared fixtures not present")
+FIXTURES = os.path.join(ROOT, "tests", "fixtures")   # the benchmarks' files
+FIXTURE_7B = os.path.join(ROOT, "..", "shared", "fixtures", "r1_distill_qwen_7b")   # outside the repository
 FAST = ["--limit", "6", "--n-samples", "2", "--max-new-tokens", "48", "--threads", "1"]
 
 
 @pytest.fixture(scope="module")
 def toy_dir():
-    return toy_warm.base_model()
+    return toy.base_model()
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +70,6 @@ def test_resolve_model(run_dir, tmp_path):
         evaluate.resolve_model(str(tmp_path / "typo"))          # a local path, not an HF id
 
 
-@needs_fixtures
 @pytest.mark.parametrize("name, count, first_answer", [
     ("math500", 500, "\\left( 3, \\frac{\\pi}{2} \\right)"),
     ("aime24", 30, None), ("aime25", 30, "70"), ("amc23", 40, "27"),
@@ -133,9 +131,9 @@ def test_unknown_benchmark_is_one_line_and_lists_known_names(tmp_path, capsys):
         "--model", "toy", "--benchmarks", f"aime26={tmp_path}/aime25.jsonl"])
 
 
-@needs_fixtures
+@pytest.mark.skipif(not os.path.isdir(FIXTURE_7B), reason="shared fixture r1_distill_qwen_7b not present")
 def test_a_model_without_weights_is_one_line(tmp_path, capsys):
-    model = os.path.join(FIXTURES, "r1_distill_qwen_7b")   # the real tokenizer and config, no weights
+    model = FIXTURE_7B   # the real tokenizer and config, no weights
     msg = refusal(capsys, evaluate.main, ["--model", model, "--benchmarks", "toy", "--out", tmp_path])
     assert re.search("cannot load model .*no file named model.safetensors", msg), msg
 

@@ -64,9 +64,9 @@ def test_the_close_token_is_never_doubled():
     it: at b = T a response ends on EOS, so with close="eos" the prompt holds one EOS, not two; a
     cut right after the response's own </think> holds one </think>. Toy tokenizer ids."""
     import toy
-    import toy_warm
+    import toy
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(toy_warm.base_model())
+    tok = AutoTokenizer.from_pretrained(toy.base_model())
     eos, think = tok.eos_token_id, tok.convert_tokens_to_ids("</think>")
     suffix = tok.encode(SUFFIX, add_special_tokens=False)
     prompt = tok.encode("<|user|>3+5<|assistant|><think>\n", add_special_tokens=False)
@@ -171,11 +171,11 @@ def test_plain_and_tree_labels_are_equal_on_the_toy_whatever_the_chunk():
     import label
     import prompts as prompts_lib
     import toy
-    import toy_warm
+    import toy
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from rollout import generate
-    model = AutoModelForCausalLM.from_pretrained(toy_warm.base_model()).eval()
-    tok = AutoTokenizer.from_pretrained(toy_warm.base_model())
+    model = AutoModelForCausalLM.from_pretrained(toy.base_model()).eval()
+    tok = AutoTokenizer.from_pretrained(toy.base_model())
     rows = toy.dataset("test")[:5]
     prompts = [prompts_lib.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
     out = generate(model, tok, prompts, n=3, max_new_tokens=96, temperature=0.8, seed=0)
@@ -204,11 +204,11 @@ def test_plain_and_tree_features_are_equal_on_the_toy():
     cuts gets an empty [0, d]. The model is left in the mode it was in."""
     import prompts as prompts_lib
     import toy
-    import toy_warm
+    import toy
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from rollout import generate
-    model = AutoModelForCausalLM.from_pretrained(toy_warm.base_model()).train()
-    tok = AutoTokenizer.from_pretrained(toy_warm.base_model())
+    model = AutoModelForCausalLM.from_pretrained(toy.base_model()).train()
+    tok = AutoTokenizer.from_pretrained(toy.base_model())
     rows = toy.dataset("test")[:3]
     prompts = [prompts_lib.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
     out = generate(model, tok, prompts, n=2, max_new_tokens=64, temperature=0.8, seed=0)

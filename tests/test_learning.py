@@ -11,7 +11,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import grade
 import prompts as prompts_lib
 import toy
-import toy_warm
 import step
 from config import resolve_args
 from grpo import group_advantages, pack, policy_loss, token_logprobs
@@ -36,7 +35,7 @@ def cfg():
 @pytest.fixture(scope="module")
 def rollouts(cfg):
     """8 training problems x 8 samples from the committed base policy (the RL rollout settings)."""
-    path = toy_warm.base_model()
+    path = toy.base_model()
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     tok = AutoTokenizer.from_pretrained(path)
     rows = toy.dataset("train")[:8]

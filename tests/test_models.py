@@ -7,7 +7,7 @@ import shutil
 import pytest
 import transformers
 
-import toy_warm
+import toy
 from harness import files, models
 from harness.files import UserError
 from runs import ckpt, write
@@ -26,7 +26,7 @@ def test_a_checkpoint_pruned_while_loading_is_said_plainly(run_copy, monkeypatch
 
 def test_weights_that_do_not_fit_the_config_are_one_line(tmp_path):
     model = str(tmp_path / "model")
-    shutil.copytree(toy_warm.base_model(), model)
+    shutil.copytree(toy.base_model(), model)
     with open(os.path.join(model, "config.json")) as f:
         cfg = json.load(f)
     write(os.path.join(model, "config.json"), json.dumps(dict(cfg, vocab_size=5000)))
@@ -40,12 +40,11 @@ def test_a_checkpoint_pruned_while_it_loads_is_one_line(tmp_path, monkeypatch):
     # L5 (C63): at a7c59f5 safetensors' "unable to open file <...> in read-only mode" (a RuntimeError)
     # came out bare, a traceback in evaluate.py, when the run pruned the checkpoint mid-load.
     import shutil
-    import toy_warm
     import transformers
     from harness import models
     from harness.files import UserError
     ckpt = tmp_path / "run" / "checkpoints" / "step_000001"
-    shutil.copytree(toy_warm.base_model(), ckpt)
+    shutil.copytree(toy.base_model(), ckpt)
 
     def pruned(path, **kw):
         shutil.rmtree(ckpt)

@@ -6,11 +6,12 @@ import pytest
 
 import data
 import prompts as prompts_lib
-import toy_warm
+import toy
 from tests import tiny
 
-FIXTURES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "fixtures")
-needs_fixtures = pytest.mark.skipif(not os.path.isdir(FIXTURES), reason="shared fixtures not present")
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")   # the benchmarks' files
+needs_7b = pytest.mark.skipif(not os.path.isdir(tiny.REAL_TOKENIZER),
+                              reason="shared fixture r1_distill_qwen_7b not present")
 
 
 class FakeTokenizer:
@@ -29,12 +30,10 @@ def test_chat_prompt_returns_plain_ids_with_one_bos():
     assert prompts_lib.chat_prompt(FakeTokenizer([5, 9]), "p") == [5, 9]
 
 
-@needs_fixtures
+@needs_7b
 def test_chat_prompt_with_the_real_tokenizer():
     from tests import tiny  # imported here: the grading tests need no transformers
     tok = tiny.real_tokenizer()
-    if tok is None:
-        pytest.skip("shared fixture r1_distill_qwen_7b not present")
     problem = data.load_rows(os.path.join(FIXTURES, "math500.jsonl"), limit=1)[0]["problem"]
     ids = prompts_lib.chat_prompt(tok, problem)
     assert isinstance(ids, list) and all(type(i) is int for i in ids)
@@ -58,7 +57,7 @@ def test_rlcr_prompt_is_the_released_string():
     assert RELEASED_RLCR.endswith(prompts_lib.RLCR_FORMAT)
 
 
-@needs_fixtures
+@needs_7b
 def test_rlcr_prompt_on_the_r1_template():
     from tiny import real_tokenizer
     tok = real_tokenizer()
@@ -70,7 +69,7 @@ def test_prompts_past_the_context_are_refused_and_overflow_is_warned():
     import data
     import prompts as prompts_lib
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(toy_warm.base_model())   # context 256
+    tok = AutoTokenizer.from_pretrained(toy.base_model())   # context 256
     short = {"problem": "1+1", "answer": "2"}
     n = len(prompts_lib.chat_prompt(tok, short["problem"], ""))
     said = []

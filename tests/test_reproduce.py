@@ -209,9 +209,9 @@ def test_a_model_trained_again_in_place_is_evaluated_again_not_given_the_old_sam
     # H7: at a7c59f5 a model was its path: the second evaluation into E printed the first model's
     # numbers (all its samples reused), and reproduce.py's eval_entry called it "evaluated already".
     import evaluate
-    import toy_warm
+    import toy
     model = str(tmp_path / "model")
-    shutil.copytree(toy_warm.base_model(), model)
+    shutil.copytree(toy.base_model(), model)
     first = evaluate.main(["--model", model, "--out", str(tmp_path / "e"), *FAST])["model"]
     assert reproduce.eval_entry(str(tmp_path / "e"), "model", evaluate.model_id(model))["model_id"] == first["model_id"]
     retrain_in_place(model)

@@ -13,7 +13,7 @@ import grade
 import metrics
 import prompts as prompts_lib
 from harness import files, runlog
-import toy_warm
+import toy
 import train
 from config import resolve_args
 from runs import PROBE_SMALL
@@ -149,7 +149,7 @@ def test_wandb_mirrors_every_row_once_and_resume_continues_the_run(tmp_path, mon
 
 def test_instruction_changes_the_prompt_and_evaluate_reuses_it(tmp_path, monkeypatch):
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(toy_warm.base_model())
+    tok = AutoTokenizer.from_pretrained(toy.base_model())
     plain, marked = prompts_lib.chat_prompt(tok, "1+2", ""), prompts_lib.chat_prompt(tok, "1+2", " =")
     assert len(marked) > len(plain) and tok.decode(marked).replace(" =", "", 1) == tok.decode(plain)
     seen = []

@@ -16,7 +16,6 @@ import label
 import prompts as prompts_lib
 import rollout
 import toy
-import toy_warm
 
 TEXTS = ["3+5=8\n8+7=15\n15+2=17\n</think>\\boxed{17}", toy.SUFFIX, "<think>\n9+9=18\n</think>",
          "  two  spaces, tab\tand é∑ unicode\n\n"]
@@ -66,11 +65,11 @@ def test_warm_start_examples_use_the_inference_layout(tok):
     # Training sequences must look exactly like rollouts and label.forced_prompt's prompts.
     rng = random.Random(1)
     prompt = prompts_lib.chat_prompt(tok, "3+5+7+2", toy.INSTRUCTION)
-    ids, mask = toy_warm.example(tok, "3+5+7+2", rng, forced=False)
+    ids, mask = toy.example(tok, "3+5+7+2", rng, forced=False)
     assert ids[:len(prompt)] == prompt and ids[-1] == tok.eos_token_id
     assert mask == [0] * len(prompt) + [1] * (len(ids) - len(prompt))
     for _ in range(20):
-        ids, mask = toy_warm.example(tok, "3+5+7+2", rng, forced=True)
+        ids, mask = toy.example(tok, "3+5+7+2", rng, forced=True)
         answer = tok.decode(ids).rsplit("\\boxed{", 1)[1]
         implied = answer[:-2]   # the sum the path implies ("14+2"), or its last total
         assert answer.endswith("}\n") and 0 <= (int(implied) if implied.isdigit() else grade.integer_sum(implied)) <= 40
@@ -85,7 +84,7 @@ def test_rlcr_examples_carry_the_instruction_the_tags_and_a_random_confidence(to
     rng, seen = random.Random(3), collections.Counter()
     prompt = prompts_lib.chat_prompt(tok, "5+5+5+5+5", toy.RLCR_INSTRUCTION)
     for _ in range(2000):   # two carries: about a quarter of the traces are right
-        ids, mask = toy_warm.example(tok, "5+5+5+5+5", rng, forced=False)
+        ids, mask = toy.example(tok, "5+5+5+5+5", rng, forced=False)
         if ids[:len(prompt)] != prompt:
             assert "<answer>" not in tok.decode(ids)   # the plain prompt keeps the box
             continue
@@ -95,20 +94,20 @@ def test_rlcr_examples_carry_the_instruction_the_tags_and_a_random_confidence(to
         ok = int(total) == 25
         assert grade.answer_tag(text) == total and "\\boxed" not in text
         conf, missing = confidence.verbal_confidence(text)
-        assert not missing and conf in [float(c) for c in toy_warm.CONFIDENCES]
+        assert not missing and conf in [float(c) for c in toy.CONFIDENCES]
         seen[ok, conf] += 1
         assert len(ids) - len(prompt) <= config.TOY["max_new_tokens"]   # fits the rollout budget
     n = sum(seen.values())
     assert 0.1 * 2000 < n < 0.3 * 2000   # p_rlcr of the plain examples
     for ok in (True, False):   # right and wrong traces alike draw every confidence
-        assert {c for (o, c) in seen if o == ok} == {float(c) for c in toy_warm.CONFIDENCES}
+        assert {c for (o, c) in seen if o == ok} == {float(c) for c in toy.CONFIDENCES}
     assert len(tok) <= toy.MODEL["vocab_size"] and len(enc(tok, "<answer>1</answer>")) == 3
 
 
 def test_saved_tokenizer_is_the_same_after_autotokenizer(tok, tmp_path):
     # AutoTokenizer rebuilds any qwen2 checkpoint's tokenizer as Qwen2Tokenizer (byte-level
     # pre-tokenizer): a plain character vocabulary would silently lose "\n" on reload.
-    toy_warm.build_model(tok).save_pretrained(tmp_path)
+    toy.build_model(tok).save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     loaded = AutoTokenizer.from_pretrained(tmp_path)
     for text in TEXTS:
@@ -149,27 +148,26 @@ def test_base_model_builds_atomically_once(tmp_path, monkeypatch):
         calls.append(out)
         open(os.path.join(out, "model.safetensors"), "w").close()
 
-    monkeypatch.setattr(toy_warm, "warm_start", fake_warm_start)
+    monkeypatch.setattr(toy, "warm_start", fake_warm_start)
     path = str(tmp_path / "base")
-    assert toy_warm.base_model(path) == path and os.path.exists(os.path.join(path, "model.safetensors"))
-    toy_warm.base_model(path)
+    assert toy.base_model(path) == path and os.path.exists(os.path.join(path, "model.safetensors"))
+    toy.base_model(path)
     assert len(calls) == 1  # present: not rebuilt
-    toy_warm.base_model(path, rebuild=True)
+    toy.base_model(path, rebuild=True)
     assert len(calls) == 2 and sorted(os.listdir(tmp_path)) == ["base"]  # no temp dir left
 
 
 def test_model_toy_without_its_base_says_how_to_rebuild_it(tmp_path, monkeypatch):
-    from harness import checkpoint
     from harness.files import UserError
-    monkeypatch.setattr(checkpoint, "TOY_BASE", str(tmp_path / "toy_base"))
-    with pytest.raises(UserError, match=r"toy_base is missing; rebuild it with python toy_warm.py$"):
+    monkeypatch.setattr(toy, "BASE_DIR", str(tmp_path / "toy_base"))
+    with pytest.raises(UserError, match=r"toy_base is missing; rebuild it with python toy.py$"):
         resolve_model("toy")
 
 
 @pytest.fixture(scope="module")
 def base():
-    path = toy_warm.base_model()
-    assert path == toy.BASE_DIR == resolve_model("toy"), "the committed toy_base/ is missing: run `python toy_warm.py`"
+    path = toy.base_model()
+    assert path == toy.BASE_DIR == resolve_model("toy"), "the committed toy_base/ is missing: run `python toy.py`"
     model = AutoModelForCausalLM.from_pretrained(path)
     return model.eval(), AutoTokenizer.from_pretrained(path)
 

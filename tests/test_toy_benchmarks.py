@@ -18,7 +18,6 @@ import prompts as prompts_lib
 import reproduce
 import rollout
 import toy
-import toy_warm
 from evaluation import benchmarks, probes
 from grpo import group_advantages
 
@@ -95,7 +94,7 @@ def test_the_longest_trace_fits_the_positions_and_the_evaluation_budget():
     tok, rng, longest, response = toy.tokenizer(), random.Random(0), 0, 0
     for _ in range(300):
         for forced in (False, True):
-            ids, mask = toy_warm.example(tok, "+".join(["9"] * 8), rng, forced)
+            ids, mask = toy.example(tok, "+".join(["9"] * 8), rng, forced)
             longest = max(longest, len(ids))
             if not forced:
                 response = max(response, sum(1 for m in mask if m))
@@ -211,7 +210,7 @@ def test_reproduce_prints_the_benchmarks_overall_differences_and_why(tmp_path):
 @pytest.mark.slow   # three benchmarks x 40 generations with the committed base
 def test_the_base_policy_is_above_chance_on_every_benchmark():
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    model, tok = AutoModelForCausalLM.from_pretrained(toy_warm.base_model()).eval(), AutoTokenizer.from_pretrained(toy_warm.base_model())
+    model, tok = AutoModelForCausalLM.from_pretrained(toy.base_model()).eval(), AutoTokenizer.from_pretrained(toy.base_model())
     for name in toy.BENCHMARKS:
         rows = toy.dataset("test", name)[:40]
         prompts = [prompts_lib.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
