@@ -115,16 +115,19 @@ def evaluate_model(name, loaded, args):
     return label, res
 
 
-def parse_args(argv=None):
+def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     g = p.add_argument_group("what to evaluate")
     g.add_argument("--model", action="append", required=True,
                    help="alias (toy, " + ", ".join(ALIASES) + "), HF id, model/checkpoint/run dir; repeatable")
-    g.add_argument("--benchmarks", default="toy", help="comma list: toy, math500, ..., FILE or NAME=FILE")
-    g.add_argument("--limit", type=int, help="questions per benchmark")
+    g.add_argument("--benchmarks", default="toy",
+                   help="comma list: toy, math500, ..., FILE or NAME=FILE (default %(default)s)")
+    g.add_argument("--limit", type=int, help="questions per benchmark (default: all)")
     g.add_argument("--toy-world", default=toy.WORLD, choices=sorted(toy.WORLDS),
-                   help="the toy world the models were warm-started in, recorded with the results")
-    g.add_argument("--lcb-release", default=data.LCB_RELEASE, help="the lcb window: vN or vA_vB (default v4_v5)")
+                   help="the toy world the models were warm-started in, recorded with the results "
+                   "(default %(default)s)")
+    g.add_argument("--lcb-release", default=data.LCB_RELEASE,
+                   help="the lcb window: vN or vA_vB (default %(default)s)")
     g.add_argument("--out", help="output dir (default RUN/eval or eval_out/<model>)")
     g.add_argument("--unconfined-code", action="store_true",
                    help="run lcb's programs without namespaces where the sandbox has none (they can escape)")
@@ -132,10 +135,10 @@ def parse_args(argv=None):
                    help="keep no problem and response text in samples.jsonl, for space (default: kept)")
     g = p.add_argument_group("sampling")
     g.add_argument("--n-samples", type=int, help="samples per question (default 32 on aime/amc, else 4)")
-    g.add_argument("--max-new-tokens", type=int, help="default 8000 (toy: 128)")
-    g.add_argument("--temperature", type=float, default=0.6)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-new-tokens", type=int, help="response cap in tokens (default 8000; toy 128)")
+    g.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (%(default)s)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's top-p (%(default)s: off)")
+    g.add_argument("--seed", type=int, default=0, help="seeds the samples and the bootstrap (%(default)s)")
     g.add_argument("--batch-size", type=int, help="questions per generation call (default 64 sequences; toy 256)")
     g.add_argument("--decode", choices=("static", "dynamic"), help="KV cache for decoding (default: static on CUDA)")
     g.add_argument("--threads", type=int, help="CPU threads (default: 1 on a machine without a GPU, else torch's)")
@@ -149,12 +152,13 @@ def parse_args(argv=None):
     g.add_argument("--every", type=int, help="thinking tokens between probe budgets / exit checkpoints (500; toy 8)")
     g.add_argument("--posthoc-budgets", type=int, help="post-hoc budgets per rollout: every, 2 * every, ... (16)")
     g.add_argument("--forced-k", type=int, help="forced answers per post-hoc budget (16; toy 4)")
-    g.add_argument("--forced-close", choices=("think", "eos"), default="think")
+    g.add_argument("--forced-close", choices=("think", "eos"), default="think",
+                   help="token before a forced answer: </think> or EOS (default %(default)s)")
     g.add_argument("--probe-data", help="post-hoc probe questions (default: toy / deepscaler; toy-pooled)")
     g.add_argument("--probe-questions", type=int, help="how many (default 80, as released; toy-pooled 240)")
     g.add_argument("--probe-samples", type=int, help="rollouts per post-hoc question (default 8, as released)")
     g.add_argument("--posthoc-fit", choices=("released", "project"), default="released",
-                   help="the post-hoc fit's split and validation loss")
+                   help="the post-hoc fit's split and validation loss (default %(default)s)")
     g.add_argument("--posthoc-tokens", choices=("sampled", "text"), default="sampled",
                    help="post-hoc forced prompts: the sampled ids (default) or, as released, re-tokenized")
     g.add_argument("--no-early-exit", action="store_true", help="skip the forced answers at exit checkpoints")
@@ -164,8 +168,13 @@ def parse_args(argv=None):
     g.add_argument("--gate", choices=("thinking", "none"), help="thinking (default; toy: none): right only with a box before </think>")
     g.add_argument("--answer", choices=("box", "tag"), help="the last \\boxed{} or <answer> (default: tag for an rlcr run)")
     g.add_argument("--mode", choices=("boxed", "rlcr"), default="boxed",
-                   help="rlcr: RLCR's prompt, the <answer> tag and --confidence verbal-forced")
-    args = p.parse_args(argv)
+                   help="rlcr: RLCR's prompt, the <answer> tag and --confidence verbal-forced "
+                   "(default %(default)s)")
+    return p
+
+
+def parse_args(argv=None):
+    args = build_parser().parse_args(argv)
     if args.mode == "rlcr" and args.confidence is None:
         args.confidence = "verbal-forced"
     args.argv = ["evaluate.py", *(sys.argv[1:] if argv is None else argv)]  # for results.json provenance

@@ -56,8 +56,14 @@ def sharded(policy):
     return isinstance(policy, FSDPModule)
 
 
-def teardown():
+def teardown(finished=False):
+    """Leave the process group. A finished run first waits for every rank, so that none closes its
+    connections while another still works (rank 0 draws the curves): without it a gloo worker once
+    aborted here ("terminate called without an active exception"). A failed run does not wait: the
+    other ranks may never come, and the launcher stops them."""
     if dist.is_initialized():
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -230,10 +230,11 @@ def remove_unstarted():
 def exit_codes():
     """train.py's main runs inside this: the module docstring's exit codes, the lock released and
     the process group torn down however it ends. Yields a dict whose "cfg" the Ctrl-C line reads."""
-    state, stopped, user_error = {}, False, False
+    state, stopped, user_error, finished = {}, False, False, False
     MADE.clear()  # a run in this process before (tests) is not this one
     try:
         yield state
+        finished = True
     except UserError as e:   # data.DataError and probe.NotAProbe too
         print(f"error: {e}", file=sys.stderr)
         user_error = True
@@ -247,7 +248,7 @@ def exit_codes():
         LOCKS.close()
         if user_error:
             remove_unstarted()
-        teardown()
+        teardown(finished)
     if stopped:
         if MASTER:
             print(f"\n{interrupted(state.get('cfg'))}", file=sys.stderr)

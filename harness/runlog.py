@@ -24,7 +24,10 @@ PANELS = (  # (title, metrics.jsonl keys); eval_* keys come from the held-out ro
     ("response length (tokens)", ("len_mean",)),
 )
 PLOTTED = {key for _, keys in PANELS for key in keys}
-LABELS = {"probe_bce": "probe_bce (in-sample)", "probe_ece": "probe_ece (in-sample)"}
+# ECE and AUROC share the probe's panel but point opposite ways: each line says which way is good
+LABELS = {"probe_bce": "probe_bce (in-sample)", "probe_ece": "probe_ece (in-sample; lower is better)",
+          "eval_probe_ece": "eval_probe_ece (lower is better)",
+          "eval_probe_auroc": "eval_probe_auroc (higher is better)"}
 
 
 def clip(text, cap=TEXT_CHARS):

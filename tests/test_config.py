@@ -53,3 +53,18 @@ def test_a_resumed_config_json_is_checked_too(base_run, tmp_path, capsys):
         train.main(["--resume", run, "--steps", "2"])
     assert e.value.code == 2
     assert one_line(capsys) == f'error: "agg": "evil" in {path}: must be one of token-mean, token-mean-per-micro-batch, seq-mean, seq-sum-norm'
+
+
+
+def test_every_flag_says_what_it_does_and_its_default():
+    """`--help` of train.py and evaluate.py: every flag has help, and the help names its numeric
+    defaults (train.py's parser holds None: its numbers come from the worlds; evaluate.py's from argparse)."""
+    import evaluate
+    worlds = (config.COMMON, config.TOY, config.REAL)
+    for parser, where in ((config.build_parser(), worlds), (evaluate.build_parser(), None)):
+        for a in parser._actions:
+            helped = parser._get_formatter()._expand_help(a) if a.help else ""
+            assert helped.strip(), f"{a.option_strings} has no help"
+            values = [d.get(a.dest) for d in where] if where else [a.default]
+            numbers = [v for v in values if isinstance(v, (int, float, tuple)) and not isinstance(v, bool)]
+            assert all(str(v) in helped for v in numbers), (a.option_strings, numbers, helped)

@@ -254,3 +254,19 @@ def test_the_plot_skips_what_it_cannot_draw_and_says_so(tmp_path, capsys, tail, 
                            "not finite numbers")
     assert path.read_text() == METRICS + tail   # only read
     assert runlog.read_metrics(str(path))[0] == dict(step=1, reward=0.5, accuracy=0.25, len_mean=30)
+
+
+def test_the_probe_panel_says_which_way_each_metric_is_better(tmp_path, monkeypatch):
+    """ECE (lower is better) and AUROC (higher is better) share an axis: each line's label says so."""
+    import matplotlib.pyplot as plt
+    figs = []
+    monkeypatch.setattr(plt, "close", figs.append)  # keep the figure plot_curves drew
+    rows = [dict(step=s, probe_ece=0.2, eval=1, eval_probe_ece=0.1, eval_probe_auroc=0.7) for s in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    runlog.plot_curves(str(tmp_path))
+    ax = next(ax for ax in figs[0].axes if ax.get_title() == "probe calibration")
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["probe_ece (in-sample; lower is better)", "eval_probe_ece (lower is better)",
+                      "eval_probe_auroc (higher is better)"]
+    monkeypatch.undo()
+    plt.close(figs[0])
