@@ -16,10 +16,10 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from harness import adapter
 from harness.files import UserError, first_line, fresh_name
 
 PREFIX = "step_"
+CONFIG = "adapter_config.json"  # a LoRA checkpoint (harness/lora.py) holds this for config.json
 # --model toy: the toy world's committed warm start (`python toy_warm.py` rebuilds it)
 TOY_BASE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "toy_base")
 ALIASES = {
@@ -82,6 +82,10 @@ def fetch(name):
                         "and your access (hf auth login), or pass a local directory") from None
 
 
+def is_adapter(path):
+    return os.path.isfile(os.path.join(path, CONFIG))
+
+
 def step_of(ckpt):
     return int(os.path.basename(ckpt)[len(PREFIX):])
 
@@ -142,7 +146,7 @@ def missing(ckpt, resume=False):
         names = os.listdir(ckpt)
     except OSError:   # a file, or removed meanwhile
         return ["the folder"]
-    config = adapter.CONFIG if adapter.is_adapter(ckpt) else "config.json"  # an adapter, or a model
+    config = CONFIG if is_adapter(ckpt) else "config.json"
     need = (config, "state.pt", "probe.pt") if resume else (config,)
     lack = [n for n in need if not os.path.isfile(os.path.join(ckpt, n))]
     lack += [f"{n} (cut short)" for n in ("state.pt", "probe.pt")

@@ -8,8 +8,8 @@ import os
 
 import torch
 
-from harness import adapter, lora
-from harness.checkpoint import resolve_model
+from harness import lora
+from harness.checkpoint import CONFIG, is_adapter, resolve_model
 from harness.files import UserError, first_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,15 +33,15 @@ def load_model(name, dtype=torch.float32, trust_remote_code=False):
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = resolve_model(name)
-    if adapter.is_adapter(path):  # a --lora-rank checkpoint: its base (and its tokenizer), the adapter merged in
+    if is_adapter(path):  # a --lora-rank checkpoint: its base (and its tokenizer), the adapter merged in
         model, tok = load_model(lora.base_of(path), dtype, trust_remote_code)
         # merged into a weight another layer shares (a tied LM head), it would change that layer too: unmerged
-        keep = adapter.tied(model, adapter.read_config(path).get("target_modules") or [])
+        keep = lora.tied(model, lora.read_config(path).get("target_modules") or [])
         try:
             return (lora.load_adapter(model, path, trainable=False) if keep else lora.merged(model, path)), tok
         except (RuntimeError, ValueError) as e:   # peft's size mismatch or unknown module: pages of text
             raise UserError(f"{path}: its adapter does not fit its base ({first_line(e)}): restore "
-                            f"{adapter.CONFIG} from a copy of the run") from None
+                            f"{CONFIG} from a copy of the run") from None
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         check_shapes(path, trust_remote_code)
