@@ -90,18 +90,9 @@ def step_of(ckpt):
     return int(os.path.basename(ckpt)[len(PREFIX):])
 
 
-def _own_root(run_dir):
-    """RUN/checkpoints; a link is refused (a resume would read, save into and prune another run)."""
-    root = os.path.join(run_dir, "checkpoints")
-    if os.path.islink(root):
-        raise UserError(f"{root} is a link (to {os.readlink(root)}): a run's checkpoints must be a folder of its "
-                        "own; replace the link with a copy of the folder, or remove it")
-    return root
-
-
 def checkpoints(run_dir):
     """Published checkpoint directories of a run (step_NNNNNN, no .tmp), oldest first."""
-    root = _own_root(run_dir)
+    root = os.path.join(run_dir, "checkpoints")
     if not os.path.isdir(root):
         return []
     names = sorted(n for n in os.listdir(root) if n.startswith(PREFIX) and n[len(PREFIX):].isdigit())
@@ -129,19 +120,9 @@ def _zip_ok(path):
         return False
 
 
-def _saved_step(path):
-    """The step a state.pt was saved at, or None (a resume says why); mmap: the pickle alone."""
-    try:
-        return torch.load(path, weights_only=True, mmap=True, map_location="cpu").get("step")
-    except Exception:
-        return None
-
-
 def missing(ckpt, resume=False):
     """What a checkpoint lacks to be loaded as a model (resume: resumed from): [] when complete. Its
-    own folder (not a link), whole files, a state.pt of the step in its name; probe.pt to resume."""
-    if os.path.islink(ckpt):
-        return ["a folder of its own (it is a link)"]
+    whole files; state.pt and probe.pt to resume."""
     try:
         names = os.listdir(ckpt)
     except OSError:   # a file, or removed meanwhile
@@ -155,10 +136,6 @@ def missing(ckpt, resume=False):
     if not weights:
         lack.append("model.safetensors")
     lack += [f"{n} (cut short)" for n in weights if not _safetensors_ok(os.path.join(ckpt, n))]
-    if "state.pt" in names and not lack:
-        saved = _saved_step(os.path.join(ckpt, "state.pt"))
-        if saved is not None and saved != step_of(ckpt):
-            lack.append(f"state.pt of step {step_of(ckpt)} (it holds step {saved})")
     return lack
 
 
@@ -209,14 +186,6 @@ def set_rng_state(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _remove(path):
-    """Remove a folder, or only the link where a link stands (never what it points to)."""
-    if os.path.islink(path):
-        os.unlink(path)
-    else:
-        shutil.rmtree(path, ignore_errors=True)
-
-
 def _fsync(path):
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -239,12 +208,12 @@ def save_checkpoint(run_dir, step, write, keep=2):
     prune all but the last `keep` (0: none pruned) complete ones at or below `step`, never damaged
     or newer ones. A failed write (a full disk) is one UserError line; the ones before it stay."""
     from safetensors import SafetensorError
-    root = _own_root(run_dir)
+    root = os.path.join(run_dir, "checkpoints")
     final = os.path.join(root, f"{PREFIX}{step:06d}")
     os.makedirs(root, exist_ok=True)
     for n in os.listdir(root):   # left by a killed save (we hold the run's lock: no one else saves)
         if n.startswith(PREFIX) and n.endswith(".tmp"):
-            _remove(os.path.join(root, n))
+            shutil.rmtree(os.path.join(root, n), ignore_errors=True)
     tmp = fresh_name(final)
     os.mkdir(tmp)
     try:
@@ -263,10 +232,10 @@ def save_checkpoint(run_dir, step, write, keep=2):
     os.replace(tmp, final)
     _fsync(root)
     if old:
-        _remove(old)
+        shutil.rmtree(old, ignore_errors=True)
     done = [c for c in checkpoints(run_dir) if step_of(c) <= step and not missing(c, resume=True)]
     for old in done[:-keep] if keep > 0 else []:
-        _remove(old)
+        shutil.rmtree(old, ignore_errors=True)
     return final
 
 

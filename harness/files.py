@@ -1,15 +1,12 @@
-"""Files in run and evaluation folders, written whole and never through a link planted there
-(`replacing`, `appending`, the lock: a folder may come from someone else), and the one-line error a
-user can fix (UserError), which the rest of harness raises too. `read_jsonl` repairs a log's last
-line cut by a kill; `locked` holds a folder for its one writer; `identity` names a model by content.
+"""Files in run and evaluation folders, written whole (`replacing`), and the one-line error a user
+can fix (UserError), which the rest of harness raises too. `read_jsonl` repairs a log's last line cut
+by a kill; `locked` holds a folder for its one writer; `identity` names a model by content.
 """
-import errno
 import hashlib
 import json
 import os
 import secrets
 import socket
-import stat
 import sys
 import time
 from contextlib import contextmanager
@@ -34,7 +31,7 @@ class Busy(UserError):
 
 
 def fresh_name(path):
-    """A new name beside PATH: random, so no link can have been planted there in advance."""
+    """A new name beside PATH, random: two writers (or a killed one's leftovers) never share it."""
     return f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
 
 
@@ -48,36 +45,13 @@ def _writing(path):
                         "folder's permissions") from None
 
 
-def _open_own(path, flags):
-    """os.open that never follows a link at PATH (O_NOFOLLOW) and opens only a regular file: a planted
-    link is one UserError line, and so is a FIFO (O_NONBLOCK: it would block the open or the read
-    forever), a directory or a device."""
-    try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise UserError(f"{path} is a symbolic link: this code never writes through one (it could point "
-                            "anywhere); put the file itself there, or remove it") from None
-        if e.errno not in (errno.EISDIR, errno.ENXIO):   # ENXIO: a FIFO opened to write with no reader
-            raise
-        fd = None
-    if fd is None or not stat.S_ISREG(os.fstat(fd).st_mode):
-        if fd is not None:
-            os.close(fd)
-        raise UserError(f"{path} is not a regular file (a folder, a FIFO or a device in its place): remove it, "
-                        "and run the command again")
-    os.set_blocking(fd, True)
-    return fd
-
-
 @contextmanager
 def replacing(path, mode="w"):
-    """Write PATH whole or not at all, never through a link: the block writes a fresh file beside it
-    (a random name opened with O_EXCL), which then replaces PATH (os.replace swaps a link at PATH
-    itself, not what it points to); on any error PATH is as it was."""
+    """Write PATH whole or not at all: the block writes a fresh file beside it, which then replaces
+    PATH; on any error PATH is as it was."""
     tmp = fresh_name(path)
     try:
-        with _writing(path), open(_open_own(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), mode) as f:
+        with _writing(path), open(tmp, mode.replace("w", "x")) as f:
             yield f
         os.replace(tmp, path)
     except BaseException:
@@ -88,10 +62,7 @@ def replacing(path, mode="w"):
 
 @contextmanager
 def appending(path):
-    """PATH opened to append (created if absent), never through a link: a symbolic link there is
-    refused in one line rather than replaced, because the rows logged so far are where it points and
-    resuming reads them (replacing would drop them; writing through would change a file elsewhere)."""
-    with _writing(path), open(_open_own(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a") as f:
+    with _writing(path), open(path, "a") as f:
         yield f
 
 
@@ -112,7 +83,7 @@ def read_jsonl(path, valid=lambda row: True, say=None):
     say = say or (lambda msg: print(msg, file=sys.stderr))
     if not os.path.lexists(path):
         return []
-    with open(_open_own(path, os.O_RDONLY), "rb") as f:   # a link here is refused before any work
+    with open(path, "rb") as f:
         raw = f.read()
     if raw and not raw.endswith(b"\n"):  # a kill between a row and its newline: end the line, so
         raw += b"\n"                      # the next append starts a new one (a cut-off row is dropped below)
@@ -157,7 +128,7 @@ def locked(folder, what="run"):
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, LOCK)
     while True:
-        fd = _open_own(path, os.O_RDWR | os.O_CREAT)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:

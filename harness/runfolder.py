@@ -137,11 +137,8 @@ class RunFolder:
 
 
 def check_out(path, flag="--out", writer=None):
-    """A folder we can create or write into: not a link or a file, and its nearest existing parent writable.
+    """A folder we can create or write into: not a file, and its nearest existing parent writable.
     writer "train.py" or "evaluate.py": nor a folder of another kind whose files it would overwrite."""
-    if os.path.islink(path.rstrip("/") or "/"):   # dangling or not: it points elsewhere than asked
-        raise UserError(f"{flag} {path} is a symbolic link (to {os.readlink(path.rstrip('/'))}): pass the folder "
-                        "itself, or another path")
     if os.path.exists(path) and not os.path.isdir(path):
         raise UserError(f"{flag} {path} is a file, not a folder: pass a folder path")
     parent = os.path.abspath(path)
