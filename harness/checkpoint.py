@@ -56,8 +56,7 @@ def resolve_model(name):
 
 
 def check_available(name):
-    """UserError now, before any data is read, for a model that cannot load: a missing directory or
-    unknown name (resolve_model), or an HF id that is not in the cache while the hub is offline."""
+    """UserError before any data is read for a model that cannot load (also: offline, not cached)."""
     path = resolve_model(name)
     if os.path.isdir(path):
         return
@@ -68,8 +67,7 @@ def check_available(name):
 
 
 def fetch(name):
-    """Download an HF model into the cache before the workers start (rank 0 would download it inside
-    the process group while the others wait); not other frameworks' copies of the weights."""
+    """Download an HF model before the workers start (rank 0 would, while the others wait)."""
     path = resolve_model(name)
     from huggingface_hub import constants, snapshot_download
     if os.path.isdir(path) or constants.HF_HUB_OFFLINE:
@@ -121,8 +119,7 @@ def _zip_ok(path):
 
 
 def missing(ckpt, resume=False):
-    """What a checkpoint lacks to be loaded as a model (resume: resumed from): [] when complete. Its
-    whole files; state.pt and probe.pt to resume."""
+    """What a checkpoint lacks to be loaded as a model (resume: state.pt and probe.pt too), [] if nothing."""
     try:
         names = os.listdir(ckpt)
     except OSError:   # a file, or removed meanwhile
@@ -140,8 +137,7 @@ def missing(ckpt, resume=False):
 
 
 def latest_checkpoint(run_dir, say=None, resume=False):
-    """The newest complete checkpoint (resume: complete enough to resume from); incomplete newer ones
-    are skipped, each named with what it lacks through `say` (default: a line on stderr)."""
+    """The newest complete checkpoint; incomplete newer ones are named with what they lack through `say`."""
     say = say or (lambda msg: print(msg, file=sys.stderr))
     for ckpt in reversed(checkpoints(run_dir)):
         lack = missing(ckpt, resume)
@@ -195,8 +191,7 @@ def _fsync(path):
 
 
 def _sync_tree(folder):
-    """fsync every file under folder, then the folders themselves (the deepest first): a machine crash
-    after the rename then finds the files whole, not empty."""
+    """fsync every file under folder, then the folders: a crash after the rename finds them whole."""
     for d, _, names in os.walk(folder, topdown=False):
         for n in names:
             _fsync(os.path.join(d, n))
@@ -204,9 +199,8 @@ def _sync_tree(folder):
 
 
 def save_checkpoint(run_dir, step, write, keep=2):
-    """Call write(tmp_dir) to fill a new checkpoint in a fresh folder, publish it atomically, then
-    prune all but the last `keep` (0: none pruned) complete ones at or below `step`, never damaged
-    or newer ones. A failed write (a full disk) is one UserError line; the ones before it stay."""
+    """write(tmp_dir) fills a fresh folder, published atomically; then all but the last `keep` (0: all)
+    complete ones at or below `step` are pruned. A failed write (a full disk) is one UserError line."""
     from safetensors import SafetensorError
     root = os.path.join(run_dir, "checkpoints")
     final = os.path.join(root, f"{PREFIX}{step:06d}")
@@ -240,8 +234,7 @@ def save_checkpoint(run_dir, step, write, keep=2):
 
 
 def apply_rates(opt, sched, lr, probe_opt, probe_lr):
-    """Rates given with --resume replace those restored with the optimizer states: the policy's
-    (through its LambdaLR schedule, at the schedule's current factor) and the probe's."""
+    """Rates given with --resume replace those restored with the optimizer states."""
     if sched.base_lrs != [lr] * len(opt.param_groups):
         sched.base_lrs = [lr] * len(opt.param_groups)
         for g, fn in zip(opt.param_groups, sched.lr_lambdas):
