@@ -22,12 +22,12 @@ class UserError(ValueError):
 
 
 def first_line(e, limit=200):
-    """An exception's message cut to its first line (a library's may run to pages), for one-line errors."""
+    """An exception's message cut to its first line (a library's may run to pages)."""
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:limit]
 
 
 class Busy(UserError):
-    """The folder is locked by another live writer (train.py and evaluate.py exit 2)."""
+    """The folder is locked by another live writer."""
 
 
 def fresh_name(path):
@@ -77,9 +77,8 @@ def write_json(path, obj, indent=2):
 
 
 def read_jsonl(path, valid=lambda row: True, say=None):
-    """Rows of a JSON-lines log we append to. A last line that is cut off or not JSON (a kill
-    mid-write) is dropped from the file with a message; any other bad line is a UserError naming the
-    file and line. `valid(row)` says whether a parsed row has the fields the log needs."""
+    """Rows of a JSON-lines log we append to. A cut-off last line (a kill mid-write) is dropped from
+    the file with a message; any other bad line, or a row not `valid`, is a UserError."""
     say = say or (lambda msg: print(msg, file=sys.stderr))
     if not os.path.lexists(path):
         return []
@@ -121,9 +120,8 @@ def truncate_metrics(path, last_step):
 
 @contextmanager
 def locked(folder, what="run"):
-    """Hold FOLDER/lock while writing into FOLDER: one writer per folder. An flock (the kernel drops
-    it when the holder dies, however it dies) on a file naming the holder (pid, host, start) for a
-    second writer's one-line Busy; a dead process's lock is taken over with a message."""
+    """Hold FOLDER/lock while writing into FOLDER: an flock (the kernel drops it when the holder dies)
+    on a file naming the holder for a second writer's one-line Busy."""
     import fcntl
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, LOCK)
@@ -170,11 +168,9 @@ def _holder(path, text=None):
 
 
 def identity(path):
-    """What a model is, by content: a 16-hex-digit hash of its folder's files (names and content, not
-    sub-folders, state.pt or probe.pt), so that a folder trained again, replaced or copied over is
-    never taken for the model it held before; a hub id or alias stands for itself. A file over WHOLE
-    bytes is hashed by its size, its first HEAD bytes (a safetensors header) and SAMPLES slices:
-    training changes every weight, so a retrained model differs in every slice."""
+    """What a model is, by content: a hash of its folder's files (not sub-folders, state.pt or probe.pt);
+    a hub id stands for itself. A file over WHOLE bytes is hashed by its size, its first HEAD bytes
+    and SAMPLES slices: training changes every weight, so a retrained model differs in every slice."""
     if not os.path.isdir(path):
         return path
     h = hashlib.sha256()

@@ -25,22 +25,19 @@ def has_adapter(model):
 
 
 def targets(text):
-    """--lora-targets "all-linear" (every linear layer of the decoder, not the LM head) or a comma
-    list of module names ("q_proj,v_proj")."""
+    """--lora-targets: "all-linear" (the decoder's, not the LM head) or a comma list ("q_proj,v_proj")."""
     return text if text == "all-linear" else [t.strip() for t in text.split(",") if t.strip()]
 
 
 def adapter_params(model, rank, target_text):
-    """Parameters of a rank-`rank` adapter on `model`'s decoder layers: r x (in + out) per adapted
-    linear layer (lora_A is r x in, lora_B out x r). Works on a model on the meta device."""
+    """Parameters of a rank-`rank` adapter on `model`'s decoder layers: r x (in + out) per adapted linear."""
     wanted = targets(target_text)
     return sum(rank * (m.in_features + m.out_features) for name, m in model.model.layers.named_modules()
                if isinstance(m, torch.nn.Linear) and (wanted == "all-linear" or name.split(".")[-1] in wanted))
 
 
 def merged_copy(model, dtype=torch.bfloat16):
-    """The generation copy of an adapted `model` on GPUs: the model without peft's layers in `dtype`,
-    the adapter merged into its weights (`merge_into`): it samples as fast as the base."""
+    """The generation copy of an adapted `model`: without peft's layers, in `dtype`, the adapter merged."""
     import copy
     from peft.tuners.lora import LoraLayer
     plain = copy.deepcopy(model).eval().requires_grad_(False)
@@ -58,11 +55,9 @@ def merged_copy(model, dtype=torch.bfloat16):
 
 @torch.no_grad()
 def merge_into(plain, model, gathered=None):
-    """Write each adapted linear of `model` (frozen W, adapter A, B, scale s = alpha / rank) into
-    `plain` (merged_copy) as W + s B A, in fp32 cast once to the copy's dtype. `model` is not
-    touched: merging into the policy and unmerging after would drift its bf16 base a rounding at a
-    time. A sharded `model` (parallel.refresh_sampler) passes `gathered`, {parameter name: full
-    tensor} of one group's adapters, whose W it has gathered into `plain`: those alone are merged."""
+    """Write each adapted linear of `model` into `plain` as W + s B A (s = alpha / rank), in fp32 cast
+    once (merging into the policy and unmerging would drift its bf16 base). A sharded `model` passes
+    `gathered`, {name: full tensor} of one group's adapters whose W is already in `plain`."""
     from peft.tuners.lora import LoraLayer
     for name, m in model.named_modules():
         if not isinstance(m, LoraLayer):
@@ -78,8 +73,7 @@ def merge_into(plain, model, gathered=None):
 
 
 def add_adapter(model, cfg, base_path):
-    """The model with a fresh adapter (lora_B zero: it starts equal to the base), its base frozen;
-    base_path is written into the adapter's config for loaders."""
+    """The model with a fresh adapter (lora_B zero: it starts equal to the base), its base frozen."""
     from peft import LoraConfig, get_peft_model
     config = LoraConfig(r=cfg["lora_rank"], lora_alpha=cfg["lora_alpha"], target_modules=targets(cfg["lora_targets"]),
                         lora_dropout=0.0)
@@ -89,8 +83,8 @@ def add_adapter(model, cfg, base_path):
 
 
 def with_adapter(model, cfg, ckpt=None, fresh=False):
-    """The policy of a --lora-rank run: the base with the adapter of checkpoint `ckpt` (resume), or a
-    fresh one (also with `fresh`: its shape, on the meta device). A bad --lora-targets: UserError."""
+    """The policy of a --lora-rank run: the adapter of checkpoint `ckpt` (resume), or a fresh one
+    (also with `fresh`: its shape, on the meta device)."""
     base = base_of(ckpt) if ckpt else resolve_model(cfg["model"])   # a resume: the base it was trained on
     shared = [] if ckpt else tied(model, targets(cfg["lora_targets"]))
     if shared:
@@ -100,26 +94,26 @@ def with_adapter(model, cfg, ckpt=None, fresh=False):
     try:
         model = load_adapter(model, ckpt) if ckpt and not fresh else add_adapter(model, cfg, base)
     except ValueError as e:
-        raise UserError(f"--lora-targets {cfg['lora_targets']}: {str(e).splitlines()[0][:200]}") from None
+        raise UserError(f"--lora-targets {cfg['lora_targets']}: {first_line(e)}") from None
     # the base by its absolute path (a cwd-relative one breaks in another folder); base.json records more
     model.peft_config[ADAPTER].base_model_name_or_path = os.path.abspath(base) if os.path.isdir(base) else base
     return model
 
 
 def load_adapter(model, ckpt, trainable=True):
-    """The model with the adapter saved in checkpoint `ckpt` (resume: trainable; evaluation: not)."""
+    """The model with the adapter saved in checkpoint `ckpt`."""
     from peft import PeftModel
     return PeftModel.from_pretrained(model, ckpt, is_trainable=trainable).base_model.model
 
 
 def merged(model, ckpt):
-    """The base `model` with checkpoint `ckpt`'s adapter merged into its weights (evaluation)."""
+    """The base `model` with checkpoint `ckpt`'s adapter merged into its weights."""
     from peft import PeftModel
     return PeftModel.from_pretrained(model, ckpt).merge_and_unload()
 
 
 def save(folder, model, state):
-    """Write the adapter in peft's format (key names without the adapter name) and base.json."""
+    """Write the adapter in peft's format (keys without the adapter name) and base.json."""
     from safetensors.torch import save_file
     model.peft_config[ADAPTER].save_pretrained(folder)
     weights = {"base_model.model." + k.replace(f".{ADAPTER}.", "."): v.detach().contiguous()
@@ -129,14 +123,14 @@ def save(folder, model, state):
 
 
 def record_base(folder, base):
-    """Write FOLDER/base.json for an adapter trained on `base` (a folder or a hub id)."""
+    """FOLDER/base.json: `base` (a folder or a hub id) by path, path from FOLDER and identity."""
     rel = os.path.relpath(base, folder) if os.path.isdir(base) else None
     write_json(os.path.join(folder, BASE), dict(path=base, relative=rel, identity=identity(base)))
 
 
 def read_config(ckpt):
-    """CKPT/adapter_config.json as a dict; UserError when it is not JSON, names no base, or holds a
-    rank its weights do not have (peft would allocate that rank, then fail in pages)."""
+    """CKPT/adapter_config.json; UserError when it is not JSON, names no base, or has a rank its weights
+    do not have (peft would allocate that rank, then fail in pages)."""
     path = os.path.join(ckpt, CONFIG)
     try:
         with open(path, encoding="utf-8") as f:
@@ -169,8 +163,8 @@ def _check_rank(path, weights, r):
 
 
 def base_of(ckpt):
-    """The base model an adapter checkpoint was trained on: a folder holding that very model (base.json),
-    or the hub id it names; UserError when it is gone or has changed, or names an adapter itself."""
+    """The base an adapter checkpoint was trained on (base.json: the first path holding a model of its
+    identity); UserError when it is gone or changed, or names an adapter."""
     named = read_config(ckpt)["base_model_name_or_path"]
     try:
         with open(os.path.join(ckpt, BASE), encoding="utf-8") as f:
@@ -194,8 +188,7 @@ def base_of(ckpt):
 
 
 def tied(model, wanted):
-    """The modules among `wanted` (lora.targets; "all-linear" leaves the LM head out) whose weight
-    another module shares (tie_word_embeddings): merging an adapter there would change both."""
+    """The modules among `wanted` (targets) whose weight another shares (tie_word_embeddings)."""
     if wanted == "all-linear":
         return []
     if isinstance(wanted, str):   # peft reads any other string as a regular expression on the full name

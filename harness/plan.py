@@ -6,7 +6,8 @@ import os
 
 import torch
 
-from harness import lora, models
+from harness import lora
+from harness.checkpoint import resolve_model
 from harness.files import UserError, first_line
 from harness.staticcache import buffer_shape  # the buffers StaticDecoder allocates
 
@@ -16,14 +17,26 @@ TOY_PROMPT_TOKENS = 16  # the toy world's chat prompts are at most 14 tokens
 FORCED_SUFFIX = 32      # CLOSE + the forced suffix after a cut (18 tokens for R1), rounded up
 FORCED_ANSWER = 32      # tokens sampled per forced answer (label.mc_labels)
 RUNTIME = {"cuda": 1.0 * GiB, "cpu": 1.0 * GiB}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The named models' config.json, shipped in configs/NAME/ for plans offline (RLCM's are full
+# fine-tunes of their bases: the same shapes).
+SHIPPED = {"deepseek-ai/DeepSeek-R1-Distill-Qwen-7B": "DeepSeek-R1-Distill-Qwen-7B",
+           "Melodramas/RLCM-DeepSeek-R1-Distill-Qwen-7B": "DeepSeek-R1-Distill-Qwen-7B",
+           "Qwen/Qwen3-4B-Instruct-2507": "Qwen3-4B-Instruct-2507",
+           "Melodramas/RLCM-Qwen3-4B-Instruct": "Qwen3-4B-Instruct-2507"}
+
+
+def config_path(name):
+    """Where a --model value's config.json is read: a named hub model's shipped copy (no hub)."""
+    path = resolve_model(name)
+    return os.path.join(ROOT, "configs", SHIPPED[path]) if path in SHIPPED else path
 
 
 def model_config(name, trust_remote_code=False):
-    """The transformers config of a --model value: a named model's shipped one (models.SHIPPED)."""
+    """The transformers config of a --model value, its weights unread."""
     from transformers import AutoConfig
-    path = models.config_path(name)
     try:
-        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        return AutoConfig.from_pretrained(config_path(name), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         first = first_line(e, 300)
         raise UserError(f"cannot read the config of model {name!r}: {first} -- offline? pass a local folder "

@@ -77,7 +77,7 @@ class RunFolder:
                 MADE.append(self.out)
 
     def start(self, cfg):
-        """A new run: config.json and empty logs (a link planted there is replaced, not followed)."""
+        """A new run: config.json and empty logs."""
         if MASTER:
             os.makedirs(self.out, exist_ok=True)
             files.write_json(os.path.join(self.out, "config.json"), cfg)
