@@ -17,10 +17,10 @@ import numpy as np
 import torch
 
 import toy   # --model toy: the toy world's committed warm start (toy.BASE_DIR; `python toy.py` rebuilds it)
-from harness import adapter
 from harness.files import UserError, first_line, fresh_name
 
 PREFIX = "step_"
+CONFIG = "adapter_config.json"  # a LoRA checkpoint (harness/lora.py) holds this for config.json
 ALIASES = {
     "deepseek-r1-distill-qwen-7b": "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
     "qwen3-4b-instruct": "Qwen/Qwen3-4B-Instruct-2507",
@@ -55,8 +55,7 @@ def resolve_model(name):
 
 
 def check_available(name):
-    """UserError now, before any data is read, for a model that cannot load: a missing directory or
-    unknown name (resolve_model), or an HF id that is not in the cache while the hub is offline."""
+    """UserError before any data is read for a model that cannot load (also: offline, not cached)."""
     path = resolve_model(name)
     if os.path.isdir(path):
         return
@@ -67,8 +66,7 @@ def check_available(name):
 
 
 def fetch(name):
-    """Download an HF model into the cache before the workers start (rank 0 would download it inside
-    the process group while the others wait); not other frameworks' copies of the weights."""
+    """Download an HF model before the workers start (rank 0 would, while the others wait)."""
     path = resolve_model(name)
     from huggingface_hub import constants, snapshot_download
     if os.path.isdir(path) or constants.HF_HUB_OFFLINE:
@@ -81,22 +79,17 @@ def fetch(name):
                         "and your access (hf auth login), or pass a local directory") from None
 
 
+def is_adapter(path):
+    return os.path.isfile(os.path.join(path, CONFIG))
+
+
 def step_of(ckpt):
     return int(os.path.basename(ckpt)[len(PREFIX):])
 
 
-def _own_root(run_dir):
-    """RUN/checkpoints; a link is refused (a resume would read, save into and prune another run)."""
-    root = os.path.join(run_dir, "checkpoints")
-    if os.path.islink(root):
-        raise UserError(f"{root} is a link (to {os.readlink(root)}): a run's checkpoints must be a folder of its "
-                        "own; replace the link with a copy of the folder, or remove it")
-    return root
-
-
 def checkpoints(run_dir):
     """Published checkpoint directories of a run (step_NNNNNN, no .tmp), oldest first."""
-    root = _own_root(run_dir)
+    root = os.path.join(run_dir, "checkpoints")
     if not os.path.isdir(root):
         return []
     names = sorted(n for n in os.listdir(root) if n.startswith(PREFIX) and n[len(PREFIX):].isdigit())
@@ -124,24 +117,13 @@ def _zip_ok(path):
         return False
 
 
-def _saved_step(path):
-    """The step a state.pt was saved at, or None (a resume says why); mmap: the pickle alone."""
-    try:
-        return torch.load(path, weights_only=True, mmap=True, map_location="cpu").get("step")
-    except Exception:
-        return None
-
-
 def missing(ckpt, resume=False):
-    """What a checkpoint lacks to be loaded as a model (resume: resumed from): [] when complete. Its
-    own folder (not a link), whole files, a state.pt of the step in its name; probe.pt to resume."""
-    if os.path.islink(ckpt):
-        return ["a folder of its own (it is a link)"]
+    """What a checkpoint lacks to be loaded as a model (resume: state.pt and probe.pt too), [] if nothing."""
     try:
         names = os.listdir(ckpt)
     except OSError:   # a file, or removed meanwhile
         return ["the folder"]
-    config = adapter.CONFIG if adapter.is_adapter(ckpt) else "config.json"  # an adapter, or a model
+    config = CONFIG if is_adapter(ckpt) else "config.json"
     need = (config, "state.pt", "probe.pt") if resume else (config,)
     lack = [n for n in need if not os.path.isfile(os.path.join(ckpt, n))]
     lack += [f"{n} (cut short)" for n in ("state.pt", "probe.pt")
@@ -150,16 +132,11 @@ def missing(ckpt, resume=False):
     if not weights:
         lack.append("model.safetensors")
     lack += [f"{n} (cut short)" for n in weights if not _safetensors_ok(os.path.join(ckpt, n))]
-    if "state.pt" in names and not lack:
-        saved = _saved_step(os.path.join(ckpt, "state.pt"))
-        if saved is not None and saved != step_of(ckpt):
-            lack.append(f"state.pt of step {step_of(ckpt)} (it holds step {saved})")
     return lack
 
 
 def latest_checkpoint(run_dir, say=None, resume=False):
-    """The newest complete checkpoint (resume: complete enough to resume from); incomplete newer ones
-    are skipped, each named with what it lacks through `say` (default: a line on stderr)."""
+    """The newest complete checkpoint; incomplete newer ones are named with what they lack through `say`."""
     say = say or (lambda msg: print(msg, file=sys.stderr))
     for ckpt in reversed(checkpoints(run_dir)):
         lack = missing(ckpt, resume)
@@ -204,14 +181,6 @@ def set_rng_state(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _remove(path):
-    """Remove a folder, or only the link where a link stands (never what it points to)."""
-    if os.path.islink(path):
-        os.unlink(path)
-    else:
-        shutil.rmtree(path, ignore_errors=True)
-
-
 def _fsync(path):
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -221,8 +190,7 @@ def _fsync(path):
 
 
 def _sync_tree(folder):
-    """fsync every file under folder, then the folders themselves (the deepest first): a machine crash
-    after the rename then finds the files whole, not empty."""
+    """fsync every file under folder, then the folders: a crash after the rename finds them whole."""
     for d, _, names in os.walk(folder, topdown=False):
         for n in names:
             _fsync(os.path.join(d, n))
@@ -230,16 +198,15 @@ def _sync_tree(folder):
 
 
 def save_checkpoint(run_dir, step, write, keep=2):
-    """Call write(tmp_dir) to fill a new checkpoint in a fresh folder, publish it atomically, then
-    prune all but the last `keep` (0: none pruned) complete ones at or below `step`, never damaged
-    or newer ones. A failed write (a full disk) is one UserError line; the ones before it stay."""
+    """write(tmp_dir) fills a fresh folder, published atomically; then all but the last `keep` (0: all)
+    complete ones at or below `step` are pruned. A failed write (a full disk) is one UserError line."""
     from safetensors import SafetensorError
-    root = _own_root(run_dir)
+    root = os.path.join(run_dir, "checkpoints")
     final = os.path.join(root, f"{PREFIX}{step:06d}")
     os.makedirs(root, exist_ok=True)
     for n in os.listdir(root):   # left by a killed save (we hold the run's lock: no one else saves)
         if n.startswith(PREFIX) and n.endswith(".tmp"):
-            _remove(os.path.join(root, n))
+            shutil.rmtree(os.path.join(root, n), ignore_errors=True)
     tmp = fresh_name(final)
     os.mkdir(tmp)
     try:
@@ -258,16 +225,15 @@ def save_checkpoint(run_dir, step, write, keep=2):
     os.replace(tmp, final)
     _fsync(root)
     if old:
-        _remove(old)
+        shutil.rmtree(old, ignore_errors=True)
     done = [c for c in checkpoints(run_dir) if step_of(c) <= step and not missing(c, resume=True)]
     for old in done[:-keep] if keep > 0 else []:
-        _remove(old)
+        shutil.rmtree(old, ignore_errors=True)
     return final
 
 
 def apply_rates(opt, sched, lr, probe_opt, probe_lr):
-    """Rates given with --resume replace those restored with the optimizer states: the policy's
-    (through its LambdaLR schedule, at the schedule's current factor) and the probe's."""
+    """Rates given with --resume replace those restored with the optimizer states."""
     if sched.base_lrs != [lr] * len(opt.param_groups):
         sched.base_lrs = [lr] * len(opt.param_groups)
         for g, fn in zip(opt.param_groups, sched.lr_lambdas):

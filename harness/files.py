@@ -1,15 +1,12 @@
-"""Files in run and evaluation folders, written whole and never through a link planted there
-(`replacing`, `appending`, the lock: a folder may come from someone else), and the one-line error a
-user can fix (UserError), which the rest of harness raises too. `read_jsonl` repairs a log's last
-line cut by a kill; `locked` holds a folder for its one writer; `identity` names a model by content.
+"""Files in run and evaluation folders, written whole (`replacing`), and the one-line error a user
+can fix (UserError), which the rest of harness raises too. `read_jsonl` repairs a log's last line cut
+by a kill; `locked` holds a folder for its one writer; `identity` names a model by content.
 """
-import errno
 import hashlib
 import json
 import os
 import secrets
 import socket
-import stat
 import sys
 import time
 from contextlib import contextmanager
@@ -25,16 +22,16 @@ class UserError(ValueError):
 
 
 def first_line(e, limit=200):
-    """An exception's message cut to its first line (a library's may run to pages), for one-line errors."""
+    """An exception's message cut to its first line (a library's may run to pages)."""
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:limit]
 
 
 class Busy(UserError):
-    """The folder is locked by another live writer (train.py and evaluate.py exit 2)."""
+    """The folder is locked by another live writer."""
 
 
 def fresh_name(path):
-    """A new name beside PATH: random, so no link can have been planted there in advance."""
+    """A new name beside PATH, random: two writers (or a killed one's leftovers) never share it."""
     return f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
 
 
@@ -48,36 +45,13 @@ def _writing(path):
                         "folder's permissions") from None
 
 
-def _open_own(path, flags):
-    """os.open that never follows a link at PATH (O_NOFOLLOW) and opens only a regular file: a planted
-    link is one UserError line, and so is a FIFO (O_NONBLOCK: it would block the open or the read
-    forever), a directory or a device."""
-    try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
-    except OSError as e:
-        if e.errno == errno.ELOOP:
-            raise UserError(f"{path} is a symbolic link: this code never writes through one (it could point "
-                            "anywhere); put the file itself there, or remove it") from None
-        if e.errno not in (errno.EISDIR, errno.ENXIO):   # ENXIO: a FIFO opened to write with no reader
-            raise
-        fd = None
-    if fd is None or not stat.S_ISREG(os.fstat(fd).st_mode):
-        if fd is not None:
-            os.close(fd)
-        raise UserError(f"{path} is not a regular file (a folder, a FIFO or a device in its place): remove it, "
-                        "and run the command again")
-    os.set_blocking(fd, True)
-    return fd
-
-
 @contextmanager
 def replacing(path, mode="w"):
-    """Write PATH whole or not at all, never through a link: the block writes a fresh file beside it
-    (a random name opened with O_EXCL), which then replaces PATH (os.replace swaps a link at PATH
-    itself, not what it points to); on any error PATH is as it was."""
+    """Write PATH whole or not at all: the block writes a fresh file beside it, which then replaces
+    PATH; on any error PATH is as it was."""
     tmp = fresh_name(path)
     try:
-        with _writing(path), open(_open_own(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), mode) as f:
+        with _writing(path), open(tmp, mode.replace("w", "x")) as f:
             yield f
         os.replace(tmp, path)
     except BaseException:
@@ -88,10 +62,7 @@ def replacing(path, mode="w"):
 
 @contextmanager
 def appending(path):
-    """PATH opened to append (created if absent), never through a link: a symbolic link there is
-    refused in one line rather than replaced, because the rows logged so far are where it points and
-    resuming reads them (replacing would drop them; writing through would change a file elsewhere)."""
-    with _writing(path), open(_open_own(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a") as f:
+    with _writing(path), open(path, "a") as f:
         yield f
 
 
@@ -106,13 +77,12 @@ def write_json(path, obj, indent=2):
 
 
 def read_jsonl(path, valid=lambda row: True, say=None):
-    """Rows of a JSON-lines log we append to. A last line that is cut off or not JSON (a kill
-    mid-write) is dropped from the file with a message; any other bad line is a UserError naming the
-    file and line. `valid(row)` says whether a parsed row has the fields the log needs."""
+    """Rows of a JSON-lines log we append to. A cut-off last line (a kill mid-write) is dropped from
+    the file with a message; any other bad line, or a row not `valid`, is a UserError."""
     say = say or (lambda msg: print(msg, file=sys.stderr))
     if not os.path.lexists(path):
         return []
-    with open(_open_own(path, os.O_RDONLY), "rb") as f:   # a link here is refused before any work
+    with open(path, "rb") as f:
         raw = f.read()
     if raw and not raw.endswith(b"\n"):  # a kill between a row and its newline: end the line, so
         raw += b"\n"                      # the next append starts a new one (a cut-off row is dropped below)
@@ -150,14 +120,13 @@ def truncate_metrics(path, last_step):
 
 @contextmanager
 def locked(folder, what="run"):
-    """Hold FOLDER/lock while writing into FOLDER: one writer per folder. An flock (the kernel drops
-    it when the holder dies, however it dies) on a file naming the holder (pid, host, start) for a
-    second writer's one-line Busy; a dead process's lock is taken over with a message."""
+    """Hold FOLDER/lock while writing into FOLDER: an flock (the kernel drops it when the holder dies)
+    on a file naming the holder for a second writer's one-line Busy."""
     import fcntl
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, LOCK)
     while True:
-        fd = _open_own(path, os.O_RDWR | os.O_CREAT)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -199,11 +168,9 @@ def _holder(path, text=None):
 
 
 def identity(path):
-    """What a model is, by content: a 16-hex-digit hash of its folder's files (names and content, not
-    sub-folders, state.pt or probe.pt), so that a folder trained again, replaced or copied over is
-    never taken for the model it held before; a hub id or alias stands for itself. A file over WHOLE
-    bytes is hashed by its size, its first HEAD bytes (a safetensors header) and SAMPLES slices:
-    training changes every weight, so a retrained model differs in every slice."""
+    """What a model is, by content: a hash of its folder's files (not sub-folders, state.pt or probe.pt);
+    a hub id stands for itself. A file over WHOLE bytes is hashed by its size, its first HEAD bytes
+    and SAMPLES slices: training changes every weight, so a retrained model differs in every slice."""
     if not os.path.isdir(path):
         return path
     h = hashlib.sha256()

@@ -2,16 +2,21 @@
 
 The adapter is injected into the Hugging Face model itself (`add_adapter`), so FSDP2 and the update
 run on an ordinary model whose linear layers are adapted; on GPUs the rollout and the labels sample
-from a bf16 copy with the adapter merged (`merged_copy`, `merge_into`). docs/reference.md, "LoRA
-checkpoints". peft is imported only with --lora-rank.
+from a bf16 copy with the adapter merged (`merged_copy`, `merge_into`). base.json finds the base a
+checkpoint was trained on by path and content (`base_of`): docs/reference.md, "LoRA checkpoints".
+peft is imported only with --lora-rank.
 """
+import json
 import os
+import re
 
 import torch
 
-from harness.adapter import WEIGHTS, base_of, record_base, tied  # noqa: F401 (base_of: lora.base_of)
+from harness.checkpoint import CONFIG, is_adapter, resolve_model
+from harness.files import UserError, first_line, identity, write_json
 
 ADAPTER = "default"  # peft's adapter name, dropped from the saved keys as peft does
+BASE, WEIGHTS = "base.json", "adapter_model.safetensors"
 
 
 def has_adapter(model):
@@ -20,22 +25,19 @@ def has_adapter(model):
 
 
 def targets(text):
-    """--lora-targets "all-linear" (every linear layer of the decoder, not the LM head) or a comma
-    list of module names ("q_proj,v_proj")."""
+    """--lora-targets: "all-linear" (the decoder's, not the LM head) or a comma list ("q_proj,v_proj")."""
     return text if text == "all-linear" else [t.strip() for t in text.split(",") if t.strip()]
 
 
 def adapter_params(model, rank, target_text):
-    """Parameters of a rank-`rank` adapter on `model`'s decoder layers: r x (in + out) per adapted
-    linear layer (lora_A is r x in, lora_B out x r). Works on a model on the meta device."""
+    """Parameters of a rank-`rank` adapter on `model`'s decoder layers: r x (in + out) per adapted linear."""
     wanted = targets(target_text)
     return sum(rank * (m.in_features + m.out_features) for name, m in model.model.layers.named_modules()
                if isinstance(m, torch.nn.Linear) and (wanted == "all-linear" or name.split(".")[-1] in wanted))
 
 
 def merged_copy(model, dtype=torch.bfloat16):
-    """The generation copy of an adapted `model` on GPUs: the model without peft's layers in `dtype`,
-    the adapter merged into its weights (`merge_into`): it samples as fast as the base."""
+    """The generation copy of an adapted `model`: without peft's layers, in `dtype`, the adapter merged."""
     import copy
     from peft.tuners.lora import LoraLayer
     plain = copy.deepcopy(model).eval().requires_grad_(False)
@@ -53,11 +55,9 @@ def merged_copy(model, dtype=torch.bfloat16):
 
 @torch.no_grad()
 def merge_into(plain, model, gathered=None):
-    """Write each adapted linear of `model` (frozen W, adapter A, B, scale s = alpha / rank) into
-    `plain` (merged_copy) as W + s B A, in fp32 cast once to the copy's dtype. `model` is not
-    touched: merging into the policy and unmerging after would drift its bf16 base a rounding at a
-    time. A sharded `model` (parallel.refresh_sampler) passes `gathered`, {parameter name: full
-    tensor} of one group's adapters, whose W it has gathered into `plain`: those alone are merged."""
+    """Write each adapted linear of `model` into `plain` as W + s B A (s = alpha / rank), in fp32 cast
+    once (merging into the policy and unmerging would drift its bf16 base). A sharded `model` passes
+    `gathered`, {name: full tensor} of one group's adapters whose W is already in `plain`."""
     from peft.tuners.lora import LoraLayer
     for name, m in model.named_modules():
         if not isinstance(m, LoraLayer):
@@ -73,8 +73,7 @@ def merge_into(plain, model, gathered=None):
 
 
 def add_adapter(model, cfg, base_path):
-    """The model with a fresh adapter (lora_B zero: it starts equal to the base), its base frozen;
-    base_path is written into the adapter's config for loaders."""
+    """The model with a fresh adapter (lora_B zero: it starts equal to the base), its base frozen."""
     from peft import LoraConfig, get_peft_model
     config = LoraConfig(r=cfg["lora_rank"], lora_alpha=cfg["lora_alpha"], target_modules=targets(cfg["lora_targets"]),
                         lora_dropout=0.0)
@@ -84,10 +83,8 @@ def add_adapter(model, cfg, base_path):
 
 
 def with_adapter(model, cfg, ckpt=None, fresh=False):
-    """The policy of a --lora-rank run: the base with the adapter of checkpoint `ckpt` (resume), or a
-    fresh one (also with `fresh`: its shape, on the meta device). A bad --lora-targets: UserError."""
-    from harness.checkpoint import resolve_model
-    from harness.files import UserError
+    """The policy of a --lora-rank run: the adapter of checkpoint `ckpt` (resume), or a fresh one
+    (also with `fresh`: its shape, on the meta device)."""
     base = base_of(ckpt) if ckpt else resolve_model(cfg["model"])   # a resume: the base it was trained on
     shared = [] if ckpt else tied(model, targets(cfg["lora_targets"]))
     if shared:
@@ -97,29 +94,109 @@ def with_adapter(model, cfg, ckpt=None, fresh=False):
     try:
         model = load_adapter(model, ckpt) if ckpt and not fresh else add_adapter(model, cfg, base)
     except ValueError as e:
-        raise UserError(f"--lora-targets {cfg['lora_targets']}: {str(e).splitlines()[0][:200]}") from None
+        raise UserError(f"--lora-targets {cfg['lora_targets']}: {first_line(e)}") from None
     # the base by its absolute path (a cwd-relative one breaks in another folder); base.json records more
     model.peft_config[ADAPTER].base_model_name_or_path = os.path.abspath(base) if os.path.isdir(base) else base
     return model
 
 
 def load_adapter(model, ckpt, trainable=True):
-    """The model with the adapter saved in checkpoint `ckpt` (resume: trainable; evaluation: not)."""
+    """The model with the adapter saved in checkpoint `ckpt`."""
     from peft import PeftModel
     return PeftModel.from_pretrained(model, ckpt, is_trainable=trainable).base_model.model
 
 
 def merged(model, ckpt):
-    """The base `model` with checkpoint `ckpt`'s adapter merged into its weights (evaluation)."""
+    """The base `model` with checkpoint `ckpt`'s adapter merged into its weights."""
     from peft import PeftModel
     return PeftModel.from_pretrained(model, ckpt).merge_and_unload()
 
 
 def save(folder, model, state):
-    """Write the adapter in peft's format (key names without the adapter name) and base.json."""
+    """Write the adapter in peft's format (keys without the adapter name) and base.json."""
     from safetensors.torch import save_file
     model.peft_config[ADAPTER].save_pretrained(folder)
     weights = {"base_model.model." + k.replace(f".{ADAPTER}.", "."): v.detach().contiguous()
                for k, v in state.items()}
     save_file(weights, os.path.join(folder, WEIGHTS), metadata={"format": "pt"})
     record_base(folder, model.peft_config[ADAPTER].base_model_name_or_path)   # the base, by content
+
+
+def record_base(folder, base):
+    """FOLDER/base.json: `base` (a folder or a hub id) by path, path from FOLDER and identity."""
+    rel = os.path.relpath(base, folder) if os.path.isdir(base) else None
+    write_json(os.path.join(folder, BASE), dict(path=base, relative=rel, identity=identity(base)))
+
+
+def read_config(ckpt):
+    """CKPT/adapter_config.json; UserError when it is not JSON, names no base, or has a rank its weights
+    do not have (peft would allocate that rank, then fail in pages)."""
+    path = os.path.join(ckpt, CONFIG)
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path} cannot be read ({first_line(e)}): restore it from a copy of the run") from None
+    base = cfg.get("base_model_name_or_path") if isinstance(cfg, dict) else None
+    if not isinstance(base, str) or not base:
+        raise UserError(f"{path} names no base model (base_model_name_or_path): restore it from a copy of the run")
+    r = cfg.get("r")
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        raise UserError(f"{path}: r {r!r} is not a rank (an integer >= 1): restore it from a copy of the run")
+    if not cfg.get("rank_pattern"):
+        _check_rank(path, os.path.join(ckpt, WEIGHTS), r)
+    return cfg
+
+
+def _check_rank(path, weights, r):
+    from safetensors import SafetensorError, safe_open
+    try:
+        with safe_open(weights, "pt") as f:
+            for key in f.keys():
+                shape = f.get_slice(key).get_shape()
+                rank = shape[0] if "lora_A" in key else shape[-1] if "lora_B" in key else r
+                if rank != r:
+                    raise UserError(f"{path}: r {r}, but {weights} holds an adapter of rank {rank} ({key} has "
+                                    f"shape {list(shape)}): restore adapter_config.json from a copy of the run")
+    except (OSError, SafetensorError) as e:
+        raise UserError(f"cannot read {weights} ({first_line(e)}): restore it from a copy of the run") from None
+
+
+def base_of(ckpt):
+    """The base an adapter checkpoint was trained on (base.json: the first path holding a model of its
+    identity); UserError when it is gone or changed, or names an adapter."""
+    named = read_config(ckpt)["base_model_name_or_path"]
+    try:
+        with open(os.path.join(ckpt, BASE), encoding="utf-8") as f:
+            rec = json.load(f)
+        want, paths = rec["identity"], [rec["relative"] and os.path.join(ckpt, rec["relative"]), rec["path"], named]
+    except FileNotFoundError:   # an older checkpoint: the base as its config names it
+        want, paths = None, [named]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{os.path.join(ckpt, BASE)} is damaged ({first_line(e)}): restore it from a copy "
+                        "of the run") from None
+    for path in filter(None, paths):
+        if os.path.isdir(path) and is_adapter(path):
+            continue   # an adapter is never a base (one naming itself would recurse)
+        if want is None or identity(path) == want:
+            return os.path.normpath(path) if os.path.isdir(path) else path
+    if want is None:
+        raise UserError(f"{os.path.join(ckpt, CONFIG)}: its base {named} is an adapter checkpoint, not a model: "
+                        "restore the file from a copy of the run")
+    raise UserError(f"{ckpt}: the base its adapter was trained on ({rec['path']}, identity {want}) is gone or "
+                    "holds another model now: restore that model there, or use another checkpoint")
+
+
+def tied(model, wanted):
+    """The modules among `wanted` (targets) whose weight another shares (tie_word_embeddings)."""
+    if wanted == "all-linear":
+        return []
+    if isinstance(wanted, str):   # peft reads any other string as a regular expression on the full name
+        picked = lambda name: re.fullmatch(wanted, name) is not None  # noqa: E731
+    else:
+        picked = lambda name: name in wanted or name.split(".")[-1] in wanted  # noqa: E731
+    owners = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(p), []).append(name)
+    return [name for name, m in model.named_modules() if picked(name)
+            and isinstance(getattr(m, "weight", None), torch.nn.Parameter) and len(owners[id(m.weight)]) > 1]

@@ -1,6 +1,5 @@
-"""Loading a model: (model, tokenizer) for any --model value (harness/checkpoint.py: resolve_model),
-a LoRA checkpoint merged into its base (harness/lora.py), and any failure one UserError line; the
-named models' shipped config.json, which memory plans read without the hub (config_path).
+"""(model, tokenizer) for any --model value, a LoRA checkpoint merged into its base, any failure one
+UserError line:
 
     model, tok = load_model("deepseek-r1-distill-qwen-7b", torch.bfloat16)
 """
@@ -8,40 +7,23 @@ import os
 
 import torch
 
-from harness import adapter, lora
-from harness.checkpoint import resolve_model
+from harness import lora
+from harness.checkpoint import CONFIG, is_adapter, resolve_model
 from harness.files import UserError, first_line
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The named models' config.json, shipped in configs/NAME/ for plans offline (RLCM's are full
-# fine-tunes of their bases: the same shapes).
-SHIPPED = {"deepseek-ai/DeepSeek-R1-Distill-Qwen-7B": "DeepSeek-R1-Distill-Qwen-7B",
-           "Melodramas/RLCM-DeepSeek-R1-Distill-Qwen-7B": "DeepSeek-R1-Distill-Qwen-7B",
-           "Qwen/Qwen3-4B-Instruct-2507": "Qwen3-4B-Instruct-2507",
-           "Melodramas/RLCM-Qwen3-4B-Instruct": "Qwen3-4B-Instruct-2507"}
-
-
-def config_path(name):
-    """Where a --model value's config.json is read for a plan: the shipped copy of a named hub model,
-    else what resolve_model names (a folder, a checkpoint, another hub id)."""
-    path = resolve_model(name)
-    return os.path.join(ROOT, "configs", SHIPPED[path]) if path in SHIPPED else path
-
-
 def load_model(name, dtype=torch.float32, trust_remote_code=False):
-    """(model, tokenizer) for a --model value; any loading failure becomes one UserError line."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = resolve_model(name)
-    if adapter.is_adapter(path):  # a --lora-rank checkpoint: its base (and its tokenizer), the adapter merged in
+    if is_adapter(path):  # a --lora-rank checkpoint: its base (and its tokenizer), the adapter merged in
         model, tok = load_model(lora.base_of(path), dtype, trust_remote_code)
         # merged into a weight another layer shares (a tied LM head), it would change that layer too: unmerged
-        keep = adapter.tied(model, adapter.read_config(path).get("target_modules") or [])
+        keep = lora.tied(model, lora.read_config(path).get("target_modules") or [])
         try:
             return (lora.load_adapter(model, path, trainable=False) if keep else lora.merged(model, path)), tok
         except (RuntimeError, ValueError) as e:   # peft's size mismatch or unknown module: pages of text
             raise UserError(f"{path}: its adapter does not fit its base ({first_line(e)}): restore "
-                            f"{adapter.CONFIG} from a copy of the run") from None
+                            f"{CONFIG} from a copy of the run") from None
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         check_shapes(path, trust_remote_code)
@@ -66,7 +48,7 @@ def load_model(name, dtype=torch.float32, trust_remote_code=False):
 
 def check_shapes(path, trust_remote_code=False):
     """UserError before any weight is allocated when a local model's safetensors hold a tensor of
-    another shape than its config.json builds (a model built on the meta device: no memory)."""
+    another shape than its config.json builds."""
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
     files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors")) if os.path.isdir(path) else []

@@ -1,17 +1,13 @@
-"""Memory plans: what one GPU (or the host) must hold for a model and a run's settings, from the
-model's config alone (the model is built on the meta device: no weights are read).
-
-    python train.py --model deepseek-r1-distill-qwen-7b --plan --gpus 8 --gpu-mem 80       # check
-    python evaluate.py --model deepseek-r1-distill-qwen-7b --benchmarks aime24 --plan      # eval_check
-
-The terms, and how a peak sums them: docs/design.md, "Scale" (training), and docs/reference.md,
-"The memory plans".
+"""Memory plans from the model's config alone (built on the meta device: no weights are read):
+`check` for train.py --plan and before every start, `eval_check` for evaluate.py --plan. The terms
+and how a peak sums them: docs/reference.md, "The memory plans".
 """
 import os
 
 import torch
 
-from harness import lora, models
+from harness import lora
+from harness.checkpoint import resolve_model
 from harness.files import UserError, first_line
 from harness.staticcache import buffer_shape  # the buffers StaticDecoder allocates
 
@@ -21,15 +17,26 @@ TOY_PROMPT_TOKENS = 16  # the toy world's chat prompts are at most 14 tokens
 FORCED_SUFFIX = 32      # CLOSE + the forced suffix after a cut (18 tokens for R1), rounded up
 FORCED_ANSWER = 32      # tokens sampled per forced answer (label.mc_labels)
 RUNTIME = {"cuda": 1.0 * GiB, "cpu": 1.0 * GiB}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The named models' config.json, shipped in configs/NAME/ for plans offline (RLCM's are full
+# fine-tunes of their bases: the same shapes).
+SHIPPED = {"deepseek-ai/DeepSeek-R1-Distill-Qwen-7B": "DeepSeek-R1-Distill-Qwen-7B",
+           "Melodramas/RLCM-DeepSeek-R1-Distill-Qwen-7B": "DeepSeek-R1-Distill-Qwen-7B",
+           "Qwen/Qwen3-4B-Instruct-2507": "Qwen3-4B-Instruct-2507",
+           "Melodramas/RLCM-Qwen3-4B-Instruct": "Qwen3-4B-Instruct-2507"}
+
+
+def config_path(name):
+    """Where a --model value's config.json is read: a named hub model's shipped copy (no hub)."""
+    path = resolve_model(name)
+    return os.path.join(ROOT, "configs", SHIPPED[path]) if path in SHIPPED else path
 
 
 def model_config(name, trust_remote_code=False):
-    """The transformers config of a --model value, without reading its weights: a named model's shipped
-    config.json (models.SHIPPED: no hub), else its folder's or the hub's."""
+    """The transformers config of a --model value, its weights unread."""
     from transformers import AutoConfig
-    path = models.config_path(name)
     try:
-        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        return AutoConfig.from_pretrained(config_path(name), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         first = first_line(e, 300)
         raise UserError(f"cannot read the config of model {name!r}: {first} -- offline? pass a local folder "
@@ -37,8 +44,7 @@ def model_config(name, trust_remote_code=False):
 
 
 def param_counts(config, lora_targets="all-linear"):
-    """(total, root, one decoder layer, adapter parameters per unit of LoRA rank on lora_targets)
-    parameter counts, from a model built on the meta device."""
+    """(total, root, one decoder layer, adapter parameters per unit of LoRA rank) parameter counts."""
     from transformers import AutoModelForCausalLM
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -57,9 +63,8 @@ def kv_bytes_per_token(config, dtype_bytes):
 
 
 def estimate(config, cfg, world, device="cuda", offload=False, counts=None, probed=True):
-    """Bytes per device for each term (dict, in the order printed) plus 'peak', the host memory
-    ('host': rank 0's, 'host node': all ranks'), and the static shapes ('kv_shape', 'label_kv_shape').
-    probed: the --reward mode labels forced answers and fits a probe (modes.PROBE_MODES)."""
+    """Bytes per device for each term (in the order printed), 'peak', 'host' (rank 0's), 'host node'
+    and the static shapes; probed: the --reward mode labels forced answers (modes.PROBE_MODES)."""
     total, root, layer, per_rank = counts or param_counts(config, cfg.get("lora_targets", "all-linear"))
     cuda = device == "cuda"
     act_bytes = 2 if cuda else 4
@@ -84,8 +89,7 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None, prob
     kv, prefill = kv_shape[0] * kv_shape[1] * per_token, layer_acts(prompts * P)
     label_shape, label_kv, label_prefill = (0, 0), 0, 0
     if probed:
-        # forced answers (label._forced_samples): gen_batch cuts x k rows after the prompt, the
-        # longest cut and the forced tail; the chunk's prefill cache (one row per cut) is still held.
+        # forced answers: gen_batch cuts x k rows; the chunk's prefill cache is still held
         fractions = cfg.get("budgets", (0.25, 0.5, 0.75))
         cuts = min(cfg["gen_batch"], prompts_here * G * len(fractions))
         width = P + int(new * max(fractions)) + FORCED_SUFFIX
@@ -95,14 +99,10 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None, prob
     gather = (act_bytes if adapter else 8) * (root + 2 * layer) if sharded else 0
     T = max(cfg["micro_tokens"], P + new)  # a micro-batch holds >= 1 sequence
     one_layer = layer_acts(T)
-    # each layer's input (checkpointing) or buffers, then one layer's backward (recomputed buffers
-    # and their gradients)
     kept = config.num_hidden_layers * (T * d * act_bytes if cfg["grad_ckpt"] else one_layer)
     acts = kept + (2 if cfg["grad_ckpt"] else 1) * one_layer
     chunk = 3 * cfg["chunk_size"] * vocab * 4  # chunks run over the micro-batch's flattened positions
     held = 4 * (adapter or total) if offload and cfg.get("offload_grads", "gpu") == "gpu" else 0
-    # the refresh's groups: each decoder layer, the embedding and an untied LM head, gathered in turn
-    # through one buffer sized for the largest (parallel.refresh_sampler)
     largest = max(layer, vocab * d)
     staged = 4 * largest / world if cuda and offload else 0  # a host shard's fp32 copy on the GPU
     merge = 8 * adapter / config.num_hidden_layers + 8 * d * d_ff if adapter else 0  # lora.merge_into
@@ -115,8 +115,7 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None, prob
     update = gather + acts + chunk + held
     terms["peak"] = terms["training state"] + terms["adapter state"] + gen_copy + RUNTIME[device] + \
         max(kv + prefill, label_kv + label_prefill, update, refresh)
-    # Host: rank 0 loads the fp32 weights (4 N) and gathers the full fp32 model and AdamW state at
-    # every save (12 N; the adapter's alone under LoRA); --offload keeps each rank's shard there.
+    # host: rank 0 loads the fp32 weights (4 N) and gathers 12 N at a save; --offload's shards
     offloaded = state + adapter_state if offload else 0.0
     rank0 = offloaded + (max(4 * total, 12 * (adapter or total)) if sharded else 0.0)
     terms["host"] = rank0
@@ -126,23 +125,21 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None, prob
 
 
 def label_chunk(cuts, k, width, config, free):
-    """Cuts per chunk of forced answers (label.mc_labels' batch_size) that fit `free` bytes, at most
-    `cuts`, at `width` positions (prompt + the longest cut + the tail)."""
+    """Cuts per chunk of forced answers (label.mc_labels' batch_size) that fit `free` bytes."""
     return max(1, min(cuts, int(free // cut_bytes(k, width, config))))
 
 
 def cut_bytes(k, width, config):
-    """Bytes one cut of a chunk of forced answers holds at `width` positions, bf16: the prefill cache
-    row it selects, its k rows of static buffers and the masked tail prefill's expanded K/V of one
-    layer (width x 2 x heads x head_dim, twice: SDPA's repeat and the concatenation)."""
+    """Bytes one cut of a chunk holds at `width` positions, bf16: its prefill cache row, k rows of
+    static buffers and one layer's expanded K/V, twice (SDPA's repeat and the concatenation)."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return width * ((1 + k) * kv_bytes_per_token(config, 2) + 2 * 2 * heads * head_dim * 2)
 
 
 def free_bytes(device):
-    """Bytes a new allocation can still get on a CUDA device: free plus what torch's allocator holds
-    unused (freed before an out-of-memory), less a tenth for fragmentation and kernel workspaces."""
+    """Bytes a new allocation can still get: free plus what torch's allocator holds unused, less a
+    tenth for fragmentation."""
     free, _ = torch.cuda.mem_get_info(device)
     return 0.9 * (free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
@@ -152,9 +149,8 @@ def prompt_tokens(cfg):
 
 
 def fixes(config, cfg, world, device, mem, counts, probed=True):
-    """The cheapest change that fits, in order of cost: (under --offload, --offload-grads host) a
-    smaller --gen-batch or --micro-tokens, --lora-rank 32 (not the paper's full fine-tuning),
-    --offload (with --offload-grads host where the held gradients do not fit), more GPUs."""
+    """The cheapest change that fits: --offload-grads host, a smaller --gen-batch or --micro-tokens,
+    --lora-rank 32, --offload, more GPUs."""
     def peak(c, w=world, off=cfg.get("offload", False)):
         return estimate(config, c, w, device, off, counts, probed)["peak"]
     host_grads = peak(dict(cfg, offload_grads="host"))
@@ -197,8 +193,8 @@ def host_ram():
 
 
 def check(cfg, show=False, log=print, probed=True):
-    """Print the plan (show=True) and raise UserError when the peak exceeds the device memory;
-    --gpus / --gpu-mem describe a node other than this one, else the detected devices count."""
+    """Print the plan (show) and raise UserError when the peak exceeds the device memory (--gpus /
+    --gpu-mem: another node's)."""
     device, world, mem = detected(cfg.get("nproc"))
     here = not (cfg.get("gpus") or cfg.get("gpu_mem"))
     if not here:
@@ -247,9 +243,8 @@ def check(cfg, show=False, log=print, probed=True):
 
 
 def eval_estimate(config, s, mem, early_exit=True):
-    """Bytes per term (dict, in the order printed) for one benchmark's settings `s` (the settings of
-    evaluation/benchmarks.py: batch, n, max_new_tokens, score_batch, rows) on a GPU of `mem` bytes;
-    'cuts': the early exit's chunk."""
+    """Bytes per term for one benchmark's settings `s` (evaluation/benchmarks.py) on a GPU of `mem`
+    bytes; 'cuts': the early exit's chunk."""
     d, d_ff = config.hidden_size, config.intermediate_size
     layer = lambda tokens: tokens * (8 * d + 3 * d_ff) * 2  # noqa: E731  one layer's forward, bf16
     weights, runtime = 2 * param_counts(config)[0], RUNTIME["cuda"]
@@ -269,8 +264,7 @@ def eval_estimate(config, s, mem, early_exit=True):
 
 
 def eval_check(model, benches, mem_gib, log=print, early_exit=True):
-    """Print each benchmark's plan for `model` on one GPU of mem_gib GiB ([(name, settings)]);
-    UserError on the first that cannot fit, naming the --batch-size that would."""
+    """Print each benchmark's plan on one GPU of mem_gib GiB; UserError on the first that cannot fit."""
     config, mem = model_config(model), mem_gib * GiB
     out = {}
     for name, s in benches:

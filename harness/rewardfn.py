@@ -3,9 +3,8 @@
     def my_correctness(response, answer, row):   # -> a float in [0, 1], or None to skip
         return float(response.strip().endswith(answer))
 
-train.py calls it where it would grade: on every rollout's whole text and on every forced answer
-alone. What None (a skip) means, and the one-line errors: docs/reference.md, "--reward-fn". The file
-is imported only from the command line and runs in this process with your permissions.
+It grades every rollout's whole text and every forced answer alone; what None (a skip) means:
+docs/reference.md, "--reward-fn". The file runs in this process with your permissions.
 """
 import functools
 import importlib.util
@@ -41,8 +40,7 @@ def load(spec):
 
 
 def digest(spec):
-    """The sha256 of the file at spec (None without --reward-fn): config.json records it, so that a file
-    edited since is reported on resume and refused by reproduce.py, not taken for the same function."""
+    """The sha256 of the file at spec (None without --reward-fn), for config.json: a resume sees an edit."""
     return files.sha256(spec.rpartition(":")[0]) if spec else None
 
 

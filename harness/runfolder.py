@@ -21,8 +21,8 @@ MADE = []  # the run folder this process created (RunFolder.lock), for exit_code
 
 
 def hold_lock(out, new=False):
-    """One writer per run folder: rank 0 holds OUT/lock until the run ends (held: every rank stops
-    in one line). new: the folder was absent at the start; a run found there now is refused."""
+    """Rank 0 holds OUT/lock until the run ends. new: the folder was absent at the start; a run found
+    there now is refused."""
     err = None
     if MASTER:
         try:
@@ -44,7 +44,6 @@ class RunFolder:
     def __init__(self, cfg, say, data_digest):
         self.out, self.say = cfg["out"], say
         self.metrics, self.samples, self.heldout = (os.path.join(self.out, f) for f in LOGS)
-        # rank 0's view, so that every rank takes the same branch to hold_lock
         self.existed = all_gather(os.path.isdir(self.out))[0]
         if self.existed:  # locked before its checkpoints are read
             hold_lock(self.out)
@@ -62,8 +61,7 @@ class RunFolder:
                 "nothing to train; pass a larger --steps")
 
     def check_data(self, cfg, digest):
-        """A local --data file is recorded by content (cfg["data_sha256"], digest: data.digest): one
-        changed since the run began is refused on resume (the data cursor would read other rows)."""
+        """A --data file changed since the run began is refused on resume (its cursor reads other rows)."""
         now = all_gather(digest(cfg["data"]) if MASTER else None)[0]
         saved, cfg["data_sha256"] = cfg.get("data_sha256"), now
         if cfg["resume"] and saved and saved != now:
@@ -79,7 +77,7 @@ class RunFolder:
                 MADE.append(self.out)
 
     def start(self, cfg):
-        """A new run: config.json and empty logs (a link planted there is replaced, not followed)."""
+        """A new run: config.json and empty logs."""
         if MASTER:
             os.makedirs(self.out, exist_ok=True)
             files.write_json(os.path.join(self.out, "config.json"), cfg)
@@ -88,12 +86,10 @@ class RunFolder:
                     pass
 
     def restore(self, cfg, policy, opt, sched, load_probe):
-        """Loads the checkpoint's optimizer, scheduler, probe and RNG state into this run; returns
-        (probe, probe_opt, step, cursor). load_probe: probe.restore(path, lr) -> (probe, probe_opt)."""
+        """(probe, probe_opt, step, cursor), the checkpoint's optimizer, scheduler and RNG state loaded."""
         ckpt = self.ckpt
         with ckpt_lib.reading(os.path.join(ckpt, "state.pt")):
-            # mmap: the optimizer state is read from rank 0 (load_optimizer broadcasts it), so other
-            # ranks never page in the 8 N bytes of the full AdamW state
+            # mmap: only rank 0 reads the optimizer state (load_optimizer broadcasts it)
             state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=True, mmap=True)
             load_optimizer(policy, opt, state["optimizer"])
             sched.load_state_dict(state["scheduler"])
@@ -114,16 +110,14 @@ class RunFolder:
         return probe, probe_opt, step, cursor
 
     def first_accuracy(self, cfg, n):
-        """(the held-out accuracy logged at step 0, None if none was; whether it was of another set than
-        this run's n problems of cfg["eval_data"]), for a resumed run's last line."""
+        """(step 0's held-out accuracy or None, whether it was of another set), for a resume's last line."""
         rows = files.read_jsonl(self.metrics) if MASTER else []
         first = next((r for r in rows if r.get("eval") and r.get("step") == 0), {})
         other = (first.get("eval_n", n), first.get("eval_data", cfg["eval_data"])) != (n, cfg["eval_data"])
         return first.get("eval_accuracy"), other
 
     def save(self, at, model, model_sd, tok, save_probe, state, keep):
-        """Checkpoint `at`, written whole or not at all (the oldest beyond `keep` pruned). state:
-        state.pt's step, cursor, optimizer, scheduler (+ RNG); save_probe(path) writes probe.pt."""
+        """Checkpoint `at` (save_checkpoint); state: state.pt's step, cursor, optimizer, scheduler."""
         if MASTER:
             def write(tmp):
                 if lora.has_adapter(model):
@@ -137,11 +131,8 @@ class RunFolder:
 
 
 def check_out(path, flag="--out", writer=None):
-    """A folder we can create or write into: not a link or a file, and its nearest existing parent writable.
+    """A folder we can create or write into: not a file, and its nearest existing parent writable.
     writer "train.py" or "evaluate.py": nor a folder of another kind whose files it would overwrite."""
-    if os.path.islink(path.rstrip("/") or "/"):   # dangling or not: it points elsewhere than asked
-        raise UserError(f"{flag} {path} is a symbolic link (to {os.readlink(path.rstrip('/'))}): pass the folder "
-                        "itself, or another path")
     if os.path.exists(path) and not os.path.isdir(path):
         raise UserError(f"{flag} {path} is a file, not a folder: pass a folder path")
     parent = os.path.abspath(path)
@@ -166,9 +157,7 @@ TAKES = {"train.py": ("empty", "run"), "evaluate.py": ("empty", "evaluation", "o
 
 
 def folder_kind(path):
-    """(kind, the names that show it) of an existing folder: "run" (metrics.jsonl, checkpoints, or the
-    wandb_run.json a --wandb run writes first), "model" (config.json beside weights), "evaluation"
-    (samples.jsonl or results.json), "empty" (nothing but a lock), else "other"."""
+    """(kind, the names that show it) of a folder: run, model, evaluation, empty (but a lock) or other."""
     names = sorted(set(os.listdir(path)) - {files.LOCK})
     weights = [n for n in names if n.endswith((".safetensors", ".bin"))]
     run = ("metrics.jsonl", "checkpoints", "wandb_run.json")
@@ -198,7 +187,7 @@ def read_config(run, flag="--resume"):
 
 
 def changes(saved, cfg):
-    """[(key, saved value, new value)] for saved keys whose value differs in cfg (resume bookkeeping)."""
+    """[(key, saved value, new value)] for saved keys whose value differs in cfg."""
     skip = ("resume", "out", "trust_remote_code")
     return [(k, saved[k], cfg[k]) for k in saved if k in cfg and k not in skip and saved[k] != cfg[k]]
 
@@ -215,8 +204,8 @@ def interrupted(cfg):
 
 
 def remove_unstarted():
-    """A user error before the first step was logged leaves no run folder: the one this process made
-    goes if it holds only RunFolder.start's config.json and empty logs (the lock is gone by now)."""
+    """A user error before the first step leaves no run folder: the one this process made goes if it
+    holds only config.json and empty logs."""
     for out in filter(os.path.isdir, MADE):
         names = set(os.listdir(out))
         logs = [os.path.join(out, f) for f in LOGS if f in names]
@@ -228,8 +217,8 @@ def remove_unstarted():
 
 @contextmanager
 def exit_codes():
-    """train.py's main runs inside this: the module docstring's exit codes, the lock released and
-    the process group torn down however it ends. Yields a dict whose "cfg" the Ctrl-C line reads."""
+    """train.py's main runs inside this: the exit codes above, the lock released and the process group
+    torn down however it ends. Yields a dict whose "cfg" the Ctrl-C line reads."""
     state, stopped, user_error, finished = {}, False, False, False
     MADE.clear()  # a run in this process before (tests) is not this one
     try:

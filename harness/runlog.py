@@ -39,8 +39,8 @@ def clip(text, cap=TEXT_CHARS):
 
 
 def pick(step, n, **columns):
-    """Rows {step, column: value} for n trajectories spread evenly over the batch (one per group when
-    n <= groups); columns are equal-length lists, string values clipped, floats rounded to 4 places."""
+    """Rows {step, column: value} for n trajectories spread evenly over the batch (columns: equal-length
+    lists); strings clipped, floats rounded to 4 places."""
     size = len(next(iter(columns.values()), []))
     if n <= 0 or size == 0:
         return []
@@ -66,9 +66,8 @@ def append_jsonl(path, rows):
 
 
 def read_metrics(path):
-    """The rows of a metrics.jsonl for a plot, numeric values only. Lines that are not JSON objects
-    with a numeric step and plotted values that are not finite numbers are skipped, counted in one
-    line on stderr; the file is only read (--resume repairs it)."""
+    """The rows of a metrics.jsonl for a plot, numeric values only; what is skipped is counted in one
+    line on stderr (the file is only read: --resume repairs it)."""
     rows, lines, values = [], 0, 0
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in filter(str.strip, f):
@@ -92,8 +91,7 @@ def _number(v):
 
 
 class Tracker:
-    """Mirrors metrics rows to Weights & Biases (optional: imported only here); the run id is kept in
-    RUN/wandb_run.json so a resumed run logs to the same run."""
+    """Mirrors metrics rows to Weights & Biases; RUN/wandb_run.json keeps the id for a resume."""
 
     def __init__(self, run_dir, project, name=None, config=None):
         try:

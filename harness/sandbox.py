@@ -116,8 +116,7 @@ def run_tests(code, tests, fn_name=None, per_test_s=6.0):
 
 
 def _hidden():
-    """What the child must not see, resolved: the grader's folder, this project, the Hugging Face cache
-    and `hide`. The child hides those that lie in a tree it binds (harness/sandbox_child.py: confine)."""
+    """What the child must not see: the grader's folder, this project, the Hugging Face cache, `hide`."""
     try:
         paths = [os.getcwd()]
     except OSError:  # a folder since removed holds nothing
@@ -149,9 +148,8 @@ def _children(pid):
 
 
 def _stop(child, confined):
-    """Kill the child and everything it started. Confined: kill the namespace's PID 1, which takes every
-    process of the namespace with it, and let `unshare` see that and return; then the group and `unshare`
-    itself, for an unconfined child or an `unshare` that does not return."""
+    """Kill the child and everything it started: confined, the namespace's PID 1 (the namespace goes with
+    it); then the group and `unshare` itself."""
     for pid in _children(child.pid) if confined else ():
         try:
             fd = os.pidfd_open(pid)
@@ -176,7 +174,7 @@ def _stop(child, confined):
 
 @functools.cache
 def _why_not():
-    """None when a child can confine itself here, else why not (one line). Run once per process."""
+    """None when a child can confine itself here, else why not (one line)."""
     root = tempfile.mkdtemp(prefix="sandbox-")
     payload = {"code": "", "inputs": [], "functional": False, "fn_name": None, "per_test_s": 1,
                "cpu_s": 5, "out_fd": 1, "confined": True, "root": root, "hide": _hidden()}
@@ -221,10 +219,9 @@ def grade_many(jobs, workers=2):
         return list(pool.map(lambda job: run_tests(**job), jobs))
 
 
-def _lines_until(fd, deadline, limit=LINE_BYTES):
-    """Yield the child's JSON lines (None for one that does not parse) until EOF or deadline[0] (a list:
-    the caller may move it); a line longer than `limit` ends it (None), so that a child flooding the
-    pipe costs the grader at most that."""
+def _lines_until(fd, deadline):
+    """Yield the child's JSON lines (None for one that does not parse) until EOF or deadline[0] (the
+    caller may move it); a line longer than LINE_BYTES ends it (None): a flood costs at most that."""
     buf, start = bytearray(), 0
     while True:
         end = buf.find(b"\n", start)
@@ -236,7 +233,7 @@ def _lines_until(fd, deadline, limit=LINE_BYTES):
             del buf[:end + 1]
             start = 0
             continue
-        if len(buf) > limit:
+        if len(buf) > LINE_BYTES:
             yield None
             return
         start = len(buf)
@@ -250,7 +247,7 @@ def _lines_until(fd, deadline, limit=LINE_BYTES):
 
 
 def _passes(msg, test, functional):
-    """Whether one child report matches the test's expected output (LiveCodeBench's rules)."""
+    """Whether one child report matches the test's expected output."""
     if functional:
         return "ret" in msg and msg["ret"] == json.loads(test["output"])
     return isinstance(msg.get("out"), str) and same_output(msg["out"], test["output"])

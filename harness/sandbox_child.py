@@ -51,8 +51,7 @@ PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 
 
 def expendable():
-    """Confined or not: the OOM killer's first choice (oom_score_adj 1000), and a fresh session keyring
-    in place of the grader's, whose keys (a login's or a container runtime's tokens) it could read."""
+    """The OOM killer's first choice, and a session keyring of its own in place of the grader's."""
     import ctypes
     try:
         with open("/proc/self/oom_score_adj", "w") as f:
@@ -160,8 +159,8 @@ def confine(root, hide=()):
 
 
 def refuse_syscalls(machine=None):
-    """Install a seccomp filter (classic BPF) under which REFUSED, and any call of another ABI (x32,
-    32-bit), fail with EPERM; where the machine or the kernel cannot, say so in one line and go on."""
+    """A seccomp filter (classic BPF): REFUSED, and any call of another ABI (x32, 32-bit), fail with
+    EPERM; where the machine or the kernel cannot, one line says so."""
     import ctypes
     machine = machine or os.uname().machine
     column, arch = ARCHES.get(machine, (None, None))
@@ -188,8 +187,8 @@ class _Timeout(BaseException):
 
 
 def _limit(cpu_s, confined):
-    """Resource limits, the same for every grader uid (soft = hard). Unconfined: no file writes, and no
-    process limit, which would count the grader's own processes."""
+    """Resource limits (soft = hard). Unconfined: no file writes, and no process limit (it would count
+    the grader's own processes)."""
     import resource
     limits = [("RLIMIT_CPU", cpu_s), ("RLIMIT_AS", MEMORY_BYTES), ("RLIMIT_NOFILE", OPEN_FILES),
               ("RLIMIT_CORE", 0), ("RLIMIT_FSIZE", TMP_BYTES if confined else 0)]

@@ -1,9 +1,6 @@
-"""The math-verify worker pool behind grade.answers_match: a verdict that does not depend on the load.
-
-math-verify (sympy) can loop on model text, so it runs in worker processes (this module run with
--m) answering JSON requests [pred, gold, seconds] with "1" / "0". Its budget is the worker's CPU
-time, not wall time, so a busy or paused machine gives the same grade: docs/reference.md,
-"grade.py's time bound".
+"""The math-verify worker pool behind grade.answers_match: math-verify (sympy) can loop on model text,
+so it runs in worker processes (this module run with -m) bounded by their CPU time, not wall time, so
+that a busy machine gives the same grade: docs/reference.md, "grade.py's time bound".
 """
 import atexit
 import json
@@ -30,7 +27,7 @@ class _Worker:
         self.buf, self.ready = b"", False
 
     def line(self, until):
-        """The worker's next output line, or None if it has none by `until` or has exited."""
+        """The worker's next output line, or None by `until` or when it has exited."""
         fd, poll = self.proc.stdout.fileno(), select.poll()  # poll: no limit on fd numbers
         poll.register(fd, select.POLLIN)
         while b"\n" not in self.buf:
@@ -54,8 +51,8 @@ class _Worker:
             return time.monotonic()
 
     def ask(self, pred, gold, seconds, timer=None):
-        """True / False from math-verify within `seconds` of the worker's CPU time, or None when it has
-        none by then (its own timer, `timer` if a test gives it another, is the first stop) or by WALL_S."""
+        """math-verify's verdict within `seconds` of the worker's CPU time, or None (the worker's own
+        timer, `timer` if a test gives it another, is the first stop; WALL_S the last)."""
         request = memoryview((json.dumps([pred, gold, timer or seconds]) + "\n").encode())
         limit, backstop = self.cpu_s() + seconds + REPLY_S, time.monotonic() + WALL_S
         try:
@@ -141,7 +138,7 @@ class _Deadline(BaseException):
 
 
 def _serve():
-    """The worker: answer requests from stdin until it closes (the parent exited)."""
+    """The worker: answer requests [pred, gold, seconds] from stdin with 1 / 0 until it closes."""
     import functools
     import signal
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle

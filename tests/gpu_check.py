@@ -86,7 +86,7 @@ import static_shapes  # noqa: E402  (beside this file)
 from grpo import pack, token_logprobs  # noqa: E402
 import decode as sampling  # noqa: E402
 from harness import lora, plan, staticcache  # noqa: E402
-from harness.adapter import is_adapter  # noqa: E402
+from harness.checkpoint import is_adapter  # noqa: E402
 from harness.checkpoint import latest_checkpoint  # noqa: E402
 from harness.files import UserError  # noqa: E402
 from config import COMMON, REAL  # noqa: E402

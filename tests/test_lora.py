@@ -11,7 +11,7 @@ import torch
 
 import tiny
 import train
-from harness import adapter, checkpoint, files, lora, models, plan
+from harness import checkpoint, files, lora, models, plan
 from config import resolve_args
 from grpo import token_logprobs
 from harness.files import UserError
@@ -194,7 +194,7 @@ def test_evaluate_runs_on_a_lora_run(tmp_path):
     run = str(tmp_path / "run")
     train.main(["--steps", "1", "--out", run, "--lora-rank", "4", *SMALL])
     ckpt = os.path.join(run, "checkpoints", "step_000001")
-    assert sorted(n for n in os.listdir(ckpt) if "adapter" in n) == [adapter.CONFIG, lora.WEIGHTS]
+    assert sorted(n for n in os.listdir(ckpt) if "adapter" in n) == [checkpoint.CONFIG, lora.WEIGHTS]
     assert not os.path.exists(os.path.join(ckpt, "model.safetensors"))  # the frozen base is not saved again
     out = str(tmp_path / "eval")
     evaluate.main(["--model", run, "--benchmarks", "toy", "--limit", "2", "--n-samples", "1", "--max-new-tokens",
@@ -338,7 +338,7 @@ def test_a_lora_checkpoint_finds_its_base_from_another_folder_and_a_moved_clone(
 
 
 def edit_config(ckpt, **change):
-    path = os.path.join(ckpt, adapter.CONFIG)
+    path = os.path.join(ckpt, checkpoint.CONFIG)
     with open(path) as f:
         cfg = json.load(f)
     cfg.update(change)
@@ -354,7 +354,7 @@ DAMAGE = {   # what is done to adapter_config.json (an older checkpoint's: no ba
     "no base": (lambda c: edit_config(c, base_model_name_or_path=None), "names no base model"),
     "r 4 -> 8": (lambda c: edit_config(c, r=8), "r 8, but"),
     "r 100000": (lambda c: edit_config(c, r=100000), "r 100000, but"),
-    "not JSON": (lambda c: open(os.path.join(c, adapter.CONFIG), "w").write("{bad"), "cannot be read (Expecting"),
+    "not JSON": (lambda c: open(os.path.join(c, checkpoint.CONFIG), "w").write("{bad"), "cannot be read (Expecting"),
 }
 
 
@@ -370,7 +370,7 @@ def test_a_damaged_adapter_config_is_one_line_naming_it(pair, case, monkeypatch)
     damage(ckpt)
     with pytest.raises(UserError) as e:
         models.load_model(ckpt)
-    assert str(e.value).startswith(os.path.join(ckpt, adapter.CONFIG)) and words in str(e.value), str(e.value)
+    assert str(e.value).startswith(os.path.join(ckpt, checkpoint.CONFIG)) and words in str(e.value), str(e.value)
     assert "\n" not in str(e.value)
 
 

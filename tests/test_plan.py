@@ -130,10 +130,9 @@ def test_one_gpu_needs_offload_and_fits_with_it(capsys):
 
 def test_a_start_that_cannot_fit_stops_before_loading(tmp_path, capsys, monkeypatch):
     import shutil
-    from harness import models
     monkeypatch.setattr(train, "run", lambda cfg: pytest.fail("run() must not start"))
     folder = tmp_path / "m"   # a local model (a start needs one offline): the 7B's config.json alone
-    shutil.copytree(models.config_path(FIXTURE_7B), folder)
+    shutil.copytree(plan.config_path(FIXTURE_7B), folder)
     with pytest.raises(SystemExit):
         train.main(["--model", str(folder), "--gpus", "2", "--gpu-mem", "40", "--out", str(tmp_path / "r")])
     assert "cheapest fix" in capsys.readouterr().err
@@ -277,7 +276,6 @@ def test_every_named_model_plans_offline_from_its_shipped_config(capsys, monkeyp
 def test_the_shipped_configs_are_the_public_ones():
     """The architecture the plans read: the 7B's is its public config.json (a copy of the shared
     fixture where that exists), the 4B's the sizes Qwen3-4B-Instruct-2507 publishes."""
-    from harness import models
     from harness.checkpoint import resolve_model
     assert resolve_model("rlcm-7b") == "Melodramas/RLCM-DeepSeek-R1-Distill-Qwen-7B"
     assert resolve_model("rlcm-4b") == "Melodramas/RLCM-Qwen3-4B-Instruct"
@@ -285,7 +283,7 @@ def test_the_shipped_configs_are_the_public_ones():
     assert plan.model_config("deepseek-r1-distill-qwen-7b").to_dict() == seven.to_dict()
     fixture = os.path.join(ROOT, "..", "shared", "fixtures", "r1_distill_qwen_7b", "config.json")
     if os.path.isfile(fixture):
-        with open(fixture) as a, open(os.path.join(models.config_path("rlcm-7b"), "config.json")) as b:
+        with open(fixture) as a, open(os.path.join(plan.config_path("rlcm-7b"), "config.json")) as b:
             assert a.read() == b.read()
     four = plan.model_config("qwen3-4b-instruct")
     assert (four.model_type, four.hidden_size, four.intermediate_size, four.num_hidden_layers,
