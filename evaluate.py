@@ -24,11 +24,11 @@ import prompts as prompts_lib
 import rollout
 import toy
 from evaluation import confidence
-from evaluation.benchmarks import (HELD, LOCKS, Rounds, check_prompts, deal, default_out, digest, filed_label, hold,
+from evaluation.benchmarks import (HELD, LOCKS, Rounds, deal, default_out, digest, filed_label, hold,
                                    load_benchmarks, model_id, model_label, ours, own_rows, question_ids,
                                    read_samples, rlcr_prompts, run_config, run_prompt, sample_key, settings, setup,
                                    share, share_probe)
-from evaluation.confidence import default_confidence, get_probe, run_fractions
+from evaluation.confidence import get_probe, run_fractions
 from evaluation.report import means, plot_reliability, report_uses, summarize, table, write_results
 from harness import checkpoint, launch, models, runlog, sandbox
 from harness.checkpoint import ALIASES, resolve_model
@@ -56,12 +56,16 @@ def evaluate_model(name, loaded, args):
     model, tok = models.load_model(name, torch.bfloat16 if device == "cuda" else torch.float32)
     model = model.to(device).eval()
     prompt = run_prompt(path, args)
-    check_prompts(tok, model, loaded, args, prompt[0], prompt[1])
+    for bench, rows, instruction, _ in loaded:   # refused: a prompt past the context, or a template that fails
+        prompts_lib.check_context(tok, rows, instruction if prompt[0] is None else prompt[0],
+                                  getattr(model.config, "max_position_embeddings", None),
+                                  settings(bench, args)["max_new_tokens"], bench,
+                                  say=lambda m: print(m, file=sys.stderr), system=prompt[1])
     if MASTER:   # rank 0 alone reads and writes the folder; the other ranks get what they need from it
         hold(out_dir)   # a new folder is made only now that the model loads and the prompts fit
         label = filed_label(label, ident, out_dir)   # reads results.json: a damaged one is refused now
     label = share(label)
-    source = args.confidence or default_confidence(name)
+    source = args.confidence
     think = tok.convert_tokens_to_ids("</think>")
     close_id = None if think is None or think == tok.unk_token_id else think
     # fitted once: every worker makes a share of the post-hoc probe's data, rank 0 fits it (evaluation/confidence.py)
@@ -262,8 +266,8 @@ def parse_args(argv=None):
     g.add_argument("--mode", choices=("boxed", "rlcr"), default="boxed",
                    help="rlcr: RLCR's prompt, the <answer> tag and --confidence verbal-forced")
     args = p.parse_args(argv)
-    if args.mode == "rlcr" and args.confidence is None:
-        args.confidence = "verbal-forced"
+    # the paper's probe rows read the post-hoc probe (Base, GRPO and RLCM alike, the toy included)
+    args.confidence = args.confidence or ("verbal-forced" if args.mode == "rlcr" else "probe-posthoc")
     args.argv = ["evaluate.py", *(sys.argv[1:] if argv is None else argv)]  # for results.json provenance
     return args
 

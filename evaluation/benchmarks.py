@@ -123,16 +123,6 @@ def benchmark_source(spec, lcb_release=data.LCB_RELEASE):
     return f"{where}:{lcb_release}" if name == "lcb" else where
 
 
-def check_prompts(tok, model, loaded, args, run_instruction=None, system=None):
-    """Refuse a benchmark with a prompt longer than the model's context, or a chat template that
-    cannot render it; warn on overflow."""
-    for bench, rows, instruction, _ in loaded:
-        instruction = instruction if run_instruction is None else run_instruction
-        prompts_lib.check_context(tok, rows, instruction, getattr(model.config, "max_position_embeddings", None),
-                           settings(bench, args)["max_new_tokens"], bench,
-                           say=lambda m: print(m, file=sys.stderr), system=system)
-
-
 def run_prompt(path, args):
     """(instruction, system prompt, answer form) for a model: the flags, else what its run trained
     with (the run's config.json, for a run's checkpoint; an RLCR run answers in <answer> tags), else

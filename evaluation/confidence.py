@@ -51,7 +51,7 @@ SOURCES = ("probe", "probe-posthoc", "verbal", "verbal-forced", "logits")
 
 
 def sample_confidences(source, model, tokenizer, prompts, responses, texts, golds, prb=None,
-                       close_id=None, every=None, exit_k=1, suffix=EVAL_SUFFIX, close="think", seed=0,
+                       close_id=None, every=None, suffix=EVAL_SUFFIX, close="think", seed=0,
                        batch_size=8, rows=64, fractions=(0.25, 0.5, 0.75), forced_k=16, budget=8000,
                        reanswer=RLCR_REANSWER, logit_temperature=0.8):
     """(conf [N] floats, extras [N] dicts): one confidence per response, probes read at read_point
@@ -78,32 +78,28 @@ def sample_confidences(source, model, tokenizer, prompts, responses, texts, gold
         raise ValueError(f"confidence source {source!r} needs a probe; sources: {', '.join(SOURCES)}")
     staticcache.release(model)  # the generation's static shape: neither the features nor the labels reuse it
     ends = [think_end(r, close_id) for r in responses]
-    bls = [([b for b in absolute_cuts(te, every) if b < te] if every else []) +
-           [read_point(source, r, close_id, fractions)] for r, te in zip(responses, ends)]
+    bls = [(list(range(every, te, every)) if every else []) + [read_point(source, r, close_id, fractions)]
+           for r, te in zip(responses, ends)]
     feats = features(model, prompts, responses, bls, tokenizer.pad_token_id, source == "probe-posthoc",
                      batch_size)
-    confs = probe_confidences(prb, feats)
+    sizes = [len(f) for f in feats]
+    probs = probe_lib.predict(prb, torch.cat(feats)).cpu() if sum(sizes) else torch.zeros(0)
+    confs = [p.tolist() for p in probs.split(sizes)]
     extras = [{} for _ in texts]
     if every:
         # On a GPU, fewer cuts where a chunk of them would not fit: a speed choice only, since each
         # forced answer draws from its own stream (label.py), whatever chunk it lands in.
-        chunk = max(1, rows // exit_k)
+        chunk = rows
         if _device(model).type == "cuda":
             width = max((len(p) + max(bl) for p, bl in zip(prompts, bls)), default=0) + plan.FORCED_SUFFIX
-            chunk = plan.label_chunk(chunk, exit_k, width, model.config, plan.free_bytes(_device(model)))
-        ys = mc_labels(model, tokenizer, prompts, responses, [bl[:-1] for bl in bls], golds, k=exit_k,
+            chunk = plan.label_chunk(chunk, 1, width, model.config, plan.free_bytes(_device(model)))
+        ys = mc_labels(model, tokenizer, prompts, responses, [bl[:-1] for bl in bls], golds, k=1,
                        temperature=0.6, top_p=0.95, max_new_tokens=64, close=close, suffix=suffix,
                        seed=seed, batch_size=chunk)
         staticcache.release(model)  # nor does the next batch's generation reuse the labels' shape
         extras = [{"checkpoints": [[b, round(c, 6), y] for b, c, y in zip(bl, cs, yl)]}
                   for bl, cs, yl in zip(bls, confs, ys)]
     return [cs[-1] for cs in confs], extras
-
-
-def absolute_cuts(length, every):
-    """Cuts every `every` tokens, up to and including `length` if it falls on one:
-    absolute_cuts(1200, 500) == [500, 1000]."""
-    return list(range(every, length + 1, every))
 
 
 def read_point(source, response, close_id, fractions=(0.25, 0.5, 0.75)):
@@ -142,10 +138,8 @@ def reanswer_confidence(text):
 
 
 def sample_by_length(model, tokenizer, prompts, k, run=None, **kw):
-    """The k sampled texts of each prompt (lists, in the order given); on the static path (CUDA)
-    sampled shortest prompt first, so that a chunk holds prompts of about one width (one static
-    shape) rather than a rollout's budgets in turn. run: the generate called (rollout.generate's).
-    """
+    """The k sampled texts of each prompt, in the order given; on the static path (CUDA) shortest
+    prompt first, so that a chunk holds one width (one static shape). run: a rollout.generate."""
     order = list(range(len(prompts)))
     if decode.default_decode(model) == "static":
         order.sort(key=lambda i: len(prompts[i]))
@@ -167,9 +161,8 @@ def _device(model):
 
 
 def logit_confidence(model, prompts, responses, pad_id, batch_size=8, temperature=0.8):
-    """exp(mean_t log p_T(response token t)) with logits / temperature, one float per response (EOS
-    included): C2GSPG's confidence, trained at the sampling temperature; temperature=1: the raw model's.
-    """
+    """exp(mean_t log p_T(response token t)), EOS included, with logits / temperature, one float
+    per response: C2GSPG's confidence, trained at the sampling temperature."""
     out = []
     with torch.no_grad():
         for s in range(0, len(prompts), batch_size):
@@ -196,26 +189,13 @@ def features(model, prompts, responses, cut_lists, pad_id, final_norm, batch_siz
     return out
 
 
-def probe_confidences(prb, feats):
-    """Probe probabilities for a list of [B_i, d] feature tensors -> list of lists of floats."""
-    sizes = [len(f) for f in feats]
-    probs = probe_lib.predict(prb, torch.cat(feats)).cpu() if sum(sizes) else torch.zeros(0)
-    return [p.tolist() for p in probs.split(sizes)]
-
-
 TOY_SOURCES = [f"{name}:test" for name in data.TOY_BENCHMARKS]   # the post-hoc probe fits on toy train
 TOY_FITS = ("toy", "toy-pooled")   # --probe-data for the toy world (toy_fit_rows)
 
 
-def default_confidence(name):
-    """The paper's probe rows use the post-hoc probe (Base, GRPO and RLCM alike): the default for
-    every model, the toy world included."""
-    return "probe-posthoc"
-
-
 def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(), prompt=(None, None)):
-    """(probe or None, post-hoc report or None) for a confidence source; post-hoc probes are cached in
-    OUT, one file per model (its label and a hash of model_id)."""
+    """(probe or None, post-hoc report or None) for a confidence source; a post-hoc probe is cached in
+    OUT per model (its label and a hash of model_id)."""
     if source == "probe":
         if not os.path.isfile(os.path.join(path, "probe.pt")):
             raise UserError(f"{label} has no probe.pt: use --confidence probe-posthoc, logits or verbal")
@@ -279,12 +259,9 @@ GRID = [(lr, p, wd) for lr in (1e-3, 5e-4, 1e-4) for p in (0.5, 0.8) for wd in (
 
 def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, protocol, batch_size=8, rows=64,
                   system=None):
-    """(probe, report) of a model: read from `cache`.pt (probe and report in one file) if fitted
-    there with the same protocol, else fitted (posthoc_examples, fit_posthoc) and saved, the report
-    copied to `cache`.json for people. protocol: the dict get_probe builds from the flags. Every
-    worker calls this and gets a share of the sampling and grading; rank 0 alone reads the cache
-    and fits, the others return (None, None).
-    """
+    """(probe, report): read from `cache`.pt if fitted there with the same protocol (get_probe's
+    dict), else fitted and saved, the report copied to `cache`.json for people. Every worker samples
+    and grades a share; rank 0 alone reads the cache and fits, the others return (None, None)."""
     p = cache_protocol(protocol, questions, instruction, system)
     cached = read_cache(cache + ".pt") if MASTER and os.path.exists(cache + ".pt") else None
     if share(cached is not None and cached[1].get("protocol") == p):
@@ -330,12 +307,10 @@ def posthoc_examples(model, tokenizer, prompts, responses, texts, golds, groups,
                      count=16, k=16, suffix=EVAL_SUFFIX, close="think", stop=(), copy_natural=True,
                      seed=0, batch_size=8, rows=64, lead=EVAL_LEAD, gate="thinking", grader="math",
                      tokens="sampled", run=None):
-    """(feats [M, d], labels [M], groups [M] problem indices, stats), M = count * N: one example
-    per rollout and budget of posthoc_budgets, the feature the final normed state of the last token
-    of prompt + thinking[:b], the label posthoc_labels'. batch_size: sequences per scoring forward;
-    rows: per forced-answer generation call. tokens="text" (released): the thinking re-tokenized
-    from its text, and the forced prompts without the prompt's BOS (the features keep it).
-    """
+    """(feats [M, d], labels [M], groups [M] problem indices, stats), M = count * N: per rollout and
+    budget b (posthoc_budgets), the final normed state at prompt + thinking[:b] and posthoc_labels'
+    label. tokens="text" (released): the thinking re-tokenized from its text, and the forced prompts
+    without the prompt's BOS (the features keep it)."""
     ends = [think_end(r, close_id) for r in responses]
     forced = prompts
     if tokens == "text":
@@ -369,13 +344,11 @@ def posthoc_budgets(thinking, every=500, count=16):
 def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions, ends, k=16,
                    suffix=EVAL_SUFFIX, close="think", stop=(), copy_natural=True, max_new_tokens=64,
                    seed=0, rows=64, lead=EVAL_LEAD, gate="thinking", grader="math", run=None):
-    """(Y_b for each rollout's budget positions: N lists of floats, how many were copied). At the end of thinking (ends[i]) of a thinking that holds a box (gate="thinking"; "none": a box
-    anywhere), the natural answer's grade is copied (copy_natural). Elsewhere Y_b is the share of k
-    answers forced from `prompt + response[:b] + lead + CLOSE + suffix` (T 0.6, top-p 0.95) that
-    are right, read from the last box of `suffix + answer`; equal forced prompts are sampled once.
-    grader="code": answers are programs, run against the gold's tests (sandbox.grade_many).
-    run: the generate the forced answers are sampled with (sample_by_length's).
-    """
+    """(Y_b at each rollout's budget positions: N lists of floats, how many were copied). At the end
+    of a thinking that holds a box (gate "none": a box anywhere) the natural grade is copied
+    (copy_natural); elsewhere Y_b is the share of k answers forced from `prompt + response[:b] +
+    lead + CLOSE + suffix` (T 0.6, top-p 0.95) that are right, equal forced prompts sampled once.
+    grader="code": the answers are programs, run against the gold's tests."""
     lead_ids = tokenizer.encode(lead, add_special_tokens=False) if lead else []
     labels, todo, copied = [], {}, 0
     programs = None if grader != "code" else spread(sandbox.grade_many,
@@ -414,12 +387,9 @@ def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions
 
 def fit_posthoc(x, y, groups, seed=42, max_epochs=100, patience=30, batch_size=64, grid=GRID, device="cpu",
                 val_frac=0.2, plateau=(0.5, 5), rule="released"):
-    """The released fit (docs/reference.md, "Evaluation"): x [M, d], y [M] soft labels, groups [M],
-    split by split_groups, a fresh Probe per grid point (torch seed `seed`), val_loss against
-    round(y) ("project": lower by 1e-6 to count). Returns (the grid's best probe, report: its
-    settings, the split, its validation BCE beside the constant predictors mean(y_train) and
-    mean(round(y_train))).
-    """
+    """(the grid's best probe, report) of the released fit (docs/reference.md, "Evaluation") on x [M, d],
+    soft labels y [M] and problems groups [M]: split_groups, a fresh Probe per grid point, val_loss
+    against round(y) ("project": lower by 1e-6 to count), beside constant predictors in the report."""
     if not torch.isfinite(x).all():
         raise FloatingPointError(f"post-hoc probe: {int((~torch.isfinite(x)).any(1).sum())} of {len(x)} "
                                  "features are NaN or inf: the model's weights hold NaN or inf")
@@ -520,9 +490,8 @@ def cache_protocol(protocol, questions, instruction, system=None):
 
 
 def read_cache(path):
-    """(probe, report) of a post-hoc cache file, or None with one line naming it where it is damaged
-    (cut short, not a probe, a pickle payload, NaN weights, no report): the probe is fitted again.
-    Read with weights_only and checked by probe.load before anything of its sizes is built."""
+    """(probe, report) of a post-hoc cache file, or None with one line naming it where it is damaged:
+    the probe is fitted again. Read with weights_only and checked by probe.load."""
     try:
         prb = probe_lib.load(path)[0]
         report = json.loads(torch.load(path, map_location="cpu", weights_only=True).get("report") or "null")

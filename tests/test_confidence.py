@@ -26,11 +26,6 @@ def _tiny_model(seed=0):
     return Qwen2ForCausalLM(cfg).eval()
 
 
-def test_absolute_cuts_include_the_length_when_it_falls_on_one():
-    assert confidence.absolute_cuts(1200, 500) == [500, 1000]
-    assert confidence.absolute_cuts(1000, 500) == [500, 1000]
-
-
 @pytest.mark.parametrize("text, expected", [
     ("<answer>3</answer><confidence>0.8</confidence>", (0.8, False)),
     ("<confidence>85</confidence>", (0.85, False)),

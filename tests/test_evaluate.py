@@ -180,8 +180,9 @@ def test_two_models_side_by_side_and_metrics_match_samples(toy_dir, run_dir, tmp
 
 
 def test_default_confidence_is_the_posthoc_probe_with_the_released_fit_data():
-    assert confidence.default_confidence("deepseek-r1-distill-qwen-7b") == "probe-posthoc"
-    assert confidence.default_confidence("runs/toy") == "probe-posthoc"
+    for model in ("deepseek-r1-distill-qwen-7b", "runs/toy"):
+        assert evaluate.parse_args(["--model", model]).confidence == "probe-posthoc"
+    assert evaluate.parse_args(["--model", "toy", "--mode", "rlcr"]).confidence == "verbal-forced"
     for w in (benchmarks.REAL, benchmarks.TOY):
         assert (w["probe_questions"], w["probe_samples"], w["posthoc_budgets"]) == (80, 8, 16)
     assert (benchmarks.REAL["every"], benchmarks.REAL["forced_k"]) == (500, 16)   # budgets 500 .. 8000
