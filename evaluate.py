@@ -26,8 +26,8 @@ import toy
 from evaluation import confidence
 from evaluation.benchmarks import (HELD, LOCKS, Rounds, deal, default_out, digest, filed_label, hold,
                                    load_benchmarks, model_id, model_label, ours, own_rows, question_ids,
-                                   read_samples, rlcr_prompts, run_config, run_prompt, sample_key, settings, setup,
-                                   share, share_probe)
+                                   read_samples, rlcr_prompts, run_config, run_prompt, sample_key, settings,
+                                   setup, share, share_probe)
 from evaluation.confidence import get_probe, run_fractions
 from evaluation.report import means, plot_reliability, report_uses, summarize, table, write_results
 from harness import checkpoint, launch, models, runlog, sandbox
@@ -56,7 +56,7 @@ def evaluate_model(name, loaded, args):
     model, tok = models.load_model(name, torch.bfloat16 if device == "cuda" else torch.float32)
     model = model.to(device).eval()
     prompt = run_prompt(path, args)
-    for bench, rows, instruction, _ in loaded:   # refused: a prompt past the context, or a template that fails
+    for bench, rows, instruction, _ in loaded:   # refused: a prompt past the context or a failing template
         prompts_lib.check_context(tok, rows, instruction if prompt[0] is None else prompt[0],
                                   getattr(model.config, "max_position_embeddings", None),
                                   settings(bench, args)["max_new_tokens"], bench,
@@ -68,7 +68,7 @@ def evaluate_model(name, loaded, args):
     source = args.confidence
     think = tok.convert_tokens_to_ids("</think>")
     close_id = None if think is None or think == tok.unk_token_id else think
-    # fitted once: every worker makes a share of the post-hoc probe's data, rank 0 fits it (evaluation/confidence.py)
+    # fitted once: every worker makes a share of the post-hoc probe's data, rank 0 fits it (posthoc_probe)
     got = get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded, prompt) \
         if MASTER or source == "probe-posthoc" else None
     prb, report = share_probe(got, next(model.parameters()).device)
@@ -308,7 +308,7 @@ def main(argv=None):
         if any(data.kind(name) == "code" for name, *_ in loaded):
             sandbox.check()   # can programs be confined here (or --unconfined-code)? Said before any model loads
         workers = launch.worker_count(vars(args))
-        if workers > 1:   # one worker per GPU (or --nproc), each running this command: evaluation/benchmarks.py
+        if workers > 1:   # one worker per GPU (or --nproc), each running this command (benchmarks.deal)
             for name in args.model:
                 checkpoint.fetch(name)   # now: rank 0 would download inside the group while the others wait
             code = launch.launch(os.path.abspath(__file__), args.argv[1:], workers)
