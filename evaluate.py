@@ -11,21 +11,25 @@ Per model and benchmark (evaluate_model): graded samples with a confidence in --
 (resumable), metrics in --out/results.json and the table; protocol: docs/reference.md, "Evaluation".
 """
 import argparse
+import json
 import os
 import sys
 
 import torch
+from tqdm import tqdm
 
 import data
 import grade
+import prompts as prompts_lib
+import rollout
 import toy
-from evaluation import confidence, shard
-from evaluation.benchmarks import check_prompts, load_benchmarks, rlcr_prompts, run_config, run_prompt, settings
-from evaluation.generation import GRADER, generate_benchmark
-from evaluation.probes import default_confidence, get_probe, run_fractions
+from evaluation import confidence
+from evaluation.benchmarks import (HELD, LOCKS, Rounds, deal, default_out, digest, filed_label, hold,
+                                   load_benchmarks, model_id, model_label, ours, own_rows, question_ids,
+                                   read_samples, rlcr_prompts, run_config, run_prompt, sample_key, settings,
+                                   setup, share, share_probe)
+from evaluation.confidence import get_probe, run_fractions
 from evaluation.report import means, plot_reliability, report_uses, summarize, table, write_results
-from evaluation.samples import (HELD, LOCKS, default_out, digest, filed_label, hold, model_id, model_label,
-                                own_rows, question_ids, read_samples, sample_key)
 from harness import checkpoint, launch, models, runlog, sandbox
 from harness.checkpoint import ALIASES, resolve_model
 from harness.runfolder import check_out
@@ -52,18 +56,22 @@ def evaluate_model(name, loaded, args):
     model, tok = models.load_model(name, torch.bfloat16 if device == "cuda" else torch.float32)
     model = model.to(device).eval()
     prompt = run_prompt(path, args)
-    check_prompts(tok, model, loaded, args, prompt[0], prompt[1])
+    for bench, rows, instruction, _ in loaded:   # refused: a prompt past the context or a failing template
+        prompts_lib.check_context(tok, rows, instruction if prompt[0] is None else prompt[0],
+                                  getattr(model.config, "max_position_embeddings", None),
+                                  settings(bench, args)["max_new_tokens"], bench,
+                                  say=lambda m: print(m, file=sys.stderr), system=prompt[1])
     if MASTER:   # rank 0 alone reads and writes the folder; the other ranks get what they need from it
         hold(out_dir)   # a new folder is made only now that the model loads and the prompts fit
         label = filed_label(label, ident, out_dir)   # reads results.json: a damaged one is refused now
-    label = shard.share(label)
-    source = args.confidence or default_confidence(name)
+    label = share(label)
+    source = args.confidence
     think = tok.convert_tokens_to_ids("</think>")
     close_id = None if think is None or think == tok.unk_token_id else think
-    # fitted once: every worker makes a share of the post-hoc probe's data, rank 0 fits it (evaluation/posthoc.py)
+    # fitted once: every worker makes a share of the post-hoc probe's data, rank 0 fits it (posthoc_probe)
     got = get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded, prompt) \
         if MASTER or source == "probe-posthoc" else None
-    prb, report = shard.share_probe(got, next(model.parameters()).device)
+    prb, report = share_probe(got, next(model.parameters()).device)
     samples = os.path.join(out_dir, "samples.jsonl")
     res = {"path": path, "model_id": ident, "confidence": source, "out": out_dir, "benchmarks": {}, "settings": {},
            "provenance": runlog.provenance(args.argv, next(model.parameters()).device)}
@@ -113,6 +121,98 @@ def evaluate_model(name, loaded, args):
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return label, res
+
+
+GRADER = "math"   # evaluation grades with grade.is_correct: normaliser + math-verify
+
+
+def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, path, system=None,
+                       form="box", key=None):
+    """Sample, grade and score every (question, sample) of one benchmark not yet in `path` for
+    `key` (sample_key), appending per call. s: the benchmark's settings; conf_kw:
+    confidence.sample_confidences' arguments; form: grade.extract's ("box" or "tag").
+    """
+    qids = question_ids(rows)
+    todo = share(missing_samples(path, label, bench, rows, s["n"], key) if MASTER else None)
+    bar = tqdm(total=len(rows) * s["n"], initial=len(rows) * s["n"] - sum(len(m) for _, m in todo),
+               desc=f"{label} {bench}", file=sys.stderr, disable=not MASTER)
+
+    def call_rows(chunk, m, out, conf, extras, golds):   # in the grading thread, while the next call generates
+        answers, right = grade_call(out.texts, golds, bench, s, form)
+
+        def texts(q, r):   # so that a grade can be read, and the mechanism's readouts need no model
+            return {} if args.no_log_text else dict(problem=rows[q]["problem"], text=out.texts[r])
+        return [json.dumps(dict(
+            model=label, benchmark=bench, question=q, sample=missing[r % m], answer=answers[r],
+            correct=int(right[r]), confidence=float(conf[r]), length=out.lengths[r], finish=out.finish[r],
+            source=conf_kw["source"], key=key, q=qids[q], **texts(q, r), **extras[r])) + "\n"
+            for r, (q, missing) in enumerate(c for c in chunk for _ in range(m))]
+
+    with Rounds(path, bar) as written:
+        for chunk in deal(calls(todo, s["batch"])):   # this worker's call of each round
+            if chunk is None:
+                written.add(None)
+                continue
+            m = len(chunk[0][1])
+            prompts = [prompts_lib.row_prompt(tok, rows[q], instruction, system) for q, _ in chunk]
+            seed = args.seed * 1_000_003 + chunk[0][0] * 1009 + m
+            out = rollout.generate(model, tok, prompts, n=m, max_new_tokens=s["max_new_tokens"],
+                                   temperature=args.temperature, top_p=args.top_p, seed=seed,
+                                   batch_size=len(prompts), decode=args.decode)
+            golds = [rows[q]["answer"] for q, _ in chunk for _ in range(m)]
+            conf, extras = confidence.sample_confidences(
+                model=model, tokenizer=tok, prompts=[p for p in prompts for _ in range(m)], responses=out.ids,
+                texts=out.texts, golds=golds, seed=seed + 1, batch_size=s["score_batch"], rows=s["rows"],
+                **conf_kw)
+            written.add(call_rows, chunk, m, out, conf, extras, golds)
+    bar.close()
+
+
+def missing_samples(path, label, bench, rows, n, key):
+    """[(question, [sample indices not yet in `path` for key])] of the questions missing any."""
+    have, qids = read_samples(path), question_ids(rows)
+    done = {(r["question"], r["sample"]) for r in own_rows(have, key, rows, n)}
+    todo = [(q, [j for j in range(n) if (q, j) not in done]) for q in range(len(rows))]
+    todo = [t for t in todo if t[1]]
+    other = sum(r["model"] == label and r["benchmark"] == bench and not ours(r, key, qids) for r in have)
+    if todo and other:
+        print(f"{path}: {other} rows of {label} on {bench} were sampled with other settings, for other "
+              "questions or by an older version: not reused", file=sys.stderr)
+    return todo
+
+
+def calls(todo, size):
+    """The generate calls of a benchmark, in order: runs of up to `size` questions of `todo` missing the
+    same number of samples. A call's samples depend on all of its questions (evaluation/benchmarks.py), so
+    workers share calls, never questions."""
+    out = []
+    for q, missing in todo:
+        if out and len(out[-1]) < size and len(out[-1][0][1]) == len(missing):
+            out[-1].append((q, missing))
+        else:
+            out.append([(q, missing)])
+    return out
+
+
+def grade_call(texts, golds, bench, s, form):
+    """(answers, right) of one call's responses."""
+    if s.get("grader") == "code":   # the programs run in a bounded pool of sandboxed children
+        return [sandbox.extract_code(t) for t in texts], sandbox.grade_many(
+            [grade.code_job(t, g) for t, g in zip(texts, golds)])
+    answers = [grade.rlcr_answer(t) if form == "tag" else grade.extract(t, GRADER, form) for t in texts]
+    # GPQA's natural boxed answers are graded as released (no option letter read off them);
+    # its RLCR answers and LogiQA's (the project's own protocol) by their letter
+    letters = form == "tag" or bench != "gpqa"
+    return answers, [natural_correct(t, a, g, form, s["gate"], letters) for t, a, g in zip(texts, answers, golds)]
+
+
+def natural_correct(text, answer, gold, form="box", gate="thinking", letters=True):
+    """The grade of a natural response: its answer matches the gold and, with gate="thinking"
+    (released: natural_eval), its thinking holds a box (grade.boxed_in_thinking); gate="none", or an
+    RLCR answer (form="tag"), the answer alone. letters: grade.answers_match's."""
+    if form == "box" and gate == "thinking" and not grade.boxed_in_thinking(text):
+        return False
+    return grade.answers_match(answer, gold, GRADER, letters=letters)
 
 
 def build_parser():
@@ -175,8 +275,8 @@ def build_parser():
 
 def parse_args(argv=None):
     args = build_parser().parse_args(argv)
-    if args.mode == "rlcr" and args.confidence is None:
-        args.confidence = "verbal-forced"
+    # the paper's probe rows read the post-hoc probe (Base, GRPO and RLCM alike, the toy included)
+    args.confidence = args.confidence or ("verbal-forced" if args.mode == "rlcr" else "probe-posthoc")
     args.argv = ["evaluate.py", *(sys.argv[1:] if argv is None else argv)]  # for results.json provenance
     return args
 
@@ -217,14 +317,14 @@ def main(argv=None):
         if any(data.kind(name) == "code" for name, *_ in loaded):
             sandbox.check()   # can programs be confined here (or --unconfined-code)? Said before any model loads
         workers = launch.worker_count(vars(args))
-        if workers > 1:   # one worker per GPU (or --nproc), each running this command: evaluation/shard.py
+        if workers > 1:   # one worker per GPU (or --nproc), each running this command (benchmarks.deal)
             for name in args.model:
                 checkpoint.fetch(name)   # now: rank 0 would download inside the group while the others wait
             code = launch.launch(os.path.abspath(__file__), args.argv[1:], workers)
             if code:
                 raise SystemExit(code)
             return None
-        shard.setup()
+        setup()
         results = dict(evaluate_model(name, loaded, args) for name in args.model)
     except (ValueError, OSError) as e:   # UserError (a refused plan, files.Busy), data.DataError: exit 2
         print(f"evaluate.py: error: {e}", file=sys.stderr)

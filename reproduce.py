@@ -32,7 +32,7 @@ import data
 import evaluate
 import metrics
 from evaluation.report import clean, overall, plot_reliability
-from evaluation.samples import model_id, model_label
+from evaluation.benchmarks import model_id, model_label
 from harness import checkpoint, files, launch, runlog
 from harness.runfolder import check_out, read_config
 from harness.files import UserError
@@ -176,7 +176,7 @@ def paths(out, method, seed):
 
 def model_of(run):
     """(label, identity) that evaluate.py files the toy base (run None) or the run's latest checkpoint
-    under (evaluation/samples.py: model_label, model_id); (None, None) before its first checkpoint."""
+    under (evaluation/benchmarks.py: model_label, model_id); (None, None) before its first checkpoint."""
     if run is None:
         return "toy", model_id(checkpoint.resolve_model("toy"))
     ckpt = checkpoint.latest_checkpoint(run, quiet)

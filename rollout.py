@@ -38,7 +38,7 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
     Samples.logprobs and .entropy_sum under softmax(logits / temperature), not top-p's (else []).
     batch_size: prompts per chunk (rows = batch_size * n). decode: "static" | "dynamic" | None
     (static on CUDA). chunks: the indices of the chunks to sample (None: all), each with the
-    generator it has in a call that runs them all (evaluation/shard.py). progress: a bar (a string:
+    generator it has in a call that runs them all (evaluation/benchmarks.py). progress: a bar (a string:
     its label). keyed: a generator per row, seeded from (seed, its prompt, its sample index), so a
     prompt's samples do not depend on batch_size or the other prompts (label.py's forced answers).
     """

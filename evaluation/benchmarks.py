@@ -1,20 +1,34 @@
-"""The benchmarks an evaluation reads and how each is asked and sampled: loading (load_benchmarks), the
-prompt (what the run trained with, the benchmark's own, or RLCR's under --mode rlcr), and the settings
-of each benchmark (settings: the world's defaults below, overridden by evaluate.py's flags).
+"""The benchmarks an evaluation reads and how each is asked and sampled (load_benchmarks, settings:
+the world's defaults, overridden by evaluate.py's flags); what identifies a model's samples and the
+samples.jsonl they are appended to (sample_key, own_rows, hold); and the workers of an evaluation on
+every GPU of a node (setup, deal, Rounds), whose samples.jsonl is the one one process would write.
 """
+import copy
+import dataclasses
+import datetime
+import hashlib
+import json
 import os
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack
+
+import torch
+import torch.distributed as dist
 
 import config  # check_saved: the saved values as train.py's parser would take them
 import data
 import label as label_lib
 import modes
 import prompts as prompts_lib
+import rollout
 import toy
-from evaluation import confidence, posthoc
-from evaluation.samples import run_dir
-from harness.runfolder import read_config
+from evaluation.report import read_results
+from harness import files
+from harness.checkpoint import ALIASES
 from harness.files import UserError
+from harness.parallel import MASTER, RANK, WORLD
+from harness.runfolder import check_out, read_config
 
 BIG_N = {"aime24": 32, "aime25": 32, "amc23": 32}   # samples per question; 4 elsewhere
 # Per-world defaults (docs/reference.md, "Evaluation"); every: thinking tokens between budgets;
@@ -23,24 +37,30 @@ REAL = dict(n=4, max_new_tokens=8000, every=500, forced_k=16, probe_questions=80
             posthoc_budgets=16, rows=64, score_batch=8)
 TOY = dict(n=4, max_new_tokens=128, every=8, forced_k=4, probe_questions=80, probe_samples=8,
            posthoc_budgets=16, rows=256, score_batch=256)
-
-
+# The released forced answer's text, after the cut thinking and `</think>` (exit checkpoints, post-hoc labels).
+EVAL_SUFFIX = "\n\nIf I were to give the final answer now, the final answer would be \\boxed{"
+# RLCR's released forced re-answer (2_budget_eval_rlcr), after the thinking cut at the budget.
+RLCR_REANSWER = ("...</think>\n\nI am out of time, let me just output the final answer and confidence analysis "
+                 "in exactly this format:\n" + prompts_lib.RLCR_FORMAT + "\n\n<answer>")
+# Code benchmarks (released 2_budget_eval, LiveCodeBench): the forced answer is a whole program after
+# "..." + `</think>` + CODE_SUFFIX, graded by running it (grade's "code").
+CODE_SUFFIX = "\n\nHere is my final Python solution:\n"
 def settings(bench, args):
     """Per-benchmark sampling and confidence settings: world defaults, overridden by flags."""
     toy_world = bench in data.TOY_BENCHMARKS
     w = TOY if toy_world else REAL
     code = data.kind(bench) == "code"
     s = dict(n=w["n"] if toy_world else BIG_N.get(bench, w["n"]), max_new_tokens=w["max_new_tokens"],
-             every=w["every"], forced_k=w["forced_k"], suffix=label_lib.SUFFIX if toy_world else confidence.EVAL_SUFFIX,
+             every=w["every"], forced_k=w["forced_k"], suffix=label_lib.SUFFIX if toy_world else EVAL_SUFFIX,
              score_batch=w["score_batch"], rows=w["rows"])
-    if code:   # the forced answer is a program (posthoc.CODE_SUFFIX), graded by running it
-        s.update(suffix=posthoc.CODE_SUFFIX, grader="code")
+    if code:   # the forced answer is a program (CODE_SUFFIX), graded by running it
+        s.update(suffix=CODE_SUFFIX, grader="code")
     for key in ("n", "max_new_tokens", "every", "forced_k"):
         if getattr(args, key if key != "n" else "n_samples") is not None:
             s[key] = getattr(args, key if key != "n" else "n_samples")
     # verbal-forced (RLCR's released reading): its re-answer text (the toy: `</think>` alone) and
     # n_forced re-answers, 4 on the 32-sample benchmarks and 1 elsewhere in the released configs.
-    s["reanswer"] = None if toy_world else confidence.RLCR_REANSWER
+    s["reanswer"] = None if toy_world else RLCR_REANSWER
     s["reanswer_k"] = args.forced_k or (w["forced_k"] if toy_world else 4 if bench in BIG_N else 1)
     s["batch"] = args.batch_size or max(1, w["rows"] // s["n"])
     # The toy boxes after `</think>` by construction: the released gate would grade every answer wrong.
@@ -103,16 +123,6 @@ def benchmark_source(spec, lcb_release=data.LCB_RELEASE):
     return f"{where}:{lcb_release}" if name == "lcb" else where
 
 
-def check_prompts(tok, model, loaded, args, run_instruction=None, system=None):
-    """Refuse a benchmark with a prompt longer than the model's context, or a chat template that
-    cannot render it; warn on overflow."""
-    for bench, rows, instruction, _ in loaded:
-        instruction = instruction if run_instruction is None else run_instruction
-        prompts_lib.check_context(tok, rows, instruction, getattr(model.config, "max_position_embeddings", None),
-                           settings(bench, args)["max_new_tokens"], bench,
-                           say=lambda m: print(m, file=sys.stderr), system=system)
-
-
 def run_prompt(path, args):
     """(instruction, system prompt, answer form) for a model: the flags, else what its run trained
     with (the run's config.json, for a run's checkpoint; an RLCR run answers in <answer> tags), else
@@ -150,3 +160,250 @@ def run_config(path):
         config.check_saved(cfg, os.path.join(run, "config.json"))
         return cfg
     return {}
+
+
+LOCKS = ExitStack()  # the lock of every output folder written, held until evaluate.main() ends
+
+
+def run_dir(path):
+    """RUN for RUN/checkpoints/step_*, else None."""
+    parent = os.path.dirname(os.path.abspath(path))
+    return os.path.dirname(parent) if os.path.basename(parent) == "checkpoints" else None
+
+
+def model_label(name, path):
+    """Short stable name used in samples.jsonl and tables: 'toy', alias, 'run/step_000010', dir name."""
+    if name == "toy" or name in ALIASES or not os.path.isdir(path):
+        return name
+    run = run_dir(path)
+    base = os.path.basename(os.path.abspath(path))
+    return f"{os.path.basename(run)}/{base}" if run else base
+
+
+def model_id(path):
+    """"FOLDER#HASH", its resolved folder and content (harness/files.identity: a run trained
+    again in place is another model); else its hub id."""
+    return f"{os.path.realpath(path)}#{files.identity(path)}" if os.path.isdir(path) else path
+
+
+def _folder(ident):
+    return ident.partition("#")[0]
+
+
+def digest(obj, size=16):
+    """A short hash of a JSON value: the keys of samples, their questions and post-hoc probe files."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:size]
+
+
+def filed_label(label, ident, out_dir):
+    """The name a model is filed under in OUT: its label, or label@HASH where OUT's results.json
+    files another model under it (a/model evaluated, then b/model)."""
+    entry = read_results(out_dir).get(label)
+    if entry is None or entry.get("model_id") == ident:
+        return label
+    if "model_id" not in entry:
+        print(f"{os.path.join(out_dir, 'results.json')}: the entry of {label} has no model identity (an "
+              "older version): it is evaluated again and replaced", file=sys.stderr)
+        return label
+    if isinstance(entry["model_id"], str) and _folder(entry["model_id"]) == _folder(ident):
+        print(f"{os.path.join(out_dir, 'results.json')}: the entry of {label} is of the model that was in "
+              f"{_folder(ident)} before (trained again or replaced since): it is evaluated again and replaced",
+              file=sys.stderr)
+        return label
+    return f"{label}@{digest(ident, 8)}"
+
+
+def default_out(name, path):
+    run = run_dir(path) if os.path.isdir(path) else None
+    return os.path.join(run, "eval") if run else os.path.join("eval_out", model_label(name, path).replace("/", "_"))
+
+
+def _count(v):
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def is_sample(r):
+    """A row as evaluate.py writes it: names, indices >= 0, correct 0/1, a confidence in [0, 1], and
+    with a `key` what the summaries read (rows without one are never counted)."""
+    conf = r.get("confidence")
+    ok = (isinstance(r.get("model"), str) and isinstance(r.get("benchmark"), str) and _count(r.get("question"))
+          and _count(r.get("sample")) and r.get("correct") in (0, 1) and isinstance(conf, (int, float))
+          and not isinstance(conf, bool) and 0 <= conf <= 1)
+    return ok and ("key" not in r or (isinstance(r["key"], str) and isinstance(r.get("q"), str)
+                                      and "answer" in r and isinstance(r["answer"], (str, type(None)))
+                                      and _count(r.get("length")) and isinstance(r.get("checkpoints", []), list)))
+
+
+def read_samples(path):
+    """Rows of samples.jsonl; a last line cut by a kill is dropped from the file with a message, any
+    other line that is not a sample (is_sample) is one error naming the file and the line."""
+    return files.read_jsonl(path, valid=is_sample)
+
+
+def question_ids(rows):
+    """A hash of each question's text and gold: a sample counts only for the question it was made for."""
+    return [digest([r["problem"], r["answer"]], 12) for r in rows]
+
+
+def ours(r, key, qids):
+    """Whether a sample row was made with `key` for the question now at its index (qids: question_ids)."""
+    return r.get("key") == key and r["question"] < len(qids) and r["q"] == qids[r["question"]]
+
+
+def own_rows(samples, key, rows, n):
+    """The rows of `samples` made with `key` for these rows, once per (question, sample): a copied
+    line (two shards' files joined with cat) counts once, and a question edited since is sampled again."""
+    qids, mine = question_ids(rows), {}
+    for r in samples:
+        if ours(r, key, qids) and r["sample"] < n:
+            mine.setdefault((r["question"], r["sample"]), r)
+    return list(mine.values())
+
+
+def sample_key(ident, source, s, args, prompt, conf_kw):
+    """The key of one model's samples of one benchmark: the model, the benchmark's source and every
+    setting that changes a sample's draw, grade or confidence (the probe's weights included). A
+    resume reuses its own key's rows only; other settings sample anew beside the old rows, which
+    count again when their settings come back (a sweep over seeds can share one --out)."""
+    prb = conf_kw["prb"]
+    weights = prb and [[k, hashlib.sha256(v.detach().float().cpu().numpy().tobytes()).hexdigest()]
+                       for k, v in prb.state_dict().items()]
+    return digest(dict({k: v for k, v in conf_kw.items() if k != "prb"}, model=ident, benchmark=source,
+                       n=s["n"], max_new_tokens=s["max_new_tokens"], gate=s["gate"], temperature=args.temperature,
+                       top_p=args.top_p, seed=args.seed, prompt=prompt, probe=weights))
+
+
+def hold(out_dir):
+    """One writer per output folder: its lock is taken before anything is written there."""
+    check_out(out_dir)
+    key = os.path.realpath(out_dir)
+    if key not in HELD:
+        LOCKS.enter_context(files.locked(out_dir, "evaluation"))
+        HELD.add(key)
+
+
+HELD = set()
+
+
+# a rank waits at each gather for the slowest (a round, a phase of the post-hoc fit): a safe bound
+TIMEOUT = datetime.timedelta(hours=24)
+
+
+def setup():
+    """Join the workers' group (several ranks only) and put this rank on its own GPU. The group is
+    gloo on every device: the ranks exchange Python objects, never the model's tensors."""
+    if WORLD == 1 or dist.is_initialized():
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("gloo", rank=RANK, world_size=WORLD, timeout=TIMEOUT)
+
+
+def share(obj):
+    """Rank 0's `obj` on every rank (what rank 0 alone reads from the output folder)."""
+    if WORLD == 1:
+        return obj
+    box = [obj if MASTER else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def share_probe(got, device):
+    """Rank 0's (probe or None, report or None) on every rank, the probe on the CPU or, where rank 0's
+    is on its GPU, on this rank's `device`."""
+    if WORLD == 1:
+        return got
+    on_gpu = MASTER and got[0] is not None and next(got[0].parameters()).device.type == "cuda"
+    prb, report, on_gpu = share((got[0] and copy.deepcopy(got[0]).cpu(), got[1], on_gpu) if MASTER else None)
+    return got if MASTER else (prb and prb.to(device if on_gpu else "cpu"), report)
+
+
+def deal(calls):
+    """This rank's call of each round (None once the calls run out): every rank sees as many rounds."""
+    rounds = -(-len(calls) // WORLD)
+    for r in range(rounds):
+        i = r * WORLD + RANK
+        yield calls[i] if i < len(calls) else None
+
+
+def spread(fn, items):
+    """fn(items) (a list in, one result per item out) with the items dealt to the workers, item i to
+    rank i % WORLD as deal deals calls; the results merged in item order, on every rank."""
+    if WORLD == 1:
+        return fn(items)
+    mine = range(RANK, len(items), WORLD)
+    got = fn([items[i] for i in mine])
+    every = [None] * WORLD
+    dist.all_gather_object(every, got)
+    return [every[i % WORLD][i // WORLD] for i in range(len(items))]
+
+
+def generate_dealt(model, tokenizer, prompts, n=1, batch_size=None, progress=None, **kw):
+    """rollout.generate's Samples of every prompt on every rank, chunk i sampled whole by rank
+    i % WORLD with its own generator: one process's samples. progress: rank 0's bar's label."""
+    if WORLD == 1:
+        return rollout.generate(model, tokenizer, prompts, n, batch_size=batch_size, progress=progress, **kw)
+    count = -(-len(prompts) // (batch_size or max(len(prompts), 1)))
+    mine = range(RANK, count, WORLD)
+    out = rollout.generate(model, tokenizer, prompts, n, batch_size=batch_size, chunks=mine,
+                           progress=MASTER and progress and f"{progress} (worker 0: {len(mine)} of {count} calls)", **kw)
+    every = [None] * WORLD
+    dist.all_gather_object(every, out)
+    # a prompt's rows come from one chunk, hence one rank: by prompt, in that rank's order
+    order = sorted((p, k, r) for k, s in enumerate(every) for r, p in enumerate(s.prompt_index))
+    column = lambda name: [getattr(every[k], name)[r] for _, k, r in order] if any(  # noqa: E731
+        getattr(s, name) for s in every) else []
+    return rollout.Samples(**{f.name: column(f.name) for f in dataclasses.fields(rollout.Samples)})
+
+
+class Rounds:
+    """The rows of a benchmark's rounds, appended to `path` by rank 0 in call order.
+
+    add(fn, *args) queues this rank's round: fn(*args) -> lines (JSON rows ending in a newline) runs
+    in a background thread while the caller generates the next round; then the previous round is
+    gathered and written. fn None: no call in this round. Leaving the `with` block writes what is
+    left, in one process also on an error or Ctrl-C (kept for the resume; one worker of several
+    cannot gather alone). `bar` (a tqdm) advances by the rows written.
+    """
+
+    def __init__(self, path, bar=None):
+        self.path, self.bar = path, bar
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grading")
+        self.pending = []
+
+    def add(self, fn=None, *args):
+        if fn is None:
+            job = Future()
+            job.set_result([])
+        else:
+            job = self.pool.submit(fn, *args)
+        self.pending.append(job)
+        if len(self.pending) > 1:   # the round before this one has had this round's generation to grade
+            self._write(self.pending.pop(0))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, *_):
+        if kind is None or WORLD == 1:
+            self.close()
+        else:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+
+    def close(self):
+        while self.pending:
+            self._write(self.pending.pop(0))
+        self.pool.shutdown()
+
+    def _write(self, job):
+        lines = job.result()
+        if WORLD > 1:
+            every = [None] * WORLD
+            dist.all_gather_object(every, lines)
+            lines = [line for rank_lines in every for line in rank_lines]
+        if MASTER and lines:
+            with files.appending(self.path) as f:
+                f.writelines(lines)
+                f.flush()
+        if self.bar is not None:
+            self.bar.update(len(lines))

@@ -1,39 +1,57 @@
 """Where a sample's confidence, a number in [0, 1], comes from at evaluation (sample_confidences):
   probe          the run's own probe.pt, on the training feature at the last of the run's budgets
                  (where it saw data; not at the end of thinking)
-  probe-posthoc  the post-hoc probe (evaluation/posthoc.py) on the final normed state of the last
-                 thinking token
+  probe-posthoc  the post-hoc probe on the final normed state of the last thinking token
   verbal         the last <confidence> tag (RLCR's format; baselines.verbal_confidence)
   verbal-forced  RLCR's released reading: the mean tag of k re-answers forced after the thinking
                  cut at the budget (forced_verbal)
   logits         exp(mean log-prob of the response) at the run's training temperature, where C2GSPG
                  trained it (logit_confidence)
+Which probe a model reads (get_probe): the run's own, or the post-hoc probe (posthoc_probe), fitted
+after training with the released protocol on questions no evaluated benchmark holds, and cached in
+--out. The protocol and where it differs from the release: docs/reference.md, "Evaluation".
 """
+import copy
+import functools
+import hashlib
+import json
 import math
+import os
+import pickle
+import random
+import sys
+import zipfile
 
+import numpy as np
 import torch
+import torch.nn.functional as F
+from tqdm import tqdm
 
+import data
 import decode
 import probe as probe_lib
+import prompts as prompts_lib
+import toy
 from baselines import verbal_confidence  # RLCR's parser, read here for --confidence verbal
 from grade import answer_tag, blank_answer
+from grade import answers_match, boxed_answer, boxed_in_thinking, code_job, is_correct
 from grpo import pack, token_logprobs
 from label import cuts_of, mc_labels
-from prompts import RLCR_FORMAT
+from label import forced_prompt
+from prompts import row_prompt
 from rollout import generate
 from update import cut_ends, forward_pass
-from harness import plan, staticcache
+from evaluation.benchmarks import (EVAL_SUFFIX, REAL, RLCR_REANSWER, TOY, digest, generate_dealt, model_id,
+                                   run_config, settings, share, spread)
+from harness import checkpoint, files, plan, sandbox, staticcache
+from harness.files import UserError
+from harness.parallel import MASTER
 
 SOURCES = ("probe", "probe-posthoc", "verbal", "verbal-forced", "logits")
-# The released forced answer's text, after the cut thinking and `</think>` (exit checkpoints, post-hoc labels).
-EVAL_SUFFIX = "\n\nIf I were to give the final answer now, the final answer would be \\boxed{"
-# RLCR's released forced re-answer (2_budget_eval_rlcr), after the thinking cut at the budget.
-RLCR_REANSWER = ("...</think>\n\nI am out of time, let me just output the final answer and confidence analysis "
-                 "in exactly this format:\n" + RLCR_FORMAT + "\n\n<answer>")
 
 
 def sample_confidences(source, model, tokenizer, prompts, responses, texts, golds, prb=None,
-                       close_id=None, every=None, exit_k=1, suffix=EVAL_SUFFIX, close="think", seed=0,
+                       close_id=None, every=None, suffix=EVAL_SUFFIX, close="think", seed=0,
                        batch_size=8, rows=64, fractions=(0.25, 0.5, 0.75), forced_k=16, budget=8000,
                        reanswer=RLCR_REANSWER, logit_temperature=0.8):
     """(conf [N] floats, extras [N] dicts): one confidence per response, probes read at read_point
@@ -41,7 +59,7 @@ def sample_confidences(source, model, tokenizer, prompts, responses, texts, gold
     verbal-forced: {"verbal_missing": how many of the forced_k re-answers had no tag}. Probe sources
     with `every`: {"checkpoints": [[t, c_t, y_t], ...]} for t = every, 2 * every, ... below the end of
     thinking: the probe's confidence after t thinking tokens and whether one forced answer there
-    (what an early exit would output; T 0.6, top-p 0.95) is right, for uses.early_exit.
+    (what an early exit would output; T 0.6, top-p 0.95) is right, for report.early_exit.
     """
     if source == "verbal":
         pairs = [verbal_confidence(t) for t in texts]
@@ -60,32 +78,28 @@ def sample_confidences(source, model, tokenizer, prompts, responses, texts, gold
         raise ValueError(f"confidence source {source!r} needs a probe; sources: {', '.join(SOURCES)}")
     staticcache.release(model)  # the generation's static shape: neither the features nor the labels reuse it
     ends = [think_end(r, close_id) for r in responses]
-    bls = [([b for b in absolute_cuts(te, every) if b < te] if every else []) +
-           [read_point(source, r, close_id, fractions)] for r, te in zip(responses, ends)]
+    bls = [(list(range(every, te, every)) if every else []) + [read_point(source, r, close_id, fractions)]
+           for r, te in zip(responses, ends)]
     feats = features(model, prompts, responses, bls, tokenizer.pad_token_id, source == "probe-posthoc",
                      batch_size)
-    confs = probe_confidences(prb, feats)
+    sizes = [len(f) for f in feats]
+    probs = probe_lib.predict(prb, torch.cat(feats)).cpu() if sum(sizes) else torch.zeros(0)
+    confs = [p.tolist() for p in probs.split(sizes)]
     extras = [{} for _ in texts]
     if every:
         # On a GPU, fewer cuts where a chunk of them would not fit: a speed choice only, since each
         # forced answer draws from its own stream (label.py), whatever chunk it lands in.
-        chunk = max(1, rows // exit_k)
+        chunk = rows
         if _device(model).type == "cuda":
             width = max((len(p) + max(bl) for p, bl in zip(prompts, bls)), default=0) + plan.FORCED_SUFFIX
-            chunk = plan.label_chunk(chunk, exit_k, width, model.config, plan.free_bytes(_device(model)))
-        ys = mc_labels(model, tokenizer, prompts, responses, [bl[:-1] for bl in bls], golds, k=exit_k,
+            chunk = plan.label_chunk(chunk, 1, width, model.config, plan.free_bytes(_device(model)))
+        ys = mc_labels(model, tokenizer, prompts, responses, [bl[:-1] for bl in bls], golds, k=1,
                        temperature=0.6, top_p=0.95, max_new_tokens=64, close=close, suffix=suffix,
                        seed=seed, batch_size=chunk)
         staticcache.release(model)  # nor does the next batch's generation reuse the labels' shape
         extras = [{"checkpoints": [[b, round(c, 6), y] for b, c, y in zip(bl, cs, yl)]}
                   for bl, cs, yl in zip(bls, confs, ys)]
     return [cs[-1] for cs in confs], extras
-
-
-def absolute_cuts(length, every):
-    """Cuts every `every` tokens, up to and including `length` if it falls on one:
-    absolute_cuts(1200, 500) == [500, 1000]."""
-    return list(range(every, length + 1, every))
 
 
 def read_point(source, response, close_id, fractions=(0.25, 0.5, 0.75)):
@@ -124,10 +138,8 @@ def reanswer_confidence(text):
 
 
 def sample_by_length(model, tokenizer, prompts, k, run=None, **kw):
-    """The k sampled texts of each prompt (lists, in the order given); on the static path (CUDA)
-    sampled shortest prompt first, so that a chunk holds prompts of about one width (one static
-    shape) rather than a rollout's budgets in turn. run: the generate called (rollout.generate's).
-    """
+    """The k sampled texts of each prompt, in the order given; on the static path (CUDA) shortest
+    prompt first, so that a chunk holds one width (one static shape). run: a rollout.generate."""
     order = list(range(len(prompts)))
     if decode.default_decode(model) == "static":
         order.sort(key=lambda i: len(prompts[i]))
@@ -149,9 +161,8 @@ def _device(model):
 
 
 def logit_confidence(model, prompts, responses, pad_id, batch_size=8, temperature=0.8):
-    """exp(mean_t log p_T(response token t)) with logits / temperature, one float per response (EOS
-    included): C2GSPG's confidence, trained at the sampling temperature; temperature=1: the raw model's.
-    """
+    """exp(mean_t log p_T(response token t)), EOS included, with logits / temperature, one float
+    per response: C2GSPG's confidence, trained at the sampling temperature."""
     out = []
     with torch.no_grad():
         for s in range(0, len(prompts), batch_size):
@@ -178,8 +189,337 @@ def features(model, prompts, responses, cut_lists, pad_id, final_norm, batch_siz
     return out
 
 
-def probe_confidences(prb, feats):
-    """Probe probabilities for a list of [B_i, d] feature tensors -> list of lists of floats."""
-    sizes = [len(f) for f in feats]
-    probs = probe_lib.predict(prb, torch.cat(feats)).cpu() if sum(sizes) else torch.zeros(0)
-    return [p.tolist() for p in probs.split(sizes)]
+TOY_SOURCES = [f"{name}:test" for name in data.TOY_BENCHMARKS]   # the post-hoc probe fits on toy train
+TOY_FITS = ("toy", "toy-pooled")   # --probe-data for the toy world (toy_fit_rows)
+
+
+def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(), prompt=(None, None)):
+    """(probe or None, post-hoc report or None) for a confidence source; a post-hoc probe is cached in
+    OUT per model (its label and a hash of model_id)."""
+    if source == "probe":
+        if not os.path.isfile(os.path.join(path, "probe.pt")):
+            raise UserError(f"{label} has no probe.pt: use --confidence probe-posthoc, logits or verbal")
+        with checkpoint.reading(os.path.join(path, "probe.pt")):
+            return probe_lib.load(os.path.join(path, "probe.pt"))[0], None
+    if source != "probe-posthoc":
+        return None, None
+    # fit data: the toy's train split, or the RL set (released: lead_80), less any evaluated problem
+    toy_only = all(source in TOY_SOURCES for *_, source in loaded)
+    src = args.probe_data or ("toy" if toy_only else "deepscaler")
+    is_toy = src in TOY_FITS
+    w = TOY if is_toy else REAL
+    s = settings("toy" if is_toy else src, args)
+    if is_toy:
+        pool, instruction = toy_fit_rows(src), toy.INSTRUCTION
+    else:
+        pool, instruction = data.load_rows(src, lcb_release=args.lcb_release), prompts_lib.instruction_for(src)
+    instruction = instruction if prompt[0] is None else prompt[0]
+    seen = {r["problem"] for _, rows, _, _ in loaded for r in rows}
+    # toy-pooled: the released fit's size from each benchmark (80 x 3), so each is fitted on as many as `toy` alone is
+    size = w["probe_questions"] * (len(data.TOY_BENCHMARKS) if src == "toy-pooled" else 1)
+    rows = [r for r in pool if r["problem"] not in seen][:args.probe_questions or size]
+    if not rows:
+        raise UserError(f"--probe-data {src}: all its {len(pool)} questions are in the evaluated benchmarks, so "
+                        "no fit questions are left: pass other --probe-data")
+    # the toy's forced answers stop at the newline that ends its answer, before the boxes it writes after
+    protocol = dict(n=args.probe_samples or w["probe_samples"], max_new_tokens=s["max_new_tokens"],
+                    temperature=args.temperature, top_p=args.top_p, every=s["every"],
+                    count=args.posthoc_budgets or w["posthoc_budgets"], k=s["forced_k"], suffix=s["suffix"],
+                    close=args.forced_close, stop=["\n"] if is_toy else [], copy_natural=True,
+                    lead="" if is_toy else EVAL_LEAD, gate=s["gate"], epochs=100, patience=30, batch=64,
+                    val_frac=0.2, seed=42, fit=args.posthoc_fit,
+                    **({"grader": "code"} if s.get("grader") == "code" else {}),
+                    **({"tokens": "text"} if args.posthoc_tokens == "text" else {}))
+    print(f"post-hoc probe for {label}: {len(rows)} {src} questions ...", file=sys.stderr)
+    prb, report = posthoc_probe(
+        os.path.join(out_dir, f"posthoc_probe_{label}_{digest(model_id(path), 8)}".replace("/", "_")), model, tok,
+        rows, instruction, close_id, protocol, batch_size=s["score_batch"], rows=s["rows"], system=prompt[1])
+    return prb, report and dict(report, data=src)   # (None, None) on a worker other than rank 0
+
+
+def toy_fit_rows(src):
+    """The post-hoc probe's toy fit questions: `toy`, RL's train split (as released), or `toy-pooled`,
+    the train splits of every toy benchmark in turn, so ECE measures what the state says about
+    correctness rather than the gap between the fit set's accuracy and a benchmark's."""
+    if src == "toy":
+        return data.load_rows("toy", split="train")
+    splits = [data.load_rows(name, split="train") for name in data.TOY_BENCHMARKS]
+    return [row for turn in zip(*splits) for row in turn]
+
+
+def run_fractions(path):
+    """The truncation fractions a run trained its probe at (its config.json), else the default."""
+    return tuple(run_config(path).get("budgets") or (0.25, 0.5, 0.75))
+
+
+EVAL_LEAD = "..."  # released: the cut thinking ends in "..." before `</think>` + EVAL_SUFFIX
+CODE_TOKENS = 2048   # the longest forced program (benchmarks.CODE_SUFFIX)
+GRID = [(lr, p, wd) for lr in (1e-3, 5e-4, 1e-4) for p in (0.5, 0.8) for wd in (1e-3, 1e-2)]
+
+
+def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, protocol, batch_size=8, rows=64,
+                  system=None):
+    """(probe, report): read from `cache`.pt if fitted there with the same protocol (get_probe's
+    dict), else fitted and saved, the report copied to `cache`.json for people. Every worker samples
+    and grades a share; rank 0 alone reads the cache and fits, the others return (None, None)."""
+    p = cache_protocol(protocol, questions, instruction, system)
+    cached = read_cache(cache + ".pt") if MASTER and os.path.exists(cache + ".pt") else None
+    if share(cached is not None and cached[1].get("protocol") == p):
+        return cached if MASTER else (None, None)
+    say(f"fitting it (then cached in {cache}.pt): {len(questions)} questions x {p['n']} rollouts, forced "
+        f"answers at their budgets, a fit over {len(GRID)} settings")
+    prompts = [row_prompt(tokenizer, r, instruction, system) for r in questions]
+    out = generate_dealt(model, tokenizer, prompts, n=p["n"], max_new_tokens=p["max_new_tokens"],
+                         temperature=p["temperature"], top_p=p["top_p"], seed=p["seed"],
+                         batch_size=max(1, rows // p["n"]), progress="post-hoc rollouts")
+    staticcache.release(model)  # the labels below have shapes of their own
+    rep = [q for q in prompts for _ in range(p["n"])]
+    golds = [r["answer"] for r in questions for _ in range(p["n"])]
+    groups = [q for q in range(len(questions)) for _ in range(p["n"])]
+    x, y, g, stats = posthoc_examples(model, tokenizer, rep, out.ids, out.texts, golds, groups, close_id,
+                                      p["every"], p["count"], p["k"], p["suffix"], p["close"], tuple(p["stop"]),
+                                      p["copy_natural"], p["seed"] + 1, batch_size, rows, p["lead"], p["gate"],
+                                      p.get("grader", "math"), p.get("tokens", "sampled"),
+                                      functools.partial(generate_dealt, progress="post-hoc forced answers"))
+    if not MASTER:
+        return None, None
+    prb, report = fit_posthoc(x, y, g, seed=p["seed"], max_epochs=p["epochs"], patience=p["patience"],
+                              batch_size=p["batch"], val_frac=p["val_frac"], device=next(model.parameters()).device,
+                              rule=p.get("fit", "released"))
+    report.update(stats, protocol=p, questions=len(questions), samples=len(rep), prefixes=len(y),
+                  label_mean=float(y.mean()),
+                  accuracy=sum(is_correct(t, a, p.get("grader", "math")) for t, a in zip(out.texts, golds)) / len(golds))
+    report["log"] = protocol_line(p, report)
+    print(report["log"], file=sys.stderr)
+    with files.replacing(cache + ".pt", "wb") as f:   # the one file read back: probe and report together
+        probe_lib.save(f, prb, report=json.dumps(report))
+    files.write_json(cache + ".json", report, indent=1)   # a copy to read; never read back
+    return prb, report
+
+
+def say(phase):
+    """One line on stderr per phase of the post-hoc fit, which takes minutes between its bars."""
+    if MASTER:
+        print(f"post-hoc probe: {phase}", file=sys.stderr, flush=True)
+
+
+def posthoc_examples(model, tokenizer, prompts, responses, texts, golds, groups, close_id, every=500,
+                     count=16, k=16, suffix=EVAL_SUFFIX, close="think", stop=(), copy_natural=True,
+                     seed=0, batch_size=8, rows=64, lead=EVAL_LEAD, gate="thinking", grader="math",
+                     tokens="sampled", run=None):
+    """(feats [M, d], labels [M], groups [M] problem indices, stats), M = count * N: per rollout and
+    budget b (posthoc_budgets), the final normed state at prompt + thinking[:b] and posthoc_labels'
+    label. tokens="text" (released): the thinking re-tokenized from its text, and the forced prompts
+    without the prompt's BOS (the features keep it)."""
+    ends = [think_end(r, close_id) for r in responses]
+    forced = prompts
+    if tokens == "text":
+        responses = [tokenizer.encode(tokenizer.decode(r[:e]), add_special_tokens=False)
+                     for r, e in zip(responses, ends)]
+        ends = [len(r) for r in responses]
+        bos = tokenizer.bos_token_id
+        forced = [p[1:] if bos is not None and p[:1] == [bos] else p for p in map(list, prompts)]
+    positions = [posthoc_budgets(e, every, count) for e in ends]
+    labels, copied = posthoc_labels(model, tokenizer, forced, responses, texts, golds, positions, ends, k,
+                                    suffix, close, stop, copy_natural, CODE_TOKENS if grader == "code" else 64,
+                                    seed=seed, rows=rows, lead=lead, gate=gate, grader=grader, run=run)
+    say(f"reading the hidden state at {sum(map(len, positions))} prefixes")
+
+    def scored(starts):
+        return [features(model, prompts[s:s + batch_size], responses[s:s + batch_size],
+                         positions[s:s + batch_size], tokenizer.pad_token_id, True, batch_size) for s in starts]
+    x = torch.cat([f for batch in spread(scored, list(range(0, len(prompts), batch_size))) for f in batch])
+    y = torch.tensor([v for ls in labels for v in ls], dtype=torch.float32)
+    g = torch.tensor([grp for grp, ps in zip(groups, positions) for _ in ps], dtype=torch.long)
+    past = sum(b >= e for ps, e in zip(positions, ends) for b in ps)
+    return x, y, g, dict(examples=len(y), past_end=past, natural_copied=copied)
+
+
+def posthoc_budgets(thinking, every=500, count=16):
+    """The released budgets every, 2 * every, ..., count * every as the prefix length read at each,
+    one past the end of thinking reading its end: posthoc_budgets(20, 8, 4) == [8, 16, 20, 20]."""
+    return [min(every * (i + 1), thinking) for i in range(count)]
+
+
+def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions, ends, k=16,
+                   suffix=EVAL_SUFFIX, close="think", stop=(), copy_natural=True, max_new_tokens=64,
+                   seed=0, rows=64, lead=EVAL_LEAD, gate="thinking", grader="math", run=None):
+    """(Y_b at each rollout's budget positions: N lists of floats, how many were copied). At the end
+    of a thinking that holds a box (gate "none": a box anywhere) the natural grade is copied
+    (copy_natural); elsewhere Y_b is the share of k answers forced from `prompt + response[:b] +
+    lead + CLOSE + suffix` (T 0.6, top-p 0.95) that are right, equal forced prompts sampled once.
+    grader="code": the answers are programs, run against the gold's tests."""
+    lead_ids = tokenizer.encode(lead, add_special_tokens=False) if lead else []
+    labels, todo, copied = [], {}, 0
+    programs = None if grader != "code" else spread(sandbox.grade_many,
+                                                          [code_job(t, g) for t, g in zip(texts, golds)])
+    for i, ps in enumerate(positions):
+        if programs is not None:
+            natural = float(programs[i])
+        else:
+            boxed = boxed_in_thinking(texts[i]) if gate == "thinking" else boxed_answer(texts[i]) is not None
+            natural = float(is_correct(texts[i], golds[i])) if boxed else None
+        row = []
+        for b in ps:
+            if copy_natural and b >= ends[i] and natural is not None:
+                row.append(natural)
+                copied += 1
+            else:
+                cut = list(responses[i][:b]) + lead_ids
+                key = tuple(forced_prompt(prompts[i], cut, len(cut), tokenizer, close, suffix))
+                row.append(todo.setdefault(key, (len(todo), golds[i]))[0])
+        labels.append(row)
+    y = []
+    if todo:
+        texts = sample_by_length(model, tokenizer, list(todo), k, max_new_tokens=max_new_tokens, temperature=0.6,
+                                 top_p=0.95, stop=stop, seed=seed, batch_size=max(1, rows // k), run=run)
+        forced = [(ts, gold) for ts, (_, gold) in zip(texts, todo.values())]
+        say(f"grading {len(todo) * k} forced answers")
+        if grader == "code":
+            passed = iter(spread(sandbox.grade_many, [code_job(t, gold) for ts, gold in forced for t in ts]))
+            y = [sum(next(passed) for _ in ts) / k for ts in texts]
+        else:
+            y = spread(lambda part: [sum(answers_match(boxed_answer(suffix + t), gold) for t in ts) / k
+                                           for ts, gold in part], forced)
+    labels = [[v if isinstance(v, float) else y[v] for v in row] for row in labels]
+    return labels, copied
+
+
+def fit_posthoc(x, y, groups, seed=42, max_epochs=100, patience=30, batch_size=64, grid=GRID, device="cpu",
+                val_frac=0.2, plateau=(0.5, 5), rule="released"):
+    """(the grid's best probe, report) of the released fit (docs/reference.md, "Evaluation") on x [M, d],
+    soft labels y [M] and problems groups [M]: split_groups, a fresh Probe per grid point, val_loss
+    against round(y) ("project": lower by 1e-6 to count), beside constant predictors in the report."""
+    if not torch.isfinite(x).all():
+        raise FloatingPointError(f"post-hoc probe: {int((~torch.isfinite(x)).any(1).sum())} of {len(x)} "
+                                 "features are NaN or inf: the model's weights hold NaN or inf")
+    tr, va = split_groups(groups, val_frac, seed, rule)
+    if len(tr) == 0 or len(va) == 0:
+        raise ValueError("post-hoc probe needs at least two problems with labelled prefixes; raise --probe-questions")
+    xt, yt, xv, yv = (t.to(device) for t in (x[tr], y[tr], x[va], y[va]))
+    best, runs = (math.inf, None, None), []
+    for lr, drop, wd in tqdm(grid, desc="post-hoc fit over the grid"):
+        torch.manual_seed(seed)
+        prb = probe_lib.Probe(x.shape[1], dropout=drop).to(device)
+        opt = probe_lib.make_optimizer(prb, lr=lr, weight_decay=wd)
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=plateau[0], patience=plateau[1])
+        run_best, state, bad, best_epoch = math.inf, None, 0, 0
+        for epoch in range(max_epochs):
+            probe_lib.fit(prb, opt, xt, yt, passes=1, batch_size=batch_size, seed=seed + epoch)
+            loss = val_loss(prb, xv, yv.round(), batch_size, rule)
+            sched.step(loss)
+            if loss < run_best - (1e-6 if rule == "project" else 0):
+                run_best, state, bad, best_epoch = loss, copy.deepcopy(prb.state_dict()), 0, epoch + 1
+            else:
+                bad += 1
+                if bad >= patience:
+                    break
+        runs.append(dict(lr=lr, dropout=drop, weight_decay=wd, epochs=epoch + 1, best_epoch=best_epoch,
+                         val_loss=run_best))
+        if run_best < best[0]:
+            best = (run_best, state, runs[-1])
+    if best[1] is None:
+        raise FloatingPointError("post-hoc probe: no fit in the grid reached a finite validation loss")
+    prb = probe_lib.Probe(x.shape[1], dropout=best[2]["dropout"])
+    prb.load_state_dict(best[1])
+    yt, yv = yt.cpu(), yv.cpu()
+    pv = probe_lib.predict(prb, xv.cpu())
+    base, base_r = torch.full_like(yv, float(yt.mean())), torch.full_like(yv, float(yt.round().mean()))
+    report = dict(best[2], n_train=len(tr), n_val=len(va),
+                  val_problems=len(set(groups[va].tolist())), train_problems=len(set(groups[tr].tolist())),
+                  val_bce=bce(pv, yv), val_bce_rounded=bce(pv, yv.round()), base_rate=float(yt.mean()),
+                  base_bce=bce(base, yv), base_bce_rounded=bce(base_r, yv.round()), grid=runs)
+    return prb, report
+
+
+def split_groups(groups, val_frac=0.2, seed=42, rule="released"):
+    """(train [M_t] ascending, val [M_v]) example indices, whole problems on one side. "released"
+    (build_group_split_indices): problems by first appearance, shuffled by np.random.RandomState(seed),
+    added to val while it holds < max(1, int(M * val_frac)) examples, val in that order (val_loss's
+    batches). "project": random.Random(seed) over the sorted problems, until >= val_frac * M, val
+    ascending."""
+    ids = groups.tolist()
+    order = list(dict.fromkeys(ids))
+    if rule == "released":
+        np.random.RandomState(seed).shuffle(order)
+        target = max(1, int(len(ids) * val_frac))
+    else:
+        order = sorted(order)
+        random.Random(seed).shuffle(order)
+        target = val_frac * len(ids)
+    members = {q: [] for q in order}
+    for i, q in enumerate(ids):
+        members[q].append(i)
+    val = []
+    for q in order:
+        if len(val) >= target:
+            break
+        val += members[q]
+    val = val if rule == "released" else sorted(val)
+    held = set(val)
+    train = [i for i in range(len(ids)) if i not in held]
+    return torch.tensor(train, dtype=torch.long), torch.tensor(val, dtype=torch.long)
+
+
+def val_loss(prb, x, y, batch_size=64, rule="released"):
+    """BCE of the probe on x [M, d] against y [M]: "released", the mean of per-batch means (batches of
+    batch_size in x's order: a short last batch weighs as a full one); "project", one mean (bce)."""
+    if rule == "project":
+        return bce(probe_lib.predict(prb, x), y)
+    prb.eval()
+    with torch.no_grad():
+        logits = prb(x.float())
+    means = [F.binary_cross_entropy_with_logits(logits[s:s + batch_size], y[s:s + batch_size].float()).item()
+             for s in range(0, len(y), batch_size)]
+    return sum(means) / len(means)
+
+
+def bce(p, y):
+    """Mean binary cross-entropy -(y log p + (1 - y) log(1 - p)), p clamped to [1e-6, 1 - 1e-6]."""
+    p = torch.as_tensor(p, dtype=torch.float64).clamp(1e-6, 1 - 1e-6)
+    y = torch.as_tensor(y, dtype=torch.float64)
+    return float(-(y * p.log() + (1 - y) * (1 - p).log()).mean())
+
+
+def cache_protocol(protocol, questions, instruction, system=None):
+    """What a cached post-hoc probe must have been fitted with to be reused: the protocol, and the fit
+    data (the same count of other questions, or another prompt, is another probe)."""
+    fit_data = [[r["problem"], r["answer"]] for r in questions] + [instruction, system]
+    return dict(protocol, questions=len(questions), stop=list(protocol["stop"]),
+                data=hashlib.sha256(json.dumps(fit_data).encode()).hexdigest()[:16])
+
+
+def read_cache(path):
+    """(probe, report) of a post-hoc cache file, or None with one line naming it where it is damaged:
+    the probe is fitted again. Read with weights_only and checked by probe.load."""
+    try:
+        prb = probe_lib.load(path)[0]
+        report = json.loads(torch.load(path, map_location="cpu", weights_only=True).get("report") or "null")
+        if isinstance(report, dict):
+            return prb, report
+        why = "it holds no report (an older version's file)"
+    except pickle.UnpicklingError:  # torch's message advises weights_only=False: never here
+        why = "it holds objects other than tensors; not loaded"
+    except (OSError, ValueError, TypeError, RuntimeError, EOFError, KeyError, zipfile.BadZipFile,
+            FloatingPointError) as e:
+        why = files.first_line(e)
+    print(f"warning: post-hoc probe cache {path} is damaged ({why}): fitting the probe again", file=sys.stderr)
+    return None
+
+
+def protocol_line(p, report):
+    """The post-hoc fit in one paragraph: what was sampled, labelled, split and chosen."""
+    stop = ", ".join(map(repr, p["stop"])) or "none"
+    val_share = report["n_val"] / max(report["n_train"] + report["n_val"], 1)
+    return (f"post-hoc probe protocol: {p['questions']} problems x {p['n']} samples (T {p['temperature']}, "
+            f"top-p {p['top_p']}, <= {p['max_new_tokens']} tokens); {p['count']} budgets every {p['every']} "
+            f"thinking tokens per rollout, past the end of thinking: its feature and label "
+            f"({report['past_end']} of {report['examples']} examples, natural answer copied for "
+            f"{report['natural_copied']}); forced text {p['lead']!r} + {'</think>' if p['close'] == 'think' else 'EOS'!r} + {p['suffix']!r}, {p['k']} answers at "
+            f"T 0.6, top-p 0.95, <= 64 tokens, stop {stop}, answer from the last box; split seed {p['seed']}: "
+            f"train {report['n_train']} examples ({report['train_problems']} problems) / val {report['n_val']} "
+            f"({report['val_problems']} problems, {val_share:.1%}); up to {p['epochs']} epochs, patience "
+            f"{p['patience']}, ReduceLROnPlateau(0.5, 5), batch {p['batch']}; grid winner lr {report['lr']} "
+            f"dropout {report['dropout']} wd {report['weight_decay']} after {report['epochs']} epochs (best "
+            f"{report['best_epoch']}); val BCE {report['val_bce']:.4f} vs {report['base_bce']:.4f} for a constant, which "
+            f"also ignores whether a prefix is past the end of thinking (there the label is the natural grade)")

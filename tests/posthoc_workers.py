@@ -1,4 +1,4 @@
-"""Run by test_eval_parallel.py: the toy model's post-hoc probe fit (evaluation/posthoc.py), in one
+"""Run by test_eval_parallel.py: the toy model's post-hoc probe fit (evaluation/confidence.py), in one
 process or under torchrun as evaluate.py's workers. Writes OUT.rank{R}.json (the generate chunks,
 rollouts scored and forced answers graded by this rank, whether it fitted the probe), and from rank 0 the probe (OUT_probe.pt) and
 the data it was fitted on (OUT.data.pt)."""
@@ -26,7 +26,7 @@ def counted_generate(model, tok, prompts, n=1, batch_size=None, chunks=None, **k
 
 
 rollout.generate = counted_generate
-from evaluation import confidence, shard  # noqa: E402  (after the counters are in place)
+from evaluation import benchmarks, confidence  # noqa: E402  (after the counters are in place)
 features = confidence.features
 
 
@@ -36,11 +36,10 @@ def counted_features(model, prompts, *args):
 
 
 confidence.features = counted_features
-from evaluation import posthoc  # noqa: E402
 
-matched = posthoc.answers_match
-posthoc.answers_match = lambda *a: work.__setitem__("graded", work["graded"] + 1) or matched(*a)
-fit = posthoc.fit_posthoc
+matched = confidence.answers_match
+confidence.answers_match = lambda *a: work.__setitem__("graded", work["graded"] + 1) or matched(*a)
+fit = confidence.fit_posthoc
 
 
 def kept_fit(x, y, g, **kw):
@@ -48,8 +47,8 @@ def kept_fit(x, y, g, **kw):
     return fit(x, y, g, **kw)
 
 
-posthoc.fit_posthoc = kept_fit
-shard.setup()
+confidence.fit_posthoc = kept_fit
+benchmarks.setup()
 torch.set_num_threads(1)
 model, tok = models.load_model("toy")
 model.eval()
@@ -59,7 +58,7 @@ protocol = dict(n=2, max_new_tokens=48, temperature=0.6, top_p=1.0, every=8, cou
                 epochs=100, patience=30, batch=64, val_frac=0.2, seed=42)
 close_id = tok.convert_tokens_to_ids("</think>")
 # 12 rollouts in calls of 4 prompts (2 calls), scored 5 at a time (3 batches), forced answers in calls of 2 prompts (rows 8, k 4)
-prb, report = posthoc.posthoc_probe(out + "_probe", model, tok, rows, toy.INSTRUCTION, close_id, protocol,
+prb, report = confidence.posthoc_probe(out + "_probe", model, tok, rows, toy.INSTRUCTION, close_id, protocol,
                                     batch_size=5, rows=8)
 work["fitted"] = prb is not None and report is not None
 with open(f"{out}.rank{RANK}.json", "w") as f:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from evaluation import benchmarks, confidence, posthoc
+from evaluation import benchmarks, confidence
 import probe as probe_lib
 import rollout
 import tiny
@@ -24,11 +24,6 @@ def _tiny_model(seed=0):
     cfg = Qwen2Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
     return Qwen2ForCausalLM(cfg).eval()
-
-
-def test_absolute_cuts_include_the_length_when_it_falls_on_one():
-    assert confidence.absolute_cuts(1200, 500) == [500, 1000]
-    assert confidence.absolute_cuts(1000, 500) == [500, 1000]
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -59,10 +54,10 @@ def test_think_end():
 
 
 def test_posthoc_budgets_reuse_the_end_of_thinking():
-    assert posthoc.posthoc_budgets(20, 8, 4) == [8, 16, 20, 20]
-    assert posthoc.posthoc_budgets(16, 8, 3) == [8, 16, 16]
-    assert posthoc.posthoc_budgets(9000, 500) == list(range(500, 8001, 500))   # the released 16
-    assert posthoc.posthoc_budgets(1200, 500) == [500, 1000] + [1200] * 14
+    assert confidence.posthoc_budgets(20, 8, 4) == [8, 16, 20, 20]
+    assert confidence.posthoc_budgets(16, 8, 3) == [8, 16, 16]
+    assert confidence.posthoc_budgets(9000, 500) == list(range(500, 8001, 500))   # the released 16
+    assert confidence.posthoc_budgets(1200, 500) == [500, 1000] + [1200] * 14
 
 
 def test_logit_confidence_is_exp_mean_response_logprob_at_the_training_temperature():
@@ -118,7 +113,7 @@ def test_sample_confidences_probe_reads_the_end_of_thinking():
 def test_split_groups_keeps_problems_whole():
     groups = torch.tensor([q for q in range(10) for _ in range(3)])
     for rule in ("released", "project"):
-        tr, va = posthoc.split_groups(groups, seed=1, rule=rule)
+        tr, va = confidence.split_groups(groups, seed=1, rule=rule)
         assert len(va) == 6 and not set(groups[tr].tolist()) & set(groups[va].tolist())
         assert sorted(tr.tolist() + va.tolist()) == list(range(30))
 
@@ -138,12 +133,12 @@ def test_split_adds_validation_problems_in_the_released_generators_order():
         if held < target:
             want.append(q)
             held += sizes[q]
-    tr, va = posthoc.split_groups(groups)
+    tr, va = confidence.split_groups(groups)
     assert [g for g in dict.fromkeys(groups[va].tolist())] == want      # numpy's order, whole problems
     assert len(va) == held and len(tr) + held == len(groups)
     assert not set(groups[tr].tolist()) & set(want)
     # the project's rule (--posthoc-fit project): random.Random(42) over the sorted problems, >= 20 %
-    tr, va = posthoc.split_groups(groups, rule="project")
+    tr, va = confidence.split_groups(groups, rule="project")
     order = list(range(len(sizes)))
     random.Random(42).shuffle(order)
     val = set(groups[va].tolist())
@@ -161,8 +156,8 @@ def test_the_validation_loss_is_the_released_mean_of_batch_means():
     logits = prb(x).detach()
     per = torch.nn.functional.binary_cross_entropy_with_logits(logits, y, reduction="none")
     released = (per[:64].mean() + per[64:].mean()) / 2
-    assert posthoc.val_loss(prb, x, y) == pytest.approx(float(released), rel=1e-6)
-    assert posthoc.val_loss(prb, x, y, rule="project") == pytest.approx(float(per.mean()), rel=1e-5)
+    assert confidence.val_loss(prb, x, y) == pytest.approx(float(released), rel=1e-6)
+    assert confidence.val_loss(prb, x, y, rule="project") == pytest.approx(float(per.mean()), rel=1e-5)
     assert abs(float(released) - float(per.mean())) > 1e-3          # the two rules differ here
 
 
@@ -173,8 +168,8 @@ def test_a_fit_keeps_an_epoch_only_when_its_loss_is_strictly_lower(monkeypatch):
     groups = torch.arange(40) // 4
     for rule, best in (("released", 2), ("project", 1)):
         losses = iter([1.0, 1.0 - 5e-7, 2.0, 2.0, 2.0])
-        monkeypatch.setattr(posthoc, "val_loss", lambda *a, **k: next(losses))
-        _, rep = posthoc.fit_posthoc(x, y, groups, grid=[(1e-3, 0.5, 1e-2)], max_epochs=5, patience=30, rule=rule)
+        monkeypatch.setattr(confidence, "val_loss", lambda *a, **k: next(losses))
+        _, rep = confidence.fit_posthoc(x, y, groups, grid=[(1e-3, 0.5, 1e-2)], max_epochs=5, patience=30, rule=rule)
         assert rep["best_epoch"] == best and rep["epochs"] == 5
 
 
@@ -203,9 +198,9 @@ def test_posthoc_tokens_text_counts_budgets_in_the_retokenized_thinking_without_
 
     monkeypatch.setattr(confidence, "generate", fake_generate)
     kw = dict(groups=[0], close_id=9, every=2, count=4, k=1, suffix="", close="eos", lead="")
-    x, _, _, _ = posthoc.posthoc_examples(model, _MergeTok(), [[1, 2, 3]], [[20, 20, 7]], ["never boxed"], ["7"], **kw)
+    x, _, _, _ = confidence.posthoc_examples(model, _MergeTok(), [[1, 2, 3]], [[20, 20, 7]], ["never boxed"], ["7"], **kw)
     assert calls[-1] == [[1, 2, 3, 20, 20, 0], [1, 2, 3, 20, 20, 7, 0]]       # budgets 2, 3, 3, 3 of 3 ids
-    x, _, _, _ = posthoc.posthoc_examples(model, _MergeTok(), [[1, 2, 3]], [[20, 20, 7]], ["never boxed"], ["7"],
+    x, _, _, _ = confidence.posthoc_examples(model, _MergeTok(), [[1, 2, 3]], [[20, 20, 7]], ["never boxed"], ["7"],
                                           tokens="text", **kw)
     assert calls[-1] == [[2, 3, 5, 6, 0], [2, 3, 5, 6, 5, 6, 0], [2, 3, 5, 6, 5, 6, 7, 0]]   # 2, 4, 5, 5 of 5
     # the feature at budget 4: prompt (BOS kept) + "abab" as re-tokenized
@@ -241,7 +236,7 @@ def test_posthoc_examples_budget_rule_natural_copy_and_last_box(monkeypatch):
         return type("S", (), {"texts": (["5} no, \\boxed{7}"] + ["3}"] * (n - 1)) * len(prompts)})()
 
     monkeypatch.setattr(confidence, "generate", fake_generate)
-    x, y, g, stats = posthoc.posthoc_examples(model, _CharTok(), prompts, responses, texts, golds,
+    x, y, g, stats = confidence.posthoc_examples(model, _CharTok(), prompts, responses, texts, golds,
                                                  groups=[0, 0, 1], close_id=close, every=2, count=16, k=4,
                                                  suffix="S \\boxed{", close="eos")
     assert x.shape == (48, 16) and y.shape == (48,) and g.tolist() == [0] * 32 + [1] * 16
@@ -307,8 +302,8 @@ def test_sample_confidences_own_probe_reads_its_last_training_budget():
 
 
 def test_bce_hand_computed():
-    assert posthoc.bce([0.5, 0.5], [1.0, 0.0]) == pytest.approx(math.log(2))
-    assert posthoc.bce([0.8], [0.25]) == pytest.approx(-(0.25 * math.log(0.8) + 0.75 * math.log(0.2)))
+    assert confidence.bce([0.5, 0.5], [1.0, 0.0]) == pytest.approx(math.log(2))
+    assert confidence.bce([0.8], [0.25]) == pytest.approx(-(0.25 * math.log(0.8) + 0.75 * math.log(0.2)))
 
 
 @pytest.fixture
@@ -326,12 +321,12 @@ def test_fit_posthoc_learns_a_signal_and_beats_the_base_rate(one_thread):
     y = torch.sigmoid(3 * x[:, 0]).round(decimals=1)      # soft labels that depend on one feature
     groups = torch.arange(400) // 4
     grid = [(1e-2, 0.5, 1e-3), (1e-3, 0.5, 1e-3)]
-    prb, rep = posthoc.fit_posthoc(x, y, groups, grid=grid, max_epochs=30, patience=5)
+    prb, rep = confidence.fit_posthoc(x, y, groups, grid=grid, max_epochs=30, patience=5)
     assert rep["n_train"] + rep["n_val"] == 400 and rep["n_val"] == 80
     assert rep["lr"] in (1e-2, 1e-3) and prb.hidden == 2
     assert rep["val_bce"] < rep["base_bce"] - 0.1
     with pytest.raises(ValueError, match="two problems"):
-        posthoc.fit_posthoc(x[:4], y[:4], groups[:4])
+        confidence.fit_posthoc(x[:4], y[:4], groups[:4])
 
 
 def test_verbal_forced_cuts_the_thinking_closes_it_and_averages_k_reanswers(monkeypatch):
@@ -442,11 +437,11 @@ def test_posthoc_labels_copy_the_natural_answer_only_if_the_thinking_is_boxed(mo
     responses = [[6, 7, 8, 9, 11], [6, 7, 8, 9, 11]]
     texts = ["3+4=7</think>\\boxed{7}", "so \\boxed{7}</think>\\boxed{7}"]
     positions, ends = [[2, 3, 3], [2, 3, 3]], [3, 3]
-    labels, copied = posthoc.posthoc_labels(torch.nn.Linear(1, 1), _CharTok(), [[1], [1]], responses, texts, ["7", "7"], positions,
+    labels, copied = confidence.posthoc_labels(torch.nn.Linear(1, 1), _CharTok(), [[1], [1]], responses, texts, ["7", "7"], positions,
                                                ends, k=4, suffix="\\boxed{", close="eos")
     assert labels == [[0.25, 0.25, 0.25], [0.25, 1.0, 1.0]] and copied == 2
     # gate="none" (the toy's rule): a box anywhere in the response is copied
-    labels, copied = posthoc.posthoc_labels(torch.nn.Linear(1, 1), _CharTok(), [[1], [1]], responses, texts, ["7", "7"], positions,
+    labels, copied = confidence.posthoc_labels(torch.nn.Linear(1, 1), _CharTok(), [[1], [1]], responses, texts, ["7", "7"], positions,
                                                ends, k=4, suffix="\\boxed{", close="eos", gate="none")
     assert labels == [[0.25, 1.0, 1.0], [0.25, 1.0, 1.0]] and copied == 4
 
@@ -465,7 +460,7 @@ def test_posthoc_labels_decode_one_bounded_shape_at_a_time(monkeypatch):
     responses = [torch.randint(4, 60, (n,), generator=gen).tolist() for n in lengths]
     positions = [list(range(30, n + 1, 30)) for n in lengths]
     shapes = Shapes(monkeypatch)
-    labels, copied = posthoc.posthoc_labels(model, tok, [[5, 6]] * 6, responses, [""] * 6, ["3"] * 6,
+    labels, copied = confidence.posthoc_labels(model, tok, [[5, 6]] * 6, responses, [""] * 6, ["3"] * 6,
                                                positions, lengths, k=4, suffix="{", close="eos",
                                                copy_natural=False, max_new_tokens=8, rows=8)
     assert [len(y) for y in labels] == [len(p) for p in positions] and copied == 0

@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from evaluation import generation, shard
+import evaluate
+from evaluation import benchmarks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONHASHSEED": "0"}
@@ -22,14 +23,14 @@ SMALL = ["--model", "toy", "--benchmarks", "toy,toy-long", "--limit", "5", "--n-
 
 def test_calls_are_one_process_batches_and_every_rank_sees_every_round(monkeypatch):
     todo = [(0, [0, 1]), (1, [0, 1]), (2, [0, 1]), (3, [1]), (4, [1]), (5, [0, 1])]
-    calls = generation.calls(todo, 2)
+    calls = evaluate.calls(todo, 2)
     # runs of up to 2 questions missing the same number of samples, as one process makes them
     assert [[q for q, _ in c] for c in calls] == [[0, 1], [2], [3, 4], [5]]
-    monkeypatch.setattr(shard, "WORLD", 3)
+    monkeypatch.setattr(benchmarks, "WORLD", 3)
     dealt = []
     for rank in range(3):
-        monkeypatch.setattr(shard, "RANK", rank)
-        dealt.append(list(shard.deal(calls)))
+        monkeypatch.setattr(benchmarks, "RANK", rank)
+        dealt.append(list(benchmarks.deal(calls)))
     assert [len(d) for d in dealt] == [2, 2, 2]   # as many rounds on every rank (each round gathers)
     in_order = [d[r] for r in range(2) for d in dealt]   # round r, rank k: call r * WORLD + k
     assert in_order == calls + [None, None]
@@ -60,7 +61,7 @@ def test_grading_overlaps_the_next_call_and_rows_stay_in_call_order(tmp_path):
         time.sleep(0.05 * (3 - k))   # earlier calls grade slower: order must not follow finishing time
         return [json.dumps({"call": k, "row": i}) + "\n" for i in range(2)]
 
-    written = shard.Rounds(path)
+    written = benchmarks.Rounds(path)
     for k in range(4):
         generating[k].set()   # "generate call k"
         written.add(grade, k)
@@ -76,7 +77,7 @@ def test_grading_overlaps_the_next_call_and_rows_stay_in_call_order(tmp_path):
 def test_a_stopped_process_keeps_every_call_it_generated(tmp_path):
     path = str(tmp_path / "samples.jsonl")
     with pytest.raises(KeyboardInterrupt):
-        with shard.Rounds(path) as written:
+        with benchmarks.Rounds(path) as written:
             for k in range(2):
                 written.add(lambda k=k: [json.dumps({"call": k}) + "\n"])
             raise KeyboardInterrupt   # Ctrl-C while call 2 generates: calls 0 and 1 are still written

@@ -18,7 +18,7 @@ import prompts as prompts_lib
 import rollout
 import toy
 import train
-from evaluation import benchmarks, generation, probes, uses
+from evaluation import benchmarks, confidence, report
 from harness import files
 from harness.files import UserError
 from runs import ENV, EVAL_SMALL, PROBE_SMALL, jsonl, refusal, sigint_default, write
@@ -93,12 +93,12 @@ def test_the_released_gate_needs_a_box_in_the_thinking():
     # released gate (natural_eval._evaluate_boxed), the default for real benchmarks.
     after = "3+5=8\n</think>\n\nThe answer is \\boxed{8}"
     inside = "3+5=8, so \\boxed{8}\n</think>\n\nThe answer is \\boxed{8}"
-    assert generation.natural_correct(after, "8", "8", gate="none")
-    assert not generation.natural_correct(after, "8", "8", gate="thinking")
-    assert generation.natural_correct(inside, "8", "8", gate="thinking")
-    assert not generation.natural_correct(inside, "9", "8", gate="thinking")
+    assert evaluate.natural_correct(after, "8", "8", gate="none")
+    assert not evaluate.natural_correct(after, "8", "8", gate="thinking")
+    assert evaluate.natural_correct(inside, "8", "8", gate="thinking")
+    assert not evaluate.natural_correct(inside, "9", "8", gate="thinking")
     # RLCR answers need their tag, not a box
-    assert generation.natural_correct("</think><answer>8</answer>", "8", "8", form="tag", gate="thinking")
+    assert evaluate.natural_correct("</think><answer>8</answer>", "8", "8", form="tag", gate="thinking")
     args = evaluate.parse_args(["--model", "x"])
     assert benchmarks.settings("math500", args)["gate"] == "thinking"
     assert benchmarks.settings("toy", args)["gate"] == "none"        # the toy boxes after </think> by design
@@ -178,8 +178,9 @@ def test_two_models_side_by_side_and_metrics_match_samples(toy_dir, run_dir, tmp
 
 
 def test_default_confidence_is_the_posthoc_probe_with_the_released_fit_data():
-    assert probes.default_confidence("deepseek-r1-distill-qwen-7b") == "probe-posthoc"
-    assert probes.default_confidence("runs/toy") == "probe-posthoc"
+    for model in ("deepseek-r1-distill-qwen-7b", "runs/toy"):
+        assert evaluate.parse_args(["--model", model]).confidence == "probe-posthoc"
+    assert evaluate.parse_args(["--model", "toy", "--mode", "rlcr"]).confidence == "verbal-forced"
     for w in (benchmarks.REAL, benchmarks.TOY):
         assert (w["probe_questions"], w["probe_samples"], w["posthoc_budgets"]) == (80, 8, 16)
     assert (benchmarks.REAL["every"], benchmarks.REAL["forced_k"]) == (500, 16)   # budgets 500 .. 8000
@@ -188,7 +189,6 @@ def test_default_confidence_is_the_posthoc_probe_with_the_released_fit_data():
 def test_the_runs_own_probe_is_read_at_its_training_budgets(run_dir, tmp_path, monkeypatch):
     """--confidence probe passes the run's budget fractions (config.json) to the confidence code, which
     reads the probe at the last of them (tests/test_confidence.py pins that position)."""
-    from evaluation import confidence
     seen = []
     real = confidence.sample_confidences
 
@@ -208,8 +208,8 @@ def test_the_runs_own_probe_is_read_at_its_training_budgets(run_dir, tmp_path, m
     run = tmp_path / "run"
     (run / "checkpoints" / "step_000001").mkdir(parents=True)
     (run / "config.json").write_text(json.dumps({"budgets": [1.0]}))
-    assert probes.run_fractions(str(run / "checkpoints" / "step_000001")) == (1.0,)
-    assert probes.run_fractions(str(run)) == (1.0,)
+    assert confidence.run_fractions(str(run / "checkpoints" / "step_000001")) == (1.0,)
+    assert confidence.run_fractions(str(run)) == (1.0,)
 
 
 def test_interrupted_evaluation_resumes_without_regenerating(toy_dir, tmp_path, monkeypatch):
@@ -271,8 +271,8 @@ def test_posthoc_probe_beats_the_base_rate_and_early_exit_keeps_its_bound(toy_di
     for e in ee:
         assert e["threshold"] is not None and e["cal_bound"] <= e["epsilon"]
         assert 0.0 <= e["tokens_saved"] <= 1.0 and 0.0 <= e["test_risk"] <= 1.0
-    # The bound recomputed from samples.jsonl with the same split as uses.from_samples.
-    again = uses.from_samples(rows)["early_exit"]
+    # The bound recomputed from samples.jsonl with the same split as report.from_samples.
+    again = report.from_samples(rows)["early_exit"]
     assert [e["threshold"] for e in again] == [e["threshold"] for e in ee]
     # A second evaluation reuses the cached fit (same protocol): nothing refitted, same report.
     res2 = evaluate.main(args)
@@ -306,9 +306,9 @@ def test_the_pooled_toy_fit_takes_every_toy_benchmarks_train_split_in_turn(toy_d
     # --probe-data toy-pooled: the matched fit, on every toy benchmark's train split, so the post-hoc
     # confidence is not fixed at RL's distribution's accuracy (docs/toy-world.md).
     splits = {name: data.load_rows(name, split="train") for name in data.TOY_BENCHMARKS}
-    rows = probes.toy_fit_rows("toy-pooled")
+    rows = confidence.toy_fit_rows("toy-pooled")
     assert rows[:6] == [splits[name][i] for i in (0, 1) for name in data.TOY_BENCHMARKS]
-    assert len(rows) == 3 * toy.N_TRAIN and probes.toy_fit_rows("toy") == splits["toy"]
+    assert len(rows) == 3 * toy.N_TRAIN and confidence.toy_fit_rows("toy") == splits["toy"]
     res = evaluate.main(["--model", toy_dir, "--benchmarks", "toy-sub", *FAST, "--out", str(tmp_path),
                          "--probe-data", "toy-pooled", "--probe-questions", "6", "--probe-samples", "2",
                          "--posthoc-budgets", "2"])
@@ -357,20 +357,20 @@ def test_an_empty_rlcr_answer_tag_followed_by_a_box_is_graded_by_the_box_as_rele
     # gates on the tag being there, so without a tag the box does not count
     s = {"gate": "thinking"}
     texts = ["</think><answer></answer> so \\boxed{5}", "</think>\\boxed{5}", "</think><answer></answer> \\boxed{4}"]
-    assert generation.grade_call(texts, ["5"] * 3, "math500", s, "tag") == (["5", None, "4"], [True, False, False])
+    assert evaluate.grade_call(texts, ["5"] * 3, "math500", s, "tag") == (["5", None, "4"], [True, False, False])
 
 
 def test_the_posthoc_fit_rules_reach_the_protocol(tmp_path, monkeypatch):
     # released by default (numpy's split, the mean of batch means); the project's fit and the released
     # token counting one flag away; a cache fitted under another rule is another protocol
     seen = {}
-    monkeypatch.setattr(probes.posthoc, "posthoc_probe",
+    monkeypatch.setattr(confidence, "posthoc_probe",
                         lambda cache, model, tok, questions, instruction, close_id, protocol, **k:
                         seen.update(protocol) or (None, {}))
     for given, fit, tokens in (([], "released", None),
                                (["--posthoc-fit", "project", "--posthoc-tokens", "text"], "project", "text")):
         seen.clear()
-        probes.get_probe("probe-posthoc", None, None, "base", toy.BASE_DIR, str(tmp_path),
+        confidence.get_probe("probe-posthoc", None, None, "base", toy.BASE_DIR, str(tmp_path),
                          evaluate.parse_args(["--model", "toy", *given]), 0)
         assert seen["fit"] == fit and seen.get("tokens") == tokens
 
@@ -392,7 +392,7 @@ def test_verl_layout_parquets_are_evaluated_and_fitted_on_as_released(verl_files
     """--benchmarks math500=FILE.parquet and --probe-data FILE.parquet in verl's layout: each prompt is
     the parquet's chat list rendered as is (math500's instruction not appended again), each gold its
     reward_model.ground_truth. Before, both stopped with "no answer field"."""
-    from evaluation.samples import digest
+    from evaluation.benchmarks import digest
     bench_file, fit_file, rendered = verl_files
     res = evaluate.main(["--model", "toy", "--benchmarks", f"math500={bench_file}", "--probe-data", fit_file,
                          "--out", str(tmp_path / "out"), "--n-samples", "4", "--max-new-tokens", "48", "--gate",
@@ -558,7 +558,7 @@ def test_a_bad_run_config_is_one_line_when_evaluating_the_run(case, tmp_path):
     ckpt = tmp_path / "run" / "checkpoints" / "step_000001"
     os.makedirs(ckpt)
     write(tmp_path / "run" / "config.json", content)
-    for read in (benchmarks.run_config, probes.run_fractions):
+    for read in (benchmarks.run_config, confidence.run_fractions):
         with pytest.raises(UserError) as e:
             read(str(ckpt))
         assert str(tmp_path / "run") in str(e.value) and words in str(e.value), str(e.value)

@@ -11,7 +11,7 @@ import grade
 import prompts as prompts_lib
 import rollout
 import tiny
-from evaluation import benchmarks, generation, posthoc
+from evaluation import benchmarks, confidence
 from evaluation.report import summarize
 from runs import write
 
@@ -99,11 +99,11 @@ def test_posthoc_labels_for_code_force_a_program_and_run_it(monkeypatch):
         asked.update(prompts=prompts, k=k, **kw)
         return [[ADD_RIGHT[len("</think>\n"):], ADD_WRONG[len("</think>\n"):]] for _ in prompts]
 
-    monkeypatch.setattr(posthoc, "sample_by_length", fake_sample)
+    monkeypatch.setattr(confidence, "sample_by_length", fake_sample)
     response = tok.encode("abc", add_special_tokens=False)
-    labels, copied = posthoc.posthoc_labels(
-        None, tok, [[5, 6]], [response], ["abc"], [gold], [[1, 3]], [3], k=2, suffix=posthoc.CODE_SUFFIX,
-        max_new_tokens=posthoc.CODE_TOKENS, grader="code")
+    labels, copied = confidence.posthoc_labels(
+        None, tok, [[5, 6]], [response], ["abc"], [gold], [[1, 3]], [3], k=2, suffix=benchmarks.CODE_SUFFIX,
+        max_new_tokens=confidence.CODE_TOKENS, grader="code")
     # budget 1: half the forced programs pass; budget 3 (the end): the natural answer (no code) copied
     assert (labels, copied) == ([[0.5, 0.0]], 1)
     assert asked["max_new_tokens"] == 2048 and asked["k"] == 2
@@ -224,7 +224,7 @@ def test_gpqa_natural_boxed_answers_are_graded_as_released_and_logiqa_by_its_let
     assert logiqa[:4] == [1, 1, 1, 1]    # "B. Tom is an animal." against B: the letter, the project's rule
     # the forced (post-hoc) and RLCR readings keep the released letter rule
     assert grade.answers_match(option, gold) and not grade.answers_match(option, gold, letters=False)
-    assert generation.natural_correct(f"</think><answer>{option}</answer>", option, gold, form="tag", letters=True)
+    assert evaluate.natural_correct(f"</think><answer>{option}</answer>", option, gold, form="tag", letters=True)
 
 
 def test_samples_keep_their_text_on_any_benchmark_unless_no_log_text(tiny_dir, tmp_path, monkeypatch, capsys):

@@ -1,4 +1,4 @@
-"""evaluation/posthoc.py: the post-hoc probe's cache is used only when whole and of the same
+"""evaluation/confidence.py: the post-hoc probe's cache is used only when whole and of the same
 protocol, and is fitted again (with one line) when damaged; NaN features are refused."""
 import json
 import math
@@ -8,19 +8,19 @@ import pytest
 import torch
 
 import probe as probe_lib
-from evaluation import posthoc
+from evaluation import confidence
 
 
 def test_a_cut_between_the_posthoc_caches_two_files_never_pairs_another_protocols_probe(tmp_path, monkeypatch, capsys):
     # H8: at a7c59f5 the report (.json, with the protocol) and the probe (.pt) were two files: after a
     # kill between them a new .pt sat beside the old .json, and the old protocol got the other probe.
     import torch
-    from evaluation import posthoc
+    from evaluation import confidence
     import probe as probe_lib
     from harness import files
     import test_posthoc as hi
     cache = hi.cache_files(tmp_path)            # protocol A's probe and report, both in c.pt
-    files.write_json(cache + ".json", {"protocol": posthoc.cache_protocol(hi.PROTOCOL, [], "")})
+    files.write_json(cache + ".json", {"protocol": confidence.cache_protocol(hi.PROTOCOL, [], "")})
     other = probe_lib.Probe(8)
     with torch.no_grad():
         other.net[0].weight.fill_(0.5)
@@ -31,7 +31,7 @@ def test_a_cut_between_the_posthoc_caches_two_files_never_pairs_another_protocol
     with pytest.raises(hi.Refit):               # protocol A is fitted again, not answered with n=8's probe
         hi.cached_probe(cache, monkeypatch)
     probe_lib.save(cache + ".pt", probe_lib.Probe(8))
-    torch.save(dict(torch.load(cache + ".pt"), report=json.dumps({"protocol": posthoc.cache_protocol(
+    torch.save(dict(torch.load(cache + ".pt"), report=json.dumps({"protocol": confidence.cache_protocol(
         hi.PROTOCOL, [], "")})), cache + ".pt")
     prb, report = hi.cached_probe(cache, monkeypatch)   # A's own file: used as it is
     assert report["protocol"]["n"] == 1 and prb.net[0].weight.abs().max().item() != 0.5
@@ -44,7 +44,7 @@ PROTOCOL = dict(stop=[], n=1, max_new_tokens=1, temperature=1.0, top_p=1.0, seed
 def cache_files(tmp_path):
     """A good post-hoc cache (probe and report in c.pt) under tmp_path / c, for PROTOCOL and no questions."""
     probe_lib.save(str(tmp_path / "c.pt"), probe_lib.Probe(8),
-                   report=json.dumps({"protocol": posthoc.cache_protocol(PROTOCOL, [], "")}))
+                   report=json.dumps({"protocol": confidence.cache_protocol(PROTOCOL, [], "")}))
     return str(tmp_path / "c")
 
 
@@ -55,8 +55,8 @@ class Refit(Exception):
 def cached_probe(cache, monkeypatch):
     def refit(*a, **k):
         raise Refit
-    monkeypatch.setattr(posthoc.shard, "generate_dealt", refit)
-    return posthoc.posthoc_probe(cache, None, None, [], "", None, PROTOCOL)
+    monkeypatch.setattr(confidence, "generate_dealt", refit)
+    return confidence.posthoc_probe(cache, None, None, [], "", None, PROTOCOL)
 
 
 def nan_weights(path):
@@ -82,7 +82,7 @@ def test_a_damaged_posthoc_cache_is_named_in_one_line_and_fitted_again(case, tmp
     damage, ext, words = CACHE_CASES[case]
     cache = cache_files(tmp_path)
     prb, report = cached_probe(cache, monkeypatch)   # the good cache is used as it is
-    assert prb.dim == 8 and report == {"protocol": posthoc.cache_protocol(PROTOCOL, [], "")}
+    assert prb.dim == 8 and report == {"protocol": confidence.cache_protocol(PROTOCOL, [], "")}
     damage(cache)
     with pytest.raises(Refit):   # 81f6578: TypeError, a torch traceback, or the NaN probe returned
         cached_probe(cache, monkeypatch)
@@ -96,4 +96,4 @@ def test_posthoc_fit_on_nan_features_says_so():
     x = torch.randn(40, 8)
     x[3, 1] = math.nan
     with pytest.raises(FloatingPointError, match="post-hoc probe: 1 of 40 features are NaN or inf"):
-        posthoc.fit_posthoc(x, torch.rand(40), torch.arange(40) // 4, max_epochs=2)
+        confidence.fit_posthoc(x, torch.rand(40), torch.arange(40) // 4, max_epochs=2)

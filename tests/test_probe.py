@@ -140,8 +140,8 @@ def test_linear_probe_fits_a_separable_set_and_round_trips(tmp_path):
     P.save(path, probe, opt)
     loaded, state = P.load(path)
     assert loaded.hidden == 0 and torch.equal(P.predict(loaded, x), P.predict(probe, x))
-    from evaluation import probes   # evaluate --confidence probe reads the same file
-    assert torch.equal(P.predict(probes.get_probe("probe", None, None, "run", str(tmp_path), None, None,
+    from evaluation import confidence   # evaluate --confidence probe reads the same file
+    assert torch.equal(P.predict(confidence.get_probe("probe", None, None, "run", str(tmp_path), None, None,
                                                     None)[0], x), P.predict(probe, x))
 
 

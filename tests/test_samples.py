@@ -1,4 +1,4 @@
-"""What identifies a model, a benchmark and a sample in an evaluation folder (evaluation/samples.py
+"""What identifies a model, a benchmark and a sample in an evaluation folder (evaluation/benchmarks.py
 and results.json): different things never share samples, post-hoc probes or results entries."""
 import json
 import os
@@ -120,7 +120,7 @@ def test_benchmarks_are_their_files_and_rows_not_their_names(tmp_path):
 
 def test_samples_rows_are_checked_and_duplicates_count_once(tmp_path, capsys):
     # D12: at 81f6578 a duplicated row was counted twice (n 9 for 4 x 2), and rows with question
-    # "3" (TypeError), -5 (counted) or without an answer (KeyError in evaluation/uses.py) were not refused.
+    # "3" (TypeError), -5 (counted) or without an answer (KeyError in evaluation/report.py) were not refused.
     first = run("--model", "toy", "--out", tmp_path, *FAST)["toy"]["benchmarks"]["toy"]
     path = tmp_path / "samples.jsonl"
     good = path.read_text()

@@ -18,7 +18,8 @@ import prompts as prompts_lib
 import reproduce
 import rollout
 import toy
-from evaluation import benchmarks, probes
+import toy
+from evaluation import benchmarks, confidence
 from grpo import group_advantages
 
 
@@ -65,8 +66,8 @@ def test_the_toy_names_read_the_worlds_rows_and_toy_world_marks_a_model_folder_a
     assert data.load_rows("toy", split="test") == rows["test"]
     [(name, got, _, _)] = benchmarks.load_benchmarks(["toy"], limit=3)
     assert (name, got) == ("toy", rows["test"][:3])
-    assert probes.toy_fit_rows("toy") == rows["train"]
-    assert probes.toy_fit_rows("toy-pooled")[:3] == [toy.dataset("train", b)[0] for b in data.TOY_BENCHMARKS]
+    assert confidence.toy_fit_rows("toy") == rows["train"]
+    assert confidence.toy_fit_rows("toy-pooled")[:3] == [toy.dataset("train", b)[0] for b in data.TOY_BENCHMARKS]
 
     cfg = config.resolve_args(["--model", toy.BASE_DIR, "--toy-world", toy.WORLD, "--out", str(tmp_path / "a")])
     assert (cfg["toy_world"], cfg["data"], cfg["max_new_tokens"], cfg["lr"], cfg["lam"]) == \
@@ -107,7 +108,7 @@ def test_evaluate_loads_every_toy_benchmark_with_the_toy_settings():
     assert [(name, source) for name, _, _, source in loaded] == [
         ("toy", "toy:test"), ("toy-long", "toy-long:test"), ("toy-sub", "toy-sub:test")]
     assert loaded[1][1] == toy.dataset("test", "toy-long")[:5] and loaded[2][2] == toy.INSTRUCTION
-    assert all(source in probes.TOY_SOURCES for *_, source in loaded)   # the post-hoc probe fits on toy train
+    assert all(source in confidence.TOY_SOURCES for *_, source in loaded)   # the post-hoc probe fits on toy train
     args = evaluate.parse_args(["--model", "toy", "--benchmarks", "toy-long"])
     s = benchmarks.settings("toy-long", args)
     assert (s["n"], s["max_new_tokens"], s["every"], s["forced_k"]) == (4, 128, 8, 4)
@@ -225,11 +226,11 @@ def test_the_pooled_fit_takes_the_released_size_from_each_benchmark(given, want,
     """--probe-data toy-pooled: 80 questions from each toy benchmark in turn (240), so each is fitted on as
     many as the released fit (`toy`, 80) has; --probe-questions still sets the total."""
     seen = {}
-    monkeypatch.setattr(probes.posthoc, "posthoc_probe",
+    monkeypatch.setattr(confidence, "posthoc_probe",
                         lambda cache, model, tok, questions, *a, **k: seen.update(rows=questions) or (None, {}))
     for data_, size in (("toy-pooled", want), ("toy", 80)):
         args = evaluate.parse_args(["--model", "toy", "--probe-data", data_, *given])
         seen.clear()
-        probes.get_probe("probe-posthoc", None, None, "base", toy.BASE_DIR, str(tmp_path), args, 0)
+        confidence.get_probe("probe-posthoc", None, None, "base", toy.BASE_DIR, str(tmp_path), args, 0)
         assert len(seen["rows"]) == size
     assert [r["problem"] for r in seen["rows"][:2]] == [r["problem"] for r in toy.dataset("train")[:2]]

@@ -81,15 +81,15 @@ def test_posthoc_labels_inside_the_thinking_copy_the_path_on_the_warm_start(tmp_
     import evaluate
     import prompts as prompts_lib
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from evaluation import posthoc, probes
+    from evaluation import confidence
     from evaluation.confidence import think_end
     from rollout import generate
     assert slipped("3+5+7+2", "3+5=8\n8+7=14?\n14+2=16\n16") and slipped("3+5+7+2", "3+5=8\n9+7=16\n")
     assert not slipped("3+5+7", "3+5=8\n8+7=15\n</think>\\boxed{15}") and not slipped("3+5+7+2", "3+5=8\n8+7=1")
     seen = {}
-    monkeypatch.setattr(probes.posthoc, "posthoc_probe", lambda cache, model, tok, questions, instruction, close_id,
+    monkeypatch.setattr(confidence, "posthoc_probe", lambda cache, model, tok, questions, instruction, close_id,
                         protocol, **kw: seen.update(rows=questions, p=protocol) or (None, {}))
-    probes.get_probe("probe-posthoc", None, None, "base", toy.BASE_DIR, str(tmp_path),
+    confidence.get_probe("probe-posthoc", None, None, "base", toy.BASE_DIR, str(tmp_path),
                      evaluate.parse_args(["--model", "toy"]), 0)
     p, rows = seen["p"], seen["rows"][:16]
     model = AutoModelForCausalLM.from_pretrained(toy.BASE_DIR).eval()
@@ -98,8 +98,8 @@ def test_posthoc_labels_inside_the_thinking_copy_the_path_on_the_warm_start(tmp_
     out = generate(model, tok, asked, n=4, max_new_tokens=p["max_new_tokens"], temperature=p["temperature"],
                    top_p=p["top_p"], seed=0)
     ends = [think_end(r, tok.convert_tokens_to_ids("</think>")) for r in out.ids]
-    positions = [posthoc.posthoc_budgets(e, p["every"], p["count"]) for e in ends]
-    labels, _ = posthoc.posthoc_labels(model, tok, [asked[i] for i in out.prompt_index], out.ids, out.texts,
+    positions = [confidence.posthoc_budgets(e, p["every"], p["count"]) for e in ends]
+    labels, _ = confidence.posthoc_labels(model, tok, [asked[i] for i in out.prompt_index], out.ids, out.texts,
                                        [rows[i]["answer"] for i in out.prompt_index], positions, ends, p["k"],
                                        p["suffix"], p["close"], tuple(p["stop"]), p["copy_natural"], seed=1,
                                        lead=p["lead"], gate=p["gate"])

@@ -3,29 +3,29 @@ import random
 
 import pytest
 
-from evaluation import uses
+from evaluation import report
 
 
 def test_cluster_answers_first_appearance_and_custom_equality():
-    assert uses.cluster_answers(["2", None, "2", "3"]) == [0, None, 0, 1]
+    assert report.cluster_answers(["2", None, "2", "3"]) == [0, None, 0, 1]
     same = lambda a, b: float(a) == float(b)
-    assert uses.cluster_answers(["2", "2.0", "3", "03"], same) == [0, 0, 1, 1]
+    assert report.cluster_answers(["2", "2.0", "3", "03"], same) == [0, 0, 1, 1]
 
 
 def test_vote_majority_weighted_and_ties():
-    assert uses.vote([1, 0, 0]) == 0
-    assert uses.vote([1, 0, 0], [0.9, 0.3, 0.4]) == 1          # 0.9 > 0.3 + 0.4
-    assert uses.vote([1, 0]) == 1 and uses.vote([0, 1]) == 0   # tie: first to appear wins
-    assert uses.vote([1, 0], [0.5, 0.5]) == 1
-    assert uses.vote([None, 2, None]) == 2
-    assert uses.vote([None, None]) is None
+    assert report.vote([1, 0, 0]) == 0
+    assert report.vote([1, 0, 0], [0.9, 0.3, 0.4]) == 1          # 0.9 > 0.3 + 0.4
+    assert report.vote([1, 0]) == 1 and report.vote([0, 1]) == 0   # tie: first to appear wins
+    assert report.vote([1, 0], [0.5, 0.5]) == 1
+    assert report.vote([None, 2, None]) == 2
+    assert report.vote([None, None]) is None
 
 
 def test_vote_sizes():
-    assert uses.vote_sizes(1) == [1]
-    assert uses.vote_sizes(4) == [1, 2, 4]
-    assert uses.vote_sizes(6) == [1, 2, 4, 6]
-    assert uses.vote_sizes(32) == [1, 2, 4, 8, 16, 32]
+    assert report.vote_sizes(1) == [1]
+    assert report.vote_sizes(4) == [1, 2, 4]
+    assert report.vote_sizes(6) == [1, 2, 4, 6]
+    assert report.vote_sizes(32) == [1, 2, 4, 8, 16, 32]
 
 
 def _minority_set(n_questions=10):
@@ -35,7 +35,7 @@ def _minority_set(n_questions=10):
 
 
 def test_weighted_voting_beats_majority_when_the_confident_minority_is_right():
-    curves = uses.voting_curves(_minority_set(), draws=8)
+    curves = report.voting_curves(_minority_set(), draws=8)
     assert curves["k"] == [1, 2, 4]
     assert curves["majority"][-1] == 0.0          # 3 votes for the wrong answer
     assert curves["weighted"][-1] == 1.0          # 0.9 > 3 * 0.2
@@ -46,7 +46,7 @@ def test_weighted_voting_beats_majority_when_the_confident_minority_is_right():
 def test_equal_confidences_make_weighted_voting_equal_majority():
     qs = [{"keys": [0, 1, 1, None, 2, 0], "correct": [0, 1, 1, 0, 0, 0], "conf": [0.7] * 6},
           {"keys": [0, 0, 1, 1, 2, 2], "correct": [1, 1, 0, 0, 0, 0], "conf": [0.3] * 6}]
-    curves = uses.voting_curves(qs, draws=16, seed=3)
+    curves = report.voting_curves(qs, draws=16, seed=3)
     assert curves["k"] == [1, 2, 4, 6]
     assert curves["weighted"] == curves["majority"]
     # all six votes: q0 -> key 1 (two votes vs one each... key 0 has 2, key 1 has 2: key 0 first) -> wrong;
@@ -63,42 +63,42 @@ CAL = [[{"checkpoints": [(10, c, y)], "length": 100}] for c, y in zip(CONFS, RIG
 
 def test_exit_outcome_first_crossing():
     tr = {"checkpoints": [(10, 0.2, 0), (20, 0.8, 1), (30, 0.9, 0)], "length": 50}
-    assert uses.exit_outcome(tr, 0.5) == (0.0, 20.0)
-    assert uses.exit_outcome(tr, 0.85) == (1.0, 30.0)
-    assert uses.exit_outcome(tr, 0.1) == (1.0, 10.0)
-    assert uses.exit_outcome(tr, math.inf) == (0.0, 50.0)
+    assert report.exit_outcome(tr, 0.5) == (0.0, 20.0)
+    assert report.exit_outcome(tr, 0.85) == (1.0, 30.0)
+    assert report.exit_outcome(tr, 0.1) == (1.0, 10.0)
+    assert report.exit_outcome(tr, math.inf) == (0.0, 50.0)
 
 
 def test_crc_threshold_on_a_hand_computed_set():
     # n = 9: bound(lam) = (wrong exits + 1) / 10. Wrong exits: lam >= 0.6 -> 0, 0.4..0.5 -> 1, 0.3 -> 2, 0.2 -> 3.
-    assert uses.crc_bound(CAL, math.inf) == pytest.approx(0.1)
-    assert uses.crc_bound(CAL, 0.5) == pytest.approx(0.2)
-    assert uses.crc_bound(CAL, 0.2) == pytest.approx(0.4)
-    assert uses.crc_threshold(CAL, 0.3) == 0.3
-    assert uses.crc_threshold(CAL, 0.2) == 0.4
-    assert uses.crc_threshold(CAL, 0.1) == 0.6
-    assert uses.crc_threshold(CAL, 0.05) is None       # 1 / (n + 1) > epsilon: nothing is safe
+    assert report.crc_bound(CAL, math.inf) == pytest.approx(0.1)
+    assert report.crc_bound(CAL, 0.5) == pytest.approx(0.2)
+    assert report.crc_bound(CAL, 0.2) == pytest.approx(0.4)
+    assert report.crc_threshold(CAL, 0.3) == 0.3
+    assert report.crc_threshold(CAL, 0.2) == 0.4
+    assert report.crc_threshold(CAL, 0.1) == 0.6
+    assert report.crc_threshold(CAL, 0.05) is None       # 1 / (n + 1) > epsilon: nothing is safe
     for eps in (0.1, 0.2, 0.3, 0.5):
-        lam = uses.crc_threshold(CAL, eps)
-        assert uses.crc_bound(CAL, lam) <= eps
+        lam = report.crc_threshold(CAL, eps)
+        assert report.crc_bound(CAL, lam) <= eps
         lower = [c for c in CONFS if c < lam]
-        assert not lower or uses.crc_bound(CAL, max(lower)) > eps     # the smallest such threshold
+        assert not lower or report.crc_bound(CAL, max(lower)) > eps     # the smallest such threshold
 
 
 def test_calibration_uses_the_worst_exit_at_or_above_the_threshold():
     # Trace A exits right at its first checkpoint (0.3) and wrong at its second (0.5): its real loss is
     # 0 at lam = 0.3 but 1 at lam = 0.5, so the threshold is calibrated on bound_loss = 1[lam <= 0.5].
     a = {"checkpoints": [(5, 0.3, 1), (8, 0.5, 0)], "length": 9}
-    assert uses.exit_outcome(a, 0.3)[0] == 0.0 and uses.exit_outcome(a, 0.5)[0] == 1.0
-    assert uses.worst_exit(a) == 0.5
-    assert uses.worst_exit({"checkpoints": [(1, 0.3, 1), (2, 0.5, 0), (3, 0.4, 0)], "length": 4}) == 0.5
-    assert uses.worst_exit({"checkpoints": [(1, 0.6, 1), (2, 0.5, 0)], "length": 4}) == -math.inf  # never an exit
+    assert report.exit_outcome(a, 0.3)[0] == 0.0 and report.exit_outcome(a, 0.5)[0] == 1.0
+    assert report.worst_exit(a) == 0.5
+    assert report.worst_exit({"checkpoints": [(1, 0.3, 1), (2, 0.5, 0), (3, 0.4, 0)], "length": 4}) == 0.5
+    assert report.worst_exit({"checkpoints": [(1, 0.6, 1), (2, 0.5, 0)], "length": 4}) == -math.inf  # never an exit
     cal = [[a], [{"checkpoints": [(5, 0.1, 0)], "length": 9}], [{"checkpoints": [(5, 0.1, 0)], "length": 9}]]
-    assert uses.crc_bound(cal, 0.3) == pytest.approx(0.5)     # (1 + 0 + 0 + 1) / 4; the real loss gives 0.25
-    assert uses.crc_bound(cal, 0.5) == pytest.approx(0.5)
-    assert uses.crc_bound(cal, 0.1) == pytest.approx(1.0)      # (1 + 1 + 1 + 1) / 4
-    assert uses.crc_threshold(cal, 0.4) == math.inf
-    assert uses.crc_threshold(cal, 0.5) == 0.3
+    assert report.crc_bound(cal, 0.3) == pytest.approx(0.5)     # (1 + 0 + 0 + 1) / 4; the real loss gives 0.25
+    assert report.crc_bound(cal, 0.5) == pytest.approx(0.5)
+    assert report.crc_bound(cal, 0.1) == pytest.approx(1.0)      # (1 + 1 + 1 + 1) / 4
+    assert report.crc_threshold(cal, 0.4) == math.inf
+    assert report.crc_threshold(cal, 0.5) == 0.3
 
 
 def _synthetic_traces(rng, questions=120, per=2, checkpoints=6):
@@ -125,7 +125,7 @@ def test_early_exit_meets_its_risk_target_over_random_splits():
     flips = sum(any(y1 and not y2 for (_, _, y1), (_, _, y2) in zip(tr["checkpoints"], tr["checkpoints"][1:]))
                 for unit in units for tr in unit)
     assert flips > 50                                        # right, then wrong at a later checkpoint
-    rows = uses.split_early_exit(units, epsilons=(0.1, 0.2, 0.3), splits=200, seed=0)
+    rows = report.split_early_exit(units, epsilons=(0.1, 0.2, 0.3), splits=200, seed=0)
     for r in rows:
         print(f"eps {r['epsilon']}: mean test risk {r['test_risk']:.3f} (sd {r['test_risk_sd']:.3f}), "
               f"exits {r['exit_rate']:.0%}")
@@ -134,7 +134,7 @@ def test_early_exit_meets_its_risk_target_over_random_splits():
     # The split-0 row is early_exit on that split, and the mean is over all 200.
     order = list(units)
     random.Random(0).shuffle(order)
-    first = uses.early_exit(order[:60], order[60:])
+    first = report.early_exit(order[:60], order[60:])
     assert [r["test_risk_split0"] for r in rows] == [r["test_risk"] for r in first]
     assert [r["threshold"] for r in rows] == [r["threshold"] for r in first]
 
@@ -142,7 +142,7 @@ def test_early_exit_meets_its_risk_target_over_random_splits():
 def test_early_exit_reports_tokens_saved_and_test_risk():
     test = [[{"checkpoints": [(10, 0.95, 1), (20, 0.99, 1)], "length": 100},
              {"checkpoints": [(10, 0.2, 0)], "length": 100}]]
-    rows = uses.early_exit(CAL, test, epsilons=(0.1, 0.05))
+    rows = report.early_exit(CAL, test, epsilons=(0.1, 0.05))
     r = rows[0]
     assert r["threshold"] == 0.6 and r["cal_bound"] == pytest.approx(0.1)
     assert r["test_risk"] == 0.0 and r["exit_rate"] == 0.5
@@ -155,12 +155,12 @@ def test_from_samples_groups_by_question():
                  checkpoints=[[8, p, c]])
             for q in range(6)
             for s, (a, c, p) in enumerate([("5", 0, 0.3), ("5", 0, 0.3), ("7", 1, 0.9)])]
-    out = uses.from_samples(rows)
+    out = report.from_samples(rows)
     assert out["voting"]["k"] == [1, 2, 3]
     assert out["voting"]["majority"][-1] == 0.0 and out["voting"]["weighted"][-1] == 1.0
     assert [e["epsilon"] for e in out["early_exit"]] == [0.1, 0.2, 0.3]
     assert all(e["splits"] == 100 and e["test_risk_sd"] >= 0.0 for e in out["early_exit"])
-    assert "early_exit" not in uses.from_samples([{k: v for k, v in r.items() if k != "checkpoints"} for r in rows])
+    assert "early_exit" not in report.from_samples([{k: v for k, v in r.items() if k != "checkpoints"} for r in rows])
 
 
 def test_crc_units_are_questions_with_the_mean_loss_of_their_traces():
@@ -168,6 +168,6 @@ def test_crc_units_are_questions_with_the_mean_loss_of_their_traces():
     # question 1 none, so the bound is (0.5 + 0 + 1) / 3 = 0.5, not (1 + 1) / 5 as over four traces.
     q0 = [{"checkpoints": [(4, 0.6, 0)], "length": 10}, {"checkpoints": [(4, 0.7, 1)], "length": 10}]
     q1 = [{"checkpoints": [(4, 0.2, 0)], "length": 10}, {"checkpoints": [(4, 0.9, 1)], "length": 10}]
-    assert uses.crc_bound([q0, q1], 0.5) == pytest.approx(0.5)
-    assert uses.crc_bound([q0, q1], 0.65) == pytest.approx(1 / 3)
-    assert uses.crc_threshold([q0, q1], 0.4) == 0.7      # candidates are seen confidences
+    assert report.crc_bound([q0, q1], 0.5) == pytest.approx(0.5)
+    assert report.crc_bound([q0, q1], 0.65) == pytest.approx(1 / 3)
+    assert report.crc_threshold([q0, q1], 0.4) == 0.7      # candidates are seen confidences
