@@ -12,11 +12,10 @@ import evaluate
 import metrics
 import runs
 import toy
-from runs import one_line, snapshot
+from runs import EVAL_SMALL, one_line, snapshot
 from test_evaluate import _rows
-from test_files import EVAL
 
-
+EVAL = [*EVAL_SMALL, "--confidence", "logits"]
 FAST = ["--limit", "4", "--n-samples", "2", "--max-new-tokens", "56", "--threads", "1", "--confidence", "logits"]
 
 
