@@ -14,7 +14,7 @@ import grade
 import prompts as prompts_lib
 import toy
 from grpo import AGGS
-from modes import PROBE_MODES, REWARDS  # the --reward modes; those that fit a probe
+from baselines import PROBE_MODES, REWARDS  # the --reward modes; those that fit a probe
 from harness import rewardfn
 from harness.checkpoint import ALIASES
 from harness.files import UserError

@@ -4,9 +4,9 @@
     forced = prompt + response[:b] + CLOSE + SUFFIX                (CLOSE: `</think>` or EOS)
     Y_b    = (1/K) * sum_k 1[answer_k == gold]    (grade.answers_match; --reward-fn: its mean value)
 
-`mc_labels` is the algorithm; its answers come from `sample_answers`: the plain path (tree=False),
-the one to read, or the default fast path along each trajectory's prefix tree, which gives the same
-labels and features (tests/test_label.py::test_plain_and_tree_labels_are_equal_on_the_toy_whatever_the_chunk,
+`mc_labels` is the algorithm; its answers come from `sample_answers`: the plain path (tree=False,
+the one to read and the one a CPU runs) or, on CUDA, the fast path along each trajectory's prefix
+tree, which gives the same labels and features (tests/test_label.py::test_plain_and_tree_labels_are_equal_on_the_toy_whatever_the_chunk,
 ::test_plain_and_tree_features_are_equal_on_the_toy). More: docs/reference.md, "... the method's leaves".
 """
 from contextlib import nullcontext
@@ -15,9 +15,9 @@ import torch
 
 from decode import Sampler, row_generators
 from grade import answers_match
-from probe import LAST_K, last_layer, split_prefix_features
+from probe import LAST_K, cut_ends, forward_pass, last_layer, split_prefix_features
 from rollout import Samples, generate
-from update import cut_ends, forward_pass
+from harness import staticcache
 
 LENGTH_GROUP = 2  # trajectories whose longest cuts have bit lengths within this many share a group
 SUFFIX = "\nIf I were to output the final answer now, it would be \\boxed{"
@@ -93,19 +93,21 @@ def forced_answer(text):
 
 def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, temperature=0.8,
               top_p=1.0, max_new_tokens=32, close="think", suffix=SUFFIX, seed=None,
-              batch_size=None, stats=None, grader="math", decode=None, tree=True, judge=None,
+              batch_size=None, stats=None, grader="math", decode=None, tree=None, judge=None,
               features=False):
     """Y_b for every (trajectory, cut b): the share of K answers forced after the cut that match
     the gold under `grader` (module docstring).
 
     prompts, responses: N lists of token ids; cut_lists: N lists of cuts b; golds: N answers.
     Returns N lists of floats in [0, 1], aligned with cut_lists. stats: a dict the numbers of
-    prefixes, forced prompts and answers are added to. tree, decode, batch_size: sample_answers'.
+    prefixes, forced prompts and answers are added to. tree (None: on CUDA only, where the prefix
+    tree pays), decode, batch_size: sample_answers'.
     judge(answer, i) -> float in [0, 1] or None: --reward-fn's value in place of the grader
     (harness/rewardfn.py); Y_b is then the mean of the values given, None where none is.
     features=True: returns (labels, feats), feats N float32 CPU tensors [len(cuts), d] of
     probe.prefix_features at every cut: tree=False plain_features, tree=True the same off a prefill.
     """
+    tree = next(model.parameters()).device.type == "cuda" if tree is None else tree
     # 1. The forced prompt after every cut. Equal ones (samples of a problem that agree up to the
     #    cut, common for short prefixes) estimate the same probability: each is asked once.
     tail = forced_prompt([], [], 0, tokenizer, close, suffix)  # CLOSE + SUFFIX, the same after every cut
@@ -182,6 +184,8 @@ def sample_answers(model, tokenizer, prompts, responses, cuts, tail, k, temperat
     the chunk asking cut j reads into the dict features[i].
     """
     out = Samples([None] * (len(cuts) * k), [None] * (len(cuts) * k), [], [], [])
+    if tree:  # the rollout's static buffers (CUDA) would sit under the labels' prefills
+        staticcache.release(model)
     for js in _length_groups(cuts):
         group = [cuts[j] for j in js]
         kw = dict(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,

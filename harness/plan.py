@@ -59,7 +59,7 @@ def kv_bytes_per_token(config, dtype_bytes):
 def estimate(config, cfg, world, device="cuda", offload=False, counts=None, probed=True):
     """Bytes per device for each term (dict, in the order printed) plus 'peak', the host memory
     ('host': rank 0's, 'host node': all ranks'), and the static shapes ('kv_shape', 'label_kv_shape').
-    probed: the --reward mode labels forced answers and fits a probe (modes.PROBE_MODES)."""
+    probed: the --reward mode labels forced answers and fits a probe (baselines.PROBE_MODES)."""
     total, root, layer, per_rank = counts or param_counts(config, cfg.get("lora_targets", "all-linear"))
     cuda = device == "cuda"
     act_bytes = 2 if cuda else 4

@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-import step
+import train as step
 import tiny
 import train
 from grpo import pack, token_logprobs

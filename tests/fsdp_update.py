@@ -12,7 +12,7 @@ import torch
 
 import probe as probe_lib
 import tiny
-import step
+import train as step
 from grpo import pack, token_logprobs
 from label import cut_mask, grid
 from live_bytes import LiveBytes

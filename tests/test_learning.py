@@ -12,7 +12,7 @@ import grade
 import prompts as prompts_lib
 import toy
 import toy_warm
-import step
+import train as step
 from config import resolve_args
 from grpo import group_advantages, pack, policy_loss, token_logprobs
 from harness.parallel import LogprobModel

@@ -46,7 +46,7 @@ EVALUATION = ("evaluate", "evaluation")  # evaluate.py and the package of its ma
 
 @pytest.mark.parametrize("core", ["reward", "grpo", "update", "probe", "label", "modes", "baselines"])
 def test_importing_a_core_module_loads_no_evaluation_code(core):
-    """A learner's `import modes` (or any core file) must not pull in the evaluation modules: run in
+    """A learner's `import baselines` (or any core file) must not pull in the evaluation modules: run in
     a fresh interpreter, since this one has imported them all."""
     code = f"import sys, {core}; print(' '.join(m for m in sys.modules if m.split('.')[0] in {EVALUATION!r}))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)

@@ -9,7 +9,7 @@ import torch
 
 import grpo
 import label
-import modes
+import baselines
 import tiny
 import train
 import config
@@ -78,15 +78,15 @@ def test_a_skipped_sample_gets_advantage_zero_and_leaves_its_group():
     cfg = dict(reward="grpo", group_size=4, lam=0.1, corner="zero", drop_unanimous=False)
     correct = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0])
     scored = torch.tensor([True, True, False, True, True, True, True, False])
-    R, adv, parts = modes.reward_and_advantages(cfg, correct, torch.zeros(8), [""] * 8, None, scored=scored)
+    R, adv, parts = baselines.reward_and_advantages(cfg, correct, torch.zeros(8), [""] * 8, None, scored=scored)
     kept = grpo.group_advantages(torch.tensor([1.0, -1.0, 1.0]), 3)
     assert kept.tolist() == pytest.approx([0.57735, -1.1547, 0.57735], abs=1e-4)
     assert adv.tolist() == pytest.approx([*kept[:2].tolist(), 0.0, kept[2].item(), 0.0, 0.0, 0.0, 0.0])
     assert R.tolist() == [1.0, -1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0]
     assert parts["skipped"].tolist() == [0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
     # the unanimous filter reads the scored samples alone: group 2 is all right
-    assert modes.unanimous(correct, 4, scored).tolist() == [False] * 4 + [True] * 4
-    assert modes.unanimous(correct, 4).tolist() == [False] * 8
+    assert baselines.unanimous(correct, 4, scored).tolist() == [False] * 4 + [True] * 4
+    assert baselines.unanimous(correct, 4).tolist() == [False] * 8
 
 
 def test_forced_answers_are_judged_by_the_function(monkeypatch):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import config
-import step
+import train as step
 import toy_warm
 import train
 from harness import checkpoint, files
