@@ -31,7 +31,7 @@ import torch
 
 import grade
 from grpo import group_advantages, micro_batch
-from probe import forward_pass
+from label import forward_pass
 from reward import brier_reward, corner_margin, final_margin, margin_reward, total_reward
 from harness import rewardfn
 from harness.parallel import all_sum

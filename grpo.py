@@ -208,8 +208,9 @@ def update(policy, opt, batch, old_logp, adv, mbs, cfg, device, extra=None):
                                   cfg["clip_high"], agg=cfg["agg"], norm_const=cfg["max_new_tokens"])
         if not torch.isfinite(loss):
             raise FloatingPointError(f"non-finite loss ({loss.item()}) in micro-batch {j}")
-        part, ratio = sampler_gap(logp, sub["sampler_logp"], sub["loss_mask"])
-        gap, ratio_max = [a + b for a, b in zip(gap, part)], max(ratio_max, ratio)
+        if "sampler_logp" in sub:  # the rollout's own log-probs (pack): the sampler's gap
+            part, ratio = sampler_gap(logp, sub["sampler_logp"], sub["loss_mask"])
+            gap, ratio_max = [a + b for a, b in zip(gap, part)], max(ratio_max, ratio)
         (loss * (w / total)).backward()
         for key, value in (("loss", loss.item()), *stats.items()):
             sums[key] += value * w  # weighted like the loss: a batch-wide mean
@@ -218,6 +219,8 @@ def update(policy, opt, batch, old_logp, adv, mbs, cfg, device, extra=None):
         raise FloatingPointError(f"non-finite gradient norm ({grad_norm})")
     opt.step()
     opt.zero_grad(set_to_none=True)
-    tokens = max(gap[2], 1.0)
-    return dict({k: v / total for k, v in sums.items()}, grad_norm=grad_norm, sampler_gap=gap[0] / tokens,
-                sampler_kl_k3=gap[1] / tokens, sampler_ratio_max=ratio_max)
+    out = dict({k: v / total for k, v in sums.items()}, grad_norm=grad_norm)
+    if "sampler_logp" in batch:
+        tokens = max(gap[2], 1.0)
+        out.update(sampler_gap=gap[0] / tokens, sampler_kl_k3=gap[1] / tokens, sampler_ratio_max=ratio_max)
+    return out

@@ -15,7 +15,8 @@ import torch
 
 from decode import Sampler, row_generators
 from grade import answers_match
-from probe import LAST_K, cut_ends, forward_pass, last_layer, split_prefix_features
+from grpo import logprobs_from_hidden
+from probe import LAST_K, last_layer, prefix_features, split_prefix_features
 from rollout import Samples, generate
 from harness import staticcache
 
@@ -107,7 +108,10 @@ def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, tempe
     features=True: returns (labels, feats), feats N float32 CPU tensors [len(cuts), d] of
     probe.prefix_features at every cut: tree=False plain_features, tree=True the same off a prefill.
     """
-    tree = next(model.parameters()).device.type == "cuda" if tree is None else tree
+    cuda = None in (tree, decode) and next(model.parameters()).device.type == "cuda"
+    tree, static = cuda if tree is None else tree, cuda if decode is None else decode == "static"
+    if static:  # the rollout's static buffers would sit under the labels' prefills (and the update)
+        staticcache.release(model)
     # 1. The forced prompt after every cut. Equal ones (samples of a problem that agree up to the
     #    cut, common for short prefixes) estimate the same probability: each is asked once.
     tail = forced_prompt([], [], 0, tokenizer, close, suffix)  # CLOSE + SUFFIX, the same after every cut
@@ -134,6 +138,8 @@ def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, tempe
     # 2. K answers to each: texts[j*k:(j+1)*k] for forced prompt j.
     texts = sample_answers(model, tokenizer, prompts, responses, cuts, tail, k, temperature, top_p,
                            max_new_tokens, seed, batch_size, decode, tree, reads, feats).texts
+    if static:  # the update needs the memory the labels' decode buffers hold
+        staticcache.release(model)
     # 3. Y_b = the share of them that match the gold; a box that never closes is wrong.
     y = []
     for j, (i, _) in enumerate(cuts):
@@ -169,6 +175,41 @@ def plain_features(model, prompt, response, cuts):
     return feats[0, :len(cuts)].cpu()
 
 
+def cut_ends(prompt_lens, cut_lists, width=None):
+    """Absolute exclusive ends `len(prompt_i) + b` as a [N, B] long tensor (0 = no budget)."""
+    width = width or max((len(bs) for bs in cut_lists), default=0)
+    ends = torch.zeros(len(cut_lists), max(width, 1), dtype=torch.long)
+    for i, bs in enumerate(cut_lists):
+        ends[i, :len(bs)] = torch.tensor(bs, dtype=torch.long) + int(prompt_lens[i])
+    return ends
+
+
+@torch.no_grad()
+def forward_pass(model, batch, ends=None, temperature=1.0, chunk_size=1024, last_k=LAST_K,
+                 final_norm=False, logprobs=True):
+    """Old log-probs and probe features from one forward.
+
+    batch: `grpo.pack` output (input_ids / attention_mask [N, L]); ends: [N, B] absolute ends, or
+    None for no features. Returns (old_logp [N, L-1] float32 or None, feats [N, B, d] float32 and
+    valid [N, B] bool, or None and None). final_norm: the post-hoc probe's feature, the final normed
+    state of the last token before each end, in place of probe.prefix_features' training one.
+    """
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    captured = {}
+    keep = nullcontext() if ends is None or final_norm else last_layer(
+        model, lambda hidden: captured.setdefault("feats", prefix_features(hidden, ends.to(ids.device), last_k)))
+    with keep:
+        hidden = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state  # no K/V kept
+    feats, valid = captured.get("feats", (None, None))
+    if final_norm and ends is not None:
+        feats, valid = prefix_features(hidden, ends.to(ids.device), 1)
+    old_logp = None
+    if logprobs:
+        old_logp = logprobs_from_hidden(hidden, model.lm_head, ids[:, 1:], temperature,
+                                        chunk_size).float()
+    return old_logp, feats, valid
+
+
 def sample_answers(model, tokenizer, prompts, responses, cuts, tail, k, temperature=0.8, top_p=1.0,
                    max_new_tokens=32, seed=None, batch_size=None, decode=None, tree=True, reads=None,
                    features=None):
@@ -184,8 +225,6 @@ def sample_answers(model, tokenizer, prompts, responses, cuts, tail, k, temperat
     the chunk asking cut j reads into the dict features[i].
     """
     out = Samples([None] * (len(cuts) * k), [None] * (len(cuts) * k), [], [], [])
-    if tree:  # the rollout's static buffers (CUDA) would sit under the labels' prefills
-        staticcache.release(model)
     for js in _length_groups(cuts):
         group = [cuts[j] for j in js]
         kw = dict(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,

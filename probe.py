@@ -5,13 +5,12 @@ a forced answer at a prefix is right. By default the released code's MLP d -> d/
 reaches the policy from here.
 """
 import os
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from grpo import logprobs_from_hidden
 from harness.files import UserError
 
 
@@ -72,41 +71,6 @@ def last_layer(model, fn):
         yield
     finally:
         handle.remove()
-
-
-def cut_ends(prompt_lens, cut_lists, width=None):
-    """Absolute exclusive ends `len(prompt_i) + b` as a [N, B] long tensor (0 = no budget)."""
-    width = width or max((len(bs) for bs in cut_lists), default=0)
-    ends = torch.zeros(len(cut_lists), max(width, 1), dtype=torch.long)
-    for i, bs in enumerate(cut_lists):
-        ends[i, :len(bs)] = torch.tensor(bs, dtype=torch.long) + int(prompt_lens[i])
-    return ends
-
-
-@torch.no_grad()
-def forward_pass(model, batch, ends=None, temperature=1.0, chunk_size=1024, last_k=LAST_K,
-                 final_norm=False, logprobs=True):
-    """Old log-probs and probe features from one forward.
-
-    batch: `grpo.pack` output (input_ids / attention_mask [N, L]); ends: [N, B] absolute ends, or
-    None for no features. Returns (old_logp [N, L-1] float32 or None, feats [N, B, d] float32 and
-    valid [N, B] bool, or None and None). final_norm: the post-hoc probe's feature, the final normed
-    state of the last token before each end, in place of probe.prefix_features' training one.
-    """
-    ids, mask = batch["input_ids"], batch["attention_mask"]
-    captured = {}
-    keep = nullcontext() if ends is None or final_norm else last_layer(
-        model, lambda hidden: captured.setdefault("feats", prefix_features(hidden, ends.to(ids.device), last_k)))
-    with keep:
-        hidden = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state  # no K/V kept
-    feats, valid = captured.get("feats", (None, None))
-    if final_norm and ends is not None:
-        feats, valid = prefix_features(hidden, ends.to(ids.device), 1)
-    old_logp = None
-    if logprobs:
-        old_logp = logprobs_from_hidden(hidden, model.lm_head, ids[:, 1:], temperature,
-                                        chunk_size).float()
-    return old_logp, feats, valid
 
 
 def split_prefix_features(tail, segment, start, cuts, prompt_lens, last_k=LAST_K, rows=None):

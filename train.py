@@ -76,7 +76,7 @@ def rl_step(step, rows, prompts, learner, cfg, time=None):
         cuts, Y_b, h_b = labelled(cuts, Y_b, h_b)
     Y, h, valid = grid(Y_b), grid(h_b), cut_mask(cuts)  # [N, B], [N, B, d], [N, B]: zero-padded
     with time("probe"):  # 4. fit the probe on every rank's (h_b, Y_b); C_b = sigmoid(probe(h_b))
-        fitted = fit_probe(learner, h[valid], Y[valid], cfg, seed)
+        fitted = fit_probe(learner.probe, learner.probe_opt, h[valid], Y[valid], cfg, seed)
         C = torch.zeros(Y.shape)
         C[valid] = probe_lib.predict(learner.probe, h[valid])
     # 5. R = r_nat + lam * margin; advantages: R normalised within each prompt's group of G
@@ -84,8 +84,6 @@ def rl_step(step, rows, prompts, learner, cfg, time=None):
     R = total_reward(correct, margin, lam=cfg["lam"])
     adv = group_advantages(R, G)
     parts = dict(margin=margin)  # R's terms, logged (the other modes log theirs)
-    if learner.device.type == "cuda":  # the update needs the memory the decode's buffers hold
-        staticcache.release(learner.sampler)
     batch = pack(prompts, out.ids, learner.tok.pad_token_id, out.logprobs)
     mbs = micro_batches(batch["attention_mask"].sum(1).tolist(), cfg["micro_tokens"])
     old_logp = extra = None  # on-policy: the update's own log-probs, detached, are the old ones
@@ -121,14 +119,14 @@ def other_mode(learner, batch, mbs, out, correct, C, Y, valid, scored, cfg, time
     return parts, R, adv, old_logp, extra
 
 
-def fit_probe(learner, X, Y, cfg, seed):
+def fit_probe(probe, probe_opt, X, Y, cfg, seed):
     """Fit the probe on the (h_b, Y_b) pairs X [M, d], Y [M] of every rank (one fit, one seed on
     every rank: equal probes) -> (its BCE, X, Y pooled). --probe-labels shuffled fits on Y permuted."""
     if WORLD > 1:
         pooled = all_gather((X, Y))
         X, Y = torch.cat([x for x, _ in pooled]), torch.cat([y for _, y in pooled])
     fit_Y = shuffled(Y, seed) if cfg.get("probe_labels") == "shuffled" else Y
-    bce = probe_lib.fit(learner.probe, learner.probe_opt, X, fit_Y, passes=cfg["probe_passes"],
+    bce = probe_lib.fit(probe, probe_opt, X, fit_Y, passes=cfg["probe_passes"],
                         batch_size=cfg["probe_batch"], seed=seed)
     return bce, X, Y
 

@@ -21,7 +21,7 @@ from grpo import pack, token_logprobs
 from label import cuts_of, mc_labels
 from prompts import RLCR_FORMAT
 from rollout import generate
-from update import cut_ends, forward_pass
+from label import cut_ends, forward_pass
 from harness import plan, staticcache
 
 SOURCES = ("probe", "probe-posthoc", "verbal", "verbal-forced", "logits")

@@ -242,7 +242,7 @@ def check_rollout(ctx):
         out = rollout.generate(sampler, ctx["tok"], ctx["prompts"], n=s["group"], max_new_tokens=s["rollout_new"],
                                temperature=cfg["temperature"], eos_ids=[], seed=0, batch_size=cfg["gen_batch"],
                                decode="static", scores=True)
-    staticcache.release(sampler)  # as step.py does before the labels
+    staticcache.release(sampler)  # as train.py does before the labels
     ctx["rollout"] = out
     t = planned(ctx, s["rollout_new"])
     versus_plan(row, m.added, {"KV cache": t["KV cache"], "prefill": t["prefill"]})
@@ -269,7 +269,7 @@ def check_labels(ctx):
         _, feats = label.mc_labels(sampler, ctx["tok"], prompts, responses, cuts, ["1"] * n, k=s["k"],
                                    max_new_tokens=s["answer_tokens"], seed=0, batch_size=cfg["gen_batch"],
                                    grader="strict", decode="static", stats=stats, features=True)
-    staticcache.release(sampler)  # as step.py does before the update
+    staticcache.release(sampler)  # as train.py does before the update
     t = planned(ctx, s["longest"])
     versus_plan(row, m.added, {"label KV cache": t["label KV cache"], "label prefill": t["label prefill"]})
     alive_kv = max((x["alive_bytes"] for x in shapes.made), default=0)

@@ -8,7 +8,7 @@ import tiny
 from grpo import pack, token_logprobs
 from label import SUFFIX, cuts_of, forced_answer, forced_prompt, mc_labels
 from probe import prefix_features
-from update import cut_ends, forward_pass
+from label import cut_ends, forward_pass
 
 FIXTURE_7B = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "fixtures", "r1_distill_qwen_7b")
 

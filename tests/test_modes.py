@@ -8,7 +8,6 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-import baselines
 from evaluation import confidence
 import config
 import grade
@@ -16,9 +15,7 @@ import grpo
 import baselines
 import prompts as prompts_lib
 import toy
-import train as step
 import train
-from harness.parallel import LogprobModel
 
 SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "64", "--eval-n", "8",
          "--eval-every", "0", "--gen-batch", "64", "--save-every", "0"]
@@ -143,7 +140,7 @@ def tiny_policy():
     torch.manual_seed(0)
     lm = Qwen2ForCausalLM(Qwen2Config(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                       num_key_value_heads=1, intermediate_size=32, max_position_embeddings=32))
-    return LogprobModel(lm, grpo.token_logprobs)
+    return lm
 
 
 class Capture:
@@ -194,7 +191,7 @@ def test_c2gspg_loss_has_the_confidence_bce_only_with_the_flag(tmp_path, form):
     correct = torch.tensor([1.0, 0.0, 1.0])
     policy = tiny_policy()
     with torch.no_grad():
-        logp = policy(b["input_ids"], b["attention_mask"])
+        logp = grpo.token_logprobs(policy, b["input_ids"], b["attention_mask"])
     n = b["loss_mask"].sum(1).tolist()
     assert n == [3, 2, 4]
     c = [math.exp(sum(logp[i][j].item() for j in range(logp.shape[1]) if b["loss_mask"][i][j]) / n[i])
@@ -202,7 +199,7 @@ def test_c2gspg_loss_has_the_confidence_bce_only_with_the_flag(tmp_path, form):
     bce = [-(r * math.log(x) + (1 - r) * math.log(1 - x)) for r, x in zip(correct.tolist(), c)]
     opt = Capture(policy.parameters())
     cfg = dict(UPD, reward="c2gspg", c2gspg_bce=form)
-    stats = step.update(policy, opt, SCHED, b, None, torch.zeros(3), [[0, 1], [2]], cfg, torch.device("cpu"),
+    stats = grpo.update(policy, opt, b, None, torch.zeros(3), [[0, 1], [2]], cfg, torch.device("cpu"),
                         baselines.extra_loss(cfg, correct))
     moved = sum(g.abs().sum() for g in opt.grads if g is not None)
     assert stats["loss"] == 0.0
@@ -281,8 +278,8 @@ def metrics(run):
 @pytest.mark.parametrize("mode", list(COMPONENTS))
 def test_every_mode_runs_two_toy_steps_and_logs_its_components(tmp_path, monkeypatch, mode):
     calls = []
-    real = step.mc_labels
-    monkeypatch.setattr(step, "mc_labels", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = train.mc_labels
+    monkeypatch.setattr(train, "mc_labels", lambda *a, **k: calls.append(1) or real(*a, **k))
     run = str(tmp_path / "run")
     train.main(["--steps", "2", "--out", run, "--reward", mode, *SMALL])
     rows = metrics(run)

@@ -137,7 +137,7 @@ def test_a_default_step_reads_the_probe_features_from_the_labels_prefill(tmp_pat
     import copy
     from grpo import pack
     import baselines
-    from probe import cut_ends, forward_pass
+    from label import cut_ends, forward_pass
     cfg = config.resolve_args([*SMALL, "--out", str(tmp_path)])
     rows = data.load_rows("toy", split="train")[8:12]
     model, tok, probe, probe_opt, opt, sched = start(cfg)
@@ -234,3 +234,51 @@ def test_probe_labels_is_saved_kept_on_resume_and_refused_without_a_probe(tmp_pa
     assert config.resolve_args(["--resume", str(run)])["probe_labels"] == "shuffled"
     with pytest.raises(UserError, match="--probe-labels cannot change on resume"):
         config.resolve_args(["--resume", str(run), "--probe-labels", "mc"])
+
+
+def test_one_step_reads_in_at_most_700_lines_of_8_top_level_files(tmp_path):
+    """Every project function whose code runs in one default rl_step on the toy (as `python train.py
+    --steps 1` runs it), each counted once and whole (def line to end; nested defs and lambdas in
+    their enclosing def): what a student reads to follow one step. The budget keeps it that size."""
+    import ast
+    import os
+    import sys
+    cfg = config.resolve_args([*SMALL, "--out", str(tmp_path)])
+    rows = data.load_rows("toy", split="train")[8:12]
+    model, tok, probe, probe_opt, opt, sched = start(cfg)
+    policy, sampler = wrap(model, CPU, token_logprobs)
+    prompts = [row_prompt(tok, r, cfg["instruction"], cfg["system_prompt"]) for r in rows]
+    root, ran = os.path.dirname(os.path.dirname(os.path.abspath(__file__))), set()
+
+    def seen(frame, event, arg):
+        path = frame.f_code.co_filename
+        if event == "call" and path.startswith(root + os.sep) and os.sep + "tests" + os.sep not in path:
+            ran.add((path, frame.f_code.co_firstlineno))
+    sys.setprofile(seen)
+    try:
+        train.rl_step(1, rows, prompts, train.Learner(policy, sampler, tok, probe, probe_opt, opt, sched, CPU), cfg)
+    finally:
+        sys.setprofile(None)
+    spans = {}  # (file, first line of a def or lambda) -> (name, lines) of the outermost def around it
+    for path in {p for p, _ in ran}:
+        def walk(node, top):
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.FunctionDef, ast.Lambda)):
+                    outer = top or child
+                    first = min([child.lineno] + [d.lineno for d in getattr(child, "decorator_list", [])])
+                    for line in (child.lineno, first):
+                        spans[path, line] = (path, outer.lineno, outer.end_lineno - outer.lineno + 1)
+                    walk(child, outer)
+                else:
+                    walk(child, top)
+        walk(ast.parse(open(path).read()), None)
+    read = {spans[key] for key in ran if key in spans}
+    files = {}
+    for path, _, n in read:
+        files[os.path.relpath(path, root)] = files.get(os.path.relpath(path, root), 0) + n
+    lines = sum(files.values())
+    print(f"\none step reads {lines} lines in {len(files)} files: " +
+          ", ".join(f"{f} {n}" for f, n in sorted(files.items(), key=lambda x: -x[1])))
+    assert "train.py" in files and "reward.py" in files  # the trace saw the step and the margin
+    assert all(os.sep not in f for f in files), files  # top level only: no harness/, no evaluation/
+    assert len(files) <= 8 and lines <= 700, (lines, files)
