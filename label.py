@@ -108,7 +108,7 @@ def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, tempe
     features=True: returns (labels, feats), feats N float32 CPU tensors [len(cuts), d] of
     probe.prefix_features at every cut: tree=False plain_features, tree=True the same off a prefill.
     """
-    cuda = None in (tree, decode) and next(model.parameters()).device.type == "cuda"
+    cuda = torch.cuda.is_available()
     tree, static = cuda if tree is None else tree, cuda if decode is None else decode == "static"
     if static:  # the rollout's static buffers would sit under the labels' prefills (and the update)
         staticcache.release(model)

@@ -153,7 +153,6 @@ def test_a_smaller_gen_batch_is_the_cheapest_fix_when_the_kv_cache_is_too_big():
 def test_kv_terms_match_what_a_toy_step_allocates(tmp_path, monkeypatch):
     """One RL step of the toy on the static path: the plan's rollout and label K/V terms are within
     15 % of the largest static buffers each phase really allocated (recorded as they are built)."""
-    import step
     from static_shapes import Shapes
     shapes = Shapes(monkeypatch)
 
@@ -182,7 +181,6 @@ def test_no_static_buffers_beyond_the_label_term_sit_under_a_label_prefill(tmp_p
     Here the rollout's shape (64 rows x 64 positions) is larger than any label shape, so it must be
     freed before the first label prefill: the static K/V bytes alive at every prefill of the label
     phase (recorded when it runs) stay within the plan's label KV term."""
-    import step
     import decode as sampling
     from static_shapes import Shapes
     shapes, under = Shapes(monkeypatch), []
@@ -234,7 +232,6 @@ def test_the_step_frees_the_static_buffers_before_the_update(tmp_path, monkeypat
     the shape its last decode kept (staticcache.decoder keeps it for the next call) before the update."""
     import data
     import probe as probe_lib
-    import step
     import train
     import config
     from grpo import token_logprobs

@@ -157,7 +157,7 @@ def test_a_default_step_reads_the_probe_features_from_the_labels_prefill(tmp_pat
     assert row["t_score"] == 0.0 and row["prefixes"] > 20
 
     (_, _, prompts, responses, cuts, golds), kw = seen["labels"]
-    (_, X, Y, *_), _ = seen["probe"]
+    (_, _, X, Y, *_), _ = seen["probe"]
     kw = {k: v for k, v in kw.items() if k != "features"}
     labels = train.mc_labels(rollout_weights, tok, prompts, responses, cuts, golds, **kw)
     assert Y.tolist() == [y for ys in labels for y in ys]
