@@ -94,7 +94,8 @@ from harness.parallel import wrap  # noqa: E402
 from live_bytes import LiveBytes  # noqa: E402  (beside this file)
 from study import bench  # noqa: E402
 from train import checkpoint_activations  # noqa: E402
-from update import cut_ends, micro_batches, micro_batch, forward_pass, update  # noqa: E402
+from grpo import micro_batches, micro_batch, update  # noqa: E402
+from label import cut_ends, forward_pass  # noqa: E402
 
 GiB = 2**30
 SHAPE = staticcache._Shape  # the static decoder's buffer set, whose captures `capturing` times
@@ -315,7 +316,7 @@ def check_update(ctx):
     row = {}
     try:
         with phase(ctx, row) as m:
-            st = update(policy, opt, None, batch, None, adv, mbs, cfg, device)
+            st = update(policy, opt, batch, None, adv, mbs, cfg, device)
     finally:  # the decode and the toy runs need no trainer
         del ctx["policy"], ctx["lm"], policy, opt
         gc.collect()
