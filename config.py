@@ -15,7 +15,7 @@ import prompts as prompts_lib
 import toy
 from data import ANSWER_FIELDS, PROBLEM_FIELDS
 from grpo import AGGS
-from modes import PROBE_MODES, REWARDS  # the --reward modes; those that fit a probe
+from baselines import PROBE_MODES, REWARDS  # the --reward modes; those that fit a probe
 from harness import rewardfn
 from harness.checkpoint import ALIASES
 from harness.files import UserError

@@ -5,6 +5,9 @@ Packed layout: input_ids[i] = prompt_i + response_i + [pad] * ... (right padding
 predicted from position t - 1, so log-prob tensors are [N, L-1] over targets input_ids[:, 1:], and the
 loss mask is 1 exactly on targets that are response tokens (EOS included, padding excluded).
 """
+import math
+from contextlib import nullcontext
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -101,7 +104,7 @@ AGGS = ("token-mean", "token-mean-per-micro-batch", "seq-mean", "seq-sum-norm") 
 def aggregate(values, mask, agg="token-mean", norm_const=None):
     """One number from per-token values [N, T] under the loss mask [N, T] (the policy loss's `agg`):
       "token-mean"   sum(v * m) / sum(m)                       (over the whole batch)
-      "token-mean-per-micro-batch"  the same on one micro-batch; update.update then weighs each
+      "token-mean-per-micro-batch"  the same on one micro-batch; grpo.update then weighs each
                      micro-batch by its rows, not its tokens (the released verl actor)
       "seq-mean"     mean_n [sum_t v * m / sum_t m]
       "seq-sum-norm" mean_n [sum_t v * m / norm_const]   (Dr. GRPO: one constant for the whole
@@ -144,3 +147,80 @@ def policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.2, agg="tok
         stats = {"clip_frac": float(((clipped < unclipped).to(m.dtype) * m).sum() / denom),
                  "ratio_mean": float((ratio * m).sum() / denom)}
     return loss, stats
+
+
+def micro_batches(lengths, max_tokens):
+    """Split indices into consecutive micro-batches of at most max_tokens padded tokens."""
+    batches, cur, longest = [], [], 0
+    for i, n in enumerate(lengths):
+        if cur and max(longest, n) * (len(cur) + 1) > max_tokens:
+            batches.append(cur)
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, n)
+    return batches + ([cur] if cur else [])
+
+
+def micro_batch(batch, rows, device, length=None):
+    """The `pack` batch restricted to `rows` and cut to `length` tokens (default: their longest
+    sequence); returns (sub, L), L the length cut to."""
+    sub = {k: v[rows].to(device) for k, v in batch.items()}
+    L = length or int(sub["attention_mask"].sum(1).max())
+    cut = {"input_ids": L, "attention_mask": L, "loss_mask": L - 1, "sampler_logp": L - 1}
+    return {k: v[:, :cut[k]] if k in cut else v for k, v in sub.items()}, L
+
+
+def sampler_gap(logp, sampler_logp, mask):
+    """([sum of |d|, sum of exp(d) - 1 - d, tokens], largest exp(sum_t d) of a row) over the masked
+    tokens of one micro-batch, logp, sampler_logp, mask [n, T], d = logp - sampler_logp in float64."""
+    d = (logp.detach().double() - sampler_logp.double()) * mask
+    sums = [d.abs().sum().item(), (torch.expm1(d) - d).sum().item(), mask.sum().item()]
+    return sums, d.sum(-1).exp().max().item()
+
+
+def update(policy, opt, batch, old_logp, adv, mbs, cfg, device, extra=None):
+    """One optimizer step over the micro-batches `mbs` (lists of batch rows, micro_batches), each
+    micro-batch's loss weighted by its share of the tokens (token-mean) or sequences. old_logp
+    [N, T] from a scoring pass, or None on-policy: the current log-probs detached (ratio 1).
+    extra: a mode's loss term (baselines.extra_loss).
+    Returns the batch's means of the loss and its stats, grad_norm and the sampler's gap to the
+    policy (sampler_gap, sampler_kl_k3, sampler_ratio_max; docs/reference.md)."""
+    if extra is not None or torch.distributed.is_initialized():  # C2GSPG's term; FSDP2's ranks
+        from harness.parallel import update as full_update
+        return full_update(policy, opt, None, batch, old_logp, adv, mbs, cfg, device, extra,
+                           (policy_loss, aggregate, micro_batch, sampler_gap, token_logprobs))
+    policy.train()
+    mask = batch["loss_mask"]
+    weights = mask.sum(1) if cfg["agg"] == "token-mean" else torch.ones(len(mask))
+    total = max(sum(weights[mb].sum().item() for mb in mbs), 1.0)
+    sums = dict.fromkeys(("loss", "clip_frac", "kl", "ratio_mean"), 0.0)  # kl: 0, no KL penalty
+    gap, ratio_max = [0.0, 0.0, 0.0], 0.0  # sum |d|, sum k3, tokens (sampler_gap)
+    # one GPU: bf16 autocast (under FSDP2 its mixed-precision policy casts instead)
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    for j, mb in enumerate(mbs):
+        w = weights[mb].sum().item()  # a whole number: exact means below
+        sub, L = micro_batch(batch, mb, device)
+        with amp:
+            logp = token_logprobs(policy, sub["input_ids"], sub["attention_mask"], cfg["temperature"],
+                                  cfg["chunk_size"]).float()
+        old = logp.detach() if old_logp is None else old_logp[mb, :L - 1].to(device)
+        loss, stats = policy_loss(logp, old, adv[mb].to(device), sub["loss_mask"], cfg["clip_low"],
+                                  cfg["clip_high"], agg=cfg["agg"], norm_const=cfg["max_new_tokens"])
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite loss ({loss.item()}) in micro-batch {j}")
+        if "sampler_logp" in sub:  # the rollout's own log-probs (pack): the sampler's gap
+            part, ratio = sampler_gap(logp, sub["sampler_logp"], sub["loss_mask"])
+            gap, ratio_max = [a + b for a, b in zip(gap, part)], max(ratio_max, ratio)
+        (loss * (w / total)).backward()
+        for key, value in (("loss", loss.item()), *stats.items()):
+            sums[key] += value * w  # weighted like the loss: a batch-wide mean
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg["grad_clip"]))
+    if not math.isfinite(grad_norm):
+        raise FloatingPointError(f"non-finite gradient norm ({grad_norm})")
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    out = dict({k: v / total for k, v in sums.items()}, grad_norm=grad_norm)
+    if "sampler_logp" in batch:
+        tokens = max(gap[2], 1.0)
+        out.update(sampler_gap=gap[0] / tokens, sampler_kl_k3=gap[1] / tokens, sampler_ratio_max=ratio_max)
+    return out

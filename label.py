@@ -4,9 +4,9 @@
     forced = prompt + response[:b] + CLOSE + SUFFIX                (CLOSE: `</think>` or EOS)
     Y_b    = (1/K) * sum_k 1[answer_k == gold]    (grade.answers_match; --reward-fn: its mean value)
 
-`mc_labels` is the algorithm; its answers come from `sample_answers`: the plain path (tree=False),
-the one to read, or the default fast path along each trajectory's prefix tree, which gives the same
-labels and features (tests/test_label.py::test_plain_and_tree_labels_are_equal_on_the_toy_whatever_the_chunk,
+`mc_labels` is the algorithm; its answers come from `sample_answers`: the plain path (tree=False,
+the one to read and the one a CPU runs) or, on CUDA, the fast path along each trajectory's prefix
+tree, which gives the same labels and features (tests/test_label.py::test_plain_and_tree_labels_are_equal_on_the_toy_whatever_the_chunk,
 ::test_plain_and_tree_features_are_equal_on_the_toy). More: docs/reference.md, "... the method's leaves".
 """
 from contextlib import nullcontext
@@ -15,9 +15,10 @@ import torch
 
 from decode import Sampler, row_generators
 from grade import answers_match
-from probe import LAST_K, last_layer, split_prefix_features
+from grpo import logprobs_from_hidden
+from probe import LAST_K, last_layer, prefix_features, split_prefix_features
 from rollout import Samples, generate
-from update import cut_ends, forward_pass
+from harness import staticcache
 
 LENGTH_GROUP = 2  # trajectories whose longest cuts have bit lengths within this many share a group
 SUFFIX = "\nIf I were to output the final answer now, it would be \\boxed{"
@@ -93,19 +94,24 @@ def forced_answer(text):
 
 def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, temperature=0.8,
               top_p=1.0, max_new_tokens=32, close="think", suffix=SUFFIX, seed=None,
-              batch_size=None, stats=None, grader="math", decode=None, tree=True, judge=None,
+              batch_size=None, stats=None, grader="math", decode=None, tree=None, judge=None,
               features=False):
     """Y_b for every (trajectory, cut b): the share of K answers forced after the cut that match
     the gold under `grader` (module docstring).
 
     prompts, responses: N lists of token ids; cut_lists: N lists of cuts b; golds: N answers.
     Returns N lists of floats in [0, 1], aligned with cut_lists. stats: a dict the numbers of
-    prefixes, forced prompts and answers are added to. tree, decode, batch_size: sample_answers'.
+    prefixes, forced prompts and answers are added to. tree (None: on CUDA only, where the prefix
+    tree pays), decode, batch_size: sample_answers'.
     judge(answer, i) -> float in [0, 1] or None: --reward-fn's value in place of the grader
     (harness/rewardfn.py); Y_b is then the mean of the values given, None where none is.
     features=True: returns (labels, feats), feats N float32 CPU tensors [len(cuts), d] of
     probe.prefix_features at every cut: tree=False plain_features, tree=True the same off a prefill.
     """
+    cuda = torch.cuda.is_available()
+    tree, static = cuda if tree is None else tree, cuda if decode is None else decode == "static"
+    if static:  # the rollout's static buffers would sit under the labels' prefills (and the update)
+        staticcache.release(model)
     # 1. The forced prompt after every cut. Equal ones (samples of a problem that agree up to the
     #    cut, common for short prefixes) estimate the same probability: each is asked once.
     tail = forced_prompt([], [], 0, tokenizer, close, suffix)  # CLOSE + SUFFIX, the same after every cut
@@ -132,6 +138,8 @@ def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, tempe
     # 2. K answers to each: texts[j*k:(j+1)*k] for forced prompt j.
     texts = sample_answers(model, tokenizer, prompts, responses, cuts, tail, k, temperature, top_p,
                            max_new_tokens, seed, batch_size, decode, tree, reads, feats).texts
+    if static:  # the update needs the memory the labels' decode buffers hold
+        staticcache.release(model)
     # 3. Y_b = the share of them that match the gold; a box that never closes is wrong.
     y = []
     for j, (i, _) in enumerate(cuts):
@@ -165,6 +173,41 @@ def plain_features(model, prompt, response, cuts):
     finally:
         model.train(was_training)
     return feats[0, :len(cuts)].cpu()
+
+
+def cut_ends(prompt_lens, cut_lists, width=None):
+    """Absolute exclusive ends `len(prompt_i) + b` as a [N, B] long tensor (0 = no budget)."""
+    width = width or max((len(bs) for bs in cut_lists), default=0)
+    ends = torch.zeros(len(cut_lists), max(width, 1), dtype=torch.long)
+    for i, bs in enumerate(cut_lists):
+        ends[i, :len(bs)] = torch.tensor(bs, dtype=torch.long) + int(prompt_lens[i])
+    return ends
+
+
+@torch.no_grad()
+def forward_pass(model, batch, ends=None, temperature=1.0, chunk_size=1024, last_k=LAST_K,
+                 final_norm=False, logprobs=True):
+    """Old log-probs and probe features from one forward.
+
+    batch: `grpo.pack` output (input_ids / attention_mask [N, L]); ends: [N, B] absolute ends, or
+    None for no features. Returns (old_logp [N, L-1] float32 or None, feats [N, B, d] float32 and
+    valid [N, B] bool, or None and None). final_norm: the post-hoc probe's feature, the final normed
+    state of the last token before each end, in place of probe.prefix_features' training one.
+    """
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    captured = {}
+    keep = nullcontext() if ends is None or final_norm else last_layer(
+        model, lambda hidden: captured.setdefault("feats", prefix_features(hidden, ends.to(ids.device), last_k)))
+    with keep:
+        hidden = model.model(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state  # no K/V kept
+    feats, valid = captured.get("feats", (None, None))
+    if final_norm and ends is not None:
+        feats, valid = prefix_features(hidden, ends.to(ids.device), 1)
+    old_logp = None
+    if logprobs:
+        old_logp = logprobs_from_hidden(hidden, model.lm_head, ids[:, 1:], temperature,
+                                        chunk_size).float()
+    return old_logp, feats, valid
 
 
 def sample_answers(model, tokenizer, prompts, responses, cuts, tail, k, temperature=0.8, top_p=1.0,

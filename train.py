@@ -9,33 +9,226 @@
     python train.py --resume runs/toy                      # continue a run from its last checkpoint
     python train.py --plot runs/toy                        # redraw runs/toy/curves.png
 
-One step: step.rl_step (README.md, "The algorithm"; docs/design.md, "One RL step"). This file runs
-the steps: setup, held-out checks, checkpoints, logs, resume. Kept from GRPO: group-normalised
+One step: rl_step below (README.md, "The algorithm"; docs/design.md, "One RL step"); the rest of this
+file runs the steps: setup, held-out checks, checkpoints, logs, resume. Kept from GRPO: group-normalised
 advantages, the clipped ratio, token-mean aggregation; dropped: the KL penalty (as released). With
 one update per batch (--ppo-epochs 1) the old log-probs are the current ones detached (ratio 1).
 The probe never sends a gradient into the policy: the margin enters only through the scalar reward.
 """
+import math
 import os
 import random
 import sys
 import time
+from collections import namedtuple
+from contextlib import contextmanager
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
+import baselines
 import config
 import data
-import modes
 import probe as probe_lib
 import prompts as prompts_lib
-from grpo import token_logprobs
-from step import Learner, Timer, rl_step
+from baselines import PROBE_MODES
+from grade import is_correct
+from grpo import group_advantages, micro_batches, pack, token_logprobs, update
+from label import cut_mask, cuts_of, grid, labelled, mc_labels
+from metrics import advantage_parts, ece
+from reward import margin_reward, total_reward
+from rollout import generate
 from evaluation import heldout
 from evaluation.heldout import held_out_accuracy
-from harness import checkpoint as ckpt_lib, launch, lora as lora_lib, models, plan, runlog
+from harness import checkpoint as ckpt_lib, launch, lora as lora_lib, models, plan, runlog, staticcache
 from harness.files import UserError
-from harness.parallel import MASTER, WORLD, full_state, load_sharded, refresh_sampler, setup, wrap
+from harness.parallel import (MASTER, RANK, WORLD, all_gather, all_sum, full_state, load_sharded,
+                              refresh_sampler, setup, wrap)
+
+# What a step works on: `policy` the update trains, `sampler` the rollout samples from (run below)
+Learner = namedtuple("Learner", "policy sampler tok probe probe_opt opt sched device")
+SAMPLER_GAP = ("sampler_gap", "sampler_kl_k3", "sampler_ratio_max")  # grpo.update's
+
+
+def rl_step(step, rows, prompts, learner, cfg, time=None):
+    """One RL step on this rank's rows and their prompts (token ids) -> what it computed, a dict
+    the loop logs (step_row, samples.jsonl). learner: the models and optimisers (a Learner)."""
+    G, seed, time = cfg["group_size"], cfg["seed"] * 1_000_003 + step * 101, time or Timer()
+    with time("rollout"):  # 1. rollout: G responses per prompt; each rank samples its own
+        out = generate(learner.sampler.eval(), learner.tok, prompts, n=G, seed=seed + RANK, scores=True,
+                       max_new_tokens=cfg["max_new_tokens"], temperature=cfg["temperature"],
+                       top_p=cfg["top_p"], batch_size=cfg["gen_batch"], decode=cfg["decode"])
+    prompts, rows = [prompts[i] for i in out.prompt_index], [rows[i] for i in out.prompt_index]
+    golds = [r["answer"] for r in rows]
+    # 2. grade: 1 if the response's last \boxed{} holds the gold answer, else 0
+    correct = torch.tensor([float(is_correct(t, g, cfg["grader"])) for t, g in zip(out.texts, golds)])
+    # 3. cut each response at 25/50/75 % of its tokens (grpo, rlcr, c2gspg: nowhere)
+    cuts = [cuts_of(n, cfg["budgets"]) if cfg["reward"] in PROBE_MODES else [] for n in out.lengths]
+    scored = judge = None  # --reward-fn: the responses it scored (the others: no cuts); its judge
+    if cfg["reward_fn"] or cfg["reward"] == "rlcr":  # its values; rlcr: the last <answer> tag
+        correct, scored, judge, cuts = baselines.grades(out.texts, golds, rows, cuts, cfg)
+    with time("label"):  # force K answers after each cut: Y_b the share right, h_b the states before
+        Y_b, h_b = mc_labels(learner.sampler, learner.tok, prompts, out.ids, cuts, golds, k=cfg["k"],
+                             seed=seed + RANK + 7, close=cfg["forced_close"], batch_size=cfg["gen_batch"],
+                             decode=cfg["decode"], grader=cfg["grader"], judge=judge, features=True)
+    if judge:  # less the cuts none of whose answers --reward-fn judged
+        cuts, Y_b, h_b = labelled(cuts, Y_b, h_b)
+    Y, h, valid = grid(Y_b), grid(h_b), cut_mask(cuts)  # [N, B], [N, B, d], [N, B]: zero-padded
+    with time("probe"):  # 4. fit the probe on every rank's (h_b, Y_b); C_b = sigmoid(probe(h_b))
+        fitted = fit_probe(learner.probe, learner.probe_opt, h[valid], Y[valid], cfg, seed)
+        C = torch.zeros(Y.shape)
+        C[valid] = probe_lib.predict(learner.probe, h[valid])
+    # 5. R = r_nat + lam * margin; advantages: R normalised within each prompt's group of G
+    margin = margin_reward(C, Y, valid)
+    R = total_reward(correct, margin, lam=cfg["lam"])
+    adv = group_advantages(R, G)
+    parts = dict(margin=margin)  # R's terms, logged (the other modes log theirs)
+    batch = pack(prompts, out.ids, learner.tok.pad_token_id, out.logprobs)
+    mbs = micro_batches(batch["attention_mask"].sum(1).tolist(), cfg["micro_tokens"])
+    old_logp = extra = None  # on-policy: the update's own log-probs, detached, are the old ones
+    if (cfg["reward"], cfg["corner"], cfg["drop_unanimous"], cfg["ppo_epochs"], judge) != PLAIN:
+        parts, R, adv, old_logp, extra = other_mode(learner, batch, mbs, out, correct, C, Y, valid,
+                                                    scored, cfg, time)
+    updates = []
+    with time("update"):  # 6. clipped policy-gradient steps over micro-batches, one per --ppo-epochs
+        for epoch in range(cfg["ppo_epochs"]):
+            updates.append(update(learner.policy, learner.opt, batch, old_logp, adv, mbs, cfg,
+                                  learner.device, extra))
+        learner.sched.step()
+    return dict(rows=rows, out=out, correct=correct, scored=scored, cuts=cuts, Y_b=Y_b, Y=Y, C=C,
+                valid=valid, R=R, parts=parts, fitted=fitted, updates=updates)
+
+
+PLAIN = ("rlcm", "zero", False, 1, None)  # rl_step's plain path: the paper's RLCM, on policy
+
+
+def other_mode(learner, batch, mbs, out, correct, C, Y, valid, scored, cfg, time):
+    """rl_step past the paper's RLCM: the other --reward modes and --corner, --drop-unanimous,
+    --reward-fn's unscored responses, --ppo-epochs > 1 -> (parts, R, adv, old_logp, extra): R's
+    terms, the rewards, the advantages, the scoring pass's log-probs and a mode's loss term."""
+    seq_conf = old_logp = extra = None
+    if cfg["ppo_epochs"] > 1 or cfg["reward"] == "c2gspg":  # a pass under the rollout weights
+        with time("score"):
+            seq_conf, old_logp, extra = baselines.scoring_pass(learner, batch, mbs, correct, cfg)
+    probed = cfg["reward"] in PROBE_MODES
+    calib = baselines.calibration_term(C, Y, valid, cfg) if probed else torch.zeros(len(correct))
+    unanimous = baselines.all_unanimous(correct, scored, cfg, learner.device)
+    R, adv, parts = baselines.reward_and_advantages(cfg, correct, calib, out.texts, seq_conf, unanimous,
+                                                    scored)
+    return parts, R, adv, old_logp, extra
+
+
+def fit_probe(probe, probe_opt, X, Y, cfg, seed):
+    """Fit the probe on the (h_b, Y_b) pairs X [M, d], Y [M] of every rank (one fit, one seed on
+    every rank: equal probes) -> (its BCE, X, Y pooled). --probe-labels shuffled fits on Y permuted."""
+    if WORLD > 1:
+        pooled = all_gather((X, Y))
+        X, Y = torch.cat([x for x, _ in pooled]), torch.cat([y for _, y in pooled])
+    fit_Y = shuffled(Y, seed) if cfg.get("probe_labels") == "shuffled" else Y
+    bce = probe_lib.fit(probe, probe_opt, X, fit_Y, passes=cfg["probe_passes"],
+                        batch_size=cfg["probe_batch"], seed=seed)
+    return bce, X, Y
+
+
+def shuffled(Y, seed):
+    """Y [P] permuted by a permutation drawn from `seed` alone (the run's seed and step: the same on
+    every rank and after a resume; torch's global RNG left alone): [1, 0, .5] -> e.g. [0, .5, 1].
+    The probe can then learn the labels' base rate, but not what a prefix says about its label."""
+    return Y[torch.randperm(len(Y), generator=torch.Generator().manual_seed(seed))]
+
+
+class Timer:
+    """A step's seconds per phase (t_*)."""
+    PHASES = ("rollout", "label", "score", "probe", "update")
+
+    def __init__(self):
+        self.t = {"t_" + p: 0.0 for p in self.PHASES}
+
+    @contextmanager
+    def __call__(self, phase):
+        start = time.perf_counter()
+        yield
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.t["t_" + phase] += time.perf_counter() - start
+
+
+def logged_step(step, rows, learner, cfg):
+    """rl_step on this rank's share of `rows` and what the loop logs of it: (metrics row, samples)."""
+    rows = rows[RANK::WORLD]  # whole groups per rank
+    prompts = [prompts_lib.row_prompt(learner.tok, r, cfg["instruction"], cfg["system_prompt"]) for r in rows]
+    lr, timer, captured = learner.sched.get_last_lr()[0], Timer(), staticcache.captures()
+    got = rl_step(step, rows, prompts, learner, cfg, timer)
+    row = step_row(step, cfg, got, learner, lr, timer, staticcache.captures() - captured)
+    return row, samples_of(step, cfg, got)
+
+
+def samples_of(step, cfg, got):
+    """cfg["log_samples"] of this rank's trajectories of a step (rl_step's `got`): samples.jsonl."""
+    out, C = got["out"], got["C"]
+    C_b = [C[i, :len(c)].tolist() for i, c in enumerate(got["cuts"])]
+    parts = got["parts"]
+    return runlog.pick(step, cfg["log_samples"], problem=[r["problem"] for r in got["rows"]],
+                       answer=[r["answer"] for r in got["rows"]], text=out.texts,
+                       correct=got["correct"].tolist(), reward=got["R"].tolist(),
+                       **{k: v.tolist() for k, v in parts.items()}, length=out.lengths, budgets=got["cuts"],
+                       Y_b=got["Y_b"], C_b=C_b)
+
+
+def step_row(step, cfg, got, learner, lr, timer, captures):
+    """The step's row of metrics.jsonl (docs/reference.md): means over every rank's samples, the
+    probe's stats, the last update's (one per epoch) with the first's sampler gap, timings."""
+    G, out, correct, scored, R = cfg["group_size"], got["out"], got["correct"], got["scored"], got["R"]
+    n, probed, parts, upds = len(out.ids), cfg["reward"] in PROBE_MODES, got["parts"], got["updates"]
+    shaped = cfg["reward"] in baselines.SHAPED  # R = r_nat + lam * calib: its share of |A| is logged
+    a_nat, a_cal = advantage_parts(correct.cpu(), R.cpu(), G) if shaped else (0.0, 0.0)
+    zero_var = (R.view(-1, G).std(1) == 0).sum().item() if len(R) else 0  # groups whose R all agree
+    Y, valid = got["Y"], got["valid"]  # signal: a solvable and an unsolvable cut in one response
+    signal = (((Y == 1) & valid).any(1) & ((Y == 0) & valid).any(1)).float()
+    s = all_summed(dict(
+        correct=correct.sum().item(), judged=n if scored is None else scored.sum().item(),
+        reward=R.sum().item(), signal=signal.sum().item(), n=n, tokens=sum(out.lengths),
+        truncated=sum(f == "length" for f in out.finish), zero_var=zero_var, groups=n // G,
+        entropy=sum(out.entropy_sum), captures=captures, a_nat=a_nat,
+        a_cal=a_cal, **{"part " + k: v.sum().item() for k, v in parts.items()}), learner.device)
+    n, tokens = s["n"], s["tokens"]
+    acc = s["correct"] / s["judged"] if s["judged"] else math.nan  # nan: --reward-fn scored none
+    row = dict(step=step, accuracy=acc, reward=s["reward"] / n,
+               **{k: s["part " + k] / (1 if k in baselines.COUNTED else n) for k in parts},
+               signal_frac=s["signal"] / n if probed else 0.0, **(probe_stats(learner, got) if probed else {}),
+               zero_var_frac=s["zero_var"] / max(s["groups"], 1), len_mean=tokens / n,
+               len_max=max(all_gather(max(out.lengths, default=0))), trunc_frac=s["truncated"] / n,
+               **{k: v for k, v in upds[-1].items() if k not in SAMPLER_GAP},
+               **{k: upds[0][k] for k in SAMPLER_GAP}, entropy=s["entropy"] / max(tokens, 1), lr=lr,
+               captures=int(s["captures"]), **timer.t)
+    row["tok_per_s"] = tokens / max(row["t_rollout"], 1e-9)
+    if shaped:  # the share of sum |A| the calibration term sets (metrics.advantage_parts)
+        row["calib_adv_share"] = s["a_cal"] / max(s["a_nat"] + s["a_cal"], 1e-12)
+    row["peak_mem"] = peak_memory(learner.device)
+    return row
+
+
+def probe_stats(learner, got):
+    """The probe's numbers of a step, over every rank's pairs; nan (its fit) where none was labelled."""
+    bce, X_all, Y_all = got["fitted"]
+    if not len(Y_all):  # no labelled prefix (--reward-fn skipped everything): no fit
+        return dict(probe_bce=math.nan, probe_ece=math.nan, label_mean=0.0, label_mixed=0.0, prefixes=0)
+    C_all = probe_lib.predict(learner.probe, X_all)
+    return dict(probe_bce=bce, probe_ece=ece(C_all.numpy(), Y_all.numpy()), label_mean=Y_all.mean().item(),
+                label_mixed=((Y_all > 0) & (Y_all < 1)).float().mean().item(), prefixes=len(Y_all))
+
+
+def all_summed(sums, device):
+    """{name: this rank's sum} -> {name: the sum over every rank}, in one all-reduce."""
+    return dict(zip(sums, all_sum(list(sums.values()), device)))
+
+
+def peak_memory(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB (Linux reports KiB)
 from harness.runfolder import RunFolder, exit_codes
 
 
@@ -158,7 +351,7 @@ def run(cfg):
         if not eval_rows:  # --eval-n 0
             return None
         t = time.perf_counter()
-        probe_stats = {} if cfg["reward"] in modes.PROBE_MODES and cfg["eval_probe_n"] > 0 else None
+        probe_stats = {} if cfg["reward"] in baselines.PROBE_MODES and cfg["eval_probe_n"] > 0 else None
         acc = held_out_accuracy(sampler, tok, eval_rows, cfg, instruction, device, probe, probe_stats)
         trajs = probe_stats.pop("trajectories") if probe_stats else []
         log(dict(step=at, eval=True, eval_accuracy=acc, eval_n=len(eval_rows), eval_data=cfg["eval_data"],
@@ -182,10 +375,9 @@ def run(cfg):
                desc=cfg["reward"])
     for step in bar:
         batch_rows, cursor = next_rows(rows, cursor, cfg["prompts_per_step"], cfg["seed"])
-        picked = []
-        row = rl_step(step, batch_rows, learner, cfg, picked)
+        row, samples = logged_step(step, batch_rows, learner, cfg)
         refresh_sampler(sampler, policy)
-        log(row, picked)
+        log(row, samples)
         phase_sums = {p: t + row["t_" + p] for p, t in phase_sums.items()}
         bar.set_postfix(acc=f"{row['accuracy']:.2f}", R=f"{row['reward']:+.2f}",
                         margin=f"{row.get('margin', 0.0):+.3f}", sig=f"{row['signal_frac']:.2f}",
@@ -220,11 +412,11 @@ def main(argv=None):
             print(runlog.plot_curves(cfg["plot"]))
             return
         if cfg["plan"]:
-            plan.check(cfg, show=True, probed=cfg["reward"] in modes.PROBE_MODES)
+            plan.check(cfg, show=True, probed=cfg["reward"] in baselines.PROBE_MODES)
             return
         if not cfg["resume"]:
             ckpt_lib.check_available(cfg["model"])  # a missing model is reported before anything is read
-        plan.check(cfg, probed=cfg["reward"] in modes.PROBE_MODES)  # an impossible run stops here
+        plan.check(cfg, probed=cfg["reward"] in baselines.PROBE_MODES)  # an impossible run stops here
         workers = launch.worker_count(cfg)
         config.check_world(cfg, max(workers, WORLD))  # here, or in each worker under torchrun
         if workers <= 1:  # one process, or a worker already (0)

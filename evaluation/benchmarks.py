@@ -19,7 +19,7 @@ import torch.distributed as dist
 import config  # check_saved: the saved values as train.py's parser would take them
 import data
 import label as label_lib
-import modes
+import baselines
 import prompts as prompts_lib
 import rollout
 import toy
@@ -129,7 +129,7 @@ def run_prompt(path, args):
     (None, None, "box"): the benchmark's own instruction."""
     cfg = run_config(path)
     pick = lambda flag, key: flag if flag is not None else cfg.get(key)  # noqa: E731
-    form = args.answer or ("tag" if args.mode == "rlcr" else modes.answer_form(cfg.get("reward")))
+    form = args.answer or ("tag" if args.mode == "rlcr" else baselines.answer_form(cfg.get("reward")))
     if args.mode == "rlcr":   # each benchmark's RLCR prompt (rlcr_prompts), not the run's
         return args.instruction, pick(args.system_prompt, "system_prompt"), form
     return pick(args.instruction, "instruction"), pick(args.system_prompt, "system_prompt"), form

@@ -40,7 +40,7 @@ from label import cuts_of, mc_labels
 from label import forced_prompt
 from prompts import row_prompt
 from rollout import generate
-from update import cut_ends, forward_pass
+from label import cut_ends, forward_pass
 from evaluation.benchmarks import (EVAL_SUFFIX, REAL, RLCR_REANSWER, TOY, digest, generate_dealt, model_id,
                                    run_config, settings, share, spread)
 from harness import checkpoint, files, plan, sandbox, staticcache

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 import metrics
-import modes
+import baselines
 import probe as probe_lib
 from label import cuts_of, cut_mask, grid, labelled, mc_labels
 from prompts import row_prompt
@@ -30,10 +30,10 @@ def held_out_accuracy(sampler, tok, rows, cfg, instruction, device, probe=None, 
         staticcache.release(sampler)  # as in a step: the labels' prefill must not sit on the rollout's shape
         golds = [r["answer"] for r in mine]
         if cfg["reward_fn"]:  # the accuracy is the mean value of the responses it scores
-            values, scored = modes.judged(out.texts, golds, mine, cfg["reward_fn"])
+            values, scored = baselines.judged(out.texts, golds, mine, cfg["reward_fn"])
             hits, judged = values.sum().item(), scored.sum().item()
         else:
-            hits = modes.correctness(out.texts, golds, "math", cfg["reward"]).sum().item()
+            hits = baselines.correctness(out.texts, golds, "math", cfg["reward"]).sum().item()
         if probe_stats is not None:
             m = len(rows[:cfg["eval_probe_n"]][RANK::WORLD])
             trajs = probe_calibration(sampler, tok, probe, prompts[:m], out, mine[:m], cfg,
@@ -64,8 +64,8 @@ def probe_calibration(model, tok, prb, prompts, out, rows, cfg, seed):
     C = torch.zeros(Y.shape)
     if valid.any():
         C[valid] = probe_lib.predict(prb, feats[valid]).cpu()
-    calib = modes.calibration_term(C, Y, valid, cfg)   # the margin, or the negative Brier
-    key = modes.calibration_key(cfg["reward"])
+    calib = baselines.calibration_term(C, Y, valid, cfg)   # the margin, or the negative Brier
+    key = baselines.calibration_key(cfg["reward"])
     return [dict(problem=runlog.clip(r["problem"]), answer=r["answer"], text=runlog.clip(t),
                  correct=rewardfn.judge(fn, t, r["answer"], r) if fn else int(is_correct(t, r["answer"])),
                  budgets=bs, Y_b=ys,

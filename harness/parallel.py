@@ -7,6 +7,8 @@ import copy
 import datetime
 import math
 import os
+from contextlib import nullcontext
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -100,7 +102,8 @@ class LogprobModel(torch.nn.Module):
 
 
 def wrap(lm, device, logprobs, offload=False):
-    """(trainable LogprobModel, generation copy); one process on CPU: the same fp32 model. A meta lm
+    """(trainable LogprobModel, generation copy) under FSDP2; one process: (lm, the copy), on CPU
+    the same fp32 model. A meta lm
     (load_sharded) gives both unmaterialised. Under --lora-rank the copy has the adapter merged."""
     sampler = lm
     if has_adapter(lm) and (device.type == "cuda" or dist.is_initialized()):
@@ -111,15 +114,16 @@ def wrap(lm, device, logprobs, offload=False):
         if device.type == "cuda":  # bf16 frequencies turn position 1000 by 1.2 rad
             for p in sampler.parameters():
                 p.data = p.data.to(torch.bfloat16)
+    if not dist.is_initialized():  # one process: the policy is the model (grpo.update)
+        return lm, sampler
     policy = LogprobModel(lm, logprobs)
-    if dist.is_initialized():
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if device.type == "cuda" else MixedPrecisionPolicy()
-        off = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
-        for layer in lm.model.layers:
-            fully_shard(layer, mp_policy=mp, offload_policy=off)
-        fully_shard(policy, mp_policy=mp, offload_policy=off)
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if device.type == "cuda" else MixedPrecisionPolicy()
+    off = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
+    for layer in lm.model.layers:
+        fully_shard(layer, mp_policy=mp, offload_policy=off)
+    fully_shard(policy, mp_policy=mp, offload_policy=off)
     return policy, sampler
 
 
@@ -192,7 +196,7 @@ def refresh_sampler(sampler, policy, frozen=False):
     W + s B A (lora.merge_into; sharded, its W is gathered again: the merge overwrote it).
     Sharded, each decoder layer (and each other parameter) is one all-gather per dtype on the copy's
     device (`gather_into`), not full_tensor()'s fp32 gather over gloo on the host (--offload)."""
-    lm = policy.lm
+    lm = getattr(policy, "lm", policy)  # one process: the model itself (wrap)
     if sampler is lm:
         return
     if has_adapter(lm) and not sharded(policy):
@@ -274,7 +278,7 @@ def gather_into(pairs, buffer=None):
 def full_state(policy, opt):
     """(model state dict, optimizer state dict) as full CPU tensors on rank 0 (None elsewhere).
     Under --lora-rank the model's is the adapter's parameters alone: the base is never saved."""
-    lm = policy.lm
+    lm = getattr(policy, "lm", policy)
     if not sharded(policy):
         return (adapter_state(lm) if has_adapter(lm) else lm.state_dict()), opt.state_dict()
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
@@ -298,3 +302,89 @@ def load_optimizer(policy, opt, state):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
     set_optimizer_state_dict(policy, opt, state,
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
+def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device, extra, method):
+    """grpo.update under FSDP2 (several ranks, or one with --offload): one optimizer step over the
+    micro-batches `mbs` (lists of batch rows; rows in none of them are left out), each weighted by
+    its share of the tokens (token-mean) or sequences of those rows.
+
+    extra: None, or a mode's loss term (name, coef, term) (baselines.extra_loss): term(logp, loss_mask,
+    rows) gives a micro-batch's values from the differentiable log-probs, [n] per sequence (the loss
+    adds coef * their mean over all sequences) or [n, T] per token (coef * their aggregate by --agg,
+    weighted like the policy loss); the result has that mean or aggregate under `name`.
+    old_logp [N, T] from the scoring pass, or None on-policy: the current log-probs, detached, so
+    the ratio is exactly 1. sched: stepped after the optimizer (None: not stepped).
+    Ranks with fewer micro-batches run padding ones (one row cut to 2 tokens, at weight 0): FSDP2
+    needs as many forward/backward calls on every rank. method: grpo's (policy_loss, aggregate,
+    micro_batch, sampler_gap, token_logprobs), passed in: the machinery imports no method file.
+    """
+    policy_loss, aggregate, micro_batch, sampler_gap, token_logprobs = method
+    policy.train()
+    mask = batch["loss_mask"]
+    weights = mask.sum(1) if cfg["agg"] == "token-mean" else torch.ones(len(mask))
+    total, n_seq = all_sum([sum(weights[mb].sum().item() for mb in mbs), sum(map(len, mbs))], device)
+    # FSDP averages gradients over ranks, so each rank's share is scaled back up by WORLD
+    n_mb = int(max(all_gather(len(mbs))))
+    # kl stays 0 (no KL penalty, as released): a metrics.jsonl column kept for its readers
+    sums = dict.fromkeys(("loss", "clip_frac", "kl", "ratio_mean"), 0.0)
+    name, coef, term = extra or (None, None, None)
+    extra_sum = 0.0
+    # one plain GPU: autocast; under FSDP2 its mixed-precision policy casts instead
+    plain_gpu = device.type == "cuda" and not sharded(policy)
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if plain_gpu else nullcontext()
+    gap = "sampler_logp" in batch
+    gap_sums, ratio_max = [0.0, 0.0, 0.0], 0.0  # sum |d|, sum k3, tokens; see sampler_gap
+    # --offload: FSDP2 would reduce-scatter each micro-batch's gradients and add them into the host
+    # shards with a blocking copy; held unsharded on the GPU instead, they are reduced once
+    hold = sharded(policy) and cfg.get("offload") and cfg.get("offload_grads", "gpu") == "gpu"
+    for j in range(n_mb):
+        real = j < len(mbs)
+        if hold:
+            policy.set_requires_gradient_sync(j == n_mb - 1)
+        mb = mbs[j] if real else [0]
+        w = weights[mb].sum().item() if real else 0.0  # a whole number: exact means below
+        sub, L = micro_batch(batch, mb, device, length=None if real else 2)
+        with amp:
+            logp = (policy if sharded(policy) else partial(token_logprobs, policy))(
+                sub["input_ids"], sub["attention_mask"], cfg["temperature"], cfg["chunk_size"])
+        logp = logp.float()
+        old = logp.detach() if old_logp is None else old_logp[mb, :L - 1].to(device)
+        loss, st = policy_loss(logp, old, adv[mb].to(device), sub["loss_mask"], cfg["clip_low"],
+                               cfg["clip_high"], agg=cfg["agg"],
+                               norm_const=cfg["max_new_tokens"])
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite loss ({loss.item()}) in micro-batch {j}")
+        if gap and real:
+            part, ratio = sampler_gap(logp, sub["sampler_logp"], sub["loss_mask"])
+            gap_sums, ratio_max = [a + b for a, b in zip(gap_sums, part)], max(ratio_max, ratio)
+        weighted = loss * (w * WORLD / max(total, 1.0))
+        if term is not None:  # a padding micro-batch adds nothing
+            part = term(logp, sub["loss_mask"], mb)
+            if part.dim() == 2:  # per token: aggregated and weighted like the loss
+                part = aggregate(part, sub["loss_mask"], cfg["agg"], cfg["max_new_tokens"])
+                weighted = weighted + coef * part * (w * WORLD / max(total, 1.0))
+                extra_sum += part.item() * w / max(total, 1.0)
+            else:  # per sequence: a mean over sequences
+                part = part.sum() * float(real)
+                weighted = weighted + coef * part * WORLD / max(n_seq, 1.0)
+                extra_sum += part.item() / max(n_seq, 1.0)
+        weighted.backward()
+        for key, value in (("loss", loss.item()), *st.items()):
+            sums[key] += value * w  # weighted like the loss: a batch-wide mean
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg["grad_clip"])
+    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    if not math.isfinite(grad_norm):
+        raise FloatingPointError(f"non-finite gradient norm ({grad_norm})")
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if sched is not None:
+        sched.step()
+    *means, extra, absd, k3, tokens = all_sum([*sums.values(), extra_sum, *gap_sums], device)  # one all-reduce
+    out = dict(zip(sums, (v / max(total, 1.0) for v in means)), grad_norm=grad_norm)
+    if term is not None:
+        out[name] = extra
+    if gap:
+        out.update(sampler_gap=absd / max(tokens, 1.0), sampler_kl_k3=k3 / max(tokens, 1.0),
+                   sampler_ratio_max=max(all_gather(ratio_max)))
+    return out

@@ -64,7 +64,7 @@ def kv_bytes_per_token(config, dtype_bytes):
 
 def estimate(config, cfg, world, device="cuda", offload=False, counts=None, probed=True):
     """Bytes per device for each term (in the order printed), 'peak', 'host' (rank 0's), 'host node'
-    and the static shapes; probed: the --reward mode labels forced answers (modes.PROBE_MODES)."""
+    and the static shapes; probed: the --reward mode labels forced answers (baselines.PROBE_MODES)."""
     total, root, layer, per_rank = counts or param_counts(config, cfg.get("lora_targets", "all-linear"))
     cuda = device == "cuda"
     act_bytes = 2 if cuda else 4

@@ -173,7 +173,7 @@ def decoder(model, cache_kw):
 
 
 def release(model):
-    """Frees the model's static buffers and captured steps. The RL step calls it after the rollout
+    """Frees the model's static buffers and captured steps. label.mc_labels calls it after the rollout
     (no label chunk has its shape, and the labels' first prefill must not sit on its buffers) and
     before the update, whose activations need that memory."""
     d = _DECODERS.get(model)

@@ -11,7 +11,7 @@ import sys
 
 import torch
 
-import step
+import grpo
 import tiny
 import train
 from grpo import pack, token_logprobs
@@ -37,7 +37,7 @@ mine = list(range(RANK, 4, WORLD))
 batch = pack([prompts[i] for i in mine], [responses[i] for i in mine], pad_id=0)
 cfg = dict(agg="token-mean", max_new_tokens=8, temperature=0.8, chunk_size=4, clip_low=0.2,
            clip_high=0.2, grad_clip=1e9)
-stats = step.update(policy, opt, sched, batch, None, adv[mine], [[j] for j in range(len(mine))], cfg, device)
+stats = grpo.update(policy, opt, batch, None, adv[mine], [[j] for j in range(len(mine))], cfg, device)
 state, opt_state = full_state(policy, opt)
 if torch.distributed.is_initialized():  # the merged copy after the step, against the adapted policy itself
     from peft.tuners.lora import LoraLayer
@@ -87,8 +87,8 @@ if torch.distributed.is_initialized():
     init = {k: v.clone() for k, v in probe.state_dict().items()}
     feats = torch.randn(2, 3, lm.config.hidden_size, generator=torch.Generator().manual_seed(100 + RANK))
     labels = [[1.0, 0.5, 0.0], [0.25, 1.0]] if RANK == 0 else [[0.0, 0.0, 1.0], [0.75, 0.5]]
-    step.probe_margin(probe, probe_opt, feats, grid(labels), cut_mask(labels),
-                      dict(CFG, reward="rlcm", probe_passes=4, probe_batch=2, corner="zero"), seed=3)
+    train.fit_probe(probe, probe_opt, feats[cut_mask(labels)], grid(labels)[cut_mask(labels)],
+                    dict(CFG, reward="rlcm", probe_passes=4, probe_batch=2, corner="zero"), seed=3)
     torch.save(dict(init=init, fitted=probe.state_dict()), f"{sys.argv[1]}.probe{RANK}")
     # a refresh after a step gathers the adapter and the adapted linears' frozen W, which its merge
     # overwrites (elements gathered, padding included: every dimension splits evenly here); the other

@@ -7,7 +7,7 @@ import sys
 import torch
 
 import tiny
-import update
+import grpo
 from grpo import pack, token_logprobs
 from harness.parallel import MASTER, RANK, WORLD, full_state, setup, teardown, wrap
 
@@ -31,7 +31,7 @@ adv = adv[mine]
 cfg = dict(agg="token-mean", reward="rlcm", max_new_tokens=8, temperature=0.8, chunk_size=4, clip_low=0.2,
            clip_high=0.2, grad_clip=1e9)
 mbs = [[j] for j in range(len(mine))] if WORLD == 2 else [[0], [1], [2], [3]]
-stats = update.update(policy, opt, sched, batch, None, adv, mbs, cfg, device)
+stats = grpo.update(policy, opt, batch, None, adv, mbs, cfg, device)
 state, _ = full_state(policy, opt)
 if MASTER:
     torch.save(dict(state={k: v.detach().cpu() for k, v in state.items()}, stats=stats, shapes=shapes), sys.argv[1])

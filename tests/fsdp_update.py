@@ -12,7 +12,8 @@ import torch
 
 import probe as probe_lib
 import tiny
-import step
+import grpo
+import train
 from grpo import pack, token_logprobs
 from label import cut_mask, grid
 from live_bytes import LiveBytes
@@ -49,7 +50,7 @@ mbs = [[j] for j in range(len(mine))]  # one sequence per micro-batch: accumulat
 scatters = []  # FSDP2's reduce-scatters of gradients in the update (one per FSDP unit each time)
 counted = torch.distributed.reduce_scatter_single
 torch.distributed.reduce_scatter_single = lambda *a, **kw: scatters.append(1) or counted(*a, **kw)
-stats = step.update(policy, opt, sched, batch, old, adv[mine], mbs, cfg, device)
+stats = grpo.update(policy, opt, batch, old, adv[mine], mbs, cfg, device)
 torch.distributed.reduce_scatter_single = counted
 torch.save(len(scatters), f"{sys.argv[1]}.scatters{RANK}")
 state, _ = full_state(policy, opt)
@@ -86,7 +87,7 @@ probe = probe_lib.Probe(32)
 probe_opt = probe_lib.make_optimizer(probe)
 feats = torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(100 + RANK))
 labels = [[1.0, 0.5, 0.0], [0.25, 1.0]] if RANK == 0 else [[0.0, 0.0, 1.0], [0.75, 0.5]]
-step.probe_margin(probe, probe_opt, feats, grid(labels), cut_mask(labels), cfg, seed=3)
+train.fit_probe(probe, probe_opt, feats[cut_mask(labels)], grid(labels)[cut_mask(labels)], cfg, seed=3)
 torch.save(probe.state_dict(), f"{sys.argv[1]}.probe{RANK}")
 
 if torch.distributed.is_initialized():  # the lean start: rank 0 reads the toy, the others get shards

@@ -22,7 +22,7 @@ bf16 generation copy, as train.py holds them in one process on a GPU. Sizes are 
             k = 4, chunks of 8 cuts (buffers up to 32 x 7168), features on; a prefill of about 80k
             tokens (1.2 PFLOP) and 9 chunks x 31 steps of about 20 GB; the captures counted and timed
   score     update.forward_pass over those trajectories (about 115k tokens: 1.8 PFLOP)                   5 s
-  update    update.update on the rollout (39k tokens, micro-batches of <= 16384) with the fp32      8 s
+  update    grpo.update on the rollout (39k tokens, micro-batches of <= 16384) with the fp32      8 s
             trainer, bf16 autocast, checkpointing: 8 N FLOP a token, 2.4 PFLOP. SGD at lr 0 stands
             in for AdamW, whose 8 N (61 GB) do not fit beside the rest; its sampler gap is the bf16
             static sampler's log-probs against the fp32 trainer's, at 7B width; on a GPU autocast
@@ -94,7 +94,8 @@ from harness.parallel import wrap  # noqa: E402
 from live_bytes import LiveBytes  # noqa: E402  (beside this file)
 import bench  # noqa: E402  (beside this file)
 from train import checkpoint_activations  # noqa: E402
-from update import cut_ends, micro_batches, micro_batch, forward_pass, update  # noqa: E402
+from grpo import micro_batches, micro_batch, update  # noqa: E402
+from label import cut_ends, forward_pass  # noqa: E402
 
 GiB = 2**30
 SHAPE = staticcache._Shape  # the static decoder's buffer set, whose captures `capturing` times
@@ -242,7 +243,7 @@ def check_rollout(ctx):
         out = rollout.generate(sampler, ctx["tok"], ctx["prompts"], n=s["group"], max_new_tokens=s["rollout_new"],
                                temperature=cfg["temperature"], eos_ids=[], seed=0, batch_size=cfg["gen_batch"],
                                decode="static", scores=True)
-    staticcache.release(sampler)  # as step.py does before the labels
+    staticcache.release(sampler)  # as train.py does before the labels
     ctx["rollout"] = out
     t = planned(ctx, s["rollout_new"])
     versus_plan(row, m.added, {"KV cache": t["KV cache"], "prefill": t["prefill"]})
@@ -269,7 +270,7 @@ def check_labels(ctx):
         _, feats = label.mc_labels(sampler, ctx["tok"], prompts, responses, cuts, ["1"] * n, k=s["k"],
                                    max_new_tokens=s["answer_tokens"], seed=0, batch_size=cfg["gen_batch"],
                                    grader="strict", decode="static", stats=stats, features=True)
-    staticcache.release(sampler)  # as step.py does before the update
+    staticcache.release(sampler)  # as train.py does before the update
     t = planned(ctx, s["longest"])
     versus_plan(row, m.added, {"label KV cache": t["label KV cache"], "label prefill": t["label prefill"]})
     alive_kv = max((x["alive_bytes"] for x in shapes.made), default=0)
@@ -315,7 +316,7 @@ def check_update(ctx):
     row = {}
     try:
         with phase(ctx, row) as m:
-            st = update(policy, opt, None, batch, None, adv, mbs, cfg, device)
+            st = update(policy, opt, batch, None, adv, mbs, cfg, device)
     finally:  # the decode and the toy runs need no trainer
         del ctx["policy"], ctx["lm"], policy, opt
         gc.collect()

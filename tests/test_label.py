@@ -8,7 +8,7 @@ import tiny
 from grpo import pack, token_logprobs
 from label import SUFFIX, cuts_of, forced_answer, forced_prompt, mc_labels
 from probe import prefix_features
-from update import cut_ends, forward_pass
+from label import cut_ends, forward_pass
 
 FIXTURE_7B = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "fixtures", "r1_distill_qwen_7b")
 
@@ -109,7 +109,7 @@ def test_identical_forced_prompts_are_labelled_once(monkeypatch):
     monkeypatch.setattr(label, "_forced_samples", fake)
     tok = tiny.tokenizer()
     ys = label.mc_labels(None, tok, [[5], [5]], [[6, 7], [6, 9]], [[1, 2], [1]], ["7", "7"], k=2, close="eos",
-                         suffix="{")
+                         suffix="{", tree=True, decode="dynamic")
     assert calls == [([(0, 1), (0, 2)], [tok.eos_token_id, tok.convert_tokens_to_ids("{")])]
     # [5, 6, ...] is shared by both trajectories at b = 1: trajectory 1 is not sampled at all
     assert ys == [[1.0, 0.0], [1.0]]
@@ -122,7 +122,8 @@ def test_labels_count_correct_forced_answers(monkeypatch):
     texts = ["7}\n", "7}", "8}\n", "7", "7}\n", "7}\n", "7}\n", "7}\n"]
     monkeypatch.setattr(label, "_forced_samples", lambda *a, **k: Samples([[0]] * 8, texts, [1] * 8, ["stop"] * 8, []))
     tok = tiny.tokenizer()
-    ys = label.mc_labels(None, tok, [[5]], [[6, 7, 8]], [[1, 2]], ["7"], k=4, close="eos")
+    ys = label.mc_labels(None, tok, [[5]], [[6, 7, 8]], [[1, 2]], ["7"], k=4, close="eos", tree=True,
+                         decode="dynamic")
     assert ys == [[0.5, 1.0]]  # "7}", "7}" right; "8}" wrong; "7" never closes the box
 
 

@@ -2,7 +2,7 @@
 step with the toy's default settings moves probability from negative- to positive-advantage samples.
 
 Both go through the code the run uses (rollout.generate, grade.is_correct, grpo.group_advantages,
-parallel.LogprobModel -> grpo.token_logprobs, update.update: policy_loss, grad clip, AdamW).
+grpo.token_logprobs, grpo.update: policy_loss, grad clip, AdamW).
 """
 import pytest
 import torch
@@ -10,11 +10,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import grade
 import prompts as prompts_lib
+import grpo
 import toy
-import step
 from config import resolve_args
 from grpo import group_advantages, pack, policy_loss, token_logprobs
-from harness.parallel import LogprobModel
 from rollout import generate
 
 
@@ -90,17 +89,17 @@ def test_updates_move_probability_towards_positive_advantages(cfg, rollouts, ste
     assert (adv > 0).sum() >= 8 and (adv < 0).sum() >= 8
     lm = AutoModelForCausalLM.from_pretrained(path)
     lm.config.use_cache = False
-    policy = LogprobModel(lm, token_logprobs)
+    policy = lm
     before = sequence_logprobs(lm, batch, cfg["temperature"])
     opt = torch.optim.AdamW(policy.parameters(), lr=cfg["lr"], weight_decay=0.0)  # as train.run
     warmup = max(cfg["warmup"], 1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
-    mbs = step.micro_batches(batch["attention_mask"].sum(1).tolist(), cfg["micro_tokens"])
+    mbs = grpo.micro_batches(batch["attention_mask"].sum(1).tolist(), cfg["micro_tokens"])
     old = torch.zeros(batch["loss_mask"].shape)
     with torch.no_grad():
         old[:] = token_logprobs(lm, batch["input_ids"], batch["attention_mask"], cfg["temperature"])
     for _ in range(steps):
-        step.update(policy, opt, sched, batch, old, adv, mbs, cfg, torch.device("cpu"))
+        grpo.update(policy, opt, batch, old, adv, mbs, cfg, torch.device("cpu"))
     delta = sequence_logprobs(lm, batch, cfg["temperature"]) - before
     up, down = delta[adv > 0].mean().item(), delta[adv < 0].mean().item()
     print(f"\nmean change of sequence log-prob after {steps} step(s), lr {opt.param_groups[0]['initial_lr']:.1e} / "

@@ -75,7 +75,7 @@ def test_one_gpu_samples_from_a_merged_bf16_copy():
     from peft.tuners.lora import LoraLayer
     model, base = adapted_bf16()
     policy, sampler = wrap(model, torch.device("cuda"), token_logprobs)
-    assert policy.lm is model and sampler is not model and not lora.has_adapter(sampler)
+    assert policy is model and sampler is not model and not lora.has_adapter(sampler)
     assert not any(isinstance(m, LoraLayer) for m in sampler.modules())
     assert {p.dtype for p in sampler.parameters()} == {torch.bfloat16}
     assert sorted(n for n, _ in sampler.named_parameters()) == sorted(n for n, _ in base.named_parameters())

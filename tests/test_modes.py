@@ -1,4 +1,4 @@
-"""The --reward modes (modes.py): worked numbers, the unanimous-group drop, C2GSPG's loss term, the
+"""The --reward modes (baselines.py): worked numbers, the unanimous-group drop, C2GSPG's loss term, the
 settings each mode implies, and two toy steps of every mode."""
 import json
 import math
@@ -8,17 +8,15 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-import baselines
 from evaluation import confidence
 import config
 import grade
 import grpo
-import modes
+import label
+import baselines
 import prompts as prompts_lib
 import toy
-import step
 import train
-from harness.parallel import LogprobModel
 
 SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "64", "--eval-n", "8",
          "--eval-every", "0", "--gen-batch", "64", "--save-every", "0"]
@@ -42,7 +40,7 @@ def cfg_for(mode, **kw):
 def test_rlcr_confidence_and_reward(text, conf, missing):
     correct = torch.tensor([1.0, 0.0, 0.0, 0.0])
     texts = [text, "<confidence>1</confidence>", "<confidence>0</confidence>", "none"]
-    R, adv, parts = modes.reward_and_advantages(cfg_for("rlcr"), correct, None, texts, None)
+    R, adv, parts = baselines.reward_and_advantages(cfg_for("rlcr"), correct, None, texts, None)
     assert parts["verbal_conf"][0].item() == pytest.approx(conf)
     assert parts["verbal_missing"].tolist() == [float(missing), 0.0, 0.0, 1.0]  # counted per trajectory
     # correct - (correct - conf)^2 with 0/1 correctness: a right answer at 0.85 -> 1 - 0.0225
@@ -55,15 +53,15 @@ def test_rlcr_grades_the_last_answer_tag_not_the_box():
     assert grade.answer_tag("<answer>17") is None and grade.answer_tag("17</answer>") is None
     assert grade.answer_tag("\\boxed{17}") is None
     texts = ["<answer>17</answer>", "\\boxed{17}", "<answer>16</answer>\\boxed{17}", "<answer>\\frac{34}{2}</answer>"]
-    assert modes.correctness(texts, ["17"] * 4, "math", "rlcr").tolist() == [1.0, 0.0, 0.0, 1.0]
-    assert modes.correctness(texts, ["17"] * 4, "math", "grpo").tolist() == [0.0, 1.0, 1.0, 0.0]
+    assert baselines.correctness(texts, ["17"] * 4, "math", "rlcr").tolist() == [1.0, 0.0, 0.0, 1.0]
+    assert baselines.correctness(texts, ["17"] * 4, "math", "grpo").tolist() == [0.0, 1.0, 1.0, 0.0]
 
 
 def test_c2gspg_advantages_by_hand():
     # mean r = 0.5; A = (r - 0.5) / (1 - c): 0.5/0.5, -0.5/0.1, -0.5/0.8, 0.5/0.01
     correct = torch.tensor([1.0, 0.0, 0.0, 1.0])
     c = torch.tensor([0.5, 0.9, 0.2, 0.99])
-    R, adv, parts = modes.reward_and_advantages(cfg_for("c2gspg"), correct, None, [""] * 4, c)
+    R, adv, parts = baselines.reward_and_advantages(cfg_for("c2gspg"), correct, None, [""] * 4, c)
     assert adv.tolist() == pytest.approx([1.0, -5.0, -0.625, 50.0], rel=1e-5)
     assert R.tolist() == [1.0, 0.0, 0.0, 1.0] and parts["seq_conf"] is c
 
@@ -88,36 +86,36 @@ def test_evaluation_reads_verbal_confidence_with_rlcrs_parser():
 def test_process_brier_worked_number():
     C, Y = torch.tensor([[0.9, 0.5, 0.1]]), torch.tensor([[1.0, 0.5, 0.0]])
     valid = torch.ones(1, 3, dtype=torch.bool)
-    assert modes.calibration_term(C, Y, valid, cfg_for("process-brier")).item() == pytest.approx(-0.0067, abs=5e-5)
-    assert modes.calibration_term(C, Y, valid, cfg_for("rlcm")).item() == pytest.approx(0.8)
+    assert baselines.calibration_term(C, Y, valid, cfg_for("process-brier")).item() == pytest.approx(-0.0067, abs=5e-5)
+    assert baselines.calibration_term(C, Y, valid, cfg_for("rlcm")).item() == pytest.approx(0.8)
     # final-margin with budget 1.0: only one side -> +C or -C
     one = torch.ones(1, 1, dtype=torch.bool)
     fm = cfg_for("final-margin", corner="final-margin")
-    assert modes.calibration_term(torch.tensor([[0.2]]), torch.tensor([[0.0]]), one, fm).item() == pytest.approx(-0.2)
+    assert baselines.calibration_term(torch.tensor([[0.2]]), torch.tensor([[0.0]]), one, fm).item() == pytest.approx(-0.2)
     mc = cfg_for("rlcm", corner="margin-corner")   # the released corner rule: 1 - mean C
-    assert modes.calibration_term(torch.tensor([[0.2]]), torch.tensor([[0.0]]), one, mc).item() == pytest.approx(0.8)
-    assert modes.calibration_term(torch.tensor([[0.2]]), torch.tensor([[0.0]]), one, cfg_for("rlcm")).item() == 0.0
+    assert baselines.calibration_term(torch.tensor([[0.2]]), torch.tensor([[0.0]]), one, mc).item() == pytest.approx(0.8)
+    assert baselines.calibration_term(torch.tensor([[0.2]]), torch.tensor([[0.0]]), one, cfg_for("rlcm")).item() == 0.0
 
 
 def test_brier_modes_give_unanimous_groups_reward_zero():
     """Group 1 all right, group 2 mixed, group 3 all wrong. As released, the unanimous groups'
     rewards are set to 0, so their advantages are 0 (they stay in the update), although the Brier
     term made their rewards differ; group 2 keeps its rewards and z-scores them."""
-    assert modes.unanimous(torch.tensor([1, 1, 0, 0, 0, 0]), 3).tolist() == [False] * 3 + [True] * 3
+    assert baselines.unanimous(torch.tensor([1, 1, 0, 0, 0, 0]), 3).tolist() == [False] * 3 + [True] * 3
     correct = torch.tensor([1.0, 1, 1, 1, 1, 0, 0, 1, 0, 0, 0, 0])
     calib = -torch.linspace(0.0, 0.5, 12)
     signed = 2 * correct - 1 + 0.1 * calib   # lam 0.1, the released (the toy's default is 1)
     for mode in ("process-brier", "final-brier"):
         cfg = config.resolve_args(["--reward", mode, "--group-size", "4", "--lam", "0.1", "--out", "unused"])
         assert cfg["drop_unanimous"] is True
-        R, adv, parts = modes.reward_and_advantages(cfg, correct, calib, [""] * 12, None)
+        R, adv, parts = baselines.reward_and_advantages(cfg, correct, calib, [""] * 12, None)
         assert R.tolist() == pytest.approx([0.0] * 4 + signed[4:8].tolist() + [0.0] * 4)
         assert adv[:4].tolist() == [0.0] * 4 and adv[8:].tolist() == [0.0] * 4
         assert adv[4:8].tolist() == pytest.approx(grpo.group_advantages(signed[4:8], 4).tolist())
         assert parts["dropped"].tolist() == [1.0] * 4 + [0.0] * 4 + [1.0] * 4
         assert torch.equal(parts["brier"], calib)
     cfg = config.resolve_args(["--reward", "process-brier", "--no-drop-unanimous", "--group-size", "4", "--lam", "0.1"])
-    R, adv, _ = modes.reward_and_advantages(cfg, correct, calib, [""] * 12, None)
+    R, adv, _ = baselines.reward_and_advantages(cfg, correct, calib, [""] * 12, None)
     assert R.tolist() == pytest.approx(signed.tolist()) and (adv[:4] != 0).all()
 
 
@@ -128,14 +126,14 @@ def test_the_filter_is_off_when_every_group_is_unanimous():
     correct = torch.tensor([1.0, 1, 0, 0])
     calib = torch.tensor([-0.1, -0.3, -0.1, -0.3])
     cfg = cfg_for("final-brier", group_size=2, drop_unanimous=True)
-    R, adv, parts = modes.reward_and_advantages(cfg, correct, calib, [""] * 4, None)
+    R, adv, parts = baselines.reward_and_advantages(cfg, correct, calib, [""] * 4, None)
     assert R.tolist() == pytest.approx([0.99, 0.97, -1.01, -1.03])
     assert adv.tolist() == pytest.approx([0.7071, -0.7071, 0.7071, -0.7071], abs=1e-4)  # std of 2: 0.01414
     assert parts["dropped"].tolist() == [0.0] * 4
-    R, adv, parts = modes.reward_and_advantages(cfg, correct, calib, [""] * 4, None, all_unanimous=False)
+    R, adv, parts = baselines.reward_and_advantages(cfg, correct, calib, [""] * 4, None, all_unanimous=False)
     assert R.tolist() == [0.0] * 4 and adv.tolist() == [0.0] * 4 and parts["dropped"].tolist() == [1.0] * 4
     mixed = torch.tensor([1.0, 0, 0, 0])
-    R, adv, parts = modes.reward_and_advantages(cfg, mixed, calib, [""] * 4, None, all_unanimous=True)
+    R, adv, parts = baselines.reward_and_advantages(cfg, mixed, calib, [""] * 4, None, all_unanimous=True)
     assert parts["dropped"].tolist() == [0.0] * 4 and (adv != 0).all()
 
 
@@ -143,7 +141,7 @@ def tiny_policy():
     torch.manual_seed(0)
     lm = Qwen2ForCausalLM(Qwen2Config(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                                       num_key_value_heads=1, intermediate_size=32, max_position_embeddings=32))
-    return LogprobModel(lm, grpo.token_logprobs)
+    return lm
 
 
 class Capture:
@@ -194,7 +192,7 @@ def test_c2gspg_loss_has_the_confidence_bce_only_with_the_flag(tmp_path, form):
     correct = torch.tensor([1.0, 0.0, 1.0])
     policy = tiny_policy()
     with torch.no_grad():
-        logp = policy(b["input_ids"], b["attention_mask"])
+        logp = grpo.token_logprobs(policy, b["input_ids"], b["attention_mask"])
     n = b["loss_mask"].sum(1).tolist()
     assert n == [3, 2, 4]
     c = [math.exp(sum(logp[i][j].item() for j in range(logp.shape[1]) if b["loss_mask"][i][j]) / n[i])
@@ -202,8 +200,8 @@ def test_c2gspg_loss_has_the_confidence_bce_only_with_the_flag(tmp_path, form):
     bce = [-(r * math.log(x) + (1 - r) * math.log(1 - x)) for r, x in zip(correct.tolist(), c)]
     opt = Capture(policy.parameters())
     cfg = dict(UPD, reward="c2gspg", c2gspg_bce=form)
-    stats = step.update(policy, opt, SCHED, b, None, torch.zeros(3), [[0, 1], [2]], cfg, torch.device("cpu"),
-                        modes.extra_loss(cfg, correct))
+    stats = grpo.update(policy, opt, b, None, torch.zeros(3), [[0, 1], [2]], cfg, torch.device("cpu"),
+                        baselines.extra_loss(cfg, correct))
     moved = sum(g.abs().sum() for g in opt.grads if g is not None)
     assert stats["loss"] == 0.0
     if form == "off":
@@ -212,7 +210,7 @@ def test_c2gspg_loss_has_the_confidence_bce_only_with_the_flag(tmp_path, form):
     want = sum(bce) / 3 if form == "seq-mean" else sum(x * k for x, k in zip(bce, n)) / sum(n)
     assert stats["c2gspg_bce"] == pytest.approx(want, rel=1e-5) and moved > 0
     cfg = dict(cfg, reward="grpo")   # the flag is c2gspg's alone
-    assert modes.extra_loss(cfg, correct) is None
+    assert baselines.extra_loss(cfg, correct) is None
 
 
 def test_implied_settings_and_explicit_flags_win(tmp_path):
@@ -281,8 +279,8 @@ def metrics(run):
 @pytest.mark.parametrize("mode", list(COMPONENTS))
 def test_every_mode_runs_two_toy_steps_and_logs_its_components(tmp_path, monkeypatch, mode):
     calls = []
-    real = step.mc_labels
-    monkeypatch.setattr(step, "mc_labels", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = label.sample_answers  # the forced answers: mc_labels samples none without a cut
+    monkeypatch.setattr(label, "sample_answers", lambda *a, **k: calls.append(1) or real(*a, **k))
     run = str(tmp_path / "run")
     train.main(["--steps", "2", "--out", run, "--reward", mode, *SMALL])
     rows = metrics(run)

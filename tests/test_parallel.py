@@ -143,7 +143,7 @@ def test_on_policy_update_equals_the_scored_old_logprobs_in_fp32():
     import step
     from grpo import pack, token_logprobs
     from harness.parallel import wrap
-    from update import forward_pass
+    from label import forward_pass
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(4, 60, (n,), generator=g).tolist() for n in (3, 5, 4)]
     responses = [torch.randint(4, 60, (n,), generator=g).tolist() for n in (6, 2, 7)]
@@ -160,7 +160,7 @@ def test_on_policy_update_equals_the_scored_old_logprobs_in_fp32():
         if path == "scored":
             old = forward_pass(copy.deepcopy(model).eval(), batch, torch.zeros(3, 1, dtype=torch.long),
                         cfg["temperature"], cfg["chunk_size"])[0]
-        stats = step.update(policy, opt, sched, batch, old, adv, mbs, cfg, torch.device("cpu"))
+        stats = grpo.update(policy, opt, batch, old, adv, mbs, cfg, torch.device("cpu"))
         out[path] = (stats, {k: v.detach().clone() for k, v in model.state_dict().items()})
     (s1, w1), (s2, w2) = out["on-policy"], out["scored"]
     assert s1["ratio_mean"] == 1.0 and s1["clip_frac"] == 0.0
@@ -198,7 +198,7 @@ def test_the_one_gpu_generation_copy_is_bf16_with_fp32_rotary_frequencies():
     from harness.parallel import wrap
     model = __import__("tiny").model(vocab_size=64, hidden=32, layers=2, seed=0)
     policy, sampler = wrap(model, torch.device("cuda"), token_logprobs)
-    assert policy.lm is model and all(p.dtype == torch.float32 for p in model.parameters())
+    assert policy is model and all(p.dtype == torch.float32 for p in model.parameters())
     assert all(p.dtype == torch.bfloat16 for p in sampler.parameters())
     fresh = type(model.model.rotary_emb)(config=model.config)
     for name in ("inv_freq", "original_inv_freq"):

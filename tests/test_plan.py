@@ -109,7 +109,7 @@ def test_one_gpu_needs_offload_and_fits_with_it(capsys):
     assert e.value.code == 2 and len(err.splitlines()) == 1 and "--offload" in err, err
     t = plan.check(resolve_args(args + ["--offload"]))
     assert t["peak"] < 80 * plan.GiB and t["training state"] == 0
-    # the update holds the fp32 gradients unsharded until the last micro-batch (update.py): 4 N,
+    # the update holds the fp32 gradients unsharded until the last micro-batch (grpo.py): 4 N,
     # 28.4 GiB; with --offload-grads host they go to the host after each micro-batch instead
     n = plan.param_counts(plan.model_config(FIXTURE_7B))[0]
     host = plan.check(resolve_args(args + ["--offload", "--offload-grads", "host"]))
@@ -152,7 +152,6 @@ def test_a_smaller_gen_batch_is_the_cheapest_fix_when_the_kv_cache_is_too_big():
 def test_kv_terms_match_what_a_toy_step_allocates(tmp_path, monkeypatch):
     """One RL step of the toy on the static path: the plan's rollout and label K/V terms are within
     15 % of the largest static buffers each phase really allocated (recorded as they are built)."""
-    import step
     from static_shapes import Shapes
     shapes = Shapes(monkeypatch)
 
@@ -164,8 +163,8 @@ def test_kv_terms_match_what_a_toy_step_allocates(tmp_path, monkeypatch):
             finally:
                 shapes.phase = None
         return run
-    monkeypatch.setattr(step, "generate", phase("rollout", step.generate))
-    monkeypatch.setattr(step, "mc_labels", phase("label", step.mc_labels))
+    monkeypatch.setattr(train, "generate", phase("rollout", train.generate))
+    monkeypatch.setattr(train, "mc_labels", phase("label", train.mc_labels))
     # 48 new tokens, which the toy's responses fill: the plan sizes every phase for full-length responses
     args = ["--steps", "1", "--decode", "static", "--eval-n", "0", "--prompts-per-step", "4",
             "--group-size", "4", "--gen-batch", "4", "--save-every", "0", "--max-new-tokens", "48"]
@@ -181,11 +180,10 @@ def test_no_static_buffers_beyond_the_label_term_sit_under_a_label_prefill(tmp_p
     Here the rollout's shape (64 rows x 64 positions) is larger than any label shape, so it must be
     freed before the first label prefill: the static K/V bytes alive at every prefill of the label
     phase (recorded when it runs) stay within the plan's label KV term."""
-    import step
     import decode as sampling
     from static_shapes import Shapes
     shapes, under = Shapes(monkeypatch), []
-    real_prefill, real_labels = sampling.Sampler.prefill, step.mc_labels
+    real_prefill, real_labels = sampling.Sampler.prefill, train.mc_labels
 
     def prefill(self, *a, **kw):
         if shapes.phase == "label":
@@ -199,7 +197,7 @@ def test_no_static_buffers_beyond_the_label_term_sit_under_a_label_prefill(tmp_p
         finally:
             shapes.phase = None
     monkeypatch.setattr(sampling.Sampler, "prefill", prefill)
-    monkeypatch.setattr(step, "mc_labels", labels)
+    monkeypatch.setattr(train, "mc_labels", labels)
     args = ["--steps", "1", "--decode", "static", "--eval-n", "0", "--prompts-per-step", "4",
             "--group-size", "16", "--gen-batch", "4", "--save-every", "0", "--max-new-tokens", "48"]
     train.main(args + ["--out", str(tmp_path / "run")])
@@ -233,7 +231,6 @@ def test_the_step_frees_the_static_buffers_before_the_update(tmp_path, monkeypat
     the shape its last decode kept (staticcache.decoder keeps it for the next call) before the update."""
     import data
     import probe as probe_lib
-    import step
     import train
     import config
     from grpo import token_logprobs
@@ -247,10 +244,10 @@ def test_the_step_frees_the_static_buffers_before_the_update(tmp_path, monkeypat
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     probe = probe_lib.Probe(model.config.hidden_size)
     alive = []
-    real = step.update
-    monkeypatch.setattr(step, "update", lambda *a, **k: alive.append(
+    real = train.update
+    monkeypatch.setattr(train, "update", lambda *a, **k: alive.append(
         staticcache.decoder(sampler, {}).shape is not None) or real(*a, **k))
-    step.rl_step(1, data.load_rows("toy", split="train")[:2], step.Learner(
+    train.logged_step(1, data.load_rows("toy", split="train")[:2], train.Learner(
         policy, sampler, tok, probe, probe_lib.make_optimizer(probe, lr=cfg["probe_lr"]), opt, sched,
         torch.device("cpu")), cfg)
     assert alive == [False]

@@ -9,7 +9,7 @@ import torch
 
 import grpo
 import label
-import modes
+import baselines
 import tiny
 import train
 import config
@@ -78,15 +78,15 @@ def test_a_skipped_sample_gets_advantage_zero_and_leaves_its_group():
     cfg = dict(reward="grpo", group_size=4, lam=0.1, corner="zero", drop_unanimous=False)
     correct = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0])
     scored = torch.tensor([True, True, False, True, True, True, True, False])
-    R, adv, parts = modes.reward_and_advantages(cfg, correct, torch.zeros(8), [""] * 8, None, scored=scored)
+    R, adv, parts = baselines.reward_and_advantages(cfg, correct, torch.zeros(8), [""] * 8, None, scored=scored)
     kept = grpo.group_advantages(torch.tensor([1.0, -1.0, 1.0]), 3)
     assert kept.tolist() == pytest.approx([0.57735, -1.1547, 0.57735], abs=1e-4)
     assert adv.tolist() == pytest.approx([*kept[:2].tolist(), 0.0, kept[2].item(), 0.0, 0.0, 0.0, 0.0])
     assert R.tolist() == [1.0, -1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0]
     assert parts["skipped"].tolist() == [0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
     # the unanimous filter reads the scored samples alone: group 2 is all right
-    assert modes.unanimous(correct, 4, scored).tolist() == [False] * 4 + [True] * 4
-    assert modes.unanimous(correct, 4).tolist() == [False] * 8
+    assert baselines.unanimous(correct, 4, scored).tolist() == [False] * 4 + [True] * 4
+    assert baselines.unanimous(correct, 4).tolist() == [False] * 8
 
 
 def test_forced_answers_are_judged_by_the_function(monkeypatch):
@@ -99,7 +99,8 @@ def test_forced_answers_are_judged_by_the_function(monkeypatch):
     def judge(answer, i):
         seen.append((answer, i))
         return None if answer == "x" else rewardfn.judge(FIXTURE + ":partial", answer, "17", {})
-    ys = label.mc_labels(None, tiny.tokenizer(), [[5]], [[6, 7, 8]], [[1, 2]], ["17"], k=4, close="eos", judge=judge)
+    ys = label.mc_labels(None, tiny.tokenizer(), [[5]], [[6, 7, 8]], [[1, 2]], ["17"], k=4, close="eos", judge=judge,
+                         tree=True, decode="dynamic")
     assert ys == [[(1.0 + 0.5 + 0.0) / 3, None]]   # "17" 1, "16" 0.5, "x" skipped, "17" unclosed: 0
     assert seen == [("17", 0), ("16", 0), ("x", 0)] + [("x", 0)] * 4
     assert label.labelled([[1, 2]], ys) == ([[1]], [[0.5]])
@@ -198,13 +199,11 @@ def test_a_step_whose_samples_are_all_skipped_logs_no_probe_numbers():
     """No prefix to fit (every rollout skipped): the probe was not fitted, so its BCE and ECE are nan,
     not a 0.0 that reads as a perfect fit (red team 3, M2)."""
     import probe as probe_lib
-    import step
     prb = probe_lib.Probe(8, 0)
     cfg = dict(reward="rlcm", corner="zero", probe_passes=2, probe_batch=4)
-    calib, signal, stats, C = step.probe_margin(prb, probe_lib.make_optimizer(prb, lr=1e-3), torch.zeros(2, 3, 8),
-                                                torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.bool), cfg, seed=0)
+    fitted = train.fit_probe(prb, probe_lib.make_optimizer(prb, lr=1e-3), torch.zeros(0, 8), torch.zeros(0), cfg, 0)
+    stats = train.probe_stats(train.Learner(None, None, None, prb, None, None, None, None), dict(fitted=fitted))
     assert math.isnan(stats["probe_bce"]) and math.isnan(stats["probe_ece"]) and stats["prefixes"] == 0
-    assert calib.tolist() == [0.0, 0.0]
 
 
 SMALL_RUN = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "24", "--eval-every", "0",

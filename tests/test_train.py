@@ -12,7 +12,7 @@ import torch
 
 import config
 import data
-import step
+import train as step
 import toy
 import train
 from harness import checkpoint, files
@@ -108,7 +108,7 @@ def test_nan_loss_stops_and_keeps_the_last_checkpoint(tmp_path, monkeypatch, cap
     train.main(["--steps", "1", "--out", run, "--save-every", "1", *SMALL])
     good = os.path.join(run, "checkpoints", "step_000001")
     before = open(os.path.join(good, "model.safetensors"), "rb").read()
-    import update
+    import grpo as update
     real = update.policy_loss
     monkeypatch.setattr(update, "policy_loss", lambda *a, **k: (real(*a, **k)[0] * float("nan"), real(*a, **k)[1]))
     with pytest.raises(SystemExit) as e:

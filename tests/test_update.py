@@ -1,4 +1,4 @@
-"""update.update beyond the loss: the sampler-vs-trainer gap it logs, and the padding micro-batches
+"""grpo.update beyond the loss: the sampler-vs-trainer gap it logs, and the padding micro-batches
 that keep FSDP2's call counts equal across ranks."""
 import math
 import os
@@ -8,9 +8,9 @@ import sys
 import pytest
 import torch
 
-import update
+import grpo
 from grpo import pack, token_logprobs
-from harness.parallel import LogprobModel
+from harness import parallel
 from rollout import generate
 from tests import tiny
 from test_grpo import Capture
@@ -21,11 +21,11 @@ CPU = torch.device("cpu")
 
 
 def run_update(lm, batch, mbs, adv=None):
-    policy = LogprobModel(lm, token_logprobs)
+    policy = lm
     opt = torch.optim.SGD(policy.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     adv = torch.linspace(-1, 1, len(batch["input_ids"])) if adv is None else adv
-    return update.update(policy, opt, sched, batch, None, adv, mbs, CFG, CPU)
+    return grpo.update(policy, opt, batch, None, adv, mbs, CFG, CPU)
 
 
 def test_the_sampler_is_the_policy_so_the_gap_is_zero():
@@ -93,12 +93,14 @@ def test_a_padding_micro_batch_forwards_two_tokens_and_adds_no_gradient(monkeypa
     mbs = [[0], [1, 2]]
     moved = []
     for extra in (0, 2):
-        monkeypatch.setattr(update, "all_gather", lambda n, extra=extra: [n, n + extra])
+        monkeypatch.setattr(parallel, "all_gather", lambda n, extra=extra: [n, n + extra])
         lm = tiny.model(vocab_size=64, seed=5)
         shapes = []
         lm.model.register_forward_pre_hook(lambda mod, args, kw: shapes.append(tuple(kw["input_ids"].shape)),
                                      with_kwargs=True)
-        run_update(lm, batch, mbs)
+        opt = torch.optim.SGD(lm.parameters(), lr=0.1)  # harness/parallel.py's update: FSDP2's padding
+        parallel.update(lm, opt, None, batch, None, torch.linspace(-1, 1, 3), mbs, CFG, CPU, None,
+                        (grpo.policy_loss, grpo.aggregate, grpo.micro_batch, grpo.sampler_gap, token_logprobs))
         assert shapes == [(1, 15), (2, 11)] + [(1, 2)] * extra
         moved.append(torch.cat([p.detach().flatten() for p in lm.parameters()]))
     init = torch.cat([p.detach().flatten() for p in tiny.model(vocab_size=64, seed=5).parameters()])
@@ -153,13 +155,13 @@ def test_an_extra_loss_term_is_a_mean_over_sequences_however_the_batch_is_cut():
         seen.append(list(rows))
         return (logp * mask).sum(-1)
 
-    policy = LogprobModel(tiny.model(vocab_size=64, seed=4), token_logprobs)
+    policy = tiny.model(vocab_size=64, seed=4)
     cfg = {k: v for k, v in CFG.items() if k != "reward"}
     opt = Capture(policy.parameters())
-    stats = update.update(policy, opt, None, batch, None, torch.zeros(3), [[0, 1], [2]], cfg, CPU,
+    stats = grpo.update(policy, opt, batch, None, torch.zeros(3), [[0, 1], [2]], cfg, CPU,
                           extra=("logp_sum", 0.5, term))
     assert seen == [[0, 1], [2]]
-    logp = policy(batch["input_ids"], batch["attention_mask"], CFG["temperature"], CFG["chunk_size"])
+    logp = token_logprobs(policy, batch["input_ids"], batch["attention_mask"], CFG["temperature"], CFG["chunk_size"])
     by_hand = (logp * batch["loss_mask"]).sum(-1)
     assert stats["logp_sum"] == pytest.approx(by_hand.mean().item(), rel=1e-5) and stats["loss"] == 0.0
     (0.5 * by_hand.mean()).backward()
@@ -179,15 +181,15 @@ def test_token_mean_per_micro_batch_is_the_released_weighting():
     responses = [torch.randint(4, 60, (n,), generator=g).tolist() for n in (6, 4, 1, 1)]
     batch = pack(prompts, responses, pad_id=0)
     adv, mbs = torch.tensor([1.0, 1.0, -1.0, -1.0]), [[0, 1], [2, 3]]
-    policy = LogprobModel(tiny.model(vocab_size=64, seed=6), token_logprobs)
+    policy = tiny.model(vocab_size=64, seed=6)
     out = {}
     for agg in ("token-mean", "token-mean-per-micro-batch"):
         opt = Capture(policy.parameters())
-        stats = update.update(policy, opt, None, batch, None, adv, mbs, dict(CFG, agg=agg), CPU)
+        stats = grpo.update(policy, opt, batch, None, adv, mbs, dict(CFG, agg=agg), CPU)
         out[agg] = stats["loss"], opt.grads
     assert out["token-mean"][0] == pytest.approx(-2 / 3, rel=1e-6)
     assert out["token-mean-per-micro-batch"][0] == pytest.approx(0.0, abs=1e-7)
-    logp = policy(batch["input_ids"], batch["attention_mask"], CFG["temperature"], CFG["chunk_size"])
+    logp = token_logprobs(policy, batch["input_ids"], batch["attention_mask"], CFG["temperature"], CFG["chunk_size"])
     m = batch["loss_mask"]
     by_hand = sum(len(mb) / 4 * (-adv[mb, None] * logp[mb] * m[mb]).sum() / m[mb].sum() for mb in mbs)
     by_hand.backward()
