@@ -140,7 +140,7 @@ def test_on_policy_update_equals_the_scored_old_logprobs_in_fp32():
     """One update per batch: old log-probs = current ones detached (ratio exactly 1) gives the same
     step as old log-probs from a separate scoring pass with the same fp32 weights."""
     import copy
-    import step
+    import grpo
     from grpo import pack, token_logprobs
     from harness.parallel import wrap
     from label import forward_pass

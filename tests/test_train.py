@@ -61,12 +61,13 @@ def test_two_steps_write_a_complete_run(tmp_path):
 def test_grpo_reward_runs_no_forced_answers(tmp_path, monkeypatch):
     def forbidden(*a, **k):
         raise AssertionError("--reward grpo must not generate forced answers")
-    monkeypatch.setattr(step, "mc_labels", forbidden)
+    import label
+    monkeypatch.setattr(label, "generate", forbidden)  # the step's mc_labels gets no cut to ask at
+    monkeypatch.setattr(label, "_forced_samples", forbidden)
     run = str(tmp_path / "run")
     train.main(["--steps", "1", "--out", run, "--reward", "grpo", *SMALL])
     (row,) = [r for r in rows(run) if not r.get("eval")]
     assert row["reward"] == pytest.approx(2 * row["accuracy"] - 1)  # signed correctness, nothing else
-    assert row["t_label"] == 0.0 and row["t_probe"] == 0.0
     assert "probe_bce" not in row
 
 
