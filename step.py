@@ -13,7 +13,7 @@ from baselines import sequence_confidence
 from grpo import pack
 from label import cuts_of, cut_mask, grid, labelled, mc_labels
 from metrics import advantage_parts, ece
-from prompts import row_prompt
+from data import row_prompt
 from rollout import generate
 from update import micro_batch, micro_batches, forward_pass, update
 from harness import runlog, staticcache

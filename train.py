@@ -28,7 +28,6 @@ import config
 import data
 import modes
 import probe as probe_lib
-import prompts as prompts_lib
 from grpo import token_logprobs
 from step import Learner, Timer, rl_step
 from evaluation import heldout
@@ -127,11 +126,11 @@ def run(cfg):
         model, tok = load_policy(cfg, device, ckpt)
         policy, sampler = wrap(model, device, token_logprobs)
     if cfg["max_prompt_tokens"]:
-        rows, dropped = prompts_lib.drop_long_prompts(rows, tok, cfg["max_prompt_tokens"], instruction)
+        rows, dropped = data.drop_long_prompts(rows, tok, cfg["max_prompt_tokens"], instruction)
         print0(f"training set: {len(rows)} problems, {dropped} dropped (prompt over {cfg['max_prompt_tokens']} tokens)")
         if not rows:
             raise UserError(f"every training prompt is over --max-prompt-tokens {cfg['max_prompt_tokens']}: raise it")
-    prompts_lib.check_context(tok, rows, instruction, getattr(model.config, "max_position_embeddings", None),
+    data.check_context(tok, rows, instruction, getattr(model.config, "max_position_embeddings", None),
                        cfg["max_new_tokens"], cfg["data"], say=print0, system=cfg["system_prompt"])
     folder.lock()
     # under --lora-rank only the adapter requires gradients: AdamW holds state for it alone

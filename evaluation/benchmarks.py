@@ -9,7 +9,6 @@ import config  # check_saved: the saved values as train.py's parser would take t
 import data
 import label as label_lib
 import modes
-import prompts as prompts_lib
 import toy
 from evaluation import confidence, posthoc
 from evaluation.samples import run_dir
@@ -74,11 +73,11 @@ def load_benchmark(spec, limit=None, lcb_release=data.LCB_RELEASE):
         if name not in data.BENCHMARKS:
             raise UserError(f"unknown benchmark {name!r} in {spec!r}; known: {known}")
         rows = data.load_rows(path, limit=limit, like=name, lcb_release=lcb_release)
-        return name, rows, prompts_lib.instruction_for(name)
+        return name, rows, data.instruction_for(name)
     if name.lower().endswith((".json", ".jsonl", ".parquet")):
-        return os.path.splitext(os.path.basename(name))[0], data.load_rows(name, limit=limit), prompts_lib.INSTRUCTION
+        return os.path.splitext(os.path.basename(name))[0], data.load_rows(name, limit=limit), data.INSTRUCTION
     if name in data.BENCHMARKS or "/" in name:
-        return name, data.load_rows(name, limit=limit, lcb_release=lcb_release), prompts_lib.instruction_for(name)
+        return name, data.load_rows(name, limit=limit, lcb_release=lcb_release), data.instruction_for(name)
     raise UserError(f"unknown benchmark {name!r}; known: {known}; or a local .json/.jsonl/.parquet file, "
                     "NAME=FILE, or an HF dataset id (owner/name)")
 
@@ -108,9 +107,9 @@ def check_prompts(tok, model, loaded, args, run_instruction=None, system=None):
     cannot render it; warn on overflow."""
     for bench, rows, instruction, _ in loaded:
         instruction = instruction if run_instruction is None else run_instruction
-        prompts_lib.check_context(tok, rows, instruction, getattr(model.config, "max_position_embeddings", None),
-                           settings(bench, args)["max_new_tokens"], bench,
-                           say=lambda m: print(m, file=sys.stderr), system=system)
+        data.check_context(tok, rows, instruction, getattr(model.config, "max_position_embeddings", None),
+                    settings(bench, args)["max_new_tokens"], bench,
+                    say=lambda m: print(m, file=sys.stderr), system=system)
 
 
 def run_prompt(path, args):
@@ -127,7 +126,7 @@ def run_prompt(path, args):
 
 def rlcr_prompts(loaded):
     """--mode rlcr (the released evaluation's, for RLCR and C2GSPG): every benchmark asks in RLCR's
-    format (prompts.RLCR_INSTRUCTION; the toy's: toy.RLCR_INSTRUCTION); LiveCodeBench is refused."""
+    format (data.RLCR_INSTRUCTION; the toy's: toy.RLCR_INSTRUCTION); LiveCodeBench is refused."""
     if any(data.kind(bench) == "code" for bench, *_ in loaded):
         raise UserError("--mode rlcr: lcb has no RLCR-format evaluation here (its answer is a program; the release "
                         "ships livecodebench_lite_rlcr.parquet but no config or grader for it): evaluate it "
@@ -136,7 +135,7 @@ def rlcr_prompts(loaded):
         if rows and "messages" in rows[0] and "<confidence>" not in rows[0]["problem"]:
             raise UserError(f"--mode rlcr: {bench}'s prompts are a verl file's, as released, and do not ask for "
                             "RLCR's format: pass the release's _rlcr parquet of it, or drop --mode rlcr")
-    return [(bench, rows, toy.RLCR_INSTRUCTION if bench in data.TOY_BENCHMARKS else prompts_lib.RLCR_INSTRUCTION, src)
+    return [(bench, rows, toy.RLCR_INSTRUCTION if bench in data.TOY_BENCHMARKS else data.RLCR_INSTRUCTION, src)
             for bench, rows, _, src in loaded]
 
 

@@ -19,7 +19,7 @@ from baselines import verbal_confidence  # RLCR's parser, read here for --confid
 from grade import answer_tag, blank_answer
 from grpo import pack, token_logprobs
 from label import cuts_of, mc_labels
-from prompts import RLCR_FORMAT
+from data import RLCR_FORMAT
 from rollout import generate
 from update import cut_ends, forward_pass
 from harness import plan, staticcache

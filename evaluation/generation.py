@@ -8,7 +8,7 @@ import sys
 from tqdm import tqdm
 
 import grade
-import prompts as prompts_lib
+import data
 import rollout
 from evaluation import confidence, shard
 from evaluation.samples import own_rows, ours, question_ids, read_samples
@@ -46,7 +46,7 @@ def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, con
                 written.add(None)
                 continue
             m = len(chunk[0][1])
-            prompts = [prompts_lib.row_prompt(tok, rows[q], instruction, system) for q, _ in chunk]
+            prompts = [data.row_prompt(tok, rows[q], instruction, system) for q, _ in chunk]
             seed = args.seed * 1_000_003 + chunk[0][0] * 1009 + m
             out = rollout.generate(model, tok, prompts, n=m, max_new_tokens=s["max_new_tokens"],
                                    temperature=args.temperature, top_p=args.top_p, seed=seed,

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import probe as probe_lib
-from prompts import row_prompt
+from data import row_prompt
 from grade import answers_match, boxed_answer, boxed_in_thinking, code_job, is_correct
 from label import forced_prompt
 from evaluation import shard

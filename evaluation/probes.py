@@ -7,7 +7,6 @@ import sys
 
 import data
 import probe as probe_lib
-import prompts as prompts_lib
 import toy
 from evaluation import posthoc
 from evaluation.benchmarks import REAL, TOY, run_config, settings
@@ -44,7 +43,7 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
     if is_toy:
         pool, instruction = toy_fit_rows(src), toy.INSTRUCTION
     else:
-        pool, instruction = data.load_rows(src, lcb_release=args.lcb_release), prompts_lib.instruction_for(src)
+        pool, instruction = data.load_rows(src, lcb_release=args.lcb_release), data.instruction_for(src)
     instruction = instruction if prompt[0] is None else prompt[0]
     seen = {r["problem"] for _, rows, _, _ in loaded for r in rows}
     # toy-pooled: the released fit's size from each benchmark (80 x 3), so each is fitted on as many as `toy` alone is

@@ -8,7 +8,6 @@ import pytest
 import data
 import evaluate
 import grade
-import prompts as prompts_lib
 import rollout
 import tiny
 from evaluation import benchmarks, generation, posthoc
@@ -64,7 +63,7 @@ def test_the_code_grader_runs_the_last_block_against_every_test():
 
 def test_logiqa_rows_show_lettered_options_and_grade_like_gpqa():
     name, rows, instruction = benchmarks.load_benchmark(f"logiqa={LOGIQA}")
-    assert (name, len(rows), instruction) == ("logiqa", 3, prompts_lib.LOGIQA_INSTRUCTION)
+    assert (name, len(rows), instruction) == ("logiqa", 3, data.LOGIQA_INSTRUCTION)
     assert rows[0] == {"problem": "All cats are animals. Tom is a cat.\n\nWhich must be true?\n\nA. Tom is a dog.\n"
                                   "B. Tom is an animal.\nC. Tom is not an animal.\nD. No cat is Tom.", "answer": "B"}
     assert [r["answer"] for r in rows] == ["B", "C", "A"]
