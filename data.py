@@ -1,10 +1,8 @@
-"""What is asked: each benchmark's rows (from the hub, a local file or the toy world) and the prompts
-built from them.
+"""What is asked: each benchmark's rows (from the hub, a local file or the toy world) and the
+prompts built from them; grade.py grades the answers.
 
     rows = load_rows("math500")                     # [{"problem": str, "answer": str}, ...]
     ids = row_prompt(tokenizer, rows[0], instruction_for("math500"))
-
-Answer extraction and grading live in grade.py.
 """
 import base64
 import binascii
@@ -20,8 +18,8 @@ from grade import plain_number as _number  # integer gold answers: "025" -> "25"
 from harness.files import UserError, first_line, sha256
 
 PROBLEM_FIELDS = ("problem", "question", "prompt", "Question", "query")
-# The longest problem a row may hold, in characters: real ones are under 10,000; a far longer row is
-# a broken file, whose tokenizing would take minutes and gigabytes before anything said so.
+# The longest problem a row may hold, in characters (real ones are under 10,000): a broken file is
+# refused before tokenizing it takes minutes.
 MAX_PROBLEM_CHARS = 200_000
 # Answer-like names only: `solution` is a worked text, never a gold answer.
 ANSWER_FIELDS = ("answer", "final_answer", "gold", "target", "Correct Answer")
@@ -55,9 +53,7 @@ BENCHMARKS = {
 }
 
 
-# Out-of-distribution benchmarks: evaluate.py reports them in their own block; the paper's Overall
-# is the mean over all benchmarks evaluated, with the math and OOD means beside it.
-OOD = ("lcb", "gpqa", "logiqa")
+OOD = ("lcb", "gpqa", "logiqa")  # out-of-distribution: their own block in evaluate.py's report
 # LiveCodeBench's releases as contest months (first, last), from its README: release_vN holds every
 # problem up to vN's last month; "v4_v5" (--lcb-release) is v4's first month to v5's last, the window
 # of DeepSeek-R1's and lighteval's LiveCodeBench scores.
@@ -65,8 +61,7 @@ LCB_RELEASES = {"v1": ("2023-05", "2024-03"), "v2": ("2024-04", "2024-05"), "v3"
                 "v4": ("2024-08", "2024-09"), "v5": ("2024-10", "2025-01"), "v6": ("2025-02", "2025-04")}
 LCB_RELEASE = "v4_v5"
 LCB_TEST_TYPES = ("stdin", "functional")
-# Bytes LiveCodeBench's private tests may inflate to: real ones are tens of MB, a zlib bomb is not bounded.
-LCB_TESTS_LIMIT = 1 << 30
+LCB_TESTS_LIMIT = 1 << 30  # bytes private tests may inflate to: real ones are tens of MB
 # The LiveCodeBench prompt, the whole user turn: lighteval's lcb:codegeneration text, lcb_runner's
 # stdin sentence ("Ensure that ...") added, a newline before each fence (README, difference table).
 LCB_PREAMBLE = ("You will be given a question (problem specification) and will generate a correct Python program "
@@ -104,15 +99,13 @@ def _lcb_field(r, name, default, decode=json.loads):
         except MemoryError:      # a zlib bomb larger than this machine's memory
             raise ValueError(f"{name} decodes to more than this machine's memory") from None
         except ValueError as e:
-            said = str(e).strip().splitlines()[0][:200] if str(e).strip() else "not JSON"
-            raise ValueError(f"{name}: {said}") from None
+            raise ValueError(f"{name}: {first_line(e)}") from None
     return value
 
 
 def _lcb_bounded(blob, name):
-    """ValueError when a base64(zlib(...)) blob inflates past LCB_TESTS_LIMIT, found in 16 MB chunks
-    that are not kept (zlib.decompress would allocate all of it first); a blob that is not one is
-    decode_private_tests' to refuse."""
+    """ValueError when a base64(zlib(...)) blob inflates past LCB_TESTS_LIMIT, counted in 16 MB
+    chunks that are not kept; a blob that is not one is decode_private_tests' to refuse."""
     try:
         data, d, total = base64.b64decode(blob), zlib.decompressobj(), 0
         while data and total <= LCB_TESTS_LIMIT:
@@ -127,9 +120,7 @@ def _lcb_bounded(blob, name):
 def lcb_tests(r):
     """(tests, fn_name) of a LiveCodeBench row: public then private tests, each {"input": str,
     "output": str, "testtype": stdin | functional}, all of one type (functional: fn_name, the method
-    of class Solution, from the metadata's func_name). ValueError when any of it is not so.
-    The hub stores them as JSON strings, private tests as base64(zlib(pickle(json))) (decoded
-    without running code: harness/sandbox.py:decode_private_tests); a local copy may hold them decoded."""
+    of class Solution, from the metadata's func_name). ValueError when any of it is not so."""
     from harness.sandbox import decode_private_tests
     public = _lcb_field(r, "public_test_cases", None)
     blob = r.get("private_test_cases")
@@ -161,10 +152,8 @@ def lcb_tests(r):
 
 
 def _lcb_row(r):
-    """(prompt, gold) of a LiveCodeBench row: the LCB_* prompt and the JSON string {"tests": public
-    + private tests, "fn_name": Solution's method, or null for stdin} that grade.is_correct(...,
-    grader="code") runs. The tests and the metadata are each checked (lcb_tests): a bad row is one
-    line."""
+    """(prompt, gold) of a LiveCodeBench row: the LCB_* prompt and the JSON of {"tests", "fn_name"}
+    (lcb_tests) that grade.is_correct(..., grader="code") runs; a bad row is one line."""
     starter, question = r.get("starter_code"), r.get("question_content")
     try:
         if not isinstance(question, str) or not question.strip():
@@ -193,13 +182,8 @@ def _logiqa_row(r):
     return f"{scrub(r['context']).strip()}\n\n{scrub(r['question']).strip()}\n\n{text}", str(r["label"]).upper()
 
 
-# Benchmarks whose rows are built from several fields (tests, options); a local copy (load_rows'
-# `like`) is built the same way.
-BUILD = {"lcb": _lcb_row, "logiqa": _logiqa_row}
-
-
-# The toy world's benchmarks (toy.BENCHMARKS, named here so that data.py does not import the toy).
-TOY_BENCHMARKS = ("toy", "toy-long", "toy-sub")
+BUILD = {"lcb": _lcb_row, "logiqa": _logiqa_row}  # rows built from several fields, local copies too
+TOY_BENCHMARKS = ("toy", "toy-long", "toy-sub")  # toy.BENCHMARKS: data.py imports no toy
 
 
 class DataError(UserError):
@@ -266,8 +250,7 @@ def _read_file(path):
     return data
 
 
-def _long_integer(path, line):
-    """Python's int-string limit (sys.get_int_max_str_digits): json.loads raises a plain ValueError."""
+def _long_integer(path, line):  # json.loads' plain ValueError past sys.get_int_max_str_digits
     return DataError(f"{path}: line {line} holds an integer of over {sys.get_int_max_str_digits():,} digits, "
                      "which Python does not read as a number: fix the row (or write the value as a string)")
 
@@ -281,24 +264,18 @@ def _looks_local(source):
             or ext.startswith(("js", "par", "nd")) or ext in ("csv", "tsv", "txt", "gz", "zip", "arrow"))
 
 
-def _from_hub(hf_id, config, split):
+def _from_hub(hf_id, config, split, files=None):
+    """A hub dataset's rows, or with `files` (a glob) its raw json files' (no loading script)."""
     import datasets
-    return _hub(hf_id, lambda: datasets.load_dataset(hf_id, config, split=split))
-
-
-def _hub_files(hf_id, files):
-    """The rows of a hub repository's raw json files (a glob): datasets runs no loading script."""
-    import datasets
-    return _hub(hf_id, lambda: datasets.load_dataset("json", data_files=f"hf://datasets/{hf_id}/{files}", split="train"))
-
-
-def _hub(hf_id, load):
     try:
-        return list(load())
+        if files:
+            files = f"hf://datasets/{hf_id}/{files}"
+            return list(datasets.load_dataset("json", data_files=files, split="train"))
+        return list(datasets.load_dataset(hf_id, config, split=split))
     except Exception as e:
-        reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        raise DataError(f"cannot reach the Hugging Face hub for {hf_id} ({reason}): "
-                        "download it first or pass a local json/jsonl/parquet file") from None
+        raise DataError(f"cannot reach the Hugging Face hub for {hf_id} ({type(e).__name__}: "
+                        f"{first_line(e)}): download it first or pass a local json/jsonl/parquet "
+                        "file") from None
 
 
 def _field(keys, given, preferred, candidates, kind, flag, source):
@@ -314,17 +291,14 @@ def _field(keys, given, preferred, candidates, kind, flag, source):
                     f"{sorted(keys)}; pass {flag} NAME")
 
 
-def _first(value):
-    """A list answer is its first entry (OlympiadBench lists its final answers)."""
+def _first(value):  # OlympiadBench lists its final answers
     if isinstance(value, (list, tuple)):
         return value[0] if value else None
     return value
 
 
 def _answer_text(value, integer):
-    """Gold answer as a string: first of a list (OlympiadBench), $ stripped, "####" tail (GSM8K),
-    integer-valued floats as integers (70.0 -> "70")."""
-    value = _first(value)
+    """Gold answer as a string: $ stripped, "####" tail (GSM8K), 70.0 as "70"."""
     if value is None:
         return None
     if isinstance(value, float) and value.is_integer():
@@ -347,8 +321,7 @@ def _choices(row, index, spec):
 
 
 def _verl_row(r, i, where):
-    """(problem text, gold, chat list) of a row in verl's layout (the release's parquets): `prompt`
-    the chat list as released, `reward_model.ground_truth` the gold; the text joins the turns."""
+    """(problem text, gold, chat list) of a row in verl's layout (the release's parquets)."""
     chat, gold = r.get("prompt"), (r.get("reward_model") or {}).get("ground_truth")
     turn = lambda m: isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)  # noqa: E731
     if not (isinstance(chat, list) and chat and all(map(turn, chat))):
@@ -359,7 +332,7 @@ def _verl_row(r, i, where):
 
 
 def _gradable(where, i, field, value):
-    """A row's field value, when it is text or a number (a dict, list, bool or NaN can never be graded)."""
+    """A row's field value, when it is text or a number."""
     if isinstance(value, (dict, list, bool)) or (isinstance(value, float) and not math.isfinite(value)):
         raise DataError(f"{where}: row {i} field {field!r} is {str(value)[:40]!r} "
                         f"({type(value).__name__}), which can never be graded: give text or a number")
@@ -367,8 +340,7 @@ def _gradable(where, i, field, value):
 
 
 def _check_text(where, i, problem, answer):
-    """A row's text bounded where it is read: a problem of at most MAX_PROBLEM_CHARS, valid Unicode
-    (JSON can spell a lone surrogate, "\\ud800", which no tokenizer takes)."""
+    """A problem of at most MAX_PROBLEM_CHARS; valid Unicode (JSON can spell a lone surrogate)."""
     if len(problem) > MAX_PROBLEM_CHARS:
         raise DataError(f"{where}: row {i} has a problem of {len(problem):,} characters, over the "
                         f"{MAX_PROBLEM_CHARS:,} a row may hold (data.MAX_PROBLEM_CHARS): fix or drop the row")
@@ -384,19 +356,17 @@ def load_rows(source, split=None, problem_field=None, answer_field=None, limit=N
               lcb_release=LCB_RELEASE):
     """[{"problem": str, "answer": str}] from a TOY_BENCHMARKS or BENCHMARKS name, a local
     json/jsonl/parquet file or an HF dataset id ("owner/name"); fields are found unless given. Rows
-    of a file in verl's layout (`prompt` a chat list, `reward_model.ground_truth`) also hold
-    "messages", rendered as is.
-    like: the BENCHMARKS name whose layout a local file has (BUILD, gpqa's options); lcb_release:
-    LiveCodeBench's window of contest months (lcb_window)."""
+    of a file in verl's layout also hold "messages", rendered as is. like: the BENCHMARKS name whose
+    layout a local file has; lcb_release: LiveCodeBench's window of contest months (lcb_window)."""
     name = source if source in BENCHMARKS else like
     spec = BENCHMARKS[like] if like in BUILD or "choices" in BENCHMARKS.get(like, {}) else {}
     if source in TOY_BENCHMARKS:
-        import toy  # the offline world; imported here so data.py stands alone otherwise
+        import toy
         records, where = toy.dataset(split or "train", source), source
     elif source in BENCHMARKS:
         spec = BENCHMARKS[source]
-        records = (_hub_files(spec["hf"], spec["files"]) if "files" in spec
-                   else _from_hub(spec["hf"], spec.get("config"), split or spec["split"]))
+        split = split or spec.get("split")
+        records = _from_hub(spec["hf"], spec.get("config"), split, spec.get("files"))
         where = spec["hf"]
     elif os.path.isdir(source):
         found = sorted(n for n in os.listdir(source) if n.lower().endswith((".json", ".jsonl", ".parquet")))
@@ -476,8 +446,7 @@ LOGIQA_INSTRUCTION = (" Let's think step by step and output the letter of the co
 
 
 def instruction_for(name):
-    """The text appended to each problem of a benchmark: none for LiveCodeBench (its prompt is whole),
-    LogiQA's letter request, else the math INSTRUCTION."""
+    """The text appended to each problem of a benchmark (LiveCodeBench's prompt is whole)."""
     return {"lcb": "", "logiqa": LOGIQA_INSTRUCTION}.get(name, INSTRUCTION)
 
 
@@ -509,16 +478,14 @@ def _render(tokenizer, messages, **kw):
         raise DataError(f"this model's chat template renders one prompt for over {TEMPLATE_SECONDS} s: "
                         "fix its chat_template") from None
     except (TemplateError, ValueError, TypeError) as e:
-        first = (str(e).strip().splitlines() or [""])[0][:200]
         fix = " or drop --system-prompt" if messages[0]["role"] == "system" else ""
-        raise DataError(f"this model's chat template cannot render the prompt ({type(e).__name__}: {first}): "
-                        f"give the model a working chat_template{fix}") from None
+        raise DataError(f"this model's chat template cannot render the prompt ({type(e).__name__}: "
+                        f"{first_line(e)}): give the model a working chat_template{fix}") from None
 
 
 def chat_prompt(tokenizer, problem: str, instruction: str = INSTRUCTION, system: str = None) -> list[int]:
-    """Prompt ids: chat template over one user turn `problem + instruction` (after a system turn
-    when `system` is given), generation prompt added (R1: BOS <｜User｜>...<｜Assistant｜><think>\\n).
-    Tokenized by the template itself, since re-tokenizing the rendered string would add a second BOS."""
+    """Prompt ids: the chat template over one user turn `problem + instruction` (after a system
+    turn), generation prompt added (R1: BOS <｜User｜>...<｜Assistant｜><think>\\n)."""
     messages = [{"role": "user", "content": problem + instruction}]
     if system:
         messages.insert(0, {"role": "system", "content": system})
@@ -529,16 +496,16 @@ def chat_prompt(tokenizer, problem: str, instruction: str = INSTRUCTION, system:
 
 
 def row_prompt(tokenizer, row, instruction: str = INSTRUCTION, system: str = None) -> list[int]:
-    """Prompt ids of a data row: chat_prompt over its problem, or, for a row read from a file in verl's
-    layout (the release's parquets), its chat list row["messages"] as released: that prompt already
-    holds the release's instruction, so neither `instruction` nor `system` is added."""
+    """Prompt ids of a data row: chat_prompt over its problem, or a verl row's chat list as released
+    (row["messages"], which holds the release's instruction: nothing is added)."""
     if "messages" in row:
         return _ids(tokenizer, row["messages"])
     return chat_prompt(tokenizer, row["problem"], instruction, system)
 
 
 def _ids(tokenizer, messages):
-    """The chat template over `messages`, generation prompt added, tokenized; one BOS."""
+    """The chat template over `messages`, tokenized by the template itself (re-tokenizing the text
+    would add a second BOS); one BOS."""
     out = _render(tokenizer, messages, add_generation_prompt=True, tokenize=True)
     ids = [int(i) for i in (out["input_ids"] if hasattr(out, "keys") else out)]
     bos = tokenizer.bos_token_id
@@ -548,16 +515,14 @@ def _ids(tokenizer, messages):
 
 
 def drop_long_prompts(rows, tokenizer, max_tokens, instruction=INSTRUCTION):
-    """(rows whose chat prompt has at most max_tokens tokens, number dropped); the released training
-    set drops longer prompts (600 tokens) when it is loaded."""
+    """(rows whose chat prompt has at most max_tokens tokens, number dropped), as released."""
     over = {i for i, _ in long_prompts(tokenizer, rows, instruction, max_tokens)}
     return [r for i, r in enumerate(rows) if i not in over], len(over)
 
 
 def check_context(tokenizer, rows, instruction, context, max_new_tokens, where, say=print, system=None):
     """DataError when a prompt leaves no room to generate in the model's `context` tokens; `say` a
-    warning when prompts plus max_new_tokens overflow it. The first row is rendered (with `system`)
-    first: a chat template that fails stops here, before any folder is made."""
+    warning when prompts plus max_new_tokens overflow it. A template that fails stops here."""
     if rows:
         row_prompt(tokenizer, rows[0], instruction, system)
     if not context:
@@ -573,8 +538,8 @@ def check_context(tokenizer, rows, instruction, context, max_new_tokens, where, 
 
 
 def long_prompts(tokenizer, rows, instruction, limit):
-    """[(row index, prompt tokens)] for rows whose chat prompt is longer than `limit` tokens. Only rows
-    that could be are tokenized: at most the template's tokens (per turn) plus two per UTF-8 byte."""
+    """[(row index, prompt tokens)] for rows whose chat prompt is longer than `limit` tokens; only
+    those that could be (template tokens per turn plus two per UTF-8 byte) are tokenized."""
     import logging
     base = len(chat_prompt(tokenizer, "", instruction))
     out, log = [], logging.getLogger("transformers")

@@ -164,7 +164,7 @@ _CHOICE_WORD = re.compile(r"\b(?:OPTION|CHOICE|ANSWER)\s*[:\-]?\s*([A-D])\b")
 
 def released_letter(pred, gold):
     """A natural boxed answer against an option letter as released (is_correct_strict_box): right
-    when Minerva's form is the letter (`$A$`, `x = A`) or it is `(A)`; `a`, `A) 3.5 eV` are wrong."""
+    when Minerva's form is the letter (`$A$`, `x = A`) or it is `(A)`; `a`, `A) 3 eV` are wrong."""
     return minerva_form(pred) == gold or re.fullmatch(rf"\s*\(\s*{gold}\s*\)\s*", pred.strip("$")) is not None
 
 
@@ -190,7 +190,7 @@ def answer_tag(text):
 
 
 def blank_answer(tag):
-    """Whether an RLCR answer tag is no answer as released: none, or empty in Minerva's form ("$ $")."""
+    """Whether an RLCR answer tag is no answer as released: none, or empty in Minerva's form."""
     return tag is None or not tag.strip() or (len(tag) <= MAX_ANSWER_CHARS and not minerva_form(tag))
 
 
@@ -209,7 +209,7 @@ def boxed_in_thinking(text):
 
 
 def extract(text, grader="math", form="box"):
-    """The answer a response gives: its last box (strict: the raw last box), or its last <answer> tag."""
+    """The answer a response gives: its last box (strict: the raw last), or its last <answer>."""
     if form == "tag":
         return answer_tag(text)
     return last_boxed(text) if grader == "strict" else boxed_answer(text)
@@ -222,7 +222,7 @@ def code_job(text, gold):
 
 
 def is_correct(text, gold, grader="math", form="box") -> bool:
-    """True only when the text's answer (extract) is the gold; grader="code": its code passes the tests."""
+    """True only when the text's answer (extract) is the gold; grader="code": its code passes."""
     if grader == "code":
         return sandbox.run_tests(**code_job(text, gold))
     return answers_match(extract(text, grader, form), gold, grader)

@@ -5,9 +5,8 @@
     oks = grade_many([{"code": c, "tests": t, "fn_name": f}, ...], workers=2)
     tests = decode_private_tests(row["private_test_cases"])
 
-A test is `{"input": str, "output": str, "testtype": "stdin" | "functional"}`, graded by
-LiveCodeBench's rules (`same_output`). The child (harness/sandbox_child.py), what it isolates, the
-protocol and --unconfined-code: docs/reference.md, "The code sandbox".
+A test is `{"input": str, "output": str, "testtype": "stdin" | "functional"}` (data.lcb_tests checks
+them). The child, what it isolates and --unconfined-code: docs/reference.md, "The code sandbox".
 """
 import base64
 import binascii
@@ -59,16 +58,7 @@ def extract_code(response):
 
 def run_tests(code, tests, fn_name=None, per_test_s=6.0):
     """True when the code passes every test; no code (None) fails. One child process per call."""
-    if not tests:
-        raise ValueError("run_tests: no tests given; a problem needs at least one test")
-    kinds = {t["testtype"] for t in tests}
-    if len(kinds) != 1 or not kinds <= {"stdin", "functional"}:
-        raise ValueError(f"run_tests: testtype must be all 'stdin' or all 'functional', got {sorted(kinds)}")
-    functional = kinds == {"functional"}
-    if not per_test_s > 0:
-        raise ValueError(f"run_tests: per_test_s must be positive, got {per_test_s}")
-    if functional and not fn_name:
-        raise ValueError("run_tests: functional tests need fn_name (the method of class Solution)")
+    functional = tests[0]["testtype"] == "functional"
     if code is None:
         return False
     confined = check()

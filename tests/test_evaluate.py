@@ -107,7 +107,7 @@ def test_the_released_gate_needs_a_box_in_the_thinking():
 def test_short_names_resolve_to_hub_ids_without_downloading(monkeypatch):
     asked = []
 
-    def fake_hub(hf_id, config, split):
+    def fake_hub(hf_id, config, split, files=None):
         asked.append((hf_id, config, split))
         return [{"problem": "1+1", "answer": 2.0, "url": "https://x/2023_AMC_12A"},
                 {"problem": "2+2", "answer": 4.0, "url": "https://x/2022_AMC_12A"}]
