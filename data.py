@@ -4,15 +4,12 @@ prompts built from them; grade.py grades the answers.
     rows = load_rows("math500")                     # [{"problem": str, "answer": str}, ...]
     ids = row_prompt(tokenizer, rows[0], instruction_for("math500"))
 """
-import base64
-import binascii
 import json
 import math
 import os
 import random
 import re
 import sys
-import zlib
 
 from grade import plain_number as _number  # integer gold answers: "025" -> "25"
 from harness.files import UserError, first_line, sha256
@@ -61,7 +58,6 @@ LCB_RELEASES = {"v1": ("2023-05", "2024-03"), "v2": ("2024-04", "2024-05"), "v3"
                 "v4": ("2024-08", "2024-09"), "v5": ("2024-10", "2025-01"), "v6": ("2025-02", "2025-04")}
 LCB_RELEASE = "v4_v5"
 LCB_TEST_TYPES = ("stdin", "functional")
-LCB_TESTS_LIMIT = 1 << 30  # bytes private tests may inflate to: real ones are tens of MB
 # The LiveCodeBench prompt, the whole user turn: lighteval's lcb:codegeneration text, lcb_runner's
 # stdin sentence ("Ensure that ...") added, a newline before each fence (README, difference table).
 LCB_PREAMBLE = ("You will be given a question (problem specification) and will generate a correct Python program "
@@ -103,29 +99,12 @@ def _lcb_field(r, name, default, decode=json.loads):
     return value
 
 
-def _lcb_bounded(blob, name):
-    """ValueError when a base64(zlib(...)) blob inflates past LCB_TESTS_LIMIT, counted in 16 MB
-    chunks that are not kept; a blob that is not one is decode_private_tests' to refuse."""
-    try:
-        data, d, total = base64.b64decode(blob), zlib.decompressobj(), 0
-        while data and total <= LCB_TESTS_LIMIT:
-            total += len(d.decompress(data, 1 << 24))
-            data = d.unconsumed_tail
-    except (binascii.Error, zlib.error, ValueError):
-        return
-    if total > LCB_TESTS_LIMIT:
-        raise ValueError(f"{name} inflates to more than {LCB_TESTS_LIMIT >> 20} MB (a zlib bomb?)")
-
-
 def lcb_tests(r):
     """(tests, fn_name) of a LiveCodeBench row: public then private tests, each {"input": str,
     "output": str, "testtype": stdin | functional}, all of one type (functional: fn_name, the method
     of class Solution, from the metadata's func_name). ValueError when any of it is not so."""
     from harness.sandbox import decode_private_tests
     public = _lcb_field(r, "public_test_cases", None)
-    blob = r.get("private_test_cases")
-    if isinstance(blob, str) and blob and not blob.lstrip().startswith("["):
-        _lcb_bounded(blob, "private_test_cases")
     private = _lcb_field(r, "private_test_cases", "[]", decode_private_tests)
     meta = _lcb_field(r, "metadata", "{}")
     for name, value in (("public_test_cases", public), ("private_test_cases", private)):

@@ -40,6 +40,7 @@ LATE_S = 1                      # a reply may come this long after the child's o
 NAMESPACES = ("--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child")
 ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8",
        "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+TESTS_BYTES = 1 << 30           # what private tests may inflate to: real ones are tens of MB
 allow_unconfined = False        # set by evaluate.py --unconfined-code: run code unconfined where namespaces fail
 hide = []                       # what else a program must not see (evaluate.py: models, benchmarks, --out)
 _warned = []                    # the reason, once the unconfined warning is printed
@@ -273,15 +274,23 @@ class _RefuseClasses(pickle.Unpickler):
 
 
 def decode_private_tests(blob):
-    """LiveCodeBench's private tests: JSON, or base64(zlib(pickle(json string))) read without running code."""
+    """LiveCodeBench's private tests: JSON, or base64(zlib(pickle(json string))) read without running
+    code, refused when it inflates past TESTS_BYTES (counted in 16 MB chunks that are not kept)."""
     try:
         return json.loads(blob)
     except ValueError:
         pass
     try:
-        raw = zlib.decompress(base64.b64decode(blob))
+        packed = rest = base64.b64decode(blob)
+        inflate, size = zlib.decompressobj(), 0
+        while rest and size <= TESTS_BYTES:
+            size += len(inflate.decompress(rest, 1 << 24))
+            rest = inflate.unconsumed_tail
+        raw = zlib.decompress(packed) if size <= TESTS_BYTES else None
     except (binascii.Error, zlib.error):
         raise ValueError("private tests: neither JSON nor base64(zlib(pickle(json)))") from None
+    if raw is None:
+        raise ValueError(f"private tests inflate to more than {TESTS_BYTES >> 20} MB (a zlib bomb?)")
     try:
         text = _RefuseClasses(io.BytesIO(raw)).load()
     except ValueError:
