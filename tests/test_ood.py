@@ -193,8 +193,9 @@ def test_an_evaluation_on_code_and_logiqa_prints_both_blocks_and_pass_at_k(tiny_
 def test_the_hub_loaders_read_the_raw_files_and_the_harness_copy(monkeypatch):
     asked = []
     raw = [json.loads(line) for line in open(LCB)]
-    monkeypatch.setattr(data, "_from_hub", lambda hf_id, config, split, files: asked.append((hf_id, files))
-                        or raw if files else asked.append((hf_id, config, split)) or [json.loads(line) for line in open(LOGIQA)])
+    logiqa = [json.loads(line) for line in open(LOGIQA)]
+    monkeypatch.setattr(data, "_from_hub", lambda hf_id, config, split, files=None: asked.append((hf_id, files))
+                        or raw if files else asked.append((hf_id, config, split)) or logiqa)
     assert len(benchmarks.load_benchmark("lcb")[1]) == 2 and len(benchmarks.load_benchmark("logiqa")[1]) == 3
     assert asked == [("livecodebench/code_generation_lite", "test*.jsonl"), ("lighteval/logiqa_harness", "logiqa", "test")]
 
