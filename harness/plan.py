@@ -76,7 +76,7 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None, prob
         gen_copy = act_bytes * total if sharded or cuda else 0
     else:
         state, adapter_state = 16 * total / world, 0.0
-        gen_copy = 0 if not cuda and world == 1 else act_bytes * total  # wrap(): samples with the policy
+        gen_copy = 0 if not cuda and world == 1 else act_bytes * total  # wrap(): the policy samples
     prompts_here = -(-cfg["prompts_per_step"] // world)
     per_token = kv_bytes_per_token(config, act_bytes)
     layer_acts = lambda tokens: tokens * (8 * d + 3 * d_ff) * act_bytes  # noqa: E731  one layer's forward

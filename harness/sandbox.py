@@ -64,8 +64,7 @@ def run_tests(code, tests, fn_name=None, per_test_s=6.0):
         return False
     confined = check()
     total_s = (per_test_s + 1) * len(tests) + 5
-    start = time.monotonic()
-    deadline = [start + max(START_S, total_s)]   # until "ready": a child that cannot start is not a wrong answer
+    deadline = [time.monotonic() + max(START_S, total_s)]   # until "ready": not a wrong answer
     workdir = tempfile.mkdtemp(prefix="sandbox-")   # confined: the mount point of the child's root
     read_fd, write_fd = os.pipe()
     payload = {"code": code, "inputs": [t["input"] for t in tests], "functional": functional,
@@ -274,8 +273,8 @@ class _RefuseClasses(pickle.Unpickler):
 
 
 def decode_private_tests(blob):
-    """LiveCodeBench's private tests: JSON, or base64(zlib(pickle(json string))) read without running
-    code, refused when it inflates past TESTS_BYTES (counted in 16 MB chunks that are not kept)."""
+    """LiveCodeBench's private tests: JSON, or base64(zlib(pickle(json string))) read without
+    running code, refused when it inflates past TESTS_BYTES (counted in 16 MB chunks, not kept)."""
     try:
         return json.loads(blob)
     except ValueError:
@@ -290,7 +289,7 @@ def decode_private_tests(blob):
     except (binascii.Error, zlib.error):
         raise ValueError("private tests: neither JSON nor base64(zlib(pickle(json)))") from None
     if raw is None:
-        raise ValueError(f"private tests inflate to more than {TESTS_BYTES >> 20} MB (a zlib bomb?)")
+        raise ValueError(f"private tests inflate to over {TESTS_BYTES >> 20} MB (a zlib bomb?)")
     try:
         text = _RefuseClasses(io.BytesIO(raw)).load()
     except ValueError:
