@@ -188,12 +188,8 @@ def check():
     if why is None:
         return True
     if not allow_unconfined:
-        if UNSHARE in why and "No such file" in why:
-            fix = "Install util-linux's unshare"
-        elif "unshare" in why:
-            fix = "Allow unprivileged user namespaces"
-        else:
-            fix = "Fix that"
+        fix = ("Install util-linux's unshare" if UNSHARE in why and "No such file" in why else
+               "Allow unprivileged user namespaces" if "unshare" in why else "Fix that")
         raise SandboxUnavailable(f"sandbox: cannot confine programs in namespaces here ({why}); no code was run. "
                                  f"{fix}, or accept running model-written code unconfined with evaluate.py "
                                  "--unconfined-code")
