@@ -11,9 +11,8 @@ import math
 import os
 
 import grade
-import prompts as prompts_lib
 import toy
-from data import ANSWER_FIELDS, PROBLEM_FIELDS
+from data import ANSWER_FIELDS, INSTRUCTION, PROBLEM_FIELDS, RLCR_INSTRUCTION
 from grpo import AGGS
 from baselines import PROBE_MODES, REWARDS  # the --reward modes; those that fit a probe
 from harness import rewardfn
@@ -33,7 +32,7 @@ TOY = dict(data="toy", eval_data="toy", steps=45, prompts_per_step=16, group_siz
 # warm-up). The toy keeps its own (no decay, the first update at lr / warmup): its README numbers.
 REAL = dict(data="deepscaler", eval_data="math500", steps=600, prompts_per_step=32, group_size=6,
             lr=1e-6, warmup=10, warmup_from_zero=True, weight_decay=0.01, max_new_tokens=8000,
-            max_prompt_tokens=600, eval_n=100, eval_every=50, save_every=40, grad_ckpt=True, micro_tokens=16384, instruction=prompts_lib.INSTRUCTION,
+            max_prompt_tokens=600, eval_n=100, eval_every=50, save_every=40, grad_ckpt=True, micro_tokens=16384, instruction=INSTRUCTION,
             grader="strict",  # the released training reward
             gen_batch=8)  # 8 prompts x 6 = 48 rows x 8k tokens: ~22 GB of KV cache for the 7B
 # hub id -> what its own released run script changes in REAL (docs/reference.md: the 4B's recipe)
@@ -56,7 +55,7 @@ LORA_LR_FACTOR = 10
 IMPLIED = {"final-margin": dict(budgets=(1.0,), corner="final-margin"),
            "process-brier": dict(drop_unanimous=True),
            "final-brier": dict(budgets=(1.0,), drop_unanimous=True),
-           "rlcr": dict(instruction=prompts_lib.RLCR_INSTRUCTION, grader="minerva")}  # the released RLCR reward
+           "rlcr": dict(instruction=RLCR_INSTRUCTION, grader="minerva")}  # the released RLCR reward
 # The toy world (256 positions, bare sums) asks for RLCR's format with its own short prompt.
 TOY_IMPLIED = {"rlcr": dict(instruction=toy.RLCR_INSTRUCTION)}
 

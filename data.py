@@ -1,25 +1,22 @@
-"""Datasets: each benchmark's rows, from the hub, a local file or the toy world.
+"""What is asked: each benchmark's rows (from the hub, a local file or the toy world) and the
+prompts built from them; grade.py grades the answers.
 
     rows = load_rows("math500")                     # [{"problem": str, "answer": str}, ...]
-
-The prompts built from them live in prompts.py; answer extraction and grading in grade.py.
+    ids = row_prompt(tokenizer, rows[0], instruction_for("math500"))
 """
-import base64
-import binascii
 import json
 import math
 import os
 import random
 import re
 import sys
-import zlib
 
 from grade import plain_number as _number  # integer gold answers: "025" -> "25"
 from harness.files import UserError, first_line, sha256
 
 PROBLEM_FIELDS = ("problem", "question", "prompt", "Question", "query")
-# The longest problem a row may hold, in characters: real ones are under 10,000; a far longer row is
-# a broken file, whose tokenizing would take minutes and gigabytes before anything said so.
+# The longest problem a row may hold, in characters (real ones are under 10,000): a broken file is
+# refused before tokenizing it takes minutes.
 MAX_PROBLEM_CHARS = 200_000
 # Answer-like names only: `solution` is a worked text, never a gold answer.
 ANSWER_FIELDS = ("answer", "final_answer", "gold", "target", "Correct Answer")
@@ -53,9 +50,7 @@ BENCHMARKS = {
 }
 
 
-# Out-of-distribution benchmarks: evaluate.py reports them in their own block; the paper's Overall
-# is the mean over all benchmarks evaluated, with the math and OOD means beside it.
-OOD = ("lcb", "gpqa", "logiqa")
+OOD = ("lcb", "gpqa", "logiqa")  # out-of-distribution: their own block in evaluate.py's report
 # LiveCodeBench's releases as contest months (first, last), from its README: release_vN holds every
 # problem up to vN's last month; "v4_v5" (--lcb-release) is v4's first month to v5's last, the window
 # of DeepSeek-R1's and lighteval's LiveCodeBench scores.
@@ -63,8 +58,6 @@ LCB_RELEASES = {"v1": ("2023-05", "2024-03"), "v2": ("2024-04", "2024-05"), "v3"
                 "v4": ("2024-08", "2024-09"), "v5": ("2024-10", "2025-01"), "v6": ("2025-02", "2025-04")}
 LCB_RELEASE = "v4_v5"
 LCB_TEST_TYPES = ("stdin", "functional")
-# Bytes LiveCodeBench's private tests may inflate to: real ones are tens of MB, a zlib bomb is not bounded.
-LCB_TESTS_LIMIT = 1 << 30
 # The LiveCodeBench prompt, the whole user turn: lighteval's lcb:codegeneration text, lcb_runner's
 # stdin sentence ("Ensure that ...") added, a newline before each fence (README, difference table).
 LCB_PREAMBLE = ("You will be given a question (problem specification) and will generate a correct Python program "
@@ -102,37 +95,16 @@ def _lcb_field(r, name, default, decode=json.loads):
         except MemoryError:      # a zlib bomb larger than this machine's memory
             raise ValueError(f"{name} decodes to more than this machine's memory") from None
         except ValueError as e:
-            said = str(e).strip().splitlines()[0][:200] if str(e).strip() else "not JSON"
-            raise ValueError(f"{name}: {said}") from None
+            raise ValueError(f"{name}: {first_line(e)}") from None
     return value
-
-
-def _lcb_bounded(blob, name):
-    """ValueError when a base64(zlib(...)) blob inflates past LCB_TESTS_LIMIT, found in 16 MB chunks
-    that are not kept (zlib.decompress would allocate all of it first); a blob that is not one is
-    decode_private_tests' to refuse."""
-    try:
-        data, d, total = base64.b64decode(blob), zlib.decompressobj(), 0
-        while data and total <= LCB_TESTS_LIMIT:
-            total += len(d.decompress(data, 1 << 24))
-            data = d.unconsumed_tail
-    except (binascii.Error, zlib.error, ValueError):
-        return
-    if total > LCB_TESTS_LIMIT:
-        raise ValueError(f"{name} inflates to more than {LCB_TESTS_LIMIT >> 20} MB (a zlib bomb?)")
 
 
 def lcb_tests(r):
     """(tests, fn_name) of a LiveCodeBench row: public then private tests, each {"input": str,
     "output": str, "testtype": stdin | functional}, all of one type (functional: fn_name, the method
-    of class Solution, from the metadata's func_name). ValueError when any of it is not so.
-    The hub stores them as JSON strings, private tests as base64(zlib(pickle(json))) (decoded
-    without running code: harness/sandbox.py:decode_private_tests); a local copy may hold them decoded."""
+    of class Solution, from the metadata's func_name). ValueError when any of it is not so."""
     from harness.sandbox import decode_private_tests
     public = _lcb_field(r, "public_test_cases", None)
-    blob = r.get("private_test_cases")
-    if isinstance(blob, str) and blob and not blob.lstrip().startswith("["):
-        _lcb_bounded(blob, "private_test_cases")
     private = _lcb_field(r, "private_test_cases", "[]", decode_private_tests)
     meta = _lcb_field(r, "metadata", "{}")
     for name, value in (("public_test_cases", public), ("private_test_cases", private)):
@@ -159,10 +131,8 @@ def lcb_tests(r):
 
 
 def _lcb_row(r):
-    """(prompt, gold) of a LiveCodeBench row: the LCB_* prompt and the JSON string {"tests": public
-    + private tests, "fn_name": Solution's method, or null for stdin} that grade.is_correct(...,
-    grader="code") runs. The tests and the metadata are each checked (lcb_tests): a bad row is one
-    line."""
+    """(prompt, gold) of a LiveCodeBench row: the LCB_* prompt and the JSON of {"tests", "fn_name"}
+    (lcb_tests) that grade.is_correct(..., grader="code") runs; a bad row is one line."""
     starter, question = r.get("starter_code"), r.get("question_content")
     try:
         if not isinstance(question, str) or not question.strip():
@@ -191,13 +161,8 @@ def _logiqa_row(r):
     return f"{scrub(r['context']).strip()}\n\n{scrub(r['question']).strip()}\n\n{text}", str(r["label"]).upper()
 
 
-# Benchmarks whose rows are built from several fields (tests, options); a local copy (load_rows'
-# `like`) is built the same way.
-BUILD = {"lcb": _lcb_row, "logiqa": _logiqa_row}
-
-
-# The toy world's benchmarks (toy.BENCHMARKS, named here so that data.py does not import the toy).
-TOY_BENCHMARKS = ("toy", "toy-long", "toy-sub")
+BUILD = {"lcb": _lcb_row, "logiqa": _logiqa_row}  # rows built from several fields, local copies too
+TOY_BENCHMARKS = ("toy", "toy-long", "toy-sub")  # toy.BENCHMARKS: data.py imports no toy
 
 
 class DataError(UserError):
@@ -264,8 +229,7 @@ def _read_file(path):
     return data
 
 
-def _long_integer(path, line):
-    """Python's int-string limit (sys.get_int_max_str_digits): json.loads raises a plain ValueError."""
+def _long_integer(path, line):  # json.loads' plain ValueError past sys.get_int_max_str_digits
     return DataError(f"{path}: line {line} holds an integer of over {sys.get_int_max_str_digits():,} digits, "
                      "which Python does not read as a number: fix the row (or write the value as a string)")
 
@@ -279,24 +243,18 @@ def _looks_local(source):
             or ext.startswith(("js", "par", "nd")) or ext in ("csv", "tsv", "txt", "gz", "zip", "arrow"))
 
 
-def _from_hub(hf_id, config, split):
+def _from_hub(hf_id, config, split, files=None):
+    """A hub dataset's rows, or with `files` (a glob) its raw json files' (no loading script)."""
     import datasets
-    return _hub(hf_id, lambda: datasets.load_dataset(hf_id, config, split=split))
-
-
-def _hub_files(hf_id, files):
-    """The rows of a hub repository's raw json files (a glob): datasets runs no loading script."""
-    import datasets
-    return _hub(hf_id, lambda: datasets.load_dataset("json", data_files=f"hf://datasets/{hf_id}/{files}", split="train"))
-
-
-def _hub(hf_id, load):
     try:
-        return list(load())
+        if files:
+            files = f"hf://datasets/{hf_id}/{files}"
+            return list(datasets.load_dataset("json", data_files=files, split="train"))
+        return list(datasets.load_dataset(hf_id, config, split=split))
     except Exception as e:
-        reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        raise DataError(f"cannot reach the Hugging Face hub for {hf_id} ({reason}): "
-                        "download it first or pass a local json/jsonl/parquet file") from None
+        raise DataError(f"cannot reach the Hugging Face hub for {hf_id} ({type(e).__name__}: "
+                        f"{first_line(e)}): download it first or pass a local json/jsonl/parquet "
+                        "file") from None
 
 
 def _field(keys, given, preferred, candidates, kind, flag, source):
@@ -312,17 +270,14 @@ def _field(keys, given, preferred, candidates, kind, flag, source):
                     f"{sorted(keys)}; pass {flag} NAME")
 
 
-def _first(value):
-    """A list answer is its first entry (OlympiadBench lists its final answers)."""
+def _first(value):  # OlympiadBench lists its final answers
     if isinstance(value, (list, tuple)):
         return value[0] if value else None
     return value
 
 
 def _answer_text(value, integer):
-    """Gold answer as a string: first of a list (OlympiadBench), $ stripped, "####" tail (GSM8K),
-    integer-valued floats as integers (70.0 -> "70")."""
-    value = _first(value)
+    """Gold answer as a string: $ stripped, "####" tail (GSM8K), 70.0 as "70"."""
     if value is None:
         return None
     if isinstance(value, float) and value.is_integer():
@@ -345,8 +300,7 @@ def _choices(row, index, spec):
 
 
 def _verl_row(r, i, where):
-    """(problem text, gold, chat list) of a row in verl's layout (the release's parquets): `prompt`
-    the chat list as released, `reward_model.ground_truth` the gold; the text joins the turns."""
+    """(problem text, gold, chat list) of a row in verl's layout (the release's parquets)."""
     chat, gold = r.get("prompt"), (r.get("reward_model") or {}).get("ground_truth")
     turn = lambda m: isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)  # noqa: E731
     if not (isinstance(chat, list) and chat and all(map(turn, chat))):
@@ -357,7 +311,7 @@ def _verl_row(r, i, where):
 
 
 def _gradable(where, i, field, value):
-    """A row's field value, when it is text or a number (a dict, list, bool or NaN can never be graded)."""
+    """A row's field value, when it is text or a number."""
     if isinstance(value, (dict, list, bool)) or (isinstance(value, float) and not math.isfinite(value)):
         raise DataError(f"{where}: row {i} field {field!r} is {str(value)[:40]!r} "
                         f"({type(value).__name__}), which can never be graded: give text or a number")
@@ -365,8 +319,7 @@ def _gradable(where, i, field, value):
 
 
 def _check_text(where, i, problem, answer):
-    """A row's text bounded where it is read: a problem of at most MAX_PROBLEM_CHARS, valid Unicode
-    (JSON can spell a lone surrogate, "\\ud800", which no tokenizer takes)."""
+    """A problem of at most MAX_PROBLEM_CHARS; valid Unicode (JSON can spell a lone surrogate)."""
     if len(problem) > MAX_PROBLEM_CHARS:
         raise DataError(f"{where}: row {i} has a problem of {len(problem):,} characters, over the "
                         f"{MAX_PROBLEM_CHARS:,} a row may hold (data.MAX_PROBLEM_CHARS): fix or drop the row")
@@ -382,19 +335,17 @@ def load_rows(source, split=None, problem_field=None, answer_field=None, limit=N
               lcb_release=LCB_RELEASE):
     """[{"problem": str, "answer": str}] from a TOY_BENCHMARKS or BENCHMARKS name, a local
     json/jsonl/parquet file or an HF dataset id ("owner/name"); fields are found unless given. Rows
-    of a file in verl's layout (`prompt` a chat list, `reward_model.ground_truth`) also hold
-    "messages", rendered as is.
-    like: the BENCHMARKS name whose layout a local file has (BUILD, gpqa's options); lcb_release:
-    LiveCodeBench's window of contest months (lcb_window)."""
+    of a file in verl's layout also hold "messages", rendered as is. like: the BENCHMARKS name whose
+    layout a local file has; lcb_release: LiveCodeBench's window of contest months (lcb_window)."""
     name = source if source in BENCHMARKS else like
     spec = BENCHMARKS[like] if like in BUILD or "choices" in BENCHMARKS.get(like, {}) else {}
     if source in TOY_BENCHMARKS:
-        import toy  # the offline world; imported here so data.py stands alone otherwise
+        import toy
         records, where = toy.dataset(split or "train", source), source
     elif source in BENCHMARKS:
         spec = BENCHMARKS[source]
-        records = (_hub_files(spec["hf"], spec["files"]) if "files" in spec
-                   else _from_hub(spec["hf"], spec.get("config"), split or spec["split"]))
+        split = split or spec.get("split")
+        records = _from_hub(spec["hf"], spec.get("config"), split, spec.get("files"))
         where = spec["hf"]
     elif os.path.isdir(source):
         found = sorted(n for n in os.listdir(source) if n.lower().endswith((".json", ".jsonl", ".parquet")))
@@ -456,3 +407,129 @@ def load_rows(source, split=None, problem_field=None, answer_field=None, limit=N
         _check_text(where, i, problem, answer)
         rows.append({"problem": problem, "answer": answer, **({"messages": messages} if messages else {})})
     return rows
+
+
+INSTRUCTION = " Let's think step by step and output the final answer within \\boxed{}."
+# --reward rlcr on a real model: the released RLCR prompt, word for word (docs/design.md, "Baselines");
+# RLCR_FORMAT is also what its released evaluation asks of a forced re-answer.
+RLCR_FORMAT = ("<answer> final answer here </answer>\n<analysis> confidence and uncertainty analysis here "
+               "</analysis>\n<confidence> number between 0 and 1 </confidence>")
+RLCR_INSTRUCTION = ("\n\nLet's think step by step. Output the final answer inside <answer> </answer>. Then analyze "
+                    "your confidence and uncertainty inside <analysis> </analysis>. Finally, output a confidence "
+                    "score between 0 and 1 inside <confidence> </confidence>.\n\nUse exactly this format:\n"
+                    + RLCR_FORMAT)
+TEMPLATE_SECONDS = 5  # the most one chat-template render may take; a real template takes milliseconds
+# LogiQA is multiple choice with four options shown as A. to D.; the letter is asked for in a box.
+LOGIQA_INSTRUCTION = (" Let's think step by step and output the letter of the correct option (A, B, C or D) "
+                      "within \\boxed{}.")
+
+
+def instruction_for(name):
+    """The text appended to each problem of a benchmark (LiveCodeBench's prompt is whole)."""
+    return {"lcb": "", "logiqa": LOGIQA_INSTRUCTION}.get(name, INSTRUCTION)
+
+
+class _Slow(BaseException):
+    """Raised by the render timer; a BaseException, so that no `except Exception` swallows it."""
+
+
+def _render(tokenizer, messages, **kw):
+    """apply_chat_template, where a template that raises, is missing, or renders for over
+    TEMPLATE_SECONDS (an interval timer: main thread only) is one DataError line."""
+    import signal
+    import threading
+    from jinja2 import TemplateError
+
+    def stop(signum, frame):
+        raise _Slow
+    timed = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
+    try:
+        if timed:
+            before = signal.signal(signal.SIGALRM, stop)
+            signal.setitimer(signal.ITIMER_REAL, TEMPLATE_SECONDS)
+        try:
+            return tokenizer.apply_chat_template(messages, **kw)
+        finally:
+            if timed:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, before or signal.SIG_DFL)  # None: a handler set outside Python
+    except _Slow:
+        raise DataError(f"this model's chat template renders one prompt for over {TEMPLATE_SECONDS} s: "
+                        "fix its chat_template") from None
+    except (TemplateError, ValueError, TypeError) as e:
+        fix = " or drop --system-prompt" if messages[0]["role"] == "system" else ""
+        raise DataError(f"this model's chat template cannot render the prompt ({type(e).__name__}: "
+                        f"{first_line(e)}): give the model a working chat_template{fix}") from None
+
+
+def chat_prompt(tokenizer, problem: str, instruction: str = INSTRUCTION, system: str = None) -> list[int]:
+    """Prompt ids: the chat template over one user turn `problem + instruction` (after a system
+    turn), generation prompt added (R1: BOS <｜User｜>...<｜Assistant｜><think>\\n)."""
+    messages = [{"role": "user", "content": problem + instruction}]
+    if system:
+        messages.insert(0, {"role": "system", "content": system})
+        if _render(tokenizer, messages, tokenize=False) == _render(tokenizer, messages[1:], tokenize=False):
+            raise DataError("this model's chat template drops the system turn: put the text in the "
+                            "instruction (--instruction) instead")
+    return _ids(tokenizer, messages)
+
+
+def row_prompt(tokenizer, row, instruction: str = INSTRUCTION, system: str = None) -> list[int]:
+    """Prompt ids of a data row: chat_prompt over its problem, or a verl row's chat list as released
+    (row["messages"], which holds the release's instruction: nothing is added)."""
+    if "messages" in row:
+        return _ids(tokenizer, row["messages"])
+    return chat_prompt(tokenizer, row["problem"], instruction, system)
+
+
+def _ids(tokenizer, messages):
+    """The chat template over `messages`, tokenized by the template itself (re-tokenizing the text
+    would add a second BOS); one BOS."""
+    out = _render(tokenizer, messages, add_generation_prompt=True, tokenize=True)
+    ids = [int(i) for i in (out["input_ids"] if hasattr(out, "keys") else out)]
+    bos = tokenizer.bos_token_id
+    while bos is not None and len(ids) > 1 and ids[0] == ids[1] == bos:
+        ids.pop(0)
+    return ids
+
+
+def drop_long_prompts(rows, tokenizer, max_tokens, instruction=INSTRUCTION):
+    """(rows whose chat prompt has at most max_tokens tokens, number dropped), as released."""
+    over = {i for i, _ in long_prompts(tokenizer, rows, instruction, max_tokens)}
+    return [r for i, r in enumerate(rows) if i not in over], len(over)
+
+
+def check_context(tokenizer, rows, instruction, context, max_new_tokens, where, say=print, system=None):
+    """DataError when a prompt leaves no room to generate in the model's `context` tokens; `say` a
+    warning when prompts plus max_new_tokens overflow it. A template that fails stops here."""
+    if rows:
+        row_prompt(tokenizer, rows[0], instruction, system)
+    if not context:
+        return
+    over = long_prompts(tokenizer, rows, instruction, context - max_new_tokens)
+    too_long = [(i, n) for i, n in over if n >= context]
+    if too_long:
+        raise DataError(f"{where}: {len(too_long)} prompt(s) do not fit the model's context of {context} "
+                        f"tokens (row {too_long[0][0]}: {too_long[0][1]} tokens): shorten or remove them")
+    if over:
+        say(f"warning: {where}: {len(over)} of {len(rows)} prompts plus {max_new_tokens} new tokens exceed "
+            f"the model's context of {context} tokens")
+
+
+def long_prompts(tokenizer, rows, instruction, limit):
+    """[(row index, prompt tokens)] for rows whose chat prompt is longer than `limit` tokens; only
+    those that could be (template tokens per turn plus two per UTF-8 byte) are tokenized."""
+    import logging
+    base = len(chat_prompt(tokenizer, "", instruction))
+    out, log = [], logging.getLogger("transformers")
+    level = log.level
+    log.setLevel(logging.ERROR)  # the tokenizer's "longer than the maximum length" warning: we say it better
+    try:
+        for i, r in enumerate(rows):
+            if base * max(1, len(r.get("messages", ()))) + 2 * len(r["problem"].encode("utf-8")) > limit:
+                n = len(row_prompt(tokenizer, r, instruction))
+                if n > limit:
+                    out.append((i, n))
+    finally:
+        log.setLevel(level)
+    return out

@@ -20,7 +20,6 @@ from tqdm import tqdm
 
 import data
 import grade
-import prompts as prompts_lib
 import rollout
 import toy
 from evaluation import confidence
@@ -57,7 +56,7 @@ def evaluate_model(name, loaded, args):
     model = model.to(device).eval()
     prompt = run_prompt(path, args)
     for bench, rows, instruction, _ in loaded:   # refused: a prompt past the context or a failing template
-        prompts_lib.check_context(tok, rows, instruction if prompt[0] is None else prompt[0],
+        data.check_context(tok, rows, instruction if prompt[0] is None else prompt[0],
                                   getattr(model.config, "max_position_embeddings", None),
                                   settings(bench, args)["max_new_tokens"], bench,
                                   say=lambda m: print(m, file=sys.stderr), system=prompt[1])
@@ -154,7 +153,7 @@ def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, con
                 written.add(None)
                 continue
             m = len(chunk[0][1])
-            prompts = [prompts_lib.row_prompt(tok, rows[q], instruction, system) for q, _ in chunk]
+            prompts = [data.row_prompt(tok, rows[q], instruction, system) for q, _ in chunk]
             seed = args.seed * 1_000_003 + chunk[0][0] * 1009 + m
             out = rollout.generate(model, tok, prompts, n=m, max_new_tokens=s["max_new_tokens"],
                                    temperature=args.temperature, top_p=args.top_p, seed=seed,

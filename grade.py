@@ -5,8 +5,7 @@
     answers_match(answer, gold, grader="math")  # an answer already extracted (a forced one) vs gold
     is_correct(text, gold, grader="code")       # the last fenced code block passes the gold's tests
 
-Graders ("strict", "minerva", "math": evaluation's, "code") and math-verify's CPU-time budget
-(GRADE_TIMEOUT_S): docs/reference.md, "Evaluation and the method's leaves, in more words".
+The graders: docs/reference.md, "Evaluation and the method's leaves, in more words".
 """
 import json
 import re
@@ -21,8 +20,8 @@ MAX_ANSWER_CHARS = 2000  # longer answers are compared as plain strings: no rege
 
 
 def last_boxed(text):
-    """Strict extraction: content of the last `\\boxed{`, up to its closing brace (every brace
-    counts), stripped; None when there is no `\\boxed{` or the last one never closes."""
+    """Strict extraction: content of the last `\\boxed{` up to its closing brace (every brace
+    counts), stripped; None without one that closes."""
     start = (text or "").rfind("\\boxed{")
     return None if start < 0 else _close(text, start + len("\\boxed{"), _PLAIN_BRACE)
 
@@ -46,8 +45,8 @@ def _close(text, start, braces):
 
 
 def boxed_answer(text):
-    """Math extraction: content of the last \\boxed{...} (or \\fbox{...}, or the bare "\\boxed 5"
-    form), braces balanced, \\{ and \\} literal; None when there is none or it never closes."""
+    """Math extraction: content of the last \\boxed{...}, \\fbox{...} or bare "\\boxed 5", braces
+    balanced, \\{ and \\} literal; None without one that closes."""
     last = None
     for last in _BOX.finditer(text or ""):
         pass
@@ -60,8 +59,7 @@ def boxed_answer(text):
 
 def strict_form(s: str) -> str:
     """The released normalisation (math_dapo.normalize_answer): strip, drop one trailing ".0", then
-    every leading zero after an optional minus sign, "0" where nothing is left. So ".5" = "0.5",
-    "-.5" = "-0.5", ".0" = "0" and an empty box = "0" (a released quirk); strict_form(" -007.0 ") == "-7"."""
+    the leading zeros after a minus sign ("0" if none is left): strict_form(" -007.0 ") == "-7"."""
     s = s.strip()
     if s.endswith(".0"):
         s = s[:-2]
@@ -83,10 +81,7 @@ _MINERVA_UNWRAP = [re.compile(r"(.*?)(\$)(.*?)(\$)(.*)"), re.compile(r"\\text\{(
 
 
 def minerva_form(s: str) -> str:
-    """Minerva's normal form of an answer (released math_dapo.normalize_final_answer): the part after
-    the last "=", spaces, articles and units removed, the first $...$ kept, \\text{} / \\textbf{} /
-    \\overline{} / \\boxed{} unwrapped, "\\frac12" -> "\\frac{1}{2}", "\\sqrt2" -> "\\sqrt{2}", "$"
-    dropped, and thousands commas of a whole number dropped.
+    """Minerva's normal form (released math_dapo.normalize_final_answer), the steps above in order:
     minerva_form("x = \\boxed{10,000} units") == "10000"; minerva_form("017") == "017"."""
     s = s.split("=")[-1]
     for before, after in _MINERVA_REPLACE:
@@ -132,12 +127,9 @@ def integer_sum(s: str):
 
 
 def answers_match(pred, gold, grader="math", letters=True) -> bool:
-    """Is the extracted answer `pred` the gold answer under `grader` ("strict" or "math")?
-    letters: against a gold option letter (A-D), read the letter an answer names (gpqa_choice), as
-    the released evaluation reads its forced and RLCR answers; letters=False grades it as the released
-    natural boxed grading does (released_letter: `\\boxed{A) 3.5 eV}`, `\\boxed{a}` against "A": wrong)."""
-    if grader not in GRADERS:
-        raise ValueError(f"grader must be one of {GRADERS}, got {grader!r}")
+    """Is the extracted answer `pred` the gold answer under `grader` (one of GRADERS)? Against an
+    option letter, letters=True reads the letter an answer names (gpqa_choice), as the released
+    evaluation reads forced and RLCR answers; letters=False grades as its natural boxed answers."""
     if pred is None or gold is None:
         return False
     pred, gold = str(pred).strip(), str(gold).strip()
@@ -171,10 +163,8 @@ _CHOICE_WORD = re.compile(r"\b(?:OPTION|CHOICE|ANSWER)\s*[:\-]?\s*([A-D])\b")
 
 
 def released_letter(pred, gold):
-    """A natural boxed answer against an option letter as the released evaluation grades it (math_dapo
-    is_correct_strict_box): Minerva's normal form equal to the letter (`A`, `$A$`, `\\text{A}`, `x = A`),
-    or sympy's reading of the raw text the letter's symbol (`(A)`); the letter named in other words
-    (`a`, `\\text{(B)}`, `A) 3.5 eV`) is wrong. Without the sympy call: no model text reaches a parser."""
+    """A natural boxed answer against an option letter as released (is_correct_strict_box): right
+    when Minerva's form is the letter (`$A$`, `x = A`) or it is `(A)`; `a`, `A) 3 eV` are wrong."""
     return minerva_form(pred) == gold or re.fullmatch(rf"\s*\(\s*{gold}\s*\)\s*", pred.strip("$")) is not None
 
 
@@ -192,39 +182,34 @@ def gpqa_choice(answer):
 
 
 def answer_tag(text):
-    """Content of the last complete <answer>...</answer> (stripped), else None: RLCR's answer format.
-    Linear: two rfinds.  "<answer> 3 </answer> ... <answer>17</answer>" -> "17"."""
+    """Content of the last complete <answer>...</answer> (stripped), else None: RLCR's format.
+    "<answer> 3 </answer> ... <answer>17</answer>" -> "17"."""
     end = text.rfind("</answer>")
     start = text.rfind("<answer>", 0, end) if end >= 0 else -1
     return text[start + len("<answer>"):end].strip() if start >= 0 else None
 
 
 def blank_answer(tag):
-    """Whether an RLCR answer tag counts as no answer in the released evaluation: none, or empty in
-    Minerva's form (rlcr.compute_score's pred: "", "$ $")."""
+    """Whether an RLCR answer tag is no answer as released: none, or empty in Minerva's form."""
     return tag is None or not tag.strip() or (len(tag) <= MAX_ANSWER_CHARS and not minerva_form(tag))
 
 
 def rlcr_answer(text):
-    """The answer of a natural RLCR response as the released evaluation reads it: the last <answer>
-    tag, None without one; a blank tag in a text with a `\\boxed{`: the last box (strict extraction).
-    "<answer></answer> so \\boxed{5}" -> "5". Evaluation only: the training reward has no fallback."""
+    """A natural RLCR response's answer as the released evaluation reads it: the last <answer> tag,
+    or after a blank one the last box: "<answer></answer> so \\boxed{5}" -> "5". Evaluation only."""
     tag = answer_tag(text)
     return last_boxed(text) if tag is not None and blank_answer(tag) and "\\boxed{" in text else tag
 
 
 def boxed_in_thinking(text):
-    """Whether the thinking (the text before the first `</think>`, all of it without one: released
-    extract_thinking_content) holds a `\\boxed{` that closes (not `\\fbox{}` nor `\\boxed 5`), the
-    released gate on a natural answer: `3+5=8</think>\\boxed{8}` has none, `8 \\boxed{8}</think>`
-    one."""
+    """The released gate on a natural answer: does the text before the first `</think>` (all of
+    it without one) hold a `\\boxed{` that closes? `3+5=8</think>\\boxed{8}` does not."""
     end = text.find("</think>")
     return last_boxed(text if end < 0 else text[:end]) is not None
 
 
 def extract(text, grader="math", form="box"):
-    """The answer a response gives: its last box (strict: the raw last box), or with form="tag" the
-    last <answer> tag (RLCR's format)."""
+    """The answer a response gives: its last box (strict: the raw last), or its last <answer>."""
     if form == "tag":
         return answer_tag(text)
     return last_boxed(text) if grader == "strict" else boxed_answer(text)
@@ -237,8 +222,7 @@ def code_job(text, gold):
 
 
 def is_correct(text, gold, grader="math", form="box") -> bool:
-    """True only when the text gives an answer (its last complete box, or with form="tag" its last
-    <answer> tag) and it matches the gold answer; grader="code": its code passes every test."""
+    """True only when the text's answer (extract) is the gold; grader="code": its code passes."""
     if grader == "code":
         return sandbox.run_tests(**code_job(text, gold))
     return answers_match(extract(text, grader, form), gold, grader)

@@ -28,7 +28,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
 INSTRUCTION = ""  # toy problems are complete user messages
 # --reward rlcr on the toy: the prompt that asks for RLCR's answer format (the toy's stand-in for
-# prompts.RLCR_INSTRUCTION, which would not fit its 256 positions); see rlcr_tail.
+# data.RLCR_INSTRUCTION, which would not fit its 256 positions); see rlcr_tail.
 RLCR_INSTRUCTION = "\nFormat: <answer> <analysis> <confidence>"
 SUFFIX = "\nIf I were to output the final answer now, it would be \\boxed{"  # = label.SUFFIX
 # the committed warm start, where --model toy looks (harness/checkpoint.py)

@@ -31,7 +31,6 @@ import baselines
 import config
 import data
 import probe as probe_lib
-import prompts as prompts_lib
 from baselines import PROBE_MODES
 from grade import is_correct
 from grpo import group_advantages, micro_batches, pack, token_logprobs, update
@@ -157,7 +156,7 @@ class Timer:
 def logged_step(step, rows, learner, cfg):
     """rl_step on this rank's share of `rows` and what the loop logs of it: (metrics row, samples)."""
     rows = rows[RANK::WORLD]  # whole groups per rank
-    prompts = [prompts_lib.row_prompt(learner.tok, r, cfg["instruction"], cfg["system_prompt"]) for r in rows]
+    prompts = [data.row_prompt(learner.tok, r, cfg["instruction"], cfg["system_prompt"]) for r in rows]
     lr, timer, captured = learner.sched.get_last_lr()[0], Timer(), staticcache.captures()
     got = rl_step(step, rows, prompts, learner, cfg, timer)
     row = step_row(step, cfg, got, learner, lr, timer, staticcache.captures() - captured)
@@ -320,11 +319,11 @@ def run(cfg):
         model, tok = load_policy(cfg, device, ckpt)
         policy, sampler = wrap(model, device, token_logprobs)
     if cfg["max_prompt_tokens"]:
-        rows, dropped = prompts_lib.drop_long_prompts(rows, tok, cfg["max_prompt_tokens"], instruction)
+        rows, dropped = data.drop_long_prompts(rows, tok, cfg["max_prompt_tokens"], instruction)
         print0(f"training set: {len(rows)} problems, {dropped} dropped (prompt over {cfg['max_prompt_tokens']} tokens)")
         if not rows:
             raise UserError(f"every training prompt is over --max-prompt-tokens {cfg['max_prompt_tokens']}: raise it")
-    prompts_lib.check_context(tok, rows, instruction, getattr(model.config, "max_position_embeddings", None),
+    data.check_context(tok, rows, instruction, getattr(model.config, "max_position_embeddings", None),
                        cfg["max_new_tokens"], cfg["data"], say=print0, system=cfg["system_prompt"])
     folder.lock()
     # under --lora-rank only the adapter requires gradients: AdamW holds state for it alone

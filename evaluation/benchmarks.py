@@ -20,7 +20,6 @@ import config  # check_saved: the saved values as train.py's parser would take t
 import data
 import label as label_lib
 import baselines
-import prompts as prompts_lib
 import rollout
 import toy
 from evaluation.report import read_results
@@ -41,7 +40,7 @@ TOY = dict(n=4, max_new_tokens=128, every=8, forced_k=4, probe_questions=80, pro
 EVAL_SUFFIX = "\n\nIf I were to give the final answer now, the final answer would be \\boxed{"
 # RLCR's released forced re-answer (2_budget_eval_rlcr), after the thinking cut at the budget.
 RLCR_REANSWER = ("...</think>\n\nI am out of time, let me just output the final answer and confidence analysis "
-                 "in exactly this format:\n" + prompts_lib.RLCR_FORMAT + "\n\n<answer>")
+                 "in exactly this format:\n" + data.RLCR_FORMAT + "\n\n<answer>")
 # Code benchmarks (released 2_budget_eval, LiveCodeBench): the forced answer is a whole program after
 # "..." + `</think>` + CODE_SUFFIX, graded by running it (grade's "code").
 CODE_SUFFIX = "\n\nHere is my final Python solution:\n"
@@ -94,11 +93,11 @@ def load_benchmark(spec, limit=None, lcb_release=data.LCB_RELEASE):
         if name not in data.BENCHMARKS:
             raise UserError(f"unknown benchmark {name!r} in {spec!r}; known: {known}")
         rows = data.load_rows(path, limit=limit, like=name, lcb_release=lcb_release)
-        return name, rows, prompts_lib.instruction_for(name)
+        return name, rows, data.instruction_for(name)
     if name.lower().endswith((".json", ".jsonl", ".parquet")):
-        return os.path.splitext(os.path.basename(name))[0], data.load_rows(name, limit=limit), prompts_lib.INSTRUCTION
+        return os.path.splitext(os.path.basename(name))[0], data.load_rows(name, limit=limit), data.INSTRUCTION
     if name in data.BENCHMARKS or "/" in name:
-        return name, data.load_rows(name, limit=limit, lcb_release=lcb_release), prompts_lib.instruction_for(name)
+        return name, data.load_rows(name, limit=limit, lcb_release=lcb_release), data.instruction_for(name)
     raise UserError(f"unknown benchmark {name!r}; known: {known}; or a local .json/.jsonl/.parquet file, "
                     "NAME=FILE, or an HF dataset id (owner/name)")
 
@@ -137,7 +136,7 @@ def run_prompt(path, args):
 
 def rlcr_prompts(loaded):
     """--mode rlcr (the released evaluation's, for RLCR and C2GSPG): every benchmark asks in RLCR's
-    format (prompts.RLCR_INSTRUCTION; the toy's: toy.RLCR_INSTRUCTION); LiveCodeBench is refused."""
+    format (data.RLCR_INSTRUCTION; the toy's: toy.RLCR_INSTRUCTION); LiveCodeBench is refused."""
     if any(data.kind(bench) == "code" for bench, *_ in loaded):
         raise UserError("--mode rlcr: lcb has no RLCR-format evaluation here (its answer is a program; the release "
                         "ships livecodebench_lite_rlcr.parquet but no config or grader for it): evaluate it "
@@ -146,7 +145,7 @@ def rlcr_prompts(loaded):
         if rows and "messages" in rows[0] and "<confidence>" not in rows[0]["problem"]:
             raise UserError(f"--mode rlcr: {bench}'s prompts are a verl file's, as released, and do not ask for "
                             "RLCR's format: pass the release's _rlcr parquet of it, or drop --mode rlcr")
-    return [(bench, rows, toy.RLCR_INSTRUCTION if bench in data.TOY_BENCHMARKS else prompts_lib.RLCR_INSTRUCTION, src)
+    return [(bench, rows, toy.RLCR_INSTRUCTION if bench in data.TOY_BENCHMARKS else data.RLCR_INSTRUCTION, src)
             for bench, rows, _, src in loaded]
 
 

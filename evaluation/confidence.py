@@ -30,7 +30,6 @@ from tqdm import tqdm
 import data
 import decode
 import probe as probe_lib
-import prompts as prompts_lib
 import toy
 from baselines import verbal_confidence  # RLCR's parser, read here for --confidence verbal
 from grade import answer_tag, blank_answer
@@ -38,7 +37,7 @@ from grade import answers_match, boxed_answer, boxed_in_thinking, code_job, is_c
 from grpo import pack, token_logprobs
 from label import cuts_of, mc_labels
 from label import forced_prompt
-from prompts import row_prompt
+from data import row_prompt
 from rollout import generate
 from label import cut_ends, forward_pass
 from evaluation.benchmarks import (EVAL_SUFFIX, REAL, RLCR_REANSWER, TOY, digest, generate_dealt, model_id,
@@ -212,7 +211,7 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
     if is_toy:
         pool, instruction = toy_fit_rows(src), toy.INSTRUCTION
     else:
-        pool, instruction = data.load_rows(src, lcb_release=args.lcb_release), prompts_lib.instruction_for(src)
+        pool, instruction = data.load_rows(src, lcb_release=args.lcb_release), data.instruction_for(src)
     instruction = instruction if prompt[0] is None else prompt[0]
     seen = {r["problem"] for _, rows, _, _ in loaded for r in rows}
     # toy-pooled: the released fit's size from each benchmark (80 x 3), so each is fitted on as many as `toy` alone is

@@ -9,7 +9,7 @@ import metrics
 import baselines
 import probe as probe_lib
 from label import cuts_of, cut_mask, grid, labelled, mc_labels
-from prompts import row_prompt
+from data import row_prompt
 from rollout import generate
 from harness import rewardfn, runlog, staticcache
 from harness.parallel import RANK, WORLD, all_gather, all_sum

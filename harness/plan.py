@@ -16,10 +16,9 @@ PROMPT_TOKENS = 600     # training prompts longer than this are dropped when the
 TOY_PROMPT_TOKENS = 16  # the toy world's chat prompts are at most 14 tokens
 FORCED_SUFFIX = 32      # CLOSE + the forced suffix after a cut (18 tokens for R1), rounded up
 FORCED_ANSWER = 32      # tokens sampled per forced answer (label.mc_labels)
-RUNTIME = {"cuda": 1.0 * GiB, "cpu": 1.0 * GiB}
+RUNTIME = 1.0 * GiB      # the CUDA context or the process itself
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# The named models' config.json, shipped in configs/NAME/ for plans offline (RLCM's are full
-# fine-tunes of their bases: the same shapes).
+# The named models' config.json, shipped in configs/NAME/ for plans offline (RLCM's: their bases')
 SHIPPED = {"deepseek-ai/DeepSeek-R1-Distill-Qwen-7B": "DeepSeek-R1-Distill-Qwen-7B",
            "Melodramas/RLCM-DeepSeek-R1-Distill-Qwen-7B": "DeepSeek-R1-Distill-Qwen-7B",
            "Qwen/Qwen3-4B-Instruct-2507": "Qwen3-4B-Instruct-2507",
@@ -27,7 +26,7 @@ SHIPPED = {"deepseek-ai/DeepSeek-R1-Distill-Qwen-7B": "DeepSeek-R1-Distill-Qwen-
 
 
 def config_path(name):
-    """Where a --model value's config.json is read: a named hub model's shipped copy (no hub)."""
+    """Where a --model value's config.json is read (a named hub model's: SHIPPED)."""
     path = resolve_model(name)
     return os.path.join(ROOT, "configs", SHIPPED[path]) if path in SHIPPED else path
 
@@ -77,8 +76,7 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None, prob
         gen_copy = act_bytes * total if sharded or cuda else 0
     else:
         state, adapter_state = 16 * total / world, 0.0
-        shared_copy = not cuda and world == 1  # wrap(): one CPU process samples with the policy itself
-        gen_copy = 0 if shared_copy else act_bytes * total
+        gen_copy = 0 if not cuda and world == 1 else act_bytes * total  # wrap(): the policy samples
     prompts_here = -(-cfg["prompts_per_step"] // world)
     per_token = kv_bytes_per_token(config, act_bytes)
     layer_acts = lambda tokens: tokens * (8 * d + 3 * d_ff) * act_bytes  # noqa: E731  one layer's forward
@@ -111,9 +109,9 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None, prob
              "generation copy": gen_copy,
              "FSDP gather": gather, "KV cache": kv, "prefill": prefill, "label KV cache": label_kv,
              "label prefill": label_prefill, "activations": acts, "log-prob chunk": chunk,
-             "held grads": held, "refresh": refresh, "runtime": RUNTIME[device]}
+             "held grads": held, "refresh": refresh, "runtime": RUNTIME}
     update = gather + acts + chunk + held
-    terms["peak"] = terms["training state"] + terms["adapter state"] + gen_copy + RUNTIME[device] + \
+    terms["peak"] = terms["training state"] + terms["adapter state"] + gen_copy + RUNTIME + \
         max(kv + prefill, label_kv + label_prefill, update, refresh)
     # host: rank 0 loads the fp32 weights (4 N) and gathers 12 N at a save; --offload's shards
     offloaded = state + adapter_state if offload else 0.0
@@ -138,8 +136,7 @@ def cut_bytes(k, width, config):
 
 
 def free_bytes(device):
-    """Bytes a new allocation can still get: free plus what torch's allocator holds unused, less a
-    tenth for fragmentation."""
+    """Bytes a new allocation can still get (free and cached), less a tenth for fragmentation."""
     free, _ = torch.cuda.mem_get_info(device)
     return 0.9 * (free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
 
@@ -149,8 +146,7 @@ def prompt_tokens(cfg):
 
 
 def fixes(config, cfg, world, device, mem, counts, probed=True):
-    """The cheapest change that fits: --offload-grads host, a smaller --gen-batch or --micro-tokens,
-    --lora-rank 32, --offload, more GPUs."""
+    """The cheapest change that fits, tried in this order."""
     def peak(c, w=world, off=cfg.get("offload", False)):
         return estimate(config, c, w, device, off, counts, probed)["peak"]
     host_grads = peak(dict(cfg, offload_grads="host"))
@@ -193,8 +189,8 @@ def host_ram():
 
 
 def check(cfg, show=False, log=print, probed=True):
-    """Print the plan (show) and raise UserError when the peak exceeds the device memory (--gpus /
-    --gpu-mem: another node's)."""
+    """Print the plan (show); UserError when the peak exceeds the device memory (--gpus / --gpu-mem:
+    another node's)."""
     device, world, mem = detected(cfg.get("nproc"))
     here = not (cfg.get("gpus") or cfg.get("gpu_mem"))
     if not here:
@@ -247,7 +243,7 @@ def eval_estimate(config, s, mem, early_exit=True):
     bytes; 'cuts': the early exit's chunk."""
     d, d_ff = config.hidden_size, config.intermediate_size
     layer = lambda tokens: tokens * (8 * d + 3 * d_ff) * 2  # noqa: E731  one layer's forward, bf16
-    weights, runtime = 2 * param_counts(config)[0], RUNTIME["cuda"]
+    weights, runtime = 2 * param_counts(config)[0], RUNTIME
     shape = buffer_shape(s["batch"] * s["n"], PROMPT_TOKENS, s["max_new_tokens"])
     length = PROMPT_TOKENS + s["max_new_tokens"]
     t = {"weights": weights,

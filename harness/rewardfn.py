@@ -3,8 +3,8 @@
     def my_correctness(response, answer, row):   # -> a float in [0, 1], or None to skip
         return float(response.strip().endswith(answer))
 
-It grades every rollout's whole text and every forced answer alone; what None (a skip) means:
-docs/reference.md, "--reward-fn". The file runs in this process with your permissions.
+It grades every rollout's whole text and every forced answer alone (None: docs/reference.md,
+"--reward-fn"). The file runs in this process with your permissions.
 """
 import functools
 import importlib.util

@@ -1,7 +1,6 @@
-"""The math-verify worker pool behind grade.answers_match: math-verify (sympy) can loop on model text,
-so it runs in worker processes (this module run with -m) bounded by their CPU time, not wall time, so
-that a busy machine gives the same grade: docs/reference.md, "grade.py's time bound".
-"""
+"""The math-verify worker pool behind grade.answers_match: math-verify (sympy) can loop on model
+text, so it runs in worker processes (this module run with -m) bounded by their CPU time:
+docs/reference.md, "grade.py's time bound"."""
 import atexit
 import json
 import os
@@ -51,8 +50,8 @@ class _Worker:
             return time.monotonic()
 
     def ask(self, pred, gold, seconds, timer=None):
-        """math-verify's verdict within `seconds` of the worker's CPU time, or None (the worker's own
-        timer, `timer` if a test gives it another, is the first stop; WALL_S the last)."""
+        """math-verify's verdict within `seconds` of the worker's CPU time, or None; the worker's
+        own timer (`timer`: a test's) stops it first, WALL_S last."""
         request = memoryview((json.dumps([pred, gold, timer or seconds]) + "\n").encode())
         limit, backstop = self.cpu_s() + seconds + REPLY_S, time.monotonic() + WALL_S
         try:
@@ -133,8 +132,7 @@ WARM_UP = ((r"(3, \pi/2)", r"\left( 3, \frac{\pi}{2} \right)"), ("x+1", "1+x"), 
 
 
 class _Deadline(BaseException):
-    """Raised by the worker's timer; a BaseException so that math-verify's `except Exception` does
-    not swallow it and carry on computing."""
+    """The worker's timer: a BaseException, which math-verify's `except Exception` lets by."""
 
 
 def _serve():

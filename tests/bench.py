@@ -219,13 +219,13 @@ def main(argv=None):
     if threads:
         torch.set_num_threads(threads)
     if args.shape != "7b":   # the committed toy_base/ on the toy's training problems
-        import prompts as prompts_lib
+        import data
         import toy
         path = toy.base_model()
         model, tok = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
         model.to(device)
         rows = toy.dataset("train")[:args.prompts]
-        prompts = [prompts_lib.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
+        prompts = [data.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
         eos_ids = sampling.default_eos_ids(model, tok) if args.shape == "toy" else []
     else:   # the architecture in --config (no weights) with --layers random decoder layers
         model = random_model(cut_config(args.config, args.layers), device, seed=args.seed)

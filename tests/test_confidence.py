@@ -408,14 +408,14 @@ def test_evaluation_reanswers_as_released():
 
 
 def test_verbal_forced_on_the_toy_base_reads_its_rlcr_tags():
-    import prompts as prompts_lib
+    import data
     import toy
     import toy
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = toy.base_model()
     model, tok = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
     rows = toy.dataset("test")[:8]
-    prompts = [prompts_lib.chat_prompt(tok, r["problem"], toy.RLCR_INSTRUCTION) for r in rows]
+    prompts = [data.chat_prompt(tok, r["problem"], toy.RLCR_INSTRUCTION) for r in rows]
     out = rollout.generate(model, tok, prompts, max_new_tokens=48, temperature=0.6, seed=0)
     close = tok.convert_tokens_to_ids("</think>")
     conf, extras = confidence.sample_confidences("verbal-forced", model, tok, prompts, out.ids, out.texts,

@@ -1,4 +1,4 @@
-"""data.py: dataset loading (local fixtures only); prompts are in test_prompts.py, grading in test_grade.py."""
+"""data.py: dataset loading (local fixtures only); its prompts: test_prompts.py, grading in test_grade.py."""
 import json
 import os
 import sys

@@ -7,7 +7,7 @@ import pytest
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 import config
-import prompts as prompts_lib
+import data
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,7 +45,7 @@ def test_resolved_config_of_a_real_model_run_has_the_released_defaults(real_mode
     rows = [{"problem": "What is 1 + 1?", "answer": "2"}, {"problem": "What is 2 + 3?", "answer": "5"},
             {"problem": "Compute " + " + ".join(str(i) for i in range(400)) + ".", "answer": "79800"}]
     train_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    lengths = [len(prompts_lib.chat_prompt(tok, r["problem"])) for r in rows]
+    lengths = [len(data.chat_prompt(tok, r["problem"])) for r in rows]
     assert lengths[0] < 600 < lengths[2]
     monkeypatch.setattr(train, "held_out_accuracy", lambda *a, **k: 0.0)   # no 8000-token sampling
 
@@ -135,6 +135,6 @@ def test_budgets_flag():
 def test_drop_long_prompts(real_model):
     _, tok = real_model
     rows = [{"problem": " ".join(str(i) for i in range(n)), "answer": "1"} for n in (10, 1000)]
-    kept, dropped = prompts_lib.drop_long_prompts(rows, tok, 600)
+    kept, dropped = data.drop_long_prompts(rows, tok, 600)
     assert kept == rows[:1] and dropped == 1
-    assert prompts_lib.drop_long_prompts(rows, tok, 10**6) == (rows, 0)
+    assert data.drop_long_prompts(rows, tok, 10**6) == (rows, 0)

@@ -14,7 +14,6 @@ import data
 import evaluate
 import metrics
 import probe as probe_lib
-import prompts as prompts_lib
 import rollout
 import toy
 import train
@@ -79,7 +78,7 @@ def test_benchmark_fixtures_in_their_real_layout(name, count, first_answer):
     with open(path) as f:
         raw = [json.loads(line) for line in f]
     bench, rows, instruction = benchmarks.load_benchmark(f"{name}={path}")
-    assert bench == name and len(rows) == count and instruction == prompts_lib.INSTRUCTION
+    assert bench == name and len(rows) == count and instruction == data.INSTRUCTION
     assert rows[0]["problem"] == (raw[0].get("problem") or raw[0]["question"]).strip()
     assert rows[0]["answer"] == (first_answer or str(raw[0]["answer"]))
     assert benchmarks.load_benchmark(path, limit=3)[0] == name          # a bare file is named by its stem
@@ -108,7 +107,7 @@ def test_the_released_gate_needs_a_box_in_the_thinking():
 def test_short_names_resolve_to_hub_ids_without_downloading(monkeypatch):
     asked = []
 
-    def fake_hub(hf_id, config, split):
+    def fake_hub(hf_id, config, split, files=None):
         asked.append((hf_id, config, split))
         return [{"problem": "1+1", "answer": 2.0, "url": "https://x/2023_AMC_12A"},
                 {"problem": "2+2", "answer": 4.0, "url": "https://x/2022_AMC_12A"}]
@@ -382,8 +381,8 @@ def verl_files(tmp_path, monkeypatch):
     from test_data import write_verl
     bench, fit = toy.dataset("test")[:3], toy.dataset("train")[:4]
     golds = [bench[0]["answer"], bench[1]["answer"], "-1"]
-    rendered, render = [], prompts_lib._render
-    monkeypatch.setattr(prompts_lib, "_render", lambda tok, m, **kw: rendered.append(m) or render(tok, m, **kw))
+    rendered, render = [], data._render
+    monkeypatch.setattr(data, "_render", lambda tok, m, **kw: rendered.append(m) or render(tok, m, **kw))
     return (write_verl(tmp_path / "math500.parquet", [(r["problem"], g) for r, g in zip(bench, golds)]),
             write_verl(tmp_path / "lead_80.parquet", [(r["problem"], r["answer"]) for r in fit]), rendered)
 
@@ -401,7 +400,7 @@ def test_verl_layout_parquets_are_evaluated_and_fitted_on_as_released(verl_files
     bench, fit = data.load_rows(bench_file), data.load_rows(fit_file)
     for r in bench + fit:
         assert [{"role": "user", "content": r["problem"]}] in rendered
-        assert [{"role": "user", "content": r["problem"] + prompts_lib.INSTRUCTION}] not in rendered
+        assert [{"role": "user", "content": r["problem"] + data.INSTRUCTION}] not in rendered
     samples = _rows(str(tmp_path / "out" / "samples.jsonl"))
     assert len(samples) == 12 and {s["benchmark"] for s in samples} == {"math500"}
     assert [digest([r["problem"], r["answer"]], 12) for r in bench] == [

@@ -172,8 +172,6 @@ def test_gpqa_choice_is_the_released_rule():
 def test_graders_disagree_where_the_rules_differ():
     # math reads the last \fbox too, strict only `\boxed{`: here strict is the one that says right
     assert grade.is_correct(r"\boxed{5} \fbox{6}", "5", "strict") and not grade.is_correct(r"\boxed{5} \fbox{6}", "5")
-    with pytest.raises(ValueError, match="grader must be one of"):
-        grade.answers_match("1", "1", "exact")
 
 
 def test_math500_answers_under_both_graders():

@@ -170,7 +170,7 @@ def test_plain_and_tree_labels_are_equal_on_the_toy_whatever_the_chunk():
     the toy's forced answer copies the path, so every label would be 0 or 1 and the equality would
     not see the K answers' draws."""
     import label
-    import prompts as prompts_lib
+    import data
     import toy
     import toy
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -178,7 +178,7 @@ def test_plain_and_tree_labels_are_equal_on_the_toy_whatever_the_chunk():
     model = AutoModelForCausalLM.from_pretrained(toy.base_model()).eval()
     tok = AutoTokenizer.from_pretrained(toy.base_model())
     rows = toy.dataset("test")[:5]
-    prompts = [prompts_lib.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
+    prompts = [data.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
     out = generate(model, tok, prompts, n=3, max_new_tokens=96, temperature=0.8, seed=0)
     responses = out.ids + [out.ids[0][:4]]  # a short one: a second length group
     prompts = [prompts[i] for i in out.prompt_index] + [prompts[0]]
@@ -203,7 +203,7 @@ def test_plain_and_tree_features_are_equal_on_the_toy():
     forward over each prompt + response, label.plain_features) gives the tree path's labels exactly
     and its features h_b within float rounding, in the same shapes and dtype; a response with no
     cuts gets an empty [0, d]. The model is left in the mode it was in."""
-    import prompts as prompts_lib
+    import data
     import toy
     import toy
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -211,7 +211,7 @@ def test_plain_and_tree_features_are_equal_on_the_toy():
     model = AutoModelForCausalLM.from_pretrained(toy.base_model()).train()
     tok = AutoTokenizer.from_pretrained(toy.base_model())
     rows = toy.dataset("test")[:3]
-    prompts = [prompts_lib.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
+    prompts = [data.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
     out = generate(model, tok, prompts, n=2, max_new_tokens=64, temperature=0.8, seed=0)
     prompts = [prompts[i] for i in out.prompt_index]
     golds = [rows[i]["answer"] for i in out.prompt_index]

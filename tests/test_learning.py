@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import grade
-import prompts as prompts_lib
+import data
 import grpo
 import toy
 from config import resolve_args
@@ -38,7 +38,7 @@ def rollouts(cfg):
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     tok = AutoTokenizer.from_pretrained(path)
     rows = toy.dataset("train")[:8]
-    prompts = [prompts_lib.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
+    prompts = [data.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
     out = generate(model, tok, prompts, n=cfg["group_size"], max_new_tokens=cfg["max_new_tokens"],
                    temperature=cfg["temperature"], seed=3)
     correct = torch.tensor([grade.is_correct(t, rows[i]["answer"])

@@ -14,7 +14,7 @@ import grade
 import grpo
 import label
 import baselines
-import prompts as prompts_lib
+import data
 import toy
 import train
 
@@ -227,9 +227,9 @@ def test_implied_settings_and_explicit_flags_win(tmp_path):
     assert r("--reward", "grpo", "--drop-unanimous")["drop_unanimous"] is True
     assert r("--reward", "rlcr")["instruction"] == toy.RLCR_INSTRUCTION   # the toy's own short RLCR prompt
     real = r("--reward", "rlcr", "--model", "some-org/some-model")
-    assert real["instruction"] == prompts_lib.RLCR_INSTRUCTION and "<confidence>" in real["instruction"]
+    assert real["instruction"] == data.RLCR_INSTRUCTION and "<confidence>" in real["instruction"]
     assert r("--reward", "rlcr", "--model", "m", "--instruction", " Go.")["instruction"] == " Go."
-    assert r("--model", "m")["instruction"] == prompts_lib.INSTRUCTION
+    assert r("--model", "m")["instruction"] == data.INSTRUCTION
 
 
 def test_resume_keeps_the_mode_and_what_it_saved(tmp_path):
@@ -256,7 +256,7 @@ def test_config_of_another_mode_gives_exactly_the_new_modes_settings(tmp_path, m
     cfg = config.resolve_args(["--config", str(saved), "--reward", "rlcm", *out])
     assert json.loads(json.dumps({**cfg, "config": None})) == json.loads(json.dumps(plain))
     assert list(cfg["budgets"]) == [0.25, 0.5, 0.75] and cfg["drop_unanimous"] is False and cfg["corner"] == "zero"
-    assert cfg["instruction"] == ("" if model == "toy" else prompts_lib.INSTRUCTION)
+    assert cfg["instruction"] == ("" if model == "toy" else data.INSTRUCTION)
     given = config.resolve_args(["--config", str(saved), "--reward", "rlcm", "--budgets", "1.0",
                                  "--drop-unanimous", "--corner", "final-margin", "--instruction", " Go.", *out])
     assert (given["budgets"], given["drop_unanimous"], given["corner"], given["instruction"]) == \

@@ -8,7 +8,6 @@ import pytest
 import data
 import evaluate
 import grade
-import prompts as prompts_lib
 import rollout
 import tiny
 from evaluation import benchmarks, confidence
@@ -64,7 +63,7 @@ def test_the_code_grader_runs_the_last_block_against_every_test():
 
 def test_logiqa_rows_show_lettered_options_and_grade_like_gpqa():
     name, rows, instruction = benchmarks.load_benchmark(f"logiqa={LOGIQA}")
-    assert (name, len(rows), instruction) == ("logiqa", 3, prompts_lib.LOGIQA_INSTRUCTION)
+    assert (name, len(rows), instruction) == ("logiqa", 3, data.LOGIQA_INSTRUCTION)
     assert rows[0] == {"problem": "All cats are animals. Tom is a cat.\n\nWhich must be true?\n\nA. Tom is a dog.\n"
                                   "B. Tom is an animal.\nC. Tom is not an animal.\nD. No cat is Tom.", "answer": "B"}
     assert [r["answer"] for r in rows] == ["B", "C", "A"]
@@ -194,9 +193,9 @@ def test_an_evaluation_on_code_and_logiqa_prints_both_blocks_and_pass_at_k(tiny_
 def test_the_hub_loaders_read_the_raw_files_and_the_harness_copy(monkeypatch):
     asked = []
     raw = [json.loads(line) for line in open(LCB)]
-    monkeypatch.setattr(data, "_hub_files", lambda hf_id, files: asked.append((hf_id, files)) or raw)
-    monkeypatch.setattr(data, "_from_hub", lambda hf_id, config, split: asked.append((hf_id, config, split))
-                        or [json.loads(line) for line in open(LOGIQA)])
+    logiqa = [json.loads(line) for line in open(LOGIQA)]
+    monkeypatch.setattr(data, "_from_hub", lambda hf_id, config, split, files=None: asked.append((hf_id, files))
+                        or raw if files else asked.append((hf_id, config, split)) or logiqa)
     assert len(benchmarks.load_benchmark("lcb")[1]) == 2 and len(benchmarks.load_benchmark("logiqa")[1]) == 3
     assert asked == [("livecodebench/code_generation_lite", "test*.jsonl"), ("lighteval/logiqa_harness", "logiqa", "test")]
 
@@ -297,21 +296,21 @@ def test_a_zlib_bomb_in_private_tests_is_refused_before_it_inflates(tmp_path, mo
     import json
     import resource
     import zlib
-    import data
-    monkeypatch.setattr(data, "LCB_TESTS_LIMIT", 1 << 20, raising=False)   # a7c59f5 had no bound
+    from harness import sandbox
+    monkeypatch.setattr(sandbox, "TESTS_BYTES", 1 << 20, raising=False)   # a7c59f5 had no bound
     z = zlib.compressobj(9)
     blob = base64.b64encode(b"".join([z.compress(b"\0" * (1 << 22)), z.flush()])).decode()
     row = dict(json.loads(open(LCB).readline()), private_test_cases=blob)
     path = tmp_path / "lcb.jsonl"
     path.write_text(json.dumps(row) + "\n")
-    with pytest.raises(data.DataError, match="^LiveCodeBench problem abc001_a: private_test_cases inflates to more "
-                                             "than 1 MB \\(a zlib bomb\\?\\): fix or drop the row$"):
+    with pytest.raises(data.DataError, match="^LiveCodeBench problem abc001_a: private_test_cases: private tests "
+                                             "inflate to over 1 MB \\(a zlib bomb\\?\\): fix or drop the row$"):
         benchmarks.load_benchmark(f"lcb={path}")
     # the real bound (1 GiB) on the red team's 1.4 MB row: refused without holding what it inflates to
-    monkeypatch.setattr(data, "LCB_TESTS_LIMIT", 1 << 30)
+    monkeypatch.setattr(sandbox, "TESTS_BYTES", 1 << 30)
     z = zlib.compressobj(9)
     blob = base64.b64encode(b"".join([z.compress(b"\0" * (1 << 24)) for _ in range(65)] + [z.flush()])).decode()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    with pytest.raises(ValueError, match="inflates to more than 1024 MB"):
+    with pytest.raises(ValueError, match="inflate to over 1024 MB"):
         data.lcb_tests(dict(row, private_test_cases=blob))
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200 * 1024   # kB: under 200 MB more

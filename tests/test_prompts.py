@@ -1,11 +1,10 @@
-"""prompts.py: the chat prompt's ids and the released RLCR instruction (local fixtures only)."""
+"""data.py's prompts: the chat prompt's ids and the released RLCR instruction (local fixtures only)."""
 import os
 import time
 
 import pytest
 
 import data
-import prompts as prompts_lib
 import toy
 from tests import tiny
 
@@ -21,13 +20,13 @@ class FakeTokenizer:
         self.out = out
 
     def apply_chat_template(self, messages, add_generation_prompt, tokenize):
-        assert add_generation_prompt and tokenize and messages[0]["content"].endswith(prompts_lib.INSTRUCTION)
+        assert add_generation_prompt and tokenize and messages[0]["content"].endswith(data.INSTRUCTION)
         return self.out
 
 
 def test_chat_prompt_returns_plain_ids_with_one_bos():
-    assert prompts_lib.chat_prompt(FakeTokenizer({"input_ids": [5, 5, 7, 8]}), "p") == [5, 7, 8]
-    assert prompts_lib.chat_prompt(FakeTokenizer([5, 9]), "p") == [5, 9]
+    assert data.chat_prompt(FakeTokenizer({"input_ids": [5, 5, 7, 8]}), "p") == [5, 7, 8]
+    assert data.chat_prompt(FakeTokenizer([5, 9]), "p") == [5, 9]
 
 
 @needs_7b
@@ -35,12 +34,12 @@ def test_chat_prompt_with_the_real_tokenizer():
     from tests import tiny  # imported here: the grading tests need no transformers
     tok = tiny.real_tokenizer()
     problem = data.load_rows(os.path.join(FIXTURES, "math500.jsonl"), limit=1)[0]["problem"]
-    ids = prompts_lib.chat_prompt(tok, problem)
+    ids = data.chat_prompt(tok, problem)
     assert isinstance(ids, list) and all(type(i) is int for i in ids)
     assert ids[0] == 151646 and ids.count(151646) == 1
     assert ids[-3:] == [151645, 151648, 198]
     assert tok.decode(ids).endswith("<｜Assistant｜><think>\n")
-    assert problem + prompts_lib.INSTRUCTION in tok.decode(ids)
+    assert problem + data.INSTRUCTION in tok.decode(ids)
 
 
 # The released RLCR prompt (scripts/data/deepscaler_dataset_rlcr), copied by hand: f"{problem}\n\n{it}".
@@ -53,32 +52,31 @@ RELEASED_RLCR = ("Let's think step by step. Output the final answer inside <answ
 
 def test_rlcr_prompt_is_the_released_string():
     problem = "What is 3 + 5?"
-    assert problem + prompts_lib.RLCR_INSTRUCTION == f"{problem}\n\n{RELEASED_RLCR}"
-    assert RELEASED_RLCR.endswith(prompts_lib.RLCR_FORMAT)
+    assert problem + data.RLCR_INSTRUCTION == f"{problem}\n\n{RELEASED_RLCR}"
+    assert RELEASED_RLCR.endswith(data.RLCR_FORMAT)
 
 
 @needs_7b
 def test_rlcr_prompt_on_the_r1_template():
     from tiny import real_tokenizer
     tok = real_tokenizer()
-    text = tok.decode(prompts_lib.chat_prompt(tok, "What is 3 + 5?", prompts_lib.RLCR_INSTRUCTION))
+    text = tok.decode(data.chat_prompt(tok, "What is 3 + 5?", data.RLCR_INSTRUCTION))
     assert text == f"<｜begin▁of▁sentence｜><｜User｜>What is 3 + 5?\n\n{RELEASED_RLCR}<｜Assistant｜><think>\n"
 
 
 def test_prompts_past_the_context_are_refused_and_overflow_is_warned():
     import data
-    import prompts as prompts_lib
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(toy.base_model())   # context 256
     short = {"problem": "1+1", "answer": "2"}
-    n = len(prompts_lib.chat_prompt(tok, short["problem"], ""))
+    n = len(data.chat_prompt(tok, short["problem"], ""))
     said = []
-    prompts_lib.check_context(tok, [short], "", 256, 256 - n, "d", say=said.append)
+    data.check_context(tok, [short], "", 256, 256 - n, "d", say=said.append)
     assert said == []                                        # exactly fills the context
-    prompts_lib.check_context(tok, [short], "", 256, 257 - n, "d", say=said.append)
+    data.check_context(tok, [short], "", 256, 257 - n, "d", say=said.append)
     assert len(said) == 1 and "1 of 1 prompts plus" in said[0]
     with pytest.raises(data.DataError, match=r"d: 1 prompt\(s\) do not fit .* \(row 1: "):
-        prompts_lib.check_context(tok, [short, {"problem": "2" * 300, "answer": "2"}], "", 256, 10, "d")
+        data.check_context(tok, [short, {"problem": "2" * 300, "answer": "2"}], "", 256, 10, "d")
 
 
 def templated(template):
@@ -105,10 +103,10 @@ TEMPLATE_CASES = {   # template, system prompt, words in the DataError
 @pytest.mark.parametrize("case", TEMPLATE_CASES)
 def test_a_chat_template_that_fails_is_one_data_error(case, monkeypatch):
     template, system, words = TEMPLATE_CASES[case]
-    monkeypatch.setattr(prompts_lib, "TEMPLATE_SECONDS", 0.2, raising=False)
+    monkeypatch.setattr(data, "TEMPLATE_SECONDS", 0.2, raising=False)
     start = time.perf_counter()
     with pytest.raises(data.DataError) as e:
-        prompts_lib.chat_prompt(templated(template), "1+1", "", system)
+        data.chat_prompt(templated(template), "1+1", "", system)
     assert words in str(e.value), str(e.value)
     assert time.perf_counter() - start < 5
 
@@ -116,6 +114,6 @@ def test_a_chat_template_that_fails_is_one_data_error(case, monkeypatch):
 def test_the_first_prompt_is_rendered_with_the_system_turn_before_any_folder_is_made():
     tok = templated(TEMPLATE_CASES["raises on a system turn"][0])
     rows = [{"problem": "1+1", "answer": "2"}]
-    prompts_lib.check_context(tok, rows, "", None, 8, "toy")   # no system turn: renders
+    data.check_context(tok, rows, "", None, 8, "toy")   # no system turn: renders
     with pytest.raises(data.DataError, match="System role not supported"):
-        prompts_lib.check_context(tok, rows, "", None, 8, "toy", system="be careful")
+        data.check_context(tok, rows, "", None, 8, "toy", system="be careful")

@@ -11,7 +11,7 @@ import pytest
 import evaluate
 import grade
 import metrics
-import prompts as prompts_lib
+import data
 from harness import files, runlog
 import toy
 import train
@@ -150,12 +150,12 @@ def test_wandb_mirrors_every_row_once_and_resume_continues_the_run(tmp_path, mon
 def test_instruction_changes_the_prompt_and_evaluate_reuses_it(tmp_path, monkeypatch):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(toy.base_model())
-    plain, marked = prompts_lib.chat_prompt(tok, "1+2", ""), prompts_lib.chat_prompt(tok, "1+2", " =")
+    plain, marked = data.chat_prompt(tok, "1+2", ""), data.chat_prompt(tok, "1+2", " =")
     assert len(marked) > len(plain) and tok.decode(marked).replace(" =", "", 1) == tok.decode(plain)
     seen = []
-    real = prompts_lib.chat_prompt
-    spy = lambda t, p, i=prompts_lib.INSTRUCTION, s=None: seen.append((i, s)) or real(t, p, i, s)  # noqa: E731
-    monkeypatch.setattr(prompts_lib, "chat_prompt", spy)   # which prompts.row_prompt calls for every plain row
+    real = data.chat_prompt
+    spy = lambda t, p, i=data.INSTRUCTION, s=None: seen.append((i, s)) or real(t, p, i, s)  # noqa: E731
+    monkeypatch.setattr(data, "chat_prompt", spy)   # which data.row_prompt calls for every plain row
     out = str(tmp_path / "r")
     run_main(["--steps", "1", "--out", out, "--instruction", " =", *SMALL])
     assert json.load(open(os.path.join(out, "config.json")))["instruction"] == " ="

@@ -11,7 +11,7 @@ import train
 from grade import is_correct
 from grpo import group_advantages, pack, policy_loss, token_logprobs
 from label import cuts_of, cut_mask, grid, mc_labels
-from prompts import row_prompt
+from data import row_prompt
 from reward import margin_reward, total_reward
 from rollout import generate
 from harness.parallel import wrap

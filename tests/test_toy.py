@@ -13,7 +13,7 @@ from harness.checkpoint import resolve_model
 from evaluation import confidence
 import grade
 import label
-import prompts as prompts_lib
+import data
 import rollout
 import toy
 
@@ -46,13 +46,13 @@ def test_tokenizer_round_trips_and_forced_suffix_is_two_tokens(tok):
 
 
 def test_chat_prompt_has_one_bos_and_ends_inside_the_thinking(tok):
-    ids = prompts_lib.chat_prompt(tok, "3+5+7", toy.INSTRUCTION)
+    ids = data.chat_prompt(tok, "3+5+7", toy.INSTRUCTION)
     assert ids.count(tok.bos_token_id) == 1 and ids[0] == tok.bos_token_id
     assert tok.decode(ids) == "<|bos|><|user|>3+5+7<|assistant|><think>\n"
 
 
 def test_forced_prompt_layout(tok):
-    prompt = prompts_lib.chat_prompt(tok, "3+5+7", toy.INSTRUCTION)
+    prompt = data.chat_prompt(tok, "3+5+7", toy.INSTRUCTION)
     response = enc(tok, "3+5=8\n8+7=15\n</think>\\boxed{15}") + [tok.eos_token_id]
     head = "<|bos|><|user|>3+5+7<|assistant|><think>\n"
     think = label.forced_prompt(prompt, response, 6, tok)
@@ -64,7 +64,7 @@ def test_forced_prompt_layout(tok):
 def test_warm_start_examples_use_the_inference_layout(tok):
     # Training sequences must look exactly like rollouts and label.forced_prompt's prompts.
     rng = random.Random(1)
-    prompt = prompts_lib.chat_prompt(tok, "3+5+7+2", toy.INSTRUCTION)
+    prompt = data.chat_prompt(tok, "3+5+7+2", toy.INSTRUCTION)
     ids, mask = toy.example(tok, "3+5+7+2", rng, forced=False)
     assert ids[:len(prompt)] == prompt and ids[-1] == tok.eos_token_id
     assert mask == [0] * len(prompt) + [1] * (len(ids) - len(prompt))
@@ -82,7 +82,7 @@ def test_warm_start_examples_use_the_inference_layout(tok):
 def test_rlcr_examples_carry_the_instruction_the_tags_and_a_random_confidence(tok):
     # The RLCR prompt picks the format; the confidence is drawn whatever the trace (no calibration).
     rng, seen = random.Random(3), collections.Counter()
-    prompt = prompts_lib.chat_prompt(tok, "5+5+5+5+5", toy.RLCR_INSTRUCTION)
+    prompt = data.chat_prompt(tok, "5+5+5+5+5", toy.RLCR_INSTRUCTION)
     for _ in range(2000):   # two carries: about a quarter of the traces are right
         ids, mask = toy.example(tok, "5+5+5+5+5", rng, forced=False)
         if ids[:len(prompt)] != prompt:
@@ -112,7 +112,7 @@ def test_saved_tokenizer_is_the_same_after_autotokenizer(tok, tmp_path):
     loaded = AutoTokenizer.from_pretrained(tmp_path)
     for text in TEXTS:
         assert enc(loaded, text) == enc(tok, text) and loaded.decode(enc(loaded, text)) == text
-    assert prompts_lib.chat_prompt(loaded, "4+4+4") == prompts_lib.chat_prompt(tok, "4+4+4")
+    assert data.chat_prompt(loaded, "4+4+4") == data.chat_prompt(tok, "4+4+4")
     assert (loaded.bos_token_id, loaded.eos_token_id, loaded.pad_token_id) == (1, 2, 0)
 
 
@@ -177,7 +177,7 @@ def test_committed_base_model_loads(base, tok):
     assert model.config.model_type == "qwen2" and model.dtype == torch.float32
     assert 0.7e6 < sum(p.numel() for p in model.parameters()) < 1.0e6
     assert model.config.vocab_size >= len(loaded) == len(tok)
-    assert prompts_lib.chat_prompt(loaded, "1+2+3") == prompts_lib.chat_prompt(tok, "1+2+3")
+    assert data.chat_prompt(loaded, "1+2+3") == data.chat_prompt(tok, "1+2+3")
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +185,7 @@ def rollouts(base):
     """One sample per test problem (the first 200) at temperature 0.8 (the RL rollout setting)."""
     model, tok = base
     rows = toy.dataset("test")[:200]
-    prompts = [prompts_lib.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
+    prompts = [data.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
     golds = [r["answer"] for r in rows]
     out = rollout.generate(model, tok, prompts, max_new_tokens=96, temperature=0.8, seed=0)
     correct = [grade.is_correct(t, g) for t, g in zip(out.texts, golds)]

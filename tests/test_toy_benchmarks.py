@@ -14,7 +14,6 @@ import data
 import evaluate
 import grade
 import metrics
-import prompts as prompts_lib
 import reproduce
 import rollout
 import toy
@@ -214,7 +213,7 @@ def test_the_base_policy_is_above_chance_on_every_benchmark():
     model, tok = AutoModelForCausalLM.from_pretrained(toy.base_model()).eval(), AutoTokenizer.from_pretrained(toy.base_model())
     for name in toy.BENCHMARKS:
         rows = toy.dataset("test", name)[:40]
-        prompts = [prompts_lib.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
+        prompts = [data.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
         out = rollout.generate(model, tok, prompts, max_new_tokens=128, temperature=0.6, seed=0)
         acc = sum(grade.is_correct(t, r["answer"]) for t, r in zip(out.texts, rows)) / len(rows)
         print(f"\n{name}: base accuracy at T=0.6 on 40 problems {acc:.3f}")

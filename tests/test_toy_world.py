@@ -79,7 +79,7 @@ def test_posthoc_labels_inside_the_thinking_copy_the_path_on_the_warm_start(tmp_
     label is high. The toy ends that answer at `}\\n` and writes more boxes after it, so a
     continuation read from its last box, unstopped (the release's reading), labels them about 0."""
     import evaluate
-    import prompts as prompts_lib
+    import data
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from evaluation import confidence
     from evaluation.confidence import think_end
@@ -94,7 +94,7 @@ def test_posthoc_labels_inside_the_thinking_copy_the_path_on_the_warm_start(tmp_
     p, rows = seen["p"], seen["rows"][:16]
     model = AutoModelForCausalLM.from_pretrained(toy.BASE_DIR).eval()
     tok = AutoTokenizer.from_pretrained(toy.BASE_DIR)
-    asked = [prompts_lib.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
+    asked = [data.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
     out = generate(model, tok, asked, n=4, max_new_tokens=p["max_new_tokens"], temperature=p["temperature"],
                    top_p=p["top_p"], seed=0)
     ends = [think_end(r, tok.convert_tokens_to_ids("</think>")) for r in out.ids]
