@@ -76,14 +76,12 @@ def parse_args(argv):
         if bad:
             raise UserError(f"--methods {args.methods}: unknown method {bad[0]!r}; known: {', '.join(known)}")
         methods = tuple(m for m in known if m in given)
-    try:
-        seeds = [int(s) for s in args.seeds.split(",")] if args.seeds is not None else [0]
-    except ValueError:
-        seeds = []
-    if not seeds or len(set(seeds)) < len(seeds) or not all(0 <= s < 2**32 for s in seeds):
+    words = args.seeds.split(",") if args.seeds is not None else ["0"]
+    seeds = [int(s) for s in words if s.strip().isdecimal()]   # isdecimal: not "-1", nor "²"
+    if len(seeds) < len(words) or len(set(seeds)) < len(seeds) or max(seeds) >= 2**32:
         raise UserError(f"--seeds {args.seeds}: give distinct integers in [0, 2**32), e.g. 0,1,2")
     seeds = {m: list(SEEDS[m]) if args.seeds is None else seeds for m in methods}
-    if not args.jobs.isdecimal() or int(args.jobs) < 1:   # isdecimal: "²" is a digit, not a number
+    if not args.jobs.strip().isdecimal() or int(args.jobs) < 1:
         raise UserError(f"--jobs {args.jobs}: must be an integer >= 1")
     try:
         args.train_args, args.eval_args = shlex.split(args.train_args), shlex.split(args.eval_args)
@@ -352,7 +350,6 @@ def tables(agg, methods):
 
 
 def headline_differences(agg):   # {benchmark or "Overall": {key: paired(GRPO, RLCM)}} or None
-
     if not all(m in agg for m in PAIR):
         return None
     a, b = (agg[m]["seeds"] for m in PAIR)
