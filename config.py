@@ -107,7 +107,6 @@ def dflt(key):
 
 
 def build_parser():   # every default None: resolve_args fills them
-
     fmt = lambda d: ", ".join(f"{k}={v}" for k, v in d.items())  # noqa: E731
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=(
         f"defaults: {fmt(COMMON)}. toy world: {fmt(TOY)}. real models: {fmt(REAL)}."))
@@ -306,15 +305,21 @@ def resolve_args(argv):
     """CLI -> checked config dict (precedence: the module docstring)."""
     given = {k: v for k, v in vars(build_parser().parse_args(argv)).items() if v is not None}
     check_values(given)   # the flags as typed first, so the message names what the user wrote
+    flag = "--resume" if given.get("resume") else "--config" if given.get("config") else None
     saved = {}
+    if flag:
+        path = given[flag[2:]]
+        saved = read_config(path) if flag == "--resume" else _read_config(path)
+        check_saved(saved, os.path.join(path, "config.json") if flag == "--resume" else path)
+        fn = saved.get("reward_fn")
+        if fn and not given.get("reward_fn"):   # no code runs because a file says so
+            raise UserError(f"{flag} {path}: the run was started with --reward-fn {fn}, which is "
+                            "never taken from a saved config; pass it again if you trust that file")
     if given.get("resume"):
         run = given["resume"]
-        saved = read_config(run)
-        check_saved(saved, os.path.join(run, "config.json"))
         if saved.pop("trust_remote_code", False) and not given.get("trust_remote_code"):
             raise UserError(f"--resume {run}: the run was started with --trust-remote-code, which is "
                             "never taken from a saved config; pass it again if you trust the code there")
-        check_reward_fn(saved, given, f"--resume {run}")
         for key in FIXED_ON_RESUME:
             if key in given and key in saved and given[key] != saved[key]:
                 raise UserError(f"--resume {run}: --{key.replace('_', '-')} cannot change on resume "
@@ -322,10 +327,6 @@ def resolve_args(argv):
         if "out" in given and os.path.abspath(given["out"]) != os.path.abspath(run):
             raise UserError(f"--resume {run} writes into {run}: drop --out {given['out']}")
         given["out"] = run
-    elif given.get("config"):
-        saved = _read_config(given["config"])
-        check_saved(saved, given["config"])
-        check_reward_fn(saved, given, f"--config {given['config']}")
     model = given.get("model", saved.get("model", "toy"))
     is_toy = model == "toy" or given.get("toy_world", saved.get("toy_world")) is not None
     world = {**COMMON, **(TOY if is_toy else {**REAL, **RECIPES.get(ALIASES.get(model, model), {})})}
@@ -355,15 +356,7 @@ def resolve_args(argv):
     return cfg
 
 
-def check_reward_fn(saved, given, where):   # code is never run because a config says so
-
-    if saved.get("reward_fn") and not given.get("reward_fn"):
-        raise UserError(f"{where}: the run was started with --reward-fn {saved['reward_fn']}, which is "
-                        "never taken from a saved config; pass it again if you trust that file")
-
-
 def _read_config(path):   # a --config file minus how and where that run was started
-
     try:
         with open(path) as f:
             saved = json.load(f)

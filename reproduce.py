@@ -492,19 +492,18 @@ def main(argv=None):
     t0 = time.time()
     STOP.clear()
     run_jobs = Jobs(args, len(work) + len(todo), todo)
-    pool = ThreadPoolExecutor(jobs)
-    futures = [pool.submit(run_jobs, j) for j in work]
-    default = signal.signal(signal.SIGTERM, stop_children)
-    try:
-        ok = [f.result() for f in futures]
-    except KeyboardInterrupt:   # Ctrl-C (the children got it too) or SIGTERM (stop_children): start nothing new
-        STOP.set()
-        pool.shutdown(cancel_futures=True)
-        print("\ninterrupted: finished steps are kept; run the same command again to continue", file=sys.stderr)
-        raise SystemExit(130) from None
-    finally:
-        signal.signal(signal.SIGTERM, default)
-    pool.shutdown()
+    with ThreadPoolExecutor(jobs) as pool:
+        default = signal.signal(signal.SIGTERM, stop_children)
+        try:
+            ok = list(pool.map(run_jobs, work))
+        except KeyboardInterrupt:   # Ctrl-C (the children got it too) or SIGTERM: start nothing new
+            STOP.set()
+            pool.shutdown(cancel_futures=True)
+            print("\ninterrupted: finished steps are kept; run the same command again to continue",
+                  file=sys.stderr)
+            raise SystemExit(130) from None
+        finally:
+            signal.signal(signal.SIGTERM, default)
     print(f"total {time.time() - t0:.0f} s")
     if not all(ok):
         print(f"{len(run_jobs.failed)} step(s) failed ({'; '.join(run_jobs.failed)}): no table written; "
