@@ -29,10 +29,15 @@ def reliability(conf, correct, n_bins=10):
     idx = np.minimum(np.floor(conf * n_bins).astype(np.int64), n_bins - 1)  # 1.0: the last bin
     rows = []
     for i in range(n_bins):
-        sel, count = idx == i, int((idx == i).sum())
-        rows.append(dict(lo=i / n_bins, hi=(i + 1) / n_bins, count=count,
-                         mean_conf=float(conf[sel].mean()) if count else math.nan,
-                         accuracy=float(correct[sel].mean()) if count else math.nan))
+        sel = idx == i
+        count = int(sel.sum())
+        rows.append({
+            "lo": i / n_bins,
+            "hi": (i + 1) / n_bins,
+            "count": count,
+            "mean_conf": float(conf[sel].mean()) if count else math.nan,
+            "accuracy": float(correct[sel].mean()) if count else math.nan,
+        })
     return rows
 
 
@@ -81,9 +86,14 @@ def auroc(conf, correct):
 def calibration(conf, correct, n_bins=10):
     """All summary numbers at once: {"acc", "ece", "pce", "brier", "auroc", "n"}."""
     conf, correct = _check(conf, correct)
-    c = conf, correct
-    return dict(acc=float(correct.mean()), ece=ece(*c, n_bins), pce=pce(*c, n_bins),
-                brier=brier(*c), auroc=auroc(*c), n=int(conf.size))
+    return {
+        "acc": float(correct.mean()),
+        "ece": ece(conf, correct, n_bins),
+        "pce": pce(conf, correct, n_bins),
+        "brier": brier(conf, correct),
+        "auroc": auroc(conf, correct),
+        "n": int(conf.size),
+    }
 
 
 def bootstrap(conf, correct, groups, n_resamples=1000, seed=0):

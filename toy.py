@@ -243,6 +243,7 @@ def base_model(path=None, rebuild=False):
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Rebuild the toy world's warm-started base policy.")
-    parser.add_argument("--out", default=BASE_DIR, help="output directory (default: toy_base/)")
+    parser.add_argument("--out", default=BASE_DIR,
+                        help="output directory (default: toy_base/)")
     args = parser.parse_args()
     print(base_model(args.out, rebuild=True))
