@@ -1,9 +1,6 @@
-"""The run's configuration: world defaults (toy vs real model), the command line, and resume.
-
-Every flag of train.py, its default in each world (TOY, REAL, COMMON, a named model's RECIPES,
-and what a --reward mode implies) and its allowed values (LIMITS). resolve_args resolves them: flags
-given now > the saved config.json of a resumed run (or a --config file) > the defaults below, every
-value checked against LIMITS before any model, data or folder is touched.
+"""The run's configuration: every flag of train.py, its default in each world (TOY, REAL, COMMON,
+a model's RECIPES, a --reward mode's IMPLIED) and its allowed values (LIMITS). resolve_args: flags
+given now > a resumed run's config.json (or a --config file) > the defaults, all checked first.
 """
 import argparse
 import json
@@ -59,9 +56,6 @@ IMPLIED = {"final-margin": dict(budgets=(1.0,), corner="final-margin"),
 # The toy world (256 positions, bare sums) asks for RLCR's format with its own short prompt.
 TOY_IMPLIED = {"rlcr": dict(instruction=toy.RLCR_INSTRUCTION)}
 
-DATA_HELP = ("toy | deepscaler (40k, downloads; holds the released 7,721: --data stage1_data.json, "
-             "the authors' file, not on the hub) | HF dataset id | local json/jsonl/parquet")
-
 
 def fractions(text):
     """--budgets "0.25,0.5,0.75" -> (0.25, 0.5, 0.75); each fraction of the response in (0, 1]."""
@@ -74,45 +68,30 @@ def fractions(text):
     return out
 
 
-# Allowed values, one line per flag: (test, what the test says). Floats must also be finite.
-# A flag missing here is unchecked; add yours in one line.
+# Allowed values: (test, what the test says). Floats must also be finite. A flag missing here is
+# unchecked; add yours in one line.
 LIMITS = {
+    **dict.fromkeys(("prompts_per_step", "max_new_tokens", "gen_batch", "k", "probe_passes", "gpus",
+                     "probe_batch", "micro_tokens", "chunk_size", "keep", "ppo_epochs", "nproc"),
+                    (lambda v: v >= 1, ">= 1")),
+    **dict.fromkeys(("lam", "warmup", "weight_decay", "clip_high", "log_samples"),
+                    (lambda v: v >= 0, ">= 0")),
+    **dict.fromkeys(("probe_lr", "lr", "grad_clip", "lora_alpha"), (lambda v: v > 0, "> 0")),
     "steps": (lambda v: v >= 0, ">= 0 (0: nothing to train)"),
-    "prompts_per_step": (lambda v: v >= 1, ">= 1"),
     # every mode normalises advantages within a group: one sample per prompt has no advantage
     "group_size": (lambda v: v >= 2, ">= 2 (advantages are normalised within a prompt's group)"),
-    "max_new_tokens": (lambda v: v >= 1, ">= 1"),
-    "gen_batch": (lambda v: v >= 1, ">= 1"),
     "temperature": (lambda v: v > 0, "> 0 (log-probs are taken at the sampling temperature)"),
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "lam": (lambda v: v >= 0, ">= 0"),
-    "k": (lambda v: v >= 1, ">= 1"),
-    "probe_lr": (lambda v: v > 0, "> 0"),
-    "probe_passes": (lambda v: v >= 1, ">= 1"),
-    "probe_batch": (lambda v: v >= 1, ">= 1"),
     "probe_hidden": (lambda v: v >= 0, ">= 0 (0: the linear probe)"),
-    "lr": (lambda v: v > 0, "> 0"),
-    "warmup": (lambda v: v >= 0, ">= 0"),
-    "weight_decay": (lambda v: v >= 0, ">= 0"),
-    "grad_clip": (lambda v: v > 0, "> 0"),
     "clip_low": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    "clip_high": (lambda v: v >= 0, ">= 0"),
-    "micro_tokens": (lambda v: v >= 1, ">= 1"),
-    "chunk_size": (lambda v: v >= 1, ">= 1"),
     "seed": (lambda v: 0 <= v < 2**32, "in [0, 2**32)"),
     "save_every": (lambda v: v >= 0, ">= 0 (0: only at the end)"),
-    "keep": (lambda v: v >= 1, ">= 1"),
     "eval_every": (lambda v: v >= 0, ">= 0 (0: at the start and the end only)"),
     "eval_n": (lambda v: v >= 0, ">= 0 (0: no held-out check)"),
     "max_prompt_tokens": (lambda v: v >= 0, ">= 0 (0: keep every prompt)"),
-    "log_samples": (lambda v: v >= 0, ">= 0"),
     "eval_probe_n": (lambda v: v >= 0, ">= 0 (0: off)"),
-    "ppo_epochs": (lambda v: v >= 1, ">= 1"),
-    "nproc": (lambda v: v >= 1, ">= 1"),
-    "gpus": (lambda v: v >= 1, ">= 1"),
     "gpu_mem": (lambda v: v > 0, "> 0 (GiB)"),
     "lora_rank": (lambda v: v >= 0, ">= 0 (0: full fine-tuning)"),
-    "lora_alpha": (lambda v: v > 0, "> 0"),
 }
 # Refused on --resume: the saved data cursor, RNG states or probe would refer to another run. Others
 # apply from the next step, written to config.json (--lr, --probe-lr: replace the saved rates).
@@ -126,15 +105,16 @@ def dflt(key):
     return f"default {toy}" if toy == real else f"toy {toy}, real models {real}"
 
 
-def build_parser():
-    """Every default is None here: resolve_args fills unset flags from COMMON and TOY/REAL."""
+def build_parser():   # every default None: resolve_args fills them
     fmt = lambda d: ", ".join(f"{k}={v}" for k, v in d.items())  # noqa: E731
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=(
         f"defaults: {fmt(COMMON)}. toy world: {fmt(TOY)}. real models: {fmt(REAL)}."))
     g = p.add_argument_group("model and data")
     g.add_argument("--model", help="toy | deepseek-r1-distill-qwen-7b | qwen3-4b-instruct (the release's 4B recipe: "
                    f"{RECIPES['Qwen/Qwen3-4B-Instruct-2507']['steps']} steps) | HF id | local dir")
-    g.add_argument("--data", help=DATA_HELP)
+    g.add_argument("--data", help="toy | deepscaler (40k, downloads; holds the released 7,721: "
+                   "--data stage1_data.json, the authors' file, not on the hub) | HF dataset id | "
+                   "local json/jsonl/parquet")
     g.add_argument("--problem-field", help="the rows' problem column (default: the first present of "
                    + ", ".join(PROBLEM_FIELDS) + ")")
     g.add_argument("--answer-field", help="the rows' gold answer column (default: the first present of "
@@ -285,8 +265,7 @@ def check_values(cfg, limits=LIMITS):
 
 
 def check_saved(saved, where):
-    """UserError (one line naming the key and value as in the file `where`) for a config.json value
-    the command line would refuse (type, choices, LIMITS); null and unknown keys pass."""
+    """UserError for a value in the config file `where` that the command line would refuse."""
     actions = {a.dest: a for a in build_parser()._actions}
     for key, v in saved.items():
         a = actions.get(key)
@@ -322,18 +301,24 @@ def check_world(cfg, world):
 
 
 def resolve_args(argv):
-    """CLI -> checked config dict (precedence: the module docstring); trust_remote_code as given."""
+    """CLI -> checked config dict (precedence: the module docstring)."""
     given = {k: v for k, v in vars(build_parser().parse_args(argv)).items() if v is not None}
     check_values(given)   # the flags as typed first, so the message names what the user wrote
+    flag = "--resume" if given.get("resume") else "--config" if given.get("config") else None
     saved = {}
+    if flag:
+        path = given[flag[2:]]
+        saved = read_config(path) if flag == "--resume" else _read_config(path)
+        check_saved(saved, os.path.join(path, "config.json") if flag == "--resume" else path)
+        fn = saved.get("reward_fn")
+        if fn and not given.get("reward_fn"):   # no code runs because a file says so
+            raise UserError(f"{flag} {path}: the run was started with --reward-fn {fn}, which is "
+                            "never taken from a saved config; pass it again if you trust that file")
     if given.get("resume"):
         run = given["resume"]
-        saved = read_config(run)
-        check_saved(saved, os.path.join(run, "config.json"))
         if saved.pop("trust_remote_code", False) and not given.get("trust_remote_code"):
             raise UserError(f"--resume {run}: the run was started with --trust-remote-code, which is "
                             "never taken from a saved config; pass it again if you trust the code there")
-        check_reward_fn(saved, given, f"--resume {run}")
         for key in FIXED_ON_RESUME:
             if key in given and key in saved and given[key] != saved[key]:
                 raise UserError(f"--resume {run}: --{key.replace('_', '-')} cannot change on resume "
@@ -341,10 +326,6 @@ def resolve_args(argv):
         if "out" in given and os.path.abspath(given["out"]) != os.path.abspath(run):
             raise UserError(f"--resume {run} writes into {run}: drop --out {given['out']}")
         given["out"] = run
-    elif given.get("config"):
-        saved = _read_config(given["config"])
-        check_saved(saved, given["config"])
-        check_reward_fn(saved, given, f"--config {given['config']}")
     model = given.get("model", saved.get("model", "toy"))
     is_toy = model == "toy" or given.get("toy_world", saved.get("toy_world")) is not None
     world = {**COMMON, **(TOY if is_toy else {**REAL, **RECIPES.get(ALIASES.get(model, model), {})})}
@@ -374,16 +355,7 @@ def resolve_args(argv):
     return cfg
 
 
-def check_reward_fn(saved, given, where):
-    """A run started with --reward-fn resumes (or is copied) only with --reward-fn given again: a
-    saved config names a file, and code is never run because a config says so."""
-    if saved.get("reward_fn") and not given.get("reward_fn"):
-        raise UserError(f"{where}: the run was started with --reward-fn {saved['reward_fn']}, which is "
-                        "never taken from a saved config; pass it again if you trust that file")
-
-
-def _read_config(path):
-    """A saved config.json minus where and how that run was started (its --out is not reused)."""
+def _read_config(path):   # a --config file minus how and where that run was started
     try:
         with open(path) as f:
             saved = json.load(f)

@@ -1,17 +1,13 @@
-"""Calibration metrics: ECE, PCE, Brier score, AUROC and the reliability table (numpy in, floats out); pass@k;
-the share of the advantage the calibration term sets.
-
-Inputs are 1-D sequences of the same length N > 0: `conf` in [0, 1] (the model's probability of being
-right) and `correct` in [0, 1] (1 = right, 0 = wrong; AUROC needs exactly 0/1). Bins are equal-width
-`[i/n, (i+1)/n)`, the last also holding 1.0; empty bins contribute nothing (docs/reference.md).
+"""Calibration metrics: ECE, PCE, Brier score, AUROC, the reliability table; pass@k; the share of
+the advantage the calibration term sets. Inputs: 1-D `conf` and `correct` of one length N > 0, in
+[0, 1] (AUROC: correct exactly 0/1). Bins are `[i/n, (i+1)/n)`, the last also holding 1.0.
 """
 import math
 
 import numpy as np
 
 
-def _check(conf, correct):
-    """Return (conf, correct) as float64 arrays [N], or raise ValueError naming the problem."""
+def _check(conf, correct):   # float64 arrays [N], or a ValueError naming the problem
     conf = np.asarray(conf, dtype=np.float64).reshape(-1)
     correct = np.asarray(correct, dtype=np.float64).reshape(-1)
     if conf.shape != correct.shape:
@@ -45,8 +41,7 @@ def reliability(conf, correct, n_bins=10):
     return rows
 
 
-def _gaps(conf, correct, n_bins):
-    """(weights n_bin / N, mean_conf - accuracy) of the non-empty bins."""
+def _gaps(conf, correct, n_bins):   # (n_bin / N, mean_conf - accuracy) of the non-empty bins
     rows = [r for r in reliability(conf, correct, n_bins) if r["count"]]
     n = sum(r["count"] for r in rows)
     weights = np.array([r["count"] / n for r in rows])
@@ -74,10 +69,8 @@ def brier(conf, correct):
 
 def auroc(conf, correct):
     """Area under the ROC curve of conf as a predictor of correct; nan when only one class is present.
-
-    AUROC = (sum of the ranks of the right samples - n1 (n1 + 1) / 2) / (n1 * n0),
-    ranks over all N confidences with ties averaged (equals the pairwise win rate, ties = 1/2).
-    """
+    AUROC = (sum of the ranks of the right samples - n1 (n1 + 1) / 2) / (n1 * n0), ranks over all N
+    confidences with ties averaged (equals the pairwise win rate, ties = 1/2)."""
     conf, correct = _check(conf, correct)
     if not np.isin(correct, (0.0, 1.0)).all():
         raise ValueError("auroc needs correctness exactly 0 or 1")
@@ -103,19 +96,16 @@ def calibration(conf, correct, n_bins=10):
     }
 
 
-def bootstrap(conf, correct, groups, stats=None, n_resamples=1000, seed=0, z=1.96):
-    """Bootstrap intervals over groups (questions): {name: {"lo", "hi", "pm"}} for each statistic.
+def bootstrap(conf, correct, groups, n_resamples=1000, seed=0):
+    """95 % intervals of Acc, ECE and PCE over groups (questions): {name: {"lo", "hi", "pm"}}.
 
-    groups [N]: the question of each sample; a resample draws as many questions as there are, with
-    replacement, and keeps all samples of each drawn question, so samples of one question are never
-    treated as independent. The interval is the point estimate +- z * (standard deviation of the
-    statistic over `n_resamples` resamples), z = 1.96 for 95 %, clipped to [0, 1]: it always holds
-    the point estimate (a percentile interval of the upward-biased ECE need not), and `pm` is the
-    half-width printed as `0.543 +- 0.012`. stats: {name: fn(conf, correct) -> float}; default Acc,
-    ECE and PCE. Seeded: the same inputs give the same intervals.
+    groups [N]: each sample's question; a resample draws as many questions, with replacement, and
+    keeps all samples of each. The interval is the estimate +- 1.96 x the statistic's standard
+    deviation over the resamples, clipped to [0, 1]: it always holds the estimate (a percentile
+    interval of the upward-biased ECE need not); `pm` is its half-width. Seeded.
     """
     conf, correct = _check(conf, correct)
-    stats = stats or {"acc": lambda c, y: float(y.mean()), "ece": ece, "pce": pce}
+    stats = {"acc": lambda c, y: float(y.mean()), "ece": ece, "pce": pce}
     _, members = np.unique(np.asarray(groups).reshape(-1), return_inverse=True)
     by_group = [np.flatnonzero(members == g) for g in range(members.max() + 1)]
     rng = np.random.default_rng(seed)
@@ -126,19 +116,18 @@ def bootstrap(conf, correct, groups, stats=None, n_resamples=1000, seed=0, z=1.9
             draws[name].append(fn(conf[idx], correct[idx]))
     out = {}
     for name, fn in stats.items():
-        point, pm = fn(conf, correct), z * float(np.std(draws[name]))
+        point, pm = fn(conf, correct), 1.96 * float(np.std(draws[name]))
         out[name] = {"lo": max(point - pm, 0.0), "hi": min(point + pm, 1.0), "pm": pm}
     return out
 
 
 def pass_at_k(n, c, k):
-    """Unbiased pass@k of one question: the chance that k of its n samples, c of them right, hold a right one.
+    """Unbiased pass@k of a question: the chance that k of its n samples, c right, hold a right one.
 
         pass@k = 1 - C(n - c, k) / C(n, k) = 1 - prod_{i = n-c+1}^{n} (1 - k / i)
 
-    The product form (Chen et al. 2021, the HumanEval paper) never forms the binomials, which
-    overflow a float from n ~ 1000; it is 1 when n - c < k (every k-subset holds a right sample).
-    Example: n = 5, c = 2, k = 2: 1 - C(3, 2) / C(5, 2) = 1 - 3/10 = 0.7; with k = 1 it is c / n.
+    The product form (Chen et al. 2021) never forms the binomials, which overflow a float from
+    n ~ 1000. Example: n = 5, c = 2, k = 2: 1 - C(3, 2) / C(5, 2) = 0.7; with k = 1 it is c / n.
     """
     if not 0 <= c <= n or not 1 <= k <= n:
         raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
@@ -148,12 +137,9 @@ def pass_at_k(n, c, k):
 
 
 def advantage_parts(correct, rewards, group_size, eps=1e-6):
-    """(sum |A_nat|, sum |A_cal|) over a step's trajectories: the group z-scored advantage
-    A = (R - mean R) / (std R + eps) of R = r_nat + calibration term (grpo.group_advantages), split
-    into the part from r_nat = 2 * correct - 1 and the part from the rest, so A_cal / (A_nat + A_cal)
-    is the share of the update's |advantage| that the calibration term sets. In a group whose
-    correctness has zero variance A_nat = 0: the calibration term alone sets its advantages.
-    Under --drop-unanimous a unanimous group's R is 0, so both parts are 0 there.
+    """(sum |A_nat|, sum |A_cal|) over a step: the group advantage A = (R - mean R) / (std R + eps)
+    (grpo.group_advantages) split into the part from r_nat = 2 * correct - 1 and the part from the
+    calibration term, so A_cal / (A_nat + A_cal) is the share of |advantage| the term sets.
     Example: correct (1, 0), R (1.05, -0.97): std 1.428, A_nat +-0.700, A_cal +-0.007."""
     r = np.asarray(rewards, dtype=np.float64).reshape(-1, group_size)
     nat = 2 * np.asarray(correct, dtype=np.float64).reshape(-1, group_size) - 1

@@ -1,18 +1,15 @@
-"""Reproduce the paper's comparison on the toy world: each method trained from the same base policy
-(the committed toy_base) for several seeds, each evaluated with its matching confidence, one table.
+"""Reproduce the paper's comparison on the toy world: each method trained from the committed
+toy_base for several seeds, evaluated with its matching confidence, one table (OUT/table.md).
 
     python reproduce.py                                 # Base, GRPO, RLCR, C2GSPG, RLCM; seeds below
     python reproduce.py --ablations                     # + Final-Margin, Process-Brier, Final-Brier
     python reproduce.py --methods grpo,rlcm --seeds 0   # a part of it
 
-Per method and seed, train.py then evaluate.py, --jobs at a time as one-thread subprocesses, logs in
-OUT/logs/; what was made with these arguments is not redone, so the same command continues. Then
-OUT/table.md, OUT/results.json and OUT/reliability_M.png. What each run is and what it printed:
-docs/reference.md, "The paper's comparison, on the toy world".
+What was made with these arguments is not redone, so the same command continues. docs/reference.md,
+"The paper's comparison, on the toy world", says what each run is and what it printed.
 """
 import argparse
 import contextlib
-import functools
 import io
 import json
 import math
@@ -79,39 +76,27 @@ def parse_args(argv):
         if bad:
             raise UserError(f"--methods {args.methods}: unknown method {bad[0]!r}; known: {', '.join(known)}")
         methods = tuple(m for m in known if m in given)
-    try:
-        seeds = [int(s) for s in args.seeds.split(",")] if args.seeds is not None else [0]
-    except ValueError:
-        seeds = []
-    if not seeds or len(set(seeds)) < len(seeds) or not all(0 <= s < 2**32 for s in seeds):
+    words = args.seeds.split(",") if args.seeds is not None else ["0"]
+    seeds = [int(s) for s in words if s.strip().isdecimal()]   # isdecimal: not "-1", nor "²"
+    if len(seeds) < len(words) or len(set(seeds)) < len(seeds) or max(seeds) >= 2**32:
         raise UserError(f"--seeds {args.seeds}: give distinct integers in [0, 2**32), e.g. 0,1,2")
     seeds = {m: list(SEEDS[m]) if args.seeds is None else seeds for m in methods}
-    try:
-        jobs = int(args.jobs)
-    except ValueError:
-        jobs = 0
-    if jobs < 1:
+    if not args.jobs.strip().isdecimal() or int(args.jobs) < 1:
         raise UserError(f"--jobs {args.jobs}: must be an integer >= 1")
     try:
         args.train_args, args.eval_args = shlex.split(args.train_args), shlex.split(args.eval_args)
     except ValueError as e:
         raise UserError(f"--train-args / --eval-args: cannot split ({e}): check the quotes") from None
-    work = job_list(args, methods, seeds)
-    for j in work:
-        if j["train"]:
-            refuse_overrides("--train-args", config.build_parser().parse_args, j["train"], args.train_args,
-                             TRAIN_FIXED)
-        refuse_overrides("--eval-args", evaluate.parse_args, j["eval"], args.eval_args, EVAL_FIXED)
-    for j in work:   # then as train.py resolves them: what a --config file sets counts too
+    for j in job_list(args, methods, seeds):
         if j["train"]:
             refuse_overrides("--train-args", train_config, j["train"], args.train_args, TRAIN_FIXED)
+        refuse_overrides("--eval-args", evaluate.parse_args, j["eval"], args.eval_args, EVAL_FIXED)
     check_out(args.out)
-    return args, methods, seeds, jobs
+    return args, methods, seeds, int(args.jobs)
 
 
 def job_list(args, methods, seeds):
-    """What runs: per method and seed, dict(name, run (None for the base), ev (its evaluation's folder),
-    log, train: train.py's arguments, eval: evaluate.py's arguments), seed by seed."""
+    """Per method and seed, seed by seed: dict(name, run (None: the base), ev, log, train, eval)."""
     out = []
     for s in sorted(set().union(*seeds.values())):
         for m in methods:
@@ -123,8 +108,7 @@ def job_list(args, methods, seeds):
 
 
 def refuse_overrides(flag, parse, base, extra, fixed):
-    """UserError naming the first of `fixed` that `extra`, appended to the command `base`, would change
-    (the last occurrence of a flag wins)."""
+    """UserError naming the first of `fixed` that `extra`, appended to `base`, would change."""
     what = f"{flag} {shlex.join(extra)}"
     before, after = vars(parsed(parse, base, what)), vars(parsed(parse, base + extra, what))
     for key in fixed:
@@ -147,8 +131,7 @@ def parsed(parse, words, what):
 
 
 def train_config(words):
-    """TRAIN_FIXED as train.py resolves them from these arguments: a flag, else what a --config file
-    sets, else the toy world's default. Other values are left to train.py to check."""
+    """TRAIN_FIXED as train.py resolves them: a flag, else a --config file's, else the toy's."""
     given = vars(config.build_parser().parse_args(words))
     saved = config._read_config(given["config"]) if given["config"] else {}   # as train.py reads it
     world = {**config.COMMON, **config.TOY}
@@ -156,27 +139,23 @@ def train_config(words):
                                  for k in TRAIN_FIXED})
 
 
-def train_cmd(method, seed, run):
-    """train.py's arguments for a new run, before --train-args."""
+def train_cmd(method, seed, run):   # before --train-args
     return ["--reward", method, "--seed", str(seed), "--out", run]
 
 
-def eval_cmd(method, seed, run, ev):
-    """evaluate.py's arguments, before --eval-args."""
-    return ["--model", run or "toy", "--benchmarks", ",".join(BENCHMARKS), "--confidence", CONFIDENCE[method], "--seed", str(seed),
-            "--no-early-exit", "--out", ev]
+def eval_cmd(method, seed, run, ev):   # before --eval-args
+    return ["--model", run or "toy", "--benchmarks", ",".join(BENCHMARKS),
+            "--confidence", CONFIDENCE[method], "--seed", str(seed), "--no-early-exit", "--out", ev]
 
 
-def paths(out, method, seed):
-    """(run dir or None for the base, eval dir, log prefix) of one job."""
+def paths(out, method, seed):   # (run folder, None for the base; eval folder; log prefix)
     name = f"{method}-seed{seed}"
     return (None if method == "base" else os.path.join(out, "runs", name), os.path.join(out, "eval", name),
             os.path.join(out, "logs", name))
 
 
 def model_of(run):
-    """(label, identity) that evaluate.py files the toy base (run None) or the run's latest checkpoint
-    under (evaluation/benchmarks.py: model_label, model_id); (None, None) before its first checkpoint."""
+    """(label, model_id) of the base (run None) or the run's latest checkpoint, as evaluate.py's."""
     if run is None:
         return "toy", model_id(checkpoint.resolve_model("toy"))
     ckpt = checkpoint.latest_checkpoint(run, quiet)
@@ -184,9 +163,8 @@ def model_of(run):
 
 
 def eval_entry(eval_dir, label, ident):
-    """This model's entry of EVAL/results.json if it is of this very model (`ident`: not of one trained
-    before in the same folder) with every metric of every toy benchmark a number (AUROC may be None:
-    one class), else None: an evaluation still to do, so a rerun replaces a damaged entry."""
+    """This very model's (`ident`) entry of EVAL/results.json if every metric of every toy benchmark
+    is a number (AUROC may be None: one class); else None: to evaluate."""
     number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
     try:
         with open(os.path.join(eval_dir, "results.json"), encoding="utf-8") as f:
@@ -202,7 +180,7 @@ def eval_entry(eval_dir, label, ident):
 
 
 def made_with(entry, cmd):
-    """Whether evaluate.py made `entry` with the arguments `cmd` (its recorded command, parsed)."""
+    """Whether evaluate.py made `entry` with the arguments `cmd`."""
     try:
         then = shlex.split(entry["provenance"]["command"])[1:]   # "evaluate.py ARGS"
         then = vars(parsed(evaluate.parse_args, then, "results.json"))
@@ -213,10 +191,8 @@ def made_with(entry, cmd):
 
 
 def training(run, ev, cmd, extra):
-    """train.py's arguments that bring `run` to what `train.py CMD EXTRA` makes there, None when it is
-    there already: CMD EXTRA for a folder without a checkpoint, a resume for a run with fewer steps.
-    A run made with other settings (its config.json) is refused, neither continued (mixing two
-    settings) nor trained again (deleting a run someone may want)."""
+    """train.py's arguments that bring `run` to what `train.py CMD EXTRA` makes (a resume if it has
+    fewer steps), None if it is there. A run of other settings is refused, not mixed nor deleted."""
     ckpt = os.path.isfile(os.path.join(run, "config.json")) and checkpoint.latest_checkpoint(run, quiet, resume=True)
     if not ckpt:
         return cmd + extra
@@ -234,8 +210,7 @@ def training(run, ev, cmd, extra):
 
 
 def training_stats(run):
-    """From RUN/metrics.jsonl: held-out accuracy at the first and last check, and the run's means of
-    signal_frac, eval_probe_auroc and calib_adv_share (calib_share). None where the run has none."""
+    """From RUN/metrics.jsonl: held-out accuracy at the first and last check, WHY's means."""
     rows = files.read_jsonl(os.path.join(run, "metrics.jsonl"), say=quiet) if run else []
     held = sorted((r["step"], r["eval_accuracy"]) for r in rows if r.get("eval") and "eval_accuracy" in r)
     start, end = (held[0][1], held[-1][1]) if held else (None, None)
@@ -246,7 +221,7 @@ def training_stats(run):
 
 
 class Jobs:
-    """One (method, seed) per call, run in a pool thread: train, then evaluate; one line per finished step."""
+    """One (method, seed) per call, in a pool thread: train, then evaluate; a line per step."""
 
     def __init__(self, args, total, todo):
         self.args, self.total, self.todo, self.done, self.failed = args, total, todo, 0, []
@@ -263,8 +238,7 @@ class Jobs:
             print(f"FAILED {what}{detail}", flush=True)
         return False
 
-    def child(self, cmd, log, what):
-        """Run cmd with its output appended to log; True when it exits 0, else say why and False."""
+    def child(self, cmd, log, what):   # True when cmd exits 0, else it says why
         with files.appending(log) as f:
             f.write(f"$ {shlex.join(cmd)}\n")
             f.flush()
@@ -317,8 +291,7 @@ class Jobs:
 
 
 def stop_children(signum, frame):
-    """SIGTERM: terminate the children, then end as Ctrl-C does. (A SIGKILL gives no handler a chance:
-    each child also gets the parent-death signal, harness/launch.py's, so none is left to hold its folder.)"""
+    """SIGTERM: end the children, then as Ctrl-C does (SIGKILL: launch.py's death signal)."""
     with CHILDREN_LOCK:
         STOP.set()
         for proc in CHILDREN:
@@ -326,11 +299,9 @@ def stop_children(signum, frame):
     raise KeyboardInterrupt
 
 
-# The table: every seed's results read back, over seeds, as the paper lays them out.
 def over_seeds(out, methods, seeds):
-    """{method: {confidence, seeds: {seed: {benchmarks: {name: numbers}, Overall, training stats, paths}},
-    mean and std: {benchmark or "Overall": {key: x}, "train": {key: x}}} from each OUT/eval/M-seedS/
-    results.json (every toy benchmark) and, for trained methods, OUT/runs/M-seedS/metrics.jsonl."""
+    """{method: {confidence, seeds: {seed: {benchmarks, train, paths}}, mean and std: {benchmark,
+    "Overall" or "train": {key: x}}} from each seed's results.json and metrics.jsonl."""
     agg = {}
     for m in methods:
         per = {}
@@ -361,8 +332,7 @@ def _cell_of(res, part, key):
 
 
 def tables(agg, methods):
-    """The paper's layout, a row per method: Acc / PCE / ECE of each benchmark and Overall; then Brier
-    and AUROC beside it, with the held-out accuracy over training."""
+    """The paper's layout: Acc / PCE / ECE per benchmark; then Brier, AUROC, held-out accuracy."""
     parts = BENCHMARKS + ("Overall",)
     main, side = KEYS[:3], KEYS[3:]   # Acc, PCE, ECE; Brier, AUROC
     head = lambda keys: " | ".join(f"{p} {c}" for p in parts for c, _ in keys)  # noqa: E731
@@ -379,8 +349,7 @@ def tables(agg, methods):
     return "\n".join(lines)
 
 
-def headline_differences(agg):
-    """{benchmark or "Overall": {key: paired(GRPO, RLCM)}} for Acc, PCE and ECE, or None without both."""
+def headline_differences(agg):   # {benchmark or "Overall": {key: paired(GRPO, RLCM)}} or None
     if not all(m in agg for m in PAIR):
         return None
     a, b = (agg[m]["seeds"] for m in PAIR)
@@ -388,8 +357,7 @@ def headline_differences(agg):
                 for k in ("acc", "pce", "ece")} for p in BENCHMARKS + ("Overall",)}
 
 
-def difference_table(diffs):
-    """RLCM - GRPO per benchmark and Overall: mean [95 % interval] (seeds), then each seed's difference."""
+def difference_table(diffs):   # RLCM - GRPO: mean [95 % interval] (seeds), then each seed's
     lines = ["| RLCM - GRPO | Acc | PCE | ECE |", "|---|---:|---:|---:|"]
     for p, d in diffs.items():
         lines.append(f"| {p} | " + " | ".join(
@@ -403,8 +371,7 @@ def difference_table(diffs):
     return "\n".join(lines)
 
 
-def why_table(agg, methods):
-    """Per trained method, the means over training (training_stats) that say why the margin acts or not."""
+def why_table(agg, methods):   # per trained method, WHY's means over training
     lines = ["| method | " + " | ".join(c for c, _ in WHY) + " |", "|---|" + "---:|" * len(WHY)]
     for m in methods:
         if m != "base":
@@ -416,15 +383,13 @@ def accuracy_se(agg):
     """Standard error sqrt(p(1-p)/n) of one accuracy at the base's (else the first method's) accuracy."""
     m = "base" if "base" in agg else next(iter(agg))
     seed = next(iter(agg[m]["seeds"].values()))
-    out = {}
-    for b in BENCHMARKS:
-        p, n = agg[m]["mean"][b]["acc"], seed["benchmarks"][b]["n"]
-        out[b] = dict(p=p, n=n, se=math.sqrt(p * (1 - p) / n))
-    return dict(method=m, benchmarks=out)
+    pn = {b: (agg[m]["mean"][b]["acc"], seed["benchmarks"][b]["n"]) for b in BENCHMARKS}
+    se = {b: dict(p=p, n=n, se=math.sqrt(p * (1 - p) / n)) for b, (p, n) in pn.items()}
+    return dict(method=m, benchmarks=se)
 
 
 def plot_pooled(out, m, res):
-    """OUT/reliability_M.png: the reliability diagram of every seed's samples, every benchmark pooled."""
+    """OUT/reliability_M.png: the reliability diagram of every seed's and benchmark's samples."""
     conf, correct = [], []
     for s in res["seeds"].values():
         for r in files.read_jsonl(os.path.join(s["eval"], "samples.jsonl"), say=quiet):
@@ -440,8 +405,7 @@ def plot_pooled(out, m, res):
 
 
 def write_outputs(out, methods, seeds, argv):
-    """OUT/table.md, OUT/results.json (every seed's numbers) and OUT/reliability_M.png (all seeds and
-    benchmarks pooled); returns the markdown."""
+    """OUT/table.md (returned), OUT/results.json (every seed's numbers), OUT/reliability_M.png."""
     agg = over_seeds(out, methods, seeds)
     prov = runlog.provenance(["reproduce.py", *argv], device="cpu")
     commit = prov["git_commit"][:7] + ("+dirty" if prov["git_commit"].endswith("+dirty") else "")
@@ -476,8 +440,6 @@ def write_outputs(out, methods, seeds, argv):
     return text
 
 
-# Statistics over seeds: mean and sample std, the paired difference of two methods with its 95 % t
-# interval, and a table cell "mean +- sd".
 def mean_std(values):
     """(mean, sample std with ddof=1) of the finite values (None and nan skipped); std None for one
     value, both None for none. [0.5, 0.6, None] -> (0.55, 0.0707)."""
@@ -487,29 +449,22 @@ def mean_std(values):
     return float(np.mean(vals)), (float(np.std(vals, ddof=1)) if len(vals) > 1 else None)
 
 
-@functools.lru_cache(maxsize=None)   # 120,000 density values a call, asked for the same df many times
 def t_quantile(df, p=0.975):
-    """Student's t quantile (p in (0.5, 1)): the t-density integrated by Simpson's rule, inverted by
+    """Student's t quantile (p in (0.5, 1)): the density integrated by Simpson's rule, inverted by
     bisection (numpy has none, and scipy is not a requirement). df 4 -> 2.7764."""
     const = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
-    density = lambda x: const * (1 + x * x / df) ** (-(df + 1) / 2)  # noqa: E731
-
-    def cdf(x, n=2000):   # P(T <= x) for x >= 0
-        h = x / n
-        odd, even = sum(density((2 * i - 1) * h) for i in range(1, n // 2 + 1)), \
-            sum(density(2 * i * h) for i in range(1, n // 2))
-        return 0.5 + h / 3 * (density(0) + 4 * odd + 2 * even + density(x))
     lo, hi = 0.0, 1000.0
     for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if cdf(mid) < p else (lo, mid)
+        x = np.linspace(0, mid := (lo + hi) / 2, 2001)
+        f = const * (1 + x * x / df) ** (-(df + 1) / 2)
+        cdf = 0.5 + mid / 6000 * (f[0] + 4 * f[1::2].sum() + 2 * f[2:-1:2].sum() + f[-1])
+        lo, hi = (mid, hi) if cdf < p else (lo, mid)
     return (lo + hi) / 2
 
 
 def paired(a, b):
-    """The paired difference b - a over the seeds both have ({seed: x}; None skipped): per seed, its mean
-    and a 95 % t interval (mean +- t(0.975, n - 1) * sd / sqrt(n)); None where fewer than two seeds
-    have both."""
+    """The paired difference b - a ({seed: x}) over the seeds both have: per seed, its mean and a
+    95 % t interval (mean +- t(0.975, n - 1) * sd / sqrt(n)); None under two seeds."""
     seeds = [s for s in a if s in b and a[s] is not None and b[s] is not None]
     diffs = {s: b[s] - a[s] for s in seeds}
     if len(diffs) < 2:
@@ -519,8 +474,7 @@ def paired(a, b):
     return dict(per_seed=diffs, mean=mean, lo=mean - pm, hi=mean + pm, pm=pm, n=len(diffs))
 
 
-def cell(mean, sd):
-    """A table's "0.512 +- 0.034"; "0.512" without an sd, "-" without a mean."""
+def cell(mean, sd):   # "0.512 +- 0.034"; "0.512" without an sd, "-" without a mean
     return "-" if mean is None else f"{mean:.3f}" + ("" if sd is None else f" +- {sd:.3f}")
 
 
@@ -538,19 +492,18 @@ def main(argv=None):
     t0 = time.time()
     STOP.clear()
     run_jobs = Jobs(args, len(work) + len(todo), todo)
-    pool = ThreadPoolExecutor(jobs)
-    futures = [pool.submit(run_jobs, j) for j in work]
-    default = signal.signal(signal.SIGTERM, stop_children)
-    try:
-        ok = [f.result() for f in futures]
-    except KeyboardInterrupt:   # Ctrl-C (the children got it too) or SIGTERM (stop_children): start nothing new
-        STOP.set()
-        pool.shutdown(cancel_futures=True)
-        print("\ninterrupted: finished steps are kept; run the same command again to continue", file=sys.stderr)
-        raise SystemExit(130) from None
-    finally:
-        signal.signal(signal.SIGTERM, default)
-    pool.shutdown()
+    with ThreadPoolExecutor(jobs) as pool:
+        default = signal.signal(signal.SIGTERM, stop_children)
+        try:
+            ok = list(pool.map(run_jobs, work))
+        except KeyboardInterrupt:   # Ctrl-C (the children got it too) or SIGTERM: start nothing new
+            STOP.set()
+            pool.shutdown(cancel_futures=True)
+            print("\ninterrupted: finished steps are kept; run the same command again to continue",
+                  file=sys.stderr)
+            raise SystemExit(130) from None
+        finally:
+            signal.signal(signal.SIGTERM, default)
     print(f"total {time.time() - t0:.0f} s")
     if not all(ok):
         print(f"{len(run_jobs.failed)} step(s) failed ({'; '.join(run_jobs.failed)}): no table written; "

@@ -1,15 +1,9 @@
 """The offline toy world: a per-character tokenizer, an arithmetic task, the tiny model's shape and
-the warm start that trains it into the committed base policy, `toy_base/`.
+the warm start that trains it into the committed base policy, `toy_base/`. A problem is a sum
+("3+5+7+2"); the response writes one running total per line, closes the thinking and boxes the
+result; a step that carries slips more often, often flagged "?". Why: docs/toy-world.md.
 
-`python train.py` runs the whole RLCM loop on this world on a CPU in minutes, through the code used
-for real models. A problem is a sum ("3+5+7+2"); the response writes one running total per line,
-closes the thinking and boxes the result; a step that carries slips more often, often flagged "?".
-
-    path = base_model()   # the committed toy_base/ (trained here if missing)
-    python toy.py         # rebuilds it (or --out DIR); one thread: float sums depend on the split
-
-Design and reasons: docs/toy-world.md; the tokenizer and the warm start's settings: docs/reference.md,
-"The toy's warm start".
+    python toy.py    # rebuilds toy_base/ (or --out DIR); one thread: float sums depend on the split
 """
 import argparse
 import hashlib
@@ -64,8 +58,7 @@ WORLD = "legible"        # the world toy_base/ was warm-started in (train.py's a
 WORLDS = {WORLD: WARM}
 
 
-def byte_symbols():
-    """GPT-2's printable stand-ins for the 256 bytes, in byte order (byte-level BPE alphabet)."""
+def byte_symbols():   # GPT-2's printable stand-ins for the 256 bytes, in byte order
     keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
     extra = iter(range(256, 512))
     return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
@@ -83,10 +76,6 @@ def tokenizer():
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED])
     tok.chat_template = CHAT_TEMPLATE
     return tok
-
-
-def _is_test(problem):
-    return int(hashlib.sha256(problem.encode()).hexdigest(), 16) % 10 == 0
 
 
 def dataset(split, name="toy"):
@@ -108,19 +97,18 @@ def dataset(split, name="toy"):
         problem = "".join(f"{t:+d}" for t in terms)[1:]
         if signs == "+-" and "-" not in problem:   # a sum alone is the training distribution's
             continue
-        if _is_test(problem) == (split == "test") and problem not in seen:
+        is_test = int(hashlib.sha256(problem.encode()).hexdigest(), 16) % 10 == 0
+        if is_test == (split == "test") and problem not in seen:
             seen[problem] = str(sum(terms))
     return [dict(problem=p, answer=a) for p, a in seen.items()]
 
 
-def terms_of(problem):
-    """"9-3+5-2" -> [9, -3, 5, -2]."""
+def terms_of(problem):   # "9-3+5-2" -> [9, -3, 5, -2]
     return [int(t) for t in re.findall(r"[+-]?\d+", problem)]
 
 
 def carries(total, term):
-    """Whether adding `term` to `total` crosses a multiple of ten (a carry, or a borrow for a
-    subtracted term): 8+7 and 12-5 do, 3+5 and 17-5 do not."""
+    """Whether `total` + `term` crosses a multiple of ten: 8+7 and 12-5 do, 17-5 does not."""
     return (total + term) // 10 != total // 10
 
 
@@ -140,22 +128,16 @@ def trace(terms, rng, world=WARM):
     return lines, totals
 
 
-def lines_done(lines, b):
-    """How many of `lines` a prefix of b response tokens holds whole (one token per character)."""
-    return sum(1 for end in itertools.accumulate(map(len, lines)) if end <= b)
-
-
 def implied_sum(problem, terms, lines, totals, b):
     """The forced answer the warm start teaches at a prefix of b response tokens: the sum it implies
     (graded by value: grade.integer_sum), the last complete line's total and the terms not yet
     added, or the problem before any line is complete: a forced answer copies the path, never adds.
     For 3+5+7+2 written as "3+5=8\\n8+7=14\\n...": b=3 -> "3+5+7+2", b=6 -> "8+7+2", b=12 -> "14+2"."""
-    done = lines_done(lines, b)
+    done = sum(1 for end in itertools.accumulate(map(len, lines)) if end <= b)   # whole lines in b
     return problem if done == 0 else f"{totals[done]}" + "".join(f"{t:+d}" for t in terms[done + 1:])
 
 
-def build_model(tok, seed=0):
-    """Fresh Qwen2ForCausalLM from MODEL (float32, tied embeddings, ~0.8M parameters)."""
+def build_model(tok, seed=0):   # a fresh Qwen2ForCausalLM of MODEL: float32, tied, ~0.8M parameters
     torch.manual_seed(seed)
     config = Qwen2Config(**MODEL, tie_word_embeddings=True, rope_theta=10000.0,
                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
@@ -199,8 +181,7 @@ def example(tok, problem, rng, forced):
     return head + answer, mask
 
 
-def warm_start(out, log=print):
-    """Supervised warm start (AdamW, warm-up then cosine; fixed seeds, threads) into `out`, fp32."""
+def warm_start(out, log=print):   # supervised (AdamW, warm-up then cosine; fixed seeds and threads)
     threads = torch.get_num_threads()
     torch.set_num_threads(WARM["threads"])
     try:
@@ -244,24 +225,19 @@ def warm_start(out, log=print):
 
 
 def base_model(path=None, rebuild=False):
-    """Directory of the warm-started base policy (default: the committed toy_base/), trained if
-    missing or if rebuild=True. Written to a temporary sibling, then renamed into place."""
+    """The warm-started base policy's folder (default toy_base/), trained if missing or on rebuild
+    into a temporary sibling, then renamed into place."""
     path = os.path.abspath(path or BASE_DIR)
     if rebuild or not os.path.exists(os.path.join(path, "model.safetensors")):
-        parent = os.path.dirname(path)
-        os.makedirs(parent, exist_ok=True)
-        tmp, old = tempfile.mkdtemp(prefix=".toy_base.", dir=parent), None
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".toy_base.", dir=os.path.dirname(path))
         try:
             os.chmod(tmp, 0o755)
             warm_start(tmp)
-            if os.path.exists(path):
-                old = tempfile.mkdtemp(prefix=".toy_base.old.", dir=parent)
-                os.rename(path, os.path.join(old, "base"))
+            shutil.rmtree(path, ignore_errors=True)   # a rebuild interrupted here trains again
             os.rename(tmp, path)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-            if old:
-                shutil.rmtree(old, ignore_errors=True)
     return path
 
 

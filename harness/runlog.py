@@ -1,7 +1,5 @@
-"""What a run leaves for the people watching it, next to metrics.jsonl (docs/reference.md, "What a
-run leaves"): samples.jsonl (`pick`, texts `clip`ped to TEXT_CHARS), heldout.jsonl, curves.png
-(`plot_curves`, or `python train.py --plot RUN`), wandb_run.json (`Tracker`, so --resume continues
-that W&B run); and `provenance()`: where a result came from.
+"""What a run leaves for the people watching it (docs/reference.md, "What a run leaves"): samples,
+curves.png, the W&B mirror (wandb_run.json: --resume continues that run); where a result came from.
 """
 import json
 import os
@@ -30,8 +28,7 @@ LABELS = {"probe_bce": "probe_bce (in-sample)", "probe_ece": "probe_ece (in-samp
           "eval_probe_auroc": "eval_probe_auroc (higher is better)"}
 
 
-def clip(text, cap=TEXT_CHARS):
-    """text if it fits in cap characters, else its head and tail with the number of cut characters."""
+def clip(text, cap=TEXT_CHARS):   # text, or its head and tail with the number of characters cut
     if text is None or len(text) <= cap:
         return text
     half = cap // 2
@@ -39,7 +36,7 @@ def clip(text, cap=TEXT_CHARS):
 
 
 def pick(step, n, **columns):
-    """Rows {step, column: value} for n trajectories spread evenly over the batch (columns: equal-length
+    """Rows {step, column: value} of n trajectories spread over the batch (columns: equal-length
     lists); strings clipped, floats rounded to 4 places."""
     size = len(next(iter(columns.values()), []))
     if n <= 0 or size == 0:
@@ -66,8 +63,7 @@ def append_jsonl(path, rows):
 
 
 def read_metrics(path):
-    """The rows of a metrics.jsonl for a plot, numeric values only; what is skipped is counted in one
-    line on stderr (the file is only read: --resume repairs it)."""
+    """A metrics.jsonl's rows, numeric values only; one line on stderr counts what is skipped."""
     rows, lines, values = [], 0, 0
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in filter(str.strip, f):
@@ -154,8 +150,7 @@ def plot_curves(run_dir):
     return path
 
 
-def git_commit():
-    """The project's git commit ("+dirty" when tracked files differ from it), or "unknown"."""
+def git_commit():   # the project's commit, "+dirty" when tracked files differ; or "unknown"
     try:
         run = lambda *a: subprocess.run(["git", "-C", ROOT, *a], capture_output=True, text=True,  # noqa: E731
                                         timeout=10, check=True).stdout.strip()
