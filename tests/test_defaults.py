@@ -113,8 +113,8 @@ def test_the_optimizer_takes_the_configs_weight_decay_and_a_first_update_at_lr_0
     class Stop(Exception):
         pass
 
-    def stop(step, rows, run, *a, **k):
-        seen.update(wd=run.opt.param_groups[0]["weight_decay"], lr=run.sched.get_last_lr()[0])
+    def stop(step, rows, prompts, learner, *a, **k):
+        seen.update(wd=learner.opt.param_groups[0]["weight_decay"], lr=learner.sched.get_last_lr()[0])
         raise Stop
     monkeypatch.setattr(train, "rl_step", stop)
     monkeypatch.setattr(train, "held_out_accuracy", lambda *a, **k: 0.0)
