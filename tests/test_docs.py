@@ -130,7 +130,20 @@ def test_the_readme_opens_with_the_one_screen_step_as_it_is_in_the_code():
     assert first.group(1) == "python"
     assert first.group(2).rstrip("\n") == inspect.getsource(train.rl_step).rstrip("\n")
     assert text.index(first.group(0)) < text.index("## Two commands")
-    assert len(text.splitlines()) <= 226, "the README is for a learner: reference material goes to docs/"
+    assert len(text.splitlines()) <= 220, "the README is for a learner: reference material goes to docs/"
+
+
+def test_the_readmes_sentences_are_short():
+    """A newcomer reads the README once: its median prose sentence is at most 22 words (nanoGPT's
+    README about 16-18, nanochat's 20). Prose is what is left without fenced code, tables and
+    headings; a sentence ends at . ! or ? before a capital, a backtick or an opening bracket."""
+    import statistics
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        text = re.sub(r"```.*?```", "", f.read(), flags=re.S)
+    prose = " ".join(line for line in text.splitlines() if not line.lstrip().startswith(("|", "#")))
+    words = [len(s.split()) for s in re.split(r"(?<=[.!?])\s+(?=[A-Z`(\[])", prose)]
+    words = [n for n in words if n >= 3]  # "See below." and the like are not sentences
+    assert len(words) >= 20 and statistics.median(words) <= 22, sorted(words)
 
 
 # A cited name: `module.name`, `file.py:name` or `file.py::name` (a test), the name maybe `Class.method`.
