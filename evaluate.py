@@ -30,12 +30,12 @@ from evaluation.benchmarks import (HELD, LOCKS, Rounds, deal, default_out, diges
                                    setup, share, share_probe)
 from evaluation.confidence import get_probe, run_fractions
 from evaluation.report import means, plot_reliability, report_uses, summarize, table, write_results
-from harness import checkpoint, launch, models, runlog, sandbox
+from harness import checkpoint, models, runlog, sandbox
 from harness.checkpoint import ALIASES, resolve_model
 from harness.runfolder import check_out
 from harness.files import UserError
 from config import check_values
-from harness.parallel import MASTER, teardown
+from harness.parallel import MASTER, launch, teardown, worker_count
 
 # Allowed flag values (config.check_values): checked before any model, data or folder is touched.
 LIMITS = {key: (lambda v: v >= 1, ">= 1") for key in (
@@ -316,11 +316,11 @@ def main(argv=None):
         loaded = rlcr_prompts(loaded) if args.mode == "rlcr" else loaded
         if any(data.kind(name) == "code" for name, *_ in loaded):
             sandbox.check()   # can programs be confined here (or --unconfined-code)? Said before any model loads
-        workers = launch.worker_count(vars(args))
+        workers = worker_count(vars(args))
         if workers > 1:   # one worker per GPU (or --nproc), each running this command (benchmarks.deal)
             for name in args.model:
                 checkpoint.fetch(name)   # now: rank 0 would download inside the group while the others wait
-            code = launch.launch(os.path.abspath(__file__), args.argv[1:], workers)
+            code = launch(os.path.abspath(__file__), args.argv[1:], workers)
             if code:
                 raise SystemExit(code)
             return None

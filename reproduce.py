@@ -33,7 +33,7 @@ import evaluate
 import metrics
 from evaluation.report import clean, overall, plot_reliability
 from evaluation.benchmarks import model_id, model_label
-from harness import checkpoint, files, launch, runlog
+from harness import checkpoint, files, parallel, runlog
 from harness.runfolder import check_out, read_config
 from harness.files import UserError
 
@@ -272,7 +272,7 @@ class Jobs:
                 if STOP.is_set():
                     return False
                 proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        env=self.env, preexec_fn=launch._die_with_parent)
+                                        env=self.env, preexec_fn=parallel._die_with_parent)
                 CHILDREN.add(proc)
             rc = proc.wait()
             with CHILDREN_LOCK:
@@ -318,7 +318,7 @@ class Jobs:
 
 def stop_children(signum, frame):
     """SIGTERM: terminate the children, then end as Ctrl-C does. (A SIGKILL gives no handler a chance:
-    each child also gets the parent-death signal, harness/launch.py's, so none is left to hold its folder.)"""
+    each child also gets the parent-death signal, harness/parallel.py's, so none is left to hold its folder.)"""
     with CHILDREN_LOCK:
         STOP.set()
         for proc in CHILDREN:

@@ -41,10 +41,10 @@ from reward import margin_reward, total_reward
 from rollout import generate
 from evaluation import heldout
 from evaluation.heldout import held_out_accuracy
-from harness import checkpoint as ckpt_lib, launch, lora as lora_lib, models, plan, runlog, staticcache
+from harness import checkpoint as ckpt_lib, lora as lora_lib, models, plan, runlog, staticcache
 from harness.files import UserError
-from harness.parallel import (MASTER, RANK, WORLD, all_gather, all_sum, full_state, load_sharded,
-                              refresh_sampler, setup, wrap)
+from harness.parallel import (MASTER, RANK, WORLD, all_gather, all_sum, full_state, launch,
+                              refresh_sampler, setup, worker_count, wrap)
 
 # What a step works on: `policy` the update trains, `sampler` the rollout samples from (run below)
 Learner = namedtuple("Learner", "policy sampler tok probe probe_opt opt sched device")
@@ -313,7 +313,7 @@ def run(cfg):
     if torch.distributed.is_initialized():  # rank 0 reads the weights, the others get their shards
         adapt = (lambda m, meta: lora_lib.with_adapter(m, cfg, ckpt, fresh=meta)) if cfg["lora_rank"] else None
         base = lora_lib.base_of(ckpt) if adapt and ckpt else ckpt or cfg["model"]
-        policy, sampler, model, tok = load_sharded(
+        policy, sampler, model, tok = ckpt_lib.load_sharded(
             base, device, token_logprobs, cfg["offload"], cfg["trust_remote_code"],
             checkpoint_activations if cfg["grad_ckpt"] else None, adapt)
     else:
@@ -417,13 +417,13 @@ def main(argv=None):
         if not cfg["resume"]:
             ckpt_lib.check_available(cfg["model"])  # a missing model is reported before anything is read
         plan.check(cfg, probed=cfg["reward"] in baselines.PROBE_MODES)  # an impossible run stops here
-        workers = launch.worker_count(cfg)
+        workers = worker_count(cfg)
         config.check_world(cfg, max(workers, WORLD))  # here, or in each worker under torchrun
         if workers <= 1:  # one process, or a worker already (0)
             return run(cfg)
         if not cfg["resume"]:
             ckpt_lib.fetch(cfg["model"])  # before the workers start: rank 0 would download in the group
-        code = launch.launch(os.path.abspath(__file__), sys.argv[1:] if argv is None else argv, workers)
+        code = launch(os.path.abspath(__file__), sys.argv[1:] if argv is None else argv, workers)
         if code:
             sys.exit(code)
 
