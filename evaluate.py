@@ -30,9 +30,9 @@ from evaluation.benchmarks import (HELD, LOCKS, Rounds, deal, default_out, diges
                                    setup, share, share_probe)
 from evaluation.confidence import get_probe, run_fractions
 from evaluation.report import means, plot_reliability, report_uses, summarize, table, write_results
-from harness import checkpoint, models, runlog, sandbox
+from harness import checkpoint, runlog, sandbox
 from harness.checkpoint import ALIASES, resolve_model
-from harness.runfolder import check_out
+from harness.checkpoint import check_out
 from harness.files import UserError
 from config import check_values
 from harness.parallel import MASTER, launch, teardown, worker_count
@@ -53,7 +53,7 @@ def evaluate_model(name, loaded, args):
     if MASTER and os.path.isdir(out_dir):   # a second writer stops before loading anything
         hold(out_dir)
     device = "cuda" if torch.cuda.is_available() else "cpu"   # trust_remote_code stays off
-    model, tok = models.load_model(name, torch.bfloat16 if device == "cuda" else torch.float32)
+    model, tok = checkpoint.load_model(name, torch.bfloat16 if device == "cuda" else torch.float32)
     model = model.to(device).eval()
     prompt = run_prompt(path, args)
     for bench, rows, instruction, _ in loaded:   # refused: a prompt past the context or a failing template

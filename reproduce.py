@@ -34,7 +34,7 @@ import metrics
 from evaluation.report import clean, overall, plot_reliability
 from evaluation.benchmarks import model_id, model_label
 from harness import checkpoint, files, parallel, runlog
-from harness.runfolder import check_out, read_config
+from harness.checkpoint import check_out, read_config
 from harness.files import UserError
 
 MAIN = ("base", "grpo", "rlcr", "c2gspg", "rlcm")

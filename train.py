@@ -41,7 +41,7 @@ from reward import margin_reward, total_reward
 from rollout import generate
 from evaluation import heldout
 from evaluation.heldout import held_out_accuracy
-from harness import checkpoint as ckpt_lib, lora as lora_lib, models, plan, runlog, staticcache
+from harness import checkpoint as ckpt_lib, lora as lora_lib, plan, runlog, staticcache
 from harness.files import UserError
 from harness.parallel import (MASTER, RANK, WORLD, all_gather, all_sum, full_state, launch,
                               refresh_sampler, setup, worker_count, wrap)
@@ -229,7 +229,7 @@ def peak_memory(device):
         return torch.cuda.max_memory_allocated(device) / 2**30
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB (Linux reports KiB)
-from harness.runfolder import RunFolder, exit_codes
+from harness.checkpoint import RunFolder, exit_codes
 
 
 def print0(*a):
@@ -244,9 +244,9 @@ def load_policy(cfg, device, ckpt=None):
     lora = cfg["lora_rank"] > 0
     dtype = torch.bfloat16 if lora and device.type == "cuda" and WORLD == 1 and not cfg["offload"] else torch.float32
     base = lora_lib.base_of(ckpt) if lora and ckpt else ckpt or cfg["model"]  # LoRA: ckpt's base
-    model, tok = models.load_model(base, dtype, cfg["trust_remote_code"])
+    model, tok = ckpt_lib.load_model(base, dtype, cfg["trust_remote_code"])
     if lora:
-        model = lora_lib.with_adapter(model, cfg, ckpt)
+        model = ckpt_lib.with_adapter(model, cfg, ckpt)
     model.config.use_cache = False
     if cfg["grad_ckpt"]:
         checkpoint_activations(model)
@@ -311,7 +311,7 @@ def run(cfg):
     # `policy` the update trains (FSDP2-sharded on several ranks), `sampler` the rollout samples from
     # (the same model on one CPU process, a bf16 copy on a GPU), `model` the module (save_pretrained)
     if torch.distributed.is_initialized():  # rank 0 reads the weights, the others get their shards
-        adapt = (lambda m, meta: lora_lib.with_adapter(m, cfg, ckpt, fresh=meta)) if cfg["lora_rank"] else None
+        adapt = (lambda m, meta: ckpt_lib.with_adapter(m, cfg, ckpt, fresh=meta)) if cfg["lora_rank"] else None
         base = lora_lib.base_of(ckpt) if adapt and ckpt else ckpt or cfg["model"]
         policy, sampler, model, tok = ckpt_lib.load_sharded(
             base, device, token_logprobs, cfg["offload"], cfg["trust_remote_code"],
@@ -406,7 +406,7 @@ def run(cfg):
 
 
 def main(argv=None):
-    with exit_codes() as state:  # exit 2 / 3 / 130, the lock released: harness/runfolder.py
+    with exit_codes() as state:  # exit 2 / 3 / 130, the lock released: harness/checkpoint.py
         cfg = state["cfg"] = config.resolve_args(argv)
         if cfg["plot"]:
             print(runlog.plot_curves(cfg["plot"]))

@@ -12,11 +12,15 @@ import re
 
 import torch
 
-from harness.checkpoint import CONFIG, is_adapter, resolve_model
 from harness.files import UserError, first_line, identity, write_json
 
 ADAPTER = "default"  # peft's adapter name, dropped from the saved keys as peft does
 BASE, WEIGHTS = "base.json", "adapter_model.safetensors"
+CONFIG = "adapter_config.json"  # an adapter checkpoint holds this for config.json
+
+
+def is_adapter(path):
+    return os.path.isfile(os.path.join(path, CONFIG))
 
 
 def has_adapter(model):
@@ -79,24 +83,6 @@ def add_adapter(model, cfg, base_path):
                         lora_dropout=0.0)
     model = get_peft_model(model, config).base_model.model
     model.peft_config[ADAPTER].base_model_name_or_path = base_path  # peft puts the model's own name here
-    return model
-
-
-def with_adapter(model, cfg, ckpt=None, fresh=False):
-    """The policy of a --lora-rank run: the adapter of checkpoint `ckpt` (resume), or a fresh one
-    (also with `fresh`: its shape, on the meta device)."""
-    base = base_of(ckpt) if ckpt else resolve_model(cfg["model"])   # a resume: the base it was trained on
-    shared = [] if ckpt else tied(model, targets(cfg["lora_targets"]))
-    if shared:
-        raise UserError(f"--lora-targets {cfg['lora_targets']}: {', '.join(shared)} shares its weight with another "
-                        "layer (tie_word_embeddings): merging the adapter for evaluation would change both; "
-                        "adapt other modules")
-    try:
-        model = load_adapter(model, ckpt) if ckpt and not fresh else add_adapter(model, cfg, base)
-    except ValueError as e:
-        raise UserError(f"--lora-targets {cfg['lora_targets']}: {first_line(e)}") from None
-    # the base by its absolute path (a cwd-relative one breaks in another folder); base.json records more
-    model.peft_config[ADAPTER].base_model_name_or_path = os.path.abspath(base) if os.path.isdir(base) else base
     return model
 
 

@@ -136,50 +136,6 @@ def wrap(lm, device, logprobs, offload=False):
     return policy, sampler
 
 
-def load_sharded(name, device, logprobs, offload=False, trust_remote_code=False, grad_ckpt=None,
-                 adapt=None):
-    """(policy, sampler, lm, tokenizer) on every rank, reading the weights on rank 0 only, which
-    broadcasts them shard by shard to the meta-built, sharded model on every rank.
-
-    adapt(model, meta) adds the LoRA adapter (--lora-rank), fp32 like the base, so each FSDP2 unit
-    holds one dtype (verl #3470: mixed dtypes in one unit fail). Non-persistent buffers (rotary
-    inv_freq) are in no state dict: to_empty leaves garbage, so `rebuild_buffers` remakes them.
-    """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from harness.checkpoint import resolve_model
-    from harness.models import load_model
-    full = {}
-    if MASTER:
-        model, tok = load_model(name, torch.float32, trust_remote_code)
-        full = (adapt(model, meta=False) if adapt else model).state_dict()
-        del model
-    dist.barrier()  # rank 0 has resolved (and for the toy, built) the model directory
-    path = resolve_model(name)
-    if not MASTER:
-        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        if tok.pad_token_id is None:
-            tok.pad_token = tok.eos_token
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
-        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                              trust_remote_code=trust_remote_code)
-    if adapt:
-        lm = adapt(lm, meta=True)
-    lm.config.use_cache = False
-    if grad_ckpt:
-        grad_ckpt(lm)
-    policy, sampler = wrap(lm, device, logprobs, offload)
-    policy.to_empty(device="cpu" if offload else device)  # offloaded shards live on the host
-    set_model_state_dict(lm, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    del full
-    rebuild_buffers(lm, device)  # buffers are not offloaded: they stay where the compute runs
-    sampler.to_empty(device=device)
-    refresh_sampler(sampler, policy, frozen=True)
-    rebuild_buffers(sampler, device)
-    return policy, sampler, lm, tok
-
-
 @torch.no_grad()
 def rebuild_buffers(model, device):
     """Recompute every non-persistent buffer (rotary inv_freq ...) by building its module anew from

@@ -205,9 +205,8 @@ def test_every_rank_takes_rank_0s_view_of_the_run_folder(tmp_path, monkeypatch):
     def lock(out):
         events.append("lock")
         raise Stop
-    from harness import runfolder
-    monkeypatch.setattr(runfolder, "all_gather", lambda obj: [True])  # rank 0 saw the folder; this rank does not
-    monkeypatch.setattr(runfolder, "hold_lock", lock)
+    monkeypatch.setattr(checkpoint, "all_gather", lambda obj: [True])  # rank 0 saw the folder; this rank does not
+    monkeypatch.setattr(checkpoint, "hold_lock", lock)
     monkeypatch.setattr(train.data, "load_rows", lambda *a, **k: events.append("load") or [])
     cfg = config.resolve_args(["--steps", "1", "--out", str(tmp_path / "run"), *SMALL])
     with pytest.raises(Stop):
