@@ -326,7 +326,7 @@ def main(argv=None):
             return None
         setup()
         results = dict(evaluate_model(name, loaded, args) for name in args.model)
-    except (ValueError, OSError) as e:   # UserError (a refused plan, files.Busy), data.DataError: exit 2
+    except (ValueError, OSError) as e:   # UserError (a refused plan, a held lock), data.DataError: exit 2
         print(f"evaluate.py: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     except FloatingPointError as e:   # NaN in a model or probe

@@ -355,17 +355,6 @@ def save_checkpoint(run_dir, step, write, keep=2):
     return final
 
 
-def apply_rates(opt, sched, lr, probe_opt, probe_lr):
-    """Rates given with --resume replace those restored with the optimizer states."""
-    if sched.base_lrs != [lr] * len(opt.param_groups):
-        sched.base_lrs = [lr] * len(opt.param_groups)
-        for g, fn in zip(opt.param_groups, sched.lr_lambdas):
-            g["initial_lr"], g["lr"] = lr, lr * fn(sched.last_epoch)
-        sched._last_lr = [g["lr"] for g in opt.param_groups]
-    for g in probe_opt.param_groups:
-        g["lr"] = probe_lr
-
-
 LOCKS = ExitStack()  # the run folder's lock, released by exit_codes() however the run ends
 LOGS = ("metrics.jsonl", "samples.jsonl", "heldout.jsonl")
 MADE = []  # the run folder this process created (RunFolder.lock), for exit_codes' clean-up
@@ -448,7 +437,14 @@ class RunFolder:
         with reading(os.path.join(ckpt, "probe.pt")):
             probe, probe_opt = load_probe(os.path.join(ckpt, "probe.pt"), cfg["probe_lr"])
         set_rng_state(state["rng"])  # last: building the probe draws from torch's RNG
-        apply_rates(opt, sched, cfg["lr"], probe_opt, cfg["probe_lr"])
+        lr = cfg["lr"]  # rates given with --resume replace those restored with the optimizer states
+        if sched.base_lrs != [lr] * len(opt.param_groups):
+            sched.base_lrs = [lr] * len(opt.param_groups)
+            for g, fn in zip(opt.param_groups, sched.lr_lambdas):
+                g["initial_lr"], g["lr"] = lr, lr * fn(sched.last_epoch)
+            sched._last_lr = [g["lr"] for g in opt.param_groups]
+        for g in probe_opt.param_groups:
+            g["lr"] = cfg["probe_lr"]
         if MASTER:
             for path in (self.metrics, self.samples, self.heldout):
                 files.truncate_metrics(path, step)

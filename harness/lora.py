@@ -1,10 +1,6 @@
 """--lora-rank R: the policy trains a LoRA adapter (peft) on its frozen base instead of every weight.
-
-The adapter is injected into the Hugging Face model itself (`add_adapter`), so FSDP2 and the update
-run on an ordinary model whose linear layers are adapted; on GPUs the rollout and the labels sample
-from a bf16 copy with the adapter merged (`merged_copy`, `merge_into`). base.json finds the base a
-checkpoint was trained on by path and content (`base_of`): docs/reference.md, "LoRA checkpoints".
-peft is imported only with --lora-rank.
+How it is injected, merged and saved: docs/reference.md, "LoRA checkpoints". peft is imported only
+with --lora-rank.
 """
 import json
 import os
@@ -105,11 +101,8 @@ def save(folder, model, state):
     weights = {"base_model.model." + k.replace(f".{ADAPTER}.", "."): v.detach().contiguous()
                for k, v in state.items()}
     save_file(weights, os.path.join(folder, WEIGHTS), metadata={"format": "pt"})
-    record_base(folder, model.peft_config[ADAPTER].base_model_name_or_path)   # the base, by content
-
-
-def record_base(folder, base):
-    """FOLDER/base.json: `base` (a folder or a hub id) by path, path from FOLDER and identity."""
+    # base.json: the base (a folder or a hub id) by path, path from FOLDER and content (base_of)
+    base = model.peft_config[ADAPTER].base_model_name_or_path
     rel = os.path.relpath(base, folder) if os.path.isdir(base) else None
     write_json(os.path.join(folder, BASE), dict(path=base, relative=rel, identity=identity(base)))
 

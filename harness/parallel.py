@@ -32,14 +32,6 @@ MASTER = RANK == 0
 TIMEOUT = datetime.timedelta(hours=1)
 
 
-def backend(cuda, offload):
-    """The process group's backend. With --offload DTensor's full_tensor, clip_grad_norm_ and full
-    state dicts run collectives on host shards, which NCCL cannot serve (pytorch#148532): gloo's."""
-    if not cuda:
-        return "gloo"
-    return "cuda:nccl,cpu:gloo" if offload else "nccl"
-
-
 def setup(offload=False):
     """Init the process group (several ranks, or one rank for --offload) and return this rank's device."""
     if torch.cuda.is_available():
@@ -51,8 +43,10 @@ def setup(offload=False):
         if WORLD == 1:  # a one-rank group, so that FSDP2 can offload to the host
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group(backend(device.type == "cuda", offload), rank=RANK, world_size=WORLD,
-                                timeout=TIMEOUT)
+        # with --offload DTensor's full_tensor, clip_grad_norm_ and full state dicts run collectives
+        # on host shards, which NCCL cannot serve (pytorch#148532): gloo's
+        backend = "gloo" if device.type == "cpu" else "cuda:nccl,cpu:gloo" if offload else "nccl"
+        dist.init_process_group(backend, rank=RANK, world_size=WORLD, timeout=TIMEOUT)
     return device
 
 
@@ -269,20 +263,16 @@ def load_optimizer(policy, opt, state):
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
-def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device, extra, method):
-    """grpo.update under FSDP2 (several ranks, or one with --offload): one optimizer step over the
-    micro-batches `mbs` (lists of batch rows; rows in none of them are left out), each weighted by
-    its share of the tokens (token-mean) or sequences of those rows.
+def update(policy, opt, batch, old_logp, adv, mbs, cfg, device, extra, method):
+    """grpo.update under FSDP2 (several ranks, or one with --offload), and with a mode's loss term.
 
-    extra: None, or a mode's loss term (name, coef, term) (baselines.extra_loss): term(logp, loss_mask,
-    rows) gives a micro-batch's values from the differentiable log-probs, [n] per sequence (the loss
-    adds coef * their mean over all sequences) or [n, T] per token (coef * their aggregate by --agg,
-    weighted like the policy loss); the result has that mean or aggregate under `name`.
-    old_logp [N, T] from the scoring pass, or None on-policy: the current log-probs, detached, so
-    the ratio is exactly 1. sched: stepped after the optimizer (None: not stepped).
-    Ranks with fewer micro-batches run padding ones (one row cut to 2 tokens, at weight 0): FSDP2
-    needs as many forward/backward calls on every rank. method: grpo's (policy_loss, aggregate,
-    micro_batch, sampler_gap, token_logprobs), passed in: the machinery imports no method file.
+    extra: None, or (name, coef, term) (baselines.extra_loss): term(logp, loss_mask, rows) gives a
+    micro-batch's values, [n] per sequence (the loss adds coef * their mean over all sequences) or
+    [n, T] per token (coef * their aggregate by --agg, weighted like the policy loss); the result
+    has that mean or aggregate under `name`. Ranks with fewer micro-batches run padding ones (one
+    row cut to 2 tokens, at weight 0): FSDP2 needs as many forward/backward calls on every rank.
+    method: grpo's (policy_loss, aggregate, micro_batch, sampler_gap, token_logprobs), passed in:
+    the machinery imports no method file.
     """
     policy_loss, aggregate, micro_batch, sampler_gap, token_logprobs = method
     policy.train()
@@ -343,8 +333,6 @@ def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device, extra, me
         raise FloatingPointError(f"non-finite gradient norm ({grad_norm})")
     opt.step()
     opt.zero_grad(set_to_none=True)
-    if sched is not None:
-        sched.step()
     *means, extra, absd, k3, tokens = all_sum([*sums.values(), extra_sum, *gap_sums], device)  # one all-reduce
     out = dict(zip(sums, (v / max(total, 1.0) for v in means)), grad_norm=grad_norm)
     if term is not None:
