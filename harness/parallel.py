@@ -63,9 +63,7 @@ def sharded(policy):
 
 def teardown(finished=False):
     """Leave the process group. A finished run first waits for every rank, so that none closes its
-    connections while another still works (rank 0 draws the curves): without it a gloo worker once
-    aborted here ("terminate called without an active exception"). A failed run does not wait: the
-    other ranks may never come, and the launcher stops them."""
+    connections while another still works; a failed one does not: the others may never come."""
     if dist.is_initialized():
         if finished:
             dist.barrier()
@@ -105,9 +103,8 @@ class LogprobModel(torch.nn.Module):
 
 
 def wrap(lm, device, logprobs, offload=False):
-    """(trainable LogprobModel, generation copy) under FSDP2; one process: (lm, the copy), on CPU
-    the same fp32 model. A meta lm
-    (load_sharded) gives both unmaterialised. Under --lora-rank the copy has the adapter merged."""
+    """(trainable LogprobModel, generation copy) under FSDP2; one process: (lm, the copy), on CPU the
+    same fp32 model. A meta lm (load_sharded) gives both unmaterialised; --lora-rank: merged copy."""
     sampler = lm
     if has_adapter(lm) and (device.type == "cuda" or dist.is_initialized()):
         sampler = merged_copy(lm, torch.bfloat16 if device.type == "cuda" else torch.float32)
