@@ -176,8 +176,8 @@ def test_the_launcher_downloads_a_hub_model_once_before_starting_workers(tmp_pat
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, **k: events.append(("fetch", repo)))
     monkeypatch.setattr(train.plan, "check", lambda cfg, **k: None)  # would read the config
-    monkeypatch.setattr(train.launch, "worker_count", lambda cfg: 2)
-    monkeypatch.setattr(train.launch, "launch", lambda *a, **k: events.append("launch") or 0)
+    monkeypatch.setattr(train, "worker_count", lambda cfg: 2)
+    monkeypatch.setattr(train, "launch", lambda *a, **k: events.append("launch") or 0)
     train.main(["--model", model, "--out", str(tmp_path / "run"), "--steps", "1", "--prompts-per-step", "2"])
     assert events == [("fetch", repo) for repo in fetched] + ["launch"]
 
