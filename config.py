@@ -15,7 +15,7 @@ from baselines import PROBE_MODES, REWARDS  # the --reward modes; those that fit
 from harness import rewardfn
 from harness.checkpoint import ALIASES
 from harness.files import UserError
-from harness.runfolder import check_out, read_config
+from harness.checkpoint import check_out, read_config
 
 NOT_SAVED = ("resume", "config", "plot")  # how a run was started, not what it is
 

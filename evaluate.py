@@ -29,12 +29,12 @@ from evaluation.benchmarks import (HELD, LOCKS, Rounds, deal, default_out, diges
                                    setup, share, share_probe)
 from evaluation.confidence import get_probe, run_fractions
 from evaluation.report import means, plot_reliability, report_uses, summarize, table, write_results
-from harness import checkpoint, launch, models, runlog, sandbox
+from harness import checkpoint, runlog, sandbox
 from harness.checkpoint import ALIASES, resolve_model
-from harness.runfolder import check_out
+from harness.checkpoint import check_out
 from harness.files import UserError
 from config import check_values
-from harness.parallel import MASTER, teardown
+from harness.parallel import MASTER, launch, teardown, worker_count
 
 # Allowed flag values (config.check_values): checked before any model, data or folder is touched.
 LIMITS = {key: (lambda v: v >= 1, ">= 1") for key in (
@@ -52,7 +52,7 @@ def evaluate_model(name, loaded, args):
     if MASTER and os.path.isdir(out_dir):   # a second writer stops before loading anything
         hold(out_dir)
     device = "cuda" if torch.cuda.is_available() else "cpu"   # trust_remote_code stays off
-    model, tok = models.load_model(name, torch.bfloat16 if device == "cuda" else torch.float32)
+    model, tok = checkpoint.load_model(name, torch.bfloat16 if device == "cuda" else torch.float32)
     model = model.to(device).eval()
     prompt = run_prompt(path, args)
     for bench, rows, instruction, _ in loaded:   # refused: a prompt past the context or a failing template
@@ -315,17 +315,17 @@ def main(argv=None):
         loaded = rlcr_prompts(loaded) if args.mode == "rlcr" else loaded
         if any(data.kind(name) == "code" for name, *_ in loaded):
             sandbox.check()   # can programs be confined here (or --unconfined-code)? Said before any model loads
-        workers = launch.worker_count(vars(args))
+        workers = worker_count(vars(args))
         if workers > 1:   # one worker per GPU (or --nproc), each running this command (benchmarks.deal)
             for name in args.model:
                 checkpoint.fetch(name)   # now: rank 0 would download inside the group while the others wait
-            code = launch.launch(os.path.abspath(__file__), args.argv[1:], workers)
+            code = launch(os.path.abspath(__file__), args.argv[1:], workers)
             if code:
                 raise SystemExit(code)
             return None
         setup()
         results = dict(evaluate_model(name, loaded, args) for name in args.model)
-    except (ValueError, OSError) as e:   # UserError (a refused plan, files.Busy), data.DataError: exit 2
+    except (ValueError, OSError) as e:   # UserError (a refused plan, a held lock), data.DataError: exit 2
         print(f"evaluate.py: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     except FloatingPointError as e:   # NaN in a model or probe

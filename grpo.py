@@ -187,7 +187,7 @@ def update(policy, opt, batch, old_logp, adv, mbs, cfg, device, extra=None):
     policy (sampler_gap, sampler_kl_k3, sampler_ratio_max; docs/reference.md)."""
     if extra is not None or torch.distributed.is_initialized():  # C2GSPG's term; FSDP2's ranks
         from harness.parallel import update as full_update
-        return full_update(policy, opt, None, batch, old_logp, adv, mbs, cfg, device, extra,
+        return full_update(policy, opt, batch, old_logp, adv, mbs, cfg, device, extra,
                            (policy_loss, aggregate, micro_batch, sampler_gap, token_logprobs))
     policy.train()
     mask = batch["loss_mask"]

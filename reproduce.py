@@ -30,8 +30,8 @@ import evaluate
 import metrics
 from evaluation.report import clean, overall, plot_reliability
 from evaluation.benchmarks import model_id, model_label
-from harness import checkpoint, files, launch, runlog
-from harness.runfolder import check_out, read_config
+from harness import checkpoint, files, parallel, runlog
+from harness.checkpoint import check_out, read_config
 from harness.files import UserError
 
 MAIN = ("base", "grpo", "rlcr", "c2gspg", "rlcm")
@@ -246,7 +246,7 @@ class Jobs:
                 if STOP.is_set():
                     return False
                 proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        env=self.env, preexec_fn=launch._die_with_parent)
+                                        env=self.env, preexec_fn=parallel._die_with_parent)
                 CHILDREN.add(proc)
             rc = proc.wait()
             with CHILDREN_LOCK:
@@ -291,7 +291,7 @@ class Jobs:
 
 
 def stop_children(signum, frame):
-    """SIGTERM: end the children, then as Ctrl-C does (SIGKILL: launch.py's death signal)."""
+    """SIGTERM: end the children, then as Ctrl-C does (SIGKILL: harness/parallel.py's death signal)."""
     with CHILDREN_LOCK:
         STOP.set()
         for proc in CHILDREN:

@@ -40,10 +40,10 @@ from reward import margin_reward, total_reward
 from rollout import generate
 from evaluation import heldout
 from evaluation.heldout import held_out_accuracy
-from harness import checkpoint as ckpt_lib, launch, lora as lora_lib, models, plan, runlog, staticcache
+from harness import checkpoint as ckpt_lib, lora as lora_lib, plan, runlog, staticcache
 from harness.files import UserError
-from harness.parallel import (MASTER, RANK, WORLD, all_gather, all_sum, full_state, load_sharded,
-                              refresh_sampler, setup, wrap)
+from harness.parallel import (MASTER, RANK, WORLD, all_gather, all_sum, full_state, launch,
+                              refresh_sampler, setup, worker_count, wrap)
 
 # What a step works on: `policy` the update trains, `sampler` the rollout samples from (run below)
 Learner = namedtuple("Learner", "policy sampler tok probe probe_opt opt sched device")
@@ -228,7 +228,7 @@ def peak_memory(device):
         return torch.cuda.max_memory_allocated(device) / 2**30
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB (Linux reports KiB)
-from harness.runfolder import RunFolder, exit_codes
+from harness.checkpoint import RunFolder, exit_codes
 
 
 def print0(*a):
@@ -243,9 +243,9 @@ def load_policy(cfg, device, ckpt=None):
     lora = cfg["lora_rank"] > 0
     dtype = torch.bfloat16 if lora and device.type == "cuda" and WORLD == 1 and not cfg["offload"] else torch.float32
     base = lora_lib.base_of(ckpt) if lora and ckpt else ckpt or cfg["model"]  # LoRA: ckpt's base
-    model, tok = models.load_model(base, dtype, cfg["trust_remote_code"])
+    model, tok = ckpt_lib.load_model(base, dtype, cfg["trust_remote_code"])
     if lora:
-        model = lora_lib.with_adapter(model, cfg, ckpt)
+        model = ckpt_lib.with_adapter(model, cfg, ckpt)
     model.config.use_cache = False
     if cfg["grad_ckpt"]:
         checkpoint_activations(model)
@@ -310,9 +310,9 @@ def run(cfg):
     # `policy` the update trains (FSDP2-sharded on several ranks), `sampler` the rollout samples from
     # (the same model on one CPU process, a bf16 copy on a GPU), `model` the module (save_pretrained)
     if torch.distributed.is_initialized():  # rank 0 reads the weights, the others get their shards
-        adapt = (lambda m, meta: lora_lib.with_adapter(m, cfg, ckpt, fresh=meta)) if cfg["lora_rank"] else None
+        adapt = (lambda m, meta: ckpt_lib.with_adapter(m, cfg, ckpt, fresh=meta)) if cfg["lora_rank"] else None
         base = lora_lib.base_of(ckpt) if adapt and ckpt else ckpt or cfg["model"]
-        policy, sampler, model, tok = load_sharded(
+        policy, sampler, model, tok = ckpt_lib.load_sharded(
             base, device, token_logprobs, cfg["offload"], cfg["trust_remote_code"],
             checkpoint_activations if cfg["grad_ckpt"] else None, adapt)
     else:
@@ -405,7 +405,7 @@ def run(cfg):
 
 
 def main(argv=None):
-    with exit_codes() as state:  # exit 2 / 3 / 130, the lock released: harness/runfolder.py
+    with exit_codes() as state:  # exit 2 / 3 / 130, the lock released: harness/checkpoint.py
         cfg = state["cfg"] = config.resolve_args(argv)
         if cfg["plot"]:
             print(runlog.plot_curves(cfg["plot"]))
@@ -416,13 +416,13 @@ def main(argv=None):
         if not cfg["resume"]:
             ckpt_lib.check_available(cfg["model"])  # a missing model is reported before anything is read
         plan.check(cfg, probed=cfg["reward"] in baselines.PROBE_MODES)  # an impossible run stops here
-        workers = launch.worker_count(cfg)
+        workers = worker_count(cfg)
         config.check_world(cfg, max(workers, WORLD))  # here, or in each worker under torchrun
         if workers <= 1:  # one process, or a worker already (0)
             return run(cfg)
         if not cfg["resume"]:
             ckpt_lib.fetch(cfg["model"])  # before the workers start: rank 0 would download in the group
-        code = launch.launch(os.path.abspath(__file__), sys.argv[1:] if argv is None else argv, workers)
+        code = launch(os.path.abspath(__file__), sys.argv[1:] if argv is None else argv, workers)
         if code:
             sys.exit(code)
 

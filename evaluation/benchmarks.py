@@ -27,7 +27,7 @@ from harness import files
 from harness.checkpoint import ALIASES
 from harness.files import UserError
 from harness.parallel import MASTER, RANK, WORLD
-from harness.runfolder import check_out, read_config
+from harness.checkpoint import check_out, read_config
 
 BIG_N = {"aime24": 32, "aime25": 32, "amc23": 32}   # samples per question; 4 elsewhere
 # Per-world defaults (docs/reference.md, "Evaluation"); every: thinking tokens between budgets;

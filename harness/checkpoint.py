@@ -1,4 +1,5 @@
-"""Where models and runs live: aliases, run directories, atomic checkpoints.
+"""Models and runs: what a --model value names, loading it (a LoRA checkpoint merged into its base;
+sharded over ranks), atomic checkpoints, and a training run's folder (its lock, resume, exit codes).
 
 `resolve_model` turns what follows --model (alias, `toy`, HF id, model, checkpoint or run directory)
 into what from_pretrained loads. A checkpoint is written into a fresh `.tmp` folder, fsynced and
@@ -11,16 +12,21 @@ import shutil
 import struct
 import sys
 import zipfile
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 import toy   # --model toy: the toy world's committed warm start (toy.BASE_DIR; `python toy.py` rebuilds it)
+from harness import files, lora
 from harness.files import UserError, first_line, fresh_name
+from harness.lora import (ADAPTER, CONFIG, add_adapter, base_of, is_adapter, load_adapter, targets,
+                          tied)
+from harness.parallel import (MASTER, all_gather, load_optimizer, rebuild_buffers, refresh_sampler,
+                              teardown, wrap)
 
 PREFIX = "step_"
-CONFIG = "adapter_config.json"  # a LoRA checkpoint (harness/lora.py) holds this for config.json
 ALIASES = {
     "deepseek-r1-distill-qwen-7b": "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
     "qwen3-4b-instruct": "Qwen/Qwen3-4B-Instruct-2507",
@@ -79,8 +85,125 @@ def fetch(name):
                         "and your access (hf auth login), or pass a local directory") from None
 
 
-def is_adapter(path):
-    return os.path.isfile(os.path.join(path, CONFIG))
+def load_model(name, dtype=torch.float32, trust_remote_code=False):
+    """(model, tokenizer) for any --model value, a LoRA checkpoint merged; any failure one UserError."""
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    path = resolve_model(name)
+    if is_adapter(path):  # a --lora-rank checkpoint: its base (and its tokenizer), the adapter merged in
+        model, tok = load_model(base_of(path), dtype, trust_remote_code)
+        # merged into a weight another layer shares (a tied LM head), it would change that layer too: unmerged
+        keep = tied(model, lora.read_config(path).get("target_modules") or [])
+        try:
+            return (load_adapter(model, path, trainable=False) if keep else lora.merged(model, path)), tok
+        except (RuntimeError, ValueError) as e:   # peft's size mismatch or unknown module: pages of text
+            raise UserError(f"{path}: its adapter does not fit its base ({first_line(e)}): restore "
+                            f"{CONFIG} from a copy of the run") from None
+    try:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        check_shapes(path, trust_remote_code)
+        # use_kernels=False: by default transformers swaps layers for kernels from the hub
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, trust_remote_code=trust_remote_code, use_kernels=False)
+    except UserError:
+        raise
+    except (OSError, ValueError, KeyError, SafetensorError, RuntimeError) as e:   # safetensors: "unable to open file"
+        if path != name and not os.path.lexists(path):
+            raise UserError(f"cannot load model {name!r}: its checkpoint {path} was removed while loading "
+                            "(the run is still saving and keeps only the last --keep): try again") from None
+        first = first_line(e, 300)
+        where = "" if path == name else f" ({path})"
+        hint = ("a weights file is damaged (cut short?): copy it again" if isinstance(e, SafetensorError)
+                else "offline? download it first (hf download ID) or pass a local directory with weights")
+        raise UserError(f"cannot load model {name!r}{where}: {first} -- {hint}") from None
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return model, tok
+
+
+def check_shapes(path, trust_remote_code=False):
+    """UserError before any weight is allocated when a local model's safetensors hold a tensor of
+    another shape than its config.json builds."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+    files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors")) if os.path.isdir(path) else []
+    if not files:
+        return
+    try:
+        cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            want = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(
+                cfg, trust_remote_code=trust_remote_code).state_dict().items()}
+    except Exception:  # an unusual config: from_pretrained says what is wrong with it
+        return
+    for n in files:
+        with safe_open(os.path.join(path, n), "pt") as f:
+            for key in f.keys():
+                shape = tuple(f.get_slice(key).get_shape())
+                if want.get(key, shape) != shape:
+                    raise UserError(f"{os.path.join(path, n)}: {key} has shape {list(shape)} but "
+                                    f"{os.path.join(path, 'config.json')} builds {list(want[key])}: the weights "
+                                    "and the config are of different models; restore the matching config.json")
+
+
+def with_adapter(model, cfg, ckpt=None, fresh=False):
+    """The policy of a --lora-rank run: the adapter of checkpoint `ckpt` (resume), or a fresh one
+    (also with `fresh`: its shape, on the meta device)."""
+    base = base_of(ckpt) if ckpt else resolve_model(cfg["model"])   # a resume: the base it was trained on
+    shared = [] if ckpt else tied(model, targets(cfg["lora_targets"]))
+    if shared:
+        raise UserError(f"--lora-targets {cfg['lora_targets']}: {', '.join(shared)} shares its weight with another "
+                        "layer (tie_word_embeddings): merging the adapter for evaluation would change both; "
+                        "adapt other modules")
+    try:
+        model = load_adapter(model, ckpt) if ckpt and not fresh else add_adapter(model, cfg, base)
+    except ValueError as e:
+        raise UserError(f"--lora-targets {cfg['lora_targets']}: {first_line(e)}") from None
+    # the base by its absolute path (a cwd-relative one breaks in another folder); base.json records more
+    model.peft_config[ADAPTER].base_model_name_or_path = os.path.abspath(base) if os.path.isdir(base) else base
+    return model
+
+
+def load_sharded(name, device, logprobs, offload=False, trust_remote_code=False, grad_ckpt=None,
+                 adapt=None):
+    """(policy, sampler, lm, tokenizer) on every rank, reading the weights on rank 0 only, which
+    broadcasts them shard by shard to the meta-built, sharded model on every rank.
+
+    adapt(model, meta) adds the LoRA adapter (--lora-rank), fp32 like the base, so each FSDP2 unit
+    holds one dtype (verl #3470: mixed dtypes in one unit fail). Non-persistent buffers (rotary
+    inv_freq) are in no state dict: to_empty leaves garbage, so `rebuild_buffers` remakes them.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    full = {}
+    if MASTER:
+        model, tok = load_model(name, torch.float32, trust_remote_code)
+        full = (adapt(model, meta=False) if adapt else model).state_dict()
+        del model
+    dist.barrier()  # rank 0 has resolved (and downloaded) the model
+    path = resolve_model(name)
+    if not MASTER:
+        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.eos_token
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                              trust_remote_code=trust_remote_code)
+    if adapt:
+        lm = adapt(lm, meta=True)
+    lm.config.use_cache = False
+    if grad_ckpt:
+        grad_ckpt(lm)
+    policy, sampler = wrap(lm, device, logprobs, offload)
+    policy.to_empty(device="cpu" if offload else device)  # offloaded shards live on the host
+    set_model_state_dict(lm, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    del full
+    rebuild_buffers(lm, device)  # buffers are not offloaded: they stay where the compute runs
+    sampler.to_empty(device=device)
+    refresh_sampler(sampler, policy, frozen=True)
+    rebuild_buffers(sampler, device)
+    return policy, sampler, lm, tok
 
 
 def step_of(ckpt):
@@ -232,12 +355,237 @@ def save_checkpoint(run_dir, step, write, keep=2):
     return final
 
 
-def apply_rates(opt, sched, lr, probe_opt, probe_lr):
-    """Rates given with --resume replace those restored with the optimizer states."""
-    if sched.base_lrs != [lr] * len(opt.param_groups):
-        sched.base_lrs = [lr] * len(opt.param_groups)
-        for g, fn in zip(opt.param_groups, sched.lr_lambdas):
-            g["initial_lr"], g["lr"] = lr, lr * fn(sched.last_epoch)
-        sched._last_lr = [g["lr"] for g in opt.param_groups]
-    for g in probe_opt.param_groups:
-        g["lr"] = probe_lr
+LOCKS = ExitStack()  # the run folder's lock, released by exit_codes() however the run ends
+LOGS = ("metrics.jsonl", "samples.jsonl", "heldout.jsonl")
+MADE = []  # the run folder this process created (RunFolder.lock), for exit_codes' clean-up
+
+
+def hold_lock(out, new=False):
+    """Rank 0 holds OUT/lock until the run ends. new: the folder was absent at the start; a run found
+    there now is refused."""
+    err = None
+    if MASTER:
+        try:
+            LOCKS.enter_context(files.locked(out, "training run"))
+            found = [f for f in ("config.json", "checkpoints") if os.path.lexists(os.path.join(out, f))]
+            if new and found:
+                raise UserError(f"{out} was taken by another run while this one loaded (it holds {found[0]}): "
+                                f"pass --resume {out} to continue that run, or another --out")
+        except UserError as e:
+            err = str(e)
+    err = all_gather(err)[0]
+    if err:
+        raise UserError(err)
+
+
+class RunFolder:
+    """cfg["out"] and the checkpoint this run starts from (None: a new run)."""
+
+    def __init__(self, cfg, say, data_digest):
+        self.out, self.say = cfg["out"], say
+        self.metrics, self.samples, self.heldout = (os.path.join(self.out, f) for f in LOGS)
+        self.existed = all_gather(os.path.isdir(self.out))[0]
+        if self.existed:  # locked before its checkpoints are read
+            hold_lock(self.out)
+        self.check_data(cfg, data_digest)
+        self.ckpt = ckpt = latest_checkpoint(self.out, say=say, resume=True)
+        if cfg["resume"] and ckpt is None:
+            raise UserError(f"--resume {self.out}: the run has no complete checkpoint; start it again "
+                            "without --resume")
+        if ckpt and not cfg["resume"]:
+            raise UserError(f"{self.out} already holds a run: pass --resume {self.out} to continue it, "
+                            "or another --out")
+        self.done = bool(ckpt) and step_of(ckpt) >= cfg["steps"]
+        if self.done:
+            say(f"{self.out} is at step {step_of(ckpt)} already (--steps {cfg['steps']}): "
+                "nothing to train; pass a larger --steps")
+
+    def check_data(self, cfg, digest):
+        """A --data file changed since the run began is refused on resume (its cursor reads other rows)."""
+        now = all_gather(digest(cfg["data"]) if MASTER else None)[0]
+        saved, cfg["data_sha256"] = cfg.get("data_sha256"), now
+        if cfg["resume"] and saved and saved != now:
+            raise UserError(f"--resume {self.out}: {cfg['data']} changed since the run began (sha256 {saved[:12]} "
+                            f"in config.json, now {(now or 'no file')[:12]}): put the run's data back, or start "
+                            "a new run with another --out")
+
+    def lock(self):
+        """A new folder is locked only once the data and the model are known to load."""
+        if not self.existed:
+            hold_lock(self.out, new=True)
+            if MASTER:
+                MADE.append(self.out)
+
+    def start(self, cfg):
+        """A new run: config.json and empty logs."""
+        if MASTER:
+            os.makedirs(self.out, exist_ok=True)
+            files.write_json(os.path.join(self.out, "config.json"), cfg)
+            for path in (self.metrics, self.samples, self.heldout):
+                with files.replacing(path):
+                    pass
+
+    def restore(self, cfg, policy, opt, sched, load_probe):
+        """(probe, probe_opt, step, cursor), the checkpoint's optimizer, scheduler and RNG state loaded."""
+        ckpt = self.ckpt
+        with reading(os.path.join(ckpt, "state.pt")):
+            # mmap: only rank 0 reads the optimizer state (load_optimizer broadcasts it)
+            state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=True, mmap=True)
+            load_optimizer(policy, opt, state["optimizer"])
+            sched.load_state_dict(state["scheduler"])
+            step, cursor = state["step"], state["cursor"]
+        with reading(os.path.join(ckpt, "probe.pt")):
+            probe, probe_opt = load_probe(os.path.join(ckpt, "probe.pt"), cfg["probe_lr"])
+        set_rng_state(state["rng"])  # last: building the probe draws from torch's RNG
+        lr = cfg["lr"]  # rates given with --resume replace those restored with the optimizer states
+        if sched.base_lrs != [lr] * len(opt.param_groups):
+            sched.base_lrs = [lr] * len(opt.param_groups)
+            for g, fn in zip(opt.param_groups, sched.lr_lambdas):
+                g["initial_lr"], g["lr"] = lr, lr * fn(sched.last_epoch)
+            sched._last_lr = [g["lr"] for g in opt.param_groups]
+        for g in probe_opt.param_groups:
+            g["lr"] = cfg["probe_lr"]
+        if MASTER:
+            for path in (self.metrics, self.samples, self.heldout):
+                files.truncate_metrics(path, step)
+            changed = changes(read_config(self.out), cfg)
+            if changed:
+                files.write_json(os.path.join(self.out, "config.json"), {**cfg, "resume": None})
+                self.say("changed on resume (written to config.json): " +
+                         ", ".join(f"{k} {a} -> {b}" for k, a, b in changed))
+        self.say(f"resuming {self.out} from step {step}")
+        return probe, probe_opt, step, cursor
+
+    def first_accuracy(self, cfg, n):
+        """(step 0's held-out accuracy or None, whether it was of another set), for a resume's last line."""
+        rows = files.read_jsonl(self.metrics) if MASTER else []
+        first = next((r for r in rows if r.get("eval") and r.get("step") == 0), {})
+        other = (first.get("eval_n", n), first.get("eval_data", cfg["eval_data"])) != (n, cfg["eval_data"])
+        return first.get("eval_accuracy"), other
+
+    def save(self, at, model, model_sd, tok, save_probe, state, keep):
+        """Checkpoint `at` (save_checkpoint); state: state.pt's step, cursor, optimizer, scheduler."""
+        if MASTER:
+            def write(tmp):
+                if lora.has_adapter(model):
+                    lora.save(tmp, model, model_sd)
+                else:
+                    model.save_pretrained(tmp, state_dict=model_sd)
+                tok.save_pretrained(tmp)
+                save_probe(os.path.join(tmp, "probe.pt"))
+                torch.save(dict(state, rng=rng_state()), os.path.join(tmp, "state.pt"))
+            save_checkpoint(self.out, at, write, keep=keep)
+
+
+def check_out(path, flag="--out", writer=None):
+    """A folder we can create or write into: not a file, and its nearest existing parent writable.
+    writer "train.py" or "evaluate.py": nor a folder of another kind whose files it would overwrite."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise UserError(f"{flag} {path} is a file, not a folder: pass a folder path")
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {path}: {parent} is not writable; pass a folder you can write to")
+    kind, shown = folder_kind(path) if writer and os.path.isdir(path) else ("empty", [])
+    if kind not in TAKES.get(writer, ("empty",)):
+        what = dict(run="is a training run's folder", model="is a model's folder", evaluation="is an "
+                    "evaluation's folder", other="holds files and is no training run's folder")
+        takes = ", or an evaluation's" if writer == "evaluate.py" else " (or resumes a run there)"
+        fix = (f"evaluate into {os.path.join(path, 'eval')} (the default for --model {path}) or another "
+               "folder" if kind == "run" else
+               f"{writer} writes only into a new or empty folder{takes}; pass another {flag}")
+        raise UserError(f"{flag} {path} {what[kind]} (it has {', '.join(shown[:3])}): {fix}")
+
+
+# What each writer's --out may already be: train.py only its own runs (a resume, or a new run's
+# refusal later), evaluate.py anything but a run or a model (a sweep may share a folder).
+TAKES = {"train.py": ("empty", "run"), "evaluate.py": ("empty", "evaluation", "other")}
+
+
+def folder_kind(path):
+    """(kind, the names that show it) of a folder: run, model, evaluation, empty (but a lock) or other."""
+    names = sorted(set(os.listdir(path)) - {files.LOCK})
+    weights = [n for n in names if n.endswith((".safetensors", ".bin"))]
+    run = ("metrics.jsonl", "checkpoints", "wandb_run.json")
+    for kind, shown in (("run", [n for n in run if n in names]),
+                        ("model", ["config.json", *weights] if weights and "config.json" in names else []),
+                        ("evaluation", [n for n in ("samples.jsonl", "results.json") if n in names])):
+        if shown:
+            return kind, shown
+    return ("other", names) if names else ("empty", [])
+
+
+def read_config(run, flag="--resume"):
+    """RUN/config.json as a dict, or one UserError line saying what is wrong with it."""
+    path = os.path.join(run, "config.json")
+    if not os.path.isfile(path):
+        raise UserError(f"{flag} {run}: no run there (config.json missing); "
+                        "pass the --out directory of an earlier run")
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (ValueError, OSError) as e:
+        raise UserError(f"{flag} {run}: {path} is unreadable ({type(e).__name__}: {e}); "
+                        "restore it or start a new run") from None
+    if not isinstance(saved, dict):
+        raise UserError(f"{flag} {run}: {path} is not a JSON object; restore it or start a new run")
+    return saved
+
+
+def changes(saved, cfg):
+    """[(key, saved value, new value)] for saved keys whose value differs in cfg."""
+    skip = ("resume", "out", "trust_remote_code")
+    return [(k, saved[k], cfg[k]) for k in saved if k in cfg and k not in skip and saved[k] != cfg[k]]
+
+
+def interrupted(cfg):
+    """The one line printed on Ctrl-C: where the run stands and how to continue it."""
+    out = cfg and cfg["out"]
+    ckpt = out and os.path.isdir(out) and latest_checkpoint(out, say=lambda m: None, resume=True)
+    if not ckpt:
+        return "interrupted before the first checkpoint: nothing to resume; run the command again"
+    flag = " --trust-remote-code" if cfg["trust_remote_code"] else ""
+    return (f"interrupted: {ckpt} is the last checkpoint; continue with: "
+            f"python train.py --resume {out}{flag}")
+
+
+def remove_unstarted():
+    """A user error before the first step leaves no run folder: the one this process made goes if it
+    holds only config.json and empty logs."""
+    for out in filter(os.path.isdir, MADE):
+        names = set(os.listdir(out))
+        logs = [os.path.join(out, f) for f in LOGS if f in names]
+        if names <= {"config.json", *LOGS} and not any(os.path.getsize(p) for p in logs):
+            for name in names:
+                os.remove(os.path.join(out, name))
+            os.rmdir(out)
+
+
+@contextmanager
+def exit_codes():
+    """train.py's main runs inside this: the exit codes above, the lock released and the process group
+    torn down however it ends. Yields a dict whose "cfg" the Ctrl-C line reads."""
+    state, stopped, user_error, finished = {}, False, False, False
+    MADE.clear()  # a run in this process before (tests) is not this one
+    try:
+        yield state
+        finished = True
+    except UserError as e:   # data.DataError and probe.NotAProbe too
+        print(f"error: {e}", file=sys.stderr)
+        user_error = True
+        sys.exit(2)
+    except FloatingPointError as e:
+        print(f"stopped: {e}; the last good checkpoint is left untouched", file=sys.stderr)
+        sys.exit(3)
+    except KeyboardInterrupt:  # nothing new is finished or saved: the last checkpoint stays
+        stopped = True         # the line is printed below, once the progress bar has closed
+    finally:
+        LOCKS.close()
+        if user_error:
+            remove_unstarted()
+        teardown(finished)
+    if stopped:
+        if MASTER:
+            print(f"\n{interrupted(state.get('cfg'))}", file=sys.stderr)
+        sys.exit(130)

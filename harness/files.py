@@ -26,10 +26,6 @@ def first_line(e, limit=200):
     return (str(e).strip().splitlines() or [type(e).__name__])[0][:limit]
 
 
-class Busy(UserError):
-    """The folder is locked by another live writer."""
-
-
 def fresh_name(path):
     """A new name beside PATH, random: two writers (or a killed one's leftovers) never share it."""
     return f"{path}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
@@ -121,7 +117,7 @@ def truncate_metrics(path, last_step):
 @contextmanager
 def locked(folder, what="run"):
     """Hold FOLDER/lock while writing into FOLDER: an flock (the kernel drops it when the holder dies)
-    on a file naming the holder for a second writer's one-line Busy."""
+    on a file naming the holder for a second writer's one-line UserError."""
     import fcntl
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, LOCK)
@@ -131,7 +127,7 @@ def locked(folder, what="run"):
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)
-            raise Busy(f"{folder} is in use by {_holder(path)}: another {what} is writing there; "
+            raise UserError(f"{folder} is in use by {_holder(path)}: another {what} is writing there; "
                             f"wait for it to end or pass another --out") from None
         try:
             same = os.fstat(fd).st_ino == os.stat(path).st_ino

@@ -1,10 +1,6 @@
 """--lora-rank R: the policy trains a LoRA adapter (peft) on its frozen base instead of every weight.
-
-The adapter is injected into the Hugging Face model itself (`add_adapter`), so FSDP2 and the update
-run on an ordinary model whose linear layers are adapted; on GPUs the rollout and the labels sample
-from a bf16 copy with the adapter merged (`merged_copy`, `merge_into`). base.json finds the base a
-checkpoint was trained on by path and content (`base_of`): docs/reference.md, "LoRA checkpoints".
-peft is imported only with --lora-rank.
+How it is injected, merged and saved: docs/reference.md, "LoRA checkpoints". peft is imported only
+with --lora-rank.
 """
 import json
 import os
@@ -12,11 +8,15 @@ import re
 
 import torch
 
-from harness.checkpoint import CONFIG, is_adapter, resolve_model
 from harness.files import UserError, first_line, identity, write_json
 
 ADAPTER = "default"  # peft's adapter name, dropped from the saved keys as peft does
 BASE, WEIGHTS = "base.json", "adapter_model.safetensors"
+CONFIG = "adapter_config.json"  # an adapter checkpoint holds this for config.json
+
+
+def is_adapter(path):
+    return os.path.isfile(os.path.join(path, CONFIG))
 
 
 def has_adapter(model):
@@ -82,24 +82,6 @@ def add_adapter(model, cfg, base_path):
     return model
 
 
-def with_adapter(model, cfg, ckpt=None, fresh=False):
-    """The policy of a --lora-rank run: the adapter of checkpoint `ckpt` (resume), or a fresh one
-    (also with `fresh`: its shape, on the meta device)."""
-    base = base_of(ckpt) if ckpt else resolve_model(cfg["model"])   # a resume: the base it was trained on
-    shared = [] if ckpt else tied(model, targets(cfg["lora_targets"]))
-    if shared:
-        raise UserError(f"--lora-targets {cfg['lora_targets']}: {', '.join(shared)} shares its weight with another "
-                        "layer (tie_word_embeddings): merging the adapter for evaluation would change both; "
-                        "adapt other modules")
-    try:
-        model = load_adapter(model, ckpt) if ckpt and not fresh else add_adapter(model, cfg, base)
-    except ValueError as e:
-        raise UserError(f"--lora-targets {cfg['lora_targets']}: {first_line(e)}") from None
-    # the base by its absolute path (a cwd-relative one breaks in another folder); base.json records more
-    model.peft_config[ADAPTER].base_model_name_or_path = os.path.abspath(base) if os.path.isdir(base) else base
-    return model
-
-
 def load_adapter(model, ckpt, trainable=True):
     """The model with the adapter saved in checkpoint `ckpt`."""
     from peft import PeftModel
@@ -119,11 +101,8 @@ def save(folder, model, state):
     weights = {"base_model.model." + k.replace(f".{ADAPTER}.", "."): v.detach().contiguous()
                for k, v in state.items()}
     save_file(weights, os.path.join(folder, WEIGHTS), metadata={"format": "pt"})
-    record_base(folder, model.peft_config[ADAPTER].base_model_name_or_path)   # the base, by content
-
-
-def record_base(folder, base):
-    """FOLDER/base.json: `base` (a folder or a hub id) by path, path from FOLDER and identity."""
+    # base.json: the base (a folder or a hub id) by path, path from FOLDER and content (base_of)
+    base = model.peft_config[ADAPTER].base_model_name_or_path
     rel = os.path.relpath(base, folder) if os.path.isdir(base) else None
     write_json(os.path.join(folder, BASE), dict(path=base, relative=rel, identity=identity(base)))
 

@@ -1,18 +1,28 @@
-"""One node of GPUs: process setup, FSDP2 sharding, collectives, and the generation copy.
+"""One node of GPUs: the launcher, process setup, FSDP2 sharding, collectives, the generation copy.
 
-Workers get RANK / WORLD_SIZE / LOCAL_RANK from harness/launch.py or torchrun; without them this is
-the identity and the code runs as one process (CPU: gloo). Layout: docs/design.md, "Scale".
+Workers get RANK / WORLD_SIZE / LOCAL_RANK from `launch` or torchrun; without them this is the
+identity and the code runs as one process (CPU: gloo). Layout: docs/design.md, "Scale"; the
+launcher: docs/reference.md, "The launcher".
 """
 import copy
 import datetime
 import math
 import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
 from contextlib import nullcontext
 from functools import partial
 
 import torch
 import torch.distributed as dist
 
+from harness.files import UserError
 from harness.lora import has_adapter, merge_into, merged_copy
 
 RANK, WORLD = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -20,14 +30,6 @@ MASTER = RANK == 0
 # Rank 0 alone writes each checkpoint (91 GB for the 7B) or, under torchrun, downloads the weights
 # while the others wait in a collective: NCCL's 10 minutes would abort them (an hour: 25 MB/s)
 TIMEOUT = datetime.timedelta(hours=1)
-
-
-def backend(cuda, offload):
-    """The process group's backend. With --offload DTensor's full_tensor, clip_grad_norm_ and full
-    state dicts run collectives on host shards, which NCCL cannot serve (pytorch#148532): gloo's."""
-    if not cuda:
-        return "gloo"
-    return "cuda:nccl,cpu:gloo" if offload else "nccl"
 
 
 def setup(offload=False):
@@ -41,13 +43,14 @@ def setup(offload=False):
         if WORLD == 1:  # a one-rank group, so that FSDP2 can offload to the host
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group(backend(device.type == "cuda", offload), rank=RANK, world_size=WORLD,
-                                timeout=TIMEOUT)
+        # with --offload DTensor's full_tensor, clip_grad_norm_ and full state dicts run collectives
+        # on host shards, which NCCL cannot serve (pytorch#148532): gloo's
+        backend = "gloo" if device.type == "cpu" else "cuda:nccl,cpu:gloo" if offload else "nccl"
+        dist.init_process_group(backend, rank=RANK, world_size=WORLD, timeout=TIMEOUT)
     return device
 
 
 def free_port():
-    import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -60,9 +63,7 @@ def sharded(policy):
 
 def teardown(finished=False):
     """Leave the process group. A finished run first waits for every rank, so that none closes its
-    connections while another still works (rank 0 draws the curves): without it a gloo worker once
-    aborted here ("terminate called without an active exception"). A failed run does not wait: the
-    other ranks may never come, and the launcher stops them."""
+    connections while another still works; a failed one does not: the others may never come."""
     if dist.is_initialized():
         if finished:
             dist.barrier()
@@ -102,9 +103,8 @@ class LogprobModel(torch.nn.Module):
 
 
 def wrap(lm, device, logprobs, offload=False):
-    """(trainable LogprobModel, generation copy) under FSDP2; one process: (lm, the copy), on CPU
-    the same fp32 model. A meta lm
-    (load_sharded) gives both unmaterialised. Under --lora-rank the copy has the adapter merged."""
+    """(trainable LogprobModel, generation copy) under FSDP2; one process: (lm, the copy), on CPU the
+    same fp32 model. A meta lm (load_sharded) gives both unmaterialised; --lora-rank: merged copy."""
     sampler = lm
     if has_adapter(lm) and (device.type == "cuda" or dist.is_initialized()):
         sampler = merged_copy(lm, torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -125,50 +125,6 @@ def wrap(lm, device, logprobs, offload=False):
         fully_shard(layer, mp_policy=mp, offload_policy=off)
     fully_shard(policy, mp_policy=mp, offload_policy=off)
     return policy, sampler
-
-
-def load_sharded(name, device, logprobs, offload=False, trust_remote_code=False, grad_ckpt=None,
-                 adapt=None):
-    """(policy, sampler, lm, tokenizer) on every rank, reading the weights on rank 0 only, which
-    broadcasts them shard by shard to the meta-built, sharded model on every rank.
-
-    adapt(model, meta) adds the LoRA adapter (--lora-rank), fp32 like the base, so each FSDP2 unit
-    holds one dtype (verl #3470: mixed dtypes in one unit fail). Non-persistent buffers (rotary
-    inv_freq) are in no state dict: to_empty leaves garbage, so `rebuild_buffers` remakes them.
-    """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from harness.checkpoint import resolve_model
-    from harness.models import load_model
-    full = {}
-    if MASTER:
-        model, tok = load_model(name, torch.float32, trust_remote_code)
-        full = (adapt(model, meta=False) if adapt else model).state_dict()
-        del model
-    dist.barrier()  # rank 0 has resolved (and for the toy, built) the model directory
-    path = resolve_model(name)
-    if not MASTER:
-        tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        if tok.pad_token_id is None:
-            tok.pad_token = tok.eos_token
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
-        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                              trust_remote_code=trust_remote_code)
-    if adapt:
-        lm = adapt(lm, meta=True)
-    lm.config.use_cache = False
-    if grad_ckpt:
-        grad_ckpt(lm)
-    policy, sampler = wrap(lm, device, logprobs, offload)
-    policy.to_empty(device="cpu" if offload else device)  # offloaded shards live on the host
-    set_model_state_dict(lm, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    del full
-    rebuild_buffers(lm, device)  # buffers are not offloaded: they stay where the compute runs
-    sampler.to_empty(device=device)
-    refresh_sampler(sampler, policy, frozen=True)
-    rebuild_buffers(sampler, device)
-    return policy, sampler, lm, tok
 
 
 @torch.no_grad()
@@ -304,20 +260,16 @@ def load_optimizer(policy, opt, state):
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 
 
-def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device, extra, method):
-    """grpo.update under FSDP2 (several ranks, or one with --offload): one optimizer step over the
-    micro-batches `mbs` (lists of batch rows; rows in none of them are left out), each weighted by
-    its share of the tokens (token-mean) or sequences of those rows.
+def update(policy, opt, batch, old_logp, adv, mbs, cfg, device, extra, method):
+    """grpo.update under FSDP2 (several ranks, or one with --offload), and with a mode's loss term.
 
-    extra: None, or a mode's loss term (name, coef, term) (baselines.extra_loss): term(logp, loss_mask,
-    rows) gives a micro-batch's values from the differentiable log-probs, [n] per sequence (the loss
-    adds coef * their mean over all sequences) or [n, T] per token (coef * their aggregate by --agg,
-    weighted like the policy loss); the result has that mean or aggregate under `name`.
-    old_logp [N, T] from the scoring pass, or None on-policy: the current log-probs, detached, so
-    the ratio is exactly 1. sched: stepped after the optimizer (None: not stepped).
-    Ranks with fewer micro-batches run padding ones (one row cut to 2 tokens, at weight 0): FSDP2
-    needs as many forward/backward calls on every rank. method: grpo's (policy_loss, aggregate,
-    micro_batch, sampler_gap, token_logprobs), passed in: the machinery imports no method file.
+    extra: None, or (name, coef, term) (baselines.extra_loss): term(logp, loss_mask, rows) gives a
+    micro-batch's values, [n] per sequence (the loss adds coef * their mean over all sequences) or
+    [n, T] per token (coef * their aggregate by --agg, weighted like the policy loss); the result
+    has that mean or aggregate under `name`. Ranks with fewer micro-batches run padding ones (one
+    row cut to 2 tokens, at weight 0): FSDP2 needs as many forward/backward calls on every rank.
+    method: grpo's (policy_loss, aggregate, micro_batch, sampler_gap, token_logprobs), passed in:
+    the machinery imports no method file.
     """
     policy_loss, aggregate, micro_batch, sampler_gap, token_logprobs = method
     policy.train()
@@ -378,8 +330,6 @@ def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device, extra, me
         raise FloatingPointError(f"non-finite gradient norm ({grad_norm})")
     opt.step()
     opt.zero_grad(set_to_none=True)
-    if sched is not None:
-        sched.step()
     *means, extra, absd, k3, tokens = all_sum([*sums.values(), extra_sum, *gap_sums], device)  # one all-reduce
     out = dict(zip(sums, (v / max(total, 1.0) for v in means)), grad_norm=grad_norm)
     if term is not None:
@@ -388,3 +338,114 @@ def update(policy, opt, sched, batch, old_logp, adv, mbs, cfg, device, extra, me
         out.update(sampler_gap=absd / max(tokens, 1.0), sampler_kl_k3=k3 / max(tokens, 1.0),
                    sampler_ratio_max=max(all_gather(ratio_max)))
     return out
+
+
+def worker_count(cfg):
+    """Processes to start here: 0 when already a worker (under torchrun or launched by us)."""
+    if "RANK" in os.environ:
+        return 0
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cfg.get("nproc") and gpus and cfg["nproc"] > gpus:
+        raise UserError(f"--nproc {cfg['nproc']}: this machine shows only {gpus} GPUs (one worker per GPU)")
+    return cfg.get("nproc") or gpus or 1
+
+
+def _die_with_parent():
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:  # not Linux: a killed launcher leaves its workers running
+        pass
+
+
+def tail(path, lines=25):
+    """The last traceback (or the last `lines` lines) of a log file."""
+    with open(path, errors="replace") as f:
+        text = f.read().replace("\r", "\n").splitlines()
+    starts = [i for i, line in enumerate(text) if line.startswith("Traceback")]
+    text = text[starts[-1]:] if starts else text
+    return "\n".join([line for line in text if line.strip()][-lines:])
+
+
+def worker_env(rank, nproc, port):
+    """The environment of worker `rank`: torchrun's variables, and a share of this machine's cores
+    (unless OMP_NUM_THREADS is set), since every rank fits the probe on the CPU at the same time."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    env = {"OMP_NUM_THREADS": str(max(1, cores // nproc)), **os.environ}
+    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    return env
+
+
+def launch(script, argv, nproc):
+    """Run `python script *argv` as nproc ranks; return the exit code (0, or the failed worker's)."""
+    logs = tempfile.mkdtemp(prefix="rlcm-workers-")
+    port = str(free_port())
+    procs, exits, failed, shown = [], {}, threading.Event(), []
+
+    def watch(rank, proc):
+        code = proc.wait()
+        exits[rank] = (time.monotonic(), code)
+        if code != 0:
+            failed.set()
+
+    for rank in range(nproc):
+        log = open(os.path.join(logs, f"rank{rank}.log"), "w")
+        err = subprocess.PIPE if rank == 0 else log
+        proc = subprocess.Popen([sys.executable, script, *argv], env=worker_env(rank, nproc, port),
+                                stdout=None if rank == 0 else log,
+                                stderr=err, preexec_fn=_die_with_parent)
+        procs.append((proc, log))
+        threading.Thread(target=watch, args=(rank, proc), daemon=True).start()
+
+    def relay(proc, log):
+        # rank 0's stderr goes to the terminal until some worker fails
+        for chunk in iter(lambda: os.read(proc.stderr.fileno(), 4096), b""):
+            log.write(chunk.decode(errors="replace"))
+            log.flush()
+            if not failed.is_set():
+                shown.append(chunk.decode(errors="replace"))
+                sys.stderr.write(shown[-1])
+                sys.stderr.flush()
+
+    relay_thread = threading.Thread(target=relay, args=procs[0], daemon=True)
+    relay_thread.start()
+    interrupted = False
+    try:
+        while len(exits) < nproc and not failed.is_set():
+            time.sleep(0.05)
+    except KeyboardInterrupt:  # the workers got the same Ctrl-C (one process group)
+        interrupted = True
+        failed.set()
+    if failed.is_set():
+        for proc, _ in procs:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + 10
+        for proc, _ in procs:
+            try:
+                proc.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    relay_thread.join(5)
+    for _, log in procs:
+        log.close()
+    if interrupted:
+        print(f"interrupted; all workers stopped (logs: {logs})", file=sys.stderr)
+        return 130
+    bad = sorted((t, rank, code) for rank, (t, code) in exits.items() if code != 0)
+    if not bad:
+        shutil.rmtree(logs, ignore_errors=True)
+        return 0 if len(exits) == nproc else 130
+    _, rank, code = bad[0]
+    text = tail(os.path.join(logs, f"rank{rank}.log"))
+    last = text.splitlines()[-1] if text else ""
+    # a user error: its one line (rank 0's is already shown); evaluate.py's reads "evaluate.py: error: ..."
+    if (code == 2 and last.startswith("error:")) or last.startswith(f"{os.path.basename(script)}: error:"):
+        if last not in "".join(shown):
+            print(last, file=sys.stderr)
+    else:
+        print(f"\nerror: worker {rank} of {nproc} failed (exit code {code}); the other workers were "
+              f"stopped. Its last lines (all logs: {logs}):\n{text}", file=sys.stderr)
+    return code

@@ -176,7 +176,7 @@ def fixes(config, cfg, world, device, mem, counts, probed=True):
 
 def detected(nproc=None):
     """(device type, devices, GiB per device) of this machine."""
-    if "WORLD_SIZE" in os.environ:  # under torchrun (or harness/launch.py): the ranks that shard the model
+    if "WORLD_SIZE" in os.environ:  # under torchrun (or parallel.launch): the ranks that shard the model
         nproc = int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
         n = nproc or torch.cuda.device_count()

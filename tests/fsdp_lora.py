@@ -17,7 +17,8 @@ import train
 from grpo import pack, token_logprobs
 from label import cut_mask, grid
 from harness import lora
-from harness.parallel import MASTER, RANK, WORLD, full_state, load_sharded, refresh_sampler, setup, teardown, wrap
+from harness.checkpoint import load_model, load_sharded, with_adapter
+from harness.parallel import MASTER, RANK, WORLD, full_state, refresh_sampler, setup, teardown, wrap
 
 GATHER = "all_gather_single" if hasattr(torch.distributed, "all_gather_single") else "all_gather_into_tensor"
 CFG = dict(lora_rank=4, lora_alpha=8.0, lora_targets="all-linear", model="toy")
@@ -75,14 +76,13 @@ if torch.distributed.is_initialized():  # the merged copy after the step, agains
     torch.save(merged, f"{sys.argv[1]}.merged{RANK}")
 
 if torch.distributed.is_initialized():
-    from harness.models import load_model
     torch.manual_seed(5)
-    ref = lora.with_adapter(load_model("toy")[0], CFG)
+    ref = with_adapter(load_model("toy")[0], CFG)
     # every rank seeded alike, as train.run does; then rank 0 draws the adapter's init twice (its
     # model and the meta one), the others once: rank 0's adapter is broadcast, and the probe built
     # next (train.new_probe, no reseeding here) and its fit (dropout) must be the same on every rank
     torch.manual_seed(5)
-    lean, sampler, lm, _ = load_sharded("toy", device, token_logprobs, adapt=lambda m, meta: lora.with_adapter(m, CFG))
+    lean, sampler, lm, _ = load_sharded("toy", device, token_logprobs, adapt=lambda m, meta: with_adapter(m, CFG))
     probe, probe_opt = train.new_probe(dict(seed=3, probe_hidden=None, probe_lr=1e-2), lm.config.hidden_size)
     init = {k: v.clone() for k, v in probe.state_dict().items()}
     feats = torch.randn(2, 3, lm.config.hidden_size, generator=torch.Generator().manual_seed(100 + RANK))

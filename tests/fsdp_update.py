@@ -17,7 +17,7 @@ import train
 from grpo import pack, token_logprobs
 from label import cut_mask, grid
 from live_bytes import LiveBytes
-from harness.parallel import (MASTER, RANK, WORLD, full_state, gather_into, load_sharded, refresh_sampler, setup,
+from harness.parallel import (MASTER, RANK, WORLD, full_state, gather_into, refresh_sampler, setup,
                               sharded, teardown, wrap)
 
 offload = os.environ.get("OFFLOAD") == "1"  # FSDP2 with CPUOffloadPolicy, also as one rank
@@ -91,7 +91,7 @@ train.fit_probe(probe, probe_opt, feats[cut_mask(labels)], grid(labels)[cut_mask
 torch.save(probe.state_dict(), f"{sys.argv[1]}.probe{RANK}")
 
 if torch.distributed.is_initialized():  # the lean start: rank 0 reads the toy, the others get shards
-    from harness.models import load_model
+    from harness.checkpoint import load_model, load_sharded
     ref, _ = load_model("toy")
     lean, sampler, lm, _ = load_sharded("toy", device, token_logprobs, offload)
     ids = torch.tensor([[5, 9, 3, 7, 11, 2, 40]])

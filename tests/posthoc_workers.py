@@ -10,7 +10,7 @@ import torch
 import data
 import rollout
 import toy
-from harness import models
+from harness import checkpoint
 from harness.parallel import RANK, teardown
 
 out = sys.argv[1]
@@ -50,7 +50,7 @@ def kept_fit(x, y, g, **kw):
 confidence.fit_posthoc = kept_fit
 benchmarks.setup()
 torch.set_num_threads(1)
-model, tok = models.load_model("toy")
+model, tok = checkpoint.load_model("toy")
 model.eval()
 rows = data.load_rows("toy", split="train")[:6]
 protocol = dict(n=2, max_new_tokens=48, temperature=0.6, top_p=1.0, every=8, count=16, k=4,

@@ -1,14 +1,19 @@
 """harness/checkpoint.py: pruning that never takes a good checkpoint for a damaged or newer one,
-checkpoint folders that must be what their name says, and a checkpoint on disk before it is published."""
+checkpoint folders that must be what their name says, and a checkpoint on disk before it is published;
+load_model: a checkpoint pruned while it loads and weights that do not fit their config each end in one line."""
+import json
 import os
 import shutil
 
 import pytest
 import torch
+import transformers
 
+import toy
 import train
-from harness import checkpoint
-from runs import ckpt, file_size_limit
+from harness import checkpoint, files
+from harness.files import UserError
+from runs import ckpt, file_size_limit, write
 
 
 def test_resume_with_keep_1_beside_a_damaged_newer_checkpoint_keeps_the_new_good_one(run_copy, capsys):
@@ -76,3 +81,42 @@ def test_a_checkpoint_is_fsynced_before_its_rename_and_the_rename_before_any_pru
     assert sorted(files_synced) == sorted(os.path.join(tmp, n) for n in os.listdir(final))   # each file, then
     assert events[i - 1] == ("fsync", tmp)                                                  # the folder, then
     assert events[i + 1:] == [("fsync", root), ("prune", ckpt(run_copy, 1)), ("prune", ckpt(run_copy, 2))]
+
+
+def test_a_checkpoint_pruned_while_loading_is_said_plainly(run_copy, monkeypatch):
+    load = transformers.AutoTokenizer.from_pretrained
+
+    def pruned_first(path, **kw):   # the training process prunes the checkpoint as we start reading it
+        shutil.rmtree(path)
+        return load(path, **kw)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", pruned_first)
+    with pytest.raises(files.UserError, match=f"its checkpoint {ckpt(run_copy, 2)} was removed while loading"):
+        checkpoint.load_model(run_copy)
+
+
+def test_weights_that_do_not_fit_the_config_are_one_line(tmp_path):
+    model = str(tmp_path / "model")
+    shutil.copytree(toy.base_model(), model)
+    with open(os.path.join(model, "config.json")) as f:
+        cfg = json.load(f)
+    write(os.path.join(model, "config.json"), json.dumps(dict(cfg, vocab_size=5000)))
+    with pytest.raises(UserError) as e:
+        checkpoint.load_model(model)
+    assert str(e.value).startswith(f"{model}/model.safetensors: model.embed_tokens.weight has shape [272, ")
+    assert "builds [5000, " in str(e.value)
+
+
+def test_a_checkpoint_pruned_while_it_loads_is_one_line(tmp_path, monkeypatch):
+    # L5 (C63): at a7c59f5 safetensors' "unable to open file <...> in read-only mode" (a RuntimeError)
+    # came out bare, a traceback in evaluate.py, when the run pruned the checkpoint mid-load.
+    from harness.files import UserError
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000001"
+    shutil.copytree(toy.base_model(), ckpt)
+
+    def pruned(path, **kw):
+        shutil.rmtree(ckpt)
+        raise RuntimeError(f"unable to open file <{path}/model.safetensors> in read-only mode: No such file")
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", pruned)
+    with pytest.raises(UserError, match=f"^cannot load model '{tmp_path / 'run'}': its checkpoint {ckpt} was "
+                                        "removed while loading"):
+        checkpoint.load_model(str(tmp_path / "run"))

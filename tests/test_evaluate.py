@@ -436,7 +436,7 @@ def test_an_unbounded_row_stops_train_and_evaluate_before_any_model_loads(tmp_pa
     def no_model(*a, **k):
         raise AssertionError("a model was loaded")
     monkeypatch.setattr(train, "load_policy", no_model)
-    monkeypatch.setattr(evaluate.models, "load_model", no_model)
+    monkeypatch.setattr(evaluate.checkpoint, "load_model", no_model)
     big, lone = tmp_path / "big.jsonl", tmp_path / "lone.jsonl"
     big.write_text(json.dumps({"problem": "1+" * 150_000, "answer": "1"}) + "\n")
     lone.write_text('{"problem": "2+2", "answer": "4"}\n{"problem": "2+2 \\ud800", "answer": "4"}\n')

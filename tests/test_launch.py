@@ -45,7 +45,7 @@ def test_a_failing_worker_stops_the_others_and_its_error_is_shown_once(tmp_path)
                       "    raise RuntimeError('boom on rank ' + os.environ['RANK'])\n"
                       "print('rank', os.environ['RANK'], 'of', os.environ['WORLD_SIZE'], flush=True)\n"
                       "time.sleep(120)\n")
-    code = ("import sys\nfrom harness import launch\nsys.exit(launch.launch(sys.argv[1], [], 2))")
+    code = ("import sys\nfrom harness import parallel\nsys.exit(parallel.launch(sys.argv[1], [], 2))")
     start = time.monotonic()
     res = subprocess.run([sys.executable, "-c", code, str(script)], cwd=ROOT, env=ENV,
                          capture_output=True, text=True, timeout=60)
@@ -83,7 +83,7 @@ def test_fewer_prompts_than_workers_is_refused_in_one_line(tmp_path):
 def test_each_worker_gets_its_share_of_the_cores(monkeypatch):
     """Every rank fits the probe on the CPU at the same time (on CUDA too): 16 cores, 8 ranks -> 2
     threads each, at least 1, and an OMP_NUM_THREADS the user set is kept."""
-    from harness import launch as launcher
+    from harness import parallel as launcher
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
     env = launcher.worker_env(3, 8, "1234")

@@ -11,7 +11,7 @@ import torch
 
 import tiny
 import train
-from harness import checkpoint, files, lora, models, plan
+from harness import checkpoint, files, lora, plan
 from config import resolve_args
 from grpo import token_logprobs
 from harness.files import UserError
@@ -110,9 +110,9 @@ def test_a_saved_adapter_loads_with_peft_and_gives_the_same_logprobs(tmp_path):
     """What a checkpoint saves (full_state, then lora.save) is peft's format: PeftModel.from_pretrained
     on the base rebuilds the trained policy's log-probs exactly; evaluation's merged model to 1e-5."""
     from peft import PeftModel
-    from harness.models import load_model
+    from harness.checkpoint import load_model
     torch.manual_seed(0)
-    model = lora.with_adapter(load_model("toy")[0], CFG)
+    model = checkpoint.with_adapter(load_model("toy")[0], CFG)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:
@@ -313,8 +313,8 @@ def test_a_lora_run_resumes_on_the_base_it_was_trained_on_not_the_runs_latest(pa
     step2 = os.path.join(a, "checkpoints", "step_000002")
     train.main(["--resume", a, "--steps", "3", "--save-every", "1", "--keep", "10"])
     assert checkpoint.resolve_model(a).endswith("step_000003")
-    loaded, real = [], models.load_model
-    monkeypatch.setattr(models, "load_model", lambda name, *a, **k: loaded.append(name) or real(name, *a, **k))
+    loaded, real = [], checkpoint.load_model
+    monkeypatch.setattr(checkpoint, "load_model", lambda name, *a, **k: loaded.append(name) or real(name, *a, **k))
     train.main(["--resume", l, "--steps", "2", "--save-every", "1"])
     assert [os.path.realpath(n) for n in loaded] == [os.path.realpath(step2)]
     ckpt = os.path.join(l, "checkpoints", "step_000002")
@@ -324,7 +324,7 @@ def test_a_lora_run_resumes_on_the_base_it_was_trained_on_not_the_runs_latest(pa
     shutil.rmtree(step2)   # the base pruned (--keep): one line, not the run's newer step
     capsys.readouterr()
     with pytest.raises(UserError, match=f"^{ckpt}: the base its adapter was trained on .* is gone or holds another model"):
-        models.load_model(l)
+        checkpoint.load_model(l)
 
 
 def test_a_lora_checkpoint_finds_its_base_from_another_folder_and_a_moved_clone(pair, tmp_path, monkeypatch):
@@ -333,7 +333,7 @@ def test_a_lora_checkpoint_finds_its_base_from_another_folder_and_a_moved_clone(
     monkeypatch.chdir(tmp_path)
     ckpt = checkpoint.latest_checkpoint(os.path.join(pair, "l"))
     assert os.path.realpath(lora.base_of(ckpt)) == os.path.realpath(os.path.join(pair, "a", "checkpoints", "step_000002"))
-    model, _ = models.load_model(os.path.join(pair, "l"))
+    model, _ = checkpoint.load_model(os.path.join(pair, "l"))
     assert type(model).__name__ == "Qwen2ForCausalLM"
 
 
@@ -369,7 +369,7 @@ def test_a_damaged_adapter_config_is_one_line_naming_it(pair, case, monkeypatch)
     damage, words = DAMAGE[case]
     damage(ckpt)
     with pytest.raises(UserError) as e:
-        models.load_model(ckpt)
+        checkpoint.load_model(ckpt)
     assert str(e.value).startswith(os.path.join(ckpt, checkpoint.CONFIG)) and words in str(e.value), str(e.value)
     assert "\n" not in str(e.value)
 
@@ -387,12 +387,12 @@ def test_lora_on_a_tied_layer_is_refused_before_training(tmp_path, capsys):
 
 
 def test_an_adapter_on_a_tied_layer_is_evaluated_as_it_was_trained(tmp_path):
-    # M8 (evaluation): at a7c59f5 loading a checkpoint (models.load_model today) merged an lm_head adapter
+    # M8 (evaluation): at a7c59f5 loading a checkpoint (checkpoint.load_model today) merged an lm_head adapter
     # into the weight the input embedding shares: logits off by up to 2.32 from the policy that was trained.
     import torch
     ckpt = str(tmp_path / "ckpt")
     os.makedirs(ckpt)
-    base, tok = models.load_model("toy")
+    base, tok = checkpoint.load_model("toy")
     policy = lora.add_adapter(base, dict(lora_rank=4, lora_alpha=32.0, lora_targets="lm_head"),
                               checkpoint.resolve_model("toy"))
     torch.manual_seed(0)
@@ -402,7 +402,7 @@ def test_an_adapter_on_a_tied_layer_is_evaluated_as_it_was_trained(tmp_path):
                 p.normal_(0, 0.05)   # a trained adapter (lora_B starts at zero)
     lora.save(ckpt, policy, {n: p for n, p in policy.named_parameters() if p.requires_grad})
     tok.save_pretrained(ckpt)
-    evaluated, _ = models.load_model(ckpt)
+    evaluated, _ = checkpoint.load_model(ckpt)
     ids = torch.tensor([tok.encode("3+4+2=")])
     with torch.no_grad():
         diff = (policy.eval()(ids).logits - evaluated.eval()(ids).logits).abs().max().item()

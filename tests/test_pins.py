@@ -57,7 +57,7 @@ def test_a_model_loads_without_the_kernels_package(monkeypatch):
     `kernels` package: the GPU machine's first run failed so on the toy. Loading must not need it."""
     import transformers.modeling_utils as mu
 
-    from harness.models import load_model
+    from harness.checkpoint import load_model
     monkeypatch.setattr(mu, "is_kernels_available", lambda *a, **k: False)
     model, tok = load_model("toy", torch.float32)
     assert not model.use_kernels and tok.pad_token_id is not None

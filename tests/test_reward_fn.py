@@ -250,7 +250,7 @@ def test_an_edited_reward_fn_file_is_a_change_on_resume(tmp_path):
     # and reproduce.py called the run "trained already".
     import json
     import config
-    from harness import rewardfn, runfolder
+    from harness import checkpoint, rewardfn
     fn = tmp_path / "fn.py"
     fn.write_text("def f(response, answer, row):\n    return 1.0\n")
     run = tmp_path / "run"
@@ -263,4 +263,4 @@ def test_an_edited_reward_fn_file_is_a_change_on_resume(tmp_path):
     import hashlib
     before = hashlib.sha256(b"def f(response, answer, row):\n    return 1.0\n").hexdigest()
     after = hashlib.sha256(b"def f(response, answer, row):\n    return 0.0\n").hexdigest()
-    assert runfolder.changes(saved, now) == [("reward_fn_sha256", before, after)]
+    assert checkpoint.changes(saved, now) == [("reward_fn_sha256", before, after)]

@@ -176,8 +176,8 @@ def test_the_launcher_downloads_a_hub_model_once_before_starting_workers(tmp_pat
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo, **k: events.append(("fetch", repo)))
     monkeypatch.setattr(train.plan, "check", lambda cfg, **k: None)  # would read the config
-    monkeypatch.setattr(train.launch, "worker_count", lambda cfg: 2)
-    monkeypatch.setattr(train.launch, "launch", lambda *a, **k: events.append("launch") or 0)
+    monkeypatch.setattr(train, "worker_count", lambda cfg: 2)
+    monkeypatch.setattr(train, "launch", lambda *a, **k: events.append("launch") or 0)
     train.main(["--model", model, "--out", str(tmp_path / "run"), "--steps", "1", "--prompts-per-step", "2"])
     assert events == [("fetch", repo) for repo in fetched] + ["launch"]
 
@@ -205,9 +205,8 @@ def test_every_rank_takes_rank_0s_view_of_the_run_folder(tmp_path, monkeypatch):
     def lock(out):
         events.append("lock")
         raise Stop
-    from harness import runfolder
-    monkeypatch.setattr(runfolder, "all_gather", lambda obj: [True])  # rank 0 saw the folder; this rank does not
-    monkeypatch.setattr(runfolder, "hold_lock", lock)
+    monkeypatch.setattr(checkpoint, "all_gather", lambda obj: [True])  # rank 0 saw the folder; this rank does not
+    monkeypatch.setattr(checkpoint, "hold_lock", lock)
     monkeypatch.setattr(train.data, "load_rows", lambda *a, **k: events.append("load") or [])
     cfg = config.resolve_args(["--steps", "1", "--out", str(tmp_path / "run"), *SMALL])
     with pytest.raises(Stop):
