@@ -13,16 +13,11 @@ from torch.utils.checkpoint import checkpoint
 
 
 def pack(prompts, responses, pad_id, logprobs=None):
-    """Right-pad prompt + response pairs into one batch.
-
-    prompts, responses: N lists of token ids (prompts non-empty). Returns a dict of
-      input_ids [N, L] long, attention_mask [N, L] long (1 on real tokens),
-      loss_mask [N, L-1] float (1 on targets that are response tokens), prompt_lens [N] long,
-      and with logprobs (N lists, one float per response id: the sampler's, rollout.Samples)
-      sampler_logp [N, L-1] float: each id's log-prob where loss_mask puts it, 0 elsewhere.
-    Example: prompt [5, 6], response [7, 2], L = 5 -> input_ids [5, 6, 7, 2, pad],
-      loss_mask [0, 1, 1, 0] (targets 6, 7, 2, pad).
-    The mask is by position, not by id, so an EOS that equals pad_id is still trained.
+    """Right-pad N prompt + response pairs (token-id lists) into one batch: input_ids [N, L] long,
+    attention_mask [N, L] long, loss_mask [N, L-1] float (1 on response targets, by position: an
+    EOS equal to pad_id is trained), prompt_lens [N]; with logprobs (rollout.Samples')
+    sampler_logp [N, L-1]. Example: prompt [5, 6], response [7, 2], L = 5 -> input_ids
+    [5, 6, 7, 2, pad], loss_mask [0, 1, 1, 0].
     """
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (the first response token is predicted from it)")
@@ -179,12 +174,10 @@ def sampler_gap(logp, sampler_logp, mask):
 
 
 def update(policy, opt, batch, old_logp, adv, mbs, cfg, device, extra=None):
-    """One optimizer step over the micro-batches `mbs` (lists of batch rows, micro_batches), each
-    micro-batch's loss weighted by its share of the tokens (token-mean) or sequences. old_logp
-    [N, T] from a scoring pass, or None on-policy: the current log-probs detached (ratio 1).
-    extra: a mode's loss term (baselines.extra_loss).
-    Returns the batch's means of the loss and its stats, grad_norm and the sampler's gap to the
-    policy (sampler_gap, sampler_kl_k3, sampler_ratio_max; docs/reference.md)."""
+    """One optimizer step over the micro-batches `mbs` (micro_batches), each weighted by its share
+    of the tokens (token-mean) or rows. old_logp [N, T], or None on-policy: the current ones detached.
+    extra: a mode's loss term (baselines.extra_loss). -> the batch's mean loss and stats, grad_norm,
+    the sampler's gap to the policy (docs/reference.md)."""
     if extra is not None or torch.distributed.is_initialized():  # C2GSPG's term; FSDP2's ranks
         from harness.parallel import update as full_update
         return full_update(policy, opt, batch, old_logp, adv, mbs, cfg, device, extra,

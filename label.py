@@ -4,23 +4,19 @@
     forced = prompt + response[:b] + CLOSE + SUFFIX                (CLOSE: `</think>` or EOS)
     Y_b    = (1/K) * sum_k 1[answer_k == gold]    (grade.answers_match; --reward-fn: its mean value)
 
-`mc_labels` is the algorithm; its answers come from `sample_answers`: the plain path (tree=False,
-the one to read and the one a CPU runs) or, on CUDA, the fast path along each trajectory's prefix
-tree, which gives the same labels and features (tests/test_label.py::test_plain_and_tree_labels_are_equal_on_the_toy_whatever_the_chunk,
-::test_plain_and_tree_features_are_equal_on_the_toy). More: docs/reference.md, "... the method's leaves".
+`mc_labels` is the algorithm. Its forced answers come from rollout.generate on the whole forced
+prompts (tree=False: the plain path, the one a CPU runs) or, on CUDA, from harness/fast.py along
+each trajectory's prefix tree: the same labels and features (tests/test_label.py).
 """
 from contextlib import nullcontext
 
 import torch
 
-from decode import Sampler, row_generators
 from grade import answers_match
 from grpo import logprobs_from_hidden
-from probe import LAST_K, last_layer, prefix_features, split_prefix_features
-from rollout import Samples, generate
-from harness import staticcache
-
-LENGTH_GROUP = 2  # trajectories whose longest cuts have bit lengths within this many share a group
+from probe import LAST_K, last_layer, prefix_features
+from rollout import Sampler, generate, row_generators
+from harness import fast, staticcache
 SUFFIX = "\nIf I were to output the final answer now, it would be \\boxed{"
 
 
@@ -96,25 +92,21 @@ def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, tempe
               top_p=1.0, max_new_tokens=32, close="think", suffix=SUFFIX, seed=None,
               batch_size=None, stats=None, grader="math", decode=None, tree=None, judge=None,
               features=False):
-    """Y_b for every (trajectory, cut b): the share of K answers forced after the cut that match
-    the gold under `grader` (module docstring).
-
-    prompts, responses: N lists of token ids; cut_lists: N lists of cuts b; golds: N answers.
-    Returns N lists of floats in [0, 1], aligned with cut_lists. stats: a dict the numbers of
-    prefixes, forced prompts and answers are added to. tree (None: on CUDA only, where the prefix
-    tree pays), decode, batch_size: sample_answers'.
-    judge(answer, i) -> float in [0, 1] or None: --reward-fn's value in place of the grader
-    (harness/rewardfn.py); Y_b is then the mean of the values given, None where none is.
-    features=True: returns (labels, feats), feats N float32 CPU tensors [len(cuts), d] of
-    probe.prefix_features at every cut: tree=False plain_features, tree=True the same off a prefill.
+    """Y_b for every (trajectory, cut b) (module docstring) -> N lists of floats in [0, 1], aligned
+    with cut_lists. prompts, responses: N lists of token ids; cut_lists: N lists of cuts b.
+    stats: a dict the counts of prefixes, forced prompts and answers are added to. tree: the fast
+    path (None: on CUDA, where it pays); decode, batch_size: rollout.generate's. judge(answer, i)
+    -> [0, 1] or None: --reward-fn's value in place of the grader (Y_b its mean, None if none).
+    features=True: (labels, feats), feats N float32 CPU [len(cuts), d] at the cuts (plain_features).
     """
-    cuda = torch.cuda.is_available()
-    tree, static = cuda if tree is None else tree, cuda if decode is None else decode == "static"
+    tree = torch.cuda.is_available() if tree is None else tree
+    static = decode == "static" or decode is None and torch.cuda.is_available()
     if static:  # the rollout's static buffers would sit under the labels' prefills (and the update)
         staticcache.release(model)
     # 1. The forced prompt after every cut. Equal ones (samples of a problem that agree up to the
     #    cut, common for short prefixes) estimate the same probability: each is asked once.
-    tail = forced_prompt([], [], 0, tokenizer, close, suffix)  # CLOSE + SUFFIX, the same after every cut
+    # CLOSE + SUFFIX, the same after every cut
+    tail = [close_id(tokenizer, close)] + tokenizer.encode(suffix, add_special_tokens=False)
     index, cuts, where = {}, [], []  # cuts[j]: the (trajectory, b) of distinct forced prompt j
     for i, (p, r, bs) in enumerate(zip(prompts, responses, cut_lists)):
         where.append([])  # the j of each of trajectory i's cuts
@@ -124,20 +116,18 @@ def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, tempe
             if j == len(cuts):
                 cuts.append((i, b))
             where[-1].append(j)
-    # Each trajectory's features are read where its longest cut's forced prompt is asked (reads[j]),
-    # off the row of the trajectory that asks it when theirs agree up to that cut, else off its own.
-    reads, feats = [[] for _ in cuts], {} if features else None
-    for i, bs in enumerate(cut_lists if features and tree else []):
-        if bs:
-            j = where[i][max(range(len(bs)), key=bs.__getitem__)]
-            src, last = cuts[j][0], max(bs)
-            same = list(prompts[src]) == list(prompts[i]) and list(responses[src][:last]) == list(responses[i][:last])
-            reads[j].append((i, list(bs), src if same else i))
     if not cuts:
         return (where, [torch.zeros(0, model.config.hidden_size) for _ in where]) if features else where
     # 2. K answers to each: texts[j*k:(j+1)*k] for forced prompt j.
-    texts = sample_answers(model, tokenizer, prompts, responses, cuts, tail, k, temperature, top_p,
-                           max_new_tokens, seed, batch_size, decode, tree, reads, feats).texts
+    kw = dict(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
+              batch_size=batch_size, decode=decode)
+    if tree:  # on CUDA: the same answers (and features) off each trajectory's prefix tree
+        lib = (Sampler, row_generators, last_layer, LAST_K)
+        texts, feats = fast.tree_answers(model, tokenizer, prompts, responses, cut_lists, cuts, where,
+                                         tail, k, features, lib, **kw)
+    else:
+        forced = [list(prompts[i]) + list(responses[i][:b]) + list(tail) for i, b in cuts]
+        texts = generate(model, tokenizer, forced, n=k, stop=("\n",), keyed=True, **kw).texts
     if static:  # the update needs the memory the labels' decode buffers hold
         staticcache.release(model)
     # 3. Y_b = the share of them that match the gold; a box that never closes is wrong.
@@ -156,23 +146,20 @@ def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, tempe
     labels = [[y[j] for j in js] for js in where]
     if not features:
         return labels
-    if not tree:  # the plain path
-        return labels, [plain_features(model, p, r, bs) for p, r, bs in zip(prompts, responses, cut_lists)]
-    return labels, [feats.get(i, torch.zeros(0, model.config.hidden_size)) for i in range(len(where))]
+    if not tree:  # the plain path: a forward over each trajectory
+        feats = [plain_features(model, *x) for x in zip(prompts, responses, cut_lists)]
+    return labels, feats
 
 
+@torch.no_grad()
 def plain_features(model, prompt, response, cuts):
     """The probe's features at the cuts of one trajectory, the plain way: one forward over prompt +
-    response (update.forward_pass), probe.prefix_features before each cut: [len(cuts), d] fp32 CPU."""
+    response, probe.prefix_features before each cut -> [len(cuts), d] float32 CPU."""
     ids = torch.tensor([list(prompt) + list(response)], device=next(model.parameters()).device)
-    was_training = model.training
-    model.eval()
-    try:
-        _, feats, _ = forward_pass(model, dict(input_ids=ids, attention_mask=torch.ones_like(ids)),
-                            cut_ends([len(prompt)], [cuts]), logprobs=False)
-    finally:
-        model.train(was_training)
-    return feats[0, :len(cuts)].cpu()
+    ends, got = torch.tensor([[len(prompt) + b for b in cuts]], dtype=torch.long), []
+    with last_layer(model, lambda h: got.append(prefix_features(h, ends)[0])):
+        model.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
+    return got[0][0].cpu()
 
 
 def cut_ends(prompt_lens, cut_lists, width=None):
@@ -208,117 +195,3 @@ def forward_pass(model, batch, ends=None, temperature=1.0, chunk_size=1024, last
         old_logp = logprobs_from_hidden(hidden, model.lm_head, ids[:, 1:], temperature,
                                         chunk_size).float()
     return old_logp, feats, valid
-
-
-def sample_answers(model, tokenizer, prompts, responses, cuts, tail, k, temperature=0.8, top_p=1.0,
-                   max_new_tokens=32, seed=None, batch_size=None, decode=None, tree=True, reads=None,
-                   features=None):
-    """k samples of each forced prompt `prompts[i] + responses[i][:b] + tail`, (i, b) in cuts, in
-    that order (Samples.ids and .texts [j*k:(j+1)*k] for cut j), stopping at a newline.
-
-    tree=False, the plain path: rollout.generate on the whole forced prompts. tree=True, the fast
-    path (`_forced_samples`): the same samples up to float rounding, ended at the brace that closes
-    the forced box, the prefill shared along the prefix tree. Both sample the cuts in groups of
-    similar trajectory length (_length_groups), so short prefixes carry no padding of long ones.
-    batch_size: forced prompts per chunk; decode: rollout's. reads, features (fast path): reads[j]
-    lists the (trajectory i, its cuts, the trajectory whose row they are read off) whose features
-    the chunk asking cut j reads into the dict features[i].
-    """
-    out = Samples([None] * (len(cuts) * k), [None] * (len(cuts) * k), [], [], [])
-    for js in _length_groups(cuts):
-        group = [cuts[j] for j in js]
-        kw = dict(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
-                  batch_size=batch_size, decode=decode)
-        if not tree:  # the plain path
-            forced = [list(prompts[i]) + list(responses[i][:b]) + list(tail) for i, b in group]
-            part = generate(model, tokenizer, forced, n=k, stop=("\n",), keyed=True, **kw)
-        else:  # the fast path
-            part = _forced_samples(model, tokenizer, prompts, responses, group, tail, k=k, **kw,
-                                   reads=reads and [reads[j] for j in js], features=features)
-        for m, j in enumerate(js):
-            out.ids[j * k:(j + 1) * k] = part.ids[m * k:(m + 1) * k]
-            out.texts[j * k:(j + 1) * k] = part.texts[m * k:(m + 1) * k]
-    return out
-
-
-def _length_groups(cuts):
-    """[indices into cuts]: the cuts grouped by their trajectory's longest cut, to within a factor
-    of 4 (bit lengths within LENGTH_GROUP), shortest group first."""
-    longest, groups = {}, {}
-    for i, b in cuts:
-        longest[i] = max(longest.get(i, 0), b)
-    for j, (i, _) in enumerate(cuts):
-        groups.setdefault(longest[i].bit_length() // LENGTH_GROUP, []).append(j)
-    return [groups[key] for key in sorted(groups)]
-
-
-@torch.no_grad()
-def _forced_samples(model, tokenizer, prompts, responses, cut_of, tail, k, temperature, top_p,
-                    max_new_tokens, seed=None, batch_size=None, decode=None, reads=None, features=None):
-    """sample_answers' fast path for one group of cuts, in the same order, the K rows of a cut
-    sharing a cache row while they agree (Sampler(share_rows=True)). reads[m], aligned with cut_of:
-    sample_answers' reads."""
-    sampler = Sampler(model, tokenizer, max_new_tokens, temperature, top_p, stop=("\n",), decode=decode,
-                      share_rows=True, close_depth=1)
-    batch_size = batch_size or len(cut_of)
-    reads = reads or [[] for _ in cut_of]
-    chunks = [(cut_of[s:s + batch_size], sum(reads[s:s + batch_size], [])) for s in range(0, len(cut_of), batch_size)]
-    out = Samples([], [], [], [], [])
-    was_training = model.training
-    model.eval()
-    try:
-        for chunk, readers in chunks:
-            gens = row_generators(seed, [list(prompts[i]) + list(responses[i][:b]) + list(tail) for i, b in chunk],
-                                  k, sampler.device)  # the plain path's: keyed by the forced prompt
-            # a row per trajectory asked here (or read here off its own row), its response
-            # prefilled up to the longest cut asked or read off it here
-            trajs = list(dict.fromkeys([i for i, _ in chunk] + [src for _, _, src in readers]))
-            head = dict.fromkeys(trajs, 0)
-            for i, b in chunk + [(src, max(bs)) for _, bs, src in readers]:
-                head[i] = max(head[i], b)
-            distinct = list(dict.fromkeys(tuple(prompts[i]) for i in trajs))
-            rows = lambda xs: torch.tensor(xs, device=sampler.device)  # noqa: E731
-            states = {}  # what the features need of the last layer's states of the two prefills
-            # 1. each distinct problem prompt once; 2. each trajectory up to its longest cut once.
-            with _keeping(model, readers, states, "prompt", lambda h: h[:, -(LAST_K - 1):].clone()):
-                pre = sampler.prefill([list(p) for p in distinct])
-            pre = pre.select(rows([distinct.index(tuple(prompts[i])) for i in trajs]))
-            heads = [list(responses[i][:head[i]]) for i in trajs]
-            if any(heads):  # none where every cut is at 0 (responses that start with CLOSE, cut after it)
-                read = readers and _reader(readers, trajs, head, prompts, distinct, states, sampler.device)
-                with _keeping(model, readers, states, "feats", read):
-                    pre = sampler.prefill(heads, after=pre)
-                for m, (i, bs, _) in enumerate(readers):
-                    features[i] = states["feats"][m, :len(bs)].cpu()
-            # 3. a row per cut: its trajectory's row with the response past b masked out, then the tail.
-            pre = pre.select(rows([trajs.index(i) for i, _ in chunk]))
-            end = pre.mask.shape[1]  # the response segment is right-aligned, ending here
-            cut_col = rows([end - head[i] + b for i, b in chunk])
-            pre.mask = pre.mask * (torch.arange(end, device=sampler.device) < cut_col[:, None])
-            pre = sampler.prefill([list(tail)] * len(chunk), after=pre)
-            ids, length, _ = sampler.sample(pre, k, gens)
-            out.ids += [r[:n] for r, n in zip(ids.tolist(), length.tolist())]
-    finally:
-        model.train(was_training)
-    out.texts = tokenizer.batch_decode(out.ids, skip_special_tokens=True)
-    return out
-
-
-def _keeping(model, on, states, name, reduce):
-    """A context in which states[name] = reduce(the last layer's output of the forward run in it),
-    or nothing when not `on`."""
-    return last_layer(model, lambda h: states.__setitem__(name, reduce(h))) if on else nullcontext()
-
-
-def _reader(readers, trajs, head, prompts, distinct, states, device):
-    """reduce() for the response prefill of a chunk: its output h [rows, W, d] (rows = trajs, each
-    response right-aligned, head[i] long) -> the features of the readers' cuts [readers, B, d]
-    (probe.split_prefix_features) off their rows, the prompt's last positions from states["prompt"]."""
-    tail = states["prompt"]  # [distinct prompts, <= LAST_K - 1, d], right-aligned
-    tail = torch.nn.functional.pad(tail, (0, 0, LAST_K - 1 - tail.shape[1], 0))
-    tail = tail[[distinct.index(tuple(prompts[src])) for _, _, src in readers]]
-    at = torch.tensor([trajs.index(src) for _, _, src in readers], device=device)
-    cuts = grid([bs for _, bs, _ in readers]).long()
-    plens = [len(prompts[src]) for _, _, src in readers]
-    return lambda h: split_prefix_features(tail, h, [h.shape[1] - head[src] for _, _, src in readers],
-                                           cuts, plens, rows=at)

@@ -39,10 +39,9 @@ LAST_K = 4  # positions averaged before each cut (the released avg_last_k)
 def prefix_features(hidden, ends, last_k=LAST_K):
     """Mean hidden state over the last_k positions before each prefix end.
 
-    hidden [N, L, d]; ends [N, B] long absolute exclusive ends (prefix = tokens 0..e-1), entries
-    <= 0 are padding. Returns feats [N, B, d] float32 and valid [N, B] bool (= ends > 0):
+    hidden [N, L, d]; ends [N, B] long absolute exclusive ends, <= 0 padding -> feats [N, B, d]
+    float32 (0 where not valid) and valid [N, B] bool (= ends > 0):
       feats[n, b] = mean(hidden[n, p] for p in max(e - last_k, 0) .. e - 1),  e = ends[n, b]
-    and 0 where not valid. Only the B * last_k needed positions are gathered.
     """
     n, L, d = hidden.shape
     ends = torch.as_tensor(ends, dtype=torch.long, device=hidden.device)
@@ -71,30 +70,6 @@ def last_layer(model, fn):
         yield
     finally:
         handle.remove()
-
-
-def split_prefix_features(tail, segment, start, cuts, prompt_lens, last_k=LAST_K, rows=None):
-    """prefix_features for prefixes prompt + response[:b] whose hidden states were computed in two
-    pieces, the prompt and then the response on top of its cache (label.py's forced-answer prefill).
-
-    For R prefix rows: tail [R, last_k - 1, d], each row's last last_k - 1 prompt positions
-    (right-aligned: a prompt of P tokens fills only its last P of them); segment [S, W, d], row r's
-    response position t at segment[rows[r], start[r] + t] (rows default 0 .. R - 1; several rows
-    may read one segment row); cuts [R, B] long response cuts b (0 = none); prompt_lens [R].
-    Returns [R, B, d] float32, prefix_features(hidden of prompt + response, P + b): the mean over
-    response positions t = b - last_k .. b - 1 that exist (t < 0 reads the prompt), 0 where b = 0.
-    """
-    W, dev = segment.shape[1], segment.device
-    cuts, start, prompt_lens = (torch.as_tensor(x, device=dev) for x in (cuts, start, prompt_lens))
-    R = len(cuts)
-    rows = torch.arange(R, device=dev) if rows is None else torch.as_tensor(rows, device=dev)
-    t = cuts.unsqueeze(-1) - last_k + torch.arange(last_k, device=dev)               # [R, B, k]
-    x = segment[rows.view(R, 1, 1), (start.view(R, 1, 1) + t).clamp(0, W - 1)]       # [R, B, k, d]
-    if last_k > 1:
-        own = torch.arange(R, device=dev).view(R, 1, 1)
-        x = torch.where((t >= 0).unsqueeze(-1), x, tail[own, (last_k - 1 + t).clamp(0, last_k - 2)])
-    use = ((cuts > 0).unsqueeze(-1) & (t + prompt_lens.view(R, 1, 1) >= 0)).float().unsqueeze(-1)
-    return (x.float() * use).sum(2) / use.sum(2).clamp(min=1)
 
 
 def make_optimizer(probe, lr=1e-3, weight_decay=0.01):

@@ -1,18 +1,272 @@
-"""Batched sampling with a KV cache, for rollouts, evaluation and label.py's plain path (its fast
-path builds a decode.Sampler itself).
+"""Batched sampling with a KV cache: rollouts, evaluation and label.py's forced answers.
 
     samples = generate(model, tokenizer, prompts, n=8, max_new_tokens=1024, temperature=0.8, seed=0)
     samples.ids[i * 8 + j]   # j-th continuation of prompts[i]: generated ids only, EOS/stop included
 
-Decoding is "dynamic" (the reference loop: decode.py, Sampler._decode_dynamic) or "static" (CUDA
-graphs, the default on CUDA): the same samples for a seed (docs/reference.md).
+`generate` runs a `Sampler`: one prefill of a chunk of prompts, then a decode loop in which each
+row samples its next token (`sample_next`). `Sampler._decode_dynamic` is the reference loop and the
+one a CPU runs; on CUDA the same samples come faster from harness/fast.py (a static cache with
+CUDA graphs, rows that share a cache row): tests/test_rollout.py holds them equal. How the paths
+differ and why they draw the same samples: docs/reference.md, "The sampler".
 """
+import hashlib
+import inspect
+from array import array
 from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
+from transformers import DynamicCache
 
-from decode import REASONS, Sampler, row_generators
+from harness import fast, staticcache
+
+DECODES = ("static", "dynamic")
+REASONS = ("running", "eos", "stop", "length")
+
+
+@dataclass
+class Prefix:
+    """The state after a prefill: R rows that can be continued or sampled from.
+
+    cache: DynamicCache over W columns; mask [R, W] long (1 = a real token; holes are allowed);
+    last_pos [R, 1]: position id of each row's last token; logits [R, V]: next-token logits.
+    """
+    cache: DynamicCache
+    mask: torch.Tensor
+    last_pos: torch.Tensor
+    logits: torch.Tensor
+
+    def select(self, index):
+        """Rows by index (repeats allowed), e.g. one trajectory row per cut; consumes self."""
+        self.cache.batch_select_indices(index)
+        return Prefix(self.cache, self.mask[index], self.last_pos[index], self.logits[index])
+
+
+def default_eos_ids(model, tokenizer) -> list[int]:
+    """EOS ids from the generation config and the tokenizer, deduplicated."""
+    ids = []
+    for eos in (getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+                tokenizer.eos_token_id):
+        ids += eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
+    return sorted(set(int(i) for i in ids))
+
+
+def default_decode(model) -> str:
+    return "static" if next(model.parameters()).device.type == "cuda" else "dynamic"
+
+
+def row_generators(seed, prompts, n, device):
+    """One generator per row i*n + j (prompt i of `prompts`, id lists, sampled n times), seeded
+    from a hash of (seed, prompt i's ids, j): a row's draws depend on nothing else. None: None."""
+    if seed is None:
+        return None
+    out = []
+    for p in prompts:
+        h = hashlib.blake2b(f"{seed}:".encode() + array("q", p).tobytes(), digest_size=8)
+        for j in range(n):
+            hj = h.copy()
+            hj.update(j.to_bytes(4, "little"))
+            out.append(torch.Generator(device=device).manual_seed(int.from_bytes(hj.digest(), "little") >> 1))
+    return out
+
+
+def sample_next(logits, temperature=1.0, top_p=1.0, noise=None):
+    """Next token per row. logits [R, V] float, noise [R, V] ~ Exp(1) -> ids [R] long.
+
+    temperature 0: argmax (noise unused). Otherwise p = softmax(logits / temperature); with top_p < 1
+    a token is kept when the probability mass of the tokens ranked before it is < top_p (so the top
+    one always is); the sample is argmax over kept v of p_v / noise_v (noise_v > 0; an infinite
+    one only makes v lose): token v wins with probability p_v / sum(p).
+    """
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if top_p < 1.0:
+        p_sorted, order = probs.sort(dim=-1, descending=True)
+        drop = (p_sorted.cumsum(-1) - p_sorted) >= top_p
+        probs = probs.scatter(-1, order, p_sorted.masked_fill(drop, 0))
+    return (probs / noise).argmax(-1)
+
+
+def token_scores(logits, tok, temperature=1.0):
+    """(log-prob of tok [R], entropy [R]) under softmax(logits / temperature), logits [R, V] float
+    (-inf where an id is masked); temperature 0 is scored at 1."""
+    logp = torch.log_softmax(logits / (temperature or 1.0), dim=-1)
+    return logp.gather(-1, tok[:, None]).squeeze(-1), torch.special.entr(logp.exp()).sum(-1)
+
+
+def _cache_kwarg(model) -> str:
+    # transformers 5.x renamed `past_key_values` to `cache` (the old name is deprecated, removal 5.40).
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+class Sampler:
+    """The sampling settings of one call. static (the model's static decoder), share_rows and
+    close_depth: the fast loops' (harness/fast.py)."""
+
+    def __init__(self, model, tokenizer, max_new_tokens=256, temperature=1.0, top_p=1.0, stop=(),
+                 eos_ids=None, decode=None, share_rows=False, close_depth=None):
+        if max_new_tokens < 1:
+            raise ValueError(f"need max_new_tokens >= 1, got {max_new_tokens}")
+        if temperature < 0 or not 0 < top_p <= 1:
+            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+        decode = decode or default_decode(model)
+        if decode not in DECODES:
+            raise ValueError(f"decode must be one of {DECODES}, got {decode!r}")
+        self.model, self.tokenizer, self.decode = model, tokenizer, decode
+        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+        self.stop_strs = [s for s in stop if isinstance(s, str) and s]
+        self.stop_ids = [int(s) for s in stop if not isinstance(s, str)]
+        self.eos_ids = default_eos_ids(model, tokenizer) if eos_ids is None else [int(i) for i in eos_ids]
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.eos_ids or [0])[0]
+        self.device = next(model.parameters()).device
+        self.share_rows, self.close_depth = share_rows, close_depth  # harness/fast.py's
+        self.cache_kw = _cache_kwarg(model)
+        keeps_last = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.step_kw = {"logits_to_keep": 1} if keeps_last else {}
+        self.static = staticcache.decoder(model, self.cache_kw) if decode == "static" else None
+        # A one-byte stop string (labels stop at "\n") lies inside one token: each id is decoded once.
+        self.byte_stops = all(len(x.encode()) == 1 for x in self.stop_strs)
+        self._has_stop = {}
+
+    def stop_tokens(self, tok):
+        """The ids among `tok` whose text contains a one-byte stop string (one host copy per step)."""
+        ids = tok.unique().tolist()
+        fresh = [i for i in ids if i not in self._has_stop]
+        for i, text in zip(fresh, self.tokenizer.batch_decode([[i] for i in fresh], skip_special_tokens=True)):
+            self._has_stop[i] = any(x in text for x in self.stop_strs)
+        return torch.tensor([i for i in ids if self._has_stop[i]], dtype=torch.long, device=tok.device)
+
+    @torch.no_grad()
+    def prefill(self, seqs, after=None) -> Prefix:
+        """One eager forward over `seqs` (R non-empty id lists), each LEFT-padded to the longest and
+        appended after `after` (a Prefix of R rows, whose cache is extended in place) or from scratch."""
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
+        seg = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+            seg[i, width - len(s):] = 1
+        ids, seg = ids.to(self.device), seg.to(self.device)
+        mask = seg if after is None else torch.cat([after.mask, seg], dim=1)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -width:]
+        cache = DynamicCache(config=self.model.config) if after is None else after.cache
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         **{self.cache_kw: cache}, **self.step_kw)
+        return Prefix(cache, mask, positions[:, -1:], out.logits[:, -1])
+
+    @torch.no_grad()
+    def sample(self, prefix, n=1, generator=None, scores=False):
+        """n continuations of every row of `prefix` (consumed) -> ids [R*n, T], lengths [R*n],
+        reasons [R*n] (into REASONS); row i*n + j continues prefix row i. generator: one, or one per
+        row (row_generators). scores: also each id's log-prob [R*n, T] and entropy sum [R*n]."""
+        state = _Rows(self, prefix.logits.shape[0] * n, generator, scores)
+        if self.static is not None or self.share_rows:  # CUDA's fast loops, the same samples
+            fast.decode(self, prefix, n, state)
+        else:
+            self._decode_dynamic(prefix, n, state)
+        return state.result()
+
+    def _decode_dynamic(self, prefix, n, state):
+        """The reference: every prefix row repeated n times in a DynamicCache that grows by one
+        position per step, until every row has finished or max_new_tokens are sampled."""
+        cache, mask, pos, logits = prefix.cache, prefix.mask, prefix.last_pos, prefix.logits
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+            logits, mask, pos = (x.repeat_interleave(n, dim=0) for x in (logits, mask, pos))
+        live = torch.arange(len(logits), device=self.device)  # rows not yet dropped from the batch
+        for t in range(self.max_new_tokens):
+            tok = state.advance(t, logits, live)
+            keep = ~state.done[live]
+            n_keep = int(keep.sum())
+            if t == self.max_new_tokens - 1 or n_keep == 0:
+                return
+            if n_keep <= 0.75 * len(live):
+                # Drop finished rows from the batch (and their KV cache) so long tails decode cheaply.
+                idx = keep.nonzero().squeeze(1)
+                live, tok = live[idx], tok[idx]
+                cache.batch_select_indices(idx)
+                mask, pos = mask[idx], pos[idx]
+            logits, mask, pos = self._forward(cache, tok, mask, pos)
+
+    def _forward(self, cache, tok, mask, pos):
+        """One eager decode step: tok [R] at the next position of each cache row -> (logits [R, V],
+        mask, pos) extended by it."""
+        mask = torch.cat([mask, mask.new_ones(len(mask), 1)], dim=1)
+        pos = pos + 1
+        out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, use_cache=True,
+                         **{self.cache_kw: cache}, **self.step_kw)
+        return out.logits[:, -1], mask, pos
+
+
+class _Rows:
+    """Per-row bookkeeping shared by the decode loops: sampling, ids, lengths, finish reasons, scores."""
+
+    def __init__(self, s, rows, generator, scores=False):
+        self.s, self.generator, dev = s, generator, s.device
+        self.ids = torch.full((rows, s.max_new_tokens), s.pad_id, dtype=torch.long, device=dev)
+        self.done = torch.zeros(rows, dtype=torch.bool, device=dev)
+        self.reason = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.length = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.logp = torch.zeros((rows, s.max_new_tokens), device=dev) if scores else None
+        self.entropy = torch.zeros(rows, device=dev) if scores else None
+        self.eos = torch.tensor(s.eos_ids, dtype=torch.long, device=dev)
+        self.stop = torch.tensor(s.stop_ids, dtype=torch.long, device=dev)
+        self.vocab = len(s.tokenizer)
+
+    def advance(self, t, logits, live):
+        """Sample step t for rows `live` from their logits [len(live), V]; returns the fed tokens
+        (pad for rows already finished)."""
+        s = self.s
+        logits = logits.float()
+        if logits.shape[-1] > self.vocab:
+            logits = logits.clone()
+            logits[:, self.vocab:] = float("-inf")
+        noise, done = None, self.done[live]
+        if s.temperature > 0 and isinstance(self.generator, list):  # a stream per row: the running rows draw
+            noise = torch.full_like(logits, 0.5)
+            at = live.tolist()
+            for m in (~done).nonzero().squeeze(1).tolist():
+                noise[m] = torch.rand(logits.shape[-1], device=logits.device, generator=self.generator[at[m]])
+            noise = noise.log_().neg_()
+        elif s.temperature > 0:  # Exp(1) = -log(U) for every row of the chunk, live or not (see the docstring)
+            noise = torch.rand((len(self.done), logits.shape[-1]), device=logits.device, generator=self.generator)
+            noise = noise[live].log_().neg_()
+        tok = torch.where(done, s.pad_id, sample_next(logits, s.temperature, s.top_p, noise))
+        self.ids[live, t] = tok
+        if self.logp is not None:
+            logp, entropy = token_scores(logits, tok, s.temperature)
+            self.logp[live, t] = logp.masked_fill(done, 0)
+            self.entropy[live] += entropy.masked_fill(done, 0)
+        active = ~done
+        self.length[live] += active.long()
+        hit_eos = active & torch.isin(tok, self.eos)
+        hit_stop = active & ~hit_eos & torch.isin(tok, self.stop)
+        self.reason[live] = torch.where(hit_eos, 1, torch.where(hit_stop, 2, self.reason[live]))
+        self.done[live] = done | hit_eos | hit_stop
+        if s.stop_strs:
+            running = live[~self.done[live]]
+            if s.byte_stops:
+                hits = running[torch.isin(tok[~self.done[live]], s.stop_tokens(tok))]
+            else:
+                hits = self.tails_stopped(running, t)
+            self.reason[hits], self.done[hits] = 2, True
+        return tok
+
+    def tails_stopped(self, running, t):
+        """The rows of `running` whose last tokens, decoded in one batched call, hold a stop string."""
+        rs, s = running.tolist(), self.s
+        # Each token decodes to at least one character, so a stop string of k characters ending at
+        # the new token lies within the last k tokens; a few more absorb partial UTF-8 bytes.
+        window = max(len(x) for x in s.stop_strs) + 4
+        tails = s.tokenizer.batch_decode(self.ids[rs, max(0, t + 1 - window):t + 1].tolist(),
+                                         skip_special_tokens=True) if rs else []
+        return torch.tensor([r for r, text in zip(rs, tails) if any(x in text for x in s.stop_strs)],
+                            dtype=torch.long, device=self.done.device)
+
+    def result(self):
+        out = self.ids, self.length, torch.where(self.done, self.reason, 3)
+        return out if self.logp is None else (*out, self.logp, self.entropy)
 
 
 @dataclass
@@ -23,24 +277,21 @@ class Samples:
     lengths: list[int]      # len(ids)
     finish: list[str]       # "eos" | "stop" | "length"
     prompt_index: list[int] # which prompt each sample continues
-    logprobs: list[list[float]] = field(default_factory=list)  # per id: the sampler's log-prob (Scores)
-    entropy_sum: list[float] = field(default_factory=list)     # sum over the ids of the entropy (Scores)
+    logprobs: list[list[float]] = field(default_factory=list)  # per id: its log-prob (token_scores)
+    entropy_sum: list[float] = field(default_factory=list)     # the ids' entropy sum (token_scores)
 
 
 def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0,
              stop=(), eos_ids=None, seed=None, batch_size=None, progress=False, decode=None,
              scores=False, chunks=None, keyed=False) -> Samples:
-    """Sample n continuations of each prompt. prompts: list of token-id lists (chat template applied).
+    """Sample n continuations of each prompt (token-id lists, chat template applied).
 
-    stop: strings (stop once the generated text contains one) and/or token ids, the token that
-    completes a stop kept. eos_ids: default the generation config's and tokenizer's. seed: the same
-    seed, prompts and batch_size give the same samples, on either decode path. scores:
-    Samples.logprobs and .entropy_sum under softmax(logits / temperature), not top-p's (else []).
-    batch_size: prompts per chunk (rows = batch_size * n). decode: "static" | "dynamic" | None
-    (static on CUDA). chunks: the indices of the chunks to sample (None: all), each with the
-    generator it has in a call that runs them all (evaluation/benchmarks.py). progress: a bar (a string:
-    its label). keyed: a generator per row, seeded from (seed, its prompt, its sample index), so a
-    prompt's samples do not depend on batch_size or the other prompts (label.py's forced answers).
+    The same seed, prompts and batch_size (prompts per chunk) give the same samples on every
+    decode path; keyed: a generator per row from (seed, its prompt, its sample index), so a
+    prompt's samples depend on nothing else (label.py's forced answers). stop: strings and/or token ids (the token
+    that completes a stop is kept). scores: Samples.logprobs and .entropy_sum (token_scores).
+    decode: "static" | "dynamic" | None (static on CUDA). chunks: the indices of the chunks to
+    sample (None: all; evaluation/benchmarks.py). progress: a bar (a string: its label).
     """
     if n < 1 or max_new_tokens < 1:
         raise ValueError(f"need n >= 1 and max_new_tokens >= 1, got n={n}, max_new_tokens={max_new_tokens}")

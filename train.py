@@ -122,8 +122,7 @@ def fit_probe(probe, probe_opt, X, Y, cfg, seed):
     """Fit the probe on the (h_b, Y_b) pairs X [M, d], Y [M] of every rank (one fit, one seed on
     every rank: equal probes) -> (its BCE, X, Y pooled). --probe-labels shuffled fits on Y permuted."""
     if WORLD > 1:
-        pooled = all_gather((X, Y))
-        X, Y = torch.cat([x for x, _ in pooled]), torch.cat([y for _, y in pooled])
+        X, Y = (torch.cat(parts) for parts in zip(*all_gather((X, Y))))
     fit_Y = shuffled(Y, seed) if cfg.get("probe_labels") == "shuffled" else Y
     bce = probe_lib.fit(probe, probe_opt, X, fit_Y, passes=cfg["probe_passes"],
                         batch_size=cfg["probe_batch"], seed=seed)

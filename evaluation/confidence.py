@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import data
-import decode
 import probe as probe_lib
+import rollout
 import toy
 from baselines import verbal_confidence  # RLCR's parser, read here for --confidence verbal
 from grade import answer_tag, blank_answer
@@ -140,7 +140,7 @@ def sample_by_length(model, tokenizer, prompts, k, run=None, **kw):
     """The k sampled texts of each prompt, in the order given; on the static path (CUDA) shortest
     prompt first, so that a chunk holds one width (one static shape). run: a rollout.generate."""
     order = list(range(len(prompts)))
-    if decode.default_decode(model) == "static":
+    if rollout.default_decode(model) == "static":
         order.sort(key=lambda i: len(prompts[i]))
     out = (run or generate)(model, tokenizer, [list(prompts[i]) for i in order], n=k, **kw)
     texts = [None] * len(prompts)

@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the reposi
 if not __package__:   # run as a file (python tests/bench.py), Python puts tests/ on the path
     sys.path.insert(0, ROOT)
 import rollout  # noqa: E402
-import decode as sampling  # noqa: E402
+import rollout as sampling  # noqa: E402
 from harness import staticcache  # noqa: E402
 from harness.files import UserError  # noqa: E402
 from config import check_values  # noqa: E402

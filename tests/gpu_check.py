@@ -84,7 +84,7 @@ import label  # noqa: E402
 import rollout  # noqa: E402
 import static_shapes  # noqa: E402  (beside this file)
 from grpo import pack, token_logprobs  # noqa: E402
-import decode as sampling  # noqa: E402
+import rollout as sampling  # noqa: E402
 from harness import lora, plan, staticcache  # noqa: E402
 from harness.checkpoint import is_adapter  # noqa: E402
 from harness.checkpoint import latest_checkpoint  # noqa: E402

@@ -12,7 +12,7 @@ from evaluation import benchmarks, confidence
 import probe as probe_lib
 import rollout
 import tiny
-import decode as sampling
+import rollout as sampling
 
 
 class _Tok:

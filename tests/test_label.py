@@ -102,11 +102,11 @@ def test_identical_forced_prompts_are_labelled_once(monkeypatch):
     from rollout import Samples
     calls = []
 
-    def fake(model, tok, prompts, responses, cut_of, tail, k, **kw):
+    def fake(model, tok, prompts, responses, cut_of, tail, k, lib, **kw):
         calls.append((cut_of, tail))
         texts = ["7}"] * k + ["8}"] * k  # first distinct prompt right, second wrong
         return Samples([[0]] * len(texts), texts[:len(cut_of) * k], [1] * len(texts), ["stop"] * len(texts), [])
-    monkeypatch.setattr(label, "_forced_samples", fake)
+    monkeypatch.setattr(label.fast, "forced_samples", fake)
     tok = tiny.tokenizer()
     ys = label.mc_labels(None, tok, [[5], [5]], [[6, 7], [6, 9]], [[1, 2], [1]], ["7", "7"], k=2, close="eos",
                          suffix="{", tree=True, decode="dynamic")
@@ -120,7 +120,7 @@ def test_labels_count_correct_forced_answers(monkeypatch):
     import label
     from rollout import Samples
     texts = ["7}\n", "7}", "8}\n", "7", "7}\n", "7}\n", "7}\n", "7}\n"]
-    monkeypatch.setattr(label, "_forced_samples", lambda *a, **k: Samples([[0]] * 8, texts, [1] * 8, ["stop"] * 8, []))
+    monkeypatch.setattr(label.fast, "forced_samples", lambda *a, **k: Samples([[0]] * 8, texts, [1] * 8, ["stop"] * 8, []))
     tok = tiny.tokenizer()
     ys = label.mc_labels(None, tok, [[5]], [[6, 7, 8]], [[1, 2]], ["7"], k=4, close="eos", tree=True,
                          decode="dynamic")
@@ -129,6 +129,8 @@ def test_labels_count_correct_forced_answers(monkeypatch):
 
 @pytest.mark.parametrize("decode", ["dynamic", "static"])
 def test_shared_prefix_prefill_samples_like_full_forced_prompts(decode):
+    from label import LAST_K, Sampler, last_layer, row_generators
+    LIB = (Sampler, row_generators, last_layer, LAST_K)
     """The forced answers from the prefix tree (prompt once, trajectory once, suffix per cut, K rows
     sharing a cache row while they agree) are the ones the plain path (rollout.generate on the full
     forced prompts) samples with the same seed and chunking: greedy and sampled, in float32."""
@@ -138,15 +140,17 @@ def test_shared_prefix_prefill_samples_like_full_forced_prompts(decode):
     prompts = [enc("1+2="), enc("1+2="), enc("what is 17*3?"), enc("9-4")]
     responses = [enc("3 ok fine"), enc("3 no way"), enc("51 since"), enc("5 ok")]
     cut_of = [(i, b) for i, r in enumerate(responses) for b in cuts_of(len(r))]
-    assert len(label._length_groups(cut_of)) == 1  # one tree: "1+2=" is prefilled once for two trajectories
+    assert len(label.fast.length_groups(cut_of)) == 1  # one tree: "1+2=" is prefilled once for two trajectories
     tail = forced_prompt([], [], 0, tok, "eos", "{")
     closed = 0
     for kw in (dict(temperature=0.0), dict(temperature=1.0, seed=3), dict(temperature=0.8, top_p=0.9, seed=5)):
         for batch_size in (None, 4):
             common = dict(k=3, max_new_tokens=12, batch_size=batch_size, **kw)
-            got = label.sample_answers(model, tok, prompts, responses, cut_of, tail, decode=decode, **common)
-            ref = label.sample_answers(model, tok, prompts, responses, cut_of, tail, decode="dynamic", tree=False,
-                                       **common)
+            k = common.pop("k")
+            got = label.fast.sample_answers(model, tok, prompts, responses, cut_of, tail, k, LIB, decode=decode,
+                                            **common)
+            forced = [p + r[:b] + tail for p, r, b in ((prompts[i], responses[i], b) for i, b in cut_of)]
+            ref = label.generate(model, tok, forced, n=k, stop=("\n",), keyed=True, decode="dynamic", **common)
             for g, r in zip(got.ids, ref.ids, strict=True):
                 depth, cut = 1, len(r)  # the forced box is open; find the token that closes it
                 for m, text in enumerate(tok.batch_decode([[x] for x in r])):
@@ -192,7 +196,7 @@ def test_plain_and_tree_labels_are_equal_on_the_toy_whatever_the_chunk():
         labels[tree, chunk] = ys, stats
     assert all(v == labels[True, 5] for v in labels.values())
     ys, stats = labels[True, 5]
-    assert len(label._length_groups([(i, b) for i, bs in enumerate(cuts) for b in bs])) >= 2
+    assert len(label.fast.length_groups([(i, b) for i, bs in enumerate(cuts) for b in bs])) >= 2
     assert stats["forced_prompts"] < stats["prefixes"]  # equal forced prompts were asked once
     assert len({y for y_i in ys for y in y_i}) >= 3  # graded labels, not all 0 or all 1
 

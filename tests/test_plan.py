@@ -33,7 +33,7 @@ def test_parameter_terms_match_a_real_model():
 
 
 def test_kv_cache_term_matches_a_real_static_cache():
-    import decode as sampling
+    import rollout as sampling
     model = tiny.model(vocab_size=300, hidden=32, layers=3)
     tok = tiny.tokenizer()
     cfg = dict(model="toy", prompts_per_step=8, gen_batch=3, group_size=4, k=1, max_new_tokens=10,
@@ -180,7 +180,7 @@ def test_no_static_buffers_beyond_the_label_term_sit_under_a_label_prefill(tmp_p
     Here the rollout's shape (64 rows x 64 positions) is larger than any label shape, so it must be
     freed before the first label prefill: the static K/V bytes alive at every prefill of the label
     phase (recorded when it runs) stay within the plan's label KV term."""
-    import decode as sampling
+    import rollout as sampling
     from static_shapes import Shapes
     shapes, under = Shapes(monkeypatch), []
     real_prefill, real_labels = sampling.Sampler.prefill, train.mc_labels

@@ -165,7 +165,8 @@ def test_split_prefix_features_equal_prefix_features_of_the_whole_sequence():
     """Hidden states of prompt + response computed in two pieces (the prompt's last 3 positions, then
     a right-aligned response segment that two prefix rows share) give prefix_features of the whole
     sequence: cuts below 4 read into the prompt, a prompt of 2 tokens has only 2 to give."""
-    from probe import prefix_features, split_prefix_features
+    from probe import LAST_K, prefix_features
+    from harness.fast import split_prefix_features
     g = torch.Generator().manual_seed(0)
     d, plens, rlens = 5, [6, 2], [7, 3]
     whole = [torch.randn(p + r, d, generator=g) for p, r in zip(plens, rlens)]
@@ -178,7 +179,7 @@ def test_split_prefix_features_equal_prefix_features_of_the_whole_sequence():
     # prefix rows: three read segment row 0, one reads row 1
     rows, cuts = [0, 0, 1], torch.tensor([[1, 5, 7], [2, 0, 0], [1, 3, 0]])
     got = split_prefix_features(tail[[0, 0, 1]], segment, [W - rlens[r] for r in rows], cuts,
-                                [plens[r] for r in rows], rows=rows)
+                                [plens[r] for r in rows], LAST_K, rows=rows)
     for m, r in enumerate(rows):
         ends = torch.where(cuts[m] > 0, cuts[m] + plens[r], 0)[None]
         want, _ = prefix_features(whole[r][None], ends)

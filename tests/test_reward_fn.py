@@ -93,7 +93,7 @@ def test_forced_answers_are_judged_by_the_function(monkeypatch):
     """The function sees the forced answer alone; an unclosed box is 0 without a call; Y_b is the
     mean of the values it gives, None where it skips all K (label.labelled drops that cut)."""
     texts = ["17}\n", "16}", "x}", "17", "x}", "x}", "x}", "x}"]  # cut 1; cut 2
-    monkeypatch.setattr(label, "_forced_samples", lambda *a, **k: Samples([[0]] * 8, texts, [1] * 8, ["stop"] * 8, []))
+    monkeypatch.setattr(label.fast, "forced_samples", lambda *a, **k: Samples([[0]] * 8, texts, [1] * 8, ["stop"] * 8, []))
     seen = []
 
     def judge(answer, i):

@@ -1,4 +1,4 @@
-"""rollout.generate and its sampler (decode.py) on a tiny random Qwen2 and a character
+"""rollout.generate and its sampler on a tiny random Qwen2 and a character
 tokenizer (tests/tiny.py), CPU only."""
 import math
 
@@ -6,7 +6,6 @@ import pytest
 import torch
 
 import rollout
-import decode as sampling
 from tests import tiny
 
 @pytest.fixture(scope="module")
@@ -164,7 +163,7 @@ def test_real_vocabulary_is_masked():
                                      tokenize=True, return_dict=False)
     out = rollout.generate(model, tok, [prompt], n=3, max_new_tokens=3, seed=0)
     assert all(i < len(tok) for ids in out.ids for i in ids)
-    assert sampling.default_eos_ids(model, tok) == [151643]
+    assert rollout.default_eos_ids(model, tok) == [151643]
 
 
 def test_bad_arguments_raise(model, tok):
@@ -261,7 +260,7 @@ def test_one_byte_stop_string_stops_where_the_text_first_holds_it(model, tok):
     prompts = [enc(tok, "solve: 2x=8"), enc(tok, "a")]
     ref = rollout.generate(model, tok, prompts, max_new_tokens=24, temperature=0, eos_ids=[])
     s = tok.decode(ref.ids[0], skip_special_tokens=True)[4]
-    for decode in sampling.DECODES:
+    for decode in rollout.DECODES:
         got = rollout.generate(model, tok, prompts, max_new_tokens=24, temperature=0, eos_ids=[], stop=s,
                                decode=decode)
         for i in range(2):
@@ -296,7 +295,7 @@ def test_shared_rows_give_the_same_samples_with_fewer_rows(model, tok):
         lambda mod, args, kw: calls.append(kw["input_ids"].shape[0]), with_kwargs=True)
     try:
         for kw in SETTINGS:
-            s = sampling.Sampler(model, tok, max_new_tokens=8, eos_ids=[], share_rows=True,
+            s = rollout.Sampler(model, tok, max_new_tokens=8, eos_ids=[], share_rows=True,
                                 temperature=kw["temperature"], top_p=kw.get("top_p", 1.0))
             gen = rollout.chunk_generators(kw.get("seed"), 1, "cpu")[0]
             calls.clear()
@@ -320,7 +319,7 @@ def test_bucketed_shapes():
     from harness.staticcache import live_length  # 2^k or 1.5 x 2^k, at least 64, at most the buffer
     assert [live_length(n, 1000) for n in (1, 64, 65, 129, 193, 257, 385, 700, 999)] == \
         [64, 64, 128, 192, 256, 384, 512, 768, 1000]
-    assert sampling.default_decode(tiny.model()) == "dynamic"
+    assert rollout.default_decode(tiny.model()) == "dynamic"
     with pytest.raises(ValueError, match="decode must be"):
         rollout.generate(tiny.model(), tiny.tokenizer(), [[5]], decode="fast")
 
@@ -334,7 +333,7 @@ def test_scores_are_the_full_distributions_log_prob_and_entropy(tok, temperature
     prompts = [enc(tok, "1+2="), enc(tok, "what is 17*3?")]
     kw = dict(n=2, max_new_tokens=10, temperature=temperature, top_p=0.7, seed=1)
     eos = rollout.generate(model, tok, prompts, eos_ids=[], **kw).ids[0][4]
-    for decode in sampling.DECODES:
+    for decode in rollout.DECODES:
         out = rollout.generate(model, tok, prompts, eos_ids=[eos], decode=decode, scores=True, **kw)
         assert min(out.lengths) < max(out.lengths)  # the alignment is checked on ragged rows
         for ids, logp, entropy, i in zip(out.ids, out.logprobs, out.entropy_sum, out.prompt_index):
@@ -353,6 +352,6 @@ def test_token_scores_of_a_hand_made_row():
         z = [2 / t, 0.0, -1 / t]
         lse = math.log(sum(math.exp(x) for x in z))
         p = [math.exp(x - lse) for x in z]
-        logp, entropy = sampling.token_scores(logits, torch.tensor([1]), temperature)
+        logp, entropy = rollout.token_scores(logits, torch.tensor([1]), temperature)
         assert logp.item() == pytest.approx(z[1] - lse, abs=1e-6)
         assert entropy.item() == pytest.approx(-sum(q * math.log(q) for q in p), abs=1e-6)
