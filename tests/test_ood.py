@@ -102,8 +102,9 @@ def test_posthoc_labels_for_code_force_a_program_and_run_it(monkeypatch):
     monkeypatch.setattr(confidence, "sample_by_length", fake_sample)
     response = tok.encode("abc", add_special_tokens=False)
     labels, copied = confidence.posthoc_labels(
-        None, tok, [[5, 6]], [response], ["abc"], [gold], [[1, 3]], [3], k=2, suffix=benchmarks.CODE_SUFFIX,
-        max_new_tokens=confidence.CODE_TOKENS, grader="code")
+        None, tok, [[5, 6]], [response], ["abc"], [gold], [[1, 3]], [3],
+        dict(k=2, suffix=benchmarks.CODE_SUFFIX, close="think", stop=(), copy_natural=True, seed=0,
+             lead=confidence.EVAL_LEAD, gate="thinking", grader="code"))
     # budget 1: half the forced programs pass; budget 3 (the end): the natural answer (no code) copied
     assert (labels, copied) == ([[0.5, 0.0]], 1)
     assert asked["max_new_tokens"] == 2048 and asked["k"] == 2
