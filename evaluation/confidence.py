@@ -240,11 +240,6 @@ def toy_fit_rows(src):
     return [row for turn in zip(*splits) for row in turn]
 
 
-def run_fractions(path):
-    """The truncation fractions a run trained its probe at (its config.json), else the default."""
-    return tuple(run_config(path).get("budgets") or (0.25, 0.5, 0.75))
-
-
 EVAL_LEAD = "..."  # released: the cut thinking ends in "..." before `</think>` + EVAL_SUFFIX
 CODE_TOKENS = 2048   # the longest forced program (benchmarks.CODE_SUFFIX)
 GRID = [(lr, p, wd) for lr in (1e-3, 5e-4, 1e-4) for p in (0.5, 0.8) for wd in (1e-3, 1e-2)]

@@ -78,7 +78,7 @@ def test_benchmark_fixtures_in_their_real_layout(name, count, first_answer):
     path = os.path.join(FIXTURES, f"{name}.jsonl")
     with open(path) as f:
         raw = [json.loads(line) for line in f]
-    bench, rows, instruction = benchmarks.load_benchmark(f"{name}={path}")
+    bench, rows, instruction, _ = benchmarks.load_benchmark(f"{name}={path}")
     assert bench == name and len(rows) == count and instruction == prompts_lib.INSTRUCTION
     assert rows[0]["problem"] == (raw[0].get("problem") or raw[0]["question"]).strip()
     assert rows[0]["answer"] == (first_answer or str(raw[0]["answer"]))
@@ -208,8 +208,8 @@ def test_the_runs_own_probe_is_read_at_its_training_budgets(run_dir, tmp_path, m
     run = tmp_path / "run"
     (run / "checkpoints" / "step_000001").mkdir(parents=True)
     (run / "config.json").write_text(json.dumps({"budgets": [1.0]}))
-    assert confidence.run_fractions(str(run / "checkpoints" / "step_000001")) == (1.0,)
-    assert confidence.run_fractions(str(run)) == (1.0,)
+    assert benchmarks.run_config(str(run / "checkpoints" / "step_000001"))["budgets"] == [1.0]
+    assert benchmarks.run_config(str(run))["budgets"] == [1.0]
 
 
 def test_interrupted_evaluation_resumes_without_regenerating(toy_dir, tmp_path, monkeypatch):
@@ -558,7 +558,6 @@ def test_a_bad_run_config_is_one_line_when_evaluating_the_run(case, tmp_path):
     ckpt = tmp_path / "run" / "checkpoints" / "step_000001"
     os.makedirs(ckpt)
     write(tmp_path / "run" / "config.json", content)
-    for read in (benchmarks.run_config, confidence.run_fractions):
-        with pytest.raises(UserError) as e:
-            read(str(ckpt))
-        assert str(tmp_path / "run") in str(e.value) and words in str(e.value), str(e.value)
+    with pytest.raises(UserError) as e:
+        benchmarks.run_config(str(ckpt))
+    assert str(tmp_path / "run") in str(e.value) and words in str(e.value), str(e.value)
