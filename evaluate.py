@@ -184,8 +184,7 @@ def missing_samples(path, label, bench, rows, n, key):
 
 def calls(todo, size):
     """The generate calls of a benchmark, in order: runs of up to `size` questions of `todo` missing the
-    same number of samples. A call's samples depend on all of its questions (evaluation/benchmarks.py), so
-    workers share calls, never questions."""
+    same number of samples (workers share whole calls: docs/reference.md)."""
     out = []
     for q, missing in todo:
         if out and len(out[-1]) < size and len(out[-1][0][1]) == len(missing):

@@ -183,7 +183,6 @@ def features(model, prompts, responses, cut_lists, pad_id, final_norm, batch_siz
 
 
 TOY_SOURCES = [f"{name}:test" for name in data.TOY_BENCHMARKS]   # the post-hoc probe fits on toy train
-TOY_FITS = ("toy", "toy-pooled")   # --probe-data for the toy world (toy_fit_rows)
 
 
 def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(), prompt=(None, None)):
@@ -199,11 +198,14 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
     # fit data: the toy's train split, or the RL set (released: lead_80), less any evaluated problem
     toy_only = all(source in TOY_SOURCES for *_, source in loaded)
     src = args.probe_data or ("toy" if toy_only else "deepscaler")
-    is_toy = src in TOY_FITS
+    is_toy = src in ("toy", "toy-pooled")
     w = TOY if is_toy else REAL
     s = settings("toy" if is_toy else src, args)
-    if is_toy:
-        pool, instruction = toy_fit_rows(src), toy.INSTRUCTION
+    if is_toy:   # toy: RL's train split, as released; toy-pooled: every toy benchmark's in turn, so ECE
+        # measures what the state says about correctness, not the fit set's accuracy against a benchmark's
+        names = [src] if src == "toy" else data.TOY_BENCHMARKS
+        splits = [data.load_rows(name, split="train") for name in names]
+        pool, instruction = [row for turn in zip(*splits) for row in turn], toy.INSTRUCTION
     else:
         pool, instruction = data.load_rows(src, lcb_release=args.lcb_release), prompts_lib.instruction_for(src)
     instruction = instruction if prompt[0] is None else prompt[0]
@@ -228,16 +230,6 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
         os.path.join(out_dir, f"posthoc_probe_{label}_{digest(model_id(path), 8)}".replace("/", "_")), model, tok,
         rows, instruction, close_id, protocol, batch_size=s["score_batch"], rows=s["rows"], system=prompt[1])
     return prb, report and dict(report, data=src)   # (None, None) on a worker other than rank 0
-
-
-def toy_fit_rows(src):
-    """The post-hoc probe's toy fit questions: `toy`, RL's train split (as released), or `toy-pooled`,
-    the train splits of every toy benchmark in turn, so ECE measures what the state says about
-    correctness rather than the gap between the fit set's accuracy and a benchmark's."""
-    if src == "toy":
-        return data.load_rows("toy", split="train")
-    splits = [data.load_rows(name, split="train") for name in data.TOY_BENCHMARKS]
-    return [row for turn in zip(*splits) for row in turn]
 
 
 EVAL_LEAD = "..."  # released: the cut thinking ends in "..." before `</think>` + EVAL_SUFFIX

@@ -302,13 +302,24 @@ def test_an_rlcr_run_is_prompted_and_graded_in_its_answer_tags(toy_dir, tmp_path
     assert again["rlcrrun/step_000010"]["benchmarks"]["toy"]["acc"] == 0.0
 
 
-def test_the_pooled_toy_fit_takes_every_toy_benchmarks_train_split_in_turn(toy_dir, tmp_path):
+def fit_rows(src, monkeypatch, tmp_path, count):
+    """The questions get_probe fits the post-hoc probe on for --probe-data src (the fit itself skipped)."""
+    seen = {}
+    with monkeypatch.context() as m:
+        m.setattr(confidence, "posthoc_probe", lambda cache, model, tok, questions, *a, **k:
+                  seen.update(rows=questions) or (None, {}))
+        args = evaluate.parse_args(["--model", "toy", "--probe-data", src, "--probe-questions", str(count)])
+        confidence.get_probe("probe-posthoc", None, None, "base", toy.BASE_DIR, str(tmp_path), args, 0)
+    return seen["rows"]
+
+
+def test_the_pooled_toy_fit_takes_every_toy_benchmarks_train_split_in_turn(toy_dir, tmp_path, monkeypatch):
     # --probe-data toy-pooled: the matched fit, on every toy benchmark's train split, so the post-hoc
     # confidence is not fixed at RL's distribution's accuracy (docs/toy-world.md).
     splits = {name: data.load_rows(name, split="train") for name in data.TOY_BENCHMARKS}
-    rows = confidence.toy_fit_rows("toy-pooled")
+    rows = fit_rows("toy-pooled", monkeypatch, tmp_path, 10 * toy.N_TRAIN)
     assert rows[:6] == [splits[name][i] for i in (0, 1) for name in data.TOY_BENCHMARKS]
-    assert len(rows) == 3 * toy.N_TRAIN and confidence.toy_fit_rows("toy") == splits["toy"]
+    assert len(rows) == 3 * toy.N_TRAIN and fit_rows("toy", monkeypatch, tmp_path, 10 * toy.N_TRAIN) == splits["toy"]
     res = evaluate.main(["--model", toy_dir, "--benchmarks", "toy-sub", *FAST, "--out", str(tmp_path),
                          "--probe-data", "toy-pooled", "--probe-questions", "6", "--probe-samples", "2",
                          "--posthoc-budgets", "2"])
