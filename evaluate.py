@@ -27,7 +27,7 @@ from evaluation.benchmarks import (HELD, LOCKS, Rounds, deal, default_out, diges
                                    load_benchmarks, model_id, model_label, ours, own_rows, question_ids,
                                    read_samples, rlcr_prompts, run_config, run_prompt, sample_key, settings,
                                    setup, share, share_probe)
-from evaluation.confidence import get_probe, run_fractions
+from evaluation.confidence import get_probe
 from evaluation.report import means, plot_reliability, report_uses, summarize, table, write_results
 from harness import checkpoint, runlog, sandbox
 from harness.checkpoint import ALIASES, resolve_model
@@ -54,7 +54,8 @@ def evaluate_model(name, loaded, args):
     device = "cuda" if torch.cuda.is_available() else "cpu"   # trust_remote_code stays off
     model, tok = checkpoint.load_model(name, torch.bfloat16 if device == "cuda" else torch.float32)
     model = model.to(device).eval()
-    prompt = run_prompt(path, args)
+    prompt, run = run_prompt(path, args), run_config(path)
+    fractions = tuple(run.get("budgets") or (0.25, 0.5, 0.75))   # where the run's own probe is read
     for bench, rows, instruction, _ in loaded:   # refused: a prompt past the context or a failing template
         data.check_context(tok, rows, instruction if prompt[0] is None else prompt[0],
                                   getattr(model.config, "max_position_embeddings", None),
@@ -81,9 +82,9 @@ def evaluate_model(name, loaded, args):
         # No early exit on code: its forced answers at each checkpoint would be programs to run.
         probe_source = source in ("probe", "probe-posthoc") and not args.no_early_exit and not code
         conf_kw = dict(source=source, prb=prb, close_id=close_id, every=s["every"] if probe_source else None,
-                       suffix=s["suffix"], close=args.forced_close, fractions=run_fractions(path),
+                       suffix=s["suffix"], close=args.forced_close, fractions=fractions,
                        forced_k=s["reanswer_k"], budget=s["max_new_tokens"], reanswer=s["reanswer"],
-                       logit_temperature=args.logit_temperature or run_config(path).get("temperature", 0.8))
+                       logit_temperature=args.logit_temperature or run.get("temperature", 0.8))
         key = sample_key(ident, bench_source, s, args, [instruction, prompt[1], prompt[2]], conf_kw)
         earlier = MASTER and len(own_rows(read_samples(samples), key, rows, s["n"]))   # by an earlier, cut command
         generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, samples, prompt[1],
@@ -182,8 +183,7 @@ def missing_samples(path, label, bench, rows, n, key):
 
 def calls(todo, size):
     """The generate calls of a benchmark, in order: runs of up to `size` questions of `todo` missing the
-    same number of samples. A call's samples depend on all of its questions (evaluation/benchmarks.py), so
-    workers share calls, never questions."""
+    same number of samples (workers share whole calls: docs/reference.md)."""
     out = []
     for q, missing in todo:
         if out and len(out[-1]) < size and len(out[-1][0][1]) == len(missing):
@@ -282,6 +282,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    threads = torch.get_num_threads()
     try:   # what argparse cannot check, and a missing model: one line and exit 2, like argparse and train.py
         check_values(vars(args), LIMITS)
         data.lcb_window(args.lcb_release)
@@ -292,18 +293,13 @@ def main(argv=None):
         names = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
         if not names:   # an empty list would replace a model's results with none
             raise UserError(f"--benchmarks {args.benchmarks!r} names no benchmark: pass e.g. toy or math500,aime24")
-    except (ValueError, OSError) as e:   # UserError, data.DataError
-        print(f"evaluate.py: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
-    sandbox.allow_unconfined = args.unconfined_code
-    # besides the grader's folder, the project and the HF cache, a program sees none of these, wherever they lie
-    sandbox.hide += [p for p in (*(b.partition("=")[2] or b for b in names), *args.model, args.out)
-                     if p and os.path.exists(p)]
-    threads = torch.get_num_threads()
-    # the toy or a small model on a CPU gains nothing from threads, and on a busy CPU loses much
-    if args.threads or not torch.cuda.is_available():
-        torch.set_num_threads(args.threads or 1)
-    try:
+        sandbox.allow_unconfined = args.unconfined_code
+        # beside the grader's folder, the project and the HF cache, a program sees none of these
+        sandbox.hide += [p for p in (*(b.partition("=")[2] or b for b in names), *args.model, args.out)
+                         if p and os.path.exists(p)]
+        # the toy or a small model on a CPU gains nothing from threads, and on a busy CPU loses much
+        if args.threads or not torch.cuda.is_available():
+            torch.set_num_threads(args.threads or 1)
         if args.plan:   # from each model's config alone (a named model's ships: no hub), before any benchmark is read
             from harness import plan
             mem = args.gpu_mem or (torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0)

@@ -10,7 +10,7 @@ import hashlib
 import json
 import os
 import sys
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 
 import torch
@@ -73,8 +73,7 @@ def load_benchmarks(specs, limit=None, lcb_release=data.LCB_RELEASE):
     (by a toy benchmark, or an earlier one: b1/q.jsonl, b2/q.jsonl) is named by its path as given."""
     owner, out = {name: f"{name}:test" for name in data.TOY_BENCHMARKS}, []
     for spec in specs:
-        name, rows, instruction = load_benchmark(spec, limit, lcb_release)
-        source = benchmark_source(spec, lcb_release)
+        name, rows, instruction, source = load_benchmark(spec, limit, lcb_release)
         if owner.setdefault(name, source) != source:
             name = spec
         out.append((name, rows, instruction, source))
@@ -82,44 +81,34 @@ def load_benchmarks(specs, limit=None, lcb_release=data.LCB_RELEASE):
 
 
 def load_benchmark(spec, limit=None, lcb_release=data.LCB_RELEASE):
-    """(name, rows [{problem, answer}], instruction) for a toy benchmark (its test split), a known
-    name (data.BENCHMARKS), a local .json/.jsonl/.parquet file, NAME=FILE (a local copy of a known
-    benchmark, named and sampled like it), or an HF dataset id (owner/name)."""
-    name, _, path = as_named(spec).partition("=")
+    """(name, rows [{problem, answer}], instruction, source) for a toy benchmark (its test split), a
+    known name (data.BENCHMARKS), a local .json/.jsonl/.parquet file, NAME=FILE (a local copy of a
+    known benchmark, named and sampled like it), or an HF dataset id (owner/name). source: what it
+    reads, "toy:test", a hub name or id, a file's real path; lcb's with its window ("lcb:v4_v5")."""
+    stem = os.path.splitext(os.path.basename(spec))[0]
+    is_file = spec.lower().endswith((".json", ".jsonl", ".parquet"))
+    if "=" not in spec and stem in data.BENCHMARKS and is_file:   # DIR/gpqa.jsonl: read as gpqa
+        spec = f"{stem}={spec}"
+    name, _, path = spec.partition("=")
+    where = path or name
+    source = where if where in data.BENCHMARKS or not os.path.isfile(where) else os.path.realpath(where)
+    source = f"{source}:{lcb_release}" if name == "lcb" else source
+    source = f"{where}:test" if where in data.TOY_BENCHMARKS else source
     known = ", ".join(data.TOY_BENCHMARKS + tuple(data.BENCHMARKS))
     if name in data.TOY_BENCHMARKS and not path:
-        return name, data.load_rows(name, split="test", limit=limit), toy.INSTRUCTION
+        return name, data.load_rows(name, split="test", limit=limit), toy.INSTRUCTION, source
     if path:
         if name not in data.BENCHMARKS:
             raise UserError(f"unknown benchmark {name!r} in {spec!r}; known: {known}")
         rows = data.load_rows(path, limit=limit, like=name, lcb_release=lcb_release)
-        return name, rows, data.instruction_for(name)
-    if name.lower().endswith((".json", ".jsonl", ".parquet")):
-        return os.path.splitext(os.path.basename(name))[0], data.load_rows(name, limit=limit), data.INSTRUCTION
+        return name, rows, data.instruction_for(name), source
+    if is_file:
+        return stem, data.load_rows(name, limit=limit), data.INSTRUCTION, source
     if name in data.BENCHMARKS or "/" in name:
-        return name, data.load_rows(name, limit=limit, lcb_release=lcb_release), data.instruction_for(name)
+        rows = data.load_rows(name, limit=limit, lcb_release=lcb_release)
+        return name, rows, data.instruction_for(name), source
     raise UserError(f"unknown benchmark {name!r}; known: {known}; or a local .json/.jsonl/.parquet file, "
                     "NAME=FILE, or an HF dataset id (owner/name)")
-
-
-def as_named(spec):
-    """NAME=FILE for a file whose stem is a known benchmark (DIR/gpqa.jsonl): named by its stem, it is
-    read as that benchmark (gpqa's options and letter gold), never as plain rows filed under its name."""
-    stem = os.path.splitext(os.path.basename(spec))[0]
-    known = "=" not in spec and stem in data.BENCHMARKS and spec.lower().endswith((".json", ".jsonl", ".parquet"))
-    return f"{stem}={spec}" if known else spec
-
-
-def benchmark_source(spec, lcb_release=data.LCB_RELEASE):
-    """What a benchmark spec reads (data.load_rows' order): "toy:test" (a toy benchmark's test split),
-    a hub name or id, or a file's resolved path; LiveCodeBench's with its release window ("lcb:v4_v5")."""
-    spec = as_named(spec)
-    name, _, path = spec.partition("=")
-    where = path or spec
-    if where in data.TOY_BENCHMARKS:
-        return f"{where}:test"
-    where = os.path.realpath(where) if where not in data.BENCHMARKS and os.path.isfile(where) else where
-    return f"{where}:{lcb_release}" if name == "lcb" else where
 
 
 def run_prompt(path, args):
@@ -185,28 +174,23 @@ def model_id(path):
     return f"{os.path.realpath(path)}#{files.identity(path)}" if os.path.isdir(path) else path
 
 
-def _folder(ident):
-    return ident.partition("#")[0]
-
-
 def digest(obj, size=16):
     """A short hash of a JSON value: the keys of samples, their questions and post-hoc probe files."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:size]
 
 
 def filed_label(label, ident, out_dir):
-    """The name a model is filed under in OUT: its label, or label@HASH where OUT's results.json
-    files another model under it (a/model evaluated, then b/model)."""
-    entry = read_results(out_dir).get(label)
+    """label, or label@HASH where OUT's results.json files another model under it."""
+    entry, folder = read_results(out_dir).get(label), ident.partition("#")[0]
     if entry is None or entry.get("model_id") == ident:
         return label
     if "model_id" not in entry:
         print(f"{os.path.join(out_dir, 'results.json')}: the entry of {label} has no model identity (an "
               "older version): it is evaluated again and replaced", file=sys.stderr)
         return label
-    if isinstance(entry["model_id"], str) and _folder(entry["model_id"]) == _folder(ident):
+    if isinstance(entry["model_id"], str) and entry["model_id"].partition("#")[0] == folder:
         print(f"{os.path.join(out_dir, 'results.json')}: the entry of {label} is of the model that was in "
-              f"{_folder(ident)} before (trained again or replaced since): it is evaluated again and replaced",
+              f"{folder} before (trained again or replaced since): it is evaluated again and replaced",
               file=sys.stderr)
         return label
     return f"{label}@{digest(ident, 8)}"
@@ -260,10 +244,8 @@ def own_rows(samples, key, rows, n):
 
 
 def sample_key(ident, source, s, args, prompt, conf_kw):
-    """The key of one model's samples of one benchmark: the model, the benchmark's source and every
-    setting that changes a sample's draw, grade or confidence (the probe's weights included). A
-    resume reuses its own key's rows only; other settings sample anew beside the old rows, which
-    count again when their settings come back (a sweep over seeds can share one --out)."""
+    """The key of one model's samples of one benchmark: a digest of the model, the benchmark's source
+    and every setting that changes a sample's draw, grade or confidence (docs/reference.md)."""
     prb = conf_kw["prb"]
     weights = prb and [[k, hashlib.sha256(v.detach().float().cpu().numpy().tobytes()).hexdigest()]
                        for k, v in prb.state_dict().items()]
@@ -356,14 +338,9 @@ def generate_dealt(model, tokenizer, prompts, n=1, batch_size=None, progress=Non
 
 
 class Rounds:
-    """The rows of a benchmark's rounds, appended to `path` by rank 0 in call order.
-
-    add(fn, *args) queues this rank's round: fn(*args) -> lines (JSON rows ending in a newline) runs
-    in a background thread while the caller generates the next round; then the previous round is
-    gathered and written. fn None: no call in this round. Leaving the `with` block writes what is
-    left, in one process also on an error or Ctrl-C (kept for the resume; one worker of several
-    cannot gather alone). `bar` (a tqdm) advances by the rows written.
-    """
+    """The rows of a benchmark's rounds, appended to `path` by rank 0 in call order. add(fn, *args):
+    this rank's round, fn(*args) -> lines, run in a thread while the next round generates (fn None:
+    no call). Leaving the block writes what is left, in one process also on an error (the resume's)."""
 
     def __init__(self, path, bar=None):
         self.path, self.bar = path, bar
@@ -371,12 +348,7 @@ class Rounds:
         self.pending = []
 
     def add(self, fn=None, *args):
-        if fn is None:
-            job = Future()
-            job.set_result([])
-        else:
-            job = self.pool.submit(fn, *args)
-        self.pending.append(job)
+        self.pending.append(self.pool.submit(fn or list, *args))   # list(): no call, no rows
         if len(self.pending) > 1:   # the round before this one has had this round's generation to grade
             self._write(self.pending.pop(0))
 

@@ -13,7 +13,6 @@ after training with the released protocol on questions no evaluated benchmark ho
 """
 import copy
 import functools
-import hashlib
 import json
 import math
 import os
@@ -53,8 +52,9 @@ def sample_confidences(source, model, tokenizer, prompts, responses, texts, gold
                        close_id=None, every=None, suffix=EVAL_SUFFIX, close="think", seed=0,
                        batch_size=8, rows=64, fractions=(0.25, 0.5, 0.75), forced_k=16, budget=8000,
                        reanswer=RLCR_REANSWER, logit_temperature=0.8):
-    """(conf [N] floats, extras [N] dicts): one confidence per response, probes read at read_point
-    (`fractions`: the run's config's). verbal: extras {"verbal_missing": bool};
+    """(conf [N] floats, extras [N] dicts): one confidence per response, the post-hoc probe read at
+    the end of thinking, the run's own at its last training cut (label.cuts_of with the run's
+    `fractions`: 6 of 8 tokens), where it saw data. verbal: extras {"verbal_missing": bool};
     verbal-forced: {"verbal_missing": how many of the forced_k re-answers had no tag}. Probe sources
     with `every`: {"checkpoints": [[t, c_t, y_t], ...]} for t = every, 2 * every, ... below the end of
     thinking: the probe's confidence after t thinking tokens and whether one forced answer there
@@ -77,7 +77,8 @@ def sample_confidences(source, model, tokenizer, prompts, responses, texts, gold
         raise ValueError(f"confidence source {source!r} needs a probe; sources: {', '.join(SOURCES)}")
     staticcache.release(model)  # the generation's static shape: neither the features nor the labels reuse it
     ends = [think_end(r, close_id) for r in responses]
-    bls = [(list(range(every, te, every)) if every else []) + [read_point(source, r, close_id, fractions)]
+    bls = [(list(range(every, te, every)) if every else [])
+           + [max(cuts_of(len(r), fractions), default=0) if source == "probe" else te]
            for r, te in zip(responses, ends)]
     feats = features(model, prompts, responses, bls, tokenizer.pad_token_id, source == "probe-posthoc",
                      batch_size)
@@ -99,14 +100,6 @@ def sample_confidences(source, model, tokenizer, prompts, responses, texts, gold
         extras = [{"checkpoints": [[b, round(c, 6), y] for b, c, y in zip(bl, cs, yl)]}
                   for bl, cs, yl in zip(bls, confs, ys)]
     return [cs[-1] for cs in confs], extras
-
-
-def read_point(source, response, close_id, fractions=(0.25, 0.5, 0.75)):
-    """Where a probe is read, in response tokens: the post-hoc probe at the end of thinking, the run's
-    own at its last training cut (label.cuts_of with the run's fractions: 6 of 8 tokens)."""
-    if source == "probe":
-        return max(cuts_of(len(response), fractions), default=0)
-    return think_end(response, close_id)
 
 
 def forced_verbal(model, tokenizer, prompts, responses, close_id, budget, k, seed=None, batch_size=8,
@@ -189,7 +182,6 @@ def features(model, prompts, responses, cut_lists, pad_id, final_norm, batch_siz
 
 
 TOY_SOURCES = [f"{name}:test" for name in data.TOY_BENCHMARKS]   # the post-hoc probe fits on toy train
-TOY_FITS = ("toy", "toy-pooled")   # --probe-data for the toy world (toy_fit_rows)
 
 
 def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(), prompt=(None, None)):
@@ -205,11 +197,14 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
     # fit data: the toy's train split, or the RL set (released: lead_80), less any evaluated problem
     toy_only = all(source in TOY_SOURCES for *_, source in loaded)
     src = args.probe_data or ("toy" if toy_only else "deepscaler")
-    is_toy = src in TOY_FITS
+    is_toy = src in ("toy", "toy-pooled")
     w = TOY if is_toy else REAL
     s = settings("toy" if is_toy else src, args)
-    if is_toy:
-        pool, instruction = toy_fit_rows(src), toy.INSTRUCTION
+    if is_toy:   # toy: RL's train split, as released; toy-pooled: every toy benchmark's in turn, so ECE
+        # measures what the state says about correctness, not the fit set's accuracy against a benchmark's
+        names = [src] if src == "toy" else data.TOY_BENCHMARKS
+        splits = [data.load_rows(name, split="train") for name in names]
+        pool, instruction = [row for turn in zip(*splits) for row in turn], toy.INSTRUCTION
     else:
         pool, instruction = data.load_rows(src, lcb_release=args.lcb_release), data.instruction_for(src)
     instruction = instruction if prompt[0] is None else prompt[0]
@@ -234,21 +229,6 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
         os.path.join(out_dir, f"posthoc_probe_{label}_{digest(model_id(path), 8)}".replace("/", "_")), model, tok,
         rows, instruction, close_id, protocol, batch_size=s["score_batch"], rows=s["rows"], system=prompt[1])
     return prb, report and dict(report, data=src)   # (None, None) on a worker other than rank 0
-
-
-def toy_fit_rows(src):
-    """The post-hoc probe's toy fit questions: `toy`, RL's train split (as released), or `toy-pooled`,
-    the train splits of every toy benchmark in turn, so ECE measures what the state says about
-    correctness rather than the gap between the fit set's accuracy and a benchmark's."""
-    if src == "toy":
-        return data.load_rows("toy", split="train")
-    splits = [data.load_rows(name, split="train") for name in data.TOY_BENCHMARKS]
-    return [row for turn in zip(*splits) for row in turn]
-
-
-def run_fractions(path):
-    """The truncation fractions a run trained its probe at (its config.json), else the default."""
-    return tuple(run_config(path).get("budgets") or (0.25, 0.5, 0.75))
 
 
 EVAL_LEAD = "..."  # released: the cut thinking ends in "..." before `</think>` + EVAL_SUFFIX
@@ -276,9 +256,7 @@ def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, pro
     golds = [r["answer"] for r in questions for _ in range(p["n"])]
     groups = [q for q in range(len(questions)) for _ in range(p["n"])]
     x, y, g, stats = posthoc_examples(model, tokenizer, rep, out.ids, out.texts, golds, groups, close_id,
-                                      p["every"], p["count"], p["k"], p["suffix"], p["close"], tuple(p["stop"]),
-                                      p["copy_natural"], p["seed"] + 1, batch_size, rows, p["lead"], p["gate"],
-                                      p.get("grader", "math"), p.get("tokens", "sampled"),
+                                      dict(p, seed=p["seed"] + 1), batch_size, rows,
                                       functools.partial(generate_dealt, progress="post-hoc forced answers"))
     if not MASTER:
         return None, None
@@ -302,26 +280,23 @@ def say(phase):
         print(f"post-hoc probe: {phase}", file=sys.stderr, flush=True)
 
 
-def posthoc_examples(model, tokenizer, prompts, responses, texts, golds, groups, close_id, every=500,
-                     count=16, k=16, suffix=EVAL_SUFFIX, close="think", stop=(), copy_natural=True,
-                     seed=0, batch_size=8, rows=64, lead=EVAL_LEAD, gate="thinking", grader="math",
-                     tokens="sampled", run=None):
-    """(feats [M, d], labels [M], groups [M] problem indices, stats), M = count * N: per rollout and
-    budget b (posthoc_budgets), the final normed state at prompt + thinking[:b] and posthoc_labels'
-    label. tokens="text" (released): the thinking re-tokenized from its text, and the forced prompts
-    without the prompt's BOS (the features keep it)."""
+def posthoc_examples(model, tokenizer, prompts, responses, texts, golds, groups, close_id, p, batch_size=8,
+                     rows=64, run=None):
+    """(feats [M, d], labels [M], groups [M] problem indices, stats), M = p["count"] * N: per rollout
+    and budget b (posthoc_budgets), the final normed state at prompt + thinking[:b] and posthoc_labels'
+    label. p: get_probe's protocol; its "tokens" "text" (released): the thinking re-tokenized from its
+    text, and the forced prompts without the prompt's BOS (the features keep it)."""
     ends = [think_end(r, close_id) for r in responses]
     forced = prompts
-    if tokens == "text":
+    if p.get("tokens") == "text":
         responses = [tokenizer.encode(tokenizer.decode(r[:e]), add_special_tokens=False)
                      for r, e in zip(responses, ends)]
         ends = [len(r) for r in responses]
         bos = tokenizer.bos_token_id
-        forced = [p[1:] if bos is not None and p[:1] == [bos] else p for p in map(list, prompts)]
-    positions = [posthoc_budgets(e, every, count) for e in ends]
-    labels, copied = posthoc_labels(model, tokenizer, forced, responses, texts, golds, positions, ends, k,
-                                    suffix, close, stop, copy_natural, CODE_TOKENS if grader == "code" else 64,
-                                    seed=seed, rows=rows, lead=lead, gate=gate, grader=grader, run=run)
+        forced = [q[1:] if bos is not None and q[:1] == [bos] else q for q in map(list, prompts)]
+    positions = [posthoc_budgets(e, p["every"], p["count"]) for e in ends]
+    labels, copied = posthoc_labels(model, tokenizer, forced, responses, texts, golds, positions, ends, p, rows,
+                                    run)
     say(f"reading the hidden state at {sum(map(len, positions))} prefixes")
 
     def scored(starts):
@@ -340,15 +315,14 @@ def posthoc_budgets(thinking, every=500, count=16):
     return [min(every * (i + 1), thinking) for i in range(count)]
 
 
-def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions, ends, k=16,
-                   suffix=EVAL_SUFFIX, close="think", stop=(), copy_natural=True, max_new_tokens=64,
-                   seed=0, rows=64, lead=EVAL_LEAD, gate="thinking", grader="math", run=None):
+def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions, ends, p, rows=64, run=None):
     """(Y_b at each rollout's budget positions: N lists of floats, how many were copied). At the end
-    of a thinking that holds a box (gate "none": a box anywhere) the natural grade is copied
-    (copy_natural); elsewhere Y_b is the share of k answers forced from `prompt + response[:b] +
-    lead + CLOSE + suffix` (T 0.6, top-p 0.95) that are right, equal forced prompts sampled once.
-    grader="code": the answers are programs, run against the gold's tests."""
-    lead_ids = tokenizer.encode(lead, add_special_tokens=False) if lead else []
+    of a thinking that holds a box (p["gate"] "none": a box anywhere) the natural grade is copied
+    (p["copy_natural"]); elsewhere Y_b is the share of p["k"] answers forced from `prompt +
+    response[:b] + lead + CLOSE + suffix` (T 0.6, top-p 0.95) that are right, equal forced prompts
+    sampled once. p["grader"] "code": the answers are programs, run against the gold's tests."""
+    k, suffix, gate, grader = p["k"], p["suffix"], p["gate"], p.get("grader", "math")
+    lead_ids = tokenizer.encode(p["lead"], add_special_tokens=False) if p["lead"] else []
     labels, todo, copied = [], {}, 0
     programs = None if grader != "code" else spread(sandbox.grade_many,
                                                           [code_job(t, g) for t, g in zip(texts, golds)])
@@ -360,18 +334,19 @@ def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions
             natural = float(is_correct(texts[i], golds[i])) if boxed else None
         row = []
         for b in ps:
-            if copy_natural and b >= ends[i] and natural is not None:
+            if p["copy_natural"] and b >= ends[i] and natural is not None:
                 row.append(natural)
                 copied += 1
             else:
                 cut = list(responses[i][:b]) + lead_ids
-                key = tuple(forced_prompt(prompts[i], cut, len(cut), tokenizer, close, suffix))
+                key = tuple(forced_prompt(prompts[i], cut, len(cut), tokenizer, p["close"], suffix))
                 row.append(todo.setdefault(key, (len(todo), golds[i]))[0])
         labels.append(row)
     y = []
     if todo:
-        texts = sample_by_length(model, tokenizer, list(todo), k, max_new_tokens=max_new_tokens, temperature=0.6,
-                                 top_p=0.95, stop=stop, seed=seed, batch_size=max(1, rows // k), run=run)
+        texts = sample_by_length(model, tokenizer, list(todo), k, temperature=0.6, top_p=0.95, stop=tuple(p["stop"]),
+                                 max_new_tokens=CODE_TOKENS if grader == "code" else 64, seed=p["seed"],
+                                 batch_size=max(1, rows // k), run=run)
         forced = [(ts, gold) for ts, (_, gold) in zip(texts, todo.values())]
         say(f"grading {len(todo) * k} forced answers")
         if grader == "code":
@@ -485,7 +460,7 @@ def cache_protocol(protocol, questions, instruction, system=None):
     data (the same count of other questions, or another prompt, is another probe)."""
     fit_data = [[r["problem"], r["answer"]] for r in questions] + [instruction, system]
     return dict(protocol, questions=len(questions), stop=list(protocol["stop"]),
-                data=hashlib.sha256(json.dumps(fit_data).encode()).hexdigest()[:16])
+                data=digest(fit_data))
 
 
 def read_cache(path):

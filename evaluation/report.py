@@ -39,7 +39,7 @@ def summarize(rows, n_bins=10, seed=0, same=grade.answers_match):
     res["ci95"] = metrics.bootstrap(conf, correct, [r["question"] for r in rows], n_resamples=1000, seed=seed)
     if any("verbal_missing" in r for r in rows):
         res["verbal_missing"] = sum(bool(r.get("verbal_missing")) for r in rows)
-    res.update(from_samples(rows, same=same, seed=seed, epsilons=EPSILONS))
+    res.update(from_samples(rows, same=same, seed=seed))
     return res
 
 
@@ -64,8 +64,7 @@ def plot_reliability(rel, title, path):
 
 
 def overall(benches):
-    """Unweighted mean over benchmarks of each metric (benchmarks where it is nan, or None as results.json
-    keeps a nan, are skipped)."""
+    """Unweighted mean over benchmarks of each metric, skipping nan (None in results.json)."""
     out = {}
     for _, key in COLUMNS:
         vals = [b[key] for b in benches.values() if b[key] is not None and not math.isnan(b[key])]
@@ -82,9 +81,7 @@ def means(benches):
 
 
 def table(results):
-    """Markdown: per model, a row per benchmark (pass@k, 95 % intervals, the confidence source, grader
-    and sampling settings), the math benchmarks, then the OOD ones in a block of their own, each
-    closed by its mean; with both kinds, a last block puts the two means beside the Overall."""
+    """Markdown: per model, the math and the OOD benchmarks' blocks, then the Overall (docs/reference.md)."""
     lines = []
     for label, res in results.items():
         head = ["| benchmark | n | Acc | pass@k | " + " | ".join(c for c, _ in COLUMNS[1:]) + " | " +
@@ -160,11 +157,8 @@ def read_results(out_dir):
 
 
 def write_results(out_dir, label, res, now=None):
-    """Merge this model's results into OUT/results.json: other models' entries are kept, and so are
-    the benchmarks of this model's entry this evaluation left out, where that entry had the same
-    model_id, confidence and post-hoc probe (its means then over all). now(bench): the settings this
-    evaluation gives a benchmark; a kept one evaluated with other MIXED settings is filed under
-    "mixed_settings" ({bench: {setting: [earlier, now]}}). Returns (the names kept, mixed_settings)."""
+    """Merge this model's results into OUT/results.json (docs/reference.md); now(bench): the settings
+    this evaluation gives a benchmark. Returns (the benchmarks kept, mixed_settings)."""
     path = os.path.join(out_dir, "results.json")
     old = read_results(out_dir)
     new, before = clean(res), old.get(label, {})
@@ -315,7 +309,7 @@ def crc_threshold(units, epsilon):
     return best
 
 
-def early_exit(cal, test, epsilons=(0.1, 0.2, 0.3)):
+def early_exit(cal, test, epsilons=EPSILONS):
     """Per epsilon, a dict: the CRC threshold on the `cal` units (lists of traces, one per question;
     None: infeasible, inf: never exit), cal_bound, and on the test traces test_risk (mean loss),
     exit_rate and tokens_saved = 1 - sum(tokens used) / sum(full lengths)."""
@@ -337,7 +331,7 @@ def early_exit(cal, test, epsilons=(0.1, 0.2, 0.3)):
     return rows
 
 
-def split_early_exit(units, epsilons=(0.1, 0.2, 0.3), splits=100, seed=0):
+def split_early_exit(units, epsilons=EPSILONS, splits=100, seed=0):
     """early_exit over `splits` seeded random halvings of the units (questions), the first half
     calibrating: per epsilon, split 0's threshold, cal_bound and test_risk_split0, and over all
     splits the mean test_risk (test_risk_sd), exit_rate and tokens_saved.
@@ -358,7 +352,7 @@ def split_early_exit(units, epsilons=(0.1, 0.2, 0.3), splits=100, seed=0):
     return rows
 
 
-def from_samples(rows, same=None, draws=16, seed=0, epsilons=(0.1, 0.2, 0.3), splits=100):
+def from_samples(rows, same=None, draws=16, seed=0, epsilons=EPSILONS, splits=100):
     """Voting curves and (when every row has probe "checkpoints") split_early_exit from samples.jsonl
     rows (question, sample, answer, correct, confidence, length[, checkpoints])."""
     by_q = {}

@@ -14,6 +14,10 @@ import rollout
 import tiny
 import rollout as sampling
 
+# posthoc_examples' and posthoc_labels' protocol (get_probe builds it) at the released values
+PROTOCOL = dict(every=500, count=16, k=16, suffix=benchmarks.EVAL_SUFFIX, close="think", stop=(), copy_natural=True,
+                seed=0, lead=confidence.EVAL_LEAD, gate="thinking")
+
 
 class _Tok:
     pad_token_id = 0
@@ -197,11 +201,12 @@ def test_posthoc_tokens_text_counts_budgets_in_the_retokenized_thinking_without_
         return type("S", (), {"texts": ["x"] * n * len(prompts)})()
 
     monkeypatch.setattr(confidence, "generate", fake_generate)
-    kw = dict(groups=[0], close_id=9, every=2, count=4, k=1, suffix="", close="eos", lead="")
+    p = dict(PROTOCOL, every=2, count=4, k=1, suffix="", close="eos", lead="")
+    kw = dict(groups=[0], close_id=9, p=p)
     x, _, _, _ = confidence.posthoc_examples(model, _MergeTok(), [[1, 2, 3]], [[20, 20, 7]], ["never boxed"], ["7"], **kw)
     assert calls[-1] == [[1, 2, 3, 20, 20, 0], [1, 2, 3, 20, 20, 7, 0]]       # budgets 2, 3, 3, 3 of 3 ids
     x, _, _, _ = confidence.posthoc_examples(model, _MergeTok(), [[1, 2, 3]], [[20, 20, 7]], ["never boxed"], ["7"],
-                                          tokens="text", **kw)
+                                             groups=[0], close_id=9, p=dict(p, tokens="text"))
     assert calls[-1] == [[2, 3, 5, 6, 0], [2, 3, 5, 6, 5, 6, 0], [2, 3, 5, 6, 5, 6, 7, 0]]   # 2, 4, 5, 5 of 5
     # the feature at budget 4: prompt (BOS kept) + "abab" as re-tokenized
     want = confidence.features(model, [[1, 2, 3]], [[5, 6, 5, 6, 7]], [[4]], 0, final_norm=True)[0][0]
@@ -237,8 +242,8 @@ def test_posthoc_examples_budget_rule_natural_copy_and_last_box(monkeypatch):
 
     monkeypatch.setattr(confidence, "generate", fake_generate)
     x, y, g, stats = confidence.posthoc_examples(model, _CharTok(), prompts, responses, texts, golds,
-                                                 groups=[0, 0, 1], close_id=close, every=2, count=16, k=4,
-                                                 suffix="S \\boxed{", close="eos")
+                                                 groups=[0, 0, 1], close_id=close,
+                                                 p=dict(PROTOCOL, every=2, count=16, k=4, suffix="S \\boxed{", close="eos"))
     assert x.shape == (48, 16) and y.shape == (48,) and g.tolist() == [0] * 32 + [1] * 16
     # rollout 0: budget 2 < end 3 is sampled (1 of 4 right); the other 15 read the end (thinking 3)
     # and copy the natural answer (right); rollout 1: budgets 2, 4 sampled, the end (5) copied 14
@@ -437,12 +442,13 @@ def test_posthoc_labels_copy_the_natural_answer_only_if_the_thinking_is_boxed(mo
     responses = [[6, 7, 8, 9, 11], [6, 7, 8, 9, 11]]
     texts = ["3+4=7</think>\\boxed{7}", "so \\boxed{7}</think>\\boxed{7}"]
     positions, ends = [[2, 3, 3], [2, 3, 3]], [3, 3]
+    p = dict(PROTOCOL, k=4, suffix="\\boxed{", close="eos")
     labels, copied = confidence.posthoc_labels(torch.nn.Linear(1, 1), _CharTok(), [[1], [1]], responses, texts, ["7", "7"], positions,
-                                               ends, k=4, suffix="\\boxed{", close="eos")
+                                               ends, p)
     assert labels == [[0.25, 0.25, 0.25], [0.25, 1.0, 1.0]] and copied == 2
     # gate="none" (the toy's rule): a box anywhere in the response is copied
     labels, copied = confidence.posthoc_labels(torch.nn.Linear(1, 1), _CharTok(), [[1], [1]], responses, texts, ["7", "7"], positions,
-                                               ends, k=4, suffix="\\boxed{", close="eos", gate="none")
+                                               ends, dict(p, gate="none"))
     assert labels == [[0.25, 1.0, 1.0], [0.25, 1.0, 1.0]] and copied == 4
 
 
@@ -461,8 +467,8 @@ def test_posthoc_labels_decode_one_bounded_shape_at_a_time(monkeypatch):
     positions = [list(range(30, n + 1, 30)) for n in lengths]
     shapes = Shapes(monkeypatch)
     labels, copied = confidence.posthoc_labels(model, tok, [[5, 6]] * 6, responses, [""] * 6, ["3"] * 6,
-                                               positions, lengths, k=4, suffix="{", close="eos",
-                                               copy_natural=False, max_new_tokens=8, rows=8)
+                                               positions, lengths, dict(PROTOCOL, k=4, suffix="{", close="eos",
+                                                                        copy_natural=False), rows=8)
     assert [len(y) for y in labels] == [len(p) for p in positions] and copied == 0
     assert len(shapes.made) >= 4 and max(s["rows"] for s in shapes.made) == 8
     assert max(s["alive"] for s in shapes.made) == 1

@@ -184,7 +184,7 @@ def test_a_local_gpqa_file_is_built_as_the_hubs_gpqa(tmp_path):
     from evaluation import benchmarks
     path = tmp_path / "gpqa.jsonl"
     path.write_text(json.dumps(GPQA_ROW) + "\n")
-    name, rows, _ = benchmarks.load_benchmark(f"gpqa={path}")
+    name, rows, _, _ = benchmarks.load_benchmark(f"gpqa={path}")
     assert name == "gpqa" and rows == [{"problem": "Which gas do plants absorb?\n\nA) Helium\nB) Carbon dioxide\n"
                                                    "C) Oxygen\nD) Neon", "answer": "B"}]
     assert (rows[0]["problem"], rows[0]["answer"]) == data._choices(GPQA_ROW, 0, data.BENCHMARKS["gpqa"])

@@ -77,7 +77,7 @@ def test_benchmark_fixtures_in_their_real_layout(name, count, first_answer):
     path = os.path.join(FIXTURES, f"{name}.jsonl")
     with open(path) as f:
         raw = [json.loads(line) for line in f]
-    bench, rows, instruction = benchmarks.load_benchmark(f"{name}={path}")
+    bench, rows, instruction, _ = benchmarks.load_benchmark(f"{name}={path}")
     assert bench == name and len(rows) == count and instruction == data.INSTRUCTION
     assert rows[0]["problem"] == (raw[0].get("problem") or raw[0]["question"]).strip()
     assert rows[0]["answer"] == (first_answer or str(raw[0]["answer"]))
@@ -207,8 +207,8 @@ def test_the_runs_own_probe_is_read_at_its_training_budgets(run_dir, tmp_path, m
     run = tmp_path / "run"
     (run / "checkpoints" / "step_000001").mkdir(parents=True)
     (run / "config.json").write_text(json.dumps({"budgets": [1.0]}))
-    assert confidence.run_fractions(str(run / "checkpoints" / "step_000001")) == (1.0,)
-    assert confidence.run_fractions(str(run)) == (1.0,)
+    assert benchmarks.run_config(str(run / "checkpoints" / "step_000001"))["budgets"] == [1.0]
+    assert benchmarks.run_config(str(run))["budgets"] == [1.0]
 
 
 def test_interrupted_evaluation_resumes_without_regenerating(toy_dir, tmp_path, monkeypatch):
@@ -301,13 +301,24 @@ def test_an_rlcr_run_is_prompted_and_graded_in_its_answer_tags(toy_dir, tmp_path
     assert again["rlcrrun/step_000010"]["benchmarks"]["toy"]["acc"] == 0.0
 
 
-def test_the_pooled_toy_fit_takes_every_toy_benchmarks_train_split_in_turn(toy_dir, tmp_path):
+def fit_rows(src, monkeypatch, tmp_path, count):
+    """The questions get_probe fits the post-hoc probe on for --probe-data src (the fit itself skipped)."""
+    seen = {}
+    with monkeypatch.context() as m:
+        m.setattr(confidence, "posthoc_probe", lambda cache, model, tok, questions, *a, **k:
+                  seen.update(rows=questions) or (None, {}))
+        args = evaluate.parse_args(["--model", "toy", "--probe-data", src, "--probe-questions", str(count)])
+        confidence.get_probe("probe-posthoc", None, None, "base", toy.BASE_DIR, str(tmp_path), args, 0)
+    return seen["rows"]
+
+
+def test_the_pooled_toy_fit_takes_every_toy_benchmarks_train_split_in_turn(toy_dir, tmp_path, monkeypatch):
     # --probe-data toy-pooled: the matched fit, on every toy benchmark's train split, so the post-hoc
     # confidence is not fixed at RL's distribution's accuracy (docs/toy-world.md).
     splits = {name: data.load_rows(name, split="train") for name in data.TOY_BENCHMARKS}
-    rows = confidence.toy_fit_rows("toy-pooled")
+    rows = fit_rows("toy-pooled", monkeypatch, tmp_path, 10 * toy.N_TRAIN)
     assert rows[:6] == [splits[name][i] for i in (0, 1) for name in data.TOY_BENCHMARKS]
-    assert len(rows) == 3 * toy.N_TRAIN and confidence.toy_fit_rows("toy") == splits["toy"]
+    assert len(rows) == 3 * toy.N_TRAIN and fit_rows("toy", monkeypatch, tmp_path, 10 * toy.N_TRAIN) == splits["toy"]
     res = evaluate.main(["--model", toy_dir, "--benchmarks", "toy-sub", *FAST, "--out", str(tmp_path),
                          "--probe-data", "toy-pooled", "--probe-questions", "6", "--probe-samples", "2",
                          "--posthoc-budgets", "2"])
@@ -557,7 +568,6 @@ def test_a_bad_run_config_is_one_line_when_evaluating_the_run(case, tmp_path):
     ckpt = tmp_path / "run" / "checkpoints" / "step_000001"
     os.makedirs(ckpt)
     write(tmp_path / "run" / "config.json", content)
-    for read in (benchmarks.run_config, confidence.run_fractions):
-        with pytest.raises(UserError) as e:
-            read(str(ckpt))
-        assert str(tmp_path / "run") in str(e.value) and words in str(e.value), str(e.value)
+    with pytest.raises(UserError) as e:
+        benchmarks.run_config(str(ckpt))
+    assert str(tmp_path / "run") in str(e.value) and words in str(e.value), str(e.value)

@@ -25,7 +25,7 @@ ADD_WRONG = "</think>\n```python\nclass Solution:\n    def addTwo(self, a, b):\n
 
 
 def test_lcb_rows_from_the_raw_layout_in_the_release_window():
-    name, rows, instruction = benchmarks.load_benchmark(f"lcb={LCB}")
+    name, rows, instruction, _ = benchmarks.load_benchmark(f"lcb={LCB}")
     assert (name, len(rows), instruction) == ("lcb", 2, "")      # the 2024-03 contest is outside v4_v5
     stdin, functional = rows
     assert stdin["problem"] == (
@@ -44,7 +44,7 @@ def test_lcb_rows_from_the_raw_layout_in_the_release_window():
     assert len(json.loads(functional["answer"])["tests"]) == 2
     assert [r["problem"].split("Question: ")[1][:8] for r in data.load_rows(LCB, like="lcb", lcb_release="v1")] \
         == ["Print 1."]
-    assert benchmarks.benchmark_source(f"lcb={LCB}") == os.path.realpath(LCB) + ":v4_v5"
+    assert benchmarks.load_benchmark(f"lcb={LCB}")[3] == os.path.realpath(LCB) + ":v4_v5"
     with pytest.raises(data.DataError, match="--lcb-release 'v5_v4'"):
         data.lcb_window("v5_v4")
 
@@ -62,7 +62,7 @@ def test_the_code_grader_runs_the_last_block_against_every_test():
 
 
 def test_logiqa_rows_show_lettered_options_and_grade_like_gpqa():
-    name, rows, instruction = benchmarks.load_benchmark(f"logiqa={LOGIQA}")
+    name, rows, instruction, _ = benchmarks.load_benchmark(f"logiqa={LOGIQA}")
     assert (name, len(rows), instruction) == ("logiqa", 3, data.LOGIQA_INSTRUCTION)
     assert rows[0] == {"problem": "All cats are animals. Tom is a cat.\n\nWhich must be true?\n\nA. Tom is a dog.\n"
                                   "B. Tom is an animal.\nC. Tom is not an animal.\nD. No cat is Tom.", "answer": "B"}
@@ -101,8 +101,9 @@ def test_posthoc_labels_for_code_force_a_program_and_run_it(monkeypatch):
     monkeypatch.setattr(confidence, "sample_by_length", fake_sample)
     response = tok.encode("abc", add_special_tokens=False)
     labels, copied = confidence.posthoc_labels(
-        None, tok, [[5, 6]], [response], ["abc"], [gold], [[1, 3]], [3], k=2, suffix=benchmarks.CODE_SUFFIX,
-        max_new_tokens=confidence.CODE_TOKENS, grader="code")
+        None, tok, [[5, 6]], [response], ["abc"], [gold], [[1, 3]], [3],
+        dict(k=2, suffix=benchmarks.CODE_SUFFIX, close="think", stop=(), copy_natural=True, seed=0,
+             lead=confidence.EVAL_LEAD, gate="thinking", grader="code"))
     # budget 1: half the forced programs pass; budget 3 (the end): the natural answer (no code) copied
     assert (labels, copied) == ([[0.5, 0.0]], 1)
     assert asked["max_new_tokens"] == 2048 and asked["k"] == 2
@@ -283,7 +284,7 @@ def test_a_one_row_lcb_jsonl_with_decoded_tests_and_metadata_is_that_row(tmp_pat
                metadata={"func_name": None})
     path = tmp_path / "lcb.jsonl"
     path.write_text(json.dumps(row) + "\n")
-    name, rows, _ = benchmarks.load_benchmark(f"lcb={path}")
+    name, rows, _, _ = benchmarks.load_benchmark(f"lcb={path}")
     assert name == "lcb" and len(rows) == 1
     gold = json.loads(rows[0]["answer"])
     assert gold == {"tests": json.loads(first["public_test_cases"]) + row["private_test_cases"], "fn_name": None}

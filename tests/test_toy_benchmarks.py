@@ -56,7 +56,7 @@ def test_the_worlds_rows_are_as_they_were():
         assert hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16] == pin, where
 
 
-def test_the_toy_names_read_the_worlds_rows_and_toy_world_marks_a_model_folder_as_toy(tmp_path):
+def test_the_toy_names_read_the_worlds_rows_and_toy_world_marks_a_model_folder_as_toy(tmp_path, monkeypatch):
     """The toy benchmark names read the world's rows (train.py's --data / --eval-data, evaluate.py's
     benchmarks and toy post-hoc fits); --toy-world given with a --model folder applies the toy world's
     defaults; a run keeps its world on resume and refuses another."""
@@ -65,8 +65,9 @@ def test_the_toy_names_read_the_worlds_rows_and_toy_world_marks_a_model_folder_a
     assert data.load_rows("toy", split="test") == rows["test"]
     [(name, got, _, _)] = benchmarks.load_benchmarks(["toy"], limit=3)
     assert (name, got) == ("toy", rows["test"][:3])
-    assert confidence.toy_fit_rows("toy") == rows["train"]
-    assert confidence.toy_fit_rows("toy-pooled")[:3] == [toy.dataset("train", b)[0] for b in data.TOY_BENCHMARKS]
+    from test_evaluate import fit_rows
+    assert fit_rows("toy", monkeypatch, tmp_path, 10 * toy.N_TRAIN) == rows["train"]
+    assert fit_rows("toy-pooled", monkeypatch, tmp_path, 3)[:3] == [toy.dataset("train", b)[0] for b in data.TOY_BENCHMARKS]
 
     cfg = config.resolve_args(["--model", toy.BASE_DIR, "--toy-world", toy.WORLD, "--out", str(tmp_path / "a")])
     assert (cfg["toy_world"], cfg["data"], cfg["max_new_tokens"], cfg["lr"], cfg["lam"]) == \

@@ -100,9 +100,8 @@ def test_posthoc_labels_inside_the_thinking_copy_the_path_on_the_warm_start(tmp_
     ends = [think_end(r, tok.convert_tokens_to_ids("</think>")) for r in out.ids]
     positions = [confidence.posthoc_budgets(e, p["every"], p["count"]) for e in ends]
     labels, _ = confidence.posthoc_labels(model, tok, [asked[i] for i in out.prompt_index], out.ids, out.texts,
-                                       [rows[i]["answer"] for i in out.prompt_index], positions, ends, p["k"],
-                                       p["suffix"], p["close"], tuple(p["stop"]), p["copy_natural"], seed=1,
-                                       lead=p["lead"], gate=p["gate"])
+                                       [rows[i]["answer"] for i in out.prompt_index], positions, ends,
+                                       dict(p, seed=1))
     cuts = {False: [], True: []}   # in-thinking labels before any wrong total, and after one
     for r, i, ps, e, ys in zip(out.ids, out.prompt_index, positions, ends, labels):
         for b, y in zip(ps, ys):
