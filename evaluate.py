@@ -283,6 +283,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     threads = torch.get_num_threads()
+    results = None   # set once every model is evaluated: then the ranks leave the group together
     try:   # what argparse cannot check, and a missing model: one line and exit 2, like argparse and train.py
         check_values(vars(args), LIMITS)
         data.lcb_window(args.lcb_release)
@@ -332,7 +333,7 @@ def main(argv=None):
         torch.set_num_threads(threads)
         LOCKS.close()
         HELD.clear()
-        teardown()
+        teardown(results is not None)
     if results is None:
         print("\ninterrupted: the samples so far are kept; run the same command again to continue",
               file=sys.stderr)
