@@ -418,7 +418,6 @@ RLCR_INSTRUCTION = ("\n\nLet's think step by step. Output the final answer insid
                     "your confidence and uncertainty inside <analysis> </analysis>. Finally, output a confidence "
                     "score between 0 and 1 inside <confidence> </confidence>.\n\nUse exactly this format:\n"
                     + RLCR_FORMAT)
-TEMPLATE_SECONDS = 5  # the most one chat-template render may take; a real template takes milliseconds
 # LogiQA is multiple choice with four options shown as A. to D.; the letter is asked for in a box.
 LOGIQA_INSTRUCTION = (" Let's think step by step and output the letter of the correct option (A, B, C or D) "
                       "within \\boxed{}.")
@@ -429,33 +428,11 @@ def instruction_for(name):
     return {"lcb": "", "logiqa": LOGIQA_INSTRUCTION}.get(name, INSTRUCTION)
 
 
-class _Slow(BaseException):
-    """Raised by the render timer; a BaseException, so that no `except Exception` swallows it."""
-
-
 def _render(tokenizer, messages, **kw):
-    """apply_chat_template, where a template that raises, is missing, or renders for over
-    TEMPLATE_SECONDS (an interval timer: main thread only) is one DataError line."""
-    import signal
-    import threading
+    """apply_chat_template, where a template that raises or is missing is one DataError line."""
     from jinja2 import TemplateError
-
-    def stop(signum, frame):
-        raise _Slow
-    timed = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
     try:
-        if timed:
-            before = signal.signal(signal.SIGALRM, stop)
-            signal.setitimer(signal.ITIMER_REAL, TEMPLATE_SECONDS)
-        try:
-            return tokenizer.apply_chat_template(messages, **kw)
-        finally:
-            if timed:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-                signal.signal(signal.SIGALRM, before or signal.SIG_DFL)  # None: a handler set outside Python
-    except _Slow:
-        raise DataError(f"this model's chat template renders one prompt for over {TEMPLATE_SECONDS} s: "
-                        "fix its chat_template") from None
+        return tokenizer.apply_chat_template(messages, **kw)
     except (TemplateError, ValueError, TypeError) as e:
         fix = " or drop --system-prompt" if messages[0]["role"] == "system" else ""
         raise DataError(f"this model's chat template cannot render the prompt ({type(e).__name__}: "
