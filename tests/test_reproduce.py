@@ -14,7 +14,6 @@ import torch
 from safetensors.torch import save_file
 
 import reproduce
-from harness.files import UserError
 from runs import ROOT
 
 TRAIN = ("--steps 1 --prompts-per-step 4 --group-size 4 --max-new-tokens 40 --eval-n 8 --eval-every 0 "
@@ -276,29 +275,6 @@ def test_an_evaluation_made_with_other_settings_is_redone(done, capsys):
     assert _base_entry(out)[1]["toy"]["benchmarks"]["toy"]["n"] == 4
     reproduce.main(base + ["--eval-args", EVAL])
     assert "base seed 0: evaluated already" in capsys.readouterr().out
-
-
-@pytest.mark.slow   # the `done` reproduction
-@pytest.mark.parametrize("damage", ["missing pce", "acc a string"])
-def test_a_damaged_entry_is_evaluated_again(done, capsys, damage):
-    out, argv = done
-    path, res = _base_entry(out)
-    toy = res["toy"]["benchmarks"]["toy"]
-    good = dict(toy)
-    if damage == "missing pce":
-        del toy["pce"]
-    else:
-        toy["acc"] = str(toy["acc"])
-    with open(path, "w") as f:
-        json.dump(res, f)
-    assert reproduce.eval_entry(os.path.dirname(path), "toy", reproduce.model_of(None)[1]) is None
-    with pytest.raises(UserError, match=f"{path} holds no complete toy results for toy: run the command again"):
-        reproduce.over_seeds(out, ["base"], {"base": [0]})
-    reproduce.main(argv)   # at 81f6578: a KeyError traceback / a FAILED line that no rerun clears
-    printed = capsys.readouterr().out
-    assert "base seed 0: evaluated in" in printed and "grpo seed 0: evaluated already" in printed
-    assert _base_entry(out)[1]["toy"]["benchmarks"]["toy"]["acc"] == good["acc"]
-    assert reproduce.over_seeds(out, ["base"], {"base": [0]})["base"]["mean"]["toy"]["pce"] == good["pce"]
 
 
 POISON = "--lr -1"   # were the flags below passed on, the child would fail at once
