@@ -428,36 +428,6 @@ def test_train_reads_verl_layout_parquets(verl_files, tmp_path):
     assert all(m["eval_n"] == 3 and m["eval_accuracy"] <= 2 / 3 for m in held)   # the third gold, "-1", is never right
 
 
-def test_an_unbounded_row_stops_train_and_evaluate_before_any_model_loads(tmp_path, monkeypatch, capsys):
-    """A 300,000-character problem or a lone surrogate in a data file: one line naming the file and the
-    row, before any model is loaded (red team 4, cases 26 and 27: before, 46 s and 2.3 GB, then the
-    model's chat template was blamed). train.py exits 2; evaluate.py ends, as for every user error, with
-    its one line."""
-    def no_model(*a, **k):
-        raise AssertionError("a model was loaded")
-    monkeypatch.setattr(train, "load_policy", no_model)
-    monkeypatch.setattr(evaluate.models, "load_model", no_model)
-    big, lone = tmp_path / "big.jsonl", tmp_path / "lone.jsonl"
-    big.write_text(json.dumps({"problem": "1+" * 150_000, "answer": "1"}) + "\n")
-    lone.write_text('{"problem": "2+2", "answer": "4"}\n{"problem": "2+2 \\ud800", "answer": "4"}\n')
-    # red team 5, case 6: an integer over Python's 4,300 digits was a ValueError traceback naming no file
-    row, long = '{"problem": "2+2", "answer": 4}', '{"problem": "2+2", "answer": %s}' % ("4" * 5000)
-    digits = "holds an integer of over 4,300 digits, which Python does not read as a number: fix the row"
-    cases = [(big, "row 0 has a problem of 300,000 characters"), (lone, "row 1 problem is not valid Unicode")]
-    for name, text, line in (("int3.jsonl", f"{row}\n{row}\n{long}\n", 3),
-                             ("int1.jsonl", f"{long}\n{row}\n", 1), ("int2.json", f"[{row},\n{long}]", 2)):
-        cases.append((tmp_path / name, f"line {line} {digits}"))
-        cases[-1][0].write_text(text)
-    for path, why in cases:
-        with pytest.raises(SystemExit) as e:
-            train.main(["--data", str(path), "--steps", "1", "--out", str(tmp_path / f"run_{path.stem}")])
-        err = capsys.readouterr().err.strip()
-        assert e.value.code == 2 and err.startswith(f"error: {path}: {why}") and "\n" not in err, err
-        line = refusal(capsys, evaluate.main, ["--model", "toy", "--benchmarks", f"math500={path}", "--out",
-                                               tmp_path / "eval"])
-        assert line.startswith(f"evaluate.py: error: {path}: {why}"), line
-
-
 def test_the_posthoc_fit_shows_each_phase_and_evaluate_ends_naming_its_folder(tmp_path, capsys):
     # newcomer 6: minutes of silence after the forced answers' bar, and no word of where the results went
     out = tmp_path / "eval"
