@@ -1,4 +1,4 @@
-"""config.py: a config file's values pass the command line's limits; every flag says what it does."""
+"""config.py: a config file's values pass the flags' limits; every flag says what it does."""
 import json
 import os
 
