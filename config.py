@@ -264,34 +264,6 @@ def check_values(cfg, limits=LIMITS):
             raise UserError(f"--{key.replace('_', '-')} {v}: must be {what}")
 
 
-def check_saved(saved, where):
-    """UserError for a value in the config file `where` that the command line would refuse."""
-    actions = {a.dest: a for a in build_parser()._actions}
-    for key, v in saved.items():
-        a = actions.get(key)
-        if a is None or v is None:
-            continue
-        number = isinstance(v, (int, float)) and not isinstance(v, bool)
-        if a.choices:
-            ok, what = v in a.choices, "one of " + ", ".join(a.choices)
-        elif a.type is int:
-            ok, what = number and isinstance(v, int), "an integer"
-        elif a.type is float:
-            ok, what = number, "a number"
-        elif a.type is fractions:
-            ok = isinstance(v, list) and bool(v) and all(
-                isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f <= 1 for f in v)
-            what = "a list of fractions in (0, 1], e.g. [0.25, 0.5]"
-        elif a.nargs == 0:
-            ok, what = isinstance(v, bool), "true or false"
-        else:
-            ok, what = isinstance(v, str), "a string"
-        if ok and key in LIMITS:
-            ok, what = (not isinstance(v, float) or math.isfinite(v)) and LIMITS[key][0](v), LIMITS[key][1]
-        if not ok:
-            raise UserError(f"{json.dumps(key)}: {json.dumps(v)[:60]} in {where}: must be {what}")
-
-
 def check_world(cfg, world):
     """Prompt groups go to the ranks in turn: a rank without one would stall the next collective."""
     n = cfg["prompts_per_step"]
@@ -309,7 +281,6 @@ def resolve_args(argv):
     if flag:
         path = given[flag[2:]]
         saved = read_config(path) if flag == "--resume" else _read_config(path)
-        check_saved(saved, os.path.join(path, "config.json") if flag == "--resume" else path)
         fn = saved.get("reward_fn")
         if fn and not given.get("reward_fn"):   # no code runs because a file says so
             raise UserError(f"{flag} {path}: the run was started with --reward-fn {fn}, which is "

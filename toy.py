@@ -82,10 +82,6 @@ def dataset(split, name="toy"):
     """Deterministic rows dict(problem="3+5+7+2", answer="17") of one of BENCHMARKS; a hash of the
     problem picks its split (a tenth are test). Under "+-" a term after the first is subtracted with
     probability 1/2 where the total stays >= 0, at least once a problem ("9-3+5-2")."""
-    if split not in ("train", "test"):
-        raise ValueError(f"toy split must be 'train' or 'test', got {split!r}")
-    if name not in BENCHMARKS:
-        raise ValueError(f"unknown toy benchmark {name!r}; known: {', '.join(BENCHMARKS)}")
     (lo, hi), signs = BENCHMARKS[name]
     rng = random.Random(f"legible-{name}-{split}")   # a fixed seed per benchmark and split
     n, seen = (N_TEST if split == "test" else N_TRAIN), {}

@@ -16,7 +16,6 @@ from contextlib import ExitStack
 import torch
 import torch.distributed as dist
 
-import config  # check_saved: the saved values as train.py's parser would take them
 import data
 import label as label_lib
 import baselines
@@ -144,9 +143,7 @@ def run_config(path):
         return {}
     run = run_dir(path) or (path if os.path.isdir(os.path.join(path, "checkpoints")) else None)
     if run and os.path.isfile(os.path.join(run, "config.json")):
-        cfg = read_config(run, flag="--model")
-        config.check_saved(cfg, os.path.join(run, "config.json"))
-        return cfg
+        return read_config(run, flag="--model")
     return {}
 
 

@@ -6,7 +6,6 @@ import os
 import platform
 import shlex
 import subprocess
-import sys
 from datetime import datetime, timezone
 
 from harness.files import UserError, appending, replacing, write_json
@@ -21,7 +20,6 @@ PANELS = (  # (title, metrics.jsonl keys); eval_* keys come from the held-out ro
     ("probe calibration", ("probe_ece", "eval_probe_ece", "eval_probe_auroc")),
     ("response length (tokens)", ("len_mean",)),
 )
-PLOTTED = {key for _, keys in PANELS for key in keys}
 # ECE and AUROC share the probe's panel but point opposite ways: each line says which way is good
 LABELS = {"probe_bce": "probe_bce (in-sample)", "probe_ece": "probe_ece (in-sample; lower is better)",
           "eval_probe_ece": "eval_probe_ece (lower is better)",
@@ -63,22 +61,14 @@ def append_jsonl(path, rows):
 
 
 def read_metrics(path):
-    """A metrics.jsonl's rows, numeric values only; one line on stderr counts what is skipped."""
-    rows, lines, values = [], 0, 0
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for line in filter(str.strip, f):
+    """A metrics.jsonl's rows, finite numbers only; a last line cut off by a kill is skipped."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
             try:
-                row = json.loads(line)
+                rows.append({k: v for k, v in json.loads(line).items() if _number(v)})
             except ValueError:
-                row = None
-            if not isinstance(row, dict) or not _number(row.get("step")):
-                lines += 1
-                continue
-            rows.append({k: v for k, v in row.items() if _number(v)})
-            values += sum(k in PLOTTED and v is not None and not _number(v) for k, v in row.items())
-    if lines or values:
-        print(f"{path}: skipped {lines} line(s) that are not rows and {values} value(s) that are not finite "
-              "numbers", file=sys.stderr)
+                pass
     return rows
 
 

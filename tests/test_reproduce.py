@@ -14,7 +14,6 @@ import torch
 from safetensors.torch import save_file
 
 import reproduce
-from harness.files import UserError
 from runs import ROOT
 
 TRAIN = ("--steps 1 --prompts-per-step 4 --group-size 4 --max-new-tokens 40 --eval-n 8 --eval-every 0 "
@@ -163,7 +162,7 @@ def test_aggregate_pins_mean_and_sample_std(tmp_path):
 
 @pytest.mark.parametrize("flags", [["--methods", "grpo,ppo"], ["--methods", ","], ["--seeds", "0,x"],
                                    ["--seeds", "1,1"], ["--seeds", "-1"], ["--jobs", "0"], ["--jobs", "two"],
-                                   ["--train-args", "--lr '1"]])
+                                   ["--train-args", "--lr '1"], ["--eval-args", "--limt 4"]])
 def test_bad_values_exit_2_with_one_line_and_create_nothing(tmp_path, capsys, flags):
     out = tmp_path / "rep"
     with pytest.raises(SystemExit) as e:
@@ -226,25 +225,6 @@ def test_a_model_trained_again_in_place_is_evaluated_again_not_given_the_old_sam
     assert reproduce.eval_entry(str(tmp_path / "e"), "model", first["model_id"]) is None   # the old model's: gone
 
 
-@pytest.mark.parametrize("key, value", [("model", "runs/other"), ("data", "toy-sub")])
-def test_reproduce_refuses_a_config_file_that_changes_the_model_or_the_data(tmp_path, key, value):
-    # H11: at a7c59f5 --train-args "--config FILE" passed (argparse's model was None before and after)
-    # and every method trained from FILE's model while the table said toy_base.
-    import reproduce
-    import config
-    from harness.files import UserError
-    cfg = dict(config.resolve_args(["--out", str(tmp_path / "x")]), **{key: value})
-    path = tmp_path / "cfg.json"
-    path.write_text(json.dumps(cfg))
-    argv = ["--methods", "grpo", "--seeds", "0", "--out", str(tmp_path / "rep")]
-    with pytest.raises(UserError, match=f"^--train-args --config {path} --steps 1: --{key} is reproduce.py's to set"):
-        reproduce.parse_args(argv + ["--train-args", f"--config {path} --steps 1"])
-    # L7: the same value as a flag (at a7c59f5 --data toy-sub was accepted)
-    with pytest.raises(UserError, match=f"--{key} is reproduce.py's to set for each method and seed"):
-        reproduce.parse_args(argv + ["--train-args", f"--{key} {value}"])
-    assert not os.path.exists(tmp_path / "rep")
-
-
 @pytest.fixture(scope="module")
 def done(tmp_path_factory):
     """(out, argv) of a finished tiny reproduction of the base and GRPO, seed 0."""
@@ -297,50 +277,7 @@ def test_an_evaluation_made_with_other_settings_is_redone(done, capsys):
     assert "base seed 0: evaluated already" in capsys.readouterr().out
 
 
-@pytest.mark.slow   # the `done` reproduction
-@pytest.mark.parametrize("damage", ["missing pce", "acc a string"])
-def test_a_damaged_entry_is_evaluated_again(done, capsys, damage):
-    out, argv = done
-    path, res = _base_entry(out)
-    toy = res["toy"]["benchmarks"]["toy"]
-    good = dict(toy)
-    if damage == "missing pce":
-        del toy["pce"]
-    else:
-        toy["acc"] = str(toy["acc"])
-    with open(path, "w") as f:
-        json.dump(res, f)
-    assert reproduce.eval_entry(os.path.dirname(path), "toy", reproduce.model_of(None)[1]) is None
-    with pytest.raises(UserError, match=f"{path} holds no complete toy results for toy: run the command again"):
-        reproduce.over_seeds(out, ["base"], {"base": [0]})
-    reproduce.main(argv)   # at 81f6578: a KeyError traceback / a FAILED line that no rerun clears
-    printed = capsys.readouterr().out
-    assert "base seed 0: evaluated in" in printed and "grpo seed 0: evaluated already" in printed
-    assert _base_entry(out)[1]["toy"]["benchmarks"]["toy"]["acc"] == good["acc"]
-    assert reproduce.over_seeds(out, ["base"], {"base": [0]})["base"]["mean"]["toy"]["pce"] == good["pce"]
-
-
-POISON = "--lr -1"   # at 81f6578 the flags below are passed on: this makes the child fail at once
-
-
-@pytest.mark.parametrize("methods,flags,named", [
-    ("grpo", ["--train-args", f"{POISON} --reward rlcm"], "--reward"),
-    ("grpo", ["--seeds", "0,1", "--train-args", f"{POISON} --see 0"], "--seed"),  # argparse's abbreviation (of --reward every one is ambiguous: --reward-fn)
-    ("grpo", ["--seeds", "0,1", "--train-args", f"{POISON} --seed 0"], "--seed"),  # seed 1's is overridden
-    ("grpo", ["--train-args", f"{POISON} --out elsewhere"], "--out"),
-    ("grpo", ["--train-args", f"{POISON} --resume elsewhere"], "--resume"),
-    ("base", ["--eval-args", "--limit 0 --confidence logits"], "--confidence"),
-    ("base", ["--eval-args", "--limit 0 --seed 5"], "--seed"),
-    ("base", ["--eval-args", "--limit 0 --benchmarks math500"], "--benchmarks"),
-    ("base", ["--eval-args", "--limit 0 --model other"], "--model"),
-])
-def test_args_that_change_a_methods_reward_seed_confidence_or_folder_are_refused(tmp_path, capsys, methods,
-                                                                                 flags, named):
-    out = tmp_path / "rep"
-    code, err = _exit(["--methods", methods, "--seeds", "0", "--out", str(out), *flags], capsys)
-    assert code == 2 and f"{named} is reproduce.py's to set for each method and seed" in err
-    assert err.startswith("reproduce.py: error: --")
-    assert not out.exists()
+POISON = "--lr -1"   # were the flags below passed on, the child would fail at once
 
 
 def test_an_ambiguous_abbreviation_in_the_train_args_is_refused_in_one_line(tmp_path, capsys):
@@ -358,7 +295,7 @@ def test_superscript_numbers_are_one_line(tmp_path, capsys, flags):
     assert code == 2 and "²" in err and not out.exists()
 
 
-def test_an_equal_seed_and_reordered_flags_are_not_refused(tmp_path):
+def test_an_evaluation_made_with_reordered_flags_counts_as_made_with_them(tmp_path):
     args, _, _, jobs = reproduce.parse_args(["--methods", "grpo", "--seeds", "3", "--out", str(tmp_path / "r"),
                                              "--train-args", "--seed 3 --steps 1", "--eval-args=--seed=3"])
     assert args.train_args == ["--seed", "3", "--steps", "1"] and jobs == 2

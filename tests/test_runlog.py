@@ -238,22 +238,14 @@ def test_evaluating_fewer_benchmarks_keeps_the_others_in_results_json(tmp_path, 
 METRICS = json.dumps(dict(step=1, reward=0.5, accuracy=0.25, len_mean=30)) + "\n"
 
 
-@pytest.mark.parametrize("tail,lines,values", [
-    ('{"step": 2, "rew', 1, 0),                                  # a kill mid-write
-    ("[1, 2, 3]\n", 1, 0),                                      # not an object
-    ('{"step": 2, "reward": Infinity, "accuracy": NaN}\n', 0, 2),
-    ('{"step": 2, "reward": "0.7", "len_mean": [3]}\n{"step": "3", "reward": 1}\n', 1, 2),
-])
-def test_the_plot_skips_what_it_cannot_draw_and_says_so(tmp_path, capsys, tail, lines, values):
+def test_the_plot_skips_a_line_cut_off_by_a_kill(tmp_path, capsys):
     path = tmp_path / "metrics.jsonl"
-    path.write_text(METRICS + tail)
+    path.write_text(METRICS + '{"step": 2, "rew')
     train.main(["--plot", str(tmp_path)])
-    out, err = capsys.readouterr()
+    out = capsys.readouterr().out
     assert out.strip() == str(tmp_path / "curves.png") and os.path.getsize(out.strip()) > 0
-    assert err.strip() == (f"{path}: skipped {lines} line(s) that are not rows and {values} value(s) that are "
-                           "not finite numbers")
-    assert path.read_text() == METRICS + tail   # only read
-    assert runlog.read_metrics(str(path))[0] == dict(step=1, reward=0.5, accuracy=0.25, len_mean=30)
+    assert path.read_text() == METRICS + '{"step": 2, "rew'   # only read
+    assert runlog.read_metrics(str(path)) == [dict(step=1, reward=0.5, accuracy=0.25, len_mean=30)]
 
 
 def test_the_probe_panel_says_which_way_each_metric_is_better(tmp_path, monkeypatch):

@@ -40,8 +40,6 @@ def test_benchmarks_are_deterministic_disjoint_and_what_they_say():
         assert sizes == ({7, 8} if name == "toy-long" else {4, 5, 6})
         minus = {"-" in r["problem"] for r in test}
         assert minus == ({True} if name == "toy-sub" else {False})   # every toy-sub problem subtracts
-    with pytest.raises(ValueError, match="toy-hard"):
-        toy.dataset("test", "toy-hard")
 
 
 def test_the_worlds_rows_are_as_they_were():
