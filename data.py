@@ -9,11 +9,15 @@ import math
 import os
 import random
 import re
+import sys
 
 from grade import plain_number as _number  # integer gold answers: "025" -> "25"
 from harness.files import UserError, first_line, sha256
 
 PROBLEM_FIELDS = ("problem", "question", "prompt", "Question", "query")
+# The longest problem a row may hold, in characters (real ones are under 10,000): a broken file is
+# refused before tokenizing it takes minutes.
+MAX_PROBLEM_CHARS = 200_000
 # Answer-like names only: `solution` is a worked text, never a gold answer.
 ANSWER_FIELDS = ("answer", "final_answer", "gold", "target", "Correct Answer")
 
@@ -86,6 +90,10 @@ def _lcb_field(r, name, default, decode=json.loads):
     if isinstance(value, str):
         try:
             return decode(value)
+        except RecursionError:   # nested thousands deep: no test is
+            raise ValueError(f"{name} is nested too deep to be tests") from None
+        except MemoryError:      # a zlib bomb larger than this machine's memory
+            raise ValueError(f"{name} decodes to more than this machine's memory") from None
         except ValueError as e:
             raise ValueError(f"{name}: {first_line(e)}") from None
     return value
@@ -207,6 +215,11 @@ def _read_file(path):
             except json.JSONDecodeError as e:
                 raise DataError(f"{path} is neither JSON nor JSON lines (line {i + 1}, column {e.colno}: "
                                 f"{e.msg}): fix the file") from None
+            except ValueError:
+                raise _long_integer(path, i + 1) from None
+    except ValueError:   # a document (or a first line) stopped before its end: the line of the first long run
+        digits = re.search(r"\d{%d}" % (sys.get_int_max_str_digits() + 1), text)
+        raise _long_integer(path, text.count("\n", 0, digits.start()) + 1 if digits else "?") from None
     if isinstance(data, dict):   # a .jsonl of one line is one row, whatever fields it holds
         lists = [v for v in data.values() if isinstance(v, list)]
         data = lists[0] if len(lists) == 1 and not path.lower().endswith(".jsonl") else [data]
@@ -214,6 +227,11 @@ def _read_file(path):
         raise DataError(f"{path} holds {json.dumps(data)[:40]} at the top level, not rows: give a "
                         "list of objects with problem and answer fields, or one object per line")
     return data
+
+
+def _long_integer(path, line):  # json.loads' plain ValueError past sys.get_int_max_str_digits
+    return DataError(f"{path}: line {line} holds an integer of over {sys.get_int_max_str_digits():,} digits, "
+                     "which Python does not read as a number: fix the row (or write the value as a string)")
 
 
 def _looks_local(source):
@@ -300,6 +318,19 @@ def _gradable(where, i, field, value):
     return value
 
 
+def _check_text(where, i, problem, answer):
+    """A problem of at most MAX_PROBLEM_CHARS; valid Unicode (JSON can spell a lone surrogate)."""
+    if len(problem) > MAX_PROBLEM_CHARS:
+        raise DataError(f"{where}: row {i} has a problem of {len(problem):,} characters, over the "
+                        f"{MAX_PROBLEM_CHARS:,} a row may hold (data.MAX_PROBLEM_CHARS): fix or drop the row")
+    for field, text in (("problem", problem), ("answer", answer)):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise DataError(f"{where}: row {i} {field} is not valid Unicode ({e.reason}, {text[e.start]!r} at "
+                            f"character {e.start}): fix the row") from None
+
+
 def load_rows(source, split=None, problem_field=None, answer_field=None, limit=None, like=None,
               lcb_release=LCB_RELEASE):
     """[{"problem": str, "answer": str}] from a TOY_BENCHMARKS or BENCHMARKS name, a local
@@ -373,6 +404,7 @@ def load_rows(source, split=None, problem_field=None, answer_field=None, limit=N
         if not problem or answer in (None, ""):
             raise DataError(f"{where}: row {i} has an empty {'problem' if not problem else 'answer'} "
                             f"(fields {pf!r}, {af!r}): fix the data or pass --problem-field/--answer-field")
+        _check_text(where, i, problem, answer)
         rows.append({"problem": problem, "answer": answer, **({"messages": messages} if messages else {})})
     return rows
 

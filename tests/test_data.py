@@ -116,6 +116,29 @@ def test_toy_source_calls_toy_dataset(monkeypatch):
     assert seen == [("train", "toy"), ("test", "toy"), ("test", "toy-long")]
 
 
+def test_rows_are_bounded_where_they_are_read(tmp_path):
+    """A problem over MAX_PROBLEM_CHARS, or text that is not valid Unicode (a lone surrogate, which
+    JSON can spell), is one line naming the file and the row, not minutes of tokenizing or a chat
+    template blamed for the data (red team 4, cases 26 and 27)."""
+    big = "1+" * 100_000 + "1"
+    path = write_jsonl(tmp_path / "big.jsonl", [{"problem": "2+2", "answer": "4"}, {"problem": big, "answer": "1"}])
+    with pytest.raises(data.DataError) as e:
+        data.load_rows(path)
+    assert str(e.value) == (f"{path}: row 1 has a problem of 200,001 characters, over the 200,000 a row may "
+                            "hold (data.MAX_PROBLEM_CHARS): fix or drop the row")
+    assert data.load_rows(path, limit=1) == [{"problem": "2+2", "answer": "4"}]
+    at_bound = write_jsonl(tmp_path / "ok.jsonl", [{"problem": big[:-1], "answer": "1"}])
+    assert len(data.load_rows(at_bound)[0]["problem"]) == 200_000
+    lone = tmp_path / "lone.jsonl"
+    lone.write_text('{"problem": "2+2", "answer": "4"}\n{"problem": "2+2 \\ud800", "answer": "4"}\n')
+    with pytest.raises(data.DataError, match=rf"^{lone}: row 1 problem is not valid Unicode \(surrogates not "
+                                             r"allowed, '\\ud800' at character 4\): fix the row$"):
+        data.load_rows(str(lone))
+    lone.write_text('[{"problem": "2+2", "answer": "4\\udfff"}]')
+    with pytest.raises(data.DataError, match=rf"^{lone}: row 0 answer is not valid Unicode"):
+        data.load_rows(str(lone))
+
+
 def write_verl(path, rows):
     """A parquet in verl's layout, as the release ships its benchmarks and lead_80.parquet (its
     deepscaler_dataset script): rows of (chat content, ground truth)."""

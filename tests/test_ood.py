@@ -244,6 +244,8 @@ def test_samples_keep_their_text_on_any_benchmark_unless_no_log_text(tiny_dir, t
 
 
 BAD_ROWS = {   # (change to the fixture's first row, the words of the one line); at a7c59f5:
+    "deep private": ({"private_test_cases": "[" * 100000 + "]" * 100000}, "private_test_cases is nested too deep"),  # RecursionError
+    "deep public": ({"public_test_cases": "[" * 100000 + "]" * 100000}, "public_test_cases is nested too deep"),  # RecursionError
     "private an object": ({"private_test_cases": '{"a": 1}'}, "private_test_cases is dict, not a list of tests"),  # TypeError
     "no testtype": ({"private_test_cases": '[{"input": "1\\n7\\n", "output": "7\\n"}]'}, "test 1 is {\"input\""),  # KeyError at grading
     "a test a list": ({"private_test_cases": '[["1", "2"]]'}, "test 1 is [\"1\", \"2\"], not"),  # TypeError at grading
