@@ -13,12 +13,11 @@ from torch.utils.checkpoint import checkpoint
 
 
 def pack(prompts, responses, pad_id, logprobs=None):
-    """Right-pad N prompt + response pairs (token-id lists) into one batch: input_ids [N, L] long,
-    attention_mask [N, L] long, loss_mask [N, L-1] float (1 on response targets, by position: an
-    EOS equal to pad_id is trained), prompt_lens [N]; with logprobs (rollout.Samples')
+    """Right-pad N prompt (non-empty) + response pairs (id lists) into one batch: input_ids [N, L]
+    long, attention_mask [N, L] long, loss_mask [N, L-1] float (1 on response targets, by position:
+    an EOS equal to pad_id is trained), prompt_lens [N]; with logprobs (rollout.Samples')
     sampler_logp [N, L-1]. Example: prompt [5, 6], response [7, 2], L = 5 -> input_ids
-    [5, 6, 7, 2, pad], loss_mask [0, 1, 1, 0].
-    """
+    [5, 6, 7, 2, pad], loss_mask [0, 1, 1, 0]."""
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (the first response token is predicted from it)")
     n = len(prompts)
@@ -44,14 +43,11 @@ def pack(prompts, responses, pad_id, logprobs=None):
 
 def group_advantages(rewards, group_size, eps=1e-6, scale=True):
     """Per-group z-score: rewards [N] (N = groups * group_size, groups contiguous) -> advantages [N].
-
     A = (r - mean_group r) / (std_group r + eps) with the unbiased std (torch default);
     scale=False gives A = r - mean_group r (Dr. GRPO). A group of one sample gets A = 0.
     Example: (1, -1, 1, -1), group_size 4 -> std = sqrt(4/3), A = +-0.866.
     """
     r = torch.as_tensor(rewards, dtype=torch.float32)
-    if group_size < 1 or r.numel() % group_size:
-        raise ValueError(f"{r.numel()} rewards do not split into groups of {group_size}")
     g = r.view(-1, group_size)
     adv = g - g.mean(dim=1, keepdim=True)
     if scale and group_size > 1:
@@ -99,16 +95,21 @@ AGGS = ("token-mean", "token-mean-per-micro-batch", "seq-mean", "seq-sum-norm") 
 def aggregate(values, mask, agg="token-mean", norm_const=None):
     """One number from per-token values [N, T] under the loss mask [N, T] (the policy loss's `agg`):
       "token-mean"   sum(v * m) / sum(m)                       (over the whole batch)
-      "token-mean-per-micro-batch"  the same on one micro-batch; grpo.update then weighs each
-                     micro-batch by its rows, not its tokens (the released verl actor)
+    "token-mean-per-micro-batch" is the same on one micro-batch (grpo.update weighs it by its rows,
+    as the released verl actor); the per-sequence ones: seq_aggregate."""
+    m = mask.to(values.dtype)
+    if agg in ("token-mean", "token-mean-per-micro-batch"):
+        return (values * m).sum() / m.sum().clamp(min=1)
+    return seq_aggregate(values, m, agg, norm_const)
+
+
+def seq_aggregate(values, m, agg, norm_const):
+    """aggregate's per-sequence means of values [N, T] under the mask m [N, T]:
       "seq-mean"     mean_n [sum_t v * m / sum_t m]
       "seq-sum-norm" mean_n [sum_t v * m / norm_const]   (Dr. GRPO: one constant for the whole
                      batch, e.g. the generation budget; required, never the padded width T,
                      which changes with how the batch is cut into micro-batches)
     """
-    m = mask.to(values.dtype)
-    if agg in ("token-mean", "token-mean-per-micro-batch"):
-        return (values * m).sum() / m.sum().clamp(min=1)
     if agg == "seq-mean":
         return ((values * m).sum(-1) / m.sum(-1).clamp(min=1)).mean()
     if agg == "seq-sum-norm":
@@ -121,9 +122,7 @@ def aggregate(values, mask, agg="token-mean", norm_const=None):
 
 def policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.2, agg="token-mean",
                 norm_const=None):
-    """Clipped-ratio policy loss.
-
-    logp, old_logp, mask: [N, T]; adv: [N] (broadcast over tokens) or [N, T].
+    """Clipped-ratio policy loss. logp, old_logp, mask: [N, T]; adv: [N] (broadcast) or [N, T].
       ratio = exp(logp - old_logp)
       l_t   = -min(ratio * A, clamp(ratio, 1 - clip_low, 1 + clip_high) * A)
     agg: how the per-token losses become one number (aggregate).
@@ -174,10 +173,9 @@ def sampler_gap(logp, sampler_logp, mask):
 
 
 def update(policy, opt, batch, old_logp, adv, mbs, cfg, device, extra=None):
-    """One optimizer step over the micro-batches `mbs` (micro_batches), each weighted by its share
-    of the tokens (token-mean) or rows. old_logp [N, T], or None on-policy: the current ones detached.
-    extra: a mode's loss term (baselines.extra_loss). -> the batch's mean loss and stats, grad_norm,
-    the sampler's gap to the policy (docs/reference.md)."""
+    """One optimizer step over the micro-batches `mbs`, each weighted by its share of the tokens
+    (token-mean) or rows. old_logp [N, T] or None (on-policy). extra: a mode's loss term
+    (baselines.extra_loss). -> mean loss and stats, grad_norm, sampler gap (docs/reference.md)."""
     if extra is not None or torch.distributed.is_initialized():  # C2GSPG's term; FSDP2's ranks
         from harness.parallel import update as full_update
         return full_update(policy, opt, batch, old_logp, adv, mbs, cfg, device, extra,

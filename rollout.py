@@ -72,12 +72,9 @@ def row_generators(seed, prompts, n, device):
 
 def sample_next(logits, temperature=1.0, top_p=1.0, noise=None):
     """Next token per row. logits [R, V] float, noise [R, V] ~ Exp(1) -> ids [R] long.
-
-    temperature 0: argmax (noise unused). Otherwise p = softmax(logits / temperature); with top_p < 1
-    a token is kept when the probability mass of the tokens ranked before it is < top_p (so the top
-    one always is); the sample is argmax over kept v of p_v / noise_v (noise_v > 0; an infinite
-    one only makes v lose): token v wins with probability p_v / sum(p).
-    """
+    temperature 0: argmax. Else p = softmax(logits / temperature), v kept when the mass ranked
+    before it is < top_p (the top one always is), the sample argmax over kept v of p_v / noise_v:
+    token v wins with probability p_v / sum(p) (noise_v > 0; an infinite one only makes v lose)."""
     if temperature == 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits / temperature, dim=-1)
@@ -106,8 +103,6 @@ class Sampler:
 
     def __init__(self, model, tokenizer, max_new_tokens=256, temperature=1.0, top_p=1.0, stop=(),
                  eos_ids=None, decode=None, share_rows=False, close_depth=None):
-        if max_new_tokens < 1:
-            raise ValueError(f"need max_new_tokens >= 1, got {max_new_tokens}")
         if temperature < 0 or not 0 < top_p <= 1:
             raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
         decode = decode or default_decode(model)
@@ -284,15 +279,10 @@ class Samples:
 def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0,
              stop=(), eos_ids=None, seed=None, batch_size=None, progress=False, decode=None,
              scores=False, chunks=None, keyed=False) -> Samples:
-    """Sample n continuations of each prompt (token-id lists, chat template applied).
-
-    The same seed, prompts and batch_size (prompts per chunk) give the same samples on every
-    decode path; keyed: a generator per row from (seed, its prompt, its sample index), so a
-    prompt's samples depend on nothing else (label.py's forced answers). stop: strings and/or token ids (the token
-    that completes a stop is kept). scores: Samples.logprobs and .entropy_sum (token_scores).
-    decode: "static" | "dynamic" | None (static on CUDA). chunks: the indices of the chunks to
-    sample (None: all; evaluation/benchmarks.py). progress: a bar (a string: its label).
-    """
+    """Sample n continuations of each prompt (token-id lists, chat template applied); the same seed,
+    prompts and batch_size (prompts per chunk) give the same samples on every decode path.
+    keyed: a generator per row (row_generators). stop: strings and/or token ids (kept). scores:
+    Samples.logprobs, .entropy_sum. chunks: the chunks to sample (None: all). progress: a bar."""
     if n < 1 or max_new_tokens < 1:
         raise ValueError(f"need n >= 1 and max_new_tokens >= 1, got n={n}, max_new_tokens={max_new_tokens}")
     if any(len(p) == 0 for p in prompts):
