@@ -53,9 +53,7 @@ def _close(text, start, braces):
 def boxed_answer(text):
     """Math extraction: content of the last \\boxed{...}, \\fbox{...} or bare "\\boxed 5", braces
     balanced, \\{ and \\} literal; None without one that closes."""
-    last = None
-    for last in _BOX.finditer(text or ""):
-        pass
+    last = max(_BOX.finditer(text or ""), key=lambda m: m.start(), default=None)
     if last is None:
         return None
     if not last.group().endswith("{"):

@@ -7,6 +7,7 @@ loss mask is 1 exactly on targets that are response tokens (EOS included, paddin
 """
 import math
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -45,8 +46,7 @@ def group_advantages(rewards, group_size, eps=1e-6, scale=True):
     """Per-group z-score: rewards [N] (N = groups * group_size, groups contiguous) -> advantages [N].
     A = (r - mean_group r) / (std_group r + eps) with the unbiased std (torch default);
     scale=False gives A = r - mean_group r (Dr. GRPO). A group of one sample gets A = 0.
-    Example: (1, -1, 1, -1), group_size 4 -> std = sqrt(4/3), A = +-0.866.
-    """
+    Example: (1, -1, 1, -1), group_size 4 -> std = sqrt(4/3), A = +-0.866."""
     r = torch.as_tensor(rewards, dtype=torch.float32)
     g = r.view(-1, group_size)
     adv = g - g.mean(dim=1, keepdim=True)
@@ -63,21 +63,16 @@ def _chunk_logprobs(h, lm_head, t, temperature):
 def logprobs_from_hidden(hidden, lm_head, targets, temperature=1.0, chunk_size=1024):
     """Log-probs [N, L-1] float32 of targets [N, L-1] (= input_ids[:, 1:]) from hidden [N, L, d]:
       logp[n, t] = log_softmax(lm_head(hidden[n, t]) / temperature)[targets[n, t]]
-
-    The LM head runs on chunks of chunk_size positions, each checkpointed when gradients are needed
-    (autograd would otherwise keep every chunk's [chunk, V] softmax, the full logits again).
-    """
+    on chunks of chunk_size positions, each checkpointed under grad (else autograd keeps every
+    chunk's [chunk, V] softmax: the full logits again)."""
     n, L, d = hidden.shape
     h = hidden[:, :-1].reshape(-1, d)
     t = targets.reshape(-1).to(hidden.device)
     grad = torch.is_grad_enabled() and (h.requires_grad or any(p.requires_grad for p in lm_head.parameters()))
+    run = partial(checkpoint, _chunk_logprobs, use_reentrant=False) if grad else _chunk_logprobs
     out = []
     for s in range(0, h.shape[0], chunk_size):
-        hs, ts = h[s:s + chunk_size], t[s:s + chunk_size]
-        if grad:
-            out.append(checkpoint(_chunk_logprobs, hs, lm_head, ts, temperature, use_reentrant=False))
-        else:
-            out.append(_chunk_logprobs(hs, lm_head, ts, temperature))
+        out.append(run(h[s:s + chunk_size], lm_head, t[s:s + chunk_size], temperature))
     return torch.cat(out).view(n, L - 1)
 
 
@@ -127,11 +122,9 @@ def policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.2, agg="tok
       l_t   = -min(ratio * A, clamp(ratio, 1 - clip_low, 1 + clip_high) * A)
     agg: how the per-token losses become one number (aggregate).
     Returns (loss scalar, stats): clip_frac = share of masked tokens where the clipped term is taken,
-    ratio_mean = masked mean ratio.
-    """
+    ratio_mean = masked mean ratio."""
     m = mask.to(logp.dtype)
-    a = adv.unsqueeze(-1) if adv.dim() == 1 else adv
-    a = a.to(logp.dtype)
+    a = (adv.unsqueeze(-1) if adv.dim() == 1 else adv).to(logp.dtype)
     ratio = torch.exp(logp - old_logp)
     unclipped = ratio * a
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * a
@@ -181,8 +174,7 @@ def update(policy, opt, batch, old_logp, adv, mbs, cfg, device, extra=None):
         return full_update(policy, opt, batch, old_logp, adv, mbs, cfg, device, extra,
                            (policy_loss, aggregate, micro_batch, sampler_gap, token_logprobs))
     policy.train()
-    mask = batch["loss_mask"]
-    weights = mask.sum(1) if cfg["agg"] == "token-mean" else torch.ones(len(mask))
+    weights = batch["loss_mask"].sum(1) if cfg["agg"] == "token-mean" else torch.ones(len(adv))
     total = max(sum(weights[mb].sum().item() for mb in mbs), 1.0)
     sums = dict.fromkeys(("loss", "clip_frac", "kl", "ratio_mean"), 0.0)  # kl: 0, no KL penalty
     gap, ratio_max = [0.0, 0.0, 0.0], 0.0  # sum |d|, sum k3, tokens (sampler_gap)

@@ -83,8 +83,7 @@ def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, tempe
     with cut_lists. prompts, responses: N lists of token ids; cut_lists: N lists of cuts b.
     tree: the fast path (None: on CUDA). judge(answer, i) -> [0, 1] or None: --reward-fn's value
     in place of the grader (Y_b its mean, None if none). stats: a dict given the counts of prefixes
-    and forced prompts. features=True: (labels, feats), feats N [len(cuts), d] (plain_features).
-    """
+    and forced prompts. features=True: (labels, feats), feats N [len(cuts), d] (plain_features)."""
     tree = torch.cuda.is_available() if tree is None else tree
     static = decode == "static" or decode is None and torch.cuda.is_available()
     if static:  # the rollout's static buffers would sit under the labels' prefills (and the update)

@@ -92,11 +92,6 @@ def token_scores(logits, tok, temperature=1.0):
     return logp.gather(-1, tok[:, None]).squeeze(-1), torch.special.entr(logp.exp()).sum(-1)
 
 
-def _cache_kwarg(model) -> str:
-    # transformers 5.x renamed `past_key_values` to `cache` (the old name is deprecated, removal 5.40).
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 class Sampler:
     """The sampling settings of one call. static (the model's static decoder), share_rows and
     close_depth: the fast loops' (harness/fast.py)."""
@@ -116,9 +111,10 @@ class Sampler:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.eos_ids or [0])[0]
         self.device = next(model.parameters()).device
         self.share_rows, self.close_depth = share_rows, close_depth  # harness/fast.py's
-        self.cache_kw = _cache_kwarg(model)
-        keeps_last = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self.step_kw = {"logits_to_keep": 1} if keeps_last else {}
+        params = inspect.signature(model.forward).parameters
+        # transformers 5.x renamed `past_key_values` to `cache` (the old name goes in 5.40)
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.step_kw = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self.static = staticcache.decoder(model, self.cache_kw) if decode == "static" else None
         # A one-byte stop string (labels stop at "\n") lies inside one token: each id is decoded once.
         self.byte_stops = all(len(x.encode()) == 1 for x in self.stop_strs)
@@ -292,7 +288,6 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
     starts = range(0, len(prompts), batch_size)
     gens = chunk_generators(seed, len(starts), sampler.device)
     todo = [(starts[i], gens[i]) for i in (range(len(starts)) if chunks is None else chunks)]
-
     was_training = model.training
     model.eval()
     result = Samples([], [], [], [], [])
@@ -302,14 +297,13 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
             gen = row_generators(seed, chunk, n, sampler.device) if keyed else gen
             out = sampler.sample(sampler.prefill(chunk), n, gen, scores)
             ids, length, reason, *scored = (x.tolist() for x in out)
-            for r in range(len(ids)):
-                result.ids.append(ids[r][:length[r]])
-                if scores:
-                    result.logprobs.append(scored[0][r][:length[r]])
-                    result.entropy_sum.append(scored[1][r])
-                result.lengths.append(length[r])
-                result.finish.append(REASONS[reason[r]])
-                result.prompt_index.append(start + r // n)
+            result.ids += [x[:m] for x, m in zip(ids, length)]
+            result.lengths += length
+            result.finish += [REASONS[x] for x in reason]
+            result.prompt_index += [start + r // n for r in range(len(ids))]
+            if scores:
+                result.logprobs += [x[:m] for x, m in zip(scored[0], length)]
+                result.entropy_sum += scored[1]
     finally:
         model.train(was_training)
     result.texts = tokenizer.batch_decode(result.ids, skip_special_tokens=True) if result.ids else []
