@@ -26,6 +26,12 @@ def last_boxed(text):
     return None if start < 0 else _close(text, start + len("\\boxed{"), _PLAIN_BRACE)
 
 
+def forced_answer(text):
+    """The text of a forced answer up to the brace closing the forced `\\boxed{`, stripped, or None
+    if it never closes: forced_answer("17}\\n") == "17", forced_answer("{1}} so") == "{1}"."""
+    return _close(text, 0, _PLAIN_BRACE)
+
+
 _BOX = re.compile(r"\\(?:boxed|fbox)(?:\s*\{| +(?=[^\s{]))")  # linear: a match starts at a backslash
 _BARE = re.compile(r"[^\s$]*")
 _PLAIN_BRACE = re.compile(r"[{}]")
@@ -47,9 +53,7 @@ def _close(text, start, braces):
 def boxed_answer(text):
     """Math extraction: content of the last \\boxed{...}, \\fbox{...} or bare "\\boxed 5", braces
     balanced, \\{ and \\} literal; None without one that closes."""
-    last = None
-    for last in _BOX.finditer(text or ""):
-        pass
+    last = max(_BOX.finditer(text or ""), key=lambda m: m.start(), default=None)
     if last is None:
         return None
     if not last.group().endswith("{"):
@@ -133,17 +137,10 @@ def answers_match(pred, gold, grader="math", letters=True) -> bool:
     if pred is None or gold is None:
         return False
     pred, gold = str(pred).strip(), str(gold).strip()
-    if grader == "strict":
-        return strict_form(pred) == strict_form(gold)
-    if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
-        return bool(pred) and pred == gold
-    if grader == "minerva":  # its $...$ pattern is quadratic: only on answers of bounded length
-        return minerva_form(pred) == minerva_form(gold)
-    if gold in CHOICES and not letters:  # GPQA's natural boxed answer: the released strict-box grader
-        return released_letter(pred, gold)
-    letter = gpqa_choice(pred) if letters and gold in CHOICES else None
-    if letter is not None:  # GPQA as released; an answer naming no option is graded as usual
-        return letter == gold
+    special = grader != "math" or gold in CHOICES or max(len(pred), len(gold)) > MAX_ANSWER_CHARS
+    verdict = _by_form(pred, gold, grader, letters) if special else None
+    if verdict is not None:
+        return verdict
     a, b = _normalize(pred), _normalize(gold)
     if not a or not b:
         return False
@@ -156,6 +153,21 @@ def answers_match(pred, gold, grader="math", letters=True) -> bool:
     if total is not None:
         return total == nb
     return _math_verify(pred, gold, GRADE_TIMEOUT_S)
+
+
+def _by_form(pred, gold, grader, letters):
+    """answers_match past a plain math answer: the strict and minerva graders, answers too long to
+    parse, GPQA's option letters; None: graded as a math answer."""
+    if grader == "strict":
+        return strict_form(pred) == strict_form(gold)
+    if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
+        return bool(pred) and pred == gold
+    if grader == "minerva":  # its $...$ pattern is quadratic: only on answers of bounded length
+        return minerva_form(pred) == minerva_form(gold)
+    if gold in CHOICES and not letters:  # GPQA's natural boxed answer: released_letter
+        return released_letter(pred, gold)
+    letter = gpqa_choice(pred) if letters and gold in CHOICES else None
+    return None if letter is None else letter == gold  # no option named: graded as usual
 
 
 CHOICES = ("A", "B", "C", "D")  # a gold answer that is one of these is a GPQA option letter (data._choices)

@@ -7,18 +7,18 @@ loss mask is 1 exactly on targets that are response tokens (EOS included, paddin
 """
 import math
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 
 def pack(prompts, responses, pad_id, logprobs=None):
-    """Right-pad N prompt + response pairs (token-id lists) into one batch: input_ids [N, L] long,
-    attention_mask [N, L] long, loss_mask [N, L-1] float (1 on response targets, by position: an
-    EOS equal to pad_id is trained), prompt_lens [N]; with logprobs (rollout.Samples')
+    """Right-pad N prompt (non-empty) + response pairs (id lists) into one batch: input_ids [N, L]
+    long, attention_mask [N, L] long, loss_mask [N, L-1] float (1 on response targets, by position:
+    an EOS equal to pad_id is trained), prompt_lens [N]; with logprobs (rollout.Samples')
     sampler_logp [N, L-1]. Example: prompt [5, 6], response [7, 2], L = 5 -> input_ids
-    [5, 6, 7, 2, pad], loss_mask [0, 1, 1, 0].
-    """
+    [5, 6, 7, 2, pad], loss_mask [0, 1, 1, 0]."""
     if any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token (the first response token is predicted from it)")
     n = len(prompts)
@@ -44,14 +44,10 @@ def pack(prompts, responses, pad_id, logprobs=None):
 
 def group_advantages(rewards, group_size, eps=1e-6, scale=True):
     """Per-group z-score: rewards [N] (N = groups * group_size, groups contiguous) -> advantages [N].
-
     A = (r - mean_group r) / (std_group r + eps) with the unbiased std (torch default);
     scale=False gives A = r - mean_group r (Dr. GRPO). A group of one sample gets A = 0.
-    Example: (1, -1, 1, -1), group_size 4 -> std = sqrt(4/3), A = +-0.866.
-    """
+    Example: (1, -1, 1, -1), group_size 4 -> std = sqrt(4/3), A = +-0.866."""
     r = torch.as_tensor(rewards, dtype=torch.float32)
-    if group_size < 1 or r.numel() % group_size:
-        raise ValueError(f"{r.numel()} rewards do not split into groups of {group_size}")
     g = r.view(-1, group_size)
     adv = g - g.mean(dim=1, keepdim=True)
     if scale and group_size > 1:
@@ -67,21 +63,16 @@ def _chunk_logprobs(h, lm_head, t, temperature):
 def logprobs_from_hidden(hidden, lm_head, targets, temperature=1.0, chunk_size=1024):
     """Log-probs [N, L-1] float32 of targets [N, L-1] (= input_ids[:, 1:]) from hidden [N, L, d]:
       logp[n, t] = log_softmax(lm_head(hidden[n, t]) / temperature)[targets[n, t]]
-
-    The LM head runs on chunks of chunk_size positions, each checkpointed when gradients are needed
-    (autograd would otherwise keep every chunk's [chunk, V] softmax, the full logits again).
-    """
+    on chunks of chunk_size positions, each checkpointed under grad (else autograd keeps every
+    chunk's [chunk, V] softmax: the full logits again)."""
     n, L, d = hidden.shape
     h = hidden[:, :-1].reshape(-1, d)
     t = targets.reshape(-1).to(hidden.device)
     grad = torch.is_grad_enabled() and (h.requires_grad or any(p.requires_grad for p in lm_head.parameters()))
+    run = partial(checkpoint, _chunk_logprobs, use_reentrant=False) if grad else _chunk_logprobs
     out = []
     for s in range(0, h.shape[0], chunk_size):
-        hs, ts = h[s:s + chunk_size], t[s:s + chunk_size]
-        if grad:
-            out.append(checkpoint(_chunk_logprobs, hs, lm_head, ts, temperature, use_reentrant=False))
-        else:
-            out.append(_chunk_logprobs(hs, lm_head, ts, temperature))
+        out.append(run(h[s:s + chunk_size], lm_head, t[s:s + chunk_size], temperature))
     return torch.cat(out).view(n, L - 1)
 
 
@@ -99,16 +90,21 @@ AGGS = ("token-mean", "token-mean-per-micro-batch", "seq-mean", "seq-sum-norm") 
 def aggregate(values, mask, agg="token-mean", norm_const=None):
     """One number from per-token values [N, T] under the loss mask [N, T] (the policy loss's `agg`):
       "token-mean"   sum(v * m) / sum(m)                       (over the whole batch)
-      "token-mean-per-micro-batch"  the same on one micro-batch; grpo.update then weighs each
-                     micro-batch by its rows, not its tokens (the released verl actor)
+    "token-mean-per-micro-batch" is the same on one micro-batch (grpo.update weighs it by its rows,
+    as the released verl actor); the per-sequence ones: seq_aggregate."""
+    m = mask.to(values.dtype)
+    if agg in ("token-mean", "token-mean-per-micro-batch"):
+        return (values * m).sum() / m.sum().clamp(min=1)
+    return seq_aggregate(values, m, agg, norm_const)
+
+
+def seq_aggregate(values, m, agg, norm_const):
+    """aggregate's per-sequence means of values [N, T] under the mask m [N, T]:
       "seq-mean"     mean_n [sum_t v * m / sum_t m]
       "seq-sum-norm" mean_n [sum_t v * m / norm_const]   (Dr. GRPO: one constant for the whole
                      batch, e.g. the generation budget; required, never the padded width T,
                      which changes with how the batch is cut into micro-batches)
     """
-    m = mask.to(values.dtype)
-    if agg in ("token-mean", "token-mean-per-micro-batch"):
-        return (values * m).sum() / m.sum().clamp(min=1)
     if agg == "seq-mean":
         return ((values * m).sum(-1) / m.sum(-1).clamp(min=1)).mean()
     if agg == "seq-sum-norm":
@@ -121,18 +117,14 @@ def aggregate(values, mask, agg="token-mean", norm_const=None):
 
 def policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.2, agg="token-mean",
                 norm_const=None):
-    """Clipped-ratio policy loss.
-
-    logp, old_logp, mask: [N, T]; adv: [N] (broadcast over tokens) or [N, T].
+    """Clipped-ratio policy loss. logp, old_logp, mask: [N, T]; adv: [N] (broadcast) or [N, T].
       ratio = exp(logp - old_logp)
       l_t   = -min(ratio * A, clamp(ratio, 1 - clip_low, 1 + clip_high) * A)
     agg: how the per-token losses become one number (aggregate).
     Returns (loss scalar, stats): clip_frac = share of masked tokens where the clipped term is taken,
-    ratio_mean = masked mean ratio.
-    """
+    ratio_mean = masked mean ratio."""
     m = mask.to(logp.dtype)
-    a = adv.unsqueeze(-1) if adv.dim() == 1 else adv
-    a = a.to(logp.dtype)
+    a = (adv.unsqueeze(-1) if adv.dim() == 1 else adv).to(logp.dtype)
     ratio = torch.exp(logp - old_logp)
     unclipped = ratio * a
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * a
@@ -174,17 +166,15 @@ def sampler_gap(logp, sampler_logp, mask):
 
 
 def update(policy, opt, batch, old_logp, adv, mbs, cfg, device, extra=None):
-    """One optimizer step over the micro-batches `mbs` (micro_batches), each weighted by its share
-    of the tokens (token-mean) or rows. old_logp [N, T], or None on-policy: the current ones detached.
-    extra: a mode's loss term (baselines.extra_loss). -> the batch's mean loss and stats, grad_norm,
-    the sampler's gap to the policy (docs/reference.md)."""
+    """One optimizer step over the micro-batches `mbs`, each weighted by its share of the tokens
+    (token-mean) or rows. old_logp [N, T] or None (on-policy). extra: a mode's loss term
+    (baselines.extra_loss). -> mean loss and stats, grad_norm, sampler gap (docs/reference.md)."""
     if extra is not None or torch.distributed.is_initialized():  # C2GSPG's term; FSDP2's ranks
         from harness.parallel import update as full_update
         return full_update(policy, opt, batch, old_logp, adv, mbs, cfg, device, extra,
                            (policy_loss, aggregate, micro_batch, sampler_gap, token_logprobs))
     policy.train()
-    mask = batch["loss_mask"]
-    weights = mask.sum(1) if cfg["agg"] == "token-mean" else torch.ones(len(mask))
+    weights = batch["loss_mask"].sum(1) if cfg["agg"] == "token-mean" else torch.ones(len(adv))
     total = max(sum(weights[mb].sum().item() for mb in mbs), 1.0)
     sums = dict.fromkeys(("loss", "clip_frac", "kl", "ratio_mean"), 0.0)  # kl: 0, no KL penalty
     gap, ratio_max = [0.0, 0.0, 0.0], 0.0  # sum |d|, sum k3, tokens (sampler_gap)

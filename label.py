@@ -12,7 +12,7 @@ from contextlib import nullcontext
 
 import torch
 
-from grade import answers_match
+from grade import answers_match, forced_answer
 from grpo import logprobs_from_hidden
 from probe import LAST_K, last_layer, prefix_features
 from rollout import Sampler, generate, row_generators
@@ -75,37 +75,21 @@ def closed_cut(response, b, close):
     return b - 1 if b > 0 and response[b - 1] == close else b
 
 
-def forced_answer(text):
-    """The text up to the brace closing the forced `\\boxed{`, or None if it never closes.
-
-    forced_answer("17}\\n") == "17"; forced_answer("\\frac{1}{2}} so") == "\\frac{1}{2}".
-    """
-    depth = 1
-    for i, ch in enumerate(text):
-        depth += (ch == "{") - (ch == "}")
-        if depth == 0:
-            return text[:i].strip()
-    return None
-
-
 def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, temperature=0.8,
               top_p=1.0, max_new_tokens=32, close="think", suffix=SUFFIX, seed=None,
               batch_size=None, stats=None, grader="math", decode=None, tree=None, judge=None,
               features=False):
     """Y_b for every (trajectory, cut b) (module docstring) -> N lists of floats in [0, 1], aligned
     with cut_lists. prompts, responses: N lists of token ids; cut_lists: N lists of cuts b.
-    stats: a dict the counts of prefixes, forced prompts and answers are added to. tree: the fast
-    path (None: on CUDA, where it pays); decode, batch_size: rollout.generate's. judge(answer, i)
-    -> [0, 1] or None: --reward-fn's value in place of the grader (Y_b its mean, None if none).
-    features=True: (labels, feats), feats N float32 CPU [len(cuts), d] at the cuts (plain_features).
-    """
+    tree: the fast path (None: on CUDA). judge(answer, i) -> [0, 1] or None: --reward-fn's value
+    in place of the grader (Y_b its mean, None if none). stats: a dict given the counts of prefixes
+    and forced prompts. features=True: (labels, feats), feats N [len(cuts), d] (plain_features)."""
     tree = torch.cuda.is_available() if tree is None else tree
     static = decode == "static" or decode is None and torch.cuda.is_available()
     if static:  # the rollout's static buffers would sit under the labels' prefills (and the update)
         staticcache.release(model)
     # 1. The forced prompt after every cut. Equal ones (samples of a problem that agree up to the
     #    cut, common for short prefixes) estimate the same probability: each is asked once.
-    # CLOSE + SUFFIX, the same after every cut
     tail = [close_id(tokenizer, close)] + tokenizer.encode(suffix, add_special_tokens=False)
     index, cuts, where = {}, [], []  # cuts[j]: the (trajectory, b) of distinct forced prompt j
     for i, (p, r, bs) in enumerate(zip(prompts, responses, cut_lists)):
@@ -131,18 +115,14 @@ def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, tempe
     if static:  # the update needs the memory the labels' decode buffers hold
         staticcache.release(model)
     # 3. Y_b = the share of them that match the gold; a box that never closes is wrong.
+    score = judge or (lambda a, i: float(answers_match(a, golds[i], grader)))
     y = []
     for j, (i, _) in enumerate(cuts):
         answers = [forced_answer(t) for t in texts[j * k:(j + 1) * k]]
-        if judge is None:
-            y.append(sum(a is not None and answers_match(a, golds[i], grader) for a in answers) / k)
-        else:
-            values = [v for v in (0.0 if a is None else judge(a, i) for a in answers) if v is not None]
-            y.append(sum(values) / len(values) if values else None)
+        values = [v for v in (0.0 if a is None else score(a, i) for a in answers) if v is not None]
+        y.append(sum(values) / len(values) if values else None)
     if stats is not None:
-        stats["prefixes"] = stats.get("prefixes", 0) + sum(map(len, where))
-        stats["forced_prompts"] = stats.get("forced_prompts", 0) + len(cuts)
-        stats["answers"] = stats.get("answers", 0) + len(cuts) * k
+        stats.update(prefixes=sum(map(len, where)), forced_prompts=len(cuts))
     labels = [[y[j] for j in js] for js in where]
     if not features:
         return labels

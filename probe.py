@@ -38,15 +38,11 @@ LAST_K = 4  # positions averaged before each cut (the released avg_last_k)
 
 def prefix_features(hidden, ends, last_k=LAST_K):
     """Mean hidden state over the last_k positions before each prefix end.
-
     hidden [N, L, d]; ends [N, B] long absolute exclusive ends, <= 0 padding -> feats [N, B, d]
     float32 (0 where not valid) and valid [N, B] bool (= ends > 0):
-      feats[n, b] = mean(hidden[n, p] for p in max(e - last_k, 0) .. e - 1),  e = ends[n, b]
-    """
+      feats[n, b] = mean(hidden[n, p] for p in max(e - last_k, 0) .. e - 1),  e = ends[n, b]"""
     n, L, d = hidden.shape
     ends = torch.as_tensor(ends, dtype=torch.long, device=hidden.device)
-    if ends.dim() != 2 or ends.shape[0] != n:
-        raise ValueError(f"ends must be [N, B] with N = {n}, got {list(ends.shape)}")
     if (ends > L).any():
         raise ValueError(f"a prefix end exceeds the sequence length {L}")
     valid = ends > 0
@@ -80,13 +76,10 @@ def make_optimizer(probe, lr=1e-3, weight_decay=0.01):
 def fit(probe, opt, feats, targets, passes=16, batch_size=16, seed=0):
     """Fit the probe with BCE-with-logits on soft targets: feats [M, d], targets [M] in [0, 1];
     `passes` passes in an order seeded by `seed`, dropout on. Returns the last pass's
-    sample-weighted mean BCE (nan when M == 0: no step taken).
-    """
+    sample-weighted mean BCE (nan when M == 0: no step taken)."""
     dev = next(probe.parameters()).device
     feats = torch.as_tensor(feats).float().to(dev)
     targets = torch.as_tensor(targets).float().to(dev)
-    if feats.dim() != 2 or targets.shape != feats.shape[:1]:
-        raise ValueError(f"need feats [M, d] and targets [M], got {list(feats.shape)} and {list(targets.shape)}")
     if ((targets < 0) | (targets > 1)).any() or targets.isnan().any():
         raise ValueError("probe targets must lie in [0, 1]")
     m = feats.shape[0]

@@ -44,10 +44,8 @@ def _sides(conf, labels, mask):
 
 def margin_reward(conf, labels, mask=None):
     """RLCM's confidence margin per trajectory, [N, B] -> [N]: mean C of the solvable prefixes minus
-    mean C of the unsolvable ones, 0 when either side is empty.
-
-    Example: C (0.9, 0.5, 0.1), Y (1, 0.5, 0) -> 0.9 - 0.1 = 0.8.
-    """
+    mean C of the unsolvable ones, 0 when either side is empty: C (0.9, 0.5, 0.1), Y (1, 0.5, 0)
+    -> 0.9 - 0.1 = 0.8."""
     mean_pos, mean_neg, has_pos, has_neg = _sides(conf, labels, mask)
     return torch.where(has_pos & has_neg, mean_pos - mean_neg, torch.zeros_like(mean_pos))
 
@@ -88,10 +86,8 @@ def brier_reward(conf, labels, mask=None):
 
 def total_reward(correct, calib, lam=0.1, signed=True):
     """R = r_nat + lam * calib, r_nat = 2 * correct - 1 if signed (+1/-1) else correct (0/1); [N] -> [N].
-
-    lam = 0 gives plain GRPO. Example: correct (1, 0), calib (0.5, 0.5), lam 0.1:
-    signed -> (1.05, -0.95), unsigned -> (1.05, 0.05).
-    """
+    lam = 0 gives plain GRPO. correct (1, 0), calib (0.5, 0.5), lam 0.1: signed -> (1.05, -0.95),
+    unsigned -> (1.05, 0.05)."""
     c = _float(correct)
     r_nat = 2 * c - 1 if signed else c
     return r_nat + lam * _float(calib).to(c.device, c.dtype)

@@ -72,12 +72,9 @@ def row_generators(seed, prompts, n, device):
 
 def sample_next(logits, temperature=1.0, top_p=1.0, noise=None):
     """Next token per row. logits [R, V] float, noise [R, V] ~ Exp(1) -> ids [R] long.
-
-    temperature 0: argmax (noise unused). Otherwise p = softmax(logits / temperature); with top_p < 1
-    a token is kept when the probability mass of the tokens ranked before it is < top_p (so the top
-    one always is); the sample is argmax over kept v of p_v / noise_v (noise_v > 0; an infinite
-    one only makes v lose): token v wins with probability p_v / sum(p).
-    """
+    temperature 0: argmax. Else p = softmax(logits / temperature), v kept when the mass ranked
+    before it is < top_p (the top one always is), the sample argmax over kept v of p_v / noise_v:
+    token v wins with probability p_v / sum(p) (noise_v > 0; an infinite one only makes v lose)."""
     if temperature == 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits / temperature, dim=-1)
@@ -95,19 +92,12 @@ def token_scores(logits, tok, temperature=1.0):
     return logp.gather(-1, tok[:, None]).squeeze(-1), torch.special.entr(logp.exp()).sum(-1)
 
 
-def _cache_kwarg(model) -> str:
-    # transformers 5.x renamed `past_key_values` to `cache` (the old name is deprecated, removal 5.40).
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 class Sampler:
     """The sampling settings of one call. static (the model's static decoder), share_rows and
     close_depth: the fast loops' (harness/fast.py)."""
 
     def __init__(self, model, tokenizer, max_new_tokens=256, temperature=1.0, top_p=1.0, stop=(),
                  eos_ids=None, decode=None, share_rows=False, close_depth=None):
-        if max_new_tokens < 1:
-            raise ValueError(f"need max_new_tokens >= 1, got {max_new_tokens}")
         if temperature < 0 or not 0 < top_p <= 1:
             raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
         decode = decode or default_decode(model)
@@ -121,9 +111,10 @@ class Sampler:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.eos_ids or [0])[0]
         self.device = next(model.parameters()).device
         self.share_rows, self.close_depth = share_rows, close_depth  # harness/fast.py's
-        self.cache_kw = _cache_kwarg(model)
-        keeps_last = "logits_to_keep" in inspect.signature(model.forward).parameters
-        self.step_kw = {"logits_to_keep": 1} if keeps_last else {}
+        params = inspect.signature(model.forward).parameters
+        # transformers 5.x renamed `past_key_values` to `cache` (the old name goes in 5.40)
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.step_kw = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self.static = staticcache.decoder(model, self.cache_kw) if decode == "static" else None
         # A one-byte stop string (labels stop at "\n") lies inside one token: each id is decoded once.
         self.byte_stops = all(len(x.encode()) == 1 for x in self.stop_strs)
@@ -284,15 +275,10 @@ class Samples:
 def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0, top_p=1.0,
              stop=(), eos_ids=None, seed=None, batch_size=None, progress=False, decode=None,
              scores=False, chunks=None, keyed=False) -> Samples:
-    """Sample n continuations of each prompt (token-id lists, chat template applied).
-
-    The same seed, prompts and batch_size (prompts per chunk) give the same samples on every
-    decode path; keyed: a generator per row from (seed, its prompt, its sample index), so a
-    prompt's samples depend on nothing else (label.py's forced answers). stop: strings and/or token ids (the token
-    that completes a stop is kept). scores: Samples.logprobs and .entropy_sum (token_scores).
-    decode: "static" | "dynamic" | None (static on CUDA). chunks: the indices of the chunks to
-    sample (None: all; evaluation/benchmarks.py). progress: a bar (a string: its label).
-    """
+    """Sample n continuations of each prompt (token-id lists, chat template applied); the same seed,
+    prompts and batch_size (prompts per chunk) give the same samples on every decode path.
+    keyed: a generator per row (row_generators). stop: strings and/or token ids (kept). scores:
+    Samples.logprobs, .entropy_sum. chunks: the chunks to sample (None: all). progress: a bar."""
     if n < 1 or max_new_tokens < 1:
         raise ValueError(f"need n >= 1 and max_new_tokens >= 1, got n={n}, max_new_tokens={max_new_tokens}")
     if any(len(p) == 0 for p in prompts):
@@ -302,7 +288,6 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
     starts = range(0, len(prompts), batch_size)
     gens = chunk_generators(seed, len(starts), sampler.device)
     todo = [(starts[i], gens[i]) for i in (range(len(starts)) if chunks is None else chunks)]
-
     was_training = model.training
     model.eval()
     result = Samples([], [], [], [], [])
@@ -312,14 +297,13 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
             gen = row_generators(seed, chunk, n, sampler.device) if keyed else gen
             out = sampler.sample(sampler.prefill(chunk), n, gen, scores)
             ids, length, reason, *scored = (x.tolist() for x in out)
-            for r in range(len(ids)):
-                result.ids.append(ids[r][:length[r]])
-                if scores:
-                    result.logprobs.append(scored[0][r][:length[r]])
-                    result.entropy_sum.append(scored[1][r])
-                result.lengths.append(length[r])
-                result.finish.append(REASONS[reason[r]])
-                result.prompt_index.append(start + r // n)
+            result.ids += [x[:m] for x, m in zip(ids, length)]
+            result.lengths += length
+            result.finish += [REASONS[x] for x in reason]
+            result.prompt_index += [start + r // n for r in range(len(ids))]
+            if scores:
+                result.logprobs += [x[:m] for x, m in zip(scored[0], length)]
+                result.entropy_sum += scored[1]
     finally:
         model.train(was_training)
     result.texts = tokenizer.batch_decode(result.ids, skip_special_tokens=True) if result.ids else []

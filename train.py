@@ -51,8 +51,7 @@ SAMPLER_GAP = ("sampler_gap", "sampler_kl_k3", "sampler_ratio_max")  # grpo.upda
 
 
 def rl_step(step, rows, prompts, learner, cfg, time=None):
-    """One RL step on this rank's rows and their prompts (token ids) -> what it computed, a dict
-    the loop logs (step_row, samples.jsonl). learner: the models and optimisers (a Learner)."""
+    """One RL step on this rank's rows and their prompts (token ids) -> what it computed, a dict."""
     G, seed, time = cfg["group_size"], cfg["seed"] * 1_000_003 + step * 101, time or Timer()
     with time("rollout"):  # 1. rollout: G responses per prompt; each rank samples its own
         out = generate(learner.sampler.eval(), learner.tok, prompts, n=G, seed=seed + RANK, scores=True,
@@ -76,8 +75,7 @@ def rl_step(step, rows, prompts, learner, cfg, time=None):
     Y, h, valid = grid(Y_b), grid(h_b), cut_mask(cuts)  # [N, B], [N, B, d], [N, B]: zero-padded
     with time("probe"):  # 4. fit the probe on every rank's (h_b, Y_b); C_b = sigmoid(probe(h_b))
         fitted = fit_probe(learner.probe, learner.probe_opt, h[valid], Y[valid], cfg, seed)
-        C = torch.zeros(Y.shape)
-        C[valid] = probe_lib.predict(learner.probe, h[valid])
+        C = torch.zeros(Y.shape).index_put((valid,), probe_lib.predict(learner.probe, h[valid]))
     # 5. R = r_nat + lam * margin; advantages: R normalised within each prompt's group of G
     margin = margin_reward(C, Y, valid)
     R = total_reward(correct, margin, lam=cfg["lam"])

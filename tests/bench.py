@@ -74,7 +74,7 @@ def random_prompts(vocab, n_prompts, prompt_len, seed=0):
 
 def run_sampler(model, tok, prompts, args, decode, eos_ids, full=False):
     """full: the static path attends over its whole buffer at every step (static-full)."""
-    static = staticcache.decoder(model, sampling._cache_kwarg(model))
+    static = staticcache.decoder(model, sampling.Sampler(model, tok).cache_kw)
     static.full = full
     try:
         out = rollout.generate(model, tok, prompts, n=args.samples, max_new_tokens=args.max_new_tokens,

@@ -56,7 +56,7 @@ def test_mc_labels_are_fractions_of_k_aligned_with_budgets():
     assert [len(y) for y in labels] == [len(c) for c in cuts] and labels[2] == []
     assert all(y in (0, 0.25, 0.5, 0.75, 1.0) for ys in labels for y in ys)
     n = sum(map(len, cuts))
-    assert stats == {"prefixes": n, "forced_prompts": n, "answers": 4 * n}
+    assert stats == {"prefixes": n, "forced_prompts": n}
 
 
 def test_the_close_token_is_never_doubled():
@@ -92,7 +92,7 @@ def test_mc_labels_ask_a_cut_ending_on_the_close_without_a_second_one(tree):
     stats = {}
     ys = mc_labels(model, tok, prompts, responses, cuts, ["3", "3"], k=4, close="eos", suffix="{", seed=0,
                    stats=stats, tree=tree)
-    assert stats == {"prefixes": 3, "forced_prompts": 2, "answers": 8}
+    assert stats == {"prefixes": 3, "forced_prompts": 2}
     assert ys[0][0] == ys[0][1] and ys == mc_labels(model, tok, prompts, responses, cuts, ["3", "3"], k=4,
                                                     close="eos", suffix="{", seed=0, tree=not tree)
 
