@@ -40,7 +40,7 @@ from data import row_prompt
 from rollout import generate
 from label import cut_ends, forward_pass
 from evaluation.benchmarks import (EVAL_SUFFIX, REAL, RLCR_REANSWER, TOY, digest, generate_dealt, model_id,
-                                   run_config, settings, share, spread)
+                                   settings, share, spread)
 from harness import checkpoint, files, plan, sandbox, staticcache
 from harness.files import UserError
 from harness.parallel import MASTER

@@ -415,7 +415,6 @@ def test_evaluation_reanswers_as_released():
 def test_verbal_forced_on_the_toy_base_reads_its_rlcr_tags():
     import data
     import toy
-    import toy
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = toy.base_model()
     model, tok = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)

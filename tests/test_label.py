@@ -64,7 +64,6 @@ def test_the_close_token_is_never_doubled():
     it: at b = T a response ends on EOS, so with close="eos" the prompt holds one EOS, not two; a
     cut right after the response's own </think> holds one </think>. Toy tokenizer ids."""
     import toy
-    import toy
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(toy.base_model())
     eos, think = tok.eos_token_id, tok.convert_tokens_to_ids("</think>")
@@ -176,7 +175,6 @@ def test_plain_and_tree_labels_are_equal_on_the_toy_whatever_the_chunk():
     import label
     import data
     import toy
-    import toy
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from rollout import generate
     model = AutoModelForCausalLM.from_pretrained(toy.base_model()).eval()
@@ -208,7 +206,6 @@ def test_plain_and_tree_features_are_equal_on_the_toy():
     and its features h_b within float rounding, in the same shapes and dtype; a response with no
     cuts gets an empty [0, d]. The model is left in the mode it was in."""
     import data
-    import toy
     import toy
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from rollout import generate

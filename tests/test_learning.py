@@ -100,6 +100,7 @@ def test_updates_move_probability_towards_positive_advantages(cfg, rollouts, ste
         old[:] = token_logprobs(lm, batch["input_ids"], batch["attention_mask"], cfg["temperature"])
     for _ in range(steps):
         grpo.update(policy, opt, batch, old, adv, mbs, cfg, torch.device("cpu"))
+        sched.step()  # after each update, as rl_step steps it
     delta = sequence_logprobs(lm, batch, cfg["temperature"]) - before
     up, down = delta[adv > 0].mean().item(), delta[adv < 0].mean().item()
     print(f"\nmean change of sequence log-prob after {steps} step(s), lr {opt.param_groups[0]['initial_lr']:.1e} / "

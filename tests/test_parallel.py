@@ -155,7 +155,6 @@ def test_on_policy_update_equals_the_scored_old_logprobs_in_fp32():
         model = __import__("tiny").model(vocab_size=64, hidden=32, layers=2, seed=0)
         policy, _ = wrap(model, torch.device("cpu"), token_logprobs)
         opt = torch.optim.AdamW(policy.parameters(), lr=1e-2)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
         old = None
         if path == "scored":
             old = forward_pass(copy.deepcopy(model).eval(), batch, torch.zeros(3, 1, dtype=torch.long),

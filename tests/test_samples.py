@@ -12,7 +12,7 @@ import evaluate
 import metrics
 import runs
 import toy
-from runs import EVAL_SMALL, one_line, snapshot
+from runs import EVAL_SMALL, snapshot
 from test_evaluate import _rows
 
 EVAL = [*EVAL_SMALL, "--confidence", "logits"]

@@ -17,7 +17,6 @@ import metrics
 import reproduce
 import rollout
 import toy
-import toy
 from evaluation import benchmarks, confidence
 from grpo import group_advantages
 

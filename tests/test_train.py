@@ -12,7 +12,6 @@ import torch
 
 import config
 import data
-import train as step
 import toy
 import train
 from harness import checkpoint, files

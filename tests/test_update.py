@@ -23,7 +23,6 @@ CPU = torch.device("cpu")
 def run_update(lm, batch, mbs, adv=None):
     policy = lm
     opt = torch.optim.SGD(policy.parameters(), lr=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     adv = torch.linspace(-1, 1, len(batch["input_ids"])) if adv is None else adv
     return grpo.update(policy, opt, batch, None, adv, mbs, CFG, CPU)
 
