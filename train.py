@@ -41,6 +41,7 @@ from rollout import generate
 from evaluation import heldout
 from evaluation.heldout import held_out_accuracy
 from harness import checkpoint as ckpt_lib, lora as lora_lib, plan, runlog, staticcache
+from harness.checkpoint import RunFolder, exit_codes
 from harness.files import UserError
 from harness.parallel import (MASTER, RANK, WORLD, all_gather, all_sum, full_state, launch,
                               refresh_sampler, setup, worker_count, wrap)
@@ -225,7 +226,6 @@ def peak_memory(device):
         return torch.cuda.max_memory_allocated(device) / 2**30
     import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB (Linux reports KiB)
-from harness.checkpoint import RunFolder, exit_codes
 
 
 def print0(*a):
