@@ -1,9 +1,6 @@
-"""Models and runs: what a --model value names, loading it (a LoRA checkpoint merged into its base;
-sharded over ranks), atomic checkpoints, and a training run's folder (its lock, resume, exit codes).
-
-`resolve_model` turns what follows --model (alias, `toy`, HF id, model, checkpoint or run directory)
-into what from_pretrained loads. A checkpoint is written into a fresh `.tmp` folder, fsynced and
-renamed whole; a damaged one is skipped, never pruned (docs/reference.md, "What a run leaves").
+"""Models and runs: what a --model value names and loading it (a LoRA checkpoint merged; sharded
+over ranks), checkpoints written whole, and a training run's folder (its lock, resume, exit codes).
+A damaged checkpoint is skipped, never pruned (docs/reference.md, "What a run leaves").
 """
 import json
 import os
@@ -18,7 +15,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-import toy   # --model toy: the toy world's committed warm start (toy.BASE_DIR; `python toy.py` rebuilds it)
 from harness import files, lora
 from harness.files import UserError, first_line, fresh_name
 from harness.lora import (ADAPTER, CONFIG, add_adapter, base_of, is_adapter, load_adapter, targets,
@@ -27,6 +23,8 @@ from harness.parallel import (MASTER, all_gather, load_optimizer, rebuild_buffer
                               teardown, wrap)
 
 PREFIX = "step_"
+# --model toy: the toy world's committed warm start (toy.BASE_DIR; machinery never imports the method)
+TOY_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "toy_base")
 ALIASES = {
     "deepseek-r1-distill-qwen-7b": "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
     "qwen3-4b-instruct": "Qwen/Qwen3-4B-Instruct-2507",
@@ -39,9 +37,9 @@ ALIASES = {
 def resolve_model(name):
     """Alias, HF id, model dir, checkpoint dir or run dir (-> its latest complete checkpoint)."""
     if name == "toy":
-        if not os.path.exists(os.path.join(toy.BASE_DIR, "model.safetensors")):
-            raise UserError(f"--model toy: {toy.BASE_DIR} is missing; rebuild it with python toy.py")
-        return toy.BASE_DIR
+        if not os.path.exists(os.path.join(TOY_DIR, "model.safetensors")):
+            raise UserError(f"--model toy: {TOY_DIR} is missing; rebuild it with python toy.py")
+        return TOY_DIR
     if name in ALIASES:
         return ALIASES[name]
     if os.path.isdir(os.path.join(name, "checkpoints")):

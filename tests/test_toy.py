@@ -157,7 +157,9 @@ def test_base_model_builds_atomically_once(tmp_path, monkeypatch):
 
 def test_model_toy_without_its_base_says_how_to_rebuild_it(tmp_path, monkeypatch):
     from harness.files import UserError
-    monkeypatch.setattr(toy, "BASE_DIR", str(tmp_path / "toy_base"))
+    from harness import checkpoint
+    assert checkpoint.TOY_DIR == toy.BASE_DIR   # the machinery names the folder without importing toy
+    monkeypatch.setattr(checkpoint, "TOY_DIR", str(tmp_path / "toy_base"))
     with pytest.raises(UserError, match=r"toy_base is missing; rebuild it with python toy.py$"):
         resolve_model("toy")
 
