@@ -208,18 +208,10 @@ def check(cfg, show=False, log=print, probed=True):
         lora_note = f" with --lora-rank {rank} ({rank * counts[3] / 1e6:.1f} M adapter parameters)" if rank else ""
         log(f"plan: {cfg['model']} ({size} parameters) on {where}{lora_note}"
             f"{' with --offload' if offload else ''}; per {'GPU' if device == 'cuda' else 'process'}:")
+        # what each term holds: docs/reference.md, "The memory plans"
         notes = {"KV cache": "rollout: {} rows x {} tokens".format(*t["kv_shape"]),
-                 "prefill": "one layer's forward over the prompts prefilled with that cache",
-                 "label KV cache": "forced answers: {} rows x {} tokens".format(*t["label_kv_shape"]),
-                 "label prefill": "one layer's forward and the prefill cache of one chunk of cuts",
-                 "activations": "checkpointed" if cfg["grad_ckpt"] else "no checkpointing",
-                 "held grads": "fp32 gradients held unsharded until the last micro-batch",
-                 "refresh": "the generation copy's refresh: its largest group (a layer or the embedding) gathered",
-                 "training state": "on the host (--offload)" if offload else
-                 ("the frozen base" if rank else "params, grads, AdamW (sharded)"),
-                 "adapter state": "fp32 params, grads, AdamW of the adapter",
-                 "generation copy": ("none: samples with the policy" if not t["generation copy"] else
-                                     "bf16, the adapter merged") if rank else ""}
+                 "label KV cache": "forced answers: {} rows x {} tokens".format(
+                     *t["label_kv_shape"])}
         hidden = {"adapter state": not rank, "held grads": not t["held grads"], "refresh": not t["refresh"]}
         for name in [n for n in list(t)[:list(t).index("peak") + 1] if not hidden.get(n)]:  # estimate's order
             log(f"  {name:<16}{t[name] / GiB:8.2f} GiB  {notes.get(name, '')}".rstrip())
