@@ -340,13 +340,10 @@ def save_checkpoint(run_dir, step, write, keep=2):
             raise UserError(f"cannot write checkpoint {final} ({first}): is the disk full? The checkpoints "
                             "saved before it are intact") from None
         raise
-    old = fresh_name(final) if os.path.lexists(final) else None
-    if old:   # the same step saved again (after a fallback): old one aside
-        os.replace(final, old)
+    if os.path.lexists(final):   # this step's incomplete one, skipped on resume
+        shutil.rmtree(final)
     os.replace(tmp, final)
     _fsync(root)
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
     done = [c for c in checkpoints(run_dir) if step_of(c) <= step and not missing(c, resume=True)]
     for old in done[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
@@ -385,7 +382,13 @@ class RunFolder:
         self.existed = all_gather(os.path.isdir(self.out))[0]
         if self.existed:  # locked before its checkpoints are read
             hold_lock(self.out)
-        self.check_data(cfg, data_digest)
+        # a --data file changed since it began is refused on resume: its cursor reads other rows
+        now = all_gather(data_digest(cfg["data"]) if MASTER else None)[0]
+        saved, cfg["data_sha256"] = cfg.get("data_sha256"), now
+        if cfg["resume"] and saved and saved != now:
+            raise UserError(f"--resume {self.out}: {cfg['data']} changed since the run began "
+                            f"(sha256 {saved[:12]} in config.json, now {(now or 'no file')[:12]}): "
+                            "put the run's data back, or start a new run with another --out")
         self.ckpt = ckpt = latest_checkpoint(self.out, say=say, resume=True)
         if cfg["resume"] and ckpt is None:
             raise UserError(f"--resume {self.out}: the run has no complete checkpoint; start it again "
@@ -397,15 +400,6 @@ class RunFolder:
         if self.done:
             say(f"{self.out} is at step {step_of(ckpt)} already (--steps {cfg['steps']}): "
                 "nothing to train; pass a larger --steps")
-
-    def check_data(self, cfg, digest):
-        """A --data file changed since the run began is refused on resume (its cursor reads other rows)."""
-        now = all_gather(digest(cfg["data"]) if MASTER else None)[0]
-        saved, cfg["data_sha256"] = cfg.get("data_sha256"), now
-        if cfg["resume"] and saved and saved != now:
-            raise UserError(f"--resume {self.out}: {cfg['data']} changed since the run began (sha256 {saved[:12]} "
-                            f"in config.json, now {(now or 'no file')[:12]}): put the run's data back, or start "
-                            "a new run with another --out")
 
     def lock(self):
         """A new folder is locked only once the data and the model are known to load."""
@@ -436,11 +430,10 @@ class RunFolder:
             probe, probe_opt = load_probe(os.path.join(ckpt, "probe.pt"), cfg["probe_lr"])
         set_rng_state(state["rng"])  # last: building the probe draws from torch's RNG
         lr = cfg["lr"]  # rates given with --resume replace those restored with the optimizer states
-        if sched.base_lrs != [lr] * len(opt.param_groups):
-            sched.base_lrs = [lr] * len(opt.param_groups)
-            for g, fn in zip(opt.param_groups, sched.lr_lambdas):
-                g["initial_lr"], g["lr"] = lr, lr * fn(sched.last_epoch)
-            sched._last_lr = [g["lr"] for g in opt.param_groups]
+        sched.base_lrs = [lr] * len(opt.param_groups)
+        for g, fn in zip(opt.param_groups, sched.lr_lambdas):
+            g["initial_lr"], g["lr"] = lr, lr * fn(sched.last_epoch)
+        sched._last_lr = [g["lr"] for g in opt.param_groups]
         for g in probe_opt.param_groups:
             g["lr"] = cfg["probe_lr"]
         if MASTER:
