@@ -17,7 +17,7 @@ from harness.checkpoint import ALIASES
 from harness.files import UserError
 from harness.checkpoint import check_out, read_config
 
-NOT_SAVED = ("resume", "config", "plot")  # how a run was started, not what it is
+NOT_SAVED = ("resume", "config")  # how a run was started, not what it is
 
 # Defaults that depend on the world (docs/design.md, "Defaults"): the toy sizes for 2 CPU cores, the
 # real ones from the released run script. Why the toy's lr and lam: docs/reference.md (the end).
@@ -39,8 +39,8 @@ COMMON = dict(model="toy", problem_field=None, answer_field=None, trust_remote_c
               corner="zero", budgets=(0.25, 0.5, 0.75), max_prompt_tokens=0, probe_lr=1e-3, probe_passes=16,
               probe_batch=16, probe_hidden=None, grad_clip=1.0,
               clip_low=0.2, clip_high=0.2, agg="token-mean", chunk_size=1024, seed=0, keep=2,
-              out=None, resume=None, system_prompt=None, log_samples=4, eval_probe_n=32, wandb=None,
-              wandb_run=None, ppo_epochs=1, offload=False, offload_grads="gpu", nproc=None, gpus=None, gpu_mem=None,
+              out=None, resume=None, system_prompt=None, log_samples=4, eval_probe_n=32,
+              ppo_epochs=1, offload=False, offload_grads="gpu", nproc=None, gpus=None, gpu_mem=None,
               plan=False, decode=None, drop_unanimous=False, c2gspg_bce="off", lora_rank=0, lora_alpha=32.0,
               lora_targets="all-linear", probe_labels="mc", toy_world=None)
 # Under --lora-rank the default --lr is this many times the world's full fine-tuning rate ("LoRA
@@ -247,9 +247,6 @@ def build_parser():   # every default None: resolve_args fills them
                    help=f"trajectories per step written to RUN/samples.jsonl ({dflt('log_samples')})")
     g.add_argument("--eval-probe-n", type=int, help="held-out trajectories labelled at each held-out check "
                    f"to measure the probe out of sample (0: off; {dflt('eval_probe_n')})")
-    g.add_argument("--wandb", metavar="PROJECT", help="mirror metrics to Weights & Biases (pip install wandb)")
-    g.add_argument("--wandb-run", metavar="NAME", help="W&B run name")
-    g.add_argument("--plot", metavar="RUN", help="only draw RUN/curves.png from RUN/metrics.jsonl and exit")
     return p
 
 

@@ -7,7 +7,6 @@
     python train.py --model deepseek-r1-distill-qwen-7b --offload   # 1-2 GPUs: state in host memory
     torchrun --nnodes 2 --nproc_per_node 8 ... train.py --model ...  # several nodes: torchrun's ranks
     python train.py --resume runs/toy                      # continue a run from its last checkpoint
-    python train.py --plot runs/toy                        # redraw runs/toy/curves.png
 
 One step: rl_step below (README.md, "The algorithm"; docs/design.md, "One RL step"); the rest of this
 file runs the steps: setup, held-out checks, checkpoints, logs, resume. Kept from GRPO: group-normalised
@@ -297,7 +296,6 @@ def run(cfg):
     if folder.done:
         return
     ckpt, instruction = folder.ckpt, cfg["instruction"]
-    tracker = runlog.tracker(cfg, folder.out) if MASTER else None  # before any slow loading: fails fast without wandb
     rows = data.load_rows(cfg["data"], split="train" if cfg["data"] == "toy" else None,
                           problem_field=cfg["problem_field"], answer_field=cfg["answer_field"])
     eval_rows = data.load_rows(cfg["eval_data"], split="test" if cfg["eval_data"] == "toy" else None,
@@ -340,8 +338,6 @@ def run(cfg):
         if MASTER:
             runlog.append_jsonl(folder.metrics, [row])
             runlog.append_jsonl(folder.samples, samples)
-            if tracker:
-                tracker.log(row)
 
     def evaluate(at):
         if not eval_rows:  # --eval-n 0
@@ -397,16 +393,11 @@ def run(cfg):
         bench += f" --toy-world {cfg['toy_world']}" if bench and cfg["toy_world"] else ""
         print0(f"curves: {runlog.plot_curves(folder.out)}")
         print0(f"next: python evaluate.py --model {folder.out}{bench}")
-        if tracker:
-            tracker.finish()
 
 
 def main(argv=None):
     with exit_codes() as state:  # exit 2 / 3 / 130, the lock released: harness/checkpoint.py
         cfg = state["cfg"] = config.resolve_args(argv)
-        if cfg["plot"]:
-            print(runlog.plot_curves(cfg["plot"]))
-            return
         if cfg["plan"]:
             plan.check(cfg, show=True, probed=cfg["reward"] in baselines.PROBE_MODES)
             return
