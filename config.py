@@ -242,7 +242,7 @@ def build_parser():   # every default None: resolve_args fills them
         ", ".join("--" + k.replace("_", "-") for k in FIXED_ON_RESUME) +
         ", which are refused (they would break exact resume)"))
     g.add_argument("--config", metavar="FILE", help="start a new run from a saved config.json (flags given win)")
-    g = p.add_argument_group("what the run leaves (harness/runlog.py, evaluation/heldout.py)")
+    g = p.add_argument_group("what the run leaves (harness/runlog.py, train.held_out_accuracy)")
     g.add_argument("--log-samples", type=int,
                    help=f"trajectories per step written to RUN/samples.jsonl ({dflt('log_samples')})")
     g.add_argument("--eval-probe-n", type=int, help="held-out trajectories labelled at each held-out check "

@@ -136,6 +136,22 @@ def pass_at_k(n, c, k):
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
+def heldout_probe(trajectories, k):
+    """The held-out check's eval_probe_* numbers (docs/reference.md) from trajectories' Y_b and C_b."""
+    Y = np.array([y for t in trajectories for y in t["Y_b"]], dtype=np.float64)
+    C = np.array([c for t in trajectories for c in t["C_b"]], dtype=np.float64)
+    if Y.size == 0:
+        return dict(eval_probe_prefixes=0)
+    Cc = np.clip(C, 1e-7, 1 - 1e-7)
+    right = np.rint(Y * k).astype(int)
+    forced = np.concatenate([[1.0] * r + [0.0] * (k - r) for r in right])
+    return dict(eval_probe_bce=float(-(Y * np.log(Cc) + (1 - Y) * np.log(1 - Cc)).mean()),
+                eval_probe_ece=ece(C, Y), eval_probe_auroc=auroc(np.repeat(C, k), forced),
+                **{f"eval_{key}": float(np.mean([t[key] for t in trajectories]))
+                   for key in ("margin", "brier") if key in trajectories[0]},
+                eval_probe_prefixes=int(Y.size))
+
+
 def advantage_parts(correct, rewards, group_size, eps=1e-6):
     """(sum |A_nat|, sum |A_cal|) over a step: the group advantage A = (R - mean R) / (std R + eps)
     (grpo.group_advantages) split into the part from r_nat = 2 * correct - 1 and the part from the

@@ -34,12 +34,10 @@ from baselines import PROBE_MODES
 from grade import is_correct
 from grpo import group_advantages, micro_batches, pack, token_logprobs, update
 from label import cut_mask, cuts_of, grid, labelled, mc_labels
-from metrics import advantage_parts, ece
+from metrics import advantage_parts, ece, heldout_probe
 from reward import margin_reward, total_reward
 from rollout import generate
-from evaluation import heldout
-from evaluation.heldout import held_out_accuracy
-from harness import checkpoint as ckpt_lib, lora as lora_lib, plan, runlog, staticcache
+from harness import checkpoint as ckpt_lib, lora as lora_lib, plan, rewardfn, runlog, staticcache
 from harness.checkpoint import RunFolder, exit_codes
 from harness.files import UserError
 from harness.parallel import (MASTER, RANK, WORLD, all_gather, all_sum, full_state, launch,
@@ -215,6 +213,63 @@ def probe_stats(learner, got):
                 label_mixed=((Y_all > 0) & (Y_all < 1)).float().mean().item(), prefixes=len(Y_all))
 
 
+@torch.no_grad()
+def held_out_accuracy(sampler, tok, rows, cfg, device, probe=None, probe_stats=None):
+    """The held-out check: accuracy on `rows`, the same problems and seed (T 0.6) at every check; nan
+    when --reward-fn scored nothing. With a `probe_stats` dict: the probe out of sample on the
+    prefixes of the first --eval-probe-n trajectories, labelled as in a step, goes into it."""
+    mine = rows[RANK::WORLD]
+    prompts = [data.row_prompt(tok, r, cfg["instruction"], cfg["system_prompt"]) for r in mine]
+    hits, trajs, judged = 0, [], len(mine)
+    if prompts:
+        out = generate(sampler, tok, prompts, max_new_tokens=cfg["max_new_tokens"], temperature=0.6,
+                       seed=cfg["seed"] + 12345 + RANK, batch_size=cfg["gen_batch"],
+                       decode=cfg["decode"])
+        staticcache.release(sampler)  # as in a step: the labels' prefill must not sit on the rollout's shape
+        golds = [r["answer"] for r in mine]
+        if cfg["reward_fn"]:  # the accuracy is the mean value of the responses it scores
+            values, scored = baselines.judged(out.texts, golds, mine, cfg["reward_fn"])
+            hits, judged = values.sum().item(), scored.sum().item()
+        else:
+            hits = baselines.correctness(out.texts, golds, "math", cfg["reward"]).sum().item()
+        if probe_stats is not None:
+            m = len(rows[:cfg["eval_probe_n"]][RANK::WORLD])
+            trajs = probe_calibration(sampler, tok, probe, prompts[:m], out, mine[:m], cfg,
+                                      seed=cfg["seed"] + 54321 + RANK)
+            staticcache.release(sampler)  # nor the next step's rollout prefill on the labels'
+    if probe_stats is not None:
+        trajs = [t for part in all_gather(trajs) for t in part]
+        probe_stats.update(heldout_probe(trajs, cfg["k"]), trajectories=trajs)
+    hits, n = all_sum([hits, judged], device)
+    return hits / n if n else math.nan
+
+
+@torch.no_grad()
+def probe_calibration(model, tok, prb, prompts, out, rows, cfg, seed):
+    """Label and score the trajectories `out` (a rollout.Samples, one per prompt) of `rows`: a dict
+    per trajectory (problem, answer, text clipped, correct, budgets, Y_b, C_b, margin or brier)."""
+    n, fn = len(prompts), cfg["reward_fn"]
+    golds = [r["answer"] for r in rows]
+    cuts = [cuts_of(len(ids), cfg["budgets"]) for ids in out.ids[:n]]
+    judge = (lambda answer, i: rewardfn.judge(fn, answer, golds[i], rows[i])) if fn else None  # noqa: E731
+    labels, feats = mc_labels(model, tok, prompts, out.ids[:n], cuts, golds, k=cfg["k"],
+                              close=cfg["forced_close"], seed=seed, batch_size=cfg["gen_batch"],
+                              grader=cfg["grader"], decode=cfg["decode"], judge=judge, features=True)
+    if fn:
+        cuts, labels, feats = labelled(cuts, labels, feats)
+    Y, feats, valid = grid(labels), grid(feats), cut_mask(cuts)
+    C = torch.zeros(Y.shape)
+    if valid.any():
+        C[valid] = probe_lib.predict(prb, feats[valid]).cpu()
+    calib = baselines.calibration_term(C, Y, valid, cfg)   # the margin, or the negative Brier
+    key = baselines.calibration_key(cfg["reward"])
+    return [dict(problem=runlog.clip(r["problem"]), answer=r["answer"], text=runlog.clip(t),
+                 correct=rewardfn.judge(fn, t, r["answer"], r) if fn else int(is_correct(t, r["answer"])),
+                 budgets=bs, Y_b=ys,
+                 C_b=[round(c, 6) for c in C[i, :len(bs)].tolist()], **{key: calib[i].item()})
+            for i, (r, t, bs, ys) in enumerate(zip(rows, out.texts, cuts, labels))]
+
+
 def all_summed(sums, device):
     """{name: this rank's sum} -> {name: the sum over every rank}, in one all-reduce."""
     return dict(zip(sums, all_sum(list(sums.values()), device)))
@@ -344,13 +399,16 @@ def run(cfg):
             return None
         t = time.perf_counter()
         probe_stats = {} if cfg["reward"] in baselines.PROBE_MODES and cfg["eval_probe_n"] > 0 else None
-        acc = held_out_accuracy(sampler, tok, eval_rows, cfg, instruction, device, probe, probe_stats)
+        acc = held_out_accuracy(sampler, tok, eval_rows, cfg, device, probe, probe_stats)
         trajs = probe_stats.pop("trajectories") if probe_stats else []
         log(dict(step=at, eval=True, eval_accuracy=acc, eval_n=len(eval_rows), eval_data=cfg["eval_data"],
                  **(probe_stats or {}), t_eval=time.perf_counter() - t))
         if MASTER:
             runlog.append_jsonl(folder.heldout, [dict(step=at, **t) for t in trajs])
-        print0(f"step {at}: held-out accuracy {scored(acc)} on {len(eval_rows)} problems" + heldout.describe(probe_stats))
+        said = (probe_stats or {}).get("eval_probe_prefixes") and (
+            "; probe on {eval_probe_prefixes} held-out prefixes: BCE {eval_probe_bce:.3f}, "
+            "ECE {eval_probe_ece:.3f}, AUROC {eval_probe_auroc:.3f}".format(**probe_stats))
+        print0(f"step {at}: held-out accuracy {scored(acc)} on {len(eval_rows)} problems" + (said or ""))
         return acc
 
     def save(at):
