@@ -7,19 +7,12 @@ import math
 import numpy as np
 
 
-def _check(conf, correct):   # float64 arrays [N], or a ValueError naming the problem
-    conf = np.asarray(conf, dtype=np.float64).reshape(-1)
-    correct = np.asarray(correct, dtype=np.float64).reshape(-1)
-    if conf.shape != correct.shape:
-        raise ValueError(f"conf and correct have different lengths ({conf.size} vs {correct.size}); "
-                         "pass one confidence per graded sample")
-    if conf.size == 0:
-        raise ValueError("empty input: need at least one (confidence, correctness) pair")
-    for name, x in (("conf", conf), ("correct", correct)):
-        if np.isnan(x).any():
-            raise ValueError(f"{name} contains NaN; drop or fix those samples first")
-        if (x < 0).any() or (x > 1).any():
-            raise ValueError(f"{name} has values outside [0, 1] (min {x.min():g}, max {x.max():g})")
+def _check(conf, correct):   # float64 arrays [N], or a ValueError
+    conf, correct = (np.asarray(x, dtype=np.float64).reshape(-1) for x in (conf, correct))
+    inside = all(((x >= 0) & (x <= 1)).all() for x in (conf, correct))   # False on NaN
+    if conf.shape != correct.shape or conf.size == 0 or not inside:
+        raise ValueError(f"need N > 0 (confidence, correctness) pairs in [0, 1], not NaN: got "
+                         f"{conf.size} confidences and {correct.size} correctness values")
     return conf, correct
 
 
