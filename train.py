@@ -180,12 +180,13 @@ def step_row(step, cfg, got, learner, lr, timer, captures):
     zero_var = (R.view(-1, G).std(1) == 0).sum().item() if len(R) else 0  # groups whose R all agree
     Y, valid = got["Y"], got["valid"]  # signal: a solvable and an unsolvable cut in one response
     signal = (((Y == 1) & valid).any(1) & ((Y == 0) & valid).any(1)).float()
-    s = all_summed(dict(
+    mine = dict(  # this rank's sums, summed over every rank in one all-reduce
         correct=correct.sum().item(), judged=n if scored is None else scored.sum().item(),
         reward=R.sum().item(), signal=signal.sum().item(), n=n, tokens=sum(out.lengths),
         truncated=sum(f == "length" for f in out.finish), zero_var=zero_var, groups=n // G,
         entropy=sum(out.entropy_sum), captures=captures, a_nat=a_nat,
-        a_cal=a_cal, **{"part " + k: v.sum().item() for k, v in parts.items()}), learner.device)
+        a_cal=a_cal, **{"part " + k: v.sum().item() for k, v in parts.items()})
+    s = dict(zip(mine, all_sum(list(mine.values()), learner.device)))
     n, tokens = s["n"], s["tokens"]
     acc = s["correct"] / s["judged"] if s["judged"] else math.nan  # nan: --reward-fn scored none
     row = dict(step=step, accuracy=acc, reward=s["reward"] / n,
@@ -268,11 +269,6 @@ def probe_calibration(model, tok, prb, prompts, out, rows, cfg, seed):
                  budgets=bs, Y_b=ys,
                  C_b=[round(c, 6) for c in C[i, :len(bs)].tolist()], **{key: calib[i].item()})
             for i, (r, t, bs, ys) in enumerate(zip(rows, out.texts, cuts, labels))]
-
-
-def all_summed(sums, device):
-    """{name: this rank's sum} -> {name: the sum over every rank}, in one all-reduce."""
-    return dict(zip(sums, all_sum(list(sums.values()), device)))
 
 
 def peak_memory(device):
@@ -420,7 +416,6 @@ def run(cfg):
     first_acc, other_set = (evaluate(0), False) if step == 0 else folder.first_accuracy(cfg, len(eval_rows))
     final_acc = first_acc
     learner = Learner(policy, sampler, tok, probe, probe_opt, opt, sched, device)
-    phase_sums = dict.fromkeys(Timer.PHASES, 0.0)
     bar = tqdm(range(step + 1, cfg["steps"] + 1), initial=step, total=cfg["steps"], disable=not MASTER,
                desc=cfg["reward"])
     for step in bar:
@@ -428,7 +423,6 @@ def run(cfg):
         row, samples = logged_step(step, batch_rows, learner, cfg)
         refresh_sampler(sampler, policy)
         log(row, samples)
-        phase_sums = {p: t + row["t_" + p] for p, t in phase_sums.items()}
         bar.set_postfix(acc=f"{row['accuracy']:.2f}", R=f"{row['reward']:+.2f}",
                         margin=f"{row.get('margin', 0.0):+.3f}", sig=f"{row['signal_frac']:.2f}",
                         roll=f"{row['t_rollout']:.1f}s", label=f"{row['t_label']:.1f}s")
@@ -443,10 +437,6 @@ def run(cfg):
             other = " (two different held-out sets: --eval-n or --eval-data changed on resume)"
             print0(f"held-out accuracy: {scored(first_acc)} at the start -> {scored(final_acc)} at step "
                    f"{step}" + (other if other_set else ""))
-        roll = max(phase_sums["rollout"], 1e-9)
-        print0("seconds per phase: " + ", ".join(
-            f"{p} {t:.1f}" + ("" if p == "rollout" else f" ({t / roll:.2f}x rollout)")
-            for p, t in phase_sums.items()))
         bench = " --benchmarks " + ",".join(data.TOY_BENCHMARKS) if cfg["eval_data"] == "toy" else ""
         bench += f" --toy-world {cfg['toy_world']}" if bench and cfg["toy_world"] else ""
         print0(f"curves: {runlog.plot_curves(folder.out)}")
