@@ -119,7 +119,7 @@ def build_parser():   # every default None: resolve_args fills them. More: docs/
     g.add_argument("--eval-data", help="held-out set for the accuracy check (toy test / math500)")
     g.add_argument("--toy-world", choices=sorted(toy.WORLDS),
                    help="a --model folder's toy world: the toy's defaults apply")
-    g.add_argument("--max-prompt-tokens", type=int, help=f"drop longer prompts ({dflt('max_prompt_tokens')})")
+    g.add_argument("--max-prompt-tokens", type=int, help=f"cap ({dflt('max_prompt_tokens')})")
     g.add_argument("--trust-remote-code", action="store_true", default=None,
                    help="run the model's own code; give it again with --resume")
     g.add_argument("--instruction", help="text after every problem (saved; evaluate.py reuses it)")

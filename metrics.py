@@ -130,7 +130,7 @@ def pass_at_k(n, c, k):
 
 
 def heldout_probe(trajectories, k):
-    """The held-out check's eval_probe_* numbers (docs/reference.md) from trajectories' Y_b and C_b."""
+    """The held-out check's eval_probe_* numbers (docs/reference.md) from its Y_b and C_b."""
     Y = np.array([y for t in trajectories for y in t["Y_b"]], dtype=np.float64)
     C = np.array([c for t in trajectories for c in t["C_b"]], dtype=np.float64)
     if Y.size == 0:

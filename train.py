@@ -216,7 +216,7 @@ def probe_stats(learner, got):
 
 @torch.no_grad()
 def held_out_accuracy(sampler, tok, rows, cfg, device, probe=None, probe_stats=None):
-    """The held-out check: accuracy on `rows`, the same problems and seed (T 0.6) at every check; nan
+    """The held-out check: accuracy on `rows`, the same problems and seed (T 0.6) each time; nan
     when --reward-fn scored nothing. With a `probe_stats` dict: the probe out of sample on the
     prefixes of the first --eval-probe-n trajectories, labelled as in a step, goes into it."""
     mine = rows[RANK::WORLD]
@@ -226,7 +226,7 @@ def held_out_accuracy(sampler, tok, rows, cfg, device, probe=None, probe_stats=N
         out = generate(sampler, tok, prompts, max_new_tokens=cfg["max_new_tokens"], temperature=0.6,
                        seed=cfg["seed"] + 12345 + RANK, batch_size=cfg["gen_batch"],
                        decode=cfg["decode"])
-        staticcache.release(sampler)  # as in a step: the labels' prefill must not sit on the rollout's shape
+        staticcache.release(sampler)  # as in a step: free the rollout's shape before the labels
         golds = [r["answer"] for r in mine]
         if cfg["reward_fn"]:  # the accuracy is the mean value of the responses it scores
             values, scored = baselines.judged(out.texts, golds, mine, cfg["reward_fn"])
@@ -252,10 +252,11 @@ def probe_calibration(model, tok, prb, prompts, out, rows, cfg, seed):
     n, fn = len(prompts), cfg["reward_fn"]
     golds = [r["answer"] for r in rows]
     cuts = [cuts_of(len(ids), cfg["budgets"]) for ids in out.ids[:n]]
-    judge = (lambda answer, i: rewardfn.judge(fn, answer, golds[i], rows[i])) if fn else None  # noqa: E731
+    judge = (lambda a, i: rewardfn.judge(fn, a, golds[i], rows[i])) if fn else None  # noqa: E731
     labels, feats = mc_labels(model, tok, prompts, out.ids[:n], cuts, golds, k=cfg["k"],
                               close=cfg["forced_close"], seed=seed, batch_size=cfg["gen_batch"],
-                              grader=cfg["grader"], decode=cfg["decode"], judge=judge, features=True)
+                              grader=cfg["grader"], decode=cfg["decode"], judge=judge,
+                              features=True)
     if fn:
         cuts, labels, feats = labelled(cuts, labels, feats)
     Y, feats, valid = grid(labels), grid(feats), cut_mask(cuts)
@@ -265,7 +266,8 @@ def probe_calibration(model, tok, prb, prompts, out, rows, cfg, seed):
     calib = baselines.calibration_term(C, Y, valid, cfg)   # the margin, or the negative Brier
     key = baselines.calibration_key(cfg["reward"])
     return [dict(problem=runlog.clip(r["problem"]), answer=r["answer"], text=runlog.clip(t),
-                 correct=rewardfn.judge(fn, t, r["answer"], r) if fn else int(is_correct(t, r["answer"])),
+                 correct=rewardfn.judge(fn, t, r["answer"], r) if fn
+                 else int(is_correct(t, r["answer"])),
                  budgets=bs, Y_b=ys,
                  C_b=[round(c, 6) for c in C[i, :len(bs)].tolist()], **{key: calib[i].item()})
             for i, (r, t, bs, ys) in enumerate(zip(rows, out.texts, cuts, labels))]
@@ -404,7 +406,8 @@ def run(cfg):
         said = (probe_stats or {}).get("eval_probe_prefixes") and (
             "; probe on {eval_probe_prefixes} held-out prefixes: BCE {eval_probe_bce:.3f}, "
             "ECE {eval_probe_ece:.3f}, AUROC {eval_probe_auroc:.3f}".format(**probe_stats))
-        print0(f"step {at}: held-out accuracy {scored(acc)} on {len(eval_rows)} problems" + (said or ""))
+        print0(f"step {at}: held-out accuracy {scored(acc)} on {len(eval_rows)} problems"
+               + (said or ""))
         return acc
 
     def save(at):
