@@ -17,7 +17,7 @@ from harness.checkpoint import ALIASES
 from harness.files import UserError
 from harness.checkpoint import check_out, read_config
 
-NOT_SAVED = ("resume", "config", "plot")  # how a run was started, not what it is
+NOT_SAVED = ("resume", "config")  # how a run was started, not what it is
 
 # Defaults that depend on the world (docs/design.md, "Defaults"): the toy sizes for 2 CPU cores, the
 # real ones from the released run script. Why the toy's lr and lam: docs/reference.md (the end).
@@ -39,8 +39,8 @@ COMMON = dict(model="toy", problem_field=None, answer_field=None, trust_remote_c
               corner="zero", budgets=(0.25, 0.5, 0.75), max_prompt_tokens=0, probe_lr=1e-3, probe_passes=16,
               probe_batch=16, probe_hidden=None, grad_clip=1.0,
               clip_low=0.2, clip_high=0.2, agg="token-mean", chunk_size=1024, seed=0, keep=2,
-              out=None, resume=None, system_prompt=None, log_samples=4, eval_probe_n=32, wandb=None,
-              wandb_run=None, ppo_epochs=1, offload=False, offload_grads="gpu", nproc=None, gpus=None, gpu_mem=None,
+              out=None, resume=None, system_prompt=None, log_samples=4, eval_probe_n=32,
+              ppo_epochs=1, offload=False, offload_grads="gpu", nproc=None, gpus=None, gpu_mem=None,
               plan=False, decode=None, drop_unanimous=False, c2gspg_bce="off", lora_rank=0, lora_alpha=32.0,
               lora_targets="all-linear", probe_labels="mc", toy_world=None)
 # Under --lora-rank the default --lr is this many times the world's full fine-tuning rate ("LoRA
@@ -105,30 +105,25 @@ def dflt(key):
     return f"default {toy}" if toy == real else f"toy {toy}, real models {real}"
 
 
-def build_parser():   # every default None: resolve_args fills them
+def build_parser():   # every default None: resolve_args fills them. More: docs/reference.md
     fmt = lambda d: ", ".join(f"{k}={v}" for k, v in d.items())  # noqa: E731
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=(
         f"defaults: {fmt(COMMON)}. toy world: {fmt(TOY)}. real models: {fmt(REAL)}."))
     g = p.add_argument_group("model and data")
-    g.add_argument("--model", help="toy | deepseek-r1-distill-qwen-7b | qwen3-4b-instruct (the release's 4B recipe: "
-                   f"{RECIPES['Qwen/Qwen3-4B-Instruct-2507']['steps']} steps) | HF id | local dir")
-    g.add_argument("--data", help="toy | deepscaler (40k, downloads; holds the released 7,721: "
-                   "--data stage1_data.json, the authors' file, not on the hub) | HF dataset id | "
-                   "local json/jsonl/parquet")
-    g.add_argument("--problem-field", help="the rows' problem column (default: the first present of "
+    g.add_argument("--model", help="toy | deepseek-r1-distill-qwen-7b | qwen3-4b-instruct | HF id")
+    g.add_argument("--data", help="toy | deepscaler | HF dataset id | local json/jsonl/parquet")
+    g.add_argument("--problem-field", help="the problem column (default: the first of "
                    + ", ".join(PROBLEM_FIELDS) + ")")
-    g.add_argument("--answer-field", help="the rows' gold answer column (default: the first present of "
+    g.add_argument("--answer-field", help="the gold answer column (default: the first of "
                    + ", ".join(ANSWER_FIELDS) + ")")
-    g.add_argument("--eval-data", help="held-out set for the accuracy check (default: toy test / math500)")
-    g.add_argument("--toy-world", choices=sorted(toy.WORLDS), help="the toy world a --model folder "
-                   f"was warm-started in (--model toy: {toy.WORLD}); the toy's defaults then apply")
-    g.add_argument("--max-prompt-tokens", type=int,
-                   help="drop training problems with longer prompts (0 keeps all; real models 600)")
+    g.add_argument("--eval-data", help="held-out set for the accuracy check (toy test / math500)")
+    g.add_argument("--toy-world", choices=sorted(toy.WORLDS),
+                   help="a --model folder's toy world: the toy's defaults apply")
+    g.add_argument("--max-prompt-tokens", type=int, help=f"cap ({dflt('max_prompt_tokens')})")
     g.add_argument("--trust-remote-code", action="store_true", default=None,
-                   help="run modelling code shipped with the model; give it again with --resume")
-    g.add_argument("--instruction", help="text appended to every problem in the user turn (saved; "
-                   "evaluate.py reuses it for this run's checkpoints)")
-    g.add_argument("--system-prompt", help="system turn before the problem (saved and reused like --instruction)")
+                   help="run the model's own code; give it again with --resume")
+    g.add_argument("--instruction", help="text after every problem (saved; evaluate.py reuses it)")
+    g.add_argument("--system-prompt", help="a system turn (saved; evaluate.py reuses it)")
     g = p.add_argument_group("rollout")
     g.add_argument("--prompts-per-step", type=int, help=f"problems per RL step ({dflt('prompts_per_step')})")
     g.add_argument("--group-size", type=int, help=f"samples per problem, a group ({dflt('group_size')})")
@@ -137,119 +132,77 @@ def build_parser():   # every default None: resolve_args fills them
     g.add_argument("--top-p", type=float, help=f"nucleus sampling's top-p ({dflt('top_p')}: off)")
     g.add_argument("--gen-batch", type=int, help=f"prompts per generation call ({dflt('gen_batch')})")
     g.add_argument("--decode", choices=("static", "dynamic"),
-                   help="KV cache for decoding: static + CUDA graphs (default on CUDA) or dynamic (default on CPU)")
-    g = p.add_argument_group("reward, labels and probe")
-    g.add_argument("--reward", choices=REWARDS,
-                   help="rlcm; the baselines grpo, rlcr, c2gspg; the ablations final-margin (budget 1.0, "
-                        "final-margin corner), process-brier, final-brier (budget 1.0); "
-                        f"docs/design.md, Baselines ({dflt('reward')})")
+                   help="KV cache: static + CUDA graphs (default on CUDA) or dynamic (on CPU)")
+    g = p.add_argument_group("reward, labels and probe (docs/design.md, Baselines)")
+    g.add_argument("--reward", choices=REWARDS, help=f"method or baseline ({dflt('reward')})")
     g.add_argument("--drop-unanimous", action=argparse.BooleanOptionalAction,
-                   help="reward 0 for groups all right or all wrong (kept at advantage 0, no step "
-                        "filtered); on for the Brier modes, as released")
+                   help="reward 0 for all-right or all-wrong groups (Brier modes: on, as released)")
     g.add_argument("--c2gspg-bce", choices=("off", "seq-mean", "token-mean"),
-                   help="c2gspg only: add 0.1 x BCE(c_theta, correct) per sequence or per token, "
-                        "aggregated like the policy loss; off (default): as the released actor")
-    g.add_argument("--lam", type=float, help="R = r_nat + lam x the calibration term (rlcm: the margin; "
-                   f"{dflt('lam')}; grpo: 0)")
+                   help="c2gspg: add 0.1 x BCE(c_theta, correct); off: as released")
+    g.add_argument("--lam", type=float, help=f"R = r_nat + lam x calibration ({dflt('lam')})")
     g.add_argument("--k", type=int, help=f"forced answers per prefix ({dflt('k')})")
     g.add_argument("--forced-close", choices=("think", "eos"),
-                   help="token before the forced suffix (none where the cut ends on it): </think> "
-                        f"(paper) or EOS (released code; {dflt('forced_close')})")
+                   help=f"</think> (paper) or EOS (released) ({dflt('forced_close')})")
     g.add_argument("--budgets", type=fractions, metavar="F,F,...",
-                   help="truncation points, fractions of each response (1.0: final-only ablations; "
-                   f"{dflt('budgets')})")
+                   help=f"cuts, fractions of each response ({dflt('budgets')})")
     g.add_argument("--corner", choices=("zero", "margin-corner", "final-margin"),
-                   help="margin when a side is empty: 0 (RLCM); margin-corner: mean C / 1 - mean C "
-                        "(margin_corner); final-margin: +/-mean C, 0 if both exist (conf_diff_v3); "
-                        f"{dflt('corner')}")
-    g.add_argument("--grader", choices=grade.GRADERS,
-                   help="grader of r_nat and Y_b: strict (released: last \\boxed{ == gold as text, "
-                        "less trailing .0 and leading zeros), math (math-verify, as evaluate.py), "
-                        "minerva (Minerva's normal forms: RLCR's released reward, its default); "
-                        f"{dflt('grader')}")
+                   help=f"the margin when a side is empty ({dflt('corner')})")
+    g.add_argument("--grader", choices=grade.GRADERS, help=f"r_nat's and Y_b's ({dflt('grader')})")
     g.add_argument("--reward-fn", metavar="FILE.py:NAME",
-                   help="your correctness function NAME(response, answer, row) -> float in [0, 1] "
-                        "or None (skip the sample), in place of --grader (harness/rewardfn.py); "
-                        "never saved: give it again with --resume")
+                   help="NAME(response, answer, row) -> float in [0, 1] or None, not --grader "
+                        "(harness/rewardfn.py); give it again with --resume")
     g.add_argument("--probe-lr", type=float, help=f"the probe's learning rate ({dflt('probe_lr')})")
-    g.add_argument("--probe-passes", type=int, help="passes over the step's prefixes when fitting the probe "
-                   f"({dflt('probe_passes')})")
+    g.add_argument("--probe-passes", type=int, help=f"passes per fit ({dflt('probe_passes')})")
     g.add_argument("--probe-batch", type=int, help=f"prefixes per probe update ({dflt('probe_batch')})")
     g.add_argument("--probe-labels", choices=("mc", "shuffled"),
-                   help="the probe's labels: mc (the step's Y_b) or shuffled (a control: permuted "
-                        "across the step's cuts; the margin still uses the real labels; "
-                        f"{dflt('probe_labels')})")
+                   help=f"the step's Y_b, or shuffled (a control; {dflt('probe_labels')})")
     g.add_argument("--probe-hidden", type=int, metavar="N",
-                   help="the probe's hidden width: d -> N -> 1 (default d/4: the released MLP, d -> d/4 -> 1); "
-                        "0 trains the design card's linear probe d -> 1")
+                   help="the probe d -> N -> 1 (default d/4, as released); 0: linear d -> 1")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--lr", type=float, help=f"policy learning rate (toy {TOY['lr']}, real models {REAL['lr']}; "
-                   f"{LORA_LR_FACTOR}x that under --lora-rank)")
-    g.add_argument("--warmup", type=int, help="warm-up updates: the learning rate rises linearly to --lr "
-                   f"({dflt('warmup')})")
+    g.add_argument("--lr", type=float, help=f"policy learning rate ({dflt('lr')}; "
+                   f"{LORA_LR_FACTOR}x under --lora-rank)")
+    g.add_argument("--warmup", type=int, help=f"linear warm-up updates ({dflt('warmup')})")
     g.add_argument("--warmup-from-zero", action=argparse.BooleanOptionalAction,
-                   help="lr x s / warmup from lr 0 (verl's; real models' default); "
-                        "--no-warmup-from-zero: lr x (s + 1) / warmup (the toy's)")
-    g.add_argument("--weight-decay", type=float,
-                   help="the policy's AdamW decay (real models 0.01: verl's, as released; toy 0)")
-    g.add_argument("--grad-clip", type=float, help=f"the policy's gradient-norm clip ({dflt('grad_clip')})")
+                   help=f"first update at lr 0 (verl's; {dflt('warmup_from_zero')})")
+    g.add_argument("--weight-decay", type=float, help=f"AdamW decay ({dflt('weight_decay')})")
+    g.add_argument("--grad-clip", type=float, help=f"gradient-norm clip ({dflt('grad_clip')})")
     g.add_argument("--clip-low", type=float, help=f"PPO's ratio clip: 1 - clip-low ({dflt('clip_low')})")
     g.add_argument("--clip-high", type=float, help=f"PPO's ratio clip: 1 + clip-high ({dflt('clip_high')})")
-    g.add_argument("--agg", choices=AGGS,
-                   help="loss aggregation: token-mean (default: over the batch's response tokens); "
-                        "token-mean-per-micro-batch (verl's, released: weighted by rows); "
-                        "seq-mean; seq-sum-norm (Dr. GRPO, / --max-new-tokens)")
-    g.add_argument("--micro-tokens", type=int,
-                   help=f"tokens per micro-batch (gradient accumulation; {dflt('micro_tokens')})")
-    g.add_argument("--chunk-size", type=int,
-                   help=f"positions per LM-head call when computing log-probs ({dflt('chunk_size')})")
+    g.add_argument("--agg", choices=AGGS, help=f"loss aggregation ({dflt('agg')})")
+    g.add_argument("--micro-tokens", type=int, help=f"per micro-batch ({dflt('micro_tokens')})")
+    g.add_argument("--chunk-size", type=int, help=f"per LM-head call ({dflt('chunk_size')})")
     g.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction,
-                   help=f"gradient checkpointing: less memory, slower ({dflt('grad_ckpt')})")
-    g.add_argument("--ppo-epochs", type=int, help="optimizer steps per batch; 1 (released) is exactly "
-                   "on-policy: the old log-probs are the current ones, detached")
+                   help=f"gradient checkpointing ({dflt('grad_ckpt')})")
+    g.add_argument("--ppo-epochs", type=int, help=f"updates per batch ({dflt('ppo_epochs')})")
     g.add_argument("--offload", action="store_true", default=None,
-                   help="keep params, grads and AdamW state in host memory (FSDP2 CPU offload): slow, "
-                   "but the 7B model trains on one or two GPUs")
+                   help="params, grads and AdamW state in host memory (FSDP2): the 7B on 1-2 GPUs")
     g.add_argument("--offload-grads", choices=("gpu", "host"),
-                   help="with --offload: gpu (default) keeps fp32 grads on GPU, to the host once "
-                   "a step (+4 B/param); host: every micro-batch (less memory, a blocking copy)")
-    g.add_argument("--lora-rank", type=int, help="train a LoRA adapter of this rank on the frozen base "
-                   "(peft; 0: full fine-tuning, as in the paper). 16-64 suits a 7B; 32 fits one 80 GB GPU")
-    g.add_argument("--lora-alpha", type=float,
-                   help=f"LoRA scale alpha (the update is alpha / rank x B A; {dflt('lora_alpha')})")
-    g.add_argument("--lora-targets", help="modules to adapt: all-linear (every linear layer of the "
-                   f"decoder) or names, e.g. q_proj,v_proj ({dflt('lora_targets')})")
+                   help="with --offload: grads to the host once a step (gpu) or every micro-batch")
+    g.add_argument("--lora-rank", type=int, help="LoRA adapter rank (0: full fine-tuning)")
+    g.add_argument("--lora-alpha", type=float, help=f"LoRA scale alpha ({dflt('lora_alpha')})")
+    g.add_argument("--lora-targets", help=f"e.g. q_proj,v_proj ({dflt('lora_targets')})")
     g = p.add_argument_group("devices")
     g.add_argument("--nproc", type=int, help="worker processes (default: every GPU; 1 on CPU)")
     g.add_argument("--plan", action="store_true", default=None,
-                   help="print the per-GPU memory plan from the model config and exit")
-    g.add_argument("--gpus", type=int, help="plan for this many GPUs instead of the detected ones")
+                   help="print the per-GPU memory plan and exit")
+    g.add_argument("--gpus", type=int, help="plan for this many GPUs")
     g.add_argument("--gpu-mem", type=float, help="plan for GPUs of this many GiB")
     g = p.add_argument_group("run")
-    g.add_argument("--steps", type=int, help=f"RL steps in all (0: nothing to do; {dflt('steps')})")
+    g.add_argument("--steps", type=int, help=f"RL steps in all ({dflt('steps')})")
     g.add_argument("--out", help="run directory (default runs/<model>)")
     g.add_argument("--seed", type=int, help=f"seeds sampling, data order and the probe ({dflt('seed')})")
-    g.add_argument("--save-every", type=int,
-                   help=f"checkpoint every N steps (0: only at the end; {dflt('save_every')})")
-    g.add_argument("--keep", type=int, help=f"checkpoints kept (>= 1; {dflt('keep')})")
+    g.add_argument("--save-every", type=int, help=f"checkpoint period ({dflt('save_every')})")
+    g.add_argument("--keep", type=int, help=f"checkpoints kept ({dflt('keep')})")
     g.add_argument("--eval-every", type=int,
-                   help=f"held-out accuracy every N steps (0: start and end only; {dflt('eval_every')})")
-    g.add_argument("--eval-n", type=int,
-                   help=f"held-out problems in the accuracy check (0: no check; {dflt('eval_n')})")
-    g.add_argument("--resume", metavar="RUN_DIR", help=(
-        "continue this run from its latest complete checkpoint. Flags given with it apply from the "
-        "next step and are written to RUN/config.json, except " +
-        ", ".join("--" + k.replace("_", "-") for k in FIXED_ON_RESUME) +
-        ", which are refused (they would break exact resume)"))
-    g.add_argument("--config", metavar="FILE", help="start a new run from a saved config.json (flags given win)")
-    g = p.add_argument_group("what the run leaves (harness/runlog.py, evaluation/heldout.py)")
-    g.add_argument("--log-samples", type=int,
-                   help=f"trajectories per step written to RUN/samples.jsonl ({dflt('log_samples')})")
-    g.add_argument("--eval-probe-n", type=int, help="held-out trajectories labelled at each held-out check "
-                   f"to measure the probe out of sample (0: off; {dflt('eval_probe_n')})")
-    g.add_argument("--wandb", metavar="PROJECT", help="mirror metrics to Weights & Biases (pip install wandb)")
-    g.add_argument("--wandb-run", metavar="NAME", help="W&B run name")
-    g.add_argument("--plot", metavar="RUN", help="only draw RUN/curves.png from RUN/metrics.jsonl and exit")
+                   help=f"held-out check every N steps, 0: start and end ({dflt('eval_every')})")
+    g.add_argument("--eval-n", type=int, help=f"held-out problems, 0: no check ({dflt('eval_n')})")
+    g.add_argument("--resume", metavar="RUN_DIR", help="continue from the last checkpoint; "
+                   "refused: " + ", ".join("--" + k.replace("_", "-") for k in FIXED_ON_RESUME))
+    g.add_argument("--config", metavar="FILE", help="start a new run from a saved config.json")
+    g = p.add_argument_group("what the run leaves (harness/runlog.py, train.held_out_accuracy)")
+    g.add_argument("--log-samples", type=int, help=f"rows a step ({dflt('log_samples')})")
+    g.add_argument("--eval-probe-n", type=int,
+                   help=f"held-out trajectories testing the probe ({dflt('eval_probe_n')})")
     return p
 
 

@@ -7,19 +7,12 @@ import math
 import numpy as np
 
 
-def _check(conf, correct):   # float64 arrays [N], or a ValueError naming the problem
-    conf = np.asarray(conf, dtype=np.float64).reshape(-1)
-    correct = np.asarray(correct, dtype=np.float64).reshape(-1)
-    if conf.shape != correct.shape:
-        raise ValueError(f"conf and correct have different lengths ({conf.size} vs {correct.size}); "
-                         "pass one confidence per graded sample")
-    if conf.size == 0:
-        raise ValueError("empty input: need at least one (confidence, correctness) pair")
-    for name, x in (("conf", conf), ("correct", correct)):
-        if np.isnan(x).any():
-            raise ValueError(f"{name} contains NaN; drop or fix those samples first")
-        if (x < 0).any() or (x > 1).any():
-            raise ValueError(f"{name} has values outside [0, 1] (min {x.min():g}, max {x.max():g})")
+def _check(conf, correct):   # float64 arrays [N], or a ValueError
+    conf, correct = (np.asarray(x, dtype=np.float64).reshape(-1) for x in (conf, correct))
+    inside = all(((x >= 0) & (x <= 1)).all() for x in (conf, correct))   # False on NaN
+    if conf.shape != correct.shape or conf.size == 0 or not inside:
+        raise ValueError(f"need N > 0 (confidence, correctness) pairs in [0, 1], not NaN: got "
+                         f"{conf.size} confidences and {correct.size} correctness values")
     return conf, correct
 
 
@@ -134,6 +127,22 @@ def pass_at_k(n, c, k):
     if n - c < k:
         return 1.0
     return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def heldout_probe(trajectories, k):
+    """The held-out check's eval_probe_* numbers (docs/reference.md) from its Y_b and C_b."""
+    Y = np.array([y for t in trajectories for y in t["Y_b"]], dtype=np.float64)
+    C = np.array([c for t in trajectories for c in t["C_b"]], dtype=np.float64)
+    if Y.size == 0:
+        return dict(eval_probe_prefixes=0)
+    Cc = np.clip(C, 1e-7, 1 - 1e-7)
+    right = np.rint(Y * k).astype(int)
+    forced = np.concatenate([[1.0] * r + [0.0] * (k - r) for r in right])
+    return dict(eval_probe_bce=float(-(Y * np.log(Cc) + (1 - Y) * np.log(1 - Cc)).mean()),
+                eval_probe_ece=ece(C, Y), eval_probe_auroc=auroc(np.repeat(C, k), forced),
+                **{f"eval_{key}": float(np.mean([t[key] for t in trajectories]))
+                   for key in ("margin", "brier") if key in trajectories[0]},
+                eval_probe_prefixes=int(Y.size))
 
 
 def advantage_parts(correct, rewards, group_size, eps=1e-6):

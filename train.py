@@ -7,7 +7,6 @@
     python train.py --model deepseek-r1-distill-qwen-7b --offload   # 1-2 GPUs: state in host memory
     torchrun --nnodes 2 --nproc_per_node 8 ... train.py --model ...  # several nodes: torchrun's ranks
     python train.py --resume runs/toy                      # continue a run from its last checkpoint
-    python train.py --plot runs/toy                        # redraw runs/toy/curves.png
 
 One step: rl_step below (README.md, "The algorithm"; docs/design.md, "One RL step"); the rest of this
 file runs the steps: setup, held-out checks, checkpoints, logs, resume. Kept from GRPO: group-normalised
@@ -35,12 +34,10 @@ from baselines import PROBE_MODES
 from grade import is_correct
 from grpo import group_advantages, micro_batches, pack, token_logprobs, update
 from label import cut_mask, cuts_of, grid, labelled, mc_labels
-from metrics import advantage_parts, ece
+from metrics import advantage_parts, ece, heldout_probe
 from reward import margin_reward, total_reward
 from rollout import generate
-from evaluation import heldout
-from evaluation.heldout import held_out_accuracy
-from harness import checkpoint as ckpt_lib, lora as lora_lib, plan, runlog, staticcache
+from harness import checkpoint as ckpt_lib, lora as lora_lib, plan, rewardfn, runlog, staticcache
 from harness.checkpoint import RunFolder, exit_codes
 from harness.files import UserError
 from harness.parallel import (MASTER, RANK, WORLD, all_gather, all_sum, full_state, launch,
@@ -183,12 +180,13 @@ def step_row(step, cfg, got, learner, lr, timer, captures):
     zero_var = (R.view(-1, G).std(1) == 0).sum().item() if len(R) else 0  # groups whose R all agree
     Y, valid = got["Y"], got["valid"]  # signal: a solvable and an unsolvable cut in one response
     signal = (((Y == 1) & valid).any(1) & ((Y == 0) & valid).any(1)).float()
-    s = all_summed(dict(
+    mine = dict(  # this rank's sums, summed over every rank in one all-reduce
         correct=correct.sum().item(), judged=n if scored is None else scored.sum().item(),
         reward=R.sum().item(), signal=signal.sum().item(), n=n, tokens=sum(out.lengths),
         truncated=sum(f == "length" for f in out.finish), zero_var=zero_var, groups=n // G,
         entropy=sum(out.entropy_sum), captures=captures, a_nat=a_nat,
-        a_cal=a_cal, **{"part " + k: v.sum().item() for k, v in parts.items()}), learner.device)
+        a_cal=a_cal, **{"part " + k: v.sum().item() for k, v in parts.items()})
+    s = dict(zip(mine, all_sum(list(mine.values()), learner.device)))
     n, tokens = s["n"], s["tokens"]
     acc = s["correct"] / s["judged"] if s["judged"] else math.nan  # nan: --reward-fn scored none
     row = dict(step=step, accuracy=acc, reward=s["reward"] / n,
@@ -216,9 +214,63 @@ def probe_stats(learner, got):
                 label_mixed=((Y_all > 0) & (Y_all < 1)).float().mean().item(), prefixes=len(Y_all))
 
 
-def all_summed(sums, device):
-    """{name: this rank's sum} -> {name: the sum over every rank}, in one all-reduce."""
-    return dict(zip(sums, all_sum(list(sums.values()), device)))
+@torch.no_grad()
+def held_out_accuracy(sampler, tok, rows, cfg, device, probe=None, probe_stats=None):
+    """The held-out check: accuracy on `rows`, the same problems and seed (T 0.6) each time; nan
+    when --reward-fn scored nothing. With a `probe_stats` dict: the probe out of sample on the
+    prefixes of the first --eval-probe-n trajectories, labelled as in a step, goes into it."""
+    mine = rows[RANK::WORLD]
+    prompts = [data.row_prompt(tok, r, cfg["instruction"], cfg["system_prompt"]) for r in mine]
+    hits, trajs, judged = 0, [], len(mine)
+    if prompts:
+        out = generate(sampler, tok, prompts, max_new_tokens=cfg["max_new_tokens"], temperature=0.6,
+                       seed=cfg["seed"] + 12345 + RANK, batch_size=cfg["gen_batch"],
+                       decode=cfg["decode"])
+        staticcache.release(sampler)  # as in a step: free the rollout's shape before the labels
+        golds = [r["answer"] for r in mine]
+        if cfg["reward_fn"]:  # the accuracy is the mean value of the responses it scores
+            values, scored = baselines.judged(out.texts, golds, mine, cfg["reward_fn"])
+            hits, judged = values.sum().item(), scored.sum().item()
+        else:
+            hits = baselines.correctness(out.texts, golds, "math", cfg["reward"]).sum().item()
+        if probe_stats is not None:
+            m = len(rows[:cfg["eval_probe_n"]][RANK::WORLD])
+            trajs = probe_calibration(sampler, tok, probe, prompts[:m], out, mine[:m], cfg,
+                                      seed=cfg["seed"] + 54321 + RANK)
+            staticcache.release(sampler)  # nor the next step's rollout prefill on the labels'
+    if probe_stats is not None:
+        trajs = [t for part in all_gather(trajs) for t in part]
+        probe_stats.update(heldout_probe(trajs, cfg["k"]), trajectories=trajs)
+    hits, n = all_sum([hits, judged], device)
+    return hits / n if n else math.nan
+
+
+@torch.no_grad()
+def probe_calibration(model, tok, prb, prompts, out, rows, cfg, seed):
+    """Label and score the trajectories `out` (a rollout.Samples, one per prompt) of `rows`: a dict
+    per trajectory (problem, answer, text clipped, correct, budgets, Y_b, C_b, margin or brier)."""
+    n, fn = len(prompts), cfg["reward_fn"]
+    golds = [r["answer"] for r in rows]
+    cuts = [cuts_of(len(ids), cfg["budgets"]) for ids in out.ids[:n]]
+    judge = (lambda a, i: rewardfn.judge(fn, a, golds[i], rows[i])) if fn else None  # noqa: E731
+    labels, feats = mc_labels(model, tok, prompts, out.ids[:n], cuts, golds, k=cfg["k"],
+                              close=cfg["forced_close"], seed=seed, batch_size=cfg["gen_batch"],
+                              grader=cfg["grader"], decode=cfg["decode"], judge=judge,
+                              features=True)
+    if fn:
+        cuts, labels, feats = labelled(cuts, labels, feats)
+    Y, feats, valid = grid(labels), grid(feats), cut_mask(cuts)
+    C = torch.zeros(Y.shape)
+    if valid.any():
+        C[valid] = probe_lib.predict(prb, feats[valid]).cpu()
+    calib = baselines.calibration_term(C, Y, valid, cfg)   # the margin, or the negative Brier
+    key = baselines.calibration_key(cfg["reward"])
+    return [dict(problem=runlog.clip(r["problem"]), answer=r["answer"], text=runlog.clip(t),
+                 correct=rewardfn.judge(fn, t, r["answer"], r) if fn
+                 else int(is_correct(t, r["answer"])),
+                 budgets=bs, Y_b=ys,
+                 C_b=[round(c, 6) for c in C[i, :len(bs)].tolist()], **{key: calib[i].item()})
+            for i, (r, t, bs, ys) in enumerate(zip(rows, out.texts, cuts, labels))]
 
 
 def peak_memory(device):
@@ -297,7 +349,6 @@ def run(cfg):
     if folder.done:
         return
     ckpt, instruction = folder.ckpt, cfg["instruction"]
-    tracker = runlog.tracker(cfg, folder.out) if MASTER else None  # before any slow loading: fails fast without wandb
     rows = data.load_rows(cfg["data"], split="train" if cfg["data"] == "toy" else None,
                           problem_field=cfg["problem_field"], answer_field=cfg["answer_field"])
     eval_rows = data.load_rows(cfg["eval_data"], split="test" if cfg["eval_data"] == "toy" else None,
@@ -340,21 +391,23 @@ def run(cfg):
         if MASTER:
             runlog.append_jsonl(folder.metrics, [row])
             runlog.append_jsonl(folder.samples, samples)
-            if tracker:
-                tracker.log(row)
 
     def evaluate(at):
         if not eval_rows:  # --eval-n 0
             return None
         t = time.perf_counter()
         probe_stats = {} if cfg["reward"] in baselines.PROBE_MODES and cfg["eval_probe_n"] > 0 else None
-        acc = held_out_accuracy(sampler, tok, eval_rows, cfg, instruction, device, probe, probe_stats)
+        acc = held_out_accuracy(sampler, tok, eval_rows, cfg, device, probe, probe_stats)
         trajs = probe_stats.pop("trajectories") if probe_stats else []
         log(dict(step=at, eval=True, eval_accuracy=acc, eval_n=len(eval_rows), eval_data=cfg["eval_data"],
                  **(probe_stats or {}), t_eval=time.perf_counter() - t))
         if MASTER:
             runlog.append_jsonl(folder.heldout, [dict(step=at, **t) for t in trajs])
-        print0(f"step {at}: held-out accuracy {scored(acc)} on {len(eval_rows)} problems" + heldout.describe(probe_stats))
+        said = (probe_stats or {}).get("eval_probe_prefixes") and (
+            "; probe on {eval_probe_prefixes} held-out prefixes: BCE {eval_probe_bce:.3f}, "
+            "ECE {eval_probe_ece:.3f}, AUROC {eval_probe_auroc:.3f}".format(**probe_stats))
+        print0(f"step {at}: held-out accuracy {scored(acc)} on {len(eval_rows)} problems"
+               + (said or ""))
         return acc
 
     def save(at):
@@ -366,7 +419,6 @@ def run(cfg):
     first_acc, other_set = (evaluate(0), False) if step == 0 else folder.first_accuracy(cfg, len(eval_rows))
     final_acc = first_acc
     learner = Learner(policy, sampler, tok, probe, probe_opt, opt, sched, device)
-    phase_sums = dict.fromkeys(Timer.PHASES, 0.0)
     bar = tqdm(range(step + 1, cfg["steps"] + 1), initial=step, total=cfg["steps"], disable=not MASTER,
                desc=cfg["reward"])
     for step in bar:
@@ -374,7 +426,6 @@ def run(cfg):
         row, samples = logged_step(step, batch_rows, learner, cfg)
         refresh_sampler(sampler, policy)
         log(row, samples)
-        phase_sums = {p: t + row["t_" + p] for p, t in phase_sums.items()}
         bar.set_postfix(acc=f"{row['accuracy']:.2f}", R=f"{row['reward']:+.2f}",
                         margin=f"{row.get('margin', 0.0):+.3f}", sig=f"{row['signal_frac']:.2f}",
                         roll=f"{row['t_rollout']:.1f}s", label=f"{row['t_label']:.1f}s")
@@ -389,24 +440,15 @@ def run(cfg):
             other = " (two different held-out sets: --eval-n or --eval-data changed on resume)"
             print0(f"held-out accuracy: {scored(first_acc)} at the start -> {scored(final_acc)} at step "
                    f"{step}" + (other if other_set else ""))
-        roll = max(phase_sums["rollout"], 1e-9)
-        print0("seconds per phase: " + ", ".join(
-            f"{p} {t:.1f}" + ("" if p == "rollout" else f" ({t / roll:.2f}x rollout)")
-            for p, t in phase_sums.items()))
         bench = " --benchmarks " + ",".join(data.TOY_BENCHMARKS) if cfg["eval_data"] == "toy" else ""
         bench += f" --toy-world {cfg['toy_world']}" if bench and cfg["toy_world"] else ""
         print0(f"curves: {runlog.plot_curves(folder.out)}")
         print0(f"next: python evaluate.py --model {folder.out}{bench}")
-        if tracker:
-            tracker.finish()
 
 
 def main(argv=None):
     with exit_codes() as state:  # exit 2 / 3 / 130, the lock released: harness/checkpoint.py
         cfg = state["cfg"] = config.resolve_args(argv)
-        if cfg["plot"]:
-            print(runlog.plot_curves(cfg["plot"]))
-            return
         if cfg["plan"]:
             plan.check(cfg, show=True, probed=cfg["reward"] in baselines.PROBE_MODES)
             return

@@ -1,5 +1,5 @@
 """What a run leaves for the people watching it (docs/reference.md, "What a run leaves"): samples,
-curves.png, the W&B mirror (wandb_run.json: --resume continues that run); where a result came from.
+curves.png; where a result came from.
 """
 import json
 import os
@@ -8,7 +8,7 @@ import shlex
 import subprocess
 from datetime import datetime, timezone
 
-from harness.files import UserError, appending, replacing, write_json
+from harness.files import appending, replacing
 
 TEXT_CHARS = 2000
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
@@ -76,44 +76,9 @@ def _number(v):
     return isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < 1e300   # not NaN, inf or huge
 
 
-class Tracker:
-    """Mirrors metrics rows to Weights & Biases; RUN/wandb_run.json keeps the id for a resume."""
-
-    def __init__(self, run_dir, project, name=None, config=None):
-        try:
-            import wandb
-        except ImportError:
-            raise UserError(f"--wandb {project}: the wandb package is not installed; pip install wandb, "
-                            "or run without --wandb") from None
-        os.makedirs(run_dir, exist_ok=True)
-        path = os.path.join(run_dir, "wandb_run.json")
-        kw = dict(project=project, name=name, config=config, dir=run_dir)
-        if os.path.exists(path):
-            with open(path) as f:
-                kw.update(id=json.load(f)["id"], resume="allow")
-        self.run = wandb.init(**kw)
-        write_json(path, dict(id=self.run.id, project=project))
-
-    def log(self, row):
-        skip = ("step", "eval", "eval_data")   # eval_data, a name, stays in metrics.jsonl
-        self.run.log({k: v for k, v in row.items() if k not in skip}, step=row["step"])
-
-    def finish(self):
-        self.run.finish()
-
-
-def tracker(cfg, run_dir):
-    if not cfg.get("wandb"):
-        return None
-    return Tracker(run_dir, cfg["wandb"], cfg.get("wandb_run"), config=cfg)
-
-
 def plot_curves(run_dir):
     """Draw PANELS from RUN/metrics.jsonl into RUN/curves.png; returns its path."""
-    metrics = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.isfile(metrics):
-        raise UserError(f"--plot {run_dir}: no metrics.jsonl there; pass the --out directory of a run")
-    rows = read_metrics(metrics)
+    rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -86,8 +86,7 @@ def test_the_toy_world_imports_no_project_file():
     assert not edges["toy"], "toy.py imports " + ", ".join(sorted(edges["toy"])) + ": the world stands alone"
 
 
-# Left in a file being rewritten (train.py; the held-out check is the method's): its merge empties this.
-LEFT = {"train -> evaluation.heldout"}
+LEFT = set()   # imports downward still to remove
 
 
 def test_the_method_imports_neither_evaluation_nor_the_study():

@@ -92,18 +92,13 @@ def test_calibration_dict():
     assert out["auroc"] == pytest.approx(2.5 / 3)
 
 
-@pytest.mark.parametrize("conf, correct, words", [
-    ((0.5, 0.5), (1,), "lengths"),
-    ((), (), "empty"),
-    ((0.5, 1.2), (1, 0), "[0, 1]"),
-    ((-0.1,), (1,), "[0, 1]"),
-    ((0.5,), (2,), "[0, 1]"),
-    ((float("nan"), 0.5), (1, 0), "NaN"),
-    ((0.5,), (float("nan"),), "NaN"),
+@pytest.mark.parametrize("conf, correct", [
+    ((0.5, 0.5), (1,)), ((), ()), ((0.5, 1.2), (1, 0)), ((-0.1,), (1,)), ((0.5,), (2,)),
+    ((float("nan"), 0.5), (1, 0)), ((0.5,), (float("nan"),)),
 ])
-def test_validation(conf, correct, words):
+def test_validation(conf, correct):
     for fn in (metrics.ece, metrics.pce, metrics.brier, metrics.auroc, metrics.reliability, metrics.calibration):
-        with pytest.raises(ValueError, match=words.replace("[", r"\[").replace("]", r"\]")):
+        with pytest.raises(ValueError, match=r"pairs in \[0, 1\], not NaN"):
             fn(conf, correct)
 
 

@@ -1,9 +1,8 @@
-"""What a run leaves around the loop: samples, held-out probe calibration, curves, the optional W&B
-mirror, prompts and configs as data, and results.json provenance and intervals."""
+"""What a run leaves around the loop: samples, held-out probe calibration, curves, prompts and
+configs as data, and results.json provenance and intervals."""
 import json
 import math
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -75,16 +74,9 @@ def test_held_out_rows_carry_the_probe_calibration_of_the_logged_prefixes(run):
     assert all("probe_bce" in r and "probe_ece" in r for r in steps)  # the in-sample numbers stay
 
 
-def test_curves_png_after_a_run_and_with_plot(run, tmp_path, capsys):
+def test_curves_png_after_a_run(run):
     png = os.path.join(run, "curves.png")
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(png) > 20000
-    os.remove(png)
-    run_main(["--plot", run])
-    assert capsys.readouterr().out.strip() == png and os.path.isfile(png)
-    with pytest.raises(SystemExit) as e:
-        run_main(["--plot", str(tmp_path)])
-    err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and len(err.splitlines()) == 1 and "no metrics.jsonl" in err
 
 
 def test_config_file_reproduces_a_run_except_steps_and_out(run, tmp_path):
@@ -98,53 +90,6 @@ def test_config_file_reproduces_a_run_except_steps_and_out(run, tmp_path):
     assert cfg["group_size"] == 2 and cfg["out"] == os.path.join("runs", "toy")  # a flag wins; x's --out is not reused
     with pytest.raises(train.UserError, match="cannot read"):
         resolve_args(["--config", str(tmp_path / "nope.json")])
-
-
-def test_wandb_missing_is_one_line(tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
-    with pytest.raises(SystemExit) as e:
-        run_main(["--steps", "1", "--out", str(tmp_path / "r"), "--wandb", "x", *SMALL])
-    err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and len(err.splitlines()) == 1 and "pip install wandb" in err, err
-    assert not os.path.exists(tmp_path / "r" / "checkpoints")
-
-
-FAKE_WANDB = '''
-calls = []
-
-class Run:
-    def __init__(self, id):
-        self.id = id
-    def log(self, row, step=None):
-        calls.append(("log", step, dict(row)))
-    def finish(self):
-        calls.append(("finish",))
-
-def init(**kw):
-    calls.append(("init", kw))
-    return Run(kw.get("id") or "run-%d" % len(calls))
-'''
-
-
-def test_wandb_mirrors_every_row_once_and_resume_continues_the_run(tmp_path, monkeypatch):
-    (tmp_path / "fake").mkdir()
-    (tmp_path / "fake" / "wandb.py").write_text(FAKE_WANDB)
-    monkeypatch.syspath_prepend(str(tmp_path / "fake"))
-    monkeypatch.delitem(sys.modules, "wandb", raising=False)
-    out = str(tmp_path / "r")
-    run_main(["--steps", "2", "--out", out, "--wandb", "proj", "--wandb-run", "first", *SMALL])
-    run_main(["--resume", out, "--steps", "3"])
-    calls = sys.modules["wandb"].calls
-    inits = [c[1] for c in calls if c[0] == "init"]
-    assert len(inits) == 2 and inits[0]["project"] == inits[1]["project"] == "proj"
-    assert inits[0]["name"] == "first" and "id" not in inits[0]
-    first_id = json.load(open(os.path.join(out, "wandb_run.json")))["id"]
-    assert inits[1]["id"] == first_id and inits[1]["resume"] == "allow"
-    logged = [(c[1], c[2]) for c in calls if c[0] == "log"]
-    want = [(r["step"], {k: v for k, v in r.items() if k not in ("step", "eval", "eval_data")})
-            for r in rows(out)]   # eval_data, a name, is not a number to chart
-    assert logged == want and [s for s, _ in logged] == [0, 1, 2, 2, 3, 3]
-    assert sum(c[0] == "finish" for c in calls) == 2
 
 
 def test_instruction_changes_the_prompt_and_evaluate_reuses_it(tmp_path, monkeypatch):
@@ -238,12 +183,11 @@ def test_evaluating_fewer_benchmarks_keeps_the_others_in_results_json(tmp_path, 
 METRICS = json.dumps(dict(step=1, reward=0.5, accuracy=0.25, len_mean=30)) + "\n"
 
 
-def test_the_plot_skips_a_line_cut_off_by_a_kill(tmp_path, capsys):
+def test_the_plot_skips_a_line_cut_off_by_a_kill(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text(METRICS + '{"step": 2, "rew')
-    train.main(["--plot", str(tmp_path)])
-    out = capsys.readouterr().out
-    assert out.strip() == str(tmp_path / "curves.png") and os.path.getsize(out.strip()) > 0
+    png = runlog.plot_curves(str(tmp_path))
+    assert png == str(tmp_path / "curves.png") and os.path.getsize(png) > 0
     assert path.read_text() == METRICS + '{"step": 2, "rew'   # only read
     assert runlog.read_metrics(str(path)) == [dict(step=1, reward=0.5, accuracy=0.25, len_mean=30)]
 
