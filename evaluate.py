@@ -256,8 +256,6 @@ def build_parser():
     g.add_argument("--probe-data", help="post-hoc probe questions (default: toy / deepscaler; toy-pooled)")
     g.add_argument("--probe-questions", type=int, help="how many (default 80, as released; toy-pooled 240)")
     g.add_argument("--probe-samples", type=int, help="rollouts per post-hoc question (default 8, as released)")
-    g.add_argument("--posthoc-fit", choices=("released", "project"), default="released",
-                   help="the post-hoc fit's split and validation loss (default %(default)s)")
     g.add_argument("--posthoc-tokens", choices=("sampled", "text"), default="sampled",
                    help="post-hoc forced prompts: the sampled ids (default) or, as released, re-tokenized")
     g.add_argument("--no-early-exit", action="store_true", help="skip the forced answers at exit checkpoints")

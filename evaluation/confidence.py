@@ -17,7 +17,6 @@ import json
 import math
 import os
 import pickle
-import random
 import sys
 import zipfile
 
@@ -221,7 +220,7 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
                     count=args.posthoc_budgets or w["posthoc_budgets"], k=s["forced_k"], suffix=s["suffix"],
                     close=args.forced_close, stop=["\n"] if is_toy else [], copy_natural=True,
                     lead="" if is_toy else EVAL_LEAD, gate=s["gate"], epochs=100, patience=30, batch=64,
-                    val_frac=0.2, seed=42, fit=args.posthoc_fit,
+                    val_frac=0.2, seed=42,
                     **({"grader": "code"} if s.get("grader") == "code" else {}),
                     **({"tokens": "text"} if args.posthoc_tokens == "text" else {}))
     print(f"post-hoc probe for {label}: {len(rows)} {src} questions ...", file=sys.stderr)
@@ -261,8 +260,7 @@ def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, pro
     if not MASTER:
         return None, None
     prb, report = fit_posthoc(x, y, g, seed=p["seed"], max_epochs=p["epochs"], patience=p["patience"],
-                              batch_size=p["batch"], val_frac=p["val_frac"], device=next(model.parameters()).device,
-                              rule=p.get("fit", "released"))
+                              batch_size=p["batch"], val_frac=p["val_frac"], device=next(model.parameters()).device)
     report.update(stats, protocol=p, questions=len(questions), samples=len(rep), prefixes=len(y),
                   label_mean=float(y.mean()),
                   accuracy=sum(is_correct(t, a, p.get("grader", "math")) for t, a in zip(out.texts, golds)) / len(golds))
@@ -360,14 +358,14 @@ def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions
 
 
 def fit_posthoc(x, y, groups, seed=42, max_epochs=100, patience=30, batch_size=64, grid=GRID, device="cpu",
-                val_frac=0.2, plateau=(0.5, 5), rule="released"):
+                val_frac=0.2, plateau=(0.5, 5)):
     """(the grid's best probe, report) of the released fit (docs/reference.md, "Evaluation") on x [M, d],
     soft labels y [M] and problems groups [M]: split_groups, a fresh Probe per grid point, val_loss
-    against round(y) ("project": lower by 1e-6 to count), beside constant predictors in the report."""
+    against round(y), beside constant predictors in the report."""
     if not torch.isfinite(x).all():
         raise FloatingPointError(f"post-hoc probe: {int((~torch.isfinite(x)).any(1).sum())} of {len(x)} "
                                  "features are NaN or inf: the model's weights hold NaN or inf")
-    tr, va = split_groups(groups, val_frac, seed, rule)
+    tr, va = split_groups(groups, val_frac, seed)
     if len(tr) == 0 or len(va) == 0:
         raise ValueError("post-hoc probe needs at least two problems with labelled prefixes; raise --probe-questions")
     xt, yt, xv, yv = (t.to(device) for t in (x[tr], y[tr], x[va], y[va]))
@@ -380,9 +378,9 @@ def fit_posthoc(x, y, groups, seed=42, max_epochs=100, patience=30, batch_size=6
         run_best, state, bad, best_epoch = math.inf, None, 0, 0
         for epoch in range(max_epochs):
             probe_lib.fit(prb, opt, xt, yt, passes=1, batch_size=batch_size, seed=seed + epoch)
-            loss = val_loss(prb, xv, yv.round(), batch_size, rule)
+            loss = val_loss(prb, xv, yv.round(), batch_size)
             sched.step(loss)
-            if loss < run_best - (1e-6 if rule == "project" else 0):
+            if loss < run_best:
                 run_best, state, bad, best_epoch = loss, copy.deepcopy(prb.state_dict()), 0, epoch + 1
             else:
                 bad += 1
@@ -406,21 +404,15 @@ def fit_posthoc(x, y, groups, seed=42, max_epochs=100, patience=30, batch_size=6
     return prb, report
 
 
-def split_groups(groups, val_frac=0.2, seed=42, rule="released"):
-    """(train [M_t] ascending, val [M_v]) example indices, whole problems on one side. "released"
+def split_groups(groups, val_frac=0.2, seed=42):
+    """(train [M_t] ascending, val [M_v]) example indices, whole problems on one side, as released
     (build_group_split_indices): problems by first appearance, shuffled by np.random.RandomState(seed),
     added to val while it holds < max(1, int(M * val_frac)) examples, val in that order (val_loss's
-    batches). "project": random.Random(seed) over the sorted problems, until >= val_frac * M, val
-    ascending."""
+    batches)."""
     ids = groups.tolist()
     order = list(dict.fromkeys(ids))
-    if rule == "released":
-        np.random.RandomState(seed).shuffle(order)
-        target = max(1, int(len(ids) * val_frac))
-    else:
-        order = sorted(order)
-        random.Random(seed).shuffle(order)
-        target = val_frac * len(ids)
+    np.random.RandomState(seed).shuffle(order)
+    target = max(1, int(len(ids) * val_frac))
     members = {q: [] for q in order}
     for i, q in enumerate(ids):
         members[q].append(i)
@@ -429,17 +421,14 @@ def split_groups(groups, val_frac=0.2, seed=42, rule="released"):
         if len(val) >= target:
             break
         val += members[q]
-    val = val if rule == "released" else sorted(val)
     held = set(val)
     train = [i for i in range(len(ids)) if i not in held]
     return torch.tensor(train, dtype=torch.long), torch.tensor(val, dtype=torch.long)
 
 
-def val_loss(prb, x, y, batch_size=64, rule="released"):
-    """BCE of the probe on x [M, d] against y [M]: "released", the mean of per-batch means (batches of
-    batch_size in x's order: a short last batch weighs as a full one); "project", one mean (bce)."""
-    if rule == "project":
-        return bce(probe_lib.predict(prb, x), y)
+def val_loss(prb, x, y, batch_size=64):
+    """BCE of the probe on x [M, d] against y [M] as released: the mean of per-batch means (batches
+    of batch_size in x's order: a short last batch weighs as a full one)."""
     prb.eval()
     with torch.no_grad():
         logits = prb(x.float())

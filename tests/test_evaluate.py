@@ -370,19 +370,17 @@ def test_an_empty_rlcr_answer_tag_followed_by_a_box_is_graded_by_the_box_as_rele
     assert evaluate.grade_call(texts, ["5"] * 3, "math500", s, "tag") == (["5", None, "4"], [True, False, False])
 
 
-def test_the_posthoc_fit_rules_reach_the_protocol(tmp_path, monkeypatch):
-    # released by default (numpy's split, the mean of batch means); the project's fit and the released
-    # token counting one flag away; a cache fitted under another rule is another protocol
+def test_the_released_token_counting_reaches_the_protocol(tmp_path, monkeypatch):
+    # the released token counting is one flag away; a cache fitted under it is another protocol
     seen = {}
     monkeypatch.setattr(confidence, "posthoc_probe",
                         lambda cache, model, tok, questions, instruction, close_id, protocol, **k:
                         seen.update(protocol) or (None, {}))
-    for given, fit, tokens in (([], "released", None),
-                               (["--posthoc-fit", "project", "--posthoc-tokens", "text"], "project", "text")):
+    for given, tokens in (([], None), (["--posthoc-tokens", "text"], "text")):
         seen.clear()
         confidence.get_probe("probe-posthoc", None, None, "base", toy.BASE_DIR, str(tmp_path),
-                         evaluate.parse_args(["--model", "toy", *given]), 0)
-        assert seen["fit"] == fit and seen.get("tokens") == tokens
+                             evaluate.parse_args(["--model", "toy", *given]), 0)
+        assert seen.get("tokens") == tokens
 
 
 @pytest.fixture
