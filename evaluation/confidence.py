@@ -264,8 +264,6 @@ def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, pro
     report.update(stats, protocol=p, questions=len(questions), samples=len(rep), prefixes=len(y),
                   label_mean=float(y.mean()),
                   accuracy=sum(is_correct(t, a, p.get("grader", "math")) for t, a in zip(out.texts, golds)) / len(golds))
-    report["log"] = protocol_line(p, report)
-    print(report["log"], file=sys.stderr)
     with files.replacing(cache + ".pt", "wb") as f:   # the one file read back: probe and report together
         probe_lib.save(f, prb, report=json.dumps(report))
     files.write_json(cache + ".json", report, indent=1)   # a copy to read; never read back
@@ -469,20 +467,3 @@ def read_cache(path):
     print(f"warning: post-hoc probe cache {path} is damaged ({why}): fitting the probe again", file=sys.stderr)
     return None
 
-
-def protocol_line(p, report):
-    """The post-hoc fit in one paragraph: what was sampled, labelled, split and chosen."""
-    stop = ", ".join(map(repr, p["stop"])) or "none"
-    val_share = report["n_val"] / max(report["n_train"] + report["n_val"], 1)
-    return (f"post-hoc probe protocol: {p['questions']} problems x {p['n']} samples (T {p['temperature']}, "
-            f"top-p {p['top_p']}, <= {p['max_new_tokens']} tokens); {p['count']} budgets every {p['every']} "
-            f"thinking tokens per rollout, past the end of thinking: its feature and label "
-            f"({report['past_end']} of {report['examples']} examples, natural answer copied for "
-            f"{report['natural_copied']}); forced text {p['lead']!r} + {'</think>' if p['close'] == 'think' else 'EOS'!r} + {p['suffix']!r}, {p['k']} answers at "
-            f"T 0.6, top-p 0.95, <= 64 tokens, stop {stop}, answer from the last box; split seed {p['seed']}: "
-            f"train {report['n_train']} examples ({report['train_problems']} problems) / val {report['n_val']} "
-            f"({report['val_problems']} problems, {val_share:.1%}); up to {p['epochs']} epochs, patience "
-            f"{p['patience']}, ReduceLROnPlateau(0.5, 5), batch {p['batch']}; grid winner lr {report['lr']} "
-            f"dropout {report['dropout']} wd {report['weight_decay']} after {report['epochs']} epochs (best "
-            f"{report['best_epoch']}); val BCE {report['val_bce']:.4f} vs {report['base_bce']:.4f} for a constant, which "
-            f"also ignores whether a prefix is past the end of thinking (there the label is the natural grade)")
