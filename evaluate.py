@@ -139,13 +139,11 @@ def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, con
 
     def call_rows(chunk, m, out, conf, extras, golds):   # in the grading thread, while the next call generates
         answers, right = grade_call(out.texts, golds, bench, s, form)
-
-        def texts(q, r):   # so that a grade can be read, and the mechanism's readouts need no model
-            return {} if args.no_log_text else dict(problem=rows[q]["problem"], text=out.texts[r])
         return [json.dumps(dict(
             model=label, benchmark=bench, question=q, sample=missing[r % m], answer=answers[r],
             correct=int(right[r]), confidence=float(conf[r]), length=out.lengths[r], finish=out.finish[r],
-            source=conf_kw["source"], key=key, q=qids[q], **texts(q, r), **extras[r])) + "\n"
+            source=conf_kw["source"], key=key, q=qids[q], problem=rows[q]["problem"], text=out.texts[r],
+            **extras[r])) + "\n"
             for r, (q, missing) in enumerate(c for c in chunk for _ in range(m))]
 
     with Rounds(path, bar) as written:
@@ -230,8 +228,6 @@ def build_parser():
     g.add_argument("--out", help="output dir (default RUN/eval or eval_out/<model>)")
     g.add_argument("--unconfined-code", action="store_true",
                    help="run lcb's programs without namespaces where the sandbox has none (they can escape)")
-    g.add_argument("--no-log-text", action="store_true",
-                   help="keep no problem and response text in samples.jsonl, for space (default: kept)")
     g = p.add_argument_group("sampling")
     g.add_argument("--n-samples", type=int, help="samples per question (default 32 on aime/amc, else 4)")
     g.add_argument("--max-new-tokens", type=int, help="response cap in tokens (default 8000; toy 128)")
