@@ -1,5 +1,5 @@
-"""Evaluate models: accuracy, calibration (ECE, PCE, Brier, AUROC), reliability diagrams, and two uses
-of the confidence (weighted voting, conformal early exit).
+"""Evaluate models: accuracy, calibration (ECE, PCE, Brier, AUROC), reliability diagrams, and a use of
+the confidence (conformal early exit).
 
     python evaluate.py --model runs/toy --benchmarks toy                      # CPU, about a minute
     python evaluate.py --model toy --model runs/toy --benchmarks toy --confidence probe-posthoc
@@ -91,9 +91,7 @@ def evaluate_model(name, loaded, args):
                            prompt[2], key)
         if not MASTER:
             continue
-        # Programs vote only when equal as text: the math grader would read code as math.
-        res["benchmarks"][bench] = summarize(own_rows(read_samples(samples), key, rows, s["n"]), seed=args.seed,
-                                             same=None if code else grade.answers_match)
+        res["benchmarks"][bench] = summarize(own_rows(read_samples(samples), key, rows, s["n"]), seed=args.seed)
         window = " to ".join(data.lcb_window(args.lcb_release))
         release = {"release": f"{args.lcb_release} (contests {window})"} if bench == "lcb" else {}
         world = {"toy_world": args.toy_world} if bench in data.TOY_BENCHMARKS else {}

@@ -269,8 +269,8 @@ def test_posthoc_probe_beats_the_base_rate_and_early_exit_keeps_its_bound(toy_di
     for e in ee:
         assert e["threshold"] is not None and e["cal_bound"] <= e["epsilon"]
         assert 0.0 <= e["tokens_saved"] <= 1.0 and 0.0 <= e["test_risk"] <= 1.0
-    # The bound recomputed from samples.jsonl with the same split as report.from_samples.
-    again = report.from_samples(rows)["early_exit"]
+    # The bound recomputed from samples.jsonl with the same split as report.early_exit_of.
+    again = report.early_exit_of(rows)["early_exit"]
     assert [e["threshold"] for e in again] == [e["threshold"] for e in ee]
     # A second evaluation reuses the cached fit (same protocol): nothing refitted, same report.
     res2 = evaluate.main(args)
