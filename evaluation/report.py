@@ -79,28 +79,21 @@ def means(benches):
 
 
 def table(results):
-    """Markdown: per model, the math and the OOD benchmarks' blocks, then the Overall (docs/reference.md)."""
+    """Markdown per model: the math, then the OOD benchmarks; with both, their means; then the
+    paper's Overall, the mean over all of them (docs/reference.md)."""
+    head = ["| benchmark | n | Acc | pass@k | " + " | ".join(c for c, _ in COLUMNS[1:]) + " | "
+            + " | ".join(SETTINGS) + " |",
+            "|---|---:|---:|---|" + "---:|" * (len(COLUMNS) - 1) + "---|" * len(SETTINGS)]
     lines = []
     for label, res in results.items():
-        head = ["| benchmark | n | Acc | pass@k | " + " | ".join(c for c, _ in COLUMNS[1:]) + " | " +
-                " | ".join(SETTINGS) + " |", "|---|---:|---:|---|" + "---:|" * (len(COLUMNS) - 1) + "---|" * len(SETTINGS)]
         benches = res["benchmarks"]
-        maths = [(name, b) for name, b in benches.items() if name not in data.OOD]
-        ood = [(name, b) for name, b in benches.items() if name in data.OOD]
-        total = ("Overall", dict(res["overall"], n=""))
-        lines += ["", f"### {label}  (confidence: {res['confidence']})"]
-        if maths:
-            last = ("Math mean", dict(res["math"], n="")) if ood else total
-            lines += ["", *head] + [_row(name, b, res) for name, b in maths + [last]]
-        if ood:
-            release = res.get("settings", {}).get("lcb", {}).get("release")
-            last = ("OOD mean", dict(res["ood"], n="")) if maths else total
-            lines += ["", "OOD" + (f" (lcb: LiveCodeBench {release})" if release else ""), "", *head]
-            lines += [_row(name, b, res) for name, b in ood + [last]]
-        if maths and ood:   # the paper's Overall, with the two means beside it
-            lines += ["", f"Overall (the paper's): the mean over all {len(benches)} benchmarks", "", *head]
-            lines += [_row(name, dict(m, n=""), res) for name, m in
-                      (("Math mean", res["math"]), ("OOD mean", res["ood"]), ("Overall", res["overall"]))]
+        maths, ood = [b for b in benches if b not in data.OOD], [b for b in benches if b in data.OOD]
+        release = res.get("settings", {}).get("lcb", {}).get("release")
+        lines += ["", f"### {label}  (confidence: {res['confidence']})"
+                  + (f"  (lcb: LiveCodeBench {release})" if release else ""), "", *head]
+        lines += [_row(name, benches[name], res) for name in maths + ood]
+        means = [("Math mean", res["math"]), ("OOD mean", res["ood"])] if maths and ood else []
+        lines += [_row(name, dict(m, n=""), res) for name, m in means + [("Overall", res["overall"])]]
         for bench, diff in res.get("mixed_settings", {}).items():
             was = ", ".join(f"{k} {a} (here {b})" for k, (a, b) in diff.items())
             lines += ["", f"* mixed settings: results.json's Overall for {label} also averages {bench}, "
