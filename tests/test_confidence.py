@@ -16,6 +16,7 @@ import rollout as sampling
 # posthoc_examples' and posthoc_labels' protocol (get_probe builds it) at the released values
 PROTOCOL = dict(every=500, count=16, k=16, suffix=benchmarks.EVAL_SUFFIX, close="think", stop=(), copy_natural=True,
                 seed=0, lead=confidence.EVAL_LEAD, gate="thinking")
+FIT = dict(epochs=100, patience=30, batch=64, val_frac=0.2, seed=42)   # fit_posthoc's, as released
 
 
 class _Tok:
@@ -160,7 +161,7 @@ def test_a_fit_keeps_an_epoch_only_when_its_loss_is_strictly_lower(monkeypatch):
     groups = torch.arange(40) // 4
     losses = iter([1.0, 1.0 - 5e-7, 2.0, 2.0, 2.0])
     monkeypatch.setattr(confidence, "val_loss", lambda *a, **k: next(losses))
-    _, rep = confidence.fit_posthoc(x, y, groups, grid=[(1e-3, 0.5, 1e-2)], max_epochs=5, patience=30)
+    _, rep = confidence.fit_posthoc(x, y, groups, dict(FIT, epochs=5), grid=[(1e-3, 0.5, 1e-2)])
     assert rep["best_epoch"] == 2 and rep["epochs"] == 5
 
 
@@ -313,12 +314,12 @@ def test_fit_posthoc_learns_a_signal_and_beats_the_base_rate(one_thread):
     y = torch.sigmoid(3 * x[:, 0]).round(decimals=1)      # soft labels that depend on one feature
     groups = torch.arange(400) // 4
     grid = [(1e-2, 0.5, 1e-3), (1e-3, 0.5, 1e-3)]
-    prb, rep = confidence.fit_posthoc(x, y, groups, grid=grid, max_epochs=30, patience=5)
+    prb, rep = confidence.fit_posthoc(x, y, groups, dict(FIT, epochs=30, patience=5), grid=grid)
     assert rep["n_train"] + rep["n_val"] == 400 and rep["n_val"] == 80
     assert rep["lr"] in (1e-2, 1e-3) and prb.hidden == 2
     assert rep["val_bce"] < rep["base_bce"] - 0.1
     with pytest.raises(ValueError, match="two problems"):
-        confidence.fit_posthoc(x[:4], y[:4], groups[:4])
+        confidence.fit_posthoc(x[:4], y[:4], groups[:4], FIT)
 
 
 def test_verbal_forced_cuts_the_thinking_closes_it_and_averages_k_reanswers(monkeypatch):
