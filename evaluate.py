@@ -1,5 +1,5 @@
-"""Evaluate models: accuracy, calibration (ECE, PCE, Brier, AUROC), reliability diagrams, and a use of
-the confidence (conformal early exit).
+"""Evaluate models: accuracy, calibration (ECE, PCE, Brier, AUROC), reliability diagrams, and a use
+of the confidence (conformal early exit).
 
     python evaluate.py --model runs/toy --benchmarks toy                      # CPU, about a minute
     python evaluate.py --model toy --model runs/toy --benchmarks toy --confidence probe-posthoc
@@ -91,7 +91,8 @@ def evaluate_model(name, loaded, args):
                            prompt[2], key)
         if not MASTER:
             continue
-        res["benchmarks"][bench] = summarize(own_rows(read_samples(samples), key, rows, s["n"]), seed=args.seed)
+        res["benchmarks"][bench] = summarize(own_rows(read_samples(samples), key, rows, s["n"]),
+                                             seed=args.seed)
         window = " to ".join(data.lcb_window(args.lcb_release))
         release = {"release": f"{args.lcb_release} (contests {window})"} if bench == "lcb" else {}
         world = {"toy_world": args.toy_world} if bench in data.TOY_BENCHMARKS else {}
@@ -140,8 +141,8 @@ def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, con
         return [json.dumps(dict(
             model=label, benchmark=bench, question=q, sample=missing[r % m], answer=answers[r],
             correct=int(right[r]), confidence=float(conf[r]), length=out.lengths[r], finish=out.finish[r],
-            source=conf_kw["source"], key=key, q=qids[q], problem=rows[q]["problem"], text=out.texts[r],
-            **extras[r])) + "\n"
+            source=conf_kw["source"], key=key, q=qids[q], problem=rows[q]["problem"],
+            text=out.texts[r], **extras[r])) + "\n"
             for r, (q, missing) in enumerate(c for c in chunk for _ in range(m))]
 
     with Rounds(path, bar) as written:

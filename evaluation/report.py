@@ -87,13 +87,15 @@ def table(results):
     lines = []
     for label, res in results.items():
         benches = res["benchmarks"]
-        maths, ood = [b for b in benches if b not in data.OOD], [b for b in benches if b in data.OOD]
+        ood = [b for b in benches if b in data.OOD]
+        maths = [b for b in benches if b not in ood]
         release = res.get("settings", {}).get("lcb", {}).get("release")
         lines += ["", f"### {label}  (confidence: {res['confidence']})"
                   + (f"  (lcb: LiveCodeBench {release})" if release else ""), "", *head]
         lines += [_row(name, benches[name], res) for name in maths + ood]
         means = [("Math mean", res["math"]), ("OOD mean", res["ood"])] if maths and ood else []
-        lines += [_row(name, dict(m, n=""), res) for name, m in means + [("Overall", res["overall"])]]
+        means.append(("Overall", res["overall"]))
+        lines += [_row(name, dict(m, n=""), res) for name, m in means]
         for bench, diff in res.get("mixed_settings", {}).items():
             was = ", ".join(f"{k} {a} (here {b})" for k, (a, b) in diff.items())
             lines += ["", f"* mixed settings: results.json's Overall for {label} also averages {bench}, "
@@ -280,11 +282,12 @@ def split_early_exit(units, epsilons=EPSILONS, splits=100, seed=0):
 
 
 def early_exit_of(rows, seed=0, epsilons=EPSILONS, splits=100):
-    """split_early_exit of samples.jsonl rows (question, length, checkpoints) by question, when every
-    row has probe "checkpoints": {"early_exit": rows} else {}."""
+    """split_early_exit of samples.jsonl rows (question, length, checkpoints) by question, when
+    every row has probe "checkpoints": {"early_exit": rows} else {}."""
     if not rows or not all("checkpoints" in r for r in rows):
         return {}
     by_q = {}
     for r in rows:
-        by_q.setdefault(r["question"], []).append({"checkpoints": r["checkpoints"], "length": r["length"]})
+        trace = {"checkpoints": r["checkpoints"], "length": r["length"]}
+        by_q.setdefault(r["question"], []).append(trace)
     return {"early_exit": split_early_exit([by_q[q] for q in sorted(by_q)], epsilons, splits, seed)}

@@ -147,7 +147,7 @@ def tiny_dir(tmp_path_factory):
     return path
 
 
-def test_an_evaluation_on_code_and_logiqa_prints_both_means_and_pass_at_k(tiny_dir, tmp_path, monkeypatch, capsys):
+def test_code_and_logiqa_print_both_means_and_pass_at_k(tiny_dir, tmp_path, monkeypatch, capsys):
     """The tiny model's samples are replaced by fixed responses, so every number below is known (the
     reloaded tokenizer decodes without spaces or unknown characters: the keys are written so)."""
     sums = tmp_path / "sums.jsonl"
@@ -184,7 +184,8 @@ def test_an_evaluation_on_code_and_logiqa_prints_both_means_and_pass_at_k(tiny_d
     cells = [line.split("|") for line in printed.splitlines() if line.startswith("| ")][1:]
     acc = {c[1].strip(): c[3].strip() for c in cells}
     assert list(acc) == ["sums", "lcb", "logiqa", "Math mean", "OOD mean", "Overall"]
-    assert {k: acc[k] for k in list(acc)[3:]} == {"Math mean": "0.500", "OOD mean": "0.354", "Overall": "0.403"}
+    means = {k: acc[k] for k in list(acc)[3:]}
+    assert means == {"Math mean": "0.500", "OOD mean": "0.354", "Overall": "0.403"}
     assert "| 1: 0.375 2: 0.667 4: 1.000 |" in printed
 
 

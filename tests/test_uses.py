@@ -117,7 +117,8 @@ def test_early_exit_of_groups_by_question():
     out = report.early_exit_of(rows)
     assert [e["epsilon"] for e in out["early_exit"]] == [0.1, 0.2, 0.3]
     assert all(e["splits"] == 100 and e["test_risk_sd"] >= 0.0 for e in out["early_exit"])
-    assert report.early_exit_of([{k: v for k, v in r.items() if k != "checkpoints"} for r in rows]) == {}
+    bare = [{k: v for k, v in r.items() if k != "checkpoints"} for r in rows]
+    assert report.early_exit_of(bare) == {}
 
 
 def test_crc_units_are_questions_with_the_mean_loss_of_their_traces():
