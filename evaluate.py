@@ -1,5 +1,5 @@
-"""Evaluate models: accuracy, calibration (ECE, PCE, Brier, AUROC), reliability diagrams, and two uses
-of the confidence (weighted voting, conformal early exit).
+"""Evaluate models: accuracy, calibration (ECE, PCE, Brier, AUROC), reliability diagrams, and a use
+of the confidence (conformal early exit).
 
     python evaluate.py --model runs/toy --benchmarks toy                      # CPU, about a minute
     python evaluate.py --model toy --model runs/toy --benchmarks toy --confidence probe-posthoc
@@ -91,9 +91,8 @@ def evaluate_model(name, loaded, args):
                            prompt[2], key)
         if not MASTER:
             continue
-        # Programs vote only when equal as text: the math grader would read code as math.
-        res["benchmarks"][bench] = summarize(own_rows(read_samples(samples), key, rows, s["n"]), seed=args.seed,
-                                             same=None if code else grade.answers_match)
+        res["benchmarks"][bench] = summarize(own_rows(read_samples(samples), key, rows, s["n"]),
+                                             seed=args.seed)
         window = " to ".join(data.lcb_window(args.lcb_release))
         release = {"release": f"{args.lcb_release} (contests {window})"} if bench == "lcb" else {}
         world = {"toy_world": args.toy_world} if bench in data.TOY_BENCHMARKS else {}
@@ -139,13 +138,11 @@ def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, con
 
     def call_rows(chunk, m, out, conf, extras, golds):   # in the grading thread, while the next call generates
         answers, right = grade_call(out.texts, golds, bench, s, form)
-
-        def texts(q, r):   # so that a grade can be read, and the mechanism's readouts need no model
-            return {} if args.no_log_text else dict(problem=rows[q]["problem"], text=out.texts[r])
         return [json.dumps(dict(
             model=label, benchmark=bench, question=q, sample=missing[r % m], answer=answers[r],
             correct=int(right[r]), confidence=float(conf[r]), length=out.lengths[r], finish=out.finish[r],
-            source=conf_kw["source"], key=key, q=qids[q], **texts(q, r), **extras[r])) + "\n"
+            source=conf_kw["source"], key=key, q=qids[q], problem=rows[q]["problem"],
+            text=out.texts[r], **extras[r])) + "\n"
             for r, (q, missing) in enumerate(c for c in chunk for _ in range(m))]
 
     with Rounds(path, bar) as written:
@@ -230,8 +227,6 @@ def build_parser():
     g.add_argument("--out", help="output dir (default RUN/eval or eval_out/<model>)")
     g.add_argument("--unconfined-code", action="store_true",
                    help="run lcb's programs without namespaces where the sandbox has none (they can escape)")
-    g.add_argument("--no-log-text", action="store_true",
-                   help="keep no problem and response text in samples.jsonl, for space (default: kept)")
     g = p.add_argument_group("sampling")
     g.add_argument("--n-samples", type=int, help="samples per question (default 32 on aime/amc, else 4)")
     g.add_argument("--max-new-tokens", type=int, help="response cap in tokens (default 8000; toy 128)")
@@ -256,8 +251,6 @@ def build_parser():
     g.add_argument("--probe-data", help="post-hoc probe questions (default: toy / deepscaler; toy-pooled)")
     g.add_argument("--probe-questions", type=int, help="how many (default 80, as released; toy-pooled 240)")
     g.add_argument("--probe-samples", type=int, help="rollouts per post-hoc question (default 8, as released)")
-    g.add_argument("--posthoc-fit", choices=("released", "project"), default="released",
-                   help="the post-hoc fit's split and validation loss (default %(default)s)")
     g.add_argument("--posthoc-tokens", choices=("sampled", "text"), default="sampled",
                    help="post-hoc forced prompts: the sampled ids (default) or, as released, re-tokenized")
     g.add_argument("--no-early-exit", action="store_true", help="skip the forced answers at exit checkpoints")

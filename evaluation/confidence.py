@@ -1,15 +1,11 @@
-"""Where a sample's confidence, a number in [0, 1], comes from at evaluation (sample_confidences):
-  probe          the run's own probe.pt, on the training feature at the last of the run's budgets
-                 (where it saw data; not at the end of thinking)
-  probe-posthoc  the post-hoc probe on the final normed state of the last thinking token
+"""Where a sample's confidence in [0, 1] comes from at evaluation (sample_confidences):
+  probe          the run's own probe.pt at the last of the run's budgets, where it saw data
+  probe-posthoc  the post-hoc probe (posthoc_probe) at the end of thinking, fitted with the released
+                 protocol on questions no evaluated benchmark holds, cached in --out
   verbal         the last <confidence> tag (RLCR's format; baselines.verbal_confidence)
-  verbal-forced  RLCR's released reading: the mean tag of k re-answers forced after the thinking
-                 cut at the budget (forced_verbal)
-  logits         exp(mean log-prob of the response) at the run's training temperature, where C2GSPG
-                 trained it (logit_confidence)
-Which probe a model reads (get_probe): the run's own, or the post-hoc probe (posthoc_probe), fitted
-after training with the released protocol on questions no evaluated benchmark holds, and cached in
---out. The protocol and where it differs from the release: docs/reference.md, "Evaluation".
+  verbal-forced  RLCR's released reading: the mean tag of k forced re-answers (forced_verbal)
+  logits         exp(mean log-prob of the response) at the run's temperature (logit_confidence)
+The protocol and where it differs from the release: docs/reference.md, "Evaluation".
 """
 import copy
 import functools
@@ -17,7 +13,6 @@ import json
 import math
 import os
 import pickle
-import random
 import sys
 import zipfile
 
@@ -52,13 +47,11 @@ def sample_confidences(source, model, tokenizer, prompts, responses, texts, gold
                        close_id=None, every=None, suffix=EVAL_SUFFIX, close="think", seed=0,
                        batch_size=8, rows=64, fractions=(0.25, 0.5, 0.75), forced_k=16, budget=8000,
                        reanswer=RLCR_REANSWER, logit_temperature=0.8):
-    """(conf [N] floats, extras [N] dicts): one confidence per response, the post-hoc probe read at
-    the end of thinking, the run's own at its last training cut (label.cuts_of with the run's
-    `fractions`: 6 of 8 tokens), where it saw data. verbal: extras {"verbal_missing": bool};
-    verbal-forced: {"verbal_missing": how many of the forced_k re-answers had no tag}. Probe sources
-    with `every`: {"checkpoints": [[t, c_t, y_t], ...]} for t = every, 2 * every, ... below the end of
-    thinking: the probe's confidence after t thinking tokens and whether one forced answer there
-    (what an early exit would output; T 0.6, top-p 0.95) is right, for report.early_exit.
+    """(conf [N] floats, extras [N] dicts): one confidence per response (the run's own probe at
+    label.cuts_of's last cut with the run's `fractions`). verbal: extras {"verbal_missing": bool};
+    verbal-forced: {"verbal_missing": how many of the forced_k had no tag}. Probe sources with
+    `every`: {"checkpoints": [[t, c_t, y_t], ...]} for t = every, 2 * every, ... below the end of
+    thinking: the confidence there and whether one forced answer (T 0.6, top-p 0.95) is right.
     """
     if source == "verbal":
         pairs = [verbal_confidence(t) for t in texts]
@@ -221,7 +214,7 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
                     count=args.posthoc_budgets or w["posthoc_budgets"], k=s["forced_k"], suffix=s["suffix"],
                     close=args.forced_close, stop=["\n"] if is_toy else [], copy_natural=True,
                     lead="" if is_toy else EVAL_LEAD, gate=s["gate"], epochs=100, patience=30, batch=64,
-                    val_frac=0.2, seed=42, fit=args.posthoc_fit,
+                    val_frac=0.2, seed=42,
                     **({"grader": "code"} if s.get("grader") == "code" else {}),
                     **({"tokens": "text"} if args.posthoc_tokens == "text" else {}))
     print(f"post-hoc probe for {label}: {len(rows)} {src} questions ...", file=sys.stderr)
@@ -260,14 +253,10 @@ def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, pro
                                       functools.partial(generate_dealt, progress="post-hoc forced answers"))
     if not MASTER:
         return None, None
-    prb, report = fit_posthoc(x, y, g, seed=p["seed"], max_epochs=p["epochs"], patience=p["patience"],
-                              batch_size=p["batch"], val_frac=p["val_frac"], device=next(model.parameters()).device,
-                              rule=p.get("fit", "released"))
+    prb, report = fit_posthoc(x, y, g, p, device=_device(model))
     report.update(stats, protocol=p, questions=len(questions), samples=len(rep), prefixes=len(y),
                   label_mean=float(y.mean()),
                   accuracy=sum(is_correct(t, a, p.get("grader", "math")) for t, a in zip(out.texts, golds)) / len(golds))
-    report["log"] = protocol_line(p, report)
-    print(report["log"], file=sys.stderr)
     with files.replacing(cache + ".pt", "wb") as f:   # the one file read back: probe and report together
         probe_lib.save(f, prb, report=json.dumps(report))
     files.write_json(cache + ".json", report, indent=1)   # a copy to read; never read back
@@ -359,15 +348,16 @@ def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions
     return labels, copied
 
 
-def fit_posthoc(x, y, groups, seed=42, max_epochs=100, patience=30, batch_size=64, grid=GRID, device="cpu",
-                val_frac=0.2, plateau=(0.5, 5), rule="released"):
+def fit_posthoc(x, y, groups, p, grid=GRID, device="cpu", plateau=(0.5, 5)):
     """(the grid's best probe, report) of the released fit (docs/reference.md, "Evaluation") on x [M, d],
     soft labels y [M] and problems groups [M]: split_groups, a fresh Probe per grid point, val_loss
-    against round(y) ("project": lower by 1e-6 to count), beside constant predictors in the report."""
+    against round(y), beside constant predictors in the report. p: get_probe's protocol (its seed,
+    val_frac, epochs, patience, batch)."""
+    seed, batch_size = p["seed"], p["batch"]
     if not torch.isfinite(x).all():
         raise FloatingPointError(f"post-hoc probe: {int((~torch.isfinite(x)).any(1).sum())} of {len(x)} "
                                  "features are NaN or inf: the model's weights hold NaN or inf")
-    tr, va = split_groups(groups, val_frac, seed, rule)
+    tr, va = split_groups(groups, p["val_frac"], seed)
     if len(tr) == 0 or len(va) == 0:
         raise ValueError("post-hoc probe needs at least two problems with labelled prefixes; raise --probe-questions")
     xt, yt, xv, yv = (t.to(device) for t in (x[tr], y[tr], x[va], y[va]))
@@ -378,15 +368,15 @@ def fit_posthoc(x, y, groups, seed=42, max_epochs=100, patience=30, batch_size=6
         opt = probe_lib.make_optimizer(prb, lr=lr, weight_decay=wd)
         sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=plateau[0], patience=plateau[1])
         run_best, state, bad, best_epoch = math.inf, None, 0, 0
-        for epoch in range(max_epochs):
+        for epoch in range(p["epochs"]):
             probe_lib.fit(prb, opt, xt, yt, passes=1, batch_size=batch_size, seed=seed + epoch)
-            loss = val_loss(prb, xv, yv.round(), batch_size, rule)
+            loss = val_loss(prb, xv, yv.round(), batch_size)
             sched.step(loss)
-            if loss < run_best - (1e-6 if rule == "project" else 0):
+            if loss < run_best:
                 run_best, state, bad, best_epoch = loss, copy.deepcopy(prb.state_dict()), 0, epoch + 1
             else:
                 bad += 1
-                if bad >= patience:
+                if bad >= p["patience"]:
                     break
         runs.append(dict(lr=lr, dropout=drop, weight_decay=wd, epochs=epoch + 1, best_epoch=best_epoch,
                          val_loss=run_best))
@@ -406,21 +396,15 @@ def fit_posthoc(x, y, groups, seed=42, max_epochs=100, patience=30, batch_size=6
     return prb, report
 
 
-def split_groups(groups, val_frac=0.2, seed=42, rule="released"):
-    """(train [M_t] ascending, val [M_v]) example indices, whole problems on one side. "released"
+def split_groups(groups, val_frac=0.2, seed=42):
+    """(train [M_t] ascending, val [M_v]) example indices, whole problems on one side, as released
     (build_group_split_indices): problems by first appearance, shuffled by np.random.RandomState(seed),
     added to val while it holds < max(1, int(M * val_frac)) examples, val in that order (val_loss's
-    batches). "project": random.Random(seed) over the sorted problems, until >= val_frac * M, val
-    ascending."""
+    batches)."""
     ids = groups.tolist()
     order = list(dict.fromkeys(ids))
-    if rule == "released":
-        np.random.RandomState(seed).shuffle(order)
-        target = max(1, int(len(ids) * val_frac))
-    else:
-        order = sorted(order)
-        random.Random(seed).shuffle(order)
-        target = val_frac * len(ids)
+    np.random.RandomState(seed).shuffle(order)
+    target = max(1, int(len(ids) * val_frac))
     members = {q: [] for q in order}
     for i, q in enumerate(ids):
         members[q].append(i)
@@ -429,17 +413,14 @@ def split_groups(groups, val_frac=0.2, seed=42, rule="released"):
         if len(val) >= target:
             break
         val += members[q]
-    val = val if rule == "released" else sorted(val)
     held = set(val)
     train = [i for i in range(len(ids)) if i not in held]
     return torch.tensor(train, dtype=torch.long), torch.tensor(val, dtype=torch.long)
 
 
-def val_loss(prb, x, y, batch_size=64, rule="released"):
-    """BCE of the probe on x [M, d] against y [M]: "released", the mean of per-batch means (batches of
-    batch_size in x's order: a short last batch weighs as a full one); "project", one mean (bce)."""
-    if rule == "project":
-        return bce(probe_lib.predict(prb, x), y)
+def val_loss(prb, x, y, batch_size=64):
+    """BCE of the probe on x [M, d] against y [M] as released: the mean of per-batch means (batches
+    of batch_size in x's order: a short last batch weighs as a full one)."""
     prb.eval()
     with torch.no_grad():
         logits = prb(x.float())
@@ -480,20 +461,3 @@ def read_cache(path):
     print(f"warning: post-hoc probe cache {path} is damaged ({why}): fitting the probe again", file=sys.stderr)
     return None
 
-
-def protocol_line(p, report):
-    """The post-hoc fit in one paragraph: what was sampled, labelled, split and chosen."""
-    stop = ", ".join(map(repr, p["stop"])) or "none"
-    val_share = report["n_val"] / max(report["n_train"] + report["n_val"], 1)
-    return (f"post-hoc probe protocol: {p['questions']} problems x {p['n']} samples (T {p['temperature']}, "
-            f"top-p {p['top_p']}, <= {p['max_new_tokens']} tokens); {p['count']} budgets every {p['every']} "
-            f"thinking tokens per rollout, past the end of thinking: its feature and label "
-            f"({report['past_end']} of {report['examples']} examples, natural answer copied for "
-            f"{report['natural_copied']}); forced text {p['lead']!r} + {'</think>' if p['close'] == 'think' else 'EOS'!r} + {p['suffix']!r}, {p['k']} answers at "
-            f"T 0.6, top-p 0.95, <= 64 tokens, stop {stop}, answer from the last box; split seed {p['seed']}: "
-            f"train {report['n_train']} examples ({report['train_problems']} problems) / val {report['n_val']} "
-            f"({report['val_problems']} problems, {val_share:.1%}); up to {p['epochs']} epochs, patience "
-            f"{p['patience']}, ReduceLROnPlateau(0.5, 5), batch {p['batch']}; grid winner lr {report['lr']} "
-            f"dropout {report['dropout']} wd {report['weight_decay']} after {report['epochs']} epochs (best "
-            f"{report['best_epoch']}); val BCE {report['val_bce']:.4f} vs {report['base_bce']:.4f} for a constant, which "
-            f"also ignores whether a prefix is past the end of thinking (there the label is the natural grade)")

@@ -1,8 +1,8 @@
 """What an evaluation reports: per-benchmark metrics with bootstrap intervals (summarize), reliability
 diagrams, the printed table and OUT/results.json (means: the paper's Overall, and the math and OOD
-benchmarks' means); and two uses of a calibrated confidence: weighted voting over samples (vote,
-voting_curves), and an early exit from a trace at the first checkpoint whose confidence reaches a
-threshold, calibrated by conformal risk control over questions (split_early_exit). docs/reference.md.
+benchmarks' means); and a use of a calibrated confidence: an early exit from a trace at the first
+checkpoint whose confidence reaches a threshold, calibrated by conformal risk control over questions
+(split_early_exit). docs/reference.md.
 """
 import json
 import math
@@ -12,7 +12,6 @@ import random
 import numpy as np
 
 import data
-import grade
 import metrics
 from harness.files import UserError, replacing, write_json
 
@@ -20,9 +19,8 @@ EPSILONS = (0.1, 0.2, 0.3)   # conformal early-exit risk levels
 COLUMNS = (("Acc", "acc"), ("ECE", "ece"), ("PCE", "pce"), ("Brier", "brier"), ("AUROC", "auroc"))
 
 
-def summarize(rows, n_bins=10, seed=0, same=grade.answers_match):
-    """Metrics (metrics.calibration), pass@k, reliability rows, voting curves (answers equal under
-    `same`; None: equal strings) and early exit of one benchmark."""
+def summarize(rows, n_bins=10, seed=0):
+    """Metrics (metrics.calibration), pass@k, reliability rows and early exit of one benchmark."""
     conf = [r["confidence"] for r in rows]
     correct = [r["correct"] for r in rows]
     res = metrics.calibration(conf, correct, n_bins)
@@ -39,7 +37,7 @@ def summarize(rows, n_bins=10, seed=0, same=grade.answers_match):
     res["ci95"] = metrics.bootstrap(conf, correct, [r["question"] for r in rows], n_resamples=1000, seed=seed)
     if any("verbal_missing" in r for r in rows):
         res["verbal_missing"] = sum(bool(r.get("verbal_missing")) for r in rows)
-    res.update(from_samples(rows, same=same, seed=seed))
+    res.update(early_exit_of(rows, seed=seed))
     return res
 
 
@@ -81,28 +79,23 @@ def means(benches):
 
 
 def table(results):
-    """Markdown: per model, the math and the OOD benchmarks' blocks, then the Overall (docs/reference.md)."""
+    """Markdown per model: the math, then the OOD benchmarks; with both, their means; then the
+    paper's Overall, the mean over all of them (docs/reference.md)."""
+    head = ["| benchmark | n | Acc | pass@k | " + " | ".join(c for c, _ in COLUMNS[1:]) + " | "
+            + " | ".join(SETTINGS) + " |",
+            "|---|---:|---:|---|" + "---:|" * (len(COLUMNS) - 1) + "---|" * len(SETTINGS)]
     lines = []
     for label, res in results.items():
-        head = ["| benchmark | n | Acc | pass@k | " + " | ".join(c for c, _ in COLUMNS[1:]) + " | " +
-                " | ".join(SETTINGS) + " |", "|---|---:|---:|---|" + "---:|" * (len(COLUMNS) - 1) + "---|" * len(SETTINGS)]
         benches = res["benchmarks"]
-        maths = [(name, b) for name, b in benches.items() if name not in data.OOD]
-        ood = [(name, b) for name, b in benches.items() if name in data.OOD]
-        total = ("Overall", dict(res["overall"], n=""))
-        lines += ["", f"### {label}  (confidence: {res['confidence']})"]
-        if maths:
-            last = ("Math mean", dict(res["math"], n="")) if ood else total
-            lines += ["", *head] + [_row(name, b, res) for name, b in maths + [last]]
-        if ood:
-            release = res.get("settings", {}).get("lcb", {}).get("release")
-            last = ("OOD mean", dict(res["ood"], n="")) if maths else total
-            lines += ["", "OOD" + (f" (lcb: LiveCodeBench {release})" if release else ""), "", *head]
-            lines += [_row(name, b, res) for name, b in ood + [last]]
-        if maths and ood:   # the paper's Overall, with the two means beside it
-            lines += ["", f"Overall (the paper's): the mean over all {len(benches)} benchmarks", "", *head]
-            lines += [_row(name, dict(m, n=""), res) for name, m in
-                      (("Math mean", res["math"]), ("OOD mean", res["ood"]), ("Overall", res["overall"]))]
+        ood = [b for b in benches if b in data.OOD]
+        maths = [b for b in benches if b not in ood]
+        release = res.get("settings", {}).get("lcb", {}).get("release")
+        lines += ["", f"### {label}  (confidence: {res['confidence']})"
+                  + (f"  (lcb: LiveCodeBench {release})" if release else ""), "", *head]
+        lines += [_row(name, benches[name], res) for name in maths + ood]
+        means = [("Math mean", res["math"]), ("OOD mean", res["ood"])] if maths and ood else []
+        means.append(("Overall", res["overall"]))
+        lines += [_row(name, dict(m, n=""), res) for name, m in means]
         for bench, diff in res.get("mixed_settings", {}).items():
             was = ", ".join(f"{k} {a} (here {b})" for k, (a, b) in diff.items())
             lines += ["", f"* mixed settings: results.json's Overall for {label} also averages {bench}, "
@@ -177,7 +170,7 @@ def write_results(out_dir, label, res, now=None):
 
 
 def report_uses(results):
-    """A few lines per model: the post-hoc probe fit, then voting curves and early exit per benchmark."""
+    """A few lines per model: the post-hoc probe fit, then early exit per benchmark."""
     lines = []
     for label, res in results.items():
         if "posthoc_probe" in res:
@@ -185,9 +178,6 @@ def report_uses(results):
             lines.append(f"{label}: post-hoc probe val BCE {p['val_bce']:.4f} vs base rate {p['base_bce']:.4f} "
                          f"(lr {p['lr']}, dropout {p['dropout']}, wd {p['weight_decay']}, {p['prefixes']} prefixes)")
         for bench, b in res["benchmarks"].items():
-            v = b["voting"]
-            lines.append(f"{label} {bench} voting k={v['k']}: majority " + " ".join(f"{a:.3f}" for a in v["majority"])
-                         + " | weighted " + " ".join(f"{a:.3f}" for a in v["weighted"]))
             lines += [f"{label} {bench} early exit eps {e['epsilon']}, mean of {e['splits']} random half splits: "
                       f"test risk {e['test_risk']:.3f} (sd {e['test_risk_sd']:.3f}), exits {e['exit_rate']:.0%}, "
                       f"tokens saved {e['tokens_saved']:.1%}; split 0: threshold {e['threshold']}, cal bound "
@@ -195,71 +185,10 @@ def report_uses(results):
     return "\n".join(lines)
 
 
-def cluster_answers(answers, same=None):
-    """Cluster ids of one question's answers, from 0 by first appearance, None staying None; same(a,
-    b) (e.g. grade.answers_match) compares an answer with each cluster's first one.
-    cluster_answers(["2", None, "2", "3"]) == [0, None, 0, 1]."""
-    reps, ids = [], []
-    for a in answers:
-        if a is None:
-            ids.append(None)
-            continue
-        for c, r in enumerate(reps):
-            if a == r or (same is not None and same(a, r)):
-                ids.append(c)
-                break
-        else:
-            reps.append(a)
-            ids.append(len(reps) - 1)
-    return ids
-
-
-def vote(keys, confs=None):
-    """The key of largest total weight (count, or with confs the sum of confidences), ties to the
-    first (None abstains; all abstaining: None). vote([1, 0, 0]) == 0; vote([1, 0, 0], [0.9, 0.3, 0.4])
-    == 1; vote([1, 0]) == 1."""
-    score, first = {}, {}
-    for i, k in enumerate(keys):
-        if k is None:
-            continue
-        score[k] = score.get(k, 0.0) + (1.0 if confs is None else float(confs[i]))
-        first.setdefault(k, i)
-    if not score:
-        return None
-    return min(score, key=lambda k: (-score[k], first[k]))
-
-
 def vote_sizes(n):
     """Vote sizes 1, 2, 4, ... below n, then n: vote_sizes(6) == [1, 2, 4, 6]."""
     ks = [1 << i for i in range(max(n, 1).bit_length()) if (1 << i) < n]
     return ks + [n] if n >= 1 else []
-
-
-def voting_curves(questions, draws=16, seed=0):
-    """{"k", "majority", "weighted"}: accuracy of both votes for k in vote_sizes(min n), averaged
-    over `draws` random size-k subsets per question (all samples at k = n). questions: dicts of
-    equal-length lists "keys" (cluster ids, None = no answer), "correct" (0/1; a cluster's is its
-    first sample's) and "conf"."""
-    n = min((len(q["keys"]) for q in questions), default=0)
-    rng = random.Random(seed)
-    out = {"k": [], "majority": [], "weighted": []}
-    for k in vote_sizes(n):
-        hits = {"majority": 0.0, "weighted": 0.0}
-        reps = 1 if k == n else draws
-        for q in questions:
-            right = {}
-            for key, c in zip(q["keys"], q["correct"]):
-                right.setdefault(key, bool(c))
-            for _ in range(reps):
-                pick = sorted(rng.sample(range(n), k)) if k < n else range(n)
-                keys = [q["keys"][i] for i in pick]
-                for name, confs in (("majority", None), ("weighted", [q["conf"][i] for i in pick])):
-                    won = vote(keys, confs)
-                    hits[name] += (won is not None and right[won]) / reps
-        out["k"].append(k)
-        for name in hits:
-            out[name].append(hits[name] / len(questions))
-    return out
 
 
 def exit_outcome(trace, lam):
@@ -352,19 +281,13 @@ def split_early_exit(units, epsilons=EPSILONS, splits=100, seed=0):
     return rows
 
 
-def from_samples(rows, same=None, draws=16, seed=0, epsilons=EPSILONS, splits=100):
-    """Voting curves and (when every row has probe "checkpoints") split_early_exit from samples.jsonl
-    rows (question, sample, answer, correct, confidence, length[, checkpoints])."""
+def early_exit_of(rows, seed=0, epsilons=EPSILONS, splits=100):
+    """split_early_exit of samples.jsonl rows (question, length, checkpoints) by question, when
+    every row has probe "checkpoints": {"early_exit": rows} else {}."""
+    if not rows or not all("checkpoints" in r for r in rows):
+        return {}
     by_q = {}
     for r in rows:
-        by_q.setdefault(r["question"], []).append(r)
-    questions = []
-    for q in sorted(by_q):
-        rs = sorted(by_q[q], key=lambda r: r["sample"])
-        questions.append({"keys": cluster_answers([r["answer"] for r in rs], same),
-                          "correct": [r["correct"] for r in rs], "conf": [r["confidence"] for r in rs]})
-    out = {"voting": voting_curves(questions, draws, seed)}
-    if rows and all("checkpoints" in r for r in rows):
-        units = [[{"checkpoints": r["checkpoints"], "length": r["length"]} for r in by_q[q]] for q in sorted(by_q)]
-        out["early_exit"] = split_early_exit(units, epsilons, splits, seed)
-    return out
+        trace = {"checkpoints": r["checkpoints"], "length": r["length"]}
+        by_q.setdefault(r["question"], []).append(trace)
+    return {"early_exit": split_early_exit([by_q[q] for q in sorted(by_q)], epsilons, splits, seed)}

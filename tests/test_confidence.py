@@ -1,6 +1,5 @@
 import math
 import os
-import random
 import time
 
 import numpy as np
@@ -17,6 +16,7 @@ import rollout as sampling
 # posthoc_examples' and posthoc_labels' protocol (get_probe builds it) at the released values
 PROTOCOL = dict(every=500, count=16, k=16, suffix=benchmarks.EVAL_SUFFIX, close="think", stop=(), copy_natural=True,
                 seed=0, lead=confidence.EVAL_LEAD, gate="thinking")
+FIT = dict(epochs=100, patience=30, batch=64, val_frac=0.2, seed=42)   # fit_posthoc's, as released
 
 
 class _Tok:
@@ -116,10 +116,9 @@ def test_sample_confidences_probe_reads_the_end_of_thinking():
 
 def test_split_groups_keeps_problems_whole():
     groups = torch.tensor([q for q in range(10) for _ in range(3)])
-    for rule in ("released", "project"):
-        tr, va = confidence.split_groups(groups, seed=1, rule=rule)
-        assert len(va) == 6 and not set(groups[tr].tolist()) & set(groups[va].tolist())
-        assert sorted(tr.tolist() + va.tolist()) == list(range(30))
+    tr, va = confidence.split_groups(groups, seed=1)
+    assert len(va) == 6 and not set(groups[tr].tolist()) & set(groups[va].tolist())
+    assert sorted(tr.tolist() + va.tolist()) == list(range(30))
 
 
 def test_split_adds_validation_problems_in_the_released_generators_order():
@@ -141,19 +140,11 @@ def test_split_adds_validation_problems_in_the_released_generators_order():
     assert [g for g in dict.fromkeys(groups[va].tolist())] == want      # numpy's order, whole problems
     assert len(va) == held and len(tr) + held == len(groups)
     assert not set(groups[tr].tolist()) & set(want)
-    # the project's rule (--posthoc-fit project): random.Random(42) over the sorted problems, >= 20 %
-    tr, va = confidence.split_groups(groups, rule="project")
-    order = list(range(len(sizes)))
-    random.Random(42).shuffle(order)
-    val = set(groups[va].tolist())
-    added = order[:len(val)]
-    assert set(added) == val and len(va) >= 0.2 * len(groups) > len(va) - sizes[added[-1]]
-    assert va.tolist() == sorted(va.tolist())
 
 
 def test_the_validation_loss_is_the_released_mean_of_batch_means():
     """Released (4_probe_training.train_single_run): val_loss += BCEWithLogits per batch of 64, then /=
-    the number of batches: a short last batch weighs as much as a full one. The project's rule: one mean."""
+    the number of batches: a short last batch weighs as much as a full one."""
     torch.manual_seed(0)
     prb = probe_lib.Probe(4, 1, dropout=0.0)
     x, y = torch.randn(70, 4), (torch.rand(70) > 0.5).float()
@@ -161,20 +152,17 @@ def test_the_validation_loss_is_the_released_mean_of_batch_means():
     per = torch.nn.functional.binary_cross_entropy_with_logits(logits, y, reduction="none")
     released = (per[:64].mean() + per[64:].mean()) / 2
     assert confidence.val_loss(prb, x, y) == pytest.approx(float(released), rel=1e-6)
-    assert confidence.val_loss(prb, x, y, rule="project") == pytest.approx(float(per.mean()), rel=1e-5)
-    assert abs(float(released) - float(per.mean())) > 1e-3          # the two rules differ here
+    assert abs(float(released) - float(per.mean())) > 1e-3          # not one mean over the examples
 
 
 def test_a_fit_keeps_an_epoch_only_when_its_loss_is_strictly_lower(monkeypatch):
-    """Released: `val_loss < best_val_loss`; the project's rule asks for 1e-6 less. Epoch 2's loss is
-    5e-7 below epoch 1's: kept as released, not by the project's rule."""
+    """Released: `val_loss < best_val_loss`. Epoch 2's loss is 5e-7 below epoch 1's: kept."""
     x, y = torch.randn(40, 4), (torch.arange(40) % 2).float()
     groups = torch.arange(40) // 4
-    for rule, best in (("released", 2), ("project", 1)):
-        losses = iter([1.0, 1.0 - 5e-7, 2.0, 2.0, 2.0])
-        monkeypatch.setattr(confidence, "val_loss", lambda *a, **k: next(losses))
-        _, rep = confidence.fit_posthoc(x, y, groups, grid=[(1e-3, 0.5, 1e-2)], max_epochs=5, patience=30, rule=rule)
-        assert rep["best_epoch"] == best and rep["epochs"] == 5
+    losses = iter([1.0, 1.0 - 5e-7, 2.0, 2.0, 2.0])
+    monkeypatch.setattr(confidence, "val_loss", lambda *a, **k: next(losses))
+    _, rep = confidence.fit_posthoc(x, y, groups, dict(FIT, epochs=5), grid=[(1e-3, 0.5, 1e-2)])
+    assert rep["best_epoch"] == 2 and rep["epochs"] == 5
 
 
 class _MergeTok:
@@ -326,12 +314,12 @@ def test_fit_posthoc_learns_a_signal_and_beats_the_base_rate(one_thread):
     y = torch.sigmoid(3 * x[:, 0]).round(decimals=1)      # soft labels that depend on one feature
     groups = torch.arange(400) // 4
     grid = [(1e-2, 0.5, 1e-3), (1e-3, 0.5, 1e-3)]
-    prb, rep = confidence.fit_posthoc(x, y, groups, grid=grid, max_epochs=30, patience=5)
+    prb, rep = confidence.fit_posthoc(x, y, groups, dict(FIT, epochs=30, patience=5), grid=grid)
     assert rep["n_train"] + rep["n_val"] == 400 and rep["n_val"] == 80
     assert rep["lr"] in (1e-2, 1e-3) and prb.hidden == 2
     assert rep["val_bce"] < rep["base_bce"] - 0.1
     with pytest.raises(ValueError, match="two problems"):
-        confidence.fit_posthoc(x[:4], y[:4], groups[:4])
+        confidence.fit_posthoc(x[:4], y[:4], groups[:4], FIT)
 
 
 def test_verbal_forced_cuts_the_thinking_closes_it_and_averages_k_reanswers(monkeypatch):

@@ -245,13 +245,12 @@ def test_posthoc_probe_beats_the_base_rate_and_early_exit_keeps_its_bound(toy_di
             "--probe-questions", "40", "--probe-samples", "4"]   # released 80 x 8: smaller for test time
     res = evaluate.main(args)                        # default confidence: the post-hoc probe
     rep = res["toy_base"]["posthoc_probe"]
-    # The released protocol, scaled for the toy (budgets 8 .. 128), logged and saved with the fit.
-    log = capsys.readouterr().err
-    assert rep["log"] in log and "40 problems x 4 samples" in log and "16 budgets every 8 thinking tokens" in log
-    assert "forced text '' + '</think>' + " in log and "stop '\\n'" in log and "ReduceLROnPlateau(0.5, 5)" in log
+    assert "post-hoc probe: fitting it" in capsys.readouterr().err
+    # The released protocol, scaled for the toy (budgets 8 .. 128), saved with the fit.
     p = rep["protocol"]
     assert (p["questions"], p["n"], p["count"], p["every"], p["epochs"], p["patience"], p["batch"], p["seed"]) == \
         (40, 4, 16, 8, 100, 30, 64, 42)
+    assert (p["lead"], p["close"], p["stop"]) == ("", "think", ["\n"])
     assert rep["examples"] == rep["n_train"] + rep["n_val"] == 40 * 4 * 16
     assert 0.2 <= rep["n_val"] / rep["examples"] < 0.2 + 4 * 16 / rep["examples"] + 1e-9
     assert rep["val_problems"] + rep["train_problems"] == 40
@@ -270,12 +269,12 @@ def test_posthoc_probe_beats_the_base_rate_and_early_exit_keeps_its_bound(toy_di
     for e in ee:
         assert e["threshold"] is not None and e["cal_bound"] <= e["epsilon"]
         assert 0.0 <= e["tokens_saved"] <= 1.0 and 0.0 <= e["test_risk"] <= 1.0
-    # The bound recomputed from samples.jsonl with the same split as report.from_samples.
-    again = report.from_samples(rows)["early_exit"]
+    # The bound recomputed from samples.jsonl with the same split as report.early_exit_of.
+    again = report.early_exit_of(rows)["early_exit"]
     assert [e["threshold"] for e in again] == [e["threshold"] for e in ee]
     # A second evaluation reuses the cached fit (same protocol): nothing refitted, same report.
     res2 = evaluate.main(args)
-    assert "post-hoc probe protocol" not in capsys.readouterr().err
+    assert "post-hoc probe: fitting it" not in capsys.readouterr().err
     assert res2["toy_base"]["posthoc_probe"]["val_bce"] == rep["val_bce"]
 
 
@@ -370,19 +369,17 @@ def test_an_empty_rlcr_answer_tag_followed_by_a_box_is_graded_by_the_box_as_rele
     assert evaluate.grade_call(texts, ["5"] * 3, "math500", s, "tag") == (["5", None, "4"], [True, False, False])
 
 
-def test_the_posthoc_fit_rules_reach_the_protocol(tmp_path, monkeypatch):
-    # released by default (numpy's split, the mean of batch means); the project's fit and the released
-    # token counting one flag away; a cache fitted under another rule is another protocol
+def test_the_released_token_counting_reaches_the_protocol(tmp_path, monkeypatch):
+    # the released token counting is one flag away; a cache fitted under it is another protocol
     seen = {}
     monkeypatch.setattr(confidence, "posthoc_probe",
                         lambda cache, model, tok, questions, instruction, close_id, protocol, **k:
                         seen.update(protocol) or (None, {}))
-    for given, fit, tokens in (([], "released", None),
-                               (["--posthoc-fit", "project", "--posthoc-tokens", "text"], "project", "text")):
+    for given, tokens in (([], None), (["--posthoc-tokens", "text"], "text")):
         seen.clear()
         confidence.get_probe("probe-posthoc", None, None, "base", toy.BASE_DIR, str(tmp_path),
-                         evaluate.parse_args(["--model", "toy", *given]), 0)
-        assert seen["fit"] == fit and seen.get("tokens") == tokens
+                             evaluate.parse_args(["--model", "toy", *given]), 0)
+        assert seen.get("tokens") == tokens
 
 
 @pytest.fixture
@@ -477,7 +474,7 @@ def test_the_posthoc_fit_shows_each_phase_and_evaluate_ends_naming_its_folder(tm
     phases = ["post-hoc probe: fitting it (then cached in", "post-hoc rollouts: 100%",
               "post-hoc forced answers: 100%", "post-hoc probe: grading ",
               "post-hoc probe: reading the hidden state at 16 prefixes",   # 4 questions x 2 samples x 2
-              "post-hoc fit over the grid: 100%|", "| 12/12 [", "post-hoc probe protocol: "]
+              "post-hoc fit over the grid: 100%|", "| 12/12 ["]
     at = [printed.err.find(p) for p in phases]
     assert -1 not in at and at == sorted(at), dict(zip(phases, at))
     assert printed.out.splitlines()[-1] == f"results: {out}  (results.json, samples.jsonl, reliability_*.png)"

@@ -96,4 +96,4 @@ def test_posthoc_fit_on_nan_features_says_so():
     x = torch.randn(40, 8)
     x[3, 1] = math.nan
     with pytest.raises(FloatingPointError, match="post-hoc probe: 1 of 40 features are NaN or inf"):
-        confidence.fit_posthoc(x, torch.rand(40), torch.arange(40) // 4, max_epochs=2)
+        confidence.fit_posthoc(x, torch.rand(40), torch.arange(40) // 4, dict(seed=42, batch=64))

@@ -72,11 +72,11 @@ def test_two_models_with_one_folder_name_fit_their_own_posthoc_probe(two_models,
     a, b = two_models
     fast = [x for x in FAST if x not in ("--confidence", "logits")]
     run("--model", a, "--benchmarks", "toy", "--out", tmp_path, *fast, *PH)
-    assert "post-hoc probe protocol" in capsys.readouterr().err
+    assert "post-hoc probe: fitting it" in capsys.readouterr().err
     run("--model", b, "--benchmarks", "toy", "--out", tmp_path, *fast, *PH)
-    assert "post-hoc probe protocol" in capsys.readouterr().err      # fitted for b, not a's cache
+    assert "post-hoc probe: fitting it" in capsys.readouterr().err  # fitted for b, not a's cache
     run("--model", a, "--benchmarks", "toy", "--out", tmp_path, *fast, *PH)
-    assert "post-hoc probe protocol" not in capsys.readouterr().err  # a's own cache is still there
+    assert "post-hoc probe: fitting it" not in capsys.readouterr().err  # a's own cache is there
 
 
 def test_a_resumed_evaluation_with_other_settings_samples_anew(tmp_path, capsys):

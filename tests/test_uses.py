@@ -6,52 +6,11 @@ import pytest
 from evaluation import report
 
 
-def test_cluster_answers_first_appearance_and_custom_equality():
-    assert report.cluster_answers(["2", None, "2", "3"]) == [0, None, 0, 1]
-    same = lambda a, b: float(a) == float(b)
-    assert report.cluster_answers(["2", "2.0", "3", "03"], same) == [0, 0, 1, 1]
-
-
-def test_vote_majority_weighted_and_ties():
-    assert report.vote([1, 0, 0]) == 0
-    assert report.vote([1, 0, 0], [0.9, 0.3, 0.4]) == 1          # 0.9 > 0.3 + 0.4
-    assert report.vote([1, 0]) == 1 and report.vote([0, 1]) == 0   # tie: first to appear wins
-    assert report.vote([1, 0], [0.5, 0.5]) == 1
-    assert report.vote([None, 2, None]) == 2
-    assert report.vote([None, None]) is None
-
-
 def test_vote_sizes():
     assert report.vote_sizes(1) == [1]
     assert report.vote_sizes(4) == [1, 2, 4]
     assert report.vote_sizes(6) == [1, 2, 4, 6]
     assert report.vote_sizes(32) == [1, 2, 4, 8, 16, 32]
-
-
-def _minority_set(n_questions=10):
-    """Each question: three confident-looking-but-low wrong answers (key 0) and one right (key 1)."""
-    return [{"keys": [0, 0, 0, 1], "correct": [0, 0, 0, 1], "conf": [0.2, 0.2, 0.2, 0.9]}
-            for _ in range(n_questions)]
-
-
-def test_weighted_voting_beats_majority_when_the_confident_minority_is_right():
-    curves = report.voting_curves(_minority_set(), draws=8)
-    assert curves["k"] == [1, 2, 4]
-    assert curves["majority"][-1] == 0.0          # 3 votes for the wrong answer
-    assert curves["weighted"][-1] == 1.0          # 0.9 > 3 * 0.2
-    assert all(w >= m for w, m in zip(curves["weighted"], curves["majority"]))
-    assert curves["weighted"][0] == curves["majority"][0]   # one vote: nothing to weigh
-
-
-def test_equal_confidences_make_weighted_voting_equal_majority():
-    qs = [{"keys": [0, 1, 1, None, 2, 0], "correct": [0, 1, 1, 0, 0, 0], "conf": [0.7] * 6},
-          {"keys": [0, 0, 1, 1, 2, 2], "correct": [1, 1, 0, 0, 0, 0], "conf": [0.3] * 6}]
-    curves = report.voting_curves(qs, draws=16, seed=3)
-    assert curves["k"] == [1, 2, 4, 6]
-    assert curves["weighted"] == curves["majority"]
-    # all six votes: q0 -> key 1 (two votes vs one each... key 0 has 2, key 1 has 2: key 0 first) -> wrong;
-    # q1 -> three-way tie, key 0 appears first -> right.
-    assert curves["majority"][-1] == 0.5
 
 
 # Calibration traces for early exit: one checkpoint each (10 tokens, confidence c, forced answer right y),
@@ -150,17 +109,16 @@ def test_early_exit_reports_tokens_saved_and_test_risk():
     assert rows[1]["threshold"] is None and rows[1]["tokens_saved"] == 0.0
 
 
-def test_from_samples_groups_by_question():
+def test_early_exit_of_groups_by_question():
     rows = [dict(question=q, sample=s, answer=a, correct=c, confidence=p, length=40,
                  checkpoints=[[8, p, c]])
             for q in range(6)
             for s, (a, c, p) in enumerate([("5", 0, 0.3), ("5", 0, 0.3), ("7", 1, 0.9)])]
-    out = report.from_samples(rows)
-    assert out["voting"]["k"] == [1, 2, 3]
-    assert out["voting"]["majority"][-1] == 0.0 and out["voting"]["weighted"][-1] == 1.0
+    out = report.early_exit_of(rows)
     assert [e["epsilon"] for e in out["early_exit"]] == [0.1, 0.2, 0.3]
     assert all(e["splits"] == 100 and e["test_risk_sd"] >= 0.0 for e in out["early_exit"])
-    assert "early_exit" not in report.from_samples([{k: v for k, v in r.items() if k != "checkpoints"} for r in rows])
+    bare = [{k: v for k, v in r.items() if k != "checkpoints"} for r in rows]
+    assert report.early_exit_of(bare) == {}
 
 
 def test_crc_units_are_questions_with_the_mean_loss_of_their_traces():
