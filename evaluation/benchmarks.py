@@ -53,9 +53,9 @@ def settings(bench, args):
              score_batch=w["score_batch"], rows=w["rows"])
     if code:   # the forced answer is a program (CODE_SUFFIX), graded by running it
         s.update(suffix=CODE_SUFFIX, grader="code")
-    for key in ("n", "max_new_tokens", "every", "forced_k"):
-        if getattr(args, key if key != "n" else "n_samples") is not None:
-            s[key] = getattr(args, key if key != "n" else "n_samples")
+    flags = dict(n=args.n_samples, max_new_tokens=args.max_new_tokens, every=args.every,
+                 forced_k=args.forced_k)
+    s.update({k: v for k, v in flags.items() if v is not None})
     # verbal-forced (RLCR's released reading): its re-answer text (the toy: `</think>` alone) and
     # n_forced re-answers, 4 on the 32-sample benchmarks and 1 elsewhere in the released configs.
     s["reanswer"] = None if toy_world else RLCR_REANSWER
@@ -180,10 +180,6 @@ def filed_label(label, ident, out_dir):
     """label, or label@HASH where OUT's results.json files another model under it."""
     entry, folder = read_results(out_dir).get(label), ident.partition("#")[0]
     if entry is None or entry.get("model_id") == ident:
-        return label
-    if "model_id" not in entry:
-        print(f"{os.path.join(out_dir, 'results.json')}: the entry of {label} has no model identity (an "
-              "older version): it is evaluated again and replaced", file=sys.stderr)
         return label
     if isinstance(entry["model_id"], str) and entry["model_id"].partition("#")[0] == folder:
         print(f"{os.path.join(out_dir, 'results.json')}: the entry of {label} is of the model that was in "
