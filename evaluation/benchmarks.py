@@ -181,7 +181,7 @@ def filed_label(label, ident, out_dir):
     entry, folder = read_results(out_dir).get(label), ident.partition("#")[0]
     if entry is None or entry.get("model_id") == ident:
         return label
-    if isinstance(entry["model_id"], str) and entry["model_id"].partition("#")[0] == folder:
+    if str(entry.get("model_id")).partition("#")[0] == folder:
         print(f"{os.path.join(out_dir, 'results.json')}: the entry of {label} is of the model that was in "
               f"{folder} before (trained again or replaced since): it is evaluated again and replaced",
               file=sys.stderr)
