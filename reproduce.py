@@ -161,14 +161,6 @@ def training(run, ev, method, seed, extra):
     return None if step == steps else ["--resume", run, "--steps", str(steps), *extra]
 
 
-def heldout(run):
-    """The held-out accuracy of RUN/metrics.jsonl's first and last check, None without one."""
-    rows = files.read_jsonl(os.path.join(run, "metrics.jsonl"), say=quiet) if run else []
-    held = [acc for _, acc in sorted((r["step"], r["eval_accuracy"]) for r in rows
-                                     if "eval_accuracy" in r)]
-    return dict(heldout_start=(held or [None])[0], heldout_end=(held or [None])[-1])
-
-
 def child(cmd, log):
     """Run cmd, its output appended to LOG: None when it exits 0, else why not, with the log's last
     lines. It dies with this process (harness/parallel.py's death signal): a kill leaves none."""
@@ -195,9 +187,7 @@ def job(args, todo, say, method, seed):
             why = how and child([py, os.path.join(ROOT, "train.py"), *how], log + ".train.log")
             if why:
                 return say(f"{name}: training", why)
-            start, end = heldout(run).values()
-            say(f"{name}: " + (f"trained in {time.time() - t:.0f} s" if how else "trained already")
-                + (f" (held-out {start:.2f} -> {end:.2f})" if start is not None else ""))
+            say(f"{name}: " + (f"trained in {time.time() - t:.0f} s" if how else "trained already"))
         (label, ident), t = model_of(run), time.time()
         cmd = eval_cmd(method, seed, run, ev) + args.eval_args
         entry = eval_entry(ev, label, ident)
@@ -235,37 +225,27 @@ def over_seeds(out, methods, seeds):
             entry = eval_entry(ev, label, ident)   # complete: every job ended with one
             keep = ("acc", "pce", "ece", "brier", "auroc", "n")
             benches = {b: {k: entry["benchmarks"][b][k] for k in keep} for b in BENCHMARKS}
-            per[s] = dict(benchmarks=dict(benches, Overall=overall(benches)), train=heldout(run),
-                          model=label, run=run, eval=ev, confidence=entry["confidence"])
-        parts = dict.fromkeys(BENCHMARKS + ("Overall",), [k for _, k in KEYS])
-        parts["train"] = ["heldout_start", "heldout_end"]
-        stats = {part: {k: mean_std([(per[s]["train"] if part == "train" else per[s]["benchmarks"][part])[k]
-                                     for s in per]) for k in keys} for part, keys in parts.items()}
+            per[s] = dict(benchmarks=dict(benches, Overall=overall(benches)), model=label, run=run,
+                          eval=ev, confidence=entry["confidence"])
+        stats = {p: {k: mean_std([per[s]["benchmarks"][p][k] for s in per]) for _, k in KEYS}
+                 for p in BENCHMARKS + ("Overall",)}
         agg[m] = dict(confidence=CONFIDENCE[m], seeds=per,
                       mean={p: {k: v[0] for k, v in d.items()} for p, d in stats.items()},
                       std={p: {k: v[1] for k, v in d.items()} for p, d in stats.items()})
     return agg
 
 
-def _cell_of(res, part, key):
-    return cell(res["mean"][part][key], res["std"][part][key])
-
-
 def tables(agg, methods):
-    """The paper's layout: Acc / PCE / ECE per benchmark; then Brier, AUROC, held-out accuracy."""
+    """The paper's layout: Acc / PCE / ECE per benchmark; then Brier and AUROC."""
     parts = BENCHMARKS + ("Overall",)
     main, side = KEYS[:3], KEYS[3:]   # Acc, PCE, ECE; Brier, AUROC
     head = lambda keys: " | ".join(f"{p} {c}" for p in parts for c, _ in keys)  # noqa: E731
-    cells = lambda r, keys: " | ".join(_cell_of(r, p, k) for p in parts for _, k in keys)  # noqa: E731
+    cells = lambda r, keys: " | ".join(cell(r["mean"][p][k], r["std"][p][k])  # noqa: E731
+                                       for p in parts for _, k in keys)
     lines = [f"| method | confidence | {head(main)} |", "|---|---|" + "---:|" * (len(parts) * len(main))]
     lines += [f"| {NAMES[m]} | {agg[m]['confidence']} | {cells(agg[m], main)} |" for m in methods]
-    lines += ["", f"| method | {head(side)} | held-out acc (train start -> end) |",
-              "|---|" + "---:|" * (len(parts) * len(side)) + "---|"]
-    for m in methods:
-        r = agg[m]
-        span = "-" if r["mean"]["train"]["heldout_start"] is None else \
-            f"{_cell_of(r, 'train', 'heldout_start')} -> {_cell_of(r, 'train', 'heldout_end')}"
-        lines.append(f"| {NAMES[m]} | {cells(r, side)} | {span} |")
+    lines += ["", f"| method | {head(side)} |", "|---|" + "---:|" * (len(parts) * len(side))]
+    lines += [f"| {NAMES[m]} | {cells(agg[m], side)} |" for m in methods]
     return "\n".join(lines)
 
 

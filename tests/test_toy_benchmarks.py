@@ -150,7 +150,7 @@ def test_t_quantile_and_paired_interval_worked_numbers():
     assert reproduce.paired({0: 1.0}, {0: 2.0}) is None
 
 
-def _fake(out, method, seed, acc, pce, ece, train_rows=()):
+def _fake(out, method, seed, acc, pce, ece):
     """A run (for a trained method) and its evaluation: the given numbers on every toy benchmark except
     toy-long, which gets acc - 0.2 (so Overall acc is acc - 0.2 / 3)."""
     label, run = "toy", None
@@ -163,8 +163,6 @@ def _fake(out, method, seed, acc, pce, ece, train_rows=()):
                 json.dump(dict(steps=2), f)
         from safetensors.torch import save_file
         save_file({"w": torch.zeros(2)}, os.path.join(ckpt, "model.safetensors"))
-        with open(os.path.join(run, "metrics.jsonl"), "w") as f:
-            f.write("".join(json.dumps(r) + "\n" for r in train_rows))
         label = f"{method}-seed{seed}/step_000002"
     ev = os.path.join(out, "eval", f"{method}-seed{seed}")
     os.makedirs(ev)
@@ -179,8 +177,8 @@ def test_reproduce_prints_the_benchmarks_overall_and_differences(tmp_path):
     out, seeds = str(tmp_path), [0, 1, 2, 3, 4]
     grpo_acc, rlcm_acc = [0.60, 0.62, 0.58, 0.61, 0.59], [0.61, 0.62, 0.60, 0.60, 0.62]   # diffs .01 0 .02 -.01 .03
     for s in seeds:
-        _fake(out, "grpo", s, grpo_acc[s], 0.10, 0.05, [dict(step=2, eval=True, eval_accuracy=0.5)])
-        _fake(out, "rlcm", s, rlcm_acc[s], 0.08, 0.05 + 0.01 * s, [dict(step=2, eval=True, eval_accuracy=0.6)])
+        _fake(out, "grpo", s, grpo_acc[s], 0.10, 0.05)
+        _fake(out, "rlcm", s, rlcm_acc[s], 0.08, 0.05 + 0.01 * s)
     md = reproduce.write_outputs(out, ["grpo", "rlcm"], dict(grpo=seeds, rlcm=seeds), [])
     res = json.load(open(os.path.join(out, "results.json")))
     assert res["methods"]["grpo"]["mean"]["Overall"]["acc"] == pytest.approx(0.6 - 0.2 / 3)
