@@ -1,8 +1,6 @@
-"""The benchmarks an evaluation reads and how each is asked and sampled (load_benchmarks, settings:
-the world's defaults, overridden by evaluate.py's flags); what identifies a model's samples and the
-samples.jsonl they are appended to (sample_key, own_rows, hold); and the workers of an evaluation on
-every GPU of a node (setup, deal, Rounds), whose samples.jsonl is the one one process would write.
-"""
+"""The benchmarks an evaluation reads and how each is sampled (load_benchmarks, settings); what
+identifies a model's samples in samples.jsonl (sample_key, own_rows, hold); and the workers of an
+evaluation on every GPU of a node (setup, deal, Rounds), writing what one process would write."""
 import copy
 import dataclasses
 import datetime
@@ -23,10 +21,9 @@ import rollout
 import toy
 from evaluation.report import read_results
 from harness import files
-from harness.checkpoint import ALIASES
 from harness.files import UserError
 from harness.parallel import MASTER, RANK, WORLD
-from harness.checkpoint import check_out, read_config
+from harness.checkpoint import ALIASES, check_out, read_config
 
 BIG_N = {"aime24": 32, "aime25": 32, "amc23": 32}   # samples per question; 4 elsewhere
 # Per-world defaults (docs/reference.md, "Evaluation"); every: thinking tokens between budgets;
@@ -117,9 +114,9 @@ def run_prompt(path, args):
     cfg = run_config(path)
     pick = lambda flag, key: flag if flag is not None else cfg.get(key)  # noqa: E731
     form = args.answer or ("tag" if args.mode == "rlcr" else baselines.answer_form(cfg.get("reward")))
-    if args.mode == "rlcr":   # each benchmark's RLCR prompt (rlcr_prompts), not the run's
-        return args.instruction, pick(args.system_prompt, "system_prompt"), form
-    return pick(args.instruction, "instruction"), pick(args.system_prompt, "system_prompt"), form
+    # --mode rlcr: each benchmark's RLCR prompt (rlcr_prompts), not the run's
+    instruction = args.instruction if args.mode == "rlcr" else pick(args.instruction, "instruction")
+    return instruction, pick(args.system_prompt, "system_prompt"), form
 
 
 def rlcr_prompts(loaded):
@@ -139,12 +136,9 @@ def rlcr_prompts(loaded):
 
 def run_config(path):
     """The config.json of a run (RUN, or RUN/checkpoints/step_*), else {} (a base model)."""
-    if not os.path.isdir(path):
-        return {}
     run = run_dir(path) or (path if os.path.isdir(os.path.join(path, "checkpoints")) else None)
-    if run and os.path.isfile(os.path.join(run, "config.json")):
-        return read_config(run, flag="--model")
-    return {}
+    found = run and os.path.isfile(os.path.join(run, "config.json"))
+    return read_config(run, flag="--model") if found else {}
 
 
 LOCKS = ExitStack()  # the lock of every output folder written, held until evaluate.main() ends
@@ -259,10 +253,6 @@ def hold(out_dir):
 HELD = set()
 
 
-# a rank waits at each gather for the slowest (a round, a phase of the post-hoc fit): a safe bound
-TIMEOUT = datetime.timedelta(hours=24)
-
-
 def setup():
     """Join the workers' group (several ranks only) and put this rank on its own GPU. The group is
     gloo on every device: the ranks exchange Python objects, never the model's tensors."""
@@ -270,7 +260,9 @@ def setup():
         return
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("gloo", rank=RANK, world_size=WORLD, timeout=TIMEOUT)
+    # a rank waits at each gather for the slowest (a round, a phase of the post-hoc fit)
+    wait = datetime.timedelta(hours=24)
+    dist.init_process_group("gloo", rank=RANK, world_size=WORLD, timeout=wait)
 
 
 def share(obj):
@@ -348,16 +340,11 @@ class Rounds:
     def __enter__(self):
         return self
 
-    def __exit__(self, kind, *_):
-        if kind is None or WORLD == 1:
-            self.close()
-        else:
-            self.pool.shutdown(wait=False, cancel_futures=True)
-
-    def close(self):
-        while self.pending:
+    def __exit__(self, kind, *_):   # several ranks on an error: no gather, one may be gone
+        done = kind is None or WORLD == 1
+        while done and self.pending:
             self._write(self.pending.pop(0))
-        self.pool.shutdown()
+        self.pool.shutdown(wait=done, cancel_futures=not done)
 
     def _write(self, job):
         lines = job.result()
