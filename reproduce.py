@@ -27,7 +27,7 @@ import numpy as np
 import config
 import data
 import evaluate
-from evaluation.report import clean, overall
+from evaluation.report import clean, overall, read_results
 from evaluation.benchmarks import model_id, model_label
 from harness import checkpoint, files, parallel, runlog
 from harness.checkpoint import check_out, read_config
@@ -54,11 +54,10 @@ def parse_args(argv):
     p.add_argument("--ablations", action="store_true", help="add " + ", ".join(ABLATIONS) + " (a second table)")
     p.add_argument("--seeds", help="comma list of seeds for every method (default: grpo, rlcm 0-4, others 0-2)")
     p.add_argument("--jobs", default="2", help="trainings/evaluations run at once (default 2)")
-    p.add_argument("--out", help="default runs/reproduce")
+    p.add_argument("--out", default=os.path.join("runs", "reproduce"))
     p.add_argument("--train-args", default="", help='passed to every train.py, e.g. "--steps 2 --eval-n 8"')
     p.add_argument("--eval-args", default="", help='passed to every evaluate.py, e.g. "--limit 4"')
     args = p.parse_args(argv)
-    args.out = args.out or os.path.join("runs", "reproduce")
     known, methods = MAIN + ABLATIONS, MAIN + (ABLATIONS if args.ablations else ())
     if args.methods is not None:
         given = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -119,14 +118,9 @@ def model_of(run):
 
 
 def eval_entry(eval_dir, label, ident):
-    """This very model's (`ident`) entry of EVAL/results.json if it holds every toy benchmark; else
-    None: to evaluate."""
-    try:
-        with open(os.path.join(eval_dir, "results.json"), encoding="utf-8") as f:
-            entry = json.load(f)[label]
-    except (OSError, KeyError):   # none yet, or none of this label
-        return None
-    complete = entry["model_id"] == ident and all(b in entry["benchmarks"] for b in BENCHMARKS)
+    """This very model's (`ident`) entry of EVAL/results.json if it has every toy benchmark, else None."""
+    entry = read_results(eval_dir).get(label, {})
+    complete = entry.get("model_id") == ident and all(b in entry["benchmarks"] for b in BENCHMARKS)
     return entry if complete else None
 
 
@@ -249,15 +243,6 @@ def tables(agg, methods):
     return "\n".join(lines)
 
 
-def difference_table(diffs):   # RLCM - GRPO: mean [95 % interval] (seeds)
-    lines = ["| RLCM - GRPO | Acc | PCE | ECE |", "|---|---:|---:|---:|"]
-    for p, d in diffs.items():
-        lines.append(f"| {p} | " + " | ".join(
-            "-" if x is None else f"{x['mean']:+.3f} [{x['lo']:+.3f}, {x['hi']:+.3f}] (n {x['n']})"
-            for x in d.values()) + " |")
-    return "\n".join(lines)
-
-
 def write_outputs(out, methods, seeds, argv):
     """OUT/table.md (returned) and OUT/results.json (every seed's numbers)."""
     agg, diffs = over_seeds(out, methods, seeds), None
@@ -265,11 +250,8 @@ def write_outputs(out, methods, seeds, argv):
     commit = prov["git_commit"][:7] + ("+dirty" if prov["git_commit"].endswith("+dirty") else "")
     when = (f"{prov['date'].replace('T', ' ').replace('+00:00', ' UTC')}; command `python {prov['command']}`; "
             f"commit {commit}")
-    groups = {}
-    for m in methods:
-        groups.setdefault(", ".join(map(str, seeds[m])), []).append(NAMES[m])
     md = [f"Toy-world reproduction, {when}; seeds "
-          + "; ".join(f"{', '.join(names)}: {s}" for s, names in groups.items())
+          + "; ".join(f"{NAMES[m]}: {', '.join(map(str, seeds[m]))}" for m in methods)
           + " (mean +- sample std over seeds); benchmarks " + ", ".join(BENCHMARKS)
           + " (Overall: their unweighted mean)", ""]
     for part in ([m for m in methods if m in MAIN], [m for m in methods if m in ABLATIONS]):
@@ -280,7 +262,10 @@ def write_outputs(out, methods, seeds, argv):
         diffs = {p: {k: paired(*({s: x[s]["benchmarks"][p][k] for s in x} for x in (a, b)))
                      for k in ("acc", "pce", "ece")} for p in BENCHMARKS + ("Overall",)}
         md += ["Paired difference RLCM - GRPO (same seed, base and data order): mean [95 % t interval over "
-               "seeds] (seeds)", "", difference_table(diffs), ""]
+               "seeds] (seeds)", "", "| RLCM - GRPO | Acc | PCE | ECE |", "|---|---:|---:|---:|"]
+        md += [f"| {p} | " + " | ".join("-" if x is None else f"{x['mean']:+.3f} [{x['lo']:+.3f}, "
+                                        f"{x['hi']:+.3f}] (n {x['n']})" for x in d.values()) + " |"
+               for p, d in diffs.items()] + [""]
     files.write_json(os.path.join(out, "results.json"), clean(dict(
         methods=agg, seeds=seeds, benchmarks=list(BENCHMARKS), differences=diffs,
         command=prov["command"], date=prov["date"], git_commit=prov["git_commit"], provenance=prov)))
@@ -315,8 +300,7 @@ def t_quantile(df, p=0.975):
 def paired(a, b):
     """The paired difference b - a ({seed: x}) over the seeds both have: per seed, its mean and a
     95 % t interval (mean +- t(0.975, n - 1) * sd / sqrt(n)); None under two seeds."""
-    seeds = [s for s in a if s in b and a[s] is not None and b[s] is not None]
-    diffs = {s: b[s] - a[s] for s in seeds}
+    diffs = {s: b[s] - a[s] for s in a if s in b and a[s] is not None and b[s] is not None}
     if len(diffs) < 2:
         return None
     mean, sd = mean_std(list(diffs.values()))

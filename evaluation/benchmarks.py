@@ -142,6 +142,7 @@ def run_config(path):
 
 
 LOCKS = ExitStack()  # the lock of every output folder written, held until evaluate.main() ends
+HELD = set()         # their real paths
 
 
 def run_dir(path):
@@ -248,9 +249,6 @@ def hold(out_dir):
     if key not in HELD:
         LOCKS.enter_context(files.locked(out_dir, "evaluation"))
         HELD.add(key)
-
-
-HELD = set()
 
 
 def setup():

@@ -59,7 +59,7 @@ def test_tiny_comparison_writes_the_table_and_a_rerun_redoes_nothing(tmp_path, c
     table = open(os.path.join(out, "table.md")).read()
     assert table.index("| GRPO | probe-posthoc |") < table.index("| RLCM | probe-posthoc |")
     assert "+-" not in table.split("| GRPO")[1].splitlines()[0]   # one seed: the mean only
-    assert "seeds GRPO, RLCM: 0 " in table and "--methods rlcm,grpo" in table
+    assert "seeds GRPO: 0; RLCM: 0 " in table and "--methods rlcm,grpo" in table
 
     before = _mtimes(out + "/runs") | _mtimes(out + "/eval") | _mtimes(out + "/logs")
     reproduce.main(argv)

@@ -191,7 +191,7 @@ def test_reproduce_prints_the_benchmarks_overall_and_differences(tmp_path):
     assert "+0.020 [+0.000, +0.040] (n 5) |" in md
     assert res["differences"]["Overall"]["acc"]["per_seed"]["4"] == pytest.approx(0.03)
     assert "| RLCM | probe-posthoc | 0.610 +- 0.010 | 0.080 +- 0.000 | 0.070 +- 0.016 | 0.410 +- 0.010 |" in md
-    assert "seeds GRPO, RLCM: 0, 1, 2, 3, 4" in md and "Overall: their unweighted mean" in md
+    assert "seeds GRPO: 0, 1, 2, 3, 4; RLCM: 0, 1, 2, 3, 4" in md and "Overall: their unweighted mean" in md
 
 
 @pytest.mark.slow   # three benchmarks x 40 generations with the committed base
