@@ -27,8 +27,7 @@ import numpy as np
 import config
 import data
 import evaluate
-import metrics
-from evaluation.report import clean, overall, plot_reliability
+from evaluation.report import clean, overall, read_results
 from evaluation.benchmarks import model_id, model_label
 from harness import checkpoint, files, parallel, runlog
 from harness.checkpoint import check_out, read_config
@@ -43,14 +42,9 @@ CONFIDENCE = dict(dict.fromkeys(MAIN + ABLATIONS, "probe-posthoc"), rlcr="verbal
 KEYS = (("Acc", "acc"), ("PCE", "pce"), ("ECE", "ece"), ("Brier", "brier"), ("AUROC", "auroc"))
 BENCHMARKS = data.TOY_BENCHMARKS   # every method on each; "Overall" is their unweighted mean, as in the paper
 PAIR = ("grpo", "rlcm")            # the headline pair: more seeds, and their paired difference
-# From each run's metrics.jsonl (training_stats): why the calibration term does or does not act.
-WHY = (("margin signal", "signal_frac"), ("probe AUROC (held-out, in training)", "probe_auroc"),
-       ("calibration share of abs(advantage)", "calib_share"))
 quiet = lambda msg: None  # noqa: E731
 SEEDS = dict(dict.fromkeys(MAIN + ABLATIONS, (0, 1, 2)), **dict.fromkeys(PAIR, (0, 1, 2, 3, 4)))
 ROOT = os.path.dirname(os.path.abspath(__file__))
-PRINT, STOP = threading.Lock(), threading.Event()
-CHILDREN, CHILDREN_LOCK = set(), threading.Lock()   # the running train.py / evaluate.py processes
 
 
 def parse_args(argv):
@@ -60,11 +54,10 @@ def parse_args(argv):
     p.add_argument("--ablations", action="store_true", help="add " + ", ".join(ABLATIONS) + " (a second table)")
     p.add_argument("--seeds", help="comma list of seeds for every method (default: grpo, rlcm 0-4, others 0-2)")
     p.add_argument("--jobs", default="2", help="trainings/evaluations run at once (default 2)")
-    p.add_argument("--out", help="default runs/reproduce")
+    p.add_argument("--out", default=os.path.join("runs", "reproduce"))
     p.add_argument("--train-args", default="", help='passed to every train.py, e.g. "--steps 2 --eval-n 8"')
     p.add_argument("--eval-args", default="", help='passed to every evaluate.py, e.g. "--limit 4"')
     args = p.parse_args(argv)
-    args.out = args.out or os.path.join("runs", "reproduce")
     known, methods = MAIN + ABLATIONS, MAIN + (ABLATIONS if args.ablations else ())
     if args.methods is not None:
         given = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -88,18 +81,6 @@ def parse_args(argv):
         parsed(parse, ["--model", "toy", *words], f"{flag} {shlex.join(words)}")
     check_out(args.out)
     return args, methods, seeds, int(args.jobs)
-
-
-def job_list(args, methods, seeds):
-    """Per method and seed, seed by seed: dict(name, run (None: the base), ev, log, train, eval)."""
-    out = []
-    for s in sorted(set().union(*seeds.values())):
-        for m in methods:
-            if s in seeds[m]:
-                run, ev, log = paths(args.out, m, s)
-                out.append(dict(name=f"{m} seed {s}", run=run, ev=ev, log=log,
-                                train=run and train_cmd(m, s, run), eval=eval_cmd(m, s, run, ev)))
-    return out
 
 
 def parsed(parse, words, what):
@@ -137,14 +118,9 @@ def model_of(run):
 
 
 def eval_entry(eval_dir, label, ident):
-    """This very model's (`ident`) entry of EVAL/results.json if it holds every toy benchmark; else
-    None: to evaluate."""
-    try:
-        with open(os.path.join(eval_dir, "results.json"), encoding="utf-8") as f:
-            entry = json.load(f)[label]
-    except (OSError, KeyError):   # none yet, or none of this label
-        return None
-    complete = entry["model_id"] == ident and all(b in entry["benchmarks"] for b in BENCHMARKS)
+    """This very model's (`ident`) entry of EVAL/results.json if it has every toy benchmark, else None."""
+    entry = read_results(eval_dir).get(label, {})
+    complete = entry.get("model_id") == ident and all(b in entry["benchmarks"] for b in BENCHMARKS)
     return entry if complete else None
 
 
@@ -159,9 +135,10 @@ def made_with(entry, cmd):
     return {**then, "argv": None} == {**now, "argv": None}
 
 
-def training(run, ev, cmd, extra):
-    """train.py's arguments that bring `run` to what `train.py CMD EXTRA` makes (a resume if it has
+def training(run, ev, method, seed, extra):
+    """train.py's arguments that bring `run` to what train_cmd + `extra` makes (a resume if it has
     fewer steps), None if it is there. A run of other settings is refused, not mixed nor deleted."""
+    cmd = train_cmd(method, seed, run)
     ckpt = os.path.isfile(os.path.join(run, "config.json")) and checkpoint.latest_checkpoint(run, quiet, resume=True)
     if not ckpt:
         return cmd + extra
@@ -178,94 +155,56 @@ def training(run, ev, cmd, extra):
     return None if step == steps else ["--resume", run, "--steps", str(steps), *extra]
 
 
-def training_stats(run):
-    """From RUN/metrics.jsonl: held-out accuracy at the first and last check, WHY's means."""
-    rows = files.read_jsonl(os.path.join(run, "metrics.jsonl"), say=quiet) if run else []
-    held = sorted((r["step"], r["eval_accuracy"]) for r in rows if r.get("eval") and "eval_accuracy" in r)
-    start, end = (held[0][1], held[-1][1]) if held else (None, None)
-    mean = lambda key, pick: mean_std([r.get(key) for r in rows if pick(r)])[0]  # noqa: E731
-    return dict(heldout_start=start, heldout_end=end, signal_frac=mean("signal_frac", lambda r: not r.get("eval")),
-                probe_auroc=mean("eval_probe_auroc", lambda r: r.get("eval")),
-                calib_share=mean("calib_adv_share", lambda r: not r.get("eval")))
-
-
-class Jobs:
-    """One (method, seed) per call, in a pool thread: train, then evaluate; a line per step."""
-
-    def __init__(self, args, total, todo):
-        self.args, self.total, self.todo, self.done, self.failed = args, total, todo, 0, []
-        self.env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-
-    def say(self, line):
-        with PRINT:
-            self.done += 1
-            print(f"[{self.done}/{self.total}] {line}", flush=True)
-
-    def fail(self, what, detail):
-        with PRINT:
-            self.failed.append(what)
-            print(f"FAILED {what}{detail}", flush=True)
-        return False
-
-    def child(self, cmd, log, what):   # True when cmd exits 0, else it says why
-        with files.appending(log) as f:
-            f.write(f"$ {shlex.join(cmd)}\n")
-            f.flush()
-            with CHILDREN_LOCK:   # so that stop_children() sees every child started before STOP
-                if STOP.is_set():
-                    return False
-                proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                        env=self.env, preexec_fn=parallel._die_with_parent)
-                CHILDREN.add(proc)
-            rc = proc.wait()
-            with CHILDREN_LOCK:
-                CHILDREN.discard(proc)
-        if rc == 0 or STOP.is_set():   # after a Ctrl-C the children's exits are no news
-            return rc == 0
+def child(cmd, log):
+    """Run cmd, its output appended to LOG: None when it exits 0, else why not, with the log's last
+    lines. It dies with this process (harness/parallel.py's death signal): a kill leaves none."""
+    with files.appending(log) as f:
+        f.write(f"$ {shlex.join(cmd)}\n")
+        f.flush()
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            env=env, preexec_fn=parallel._die_with_parent).returncode
+    if rc:
         with open(log, encoding="utf-8", errors="replace") as f:
             tail = "".join(f"\n  | {line}" for line in f.read().splitlines()[-8:])
-        return self.fail(what, f" (exit {rc}): {shlex.join(cmd)}\n  log: {log}{tail}")
+        return f" (exit {rc}): {shlex.join(cmd)}\n  log: {log}{tail}"
 
-    def __call__(self, job):
-        try:
-            return self.job(job)
-        except (UserError, OSError, ValueError, KeyError) as e:   # a damaged config.json or results.json
-            return self.fail(job["name"], f": {type(e).__name__}: {e}")
 
-    def job(self, job):
-        run, name, py = job["run"], job["name"], sys.executable
+def job(args, todo, say, method, seed):
+    """Train one method and seed (todo: train.py's arguments, None if done), then evaluate it unless
+    its evaluation was made with these arguments. say(line, why) prints a line per step."""
+    run, ev, log = paths(args.out, method, seed)
+    name, py, t = f"{method} seed {seed}", sys.executable, time.time()
+    try:
         if run is not None:
-            how, t = self.todo[name], time.time()
-            if how is not None and not self.child([py, os.path.join(ROOT, "train.py"), *how], job["log"] + ".train.log",
-                                                  f"{name}: training"):
-                return False
-            start, end = (training_stats(run)[k] for k in ("heldout_start", "heldout_end"))
-            self.say(f"{name}: " + (f"trained in {time.time() - t:.0f} s" if how is not None else "trained already") +
-                     (f" (held-out {start:.2f} -> {end:.2f})" if start is not None else ""))
-        (label, ident), ev, cmd, t = model_of(run), job["ev"], job["eval"] + self.args.eval_args, time.time()
+            how = todo[method, seed]
+            why = how and child([py, os.path.join(ROOT, "train.py"), *how], log + ".train.log")
+            if why:
+                return say(f"{name}: training", why)
+            say(f"{name}: " + (f"trained in {time.time() - t:.0f} s" if how else "trained already"))
+        (label, ident), t = model_of(run), time.time()
+        cmd = eval_cmd(method, seed, run, ev) + args.eval_args
         entry = eval_entry(ev, label, ident)
         fresh = entry is None or not made_with(entry, cmd)
         if fresh:
-            if not self.child([py, os.path.join(ROOT, "evaluate.py"), *cmd], job["log"] + ".eval.log",
-                              f"{name}: evaluation"):
-                return False
+            why = child([py, os.path.join(ROOT, "evaluate.py"), *cmd], log + ".eval.log")
             entry = eval_entry(ev, label, ident)
-            if entry is None:
-                return self.fail(f"{name}: evaluation",
-                                 f": {ev}/results.json holds no complete toy results of {label}")
+            if why or entry is None:
+                return say(f"{name}: evaluation",
+                           why or f": {ev}/results.json holds no complete toy results of {label}")
         accs = ", ".join(f"{b} {entry['benchmarks'][b]['acc']:.3f}" for b in BENCHMARKS)
-        self.say(f"{name}: " + (f"evaluated in {time.time() - t:.0f} s" if fresh else "evaluated already") +
-                 f" (acc {accs}; n {entry['benchmarks'][BENCHMARKS[0]]['n']} each)")
-        return True
+        took = f"evaluated in {time.time() - t:.0f} s" if fresh else "evaluated already"
+        return say(f"{name}: {took}"
+                   + f" (acc {accs}; n {entry['benchmarks'][BENCHMARKS[0]]['n']} each)")
+    except (UserError, OSError, ValueError, KeyError) as e:   # a damaged config.json, results.json
+        return say(name, f": {type(e).__name__}: {e}")
 
 
-def stop_children(signum, frame):
-    """SIGTERM: end the children, then as Ctrl-C does (SIGKILL: harness/parallel.py's death signal)."""
-    with CHILDREN_LOCK:
-        STOP.set()
-        for proc in CHILDREN:
-            proc.terminate()
-    raise KeyboardInterrupt
+def stop(*_):
+    """Ctrl-C or SIGTERM: exit now; the children die with this process, finished steps stay."""
+    print("\ninterrupted: finished steps are kept; run the same command again to continue",
+          file=sys.stderr, flush=True)
+    os._exit(130)
 
 
 def over_seeds(out, methods, seeds):
@@ -278,128 +217,57 @@ def over_seeds(out, methods, seeds):
             run, ev, _ = paths(out, m, s)
             label, ident = model_of(run)
             entry = eval_entry(ev, label, ident)   # complete: every job ended with one
-            benches = {b: dict({k: entry["benchmarks"][b][k] for _, k in KEYS}, n=entry["benchmarks"][b]["n"])
-                       for b in BENCHMARKS}
-            st = entry.get("settings", {}).get(BENCHMARKS[0], {})
-            per[s] = dict(benchmarks=dict(benches, Overall=overall(benches)), train=training_stats(run), model=label,
-                          run=run, eval=ev, confidence=entry["confidence"], questions=st.get("questions"),
-                          samples=st.get("n"))
-        parts = dict({b: [k for _, k in KEYS] for b in BENCHMARKS + ("Overall",)},
-                     train=["heldout_start", "heldout_end"] + [k for _, k in WHY])
-        stats = {part: {k: mean_std([(per[s]["train"] if part == "train" else per[s]["benchmarks"][part])[k]
-                                     for s in per]) for k in keys} for part, keys in parts.items()}
+            keep = ("acc", "pce", "ece", "brier", "auroc", "n")
+            benches = {b: {k: entry["benchmarks"][b][k] for k in keep} for b in BENCHMARKS}
+            per[s] = dict(benchmarks=dict(benches, Overall=overall(benches)), model=label, run=run,
+                          eval=ev, confidence=entry["confidence"])
+        stats = {p: {k: mean_std([per[s]["benchmarks"][p][k] for s in per]) for _, k in KEYS}
+                 for p in BENCHMARKS + ("Overall",)}
         agg[m] = dict(confidence=CONFIDENCE[m], seeds=per,
                       mean={p: {k: v[0] for k, v in d.items()} for p, d in stats.items()},
                       std={p: {k: v[1] for k, v in d.items()} for p, d in stats.items()})
     return agg
 
 
-def _cell_of(res, part, key):
-    return cell(res["mean"][part][key], res["std"][part][key])
-
-
 def tables(agg, methods):
-    """The paper's layout: Acc / PCE / ECE per benchmark; then Brier, AUROC, held-out accuracy."""
+    """The paper's layout: Acc / PCE / ECE per benchmark; then Brier and AUROC."""
     parts = BENCHMARKS + ("Overall",)
     main, side = KEYS[:3], KEYS[3:]   # Acc, PCE, ECE; Brier, AUROC
     head = lambda keys: " | ".join(f"{p} {c}" for p in parts for c, _ in keys)  # noqa: E731
-    cells = lambda r, keys: " | ".join(_cell_of(r, p, k) for p in parts for _, k in keys)  # noqa: E731
+    cells = lambda r, keys: " | ".join(cell(r["mean"][p][k], r["std"][p][k])  # noqa: E731
+                                       for p in parts for _, k in keys)
     lines = [f"| method | confidence | {head(main)} |", "|---|---|" + "---:|" * (len(parts) * len(main))]
     lines += [f"| {NAMES[m]} | {agg[m]['confidence']} | {cells(agg[m], main)} |" for m in methods]
-    lines += ["", f"| method | {head(side)} | held-out acc (train start -> end) |",
-              "|---|" + "---:|" * (len(parts) * len(side)) + "---|"]
-    for m in methods:
-        r = agg[m]
-        span = "-" if r["mean"]["train"]["heldout_start"] is None else \
-            f"{_cell_of(r, 'train', 'heldout_start')} -> {_cell_of(r, 'train', 'heldout_end')}"
-        lines.append(f"| {NAMES[m]} | {cells(r, side)} | {span} |")
+    lines += ["", f"| method | {head(side)} |", "|---|" + "---:|" * (len(parts) * len(side))]
+    lines += [f"| {NAMES[m]} | {cells(agg[m], side)} |" for m in methods]
     return "\n".join(lines)
-
-
-def headline_differences(agg):   # {benchmark or "Overall": {key: paired(GRPO, RLCM)}} or None
-    if not all(m in agg for m in PAIR):
-        return None
-    a, b = (agg[m]["seeds"] for m in PAIR)
-    return {p: {k: paired({s: a[s]["benchmarks"][p][k] for s in a}, {s: b[s]["benchmarks"][p][k] for s in b})
-                for k in ("acc", "pce", "ece")} for p in BENCHMARKS + ("Overall",)}
-
-
-def difference_table(diffs):   # RLCM - GRPO: mean [95 % interval] (seeds), then each seed's
-    lines = ["| RLCM - GRPO | Acc | PCE | ECE |", "|---|---:|---:|---:|"]
-    for p, d in diffs.items():
-        lines.append(f"| {p} | " + " | ".join(
-            "-" if x is None else f"{x['mean']:+.3f} [{x['lo']:+.3f}, {x['hi']:+.3f}] (n {x['n']})"
-            for x in d.values()) + " |")
-    per = diffs["Overall"]["acc"] or diffs["Overall"]["pce"]
-    if per:
-        lines += ["", "Per seed (Overall): " + "; ".join(
-            f"seed {s}: " + ", ".join(f"{k} {diffs['Overall'][k]['per_seed'][s]:+.3f}" for k in ("acc", "pce", "ece")
-                                      if diffs["Overall"][k]) for s in per["per_seed"])]
-    return "\n".join(lines)
-
-
-def why_table(agg, methods):   # per trained method, WHY's means over training
-    lines = ["| method | " + " | ".join(c for c, _ in WHY) + " |", "|---|" + "---:|" * len(WHY)]
-    for m in methods:
-        if m != "base":
-            lines.append(f"| {NAMES[m]} | " + " | ".join(_cell_of(agg[m], "train", k) for _, k in WHY) + " |")
-    return "\n".join(lines)
-
-
-def accuracy_se(agg):
-    """Standard error sqrt(p(1-p)/n) of one accuracy at the base's (else the first method's) accuracy."""
-    m = "base" if "base" in agg else next(iter(agg))
-    seed = next(iter(agg[m]["seeds"].values()))
-    pn = {b: (agg[m]["mean"][b]["acc"], seed["benchmarks"][b]["n"]) for b in BENCHMARKS}
-    se = {b: dict(p=p, n=n, se=math.sqrt(p * (1 - p) / n)) for b, (p, n) in pn.items()}
-    return dict(method=m, benchmarks=se)
-
-
-def plot_pooled(out, m, res):
-    """OUT/reliability_M.png: the reliability diagram of every seed's and benchmark's samples."""
-    conf, correct = [], []
-    for s in res["seeds"].values():
-        for r in files.read_jsonl(os.path.join(s["eval"], "samples.jsonl"), say=quiet):
-            if (r["model"] == s["model"] and r["benchmark"] in BENCHMARKS and r["question"] < (s["questions"] or math.inf)
-                    and r["sample"] < (s["samples"] or math.inf)):
-                conf.append(r["confidence"]), correct.append(r["correct"])
-    path = os.path.join(out, f"reliability_{m}.png")
-    c = metrics.calibration(conf, correct)
-    title = (f"{NAMES[m]} | toy benchmarks | {res['confidence']} | {len(res['seeds'])} seeds\n"
-             f"acc {c['acc']:.3f}  ECE {c['ece']:.3f}  n {c['n']}")
-    plot_reliability(metrics.reliability(conf, correct), title, path)
-    return path
 
 
 def write_outputs(out, methods, seeds, argv):
-    """OUT/table.md (returned), OUT/results.json (every seed's numbers), OUT/reliability_M.png."""
-    agg = over_seeds(out, methods, seeds)
+    """OUT/table.md (returned) and OUT/results.json (every seed's numbers)."""
+    agg, diffs = over_seeds(out, methods, seeds), None
     prov = runlog.provenance(["reproduce.py", *argv], device="cpu")
     commit = prov["git_commit"][:7] + ("+dirty" if prov["git_commit"].endswith("+dirty") else "")
     when = (f"{prov['date'].replace('T', ' ').replace('+00:00', ' UTC')}; command `python {prov['command']}`; "
             f"commit {commit}")
-    se, diffs = accuracy_se(agg), headline_differences(agg)
-    groups = {}
-    for m in methods:
-        groups.setdefault(", ".join(map(str, seeds[m])), []).append(NAMES[m])
     md = [f"Toy-world reproduction, {when}; seeds "
-          + "; ".join(f"{', '.join(names)}: {s}" for s, names in groups.items())
+          + "; ".join(f"{NAMES[m]}: {', '.join(map(str, seeds[m]))}" for m in methods)
           + " (mean +- sample std over seeds); benchmarks " + ", ".join(BENCHMARKS)
           + " (Overall: their unweighted mean)", ""]
-    main, abl = [m for m in methods if m in MAIN], [m for m in methods if m in ABLATIONS]
-    for part in (main, abl):
+    for part in ([m for m in methods if m in MAIN], [m for m in methods if m in ABLATIONS]):
         if part:
             md += [tables(agg, part), ""]
-    if diffs:
+    if all(m in agg for m in PAIR):   # the headline pair's paired difference
+        a, b = (agg[m]["seeds"] for m in PAIR)
+        diffs = {p: {k: paired(*({s: x[s]["benchmarks"][p][k] for s in x} for x in (a, b)))
+                     for k in ("acc", "pce", "ece")} for p in BENCHMARKS + ("Overall",)}
         md += ["Paired difference RLCM - GRPO (same seed, base and data order): mean [95 % t interval over "
-               "seeds] (seeds)", "", difference_table(diffs), ""]
-    md += ["Why (means over training, then over seeds)", "", why_table(agg, methods), ""]
-    md.append(f"Standard error of one accuracy (sqrt(p(1-p)/n) at {NAMES[se['method']]}'s accuracy): " + ", ".join(
-        f"{b} {x['se']:.3f} at p = {x['p']:.3f}, n = {x['n']} samples" for b, x in se["benchmarks"].items()) + ".")
-    for m in methods:
-        agg[m]["reliability_png"] = plot_pooled(out, m, agg[m])
+               "seeds] (seeds)", "", "| RLCM - GRPO | Acc | PCE | ECE |", "|---|---:|---:|---:|"]
+        md += [f"| {p} | " + " | ".join("-" if x is None else f"{x['mean']:+.3f} [{x['lo']:+.3f}, "
+                                        f"{x['hi']:+.3f}] (n {x['n']})" for x in d.values()) + " |"
+               for p, d in diffs.items()] + [""]
     files.write_json(os.path.join(out, "results.json"), clean(dict(
-        methods=agg, seeds=seeds, benchmarks=list(BENCHMARKS), differences=diffs, accuracy_se=se,
+        methods=agg, seeds=seeds, benchmarks=list(BENCHMARKS), differences=diffs,
         command=prov["command"], date=prov["date"], git_commit=prov["git_commit"], provenance=prov)))
     text = "\n".join(md) + "\n"
     with files.replacing(os.path.join(out, "table.md")) as f:
@@ -432,8 +300,7 @@ def t_quantile(df, p=0.975):
 def paired(a, b):
     """The paired difference b - a ({seed: x}) over the seeds both have: per seed, its mean and a
     95 % t interval (mean +- t(0.975, n - 1) * sd / sqrt(n)); None under two seeds."""
-    seeds = [s for s in a if s in b and a[s] is not None and b[s] is not None]
-    diffs = {s: b[s] - a[s] for s in seeds}
+    diffs = {s: b[s] - a[s] for s in a if s in b and a[s] is not None and b[s] is not None}
     if len(diffs) < 2:
         return None
     mean, sd = mean_std(list(diffs.values()))
@@ -449,38 +316,38 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         args, methods, seeds, jobs = parse_args(argv)
-        work = job_list(args, methods, seeds)
-        todo = {j["name"]: training(j["run"], j["ev"], j["train"], args.train_args)
-                for j in work if j["run"] is not None}
+        work = [(m, s) for s in sorted(set().union(*seeds.values())) for m in methods
+                if s in seeds[m]]   # seed by seed: stopped early, it has whole seeds
+        todo = {(m, s): training(*paths(args.out, m, s)[:2], m, s, args.train_args)
+                for m, s in work if m != "base"}
     except UserError as e:
         print(f"reproduce.py: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     os.makedirs(os.path.join(args.out, "logs"), exist_ok=True)
-    t0 = time.time()
-    STOP.clear()
-    run_jobs = Jobs(args, len(work) + len(todo), todo)
+    t0, done, failed, lock = time.time(), [], [], threading.Lock()
+
+    def say(line, why=None):   # a line per step, "[3/8] ..." or "FAILED ...": whether it went well
+        with lock:
+            (failed if why else done).append(line)
+            total = len(work) + len(todo)
+            print(f"FAILED {line}{why}" if why else f"[{len(done)}/{total}] {line}", flush=True)
+        return not why
+
+    default = signal.signal(signal.SIGTERM, stop)
     with ThreadPoolExecutor(jobs) as pool:
-        default = signal.signal(signal.SIGTERM, stop_children)
         try:
-            ok = list(pool.map(run_jobs, work))
-        except KeyboardInterrupt:   # Ctrl-C (the children got it too) or SIGTERM: start nothing new
-            STOP.set()
-            pool.shutdown(cancel_futures=True)
-            print("\ninterrupted: finished steps are kept; run the same command again to continue",
-                  file=sys.stderr)
-            raise SystemExit(130) from None
+            ok = list(pool.map(lambda ms: job(args, todo, say, *ms), work))
+        except KeyboardInterrupt:   # Ctrl-C (the children got it too)
+            stop()
         finally:
             signal.signal(signal.SIGTERM, default)
     print(f"total {time.time() - t0:.0f} s")
     if not all(ok):
-        print(f"{len(run_jobs.failed)} step(s) failed ({'; '.join(run_jobs.failed)}): no table written; "
+        print(f"{len(failed)} step(s) failed ({'; '.join(failed)}): no table written; "
               "fix the cause and run the same command again (finished steps are kept)", file=sys.stderr)
         raise SystemExit(1)
-    try:
-        print("\n" + write_outputs(args.out, methods, seeds, argv))
-    except UserError as e:
-        print(f"reproduce.py: error: {e}", file=sys.stderr)
-        raise SystemExit(1) from None
+    print("\n" + write_outputs(args.out, methods, seeds, argv))
+
 
 
 if __name__ == "__main__":

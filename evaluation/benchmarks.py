@@ -1,8 +1,6 @@
-"""The benchmarks an evaluation reads and how each is asked and sampled (load_benchmarks, settings:
-the world's defaults, overridden by evaluate.py's flags); what identifies a model's samples and the
-samples.jsonl they are appended to (sample_key, own_rows, hold); and the workers of an evaluation on
-every GPU of a node (setup, deal, Rounds), whose samples.jsonl is the one one process would write.
-"""
+"""The benchmarks an evaluation reads and how each is sampled (load_benchmarks, settings); what
+identifies a model's samples in samples.jsonl (sample_key, own_rows, hold); and the workers of an
+evaluation on every GPU of a node (setup, deal, Rounds), writing what one process would write."""
 import copy
 import dataclasses
 import datetime
@@ -23,10 +21,9 @@ import rollout
 import toy
 from evaluation.report import read_results
 from harness import files
-from harness.checkpoint import ALIASES
 from harness.files import UserError
 from harness.parallel import MASTER, RANK, WORLD
-from harness.checkpoint import check_out, read_config
+from harness.checkpoint import ALIASES, check_out, read_config
 
 BIG_N = {"aime24": 32, "aime25": 32, "amc23": 32}   # samples per question; 4 elsewhere
 # Per-world defaults (docs/reference.md, "Evaluation"); every: thinking tokens between budgets;
@@ -53,9 +50,9 @@ def settings(bench, args):
              score_batch=w["score_batch"], rows=w["rows"])
     if code:   # the forced answer is a program (CODE_SUFFIX), graded by running it
         s.update(suffix=CODE_SUFFIX, grader="code")
-    for key in ("n", "max_new_tokens", "every", "forced_k"):
-        if getattr(args, key if key != "n" else "n_samples") is not None:
-            s[key] = getattr(args, key if key != "n" else "n_samples")
+    flags = dict(n=args.n_samples, max_new_tokens=args.max_new_tokens, every=args.every,
+                 forced_k=args.forced_k)
+    s.update({k: v for k, v in flags.items() if v is not None})
     # verbal-forced (RLCR's released reading): its re-answer text (the toy: `</think>` alone) and
     # n_forced re-answers, 4 on the 32-sample benchmarks and 1 elsewhere in the released configs.
     s["reanswer"] = None if toy_world else RLCR_REANSWER
@@ -117,9 +114,9 @@ def run_prompt(path, args):
     cfg = run_config(path)
     pick = lambda flag, key: flag if flag is not None else cfg.get(key)  # noqa: E731
     form = args.answer or ("tag" if args.mode == "rlcr" else baselines.answer_form(cfg.get("reward")))
-    if args.mode == "rlcr":   # each benchmark's RLCR prompt (rlcr_prompts), not the run's
-        return args.instruction, pick(args.system_prompt, "system_prompt"), form
-    return pick(args.instruction, "instruction"), pick(args.system_prompt, "system_prompt"), form
+    # --mode rlcr: each benchmark's RLCR prompt (rlcr_prompts), not the run's
+    instruction = args.instruction if args.mode == "rlcr" else pick(args.instruction, "instruction")
+    return instruction, pick(args.system_prompt, "system_prompt"), form
 
 
 def rlcr_prompts(loaded):
@@ -139,15 +136,13 @@ def rlcr_prompts(loaded):
 
 def run_config(path):
     """The config.json of a run (RUN, or RUN/checkpoints/step_*), else {} (a base model)."""
-    if not os.path.isdir(path):
-        return {}
     run = run_dir(path) or (path if os.path.isdir(os.path.join(path, "checkpoints")) else None)
-    if run and os.path.isfile(os.path.join(run, "config.json")):
-        return read_config(run, flag="--model")
-    return {}
+    found = run and os.path.isfile(os.path.join(run, "config.json"))
+    return read_config(run, flag="--model") if found else {}
 
 
 LOCKS = ExitStack()  # the lock of every output folder written, held until evaluate.main() ends
+HELD = set()         # their real paths
 
 
 def run_dir(path):
@@ -181,11 +176,7 @@ def filed_label(label, ident, out_dir):
     entry, folder = read_results(out_dir).get(label), ident.partition("#")[0]
     if entry is None or entry.get("model_id") == ident:
         return label
-    if "model_id" not in entry:
-        print(f"{os.path.join(out_dir, 'results.json')}: the entry of {label} has no model identity (an "
-              "older version): it is evaluated again and replaced", file=sys.stderr)
-        return label
-    if isinstance(entry["model_id"], str) and entry["model_id"].partition("#")[0] == folder:
+    if str(entry.get("model_id")).partition("#")[0] == folder:
         print(f"{os.path.join(out_dir, 'results.json')}: the entry of {label} is of the model that was in "
               f"{folder} before (trained again or replaced since): it is evaluated again and replaced",
               file=sys.stderr)
@@ -260,13 +251,6 @@ def hold(out_dir):
         HELD.add(key)
 
 
-HELD = set()
-
-
-# a rank waits at each gather for the slowest (a round, a phase of the post-hoc fit): a safe bound
-TIMEOUT = datetime.timedelta(hours=24)
-
-
 def setup():
     """Join the workers' group (several ranks only) and put this rank on its own GPU. The group is
     gloo on every device: the ranks exchange Python objects, never the model's tensors."""
@@ -274,7 +258,9 @@ def setup():
         return
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("gloo", rank=RANK, world_size=WORLD, timeout=TIMEOUT)
+    # a rank waits at each gather for the slowest (a round, a phase of the post-hoc fit)
+    wait = datetime.timedelta(hours=24)
+    dist.init_process_group("gloo", rank=RANK, world_size=WORLD, timeout=wait)
 
 
 def share(obj):
@@ -352,16 +338,11 @@ class Rounds:
     def __enter__(self):
         return self
 
-    def __exit__(self, kind, *_):
-        if kind is None or WORLD == 1:
-            self.close()
-        else:
-            self.pool.shutdown(wait=False, cancel_futures=True)
-
-    def close(self):
-        while self.pending:
+    def __exit__(self, kind, *_):   # several ranks on an error: no gather, one may be gone
+        done = kind is None or WORLD == 1
+        while done and self.pending:
             self._write(self.pending.pop(0))
-        self.pool.shutdown()
+        self.pool.shutdown(wait=done, cancel_futures=not done)
 
     def _write(self, job):
         lines = job.result()

@@ -61,14 +61,13 @@ def test_grading_overlaps_the_next_call_and_rows_stay_in_call_order(tmp_path):
         time.sleep(0.05 * (3 - k))   # earlier calls grade slower: order must not follow finishing time
         return [json.dumps({"call": k, "row": i}) + "\n" for i in range(2)]
 
-    written = benchmarks.Rounds(path)
-    for k in range(4):
-        generating[k].set()   # "generate call k"
-        written.add(grade, k)
-        rows = open(path).read().splitlines() if os.path.exists(path) else []
-        assert [json.loads(r)["call"] for r in rows] == [c for c in range(k) for _ in range(2)]  # one behind
-    written.add(None)   # a round with no call of this rank adds nothing
-    written.close()
+    with benchmarks.Rounds(path) as written:
+        for k in range(4):
+            generating[k].set()   # "generate call k"
+            written.add(grade, k)
+            rows = open(path).read().splitlines() if os.path.exists(path) else []
+            assert [json.loads(r)["call"] for r in rows] == [c for c in range(k) for _ in range(2)]  # one behind
+        written.add(None)   # a round with no call of this rank adds nothing
     rows = [json.loads(r) for r in open(path).read().splitlines()]
     assert [(r["call"], r["row"]) for r in rows] == [(k, i) for k in range(4) for i in range(2)]
     assert overlapped == [True] * 4
