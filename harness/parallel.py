@@ -140,9 +140,8 @@ def rebuild_buffers(model, device):
         fresh = type(module)(config=module.config)
         for b in names:
             module._buffers[b] = fresh._buffers[b].to(device)
-        for attr in ("attention_scaling",):
-            if hasattr(fresh, attr):
-                setattr(module, attr, getattr(fresh, attr))
+        if hasattr(fresh, "attention_scaling"):
+            module.attention_scaling = fresh.attention_scaling
 
 
 @torch.no_grad()
@@ -261,20 +260,15 @@ def load_optimizer(policy, opt, state):
 
 
 def update(policy, opt, batch, old_logp, adv, mbs, cfg, device, extra, method):
-    """grpo.update under FSDP2 (several ranks, or one with --offload), and with a mode's loss term.
-
-    extra: None, or (name, coef, term) (baselines.extra_loss): term(logp, loss_mask, rows) gives a
-    micro-batch's values, [n] per sequence (the loss adds coef * their mean over all sequences) or
-    [n, T] per token (coef * their aggregate by --agg, weighted like the policy loss); the result
-    has that mean or aggregate under `name`. Ranks with fewer micro-batches run padding ones (one
-    row cut to 2 tokens, at weight 0): FSDP2 needs as many forward/backward calls on every rank.
-    method: grpo's (micro_step, aggregate, sampler_gap, token_logprobs), passed in: the machinery
-    imports no method file.
-    """
+    """grpo.update under FSDP2 (several ranks, or one with --offload), and with a mode's loss term
+    extra = (name, coef, term) (baselines.extra_loss): term(logp, loss_mask, rows) gives [n] per
+    sequence (the loss adds coef * their mean over all sequences) or [n, T] per token (coef * their
+    aggregate by --agg, weighted like the policy loss), logged under `name`. Ranks with fewer
+    micro-batches run padding ones (one row of 2 tokens, weight 0): FSDP2 needs as many forward and
+    backward calls on every rank. method: grpo's functions, passed in (harness imports no method)."""
     micro_step, aggregate, sampler_gap, token_logprobs = method
     policy.train()
-    mask = batch["loss_mask"]
-    weights = mask.sum(1) if cfg["agg"] == "token-mean" else torch.ones(len(mask))
+    weights = batch["loss_mask"].sum(1) if cfg["agg"] == "token-mean" else torch.ones(len(adv))
     total, n_seq = all_sum([sum(weights[mb].sum().item() for mb in mbs), sum(map(len, mbs))], device)
     total = max(total, 1.0)
     # FSDP averages gradients over ranks, so each rank's share is scaled back up by WORLD
