@@ -165,7 +165,7 @@ def micro_step(fwd, batch, mb, old_logp, adv, cfg, device, length=None):
     """The rows `mb` of `pack`'s batch (micro_batch): log-probs by fwd(input_ids, attention_mask,
     temperature, chunk_size) and clipped loss -> (sub-batch, logp [n, T], loss, stats)."""
     sub, L = micro_batch(batch, mb, device, length)
-    logp = fwd(sub["input_ids"], sub["attention_mask"], cfg["temperature"], cfg["chunk_size"]).float()
+    logp = fwd(sub["input_ids"], sub["attention_mask"], cfg["temperature"], cfg["chunk_size"])
     old = logp.detach() if old_logp is None else old_logp[mb, :L - 1].to(device)
     loss, stats = policy_loss(logp, old, adv[mb].to(device), sub["loss_mask"], cfg["clip_low"],
                               cfg["clip_high"], agg=cfg["agg"], norm_const=cfg["max_new_tokens"])
@@ -191,8 +191,8 @@ def update(policy, opt, batch, old_logp, adv, mbs, cfg, device, extra=None):
     for mb in mbs:
         w = weights[mb].sum().item()  # a whole number: exact means below
         with amp:
-            sub, logp, loss, stats = micro_step(partial(token_logprobs, policy), batch, mb, old_logp, adv,
-                                                cfg, device)
+            sub, logp, loss, stats = micro_step(partial(token_logprobs, policy), batch, mb,
+                                                old_logp, adv, cfg, device)
         if "sampler_logp" in sub:  # the rollout's own log-probs (pack): the sampler's gap
             part, ratio = sampler_gap(logp, sub["sampler_logp"], sub["loss_mask"])
             gap, ratio_max = [a + b for a, b in zip(gap, part)], max(ratio_max, ratio)

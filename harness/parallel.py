@@ -265,7 +265,8 @@ def update(policy, opt, batch, old_logp, adv, mbs, cfg, device, extra, method):
     sequence (the loss adds coef * their mean over all sequences) or [n, T] per token (coef * their
     aggregate by --agg, weighted like the policy loss), logged under `name`. Ranks with fewer
     micro-batches run padding ones (one row of 2 tokens, weight 0): FSDP2 needs as many forward and
-    backward calls on every rank. method: grpo's functions, passed in (harness imports no method)."""
+    backward calls on every rank. method: grpo's functions, passed in (harness imports no method
+    file)."""
     micro_step, aggregate, sampler_gap, token_logprobs = method
     policy.train()
     weights = batch["loss_mask"].sum(1) if cfg["agg"] == "token-mean" else torch.ones(len(adv))
@@ -278,8 +279,8 @@ def update(policy, opt, batch, old_logp, adv, mbs, cfg, device, extra, method):
     extra_sum, gap_sums, ratio_max = 0.0, [0.0, 0.0, 0.0], 0.0  # gap: sum |d|, sum k3, tokens
     fwd = policy if sharded(policy) else partial(token_logprobs, policy)
     # one plain GPU: autocast; under FSDP2 its mixed-precision policy casts instead
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if fwd is not policy and device.type == "cuda" \
-        else nullcontext()
+    plain_gpu = fwd is not policy and device.type == "cuda"
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if plain_gpu else nullcontext()
     # --offload: FSDP2 would reduce-scatter each micro-batch's gradients and add them into the host
     # shards with a blocking copy; held unsharded on the GPU instead, they are reduced once
     hold = sharded(policy) and cfg.get("offload") and cfg.get("offload_grads", "gpu") == "gpu"
@@ -290,7 +291,8 @@ def update(policy, opt, batch, old_logp, adv, mbs, cfg, device, extra, method):
         mb = mbs[j] if real else [0]
         w = weights[mb].sum().item() if real else 0.0  # a whole number: exact means below
         with amp:
-            sub, logp, loss, st = micro_step(fwd, batch, mb, old_logp, adv, cfg, device, None if real else 2)
+            sub, logp, loss, st = micro_step(fwd, batch, mb, old_logp, adv, cfg, device,
+                                             None if real else 2)
         if "sampler_logp" in sub and real:
             part, ratio = sampler_gap(logp, sub["sampler_logp"], sub["loss_mask"])
             gap_sums, ratio_max = [a + b for a, b in zip(gap_sums, part)], max(ratio_max, ratio)
