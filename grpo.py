@@ -14,13 +14,10 @@ from torch.utils.checkpoint import checkpoint
 
 
 def pack(prompts, responses, pad_id, logprobs=None):
-    """Right-pad N prompt (non-empty) + response pairs (id lists) into one batch: input_ids [N, L]
-    long, attention_mask [N, L] long, loss_mask [N, L-1] float (1 on response targets, by position:
-    an EOS equal to pad_id is trained), prompt_lens [N]; with logprobs (rollout.Samples')
-    sampler_logp [N, L-1]. Example: prompt [5, 6], response [7, 2], L = 5 -> input_ids
-    [5, 6, 7, 2, pad], loss_mask [0, 1, 1, 0]."""
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token (the first response token is predicted from it)")
+    """Right-pad N prompt (non-empty) + response pairs (id lists) into one batch: input_ids and
+    attention_mask [N, L] long, loss_mask [N, L-1] (1 on response targets: an EOS equal to pad_id is
+    trained), prompt_lens [N], with logprobs sampler_logp [N, L-1]. Example: prompt [5, 6], response
+    [7, 2], L = 5 -> input_ids [5, 6, 7, 2, pad], loss_mask [0, 1, 1, 0]."""
     n = len(prompts)
     L = max(2, max(len(p) + len(r) for p, r in zip(prompts, responses)))
     input_ids = torch.full((n, L), pad_id, dtype=torch.long)
@@ -120,9 +117,8 @@ def policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.2, agg="tok
     """Clipped-ratio policy loss. logp, old_logp, mask: [N, T]; adv: [N] (broadcast) or [N, T].
       ratio = exp(logp - old_logp)
       l_t   = -min(ratio * A, clamp(ratio, 1 - clip_low, 1 + clip_high) * A)
-    agg: how the per-token losses become one number (aggregate).
-    Returns (loss scalar, stats): clip_frac = share of masked tokens where the clipped term is taken,
-    ratio_mean = masked mean ratio."""
+    agg: how the l_t become one number (aggregate). Returns (loss, stats): clip_frac = share of
+    masked tokens where the clipped term is taken, ratio_mean = masked mean ratio."""
     m = mask.to(logp.dtype)
     a = (adv.unsqueeze(-1) if adv.dim() == 1 else adv).to(logp.dtype)
     ratio = torch.exp(logp - old_logp)
@@ -165,32 +161,38 @@ def sampler_gap(logp, sampler_logp, mask):
     return sums, d.sum(-1).exp().max().item()
 
 
+def micro_step(fwd, batch, mb, old_logp, adv, cfg, device, length=None):
+    """The rows `mb` of `pack`'s batch (micro_batch): log-probs by fwd(input_ids, attention_mask,
+    temperature, chunk_size) and clipped loss -> (sub-batch, logp [n, T], loss, stats)."""
+    sub, L = micro_batch(batch, mb, device, length)
+    logp = fwd(sub["input_ids"], sub["attention_mask"], cfg["temperature"], cfg["chunk_size"])
+    old = logp.detach() if old_logp is None else old_logp[mb, :L - 1].to(device)
+    loss, stats = policy_loss(logp, old, adv[mb].to(device), sub["loss_mask"], cfg["clip_low"],
+                              cfg["clip_high"], agg=cfg["agg"], norm_const=cfg["max_new_tokens"])
+    if not torch.isfinite(loss):
+        raise FloatingPointError(f"non-finite loss ({loss.item()}) in a micro-batch of rows {mb}")
+    return sub, logp, loss, stats
+
+
 def update(policy, opt, batch, old_logp, adv, mbs, cfg, device, extra=None):
-    """One optimizer step over the micro-batches `mbs`, each weighted by its share of the tokens
-    (token-mean) or rows. old_logp [N, T] or None (on-policy). extra: a mode's loss term
-    (baselines.extra_loss). -> mean loss and stats, grad_norm, sampler gap (docs/reference.md)."""
+    """One optimizer step over the micro-batches `mbs` (bf16 autocast on one GPU), each weighted by
+    its share of the tokens (token-mean) or rows. old_logp [N, T] or None (on-policy). extra: a
+    mode's loss term (baselines.extra_loss). -> mean loss and stats, grad_norm, sampler gap."""
     if extra is not None or torch.distributed.is_initialized():  # C2GSPG's term; FSDP2's ranks
         from harness.parallel import update as full_update
         return full_update(policy, opt, batch, old_logp, adv, mbs, cfg, device, extra,
-                           (policy_loss, aggregate, micro_batch, sampler_gap, token_logprobs))
+                           (micro_step, aggregate, sampler_gap, token_logprobs))
     policy.train()
     weights = batch["loss_mask"].sum(1) if cfg["agg"] == "token-mean" else torch.ones(len(adv))
     total = max(sum(weights[mb].sum().item() for mb in mbs), 1.0)
     sums = dict.fromkeys(("loss", "clip_frac", "kl", "ratio_mean"), 0.0)  # kl: 0, no KL penalty
     gap, ratio_max = [0.0, 0.0, 0.0], 0.0  # sum |d|, sum k3, tokens (sampler_gap)
-    # one GPU: bf16 autocast (under FSDP2 its mixed-precision policy casts instead)
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
-    for j, mb in enumerate(mbs):
+    for mb in mbs:
         w = weights[mb].sum().item()  # a whole number: exact means below
-        sub, L = micro_batch(batch, mb, device)
         with amp:
-            logp = token_logprobs(policy, sub["input_ids"], sub["attention_mask"], cfg["temperature"],
-                                  cfg["chunk_size"]).float()
-        old = logp.detach() if old_logp is None else old_logp[mb, :L - 1].to(device)
-        loss, stats = policy_loss(logp, old, adv[mb].to(device), sub["loss_mask"], cfg["clip_low"],
-                                  cfg["clip_high"], agg=cfg["agg"], norm_const=cfg["max_new_tokens"])
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"non-finite loss ({loss.item()}) in micro-batch {j}")
+            sub, logp, loss, stats = micro_step(partial(token_logprobs, policy), batch, mb,
+                                                old_logp, adv, cfg, device)
         if "sampler_logp" in sub:  # the rollout's own log-probs (pack): the sampler's gap
             part, ratio = sampler_gap(logp, sub["sampler_logp"], sub["loss_mask"])
             gap, ratio_max = [a + b for a, b in zip(gap, part)], max(ratio_max, ratio)

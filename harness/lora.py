@@ -45,8 +45,7 @@ def merged_copy(model, dtype=torch.bfloat16):
         if isinstance(m, LoraLayer):
             parent, _, leaf = name.rpartition(".")
             setattr(plain.get_submodule(parent), leaf, m.base_layer)
-    if hasattr(plain, "peft_config"):
-        del plain.peft_config  # a plain model now (has_adapter is False)
+    del plain.peft_config  # a plain model now (has_adapter is False)
     for p in plain.parameters():  # parameters only: the rotary frequencies stay fp32 (parallel.wrap)
         p.data = p.data.to(dtype)
     merge_into(plain, model)
@@ -108,8 +107,7 @@ def save(folder, model, state):
 
 
 def read_config(ckpt):
-    """CKPT/adapter_config.json; UserError when it is not JSON, names no base, or has a rank its weights
-    do not have (peft would allocate that rank, then fail in pages)."""
+    """CKPT/adapter_config.json; UserError when it is not JSON or names no base."""
     path = os.path.join(ckpt, CONFIG)
     try:
         with open(path, encoding="utf-8") as f:
@@ -119,26 +117,7 @@ def read_config(ckpt):
     base = cfg.get("base_model_name_or_path") if isinstance(cfg, dict) else None
     if not isinstance(base, str) or not base:
         raise UserError(f"{path} names no base model (base_model_name_or_path): restore it from a copy of the run")
-    r = cfg.get("r")
-    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
-        raise UserError(f"{path}: r {r!r} is not a rank (an integer >= 1): restore it from a copy of the run")
-    if not cfg.get("rank_pattern"):
-        _check_rank(path, os.path.join(ckpt, WEIGHTS), r)
     return cfg
-
-
-def _check_rank(path, weights, r):
-    from safetensors import SafetensorError, safe_open
-    try:
-        with safe_open(weights, "pt") as f:
-            for key in f.keys():
-                shape = f.get_slice(key).get_shape()
-                rank = shape[0] if "lora_A" in key else shape[-1] if "lora_B" in key else r
-                if rank != r:
-                    raise UserError(f"{path}: r {r}, but {weights} holds an adapter of rank {rank} ({key} has "
-                                    f"shape {list(shape)}): restore adapter_config.json from a copy of the run")
-    except (OSError, SafetensorError) as e:
-        raise UserError(f"cannot read {weights} ({first_line(e)}): restore it from a copy of the run") from None
 
 
 def base_of(ckpt):

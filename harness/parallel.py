@@ -140,9 +140,8 @@ def rebuild_buffers(model, device):
         fresh = type(module)(config=module.config)
         for b in names:
             module._buffers[b] = fresh._buffers[b].to(device)
-        for attr in ("attention_scaling",):
-            if hasattr(fresh, attr):
-                setattr(module, attr, getattr(fresh, attr))
+        if hasattr(fresh, "attention_scaling"):
+            module.attention_scaling = fresh.attention_scaling
 
 
 @torch.no_grad()
@@ -261,32 +260,27 @@ def load_optimizer(policy, opt, state):
 
 
 def update(policy, opt, batch, old_logp, adv, mbs, cfg, device, extra, method):
-    """grpo.update under FSDP2 (several ranks, or one with --offload), and with a mode's loss term.
-
-    extra: None, or (name, coef, term) (baselines.extra_loss): term(logp, loss_mask, rows) gives a
-    micro-batch's values, [n] per sequence (the loss adds coef * their mean over all sequences) or
-    [n, T] per token (coef * their aggregate by --agg, weighted like the policy loss); the result
-    has that mean or aggregate under `name`. Ranks with fewer micro-batches run padding ones (one
-    row cut to 2 tokens, at weight 0): FSDP2 needs as many forward/backward calls on every rank.
-    method: grpo's (policy_loss, aggregate, micro_batch, sampler_gap, token_logprobs), passed in:
-    the machinery imports no method file.
-    """
-    policy_loss, aggregate, micro_batch, sampler_gap, token_logprobs = method
+    """grpo.update under FSDP2 (several ranks, or one with --offload), and with a mode's loss term
+    extra = (name, coef, term) (baselines.extra_loss): term(logp, loss_mask, rows) gives [n] per
+    sequence (the loss adds coef * their mean over all sequences) or [n, T] per token (coef * their
+    aggregate by --agg, weighted like the policy loss), logged under `name`. Ranks with fewer
+    micro-batches run padding ones (one row of 2 tokens, weight 0): FSDP2 needs as many forward and
+    backward calls on every rank. method: grpo's functions, passed in (harness imports no method
+    file)."""
+    micro_step, aggregate, sampler_gap, token_logprobs = method
     policy.train()
-    mask = batch["loss_mask"]
-    weights = mask.sum(1) if cfg["agg"] == "token-mean" else torch.ones(len(mask))
+    weights = batch["loss_mask"].sum(1) if cfg["agg"] == "token-mean" else torch.ones(len(adv))
     total, n_seq = all_sum([sum(weights[mb].sum().item() for mb in mbs), sum(map(len, mbs))], device)
+    total = max(total, 1.0)
     # FSDP averages gradients over ranks, so each rank's share is scaled back up by WORLD
     n_mb = int(max(all_gather(len(mbs))))
-    # kl stays 0 (no KL penalty, as released): a metrics.jsonl column kept for its readers
-    sums = dict.fromkeys(("loss", "clip_frac", "kl", "ratio_mean"), 0.0)
+    sums = dict.fromkeys(("loss", "clip_frac", "kl", "ratio_mean"), 0.0)  # kl: 0, no KL penalty
     name, coef, term = extra or (None, None, None)
-    extra_sum = 0.0
+    extra_sum, gap_sums, ratio_max = 0.0, [0.0, 0.0, 0.0], 0.0  # gap: sum |d|, sum k3, tokens
+    fwd = policy if sharded(policy) else partial(token_logprobs, policy)
     # one plain GPU: autocast; under FSDP2 its mixed-precision policy casts instead
-    plain_gpu = device.type == "cuda" and not sharded(policy)
+    plain_gpu = fwd is not policy and device.type == "cuda"
     amp = torch.autocast("cuda", dtype=torch.bfloat16) if plain_gpu else nullcontext()
-    gap = "sampler_logp" in batch
-    gap_sums, ratio_max = [0.0, 0.0, 0.0], 0.0  # sum |d|, sum k3, tokens; see sampler_gap
     # --offload: FSDP2 would reduce-scatter each micro-batch's gradients and add them into the host
     # shards with a blocking copy; held unsharded on the GPU instead, they are reduced once
     hold = sharded(policy) and cfg.get("offload") and cfg.get("offload_grads", "gpu") == "gpu"
@@ -296,27 +290,19 @@ def update(policy, opt, batch, old_logp, adv, mbs, cfg, device, extra, method):
             policy.set_requires_gradient_sync(j == n_mb - 1)
         mb = mbs[j] if real else [0]
         w = weights[mb].sum().item() if real else 0.0  # a whole number: exact means below
-        sub, L = micro_batch(batch, mb, device, length=None if real else 2)
         with amp:
-            logp = (policy if sharded(policy) else partial(token_logprobs, policy))(
-                sub["input_ids"], sub["attention_mask"], cfg["temperature"], cfg["chunk_size"])
-        logp = logp.float()
-        old = logp.detach() if old_logp is None else old_logp[mb, :L - 1].to(device)
-        loss, st = policy_loss(logp, old, adv[mb].to(device), sub["loss_mask"], cfg["clip_low"],
-                               cfg["clip_high"], agg=cfg["agg"],
-                               norm_const=cfg["max_new_tokens"])
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"non-finite loss ({loss.item()}) in micro-batch {j}")
-        if gap and real:
+            sub, logp, loss, st = micro_step(fwd, batch, mb, old_logp, adv, cfg, device,
+                                             None if real else 2)
+        if "sampler_logp" in sub and real:
             part, ratio = sampler_gap(logp, sub["sampler_logp"], sub["loss_mask"])
             gap_sums, ratio_max = [a + b for a, b in zip(gap_sums, part)], max(ratio_max, ratio)
-        weighted = loss * (w * WORLD / max(total, 1.0))
+        weighted = loss * (w * WORLD / total)
         if term is not None:  # a padding micro-batch adds nothing
             part = term(logp, sub["loss_mask"], mb)
             if part.dim() == 2:  # per token: aggregated and weighted like the loss
                 part = aggregate(part, sub["loss_mask"], cfg["agg"], cfg["max_new_tokens"])
-                weighted = weighted + coef * part * (w * WORLD / max(total, 1.0))
-                extra_sum += part.item() * w / max(total, 1.0)
+                weighted = weighted + coef * part * (w * WORLD / total)
+                extra_sum += part.item() * w / total
             else:  # per sequence: a mean over sequences
                 part = part.sum() * float(real)
                 weighted = weighted + coef * part * WORLD / max(n_seq, 1.0)
@@ -331,10 +317,10 @@ def update(policy, opt, batch, old_logp, adv, mbs, cfg, device, extra, method):
     opt.step()
     opt.zero_grad(set_to_none=True)
     *means, extra, absd, k3, tokens = all_sum([*sums.values(), extra_sum, *gap_sums], device)  # one all-reduce
-    out = dict(zip(sums, (v / max(total, 1.0) for v in means)), grad_norm=grad_norm)
+    out = dict(zip(sums, (v / total for v in means)), grad_norm=grad_norm)
     if term is not None:
         out[name] = extra
-    if gap:
+    if "sampler_logp" in batch:
         out.update(sampler_gap=absd / max(tokens, 1.0), sampler_kl_k3=k3 / max(tokens, 1.0),
                    sampler_ratio_max=max(all_gather(ratio_max)))
     return out

@@ -352,16 +352,14 @@ def edit_config(ckpt, **change):
 DAMAGE = {   # what is done to adapter_config.json (an older checkpoint's: no base.json), the line's words
     "base is itself": (lambda c: edit_config(c, base_model_name_or_path=os.path.abspath(c)), "is an adapter checkpoint"),
     "no base": (lambda c: edit_config(c, base_model_name_or_path=None), "names no base model"),
-    "r 4 -> 8": (lambda c: edit_config(c, r=8), "r 8, but"),
-    "r 100000": (lambda c: edit_config(c, r=100000), "r 100000, but"),
     "not JSON": (lambda c: open(os.path.join(c, checkpoint.CONFIG), "w").write("{bad"), "cannot be read (Expecting"),
 }
 
 
 @pytest.mark.parametrize("case", DAMAGE)
 def test_a_damaged_adapter_config_is_one_line_naming_it(pair, case, monkeypatch):
-    # M7 (base is itself: RecursionError; no base: KeyError; r 8: pages of size mismatch; r 100000: 4 GB
-    # allocated first) and L4 (not JSON: "Expecting property name ..." naming no file) at a7c59f5.
+    # M7 (base is itself: RecursionError; no base: KeyError) and L4 (not JSON: "Expecting property
+    # name ..." naming no file) at a7c59f5.
     monkeypatch.chdir(pair)   # where the run was started: its cwd-relative base resolves (L8 aside)
     ckpt = checkpoint.latest_checkpoint("l")
     if os.path.exists(os.path.join(ckpt, "base.json")):   # as an older version saved it
