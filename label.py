@@ -4,9 +4,12 @@
     forced = prompt + response[:b] + CLOSE + SUFFIX                (CLOSE: `</think>` or EOS)
     Y_b    = (1/K) * sum_k 1[answer_k == gold]    (grade.answers_match; --reward-fn: its mean value)
 
-`mc_labels` is the algorithm. Its forced answers come from rollout.generate on the whole forced
-prompts (tree=False: the plain path, the one a CPU runs) or, on CUDA, from harness/fast.py along
-each trajectory's prefix tree: the same labels and features (tests/test_label.py).
+`mc_labels` is the algorithm. `forced_answers` samples them: one forward over each trajectory
+(the probe's features h_b are read there), its row copied once per cut with the response past b
+masked out, CLOSE + SUFFIX appended, K answers sampled: what rollout.generate samples from the
+whole forced prompts, without prefilling a trajectory once per cut (tests/test_label.py). The
+trajectories go in chunks of similar length, about batch_size cuts each, so short ones carry no
+padding of long ones.
 """
 from contextlib import nullcontext
 
@@ -15,8 +18,8 @@ import torch
 from grade import answers_match, forced_answer
 from grpo import logprobs_from_hidden
 from probe import LAST_K, last_layer, prefix_features
-from rollout import Sampler, generate, row_generators
-from harness import fast, staticcache
+from rollout import Sampler, row_generators
+from harness import staticcache
 SUFFIX = "\nIf I were to output the final answer now, it would be \\boxed{"
 
 
@@ -77,14 +80,11 @@ def closed_cut(response, b, close):
 
 def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, temperature=0.8,
               top_p=1.0, max_new_tokens=32, close="think", suffix=SUFFIX, seed=None,
-              batch_size=None, stats=None, grader="math", decode=None, tree=None, judge=None,
-              features=False):
+              batch_size=None, grader="math", decode=None, judge=None, features=False):
     """Y_b for every (trajectory, cut b) (module docstring) -> N lists of floats in [0, 1], aligned
-    with cut_lists. prompts, responses: N lists of token ids; cut_lists: N lists of cuts b.
-    tree: the fast path (None: on CUDA). judge(answer, i) -> [0, 1] or None: --reward-fn's value
-    in place of the grader (Y_b its mean, None if none). stats: a dict given the counts of prefixes
-    and forced prompts. features=True: (labels, feats), feats N [len(cuts), d] (plain_features)."""
-    tree = torch.cuda.is_available() if tree is None else tree
+    with cut_lists. prompts, responses: N lists of token ids; cut_lists: N lists of cuts b. judge(
+    answer, i) -> [0, 1] or None: --reward-fn's value in place of the grader (Y_b its mean, None if
+    none). features=True: (labels, feats), feats N [len(cuts), d] (forced_answers)."""
     static = decode == "static" or decode is None and torch.cuda.is_available()
     if static:  # the rollout's static buffers would sit under the labels' prefills (and the update)
         staticcache.release(model)
@@ -103,15 +103,8 @@ def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, tempe
     if not cuts:
         return (where, [torch.zeros(0, model.config.hidden_size) for _ in where]) if features else where
     # 2. K answers to each: texts[j*k:(j+1)*k] for forced prompt j.
-    kw = dict(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
-              batch_size=batch_size, decode=decode)
-    if tree:  # on CUDA: the same answers (and features) off each trajectory's prefix tree
-        lib = (Sampler, row_generators, last_layer, LAST_K)
-        texts, feats = fast.tree_answers(model, tokenizer, prompts, responses, cut_lists, cuts, where,
-                                         tail, k, features, lib, **kw)
-    else:
-        forced = [list(prompts[i]) + list(responses[i][:b]) + list(tail) for i, b in cuts]
-        texts = generate(model, tokenizer, forced, n=k, stop=("\n",), keyed=True, **kw).texts
+    texts, feats = forced_answers(model, tokenizer, prompts, responses, cut_lists, cuts, tail, k,
+                                  temperature, top_p, max_new_tokens, seed, batch_size, decode)
     if static:  # the update needs the memory the labels' decode buffers hold
         staticcache.release(model)
     # 3. Y_b = the share of them that match the gold; a box that never closes is wrong.
@@ -121,25 +114,54 @@ def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, tempe
         answers = [forced_answer(t) for t in texts[j * k:(j + 1) * k]]
         values = [v for v in (0.0 if a is None else score(a, i) for a in answers) if v is not None]
         y.append(sum(values) / len(values) if values else None)
-    if stats is not None:
-        stats.update(prefixes=sum(map(len, where)), forced_prompts=len(cuts))
     labels = [[y[j] for j in js] for js in where]
     if not features:
         return labels
-    if not tree:  # the plain path: a forward over each trajectory
-        feats = [plain_features(model, *x) for x in zip(prompts, responses, cut_lists)]
     return labels, feats
 
 
 @torch.no_grad()
-def plain_features(model, prompt, response, cuts):
-    """The probe's features at the cuts of one trajectory, the plain way: one forward over prompt +
-    response, probe.prefix_features before each cut -> [len(cuts), d] float32 CPU."""
-    ids = torch.tensor([list(prompt) + list(response)], device=next(model.parameters()).device)
-    ends, got = torch.tensor([[len(prompt) + b for b in cuts]], dtype=torch.long), []
-    with last_layer(model, lambda h: got.append(prefix_features(h, ends)[0])):
-        model.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
-    return got[0][0].cpu()
+def forced_answers(model, tokenizer, prompts, responses, cut_lists, cuts, tail, k, temperature=0.8,
+                   top_p=1.0, max_new_tokens=32, seed=None, batch_size=None, decode=None):
+    """K answers to each forced prompt cuts[j] = (i, b) -> (texts, feats): texts[j*k:(j+1)*k] as
+    rollout.generate samples them from the whole forced prompts (each from its own stream: no chunk
+    changes them), feats N [len(cut_lists[i]), d]."""
+    # On the fast loops (CUDA) an answer also stops at the brace closing the box: the same answer.
+    sampler = Sampler(model, tokenizer, max_new_tokens, temperature, top_p, stop=("\n",),
+                      decode=decode, close_depth=1)
+    asks = {}  # trajectory i -> the (j, b) it asks
+    for j, (i, b) in enumerate(cuts):
+        asks.setdefault(i, []).append((j, b))
+    trajs = sorted((i for i, bs in enumerate(cut_lists) if bs), key=lambda i: max(cut_lists[i]))
+    per = max(1, (batch_size or len(cuts)) // max(map(len, cut_lists)))  # trajectories a chunk
+    texts = [None] * (len(cuts) * k)
+    feats = [torch.zeros(0, model.config.hidden_size)] * len(prompts)
+    was_training = model.training
+    model.eval()
+    for chunk in (trajs[at:at + per] for at in range(0, len(trajs), per)):
+        seqs = [list(prompts[i]) + list(responses[i][:max(cut_lists[i])]) for i in chunk]
+        width, got = max(map(len, seqs)), []
+        with last_layer(model, got.append):
+            pre = sampler.prefill(seqs)  # left-padded: row m's token t sits at column pads[m] + t
+        pads = [width - len(s) for s in seqs]
+        for m, i in enumerate(chunk):  # h_b off its own columns (a window may reach the prompt)
+            ends = [[len(prompts[i]) + b for b in cut_lists[i]]]
+            feats[i] = prefix_features(got[0][m:m + 1, pads[m]:], ends)[0][0].cpu()
+        rows = [(m, j, b) for m, i in enumerate(chunk) for j, b in asks.get(i, [])]
+        if not rows:
+            continue
+        pre = pre.select(torch.tensor([m for m, _, _ in rows], device=sampler.device))
+        cut = torch.tensor([pads[m] + len(prompts[chunk[m]]) + b for m, _, b in rows])
+        pre.mask = pre.mask * (torch.arange(width) < cut[:, None]).to(pre.mask.device)
+        pre = sampler.prefill([list(tail)] * len(rows), after=pre)
+        forced = [seqs[m][:len(prompts[chunk[m]]) + b] + list(tail) for m, _, b in rows]
+        ids, length, _ = sampler.sample(pre, k, row_generators(seed, forced, k, sampler.device))
+        out = tokenizer.batch_decode([r[:n] for r, n in zip(ids.tolist(), length.tolist())],
+                                     skip_special_tokens=True)
+        for r, (_, j, _) in enumerate(rows):
+            texts[j * k:(j + 1) * k] = out[r * k:(r + 1) * k]
+    model.train(was_training)
+    return texts, feats
 
 
 def cut_ends(prompt_lens, cut_lists, width=None):

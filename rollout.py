@@ -6,7 +6,7 @@
 `generate` runs a `Sampler`: one prefill of a chunk of prompts, then a decode loop in which each
 row samples its next token (`sample_next`). `Sampler._decode_dynamic` is the reference loop and the
 one a CPU runs; on CUDA the same samples come faster from harness/fast.py (a static cache with
-CUDA graphs, rows that share a cache row): tests/test_rollout.py holds them equal. How the paths
+CUDA graphs): tests/test_rollout.py holds them equal. How the paths
 differ and why they draw the same samples: docs/reference.md, "The sampler".
 """
 import hashlib
@@ -93,11 +93,11 @@ def token_scores(logits, tok, temperature=1.0):
 
 
 class Sampler:
-    """The sampling settings of one call. static (the model's static decoder), share_rows and
-    close_depth: the fast loops' (harness/fast.py)."""
+    """The sampling settings of one call. static (the model's static decoder) and close_depth: the
+    fast loop's (harness/fast.py)."""
 
     def __init__(self, model, tokenizer, max_new_tokens=256, temperature=1.0, top_p=1.0, stop=(),
-                 eos_ids=None, decode=None, share_rows=False, close_depth=None):
+                 eos_ids=None, decode=None, close_depth=None):
         if temperature < 0 or not 0 < top_p <= 1:
             raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
         decode = decode or default_decode(model)
@@ -110,7 +110,7 @@ class Sampler:
         self.eos_ids = default_eos_ids(model, tokenizer) if eos_ids is None else [int(i) for i in eos_ids]
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.eos_ids or [0])[0]
         self.device = next(model.parameters()).device
-        self.share_rows, self.close_depth = share_rows, close_depth  # harness/fast.py's
+        self.close_depth = close_depth  # harness/fast.py's
         params = inspect.signature(model.forward).parameters
         # transformers 5.x renamed `past_key_values` to `cache` (the old name goes in 5.40)
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -152,7 +152,7 @@ class Sampler:
         reasons [R*n] (into REASONS); row i*n + j continues prefix row i. generator: one, or one per
         row (row_generators). scores: also each id's log-prob [R*n, T] and entropy sum [R*n]."""
         state = _Rows(self, prefix.logits.shape[0] * n, generator, scores)
-        if self.static is not None or self.share_rows:  # CUDA's fast loops, the same samples
+        if self.static is not None:  # CUDA's fast loop, the same samples
             fast.decode(self, prefix, n, state)
         else:
             self._decode_dynamic(prefix, n, state)

@@ -1,5 +1,5 @@
 """A preallocated (static) KV cache and a decode step captured as a CUDA graph, for harness/fast.py
-(`_decode_static`: the dynamic loop's samples, tests/test_rollout.py). Every tensor the step
+(`fast.decode`: the dynamic loop's samples, tests/test_rollout.py). Every tensor the step
 touches has a fixed address and shape, so the step is recorded once per live length and replayed;
 one bucketed shape is alive per model (`decoder`, `release`). The buffers, the live length and why:
 docs/reference.md, "The static decoder". Models with sliding-window layers need the dynamic path.

@@ -226,16 +226,15 @@ def test_integer_benchmarks_agree_under_both_graders():
 def test_forced_answers_and_labels_use_the_run_grader(monkeypatch):
     """Y_b: the forced answer ends at the brace that closes the forced box; the grader decides."""
     import label
-    from rollout import Samples
     assert grade.answers_match(label.forced_answer(" 007}\n"), "7", "strict")
     assert not grade.answers_match(label.forced_answer(r"\dfrac{1}{2}} so"), r"\frac{1}{2}", "strict")
     assert grade.answers_match(label.forced_answer(r"\dfrac{1}{2}} so"), r"\frac{1}{2}", "math")
     texts = ["\\dfrac{1}{2}}\n", "\\frac{1}{2}}", "0.5}", "\\frac{1}{2}"]  # the last one never closes
-    monkeypatch.setattr(label.fast, "forced_samples", lambda *a, **k: Samples([[0]] * 4, texts, [1] * 4, ["stop"] * 4, [0] * 4))
+    monkeypatch.setattr(label, "forced_answers", lambda *a, **k: (texts, None))
     tok = type("Tok", (), dict(eos_token_id=2, encode=lambda self, text, add_special_tokens: [3]))()
     args = (None, tok, [[5]], [[6, 7]], [[1]], [r"\frac{1}{2}"])
-    assert label.mc_labels(*args, k=4, close="eos", grader="strict", tree=True) == [[0.25]]
-    assert label.mc_labels(*args, k=4, close="eos", grader="math", tree=True) == [[0.75]]
+    assert label.mc_labels(*args, k=4, close="eos", grader="strict") == [[0.25]]
+    assert label.mc_labels(*args, k=4, close="eos", grader="math") == [[0.75]]
 
 
 def test_grader_flag_defaults_per_world():

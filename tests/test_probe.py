@@ -161,32 +161,6 @@ def test_probe_hidden_0_trains_resumes_and_stays_linear(tmp_path, capsys):
     assert "--probe-hidden cannot change on resume (saved 0, given 32)" in capsys.readouterr().err
 
 
-def test_split_prefix_features_equal_prefix_features_of_the_whole_sequence():
-    """Hidden states of prompt + response computed in two pieces (the prompt's last 3 positions, then
-    a right-aligned response segment that two prefix rows share) give prefix_features of the whole
-    sequence: cuts below 4 read into the prompt, a prompt of 2 tokens has only 2 to give."""
-    from probe import LAST_K, prefix_features
-    from harness.fast import split_prefix_features
-    g = torch.Generator().manual_seed(0)
-    d, plens, rlens = 5, [6, 2], [7, 3]
-    whole = [torch.randn(p + r, d, generator=g) for p, r in zip(plens, rlens)]
-    W = max(rlens)
-    segment = torch.zeros(2, W, d)
-    tail = torch.zeros(2, 3, d)
-    for i, (p, r) in enumerate(zip(plens, rlens)):
-        segment[i, W - r:] = whole[i][p:]
-        tail[i, 3 - min(p, 3):] = whole[i][max(p - 3, 0):p]
-    # prefix rows: three read segment row 0, one reads row 1
-    rows, cuts = [0, 0, 1], torch.tensor([[1, 5, 7], [2, 0, 0], [1, 3, 0]])
-    got = split_prefix_features(tail[[0, 0, 1]], segment, [W - rlens[r] for r in rows], cuts,
-                                [plens[r] for r in rows], LAST_K, rows=rows)
-    for m, r in enumerate(rows):
-        ends = torch.where(cuts[m] > 0, cuts[m] + plens[r], 0)[None]
-        want, _ = prefix_features(whole[r][None], ends)
-        assert torch.allclose(got[m], want[0]), m
-    assert got[1, 1:].abs().sum() == 0 and not torch.allclose(got[0, 0], got[0, 1])
-
-
 def saved_probe(tmp_path, **change):
     prb = probe_lib.Probe(16)
     probe_lib.save(str(tmp_path / "probe.pt"), prb, probe_lib.make_optimizer(prb))

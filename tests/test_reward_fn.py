@@ -15,7 +15,6 @@ import train
 import config
 from harness import rewardfn
 from harness.files import UserError
-from rollout import Samples
 from runs import one_line
 
 FIXTURE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "reward_fn.py")
@@ -93,14 +92,14 @@ def test_forced_answers_are_judged_by_the_function(monkeypatch):
     """The function sees the forced answer alone; an unclosed box is 0 without a call; Y_b is the
     mean of the values it gives, None where it skips all K (label.labelled drops that cut)."""
     texts = ["17}\n", "16}", "x}", "17", "x}", "x}", "x}", "x}"]  # cut 1; cut 2
-    monkeypatch.setattr(label.fast, "forced_samples", lambda *a, **k: Samples([[0]] * 8, texts, [1] * 8, ["stop"] * 8, []))
+    monkeypatch.setattr(label, "forced_answers", lambda *a: (texts, None))
     seen = []
 
     def judge(answer, i):
         seen.append((answer, i))
         return None if answer == "x" else rewardfn.judge(FIXTURE + ":partial", answer, "17", {})
     ys = label.mc_labels(None, tiny.tokenizer(), [[5]], [[6, 7, 8]], [[1, 2]], ["17"], k=4, close="eos", judge=judge,
-                         tree=True, decode="dynamic")
+                         decode="dynamic")
     assert ys == [[(1.0 + 0.5 + 0.0) / 3, None]]   # "17" 1, "16" 0.5, "x" skipped, "17" unclosed: 0
     assert seen == [("17", 0), ("16", 0), ("x", 0)] + [("x", 0)] * 4
     assert label.labelled([[1, 2]], ys) == ([[1]], [[0.5]])

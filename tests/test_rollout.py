@@ -288,30 +288,6 @@ def test_static_path_masks_the_vocabulary_and_keeps_finished_rows_in_place(tok):
     assert calls == [(2, 3)] + [(6, 1)] * 5
 
 
-def test_shared_rows_give_the_same_samples_with_fewer_rows(model, tok):
-    prompts = [enc(tok, "1+2="), enc(tok, "x")]
-    calls = []
-    hook = model.register_forward_pre_hook(
-        lambda mod, args, kw: calls.append(kw["input_ids"].shape[0]), with_kwargs=True)
-    try:
-        for kw in SETTINGS:
-            s = rollout.Sampler(model, tok, max_new_tokens=8, eos_ids=[], share_rows=True,
-                                temperature=kw["temperature"], top_p=kw.get("top_p", 1.0))
-            gen = rollout.chunk_generators(kw.get("seed"), 1, "cpu")[0]
-            calls.clear()
-            ids, length, _, logp, entropy = s.sample(s.prefill(prompts), n=4, generator=gen, scores=True)
-            if kw["temperature"] == 0:  # greedy: the 4 samples of a prompt never diverge
-                assert calls == [2] * 8  # prefill and 7 steps over one row per prompt
-            else:
-                assert max(calls[1:]) <= 8 and len(set(calls[1:])) > 1  # rows split as samples diverge
-            ref = rollout.generate(model, tok, prompts, n=4, max_new_tokens=8, eos_ids=[], scores=True, **kw)
-            assert ids.tolist() == ref.ids and length.tolist() == ref.lengths
-            assert torch.allclose(logp, torch.tensor(ref.logprobs), atol=1e-5)  # no row stops early here
-            assert torch.allclose(entropy, torch.tensor(ref.entropy_sum), atol=1e-4)
-    finally:
-        hook.remove()
-
-
 def test_bucketed_shapes():
     from harness.staticcache import bucket
     assert [bucket(x, 1) for x in (1, 7, 8, 9, 64, 65, 100)] == [1, 7, 8, 9, 64, 72, 104]
