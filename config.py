@@ -12,6 +12,7 @@ import toy
 from data import ANSWER_FIELDS, INSTRUCTION, PROBLEM_FIELDS, RLCR_INSTRUCTION
 from grpo import AGGS
 from baselines import PROBE_MODES, REWARDS  # the --reward modes; those that fit a probe
+from rollout import DECODES
 from harness import rewardfn
 from harness.checkpoint import ALIASES
 from harness.files import UserError
@@ -131,7 +132,7 @@ def build_parser():   # every default None: resolve_args fills them. More: docs/
     g.add_argument("--temperature", type=float, help=f"sampling temperature ({dflt('temperature')})")
     g.add_argument("--top-p", type=float, help=f"nucleus sampling's top-p ({dflt('top_p')}: off)")
     g.add_argument("--gen-batch", type=int, help=f"prompts per generation call ({dflt('gen_batch')})")
-    g.add_argument("--decode", choices=("static", "dynamic"),
+    g.add_argument("--decode", choices=DECODES,
                    help="KV cache: static + CUDA graphs (default on CUDA) or dynamic (on CPU)")
     g = p.add_argument_group("reward, labels and probe (docs/design.md, Baselines)")
     g.add_argument("--reward", choices=REWARDS, help=f"method or baseline ({dflt('reward')})")

@@ -234,7 +234,7 @@ def build_parser():
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling's top-p (%(default)s: off)")
     g.add_argument("--seed", type=int, default=0, help="seeds the samples and the bootstrap (%(default)s)")
     g.add_argument("--batch-size", type=int, help="questions per generation call (default 64 sequences; toy 256)")
-    g.add_argument("--decode", choices=("static", "dynamic"), help="KV cache for decoding (default: static on CUDA)")
+    g.add_argument("--decode", choices=rollout.DECODES, help="KV cache for decoding (default: static on CUDA)")
     g.add_argument("--threads", type=int, help="CPU threads (default: 1 on a machine without a GPU, else torch's)")
     g.add_argument("--nproc", type=int, help="workers (default: one per GPU, else 1): the same samples.jsonl")
     g.add_argument("--plan", action="store_true", help="print each benchmark's memory peak on one GPU, exit")

@@ -85,9 +85,7 @@ def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, tempe
     with cut_lists. prompts, responses: N lists of token ids; cut_lists: N lists of cuts b. judge(
     answer, i) -> [0, 1] or None: --reward-fn's value in place of the grader (Y_b its mean, None if
     none). features=True: (labels, feats), feats N [len(cuts), d] (forced_answers)."""
-    static = decode == "static" or decode is None and torch.cuda.is_available()
-    if static:  # the rollout's static buffers would sit under the labels' prefills (and the update)
-        staticcache.release(model)
+    staticcache.release(model)  # the rollout's static buffers would sit under the labels' prefills
     # 1. The forced prompt after every cut. Equal ones (samples of a problem that agree up to the
     #    cut, common for short prefixes) estimate the same probability: each is asked once.
     tail = [close_id(tokenizer, close)] + tokenizer.encode(suffix, add_special_tokens=False)
@@ -105,8 +103,7 @@ def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, tempe
     # 2. K answers to each: texts[j*k:(j+1)*k] for forced prompt j.
     texts, feats = forced_answers(model, tokenizer, prompts, responses, cut_lists, cuts, tail, k,
                                   temperature, top_p, max_new_tokens, seed, batch_size, decode)
-    if static:  # the update needs the memory the labels' decode buffers hold
-        staticcache.release(model)
+    staticcache.release(model)  # the update needs the memory the labels' decode buffers hold
     # 3. Y_b = the share of them that match the gold; a box that never closes is wrong.
     score = judge or (lambda a, i: float(answers_match(a, golds[i], grader)))
     y = []
@@ -115,23 +112,16 @@ def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, tempe
         values = [v for v in (0.0 if a is None else score(a, i) for a in answers) if v is not None]
         y.append(sum(values) / len(values) if values else None)
     labels = [[y[j] for j in js] for js in where]
-    if not features:
-        return labels
-    return labels, feats
+    return (labels, feats) if features else labels
 
 
 @torch.no_grad()
 def forced_answers(model, tokenizer, prompts, responses, cut_lists, cuts, tail, k, temperature=0.8,
                    top_p=1.0, max_new_tokens=32, seed=None, batch_size=None, decode=None):
-    """K answers to each forced prompt cuts[j] = (i, b) -> (texts, feats): texts[j*k:(j+1)*k] as
-    rollout.generate samples them from the whole forced prompts (each from its own stream: no chunk
-    changes them), feats N [len(cut_lists[i]), d]."""
-    # On the fast loops (CUDA) an answer also stops at the brace closing the box: the same answer.
+    """The K answers to each forced prompt cuts[j] = (i, b), texts[j*k:(j+1)*k], and the features
+    at each trajectory's cuts, feats N [len(cut_lists[i]), d] (module docstring) -> (texts, feats)."""
     sampler = Sampler(model, tokenizer, max_new_tokens, temperature, top_p, stop=("\n",),
-                      decode=decode, close_depth=1)
-    asks = {}  # trajectory i -> the (j, b) it asks
-    for j, (i, b) in enumerate(cuts):
-        asks.setdefault(i, []).append((j, b))
+                      decode=decode, close_depth=1)  # CUDA: also stop at the brace closing the box
     trajs = sorted((i for i, bs in enumerate(cut_lists) if bs), key=lambda i: max(cut_lists[i]))
     per = max(1, (batch_size or len(cuts)) // max(map(len, cut_lists)))  # trajectories a chunk
     texts = [None] * (len(cuts) * k)
@@ -147,7 +137,8 @@ def forced_answers(model, tokenizer, prompts, responses, cut_lists, cuts, tail, 
         for m, i in enumerate(chunk):  # h_b off its own columns (a window may reach the prompt)
             ends = [[len(prompts[i]) + b for b in cut_lists[i]]]
             feats[i] = prefix_features(got[0][m:m + 1, pads[m]:], ends)[0][0].cpu()
-        rows = [(m, j, b) for m, i in enumerate(chunk) for j, b in asks.get(i, [])]
+        at = {i: m for m, i in enumerate(chunk)}  # a row per forced prompt j = (i, b) asked here
+        rows = [(at[i], j, b) for j, (i, b) in enumerate(cuts) if i in at]
         if not rows:
             continue
         pre = pre.select(torch.tensor([m for m, _, _ in rows], device=sampler.device))

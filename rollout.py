@@ -98,11 +98,7 @@ class Sampler:
 
     def __init__(self, model, tokenizer, max_new_tokens=256, temperature=1.0, top_p=1.0, stop=(),
                  eos_ids=None, decode=None, close_depth=None):
-        if temperature < 0 or not 0 < top_p <= 1:
-            raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
-        decode = decode or default_decode(model)
-        if decode not in DECODES:
-            raise ValueError(f"decode must be one of {DECODES}, got {decode!r}")
+        decode = decode or default_decode(model)  # train.py and evaluate.py check the flags
         self.model, self.tokenizer, self.decode = model, tokenizer, decode
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.stop_strs = [s for s in stop if isinstance(s, str) and s]
@@ -279,10 +275,6 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
     prompts and batch_size (prompts per chunk) give the same samples on every decode path.
     keyed: a generator per row (row_generators). stop: strings and/or token ids (kept). scores:
     Samples.logprobs, .entropy_sum. chunks: the chunks to sample (None: all). progress: a bar."""
-    if n < 1 or max_new_tokens < 1:
-        raise ValueError(f"need n >= 1 and max_new_tokens >= 1, got n={n}, max_new_tokens={max_new_tokens}")
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("empty prompt: every prompt needs at least one token (the chat template adds some)")
     sampler = Sampler(model, tokenizer, max_new_tokens, temperature, top_p, stop, eos_ids, decode)
     batch_size = batch_size or max(len(prompts), 1)
     starts = range(0, len(prompts), batch_size)

@@ -166,11 +166,7 @@ def test_real_vocabulary_is_masked():
     assert rollout.default_eos_ids(model, tok) == [151643]
 
 
-def test_bad_arguments_raise(model, tok):
-    with pytest.raises(ValueError, match="empty prompt"):
-        rollout.generate(model, tok, [[]])
-    with pytest.raises(ValueError, match="n >= 1"):
-        rollout.generate(model, tok, [[5]], n=0)
+def test_no_prompts_give_no_samples(model, tok):
     assert rollout.generate(model, tok, []).ids == []
 
 
@@ -296,8 +292,6 @@ def test_bucketed_shapes():
     assert [live_length(n, 1000) for n in (1, 64, 65, 129, 193, 257, 385, 700, 999)] == \
         [64, 64, 128, 192, 256, 384, 512, 768, 1000]
     assert rollout.default_decode(tiny.model()) == "dynamic"
-    with pytest.raises(ValueError, match="decode must be"):
-        rollout.generate(tiny.model(), tiny.tokenizer(), [[5]], decode="fast")
 
 
 @pytest.mark.parametrize("temperature", [0.8, 0])
