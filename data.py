@@ -166,7 +166,7 @@ def _read_file(path):
     """Rows of a local .jsonl, .json (a list, or a dict holding one list of rows) or .parquet file
     (told by its content, so a mistyped extension still reads; a .jsonl's lines are rows, even one)."""
     if not os.path.isfile(path):
-        raise DataError(f"file not found: {path}: check the path (json, jsonl or parquet)")
+        raise DataError(f"file not found: {path}: give the path of a json, jsonl or parquet file")
     with open(path, "rb") as f:
         raw = f.read()
     if raw[:4] == b"PAR1" or path.lower().endswith(".parquet"):
@@ -322,10 +322,6 @@ def load_rows(source, split=None, problem_field=None, answer_field=None, limit=N
         split = split or spec.get("split")
         records = _from_hub(spec["hf"], spec.get("config"), split, spec.get("files"))
         where = spec["hf"]
-    elif os.path.isdir(source):
-        found = sorted(n for n in os.listdir(source) if n.lower().endswith((".json", ".jsonl", ".parquet")))
-        raise DataError(f"{source} is a folder: pass one data file in it"
-                        + (f" ({', '.join(found[:5])})" if found else " (it holds no json/jsonl/parquet file)"))
     elif os.path.isfile(source) or source.lower().endswith((".json", ".jsonl", ".parquet")) or _looks_local(source):
         records, where = _read_file(source), source
     elif "/" in source:
