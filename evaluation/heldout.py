@@ -8,32 +8,27 @@ import torch
 import metrics
 import baselines
 import probe as probe_lib
-from label import cuts_of, cut_mask, grid, labelled, mc_labels
+from label import cuts_of, cut_mask, grid, mc_labels
 from data import row_prompt
 from rollout import generate
-from harness import rewardfn, runlog, staticcache
+from harness import runlog, staticcache
 from harness.parallel import RANK, WORLD, all_gather, all_sum
 
 
 @torch.no_grad()
 def held_out_accuracy(sampler, tok, rows, cfg, instruction, device, probe=None, probe_stats=None):
     """Accuracy on the held-out `rows`; with a `probe_stats` dict, the probe's
-    calibration on the first eval_probe_n trajectories is added to it. nan when nothing was scored
-    (a --reward-fn that returned None for every response)."""
+    calibration on the first eval_probe_n trajectories is added to it."""
     mine = rows[RANK::WORLD]
     prompts = [row_prompt(tok, r, instruction, cfg["system_prompt"]) for r in mine]
-    hits, trajs, judged = 0, [], len(mine)
+    hits, trajs = 0, []
     if prompts:
         out = generate(sampler, tok, prompts, max_new_tokens=cfg["max_new_tokens"], temperature=0.6,
                        seed=cfg["seed"] + 12345 + RANK, batch_size=cfg["gen_batch"],
                        decode=cfg["decode"])
         staticcache.release(sampler)  # as in a step: the labels' prefill must not sit on the rollout's shape
         golds = [r["answer"] for r in mine]
-        if cfg["reward_fn"]:  # the accuracy is the mean value of the responses it scores
-            values, scored = baselines.judged(out.texts, golds, mine, cfg["reward_fn"])
-            hits, judged = values.sum().item(), scored.sum().item()
-        else:
-            hits = baselines.correctness(out.texts, golds, "math", cfg["reward"]).sum().item()
+        hits = baselines.correctness(out.texts, golds, "math", cfg["reward"]).sum().item()
         if probe_stats is not None:
             m = len(rows[:cfg["eval_probe_n"]][RANK::WORLD])
             trajs = probe_calibration(sampler, tok, probe, prompts[:m], out, mine[:m], cfg,
@@ -42,8 +37,8 @@ def held_out_accuracy(sampler, tok, rows, cfg, instruction, device, probe=None, 
     if probe_stats is not None:
         trajs = [t for part in all_gather(trajs) for t in part]
         probe_stats.update(summary(trajs, cfg["k"]), trajectories=trajs)
-    hits, n = all_sum([hits, judged], device)
-    return hits / n if n else float("nan")   # nan: --reward-fn skipped every response, nothing was scored
+    hits, n = all_sum([hits, len(mine)], device)
+    return hits / n if n else float("nan")
 
 
 @torch.no_grad()
@@ -51,15 +46,12 @@ def probe_calibration(model, tok, prb, prompts, out, rows, cfg, seed):
     """Label and score the trajectories `out` (a rollout.Samples, one per prompt) of `rows`: a dict
     per trajectory (problem, answer, text clipped, correct, budgets, Y_b, C_b, margin or brier)."""
     from grade import is_correct
-    n, fn = len(prompts), cfg["reward_fn"]
+    n = len(prompts)
     golds = [r["answer"] for r in rows]
     cuts = [cuts_of(len(ids), cfg["budgets"]) for ids in out.ids[:n]]
-    judge = (lambda answer, i: rewardfn.judge(fn, answer, golds[i], rows[i])) if fn else None  # noqa: E731
     labels, feats = mc_labels(model, tok, prompts, out.ids[:n], cuts, golds, k=cfg["k"], close=cfg["forced_close"],
                               seed=seed, batch_size=cfg["gen_batch"], grader=cfg["grader"], decode=cfg["decode"],
-                              judge=judge, features=True)
-    if fn:
-        cuts, labels, feats = labelled(cuts, labels, feats)
+                              features=True)
     Y, feats, valid = grid(labels), grid(feats), cut_mask(cuts)
     C = torch.zeros(Y.shape)
     if valid.any():
@@ -67,7 +59,7 @@ def probe_calibration(model, tok, prb, prompts, out, rows, cfg, seed):
     calib = baselines.calibration_term(C, Y, valid, cfg)   # the margin, or the negative Brier
     key = baselines.calibration_key(cfg["reward"])
     return [dict(problem=runlog.clip(r["problem"]), answer=r["answer"], text=runlog.clip(t),
-                 correct=rewardfn.judge(fn, t, r["answer"], r) if fn else int(is_correct(t, r["answer"])),
+                 correct=int(is_correct(t, r["answer"])),
                  budgets=bs, Y_b=ys,
                  C_b=[round(c, 6) for c in C[i, :len(bs)].tolist()], **{key: calib[i].item()})
             for i, (r, t, bs, ys) in enumerate(zip(rows, out.texts, cuts, labels))]
