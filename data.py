@@ -209,15 +209,6 @@ def _long_integer(path, line):  # json.loads' plain ValueError past sys.get_int_
                      "which Python does not read as a number: fix the row (or write the value as a string)")
 
 
-def _looks_local(source):
-    """A path rather than an HF id (owner/name): starts with . / ~, has two /, starts with a local
-    folder, or ends in an extension (a bare name's any: train.jsnol; owner/name's a data file's)."""
-    ext = os.path.splitext(source)[1].lower()[1:]
-    return (source.startswith((".", "/", "~")) or source.count("/") > 1 or os.path.isdir(source.split("/")[0])
-            or ("/" not in source and ext.isalpha())
-            or ext.startswith(("js", "par", "nd")) or ext in ("csv", "tsv", "txt", "gz", "zip", "arrow"))
-
-
 def _from_hub(hf_id, config, split, files=None):
     """A hub dataset's rows, or with `files` (a glob) its raw json files' (no loading script)."""
     import datasets
@@ -322,8 +313,9 @@ def load_rows(source, split=None, problem_field=None, answer_field=None, limit=N
         split = split or spec.get("split")
         records = _from_hub(spec["hf"], spec.get("config"), split, spec.get("files"))
         where = spec["hf"]
-    elif os.path.isfile(source) or source.lower().endswith((".json", ".jsonl", ".parquet")) or _looks_local(source):
-        records, where = _read_file(source), source
+    elif (os.path.isfile(source) or source.lower().endswith((".json", ".jsonl", ".parquet"))
+          or not re.fullmatch(r"[\w-]+(/[\w.-]+)?", source) or os.path.isdir(source.split("/")[0])):
+        records, where = _read_file(source), source   # a path: neither owner/name nor a bare name
     elif "/" in source:
         records, where = _from_hub(source, None, split or "train"), source
     else:
@@ -467,17 +459,10 @@ def check_context(tokenizer, rows, instruction, context, max_new_tokens, where, 
 def long_prompts(tokenizer, rows, instruction, limit):
     """[(row index, prompt tokens)] for rows whose chat prompt is longer than `limit` tokens; only
     those that could be (template tokens per turn plus two per UTF-8 byte) are tokenized."""
-    import logging
-    base = len(chat_prompt(tokenizer, "", instruction))
-    out, log = [], logging.getLogger("transformers")
-    level = log.level
-    log.setLevel(logging.ERROR)  # the tokenizer's "longer than the maximum length" warning: we say it better
-    try:
-        for i, r in enumerate(rows):
-            if base * max(1, len(r.get("messages", ()))) + 2 * len(r["problem"].encode("utf-8")) > limit:
-                n = len(row_prompt(tokenizer, r, instruction))
-                if n > limit:
-                    out.append((i, n))
-    finally:
-        log.setLevel(level)
+    base, out = len(chat_prompt(tokenizer, "", instruction)), []
+    for i, r in enumerate(rows):
+        if base * max(1, len(r.get("messages", ()))) + 2 * len(r["problem"].encode("utf-8")) > limit:
+            n = len(row_prompt(tokenizer, r, instruction))
+            if n > limit:
+                out.append((i, n))
     return out
