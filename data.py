@@ -461,7 +461,8 @@ def long_prompts(tokenizer, rows, instruction, limit):
     those that could be (template tokens per turn plus two per UTF-8 byte) are tokenized."""
     base, out = len(chat_prompt(tokenizer, "", instruction)), []
     for i, r in enumerate(rows):
-        if base * max(1, len(r.get("messages", ()))) + 2 * len(r["problem"].encode("utf-8")) > limit:
+        turns = max(1, len(r.get("messages", ())))
+        if base * turns + 2 * len(r["problem"].encode("utf-8")) > limit:
             n = len(row_prompt(tokenizer, r, instruction))
             if n > limit:
                 out.append((i, n))

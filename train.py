@@ -109,7 +109,8 @@ def other_mode(learner, batch, mbs, out, correct, C, Y, valid, cfg, time):
     probed = cfg["reward"] in PROBE_MODES
     calib = baselines.calibration_term(C, Y, valid, cfg) if probed else torch.zeros(len(correct))
     unanimous = baselines.all_unanimous(correct, cfg, learner.device)
-    R, adv, parts = baselines.reward_and_advantages(cfg, correct, calib, out.texts, seq_conf, unanimous)
+    R, adv, parts = baselines.reward_and_advantages(cfg, correct, calib, out.texts, seq_conf,
+                                                    unanimous)
     return parts, R, adv, old_logp, extra
 
 
@@ -180,7 +181,8 @@ def step_row(step, cfg, got, learner, lr, timer, captures):
     Y, valid = got["Y"], got["valid"]  # signal: a solvable and an unsolvable cut in one response
     signal = (((Y == 1) & valid).any(1) & ((Y == 0) & valid).any(1)).float()
     s = all_summed(dict(
-        correct=correct.sum().item(), reward=R.sum().item(), signal=signal.sum().item(), n=n, tokens=sum(out.lengths),
+        correct=correct.sum().item(),
+        reward=R.sum().item(), signal=signal.sum().item(), n=n, tokens=sum(out.lengths),
         truncated=sum(f == "length" for f in out.finish), zero_var=zero_var, groups=n // G,
         entropy=sum(out.entropy_sum), captures=captures, a_nat=a_nat,
         a_cal=a_cal, **{"part " + k: v.sum().item() for k, v in parts.items()}), learner.device)
@@ -343,7 +345,8 @@ def run(cfg):
                  **(probe_stats or {}), t_eval=time.perf_counter() - t))
         if MASTER:
             runlog.append_jsonl(folder.heldout, [dict(step=at, **t) for t in trajs])
-        print0(f"step {at}: held-out accuracy {acc:.3f} on {len(eval_rows)} problems" + heldout.describe(probe_stats))
+        print0(f"step {at}: held-out accuracy {acc:.3f} on {len(eval_rows)} problems"
+               + heldout.describe(probe_stats))
         return acc
 
     def save(at):

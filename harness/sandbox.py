@@ -257,7 +257,7 @@ class _RefuseClasses(pickle.Unpickler):
     """An unpickler that builds only plain values: any class or function the pickle names is refused."""
 
     def find_class(self, module, name):
-        raise ValueError(f"it asks for {module}.{name}, refused: a test blob holds only a JSON string")
+        raise ValueError(f"it asks for {module}.{name}, refused: a test blob holds only JSON text")
 
 
 def decode_private_tests(blob):

@@ -244,19 +244,23 @@ def test_samples_keep_their_text_on_any_benchmark_unless_no_log_text(tiny_dir, t
 
 
 BAD = "its tests or metadata are not LiveCodeBench's"
+DEEP = "[" * 100000 + "]" * 100000
 BAD_ROWS = {   # (change to the fixture's first row, the words of the one line); at a7c59f5:
-    "deep private": ({"private_test_cases": "[" * 100000 + "]" * 100000}, "its tests are nested too deep"),  # RecursionError
-    "deep public": ({"public_test_cases": "[" * 100000 + "]" * 100000}, "its tests are nested too deep"),  # RecursionError
+    "deep private": ({"private_test_cases": DEEP}, "its tests are nested too deep"),
+    "deep public": ({"public_test_cases": DEEP}, "its tests are nested too deep"),
     "private an object": ({"private_test_cases": '{"a": 1}'}, BAD + " (TypeError"),  # TypeError
-    "no testtype": ({"private_test_cases": '[{"input": "1\\n7\\n", "output": "7\\n"}]'}, BAD + " (KeyError"),  # at grading
-    "a test a list": ({"private_test_cases": '[["1", "2"]]'}, BAD + " (TypeError"),  # TypeError at grading
-    "int input": ({"public_test_cases": '[{"input": 5, "output": "5", "testtype": "stdin"}]', "private_test_cases": "[]"},
+    "no testtype": ({"private_test_cases": '[{"input": "1\\n7\\n", "output": "7\\n"}]'},
+                    BAD + " (KeyError"),  # KeyError at grading
+    "a test a list": ({"private_test_cases": '[["1", "2"]]'}, BAD + " (TypeError"),  # at grading
+    "int input": ({"public_test_cases": '[{"input": 5, "output": "5", "testtype": "stdin"}]',
+                   "private_test_cases": "[]"},
                   "its 1 tests are not all of one type"),  # every sample graded wrong, no word
-    "int output": ({"private_test_cases": '[{"input": "1", "output": 1, "testtype": "stdin"}]'}, "its 2 tests are not"),
-    "no tests": ({"public_test_cases": "[]", "private_test_cases": "[]"}, "its 0 tests are not"),  # L1: at grading
+    "int output": ({"private_test_cases": '[{"input": "1", "output": 1, "testtype": "stdin"}]'},
+                   "its 2 tests are not"),
+    "no tests": ({"public_test_cases": "[]", "private_test_cases": "[]"}, "its 0 tests are not"),
     "mixed": ({"private_test_cases": '[{"input": "1", "output": "1", "testtype": "functional"}]'},
-              "its 2 tests are not all of one type, stdin or functional"),   # L1: at grading, not naming the problem
-    "question null": ({"question_content": None}, "question_content is null, not the problem's text"),  # L3: "Question: None"
+              "its 2 tests are not all of one type, stdin or functional"),   # L1: at grading
+    "question null": ({"question_content": None}, "question_content is null, not the problem's"),
 }
 
 

@@ -281,11 +281,13 @@ POISON = "--lr -1"   # were the flags below passed on, the child would fail at o
 
 
 def test_an_ambiguous_abbreviation_in_the_train_args_is_refused_in_one_line(tmp_path, capsys):
-    """--grad could be --grader, --grad-clip or --grad-ckpt: refused before anything runs, like a named flag."""
+    """--grad could be --grader, --grad-clip or --grad-ckpt: refused before anything runs, like a
+    named flag."""
     out = tmp_path / "rep"
     code, err = _exit(["--methods", "grpo", "--seeds", "0", "--out", str(out), "--train-args",
                        f"{POISON} --grad 1"], capsys)
-    assert code == 2 and "ambiguous option: --grad could match --grader, --grad-clip, --grad-ckpt" in err and not out.exists()
+    assert code == 2 and not out.exists()
+    assert "ambiguous option: --grad could match --grader, --grad-clip, --grad-ckpt" in err
 
 
 @pytest.mark.parametrize("flags", [["--jobs", "²"], ["--train-args", "--steps ²"]])
