@@ -33,7 +33,6 @@ import grade
 from grpo import group_advantages, micro_batch
 from label import forward_pass
 from reward import brier_reward, corner_margin, final_margin, margin_reward, total_reward
-from harness import rewardfn
 from harness.parallel import all_sum
 
 _NUMBER = re.compile(r"[-+]?\d*\.?\d+")  # released: the first such number, no exponent ("1e-3" -> 1)
@@ -109,7 +108,7 @@ PROBE_MODES = ("rlcm", "final-margin", "process-brier", "final-brier")  # forced
 SHAPED = ("grpo",) + PROBE_MODES  # R = r_nat + lam * a calibration term (grpo: lam = 0)
 BRIER_MODES = ("process-brier", "final-brier")
 MARGINS = {"zero": margin_reward, "margin-corner": corner_margin, "final-margin": final_margin}
-COUNTED = ("verbal_missing", "skipped")  # logged per step as a count; other components as a mean
+COUNTED = ("verbal_missing",)  # logged per step as a count; other components as a mean
 
 
 def answer_form(mode):
@@ -129,25 +128,6 @@ def correctness(texts, golds, grader, mode):
                         dtype=torch.float32)
 
 
-def judged(texts, golds, rows, reward_fn):
-    """--reward-fn's grades (harness/rewardfn.py): values [N] (0: skipped) and scored [N] bool."""
-    values = [rewardfn.judge(reward_fn, t, g, r) for t, g, r in zip(texts, golds, rows)]
-    return (torch.tensor([v or 0.0 for v in values], dtype=torch.float32),
-            torch.tensor([v is not None for v in values], dtype=torch.bool))
-
-
-def grades(texts, golds, rows, cuts, cfg):
-    """The step's (correct [N], scored, judge, cuts) where a mode grades its own way: --reward-fn's
-    values (judged), its judge(answer, i) of response i's forced answers (label.mc_labels) and no
-    cuts where it scored nothing; rlcr's last <answer> tag (scored, judge None)."""
-    fn = cfg["reward_fn"]
-    if not fn:
-        return correctness(texts, golds, cfg["grader"], cfg["reward"]), None, None, cuts
-    judge = lambda answer, i: rewardfn.judge(fn, answer, golds[i], rows[i])  # noqa: E731
-    correct, scored = judged(texts, golds, rows, fn)
-    return correct, scored, judge, [c if s else [] for c, s in zip(cuts, scored.tolist())]
-
-
 def calibration_term(C, Y, valid, cfg):
     """The probe modes' calibration term [N]: the margin by --corner, or the negative Brier."""
     if cfg["reward"] in BRIER_MODES:
@@ -155,26 +135,20 @@ def calibration_term(C, Y, valid, cfg):
     return MARGINS[cfg["corner"]](C, Y, valid)
 
 
-def unanimous(correct, group_size, scored=None):
-    """Bool [N]: True for every trajectory of a group whose answers are all right or all wrong
-    (with `scored`, --reward-fn's: whose scored answers all have one value). Example: correct
-    (1, 1, 0, 0, 0, 0), group_size 3 -> (False, False, False, True, True, True)."""
+def unanimous(correct, group_size):
+    """Bool [N]: True for every trajectory of a group whose answers are all right or all wrong.
+    Example: correct (1, 1, 0, 0, 0, 0), group_size 3 -> (False, False, False, True, True, True)."""
     g = torch.as_tensor(correct, dtype=torch.float32).view(-1, group_size)
-    if scored is None:
-        same = (g == g[:, :1]).all(dim=1, keepdim=True)
-    else:
-        s = scored.view(-1, group_size)
-        same = g.masked_fill(~s, -1.0).amax(1, keepdim=True) <= g.masked_fill(~s, 2.0).amin(1, keepdim=True)
+    same = (g == g[:, :1]).all(dim=1, keepdim=True)
     return same.expand_as(g).reshape(-1)
 
 
-def reward_and_advantages(cfg, correct, calib, texts, seq_conf, all_unanimous=None, scored=None):
+def reward_and_advantages(cfg, correct, calib, texts, seq_conf, all_unanimous=None):
     """One step's rewards R [N], advantages [N] and the mode's components {name: [N] float} (logged
     per step as means, per sample as values). correct [N] 0/1; calib [N] the probe modes'
     calibration term; texts: the responses (rlcr reads its confidence there); seq_conf [N]
     c2gspg's c; all_unanimous: whether every group of the step, on every rank, is unanimous (the
-    filter's fallback; None: judged on these groups); scored [N] bool: --reward-fn's judged samples
-    (None: all). An unscored sample gets R = 0 and advantage 0, out of its group's statistics."""
+    filter's fallback; None: judged on these groups)."""
     mode, G = cfg["reward"], cfg["group_size"]
     if mode == "rlcr":
         conf, missing = map(list, zip(*[verbal_confidence(t) for t in texts])) if texts else ([], [])
@@ -190,24 +164,13 @@ def reward_and_advantages(cfg, correct, calib, texts, seq_conf, all_unanimous=No
         R = total_reward(correct, calib, lam=lam)
         parts = {calibration_key(mode): calib} if mode in PROBE_MODES else {}
     if cfg["drop_unanimous"]:
-        same = unanimous(correct, G, scored)
+        same = unanimous(correct, G)
         if bool(same.all()) if all_unanimous is None else all_unanimous:
             same = torch.zeros_like(same)  # every group unanimous: no filter this step, as released
         R = R.masked_fill(same, 0.0)
         parts["dropped"] = same.float()
-
-    def advantages(i, n):  # of the samples i, in groups of n
-        return c2gspg_advantages(correct[i], seq_conf[i], n) if mode == "c2gspg" else group_advantages(R[i], n)
-
-    if scored is None:
-        return R, advantages(slice(None), G), parts
-    adv = torch.zeros(len(R))
-    for start in range(0, len(R), G):  # each group's advantages over its scored samples alone
-        kept = start + torch.nonzero(scored[start:start + G]).view(-1)
-        if len(kept):
-            adv[kept] = advantages(kept, len(kept))
-    parts["skipped"] = (~scored).float()
-    return R.masked_fill(~scored, 0.0), adv, parts
+    adv = c2gspg_advantages(correct, seq_conf, G) if mode == "c2gspg" else group_advantages(R, G)
+    return R, adv, parts
 
 
 def extra_loss(cfg, correct):
@@ -218,12 +181,12 @@ def extra_loss(cfg, correct):
     return c2gspg_loss(correct, cfg["c2gspg_bce"])
 
 
-def all_unanimous(correct, scored, cfg, device):
+def all_unanimous(correct, cfg, device):
     """--drop-unanimous: whether every group of the step, on every rank, is unanimous (then the
     filter is off for the step, reward_and_advantages); None without the filter."""
     if not cfg["drop_unanimous"]:
         return None
-    return all_sum([float((~unanimous(correct, cfg["group_size"], scored)).sum())], device)[0] == 0
+    return all_sum([float((~unanimous(correct, cfg["group_size"])).sum())], device)[0] == 0
 
 
 @torch.no_grad()

@@ -13,7 +13,6 @@ from data import ANSWER_FIELDS, INSTRUCTION, PROBLEM_FIELDS, RLCR_INSTRUCTION
 from grpo import AGGS
 from baselines import PROBE_MODES, REWARDS  # the --reward modes; those that fit a probe
 from rollout import DECODES
-from harness import rewardfn
 from harness.checkpoint import ALIASES
 from harness.files import UserError
 from harness.checkpoint import check_out, read_config
@@ -149,9 +148,6 @@ def build_parser():   # every default None: resolve_args fills them. More: docs/
     g.add_argument("--corner", choices=("zero", "margin-corner", "final-margin"),
                    help=f"the margin when a side is empty ({dflt('corner')})")
     g.add_argument("--grader", choices=grade.GRADERS, help=f"r_nat's and Y_b's ({dflt('grader')})")
-    g.add_argument("--reward-fn", metavar="FILE.py:NAME",
-                   help="NAME(response, answer, row) -> float in [0, 1] or None, not --grader "
-                        "(harness/rewardfn.py); give it again with --resume")
     g.add_argument("--probe-lr", type=float, help=f"the probe's learning rate ({dflt('probe_lr')})")
     g.add_argument("--probe-passes", type=int, help=f"passes per fit ({dflt('probe_passes')})")
     g.add_argument("--probe-batch", type=int, help=f"prefixes per probe update ({dflt('probe_batch')})")
@@ -235,10 +231,6 @@ def resolve_args(argv):
     if flag:
         path = given[flag[2:]]
         saved = read_config(path) if flag == "--resume" else _read_config(path)
-        fn = saved.get("reward_fn")
-        if fn and not given.get("reward_fn"):   # no code runs because a file says so
-            raise UserError(f"{flag} {path}: the run was started with --reward-fn {fn}, which is "
-                            "never taken from a saved config; pass it again if you trust that file")
     if given.get("resume"):
         run = given["resume"]
         if saved.pop("trust_remote_code", False) and not given.get("trust_remote_code"):
@@ -266,10 +258,6 @@ def resolve_args(argv):
     if cfg["lora_rank"] and "lr" not in given and "lr" not in saved:
         cfg["lr"] = LORA_LR_FACTOR * world["lr"]
     cfg["trust_remote_code"] = bool(given.get("trust_remote_code"))
-    cfg["reward_fn"] = given.get("reward_fn")
-    if cfg["reward_fn"]:
-        rewardfn.load(cfg["reward_fn"])  # a file that does not import stops here, before any folder is made
-    cfg["reward_fn_sha256"] = rewardfn.digest(cfg["reward_fn"])   # the file edited since: a change on resume
     cfg.update({k: given.get(k) for k in NOT_SAVED})
     cfg["out"] = cfg["out"] or os.path.join("runs", os.path.basename(cfg["model"].rstrip("/")))
     check_values(cfg)

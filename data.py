@@ -83,50 +83,27 @@ def lcb_window(release):
     return LCB_RELEASES[first][0], LCB_RELEASES[last or first][1]
 
 
-def _lcb_field(r, name, default, decode=json.loads):
-    value = r.get(name)
-    if value is None or value == "":
-        value = default
-    if isinstance(value, str):
-        try:
-            return decode(value)
-        except RecursionError:   # nested thousands deep: no test is
-            raise ValueError(f"{name} is nested too deep to be tests") from None
-        except MemoryError:      # a zlib bomb larger than this machine's memory
-            raise ValueError(f"{name} decodes to more than this machine's memory") from None
-        except ValueError as e:
-            raise ValueError(f"{name}: {first_line(e)}") from None
-    return value
-
-
 def lcb_tests(r):
     """(tests, fn_name) of a LiveCodeBench row: public then private tests, each {"input": str,
     "output": str, "testtype": stdin | functional}, all of one type (functional: fn_name, the method
     of class Solution, from the metadata's func_name). ValueError when any of it is not so."""
     from harness.sandbox import decode_private_tests
-    public = _lcb_field(r, "public_test_cases", None)
-    private = _lcb_field(r, "private_test_cases", "[]", decode_private_tests)
-    meta = _lcb_field(r, "metadata", "{}")
-    for name, value in (("public_test_cases", public), ("private_test_cases", private)):
-        if not isinstance(value, list):
-            raise ValueError(f"{name} is {type(value).__name__}, not a list of tests")
-    if not isinstance(meta, dict):
-        raise ValueError(f"metadata is {type(meta).__name__}, not an object")
-    tests, fn_name = public + private, meta.get("func_name")
-    if not tests:
-        raise ValueError("it has no tests")
-    for i, t in enumerate(tests):
-        if not isinstance(t, dict) or not all(isinstance(t.get(k), str) for k in ("input", "output")) \
-                or t.get("testtype") not in LCB_TEST_TYPES:
-            shown = json.dumps(t, default=str)[:60]
-            raise ValueError(f"test {i} is {shown}, not {{\"input\": text, \"output\": text, \"testtype\": "
-                             f"{' or '.join(LCB_TEST_TYPES)}}}")
-    kinds = {t["testtype"] for t in tests}
-    if len(kinds) > 1:
-        raise ValueError("it mixes stdin and functional tests")
-    if kinds == {"functional"} and not (isinstance(fn_name, str) and fn_name.isidentifier()):
-        raise ValueError(f"its tests are functional but metadata's func_name is {fn_name!r}, "
-                         "not a method name")
+    try:
+        tests = json.loads(r["public_test_cases"])
+        tests += decode_private_tests(r.get("private_test_cases") or "[]")
+        fn_name = json.loads(r.get("metadata") or "{}").get("func_name")
+        text = lambda t: isinstance(t["input"], str) and isinstance(t["output"], str)  # noqa: E731
+        kinds = [t["testtype"] for t in tests if text(t)]
+    except RecursionError:   # nested thousands deep: no test is
+        raise ValueError("its tests are nested too deep") from None
+    except (TypeError, KeyError, AttributeError) as e:   # a field of another shape
+        why = f"{type(e).__name__}: {e}"
+        raise ValueError(f"its tests or metadata are not LiveCodeBench's ({why})") from None
+    if len(kinds) != len(tests) or len(set(kinds)) != 1 or kinds[0] not in LCB_TEST_TYPES:
+        raise ValueError(f"its {len(tests)} tests are not all of one type, stdin or functional, "
+                         "with text input and output")
+    if kinds[0] == "functional" and not (isinstance(fn_name, str) and fn_name.isidentifier()):
+        raise ValueError(f"its tests are functional but metadata's func_name is {fn_name!r}")
     return tests, fn_name
 
 
@@ -138,8 +115,6 @@ def _lcb_row(r):
         if not isinstance(question, str) or not question.strip():
             shown = json.dumps(question, default=str)[:40]
             raise ValueError(f"question_content is {shown}, not the problem's text")
-        if starter is not None and not isinstance(starter, str):
-            raise ValueError(f"starter_code is {type(starter).__name__}, not code")
         tests, fn_name = lcb_tests(r)
     except ValueError as e:
         raise DataError(f"LiveCodeBench problem {r.get('question_id')}: {first_line(e)}: fix or drop the row") from None
@@ -191,7 +166,7 @@ def _read_file(path):
     """Rows of a local .jsonl, .json (a list, or a dict holding one list of rows) or .parquet file
     (told by its content, so a mistyped extension still reads; a .jsonl's lines are rows, even one)."""
     if not os.path.isfile(path):
-        raise DataError(f"file not found: {path}: check the path (json, jsonl or parquet)")
+        raise DataError(f"file not found: {path}: give the path of a json, jsonl or parquet file")
     with open(path, "rb") as f:
         raw = f.read()
     if raw[:4] == b"PAR1" or path.lower().endswith(".parquet"):
@@ -232,15 +207,6 @@ def _read_file(path):
 def _long_integer(path, line):  # json.loads' plain ValueError past sys.get_int_max_str_digits
     return DataError(f"{path}: line {line} holds an integer of over {sys.get_int_max_str_digits():,} digits, "
                      "which Python does not read as a number: fix the row (or write the value as a string)")
-
-
-def _looks_local(source):
-    """A path rather than an HF id (owner/name): starts with . / ~, has two /, starts with a local
-    folder, or ends in an extension (a bare name's any: train.jsnol; owner/name's a data file's)."""
-    ext = os.path.splitext(source)[1].lower()[1:]
-    return (source.startswith((".", "/", "~")) or source.count("/") > 1 or os.path.isdir(source.split("/")[0])
-            or ("/" not in source and ext.isalpha())
-            or ext.startswith(("js", "par", "nd")) or ext in ("csv", "tsv", "txt", "gz", "zip", "arrow"))
 
 
 def _from_hub(hf_id, config, split, files=None):
@@ -347,12 +313,9 @@ def load_rows(source, split=None, problem_field=None, answer_field=None, limit=N
         split = split or spec.get("split")
         records = _from_hub(spec["hf"], spec.get("config"), split, spec.get("files"))
         where = spec["hf"]
-    elif os.path.isdir(source):
-        found = sorted(n for n in os.listdir(source) if n.lower().endswith((".json", ".jsonl", ".parquet")))
-        raise DataError(f"{source} is a folder: pass one data file in it"
-                        + (f" ({', '.join(found[:5])})" if found else " (it holds no json/jsonl/parquet file)"))
-    elif os.path.isfile(source) or source.lower().endswith((".json", ".jsonl", ".parquet")) or _looks_local(source):
-        records, where = _read_file(source), source
+    elif (os.path.isfile(source) or source.lower().endswith((".json", ".jsonl", ".parquet"))
+          or not re.fullmatch(r"[\w-]+(/[\w.-]+)?", source) or os.path.isdir(source.split("/")[0])):
+        records, where = _read_file(source), source   # a path: neither owner/name nor a bare name
     elif "/" in source:
         records, where = _from_hub(source, None, split or "train"), source
     else:
@@ -496,17 +459,11 @@ def check_context(tokenizer, rows, instruction, context, max_new_tokens, where, 
 def long_prompts(tokenizer, rows, instruction, limit):
     """[(row index, prompt tokens)] for rows whose chat prompt is longer than `limit` tokens; only
     those that could be (template tokens per turn plus two per UTF-8 byte) are tokenized."""
-    import logging
-    base = len(chat_prompt(tokenizer, "", instruction))
-    out, log = [], logging.getLogger("transformers")
-    level = log.level
-    log.setLevel(logging.ERROR)  # the tokenizer's "longer than the maximum length" warning: we say it better
-    try:
-        for i, r in enumerate(rows):
-            if base * max(1, len(r.get("messages", ()))) + 2 * len(r["problem"].encode("utf-8")) > limit:
-                n = len(row_prompt(tokenizer, r, instruction))
-                if n > limit:
-                    out.append((i, n))
-    finally:
-        log.setLevel(level)
+    base, out = len(chat_prompt(tokenizer, "", instruction)), []
+    for i, r in enumerate(rows):
+        turns = max(1, len(r.get("messages", ())))
+        if base * turns + 2 * len(r["problem"].encode("utf-8")) > limit:
+            n = len(row_prompt(tokenizer, r, instruction))
+            if n > limit:
+                out.append((i, n))
     return out

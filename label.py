@@ -2,7 +2,7 @@
 
     b      = min(T, round(f * T))   for f in (0.25, 0.5, 0.75)    (T: response tokens, EOS included)
     forced = prompt + response[:b] + CLOSE + SUFFIX                (CLOSE: `</think>` or EOS)
-    Y_b    = (1/K) * sum_k 1[answer_k == gold]    (grade.answers_match; --reward-fn: its mean value)
+    Y_b    = (1/K) * sum_k 1[answer_k == gold]    (grade.answers_match)
 
 `mc_labels` is the algorithm. `forced_answers` samples them: one forward over each trajectory
 (the probe's features h_b are read there), its row copied once per cut with the response past b
@@ -27,15 +27,6 @@ def cuts_of(length, budgets=(0.25, 0.5, 0.75)):
     """The cuts (token counts) the budgets (fractions) give: cuts_of(8) == [2, 4, 6], cuts_of(3) ==
     [1, 2], cuts_of(0) == []."""
     return sorted({b for b in (min(length, round(f * length)) for f in budgets) if b > 0})
-
-
-def labelled(cut_lists, labels, feats=None):
-    """(cut_lists, labels) without the cuts whose label is None (--reward-fn skipped all K
-    answers); with feats (mc_labels(features=True)'s), (cut_lists, labels, feats) likewise."""
-    keep = [[m for m, y in enumerate(ys) if y is not None] for ys in labels]
-    out = [[bs[m] for m in ms] for bs, ms in zip(cut_lists, keep)], \
-        [[ys[m] for m in ms] for ys, ms in zip(labels, keep)]
-    return out if feats is None else (*out, [f[ms] for f, ms in zip(feats, keep)])
 
 
 def grid(lists, width=None):
@@ -80,11 +71,10 @@ def closed_cut(response, b, close):
 
 def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, temperature=0.8,
               top_p=1.0, max_new_tokens=32, close="think", suffix=SUFFIX, seed=None,
-              batch_size=None, grader="math", decode=None, judge=None, features=False):
+              batch_size=None, grader="math", decode=None, features=False):
     """Y_b for every (trajectory, cut b) (module docstring) -> N lists of floats in [0, 1], aligned
-    with cut_lists. prompts, responses: N lists of token ids; cut_lists: N lists of cuts b. judge(
-    answer, i) -> [0, 1] or None: --reward-fn's value in place of the grader (Y_b its mean, None if
-    none). features=True: (labels, feats), feats N [len(cuts), d] (forced_answers)."""
+    with cut_lists. prompts, responses: N lists of token ids; cut_lists: N lists of cuts b.
+    features=True: (labels, feats), feats N [len(cuts), d] (forced_answers)."""
     staticcache.release(model)  # the rollout's static buffers would sit under the labels' prefills
     # 1. The forced prompt after every cut. Equal ones (samples of a problem that agree up to the
     #    cut, common for short prefixes) estimate the same probability: each is asked once.
@@ -105,12 +95,10 @@ def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, tempe
                                   temperature, top_p, max_new_tokens, seed, batch_size, decode)
     staticcache.release(model)  # the update needs the memory the labels' decode buffers hold
     # 3. Y_b = the share of them that match the gold; a box that never closes is wrong.
-    score = judge or (lambda a, i: float(answers_match(a, golds[i], grader)))
     y = []
     for j, (i, _) in enumerate(cuts):
         answers = [forced_answer(t) for t in texts[j * k:(j + 1) * k]]
-        values = [v for v in (0.0 if a is None else score(a, i) for a in answers) if v is not None]
-        y.append(sum(values) / len(values) if values else None)
+        y.append(sum(a is not None and answers_match(a, golds[i], grader) for a in answers) / k)
     labels = [[y[j] for j in js] for js in where]
     return (labels, feats) if features else labels
 

@@ -33,11 +33,11 @@ import probe as probe_lib
 from baselines import PROBE_MODES
 from grade import is_correct
 from grpo import group_advantages, micro_batches, pack, token_logprobs, update
-from label import cut_mask, cuts_of, grid, labelled, mc_labels
+from label import cut_mask, cuts_of, grid, mc_labels
 from metrics import advantage_parts, ece, heldout_probe
 from reward import margin_reward, total_reward
 from rollout import generate
-from harness import checkpoint as ckpt_lib, lora as lora_lib, plan, rewardfn, runlog, staticcache
+from harness import checkpoint as ckpt_lib, lora as lora_lib, plan, runlog, staticcache
 from harness.checkpoint import RunFolder, exit_codes
 from harness.files import UserError
 from harness.parallel import (MASTER, RANK, WORLD, all_gather, all_sum, full_state, launch,
@@ -61,15 +61,12 @@ def rl_step(step, rows, prompts, learner, cfg, time=None):
     correct = torch.tensor([float(is_correct(t, g, cfg["grader"])) for t, g in zip(out.texts, golds)])
     # 3. cut each response at 25/50/75 % of its tokens (grpo, rlcr, c2gspg: nowhere)
     cuts = [cuts_of(n, cfg["budgets"]) if cfg["reward"] in PROBE_MODES else [] for n in out.lengths]
-    scored = judge = None  # --reward-fn: the responses it scored (the others: no cuts); its judge
-    if cfg["reward_fn"] or cfg["reward"] == "rlcr":  # its values; rlcr: the last <answer> tag
-        correct, scored, judge, cuts = baselines.grades(out.texts, golds, rows, cuts, cfg)
+    if cfg["reward"] == "rlcr":  # rlcr: the last <answer> tag
+        correct = baselines.correctness(out.texts, golds, cfg["grader"], cfg["reward"])
     with time("label"):  # force K answers after each cut: Y_b the share right, h_b the states before
         Y_b, h_b = mc_labels(learner.sampler, learner.tok, prompts, out.ids, cuts, golds, k=cfg["k"],
                              seed=seed + RANK + 7, close=cfg["forced_close"], batch_size=cfg["gen_batch"],
-                             decode=cfg["decode"], grader=cfg["grader"], judge=judge, features=True)
-    if judge:  # less the cuts none of whose answers --reward-fn judged
-        cuts, Y_b, h_b = labelled(cuts, Y_b, h_b)
+                             decode=cfg["decode"], grader=cfg["grader"], features=True)
     Y, h, valid = grid(Y_b), grid(h_b), cut_mask(cuts)  # [N, B], [N, B, d], [N, B]: zero-padded
     with time("probe"):  # 4. fit the probe on every rank's (h_b, Y_b); C_b = sigmoid(probe(h_b))
         fitted = fit_probe(learner.probe, learner.probe_opt, h[valid], Y[valid], cfg, seed)
@@ -82,25 +79,25 @@ def rl_step(step, rows, prompts, learner, cfg, time=None):
     batch = pack(prompts, out.ids, learner.tok.pad_token_id, out.logprobs)
     mbs = micro_batches(batch["attention_mask"].sum(1).tolist(), cfg["micro_tokens"])
     old_logp = extra = None  # on-policy: the update's own log-probs, detached, are the old ones
-    if (cfg["reward"], cfg["corner"], cfg["drop_unanimous"], cfg["ppo_epochs"], judge) != PLAIN:
+    if (cfg["reward"], cfg["corner"], cfg["drop_unanimous"], cfg["ppo_epochs"]) != PLAIN:
         parts, R, adv, old_logp, extra = other_mode(learner, batch, mbs, out, correct, C, Y, valid,
-                                                    scored, cfg, time)
+                                                    cfg, time)
     updates = []
     with time("update"):  # 6. clipped policy-gradient steps over micro-batches, one per --ppo-epochs
         for epoch in range(cfg["ppo_epochs"]):
             updates.append(update(learner.policy, learner.opt, batch, old_logp, adv, mbs, cfg,
                                   learner.device, extra))
         learner.sched.step()
-    return dict(rows=rows, out=out, correct=correct, scored=scored, cuts=cuts, Y_b=Y_b, Y=Y, C=C,
+    return dict(rows=rows, out=out, correct=correct, cuts=cuts, Y_b=Y_b, Y=Y, C=C,
                 valid=valid, R=R, parts=parts, fitted=fitted, updates=updates)
 
 
-PLAIN = ("rlcm", "zero", False, 1, None)  # rl_step's plain path: the paper's RLCM, on policy
+PLAIN = ("rlcm", "zero", False, 1)  # rl_step's plain path: the paper's RLCM, on policy
 
 
-def other_mode(learner, batch, mbs, out, correct, C, Y, valid, scored, cfg, time):
+def other_mode(learner, batch, mbs, out, correct, C, Y, valid, cfg, time):
     """rl_step past the paper's RLCM: the other --reward modes and --corner, --drop-unanimous,
-    --reward-fn's unscored responses, --ppo-epochs > 1 -> (parts, R, adv, old_logp, extra): R's
+    --ppo-epochs > 1 -> (parts, R, adv, old_logp, extra): R's
     terms, the rewards, the advantages, the scoring pass's log-probs and a mode's loss term."""
     seq_conf = old_logp = extra = None
     if cfg["ppo_epochs"] > 1 or cfg["reward"] == "c2gspg":  # a pass under the rollout weights
@@ -108,9 +105,9 @@ def other_mode(learner, batch, mbs, out, correct, C, Y, valid, scored, cfg, time
             seq_conf, old_logp, extra = baselines.scoring_pass(learner, batch, mbs, correct, cfg)
     probed = cfg["reward"] in PROBE_MODES
     calib = baselines.calibration_term(C, Y, valid, cfg) if probed else torch.zeros(len(correct))
-    unanimous = baselines.all_unanimous(correct, scored, cfg, learner.device)
-    R, adv, parts = baselines.reward_and_advantages(cfg, correct, calib, out.texts, seq_conf, unanimous,
-                                                    scored)
+    unanimous = baselines.all_unanimous(correct, cfg, learner.device)
+    R, adv, parts = baselines.reward_and_advantages(cfg, correct, calib, out.texts, seq_conf,
+                                                    unanimous)
     return parts, R, adv, old_logp, extra
 
 
@@ -173,7 +170,7 @@ def samples_of(step, cfg, got):
 def step_row(step, cfg, got, learner, lr, timer, captures):
     """The step's row of metrics.jsonl (docs/reference.md): means over every rank's samples, the
     probe's stats, the last update's (one per epoch) with the first's sampler gap, timings."""
-    G, out, correct, scored, R = cfg["group_size"], got["out"], got["correct"], got["scored"], got["R"]
+    G, out, correct, R = cfg["group_size"], got["out"], got["correct"], got["R"]
     n, probed, parts, upds = len(out.ids), cfg["reward"] in PROBE_MODES, got["parts"], got["updates"]
     shaped = cfg["reward"] in baselines.SHAPED  # R = r_nat + lam * calib: its share of |A| is logged
     a_nat, a_cal = advantage_parts(correct.cpu(), R.cpu(), G) if shaped else (0.0, 0.0)
@@ -181,15 +178,14 @@ def step_row(step, cfg, got, learner, lr, timer, captures):
     Y, valid = got["Y"], got["valid"]  # signal: a solvable and an unsolvable cut in one response
     signal = (((Y == 1) & valid).any(1) & ((Y == 0) & valid).any(1)).float()
     mine = dict(  # this rank's sums, summed over every rank in one all-reduce
-        correct=correct.sum().item(), judged=n if scored is None else scored.sum().item(),
+        correct=correct.sum().item(),
         reward=R.sum().item(), signal=signal.sum().item(), n=n, tokens=sum(out.lengths),
         truncated=sum(f == "length" for f in out.finish), zero_var=zero_var, groups=n // G,
         entropy=sum(out.entropy_sum), captures=captures, a_nat=a_nat,
         a_cal=a_cal, **{"part " + k: v.sum().item() for k, v in parts.items()})
     s = dict(zip(mine, all_sum(list(mine.values()), learner.device)))
     n, tokens = s["n"], s["tokens"]
-    acc = s["correct"] / s["judged"] if s["judged"] else math.nan  # nan: --reward-fn scored none
-    row = dict(step=step, accuracy=acc, reward=s["reward"] / n,
+    row = dict(step=step, accuracy=s["correct"] / n, reward=s["reward"] / n,
                **{k: s["part " + k] / (1 if k in baselines.COUNTED else n) for k in parts},
                signal_frac=s["signal"] / n if probed else 0.0, **(probe_stats(learner, got) if probed else {}),
                zero_var_frac=s["zero_var"] / max(s["groups"], 1), len_mean=tokens / n,
@@ -207,7 +203,7 @@ def step_row(step, cfg, got, learner, lr, timer, captures):
 def probe_stats(learner, got):
     """The probe's numbers of a step, over every rank's pairs; nan (its fit) where none was labelled."""
     bce, X_all, Y_all = got["fitted"]
-    if not len(Y_all):  # no labelled prefix (--reward-fn skipped everything): no fit
+    if not len(Y_all):  # no labelled prefix (responses too short to cut): no fit
         return dict(probe_bce=math.nan, probe_ece=math.nan, label_mean=0.0, label_mixed=0.0, prefixes=0)
     C_all = probe_lib.predict(learner.probe, X_all)
     return dict(probe_bce=bce, probe_ece=ece(C_all.numpy(), Y_all.numpy()), label_mean=Y_all.mean().item(),
@@ -216,23 +212,19 @@ def probe_stats(learner, got):
 
 @torch.no_grad()
 def held_out_accuracy(sampler, tok, rows, cfg, device, probe=None, probe_stats=None):
-    """The held-out check: accuracy on `rows`, the same problems and seed (T 0.6) each time; nan
-    when --reward-fn scored nothing. With a `probe_stats` dict: the probe out of sample on the
+    """The held-out check: accuracy on `rows`, the same problems and seed (T 0.6) each time. With a
+    `probe_stats` dict: the probe out of sample on the
     prefixes of the first --eval-probe-n trajectories, labelled as in a step, goes into it."""
     mine = rows[RANK::WORLD]
     prompts = [data.row_prompt(tok, r, cfg["instruction"], cfg["system_prompt"]) for r in mine]
-    hits, trajs, judged = 0, [], len(mine)
+    hits, trajs = 0, []
     if prompts:
         out = generate(sampler, tok, prompts, max_new_tokens=cfg["max_new_tokens"], temperature=0.6,
                        seed=cfg["seed"] + 12345 + RANK, batch_size=cfg["gen_batch"],
                        decode=cfg["decode"])
         staticcache.release(sampler)  # as in a step: free the rollout's shape before the labels
         golds = [r["answer"] for r in mine]
-        if cfg["reward_fn"]:  # the accuracy is the mean value of the responses it scores
-            values, scored = baselines.judged(out.texts, golds, mine, cfg["reward_fn"])
-            hits, judged = values.sum().item(), scored.sum().item()
-        else:
-            hits = baselines.correctness(out.texts, golds, "math", cfg["reward"]).sum().item()
+        hits = baselines.correctness(out.texts, golds, "math", cfg["reward"]).sum().item()
         if probe_stats is not None:
             m = len(rows[:cfg["eval_probe_n"]][RANK::WORLD])
             trajs = probe_calibration(sampler, tok, probe, prompts[:m], out, mine[:m], cfg,
@@ -241,7 +233,7 @@ def held_out_accuracy(sampler, tok, rows, cfg, device, probe=None, probe_stats=N
     if probe_stats is not None:
         trajs = [t for part in all_gather(trajs) for t in part]
         probe_stats.update(heldout_probe(trajs, cfg["k"]), trajectories=trajs)
-    hits, n = all_sum([hits, judged], device)
+    hits, n = all_sum([hits, len(mine)], device)
     return hits / n if n else math.nan
 
 
@@ -249,16 +241,12 @@ def held_out_accuracy(sampler, tok, rows, cfg, device, probe=None, probe_stats=N
 def probe_calibration(model, tok, prb, prompts, out, rows, cfg, seed):
     """Label and score the trajectories `out` (a rollout.Samples, one per prompt) of `rows`: a dict
     per trajectory (problem, answer, text clipped, correct, budgets, Y_b, C_b, margin or brier)."""
-    n, fn = len(prompts), cfg["reward_fn"]
+    n = len(prompts)
     golds = [r["answer"] for r in rows]
     cuts = [cuts_of(len(ids), cfg["budgets"]) for ids in out.ids[:n]]
-    judge = (lambda a, i: rewardfn.judge(fn, a, golds[i], rows[i])) if fn else None  # noqa: E731
     labels, feats = mc_labels(model, tok, prompts, out.ids[:n], cuts, golds, k=cfg["k"],
                               close=cfg["forced_close"], seed=seed, batch_size=cfg["gen_batch"],
-                              grader=cfg["grader"], decode=cfg["decode"], judge=judge,
-                              features=True)
-    if fn:
-        cuts, labels, feats = labelled(cuts, labels, feats)
+                              grader=cfg["grader"], decode=cfg["decode"], features=True)
     Y, feats, valid = grid(labels), grid(feats), cut_mask(cuts)
     C = torch.zeros(Y.shape)
     if valid.any():
@@ -266,8 +254,7 @@ def probe_calibration(model, tok, prb, prompts, out, rows, cfg, seed):
     calib = baselines.calibration_term(C, Y, valid, cfg)   # the margin, or the negative Brier
     key = baselines.calibration_key(cfg["reward"])
     return [dict(problem=runlog.clip(r["problem"]), answer=r["answer"], text=runlog.clip(t),
-                 correct=rewardfn.judge(fn, t, r["answer"], r) if fn
-                 else int(is_correct(t, r["answer"])),
+                 correct=int(is_correct(t, r["answer"])),
                  budgets=bs, Y_b=ys,
                  C_b=[round(c, 6) for c in C[i, :len(bs)].tolist()], **{key: calib[i].item()})
             for i, (r, t, bs, ys) in enumerate(zip(rows, out.texts, cuts, labels))]
@@ -306,11 +293,6 @@ def warmup_factor(s, warmup, from_zero):
     from_zero (verl's, the released run): s / warmup, so the first update runs at lr 0; else
     (s + 1) / warmup. warmup 10: update 0 at 0 or 0.1, update 9 at 0.9 or 1, update 10 at 1; warmup 0: 1."""
     return 1.0 if s >= warmup else (s + (0 if from_zero else 1)) / warmup
-
-
-def scored(acc):
-    """An accuracy as printed: nan (a --reward-fn skipped every response) is no number but words."""
-    return "nothing scored (--reward-fn skipped every response)" if acc != acc else f"{acc:.3f}"
 
 
 def checkpoint_activations(model):
@@ -406,7 +388,7 @@ def run(cfg):
         said = (probe_stats or {}).get("eval_probe_prefixes") and (
             "; probe on {eval_probe_prefixes} held-out prefixes: BCE {eval_probe_bce:.3f}, "
             "ECE {eval_probe_ece:.3f}, AUROC {eval_probe_auroc:.3f}".format(**probe_stats))
-        print0(f"step {at}: held-out accuracy {scored(acc)} on {len(eval_rows)} problems"
+        print0(f"step {at}: held-out accuracy {acc:.3f} on {len(eval_rows)} problems"
                + (said or ""))
         return acc
 
@@ -438,7 +420,7 @@ def run(cfg):
         print0(f"\nrun: {folder.out}  (latest checkpoint: {ckpt_lib.latest_checkpoint(folder.out)})")
         if first_acc is not None and final_acc is not None:
             other = " (two different held-out sets: --eval-n or --eval-data changed on resume)"
-            print0(f"held-out accuracy: {scored(first_acc)} at the start -> {scored(final_acc)} at step "
+            print0(f"held-out accuracy: {first_acc:.3f} at the start -> {final_acc:.3f} at step "
                    f"{step}" + (other if other_set else ""))
         bench = " --benchmarks " + ",".join(data.TOY_BENCHMARKS) if cfg["eval_data"] == "toy" else ""
         bench += f" --toy-world {cfg['toy_world']}" if bench and cfg["toy_world"] else ""

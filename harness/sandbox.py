@@ -1,12 +1,9 @@
 """Grade model-written Python by running it against LiveCodeBench-style tests in a confined child.
 
-    code = extract_code(response)                      # last fenced block after </think>, or None
-    ok = run_tests(code, tests, fn_name=None)          # True when every test passes
-    oks = grade_many([{"code": c, "tests": t, "fn_name": f}, ...], workers=2)
-    tests = decode_private_tests(row["private_test_cases"])
+    ok = run_tests(extract_code(response), tests, fn_name=None)   # True when every test passes
 
-A test is `{"input": str, "output": str, "testtype": "stdin" | "functional"}` (data.lcb_tests checks
-them). The child, what it isolates and --unconfined-code: docs/reference.md, "The code sandbox".
+A test is `{"input": str, "output": str, "testtype": "stdin" | "functional"}` (data.lcb_tests).
+The child, what it isolates and --unconfined-code: docs/reference.md, "The code sandbox".
 """
 import base64
 import binascii
@@ -74,10 +71,6 @@ def run_tests(code, tests, fn_name=None, per_test_s=6.0):
         child = subprocess.Popen(_command(workdir, confined), cwd=workdir, env=ENV, stdin=subprocess.PIPE,
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, pass_fds=(write_fd,),
                                  start_new_session=True)
-    except BaseException:
-        os.close(read_fd)
-        shutil.rmtree(workdir, ignore_errors=True)
-        raise
     finally:
         os.close(write_fd)  # the child holds its own copy; EOF on read_fd then means it is gone
     try:
@@ -264,8 +257,7 @@ class _RefuseClasses(pickle.Unpickler):
     """An unpickler that builds only plain values: any class or function the pickle names is refused."""
 
     def find_class(self, module, name):
-        raise ValueError(f"private tests: the pickle asks for {module}.{name}; refused, since a test "
-                         "blob holds only a JSON string and loading it must run no code")
+        raise ValueError(f"it asks for {module}.{name}, refused: a test blob holds only JSON text")
 
 
 def decode_private_tests(blob):
@@ -288,9 +280,7 @@ def decode_private_tests(blob):
         raise ValueError(f"private tests inflate to over {TESTS_BYTES >> 20} MB (a zlib bomb?)")
     try:
         text = _RefuseClasses(io.BytesIO(raw)).load()
-    except ValueError:
-        raise
-    except Exception as e:  # a malformed pickle fails in many ways; say so in one line
+    except Exception as e:  # a malformed pickle fails in many ways, a refused class in ours
         raise ValueError(f"private tests: not a readable pickle ({type(e).__name__}: {e})") from None
     if not isinstance(text, str):
         raise ValueError(f"private tests: the pickle holds a {type(text).__name__}, not a JSON string")

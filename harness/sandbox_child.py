@@ -283,13 +283,16 @@ def main():
     send({"ready": True})  # the grader times each reply from here
     if status != "ok":
         return send({"error": f"compile: {compiled}"})
-    if payload["functional"]:
-        scope = {"__name__": "__solution__", "__builtins__": builtins}
 
+    def module(name):  # a fresh one: LiveCodeBench's prelude, then the solution
+        scope = {"__name__": name, "__builtins__": builtins}
+        exec(PRELUDE, scope)
+        exec(compiled, scope)
+        return scope
+
+    if payload["functional"]:
         def load():
-            exec(PRELUDE, scope)
-            exec(compiled, scope)
-            name = payload["fn_name"]
+            scope, name = module("__solution__"), payload["fn_name"]
             return getattr(scope["Solution"](), name) if "Solution" in scope else scope[name]
 
         status, target = timed(load)
@@ -308,13 +311,7 @@ def main():
         current_input[0] = text
         sys.stdin = io.TextIOWrapper(io.BytesIO(text.encode()), encoding="utf-8")
         sys.stdout = out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", write_through=True)
-        scope = {"__name__": "__main__", "__builtins__": builtins}
-
-        def script():
-            exec(PRELUDE, scope)
-            exec(compiled, scope)
-
-        status, error = timed(script)
+        status, error = timed(lambda: module("__main__"))
         sys.stdout = real_stdout
         printed = out.buffer.getvalue()
         if status == "error":

@@ -218,3 +218,10 @@ def test_bad_data_is_one_line_naming_the_file_and_the_row(case, tmp_path):
 def test_a_utf8_byte_order_mark_is_accepted(tmp_path):
     path = write(tmp_path / "d.json", b'\xef\xbb\xbf[{"problem": "1+2", "answer": 3}]')
     assert data.load_rows(path) == [{"problem": "1+2", "answer": "3"}]
+
+
+def test_a_one_line_jsonl_is_one_row_even_with_one_list_field(tmp_path):
+    # L2 (C36): a one-line .jsonl was read as one JSON document, and a row holding one list as
+    # "a dict holding one list of rows": "has no rows".
+    path = write_jsonl(tmp_path / "olympiad.jsonl", [{"question": "q", "final_answer": ["$2$"]}])
+    assert data.load_rows(path) == [{"problem": "q", "answer": "2"}]

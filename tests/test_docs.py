@@ -35,8 +35,6 @@ ELSEWHERE = {
     "runs/": "the run folders training and reproduce.py write",
     "table.md": "the table reproduce.py writes into its --out folder",
     "file.py": "a placeholder: `file.py:function` (tests/test_map.py)",
-    "FILE.py": "a placeholder: `--reward-fn FILE.py:NAME` (harness/rewardfn.py)",
-    "fn.py": "a correctness function tests/test_reward_fn.py writes into a temporary folder",
     "modeling_evil.py": "written by tests/test_train.py into a temporary checkpoint",
     "work.py": "a worker script tests/test_launch.py writes into a temporary folder",
 }

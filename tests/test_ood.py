@@ -240,19 +240,24 @@ def test_samples_keep_their_text_on_any_benchmark(tiny_dir, tmp_path, monkeypatc
                                                                         ("1+1", canned[1], 0)]
 
 
+BAD = "its tests or metadata are not LiveCodeBench's"
+DEEP = "[" * 100000 + "]" * 100000
 BAD_ROWS = {   # (change to the fixture's first row, the words of the one line); at a7c59f5:
-    "deep private": ({"private_test_cases": "[" * 100000 + "]" * 100000}, "private_test_cases is nested too deep"),  # RecursionError
-    "deep public": ({"public_test_cases": "[" * 100000 + "]" * 100000}, "public_test_cases is nested too deep"),  # RecursionError
-    "private an object": ({"private_test_cases": '{"a": 1}'}, "private_test_cases is dict, not a list of tests"),  # TypeError
-    "no testtype": ({"private_test_cases": '[{"input": "1\\n7\\n", "output": "7\\n"}]'}, "test 1 is {\"input\""),  # KeyError at grading
-    "a test a list": ({"private_test_cases": '[["1", "2"]]'}, "test 1 is [\"1\", \"2\"], not"),  # TypeError at grading
-    "int input": ({"public_test_cases": '[{"input": 5, "output": "5", "testtype": "stdin"}]', "private_test_cases": "[]"},
-                  "test 0 is {\"input\": 5"),  # every sample graded wrong, no word
-    "int output": ({"private_test_cases": '[{"input": "1", "output": 1, "testtype": "stdin"}]'}, "test 1 is"),
-    "no tests": ({"public_test_cases": "[]", "private_test_cases": "[]"}, "it has no tests"),  # L1: at grading
+    "deep private": ({"private_test_cases": DEEP}, "its tests are nested too deep"),
+    "deep public": ({"public_test_cases": DEEP}, "its tests are nested too deep"),
+    "private an object": ({"private_test_cases": '{"a": 1}'}, BAD + " (TypeError"),  # TypeError
+    "no testtype": ({"private_test_cases": '[{"input": "1\\n7\\n", "output": "7\\n"}]'},
+                    BAD + " (KeyError"),  # KeyError at grading
+    "a test a list": ({"private_test_cases": '[["1", "2"]]'}, BAD + " (TypeError"),  # at grading
+    "int input": ({"public_test_cases": '[{"input": 5, "output": "5", "testtype": "stdin"}]',
+                   "private_test_cases": "[]"},
+                  "its 1 tests are not all of one type"),  # every sample graded wrong, no word
+    "int output": ({"private_test_cases": '[{"input": "1", "output": 1, "testtype": "stdin"}]'},
+                   "its 2 tests are not"),
+    "no tests": ({"public_test_cases": "[]", "private_test_cases": "[]"}, "its 0 tests are not"),
     "mixed": ({"private_test_cases": '[{"input": "1", "output": "1", "testtype": "functional"}]'},
-              "it mixes stdin and functional tests"),   # L1: at grading, not naming the problem
-    "question null": ({"question_content": None}, "question_content is null, not the problem's text"),  # L3: "Question: None"
+              "its 2 tests are not all of one type, stdin or functional"),   # L1: at grading
+    "question null": ({"question_content": None}, "question_content is null, not the problem's"),
 }
 
 
@@ -272,21 +277,6 @@ def test_a_malformed_lcb_row_is_one_line_naming_its_problem_at_load(tmp_path, ca
         ": fix or drop the row") and "\n" not in str(e.value), str(e.value)
 
 
-def test_a_one_row_lcb_jsonl_with_decoded_tests_and_metadata_is_that_row(tmp_path):
-    # L2 (C36): at a7c59f5 a one-line .jsonl was read as one JSON document, and a row holding one list
-    # (its tests) as "a dict holding one list of rows": "has no rows". M3 (C30): metadata an object was a TypeError.
-    import json
-    first = json.loads(open(LCB).readline())
-    row = dict(first, private_test_cases=[{"input": "2\n4 5\n", "output": "9\n", "testtype": "stdin"}],
-               metadata={"func_name": None})
-    path = tmp_path / "lcb.jsonl"
-    path.write_text(json.dumps(row) + "\n")
-    name, rows, _, _ = benchmarks.load_benchmark(f"lcb={path}")
-    assert name == "lcb" and len(rows) == 1
-    gold = json.loads(rows[0]["answer"])
-    assert gold == {"tests": json.loads(first["public_test_cases"]) + row["private_test_cases"], "fn_name": None}
-
-
 def test_a_zlib_bomb_in_private_tests_is_refused_before_it_inflates(tmp_path, monkeypatch):
     # M4 (C35): at a7c59f5 zlib.decompress had no bound (1.4 MB row -> 2.06 GB). Here the bound is
     # lowered to 1 MB so that the original code, which inflates 4 MB, fails in a moment.
@@ -301,7 +291,7 @@ def test_a_zlib_bomb_in_private_tests_is_refused_before_it_inflates(tmp_path, mo
     row = dict(json.loads(open(LCB).readline()), private_test_cases=blob)
     path = tmp_path / "lcb.jsonl"
     path.write_text(json.dumps(row) + "\n")
-    with pytest.raises(data.DataError, match="^LiveCodeBench problem abc001_a: private_test_cases: private tests "
+    with pytest.raises(data.DataError, match="^LiveCodeBench problem abc001_a: private tests "
                                              "inflate to over 1 MB \\(a zlib bomb\\?\\): fix or drop the row$"):
         benchmarks.load_benchmark(f"lcb={path}")
     # the real bound (1 GiB) on the red team's 1.4 MB row: refused without holding what it inflates to

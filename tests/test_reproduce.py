@@ -262,11 +262,13 @@ POISON = "--lr -1"   # were the flags below passed on, the child would fail at o
 
 
 def test_an_ambiguous_abbreviation_in_the_train_args_is_refused_in_one_line(tmp_path, capsys):
-    """--rew could be --reward or --reward-fn: refused before anything runs, like a named flag."""
+    """--grad could be --grader, --grad-clip or --grad-ckpt: refused before anything runs, like a
+    named flag."""
     out = tmp_path / "rep"
     code, err = _exit(["--methods", "grpo", "--seeds", "0", "--out", str(out), "--train-args",
-                       f"{POISON} --rew rlcm"], capsys)
-    assert code == 2 and "ambiguous option: --rew could match --reward, --reward-fn" in err and not out.exists()
+                       f"{POISON} --grad 1"], capsys)
+    assert code == 2 and not out.exists()
+    assert "ambiguous option: --grad could match --grader, --grad-clip, --grad-ckpt" in err
 
 
 @pytest.mark.parametrize("flags", [["--jobs", "²"], ["--train-args", "--steps ²"]])

@@ -441,7 +441,7 @@ TRAIN_CASES = {   # name: (argv from (tmp_path, run_copy), words in the one line
                         "is not a readable parquet file"),
     "non-UTF-8 data": (lambda t, r: ["--data", write(t / "d.jsonl", b'{"problem": "\xff\xfe", "answer": "1"}\n')],
                        "is not UTF-8 text (byte 0xff at offset 13)"),
-    "data is a folder": (lambda t, r: ["--data", str(t)], "is a folder: pass one data file in it"),
+    "data is a folder": (lambda t, r: ["--data", str(t)], "file not found"),
     "mistyped extension": (lambda t, r: ["--data", str(t / "train.jsnol")], "file not found"),
     "missing model dir": (lambda t, r: ["--model", str(t / "no-model")], "model directory"),
     "missing HF model": (lambda t, r: ["--model", "no-such-org/no-such-model-xyz"],
