@@ -31,8 +31,6 @@ def pack(prompts, responses, pad_id, logprobs=None):
     batch = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
              "prompt_lens": prompt_lens}
     if logprobs is not None:
-        if [len(lp) for lp in logprobs] != [len(r) for r in responses]:
-            raise ValueError("need one sampler log-prob per response token")
         batch["sampler_logp"] = torch.zeros(n, L - 1)
         for i, (p, lp) in enumerate(zip(prompts, logprobs)):
             batch["sampler_logp"][i, len(p) - 1:len(p) + len(lp) - 1] = torch.tensor(lp)

@@ -75,7 +75,6 @@ def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, tempe
     """Y_b for every (trajectory, cut b) (module docstring) -> N lists of floats in [0, 1], aligned
     with cut_lists. prompts, responses: N lists of token ids; cut_lists: N lists of cuts b.
     features=True: (labels, feats), feats N [len(cuts), d] (forced_answers)."""
-    staticcache.release(model)  # the rollout's static buffers would sit under the labels' prefills
     # 1. The forced prompt after every cut. Equal ones (samples of a problem that agree up to the
     #    cut, common for short prefixes) estimate the same probability: each is asked once.
     tail = [close_id(tokenizer, close)] + tokenizer.encode(suffix, add_special_tokens=False)
@@ -88,12 +87,9 @@ def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, tempe
             if j == len(cuts):
                 cuts.append((i, b))
             where[-1].append(j)
-    if not cuts:
-        return (where, [torch.zeros(0, model.config.hidden_size) for _ in where]) if features else where
     # 2. K answers to each: texts[j*k:(j+1)*k] for forced prompt j.
     texts, feats = forced_answers(model, tokenizer, prompts, responses, cut_lists, cuts, tail, k,
                                   temperature, top_p, max_new_tokens, seed, batch_size, decode)
-    staticcache.release(model)  # the update needs the memory the labels' decode buffers hold
     # 3. Y_b = the share of them that match the gold; a box that never closes is wrong.
     y = []
     for j, (i, _) in enumerate(cuts):
@@ -110,8 +106,10 @@ def forced_answers(model, tokenizer, prompts, responses, cut_lists, cuts, tail, 
     at each trajectory's cuts, feats N [len(cut_lists[i]), d] (module docstring) -> (texts, feats)."""
     sampler = Sampler(model, tokenizer, max_new_tokens, temperature, top_p, stop=("\n",),
                       decode=decode, close_depth=1)  # CUDA: also stop at the brace closing the box
+    if sampler.static is not None:  # the rollout's buffers must not sit under the labels' prefills
+        staticcache.release(model)
     trajs = sorted((i for i, bs in enumerate(cut_lists) if bs), key=lambda i: max(cut_lists[i]))
-    per = max(1, (batch_size or len(cuts)) // max(map(len, cut_lists)))  # trajectories a chunk
+    per = max(1, (batch_size or len(cuts)) * len(trajs) // max(len(cuts), 1))  # per chunk
     texts = [None] * (len(cuts) * k)
     feats = [torch.zeros(0, model.config.hidden_size)] * len(prompts)
     was_training = model.training
@@ -125,21 +123,24 @@ def forced_answers(model, tokenizer, prompts, responses, cut_lists, cuts, tail, 
         for m, i in enumerate(chunk):  # h_b off its own columns (a window may reach the prompt)
             ends = [[len(prompts[i]) + b for b in cut_lists[i]]]
             feats[i] = prefix_features(got[0][m:m + 1, pads[m]:], ends)[0][0].cpu()
-        at = {i: m for m, i in enumerate(chunk)}  # a row per forced prompt j = (i, b) asked here
-        rows = [(at[i], j, b) for j, (i, b) in enumerate(cuts) if i in at]
+        row = {i: m for m, i in enumerate(chunk)}  # (row, j, prefix length) of each prompt asked
+        rows = [(row[i], j, len(prompts[i]) + b) for j, (i, b) in enumerate(cuts) if i in row]
         if not rows:
             continue
-        pre = pre.select(torch.tensor([m for m, _, _ in rows], device=sampler.device))
-        cut = torch.tensor([pads[m] + len(prompts[chunk[m]]) + b for m, _, b in rows])
-        pre.mask = pre.mask * (torch.arange(width) < cut[:, None]).to(pre.mask.device)
+        idx = torch.tensor([m for m, _, _ in rows], device=sampler.device)
+        pre.cache.batch_select_indices(idx)  # a copy of trajectory m's row for each cut it asks
+        cut = torch.tensor([pads[m] + end for m, _, end in rows], device=idx.device)
+        pre.mask = pre.mask[idx] * (torch.arange(width, device=idx.device) < cut[:, None])
         pre = sampler.prefill([list(tail)] * len(rows), after=pre)
-        forced = [seqs[m][:len(prompts[chunk[m]]) + b] + list(tail) for m, _, b in rows]
+        forced = [seqs[m][:end] + list(tail) for m, _, end in rows]
         ids, length, _ = sampler.sample(pre, k, row_generators(seed, forced, k, sampler.device))
         out = tokenizer.batch_decode([r[:n] for r, n in zip(ids.tolist(), length.tolist())],
                                      skip_special_tokens=True)
         for r, (_, j, _) in enumerate(rows):
             texts[j * k:(j + 1) * k] = out[r * k:(r + 1) * k]
     model.train(was_training)
+    if sampler.static is not None:  # the update needs the memory the labels' buffers hold
+        staticcache.release(model)
     return texts, feats
 
 

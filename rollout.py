@@ -36,11 +36,6 @@ class Prefix:
     last_pos: torch.Tensor
     logits: torch.Tensor
 
-    def select(self, index):
-        """Rows by index (repeats allowed), e.g. one trajectory row per cut; consumes self."""
-        self.cache.batch_select_indices(index)
-        return Prefix(self.cache, self.mask[index], self.last_pos[index], self.logits[index])
-
 
 def default_eos_ids(model, tokenizer) -> list[int]:
     """EOS ids from the generation config and the tokenizer, deduplicated."""

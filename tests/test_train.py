@@ -61,7 +61,7 @@ def test_grpo_reward_runs_no_forced_answers(tmp_path, monkeypatch):
     def forbidden(*a, **k):
         raise AssertionError("--reward grpo must not generate forced answers")
     import label
-    monkeypatch.setattr(label, "forced_answers", forbidden)  # the step's mc_labels gets no cut to ask at
+    monkeypatch.setattr(label, "last_layer", forbidden)  # no trajectory to prefill: no cut to ask at
     run = str(tmp_path / "run")
     train.main(["--steps", "1", "--out", run, "--reward", "grpo", *SMALL])
     (row,) = [r for r in rows(run) if not r.get("eval")]
