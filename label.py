@@ -109,7 +109,7 @@ def forced_answers(model, tokenizer, prompts, responses, cut_lists, cuts, tail, 
     if sampler.static is not None:  # the rollout's buffers must not sit under the labels' prefills
         staticcache.release(model)
     trajs = sorted((i for i, bs in enumerate(cut_lists) if bs), key=lambda i: max(cut_lists[i]))
-    per = max(1, (batch_size or len(cuts)) * len(trajs) // max(len(cuts), 1))  # per chunk
+    per = max(1, (batch_size or len(cuts)) // max([1, *map(len, cut_lists)]))  # per chunk
     texts = [None] * (len(cuts) * k)
     feats = [torch.zeros(0, model.config.hidden_size)] * len(prompts)
     was_training = model.training
@@ -125,19 +125,21 @@ def forced_answers(model, tokenizer, prompts, responses, cut_lists, cuts, tail, 
             feats[i] = prefix_features(got[0][m:m + 1, pads[m]:], ends)[0][0].cpu()
         row = {i: m for m, i in enumerate(chunk)}  # (row, j, prefix length) of each prompt asked
         rows = [(row[i], j, len(prompts[i]) + b) for j, (i, b) in enumerate(cuts) if i in row]
-        if not rows:
-            continue
-        idx = torch.tensor([m for m, _, _ in rows], device=sampler.device)
-        pre.cache.batch_select_indices(idx)  # a copy of trajectory m's row for each cut it asks
-        cut = torch.tensor([pads[m] + end for m, _, end in rows], device=idx.device)
-        pre.mask = pre.mask[idx] * (torch.arange(width, device=idx.device) < cut[:, None])
-        pre = sampler.prefill([list(tail)] * len(rows), after=pre)
-        forced = [seqs[m][:end] + list(tail) for m, _, end in rows]
-        ids, length, _ = sampler.sample(pre, k, row_generators(seed, forced, k, sampler.device))
-        out = tokenizer.batch_decode([r[:n] for r, n in zip(ids.tolist(), length.tolist())],
-                                     skip_special_tokens=True)
-        for r, (_, j, _) in enumerate(rows):
-            texts[j * k:(j + 1) * k] = out[r * k:(r + 1) * k]
+        for at in range(0, len(rows), batch_size or len(rows)):  # at most batch_size cuts at once
+            part = rows[at:at + (batch_size or len(rows))]
+            if at:  # batch_size below a trajectory's cuts: its prefill again for the next ones
+                pre = sampler.prefill(seqs)
+            idx = torch.tensor([m for m, _, _ in part], device=sampler.device)
+            pre.cache.batch_select_indices(idx)  # a copy of trajectory m's row for each cut it asks
+            cut = torch.tensor([pads[m] + end for m, _, end in part], device=idx.device)
+            pre.mask = pre.mask[idx] * (torch.arange(width, device=idx.device) < cut[:, None])
+            pre = sampler.prefill([list(tail)] * len(part), after=pre)
+            forced = [seqs[m][:end] + list(tail) for m, _, end in part]
+            ids, length, _ = sampler.sample(pre, k, row_generators(seed, forced, k, sampler.device))
+            out = tokenizer.batch_decode([r[:n] for r, n in zip(ids.tolist(), length.tolist())],
+                                         skip_special_tokens=True)
+            for r, (_, j, _) in enumerate(part):
+                texts[j * k:(j + 1) * k] = out[r * k:(r + 1) * k]
     model.train(was_training)
     if sampler.static is not None:  # the update needs the memory the labels' buffers hold
         staticcache.release(model)

@@ -87,10 +87,9 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None, prob
     kv, prefill = kv_shape[0] * kv_shape[1] * per_token, layer_acts(prompts * P)
     label_shape, label_kv, label_prefill = (0, 0), 0, 0
     if probed:
-        # forced answers: gen_batch cuts x k rows (a trajectory's cuts share a chunk); the chunk's
-        # prefill cache is still held
+        # forced answers: gen_batch cuts x k rows; the chunk's prefill cache is still held
         fractions = cfg.get("budgets", (0.25, 0.5, 0.75))
-        cuts = min(max(cfg["gen_batch"], len(fractions)), prompts_here * G * len(fractions))
+        cuts = min(cfg["gen_batch"], prompts_here * G * len(fractions))
         width = P + int(new * max(fractions)) + FORCED_SUFFIX
         label_shape = buffer_shape(cuts * cfg["k"], width, FORCED_ANSWER)
         label_kv = label_shape[0] * label_shape[1] * per_token

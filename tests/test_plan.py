@@ -167,7 +167,7 @@ def test_kv_terms_match_what_a_toy_step_allocates(tmp_path, monkeypatch):
     monkeypatch.setattr(train, "mc_labels", phase("label", train.mc_labels))
     # 48 new tokens, which the toy's responses fill: the plan sizes every phase for full-length responses
     args = ["--steps", "1", "--decode", "static", "--eval-n", "0", "--prompts-per-step", "4",
-            "--group-size", "4", "--gen-batch", "4", "--save-every", "0", "--max-new-tokens", "48"]
+            "--group-size", "4", "--gen-batch", "6", "--save-every", "0", "--max-new-tokens", "48"]
     train.main(args + ["--out", str(tmp_path / "run")])
     t = plan.estimate(plan.model_config("toy"), resolve_args(args), 1, "cpu")
     for name, term in (("rollout", "KV cache"), ("label", "label KV cache")):
