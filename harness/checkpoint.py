@@ -99,7 +99,6 @@ def load_model(name, dtype=torch.float32, trust_remote_code=False):
                             f"{CONFIG} from a copy of the run") from None
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        check_shapes(path, trust_remote_code)
         # use_kernels=False: by default transformers swaps layers for kernels from the hub
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, trust_remote_code=trust_remote_code, use_kernels=False)
@@ -112,36 +111,13 @@ def load_model(name, dtype=torch.float32, trust_remote_code=False):
         first = first_line(e, 300)
         where = "" if path == name else f" ({path})"
         hint = ("a weights file is damaged (cut short?): copy it again" if isinstance(e, SafetensorError)
+                else "its weights do not fit its config.json: restore the matching one"
+                if "ignore_mismatched_sizes" in first   # transformers' refusal, its report above
                 else "offline? download it first (hf download ID) or pass a local directory with weights")
         raise UserError(f"cannot load model {name!r}{where}: {first} -- {hint}") from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return model, tok
-
-
-def check_shapes(path, trust_remote_code=False):
-    """UserError before any weight is allocated when a local model's safetensors hold a tensor of
-    another shape than its config.json builds."""
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
-    files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors")) if os.path.isdir(path) else []
-    if not files:
-        return
-    try:
-        cfg = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-        with torch.device("meta"):
-            want = {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(
-                cfg, trust_remote_code=trust_remote_code).state_dict().items()}
-    except Exception:  # an unusual config: from_pretrained says what is wrong with it
-        return
-    for n in files:
-        with safe_open(os.path.join(path, n), "pt") as f:
-            for key in f.keys():
-                shape = tuple(f.get_slice(key).get_shape())
-                if want.get(key, shape) != shape:
-                    raise UserError(f"{os.path.join(path, n)}: {key} has shape {list(shape)} but "
-                                    f"{os.path.join(path, 'config.json')} builds {list(want[key])}: the weights "
-                                    "and the config are of different models; restore the matching config.json")
 
 
 def with_adapter(model, cfg, ckpt=None, fresh=False):
@@ -351,8 +327,6 @@ def save_checkpoint(run_dir, step, write, keep=2):
 
 
 LOCKS = ExitStack()  # the run folder's lock, released by exit_codes() however the run ends
-LOGS = ("metrics.jsonl", "samples.jsonl", "heldout.jsonl")
-MADE = []  # the run folder this process created (RunFolder.lock), for exit_codes' clean-up
 
 
 def hold_lock(out, new=False):
@@ -378,7 +352,8 @@ class RunFolder:
 
     def __init__(self, cfg, say, data_digest):
         self.out, self.say = cfg["out"], say
-        self.metrics, self.samples, self.heldout = (os.path.join(self.out, f) for f in LOGS)
+        self.metrics, self.samples, self.heldout = (
+            os.path.join(self.out, f) for f in ("metrics.jsonl", "samples.jsonl", "heldout.jsonl"))
         self.existed = all_gather(os.path.isdir(self.out))[0]
         if self.existed:  # locked before its checkpoints are read
             hold_lock(self.out)
@@ -405,8 +380,6 @@ class RunFolder:
         """A new folder is locked only once the data and the model are known to load."""
         if not self.existed:
             hold_lock(self.out, new=True)
-            if MASTER:
-                MADE.append(self.out)
 
     def start(self, cfg):
         """A new run: config.json and empty logs."""
@@ -498,7 +471,7 @@ def folder_kind(path):
     """(kind, the names that show it) of a folder: run, model, evaluation, empty (but a lock) or other."""
     names = sorted(set(os.listdir(path)) - {files.LOCK})
     weights = [n for n in names if n.endswith((".safetensors", ".bin"))]
-    run = ("metrics.jsonl", "checkpoints", "wandb_run.json")
+    run = ("metrics.jsonl", "checkpoints")
     for kind, shown in (("run", [n for n in run if n in names]),
                         ("model", ["config.json", *weights] if weights and "config.json" in names else []),
                         ("evaluation", [n for n in ("samples.jsonl", "results.json") if n in names])):
@@ -541,30 +514,16 @@ def interrupted(cfg):
             f"python train.py --resume {out}{flag}")
 
 
-def remove_unstarted():
-    """A user error before the first step leaves no run folder: the one this process made goes if it
-    holds only config.json and empty logs."""
-    for out in filter(os.path.isdir, MADE):
-        names = set(os.listdir(out))
-        logs = [os.path.join(out, f) for f in LOGS if f in names]
-        if names <= {"config.json", *LOGS} and not any(os.path.getsize(p) for p in logs):
-            for name in names:
-                os.remove(os.path.join(out, name))
-            os.rmdir(out)
-
-
 @contextmanager
 def exit_codes():
     """train.py's main runs inside this: the exit codes above, the lock released and the process group
     torn down however it ends. Yields a dict whose "cfg" the Ctrl-C line reads."""
-    state, stopped, user_error, finished = {}, False, False, False
-    MADE.clear()  # a run in this process before (tests) is not this one
+    state, stopped, finished = {}, False, False
     try:
         yield state
         finished = True
     except UserError as e:   # data.DataError and probe.NotAProbe too
         print(f"error: {e}", file=sys.stderr)
-        user_error = True
         sys.exit(2)
     except FloatingPointError as e:
         print(f"stopped: {e}; the last good checkpoint is left untouched", file=sys.stderr)
@@ -573,8 +532,6 @@ def exit_codes():
         stopped = True         # the line is printed below, once the progress bar has closed
     finally:
         LOCKS.close()
-        if user_error:
-            remove_unstarted()
         teardown(finished)
     if stopped:
         if MASTER:

@@ -72,36 +72,30 @@ def write_json(path, obj, indent=2):
         json.dump(obj, f, indent=indent)
 
 
-def read_jsonl(path, valid=lambda row: True, say=None):
+def read_jsonl(path, valid=lambda row: True):
     """Rows of a JSON-lines log we append to. A cut-off last line (a kill mid-write) is dropped from
     the file with a message; any other bad line, or a row not `valid`, is a UserError."""
-    say = say or (lambda msg: print(msg, file=sys.stderr))
     if not os.path.lexists(path):
         return []
     with open(path, "rb") as f:
         raw = f.read()
-    if raw and not raw.endswith(b"\n"):  # a kill between a row and its newline: end the line, so
-        raw += b"\n"                      # the next append starts a new one (a cut-off row is dropped below)
-        with appending(path) as f:
-            f.write("\n")
-    lines = raw.split(b"\n")
-    rows, last = [], max((i for i, line in enumerate(lines) if line.strip()), default=-1)
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
+    lines = [(i, line) for i, line in enumerate(raw.split(b"\n"), 1) if line.strip()]
+    rows = []
+    for i, line in lines:
+        shown = line[:60].decode("utf-8", "replace")
         try:
             row = json.loads(line.decode("utf-8"))
         except ValueError:
-            if i == last:
-                say(f"{path}: dropped a cut-off last line ({line[:60].decode('utf-8', 'replace')!r})")
-                with replacing(path, "wb") as f:
-                    f.write(b"".join(x + b"\n" for x in lines[:i] if x.strip()))
-                break
-            raise UserError(f"{path} line {i + 1} is not JSON: remove the line") from None
+            if (i, line) != lines[-1]:
+                raise UserError(f"{path} line {i} is not JSON: remove the line") from None
+            print(f"{path}: dropped a cut-off last line ({shown!r})", file=sys.stderr)
+            break
         if not isinstance(row, dict) or not valid(row):
-            raise UserError(f"{path} line {i + 1} is not a row of this log ({line[:60].decode('utf-8', 'replace')}): "
-                            "remove the line")
+            raise UserError(f"{path} line {i} is not a row of this log ({shown}): remove the line")
         rows.append(row)
+    if len(rows) < len(lines) or raw and not raw.endswith(b"\n"):  # next append: a new line
+        with replacing(path, "wb") as f:
+            f.write(b"".join(line + b"\n" for _, line in lines[:len(rows)]))
     return rows
 
 
