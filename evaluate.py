@@ -24,14 +24,12 @@ import rollout
 import toy
 from evaluation import confidence
 from evaluation.benchmarks import (HELD, LOCKS, Rounds, deal, default_out, digest, filed_label, hold,
-                                   load_benchmarks, model_id, model_label, ours, own_rows, question_ids,
+                                   load_benchmarks, model_id, model_label, own_rows, question_ids,
                                    read_samples, rlcr_prompts, run_config, run_prompt, sample_key, settings,
-                                   setup, share, share_probe)
-from evaluation.confidence import get_probe
+                                   setup, share)
 from evaluation.report import means, plot_reliability, report_uses, summarize, table, write_results
 from harness import checkpoint, runlog, sandbox
-from harness.checkpoint import ALIASES, resolve_model
-from harness.checkpoint import check_out
+from harness.checkpoint import ALIASES, check_out, resolve_model
 from harness.files import UserError
 from config import check_values
 from harness.parallel import MASTER, launch, teardown, worker_count
@@ -69,9 +67,9 @@ def evaluate_model(name, loaded, args):
     think = tok.convert_tokens_to_ids("</think>")
     close_id = None if think is None or think == tok.unk_token_id else think
     # fitted once: every worker makes a share of the post-hoc probe's data, rank 0 fits it (posthoc_probe)
-    got = get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded, prompt) \
-        if MASTER or source == "probe-posthoc" else None
-    prb, report = share_probe(got, next(model.parameters()).device)
+    got = confidence.get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded,
+                               prompt) if MASTER or source == "probe-posthoc" else None
+    prb, report = share(got)   # a probe is on the CPU (probe.load, fit_posthoc): shared as it is
     samples = os.path.join(out_dir, "samples.jsonl")
     res = {"path": path, "model_id": ident, "confidence": source, "out": out_dir, "benchmarks": {}, "settings": {},
            "provenance": runlog.provenance(args.argv, next(model.parameters()).device)}
@@ -86,7 +84,6 @@ def evaluate_model(name, loaded, args):
                        forced_k=s["reanswer_k"], budget=s["max_new_tokens"], reanswer=s["reanswer"],
                        logit_temperature=args.logit_temperature or run.get("temperature", 0.8))
         key = sample_key(ident, bench_source, s, args, [instruction, prompt[1], prompt[2]], conf_kw)
-        earlier = MASTER and len(own_rows(read_samples(samples), key, rows, s["n"]))   # by an earlier, cut command
         generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, samples, prompt[1],
                            prompt[2], key)
         if not MASTER:
@@ -98,7 +95,7 @@ def evaluate_model(name, loaded, args):
         world = {"toy_world": args.toy_world} if bench in data.TOY_BENCHMARKS else {}
         res["settings"][bench] = dict(s, confidence=source, grader=s.get("grader", GRADER), answer=prompt[2],
                                       temperature=args.temperature, **release, **world,
-                                      top_p=args.top_p, seed=args.seed, questions=len(rows), samples_earlier=earlier,
+                                      top_p=args.top_p, seed=args.seed, questions=len(rows),
                                       instruction=instruction, system_prompt=prompt[1], key=key,
                                       benchmark_source=bench_source, benchmark_rows=digest(question_ids(rows)),
                                       bootstrap=dict(resamples=1000, unit="question", seed=args.seed))
@@ -116,9 +113,6 @@ def evaluate_model(name, loaded, args):
     if kept:
         print(f"{os.path.join(out_dir, 'results.json')} keeps {label}'s earlier {', '.join(kept)} beside these "
               "(the same model, confidence and probe); its Overall is over all of them", file=sys.stderr)
-    del model
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
     return label, res
 
 
@@ -132,7 +126,7 @@ def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, con
     confidence.sample_confidences' arguments; form: grade.extract's ("box" or "tag").
     """
     qids = question_ids(rows)
-    todo = share(missing_samples(path, label, bench, rows, s["n"], key) if MASTER else None)
+    todo = share(missing_samples(path, rows, s["n"], key) if MASTER else None)
     bar = tqdm(total=len(rows) * s["n"], initial=len(rows) * s["n"] - sum(len(m) for _, m in todo),
                desc=f"{label} {bench}", file=sys.stderr, disable=not MASTER)
 
@@ -165,17 +159,11 @@ def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, con
     bar.close()
 
 
-def missing_samples(path, label, bench, rows, n, key):
+def missing_samples(path, rows, n, key):
     """[(question, [sample indices not yet in `path` for key])] of the questions missing any."""
-    have, qids = read_samples(path), question_ids(rows)
-    done = {(r["question"], r["sample"]) for r in own_rows(have, key, rows, n)}
+    done = {(r["question"], r["sample"]) for r in own_rows(read_samples(path), key, rows, n)}
     todo = [(q, [j for j in range(n) if (q, j) not in done]) for q in range(len(rows))]
-    todo = [t for t in todo if t[1]]
-    other = sum(r["model"] == label and r["benchmark"] == bench and not ours(r, key, qids) for r in have)
-    if todo and other:
-        print(f"{path}: {other} rows of {label} on {bench} were sampled with other settings, for other "
-              "questions or by an older version: not reused", file=sys.stderr)
-    return todo
+    return [t for t in todo if t[1]]
 
 
 def calls(todo, size):

@@ -1,13 +1,11 @@
 """The benchmarks an evaluation reads and how each is sampled (load_benchmarks, settings); what
 identifies a model's samples in samples.jsonl (sample_key, own_rows, hold); and the workers of an
 evaluation on every GPU of a node (setup, deal, Rounds), writing what one process would write."""
-import copy
 import dataclasses
 import datetime
 import hashlib
 import json
 import os
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 
@@ -172,14 +170,10 @@ def digest(obj, size=16):
 
 
 def filed_label(label, ident, out_dir):
-    """label, or label@HASH where OUT's results.json files another model under it."""
-    entry, folder = read_results(out_dir).get(label), ident.partition("#")[0]
-    if entry is None or entry.get("model_id") == ident:
-        return label
-    if str(entry.get("model_id")).partition("#")[0] == folder:
-        print(f"{os.path.join(out_dir, 'results.json')}: the entry of {label} is of the model that was in "
-              f"{folder} before (trained again or replaced since): it is evaluated again and replaced",
-              file=sys.stderr)
+    """label, or label@HASH where OUT's results.json files another folder's model under it (a model
+    trained again in its folder replaces its entry)."""
+    entry = read_results(out_dir).get(label)
+    if entry is None or str(entry.get("model_id")).partition("#")[0] == ident.partition("#")[0]:
         return label
     return f"{label}@{digest(ident, 8)}"
 
@@ -216,18 +210,14 @@ def question_ids(rows):
     return [digest([r["problem"], r["answer"]], 12) for r in rows]
 
 
-def ours(r, key, qids):
-    """Whether a sample row was made with `key` for the question now at its index (qids: question_ids)."""
-    return r.get("key") == key and r["question"] < len(qids) and r["q"] == qids[r["question"]]
-
-
 def own_rows(samples, key, rows, n):
     """The rows of `samples` made with `key` for these rows, once per (question, sample): a copied
     line (two shards' files joined with cat) counts once, and a question edited since is sampled again."""
     qids, mine = question_ids(rows), {}
     for r in samples:
-        if ours(r, key, qids) and r["sample"] < n:
-            mine.setdefault((r["question"], r["sample"]), r)
+        q = r["question"]
+        if r.get("key") == key and q < len(qids) and r["q"] == qids[q] and r["sample"] < n:
+            mine.setdefault((q, r["sample"]), r)
     return list(mine.values())
 
 
@@ -270,16 +260,6 @@ def share(obj):
     box = [obj if MASTER else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def share_probe(got, device):
-    """Rank 0's (probe or None, report or None) on every rank, the probe on the CPU or, where rank 0's
-    is on its GPU, on this rank's `device`."""
-    if WORLD == 1:
-        return got
-    on_gpu = MASTER and got[0] is not None and next(got[0].parameters()).device.type == "cuda"
-    prb, report, on_gpu = share((got[0] and copy.deepcopy(got[0]).cpu(), got[1], on_gpu) if MASTER else None)
-    return got if MASTER else (prb and prb.to(device if on_gpu else "cpu"), report)
 
 
 def deal(calls):
