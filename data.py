@@ -57,7 +57,6 @@ OOD = ("lcb", "gpqa", "logiqa")  # out-of-distribution: their own block in evalu
 LCB_RELEASES = {"v1": ("2023-05", "2024-03"), "v2": ("2024-04", "2024-05"), "v3": ("2024-06", "2024-07"),
                 "v4": ("2024-08", "2024-09"), "v5": ("2024-10", "2025-01"), "v6": ("2025-02", "2025-04")}
 LCB_RELEASE = "v4_v5"
-LCB_TEST_TYPES = ("stdin", "functional")
 # The LiveCodeBench prompt, the whole user turn: lighteval's lcb:codegeneration text, lcb_runner's
 # stdin sentence ("Ensure that ...") added, a newline before each fence (README, difference table).
 LCB_PREAMBLE = ("You will be given a question (problem specification) and will generate a correct Python program "
@@ -99,7 +98,7 @@ def lcb_tests(r):
     except (TypeError, KeyError, AttributeError) as e:   # a field of another shape
         why = f"{type(e).__name__}: {e}"
         raise ValueError(f"its tests or metadata are not LiveCodeBench's ({why})") from None
-    if len(kinds) != len(tests) or len(set(kinds)) != 1 or kinds[0] not in LCB_TEST_TYPES:
+    if len(kinds) != len(tests) or len(set(kinds)) != 1 or kinds[0] not in ("stdin", "functional"):
         raise ValueError(f"its {len(tests)} tests are not all of one type, stdin or functional, "
                          "with text input and output")
     if kinds[0] == "functional" and not (isinstance(fn_name, str) and fn_name.isidentifier()):
@@ -259,10 +258,9 @@ def _choices(row, index, spec):
     options = [scrub(str(row[f])).strip() for f in spec["choices"]]
     order = list(range(len(options)))
     random.Random(index).shuffle(order)
-    letters = "ABCD"
     problem = scrub(str(row[spec["problem"]])).strip() + "\n\n" + "\n".join(
-        f"{letters[k]}) {options[j]}" for k, j in enumerate(order))
-    return problem, letters[order.index(0)]
+        f"{'ABCD'[k]}) {options[j]}" for k, j in enumerate(order))
+    return problem, "ABCD"[order.index(0)]
 
 
 def _verl_row(r, i, where):
@@ -277,7 +275,6 @@ def _verl_row(r, i, where):
 
 
 def _gradable(where, i, field, value):
-    """A row's field value, when it is text or a number."""
     if isinstance(value, (dict, list, bool)) or (isinstance(value, float) and not math.isfinite(value)):
         raise DataError(f"{where}: row {i} field {field!r} is {str(value)[:40]!r} "
                         f"({type(value).__name__}), which can never be graded: give text or a number")

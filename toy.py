@@ -12,8 +12,6 @@ import math
 import os
 import random
 import re
-import shutil
-import tempfile
 import time
 
 import torch
@@ -141,17 +139,9 @@ def build_model(tok, seed=0):   # a fresh Qwen2ForCausalLM of MODEL: float32, ti
     return Qwen2ForCausalLM(config)
 
 
-def rlcr_tail(total, rng):
-    """What follows `</think>` under RLCR_INSTRUCTION: the answer, an empty analysis and a random
-    confidence: the format without calibration, which `--reward rlcr` has to learn.
-    17 -> "<answer>17</answer>\\n<analysis></analysis>\\n<confidence>0.4</confidence>"."""
-    return (f"<answer>{total}</answer>\n<analysis></analysis>\n"
-            f"<confidence>{rng.choice(CONFIDENCES)}</confidence>")
-
-
 def example(tok, problem, rng, forced):
     """One warm-start sequence: (ids, loss_mask), loss on response tokens only. Plain: prompt +
-    trace + </think>\\boxed{total}EOS (p_rlcr: RLCR_INSTRUCTION, rlcr_tail for the box). Forced:
+    trace + </think>\\boxed{total}EOS (p_rlcr: RLCR_INSTRUCTION, RLCR's tags for the box). Forced:
     prompt + response[:b] + CLOSE + SUFFIX + implied}\\n (toy.implied_sum: "14+2")."""
     terms = terms_of(problem)
     lines, totals = trace(terms, rng)
@@ -160,7 +150,10 @@ def example(tok, problem, rng, forced):
     prompt = tok.apply_chat_template([{"role": "user", "content": content}],
                                      add_generation_prompt=True, tokenize=False)
     prompt = tok.encode(prompt, add_special_tokens=False)
-    tail = rlcr_tail(totals[-1], rng) if rlcr else f"\\boxed{{{totals[-1]}}}"
+    # RLCR's format with a random confidence: no calibration, which --reward rlcr has to learn
+    boxed = f"\\boxed{{{totals[-1]}}}"
+    tail = (f"<answer>{totals[-1]}</answer>\n<analysis></analysis>\n"
+            f"<confidence>{rng.choice(CONFIDENCES)}</confidence>" if rlcr else boxed)
     response = tok.encode("".join(lines) + "</think>" + tail, add_special_tokens=False) + [tok.eos_token_id]
     if not forced:
         return prompt + response, [0] * len(prompt) + [1] * len(response)
@@ -178,62 +171,48 @@ def example(tok, problem, rng, forced):
 
 
 def warm_start(out, log=print):   # supervised (AdamW, warm-up then cosine; fixed seeds and threads)
-    threads = torch.get_num_threads()
     torch.set_num_threads(WARM["threads"])
-    try:
-        tok = tokenizer()
-        model = build_model(tok, WARM["seed"])
-        rng = random.Random(WARM["seed"])
-        pools = [[row["problem"] for row in dataset("train", b)] for b in BENCHMARKS]
-        # beta2 0.95 and weight decay: docs/reference.md, "The toy's warm start"
-        opt = torch.optim.AdamW(model.parameters(), lr=WARM["lr"], betas=(0.9, WARM["beta2"]),
-                                weight_decay=WARM["weight_decay"])
-        steps, t0 = WARM["steps"], time.time()
-        for step in range(steps):
-            lr = (WARM["lr"] * min(1.0, (step + 1) / WARM["warmup"])
-                  * 0.5 * (1 + math.cos(math.pi * step / steps)))
-            for group in opt.param_groups:
-                group["lr"] = lr
-            batch = [example(tok, rng.choice(rng.choices(pools, WARM["mix"])[0]), rng,
-                             rng.random() < WARM["p_forced"]) for _ in range(WARM["batch_size"])]
-            width = max(len(ids) for ids, _ in batch)
-            ids = torch.tensor([i + [tok.pad_token_id] * (width - len(i)) for i, _ in batch])
-            mask = torch.tensor([m + [0] * (width - len(m)) for _, m in batch], dtype=torch.float32)
-            logits = model(input_ids=ids, attention_mask=(ids != tok.pad_token_id).long()).logits
-            # token t is predicted from position t-1; weighted mean over the batch's response tokens
-            nll = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(),
-                                                    reduction="none")
-            loss = (nll * mask[:, 1:].flatten()).sum() / mask[:, 1:].sum()
-            opt.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            if step == 0 or (step + 1) % 100 == 0:
-                log(f"warm start {step + 1:4d}/{steps}  loss {loss.item():.4f}  lr {lr:.2e}  "
-                    f"{time.time() - t0:.0f}s")
-        model.generation_config.eos_token_id = tok.eos_token_id
-        model.generation_config.pad_token_id = tok.pad_token_id
-        model.save_pretrained(out, safe_serialization=True)
-        tok.save_pretrained(out)
-    finally:
-        torch.set_num_threads(threads)
+    tok = tokenizer()
+    model = build_model(tok, WARM["seed"])
+    rng = random.Random(WARM["seed"])
+    pools = [[row["problem"] for row in dataset("train", b)] for b in BENCHMARKS]
+    # beta2 0.95 and weight decay: docs/reference.md, "The toy's warm start"
+    opt = torch.optim.AdamW(model.parameters(), lr=WARM["lr"], betas=(0.9, WARM["beta2"]),
+                            weight_decay=WARM["weight_decay"])
+    steps, t0 = WARM["steps"], time.time()
+    for step in range(steps):
+        lr = (WARM["lr"] * min(1.0, (step + 1) / WARM["warmup"])
+              * 0.5 * (1 + math.cos(math.pi * step / steps)))
+        for group in opt.param_groups:
+            group["lr"] = lr
+        batch = [example(tok, rng.choice(rng.choices(pools, WARM["mix"])[0]), rng,
+                         rng.random() < WARM["p_forced"]) for _ in range(WARM["batch_size"])]
+        width = max(len(ids) for ids, _ in batch)
+        ids = torch.tensor([i + [tok.pad_token_id] * (width - len(i)) for i, _ in batch])
+        mask = torch.tensor([m + [0] * (width - len(m)) for _, m in batch], dtype=torch.float32)
+        logits = model(input_ids=ids, attention_mask=(ids != tok.pad_token_id).long()).logits
+        # token t is predicted from position t-1; weighted mean over the batch's response tokens
+        nll = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(),
+                                                reduction="none")
+        loss = (nll * mask[:, 1:].flatten()).sum() / mask[:, 1:].sum()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step == 0 or (step + 1) % 100 == 0:
+            log(f"warm start {step + 1:4d}/{steps}  loss {loss.item():.4f}  lr {lr:.2e}  "
+                f"{time.time() - t0:.0f}s")
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.generation_config.pad_token_id = tok.pad_token_id
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
     return out
 
 
-def base_model(path=None, rebuild=False):
-    """The warm-started base policy's folder (default toy_base/), trained if missing or on rebuild
-    into a temporary sibling, then renamed into place."""
-    path = os.path.abspath(path or BASE_DIR)
-    if rebuild or not os.path.exists(os.path.join(path, "model.safetensors")):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=".toy_base.", dir=os.path.dirname(path))
-        try:
-            os.chmod(tmp, 0o755)
-            warm_start(tmp)
-            shutil.rmtree(path, ignore_errors=True)   # a rebuild interrupted here trains again
-            os.rename(tmp, path)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+def base_model(path=BASE_DIR):
+    """The warm-started base policy's folder (default toy_base/), trained first if missing."""
+    if not os.path.exists(os.path.join(path, "model.safetensors")):
+        warm_start(path)
     return path
 
 
@@ -242,4 +221,4 @@ if __name__ == "__main__":
     parser.add_argument("--out", default=BASE_DIR,
                         help="output directory (default: toy_base/)")
     args = parser.parse_args()
-    print(base_model(args.out, rebuild=True))
+    print(warm_start(args.out))

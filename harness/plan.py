@@ -254,9 +254,8 @@ def eval_estimate(config, s, mem, early_exit=True):
 def eval_check(model, benches, mem_gib, log=print, early_exit=True):
     """Print each benchmark's plan on one GPU of mem_gib GiB; UserError on the first that cannot fit."""
     config, mem = model_config(model), mem_gib * GiB
-    out = {}
     for name, s in benches:
-        t = out[name] = eval_estimate(config, s, mem, early_exit=early_exit)
+        t = eval_estimate(config, s, mem, early_exit=early_exit)
         log(f"plan: {name} on 1 x {mem_gib:.0f} GiB GPU: weights {t['weights'] / GiB:.1f}, generation "
             f"{t['generation'] / GiB:.1f} ({t['shape'][0]} rows x {t['shape'][1]}), features {t['features'] / GiB:.1f}, "
             f"early exit {t['early exit'] / GiB:.1f} ({t['cuts']} cuts per chunk), runtime "
@@ -269,4 +268,3 @@ def eval_check(model, benches, mem_gib, log=print, early_exit=True):
                 q //= 2
             fix = f"--batch-size {q}" if fits(q) else "a GPU with more memory"
             raise UserError(f"plan: {name} needs a peak of {t['peak'] / GiB:.1f} GiB, more than {mem_gib:.0f}; fix: {fix}")
-    return out

@@ -1,7 +1,5 @@
-"""A preallocated (static) KV cache and a decode step captured as a CUDA graph, for harness/fast.py
-(`fast.decode`: the dynamic loop's samples, tests/test_rollout.py). Every tensor the step
-touches has a fixed address and shape, so the step is recorded once per live length and replayed;
-one bucketed shape is alive per model (`decoder`, `release`). The buffers, the live length and why:
+"""A preallocated (static) KV cache and a decode step captured as a CUDA graph, for harness/fast.py:
+the dynamic loop's samples, at fixed addresses, one bucketed shape alive per model. Why:
 docs/reference.md, "The static decoder". Models with sliding-window layers need the dynamic path.
 """
 import inspect
@@ -14,8 +12,7 @@ _CAPTURED = [0]  # decode steps recorded in this process (see captures)
 
 
 def captures():
-    """Decode steps recorded so far in this process, one per (shape, live length) the first time
-    it runs: a CUDA graph captured on a GPU; on the CPU the step it would be (run eagerly)."""
+    """Decode steps recorded so far in this process, one per new (shape, live length)."""
     return _CAPTURED[0]
 
 
@@ -173,9 +170,7 @@ def decoder(model, cache_kw):
 
 
 def release(model):
-    """Frees the model's static buffers and captured steps. label.mc_labels calls it after the rollout
-    (no label chunk has its shape, and the labels' first prefill must not sit on its buffers) and
-    before the update, whose activations need that memory."""
+    """Frees the model's static buffers and captured steps, for what needs the memory next."""
     d = _DECODERS.get(model)
     if d is not None:
         d.shape = d.key = None
