@@ -265,11 +265,19 @@ def check_labels(ctx):
     prompts = [ctx["prompts"][i // s["group"]] for i in range(n)]
     cuts = [label.cuts_of(m, cfg["budgets"]) for m in lengths]
     ctx.update(traj_prompts=prompts, responses=responses, cuts=cuts)
-    stats, row = {}, {}
-    with capturing(device) as caps, static_shapes.recording() as shapes, phase(ctx, row) as m:
-        _, feats = label.mc_labels(sampler, ctx["tok"], prompts, responses, cuts, ["1"] * n, k=s["k"],
-                                   max_new_tokens=s["answer_tokens"], seed=0, batch_size=cfg["gen_batch"],
-                                   grader="strict", decode="static", stats=stats, features=True)
+    stats, row, answers = {}, {}, label.forced_answers
+
+    def counted(*a):  # the distinct forced prompts mc_labels asks (forced_answers' cuts)
+        stats["forced_prompts"] = len(a[5])
+        return answers(*a)
+    label.forced_answers = counted
+    try:
+        with capturing(device) as caps, static_shapes.recording() as shapes, phase(ctx, row) as m:
+            _, feats = label.mc_labels(sampler, ctx["tok"], prompts, responses, cuts, ["1"] * n, k=s["k"],
+                                       max_new_tokens=s["answer_tokens"], seed=0, batch_size=cfg["gen_batch"],
+                                       grader="strict", decode="static", features=True)
+    finally:
+        label.forced_answers = answers
     staticcache.release(sampler)  # as train.py does before the update
     t = planned(ctx, s["longest"])
     versus_plan(row, m.added, {"label KV cache": t["label KV cache"], "label prefill": t["label prefill"]})

@@ -42,9 +42,9 @@ confidence.answers_match = lambda *a: work.__setitem__("graded", work["graded"] 
 fit = confidence.fit_posthoc
 
 
-def kept_fit(x, y, g, **kw):
+def kept_fit(x, y, g, *a, **kw):
     torch.save(dict(x=x, y=y, g=g), out + ".data.pt")
-    return fit(x, y, g, **kw)
+    return fit(x, y, g, *a, **kw)
 
 
 confidence.fit_posthoc = kept_fit

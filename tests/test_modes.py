@@ -279,8 +279,8 @@ def metrics(run):
 @pytest.mark.parametrize("mode", list(COMPONENTS))
 def test_every_mode_runs_two_toy_steps_and_logs_its_components(tmp_path, monkeypatch, mode):
     calls = []
-    real = label.generate  # the forced answers (the plain path): mc_labels samples none without a cut
-    monkeypatch.setattr(label, "generate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = label.row_generators  # the forced answers' streams: mc_labels samples none without a cut
+    monkeypatch.setattr(label, "row_generators", lambda *a, **k: calls.append(1) or real(*a, **k))
     run = str(tmp_path / "run")
     train.main(["--steps", "2", "--out", run, "--reward", mode, *SMALL])
     rows = metrics(run)

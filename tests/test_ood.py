@@ -115,10 +115,10 @@ def test_pass_at_k_per_benchmark():
     rows = [dict(question=q, sample=j, answer=None, correct=int(j < c), confidence=0.5, length=1)
             for q, c in ((0, 1), (1, 0), (2, 4)) for j in range(4)]
     # per question: c/n at k=1; 1 - C(n-c, 2)/C(n, 2) at k=2 (q0: 1 - 3/6); 1 once any is right at k=4
-    assert summarize(rows, same=None)["pass_at_k"] == pytest.approx({1: (0.25 + 0 + 1) / 3, 2: (0.5 + 0 + 1) / 3,
+    assert summarize(rows)["pass_at_k"] == pytest.approx({1: (0.25 + 0 + 1) / 3, 2: (0.5 + 0 + 1) / 3,
                                                                      4: (1 + 0 + 1) / 3})
     three = [dict(r, sample=r["sample"]) for r in rows if r["sample"] < 3]
-    assert list(summarize(three, same=None)["pass_at_k"]) == [1, 2, 3]
+    assert list(summarize(three)["pass_at_k"]) == [1, 2, 3]
 
 
 def answer_with(monkeypatch, canned):
