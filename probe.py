@@ -43,6 +43,8 @@ def prefix_features(hidden, ends, last_k=LAST_K):
       feats[n, b] = mean(hidden[n, p] for p in max(e - last_k, 0) .. e - 1),  e = ends[n, b]"""
     n, L, d = hidden.shape
     ends = torch.as_tensor(ends, dtype=torch.long, device=hidden.device)
+    if (ends > L).any():
+        raise ValueError(f"a prefix end exceeds the sequence length {L}")
     valid = ends > 0
     pos = ends.unsqueeze(-1) - last_k + torch.arange(last_k, device=hidden.device)   # [N, B, k]
     use = (pos >= 0) & valid.unsqueeze(-1)

@@ -6,6 +6,7 @@ import datetime
 import hashlib
 import json
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 
@@ -170,10 +171,14 @@ def digest(obj, size=16):
 
 
 def filed_label(label, ident, out_dir):
-    """label, or label@HASH where OUT's results.json files another folder's model under it (a model
-    trained again in its folder replaces its entry)."""
-    entry = read_results(out_dir).get(label)
-    if entry is None or str(entry.get("model_id")).partition("#")[0] == ident.partition("#")[0]:
+    """label, or label@HASH where OUT's results.json files another model under it."""
+    entry, folder = read_results(out_dir).get(label), ident.partition("#")[0]
+    if entry is None or entry.get("model_id") == ident:
+        return label
+    if str(entry.get("model_id")).partition("#")[0] == folder:
+        print(f"{os.path.join(out_dir, 'results.json')}: the entry of {label} is of the model that was in "
+              f"{folder} before (trained again or replaced since): it is evaluated again and replaced",
+              file=sys.stderr)
         return label
     return f"{label}@{digest(ident, 8)}"
 
