@@ -131,15 +131,15 @@ def policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.2, agg="tok
 
 
 def micro_batches(lengths, max_tokens):
-    """Split indices into consecutive micro-batches of at most max_tokens padded tokens."""
-    batches, cur, longest = [], [], 0
-    for i, n in enumerate(lengths):
-        if cur and max(longest, n) * (len(cur) + 1) > max_tokens:
-            batches.append(cur)
-            cur, longest = [], 0
+    """Row indices in micro-batches of <= max_tokens padded tokens: rows longest first, each joining the
+    last one if it fits there within max_tokens / 32 of its longest row (why: docs/reference.md)."""
+    batches, cur = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # stable: ties keep their order
+        longest = lengths[cur[0]] if cur else 0
+        if cur and ((len(cur) + 1) * longest > max_tokens or longest - lengths[i] > max_tokens / 32):
+            batches, cur = batches + [cur], []
         cur.append(i)
-        longest = max(longest, n)
-    return batches + ([cur] if cur else [])
+    return [sorted(b) for b in batches + [cur] if b]  # rollout order within: one micro-batch as before
 
 
 def micro_batch(batch, rows, device, length=None):
