@@ -189,13 +189,15 @@ def test_micro_batches_by_length_give_rollout_orders_loss_and_gradient():
     adv = torch.tensor([1.0, -0.5, 0.25, -2.0, 0.5, 1.5, -1.0, 0.75])
     policy = tiny_qwen2()
     with torch.no_grad():   # old log-probs a little off the current ones, so ratios differ from 1
-        old_logp = grpo.token_logprobs(policy, b["input_ids"], b["attention_mask"]) + 0.1 * torch.randn(b["loss_mask"].shape)
+        old_logp = grpo.token_logprobs(policy, b["input_ids"], b["attention_mask"])
+        old_logp += 0.1 * torch.randn(b["loss_mask"].shape)
     cfg = dict(agg="token-mean", temperature=1.0, chunk_size=16, clip_low=0.2, clip_high=0.2, grad_clip=1e9,
                max_new_tokens=16)
     out = []
     for mbs in (new, old):
         opt = Capture(policy.parameters())
-        out.append((grpo.update(policy, opt, b, old_logp, adv, mbs, cfg, torch.device("cpu"))["loss"], opt.grads))
+        loss = grpo.update(policy, opt, b, old_logp, adv, mbs, cfg, torch.device("cpu"))["loss"]
+        out.append((loss, opt.grads))
     assert out[0][0] == pytest.approx(out[1][0], rel=1e-5) and abs(out[0][0]) > 1e-3
     for g1, g2 in zip(out[0][1], out[1][1]):
         assert torch.allclose(g1, g2, rtol=1e-4, atol=1e-7)
