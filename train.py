@@ -113,20 +113,12 @@ def other_mode(learner, batch, mbs, out, correct, C, Y, valid, cfg, time):
 
 def fit_probe(probe, probe_opt, X, Y, cfg, seed):
     """Fit the probe on the (h_b, Y_b) pairs X [M, d], Y [M] of every rank (one fit, one seed on
-    every rank: equal probes) -> (its BCE, X, Y pooled). --probe-labels shuffled fits on Y permuted."""
+    every rank: equal probes) -> (its BCE, X, Y pooled)."""
     if WORLD > 1:
         X, Y = (torch.cat(parts) for parts in zip(*all_gather((X, Y))))
-    fit_Y = shuffled(Y, seed) if cfg.get("probe_labels") == "shuffled" else Y
-    bce = probe_lib.fit(probe, probe_opt, X, fit_Y, passes=cfg["probe_passes"],
+    bce = probe_lib.fit(probe, probe_opt, X, Y, passes=cfg["probe_passes"],
                         batch_size=cfg["probe_batch"], seed=seed)
     return bce, X, Y
-
-
-def shuffled(Y, seed):
-    """Y [P] permuted by a permutation drawn from `seed` alone (the run's seed and step: the same on
-    every rank and after a resume; torch's global RNG left alone): [1, 0, .5] -> e.g. [0, .5, 1].
-    The probe can then learn the labels' base rate, but not what a prefix says about its label."""
-    return Y[torch.randperm(len(Y), generator=torch.Generator().manual_seed(seed))]
 
 
 class Timer:
