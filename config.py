@@ -3,7 +3,6 @@ a model's RECIPES, a --reward mode's IMPLIED) and its allowed values (LIMITS). r
 given now > a resumed run's config.json (or a --config file) > the defaults, all checked first.
 """
 import argparse
-import json
 import math
 import os
 
@@ -228,7 +227,9 @@ def resolve_args(argv):
     saved = {}
     if flag:
         path = given[flag[2:]]
-        saved = read_config(path) if flag == "--resume" else _read_config(path)
+        saved = read_config(path, flag)
+        if flag == "--config":   # a saved config minus how and where that run was started
+            saved = {k: v for k, v in saved.items() if k not in NOT_SAVED + ("out",)}
     if given.get("resume"):
         run = given["resume"]
         if saved.pop("trust_remote_code", False) and not given.get("trust_remote_code"):
@@ -261,14 +262,3 @@ def resolve_args(argv):
     check_values(cfg)
     check_out(cfg["out"], "--resume" if cfg["resume"] else "--out", None if cfg["resume"] else "train.py")
     return cfg
-
-
-def _read_config(path):   # a --config file minus how and where that run was started
-    try:
-        with open(path) as f:
-            saved = json.load(f)
-    except (OSError, ValueError) as e:
-        raise UserError(f"--config {path}: cannot read it ({e}); pass a run's config.json") from None
-    if not isinstance(saved, dict):
-        raise UserError(f"--config {path}: not a config (a JSON object of settings); pass a run's config.json")
-    return {k: v for k, v in saved.items() if k not in NOT_SAVED + ("out",)}

@@ -481,11 +481,11 @@ def folder_kind(path):
 
 
 def read_config(run, flag="--resume"):
-    """RUN/config.json as a dict, or one UserError line saying what is wrong with it."""
-    path = os.path.join(run, "config.json")
+    """RUN/config.json (or the file RUN: --config) as a dict, or one UserError line saying what is wrong."""
+    path = run if os.path.isfile(run) else os.path.join(run, "config.json")
     if not os.path.isfile(path):
-        raise UserError(f"{flag} {run}: no run there (config.json missing); "
-                        "pass the --out directory of an earlier run")
+        raise UserError(f"{flag} {run}: no run's config.json there to read; "
+                        "pass the --out directory of an earlier run or its config.json")
     try:
         with open(path, encoding="utf-8") as f:
             saved = json.load(f)
