@@ -280,7 +280,8 @@ def test_the_shipped_configs_are_the_public_ones():
     assert plan.model_config("deepseek-r1-distill-qwen-7b").to_dict() == seven.to_dict()
     fixture = os.path.join(ROOT, "..", "shared", "fixtures", "r1_distill_qwen_7b", "config.json")
     if os.path.isfile(fixture):
-        with open(fixture) as a, open(os.path.join(ROOT, "configs", plan.SHIPPED[resolve_model("rlcm-7b")], "config.json")) as b:
+        shipped = os.path.join(ROOT, "configs", plan.SHIPPED[resolve_model("rlcm-7b")], "config.json")
+        with open(fixture) as a, open(shipped) as b:
             assert a.read() == b.read()
     four = plan.model_config("qwen3-4b-instruct")
     assert (four.model_type, four.hidden_size, four.intermediate_size, four.num_hidden_layers,
