@@ -140,13 +140,9 @@ def with_adapter(model, cfg, ckpt=None, fresh=False):
 
 def load_sharded(name, device, logprobs, offload=False, trust_remote_code=False, grad_ckpt=None,
                  adapt=None):
-    """(policy, sampler, lm, tokenizer) on every rank, reading the weights on rank 0 only, which
-    broadcasts them shard by shard to the meta-built, sharded model on every rank.
-
-    adapt(model, meta) adds the LoRA adapter (--lora-rank), fp32 like the base, so each FSDP2 unit
-    holds one dtype (verl #3470: mixed dtypes in one unit fail). Non-persistent buffers (rotary
-    inv_freq) are in no state dict: to_empty leaves garbage, so `rebuild_buffers` remakes them.
-    """
+    """(policy, sampler, lm, tokenizer) on every rank; rank 0 alone reads the weights and broadcasts
+    them to the meta-built, sharded model. adapt(model, meta) adds the LoRA adapter, fp32 like the
+    base: an FSDP2 unit of mixed dtypes fails (verl #3470)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     full = {}
