@@ -26,7 +26,7 @@ SHIPPED = {"deepseek-ai/DeepSeek-R1-Distill-Qwen-7B": "DeepSeek-R1-Distill-Qwen-
 
 
 def model_config(name, trust_remote_code=False):
-    """The transformers config of a --model value, its weights unread (a named hub model's: SHIPPED)."""
+    """The transformers config of a --model value, weights unread (a named hub model's: SHIPPED)."""
     from transformers import AutoConfig
     path = resolve_model(name)
     path = os.path.join(ROOT, "configs", SHIPPED[path]) if path in SHIPPED else path
