@@ -477,7 +477,7 @@ def folder_kind(path):
 
 
 def read_config(run, flag="--resume"):
-    """RUN/config.json (or the file RUN: --config) as a dict, or one UserError line on what is wrong."""
+    """RUN/config.json (or the file RUN: --config) as a dict, or one UserError line."""
     path = run if os.path.isfile(run) else os.path.join(run, "config.json")
     if not os.path.isfile(path):
         raise UserError(f"{flag} {run}: no run's config.json there to read; "
