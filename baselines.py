@@ -13,17 +13,6 @@ terms), grpo.py (group advantages); RLCR and C2GSPG whole below.
                                                                   --c2gspg-bce: + 0.1 BCE(c, r)
 r_nat = 2 * correct - 1 (signed, released). config.IMPLIED sets the budgets, corner and filter a
 mode implies (flags given win). The filter, RLCR's parser, C2GSPG's c: docs/design.md, "Baselines".
-
-RLCR: the policy states its confidence in a final <confidence> tag (its answer in an <answer> tag);
-  conf  = verbal_confidence(text): "85" -> 0.85, "0.3" -> 0.3, missing or outside [0, 100] -> 0.5
-          (and counted)
-  R     = correct - (correct - conf)^2   (correct 0/1)              advantages: group z-score
-C2GSPG: the confidence is the policy's own sequence probability;
-  c     = exp(mean_t log p(token_t)) of the response (sequence_confidence)
-  R     = correct (0/1),  A = (R - mean_group R) / max(1 - c, 1e-6), c under the rollout weights
-  loss  = the clipped policy loss; with --c2gspg-bce also 0.1 * BCE(c_theta_n, correct_n), c_theta
-          differentiable (c2gspg_loss: the extra term grpo.update adds). Off by default: the
-          released launcher sets the weight, but its actor drops the labels before the loss.
 """
 import re
 

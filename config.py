@@ -3,7 +3,6 @@ a model's RECIPES, a --reward mode's IMPLIED) and its allowed values (LIMITS). r
 given now > a resumed run's config.json (or a --config file) > the defaults, all checked first.
 """
 import argparse
-import json
 import math
 import os
 
@@ -11,7 +10,7 @@ import grade
 import toy
 from data import ANSWER_FIELDS, INSTRUCTION, PROBLEM_FIELDS, RLCR_INSTRUCTION
 from grpo import AGGS
-from baselines import PROBE_MODES, REWARDS  # the --reward modes; those that fit a probe
+from baselines import REWARDS  # the --reward modes
 from rollout import DECODES
 from harness.checkpoint import ALIASES
 from harness.files import UserError
@@ -42,7 +41,7 @@ COMMON = dict(model="toy", problem_field=None, answer_field=None, trust_remote_c
               out=None, resume=None, system_prompt=None, log_samples=4, eval_probe_n=32,
               ppo_epochs=1, offload=False, offload_grads="gpu", nproc=None, gpus=None, gpu_mem=None,
               plan=False, decode=None, drop_unanimous=False, c2gspg_bce="off", lora_rank=0, lora_alpha=32.0,
-              lora_targets="all-linear", probe_labels="mc", toy_world=None)
+              lora_targets="all-linear", toy_world=None)
 # Under --lora-rank the default --lr is this many times the world's full fine-tuning rate ("LoRA
 # Without Regret", Schulman et al. 2025: about 10x; TRL's GRPO recipe: 1e-5 against 1e-6).
 LORA_LR_FACTOR = 10
@@ -96,7 +95,7 @@ LIMITS = {
 # Refused on --resume: the saved data cursor, RNG states or probe would refer to another run. Others
 # apply from the next step, written to config.json (--lr, --probe-lr: replace the saved rates).
 FIXED_ON_RESUME = ("model", "data", "problem_field", "answer_field", "seed", "reward", "probe_hidden",
-                   "lora_rank", "lora_alpha", "lora_targets", "probe_labels", "toy_world")
+                   "lora_rank", "lora_alpha", "lora_targets", "toy_world")
 
 
 def dflt(key):
@@ -151,8 +150,6 @@ def build_parser():   # every default None: resolve_args fills them. More: docs/
     g.add_argument("--probe-lr", type=float, help=f"the probe's learning rate ({dflt('probe_lr')})")
     g.add_argument("--probe-passes", type=int, help=f"passes per fit ({dflt('probe_passes')})")
     g.add_argument("--probe-batch", type=int, help=f"prefixes per probe update ({dflt('probe_batch')})")
-    g.add_argument("--probe-labels", choices=("mc", "shuffled"),
-                   help=f"the step's Y_b, or shuffled (a control; {dflt('probe_labels')})")
     g.add_argument("--probe-hidden", type=int, metavar="N",
                    help="the probe d -> N -> 1 (default d/4, as released); 0: linear d -> 1")
     g = p.add_argument_group("optimisation")
@@ -230,7 +227,9 @@ def resolve_args(argv):
     saved = {}
     if flag:
         path = given[flag[2:]]
-        saved = read_config(path) if flag == "--resume" else _read_config(path)
+        saved = read_config(path, flag)
+        if flag == "--config":   # a saved config minus how and where that run was started
+            saved = {k: v for k, v in saved.items() if k not in NOT_SAVED + ("out",)}
     if given.get("resume"):
         run = given["resume"]
         if saved.pop("trust_remote_code", False) and not given.get("trust_remote_code"):
@@ -261,19 +260,5 @@ def resolve_args(argv):
     cfg.update({k: given.get(k) for k in NOT_SAVED})
     cfg["out"] = cfg["out"] or os.path.join("runs", os.path.basename(cfg["model"].rstrip("/")))
     check_values(cfg)
-    if cfg["probe_labels"] != "mc" and cfg["reward"] not in PROBE_MODES:
-        raise UserError(f"--probe-labels {cfg['probe_labels']}: --reward {cfg['reward']} fits no probe; "
-                        "drop it or use a probe mode (" + ", ".join(PROBE_MODES) + ")")
     check_out(cfg["out"], "--resume" if cfg["resume"] else "--out", None if cfg["resume"] else "train.py")
     return cfg
-
-
-def _read_config(path):   # a --config file minus how and where that run was started
-    try:
-        with open(path) as f:
-            saved = json.load(f)
-    except (OSError, ValueError) as e:
-        raise UserError(f"--config {path}: cannot read it ({e}); pass a run's config.json") from None
-    if not isinstance(saved, dict):
-        raise UserError(f"--config {path}: not a config (a JSON object of settings); pass a run's config.json")
-    return {k: v for k, v in saved.items() if k not in NOT_SAVED + ("out",)}

@@ -90,13 +90,9 @@ def calibration(conf, correct, n_bins=10):
 
 
 def bootstrap(conf, correct, groups, n_resamples=1000, seed=0):
-    """95 % intervals of Acc, ECE and PCE over groups (questions): {name: {"lo", "hi", "pm"}}.
-
-    groups [N]: each sample's question; a resample draws as many questions, with replacement, and
-    keeps all samples of each. The interval is the estimate +- 1.96 x the statistic's standard
-    deviation over the resamples, clipped to [0, 1]: it always holds the estimate (a percentile
-    interval of the upward-biased ECE need not); `pm` is its half-width. Seeded.
-    """
+    """95 % intervals of Acc, ECE and PCE over groups [N] (each sample's question): {name: {"lo",
+    "hi", "pm"}}: the estimate +- 1.96 x the sd over resamples of whole questions (`pm`), clipped to
+    [0, 1]. Unlike a percentile interval of the upward-biased ECE, it always holds the estimate."""
     conf, correct = _check(conf, correct)
     stats = {"acc": lambda c, y: float(y.mean()), "ece": ece, "pce": pce}
     _, members = np.unique(np.asarray(groups).reshape(-1), return_inverse=True)
@@ -115,13 +111,9 @@ def bootstrap(conf, correct, groups, n_resamples=1000, seed=0):
 
 
 def pass_at_k(n, c, k):
-    """Unbiased pass@k of a question: the chance that k of its n samples, c right, hold a right one.
-
-        pass@k = 1 - C(n - c, k) / C(n, k) = 1 - prod_{i = n-c+1}^{n} (1 - k / i)
-
-    The product form (Chen et al. 2021) never forms the binomials, which overflow a float from
-    n ~ 1000. Example: n = 5, c = 2, k = 2: 1 - C(3, 2) / C(5, 2) = 0.7; with k = 1 it is c / n.
-    """
+    """Unbiased pass@k of a question, n samples, c right: 1 - C(n - c, k) / C(n, k), as the product
+    1 - prod_{i = n-c+1}^{n} (1 - k / i) (Chen et al. 2021: the binomials overflow from n ~ 1000).
+    Example: n = 5, c = 2, k = 2: 1 - C(3, 2) / C(5, 2) = 0.7; with k = 1 it is c / n."""
     if not 0 <= c <= n or not 1 <= k <= n:
         raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
     if n - c < k:

@@ -349,6 +349,5 @@ def main(argv=None):
     print("\n" + write_outputs(args.out, methods, seeds, argv))
 
 
-
 if __name__ == "__main__":
     main()

@@ -9,10 +9,8 @@
     python train.py --resume runs/toy                      # continue a run from its last checkpoint
 
 One step: rl_step below (README.md, "The algorithm"; docs/design.md, "One RL step"); the rest of this
-file runs the steps: setup, held-out checks, checkpoints, logs, resume. Kept from GRPO: group-normalised
-advantages, the clipped ratio, token-mean aggregation; dropped: the KL penalty (as released). With
-one update per batch (--ppo-epochs 1) the old log-probs are the current ones detached (ratio 1).
-The probe never sends a gradient into the policy: the margin enters only through the scalar reward.
+file runs the steps. Kept from GRPO: group-normalised advantages, the clipped ratio, token-mean
+aggregation; dropped: the KL penalty (as released). The probe sends no gradient into the policy.
 """
 import math
 import os
@@ -96,9 +94,8 @@ PLAIN = ("rlcm", "zero", False, 1)  # rl_step's plain path: the paper's RLCM, on
 
 
 def other_mode(learner, batch, mbs, out, correct, C, Y, valid, cfg, time):
-    """rl_step past the paper's RLCM: the other --reward modes and --corner, --drop-unanimous,
-    --ppo-epochs > 1 -> (parts, R, adv, old_logp, extra): R's
-    terms, the rewards, the advantages, the scoring pass's log-probs and a mode's loss term."""
+    """rl_step past the paper's RLCM (other --reward modes, --corner, --drop-unanimous, --ppo-epochs
+    > 1) -> R's terms, R, the advantages, the scoring pass's log-probs and a mode's loss term."""
     seq_conf = old_logp = extra = None
     if cfg["ppo_epochs"] > 1 or cfg["reward"] == "c2gspg":  # a pass under the rollout weights
         with time("score"):
@@ -113,20 +110,12 @@ def other_mode(learner, batch, mbs, out, correct, C, Y, valid, cfg, time):
 
 def fit_probe(probe, probe_opt, X, Y, cfg, seed):
     """Fit the probe on the (h_b, Y_b) pairs X [M, d], Y [M] of every rank (one fit, one seed on
-    every rank: equal probes) -> (its BCE, X, Y pooled). --probe-labels shuffled fits on Y permuted."""
+    every rank: equal probes) -> (its BCE, X, Y pooled)."""
     if WORLD > 1:
         X, Y = (torch.cat(parts) for parts in zip(*all_gather((X, Y))))
-    fit_Y = shuffled(Y, seed) if cfg.get("probe_labels") == "shuffled" else Y
-    bce = probe_lib.fit(probe, probe_opt, X, fit_Y, passes=cfg["probe_passes"],
+    bce = probe_lib.fit(probe, probe_opt, X, Y, passes=cfg["probe_passes"],
                         batch_size=cfg["probe_batch"], seed=seed)
     return bce, X, Y
-
-
-def shuffled(Y, seed):
-    """Y [P] permuted by a permutation drawn from `seed` alone (the run's seed and step: the same on
-    every rank and after a resume; torch's global RNG left alone): [1, 0, .5] -> e.g. [0, .5, 1].
-    The probe can then learn the labels' base rate, but not what a prefix says about its label."""
-    return Y[torch.randperm(len(Y), generator=torch.Generator().manual_seed(seed))]
 
 
 class Timer:
@@ -212,9 +201,8 @@ def probe_stats(learner, got):
 
 @torch.no_grad()
 def held_out_accuracy(sampler, tok, rows, cfg, device, probe=None, probe_stats=None):
-    """The held-out check: accuracy on `rows`, the same problems and seed (T 0.6) each time. With a
-    `probe_stats` dict: the probe out of sample on the
-    prefixes of the first --eval-probe-n trajectories, labelled as in a step, goes into it."""
+    """The held-out check: accuracy on `rows`, the same problems and seed (T 0.6) each time; into a
+    `probe_stats` dict, the probe on the first --eval-probe-n trajectories' prefixes, labelled."""
     mine = rows[RANK::WORLD]
     prompts = [data.row_prompt(tok, r, cfg["instruction"], cfg["system_prompt"]) for r in mine]
     hits, trajs = 0, []
@@ -289,9 +277,8 @@ def load_policy(cfg, device, ckpt=None):
 
 
 def warmup_factor(s, warmup, from_zero):
-    """The learning rate's factor at update s (0, 1, ...): linear warm-up to 1 over `warmup` updates.
-    from_zero (verl's, the released run): s / warmup, so the first update runs at lr 0; else
-    (s + 1) / warmup. warmup 10: update 0 at 0 or 0.1, update 9 at 0.9 or 1, update 10 at 1; warmup 0: 1."""
+    """The lr's factor at update s (0, 1, ...): a linear warm-up to 1 over `warmup` updates, from
+    s / warmup with from_zero (verl's: the first update at lr 0), else (s + 1) / warmup."""
     return 1.0 if s >= warmup else (s + (0 if from_zero else 1)) / warmup
 
 

@@ -262,9 +262,8 @@ def early_exit(cal, test, epsilons=EPSILONS):
 
 def split_early_exit(units, epsilons=EPSILONS, splits=100, seed=0):
     """early_exit over `splits` seeded random halvings of the units (questions), the first half
-    calibrating: per epsilon, split 0's threshold, cal_bound and test_risk_split0, and over all
-    splits the mean test_risk (test_risk_sd), exit_rate and tokens_saved.
-    """
+    calibrating: per epsilon, split 0's threshold, cal_bound and test_risk_split0, and the means
+    over all splits of test_risk (and its sd), exit_rate and tokens_saved."""
     runs = []
     for s in range(splits):
         order = list(units)

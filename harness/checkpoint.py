@@ -140,13 +140,9 @@ def with_adapter(model, cfg, ckpt=None, fresh=False):
 
 def load_sharded(name, device, logprobs, offload=False, trust_remote_code=False, grad_ckpt=None,
                  adapt=None):
-    """(policy, sampler, lm, tokenizer) on every rank, reading the weights on rank 0 only, which
-    broadcasts them shard by shard to the meta-built, sharded model on every rank.
-
-    adapt(model, meta) adds the LoRA adapter (--lora-rank), fp32 like the base, so each FSDP2 unit
-    holds one dtype (verl #3470: mixed dtypes in one unit fail). Non-persistent buffers (rotary
-    inv_freq) are in no state dict: to_empty leaves garbage, so `rebuild_buffers` remakes them.
-    """
+    """(policy, sampler, lm, tokenizer) on every rank; rank 0 alone reads the weights and broadcasts
+    them to the meta-built, sharded model. adapt(model, meta) adds the LoRA adapter, fp32 like the
+    base: an FSDP2 unit of mixed dtypes fails (verl #3470)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     full = {}
@@ -481,11 +477,11 @@ def folder_kind(path):
 
 
 def read_config(run, flag="--resume"):
-    """RUN/config.json as a dict, or one UserError line saying what is wrong with it."""
-    path = os.path.join(run, "config.json")
+    """RUN/config.json (or the file RUN: --config) as a dict, or one UserError line."""
+    path = run if os.path.isfile(run) else os.path.join(run, "config.json")
     if not os.path.isfile(path):
-        raise UserError(f"{flag} {run}: no run there (config.json missing); "
-                        "pass the --out directory of an earlier run")
+        raise UserError(f"{flag} {run}: no run's config.json there to read; "
+                        "pass the --out directory of an earlier run or its config.json")
     try:
         with open(path, encoding="utf-8") as f:
             saved = json.load(f)

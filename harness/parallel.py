@@ -204,14 +204,10 @@ def slots(shapes):
 
 
 def gather_into(pairs, buffer=None):
-    """Fill full tensors from the FSDP2 shards of a group of parameters with one all-gather on the
-    full tensors' device, in their dtype. pairs: [(dst [d0, ...], DTensor of the same shape)].
-
-    FSDP2 shards rows as torch.chunk does: rank r holds rows [r c, r c + c), c = ceil(d0 / W). Each
-    rank writes its rows of every parameter, padded to c rows and cast (per element: the same bits),
-    into one buffer, so one all-gather serves the group (pinned host shards under --offload: the
-    copy does not block). `buffer`: (W + 1) x the group's slots or more (plan.py, "refresh").
-    """
+    """Fill full tensors dst [d0, ...] from the FSDP2 shards of a group, pairs [(dst, DTensor)],
+    with one all-gather in their dtype. Rank r holds rows [r c, r c + c), c = ceil(d0 / W): each
+    rank writes its rows, padded to c and cast, into one buffer, (W + 1) x the group's slots or
+    more (plan.py, "refresh"); pinned host shards under --offload copy without blocking."""
     rows, sizes = slots([dst.shape for dst, _ in pairs])
     at = [sum(sizes[:i]) for i in range(len(pairs))]
     n = sum(sizes)

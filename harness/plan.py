@@ -25,17 +25,13 @@ SHIPPED = {"deepseek-ai/DeepSeek-R1-Distill-Qwen-7B": "DeepSeek-R1-Distill-Qwen-
            "Melodramas/RLCM-Qwen3-4B-Instruct": "Qwen3-4B-Instruct-2507"}
 
 
-def config_path(name):
-    """Where a --model value's config.json is read (a named hub model's: SHIPPED)."""
-    path = resolve_model(name)
-    return os.path.join(ROOT, "configs", SHIPPED[path]) if path in SHIPPED else path
-
-
 def model_config(name, trust_remote_code=False):
-    """The transformers config of a --model value, its weights unread."""
+    """The transformers config of a --model value, weights unread (a named hub model's: SHIPPED)."""
     from transformers import AutoConfig
+    path = resolve_model(name)
+    path = os.path.join(ROOT, "configs", SHIPPED[path]) if path in SHIPPED else path
     try:
-        return AutoConfig.from_pretrained(config_path(name), trust_remote_code=trust_remote_code)
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
         first = first_line(e, 300)
         raise UserError(f"cannot read the config of model {name!r}: {first} -- offline? pass a local folder "

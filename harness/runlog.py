@@ -8,7 +8,7 @@ import shlex
 import subprocess
 from datetime import datetime, timezone
 
-from harness.files import appending, replacing
+from harness.files import appending, read_jsonl, replacing
 
 TEXT_CHARS = 2000
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
@@ -60,25 +60,14 @@ def append_jsonl(path, rows):
             f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
-def read_metrics(path):
-    """A metrics.jsonl's rows, finite numbers only; a last line cut off by a kill is skipped."""
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                rows.append({k: v for k, v in json.loads(line).items() if _number(v)})
-            except ValueError:
-                pass
-    return rows
-
-
 def _number(v):
     return isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < 1e300   # not NaN, inf or huge
 
 
 def plot_curves(run_dir):
     """Draw PANELS from RUN/metrics.jsonl into RUN/curves.png; returns its path."""
-    rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    rows = [{k: v for k, v in r.items() if _number(v)}
+            for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl"))]
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -132,7 +132,7 @@ def test_a_start_that_cannot_fit_stops_before_loading(tmp_path, capsys, monkeypa
     import shutil
     monkeypatch.setattr(train, "run", lambda cfg: pytest.fail("run() must not start"))
     folder = tmp_path / "m"   # a local model (a start needs one offline): the 7B's config.json alone
-    shutil.copytree(plan.config_path(FIXTURE_7B), folder)
+    shutil.copytree(os.path.join(ROOT, "configs", "DeepSeek-R1-Distill-Qwen-7B"), folder)
     with pytest.raises(SystemExit):
         train.main(["--model", str(folder), "--gpus", "2", "--gpu-mem", "40", "--out", str(tmp_path / "r")])
     assert "cheapest fix" in capsys.readouterr().err
@@ -280,7 +280,8 @@ def test_the_shipped_configs_are_the_public_ones():
     assert plan.model_config("deepseek-r1-distill-qwen-7b").to_dict() == seven.to_dict()
     fixture = os.path.join(ROOT, "..", "shared", "fixtures", "r1_distill_qwen_7b", "config.json")
     if os.path.isfile(fixture):
-        with open(fixture) as a, open(os.path.join(plan.config_path("rlcm-7b"), "config.json")) as b:
+        shipped = os.path.join(ROOT, "configs", plan.SHIPPED[resolve_model("rlcm-7b")], "config.json")
+        with open(fixture) as a, open(shipped) as b:
             assert a.read() == b.read()
     four = plan.model_config("qwen3-4b-instruct")
     assert (four.model_type, four.hidden_size, four.intermediate_size, four.num_hidden_layers,

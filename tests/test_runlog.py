@@ -88,7 +88,7 @@ def test_config_file_reproduces_a_run_except_steps_and_out(run, tmp_path):
     assert b["log_samples"] == 2 and b["prompts_per_step"] == 4  # not the defaults (4 and 16)
     cfg = resolve_args(["--config", os.path.join(run, "config.json"), "--group-size", "2"])
     assert cfg["group_size"] == 2 and cfg["out"] == os.path.join("runs", "toy")  # a flag wins; x's --out is not reused
-    with pytest.raises(train.UserError, match="cannot read"):
+    with pytest.raises(train.UserError, match="no run.s config.json there"):
         resolve_args(["--config", str(tmp_path / "nope.json")])
 
 
@@ -188,8 +188,7 @@ def test_the_plot_skips_a_line_cut_off_by_a_kill(tmp_path):
     path.write_text(METRICS + '{"step": 2, "rew')
     png = runlog.plot_curves(str(tmp_path))
     assert png == str(tmp_path / "curves.png") and os.path.getsize(png) > 0
-    assert path.read_text() == METRICS + '{"step": 2, "rew'   # only read
-    assert runlog.read_metrics(str(path)) == [dict(step=1, reward=0.5, accuracy=0.25, len_mean=30)]
+    assert path.read_text() == METRICS   # the cut line dropped, as every log we append to
 
 
 def test_the_probe_panel_says_which_way_each_metric_is_better(tmp_path, monkeypatch):
