@@ -190,8 +190,10 @@ class StaticDecoder:
         B, W = prefix.mask.shape
         rows = B * n
         layers = prefix.cache.layers
-        # dtype and device too: graphs read the weights at their addresses, which a model.to() moves
-        key = (*buffer_shape(rows, W, max_new_tokens), layers[0].keys.dtype, layers[0].keys.device)
+        # dtype and device too: graphs read the weights at their addresses, which a model.to() moves;
+        # fused: the two steps' graphs and buffers differ
+        k0 = layers[0].keys
+        key = (*buffer_shape(rows, W, max_new_tokens), k0.dtype, k0.device, self.fused)
         if key != self.key:
             self.shape = self.key = None  # the old buffers and graphs go before the new ones are allocated
             self.shape, self.key = _Shape(model, self.cache_kw, *key[:2], layers, self.fused), key

@@ -16,9 +16,10 @@ PROMPTS = ["1+2=", "what is 17*3? think.", "x", "hello there"]  # left padding l
 def llama():
     """A tiny random Llama (no biases), with tiny.model()'s large weights."""
     torch.manual_seed(1)
-    m = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                     num_key_value_heads=2, intermediate_size=64, max_position_embeddings=512,
-                                     pad_token_id=0, bos_token_id=2, eos_token_id=1)).eval()
+    m = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                                     max_position_embeddings=512, pad_token_id=0, bos_token_id=2,
+                                     eos_token_id=1)).eval()
     with torch.no_grad():
         for p in m.parameters():
             if p.dim() == 2:
@@ -80,6 +81,7 @@ def test_finished_rows_attend_over_nothing_and_running_rows_over_their_written_b
     assert "eos" in out.finish and "length" in out.finish
     for t, (lengths, blocks) in enumerate(seen):  # step t feeds token t, written at column W + t
         want = [W + t + 1 if fin == "length" or t < m - 1 else 0 for m, fin in zip(out.lengths, out.finish)]
-        assert lengths[:6].tolist() == want and lengths[6:].eq(0).all()  # bucketed rows past the last read none
+        # rows the buffers' bucket adds past the 6 real ones read nothing either
+        assert lengths[:6].tolist() == want and lengths[6:].eq(0).all()
         assert blocks.tolist() == [-(-x // 8) for x in lengths.tolist()]
     assert len(seen) == 15
