@@ -20,23 +20,17 @@ def decode(s, prefix, n, state):
     prefix.cache = None  # copied into the static buffers; free it before decoding
     live, logits = torch.arange(rows, device=s.device), prefix.logits.repeat_interleave(n, 0)
     for t in range(s.max_new_tokens):
-        tok = _advance(s, state, t, logits, live)
+        tok = state.advance(t, logits, live)
+        if s.close_depth is not None:  # braces are one byte, inside one token (as one-byte stops)
+            delta, low = braces(s, tok)
+            closed = live[~state.done[live] & (state.depth[live] + low <= 0)]
+            state.depth[live] += delta
+            state.reason[closed], state.done[closed] = 2, True
         # A host sync per step only where stop strings need one anyway, or on CPU.
         check = s.stop_strs or s.device.type != "cuda" or t % 8 == 0
         if t == s.max_new_tokens - 1 or (check and bool(state.done.all())):
             return
-        logits = step(tok)[:rows]
-
-
-def _advance(s, state, t, logits, live):
-    """state.advance, then the rows whose forced box closes stop (close_depth)."""
-    tok = state.advance(t, logits, live)
-    if s.close_depth is not None:  # braces are one byte, inside one token (as one-byte stops)
-        delta, low = braces(s, tok)
-        closed = live[~state.done[live] & (state.depth[live] + low <= 0)]
-        state.depth[live] += delta
-        state.reason[closed], state.done[closed] = 2, True
-    return tok
+        logits = step(tok, state.done)[:rows]
 
 
 def braces(s, tok):

@@ -6,8 +6,12 @@ import inspect
 import weakref
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 LIVE_MIN = 64  # the shortest live length a step attends over
+BLOCK = 128  # keys per block of the fused step's attention: a row reads ceil(written / BLOCK) blocks
 _CAPTURED = [0]  # decode steps recorded in this process (see captures)
 
 
@@ -36,6 +40,29 @@ def live_length(n, length):
     return min(bucket(n, LIVE_MIN, bits=2), length)
 
 
+def fuse(model):
+    """[(qkv weight, qkv bias, gate-up weight, gate-up bias)] per layer of a Qwen2 or Llama model (else
+    None), whose q, k, v (and gate, up) parameters become row slices of them: one GEMM, no copy."""
+    if getattr(model.config, "model_type", None) not in ("qwen2", "llama"):
+        return None
+    groups = [[(a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)]
+              for a, m in ((layer.self_attn, layer.mlp) for layer in model.model.layers)]
+    if any(type(x) is not torch.nn.Linear for g in groups for x in g[0] + g[1]):
+        return None  # an adapter's layers (peft), say
+    return [tuple(_joined([getattr(x, name) for x in g]) for g in group for name in ("weight", "bias"))
+            for group in groups]
+
+
+def _joined(params):
+    """`params` stacked into one tensor, whose row slices they become (None: no biases)."""
+    if params[0] is None:
+        return None
+    whole, at = torch.cat([p.data for p in params]), 0
+    for p in params:
+        p.data, at = whole[at:at + len(p)], at + len(p)
+    return whole
+
+
 class StaticKV:
     """The cache object a decoder layer calls `update(key, value, layer_idx, ...)` on: writes this
     step's [R, H, 1, D] at `write_at` and returns the layer's [R, H, live, D] views of its buffers."""
@@ -59,7 +86,7 @@ class _Shape:
     """Buffers and, on CUDA, the captured steps (one per live length) for one bucketed shape
     [R rows, L positions]. Holds no reference to the model, so that `decoder`'s entry goes with it."""
 
-    def __init__(self, model, cache_kw, rows, length, layers):
+    def __init__(self, model, cache_kw, rows, length, layers, fused):
         k0 = layers[0].keys
         dev, dtype = k0.device, k0.dtype
         self.cache_kw, self.length = cache_kw, length
@@ -74,13 +101,44 @@ class _Shape:
             inspect.signature(model.forward).parameters else {}
         self.steps = {}  # live length -> (graph, its logits); (None, None) where steps run eagerly
         self.pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
+        self.fused = fuse(model) if fused else None  # after the buffers: the old shape's are gone
+        if self.fused:  # the block mask reads `lengths` (0: a finished row) at each step, in the graph too
+            self.lengths = torch.zeros(rows, dtype=torch.long, device=dev)
+            self.blocks = torch.zeros((rows, 1, 1), dtype=torch.int32, device=dev)
+            every = torch.arange(-(-length // BLOCK), dtype=torch.int32, device=dev).repeat(rows, 1, 1, 1)
+            keep = lambda b, h, q, kv: (kv < self.lengths[b]) & (self.bias[b, 0, 0, kv] == 0)  # noqa: E731
+            self.mask = BlockMask.from_kv_blocks(self.blocks, every,
+                                                 BLOCK_SIZE=BLOCK, mask_mod=keep, seq_lengths=(1, length))
+            self.attend = torch.compile(flex_attention) if dev.type == "cuda" else flex_attention
 
     def forward(self, model, n):
         """One eager step over the first n positions -> logits [R, V]."""
+        if self.fused:
+            return self.fused_forward(model)
         self.kv.live = n
         out = model(input_ids=self.tok[:, None], attention_mask={"full_attention": self.bias[..., :n]},
                     position_ids=self.pos, use_cache=True, **{self.cache_kw: self.kv}, **self.extra)
         return out.logits[:, -1]
+
+    def fused_forward(self, model):
+        """The step of a Qwen2 or Llama model written out: a GEMM for q, k, v and one for gate and up
+        (fuse); attention over each row's written blocks only (none for finished rows) -> logits [R, V]."""
+        m, R = model.model, len(self.tok)
+        x = m.embed_tokens(self.tok[:, None])
+        cos, sin = m.rotary_emb(x, self.pos)
+        self.blocks.copy_((self.lengths + BLOCK - 1).div(BLOCK, rounding_mode="floor").view(R, 1, 1))
+        for layer, (wqkv, bqkv, wgu, bgu), k, v in zip(m.layers, self.fused, self.kv.keys, self.kv.values):
+            a, D = layer.self_attn, k.shape[-1]
+            q, kn, vn = F.linear(layer.input_layernorm(x), wqkv, bqkv).view(R, -1, D).split(
+                [len(wqkv) // D - 2 * k.shape[1], k.shape[1], k.shape[1]], 1)
+            q, kn = apply_rotary_pos_emb(q[:, :, None], kn[:, :, None], cos, sin)
+            k.index_copy_(2, self.write_at, kn)
+            v.index_copy_(2, self.write_at, vn[:, :, None])
+            o = self.attend(q, k, v, block_mask=self.mask, scale=a.scaling, enable_gqa=True)
+            x = x + a.o_proj(o.reshape(R, 1, -1))
+            gate, up = F.linear(layer.post_attention_layernorm(x), wgu, bgu).chunk(2, -1)
+            x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+        return model.lm_head(m.norm(x))[:, -1]
 
     def capture(self, model, n):
         """(graph, logits) of the step over n positions, recorded on CUDA after a warm-up on a side
@@ -123,18 +181,22 @@ class StaticDecoder:
                 getattr(cfg, "use_sliding_window", False):
             raise ValueError("the static KV cache does not handle sliding-window layers: use --decode dynamic")
         self.cache_kw, self.key, self.shape, self.full = cache_kw, None, None, False
+        # Qwen2 and Llama on CUDA: fused_forward (else, or False: the model's own forward, bucketed)
+        self.fused = next(model.parameters()).device.type == "cuda"
 
     def start(self, model, prefix, n, max_new_tokens):
         """Load `prefix` (its rows repeated n times) into the buffers of its shape; returns
-        step(tok [R*n]) -> logits [R_bucket, V] for the next position."""
+        step(tok [R*n], done [R*n]) -> logits [R_bucket, V] for the next position."""
         B, W = prefix.mask.shape
         rows = B * n
         layers = prefix.cache.layers
-        # dtype and device too: graphs read the weights at their addresses, which a model.to() moves
-        key = (*buffer_shape(rows, W, max_new_tokens), layers[0].keys.dtype, layers[0].keys.device)
+        # dtype and device too: graphs read the weights at their addresses, which a model.to() moves;
+        # fused: the two steps' graphs and buffers differ
+        k0 = layers[0].keys
+        key = (*buffer_shape(rows, W, max_new_tokens), k0.dtype, k0.device, self.fused)
         if key != self.key:
             self.shape = self.key = None  # the old buffers and graphs go before the new ones are allocated
-            self.shape, self.key = _Shape(model, self.cache_kw, *key[:2], layers), key
+            self.shape, self.key = _Shape(model, self.cache_kw, *key[:2], layers, self.fused), key
         s = self.shape
         for dst, src in zip(s.kv.keys + s.kv.values, [l.keys for l in layers] + [l.values for l in layers]):
             # Row i*n + j <- prefix row i, without materialising the repeat.
@@ -146,15 +208,17 @@ class StaticDecoder:
         s.tok.zero_()
         at = [W]
 
-        def step(tok):
+        def step(tok, done):
             col = at[0]
             s.tok[:rows] = tok
+            if s.fused:
+                s.lengths[:rows] = torch.where(done, 0, col + 1)
             s.pos.add_(1)
             s.bias[:, 0, 0, col] = 0
             s.write_at.fill_(col)
             s.kv.seen = col + 1
             at[0] += 1
-            return s.run(model, s.length if self.full else live_length(col + 1, s.length))
+            return s.run(model, s.length if self.full or s.fused else live_length(col + 1, s.length))
         return step
 
 

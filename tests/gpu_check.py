@@ -219,6 +219,7 @@ def check_build(ctx):
                                "fp32 weights (training state / 4)": t["training state"] / 4})
     gpu = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
     versions = {name: version(name) for name in ("torch", "transformers", "peft")}
+    versions["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if gpu else None  # torch's bundled one
     return dict(row, layers=cfg.num_hidden_layers, hidden=cfg.hidden_size, heads=cfg.num_attention_heads,
                 kv_heads=cfg.num_key_value_heads, vocab=cfg.vocab_size, params=sum(p.numel() for p in lm.parameters()),
                 plan_params=ctx["counts"][0], sampler_dtype=str(next(sampler.parameters()).dtype),
@@ -243,6 +244,12 @@ def check_rollout(ctx):
         out = rollout.generate(sampler, ctx["tok"], ctx["prompts"], n=s["group"], max_new_tokens=s["rollout_new"],
                                temperature=cfg["temperature"], eos_ids=[], seed=0, batch_size=cfg["gen_batch"],
                                decode="static", scores=True)
+    t0 = time.perf_counter()  # the same call warm and without scores: what scoring costs a step
+    rollout.generate(sampler, ctx["tok"], ctx["prompts"], n=s["group"], max_new_tokens=s["rollout_new"],
+                     temperature=cfg["temperature"], eos_ids=[], seed=0, batch_size=cfg["gen_batch"],
+                     decode="static")
+    sync(device)
+    plain_ms = (time.perf_counter() - t0) / (s["rollout_new"] - 1) * 1e3
     staticcache.release(sampler)  # as train.py does before the labels
     ctx["rollout"] = out
     t = planned(ctx, s["rollout_new"])
@@ -250,9 +257,11 @@ def check_rollout(ctx):
     decode_s = row["seconds"] - caps.seconds
     ms = decode_s / (s["rollout_new"] - 1) * 1e3  # the prefill (2400 tokens) counted in: about 1 %
     return dict(row, rows=len(out.ids), new_tokens=s["rollout_new"], tokens=sum(out.lengths), min_len=min(out.lengths),
-                ms_step=round(ms, 2), captures=caps.count, capture_seconds=round(caps.seconds, 2),
+                ms_step=round(ms, 2), ms_step_no_scores_warm=round(plain_ms, 2),
+                captures=caps.count, capture_seconds=round(caps.seconds, 2),
                 live_lengths=caps.lengths, kv_vs_plan=round(shapes.made[-1]["bytes"] / t["KV cache"], 3),
-                headline=f"{len(out.ids)} rows x {s['rollout_new']} tokens: {ms:.2f} ms a step, "
+                headline=f"{len(out.ids)} rows x {s['rollout_new']} tokens: {ms:.2f} ms a step "
+                         f"({plain_ms:.2f} warm without scores), "
                          f"{caps.count} captures in {caps.seconds:.2f} s")
 
 
@@ -356,13 +365,13 @@ def copy_bandwidth(device, mib, reps=10):
     return 2 * src.numel() * reps / (time.perf_counter() - t) / 1e12
 
 
-def decode_call(model, tok, prompts, s, decode="static", full=False):
+def decode_call(model, tok, prompts, s, decode="static", full=False, fused=True):
     """One decode of `prompts` x s["group"] rows, s["decode_steps"] tokens, EOS off, timed apart from its
-    prefill -> (seconds, captures, ids [rows, steps])."""
+    prefill -> (seconds, captures, ids [rows, steps]). fused: staticcache's fused step (else the model's)."""
     sampler = sampling.Sampler(model, tok, max_new_tokens=s["decode_steps"], temperature=0.8, eos_ids=[],
                               decode=decode)
     if sampler.static:
-        sampler.static.full = full
+        sampler.static.full, was, sampler.static.fused = full, sampler.static.fused, fused
     try:
         prefix = sampler.prefill(prompts)
         gen = rollout.chunk_generators(0, 1, sampler.device)[0]
@@ -374,7 +383,7 @@ def decode_call(model, tok, prompts, s, decode="static", full=False):
         return time.perf_counter() - t, staticcache.captures() - before, ids
     finally:
         if sampler.static:
-            sampler.static.full = False
+            sampler.static.full, sampler.static.fused = False, was
 
 
 def check_decode(ctx):
@@ -387,15 +396,17 @@ def check_decode(ctx):
     floor_bytes = bench.read_bytes(model, *bench.attended("dynamic", rows, width, steps))  # the exact live K/V
     paths, tokens, adapter = {}, {}, {}
 
-    def timed(name, m, decode="static", full=False, warm=False):
+    def timed(name, m, decode="static", full=False, warm=False, fused=True):
         try:
             m = m if isinstance(m, torch.nn.Module) else m()  # a model, or what builds one
             if warm:  # the same shape once before: its captures, which the timed call replays
-                sec, caps, _ = decode_call(m, tok, prompts, s, decode, full)
+                sec, caps, _ = decode_call(m, tok, prompts, s, decode, full, fused)
                 paths[name + " warm-up"] = dict(seconds=round(sec, 2), captures=caps)
-            sec, caps, ids = decode_call(m, tok, prompts, s, decode, full)
+            sec, caps, ids = decode_call(m, tok, prompts, s, decode, full, fused)
             ms = sec / (steps - 1) * 1e3  # the first token comes from the prefill
-            read = bench.read_bytes(m, *bench.attended("static-full" if full else decode, rows, width, steps))
+            # the fused step reads the written positions (to a block), the others the live or whole buffer
+            path = "static-full" if full else decode if not fused or full or decode != "static" else "dynamic"
+            read = bench.read_bytes(m, *bench.attended(path, rows, width, steps))
             tokens[name] = ids
             paths[name] = dict(ms_step=round(ms, 3), captures=caps, mb_step=round(read / 1e6, 1),
                                of_floor=round(floor_bytes / (measured * 1e12) * 1e3 / ms, 3),
@@ -412,8 +423,9 @@ def check_decode(ctx):
                        peft_layers=sum(isinstance(x, LoraLayer) for x in plain.modules()))
         return plain
 
-    timed("static", model, warm=True)
-    timed("static-full", model, full=True)
+    timed("static", model, warm=True)  # the fused step, flex_attention over the written blocks
+    timed("static-sdpa", model, warm=True, fused=False)  # the model's own step, masked SDPA over live buckets
+    timed("static-full", model, full=True, fused=False)
     timed("dynamic", model, decode="dynamic")
     staticcache.release(model)
     timed(f"lora-{s['adapter_rank']}", merged, warm=True)  # the copy and its graphs go with the call

@@ -20,8 +20,8 @@ class Shapes:
         record = self
 
         class Recorded(staticcache._Shape):
-            def __init__(self, model, cache_kw, rows, length, layers):
-                super().__init__(model, cache_kw, rows, length, layers)
+            def __init__(self, model, cache_kw, rows, length, layers, *rest):
+                super().__init__(model, cache_kw, rows, length, layers, *rest)
                 record.live = [(r, b) for r, b in record.live if r() is not None] + \
                     [(weakref.ref(self), kv_bytes(self))]
                 record.made.append(dict(rows=rows, length=length, bytes=kv_bytes(self), phase=record.phase,

@@ -45,6 +45,7 @@ def test_the_dry_run_runs_every_check_and_brings_back_three_files(tmp_path):
     # once; the buffers are the plan's KV cache term to the byte
     assert roll["tokens"] == n_rows * s["rollout_new"] and roll["min_len"] == s["rollout_new"]
     assert roll["captures"] == 1 and roll["live_lengths"] == [64] and roll["kv_vs_plan"] == 1.0
+    assert roll["ms_step_no_scores_warm"] > 0 and "nccl" in build  # torch's NCCL (None on the CPU)
     lengths = torch.linspace(s["shortest"], s["longest"], n_rows).long().tolist()
     cuts = sum(len(label.cuts_of(m)) for m in lengths)
     lab = rows["labels"]
@@ -61,11 +62,11 @@ def test_the_dry_run_runs_every_check_and_brings_back_three_files(tmp_path):
     assert upd["sampler_gap"] == pytest.approx(upd["vocab_bias"], rel=0.05)
     dec = rows["decode"]
     rank = s["adapter_rank"]
-    assert list(dec["paths"]) == ["static warm-up", "static", "static-full", "dynamic", f"lora-{rank} warm-up",
-                                  f"lora-{rank}"]
-    timed = [dec["paths"][p] for p in ("static", "static-full", "dynamic", f"lora-{rank}")]
+    assert list(dec["paths"]) == ["static warm-up", "static", "static-sdpa warm-up", "static-sdpa",
+                                  "static-full", "dynamic", f"lora-{rank} warm-up", f"lora-{rank}"]
+    timed = [dec["paths"][p] for p in ("static", "static-sdpa", "static-full", "dynamic", f"lora-{rank}")]
     # the timed calls replay what the warm-ups recorded; every path samples the same tokens (lora_B is 0)
-    assert dec["paths"]["static warm-up"]["captures"] >= 1 and [p["captures"] for p in timed] == [0, 0, 0, 0]
+    assert dec["paths"]["static warm-up"]["captures"] >= 1 and [p["captures"] for p in timed] == [0] * 5
     assert all(p["same_tokens_as_static"] for p in timed[1:]) and all(p["ms_step"] > 0 for p in timed)
     assert dec["paths"]["static-full"]["mb_step"] >= dec["paths"]["static"]["mb_step"]
     assert dec["copy_tbs"] > 0 and 0 < dec["floor_ms"]["nominal"]

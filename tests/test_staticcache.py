@@ -1,0 +1,87 @@
+"""The fused static decode step (harness/staticcache.py: fuse, _Shape.fused_forward), which a GPU runs
+captured and compiled, run eagerly on the CPU in float32: the dynamic path's tokens and scores, finished
+rows attending over nothing, one GEMM for q, k, v and one for gate and up."""
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import rollout
+from harness import staticcache
+from tests import tiny
+from tests.test_rollout import SETTINGS, assert_same_scores, enc
+
+PROMPTS = ["1+2=", "what is 17*3? think.", "x", "hello there"]  # left padding leaves holes in the mask
+
+
+def llama():
+    """A tiny random Llama (no biases), with tiny.model()'s large weights."""
+    torch.manual_seed(1)
+    m = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                                     max_position_embeddings=512, pad_token_id=0, bos_token_id=2,
+                                     eos_token_id=1)).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3)
+    return m
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny.tokenizer()
+
+
+def fused_decoder(model):
+    d = staticcache.decoder(model, rollout.Sampler(model, tiny.tokenizer()).cache_kw)
+    d.fused = True  # the CUDA default, here on the CPU
+    return d
+
+
+@pytest.mark.parametrize("kw", SETTINGS, ids=["greedy", "sampled", "top-p"])
+@pytest.mark.parametrize("build", [tiny.model, llama], ids=["qwen2", "llama"])
+def test_fused_step_gives_the_dynamic_samples(tok, build, kw):
+    model = build()
+    fused_decoder(model)
+    prompts = [enc(tok, p) for p in PROMPTS]
+    common = dict(n=2, max_new_tokens=16, batch_size=3, scores=True, **kw)
+    free = rollout.generate(model, tok, prompts, eos_ids=[], decode="dynamic", **common)
+    eos = free.ids[1][4]  # ends some rows early: they stay in the static batch, reading nothing
+    for eos_ids in ([], [eos]):
+        a = rollout.generate(model, tok, prompts, eos_ids=eos_ids, decode="dynamic", **common)
+        b = rollout.generate(model, tok, prompts, eos_ids=eos_ids, decode="static", **common)
+        assert a.ids == b.ids and a.finish == b.finish
+        assert_same_scores(a, b)
+    assert min(a.lengths) < 16 == max(a.lengths)
+    shape = staticcache.decoder(model, "cache").shape
+    assert shape.fused is not None and len(shape.steps) == 1  # one step for the shape, no live buckets
+    # one tensor per group: q, k, v are row slices of it, not copies (the weights are read once)
+    attn, qkv = model.model.layers[1].self_attn, shape.fused[1][0]
+    assert attn.k_proj.weight.data_ptr() == qkv[len(attn.q_proj.weight):].data_ptr()
+    assert torch.equal(qkv, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+
+
+def test_finished_rows_attend_over_nothing_and_running_rows_over_their_written_blocks(tok, monkeypatch):
+    monkeypatch.setattr(staticcache, "BLOCK", 8)  # 16 steps cross a few blocks
+    model = tiny.model()
+    fused_decoder(model)
+    seen, forward = [], staticcache._Shape.fused_forward
+
+    def recorded(shape, m):
+        out = forward(shape, m)
+        seen.append((shape.lengths.clone(), shape.blocks.flatten().clone()))
+        return out
+    monkeypatch.setattr(staticcache._Shape, "fused_forward", recorded)
+    prompts = [enc(tok, p) for p in PROMPTS[:3]]
+    free = rollout.generate(model, tok, prompts, n=2, max_new_tokens=16, temperature=0, eos_ids=[])
+    eos = free.ids[2][3]
+    out = rollout.generate(model, tok, prompts, n=2, max_new_tokens=16, temperature=0, eos_ids=[eos],
+                           decode="static")
+    W = max(map(len, prompts))
+    assert "eos" in out.finish and "length" in out.finish
+    for t, (lengths, blocks) in enumerate(seen):  # step t feeds token t, written at column W + t
+        want = [W + t + 1 if fin == "length" or t < m - 1 else 0 for m, fin in zip(out.lengths, out.finish)]
+        # rows the buffers' bucket adds past the 6 real ones read nothing either
+        assert lengths[:6].tolist() == want and lengths[6:].eq(0).all()
+        assert blocks.tolist() == [-(-x // 8) for x in lengths.tolist()]
+    assert len(seen) == 15
