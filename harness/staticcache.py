@@ -181,8 +181,8 @@ class StaticDecoder:
                 getattr(cfg, "use_sliding_window", False):
             raise ValueError("the static KV cache does not handle sliding-window layers: use --decode dynamic")
         self.cache_kw, self.key, self.shape, self.full = cache_kw, None, None, False
-        # Qwen2 and Llama on CUDA: fused_forward (else, or False: the model's own forward, bucketed)
-        self.fused = next(model.parameters()).device.type == "cuda"
+        # True: fused_forward for Qwen2 and Llama; off until a GPU has run it (docs/reference.md)
+        self.fused = False
 
     def start(self, model, prefix, n, max_new_tokens):
         """Load `prefix` (its rows repeated n times) into the buffers of its shape; returns

@@ -34,7 +34,7 @@ def tok():
 
 def fused_decoder(model):
     d = staticcache.decoder(model, rollout.Sampler(model, tiny.tokenizer()).cache_kw)
-    d.fused = True  # the CUDA default, here on the CPU
+    d.fused = True  # off by default until a GPU check has run it
     return d
 
 
