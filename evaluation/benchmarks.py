@@ -49,7 +49,8 @@ def settings(bench, args):
              score_batch=w["score_batch"], rows=w["rows"])
     if code:   # the forced answer is a program (CODE_SUFFIX), graded by running it
         s.update(suffix=CODE_SUFFIX, grader="code")
-    flags = dict(n=args.n_samples, max_new_tokens=args.max_new_tokens, every=args.every,
+    given = (args.given or {}).get(bench)   # --responses: as many samples as the file holds
+    flags = dict(n=len(given[0]) if given else args.n_samples, max_new_tokens=args.max_new_tokens, every=args.every,
                  forced_k=args.forced_k)
     s.update({k: v for k, v in flags.items() if v is not None})
     # verbal-forced (RLCR's released reading): its re-answer text (the toy: `</think>` alone) and
@@ -208,6 +209,54 @@ def read_samples(path):
     """Rows of samples.jsonl; a last line cut by a kill is dropped from the file with a message, any
     other line that is not a sample (is_sample) is one error naming the file and the line."""
     return files.read_jsonl(path, valid=is_sample)
+
+
+def read_responses(path, loaded):
+    """{benchmark: [[response text, ...] of each question]} of a --responses file (another engine's
+    samples): one JSON object a line, {"benchmark": "math500", "problem": its text (or "question":
+    its index in the benchmark), "response": "..."}; a question's samples in file order. Each
+    question of a benchmark needs as many (--limit N: the first N questions)."""
+    rows_of = {bench: rows for bench, rows, *_ in loaded}
+    given = {bench: [[] for _ in rows] for bench, rows in rows_of.items()}
+    # a problem asked twice is its first question
+    index = {bench: {r["problem"]: q for q, r in reversed(list(enumerate(rows)))}
+             for bench, rows in rows_of.items()}
+    with open(path, encoding="utf-8") as f:
+        lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
+    for i, line in lines:
+        try:
+            r = json.loads(line)
+        except ValueError:
+            r = None
+        if not (isinstance(r, dict) and isinstance(r.get("response"), str)
+                and isinstance(r.get("benchmark"), str)
+                and (isinstance(r.get("problem"), str) or _count(r.get("question")))):
+            raise UserError(f"{path} line {i} is not a response: write "
+                            '{"benchmark": ..., "problem": ... (or "question": its index), "response": ...}')
+        bench, where = r["benchmark"], f"{path} line {i}"
+        if bench not in given:
+            raise UserError(f"{where}: benchmark {bench!r} is not in --benchmarks {','.join(given)}: add it")
+        q = index[bench].get(r["problem"]) if "problem" in r else r["question"]
+        if q is None or q >= len(given[bench]):
+            raise UserError(f"{where}: {bench} (its first {len(given[bench])} questions) has no question "
+                            f"{r.get('problem', q)!r}: pass the --limit the responses were made with")
+        given[bench][q].append(r["response"])
+    for bench, texts in given.items():
+        n = [len(t) for t in texts]
+        if min(n) != max(n) or not n[0]:
+            raise UserError(f"{path}: {bench}'s question {n.index(min(n))} has {min(n)} responses, question "
+                            f"{n.index(max(n))} {max(n)}: give each question as many")
+    return given
+
+
+def given_samples(tokenizer, texts, cap):
+    """rollout.Samples of responses made elsewhere: each text tokenized as is, then EOS, unless its
+    `cap` tokens (max_new_tokens) or more show the engine cut it there."""
+    ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    cut = [len(i) >= cap for i in ids]
+    ids = [i if c else i + [tokenizer.eos_token_id] for i, c in zip(ids, cut)]
+    return rollout.Samples(ids, list(texts), [len(i) for i in ids], ["length" if c else "eos" for c in cut],
+                           [])
 
 
 def question_ids(rows):
