@@ -23,10 +23,10 @@ import grade
 import rollout
 import toy
 from evaluation import confidence
-from evaluation.benchmarks import (HELD, LOCKS, Rounds, deal, default_out, digest, filed_label, hold,
-                                   given_samples, load_benchmarks, model_id, model_label, own_rows,
-                                   question_ids, read_responses, read_samples, rlcr_prompts, run_config, run_prompt, sample_key, settings,
-                                   setup, share)
+from evaluation.benchmarks import (HELD, LOCKS, Rounds, deal, default_out, digest, filed_label, given_samples,
+                                   hold, load_benchmarks, model_id, model_label, own_rows, question_ids,
+                                   read_responses, read_samples, rlcr_prompts, run_config, run_prompt,
+                                   sample_key, settings, setup, share)
 from evaluation.report import means, plot_reliability, report_uses, summarize, table, write_results
 from harness import checkpoint, runlog, sandbox
 from harness.checkpoint import ALIASES, check_out, resolve_model
@@ -218,7 +218,7 @@ def build_parser():
     g.add_argument("--lcb-release", default=data.LCB_RELEASE,
                    help="the lcb window: vN or vA_vB (default %(default)s)")
     g.add_argument("--out", help="output dir (default RUN/eval or eval_out/<model>)")
-    g.add_argument("--responses", help="a JSONL of responses made elsewhere (vLLM, an API) to grade and score "
+    g.add_argument("--responses", help="grade and score a JSONL of responses made elsewhere (vLLM, an API) "
                    "in place of sampling; its format: docs/reference.md, \"evaluate.py\"")
     g.add_argument("--unconfined-code", action="store_true",
                    help="run lcb's programs without namespaces where the sandbox has none (they can escape)")

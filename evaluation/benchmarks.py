@@ -50,8 +50,8 @@ def settings(bench, args):
     if code:   # the forced answer is a program (CODE_SUFFIX), graded by running it
         s.update(suffix=CODE_SUFFIX, grader="code")
     given = (args.given or {}).get(bench)   # --responses: as many samples as the file holds
-    flags = dict(n=len(given[0]) if given else args.n_samples, max_new_tokens=args.max_new_tokens, every=args.every,
-                 forced_k=args.forced_k)
+    flags = dict(n=len(given[0]) if given else args.n_samples, max_new_tokens=args.max_new_tokens,
+                 every=args.every, forced_k=args.forced_k)
     s.update({k: v for k, v in flags.items() if v is not None})
     # verbal-forced (RLCR's released reading): its re-answer text (the toy: `</think>` alone) and
     # n_forced re-answers, 4 on the 32-sample benchmarks and 1 elsewhere in the released configs.
@@ -212,51 +212,38 @@ def read_samples(path):
 
 
 def read_responses(path, loaded):
-    """{benchmark: [[response text, ...] of each question]} of a --responses file (another engine's
-    samples): one JSON object a line, {"benchmark": "math500", "problem": its text (or "question":
-    its index in the benchmark), "response": "..."}; a question's samples in file order. Each
-    question of a benchmark needs as many (--limit N: the first N questions)."""
-    rows_of = {bench: rows for bench, rows, *_ in loaded}
-    given = {bench: [[] for _ in rows] for bench, rows in rows_of.items()}
-    # a problem asked twice is its first question
-    index = {bench: {r["problem"]: q for q, r in reversed(list(enumerate(rows)))}
-             for bench, rows in rows_of.items()}
-    with open(path, encoding="utf-8") as f:
-        lines = [(i, line) for i, line in enumerate(f, 1) if line.strip()]
-    for i, line in lines:
-        try:
-            r = json.loads(line)
-        except ValueError:
-            r = None
-        if not (isinstance(r, dict) and isinstance(r.get("response"), str)
-                and isinstance(r.get("benchmark"), str)
-                and (isinstance(r.get("problem"), str) or _count(r.get("question")))):
-            raise UserError(f"{path} line {i} is not a response: write "
+    """{benchmark: [[response text, ...] of each question]} of a --responses file, a question's in the
+    file's order; its format: docs/reference.md, "evaluate.py"."""
+    given = {bench: [[] for _ in rows] for bench, rows, *_ in loaded}
+    index = {bench: {r["problem"]: q for q, r in enumerate(rows)} for bench, rows, *_ in loaded}
+    for i, r in enumerate(data._read_file(path), 1):   # JSON lines, a JSON list or parquet
+        if not (isinstance(r, dict) and all(isinstance(r.get(k), str) for k in ("benchmark", "response"))
+                and (isinstance(r.get("problem"), str) if "problem" in r else _count(r.get("question")))):
+            raise UserError(f"{path}: row {i} is not a response: write "
                             '{"benchmark": ..., "problem": ... (or "question": its index), "response": ...}')
-        bench, where = r["benchmark"], f"{path} line {i}"
+        bench = r["benchmark"]
         if bench not in given:
-            raise UserError(f"{where}: benchmark {bench!r} is not in --benchmarks {','.join(given)}: add it")
+            raise UserError(f"{path}: row {i}: benchmark {bench!r} is not in --benchmarks "
+                            f"{','.join(given)}: add it there")
         q = index[bench].get(r["problem"]) if "problem" in r else r["question"]
         if q is None or q >= len(given[bench]):
-            raise UserError(f"{where}: {bench} (its first {len(given[bench])} questions) has no question "
-                            f"{r.get('problem', q)!r}: pass the --limit the responses were made with")
+            raise UserError(f"{path}: row {i}: no question {r.get('problem', q)!r} in {bench}'s "
+                            f"{len(given[bench])}: pass the --limit the responses were made with")
         given[bench][q].append(r["response"])
     for bench, texts in given.items():
         n = [len(t) for t in texts]
         if min(n) != max(n) or not n[0]:
-            raise UserError(f"{path}: {bench}'s question {n.index(min(n))} has {min(n)} responses, question "
-                            f"{n.index(max(n))} {max(n)}: give each question as many")
+            raise UserError(f"{path}: {bench}'s questions have {min(n)} to {max(n)} responses (question "
+                            f"{n.index(min(n))}: {min(n)}): give each question the same number, at least one")
     return given
 
 
 def given_samples(tokenizer, texts, cap):
-    """rollout.Samples of responses made elsewhere: each text tokenized as is, then EOS, unless its
-    `cap` tokens (max_new_tokens) or more show the engine cut it there."""
+    """rollout.Samples of responses made elsewhere, tokenized as is; EOS ends each under `cap` tokens."""
     ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
-    cut = [len(i) >= cap for i in ids]
-    ids = [i if c else i + [tokenizer.eos_token_id] for i, c in zip(ids, cut)]
-    return rollout.Samples(ids, list(texts), [len(i) for i in ids], ["length" if c else "eos" for c in cut],
-                           [])
+    finish = ["length" if len(i) >= cap else "eos" for i in ids]   # the engine cut it at the cap
+    ids = [i + [tokenizer.eos_token_id] * (f == "eos") for i, f in zip(ids, finish)]
+    return rollout.Samples(ids, list(texts), [len(i) for i in ids], finish, [])
 
 
 def question_ids(rows):
