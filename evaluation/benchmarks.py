@@ -213,7 +213,7 @@ def read_samples(path):
 
 def read_responses(path, loaded):
     """{benchmark: [[response text, ...] of each question]} of a --responses file, a question's in the
-    file's order; its format: docs/reference.md, "evaluate.py"."""
+    file's order; its format: docs/reference.md, "Responses made elsewhere"."""
     given = {bench: [[] for _ in rows] for bench, rows, *_ in loaded}
     index = {bench: {r["problem"]: q for q, r in enumerate(rows)} for bench, rows, *_ in loaded}
     for i, r in enumerate(data._read_file(path), 1):   # JSON lines, a JSON list or parquet
@@ -227,8 +227,8 @@ def read_responses(path, loaded):
                             f"{','.join(given)}: add it there")
         q = index[bench].get(r["problem"]) if "problem" in r else r["question"]
         if q is None or q >= len(given[bench]):
-            raise UserError(f"{path}: row {i}: no question {r.get('problem', q)!r} in {bench}'s "
-                            f"{len(given[bench])}: pass the --limit the responses were made with")
+            raise UserError(f"{path}: row {i}: no question {r.get('problem', q)!r} among {bench}'s "
+                            f"{len(given[bench])}: respond to those (--limit N: the first N)")
         given[bench][q].append(r["response"])
     for bench, texts in given.items():
         n = [len(t) for t in texts]

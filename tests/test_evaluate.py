@@ -517,9 +517,9 @@ EVAL_CASES = {
         dict(benchmark="math500", question=0, response="2")])], "row 1: benchmark 'math500' is not in --benchmarks toy"),
     "responses to another question": (lambda t: ["--responses", jsonl(t / "r.jsonl", [
         dict(benchmark="toy", question=0, response="2"), dict(benchmark="toy", problem="1+1", response="2")])],
-        "row 2: no question '1+1' in toy's 2"),
+        "row 2: no question '1+1' among toy's 2"),
     "responses past --limit": (lambda t: ["--responses", jsonl(t / "r.jsonl", [
-        dict(benchmark="toy", question=2, response="2")])], "row 1: no question 2 in toy's 2"),
+        dict(benchmark="toy", question=2, response="2")])], "row 1: no question 2 among toy's 2"),
     "a response without its text": (lambda t: ["--responses", jsonl(t / "r.jsonl", [
         dict(benchmark="toy", question=0, text="2")])], "row 1 is not a response: write {\"benchmark\""),
     "responses to one question of two": (lambda t: ["--responses", jsonl(t / "r.jsonl", [
