@@ -500,7 +500,8 @@ def test_responses_made_elsewhere_give_the_table_of_evaluating_them_here(tmp_pat
     # the file's texts are what is graded, as many per question as it holds
     gold = [dict(benchmark=b, question=q, response=f"</think>\\boxed{{{row['answer']}}}")
             for b in ("toy", "toy-sub") for q, row in enumerate(data.load_rows(b, split="test", limit=4))]
-    res = evaluate.main([*argv, "--out", str(tmp_path / "there"), "--responses", jsonl(tmp_path / "g.jsonl", gold)])
+    res = evaluate.main([*argv, "--out", str(tmp_path / "there"), "--responses",
+                         jsonl(tmp_path / "g.jsonl", gold)])
     assert [(b["acc"], b["n"]) for b in res["toy"]["benchmarks"].values()] == [(1.0, 4), (1.0, 4)]
 
 
@@ -514,16 +515,19 @@ EVAL_CASES = {
     "100,000-char prompt": (lambda t: ["--benchmarks", jsonl(t / "q.jsonl", [{"problem": "1" * 100_000, "answer": "1"}])],
                             "do not fit the model's context of 256 tokens"),
     "responses of another benchmark": (lambda t: ["--responses", jsonl(t / "r.jsonl", [
-        dict(benchmark="math500", question=0, response="2")])], "row 1: benchmark 'math500' is not in --benchmarks toy"),
+        dict(benchmark="math500", question=0, response="2")])],
+        "row 1: benchmark 'math500' is not in --benchmarks toy"),
     "responses to another question": (lambda t: ["--responses", jsonl(t / "r.jsonl", [
-        dict(benchmark="toy", question=0, response="2"), dict(benchmark="toy", problem="1+1", response="2")])],
+        dict(benchmark="toy", question=0, response="2"),
+        dict(benchmark="toy", problem="1+1", response="2")])],
         "row 2: no question '1+1' among toy's 2"),
     "responses past --limit": (lambda t: ["--responses", jsonl(t / "r.jsonl", [
         dict(benchmark="toy", question=2, response="2")])], "row 1: no question 2 among toy's 2"),
     "a response without its text": (lambda t: ["--responses", jsonl(t / "r.jsonl", [
         dict(benchmark="toy", question=0, text="2")])], "row 1 is not a response: write {\"benchmark\""),
     "responses to one question of two": (lambda t: ["--responses", jsonl(t / "r.jsonl", [
-        dict(benchmark="toy", question=0, response="2")])], "toy's questions have 0 to 1 responses (question 1: 0)"),
+        dict(benchmark="toy", question=0, response="2")])],
+        "toy's questions have 0 to 1 responses (question 1: 0)"),
     "responses not JSON": (lambda t: ["--responses", write(t / "r.jsonl", "{oops\n")], "is neither JSON nor"),
     "no responses file": (lambda t: ["--responses", t / "none.jsonl"], "file not found"),
 }
