@@ -23,10 +23,10 @@ import grade
 import rollout
 import toy
 from evaluation import confidence
-from evaluation.benchmarks import (HELD, LOCKS, Rounds, deal, default_out, digest, filed_label, hold,
-                                   load_benchmarks, model_id, model_label, own_rows, question_ids,
-                                   read_samples, rlcr_prompts, run_config, run_prompt, sample_key, settings,
-                                   setup, share)
+from evaluation.benchmarks import (HELD, LOCKS, Rounds, deal, default_out, digest, filed_label, given_samples,
+                                   hold, load_benchmarks, model_id, model_label, own_rows, question_ids,
+                                   read_responses, read_samples, rlcr_prompts, run_config, run_prompt,
+                                   sample_key, settings, setup, share)
 from evaluation.report import means, plot_reliability, report_uses, summarize, table, write_results
 from harness import checkpoint, runlog, sandbox
 from harness.checkpoint import ALIASES, check_out, resolve_model
@@ -84,6 +84,7 @@ def evaluate_model(name, loaded, args):
                        forced_k=s["reanswer_k"], budget=s["max_new_tokens"], reanswer=s["reanswer"],
                        logit_temperature=args.logit_temperature or run.get("temperature", 0.8))
         key = sample_key(ident, bench_source, s, args, [instruction, prompt[1], prompt[2]], conf_kw)
+        key = digest([key, args.given[bench]]) if args.given else key   # the file's texts make the samples
         generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, samples, prompt[1],
                            prompt[2], key)
         if not MASTER:
@@ -147,9 +148,13 @@ def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, con
             m = len(chunk[0][1])
             prompts = [data.row_prompt(tok, rows[q], instruction, system) for q, _ in chunk]
             seed = args.seed * 1_000_003 + chunk[0][0] * 1009 + m
-            out = rollout.generate(model, tok, prompts, n=m, max_new_tokens=s["max_new_tokens"],
-                                   temperature=args.temperature, top_p=args.top_p, seed=seed,
-                                   batch_size=len(prompts), decode=args.decode)
+            if args.given:   # --responses: another engine's samples in place of these draws
+                out = given_samples(tok, [args.given[bench][q][j] for q, js in chunk for j in js],
+                                    s["max_new_tokens"])
+            else:
+                out = rollout.generate(model, tok, prompts, n=m, max_new_tokens=s["max_new_tokens"],
+                                       temperature=args.temperature, top_p=args.top_p, seed=seed,
+                                       batch_size=len(prompts), decode=args.decode)
             golds = [rows[q]["answer"] for q, _ in chunk for _ in range(m)]
             conf, extras = confidence.sample_confidences(
                 model=model, tokenizer=tok, prompts=[p for p in prompts for _ in range(m)], responses=out.ids,
@@ -213,6 +218,8 @@ def build_parser():
     g.add_argument("--lcb-release", default=data.LCB_RELEASE,
                    help="the lcb window: vN or vA_vB (default %(default)s)")
     g.add_argument("--out", help="output dir (default RUN/eval or eval_out/<model>)")
+    g.add_argument("--responses", help="grade and score a JSONL of responses made elsewhere (vLLM, an API) "
+                   "in place of sampling (its format: docs/reference.md, \"Responses made elsewhere\")")
     g.add_argument("--unconfined-code", action="store_true",
                    help="run lcb's programs without namespaces where the sandbox has none (they can escape)")
     g = p.add_argument_group("sampling")
@@ -258,6 +265,7 @@ def parse_args(argv=None):
     # the paper's probe rows read the post-hoc probe (Base, GRPO and RLCM alike, the toy included)
     args.confidence = args.confidence or ("verbal-forced" if args.mode == "rlcr" else "probe-posthoc")
     args.argv = ["evaluate.py", *(sys.argv[1:] if argv is None else argv)]  # for results.json provenance
+    args.given = None   # --responses' texts (benchmarks.read_responses), once the benchmarks are read
     return args
 
 
@@ -291,6 +299,7 @@ def main(argv=None):
             return None
         loaded = load_benchmarks(names, args.limit, args.lcb_release)   # every name checked before any model loads
         loaded = rlcr_prompts(loaded) if args.mode == "rlcr" else loaded
+        args.given = read_responses(args.responses, loaded) if args.responses else None
         if any(data.kind(name) == "code" for name, *_ in loaded):
             sandbox.check()   # can programs be confined here (or --unconfined-code)? Said before any model loads
         workers = worker_count(vars(args))

@@ -49,8 +49,9 @@ def settings(bench, args):
              score_batch=w["score_batch"], rows=w["rows"])
     if code:   # the forced answer is a program (CODE_SUFFIX), graded by running it
         s.update(suffix=CODE_SUFFIX, grader="code")
-    flags = dict(n=args.n_samples, max_new_tokens=args.max_new_tokens, every=args.every,
-                 forced_k=args.forced_k)
+    given = (args.given or {}).get(bench)   # --responses: as many samples as the file holds
+    flags = dict(n=len(given[0]) if given else args.n_samples, max_new_tokens=args.max_new_tokens,
+                 every=args.every, forced_k=args.forced_k)
     s.update({k: v for k, v in flags.items() if v is not None})
     # verbal-forced (RLCR's released reading): its re-answer text (the toy: `</think>` alone) and
     # n_forced re-answers, 4 on the 32-sample benchmarks and 1 elsewhere in the released configs.
@@ -208,6 +209,41 @@ def read_samples(path):
     """Rows of samples.jsonl; a last line cut by a kill is dropped from the file with a message, any
     other line that is not a sample (is_sample) is one error naming the file and the line."""
     return files.read_jsonl(path, valid=is_sample)
+
+
+def read_responses(path, loaded):
+    """{benchmark: [[response text, ...] of each question]} of a --responses file, a question's in the
+    file's order; its format: docs/reference.md, "Responses made elsewhere"."""
+    given = {bench: [[] for _ in rows] for bench, rows, *_ in loaded}
+    index = {bench: {r["problem"]: q for q, r in enumerate(rows)} for bench, rows, *_ in loaded}
+    for i, r in enumerate(data._read_file(path), 1):   # JSON lines, a JSON list or parquet
+        if not (isinstance(r, dict) and all(isinstance(r.get(k), str) for k in ("benchmark", "response"))
+                and (isinstance(r.get("problem"), str) if "problem" in r else _count(r.get("question")))):
+            raise UserError(f"{path}: row {i} is not a response: write "
+                            '{"benchmark": ..., "problem": ... (or "question": its index), "response": ...}')
+        bench = r["benchmark"]
+        if bench not in given:
+            raise UserError(f"{path}: row {i}: benchmark {bench!r} is not in --benchmarks "
+                            f"{','.join(given)}: add it there")
+        q = index[bench].get(r["problem"]) if "problem" in r else r["question"]
+        if q is None or q >= len(given[bench]):
+            raise UserError(f"{path}: row {i}: no question {r.get('problem', q)!r} among {bench}'s "
+                            f"{len(given[bench])}: respond to those (--limit N: the first N)")
+        given[bench][q].append(r["response"])
+    for bench, texts in given.items():
+        n = [len(t) for t in texts]
+        if min(n) != max(n) or not n[0]:
+            raise UserError(f"{path}: {bench}'s questions have {min(n)} to {max(n)} responses (question "
+                            f"{n.index(min(n))}: {min(n)}): give each question the same number, at least one")
+    return given
+
+
+def given_samples(tokenizer, texts, cap):
+    """rollout.Samples of responses made elsewhere, tokenized as is; EOS ends each under `cap` tokens."""
+    ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    finish = ["length" if len(i) >= cap else "eos" for i in ids]   # the engine cut it at the cap
+    ids = [i + [tokenizer.eos_token_id] * (f == "eos") for i, f in zip(ids, finish)]
+    return rollout.Samples(ids, list(texts), [len(i) for i in ids], finish, [])
 
 
 def question_ids(rows):

@@ -480,6 +480,31 @@ def test_the_posthoc_fit_shows_each_phase_and_evaluate_ends_naming_its_folder(tm
     assert sorted(os.listdir(out))[-3:] == ["reliability_toy_toy.png", "results.json", "samples.jsonl"]
 
 
+def test_responses_made_elsewhere_give_the_table_of_evaluating_them_here(tmp_path, capsys):
+    # issue 53: another engine's responses (--responses) are graded and scored as if sampled here
+    argv = ["--model", "toy", "--benchmarks", "toy,toy-sub", "--limit", "4", "--n-samples", "2",
+            "--max-new-tokens", "36", *PROBE_SMALL]
+    evaluate.main([*argv, "--out", str(tmp_path / "here")])
+    here = capsys.readouterr().out.splitlines()[:-1]   # the last line names the folder
+    drawn = _rows(tmp_path / "here" / "samples.jsonl")
+    # by problem text or by index, in any question order (a question's samples in their order)
+    made = [dict(benchmark=r["benchmark"], response=r["text"], **(
+        {"problem": r["problem"]} if r["sample"] else {"question": r["question"]}))
+        for r in sorted(drawn, key=lambda r: (-r["question"], r["sample"]))]
+    evaluate.main([*argv, "--out", str(tmp_path / "there"), "--responses", jsonl(tmp_path / "r.jsonl", made)])
+    assert capsys.readouterr().out.splitlines()[:-1] == here
+    graded = _rows(tmp_path / "there" / "samples.jsonl")
+    strip = lambda r: {k: v for k, v in r.items() if k != "key"}  # noqa: E731
+    assert list(map(strip, graded)) == list(map(strip, drawn)) and graded[0]["key"] != drawn[0]["key"]
+    assert {r["finish"] for r in drawn} == {"eos", "length"}   # EOS after a response, none at the cap
+    # the file's texts are what is graded, as many per question as it holds
+    gold = [dict(benchmark=b, question=q, response=f"</think>\\boxed{{{row['answer']}}}")
+            for b in ("toy", "toy-sub") for q, row in enumerate(data.load_rows(b, split="test", limit=4))]
+    res = evaluate.main([*argv, "--out", str(tmp_path / "there"), "--responses",
+                         jsonl(tmp_path / "g.jsonl", gold)])
+    assert [(b["acc"], b["n"]) for b in res["toy"]["benchmarks"].values()] == [(1.0, 4), (1.0, 4)]
+
+
 EVAL_CASES = {
     "n-samples 0": (lambda t: ["--n-samples", "0"], "--n-samples 0: must be >= 1"),
     "limit 0": (lambda t: ["--limit", "0"], "--limit 0: must be >= 1"),
@@ -489,6 +514,22 @@ EVAL_CASES = {
     "{} line in samples.jsonl": (lambda t: ["--out", t / "eval"], "samples.jsonl line 2 is not a row of this log"),
     "100,000-char prompt": (lambda t: ["--benchmarks", jsonl(t / "q.jsonl", [{"problem": "1" * 100_000, "answer": "1"}])],
                             "do not fit the model's context of 256 tokens"),
+    "responses of another benchmark": (lambda t: ["--responses", jsonl(t / "r.jsonl", [
+        dict(benchmark="math500", question=0, response="2")])],
+        "row 1: benchmark 'math500' is not in --benchmarks toy"),
+    "responses to another question": (lambda t: ["--responses", jsonl(t / "r.jsonl", [
+        dict(benchmark="toy", question=0, response="2"),
+        dict(benchmark="toy", problem="1+1", response="2")])],
+        "row 2: no question '1+1' among toy's 2"),
+    "responses past --limit": (lambda t: ["--responses", jsonl(t / "r.jsonl", [
+        dict(benchmark="toy", question=2, response="2")])], "row 1: no question 2 among toy's 2"),
+    "a response without its text": (lambda t: ["--responses", jsonl(t / "r.jsonl", [
+        dict(benchmark="toy", question=0, text="2")])], "row 1 is not a response: write {\"benchmark\""),
+    "responses to one question of two": (lambda t: ["--responses", jsonl(t / "r.jsonl", [
+        dict(benchmark="toy", question=0, response="2")])],
+        "toy's questions have 0 to 1 responses (question 1: 0)"),
+    "responses not JSON": (lambda t: ["--responses", write(t / "r.jsonl", "{oops\n")], "is neither JSON nor"),
+    "no responses file": (lambda t: ["--responses", t / "none.jsonl"], "file not found"),
 }
 
 
