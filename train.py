@@ -35,7 +35,7 @@ from label import cut_mask, cuts_of, grid, mc_labels
 from metrics import advantage_parts, ece, heldout_probe
 from reward import margin_reward, total_reward
 from rollout import generate
-from harness import checkpoint as ckpt_lib, lora as lora_lib, plan, runlog, staticcache
+from harness import checkpoint as ckpt_lib, lora as lora_lib, plan, runlog, staticcache, verifier
 from harness.checkpoint import RunFolder, exit_codes
 from harness.files import UserError
 from harness.parallel import (MASTER, RANK, WORLD, all_gather, all_sum, full_state, launch,
@@ -317,6 +317,7 @@ def run(cfg):
     folder = RunFolder(cfg, print0, data.digest)  # the lock, and the checkpoint to resume from
     if folder.done:
         return
+    verifier.start()   # the grader's sympy import overlaps the model's load, outside the step timers
     ckpt, instruction = folder.ckpt, cfg["instruction"]
     rows = data.load_rows(cfg["data"], split="train" if cfg["data"] == "toy" else None,
                           problem_field=cfg["problem_field"], answer_field=cfg["answer_field"])
