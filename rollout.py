@@ -150,26 +150,24 @@ class Sampler:
         return state.result()
 
     def _decode_dynamic(self, prefix, n, state):
-        """The reference: every prefix row repeated n times in a DynamicCache that grows by one
-        position per step, until every row has finished or max_new_tokens are sampled."""
+        """The reference: a DynamicCache that grows by one position per step, until every row has
+        finished or max_new_tokens are sampled; one cache row per distinct (cache row, token) of the
+        running rows, so a prefix row's n samples share one while they agree (a prefix tree)."""
         cache, mask, pos, logits = prefix.cache, prefix.mask, prefix.last_pos, prefix.logits
-        if n > 1:
-            cache.batch_repeat_interleave(n)
-            logits, mask, pos = (x.repeat_interleave(n, dim=0) for x in (logits, mask, pos))
-        live = torch.arange(len(logits), device=self.device)  # rows not yet dropped from the batch
+        live = torch.arange(len(logits) * n, device=self.device)  # rows still running
+        src = live // n  # the cache row (and logits row) of each live row
         for t in range(self.max_new_tokens):
-            tok = state.advance(t, logits, live)
+            tok = state.advance(t, logits[src], live)
             keep = ~state.done[live]
-            n_keep = int(keep.sum())
-            if t == self.max_new_tokens - 1 or n_keep == 0:
+            if t == self.max_new_tokens - 1 or not keep.any():
                 return
-            if n_keep <= 0.75 * len(live):
-                # Drop finished rows from the batch (and their KV cache) so long tails decode cheaply.
-                idx = keep.nonzero().squeeze(1)
-                live, tok = live[idx], tok[idx]
-                cache.batch_select_indices(idx)
+            width = logits.shape[-1]
+            key, src = torch.unique(src[keep] * width + tok[keep], return_inverse=True)
+            idx, live = key // width, live[keep]
+            if len(idx) != len(mask) or not bool((idx == torch.arange(len(idx), device=idx.device)).all()):
+                cache.batch_select_indices(idx)  # rows fork or finish (else nothing moves)
                 mask, pos = mask[idx], pos[idx]
-            logits, mask, pos = self._forward(cache, tok, mask, pos)
+            logits, mask, pos = self._forward(cache, key % width, mask, pos)
 
     def _forward(self, cache, tok, mask, pos):
         """One eager decode step: tok [R] at the next position of each cache row -> (logits [R, V],
