@@ -101,11 +101,11 @@ def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, tempe
 
 @torch.no_grad()
 def forced_answers(model, tokenizer, prompts, responses, cut_lists, cuts, tail, k, temperature=0.8,
-                   top_p=1.0, max_new_tokens=32, seed=None, batch_size=None, decode=None):
+                   top_p=1.0, max_new_tokens=32, seed=None, batch_size=None, decode=None, stop=("\n",)):
     """The K answers to each forced prompt cuts[j] = (i, b), texts[j*k:(j+1)*k], and the features
     at each trajectory's cuts, feats N [len(cut_lists[i]), d] (module docstring) -> (texts, feats)."""
-    sampler = Sampler(model, tokenizer, max_new_tokens, temperature, top_p, stop=("\n",),
-                      decode=decode, close_depth=1)  # CUDA: also stop at the brace closing the box
+    sampler = Sampler(model, tokenizer, max_new_tokens, temperature, top_p, stop=stop, decode=decode,
+                      close_depth=1 if stop else None)  # CUDA: a stopped one also stops at its box's brace
     if sampler.static is not None:  # the rollout's buffers must not sit under the labels' prefills
         staticcache.release(model)
     trajs = sorted((i for i, bs in enumerate(cut_lists) if bs), key=lambda i: max(cut_lists[i]))

@@ -8,7 +8,6 @@
 The protocol and where it differs from the release: docs/reference.md, "Evaluation".
 """
 import copy
-import functools
 import json
 import math
 import os
@@ -28,7 +27,8 @@ from baselines import verbal_confidence  # RLCR's parser, read here for --confid
 from grade import answer_tag, answers_match, blank_answer, boxed_answer, boxed_in_thinking, code_job
 from grade import is_correct
 from grpo import pack, token_logprobs
-from label import cut_ends, cuts_of, forced_prompt, forward_pass, mc_labels
+import label as label_lib
+from label import cut_ends, cuts_of, forward_pass, mc_labels
 from rollout import generate
 from evaluation.benchmarks import (EVAL_SUFFIX, REAL, RLCR_REANSWER, TOY, digest, generate_dealt, model_id,
                                    settings, share, spread)
@@ -116,13 +116,13 @@ def reanswer_confidence(text):
     return verbal_confidence(text)
 
 
-def sample_by_length(model, tokenizer, prompts, k, run=None, **kw):
+def sample_by_length(model, tokenizer, prompts, k, **kw):
     """The k sampled texts of each prompt, in the order given; on the static path (CUDA) shortest
-    prompt first, so that a chunk holds one width (one static shape). run: a rollout.generate."""
+    prompt first, so that a chunk holds one width (one static shape)."""
     order = list(range(len(prompts)))
     if rollout.default_decode(model) == "static":
         order.sort(key=lambda i: len(prompts[i]))
-    out = (run or generate)(model, tokenizer, [list(prompts[i]) for i in order], n=k, **kw)
+    out = generate(model, tokenizer, [list(prompts[i]) for i in order], n=k, **kw)
     texts = [None] * len(prompts)
     for j, i in enumerate(order):
         texts[i] = out.texts[j * k:(j + 1) * k]
@@ -243,8 +243,7 @@ def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, pro
     golds = [r["answer"] for r in questions for _ in range(p["n"])]
     groups = [q for q in range(len(questions)) for _ in range(p["n"])]
     x, y, g, stats = posthoc_examples(model, tokenizer, rep, out.ids, out.texts, golds, groups, close_id,
-                                      dict(p, seed=p["seed"] + 1), batch_size, rows,
-                                      functools.partial(generate_dealt, progress="post-hoc forced answers"))
+                                      dict(p, seed=p["seed"] + 1), batch_size, rows)
     if not MASTER:
         return None, None
     prb, report = fit_posthoc(x, y, g, p, device=_device(model))
@@ -264,7 +263,7 @@ def say(phase):
 
 
 def posthoc_examples(model, tokenizer, prompts, responses, texts, golds, groups, close_id, p, batch_size=8,
-                     rows=64, run=None):
+                     rows=64):
     """(feats [M, d], labels [M], groups [M] problem indices, stats), M = p["count"] * N: per rollout
     and budget b (posthoc_budgets), the final normed state at prompt + thinking[:b] and posthoc_labels'
     label. p: get_probe's protocol; its "tokens" "text" (released): the thinking re-tokenized from its
@@ -278,8 +277,7 @@ def posthoc_examples(model, tokenizer, prompts, responses, texts, golds, groups,
         bos = tokenizer.bos_token_id
         forced = [q[1:] if bos is not None and q[:1] == [bos] else q for q in map(list, prompts)]
     positions = [posthoc_budgets(e, p["every"], p["count"]) for e in ends]
-    labels, copied = posthoc_labels(model, tokenizer, forced, responses, texts, golds, positions, ends, p, rows,
-                                    run)
+    labels, copied = posthoc_labels(model, tokenizer, forced, responses, texts, golds, positions, ends, p, rows)
     say(f"reading the hidden state at {sum(map(len, positions))} prefixes")
 
     def scored(starts):
@@ -298,15 +296,18 @@ def posthoc_budgets(thinking, every=500, count=16):
     return [min(every * (i + 1), thinking) for i in range(count)]
 
 
-def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions, ends, p, rows=64, run=None):
+def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions, ends, p, rows=64):
     """(Y_b at each rollout's budget positions: N lists of floats, how many were copied). At the end
     of a thinking that holds a box (p["gate"] "none": a box anywhere) the natural grade is copied
     (p["copy_natural"]); elsewhere Y_b is the share of p["k"] answers forced from `prompt +
     response[:b] + lead + CLOSE + suffix` (T 0.6, top-p 0.95) that are right, equal forced prompts
-    sampled once. p["grader"] "code": the answers are programs, run against the gold's tests."""
+    sampled once, through label.forced_answers (each its own stream: the rollouts dealt to the workers).
+    p["grader"] "code": the answers are programs, run against the gold's tests."""
     k, suffix, gate, grader = p["k"], p["suffix"], p["gate"], p.get("grader", "math")
     lead_ids = tokenizer.encode(p["lead"], add_special_tokens=False) if p["lead"] else []
-    labels, todo, copied = [], {}, 0
+    suffix_ids = tokenizer.encode(suffix, add_special_tokens=False)
+    tail = [*lead_ids, label_lib.close_id(tokenizer, p["close"]), *suffix_ids]
+    labels, todo, copied = [], {}, 0   # todo: forced prompt -> (j, (rollout, cut), gold)
     programs = None if grader != "code" else spread(sandbox.grade_many,
                                                           [code_job(t, g) for t, g in zip(texts, golds)])
     for i, ps in enumerate(positions):
@@ -321,20 +322,30 @@ def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions
                 row.append(natural)
                 copied += 1
             else:
-                cut = list(responses[i][:b]) + lead_ids
-                key = tuple(forced_prompt(prompts[i], cut, len(cut), tokenizer, p["close"], suffix))
-                row.append(todo.setdefault(key, (len(todo), golds[i]))[0])
+                b = b if lead_ids else label_lib.closed_cut(responses[i], b, tail[0])   # forced_prompt's cut
+                key = (*prompts[i], *responses[i][:b], *tail)
+                row.append(todo.setdefault(key, (len(todo), (i, b), golds[i]))[0])
         labels.append(row)
+    asks, asked = {}, [ib for _, ib, _ in todo.values()]   # rollout -> the j of the forced prompts it asks
+    for j, (i, _) in enumerate(asked):
+        asks.setdefault(i, []).append(j)
+
+    def answers(part):   # per rollout of `part`: the k answers to each forced prompt it asks
+        bs = [[asked[j][1] for j in asks[i]] for i in part]
+        got = label_lib.forced_answers(
+            model, tokenizer, [prompts[i] for i in part], [responses[i] for i in part], bs,
+            [(m, b) for m, cuts in enumerate(bs) for b in cuts], tail, k, 0.6, 0.95,
+            CODE_TOKENS if grader == "code" else 64, p["seed"], max(1, rows // k), stop=tuple(p["stop"]))[0]
+        each = iter([got[at:at + k] for at in range(0, len(got), k)])
+        return [[next(each) for _ in cuts] for cuts in bs]
     y = []
     if todo:
-        texts = sample_by_length(model, tokenizer, list(todo), k, temperature=0.6, top_p=0.95, stop=tuple(p["stop"]),
-                                 max_new_tokens=CODE_TOKENS if grader == "code" else 64, seed=p["seed"],
-                                 batch_size=max(1, rows // k), run=run)
-        forced = [(ts, gold) for ts, (_, gold) in zip(texts, todo.values())]
+        got = dict(zip([j for i in asks for j in asks[i]], sum(spread(answers, list(asks)), [])))
+        forced = [(got[j], gold) for j, _, gold in todo.values()]
         say(f"grading {len(todo) * k} forced answers")
         if grader == "code":
             passed = iter(spread(sandbox.grade_many, [code_job(t, gold) for ts, gold in forced for t in ts]))
-            y = [sum(next(passed) for _ in ts) / k for ts in texts]
+            y = [sum(next(passed) for _ in ts) / k for ts, _ in forced]
         else:
             y = spread(lambda part: [sum(answers_match(boxed_answer(suffix + t), gold) for t in ts) / k
                                            for ts, gold in part], forced)

@@ -176,24 +176,33 @@ class _MergeTok:
         return "".join("ab" if i == 20 else {v: k for k, v in self.chars.items()}[i] for i in ids)
 
 
+def forced_calls(monkeypatch, answers):
+    """label.forced_answers replaced: each call's whole forced prompts and settings are recorded, and
+    each forced prompt is answered with answers(k), a list of k texts."""
+    import label
+    calls = []
+
+    def fake(model, tok, prompts, responses, cut_lists, cuts, tail, k, temperature, top_p, max_new_tokens, seed,
+             batch_size, stop):
+        calls.append(dict(prompts=[[*prompts[i], *responses[i][:b], *tail] for i, b in cuts], n=k, stop=stop,
+                          temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens))
+        return answers(k) * len(cuts), None
+    monkeypatch.setattr(label, "forced_answers", fake)
+    return calls
+
+
 def test_posthoc_tokens_text_counts_budgets_in_the_retokenized_thinking_without_bos(monkeypatch):
     """Released (2_budget_eval: tokenizer(prompt, add_special_tokens=False) of a prompt decoded without
     its special tokens, the thinking re-tokenized from its text): --posthoc-tokens text. Default: the
     sampled ids, the prompt's BOS kept."""
-    model, calls = _tiny_model(), []
-
-    def fake_generate(model, tok, prompts, n, max_new_tokens, temperature, top_p, stop, seed, batch_size):
-        calls.append(prompts)
-        return type("S", (), {"texts": ["x"] * n * len(prompts)})()
-
-    monkeypatch.setattr(confidence, "generate", fake_generate)
+    model, calls = _tiny_model(), forced_calls(monkeypatch, lambda k: ["x"] * k)
     p = dict(PROTOCOL, every=2, count=4, k=1, suffix="", close="eos", lead="")
     kw = dict(groups=[0], close_id=9, p=p)
     x, _, _, _ = confidence.posthoc_examples(model, _MergeTok(), [[1, 2, 3]], [[20, 20, 7]], ["never boxed"], ["7"], **kw)
-    assert calls[-1] == [[1, 2, 3, 20, 20, 0], [1, 2, 3, 20, 20, 7, 0]]       # budgets 2, 3, 3, 3 of 3 ids
+    assert calls[-1]["prompts"] == [[1, 2, 3, 20, 20, 0], [1, 2, 3, 20, 20, 7, 0]]       # budgets 2, 3, 3, 3 of 3 ids
     x, _, _, _ = confidence.posthoc_examples(model, _MergeTok(), [[1, 2, 3]], [[20, 20, 7]], ["never boxed"], ["7"],
                                              groups=[0], close_id=9, p=dict(p, tokens="text"))
-    assert calls[-1] == [[2, 3, 5, 6, 0], [2, 3, 5, 6, 5, 6, 0], [2, 3, 5, 6, 5, 6, 7, 0]]   # 2, 4, 5, 5 of 5
+    assert calls[-1]["prompts"] == [[2, 3, 5, 6, 0], [2, 3, 5, 6, 5, 6, 0], [2, 3, 5, 6, 5, 6, 7, 0]]   # 2, 4, 5, 5 of 5
     # the feature at budget 4: prompt (BOS kept) + "abab" as re-tokenized
     want = confidence.features(model, [[1, 2, 3]], [[5, 6, 5, 6, 7]], [[4]], 0, final_norm=True)[0][0]
     assert torch.allclose(x[1], want, atol=1e-6)
@@ -218,15 +227,8 @@ def test_posthoc_examples_budget_rule_natural_copy_and_last_box(monkeypatch):
     responses = [[6, 7, 8, close, 11, 12], [6, 7, 8, 10, 11, close, 12], [13, 14]]
     texts = ["think \\boxed{7}", "wrong \\boxed{5}", "never boxed"]
     golds = ["7", "7", "7"]
-    calls = []
-
-    def fake_generate(model, tok, prompts, n, max_new_tokens, temperature, top_p, stop, seed, batch_size):
-        calls.append(dict(prompts=prompts, n=n, max_new_tokens=max_new_tokens, temperature=temperature,
-                          top_p=top_p, stop=stop))
-        # first sample: a box closed then another one (the last box, 7, is read); others wrong
-        return type("S", (), {"texts": (["5} no, \\boxed{7}"] + ["3}"] * (n - 1)) * len(prompts)})()
-
-    monkeypatch.setattr(confidence, "generate", fake_generate)
+    # first sample: a box closed then another one (the last box, 7, is read); others wrong
+    calls = forced_calls(monkeypatch, lambda k: ["5} no, \\boxed{7}"] + ["3}"] * (k - 1))
     x, y, g, stats = confidence.posthoc_examples(model, _CharTok(), prompts, responses, texts, golds,
                                                  groups=[0, 0, 1], close_id=close,
                                                  p=dict(PROTOCOL, every=2, count=16, k=4, suffix="S \\boxed{", close="eos"))
@@ -240,7 +242,6 @@ def test_posthoc_examples_budget_rule_natural_copy_and_last_box(monkeypatch):
     assert stats == dict(examples=48, past_end=15 + 14 + 16, natural_copied=15 + 14)
     (call,) = calls
     # distinct forced prompts: rollouts 0 and 1 agree up to token 2; then rollout 1 at 4, rollout 2 at 2
-    # (in that order on the dynamic path; the static path samples them shortest first)
     assert len(call["prompts"]) == 3 and call["n"] == 4
     # released: the cut thinking, "...", the close, the suffix
     assert call["prompts"][0] == [1, 2, 3, 6, 7] + [ord(c) for c in "..."] + [0] + [ord(c) for c in "S \\boxed{"]
@@ -420,10 +421,7 @@ def test_posthoc_labels_copy_the_natural_answer_only_if_the_thinking_is_boxed(mo
     # Both rollouts end their thinking (id 9) at 3 tokens and are right; rollout 0 boxes only after
     # </think> (R1's habit), rollout 1 inside the thinking too. Released (2_budget_eval): only
     # rollout 1's past-end budgets copy its correctness (1.0); rollout 0's are forced (1 of 4 right).
-    def fake_generate(model, tok, prompts, n, **kw):
-        return type("S", (), {"texts": (["7}"] + ["3}"] * (n - 1)) * len(prompts)})()
-
-    monkeypatch.setattr(confidence, "generate", fake_generate)
+    forced_calls(monkeypatch, lambda k: ["7}"] + ["3}"] * (k - 1))
     responses = [[6, 7, 8, 9, 11], [6, 7, 8, 9, 11]]
     texts = ["3+4=7</think>\\boxed{7}", "so \\boxed{7}</think>\\boxed{7}"]
     positions, ends = [[2, 3, 3], [2, 3, 3]], [3, 3]
@@ -438,9 +436,9 @@ def test_posthoc_labels_copy_the_natural_answer_only_if_the_thinking_is_boxed(mo
 
 
 def test_posthoc_labels_decode_one_bounded_shape_at_a_time(monkeypatch):
-    """Evaluation's post-hoc labels send every forced prompt through one generate call, in chunks
+    """Evaluation's post-hoc labels send every forced prompt through label.forced_answers, in chunks
     of `rows` rows whose widths vary widely (budgets every few hundred tokens): on the static path
-    only one shape (of at most `rows` rows) is alive at a time, and, the prompts sampled shortest
+    only one shape (of at most `rows` rows) is alive at a time, and, the rollouts taken shortest
     first, none is built twice."""
     import tiny
     from static_shapes import Shapes
@@ -459,6 +457,29 @@ def test_posthoc_labels_decode_one_bounded_shape_at_a_time(monkeypatch):
     assert max(s["alive"] for s in shapes.made) == 1
     # sampled shortest first, each shape is built once (widths only grow)
     assert len({(s["rows"], s["length"]) for s in shapes.made}) == len(shapes.made)
+
+
+@pytest.mark.parametrize("lead, stop", [("", ("\n",)), ("..", ())])
+def test_posthoc_forced_answers_are_generates_keyed_to_each_forced_prompt_whatever_the_rows(monkeypatch, lead, stop):
+    """The post-hoc labels' forced answers come from label.forced_answers (one prefill per rollout, a
+    row per cut): each distinct forced prompt's k answers are what rollout.generate samples from the
+    whole prompt with draws keyed to it, so they do not depend on `rows` nor on what shares a chunk."""
+    tok, model = tiny.tokenizer(), tiny.model(seed=1)
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    prompts = [enc("1+2="), enc("1+2="), enc("what is 17*3?")]
+    responses = [enc("3 ok fine"), enc("3 no way"), enc("51 since")]
+    positions = [[2, 4, 9], [2, 5, 8], [3, 6, 8]]   # rollouts 0 and 1 agree at 2: asked once
+    p = dict(PROTOCOL, k=3, suffix="{", close="eos", lead=lead, stop=stop, copy_natural=False)
+    graded, real = [], confidence.boxed_answer
+    monkeypatch.setattr(confidence, "boxed_answer", lambda t: graded.append(t[1:]) or real(t))
+    for rows in (3, 64):
+        confidence.posthoc_labels(model, tok, prompts, responses, [""] * 3, ["3"] * 3, positions, [9] * 3, p, rows)
+    tail = enc(lead) + [tok.eos_token_id] + enc("{")
+    forced = list(dict.fromkeys(tuple(prompts[i] + responses[i][:b] + tail) for i, bs in enumerate(positions)
+                                for b in bs))
+    ref = rollout.generate(model, tok, [list(f) for f in forced], n=3, max_new_tokens=64, temperature=0.6,
+                           top_p=0.95, stop=stop, seed=0, keyed=True)
+    assert len(forced) == 8 and graded == ref.texts * 2 and len(set(ref.texts)) > 12
 
 
 def test_verbal_confidence_on_100_kb_of_repeated_tags_is_fast_and_reads_the_last_tag():

@@ -8,6 +8,7 @@ import pytest
 import data
 import evaluate
 import grade
+import label
 import rollout
 import tiny
 from evaluation import benchmarks, confidence
@@ -94,11 +95,12 @@ def test_posthoc_labels_for_code_force_a_program_and_run_it(monkeypatch):
     gold = data.load_rows(LCB, like="lcb")[1]["answer"]
     asked = {}
 
-    def fake_sample(model, tokenizer, prompts, k, **kw):
-        asked.update(prompts=prompts, k=k, **kw)
-        return [[ADD_RIGHT[len("</think>\n"):], ADD_WRONG[len("</think>\n"):]] for _ in prompts]
+    def fake_forced(model, tokenizer, prompts, responses, cut_lists, cuts, tail, k, *args, stop):
+        asked.update(prompts=[[*prompts[i], *responses[i][:b], *tail] for i, b in cuts], k=k, tokens=args[2],
+                     stop=stop)
+        return [ADD_RIGHT[len("</think>\n"):], ADD_WRONG[len("</think>\n"):]] * len(cuts), None
 
-    monkeypatch.setattr(confidence, "sample_by_length", fake_sample)
+    monkeypatch.setattr(label, "forced_answers", fake_forced)
     response = tok.encode("abc", add_special_tokens=False)
     labels, copied = confidence.posthoc_labels(
         None, tok, [[5, 6]], [response], ["abc"], [gold], [[1, 3]], [3],
@@ -106,7 +108,7 @@ def test_posthoc_labels_for_code_force_a_program_and_run_it(monkeypatch):
              lead=confidence.EVAL_LEAD, gate="thinking", grader="code"))
     # budget 1: half the forced programs pass; budget 3 (the end): the natural answer (no code) copied
     assert (labels, copied) == ([[0.5, 0.0]], 1)
-    assert asked["max_new_tokens"] == 2048 and asked["k"] == 2
+    assert asked["tokens"] == 2048 and asked["k"] == 2 and asked["stop"] == ()   # a program runs on
     assert [list(p) for p in asked["prompts"]] == [[5, 6] + response[:1] + tok.encode("...", add_special_tokens=False) + [close]
                                 + tok.encode("\n\nHere is my final Python solution:\n", add_special_tokens=False)]
 
