@@ -482,15 +482,18 @@ def check_world8(ctx):
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     meter, t0 = nullcontext() if cuda else LiveBytes(), time.perf_counter()
+    held = torch.cuda.memory_allocated() if cuda else 0  # what earlier checks left (LiveBytes starts at 0)
+
+    def peak():  # the most bytes this check has held at once so far
+        return torch.cuda.max_memory_allocated() - held if cuda else meter.peak
 
     @contextmanager
-    def timed(name):  # seconds, and the process's peak so far (GiB) at the end of the phase
+    def timed(name):  # seconds, and the check's peak so far (GiB) at the end of the phase
         sync(device)
         start = time.perf_counter()
         yield
         sync(device)
-        phases[name] = dict(seconds=round(time.perf_counter() - start, 2),
-                            peak_gib=gib(torch.cuda.max_memory_allocated() if cuda else meter.peak))
+        phases[name] = dict(seconds=round(time.perf_counter() - start, 2), peak_gib=gib(peak()))
     try:
         with meter:
             with timed("build"):  # as checkpoint.load_sharded does it, random weights for rank 0's reads
@@ -531,24 +534,24 @@ def check_world8(ctx):
     finally:
         parallel.WORLD = was
         dist.destroy_process_group()
-    peak = torch.cuda.max_memory_allocated() if cuda else meter.peak
+    top = peak()
     local = lambda ts: sum(x.to_local().numel() * x.element_size() for x in ts)  # noqa: E731  rank 0's shards
     moments = [x for v in opt.state.values() for x in v.values() if hasattr(x, "to_local")]
     weights, adam = local(policy.parameters()), local(moments)
     del policy, sampler, lm, opt, moments, step, logits
     gc.collect()
     # the plan's peak less its runtime, which max_memory_allocated does not see (nor LiveBytes)
-    held = {name: t[name] for name in ("training state", "generation copy")}
-    versus_plan(row, peak, {**held, "largest phase": t["peak"] - sum(held.values()) - t["runtime"]})
+    kept = {name: t[name] for name in ("training state", "generation copy")}  # through every phase
+    versus_plan(row, top, {**kept, "largest phase": t["peak"] - sum(kept.values()) - t["runtime"]})
     times = ", ".join(f"{name} {v['seconds']:.1f} s" for name, v in phases.items())
-    return dict(row, seconds=round(time.perf_counter() - t0, 2), added_gib=gib(peak), world=world,
+    return dict(row, seconds=round(time.perf_counter() - t0, 2), added_gib=gib(top), world=world,
                 phases=phases, plan_peak_gib=gib(t["peak"]), weights_gib=gib(weights), adam_gib=gib(adam),
                 plan_state_gib=gib(t["training state"]), kv_shape=[kv.made[0]["rows"], kv.made[0]["length"]],
                 plan_kv_shape=list(t["kv_shape"]), label_shapes=[[x["rows"], x["length"]] for x in lab.made],
                 plan_label_shape=list(t["label_kv_shape"]), micro_batches=len(mbs),
                 micro_tokens=int(batch["attention_mask"].numel()), grad_norm=st["grad_norm"],
                 headline=f"rank 0 of {world}, fake group (its memory and compute, no communication): "
-                         f"peak {gib(peak):.4g} GiB, {row['ratio']} x the plan's {gib(t['peak']):.4g} less "
+                         f"peak {gib(top):.4g} GiB, {row['ratio']} x the plan's {gib(t['peak']):.4g} less "
                          f"runtime; {times}")
 
 
