@@ -465,6 +465,28 @@ def randomize(lm, std):
         x.fill_(1.0) if name.endswith("norm.weight") else x.normal_(0.0, std)
 
 
+@contextmanager
+def rank0_scatters(world):
+    """torch 2.11's fake group leaves a reduce-scatter's output unset (2.13's fills it with rank 0's
+    chunk): garbage gradients could make the norm non-finite. Inside the block, 2.13's fill, always."""
+    names = [n for n in ("reduce_scatter_tensor", "reduce_scatter_single") if hasattr(dist, n)]
+    was = {n: getattr(dist, n) for n in names}
+
+    def filled(fn):
+        def call(output, input, *args, **kwargs):
+            work = fn(output, input, *args, **kwargs)  # the fake group's is done when it returns
+            output.copy_(input.reshape(world, -1)[0].view_as(output))
+            return work
+        return call
+    for n in names:
+        setattr(dist, n, filled(was[n]))
+    try:
+        yield
+    finally:
+        for n in names:
+            setattr(dist, n, was[n])
+
+
 def check_world8(ctx):
     """Rank 0 of the 8-GPU recipe in one process, under torch's fake process group of 8: its
     collectives return at once with rank 0's own data in every slot, so shards, gather buffers and the
@@ -529,7 +551,7 @@ def check_world8(ctx):
             half = recipe["micro_tokens"] // 2  # two rows of half the micro-batch each: one micro-batch
             batch = pack(prompts[:1] * 2, [r[:half - P] for r in longest], tok.pad_token_id)
             mbs = micro_batches(batch["attention_mask"].sum(1).tolist(), recipe["micro_tokens"])
-            with timed("update"):
+            with timed("update"), rank0_scatters(world):
                 st = update(policy, opt, batch, None, torch.tensor([1.0, -1.0]), mbs, recipe, device)
     finally:
         parallel.WORLD = was
