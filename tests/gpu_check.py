@@ -1,5 +1,6 @@
-"""One RL step of the 7B recipe, its decode speed and the toy runs on one GPU, in 3-4 minutes
-(time-boxed to 390 s; not collected by pytest: tests/test_gpu_check.py runs its dry run):
+"""One RL step of the 7B recipe, its decode speed, rank 0 of the 8-GPU recipe and the toy runs on
+one GPU, in 4-5 minutes (time-boxed to 390 s; not collected by pytest: tests/test_gpu_check.py runs
+its dry run):
 
     python tests/gpu_check.py --all --config DIR --out OUT              # on an H200
     python tests/gpu_check.py --all --dry-run --config DIR --out OUT    # tiny, on the CPU
@@ -27,12 +28,23 @@ bf16 generation copy, as train.py holds them in one process on a GPU. Sizes are 
             in for AdamW, whose 8 N (61 GB) do not fit beside the rest; its sampler gap is the bf16
             static sampler's log-probs against the fp32 trainer's, at 7B width; on a GPU autocast
             keeps bf16 casts of the fp32 weights (2 N) through each forward, which no plan term counts
-  decode    a 1 GiB device copy (the bandwidth measured); then 24 rows after prompts of 6000       30 s
-            tokens, 255 steps each of static (timed after a warm-up call), static-full, dynamic and
-            the LoRA recipes' sampler (a rank-32 adapter merged into a plain bf16 copy,
+  decode    a 1 GiB device copy (the bandwidth measured); then 24 rows after prompts of 6000       40 s
+            tokens, 255 steps each of: static, the fused step (one QKV and one gate-up GEMM,
+            flex_attention over the written 128-key blocks; StaticDecoder.fused, off by default);
+            static-sdpa, the model's own step (masked SDPA over the live length's bucket: the default);
+            both timed after a warm-up call; static-full (the model's step over the whole buffer),
+            dynamic, and the LoRA recipes' sampler (a rank-32 adapter merged into a plain bf16 copy,
             lora.merged_copy: warm-up, then timed): about 23 GB a step (dynamic about 40: its cache
-            grows by copying), 39 TB in all (8 s at the floor), + 6 prefills of 4 x 6000 tokens
-            (2.2 PFLOP)
+            grows by copying), 51 TB in all (11 s at the floor), + 8 prefills of 4 x 6000 tokens
+            (2.9 PFLOP); each path's ms a step, % of the floor and whether its tokens equal static's
+  world8    rank 0 of the 8-GPU recipe in one process, under torch's fake process group (world 8;    30 s
+            its collectives move no data: one rank's memory and compute, no communication): the
+            policy meta-built and sharded by parallel.wrap as checkpoint.load_sharded does (random
+            weights; the bf16 copy filled by refresh_sampler), real AdamW; rank 0's phases at the
+            recipe's shapes: the rollout's static buffers (24 x 9216: a prefill of 4 x 600 tokens,
+            32 steps), the labels' widest chunk (2 responses of 8000 tokens), one update micro-batch
+            of 16,384 tokens with checkpointing and the AdamW step; each phase's seconds and the
+            peak beside the plan's for 8 x 80 GiB (52.9 GiB, less its runtime)
   toy_lora  train.py --lora-rank 8, 2 toy steps (the one-GPU recipe: a merged bf16 copy samples;   30-60 s
             the adapter save); a subprocess, whose start-up dominates
   toy_fsdp  train.py --offload --grad-ckpt, 2 toy steps: a one-rank FSDP2 group (sharding, CPU    30-60 s
@@ -47,10 +59,11 @@ runs their step rows' peak_mem beside the plan's peak for their settings (less t
 which peak_mem does not see). A ratio above 1 is memory no plan term counts.
 
 What one GPU can show: CUDA graphs (rollout, label shapes, the merged LoRA copy's), bf16
-numerics at 7B width, memory and speed of a rank's phases at full depth, the one-GPU LoRA recipe,
-FSDP2 with CPU offload on one rank, evaluate.py on CUDA. What it cannot: anything between ranks. A
-one-rank group issues no cross-rank collective, so NCCL, the gloo traffic of --offload on two or
-more GPUs, FSDP2's gathers and reduce-scatters, and ranks waiting on each other are not measured;
+numerics at 7B width, memory and speed of a rank's phases at full depth, rank 0's shards, gather
+buffers and peak at world 8 (world8), the one-GPU LoRA recipe, FSDP2 with CPU offload on one rank,
+evaluate.py on CUDA. What it cannot: anything between ranks. Neither a one-rank group nor the fake one
+moves data between ranks, so NCCL, the gloo traffic of --offload on two or more GPUs, the time of
+FSDP2's gathers and reduce-scatters, and ranks waiting on each other are not measured;
 nor is an H100's 80 GB limit (the ratios carry over, the headroom does not), nor anything that needs
 trained weights (lengths, labels and accuracies of random weights mean nothing).
 
@@ -77,6 +90,8 @@ from contextlib import contextmanager, nullcontext
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
+from transformers import AutoModelForCausalLM
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # the project root, when run as a script
@@ -85,12 +100,11 @@ import rollout  # noqa: E402
 import static_shapes  # noqa: E402  (beside this file)
 from grpo import pack, token_logprobs  # noqa: E402
 import rollout as sampling  # noqa: E402
-from harness import lora, plan, staticcache  # noqa: E402
+from harness import lora, parallel, plan, staticcache  # noqa: E402
 from harness.checkpoint import is_adapter  # noqa: E402
 from harness.checkpoint import latest_checkpoint  # noqa: E402
 from harness.files import UserError  # noqa: E402
 from config import COMMON, REAL  # noqa: E402
-from harness.parallel import wrap  # noqa: E402
 from live_bytes import LiveBytes  # noqa: E402  (beside this file)
 import bench  # noqa: E402  (beside this file)
 from train import checkpoint_activations  # noqa: E402
@@ -103,12 +117,14 @@ SHAPE = staticcache._Shape  # the static decoder's buffer set, whose captures `c
 SIZES = dict(layers=None, prompts=4, group=6, prompt_len=plan.PROMPT_TOKENS, rollout_new=1024,
              shortest=200, longest=REAL["max_new_tokens"], k=4, answer_tokens=plan.FORCED_ANSWER,
              decode_prompt=6000, decode_steps=256, adapter_rank=32, toy_rank=8, copy_mib=1024,
-             eval_flags=["--limit", "16", "--probe-questions", "16", "--probe-samples", "4"])
+             eval_flags=["--limit", "16", "--probe-questions", "16", "--probe-samples", "4"],
+             world=8, world_steps=32, recipe={})
 # the vocabulary stays (the pad id and </think> are near its end); prompt_len is the toy world's,
 # which the plan assumes for --model toy
 DRY = dict(layers=2, hidden=64, heads=4, kv_heads=2, prompts=2, group=2, prompt_len=plan.TOY_PROMPT_TOKENS,
            rollout_new=16, shortest=8, longest=48, k=2, answer_tokens=8, decode_prompt=40, decode_steps=8,
-           adapter_rank=4, copy_mib=16,
+           adapter_rank=4, copy_mib=16, world_steps=4,
+           recipe=dict(group_size=2, max_new_tokens=48, micro_tokens=128, chunk_size=128, k=2),
            eval_flags=["--limit", "4", "--n-samples", "2", "--probe-questions", "4", "--probe-samples", "2"])
 TOY_DRY = ["--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "16"]  # the CPU is slow
 STEP_FIELDS = ("ratio_mean", "sampler_gap", "sampler_kl_k3", "sampler_ratio_max", "entropy", "grad_norm",
@@ -208,7 +224,7 @@ def check_build(ctx):
         lm = bench.random_model(cfg, device, dtype=torch.float32, seed=0)
         lm.config.use_cache = False
         checkpoint_activations(lm)
-        policy, sampler = wrap(lm, device, token_logprobs)
+        policy, sampler = parallel.wrap(lm, device, token_logprobs)
     vocab = min(len(tok), cfg.vocab_size)
     ctx.update(cfg=cfg, tok=tok, lm=lm, policy=policy, sampler=sampler.eval(), vocab=vocab,
                counts=plan.param_counts(cfg),
@@ -441,6 +457,126 @@ def check_decode(ctx):
                          f" at {args.bandwidth} TB/s, {floor['measured']:.2f} at the {measured:.3g} TB/s copied")
 
 
+@torch.no_grad()
+def randomize(lm, std):
+    """Random weights in place, into each rank's shard of a sharded model: norms 1, the rest N(0, std^2)."""
+    for name, p in lm.named_parameters():
+        x = p.to_local() if hasattr(p, "to_local") else p
+        x.fill_(1.0) if name.endswith("norm.weight") else x.normal_(0.0, std)
+
+
+@contextmanager
+def rank0_scatters(world):
+    """torch 2.11's fake group leaves a reduce-scatter's output unset (2.13's fills it with rank 0's
+    chunk): garbage gradients could make the norm non-finite. Inside the block, 2.13's fill, always."""
+    names = [n for n in ("reduce_scatter_tensor", "reduce_scatter_single") if hasattr(dist, n)]
+    was = {n: getattr(dist, n) for n in names}
+
+    def filled(fn):
+        def call(output, input, *args, **kwargs):
+            work = fn(output, input, *args, **kwargs)  # the fake group's is done when it returns
+            output.copy_(input.reshape(world, -1)[0].view_as(output))
+            return work
+        return call
+    for n in names:
+        setattr(dist, n, filled(was[n]))
+    try:
+        yield
+    finally:
+        for n in names:
+            setattr(dist, n, was[n])
+
+
+def check_world8(ctx):
+    """Rank 0 of the 8-GPU recipe in one process, under torch's fake process group of 8: its
+    collectives return at once with rank 0's own data in every slot, so shards, gather buffers and the
+    phases' memory and compute are one rank's, and no communication is measured."""
+    free_models(ctx)
+    s, device, config, tok = ctx["sizes"], ctx["device"], ctx["cfg"], ctx["tok"]
+    world, cuda = s["world"], device.type == "cuda"
+    recipe = {**COMMON, **REAL, "model": "toy" if ctx["args"].dry_run else "gpu-check", **s["recipe"]}
+    t = plan.estimate(config, recipe, world, device.type, False, ctx["counts"])
+    P, new, group, k = plan.prompt_tokens(recipe), recipe["max_new_tokens"], recipe["group_size"], recipe["k"]
+    prompts = bench.random_prompts(ctx["vocab"], -(-recipe["prompts_per_step"] // world), P, seed=3)
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    was, parallel.WORLD, row, phases = parallel.WORLD, world, {}, {}  # what slots() and all_sum read
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    meter, t0 = nullcontext() if cuda else LiveBytes(), time.perf_counter()
+    held = torch.cuda.memory_allocated() if cuda else 0  # what earlier checks left (LiveBytes starts at 0)
+
+    def peak():  # the most bytes this check has held at once so far
+        return torch.cuda.max_memory_allocated() - held if cuda else meter.peak
+
+    @contextmanager
+    def timed(name):  # seconds, and the check's peak so far (GiB) at the end of the phase
+        sync(device)
+        start = time.perf_counter()
+        yield
+        sync(device)
+        phases[name] = dict(seconds=round(time.perf_counter() - start, 2), peak_gib=gib(peak()))
+    try:
+        with meter:
+            with timed("build"):  # as checkpoint.load_sharded does it, random weights for rank 0's reads
+                with torch.device("meta"):
+                    lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+                lm.config.use_cache = False
+                checkpoint_activations(lm)
+                policy, sampler = parallel.wrap(lm, device, token_logprobs)
+                policy.to_empty(device=device)
+                torch.manual_seed(0)
+                randomize(lm, config.initializer_range)
+                parallel.rebuild_buffers(lm, device)
+                sampler.to_empty(device=device)
+                parallel.refresh_sampler(sampler, policy, frozen=True)  # the gathers' buffers; 8 x rank 0's
+                parallel.rebuild_buffers(sampler, device)
+            opt = torch.optim.AdamW(policy.parameters(), lr=recipe["lr"], weight_decay=recipe["weight_decay"])
+            with timed("rollout"), static_shapes.recording() as kv:  # the static path's buffers, a few steps
+                smp = sampling.Sampler(sampler, tok, max_new_tokens=new, eos_ids=[], decode="static")
+                prefix = smp.prefill(prompts)
+                step = smp.static.start(sampler, prefix, group, new)
+                prefix.cache, logits = None, prefix.logits.repeat_interleave(group, 0)
+                done = torch.zeros(len(logits), dtype=torch.bool, device=device)
+                for _ in range(s["world_steps"]):  # greedy: the tokens do not matter here
+                    logits = step(logits.argmax(-1), done)[:len(done)]
+            staticcache.release(sampler)
+            g = torch.Generator().manual_seed(4)  # the longest responses: the labels' widest chunk
+            longest = [torch.randint(ctx["vocab"], (new,), generator=g).tolist() for _ in range(2)]
+            cuts = [label.cuts_of(new, recipe["budgets"])] * 2
+            with timed("labels"), static_shapes.recording() as lab:
+                label.mc_labels(sampler, tok, prompts[:1] * 2, longest, cuts, ["1"] * 2, k=k, seed=0,
+                                max_new_tokens=plan.FORCED_ANSWER, batch_size=recipe["gen_batch"],
+                                grader="strict", decode="static", features=True)
+            half = recipe["micro_tokens"] // 2  # two rows of half the micro-batch each: one micro-batch
+            batch = pack(prompts[:1] * 2, [r[:half - P] for r in longest], tok.pad_token_id)
+            mbs = micro_batches(batch["attention_mask"].sum(1).tolist(), recipe["micro_tokens"])
+            with timed("update"), rank0_scatters(world):
+                st = update(policy, opt, batch, None, torch.tensor([1.0, -1.0]), mbs, recipe, device)
+    finally:
+        parallel.WORLD = was
+        dist.destroy_process_group()
+    top = peak()
+    local = lambda ts: sum(x.to_local().numel() * x.element_size() for x in ts)  # noqa: E731  rank 0's shards
+    moments = [x for v in opt.state.values() for x in v.values() if hasattr(x, "to_local")]
+    weights, adam = local(policy.parameters()), local(moments)
+    del policy, sampler, lm, opt, moments, step, logits
+    gc.collect()
+    # the plan's peak less its runtime, which max_memory_allocated does not see (nor LiveBytes)
+    kept = {name: t[name] for name in ("training state", "generation copy")}  # through every phase
+    versus_plan(row, top, {**kept, "largest phase": t["peak"] - sum(kept.values()) - t["runtime"]})
+    times = ", ".join(f"{name} {v['seconds']:.1f} s" for name, v in phases.items())
+    return dict(row, seconds=round(time.perf_counter() - t0, 2), added_gib=gib(top), world=world,
+                phases=phases, plan_peak_gib=gib(t["peak"]), weights_gib=gib(weights), adam_gib=gib(adam),
+                plan_state_gib=gib(t["training state"]), kv_shape=[kv.made[0]["rows"], kv.made[0]["length"]],
+                plan_kv_shape=list(t["kv_shape"]), label_shapes=[[x["rows"], x["length"]] for x in lab.made],
+                plan_label_shape=list(t["label_kv_shape"]), micro_batches=len(mbs),
+                micro_tokens=int(batch["attention_mask"].numel()), grad_norm=st["grad_norm"],
+                headline=f"rank 0 of {world}, fake group (its memory and compute, no communication): "
+                         f"peak {gib(top):.4g} GiB, {row['ratio']} x the plan's {gib(t['peak']):.4g} less "
+                         f"runtime; {times}")
+
+
 def free_models(ctx):
     """Drop the in-process models before a toy run (it is another process on the same GPU)."""
     for key in ("sampler", "lm", "policy", "rollout"):
@@ -534,6 +670,7 @@ def check_toy_eval(ctx):
 # (name, check, seconds it is given on an H200: the module docstring's estimate with a margin)
 CHECKS = [("build", check_build, 20), ("rollout", check_rollout, 15), ("labels", check_labels, 20),
           ("score", check_score, 10), ("update", check_update, 15), ("decode", check_decode, 45),
+          ("world8", check_world8, 90),
           ("toy_lora", check_toy_lora, 40), ("toy_fsdp", check_toy_fsdp, 40), ("toy_eval", check_toy_eval, 40)]
 
 

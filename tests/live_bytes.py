@@ -25,6 +25,7 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for t in tree_flatten(out)[0]:
+            t = getattr(t, "_local_tensor", t)  # a DTensor holds no storage: its local shard does
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
                 storage = t.untyped_storage()
                 key = storage.data_ptr()

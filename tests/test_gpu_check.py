@@ -1,6 +1,7 @@
 """tests/gpu_check.py: its dry run (tiny widths on the CPU) runs every check, so the GPU check cannot
 rot between GPU runs, and leaves three files in its --out; one failing check is reported while the
-others still run; a check the time box has no room for is skipped."""
+others still run; a check the time box has no room for is skipped; world8's rank 0 of a fake world
+of 8 holds its shards and stays within the plan."""
 import json
 import os
 import subprocess
@@ -99,6 +100,44 @@ def test_a_decode_path_that_fails_leaves_the_other_paths_numbers(tmp_path, monke
     assert dec["paths"][f"lora-{rank}"] == {"error": "ImportError: No module named 'peft'"}
     assert all(dec["paths"][p]["ms_step"] > 0 for p in ("static", "static-full", "dynamic"))
     assert dec["lora_dtype"] is None and "== decode lora" in (tmp_path / "gpu_check.log").read_text()
+
+
+@pytest.mark.slow   # builds the dry run's model twice, once sharded under a fake world of 8
+@pytest.mark.skipif(not os.path.isdir(FIXTURE), reason="needs the 7B config and tokenizer fixture")
+def test_world8_runs_rank_0_of_eight_within_the_plan_and_leaves_no_process_group(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_check, "CHECKS", [c for c in gpu_check.CHECKS if c[0] in ("build", "world8")])
+    assert gpu_check.main(["--all", "--dry-run", "--config", FIXTURE, "--out", str(tmp_path)]) == 0
+    w8 = json.loads((tmp_path / "gpu_check.jsonl").read_text().splitlines()[1])
+    assert w8["world"] == 8 and list(w8["phases"]) == ["build", "rollout", "labels", "update"]
+    # rank 0 holds an eighth of the fp32 weights (4 N / 8) and of AdamW's two moments (8 N / 8): the
+    # plan's training state (16 N / 8) less the gradients, freed after the step; padding rows aside
+    assert w8["weights_gib"] == pytest.approx(w8["plan_state_gib"] / 4, rel=0.01)
+    assert w8["adam_gib"] == pytest.approx(w8["plan_state_gib"] / 2, rel=0.01)
+    # the rollout's static buffers are the plan's KV shape; the labels' widest chunk, its length
+    assert w8["kv_shape"] == w8["plan_kv_shape"] and w8["label_shapes"][-1][1] == w8["plan_label_shape"][1]
+    recipe = gpu_check.DRY["recipe"]
+    assert w8["micro_batches"] == 1 and w8["micro_tokens"] == recipe["micro_tokens"]
+    assert 0 < w8["grad_norm"] < float("inf")
+    # the bf16 copy (fp32 on the CPU) is whole on every rank, beside rank 0's shard; the peak is within
+    # the plan's peak less its runtime (which the CPU's bytes do not count either)
+    assert w8["phases"]["build"]["peak_gib"] >= w8["plan_gib"]["generation copy"] + w8["weights_gib"]
+    assert 0 < w8["ratio"] <= 1
+    assert not torch.distributed.is_initialized() and gpu_check.parallel.WORLD == 1
+
+
+@pytest.mark.slow   # as the test above
+@pytest.mark.skipif(not os.path.isdir(FIXTURE), reason="needs the 7B config and tokenizer fixture")
+def test_world8_updates_where_the_fake_group_leaves_reduce_scatter_outputs_unset(tmp_path, monkeypatch):
+    def unset(output, input, *args, **kwargs):  # torch 2.11's fake group: the output as it was
+        output.fill_(float("nan"))  # what uninitialized memory may hold
+
+    import torch.distributed as dist
+    for name in ("reduce_scatter_tensor", "reduce_scatter_single"):
+        monkeypatch.setattr(dist, name, unset, raising=False)
+    monkeypatch.setattr(gpu_check, "CHECKS", [c for c in gpu_check.CHECKS if c[0] in ("build", "world8")])
+    assert gpu_check.main(["--all", "--dry-run", "--config", FIXTURE, "--out", str(tmp_path)]) == 0
+    w8 = json.loads((tmp_path / "gpu_check.jsonl").read_text().splitlines()[1])
+    assert 0 < w8["grad_norm"] < float("inf") and w8["adam_gib"] > 0
 
 
 def test_a_failing_check_is_one_error_line_and_the_others_still_run(tmp_path, capsys):
