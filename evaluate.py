@@ -232,8 +232,6 @@ def build_parser():
     g.add_argument("--decode", choices=rollout.DECODES, help="KV cache for decoding (default: static on CUDA)")
     g.add_argument("--threads", type=int, help="CPU threads (default: 1 on a machine without a GPU, else torch's)")
     g.add_argument("--nproc", type=int, help="workers (default: one per GPU, else 1): the same samples.jsonl")
-    g.add_argument("--plan", action="store_true", help="print each benchmark's memory peak on one GPU, exit")
-    g.add_argument("--gpu-mem", type=float, help="GiB of the GPU to plan for (default: this one's, else 80)")
     g = p.add_argument_group("confidence")
     g.add_argument("--confidence", choices=confidence.SOURCES,
                    help="where a sample's confidence comes from (default probe-posthoc)")
@@ -278,7 +276,7 @@ def main(argv=None):
         data.lcb_window(args.lcb_release)
         if args.out:
             check_out(args.out, "--out", "evaluate.py")   # not a training run's or a model's folder
-        for name in [] if args.plan else args.model:   # a plan reads a config alone (a named model's ships)
+        for name in args.model:
             checkpoint.check_available(name)
         names = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
         if not names:   # an empty list would replace a model's results with none
@@ -290,13 +288,6 @@ def main(argv=None):
         # the toy or a small model on a CPU gains nothing from threads, and on a busy CPU loses much
         if args.threads or not torch.cuda.is_available():
             torch.set_num_threads(args.threads or 1)
-        if args.plan:   # from each model's config alone (a named model's ships: no hub), before any benchmark is read
-            from harness import plan
-            mem = args.gpu_mem or (torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0)
-            for name in args.model:
-                plan.eval_check(name, [(b, settings(b, args)) for b in names], mem,
-                                early_exit=not args.no_early_exit)
-            return None
         loaded = load_benchmarks(names, args.limit, args.lcb_release)   # every name checked before any model loads
         loaded = rlcr_prompts(loaded) if args.mode == "rlcr" else loaded
         args.given = read_responses(args.responses, loaded) if args.responses else None
@@ -312,7 +303,7 @@ def main(argv=None):
             return None
         setup()
         results = dict(evaluate_model(name, loaded, args) for name in args.model)
-    except (ValueError, OSError) as e:   # UserError (a refused plan, a held lock), data.DataError: exit 2
+    except (ValueError, OSError) as e:   # UserError (a held lock), data.DataError: exit 2
         print(f"evaluate.py: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     except FloatingPointError as e:   # NaN in a model or probe
