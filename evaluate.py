@@ -36,7 +36,7 @@ from harness.parallel import MASTER, launch, teardown, worker_count
 
 # Allowed flag values (config.check_values): checked before any model, data or folder is touched.
 LIMITS = {key: (lambda v: v >= 1, ">= 1") for key in (
-    "limit", "n_samples", "max_new_tokens", "batch_size", "threads", "every", "forced_k", "probe_questions",
+    "limit", "n_samples", "max_new_tokens", "batch_size", "every", "forced_k", "probe_questions",
     "nproc")}
 LIMITS.update(temperature=(lambda v: v >= 0, ">= 0 (0: greedy)"), top_p=(lambda v: 0 < v <= 1, "in (0, 1]"),
               seed=(lambda v: 0 <= v < 2**32, "in [0, 2**32)"), logit_temperature=(lambda v: v > 0, "> 0"))
@@ -212,7 +212,7 @@ def build_parser():
     g.add_argument("--benchmarks", default="toy",
                    help="comma list: toy, math500, ..., FILE or NAME=FILE (default %(default)s)")
     g.add_argument("--limit", type=int, help="questions per benchmark (default: all)")
-    g.add_argument("--toy-world", default=toy.WORLD, choices=sorted(toy.WORLDS),
+    g.add_argument("--toy-world", default=toy.WORLD, choices=(toy.WORLD,),
                    help="the toy world the models were warm-started in, recorded with the results "
                    "(default %(default)s)")
     g.add_argument("--lcb-release", default=data.LCB_RELEASE,
@@ -230,7 +230,6 @@ def build_parser():
     g.add_argument("--seed", type=int, default=0, help="seeds the samples and the bootstrap (%(default)s)")
     g.add_argument("--batch-size", type=int, help="questions per generation call (default 64 sequences; toy 256)")
     g.add_argument("--decode", choices=rollout.DECODES, help="KV cache for decoding (default: static on CUDA)")
-    g.add_argument("--threads", type=int, help="CPU threads (default: 1 on a machine without a GPU, else torch's)")
     g.add_argument("--nproc", type=int, help="workers (default: one per GPU, else 1): the same samples.jsonl")
     g = p.add_argument_group("confidence")
     g.add_argument("--confidence", choices=confidence.SOURCES,
@@ -285,9 +284,8 @@ def main(argv=None):
         # beside the grader's folder, the project and the HF cache, a program sees none of these
         sandbox.hide += [p for p in (*(b.partition("=")[2] or b for b in names), *args.model, args.out)
                          if p and os.path.exists(p)]
-        # the toy or a small model on a CPU gains nothing from threads, and on a busy CPU loses much
-        if args.threads or not torch.cuda.is_available():
-            torch.set_num_threads(args.threads or 1)
+        if not torch.cuda.is_available():   # the toy or a small model gains nothing from threads
+            torch.set_num_threads(1)
         loaded = load_benchmarks(names, args.limit, args.lcb_release)   # every name checked before any model loads
         loaded = rlcr_prompts(loaded) if args.mode == "rlcr" else loaded
         args.given = read_responses(args.responses, loaded) if args.responses else None

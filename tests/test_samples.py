@@ -16,7 +16,7 @@ from runs import EVAL_SMALL, snapshot
 from test_evaluate import _rows
 
 EVAL = [*EVAL_SMALL, "--confidence", "logits"]
-FAST = ["--limit", "4", "--n-samples", "2", "--max-new-tokens", "56", "--threads", "1", "--confidence", "logits"]
+FAST = ["--limit", "4", "--n-samples", "2", "--max-new-tokens", "56", "--confidence", "logits"]
 
 
 PH = ["--probe-questions", "4", "--probe-samples", "2", "--posthoc-budgets", "2"]
