@@ -8,7 +8,7 @@ import os
 
 import grade
 import toy
-from data import ANSWER_FIELDS, INSTRUCTION, PROBLEM_FIELDS, RLCR_INSTRUCTION
+from data import INSTRUCTION, RLCR_INSTRUCTION
 from grpo import AGGS
 from baselines import REWARDS  # the --reward modes
 from rollout import DECODES
@@ -33,7 +33,7 @@ REAL = dict(data="deepscaler", eval_data="math500", steps=600, prompts_per_step=
             gen_batch=8)  # 8 prompts x 6 = 48 rows x 8k tokens: ~22 GB of KV cache for the 7B
 # hub id -> what its own released run script changes in REAL (docs/reference.md: the 4B's recipe)
 RECIPES = {"Qwen/Qwen3-4B-Instruct-2507": dict(steps=240)}
-COMMON = dict(model="toy", problem_field=None, answer_field=None, trust_remote_code=False,
+COMMON = dict(model="toy", trust_remote_code=False,
               temperature=0.8, top_p=1.0, reward="rlcm", lam=0.1, k=4, forced_close="think",
               corner="zero", budgets=(0.25, 0.5, 0.75), max_prompt_tokens=0, probe_lr=1e-3, probe_passes=16,
               probe_hidden=None, grad_clip=1.0,
@@ -93,8 +93,8 @@ LIMITS = {
 }
 # Refused on --resume: the saved data cursor, RNG states or probe would refer to another run. Others
 # apply from the next step, written to config.json (--lr, --probe-lr: replace the saved rates).
-FIXED_ON_RESUME = ("model", "data", "problem_field", "answer_field", "seed", "reward", "probe_hidden",
-                   "lora_rank", "lora_alpha", "lora_targets", "toy_world")
+FIXED_ON_RESUME = ("model", "data", "seed", "reward", "probe_hidden", "lora_rank", "lora_alpha",
+                   "lora_targets", "toy_world")
 
 
 def dflt(key):
@@ -110,10 +110,6 @@ def build_parser():   # every default None: resolve_args fills them. More: docs/
     g = p.add_argument_group("model and data")
     g.add_argument("--model", help="toy | deepseek-r1-distill-qwen-7b | qwen3-4b-instruct | HF id")
     g.add_argument("--data", help="toy | deepscaler | HF dataset id | local json/jsonl/parquet")
-    g.add_argument("--problem-field", help="the problem column (default: the first of "
-                   + ", ".join(PROBLEM_FIELDS) + ")")
-    g.add_argument("--answer-field", help="the gold answer column (default: the first of "
-                   + ", ".join(ANSWER_FIELDS) + ")")
     g.add_argument("--eval-data", help="held-out set for the accuracy check (toy test / math500)")
     g.add_argument("--toy-world", choices=(toy.WORLD,),
                    help="a --model folder's toy world: the toy's defaults apply")

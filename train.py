@@ -317,8 +317,7 @@ def run(cfg):
     if folder.done:
         return
     ckpt, instruction = folder.ckpt, cfg["instruction"]
-    rows = data.load_rows(cfg["data"], split="train" if cfg["data"] == "toy" else None,
-                          problem_field=cfg["problem_field"], answer_field=cfg["answer_field"])
+    rows = data.load_rows(cfg["data"], split="train" if cfg["data"] == "toy" else None)
     eval_rows = data.load_rows(cfg["eval_data"], split="test" if cfg["eval_data"] == "toy" else None,
                                limit=cfg["eval_n"]) if cfg["eval_n"] else []
     torch.manual_seed(cfg["seed"]), np.random.seed(cfg["seed"]), random.seed(cfg["seed"])
