@@ -268,7 +268,6 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    threads = torch.get_num_threads()
     results = None   # set once every model is evaluated: then the ranks leave the group together
     try:   # what argparse cannot check, and a missing model: one line and exit 2, like argparse and train.py
         check_values(vars(args), LIMITS)
@@ -309,7 +308,6 @@ def main(argv=None):
     except KeyboardInterrupt:   # samples are appended per batch: the same command continues from here
         results = None          # the line is printed below, once the progress bar has closed
     finally:
-        torch.set_num_threads(threads)
         LOCKS.close()
         HELD.clear()
         teardown(results is not None)

@@ -208,13 +208,6 @@ def warm_start(out, log=print):   # supervised (AdamW, warm-up then cosine; fixe
     return out
 
 
-def base_model(path=BASE_DIR):
-    """The warm-started base policy's folder (default toy_base/), trained first if missing."""
-    if not os.path.exists(os.path.join(path, "model.safetensors")):
-        warm_start(path)
-    return path
-
-
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Rebuild the toy world's warm-started base policy.")
     parser.add_argument("--out", default=BASE_DIR,

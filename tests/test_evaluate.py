@@ -30,7 +30,7 @@ FAST = ["--limit", "6", "--n-samples", "2", "--max-new-tokens", "48"]
 
 @pytest.fixture(scope="module")
 def toy_dir():
-    return toy.base_model()
+    return toy.BASE_DIR
 
 
 @pytest.fixture(scope="module")

@@ -190,7 +190,7 @@ def test_a_model_trained_again_in_place_is_evaluated_again_not_given_the_old_sam
     import evaluate
     import toy
     model = str(tmp_path / "model")
-    shutil.copytree(toy.base_model(), model)
+    shutil.copytree(toy.BASE_DIR, model)
     first = evaluate.main(["--model", model, "--out", str(tmp_path / "e"), *FAST])["model"]
     assert reproduce.eval_entry(str(tmp_path / "e"), "model", evaluate.model_id(model))["model_id"] == first["model_id"]
     retrain_in_place(model)

@@ -53,7 +53,7 @@ def test_held_out_rows_carry_the_probe_calibration_of_the_logged_prefixes(run):
     assert [r["step"] for r in evals] == [0, 1, 2]
     for r in evals:
         mine = [t for t in held if t["step"] == r["step"]]
-        assert len(mine) == 8  # --eval-n 8 < --eval-probe-n 32
+        assert len(mine) == 8  # --eval-n 8 < the 32 the check labels
         Y = np.array([y for t in mine for y in t["Y_b"]])
         C = np.array([c for t in mine for c in t["C_b"]])
         assert r["eval_probe_prefixes"] == len(Y) >= 8
@@ -94,7 +94,7 @@ def test_config_file_reproduces_a_run_except_steps_and_out(run, tmp_path):
 
 def test_instruction_changes_the_prompt_and_evaluate_reuses_it(tmp_path, monkeypatch):
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(toy.base_model())
+    tok = AutoTokenizer.from_pretrained(toy.BASE_DIR)
     plain, marked = data.chat_prompt(tok, "1+2", ""), data.chat_prompt(tok, "1+2", " =")
     assert len(marked) > len(plain) and tok.decode(marked).replace(" =", "", 1) == tok.decode(plain)
     seen = []
