@@ -51,7 +51,7 @@ def test_local_formats_and_field_names(tmp_path):
 
 def test_error_messages(tmp_path):
     solution_only = write_jsonl(tmp_path / "s.jsonl", [{"problem": "p", "solution": "worked text"}])
-    with pytest.raises(data.DataError, match=r"no answer field.*'problem', 'solution'.*rename one to 'answer'"):
+    with pytest.raises(data.DataError, match=r"no answer field.*'solution'.*rename one to 'answer'"):
         data.load_rows(solution_only)
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(data.DataError, match="has no rows"):
