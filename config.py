@@ -8,7 +8,7 @@ import os
 
 import grade
 import toy
-from data import ANSWER_FIELDS, INSTRUCTION, PROBLEM_FIELDS, RLCR_INSTRUCTION
+from data import INSTRUCTION, RLCR_INSTRUCTION
 from grpo import AGGS
 from baselines import REWARDS  # the --reward modes
 from rollout import DECODES
@@ -33,12 +33,12 @@ REAL = dict(data="deepscaler", eval_data="math500", steps=600, prompts_per_step=
             gen_batch=8)  # 8 prompts x 6 = 48 rows x 8k tokens: ~22 GB of KV cache for the 7B
 # hub id -> what its own released run script changes in REAL (docs/reference.md: the 4B's recipe)
 RECIPES = {"Qwen/Qwen3-4B-Instruct-2507": dict(steps=240)}
-COMMON = dict(model="toy", problem_field=None, answer_field=None, trust_remote_code=False,
+COMMON = dict(model="toy", trust_remote_code=False,
               temperature=0.8, top_p=1.0, reward="rlcm", lam=0.1, k=4, forced_close="think",
               corner="zero", budgets=(0.25, 0.5, 0.75), max_prompt_tokens=0, probe_lr=1e-3, probe_passes=16,
-              probe_batch=16, probe_hidden=None, grad_clip=1.0,
+              probe_hidden=None, grad_clip=1.0,
               clip_low=0.2, clip_high=0.2, agg="token-mean", chunk_size=1024, seed=0, keep=2,
-              out=None, resume=None, system_prompt=None, log_samples=4, eval_probe_n=32,
+              out=None, resume=None, system_prompt=None,
               ppo_epochs=1, offload=False, offload_grads="gpu", nproc=None, gpus=None, gpu_mem=None,
               plan=False, decode=None, drop_unanimous=False, c2gspg_bce="off", lora_rank=0, lora_alpha=32.0,
               lora_targets="all-linear", toy_world=None)
@@ -71,9 +71,9 @@ def fractions(text):
 # unchecked; add yours in one line.
 LIMITS = {
     **dict.fromkeys(("prompts_per_step", "max_new_tokens", "gen_batch", "k", "probe_passes", "gpus",
-                     "probe_batch", "micro_tokens", "chunk_size", "keep", "ppo_epochs", "nproc"),
+                     "micro_tokens", "chunk_size", "keep", "ppo_epochs", "nproc"),
                     (lambda v: v >= 1, ">= 1")),
-    **dict.fromkeys(("lam", "warmup", "weight_decay", "clip_high", "log_samples"),
+    **dict.fromkeys(("lam", "warmup", "weight_decay", "clip_high"),
                     (lambda v: v >= 0, ">= 0")),
     **dict.fromkeys(("probe_lr", "lr", "grad_clip", "lora_alpha"), (lambda v: v > 0, "> 0")),
     "steps": (lambda v: v >= 0, ">= 0 (0: nothing to train)"),
@@ -88,14 +88,13 @@ LIMITS = {
     "eval_every": (lambda v: v >= 0, ">= 0 (0: at the start and the end only)"),
     "eval_n": (lambda v: v >= 0, ">= 0 (0: no held-out check)"),
     "max_prompt_tokens": (lambda v: v >= 0, ">= 0 (0: keep every prompt)"),
-    "eval_probe_n": (lambda v: v >= 0, ">= 0 (0: off)"),
     "gpu_mem": (lambda v: v > 0, "> 0 (GiB)"),
     "lora_rank": (lambda v: v >= 0, ">= 0 (0: full fine-tuning)"),
 }
 # Refused on --resume: the saved data cursor, RNG states or probe would refer to another run. Others
 # apply from the next step, written to config.json (--lr, --probe-lr: replace the saved rates).
-FIXED_ON_RESUME = ("model", "data", "problem_field", "answer_field", "seed", "reward", "probe_hidden",
-                   "lora_rank", "lora_alpha", "lora_targets", "toy_world")
+FIXED_ON_RESUME = ("model", "data", "seed", "reward", "probe_hidden", "lora_rank", "lora_alpha",
+                   "lora_targets", "toy_world")
 
 
 def dflt(key):
@@ -111,12 +110,8 @@ def build_parser():   # every default None: resolve_args fills them. More: docs/
     g = p.add_argument_group("model and data")
     g.add_argument("--model", help="toy | deepseek-r1-distill-qwen-7b | qwen3-4b-instruct | HF id")
     g.add_argument("--data", help="toy | deepscaler | HF dataset id | local json/jsonl/parquet")
-    g.add_argument("--problem-field", help="the problem column (default: the first of "
-                   + ", ".join(PROBLEM_FIELDS) + ")")
-    g.add_argument("--answer-field", help="the gold answer column (default: the first of "
-                   + ", ".join(ANSWER_FIELDS) + ")")
     g.add_argument("--eval-data", help="held-out set for the accuracy check (toy test / math500)")
-    g.add_argument("--toy-world", choices=sorted(toy.WORLDS),
+    g.add_argument("--toy-world", choices=(toy.WORLD,),
                    help="a --model folder's toy world: the toy's defaults apply")
     g.add_argument("--max-prompt-tokens", type=int, help=f"cap ({dflt('max_prompt_tokens')})")
     g.add_argument("--trust-remote-code", action="store_true", default=None,
@@ -149,7 +144,6 @@ def build_parser():   # every default None: resolve_args fills them. More: docs/
     g.add_argument("--grader", choices=grade.GRADERS, help=f"r_nat's and Y_b's ({dflt('grader')})")
     g.add_argument("--probe-lr", type=float, help=f"the probe's learning rate ({dflt('probe_lr')})")
     g.add_argument("--probe-passes", type=int, help=f"passes per fit ({dflt('probe_passes')})")
-    g.add_argument("--probe-batch", type=int, help=f"prefixes per probe update ({dflt('probe_batch')})")
     g.add_argument("--probe-hidden", type=int, metavar="N",
                    help="the probe d -> N -> 1 (default d/4, as released); 0: linear d -> 1")
     g = p.add_argument_group("optimisation")
@@ -193,10 +187,6 @@ def build_parser():   # every default None: resolve_args fills them. More: docs/
     g.add_argument("--resume", metavar="RUN_DIR", help="continue from the last checkpoint; "
                    "refused: " + ", ".join("--" + k.replace("_", "-") for k in FIXED_ON_RESUME))
     g.add_argument("--config", metavar="FILE", help="start a new run from a saved config.json")
-    g = p.add_argument_group("what the run leaves (harness/runlog.py, train.held_out_accuracy)")
-    g.add_argument("--log-samples", type=int, help=f"rows a step ({dflt('log_samples')})")
-    g.add_argument("--eval-probe-n", type=int,
-                   help=f"held-out trajectories testing the probe ({dflt('eval_probe_n')})")
     return p
 
 

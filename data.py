@@ -222,17 +222,12 @@ def _from_hub(hf_id, config, split, files=None):
                         "file") from None
 
 
-def _field(keys, given, preferred, candidates, kind, flag, source):
-    if given:
-        if given not in keys:
-            raise DataError(f"{source}: no {kind} field {given!r}; fields found: {sorted(keys)}; "
-                            f"pass {flag} with one of them")
-        return given
+def _field(keys, preferred, candidates, kind, source):
     for name in (preferred, *candidates):
         if name in keys:
             return name
     raise DataError(f"{source}: no {kind} field among {list(candidates)}; fields found: "
-                    f"{sorted(keys)}; pass {flag} NAME")
+                    f"{sorted(keys)}; rename one to {kind!r} (a hub dataset: in a local copy)")
 
 
 def _first(value):  # OlympiadBench lists its final answers
@@ -294,10 +289,9 @@ def _check_text(where, i, problem, answer):
                             f"character {e.start}): fix the row") from None
 
 
-def load_rows(source, split=None, problem_field=None, answer_field=None, limit=None, like=None,
-              lcb_release=LCB_RELEASE):
+def load_rows(source, split=None, limit=None, like=None, lcb_release=LCB_RELEASE):
     """[{"problem": str, "answer": str}] from a TOY_BENCHMARKS or BENCHMARKS name, a local
-    json/jsonl/parquet file or an HF dataset id ("owner/name"); fields are found unless given. Rows
+    json/jsonl/parquet file or an HF dataset id ("owner/name"); fields are found by name. Rows
     of a file in verl's layout also hold "messages", rendered as is. like: the BENCHMARKS name whose
     layout a local file has; lcb_release: LiveCodeBench's window of contest months (lcb_window)."""
     name = source if source in BENCHMARKS else like
@@ -326,7 +320,7 @@ def load_rows(source, split=None, problem_field=None, answer_field=None, limit=N
         field, needle = spec["filter"]
         records = [r for r in records if needle in str(r.get(field, ""))]
     # verl's layout (the release's parquets): the prompt as released, the gold from reward_model
-    verl = bool(records) and not (problem_field or answer_field) and isinstance(records[0].get("reward_model"), dict) \
+    verl = bool(records) and isinstance(records[0].get("reward_model"), dict) \
         and isinstance(records[0].get("prompt"), list)
     if verl and name == "lcb":
         raise DataError(f"{where}: a LiveCodeBench file in verl's layout holds its tests in verl's form, which "
@@ -340,10 +334,10 @@ def load_rows(source, split=None, problem_field=None, answer_field=None, limit=N
     if verl:
         pf, af = "prompt", "reward_model.ground_truth"
     else:
-        pf = _field(keys, problem_field, spec.get("problem"), PROBLEM_FIELDS, "problem", "--problem-field", where)
-        af = _field(keys, answer_field, spec.get("answer"), ANSWER_FIELDS, "answer", "--answer-field", where)
+        pf = _field(keys, spec.get("problem"), PROBLEM_FIELDS, "problem", where)
+        af = _field(keys, spec.get("answer"), ANSWER_FIELDS, "answer", where)
     # GPQA's layout (its options in fields of their own), on the hub or in a local copy: options shown, letter gold
-    choices = spec.get("choices") if not (problem_field or answer_field) and keys & set(spec.get("choices", ())) else None
+    choices = spec.get("choices") if keys & set(spec.get("choices", ())) else None
     rows = []
     for i, r in enumerate(records if limit is None else records[:limit]):
         messages = None
@@ -363,7 +357,7 @@ def load_rows(source, split=None, problem_field=None, answer_field=None, limit=N
             answer = _answer_text(_gradable(where, i, af, _first(r.get(af))), spec.get("integer"))
         if not problem or answer in (None, ""):
             raise DataError(f"{where}: row {i} has an empty {'problem' if not problem else 'answer'} "
-                            f"(fields {pf!r}, {af!r}): fix the data or pass --problem-field/--answer-field")
+                            f"(fields {pf!r}, {af!r}): fix the data")
         _check_text(where, i, problem, answer)
         rows.append({"problem": problem, "answer": answer, **({"messages": messages} if messages else {})})
     return rows

@@ -36,7 +36,7 @@ from harness.parallel import MASTER, launch, teardown, worker_count
 
 # Allowed flag values (config.check_values): checked before any model, data or folder is touched.
 LIMITS = {key: (lambda v: v >= 1, ">= 1") for key in (
-    "limit", "n_samples", "max_new_tokens", "batch_size", "threads", "every", "forced_k", "probe_questions",
+    "limit", "n_samples", "max_new_tokens", "batch_size", "every", "forced_k", "probe_questions",
     "nproc")}
 LIMITS.update(temperature=(lambda v: v >= 0, ">= 0 (0: greedy)"), top_p=(lambda v: 0 < v <= 1, "in (0, 1]"),
               seed=(lambda v: 0 <= v < 2**32, "in [0, 2**32)"), logit_temperature=(lambda v: v > 0, "> 0"))
@@ -212,7 +212,7 @@ def build_parser():
     g.add_argument("--benchmarks", default="toy",
                    help="comma list: toy, math500, ..., FILE or NAME=FILE (default %(default)s)")
     g.add_argument("--limit", type=int, help="questions per benchmark (default: all)")
-    g.add_argument("--toy-world", default=toy.WORLD, choices=sorted(toy.WORLDS),
+    g.add_argument("--toy-world", default=toy.WORLD, choices=(toy.WORLD,),
                    help="the toy world the models were warm-started in, recorded with the results "
                    "(default %(default)s)")
     g.add_argument("--lcb-release", default=data.LCB_RELEASE,
@@ -230,10 +230,7 @@ def build_parser():
     g.add_argument("--seed", type=int, default=0, help="seeds the samples and the bootstrap (%(default)s)")
     g.add_argument("--batch-size", type=int, help="questions per generation call (default 64 sequences; toy 256)")
     g.add_argument("--decode", choices=rollout.DECODES, help="KV cache for decoding (default: static on CUDA)")
-    g.add_argument("--threads", type=int, help="CPU threads (default: 1 on a machine without a GPU, else torch's)")
     g.add_argument("--nproc", type=int, help="workers (default: one per GPU, else 1): the same samples.jsonl")
-    g.add_argument("--plan", action="store_true", help="print each benchmark's memory peak on one GPU, exit")
-    g.add_argument("--gpu-mem", type=float, help="GiB of the GPU to plan for (default: this one's, else 80)")
     g = p.add_argument_group("confidence")
     g.add_argument("--confidence", choices=confidence.SOURCES,
                    help="where a sample's confidence comes from (default probe-posthoc)")
@@ -271,14 +268,13 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    threads = torch.get_num_threads()
     results = None   # set once every model is evaluated: then the ranks leave the group together
     try:   # what argparse cannot check, and a missing model: one line and exit 2, like argparse and train.py
         check_values(vars(args), LIMITS)
         data.lcb_window(args.lcb_release)
         if args.out:
             check_out(args.out, "--out", "evaluate.py")   # not a training run's or a model's folder
-        for name in [] if args.plan else args.model:   # a plan reads a config alone (a named model's ships)
+        for name in args.model:
             checkpoint.check_available(name)
         names = [b.strip() for b in args.benchmarks.split(",") if b.strip()]
         if not names:   # an empty list would replace a model's results with none
@@ -287,16 +283,8 @@ def main(argv=None):
         # beside the grader's folder, the project and the HF cache, a program sees none of these
         sandbox.hide += [p for p in (*(b.partition("=")[2] or b for b in names), *args.model, args.out)
                          if p and os.path.exists(p)]
-        # the toy or a small model on a CPU gains nothing from threads, and on a busy CPU loses much
-        if args.threads or not torch.cuda.is_available():
-            torch.set_num_threads(args.threads or 1)
-        if args.plan:   # from each model's config alone (a named model's ships: no hub), before any benchmark is read
-            from harness import plan
-            mem = args.gpu_mem or (torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 80.0)
-            for name in args.model:
-                plan.eval_check(name, [(b, settings(b, args)) for b in names], mem,
-                                early_exit=not args.no_early_exit)
-            return None
+        if not torch.cuda.is_available():   # the toy or a small model gains nothing from threads
+            torch.set_num_threads(1)
         loaded = load_benchmarks(names, args.limit, args.lcb_release)   # every name checked before any model loads
         loaded = rlcr_prompts(loaded) if args.mode == "rlcr" else loaded
         args.given = read_responses(args.responses, loaded) if args.responses else None
@@ -312,7 +300,7 @@ def main(argv=None):
             return None
         setup()
         results = dict(evaluate_model(name, loaded, args) for name in args.model)
-    except (ValueError, OSError) as e:   # UserError (a refused plan, a held lock), data.DataError: exit 2
+    except (ValueError, OSError) as e:   # UserError (a held lock), data.DataError: exit 2
         print(f"evaluate.py: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
     except FloatingPointError as e:   # NaN in a model or probe
@@ -320,7 +308,6 @@ def main(argv=None):
     except KeyboardInterrupt:   # samples are appended per batch: the same command continues from here
         results = None          # the line is printed below, once the progress bar has closed
     finally:
-        torch.set_num_threads(threads)
         LOCKS.close()
         HELD.clear()
         teardown(results is not None)

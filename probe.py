@@ -4,7 +4,6 @@ a forced answer at a prefix is right. By default the released code's MLP d -> d/
 (feature, Y_b) pairs; its prediction C_b = sigmoid(probe(h_b)) feeds the margin reward. No gradient
 reaches the policy from here.
 """
-import os
 from contextlib import contextmanager
 
 import torch
@@ -126,8 +125,6 @@ def save(path, probe, opt=None, **extra):
         "state_dict": {k: v.detach().cpu() for k, v in probe.state_dict().items()},
         "optimizer": opt.state_dict() if opt is not None else None, **extra,
     }
-    if isinstance(path, (str, os.PathLike)):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     torch.save(blob, path)
 
 

@@ -53,7 +53,6 @@ WARM = dict(seed=0, steps=3000, batch_size=32, lr=2e-3, beta2=0.95, warmup=50, w
             p_forced=0.5, w_forced=1.0, p_eos_close=0.25, p_rlcr=0.2,
             mix=(0.5, 0.2, 0.3))  # share of warm-start problems from each benchmark's train split
 WORLD = "legible"        # the world toy_base/ was warm-started in (train.py's and evaluate.py's --toy-world)
-WORLDS = {WORLD: WARM}
 
 
 def byte_symbols():   # GPT-2's printable stand-ins for the 256 bytes, in byte order
@@ -207,13 +206,6 @@ def warm_start(out, log=print):   # supervised (AdamW, warm-up then cosine; fixe
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     return out
-
-
-def base_model(path=BASE_DIR):
-    """The warm-started base policy's folder (default toy_base/), trained first if missing."""
-    if not os.path.exists(os.path.join(path, "model.safetensors")):
-        warm_start(path)
-    return path
 
 
 if __name__ == "__main__":

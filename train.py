@@ -113,8 +113,7 @@ def fit_probe(probe, probe_opt, X, Y, cfg, seed):
     every rank: equal probes) -> (its BCE, X, Y pooled)."""
     if WORLD > 1:
         X, Y = (torch.cat(parts) for parts in zip(*all_gather((X, Y))))
-    bce = probe_lib.fit(probe, probe_opt, X, Y, passes=cfg["probe_passes"],
-                        batch_size=cfg["probe_batch"], seed=seed)
+    bce = probe_lib.fit(probe, probe_opt, X, Y, passes=cfg["probe_passes"], seed=seed)  # batches of 16
     return bce, X, Y
 
 
@@ -145,11 +144,11 @@ def logged_step(step, rows, learner, cfg):
 
 
 def samples_of(step, cfg, got):
-    """cfg["log_samples"] of this rank's trajectories of a step (rl_step's `got`): samples.jsonl."""
+    """4 of this rank's trajectories of a step (rl_step's `got`), spread over it: samples.jsonl."""
     out, C = got["out"], got["C"]
     C_b = [C[i, :len(c)].tolist() for i, c in enumerate(got["cuts"])]
     parts = got["parts"]
-    return runlog.pick(step, cfg["log_samples"], problem=[r["problem"] for r in got["rows"]],
+    return runlog.pick(step, 4, problem=[r["problem"] for r in got["rows"]],
                        answer=[r["answer"] for r in got["rows"]], text=out.texts,
                        correct=got["correct"].tolist(), reward=got["R"].tolist(),
                        **{k: v.tolist() for k, v in parts.items()}, length=out.lengths, budgets=got["cuts"],
@@ -202,7 +201,7 @@ def probe_stats(learner, got):
 @torch.no_grad()
 def held_out_accuracy(sampler, tok, rows, cfg, device, probe=None, probe_stats=None):
     """The held-out check: accuracy on `rows`, the same problems and seed (T 0.6) each time; into a
-    `probe_stats` dict, the probe on the first --eval-probe-n trajectories' prefixes, labelled."""
+    `probe_stats` dict, the probe on the first 32 trajectories' prefixes, labelled."""
     mine = rows[RANK::WORLD]
     prompts = [data.row_prompt(tok, r, cfg["instruction"], cfg["system_prompt"]) for r in mine]
     hits, trajs = 0, []
@@ -214,7 +213,7 @@ def held_out_accuracy(sampler, tok, rows, cfg, device, probe=None, probe_stats=N
         golds = [r["answer"] for r in mine]
         hits = baselines.correctness(out.texts, golds, "math", cfg["reward"]).sum().item()
         if probe_stats is not None:
-            m = len(rows[:cfg["eval_probe_n"]][RANK::WORLD])
+            m = len(rows[:32][RANK::WORLD])
             trajs = probe_calibration(sampler, tok, probe, prompts[:m], out, mine[:m], cfg,
                                       seed=cfg["seed"] + 54321 + RANK)
             staticcache.release(sampler)  # nor the next step's rollout prefill on the labels'
@@ -319,8 +318,7 @@ def run(cfg):
         return
     verifier.start()   # the grader's sympy import overlaps the model's load, outside the step timers
     ckpt, instruction = folder.ckpt, cfg["instruction"]
-    rows = data.load_rows(cfg["data"], split="train" if cfg["data"] == "toy" else None,
-                          problem_field=cfg["problem_field"], answer_field=cfg["answer_field"])
+    rows = data.load_rows(cfg["data"], split="train" if cfg["data"] == "toy" else None)
     eval_rows = data.load_rows(cfg["eval_data"], split="test" if cfg["eval_data"] == "toy" else None,
                                limit=cfg["eval_n"]) if cfg["eval_n"] else []
     torch.manual_seed(cfg["seed"]), np.random.seed(cfg["seed"]), random.seed(cfg["seed"])
@@ -366,7 +364,7 @@ def run(cfg):
         if not eval_rows:  # --eval-n 0
             return None
         t = time.perf_counter()
-        probe_stats = {} if cfg["reward"] in baselines.PROBE_MODES and cfg["eval_probe_n"] > 0 else None
+        probe_stats = {} if cfg["reward"] in baselines.PROBE_MODES else None
         acc = held_out_accuracy(sampler, tok, eval_rows, cfg, device, probe, probe_stats)
         trajs = probe_stats.pop("trajectories") if probe_stats else []
         log(dict(step=at, eval=True, eval_accuracy=acc, eval_n=len(eval_rows), eval_data=cfg["eval_data"],

@@ -1,6 +1,6 @@
 """Memory plans from the model's config alone (built on the meta device: no weights are read):
-`check` for train.py --plan and before every start, `eval_check` for evaluate.py --plan. The terms
-and how a peak sums them: docs/reference.md, "The memory plans".
+`check` for train.py --plan and before every start; `label_chunk` sizes evaluation's early exit.
+The terms and how a peak sums them: docs/reference.md, "The memory plans".
 """
 import os
 
@@ -225,42 +225,3 @@ def check(cfg, show=False, log=print, probed=True):
         log(f"fits: peak {t['peak'] / GiB:.1f} of {mem:.0f} GiB")
     return t
 
-
-def eval_estimate(config, s, mem, early_exit=True):
-    """Bytes per term for one benchmark's settings `s` (evaluation/benchmarks.py) on a GPU of `mem`
-    bytes; 'cuts': the early exit's chunk."""
-    d, d_ff = config.hidden_size, config.intermediate_size
-    layer = lambda tokens: tokens * (8 * d + 3 * d_ff) * 2  # noqa: E731  one layer's forward, bf16
-    weights, runtime = 2 * param_counts(config)[0], RUNTIME
-    shape = buffer_shape(s["batch"] * s["n"], PROMPT_TOKENS, s["max_new_tokens"])
-    length = PROMPT_TOKENS + s["max_new_tokens"]
-    t = {"weights": weights,
-         "generation": shape[0] * shape[1] * kv_bytes_per_token(config, 2) + layer(s["batch"] * PROMPT_TOKENS),
-         "features": layer(s["score_batch"] * length) + s["score_batch"] * length * d * 2}
-    width = length + FORCED_SUFFIX
-    left = 0.9 * (mem - weights - runtime)  # free_bytes: a tenth kept for fragmentation
-    t["cuts"] = label_chunk(s["rows"], 1, width, config, left) if early_exit else 0
-    t["early exit"] = t["cuts"] * cut_bytes(1, width, config)
-    t["runtime"] = runtime
-    t["peak"] = weights + runtime + max(t["generation"], t["features"], t["early exit"])
-    t["shape"] = shape
-    return t
-
-
-def eval_check(model, benches, mem_gib, log=print, early_exit=True):
-    """Print each benchmark's plan on one GPU of mem_gib GiB; UserError on the first that cannot fit."""
-    config, mem = model_config(model), mem_gib * GiB
-    for name, s in benches:
-        t = eval_estimate(config, s, mem, early_exit=early_exit)
-        log(f"plan: {name} on 1 x {mem_gib:.0f} GiB GPU: weights {t['weights'] / GiB:.1f}, generation "
-            f"{t['generation'] / GiB:.1f} ({t['shape'][0]} rows x {t['shape'][1]}), features {t['features'] / GiB:.1f}, "
-            f"early exit {t['early exit'] / GiB:.1f} ({t['cuts']} cuts per chunk), runtime "
-            f"{t['runtime'] / GiB:.1f}: peak {t['peak'] / GiB:.1f} GiB")
-        if t["peak"] > mem:
-            def fits(q):
-                return eval_estimate(config, dict(s, batch=q), mem, early_exit=early_exit)["peak"] <= mem
-            q = s["batch"]
-            while q > 1 and not fits(q):
-                q //= 2
-            fix = f"--batch-size {q}" if fits(q) else "a GPU with more memory"
-            raise UserError(f"plan: {name} needs a peak of {t['peak'] / GiB:.1f} GiB, more than {mem_gib:.0f}; fix: {fix}")

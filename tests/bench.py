@@ -221,7 +221,7 @@ def main(argv=None):
     if args.shape != "7b":   # the committed toy_base/ on the toy's training problems
         import data
         import toy
-        path = toy.base_model()
+        path = toy.BASE_DIR
         model, tok = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
         model.to(device)
         rows = toy.dataset("train")[:args.prompts]

@@ -33,7 +33,7 @@ def nan_model(tmp_path):
     from safetensors.torch import load_file, save_file
     import toy
     path = str(tmp_path / "nan")
-    shutil.copytree(toy.base_model(), path)
+    shutil.copytree(toy.BASE_DIR, path)
     weights = os.path.join(path, "model.safetensors")
     sd = load_file(weights)
     key = next(k for k in sd if k.endswith("mlp.down_proj.weight"))

@@ -88,7 +88,7 @@ if torch.distributed.is_initialized():
     feats = torch.randn(2, 3, lm.config.hidden_size, generator=torch.Generator().manual_seed(100 + RANK))
     labels = [[1.0, 0.5, 0.0], [0.25, 1.0]] if RANK == 0 else [[0.0, 0.0, 1.0], [0.75, 0.5]]
     train.fit_probe(probe, probe_opt, feats[cut_mask(labels)], grid(labels)[cut_mask(labels)],
-                    dict(CFG, reward="rlcm", probe_passes=4, probe_batch=2, corner="zero"), seed=3)
+                    dict(CFG, reward="rlcm", probe_passes=4, corner="zero"), seed=3)
     torch.save(dict(init=init, fitted=probe.state_dict()), f"{sys.argv[1]}.probe{RANK}")
     # a refresh after a step gathers the adapter and the adapted linears' frozen W, which its merge
     # overwrites (elements gathered, padding included: every dimension splits evenly here); the other

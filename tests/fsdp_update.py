@@ -44,7 +44,7 @@ mine = list(range(RANK, 4, WORLD))
 batch = pack([prompts[i] for i in mine], [responses[i] for i in mine], pad_id=0)
 old = torch.full(batch["loss_mask"].shape, -4.0)
 cfg = dict(agg="token-mean", reward="rlcm", max_new_tokens=8, temperature=0.8, chunk_size=4, clip_low=0.2,
-           clip_high=0.2, grad_clip=1e9, probe_passes=4, probe_batch=4, corner="zero", offload=offload,
+           clip_high=0.2, grad_clip=1e9, probe_passes=4, corner="zero", offload=offload,
            offload_grads=grads)
 mbs = [[j] for j in range(len(mine))]  # one sequence per micro-batch: accumulation is exercised
 scatters = []  # FSDP2's reduce-scatters of gradients in the update (one per FSDP unit each time)

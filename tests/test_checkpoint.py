@@ -96,7 +96,7 @@ def test_a_checkpoint_pruned_while_loading_is_said_plainly(run_copy, monkeypatch
 
 def test_weights_that_do_not_fit_the_config_are_one_line(tmp_path):
     model = str(tmp_path / "model")
-    shutil.copytree(toy.base_model(), model)
+    shutil.copytree(toy.BASE_DIR, model)
     with open(os.path.join(model, "config.json")) as f:
         cfg = json.load(f)
     write(os.path.join(model, "config.json"), json.dumps(dict(cfg, vocab_size=5000)))
@@ -112,7 +112,7 @@ def test_a_checkpoint_pruned_while_it_loads_is_one_line(tmp_path, monkeypatch):
     # came out bare, a traceback in evaluate.py, when the run pruned the checkpoint mid-load.
     from harness.files import UserError
     ckpt = tmp_path / "run" / "checkpoints" / "step_000001"
-    shutil.copytree(toy.base_model(), ckpt)
+    shutil.copytree(toy.BASE_DIR, ckpt)
 
     def pruned(path, **kw):
         shutil.rmtree(ckpt)

@@ -403,7 +403,7 @@ def test_verbal_forced_on_the_toy_base_reads_its_rlcr_tags():
     import data
     import toy
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    path = toy.base_model()
+    path = toy.BASE_DIR
     model, tok = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
     rows = toy.dataset("test")[:8]
     prompts = [data.chat_prompt(tok, r["problem"], toy.RLCR_INSTRUCTION) for r in rows]

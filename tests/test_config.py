@@ -30,3 +30,15 @@ def test_every_flag_says_what_it_does_and_its_default():
             values = [d.get(a.dest) for d in where] if where else [a.default]
             numbers = [v for v in values if isinstance(v, (int, float, tuple)) and not isinstance(v, bool)]
             assert all(str(v) in helped for v in numbers), (a.option_strings, numbers, helped)
+
+
+def test_the_flags_the_size_cuts_removed_are_refused(capsys):
+    """Gone with their code (the commits that removed them say why): each is argparse's error, exit 2."""
+    import evaluate
+    gone = [(config.build_parser().parse_args, f, []) for f in
+            ("--log-samples", "--eval-probe-n", "--probe-batch", "--problem-field", "--answer-field")]
+    gone += [(evaluate.parse_args, f, ["--model", "toy"]) for f in ("--plan", "--gpu-mem", "--threads")]
+    for parse, flag, more in gone:
+        with pytest.raises(SystemExit) as e:
+            parse([*more, flag, "1"])
+        assert e.value.code == 2 and f"unrecognized arguments: {flag}" in capsys.readouterr().err

@@ -35,7 +35,7 @@ def write_jsonl(path, rows):
     return str(path)
 
 
-def test_local_formats_and_field_flags(tmp_path):
+def test_local_formats_and_field_names(tmp_path):
     rows = [{"query": "2+2?\x0crac", "target": 4.0}, {"query": "3+3?", "target": "6"}]
     assert data.load_rows(write_jsonl(tmp_path / "a.jsonl", rows)) == [
         {"problem": "2+2?\\frac", "answer": "4"}, {"problem": "3+3?", "answer": "6"}]
@@ -43,17 +43,16 @@ def test_local_formats_and_field_flags(tmp_path):
     assert len(data.load_rows(str(tmp_path / "b.json"), limit=1)) == 1
     pq = pytest.importorskip("pyarrow.parquet")
     import pyarrow
-    pq.write_table(pyarrow.Table.from_pylist([{"q": "x?", "a": ["$\\frac{1}{2}$", "$3$"]}]), tmp_path / "c.parquet")
-    assert data.load_rows(str(tmp_path / "c.parquet"), problem_field="q", answer_field="a") == [
+    pq.write_table(pyarrow.Table.from_pylist([{"question": "x?", "final_answer": ["$\\frac{1}{2}$", "$3$"]}]),
+                   tmp_path / "c.parquet")
+    assert data.load_rows(str(tmp_path / "c.parquet")) == [
         {"problem": "x?", "answer": "\\frac{1}{2}"}]
 
 
 def test_error_messages(tmp_path):
     solution_only = write_jsonl(tmp_path / "s.jsonl", [{"problem": "p", "solution": "worked text"}])
-    with pytest.raises(data.DataError, match=r"no answer field.*'problem', 'solution'.*--answer-field"):
+    with pytest.raises(data.DataError, match=r"no answer field.*'solution'.*rename one to 'answer'"):
         data.load_rows(solution_only)
-    with pytest.raises(data.DataError, match=r"no answer field 'ans'.*--answer-field"):
-        data.load_rows(solution_only, answer_field="ans")
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(data.DataError, match="has no rows"):
         data.load_rows(str(tmp_path / "empty.jsonl"))

@@ -25,12 +25,12 @@ from runs import ENV, EVAL_SMALL, PROBE_SMALL, jsonl, refusal, sigint_default, w
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")   # the benchmarks' files
 FIXTURE_7B = os.path.join(ROOT, "..", "shared", "fixtures", "r1_distill_qwen_7b")   # outside the repository
-FAST = ["--limit", "6", "--n-samples", "2", "--max-new-tokens", "48", "--threads", "1"]
+FAST = ["--limit", "6", "--n-samples", "2", "--max-new-tokens", "48"]
 
 
 @pytest.fixture(scope="module")
 def toy_dir():
-    return toy.base_model()
+    return toy.BASE_DIR
 
 
 @pytest.fixture(scope="module")
@@ -285,7 +285,7 @@ def test_an_rlcr_run_is_prompted_and_graded_in_its_answer_tags(toy_dir, tmp_path
     (run / "config.json").write_text(json.dumps(dict(reward="rlcr", instruction=toy.RLCR_INSTRUCTION)))
     out = str(tmp_path / "out")
     res = evaluate.main(["--model", str(run), "--benchmarks", "toy", "--out", out, "--confidence", "verbal",
-                         "--limit", "40", "--n-samples", "2", "--threads", "1"])
+                         "--limit", "40", "--n-samples", "2"])
     rows = _rows(os.path.join(out, "samples.jsonl"))
     golds = {i: r["answer"] for i, r in enumerate(toy.dataset("test")[:40])}
     assert all(r["answer"] is not None and r["correct"] == int(r["answer"] == golds[r["question"]]) for r in rows)
@@ -294,8 +294,7 @@ def test_an_rlcr_run_is_prompted_and_graded_in_its_answer_tags(toy_dir, tmp_path
     assert 0.3 < b["acc"] < 0.9 and res["rlcrrun/step_000010"]["settings"]["toy"]["answer"] == "tag"
     # graded by boxes instead, the same samples would all be wrong: there is no box
     again = evaluate.main(["--model", str(run), "--benchmarks", "toy", "--out", str(tmp_path / "box"),
-                           "--confidence", "verbal", "--limit", "4", "--n-samples", "1", "--answer", "box",
-                           "--threads", "1"])
+                           "--confidence", "verbal", "--limit", "4", "--n-samples", "1", "--answer", "box"])
     assert again["rlcrrun/step_000010"]["benchmarks"]["toy"]["acc"] == 0.0
 
 
@@ -334,7 +333,7 @@ def test_the_readmes_c2gspg_command_reads_forced_rlcr_confidences_on_a_toy_c2gsp
     train.main(["--reward", "c2gspg", "--steps", "2", "--out", run, "--prompts-per-step", "4", "--group-size", "4",
                 "--max-new-tokens", "48", "--eval-n", "0", "--save-every", "0"])
     assert json.load(open(os.path.join(run, "config.json")))["instruction"] == toy.INSTRUCTION   # boxed
-    few = ["--benchmarks", "toy", "--limit", "12", "--n-samples", "2", "--threads", "1"]
+    few = ["--benchmarks", "toy", "--limit", "12", "--n-samples", "2"]
     evaluate.main(["--model", run, "--confidence", "verbal", "--out", str(tmp_path / "verbal"), *few])
     rows = _rows(str(tmp_path / "verbal" / "samples.jsonl"))
     assert {r["confidence"] for r in rows} == {0.5} and all(r["verbal_missing"] for r in rows)
@@ -403,7 +402,7 @@ def test_verl_layout_parquets_are_evaluated_and_fitted_on_as_released(verl_files
     res = evaluate.main(["--model", "toy", "--benchmarks", f"math500={bench_file}", "--probe-data", fit_file,
                          "--out", str(tmp_path / "out"), "--n-samples", "4", "--max-new-tokens", "48", "--gate",
                          "none", "--every", "8", "--probe-questions", "4", "--probe-samples", "2",
-                         "--posthoc-budgets", "2", "--threads", "1"])
+                         "--posthoc-budgets", "2"])
     bench, fit = data.load_rows(bench_file), data.load_rows(fit_file)
     for r in bench + fit:
         assert [{"role": "user", "content": r["problem"]}] in rendered

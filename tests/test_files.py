@@ -131,7 +131,7 @@ NOT_RUNS = {   # red team 5, cases 3 and 4: train.py took each for a new run and
         jsonl(out / "samples.jsonl", [dict(model="toy", benchmark="toy", question=0, sample=0, correct=1,
                                            confidence=0.5)]), write(out / "results.json", "{}")]),
     "model": ("is a model's folder (it has config.json, model.safetensors)",
-              lambda out: shutil.copytree(toy.base_model(), out, dirs_exist_ok=True)),
+              lambda out: shutil.copytree(toy.BASE_DIR, out, dirs_exist_ok=True)),
     "notes": ("holds files and is no training run's folder (it has notes.txt)",
               lambda out: write(out / "notes.txt", "x")),
 }

@@ -72,7 +72,7 @@ def test_the_close_token_is_never_doubled():
     cut right after the response's own </think> holds one </think>. Toy tokenizer ids."""
     import toy
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(toy.base_model())
+    tok = AutoTokenizer.from_pretrained(toy.BASE_DIR)
     eos, think = tok.eos_token_id, tok.convert_tokens_to_ids("</think>")
     suffix = tok.encode(SUFFIX, add_special_tokens=False)
     prompt = tok.encode("<|user|>3+5<|assistant|><think>\n", add_special_tokens=False)
@@ -178,8 +178,8 @@ def test_labels_are_equal_on_the_toy_whatever_the_chunk_and_the_loop(monkeypatch
     import toy
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from rollout import generate
-    model = AutoModelForCausalLM.from_pretrained(toy.base_model()).train()
-    tok = AutoTokenizer.from_pretrained(toy.base_model())
+    model = AutoModelForCausalLM.from_pretrained(toy.BASE_DIR).train()
+    tok = AutoTokenizer.from_pretrained(toy.BASE_DIR)
     rows = toy.dataset("test")[:5]
     prompts = [data.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]
     out = generate(model, tok, prompts, n=3, max_new_tokens=96, temperature=0.8, seed=0)

@@ -34,7 +34,7 @@ def cfg():
 @pytest.fixture(scope="module")
 def rollouts(cfg):
     """8 training problems x 8 samples from the committed base policy (the RL rollout settings)."""
-    path = toy.base_model()
+    path = toy.BASE_DIR
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     tok = AutoTokenizer.from_pretrained(path)
     rows = toy.dataset("train")[:8]

@@ -163,7 +163,7 @@ def test_code_and_logiqa_print_both_means_and_pass_at_k(tiny_dir, tmp_path, monk
     answer_with(monkeypatch, canned)
     out = str(tmp_path / "out")
     evaluate.main(["--model", tiny_dir, "--benchmarks", f"{sums},lcb={LCB},logiqa={LOGIQA}", "--out", out,
-                   "--confidence", "logits", "--n-samples", "4", "--max-new-tokens", "4", "--threads", "1"])
+                   "--confidence", "logits", "--n-samples", "4", "--max-new-tokens", "4"])
     printed = capsys.readouterr().out
     saved = json.load(open(os.path.join(out, "results.json")))[os.path.basename(tiny_dir)]
     b = saved["benchmarks"]
@@ -216,7 +216,7 @@ def test_gpqa_natural_boxed_answers_are_graded_as_released_and_logiqa_by_its_let
     answer_with(monkeypatch, canned)
     out = str(tmp_path / "out")
     evaluate.main(["--model", tiny_dir, "--benchmarks", f"gpqa={gpqa},logiqa={LOGIQA}", "--out", out,
-                   "--confidence", "logits", "--n-samples", "4", "--max-new-tokens", "4", "--threads", "1"])
+                   "--confidence", "logits", "--n-samples", "4", "--max-new-tokens", "4"])
     capsys.readouterr()
     samples = [json.loads(line) for line in open(os.path.join(out, "samples.jsonl"))]
     assert [r["correct"] for r in samples if r["benchmark"] == "gpqa"] == [0, 1, 0, 1]
@@ -236,7 +236,7 @@ def test_samples_keep_their_text_on_any_benchmark(tiny_dir, tmp_path, monkeypatc
     samples = lambda out: [json.loads(line) for line in open(tmp_path / out / "samples.jsonl")]  # noqa: E731
     small = ["--benchmarks", sums, "--confidence", "logits", "--n-samples", "2", "--max-new-tokens", "4"]
     for _ in range(2):
-        evaluate.main(["--model", tiny_dir, "--out", str(tmp_path / "a"), "--threads", "1", *small])
+        evaluate.main(["--model", tiny_dir, "--out", str(tmp_path / "a"), *small])
     logged = samples("a")   # 2 rows: the second command found both samples in it and drew none
     assert [(r["problem"], r["text"], r["correct"]) for r in logged] == [("1+1", canned[0], 1),
                                                                         ("1+1", canned[1], 0)]

@@ -254,9 +254,8 @@ def test_the_step_frees_the_static_buffers_before_the_update(tmp_path, monkeypat
 
 
 def test_every_named_model_plans_offline_from_its_shipped_config(capsys, monkeypatch):
-    """No hub and no model folder: each alias's plan reads configs/NAME/config.json, for train.py and
-    evaluate.py, and prints the README's figures."""
-    import evaluate
+    """No hub and no model folder: each alias's plan reads configs/NAME/config.json and prints the
+    README's figures."""
     from harness.checkpoint import ALIASES
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     train.main(["--model", "deepseek-r1-distill-qwen-7b", "--plan", "--gpus", "8", "--gpu-mem", "80"])
@@ -264,10 +263,6 @@ def test_every_named_model_plans_offline_from_its_shipped_config(capsys, monkeyp
     for name in ALIASES:
         train.main(["--model", name, "--plan", "--gpus", "8", "--gpu-mem", "80"])
         assert capsys.readouterr().out.splitlines()[-1].startswith("fits: peak")
-        assert evaluate.main(["--model", name, "--benchmarks", "math500", "--plan", "--gpu-mem", "141"]) is None
-        assert "math500 on 1 x 141 GiB GPU" in capsys.readouterr().out
-    evaluate.main(["--model", "rlcm-7b", "--benchmarks", "math500", "--plan", "--gpu-mem", "80"])
-    assert capsys.readouterr().out.strip().endswith("peak 72.8 GiB")   # the 7B's: the release is its fine-tune
 
 
 def test_the_shipped_configs_are_the_public_ones():

@@ -96,7 +96,7 @@ def test_save_load_roundtrip(tmp_path):
     probe = P.Probe(16, hidden=6, dropout=0.3)
     opt = P.make_optimizer(probe)
     P.fit(probe, opt, x, y, passes=2)
-    path = tmp_path / "sub" / "probe.pt"
+    path = tmp_path / "probe.pt"   # the folder exists: a checkpoint's, or the post-hoc cache's
     P.save(str(path), probe, opt)
     assert [f.name for f in path.parent.iterdir()] == ["probe.pt"]  # no temp file left behind
     blob = torch.load(path, weights_only=True)

@@ -66,7 +66,7 @@ def test_rlcr_prompt_on_the_r1_template():
 def test_prompts_past_the_context_are_refused_and_overflow_is_warned():
     import data
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(toy.base_model())   # context 256
+    tok = AutoTokenizer.from_pretrained(toy.BASE_DIR)   # context 256
     short = {"problem": "1+1", "answer": "2"}
     n = len(data.chat_prompt(tok, short["problem"], ""))
     said = []

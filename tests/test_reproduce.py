@@ -16,8 +16,7 @@ from safetensors.torch import save_file
 import reproduce
 from runs import ROOT
 
-TRAIN = ("--steps 1 --prompts-per-step 4 --group-size 4 --max-new-tokens 40 --eval-n 8 --eval-every 0 "
-         "--log-samples 0 --eval-probe-n 0")
+TRAIN = "--steps 1 --prompts-per-step 4 --group-size 4 --max-new-tokens 40 --eval-n 8 --eval-every 0"
 EVAL = "--limit 4 --n-samples 1 --max-new-tokens 64 --probe-questions 4 --probe-samples 2 --posthoc-budgets 2"
 
 
@@ -171,7 +170,7 @@ def test_a_failed_child_exits_1_without_a_table_and_others_go_on(tmp_path, capsy
     assert "toy" in _load(os.path.join(out, "eval", "base-seed0", "results.json"))   # the base went on
 
 
-FAST = ["--benchmarks", "toy,toy-long,toy-sub", "--limit", "6", "--n-samples", "2", "--max-new-tokens", "56", "--threads", "1",
+FAST = ["--benchmarks", "toy,toy-long,toy-sub", "--limit", "6", "--n-samples", "2", "--max-new-tokens", "56",
         "--confidence", "logits"]
 
 
@@ -191,7 +190,7 @@ def test_a_model_trained_again_in_place_is_evaluated_again_not_given_the_old_sam
     import evaluate
     import toy
     model = str(tmp_path / "model")
-    shutil.copytree(toy.base_model(), model)
+    shutil.copytree(toy.BASE_DIR, model)
     first = evaluate.main(["--model", model, "--out", str(tmp_path / "e"), *FAST])["model"]
     assert reproduce.eval_entry(str(tmp_path / "e"), "model", evaluate.model_id(model))["model_id"] == first["model_id"]
     retrain_in_place(model)
@@ -228,10 +227,10 @@ def test_a_run_made_with_other_settings_is_refused_not_reused(done, capsys):
     out, argv = done
     capsys.readouterr()
     before = _mtimes(out)
-    plain = TRAIN.replace(" --log-samples 0", "")   # as a plain run: the default --log-samples 4
+    plain = TRAIN.replace(" --eval-every 0", "")   # as a plain run: the toy's default --eval-every 10
     code, err = _exit(argv[:-4] + ["--train-args", plain, "--eval-args", EVAL], capsys)
     run = os.path.join(out, "runs", "grpo-seed0")
-    assert code == 2 and f"{run} was trained with other settings: --log-samples 0 (this command: 4)" in err
+    assert code == 2 and f"{run} was trained with other settings: --eval-every 0 (this command: 10)" in err
     assert os.path.join(out, "eval", "grpo-seed0") in err
     code, err = _exit(argv[:-4] + ["--eval-args", EVAL], capsys)   # the smoke test's 1 step, a plain 45
     assert code == 2 and "--prompts-per-step 4 (this command: 16)" in err

@@ -16,7 +16,7 @@ from runs import EVAL_SMALL, snapshot
 from test_evaluate import _rows
 
 EVAL = [*EVAL_SMALL, "--confidence", "logits"]
-FAST = ["--limit", "4", "--n-samples", "2", "--max-new-tokens", "56", "--threads", "1", "--confidence", "logits"]
+FAST = ["--limit", "4", "--n-samples", "2", "--max-new-tokens", "56", "--confidence", "logits"]
 
 
 PH = ["--probe-questions", "4", "--probe-samples", "2", "--posthoc-budgets", "2"]
@@ -40,7 +40,7 @@ def two_models(tmp_path_factory):
     """a/model (the toy base) and b/model (its embedding rows reversed: another model, same folder name)."""
     root = tmp_path_factory.mktemp("models")
     for side in "ab":
-        shutil.copytree(toy.base_model(), root / side / "model")
+        shutil.copytree(toy.BASE_DIR, root / side / "model")
     p = str(root / "b" / "model" / "model.safetensors")
     sd = load_file(p)
     sd["model.embed_tokens.weight"] = sd["model.embed_tokens.weight"].flip(0).contiguous()
@@ -157,7 +157,7 @@ def test_evaluate_refuses_a_training_run_folder_as_out(tmp_path, capsys):
 
 def test_evaluate_refuses_a_model_folder_as_out(tmp_path, capsys):
     # red team 5: before, samples.jsonl, results.json and the reliability diagrams went in beside the weights
-    model = str(shutil.copytree(toy.base_model(), tmp_path / "model"))
+    model = str(shutil.copytree(toy.BASE_DIR, tmp_path / "model"))
     before = snapshot(model)
     assert refused(capsys, "--model", model, "--out", model, *FAST) == (
         f"evaluate.py: error: --out {model} is a model's folder (it has config.json, model.safetensors): "

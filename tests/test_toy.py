@@ -1,7 +1,6 @@
 """The toy world: tokenizer mechanics, task, committed base policy, and forced-answer labels that
 carry signal, all through the same rollout / data / label code as the real model. CPU, offline."""
 import collections
-import os
 import random
 
 import pytest
@@ -139,21 +138,6 @@ def test_trace_slips_go_on_from_the_written_total():
         assert lines == [f"{a}+{b}={c}\n" for a, b, c in zip(totals, [5, 7, 2], totals[1:])]
 
 
-def test_base_model_builds_once(tmp_path, monkeypatch):
-    calls = []
-
-    def fake_warm_start(out, log=print):
-        calls.append(out)
-        os.makedirs(out)
-        open(os.path.join(out, "model.safetensors"), "w").close()
-
-    monkeypatch.setattr(toy, "warm_start", fake_warm_start)
-    path = str(tmp_path / "base")
-    assert toy.base_model(path) == path and os.path.exists(os.path.join(path, "model.safetensors"))
-    toy.base_model(path)
-    assert len(calls) == 1  # present: not rebuilt
-
-
 def test_model_toy_without_its_base_says_how_to_rebuild_it(tmp_path, monkeypatch):
     from harness.files import UserError
     from harness import checkpoint
@@ -165,7 +149,7 @@ def test_model_toy_without_its_base_says_how_to_rebuild_it(tmp_path, monkeypatch
 
 @pytest.fixture(scope="module")
 def base():
-    path = toy.base_model()
+    path = toy.BASE_DIR
     assert path == toy.BASE_DIR == resolve_model("toy"), "the committed toy_base/ is missing: run `python toy.py`"
     model = AutoModelForCausalLM.from_pretrained(path)
     return model.eval(), AutoTokenizer.from_pretrained(path)

@@ -197,7 +197,7 @@ def test_reproduce_prints_the_benchmarks_overall_and_differences(tmp_path):
 @pytest.mark.slow   # three benchmarks x 40 generations with the committed base
 def test_the_base_policy_is_above_chance_on_every_benchmark():
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    model, tok = AutoModelForCausalLM.from_pretrained(toy.base_model()).eval(), AutoTokenizer.from_pretrained(toy.base_model())
+    model, tok = AutoModelForCausalLM.from_pretrained(toy.BASE_DIR).eval(), AutoTokenizer.from_pretrained(toy.BASE_DIR)
     for name in toy.BENCHMARKS:
         rows = toy.dataset("test", name)[:40]
         prompts = [data.chat_prompt(tok, r["problem"], toy.INSTRUCTION) for r in rows]

@@ -142,7 +142,7 @@ def test_user_errors_end_in_one_line(tmp_path, capsys, case):
 def test_gradient_checkpointing_gives_the_same_loss_and_gradients():
     from transformers import AutoModelForCausalLM
     from grpo import pack, policy_loss, token_logprobs
-    path = toy.base_model()
+    path = toy.BASE_DIR
     ids = [[1, 5, 6, 7], [1, 8, 9]]
     batch = pack(ids, [[10, 11, 12], [13, 14]], pad_id=0)
     adv = torch.tensor([1.0, -1.0])
@@ -224,7 +224,7 @@ def test_every_step_row_has_the_sampler_gap_and_the_rollout_entropy(tmp_path):
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
         assert r["sampler_gap"] < 1e-5 and r["sampler_kl_k3"] < 1e-8 and abs(r["sampler_ratio_max"] - 1) < 1e-4
-        assert 0 < r["entropy"] < math.log(len(AutoTokenizer.from_pretrained(toy.base_model())))
+        assert 0 < r["entropy"] < math.log(len(AutoTokenizer.from_pretrained(toy.BASE_DIR)))
 
 
 def test_a_local_model_folder_on_cpu_runs_on_one_thread_like_the_toy(tmp_path, monkeypatch):
@@ -241,7 +241,7 @@ def test_a_local_model_folder_on_cpu_runs_on_one_thread_like_the_toy(tmp_path, m
     torch.set_num_threads(2)
     try:
         with pytest.raises(Loaded):
-            train.main(["--model", toy.base_model(), "--data", "toy", "--eval-data", "toy", "--grader", "math",
+            train.main(["--model", toy.BASE_DIR, "--data", "toy", "--eval-data", "toy", "--grader", "math",
                         "--instruction=", "--max-prompt-tokens", "0", "--steps", "1", "--out", str(tmp_path / "run")])
         assert torch.get_num_threads() == 1
     finally:
@@ -412,7 +412,7 @@ def refused_pickle(run):
 
 def truncated_model(tmp_path):
     model = str(tmp_path / "model")
-    shutil.copytree(toy.base_model(), model)
+    shutil.copytree(toy.BASE_DIR, model)
     path = os.path.join(model, "model.safetensors")
     os.truncate(path, os.path.getsize(path) - 100)
     return ["--model", model, "--data", "toy", "--eval-data", "toy"]
