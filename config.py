@@ -5,6 +5,7 @@ given now > a resumed run's config.json (or a --config file) > the defaults, all
 import argparse
 import math
 import os
+import sys
 
 import grade
 import toy
@@ -232,6 +233,11 @@ def resolve_args(argv):
         if "out" in given and os.path.abspath(given["out"]) != os.path.abspath(run):
             raise UserError(f"--resume {run} writes into {run}: drop --out {given['out']}")
         given["out"] = run
+    known = set(vars(build_parser().parse_args([]))) | set(COMMON) | set(TOY) | set(REAL) | {"data_sha256"}
+    gone = {k: saved.pop(k) for k in list(saved) if k not in known}
+    if gone:   # a saved run of an older version: say what no longer applies rather than drop it unseen
+        print(f"{flag} {path}: settings this version no longer has are ignored: "
+              + ", ".join(f"{k}={v!r}" for k, v in gone.items()), file=sys.stderr)
     model = given.get("model", saved.get("model", "toy"))
     is_toy = model == "toy" or given.get("toy_world", saved.get("toy_world")) is not None
     world = {**COMMON, **(TOY if is_toy else {**REAL, **RECIPES.get(ALIASES.get(model, model), {})})}

@@ -42,3 +42,19 @@ def test_the_flags_the_size_cuts_removed_are_refused(capsys):
         with pytest.raises(SystemExit) as e:
             parse([*more, flag, "1"])
         assert e.value.code == 2 and f"unrecognized arguments: {flag}" in capsys.readouterr().err
+
+
+def test_a_saved_setting_this_version_no_longer_has_is_named_not_dropped_unseen(tmp_path, capsys):
+    """A run saved by an older version (here with the removed --probe-labels and --log-samples):
+    its config still loads, and one line names what is ignored. A current run's config names nothing."""
+    saved = {**config.COMMON, **config.TOY, "model": "toy", "probe_labels": "shuffled", "log_samples": 8}
+    path = write(tmp_path / "old.json", json.dumps(saved))
+    cfg = config.resolve_args(["--config", path, "--out", str(tmp_path / "new")])
+    err = capsys.readouterr().err
+    assert f"--config {path}: settings this version no longer has are ignored: " \
+           "probe_labels='shuffled', log_samples=8" in err
+    assert "probe_labels" not in cfg and "log_samples" not in cfg
+    current = {k: v for k, v in cfg.items() if k not in config.NOT_SAVED}
+    config.resolve_args(["--config", write(tmp_path / "now.json", json.dumps(current)),
+                         "--out", str(tmp_path / "again")])
+    assert "no longer has" not in capsys.readouterr().err
