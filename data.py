@@ -161,7 +161,7 @@ def scrub(text: str) -> str:
     return re.sub(r"[\x00-\x08\x0b-\x1f\x7f]", "", text)
 
 
-def _read_file(path):
+def read_file(path):
     """Rows of a local .jsonl, .json (a list, or a dict holding one list of rows) or .parquet file
     (told by its content, so a mistyped extension still reads; a .jsonl's lines are rows, even one)."""
     if not os.path.isfile(path):
@@ -306,7 +306,7 @@ def load_rows(source, split=None, limit=None, like=None, lcb_release=LCB_RELEASE
         where = spec["hf"]
     elif (os.path.isfile(source) or source.lower().endswith((".json", ".jsonl", ".parquet"))
           or not re.fullmatch(r"[\w-]+(/[\w.-]+)?", source) or os.path.isdir(source.split("/")[0])):
-        records, where = _read_file(source), source   # a path: neither owner/name nor a bare name
+        records, where = read_file(source), source   # a path: neither owner/name nor a bare name
     elif "/" in source:
         records, where = _from_hub(source, None, split or "train"), source
     else:

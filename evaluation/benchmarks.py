@@ -216,7 +216,7 @@ def read_responses(path, loaded):
     file's order; its format: docs/reference.md, "Responses made elsewhere"."""
     given = {bench: [[] for _ in rows] for bench, rows, *_ in loaded}
     index = {bench: {r["problem"]: q for q, r in enumerate(rows)} for bench, rows, *_ in loaded}
-    for i, r in enumerate(data._read_file(path), 1):   # JSON lines, a JSON list or parquet
+    for i, r in enumerate(data.read_file(path), 1):   # JSON lines, a JSON list or parquet
         if not (isinstance(r, dict) and all(isinstance(r.get(k), str) for k in ("benchmark", "response"))
                 and (isinstance(r.get("problem"), str) if "problem" in r else _count(r.get("question")))):
             raise UserError(f"{path}: row {i} is not a response: write "
