@@ -14,6 +14,7 @@ padding of long ones.
 from contextlib import nullcontext
 
 import torch
+from tqdm import tqdm
 
 from grade import answers_match, forced_answer
 from grpo import logprobs_from_hidden
@@ -101,9 +102,11 @@ def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, tempe
 
 @torch.no_grad()
 def forced_answers(model, tokenizer, prompts, responses, cut_lists, cuts, tail, k, temperature=0.8,
-                   top_p=1.0, max_new_tokens=32, seed=None, batch_size=None, decode=None, stop=("\n",)):
+                   top_p=1.0, max_new_tokens=32, seed=None, batch_size=None, decode=None, stop=("\n",),
+                   progress=None):
     """The K answers to each forced prompt cuts[j] = (i, b), texts[j*k:(j+1)*k], and the features
-    at each trajectory's cuts, feats N [len(cut_lists[i]), d] (module docstring) -> (texts, feats)."""
+    at each trajectory's cuts, feats N [len(cut_lists[i]), d] (module docstring) -> (texts, feats).
+    progress: a bar's label (a step per chunk)."""
     sampler = Sampler(model, tokenizer, max_new_tokens, temperature, top_p, stop=stop, decode=decode,
                       close_depth=1 if stop else None)  # CUDA: a stopped one also stops at its box's brace
     if sampler.static is not None:  # the rollout's buffers must not sit under the labels' prefills
@@ -114,7 +117,8 @@ def forced_answers(model, tokenizer, prompts, responses, cut_lists, cuts, tail, 
     feats = [torch.zeros(0, model.config.hidden_size)] * len(prompts)
     was_training = model.training
     model.eval()
-    for chunk in (trajs[at:at + per] for at in range(0, len(trajs), per)):
+    chunks = [trajs[at:at + per] for at in range(0, len(trajs), per)]
+    for chunk in tqdm(chunks, desc=progress, disable=not progress):
         seqs = [list(prompts[i]) + list(responses[i][:max(cut_lists[i])]) for i in chunk]
         width, got = max(map(len, seqs)), []
         with last_layer(model, got.append):

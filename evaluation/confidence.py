@@ -331,17 +331,14 @@ def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions
         asks.setdefault(i, []).append(j)
 
     def answers(part):   # per rollout of `part`: the k answers to each forced prompt it asks
-        out, per = [], max(1, rows // k // max(map(len, asks.values())))   # rollouts a call: a bar's step
-        for at in tqdm(range(0, len(part), per), desc="post-hoc forced answers", disable=not MASTER):
-            some = part[at:at + per]
-            bs = [[asked[j][1] for j in asks[i]] for i in some]
-            got = label_lib.forced_answers(
-                model, tokenizer, [prompts[i] for i in some], [responses[i] for i in some], bs,
-                [(m, b) for m, cuts in enumerate(bs) for b in cuts], tail, k, 0.6, 0.95,
-                CODE_TOKENS if grader == "code" else 64, p["seed"], max(1, rows // k), stop=tuple(p["stop"]))[0]
-            each = iter([got[i:i + k] for i in range(0, len(got), k)])
-            out += [[next(each) for _ in cuts] for cuts in bs]
-        return out
+        bs = [[asked[j][1] for j in asks[i]] for i in part]
+        got = label_lib.forced_answers(
+            model, tokenizer, [prompts[i] for i in part], [responses[i] for i in part], bs,
+            [(m, b) for m, cuts in enumerate(bs) for b in cuts], tail, k, 0.6, 0.95,
+            CODE_TOKENS if grader == "code" else 64, p["seed"], max(1, rows // k), stop=tuple(p["stop"]),
+            progress=MASTER and "post-hoc forced answers")[0]
+        each = iter([got[at:at + k] for at in range(0, len(got), k)])
+        return [[next(each) for _ in cuts] for cuts in bs]
     y = []
     if todo:
         got = dict(zip([j for i in asks for j in asks[i]], sum(spread(answers, list(asks)), [])))

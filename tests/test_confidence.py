@@ -183,7 +183,7 @@ def forced_calls(monkeypatch, answers):
     calls = []
 
     def fake(model, tok, prompts, responses, cut_lists, cuts, tail, k, temperature, top_p, max_new_tokens, seed,
-             batch_size, stop):
+             batch_size, stop, progress=None):
         calls.append(dict(prompts=[[*prompts[i], *responses[i][:b], *tail] for i, b in cuts], n=k, stop=stop,
                           temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens))
         return answers(k) * len(cuts), None

@@ -134,10 +134,10 @@ def test_two_workers_share_the_posthoc_fit_and_fit_the_probe_of_one_process(tmp_
     probe from them, byte for byte."""
     (one,), probe1, data1 = _posthoc(tmp_path, 1)
     two, probe2, data2 = _posthoc(tmp_path, 2)
-    # one process: 2 rollout calls (6 prompts, 4 a call); then the forced answers of the 7 rollouts
-    # that ask any, one rollout a call (rows 8, k 4: 2 forced prompts), rollout i on rank i % 2
+    # one process: 2 rollout calls (6 prompts, 4 a call); then one forced-answer call over the 7
+    # rollouts that ask any, rollout i on rank i % 2
     assert [count for count, _ in one["chunks"]] == [2]
-    assert (one["forced"], two[0]["forced"], two[1]["forced"]) == ([1] * 7, [1] * 4, [1] * 3)
+    assert (one["forced"], two[0]["forced"], two[1]["forced"]) == ([7], [4], [3])
     assert all(ran == list(range(count)) for count, ran in one["chunks"])
     for (count, _), rank0, rank1 in zip(one["chunks"], two[0]["chunks"], two[1]["chunks"]):
         assert rank0 == [count, list(range(0, count, 2))] and rank1 == [count, list(range(1, count, 2))]

@@ -234,5 +234,5 @@ def test_one_step_reads_in_few_lines_of_at_most_8_top_level_files(tmp_path):
     assert all(os.sep not in f for f in files), files  # top level only: no harness/, no evaluation/
     # the issue's budget: 700 lines (783 before it was cut); 697 with the labels' one prefill per trajectory,
     # 695 after the cuts that dropped the shuffled-label control, 694 without --probe-batch, 692 with
-    # samples sharing cache rows
-    assert len(files) <= 8 and lines <= 692, (lines, files)
+    # samples sharing cache rows, 695 with the forced answers' progress bar (evaluation's post-hoc fit)
+    assert len(files) <= 8 and lines <= 695, (lines, files)
