@@ -212,7 +212,8 @@ def check_world(cfg, world):
 
 def resolve_args(argv):
     """CLI -> checked config dict (precedence: the module docstring)."""
-    given = {k: v for k, v in vars(build_parser().parse_args(argv)).items() if v is not None}
+    parser = build_parser()
+    given = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
     check_values(given)   # the flags as typed first, so the message names what the user wrote
     flag = "--resume" if given.get("resume") else "--config" if given.get("config") else None
     saved = {}
@@ -233,7 +234,7 @@ def resolve_args(argv):
         if "out" in given and os.path.abspath(given["out"]) != os.path.abspath(run):
             raise UserError(f"--resume {run} writes into {run}: drop --out {given['out']}")
         given["out"] = run
-    known = set(vars(build_parser().parse_args([]))) | set(COMMON) | set(TOY) | set(REAL) | {"data_sha256"}
+    known = {a.dest for a in parser._actions} | set(COMMON) | set(TOY) | set(REAL) | {"data_sha256"}
     gone = {k: saved.pop(k) for k in list(saved) if k not in known}
     if gone:   # a saved run of an older version: say what no longer applies rather than drop it unseen
         print(f"{flag} {path}: settings this version no longer has are ignored: "
