@@ -354,50 +354,124 @@ def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions
     return labels, copied
 
 
-def fit_posthoc(x, y, groups, p, grid=GRID, device="cpu", plateau=(0.5, 5)):
+def fit_posthoc(x, y, groups, p, grid=GRID, device="cpu", plateau=(0.5, 5), together=True):
     """(the grid's best probe, report) of the released fit (docs/reference.md, "Evaluation") on x [M, d],
-    soft labels y [M] and problems groups [M]: split_groups, a fresh Probe per grid point, val_loss
-    against round(y). p: get_probe's protocol (its seed, val_frac, epochs, patience, batch)."""
-    seed, batch_size = p["seed"], p["batch"]
+    soft labels y [M] and problems groups [M]: split_groups, then fit_setting for each grid point, the
+    lowest validation loss wins. p: get_probe's protocol (its seed, val_frac, epochs, patience, batch).
+    together: every setting at once (fit_together, the same fits, several times faster)."""
     if not torch.isfinite(x).all():
         raise FloatingPointError(f"post-hoc probe: {int((~torch.isfinite(x)).any(1).sum())} of {len(x)} "
                                  "features are NaN or inf: the model's weights hold NaN or inf")
-    tr, va = split_groups(groups, p["val_frac"], seed)
+    tr, va = split_groups(groups, p["val_frac"], p["seed"])
     if len(tr) == 0 or len(va) == 0:
         raise ValueError("post-hoc probe needs at least two problems with labelled prefixes; raise --probe-questions")
-    xt, yt, xv, yv = (t.to(device) for t in (x[tr], y[tr], x[va], y[va]))
-    best, runs = (math.inf, None, None), []
-    for lr, drop, wd in tqdm(grid, desc="post-hoc fit over the grid"):
-        torch.manual_seed(seed)
-        prb = probe_lib.Probe(x.shape[1], dropout=drop).to(device)
-        opt = probe_lib.make_optimizer(prb, lr=lr, weight_decay=wd)
-        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=plateau[0], patience=plateau[1])
-        run_best, state, bad, best_epoch = math.inf, None, 0, 0
-        for epoch in range(p["epochs"]):
-            probe_lib.fit(prb, opt, xt, yt, passes=1, batch_size=batch_size, seed=seed + epoch)
-            loss = val_loss(prb, xv, yv.round(), batch_size)
-            sched.step(loss)
-            if loss < run_best:
-                run_best, state, bad, best_epoch = loss, copy.deepcopy(prb.state_dict()), 0, epoch + 1
-            else:
-                bad += 1
-                if bad >= p["patience"]:
-                    break
-        runs.append(dict(lr=lr, dropout=drop, weight_decay=wd, epochs=epoch + 1, best_epoch=best_epoch,
-                         val_loss=run_best))
-        if run_best < best[0]:
-            best = (run_best, state, runs[-1])
-    if best[1] is None:
+    data = [t.to(device).float() for t in (x[tr], y[tr], x[va], y[va])]
+    fits = (fit_together(*data, p, grid, plateau) if together else
+            [fit_setting(*data, p, one, plateau) for one in tqdm(grid, desc="post-hoc fit over the grid")])
+    runs = [run for run, _ in fits]
+    run, state = fits[min(range(len(fits)), key=lambda i: runs[i]["val_loss"])]
+    if state is None:
         raise FloatingPointError("post-hoc probe: no fit in the grid reached a finite validation loss")
-    prb = probe_lib.Probe(x.shape[1], dropout=best[2]["dropout"])
-    prb.load_state_dict(best[1])
-    yt, yv = yt.cpu(), yv.cpu()
-    pv = probe_lib.predict(prb, xv.cpu())
-    report = dict(best[2], n_train=len(tr), n_val=len(va),
+    prb = probe_lib.Probe(x.shape[1], dropout=run["dropout"])
+    prb.load_state_dict(state)
+    yt, yv = y[tr], y[va]
+    pv = probe_lib.predict(prb, x[va])
+    report = dict(run, n_train=len(tr), n_val=len(va),
                   val_problems=len(set(groups[va].tolist())), train_problems=len(set(groups[tr].tolist())),
                   val_bce=bce(pv, yv), base_rate=float(yt.mean()),
                   base_bce=bce(torch.full_like(yv, float(yt.mean())), yv), grid=runs)
     return prb, report
+
+
+def fit_setting(xt, yt, xv, yv, p, setting, plateau):
+    """(run, state at the best epoch) of one grid setting (lr, dropout, weight decay), as released: a
+    fresh Probe, AdamW, an epoch of batches then the validation loss against round(y), the lr halved
+    on a plateau, stopped after `patience` epochs without a strictly lower loss."""
+    lr, drop, wd = setting
+    torch.manual_seed(p["seed"])
+    prb = probe_lib.Probe(xt.shape[1], dropout=drop).to(xt.device)
+    opt = probe_lib.make_optimizer(prb, lr=lr, weight_decay=wd)
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=plateau[0], patience=plateau[1])
+    run_best, state, bad, best_epoch = math.inf, None, 0, 0
+    for epoch in range(p["epochs"]):
+        probe_lib.fit(prb, opt, xt, yt, passes=1, batch_size=p["batch"], seed=p["seed"] + epoch)
+        prb.eval()
+        with torch.no_grad():
+            loss = val_loss(prb(xv), yv.round(), p["batch"])
+        sched.step(loss)
+        if loss < run_best:
+            run_best, state, bad, best_epoch = loss, copy.deepcopy(prb.state_dict()), 0, epoch + 1
+        else:
+            bad += 1
+            if bad >= p["patience"]:
+                break
+    return dict(lr=lr, dropout=drop, weight_decay=wd, epochs=epoch + 1, best_epoch=best_epoch,
+                val_loss=run_best), state
+
+
+def fit_together(xt, yt, xv, yv, p, grid, plateau):
+    """[fit_setting(..., setting) for setting in grid], bit for bit on a CPU, in one loop: the same
+    batches and dropout draws, each setting's probe one slice of stacked weights, and AdamW written
+    out with each setting's lr and weight decay. A probe step is too small to fill a CPU or a GPU:
+    twelve cost about twice one. On CUDA the dropout masks come from another kernel than
+    nn.Dropout's (the same distribution)."""
+    G, seed, batch, dev = len(grid), p["seed"], p["batch"], xt.device
+    torch.manual_seed(seed)
+    first = probe_lib.Probe(xt.shape[1])          # the weights each setting's fresh Probe starts from
+    h, names = first.hidden, list(first.state_dict())
+    params = [t.detach().repeat(G, 1).to(dev).requires_grad_() for t in first.state_dict().values()]
+    flat = [t.view(G, -1) for t in params]        # [G, h*d], [G, h], [G, h], [G, 1]: setting g in row g
+    avg, sq = [torch.zeros_like(t) for t in flat], [torch.zeros_like(t) for t in flat]
+    # each dropout rate draws from the stream nn.Dropout draws from in fit_setting
+    draws = {drop: torch.Generator(dev).set_state(torch.get_rng_state()) if dev.type == "cpu" else
+             torch.Generator(dev).manual_seed(seed) for _, drop, _ in grid}
+    lrs = [torch.optim.SGD([torch.zeros(1)], lr=lr) for lr, _, _ in grid]   # holders of each setting's lr
+    factor, patience = plateau
+    scheds = [torch.optim.lr_scheduler.ReduceLROnPlateau(o, factor=factor, patience=patience) for o in lrs]
+
+    def logits(xb, noise=1):   # [B, d] -> [G, B], each setting's tensors contiguous, as they are alone
+        w1, b1, w2, b2 = (t.view(G, -1, t.shape[-1]) for t in params)
+        hid = torch.relu(torch.stack([F.linear(xb, w, b[0]) for w, b in zip(w1, b1)])) * noise   # [G, B, h]
+        return torch.stack([F.linear(a, w, b[0]).squeeze(-1) for a, w, b in zip(hid, w2, b2)])
+
+    best, bad, epochs, t = [(math.inf, None, 0)] * G, [0] * G, [0] * G, 0
+    for epoch in tqdm(range(p["epochs"]), desc=f"post-hoc fit, {G} settings at once"):
+        order = torch.randperm(len(xt), generator=torch.Generator().manual_seed(seed + epoch)).to(dev)
+        lr = [o.param_groups[0]["lr"] for o in lrs]
+        decay = torch.tensor([[1 - a * wd] for a, (_, _, wd) in zip(lr, grid)], device=dev)
+        for s in range(0, len(xt), batch):
+            i = order[s:s + batch]
+            noise = {d: torch.empty(len(i), h, device=dev).bernoulli_(1 - d, generator=g).div_(1 - d)
+                     for d, g in draws.items()}
+            out = logits(xt[i], torch.stack([noise[d] for _, d, _ in grid]))
+            # BCE-with-logits' gradient as torch computes it, (sigmoid - y) / B; the sigmoid row by row,
+            # as a vectorized sigmoid rounds unlike its scalar tail
+            sig = torch.stack([o.sigmoid() for o in out.detach()])
+            grads = torch.autograd.grad(out, params, (sig - yt[i]) / len(i))
+            t += 1
+            step = torch.tensor([[-(a / (1 - 0.9 ** t))] for a in lr], device=dev)
+            with torch.no_grad():   # torch's AdamW (betas 0.9, 0.999, eps 1e-8), op for op
+                for q, g, m, v in zip(flat, grads, avg, sq):
+                    g = g.view(G, -1)
+                    q.mul_(decay)
+                    m.lerp_(g, 1 - 0.9)
+                    v.mul_(0.999).addcmul_(g, g, value=1 - 0.999)
+                    q.add_(step.mul(m).div_((v.sqrt() / (1 - 0.999 ** t) ** 0.5).add_(1e-8)))
+        with torch.no_grad():
+            out = logits(xv)
+        for g in (g for g in range(G) if bad[g] < p["patience"]):
+            loss = val_loss(out[g], yv.round(), batch)
+            scheds[g].step(loss)
+            epochs[g] = epoch + 1
+            if loss < best[g][0]:
+                state = {k: v.detach()[g].view_as(first.state_dict()[k]).clone() for k, v in zip(names, flat)}
+                best[g], bad[g] = (loss, state, epoch + 1), 0
+            else:
+                bad[g] += 1
+        if min(bad) >= p["patience"]:
+            break
+    return [(dict(lr=lr, dropout=drop, weight_decay=wd, epochs=e, best_epoch=b[2], val_loss=b[0]), b[1])
+            for (lr, drop, wd), e, b in zip(grid, epochs, best)]
 
 
 def split_groups(groups, val_frac=0.2, seed=42):
@@ -417,12 +491,9 @@ def split_groups(groups, val_frac=0.2, seed=42):
     return torch.tensor(train, dtype=torch.long), torch.tensor(val, dtype=torch.long)
 
 
-def val_loss(prb, x, y, batch_size=64):
-    """BCE of the probe on x [M, d] against y [M] as released: the mean of per-batch means (batches
-    of batch_size in x's order: a short last batch weighs as a full one)."""
-    prb.eval()
-    with torch.no_grad():
-        logits = prb(x.float())
+def val_loss(logits, y, batch_size=64):
+    """BCE of logits [M] against y [M] as released: the mean of per-batch means (batches of batch_size
+    in x's order: a short last batch weighs as a full one)."""
     means = [F.binary_cross_entropy_with_logits(logits[s:s + batch_size], y[s:s + batch_size].float()).item()
              for s in range(0, len(y), batch_size)]
     return sum(means) / len(means)

@@ -149,7 +149,7 @@ def test_the_validation_loss_is_the_released_mean_of_batch_means():
     logits = prb(x).detach()
     per = torch.nn.functional.binary_cross_entropy_with_logits(logits, y, reduction="none")
     released = (per[:64].mean() + per[64:].mean()) / 2
-    assert confidence.val_loss(prb, x, y) == pytest.approx(float(released), rel=1e-6)
+    assert confidence.val_loss(prb(x), y) == pytest.approx(float(released), rel=1e-6)
     assert abs(float(released) - float(per.mean())) > 1e-3          # not one mean over the examples
 
 
@@ -319,6 +319,26 @@ def test_fit_posthoc_learns_a_signal_and_beats_the_base_rate(one_thread):
     assert rep["val_bce"] < rep["base_bce"] - 0.1
     with pytest.raises(ValueError, match="two problems"):
         confidence.fit_posthoc(x[:4], y[:4], groups[:4], FIT)
+
+
+def test_the_settings_fitted_together_are_the_settings_fitted_one_by_one(one_thread):
+    """fit_together against fit_setting, bit for bit: the released grid, a short last batch (470 train
+    examples), settings stopping early (after lrs halved on a plateau) and others running on."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(600, 64, generator=gen)
+    y = (torch.sigmoid(0.5 * x[:, 0] + 2 * torch.randn(600, generator=gen)) * 4).round() / 4
+    groups = torch.arange(600) // 10
+    p = dict(FIT, epochs=20, patience=3)
+    fits = [confidence.fit_posthoc(x, y, groups, p, plateau=(0.5, 1), together=t) for t in (False, True)]
+    (one, rep1), (all_, rep2) = fits
+    assert rep1["n_train"] % 64 and rep1 == rep2
+    assert {r["epochs"] for r in rep1["grid"]} == {11, 20}
+    assert all(torch.equal(a, b) for a, b in zip(one.state_dict().values(), all_.state_dict().values()))
+    split = x[:470], y[:470], x[470:], y[470:]
+    sets = [confidence.fit_together(*split, p, confidence.GRID, (0.5, 1)),
+            [confidence.fit_setting(*split, p, s, (0.5, 1)) for s in confidence.GRID]]
+    for (r1, s1), (r2, s2) in zip(*sets):
+        assert r1 == r2 and all(torch.equal(s1[k], s2[k]) for k in s1)
 
 
 def test_verbal_forced_cuts_the_thinking_closes_it_and_averages_k_reanswers(monkeypatch):
