@@ -431,7 +431,7 @@ def fit_together(xt, yt, xv, yv, p, grid, plateau):
 
     def logits(xb, noise=1):   # [B, d] -> [G, B], each setting's tensors contiguous, as they are alone
         w1, b1, w2, b2 = (t.view(G, -1, t.shape[-1]) for t in params)
-        hid = torch.relu(torch.stack([F.linear(xb, w, b[0]) for w, b in zip(w1, b1)])) * noise   # [G, B, h]
+        hid = torch.relu(torch.baddbmm(b1, xb.expand(G, -1, -1), w1.transpose(1, 2))) * noise   # [G, B, h]
         return torch.stack([F.linear(a, w, b[0]).squeeze(-1) for a, w, b in zip(hid, w2, b2)])
 
     best, bad, epochs, t = [(math.inf, None, 0)] * G, [0] * G, [0] * G, 0
