@@ -160,7 +160,7 @@ def example(tok, problem, rng, forced):
     implied = implied_sum(problem, terms, lines, totals, b)
     close = (tok.eos_token_id if rng.random() < WARM["p_eos_close"]
              else tok.convert_tokens_to_ids("</think>"))
-    # A cut ending on the close token gets a second one here (label.forced_prompt adds none, as
+    # A cut ending on the close token gets a second one here (label.mc_labels adds none, as
     # released): toy_base was built so, and its labels still carry signal (tests/test_toy.py).
     head = prompt + response[:b] + [close] + tok.encode(SUFFIX, add_special_tokens=False)
     answer = tok.encode(f"{implied}}}\n", add_special_tokens=False)
