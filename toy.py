@@ -52,7 +52,7 @@ WARM = dict(seed=0, steps=3000, batch_size=32, lr=2e-3, beta2=0.95, warmup=50, w
             threads=1, p_slip=0.12, p_slip_carry=0.45, p_flag_wrong=0.6, p_flag_right=0.05,
             p_forced=0.5, w_forced=1.0, p_eos_close=0.25, p_rlcr=0.2,
             mix=(0.5, 0.2, 0.3))  # share of warm-start problems from each benchmark's train split
-WORLD = "legible"        # the world toy_base/ was warm-started in (train.py's and evaluate.py's --toy-world)
+WORLD = "legible"        # toy_base/'s world (train.py's --toy-world; recorded by evaluate.py)
 
 
 def byte_symbols():   # GPT-2's printable stand-ins for the 256 bytes, in byte order
