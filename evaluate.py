@@ -93,7 +93,7 @@ def evaluate_model(name, loaded, args):
                                              seed=args.seed)
         window = " to ".join(data.lcb_window(args.lcb_release))
         release = {"release": f"{args.lcb_release} (contests {window})"} if bench == "lcb" else {}
-        world = {"toy_world": args.toy_world} if bench in data.TOY_BENCHMARKS else {}
+        world = {"toy_world": toy.WORLD} if bench in data.TOY_BENCHMARKS else {}
         res["settings"][bench] = dict(s, confidence=source, grader=s.get("grader", GRADER), answer=prompt[2],
                                       temperature=args.temperature, **release, **world,
                                       top_p=args.top_p, seed=args.seed, questions=len(rows),
@@ -212,9 +212,6 @@ def build_parser():
     g.add_argument("--benchmarks", default="toy",
                    help="comma list: toy, math500, ..., FILE or NAME=FILE (default %(default)s)")
     g.add_argument("--limit", type=int, help="questions per benchmark (default: all)")
-    g.add_argument("--toy-world", default=toy.WORLD, choices=(toy.WORLD,),
-                   help="the toy world the models were warm-started in, recorded with the results "
-                   "(default %(default)s)")
     g.add_argument("--lcb-release", default=data.LCB_RELEASE,
                    help="the lcb window: vN or vA_vB (default %(default)s)")
     g.add_argument("--out", help="output dir (default RUN/eval or eval_out/<model>)")

@@ -37,15 +37,15 @@ def pack(prompts, responses, pad_id, logprobs=None):
     return batch
 
 
-def group_advantages(rewards, group_size, eps=1e-6, scale=True):
+def group_advantages(rewards, group_size, eps=1e-6):
     """Per-group z-score: rewards [N] (N = groups * group_size, groups contiguous) -> advantages [N].
-    A = (r - mean_group r) / (std_group r + eps) with the unbiased std (torch default);
-    scale=False gives A = r - mean_group r (Dr. GRPO). A group of one sample gets A = 0.
+    A = (r - mean_group r) / (std_group r + eps) with the unbiased std (torch default); a group of
+    one sample gets A = 0.
     Example: (1, -1, 1, -1), group_size 4 -> std = sqrt(4/3), A = +-0.866."""
     r = torch.as_tensor(rewards, dtype=torch.float32)
     g = r.view(-1, group_size)
     adv = g - g.mean(dim=1, keepdim=True)
-    if scale and group_size > 1:
+    if group_size > 1:
         adv = adv / (g.std(dim=1, keepdim=True) + eps)
     return adv.reshape(-1)
 
@@ -79,50 +79,29 @@ def token_logprobs(model, input_ids, attention_mask, temperature=1.0, chunk_size
     return logprobs_from_hidden(hidden, model.lm_head, input_ids[:, 1:], temperature, chunk_size)
 
 
-AGGS = ("token-mean", "token-mean-per-micro-batch", "seq-mean", "seq-sum-norm")  # --agg
+# --agg: a micro-batch's token-mean weighs by its tokens (one token-mean over the batch) or, as the
+# released verl actor, by its rows (grpo.update)
+AGGS = ("token-mean", "token-mean-per-micro-batch")
 
 
-def aggregate(values, mask, agg="token-mean", norm_const=None):
-    """One number from per-token values [N, T] under the loss mask [N, T] (the policy loss's `agg`):
-      "token-mean"   sum(v * m) / sum(m)                       (over the whole batch)
-    "token-mean-per-micro-batch" is the same on one micro-batch (grpo.update weighs it by its rows,
-    as the released verl actor); the per-sequence ones: seq_aggregate."""
+def aggregate(values, mask):
+    """The token-mean of per-token values [N, T] under the loss mask [N, T]: sum(v * m) / sum(m)."""
     m = mask.to(values.dtype)
-    if agg in ("token-mean", "token-mean-per-micro-batch"):
-        return (values * m).sum() / m.sum().clamp(min=1)
-    return seq_aggregate(values, m, agg, norm_const)
+    return (values * m).sum() / m.sum().clamp(min=1)
 
 
-def seq_aggregate(values, m, agg, norm_const):
-    """aggregate's per-sequence means of values [N, T] under the mask m [N, T]:
-      "seq-mean"     mean_n [sum_t v * m / sum_t m]
-      "seq-sum-norm" mean_n [sum_t v * m / norm_const]   (Dr. GRPO: one constant for the whole
-                     batch, e.g. the generation budget; required, never the padded width T,
-                     which changes with how the batch is cut into micro-batches)
-    """
-    if agg == "seq-mean":
-        return ((values * m).sum(-1) / m.sum(-1).clamp(min=1)).mean()
-    if agg == "seq-sum-norm":
-        if norm_const is None:
-            raise ValueError("agg='seq-sum-norm' needs norm_const, one constant for the whole batch "
-                             "(e.g. max_new_tokens)")
-        return ((values * m).sum(-1) / norm_const).mean()
-    raise ValueError(f"agg must be one of {', '.join(AGGS)}, got {agg!r}")
-
-
-def policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.2, agg="token-mean",
-                norm_const=None):
+def policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.2):
     """Clipped-ratio policy loss. logp, old_logp, mask: [N, T]; adv: [N] (broadcast) or [N, T].
       ratio = exp(logp - old_logp)
       l_t   = -min(ratio * A, clamp(ratio, 1 - clip_low, 1 + clip_high) * A)
-    agg: how the l_t become one number (aggregate). Returns (loss, stats): clip_frac = share of
-    masked tokens where the clipped term is taken, ratio_mean = masked mean ratio."""
+    loss = aggregate(l_t, mask). Returns (loss, stats): clip_frac = share of masked tokens where
+    the clipped term is taken, ratio_mean = masked mean ratio."""
     m = mask.to(logp.dtype)
     a = (adv.unsqueeze(-1) if adv.dim() == 1 else adv).to(logp.dtype)
     ratio = torch.exp(logp - old_logp)
     unclipped = ratio * a
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * a
-    loss = aggregate(-torch.minimum(unclipped, clipped), m, agg, norm_const)
+    loss = aggregate(-torch.minimum(unclipped, clipped), m)
     with torch.no_grad():
         denom = m.sum().clamp(min=1)
         stats = {"clip_frac": float(((clipped < unclipped).to(m.dtype) * m).sum() / denom),
@@ -166,7 +145,7 @@ def micro_step(fwd, batch, mb, old_logp, adv, cfg, device, length=None):
     logp = fwd(sub["input_ids"], sub["attention_mask"], cfg["temperature"], cfg["chunk_size"])
     old = logp.detach() if old_logp is None else old_logp[mb, :L - 1].to(device)
     loss, stats = policy_loss(logp, old, adv[mb].to(device), sub["loss_mask"], cfg["clip_low"],
-                              cfg["clip_high"], agg=cfg["agg"], norm_const=cfg["max_new_tokens"])
+                              cfg["clip_high"])
     if not torch.isfinite(loss):
         raise FloatingPointError(f"non-finite loss ({loss.item()}) in a micro-batch of rows {mb}")
     return sub, logp, loss, stats

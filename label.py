@@ -56,14 +56,6 @@ def close_id(tokenizer, close="think"):
     return tid
 
 
-def forced_prompt(prompt, response, b, tokenizer, close="think", suffix=SUFFIX):
-    """Token ids `prompt + response[:b] + [CLOSE] + ids(suffix)` (lists of ints), CLOSE left out
-    where response[:b] already ends on it (module docstring)."""
-    cid = close_id(tokenizer, close)
-    return list(prompt) + list(response[:closed_cut(response, b, cid)]) + [cid] + \
-        tokenizer.encode(suffix, add_special_tokens=False)
-
-
 def closed_cut(response, b, close):
     """b, or b - 1 where response[:b] ends on the close id: the prefix before CLOSE + SUFFIX, so
     that the close token is never doubled."""
@@ -84,7 +76,7 @@ def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, tempe
         where.append([])  # the j of each of trajectory i's cuts
         for b in bs:
             b = closed_cut(r, b, tail[0])  # a cut ending on CLOSE is asked without a second one
-            j = index.setdefault((*p, *r[:b], *tail), len(cuts))  # forced_prompt(p, r, b, ...)
+            j = index.setdefault((*p, *r[:b], *tail), len(cuts))  # the forced prompt's ids
             if j == len(cuts):
                 cuts.append((i, b))
             where[-1].append(j)

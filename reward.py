@@ -10,8 +10,7 @@ RLCM:
   margin  = mean(C_b : Y_b == 1) - mean(C_b : Y_b == 0)   (solvable minus unsolvable prefixes),
             0 unless both sides exist; prefixes with 0 < Y_b < 1 count on neither side (released
             code; labels are not thresholded)
-  R       = r_nat + lam * margin,  r_nat = 2 * correct - 1 (signed, +1/-1, released) or correct (0/1)
-Defaults: lam = 0.1, signed correctness.
+  R       = r_nat + lam * margin,  r_nat = 2 * correct - 1 (signed, +1/-1, released); lam 0.1
 
 The ablations' calibration terms: corner_margin (released `conf_diff`, margin_corner=True),
 final_margin (Final-Margin, released `conf_diff_v3` as its script sets it) and brier_reward
@@ -84,10 +83,8 @@ def brier_reward(conf, labels, mask=None):
     return -((conf - labels) ** 2 * m).sum(-1) / m.sum(-1).clamp(min=1)
 
 
-def total_reward(correct, calib, lam=0.1, signed=True):
-    """R = r_nat + lam * calib, r_nat = 2 * correct - 1 if signed (+1/-1) else correct (0/1); [N] -> [N].
-    lam = 0 gives plain GRPO. correct (1, 0), calib (0.5, 0.5), lam 0.1: signed -> (1.05, -0.95),
-    unsigned -> (1.05, 0.05)."""
+def total_reward(correct, calib, lam=0.1):
+    """R = r_nat + lam * calib, r_nat = 2 * correct - 1 (+1/-1); [N] -> [N]. lam = 0 gives plain
+    GRPO. correct (1, 0), calib (0.5, 0.5), lam 0.1 -> (1.05, -0.95)."""
     c = _float(correct)
-    r_nat = 2 * c - 1 if signed else c
-    return r_nat + lam * _float(calib).to(c.device, c.dtype)
+    return 2 * c - 1 + lam * _float(calib).to(c.device, c.dtype)

@@ -96,8 +96,8 @@ class Sampler:
         decode = decode or default_decode(model)  # train.py and evaluate.py check the flags
         self.model, self.tokenizer, self.decode = model, tokenizer, decode
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
-        self.stop_strs = [s for s in stop if isinstance(s, str) and s]
-        self.stop_ids = [int(s) for s in stop if not isinstance(s, str)]
+        # One-byte stop strings (labels stop at "\n"): each lies inside one token, decoded once.
+        self.stop_strs = [s for s in stop if s]
         self.eos_ids = default_eos_ids(model, tokenizer) if eos_ids is None else [int(i) for i in eos_ids]
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.eos_ids or [0])[0]
         self.device = next(model.parameters()).device
@@ -107,8 +107,6 @@ class Sampler:
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
         self.step_kw = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
         self.static = staticcache.decoder(model, self.cache_kw) if decode == "static" else None
-        # A one-byte stop string (labels stop at "\n") lies inside one token: each id is decoded once.
-        self.byte_stops = all(len(x.encode()) == 1 for x in self.stop_strs)
         self._has_stop = {}
 
     def stop_tokens(self, tok):
@@ -191,7 +189,6 @@ class _Rows:
         self.logp = torch.zeros((rows, s.max_new_tokens), device=dev) if scores else None
         self.entropy = torch.zeros(rows, device=dev) if scores else None
         self.eos = torch.tensor(s.eos_ids, dtype=torch.long, device=dev)
-        self.stop = torch.tensor(s.stop_ids, dtype=torch.long, device=dev)
         self.vocab = len(s.tokenizer)
 
     def advance(self, t, logits, live):
@@ -221,28 +218,13 @@ class _Rows:
         active = ~done
         self.length[live] += active.long()
         hit_eos = active & torch.isin(tok, self.eos)
-        hit_stop = active & ~hit_eos & torch.isin(tok, self.stop)
-        self.reason[live] = torch.where(hit_eos, 1, torch.where(hit_stop, 2, self.reason[live]))
-        self.done[live] = done | hit_eos | hit_stop
+        self.reason[live] = torch.where(hit_eos, 1, self.reason[live])
+        self.done[live] = done | hit_eos
         if s.stop_strs:
             running = live[~self.done[live]]
-            if s.byte_stops:
-                hits = running[torch.isin(tok[~self.done[live]], s.stop_tokens(tok))]
-            else:
-                hits = self.tails_stopped(running, t)
+            hits = running[torch.isin(tok[~self.done[live]], s.stop_tokens(tok))]
             self.reason[hits], self.done[hits] = 2, True
         return tok
-
-    def tails_stopped(self, running, t):
-        """The rows of `running` whose last tokens, decoded in one batched call, hold a stop string."""
-        rs, s = running.tolist(), self.s
-        # Each token decodes to at least one character, so a stop string of k characters ending at
-        # the new token lies within the last k tokens; a few more absorb partial UTF-8 bytes.
-        window = max(len(x) for x in s.stop_strs) + 4
-        tails = s.tokenizer.batch_decode(self.ids[rs, max(0, t + 1 - window):t + 1].tolist(),
-                                         skip_special_tokens=True) if rs else []
-        return torch.tensor([r for r, text in zip(rs, tails) if any(x in text for x in s.stop_strs)],
-                            dtype=torch.long, device=self.done.device)
 
     def result(self):
         out = self.ids, self.length, torch.where(self.done, self.reason, 3)
@@ -266,7 +248,7 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
              scores=False, chunks=None, keyed=False) -> Samples:
     """Sample n continuations of each prompt (token-id lists, chat template applied); the same seed,
     prompts and batch_size (prompts per chunk) give the same samples on every decode path.
-    keyed: a generator per row (row_generators). stop: strings and/or token ids (kept). scores:
+    keyed: a generator per row (row_generators). stop: one-byte strings (kept). scores:
     Samples.logprobs, .entropy_sum. chunks: the chunks to sample (None: all). progress: a bar."""
     sampler = Sampler(model, tokenizer, max_new_tokens, temperature, top_p, stop, eos_ids, decode)
     batch_size = batch_size or max(len(prompts), 1)

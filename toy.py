@@ -52,7 +52,7 @@ WARM = dict(seed=0, steps=3000, batch_size=32, lr=2e-3, beta2=0.95, warmup=50, w
             threads=1, p_slip=0.12, p_slip_carry=0.45, p_flag_wrong=0.6, p_flag_right=0.05,
             p_forced=0.5, w_forced=1.0, p_eos_close=0.25, p_rlcr=0.2,
             mix=(0.5, 0.2, 0.3))  # share of warm-start problems from each benchmark's train split
-WORLD = "legible"        # the world toy_base/ was warm-started in (train.py's and evaluate.py's --toy-world)
+WORLD = "legible"        # toy_base/'s world (train.py's --toy-world; recorded by evaluate.py)
 
 
 def byte_symbols():   # GPT-2's printable stand-ins for the 256 bytes, in byte order
@@ -160,7 +160,7 @@ def example(tok, problem, rng, forced):
     implied = implied_sum(problem, terms, lines, totals, b)
     close = (tok.eos_token_id if rng.random() < WARM["p_eos_close"]
              else tok.convert_tokens_to_ids("</think>"))
-    # A cut ending on the close token gets a second one here (label.forced_prompt adds none, as
+    # A cut ending on the close token gets a second one here (label.mc_labels adds none, as
     # released): toy_base was built so, and its labels still carry signal (tests/test_toy.py).
     head = prompt + response[:b] + [close] + tok.encode(SUFFIX, add_special_tokens=False)
     answer = tok.encode(f"{implied}}}\n", add_special_tokens=False)

@@ -409,7 +409,6 @@ def run(cfg):
             print0(f"held-out accuracy: {first_acc:.3f} at the start -> {final_acc:.3f} at step "
                    f"{step}" + (other if other_set else ""))
         bench = " --benchmarks " + ",".join(data.TOY_BENCHMARKS) if cfg["eval_data"] == "toy" else ""
-        bench += f" --toy-world {cfg['toy_world']}" if bench and cfg["toy_world"] else ""
         print0(f"curves: {runlog.plot_curves(folder.out)}")
         print0(f"next: python evaluate.py --model {folder.out}{bench}")
 

@@ -259,7 +259,7 @@ def update(policy, opt, batch, old_logp, adv, mbs, cfg, device, extra, method):
     """grpo.update under FSDP2 (several ranks, or one with --offload), and with a mode's loss term
     extra = (name, coef, term) (baselines.extra_loss): term(logp, loss_mask, rows) gives [n] per
     sequence (the loss adds coef * their mean over all sequences) or [n, T] per token (coef * their
-    aggregate by --agg, weighted like the policy loss), logged under `name`. Ranks with fewer
+    token-mean, weighted like the policy loss), logged under `name`. Ranks with fewer
     micro-batches run padding ones (one row of 2 tokens, weight 0): FSDP2 needs as many forward and
     backward calls on every rank. method: grpo's functions, passed in (harness imports no method
     file)."""
@@ -296,7 +296,7 @@ def update(policy, opt, batch, old_logp, adv, mbs, cfg, device, extra, method):
         if term is not None:  # a padding micro-batch adds nothing
             part = term(logp, sub["loss_mask"], mb)
             if part.dim() == 2:  # per token: aggregated and weighted like the loss
-                part = aggregate(part, sub["loss_mask"], cfg["agg"], cfg["max_new_tokens"])
+                part = aggregate(part, sub["loss_mask"])
                 weighted = weighted + coef * part * (w * WORLD / total)
                 extra_sum += part.item() * w / total
             else:  # per sequence: a mean over sequences

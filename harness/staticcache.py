@@ -171,16 +171,14 @@ class _Shape:
 
 
 class StaticDecoder:
-    """Hands out decode steps over static buffers: those (and the graphs) of the last shape asked for.
-    full: attend over the whole buffer at every step instead of the live length (the comparison
-    in tests/bench.py and tests/gpu_check.py)."""
+    """Hands out decode steps over static buffers: those (and the graphs) of the last shape asked for."""
 
     def __init__(self, model, cache_kw):
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         if "sliding_attention" in (getattr(cfg, "layer_types", None) or []) or \
                 getattr(cfg, "use_sliding_window", False):
             raise ValueError("the static KV cache does not handle sliding-window layers: use --decode dynamic")
-        self.cache_kw, self.key, self.shape, self.full = cache_kw, None, None, False
+        self.cache_kw, self.key, self.shape = cache_kw, None, None
         # True: fused_forward for Qwen2 and Llama; off until a GPU has run it (docs/reference.md)
         self.fused = False
 
@@ -218,7 +216,7 @@ class StaticDecoder:
             s.write_at.fill_(col)
             s.kv.seen = col + 1
             at[0] += 1
-            return s.run(model, s.length if self.full or s.fused else live_length(col + 1, s.length))
+            return s.run(model, s.length if s.fused else live_length(col + 1, s.length))
         return step
 
 

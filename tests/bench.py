@@ -9,6 +9,7 @@ A developer's measurement, used by tests/gpu_check.py. The paths and what each c
 docs/reference.md, "Decoding speed".
 """
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -74,15 +75,23 @@ def random_prompts(vocab, n_prompts, prompt_len, seed=0):
 
 def run_sampler(model, tok, prompts, args, decode, eos_ids, full=False):
     """full: the static path attends over its whole buffer at every step (static-full)."""
-    static = staticcache.decoder(model, sampling.Sampler(model, tok).cache_kw)
-    static.full = full
-    try:
+    with whole_buffer(full):
         out = rollout.generate(model, tok, prompts, n=args.samples, max_new_tokens=args.max_new_tokens,
                                temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                                eos_ids=eos_ids, decode=decode)
-    finally:
-        static.full = False
     return sum(out.lengths), max(out.lengths)
+
+
+@contextlib.contextmanager
+def whole_buffer(full=True):
+    """With full, a static decode step attends over its whole buffer, not the live length."""
+    live = staticcache.live_length
+    if full:
+        staticcache.live_length = lambda n, length: length
+    try:
+        yield
+    finally:
+        staticcache.live_length = live
 
 
 def run_hf(model, tok, prompts, args, eos_ids):

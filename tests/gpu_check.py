@@ -387,19 +387,20 @@ def decode_call(model, tok, prompts, s, decode="static", full=False, fused=True)
     sampler = sampling.Sampler(model, tok, max_new_tokens=s["decode_steps"], temperature=0.8, eos_ids=[],
                               decode=decode)
     if sampler.static:
-        sampler.static.full, was, sampler.static.fused = full, sampler.static.fused, fused
+        was, sampler.static.fused = sampler.static.fused, fused
     try:
         prefix = sampler.prefill(prompts)
         gen = rollout.chunk_generators(0, 1, sampler.device)[0]
         before = staticcache.captures()
         sync(sampler.device)
         t = time.perf_counter()
-        ids, *_ = sampler.sample(prefix, s["group"], gen)
+        with bench.whole_buffer(full):
+            ids, *_ = sampler.sample(prefix, s["group"], gen)
         sync(sampler.device)
         return time.perf_counter() - t, staticcache.captures() - before, ids
     finally:
         if sampler.static:
-            sampler.static.full, sampler.static.fused = False, was
+            sampler.static.fused = was
 
 
 def check_decode(ctx):

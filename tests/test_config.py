@@ -37,11 +37,16 @@ def test_the_flags_the_size_cuts_removed_are_refused(capsys):
     import evaluate
     gone = [(config.build_parser().parse_args, f, []) for f in
             ("--log-samples", "--eval-probe-n", "--probe-batch", "--problem-field", "--answer-field")]
-    gone += [(evaluate.parse_args, f, ["--model", "toy"]) for f in ("--plan", "--gpu-mem", "--threads")]
+    gone += [(evaluate.parse_args, f, ["--model", "toy"])
+             for f in ("--plan", "--gpu-mem", "--threads", "--toy-world")]
     for parse, flag, more in gone:
         with pytest.raises(SystemExit) as e:
             parse([*more, flag, "1"])
         assert e.value.code == 2 and f"unrecognized arguments: {flag}" in capsys.readouterr().err
+    for agg in ("seq-mean", "seq-sum-norm"):   # --agg keeps the two token-means
+        with pytest.raises(SystemExit) as e:
+            config.build_parser().parse_args(["--agg", agg])
+        assert e.value.code == 2 and f"invalid choice: '{agg}'" in capsys.readouterr().err
 
 
 def test_a_saved_setting_this_version_no_longer_has_is_named_not_dropped_unseen(tmp_path, capsys):

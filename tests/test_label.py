@@ -6,10 +6,18 @@ import torch
 
 import tiny
 from grpo import pack
-from label import SUFFIX, cuts_of, forced_answer, forced_prompt, mc_labels
+from label import SUFFIX, close_id, closed_cut, cuts_of, forced_answer, mc_labels
 from label import cut_ends, forward_pass
 
 FIXTURE_7B = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "fixtures", "r1_distill_qwen_7b")
+
+
+def forced_prompt(prompt, response, b, tokenizer, close="think", suffix=SUFFIX):
+    """The ids mc_labels asks at cut b: `prompt + response[:b] + [CLOSE] + ids(suffix)`, CLOSE left
+    out where response[:b] already ends on it (label.py's docstring)."""
+    cid = close_id(tokenizer, close)
+    return list(prompt) + list(response[:closed_cut(response, b, cid)]) + [cid] + \
+        tokenizer.encode(suffix, add_special_tokens=False)
 
 
 def test_budgets_follow_python_round():

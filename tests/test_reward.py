@@ -124,10 +124,9 @@ def test_brier_reward():
     assert out.tolist() == pytest.approx([-(0.01 + 0.0625 + 0.0) / 3, -0.04])
 
 
-def test_total_reward_signed_and_unsigned():
+def test_total_reward_is_signed():
     correct = torch.tensor([1.0, 0.0])
     calib = torch.tensor([0.5, -0.5])
     assert reward.total_reward(correct, calib).tolist() == pytest.approx([1.05, -1.05])
-    assert reward.total_reward(correct, calib, signed=False).tolist() == pytest.approx([1.05, -0.05])
     assert reward.total_reward(correct, calib, lam=0.0).tolist() == [1.0, -1.0]
     assert reward.total_reward([True, False], [0.0, 0.0], lam=0.3).tolist() == [1.0, -1.0]

@@ -12,6 +12,7 @@ from harness.checkpoint import resolve_model
 from evaluation import confidence
 import grade
 import label
+from test_label import forced_prompt
 import data
 import rollout
 import toy
@@ -54,14 +55,14 @@ def test_forced_prompt_layout(tok):
     prompt = data.chat_prompt(tok, "3+5+7", toy.INSTRUCTION)
     response = enc(tok, "3+5=8\n8+7=15\n</think>\\boxed{15}") + [tok.eos_token_id]
     head = "<|bos|><|user|>3+5+7<|assistant|><think>\n"
-    think = label.forced_prompt(prompt, response, 6, tok)
+    think = forced_prompt(prompt, response, 6, tok)
     assert tok.decode(think) == head + "3+5=8\n</think>" + toy.SUFFIX
-    assert tok.decode(label.forced_prompt(prompt, response, 8, tok, close="eos")) == \
+    assert tok.decode(forced_prompt(prompt, response, 8, tok, close="eos")) == \
         head + "3+5=8\n8+<|eos|>" + toy.SUFFIX
 
 
 def test_warm_start_examples_use_the_inference_layout(tok):
-    # Training sequences must look exactly like rollouts and label.forced_prompt's prompts.
+    # Training sequences must look exactly like rollouts and mc_labels' forced prompts.
     rng = random.Random(1)
     prompt = data.chat_prompt(tok, "3+5+7+2", toy.INSTRUCTION)
     ids, mask = toy.example(tok, "3+5+7+2", rng, forced=False)
@@ -72,7 +73,7 @@ def test_warm_start_examples_use_the_inference_layout(tok):
         answer = tok.decode(ids).rsplit("\\boxed{", 1)[1]
         implied = answer[:-2]   # the sum the path implies ("14+2"), or its last total
         assert answer.endswith("}\n") and 0 <= (int(implied) if implied.isdigit() else grade.integer_sum(implied)) <= 40
-        heads = [label.forced_prompt(prompt, r, b, tok, close) for close in ("think", "eos")
+        heads = [forced_prompt(prompt, r, b, tok, close) for close in ("think", "eos")
                  for r in [ids[len(prompt):]] for b in range(1, len(r))]
         assert any(ids[:len(h)] == h and len(ids) - len(h) == len(answer) for h in heads)
         assert mask[-len(answer):] == [toy.WARM["w_forced"]] * len(answer)
