@@ -96,8 +96,9 @@ class Sampler:
         decode = decode or default_decode(model)  # train.py and evaluate.py check the flags
         self.model, self.tokenizer, self.decode = model, tokenizer, decode
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
-        # One-byte stop strings (labels stop at "\n"): each lies inside one token, decoded once.
-        self.stop_strs = [s for s in stop if s]
+        if any(not isinstance(s, str) or len(s.encode()) != 1 for s in stop):  # each inside one token
+            raise ValueError(f"stop strings must be one byte, as the labels' '\\n' is; got {list(stop)}")
+        self.stop_strs = list(stop)
         self.eos_ids = default_eos_ids(model, tokenizer) if eos_ids is None else [int(i) for i in eos_ids]
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.eos_ids or [0])[0]
         self.device = next(model.parameters()).device

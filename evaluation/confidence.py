@@ -77,9 +77,9 @@ def sample_confidences(source, model, tokenizer, prompts, responses, texts, gold
         # On a GPU, fewer cuts where a chunk of them would not fit: a speed choice only, since each
         # forced answer draws from its own stream (label.py), whatever chunk it lands in.
         chunk = rows
-        if _device(model).type == "cuda":
+        if model.device.type == "cuda":
             width = max((len(p) + max(bl) for p, bl in zip(prompts, bls)), default=0) + plan.FORCED_SUFFIX
-            chunk = plan.label_chunk(chunk, 1, width, model.config, plan.free_bytes(_device(model)))
+            chunk = plan.label_chunk(chunk, 1, width, model.config, plan.free_bytes(model.device))
         ys = mc_labels(model, tokenizer, prompts, responses, [bl[:-1] for bl in bls], golds, k=1,
                        temperature=0.6, top_p=0.95, max_new_tokens=64, close=close, suffix=suffix,
                        seed=seed, batch_size=chunk)
@@ -135,10 +135,6 @@ def think_end(response, close_id):
     return response.index(close_id) if close_id in response else len(response)
 
 
-def _device(model):
-    return next(model.parameters()).device
-
-
 def logit_confidence(model, prompts, responses, pad_id, batch_size=8, temperature=0.8):
     """exp(mean_t log p_T(response token t)), EOS included, with logits / temperature, one float
     per response: C2GSPG's confidence, trained at the sampling temperature."""
@@ -146,7 +142,7 @@ def logit_confidence(model, prompts, responses, pad_id, batch_size=8, temperatur
     with torch.no_grad():
         for s in range(0, len(prompts), batch_size):
             b = pack(prompts[s:s + batch_size], responses[s:s + batch_size], pad_id)
-            dev = _device(model)
+            dev = model.device
             logp = token_logprobs(model, b["input_ids"].to(dev), b["attention_mask"].to(dev), temperature).float().cpu()
             m = b["loss_mask"]
             mean = (logp * m).sum(1) / m.sum(1).clamp(min=1)
@@ -161,7 +157,7 @@ def features(model, prompts, responses, cut_lists, pad_id, final_norm, batch_siz
     for s in range(0, len(prompts), batch_size):
         ps, rs, bs = prompts[s:s + batch_size], responses[s:s + batch_size], cut_lists[s:s + batch_size]
         b = pack(ps, rs, pad_id)
-        batch = {k: v.to(_device(model)) for k, v in b.items()}
+        batch = {k: v.to(model.device) for k, v in b.items()}
         ends = cut_ends(b["prompt_lens"].tolist(), bs)
         _, feats, _ = forward_pass(model, batch, ends, final_norm=final_norm, logprobs=False)
         out += [feats[i, :len(bl)].float().cpu() for i, bl in enumerate(bs)]
@@ -246,7 +242,7 @@ def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, pro
                                       dict(p, seed=p["seed"] + 1), batch_size, rows)
     if not MASTER:
         return None, None
-    prb, report = fit_posthoc(x, y, g, p, device=_device(model))
+    prb, report = fit_posthoc(x, y, g, p, device=model.device)
     report.update(stats, protocol=p, questions=len(questions), samples=len(rep), prefixes=len(y),
                   label_mean=float(y.mean()),
                   accuracy=sum(is_correct(t, a, p.get("grader", "math")) for t, a in zip(out.texts, golds)) / len(golds))
@@ -322,7 +318,7 @@ def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions
                 row.append(natural)
                 copied += 1
             else:
-                b = b if lead_ids else label_lib.closed_cut(responses[i], b, tail[0])   # forced_prompt's cut
+                b = b if lead_ids else label_lib.closed_cut(responses[i], b, tail[0])   # mc_labels' cut
                 key = (*prompts[i], *responses[i][:b], *tail)
                 row.append(todo.setdefault(key, (len(todo), (i, b), golds[i]))[0])
         labels.append(row)

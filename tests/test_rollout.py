@@ -254,6 +254,9 @@ def test_one_byte_stop_string_stops_where_the_text_first_holds_it(model, tok):
             assert got.ids[i] == ref.ids[i][:24 if j is None else j + 1]
             assert got.finish[i] == ("length" if j is None else "stop")
         assert got.finish[0] == "stop" and got.lengths[0] <= 5
+    for stop in (["ab"], ["é"], [5]):   # may span tokens, two bytes, a token id: refused, not ignored
+        with pytest.raises(ValueError, match="one byte"):
+            rollout.generate(model, tok, prompts, max_new_tokens=2, stop=stop)
 
 
 def test_static_path_masks_the_vocabulary_and_keeps_finished_rows_in_place(tok):
