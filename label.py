@@ -64,10 +64,10 @@ def closed_cut(response, b, close):
 
 def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, temperature=0.8,
               top_p=1.0, max_new_tokens=32, close="think", suffix=SUFFIX, seed=None,
-              batch_size=None, grader="math", decode=None, features=False):
+              batch_size=None, grader="math", decode=None, features=False, final_norm=False):
     """Y_b for every (trajectory, cut b) (module docstring) -> N lists of floats in [0, 1], aligned
     with cut_lists. prompts, responses: N lists of token ids; cut_lists: N lists of cuts b.
-    features=True: (labels, feats), feats N [len(cuts), d] (forced_answers)."""
+    features=True: (labels, feats), feats N [len(cuts), d] (forced_answers; final_norm: the post-hoc's)."""
     # 1. The forced prompt after every cut. Equal ones (samples of a problem that agree up to the
     #    cut, common for short prefixes) estimate the same probability: each is asked once.
     tail = [close_id(tokenizer, close)] + tokenizer.encode(suffix, add_special_tokens=False)
@@ -82,7 +82,8 @@ def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, tempe
             where[-1].append(j)
     # 2. K answers to each: texts[j*k:(j+1)*k] for forced prompt j.
     texts, feats = forced_answers(model, tokenizer, prompts, responses, cut_lists, cuts, tail, k,
-                                  temperature, top_p, max_new_tokens, seed, batch_size, decode)
+                                  temperature, top_p, max_new_tokens, seed, batch_size, decode,
+                                  final_norm=final_norm)
     # 3. Y_b = the share of them that match the gold; a box that never closes is wrong.
     y = []
     for j, (i, _) in enumerate(cuts):
@@ -95,10 +96,10 @@ def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, tempe
 @torch.no_grad()
 def forced_answers(model, tokenizer, prompts, responses, cut_lists, cuts, tail, k, temperature=0.8,
                    top_p=1.0, max_new_tokens=32, seed=None, batch_size=None, decode=None, stop=("\n",),
-                   progress=None):
+                   progress=None, final_norm=False):
     """The K answers to each forced prompt cuts[j] = (i, b), texts[j*k:(j+1)*k], and the features
     at each trajectory's cuts, feats N [len(cut_lists[i]), d] (module docstring) -> (texts, feats).
-    progress: a bar's label (a step per chunk)."""
+    final_norm: the post-hoc probe's feature (forward_pass's). progress: a bar's label (a step per chunk)."""
     sampler = Sampler(model, tokenizer, max_new_tokens, temperature, top_p, stop=stop, decode=decode,
                       close_depth=1 if stop else None)  # CUDA: a stopped one also stops at its box's brace
     if sampler.static is not None:  # the rollout's buffers must not sit under the labels' prefills
@@ -118,7 +119,9 @@ def forced_answers(model, tokenizer, prompts, responses, cut_lists, cuts, tail, 
         pads = [width - len(s) for s in seqs]
         for m, i in enumerate(chunk):  # h_b off its own columns (a window may reach the prompt)
             ends = [[len(prompts[i]) + b for b in cut_lists[i]]]
-            feats[i] = prefix_features(got[0][m:m + 1, pads[m]:], ends)[0][0].cpu()
+            h = got[0][m:m + 1, pads[m]:]
+            h, last = (model.model.norm(h), 1) if final_norm else (h, LAST_K)
+            feats[i] = prefix_features(h, ends, last)[0][0].cpu()
         row = {i: m for m, i in enumerate(chunk)}  # (row, j, prefix length) of each prompt asked
         rows = [(row[i], j, len(prompts[i]) + b) for j, (i, b) in enumerate(cuts) if i in row]
         for at in range(0, len(rows), batch_size or len(rows)):  # at most batch_size cuts at once

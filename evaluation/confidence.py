@@ -67,25 +67,25 @@ def sample_confidences(source, model, tokenizer, prompts, responses, texts, gold
     bls = [(list(range(every, te, every)) if every else [])
            + [max(cuts_of(len(r), fractions), default=0) if source == "probe" else te]
            for r, te in zip(responses, ends)]
-    feats = features(model, prompts, responses, bls, tokenizer.pad_token_id, source == "probe-posthoc",
-                     batch_size)
-    sizes = [len(f) for f in feats]
-    probs = probe_lib.predict(prb, torch.cat(feats)).cpu() if sum(sizes) else torch.zeros(0)
-    confs = [p.tolist() for p in probs.split(sizes)]
-    extras = [{} for _ in texts]
     if every:
-        # On a GPU, fewer cuts where a chunk of them would not fit: a speed choice only, since each
-        # forced answer draws from its own stream (label.py), whatever chunk it lands in.
+        # One prefill a response: its features at every cut and a forced answer at each (the last's
+        # unread). On a GPU, fewer cuts a chunk where they would not fit: each draws its own stream.
         chunk = rows
         if model.device.type == "cuda":
             width = max((len(p) + max(bl) for p, bl in zip(prompts, bls)), default=0) + plan.FORCED_SUFFIX
             chunk = plan.label_chunk(chunk, 1, width, model.config, plan.free_bytes(model.device))
-        ys = mc_labels(model, tokenizer, prompts, responses, [bl[:-1] for bl in bls], golds, k=1,
-                       temperature=0.6, top_p=0.95, max_new_tokens=64, close=close, suffix=suffix,
-                       seed=seed, batch_size=chunk)
+        ys, feats = mc_labels(model, tokenizer, prompts, responses, bls, golds, k=1, temperature=0.6,
+                              top_p=0.95, max_new_tokens=64, close=close, suffix=suffix, seed=seed,
+                              batch_size=chunk, features=True, final_norm=source == "probe-posthoc")
         staticcache.release(model)  # nor does the next batch's generation reuse the labels' shape
-        extras = [{"checkpoints": [[b, round(c, 6), y] for b, c, y in zip(bl, cs, yl)]}
-                  for bl, cs, yl in zip(bls, confs, ys)]
+    else:
+        feats = features(model, prompts, responses, bls, tokenizer.pad_token_id, source == "probe-posthoc",
+                         batch_size)
+    sizes = [len(f) for f in feats]
+    probs = probe_lib.predict(prb, torch.cat(feats)).cpu() if sum(sizes) else torch.zeros(0)
+    confs = [p.tolist() for p in probs.split(sizes)]
+    extras = [{"checkpoints": [[b, round(c, 6), y] for b, c, y in zip(bl[:-1], cs, yl)]} if every else {}
+              for bl, cs, yl in zip(bls, confs, ys if every else bls)]
     return [cs[-1] for cs in confs], extras
 
 

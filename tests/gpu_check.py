@@ -292,9 +292,9 @@ def check_labels(ctx):
     ctx.update(traj_prompts=prompts, responses=responses, cuts=cuts)
     stats, row, answers = {}, {}, label.forced_answers
 
-    def counted(*a):  # the distinct forced prompts mc_labels asks (forced_answers' cuts)
+    def counted(*a, **kw):  # the distinct forced prompts mc_labels asks (forced_answers' cuts)
         stats["forced_prompts"] = len(a[5])
-        return answers(*a)
+        return answers(*a, **kw)
     label.forced_answers = counted
     try:
         with capturing(device) as caps, static_shapes.recording() as shapes, phase(ctx, row) as m:

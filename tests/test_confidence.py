@@ -253,20 +253,25 @@ def test_posthoc_examples_budget_rule_natural_copy_and_last_box(monkeypatch):
     assert not torch.allclose(x[0], end, atol=1e-4)
 
 
+def _parity_graded(monkeypatch):
+    """(tok, model, prompts, responses, probe): three random responses of a random tiny model, whose
+    forced answers are graded by the parity of their text's length, so that checkpoints see every draw."""
+    import label
+    import tiny
+    monkeypatch.setattr(label, "forced_answer", lambda text: text)
+    monkeypatch.setattr(label, "answers_match", lambda answer, gold, grader: len(answer) % 2 == 0)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(4, 60, (n,), generator=gen).tolist() for n in (3, 5, 4)]
+    responses = [torch.randint(4, 60, (n,), generator=gen).tolist() for n in (12, 17, 9)]
+    return tiny.tokenizer(), tiny.model(seed=2), prompts, responses, probe_lib.Probe(32, dropout=0.0)
+
+
 def test_early_exit_lines_do_not_depend_on_the_chunk(monkeypatch):
     """The early exit's forced answers are sampled in chunks of cuts sized from the memory free (on
     a GPU, plan.label_chunk); each answer draws from its own stream, so chunks of 2 and of 64 cuts
     give the same checkpoint lines. Graded here by the parity of the sampled text's length, so that
     a line sees every draw of the random model (whose answers would otherwise all be wrong)."""
-    import label
-    import tiny
-    monkeypatch.setattr(label, "forced_answer", lambda text: text)
-    monkeypatch.setattr(label, "answers_match", lambda answer, gold, grader: len(answer) % 2 == 0)
-    tok, model = tiny.tokenizer(), tiny.model(seed=2)
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(4, 60, (n,), generator=gen).tolist() for n in (3, 5, 4)]
-    responses = [torch.randint(4, 60, (n,), generator=gen).tolist() for n in (12, 17, 9)]
-    prb = probe_lib.Probe(32, dropout=0.0)
+    tok, model, prompts, responses, prb = _parity_graded(monkeypatch)
     lines = {}
     for rows in (2, 64):
         _, extras = confidence.sample_confidences("probe-posthoc", model, tok, prompts, responses, [""] * 3,
@@ -276,6 +281,34 @@ def test_early_exit_lines_do_not_depend_on_the_chunk(monkeypatch):
     assert lines[2] == lines[64]
     ys = [y for ls in lines[2] for _, _, y in ls]
     assert len(ys) == 5 + 8 + 4 and 0 < sum(ys) < len(ys)
+
+
+def test_the_early_exit_reads_features_and_forced_answers_off_one_prefill(monkeypatch):
+    """With `every`, a response's features come from the prefill its forced answers start from (no
+    second forward: features() is not called): the confidences a separate forward gives, to float
+    rounding, and the checkpoints' answers mc_labels gives at the checkpoints alone."""
+    import label
+    tok, model, prompts, responses, prb = _parity_graded(monkeypatch)
+    kw = dict(prb=prb, close_id=3, suffix="{", close="eos", seed=5, fractions=(0.5,))
+    for source in ("probe-posthoc", "probe"):
+        separate = confidence.features
+        monkeypatch.setattr(confidence, "features", lambda *a, **k: 1 / 0)   # never called with every
+        conf, extras = confidence.sample_confidences(source, model, tok, prompts, responses, [""] * 3,
+                                                     ["1"] * 3, every=2, **kw)
+        monkeypatch.setattr(confidence, "features", separate)
+        bls = [[c for c, _, _ in e["checkpoints"]] for e in extras]
+        assert bls == [list(range(2, len(r), 2)) for r in responses]
+        ends = [len(r) if source == "probe-posthoc" else max(label.cuts_of(len(r), (0.5,)))
+                for r in responses]
+        feats = separate(model, prompts, responses, [bl + [e] for bl, e in zip(bls, ends)], tok.pad_token_id,
+                         source == "probe-posthoc")
+        want = [probe_lib.predict(prb, f).tolist() for f in feats]
+        assert conf == pytest.approx([w[-1] for w in want], rel=1e-5)
+        assert [[c for _, c, _ in e["checkpoints"]] for e in extras] == \
+            [pytest.approx(w[:-1], abs=2e-6) for w in want]
+        ys = label.mc_labels(model, tok, prompts, responses, bls, ["1"] * 3, k=1, temperature=0.6, top_p=0.95,
+                             max_new_tokens=64, close="eos", suffix="{", seed=5)
+        assert [[y for _, _, y in e["checkpoints"]] for e in extras] == ys
 
 
 def test_sample_confidences_own_probe_reads_its_last_training_budget():

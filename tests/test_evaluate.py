@@ -472,7 +472,7 @@ def test_the_posthoc_fit_shows_each_phase_and_evaluate_ends_naming_its_folder(tm
     phases = ["post-hoc probe: fitting it (then cached in", "post-hoc rollouts: 100%",
               "post-hoc forced answers: 100%", "post-hoc probe: grading ",
               "post-hoc probe: reading the hidden state at 16 prefixes",   # 4 questions x 2 samples x 2
-              "post-hoc fit over the grid: 100%|", "| 12/12 ["]
+              "post-hoc fit, 12 settings at once: "]
     at = [printed.err.find(p) for p in phases]
     assert -1 not in at and at == sorted(at), dict(zip(phases, at))
     assert printed.out.splitlines()[-1] == f"results: {out}  (results.json, samples.jsonl, reliability_*.png)"

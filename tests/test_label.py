@@ -56,7 +56,7 @@ def asked(monkeypatch):
     """A list given, per call of mc_labels, the distinct forced prompts it asks (forced_answers')."""
     import label
     calls, real = [], label.forced_answers
-    monkeypatch.setattr(label, "forced_answers", lambda *a: calls.append(len(a[5])) or real(*a))
+    monkeypatch.setattr(label, "forced_answers", lambda *a, **kw: calls.append(len(a[5])) or real(*a, **kw))
     return calls
 
 
@@ -115,7 +115,7 @@ def test_identical_forced_prompts_are_labelled_once(monkeypatch):
     import label
     calls = []
 
-    def fake(model, tok, prompts, responses, cut_lists, cut_of, tail, k, *args):
+    def fake(model, tok, prompts, responses, cut_lists, cut_of, tail, k, *args, **kw):
         calls.append((cut_of, tail))
         texts = ["7}"] * k + ["8}"] * k  # first distinct prompt right, second wrong
         return texts[:len(cut_of) * k], None
@@ -132,7 +132,7 @@ def test_labels_count_correct_forced_answers(monkeypatch):
     """The label is the share of the K forced answers whose brace-closed text matches the gold."""
     import label
     texts = ["7}\n", "7}", "8}\n", "7", "7}\n", "7}\n", "7}\n", "7}\n"]
-    monkeypatch.setattr(label, "forced_answers", lambda *a: (texts, None))
+    monkeypatch.setattr(label, "forced_answers", lambda *a, **kw: (texts, None))
     tok = tiny.tokenizer()
     ys = label.mc_labels(None, tok, [[5]], [[6, 7, 8]], [[1, 2]], ["7"], k=4, close="eos", decode="dynamic")
     assert ys == [[0.5, 1.0]]  # "7}", "7}" right; "8}" wrong; "7" never closes the box
