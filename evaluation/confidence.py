@@ -409,7 +409,7 @@ def fit_together(xt, yt, xv, yv, p, grid, plateau):
     """[fit_setting(..., setting) for setting in grid], bit for bit on a CPU, in one loop: the same
     batches and dropout draws, each setting's probe one slice of stacked weights, and AdamW written
     out with each setting's lr and weight decay. A probe step is too small to fill a CPU or a GPU:
-    twelve cost about twice one. On CUDA the dropout masks come from another kernel than
+    twelve at once cost about 2.5 times one. On CUDA the dropout masks come from another kernel than
     nn.Dropout's (the same distribution)."""
     G, seed, batch, dev = len(grid), p["seed"], p["batch"], xt.device
     torch.manual_seed(seed)
