@@ -109,4 +109,4 @@ if torch.distributed.is_initialized():
     torch.save(diff, f"{sys.argv[1]}.lean{RANK}")
 if MASTER:
     torch.save(dict(model=state, steps=[s["step"] for s in opt_state["state"].values()]), sys.argv[1])
-teardown()
+teardown(finished=True)  # each rank waits for the others before closing its connections

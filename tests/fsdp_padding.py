@@ -35,4 +35,4 @@ stats = grpo.update(policy, opt, batch, None, adv, mbs, cfg, device)
 state, _ = full_state(policy, opt)
 if MASTER:
     torch.save(dict(state={k: v.detach().cpu() for k, v in state.items()}, stats=stats, shapes=shapes), sys.argv[1])
-teardown()
+teardown(finished=True)  # each rank waits for the others before closing its connections

@@ -106,4 +106,4 @@ if torch.distributed.is_initialized():  # the lean start: rank 0 reads the toy, 
 if MASTER:
     torch.save({k: v.detach().cpu() for k, v in state.items()}, sys.argv[1])
     print("loss", stats["loss"])
-teardown()
+teardown(finished=True)  # each rank waits for the others before closing its connections

@@ -75,4 +75,4 @@ prb, report = confidence.posthoc_probe(out + "_probe", model, tok, rows, toy.INS
 work["fitted"] = prb is not None and report is not None
 with open(f"{out}.rank{RANK}.json", "w") as f:
     json.dump(work, f)
-teardown()
+teardown(finished=True)  # each rank waits for the others before closing its connections
