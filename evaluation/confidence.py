@@ -84,8 +84,8 @@ def sample_confidences(source, model, tokenizer, prompts, responses, texts, gold
     sizes = [len(f) for f in feats]
     probs = probe_lib.predict(prb, torch.cat(feats)).cpu() if sum(sizes) else torch.zeros(0)
     confs = [p.tolist() for p in probs.split(sizes)]
-    extras = [{"checkpoints": [[b, round(c, 6), y] for b, c, y in zip(bl[:-1], cs, yl)]} if every else {}
-              for bl, cs, yl in zip(bls, confs, ys if every else bls)]
+    extras = [{"checkpoints": [[b, round(c, 6), y] for b, c, y in zip(bl[:-1], cs, yl)]}
+              for bl, cs, yl in zip(bls, confs, ys)] if every else [{} for _ in texts]
     return [cs[-1] for cs in confs], extras
 
 
