@@ -110,3 +110,4 @@ if torch.distributed.is_initialized():
 if MASTER:
     torch.save(dict(model=state, steps=[s["step"] for s in opt_state["state"].values()]), sys.argv[1])
 teardown(finished=True)  # each rank waits for the others before closing its connections
+tiny.leave()  # no interpreter finalization: see its docstring

@@ -36,3 +36,4 @@ state, _ = full_state(policy, opt)
 if MASTER:
     torch.save(dict(state={k: v.detach().cpu() for k, v in state.items()}, stats=stats, shapes=shapes), sys.argv[1])
 teardown(finished=True)  # each rank waits for the others before closing its connections
+tiny.leave()  # no interpreter finalization: see its docstring

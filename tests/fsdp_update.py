@@ -107,3 +107,4 @@ if MASTER:
     torch.save({k: v.detach().cpu() for k, v in state.items()}, sys.argv[1])
     print("loss", stats["loss"])
 teardown(finished=True)  # each rank waits for the others before closing its connections
+tiny.leave()  # no interpreter finalization: see its docstring
