@@ -39,7 +39,7 @@ from harness import checkpoint as ckpt_lib, lora as lora_lib, plan, runlog, stat
 from harness.checkpoint import RunFolder, exit_codes
 from harness.files import UserError
 from harness.parallel import (MASTER, RANK, WORLD, all_gather, all_sum, full_state, launch,
-                              refresh_sampler, setup, worker_count, wrap)
+                              leave, refresh_sampler, setup, worker_count, wrap)
 
 # What a step works on: `policy` the update trains, `sampler` the rollout samples from (run below)
 Learner = namedtuple("Learner", "policy sampler tok probe probe_opt opt sched device")
@@ -435,3 +435,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    leave()  # a worker of a process group exits here without the interpreter's finalization

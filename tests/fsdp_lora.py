@@ -18,7 +18,7 @@ from grpo import pack, token_logprobs
 from label import cut_mask, grid
 from harness import lora
 from harness.checkpoint import load_model, load_sharded, with_adapter
-from harness.parallel import MASTER, RANK, WORLD, full_state, refresh_sampler, setup, teardown, wrap
+from harness.parallel import MASTER, RANK, WORLD, full_state, leave, refresh_sampler, setup, teardown, wrap
 
 GATHER = "all_gather_single" if hasattr(torch.distributed, "all_gather_single") else "all_gather_into_tensor"
 CFG = dict(lora_rank=4, lora_alpha=8.0, lora_targets="all-linear", model="toy")
@@ -110,4 +110,4 @@ if torch.distributed.is_initialized():
 if MASTER:
     torch.save(dict(model=state, steps=[s["step"] for s in opt_state["state"].values()]), sys.argv[1])
 teardown(finished=True)  # each rank waits for the others before closing its connections
-tiny.leave()  # no interpreter finalization: see its docstring
+leave()  # no interpreter finalization (harness.parallel.leave)

@@ -9,7 +9,7 @@ import torch
 import tiny
 import grpo
 from grpo import pack, token_logprobs
-from harness.parallel import MASTER, RANK, WORLD, full_state, setup, teardown, wrap
+from harness.parallel import MASTER, RANK, WORLD, full_state, leave, setup, teardown, wrap
 
 device = setup()
 model = tiny.model(vocab_size=64, hidden=32, layers=2, seed=0).train()
@@ -36,4 +36,4 @@ state, _ = full_state(policy, opt)
 if MASTER:
     torch.save(dict(state={k: v.detach().cpu() for k, v in state.items()}, stats=stats, shapes=shapes), sys.argv[1])
 teardown(finished=True)  # each rank waits for the others before closing its connections
-tiny.leave()  # no interpreter finalization: see its docstring
+leave()  # no interpreter finalization (harness.parallel.leave)

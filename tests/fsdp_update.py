@@ -17,7 +17,7 @@ import train
 from grpo import pack, token_logprobs
 from label import cut_mask, grid
 from live_bytes import LiveBytes
-from harness.parallel import (MASTER, RANK, WORLD, full_state, gather_into, refresh_sampler, setup,
+from harness.parallel import (MASTER, RANK, WORLD, full_state, gather_into, leave, refresh_sampler, setup,
                               sharded, teardown, wrap)
 
 offload = os.environ.get("OFFLOAD") == "1"  # FSDP2 with CPUOffloadPolicy, also as one rank
@@ -107,4 +107,4 @@ if MASTER:
     torch.save({k: v.detach().cpu() for k, v in state.items()}, sys.argv[1])
     print("loss", stats["loss"])
 teardown(finished=True)  # each rank waits for the others before closing its connections
-tiny.leave()  # no interpreter finalization: see its docstring
+leave()  # no interpreter finalization (harness.parallel.leave)

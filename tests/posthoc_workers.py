@@ -10,7 +10,6 @@ import torch
 
 import data
 import rollout
-import tiny
 import toy
 from harness import checkpoint
 from harness.parallel import RANK, teardown
@@ -77,4 +76,3 @@ work["fitted"] = prb is not None and report is not None
 with open(f"{out}.rank{RANK}.json", "w") as f:
     json.dump(work, f)
 teardown(finished=True)  # each rank waits for the others before closing its connections
-tiny.leave()  # no interpreter finalization: see its docstring

@@ -203,3 +203,14 @@ def test_the_one_gpu_generation_copy_is_bf16_with_fp32_rotary_frequencies():
     for name in ("inv_freq", "original_inv_freq"):
         b = getattr(sampler.model.rotary_emb, name)
         assert b.dtype == torch.float32 and torch.equal(b, getattr(fresh, name)), name
+
+
+def test_leave_ends_a_process_that_made_a_group_at_once_with_its_output_flushed():
+    """After setup's group, leave() is os._exit(0): what was printed arrives, and nothing of the
+    interpreter's finalization runs (an atexit handler stands for it); without a group, nothing."""
+    code = ("import atexit; from harness import parallel; atexit.register(print, 'finalized'); "
+            "print('done', end=''); {}parallel.leave(); print(' went on')")
+    for grouped, out in ((True, "done"), (False, "done went on\nfinalized\n")):
+        res = subprocess.run([sys.executable, "-c", code.format("parallel.GROUPED.append('gloo'); " * grouped)],
+                             cwd=os.path.dirname(HERE), capture_output=True, text=True, timeout=120)
+        assert (res.returncode, res.stdout) == (0, out), res.stderr[-2000:]

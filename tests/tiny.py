@@ -2,7 +2,6 @@
 and the real R1-Distill-Qwen tokenizer from the shared fixtures, loaded once per test run."""
 import functools
 import os
-import sys
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
@@ -56,14 +55,3 @@ def fixed_rollouts():
     prompts = [torch.randint(4, 60, (n,), generator=g).tolist() for n in (3, 5, 4, 2)]
     responses = [torch.randint(4, 60, (n,), generator=g).tolist() for n in (6, 2, 7, 3)]
     return prompts, responses, torch.tensor([1.0, -0.5, 0.3, -1.2])
-
-
-def leave():
-    """How the two-process scripts end, after teardown(finished=True) and their files: the process
-    exits without the interpreter's finalization. FSDP2's meshes and DTensor's caches keep the gloo
-    group, and its worker threads, alive past destroy_process_group; freeing them while the
-    interpreter shuts down aborted a rank ("terminate called without an active exception", SIGABRT)
-    in about 1 run of 100 here and twice in CI. pytorch/pytorch#179291 describes the same crash."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
