@@ -75,7 +75,7 @@ def teardown(finished=False):
 def leave():
     """After teardown, a process that made a group exits 0 without the interpreter's finalization:
     FSDP2's meshes keep the gloo group's threads alive past destroy_process_group, and freeing them at
-    shutdown can abort a finished rank (pytorch/pytorch#179291; about 1 in 100 test runs here)."""
+    shutdown can abort a finished rank (pytorch/pytorch#179291; once in 190 test runs here, twice in CI)."""
     if GROUPED:
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(0)
