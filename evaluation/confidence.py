@@ -413,9 +413,9 @@ def fit_together(xt, yt, xv, yv, p, grid, plateau):
     nn.Dropout's (the same distribution)."""
     G, seed, batch, dev = len(grid), p["seed"], p["batch"], xt.device
     torch.manual_seed(seed)
-    first = probe_lib.Probe(xt.shape[1])          # the weights each setting's fresh Probe starts from
-    h, names = first.hidden, list(first.state_dict())
-    params = [t.detach().repeat(G, 1).to(dev).requires_grad_() for t in first.state_dict().values()]
+    first = probe_lib.Probe(xt.shape[1])
+    init = first.state_dict()                     # the weights each setting's fresh Probe starts from
+    params = [t.detach().repeat(G, 1).to(dev).requires_grad_() for t in init.values()]
     flat = [t.view(G, -1) for t in params]        # [G, h*d], [G, h], [G, h], [G, 1]: setting g in row g
     avg, sq = [torch.zeros_like(t) for t in flat], [torch.zeros_like(t) for t in flat]
     # each dropout rate draws from the stream nn.Dropout draws from in fit_setting
@@ -437,7 +437,7 @@ def fit_together(xt, yt, xv, yv, p, grid, plateau):
         decay = torch.tensor([[1 - a * wd] for a, (_, _, wd) in zip(lr, grid)], device=dev)
         for s in range(0, len(xt), batch):
             i = order[s:s + batch]
-            noise = {d: torch.empty(len(i), h, device=dev).bernoulli_(1 - d, generator=g).div_(1 - d)
+            noise = {d: torch.empty(len(i), first.hidden, device=dev).bernoulli_(1 - d, generator=g).div_(1 - d)
                      for d, g in draws.items()}
             out = logits(xt[i], torch.stack([noise[d] for _, d, _ in grid]))
             # BCE-with-logits' gradient as torch computes it, (sigmoid - y) / B; the sigmoid row by row,
@@ -460,7 +460,7 @@ def fit_together(xt, yt, xv, yv, p, grid, plateau):
             scheds[g].step(loss)
             epochs[g] = epoch + 1
             if loss < best[g][0]:
-                state = {k: v.detach()[g].view_as(first.state_dict()[k]).clone() for k, v in zip(names, flat)}
+                state = {k: v.detach()[g].view_as(init[k]).clone() for k, v in zip(init, flat)}
                 best[g], bad[g] = (loss, state, epoch + 1), 0
             else:
                 bad[g] += 1
@@ -489,7 +489,7 @@ def split_groups(groups, val_frac=0.2, seed=42):
 
 def val_loss(logits, y, batch_size=64):
     """BCE of logits [M] against y [M] as released: the mean of per-batch means (batches of batch_size
-    in x's order: a short last batch weighs as a full one)."""
+    in order: a short last batch weighs as a full one)."""
     means = [F.binary_cross_entropy_with_logits(logits[s:s + batch_size], y[s:s + batch_size].float()).item()
              for s in range(0, len(y), batch_size)]
     return sum(means) / len(means)

@@ -130,8 +130,8 @@ def _posthoc(tmp_path, world):
 def test_two_workers_share_the_posthoc_fit_and_fit_the_probe_of_one_process(tmp_path):
     """evaluate.py's workers each make a share of the post-hoc probe's data, dealt as the benchmarks'
     calls are (chunk i to rank i % 2): the rollouts' generate chunks, the rollouts whose forced answers
-    a rank draws, the feature batches and the gradings. Merged in order, they are one process's data, and rank 0 fits the same
-    probe from them, byte for byte."""
+    a rank draws, the feature batches and the gradings. Merged in order, they are one process's data,
+    and rank 0 fits the same probe from them, byte for byte."""
     (one,), probe1, data1 = _posthoc(tmp_path, 1)
     two, probe2, data2 = _posthoc(tmp_path, 2)
     # one process: 2 rollout calls (6 prompts, 4 a call); then one forced-answer call over the 7
