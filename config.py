@@ -3,6 +3,7 @@ a model's RECIPES, a --reward mode's IMPLIED) and its allowed values (LIMITS). r
 given now > a resumed run's config.json (or a --config file) > the defaults, all checked first.
 """
 import argparse
+import json
 import math
 import os
 import sys
@@ -18,6 +19,11 @@ from harness.files import UserError
 from harness.checkpoint import check_out, read_config
 
 NOT_SAVED = ("resume", "config")  # how a run was started, not what it is
+# Settings earlier versions saved: the value this version acts as, and the last commit that had the
+# flag. A run saved with another value would resume as another experiment: refused.
+DROPPED = dict(problem_field=(None, "ccafa30"), answer_field=(None, "ccafa30"), probe_batch=(16, "d51ef88"),
+               log_samples=(4, "d51ef88"), eval_probe_n=(32, "d51ef88"), probe_labels=("mc", "a0ee24b"),
+               reward_fn=(None, "4391ed1"), wandb=(None, "d70acb7"), wandb_run=(None, "d70acb7"))
 
 # Defaults that depend on the world (docs/design.md, "Defaults"): the toy sizes for 2 CPU cores, the
 # real ones from the released run script. Why the toy's lr and lam: docs/reference.md (the end).
@@ -142,7 +148,8 @@ def build_parser():   # every default None: resolve_args fills them. More: docs/
                    help=f"cuts, fractions of each response ({dflt('budgets')})")
     g.add_argument("--corner", choices=("zero", "margin-corner", "final-margin"),
                    help=f"the margin when a side is empty ({dflt('corner')})")
-    g.add_argument("--grader", choices=grade.GRADERS, help=f"r_nat's and Y_b's ({dflt('grader')})")
+    g.add_argument("--grader", type=grade.grader_spec, metavar="{" + ",".join(grade.GRADERS) + "},FILE.py:FN",
+                   help=f"r_nat's and Y_b's ({dflt('grader')}); FILE.py:FN: your own (README)")
     g.add_argument("--probe-lr", type=float, help=f"the probe's learning rate ({dflt('probe_lr')})")
     g.add_argument("--probe-passes", type=int, help=f"passes per fit ({dflt('probe_passes')})")
     g.add_argument("--probe-hidden", type=int, metavar="N",
@@ -191,6 +198,11 @@ def build_parser():   # every default None: resolve_args fills them. More: docs/
     return p
 
 
+# What a config.json may hold: every flag, every world's default, and what a run records of itself.
+KNOWN = ({a.dest for a in build_parser()._actions} | set(COMMON) | set(TOY) | set(REAL)
+         | {"data_sha256"})
+
+
 def check_values(cfg, limits=LIMITS):
     """UserError (one line) for the first value outside its limits; None values are skipped."""
     for key, (ok, what) in limits.items():
@@ -200,6 +212,53 @@ def check_values(cfg, limits=LIMITS):
         bad = isinstance(v, bool) or not isinstance(v, (int, float))
         if bad or (isinstance(v, float) and not math.isfinite(v)) or not ok(v):
             raise UserError(f"--{key.replace('_', '-')} {v}: must be {what}")
+
+
+def check_saved(saved, where):
+    """UserError (one line) for a value in the config file `where` that its flag would refuse."""
+    actions = {a.dest: a for a in build_parser()._actions}
+    for key, v in saved.items():
+        a = actions.get(key)
+        if a is None or v is None:
+            continue
+        number = isinstance(v, (int, float)) and not isinstance(v, bool)
+        if a.choices:
+            ok, what = v in a.choices, "one of " + ", ".join(map(str, a.choices))
+        elif a.type is int:
+            ok, what = number and isinstance(v, int), "an integer"
+        elif a.type is float:
+            ok, what = number, "a number"
+        elif a.type is fractions:
+            ok, what = isinstance(v, list) and all(isinstance(f, (int, float)) and not isinstance(f, bool)
+                                                   for f in v), "a list of fractions in (0, 1]"
+            ok = ok and bool(v) and all(0 < f <= 1 for f in v)
+        elif a.nargs == 0:
+            ok, what = isinstance(v, bool), "true or false"
+        else:
+            ok, what = isinstance(v, str), "a string"
+        if ok and a.type not in (None, str, int, float, fractions):   # --grader's spec
+            try:
+                a.type(v)
+            except argparse.ArgumentTypeError as e:
+                ok, what = False, str(e).partition(": must be ")[2]
+        if not ok:
+            raise UserError(f"{where}: {key} {json.dumps(v)[:60]} is refused: must be {what}, "
+                            f"as --{key.replace('_', '-')}")
+
+
+def check_dropped(saved, flag, path):
+    """Settings of an older version: a resume as another experiment is refused; --config says what it drops."""
+    gone = {k: v for k, v in saved.items() if k not in KNOWN and k not in DROPPED}
+    if gone:
+        raise UserError(f"{flag} {path}: {', '.join(list(gone)[:4])} is no setting train.py ever had: "
+                        "is it a run's config.json?")
+    other = {k: v for k, v in saved.items() if k in DROPPED and v != DROPPED[k][0]}
+    said = ", ".join(f"{k}={v!r} (last in {DROPPED[k][1]})" for k, v in other.items())
+    if other and flag == "--resume":
+        raise UserError(f"{flag} {path}: the run has settings this version no longer has: {said}; "
+                        "resume it with that version, or start a new run")
+    if other:
+        print(f"{flag} {path}: settings this version no longer has are ignored: {said}", file=sys.stderr)
 
 
 def check_world(cfg, world):
@@ -222,6 +281,8 @@ def resolve_args(argv):
         saved = read_config(path, flag)
         if flag == "--config":   # a saved config minus how and where that run was started
             saved = {k: v for k, v in saved.items() if k not in NOT_SAVED + ("out",)}
+        check_saved(saved, path if flag == "--config" else os.path.join(path, "config.json"))
+        check_dropped(saved, flag, path)
     if given.get("resume"):
         run = given["resume"]
         if saved.pop("trust_remote_code", False) and not given.get("trust_remote_code"):
@@ -234,11 +295,7 @@ def resolve_args(argv):
         if "out" in given and os.path.abspath(given["out"]) != os.path.abspath(run):
             raise UserError(f"--resume {run} writes into {run}: drop --out {given['out']}")
         given["out"] = run
-    known = {a.dest for a in parser._actions} | set(COMMON) | set(TOY) | set(REAL) | {"data_sha256"}
-    gone = {k: saved.pop(k) for k in list(saved) if k not in known}
-    if gone:   # a saved run of an older version: say what no longer applies rather than drop it unseen
-        print(f"{flag} {path}: settings this version no longer has are ignored: "
-              + ", ".join(f"{k}={v!r}" for k, v in gone.items()), file=sys.stderr)
+    saved = {k: v for k, v in saved.items() if k in KNOWN}   # config.json keeps the others (RunFolder)
     model = given.get("model", saved.get("model", "toy"))
     is_toy = model == "toy" or given.get("toy_world", saved.get("toy_world")) is not None
     world = {**COMMON, **(TOY if is_toy else {**REAL, **RECIPES.get(ALIASES.get(model, model), {})})}
@@ -257,5 +314,7 @@ def resolve_args(argv):
     cfg.update({k: given.get(k) for k in NOT_SAVED})
     cfg["out"] = cfg["out"] or os.path.join("runs", os.path.basename(cfg["model"].rstrip("/")))
     check_values(cfg)
+    if ":" in cfg["grader"]:
+        grade.user_grader(cfg["grader"])   # imported and tried once: a broken one stops here
     check_out(cfg["out"], "--resume" if cfg["resume"] else "--out", None if cfg["resume"] else "train.py")
     return cfg

@@ -4,14 +4,20 @@
     is_correct(text, gold, grader="strict")     # the same under the released training rule
     answers_match(answer, gold, grader="math")  # an answer already extracted (a forced one) vs gold
     is_correct(text, gold, grader="code")       # the last fenced code block passes the gold's tests
+    is_correct(text, gold, grader="mine.py:ok") # your own function ok(response, gold) -> bool
 
 The graders: docs/reference.md, "Evaluation and the method's leaves, in more words".
 """
+import argparse
+import functools
+import importlib.util
 import json
+import os
 import re
 from fractions import Fraction
 
 from harness import sandbox
+from harness.files import UserError, first_line
 from harness.verifier import verify as _math_verify
 
 GRADERS = ("strict", "math", "minerva")
@@ -130,12 +136,58 @@ def integer_sum(s: str):
     return sum(map(int, _NUMBER.findall(s))) if len(s) <= MAX_ANSWER_CHARS and _SUM.fullmatch(s) else None
 
 
+def grader_spec(text):
+    """--grader: one of GRADERS, or FILE.py:FUNCTION (user_grader loads it)."""
+    path, _, name = text.rpartition(":")
+    if text in GRADERS or (path.endswith(".py") and name.isidentifier()):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: must be one of {', '.join(GRADERS)} or FILE.py:FUNCTION")
+
+
+@functools.cache
+def user_grader(spec):
+    """--grader FILE.py:FUNCTION: the function, imported and tried on one answer. It takes (response
+    text, gold) and returns True or False; any failure is one UserError line naming the file."""
+    path, _, name = spec.rpartition(":")
+    if not os.path.isfile(path):
+        raise UserError(f"--grader {spec}: no file {path}; pass FILE.py:FUNCTION")
+    module_spec = importlib.util.spec_from_file_location("user_grader", path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except (Exception, SystemExit) as e:  # a syntax error, a failed import, a sys.exit() in the file
+        raise UserError(f"--grader {spec}: importing {path} failed ({type(e).__name__}: {first_line(e)}); "
+                        "fix the file") from None
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise UserError(f"--grader {spec}: {path} has no function {name}; pass FILE.py:FUNCTION")
+    _ask(spec, fn, "\\boxed{1}", "1")   # a first answer: a wrong return or a raise is said before any model loads
+    return fn
+
+
+def _ask(spec, fn, text, gold):
+    try:
+        verdict = fn(text, gold)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:   # sys.exit() in it too: it must not end the run as a success
+        raise UserError(f"--grader {spec} raised {type(e).__name__}: {first_line(e)} (on response "
+                        f"{text[:40]!r}, gold {str(gold)[:20]!r}); fix the function") from None
+    if not isinstance(verdict, bool) and type(verdict).__name__ != "bool_":   # numpy's bool too
+        raise UserError(f"--grader {spec} returned {repr(verdict)[:40]} ({type(verdict).__name__}) on "
+                        f"response {text[:40]!r}: it must return True or False")
+    return bool(verdict)
+
+
 def answers_match(pred, gold, grader="math", letters=True) -> bool:
     """Is the extracted answer `pred` the gold answer under `grader` (one of GRADERS)? Against an
     option letter, letters=True reads the letter an answer names (gpqa_choice), as the released
-    evaluation reads forced and RLCR answers; letters=False grades as its natural boxed answers."""
+    evaluation reads forced and RLCR answers; letters=False grades as its natural boxed answers.
+    Your own grader (FILE.py:FUNCTION) gets the answer boxed, as a response would give it."""
     if pred is None or gold is None:
         return False
+    if ":" in grader:
+        return _ask(grader, user_grader(grader), f"\\boxed{{{pred}}}", gold)
     pred, gold = str(pred).strip(), str(gold).strip()
     special = grader != "math" or gold in CHOICES or max(len(pred), len(gold)) > MAX_ANSWER_CHARS
     verdict = _by_form(pred, gold, grader, letters) if special else None
@@ -234,7 +286,10 @@ def code_job(text, gold):
 
 
 def is_correct(text, gold, grader="math", form="box") -> bool:
-    """True only when the text's answer (extract) is the gold; grader="code": its code passes."""
+    """True only when the text's answer (extract) is the gold; grader="code": its code passes;
+    FILE.py:FUNCTION: what your function says of the whole text."""
+    if ":" in grader:
+        return _ask(grader, user_grader(grader), text, gold)
     if grader == "code":
         return sandbox.run_tests(**code_job(text, gold))
     return answers_match(extract(text, grader, form), gold, grader)

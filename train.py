@@ -211,7 +211,8 @@ def held_out_accuracy(sampler, tok, rows, cfg, device, probe=None, probe_stats=N
                        decode=cfg["decode"])
         staticcache.release(sampler)  # as in a step: free the rollout's shape before the labels
         golds = [r["answer"] for r in mine]
-        hits = baselines.correctness(out.texts, golds, "math", cfg["reward"]).sum().item()
+        grader = cfg["grader"] if ":" in cfg["grader"] else "math"   # --grader FILE.py:FN: your task's
+        hits = baselines.correctness(out.texts, golds, grader, cfg["reward"]).sum().item()
         if probe_stats is not None:
             m = len(rows[:32][RANK::WORLD])
             trajs = probe_calibration(sampler, tok, probe, prompts[:m], out, mine[:m], cfg,
@@ -241,7 +242,7 @@ def probe_calibration(model, tok, prb, prompts, out, rows, cfg, seed):
     calib = baselines.calibration_term(C, Y, valid, cfg)   # the margin, or the negative Brier
     key = baselines.calibration_key(cfg["reward"])
     return [dict(problem=runlog.clip(r["problem"]), answer=r["answer"], text=runlog.clip(t),
-                 correct=int(is_correct(t, r["answer"])),
+                 correct=int(is_correct(t, r["answer"], cfg["grader"] if ":" in cfg["grader"] else "math")),
                  budgets=bs, Y_b=ys,
                  C_b=[round(c, 6) for c in C[i, :len(bs)].tolist()], **{key: calib[i].item()})
             for i, (r, t, bs, ys) in enumerate(zip(rows, out.texts, cuts, labels))]
