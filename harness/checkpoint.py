@@ -94,6 +94,8 @@ def load_model(name, dtype=torch.float32, trust_remote_code=False):
         keep = tied(model, lora.read_config(path).get("target_modules") or [])
         try:
             return (load_adapter(model, path, trainable=False) if keep else lora.merged(model, path)), tok
+        except UserError:
+            raise
         except (RuntimeError, ValueError) as e:   # peft's size mismatch or unknown module: pages of text
             raise UserError(f"{path}: its adapter does not fit its base ({first_line(e)}): restore "
                             f"{CONFIG} from a copy of the run") from None
@@ -322,6 +324,46 @@ def save_checkpoint(run_dir, step, write, keep=2):
     return final
 
 
+OWNER = "run"   # checkpoints/run: the folder of the run these checkpoints belong to
+
+
+def own_checkpoints(run_dir):
+    """Refuse (one line, on rank 0's word) checkpoints that belong to another run that still uses them:
+    a copied run whose checkpoints/ is a link to the original's. A link to a bigger disk, or a moved
+    run, keeps working: the checkpoints are marked this run's."""
+    err = all_gather(_shared_with(run_dir) if MASTER else None)[0]
+    if err:
+        raise UserError(err)
+    if MASTER:
+        mark_checkpoints(run_dir)
+
+
+def _shared_with(run_dir):
+    root = os.path.join(run_dir, "checkpoints")
+    owner = _owner(root)
+    theirs = owner and owner != os.path.realpath(run_dir) and os.path.join(owner, "checkpoints")
+    if theirs and os.path.isdir(root) and os.path.exists(theirs) and os.path.samefile(theirs, root):
+        return (f"--resume {run_dir}: its checkpoints/ is a link to the checkpoints of the run {owner}; "
+                f"resuming would write into and prune them: copy a run with cp -rL, or link "
+                f"{os.path.join(run_dir, 'checkpoints')} to a folder of its own")
+    return None
+
+
+def _owner(root):
+    try:
+        with open(os.path.join(root, OWNER), encoding="utf-8") as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
+def mark_checkpoints(run_dir):
+    root, me = os.path.join(run_dir, "checkpoints"), os.path.realpath(run_dir)
+    if os.path.isdir(root) and _owner(root) != me:
+        with files.replacing(os.path.join(root, OWNER)) as f:
+            f.write(me + "\n")
+
+
 LOCKS = ExitStack()  # the run folder's lock, released by exit_codes() however the run ends
 
 
@@ -360,6 +402,8 @@ class RunFolder:
             raise UserError(f"--resume {self.out}: {cfg['data']} changed since the run began "
                             f"(sha256 {saved[:12]} in config.json, now {(now or 'no file')[:12]}): "
                             "put the run's data back, or start a new run with another --out")
+        if cfg["resume"]:
+            own_checkpoints(self.out)
         self.ckpt = ckpt = latest_checkpoint(self.out, say=say, resume=True)
         if cfg["resume"] and ckpt is None:
             raise UserError(f"--resume {self.out}: the run has no complete checkpoint; start it again "
@@ -408,9 +452,10 @@ class RunFolder:
         if MASTER:
             for path in (self.metrics, self.samples, self.heldout):
                 files.truncate_metrics(path, step)
-            changed = changes(read_config(self.out), cfg)
-            if changed:
-                files.write_json(os.path.join(self.out, "config.json"), {**cfg, "resume": None})
+            saved = read_config(self.out)
+            changed = changes(saved, cfg)
+            if changed:   # keys of an older version stay: the file says what the run was
+                files.write_json(os.path.join(self.out, "config.json"), {**saved, **cfg, "resume": None})
                 self.say("changed on resume (written to config.json): " +
                          ", ".join(f"{k} {a} -> {b}" for k, a, b in changed))
         self.say(f"resuming {self.out} from step {step}")
@@ -435,11 +480,15 @@ class RunFolder:
                 save_probe(os.path.join(tmp, "probe.pt"))
                 torch.save(dict(state, rng=rng_state()), os.path.join(tmp, "state.pt"))
             save_checkpoint(self.out, at, write, keep=keep)
+            mark_checkpoints(self.out)
 
 
 def check_out(path, flag="--out", writer=None):
     """A folder we can create or write into: not a file, and its nearest existing parent writable.
     writer "train.py" or "evaluate.py": nor a folder of another kind whose files it would overwrite."""
+    if os.path.islink(path) and not os.path.exists(path):
+        raise UserError(f"{flag} {path} is a link to {os.readlink(path)}, which does not exist: create "
+                        f"that folder, or pass another {flag}")
     if os.path.exists(path) and not os.path.isdir(path):
         raise UserError(f"{flag} {path} is a file, not a folder: pass a folder path")
     parent = os.path.abspath(path)

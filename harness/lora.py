@@ -81,15 +81,41 @@ def add_adapter(model, cfg, base_path):
     return model
 
 
+def check_fits(model, ckpt):
+    """UserError (one line) unless the adapter in `ckpt` fits `model`: its rank in adapter_config.json
+    and its tensors' shapes, read before peft builds anything (rank 60000 would allocate first)."""
+    from safetensors import safe_open
+    r, path = read_config(ckpt).get("r"), os.path.join(ckpt, WEIGHTS)
+    modules, bad = dict(model.named_modules()), None
+    if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+        bad = f"rank r {r!r} is no positive integer"
+    elif os.path.isfile(path):
+        with safe_open(path, "pt") as f:
+            for key in f.keys():
+                name, _, kind = key.removeprefix("base_model.model.").rpartition(".lora_")
+                m, shape = modules.get(name), list(f.get_slice(key).get_shape())
+                linear = isinstance(m, torch.nn.Linear)
+                want = ([r, m.in_features] if kind.startswith("A") else [m.out_features, r]) if linear else None
+                if shape != want:
+                    bad = (f"{key} is {shape}, " + (f"rank {r} on {name} takes {want}" if linear else
+                                                    f"the base has no linear layer {name}"))
+                    break
+    if bad:
+        raise UserError(f"{ckpt}: its adapter does not fit its base ({bad}): restore {CONFIG} and "
+                        f"{WEIGHTS} from a copy of the run")
+
+
 def load_adapter(model, ckpt, trainable=True):
-    """The model with the adapter saved in checkpoint `ckpt`."""
+    """The model with the adapter saved in checkpoint `ckpt` (check_fits first)."""
     from peft import PeftModel
+    check_fits(model, ckpt)
     return PeftModel.from_pretrained(model, ckpt, is_trainable=trainable).base_model.model
 
 
 def merged(model, ckpt):
     """The base `model` with checkpoint `ckpt`'s adapter merged into its weights."""
     from peft import PeftModel
+    check_fits(model, ckpt)
     return PeftModel.from_pretrained(model, ckpt).merge_and_unload()
 
 

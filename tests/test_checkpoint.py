@@ -121,3 +121,38 @@ def test_a_checkpoint_pruned_while_it_loads_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(UserError, match=f"^cannot load model '{tmp_path / 'run'}': its checkpoint {ckpt} was "
                                         "removed while loading"):
         checkpoint.load_model(str(tmp_path / "run"))
+
+
+def test_a_copied_run_whose_checkpoints_are_a_link_cannot_prune_the_originals(run_copy, tmp_path, capsys):
+    """cp -r RUN RUN2 copies the link: --resume RUN2 --keep 1 wrote into and pruned RUN's checkpoints.
+    A run whose checkpoints/ links to a bigger disk keeps working, moved or not."""
+    disk = tmp_path / "disk"
+    shutil.move(os.path.join(run_copy, "checkpoints"), disk)
+    os.symlink(disk, os.path.join(run_copy, "checkpoints"))
+    train.main(["--resume", run_copy, "--steps", "3", "--eval-n", "0"])   # the link to a bigger disk
+    before = sorted(os.listdir(disk))
+    assert "step_000003" in before
+    copy = str(tmp_path / "copy")
+    shutil.copytree(run_copy, copy, symlinks=True)
+    with pytest.raises(SystemExit) as e:
+        train.main(["--resume", copy, "--steps", "4", "--keep", "1"])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and err == (
+        f"error: --resume {copy}: its checkpoints/ is a link to the checkpoints of the run "
+        f"{os.path.realpath(run_copy)}; resuming would write into and prune them: copy a run with cp -rL, "
+        f"or link {os.path.join(copy, 'checkpoints')} to a folder of its own")
+    assert sorted(os.listdir(disk)) == before
+    moved = str(tmp_path / "moved")
+    shutil.move(run_copy, moved)   # the original gone: the copy, or the moved run, is the owner
+    train.main(["--resume", moved, "--steps", "4", "--keep", "1", "--eval-n", "0"])
+    assert [n for n in sorted(os.listdir(disk)) if n.startswith("step_")] == ["step_000004"]
+
+
+def test_a_dangling_link_as_out_is_one_line(tmp_path, capsys):
+    out = tmp_path / "out"
+    os.symlink(tmp_path / "nowhere", out)
+    with pytest.raises(SystemExit) as e:
+        train.main(["--out", str(out), "--steps", "1"])
+    assert e.value.code == 2 and capsys.readouterr().err.strip() == (
+        f"error: --out {out} is a link to {tmp_path / 'nowhere'}, which does not exist: create that folder, "
+        "or pass another --out")

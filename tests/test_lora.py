@@ -405,3 +405,18 @@ def test_an_adapter_on_a_tied_layer_is_evaluated_as_it_was_trained(tmp_path):
     with torch.no_grad():
         diff = (policy.eval()(ids).logits - evaluated.eval()(ids).logits).abs().max().item()
     assert diff < 1e-5, diff
+
+
+@pytest.mark.parametrize("change, words", [(dict(r=60000), "rank 60000 on model.layers.0."),
+                                           (dict(r=0), "rank r 0 is no positive integer")])
+def test_an_adapter_whose_rank_does_not_fit_is_refused_before_anything_is_built(pair, change, words,
+                                                                              monkeypatch):
+    """r 60000 in adapter_config.json built the adapter (2.6 GB on the toy) before peft refused it."""
+    monkeypatch.chdir(pair)
+    ckpt = checkpoint.latest_checkpoint("l")
+    edit_config(ckpt, **change)
+    import peft
+    monkeypatch.setattr(peft.PeftModel, "from_pretrained", lambda *a, **k: pytest.fail("an adapter was built"))
+    with pytest.raises(UserError) as e:
+        checkpoint.load_model(ckpt)
+    assert str(e.value).startswith(f"{ckpt}: its adapter does not fit its base (") and words in str(e.value)
