@@ -153,6 +153,26 @@ def test_bad_values_exit_2_with_one_line_and_create_nothing(tmp_path, capsys, fl
     assert not out.exists()
 
 
+@pytest.mark.parametrize("flags, said", [
+    (["--train-args", "--rew rlcm"], "--train-args --rew rlcm: --reward would make"),
+    (["--train-args", "--steps 2 --seed 3"], "--train-args --steps 2 --seed 3: --seed would make"),
+    (["--train-args", "--model toy"], "--train-args --model toy: --model would make"),
+    (["--train-args", "--out x"], "--train-args --out x: --out would make"),
+    (["--train-args", "--config x.json"], "--train-args --config x.json: --config would make"),
+    (["--eval-args", "--confidence logits"], "--eval-args --confidence logits: --confidence would make"),
+    (["--eval-args", "--seed 0"], "--eval-args --seed 0: --seed would make")])
+def test_args_that_set_what_a_row_is_are_refused(tmp_path, capsys, flags, said):
+    """A row is its method and seed on the toy in its own folder: --train-args "--reward rlcm" trained
+    RLCM under every row's name, exit 0, on af7d60d."""
+    out = tmp_path / "rep"
+    with pytest.raises(SystemExit) as e:
+        reproduce.main(["--out", str(out), *flags])
+    assert e.value.code == 2 and capsys.readouterr().err.strip() == (
+        f"reproduce.py: error: {said} a row another run than its name says; reproduce.py sets it for each "
+        "row: use --methods, --seeds or --out")
+    assert not out.exists()
+
+
 @pytest.mark.slow   # a training and an evaluation
 def test_a_failed_child_exits_1_without_a_table_and_others_go_on(tmp_path, capsys):
     out = str(tmp_path / "rep")
