@@ -17,6 +17,7 @@ from rollout import DECODES
 from harness.checkpoint import ALIASES
 from harness.files import UserError
 from harness.checkpoint import check_out, read_config
+from harness.runlog import TRACKERS, check_tracker
 
 NOT_SAVED = ("resume", "config")  # how a run was started, not what it is
 # Settings earlier versions saved: the value this version acts as, and the last commit that had the
@@ -48,7 +49,7 @@ COMMON = dict(model="toy", trust_remote_code=False,
               out=None, resume=None, system_prompt=None,
               ppo_epochs=1, offload=False, offload_grads="gpu", nproc=None, gpus=None, gpu_mem=None,
               plan=False, decode=None, drop_unanimous=False, c2gspg_bce="off", lora_rank=0, lora_alpha=32.0,
-              lora_targets="all-linear", toy_world=None)
+              lora_targets="all-linear", toy_world=None, report_to="none")
 # Under --lora-rank the default --lr is this many times the world's full fine-tuning rate ("LoRA
 # Without Regret", Schulman et al. 2025: about 10x; TRL's GRPO recipe: 1e-5 against 1e-6).
 LORA_LR_FACTOR = 10
@@ -112,7 +113,9 @@ def dflt(key):
 
 def build_parser():   # every default None: resolve_args fills them. More: docs/reference.md
     fmt = lambda d: ", ".join(f"{k}={v}" for k, v in d.items())  # noqa: E731
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=(
+    p = argparse.ArgumentParser(description=(
+        "train.py: RL with a confidence-margin reward (RLCM), or a --reward baseline, on the offline toy "
+        "world (the default) or a model; --resume continues a run (or starts one in an empty folder)."), epilog=(
         f"defaults: {fmt(COMMON)}. toy world: {fmt(TOY)}. real models: {fmt(REAL)}."))
     g = p.add_argument_group("model and data")
     g.add_argument("--model", help="toy | deepseek-r1-distill-qwen-7b | qwen3-4b-instruct | HF id")
@@ -195,12 +198,14 @@ def build_parser():   # every default None: resolve_args fills them. More: docs/
     g.add_argument("--resume", metavar="RUN_DIR", help="continue from the last checkpoint; "
                    "refused: " + ", ".join("--" + k.replace("_", "-") for k in FIXED_ON_RESUME))
     g.add_argument("--config", metavar="FILE", help="start a new run from a saved config.json")
+    g.add_argument("--report-to", choices=TRACKERS, help="mirror metrics.jsonl to a tracker (default none; "
+                   "pip install wandb or trackio)")
     return p
 
 
 # What a config.json may hold: every flag, every world's default, and what a run records of itself.
 KNOWN = ({a.dest for a in build_parser()._actions} | set(COMMON) | set(TOY) | set(REAL)
-         | {"data_sha256"})
+         | {"data_sha256", "provenance"})
 
 
 def check_values(cfg, limits=LIMITS):
@@ -274,6 +279,11 @@ def resolve_args(argv):
     parser = build_parser()
     given = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
     check_values(given)   # the flags as typed first, so the message names what the user wrote
+    run = given.get("resume")
+    if run and not (os.path.isdir(run) and set(os.listdir(run)) - {"lock"}):
+        if "out" in given and os.path.abspath(given["out"]) != os.path.abspath(run):
+            raise UserError(f"--resume {run} writes into {run}: drop --out {given['out']}")
+        given["out"] = given.pop("resume")   # absent or empty: a new run, so one command starts and requeues
     flag = "--resume" if given.get("resume") else "--config" if given.get("config") else None
     saved = {}
     if flag:
@@ -314,6 +324,7 @@ def resolve_args(argv):
     cfg.update({k: given.get(k) for k in NOT_SAVED})
     cfg["out"] = cfg["out"] or os.path.join("runs", os.path.basename(cfg["model"].rstrip("/")))
     check_values(cfg)
+    check_tracker(cfg["report_to"])
     if ":" in cfg["grader"]:
         grade.user_grader(cfg["grader"])   # imported and tried once: a broken one stops here
     check_out(cfg["out"], "--resume" if cfg["resume"] else "--out", None if cfg["resume"] else "train.py")

@@ -6,7 +6,8 @@
     python train.py --model deepseek-r1-distill-qwen-7b --plan --gpus 8 --gpu-mem 80   # memory plan
     python train.py --model deepseek-r1-distill-qwen-7b --offload   # 1-2 GPUs: state in host memory
     torchrun --nnodes 2 --nproc_per_node 8 ... train.py --model ...  # several nodes: torchrun's ranks
-    python train.py --resume runs/toy                      # continue a run from its last checkpoint
+    python train.py --resume runs/toy                      # continue a run (or start it: one requeue command)
+    python train.py --report-to wandb                      # mirror the metrics to a tracker (or trackio)
 
 One step: rl_step below (README.md, "The algorithm"; docs/design.md, "One RL step"); the rest of this
 file runs the steps. Kept from GRPO: group-normalised advantages, the clipped ratio, token-mean
@@ -15,6 +16,7 @@ aggregation; dropped: the KL penalty (as released). The probe sends no gradient 
 import math
 import os
 import random
+import signal
 import sys
 import time
 from collections import namedtuple
@@ -36,7 +38,7 @@ from metrics import advantage_parts, ece, heldout_probe
 from reward import margin_reward, total_reward
 from rollout import generate
 from harness import checkpoint as ckpt_lib, lora as lora_lib, plan, runlog, staticcache, verifier
-from harness.checkpoint import RunFolder, exit_codes
+from harness.checkpoint import Preempted, RunFolder, exit_codes
 from harness.files import UserError
 from harness.parallel import (MASTER, RANK, WORLD, all_gather, all_sum, full_state, launch,
                               leave, refresh_sampler, setup, worker_count, wrap)
@@ -307,7 +309,11 @@ def next_rows(rows, cursor, count, seed):
     return out, cursor + count
 
 
-def run(cfg):
+STOP = []  # SIGTERM or SIGUSR1 (a scheduler's notice): the run stops after the step, saved
+
+
+def run(cfg, argv=()):
+    STOP.clear()
     if cfg["steps"] == 0:
         print0("--steps 0: nothing to train; nothing was loaded or written")
         return
@@ -354,12 +360,17 @@ def run(cfg):
         for g in opt.param_groups:   # the restored state's decay gives way to the config's, like --lr
             g["weight_decay"] = cfg["weight_decay"]
     else:
-        folder.start(cfg)
+        folder.start(dict(cfg, provenance=runlog.provenance(["train.py", *argv], device, WORLD)))
+    tracker = runlog.Tracker(cfg["report_to"], folder.out, cfg) if MASTER and cfg["report_to"] != "none" else None
+    for sig in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(sig, lambda signum, frame: STOP.append(signal.Signals(signum).name))
 
     def log(row, samples=()):  # a metrics row, and the step's samples
         if MASTER:
             runlog.append_jsonl(folder.metrics, [row])
             runlog.append_jsonl(folder.samples, samples)
+            if tracker:
+                tracker.log([row])
 
     def evaluate(at):
         if not eval_rows:  # --eval-n 0
@@ -377,12 +388,16 @@ def run(cfg):
             "ECE {eval_probe_ece:.3f}, AUROC {eval_probe_auroc:.3f}".format(**probe_stats))
         print0(f"step {at}: held-out accuracy {acc:.3f} on {len(eval_rows)} problems"
                + (said or ""))
+        if MASTER:
+            runlog.plot_curves(folder.out)
         return acc
 
     def save(at):
         model_sd, opt_sd = full_state(policy, opt)
         folder.save(at, model, model_sd, tok, lambda p: probe_lib.save(p, probe, probe_opt), dict(
             step=at, cursor=cursor, optimizer=opt_sd, scheduler=sched.state_dict()), keep=cfg["keep"])
+        if MASTER:
+            runlog.plot_curves(folder.out)
 
     # resumed: the start's accuracy from the log, and whether it was of another held-out set
     first_acc, other_set = (evaluate(0), False) if step == 0 else folder.first_accuracy(cfg, len(eval_rows))
@@ -401,8 +416,18 @@ def run(cfg):
         last = step == cfg["steps"]
         if last or (cfg["eval_every"] and step % cfg["eval_every"] == 0):
             final_acc = evaluate(step)
-        if last or (cfg["save_every"] and step % cfg["save_every"] == 0):
+        saved = last or (cfg["save_every"] and step % cfg["save_every"] == 0)
+        if saved:
             save(step)
+        if not last and all_sum([len(STOP)], device)[0]:   # every rank stops at the same step
+            if not saved:
+                save(step)
+            bar.close()
+            raise Preempted(f"stopped by {(STOP or ['a signal to another rank'])[0]} after step {step}, saved: "
+                            f"{ckpt_lib.latest_checkpoint(folder.out)}; continue with: python train.py "
+                            f"--resume {folder.out}" + (" --trust-remote-code" if cfg["trust_remote_code"] else ""))
+    if tracker:
+        tracker.finish()
     if MASTER:
         print0(f"\nrun: {folder.out}  (latest checkpoint: {ckpt_lib.latest_checkpoint(folder.out)})")
         if first_acc is not None and final_acc is not None:
@@ -426,7 +451,7 @@ def main(argv=None):
         workers = worker_count(cfg)
         config.check_world(cfg, max(workers, WORLD))  # here, or in each worker under torchrun
         if workers <= 1:  # one process, or a worker already (0)
-            return run(cfg)
+            return run(cfg, sys.argv[1:] if argv is None else argv)
         if not cfg["resume"]:
             ckpt_lib.fetch(cfg["model"])  # before the workers start: rank 0 would download in the group
         code = launch(os.path.abspath(__file__), sys.argv[1:] if argv is None else argv, workers)

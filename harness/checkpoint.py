@@ -19,7 +19,7 @@ from harness import files, lora
 from harness.files import UserError, first_line, fresh_name
 from harness.lora import (ADAPTER, CONFIG, add_adapter, base_of, is_adapter, load_adapter, targets,
                           tied)
-from harness.parallel import (MASTER, all_gather, load_optimizer, rebuild_buffers, refresh_sampler,
+from harness.parallel import (MASTER, PREEMPTED, all_gather, load_optimizer, rebuild_buffers, refresh_sampler,
                               teardown, wrap)
 
 PREFIX = "step_"
@@ -469,8 +469,12 @@ class RunFolder:
         return first.get("eval_accuracy"), other
 
     def save(self, at, model, model_sd, tok, save_probe, state, keep):
-        """Checkpoint `at` (save_checkpoint); state: state.pt's step, cursor, optimizer, scheduler."""
+        """Checkpoint `at` (save_checkpoint; state: state.pt's step, cursor, optimizer, scheduler),
+        then RUN/model, the weights to serve (export)."""
         if MASTER:
+            if getattr(model.config, "tie_word_embeddings", False):   # gathered from shards: not shared
+                model_sd.pop("lm_head.weight", None)
+
             def write(tmp):
                 if lora.has_adapter(model):
                     lora.save(tmp, model, model_sd)
@@ -479,8 +483,39 @@ class RunFolder:
                 tok.save_pretrained(tmp)
                 save_probe(os.path.join(tmp, "probe.pt"))
                 torch.save(dict(state, rng=rng_state()), os.path.join(tmp, "state.pt"))
-            save_checkpoint(self.out, at, write, keep=keep)
+            ckpt = save_checkpoint(self.out, at, write, keep=keep)
             mark_checkpoints(self.out)
+            export(self.out, ckpt, model, model_sd, tok)
+
+
+def export(run_dir, ckpt, model, model_sd, tok):
+    """RUN/model: checkpoint `ckpt`'s weights as a bf16 Hugging Face folder that transformers and vLLM
+    load as they are (config bfloat16, use_cache true; tokenizer, generation config and probe.pt
+    beside them; no optimizer state). A LoRA run's adapter is merged into its base there."""
+    final = os.path.join(run_dir, "model")
+    tmp = fresh_name(final)
+    os.mkdir(tmp)
+    try:
+        if lora.has_adapter(model):
+            load_model(ckpt, torch.bfloat16)[0].save_pretrained(tmp)
+        else:
+            model.save_pretrained(tmp, state_dict={k: v.to(torch.bfloat16) if v.is_floating_point() else v
+                                                   for k, v in model_sd.items()})
+        tok.save_pretrained(tmp)
+        shutil.copy(os.path.join(ckpt, "probe.pt"), tmp)
+        with open(os.path.join(tmp, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+        files.write_json(os.path.join(tmp, "config.json"), dict(config, dtype="bfloat16", use_cache=True))
+        _sync_tree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = fresh_name(final) if os.path.lexists(final) else None
+    if old:
+        os.replace(final, old)
+    os.replace(tmp, final)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def check_out(path, flag="--out", writer=None):
@@ -559,6 +594,12 @@ def interrupted(cfg):
             f"python train.py --resume {out}{flag}")
 
 
+
+
+class Preempted(Exception):
+    """SIGTERM or SIGUSR1 stopped the run at a safe point, saved: the line that says how to continue."""
+
+
 @contextmanager
 def exit_codes():
     """train.py's main runs inside this: the exit codes above, the lock released and the process group
@@ -573,6 +614,10 @@ def exit_codes():
     except FloatingPointError as e:
         print(f"stopped: {e}; the last good checkpoint is left untouched", file=sys.stderr)
         sys.exit(3)
+    except Preempted as e:
+        if MASTER:
+            print(f"\n{e}", file=sys.stderr)
+        sys.exit(PREEMPTED)
     except KeyboardInterrupt:  # nothing new is finished or saved: the last checkpoint stays
         stopped = True         # the line is printed below, once the progress bar has closed
     finally:

@@ -122,6 +122,7 @@ def merged(model, ckpt):
 def save(folder, model, state):
     """Write the adapter in peft's format (keys without the adapter name) and base.json."""
     from safetensors.torch import save_file
+    model.peft_config[ADAPTER].task_type = "CAUSAL_LM"   # peft's AutoPeftModelForCausalLM loads it as it is
     model.peft_config[ADAPTER].save_pretrained(folder)
     weights = {"base_model.model." + k.replace(f".{ADAPTER}.", "."): v.detach().contiguous()
                for k, v in state.items()}

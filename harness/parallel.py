@@ -31,6 +31,7 @@ MASTER = RANK == 0
 # while the others wait in a collective: NCCL's 10 minutes would abort them (an hour: 25 MB/s)
 TIMEOUT = datetime.timedelta(hours=1)
 GROUPED = []  # setup's process group, once made: leave() reads it
+PREEMPTED = 75  # train.py's exit after a SIGTERM or SIGUSR1 stop, saved (harness/checkpoint.py)
 
 
 def setup(offload=False):
@@ -379,8 +380,12 @@ def launch(script, argv, nproc):
     def watch(rank, proc):
         code = proc.wait()
         exits[rank] = (time.monotonic(), code)
-        if code != 0:
+        if code not in (0, PREEMPTED):   # a stopped rank's peers are saving: let them finish
             failed.set()
+
+    def forward(signum, frame):   # a scheduler's notice to this process: every worker stops, saved
+        for proc, _ in procs:
+            proc.send_signal(signum)
 
     for rank in range(nproc):
         log = open(os.path.join(logs, f"rank{rank}.log"), "w")
@@ -403,6 +408,7 @@ def launch(script, argv, nproc):
 
     relay_thread = threading.Thread(target=relay, args=procs[0], daemon=True)
     relay_thread.start()
+    handlers = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     interrupted = False
     try:
         while len(exits) < nproc and not failed.is_set():
@@ -422,15 +428,18 @@ def launch(script, argv, nproc):
                 proc.kill()
                 proc.wait()
     relay_thread.join(5)
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
     for _, log in procs:
         log.close()
     if interrupted:
         print(f"interrupted; all workers stopped (logs: {logs})", file=sys.stderr)
         return 130
-    bad = sorted((t, rank, code) for rank, (t, code) in exits.items() if code != 0)
+    bad = sorted((t, rank, code) for rank, (t, code) in exits.items() if code not in (0, PREEMPTED))
     if not bad:
         shutil.rmtree(logs, ignore_errors=True)
-        return 0 if len(exits) == nproc else 130
+        codes = {code for _, code in exits.values()}
+        return 130 if len(exits) < nproc else PREEMPTED if PREEMPTED in codes else 0
     _, rank, code = bad[0]
     text = tail(os.path.join(logs, f"rank{rank}.log"))
     last = text.splitlines()[-1] if text else ""

@@ -1,5 +1,5 @@
 """What a run leaves for the people watching it (docs/reference.md, "What a run leaves"): samples,
-curves.png; where a result came from.
+curves.png, a tracker's mirror (--report-to); where a result came from.
 """
 import json
 import os
@@ -8,7 +8,7 @@ import shlex
 import subprocess
 from datetime import datetime, timezone
 
-from harness.files import appending, read_jsonl, replacing
+from harness.files import UserError, appending, read_jsonl, replacing, write_json
 
 TEXT_CHARS = 2000
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
@@ -104,13 +104,61 @@ def git_commit():   # the project's commit, "+dirty" when tracked files differ; 
         return "unknown"
 
 
-def provenance(argv, device):
-    """Where a result comes from: commit, versions, UTC date, command line, device."""
+def provenance(argv, device, world=1):
+    """Where a result comes from: commit, versions, UTC date, command line, device, world size."""
+    import importlib.metadata
     import torch
     import transformers
     name = str(device)
     if name.startswith("cuda") and torch.cuda.is_available():
         name = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+    try:
+        peft = importlib.metadata.version("peft")
+    except importlib.metadata.PackageNotFoundError:
+        peft = None
     return dict(git_commit=git_commit(), torch=torch.__version__, transformers=transformers.__version__,
-                python=platform.python_version(), date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                command=" ".join(shlex.quote(a) for a in argv), device=name)
+                peft=peft, python=platform.python_version(),
+                date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                command=" ".join(shlex.quote(a) for a in argv), device=name, world_size=world)
+
+
+TRACKERS = ("none", "wandb", "trackio")   # --report-to: both take wandb's init / log / finish
+
+
+def check_tracker(kind):
+    """UserError (one line) when --report-to's package is not installed: said before any model loads."""
+    import importlib.util
+    if kind != "none" and importlib.util.find_spec(kind) is None:
+        raise UserError(f"--report-to {kind}: the package {kind} is not installed: pip install {kind}, "
+                        "or pass --report-to none")
+
+
+class Tracker:
+    """--report-to wandb or trackio on rank 0: the run's config at init, each logged row mirrored
+    once with its step. Its run id is kept in RUN/tracker.json, so a resume continues the same run."""
+
+    def __init__(self, kind, run_dir, cfg):
+        import importlib
+        import uuid
+        self.lib = importlib.import_module(kind)
+        path = os.path.join(run_dir, "tracker.json")
+        saved = {}
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                saved = json.load(f)
+        run_id = saved.get("id") if saved.get("kind") == kind else None
+        run_id = run_id or uuid.uuid4().hex[:12]
+        name = os.path.basename(os.path.abspath(run_dir))
+        project = os.environ.get("WANDB_PROJECT" if kind == "wandb" else "TRACKIO_PROJECT", "rlcm")
+        if kind == "wandb":
+            self.lib.init(project=project, name=name, id=run_id, resume="allow", config=cfg, dir=run_dir)
+        else:   # trackio resumes a run by its name
+            self.lib.init(project=project, name=f"{name}-{run_id}", config=cfg, resume="allow")
+        write_json(path, dict(kind=kind, id=run_id, project=project))
+
+    def log(self, rows):
+        for row in rows:
+            self.lib.log({k: v for k, v in row.items() if _number(v) or isinstance(v, bool)}, step=row["step"])
+
+    def finish(self):
+        self.lib.finish()
