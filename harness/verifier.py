@@ -11,7 +11,7 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: -m runs from here
-START_TIMEOUT_S = 60     # waiting for a new math-verify worker to import sympy (not in the bound)
+START_TIMEOUT_S = 60     # a new worker not ready by then (importing sympy: not in the bound) is warned of
 REPLY_S = 0.25           # CPU time past its budget for a worker to stop and answer before it is killed
 WALL_S = 30              # no verdict in this much wall time (a stopped or starved worker): wrong, warned
 TICK_S = 0.05            # how often the parent reads the worker's CPU time while it waits
@@ -77,7 +77,7 @@ _idle, _lock, _unavailable = [], threading.Lock(), []
 
 
 def _take():
-    """A ready worker (an idle one, or a new one started and waited for), or None if none starts."""
+    """A ready worker (an idle one, or a new one started and waited for), or None if none can start."""
     with _lock:
         if _unavailable:
             return None
@@ -87,7 +87,13 @@ def _take():
             _idle.remove(worker)
     try:
         worker = worker or _Worker()
-        reply = "ready" if worker.ready else worker.line(time.monotonic() + START_TIMEOUT_S)
+        until = time.monotonic() + START_TIMEOUT_S
+        reply = "ready" if worker.ready else worker.line(until)
+        while reply is None and worker.proc.poll() is None and time.monotonic() >= until:  # late, not failed
+            print(f"grade: the math-verify worker is not ready after {START_TIMEOUT_S} s (a loaded or stopped "
+                  "host?): waiting for it", file=sys.stderr)
+            until = time.monotonic() + START_TIMEOUT_S
+            reply = worker.line(until)
     except (OSError, AttributeError) as e:  # cannot start a process; no select.poll (Windows)
         worker, reply = None, f"{type(e).__name__}: {e}"
     if reply == "ready":

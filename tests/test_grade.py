@@ -346,6 +346,24 @@ def test_no_verdict_in_wall_time_is_graded_wrong_with_a_warning(monkeypatch, cap
     assert "no verdict in 0.5 s of wall time" in capsys.readouterr().err
 
 
+def test_a_late_worker_start_is_waited_for(monkeypatch, capsys):
+    """A start past START_TIMEOUT_S (a loaded host, a suspended job) is waited for: math-verify stays on.
+    Here the limit is 2 s and the new worker is stopped for 3 s."""
+    monkeypatch.setattr(verifier, "_idle", [])
+    monkeypatch.setattr(verifier, "_unavailable", [])
+    monkeypatch.setattr(verifier, "START_TIMEOUT_S", 2)
+    verifier.start()
+    pid = verifier._idle[-1].proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    threading.Timer(3, os.kill, (pid, signal.SIGCONT)).start()
+    try:
+        assert grade.answers_match(r"\sin^2 x+\cos^2 x", "1")
+        assert grade.answers_match(r"\frac{1}{2}", "x/(2x)")  # and afterwards
+    finally:
+        verifier._stop_workers()
+    assert "not ready after 2 s" in capsys.readouterr().err
+
+
 def test_without_a_worker_math_verify_is_skipped_with_one_warning(monkeypatch, capsys):
     monkeypatch.setattr(verifier, "_idle", [])
     monkeypatch.setattr(verifier, "_unavailable", [])
