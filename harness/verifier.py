@@ -155,6 +155,8 @@ def _serve():
     try:
         import logging
         from math_verify import LatexExtractionConfig, parse, verify
+        from math_verify import parser as mv_parser
+        from sympy.core.cache import clear_cache
         logging.disable(logging.WARNING)  # math-verify warns that its timeout is off: ours is on
     except Exception as e:
         print(f"{type(e).__name__}: {e}".replace("\n", " "), flush=True)
@@ -165,12 +167,18 @@ def _serve():
 
     signal.signal(signal.SIGPROF, stop)
     latex = [LatexExtractionConfig()]
+    caches = [f for f in vars(mv_parser).values() if hasattr(f, "cache_clear")]  # its parse caches
 
-    @functools.lru_cache(maxsize=4096)  # a gold is graded G times per prompt, K per prefix
     def parsed(text):
         return parse("\\boxed{" + text + "}", extraction_config=latex, parsing_timeout=None)
 
+    # A verdict is cached, a parse is not: each comparison starts from empty caches, so that its time,
+    # and so a grade near the budget, never depends on what this worker compared before.
+    @functools.lru_cache(maxsize=4096)  # an answer is graded K times per prefix, often the same text
     def same(pred, gold, seconds):
+        for cache in caches:
+            cache.cache_clear()
+        clear_cache()
         try:
             try:
                 signal.setitimer(signal.ITIMER_PROF, seconds)  # CPU time: the load does not change it
