@@ -62,6 +62,23 @@ def test_error_messages(tmp_path):
         data.load_rows(str(tmp_path / "missing.jsonl"))
 
 
+def test_two_candidate_fields_are_refused_in_one_line(tmp_path, fake_hub):
+    """Before, the first name in data.PROBLEM_FIELDS / ANSWER_FIELDS won without a word: every prompt
+    was the topic label, every gold the worked sentence."""
+    for row, fields in (({"problem": "arithmetic", "question": "1+1?", "answer": "2"}, "'problem' and 'question'"),
+                        ({"problem": "1+1?", "answer": "It is 2.", "final_answer": "2"}, "'answer' and 'final_answer'")):
+        path = write_jsonl(tmp_path / "two.jsonl", [row])
+        with pytest.raises(data.DataError, match=f"^{path}: fields {fields} could each be the .* and differ in row 0: rename or drop"):
+            data.load_rows(path)
+    row = {"question": "1+1?", "answer": "so #### 2", "target": "2"}
+    with pytest.raises(data.DataError, match="'answer' and 'target'"):
+        data.load_rows(write_jsonl(tmp_path / "gsm8k.jsonl", [row]))
+    fake_hub[1]["openai/gsm8k"] = [row]  # a benchmark's own layout names its fields
+    assert data.load_rows("gsm8k") == [{"problem": "1+1?", "answer": "2"}]
+    copied = write_jsonl(tmp_path / "aime.jsonl", [{"problem": "1+1?", "question": "1+1?", "answer": "2"}])
+    assert data.load_rows(copied) == [{"problem": "1+1?", "answer": "2"}]  # the same text twice: no question
+
+
 @pytest.fixture
 def fake_hub(monkeypatch):
     """Replace datasets.load_dataset: record (id, config, split), return the rows given per id."""
