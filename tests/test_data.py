@@ -49,6 +49,19 @@ def test_local_formats_and_field_names(tmp_path):
         {"problem": "x?", "answer": "\\frac{1}{2}"}]
 
 
+def test_binary_parquet_columns_are_read_as_utf8_text(tmp_path):
+    """Before, str(b'2') made the gold "b'2'", which nothing matches."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow
+    path = str(tmp_path / "b.parquet")
+    pq.write_table(pyarrow.table({"problem": [b"What is 1+1?"], "answer": [b"2"]}), path)
+    assert pq.read_schema(path).field("answer").type == pyarrow.binary()
+    assert data.load_rows(path) == [{"problem": "What is 1+1?", "answer": "2"}]
+    pq.write_table(pyarrow.table({"problem": [b"What is 1+1?"], "answer": [b"\xff2"]}), path)
+    with pytest.raises(data.DataError, match=r"row 0 field 'answer' holds bytes that are not UTF-8 text \(invalid"):
+        data.load_rows(path)
+
+
 def test_error_messages(tmp_path):
     solution_only = write_jsonl(tmp_path / "s.jsonl", [{"problem": "p", "solution": "worked text"}])
     with pytest.raises(data.DataError, match=r"no answer field.*'solution'.*rename one to 'answer'"):
