@@ -276,12 +276,8 @@ def _verl_row(r, i, where):
 
 
 def _gradable(where, i, field, value):
-    if isinstance(value, bytes):  # a binary parquet column
-        try:
-            return value.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise DataError(f"{where}: row {i} field {field!r} holds bytes that are not UTF-8 text ({e.reason} at "
-                            f"byte {e.start}): store it as a string column") from None
+    if isinstance(value, bytes):  # a binary parquet column: UTF-8 text, or _check_text refuses the row
+        return value.decode("utf-8", "surrogateescape")
     if isinstance(value, (dict, list, bool)) or (isinstance(value, float) and not math.isfinite(value)):
         raise DataError(f"{where}: row {i} field {field!r} is {str(value)[:40]!r} "
                         f"({type(value).__name__}), which can never be graded: give text or a number")

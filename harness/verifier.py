@@ -167,18 +167,15 @@ def _serve():
 
     signal.signal(signal.SIGPROF, stop)
     latex = [LatexExtractionConfig()]
-    caches = [f for f in vars(mv_parser).values() if hasattr(f, "cache_clear")]  # its parse caches
+    clears = [f.cache_clear for f in vars(mv_parser).values() if hasattr(f, "cache_clear")] + [clear_cache]
 
     def parsed(text):
         return parse("\\boxed{" + text + "}", extraction_config=latex, parsing_timeout=None)
 
-    # A verdict is cached, a parse is not: each comparison starts from empty caches, so that its time,
-    # and so a grade near the budget, never depends on what this worker compared before.
-    @functools.lru_cache(maxsize=4096)  # an answer is graded K times per prefix, often the same text
+    @functools.lru_cache(maxsize=4096)  # a pair is graded K times per prefix: a repeat is free
     def same(pred, gold, seconds):
-        for cache in caches:
-            cache.cache_clear()
-        clear_cache()
+        for clear in clears:  # empty parse caches: a grade near the budget never depends on what came before
+            clear()
         try:
             try:
                 signal.setitimer(signal.ITIMER_PROF, seconds)  # CPU time: the load does not change it

@@ -58,7 +58,7 @@ def test_binary_parquet_columns_are_read_as_utf8_text(tmp_path):
     assert pq.read_schema(path).field("answer").type == pyarrow.binary()
     assert data.load_rows(path) == [{"problem": "What is 1+1?", "answer": "2"}]
     pq.write_table(pyarrow.table({"problem": [b"What is 1+1?"], "answer": [b"\xff2"]}), path)
-    with pytest.raises(data.DataError, match=r"row 0 field 'answer' holds bytes that are not UTF-8 text \(invalid"):
+    with pytest.raises(data.DataError, match=r"row 0 answer is not valid Unicode .*'\\udcff' at character 0\): fix the row"):
         data.load_rows(path)
 
 
