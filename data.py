@@ -222,10 +222,16 @@ def _from_hub(hf_id, config, split, files=None):
                         "file") from None
 
 
-def _field(keys, preferred, candidates, kind, source):
-    for name in (preferred, *candidates):
-        if name in keys:
-            return name
+def _field(records, keys, preferred, candidates, kind, source):
+    if preferred in keys:  # a benchmark's own layout
+        return preferred
+    found = [name for name in candidates if name in keys]
+    differ = next((i for i, r in enumerate(records) if len({repr(r.get(f)) for f in found}) > 1), None)
+    if differ is not None:  # two candidates that hold the same text (a copy) are no question
+        raise DataError(f"{source}: fields {' and '.join(map(repr, found))} could each be the {kind} and differ "
+                        f"in row {differ}: rename or drop all but the one that holds it")
+    if found:
+        return found[0]
     raise DataError(f"{source}: no {kind} field among {list(candidates)}; fields found: "
                     f"{sorted(keys)}; rename one to {kind!r} (a hub dataset: in a local copy)")
 
@@ -270,6 +276,8 @@ def _verl_row(r, i, where):
 
 
 def _gradable(where, i, field, value):
+    if isinstance(value, bytes):  # a binary parquet column: UTF-8 text, or _check_text refuses the row
+        return value.decode("utf-8", "surrogateescape")
     if isinstance(value, (dict, list, bool)) or (isinstance(value, float) and not math.isfinite(value)):
         raise DataError(f"{where}: row {i} field {field!r} is {str(value)[:40]!r} "
                         f"({type(value).__name__}), which can never be graded: give text or a number")
@@ -334,8 +342,8 @@ def load_rows(source, split=None, limit=None, like=None, lcb_release=LCB_RELEASE
     if verl:
         pf, af = "prompt", "reward_model.ground_truth"
     else:
-        pf = _field(keys, spec.get("problem"), PROBLEM_FIELDS, "problem", where)
-        af = _field(keys, spec.get("answer"), ANSWER_FIELDS, "answer", where)
+        pf = _field(records, keys, spec.get("problem"), PROBLEM_FIELDS, "problem", where)
+        af = _field(records, keys, spec.get("answer"), ANSWER_FIELDS, "answer", where)
     # GPQA's layout (its options in fields of their own), on the hub or in a local copy: options shown, letter gold
     choices = spec.get("choices") if keys & set(spec.get("choices", ())) else None
     rows = []

@@ -46,6 +46,7 @@ REFUSED = {
     "open_by_handle_at": (304, 265), "name_to_handle_at": (303, 264), "process_vm_readv": (310, 270),
     "process_vm_writev": (311, 271), "pidfd_getfd": (438, 438), "kcmp": (312, 272)}
 ARCHES = {"x86_64": (0, 0xC000003E), "aarch64": (1, 0xC00000B7)}  # machine -> (REFUSED column, AUDIT_ARCH_*)
+SOCKET, AF_UNIX = (41, 198), 1  # socket(): a family other than AF_UNIX (vsock: no namespace) gets EPERM
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 
 
@@ -158,8 +159,8 @@ def confine(root, hide=()):
 
 
 def refuse_syscalls(machine=None):
-    """A seccomp filter (classic BPF): REFUSED, and any call of another ABI (x32, 32-bit), fail with
-    EPERM; where the machine or the kernel cannot, one line says so."""
+    """A seccomp filter (classic BPF): REFUSED, a socket of a family other than AF_UNIX, and any call
+    of another ABI (x32, 32-bit), fail with EPERM; where the machine or the kernel cannot, one line says so."""
     import ctypes
     machine = machine or os.uname().machine
     column, arch = ARCHES.get(machine, (None, None))
@@ -167,8 +168,9 @@ def refuse_syscalls(machine=None):
     if column is not None:
         numbers = sorted({row[column] for row in REFUSED.values()})
         n, ld, jeq, jge, ret = len(numbers), 0x20, 0x15, 0x35, 0x06   # BPF_LD|W|ABS, JMP|JEQ/JGE|K, RET
-        program = [(ld, 0, 0, 4), (jeq, 0, n + 3, arch), (ld, 0, 0, 0), (jge, n + 1, 0, 0x40000000)]
-        program += [(jeq, n - i, 0, number) for i, number in enumerate(numbers)]   # jump to the last line
+        program = [(ld, 0, 0, 4), (jeq, 0, n + 6, arch), (ld, 0, 0, 0), (jge, n + 4, 0, 0x40000000)]
+        program += [(jeq, n - i + 3, 0, number) for i, number in enumerate(numbers)]   # to the last line
+        program += [(jeq, 0, 2, SOCKET[column]), (ld, 0, 0, 16), (jeq, 0, 1, AF_UNIX)]  # socket's arg 0
         program += [(ret, 0, 0, 0x7FFF0000), (ret, 0, 0, 0x50000 | errno.EPERM)]   # allow; errno EPERM
         code = ctypes.create_string_buffer(b"".join(struct.pack("=HBBI", *line) for line in program))
         fprog = ctypes.create_string_buffer(struct.pack("HP", len(program), ctypes.addressof(code)))

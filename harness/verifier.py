@@ -11,7 +11,7 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: -m runs from here
-START_TIMEOUT_S = 60     # waiting for a new math-verify worker to import sympy (not in the bound)
+START_TIMEOUT_S = 60     # a new worker not ready by then (importing sympy: not in the bound) is warned of
 REPLY_S = 0.25           # CPU time past its budget for a worker to stop and answer before it is killed
 WALL_S = 30              # no verdict in this much wall time (a stopped or starved worker): wrong, warned
 TICK_S = 0.05            # how often the parent reads the worker's CPU time while it waits
@@ -77,7 +77,7 @@ _idle, _lock, _unavailable = [], threading.Lock(), []
 
 
 def _take():
-    """A ready worker (an idle one, or a new one started and waited for), or None if none starts."""
+    """A ready worker (an idle one, or a new one started and waited for), or None if none can start."""
     with _lock:
         if _unavailable:
             return None
@@ -87,7 +87,13 @@ def _take():
             _idle.remove(worker)
     try:
         worker = worker or _Worker()
-        reply = "ready" if worker.ready else worker.line(time.monotonic() + START_TIMEOUT_S)
+        until = time.monotonic() + START_TIMEOUT_S
+        reply = "ready" if worker.ready else worker.line(until)
+        while reply is None and worker.proc.poll() is None and time.monotonic() >= until:  # late, not failed
+            print(f"grade: the math-verify worker is not ready after {START_TIMEOUT_S} s (a loaded or stopped "
+                  "host?): waiting for it", file=sys.stderr)
+            until = time.monotonic() + START_TIMEOUT_S
+            reply = worker.line(until)
     except (OSError, AttributeError) as e:  # cannot start a process; no select.poll (Windows)
         worker, reply = None, f"{type(e).__name__}: {e}"
     if reply == "ready":
@@ -149,6 +155,8 @@ def _serve():
     try:
         import logging
         from math_verify import LatexExtractionConfig, parse, verify
+        from math_verify import parser as mv_parser
+        from sympy.core.cache import clear_cache
         logging.disable(logging.WARNING)  # math-verify warns that its timeout is off: ours is on
     except Exception as e:
         print(f"{type(e).__name__}: {e}".replace("\n", " "), flush=True)
@@ -159,12 +167,15 @@ def _serve():
 
     signal.signal(signal.SIGPROF, stop)
     latex = [LatexExtractionConfig()]
+    clears = [f.cache_clear for f in vars(mv_parser).values() if hasattr(f, "cache_clear")] + [clear_cache]
 
-    @functools.lru_cache(maxsize=4096)  # a gold is graded G times per prompt, K per prefix
     def parsed(text):
         return parse("\\boxed{" + text + "}", extraction_config=latex, parsing_timeout=None)
 
+    @functools.lru_cache(maxsize=4096)  # a pair is graded K times per prefix: a repeat is free
     def same(pred, gold, seconds):
+        for clear in clears:  # empty parse caches: a grade near the budget never depends on what came before
+            clear()
         try:
             try:
                 signal.setitimer(signal.ITIMER_PROF, seconds)  # CPU time: the load does not change it

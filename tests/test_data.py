@@ -49,6 +49,19 @@ def test_local_formats_and_field_names(tmp_path):
         {"problem": "x?", "answer": "\\frac{1}{2}"}]
 
 
+def test_binary_parquet_columns_are_read_as_utf8_text(tmp_path):
+    """Before, str(b'2') made the gold "b'2'", which nothing matches."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow
+    path = str(tmp_path / "b.parquet")
+    pq.write_table(pyarrow.table({"problem": [b"What is 1+1?"], "answer": [b"2"]}), path)
+    assert pq.read_schema(path).field("answer").type == pyarrow.binary()
+    assert data.load_rows(path) == [{"problem": "What is 1+1?", "answer": "2"}]
+    pq.write_table(pyarrow.table({"problem": [b"What is 1+1?"], "answer": [b"\xff2"]}), path)
+    with pytest.raises(data.DataError, match=r"row 0 answer is not valid Unicode .*'\\udcff' at character 0\): fix the row"):
+        data.load_rows(path)
+
+
 def test_error_messages(tmp_path):
     solution_only = write_jsonl(tmp_path / "s.jsonl", [{"problem": "p", "solution": "worked text"}])
     with pytest.raises(data.DataError, match=r"no answer field.*'solution'.*rename one to 'answer'"):
@@ -60,6 +73,23 @@ def test_error_messages(tmp_path):
         data.load_rows("aime26")
     with pytest.raises(data.DataError, match="file not found"):
         data.load_rows(str(tmp_path / "missing.jsonl"))
+
+
+def test_two_candidate_fields_are_refused_in_one_line(tmp_path, fake_hub):
+    """Before, the first name in data.PROBLEM_FIELDS / ANSWER_FIELDS won without a word: every prompt
+    was the topic label, every gold the worked sentence."""
+    for row, fields in (({"problem": "arithmetic", "question": "1+1?", "answer": "2"}, "'problem' and 'question'"),
+                        ({"problem": "1+1?", "answer": "It is 2.", "final_answer": "2"}, "'answer' and 'final_answer'")):
+        path = write_jsonl(tmp_path / "two.jsonl", [row])
+        with pytest.raises(data.DataError, match=f"^{path}: fields {fields} could each be the .* and differ in row 0: rename or drop"):
+            data.load_rows(path)
+    row = {"question": "1+1?", "answer": "so #### 2", "target": "2"}
+    with pytest.raises(data.DataError, match="'answer' and 'target'"):
+        data.load_rows(write_jsonl(tmp_path / "gsm8k.jsonl", [row]))
+    fake_hub[1]["openai/gsm8k"] = [row]  # a benchmark's own layout names its fields
+    assert data.load_rows("gsm8k") == [{"problem": "1+1?", "answer": "2"}]
+    copied = write_jsonl(tmp_path / "aime.jsonl", [{"problem": "1+1?", "question": "1+1?", "answer": "2"}])
+    assert data.load_rows(copied) == [{"problem": "1+1?", "answer": "2"}]  # the same text twice: no question
 
 
 @pytest.fixture

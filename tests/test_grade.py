@@ -338,12 +338,52 @@ def test_a_grade_does_not_depend_on_the_load():
     assert grade.answers_match(*pair)
 
 
+def test_a_grade_does_not_depend_on_what_was_graded_before(monkeypatch):
+    """Parsing is most of a comparison's time. Near the budget (here 70% of what a like comparison took),
+    the same pair graded again, or after another pair with the same gold, gets the same grade."""
+    def terms(name, order):  # x_{1}+x_{2}+...: math-verify parses each sum in about 0.2 s here
+        return "+".join(f"{name}_{{{i}}}" for i in order)
+    up, down, odd_first = range(1, 25), range(24, 0, -1), [*range(1, 25, 2), *range(2, 25, 2)]
+    ask, used = verifier._Worker.ask, []
+
+    def measured(self, *args, **kwargs):
+        start = self.cpu_s()
+        ok = ask(self, *args, **kwargs)
+        used.append(self.cpu_s() - start)
+        return ok
+    monkeypatch.setattr(verifier._Worker, "ask", measured)
+    monkeypatch.setattr(grade, "GRADE_TIMEOUT_S", 30)
+    assert grade.answers_match(terms("y", up), terms("y", down))
+    monkeypatch.setattr(grade, "GRADE_TIMEOUT_S", 0.7 * used[-1])
+    gold = terms("x", down)
+    verdicts = [grade.answers_match(terms("x", order), gold) for order in (up, up, odd_first, up)]
+    assert verdicts == [False] * 4, used
+
+
 def test_no_verdict_in_wall_time_is_graded_wrong_with_a_warning(monkeypatch, capsys):
     assert grade.answers_match("x+1", "1+x")  # a warm worker
     monkeypatch.setattr(verifier, "WALL_S", 0.5)
     os.kill(verifier._idle[-1].proc.pid, signal.SIGSTOP)  # stopped for good: the call kills it
     assert grade.answers_match(r"\sin^2 x+\cos^2 x", "1") is False
     assert "no verdict in 0.5 s of wall time" in capsys.readouterr().err
+
+
+def test_a_late_worker_start_is_waited_for(monkeypatch, capsys):
+    """A start past START_TIMEOUT_S (a loaded host, a suspended job) is waited for: math-verify stays on.
+    Here the limit is 2 s and the new worker is stopped for 3 s."""
+    monkeypatch.setattr(verifier, "_idle", [])
+    monkeypatch.setattr(verifier, "_unavailable", [])
+    monkeypatch.setattr(verifier, "START_TIMEOUT_S", 2)
+    verifier.start()
+    pid = verifier._idle[-1].proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    threading.Timer(3, os.kill, (pid, signal.SIGCONT)).start()
+    try:
+        assert grade.answers_match(r"\sin^2 x+\cos^2 x", "1")
+        assert grade.answers_match(r"\frac{1}{2}", "x/(2x)")  # and afterwards
+    finally:
+        verifier._stop_workers()
+    assert "not ready after 2 s" in capsys.readouterr().err
 
 
 def test_without_a_worker_math_verify_is_skipped_with_one_warning(monkeypatch, capsys):
