@@ -215,8 +215,8 @@ def build_parser():
     g.add_argument("--lcb-release", default=data.LCB_RELEASE,
                    help="the lcb window: vN or vA_vB (default %(default)s)")
     g.add_argument("--out", help="output dir (default RUN/eval or eval_out/<model>)")
-    g.add_argument("--responses", help="grade and score a JSONL of responses made elsewhere (vLLM, an API) "
-                   "in place of sampling (its format: docs/reference.md, \"Responses made elsewhere\")")
+    g.add_argument("--responses", help="grade and score a JSONL of responses made elsewhere (vLLM, an API) in "
+                   "place of sampling, each cut at --max-new-tokens (docs/reference.md, \"Responses made elsewhere\")")
     g.add_argument("--unconfined-code", action="store_true",
                    help="run lcb's programs without namespaces where the sandbox has none (they can escape)")
     g = p.add_argument_group("sampling")

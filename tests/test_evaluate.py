@@ -504,6 +504,20 @@ def test_responses_made_elsewhere_give_the_table_of_evaluating_them_here(tmp_pat
     assert [(b["acc"], b["n"]) for b in res["toy"]["benchmarks"].values()] == [(1.0, 4), (1.0, 4)]
 
 
+def test_responses_past_the_cap_are_cut_there_and_graded_on_what_is_left(tmp_path):
+    # red team 6, row 1: a response longer than --max-new-tokens was graded and scored in full, while
+    # results.json recorded the cap; now it is cut at the cap as a sample drawn here would be
+    work = "1+1=2\n" * 20   # 120 tokens of the toy's tokenizer before the box
+    made = [dict(benchmark="toy", question=q, response=f"{work}</think>\\boxed{{{row['answer']}}}")
+            for q, row in enumerate(data.load_rows("toy", split="test", limit=2))]
+    res = evaluate.main(["--model", "toy", "--benchmarks", "toy", "--limit", "2", "--n-samples", "1",
+                         "--max-new-tokens", "24", "--confidence", "logits", "--out", str(tmp_path / "e"),
+                         "--responses", jsonl(tmp_path / "r.jsonl", made)])
+    graded = _rows(tmp_path / "e" / "samples.jsonl")
+    assert [(r["length"], r["finish"], r["text"], r["correct"]) for r in graded] == [(24, "length", work[:24], 0)] * 2
+    assert res["toy"]["benchmarks"]["toy"]["acc"] == 0.0 and res["toy"]["settings"]["toy"]["max_new_tokens"] == 24
+
+
 EVAL_CASES = {
     "n-samples 0": (lambda t: ["--n-samples", "0"], "--n-samples 0: must be >= 1"),
     "limit 0": (lambda t: ["--limit", "0"], "--limit 0: must be >= 1"),
