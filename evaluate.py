@@ -133,11 +133,12 @@ def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, con
 
     def call_rows(chunk, m, out, conf, extras, golds):   # in the grading thread, while the next call generates
         answers, right = grade_call(out.texts, golds, bench, s, form)
+        code = s.get("grader") == "code"   # its gold is the problem's tests: not copied into each sample
         return [json.dumps(dict(
             model=label, benchmark=bench, question=q, sample=missing[r % m], answer=answers[r],
             correct=int(right[r]), confidence=float(conf[r]), length=out.lengths[r], finish=out.finish[r],
-            source=conf_kw["source"], key=key, q=qids[q], problem=rows[q]["problem"],
-            text=out.texts[r], **extras[r])) + "\n"
+            source=conf_kw["source"], key=key, q=qids[q], **({} if code else {"gold": golds[r]}),
+            **({} if args.no_log_text else dict(problem=rows[q]["problem"], text=out.texts[r])), **extras[r])) + "\n"
             for r, (q, missing) in enumerate(c for c in chunk for _ in range(m))]
 
     with Rounds(path, bar) as written:
@@ -217,6 +218,8 @@ def build_parser():
     g.add_argument("--out", help="output dir (default RUN/eval or eval_out/<model>)")
     g.add_argument("--responses", help="grade and score a JSONL of responses made elsewhere (vLLM, an API) in "
                    "place of sampling, each cut at --max-new-tokens (docs/reference.md, \"Responses made elsewhere\")")
+    g.add_argument("--no-log-text", action="store_true", help="leave the problem and response texts out of "
+                   "samples.jsonl (about 25 KB a 7B sample; rows with or without them are reused alike)")
     g.add_argument("--unconfined-code", action="store_true",
                    help="run lcb's programs without namespaces where the sandbox has none (they can escape)")
     g = p.add_argument_group("sampling")
