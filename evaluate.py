@@ -206,7 +206,7 @@ def natural_correct(text, answer, gold, form="box", gate="thinking", letters=Tru
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("what to evaluate")
     g.add_argument("--model", action="append", required=True,
                    help="alias (toy, " + ", ".join(ALIASES) + "), HF id, model/checkpoint/run dir; repeatable")

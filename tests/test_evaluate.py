@@ -504,6 +504,14 @@ def test_responses_made_elsewhere_give_the_table_of_evaluating_them_here(tmp_pat
     assert [(b["acc"], b["n"]) for b in res["toy"]["benchmarks"].values()] == [(1.0, 4), (1.0, 4)]
 
 
+def test_the_help_header_says_what_evaluate_does_and_how_to_call_it():
+    # issue 60: the header was the docstring's first line, cut off mid-sentence ("... and a")
+    header = " ".join(evaluate.build_parser().format_help().split("options:")[0].split())
+    assert ("Evaluate models: accuracy, calibration (ECE, PCE, Brier, AUROC), reliability diagrams, and a use of "
+            "the confidence (conformal early exit).") in header
+    assert "python evaluate.py --model runs/toy --benchmarks toy" in header
+
+
 def test_responses_past_the_cap_are_cut_there_and_graded_on_what_is_left(tmp_path):
     # red team 6, row 1: a response longer than --max-new-tokens was graded and scored in full, while
     # results.json recorded the cap; now it is cut at the cap as a sample drawn here would be
