@@ -28,7 +28,7 @@ from evaluation.benchmarks import (HELD, LOCKS, Rounds, deal, default_out, diges
                                    read_responses, read_samples, rlcr_prompts, run_config, run_prompt,
                                    sample_key, settings, setup, share)
 from evaluation.report import means, plot_reliability, report_uses, summarize, table, write_results
-from harness import checkpoint, runlog, sandbox
+from harness import checkpoint, files, runlog, sandbox
 from harness.checkpoint import ALIASES, check_out, resolve_model
 from harness.files import UserError
 from config import check_values
@@ -118,6 +118,24 @@ def evaluate_model(name, loaded, args):
 
 
 GRADER = "math"   # evaluation grades with grade.is_correct: normaliser + math-verify
+
+
+def export_prompts(path, names, loaded, args):
+    """--export-prompts: each benchmark row's prompt as generate_benchmark builds it (text after the chat
+    template, and ids) and sampling settings, for another engine; its responses come back by --responses."""
+    if len(names) > 1:
+        raise UserError("--export-prompts takes one --model: its chat template and run make the prompts")
+    from transformers import AutoTokenizer
+    model = resolve_model(names[0])   # a checkpoint holds its tokenizer, a LoRA one too
+    tok, (own, system, _) = AutoTokenizer.from_pretrained(model), run_prompt(model, args)
+    with files.replacing(path) as f:
+        for bench, rows, instruction, _ in loaded:
+            s = settings(bench, args)
+            drawn = dict(n=s["n"], temperature=args.temperature, top_p=args.top_p, max_tokens=s["max_new_tokens"])
+            for q, row in enumerate(rows):
+                ids = data.row_prompt(tok, row, instruction if own is None else own, system)
+                f.write(json.dumps(dict(benchmark=bench, question=q, prompt=tok.decode(ids), prompt_ids=ids, **drawn)) + "\n")
+    print(f"{path}: the prompts; sample them, then evaluate with the same flags and --responses (docs/reference.md)")
 
 
 def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, path, system=None,
@@ -218,6 +236,8 @@ def build_parser():
     g.add_argument("--out", help="output dir (default RUN/eval or eval_out/<model>)")
     g.add_argument("--responses", help="grade and score a JSONL of responses made elsewhere (vLLM, an API) in "
                    "place of sampling, each cut at --max-new-tokens (docs/reference.md, \"Responses made elsewhere\")")
+    g.add_argument("--export-prompts", metavar="FILE", help="write each row's prompt (text and ids) and sampling "
+                   "settings as JSONL for another engine, and stop (then --responses)")
     g.add_argument("--no-log-text", action="store_true", help="leave the problem and response texts out of "
                    "samples.jsonl (about 25 KB a 7B sample; rows with or without them are reused alike)")
     g.add_argument("--unconfined-code", action="store_true",
@@ -287,6 +307,8 @@ def main(argv=None):
             torch.set_num_threads(1)
         loaded = load_benchmarks(names, args.limit, args.lcb_release)   # every name checked before any model loads
         loaded = rlcr_prompts(loaded) if args.mode == "rlcr" else loaded
+        if args.export_prompts:   # another engine samples them: nothing is generated here
+            return export_prompts(args.export_prompts, args.model, loaded, args)
         args.given = read_responses(args.responses, loaded) if args.responses else None
         if any(data.kind(name) == "code" for name, *_ in loaded):
             sandbox.check()   # can programs be confined here (or --unconfined-code)? Said before any model loads
