@@ -36,8 +36,7 @@ from harness.parallel import MASTER, launch, teardown, worker_count
 
 # Allowed flag values (config.check_values): checked before any model, data or folder is touched.
 LIMITS = {key: (lambda v: v >= 1, ">= 1") for key in (
-    "limit", "n_samples", "max_new_tokens", "batch_size", "every", "forced_k", "probe_questions",
-    "nproc")}
+    "limit", "n_samples", "max_new_tokens", "batch_size", "every", "forced_k", "probe_questions", "nproc")}
 LIMITS.update(temperature=(lambda v: v >= 0, ">= 0 (0: greedy)"), top_p=(lambda v: 0 < v <= 1, "in (0, 1]"),
               seed=(lambda v: 0 <= v < 2**32, "in [0, 2**32)"), logit_temperature=(lambda v: v > 0, "> 0"))
 
@@ -55,10 +54,9 @@ def evaluate_model(name, loaded, args):
     prompt, run = run_prompt(path, args), run_config(path)
     fractions = tuple(run.get("budgets") or (0.25, 0.5, 0.75))   # where the run's own probe is read
     for bench, rows, instruction, _ in loaded:   # refused: a prompt past the context or a failing template
-        data.check_context(tok, rows, instruction if prompt[0] is None else prompt[0],
-                                  getattr(model.config, "max_position_embeddings", None),
-                                  settings(bench, args)["max_new_tokens"], bench,
-                                  say=lambda m: print(m, file=sys.stderr), system=prompt[1])
+        data.check_context(tok, rows, instruction if prompt[0] is None else prompt[0], getattr(
+            model.config, "max_position_embeddings", None), settings(bench, args)["max_new_tokens"], bench,
+            say=lambda m: print(m, file=sys.stderr), system=prompt[1])
     if MASTER:   # rank 0 alone reads and writes the folder; the other ranks get what they need from it
         hold(out_dir)   # a new folder is made only now that the model loads and the prompts fit
         label = filed_label(label, ident, out_dir)   # reads results.json: a damaged one is refused now
@@ -89,8 +87,7 @@ def evaluate_model(name, loaded, args):
                            prompt[2], key)
         if not MASTER:
             continue
-        res["benchmarks"][bench] = summarize(own_rows(read_samples(samples), key, rows, s["n"]),
-                                             seed=args.seed)
+        res["benchmarks"][bench] = summarize(own_rows(read_samples(samples), key, rows, s["n"]), seed=args.seed)
         window = " to ".join(data.lcb_window(args.lcb_release))
         release = {"release": f"{args.lcb_release} (contests {window})"} if bench == "lcb" else {}
         world = {"toy_world": toy.WORLD} if bench in data.TOY_BENCHMARKS else {}
@@ -134,7 +131,8 @@ def export_prompts(path, names, loaded, args):
             drawn = dict(n=s["n"], temperature=args.temperature, top_p=args.top_p, max_tokens=s["max_new_tokens"])
             for q, row in enumerate(rows):
                 ids = data.row_prompt(tok, row, instruction if own is None else own, system)
-                f.write(json.dumps(dict(benchmark=bench, question=q, prompt=tok.decode(ids), prompt_ids=ids, **drawn)) + "\n")
+                line = dict(benchmark=bench, question=q, prompt=tok.decode(ids), prompt_ids=ids, **drawn)
+                print(json.dumps(line), file=f)
     print(f"{path}: the prompts; sample them, then evaluate with the same flags and --responses (docs/reference.md)")
 
 
@@ -142,8 +140,7 @@ def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, con
                        form="box", key=None):
     """Sample, grade and score every (question, sample) of one benchmark not yet in `path` for
     `key` (sample_key), appending per call. s: the benchmark's settings; conf_kw:
-    confidence.sample_confidences' arguments; form: grade.extract's ("box" or "tag").
-    """
+    confidence.sample_confidences' arguments; form: grade.extract's ("box" or "tag")."""
     qids = question_ids(rows)
     todo = share(missing_samples(path, rows, s["n"], key) if MASTER else None)
     bar = tqdm(total=len(rows) * s["n"], initial=len(rows) * s["n"] - sum(len(m) for _, m in todo),
@@ -231,8 +228,7 @@ def build_parser():
     g.add_argument("--benchmarks", default="toy",
                    help="comma list: toy, math500, ..., FILE or NAME=FILE (default %(default)s)")
     g.add_argument("--limit", type=int, help="questions per benchmark (default: all)")
-    g.add_argument("--lcb-release", default=data.LCB_RELEASE,
-                   help="the lcb window: vN or vA_vB (default %(default)s)")
+    g.add_argument("--lcb-release", default=data.LCB_RELEASE, help="the lcb window: vN or vA_vB (default %(default)s)")
     g.add_argument("--out", help="output dir (default RUN/eval or eval_out/<model>)")
     g.add_argument("--responses", help="grade and score a JSONL of responses made elsewhere (vLLM, an API) in "
                    "place of sampling, each cut at --max-new-tokens (docs/reference.md, \"Responses made elsewhere\")")
@@ -334,14 +330,11 @@ def main(argv=None):
         HELD.clear()
         teardown(results is not None)
     if results is None:
-        print("\ninterrupted: the samples so far are kept; run the same command again to continue",
-              file=sys.stderr)
+        print("\ninterrupted: the samples so far are kept; run the same command again to continue", file=sys.stderr)
         raise SystemExit(130)
     if not MASTER:
         return None
-    print(table(results))
-    print()
-    print(report_uses(results))
+    print(table(results), "", report_uses(results), sep="\n")
     outs = dict.fromkeys(r["out"] for r in results.values())
     print(f"\nresults: {', '.join(outs)}  (results.json, samples.jsonl, reliability_*.png)")
     return results

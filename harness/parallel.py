@@ -394,12 +394,10 @@ def launch(script, argv, nproc):
     def relay(proc, log):
         # rank 0's stderr goes to the terminal until some worker fails (after Ctrl-C: to its last line)
         for chunk in iter(lambda: os.read(proc.stderr.fileno(), 4096), b""):
-            log.write(chunk.decode(errors="replace"))
-            log.flush()
+            print(chunk.decode(errors="replace"), end="", file=log, flush=True)
             if not failed.is_set() or interrupted.is_set():
                 shown.append(chunk.decode(errors="replace"))
-                sys.stderr.write(shown[-1])
-                sys.stderr.flush()
+                print(shown[-1], end="", file=sys.stderr, flush=True)
 
     relay_thread = threading.Thread(target=relay, args=procs[0], daemon=True)
     relay_thread.start()
@@ -410,17 +408,15 @@ def launch(script, argv, nproc):
         except KeyboardInterrupt:   # the workers got the same Ctrl-C (one process group): rank 0 says how
             until = time.monotonic() + (0 if interrupted.is_set() else 30)   # to continue, as one process does
             interrupted.set()
-    if failed.is_set() or interrupted.is_set():
-        for proc, _ in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + 10
-        for proc, _ in procs:
-            try:
-                proc.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    for proc, _ in procs:   # those still running (a failure elsewhere, a late stop): SIGTERM, then SIGKILL
+        proc.terminate()    # (a no-op once a process has exited)
+    deadline = time.monotonic() + 10
+    for proc, _ in procs:
+        try:
+            proc.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
     relay_thread.join(5)
     for _, log in procs:
         log.close()
