@@ -28,7 +28,7 @@ from evaluation.benchmarks import (HELD, LOCKS, Rounds, deal, default_out, diges
                                    read_responses, read_samples, rlcr_prompts, run_config, run_prompt,
                                    sample_key, settings, setup, share)
 from evaluation.report import means, plot_reliability, report_uses, summarize, table, write_results
-from harness import checkpoint, runlog, sandbox
+from harness import checkpoint, files, runlog, sandbox
 from harness.checkpoint import ALIASES, check_out, resolve_model
 from harness.files import UserError
 from config import check_values
@@ -36,8 +36,7 @@ from harness.parallel import MASTER, launch, teardown, worker_count
 
 # Allowed flag values (config.check_values): checked before any model, data or folder is touched.
 LIMITS = {key: (lambda v: v >= 1, ">= 1") for key in (
-    "limit", "n_samples", "max_new_tokens", "batch_size", "every", "forced_k", "probe_questions",
-    "nproc")}
+    "limit", "n_samples", "max_new_tokens", "batch_size", "every", "forced_k", "probe_questions", "nproc")}
 LIMITS.update(temperature=(lambda v: v >= 0, ">= 0 (0: greedy)"), top_p=(lambda v: 0 < v <= 1, "in (0, 1]"),
               seed=(lambda v: 0 <= v < 2**32, "in [0, 2**32)"), logit_temperature=(lambda v: v > 0, "> 0"))
 
@@ -55,10 +54,9 @@ def evaluate_model(name, loaded, args):
     prompt, run = run_prompt(path, args), run_config(path)
     fractions = tuple(run.get("budgets") or (0.25, 0.5, 0.75))   # where the run's own probe is read
     for bench, rows, instruction, _ in loaded:   # refused: a prompt past the context or a failing template
-        data.check_context(tok, rows, instruction if prompt[0] is None else prompt[0],
-                                  getattr(model.config, "max_position_embeddings", None),
-                                  settings(bench, args)["max_new_tokens"], bench,
-                                  say=lambda m: print(m, file=sys.stderr), system=prompt[1])
+        data.check_context(tok, rows, instruction if prompt[0] is None else prompt[0], getattr(
+            model.config, "max_position_embeddings", None), settings(bench, args)["max_new_tokens"], bench,
+            say=lambda m: print(m, file=sys.stderr), system=prompt[1])
     if MASTER:   # rank 0 alone reads and writes the folder; the other ranks get what they need from it
         hold(out_dir)   # a new folder is made only now that the model loads and the prompts fit
         label = filed_label(label, ident, out_dir)   # reads results.json: a damaged one is refused now
@@ -89,8 +87,7 @@ def evaluate_model(name, loaded, args):
                            prompt[2], key)
         if not MASTER:
             continue
-        res["benchmarks"][bench] = summarize(own_rows(read_samples(samples), key, rows, s["n"]),
-                                             seed=args.seed)
+        res["benchmarks"][bench] = summarize(own_rows(read_samples(samples), key, rows, s["n"]), seed=args.seed)
         window = " to ".join(data.lcb_window(args.lcb_release))
         release = {"release": f"{args.lcb_release} (contests {window})"} if bench == "lcb" else {}
         world = {"toy_world": toy.WORLD} if bench in data.TOY_BENCHMARKS else {}
@@ -120,12 +117,30 @@ def evaluate_model(name, loaded, args):
 GRADER = "math"   # evaluation grades with grade.is_correct: normaliser + math-verify
 
 
+def export_prompts(path, names, loaded, args):
+    """--export-prompts: each benchmark row's prompt as generate_benchmark builds it (text after the chat
+    template, and ids) and sampling settings, for another engine; its responses come back by --responses."""
+    if len(names) > 1:
+        raise UserError("--export-prompts takes one --model: its chat template and run make the prompts")
+    from transformers import AutoTokenizer
+    model = resolve_model(names[0])   # a checkpoint holds its tokenizer, a LoRA one too
+    tok, (own, system, _) = AutoTokenizer.from_pretrained(model), run_prompt(model, args)
+    with files.replacing(path) as f:
+        for bench, rows, instruction, _ in loaded:
+            s = settings(bench, args)
+            drawn = dict(n=s["n"], temperature=args.temperature, top_p=args.top_p, max_tokens=s["max_new_tokens"])
+            for q, row in enumerate(rows):
+                ids = data.row_prompt(tok, row, instruction if own is None else own, system)
+                line = dict(benchmark=bench, question=q, prompt=tok.decode(ids), prompt_ids=ids, **drawn)
+                print(json.dumps(line), file=f)
+    print(f"{path}: the prompts; sample them, then evaluate with the same flags and --responses (docs/reference.md)")
+
+
 def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, conf_kw, path, system=None,
                        form="box", key=None):
     """Sample, grade and score every (question, sample) of one benchmark not yet in `path` for
     `key` (sample_key), appending per call. s: the benchmark's settings; conf_kw:
-    confidence.sample_confidences' arguments; form: grade.extract's ("box" or "tag").
-    """
+    confidence.sample_confidences' arguments; form: grade.extract's ("box" or "tag")."""
     qids = question_ids(rows)
     todo = share(missing_samples(path, rows, s["n"], key) if MASTER else None)
     bar = tqdm(total=len(rows) * s["n"], initial=len(rows) * s["n"] - sum(len(m) for _, m in todo),
@@ -133,11 +148,12 @@ def generate_benchmark(model, tok, label, bench, rows, instruction, s, args, con
 
     def call_rows(chunk, m, out, conf, extras, golds):   # in the grading thread, while the next call generates
         answers, right = grade_call(out.texts, golds, bench, s, form)
+        code = s.get("grader") == "code"   # its gold is the problem's tests: not copied into each sample
         return [json.dumps(dict(
             model=label, benchmark=bench, question=q, sample=missing[r % m], answer=answers[r],
             correct=int(right[r]), confidence=float(conf[r]), length=out.lengths[r], finish=out.finish[r],
-            source=conf_kw["source"], key=key, q=qids[q], problem=rows[q]["problem"],
-            text=out.texts[r], **extras[r])) + "\n"
+            source=conf_kw["source"], key=key, q=qids[q], **({} if code else {"gold": golds[r]}),
+            **({} if args.no_log_text else dict(problem=rows[q]["problem"], text=out.texts[r])), **extras[r])) + "\n"
             for r, (q, missing) in enumerate(c for c in chunk for _ in range(m))]
 
     with Rounds(path, bar) as written:
@@ -205,18 +221,21 @@ def natural_correct(text, answer, gold, form="box", gate="thinking", letters=Tru
 
 
 def build_parser():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("what to evaluate")
     g.add_argument("--model", action="append", required=True,
                    help="alias (toy, " + ", ".join(ALIASES) + "), HF id, model/checkpoint/run dir; repeatable")
     g.add_argument("--benchmarks", default="toy",
                    help="comma list: toy, math500, ..., FILE or NAME=FILE (default %(default)s)")
     g.add_argument("--limit", type=int, help="questions per benchmark (default: all)")
-    g.add_argument("--lcb-release", default=data.LCB_RELEASE,
-                   help="the lcb window: vN or vA_vB (default %(default)s)")
+    g.add_argument("--lcb-release", default=data.LCB_RELEASE, help="the lcb window: vN or vA_vB (default %(default)s)")
     g.add_argument("--out", help="output dir (default RUN/eval or eval_out/<model>)")
-    g.add_argument("--responses", help="grade and score a JSONL of responses made elsewhere (vLLM, an API) "
-                   "in place of sampling (its format: docs/reference.md, \"Responses made elsewhere\")")
+    g.add_argument("--responses", help="grade and score a JSONL of responses made elsewhere (vLLM, an API) in "
+                   "place of sampling, each cut at --max-new-tokens (docs/reference.md, \"Responses made elsewhere\")")
+    g.add_argument("--export-prompts", metavar="FILE", help="write each row's prompt (text and ids) and sampling "
+                   "settings as JSONL for another engine, and stop (then --responses)")
+    g.add_argument("--no-log-text", action="store_true", help="leave the problem and response texts out of "
+                   "samples.jsonl (about 25 KB a 7B sample; rows with or without them are reused alike)")
     g.add_argument("--unconfined-code", action="store_true",
                    help="run lcb's programs without namespaces where the sandbox has none (they can escape)")
     g = p.add_argument_group("sampling")
@@ -284,6 +303,8 @@ def main(argv=None):
             torch.set_num_threads(1)
         loaded = load_benchmarks(names, args.limit, args.lcb_release)   # every name checked before any model loads
         loaded = rlcr_prompts(loaded) if args.mode == "rlcr" else loaded
+        if args.export_prompts:   # another engine samples them: nothing is generated here
+            return export_prompts(args.export_prompts, args.model, loaded, args)
         args.given = read_responses(args.responses, loaded) if args.responses else None
         if any(data.kind(name) == "code" for name, *_ in loaded):
             sandbox.check()   # can programs be confined here (or --unconfined-code)? Said before any model loads
@@ -309,14 +330,11 @@ def main(argv=None):
         HELD.clear()
         teardown(results is not None)
     if results is None:
-        print("\ninterrupted: the samples so far are kept; run the same command again to continue",
-              file=sys.stderr)
+        print("\ninterrupted: the samples so far are kept; run the same command again to continue", file=sys.stderr)
         raise SystemExit(130)
     if not MASTER:
         return None
-    print(table(results))
-    print()
-    print(report_uses(results))
+    print(table(results), "", report_uses(results), sep="\n")
     outs = dict.fromkeys(r["out"] for r in results.values())
     print(f"\nresults: {', '.join(outs)}  (results.json, samples.jsonl, reliability_*.png)")
     return results

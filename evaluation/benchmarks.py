@@ -239,11 +239,13 @@ def read_responses(path, loaded):
 
 
 def given_samples(tokenizer, texts, cap):
-    """rollout.Samples of responses made elsewhere, tokenized as is; EOS ends each under `cap` tokens."""
+    """rollout.Samples of responses made elsewhere, tokenized as is; EOS ends each under `cap` tokens,
+    a longer one is cut at `cap` as if sampled here (finish "length", graded on what is left)."""
     ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
-    finish = ["length" if len(i) >= cap else "eos" for i in ids]   # the engine cut it at the cap
-    ids = [i + [tokenizer.eos_token_id] * (f == "eos") for i, f in zip(ids, finish)]
-    return rollout.Samples(ids, list(texts), [len(i) for i in ids], finish, [])
+    texts = [t if len(i) <= cap else tokenizer.decode(i[:cap], skip_special_tokens=True) for t, i in zip(texts, ids)]
+    finish = ["length" if len(i) >= cap else "eos" for i in ids]
+    ids = [i[:cap] + [tokenizer.eos_token_id] * (f == "eos") for i, f in zip(ids, finish)]
+    return rollout.Samples(ids, texts, [len(i) for i in ids], finish, [])
 
 
 def question_ids(rows):

@@ -551,9 +551,9 @@ def folder_kind(path):
     """(kind, the names that show it) of a folder: run, model, evaluation, empty (but a lock) or other."""
     names = sorted(set(os.listdir(path)) - {files.LOCK})
     weights = [n for n in names if n.endswith((".safetensors", ".bin"))]
-    run = ("metrics.jsonl", "checkpoints")
-    for kind, shown in (("run", [n for n in run if n in names]),
-                        ("model", ["config.json", *weights] if weights and "config.json" in names else []),
+    config = [n for n in ("config.json", "adapter_config.json") if n in names]   # a full model or a LoRA adapter
+    for kind, shown in (("run", [n for n in ("metrics.jsonl", "checkpoints") if n in names]),
+                        ("model", [*config, *weights] if weights and config else []),
                         ("evaluation", [n for n in ("samples.jsonl", "results.json") if n in names])):
         if shown:
             return kind, shown

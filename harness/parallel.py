@@ -375,7 +375,7 @@ def launch(script, argv, nproc):
     """Run `python script *argv` as nproc ranks; return the exit code (0, or the failed worker's)."""
     logs = tempfile.mkdtemp(prefix="rlcm-workers-")
     port = str(free_port())
-    procs, exits, failed, shown = [], {}, threading.Event(), []
+    procs, exits, failed, shown, interrupted = [], {}, threading.Event(), [], threading.Event()
 
     def watch(rank, proc):
         code = proc.wait()
@@ -397,49 +397,42 @@ def launch(script, argv, nproc):
         threading.Thread(target=watch, args=(rank, proc), daemon=True).start()
 
     def relay(proc, log):
-        # rank 0's stderr goes to the terminal until some worker fails
+        # rank 0's stderr goes to the terminal until some worker fails (after Ctrl-C: to its last line)
         for chunk in iter(lambda: os.read(proc.stderr.fileno(), 4096), b""):
-            log.write(chunk.decode(errors="replace"))
-            log.flush()
-            if not failed.is_set():
+            print(chunk.decode(errors="replace"), end="", file=log, flush=True)
+            if not failed.is_set() or interrupted.is_set():
                 shown.append(chunk.decode(errors="replace"))
-                sys.stderr.write(shown[-1])
-                sys.stderr.flush()
+                print(shown[-1], end="", file=sys.stderr, flush=True)
 
     relay_thread = threading.Thread(target=relay, args=procs[0], daemon=True)
     relay_thread.start()
     handlers = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    interrupted = False
-    try:
-        while len(exits) < nproc and not failed.is_set():
+    until = float("inf")   # after Ctrl-C: 30 s for the workers to stop themselves (a second one: none)
+    while len(exits) < nproc and (interrupted.is_set() or not failed.is_set()) and time.monotonic() < until:
+        try:
             time.sleep(0.05)
-    except KeyboardInterrupt:  # the workers got the same Ctrl-C (one process group)
-        interrupted = True
-        failed.set()
-    if failed.is_set():
-        for proc, _ in procs:
-            if proc.poll() is None:
-                proc.terminate()
-        deadline = time.monotonic() + 10
-        for proc, _ in procs:
-            try:
-                proc.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        except KeyboardInterrupt:   # the workers got the same Ctrl-C (one process group): rank 0 says how
+            until = time.monotonic() + (0 if interrupted.is_set() else 30)   # to continue, as one process does
+            interrupted.set()
+    for proc, _ in procs:   # those still running (a failure elsewhere, a late stop): SIGTERM, then SIGKILL
+        proc.terminate()    # (a no-op once a process has exited)
+    deadline = time.monotonic() + 10
+    for proc, _ in procs:
+        try:
+            proc.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
     relay_thread.join(5)
     for sig, handler in handlers.items():
         signal.signal(sig, handler)
     for _, log in procs:
         log.close()
-    if interrupted:
-        print(f"interrupted; all workers stopped (logs: {logs})", file=sys.stderr)
-        return 130
     bad = sorted((t, rank, code) for rank, (t, code) in exits.items() if code not in (0, PREEMPTED))
-    if not bad:
+    if not bad or interrupted.is_set():   # rank 0 has said how the run stands: its logs are of no use
         shutil.rmtree(logs, ignore_errors=True)
         codes = {code for _, code in exits.values()}
-        return 130 if len(exits) < nproc else PREEMPTED if PREEMPTED in codes else 0
+        return 130 if interrupted.is_set() else PREEMPTED if PREEMPTED in codes else 0
     _, rank, code = bad[0]
     text = tail(os.path.join(logs, f"rank{rank}.log"))
     last = text.splitlines()[-1] if text else ""

@@ -37,6 +37,7 @@ ELSEWHERE = {
     "file.py": "a placeholder: `file.py:function` (tests/test_map.py)",
     "modeling_evil.py": "written by tests/test_train.py into a temporary checkpoint",
     "work.py": "a worker script tests/test_launch.py writes into a temporary folder",
+    "vllm_sample.py": "the vLLM script docs/reference.md shows, saved by the user (\"Responses made elsewhere\")",
 }
 
 

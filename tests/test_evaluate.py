@@ -504,6 +504,51 @@ def test_responses_made_elsewhere_give_the_table_of_evaluating_them_here(tmp_pat
     assert [(b["acc"], b["n"]) for b in res["toy"]["benchmarks"].values()] == [(1.0, 4), (1.0, 4)]
 
 
+def test_the_help_header_says_what_evaluate_does_and_how_to_call_it():
+    # issue 60: the header was the docstring's first line, cut off mid-sentence ("... and a")
+    header = " ".join(evaluate.build_parser().format_help().split("options:")[0].split())
+    assert ("Evaluate models: accuracy, calibration (ECE, PCE, Brier, AUROC), reliability diagrams, and a use of "
+            "the confidence (conformal early exit).") in header
+    assert "python evaluate.py --model runs/toy --benchmarks toy" in header
+
+
+def test_responses_past_the_cap_are_cut_there_and_graded_on_what_is_left(tmp_path):
+    # red team 6, row 1: a response longer than --max-new-tokens was graded and scored in full, while
+    # results.json recorded the cap; now it is cut at the cap as a sample drawn here would be
+    work = "1+1=2\n" * 20   # 120 tokens of the toy's tokenizer before the box
+    made = [dict(benchmark="toy", question=q, response=f"{work}</think>\\boxed{{{row['answer']}}}")
+            for q, row in enumerate(data.load_rows("toy", split="test", limit=2))]
+    res = evaluate.main(["--model", "toy", "--benchmarks", "toy", "--limit", "2", "--n-samples", "1",
+                         "--max-new-tokens", "24", "--confidence", "logits", "--out", str(tmp_path / "e"),
+                         "--responses", jsonl(tmp_path / "r.jsonl", made)])
+    graded = _rows(tmp_path / "e" / "samples.jsonl")
+    assert [(r["length"], r["finish"], r["text"], r["correct"]) for r in graded] == [(24, "length", work[:24], 0)] * 2
+    assert res["toy"]["benchmarks"]["toy"]["acc"] == 0.0 and res["toy"]["settings"]["toy"]["max_new_tokens"] == 24
+
+
+def test_exported_prompts_sampled_elsewhere_give_the_table_of_evaluating_here(tmp_path, capsys):
+    # issue 60, item 5: the exact prompts out (--export-prompts), another engine's responses back in;
+    # the project's own sampler stands in for the engine, greedy so that both draw the same responses
+    argv = ["--model", "toy", "--benchmarks", "toy,toy-sub", "--limit", "4", "--n-samples", "2",
+            "--max-new-tokens", "36", "--temperature", "0", "--confidence", "logits"]
+    assert evaluate.main([*argv, "--export-prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path / "x")]) is None
+    assert not os.path.exists(tmp_path / "x")   # nothing generated, nothing written but the prompts
+    model, tok = evaluate.checkpoint.load_model("toy")
+    made = []
+    for p in _rows(tmp_path / "p.jsonl"):
+        out = rollout.generate(model, tok, [p["prompt_ids"]], n=p["n"], max_new_tokens=p["max_tokens"],
+                               temperature=p["temperature"], top_p=p["top_p"])
+        made += [dict(benchmark=p["benchmark"], question=p["question"], response=t) for t in out.texts]
+    capsys.readouterr()
+    evaluate.main([*argv, "--out", str(tmp_path / "here")])
+    here = capsys.readouterr().out.splitlines()[:-1]   # the last line names the folder
+    evaluate.main([*argv, "--out", str(tmp_path / "there"), "--responses", jsonl(tmp_path / "r.jsonl", made)])
+    assert capsys.readouterr().out.splitlines()[:-1] == here
+    golds = {b: [r["answer"] for r in data.load_rows(b, split="test", limit=4)] for b in ("toy", "toy-sub")}
+    assert [r["gold"] for r in _rows(tmp_path / "there" / "samples.jsonl")] == [
+        g for b in golds for g in golds[b] for _ in range(2)]   # each sample carries its gold
+
+
 EVAL_CASES = {
     "n-samples 0": (lambda t: ["--n-samples", "0"], "--n-samples 0: must be >= 1"),
     "limit 0": (lambda t: ["--limit", "0"], "--limit 0: must be >= 1"),

@@ -10,6 +10,8 @@ import time
 import pytest
 import torch
 
+from runs import sigint_default
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "40", "--eval-n", "8",
          "--eval-every", "0", "--gen-batch", "64"]
@@ -54,6 +56,35 @@ def test_a_failing_worker_stops_the_others_and_its_error_is_shown_once(tmp_path)
     assert "rank 0 of 2" in res.stdout
     assert res.stderr.count("RuntimeError: boom on rank 1") == 1, res.stderr
     assert "worker 1 of 2 failed" in res.stderr
+
+
+def test_ctrl_c_lets_the_workers_say_how_to_continue_and_leaves_no_logs(tmp_path):
+    """Red team 6, row 6: the launcher stopped the workers at once, so rank 0 never printed train.py's
+    "continue with: --resume" line, and the workers' logs stayed in the temporary folder."""
+    script = tmp_path / "work.py"
+    script.write_text("import os, sys, time\n"
+                      "rank = os.environ['RANK']\n"
+                      "try:\n"
+                      "    open(os.path.join(sys.argv[1], 'ready' + rank), 'w').close()\n"
+                      "    time.sleep(120)\n"
+                      "except KeyboardInterrupt:   # rank 1 stops first, rank 0 takes its time to say where it is\n"
+                      "    time.sleep(0.5 * (rank == '0'))\n"
+                      "    print('interrupted on rank', rank, '; continue with: --resume', file=sys.stderr)\n"
+                      "    sys.exit(130)\n")
+    code = "import sys\nfrom harness import parallel\nsys.exit(parallel.launch(sys.argv[1], sys.argv[2:], 2))"
+    temp = tmp_path / "temp"   # where the launcher keeps the workers' logs
+    os.makedirs(temp)
+    proc = subprocess.Popen([sys.executable, "-c", code, str(script), str(tmp_path)], cwd=ROOT,
+                            env={**ENV, "TMPDIR": str(temp)}, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, preexec_fn=sigint_default)
+    deadline = time.time() + 60
+    while not all(os.path.exists(tmp_path / f"ready{r}") for r in "01") and time.time() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)   # Ctrl-C: the terminal signals the whole process group
+    err = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert err.strip().splitlines()[-1] == "interrupted on rank 0 ; continue with: --resume", err
+    assert os.listdir(temp) == []
 
 
 @pytest.mark.slow   # train.py --nproc 2

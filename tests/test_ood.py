@@ -227,19 +227,22 @@ def test_gpqa_natural_boxed_answers_are_graded_as_released_and_logiqa_by_its_let
     assert evaluate.natural_correct(f"</think><answer>{option}</answer>", option, gold, form="tag", letters=True)
 
 
-def test_samples_keep_their_text_on_any_benchmark(tiny_dir, tmp_path, monkeypatch, capsys):
+def test_samples_keep_their_text_and_gold_on_any_benchmark_unless_no_log_text(tiny_dir, tmp_path, monkeypatch,
+                                                                               capsys):
     """Issue 51: only the toy's rows kept their text, so a wrong grade on a real benchmark could not be
-    read."""
+    read. Issue 59: --no-log-text keeps neither text (for space); the text is no part of a sample's key,
+    so rows with and without it are reused alike."""
     sums = write(tmp_path / "sums.jsonl", json.dumps({"problem": "1+1", "answer": "2"}) + "\n")
     canned = ["\\boxed{2}</think>\\boxed{2}", "\\boxed{3}</think>"]
     answer_with(monkeypatch, {"1+1": canned})
     samples = lambda out: [json.loads(line) for line in open(tmp_path / out / "samples.jsonl")]  # noqa: E731
     small = ["--benchmarks", sums, "--confidence", "logits", "--n-samples", "2", "--max-new-tokens", "4"]
-    for _ in range(2):
-        evaluate.main(["--model", tiny_dir, "--out", str(tmp_path / "a"), *small])
+    for out, *flag in (("a",), ("a", "--no-log-text"), ("b", "--no-log-text"), ("b",)):
+        evaluate.main(["--model", tiny_dir, "--out", str(tmp_path / out), *small, *flag])
     logged = samples("a")   # 2 rows: the second command found both samples in it and drew none
-    assert [(r["problem"], r["text"], r["correct"]) for r in logged] == [("1+1", canned[0], 1),
-                                                                        ("1+1", canned[1], 0)]
+    assert [(r["problem"], r["text"], r["gold"], r["correct"]) for r in logged] == [
+        ("1+1", canned[0], "2", 1), ("1+1", canned[1], "2", 0)]
+    assert samples("b") == [{k: v for k, v in r.items() if k not in ("problem", "text")} for r in logged]
 
 
 BAD = "its tests or metadata are not LiveCodeBench's"

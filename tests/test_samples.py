@@ -155,12 +155,19 @@ def test_evaluate_refuses_a_training_run_folder_as_out(tmp_path, capsys):
     assert snapshot(run_dir) == before
 
 
-def test_evaluate_refuses_a_model_folder_as_out(tmp_path, capsys):
-    # red team 5: before, samples.jsonl, results.json and the reliability diagrams went in beside the weights
+@pytest.mark.parametrize("adapter", [False, True])
+def test_evaluate_refuses_a_model_folder_as_out(adapter, tmp_path, capsys):
+    # red team 5: before, samples.jsonl, results.json and the reliability diagrams went in beside the weights;
+    # red team 6, row 9: a LoRA checkpoint (adapter_config.json beside its weights) was taken for "other"
     model = str(shutil.copytree(toy.BASE_DIR, tmp_path / "model"))
+    has = "config.json, model.safetensors"
+    if adapter:   # what a --lora-rank run's checkpoint holds in place of config.json and the full weights
+        os.rename(f"{model}/config.json", f"{model}/adapter_config.json")
+        os.rename(f"{model}/model.safetensors", f"{model}/adapter_model.safetensors")
+        has = "adapter_config.json, adapter_model.safetensors"
     before = snapshot(model)
-    assert refused(capsys, "--model", model, "--out", model, *FAST) == (
-        f"evaluate.py: error: --out {model} is a model's folder (it has config.json, model.safetensors): "
+    assert refused(capsys, "--model", "toy" if adapter else model, "--out", model, *FAST) == (
+        f"evaluate.py: error: --out {model} is a model's folder (it has {has}): "
         "evaluate.py writes only into a new or empty folder, or an evaluation's; pass another --out")
     assert snapshot(model) == before
 
