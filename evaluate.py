@@ -205,6 +205,8 @@ def grade_call(texts, golds, bench, s, form):
         return [sandbox.extract_code(t) for t in texts], sandbox.grade_many(
             [grade.code_job(t, g) for t, g in zip(texts, golds)])
     answers = [grade.rlcr_answer(t) if form == "tag" else grade.extract(t, GRADER, form) for t in texts]
+    if ":" in s.get("grader", ""):   # --grader FILE.py:FUNCTION: your function reads the whole response
+        return answers, [grade.is_correct(t, g, s["grader"]) for t, g in zip(texts, golds)]
     # GPQA's natural boxed answers are graded as released (no option letter read off them);
     # its RLCR answers and LogiQA's (the project's own protocol) by their letter
     letters = form == "tag" or bench != "gpqa"
@@ -267,6 +269,8 @@ def build_parser():
     g.add_argument("--system-prompt", help="system turn before the problem")
     g.add_argument("--gate", choices=("thinking", "none"), help="thinking (default; toy: none): right only with a box before </think>")
     g.add_argument("--answer", choices=("box", "tag"), help="the last \\boxed{} or <answer> (default: tag for an rlcr run)")
+    g.add_argument("--grader", type=grade.grader_spec, metavar="FILE.py:FUNCTION",
+                   help="your own correctness function (response, gold) -> bool for every benchmark (README)")
     g.add_argument("--mode", choices=("boxed", "rlcr"), default="boxed",
                    help="rlcr: RLCR's prompt, the <answer> tag and --confidence verbal-forced "
                    "(default %(default)s)")
@@ -287,6 +291,8 @@ def main(argv=None):
     results = None   # set once every model is evaluated: then the ranks leave the group together
     try:   # what argparse cannot check, and a missing model: one line and exit 2, like argparse and train.py
         check_values(vars(args), LIMITS)
+        if args.grader:
+            grade.user_grader(args.grader)   # imported and tried once: a broken one stops here
         data.lcb_window(args.lcb_release)
         if args.out:
             check_out(args.out, "--out", "evaluate.py")   # not a training run's or a model's folder

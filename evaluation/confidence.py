@@ -205,7 +205,7 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
                     close=args.forced_close, stop=["\n"] if is_toy else [], copy_natural=True,
                     lead="" if is_toy else EVAL_LEAD, gate=s["gate"], epochs=100, patience=30, batch=64,
                     val_frac=0.2, seed=42,
-                    **({"grader": "code"} if s.get("grader") == "code" else {}),
+                    **({"grader": s["grader"]} if "grader" in s else {}),   # code, or --grader's
                     **({"tokens": "text"} if args.posthoc_tokens == "text" else {}))
     print(f"post-hoc probe for {label}: {len(rows)} {src} questions ...", file=sys.stderr)
     prb, report = posthoc_probe(

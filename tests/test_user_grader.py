@@ -72,3 +72,30 @@ def test_a_training_run_grades_rewards_labels_and_the_held_out_check_with_it(tmp
     assert all(r["eval_accuracy"] == 1.0 for r in rows if r.get("eval"))
     with open(os.path.join(run, "config.json")) as f:
         assert json.load(f)["grader"] == f"{path}:ok"
+
+
+def test_evaluation_grades_its_accuracy_with_your_grader(tmp_path):
+    """evaluate.py --grader: the accuracy (and the forced answers behind its confidences) are your
+    function's; the toy base is about 0.6 under the built-in grader, 1.0 under one that says yes."""
+    import evaluate
+    from runs import EVAL_SMALL
+    path = grader_file(tmp_path, "def ok(response, gold):\n    return True\n")
+    grade.user_grader.cache_clear()
+    out = str(tmp_path / "eval")
+    evaluate.main(["--model", "toy", *EVAL_SMALL, "--grader", f"{path}:ok", "--out", out])
+    with open(os.path.join(out, "results.json")) as f:
+        res = json.load(f)
+    (entry,) = res.values() if "toy" not in res else [res["toy"]]
+    assert entry["benchmarks"]["toy"]["acc"] == 1.0
+    assert entry["settings"]["toy"]["grader"] == f"{path}:ok"
+
+
+def test_evaluation_refuses_a_broken_grader_before_any_model_loads(tmp_path, capsys, monkeypatch):
+    import evaluate
+    path = grader_file(tmp_path, "def ok(r, g):\n    return 'yes'\n")
+    grade.user_grader.cache_clear()
+    monkeypatch.setattr(evaluate.checkpoint, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit) as e:
+        evaluate.main(["--model", "toy", "--grader", f"{path}:ok", "--out", str(tmp_path / "eval")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and f"--grader {path}:ok returned 'yes' (str)" in err[0], err
