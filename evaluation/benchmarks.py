@@ -49,7 +49,7 @@ def settings(bench, args):
              score_batch=w["score_batch"], rows=w["rows"])
     if code:   # the forced answer is a program (CODE_SUFFIX), graded by running it
         s.update(suffix=CODE_SUFFIX, grader="code")
-    if args.grader:   # --grader FILE.py:FUNCTION: every benchmark's answers, forced ones too
+    if getattr(args, "grader", None):   # --grader FILE.py:FUNCTION: every benchmark's answers, forced ones too
         s["grader"] = args.grader
     given = (args.given or {}).get(bench)   # --responses: as many samples as the file holds
     flags = dict(n=len(given[0]) if given else args.n_samples, max_new_tokens=args.max_new_tokens,

@@ -87,6 +87,33 @@ def test_ctrl_c_lets_the_workers_say_how_to_continue_and_leaves_no_logs(tmp_path
     assert os.listdir(temp) == []
 
 
+def test_sigterm_to_the_launcher_reaches_every_worker_and_a_saved_stop_is_exit_75(tmp_path):
+    """A scheduler's SIGTERM to `python train.py --nproc N` went to the launcher alone, which died and
+    took its workers with it, nothing saved. Now each worker gets it; rank 1's early exit 75 (a saved
+    stop) does not make the launcher stop rank 0 while it still saves."""
+    script = tmp_path / "work.py"
+    script.write_text("import os, signal, sys, time\n"
+                      "rank = os.environ['RANK']\n"
+                      "got = []\n"
+                      "signal.signal(signal.SIGTERM, lambda *a: got.append(1))\n"
+                      "open(os.path.join(sys.argv[1], 'ready' + rank), 'w').close()\n"
+                      "while not got:\n"
+                      "    time.sleep(0.01)\n"
+                      "time.sleep(1.0 * (rank == '0'))   # rank 0 saves the step\n"
+                      "open(os.path.join(sys.argv[1], 'saved' + rank), 'w').close()\n"
+                      "sys.exit(75)\n")
+    code = "import sys\nfrom harness import parallel\nsys.exit(parallel.launch(sys.argv[1], sys.argv[2:], 2))"
+    proc = subprocess.Popen([sys.executable, "-c", code, str(script), str(tmp_path)], cwd=ROOT, env=ENV,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not all(os.path.exists(tmp_path / f"ready{r}") for r in "01") and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 75 and "error" not in err, err
+    assert os.path.exists(tmp_path / "saved0") and os.path.exists(tmp_path / "saved1")
+
+
 @pytest.mark.slow   # train.py --nproc 2
 def test_a_user_error_in_the_workers_is_one_line(tmp_path):
     run, missing = tmp_path / "run", tmp_path / "no-such-train.jsonl"   # the data is read by the workers
