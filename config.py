@@ -290,7 +290,7 @@ def resolve_args(argv):
         path = given[flag[2:]]
         saved = read_config(path, flag)
         if flag == "--config":   # a saved config minus how and where that run was started
-            saved = {k: v for k, v in saved.items() if k not in NOT_SAVED + ("out",)}
+            saved = {k: v for k, v in saved.items() if k not in NOT_SAVED + ("out", "provenance")}
         check_saved(saved, path if flag == "--config" else os.path.join(path, "config.json"))
         check_dropped(saved, flag, path)
     if given.get("resume"):

@@ -48,10 +48,10 @@ Learner = namedtuple("Learner", "policy sampler tok probe probe_opt opt sched de
 SAMPLER_GAP = ("sampler_gap", "sampler_kl_k3", "sampler_ratio_max")  # grpo.update's
 
 
-def rl_step(step, rows, prompts, learner, cfg, time=None):
+def rl_step(step, rows, prompts, learner, cfg, timer=None):
     """One RL step on this rank's rows and their prompts (token ids) -> what it computed, a dict."""
-    G, seed, time = cfg["group_size"], cfg["seed"] * 1_000_003 + step * 101, time or Timer()
-    with time("rollout"):  # 1. rollout: G responses per prompt; each rank samples its own
+    G, seed, timer = cfg["group_size"], cfg["seed"] * 1_000_003 + step * 101, timer or Timer()
+    with timer("rollout"):  # 1. rollout: G responses per prompt; each rank samples its own
         out = generate(learner.sampler.eval(), learner.tok, prompts, n=G, seed=seed + RANK, scores=True,
                        max_new_tokens=cfg["max_new_tokens"], temperature=cfg["temperature"],
                        top_p=cfg["top_p"], batch_size=cfg["gen_batch"], decode=cfg["decode"])
@@ -63,12 +63,12 @@ def rl_step(step, rows, prompts, learner, cfg, time=None):
     cuts = [cuts_of(n, cfg["budgets"]) if cfg["reward"] in PROBE_MODES else [] for n in out.lengths]
     if cfg["reward"] == "rlcr":  # rlcr: the last <answer> tag
         correct = baselines.correctness(out.texts, golds, cfg["grader"], cfg["reward"])
-    with time("label"):  # force K answers after each cut: Y_b the share right, h_b the states before
+    with timer("label"):  # force K answers after each cut: Y_b the share right, h_b the states before
         Y_b, h_b = mc_labels(learner.sampler, learner.tok, prompts, out.ids, cuts, golds, k=cfg["k"],
                              seed=seed + RANK + 7, close=cfg["forced_close"], batch_size=cfg["gen_batch"],
                              decode=cfg["decode"], grader=cfg["grader"], features=True)
     Y, h, valid = grid(Y_b), grid(h_b), cut_mask(cuts)  # [N, B], [N, B, d], [N, B]: zero-padded
-    with time("probe"):  # 4. fit the probe on every rank's (h_b, Y_b); C_b = sigmoid(probe(h_b))
+    with timer("probe"):  # 4. fit the probe on every rank's (h_b, Y_b); C_b = sigmoid(probe(h_b))
         fitted = fit_probe(learner.probe, learner.probe_opt, h[valid], Y[valid], cfg, seed)
         C = torch.zeros(Y.shape).index_put((valid,), probe_lib.predict(learner.probe, h[valid]))
     # 5. R = r_nat + lam * margin; advantages: R normalised within each prompt's group of G
@@ -81,9 +81,9 @@ def rl_step(step, rows, prompts, learner, cfg, time=None):
     old_logp = extra = None  # on-policy: the update's own log-probs, detached, are the old ones
     if (cfg["reward"], cfg["corner"], cfg["drop_unanimous"], cfg["ppo_epochs"]) != PLAIN:
         parts, R, adv, old_logp, extra = other_mode(learner, batch, mbs, out, correct, C, Y, valid,
-                                                    cfg, time)
+                                                    cfg, timer)
     updates = []
-    with time("update"):  # 6. clipped policy-gradient steps over micro-batches, one per --ppo-epochs
+    with timer("update"):  # 6. clipped policy-gradient steps over micro-batches, one per --ppo-epochs
         for epoch in range(cfg["ppo_epochs"]):
             updates.append(update(learner.policy, learner.opt, batch, old_logp, adv, mbs, cfg,
                                   learner.device, extra))
@@ -95,12 +95,12 @@ def rl_step(step, rows, prompts, learner, cfg, time=None):
 PLAIN = ("rlcm", "zero", False, 1)  # rl_step's plain path: the paper's RLCM, on policy
 
 
-def other_mode(learner, batch, mbs, out, correct, C, Y, valid, cfg, time):
+def other_mode(learner, batch, mbs, out, correct, C, Y, valid, cfg, timer):
     """rl_step past the paper's RLCM (other --reward modes, --corner, --drop-unanimous, --ppo-epochs
     > 1) -> R's terms, R, the advantages, the scoring pass's log-probs and a mode's loss term."""
     seq_conf = old_logp = extra = None
     if cfg["ppo_epochs"] > 1 or cfg["reward"] == "c2gspg":  # a pass under the rollout weights
-        with time("score"):
+        with timer("score"):
             seq_conf, old_logp, extra = baselines.scoring_pass(learner, batch, mbs, correct, cfg)
     probed = cfg["reward"] in PROBE_MODES
     calib = baselines.calibration_term(C, Y, valid, cfg) if probed else torch.zeros(len(correct))
@@ -153,7 +153,7 @@ def samples_of(step, cfg, got):
     return runlog.pick(step, 4, problem=[r["problem"] for r in got["rows"]],
                        answer=[r["answer"] for r in got["rows"]], text=out.texts,
                        correct=got["correct"].tolist(), reward=got["R"].tolist(),
-                       **{k: v.tolist() for k, v in parts.items()}, length=out.lengths, budgets=got["cuts"],
+                       **{k: v.tolist() for k, v in parts.items()}, length=out.lengths, cuts=got["cuts"],
                        Y_b=got["Y_b"], C_b=C_b)
 
 
@@ -177,7 +177,7 @@ def step_row(step, cfg, got, learner, lr, timer, captures):
     n, tokens = s["n"], s["tokens"]
     row = dict(step=step, accuracy=s["correct"] / n, reward=s["reward"] / n,
                **{k: s["part " + k] / (1 if k in baselines.COUNTED else n) for k in parts},
-               signal_frac=s["signal"] / n if probed else 0.0, **(probe_stats(learner, got) if probed else {}),
+               signal_frac=s["signal"] / n if probed else 0.0, **(probe_metrics(learner, got) if probed else {}),
                zero_var_frac=s["zero_var"] / max(s["groups"], 1), len_mean=tokens / n,
                len_max=max(all_gather(max(out.lengths, default=0))), trunc_frac=s["truncated"] / n,
                **{k: v for k, v in upds[-1].items() if k not in SAMPLER_GAP},
@@ -190,7 +190,7 @@ def step_row(step, cfg, got, learner, lr, timer, captures):
     return row
 
 
-def probe_stats(learner, got):
+def probe_metrics(learner, got):
     """The probe's numbers of a step, over every rank's pairs; nan (its fit) where none was labelled."""
     bce, X_all, Y_all = got["fitted"]
     if not len(Y_all):  # no labelled prefix (responses too short to cut): no fit
@@ -230,7 +230,7 @@ def held_out_accuracy(sampler, tok, rows, cfg, device, probe=None, probe_stats=N
 @torch.no_grad()
 def probe_calibration(model, tok, prb, prompts, out, rows, cfg, seed):
     """Label and score the trajectories `out` (a rollout.Samples, one per prompt) of `rows`: a dict
-    per trajectory (problem, answer, text clipped, correct, budgets, Y_b, C_b, margin or brier)."""
+    per trajectory (problem, answer, text clipped, correct, cuts, Y_b, C_b, margin or brier)."""
     n = len(prompts)
     golds = [r["answer"] for r in rows]
     cuts = [cuts_of(len(ids), cfg["budgets"]) for ids in out.ids[:n]]
@@ -245,9 +245,9 @@ def probe_calibration(model, tok, prb, prompts, out, rows, cfg, seed):
     key = baselines.calibration_key(cfg["reward"])
     return [dict(problem=runlog.clip(r["problem"]), answer=r["answer"], text=runlog.clip(t),
                  correct=int(is_correct(t, r["answer"], cfg["grader"] if ":" in cfg["grader"] else "math")),
-                 budgets=bs, Y_b=ys,
-                 C_b=[round(c, 6) for c in C[i, :len(bs)].tolist()], **{key: calib[i].item()})
-            for i, (r, t, bs, ys) in enumerate(zip(rows, out.texts, cuts, labels))]
+                 cuts=cs, Y_b=ys,
+                 C_b=[round(c, 6) for c in C[i, :len(cs)].tolist()], **{key: calib[i].item()})
+            for i, (r, t, cs, ys) in enumerate(zip(rows, out.texts, cuts, labels))]
 
 
 def peak_memory(device):
@@ -372,7 +372,7 @@ def run(cfg, argv=()):
             if tracker:
                 tracker.log([row])
 
-    def evaluate(at):
+    def held_out(at):
         if not eval_rows:  # --eval-n 0
             return None
         t = time.perf_counter()
@@ -400,7 +400,7 @@ def run(cfg, argv=()):
             runlog.plot_curves(folder.out)
 
     # resumed: the start's accuracy from the log, and whether it was of another held-out set
-    first_acc, other_set = (evaluate(0), False) if step == 0 else folder.first_accuracy(cfg, len(eval_rows))
+    first_acc, other_set = (held_out(0), False) if step == 0 else folder.first_accuracy(cfg, len(eval_rows))
     final_acc = first_acc
     learner = Learner(policy, sampler, tok, probe, probe_opt, opt, sched, device)
     bar = tqdm(range(step + 1, cfg["steps"] + 1), initial=step, total=cfg["steps"], disable=not MASTER,
@@ -415,7 +415,7 @@ def run(cfg, argv=()):
                         roll=f"{row['t_rollout']:.1f}s", label=f"{row['t_label']:.1f}s")
         last = step == cfg["steps"]
         if last or (cfg["eval_every"] and step % cfg["eval_every"] == 0):
-            final_acc = evaluate(step)
+            final_acc = held_out(step)
         saved = last or (cfg["save_every"] and step % cfg["save_every"] == 0)
         if saved:
             save(step)

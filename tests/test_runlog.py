@@ -36,9 +36,9 @@ def test_samples_hold_four_trajectories_per_step_with_labels_and_confidences(run
     samples = files.read_jsonl(os.path.join(run, "samples.jsonl"))
     assert [s["step"] for s in samples] == [1] * 4 + [2] * 4
     for s in samples:
-        assert {"problem", "answer", "text", "correct", "reward", "margin", "budgets", "Y_b", "C_b"} <= set(s)
-        assert s["text"] and s["budgets"] == sorted(s["budgets"]) and len(s["budgets"]) >= 1
-        assert len(s["Y_b"]) == len(s["C_b"]) == len(s["budgets"])
+        assert {"problem", "answer", "text", "correct", "reward", "margin", "cuts", "Y_b", "C_b"} <= set(s)
+        assert s["text"] and s["cuts"] == sorted(s["cuts"]) and len(s["cuts"]) >= 1
+        assert len(s["Y_b"]) == len(s["C_b"]) == len(s["cuts"])
         assert all(y in (0, 0.25, 0.5, 0.75, 1) for y in s["Y_b"]) and all(0 < c < 1 for c in s["C_b"])
         assert s["correct"] == float(grade.is_correct(s["text"], s["answer"]))
         # reward = r_nat + lam * margin with the toy's default lam 1
@@ -84,7 +84,7 @@ def test_config_file_reproduces_a_run_except_steps_and_out(run, tmp_path):
     run_main(["--config", os.path.join(run, "config.json"), "--steps", "1", "--out", out])
     a, b = (json.load(open(os.path.join(d, "config.json"))) for d in (run, out))
     differ = {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
-    assert differ == {"steps", "out", "config"} and b["steps"] == 1 and b["out"] == out
+    assert differ == {"steps", "out", "config", "provenance"} and b["steps"] == 1 and b["out"] == out
     assert b["prompts_per_step"] == 4  # not the default 16
     cfg = resolve_args(["--config", os.path.join(run, "config.json"), "--group-size", "2"])
     assert cfg["group_size"] == 2 and cfg["out"] == os.path.join("runs", "toy")  # a flag wins; x's --out is not reused
