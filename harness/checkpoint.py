@@ -327,39 +327,20 @@ def save_checkpoint(run_dir, step, write, keep=2):
 OWNER = "run"   # checkpoints/run: the folder of the run these checkpoints belong to
 
 
-def own_checkpoints(run_dir):
-    """Refuse (one line, on rank 0's word) checkpoints that belong to another run that still uses them:
-    a copied run whose checkpoints/ is a link to the original's. A link to a bigger disk, or a moved
-    run, keeps working: the checkpoints are marked this run's."""
-    err = all_gather(_shared_with(run_dir) if MASTER else None)[0]
-    if err:
-        raise UserError(err)
-    if MASTER:
-        mark_checkpoints(run_dir)
-
-
-def _shared_with(run_dir):
-    root = os.path.join(run_dir, "checkpoints")
-    owner = _owner(root)
-    theirs = owner and owner != os.path.realpath(run_dir) and os.path.join(owner, "checkpoints")
-    if theirs and os.path.isdir(root) and os.path.exists(theirs) and os.path.samefile(theirs, root):
-        return (f"--resume {run_dir}: its checkpoints/ is a link to the checkpoints of the run {owner}; "
-                f"resuming would write into and prune them: copy a run with cp -rL, or link "
-                f"{os.path.join(run_dir, 'checkpoints')} to a folder of its own")
-    return None
-
-
-def _owner(root):
-    try:
+def own_checkpoints(run_dir, check=True):
+    """Refuse (one line, rank 0's word) checkpoints another run still uses: a copied run whose
+    checkpoints/ links to the original's. Else mark them this run's (checkpoints/run): a link to a
+    bigger disk, or a moved run, keeps working."""
+    root, me, owner = os.path.join(run_dir, "checkpoints"), os.path.realpath(run_dir), None
+    if MASTER and os.path.isfile(os.path.join(root, OWNER)):
         with open(os.path.join(root, OWNER), encoding="utf-8") as f:
-            return f.read().strip()
-    except OSError:
-        return None
-
-
-def mark_checkpoints(run_dir):
-    root, me = os.path.join(run_dir, "checkpoints"), os.path.realpath(run_dir)
-    if os.path.isdir(root) and _owner(root) != me:
+            owner = f.read().strip()
+    theirs = owner and owner != me and os.path.join(owner, "checkpoints")
+    if check and all_gather(bool(theirs and os.path.exists(theirs) and os.path.samefile(theirs, root)))[0]:
+        raise UserError(f"--resume {run_dir}: its checkpoints/ is a link to the checkpoints of the run {owner}; "
+                        f"resuming would write into and prune them: copy a run with cp -rL, or link "
+                        f"{root} to a folder of its own")
+    if MASTER and os.path.isdir(root) and owner != me:
         with files.replacing(os.path.join(root, OWNER)) as f:
             f.write(me + "\n")
 
@@ -484,7 +465,7 @@ class RunFolder:
                 save_probe(os.path.join(tmp, "probe.pt"))
                 torch.save(dict(state, rng=rng_state()), os.path.join(tmp, "state.pt"))
             ckpt = save_checkpoint(self.out, at, write, keep=keep)
-            mark_checkpoints(self.out)
+            own_checkpoints(self.out, check=False)
             export(self.out, ckpt, model, model_sd, tok)
 
 
