@@ -22,9 +22,10 @@ from harness.runlog import TRACKERS, check_tracker
 NOT_SAVED = ("resume", "config")  # how a run was started, not what it is
 # Settings earlier versions saved: the value this version acts as, and the last commit that had the
 # flag. A run saved with another value would resume as another experiment: refused.
-DROPPED = dict(problem_field=(None, "ccafa30"), answer_field=(None, "ccafa30"), probe_batch=(16, "d51ef88"),
-               log_samples=(4, "d51ef88"), eval_probe_n=(32, "d51ef88"), probe_labels=("mc", "a0ee24b"),
-               reward_fn=(None, "4391ed1"), wandb=(None, "d70acb7"), wandb_run=(None, "d70acb7"))
+DROPPED = dict(problem_field=(None, "ccafa30"), answer_field=(None, "ccafa30"),
+               probe_batch=(16, "d51ef88"), log_samples=(4, "d51ef88"), eval_probe_n=(32, "d51ef88"),
+               probe_labels=("mc", "a0ee24b"), reward_fn=(None, "4391ed1"), wandb=(None, "d70acb7"),
+               wandb_run=(None, "d70acb7"))
 
 # Defaults that depend on the world (docs/design.md, "Defaults"): the toy sizes for 2 CPU cores, the
 # real ones from the released run script. Why the toy's lr and lam: docs/reference.md (the end).
@@ -114,8 +115,9 @@ def dflt(key):
 def build_parser():   # every default None: resolve_args fills them. More: docs/reference.md
     fmt = lambda d: ", ".join(f"{k}={v}" for k, v in d.items())  # noqa: E731
     p = argparse.ArgumentParser(description=(
-        "train.py: RL with a confidence-margin reward (RLCM), or a --reward baseline, on the offline toy "
-        "world (the default) or a model; --resume continues a run (or starts one in an empty folder)."), epilog=(
+        "train.py: RL with a confidence-margin reward (RLCM), or a --reward baseline, on the "
+        "offline toy world (the default) or a model; --resume continues a run (or starts one in an "
+        "empty folder)."), epilog=(
         f"defaults: {fmt(COMMON)}. toy world: {fmt(TOY)}. real models: {fmt(REAL)}."))
     g = p.add_argument_group("model and data")
     g.add_argument("--model", help="toy | deepseek-r1-distill-qwen-7b | qwen3-4b-instruct | HF id")
@@ -151,7 +153,7 @@ def build_parser():   # every default None: resolve_args fills them. More: docs/
                    help=f"cuts, fractions of each response ({dflt('budgets')})")
     g.add_argument("--corner", choices=("zero", "margin-corner", "final-margin"),
                    help=f"the margin when a side is empty ({dflt('corner')})")
-    g.add_argument("--grader", type=grade.grader_spec, metavar="{" + ",".join(grade.GRADERS) + "},FILE.py:FN",
+    g.add_argument("--grader", type=grade.grader_spec, metavar="{strict,math,minerva},FILE.py:FN",
                    help=f"r_nat's and Y_b's ({dflt('grader')}); FILE.py:FN: your own (README)")
     g.add_argument("--probe-lr", type=float, help=f"the probe's learning rate ({dflt('probe_lr')})")
     g.add_argument("--probe-passes", type=int, help=f"passes per fit ({dflt('probe_passes')})")
@@ -198,8 +200,8 @@ def build_parser():   # every default None: resolve_args fills them. More: docs/
     g.add_argument("--resume", metavar="RUN_DIR", help="continue from the last checkpoint; "
                    "refused: " + ", ".join("--" + k.replace("_", "-") for k in FIXED_ON_RESUME))
     g.add_argument("--config", metavar="FILE", help="start a new run from a saved config.json")
-    g.add_argument("--report-to", choices=TRACKERS, help="mirror metrics.jsonl to a tracker (default none; "
-                   "pip install wandb or trackio)")
+    g.add_argument("--report-to", choices=TRACKERS,
+                   help="mirror metrics.jsonl to a tracker (default none; pip install wandb or trackio)")
     return p
 
 
@@ -234,9 +236,8 @@ def check_saved(saved, where):
         elif a.type is float:
             ok, what = number, "a number"
         elif a.type is fractions:
-            ok, what = isinstance(v, list) and all(isinstance(f, (int, float)) and not isinstance(f, bool)
-                                                   for f in v), "a list of fractions in (0, 1]"
-            ok = ok and bool(v) and all(0 < f <= 1 for f in v)
+            ok, what = isinstance(v, list) and bool(v), "a list of fractions in (0, 1]"
+            ok = ok and all(type(f) in (int, float) and 0 < f <= 1 for f in v)
         elif a.nargs == 0:
             ok, what = isinstance(v, bool), "true or false"
         else:
@@ -252,18 +253,19 @@ def check_saved(saved, where):
 
 
 def check_dropped(saved, flag, path):
-    """Settings of an older version: a resume as another experiment is refused; --config says what it drops."""
+    """An older version's settings: a resume as another experiment is refused; --config names them."""
     gone = {k: v for k, v in saved.items() if k not in KNOWN and k not in DROPPED}
     if gone:
-        raise UserError(f"{flag} {path}: {', '.join(list(gone)[:4])} is no setting train.py ever had: "
-                        "is it a run's config.json?")
+        raise UserError(f"{flag} {path}: {', '.join(list(gone)[:4])} is no setting train.py ever "
+                        "had: is it a run's config.json?")
     other = {k: v for k, v in saved.items() if k in DROPPED and v != DROPPED[k][0]}
     said = ", ".join(f"{k}={v!r} (last in {DROPPED[k][1]})" for k, v in other.items())
     if other and flag == "--resume":
         raise UserError(f"{flag} {path}: the run has settings this version no longer has: {said}; "
                         "resume it with that version, or start a new run")
     if other:
-        print(f"{flag} {path}: settings this version no longer has are ignored: {said}", file=sys.stderr)
+        print(f"{flag} {path}: settings this version no longer has are ignored: {said}",
+              file=sys.stderr)
 
 
 def check_world(cfg, world):
@@ -283,7 +285,7 @@ def resolve_args(argv):
     if run and not (os.path.isdir(run) and set(os.listdir(run)) - {"lock"}):
         if "out" in given and os.path.abspath(given["out"]) != os.path.abspath(run):
             raise UserError(f"--resume {run} writes into {run}: drop --out {given['out']}")
-        given["out"] = given.pop("resume")   # absent or empty: a new run, so one command starts and requeues
+        given["out"] = given.pop("resume")   # absent or empty: a new run (one command for every requeue)
     flag = "--resume" if given.get("resume") else "--config" if given.get("config") else None
     saved = {}
     if flag:
@@ -305,7 +307,7 @@ def resolve_args(argv):
         if "out" in given and os.path.abspath(given["out"]) != os.path.abspath(run):
             raise UserError(f"--resume {run} writes into {run}: drop --out {given['out']}")
         given["out"] = run
-    saved = {k: v for k, v in saved.items() if k in KNOWN}   # config.json keeps the others (RunFolder)
+    saved = {k: v for k, v in saved.items() if k in KNOWN}   # config.json keeps the rest (RunFolder)
     model = given.get("model", saved.get("model", "toy"))
     is_toy = model == "toy" or given.get("toy_world", saved.get("toy_world")) is not None
     world = {**COMMON, **(TOY if is_toy else {**REAL, **RECIPES.get(ALIASES.get(model, model), {})})}

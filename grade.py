@@ -141,7 +141,8 @@ def grader_spec(text):
     path, _, name = text.rpartition(":")
     if text in GRADERS or (path.endswith(".py") and name.isidentifier()):
         return text
-    raise argparse.ArgumentTypeError(f"{text!r}: must be one of {', '.join(GRADERS)} or FILE.py:FUNCTION")
+    raise argparse.ArgumentTypeError(f"{text!r}: must be one of {', '.join(GRADERS)} or "
+                                     "FILE.py:FUNCTION")
 
 
 @functools.cache
@@ -155,13 +156,13 @@ def user_grader(spec):
     module = importlib.util.module_from_spec(module_spec)
     try:
         module_spec.loader.exec_module(module)
-    except (Exception, SystemExit) as e:  # a syntax error, a failed import, a sys.exit() in the file
-        raise UserError(f"--grader {spec}: importing {path} failed ({type(e).__name__}: {first_line(e)}); "
-                        "fix the file") from None
+    except (Exception, SystemExit) as e:  # a syntax error, a failed import, a sys.exit() in it
+        raise UserError(f"--grader {spec}: importing {path} failed ({type(e).__name__}: "
+                        f"{first_line(e)}); fix the file") from None
     fn = getattr(module, name, None)
     if not callable(fn):
         raise UserError(f"--grader {spec}: {path} has no function {name}; pass FILE.py:FUNCTION")
-    _ask(spec, fn, "\\boxed{1}", "1")   # a first answer: a wrong return or a raise is said before any model loads
+    _ask(spec, fn, "\\boxed{1}", "1")   # a wrong return or a raise is said before any model loads
     return fn
 
 
@@ -174,8 +175,8 @@ def _ask(spec, fn, text, gold):
         raise UserError(f"--grader {spec} raised {type(e).__name__}: {first_line(e)} (on response "
                         f"{text[:40]!r}, gold {str(gold)[:20]!r}); fix the function") from None
     if not isinstance(verdict, bool) and type(verdict).__name__ != "bool_":   # numpy's bool too
-        raise UserError(f"--grader {spec} returned {repr(verdict)[:40]} ({type(verdict).__name__}) on "
-                        f"response {text[:40]!r}: it must return True or False")
+        raise UserError(f"--grader {spec} returned {repr(verdict)[:40]} ({type(verdict).__name__}) "
+                        f"on response {text[:40]!r}: it must return True or False")
     return bool(verdict)
 
 

@@ -83,8 +83,9 @@ def parse_args(argv):
                                 ("--eval-args", evaluate.build_parser(), args.eval_args)):
         row = [k for k in ROW[flag] if k in settings_in(parser, words)]
         if row:   # a row is its method and seed, on the toy, in its own folder
-            raise UserError(f"{flag} {shlex.join(words)}: --{row[0]} would make a row another run than its "
-                            "name says; reproduce.py sets it for each row: use --methods, --seeds or --out")
+            raise UserError(f"{flag} {shlex.join(words)}: --{row[0]} would make a row another run "
+                            "than its name says; reproduce.py sets it for each row: use --methods, "
+                            "--seeds or --out")
     check_out(args.out)
     return args, methods, seeds, int(args.jobs)
 

@@ -6,8 +6,8 @@
     python train.py --model deepseek-r1-distill-qwen-7b --plan --gpus 8 --gpu-mem 80   # memory plan
     python train.py --model deepseek-r1-distill-qwen-7b --offload   # 1-2 GPUs: state in host memory
     torchrun --nnodes 2 --nproc_per_node 8 ... train.py --model ...  # several nodes: torchrun's ranks
-    python train.py --resume runs/toy                      # continue a run (or start it: one requeue command)
-    python train.py --report-to wandb                      # mirror the metrics to a tracker (or trackio)
+    python train.py --resume runs/toy                      # continue a run, or start it if absent
+    python train.py --report-to wandb                      # mirror the metrics to wandb (or trackio)
 
 One step: rl_step below (README.md, "The algorithm"; docs/design.md, "One RL step"); the rest of this
 file runs the steps. Kept from GRPO: group-normalised advantages, the clipped ratio, token-mean
@@ -213,12 +213,12 @@ def held_out_accuracy(sampler, tok, rows, cfg, device, probe=None, probe_stats=N
                        decode=cfg["decode"])
         staticcache.release(sampler)  # as in a step: free the rollout's shape before the labels
         golds = [r["answer"] for r in mine]
-        grader = cfg["grader"] if ":" in cfg["grader"] else "math"   # --grader FILE.py:FN: your task's
+        grader = cfg["grader"] if ":" in cfg["grader"] else "math"   # --grader FILE.py:FN: yours
         hits = baselines.correctness(out.texts, golds, grader, cfg["reward"]).sum().item()
         if probe_stats is not None:
             m = len(rows[:32][RANK::WORLD])
             trajs = probe_calibration(sampler, tok, probe, prompts[:m], out, mine[:m], cfg,
-                                      seed=cfg["seed"] + 54321 + RANK)
+                                      seed=cfg["seed"] + 54321 + RANK, grader=grader)
             staticcache.release(sampler)  # nor the next step's rollout prefill on the labels'
     if probe_stats is not None:
         trajs = [t for part in all_gather(trajs) for t in part]
@@ -228,7 +228,7 @@ def held_out_accuracy(sampler, tok, rows, cfg, device, probe=None, probe_stats=N
 
 
 @torch.no_grad()
-def probe_calibration(model, tok, prb, prompts, out, rows, cfg, seed):
+def probe_calibration(model, tok, prb, prompts, out, rows, cfg, seed, grader="math"):
     """Label and score the trajectories `out` (a rollout.Samples, one per prompt) of `rows`: a dict
     per trajectory (problem, answer, text clipped, correct, cuts, Y_b, C_b, margin or brier)."""
     n = len(prompts)
@@ -244,7 +244,7 @@ def probe_calibration(model, tok, prb, prompts, out, rows, cfg, seed):
     calib = baselines.calibration_term(C, Y, valid, cfg)   # the margin, or the negative Brier
     key = baselines.calibration_key(cfg["reward"])
     return [dict(problem=runlog.clip(r["problem"]), answer=r["answer"], text=runlog.clip(t),
-                 correct=int(is_correct(t, r["answer"], cfg["grader"] if ":" in cfg["grader"] else "math")),
+                 correct=int(is_correct(t, r["answer"], grader)),
                  cuts=cs, Y_b=ys,
                  C_b=[round(c, 6) for c in C[i, :len(cs)].tolist()], **{key: calib[i].item()})
             for i, (r, t, cs, ys) in enumerate(zip(rows, out.texts, cuts, labels))]
@@ -361,7 +361,8 @@ def run(cfg, argv=()):
             g["weight_decay"] = cfg["weight_decay"]
     else:
         folder.start(dict(cfg, provenance=runlog.provenance(["train.py", *argv], device, WORLD)))
-    tracker = runlog.Tracker(cfg["report_to"], folder.out, cfg) if MASTER and cfg["report_to"] != "none" else None
+    tracked = MASTER and cfg["report_to"] != "none"   # wandb or trackio: rank 0 mirrors the logs
+    tracker = runlog.Tracker(cfg["report_to"], folder.out, cfg) if tracked else None
     for sig in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(sig, lambda signum, frame: STOP.append(signal.Signals(signum).name))
 
@@ -423,9 +424,10 @@ def run(cfg, argv=()):
             if not saved:
                 save(step)
             bar.close()
-            raise Preempted(f"stopped by {(STOP or ['a signal to another rank'])[0]} after step {step}, saved: "
-                            f"{ckpt_lib.latest_checkpoint(folder.out)}; continue with: python train.py "
-                            f"--resume {folder.out}" + (" --trust-remote-code" if cfg["trust_remote_code"] else ""))
+            by = (STOP or ["a signal to another rank"])[0]
+            raise Preempted(f"stopped by {by} after step {step}, saved: "
+                            f"{ckpt_lib.latest_checkpoint(folder.out)}; continue with: python train.py --resume "
+                            f"{folder.out}" + (" --trust-remote-code" if cfg["trust_remote_code"] else ""))
     if tracker:
         tracker.finish()
     if MASTER:

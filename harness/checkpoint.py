@@ -19,8 +19,8 @@ from harness import files, lora
 from harness.files import UserError, first_line, fresh_name
 from harness.lora import (ADAPTER, CONFIG, add_adapter, base_of, is_adapter, load_adapter, targets,
                           tied)
-from harness.parallel import (MASTER, PREEMPTED, all_gather, load_optimizer, rebuild_buffers, refresh_sampler,
-                              teardown, wrap)
+from harness.parallel import (MASTER, PREEMPTED, all_gather, load_optimizer, rebuild_buffers,
+                              refresh_sampler, teardown, wrap)
 
 PREFIX = "step_"
 # --model toy: the toy world's committed warm start (toy.BASE_DIR; machinery never imports the method)
@@ -336,10 +336,11 @@ def own_checkpoints(run_dir, check=True):
         with open(os.path.join(root, OWNER), encoding="utf-8") as f:
             owner = f.read().strip()
     theirs = owner and owner != me and os.path.join(owner, "checkpoints")
-    if check and all_gather(bool(theirs and os.path.exists(theirs) and os.path.samefile(theirs, root)))[0]:
-        raise UserError(f"--resume {run_dir}: its checkpoints/ is a link to the checkpoints of the run {owner}; "
-                        f"resuming would write into and prune them: copy a run with cp -rL, or link "
-                        f"{root} to a folder of its own")
+    shared = bool(theirs and os.path.exists(theirs) and os.path.samefile(theirs, root))
+    if check and all_gather(shared)[0]:
+        raise UserError(f"--resume {run_dir}: its checkpoints/ is a link to the checkpoints of the run "
+                        f"{owner}; resuming would write into and prune them: copy a run with cp -rL, "
+                        f"or link {root} to a folder of its own")
     if MASTER and os.path.isdir(root) and owner != me:
         with files.replacing(os.path.join(root, OWNER)) as f:
             f.write(me + "\n")
@@ -436,7 +437,8 @@ class RunFolder:
             saved = read_config(self.out)
             changed = changes(saved, cfg)
             if changed:   # keys of an older version stay: the file says what the run was
-                files.write_json(os.path.join(self.out, "config.json"), {**saved, **cfg, "resume": None})
+                files.write_json(os.path.join(self.out, "config.json"),
+                                 {**saved, **cfg, "resume": None})
                 self.say("changed on resume (written to config.json): " +
                          ", ".join(f"{k} {a} -> {b}" for k, a, b in changed))
         self.say(f"resuming {self.out} from step {step}")
@@ -453,7 +455,7 @@ class RunFolder:
         """Checkpoint `at` (save_checkpoint; state: state.pt's step, cursor, optimizer, scheduler),
         then RUN/model, the weights to serve (export)."""
         if MASTER:
-            if getattr(model.config, "tie_word_embeddings", False):   # gathered from shards: not shared
+            if getattr(model.config, "tie_word_embeddings", False):   # gathered from shards: 2 copies
                 model_sd.pop("lm_head.weight", None)
 
             def write(tmp):
@@ -470,23 +472,25 @@ class RunFolder:
 
 
 def export(run_dir, ckpt, model, model_sd, tok):
-    """RUN/model: checkpoint `ckpt`'s weights as a bf16 Hugging Face folder that transformers and vLLM
-    load as they are (config bfloat16, use_cache true; tokenizer, generation config and probe.pt
-    beside them; no optimizer state). A LoRA run's adapter is merged into its base there."""
+    """RUN/model: checkpoint `ckpt`'s weights as a bf16 Hugging Face folder that transformers and
+    vLLM load as they are (config bfloat16, use_cache true; tokenizer, generation config and
+    probe.pt beside them; no optimizer state). A LoRA run's adapter is merged into its base there."""
     final = os.path.join(run_dir, "model")
     tmp = fresh_name(final)
     os.mkdir(tmp)
     try:
-        if lora.has_adapter(model):
-            load_model(ckpt, torch.bfloat16)[0].save_pretrained(tmp)
+        if lora.has_adapter(model):   # sharded: rank 0 holds the adapter alone, the base is read again
+            sharded = dist.is_initialized()
+            (load_model(ckpt, torch.bfloat16)[0] if sharded else lora.merged_copy(model)).save_pretrained(tmp)
         else:
-            model.save_pretrained(tmp, state_dict={k: v.to(torch.bfloat16) if v.is_floating_point() else v
-                                                   for k, v in model_sd.items()})
+            bf16 = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in model_sd.items()}
+            model.save_pretrained(tmp, state_dict=bf16)
         tok.save_pretrained(tmp)
         shutil.copy(os.path.join(ckpt, "probe.pt"), tmp)
         with open(os.path.join(tmp, "config.json"), encoding="utf-8") as f:
             config = json.load(f)
-        files.write_json(os.path.join(tmp, "config.json"), dict(config, dtype="bfloat16", use_cache=True))
+        config.update(dtype="bfloat16", use_cache=True)
+        files.write_json(os.path.join(tmp, "config.json"), config)
         _sync_tree(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -503,8 +507,8 @@ def check_out(path, flag="--out", writer=None):
     """A folder we can create or write into: not a file, and its nearest existing parent writable.
     writer "train.py" or "evaluate.py": nor a folder of another kind whose files it would overwrite."""
     if os.path.islink(path) and not os.path.exists(path):
-        raise UserError(f"{flag} {path} is a link to {os.readlink(path)}, which does not exist: create "
-                        f"that folder, or pass another {flag}")
+        raise UserError(f"{flag} {path} is a link to {os.readlink(path)}, which does not exist: "
+                        f"create that folder, or pass another {flag}")
     if os.path.exists(path) and not os.path.isdir(path):
         raise UserError(f"{flag} {path} is a file, not a folder: pass a folder path")
     parent = os.path.abspath(path)
@@ -578,7 +582,7 @@ def interrupted(cfg):
 
 
 class Preempted(Exception):
-    """SIGTERM or SIGUSR1 stopped the run at a safe point, saved: the line that says how to continue."""
+    """SIGTERM or SIGUSR1 stopped the run after a step, saved: the line says how to continue."""
 
 
 @contextmanager

@@ -82,8 +82,8 @@ def add_adapter(model, cfg, base_path):
 
 
 def check_fits(model, ckpt):
-    """UserError (one line) unless the adapter in `ckpt` fits `model`: its rank in adapter_config.json
-    and its tensors' shapes, read before peft builds anything (rank 60000 would allocate first)."""
+    """UserError (one line) unless the adapter in `ckpt` fits `model`: the rank in its config and
+    its tensors' shapes, read before peft builds anything (rank 60000 would allocate first)."""
     from safetensors import safe_open
     r, path = read_config(ckpt).get("r"), os.path.join(ckpt, WEIGHTS)
     modules, bad = dict(model.named_modules()), None
@@ -95,10 +95,10 @@ def check_fits(model, ckpt):
                 name, _, kind = key.removeprefix("base_model.model.").rpartition(".lora_")
                 m, shape = modules.get(name), list(f.get_slice(key).get_shape())
                 linear = isinstance(m, torch.nn.Linear)
-                want = ([r, m.in_features] if kind.startswith("A") else [m.out_features, r]) if linear else None
+                want = linear and ([r, m.in_features] if kind[0] == "A" else [m.out_features, r])
                 if shape != want:
-                    bad = (f"{key} is {shape}, " + (f"rank {r} on {name} takes {want}" if linear else
-                                                    f"the base has no linear layer {name}"))
+                    bad = f"{key} is {shape}, " + (f"rank {r} on {name} takes {want}" if linear
+                                                   else f"the base has no linear layer {name}")
                     break
     if bad:
         raise UserError(f"{ckpt}: its adapter does not fit its base ({bad}): restore {CONFIG} and "
@@ -122,7 +122,7 @@ def merged(model, ckpt):
 def save(folder, model, state):
     """Write the adapter in peft's format (keys without the adapter name) and base.json."""
     from safetensors.torch import save_file
-    model.peft_config[ADAPTER].task_type = "CAUSAL_LM"   # peft's AutoPeftModelForCausalLM loads it as it is
+    model.peft_config[ADAPTER].task_type = "CAUSAL_LM"   # AutoPeftModelForCausalLM takes it as it is
     model.peft_config[ADAPTER].save_pretrained(folder)
     weights = {"base_model.model." + k.replace(f".{ADAPTER}.", "."): v.detach().contiguous()
                for k, v in state.items()}

@@ -126,16 +126,16 @@ TRACKERS = ("none", "wandb", "trackio")   # --report-to: both take wandb's init 
 
 
 def check_tracker(kind):
-    """UserError (one line) when --report-to's package is not installed: said before any model loads."""
+    """UserError (one line) when --report-to's package is not installed, before any model loads."""
     import importlib.util
     if kind != "none" and importlib.util.find_spec(kind) is None:
-        raise UserError(f"--report-to {kind}: the package {kind} is not installed: pip install {kind}, "
-                        "or pass --report-to none")
+        raise UserError(f"--report-to {kind}: the package {kind} is not installed: pip install "
+                        f"{kind}, or pass --report-to none")
 
 
 class Tracker:
     """--report-to wandb or trackio on rank 0: the run's config at init, each logged row mirrored
-    once with its step. Its run id is kept in RUN/tracker.json, so a resume continues the same run."""
+    once with its step. Its run id is kept in RUN/tracker.json: a resume continues the same run."""
 
     def __init__(self, kind, run_dir, cfg):
         import importlib
@@ -151,14 +151,16 @@ class Tracker:
         name = os.path.basename(os.path.abspath(run_dir))
         project = os.environ.get("WANDB_PROJECT" if kind == "wandb" else "TRACKIO_PROJECT", "rlcm")
         if kind == "wandb":
-            self.lib.init(project=project, name=name, id=run_id, resume="allow", config=cfg, dir=run_dir)
+            self.lib.init(project=project, name=name, id=run_id, resume="allow", config=cfg,
+                          dir=run_dir)
         else:   # trackio resumes a run by its name
             self.lib.init(project=project, name=f"{name}-{run_id}", config=cfg, resume="allow")
         write_json(path, dict(kind=kind, id=run_id, project=project))
 
     def log(self, rows):
         for row in rows:
-            self.lib.log({k: v for k, v in row.items() if _number(v) or isinstance(v, bool)}, step=row["step"])
+            self.lib.log({k: v for k, v in row.items() if _number(v) or isinstance(v, bool)},
+                         step=row["step"])
 
     def finish(self):
         self.lib.finish()
