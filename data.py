@@ -237,9 +237,7 @@ def _field(records, keys, preferred, candidates, kind, source):
 
 
 def _first(value):  # OlympiadBench lists its final answers
-    if isinstance(value, (list, tuple)):
-        return value[0] if value else None
-    return value
+    return (value[0] if value else None) if isinstance(value, (list, tuple)) else value
 
 
 def _answer_text(value, integer):
