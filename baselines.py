@@ -44,9 +44,7 @@ def verbal_confidence(text):
         span, pos = (start + len("<confidence>"), end), end + len("</confidence>")
     m = _NUMBER.search(text, *span) if span else None
     v = float(m.group()) if m else -1.0
-    if not 0 <= v <= 100:
-        return 0.5, True
-    return (v if v <= 1 else v / 100), False
+    return ((v if v <= 1 else v / 100), False) if 0 <= v <= 100 else (0.5, True)
 
 
 def rlcr_reward(correct, conf):
@@ -119,9 +117,7 @@ def correctness(texts, golds, grader, mode):
 
 def calibration_term(C, Y, valid, cfg):
     """The probe modes' calibration term [N]: the margin by --corner, or the negative Brier."""
-    if cfg["reward"] in BRIER_MODES:
-        return brier_reward(C, Y, valid)
-    return MARGINS[cfg["corner"]](C, Y, valid)
+    return (brier_reward if cfg["reward"] in BRIER_MODES else MARGINS[cfg["corner"]])(C, Y, valid)
 
 
 def unanimous(correct, group_size):
@@ -165,9 +161,8 @@ def reward_and_advantages(cfg, correct, calib, texts, seq_conf, all_unanimous=No
 def extra_loss(cfg, correct):
     """The term a mode adds to the policy loss (grpo.update's `extra`): with --c2gspg-bce,
     C2GSPG's 0.1 * BCE(c_theta, correct); else None (the released C2GSPG run's, docs/design.md)."""
-    if cfg["reward"] != "c2gspg" or cfg["c2gspg_bce"] == "off":
-        return None
-    return c2gspg_loss(correct, cfg["c2gspg_bce"])
+    off = cfg["reward"] != "c2gspg" or cfg["c2gspg_bce"] == "off"
+    return None if off else c2gspg_loss(correct, cfg["c2gspg_bce"])
 
 
 def all_unanimous(correct, cfg, device):

@@ -145,9 +145,8 @@ class DataError(UserError):
 
 def digest(source):
     """The sha256 of a local data file (None for a benchmark name or a hub id)."""
-    if source in TOY_BENCHMARKS or source in BENCHMARKS or not os.path.isfile(source):
-        return None
-    return sha256(source)
+    named = source in TOY_BENCHMARKS or source in BENCHMARKS
+    return None if named or not os.path.isfile(source) else sha256(source)
 
 
 _ESCAPES = {"\x07": "\\a", "\x08": "\\b", "\t": "\\t", "\x0b": "\\v", "\x0c": "\\f", "\r": "\\r"}
@@ -237,9 +236,7 @@ def _field(records, keys, preferred, candidates, kind, source):
 
 
 def _first(value):  # OlympiadBench lists its final answers
-    if isinstance(value, (list, tuple)):
-        return value[0] if value else None
-    return value
+    return (value[0] if value else None) if isinstance(value, (list, tuple)) else value
 
 
 def _answer_text(value, integer):
@@ -462,7 +459,6 @@ def long_prompts(tokenizer, rows, instruction, limit):
     for i, r in enumerate(rows):
         turns = max(1, len(r.get("messages", ())))
         if base * turns + 2 * len(r["problem"].encode("utf-8")) > limit:
-            n = len(row_prompt(tokenizer, r, instruction))
-            if n > limit:
+            if (n := len(row_prompt(tokenizer, r, instruction))) > limit:
                 out.append((i, n))
     return out

@@ -24,22 +24,17 @@ def reliability(conf, correct, n_bins=10):
     for i in range(n_bins):
         sel = idx == i
         count = int(sel.sum())
-        rows.append({
-            "lo": i / n_bins,
-            "hi": (i + 1) / n_bins,
-            "count": count,
-            "mean_conf": float(conf[sel].mean()) if count else math.nan,
-            "accuracy": float(correct[sel].mean()) if count else math.nan,
-        })
+        rows.append(dict(lo=i / n_bins, hi=(i + 1) / n_bins, count=count,
+                         mean_conf=float(conf[sel].mean()) if count else math.nan,
+                         accuracy=float(correct[sel].mean()) if count else math.nan))
     return rows
 
 
 def _gaps(conf, correct, n_bins):   # (n_bin / N, mean_conf - accuracy) of the non-empty bins
     rows = [r for r in reliability(conf, correct, n_bins) if r["count"]]
     n = sum(r["count"] for r in rows)
-    weights = np.array([r["count"] / n for r in rows])
-    gaps = np.array([r["mean_conf"] - r["accuracy"] for r in rows])
-    return weights, gaps
+    return (np.array([r["count"] / n for r in rows]),
+            np.array([r["mean_conf"] - r["accuracy"] for r in rows]))
 
 
 def ece(conf, correct, n_bins=10):
@@ -79,14 +74,9 @@ def auroc(conf, correct):
 def calibration(conf, correct, n_bins=10):
     """All summary numbers at once: {"acc", "ece", "pce", "brier", "auroc", "n"}."""
     conf, correct = _check(conf, correct)
-    return {
-        "acc": float(correct.mean()),
-        "ece": ece(conf, correct, n_bins),
-        "pce": pce(conf, correct, n_bins),
-        "brier": brier(conf, correct),
-        "auroc": auroc(conf, correct),
-        "n": int(conf.size),
-    }
+    return dict(acc=float(correct.mean()), ece=ece(conf, correct, n_bins),
+                pce=pce(conf, correct, n_bins), brier=brier(conf, correct),
+                auroc=auroc(conf, correct), n=int(conf.size))
 
 
 def bootstrap(conf, correct, groups, n_resamples=1000, seed=0):
@@ -116,9 +106,7 @@ def pass_at_k(n, c, k):
     Example: n = 5, c = 2, k = 2: 1 - C(3, 2) / C(5, 2) = 0.7; with k = 1 it is c / n."""
     if not 0 <= c <= n or not 1 <= k <= n:
         raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+    return 1.0 if n - c < k else 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
 
 
 def heldout_probe(trajectories, k):

@@ -22,11 +22,9 @@ class Probe(nn.Module):
         self.dim = int(dim)
         self.hidden = self.dim // 4 if hidden is None else int(hidden)
         self.p_drop = float(dropout)
-        if self.hidden == 0:
-            self.net = nn.Linear(self.dim, 1)
-        else:
-            self.net = nn.Sequential(nn.Linear(self.dim, self.hidden), nn.ReLU(),
-                                     nn.Dropout(self.p_drop), nn.Linear(self.hidden, 1))
+        self.net = nn.Linear(self.dim, 1) if self.hidden == 0 else nn.Sequential(
+            nn.Linear(self.dim, self.hidden), nn.ReLU(), nn.Dropout(self.p_drop),
+            nn.Linear(self.hidden, 1))
 
     def forward(self, x):
         return self.net(x).squeeze(-1)
@@ -120,12 +118,9 @@ class NotAProbe(UserError):
 
 def save(path, probe, opt=None, **extra):
     """Write {dim, hidden, dropout, state_dict, optimizer, **extra} to `path` (or a binary file)."""
-    blob = {
-        "dim": probe.dim, "hidden": probe.hidden, "dropout": probe.p_drop,
-        "state_dict": {k: v.detach().cpu() for k, v in probe.state_dict().items()},
-        "optimizer": opt.state_dict() if opt is not None else None, **extra,
-    }
-    torch.save(blob, path)
+    torch.save({"dim": probe.dim, "hidden": probe.hidden, "dropout": probe.p_drop,
+                "state_dict": {k: v.detach().cpu() for k, v in probe.state_dict().items()},
+                "optimizer": opt.state_dict() if opt is not None else None, **extra}, path)
 
 
 def shapes(dim, hidden):
@@ -159,8 +154,7 @@ def load(path):
     """A saved probe (on CPU) -> (probe, optimizer state or None); NotAProbe for a file that is not
     one (`damage`), FloatingPointError for NaN or inf weights."""
     blob = torch.load(path, map_location="cpu", weights_only=True)
-    why = damage(blob)
-    if why:
+    if why := damage(blob):
         raise NotAProbe(f"{path} is not a probe saved by this code ({why}): use an earlier checkpoint")
     if not all(torch.isfinite(t).all() for t in blob["state_dict"].values()):
         raise FloatingPointError(f"{path} holds NaN or inf probe weights")

@@ -81,7 +81,9 @@ def parse_args(argv):
         parsed(parse, ["--model", "toy", *words], f"{flag} {shlex.join(words)}")
     for flag, parser, words in (("--train-args", config.build_parser(), args.train_args),
                                 ("--eval-args", evaluate.build_parser(), args.eval_args)):
-        row = [k for k in ROW[flag] if k in settings_in(parser, words)]
+        for a in parser._actions:   # what `words` set (abbreviations too), whatever the defaults
+            a.default, a.required = argparse.SUPPRESS, False
+        row = [k for k in ROW[flag] if k in vars(parser.parse_args(words))]
         if row:   # a row is its method and seed, on the toy, in its own folder
             raise UserError(f"{flag} {shlex.join(words)}: --{row[0]} would make a row another run "
                             "than its name says; reproduce.py sets it for each row: use --methods, "
@@ -93,13 +95,6 @@ def parse_args(argv):
 # What --train-args / --eval-args may not set: what a row is (a config file sets all of it)
 ROW = {"--train-args": ("reward", "seed", "model", "out", "resume", "config", "toy_world"),
        "--eval-args": ("model", "seed", "out", "confidence")}
-
-
-def settings_in(parser, words):
-    """The settings `words` give (argparse's abbreviations too), whatever the defaults."""
-    for a in parser._actions:
-        a.default, a.required = argparse.SUPPRESS, False
-    return set(vars(parser.parse_args(words)))
 
 
 def parsed(parse, words, what):

@@ -210,7 +210,6 @@ def warm_start(out, log=print):   # supervised (AdamW, warm-up then cosine; fixe
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="Rebuild the toy world's warm-started base policy.")
-    parser.add_argument("--out", default=BASE_DIR,
-                        help="output directory (default: toy_base/)")
+    parser.add_argument("--out", default=BASE_DIR, help="output directory (default: toy_base/)")
     args = parser.parse_args()
     print(warm_start(args.out))

@@ -397,10 +397,8 @@ def fit_setting(xt, yt, xv, yv, p, setting, plateau):
         sched.step(loss)
         if loss < run_best:
             run_best, state, bad, best_epoch = loss, copy.deepcopy(prb.state_dict()), 0, epoch + 1
-        else:
-            bad += 1
-            if bad >= p["patience"]:
-                break
+        elif (bad := bad + 1) >= p["patience"]:
+            break
     return dict(lr=lr, dropout=drop, weight_decay=wd, epochs=epoch + 1, best_epoch=best_epoch,
                 val_loss=run_best), state
 

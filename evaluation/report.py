@@ -252,13 +252,11 @@ def early_exit(cal, test, epsilons=EPSILONS):
         use = math.inf if lam is None else lam
         outs = [exit_outcome(tr, use) for tr in traces]
         exits = [tr for tr in traces if any(c >= use for _, c, _ in tr["checkpoints"])]
-        rows.append({
-            "epsilon": eps, "threshold": lam,
-            "cal_bound": crc_bound(cal, use) if cal else math.nan,
-            "test_risk": float(np.mean([o[0] for o in outs])) if outs else math.nan,
-            "exit_rate": len(exits) / len(traces) if traces else math.nan,
-            "tokens_saved": 1.0 - sum(o[1] for o in outs) / full,
-        })
+        rows.append(dict(epsilon=eps, threshold=lam,
+                         cal_bound=crc_bound(cal, use) if cal else math.nan,
+                         test_risk=float(np.mean([o[0] for o in outs])) if outs else math.nan,
+                         exit_rate=len(exits) / len(traces) if traces else math.nan,
+                         tokens_saved=1.0 - sum(o[1] for o in outs) / full))
     return rows
 
 

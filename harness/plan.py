@@ -119,16 +119,13 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None, prob
 
 
 def label_chunk(cuts, k, width, config, free):
-    """Cuts per chunk of forced answers (label.mc_labels' batch_size) that fit `free` bytes."""
-    return max(1, min(cuts, int(free // cut_bytes(k, width, config))))
-
-
-def cut_bytes(k, width, config):
-    """Bytes one cut of a chunk holds at `width` positions, bf16: its prefill cache row, k rows of
-    static buffers and one layer's expanded K/V, twice (SDPA's repeat and the concatenation)."""
+    """Cuts per chunk of forced answers (label.mc_labels' batch_size) that fit `free` bytes. One
+    cut holds at `width` positions, bf16: its prefill cache row, k rows of static buffers and one
+    layer's expanded K/V, twice (SDPA's repeat and the concatenation)."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return width * ((1 + k) * kv_bytes_per_token(config, 2) + 2 * 2 * heads * head_dim * 2)
+    cut_bytes = width * ((1 + k) * kv_bytes_per_token(config, 2) + 2 * 2 * heads * head_dim * 2)
+    return max(1, min(cuts, int(free // cut_bytes)))
 
 
 def free_bytes(device):
@@ -190,8 +187,7 @@ def check(cfg, show=False, log=print, probed=True):
     device, world, mem = detected(cfg.get("nproc"))
     here = not (cfg.get("gpus") or cfg.get("gpu_mem"))
     if not here:
-        device = "cuda"
-        world = cfg.get("gpus") or world
+        device, world = "cuda", cfg.get("gpus") or world
         mem = cfg.get("gpu_mem") or (mem if torch.cuda.is_available() else 80.0)
     config = model_config(cfg["model"], cfg.get("trust_remote_code", False))
     counts = param_counts(config, cfg.get("lora_targets", "all-linear"))

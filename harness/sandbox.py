@@ -22,6 +22,7 @@ import tempfile
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from decimal import Decimal
 
 from harness.sandbox_child import LINE_BYTES
@@ -74,11 +75,9 @@ def run_tests(code, tests, fn_name=None, per_test_s=6.0):
     finally:
         os.close(write_fd)  # the child holds its own copy; EOF on read_fd then means it is gone
     try:
-        try:
+        with suppress(BrokenPipeError):
             child.stdin.write(json.dumps(payload).encode())
             child.stdin.close()
-        except BrokenPipeError:
-            pass
         lines = _lines_until(read_fd, deadline)
         if next(lines, None) != {"ready": True}:   # sent before any solution code runs
             raise SandboxUnavailable(f"sandbox: a child stopped before running the program "
@@ -121,12 +120,10 @@ def _command(root, confined):
 def _children(pid):
     """The processes that `pid` (any of its threads) started and that are still there, zombies included."""
     found = []
-    try:
+    with suppress(OSError):  # gone, or a kernel without /proc/PID/task/TID/children
         for tid in os.listdir(f"/proc/{pid}/task"):
             with open(f"/proc/{pid}/task/{tid}/children") as f:
                 found += [int(p) for p in f.read().split()]
-    except OSError:  # gone, or a kernel without /proc/PID/task/TID/children
-        pass
     return found
 
 
@@ -148,10 +145,8 @@ def _stop(child, confined):
         finally:
             os.close(fd)
     for kill in (lambda: os.killpg(child.pid, signal.SIGKILL), child.kill):
-        try:
+        with suppress(ProcessLookupError, PermissionError):
             kill()
-        except (ProcessLookupError, PermissionError):
-            pass
     child.wait()
 
 
@@ -243,10 +238,9 @@ def same_output(got, want):
             continue
         want_tokens = w.split()
         got_tokens = g.split(None, len(want_tokens))  # one more than the gold's at most
-        if len(got_tokens) != len(want_tokens):
-            return False
         try:
-            if any(Decimal(a) != Decimal(b) for a, b in zip(got_tokens, want_tokens)):
+            if len(got_tokens) != len(want_tokens) or any(
+                    Decimal(a) != Decimal(b) for a, b in zip(got_tokens, want_tokens)):
                 return False
         except ArithmeticError:  # a token that is not a number (decimal.InvalidOperation)
             return False
@@ -263,10 +257,8 @@ class _RefuseClasses(pickle.Unpickler):
 def decode_private_tests(blob):
     """LiveCodeBench's private tests: JSON, or base64(zlib(pickle(json string))) read without
     running code, refused when it inflates past TESTS_BYTES (counted in 16 MB chunks, not kept)."""
-    try:
+    with suppress(ValueError):
         return json.loads(blob)
-    except ValueError:
-        pass
     try:
         packed = rest = base64.b64decode(blob)
         inflate, size = zlib.decompressobj(), 0

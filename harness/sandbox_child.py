@@ -219,14 +219,12 @@ def _guard(stdin_text):
 
     builtins.open = io.open = guarded_open
     for module in (os, posix):
-        for name in ("kill", "killpg", "system", "popen", "putenv", "unsetenv", "remove", "removedirs",
-                     "rmdir", "unlink", "rename", "renames", "replace", "truncate", "ftruncate", "open",
-                     "link", "symlink", "mkdir", "makedirs", "chmod", "fchmod", "lchmod", "chown",
-                     "fchown", "lchown", "chroot", "chdir", "fchdir", "getcwd", "setuid", "setgid",
-                     "fork", "forkpty", "vfork", "execv", "execve", "execl", "execle", "execlp",
-                     "execlpe", "execvp", "execvpe", "spawnv", "spawnve", "spawnl", "spawnle", "spawnlp",
-                     "spawnlpe", "spawnvp", "spawnvpe", "posix_spawn", "posix_spawnp", "setsid",
-                     "setpgid", "setpgrp"):
+        for name in ("kill killpg system popen putenv unsetenv remove removedirs rmdir unlink "
+                     "rename renames replace truncate ftruncate open link symlink mkdir makedirs "
+                     "chmod fchmod lchmod chown fchown lchown chroot chdir fchdir getcwd setuid "
+                     "setgid fork forkpty vfork execv execve execl execle execlp execlpe execvp "
+                     "execvpe spawnv spawnve spawnl spawnle spawnlp spawnlpe spawnvp spawnvpe "
+                     "posix_spawn posix_spawnp setsid setpgid setpgrp").split():
             if hasattr(module, name):
                 setattr(module, name, None)
     shutil_.rmtree = shutil_.move = shutil_.chown = None
