@@ -38,6 +38,9 @@ ELSEWHERE = {
     "modeling_evil.py": "written by tests/test_train.py into a temporary checkpoint",
     "work.py": "a worker script tests/test_launch.py writes into a temporary folder",
     "vllm_sample.py": "the vLLM script docs/reference.md shows, saved by the user (\"Responses made elsewhere\")",
+    "FILE.py": "a placeholder: --grader FILE.py:FUNCTION, the user's own grader (README)",
+    "mine.py": "a user's grader file in grade.py's example and tests/test_user_grader.py",
+    "wandb.py": "the stand-in tracker module tests/test_long_run.py writes into a temporary folder",
 }
 
 

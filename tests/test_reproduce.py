@@ -299,8 +299,8 @@ def test_superscript_numbers_are_one_line(tmp_path, capsys, flags):
 
 def test_an_evaluation_made_with_reordered_flags_counts_as_made_with_them(tmp_path):
     args, _, _, jobs = reproduce.parse_args(["--methods", "grpo", "--seeds", "3", "--out", str(tmp_path / "r"),
-                                             "--train-args", "--seed 3 --steps 1", "--eval-args=--seed=3"])
-    assert args.train_args == ["--seed", "3", "--steps", "1"] and jobs == 2
+                                             "--train-args", "--lr 2e-5 --steps 1", "--eval-args=--limit=3"])
+    assert args.train_args == ["--lr", "2e-5", "--steps", "1"] and args.eval_args == ["--limit=3"] and jobs == 2
     ev = str(tmp_path / "ev")
     entry = dict(provenance=dict(command=f"evaluate.py --limit 4 --model toy --out {ev} --seed 1 --benchmarks toy,toy-long,toy-sub "
                                          "--confidence logits --no-early-exit"))
