@@ -63,6 +63,13 @@ def _joined(params):
     return whole
 
 
+def compiled(fn, device):
+    """fn compiled on CUDA, one static graph per shape (flex decoding needs a static batch), past dynamo's
+    limit of 8 (then eager): only a shape's warm-up and capture call it. Eager elsewhere."""
+    return torch._dynamo.config.patch(recompile_limit=256)(torch.compile(fn, dynamic=False)) \
+        if device.type == "cuda" else fn
+
+
 class StaticKV:
     """The cache object a decoder layer calls `update(key, value, layer_idx, ...)` on: writes this
     step's [R, H, 1, D] at `write_at` and returns the layer's [R, H, live, D] views of its buffers."""
@@ -107,9 +114,10 @@ class _Shape:
             self.blocks = torch.zeros((rows, 1, 1), dtype=torch.int32, device=dev)
             every = torch.arange(-(-length // BLOCK), dtype=torch.int32, device=dev).repeat(rows, 1, 1, 1)
             keep = lambda b, h, q, kv: (kv < self.lengths[b]) & (self.bias[b, 0, 0, kv] == 0)  # noqa: E731
+            group = model.config.num_attention_heads // k0.shape[1]  # a KV head's query heads: its query rows
             self.mask = BlockMask.from_kv_blocks(self.blocks, every,
-                                                 BLOCK_SIZE=BLOCK, mask_mod=keep, seq_lengths=(1, length))
-            self.attend = torch.compile(flex_attention) if dev.type == "cuda" else flex_attention
+                                                 BLOCK_SIZE=BLOCK, mask_mod=keep, seq_lengths=(group, length))
+            self.attend = compiled(flex_attention, dev)
 
     def forward(self, model, n):
         """One eager step over the first n positions -> logits [R, V]."""
@@ -122,19 +130,20 @@ class _Shape:
 
     def fused_forward(self, model):
         """The step of a Qwen2 or Llama model written out: a GEMM for q, k, v and one for gate and up
-        (fuse); attention over each row's written blocks only (none for finished rows) -> logits [R, V]."""
+        (fuse); attention over each row's written blocks (none for finished rows), a KV head's query heads
+        as its query rows: flex decoding, one pass over K/V per KV head -> logits [R, V]."""
         m, R = model.model, len(self.tok)
         x = m.embed_tokens(self.tok[:, None])
         cos, sin = m.rotary_emb(x, self.pos)
         self.blocks.copy_((self.lengths + BLOCK - 1).div(BLOCK, rounding_mode="floor").view(R, 1, 1))
         for layer, (wqkv, bqkv, wgu, bgu), k, v in zip(m.layers, self.fused, self.kv.keys, self.kv.values):
-            a, D = layer.self_attn, k.shape[-1]
+            a, (_, H, _, D) = layer.self_attn, k.shape
             q, kn, vn = F.linear(layer.input_layernorm(x), wqkv, bqkv).view(R, -1, D).split(
-                [len(wqkv) // D - 2 * k.shape[1], k.shape[1], k.shape[1]], 1)
+                [len(wqkv) // D - 2 * H, H, H], 1)
             q, kn = apply_rotary_pos_emb(q[:, :, None], kn[:, :, None], cos, sin)
             k.index_copy_(2, self.write_at, kn)
             v.index_copy_(2, self.write_at, vn[:, :, None])
-            o = self.attend(q, k, v, block_mask=self.mask, scale=a.scaling, enable_gqa=True)
+            o = self.attend(q.reshape(R, H, -1, D), k, v, block_mask=self.mask, scale=a.scaling)
             x = x + a.o_proj(o.reshape(R, 1, -1))
             gate, up = F.linear(layer.post_attention_layernorm(x), wgu, bgu).chunk(2, -1)
             x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
