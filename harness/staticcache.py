@@ -2,6 +2,7 @@
 the dynamic loop's samples, at fixed addresses, one bucketed shape alive per model. Why:
 docs/reference.md, "The static decoder". Models with sliding-window layers need the dynamic path.
 """
+import gc
 import inspect
 import weakref
 
@@ -113,7 +114,8 @@ class _Shape:
             self.lengths = torch.zeros(rows, dtype=torch.long, device=dev)
             self.blocks = torch.zeros((rows, 1, 1), dtype=torch.int32, device=dev)
             every = torch.arange(-(-length // BLOCK), dtype=torch.int32, device=dev).repeat(rows, 1, 1, 1)
-            keep = lambda b, h, q, kv: (kv < self.lengths[b]) & (self.bias[b, 0, 0, kv] == 0)  # noqa: E731
+            lengths, bias = self.lengths, self.bias  # tensors, not self: no cycle keeps the buffers past release
+            keep = lambda b, h, q, kv: (kv < lengths[b]) & (bias[b, 0, 0, kv] == 0)  # noqa: E731
             group = model.config.num_attention_heads // k0.shape[1]  # a KV head's query heads: its query rows
             self.mask = BlockMask.from_kv_blocks(self.blocks, every,
                                                  BLOCK_SIZE=BLOCK, mask_mod=keep, seq_lengths=(group, length))
@@ -191,6 +193,12 @@ class StaticDecoder:
         # True: fused_forward for Qwen2 and Llama; off until a GPU has run it (docs/reference.md)
         self.fused = False
 
+    def drop(self):
+        """Frees the buffers and graphs now (a fused shape's compile leaves them in cyclic garbage)."""
+        fused, self.shape, self.key = self.shape is not None and self.shape.fused, None, None
+        if fused:
+            gc.collect()
+
     def start(self, model, prefix, n, max_new_tokens):
         """Load `prefix` (its rows repeated n times) into the buffers of its shape; returns
         step(tok [R*n], done [R*n]) -> logits [R_bucket, V] for the next position."""
@@ -202,7 +210,7 @@ class StaticDecoder:
         k0 = layers[0].keys
         key = (*buffer_shape(rows, W, max_new_tokens), k0.dtype, k0.device, self.fused)
         if key != self.key:
-            self.shape = self.key = None  # the old buffers and graphs go before the new ones are allocated
+            self.drop()  # the old buffers and graphs go before the new ones are allocated
             self.shape, self.key = _Shape(model, self.cache_kw, *key[:2], layers, self.fused), key
         s = self.shape
         for dst, src in zip(s.kv.keys + s.kv.values, [l.keys for l in layers] + [l.values for l in layers]):
@@ -242,6 +250,5 @@ def decoder(model, cache_kw):
 
 def release(model):
     """Frees the model's static buffers and captured steps, for what needs the memory next."""
-    d = _DECODERS.get(model)
-    if d is not None:
-        d.shape = d.key = None
+    if model in _DECODERS:
+        _DECODERS[model].drop()

@@ -163,7 +163,8 @@ def test_a_failing_check_is_one_error_line_and_the_others_still_run(tmp_path, ca
 
 def test_a_failed_check_leaves_no_static_buffers_with_the_sampler(tmp_path, capsys):
     sampler = torch.nn.Linear(1, 1)
-    staticcache._DECODERS[sampler] = SimpleNamespace(shape="the labels' buffers", key=(32, 7168))
+    d = staticcache._DECODERS[sampler] = object.__new__(staticcache.StaticDecoder)  # no model to build it from
+    d.shape, d.key = SimpleNamespace(fused=None), (32, 7168)  # the labels' buffers
 
     def out_of_memory(ctx):
         raise torch.OutOfMemoryError("CUDA out of memory")

@@ -1,7 +1,10 @@
 """The fused static decode step (harness/staticcache.py: fuse, _Shape.fused_forward), which a GPU runs
 captured and compiled, run on the CPU in float32, eagerly and compiled as on a GPU: the dynamic path's
 tokens and scores at query groups 1, 2 and 7, one static graph per shape, finished rows attending over
-nothing, one GEMM for q, k, v and one for gate and up."""
+nothing, one GEMM for q, k, v and one for gate and up, buffers freed at release."""
+import gc
+import weakref
+
 import pytest
 import torch
 from torch.nn.attention.flex_attention import flex_attention
@@ -134,3 +137,22 @@ def test_query_groups_fold_into_query_rows_and_each_shape_compiles_one_static_gr
     assert len(graphs) == 2 and not any(map(symbolic, graphs))
     query = graphs[0].graph.find_nodes(op="placeholder")[0].meta["example_value"]
     assert list(query.shape) == [4, 2, group, 8]  # [rows, KV heads, group, head dim]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_release_frees_the_fused_shapes_buffers_without_the_cycle_collector(tok, compiled, monkeypatch):
+    """Neither the block mask (it holds tensors, not the shape) nor dynamo's trace of the first compile
+    keeps a released shape's buffers for the cycle collector: the next shape's memory is there."""
+    if compiled:
+        compiled_as_on_cuda(monkeypatch)
+    model = tiny.model()
+    fused_decoder(model)
+    rollout.generate(model, tok, [enc(tok, "1+2=")], n=2, max_new_tokens=4, temperature=0, eos_ids=[],
+                     decode="static")
+    keys = weakref.ref(staticcache.decoder(model, "cache").shape.kv.keys[0])
+    gc.disable()  # what is freed now is freed by reference counts, at once
+    try:
+        staticcache.release(model)
+        assert keys() is None
+    finally:
+        gc.enable()
