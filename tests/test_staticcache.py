@@ -3,6 +3,7 @@ captured and compiled, run on the CPU in float32, eagerly and compiled as on a G
 tokens and scores at query groups 1, 2 and 7, one static graph per shape, finished rows attending over
 nothing, one GEMM for q, k, v and one for gate and up, buffers freed at release."""
 import gc
+import shutil
 import weakref
 
 import pytest
@@ -137,6 +138,21 @@ def test_query_groups_fold_into_query_rows_and_each_shape_compiles_one_static_gr
     assert len(graphs) == 2 and not any(map(symbolic, graphs))
     query = graphs[0].graph.find_nodes(op="placeholder")[0].meta["example_value"]
     assert list(query.shape) == [4, 2, group, 8]  # [rows, KV heads, group, head dim]
+
+
+@pytest.mark.skipif(not shutil.which("g++"), reason="inductor's CPU code needs a C++ compiler")
+def test_the_small_ops_compiled_by_inductor_give_the_dynamic_samples(tok, monkeypatch):
+    """fused="compiled": RMSNorm, rotary and SiLU-mul each one inductor graph (C++ here, Triton on a GPU)."""
+    graphs = compiled_as_on_cuda(monkeypatch, small="inductor")
+    model = tiny.model()
+    fused_decoder(model).fused = "compiled"
+    prompts = [enc(tok, p) for p in PROMPTS]
+    kw = dict(n=2, max_new_tokens=8, temperature=1.0, seed=3, eos_ids=[], scores=True)
+    a = rollout.generate(model, tok, prompts, decode="dynamic", **kw)
+    b = rollout.generate(model, tok, prompts, decode="static", **kw)
+    assert a.ids == b.ids
+    assert_same_scores(a, b)
+    assert len(graphs["flex"]) == 1 and len(graphs["small"]) == 3  # RMSNorm's serves all its layers
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
