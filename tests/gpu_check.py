@@ -332,11 +332,10 @@ def copy_bandwidth(device, mib, reps=10):
 
 def card_bandwidth(device):
     """The card's own peak memory bandwidth in TB/s: its memory clock (kHz) x bus width, double data
-    rate (an H100 SXM's 3.35, an H200's 4.8); None on the CPU."""
-    if device.type != "cuda":
-        return None
-    p = torch.cuda.get_device_properties(device)
-    return 2 * p.memory_clock_rate * 1e3 * p.memory_bus_width / 8 / 1e12
+    rate (an H100 SXM's 3.35, an H200's 4.8); None on the CPU, or where torch does not say them."""
+    p = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
+    clock, bus = getattr(p, "memory_clock_rate", None), getattr(p, "memory_bus_width", None)
+    return 2 * clock * 1e3 * bus / 8 / 1e12 if clock and bus else None
 
 
 @contextmanager
