@@ -119,8 +119,9 @@ class _Shape:
             group = model.config.num_attention_heads // k0.shape[1]  # a KV head's query heads: its query rows
             self.mask = BlockMask.from_kv_blocks(self.blocks, every,
                                                  BLOCK_SIZE=BLOCK, mask_mod=keep, seq_lengths=(group, length))
+            # RMSNorm, rotary, SiLU-mul; a module is an argument, so that one graph serves every layer
             small = (lambda norm, x: norm(x), apply_rotary_pos_emb, lambda act, gate, up: act(gate) * up)
-            self.small = [compiled(f, dev) if fused == "compiled" else f for f in small]
+            self.norm, self.rotary, self.silu_mul = [compiled(f, dev) if fused == "compiled" else f for f in small]
             self.attend = compiled(flex_attention, dev)
 
     def forward(self, model, n):
@@ -134,26 +135,24 @@ class _Shape:
 
     def fused_forward(self, model):
         """The step of a Qwen2 or Llama model written out: a GEMM for q, k, v and one for gate and up
-        (fuse); attention over each row's written blocks (none for finished rows), a KV head's query heads
-        as its query rows: flex decoding, one pass over K/V per KV head. fused="compiled": RMSNorm, rotary
-        and SiLU-mul compiled too -> logits [R, V]."""
+        (fuse); flex_attention over each row's written blocks only (none for finished rows), a KV head's
+        query heads as its query rows (flex decoding: one pass over K/V per KV head) -> logits [R, V]."""
         m, R = model.model, len(self.tok)
         x = m.embed_tokens(self.tok[:, None])
         cos, sin = m.rotary_emb(x, self.pos)
         self.blocks.copy_((self.lengths + BLOCK - 1).div(BLOCK, rounding_mode="floor").view(R, 1, 1))
-        norm, rotary, silu_mul = self.small
         for layer, (wqkv, bqkv, wgu, bgu), k, v in zip(m.layers, self.fused, self.kv.keys, self.kv.values):
             a, (_, H, _, D) = layer.self_attn, k.shape
-            q, kn, vn = F.linear(norm(layer.input_layernorm, x), wqkv, bqkv).view(R, -1, D).split(
+            q, kn, vn = F.linear(self.norm(layer.input_layernorm, x), wqkv, bqkv).view(R, -1, D).split(
                 [len(wqkv) // D - 2 * H, H, H], 1)
-            q, kn = rotary(q[:, :, None], kn[:, :, None], cos, sin)
+            q, kn = self.rotary(q[:, :, None], kn[:, :, None], cos, sin)
             k.index_copy_(2, self.write_at, kn)
             v.index_copy_(2, self.write_at, vn[:, :, None])
             o = self.attend(q.reshape(R, H, -1, D), k, v, block_mask=self.mask, scale=a.scaling)
             x = x + a.o_proj(o.reshape(R, 1, -1))
-            gate, up = F.linear(norm(layer.post_attention_layernorm, x), wgu, bgu).chunk(2, -1)
-            x = x + layer.mlp.down_proj(silu_mul(layer.mlp.act_fn, gate, up))
-        return model.lm_head(norm(m.norm, x))[:, -1]
+            gate, up = F.linear(self.norm(layer.post_attention_layernorm, x), wgu, bgu).chunk(2, -1)
+            x = x + layer.mlp.down_proj(self.silu_mul(layer.mlp.act_fn, gate, up))
+        return model.lm_head(self.norm(m.norm, x))[:, -1]
 
     def capture(self, model, n):
         """(graph, logits) of the step over n positions, recorded on CUDA after a warm-up on a side
