@@ -72,11 +72,11 @@ def logprobs_from_hidden(hidden, lm_head, targets, temperature=1.0, chunk_size=1
 
 
 def token_logprobs(model, input_ids, attention_mask, temperature=1.0, chunk_size=1024):
-    """Log-probs [N, L-1] of input_ids[:, 1:] under a transformers *ForCausalLM: its decoder, then
-    logprobs_from_hidden with its lm_head, so [N, L, V] logits never exist."""
-    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask,
-                         use_cache=False).last_hidden_state
-    return logprobs_from_hidden(hidden, model.lm_head, input_ids[:, 1:], temperature, chunk_size)
+    """Log-probs [N, L-1] of input_ids[:, 1:] under a transformers *ForCausalLM: its decoder, unmasked on
+    right padding (no pad is attended; SDPA takes flash), then its lm_head by chunks (logprobs_from_hidden)."""
+    right = bool((attention_mask[:, 1:] <= attention_mask[:, :-1]).all())  # pack's rows: tokens, then pads
+    hidden = model.model(input_ids=input_ids, attention_mask=None if right else attention_mask, use_cache=False)
+    return logprobs_from_hidden(hidden.last_hidden_state, model.lm_head, input_ids[:, 1:], temperature, chunk_size)
 
 
 # --agg: a micro-batch's token-mean weighs by its tokens (one token-mean over the batch) or, as the

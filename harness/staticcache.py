@@ -2,6 +2,7 @@
 the dynamic loop's samples, at fixed addresses, one bucketed shape alive per model. Why:
 docs/reference.md, "The static decoder". Models with sliding-window layers need the dynamic path.
 """
+import gc
 import inspect
 import weakref
 
@@ -63,6 +64,13 @@ def _joined(params):
     return whole
 
 
+def compiled(fn, device):
+    """fn compiled on CUDA, one static graph per shape (flex decoding needs a static batch), past dynamo's
+    limit of 8 (then eager): only a shape's warm-up and capture call it. Eager elsewhere."""
+    return torch._dynamo.config.patch(recompile_limit=256)(torch.compile(fn, dynamic=False)) \
+        if device.type == "cuda" else fn
+
+
 class StaticKV:
     """The cache object a decoder layer calls `update(key, value, layer_idx, ...)` on: writes this
     step's [R, H, 1, D] at `write_at` and returns the layer's [R, H, live, D] views of its buffers."""
@@ -106,10 +114,15 @@ class _Shape:
             self.lengths = torch.zeros(rows, dtype=torch.long, device=dev)
             self.blocks = torch.zeros((rows, 1, 1), dtype=torch.int32, device=dev)
             every = torch.arange(-(-length // BLOCK), dtype=torch.int32, device=dev).repeat(rows, 1, 1, 1)
-            keep = lambda b, h, q, kv: (kv < self.lengths[b]) & (self.bias[b, 0, 0, kv] == 0)  # noqa: E731
+            lengths, bias = self.lengths, self.bias  # tensors, not self: no cycle keeps the buffers past release
+            keep = lambda b, h, q, kv: (kv < lengths[b]) & (bias[b, 0, 0, kv] == 0)  # noqa: E731
+            group = model.config.num_attention_heads // k0.shape[1]  # a KV head's query heads: its query rows
             self.mask = BlockMask.from_kv_blocks(self.blocks, every,
-                                                 BLOCK_SIZE=BLOCK, mask_mod=keep, seq_lengths=(1, length))
-            self.attend = torch.compile(flex_attention) if dev.type == "cuda" else flex_attention
+                                                 BLOCK_SIZE=BLOCK, mask_mod=keep, seq_lengths=(group, length))
+            # RMSNorm, rotary, SiLU-mul; a module is an argument, so that one graph serves every layer
+            small = (lambda norm, x: norm(x), apply_rotary_pos_emb, lambda act, gate, up: act(gate) * up)
+            self.norm, self.rotary, self.silu_mul = [compiled(f, dev) if fused == "compiled" else f for f in small]
+            self.attend = compiled(flex_attention, dev)
 
     def forward(self, model, n):
         """One eager step over the first n positions -> logits [R, V]."""
@@ -122,23 +135,24 @@ class _Shape:
 
     def fused_forward(self, model):
         """The step of a Qwen2 or Llama model written out: a GEMM for q, k, v and one for gate and up
-        (fuse); attention over each row's written blocks only (none for finished rows) -> logits [R, V]."""
+        (fuse); flex_attention over each row's written blocks only (none for finished rows), a KV head's
+        query heads as its query rows (flex decoding: one pass over K/V per KV head) -> logits [R, V]."""
         m, R = model.model, len(self.tok)
         x = m.embed_tokens(self.tok[:, None])
         cos, sin = m.rotary_emb(x, self.pos)
         self.blocks.copy_((self.lengths + BLOCK - 1).div(BLOCK, rounding_mode="floor").view(R, 1, 1))
         for layer, (wqkv, bqkv, wgu, bgu), k, v in zip(m.layers, self.fused, self.kv.keys, self.kv.values):
-            a, D = layer.self_attn, k.shape[-1]
-            q, kn, vn = F.linear(layer.input_layernorm(x), wqkv, bqkv).view(R, -1, D).split(
-                [len(wqkv) // D - 2 * k.shape[1], k.shape[1], k.shape[1]], 1)
-            q, kn = apply_rotary_pos_emb(q[:, :, None], kn[:, :, None], cos, sin)
+            a, (_, H, _, D) = layer.self_attn, k.shape
+            q, kn, vn = F.linear(self.norm(layer.input_layernorm, x), wqkv, bqkv).view(R, -1, D).split(
+                [len(wqkv) // D - 2 * H, H, H], 1)
+            q, kn = self.rotary(q[:, :, None], kn[:, :, None], cos, sin)
             k.index_copy_(2, self.write_at, kn)
             v.index_copy_(2, self.write_at, vn[:, :, None])
-            o = self.attend(q, k, v, block_mask=self.mask, scale=a.scaling, enable_gqa=True)
+            o = self.attend(q.reshape(R, H, -1, D), k, v, block_mask=self.mask, scale=a.scaling)
             x = x + a.o_proj(o.reshape(R, 1, -1))
-            gate, up = F.linear(layer.post_attention_layernorm(x), wgu, bgu).chunk(2, -1)
-            x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
-        return model.lm_head(m.norm(x))[:, -1]
+            gate, up = F.linear(self.norm(layer.post_attention_layernorm, x), wgu, bgu).chunk(2, -1)
+            x = x + layer.mlp.down_proj(self.silu_mul(layer.mlp.act_fn, gate, up))
+        return model.lm_head(self.norm(m.norm, x))[:, -1]
 
     def capture(self, model, n):
         """(graph, logits) of the step over n positions, recorded on CUDA after a warm-up on a side
@@ -179,8 +193,14 @@ class StaticDecoder:
                 getattr(cfg, "use_sliding_window", False):
             raise ValueError("the static KV cache does not handle sliding-window layers: use --decode dynamic")
         self.cache_kw, self.key, self.shape = cache_kw, None, None
-        # True: fused_forward for Qwen2 and Llama; off until a GPU has run it (docs/reference.md)
+        # fused_forward for Qwen2 and Llama (True; "compiled": its small ops too), off until a GPU ran it
         self.fused = False
+
+    def drop(self):
+        """Frees the buffers and graphs now (a fused shape's compile leaves them in cyclic garbage)."""
+        fused, self.shape, self.key = self.shape is not None and self.shape.fused, None, None
+        if fused:
+            gc.collect()
 
     def start(self, model, prefix, n, max_new_tokens):
         """Load `prefix` (its rows repeated n times) into the buffers of its shape; returns
@@ -193,7 +213,7 @@ class StaticDecoder:
         k0 = layers[0].keys
         key = (*buffer_shape(rows, W, max_new_tokens), k0.dtype, k0.device, self.fused)
         if key != self.key:
-            self.shape = self.key = None  # the old buffers and graphs go before the new ones are allocated
+            self.drop()  # the old buffers and graphs go before the new ones are allocated
             self.shape, self.key = _Shape(model, self.cache_kw, *key[:2], layers, self.fused), key
         s = self.shape
         for dst, src in zip(s.kv.keys + s.kv.values, [l.keys for l in layers] + [l.values for l in layers]):
@@ -233,6 +253,5 @@ def decoder(model, cache_kw):
 
 def release(model):
     """Frees the model's static buffers and captured steps, for what needs the memory next."""
-    d = _DECODERS.get(model)
-    if d is not None:
-        d.shape = d.key = None
+    if model in _DECODERS:
+        _DECODERS[model].drop()

@@ -1,56 +1,52 @@
-"""One RL step of the 7B recipe, its decode speed, rank 0 of the 8-GPU recipe and the toy runs on
-one GPU, in 4-5 minutes (time-boxed to 390 s; not collected by pytest: tests/test_gpu_check.py runs
-its dry run):
+"""The GPU check of the 7B recipe on one H100 80 GB, planned to use at most 8 minutes of a lend's 15 with
+the machine's start, so that a rerun fits (time-boxed; not collected by pytest: tests/test_gpu_check.py
+runs its dry run):
 
-    python tests/gpu_check.py --all --config DIR --out OUT              # on an H200
+    python tests/gpu_check.py --all --config DIR --out OUT              # on an H100 (or an H200)
     python tests/gpu_check.py --all --dry-run --config DIR --out OUT    # tiny, on the CPU
 
 --config DIR is a folder with DeepSeek-R1-Distill-Qwen-7B's config.json and tokenizer, no weights
 (`hf download deepseek-ai/DeepSeek-R1-Distill-Qwen-7B --include "*.json" --local-dir DIR`). The
 maintainers' prepared GPU machine runs it through `.device/check.sh`, with its own copy of that
 folder and the pinned wheels. The model is that architecture at its full depth (28 layers, hidden
-3584, 28 heads, 4 KV heads, vocab 152,064, N = 7.62 B) with random weights: an fp32 trainer and its
-bf16 generation copy, as train.py holds them in one process on a GPU. Sizes are one rank's of the
-8-GPU recipe (4 prompts x 6 samples = 24 rows). The times are estimates from bytes and FLOPs at the H200's 4.8 TB/s and about 500 TFLOP/s:
+3584, 28 heads over 4 KV heads, vocab 152,064, N = 7.62 B) with random weights. Sizes are one rank's
+of the 8-GPU recipe (4 prompts x 6 samples = 24 rows). The checks run in this order, what a first GPU
+run most needs first; the seconds are estimates for an H100 (CHECKS), and a check the time box has
+no room for is skipped:
 
-  check     what it runs                                                                 H200, est.
-  build     the fp32 trainer (4 N = 30.5 GB) and parallel.wrap's bf16 copy (2 N = 15.2 GB)     10 s
-            (a deepcopy, then the cast: 8 N for a moment, which no plan term counts)
-  rollout   rollout.generate, static, scores on, EOS off: 24 rows x 1024 tokens after 600-token  7 s
-            prompts; a step reads 14.1 GB of weights + about 1.7 GB of K/V (3.3 ms at the floor,
-            about 6 at 55 %), + 4 captures
-  labels    label.mc_labels at real lengths: 24 random responses of 200..8000 tokens, 72 cuts,   10 s
-            k = 4, chunks of 8 cuts (buffers up to 32 x 7168), features on; a prefill of about 80k
-            tokens (1.2 PFLOP) and 9 chunks x 31 steps of about 20 GB; the captures counted and timed
-  score     update.forward_pass over those trajectories (about 115k tokens: 1.8 PFLOP)                   5 s
-  update    grpo.update on the rollout (39k tokens, micro-batches of <= 16384) with the fp32      8 s
-            trainer, bf16 autocast, checkpointing: 8 N FLOP a token, 2.4 PFLOP. SGD at lr 0 stands
-            in for AdamW, whose 8 N (61 GB) do not fit beside the rest; its sampler gap is the bf16
-            static sampler's log-probs against the fp32 trainer's, at 7B width; on a GPU autocast
-            keeps bf16 casts of the fp32 weights (2 N) through each forward, which no plan term counts
-  decode    a 1 GiB device copy (the bandwidth measured); then 24 rows after prompts of 6000       40 s
-            tokens, 255 steps each of: static, the fused step (one QKV and one gate-up GEMM,
-            flex_attention over the written 128-key blocks; StaticDecoder.fused, off by default);
-            static-sdpa, the model's own step (masked SDPA over the live length's bucket: the default);
-            both timed after a warm-up call; static-full (the model's step over the whole buffer),
-            dynamic, and the LoRA recipes' sampler (a rank-32 adapter merged into a plain bf16 copy,
-            lora.merged_copy: warm-up, then timed): about 23 GB a step (dynamic about 40: its cache
-            grows by copying), 51 TB in all (11 s at the floor), + 8 prefills of 4 x 6000 tokens
-            (2.9 PFLOP); each path's ms a step, % of the floor and whether its tokens equal static's
-  world8    rank 0 of the 8-GPU recipe in one process, under torch's fake process group (world 8;    30 s
-            its collectives move no data: one rank's memory and compute, no communication): the
-            policy meta-built and sharded by parallel.wrap as checkpoint.load_sharded does (random
-            weights; the bf16 copy filled by refresh_sampler), real AdamW; rank 0's phases at the
-            recipe's shapes: the rollout's static buffers (24 x 9216: a prefill of 4 x 600 tokens,
-            32 steps), the labels' widest chunk (2 responses of 8000 tokens), one update micro-batch
-            of 16,384 tokens with checkpointing and the AdamW step; each phase's seconds and the
-            peak beside the plan's for 8 x 80 GiB (52.9 GiB, less its runtime)
-  toy_lora  train.py --lora-rank 8, 2 toy steps (the one-GPU recipe: a merged bf16 copy samples;   30-60 s
-            the adapter save); a subprocess, whose start-up dominates
-  toy_fsdp  train.py --offload --grad-ckpt, 2 toy steps: a one-rank FSDP2 group (sharding, CPU    30-60 s
-            offload, refresh_sampler, the DTensor grad norm, a save)
-  toy_eval  evaluate.py on the toy benchmark with toy_lora's checkpoint (its adapter merged; the    30-60 s
-            toy base if there is none): the static path, the post-hoc probe, the early exit
+  check        what it runs                                                                    H100, est.
+  world8       rank 0 of the 8-GPU recipe in one process, under torch's fake process group (world 8;    75 s
+               its collectives move no data: one rank's memory and compute, no communication): the
+               policy meta-built and sharded by parallel.wrap as checkpoint.load_sharded does (random
+               weights; the bf16 copy filled by refresh_sampler), real AdamW; rank 0's phases at the
+               recipe's shapes: the rollout's static buffers (24 x 9216: a prefill of 4 x 600 tokens,
+               32 steps), the labels' widest chunk (2 responses of 8000 tokens), one update micro-batch
+               of 16,384 tokens with checkpointing and the AdamW step (its tokens/s); each phase's
+               seconds and peak, and the peak allocated and reserved beside the plan's for 8 x 80 GiB
+               (52.9 GiB, less its runtime)
+  build        the fp32 trainer (4 N = 30.5 GB) and parallel.wrap's bf16 copy (2 N = 15.2 GB), as       15 s
+               train.py holds them in one process; the torch, transformers, peft and NCCL versions
+  decode       a 1 GiB device copy (the bandwidth measured); then 24 rows after prompts of 6000 tokens,  150 s
+               255 steps each of: static-sdpa, the model's own step (masked SDPA over the live length's
+               bucket: the default); fused (StaticDecoder.fused: one QKV and one gate-up GEMM,
+               flex_attention over the written 128-key blocks, a KV head's 7 query heads as its query
+               rows); fused-compiled (its RMSNorm, rotary and SiLU-mul compiled too). Each path a
+               warm-up call (compiles, captures), then a timed one: ms a step, % of the floor at the
+               card's own bandwidth (memory clock x bus width) and at the copy's, the kernel inductor
+               chose for flex_attention (flex decoding or the main kernel) and the top kernels of
+               three replayed steps, which name the attention kernel that ran
+  fp32_tokens  4 layers at 7B width in fp32, weights large enough that no token is decided by rounding:    90 s
+               fused and fused-compiled against static-sdpa, 24 rows x 64 tokens after 512-token
+               prompts, EOS on (some rows finish): the same tokens and finish reasons, and the largest
+               |log-prob difference|, which holds the Triton kernels to the plain step
+  rollout      rollout.generate, static, scores on, EOS off: 24 rows x 512 tokens after 600-token      15 s
+               prompts, then again warm and without scores; the captures counted and timed
+  labels       label.mc_labels at real lengths: 24 random responses of 200..8000 tokens, 72 cuts,       20 s
+               k = 4, chunks of 8 cuts (buffers up to 32 x 7168), features on; the captures counted
+  toy_fsdp     train.py --offload --grad-ckpt, 2 toy steps: a one-rank FSDP2 group (sharding, CPU      40 s
+               offload, refresh_sampler, the DTensor grad norm, a save, parallel.leave)
+  toy_eval     evaluate.py on the toy benchmark with the toy base: the static path, the post-hoc      60 s
+               probe, the early exit
 
 Each in-process check records its seconds and the most memory it added above what was held when it
 began (torch.cuda.max_memory_allocated; on the CPU tests/live_bytes.py), beside the plan's terms for
@@ -58,27 +54,24 @@ what it allocates (harness/plan.py, the check's sizes), their sum and measured /
 runs their step rows' peak_mem beside the plan's peak for their settings (less the runtime on a GPU,
 which peak_mem does not see). A ratio above 1 is memory no plan term counts.
 
-What one GPU can show: CUDA graphs (rollout, label shapes, the merged LoRA copy's), bf16
-numerics at 7B width, memory and speed of a rank's phases at full depth, rank 0's shards, gather
-buffers and peak at world 8 (world8), the one-GPU LoRA recipe, FSDP2 with CPU offload on one rank,
-evaluate.py on CUDA. What it cannot: anything between ranks. Neither a one-rank group nor the fake one
-moves data between ranks, so NCCL, the gloo traffic of --offload on two or more GPUs, the time of
-FSDP2's gathers and reduce-scatters, and ranks waiting on each other are not measured;
-nor is an H100's 80 GB limit (the ratios carry over, the headroom does not), nor anything that needs
-trained weights (lengths, labels and accuracies of random weights mean nothing).
+What one GPU cannot show: anything between ranks. Neither a one-rank group nor the fake one moves
+data between ranks, so NCCL's traffic, the time of FSDP2's gathers and reduce-scatters, and ranks
+waiting on each other are not measured; nor anything that needs trained weights (lengths, labels and
+accuracies of random weights mean nothing).
 
 Out: OUT/gpu_check.jsonl (a JSON line per check, also on stdout), OUT/gpu_check.txt (the summary
-table, also printed, headed by the torch, transformers and peft it measured with) and
-OUT/gpu_check.log (tracebacks, the toy runs' output): three files; the toy
-runs write into a temporary folder, removed at the end. A failing check is an {"check", "error"} line
-and the others still run; a check the time box has no room for, an {"check", "skipped"} line. The exit
-code is 1 if any failed.
+table, also printed, headed by the packages it measured with and the plan's device time) and
+OUT/gpu_check.log (tracebacks, the toy runs' output): three files; the toy runs write into a temporary
+folder, removed at the end. A failing check is an {"check", "error"} line and the others still run; a
+check the time box has no room for, an {"check", "skipped"} line. The exit code is 1 if any failed.
 """
 import argparse
 import copy
 import gc
 import json
+import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -100,30 +93,29 @@ import rollout  # noqa: E402
 import static_shapes  # noqa: E402  (beside this file)
 from grpo import pack, token_logprobs  # noqa: E402
 import rollout as sampling  # noqa: E402
-from harness import lora, parallel, plan, staticcache  # noqa: E402
-from harness.checkpoint import is_adapter  # noqa: E402
+from harness import parallel, plan, staticcache  # noqa: E402
 from harness.checkpoint import latest_checkpoint  # noqa: E402
 from harness.files import UserError  # noqa: E402
 from config import COMMON, REAL  # noqa: E402
 from live_bytes import LiveBytes  # noqa: E402  (beside this file)
 import bench  # noqa: E402  (beside this file)
 from train import checkpoint_activations  # noqa: E402
-from grpo import micro_batches, micro_batch, update  # noqa: E402
-from label import cut_ends, forward_pass  # noqa: E402
+from grpo import micro_batches, update  # noqa: E402
 
 GiB = 2**30
 SHAPE = staticcache._Shape  # the static decoder's buffer set, whose captures `capturing` times
 # Sizes on the GPU: one rank of the 8-GPU recipe (config.py: REAL); --dry-run takes DRY's for the CPU.
-SIZES = dict(layers=None, prompts=4, group=6, prompt_len=plan.PROMPT_TOKENS, rollout_new=1024,
+SIZES = dict(layers=None, prompts=4, group=6, prompt_len=plan.PROMPT_TOKENS, rollout_new=512,
              shortest=200, longest=REAL["max_new_tokens"], k=4, answer_tokens=plan.FORCED_ANSWER,
-             decode_prompt=6000, decode_steps=256, adapter_rank=32, toy_rank=8, copy_mib=1024,
+             decode_prompt=6000, decode_steps=256, profile_steps=3, copy_mib=1024,
+             fp32_layers=4, fp32_prompt=512, fp32_steps=64,
              eval_flags=["--limit", "16", "--probe-questions", "16", "--probe-samples", "4"],
              world=8, world_steps=32, recipe={})
 # the vocabulary stays (the pad id and </think> are near its end); prompt_len is the toy world's,
 # which the plan assumes for --model toy
 DRY = dict(layers=2, hidden=64, heads=4, kv_heads=2, prompts=2, group=2, prompt_len=plan.TOY_PROMPT_TOKENS,
            rollout_new=16, shortest=8, longest=48, k=2, answer_tokens=8, decode_prompt=40, decode_steps=8,
-           adapter_rank=4, copy_mib=16, world_steps=4,
+           copy_mib=16, fp32_layers=1, fp32_prompt=16, fp32_steps=8, world_steps=4,
            recipe=dict(group_size=2, max_new_tokens=48, micro_tokens=128, chunk_size=128, k=2),
            eval_flags=["--limit", "4", "--n-samples", "2", "--probe-questions", "4", "--probe-samples", "2"])
 TOY_DRY = ["--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "16"]  # the CPU is slow
@@ -210,8 +202,11 @@ def planned(ctx, new):
     return plan.estimate(ctx["cfg"], run_cfg(ctx, new), 1, ctx["device"].type, False, ctx["counts"])
 
 
-def check_build(ctx):
-    s, args, device = ctx["sizes"], ctx["args"], ctx["device"]
+def model_config(ctx):
+    """The 7B's config (tiny widths with --dry-run) and tokenizer into ctx, for the first check that needs them."""
+    if "cfg" in ctx:
+        return
+    s, args = ctx["sizes"], ctx["args"]
     cfg = bench.cut_config(args.config, s["layers"])
     if args.dry_run:
         cfg.hidden_size, cfg.intermediate_size = s["hidden"], 2 * s["hidden"]
@@ -219,16 +214,23 @@ def check_build(ctx):
         cfg.head_dim = s["hidden"] // s["heads"]
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(args.config)
+    vocab = min(len(tok), cfg.vocab_size)
+    ctx.update(cfg=cfg, tok=tok, vocab=vocab, counts=plan.param_counts(cfg),
+               prompts=bench.random_prompts(vocab, s["prompts"], s["prompt_len"], seed=0))
+
+
+def check_build(ctx):
+    """The trainer and its bf16 copy, as train.py holds them; the sampler stays for the decode (the
+    trainer, which no later check updates, goes)."""
+    model_config(ctx)
+    s, device, cfg = ctx["sizes"], ctx["device"], ctx["cfg"]
     row = {}
     with phase(ctx, row) as m:  # train.load_policy's order, then its one-process wrap
         lm = bench.random_model(cfg, device, dtype=torch.float32, seed=0)
         lm.config.use_cache = False
         checkpoint_activations(lm)
         policy, sampler = parallel.wrap(lm, device, token_logprobs)
-    vocab = min(len(tok), cfg.vocab_size)
-    ctx.update(cfg=cfg, tok=tok, lm=lm, policy=policy, sampler=sampler.eval(), vocab=vocab,
-               counts=plan.param_counts(cfg),
-               prompts=bench.random_prompts(vocab, s["prompts"], s["prompt_len"], seed=0))
+    ctx["sampler"] = sampler.eval()
     assert plan.prompt_tokens(run_cfg(ctx, 1)) == s["prompt_len"], "the plan assumes another prompt length"
     t = planned(ctx, s["rollout_new"])
     versus_plan(row, m.added, {"generation copy": t["generation copy"],
@@ -267,7 +269,6 @@ def check_rollout(ctx):
     sync(device)
     plain_ms = (time.perf_counter() - t0) / (s["rollout_new"] - 1) * 1e3
     staticcache.release(sampler)  # as train.py does before the labels
-    ctx["rollout"] = out
     t = planned(ctx, s["rollout_new"])
     versus_plan(row, m.added, {"KV cache": t["KV cache"], "prefill": t["prefill"]})
     decode_s = row["seconds"] - caps.seconds
@@ -289,7 +290,6 @@ def check_labels(ctx):
     responses = [torch.randint(ctx["vocab"], (m,), generator=g).tolist() for m in lengths]
     prompts = [ctx["prompts"][i // s["group"]] for i in range(n)]
     cuts = [label.cuts_of(m, cfg["budgets"]) for m in lengths]
-    ctx.update(traj_prompts=prompts, responses=responses, cuts=cuts)
     stats, row, answers = {}, {}, label.forced_answers
 
     def counted(*a, **kw):  # the distinct forced prompts mc_labels asks (forced_answers' cuts)
@@ -317,57 +317,6 @@ def check_labels(ctx):
                          f"{len(shapes.made)} shapes, {caps.count} captures in {caps.seconds:.2f} s")
 
 
-def check_score(ctx):
-    cfg, tok = run_cfg(ctx, ctx["sizes"]["longest"]), ctx["tok"]
-    batch = pack(ctx["traj_prompts"], ctx["responses"], tok.pad_token_id)
-    ends = cut_ends(batch["prompt_lens"], ctx["cuts"])
-    lengths = [len(p) + len(r) for p, r in zip(ctx["traj_prompts"], ctx["responses"])]
-    mbs = micro_batches(lengths, cfg["micro_tokens"])
-    finite, n_feats, row = True, 0, {}
-    with phase(ctx, row) as m:
-        for mb in mbs:
-            sub, _ = micro_batch(batch, mb, ctx["device"])
-            lp, feats, valid = forward_pass(ctx["sampler"], sub, ends[mb], cfg["temperature"], cfg["chunk_size"])
-            finite &= bool(torch.isfinite(lp).all()) and bool(torch.isfinite(feats[valid]).all())
-            n_feats += int(valid.sum())
-    t = planned(ctx, ctx["sizes"]["longest"])  # no term of its own: the plan takes the update's to bound it
-    versus_plan(row, m.added, {"activations": t["activations"], "log-prob chunk": t["log-prob chunk"]})
-    return dict(row, micro_batches=len(mbs), tokens=sum(lengths), features=n_feats, finite=finite,
-                tok_s=round(sum(lengths) / row["seconds"]),
-                headline=f"{sum(lengths)} tokens in {len(mbs)} micro-batches, {sum(lengths) / row['seconds']:.0f} tokens/s")
-
-
-def check_update(ctx):
-    s, device, out, tok = ctx["sizes"], ctx["device"], ctx["rollout"], ctx["tok"]
-    cfg = run_cfg(ctx, s["rollout_new"])
-    batch = pack([ctx["prompts"][i] for i in out.prompt_index], out.ids, tok.pad_token_id, out.logprobs)
-    lengths = batch["attention_mask"].sum(1).tolist()
-    mbs = micro_batches(lengths, cfg["micro_tokens"])
-    adv = torch.randn(len(lengths), generator=torch.Generator().manual_seed(2))
-    policy = ctx["policy"]
-    opt = torch.optim.SGD(policy.parameters(), lr=0.0)  # no state (AdamW's would not fit); the weights stay
-    row = {}
-    try:
-        with phase(ctx, row) as m:
-            st = update(policy, opt, batch, None, adv, mbs, cfg, device)
-    finally:  # the decode and the toy runs need no trainer
-        del ctx["policy"], ctx["lm"], policy, opt
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    t = planned(ctx, s["rollout_new"])
-    versus_plan(row, m.added, {"fp32 gradients (training state / 4)": t["training state"] / 4,
-                               "activations": t["activations"], "log-prob chunk": t["log-prob chunk"]})
-    vocab_bias = float(torch.log(torch.tensor(ctx["cfg"].vocab_size / len(tok))))
-    unplanned = "; autocast's bf16 casts of the weights (2 N) are in no plan term" if device.type == "cuda" else ""
-    return dict(row, micro_batches=len(mbs), tokens=sum(lengths), tok_s=round(sum(lengths) / row["seconds"]),
-                loss=round(st["loss"], 4), grad_norm=st["grad_norm"], sampler_gap=st["sampler_gap"],
-                sampler_kl_k3=st["sampler_kl_k3"], sampler_ratio_max=st["sampler_ratio_max"],
-                vocab_bias=round(vocab_bias, 5),
-                headline=f"{sum(lengths) / row['seconds']:.0f} tokens/s; sampler gap {st['sampler_gap']:.4f} "
-                         f"(k3 {st['sampler_kl_k3']:.2e}; near-uniform logits alone: {vocab_bias:.4f}){unplanned}")
-
-
 def copy_bandwidth(device, mib, reps=10):
     """TB/s of a device-to-device copy of `mib` MiB, counting the bytes read and the bytes written."""
     src = torch.empty(mib * 2**20, dtype=torch.uint8, device=device)
@@ -381,26 +330,90 @@ def copy_bandwidth(device, mib, reps=10):
     return 2 * src.numel() * reps / (time.perf_counter() - t) / 1e12
 
 
-def decode_call(model, tok, prompts, s, decode="static", full=False, fused=True):
+def card_bandwidth(device):
+    """The card's own peak memory bandwidth in TB/s: its memory clock (kHz) x bus width, double data
+    rate (an H100 SXM's 3.35, an H200's 4.8); None on the CPU, or where torch does not say them."""
+    p = torch.cuda.get_device_properties(device) if device.type == "cuda" else None
+    clock, bus = getattr(p, "memory_clock_rate", None), getattr(p, "memory_bus_width", None)
+    return 2 * clock * 1e3 * bus / 8 / 1e12 if clock and bus else None
+
+
+@contextmanager
+def flex_kernel():
+    """The kernel inductor chooses for flex_attention while compiling inside the block, from its debug
+    line ("Use flex decoding True/False"): yields a list that fills with "flex decoding" (split-KV, one
+    pass over K/V per KV head) or "flex attention" (the main kernel); empty where nothing compiled."""
+    chosen, logger = [], logging.getLogger("torch._inductor.kernel")
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            if record.getMessage().startswith("Use flex decoding"):
+                chosen.append("flex decoding" if record.args[0] else "flex attention")
+    keep, was = Keep(), (logger.level, logger.propagate)
+    logger.addHandler(keep)
+    logger.setLevel(logging.DEBUG)
+    logger.propagate = False  # inductor's other debug lines stay out of the output
+    try:
+        yield chosen
+    finally:
+        logger.removeHandler(keep)
+        logger.setLevel(was[0])
+        logger.propagate = was[1]
+
+
+@contextmanager
+def profiled(device, first, count):
+    """A profile of the decode steps first .. first + count - 1 inside the block (each a graph replay on a
+    GPU): yields a list that fills with its kernels (ops on the CPU), [name, ms a step], longest first."""
+    top, run, calls = [], SHAPE.run, [0]
+    cuda = device.type == "cuda"
+    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA if cuda
+                                              else torch.profiler.ProfilerActivity.CPU])
+
+    def counted(shape, model, n):
+        calls[0] += 1
+        if calls[0] == first:
+            sync(device)
+            prof.start()
+        out = run(shape, model, n)
+        if calls[0] == first + count - 1:
+            sync(device)
+            prof.stop()
+        return out
+    SHAPE.run = counted
+    try:
+        yield top
+    finally:
+        SHAPE.run = run
+    if calls[0] >= first + count - 1:
+        key = "self_device_time_total" if cuda else "self_cpu_time_total"
+        events = sorted(prof.key_averages(), key=lambda e: -getattr(e, key))
+        top += [[e.key[:90], round(getattr(e, key) / count / 1e3, 4)] for e in events if getattr(e, key) > 0]
+
+
+ATTENTION = re.compile("attention|attn|fmha|flash|sdpa|flex|_tem_", re.IGNORECASE)  # SDPA's kernels, flex's Triton template
+
+
+def decode_call(model, tok, prompts, s, fused):
     """One decode of `prompts` x s["group"] rows, s["decode_steps"] tokens, EOS off, timed apart from its
-    prefill -> (seconds, captures, ids [rows, steps]). fused: staticcache's fused step (else the model's)."""
+    prefill -> (seconds, captures). fused: StaticDecoder.fused (False: the model's own step)."""
     sampler = sampling.Sampler(model, tok, max_new_tokens=s["decode_steps"], temperature=0.8, eos_ids=[],
-                              decode=decode)
-    if sampler.static:
-        was, sampler.static.fused = sampler.static.fused, fused
+                               decode="static")
+    was, sampler.static.fused = sampler.static.fused, fused
     try:
         prefix = sampler.prefill(prompts)
         gen = rollout.chunk_generators(0, 1, sampler.device)[0]
         before = staticcache.captures()
         sync(sampler.device)
         t = time.perf_counter()
-        with bench.whole_buffer(full):
-            ids, *_ = sampler.sample(prefix, s["group"], gen)
+        sampler.sample(prefix, s["group"], gen)
         sync(sampler.device)
-        return time.perf_counter() - t, staticcache.captures() - before, ids
+        return time.perf_counter() - t, staticcache.captures() - before
     finally:
-        if sampler.static:
-            sampler.static.fused = was
+        sampler.static.fused = was
+
+
+DECODE_PATHS = {"static-sdpa": False, "fused": True, "fused-compiled": "compiled"}  # name -> StaticDecoder.fused
 
 
 def check_decode(ctx):
@@ -408,54 +421,81 @@ def check_decode(ctx):
     model = ctx["sampler"].eval()
     t0 = time.perf_counter()
     measured = copy_bandwidth(device, s["copy_mib"])
+    card = args.bandwidth or card_bandwidth(device)
     prompts = bench.random_prompts(ctx["vocab"], s["prompts"], s["decode_prompt"], seed=1)
     rows, width, steps = s["prompts"] * s["group"], s["decode_prompt"], s["decode_steps"]
     floor_bytes = bench.read_bytes(model, *bench.attended("dynamic", rows, width, steps))  # the exact live K/V
-    paths, tokens, adapter = {}, {}, {}
-
-    def timed(name, m, decode="static", full=False, warm=False, fused=True):
-        try:
-            m = m if isinstance(m, torch.nn.Module) else m()  # a model, or what builds one
-            if warm:  # the same shape once before: its captures, which the timed call replays
-                sec, caps, _ = decode_call(m, tok, prompts, s, decode, full, fused)
-                paths[name + " warm-up"] = dict(seconds=round(sec, 2), captures=caps)
-            sec, caps, ids = decode_call(m, tok, prompts, s, decode, full, fused)
+    floor = {"card": round(floor_bytes / (card * 1e12) * 1e3, 3) if card else None,
+             "copy": round(floor_bytes / (measured * 1e12) * 1e3, 3)}
+    paths, kernel = {}, None
+    for name, fused in DECODE_PATHS.items():
+        try:  # a warm-up call compiles and captures, the last few of its steps profiled; the timed call replays
+            with flex_kernel() as chosen, profiled(device, steps - 1 - s["profile_steps"], s["profile_steps"]) as top:
+                warm, warm_caps = decode_call(model, tok, prompts, s, fused)
+            sec, caps = decode_call(model, tok, prompts, s, fused)
             ms = sec / (steps - 1) * 1e3  # the first token comes from the prefill
-            # the fused step reads the written positions (to a block), the others the live or whole buffer
-            path = "static-full" if full else decode if not fused or full or decode != "static" else "dynamic"
-            read = bench.read_bytes(m, *bench.attended(path, rows, width, steps))
-            tokens[name] = ids
-            paths[name] = dict(ms_step=round(ms, 3), captures=caps, mb_step=round(read / 1e6, 1),
-                               of_floor=round(floor_bytes / (measured * 1e12) * 1e3 / ms, 3),
-                               same_tokens_as_static=bool(torch.equal(ids, tokens["static"])) if "static" in tokens else None)
+            # the fused step reads the written positions (to a block), the model's the live length's bucket
+            read = bench.read_bytes(model, *bench.attended("dynamic" if fused else "static", rows, width, steps))
+            kernel = (chosen or [kernel])[-1] if fused else None  # flex's graph for the shape: compiled once
+            paths[name] = dict(ms_step=round(ms, 3), captures=caps, warm_up_seconds=round(warm, 2),
+                               warm_up_captures=warm_caps, mb_step=round(read / 1e6, 1),
+                               of_floor=round(floor["card"] / ms, 3) if card else None,
+                               of_copy_floor=round(floor["copy"] / ms, 3),
+                               flex_kernel=kernel, attention_kernels=[k for k in top if ATTENTION.search(k[0])][:3],
+                               top_kernels=top[:8])
         except Exception as e:  # noqa: BLE001  one path's failure leaves the others' numbers
             ctx["log"].write(f"== decode {name}\n{traceback.format_exc()}\n")
             paths[name] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
-
-    def merged():  # the LoRA recipes' sampler: the adapter merged into a plain copy in the model's dtype
-        from peft.tuners.lora import LoraLayer
-        m = lora.add_adapter(copy.deepcopy(model), {**COMMON, "lora_rank": s["adapter_rank"]}, args.config)
-        plain = lora.merged_copy(m, next(model.parameters()).dtype)
-        adapter.update(dtype=str(next(plain.parameters()).dtype),
-                       peft_layers=sum(isinstance(x, LoraLayer) for x in plain.modules()))
-        return plain
-
-    timed("static", model, warm=True)  # the fused step, flex_attention over the written blocks
-    timed("static-sdpa", model, warm=True, fused=False)  # the model's own step, masked SDPA over live buckets
-    timed("static-full", model, full=True, fused=False)
-    timed("dynamic", model, decode="dynamic")
-    staticcache.release(model)
-    timed(f"lora-{s['adapter_rank']}", merged, warm=True)  # the copy and its graphs go with the call
+        staticcache.release(model)  # each path's buffers and graphs go before the next's
     gc.collect()
-    ms = {k: v["ms_step"] for k, v in paths.items() if "ms_step" in v}
-    floor = {"nominal": round(floor_bytes / (args.bandwidth * 1e12) * 1e3, 3),
-             "measured": round(floor_bytes / (measured * 1e12) * 1e3, 3)}
+    at = f"{card:.3g} TB/s, the card's" if card else f"{measured:.3g} TB/s, a copy's"
     return dict(seconds=round(time.perf_counter() - t0, 2), rows=rows, prompt_len=width, steps=steps,
-                copy_tbs=float(f"{measured:.4g}"), nominal_tbs=args.bandwidth, floor_ms=floor,
-                floor_mb_step=round(floor_bytes / 1e6, 1), lora_dtype=adapter.get("dtype"),
-                lora_peft_layers=adapter.get("peft_layers"), paths=paths,
-                headline=", ".join(f"{k} {v:.2f}" for k, v in ms.items()) + f" ms a step; floor {floor['nominal']:.2f}"
-                         f" at {args.bandwidth} TB/s, {floor['measured']:.2f} at the {measured:.3g} TB/s copied")
+                copy_tbs=float(f"{measured:.4g}"), card_tbs=float(f"{card:.4g}") if card else None,
+                floor_ms=floor, floor_mb_step=round(floor_bytes / 1e6, 1), paths=paths,
+                headline=", ".join(f"{k} {v['ms_step']:.2f} ms ({100 * (v['of_floor'] or v['of_copy_floor']):.0f} %"
+                                   + (f", {v['flex_kernel']}" if v["flex_kernel"] else "") + ")"
+                                   for k, v in paths.items() if "ms_step" in v)
+                         + f" a step; floor {floor['card'] or floor['copy']:.2f} ms at {at}")
+
+
+def check_fp32_tokens(ctx):
+    """A few layers at 7B width in fp32: the fused step's tokens (compiled: Triton on a GPU) against the
+    model's own step's, with EOS on so that finished rows are in it; weights large enough (std 3 /
+    sqrt(hidden)) that rounding decides no token."""
+    s, device, tok = ctx["sizes"], ctx["device"], ctx["tok"]
+    cfg = copy.deepcopy(ctx["cfg"])  # the dry run's tiny widths too
+    cfg.num_hidden_layers = s["fp32_layers"]
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = cfg.layer_types[:s["fp32_layers"]]
+    t0 = time.perf_counter()
+    lm = bench.random_model(cfg, device, dtype=torch.float32, seed=5).eval()
+    randomize(lm, 3 / cfg.hidden_size ** 0.5)
+    prompts = bench.random_prompts(ctx["vocab"], s["prompts"], s["fp32_prompt"], seed=2)
+    decoder = staticcache.decoder(lm, sampling.Sampler(lm, tok).cache_kw)
+
+    def sample(fused, eos):
+        decoder.fused = fused
+        return rollout.generate(lm, tok, prompts, n=s["group"], max_new_tokens=s["fp32_steps"], temperature=1.0,
+                                seed=0, eos_ids=eos, decode="static", scores=True)
+    try:
+        eos = [sample(False, []).ids[1][s["fp32_steps"] // 4]]  # a token a row samples: some rows finish
+        ref, paths, kernel = sample(False, eos), {}, None
+        for name, fused in list(DECODE_PATHS.items())[1:]:
+            with flex_kernel() as chosen:
+                out = sample(fused, eos)
+            kernel = (chosen or [kernel])[-1]
+            same = out.ids == ref.ids and out.finish == ref.finish
+            gap = max((abs(a - b) for x, y in zip(out.logprobs, ref.logprobs) for a, b in zip(x, y)), default=0.0)
+            paths[name] = dict(same_tokens=same, max_logprob_diff=float(f"{gap:.3g}"), flex_kernel=kernel)
+    finally:
+        staticcache.release(lm)
+        del lm
+        gc.collect()
+    return dict(seconds=round(time.perf_counter() - t0, 2), layers=cfg.num_hidden_layers, rows=len(ref.ids),
+                steps=s["fp32_steps"], finished_early=sum(f == "eos" for f in ref.finish), paths=paths,
+                headline=", ".join(f"{k}: {'the same tokens' if v['same_tokens'] else 'OTHER TOKENS'} "
+                                   f"(max |d logp| {v['max_logprob_diff']:.2g})" for k, v in paths.items())
+                         + f" as static-sdpa's, {sum(f == 'eos' for f in ref.finish)} of {len(ref.ids)} rows ended by EOS")
 
 
 @torch.no_grad()
@@ -492,6 +532,7 @@ def check_world8(ctx):
     """Rank 0 of the 8-GPU recipe in one process, under torch's fake process group of 8: its
     collectives return at once with rank 0's own data in every slot, so shards, gather buffers and the
     phases' memory and compute are one rank's, and no communication is measured."""
+    model_config(ctx)
     free_models(ctx)
     s, device, config, tok = ctx["sizes"], ctx["device"], ctx["cfg"], ctx["tok"]
     world, cuda = s["world"], device.type == "cuda"
@@ -557,7 +598,7 @@ def check_world8(ctx):
     finally:
         parallel.WORLD = was
         dist.destroy_process_group()
-    top = peak()
+    top, reserved = peak(), torch.cuda.max_memory_reserved() if cuda else None  # the allocator's, fragments too
     local = lambda ts: sum(x.to_local().numel() * x.element_size() for x in ts)  # noqa: E731  rank 0's shards
     moments = [x for v in opt.state.values() for x in v.values() if hasattr(x, "to_local")]
     weights, adam = local(policy.parameters()), local(moments)
@@ -567,15 +608,20 @@ def check_world8(ctx):
     kept = {name: t[name] for name in ("training state", "generation copy")}  # through every phase
     versus_plan(row, top, {**kept, "largest phase": t["peak"] - sum(kept.values()) - t["runtime"]})
     times = ", ".join(f"{name} {v['seconds']:.1f} s" for name, v in phases.items())
+    tok_s = round(batch["attention_mask"].numel() / phases["update"]["seconds"])  # forward, backward, AdamW
+    mem = f"{gib(top):.4g} GiB allocated ({row['ratio']} x)" + (f", {gib(reserved):.4g} reserved ("
+                                                                f"{reserved / row['expected_gib'] / GiB:.3f} x)" if cuda else "")
     return dict(row, seconds=round(time.perf_counter() - t0, 2), added_gib=gib(top), world=world,
+                reserved_gib=gib(reserved), reserved_ratio=round(reserved / row["expected_gib"] / GiB, 3) if cuda else None,
+                update_tok_s=tok_s,
                 phases=phases, plan_peak_gib=gib(t["peak"]), weights_gib=gib(weights), adam_gib=gib(adam),
                 plan_state_gib=gib(t["training state"]), kv_shape=[kv.made[0]["rows"], kv.made[0]["length"]],
                 plan_kv_shape=list(t["kv_shape"]), label_shapes=[[x["rows"], x["length"]] for x in lab.made],
                 plan_label_shape=list(t["label_kv_shape"]), micro_batches=len(mbs),
                 micro_tokens=int(batch["attention_mask"].numel()), grad_norm=st["grad_norm"],
-                headline=f"rank 0 of {world}, fake group (its memory and compute, no communication): "
-                         f"peak {gib(top):.4g} GiB, {row['ratio']} x the plan's {gib(t['peak']):.4g} less "
-                         f"runtime; {times}")
+                headline=f"rank 0 of {world}, fake group (its memory and compute, no communication): peak "
+                         f"{mem} against the plan's {gib(t['peak']):.4g} GiB less runtime; update {tok_s} "
+                         f"tokens/s; {times}")
 
 
 def free_models(ctx):
@@ -633,18 +679,6 @@ def train_toy(ctx, name, flags):
     return row, ckpt
 
 
-def check_toy_lora(ctx):
-    row, ckpt = train_toy(ctx, "toy-lora", ["--lora-rank", str(ctx["sizes"]["toy_rank"])])
-    from safetensors import safe_open
-    with safe_open(os.path.join(ckpt, lora.WEIGHTS), "pt") as f:
-        tensors = len(list(f.keys()))
-    ctx["lora_run"] = os.path.dirname(os.path.dirname(ckpt))
-    last = row["steps"][-1]
-    return dict(row, adapter=is_adapter(ckpt), adapter_tensors=tensors,
-                headline=f"2 steps, sampler gap {last['sampler_gap']:.2e}, {last['captures']} captures in the "
-                         f"last; {row['checkpoint']} holds {tensors} adapter tensors")
-
-
 def check_toy_fsdp(ctx):
     row, _ = train_toy(ctx, "toy-fsdp", ["--offload", "--grad-ckpt"])
     last = row["steps"][-1]
@@ -654,25 +688,39 @@ def check_toy_fsdp(ctx):
 
 def check_toy_eval(ctx):
     free_models(ctx)
-    model = ctx.get("lora_run", "toy")
     out, seconds = subprocess_run(ctx, "toy-eval", "evaluate.py",
-                                  ["--model", model, "--benchmarks", "toy", *ctx["sizes"]["eval_flags"]])
+                                  ["--model", "toy", "--benchmarks", "toy", *ctx["sizes"]["eval_flags"]])
     with open(os.path.join(out, "results.json")) as f:
         res = next(iter(json.load(f).values()))
     b, probe = res["benchmarks"]["toy"], res.get("posthoc_probe", {})
     exits = [{k: e.get(k) for k in ("epsilon", "exit_rate", "test_risk")} for e in b.get("early_exit", [])]
-    return dict(seconds=seconds, model="toy_lora's run" if model != "toy" else "toy", device=res["provenance"]["device"],
+    return dict(seconds=seconds, model="toy", device=res["provenance"]["device"],
                 confidence=res["confidence"], n=b["n"], acc=b["acc"], ece=b["ece"], probe_val_bce=probe.get("val_bce"),
                 probe_base_bce=probe.get("base_bce"), early_exit=exits,
-                headline=f"{b['n']} samples of {'the LoRA checkpoint' if model != 'toy' else 'the toy'}: acc "
-                         f"{b['acc']:.3f}, ECE {b['ece']:.3f}, post-hoc probe, early exit at {len(exits)} risks")
+                headline=f"{b['n']} samples of the toy: acc {b['acc']:.3f}, ECE {b['ece']:.3f}, post-hoc probe, "
+                         f"early exit at {len(exits)} risks")
 
 
-# (name, check, seconds it is given on an H200: the module docstring's estimate with a margin)
-CHECKS = [("build", check_build, 20), ("rollout", check_rollout, 15), ("labels", check_labels, 20),
-          ("score", check_score, 10), ("update", check_update, 15), ("decode", check_decode, 45),
-          ("world8", check_world8, 90),
-          ("toy_lora", check_toy_lora, 40), ("toy_fsdp", check_toy_fsdp, 40), ("toy_eval", check_toy_eval, 40)]
+# (name, check, seconds it is given on an H100: the module docstring's estimate), in the order they run
+CHECKS = [("world8", check_world8, 75), ("build", check_build, 15), ("decode", check_decode, 150),
+          ("fp32_tokens", check_fp32_tokens, 90), ("rollout", check_rollout, 15), ("labels", check_labels, 20),
+          ("toy_fsdp", check_toy_fsdp, 40), ("toy_eval", check_toy_eval, 60)]
+START_UP = 120  # seconds of device time before the first check: the machine's start, the wheels, imports (est.)
+DEVICE_SECONDS = 480  # the most one run may use of a lend's 15 minutes, so that a rerun fits
+
+
+def device_plan(checks, box):
+    """(device seconds planned, a line saying them): the start-up and, in order, the checks whose
+    estimates fit the time box; those after that run only if earlier ones leave time."""
+    used, fit, later = 0, [], []
+    for name, _, needs in checks:
+        fits = used + needs <= box
+        used += needs if fits else 0
+        (fit if fits else later).append(f"{name} {needs}")
+    total = START_UP + used
+    return total, (f"plan on one H100: start-up {START_UP} + " + " + ".join(fit) + f" = {total} s of device time "
+                   f"({total / 60:.1f} of {DEVICE_SECONDS // 60} min)" + (f"; if time is left: {', '.join(later)}"
+                                                                        if later else ""))
 
 
 def run_checks(checks, ctx, out, deadline=None):
@@ -707,16 +755,17 @@ def run_checks(checks, ctx, out, deadline=None):
 
 
 def summary(rows, seconds):
-    """The table of gpu_check.txt: the packages it measured with, then a line per check with its
-    seconds, memory against the plan and the number that matters."""
+    """The table of gpu_check.txt: the packages it measured with, the device time planned, then a line
+    per check with its seconds, memory against the plan and the number that matters."""
     num = lambda v, w, f: " " + (format(v, f"{w - 1}{f}") if isinstance(v, (int, float)) else "-".rjust(w - 1))  # noqa: E731
     packages = ", ".join(f"{name} {version(name) or 'missing'}" for name in ("torch", "transformers", "peft"))
     lines = [f"gpu_check: {seconds:.0f} s in all, measured with {packages}",
+             device_plan(CHECKS, DEVICE_SECONDS - START_UP)[1],
              "memory: what a check added (GiB) against the plan's terms for it",
-             f"{'check':<10}{'seconds':>9}{'added':>9}{'planned':>9}{'ratio':>7}  result"]
+             f"{'check':<12}{'seconds':>9}{'added':>9}{'planned':>9}{'ratio':>7}  result"]
     for r in rows:
         text = r.get("headline") or r.get("error") or r.get("skipped", "")
-        lines.append(f"{r['check']:<10}{num(r.get('seconds'), 9, '.1f')}{num(r.get('added_gib'), 9, '.4g')}"
+        lines.append(f"{r['check']:<12}{num(r.get('seconds'), 9, '.1f')}{num(r.get('added_gib'), 9, '.4g')}"
                      f"{num(r.get('expected_gib'), 9, '.4g')}{num(r.get('ratio'), 7, '.2f')}  "
                      + ("" if "headline" in r else "ERROR " if "error" in r else "SKIPPED ") + text[:300])
     return "\n".join(lines) + "\n"
@@ -730,10 +779,11 @@ def main(argv=None):
                    "no weights (module docstring)")
     p.add_argument("--out", required=True, help="folder for gpu_check.jsonl, gpu_check.txt and gpu_check.log")
     p.add_argument("--dry-run", action="store_true", help="tiny widths and sizes on the CPU (the test)")
-    p.add_argument("--bandwidth", type=float, default=4.8, help="nominal memory bandwidth in TB/s for the "
-                   "decode floor, beside the measured one (default 4.8, the H200's)")
-    p.add_argument("--time-box", type=float, help="seconds for every check together (default 390, inside "
-                   "check.sh's 420; none with --dry-run); a check without room for its estimate is skipped")
+    p.add_argument("--bandwidth", type=float, help="memory bandwidth in TB/s for the decode floor, beside a "
+                   "measured copy's (default: the card's own, from its memory clock and bus width)")
+    p.add_argument("--time-box", type=float, help=f"seconds for every check together (default "
+                   f"{DEVICE_SECONDS - START_UP}: {DEVICE_SECONDS} s of device time less the start-up; none with "
+                   "--dry-run); a check without room for its estimate is skipped")
     p.add_argument("--toy-timeout", type=int, help="seconds at most for each toy run (default 120; 900 with --dry-run)")
     args = p.parse_args(argv)
     try:
@@ -742,12 +792,13 @@ def main(argv=None):
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.time_box is None:
-        args.time_box = 0 if args.dry_run else 390
+        args.time_box = 0 if args.dry_run else DEVICE_SECONDS - START_UP
     args.toy_timeout = args.toy_timeout or (900 if args.dry_run else 120)
     start = time.monotonic()
     os.makedirs(args.out, exist_ok=True)
-    from transformers.utils import logging
-    logging.set_verbosity_error()  # generation-config notes and deprecations would bury the JSON lines
+    print(device_plan(CHECKS, args.time_box or DEVICE_SECONDS - START_UP)[1], flush=True)
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()  # generation-config notes and deprecations would bury the JSON lines
     warnings.filterwarnings("ignore", category=FutureWarning)
     device = torch.device("cpu" if args.dry_run or not torch.cuda.is_available() else "cuda")
     if args.dry_run:

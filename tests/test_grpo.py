@@ -266,9 +266,30 @@ def test_token_logprobs_chunked_matches_full_logits(temperature):
         ref = (logits[:, :-1] / temperature).log_softmax(-1).gather(-1, b["input_ids"][:, 1:, None]).squeeze(-1)
     assert chunked.shape == (2, 6)
     assert torch.allclose(chunked, whole, atol=1e-5)
-    assert torch.allclose(chunked, ref, atol=1e-5)
+    real = b["attention_mask"][:, :-1].bool()  # predicted from a real token (from a pad: no mask, unused)
+    assert torch.allclose(chunked[real], ref[real], atol=1e-5)
     if temperature != 1.0:  # the temperature really changes the numbers
         assert not torch.allclose(ref, logits[:, :-1].log_softmax(-1).gather(-1, b["input_ids"][:, 1:, None]).squeeze(-1), atol=1e-3)
+
+
+def test_right_padded_rows_go_without_a_mask_and_their_trained_log_probs_stay_the_masked_forwards():
+    """pack right-pads, so causal attention never reaches a pad from a real token: the update's forward
+    takes no mask (on a GPU SDPA's flash kernel, not the masked one), and the trained tokens' log-probs
+    are the masked forward's, bit for bit. A left-padded batch keeps its mask."""
+    model, b = tiny_qwen2(), batch()
+    ids, mask = b["input_ids"], b["attention_mask"]
+    seen = []
+    hook = model.model.register_forward_pre_hook(lambda m, a, kw: seen.append(kw["attention_mask"]), with_kwargs=True)
+    with torch.no_grad():
+        logp = grpo.token_logprobs(model, ids, mask)
+        grpo.token_logprobs(model, ids.flip(1), mask.flip(1))  # left padding
+        masked = grpo.logprobs_from_hidden(model.model(input_ids=ids, attention_mask=mask).last_hidden_state,
+                                           model.lm_head, ids[:, 1:])
+    hook.remove()
+    assert seen[0] is None and torch.equal(seen[1], mask.flip(1))
+    trained = b["loss_mask"].bool()
+    assert torch.equal(logp[trained], masked[trained])
+    assert not torch.allclose(logp, masked)  # after the pads they differ: no mask reached the model
 
 
 def test_token_logprobs_never_calls_full_forward():

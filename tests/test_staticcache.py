@@ -1,8 +1,14 @@
 """The fused static decode step (harness/staticcache.py: fuse, _Shape.fused_forward), which a GPU runs
-captured and compiled, run eagerly on the CPU in float32: the dynamic path's tokens and scores, finished
-rows attending over nothing, one GEMM for q, k, v and one for gate and up."""
+captured and compiled, run on the CPU in float32, eagerly and compiled as on a GPU: the dynamic path's
+tokens and scores at query groups 1, 2 and 7, one static graph per shape, finished rows attending over
+nothing, one GEMM for q, k, v and one for gate and up, buffers freed at release."""
+import gc
+import shutil
+import weakref
+
 import pytest
 import torch
+from torch.nn.attention.flex_attention import flex_attention
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import rollout
@@ -85,3 +91,84 @@ def test_finished_rows_attend_over_nothing_and_running_rows_over_their_written_b
         assert lengths[:6].tolist() == want and lengths[6:].eq(0).all()
         assert blocks.tolist() == [-(-x // 8) for x in lengths.tolist()]
     assert len(seen) == 15
+
+
+def compiled_as_on_cuda(monkeypatch, small="eager"):
+    """staticcache.compiled's CUDA branch on the CPU: flex_attention through dynamo alone (inductor's CPU
+    lowering of it takes minutes), the small ops through the backend `small`. Returns the graphs
+    compiled, {"flex": [...], "small": [...]}."""
+    graphs, compile, real = {"flex": [], "small": []}, torch.compile, staticcache.compiled
+
+    def counted(kind, backend):  # one object per kind: dynamo reuses a graph for the same backend only
+        def run(gm, inputs):
+            graphs[kind].append(gm)
+            return torch._dynamo.lookup_backend(backend)(gm, inputs)
+        return run
+    flex, rest = counted("flex", "eager"), counted("small", small)
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile(fn, backend=flex if fn is flex_attention
+                                                                   else rest, **kw))
+    monkeypatch.setattr(staticcache, "compiled", lambda fn, device: real(fn, torch.device("cuda")))
+    return graphs
+
+
+def symbolic(graph):
+    """Whether a dynamo graph takes a size as a symbol (a dynamic shape) rather than a number."""
+    values = [n.meta.get("example_value") for n in graph.graph.find_nodes(op="placeholder")]
+    return any(isinstance(v, torch.SymInt) or any(isinstance(d, torch.SymInt) for d in getattr(v, "shape", ()))
+               for v in values)
+
+
+@pytest.mark.parametrize("group", [1, 2, 7])
+def test_query_groups_fold_into_query_rows_and_each_shape_compiles_one_static_graph(tok, group, monkeypatch):
+    """A KV head's `group` query heads are its query rows; on CUDA flex decoding takes that at any group
+    and needs a static batch, which torch.compile's automatic dynamic shapes give up at a second shape."""
+    graphs = compiled_as_on_cuda(monkeypatch)["flex"]
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)  # compiled() lifts it: runs make many shapes
+    model = tiny.model(hidden=16 * group, heads=2 * group)  # over 2 KV heads
+    fused_decoder(model)
+    prompts = [enc(tok, p) for p in PROMPTS]
+    for n, new_graphs in [(1, 1), (2, 1), (1, 0)]:  # shapes of 4 and 8 rows, then the first again
+        kw = dict(n=n, max_new_tokens=6, temperature=1.0, seed=3, eos_ids=[], scores=True)
+        a = rollout.generate(model, tok, prompts, decode="dynamic", **kw)
+        was = len(graphs)
+        b = rollout.generate(model, tok, prompts, decode="static", **kw)
+        assert a.ids == b.ids and len(graphs) - was == new_graphs
+        assert_same_scores(a, b)
+    assert len(graphs) == 2 and not any(map(symbolic, graphs))
+    query = graphs[0].graph.find_nodes(op="placeholder")[0].meta["example_value"]
+    assert list(query.shape) == [4, 2, group, 8]  # [rows, KV heads, group, head dim]
+
+
+@pytest.mark.skipif(not shutil.which("g++"), reason="inductor's CPU code needs a C++ compiler")
+def test_the_small_ops_compiled_by_inductor_give_the_dynamic_samples(tok, monkeypatch):
+    """fused="compiled": RMSNorm, rotary and SiLU-mul each one inductor graph (C++ here, Triton on a GPU)."""
+    graphs = compiled_as_on_cuda(monkeypatch, small="inductor")
+    model = tiny.model()
+    fused_decoder(model).fused = "compiled"
+    prompts = [enc(tok, p) for p in PROMPTS]
+    kw = dict(n=2, max_new_tokens=8, temperature=1.0, seed=3, eos_ids=[], scores=True)
+    a = rollout.generate(model, tok, prompts, decode="dynamic", **kw)
+    b = rollout.generate(model, tok, prompts, decode="static", **kw)
+    assert a.ids == b.ids
+    assert_same_scores(a, b)
+    assert len(graphs["flex"]) == 1 and len(graphs["small"]) == 3  # RMSNorm's serves all its layers
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_release_frees_the_fused_shapes_buffers_without_the_cycle_collector(tok, compiled, monkeypatch):
+    """Neither the block mask (it holds tensors, not the shape) nor dynamo's trace of the first compile
+    keeps a released shape's buffers for the cycle collector: the next shape's memory is there."""
+    if compiled:
+        compiled_as_on_cuda(monkeypatch)
+    model = tiny.model()
+    fused_decoder(model)
+    rollout.generate(model, tok, [enc(tok, "1+2=")], n=2, max_new_tokens=4, temperature=0, eos_ids=[],
+                     decode="static")
+    keys = weakref.ref(staticcache.decoder(model, "cache").shape.kv.keys[0])
+    gc.disable()  # what is freed now is freed by reference counts, at once
+    try:
+        staticcache.release(model)
+        assert keys() is None
+    finally:
+        gc.enable()

@@ -23,11 +23,12 @@ def tokenizer() -> PreTrainedTokenizerFast:
                                    bos_token="<bos>", unk_token="<unk>")
 
 
-def model(vocab_size=300, hidden=32, layers=2, seed=0) -> Qwen2ForCausalLM:
-    """Random tiny Qwen2 in float32, eval mode. vocab_size > len(tokenizer()) on purpose."""
+def model(vocab_size=300, hidden=32, layers=2, seed=0, heads=4) -> Qwen2ForCausalLM:
+    """Random tiny Qwen2 in float32, eval mode, `heads` query heads over 2 KV heads. vocab_size >
+    len(tokenizer()) on purpose."""
     torch.manual_seed(seed)
     cfg = Qwen2Config(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, intermediate_size=2 * hidden,
+                      num_attention_heads=heads, num_key_value_heads=2, intermediate_size=2 * hidden,
                       max_position_embeddings=512, pad_token_id=0, bos_token_id=2, eos_token_id=1)
     m = Qwen2ForCausalLM(cfg).eval()
     # Default init (std 0.02) gives near-uniform next-token distributions; larger weights make
