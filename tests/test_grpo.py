@@ -40,6 +40,10 @@ def test_group_advantages():
     assert adv[:3].tolist() == [0.0, 0.0, 0.0]
     # group 2: mean 5/3, unbiased std sqrt(4/3)
     assert adv[4].item() == pytest.approx((3 - 5 / 3) / (math.sqrt(4 / 3) + 1e-6), abs=1e-5)
+    # one right answer in 8: mean -0.75, deviations (1.75, -0.25 x 7), unbiased variance 3.5 / 7 =
+    # 0.5, std 0.707 < 1: A = (1.75, -0.25 x 7) * sqrt(2) = (2.475, -0.354 x 7)
+    adv = grpo.group_advantages(torch.tensor([1.0] + [-1.0] * 7), 8)
+    assert adv.tolist() == pytest.approx([1.75 * math.sqrt(2)] + [-0.25 * math.sqrt(2)] * 7, abs=1e-5)
     with pytest.raises(RuntimeError):  # torch's view: 5 rewards are no groups of 2
         grpo.group_advantages(torch.zeros(5), 2)
 
@@ -96,6 +100,38 @@ def test_clipped_side_has_zero_gradient():
     loss, _ = grpo.policy_loss(logp, old, adv, torch.ones(1, 4), clip_high=1.0)
     loss.backward()
     assert logp.grad[0, 0] != 0
+
+
+def test_each_clip_bound_is_pinned_by_a_ratio_between_the_bounds():
+    """Ratios (1.1, 1.3, 0.85, 0.7) with A (+1, +1, -1, -1) against the default range [0.8, 1.2]:
+    1.1 and 0.85 lie inside and train; 1.3 (A > 0) and 0.7 (A < 0) lie outside and are clipped.
+    Per-token loss -min(r A, clamp(r) A) = (-1.1, -1.2, 0.85, 0.8), mean -0.1625; gradient wrt
+    logp (d ratio / d logp = ratio) -r A / 4 where unclipped: (-0.275, 0, 0.2125, 0)."""
+    logp = torch.tensor([[1.1, 1.3, 0.85, 0.7]]).log().requires_grad_()
+    old, adv, mask = torch.zeros(1, 4), torch.tensor([[1.0, 1.0, -1.0, -1.0]]), torch.ones(1, 4)
+
+    def step(**clip):
+        logp.grad = None
+        loss, stats = grpo.policy_loss(logp, old, adv, mask, **clip)
+        loss.backward()
+        return loss.item(), stats["clip_frac"], logp.grad[0].tolist()
+
+    loss, frac, grad = step()
+    assert loss == pytest.approx(-0.1625, abs=1e-6) and frac == 0.5
+    assert grad == pytest.approx([-0.275, 0.0, 0.2125, 0.0], abs=1e-6)
+    # clip_high 0.4 (range [0.8, 1.4]): 1.3 trains at -1.3, mean -0.1875
+    loss, frac, grad = step(clip_high=0.4)
+    assert loss == pytest.approx(-0.1875, abs=1e-6) and frac == 0.25
+    assert grad == pytest.approx([-0.275, -0.325, 0.2125, 0.0], abs=1e-6)
+    # clip_low 0.4 (range [0.6, 1.2]): 0.7 trains at 0.7, mean -0.1875
+    loss, frac, grad = step(clip_low=0.4)
+    assert loss == pytest.approx(-0.1875, abs=1e-6) and frac == 0.25
+    assert grad == pytest.approx([-0.275, 0.0, 0.2125, 0.175], abs=1e-6)
+    # clip_low 0.1, clip_high 0.4 (range [0.9, 1.4]): 1.3 trains, 0.85 and 0.7 both clip at 0.9:
+    # (-1.1, -1.3, 0.9, 0.9), mean -0.15; a bound read from the other flag shows here
+    loss, frac, grad = step(clip_low=0.1, clip_high=0.4)
+    assert loss == pytest.approx(-0.15, abs=1e-6) and frac == 0.5
+    assert grad == pytest.approx([-0.275, -0.325, 0.0, 0.0], abs=1e-6)
 
 
 def test_aggregation_hand_computed():
