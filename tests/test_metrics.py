@@ -25,6 +25,16 @@ def test_ece_mixed_over_and_under_confidence():
     assert metrics.ece(conf, correct, n_bins=1) == pytest.approx(0.05)
 
 
+def test_ece_weighs_each_bin_by_its_share_of_the_samples():
+    # bin 9 holds 3 of 4 samples (0.9 x 3, acc 2/3, gap 0.9 - 0.667 = 0.233), bin 1 holds 1 (0.1)
+    conf = (0.9, 0.9, 0.9, 0.1)
+    # bin 1 wrong: gap 0.1 -> 3/4 * 0.233 + 1/4 * 0.1 = 0.2 (equal weights would give 0.167)
+    assert metrics.ece(conf, (1, 1, 0, 0)) == pytest.approx(0.2)
+    # bin 1 right: gap -0.9 -> ECE 0.175 + 0.225 = 0.4, PCE 0.175 (equal weights: 0.567, 0.117)
+    assert metrics.ece(conf, (1, 1, 0, 1)) == pytest.approx(0.4)
+    assert metrics.pce(conf, (1, 1, 0, 1)) == pytest.approx(0.175)
+
+
 def test_last_bin_holds_one():
     rows = metrics.reliability((1.0, 0.95), (1, 0))
     assert rows[9]["count"] == 2 and sum(r["count"] for r in rows) == 2
