@@ -168,3 +168,23 @@ def test_pass_at_k_hand_worked():
 def test_pass_at_k_rejects_impossible_counts(n, c, k):
     with pytest.raises(ValueError, match="pass@k needs"):
         metrics.pass_at_k(n, c, k)
+
+
+def test_heldout_probe_worked_numbers():
+    """Prefixes Y (1, .5 | 0, 1), C (.8, .5 | .2, 1.0), K = 2. BCE: -(2 log .8 + log .5 + ~0) / 4 = 0.2849
+    (C = 1.0 is clipped to 1 - 1e-7: without the clip (1 - Y) log(1 - C) is 0 * -inf = nan). ECE: bins
+    8, 5, 2, 9 with gaps -.2, 0, .2, 0 -> 0.4 / 4 = 0.1. AUROC over the K forced answers: right
+    Y * K = 2, 1, 0, 2 -> confidences of right answers (.8, .8, .5, 1, 1), of wrong (.5, .2, .2): 14.5 of
+    15 pairs won (the .5 tie counts 1/2). The per-trajectory margin and brier are averaged."""
+    trajectories = [dict(Y_b=[1.0, 0.5], C_b=[0.8, 0.5], margin=0.3, brier=-0.1),
+                    dict(Y_b=[0.0, 1.0], C_b=[0.2, 1.0], margin=0.1, brier=-0.3)]
+    got = metrics.heldout_probe(trajectories, 2)
+    assert got == {"eval_probe_bce": pytest.approx((-2 * math.log(0.8) + math.log(2)) / 4),
+                   "eval_probe_ece": pytest.approx(0.1), "eval_probe_auroc": pytest.approx(14.5 / 15),
+                   "eval_margin": pytest.approx(0.2), "eval_brier": pytest.approx(-0.2),
+                   "eval_probe_prefixes": 4}
+    # no margin or brier in the trajectories, none in the row; no prefixes at all: only the count
+    assert metrics.heldout_probe([dict(Y_b=[0.5], C_b=[0.5])], 2) == {
+        "eval_probe_bce": pytest.approx(math.log(2)), "eval_probe_ece": 0.0, "eval_probe_auroc": 0.5,
+        "eval_probe_prefixes": 1}
+    assert metrics.heldout_probe([dict(Y_b=[], C_b=[])], 4) == {"eval_probe_prefixes": 0}
