@@ -34,14 +34,15 @@ def test_grid_cut_mask_and_cut_ends_pad_with_zeros():
     labels = [[0.5, 1.0], [], [0.25]]
     assert grid(labels).tolist() == [[0.5, 1.0], [0.0, 0.0], [0.25, 0.0]]
     assert grid(labels, width=3).tolist() == [[0.5, 1.0, 0.0], [0.0, 0.0, 0.0], [0.25, 0.0, 0.0]]
-    assert grid([[], []]).shape == (2, 1) and grid([]).shape == (0, 1)
+    assert grid([[0.5]]).tolist() == [[0.5]] and grid([[], []]).shape == (2, 1) and grid([]).shape == (0, 1)
     feats = grid([torch.ones(2, 3), torch.full((1, 3), 2.0)])   # [n_i, d] rows -> [N, width, d]
     assert feats.shape == (2, 2, 3) and feats[1].tolist() == [[2.0] * 3, [0.0] * 3]
     assert cut_mask([[2, 4], [], [1]]).tolist() == [[True, True], [False, False], [True, False]]
     # ends = prompt length + cut, 0 where a trajectory has fewer cuts
-    assert cut_ends(torch.tensor([3, 5]), [[2, 4], [1]]).tolist() == [[5, 7], [6, 0]]
+    ends = cut_ends(torch.tensor([3, 5]), [[2, 4], [1]])
+    assert ends.tolist() == [[5, 7], [6, 0]] and ends.dtype == torch.long   # indices for prefix_features
     assert cut_ends([3, 5], [[2], [1]], width=3).tolist() == [[5, 0, 0], [6, 0, 0]]
-    assert cut_ends([3], [[]]).tolist() == [[0]]
+    assert cut_ends([3], [[]]).tolist() == [[0]] and cut_ends([], []).shape == (0, 1)
 
 
 def test_closed_cut_and_close_id():
