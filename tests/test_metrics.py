@@ -158,6 +158,10 @@ def test_pass_at_k_hand_worked():
     assert metrics.pass_at_k(10, 0, 5) == 0.0
     # n - c < k: every k-subset holds a right sample
     assert metrics.pass_at_k(3, 2, 2) == 1.0 and metrics.pass_at_k(4, 4, 1) == 1.0
+    # k = n draws every sample: 1 with one right, 0 with none
+    assert metrics.pass_at_k(4, 1, 4) == 1.0 and metrics.pass_at_k(4, 0, 4) == 0.0
+    # n - c = k: one k-subset of wrong samples, 1 - 1 / C(4, 2)
+    assert metrics.pass_at_k(4, 2, 2) == pytest.approx(5 / 6)
     # C(n-3, k) / C(n, k) = (n-k)(n-k-1)(n-k-2) / (n(n-1)(n-2)); with n = 200, k = 100:
     assert metrics.pass_at_k(200, 3, 100) == pytest.approx(1 - 100 * 99 * 98 / (200 * 199 * 198))
     # C(1999, 1000) / C(2000, 1000) = 1000/2000, though C(2000, 1000) overflows a float
