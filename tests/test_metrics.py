@@ -192,3 +192,5 @@ def test_heldout_probe_worked_numbers():
         "eval_probe_bce": pytest.approx(math.log(2)), "eval_probe_ece": 0.0, "eval_probe_auroc": 0.5,
         "eval_probe_prefixes": 1}
     assert metrics.heldout_probe([dict(Y_b=[], C_b=[])], 4) == {"eval_probe_prefixes": 0}
+    # a sure and right probe, C = Y = 0 and 1: both clips keep the BCE finite, about 1e-7
+    assert metrics.heldout_probe([dict(Y_b=[0.0, 1.0], C_b=[0.0, 1.0])], 2)["eval_probe_bce"] == pytest.approx(0, abs=1e-6)
