@@ -95,6 +95,11 @@ def test_process_brier_worked_number():
     mc = cfg_for("rlcm", corner="margin-corner")   # the released corner rule: 1 - mean C
     assert baselines.calibration_term(torch.tensor([[0.2]]), torch.tensor([[0.0]]), one, mc).item() == pytest.approx(0.8)
     assert baselines.calibration_term(torch.tensor([[0.2]]), torch.tensor([[0.0]]), one, cfg_for("rlcm")).item() == 0.0
+    # a padded prefix (valid False, C = Y = 0) counts nowhere: Brier -0.01 / 1 (not / 2); the margin
+    # has no unsolvable side, so 0 (not 0.9 - 0)
+    C, Y, valid = torch.tensor([[0.9, 0.0]]), torch.tensor([[1.0, 0.0]]), torch.tensor([[True, False]])
+    assert baselines.calibration_term(C, Y, valid, cfg_for("process-brier")).item() == pytest.approx(-0.01)
+    assert baselines.calibration_term(C, Y, valid, cfg_for("rlcm")).item() == 0.0
 
 
 def test_brier_modes_give_unanimous_groups_reward_zero():

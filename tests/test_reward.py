@@ -122,6 +122,8 @@ def test_brier_reward():
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
     out = reward.brier_reward(conf, labels, mask)
     assert out.tolist() == pytest.approx([-(0.01 + 0.0625 + 0.0) / 3, -0.04])
+    # labels follow conf's dtype (and device): float64 labels give a float32 reward for float32 conf
+    assert reward.brier_reward(conf, labels.double(), mask).dtype == torch.float32
 
 
 def test_total_reward_is_signed():
