@@ -71,6 +71,10 @@ def test_c2gspg_advantages():
     # mean 0.75 -> centred (0.25, -0.75, 0.25, 0.25), divided by max(1 - c, 1e-6)
     assert adv.tolist() == pytest.approx([0.5, -0.9375, 2.5, 0.25 / 1e-6], rel=1e-4)
     assert baselines.c2gspg_advantages(torch.ones(2), torch.tensor([0.3, 0.6]), 2).tolist() == [0.0, 0.0]
+    # two groups of 2, each centred on its own mean (0.5, then 1): (0.5 / 0.5, -0.5 / 0.8, 0, 0); 0/1 ints
+    # and a float64 c give float32 advantages
+    adv = baselines.c2gspg_advantages([1, 0, 1, 1], torch.tensor([0.5, 0.2, 0.9, 0.5], dtype=torch.float64), 2)
+    assert adv.tolist() == pytest.approx([1.0, -0.625, 0.0, 0.0]) and adv.dtype == torch.float32
 
 
 def test_rlcr_reward():
