@@ -63,6 +63,8 @@ def test_auroc_ties_and_one_class():
     assert metrics.auroc((0.5, 0.5, 0.5), (1, 0, 1)) == pytest.approx(0.5)
     assert math.isnan(metrics.auroc((0.2, 0.7), (1, 1)))
     assert math.isnan(metrics.auroc((0.2, 0.7), (0, 0)))
+    with pytest.raises(ValueError, match="^auroc needs correctness exactly 0 or 1$"):
+        metrics.auroc((0.2, 0.7), (1, 0.5))   # a Monte-Carlo label is not a class
 
 
 def test_auroc_matches_pairwise_count():
