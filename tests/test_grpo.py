@@ -145,15 +145,16 @@ def test_aggregation_hand_computed():
 
 
 def test_sampler_gap_worked_numbers():
-    """d = logp - sampler_logp on the masked tokens: (0.5, -0.5) and (0.2, 0.3); the masked 9 counts
-    nowhere. sum |d| = 1.5; sum exp(d) - 1 - d = 0.1487 + 0.1065 + 0.0214 + 0.0499 = 0.3265 (k3, each
-    term >= 0); 4 tokens; the largest sequence ratio exp(sum_t d) is exp(0.5) (row 2; row 1 has 1)."""
-    logp = torch.tensor([[0.5, -0.5, 9.0], [0.2, 0.3, 0.0]])
+    """d = logp - sampler_logp on the masked tokens: (0.5, -0.3) and (0.2, 0.3); the masked 9 counts
+    nowhere. sum |d| = 1.3; sum exp(d) - 1 - d = 0.1487 + 0.0408 + 0.0214 + 0.0499 = 0.2608 (k3, each
+    term >= 0); 4 tokens; the largest sequence ratio exp(sum_t d) is exp(0.5) (row 2; row 1 has exp(0.2))."""
+    sampler = torch.tensor([[-1.0, -1.0, 0.0], [-1.0, -1.0, 0.0]])
+    logp = sampler + torch.tensor([[0.5, -0.3, 9.0], [0.2, 0.3, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
-    sums, ratio = grpo.sampler_gap(logp, torch.zeros(2, 3), mask)
-    k3 = sum(math.exp(d) - 1 - d for d in (0.5, -0.5, 0.2, 0.3))
-    assert sums == pytest.approx([1.5, k3, 4.0]) and k3 == pytest.approx(0.3265, abs=1e-4)
-    assert ratio == pytest.approx(math.exp(0.5))
+    sums, ratio = grpo.sampler_gap(logp, sampler, mask)
+    k3 = sum(math.exp(d) - 1 - d for d in (0.5, -0.3, 0.2, 0.3))
+    assert sums == pytest.approx([1.3, k3, 4.0], rel=1e-6) and k3 == pytest.approx(0.2608, abs=1e-4)
+    assert ratio == pytest.approx(math.exp(0.5), rel=1e-6)
 
 
 class Capture:
