@@ -44,6 +44,9 @@ def test_group_advantages():
     # 0.5, std 0.707 < 1: A = (1.75, -0.25 x 7) * sqrt(2) = (2.475, -0.354 x 7)
     adv = grpo.group_advantages(torch.tensor([1.0] + [-1.0] * 7), 8)
     assert adv.tolist() == pytest.approx([1.75 * math.sqrt(2)] + [-0.25 * math.sqrt(2)] * 7, abs=1e-5)
+    # 0/1 ints and float64 rewards give float32 advantages: (1, 0) -> +-0.5 / std 0.707
+    assert grpo.group_advantages([1, 0], 2).tolist() == pytest.approx([math.sqrt(0.5), -math.sqrt(0.5)], abs=1e-5)
+    assert grpo.group_advantages(torch.tensor([1.0, 0.0], dtype=torch.float64), 2).dtype == torch.float32
     with pytest.raises(RuntimeError):  # torch's view: 5 rewards are no groups of 2
         grpo.group_advantages(torch.zeros(5), 2)
 
