@@ -47,6 +47,11 @@ def test_group_advantages():
     # 0/1 ints and float64 rewards give float32 advantages: (1, 0) -> +-0.5 / std 0.707
     assert grpo.group_advantages([1, 0], 2).tolist() == pytest.approx([math.sqrt(0.5), -math.sqrt(0.5)], abs=1e-5)
     assert grpo.group_advantages(torch.tensor([1.0, 0.0], dtype=torch.float64), 2).dtype == torch.float32
+    # a group of one sample: A = 0 (its std would be nan)
+    assert grpo.group_advantages(torch.tensor([1.0, 0.0]), 1).tolist() == [0.0, 0.0]
+    # eps = 1e-6 is added to the std: rewards (0, 2e-6), std 1.414e-6: A = +-1e-6 / 2.414e-6 = +-(sqrt 2 - 1)
+    adv = grpo.group_advantages(torch.tensor([0.0, 2e-6]), 2)
+    assert adv.tolist() == pytest.approx([1 - math.sqrt(2), math.sqrt(2) - 1], abs=1e-3)
     with pytest.raises(RuntimeError):  # torch's view: 5 rewards are no groups of 2
         grpo.group_advantages(torch.zeros(5), 2)
 
@@ -145,6 +150,10 @@ def test_aggregation_hand_computed():
     assert grpo.policy_loss(logp, logp, adv, mask)[0].item() == pytest.approx(-(1 + 1 + 2) / 3)
     stats = grpo.policy_loss(logp, logp, adv, mask)[1]
     assert stats == {"clip_frac": 0.0, "ratio_mean": 1.0}  # ratio 1 is never clipped
+    # one masked token: the means divide by 1
+    assert grpo.aggregate(torch.tensor([[3.0, 5.0]]), torch.tensor([[1.0, 0.0]])).item() == 3.0
+    loss, stats = grpo.policy_loss(torch.tensor([[math.log(1.3)]]), torch.zeros(1, 1), torch.ones(1), torch.ones(1, 1))
+    assert loss.item() == pytest.approx(-1.2) and stats == pytest.approx({"clip_frac": 1.0, "ratio_mean": 1.3})
 
 
 def test_sampler_gap_worked_numbers():
