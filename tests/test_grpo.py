@@ -40,6 +40,18 @@ def test_group_advantages():
     assert adv[:3].tolist() == [0.0, 0.0, 0.0]
     # group 2: mean 5/3, unbiased std sqrt(4/3)
     assert adv[4].item() == pytest.approx((3 - 5 / 3) / (math.sqrt(4 / 3) + 1e-6), abs=1e-5)
+    # one right answer in 8: mean -0.75, deviations (1.75, -0.25 x 7), unbiased variance 3.5 / 7 =
+    # 0.5, std 0.707 < 1: A = (1.75, -0.25 x 7) * sqrt(2) = (2.475, -0.354 x 7)
+    adv = grpo.group_advantages(torch.tensor([1.0] + [-1.0] * 7), 8)
+    assert adv.tolist() == pytest.approx([1.75 * math.sqrt(2)] + [-0.25 * math.sqrt(2)] * 7, abs=1e-5)
+    # 0/1 ints and float64 rewards give float32 advantages: (1, 0) -> +-0.5 / std 0.707
+    assert grpo.group_advantages([1, 0], 2).tolist() == pytest.approx([math.sqrt(0.5), -math.sqrt(0.5)], abs=1e-5)
+    assert grpo.group_advantages(torch.tensor([1.0, 0.0], dtype=torch.float64), 2).dtype == torch.float32
+    # a group of one sample: A = 0 (its std would be nan)
+    assert grpo.group_advantages(torch.tensor([1.0, 0.0]), 1).tolist() == [0.0, 0.0]
+    # eps = 1e-6 is added to the std: rewards (0, 2e-6), std 1.414e-6: A = +-1e-6 / 2.414e-6 = +-(sqrt 2 - 1)
+    adv = grpo.group_advantages(torch.tensor([0.0, 2e-6]), 2)
+    assert adv.tolist() == pytest.approx([1 - math.sqrt(2), math.sqrt(2) - 1], abs=1e-3)
     with pytest.raises(RuntimeError):  # torch's view: 5 rewards are no groups of 2
         grpo.group_advantages(torch.zeros(5), 2)
 
@@ -98,6 +110,38 @@ def test_clipped_side_has_zero_gradient():
     assert logp.grad[0, 0] != 0
 
 
+def test_each_clip_bound_is_pinned_by_a_ratio_between_the_bounds():
+    """Ratios (1.1, 1.3, 0.85, 0.7) with A (+1, +1, -1, -1) against the default range [0.8, 1.2]:
+    1.1 and 0.85 lie inside and train; 1.3 (A > 0) and 0.7 (A < 0) lie outside and are clipped.
+    Per-token loss -min(r A, clamp(r) A) = (-1.1, -1.2, 0.85, 0.8), mean -0.1625; gradient wrt
+    logp (d ratio / d logp = ratio) -r A / 4 where unclipped: (-0.275, 0, 0.2125, 0)."""
+    logp = torch.tensor([[1.1, 1.3, 0.85, 0.7]]).log().requires_grad_()
+    old, adv, mask = torch.zeros(1, 4), torch.tensor([[1.0, 1.0, -1.0, -1.0]]), torch.ones(1, 4)
+
+    def step(**clip):
+        logp.grad = None
+        loss, stats = grpo.policy_loss(logp, old, adv, mask, **clip)
+        loss.backward()
+        return loss.item(), stats["clip_frac"], logp.grad[0].tolist()
+
+    loss, frac, grad = step()
+    assert loss == pytest.approx(-0.1625, abs=1e-6) and frac == 0.5
+    assert grad == pytest.approx([-0.275, 0.0, 0.2125, 0.0], abs=1e-6)
+    # clip_high 0.4 (range [0.8, 1.4]): 1.3 trains at -1.3, mean -0.1875
+    loss, frac, grad = step(clip_high=0.4)
+    assert loss == pytest.approx(-0.1875, abs=1e-6) and frac == 0.25
+    assert grad == pytest.approx([-0.275, -0.325, 0.2125, 0.0], abs=1e-6)
+    # clip_low 0.4 (range [0.6, 1.2]): 0.7 trains at 0.7, mean -0.1875
+    loss, frac, grad = step(clip_low=0.4)
+    assert loss == pytest.approx(-0.1875, abs=1e-6) and frac == 0.25
+    assert grad == pytest.approx([-0.275, 0.0, 0.2125, 0.175], abs=1e-6)
+    # clip_low 0.1, clip_high 0.4 (range [0.9, 1.4]): 1.3 trains, 0.85 and 0.7 both clip at 0.9:
+    # (-1.1, -1.3, 0.9, 0.9), mean -0.15; a bound read from the other flag shows here
+    loss, frac, grad = step(clip_low=0.1, clip_high=0.4)
+    assert loss == pytest.approx(-0.15, abs=1e-6) and frac == 0.5
+    assert grad == pytest.approx([-0.275, -0.325, 0.0, 0.0], abs=1e-6)
+
+
 def test_aggregation_hand_computed():
     logp = torch.zeros(2, 3)
     adv = torch.tensor([1.0, 2.0])
@@ -106,6 +150,23 @@ def test_aggregation_hand_computed():
     assert grpo.policy_loss(logp, logp, adv, mask)[0].item() == pytest.approx(-(1 + 1 + 2) / 3)
     stats = grpo.policy_loss(logp, logp, adv, mask)[1]
     assert stats == {"clip_frac": 0.0, "ratio_mean": 1.0}  # ratio 1 is never clipped
+    # one masked token: the means divide by 1
+    assert grpo.aggregate(torch.tensor([[3.0, 5.0]]), torch.tensor([[1.0, 0.0]])).item() == 3.0
+    loss, stats = grpo.policy_loss(torch.tensor([[math.log(1.3)]]), torch.zeros(1, 1), torch.ones(1), torch.ones(1, 1))
+    assert loss.item() == pytest.approx(-1.2) and stats == pytest.approx({"clip_frac": 1.0, "ratio_mean": 1.3})
+
+
+def test_sampler_gap_worked_numbers():
+    """d = logp - sampler_logp on the masked tokens: (0.5, -0.3) and (0.2, 0.3); the masked 9 counts
+    nowhere. sum |d| = 1.3; sum exp(d) - 1 - d = 0.1487 + 0.0408 + 0.0214 + 0.0499 = 0.2608 (k3, each
+    term >= 0); 4 tokens; the largest sequence ratio exp(sum_t d) is exp(0.5) (row 2; row 1 has exp(0.2))."""
+    sampler = torch.tensor([[-1.0, -1.0, 0.0], [-1.0, -1.0, 0.0]])
+    logp = sampler + torch.tensor([[0.5, -0.3, 9.0], [0.2, 0.3, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
+    sums, ratio = grpo.sampler_gap(logp, sampler, mask)
+    k3 = sum(math.exp(d) - 1 - d for d in (0.5, -0.3, 0.2, 0.3))
+    assert sums == pytest.approx([1.3, k3, 4.0], rel=1e-6) and k3 == pytest.approx(0.2608, abs=1e-4)
+    assert ratio == pytest.approx(math.exp(0.5), rel=1e-6)
 
 
 class Capture:

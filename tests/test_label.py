@@ -6,7 +6,7 @@ import torch
 
 import tiny
 from grpo import pack
-from label import SUFFIX, close_id, closed_cut, cuts_of, forced_answer, mc_labels
+from label import SUFFIX, close_id, closed_cut, cut_mask, cuts_of, forced_answer, grid, mc_labels
 from label import cut_ends, forward_pass
 
 FIXTURE_7B = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "fixtures", "r1_distill_qwen_7b")
@@ -28,6 +28,34 @@ def test_budgets_follow_python_round():
     assert cuts_of(2) == [1, 2]          # round(0.5) == 0 is dropped, round(1.5) == 2
     assert cuts_of(10) == [2, 5, 8]      # round(2.5) == 2 (half to even), round(7.5) == 8
     assert cuts_of(4, budgets=(1.0,)) == [4]
+
+
+def test_grid_cut_mask_and_cut_ends_pad_with_zeros():
+    labels = [[0.5, 1.0], [], [0.25]]
+    assert grid(labels).tolist() == [[0.5, 1.0], [0.0, 0.0], [0.25, 0.0]]
+    assert grid(labels, width=3).tolist() == [[0.5, 1.0, 0.0], [0.0, 0.0, 0.0], [0.25, 0.0, 0.0]]
+    assert grid([[0.5]]).tolist() == [[0.5]] and grid([[], []]).shape == (2, 1) and grid([]).shape == (0, 1)
+    feats = grid([torch.ones(2, 3), torch.full((1, 3), 2.0)])   # [n_i, d] rows -> [N, width, d]
+    assert feats.shape == (2, 2, 3) and feats[1].tolist() == [[2.0] * 3, [0.0] * 3]
+    assert cut_mask([[2, 4], [], [1]]).tolist() == [[True, True], [False, False], [True, False]]
+    # ends = prompt length + cut, 0 where a trajectory has fewer cuts
+    ends = cut_ends(torch.tensor([3, 5]), [[2, 4], [1]])
+    assert ends.tolist() == [[5, 7], [6, 0]] and ends.dtype == torch.long   # indices for prefix_features
+    assert cut_ends([3, 5], [[2], [1]], width=3).tolist() == [[5, 0, 0], [6, 0, 0]]
+    assert cut_ends([3], [[]]).tolist() == [[0]] and cut_ends([], []).shape == (0, 1)
+
+
+def test_closed_cut_and_close_id():
+    import toy
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(toy.BASE_DIR)
+    assert close_id(tok) == tok.convert_tokens_to_ids("</think>") != tok.unk_token_id
+    assert close_id(tok, "eos") == tok.eos_token_id
+    with pytest.raises(ValueError, match="no `</think>` token: use --forced-close eos"):
+        close_id(tiny.tokenizer())   # characters only: </think> reads as <unk>
+    # the prefix before CLOSE + SUFFIX: one token shorter where it ends on the close id
+    assert closed_cut([7, 9, 2], 2, 2) == 2 and closed_cut([7, 2, 9], 2, 2) == 1
+    assert closed_cut([2, 9], 0, 2) == 0   # an empty prefix stays empty (response[-1] is not looked at)
 
 
 def test_forced_answer_reads_up_to_the_closing_brace():

@@ -25,6 +25,16 @@ def test_ece_mixed_over_and_under_confidence():
     assert metrics.ece(conf, correct, n_bins=1) == pytest.approx(0.05)
 
 
+def test_ece_weighs_each_bin_by_its_share_of_the_samples():
+    # bin 9 holds 3 of 4 samples (0.9 x 3, acc 2/3, gap 0.9 - 0.667 = 0.233), bin 1 holds 1 (0.1)
+    conf = (0.9, 0.9, 0.9, 0.1)
+    # bin 1 wrong: gap 0.1 -> 3/4 * 0.233 + 1/4 * 0.1 = 0.2 (equal weights would give 0.167)
+    assert metrics.ece(conf, (1, 1, 0, 0)) == pytest.approx(0.2)
+    # bin 1 right: gap -0.9 -> ECE 0.175 + 0.225 = 0.4, PCE 0.175 (equal weights: 0.567, 0.117)
+    assert metrics.ece(conf, (1, 1, 0, 1)) == pytest.approx(0.4)
+    assert metrics.pce(conf, (1, 1, 0, 1)) == pytest.approx(0.175)
+
+
 def test_last_bin_holds_one():
     rows = metrics.reliability((1.0, 0.95), (1, 0))
     assert rows[9]["count"] == 2 and sum(r["count"] for r in rows) == 2
@@ -53,6 +63,8 @@ def test_auroc_ties_and_one_class():
     assert metrics.auroc((0.5, 0.5, 0.5), (1, 0, 1)) == pytest.approx(0.5)
     assert math.isnan(metrics.auroc((0.2, 0.7), (1, 1)))
     assert math.isnan(metrics.auroc((0.2, 0.7), (0, 0)))
+    with pytest.raises(ValueError, match="^auroc needs correctness exactly 0 or 1$"):
+        metrics.auroc((0.2, 0.7), (1, 0.5))   # a Monte-Carlo label is not a class
 
 
 def test_auroc_matches_pairwise_count():
@@ -148,6 +160,10 @@ def test_pass_at_k_hand_worked():
     assert metrics.pass_at_k(10, 0, 5) == 0.0
     # n - c < k: every k-subset holds a right sample
     assert metrics.pass_at_k(3, 2, 2) == 1.0 and metrics.pass_at_k(4, 4, 1) == 1.0
+    # k = n draws every sample: 1 with one right, 0 with none
+    assert metrics.pass_at_k(4, 1, 4) == 1.0 and metrics.pass_at_k(4, 0, 4) == 0.0
+    # n - c = k: one k-subset of wrong samples, 1 - 1 / C(4, 2)
+    assert metrics.pass_at_k(4, 2, 2) == pytest.approx(5 / 6)
     # C(n-3, k) / C(n, k) = (n-k)(n-k-1)(n-k-2) / (n(n-1)(n-2)); with n = 200, k = 100:
     assert metrics.pass_at_k(200, 3, 100) == pytest.approx(1 - 100 * 99 * 98 / (200 * 199 * 198))
     # C(1999, 1000) / C(2000, 1000) = 1000/2000, though C(2000, 1000) overflows a float
@@ -158,3 +174,25 @@ def test_pass_at_k_hand_worked():
 def test_pass_at_k_rejects_impossible_counts(n, c, k):
     with pytest.raises(ValueError, match="pass@k needs"):
         metrics.pass_at_k(n, c, k)
+
+
+def test_heldout_probe_worked_numbers():
+    """Prefixes Y (1, .5 | 0, 1), C (.8, .5 | .2, 1.0), K = 2. BCE: -(2 log .8 + log .5 + ~0) / 4 = 0.2849
+    (C = 1.0 is clipped to 1 - 1e-7: without the clip (1 - Y) log(1 - C) is 0 * -inf = nan). ECE: bins
+    8, 5, 2, 9 with gaps -.2, 0, .2, 0 -> 0.4 / 4 = 0.1. AUROC over the K forced answers: right
+    Y * K = 2, 1, 0, 2 -> confidences of right answers (.8, .8, .5, 1, 1), of wrong (.5, .2, .2): 14.5 of
+    15 pairs won (the .5 tie counts 1/2). The per-trajectory margin and brier are averaged."""
+    trajectories = [dict(Y_b=[1.0, 0.5], C_b=[0.8, 0.5], margin=0.3, brier=-0.1),
+                    dict(Y_b=[0.0, 1.0], C_b=[0.2, 1.0], margin=0.1, brier=-0.3)]
+    got = metrics.heldout_probe(trajectories, 2)
+    assert got == {"eval_probe_bce": pytest.approx((-2 * math.log(0.8) + math.log(2)) / 4),
+                   "eval_probe_ece": pytest.approx(0.1), "eval_probe_auroc": pytest.approx(14.5 / 15),
+                   "eval_margin": pytest.approx(0.2), "eval_brier": pytest.approx(-0.2),
+                   "eval_probe_prefixes": 4}
+    # no margin or brier in the trajectories, none in the row; no prefixes at all: only the count
+    assert metrics.heldout_probe([dict(Y_b=[0.5], C_b=[0.5])], 2) == {
+        "eval_probe_bce": pytest.approx(math.log(2)), "eval_probe_ece": 0.0, "eval_probe_auroc": 0.5,
+        "eval_probe_prefixes": 1}
+    assert metrics.heldout_probe([dict(Y_b=[], C_b=[])], 4) == {"eval_probe_prefixes": 0}
+    # a sure and right probe, C = Y = 0 and 1: both clips keep the BCE finite, about 1e-7
+    assert metrics.heldout_probe([dict(Y_b=[0.0, 1.0], C_b=[0.0, 1.0])], 2)["eval_probe_bce"] == pytest.approx(0, abs=1e-6)

@@ -71,6 +71,10 @@ def test_c2gspg_advantages():
     # mean 0.75 -> centred (0.25, -0.75, 0.25, 0.25), divided by max(1 - c, 1e-6)
     assert adv.tolist() == pytest.approx([0.5, -0.9375, 2.5, 0.25 / 1e-6], rel=1e-4)
     assert baselines.c2gspg_advantages(torch.ones(2), torch.tensor([0.3, 0.6]), 2).tolist() == [0.0, 0.0]
+    # two groups of 2, each centred on its own mean (0.5, then 1): (0.5 / 0.5, -0.5 / 0.8, 0, 0); 0/1 ints
+    # and a float64 c give float32 advantages
+    adv = baselines.c2gspg_advantages([1, 0, 1, 1], torch.tensor([0.5, 0.2, 0.9, 0.5], dtype=torch.float64), 2)
+    assert adv.tolist() == pytest.approx([1.0, -0.625, 0.0, 0.0]) and adv.dtype == torch.float32
 
 
 def test_rlcr_reward():
@@ -95,6 +99,11 @@ def test_process_brier_worked_number():
     mc = cfg_for("rlcm", corner="margin-corner")   # the released corner rule: 1 - mean C
     assert baselines.calibration_term(torch.tensor([[0.2]]), torch.tensor([[0.0]]), one, mc).item() == pytest.approx(0.8)
     assert baselines.calibration_term(torch.tensor([[0.2]]), torch.tensor([[0.0]]), one, cfg_for("rlcm")).item() == 0.0
+    # a padded prefix (valid False, C = Y = 0) counts nowhere: Brier -0.01 / 1 (not / 2); the margin
+    # has no unsolvable side, so 0 (not 0.9 - 0)
+    C, Y, valid = torch.tensor([[0.9, 0.0]]), torch.tensor([[1.0, 0.0]]), torch.tensor([[True, False]])
+    assert baselines.calibration_term(C, Y, valid, cfg_for("process-brier")).item() == pytest.approx(-0.01)
+    assert baselines.calibration_term(C, Y, valid, cfg_for("rlcm")).item() == 0.0
 
 
 def test_brier_modes_give_unanimous_groups_reward_zero():

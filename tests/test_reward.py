@@ -114,6 +114,10 @@ def test_margin_mask_drops_padding_prefixes():
     # row 0: padded third prefix (label 0, conf 0) must not pull the unsolvable mean down
     assert reward.margin_reward(conf, labels, mask).tolist() == pytest.approx([0.7, 0.8 - 0.35])
     assert reward.margin_reward(conf, labels).tolist() == pytest.approx([0.9 - 0.1, 0.8 - 0.35])
+    # Final-Margin: the padded prefix would make a second side (then 0); masked, only +C is left
+    one = torch.tensor([[0.9, 0.0]]), torch.tensor([[1.0, 0.0]]), torch.tensor([[1, 0]])
+    assert reward.final_margin(*one).tolist() == pytest.approx([0.9])
+    assert reward.corner_margin(*one).tolist() == pytest.approx([0.9])
 
 
 def test_brier_reward():
@@ -122,6 +126,8 @@ def test_brier_reward():
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
     out = reward.brier_reward(conf, labels, mask)
     assert out.tolist() == pytest.approx([-(0.01 + 0.0625 + 0.0) / 3, -0.04])
+    # labels follow conf's dtype (and device): float64 labels give a float32 reward for float32 conf
+    assert reward.brier_reward(conf, labels.double(), mask).dtype == torch.float32
 
 
 def test_total_reward_is_signed():

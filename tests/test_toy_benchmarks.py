@@ -3,6 +3,7 @@ toy-sub (the toy's "OOD": subtraction, which only the warm start teaches); repro
 and Overall table and the paired difference RLCM - GRPO with its t interval, on fake results with
 worked numbers; the calibration term's share of the advantage."""
 import json
+import math
 import os
 import random
 
@@ -129,6 +130,13 @@ def test_advantage_parts_split_the_group_advantage():
     assert total <= sum(metrics.advantage_parts(correct, R, 3)) + 1e-6
     # the filter's unanimous group (R set to 0, --drop-unanimous) adds nothing to either part
     assert metrics.advantage_parts([1, 1], [0.0, 0.0], 2) == (0.0, 0.0)
+    # eps is added to the std: a group of std 1e-6 has A_cal = +-0.707e-6 / 2e-6 (not a division by 0)
+    assert metrics.advantage_parts([1, 1], [1.0, 1.0 + math.sqrt(2) * 1e-6], 2) == (0.0, pytest.approx(0.7071, abs=1e-4))
+    # each group is centred on its own mean: a term of +0.1 on all of group 1 moves no advantage
+    nat, cal = metrics.advantage_parts([1, 0, 1, 0], [1.1, -0.9, 1.0, -1.0], 2)
+    assert nat == pytest.approx(2 * math.sqrt(2)) and cal == pytest.approx(0, abs=1e-9)
+    # a group of one sample has A = 0, as in group_advantages (its std would be nan)
+    assert metrics.advantage_parts([1, 0], [1.05, -0.97], 1) == (0.0, 0.0)
 
 
 def test_default_seeds_give_the_headline_pair_five():
