@@ -132,17 +132,11 @@ def micro_batch(batch, rows, device, length=None):
     return {k: v[:, :cut[k]] if k in cut else v for k, v in sub.items()}, L
 
 
-def sampler_gap(logp, sampler_logp, mask):
-    """([sum of |d|, sum of exp(d) - 1 - d, tokens], largest exp(sum_t d) of a row) over the masked
-    tokens of one micro-batch, logp, sampler_logp, mask [n, T], d = logp - sampler_logp in float64."""
-    d = (logp.detach().double() - sampler_logp.double()) * mask
-    sums = [d.abs().sum().item(), (torch.expm1(d) - d).sum().item(), mask.sum().item()]
-    return sums, d.sum(-1).exp().max().item()
-
-
 def micro_step(fwd, batch, mb, old_logp, adv, cfg, device, length=None):
     """The rows `mb` of `pack`'s batch (micro_batch): log-probs by fwd(input_ids, attention_mask,
-    temperature, chunk_size) and clipped loss -> (sub-batch, logp [n, T], loss, stats)."""
+    temperature, chunk_size) and clipped loss -> (sub-batch, logp [n, T], loss, stats). With the
+    sampler's log-probs (pack), d = logp - sampler_logp on the response tokens: sampler_gap =
+    mean |d|, sampler_kl_k3 = mean e^d - 1 - d, sampler_ratio_max = a row's largest e^(sum d)."""
     sub, L = micro_batch(batch, mb, device, length)
     logp = fwd(sub["input_ids"], sub["attention_mask"], cfg["temperature"], cfg["chunk_size"])
     old = logp.detach() if old_logp is None else old_logp[mb, :L - 1].to(device)
@@ -150,24 +144,29 @@ def micro_step(fwd, batch, mb, old_logp, adv, cfg, device, length=None):
                               cfg["clip_high"])
     if not torch.isfinite(loss):
         raise FloatingPointError(f"non-finite loss ({loss.item()}) in a micro-batch of rows {mb}")
+    if "sampler_logp" in sub:  # the sampler's gap to the policy it samples for (docs/reference.md)
+        m = sub["loss_mask"].double()
+        d, n = (logp.detach().double() - sub["sampler_logp"].double()) * m, m.sum().clamp(min=1)
+        k3 = d.expm1() - d  # e^d - 1 - d
+        stats.update(sampler_gap=float(d.abs().sum() / n), sampler_kl_k3=float(k3.sum() / n),
+                     sampler_ratio_max=float(d.sum(-1).exp().max()))
     return sub, logp, loss, stats
 
 
 def update(policy, opt, batch, old_logp, adv, mbs, cfg, device, extra=None):
     """One optimizer step over this rank's micro-batches `mbs`, each weighted by its share of every
-    rank's tokens (token-mean) or rows: the one place the policy's gradients are clipped and its
-    optimizer stepped, on one process, FSDP2's ranks and --offload alike (harness/parallel.py's
-    helpers are identities on one process). old_logp [N, T] or None (on-policy). extra: a mode's
-    loss term (name, coef, term) (baselines.extra_loss): term(logp, loss_mask, rows) gives [n] per
-    sequence (the loss adds coef * their mean over all sequences) or [n, T] per token (coef * their
-    token-mean, weighted like the loss), logged as `name`. -> mean loss, stats, grad_norm, gap."""
+    rank's tokens (token-mean) or rows, on one process, FSDP2's ranks and --offload alike (the
+    harness.parallel helpers are identities on one process). old_logp [N, T] or None (on-policy).
+    extra: a mode's loss term (name, coef, term) (baselines.extra_loss): term(logp, loss_mask,
+    rows) is [n] per sequence (the loss adds coef * their mean over all sequences) or [n, T] per
+    token (coef * their token-mean, weighted like the loss), logged as `name`. -> mean stats."""
     policy.train()
     weights = batch["loss_mask"].sum(1) if cfg["agg"] == "token-mean" else torch.ones(len(adv))
     mine = [sum(weights[mb].sum().item() for mb in mbs), sum(map(len, mbs))]  # weight, sequences
     total, n_seq = (max(v, 1.0) for v in all_sum(mine, device))  # every rank's
     name, coef, term = extra or (None, None, None)
     sums = dict.fromkeys(("loss", "clip_frac", "kl", "ratio_mean"), 0.0)  # kl: 0, no KL penalty
-    term_sum, gap, ratio_max = 0.0, [0.0, 0.0, 0.0], 0.0  # gap: sum |d|, sum k3, tokens
+    term_sum, ratio_max = 0.0, 0.0
     fwd = policy if sharded(policy) else partial(token_logprobs, policy)  # FSDP2: a LogprobModel
     # one GPU: autocast; FSDP2's mixed-precision policy casts instead
     plain_gpu = fwd is not policy and device.type == "cuda"
@@ -180,9 +179,7 @@ def update(policy, opt, batch, old_logp, adv, mbs, cfg, device, extra=None):
         with amp:
             sub, logp, loss, stats = micro_step(fwd, batch, mb, old_logp, adv, cfg, device,
                                                 None if real else 2)
-        if "sampler_logp" in sub and real:  # the rollout's own log-probs (pack): the sampler's gap
-            part, ratio = sampler_gap(logp, sub["sampler_logp"], sub["loss_mask"])
-            gap, ratio_max = [a + b for a, b in zip(gap, part)], max(ratio_max, ratio)
+        ratio_max = max(ratio_max, stats.pop("sampler_ratio_max", 0.0) * real)  # a max; padding: 0
         weighted = loss * (w / total)
         if term is not None:  # per token: weighted like the loss; per sequence: a mean over them
             part = term(logp, sub["loss_mask"], mb)
@@ -192,17 +189,16 @@ def update(policy, opt, batch, old_logp, adv, mbs, cfg, device, extra=None):
             term_sum += part.item() * share
         (weighted * WORLD).backward()  # FSDP2 averages gradients over ranks: each share times WORLD
         for key, value in (("loss", loss.item()), *stats.items()):
-            sums[key] += value * w  # weighted like the loss: a batch-wide mean
+            sums[key] = sums.get(key, 0.0) + value * w  # weighted like the loss
     grad_norm = float(full(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg["grad_clip"])))
     if not math.isfinite(grad_norm):
         raise FloatingPointError(f"non-finite gradient norm ({grad_norm})")
     opt.step()
     opt.zero_grad(set_to_none=True)
-    *means, term_sum, absd, k3, tokens = all_sum([*sums.values(), term_sum, *gap], device)
+    *means, term_sum = all_sum([*sums.values(), term_sum], device)  # one all-reduce
     out = dict(zip(sums, (v / total for v in means)), grad_norm=grad_norm)
     if term is not None:
         out[name] = term_sum
-    if "sampler_logp" in batch:
-        out.update(sampler_gap=absd / max(tokens, 1.0), sampler_kl_k3=k3 / max(tokens, 1.0),
-                   sampler_ratio_max=max(all_gather(ratio_max)))
+    if "sampler_logp" in batch:  # every stat a mean weighted like the loss, but this largest one
+        out["sampler_ratio_max"] = max(all_gather(ratio_max))
     return out

@@ -88,23 +88,20 @@ def all_sum(values, device):
 
 
 def padded(mbs):
-    """This rank's micro-batches, then None for each one more that another rank has: FSDP2 needs as
-    many forward and backward calls on every rank (grpo.update runs a None as one row of 2 tokens at
-    weight 0). One process: mbs as they are."""
+    """This rank's micro-batches, then a None (grpo.update: 2 tokens at weight 0) for each one more
+    another rank has: FSDP2 needs as many forwards and backwards on every rank."""
     return mbs + [None] * (max(all_gather(len(mbs))) - len(mbs))
 
 
 def hold_grads(policy, cfg, last):
-    """--offload: FSDP2 would reduce-scatter each micro-batch's gradients and add them into the host
-    shards with a blocking copy; held unsharded on the GPU instead, they are reduced once, after the
-    `last` micro-batch. Otherwise nothing."""
+    """--offload: FSDP2 would reduce-scatter each micro-batch's gradients into the host shards with
+    a blocking copy; held unsharded on the GPU instead, they are reduced once, after the `last`."""
     if sharded(policy) and cfg.get("offload") and cfg.get("offload_grads", "gpu") == "gpu":
         policy.set_requires_gradient_sync(last)
 
 
 def full(t):
-    """A DTensor whole, gathered from every rank's shard (a sharded grad norm, a parameter); any
-    other tensor as it is."""
+    """A DTensor gathered whole from every rank's shard (a grad norm, a parameter), else `t`."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
