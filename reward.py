@@ -70,9 +70,7 @@ def margin_reward(conf, labels, mask=None):
 
 def corner_margin(conf, labels, mask=None):
     """The margin, with the released corner rule for one-sided traces, [N, B] -> [N]: mean C if only
-    solvable prefixes, 1 - mean C if only unsolvable ones, 0 if neither.
-
-    Released unit tests: C (.9, .7) all solvable -> 0.8; C (.3, .1) all unsolvable -> 0.8.
+    solvable cuts, 1 - mean C if only unsolvable ones, 0 if neither. The released unit tests:
 
     >>> corner_margin([[0.9, 0.7], [0.3, 0.1]], [[1, 1], [0, 0]])
     tensor([0.8000, 0.8000])
@@ -84,10 +82,9 @@ def corner_margin(conf, labels, mask=None):
 
 
 def final_margin(conf, labels, mask=None):
-    """Final-Margin's calibration term, [N, B] -> [N]: +mean C if only solvable prefixes, -mean C if
-    only unsolvable ones, and 0 otherwise, exactly when both sides exist too (not a margin).
-
-    At budget 1.0 (one cut): C 0.7, Y 1 -> +0.7; C 0.2, Y 0 -> -0.2; Y 0.5 -> 0.
+    """Final-Margin's calibration term, [N, B] -> [N]: +mean C if only solvable cuts, -mean C if
+    only unsolvable ones, and 0 otherwise, exactly when both sides exist too (not a margin). At
+    budget 1.0 (one cut):
 
     >>> final_margin([[0.7], [0.2], [0.9]], [[1], [0], [0.5]])
     tensor([ 0.7000, -0.2000,  0.0000])
@@ -112,8 +109,7 @@ def brier_reward(conf, labels, mask=None):
 
 
 def total_reward(correct, calib, lam=0.1):
-    """R = r_nat + lam * calib, r_nat = 2 * correct - 1 (+1/-1); [N] -> [N]. lam = 0 gives plain
-    GRPO.
+    """R = r_nat + lam * calib, r_nat = 2 * correct - 1 (+1/-1); [N] -> [N]; lam 0: plain GRPO.
 
     >>> total_reward([1, 0], [0.5, 0.5], lam=0.1)
     tensor([ 1.0500, -0.9500])
