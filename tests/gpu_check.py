@@ -22,7 +22,7 @@ bf16 generation copy, as train.py holds them in one process on a GPU. Sizes are 
   labels    label.mc_labels at real lengths: 24 random responses of 200..8000 tokens, 72 cuts,   10 s
             k = 4, chunks of 8 cuts (buffers up to 32 x 7168), features on; a prefill of about 80k
             tokens (1.2 PFLOP) and 9 chunks x 31 steps of about 20 GB; the captures counted and timed
-  score     update.forward_pass over those trajectories (about 115k tokens: 1.8 PFLOP)                   5 s
+  score     label.forward_pass over those trajectories (about 115k tokens: 1.8 PFLOP)                   5 s
   update    grpo.update on the rollout (39k tokens, micro-batches of <= 16384) with the fp32      8 s
             trainer, bf16 autocast, checkpointing: 8 N FLOP a token, 2.4 PFLOP. SGD at lr 0 stands
             in for AdamW, whose 8 N (61 GB) do not fit beside the rest; its sampler gap is the bf16
@@ -109,7 +109,7 @@ from live_bytes import LiveBytes  # noqa: E402  (beside this file)
 import bench  # noqa: E402  (beside this file)
 from train import checkpoint_activations  # noqa: E402
 from grpo import micro_batches, micro_batch, update  # noqa: E402
-from label import cut_ends, forward_pass  # noqa: E402
+from label import FORCED, cut_ends, forward_pass  # noqa: E402
 
 GiB = 2**30
 SHAPE = staticcache._Shape  # the static decoder's buffer set, whose captures `capturing` times
@@ -299,7 +299,8 @@ def check_labels(ctx):
     try:
         with capturing(device) as caps, static_shapes.recording() as shapes, phase(ctx, row) as m:
             _, feats = label.mc_labels(sampler, ctx["tok"], prompts, responses, cuts, ["1"] * n, k=s["k"],
-                                       max_new_tokens=s["answer_tokens"], seed=0, batch_size=cfg["gen_batch"],
+                                       sampling=dict(FORCED, max_new_tokens=s["answer_tokens"]),
+                                       seed=0, batch_size=cfg["gen_batch"],
                                        grader="strict", decode="static", features=True)
     finally:
         label.forced_answers = answers
@@ -547,7 +548,7 @@ def check_world8(ctx):
             cuts = [label.cuts_of(new, recipe["budgets"])] * 2
             with timed("labels"), static_shapes.recording() as lab:
                 label.mc_labels(sampler, tok, prompts[:1] * 2, longest, cuts, ["1"] * 2, k=k, seed=0,
-                                max_new_tokens=plan.FORCED_ANSWER, batch_size=recipe["gen_batch"],
+                                batch_size=recipe["gen_batch"],  # plan.FORCED_ANSWER tokens
                                 grader="strict", decode="static", features=True)
             half = recipe["micro_tokens"] // 2  # two rows of half the micro-batch each: one micro-batch
             batch = pack(prompts[:1] * 2, [r[:half - P] for r in longest], tok.pad_token_id)
