@@ -12,6 +12,8 @@ from functools import partial
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from harness.parallel import WORLD, all_gather, all_sum, full, hold_grads, padded, sharded
+
 
 def pack(prompts, responses, pad_id, logprobs=None):
     """Right-pad N prompt (non-empty) + response pairs (id lists) into one batch: input_ids and
@@ -130,17 +132,11 @@ def micro_batch(batch, rows, device, length=None):
     return {k: v[:, :cut[k]] if k in cut else v for k, v in sub.items()}, L
 
 
-def sampler_gap(logp, sampler_logp, mask):
-    """([sum of |d|, sum of exp(d) - 1 - d, tokens], largest exp(sum_t d) of a row) over the masked
-    tokens of one micro-batch, logp, sampler_logp, mask [n, T], d = logp - sampler_logp in float64."""
-    d = (logp.detach().double() - sampler_logp.double()) * mask
-    sums = [d.abs().sum().item(), (torch.expm1(d) - d).sum().item(), mask.sum().item()]
-    return sums, d.sum(-1).exp().max().item()
-
-
 def micro_step(fwd, batch, mb, old_logp, adv, cfg, device, length=None):
     """The rows `mb` of `pack`'s batch (micro_batch): log-probs by fwd(input_ids, attention_mask,
-    temperature, chunk_size) and clipped loss -> (sub-batch, logp [n, T], loss, stats)."""
+    temperature, chunk_size) and clipped loss -> (sub-batch, logp [n, T], loss, stats). With the
+    sampler's log-probs (pack), d = logp - sampler_logp on the response tokens: sampler_gap =
+    mean |d|, sampler_kl_k3 = mean e^d - 1 - d, sampler_ratio_max = a row's largest e^(sum d)."""
     sub, L = micro_batch(batch, mb, device, length)
     logp = fwd(sub["input_ids"], sub["attention_mask"], cfg["temperature"], cfg["chunk_size"])
     old = logp.detach() if old_logp is None else old_logp[mb, :L - 1].to(device)
@@ -148,41 +144,61 @@ def micro_step(fwd, batch, mb, old_logp, adv, cfg, device, length=None):
                               cfg["clip_high"])
     if not torch.isfinite(loss):
         raise FloatingPointError(f"non-finite loss ({loss.item()}) in a micro-batch of rows {mb}")
+    if "sampler_logp" in sub:  # the sampler's gap to the policy it samples for (docs/reference.md)
+        m = sub["loss_mask"].double()
+        d, n = (logp.detach().double() - sub["sampler_logp"].double()) * m, m.sum().clamp(min=1)
+        k3 = d.expm1() - d  # e^d - 1 - d
+        stats.update(sampler_gap=float(d.abs().sum() / n), sampler_kl_k3=float(k3.sum() / n),
+                     sampler_ratio_max=float(d.sum(-1).exp().max()))
     return sub, logp, loss, stats
 
 
 def update(policy, opt, batch, old_logp, adv, mbs, cfg, device, extra=None):
-    """One optimizer step over the micro-batches `mbs` (bf16 autocast on one GPU), each weighted by
-    its share of the tokens (token-mean) or rows. old_logp [N, T] or None (on-policy). extra: a
-    mode's loss term (baselines.extra_loss). -> mean loss and stats, grad_norm, sampler gap."""
-    if extra is not None or torch.distributed.is_initialized():  # C2GSPG's term; FSDP2's ranks
-        from harness.parallel import update as full_update
-        return full_update(policy, opt, batch, old_logp, adv, mbs, cfg, device, extra,
-                           (micro_step, aggregate, sampler_gap, token_logprobs))
+    """One optimizer step over this rank's micro-batches `mbs`, each weighted by its share of every
+    rank's tokens (token-mean) or rows, on one process, FSDP2's ranks and --offload alike (the
+    harness.parallel helpers are identities on one process). old_logp [N, T] or None (on-policy).
+    extra: a mode's loss term (name, coef, term) (baselines.extra_loss): term(logp, loss_mask,
+    rows) is [n] per sequence (the loss adds coef * their mean over all sequences) or [n, T] per
+    token (coef * their token-mean, weighted like the loss), logged as `name`. -> mean stats."""
     policy.train()
     weights = batch["loss_mask"].sum(1) if cfg["agg"] == "token-mean" else torch.ones(len(adv))
-    total = max(sum(weights[mb].sum().item() for mb in mbs), 1.0)
+    mine = [sum(weights[mb].sum().item() for mb in mbs), sum(map(len, mbs))]  # weight, sequences
+    total, n_seq = (max(v, 1.0) for v in all_sum(mine, device))  # every rank's
+    name, coef, term = extra or (None, None, None)
     sums = dict.fromkeys(("loss", "clip_frac", "kl", "ratio_mean"), 0.0)  # kl: 0, no KL penalty
-    gap, ratio_max = [0.0, 0.0, 0.0], 0.0  # sum |d|, sum k3, tokens (sampler_gap)
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
-    for mb in mbs:
-        w = weights[mb].sum().item()  # a whole number: exact means below
+    term_sum, ratio_max = 0.0, 0.0
+    fwd = policy if sharded(policy) else partial(token_logprobs, policy)  # FSDP2: a LogprobModel
+    # one GPU: autocast; FSDP2's mixed-precision policy casts instead
+    plain_gpu = fwd is not policy and device.type == "cuda"
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if plain_gpu else nullcontext()
+    runs = padded(mbs)  # FSDP2: as many micro-batches on every rank; None pads
+    for j, mb in enumerate(runs):
+        hold_grads(policy, cfg, last=j == len(runs) - 1)
+        real = mb is not None
+        mb, w = (mb, weights[mb].sum().item()) if real else ([0], 0.0)  # w whole: exact means below
         with amp:
-            sub, logp, loss, stats = micro_step(partial(token_logprobs, policy), batch, mb,
-                                                old_logp, adv, cfg, device)
-        if "sampler_logp" in sub:  # the rollout's own log-probs (pack): the sampler's gap
-            part, ratio = sampler_gap(logp, sub["sampler_logp"], sub["loss_mask"])
-            gap, ratio_max = [a + b for a, b in zip(gap, part)], max(ratio_max, ratio)
-        (loss * (w / total)).backward()
+            sub, logp, loss, stats = micro_step(fwd, batch, mb, old_logp, adv, cfg, device,
+                                                None if real else 2)
+        ratio_max = max(ratio_max, stats.pop("sampler_ratio_max", 0.0) * real)  # a max; padding: 0
+        weighted = loss * (w / total)
+        if term is not None:  # per token: weighted like the loss; per sequence: a mean over them
+            part = term(logp, sub["loss_mask"], mb)
+            part, share = (aggregate(part, sub["loss_mask"]), w / total) if part.dim() == 2 \
+                else (part.sum(), real / n_seq)
+            weighted = weighted + coef * part * share
+            term_sum += part.item() * share
+        (weighted * WORLD).backward()  # FSDP2 averages gradients over ranks: each share times WORLD
         for key, value in (("loss", loss.item()), *stats.items()):
-            sums[key] += value * w  # weighted like the loss: a batch-wide mean
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg["grad_clip"]))
+            sums[key] = sums.get(key, 0.0) + value * w  # weighted like the loss
+    grad_norm = float(full(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg["grad_clip"])))
     if not math.isfinite(grad_norm):
         raise FloatingPointError(f"non-finite gradient norm ({grad_norm})")
     opt.step()
     opt.zero_grad(set_to_none=True)
-    out = dict({k: v / total for k, v in sums.items()}, grad_norm=grad_norm)
-    if "sampler_logp" in batch:
-        tokens = max(gap[2], 1.0)
-        out.update(sampler_gap=gap[0] / tokens, sampler_kl_k3=gap[1] / tokens, sampler_ratio_max=ratio_max)
+    *means, term_sum = all_sum([*sums.values(), term_sum], device)  # one all-reduce
+    out = dict(zip(sums, (v / total for v in means)), grad_norm=grad_norm)
+    if term is not None:
+        out[name] = term_sum
+    if "sampler_logp" in batch:  # every stat a mean weighted like the loss, but this largest one
+        out["sampler_ratio_max"] = max(all_gather(ratio_max))
     return out

@@ -22,6 +22,9 @@ from probe import LAST_K, last_layer, prefix_features
 from rollout import Sampler, row_generators
 from harness import staticcache
 SUFFIX = "\nIf I were to output the final answer now, it would be \\boxed{"
+# How the forced answers are sampled, whatever --temperature says: the released values (the
+# forced-output agent loop, docs/reference.md's Map); harness/plan.py plans for these 32 tokens
+FORCED = dict(temperature=0.8, top_p=1.0, max_new_tokens=32, stop=("\n",))
 
 
 def cuts_of(length, budgets=(0.25, 0.5, 0.75)):
@@ -62,11 +65,12 @@ def closed_cut(response, b, close):
     return b - 1 if b > 0 and response[b - 1] == close else b
 
 
-def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, temperature=0.8,
-              top_p=1.0, max_new_tokens=32, close="think", suffix=SUFFIX, seed=None,
-              batch_size=None, grader="math", decode=None, features=False, final_norm=False):
+def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, sampling=FORCED,
+              close="think", suffix=SUFFIX, seed=None, batch_size=None, grader="math", decode=None,
+              features=False, final_norm=False):
     """Y_b for every (trajectory, cut b) (module docstring) -> N lists of floats in [0, 1], aligned
-    with cut_lists. prompts, responses: N lists of token ids; cut_lists: N lists of cuts b.
+    with cut_lists. prompts, responses: N lists of token ids; cut_lists: N lists of cuts b;
+    sampling: the forced answers' (FORCED; evaluation's post-hoc labels pass their own).
     features=True: (labels, feats), feats N [len(cuts), d] (forced_answers; final_norm: the post-hoc's)."""
     # 1. The forced prompt after every cut. Equal ones (samples of a problem that agree up to the
     #    cut, common for short prefixes) estimate the same probability: each is asked once.
@@ -82,8 +86,7 @@ def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, tempe
             where[-1].append(j)
     # 2. K answers to each: texts[j*k:(j+1)*k] for forced prompt j.
     texts, feats = forced_answers(model, tokenizer, prompts, responses, cut_lists, cuts, tail, k,
-                                  temperature, top_p, max_new_tokens, seed, batch_size, decode,
-                                  final_norm=final_norm)
+                                  sampling, seed, batch_size, decode, final_norm=final_norm)
     # 3. Y_b = the share of them that match the gold; a box that never closes is wrong.
     y = []
     for j, (i, _) in enumerate(cuts):
@@ -94,14 +97,14 @@ def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, tempe
 
 
 @torch.no_grad()
-def forced_answers(model, tokenizer, prompts, responses, cut_lists, cuts, tail, k, temperature=0.8,
-                   top_p=1.0, max_new_tokens=32, seed=None, batch_size=None, decode=None, stop=("\n",),
-                   progress=None, final_norm=False):
+def forced_answers(model, tokenizer, prompts, responses, cut_lists, cuts, tail, k, sampling=FORCED,
+                   seed=None, batch_size=None, decode=None, progress=None, final_norm=False):
     """The K answers to each forced prompt cuts[j] = (i, b), texts[j*k:(j+1)*k], and the features
     at each trajectory's cuts, feats N [len(cut_lists[i]), d] (module docstring) -> (texts, feats).
-    final_norm: the post-hoc probe's feature (forward_pass's). progress: a bar's label (a step per chunk)."""
-    sampler = Sampler(model, tokenizer, max_new_tokens, temperature, top_p, stop=stop, decode=decode,
-                      close_depth=1 if stop else None)  # CUDA: a stopped one also stops at its box's brace
+    sampling: FORCED's keys. final_norm: the post-hoc probe's feature (forward_pass's). progress: a
+    bar's label (a step per chunk)."""
+    sampler = Sampler(model, tokenizer, **sampling, decode=decode,  # CUDA: a stopped one also stops
+                      close_depth=1 if sampling["stop"] else None)  # at its box's closing brace
     if sampler.static is not None:  # the rollout's buffers must not sit under the labels' prefills
         staticcache.release(model)
     trajs = sorted((i for i, bs in enumerate(cut_lists) if bs), key=lambda i: max(cut_lists[i]))

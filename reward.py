@@ -1,15 +1,23 @@
 """Correctness and calibration rewards of RLCM (arXiv 2604.23333). Torch and the standard library only,
-so this file can be copied into any project as is.
+so this file can be copied into any project as is:
 
-Shapes: N trajectories, B prefixes (truncation points) per trajectory.
-  conf   [N, B]  probe confidence C_b = sigmoid(probe(h_b)) of prefix b, in [0, 1]
+    margin = margin_reward(C, Y, mask)            # [N, B] -> [N]
+    R = total_reward(correct, margin, lam=0.1)    # [N] -> [N]
+
+Shapes: N trajectories, B cuts (truncation points) per trajectory.
+  conf   [N, B]  probe confidence C_b = sigmoid(probe(h_b)) at cut b, in [0, 1]
   labels [N, B]  Monte-Carlo label Y_b in [0, 1] (fraction of K forced answers that were right)
-  mask   [N, B]  1 where prefix b exists, else 0;  correct [N]  1 if the final answer is right, else 0
+  mask   [N, B]  1 where cut b is real, 0 on padding. None: every entry is a real cut, so pass the
+                 mask whenever rows are padded (a padded 0 would count as an unsolvable cut)
+  correct [N]    1 if the final answer is right, else 0
+
+A cut is solvable when Y_b = 1 (all K forced answers right) and unsolvable when Y_b = 0 (none
+right); with 0 < Y_b < 1 it counts on neither side (released code; labels are not thresholded).
+A label within 1e-6 of 1 or 0 (float noise, 1 - 1e-7) counts as 1 or 0; K - 1 right of K stays
+in between for any K below a million.
 
 RLCM:
-  margin  = mean(C_b : Y_b == 1) - mean(C_b : Y_b == 0)   (solvable minus unsolvable prefixes),
-            0 unless both sides exist; prefixes with 0 < Y_b < 1 count on neither side (released
-            code; labels are not thresholded)
+  margin  = mean(C_b : Y_b = 1) - mean(C_b : Y_b = 0),  0 unless both sides exist
   R       = r_nat + lam * margin,  r_nat = 2 * correct - 1 (signed, +1/-1, released); lam 0.1
 
 The ablations' calibration terms: corner_margin (released `conf_diff`, margin_corner=True),
@@ -17,6 +25,8 @@ final_margin (Final-Margin, released `conf_diff_v3` as its script sets it) and b
 (Process-Brier with the RLCM budgets, Final-Brier with budget 1.0).
 """
 import torch
+
+EPS = 1e-6  # a label this close to 1 (or 0) is solvable (or unsolvable): float noise keeps its side
 
 
 def _float(x):
@@ -29,12 +39,12 @@ def _mask(conf, mask):
 
 
 def _sides(conf, labels, mask):
-    """Per trajectory [N]: mean C over solvable prefixes (Y == 1), mean C over unsolvable ones
-    (Y == 0), and whether each side has a prefix (a mean over no prefix is 0)."""
+    """Per trajectory [N]: mean C over the solvable cuts (Y_b = 1), mean C over the unsolvable ones
+    (Y_b = 0), and whether each side has a cut (a mean over no cut is 0)."""
     conf = _float(conf)
     labels = _float(labels).to(conf.device, conf.dtype)
     m = _mask(conf, mask)
-    pos, neg = m * (labels == 1), m * (labels == 0)
+    pos, neg = m * (labels >= 1 - EPS), m * (labels <= EPS)
     n_pos, n_neg = pos.sum(-1), neg.sum(-1)
     mean_pos = (conf * pos).sum(-1) / n_pos.clamp(min=1)
     mean_neg = (conf * neg).sum(-1) / n_neg.clamp(min=1)
@@ -42,18 +52,28 @@ def _sides(conf, labels, mask):
 
 
 def margin_reward(conf, labels, mask=None):
-    """RLCM's confidence margin per trajectory, [N, B] -> [N]: mean C of the solvable prefixes minus
-    mean C of the unsolvable ones, 0 when either side is empty: C (0.9, 0.5, 0.1), Y (1, 0.5, 0)
-    -> 0.9 - 0.1 = 0.8."""
+    """RLCM's confidence margin per trajectory, [N, B] -> [N]: mean C of the solvable cuts minus
+    mean C of the unsolvable ones, 0 when either side is empty. Y_b = 0.5 counts on neither side;
+    row 2's last cut is padding, which the mask drops:
+
+    >>> C, Y = [[0.9, 0.5, 0.1], [0.8, 0.4, 0.0]], [[1, 0.5, 0], [1, 0, 0]]
+    >>> margin_reward(C, Y, mask=[[1, 1, 1], [1, 1, 0]])
+    tensor([0.8000, 0.4000])
+    >>> margin_reward([[0.9, 0.0]], [[1, 0]])  # no mask: the padded 0 is an unsolvable cut
+    tensor([0.9000])
+    >>> margin_reward([[0.9, 0.1]], [[1 - 1e-7, 0]])  # float noise keeps a label's side
+    tensor([0.8000])
+    """
     mean_pos, mean_neg, has_pos, has_neg = _sides(conf, labels, mask)
     return torch.where(has_pos & has_neg, mean_pos - mean_neg, torch.zeros_like(mean_pos))
 
 
 def corner_margin(conf, labels, mask=None):
     """The margin, with the released corner rule for one-sided traces, [N, B] -> [N]: mean C if only
-    solvable prefixes, 1 - mean C if only unsolvable ones, 0 if neither.
+    solvable cuts, 1 - mean C if only unsolvable ones, 0 if neither. The released unit tests:
 
-    Released unit tests: C (.9, .7) all solvable -> 0.8; C (.3, .1) all unsolvable -> 0.8.
+    >>> corner_margin([[0.9, 0.7], [0.3, 0.1]], [[1, 1], [0, 0]])
+    tensor([0.8000, 0.8000])
     """
     mean_pos, mean_neg, has_pos, has_neg = _sides(conf, labels, mask)
     out = torch.where(has_pos & has_neg, mean_pos - mean_neg, torch.zeros_like(mean_pos))
@@ -62,10 +82,12 @@ def corner_margin(conf, labels, mask=None):
 
 
 def final_margin(conf, labels, mask=None):
-    """Final-Margin's calibration term, [N, B] -> [N]: +mean C if only solvable prefixes, -mean C if
-    only unsolvable ones, and 0 otherwise, exactly when both sides exist too (not a margin).
+    """Final-Margin's calibration term, [N, B] -> [N]: +mean C if only solvable cuts, -mean C if
+    only unsolvable ones, and 0 otherwise, exactly when both sides exist too (not a margin). At
+    budget 1.0 (one cut):
 
-    At budget 1.0 (one prefix): C 0.7, Y 1 -> +0.7; C 0.2, Y 0 -> -0.2; Y 0.5 -> 0.
+    >>> final_margin([[0.7], [0.2], [0.9]], [[1], [0], [0.5]])
+    tensor([ 0.7000, -0.2000,  0.0000])
     """
     mean_pos, mean_neg, has_pos, has_neg = _sides(conf, labels, mask)
     out = torch.where(has_pos & ~has_neg, mean_pos, torch.zeros_like(mean_pos))
@@ -73,9 +95,12 @@ def final_margin(conf, labels, mask=None):
 
 
 def brier_reward(conf, labels, mask=None):
-    """Negative Brier score over prefixes: -sum_b mask * (C_b - Y_b)^2 / max(sum_b mask, 1), [N, B] -> [N].
+    """The negative Brier score, [N, B] -> [N]: -sum_b mask (C_b - Y_b)^2 / max(sum_b mask, 1);
+    soft labels are targets as they are. With B = 1 (budget 1.0 only) this is the Final-Brier
+    ablation; with the RLCM budgets, Process-Brier.
 
-    With B = 1 (budget 1.0 only) this is the Final-Brier ablation; with the RLCM budgets, Process-Brier.
+    >>> brier_reward([[0.9, 0.5, 0.0]], [[1, 0.25, 0]], [[1, 1, 0]])
+    tensor([-0.0363])
     """
     conf = _float(conf)
     labels = _float(labels).to(conf.device, conf.dtype)
@@ -84,7 +109,10 @@ def brier_reward(conf, labels, mask=None):
 
 
 def total_reward(correct, calib, lam=0.1):
-    """R = r_nat + lam * calib, r_nat = 2 * correct - 1 (+1/-1); [N] -> [N]. lam = 0 gives plain
-    GRPO. correct (1, 0), calib (0.5, 0.5), lam 0.1 -> (1.05, -0.95)."""
+    """R = r_nat + lam * calib, r_nat = 2 * correct - 1 (+1/-1); [N] -> [N]; lam 0: plain GRPO.
+
+    >>> total_reward([1, 0], [0.5, 0.5], lam=0.1)
+    tensor([ 1.0500, -0.9500])
+    """
     c = _float(correct)
     return 2 * c - 1 + lam * _float(calib).to(c.device, c.dtype)

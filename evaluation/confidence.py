@@ -28,7 +28,7 @@ from grade import answer_tag, answers_match, blank_answer, boxed_answer, boxed_i
 from grade import is_correct
 from grpo import pack, token_logprobs
 import label as label_lib
-from label import cut_ends, cuts_of, forward_pass, mc_labels
+from label import FORCED, cut_ends, cuts_of, forward_pass, mc_labels
 from rollout import generate
 from evaluation.benchmarks import (EVAL_SUFFIX, REAL, RLCR_REANSWER, TOY, digest, generate_dealt, model_id,
                                    settings, share, spread)
@@ -74,8 +74,9 @@ def sample_confidences(source, model, tokenizer, prompts, responses, texts, gold
         if model.device.type == "cuda":
             width = max((len(p) + max(bl) for p, bl in zip(prompts, bls)), default=0) + plan.FORCED_SUFFIX
             chunk = plan.label_chunk(chunk, 1, width, model.config, plan.free_bytes(model.device))
-        ys, feats = mc_labels(model, tokenizer, prompts, responses, bls, golds, k=1, temperature=0.6,
-                              top_p=0.95, max_new_tokens=64, close=close, suffix=suffix, seed=seed,
+        ys, feats = mc_labels(model, tokenizer, prompts, responses, bls, golds, k=1,
+                              sampling=dict(FORCED, temperature=0.6, top_p=0.95, max_new_tokens=64),
+                              close=close, suffix=suffix, seed=seed,
                               batch_size=chunk, features=True, final_norm=source == "probe-posthoc")
         staticcache.release(model)  # nor does the next batch's generation reuse the labels' shape
     else:
@@ -330,8 +331,10 @@ def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions
         bs = [[asked[j][1] for j in asks[i]] for i in part]
         got = label_lib.forced_answers(
             model, tokenizer, [prompts[i] for i in part], [responses[i] for i in part], bs,
-            [(m, b) for m, cuts in enumerate(bs) for b in cuts], tail, k, 0.6, 0.95,
-            CODE_TOKENS if grader == "code" else 64, p["seed"], max(1, rows // k), stop=tuple(p["stop"]),
+            [(m, b) for m, cuts in enumerate(bs) for b in cuts], tail, k,
+            dict(temperature=0.6, top_p=0.95, stop=tuple(p["stop"]),
+                 max_new_tokens=CODE_TOKENS if grader == "code" else 64),
+            p["seed"], max(1, rows // k),
             progress=MASTER and "post-hoc forced answers")[0]
         each = iter([got[at:at + k] for at in range(0, len(got), k)])
         return [[next(each) for _ in cuts] for cuts in bs]

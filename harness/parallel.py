@@ -16,8 +16,6 @@ import sys
 import tempfile
 import threading
 import time
-from contextlib import nullcontext
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -88,6 +86,24 @@ def all_sum(values, device):
     if WORLD > 1:
         dist.all_reduce(t)
     return t.tolist()
+
+
+def padded(mbs):
+    """This rank's micro-batches, then a None (grpo.update: 2 tokens at weight 0) for each one more
+    another rank has: FSDP2 needs as many forwards and backwards on every rank."""
+    return mbs + [None] * (max(all_gather(len(mbs))) - len(mbs))
+
+
+def hold_grads(policy, cfg, last):
+    """--offload: FSDP2 would reduce-scatter each micro-batch's gradients into the host shards with
+    a blocking copy; held unsharded on the GPU instead, they are reduced once, after the `last`."""
+    if sharded(policy) and cfg.get("offload") and cfg.get("offload_grads", "gpu") == "gpu":
+        policy.set_requires_gradient_sync(last)
+
+
+def full(t):
+    """A DTensor gathered whole from every rank's shard (a grad norm, a parameter), else `t`."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def all_gather(obj):
@@ -254,8 +270,7 @@ def full_state(policy, opt):
 
 def adapter_state(lm):
     """{name: full CPU tensor} of the parameters that train (on every rank: full_tensor gathers)."""
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
-            for n, p in lm.named_parameters() if p.requires_grad}
+    return {n: full(p).detach().cpu() for n, p in lm.named_parameters() if p.requires_grad}
 
 
 def load_optimizer(policy, opt, state):
@@ -265,73 +280,6 @@ def load_optimizer(policy, opt, state):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
     set_optimizer_state_dict(policy, opt, state,
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-
-
-def update(policy, opt, batch, old_logp, adv, mbs, cfg, device, extra, method):
-    """grpo.update under FSDP2 (several ranks, or one with --offload), and with a mode's loss term
-    extra = (name, coef, term) (baselines.extra_loss): term(logp, loss_mask, rows) gives [n] per
-    sequence (the loss adds coef * their mean over all sequences) or [n, T] per token (coef * their
-    token-mean, weighted like the policy loss), logged under `name`. Ranks with fewer
-    micro-batches run padding ones (one row of 2 tokens, weight 0): FSDP2 needs as many forward and
-    backward calls on every rank. method: grpo's functions, passed in (harness imports no method
-    file)."""
-    micro_step, aggregate, sampler_gap, token_logprobs = method
-    policy.train()
-    weights = batch["loss_mask"].sum(1) if cfg["agg"] == "token-mean" else torch.ones(len(adv))
-    total, n_seq = all_sum([sum(weights[mb].sum().item() for mb in mbs), sum(map(len, mbs))], device)
-    total = max(total, 1.0)
-    # FSDP averages gradients over ranks, so each rank's share is scaled back up by WORLD
-    n_mb = int(max(all_gather(len(mbs))))
-    sums = dict.fromkeys(("loss", "clip_frac", "kl", "ratio_mean"), 0.0)  # kl: 0, no KL penalty
-    name, coef, term = extra or (None, None, None)
-    extra_sum, gap_sums, ratio_max = 0.0, [0.0, 0.0, 0.0], 0.0  # gap: sum |d|, sum k3, tokens
-    fwd = policy if sharded(policy) else partial(token_logprobs, policy)
-    # one plain GPU: autocast; under FSDP2 its mixed-precision policy casts instead
-    plain_gpu = fwd is not policy and device.type == "cuda"
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if plain_gpu else nullcontext()
-    # --offload: FSDP2 would reduce-scatter each micro-batch's gradients and add them into the host
-    # shards with a blocking copy; held unsharded on the GPU instead, they are reduced once
-    hold = sharded(policy) and cfg.get("offload") and cfg.get("offload_grads", "gpu") == "gpu"
-    for j in range(n_mb):
-        real = j < len(mbs)
-        if hold:
-            policy.set_requires_gradient_sync(j == n_mb - 1)
-        mb = mbs[j] if real else [0]
-        w = weights[mb].sum().item() if real else 0.0  # a whole number: exact means below
-        with amp:
-            sub, logp, loss, st = micro_step(fwd, batch, mb, old_logp, adv, cfg, device,
-                                             None if real else 2)
-        if "sampler_logp" in sub and real:
-            part, ratio = sampler_gap(logp, sub["sampler_logp"], sub["loss_mask"])
-            gap_sums, ratio_max = [a + b for a, b in zip(gap_sums, part)], max(ratio_max, ratio)
-        weighted = loss * (w * WORLD / total)
-        if term is not None:  # a padding micro-batch adds nothing
-            part = term(logp, sub["loss_mask"], mb)
-            if part.dim() == 2:  # per token: aggregated and weighted like the loss
-                part = aggregate(part, sub["loss_mask"])
-                weighted = weighted + coef * part * (w * WORLD / total)
-                extra_sum += part.item() * w / total
-            else:  # per sequence: a mean over sequences
-                part = part.sum() * float(real)
-                weighted = weighted + coef * part * WORLD / max(n_seq, 1.0)
-                extra_sum += part.item() / max(n_seq, 1.0)
-        weighted.backward()
-        for key, value in (("loss", loss.item()), *st.items()):
-            sums[key] += value * w  # weighted like the loss: a batch-wide mean
-    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg["grad_clip"])
-    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-    if not math.isfinite(grad_norm):
-        raise FloatingPointError(f"non-finite gradient norm ({grad_norm})")
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    *means, extra, absd, k3, tokens = all_sum([*sums.values(), extra_sum, *gap_sums], device)  # one all-reduce
-    out = dict(zip(sums, (v / total for v in means)), grad_norm=grad_norm)
-    if term is not None:
-        out[name] = extra
-    if "sampler_logp" in batch:
-        out.update(sampler_gap=absd / max(tokens, 1.0), sampler_kl_k3=k3 / max(tokens, 1.0),
-                   sampler_ratio_max=max(all_gather(ratio_max)))
-    return out
 
 
 def worker_count(cfg):

@@ -2,7 +2,8 @@
 then (sharded) the refresh of the generation copy, then one probe fit on features that differ per rank.
 
 Each rank takes every WORLD-th sequence; with FSDP2 the update must equal the one-process update
-on the whole batch (the loss is a token-mean over all ranks' tokens). The probe is fitted on the
+on the whole batch (the loss is a token-mean over all ranks' tokens), with C2GSPG's term too
+(C2GSPG=form). The probe is fitted on the
 pairs pooled from all ranks, so every rank must end with the same probe.
 """
 import os
@@ -10,6 +11,7 @@ import sys
 
 import torch
 
+import baselines
 import probe as probe_lib
 import tiny
 import grpo
@@ -50,7 +52,10 @@ mbs = [[j] for j in range(len(mine))]  # one sequence per micro-batch: accumulat
 scatters = []  # FSDP2's reduce-scatters of gradients in the update (one per FSDP unit each time)
 counted = torch.distributed.reduce_scatter_single
 torch.distributed.reduce_scatter_single = lambda *a, **kw: scatters.append(1) or counted(*a, **kw)
-stats = grpo.update(policy, opt, batch, old, adv[mine], mbs, cfg, device)
+form = os.environ.get("C2GSPG", "")  # C2GSPG's loss term (baselines.c2gspg_loss) in the update
+extra = baselines.c2gspg_loss(torch.tensor([1.0, 0.0, 0.0, 1.0])[mine], form) if form else None
+stats = grpo.update(policy, opt, batch, old, adv[mine], mbs, cfg, device, extra)
+torch.save(stats, f"{sys.argv[1]}.stats{RANK}")
 torch.distributed.reduce_scatter_single = counted
 torch.save(len(scatters), f"{sys.argv[1]}.scatters{RANK}")
 state, _ = full_state(policy, opt)

@@ -101,6 +101,7 @@ from live_bytes import LiveBytes  # noqa: E402  (beside this file)
 import bench  # noqa: E402  (beside this file)
 from train import checkpoint_activations  # noqa: E402
 from grpo import micro_batches, update  # noqa: E402
+from label import FORCED  # noqa: E402
 
 GiB = 2**30
 SHAPE = staticcache._Shape  # the static decoder's buffer set, whose captures `capturing` times
@@ -299,7 +300,8 @@ def check_labels(ctx):
     try:
         with capturing(device) as caps, static_shapes.recording() as shapes, phase(ctx, row) as m:
             _, feats = label.mc_labels(sampler, ctx["tok"], prompts, responses, cuts, ["1"] * n, k=s["k"],
-                                       max_new_tokens=s["answer_tokens"], seed=0, batch_size=cfg["gen_batch"],
+                                       sampling=dict(FORCED, max_new_tokens=s["answer_tokens"]),
+                                       seed=0, batch_size=cfg["gen_batch"],
                                        grader="strict", decode="static", features=True)
     finally:
         label.forced_answers = answers
@@ -588,7 +590,7 @@ def check_world8(ctx):
             cuts = [label.cuts_of(new, recipe["budgets"])] * 2
             with timed("labels"), static_shapes.recording() as lab:
                 label.mc_labels(sampler, tok, prompts[:1] * 2, longest, cuts, ["1"] * 2, k=k, seed=0,
-                                max_new_tokens=plan.FORCED_ANSWER, batch_size=recipe["gen_batch"],
+                                batch_size=recipe["gen_batch"],  # plan.FORCED_ANSWER tokens
                                 grader="strict", decode="static", features=True)
             half = recipe["micro_tokens"] // 2  # two rows of half the micro-batch each: one micro-batch
             batch = pack(prompts[:1] * 2, [r[:half - P] for r in longest], tok.pad_token_id)

@@ -182,10 +182,10 @@ def forced_calls(monkeypatch, answers):
     import label
     calls = []
 
-    def fake(model, tok, prompts, responses, cut_lists, cuts, tail, k, temperature, top_p, max_new_tokens, seed,
-             batch_size, stop, progress=None):
-        calls.append(dict(prompts=[[*prompts[i], *responses[i][:b], *tail] for i, b in cuts], n=k, stop=stop,
-                          temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens))
+    def fake(model, tok, prompts, responses, cut_lists, cuts, tail, k, sampling, seed, batch_size,
+             progress=None):
+        forced = [[*prompts[i], *responses[i][:b], *tail] for i, b in cuts]
+        calls.append(dict(prompts=forced, n=k, **sampling))
         return answers(k) * len(cuts), None
     monkeypatch.setattr(label, "forced_answers", fake)
     return calls
@@ -306,8 +306,9 @@ def test_the_early_exit_reads_features_and_forced_answers_off_one_prefill(monkey
         assert conf == pytest.approx([w[-1] for w in want], rel=1e-5)
         assert [[c for _, c, _ in e["checkpoints"]] for e in extras] == \
             [pytest.approx(w[:-1], abs=2e-6) for w in want]
-        ys = label.mc_labels(model, tok, prompts, responses, bls, ["1"] * 3, k=1, temperature=0.6, top_p=0.95,
-                             max_new_tokens=64, close="eos", suffix="{", seed=5)
+        posthoc = dict(label.FORCED, temperature=0.6, top_p=0.95, max_new_tokens=64)
+        ys = label.mc_labels(model, tok, prompts, responses, bls, ["1"] * 3, k=1, close="eos",
+                             suffix="{", seed=5, sampling=posthoc)
         assert [[y for _, _, y in e["checkpoints"]] for e in extras] == ys
 
 

@@ -18,9 +18,11 @@ import ast
 import io
 import os
 import re
-import tokenize
 import subprocess
 import sys
+import tokenize
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.relpath(os.path.abspath(__file__), ROOT)  # its examples name missing files on purpose
@@ -200,21 +202,40 @@ def prose(path):
     return "\n".join(comments + docs)
 
 
-def stale_names(text, where, mods):
-    """The names cited in `text` (from file `where`) that their project module does not define."""
+def retired_modules():
+    """The modules this repository once had and has no more, by name (git's deleted files): a
+    name cited as `old.name` after old.py went is stale. Empty without git."""
+    try:
+        log = subprocess.run(["git", "-C", ROOT, "log", "--diff-filter=D", "--name-only",
+                              "--format="], capture_output=True, text=True, timeout=120).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return set()
+    gone = {os.path.basename(f)[:-3] for f in log.split()
+            if f.endswith(".py") and os.path.dirname(f) in ("",) + PACKAGES}
+    return gone - set(modules()) - {"__init__"}
+
+
+def stale_names(text, where, mods, gone=()):
+    """The names cited in `text` (from file `where`) that their project module does not define, and
+    those whose module is one of `gone`, which this repository no longer has."""
     bad = []
     for m in CITED.finditer(text):
         file, first, rest = m.groups()
         parts = rest.replace("::", ".").split(".")
         if file:
-            near = os.path.join(os.path.dirname(where), file)
+            module, near = os.path.basename(file)[:-3], os.path.join(os.path.dirname(where), file)
             path = next((p for p in (file, near) if os.path.exists(os.path.join(ROOT, p))),
-                        mods.get(os.path.basename(file)[:-3]))
+                        mods.get(module))
         elif first in PACKAGES:
-            path, parts = mods.get(parts[0]), parts[1:]
+            module, parts = parts[0], parts[1:]
+            path = mods.get(module)
         else:
-            path = mods.get(first)
-        if not path or not parts or parts[-1] in EXTENSIONS or m.group(0) in NOT_NAMES:
+            module, path = first, mods.get(first)
+        if not parts or parts[-1] in EXTENSIONS or m.group(0) in NOT_NAMES:
+            continue
+        if not path:  # not a module of this repository: one it no longer has, or none of its own
+            if module in gone:
+                bad.append(f"{where}: {m.group(0)} (no {module}.py here any more)")
             continue
         defs = defined(path)
         members = defs.get(parts[0], set())
@@ -234,11 +255,29 @@ def test_a_wrong_name_is_found_and_other_names_are_left_alone(tmp_path):
     wrong = "mod.Probe.fitt, mod.py:nope, tests/mod.py::test_x, harness.mod.Nope, mod.probe"
     assert stale_names(right, "README.md", mods) == []
     assert stale_names(wrong, "README.md", mods) == ["README.md: " + n for n in wrong.split(", ")]
+    # a module that is gone: its names are reported, not skipped; one never here is left alone
+    gone = "`old.forward_pass`, old.py:score, harness.old.x, torch.nn"
+    assert stale_names(gone, "docs/x.md", mods) == []
+    names = ("old.forward_pass", "old.py:score", "harness.old.x")
+    reported = [f"docs/x.md: {n} (no old.py here any more)" for n in names]
+    assert stale_names(gone, "docs/x.md", mods, {"old"}) == reported
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(ROOT, ".git")), reason="no git history to read")
+def test_a_name_of_a_module_this_repository_removed_is_reported():
+    """update.py went (its forward_pass is label.py's now): a doc citing the function under its old
+    module fails; step.py and modes.py are known gone too."""
+    gone = retired_modules()
+    assert {"update", "step", "modes"} <= gone and not gone & set(modules())
+    assert stale_names("see `update.forward_pass`", "docs/design.md", modules(), gone) == [
+        "docs/design.md: update.forward_pass (no update.py here any more)"]
 
 
 def test_every_name_cited_in_the_comments_and_the_docs_exists():
     mods = modules()
     texts = [f for f in project_files() if f.endswith(".py") or f == "README.md"
              or (f.startswith("docs" + os.sep) and f.endswith(".md"))]
-    bad = {b for f in texts for b in stale_names(prose(f), f, mods)}
+    assert any(f.startswith("docs" + os.sep) for f in texts)
+    gone = retired_modules()
+    bad = {b for f in texts for b in stale_names(prose(f), f, mods, gone)}
     assert not bad, "cited but not defined:\n" + "\n".join(sorted(bad))

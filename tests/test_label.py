@@ -4,6 +4,7 @@ import os
 import pytest
 import torch
 
+import label
 import tiny
 from grpo import pack
 from label import SUFFIX, close_id, closed_cut, cut_mask, cuts_of, forced_answer, grid, mc_labels
@@ -183,12 +184,13 @@ def test_forced_answers_sample_like_generate_on_the_whole_forced_prompts(decode)
     tail = forced_prompt([], [], 0, tok, "eos", "{")
     closed = 0
     for kw in (dict(temperature=0.0), dict(temperature=1.0, seed=3), dict(temperature=0.8, top_p=0.9, seed=5)):
+        seed, sampling = kw.pop("seed", None), dict(label.FORCED, max_new_tokens=12, **kw)
         for batch_size in (None, 4):
-            common = dict(max_new_tokens=12, batch_size=batch_size, **kw)
             got, _ = label.forced_answers(model, tok, prompts, responses, lists, cut_of, tail, 3,
-                                          decode=decode, **common)
+                                          sampling, seed, batch_size, decode)
             forced = [p + r[:b] + tail for p, r, b in ((prompts[i], responses[i], b) for i, b in cut_of)]
-            ref = generate(model, tok, forced, n=3, stop=("\n",), keyed=True, decode="dynamic", **common)
+            ref = generate(model, tok, forced, n=3, seed=seed, batch_size=batch_size, keyed=True,
+                           decode="dynamic", **sampling)
             for g, r in zip(got, ref.ids, strict=True):
                 depth, cut = 1, len(r)  # the forced box is open; find the token that closes it
                 for m, text in enumerate(tok.batch_decode([[x] for x in r])):
@@ -201,6 +203,19 @@ def test_forced_answers_sample_like_generate_on_the_whole_forced_prompts(decode)
             assert [forced_answer(x) for x in got] == [forced_answer(x) for x in ref.texts]
     assert closed >= 3  # some answers close their box before a newline: the early stop is exercised
     assert len({tuple(x) for x in ref.ids}) > 5  # the answers differ between prompts and samples
+
+
+def test_the_forced_answers_sample_as_released_and_the_plan_counts_their_tokens():
+    """label.FORCED, the one place the forced answers' sampling is set (the released temperature
+    0.8, top-p 1, 32 tokens, stop at a newline), is every labelling call's default, whatever
+    --temperature says; harness/plan.py, which may not import the method, plans for the same
+    answer length."""
+    import inspect
+    from harness import plan
+    assert label.FORCED == dict(temperature=0.8, top_p=1.0, max_new_tokens=32, stop=("\n",))
+    for f in (label.mc_labels, label.forced_answers):
+        assert inspect.signature(f).parameters["sampling"].default is label.FORCED
+    assert plan.FORCED_ANSWER == label.FORCED["max_new_tokens"]
 
 
 def test_labels_are_equal_on_the_toy_whatever_the_chunk_and_the_loop(monkeypatch):
@@ -226,7 +241,7 @@ def test_labels_are_equal_on_the_toy_whatever_the_chunk_and_the_loop(monkeypatch
     labels, calls = {}, asked(monkeypatch)
     for decode, chunk in (("dynamic", 5), ("dynamic", 2), ("dynamic", None), ("static", 5), ("static", 2)):
         ys = mc_labels(model, tok, prompts, responses, cuts, golds, k=4, seed=1, batch_size=chunk,
-                       decode=decode, temperature=2.0)
+                       decode=decode, sampling=dict(label.FORCED, temperature=2.0))
         labels[decode, chunk] = ys
     assert model.training  # left in the mode it was in
     assert all(v == labels["dynamic", 5] for v in labels.values())
@@ -263,7 +278,7 @@ def test_static_labels_keep_one_shape_alive_within_the_plan(monkeypatch):
 @pytest.mark.parametrize("decode", ["dynamic", "static"])
 def test_features_from_the_forced_answers_prefill_equal_the_scoring_pass(decode, monkeypatch):
     """mc_labels(features=True) reads h_b from the prefill it runs anyway, and they equal the
-    separate scoring forward's (update.forward_pass) within float rounding, while its labels equal those
+    separate scoring forward's (label.forward_pass) within float rounding, while its labels equal those
     without features. The batch holds what the reading has to get right: responses equal to another
     up to their longest cut (their forced prompts are all asked by that one, so they are read as an
     extra row), a cut that ends on the close token (asked one token earlier, read at b), cuts below

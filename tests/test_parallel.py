@@ -9,10 +9,12 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def run(tmp_path, world, offload=False, grads="gpu", old_torch=False):
-    out = str(tmp_path / f"w{world}{'-offload-' + grads if offload else ''}{'-old' if old_torch else ''}.pt")
+def run(tmp_path, world, offload=False, grads="gpu", old_torch=False, c2gspg=""):
+    out = str(tmp_path / f"w{world}{'-offload-' + grads if offload else ''}{'-old' if old_torch else ''}"
+                         f"{'-' + c2gspg if c2gspg else ''}.pt")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), HERE]), "OMP_NUM_THREADS": "1",
-           "OFFLOAD": "1" if offload else "0", "OFFLOAD_GRADS": grads, "OLD_TORCH": "1" if old_torch else "0"}
+           "OFFLOAD": "1" if offload else "0", "OFFLOAD_GRADS": grads, "C2GSPG": c2gspg,
+           "OLD_TORCH": "1" if old_torch else "0"}
     cmd = [sys.executable, os.path.join(HERE, "fsdp_update.py"), out]
     if world > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -40,6 +42,24 @@ def test_fsdp_update_equals_single_process(tmp_path):
     # the lean start (rank 0 reads, shards broadcast, buffers rebuilt) gives the model as saved
     for r in (0, 1):
         assert torch.load(str(tmp_path / f"w2.pt.lean{r}")) == dict(sampler=0.0, policy=0.0, buffers=0.0)
+
+
+@pytest.mark.slow   # torchrun, two processes, and one process
+@pytest.mark.parametrize("form", ["seq-mean", "token-mean"])
+def test_fsdp_update_with_c2gspgs_term_equals_single_process(tmp_path, form):
+    """C2GSPG's BCE term in grpo.update (per sequence: a mean over every rank's sequences; per
+    token: weighted like the loss): two ranks give the one-process loss, term, gradient norm and
+    weights, and the term moved them (the weights differ from the update without it)."""
+    plain, one, two = run(tmp_path, 1), run(tmp_path, 1, c2gspg=form), run(tmp_path, 2, c2gspg=form)
+    assert max((one[k] - plain[k]).abs().max().item() for k in one) > 1e-4  # the term moved them
+    for k in one:
+        assert torch.allclose(one[k], two[k], atol=1e-5), (k, (one[k] - two[k]).abs().max())
+    stats = [torch.load(str(tmp_path / f"w{w}-{form}.pt.stats0")) for w in (1, 2)]
+    assert stats[0]["c2gspg_bce"] > 0.1
+    assert "c2gspg_bce" not in torch.load(str(tmp_path / "w1.pt.stats0"))
+    for key in ("loss", "c2gspg_bce", "clip_frac", "ratio_mean"):
+        assert stats[1][key] == pytest.approx(stats[0][key], rel=1e-5, abs=1e-7), key
+    assert stats[1]["grad_norm"] == pytest.approx(stats[0]["grad_norm"], rel=1e-4)
 
 
 @pytest.mark.slow   # two subprocesses

@@ -1,6 +1,7 @@
 import ast
 import glob
 import os
+import re
 import subprocess
 import sys
 
@@ -39,6 +40,26 @@ def test_copyable_files_import_only_torch_and_stdlib(copyable):
     assert "torch" in imported
     for name in imported - {"torch"}:
         assert name in sys.stdlib_module_names, f"{copyable} imports {name}, not torch or the standard library"
+
+
+def test_reward_py_copied_alone_runs_its_documented_examples(tmp_path):
+    """reward.py in an empty folder, run in isolated mode (nothing of the project importable): its
+    docstrings' examples (doctest) give the numbers they print, and there are some."""
+    (tmp_path / "reward.py").write_text(open(os.path.join(ROOT, "reward.py"), encoding="utf-8").read())
+    out = subprocess.run([sys.executable, "-I", "-m", "doctest", "-v", "reward.py"], cwd=tmp_path,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    ran = re.search(r"^(\d+) passed and 0 failed", out.stdout, re.M)
+    assert ran and int(ran.group(1)) >= 8, out.stdout[-2000:]
+
+
+def test_labels_within_float_noise_of_1_or_0_keep_their_side():
+    """Y_b = 1 - 1e-7 (a mean's float noise) is solvable and 1e-7 unsolvable; 1 - 1e-3 (a share of K
+    = 1000) and 1e-3 count on neither side, like 0.5."""
+    conf = torch.tensor([[0.9, 0.2, 0.6]])
+    assert reward.margin_reward(conf, torch.tensor([[1 - 1e-7, 1e-7, 0.5]])).tolist() == pytest.approx([0.7])
+    assert reward.margin_reward(conf, torch.tensor([[1 - 1e-3, 1e-3, 0.5]])).tolist() == [0.0]
+    assert reward.corner_margin(conf, torch.tensor([[1 - 1e-3, 0.0, 0.5]])).tolist() == pytest.approx([0.8])
 
 
 EVALUATION = ("evaluate", "evaluation")  # evaluate.py and the package of its machinery

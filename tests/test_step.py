@@ -130,7 +130,7 @@ def test_unanimous_groups_stay_in_the_update_at_advantage_zero(tmp_path, monkeyp
 def test_a_default_step_reads_the_probe_features_from_the_labels_prefill(tmp_path, monkeypatch):
     """On-policy RLCM runs no scoring pass (t_score stays 0): the probe's features come from the
     forced answers' prefill, and on this fixed batch they equal the scoring forward's over the
-    rollout weights (update.forward_pass, what the step ran before) while the labels equal mc_labels'
+    rollout weights (label.forward_pass, what the step ran before) while the labels equal mc_labels'
     without features."""
     import copy
     from grpo import pack

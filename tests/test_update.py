@@ -95,9 +95,8 @@ def test_a_padding_micro_batch_forwards_two_tokens_and_adds_no_gradient(monkeypa
         shapes = []
         lm.model.register_forward_pre_hook(lambda mod, args, kw: shapes.append(tuple(kw["input_ids"].shape)),
                                      with_kwargs=True)
-        opt = torch.optim.SGD(lm.parameters(), lr=0.1)  # harness/parallel.py's update: FSDP2's padding
-        parallel.update(lm, opt, batch, None, torch.linspace(-1, 1, 3), mbs, CFG, CPU, None,
-                        (grpo.micro_step, grpo.aggregate, grpo.sampler_gap, token_logprobs))
+        opt = torch.optim.SGD(lm.parameters(), lr=0.1)  # parallel.padded: FSDP2's padding
+        grpo.update(lm, opt, batch, None, torch.linspace(-1, 1, 3), mbs, CFG, CPU)
         assert shapes == [(1, 15), (2, 11)] + [(1, 2)] * extra
         moved.append(torch.cat([p.detach().flatten() for p in lm.parameters()]))
     init = torch.cat([p.detach().flatten() for p in tiny.model(vocab_size=64, seed=5).parameters()])
