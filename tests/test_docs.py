@@ -27,7 +27,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HERE = os.path.relpath(os.path.abspath(__file__), ROOT)  # its examples name missing files on purpose
 NAME = re.compile(r"(?<![\w./-])((?:\.\./)?[\w./-]*\w\.(?:py|md)|docs/[\w./-]*\w)(?![\w/])")
-SKIP_DIRS = ("runs", "out", "eval_out")  # what runs write (.gitignore), besides hidden folders
+SKIP_DIRS = ("runs", "out", "eval_out", "mutants")  # what runs and mutmut write (.gitignore), besides hidden folders
 ELSEWHERE = {
     "verl/": "the released code (the authors' repository; the map in docs/reference.md)",
     "scripts/eval/": "the released code's evaluation scripts (the map in docs/reference.md)",
