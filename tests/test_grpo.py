@@ -157,16 +157,20 @@ def test_aggregation_hand_computed():
 
 
 def test_sampler_gap_worked_numbers():
-    """d = logp - sampler_logp on the masked tokens: (0.5, -0.3) and (0.2, 0.3); the masked 9 counts
-    nowhere. sum |d| = 1.3; sum exp(d) - 1 - d = 0.1487 + 0.0408 + 0.0214 + 0.0499 = 0.2608 (k3, each
-    term >= 0); 4 tokens; the largest sequence ratio exp(sum_t d) is exp(0.5) (row 2; row 1 has exp(0.2))."""
+    """micro_step's sampler gap: d = logp - sampler_logp on the masked tokens: (0.5, -0.3) and
+    (0.2, 0.3); the masked 9 counts nowhere. mean |d| = 1.3 / 4; mean exp(d) - 1 - d = 0.2608 / 4
+    (k3, each term >= 0); the largest sequence ratio exp(sum_t d) is exp(0.5) (row 2; row 1: exp(0.2))."""
     sampler = torch.tensor([[-1.0, -1.0, 0.0], [-1.0, -1.0, 0.0]])
     logp = sampler + torch.tensor([[0.5, -0.3, 9.0], [0.2, 0.3, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 0.0]])
-    sums, ratio = grpo.sampler_gap(logp, sampler, mask)
+    batch = dict(input_ids=torch.ones(2, 4, dtype=torch.long), attention_mask=torch.ones(2, 4, dtype=torch.long),
+                 loss_mask=mask, sampler_logp=sampler)
+    cfg = dict(temperature=1.0, chunk_size=8, clip_low=0.2, clip_high=0.2)
+    *_, stats = grpo.micro_step(lambda *a: logp, batch, [0, 1], None, torch.ones(2), cfg, torch.device("cpu"))
     k3 = sum(math.exp(d) - 1 - d for d in (0.5, -0.3, 0.2, 0.3))
-    assert sums == pytest.approx([1.3, k3, 4.0], rel=1e-6) and k3 == pytest.approx(0.2608, abs=1e-4)
-    assert ratio == pytest.approx(math.exp(0.5), rel=1e-6)
+    assert k3 == pytest.approx(0.2608, abs=1e-4)
+    assert stats["sampler_gap"] == pytest.approx(1.3 / 4) and stats["sampler_kl_k3"] == pytest.approx(k3 / 4)
+    assert stats["sampler_ratio_max"] == pytest.approx(math.exp(0.5), rel=1e-6)
 
 
 class Capture:
