@@ -12,7 +12,7 @@ from functools import partial
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from harness.parallel import WORLD, all_gather, all_sum, full, hold_grads, padded, sharded
+from harness.parallel import WORLD, LogprobModel, all_gather, all_sum, padded
 
 
 def pack(prompts, responses, pad_id, logprobs=None):
@@ -99,7 +99,7 @@ def policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.2):
     loss = aggregate(l_t, mask). Returns (loss, stats): clip_frac = share of masked tokens where
     the clipped term is taken, ratio_mean = masked mean ratio."""
     m = mask.to(logp.dtype)
-    a = (adv.unsqueeze(-1) if adv.dim() == 1 else adv).to(logp.dtype)
+    a = (adv.unsqueeze(-1) if adv.dim() == 1 else adv).to(logp)  # logp's dtype and device
     ratio = torch.exp(logp - old_logp)
     unclipped = ratio * a
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * a
@@ -132,73 +132,62 @@ def micro_batch(batch, rows, device, length=None):
     return {k: v[:, :cut[k]] if k in cut else v for k, v in sub.items()}, L
 
 
-def micro_step(fwd, batch, mb, old_logp, adv, cfg, device, length=None):
-    """The rows `mb` of `pack`'s batch (micro_batch): log-probs by fwd(input_ids, attention_mask,
-    temperature, chunk_size) and clipped loss -> (sub-batch, logp [n, T], loss, stats). With the
-    sampler's log-probs (pack), d = logp - sampler_logp on the response tokens: sampler_gap =
-    mean |d|, sampler_kl_k3 = mean e^d - 1 - d, sampler_ratio_max = a row's largest e^(sum d)."""
+def micro_step(fwd, batch, mb, old_logp, adv, cfg, device):
+    """Log-probs by fwd(ids, mask, temperature, chunk_size) and the clipped loss of the rows `mb` of
+    `pack`'s batch (None: FSDP2's padding, row 0's first 2 tokens) -> (sub-batch, logp, loss,
+    stats); d = logp - sampler_logp: sampler_gap = mean |d|, sampler_kl_k3 = mean e^d - 1 - d."""
+    mb, length = (mb, None) if mb is not None else ([0], 2)
     sub, L = micro_batch(batch, mb, device, length)
     logp = fwd(sub["input_ids"], sub["attention_mask"], cfg["temperature"], cfg["chunk_size"])
     old = logp.detach() if old_logp is None else old_logp[mb, :L - 1].to(device)
-    loss, stats = policy_loss(logp, old, adv[mb].to(device), sub["loss_mask"], cfg["clip_low"],
-                              cfg["clip_high"])
+    loss, st = policy_loss(logp, old, adv[mb], sub["loss_mask"], cfg["clip_low"], cfg["clip_high"])
     if not torch.isfinite(loss):
         raise FloatingPointError(f"non-finite loss ({loss.item()}) in a micro-batch of rows {mb}")
-    if "sampler_logp" in sub:  # the sampler's gap to the policy it samples for (docs/reference.md)
-        m = sub["loss_mask"].double()
-        d, n = (logp.detach().double() - sub["sampler_logp"].double()) * m, m.sum().clamp(min=1)
-        k3 = d.expm1() - d  # e^d - 1 - d
-        stats.update(sampler_gap=float(d.abs().sum() / n), sampler_kl_k3=float(k3.sum() / n),
-                     sampler_ratio_max=float(d.sum(-1).exp().max()))
-    return sub, logp, loss, stats
+    if "sampler_logp" in sub:  # the sampler's gap to the policy it samples for, in float64
+        d = (logp.detach().double() - sub["sampler_logp"]) * sub["loss_mask"]
+        n, k3 = sub["loss_mask"].sum().clamp(min=1), d.expm1() - d  # k3: e^d - 1 - d
+        st.update(sampler_gap=float(d.abs().sum() / n), sampler_kl_k3=float(k3.sum() / n),
+                  sampler_ratio_max=float(d.sum(-1).exp().max()))  # a row's largest e^(sum d)
+    return sub, logp, loss, st
 
 
 def update(policy, opt, batch, old_logp, adv, mbs, cfg, device, extra=None):
     """One optimizer step over this rank's micro-batches `mbs`, each weighted by its share of every
-    rank's tokens (token-mean) or rows, on one process, FSDP2's ranks and --offload alike (the
-    harness.parallel helpers are identities on one process). old_logp [N, T] or None (on-policy).
-    extra: a mode's loss term (name, coef, term) (baselines.extra_loss): term(logp, loss_mask,
-    rows) is [n] per sequence (the loss adds coef * their mean over all sequences) or [n, T] per
-    token (coef * their token-mean, weighted like the loss), logged as `name`. -> mean stats."""
+    rank's tokens (token-mean) or rows: one process, FSDP2's ranks and --offload alike. old_logp
+    [N, T] or None (on-policy); extra: a mode's loss term (baselines.extra_loss). -> mean stats."""
     policy.train()
+    fsdp = isinstance(policy, LogprobModel)  # FSDP2's policy (parallel.wrap): ranks, or --offload
     weights = batch["loss_mask"].sum(1) if cfg["agg"] == "token-mean" else torch.ones(len(adv))
     mine = [sum(weights[mb].sum().item() for mb in mbs), sum(map(len, mbs))]  # weight, sequences
-    total, n_seq = (max(v, 1.0) for v in all_sum(mine, device))  # every rank's
-    name, coef, term = extra or (None, None, None)
+    total, n_seq = (max(v, 1.0) for v in (all_sum(mine, device) if fsdp else mine))  # every rank's
+    (name, coef, term), ratio_max = extra or (None, None, None), 0.0
     sums = dict.fromkeys(("loss", "clip_frac", "kl", "ratio_mean"), 0.0)  # kl: 0, no KL penalty
-    term_sum, ratio_max = 0.0, 0.0
-    fwd = policy if sharded(policy) else partial(token_logprobs, policy)  # FSDP2: a LogprobModel
-    # one GPU: autocast; FSDP2's mixed-precision policy casts instead
-    plain_gpu = fwd is not policy and device.type == "cuda"
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if plain_gpu else nullcontext()
-    runs = padded(mbs)  # FSDP2: as many micro-batches on every rank; None pads
-    for j, mb in enumerate(runs):
-        hold_grads(policy, cfg, last=j == len(runs) - 1)
+    fwd = policy if fsdp else partial(token_logprobs, policy)  # LogprobModel's forward: the same
+    amp = nullcontext() if fsdp or device.type != "cuda" else torch.autocast("cuda", torch.bfloat16)
+    for mb in padded(policy, mbs, cfg) if fsdp else mbs:  # FSDP2: None pads
         real = mb is not None
-        mb, w = (mb, weights[mb].sum().item()) if real else ([0], 0.0)  # w whole: exact means below
+        w = weights[mb].sum().item() if real else 0.0  # a whole number: exact means below
         with amp:
-            sub, logp, loss, stats = micro_step(fwd, batch, mb, old_logp, adv, cfg, device,
-                                                None if real else 2)
+            sub, logp, loss, stats = micro_step(fwd, batch, mb, old_logp, adv, cfg, device)
         ratio_max = max(ratio_max, stats.pop("sampler_ratio_max", 0.0) * real)  # a max; padding: 0
         weighted = loss * (w / total)
-        if term is not None:  # per token: weighted like the loss; per sequence: a mean over them
-            part = term(logp, sub["loss_mask"], mb)
+        if term is not None:  # term [n]: a mean over every sequence; [n, T]: weighted like the loss
+            part = term(logp, sub["loss_mask"], mb if real else [0])
             part, share = (aggregate(part, sub["loss_mask"]), w / total) if part.dim() == 2 \
                 else (part.sum(), real / n_seq)
             weighted = weighted + coef * part * share
-            term_sum += part.item() * share
+            sums[name] = sums.get(name, 0.0) + part.item() * share * total  # logged as its mean
         (weighted * WORLD).backward()  # FSDP2 averages gradients over ranks: each share times WORLD
         for key, value in (("loss", loss.item()), *stats.items()):
             sums[key] = sums.get(key, 0.0) + value * w  # weighted like the loss
-    grad_norm = float(full(torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg["grad_clip"])))
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg["grad_clip"])
+    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
     if not math.isfinite(grad_norm):
         raise FloatingPointError(f"non-finite gradient norm ({grad_norm})")
     opt.step()
     opt.zero_grad(set_to_none=True)
-    *means, term_sum = all_sum([*sums.values(), term_sum], device)  # one all-reduce
+    means = all_sum(list(sums.values()), device) if fsdp else sums.values()  # one all-reduce
     out = dict(zip(sums, (v / total for v in means)), grad_norm=grad_norm)
-    if term is not None:
-        out[name] = term_sum
     if "sampler_logp" in batch:  # every stat a mean weighted like the loss, but this largest one
-        out["sampler_ratio_max"] = max(all_gather(ratio_max))
+        out["sampler_ratio_max"] = max(all_gather(ratio_max)) if fsdp else ratio_max
     return out

@@ -69,8 +69,7 @@ def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, sampl
               close="think", suffix=SUFFIX, seed=None, batch_size=None, grader="math", decode=None,
               features=False, final_norm=False):
     """Y_b for every (trajectory, cut b) (module docstring) -> N lists of floats in [0, 1], aligned
-    with cut_lists. prompts, responses: N lists of token ids; cut_lists: N lists of cuts b;
-    sampling: the forced answers' (FORCED; evaluation's post-hoc labels pass their own).
+    with cut_lists. prompts, responses: N lists of token ids; cut_lists: N lists of cuts b.
     features=True: (labels, feats), feats N [len(cuts), d] (forced_answers; final_norm: the post-hoc's)."""
     # 1. The forced prompt after every cut. Equal ones (samples of a problem that agree up to the
     #    cut, common for short prefixes) estimate the same probability: each is asked once.
@@ -101,8 +100,7 @@ def forced_answers(model, tokenizer, prompts, responses, cut_lists, cuts, tail, 
                    seed=None, batch_size=None, decode=None, progress=None, final_norm=False):
     """The K answers to each forced prompt cuts[j] = (i, b), texts[j*k:(j+1)*k], and the features
     at each trajectory's cuts, feats N [len(cut_lists[i]), d] (module docstring) -> (texts, feats).
-    sampling: FORCED's keys. final_norm: the post-hoc probe's feature (forward_pass's). progress: a
-    bar's label (a step per chunk)."""
+    sampling: FORCED's keys. final_norm: the post-hoc probe's feature. progress: a bar's label."""
     sampler = Sampler(model, tokenizer, **sampling, decode=decode,  # CUDA: a stopped one also stops
                       close_depth=1 if sampling["stop"] else None)  # at its box's closing brace
     if sampler.static is not None:  # the rollout's buffers must not sit under the labels' prefills

@@ -1,8 +1,14 @@
 """Correctness and calibration rewards of RLCM (arXiv 2604.23333). Torch and the standard library only,
-so this file can be copied into any project as is:
+so this file can be copied into any project as is. Two trajectories, the second's last cut padded:
 
-    margin = margin_reward(C, Y, mask)            # [N, B] -> [N]
-    R = total_reward(correct, margin, lam=0.1)    # [N] -> [N]
+    >>> C, Y = [[0.9, 0.5, 0.1], [0.8, 0.4, 0.0]], [[1, 0.5, 0], [1, 0, 0]]
+    >>> margin = margin_reward(C, Y, mask=[[1, 1, 1], [1, 1, 0]])   # Y_b = 0.5: on neither side
+    >>> margin, total_reward(correct=[1, 0], calib=margin, lam=0.1)
+    (tensor([0.8000, 0.4000]), tensor([ 1.0800, -0.9600]))
+    >>> margin_reward([[0.9, 0.0]], [[1, 0]])  # no mask: the padded 0 is an unsolvable cut
+    tensor([0.9000])
+    >>> margin_reward([[0.9, 0.1]], [[1 - 1e-7, 0]])  # float noise keeps a label's side
+    tensor([0.8000])
 
 Shapes: N trajectories, B cuts (truncation points) per trajectory.
   conf   [N, B]  probe confidence C_b = sigmoid(probe(h_b)) at cut b, in [0, 1]
@@ -52,18 +58,7 @@ def _sides(conf, labels, mask):
 
 
 def margin_reward(conf, labels, mask=None):
-    """RLCM's confidence margin per trajectory, [N, B] -> [N]: mean C of the solvable cuts minus
-    mean C of the unsolvable ones, 0 when either side is empty. Y_b = 0.5 counts on neither side;
-    row 2's last cut is padding, which the mask drops:
-
-    >>> C, Y = [[0.9, 0.5, 0.1], [0.8, 0.4, 0.0]], [[1, 0.5, 0], [1, 0, 0]]
-    >>> margin_reward(C, Y, mask=[[1, 1, 1], [1, 1, 0]])
-    tensor([0.8000, 0.4000])
-    >>> margin_reward([[0.9, 0.0]], [[1, 0]])  # no mask: the padded 0 is an unsolvable cut
-    tensor([0.9000])
-    >>> margin_reward([[0.9, 0.1]], [[1 - 1e-7, 0]])  # float noise keeps a label's side
-    tensor([0.8000])
-    """
+    """RLCM's margin, [N, B] -> [N]: mean C over solvable cuts - mean over unsolvable ones, or 0."""
     mean_pos, mean_neg, has_pos, has_neg = _sides(conf, labels, mask)
     return torch.where(has_pos & has_neg, mean_pos - mean_neg, torch.zeros_like(mean_pos))
 
@@ -109,10 +104,6 @@ def brier_reward(conf, labels, mask=None):
 
 
 def total_reward(correct, calib, lam=0.1):
-    """R = r_nat + lam * calib, r_nat = 2 * correct - 1 (+1/-1); [N] -> [N]; lam 0: plain GRPO.
-
-    >>> total_reward([1, 0], [0.5, 0.5], lam=0.1)
-    tensor([ 1.0500, -0.9500])
-    """
+    """R = r_nat + lam * calib, r_nat = 2 * correct - 1 (+1/-1); [N] -> [N]. lam 0: plain GRPO."""
     c = _float(correct)
     return 2 * c - 1 + lam * _float(calib).to(c.device, c.dtype)

@@ -88,22 +88,17 @@ def all_sum(values, device):
     return t.tolist()
 
 
-def padded(mbs):
-    """This rank's micro-batches, then a None (grpo.update: 2 tokens at weight 0) for each one more
-    another rank has: FSDP2 needs as many forwards and backwards on every rank."""
-    return mbs + [None] * (max(all_gather(len(mbs))) - len(mbs))
-
-
-def hold_grads(policy, cfg, last):
-    """--offload: FSDP2 would reduce-scatter each micro-batch's gradients into the host shards with
-    a blocking copy; held unsharded on the GPU instead, they are reduced once, after the `last`."""
-    if sharded(policy) and cfg.get("offload") and cfg.get("offload_grads", "gpu") == "gpu":
-        policy.set_requires_gradient_sync(last)
-
-
-def full(t):
-    """A DTensor gathered whole from every rank's shard (a grad norm, a parameter), else `t`."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+def padded(policy, mbs, cfg):
+    """grpo.update's micro-batches under FSDP2: this rank's, then a None (2 tokens at weight 0) for
+    each one more another rank has, since FSDP2 needs as many forwards and backwards on every rank.
+    --offload: FSDP2 would reduce-scatter each one's gradients into the host shards with a blocking
+    copy; held unsharded on the GPU instead, they are reduced once, after the last."""
+    runs = mbs + [None] * (max(all_gather(len(mbs))) - len(mbs))
+    hold = sharded(policy) and cfg.get("offload") and cfg.get("offload_grads", "gpu") == "gpu"
+    for j, mb in enumerate(runs):
+        if hold:
+            policy.set_requires_gradient_sync(j == len(runs) - 1)
+        yield mb
 
 
 def all_gather(obj):
@@ -270,7 +265,8 @@ def full_state(policy, opt):
 
 def adapter_state(lm):
     """{name: full CPU tensor} of the parameters that train (on every rank: full_tensor gathers)."""
-    return {n: full(p).detach().cpu() for n, p in lm.named_parameters() if p.requires_grad}
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
+            for n, p in lm.named_parameters() if p.requires_grad}
 
 
 def load_optimizer(policy, opt, state):

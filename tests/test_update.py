@@ -96,7 +96,8 @@ def test_a_padding_micro_batch_forwards_two_tokens_and_adds_no_gradient(monkeypa
         lm.model.register_forward_pre_hook(lambda mod, args, kw: shapes.append(tuple(kw["input_ids"].shape)),
                                      with_kwargs=True)
         opt = torch.optim.SGD(lm.parameters(), lr=0.1)  # parallel.padded: FSDP2's padding
-        grpo.update(lm, opt, batch, None, torch.linspace(-1, 1, 3), mbs, CFG, CPU)
+        policy = parallel.LogprobModel(lm, token_logprobs)  # FSDP2's policy, here unsharded
+        grpo.update(policy, opt, batch, None, torch.linspace(-1, 1, 3), mbs, CFG, CPU)
         assert shapes == [(1, 15), (2, 11)] + [(1, 2)] * extra
         moved.append(torch.cat([p.detach().flatten() for p in lm.parameters()]))
     init = torch.cat([p.detach().flatten() for p in tiny.model(vocab_size=64, seed=5).parameters()])
