@@ -23,7 +23,7 @@ def test_resume_with_keep_1_beside_a_damaged_newer_checkpoint_keeps_the_new_good
     out = capsys.readouterr().out
     assert "from step 1" in out and f"(latest checkpoint: {ckpt(run_copy, 2)})" in out
     # step 1 pruned (one complete one is kept); the damaged step 3 is not counted and not removed
-    assert sorted(os.listdir(os.path.join(run_copy, "checkpoints"))) == ["step_000002", "step_000003"]
+    assert sorted(os.listdir(os.path.join(run_copy, "checkpoints"))) == ["run", "step_000002", "step_000003"]   # run: the mark
     assert checkpoint.latest_checkpoint(run_copy, resume=True) == ckpt(run_copy, 2)
 
 

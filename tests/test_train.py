@@ -49,7 +49,7 @@ def test_two_steps_write_a_complete_run(tmp_path):
         assert 0 <= r["accuracy"] <= 1 and 0 <= r["signal_frac"] <= 1
     assert [r["step"] for r in logged if r.get("eval")] == [0, 2]
     ckpts = sorted(os.listdir(os.path.join(run, "checkpoints")))
-    assert ckpts == ["step_000001", "step_000002"]
+    assert ckpts == ["run", "step_000001", "step_000002"]   # run: whose checkpoints they are
     last = os.path.join(run, "checkpoints", "step_000002")
     model = AutoModelForCausalLM.from_pretrained(last)
     assert AutoTokenizer.from_pretrained(last).eos_token_id is not None
@@ -113,7 +113,7 @@ def test_nan_loss_stops_and_keeps_the_last_checkpoint(tmp_path, monkeypatch, cap
     with pytest.raises(SystemExit) as e:
         train.main(["--resume", run, "--steps", "3"])
     assert e.value.code != 0 and "non-finite loss" in capsys.readouterr().err
-    assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["step_000001"]
+    assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["run", "step_000001"]
     assert open(os.path.join(good, "model.safetensors"), "rb").read() == before
 
 
@@ -394,7 +394,7 @@ def test_resume_lr_during_warmup_is_scaled_like_the_rest(run_copy, capsys):
 def test_save_every_0_saves_at_the_end_and_eval_n_0_evaluates_nothing(tmp_path):
     run = str(tmp_path / "run")
     train.main(["--steps", "2", "--out", run, *SMALL, "--save-every", "0", "--eval-n", "0"])
-    assert os.listdir(os.path.join(run, "checkpoints")) == ["step_000002"]
+    assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["run", "step_000002"]
     assert [r["step"] for r in metric_rows(run)] == [1, 2]   # no held-out rows
 
 
