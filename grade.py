@@ -183,12 +183,9 @@ def _ask(spec, fn, text, gold):
 def answers_match(pred, gold, grader="math", letters=True) -> bool:
     """Is the extracted answer `pred` the gold answer under `grader` (one of GRADERS)? Against an
     option letter, letters=True reads the letter an answer names (gpqa_choice), as the released
-    evaluation reads forced and RLCR answers; letters=False grades as its natural boxed answers.
-    Your own grader (FILE.py:FUNCTION) gets the answer boxed, as a response would give it."""
+    evaluation reads forced and RLCR answers; letters=False grades as its natural boxed answers."""
     if pred is None or gold is None:
         return False
-    if ":" in grader:
-        return _ask(grader, user_grader(grader), f"\\boxed{{{pred}}}", gold)
     pred, gold = str(pred).strip(), str(gold).strip()
     special = grader != "math" or gold in CHOICES or max(len(pred), len(gold)) > MAX_ANSWER_CHARS
     verdict = _by_form(pred, gold, grader, letters) if special else None
@@ -209,8 +206,11 @@ def answers_match(pred, gold, grader="math", letters=True) -> bool:
 
 
 def _by_form(pred, gold, grader, letters):
-    """answers_match past a plain math answer: the strict and minerva graders, answers too long to
-    parse, GPQA's option letters; None: graded as a math answer."""
+    """answers_match past a plain math answer: your grader (FILE.py:FUNCTION: the answer boxed, as a
+    response gives it), strict and minerva, answers too long to parse, GPQA's option letters; None:
+    graded as a math answer."""
+    if ":" in grader:
+        return _ask(grader, user_grader(grader), f"\\boxed{{{pred}}}", gold)
     if grader == "strict":
         return strict_form(pred) == strict_form(gold)
     if len(pred) > MAX_ANSWER_CHARS or len(gold) > MAX_ANSWER_CHARS:
@@ -287,10 +287,15 @@ def code_job(text, gold):
 
 
 def is_correct(text, gold, grader="math", form="box") -> bool:
-    """True only when the text's answer (extract) is the gold; grader="code": its code passes;
-    FILE.py:FUNCTION: what your function says of the whole text."""
-    if ":" in grader:
-        return _ask(grader, user_grader(grader), text, gold)
+    """True only when the text's answer (extract) is the gold; "code" and FILE.py:FUNCTION: _whole."""
+    if grader == "code" or ":" in grader:
+        return _whole(text, gold, grader)
+    return answers_match(extract(text, grader, form), gold, grader)
+
+
+def _whole(text, gold, grader):
+    """The whole response graded: "code" runs its last code block on the gold's tests; FILE.py:FUNCTION
+    asks your function (response, gold) -> bool."""
     if grader == "code":
         return sandbox.run_tests(**code_job(text, gold))
-    return answers_match(extract(text, grader, form), gold, grader)
+    return _ask(grader, user_grader(grader), text, gold)
