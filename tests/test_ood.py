@@ -95,9 +95,9 @@ def test_posthoc_labels_for_code_force_a_program_and_run_it(monkeypatch):
     gold = data.load_rows(LCB, like="lcb")[1]["answer"]
     asked = {}
 
-    def fake_forced(model, tokenizer, prompts, responses, cut_lists, cuts, tail, k, *args, stop, progress=None):
-        asked.update(prompts=[[*prompts[i], *responses[i][:b], *tail] for i, b in cuts], k=k, tokens=args[2],
-                     stop=stop)
+    def fake_forced(model, tokenizer, prompts, responses, cut_lists, cuts, tail, k, sampling, *args, progress=None):
+        asked.update(prompts=[[*prompts[i], *responses[i][:b], *tail] for i, b in cuts], k=k,
+                     tokens=sampling["max_new_tokens"], stop=sampling["stop"])
         return [ADD_RIGHT[len("</think>\n"):], ADD_WRONG[len("</think>\n"):]] * len(cuts), None
 
     monkeypatch.setattr(label, "forced_answers", fake_forced)
