@@ -328,9 +328,9 @@ OWNER = "run"   # checkpoints/run: the folder of the run these checkpoints belon
 
 
 def own_checkpoints(run_dir, check=True):
-    """Refuse (one line, rank 0's word) checkpoints another run still uses: a copied run whose
-    checkpoints/ links to the original's. Else mark them this run's (checkpoints/run): a link to a
-    bigger disk, or a moved run, keeps working."""
+    """check (a resume): refuse (one line, rank 0's word) checkpoints another run still uses, a copied
+    run whose checkpoints/ links to the original's; else (a save) mark them this run's in
+    checkpoints/run. A link to a bigger disk, or a moved run, keeps working."""
     root, me, owner = os.path.join(run_dir, "checkpoints"), os.path.realpath(run_dir), None
     if MASTER and os.path.isfile(os.path.join(root, OWNER)):
         with open(os.path.join(root, OWNER), encoding="utf-8") as f:
@@ -341,7 +341,7 @@ def own_checkpoints(run_dir, check=True):
         raise UserError(f"--resume {run_dir}: its checkpoints/ is a link to the checkpoints of the run "
                         f"{owner}; resuming would write into and prune them: copy a run with cp -rL, "
                         f"or link {root} to a folder of its own")
-    if MASTER and os.path.isdir(root) and owner != me:
+    if not check and MASTER and os.path.isdir(root) and owner != me:   # at a save: a refusal changes nothing
         with files.replacing(os.path.join(root, OWNER)) as f:
             f.write(me + "\n")
 
