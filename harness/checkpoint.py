@@ -341,7 +341,7 @@ def own_checkpoints(run_dir, check=True):
         raise UserError(f"--resume {run_dir}: its checkpoints/ is a link to the checkpoints of the run "
                         f"{owner}; resuming would write into and prune them: copy a run with cp -rL, "
                         f"or link {root} to a folder of its own")
-    if not check and MASTER and os.path.isdir(root) and owner != me:   # at a save: a refusal changes nothing
+    if not check and MASTER and os.path.isdir(root) and owner != me:   # a refusal changes nothing
         with files.replacing(os.path.join(root, OWNER)) as f:
             f.write(me + "\n")
 
