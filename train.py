@@ -437,7 +437,7 @@ def run(cfg, argv=()):
             print0(f"held-out accuracy: {first_acc:.3f} at the start -> {final_acc:.3f} at step "
                    f"{step}" + (other if other_set else ""))
         bench = " --benchmarks " + ",".join(data.TOY_BENCHMARKS) if cfg["eval_data"] == "toy" else ""
-        print0(f"curves: {runlog.plot_curves(folder.out)}")
+        print0(f"curves: {os.path.join(folder.out, 'curves.png')}")   # drawn by the last step's save
         print0(f"next: python evaluate.py --model {folder.out}{bench}")
 
 
