@@ -48,9 +48,7 @@ def _close(text, start, braces):
     """text[start:closing brace of depth 1].strip(), or None if it never closes."""
     depth = 1
     for m in braces.finditer(text, start):
-        if len(m.group()) == 2:
-            continue
-        depth += 1 if m.group() == "{" else -1
+        depth += {"{": 1, "}": -1}.get(m.group(), 0)  # an escaped \{ or \} counts 0
         if depth == 0:
             return text[start:m.start()].strip()
     return None

@@ -22,27 +22,23 @@ def pack(prompts, responses, pad_id, logprobs=None):
     [7, 2], L = 5 -> input_ids [5, 6, 7, 2, pad], loss_mask [0, 1, 1, 0]."""
     n = len(prompts)
     L = max(2, max(len(p) + len(r) for p, r in zip(prompts, responses)))
-    input_ids = torch.full((n, L), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros(n, L, dtype=torch.long)
-    loss_mask = torch.zeros(n, L - 1)
-    for i, (p, r) in enumerate(zip(prompts, responses)):
-        input_ids[i, :len(p) + len(r)] = torch.tensor(list(p) + list(r), dtype=torch.long)
-        attention_mask[i, :len(p) + len(r)] = 1
-        loss_mask[i, len(p) - 1:len(p) + len(r) - 1] = 1
-    prompt_lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
-    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
-             "prompt_lens": prompt_lens}
+    batch = {"input_ids": torch.full((n, L), pad_id, dtype=torch.long),
+             "attention_mask": torch.zeros(n, L, dtype=torch.long), "loss_mask": torch.zeros(n, L - 1),
+             "prompt_lens": torch.tensor([len(p) for p in prompts], dtype=torch.long)}
     if logprobs is not None:
         batch["sampler_logp"] = torch.zeros(n, L - 1)
-        for i, (p, lp) in enumerate(zip(prompts, logprobs)):
-            batch["sampler_logp"][i, len(p) - 1:len(p) + len(lp) - 1] = torch.tensor(lp)
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        batch["input_ids"][i, :len(p) + len(r)] = torch.tensor(list(p) + list(r), dtype=torch.long)
+        batch["attention_mask"][i, :len(p) + len(r)] = 1
+        batch["loss_mask"][i, len(p) - 1:len(p) + len(r) - 1] = 1
+        if logprobs is not None:  # one per response token
+            batch["sampler_logp"][i, len(p) - 1:len(p) + len(r) - 1] = torch.tensor(logprobs[i])
     return batch
 
 
 def group_advantages(rewards, group_size, eps=1e-6):
     """Per-group z-score: rewards [N] (N = groups * group_size, groups contiguous) -> advantages [N].
-    A = (r - mean_group r) / (std_group r + eps) with the unbiased std (torch default); a group of
-    one sample gets A = 0.
+    A = (r - mean_group r) / (std_group r + eps), the unbiased std (torch's); a group of one: A = 0.
     Example: (1, -1, 1, -1), group_size 4 -> std = sqrt(4/3), A = +-0.866."""
     r = torch.as_tensor(rewards, dtype=torch.float32)
     g = r.view(-1, group_size)
@@ -63,13 +59,9 @@ def logprobs_from_hidden(hidden, lm_head, targets, temperature=1.0, chunk_size=1
     on chunks of chunk_size positions, each checkpointed under grad (else autograd keeps every
     chunk's [chunk, V] softmax: the full logits again)."""
     n, L, d = hidden.shape
-    h = hidden[:, :-1].reshape(-1, d)
-    t = targets.reshape(-1).to(hidden.device)
-    grad = torch.is_grad_enabled() and (h.requires_grad or any(p.requires_grad for p in lm_head.parameters()))
-    run = partial(checkpoint, _chunk_logprobs, use_reentrant=False) if grad else _chunk_logprobs
-    out = []
-    for s in range(0, h.shape[0], chunk_size):
-        out.append(run(h[s:s + chunk_size], lm_head, t[s:s + chunk_size], temperature))
+    h, t = hidden[:, :-1].reshape(-1, d), targets.reshape(-1).to(hidden.device)
+    out = [checkpoint(_chunk_logprobs, h[s:s + chunk_size], lm_head, t[s:s + chunk_size], temperature,
+                      use_reentrant=False) for s in range(0, len(h), chunk_size)]
     return torch.cat(out).view(n, L - 1)
 
 
@@ -104,10 +96,9 @@ def policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.2):
     unclipped = ratio * a
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * a
     loss = aggregate(-torch.minimum(unclipped, clipped), m)
-    with torch.no_grad():
-        denom = m.sum().clamp(min=1)
-        stats = {"clip_frac": float(((clipped < unclipped).to(m.dtype) * m).sum() / denom),
-                 "ratio_mean": float((ratio * m).sum() / denom)}
+    denom = m.sum().clamp(min=1)
+    stats = {"clip_frac": float(((clipped < unclipped).to(m.dtype) * m).sum() / denom),
+             "ratio_mean": float((ratio.detach() * m).sum() / denom)}
     return loss, stats
 
 

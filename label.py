@@ -74,21 +74,21 @@ def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, sampl
     # 1. The forced prompt after every cut. Equal ones (samples of a problem that agree up to the
     #    cut, common for short prefixes) estimate the same probability: each is asked once.
     tail = [close_id(tokenizer, close)] + tokenizer.encode(suffix, add_special_tokens=False)
-    index, cuts, where = {}, [], []  # cuts[j]: the (trajectory, b) of distinct forced prompt j
+    index, asked, where = {}, [], []  # asked[j]: the (trajectory, b) of distinct forced prompt j
     for i, (p, r, bs) in enumerate(zip(prompts, responses, cut_lists)):
         where.append([])  # the j of each of trajectory i's cuts
         for b in bs:
             b = closed_cut(r, b, tail[0])  # a cut ending on CLOSE is asked without a second one
-            j = index.setdefault((*p, *r[:b], *tail), len(cuts))  # the forced prompt's ids
-            if j == len(cuts):
-                cuts.append((i, b))
+            j = index.setdefault((*p, *r[:b], *tail), len(asked))  # the forced prompt's ids
+            if j == len(asked):
+                asked.append((i, b))
             where[-1].append(j)
     # 2. K answers to each: texts[j*k:(j+1)*k] for forced prompt j.
-    texts, feats = forced_answers(model, tokenizer, prompts, responses, cut_lists, cuts, tail, k,
+    texts, feats = forced_answers(model, tokenizer, prompts, responses, cut_lists, asked, tail, k,
                                   sampling, seed, batch_size, decode, final_norm=final_norm)
     # 3. Y_b = the share of them that match the gold; a box that never closes is wrong.
     y = []
-    for j, (i, _) in enumerate(cuts):
+    for j, (i, _) in enumerate(asked):
         answers = [forced_answer(t) for t in texts[j * k:(j + 1) * k]]
         y.append(sum(a is not None and answers_match(a, golds[i], grader) for a in answers) / k)
     labels = [[y[j] for j in js] for js in where]
@@ -96,9 +96,9 @@ def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, sampl
 
 
 @torch.no_grad()
-def forced_answers(model, tokenizer, prompts, responses, cut_lists, cuts, tail, k, sampling=FORCED,
+def forced_answers(model, tokenizer, prompts, responses, cut_lists, asked, tail, k, sampling=FORCED,
                    seed=None, batch_size=None, decode=None, progress=None, final_norm=False):
-    """The K answers to each forced prompt cuts[j] = (i, b), texts[j*k:(j+1)*k], and the features
+    """The K answers to each forced prompt asked[j] = (i, b), texts[j*k:(j+1)*k], and the features
     at each trajectory's cuts, feats N [len(cut_lists[i]), d] (module docstring) -> (texts, feats).
     sampling: FORCED's keys. final_norm: the post-hoc probe's feature. progress: a bar's label."""
     sampler = Sampler(model, tokenizer, **sampling, decode=decode,  # CUDA: a stopped one also stops
@@ -106,9 +106,8 @@ def forced_answers(model, tokenizer, prompts, responses, cut_lists, cuts, tail, 
     if sampler.static is not None:  # the rollout's buffers must not sit under the labels' prefills
         staticcache.release(model)
     trajs = sorted((i for i, bs in enumerate(cut_lists) if bs), key=lambda i: max(cut_lists[i]))
-    per = max(1, (batch_size or len(cuts)) // max([1, *map(len, cut_lists)]))  # per chunk
-    texts = [None] * (len(cuts) * k)
-    feats = [torch.zeros(0, model.config.hidden_size)] * len(prompts)
+    per = max(1, (batch_size or len(asked)) // max([1, *map(len, cut_lists)]))  # per chunk
+    texts, feats = [None] * (len(asked) * k), [torch.zeros(0, model.config.hidden_size)] * len(prompts)
     was_training = model.training
     model.eval()
     chunks = [trajs[at:at + per] for at in range(0, len(trajs), per)]
@@ -124,9 +123,9 @@ def forced_answers(model, tokenizer, prompts, responses, cut_lists, cuts, tail, 
             h, last = (model.model.norm(h), 1) if final_norm else (h, LAST_K)
             feats[i] = prefix_features(h, ends, last)[0][0].cpu()
         row = {i: m for m, i in enumerate(chunk)}  # (row, j, prefix length) of each prompt asked
-        rows = [(row[i], j, len(prompts[i]) + b) for j, (i, b) in enumerate(cuts) if i in row]
-        for at in range(0, len(rows), batch_size or len(rows)):  # at most batch_size cuts at once
-            part = rows[at:at + (batch_size or len(rows))]
+        asks = [(row[i], j, len(prompts[i]) + b) for j, (i, b) in enumerate(asked) if i in row]
+        for at in range(0, len(asks), batch_size or len(asks)):  # at most batch_size cuts at once
+            part = asks[at:at + (batch_size or len(asks))]
             if at:  # batch_size below a trajectory's cuts: its prefill again for the next ones
                 pre = sampler.prefill(seqs)
             idx = torch.tensor([m for m, _, _ in part], device=sampler.device)

@@ -56,7 +56,7 @@ def prefix_features(hidden, ends, last_k=LAST_K):
 def last_layer(model, fn):
     """Inside the block, fn(hidden) sees the last decoder layer's output [R, L, d] (before the final
     norm) of every forward of `model` (a transformers causal LM): the states the features read."""
-    def hook(module, args, output):
+    def hook(module, args, output):  # returns None: the output goes on unchanged
         fn(output[0] if isinstance(output, tuple) else output)
     handle = model.model.layers[-1].register_forward_hook(hook)
     try:
@@ -71,23 +71,19 @@ def make_optimizer(probe, lr=1e-3, weight_decay=0.01):
 
 
 def fit(probe, opt, feats, targets, passes=16, batch_size=16, seed=0):
-    """Fit the probe with BCE-with-logits on soft targets: feats [M, d], targets [M] in [0, 1];
-    `passes` passes in an order seeded by `seed`, dropout on. Returns the last pass's
-    sample-weighted mean BCE (nan when M == 0: no step taken)."""
+    """BCE-with-logits on soft targets, feats [M, d], targets [M] in [0, 1], `passes` passes in an
+    order seeded by `seed`, dropout on -> the last pass's mean BCE per sample (nan if M == 0)."""
     dev = next(probe.parameters()).device
-    feats = torch.as_tensor(feats).float().to(dev)
-    targets = torch.as_tensor(targets).float().to(dev)
+    feats, targets = (torch.as_tensor(x).float().to(dev) for x in (feats, targets))
     if ((targets < 0) | (targets > 1)).any() or targets.isnan().any():
         raise ValueError("probe targets must lie in [0, 1]")
     m = feats.shape[0]
     if m == 0:
         return float("nan")
-    gen = torch.Generator().manual_seed(seed)
+    gen, total = torch.Generator().manual_seed(seed), 0.0
     probe.train()
-    last = 0.0
     for _ in range(passes):
-        order = torch.randperm(m, generator=gen).to(dev)
-        total = 0.0
+        order, total = torch.randperm(m, generator=gen).to(dev), 0.0
         for s in range(0, m, batch_size):
             idx = order[s:s + batch_size]
             loss = F.binary_cross_entropy_with_logits(probe(feats[idx]), targets[idx])
@@ -95,17 +91,16 @@ def fit(probe, opt, feats, targets, passes=16, batch_size=16, seed=0):
             loss.backward()
             opt.step()
             total += loss.item() * idx.numel()
-        last = total / m
-    return last
+    return total / m
 
 
+@torch.no_grad()
 def predict(probe, feats):
     """Probabilities sigmoid(probe(feats)): feats [M, d] -> [M] in (0, 1); eval mode, no grad.
     FloatingPointError for a NaN or inf feature or probability: none reaches a reward or a file."""
     probe.eval()
     feats = torch.as_tensor(feats).float().to(next(probe.parameters()).device)
-    with torch.no_grad():
-        out = torch.sigmoid(probe(feats))
+    out = torch.sigmoid(probe(feats))
     if not (torch.isfinite(feats).all() and torch.isfinite(out).all()):
         raise FloatingPointError("the probe's features or confidences are NaN or inf: the model's "
                                  "hidden states or the probe's weights hold NaN or inf")

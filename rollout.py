@@ -13,8 +13,10 @@ import hashlib
 import inspect
 from array import array
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 from transformers import DynamicCache
 
@@ -39,11 +41,10 @@ class Prefix:
 
 def default_eos_ids(model, tokenizer) -> list[int]:
     """EOS ids from the generation config and the tokenizer, deduplicated."""
-    ids = []
-    for eos in (getattr(getattr(model, "generation_config", None), "eos_token_id", None),
-                tokenizer.eos_token_id):
-        ids += eos if isinstance(eos, (list, tuple)) else ([] if eos is None else [eos])
-    return sorted(set(int(i) for i in ids))
+    config = getattr(model, "generation_config", None)
+    ids = (getattr(config, "eos_token_id", None), tokenizer.eos_token_id)
+    ids = [i for x in ids if x is not None for i in (x if isinstance(x, (list, tuple)) else [x])]
+    return sorted(set(map(int, ids)))
 
 
 def default_decode(model) -> str:
@@ -55,14 +56,10 @@ def row_generators(seed, prompts, n, device):
     from a hash of (seed, prompt i's ids, j): a row's draws depend on nothing else. None: None."""
     if seed is None:
         return None
-    out = []
-    for p in prompts:
-        h = hashlib.blake2b(f"{seed}:".encode() + array("q", p).tobytes(), digest_size=8)
-        for j in range(n):
-            hj = h.copy()
-            hj.update(j.to_bytes(4, "little"))
-            out.append(torch.Generator(device=device).manual_seed(int.from_bytes(hj.digest(), "little") >> 1))
-    return out
+    keys = [f"{seed}:".encode() + array("q", p).tobytes() + j.to_bytes(4, "little")
+            for p in prompts for j in range(n)]
+    digests = [hashlib.blake2b(k, digest_size=8).digest() for k in keys]
+    return [torch.Generator(device).manual_seed(int.from_bytes(d, "little") >> 1) for d in digests]
 
 
 def sample_next(logits, temperature=1.0, top_p=1.0, noise=None):
@@ -93,21 +90,20 @@ class Sampler:
 
     def __init__(self, model, tokenizer, max_new_tokens=256, temperature=1.0, top_p=1.0, stop=(),
                  eos_ids=None, decode=None, close_depth=None):
-        decode = decode or default_decode(model)  # train.py and evaluate.py check the flags
-        self.model, self.tokenizer, self.decode = model, tokenizer, decode
+        self.model, self.tokenizer = model, tokenizer
+        self.decode = decode or default_decode(model)  # train.py and evaluate.py check the flags
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         if any(not isinstance(s, str) or len(s.encode()) != 1 for s in stop):  # each inside one token
             raise ValueError(f"stop strings must be one byte, as the labels' '\\n' is; got {list(stop)}")
         self.stop_strs = list(stop)
         self.eos_ids = default_eos_ids(model, tokenizer) if eos_ids is None else [int(i) for i in eos_ids]
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (self.eos_ids or [0])[0]
-        self.device = next(model.parameters()).device
-        self.close_depth = close_depth  # harness/fast.py's
+        self.device, self.close_depth = next(model.parameters()).device, close_depth  # fast.py's depth
         params = inspect.signature(model.forward).parameters
         # transformers 5.x renamed `past_key_values` to `cache` (the old name goes in 5.40)
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
         self.step_kw = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
-        self.static = staticcache.decoder(model, self.cache_kw) if decode == "static" else None
+        self.static = staticcache.decoder(model, self.cache_kw) if self.decode == "static" else None
         self._has_stop = {}
 
     def stop_tokens(self, tok):
@@ -122,15 +118,12 @@ class Sampler:
     def prefill(self, seqs, after=None) -> Prefix:
         """One eager forward over `seqs` (R non-empty id lists), each LEFT-padded to the longest and
         appended after `after` (a Prefix of R rows, whose cache is extended in place) or from scratch."""
-        width = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
-        seg = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
-            seg[i, width - len(s):] = 1
-        ids, seg = ids.to(self.device), seg.to(self.device)
+        toks = [torch.tensor(s, dtype=torch.long) for s in seqs]
+        left = partial(pad_sequence, batch_first=True, padding_side="left")
+        ids = left(toks, padding_value=self.pad_id).to(self.device)
+        seg = left([torch.ones_like(t) for t in toks]).to(self.device)  # 1 on the tokens of seqs
         mask = seg if after is None else torch.cat([after.mask, seg], dim=1)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -width:]
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
         cache = DynamicCache(config=self.model.config) if after is None else after.cache
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                          **{self.cache_kw: cache}, **self.step_kw)
@@ -149,33 +142,22 @@ class Sampler:
         return state.result()
 
     def _decode_dynamic(self, prefix, n, state):
-        """The reference: a DynamicCache that grows by one position per step, until every row has
-        finished or max_new_tokens are sampled; one cache row per distinct (cache row, token) of the
-        running rows, so a prefix row's n samples share one while they agree (a prefix tree)."""
-        cache, mask, pos, logits = prefix.cache, prefix.mask, prefix.last_pos, prefix.logits
-        live = torch.arange(len(logits) * n, device=self.device)  # rows still running
+        """The plain loop: each step prefills one token per cache row until every row finishes; one
+        cache row per distinct (cache row, token), so samples share one while they agree (a tree)."""
+        pre, live = prefix, torch.arange(len(prefix.logits) * n, device=self.device)  # rows running
         src = live // n  # the cache row (and logits row) of each live row
         for t in range(self.max_new_tokens):
-            tok = state.advance(t, logits[src], live)
+            tok = state.advance(t, pre.logits[src], live)
             keep = ~state.done[live]
             if t == self.max_new_tokens - 1 or not keep.any():
                 return
-            width = logits.shape[-1]
+            width = pre.logits.shape[-1]
             key, src = torch.unique(src[keep] * width + tok[keep], return_inverse=True)
             idx, live = key // width, live[keep]
-            if len(idx) != len(mask) or not bool((idx == torch.arange(len(idx), device=idx.device)).all()):
-                cache.batch_select_indices(idx)  # rows fork or finish (else nothing moves)
-                mask, pos = mask[idx], pos[idx]
-            logits, mask, pos = self._forward(cache, key % width, mask, pos)
-
-    def _forward(self, cache, tok, mask, pos):
-        """One eager decode step: tok [R] at the next position of each cache row -> (logits [R, V],
-        mask, pos) extended by it."""
-        mask = torch.cat([mask, mask.new_ones(len(mask), 1)], dim=1)
-        pos = pos + 1
-        out = self.model(input_ids=tok[:, None], attention_mask=mask, position_ids=pos, use_cache=True,
-                         **{self.cache_kw: cache}, **self.step_kw)
-        return out.logits[:, -1], mask, pos
+            if len(idx) != len(pre.mask) or not bool((idx == torch.arange(len(idx), device=idx.device)).all()):
+                pre.cache.batch_select_indices(idx)  # rows fork or finish (else nothing moves)
+                pre.mask = pre.mask[idx]
+            pre = self.prefill((key % width)[:, None].tolist(), after=pre)
 
 
 class _Rows:
@@ -216,9 +198,8 @@ class _Rows:
             logp, entropy = token_scores(logits, tok, s.temperature)
             self.logp[live, t] = logp.masked_fill(done, 0)
             self.entropy[live] += entropy.masked_fill(done, 0)
-        active = ~done
-        self.length[live] += active.long()
-        hit_eos = active & torch.isin(tok, self.eos)
+        self.length[live] += (~done).long()
+        hit_eos = ~done & torch.isin(tok, self.eos)
         self.reason[live] = torch.where(hit_eos, 1, self.reason[live])
         self.done[live] = done | hit_eos
         if s.stop_strs:
@@ -259,21 +240,19 @@ def generate(model, tokenizer, prompts, n=1, max_new_tokens=256, temperature=1.0
     was_training = model.training
     model.eval()
     result = Samples([], [], [], [], [])
-    try:
-        for start, gen in tqdm(todo, desc=progress if isinstance(progress, str) else "generate", disable=not progress):
-            chunk = [list(map(int, p)) for p in prompts[start:start + batch_size]]
-            gen = row_generators(seed, chunk, n, sampler.device) if keyed else gen
-            out = sampler.sample(sampler.prefill(chunk), n, gen, scores)
-            ids, length, reason, *scored = (x.tolist() for x in out)
-            result.ids += [x[:m] for x, m in zip(ids, length)]
-            result.lengths += length
-            result.finish += [REASONS[x] for x in reason]
-            result.prompt_index += [start + r // n for r in range(len(ids))]
-            if scores:
-                result.logprobs += [x[:m] for x, m in zip(scored[0], length)]
-                result.entropy_sum += scored[1]
-    finally:
-        model.train(was_training)
+    for start, gen in tqdm(todo, desc=progress if isinstance(progress, str) else "generate", disable=not progress):
+        chunk = [list(map(int, p)) for p in prompts[start:start + batch_size]]
+        gen = row_generators(seed, chunk, n, sampler.device) if keyed else gen
+        out = sampler.sample(sampler.prefill(chunk), n, gen, scores)
+        ids, length, reason, *scored = (x.tolist() for x in out)
+        result.ids += [x[:m] for x, m in zip(ids, length)]
+        result.lengths += length
+        result.finish += [REASONS[x] for x in reason]
+        result.prompt_index += [start + r // n for r in range(len(ids))]
+        if scores:
+            result.logprobs += [x[:m] for x, m in zip(scored[0], length)]
+            result.entropy_sum += scored[1]
+    model.train(was_training)
     result.texts = tokenizer.batch_decode(result.ids, skip_special_tokens=True) if result.ids else []
     return result
 
@@ -283,6 +262,5 @@ def chunk_generators(seed, count, device):
     many random draws earlier chunks made (the static path may run a few steps past the end)."""
     if seed is None:
         return [None] * count
-    base = torch.Generator().manual_seed(seed)
-    seeds = torch.randint(2 ** 62, (count,), generator=base).tolist()
-    return [torch.Generator(device=device).manual_seed(s) for s in seeds]
+    seeds = torch.randint(2 ** 62, (count,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return [torch.Generator(device).manual_seed(s) for s in seeds]

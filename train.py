@@ -57,12 +57,11 @@ def rl_step(step, rows, prompts, learner, cfg, timer=None):
                        top_p=cfg["top_p"], batch_size=cfg["gen_batch"], decode=cfg["decode"])
     prompts, rows = [prompts[i] for i in out.prompt_index], [rows[i] for i in out.prompt_index]
     golds = [r["answer"] for r in rows]
-    # 2. grade: 1 if the response's last \boxed{} holds the gold answer, else 0
-    correct = torch.tensor([float(is_correct(t, g, cfg["grader"])) for t, g in zip(out.texts, golds)])
+    # 2. grade: 1 if the response's last \boxed{} (rlcr: <answer>) holds the gold answer, else 0
+    form = "tag" if cfg["reward"] == "rlcr" else "box"  # where the answer is: rlcr's in <answer>
+    correct = torch.tensor([float(is_correct(t, g, cfg["grader"], form)) for t, g in zip(out.texts, golds)])
     # 3. cut each response at 25/50/75 % of its tokens (grpo, rlcr, c2gspg: nowhere)
     cuts = [cuts_of(n, cfg["budgets"]) if cfg["reward"] in PROBE_MODES else [] for n in out.lengths]
-    if cfg["reward"] == "rlcr":  # rlcr: the last <answer> tag
-        correct = baselines.correctness(out.texts, golds, cfg["grader"], cfg["reward"])
     with timer("label"):  # force K answers after each cut: Y_b the share right, h_b the states before
         Y_b, h_b = mc_labels(learner.sampler, learner.tok, prompts, out.ids, cuts, golds, k=cfg["k"],
                              seed=seed + RANK + 7, close=cfg["forced_close"], batch_size=cfg["gen_batch"],
@@ -82,11 +81,9 @@ def rl_step(step, rows, prompts, learner, cfg, timer=None):
     if (cfg["reward"], cfg["corner"], cfg["drop_unanimous"], cfg["ppo_epochs"]) != PLAIN:
         parts, R, adv, old_logp, extra = other_mode(learner, batch, mbs, out, correct, C, Y, valid,
                                                     cfg, timer)
-    updates = []
     with timer("update"):  # 6. clipped policy-gradient steps over micro-batches, one per --ppo-epochs
-        for epoch in range(cfg["ppo_epochs"]):
-            updates.append(update(learner.policy, learner.opt, batch, old_logp, adv, mbs, cfg,
-                                  learner.device, extra))
+        updates = [update(learner.policy, learner.opt, batch, old_logp, adv, mbs, cfg, learner.device,
+                          extra) for _ in range(cfg["ppo_epochs"])]
         learner.sched.step()
     return dict(rows=rows, out=out, correct=correct, cuts=cuts, Y_b=Y_b, Y=Y, C=C,
                 valid=valid, R=R, parts=parts, fitted=fitted, updates=updates)
