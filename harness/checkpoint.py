@@ -95,7 +95,7 @@ def load_model(name, dtype=torch.float32, trust_remote_code=False):
             return (load_adapter(model, path, trainable=False) if keep else lora.merged(model, path)), tok
         except UserError:
             raise
-        except (RuntimeError, ValueError) as e:   # peft's size mismatch, unknown module (pages long)
+        except (RuntimeError, ValueError) as e:  # peft's size mismatch, unknown module (pages long)
             raise UserError(f"{path}: its adapter does not fit its base ({first_line(e)}): restore "
                             f"{CONFIG} from a copy of the run") from None
     try:
