@@ -17,13 +17,12 @@ import torch.distributed as dist
 
 from harness import files, lora
 from harness.files import UserError, first_line, fresh_name
-from harness.lora import (ADAPTER, CONFIG, add_adapter, base_of, is_adapter, load_adapter, targets,
-                          tied)
+from harness.lora import ADAPTER, CONFIG, add_adapter, base_of, is_adapter, load_adapter
 from harness.parallel import (MASTER, PREEMPTED, all_gather, load_optimizer, rebuild_buffers,
                               refresh_sampler, teardown, wrap)
 
 PREFIX = "step_"
-# --model toy: the toy world's committed warm start (toy.BASE_DIR; machinery never imports the method)
+# --model toy: the toy world's committed warm start (toy.BASE_DIR; the machinery never imports toy)
 TOY_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "toy_base")
 ALIASES = {
     "deepseek-r1-distill-qwen-7b": "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",
@@ -50,7 +49,7 @@ def resolve_model(name):
     if os.path.isdir(name):
         return name
     # owner/name is an HF id unless `owner` is a local folder (runs/typo: say so, not ask the hub)
-    if name.count("/") == 1 and not name.startswith((".", "/")) and not os.path.isdir(name.split("/")[0]):
+    if name.count("/") == 1 and name[0] not in "./" and not os.path.isdir(name.split("/")[0]):
         return name
     if "/" in name:
         raise UserError(f"model directory {name} does not exist")
@@ -59,7 +58,7 @@ def resolve_model(name):
 
 
 def check_available(name):
-    """UserError before any data is read for a model that cannot load (also: offline, not cached)."""
+    """UserError before any data is read for a model that cannot load (offline, not cached)."""
     path = resolve_model(name)
     if os.path.isdir(path):
         return
@@ -78,25 +77,25 @@ def fetch(name):
     try:
         snapshot_download(path, ignore_patterns=["*.bin", "*.pth", "*.pt", "*.h5", "*.msgpack", "*.onnx", "*.gguf"])
     except (OSError, ValueError) as e:
-        first = first_line(e, 300)
-        raise UserError(f"cannot download model {name!r} ({path}): {first} -- check the name, the network "
-                        "and your access (hf auth login), or pass a local directory") from None
+        raise UserError(f"cannot download model {name!r} ({path}): {first_line(e, 300)} -- check "
+                        "the name, the network and your access (hf auth login), or pass a local "
+                        "directory") from None
 
 
 def load_model(name, dtype=torch.float32, trust_remote_code=False):
-    """(model, tokenizer) for any --model value, a LoRA checkpoint merged; any failure one UserError."""
+    """(model, tokenizer) of a --model value, a LoRA checkpoint merged; failures: one UserError."""
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
     path = resolve_model(name)
-    if is_adapter(path):  # a --lora-rank checkpoint: its base (and its tokenizer), the adapter merged in
+    if is_adapter(path):  # a --lora-rank checkpoint: its base and tokenizer, the adapter merged in
         model, tok = load_model(base_of(path), dtype, trust_remote_code)
-        # merged into a weight another layer shares (a tied LM head), it would change that layer too: unmerged
-        keep = tied(model, lora.read_config(path).get("target_modules") or [])
+        # kept unmerged on a weight another layer shares (a tied LM head): merging changes both
+        keep = lora.tied(model, lora.read_config(path).get("target_modules") or [])
         try:
             return (load_adapter(model, path, trainable=False) if keep else lora.merged(model, path)), tok
         except UserError:
             raise
-        except (RuntimeError, ValueError) as e:   # peft's size mismatch or unknown module: pages of text
+        except (RuntimeError, ValueError) as e:  # peft's size mismatch, unknown module (pages long)
             raise UserError(f"{path}: its adapter does not fit its base ({first_line(e)}): restore "
                             f"{CONFIG} from a copy of the run") from None
     try:
@@ -106,7 +105,7 @@ def load_model(name, dtype=torch.float32, trust_remote_code=False):
             path, dtype=dtype, trust_remote_code=trust_remote_code, use_kernels=False)
     except UserError:
         raise
-    except (OSError, ValueError, KeyError, SafetensorError, RuntimeError) as e:   # safetensors: "unable to open file"
+    except (OSError, ValueError, KeyError, SafetensorError, RuntimeError) as e:
         if path != name and not os.path.lexists(path):
             raise UserError(f"cannot load model {name!r}: its checkpoint {path} was removed while loading "
                             "(the run is still saving and keeps only the last --keep): try again") from None
@@ -123,19 +122,19 @@ def load_model(name, dtype=torch.float32, trust_remote_code=False):
 
 
 def with_adapter(model, cfg, ckpt=None, fresh=False):
-    """The policy of a --lora-rank run: the adapter of checkpoint `ckpt` (resume), or a fresh one
-    (also with `fresh`: its shape, on the meta device)."""
-    base = base_of(ckpt) if ckpt else resolve_model(cfg["model"])   # a resume: the base it was trained on
-    shared = [] if ckpt else tied(model, targets(cfg["lora_targets"]))
+    """The policy of a --lora-rank run: checkpoint `ckpt`'s adapter (a resume: on the base it was
+    trained on), or a fresh one (also with `fresh`: its shape, on the meta device)."""
+    base = base_of(ckpt) if ckpt else resolve_model(cfg["model"])
+    shared = [] if ckpt else lora.tied(model, lora.targets(cfg["lora_targets"]))
     if shared:
-        raise UserError(f"--lora-targets {cfg['lora_targets']}: {', '.join(shared)} shares its weight with another "
-                        "layer (tie_word_embeddings): merging the adapter for evaluation would change both; "
-                        "adapt other modules")
+        raise UserError(f"--lora-targets {cfg['lora_targets']}: {', '.join(shared)} shares its "
+                        "weight with another layer (tie_word_embeddings): merging the adapter for "
+                        "evaluation would change both; adapt other modules")
     try:
         model = load_adapter(model, ckpt) if ckpt and not fresh else add_adapter(model, cfg, base)
     except ValueError as e:
         raise UserError(f"--lora-targets {cfg['lora_targets']}: {first_line(e)}") from None
-    # the base by its absolute path (a cwd-relative one breaks in another folder); base.json records more
+    # the base's absolute path (a cwd-relative one breaks in another folder); base.json records more
     model.peft_config[ADAPTER].base_model_name_or_path = os.path.abspath(base) if os.path.isdir(base) else base
     return model
 
@@ -187,8 +186,8 @@ def checkpoints(run_dir):
     root = os.path.join(run_dir, "checkpoints")
     if not os.path.isdir(root):
         return []
-    names = sorted(n for n in os.listdir(root) if n.startswith(PREFIX) and n[len(PREFIX):].isdigit())
-    return [os.path.join(root, n) for n in names]
+    return [os.path.join(root, n) for n in sorted(os.listdir(root))
+            if n.startswith(PREFIX) and n[len(PREFIX):].isdigit()]
 
 
 def _safetensors_ok(path):
@@ -213,7 +212,7 @@ def _zip_ok(path):
 
 
 def missing(ckpt, resume=False):
-    """What a checkpoint lacks to be loaded as a model (resume: state.pt and probe.pt too), [] if nothing."""
+    """What a checkpoint lacks to load as a model (resume: state.pt, probe.pt too); [] if none."""
     try:
         names = os.listdir(ckpt)
     except OSError:   # a file, or removed meanwhile
@@ -231,13 +230,13 @@ def missing(ckpt, resume=False):
 
 
 def latest_checkpoint(run_dir, say=None, resume=False):
-    """The newest complete checkpoint; incomplete newer ones are named with what they lack through `say`."""
+    """The newest complete checkpoint; `say` names each newer incomplete one and what it lacks."""
     say = say or (lambda msg: print(msg, file=sys.stderr))
     for ckpt in reversed(checkpoints(run_dir)):
         lack = missing(ckpt, resume)
         if not lack:
             return ckpt
-        if not os.path.lexists(ckpt):   # pruned by the run's writer while we looked: a newer one exists
+        if not os.path.lexists(ckpt):   # pruned by the run's writer meanwhile: a newer one exists
             return latest_checkpoint(run_dir, say, resume)
         say(f"skipping incomplete checkpoint {ckpt}: missing {', '.join(lack)}")
     return None
@@ -254,8 +253,7 @@ def reading(path):
         raise UserError(f"{path} holds objects other than tensors and plain data, so it was not "
                         "loaded (that could run code): it was not written by this code") from None
     except (RuntimeError, EOFError, KeyError, zipfile.BadZipFile) as e:
-        first = first_line(e)
-        raise UserError(f"{path} is damaged ({first}): use an earlier checkpoint") from None
+        raise UserError(f"{path} is damaged ({first_line(e)}): use an earlier checkpoint") from None
 
 
 def rng_state():
@@ -285,7 +283,7 @@ def _fsync(path):
 
 
 def _sync_tree(folder):
-    """fsync every file under folder, then the folders: a crash after the rename finds them whole."""
+    """fsync each file under folder, then the folders: a crash after the rename finds them whole."""
     for d, _, names in os.walk(folder, topdown=False):
         for n in names:
             _fsync(os.path.join(d, n))
@@ -293,8 +291,8 @@ def _sync_tree(folder):
 
 
 def save_checkpoint(run_dir, step, write, keep=2):
-    """write(tmp_dir) fills a fresh folder, published atomically; then all but the last `keep` (0: all)
-    complete ones at or below `step` are pruned. A failed write (a full disk) is one UserError line."""
+    """write(tmp_dir) fills a fresh folder, published atomically; then all but the last `keep` (0:
+    all) complete ones at or below `step` are pruned. A failed write (disk full): one UserError."""
     from safetensors import SafetensorError
     root = os.path.join(run_dir, "checkpoints")
     final = os.path.join(root, f"{PREFIX}{step:06d}")
@@ -310,9 +308,8 @@ def save_checkpoint(run_dir, step, write, keep=2):
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, (OSError, RuntimeError, SafetensorError)):   # torch.save says RuntimeError
-            first = first_line(e)
-            raise UserError(f"cannot write checkpoint {final} ({first}): is the disk full? The checkpoints "
-                            "saved before it are intact") from None
+            raise UserError(f"cannot write checkpoint {final} ({first_line(e)}): is the disk full? "
+                            "The checkpoints saved before it are intact") from None
         raise
     if os.path.lexists(final):   # this step's incomplete one, skipped on resume
         shutil.rmtree(final)
@@ -328,8 +325,8 @@ OWNER = "run"   # checkpoints/run: the folder of the run these checkpoints belon
 
 
 def own_checkpoints(run_dir, check=True):
-    """check (a resume): refuse (one line, rank 0's word) checkpoints another run still uses, a copied
-    run whose checkpoints/ links to the original's; else (a save) mark them this run's in
+    """check (a resume): refuse (one line, rank 0's word) checkpoints another run still uses, a
+    copied run whose checkpoints/ links to the original's; else (a save) mark them this run's in
     checkpoints/run. A link to a bigger disk, or a moved run, keeps working."""
     root, me, owner = os.path.join(run_dir, "checkpoints"), os.path.realpath(run_dir), None
     if MASTER and os.path.isfile(os.path.join(root, OWNER)):
@@ -338,9 +335,9 @@ def own_checkpoints(run_dir, check=True):
     theirs = owner and owner != me and os.path.join(owner, "checkpoints")
     shared = bool(theirs and os.path.exists(theirs) and os.path.samefile(theirs, root))
     if check and all_gather(shared)[0]:
-        raise UserError(f"--resume {run_dir}: its checkpoints/ is a link to the checkpoints of the run "
-                        f"{owner}; resuming would write into and prune them: copy a run with cp -rL, "
-                        f"or link {root} to a folder of its own")
+        raise UserError(f"--resume {run_dir}: its checkpoints/ is a link to the checkpoints of the "
+                        f"run {owner}; resuming would write into and prune them: copy a run with "
+                        f"cp -rL, or link {root} to a folder of its own")
     if not check and MASTER and os.path.isdir(root) and owner != me:   # a refusal changes nothing
         with files.replacing(os.path.join(root, OWNER)) as f:
             f.write(me + "\n")
@@ -350,8 +347,8 @@ LOCKS = ExitStack()  # the run folder's lock, released by exit_codes() however t
 
 
 def hold_lock(out, new=False):
-    """Rank 0 holds OUT/lock until the run ends. new: the folder was absent at the start; a run found
-    there now is refused."""
+    """Rank 0 holds OUT/lock until the run ends. new: the folder was absent at the start; a run
+    found there now is refused."""
     err = None
     if MASTER:
         try:
@@ -388,11 +385,11 @@ class RunFolder:
             own_checkpoints(self.out)
         self.ckpt = ckpt = latest_checkpoint(self.out, say=say, resume=True)
         if cfg["resume"] and ckpt is None:
-            raise UserError(f"--resume {self.out}: the run has no complete checkpoint; start it again "
-                            "without --resume")
+            raise UserError(f"--resume {self.out}: the run has no complete checkpoint; start it "
+                            "again without --resume")
         if ckpt and not cfg["resume"]:
-            raise UserError(f"{self.out} already holds a run: pass --resume {self.out} to continue it, "
-                            "or another --out")
+            raise UserError(f"{self.out} already holds a run: pass --resume {self.out} to continue "
+                            "it, or another --out")
         self.done = bool(ckpt) and step_of(ckpt) >= cfg["steps"]
         if self.done:
             say(f"{self.out} is at step {step_of(ckpt)} already (--steps {cfg['steps']}): "
@@ -413,16 +410,15 @@ class RunFolder:
                     pass
 
     def restore(self, cfg, policy, opt, sched, load_probe):
-        """(probe, probe_opt, step, cursor), the checkpoint's optimizer, scheduler and RNG state loaded."""
-        ckpt = self.ckpt
-        with reading(os.path.join(ckpt, "state.pt")):
+        """(probe, probe_opt, step, cursor), the optimizer, scheduler and RNG state restored."""
+        with reading(os.path.join(self.ckpt, "state.pt")):
             # mmap: only rank 0 reads the optimizer state (load_optimizer broadcasts it)
-            state = torch.load(os.path.join(ckpt, "state.pt"), weights_only=True, mmap=True)
+            state = torch.load(os.path.join(self.ckpt, "state.pt"), weights_only=True, mmap=True)
             load_optimizer(policy, opt, state["optimizer"])
             sched.load_state_dict(state["scheduler"])
             step, cursor = state["step"], state["cursor"]
-        with reading(os.path.join(ckpt, "probe.pt")):
-            probe, probe_opt = load_probe(os.path.join(ckpt, "probe.pt"), cfg["probe_lr"])
+        with reading(os.path.join(self.ckpt, "probe.pt")):
+            probe, probe_opt = load_probe(os.path.join(self.ckpt, "probe.pt"), cfg["probe_lr"])
         set_rng_state(state["rng"])  # last: building the probe draws from torch's RNG
         lr = cfg["lr"]  # rates given with --resume replace those restored with the optimizer states
         sched.base_lrs = [lr] * len(opt.param_groups)
@@ -435,8 +431,7 @@ class RunFolder:
             for path in (self.metrics, self.samples, self.heldout):
                 files.truncate_metrics(path, step)
             saved = read_config(self.out)
-            changed = changes(saved, cfg)
-            if changed:   # keys of an older version stay: the file says what the run was
+            if changed := changes(saved, cfg):   # an older version's keys stay: the run had them
                 files.write_json(os.path.join(self.out, "config.json"),
                                  {**saved, **cfg, "resume": None})
                 self.say("changed on resume (written to config.json): " +
@@ -445,7 +440,7 @@ class RunFolder:
         return probe, probe_opt, step, cursor
 
     def first_accuracy(self, cfg, n):
-        """(step 0's held-out accuracy or None, whether it was of another set), for a resume's last line."""
+        """(step 0's held-out accuracy or None, whether of another set) for a resume's last line."""
         rows = files.read_jsonl(self.metrics) if MASTER else []
         first = next((r for r in rows if r.get("eval") and r.get("step") == 0), {})
         other = (first.get("eval_n", n), first.get("eval_data", cfg["eval_data"])) != (n, cfg["eval_data"])
@@ -455,7 +450,7 @@ class RunFolder:
         """Checkpoint `at` (save_checkpoint; state: state.pt's step, cursor, optimizer, scheduler),
         then RUN/model, the weights to serve (export)."""
         if MASTER:
-            if getattr(model.config, "tie_word_embeddings", False):   # gathered from shards: 2 copies
+            if getattr(model.config, "tie_word_embeddings", False):   # gathered: twice in model_sd
                 model_sd.pop("lm_head.weight", None)
 
             def write(tmp):
@@ -474,12 +469,12 @@ class RunFolder:
 def export(run_dir, ckpt, model, model_sd, tok):
     """RUN/model: checkpoint `ckpt`'s weights as a bf16 Hugging Face folder that transformers and
     vLLM load as they are (config bfloat16, use_cache true; tokenizer, generation config and
-    probe.pt beside them; no optimizer state). A LoRA run's adapter is merged into its base there."""
+    probe.pt beside them; no optimizer state). A LoRA run's adapter is merged into its base."""
     final = os.path.join(run_dir, "model")
     tmp = fresh_name(final)
     os.mkdir(tmp)
     try:
-        if lora.has_adapter(model):   # sharded: rank 0 holds the adapter alone, the base is read again
+        if lora.has_adapter(model):   # sharded: rank 0 has only the adapter, the base is read again
             sharded = dist.is_initialized()
             (load_model(ckpt, torch.bfloat16)[0] if sharded else lora.merged_copy(model)).save_pretrained(tmp)
         else:
@@ -505,7 +500,7 @@ def export(run_dir, ckpt, model, model_sd, tok):
 
 def check_out(path, flag="--out", writer=None):
     """A folder we can create or write into: not a file, and its nearest existing parent writable.
-    writer "train.py" or "evaluate.py": nor a folder of another kind whose files it would overwrite."""
+    writer "train.py" or "evaluate.py": nor a folder of another kind whose files it overwrites."""
     if os.path.islink(path) and not os.path.exists(path):
         raise UserError(f"{flag} {path} is a link to {os.readlink(path)}, which does not exist: "
                         f"create that folder, or pass another {flag}")
@@ -518,11 +513,11 @@ def check_out(path, flag="--out", writer=None):
         raise UserError(f"{flag} {path}: {parent} is not writable; pass a folder you can write to")
     kind, shown = folder_kind(path) if writer and os.path.isdir(path) else ("empty", [])
     if kind not in TAKES.get(writer, ("empty",)):
-        what = dict(run="is a training run's folder", model="is a model's folder", evaluation="is an "
-                    "evaluation's folder", other="holds files and is no training run's folder")
+        what = dict(run="is a training run's folder", model="is a model's folder", evaluation="is "
+                    "an evaluation's folder", other="holds files and is no training run's folder")
         takes = ", or an evaluation's" if writer == "evaluate.py" else " (or resumes a run there)"
-        fix = (f"evaluate into {os.path.join(path, 'eval')} (the default for --model {path}) or another "
-               "folder" if kind == "run" else
+        fix = (f"evaluate into {os.path.join(path, 'eval')} (the default for --model {path}) or "
+               "another folder" if kind == "run" else
                f"{writer} writes only into a new or empty folder{takes}; pass another {flag}")
         raise UserError(f"{flag} {path} {what[kind]} (it has {', '.join(shown[:3])}): {fix}")
 
@@ -533,10 +528,10 @@ TAKES = {"train.py": ("empty", "run"), "evaluate.py": ("empty", "evaluation", "o
 
 
 def folder_kind(path):
-    """(kind, the names that show it) of a folder: run, model, evaluation, empty (but a lock) or other."""
+    """(kind, the names that show it): run, model, evaluation, empty (a lock at most) or other."""
     names = sorted(set(os.listdir(path)) - {files.LOCK})
     weights = [n for n in names if n.endswith((".safetensors", ".bin"))]
-    config = [n for n in ("config.json", "adapter_config.json") if n in names]   # a full model or a LoRA adapter
+    config = [n for n in ("config.json", CONFIG) if n in names]   # a full model or a LoRA adapter
     for kind, shown in (("run", [n for n in ("metrics.jsonl", "checkpoints") if n in names]),
                         ("model", [*config, *weights] if weights and config else []),
                         ("evaluation", [n for n in ("samples.jsonl", "results.json") if n in names])):
@@ -565,7 +560,7 @@ def read_config(run, flag="--resume"):
 def changes(saved, cfg):
     """[(key, saved value, new value)] for saved keys whose value differs in cfg."""
     skip = ("resume", "out", "trust_remote_code")
-    return [(k, saved[k], cfg[k]) for k in saved if k in cfg and k not in skip and saved[k] != cfg[k]]
+    return [(k, v, cfg[k]) for k, v in saved.items() if k in cfg and k not in skip and v != cfg[k]]
 
 
 def interrupted(cfg):
@@ -579,15 +574,13 @@ def interrupted(cfg):
             f"python train.py --resume {out}{flag}")
 
 
-
-
 class Preempted(Exception):
     """SIGTERM or SIGUSR1 stopped the run after a step, saved: the line says how to continue."""
 
 
 @contextmanager
 def exit_codes():
-    """train.py's main runs inside this: the exit codes above, the lock released and the process group
+    """train.py's main runs inside this: its exit codes, the lock released and the process group
     torn down however it ends. Yields a dict whose "cfg" the Ctrl-C line reads."""
     state, stopped, finished = {}, False, False
     try:

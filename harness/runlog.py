@@ -60,8 +60,8 @@ def append_jsonl(path, rows):
             f.writelines(json.dumps(r) + "\n" for r in rows)
 
 
-def _number(v):
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < 1e300   # not NaN, inf or huge
+def _number(v):   # a plain number: not a bool, NaN, inf or huge
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and abs(v) < 1e300
 
 
 def plot_curves(run_dir):
@@ -75,9 +75,9 @@ def plot_curves(run_dir):
     for ax, (title, keys) in zip(axes.flat, PANELS):
         for key in keys:
             pts = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
-            if pts:
-                held_out = key.startswith("eval_")
-                ax.plot(*zip(*pts), "o--" if held_out else "-", markersize=4, label=LABELS.get(key, key))
+            if pts:   # held-out (eval_) curves dashed
+                ax.plot(*zip(*pts), "o--" if key.startswith("eval_") else "-", markersize=4,
+                        label=LABELS.get(key, key))
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=8)
@@ -116,8 +116,8 @@ def provenance(argv, device, world=1):
         peft = importlib.metadata.version("peft")
     except importlib.metadata.PackageNotFoundError:
         peft = None
-    return dict(git_commit=git_commit(), torch=torch.__version__, transformers=transformers.__version__,
-                peft=peft, python=platform.python_version(),
+    return dict(git_commit=git_commit(), torch=torch.__version__,
+                transformers=transformers.__version__, peft=peft, python=platform.python_version(),
                 date=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                 command=" ".join(shlex.quote(a) for a in argv), device=name, world_size=world)
 
@@ -146,8 +146,7 @@ class Tracker:
         if os.path.isfile(path):
             with open(path, encoding="utf-8") as f:
                 saved = json.load(f)
-        run_id = saved.get("id") if saved.get("kind") == kind else None
-        run_id = run_id or uuid.uuid4().hex[:12]
+        run_id = (saved.get("id") if saved.get("kind") == kind else None) or uuid.uuid4().hex[:12]
         name = os.path.basename(os.path.abspath(run_dir))
         project = os.environ.get("WANDB_PROJECT" if kind == "wandb" else "TRACKIO_PROJECT", "rlcm")
         if kind == "wandb":
