@@ -5,8 +5,7 @@
   verbal         the last <confidence> tag (RLCR's format; baselines.verbal_confidence)
   verbal-forced  RLCR's released reading: the mean tag of k forced re-answers (forced_verbal)
   logits         exp(mean log-prob of the response) at the run's temperature (logit_confidence)
-The protocol and where it differs from the release: docs/reference.md, "Evaluation".
-"""
+The protocol and where it differs from the release: docs/reference.md, "Evaluation"."""
 import copy
 import json
 import math
@@ -74,9 +73,8 @@ def sample_confidences(source, model, tokenizer, prompts, responses, texts, gold
         # unread). On a GPU, fewer cuts a chunk where they would not fit: each draws its own stream.
         chunk = rows
         if model.device.type == "cuda":
-            width = max((len(p) + max(bl) for p, bl in zip(prompts, bls)), default=0)
-            chunk = plan.label_chunk(chunk, 1, width + plan.FORCED_SUFFIX, model.config,
-                                     plan.free_bytes(model.device))
+            width = max((len(p) + max(bl) for p, bl in zip(prompts, bls)), default=0) + plan.FORCED_SUFFIX
+            chunk = plan.label_chunk(chunk, 1, width, model.config, plan.free_bytes(model.device))
         ys, feats = mc_labels(model, tokenizer, prompts, responses, bls, golds, k=1,
                               sampling=dict(FORCED, temperature=0.6, top_p=0.95, max_new_tokens=64),
                               close=close, suffix=suffix, seed=seed, batch_size=chunk,
@@ -109,7 +107,7 @@ def forced_verbal(model, tokenizer, prompts, responses, close_id, budget, k, see
     out = generate(model, tokenizer, [forced[i] for i in order], n=k, max_new_tokens=max_new_tokens,
                    temperature=0.6, top_p=0.95, seed=seed, batch_size=max(1, batch_size // k))
     read = [None] * len(forced)
-    for j, i in enumerate(order):   # back in the order given
+    for j, i in enumerate(order):
         read[i] = [reanswer_confidence(t) for t in out.texts[j * k:(j + 1) * k]]
     return [sum(c for c, _ in r) / len(r) for r in read], [sum(m for _, m in r) for r in read]
 
@@ -170,8 +168,7 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
     if source == "probe":
         pt = os.path.join(path, "probe.pt")
         if not os.path.isfile(pt):
-            raise UserError(f"{label} has no probe.pt: use --confidence probe-posthoc, logits or "
-                            "verbal")
+            raise UserError(f"{label} has no probe.pt: use --confidence probe-posthoc, logits or verbal")
         with checkpoint.reading(pt):
             return probe_lib.load(pt)[0], None
     if source != "probe-posthoc":
@@ -207,10 +204,9 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
                     **({"grader": s["grader"]} if "grader" in s else {}),   # code, or --grader's
                     **({"tokens": "text"} if args.posthoc_tokens == "text" else {}))
     print(f"post-hoc probe for {label}: {len(rows)} {src} questions ...", file=sys.stderr)
-    name = f"posthoc_probe_{label}_{digest(model_id(path), 8)}".replace("/", "_")
-    prb, report = posthoc_probe(os.path.join(out_dir, name), model, tok, rows, instruction,
-                                close_id, protocol, batch_size=s["score_batch"], rows=s["rows"],
-                                system=prompt[1])
+    cache = os.path.join(out_dir, f"posthoc_probe_{label.replace('/', '_')}_{digest(model_id(path), 8)}")
+    prb, report = posthoc_probe(cache, model, tok, rows, instruction, close_id, protocol,
+                                batch_size=s["score_batch"], rows=s["rows"], system=prompt[1])
     return prb, report and dict(report, data=src)   # (None, None) on a worker other than rank 0
 
 
@@ -277,10 +273,9 @@ def posthoc_examples(model, tokenizer, prompts, responses, texts, golds, groups,
                                     ends, p, rows)
     say(f"reading the hidden state at {sum(map(len, positions))} prefixes")
 
-    def scored(starts):
-        return [features(model, prompts[s:s + batch_size], responses[s:s + batch_size],
-                         positions[s:s + batch_size], tokenizer.pad_token_id, True, batch_size)
-                for s in starts]
+    def scored(starts):   # the features of the batches at these starts
+        return [features(model, *(a[s:s + batch_size] for a in (prompts, responses, positions)),
+                         tokenizer.pad_token_id, True, batch_size) for s in starts]
     x = torch.cat([f for b in spread(scored, list(range(0, len(prompts), batch_size))) for f in b])
     y = torch.tensor([v for ls in labels for v in ls], dtype=torch.float32)
     g = torch.tensor([grp for grp, ps in zip(groups, positions) for _ in ps], dtype=torch.long)
