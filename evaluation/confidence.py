@@ -344,8 +344,7 @@ def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions
         else:
             y = spread(lambda part: [sum(answers_match(boxed_answer(suffix + t), g) for t in ts) / k
                                      for ts, g in part], forced)
-    labels = [[v if isinstance(v, float) else y[v] for v in row] for row in labels]
-    return labels, copied
+    return [[v if isinstance(v, float) else y[v] for v in row] for row in labels], copied
 
 
 def fit_posthoc(x, y, groups, p, grid=GRID, device="cpu", plateau=(0.5, 5), together=True):
@@ -364,7 +363,7 @@ def fit_posthoc(x, y, groups, p, grid=GRID, device="cpu", plateau=(0.5, 5), toge
     fits = (fit_together(*data, p, grid, plateau) if together else
             [fit_setting(*data, p, one, plateau) for one in tqdm(grid, desc="post-hoc fit over the grid")])
     runs = [run for run, _ in fits]
-    run, state = fits[min(range(len(fits)), key=lambda i: runs[i]["val_loss"])]
+    run, state = min(fits, key=lambda fit: fit[0]["val_loss"])   # the first of equal losses
     if state is None:
         raise FloatingPointError("post-hoc probe: no fit in the grid reached a finite validation loss")
     prb = probe_lib.Probe(x.shape[1], dropout=run["dropout"])
