@@ -8,7 +8,7 @@ import json
 import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack
 
 import torch
 import torch.distributed as dist
@@ -31,25 +31,27 @@ REAL = dict(n=4, max_new_tokens=8000, every=500, forced_k=16, probe_questions=80
             posthoc_budgets=16, rows=64, score_batch=8)
 TOY = dict(n=4, max_new_tokens=128, every=8, forced_k=4, probe_questions=80, probe_samples=8,
            posthoc_budgets=16, rows=256, score_batch=256)
-# The released forced answer's text, after the cut thinking and `</think>` (exit checkpoints, post-hoc labels).
+# The released forced answer, after the cut thinking and `</think>` (checkpoints, post-hoc labels).
 EVAL_SUFFIX = "\n\nIf I were to give the final answer now, the final answer would be \\boxed{"
 # RLCR's released forced re-answer (2_budget_eval_rlcr), after the thinking cut at the budget.
-RLCR_REANSWER = ("...</think>\n\nI am out of time, let me just output the final answer and confidence analysis "
-                 "in exactly this format:\n" + data.RLCR_FORMAT + "\n\n<answer>")
-# Code benchmarks (released 2_budget_eval, LiveCodeBench): the forced answer is a whole program after
-# "..." + `</think>` + CODE_SUFFIX, graded by running it (grade's "code").
+RLCR_REANSWER = ("...</think>\n\nI am out of time, let me just output the final answer and confidence "
+                 "analysis in exactly this format:\n" + data.RLCR_FORMAT + "\n\n<answer>")
+# Code benchmarks (released 2_budget_eval, LiveCodeBench): the forced answer is a whole program
+# after "..." + `</think>` + CODE_SUFFIX, graded by running it (grade's "code").
 CODE_SUFFIX = "\n\nHere is my final Python solution:\n"
+
+
 def settings(bench, args):
     """Per-benchmark sampling and confidence settings: world defaults, overridden by flags."""
     toy_world = bench in data.TOY_BENCHMARKS
     w = TOY if toy_world else REAL
     code = data.kind(bench) == "code"
-    s = dict(n=w["n"] if toy_world else BIG_N.get(bench, w["n"]), max_new_tokens=w["max_new_tokens"],
-             every=w["every"], forced_k=w["forced_k"], suffix=label_lib.SUFFIX if toy_world else EVAL_SUFFIX,
+    s = dict(n=BIG_N.get(bench, w["n"]), max_new_tokens=w["max_new_tokens"], every=w["every"],
+             forced_k=w["forced_k"], suffix=label_lib.SUFFIX if toy_world else EVAL_SUFFIX,
              score_batch=w["score_batch"], rows=w["rows"])
     if code:   # the forced answer is a program (CODE_SUFFIX), graded by running it
         s.update(suffix=CODE_SUFFIX, grader="code")
-    if getattr(args, "grader", None):   # --grader FILE.py:FUNCTION: every benchmark's answers, forced ones too
+    if getattr(args, "grader", None):   # --grader FILE.py:FUNCTION: every answer, forced ones too
         s["grader"] = args.grader
     given = (args.given or {}).get(bench)   # --responses: as many samples as the file holds
     flags = dict(n=len(given[0]) if given else args.n_samples, max_new_tokens=args.max_new_tokens,
@@ -60,15 +62,15 @@ def settings(bench, args):
     s["reanswer"] = None if toy_world else RLCR_REANSWER
     s["reanswer_k"] = args.forced_k or (w["forced_k"] if toy_world else 4 if bench in BIG_N else 1)
     s["batch"] = args.batch_size or max(1, w["rows"] // s["n"])
-    # The toy boxes after `</think>` by construction: the released gate would grade every answer wrong.
-    # Code has no box to gate on: the program of the last fenced block after the thinking is run.
+    # The toy boxes after `</think>` by construction: the released gate would grade every answer
+    # wrong. Code has no box to gate on: the program of the last fenced block after thinking is run.
     s["gate"] = args.gate or ("none" if toy_world or code else "thinking")
     return s
 
 
 def load_benchmarks(specs, limit=None, lcb_release=data.LCB_RELEASE):
     """[(name, rows, instruction, source)]. A name stands for one source: a file whose stem is taken
-    (by a toy benchmark, or an earlier one: b1/q.jsonl, b2/q.jsonl) is named by its path as given."""
+    (by a toy benchmark, or an earlier one: b1/q.jsonl, b2/q.jsonl) is named by the path given."""
     owner, out = {name: f"{name}:test" for name in data.TOY_BENCHMARKS}, []
     for spec in specs:
         name, rows, instruction, source = load_benchmark(spec, limit, lcb_release)
@@ -105,14 +107,13 @@ def load_benchmark(spec, limit=None, lcb_release=data.LCB_RELEASE):
     if name in data.BENCHMARKS or "/" in name:
         rows = data.load_rows(name, limit=limit, lcb_release=lcb_release)
         return name, rows, data.instruction_for(name), source
-    raise UserError(f"unknown benchmark {name!r}; known: {known}; or a local .json/.jsonl/.parquet file, "
-                    "NAME=FILE, or an HF dataset id (owner/name)")
+    raise UserError(f"unknown benchmark {name!r}; known: {known}; or a local .json/.jsonl/.parquet "
+                    "file, NAME=FILE, or an HF dataset id (owner/name)")
 
 
 def run_prompt(path, args):
     """(instruction, system prompt, answer form) for a model: the flags, else what its run trained
-    with (the run's config.json, for a run's checkpoint; an RLCR run answers in <answer> tags), else
-    (None, None, "box"): the benchmark's own instruction."""
+    with (its config.json; an RLCR run answers in <answer> tags), else (None, None, "box")."""
     cfg = run_config(path)
     pick = lambda flag, key: flag if flag is not None else cfg.get(key)  # noqa: E731
     form = args.answer or ("tag" if args.mode == "rlcr" else baselines.answer_form(cfg.get("reward")))
@@ -125,15 +126,15 @@ def rlcr_prompts(loaded):
     """--mode rlcr (the released evaluation's, for RLCR and C2GSPG): every benchmark asks in RLCR's
     format (data.RLCR_INSTRUCTION; the toy's: toy.RLCR_INSTRUCTION); LiveCodeBench is refused."""
     if any(data.kind(bench) == "code" for bench, *_ in loaded):
-        raise UserError("--mode rlcr: lcb has no RLCR-format evaluation here (its answer is a program; the release "
-                        "ships livecodebench_lite_rlcr.parquet but no config or grader for it): evaluate it "
-                        "without --mode rlcr")
-    for bench, rows, *_ in loaded:   # a released chat list is the whole prompt: RLCR's is not added to it
+        raise UserError("--mode rlcr: lcb has no RLCR-format evaluation here (its answer is a "
+                        "program; the release ships livecodebench_lite_rlcr.parquet but no config "
+                        "or grader for it): evaluate it without --mode rlcr")
+    for bench, rows, *_ in loaded:   # a released chat list is the whole prompt: RLCR's is not added
         if rows and "messages" in rows[0] and "<confidence>" not in rows[0]["problem"]:
             raise UserError(f"--mode rlcr: {bench}'s prompts are a verl file's, as released, and do not ask for "
                             "RLCR's format: pass the release's _rlcr parquet of it, or drop --mode rlcr")
-    return [(bench, rows, toy.RLCR_INSTRUCTION if bench in data.TOY_BENCHMARKS else data.RLCR_INSTRUCTION, src)
-            for bench, rows, _, src in loaded]
+    return [(b, rows, toy.RLCR_INSTRUCTION if b in data.TOY_BENCHMARKS else data.RLCR_INSTRUCTION, src)
+            for b, rows, _, src in loaded]
 
 
 def run_config(path):
@@ -154,7 +155,7 @@ def run_dir(path):
 
 
 def model_label(name, path):
-    """Short stable name used in samples.jsonl and tables: 'toy', alias, 'run/step_000010', dir name."""
+    """Short stable name in samples.jsonl and tables: 'toy', alias, 'run/step_000010', dir name."""
     if name == "toy" or name in ALIASES or not os.path.isdir(path):
         return name
     run = run_dir(path)
@@ -169,7 +170,7 @@ def model_id(path):
 
 
 def digest(obj, size=16):
-    """A short hash of a JSON value: the keys of samples, their questions and post-hoc probe files."""
+    """A short hash of a JSON value: the keys of samples, their questions, post-hoc probe files."""
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:size]
 
 
@@ -179,9 +180,9 @@ def filed_label(label, ident, out_dir):
     if entry is None or entry.get("model_id") == ident:
         return label
     if str(entry.get("model_id")).partition("#")[0] == folder:
-        print(f"{os.path.join(out_dir, 'results.json')}: the entry of {label} is of the model that was in "
-              f"{folder} before (trained again or replaced since): it is evaluated again and replaced",
-              file=sys.stderr)
+        print(f"{os.path.join(out_dir, 'results.json')}: the entry of {label} is of the model that "
+              f"was in {folder} before (trained again or replaced since): it is evaluated again "
+              "and replaced", file=sys.stderr)
         return label
     return f"{label}@{digest(ident, 8)}"
 
@@ -196,26 +197,26 @@ def _count(v):
 
 
 def is_sample(r):
-    """A row as evaluate.py writes it: names, indices >= 0, correct 0/1, a confidence in [0, 1], and
-    with a `key` what the summaries read (rows without one are never counted)."""
+    """A row as evaluate.py writes it: names, indices >= 0, correct 0/1, a confidence in [0, 1],
+    and with a `key` what the summaries read (rows without one are never counted)."""
     conf = r.get("confidence")
-    ok = (isinstance(r.get("model"), str) and isinstance(r.get("benchmark"), str) and _count(r.get("question"))
-          and _count(r.get("sample")) and r.get("correct") in (0, 1) and isinstance(conf, (int, float))
-          and not isinstance(conf, bool) and 0 <= conf <= 1)
+    ok = (isinstance(r.get("model"), str) and isinstance(r.get("benchmark"), str)
+          and _count(r.get("question")) and _count(r.get("sample")) and r.get("correct") in (0, 1)
+          and isinstance(conf, (int, float)) and not isinstance(conf, bool) and 0 <= conf <= 1)
     return ok and ("key" not in r or (isinstance(r["key"], str) and isinstance(r.get("q"), str)
-                                      and "answer" in r and isinstance(r["answer"], (str, type(None)))
-                                      and _count(r.get("length")) and isinstance(r.get("checkpoints", []), list)))
+                   and "answer" in r and isinstance(r["answer"], (str, type(None)))
+                   and _count(r.get("length")) and isinstance(r.get("checkpoints", []), list)))
 
 
 def read_samples(path):
-    """Rows of samples.jsonl; a last line cut by a kill is dropped from the file with a message, any
-    other line that is not a sample (is_sample) is one error naming the file and the line."""
+    """Rows of samples.jsonl; a last line cut by a kill is dropped from the file with a message,
+    any other line that is not a sample (is_sample) is one error naming the file and the line."""
     return files.read_jsonl(path, valid=is_sample)
 
 
 def read_responses(path, loaded):
-    """{benchmark: [[response text, ...] of each question]} of a --responses file, a question's in the
-    file's order; its format: docs/reference.md, "Responses made elsewhere"."""
+    """{benchmark: [[response text, ...] of each question]} of a --responses file, a question's in
+    the file's order; its format: docs/reference.md, "Responses made elsewhere"."""
     given = {bench: [[] for _ in rows] for bench, rows, *_ in loaded}
     index = {bench: {r["problem"]: q for q, r in enumerate(rows)} for bench, rows, *_ in loaded}
     for i, r in enumerate(data.read_file(path), 1):   # JSON lines, a JSON list or parquet
@@ -241,8 +242,8 @@ def read_responses(path, loaded):
 
 
 def given_samples(tokenizer, texts, cap):
-    """rollout.Samples of responses made elsewhere, tokenized as is; EOS ends each under `cap` tokens,
-    a longer one is cut at `cap` as if sampled here (finish "length", graded on what is left)."""
+    """rollout.Samples of responses made elsewhere, tokenized as is; EOS ends each under `cap`
+    tokens, a longer one is cut at `cap` as if sampled here (finish "length", graded as cut)."""
     ids = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
     texts = [t if len(i) <= cap else tokenizer.decode(i[:cap], skip_special_tokens=True) for t, i in zip(texts, ids)]
     finish = ["length" if len(i) >= cap else "eos" for i in ids]
@@ -251,13 +252,13 @@ def given_samples(tokenizer, texts, cap):
 
 
 def question_ids(rows):
-    """A hash of each question's text and gold: a sample counts only for the question it was made for."""
+    """A hash of each question's text and gold: a sample counts only for the question it was for."""
     return [digest([r["problem"], r["answer"]], 12) for r in rows]
 
 
 def own_rows(samples, key, rows, n):
     """The rows of `samples` made with `key` for these rows, once per (question, sample): a copied
-    line (two shards' files joined with cat) counts once, and a question edited since is sampled again."""
+    line (two shards' files joined with cat) counts once; an edited question is sampled again."""
     qids, mine = question_ids(rows), {}
     for r in samples:
         q = r["question"]
@@ -267,8 +268,8 @@ def own_rows(samples, key, rows, n):
 
 
 def sample_key(ident, source, s, args, prompt, conf_kw):
-    """The key of one model's samples of one benchmark: a digest of the model, the benchmark's source
-    and every setting that changes a sample's draw, grade or confidence (docs/reference.md)."""
+    """The key of one model's samples of one benchmark: a digest of the model, the benchmark's
+    source and each setting changing a sample's draw, grade or confidence (docs/reference.md)."""
     prb = conf_kw["prb"]
     weights = prb and [[k, hashlib.sha256(v.detach().float().cpu().numpy().tobytes()).hexdigest()]
                        for k, v in prb.state_dict().items()]
@@ -294,8 +295,7 @@ def setup():
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     # a rank waits at each gather for the slowest (a round, a phase of the post-hoc fit)
-    wait = datetime.timedelta(hours=24)
-    dist.init_process_group("gloo", rank=RANK, world_size=WORLD, timeout=wait)
+    dist.init_process_group("gloo", rank=RANK, world_size=WORLD, timeout=datetime.timedelta(hours=24))
 
 
 def share(obj):
@@ -308,10 +308,8 @@ def share(obj):
 
 
 def deal(calls):
-    """This rank's call of each round (None once the calls run out): every rank sees as many rounds."""
-    rounds = -(-len(calls) // WORLD)
-    for r in range(rounds):
-        i = r * WORLD + RANK
+    """This rank's call of each round (None once the calls run out): every rank gets as many."""
+    for i in range(RANK, -(-len(calls) // WORLD) * WORLD, WORLD):   # round r: call r * WORLD + RANK
         yield calls[i] if i < len(calls) else None
 
 
@@ -320,10 +318,8 @@ def spread(fn, items):
     rank i % WORLD as deal deals calls; the results merged in item order, on every rank."""
     if WORLD == 1:
         return fn(items)
-    mine = range(RANK, len(items), WORLD)
-    got = fn([items[i] for i in mine])
     every = [None] * WORLD
-    dist.all_gather_object(every, got)
+    dist.all_gather_object(every, fn(items[RANK::WORLD]))
     return [every[i % WORLD][i // WORLD] for i in range(len(items))]
 
 
@@ -345,23 +341,19 @@ def generate_dealt(model, tokenizer, prompts, n=1, batch_size=None, progress=Non
     return rollout.Samples(**{f.name: column(f.name) for f in dataclasses.fields(rollout.Samples)})
 
 
-class Rounds:
+class Rounds(AbstractContextManager):
     """The rows of a benchmark's rounds, appended to `path` by rank 0 in call order. add(fn, *args):
     this rank's round, fn(*args) -> lines, run in a thread while the next round generates (fn None:
-    no call). Leaving the block writes what is left, in one process also on an error (the resume's)."""
+    no call). Leaving the block writes what is left, in one process also on an error (to resume)."""
 
     def __init__(self, path, bar=None):
-        self.path, self.bar = path, bar
+        self.path, self.bar, self.pending = path, bar, []
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grading")
-        self.pending = []
 
     def add(self, fn=None, *args):
         self.pending.append(self.pool.submit(fn or list, *args))   # list(): no call, no rows
-        if len(self.pending) > 1:   # the round before this one has had this round's generation to grade
+        if len(self.pending) > 1:   # the previous round was graded during this round's generation
             self._write(self.pending.pop(0))
-
-    def __enter__(self):
-        return self
 
     def __exit__(self, kind, *_):   # several ranks on an error: no gather, one may be gone
         done = kind is None or WORLD == 1

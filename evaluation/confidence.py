@@ -5,8 +5,7 @@
   verbal         the last <confidence> tag (RLCR's format; baselines.verbal_confidence)
   verbal-forced  RLCR's released reading: the mean tag of k forced re-answers (forced_verbal)
   logits         exp(mean log-prob of the response) at the run's temperature (logit_confidence)
-The protocol and where it differs from the release: docs/reference.md, "Evaluation".
-"""
+The protocol and where it differs from the release: docs/reference.md, "Evaluation"."""
 import copy
 import json
 import math
@@ -17,21 +16,22 @@ import sys
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.optim.lr_scheduler import ReduceLROnPlateau
 from tqdm import tqdm
 
 import data
 import probe as probe_lib
 import rollout
 import toy
-from baselines import verbal_confidence  # RLCR's parser, read here for --confidence verbal
+from baselines import verbal_confidence
 from grade import answer_tag, answers_match, blank_answer, boxed_answer, boxed_in_thinking, code_job
 from grade import is_correct
 from grpo import pack, token_logprobs
 import label as label_lib
-from label import FORCED, cut_ends, cuts_of, forward_pass, mc_labels
+from label import FORCED, closed_cut, cut_ends, cuts_of, forward_pass, mc_labels
 from rollout import generate
-from evaluation.benchmarks import (EVAL_SUFFIX, REAL, RLCR_REANSWER, TOY, digest, generate_dealt, model_id,
-                                   settings, share, spread)
+from evaluation.benchmarks import (EVAL_SUFFIX, REAL, RLCR_REANSWER, TOY, digest, generate_dealt,
+                                   model_id, settings, share, spread)
 from harness import checkpoint, files, plan, sandbox, staticcache
 from harness.files import UserError
 from harness.parallel import MASTER
@@ -47,26 +47,27 @@ def sample_confidences(source, model, tokenizer, prompts, responses, texts, gold
     label.cuts_of's last cut with the run's `fractions`). verbal: extras {"verbal_missing": bool};
     verbal-forced: {"verbal_missing": how many of the forced_k had no tag}. Probe sources with
     `every`: {"checkpoints": [[t, c_t, y_t], ...]} for t = every, 2 * every, ... below the end of
-    thinking: the confidence there and whether one forced answer (T 0.6, top-p 0.95) is right.
-    """
+    thinking: the confidence there and whether one forced answer (T 0.6, top-p 0.95) is right."""
     if source == "verbal":
         pairs = [verbal_confidence(t) for t in texts]
         return [c for c, _ in pairs], [{"verbal_missing": m} for _, m in pairs]
     if source == "verbal-forced":
-        conf, missing = forced_verbal(model, tokenizer, prompts, responses, close_id, budget, forced_k,
-                                      seed=seed, batch_size=rows, close_text=reanswer)
+        conf, missing = forced_verbal(model, tokenizer, prompts, responses, close_id, budget,
+                                      forced_k, seed=seed, batch_size=rows, close_text=reanswer)
         return conf, [{"verbal_missing": m} for m in missing]
     if source == "logits":
-        conf = logit_confidence(model, prompts, responses, tokenizer.pad_token_id, batch_size, logit_temperature)
-        if not all(math.isfinite(c) for c in conf):  # never a NaN row in samples.jsonl
-            raise FloatingPointError(f"{sum(not math.isfinite(c) for c in conf)} of {len(conf)} logit "
-                                     "confidences are NaN or inf: the model's weights hold NaN or inf")
+        conf = logit_confidence(model, prompts, responses, tokenizer.pad_token_id, batch_size,
+                                logit_temperature)
+        if bad := sum(not math.isfinite(c) for c in conf):  # never a NaN row in samples.jsonl
+            raise FloatingPointError(f"{bad} of {len(conf)} logit confidences are NaN or inf: the "
+                                     "model's weights hold NaN or inf")
         return conf, [{} for _ in texts]
-    staticcache.release(model)  # the generation's static shape: neither the features nor the labels reuse it
+    staticcache.release(model)  # neither the features nor the labels reuse the generation's shape
     ends = [think_end(r, close_id) for r in responses]
     bls = [(list(range(every, te, every)) if every else [])
            + [max(cuts_of(len(r), fractions), default=0) if source == "probe" else te]
            for r, te in zip(responses, ends)]
+    posthoc = source == "probe-posthoc"
     if every:
         # One prefill a response: its features at every cut and a forced answer at each (the last's
         # unread). On a GPU, fewer cuts a chunk where they would not fit: each draws its own stream.
@@ -76,11 +77,11 @@ def sample_confidences(source, model, tokenizer, prompts, responses, texts, gold
             chunk = plan.label_chunk(chunk, 1, width, model.config, plan.free_bytes(model.device))
         ys, feats = mc_labels(model, tokenizer, prompts, responses, bls, golds, k=1,
                               sampling=dict(FORCED, temperature=0.6, top_p=0.95, max_new_tokens=64),
-                              close=close, suffix=suffix, seed=seed,
-                              batch_size=chunk, features=True, final_norm=source == "probe-posthoc")
+                              close=close, suffix=suffix, seed=seed, batch_size=chunk,
+                              features=True, final_norm=posthoc)
         staticcache.release(model)  # nor does the next batch's generation reuse the labels' shape
     else:
-        feats = features(model, prompts, responses, bls, tokenizer.pad_token_id, source == "probe-posthoc",
+        feats = features(model, prompts, responses, bls, tokenizer.pad_token_id, posthoc,
                          batch_size)
     sizes = [len(f) for f in feats]
     probs = probe_lib.predict(prb, torch.cat(feats)).cpu() if sum(sizes) else torch.zeros(0)
@@ -90,44 +91,38 @@ def sample_confidences(source, model, tokenizer, prompts, responses, texts, gold
     return [cs[-1] for cs in confs], extras
 
 
-def forced_verbal(model, tokenizer, prompts, responses, close_id, budget, k, seed=None, batch_size=8,
-                  close_text=RLCR_REANSWER, max_new_tokens=1000):
-    """(conf [N], missing [N]): per response, the mean reanswer_confidence of k re-answers forced after
-    `prompt + thinking[:budget] + close_text` (released: RLCR_REANSWER, tokenized on its own; None:
-    the `</think>` id alone, for the toy), and how many of the k had no readable tag."""
+def forced_verbal(model, tokenizer, prompts, responses, close_id, budget, k, seed=None,
+                  batch_size=8, close_text=RLCR_REANSWER, max_new_tokens=1000):
+    """(conf [N], missing [N]): per response, the mean reanswer_confidence of k re-answers forced
+    after `prompt + thinking[:budget] + close_text` (released: RLCR_REANSWER, tokenized on its own;
+    None: the `</think>` id alone, for the toy), and how many of the k had no readable tag."""
     if close_id is None:
         raise ValueError("--confidence verbal-forced needs a `</think>` token in the tokenizer")
     close = [close_id] if close_text is None else tokenizer.encode(close_text, add_special_tokens=False)
-    forced = [list(p) + list(r[:min(think_end(r, close_id), budget)]) + close for p, r in zip(prompts, responses)]
-    texts = sample_by_length(model, tokenizer, forced, k, max_new_tokens=max_new_tokens, temperature=0.6,
-                             top_p=0.95, seed=seed, batch_size=max(1, batch_size // k))
-    read = [[reanswer_confidence(t) for t in ts] for ts in texts]
+    forced = [list(p) + list(r[:min(think_end(r, close_id), budget)]) + close
+              for p, r in zip(prompts, responses)]
+    order = list(range(len(forced)))
+    if rollout.default_decode(model) == "static":   # shortest first: a chunk holds one static shape
+        order.sort(key=lambda i: len(forced[i]))
+    out = generate(model, tokenizer, [forced[i] for i in order], n=k, max_new_tokens=max_new_tokens,
+                   temperature=0.6, top_p=0.95, seed=seed, batch_size=max(1, batch_size // k))
+    read = [None] * len(forced)
+    for j, i in enumerate(order):
+        read[i] = [reanswer_confidence(t) for t in out.texts[j * k:(j + 1) * k]]
     return [sum(c for c, _ in r) / len(r) for r in read], [sum(m for _, m in r) for r in read]
 
 
 def reanswer_confidence(text):
     """(confidence, missing) of one forced RLCR re-answer as released (2_budget_eval --rlcr): its
     verbal confidence, but (0.5, True) where it has no complete <answer> tag, or a blank one, and
-    holds a `\\boxed{` (the released boxed fallback). The re-answer continues an opened `<answer>`:
-    its `</answer>` closes that one. reanswer_confidence("\\boxed{5} <confidence>0.9</confidence>") ==
-    (0.5, True); reanswer_confidence("5</answer> <confidence>0.9</confidence>") == (0.9, False)."""
+    holds a `\\boxed{` (the released boxed fallback). The re-answer continues an opened
+    `<answer>`: its `</answer>` closes that one.
+    reanswer_confidence("\\boxed{5} <confidence>0.9</confidence>") == (0.5, True);
+    reanswer_confidence("5</answer> <confidence>0.9</confidence>") == (0.9, False)."""
     tagged = text if "<answer>" in text or "</answer>" not in text else "<answer>" + text
     if "\\boxed{" in text and blank_answer(answer_tag(tagged)):
         return 0.5, True
     return verbal_confidence(text)
-
-
-def sample_by_length(model, tokenizer, prompts, k, **kw):
-    """The k sampled texts of each prompt, in the order given; on the static path (CUDA) shortest
-    prompt first, so that a chunk holds one width (one static shape)."""
-    order = list(range(len(prompts)))
-    if rollout.default_decode(model) == "static":
-        order.sort(key=lambda i: len(prompts[i]))
-    out = generate(model, tokenizer, [list(prompts[i]) for i in order], n=k, **kw)
-    texts = [None] * len(prompts)
-    for j, i in enumerate(order):
-        texts[i] = out.texts[j * k:(j + 1) * k]
-    return texts
 
 
 def think_end(response, close_id):
@@ -139,15 +134,14 @@ def think_end(response, close_id):
 def logit_confidence(model, prompts, responses, pad_id, batch_size=8, temperature=0.8):
     """exp(mean_t log p_T(response token t)), EOS included, with logits / temperature, one float
     per response: C2GSPG's confidence, trained at the sampling temperature."""
-    out = []
+    out, dev = [], model.device
     with torch.no_grad():
         for s in range(0, len(prompts), batch_size):
             b = pack(prompts[s:s + batch_size], responses[s:s + batch_size], pad_id)
-            dev = model.device
-            logp = token_logprobs(model, b["input_ids"].to(dev), b["attention_mask"].to(dev), temperature).float().cpu()
+            logp = token_logprobs(model, b["input_ids"].to(dev), b["attention_mask"].to(dev),
+                                  temperature).float().cpu()
             m = b["loss_mask"]
-            mean = (logp * m).sum(1) / m.sum(1).clamp(min=1)
-            out += torch.exp(mean).tolist()
+            out += torch.exp((logp * m).sum(1) / m.sum(1).clamp(min=1)).tolist()
     return out
 
 
@@ -156,8 +150,8 @@ def features(model, prompts, responses, cut_lists, pad_id, final_norm, batch_siz
     feature, or with final_norm the post-hoc one (the final normed state at prompt_len + b - 1)."""
     out = []
     for s in range(0, len(prompts), batch_size):
-        ps, rs, bs = prompts[s:s + batch_size], responses[s:s + batch_size], cut_lists[s:s + batch_size]
-        b = pack(ps, rs, pad_id)
+        bs = cut_lists[s:s + batch_size]
+        b = pack(prompts[s:s + batch_size], responses[s:s + batch_size], pad_id)
         batch = {k: v.to(model.device) for k, v in b.items()}
         ends = cut_ends(b["prompt_lens"].tolist(), bs)
         _, feats, _ = forward_pass(model, batch, ends, final_norm=final_norm, logprobs=False)
@@ -165,27 +159,28 @@ def features(model, prompts, responses, cut_lists, pad_id, final_norm, batch_siz
     return out
 
 
-TOY_SOURCES = [f"{name}:test" for name in data.TOY_BENCHMARKS]   # the post-hoc probe fits on toy train
+TOY_SOURCES = [f"{name}:test" for name in data.TOY_BENCHMARKS]   # all toy: a post-hoc fit on train
 
 
 def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(), prompt=(None, None)):
-    """(probe or None, post-hoc report or None) for a confidence source; a post-hoc probe is cached in
-    OUT per model (its label and a hash of model_id)."""
+    """(probe or None, post-hoc report or None) for a confidence source; a post-hoc probe is cached
+    in OUT per model (its label and a hash of model_id)."""
     if source == "probe":
-        if not os.path.isfile(os.path.join(path, "probe.pt")):
+        pt = os.path.join(path, "probe.pt")
+        if not os.path.isfile(pt):
             raise UserError(f"{label} has no probe.pt: use --confidence probe-posthoc, logits or verbal")
-        with checkpoint.reading(os.path.join(path, "probe.pt")):
-            return probe_lib.load(os.path.join(path, "probe.pt"))[0], None
+        with checkpoint.reading(pt):
+            return probe_lib.load(pt)[0], None
     if source != "probe-posthoc":
         return None, None
     # fit data: the toy's train split, or the RL set (released: lead_80), less any evaluated problem
-    toy_only = all(source in TOY_SOURCES for *_, source in loaded)
+    toy_only = all(where in TOY_SOURCES for *_, where in loaded)
     src = args.probe_data or ("toy" if toy_only else "deepscaler")
     is_toy = src in ("toy", "toy-pooled")
     w = TOY if is_toy else REAL
     s = settings("toy" if is_toy else src, args)
-    if is_toy:   # toy: RL's train split, as released; toy-pooled: every toy benchmark's in turn, so ECE
-        # measures what the state says about correctness, not the fit set's accuracy against a benchmark's
+    if is_toy:   # toy: RL's train split, as released; toy-pooled: each benchmark's in turn, so ECE
+        # measures what the state says about correctness, not the fit set's accuracy against one's
         names = [src] if src == "toy" else data.TOY_BENCHMARKS
         splits = [data.load_rows(name, split="train") for name in names]
         pool, instruction = [row for turn in zip(*splits) for row in turn], toy.INSTRUCTION
@@ -193,25 +188,25 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
         pool, instruction = data.load_rows(src, lcb_release=args.lcb_release), data.instruction_for(src)
     instruction = instruction if prompt[0] is None else prompt[0]
     seen = {r["problem"] for _, rows, _, _ in loaded for r in rows}
-    # toy-pooled: the released fit's size from each benchmark (80 x 3), so each is fitted on as many as `toy` alone is
+    # toy-pooled: the released size (80) from each benchmark, as many as `toy` alone fits on
     size = w["probe_questions"] * (len(data.TOY_BENCHMARKS) if src == "toy-pooled" else 1)
     rows = [r for r in pool if r["problem"] not in seen][:args.probe_questions or size]
     if not rows:
-        raise UserError(f"--probe-data {src}: all its {len(pool)} questions are in the evaluated benchmarks, so "
-                        "no fit questions are left: pass other --probe-data")
-    # the toy's forced answers stop at the newline that ends its answer, before the boxes it writes after
+        raise UserError(f"--probe-data {src}: all its {len(pool)} questions are in the evaluated "
+                        "benchmarks, so no fit questions are left: pass other --probe-data")
+    # the toy's forced answers stop at the newline ending the answer, before the boxes it writes
     protocol = dict(n=args.probe_samples or w["probe_samples"], max_new_tokens=s["max_new_tokens"],
                     temperature=args.temperature, top_p=args.top_p, every=s["every"],
-                    count=args.posthoc_budgets or w["posthoc_budgets"], k=s["forced_k"], suffix=s["suffix"],
-                    close=args.forced_close, stop=["\n"] if is_toy else [], copy_natural=True,
-                    lead="" if is_toy else EVAL_LEAD, gate=s["gate"], epochs=100, patience=30, batch=64,
-                    val_frac=0.2, seed=42,
+                    count=args.posthoc_budgets or w["posthoc_budgets"], k=s["forced_k"],
+                    suffix=s["suffix"], close=args.forced_close, stop=["\n"] if is_toy else [],
+                    copy_natural=True, lead="" if is_toy else EVAL_LEAD, gate=s["gate"], epochs=100,
+                    patience=30, batch=64, val_frac=0.2, seed=42,
                     **({"grader": s["grader"]} if "grader" in s else {}),   # code, or --grader's
                     **({"tokens": "text"} if args.posthoc_tokens == "text" else {}))
     print(f"post-hoc probe for {label}: {len(rows)} {src} questions ...", file=sys.stderr)
-    prb, report = posthoc_probe(
-        os.path.join(out_dir, f"posthoc_probe_{label}_{digest(model_id(path), 8)}".replace("/", "_")), model, tok,
-        rows, instruction, close_id, protocol, batch_size=s["score_batch"], rows=s["rows"], system=prompt[1])
+    cache = os.path.join(out_dir, f"posthoc_probe_{label.replace('/', '_')}_{digest(model_id(path), 8)}")
+    prb, report = posthoc_probe(cache, model, tok, rows, instruction, close_id, protocol,
+                                batch_size=s["score_batch"], rows=s["rows"], system=prompt[1])
     return prb, report and dict(report, data=src)   # (None, None) on a worker other than rank 0
 
 
@@ -220,8 +215,8 @@ CODE_TOKENS = 2048   # the longest forced program (benchmarks.CODE_SUFFIX)
 GRID = [(lr, p, wd) for lr in (1e-3, 5e-4, 1e-4) for p in (0.5, 0.8) for wd in (1e-3, 1e-2)]
 
 
-def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, protocol, batch_size=8, rows=64,
-                  system=None):
+def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, protocol,
+                  batch_size=8, rows=64, system=None):
     """(probe, report): read from `cache`.pt if fitted there with the same protocol (get_probe's
     dict), else fitted and saved, the report copied to `cache`.json for people. Every worker samples
     and grades a share; rank 0 alone reads the cache and fits, the others return (None, None)."""
@@ -229,8 +224,8 @@ def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, pro
     cached = read_cache(cache + ".pt") if MASTER and os.path.exists(cache + ".pt") else None
     if share(cached is not None and cached[1].get("protocol") == p):
         return cached if MASTER else (None, None)
-    say(f"fitting it (then cached in {cache}.pt): {len(questions)} questions x {p['n']} rollouts, forced "
-        f"answers at their budgets, a fit over {len(GRID)} settings")
+    say(f"fitting it (then cached in {cache}.pt): {len(questions)} questions x {p['n']} rollouts, "
+        f"forced answers at their budgets, a fit over {len(GRID)} settings")
     prompts = [data.row_prompt(tokenizer, r, instruction, system) for r in questions]
     out = generate_dealt(model, tokenizer, prompts, n=p["n"], max_new_tokens=p["max_new_tokens"],
                          temperature=p["temperature"], top_p=p["top_p"], seed=p["seed"],
@@ -239,15 +234,15 @@ def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, pro
     rep = [q for q in prompts for _ in range(p["n"])]
     golds = [r["answer"] for r in questions for _ in range(p["n"])]
     groups = [q for q in range(len(questions)) for _ in range(p["n"])]
-    x, y, g, stats = posthoc_examples(model, tokenizer, rep, out.ids, out.texts, golds, groups, close_id,
-                                      dict(p, seed=p["seed"] + 1), batch_size, rows)
+    x, y, g, stats = posthoc_examples(model, tokenizer, rep, out.ids, out.texts, golds, groups,
+                                      close_id, dict(p, seed=p["seed"] + 1), batch_size, rows)
     if not MASTER:
         return None, None
     prb, report = fit_posthoc(x, y, g, p, device=model.device)
+    right = sum(is_correct(t, a, p.get("grader", "math")) for t, a in zip(out.texts, golds))
     report.update(stats, protocol=p, questions=len(questions), samples=len(rep), prefixes=len(y),
-                  label_mean=float(y.mean()),
-                  accuracy=sum(is_correct(t, a, p.get("grader", "math")) for t, a in zip(out.texts, golds)) / len(golds))
-    with files.replacing(cache + ".pt", "wb") as f:   # the one file read back: probe and report together
+                  label_mean=float(y.mean()), accuracy=right / len(golds))
+    with files.replacing(cache + ".pt", "wb") as f:   # the one file read back: probe and report
         probe_lib.save(f, prb, report=json.dumps(report))
     files.write_json(cache + ".json", report, indent=1)   # a copy to read; never read back
     return prb, report
@@ -259,12 +254,12 @@ def say(phase):
         print(f"post-hoc probe: {phase}", file=sys.stderr, flush=True)
 
 
-def posthoc_examples(model, tokenizer, prompts, responses, texts, golds, groups, close_id, p, batch_size=8,
-                     rows=64):
-    """(feats [M, d], labels [M], groups [M] problem indices, stats), M = p["count"] * N: per rollout
-    and budget b (posthoc_budgets), the final normed state at prompt + thinking[:b] and posthoc_labels'
-    label. p: get_probe's protocol; its "tokens" "text" (released): the thinking re-tokenized from its
-    text, and the forced prompts without the prompt's BOS (the features keep it)."""
+def posthoc_examples(model, tokenizer, prompts, responses, texts, golds, groups, close_id, p,
+                     batch_size=8, rows=64):
+    """(feats [M, d], labels [M], groups [M] problem indices, stats), M = p["count"] * N: per
+    rollout and budget b (posthoc_budgets), the final normed state at prompt + thinking[:b] and
+    posthoc_labels' label. p: get_probe's protocol; its "tokens" "text" (released): the thinking
+    re-tokenized from its text, the forced prompts without the prompt's BOS (features keep it)."""
     ends = [think_end(r, close_id) for r in responses]
     forced = prompts
     if p.get("tokens") == "text":
@@ -274,13 +269,14 @@ def posthoc_examples(model, tokenizer, prompts, responses, texts, golds, groups,
         bos = tokenizer.bos_token_id
         forced = [q[1:] if bos is not None and q[:1] == [bos] else q for q in map(list, prompts)]
     positions = [posthoc_budgets(e, p["every"], p["count"]) for e in ends]
-    labels, copied = posthoc_labels(model, tokenizer, forced, responses, texts, golds, positions, ends, p, rows)
+    labels, copied = posthoc_labels(model, tokenizer, forced, responses, texts, golds, positions,
+                                    ends, p, rows)
     say(f"reading the hidden state at {sum(map(len, positions))} prefixes")
 
-    def scored(starts):
-        return [features(model, prompts[s:s + batch_size], responses[s:s + batch_size],
-                         positions[s:s + batch_size], tokenizer.pad_token_id, True, batch_size) for s in starts]
-    x = torch.cat([f for batch in spread(scored, list(range(0, len(prompts), batch_size))) for f in batch])
+    def scored(starts):   # the features of the batches at these starts
+        return [features(model, *(a[s:s + batch_size] for a in (prompts, responses, positions)),
+                         tokenizer.pad_token_id, True, batch_size) for s in starts]
+    x = torch.cat([f for b in spread(scored, list(range(0, len(prompts), batch_size))) for f in b])
     y = torch.tensor([v for ls in labels for v in ls], dtype=torch.float32)
     g = torch.tensor([grp for grp, ps in zip(groups, positions) for _ in ps], dtype=torch.long)
     past = sum(b >= e for ps, e in zip(positions, ends) for b in ps)
@@ -298,32 +294,32 @@ def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions
     of a thinking that holds a box (p["gate"] "none": a box anywhere) the natural grade is copied
     (p["copy_natural"]); elsewhere Y_b is the share of p["k"] answers forced from `prompt +
     response[:b] + lead + CLOSE + suffix` (T 0.6, top-p 0.95) that are right, equal forced prompts
-    sampled once, through label.forced_answers (each its own stream: the rollouts dealt to the workers).
-    p["grader"] "code": the answers are programs, run against the gold's tests."""
+    sampled once, through label.forced_answers (each its own stream: the rollouts dealt to the
+    workers). p["grader"] "code": the answers are programs, run against the gold's tests."""
     k, suffix, gate, grader = p["k"], p["suffix"], p["gate"], p.get("grader", "math")
     lead_ids = tokenizer.encode(p["lead"], add_special_tokens=False) if p["lead"] else []
     suffix_ids = tokenizer.encode(suffix, add_special_tokens=False)
     tail = [*lead_ids, label_lib.close_id(tokenizer, p["close"]), *suffix_ids]
     labels, todo, copied = [], {}, 0   # todo: forced prompt -> (j, (rollout, cut), gold)
-    programs = None if grader != "code" else spread(sandbox.grade_many,
-                                                          [code_job(t, g) for t, g in zip(texts, golds)])
-    for i, ps in enumerate(positions):
+    programs = (spread(sandbox.grade_many, [code_job(t, g) for t, g in zip(texts, golds)])
+                if grader == "code" else None)
+    for i, (ps, t) in enumerate(zip(positions, texts)):
         if programs is not None:
             natural = float(programs[i])
         else:
-            boxed = boxed_in_thinking(texts[i]) if gate == "thinking" else boxed_answer(texts[i]) is not None
-            natural = float(is_correct(texts[i], golds[i])) if boxed else None
+            boxed = boxed_in_thinking(t) if gate == "thinking" else boxed_answer(t) is not None
+            natural = float(is_correct(t, golds[i])) if boxed else None
         row = []
         for b in ps:
             if p["copy_natural"] and b >= ends[i] and natural is not None:
                 row.append(natural)
                 copied += 1
             else:
-                b = b if lead_ids else label_lib.closed_cut(responses[i], b, tail[0])   # mc_labels' cut
+                b = b if lead_ids else closed_cut(responses[i], b, tail[0])   # mc_labels' cut
                 key = (*prompts[i], *responses[i][:b], *tail)
                 row.append(todo.setdefault(key, (len(todo), (i, b), golds[i]))[0])
         labels.append(row)
-    asks, asked = {}, [ib for _, ib, _ in todo.values()]   # rollout -> the j of the forced prompts it asks
+    asks, asked = {}, [ib for _, ib, _ in todo.values()]   # asks: rollout -> its forced prompts' j
     for j, (i, _) in enumerate(asked):
         asks.setdefault(i, []).append(j)
 
@@ -334,8 +330,7 @@ def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions
             [(m, b) for m, cuts in enumerate(bs) for b in cuts], tail, k,
             dict(temperature=0.6, top_p=0.95, stop=tuple(p["stop"]),
                  max_new_tokens=CODE_TOKENS if grader == "code" else 64),
-            p["seed"], max(1, rows // k),
-            progress=MASTER and "post-hoc forced answers")[0]
+            p["seed"], max(1, rows // k), progress=MASTER and "post-hoc forced answers")[0]
         each = iter([got[at:at + k] for at in range(0, len(got), k)])
         return [[next(each) for _ in cuts] for cuts in bs]
     y = []
@@ -344,53 +339,51 @@ def posthoc_labels(model, tokenizer, prompts, responses, texts, golds, positions
         forced = [(got[j], gold) for j, _, gold in todo.values()]
         say(f"grading {len(todo) * k} forced answers")
         if grader == "code":
-            passed = iter(spread(sandbox.grade_many, [code_job(t, gold) for ts, gold in forced for t in ts]))
+            passed = iter(spread(sandbox.grade_many, [code_job(t, g) for ts, g in forced for t in ts]))
             y = [sum(next(passed) for _ in ts) / k for ts, _ in forced]
         else:
-            y = spread(lambda part: [sum(answers_match(boxed_answer(suffix + t), gold) for t in ts) / k
-                                           for ts, gold in part], forced)
-    labels = [[v if isinstance(v, float) else y[v] for v in row] for row in labels]
-    return labels, copied
+            y = spread(lambda part: [sum(answers_match(boxed_answer(suffix + t), g) for t in ts) / k
+                                     for ts, g in part], forced)
+    return [[v if isinstance(v, float) else y[v] for v in row] for row in labels], copied
 
 
 def fit_posthoc(x, y, groups, p, grid=GRID, device="cpu", plateau=(0.5, 5), together=True):
-    """(the grid's best probe, report) of the released fit (docs/reference.md, "Evaluation") on x [M, d],
-    soft labels y [M] and problems groups [M]: split_groups, then fit_setting for each grid point, the
-    lowest validation loss wins. p: get_probe's protocol (its seed, val_frac, epochs, patience, batch).
-    together: every setting at once (fit_together, the same fits, several times faster)."""
-    if not torch.isfinite(x).all():
-        raise FloatingPointError(f"post-hoc probe: {int((~torch.isfinite(x)).any(1).sum())} of {len(x)} "
-                                 "features are NaN or inf: the model's weights hold NaN or inf")
+    """(the grid's best probe, report) of the released fit (docs/reference.md, "Evaluation") on
+    x [M, d], soft labels y [M] and problems groups [M]: split_groups, then fit_setting for each
+    grid point, the lowest validation loss wins. p: get_probe's protocol (its seed, val_frac,
+    epochs, patience, batch). together: fit_together (the same fits, all at once: faster)."""
+    if bad := int((~torch.isfinite(x)).any(1).sum()):
+        raise FloatingPointError(f"post-hoc probe: {bad} of {len(x)} features are NaN or inf: the "
+                                 "model's weights hold NaN or inf")
     tr, va = split_groups(groups, p["val_frac"], p["seed"])
     if len(tr) == 0 or len(va) == 0:
-        raise ValueError("post-hoc probe needs at least two problems with labelled prefixes; raise --probe-questions")
+        raise ValueError("post-hoc probe needs at least two problems with labelled prefixes; "
+                         "raise --probe-questions")
     data = [t.to(device).float() for t in (x[tr], y[tr], x[va], y[va])]
     fits = (fit_together(*data, p, grid, plateau) if together else
             [fit_setting(*data, p, one, plateau) for one in tqdm(grid, desc="post-hoc fit over the grid")])
     runs = [run for run, _ in fits]
-    run, state = fits[min(range(len(fits)), key=lambda i: runs[i]["val_loss"])]
+    run, state = min(fits, key=lambda fit: fit[0]["val_loss"])   # the first of equal losses
     if state is None:
         raise FloatingPointError("post-hoc probe: no fit in the grid reached a finite validation loss")
     prb = probe_lib.Probe(x.shape[1], dropout=run["dropout"])
     prb.load_state_dict(state)
-    yt, yv = y[tr], y[va]
-    pv = probe_lib.predict(prb, x[va])
-    report = dict(run, n_train=len(tr), n_val=len(va),
-                  val_problems=len(set(groups[va].tolist())), train_problems=len(set(groups[tr].tolist())),
-                  val_bce=bce(pv, yv), base_rate=float(yt.mean()),
-                  base_bce=bce(torch.full_like(yv, float(yt.mean())), yv), grid=runs)
-    return prb, report
+    yv, base = y[va], float(y[tr].mean())
+    return prb, dict(run, n_train=len(tr), n_val=len(va), val_problems=len(set(groups[va].tolist())),
+                     train_problems=len(set(groups[tr].tolist())),
+                     val_bce=bce(probe_lib.predict(prb, x[va]), yv), base_rate=base,
+                     base_bce=bce(torch.full_like(yv, base), yv), grid=runs)
 
 
 def fit_setting(xt, yt, xv, yv, p, setting, plateau):
-    """(run, state at the best epoch) of one grid setting (lr, dropout, weight decay), as released: a
-    fresh Probe, AdamW, an epoch of batches then the validation loss against round(y), the lr halved
-    on a plateau, stopped after `patience` epochs without a strictly lower loss."""
+    """(run, state at the best epoch) of one grid setting (lr, dropout, weight decay), as released:
+    a fresh Probe, AdamW, an epoch of batches then the validation loss against round(y), the lr
+    halved on a plateau, stopped after `patience` epochs without a strictly lower loss."""
     lr, drop, wd = setting
     torch.manual_seed(p["seed"])
     prb = probe_lib.Probe(xt.shape[1], dropout=drop).to(xt.device)
     opt = probe_lib.make_optimizer(prb, lr=lr, weight_decay=wd)
-    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=plateau[0], patience=plateau[1])
+    sched = ReduceLROnPlateau(opt, factor=plateau[0], patience=plateau[1])
     run_best, state, bad, best_epoch = math.inf, None, 0, 0
     for epoch in range(p["epochs"]):
         probe_lib.fit(prb, opt, xt, yt, passes=1, batch_size=p["batch"], seed=p["seed"] + epoch)
@@ -415,20 +408,19 @@ def fit_together(xt, yt, xv, yv, p, grid, plateau):
     G, seed, batch, dev = len(grid), p["seed"], p["batch"], xt.device
     torch.manual_seed(seed)
     first = probe_lib.Probe(xt.shape[1])
-    init = first.state_dict()                     # the weights each setting's fresh Probe starts from
+    init = first.state_dict()   # the weights each setting's fresh Probe starts from
     params = [t.detach().repeat(G, 1).to(dev).requires_grad_() for t in init.values()]
-    flat = [t.view(G, -1) for t in params]        # [G, h*d], [G, h], [G, h], [G, 1]: setting g in row g
+    flat = [t.view(G, -1) for t in params]   # [G, h*d], [G, h], [G, h], [G, 1]: setting g in row g
     avg, sq = [torch.zeros_like(t) for t in flat], [torch.zeros_like(t) for t in flat]
     # each dropout rate draws from the stream nn.Dropout draws from in fit_setting
     draws = {drop: torch.Generator(dev).set_state(torch.get_rng_state()) if dev.type == "cpu" else
              torch.Generator(dev).manual_seed(seed) for _, drop, _ in grid}
-    lrs = [torch.optim.SGD([torch.zeros(1)], lr=lr) for lr, _, _ in grid]   # holders of each setting's lr
-    factor, patience = plateau
-    scheds = [torch.optim.lr_scheduler.ReduceLROnPlateau(o, factor=factor, patience=patience) for o in lrs]
+    lrs = [torch.optim.SGD([torch.zeros(1)], lr=lr) for lr, _, _ in grid]   # each setting's lr
+    scheds = [ReduceLROnPlateau(o, factor=plateau[0], patience=plateau[1]) for o in lrs]
 
-    def logits(xb, noise=1):   # [B, d] -> [G, B], each setting's tensors contiguous, as they are alone
+    def logits(xb, noise=1):   # [B, d] -> [G, B]; each setting's tensors contiguous, as alone
         w1, b1, w2, b2 = (t.view(G, -1, t.shape[-1]) for t in params)
-        hid = torch.relu(torch.baddbmm(b1, xb.expand(G, -1, -1), w1.transpose(1, 2))) * noise   # [G, B, h]
+        hid = torch.relu(torch.baddbmm(b1, xb.expand(G, -1, -1), w1.transpose(1, 2))) * noise
         return torch.stack([F.linear(a, w, b[0]).squeeze(-1) for a, w, b in zip(hid, w2, b2)])
 
     best, bad, epochs, t = [(math.inf, None, 0)] * G, [0] * G, [0] * G, 0
@@ -438,11 +430,11 @@ def fit_together(xt, yt, xv, yv, p, grid, plateau):
         decay = torch.tensor([[1 - a * wd] for a, (_, _, wd) in zip(lr, grid)], device=dev)
         for s in range(0, len(xt), batch):
             i = order[s:s + batch]
-            noise = {d: torch.empty(len(i), first.hidden, device=dev).bernoulli_(1 - d, generator=g).div_(1 - d)
-                     for d, g in draws.items()}
+            noise = {d: torch.empty(len(i), first.hidden, device=dev).bernoulli_(1 - d, generator=g)
+                     .div_(1 - d) for d, g in draws.items()}
             out = logits(xt[i], torch.stack([noise[d] for _, d, _ in grid]))
-            # BCE-with-logits' gradient as torch computes it, (sigmoid - y) / B; the sigmoid row by row,
-            # as a vectorized sigmoid rounds unlike its scalar tail
+            # BCE-with-logits' gradient as torch computes it, (sigmoid - y) / B; the sigmoid row by
+            # row, as a vectorized sigmoid rounds unlike its scalar tail
             sig = torch.stack([o.sigmoid() for o in out.detach()])
             grads = torch.autograd.grad(out, params, (sig - yt[i]) / len(i))
             t += 1
@@ -467,8 +459,8 @@ def fit_together(xt, yt, xv, yv, p, grid, plateau):
                 bad[g] += 1
         if min(bad) >= p["patience"]:
             break
-    return [(dict(lr=lr, dropout=drop, weight_decay=wd, epochs=e, best_epoch=b[2], val_loss=b[0]), b[1])
-            for (lr, drop, wd), e, b in zip(grid, epochs, best)]
+    return [(dict(lr=lr, dropout=drop, weight_decay=wd, epochs=e, best_epoch=at, val_loss=v), st)
+            for (lr, drop, wd), e, (v, st, at) in zip(grid, epochs, best)]
 
 
 def split_groups(groups, val_frac=0.2, seed=42):
@@ -489,10 +481,10 @@ def split_groups(groups, val_frac=0.2, seed=42):
 
 
 def val_loss(logits, y, batch_size=64):
-    """BCE of logits [M] against y [M] as released: the mean of per-batch means (batches of batch_size
-    in order: a short last batch weighs as a full one)."""
-    means = [F.binary_cross_entropy_with_logits(logits[s:s + batch_size], y[s:s + batch_size].float()).item()
-             for s in range(0, len(y), batch_size)]
+    """BCE of logits [M] against y [M] as released: the mean of per-batch means (batches of
+    batch_size in order: a short last batch weighs as a full one)."""
+    parts = [slice(s, s + batch_size) for s in range(0, len(y), batch_size)]
+    means = [F.binary_cross_entropy_with_logits(logits[c], y[c].float()).item() for c in parts]
     return sum(means) / len(means)
 
 
@@ -504,16 +496,15 @@ def bce(p, y):
 
 
 def cache_protocol(protocol, questions, instruction, system=None):
-    """What a cached post-hoc probe must have been fitted with to be reused: the protocol, and the fit
-    data (the same count of other questions, or another prompt, is another probe)."""
-    fit_data = [[r["problem"], r["answer"]] for r in questions] + [instruction, system]
-    return dict(protocol, questions=len(questions), stop=list(protocol["stop"]),
-                data=digest(fit_data))
+    """What a cached post-hoc probe must have been fitted with to be reused: the protocol, and the
+    fit data (the same count of other questions, or another prompt, is another probe)."""
+    fit = [[r["problem"], r["answer"]] for r in questions] + [instruction, system]
+    return dict(protocol, questions=len(questions), stop=list(protocol["stop"]), data=digest(fit))
 
 
 def read_cache(path):
-    """(probe, report) of a post-hoc cache file, or None with one line naming it where it is damaged:
-    the probe is fitted again. Read with weights_only and checked by probe.load."""
+    """(probe, report) of a post-hoc cache file, or None with one line naming it where it is
+    damaged: the probe is fitted again. Read with weights_only and checked by probe.load."""
     try:
         prb = probe_lib.load(path)[0]
         report = json.loads(torch.load(path, map_location="cpu", weights_only=True).get("report") or "null")

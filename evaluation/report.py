@@ -1,9 +1,8 @@
-"""What an evaluation reports: per-benchmark metrics with bootstrap intervals (summarize), reliability
-diagrams, the printed table and OUT/results.json (means: the paper's Overall, and the math and OOD
-benchmarks' means); and a use of a calibrated confidence: an early exit from a trace at the first
-checkpoint whose confidence reaches a threshold, calibrated by conformal risk control over questions
-(split_early_exit). docs/reference.md.
-"""
+"""What an evaluation reports: per-benchmark metrics with bootstrap intervals (summarize),
+reliability diagrams, the printed table and OUT/results.json (means: the paper's Overall, and the
+math and OOD benchmarks' means); and a use of a calibrated confidence: an early exit from a trace at
+the first checkpoint whose confidence reaches a threshold, calibrated by conformal risk control over
+questions (split_early_exit). docs/reference.md."""
 import json
 import math
 import os
@@ -21,20 +20,19 @@ COLUMNS = (("Acc", "acc"), ("ECE", "ece"), ("PCE", "pce"), ("Brier", "brier"), (
 
 def summarize(rows, n_bins=10, seed=0):
     """Metrics (metrics.calibration), pass@k, reliability rows and early exit of one benchmark."""
-    conf = [r["confidence"] for r in rows]
-    correct = [r["correct"] for r in rows]
+    conf, correct = [r["confidence"] for r in rows], [r["correct"] for r in rows]
     res = metrics.calibration(conf, correct, n_bins)
     by_q = {}
     for r in rows:
         by_q.setdefault(r["question"], []).append(r["correct"])
     res["questions"] = len(by_q)
     # the mean over questions of the unbiased pass@k, k = 1, 2, 4, ... and n, the fewest samples
-    ks = vote_sizes(min(len(c) for c in by_q.values()))
-    res["pass_at_k"] = {k: float(np.mean([metrics.pass_at_k(len(c), sum(c), k) for c in by_q.values()]))
-                        for k in ks}
+    per_q = list(by_q.values())
+    res["pass_at_k"] = {k: float(np.mean([metrics.pass_at_k(len(c), sum(c), k) for c in per_q]))
+                        for k in vote_sizes(min(len(c) for c in per_q))}
     res["reliability"] = metrics.reliability(conf, correct, n_bins)
-    # 95 % intervals over questions (metrics.bootstrap): printed as `0.543 +- 0.012`
-    res["ci95"] = metrics.bootstrap(conf, correct, [r["question"] for r in rows], n_resamples=1000, seed=seed)
+    # 95 % intervals over questions (metrics.bootstrap, 1000 resamples): printed as `0.543 +- 0.012`
+    res["ci95"] = metrics.bootstrap(conf, correct, [r["question"] for r in rows], seed=seed)
     if any("verbal_missing" in r for r in rows):
         res["verbal_missing"] = sum(bool(r.get("verbal_missing")) for r in rows)
     res.update(early_exit_of(rows, seed=seed))
@@ -48,34 +46,33 @@ def plot_reliability(rel, title, path):
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(4.5, 4.5))
     full = [r for r in rel if r["count"]]
-    ax.bar([r["lo"] for r in full], [r["accuracy"] for r in full], width=[r["hi"] - r["lo"] for r in full],
+    ax.bar([r["lo"] for r in full], [r["accuracy"] for r in full], [r["hi"] - r["lo"] for r in full],
            align="edge", edgecolor="black", color="tab:blue", alpha=0.8, label="accuracy")
     ax.plot([0, 1], [0, 1], "--", color="gray", label="perfect calibration")
     for r in full:
-        ax.text((r["lo"] + r["hi"]) / 2, min(r["accuracy"], 0.93) + 0.02, str(r["count"]), ha="center", fontsize=7)
+        ax.text((r["lo"] + r["hi"]) / 2, min(r["accuracy"], 0.93) + 0.02, str(r["count"]),
+                ha="center", fontsize=7)
     ax.set(xlim=(0, 1), ylim=(0, 1), xlabel="confidence", ylabel="accuracy", title=title)
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
-    with replacing(path, "wb") as f:   # whole or not at all: a full disk leaves the old one, not 0 bytes
+    with replacing(path, "wb") as f:   # all or nothing: a full disk leaves the old one, not 0 bytes
         fig.savefig(f, dpi=100, format="png")
     plt.close(fig)
 
 
 def overall(benches):
     """Unweighted mean over benchmarks of each metric, skipping nan (None in results.json)."""
-    out = {}
-    for _, key in COLUMNS:
-        vals = [b[key] for b in benches.values() if b[key] is not None and not math.isnan(b[key])]
-        out[key] = float(np.mean(vals)) if vals else math.nan
-    return out
+    vals = {key: [b[key] for b in benches.values() if b[key] is not None and not math.isnan(b[key])]
+            for _, key in COLUMNS}
+    return {key: float(np.mean(v)) if v else math.nan for key, v in vals.items()}
 
 
 def means(benches):
-    """The paper's Overall, the mean over every benchmark (its 8: math, LCB, GPQA, LogiQA), and beside it
-    the means of the math and of the OOD benchmarks where there are any: {"overall", "math", "ood"}."""
-    maths = {b: v for b, v in benches.items() if b not in data.OOD}
-    ood = {b: v for b, v in benches.items() if b in data.OOD}
-    return dict(overall=overall(benches), **{k: overall(v) for k, v in (("math", maths), ("ood", ood)) if v})
+    """{"overall", "math", "ood"}: the paper's Overall, the mean over every benchmark (its 8: math,
+    LCB, GPQA, LogiQA), and the means of the math and of the OOD benchmarks where there are any."""
+    parts = {"math": {b: v for b, v in benches.items() if b not in data.OOD},
+             "ood": {b: v for b, v in benches.items() if b in data.OOD}}
+    return dict(overall=overall(benches), **{k: overall(v) for k, v in parts.items() if v})
 
 
 def table(results):
@@ -98,20 +95,20 @@ def table(results):
         lines += [_row(name, dict(m, n=""), res) for name, m in means]
         for bench, diff in res.get("mixed_settings", {}).items():
             was = ", ".join(f"{k} {a} (here {b})" for k, (a, b) in diff.items())
-            lines += ["", f"* mixed settings: results.json's Overall for {label} also averages {bench}, "
-                      f"evaluated earlier with {was}"]
+            lines += ["", f"* mixed settings: results.json's Overall for {label} also averages "
+                      f"{bench}, evaluated earlier with {was}"]
     return "\n".join(lines)
 
 
 def _row(name, b, res):
     st = res.get("settings", {}).get(name, {})
     cells = [_cell(b, "acc"), " ".join(f"{k}: {v:.3f}" for k, v in b.get("pass_at_k", {}).items())]
-    return (f"| {name} | {b['n']} | " + " | ".join(cells + [_cell(b, k) for _, k in COLUMNS[1:]]) + " | " +
-            " | ".join(str(st.get(k, "")) for k in SETTINGS.values()) + " |")
+    return (f"| {name} | {b['n']} | " + " | ".join(cells + [_cell(b, k) for _, k in COLUMNS[1:]])
+            + " | " + " | ".join(str(st.get(k, "")) for k in SETTINGS.values()) + " |")
 
 
-# The settings an Overall's benchmarks share when one command evaluates them all (n and max_new_tokens
-# as its defaults per benchmark): one kept from an earlier evaluation with others is "mixed_settings".
+# What an Overall's benchmarks share when one command evaluates them all (n and max_new_tokens as
+# its defaults per benchmark): one kept from an earlier evaluation with others: "mixed_settings".
 MIXED = ("n", "max_new_tokens", "temperature", "top_p", "seed", "gate", "every", "forced_k")
 # Per-benchmark settings printed with the table (results.json holds them all under "settings").
 SETTINGS = {"confidence": "confidence", "grader": "grader", "samples": "n", "temp": "temperature",
@@ -135,24 +132,24 @@ def clean(x):
 
 
 def read_results(out_dir):
-    """OUT/results.json: {label: entry}, {} where there is none; a damaged file is one line naming it."""
+    """OUT/results.json: {label: entry}, {} where there is none; a damaged one is a UserError."""
     path = os.path.join(out_dir, "results.json")
+    fix = "remove it (samples.jsonl keeps every sample)"
     try:
         with open(path, encoding="utf-8") as f:
             old = json.load(f)
     except FileNotFoundError:
         return {}
     except ValueError as e:
-        raise UserError(f"{path} is not valid JSON ({e}): remove it (samples.jsonl keeps every sample)") from None
+        raise UserError(f"{path} is not valid JSON ({e}): {fix}") from None
     if not isinstance(old, dict) or not all(isinstance(v, dict) for v in old.values()):
-        raise UserError(f"{path} is not an object of results per model: remove it (samples.jsonl keeps every sample)")
+        raise UserError(f"{path} is not an object of results per model: {fix}")
     return old
 
 
 def write_results(out_dir, label, res, now=None):
-    """Merge this model's results into OUT/results.json (docs/reference.md); now(bench): the settings
-    this evaluation gives a benchmark. Returns (the benchmarks kept, mixed_settings)."""
-    path = os.path.join(out_dir, "results.json")
+    """Merge this model's results into OUT/results.json (docs/reference.md); now(bench): the
+    settings this evaluation gives a benchmark. Returns (the benchmarks kept, mixed_settings)."""
     old = read_results(out_dir)
     new, before = clean(res), old.get(label, {})
     same = all(before.get(k) == new.get(k) for k in ("model_id", "confidence", "posthoc_probe"))
@@ -165,7 +162,7 @@ def write_results(out_dir, label, res, now=None):
     mixed = {b: diff for b, diff in mixed.items() if diff}
     new.pop("math", None), new.pop("ood", None)
     old[label] = dict(new, **clean(means(new["benchmarks"])), **({"mixed_settings": mixed} if mixed else {}))
-    write_json(path, old, indent=1)
+    write_json(os.path.join(out_dir, "results.json"), old, indent=1)
     return kept, mixed
 
 
@@ -215,7 +212,7 @@ def worst_exit(trace):
 
 
 def crc_bound(units, lam):
-    """(sum_i L_i(lam) + 1) / (n + 1) over n units (lists of traces, L_i = mean bound_loss of its traces)."""
+    """(sum_i L_i(lam) + 1) / (n + 1) over n units (lists of traces), L_i their mean bound_loss."""
     total = sum(sum(lam <= worst_exit(tr) for tr in unit) / len(unit) for unit in units)
     return (float(total) + 1.0) / (len(units) + 1)
 
@@ -227,8 +224,8 @@ def crc_threshold(units, epsilon):
     if 1.0 / (n + 1) > epsilon:
         return None
     # worst exits with the weight of one trace in its unit's mean, highest first
-    worst = sorted(((worst_exit(tr), 1.0 / len(unit)) for unit in units for tr in unit), reverse=True)
-    cands = sorted({c for unit in units for tr in unit for _, c, _ in tr["checkpoints"]}, reverse=True)
+    worst = sorted(((worst_exit(tr), 1.0 / len(u)) for u in units for tr in u), reverse=True)
+    cands = sorted({c for u in units for tr in u for _, c, _ in tr["checkpoints"]}, reverse=True)
     best, total, k = math.inf, 0.0, 0
     for lam in cands:
         while k < len(worst) and worst[k][0] >= lam:
@@ -252,8 +249,7 @@ def early_exit(cal, test, epsilons=EPSILONS):
         use = math.inf if lam is None else lam
         outs = [exit_outcome(tr, use) for tr in traces]
         exits = [tr for tr in traces if any(c >= use for _, c, _ in tr["checkpoints"])]
-        rows.append(dict(epsilon=eps, threshold=lam,
-                         cal_bound=crc_bound(cal, use) if cal else math.nan,
+        rows.append(dict(epsilon=eps, threshold=lam, cal_bound=crc_bound(cal, use) if cal else math.nan,
                          test_risk=float(np.mean([o[0] for o in outs])) if outs else math.nan,
                          exit_rate=len(exits) / len(traces) if traces else math.nan,
                          tokens_saved=1.0 - sum(o[1] for o in outs) / full))
@@ -264,11 +260,10 @@ def split_early_exit(units, epsilons=EPSILONS, splits=100, seed=0):
     """early_exit over `splits` seeded random halvings of the units (questions), the first half
     calibrating: per epsilon, split 0's threshold, cal_bound and test_risk_split0, and the means
     over all splits of test_risk (and its sd), exit_rate and tokens_saved."""
-    runs = []
+    runs, half = [], len(units) // 2
     for s in range(splits):
         order = list(units)
         random.Random(seed + s).shuffle(order)
-        half = len(order) // 2
         runs.append(early_exit(order[:half], order[half:], epsilons))
     rows = []
     for i, first in enumerate(runs[0]):
@@ -287,6 +282,5 @@ def early_exit_of(rows, seed=0, epsilons=EPSILONS, splits=100):
         return {}
     by_q = {}
     for r in rows:
-        trace = {"checkpoints": r["checkpoints"], "length": r["length"]}
-        by_q.setdefault(r["question"], []).append(trace)
+        by_q.setdefault(r["question"], []).append({k: r[k] for k in ("checkpoints", "length")})
     return {"early_exit": split_early_exit([by_q[q] for q in sorted(by_q)], epsilons, splits, seed)}
