@@ -37,8 +37,7 @@ TOY = dict(data="toy", eval_data="toy", steps=45, prompts_per_step=16, group_siz
 REAL = dict(data="deepscaler", eval_data="math500", steps=600, prompts_per_step=32, group_size=6,
             lr=1e-6, warmup=10, warmup_from_zero=True, weight_decay=0.01, max_new_tokens=8000,
             max_prompt_tokens=600, eval_n=100, eval_every=50, save_every=40, grad_ckpt=True,
-            micro_tokens=16384, instruction=INSTRUCTION,
-            grader="strict",  # the released training reward
+            micro_tokens=16384, instruction=INSTRUCTION, grader="strict",  # the released reward
             gen_batch=8)  # 8 prompts x 6 = 48 rows x 8k tokens: ~22 GB of KV cache for the 7B
 # hub id -> what its own released run script changes in REAL (docs/reference.md: the 4B's recipe)
 RECIPES = {"Qwen/Qwen3-4B-Instruct-2507": dict(steps=240)}
@@ -75,8 +74,7 @@ def fractions(text):
     raise argparse.ArgumentTypeError(f"{text!r}: give fractions in (0, 1], e.g. 0.25,0.5,0.75 or 1")
 
 
-# Allowed values: (test, what the test says). Floats must also be finite. A flag missing here is
-# unchecked; add yours in one line.
+# Allowed values: (test, what it says); floats must also be finite; flags not here are unchecked.
 LIMITS = {
     **dict.fromkeys(("prompts_per_step", "max_new_tokens", "gen_batch", "k", "probe_passes", "gpus",
                      "micro_tokens", "chunk_size", "keep", "ppo_epochs", "nproc"),
@@ -292,14 +290,12 @@ def resolve_args(argv):
         check_dropped(saved, flag, path)
     if given.get("resume"):
         if saved.pop("trust_remote_code", False) and not given.get("trust_remote_code"):
-            raise UserError(f"--resume {run}: the run was started with --trust-remote-code, which "
-                            "is never taken from a saved config; pass it again if you trust the "
-                            "code there")
+            raise UserError(f"--resume {run}: the run was started with --trust-remote-code, never "
+                            "taken from a saved config: pass it again if you trust the code there")
         for key in FIXED_ON_RESUME:
             if key in given and key in saved and given[key] != saved[key]:
-                raise UserError(f"--resume {run}: --{key.replace('_', '-')} cannot change on "
-                                f"resume (saved {saved[key]!r}, given {given[key]!r}); start a new "
-                                "run with --out")
+                raise UserError(f"--resume {run}: --{key.replace('_', '-')} cannot change on resume "
+                                f"(saved {saved[key]!r}, given {given[key]!r}); start a new run with --out")
         if "out" in given and os.path.abspath(given["out"]) != os.path.abspath(run):
             raise UserError(f"--resume {run} writes into {run}: drop --out {given['out']}")
         given["out"] = run
