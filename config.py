@@ -14,42 +14,40 @@ from data import INSTRUCTION, RLCR_INSTRUCTION
 from grpo import AGGS
 from baselines import REWARDS  # the --reward modes
 from rollout import DECODES
-from harness.checkpoint import ALIASES
+from harness.checkpoint import ALIASES, check_out, read_config
 from harness.files import UserError
-from harness.checkpoint import check_out, read_config
 from harness.runlog import TRACKERS, check_tracker
 
 NOT_SAVED = ("resume", "config")  # how a run was started, not what it is
 # Settings earlier versions saved: the value this version acts as, and the last commit that had the
 # flag. A run saved with another value would resume as another experiment: refused.
 DROPPED = dict(problem_field=(None, "ccafa30"), answer_field=(None, "ccafa30"),
-               probe_batch=(16, "d51ef88"), log_samples=(4, "d51ef88"), eval_probe_n=(32, "d51ef88"),
-               probe_labels=("mc", "a0ee24b"), reward_fn=(None, "4391ed1"), wandb=(None, "d70acb7"),
-               wandb_run=(None, "d70acb7"))
+               probe_batch=(16, "d51ef88"), log_samples=(4, "d51ef88"),
+               eval_probe_n=(32, "d51ef88"), probe_labels=("mc", "a0ee24b"),
+               reward_fn=(None, "4391ed1"), wandb=(None, "d70acb7"), wandb_run=(None, "d70acb7"))
 
 # Defaults that depend on the world (docs/design.md, "Defaults"): the toy sizes for 2 CPU cores, the
 # real ones from the released run script. Why the toy's lr and lam: docs/reference.md (the end).
-TOY = dict(data="toy", eval_data="toy", steps=45, prompts_per_step=16, group_size=8, lr=2e-5, lam=1.0,
-           warmup=3, warmup_from_zero=False, weight_decay=0.0, max_new_tokens=72, eval_n=500, eval_every=10, save_every=10, grad_ckpt=False,
-           micro_tokens=8192, gen_batch=256, grader="math",
-           instruction="")  # toy problems are complete user messages
+TOY = dict(data="toy", eval_data="toy", steps=45, prompts_per_step=16, group_size=8, lr=2e-5,
+           lam=1.0, warmup=3, warmup_from_zero=False, weight_decay=0.0, max_new_tokens=72,
+           eval_n=500, eval_every=10, save_every=10, grad_ckpt=False, micro_tokens=8192,
+           gen_batch=256, grader="math", instruction="")  # toy problems are complete user messages
 # The released run script (save_freq=40: the paper's steps 560 and 600; verl's AdamW decay and
 # warm-up). The toy keeps its own (no decay, the first update at lr / warmup): its README numbers.
 REAL = dict(data="deepscaler", eval_data="math500", steps=600, prompts_per_step=32, group_size=6,
             lr=1e-6, warmup=10, warmup_from_zero=True, weight_decay=0.01, max_new_tokens=8000,
-            max_prompt_tokens=600, eval_n=100, eval_every=50, save_every=40, grad_ckpt=True, micro_tokens=16384, instruction=INSTRUCTION,
-            grader="strict",  # the released training reward
+            max_prompt_tokens=600, eval_n=100, eval_every=50, save_every=40, grad_ckpt=True,
+            micro_tokens=16384, instruction=INSTRUCTION, grader="strict",  # the released reward
             gen_batch=8)  # 8 prompts x 6 = 48 rows x 8k tokens: ~22 GB of KV cache for the 7B
 # hub id -> what its own released run script changes in REAL (docs/reference.md: the 4B's recipe)
 RECIPES = {"Qwen/Qwen3-4B-Instruct-2507": dict(steps=240)}
-COMMON = dict(model="toy", trust_remote_code=False,
-              temperature=0.8, top_p=1.0, reward="rlcm", lam=0.1, k=4, forced_close="think",
-              corner="zero", budgets=(0.25, 0.5, 0.75), max_prompt_tokens=0, probe_lr=1e-3, probe_passes=16,
-              probe_hidden=None, grad_clip=1.0,
+COMMON = dict(model="toy", trust_remote_code=False, temperature=0.8, top_p=1.0, reward="rlcm",
+              lam=0.1, k=4, forced_close="think", corner="zero", budgets=(0.25, 0.5, 0.75),
+              max_prompt_tokens=0, probe_lr=1e-3, probe_passes=16, probe_hidden=None, grad_clip=1.0,
               clip_low=0.2, clip_high=0.2, agg="token-mean", chunk_size=1024, seed=0, keep=2,
-              out=None, resume=None, system_prompt=None,
-              ppo_epochs=1, offload=False, offload_grads="gpu", nproc=None, gpus=None, gpu_mem=None,
-              plan=False, decode=None, drop_unanimous=False, c2gspg_bce="off", lora_rank=0, lora_alpha=32.0,
+              out=None, resume=None, system_prompt=None, ppo_epochs=1, offload=False,
+              offload_grads="gpu", nproc=None, gpus=None, gpu_mem=None, plan=False, decode=None,
+              drop_unanimous=False, c2gspg_bce="off", lora_rank=0, lora_alpha=32.0,
               lora_targets="all-linear", toy_world=None, report_to="none")
 # Under --lora-rank the default --lr is this many times the world's full fine-tuning rate ("LoRA
 # Without Regret", Schulman et al. 2025: about 10x; TRL's GRPO recipe: 1e-5 against 1e-6).
@@ -71,22 +69,19 @@ def fractions(text):
         out = tuple(float(f) for f in text.split(",") if f.strip())
     except ValueError:
         out = ()
-    if not out or not all(0 < f <= 1 for f in out):
-        raise argparse.ArgumentTypeError(f"{text!r}: give fractions in (0, 1], e.g. 0.25,0.5,0.75 or 1.0")
-    return out
+    if out and all(0 < f <= 1 for f in out):
+        return out
+    raise argparse.ArgumentTypeError(f"{text!r}: give fractions in (0, 1], e.g. 0.25,0.5,0.75 or 1")
 
 
-# Allowed values: (test, what the test says). Floats must also be finite. A flag missing here is
-# unchecked; add yours in one line.
+# Allowed values: (test, what it says); floats must also be finite; flags not here are unchecked.
 LIMITS = {
     **dict.fromkeys(("prompts_per_step", "max_new_tokens", "gen_batch", "k", "probe_passes", "gpus",
                      "micro_tokens", "chunk_size", "keep", "ppo_epochs", "nproc"),
                     (lambda v: v >= 1, ">= 1")),
-    **dict.fromkeys(("lam", "warmup", "weight_decay", "clip_high"),
-                    (lambda v: v >= 0, ">= 0")),
+    **dict.fromkeys(("lam", "warmup", "weight_decay", "clip_high"), (lambda v: v >= 0, ">= 0")),
     **dict.fromkeys(("probe_lr", "lr", "grad_clip", "lora_alpha"), (lambda v: v > 0, "> 0")),
     "steps": (lambda v: v >= 0, ">= 0 (0: nothing to train)"),
-    # every mode normalises advantages within a group: one sample per prompt has no advantage
     "group_size": (lambda v: v >= 2, ">= 2 (advantages are normalised within a prompt's group)"),
     "temperature": (lambda v: v > 0, "> 0 (log-probs are taken at the sampling temperature)"),
     "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
@@ -113,6 +108,8 @@ def dflt(key):
 
 
 def build_parser():   # every default None: resolve_args fills them. More: docs/reference.md
+    def num(g, flag, kind, text):   # a number flag, its help ending with its default(s)
+        g.add_argument(flag, type=kind, help=f"{text} ({dflt(flag[2:].replace('-', '_'))})")
     fmt = lambda d: ", ".join(f"{k}={v}" for k, v in d.items())  # noqa: E731
     p = argparse.ArgumentParser(description=(
         "train.py: RL with a confidence-margin reward (RLCM), or a --reward baseline, on the "
@@ -125,18 +122,18 @@ def build_parser():   # every default None: resolve_args fills them. More: docs/
     g.add_argument("--eval-data", help="held-out set for the accuracy check (toy test / math500)")
     g.add_argument("--toy-world", choices=(toy.WORLD,),
                    help="a --model folder's toy world: the toy's defaults apply")
-    g.add_argument("--max-prompt-tokens", type=int, help=f"cap ({dflt('max_prompt_tokens')})")
+    num(g, "--max-prompt-tokens", int, "cap")
     g.add_argument("--trust-remote-code", action="store_true", default=None,
                    help="run the model's own code; give it again with --resume")
     g.add_argument("--instruction", help="text after every problem (saved; evaluate.py reuses it)")
     g.add_argument("--system-prompt", help="a system turn (saved; evaluate.py reuses it)")
     g = p.add_argument_group("rollout")
-    g.add_argument("--prompts-per-step", type=int, help=f"problems per RL step ({dflt('prompts_per_step')})")
-    g.add_argument("--group-size", type=int, help=f"samples per problem, a group ({dflt('group_size')})")
-    g.add_argument("--max-new-tokens", type=int, help=f"response cap in tokens ({dflt('max_new_tokens')})")
-    g.add_argument("--temperature", type=float, help=f"sampling temperature ({dflt('temperature')})")
+    num(g, "--prompts-per-step", int, "problems per RL step")
+    num(g, "--group-size", int, "samples per problem, a group")
+    num(g, "--max-new-tokens", int, "response cap in tokens")
+    num(g, "--temperature", float, "sampling temperature")
     g.add_argument("--top-p", type=float, help=f"nucleus sampling's top-p ({dflt('top_p')}: off)")
-    g.add_argument("--gen-batch", type=int, help=f"prompts per generation call ({dflt('gen_batch')})")
+    num(g, "--gen-batch", int, "prompts per generation call")
     g.add_argument("--decode", choices=DECODES,
                    help="KV cache: static + CUDA graphs (default on CUDA) or dynamic (on CPU)")
     g = p.add_argument_group("reward, labels and probe (docs/design.md, Baselines)")
@@ -145,8 +142,8 @@ def build_parser():   # every default None: resolve_args fills them. More: docs/
                    help="reward 0 for all-right or all-wrong groups (Brier modes: on, as released)")
     g.add_argument("--c2gspg-bce", choices=("off", "seq-mean", "token-mean"),
                    help="c2gspg: add 0.1 x BCE(c_theta, correct); off: as released")
-    g.add_argument("--lam", type=float, help=f"R = r_nat + lam x calibration ({dflt('lam')})")
-    g.add_argument("--k", type=int, help=f"forced answers per prefix ({dflt('k')})")
+    num(g, "--lam", float, "R = r_nat + lam x calibration")
+    num(g, "--k", int, "forced answers per prefix")
     g.add_argument("--forced-close", choices=("think", "eos"),
                    help=f"</think> (paper) or EOS (released) ({dflt('forced_close')})")
     g.add_argument("--budgets", type=fractions, metavar="F,F,...",
@@ -155,32 +152,32 @@ def build_parser():   # every default None: resolve_args fills them. More: docs/
                    help=f"the margin when a side is empty ({dflt('corner')})")
     g.add_argument("--grader", type=grade.grader_spec, metavar="{strict,math,minerva},FILE.py:FN",
                    help=f"r_nat's and Y_b's ({dflt('grader')}); FILE.py:FN: your own (README)")
-    g.add_argument("--probe-lr", type=float, help=f"the probe's learning rate ({dflt('probe_lr')})")
-    g.add_argument("--probe-passes", type=int, help=f"passes per fit ({dflt('probe_passes')})")
+    num(g, "--probe-lr", float, "the probe's learning rate")
+    num(g, "--probe-passes", int, "passes per fit")
     g.add_argument("--probe-hidden", type=int, metavar="N",
                    help="the probe d -> N -> 1 (default d/4, as released); 0: linear d -> 1")
     g = p.add_argument_group("optimisation")
     g.add_argument("--lr", type=float, help=f"policy learning rate ({dflt('lr')}; "
                    f"{LORA_LR_FACTOR}x under --lora-rank)")
-    g.add_argument("--warmup", type=int, help=f"linear warm-up updates ({dflt('warmup')})")
+    num(g, "--warmup", int, "linear warm-up updates")
     g.add_argument("--warmup-from-zero", action=argparse.BooleanOptionalAction,
                    help=f"first update at lr 0 (verl's; {dflt('warmup_from_zero')})")
-    g.add_argument("--weight-decay", type=float, help=f"AdamW decay ({dflt('weight_decay')})")
-    g.add_argument("--grad-clip", type=float, help=f"gradient-norm clip ({dflt('grad_clip')})")
-    g.add_argument("--clip-low", type=float, help=f"PPO's ratio clip: 1 - clip-low ({dflt('clip_low')})")
-    g.add_argument("--clip-high", type=float, help=f"PPO's ratio clip: 1 + clip-high ({dflt('clip_high')})")
+    num(g, "--weight-decay", float, "AdamW decay")
+    num(g, "--grad-clip", float, "gradient-norm clip")
+    num(g, "--clip-low", float, "PPO's ratio clip: 1 - clip-low")
+    num(g, "--clip-high", float, "PPO's ratio clip: 1 + clip-high")
     g.add_argument("--agg", choices=AGGS, help=f"loss aggregation ({dflt('agg')})")
-    g.add_argument("--micro-tokens", type=int, help=f"per micro-batch ({dflt('micro_tokens')})")
-    g.add_argument("--chunk-size", type=int, help=f"per LM-head call ({dflt('chunk_size')})")
+    num(g, "--micro-tokens", int, "per micro-batch")
+    num(g, "--chunk-size", int, "per LM-head call")
     g.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction,
                    help=f"gradient checkpointing ({dflt('grad_ckpt')})")
-    g.add_argument("--ppo-epochs", type=int, help=f"updates per batch ({dflt('ppo_epochs')})")
+    num(g, "--ppo-epochs", int, "updates per batch")
     g.add_argument("--offload", action="store_true", default=None,
                    help="params, grads and AdamW state in host memory (FSDP2): the 7B on 1-2 GPUs")
     g.add_argument("--offload-grads", choices=("gpu", "host"),
                    help="with --offload: grads to the host once a step (gpu) or every micro-batch")
     g.add_argument("--lora-rank", type=int, help="LoRA adapter rank (0: full fine-tuning)")
-    g.add_argument("--lora-alpha", type=float, help=f"LoRA scale alpha ({dflt('lora_alpha')})")
+    num(g, "--lora-alpha", float, "LoRA scale alpha")
     g.add_argument("--lora-targets", help=f"e.g. q_proj,v_proj ({dflt('lora_targets')})")
     g = p.add_argument_group("devices")
     g.add_argument("--nproc", type=int, help="worker processes (default: every GPU; 1 on CPU)")
@@ -189,19 +186,18 @@ def build_parser():   # every default None: resolve_args fills them. More: docs/
     g.add_argument("--gpus", type=int, help="plan for this many GPUs")
     g.add_argument("--gpu-mem", type=float, help="plan for GPUs of this many GiB")
     g = p.add_argument_group("run")
-    g.add_argument("--steps", type=int, help=f"RL steps in all ({dflt('steps')})")
+    num(g, "--steps", int, "RL steps in all")
     g.add_argument("--out", help="run directory (default runs/<model>)")
-    g.add_argument("--seed", type=int, help=f"seeds sampling, data order and the probe ({dflt('seed')})")
-    g.add_argument("--save-every", type=int, help=f"checkpoint period ({dflt('save_every')})")
-    g.add_argument("--keep", type=int, help=f"checkpoints kept ({dflt('keep')})")
-    g.add_argument("--eval-every", type=int,
-                   help=f"held-out check every N steps, 0: start and end ({dflt('eval_every')})")
-    g.add_argument("--eval-n", type=int, help=f"held-out problems, 0: no check ({dflt('eval_n')})")
+    num(g, "--seed", int, "seeds sampling, data order and the probe")
+    num(g, "--save-every", int, "checkpoint period")
+    num(g, "--keep", int, "checkpoints kept")
+    num(g, "--eval-every", int, "held-out check every N steps, 0: start and end")
+    num(g, "--eval-n", int, "held-out problems, 0: no check")
     g.add_argument("--resume", metavar="RUN_DIR", help="continue from the last checkpoint; "
                    "refused: " + ", ".join("--" + k.replace("_", "-") for k in FIXED_ON_RESUME))
     g.add_argument("--config", metavar="FILE", help="start a new run from a saved config.json")
     g.add_argument("--report-to", choices=TRACKERS,
-                   help="mirror metrics.jsonl to a tracker (default none; pip install wandb or trackio)")
+                   help="mirror metrics.jsonl to wandb or trackio (pip install it; default none)")
     return p
 
 
@@ -214,10 +210,8 @@ def check_values(cfg, limits=LIMITS):
     """UserError (one line) for the first value outside its limits; None values are skipped."""
     for key, (ok, what) in limits.items():
         v = cfg.get(key)
-        if v is None:
-            continue
         bad = isinstance(v, bool) or not isinstance(v, (int, float))
-        if bad or (isinstance(v, float) and not math.isfinite(v)) or not ok(v):
+        if v is not None and (bad or (isinstance(v, float) and not math.isfinite(v)) or not ok(v)):
             raise UserError(f"--{key.replace('_', '-')} {v}: must be {what}")
 
 
@@ -253,7 +247,7 @@ def check_saved(saved, where):
 
 
 def check_dropped(saved, flag, path):
-    """An older version's settings: a resume as another experiment is refused; --config names them."""
+    """An older version's settings: refused on --resume (another experiment), named on --config."""
     gone = {k: v for k, v in saved.items() if k not in KNOWN and k not in DROPPED}
     if gone:
         raise UserError(f"{flag} {path}: {', '.join(list(gone)[:4])} is no setting train.py ever "
@@ -272,20 +266,19 @@ def check_world(cfg, world):
     """Prompt groups go to the ranks in turn: a rank without one would stall the next collective."""
     n = cfg["prompts_per_step"]
     if n < world:
-        raise UserError(f"--prompts-per-step {n} leaves some of the {world} workers without a prompt: "
-                        f"use --prompts-per-step >= {world} or fewer GPUs (--nproc {n})")
+        raise UserError(f"--prompts-per-step {n} leaves some of the {world} workers without a "
+                        f"prompt: use --prompts-per-step >= {world} or fewer GPUs (--nproc {n})")
 
 
 def resolve_args(argv):
     """CLI -> checked config dict (precedence: the module docstring)."""
-    parser = build_parser()
-    given = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
+    given = {k: v for k, v in vars(build_parser().parse_args(argv)).items() if v is not None}
     check_values(given)   # the flags as typed first, so the message names what the user wrote
     run = given.get("resume")
     if run and not (os.path.isdir(run) and set(os.listdir(run)) - {"lock"}):
         if "out" in given and os.path.abspath(given["out"]) != os.path.abspath(run):
             raise UserError(f"--resume {run} writes into {run}: drop --out {given['out']}")
-        given["out"] = given.pop("resume")   # absent or empty: a new run (one command for every requeue)
+        given["out"] = given.pop("resume")   # a new run: one command for every requeue
     flag = "--resume" if given.get("resume") else "--config" if given.get("config") else None
     saved = {}
     if flag:
@@ -296,10 +289,9 @@ def resolve_args(argv):
         check_saved(saved, path if flag == "--config" else os.path.join(path, "config.json"))
         check_dropped(saved, flag, path)
     if given.get("resume"):
-        run = given["resume"]
         if saved.pop("trust_remote_code", False) and not given.get("trust_remote_code"):
-            raise UserError(f"--resume {run}: the run was started with --trust-remote-code, which is "
-                            "never taken from a saved config; pass it again if you trust the code there")
+            raise UserError(f"--resume {run}: the run was started with --trust-remote-code, never "
+                            "taken from a saved config: pass it again if you trust the code there")
         for key in FIXED_ON_RESUME:
             if key in given and key in saved and given[key] != saved[key]:
                 raise UserError(f"--resume {run}: --{key.replace('_', '-')} cannot change on resume "
@@ -307,10 +299,11 @@ def resolve_args(argv):
         if "out" in given and os.path.abspath(given["out"]) != os.path.abspath(run):
             raise UserError(f"--resume {run} writes into {run}: drop --out {given['out']}")
         given["out"] = run
-    saved = {k: v for k, v in saved.items() if k in KNOWN}   # config.json keeps the rest (RunFolder)
+    saved = {k: v for k, v in saved.items() if k in KNOWN}  # config.json keeps the rest (RunFolder)
     model = given.get("model", saved.get("model", "toy"))
     is_toy = model == "toy" or given.get("toy_world", saved.get("toy_world")) is not None
-    world = {**COMMON, **(TOY if is_toy else {**REAL, **RECIPES.get(ALIASES.get(model, model), {})})}
+    real = {**REAL, **RECIPES.get(ALIASES.get(model, model), {})}
+    world = {**COMMON, **(TOY if is_toy else real)}
     cfg = {**world, **saved, **given}
     if saved.get("reward") != cfg["reward"]:
         # Another mode than the saved one (--config): what the saved mode implied goes back to the
@@ -329,5 +322,5 @@ def resolve_args(argv):
     check_tracker(cfg["report_to"])
     if ":" in cfg["grader"]:
         grade.user_grader(cfg["grader"])   # imported and tried once: a broken one stops here
-    check_out(cfg["out"], "--resume" if cfg["resume"] else "--out", None if cfg["resume"] else "train.py")
+    check_out(cfg["out"], *(("--resume", None) if cfg["resume"] else ("--out", "train.py")))
     return cfg

@@ -20,6 +20,7 @@ PROBLEM_FIELDS = ("problem", "question", "prompt", "Question", "query")
 MAX_PROBLEM_CHARS = 200_000
 # Answer-like names only: `solution` is a worked text, never a gold answer.
 ANSWER_FIELDS = ("answer", "final_answer", "gold", "target", "Correct Answer")
+_ESCAPES = {"\x07": "\\a", "\x08": "\\b", "\t": "\\t", "\x0b": "\\v", "\x0c": "\\f", "\r": "\\r"}
 
 # short name -> its hub id, config, split and row layout (docs/benchmarks.md). integer: answers are
 # integers however stored ("025", 70.0); filter: (field, substring) a kept row has; files: the hub
@@ -49,23 +50,34 @@ BENCHMARKS = {
                        problem="problem", answer="answer"),
 }
 
-
 OOD = ("lcb", "gpqa", "logiqa")  # out-of-distribution: their own block in evaluate.py's report
 # LiveCodeBench's releases as contest months (first, last), from its README: release_vN holds every
-# problem up to vN's last month; "v4_v5" (--lcb-release) is v4's first month to v5's last, the window
-# of DeepSeek-R1's and lighteval's LiveCodeBench scores.
+# problem up to vN's last month; "v4_v5" (--lcb-release) is v4's first month to v5's last, the
+# window of DeepSeek-R1's and lighteval's LiveCodeBench scores.
 LCB_RELEASES = {"v1": ("2023-05", "2024-03"), "v2": ("2024-04", "2024-05"), "v3": ("2024-06", "2024-07"),
                 "v4": ("2024-08", "2024-09"), "v5": ("2024-10", "2025-01"), "v6": ("2025-02", "2025-04")}
 LCB_RELEASE = "v4_v5"
 # The LiveCodeBench prompt, the whole user turn: lighteval's lcb:codegeneration text, lcb_runner's
 # stdin sentence ("Ensure that ...") added, a newline before each fence (README, difference table).
-LCB_PREAMBLE = ("You will be given a question (problem specification) and will generate a correct Python program "
-                "that matches the specification and passes all tests.\n\n")
-LCB_STARTER = ("You will use the following starter code to write the solution to the problem and enclose your "
-               "code within delimiters.\n")
+LCB_PREAMBLE = ("You will be given a question (problem specification) and will generate a correct "
+                "Python program that matches the specification and passes all tests.\n\n")
+LCB_STARTER = ("You will use the following starter code to write the solution to the problem and "
+               "enclose your code within delimiters.\n")
 LCB_STDIN = ("Read the inputs from stdin solve the problem and write the answer to stdout (do not directly test "
              "on the sample inputs). Enclose your code within delimiters as follows. Ensure that when the python "
              "program runs, it reads the inputs, runs the algorithm and writes output to STDOUT.\n")
+INSTRUCTION = " Let's think step by step and output the final answer within \\boxed{}."
+# --reward rlcr on real models: the released RLCR prompt word for word (docs/design.md, "Baselines");
+# RLCR_FORMAT is also what its released evaluation asks of a forced re-answer.
+RLCR_FORMAT = ("<answer> final answer here </answer>\n<analysis> confidence and uncertainty "
+               "analysis here </analysis>\n<confidence> number between 0 and 1 </confidence>")
+RLCR_INSTRUCTION = ("\n\nLet's think step by step. Output the final answer inside <answer> "
+                    "</answer>. Then analyze your confidence and uncertainty inside <analysis> "
+                    "</analysis>. Finally, output a confidence score between 0 and 1 inside "
+                    "<confidence> </confidence>.\n\nUse exactly this format:\n" + RLCR_FORMAT)
+# LogiQA is multiple choice with four options shown as A. to D.; the letter is asked for in a box.
+LOGIQA_INSTRUCTION = (" Let's think step by step and output the letter of the correct option (A, "
+                      "B, C or D) within \\boxed{}.")
 
 
 def kind(name):
@@ -148,10 +160,6 @@ def digest(source):
     named = source in TOY_BENCHMARKS or source in BENCHMARKS
     return None if named or not os.path.isfile(source) else sha256(source)
 
-
-_ESCAPES = {"\x07": "\\a", "\x08": "\\b", "\t": "\\t", "\x0b": "\\v", "\x0c": "\\f", "\r": "\\r"}
-
-
 def scrub(text: str) -> str:
     """Undo LaTeX written into JSON unescaped ("\\frac" read as form feed + "rac") and drop other
     control characters; newlines stay (an escaped "\\n..." cannot be told from a real newline)."""
@@ -162,7 +170,7 @@ def scrub(text: str) -> str:
 
 def read_file(path):
     """Rows of a local .jsonl, .json (a list, or a dict holding one list of rows) or .parquet file
-    (told by its content, so a mistyped extension still reads; a .jsonl's lines are rows, even one)."""
+    (told by its content: a mistyped extension still reads; a .jsonl's lines are rows, even one)."""
     if not os.path.isfile(path):
         raise DataError(f"file not found: {path}: give the path of a json, jsonl or parquet file")
     with open(path, "rb") as f:
@@ -186,11 +194,11 @@ def read_file(path):
             try:
                 data += [json.loads(line)] if line.strip() else []
             except json.JSONDecodeError as e:
-                raise DataError(f"{path} is neither JSON nor JSON lines (line {i + 1}, column {e.colno}: "
-                                f"{e.msg}): fix the file") from None
+                raise DataError(f"{path} is neither JSON nor JSON lines (line {i + 1}, column "
+                                f"{e.colno}: {e.msg}): fix the file") from None
             except ValueError:
                 raise _long_integer(path, i + 1) from None
-    except ValueError:   # a document (or a first line) stopped before its end: the line of the first long run
+    except ValueError:   # too long an integer (in a document or a first line): its line
         digits = re.search(r"\d{%d}" % (sys.get_int_max_str_digits() + 1), text)
         raise _long_integer(path, text.count("\n", 0, digits.start()) + 1 if digits else "?") from None
     if isinstance(data, dict):   # a .jsonl of one line is one row, whatever fields it holds
@@ -252,7 +260,7 @@ def _answer_text(value, integer):
 
 
 def _choices(row, index, spec):
-    """GPQA: options shuffled with a per-row fixed seed; the answer is the correct option's letter."""
+    """GPQA: options shuffled with a per-row fixed seed; the gold is the correct option's letter."""
     options = [scrub(str(row[f])).strip() for f in spec["choices"]]
     order = list(range(len(options)))
     random.Random(index).shuffle(order)
@@ -266,14 +274,14 @@ def _verl_row(r, i, where):
     chat, gold = r.get("prompt"), (r.get("reward_model") or {}).get("ground_truth")
     turn = lambda m: isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)  # noqa: E731
     if not (isinstance(chat, list) and chat and all(map(turn, chat))):
-        raise DataError(f"{where}: row {i} prompt is {str(chat)[:40]!r}, not a chat list of {{role, content}} "
-                        "(verl's layout): fix the row")
+        raise DataError(f"{where}: row {i} prompt is {str(chat)[:40]!r}, not a chat list of "
+                        f"{{role, content}} (verl's layout): fix the row")
     messages = [{"role": m["role"], "content": m["content"]} for m in chat]
     return "\n\n".join(m["content"] for m in messages).strip(), gold, messages
 
 
 def _gradable(where, i, field, value):
-    if isinstance(value, bytes):  # a binary parquet column: UTF-8 text, or _check_text refuses the row
+    if isinstance(value, bytes):  # a binary parquet column: UTF-8, or _check_text refuses the row
         return value.decode("utf-8", "surrogateescape")
     if isinstance(value, (dict, list, bool)) or (isinstance(value, float) and not math.isfinite(value)):
         raise DataError(f"{where}: row {i} field {field!r} is {str(value)[:40]!r} "
@@ -290,8 +298,8 @@ def _check_text(where, i, problem, answer):
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
-            raise DataError(f"{where}: row {i} {field} is not valid Unicode ({e.reason}, {text[e.start]!r} at "
-                            f"character {e.start}): fix the row") from None
+            raise DataError(f"{where}: row {i} {field} is not valid Unicode ({e.reason}, "
+                            f"{text[e.start]!r} at character {e.start}): fix the row") from None
 
 
 def load_rows(source, split=None, limit=None, like=None, lcb_release=LCB_RELEASE):
@@ -305,10 +313,8 @@ def load_rows(source, split=None, limit=None, like=None, lcb_release=LCB_RELEASE
         import toy
         records, where = toy.dataset(split or "train", source), source
     elif source in BENCHMARKS:
-        spec = BENCHMARKS[source]
-        split = split or spec.get("split")
-        records = _from_hub(spec["hf"], spec.get("config"), split, spec.get("files"))
-        where = spec["hf"]
+        spec, where = BENCHMARKS[source], BENCHMARKS[source]["hf"]
+        records = _from_hub(where, spec.get("config"), split or spec.get("split"), spec.get("files"))
     elif (os.path.isfile(source) or source.lower().endswith((".json", ".jsonl", ".parquet"))
           or not re.fullmatch(r"[\w-]+(/[\w.-]+)?", source) or os.path.isdir(source.split("/")[0])):
         records, where = read_file(source), source   # a path: neither owner/name nor a bare name
@@ -319,8 +325,8 @@ def load_rows(source, split=None, limit=None, like=None, lcb_release=LCB_RELEASE
                         "or pass a Hugging Face id (owner/name) or a local json/jsonl/parquet file")
     stray = next((i for i, r in enumerate(records) if not isinstance(r, dict)), None)
     if stray is not None:
-        shown = json.dumps(records[stray], default=str)[:40]
-        raise DataError(f"{where}: row {stray} is {shown}, not an object with problem and answer fields: fix the data")
+        raise DataError(f"{where}: row {stray} is {json.dumps(records[stray], default=str)[:40]}"
+                        ", not an object with problem and answer fields: fix the data")
     if spec.get("filter"):
         field, needle = spec["filter"]
         records = [r for r in records if needle in str(r.get(field, ""))]
@@ -341,7 +347,7 @@ def load_rows(source, split=None, limit=None, like=None, lcb_release=LCB_RELEASE
     else:
         pf = _field(records, keys, spec.get("problem"), PROBLEM_FIELDS, "problem", where)
         af = _field(records, keys, spec.get("answer"), ANSWER_FIELDS, "answer", where)
-    # GPQA's layout (its options in fields of their own), on the hub or in a local copy: options shown, letter gold
+    # GPQA's layout (options in fields of their own), hub or local copy: options shown, letter gold
     choices = spec.get("choices") if keys & set(spec.get("choices", ())) else None
     rows = []
     for i, r in enumerate(records if limit is None else records[:limit]):
@@ -366,20 +372,6 @@ def load_rows(source, split=None, limit=None, like=None, lcb_release=LCB_RELEASE
         _check_text(where, i, problem, answer)
         rows.append({"problem": problem, "answer": answer, **({"messages": messages} if messages else {})})
     return rows
-
-
-INSTRUCTION = " Let's think step by step and output the final answer within \\boxed{}."
-# --reward rlcr on a real model: the released RLCR prompt, word for word (docs/design.md, "Baselines");
-# RLCR_FORMAT is also what its released evaluation asks of a forced re-answer.
-RLCR_FORMAT = ("<answer> final answer here </answer>\n<analysis> confidence and uncertainty analysis here "
-               "</analysis>\n<confidence> number between 0 and 1 </confidence>")
-RLCR_INSTRUCTION = ("\n\nLet's think step by step. Output the final answer inside <answer> </answer>. Then analyze "
-                    "your confidence and uncertainty inside <analysis> </analysis>. Finally, output a confidence "
-                    "score between 0 and 1 inside <confidence> </confidence>.\n\nUse exactly this format:\n"
-                    + RLCR_FORMAT)
-# LogiQA is multiple choice with four options shown as A. to D.; the letter is asked for in a box.
-LOGIQA_INSTRUCTION = (" Let's think step by step and output the letter of the correct option (A, B, C or D) "
-                      "within \\boxed{}.")
 
 
 def instruction_for(name):
@@ -448,8 +440,8 @@ def check_context(tokenizer, rows, instruction, context, max_new_tokens, where, 
         raise DataError(f"{where}: {len(too_long)} prompt(s) do not fit the model's context of {context} "
                         f"tokens (row {too_long[0][0]}: {too_long[0][1]} tokens): shorten or remove them")
     if over:
-        say(f"warning: {where}: {len(over)} of {len(rows)} prompts plus {max_new_tokens} new tokens exceed "
-            f"the model's context of {context} tokens")
+        say(f"warning: {where}: {len(over)} of {len(rows)} prompts plus {max_new_tokens} new "
+            f"tokens exceed the model's context of {context} tokens")
 
 
 def long_prompts(tokenizer, rows, instruction, limit):

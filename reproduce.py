@@ -1,9 +1,9 @@
 """Reproduce the paper's comparison on the toy world: each method trained from the committed
 toy_base for several seeds, evaluated with its matching confidence, one table (OUT/table.md).
 
-    python reproduce.py                                 # Base, GRPO, RLCR, C2GSPG, RLCM; seeds below
-    python reproduce.py --ablations                     # + Final-Margin, Process-Brier, Final-Brier
-    python reproduce.py --methods grpo,rlcm --seeds 0   # a part of it
+    python reproduce.py                                # Base, GRPO, RLCR, C2GSPG, RLCM; seeds below
+    python reproduce.py --ablations                    # + Final-Margin, Process-Brier, Final-Brier
+    python reproduce.py --methods grpo,rlcm --seeds 0  # a part of it
 
 What was made with these arguments is not redone, so the same command continues. docs/reference.md,
 "The paper's comparison, on the toy world", says what each run is and what it printed.
@@ -35,20 +35,23 @@ from harness.files import UserError
 
 MAIN = ("base", "grpo", "rlcr", "c2gspg", "rlcm")
 ABLATIONS = ("final-margin", "process-brier", "final-brier")
-NAMES = dict(zip(MAIN + ABLATIONS, ("Base", "GRPO", "RLCR", "C2GSPG", "RLCM", "Final-Margin", "Process-Brier",
-                                    "Final-Brier")))
+NAMES = dict(zip(MAIN + ABLATIONS, ("Base", "GRPO", "RLCR", "C2GSPG", "RLCM", "Final-Margin",
+                                    "Process-Brier", "Final-Brier")))
 # evaluate.py --confidence of each method: the paper's (docs/design.md, "Baselines")
 CONFIDENCE = dict(dict.fromkeys(MAIN + ABLATIONS, "probe-posthoc"), rlcr="verbal", c2gspg="logits")
 KEYS = (("Acc", "acc"), ("PCE", "pce"), ("ECE", "ece"), ("Brier", "brier"), ("AUROC", "auroc"))
-BENCHMARKS = data.TOY_BENCHMARKS   # every method on each; "Overall" is their unweighted mean, as in the paper
+BENCHMARKS = data.TOY_BENCHMARKS  # all methods on each; "Overall": unweighted mean, as in the paper
 PAIR = ("grpo", "rlcm")            # the headline pair: more seeds, and their paired difference
 quiet = lambda msg: None  # noqa: E731
 SEEDS = dict(dict.fromkeys(MAIN + ABLATIONS, (0, 1, 2)), **dict.fromkeys(PAIR, (0, 1, 2, 3, 4)))
 ROOT = os.path.dirname(os.path.abspath(__file__))
+# What --train-args / --eval-args may not set: what a row is (a config file sets all of it)
+ROW = {"--train-args": ("reward", "seed", "model", "out", "resume", "config", "toy_world"),
+       "--eval-args": ("model", "seed", "out", "confidence")}
 
 
 def parse_args(argv):
-    """(args, methods, seeds {method: [seed]}, jobs): every value checked before anything runs (UserError)."""
+    """(args, methods, seeds {method: [seed]}, jobs), every value checked first (UserError)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--methods", help=f"comma list of {', '.join(MAIN + ABLATIONS)} (default: the main table)")
     p.add_argument("--ablations", action="store_true", help="add " + ", ".join(ABLATIONS) + " (a second table)")
@@ -92,11 +95,6 @@ def parse_args(argv):
     return args, methods, seeds, int(args.jobs)
 
 
-# What --train-args / --eval-args may not set: what a row is (a config file sets all of it)
-ROW = {"--train-args": ("reward", "seed", "model", "out", "resume", "config", "toy_world"),
-       "--eval-args": ("model", "seed", "out", "confidence")}
-
-
 def parsed(parse, words, what):
     """parse(words), with argparse's usage-and-exit on a bad word turned into one UserError line."""
     err = io.StringIO()
@@ -119,8 +117,8 @@ def eval_cmd(method, seed, run, ev):   # before --eval-args
 
 def paths(out, method, seed):   # (run folder, None for the base; eval folder; log prefix)
     name = f"{method}-seed{seed}"
-    return (None if method == "base" else os.path.join(out, "runs", name), os.path.join(out, "eval", name),
-            os.path.join(out, "logs", name))
+    return (None if method == "base" else os.path.join(out, "runs", name),
+            os.path.join(out, "eval", name), os.path.join(out, "logs", name))
 
 
 def model_of(run):
@@ -132,7 +130,7 @@ def model_of(run):
 
 
 def eval_entry(eval_dir, label, ident):
-    """This very model's (`ident`) entry of EVAL/results.json if it has every toy benchmark, else None."""
+    """This model's (`ident`) entry in EVAL/results.json with every toy benchmark, else None."""
     entry = read_results(eval_dir).get(label, {})
     complete = entry.get("model_id") == ident and all(b in entry["benchmarks"] for b in BENCHMARKS)
     return entry if complete else None
@@ -262,8 +260,8 @@ def write_outputs(out, methods, seeds, argv):
     agg, diffs = over_seeds(out, methods, seeds), None
     prov = runlog.provenance(["reproduce.py", *argv], device="cpu")
     commit = prov["git_commit"][:7] + ("+dirty" if prov["git_commit"].endswith("+dirty") else "")
-    when = (f"{prov['date'].replace('T', ' ').replace('+00:00', ' UTC')}; command `python {prov['command']}`; "
-            f"commit {commit}")
+    when = (f"{prov['date'].replace('T', ' ').replace('+00:00', ' UTC')}; command `python "
+            f"{prov['command']}`; commit {commit}")
     md = [f"Toy-world reproduction, {when}; seeds "
           + "; ".join(f"{NAMES[m]}: {', '.join(map(str, seeds[m]))}" for m in methods)
           + " (mean +- sample std over seeds); benchmarks " + ", ".join(BENCHMARKS)
@@ -357,8 +355,8 @@ def main(argv=None):
             signal.signal(signal.SIGTERM, default)
     print(f"total {time.time() - t0:.0f} s")
     if not all(ok):
-        print(f"{len(failed)} step(s) failed ({'; '.join(failed)}): no table written; "
-              "fix the cause and run the same command again (finished steps are kept)", file=sys.stderr)
+        print(f"{len(failed)} step(s) failed ({'; '.join(failed)}): no table written; fix the "
+              "cause and run the same command again (finished steps are kept)", file=sys.stderr)
         raise SystemExit(1)
     print("\n" + write_outputs(args.out, methods, seeds, argv))
 
