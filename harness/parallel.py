@@ -2,8 +2,7 @@
 
 Workers get RANK / WORLD_SIZE / LOCAL_RANK from `launch` or torchrun; without them this is the
 identity and the code runs as one process (CPU: gloo). Layout: docs/design.md, "Scale"; the
-launcher: docs/reference.md, "The launcher".
-"""
+launcher: docs/reference.md, "The launcher"."""
 import copy
 import datetime
 import math
@@ -313,8 +312,7 @@ def worker_env(rank, nproc, port):
 
 def launch(script, argv, nproc):
     """Run `python script *argv` as nproc ranks; the exit code (0, or the failed worker's)."""
-    logs = tempfile.mkdtemp(prefix="rlcm-workers-")
-    port = str(free_port())
+    logs, port = tempfile.mkdtemp(prefix="rlcm-workers-"), str(free_port())
     procs, exits, failed, shown, interrupted = [], {}, threading.Event(), [], threading.Event()
 
     def watch(rank, proc):

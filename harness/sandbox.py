@@ -3,8 +3,7 @@
     ok = run_tests(extract_code(response), tests, fn_name=None)   # True when every test passes
 
 A test is `{"input": str, "output": str, "testtype": "stdin" | "functional"}` (data.lcb_tests).
-The child, what it isolates and --unconfined-code: docs/reference.md, "The code sandbox".
-"""
+The child, what it isolates and --unconfined-code: docs/reference.md, "The code sandbox"."""
 import base64
 import binascii
 import functools

@@ -4,8 +4,7 @@
         --kill-child -- python -I -B -c "$(cat sandbox_child.py)"   # the payload (JSON) on stdin
 
 Before any solution code runs: `expendable`, `confine`, `refuse_syscalls`, `_limit` and `_guard`
-(docs/reference.md, "The code sandbox"). Standard library only, for `python -I`.
-"""
+(docs/reference.md, "The code sandbox"). Standard library only, for `python -I`."""
 import errno
 import io
 import json

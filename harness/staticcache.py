@@ -1,7 +1,6 @@
 """A preallocated (static) KV cache and a decode step captured as a CUDA graph, for harness/fast.py:
 the dynamic loop's samples, at fixed addresses, one bucketed shape alive per model. Why:
-docs/reference.md, "The static decoder". Models with sliding-window layers need the dynamic path.
-"""
+docs/reference.md, "The static decoder". Models with sliding-window layers need the dynamic path."""
 import gc
 import inspect
 import weakref
