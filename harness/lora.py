@@ -1,10 +1,10 @@
-"""--lora-rank R: the policy trains a LoRA adapter (peft) on its frozen base instead of every weight.
-How it is injected, merged and saved: docs/reference.md, "LoRA checkpoints". peft is imported only
-with --lora-rank.
-"""
+"""--lora-rank R: the policy trains a LoRA adapter (peft) on its frozen base, not every weight.
+How it is injected, merged and saved: docs/reference.md, "LoRA checkpoints". peft is imported
+only with --lora-rank."""
 import json
 import os
 import re
+from collections import Counter
 
 import torch
 
@@ -25,19 +25,19 @@ def has_adapter(model):
 
 
 def targets(text):
-    """--lora-targets: "all-linear" (the decoder's, not the LM head) or a comma list ("q_proj,v_proj")."""
+    """--lora-targets: "all-linear" (the decoder's, not the LM head) or a list ("q_proj,v_proj")."""
     return text if text == "all-linear" else [t.strip() for t in text.split(",") if t.strip()]
 
 
 def adapter_params(model, rank, target_text):
-    """Parameters of a rank-`rank` adapter on `model`'s decoder layers: r x (in + out) per adapted linear."""
+    """Parameters of a rank-`rank` adapter on the decoder layers: r x (in + out) each linear."""
     wanted = targets(target_text)
     return sum(rank * (m.in_features + m.out_features) for name, m in model.model.layers.named_modules()
                if isinstance(m, torch.nn.Linear) and (wanted == "all-linear" or name.split(".")[-1] in wanted))
 
 
 def merged_copy(model, dtype=torch.bfloat16):
-    """The generation copy of an adapted `model`: without peft's layers, in `dtype`, the adapter merged."""
+    """The generation copy of an adapted `model`: no peft layers, in `dtype`, the adapter merged."""
     import copy
     from peft.tuners.lora import LoraLayer
     plain = copy.deepcopy(model).eval().requires_grad_(False)
@@ -46,7 +46,7 @@ def merged_copy(model, dtype=torch.bfloat16):
             parent, _, leaf = name.rpartition(".")
             setattr(plain.get_submodule(parent), leaf, m.base_layer)
     del plain.peft_config  # a plain model now (has_adapter is False)
-    for p in plain.parameters():  # parameters only: the rotary frequencies stay fp32 (parallel.wrap)
+    for p in plain.parameters():  # not buffers: the rotary frequencies stay fp32 (parallel.wrap)
         p.data = p.data.to(dtype)
     merge_into(plain, model)
     return plain
@@ -54,9 +54,9 @@ def merged_copy(model, dtype=torch.bfloat16):
 
 @torch.no_grad()
 def merge_into(plain, model, gathered=None):
-    """Write each adapted linear of `model` into `plain` as W + s B A (s = alpha / rank), in fp32 cast
-    once (merging into the policy and unmerging would drift its bf16 base). A sharded `model` passes
-    `gathered`, {name: full tensor} of one group's adapters whose W is already in `plain`."""
+    """Write each adapted linear of `model` into `plain` as W + s B A (s = alpha / rank), in fp32
+    cast once (merging into the policy and unmerging would drift its bf16 base). A sharded `model`
+    passes `gathered`, {name: full tensor} of one group's adapters whose W is already in `plain`."""
     from peft.tuners.lora import LoraLayer
     for name, m in model.named_modules():
         if not isinstance(m, LoraLayer):
@@ -72,12 +72,12 @@ def merge_into(plain, model, gathered=None):
 
 
 def add_adapter(model, cfg, base_path):
-    """The model with a fresh adapter (lora_B zero: it starts equal to the base), its base frozen."""
+    """The model with a fresh adapter (lora_B zero: it starts equal to the base), base frozen."""
     from peft import LoraConfig, get_peft_model
-    config = LoraConfig(r=cfg["lora_rank"], lora_alpha=cfg["lora_alpha"], target_modules=targets(cfg["lora_targets"]),
-                        lora_dropout=0.0)
+    config = LoraConfig(r=cfg["lora_rank"], lora_alpha=cfg["lora_alpha"], lora_dropout=0.0,
+                        target_modules=targets(cfg["lora_targets"]))
     model = get_peft_model(model, config).base_model.model
-    model.peft_config[ADAPTER].base_model_name_or_path = base_path  # peft puts the model's own name here
+    model.peft_config[ADAPTER].base_model_name_or_path = base_path  # peft had the model's name here
     return model
 
 
@@ -122,7 +122,7 @@ def merged(model, ckpt):
 def save(folder, model, state):
     """Write the adapter in peft's format (keys without the adapter name) and base.json."""
     from safetensors.torch import save_file
-    model.peft_config[ADAPTER].task_type = "CAUSAL_LM"   # AutoPeftModelForCausalLM takes it as it is
+    model.peft_config[ADAPTER].task_type = "CAUSAL_LM"   # AutoPeftModelForCausalLM takes it as is
     model.peft_config[ADAPTER].save_pretrained(folder)
     weights = {"base_model.model." + k.replace(f".{ADAPTER}.", "."): v.detach().contiguous()
                for k, v in state.items()}
@@ -148,8 +148,8 @@ def read_config(ckpt):
 
 
 def base_of(ckpt):
-    """The base an adapter checkpoint was trained on (base.json: the first path holding a model of its
-    identity); UserError when it is gone or changed, or names an adapter."""
+    """The base an adapter checkpoint was trained on (base.json: the first path holding a model of
+    its identity); UserError when it is gone or changed, or names an adapter."""
     named = read_config(ckpt)["base_model_name_or_path"]
     try:
         with open(os.path.join(ckpt, BASE), encoding="utf-8") as f:
@@ -176,12 +176,10 @@ def tied(model, wanted):
     """The modules among `wanted` (targets) whose weight another shares (tie_word_embeddings)."""
     if wanted == "all-linear":
         return []
-    if isinstance(wanted, str):   # peft reads any other string as a regular expression on the full name
+    if isinstance(wanted, str):   # peft reads any other string as a regex on the full name
         picked = lambda name: re.fullmatch(wanted, name) is not None  # noqa: E731
     else:
         picked = lambda name: name in wanted or name.split(".")[-1] in wanted  # noqa: E731
-    owners = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        owners.setdefault(id(p), []).append(name)
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))  # names per tensor
     return [name for name, m in model.named_modules() if picked(name)
-            and isinstance(getattr(m, "weight", None), torch.nn.Parameter) and len(owners[id(m.weight)]) > 1]
+            and isinstance(getattr(m, "weight", None), torch.nn.Parameter) and uses[id(m.weight)] > 1]

@@ -2,8 +2,7 @@
 
 Workers get RANK / WORLD_SIZE / LOCAL_RANK from `launch` or torchrun; without them this is the
 identity and the code runs as one process (CPU: gloo). Layout: docs/design.md, "Scale"; the
-launcher: docs/reference.md, "The launcher".
-"""
+launcher: docs/reference.md, "The launcher"."""
 import copy
 import datetime
 import math
@@ -33,7 +32,7 @@ PREEMPTED = 75  # train.py's exit after a SIGTERM or SIGUSR1 stop, saved (harnes
 
 
 def setup(offload=False):
-    """Init the process group (several ranks, or one rank for --offload) and return this rank's device."""
+    """Init the process group (several ranks, or one for --offload); return this rank's device."""
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
@@ -73,8 +72,8 @@ def teardown(finished=False):
 
 def leave():
     """After teardown, a process that made a group exits 0 without the interpreter's finalization:
-    FSDP2's meshes keep the gloo group's threads alive past destroy_process_group, and freeing them at
-    shutdown can abort a finished rank (pytorch/pytorch#179291; once in 190 test runs here, twice in CI)."""
+    FSDP2's meshes keep the gloo group's threads alive past destroy_process_group, and freeing them
+    at shutdown can abort a finished rank (pytorch#179291: once in 190 test runs, twice in CI)."""
     if GROUPED:
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(0)
@@ -113,8 +112,7 @@ def all_gather(obj):
 class LogprobModel(torch.nn.Module):
     """The policy as one module whose forward is logprobs (grpo.token_logprobs: lm, ids, mask,
     temperature, chunk_size -> [N, L - 1]): inside the root forward, FSDP2 runs the chunked LM head
-    on weights gathered once and reduces its gradient once.
-    """
+    on weights gathered once and reduces its gradient once."""
 
     def __init__(self, lm, logprobs):
         super().__init__()
@@ -126,45 +124,44 @@ class LogprobModel(torch.nn.Module):
 
 
 def wrap(lm, device, logprobs, offload=False):
-    """(trainable LogprobModel, generation copy) under FSDP2; one process: (lm, the copy), on CPU the
-    same fp32 model. A meta lm (load_sharded) gives both unmaterialised; --lora-rank: merged copy."""
-    sampler = lm
-    if has_adapter(lm) and (device.type == "cuda" or dist.is_initialized()):
-        sampler = merged_copy(lm, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    elif device.type == "cuda" or dist.is_initialized():
+    """(trainable LogprobModel, generation copy) under FSDP2; one process: (lm, the copy), on CPU
+    the same fp32 model. A meta lm (load_sharded) gives both unmaterialised; --lora-rank: merged."""
+    cuda, sampler = device.type == "cuda", lm
+    if has_adapter(lm) and (cuda or dist.is_initialized()):
+        sampler = merged_copy(lm, torch.bfloat16 if cuda else torch.float32)
+    elif cuda or dist.is_initialized():
         sampler = copy.deepcopy(lm).eval().requires_grad_(False)
         # bf16 weights; the buffers (rotary inv_freq) stay fp32, as from_pretrained leaves them:
-        if device.type == "cuda":  # bf16 frequencies turn position 1000 by 1.2 rad
+        if cuda:  # bf16 frequencies turn position 1000 by 1.2 rad
             for p in sampler.parameters():
                 p.data = p.data.to(torch.bfloat16)
     if not dist.is_initialized():  # one process: the policy is the model (grpo.update)
         return lm, sampler
     policy = LogprobModel(lm, logprobs)
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-        if device.type == "cuda" else MixedPrecisionPolicy()
-    off = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
-    for layer in lm.model.layers:
-        fully_shard(layer, mp_policy=mp, offload_policy=off)
-    fully_shard(policy, mp_policy=mp, offload_policy=off)
+    from torch.distributed import fsdp
+    mp = fsdp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if cuda else fsdp.MixedPrecisionPolicy()
+    off = fsdp.CPUOffloadPolicy(pin_memory=cuda) if offload else fsdp.OffloadPolicy()
+    for module in [*lm.model.layers, policy]:
+        fsdp.fully_shard(module, mp_policy=mp, offload_policy=off)
     return policy, sampler
 
 
 @torch.no_grad()
 def rebuild_buffers(model, device):
-    """Recompute every non-persistent buffer (rotary inv_freq ...) by building its module anew from
-    the config on the CPU (such modules hold no parameters, so this is cheap)."""
-    for name, module in model.named_modules():
-        names = [b for b in module._non_persistent_buffers_set if module._buffers.get(b) is not None]
+    """Recompute every non-persistent buffer (rotary inv_freq ...) by building its module anew
+    from the config on the CPU (such modules hold no parameters, so this is cheap)."""
+    for name, mod in model.named_modules():
+        names = [b for b in mod._non_persistent_buffers_set if mod._buffers.get(b) is not None]
         if not names:
             continue
-        if not hasattr(module, "config") or any(True for _ in module.parameters(recurse=False)):
+        if not hasattr(mod, "config") or any(True for _ in mod.parameters(recurse=False)):
             raise RuntimeError(f"cannot rebuild the non-persistent buffers {names} of {name}")
-        fresh = type(module)(config=module.config)
+        fresh = type(mod)(config=mod.config)
         for b in names:
-            module._buffers[b] = fresh._buffers[b].to(device)
+            mod._buffers[b] = fresh._buffers[b].to(device)
         if hasattr(fresh, "attention_scaling"):
-            module.attention_scaling = fresh.attention_scaling
+            mod.attention_scaling = fresh.attention_scaling
 
 
 @torch.no_grad()
@@ -184,12 +181,12 @@ def refresh_sampler(sampler, policy, frozen=False):
     # embeddings (the LM head is its own tensor), so every name is filled
     params = dict(sampler.named_parameters(remove_duplicate=False))
     layer_of = {id(p): i for i, layer in enumerate(lm.model.layers) for p in layer.parameters()}
-    units = {}  # a decoder layer or one parameter outside them: [(name, copy's tensor or None, shard)]
+    units = {}  # per decoder layer or other parameter: [(name, copy's tensor or None, shard)]
     for name, p in lm.named_parameters(remove_duplicate=False):
-        if ".lora_" in name:  # the adapter, gathered into a temporary
-            units.setdefault(layer_of.get(id(p), name), []).append((name, None, p))
-        elif p.requires_grad or frozen or name.endswith(".base_layer.weight"):  # an adapted linear's W
-            units.setdefault(layer_of.get(id(p), name), []).append((name, params[name.replace(".base_layer.", ".")], p))
+        # the adapter (gathered into a temporary: None), what trains, an adapted linear's W
+        if ".lora_" in name or p.requires_grad or frozen or name.endswith(".base_layer.weight"):
+            dst = None if ".lora_" in name else params[name.replace(".base_layer.", ".")]
+            units.setdefault(layer_of.get(id(p), name), []).append((name, dst, p))
     if not sharded(policy):
         for unit in units.values():
             for _, dst, p in unit:
@@ -198,8 +195,8 @@ def refresh_sampler(sampler, policy, frozen=False):
 
     def by_dtype(unit):  # one all-gather per dtype: a group's buffer takes its first copy's dtype
         groups = {}
-        for name, dst, p in unit:
-            groups.setdefault(torch.float32 if dst is None else dst.dtype, []).append((name, dst, p))
+        for name, dst, p in unit:  # an adapter's temporary (dst None): fp32
+            groups.setdefault(getattr(dst, "dtype", torch.float32), []).append((name, dst, p))
         return groups.items()
     # one buffer per dtype, its largest group's, serves every group in turn: a group's collective
     # may hold its tensors after it returns (gloo's worker drops them later), so a buffer per group
@@ -209,7 +206,7 @@ def refresh_sampler(sampler, policy, frozen=False):
         for dtype, group in by_dtype(unit):
             size[dtype] = max(size.get(dtype, 0), sum(slots([p.shape for *_, p in group])[1]))
     device = next(iter(params.values())).device
-    buffers = {dtype: torch.empty((WORLD + 1) * n, dtype=dtype, device=device) for dtype, n in size.items()}
+    buffers = {dt: torch.empty((WORLD + 1) * n, dtype=dt, device=device) for dt, n in size.items()}
     for unit in units.values():
         adapter = {}
         for dtype, group in by_dtype(unit):
@@ -220,8 +217,8 @@ def refresh_sampler(sampler, policy, frozen=False):
 
 
 def slots(shapes):
-    """([c, ...], [slot, ...]): each parameter's rows per rank (c = ceil(d0 / W), as FSDP2 shards them)
-    and its slot in a group's buffer, c rows."""
+    """([c, ...], [slot, ...]): each parameter's rows per rank (c = ceil(d0 / W), as FSDP2 shards
+    them) and its slot in a group's buffer, c rows."""
     rows = [-(-shape[0] // WORLD) for shape in shapes]
     return rows, [c * math.prod(shape[1:]) for c, shape in zip(rows, shapes)]
 
@@ -255,11 +252,10 @@ def full_state(policy, opt):
     lm = getattr(policy, "lm", policy)
     if not sharded(policy):
         return (adapter_state(lm) if has_adapter(lm) else lm.state_dict()), opt.state_dict()
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_sd = adapter_state(lm) if has_adapter(lm) else get_model_state_dict(lm, options=opts)
-    opt_sd = get_optimizer_state_dict(policy, opt, options=opts)
+    from torch.distributed.checkpoint import state_dict as dsd
+    opts = dsd.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_sd = adapter_state(lm) if has_adapter(lm) else dsd.get_model_state_dict(lm, options=opts)
+    opt_sd = dsd.get_optimizer_state_dict(policy, opt, options=opts)
     return (model_sd, opt_sd) if MASTER else (None, None)
 
 
@@ -273,19 +269,19 @@ def load_optimizer(policy, opt, state):
     if not sharded(policy):
         opt.load_state_dict(state)
         return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-    set_optimizer_state_dict(policy, opt, state,
-                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    from torch.distributed.checkpoint import state_dict as dsd
+    opts = dsd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    dsd.set_optimizer_state_dict(policy, opt, state, options=opts)
 
 
 def worker_count(cfg):
     """Processes to start here: 0 when already a worker (under torchrun or launched by us)."""
     if "RANK" in os.environ:
         return 0
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if cfg.get("nproc") and gpus and cfg["nproc"] > gpus:
-        raise UserError(f"--nproc {cfg['nproc']}: this machine shows only {gpus} GPUs (one worker per GPU)")
-    return cfg.get("nproc") or gpus or 1
+    gpus, nproc = torch.cuda.device_count() if torch.cuda.is_available() else 0, cfg.get("nproc")
+    if nproc and gpus and nproc > gpus:
+        raise UserError(f"--nproc {nproc}: this machine has only {gpus} GPUs (one worker per GPU)")
+    return nproc or gpus or 1
 
 
 def _die_with_parent():
@@ -308,17 +304,15 @@ def tail(path, lines=25):
 def worker_env(rank, nproc, port):
     """The environment of worker `rank`: torchrun's variables, and a share of this machine's cores
     (unless OMP_NUM_THREADS is set), since every rank fits the probe on the CPU at the same time."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    env = {"OMP_NUM_THREADS": str(max(1, cores // nproc)), **os.environ}
-    env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-               MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    return env
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return {"OMP_NUM_THREADS": str(max(1, cpus // nproc)), **os.environ, "RANK": str(rank),
+            "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
 
 
 def launch(script, argv, nproc):
-    """Run `python script *argv` as nproc ranks; return the exit code (0, or the failed worker's)."""
-    logs = tempfile.mkdtemp(prefix="rlcm-workers-")
-    port = str(free_port())
+    """Run `python script *argv` as nproc ranks; the exit code (0, or the failed worker's)."""
+    logs, port = tempfile.mkdtemp(prefix="rlcm-workers-"), str(free_port())
     procs, exits, failed, shown, interrupted = [], {}, threading.Event(), [], threading.Event()
 
     def watch(rank, proc):
@@ -333,15 +327,14 @@ def launch(script, argv, nproc):
 
     for rank in range(nproc):
         log = open(os.path.join(logs, f"rank{rank}.log"), "w")
-        err = subprocess.PIPE if rank == 0 else log
+        out, err = (None, subprocess.PIPE) if rank == 0 else (log, log)
         proc = subprocess.Popen([sys.executable, script, *argv], env=worker_env(rank, nproc, port),
-                                stdout=None if rank == 0 else log,
-                                stderr=err, preexec_fn=_die_with_parent)
+                                stdout=out, stderr=err, preexec_fn=_die_with_parent)
         procs.append((proc, log))
         threading.Thread(target=watch, args=(rank, proc), daemon=True).start()
 
     def relay(proc, log):
-        # rank 0's stderr goes to the terminal until some worker fails (after Ctrl-C: to its last line)
+        # rank 0's stderr goes to the terminal until a worker fails (after Ctrl-C: to its last line)
         for chunk in iter(lambda: os.read(proc.stderr.fileno(), 4096), b""):
             print(chunk.decode(errors="replace"), end="", file=log, flush=True)
             if not failed.is_set() or interrupted.is_set():
@@ -351,14 +344,14 @@ def launch(script, argv, nproc):
     relay_thread = threading.Thread(target=relay, args=procs[0], daemon=True)
     relay_thread.start()
     handlers = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    until = float("inf")   # after Ctrl-C: 30 s for the workers to stop themselves (a second one: none)
+    until = float("inf")   # after Ctrl-C: 30 s for the workers to stop themselves (a second: none)
     while len(exits) < nproc and (interrupted.is_set() or not failed.is_set()) and time.monotonic() < until:
         try:
             time.sleep(0.05)
-        except KeyboardInterrupt:   # the workers got the same Ctrl-C (one process group): rank 0 says how
-            until = time.monotonic() + (0 if interrupted.is_set() else 30)   # to continue, as one process does
+        except KeyboardInterrupt:   # the workers got it too (one process group): rank 0 says
+            until = time.monotonic() + (0 if interrupted.is_set() else 30)   # how to go on
             interrupted.set()
-    for proc, _ in procs:   # those still running (a failure elsewhere, a late stop): SIGTERM, then SIGKILL
+    for proc, _ in procs:   # still running (failed elsewhere, stopped late): SIGTERM, then SIGKILL
         proc.terminate()    # (a no-op once a process has exited)
     deadline = time.monotonic() + 10
     for proc, _ in procs:
@@ -373,18 +366,18 @@ def launch(script, argv, nproc):
     for _, log in procs:
         log.close()
     bad = sorted((t, rank, code) for rank, (t, code) in exits.items() if code not in (0, PREEMPTED))
-    if not bad or interrupted.is_set():   # rank 0 has said how the run stands: its logs are of no use
+    if not bad or interrupted.is_set():   # rank 0 has said how the run stands: no logs needed
         shutil.rmtree(logs, ignore_errors=True)
         codes = {code for _, code in exits.values()}
         return 130 if interrupted.is_set() else PREEMPTED if PREEMPTED in codes else 0
     _, rank, code = bad[0]
     text = tail(os.path.join(logs, f"rank{rank}.log"))
     last = text.splitlines()[-1] if text else ""
-    # a user error: its one line (rank 0's is already shown); evaluate.py's reads "evaluate.py: error: ..."
-    if (code == 2 and last.startswith("error:")) or last.startswith(f"{os.path.basename(script)}: error:"):
-        if last not in "".join(shown):
+    prog = os.path.basename(script)   # evaluate.py's user errors read "evaluate.py: error: ..."
+    if (code == 2 and last.startswith("error:")) or last.startswith(f"{prog}: error:"):
+        if last not in "".join(shown):   # a user error: its one line, unless rank 0's showed it
             print(last, file=sys.stderr)
     else:
-        print(f"\nerror: worker {rank} of {nproc} failed (exit code {code}); the other workers were "
-              f"stopped. Its last lines (all logs: {logs}):\n{text}", file=sys.stderr)
+        print(f"\nerror: worker {rank} of {nproc} failed (exit code {code}); the other workers "
+              f"were stopped. Its last lines (all logs: {logs}):\n{text}", file=sys.stderr)
     return code

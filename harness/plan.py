@@ -1,7 +1,6 @@
 """Memory plans from the model's config alone (built on the meta device: no weights are read):
 `check` for train.py --plan and before every start; `label_chunk` sizes evaluation's early exit.
-The terms and how a peak sums them: docs/reference.md, "The memory plans".
-"""
+The terms and how a peak sums them: docs/reference.md, "The memory plans"."""
 import os
 
 import torch
@@ -33,13 +32,12 @@ def model_config(name, trust_remote_code=False):
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
-        first = first_line(e, 300)
-        raise UserError(f"cannot read the config of model {name!r}: {first} -- offline? pass a local folder "
-                        "holding its config.json") from None
+        raise UserError(f"cannot read the config of model {name!r}: {first_line(e, 300)} -- "
+                        "offline? pass a local folder holding its config.json") from None
 
 
 def param_counts(config, lora_targets="all-linear"):
-    """(total, root, one decoder layer, adapter parameters per unit of LoRA rank) parameter counts."""
+    """Parameter counts: (total, root, one decoder layer, the adapter's per unit of LoRA rank)."""
     from transformers import AutoModelForCausalLM
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
@@ -58,14 +56,13 @@ def kv_bytes_per_token(config, dtype_bytes):
 
 
 def estimate(config, cfg, world, device="cuda", offload=False, counts=None, probed=True):
-    """Bytes per device for each term (in the order printed), 'peak', 'host' (rank 0's), 'host node'
-    and the static shapes; probed: the --reward mode labels forced answers (baselines.PROBE_MODES)."""
+    """Bytes per device for each term (in the order printed), 'peak', 'host' (rank 0's), 'host
+    node' and the static shapes; probed: --reward labels forced answers (baselines.PROBE_MODES)."""
     total, root, layer, per_rank = counts or param_counts(config, cfg.get("lora_targets", "all-linear"))
     cuda = device == "cuda"
     act_bytes = 2 if cuda else 4
     d, d_ff, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
-    sharded = world > 1 or offload
-    adapter = cfg.get("lora_rank", 0) * per_rank
+    sharded, adapter = world > 1 or offload, cfg.get("lora_rank", 0) * per_rank
     if adapter:  # the frozen base and the adapter's fp32 state; one process samples with the policy
         state = (4 * total if sharded else act_bytes * total) / world
         adapter_state = 16 * adapter / world
@@ -75,7 +72,7 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None, prob
         gen_copy = 0 if not cuda and world == 1 else act_bytes * total  # wrap(): the policy samples
     prompts_here = -(-cfg["prompts_per_step"] // world)
     per_token = kv_bytes_per_token(config, act_bytes)
-    layer_acts = lambda tokens: tokens * (8 * d + 3 * d_ff) * act_bytes  # noqa: E731  one layer's forward
+    layer_acts = lambda n: n * (8 * d + 3 * d_ff) * act_bytes  # noqa: E731  a layer's forward, n tokens
     P, G, new = prompt_tokens(cfg), cfg["group_size"], cfg["max_new_tokens"]
     # rollout: gen_batch prompts prefilled at once, their KV repeated for the G samples
     prompts = min(cfg["gen_batch"], prompts_here)
@@ -95,27 +92,24 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None, prob
     one_layer = layer_acts(T)
     kept = config.num_hidden_layers * (T * d * act_bytes if cfg["grad_ckpt"] else one_layer)
     acts = kept + (2 if cfg["grad_ckpt"] else 1) * one_layer
-    chunk = 3 * cfg["chunk_size"] * vocab * 4  # chunks run over the micro-batch's flattened positions
+    chunk = 3 * cfg["chunk_size"] * vocab * 4  # chunks run over the micro-batch's flat positions
     held = 4 * (adapter or total) if offload and cfg.get("offload_grads", "gpu") == "gpu" else 0
     largest = max(layer, vocab * d)
     staged = 4 * largest / world if cuda and offload else 0  # a host shard's fp32 copy on the GPU
     merge = 8 * adapter / config.num_hidden_layers + 8 * d * d_ff if adapter else 0  # lora.merge_into
     refresh = (act_bytes * largest * (1 + 1 / world) + staged + merge) if sharded else 0
-    terms = {"training state": 0.0 if offload else state, "adapter state": 0.0 if offload else adapter_state,
-             "generation copy": gen_copy,
+    terms = {"training state": 0.0 if offload else state,
+             "adapter state": 0.0 if offload else adapter_state, "generation copy": gen_copy,
              "FSDP gather": gather, "KV cache": kv, "prefill": prefill, "label KV cache": label_kv,
              "label prefill": label_prefill, "activations": acts, "log-prob chunk": chunk,
              "held grads": held, "refresh": refresh, "runtime": RUNTIME}
-    update = gather + acts + chunk + held
     terms["peak"] = terms["training state"] + terms["adapter state"] + gen_copy + RUNTIME + \
-        max(kv + prefill, label_kv + label_prefill, update, refresh)
+        max(kv + prefill, label_kv + label_prefill, gather + acts + chunk + held, refresh)
     # host: rank 0 loads the fp32 weights (4 N) and gathers 12 N at a save; --offload's shards
     offloaded = state + adapter_state if offload else 0.0
     rank0 = offloaded + (max(4 * total, 12 * (adapter or total)) if sharded else 0.0)
-    terms["host"] = rank0
-    terms["host node"] = rank0 + (world - 1) * offloaded
-    terms["kv_shape"], terms["label_kv_shape"] = kv_shape, label_shape
-    return terms
+    return {**terms, "host": rank0, "host node": rank0 + (world - 1) * offloaded,
+            "kv_shape": kv_shape, "label_kv_shape": label_shape}
 
 
 def label_chunk(cuts, k, width, config, free):
@@ -151,9 +145,9 @@ def fixes(config, cfg, world, device, mem, counts, probed=True):
             c[key] //= 2
             if peak(c) <= mem:
                 return f"{flag} {c[key]} (peak {peak(c) / GiB:.1f} GiB)"
-    lora = None
-    if not cfg.get("lora_rank") and peak(dict(cfg, lora_rank=32)) <= mem:
-        lora = f"--lora-rank 32 (peak {peak(dict(cfg, lora_rank=32)) / GiB:.1f} GiB: trains a LoRA adapter, not every weight)"
+    adapted = peak(dict(cfg, lora_rank=32))
+    lora = None if cfg.get("lora_rank") or adapted > mem else \
+        f"--lora-rank 32 (peak {adapted / GiB:.1f} GiB: trains a LoRA adapter, not every weight)"
     fix = "a smaller model" + (" or a machine with GPUs" if device == "cpu" else "")
     off = next((c for c in (cfg, dict(cfg, offload_grads="host")) if peak(c, off=True) <= mem), None)
     if not cfg.get("offload") and off:
@@ -169,7 +163,7 @@ def fixes(config, cfg, world, device, mem, counts, probed=True):
 
 def detected(nproc=None):
     """(device type, devices, GiB per device) of this machine."""
-    if "WORLD_SIZE" in os.environ:  # under torchrun (or parallel.launch): the ranks that shard the model
+    if "WORLD_SIZE" in os.environ:  # torchrun or parallel.launch: the ranks that shard the model
         nproc = int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
         n = nproc or torch.cuda.device_count()
@@ -201,9 +195,8 @@ def check(cfg, show=False, log=print, probed=True):
         log(f"plan: {cfg['model']} ({size} parameters) on {where}{lora_note}"
             f"{' with --offload' if offload else ''}; per {'GPU' if device == 'cuda' else 'process'}:")
         # what each term holds: docs/reference.md, "The memory plans"
-        notes = {"KV cache": "rollout: {} rows x {} tokens".format(*t["kv_shape"]),
-                 "label KV cache": "forced answers: {} rows x {} tokens".format(
-                     *t["label_kv_shape"])}
+        notes = {"KV cache": "rollout: %s rows x %s tokens" % t["kv_shape"],
+                 "label KV cache": "forced answers: %s rows x %s tokens" % t["label_kv_shape"]}
         hidden = {"adapter state": not rank, "held grads": not t["held grads"], "refresh": not t["refresh"]}
         for name in [n for n in list(t)[:list(t).index("peak") + 1] if not hidden.get(n)]:  # estimate's order
             log(f"  {name:<16}{t[name] / GiB:8.2f} GiB  {notes.get(name, '')}".rstrip())

@@ -3,8 +3,7 @@
     ok = run_tests(extract_code(response), tests, fn_name=None)   # True when every test passes
 
 A test is `{"input": str, "output": str, "testtype": "stdin" | "functional"}` (data.lcb_tests).
-The child, what it isolates and --unconfined-code: docs/reference.md, "The code sandbox".
-"""
+The child, what it isolates and --unconfined-code: docs/reference.md, "The code sandbox"."""
 import base64
 import binascii
 import functools
@@ -34,13 +33,13 @@ with open(CHILD) as _f:
 HF_CACHES = ("HF_HOME", "HF_HUB_CACHE", "HF_DATASETS_CACHE", "HUGGINGFACE_HUB_CACHE", "TRANSFORMERS_CACHE")
 UNSHARE = "unshare"             # util-linux
 START_S = 60                    # a child has this long to confine itself and say "ready"
-LATE_S = 1                      # a reply may come this long after the child's own alarm would have fired
+LATE_S = 1                      # a reply may come this long after the child's own alarm would fire
 NAMESPACES = ("--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child")
 ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8",
        "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 TESTS_BYTES = 1 << 30           # what private tests may inflate to: real ones are tens of MB
-allow_unconfined = False        # set by evaluate.py --unconfined-code: run code unconfined where namespaces fail
-hide = []                       # what else a program must not see (evaluate.py: models, benchmarks, --out)
+allow_unconfined = False        # evaluate.py --unconfined-code: unconfined where namespaces fail
+hide = []                       # what else programs must not see (evaluate.py: models, data, --out)
 _warned = []                    # the reason, once the unconfined warning is printed
 _FENCE = re.compile(r"^[ \t]*```[^\n`]*\n(.*?)^[ \t]*```", re.M | re.S)
 
@@ -83,8 +82,8 @@ def run_tests(code, tests, fn_name=None, per_test_s=6.0):
             raise SandboxUnavailable(f"sandbox: a child stopped before running the program "
                                      f"({_why_not.__wrapped__() or 'run it again'})")
         for i, test in enumerate(tests):
-            # each reply is due per_test_s after the one before, by this clock, whatever the program did
-            # to its own alarm; the first functional one also waits for the code's loading (its own alarm)
+            # each reply is due per_test_s after the one before, by this clock, whatever the program
+            # did to its alarm; the first functional one also waits for the code to load (its alarm)
             deadline[0] = time.monotonic() + per_test_s * (2 if functional and not i else 1) + LATE_S
             msg = next(lines, None)
             if not isinstance(msg, dict) or not _passes(msg, test, functional):
@@ -98,7 +97,7 @@ def run_tests(code, tests, fn_name=None, per_test_s=6.0):
 
 
 def _hidden():
-    """What the child must not see: the grader's folder, this project, the Hugging Face cache, `hide`."""
+    """What the child must not see: the grader's folder, this project, the HF cache, `hide`."""
     try:
         paths = [os.getcwd()]
     except OSError:  # a folder since removed holds nothing
@@ -109,7 +108,7 @@ def _hidden():
 
 
 def _command(root, confined):
-    """The child's command line: under `unshare` (a grader that is not root first maps itself to 65534)."""
+    """The child's command line: under `unshare` (a grader not root first maps itself to 65534)."""
     child = [sys.executable, "-I", "-B", "-c", CHILD_SOURCE]
     if not confined:
         return child
@@ -118,7 +117,7 @@ def _command(root, confined):
 
 
 def _children(pid):
-    """The processes that `pid` (any of its threads) started and that are still there, zombies included."""
+    """The processes that `pid` (any of its threads) started, still there, zombies included."""
     found = []
     with suppress(OSError):  # gone, or a kernel without /proc/PID/task/TID/children
         for tid in os.listdir(f"/proc/{pid}/task"):
@@ -128,14 +127,14 @@ def _children(pid):
 
 
 def _stop(child, confined):
-    """Kill the child and everything it started: confined, the namespace's PID 1 (the namespace goes with
-    it); then the group and `unshare` itself."""
+    """Kill the child and everything it started: confined, the namespace's PID 1 (the namespace goes
+    with it); then the group and `unshare` itself."""
     for pid in _children(child.pid) if confined else ():
         try:
             fd = os.pidfd_open(pid)
         except OSError:
             continue
-        try:  # still unshare's own child once the pidfd is open: the pid was not reused, fd is that process
+        try:  # still unshare's child once the pidfd is open: the pid was not reused (fd is it)
             if pid in _children(child.pid):
                 signal.pidfd_send_signal(fd, signal.SIGKILL)
                 child.wait(timeout=5)
@@ -164,14 +163,14 @@ def _why_not():
     finally:
         shutil.rmtree(root, ignore_errors=True)
     if done.stdout.startswith(b'{"ready": true}'):
-        sys.stderr.write(done.stderr.decode(errors="replace"))  # once: "sandbox: no seccomp filter (...)"
+        sys.stderr.write(done.stderr.decode(errors="replace"))  # once: "sandbox: no seccomp filter"
         return None
     said = done.stderr.decode(errors="replace").strip().splitlines()
     return said[-1][:300] if said else f"exit status {done.returncode}"
 
 
 def check():
-    """True: programs run confined. False: unconfined, allowed. Else SandboxUnavailable, and nothing runs."""
+    """True: run confined. False: run unconfined, as allowed. Else SandboxUnavailable: none runs."""
     why = _why_not()
     if why is None:
         return True
@@ -188,21 +187,21 @@ def check():
 
 
 def grade_many(jobs, workers=2):
-    """run_tests(**job) for each job (dicts with code, tests, fn_name[, per_test_s]), `workers` at a time."""
+    """run_tests(**job) per job (code, tests, fn_name[, per_test_s]), `workers` at a time."""
     with ThreadPoolExecutor(max_workers=workers) as pool:
         return list(pool.map(lambda job: run_tests(**job), jobs))
 
 
 def _lines_until(fd, deadline):
-    """Yield the child's JSON lines (None for one that does not parse) until EOF or deadline[0] (the
-    caller may move it); a line longer than LINE_BYTES ends it (None): a flood costs at most that."""
+    """Yield the child's JSON lines (None for one that does not parse) until EOF or deadline[0]
+    (the caller may move it); a line longer than LINE_BYTES ends it (None): a flood costs that."""
     buf, start = bytearray(), 0
     while True:
         end = buf.find(b"\n", start)
         if end >= 0:
             try:
                 yield json.loads(bytes(buf[:end]))
-            except Exception:  # not JSON, or nested past the recursion limit ("[" * 100000): a failed sample
+            except Exception:  # not JSON, or nested past the recursion limit ("[" * 100000): a fail
                 yield None
             del buf[:end + 1]
             start = 0
@@ -228,9 +227,9 @@ def _passes(msg, test, functional):
 
 
 def same_output(got, want):
-    """stdout comparison: the same number of stripped lines, each equal or equal as Decimal tokens."""
+    """stdout comparison: as many stripped lines, each equal or equal as Decimal tokens."""
     got, want = got.strip(), want.strip()
-    if got.count("\n") != want.count("\n"):  # counted before anything is built: a cost bounded by the gold's
+    if got.count("\n") != want.count("\n"):  # before anything is built: a cost the gold's bounds
         return False
     for g, w in zip(got.split("\n"), want.split("\n")):
         g, w = g.strip(), w.strip()
@@ -248,7 +247,7 @@ def same_output(got, want):
 
 
 class _RefuseClasses(pickle.Unpickler):
-    """An unpickler that builds only plain values: any class or function the pickle names is refused."""
+    """An unpickler that builds only plain values: it refuses any class or function named."""
 
     def find_class(self, module, name):
         raise ValueError(f"it asks for {module}.{name}, refused: a test blob holds only JSON text")

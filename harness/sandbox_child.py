@@ -4,8 +4,7 @@
         --kill-child -- python -I -B -c "$(cat sandbox_child.py)"   # the payload (JSON) on stdin
 
 Before any solution code runs: `expendable`, `confine`, `refuse_syscalls`, `_limit` and `_guard`
-(docs/reference.md, "The code sandbox"). Standard library only, for `python -I`.
-"""
+(docs/reference.md, "The code sandbox"). Standard library only, for `python -I`."""
 import errno
 import io
 import json
@@ -13,10 +12,11 @@ import os
 import signal
 import struct
 import sys
+from contextlib import suppress
 
 MEMORY_BYTES = 2 << 30          # address space of one process (RLIMIT_AS)
 OPEN_FILES = 32                 # RLIMIT_NOFILE
-TASKS = 32                      # processes and threads together (RLIMIT_NPROC, counted in the child's user namespace)
+TASKS = 32                      # processes and threads in its own user namespace (RLIMIT_NPROC)
 TMP_BYTES = 64 << 20            # the private /tmp, and the largest file (RLIMIT_FSIZE)
 OUTPUT_CHARS = 1 << 24          # longer stdout than this per test counts as wrong
 LINE_BYTES = 2 * OUTPUT_CHARS + 4096  # the longest report line; the grader reads no further
@@ -53,11 +53,9 @@ PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 def expendable():
     """The OOM killer's first choice, and a session keyring of its own in place of the grader's."""
     import ctypes
-    try:
-        with open("/proc/self/oom_score_adj", "w") as f:
-            f.write("1000")
-    except OSError:  # a read-only /proc (some containers): the OOM killer then goes by size alone
-        pass
+    # a read-only /proc (some containers): the OOM killer then goes by size alone
+    with suppress(OSError), open("/proc/self/oom_score_adj", "w") as f:
+        f.write("1000")
     machine = os.uname().machine
     if machine not in KEYCTL:
         raise OSError(f"sandbox: keyctl's system call number on {machine} is not known to sandbox_child.py, "
@@ -71,8 +69,8 @@ def expendable():
 
 
 def confine(root, hide=()):
-    """Make `root` (an empty folder) the child's read-only world, with nothing of `hide` (resolved paths)
-    in it, then drop uid and capabilities."""
+    """Make `root` (an empty folder) the child's read-only world, with nothing of `hide` (resolved
+    paths) in it, then drop uid and capabilities."""
     import ctypes
     libc = ctypes.CDLL(None, use_errno=True)
 
@@ -108,16 +106,15 @@ def confine(root, hide=()):
         elif os.path.isdir("/" + top):
             bind("/" + top, top)
             bound.append("/" + top)
-    needs = {os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix)}  # e.g. under /opt or a home
+    needs = {os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix)}  # e.g. in /opt
     for need in sorted(needs):
         if not inside(need, bound):
             bind(need, need.lstrip("/"))
             bound.append(need)
-    # What the grader hides and lies in a bound tree (a checkout under /usr/local/src): an empty tmpfs
-    # over a folder, an empty file over a file, and what Python needs from inside one bound again.
+    # What the grader hides and lies in a bound tree (a checkout under /usr/local/src): an empty
+    # tmpfs over a folder, an empty file over a file; what Python needs from inside one bound again.
     hidden = []
-    with open("empty", "x"):
-        pass
+    open("empty", "x").close()
     for path in sorted(hide):  # a folder before what it holds, which its tmpfs then hides
         if path in bound or not inside(path, bound) or not os.path.lexists(path[1:]):
             continue
@@ -139,9 +136,8 @@ def confine(root, hide=()):
         os.setresgid(UID, UID, UID)
         os.setresuid(UID, UID, UID)
     call("prctl", PR_SET_DUMPABLE, 1, 0, 0, 0)  # a uid change made /proc/self root's: it must write its maps
-    # A user namespace of the child's own (before chroot: the kernel refuses one inside a chroot; its
-    # maps are written through the grader's /proc), so that the process limit counts only the child's
-    # own tasks, whatever the grader's uid.
+    # A user namespace of its own: the process limit counts only the child's tasks, whatever the
+    # grader's uid (before chroot: the kernel refuses one in a chroot; maps go via the host /proc).
     call("unshare", CLONE_NEWUSER)
     for name, text in (("setgroups", "deny"), ("uid_map", f"{UID} {UID} 1"), ("gid_map", f"{UID} {UID} 1")):
         with open(f"/proc/self/{name}", "w") as f:
@@ -152,15 +148,15 @@ def confine(root, hide=()):
     call("prctl", PR_CAP_AMBIENT, 4, 0, 0, 0)  # PR_CAP_AMBIENT_CLEAR_ALL
     for cap in range(64):
         libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)  # EINVAL past the last capability the kernel knows
-    header, caps = (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()  # version 3, pid 0: all zero
+    header, caps = (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()  # v3, pid 0: all 0
     call("capset", header, caps)
-    call("prctl", PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # unshare gone: the child too (a uid change reset it)
+    call("prctl", PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # dies with unshare (reset by setuid)
     os.setsid()  # a group of its own: kill(0, ...) from the solution reaches nothing outside
 
 
 def refuse_syscalls(machine=None):
-    """A seccomp filter (classic BPF): REFUSED, a socket of a family other than AF_UNIX, and any call
-    of another ABI (x32, 32-bit), fail with EPERM; where the machine or the kernel cannot, one line says so."""
+    """A seccomp filter (classic BPF): REFUSED, sockets of a family other than AF_UNIX and calls of
+    another ABI (x32, 32-bit) fail with EPERM; one line says so where machine or kernel cannot."""
     import ctypes
     machine = machine or os.uname().machine
     column, arch = ARCHES.get(machine, (None, None))
@@ -184,12 +180,12 @@ def refuse_syscalls(machine=None):
 
 
 class _Timeout(BaseException):
-    """The per-test alarm; a BaseException so that `except Exception` in the solution does not eat it."""
+    """The per-test alarm: a BaseException, which the solution's `except Exception` lets by."""
 
 
 def _limit(cpu_s, confined):
-    """Resource limits (soft = hard). Unconfined: no file writes, and no process limit (it would count
-    the grader's own processes)."""
+    """Resource limits (soft = hard). Unconfined: no file writes, and no process limit (it would
+    count the grader's own processes)."""
     import resource
     limits = [("RLIMIT_CPU", cpu_s), ("RLIMIT_AS", MEMORY_BYTES), ("RLIMIT_NOFILE", OPEN_FILES),
               ("RLIMIT_CORE", 0), ("RLIMIT_FSIZE", TMP_BYTES if confined else 0)]
@@ -200,7 +196,7 @@ def _limit(cpu_s, confined):
 
 
 def _guard(stdin_text):
-    """LiveCodeBench-style: destructive calls, file access beyond `open(0)` and sockets refused by name."""
+    """LiveCodeBench-style: destructive calls, files beyond `open(0)`, sockets refused by name."""
     import builtins
     import posix
     import shutil as shutil_
@@ -240,7 +236,7 @@ def _guard(stdin_text):
 
 
 def main():
-    """Confine (unless told not to), say "ready", then run the solution on each input, one JSON line per test."""
+    """Confine (unless told not to), say "ready", run the solution: one JSON line per test input."""
     import builtins
     payload = json.loads(sys.stdin.buffer.read())
     root, hide = payload.pop("root"), payload.pop("hide")
@@ -254,7 +250,7 @@ def main():
             data = data[write(out_fd, data):]
 
     def timed(fn):
-        """fn() under the per-test alarm: ("ok", value), ("exit", None) on sys.exit, or ("error", why)."""
+        """fn() under the per-test alarm: ("ok", value), ("exit", None) on exit, ("error", why)."""
         signal.setitimer(signal.ITIMER_REAL, payload["per_test_s"])
         try:
             return "ok", fn()

@@ -1,7 +1,6 @@
 """A preallocated (static) KV cache and a decode step captured as a CUDA graph, for harness/fast.py:
 the dynamic loop's samples, at fixed addresses, one bucketed shape alive per model. Why:
-docs/reference.md, "The static decoder". Models with sliding-window layers need the dynamic path.
-"""
+docs/reference.md, "The static decoder". Models with sliding-window layers need the dynamic path."""
 import gc
 import inspect
 import weakref
@@ -12,7 +11,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 LIVE_MIN = 64  # the shortest live length a step attends over
-BLOCK = 128  # keys per block of the fused step's attention: a row reads ceil(written / BLOCK) blocks
+BLOCK = 128  # keys per block of the fused step's attention: a row reads ceil(written / BLOCK)
 _CAPTURED = [0]  # decode steps recorded in this process (see captures)
 
 
@@ -23,8 +22,8 @@ def captures():
 
 def bucket(x, lo, bits=4):
     """x rounded up to a multiple of max(lo, 2 ** (bit_length(x) - bits)), i.e. by less than
-    2 ** (1 - bits) beyond lo: bucket(100, 1) == 104, bucket(8792, 64) == 9216, bucket(70, 64) == 128;
-    bits=2: bucket(300, 64, 2) == 384, bucket(400, 64, 2) == 512."""
+    2 ** (1 - bits) beyond lo: bucket(100, 1) == 104, bucket(8792, 64) == 9216,
+    bucket(70, 64) == 128; bits=2: bucket(300, 64, 2) == 384, bucket(400, 64, 2) == 512."""
     step = max(lo, 1 << max(x.bit_length() - bits, 0))
     return -(-x // step) * step
 
@@ -42,15 +41,15 @@ def live_length(n, length):
 
 
 def fuse(model):
-    """[(qkv weight, qkv bias, gate-up weight, gate-up bias)] per layer of a Qwen2 or Llama model (else
-    None), whose q, k, v (and gate, up) parameters become row slices of them: one GEMM, no copy."""
+    """[(qkv weight, qkv bias, gate-up weight, gate-up bias)] per layer of a Qwen2 or Llama model
+    (else None); q, k, v (and gate, up) parameters become row slices of them: one GEMM, no copy."""
     if getattr(model.config, "model_type", None) not in ("qwen2", "llama"):
         return None
     groups = [[(a.q_proj, a.k_proj, a.v_proj), (m.gate_proj, m.up_proj)]
               for a, m in ((layer.self_attn, layer.mlp) for layer in model.model.layers)]
     if any(type(x) is not torch.nn.Linear for g in groups for x in g[0] + g[1]):
         return None  # an adapter's layers (peft), say
-    return [tuple(_joined([getattr(x, name) for x in g]) for g in group for name in ("weight", "bias"))
+    return [tuple(_joined([getattr(x, w) for x in g]) for g in group for w in ("weight", "bias"))
             for group in groups]
 
 
@@ -65,15 +64,15 @@ def _joined(params):
 
 
 def compiled(fn, device):
-    """fn compiled on CUDA, one static graph per shape (flex decoding needs a static batch), past dynamo's
-    limit of 8 (then eager): only a shape's warm-up and capture call it. Eager elsewhere."""
+    """fn compiled on CUDA, one static graph per shape (flex decoding needs a static batch), past
+    dynamo's limit of 8 (then eager): only a shape's warm-up and capture call it. Eager off CUDA."""
     return torch._dynamo.config.patch(recompile_limit=256)(torch.compile(fn, dynamic=False)) \
         if device.type == "cuda" else fn
 
 
 class StaticKV:
-    """The cache object a decoder layer calls `update(key, value, layer_idx, ...)` on: writes this
-    step's [R, H, 1, D] at `write_at` and returns the layer's [R, H, live, D] views of its buffers."""
+    """The cache object a decoder layer calls `update(key, value, layer_idx, ...)` on: writes
+    this step's [R, H, 1, D] at `write_at` and returns the layer's [R, H, live, D] buffer views."""
 
     def __init__(self, keys, values, write_at):
         self.keys, self.values, self.write_at = keys, values, write_at
@@ -92,7 +91,7 @@ class StaticKV:
 
 class _Shape:
     """Buffers and, on CUDA, the captured steps (one per live length) for one bucketed shape
-    [R rows, L positions]. Holds no reference to the model, so that `decoder`'s entry goes with it."""
+    [R rows, L positions]. Holds no reference to the model, so `decoder`'s entry goes with it."""
 
     def __init__(self, model, cache_kw, rows, length, layers, fused):
         k0 = layers[0].keys
@@ -110,16 +109,16 @@ class _Shape:
         self.steps = {}  # live length -> (graph, its logits); (None, None) where steps run eagerly
         self.pool = torch.cuda.graph_pool_handle() if dev.type == "cuda" else None
         self.fused = fuse(model) if fused else None  # after the buffers: the old shape's are gone
-        if self.fused:  # the block mask reads `lengths` (0: a finished row) at each step, in the graph too
+        if self.fused:  # the block mask reads `lengths` (0: a finished row) each step, in a graph too
             self.lengths = torch.zeros(rows, dtype=torch.long, device=dev)
             self.blocks = torch.zeros((rows, 1, 1), dtype=torch.int32, device=dev)
             every = torch.arange(-(-length // BLOCK), dtype=torch.int32, device=dev).repeat(rows, 1, 1, 1)
-            lengths, bias = self.lengths, self.bias  # tensors, not self: no cycle keeps the buffers past release
+            lengths, bias = self.lengths, self.bias  # not self: no cycle keeps the buffers past release
             keep = lambda b, h, q, kv: (kv < lengths[b]) & (bias[b, 0, 0, kv] == 0)  # noqa: E731
-            group = model.config.num_attention_heads // k0.shape[1]  # a KV head's query heads: its query rows
+            group = model.config.num_attention_heads // k0.shape[1]  # a KV head's query heads: its rows
             self.mask = BlockMask.from_kv_blocks(self.blocks, every,
                                                  BLOCK_SIZE=BLOCK, mask_mod=keep, seq_lengths=(group, length))
-            # RMSNorm, rotary, SiLU-mul; a module is an argument, so that one graph serves every layer
+            # RMSNorm, rotary, SiLU-mul; a module is an argument, so one graph serves every layer
             small = (lambda norm, x: norm(x), apply_rotary_pos_emb, lambda act, gate, up: act(gate) * up)
             self.norm, self.rotary, self.silu_mul = [compiled(f, dev) if fused == "compiled" else f for f in small]
             self.attend = compiled(flex_attention, dev)
@@ -134,9 +133,9 @@ class _Shape:
         return out.logits[:, -1]
 
     def fused_forward(self, model):
-        """The step of a Qwen2 or Llama model written out: a GEMM for q, k, v and one for gate and up
-        (fuse); flex_attention over each row's written blocks only (none for finished rows), a KV head's
-        query heads as its query rows (flex decoding: one pass over K/V per KV head) -> logits [R, V]."""
+        """A Qwen2 or Llama step written out -> logits [R, V]: one GEMM for q, k, v, one for gate
+        and up (fuse); flex_attention over each row's written blocks only (none for finished rows),
+        a KV head's query heads as its query rows (flex decoding: one pass over K/V per KV head)."""
         m, R = model.model, len(self.tok)
         x = m.embed_tokens(self.tok[:, None])
         cos, sin = m.rotary_emb(x, self.pos)
@@ -185,7 +184,7 @@ class _Shape:
 
 
 class StaticDecoder:
-    """Hands out decode steps over static buffers: those (and the graphs) of the last shape asked for."""
+    """Hands out decode steps over static buffers: those (and graphs) of the last shape asked for."""
 
     def __init__(self, model, cache_kw):
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -193,8 +192,7 @@ class StaticDecoder:
                 getattr(cfg, "use_sliding_window", False):
             raise ValueError("the static KV cache does not handle sliding-window layers: use --decode dynamic")
         self.cache_kw, self.key, self.shape = cache_kw, None, None
-        # fused_forward for Qwen2 and Llama (True; "compiled": its small ops too), off until a GPU ran it
-        self.fused = False
+        self.fused = False  # fused_forward (True; "compiled": small ops too): off until a GPU ran it
 
     def drop(self):
         """Frees the buffers and graphs now (a fused shape's compile leaves them in cyclic garbage)."""
@@ -205,12 +203,10 @@ class StaticDecoder:
     def start(self, model, prefix, n, max_new_tokens):
         """Load `prefix` (its rows repeated n times) into the buffers of its shape; returns
         step(tok [R*n], done [R*n]) -> logits [R_bucket, V] for the next position."""
-        B, W = prefix.mask.shape
-        rows = B * n
-        layers = prefix.cache.layers
-        # dtype and device too: graphs read the weights at their addresses, which a model.to() moves;
-        # fused: the two steps' graphs and buffers differ
-        k0 = layers[0].keys
+        (B, W), layers = prefix.mask.shape, prefix.cache.layers
+        rows, k0 = B * n, layers[0].keys
+        # dtype and device too: graphs read the weights at their addresses, which a model.to()
+        # moves; fused: the two steps' graphs and buffers differ
         key = (*buffer_shape(rows, W, max_new_tokens), k0.dtype, k0.device, self.fused)
         if key != self.key:
             self.drop()  # the old buffers and graphs go before the new ones are allocated

@@ -10,10 +10,10 @@ import sys
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: -m runs from here
-START_TIMEOUT_S = 60     # a new worker not ready by then (importing sympy: not in the bound) is warned of
-REPLY_S = 0.25           # CPU time past its budget for a worker to stop and answer before it is killed
-WALL_S = 30              # no verdict in this much wall time (a stopped or starved worker): wrong, warned
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # -m runs from the repository
+START_TIMEOUT_S = 60     # a new worker not ready by then (importing sympy: unbudgeted): warned
+REPLY_S = 0.25           # CPU time past its budget for a worker to stop and answer, or be killed
+WALL_S = 30              # no verdict in this wall time (a stopped or starved worker): wrong, warned
 TICK_S = 0.05            # how often the parent reads the worker's CPU time while it waits
 
 
@@ -41,7 +41,7 @@ class _Worker:
         return line.decode()
 
     def cpu_s(self):
-        """CPU seconds the worker has used (utime + stime of /proc/PID/stat); wall time without /proc."""
+        """CPU seconds the worker used (utime + stime, /proc/PID/stat); wall time without /proc."""
         try:
             with open(f"/proc/{self.proc.pid}/stat") as f:
                 utime, stime = f.read().rsplit(")", 1)[1].split()[11:13]
@@ -77,12 +77,11 @@ _idle, _lock, _unavailable = [], threading.Lock(), []
 
 
 def _take():
-    """A ready worker (an idle one, or a new one started and waited for), or None if none can start."""
+    """A ready worker (an idle one, or a new one started and waited for); None if none can start."""
     with _lock:
         if _unavailable:
             return None
-        started = [w for w in _idle if w.ready] or _idle  # rather than one still starting after a kill
-        worker = started[-1] if started else None
+        worker = ([w for w in _idle if w.ready] or _idle or [None])[-1]  # a ready one before one starting
         if worker is not None:
             _idle.remove(worker)
     try:
@@ -116,7 +115,7 @@ def start():
 
 
 def verify(pred, gold, seconds):
-    """math-verify's verdict on two answers within `seconds` of a worker's CPU time; False without one."""
+    """math-verify's verdict on two answers in `seconds` of a worker's CPU time, else False."""
     worker = _take()
     if worker is None:
         return False
@@ -174,11 +173,11 @@ def _serve():
 
     @functools.lru_cache(maxsize=4096)  # a pair is graded K times per prefix: a repeat is free
     def same(pred, gold, seconds):
-        for clear in clears:  # empty parse caches: a grade near the budget never depends on what came before
+        for clear in clears:  # empty caches: a grade near the budget never depends on earlier ones
             clear()
         try:
             try:
-                signal.setitimer(signal.ITIMER_PROF, seconds)  # CPU time: the load does not change it
+                signal.setitimer(signal.ITIMER_PROF, seconds)  # CPU time: load does not change it
                 g, p = parsed(gold), parsed(pred)
                 return bool(g and p and verify(g, p, timeout_seconds=None))
             finally:
