@@ -230,8 +230,8 @@ def build_parser():
     g.add_argument("--limit", type=int, help="questions per benchmark (default: all)")
     g.add_argument("--lcb-release", default=data.LCB_RELEASE, help="the lcb window: vN or vA_vB (default %(default)s)")
     g.add_argument("--out", help="output dir (default RUN/eval or eval_out/<model>)")
-    g.add_argument("--responses", help="grade and score a JSONL of responses made elsewhere (vLLM, an "
-                   'API) in place of sampling, each cut at --max-new-tokens (docs/reference.md, "Responses made elsewhere")')
+    g.add_argument("--responses", help="grade and score a JSONL of responses made elsewhere (vLLM, an API) in "
+                   "place of sampling, each cut at --max-new-tokens (docs/reference.md, \"Responses made elsewhere\")")
     g.add_argument("--export-prompts", metavar="FILE", help="write each row's prompt (text, ids) "
                    "and sampling settings as JSONL for another engine, and stop (then --responses)")
     g.add_argument("--no-log-text", action="store_true", help="leave problem and response texts "
