@@ -19,8 +19,7 @@ from tokenizers import AddedToken
 from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
 INSTRUCTION = ""  # toy problems are complete user messages
-# --reward rlcr on the toy: the prompt that asks for RLCR's answer format (the toy's stand-in for
-# data.RLCR_INSTRUCTION, which would not fit its 256 positions); see rlcr_tail.
+# --reward rlcr's prompt on the toy (data.RLCR_INSTRUCTION would not fit its 256 positions)
 RLCR_INSTRUCTION = "\nFormat: <answer> <analysis> <confidence>"
 SUFFIX = "\nIf I were to output the final answer now, it would be \\boxed{"  # = label.SUFFIX
 # the committed warm start, where --model toy looks (harness/checkpoint.py)
@@ -29,8 +28,8 @@ CONFIDENCES = [f"0.{d}" for d in range(1, 10)]  # the warm start's verbal confid
 
 SPECIALS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>"]
 # Not special, like R1's <think>: decode(skip_special_tokens=True) keeps them.
-ADDED = ["<think>", "</think>", "\\boxed{", SUFFIX[1:], "<answer>", "</answer>", "<analysis>", "</analysis>",
-         "<confidence>", "</confidence>"]
+ADDED = ["<think>", "</think>", "\\boxed{", SUFFIX[1:], "<answer>", "</answer>", "<analysis>",
+         "</analysis>", "<confidence>", "</confidence>"]
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
     "{% if m['role'] == 'user' %}{{ '<|user|>' + m['content'] }}"
@@ -44,8 +43,7 @@ MODEL = dict(vocab_size=272, hidden_size=128, intermediate_size=384, num_hidden_
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 TERMS = (4, 6)          # number of terms per problem, inclusive (`toy`, what RL trains on)
 N_TEST, N_TRAIN = 500, 6000
-# The toy benchmarks (docs/reference.md; "Overall" is their unweighted mean): name -> (terms,
-# signs). Each has a train split (the warm start's) and a test split (the benchmark).
+# name -> (terms, signs): a train split (the warm start's) and a test split (docs/reference.md)
 BENCHMARKS = {"toy": (TERMS, "+"), "toy-long": ((7, 8), "+"), "toy-sub": (TERMS, "+-")}
 # The warm start (warm_start, trace; docs/toy-world.md says why each value).
 WARM = dict(seed=0, steps=3000, batch_size=32, lr=2e-3, beta2=0.95, warmup=50, weight_decay=0.1,
@@ -107,15 +105,14 @@ def carries(total, term):
 
 def trace(terms, rng, world=WARM):
     """(lines, totals): a thinking line per term with the running total, continued from the written
-    one. A step that carries or borrows slips (+-1 or +-2, never below 0) with p_slip_carry, others
-    with p_slip; a wrong total is flagged "?" with p_flag_wrong, a right one with p_flag_right.
+    one; a step slips (more often if it carries or borrows) and is flagged "?" with `world`'s odds.
     [3, 5, 7, 2] -> "3+5=8\n", "8+7=15\n", "15+2=17\n" (or "8+7=14?\n" for a noticed slip)."""
     totals, lines = [terms[0]], []
     for term in terms[1:]:
-        s = totals[-1] + term
+        s = exact = totals[-1] + term
         if rng.random() < world["p_slip_carry" if carries(totals[-1], term) else "p_slip"]:
-            s = max(0, s + rng.choice((-2, -1, 1, 2)))
-        flag = "?" if rng.random() < world["p_flag_wrong" if s != totals[-1] + term else "p_flag_right"] else ""
+            s = max(0, exact + rng.choice((-2, -1, 1, 2)))
+        flag = "?" if rng.random() < world["p_flag_wrong" if s != exact else "p_flag_right"] else ""
         lines.append(f"{totals[-1]}{term:+d}={s}{flag}\n")
         totals.append(s)
     return lines, totals
@@ -125,9 +122,9 @@ def implied_sum(problem, terms, lines, totals, b):
     """The forced answer the warm start teaches at a prefix of b response tokens: the sum it implies
     (graded by value: grade.integer_sum), the last complete line's total and the terms not yet
     added, or the problem before any line is complete: a forced answer copies the path, never adds.
-    For 3+5+7+2 written as "3+5=8\\n8+7=14\\n...": b=3 -> "3+5+7+2", b=6 -> "8+7+2", b=12 -> "14+2"."""
-    done = sum(1 for end in itertools.accumulate(map(len, lines)) if end <= b)   # whole lines in b
-    return problem if done == 0 else f"{totals[done]}" + "".join(f"{t:+d}" for t in terms[done + 1:])
+    For 3+5+7+2 written "3+5=8\\n8+7=14\\n...": b=3 -> "3+5+7+2", b=6 -> "8+7+2", b=12 -> "14+2"."""
+    n = sum(1 for end in itertools.accumulate(map(len, lines)) if end <= b)   # whole lines in b
+    return problem if n == 0 else f"{totals[n]}" + "".join(f"{t:+d}" for t in terms[n + 1:])
 
 
 def build_model(tok, seed=0):   # a fresh Qwen2ForCausalLM of MODEL: float32, tied, ~0.8M parameters
@@ -145,10 +142,9 @@ def example(tok, problem, rng, forced):
     terms = terms_of(problem)
     lines, totals = trace(terms, rng)
     rlcr = not forced and rng.random() < WARM["p_rlcr"]
-    content = problem + (RLCR_INSTRUCTION if rlcr else INSTRUCTION)
-    prompt = tok.apply_chat_template([{"role": "user", "content": content}],
-                                     add_generation_prompt=True, tokenize=False)
-    prompt = tok.encode(prompt, add_special_tokens=False)
+    user = {"role": "user", "content": problem + (RLCR_INSTRUCTION if rlcr else INSTRUCTION)}
+    prompt = tok.encode(tok.apply_chat_template([user], add_generation_prompt=True, tokenize=False),
+                        add_special_tokens=False)
     # RLCR's format with a random confidence: no calibration, which --reward rlcr has to learn
     boxed = f"\\boxed{{{totals[-1]}}}"
     tail = (f"<answer>{totals[-1]}</answer>\n<analysis></analysis>\n"
@@ -209,7 +205,6 @@ def warm_start(out, log=print):   # supervised (AdamW, warm-up then cosine; fixe
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description="Rebuild the toy world's warm-started base policy.")
+    parser = argparse.ArgumentParser(description="Rebuild the toy's warm-started base policy.")
     parser.add_argument("--out", default=BASE_DIR, help="output directory (default: toy_base/)")
-    args = parser.parse_args()
-    print(warm_start(args.out))
+    print(warm_start(parser.parse_args().out))
