@@ -158,30 +158,43 @@ def launch(args, out):
                             stderr=subprocess.PIPE, text=True)
 
 
-@pytest.mark.slow   # two 2-process runs and a resume
-def test_two_process_run_and_resume_after_killing_the_launcher(tmp_path):
-    """Uninterrupted run vs a run whose launcher is SIGKILLed after step 2 and resumed: same weights."""
+@pytest.mark.slow   # an uninterrupted two-process run; one killed, resumed, stopped, resumed
+def test_two_process_run_killed_then_stopped_by_sigusr1_resumes_bit_identical(tmp_path):
+    """Uninterrupted run vs a run whose launcher is SIGKILLed after step 1 and resumed, and whose
+    resume a scheduler's SIGUSR1 stops (the launcher forwards it: every rank stops after the same
+    step, rank 0 saves it, exit 75) and is resumed again: the same weights at step 4."""
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
+    from harness.parallel import PREEMPTED
     args = ["--steps", "4", "--save-every", "1", *SMALL]
     full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
     a, b = launch(args, full), launch(args, cut)
-    second = os.path.join(cut, "checkpoints", "step_000002")
+    first = os.path.join(cut, "checkpoints", "step_000001")
     deadline = time.time() + 400
-    while not os.path.isdir(second) and b.poll() is None and time.time() < deadline:
+    while not os.path.isdir(first) and b.poll() is None and time.time() < deadline:
         time.sleep(0.05)
     workers = children(b.pid)
     b.send_signal(signal.SIGKILL)
     b.wait()
-    assert os.path.isdir(second), "the run should have reached step 2 before the kill"
+    assert os.path.isdir(first), "the run should have reached step 1 before the kill"
     assert len(workers) == 2
     deadline = time.time() + 20
     while any(alive(p) for p in workers) and time.time() < deadline:
         time.sleep(0.1)
     assert not any(alive(p) for p in workers), "workers outlived their launcher"
+    resume = [sys.executable, os.path.join(ROOT, "train.py"), "--nproc", "2", "--resume", cut]
+    c = subprocess.Popen(resume, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    second = os.path.join(cut, "checkpoints", "step_000002")  # the resume's first save
+    deadline = time.time() + 400
+    while not os.path.isdir(second) and c.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    c.send_signal(signal.SIGUSR1)
+    err = c.communicate(timeout=400)[1]
+    assert c.returncode == PREEMPTED, err[-3000:]
+    assert "stopped by SIGUSR1 after step" in err.strip().splitlines()[-1] and "Traceback" not in err
+    assert not os.path.isdir(os.path.join(cut, "checkpoints", "step_000004"))  # stopped before the end
     assert a.wait(timeout=400) == 0, a.stderr.read()[-3000:]
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--nproc", "2", "--resume", cut],
-                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=400)
+    res = subprocess.run(resume, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stderr[-3000:]
 
     steps = [json.loads(line) for line in open(os.path.join(full, "metrics.jsonl"))]
@@ -195,5 +208,6 @@ def test_two_process_run_and_resume_after_killing_the_launcher(tmp_path):
     w0 = load_file(os.path.join(ROOT, "toy_base", "model.safetensors"))
     assert max((wa[k] - w0[k]).abs().max().item() for k in w0) > 0  # training moved the weights
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert "lm_head.weight" not in wb and "model.embed_tokens.weight" in wb   # tied: saved once
     model = AutoModelForCausalLM.from_pretrained(os.path.join(cut, "checkpoints", "step_000004"))
     assert all(torch.isfinite(p).all() for p in model.parameters())

@@ -68,29 +68,6 @@ def wait_for_row(run, step, proc, limit=600):
     raise AssertionError(f"no step {step} row: {proc.poll()}")
 
 
-@pytest.mark.slow   # three two-process runs
-def test_sigusr1_to_the_launcher_stops_two_processes_saved_and_the_resume_is_bit_identical(tmp_path):
-    """The launcher forwards a scheduler's SIGUSR1 to its workers: every rank stops after the same
-    step, rank 0 saves it, exit 75; --resume with two processes ends as an uninterrupted run."""
-    full, cut = str(tmp_path / "full"), str(tmp_path / "cut")
-    argv = [sys.executable, "train.py", "--nproc", "2", *toy(3, "--max-new-tokens", "24")]
-    subprocess.run([*argv, "--out", full], env=ENV, cwd=ROOT, check=True, capture_output=True)
-    proc = subprocess.Popen([*argv, "--out", cut], env=ENV, cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    wait_for_row(cut, 1, proc)
-    proc.send_signal(signal.SIGUSR1)
-    err = proc.communicate(timeout=600)[1]
-    assert proc.returncode == PREEMPTED, err[-2000:]
-    assert "stopped by SIGUSR1 after step" in err.strip().splitlines()[-1] and "Traceback" not in err
-    stopped = [checkpoint.step_of(c) for c in checkpoint.checkpoints(cut)]
-    assert len(stopped) == 1 and stopped[0] < 3
-    r = subprocess.run([*argv[:2], "--resume", cut, "--nproc", "2"], env=ENV, cwd=ROOT, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-2000:]
-    assert same(weights(full, 3), weights(cut, 3))
-    saved = load_file(os.path.join(ckpt(cut, 3), "model.safetensors"))
-    assert "lm_head.weight" not in saved and "model.embed_tokens.weight" in saved   # tied: saved once
-
-
 def test_resume_of_an_absent_or_empty_folder_starts_the_run_there(tmp_path):
     """One command serves the first start and every requeue."""
     run = str(tmp_path / "run")
