@@ -4,10 +4,10 @@
     samples.ids[i * 8 + j]   # j-th continuation of prompts[i]: generated ids only, EOS/stop included
 
 `generate` runs a `Sampler`: one prefill of a chunk of prompts, then a decode loop in which each
-row samples its next token (`sample_next`). `Sampler._decode_dynamic` is the reference loop and the
-one a CPU runs; on CUDA the same samples come faster from harness/fast.py (a static cache with
-CUDA graphs): tests/test_rollout.py holds them equal. How the paths
-differ and why they draw the same samples: docs/reference.md, "The sampler".
+row samples its next token (`sample_next`). `Sampler._decode_dynamic` is the plain loop, the one a
+CPU runs (each step a prefill of one token per row); on CUDA the same samples come faster from
+harness/fast.py (a static cache with CUDA graphs): tests/test_rollout.py holds them equal. How the
+paths differ and why they draw the same samples: docs/reference.md, "The sampler".
 """
 import hashlib
 import inspect
