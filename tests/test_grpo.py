@@ -368,3 +368,41 @@ def test_token_logprobs_never_calls_full_forward():
     with torch.no_grad():
         assert grpo.token_logprobs(model, b["input_ids"], b["attention_mask"]).shape == (2, 6)
 
+
+
+def test_micro_step_pads_takes_the_old_log_probs_and_each_clip_bound_from_cfg():
+    """micro_step of FSDP2's padding (None) is row 0's first 2 tokens; with old log-probs [N, T]
+    (wider than the micro-batch) the ratio is exp(logp - old) on the micro-batch's columns; clip_low
+    and clip_high are cfg's own: ratios 1.25 and 0.85 with A = 1 at clip_low 0.1, clip_high 0.3 are
+    both inside, so nothing is clipped (the defaults 0.2 would clip the first). A non-finite loss
+    names its rows."""
+    batch = dict(input_ids=torch.tensor([[5, 6, 7, 8], [5, 6, 0, 0]]),
+                 attention_mask=torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]]),
+                 loss_mask=torch.tensor([[0.0, 1.0, 1.0], [1.0, 0.0, 0.0]]))
+    seen = []
+
+    def fwd(ids, mask, temperature, chunk_size):
+        seen.append(ids.tolist())
+        return torch.zeros(ids.shape[0], ids.shape[1] - 1)
+    cfg = dict(temperature=1.0, chunk_size=8, clip_low=0.1, clip_high=0.3)
+    sub, *_ = grpo.micro_step(fwd, batch, None, None, torch.ones(2), cfg, torch.device("cpu"))
+    assert seen[-1] == [[5, 6]] and sub["loss_mask"].tolist() == [[0.0]]
+    old = torch.tensor([[0.0, -math.log(1.25), -math.log(0.85)], [-math.log(1.25), 0.0, 0.0]])
+    _, logp, loss, stats = grpo.micro_step(fwd, batch, [1], old, torch.ones(2), cfg, torch.device("cpu"))
+    assert seen[-1] == [[5, 6]] and logp.shape == (1, 1)
+    assert stats == pytest.approx({"clip_frac": 0.0, "ratio_mean": 1.25}) and loss.item() == pytest.approx(-1.25)
+    _, _, loss, stats = grpo.micro_step(fwd, batch, [0], old, torch.ones(2), cfg, torch.device("cpu"))
+    assert stats == pytest.approx({"clip_frac": 0.0, "ratio_mean": (1.25 + 0.85) / 2})
+    with pytest.raises(FloatingPointError, match=r"non-finite loss \(nan\) in a micro-batch of rows \[0\]"):
+        grpo.micro_step(fwd, batch, [0], old, torch.tensor([float("nan"), 1.0]), cfg, torch.device("cpu"))
+
+
+def test_the_sampler_gap_of_a_single_token():
+    """One response token with d = 0.4: sampler_gap 0.4 and k3 e^0.4 - 1 - 0.4 = 0.0918 (a mean
+    over one token, not two)."""
+    batch = dict(input_ids=torch.ones(1, 3, dtype=torch.long), attention_mask=torch.ones(1, 3, dtype=torch.long),
+                 loss_mask=torch.tensor([[0.0, 1.0]]), sampler_logp=torch.tensor([[0.0, -1.0]]))
+    cfg = dict(temperature=1.0, chunk_size=8, clip_low=0.2, clip_high=0.2)
+    logp = torch.tensor([[0.0, -0.6]])
+    *_, stats = grpo.micro_step(lambda *a: logp, batch, [0], None, torch.ones(1), cfg, torch.device("cpu"))
+    assert stats["sampler_gap"] == pytest.approx(0.4) and stats["sampler_kl_k3"] == pytest.approx(math.exp(0.4) - 1.4)

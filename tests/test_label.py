@@ -57,6 +57,8 @@ def test_closed_cut_and_close_id():
     # the prefix before CLOSE + SUFFIX: one token shorter where it ends on the close id
     assert closed_cut([7, 9, 2], 2, 2) == 2 and closed_cut([7, 2, 9], 2, 2) == 1
     assert closed_cut([2, 9], 0, 2) == 0   # an empty prefix stays empty (response[-1] is not looked at)
+    assert closed_cut([9, 2], 0, 2) == 0   # not even when the response ends on the close id
+    assert closed_cut([2, 9], 1, 2) == 0   # a one-token prefix that is the close id: empty
 
 
 def test_forced_answer_reads_up_to_the_closing_brace():

@@ -312,3 +312,15 @@ def test_every_mode_runs_two_toy_steps_and_logs_its_components(tmp_path, monkeyp
         assert all(r["eval_brier"] <= 0 and "eval_margin" not in r for r in held)
     elif mode in ("rlcm", "final-margin"):
         assert all("eval_margin" in r and "eval_brier" not in r for r in held)
+
+
+def test_confidence_formulas_at_their_bounds():
+    """C2GSPG's c is clipped below 1 (a sure sequence, logp 0, gives 1 - 1e-6) and averaged over the
+    real tokens (one token: its own probability); the BCE clamps c to [1e-6, 1 - 1e-6], so c = 0 with
+    r = 1 and c = 1 with r = 0 both cost -log(1e-6) = 13.8155, finite. RLCR keeps float64."""
+    c = baselines.sequence_confidence(torch.tensor([[0.0, 0.0], [math.log(0.5), 7.0]]),
+                                      torch.tensor([[1.0, 1.0], [1.0, 0.0]]))
+    assert c.tolist() == pytest.approx([1 - 1e-6, 0.5], abs=1e-7)  # float32: 1 - 1e-6 within 2e-8
+    bce = baselines.c2gspg_bce(torch.tensor([0.0, 1.0, 0.0, 1.0]), [1.0, 0.0, 0.0, 1.0])
+    assert bce.tolist() == pytest.approx([-math.log(1e-6)] * 2 + [0.0] * 2, abs=0.02)  # float32 1 - 1e-6
+    assert baselines.rlcr_reward(torch.tensor([1.0], dtype=torch.float64), [0.5]).dtype == torch.float64

@@ -221,3 +221,11 @@ def test_training_a_nan_model_with_a_probe_stops_with_exit_3(nan_model, tmp_path
                     "--out", str(tmp_path / "run"), *SMALL])
     line = one_line(capsys)
     assert e.value.code == 3 and line.startswith("stopped: the probe's features or confidences are NaN or inf"), line
+
+
+def test_a_prefix_of_one_token_is_a_real_cut():
+    """An end of 1 (the first token alone) is valid and averages that one position; 0 is padding."""
+    hidden = torch.arange(12.0).view(1, 6, 2)
+    feats, valid = P.prefix_features(hidden, torch.tensor([[1, 0]]), last_k=4)
+    assert valid.tolist() == [[True, False]]
+    assert feats[0, 0].tolist() == [0.0, 1.0] and feats[0, 1].tolist() == [0.0, 0.0]

@@ -157,3 +157,18 @@ def test_total_reward_is_signed():
     assert reward.total_reward(correct, calib).tolist() == pytest.approx([1.05, -1.05])
     assert reward.total_reward(correct, calib, lam=0.0).tolist() == [1.0, -1.0]
     assert reward.total_reward([True, False], [0.0, 0.0], lam=0.3).tolist() == [1.0, -1.0]
+
+
+def test_labels_on_the_tolerance_itself_count_on_their_side():
+    """A label exactly 1e-6 from 1 (or from 0) is solvable (unsolvable): "within" includes the bound.
+    C = (0.9, 0.1) -> margin 0.8 either way."""
+    assert reward.margin_reward([[0.9, 0.1]], [[1 - reward.EPS, 0]]).item() == pytest.approx(0.8)
+    assert reward.margin_reward([[0.9, 0.1]], [[1, reward.EPS]]).item() == pytest.approx(0.8)
+
+
+def test_integer_correctness_keeps_the_margin_and_float64_stays_float64():
+    """correct given as ints (a list of 0/1) is made float before lam * margin is added: R = 2c - 1
+    + 0.1 * (0.5, -0.5) = (1.05, -1.05), not the margin cast to an int. Float64 inputs stay float64."""
+    assert reward.total_reward([1, 0], [0.5, -0.5], lam=0.1).tolist() == pytest.approx([1.05, -1.05])
+    conf = torch.tensor([[0.9, 0.1]], dtype=torch.float64)
+    assert reward.margin_reward(conf, [[1, 0]]).dtype == torch.float64
