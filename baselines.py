@@ -98,11 +98,6 @@ MARGINS = {"zero": margin_reward, "margin-corner": corner_margin, "final-margin"
 COUNTED = ("verbal_missing",)  # logged per step as a count; other components as a mean
 
 
-def answer_form(mode):
-    """Where a mode's responses answer (grade.extract): rlcr's last <answer> tag, else the box."""
-    return "tag" if mode == "rlcr" else "box"
-
-
 def calibration_key(mode):
     """The name a probe mode's calibration term is logged under: "brier" or "margin"."""
     return "brier" if mode in BRIER_MODES else "margin"
@@ -110,7 +105,7 @@ def calibration_key(mode):
 
 def correctness(texts, golds, grader, mode):
     """0/1 float [N]: the last box against the gold answer; rlcr: the last <answer> tag instead."""
-    form = answer_form(mode)
+    form = grade.answer_form(mode)
     return torch.tensor([grade.is_correct(t, g, grader, form) for t, g in zip(texts, golds)],
                         dtype=torch.float32)
 

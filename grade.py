@@ -271,6 +271,11 @@ def boxed_in_thinking(text):
     return last_boxed(text if end < 0 else text[:end]) is not None
 
 
+def answer_form(mode):
+    """A --reward mode's answer form for extract: rlcr's last <answer> tag, else the box."""
+    return "tag" if mode == "rlcr" else "box"
+
+
 def extract(text, grader="math", form="box"):
     """The answer a response gives: its last box (strict: the raw last), or its last <answer>."""
     if form == "tag":

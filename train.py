@@ -31,7 +31,7 @@ import config
 import data
 import probe as probe_lib
 from baselines import PROBE_MODES
-from grade import is_correct
+from grade import answer_form, is_correct
 from grpo import group_advantages, micro_batches, pack, token_logprobs, update
 from label import cut_mask, cuts_of, grid, mc_labels
 from metrics import advantage_parts, ece, heldout_probe
@@ -58,7 +58,7 @@ def rl_step(step, rows, prompts, learner, cfg, timer=None):
     prompts, rows = [prompts[i] for i in out.prompt_index], [rows[i] for i in out.prompt_index]
     golds = [r["answer"] for r in rows]
     # 2. grade: 1 if the response's last \boxed{} (rlcr: <answer>) holds the gold answer, else 0
-    form = "tag" if cfg["reward"] == "rlcr" else "box"
+    form = answer_form(cfg["reward"])
     correct = torch.tensor([float(is_correct(t, g, cfg["grader"], form)) for t, g in zip(out.texts, golds)])
     # 3. cut each response at 25/50/75 % of its tokens (grpo, rlcr, c2gspg: nowhere)
     cuts = [cuts_of(n, cfg["budgets"]) if cfg["reward"] in PROBE_MODES else [] for n in out.lengths]

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 import data
+import grade
 import label as label_lib
-import baselines
 import rollout
 import toy
 from evaluation.report import read_results
@@ -116,7 +116,7 @@ def run_prompt(path, args):
     with (its config.json; an RLCR run answers in <answer> tags), else (None, None, "box")."""
     cfg = run_config(path)
     pick = lambda flag, key: flag if flag is not None else cfg.get(key)  # noqa: E731
-    form = args.answer or ("tag" if args.mode == "rlcr" else baselines.answer_form(cfg.get("reward")))
+    form = args.answer or ("tag" if args.mode == "rlcr" else grade.answer_form(cfg.get("reward")))
     # --mode rlcr: each benchmark's RLCR prompt (rlcr_prompts), not the run's
     instruction = args.instruction if args.mode == "rlcr" else pick(args.instruction, "instruction")
     return instruction, pick(args.system_prompt, "system_prompt"), form
