@@ -197,8 +197,7 @@ def answers_match(pred, gold, grader="math", letters=True) -> bool:
     na, nb = plain_number(a), plain_number(b)
     if na is not None and nb is not None:
         return na == nb
-    total = integer_sum(a) if nb is not None else None
-    if total is not None:
+    if nb is not None and (total := integer_sum(a)) is not None:
         return total == nb
     return _math_verify(pred, gold, GRADE_TIMEOUT_S)
 

@@ -40,8 +40,7 @@ def group_advantages(rewards, group_size, eps=1e-6):
     """Per-group z-score: rewards [N] (N = groups * group_size, groups contiguous) -> advantages [N].
     A = (r - mean_group r) / (std_group r + eps), the unbiased std (torch's); a group of one: A = 0.
     Example: (1, -1, 1, -1), group_size 4 -> std = sqrt(4/3), A = +-0.866."""
-    r = torch.as_tensor(rewards, dtype=torch.float32)
-    g = r.view(-1, group_size)
+    g = torch.as_tensor(rewards, dtype=torch.float32).view(-1, group_size)
     adv = g - g.mean(dim=1, keepdim=True)
     if group_size > 1:
         adv = adv / (g.std(dim=1, keepdim=True) + eps)
@@ -90,15 +89,13 @@ def policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.2):
       l_t   = -min(ratio * A, clamp(ratio, 1 - clip_low, 1 + clip_high) * A)
     loss = aggregate(l_t, mask). Returns (loss, stats): clip_frac = share of masked tokens where
     the clipped term is taken, ratio_mean = masked mean ratio."""
-    m = mask.to(logp.dtype)
     a = (adv.unsqueeze(-1) if adv.dim() == 1 else adv).to(logp)  # logp's dtype and device
     ratio = torch.exp(logp - old_logp)
     unclipped = ratio * a
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high) * a
-    loss = aggregate(-torch.minimum(unclipped, clipped), m)
-    denom = m.sum().clamp(min=1)
-    stats = {"clip_frac": float(((clipped < unclipped).to(m.dtype) * m).sum() / denom),
-             "ratio_mean": float((ratio.detach() * m).sum() / denom)}
+    loss = aggregate(-torch.minimum(unclipped, clipped), mask)
+    stats = {"clip_frac": float(aggregate((clipped < unclipped).to(logp.dtype), mask)),
+             "ratio_mean": float(aggregate(ratio.detach(), mask))}
     return loss, stats
 
 
@@ -115,8 +112,7 @@ def micro_batches(lengths, max_tokens):
 
 
 def micro_batch(batch, rows, device, length=None):
-    """The `pack` batch restricted to `rows` and cut to `length` tokens (default: their longest
-    sequence); returns (sub, L), L the length cut to."""
+    """`pack`'s batch at `rows`, cut to L = `length` tokens (default: their longest) -> (sub, L)."""
     sub = {k: v[rows].to(device) for k, v in batch.items()}
     L = length or int(sub["attention_mask"].sum(1).max())
     cut = {"input_ids": L, "attention_mask": L, "loss_mask": L - 1, "sampler_logp": L - 1}

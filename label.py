@@ -87,10 +87,8 @@ def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, sampl
     texts, feats = forced_answers(model, tokenizer, prompts, responses, cut_lists, asked, tail, k,
                                   sampling, seed, batch_size, decode, final_norm=final_norm)
     # 3. Y_b = the share of them that match the gold; a box that never closes is wrong.
-    y = []
-    for j, (i, _) in enumerate(asked):
-        answers = [forced_answer(t) for t in texts[j * k:(j + 1) * k]]
-        y.append(sum(a is not None and answers_match(a, golds[i], grader) for a in answers) / k)
+    y = [sum(answers_match(forced_answer(t), golds[i], grader) for t in texts[j * k:(j + 1) * k]) / k
+         for j, (i, _) in enumerate(asked)]
     labels = [[y[j] for j in js] for js in where]
     return (labels, feats) if features else labels
 

@@ -78,8 +78,6 @@ def fit(probe, opt, feats, targets, passes=16, batch_size=16, seed=0):
     if ((targets < 0) | (targets > 1)).any() or targets.isnan().any():
         raise ValueError("probe targets must lie in [0, 1]")
     m = feats.shape[0]
-    if m == 0:
-        return float("nan")
     gen, total = torch.Generator().manual_seed(seed), 0.0
     probe.train()
     for _ in range(passes):
@@ -91,7 +89,7 @@ def fit(probe, opt, feats, targets, passes=16, batch_size=16, seed=0):
             loss.backward()
             opt.step()
             total += loss.item() * idx.numel()
-    return total / m
+    return total / m if m else float("nan")
 
 
 @torch.no_grad()

@@ -139,19 +139,19 @@ class Sampler:
             fast.decode(self, prefix, n, state)
         else:
             self._decode_dynamic(prefix, n, state)
-        return state.result()
+        out = state.ids, state.length, torch.where(state.done, state.reason, 3)  # 3: "length"
+        return out if state.logp is None else (*out, state.logp, state.entropy)
 
     def _decode_dynamic(self, prefix, n, state):
         """The plain loop: each step prefills one token per cache row until every row finishes; one
         cache row per distinct (cache row, token), so samples share one while they agree (a tree)."""
-        pre, live = prefix, torch.arange(len(prefix.logits) * n, device=self.device)  # rows running
-        src = live // n  # the cache row (and logits row) of each live row
+        live = torch.arange(len(prefix.logits) * n, device=self.device)  # rows running
+        pre, src, width = prefix, live // n, prefix.logits.shape[-1]  # src: each live row's cache row
         for t in range(self.max_new_tokens):
             tok = state.advance(t, pre.logits[src], live)
             keep = ~state.done[live]
             if t == self.max_new_tokens - 1 or not keep.any():
                 return
-            width = pre.logits.shape[-1]
             key, src = torch.unique(src[keep] * width + tok[keep], return_inverse=True)
             idx, live = key // width, live[keep]
             if len(idx) != len(pre.mask) or not bool((idx == torch.arange(len(idx), device=idx.device)).all()):
@@ -175,8 +175,7 @@ class _Rows:
         self.vocab = len(s.tokenizer)
 
     def advance(self, t, logits, live):
-        """Sample step t for rows `live` from their logits [len(live), V]; returns the fed tokens
-        (pad for rows already finished)."""
+        """Step t of rows `live` from their logits [len(live), V] -> their tokens (pad where done)."""
         s = self.s
         logits = logits.float()
         if logits.shape[-1] > self.vocab:
@@ -207,10 +206,6 @@ class _Rows:
             hits = running[torch.isin(tok[~self.done[live]], s.stop_tokens(tok))]
             self.reason[hits], self.done[hits] = 2, True
         return tok
-
-    def result(self):
-        out = self.ids, self.length, torch.where(self.done, self.reason, 3)
-        return out if self.logp is None else (*out, self.logp, self.entropy)
 
 
 @dataclass
