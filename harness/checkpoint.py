@@ -1,7 +1,5 @@
 """Models and runs: what a --model value names and loading it (a LoRA checkpoint merged; sharded
-over ranks), checkpoints written whole, and a training run's folder (its lock, resume, exit codes).
-A damaged checkpoint is skipped, never pruned (docs/reference.md, "What a run leaves").
-"""
+over ranks), checkpoints written whole, and a training run's folder (lock, resume, exit codes)."""
 import json
 import os
 import random
@@ -223,10 +221,8 @@ def missing(ckpt, resume=False):
     lack += [f"{n} (cut short)" for n in ("state.pt", "probe.pt")
              if os.path.isfile(os.path.join(ckpt, n)) and not _zip_ok(os.path.join(ckpt, n))]
     weights = sorted(n for n in names if n.endswith(".safetensors"))
-    if not weights:
-        lack.append("model.safetensors")
     lack += [f"{n} (cut short)" for n in weights if not _safetensors_ok(os.path.join(ckpt, n))]
-    return lack
+    return lack if weights else lack + ["model.safetensors"]
 
 
 def latest_checkpoint(run_dir, say=None, resume=False):
@@ -482,20 +478,17 @@ def export(run_dir, ckpt, model, model_sd, tok):
             model.save_pretrained(tmp, state_dict=bf16)
         tok.save_pretrained(tmp)
         shutil.copy(os.path.join(ckpt, "probe.pt"), tmp)
-        with open(os.path.join(tmp, "config.json"), encoding="utf-8") as f:
-            config = json.load(f)
-        config.update(dtype="bfloat16", use_cache=True)
-        files.write_json(os.path.join(tmp, "config.json"), config)
+        path = os.path.join(tmp, "config.json")
+        files.write_json(path, {**files.read_json(path), "dtype": "bfloat16", "use_cache": True})
         _sync_tree(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    old = fresh_name(final) if os.path.lexists(final) else None
-    if old:
+    old = fresh_name(final)
+    if os.path.lexists(final):
         os.replace(final, old)
     os.replace(tmp, final)
-    if old:
-        shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def check_out(path, flag="--out", writer=None):
@@ -547,8 +540,7 @@ def read_config(run, flag="--resume"):
         raise UserError(f"{flag} {run}: no run's config.json there to read; "
                         "pass the --out directory of an earlier run or its config.json")
     try:
-        with open(path, encoding="utf-8") as f:
-            saved = json.load(f)
+        saved = files.read_json(path)
     except (ValueError, OSError) as e:
         raise UserError(f"{flag} {run}: {path} is unreadable ({type(e).__name__}: {e}); "
                         "restore it or start a new run") from None

@@ -1,7 +1,6 @@
 """Files in run and evaluation folders, written whole (`replacing`), and the one-line error a user
 can fix (UserError), which the rest of harness raises too. `read_jsonl` repairs a log's last line cut
-by a kill; `locked` holds a folder for its one writer; `identity` names a model by content.
-"""
+by a kill; `locked` holds a folder for its one writer; `identity` names a model by content."""
 import hashlib
 import json
 import os
@@ -9,11 +8,10 @@ import secrets
 import socket
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 LOCK = "lock"
-WHOLE = 64 << 20
-HEAD, SAMPLES, SLICE = 1 << 20, 64, 1 << 16
+WHOLE, HEAD, SAMPLES, SLICE = 64 << 20, 1 << 20, 64, 1 << 16   # identity's reading of a big file
 NOT_THE_MODEL = ("state.pt", "probe.pt")
 
 
@@ -65,6 +63,11 @@ def appending(path):
 def sha256(path):
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def read_json(path):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def write_json(path, obj, indent=2):
@@ -123,21 +126,17 @@ def locked(folder, what="run"):
             os.close(fd)
             raise UserError(f"{folder} is in use by {_holder(path)}: another {what} is writing there; "
                             f"wait for it to end or pass another --out") from None
-        try:
-            same = os.fstat(fd).st_ino == os.stat(path).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:   # else the previous holder removed the file between our open and flock: retry
-            break
+        with suppress(FileNotFoundError):
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:  # else removed after our open: retry
+                break
         os.close(fd)
     old = os.read(fd, 4096).decode("utf-8", "replace").strip()
     if old:
         print(f"taking over the stale lock of {_holder(path, old)} in {folder} (that process is gone)",
               file=sys.stderr)
     os.ftruncate(fd, 0)
-    os.lseek(fd, 0, 0)
-    os.write(fd, json.dumps(dict(pid=os.getpid(), host=socket.gethostname(),
-                                 since=time.strftime("%Y-%m-%d %H:%M:%S"))).encode())
+    os.pwrite(fd, json.dumps(dict(pid=os.getpid(), host=socket.gethostname(),
+                                  since=time.strftime("%Y-%m-%d %H:%M:%S"))).encode(), 0)
     os.fsync(fd)
     try:
         yield path
@@ -148,10 +147,7 @@ def locked(folder, what="run"):
 
 def _holder(path, text=None):
     try:
-        if text is None:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        h = json.loads(text)
+        h = read_json(path) if text is None else json.loads(text)
         return f"pid {h['pid']} on {h['host']} (since {h['since']})"
     except (OSError, ValueError, KeyError, TypeError):
         return f"another process (lock file {path})"
@@ -168,13 +164,11 @@ def identity(path):
         full = os.path.join(path, name)
         if name in NOT_THE_MODEL or name.startswith(".") or not os.path.isfile(full):
             continue
-        h.update(f"{name}\0".encode())
         size = os.path.getsize(full)
-        h.update(f"{size}\0".encode())
+        h.update(f"{name}\0{size}\0".encode())
         with open(full, "rb") as f:
             if size <= WHOLE:
-                for block in iter(lambda: f.read(1 << 20), b""):
-                    h.update(block)
+                h.update(f.read())
                 continue
             h.update(f.read(HEAD))
             for k in range(SAMPLES):

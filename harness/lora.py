@@ -1,14 +1,12 @@
-"""--lora-rank R: the policy trains a LoRA adapter (peft) on its frozen base, not every weight.
-How it is injected, merged and saved: docs/reference.md, "LoRA checkpoints". peft is imported
-only with --lora-rank."""
-import json
+"""--lora-rank R: the policy trains a LoRA adapter (peft) on its frozen base. How it is injected,
+merged and saved: docs/reference.md, "LoRA checkpoints". peft is imported only with --lora-rank."""
 import os
 import re
 from collections import Counter
 
 import torch
 
-from harness.files import UserError, first_line, identity, write_json
+from harness.files import UserError, first_line, identity, read_json, write_json
 
 ADAPTER = "default"  # peft's adapter name, dropped from the saved keys as peft does
 BASE, WEIGHTS = "base.json", "adapter_model.safetensors"
@@ -137,8 +135,7 @@ def read_config(ckpt):
     """CKPT/adapter_config.json; UserError when it is not JSON or names no base."""
     path = os.path.join(ckpt, CONFIG)
     try:
-        with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
+        cfg = read_json(path)
     except (OSError, ValueError) as e:
         raise UserError(f"{path} cannot be read ({first_line(e)}): restore it from a copy of the run") from None
     base = cfg.get("base_model_name_or_path") if isinstance(cfg, dict) else None
@@ -152,18 +149,15 @@ def base_of(ckpt):
     its identity); UserError when it is gone or changed, or names an adapter."""
     named = read_config(ckpt)["base_model_name_or_path"]
     try:
-        with open(os.path.join(ckpt, BASE), encoding="utf-8") as f:
-            rec = json.load(f)
+        rec = read_json(os.path.join(ckpt, BASE))
         want, paths = rec["identity"], [rec["relative"] and os.path.join(ckpt, rec["relative"]), rec["path"], named]
     except FileNotFoundError:   # an older checkpoint: the base as its config names it
         want, paths = None, [named]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(f"{os.path.join(ckpt, BASE)} is damaged ({first_line(e)}): restore it from a copy "
                         "of the run") from None
-    for path in filter(None, paths):
-        if os.path.isdir(path) and is_adapter(path):
-            continue   # an adapter is never a base (one naming itself would recurse)
-        if want is None or identity(path) == want:
+    for path in filter(None, paths):   # an adapter is no base (one naming itself would recurse)
+        if not is_adapter(path) and (want is None or identity(path) == want):
             return os.path.normpath(path) if os.path.isdir(path) else path
     if want is None:
         raise UserError(f"{os.path.join(ckpt, CONFIG)}: its base {named} is an adapter checkpoint, not a model: "

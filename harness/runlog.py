@@ -1,6 +1,5 @@
 """What a run leaves for the people watching it (docs/reference.md, "What a run leaves"): samples,
-curves.png, a tracker's mirror (--report-to); where a result came from.
-"""
+curves.png, a tracker's mirror (--report-to); where a result came from."""
 import json
 import os
 import platform
@@ -8,7 +7,7 @@ import shlex
 import subprocess
 from datetime import datetime, timezone
 
-from harness.files import UserError, appending, read_jsonl, replacing, write_json
+from harness.files import UserError, appending, read_json, read_jsonl, replacing, write_json
 
 TEXT_CHARS = 2000
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
@@ -37,21 +36,15 @@ def pick(step, n, **columns):
     """Rows {step, column: value} of n trajectories spread over the batch (columns: equal-length
     lists); strings clipped, floats rounded to 4 places."""
     size = len(next(iter(columns.values()), []))
-    if n <= 0 or size == 0:
-        return []
-    m = min(n, size)
+    m = min(n, size)   # n <= 0 or no rows: none
     idx = sorted({round(i * (size - 1) / max(m - 1, 1)) for i in range(m)})
     return [dict(step=step, **{k: _tidy(v[i]) for k, v in columns.items()}) for i in idx]
 
 
 def _tidy(v):
-    if isinstance(v, str):
-        return clip(v)
-    if isinstance(v, float):
-        return round(v, 4)
     if isinstance(v, (list, tuple)):
         return [_tidy(x) for x in v]
-    return v
+    return clip(v) if isinstance(v, str) else round(v, 4) if isinstance(v, float) else v
 
 
 def append_jsonl(path, rows):
@@ -142,10 +135,7 @@ class Tracker:
         import uuid
         self.lib = importlib.import_module(kind)
         path = os.path.join(run_dir, "tracker.json")
-        saved = {}
-        if os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                saved = json.load(f)
+        saved = read_json(path) if os.path.isfile(path) else {}
         run_id = (saved.get("id") if saved.get("kind") == kind else None) or uuid.uuid4().hex[:12]
         name = os.path.basename(os.path.abspath(run_dir))
         project = os.environ.get("WANDB_PROJECT" if kind == "wandb" else "TRACKIO_PROJECT", "rlcm")
