@@ -11,6 +11,7 @@ Per model and benchmark (evaluate_model): graded samples with a confidence in --
 (resumable), metrics in --out/results.json and the table; protocol: docs/reference.md, "Evaluation".
 """
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -188,13 +189,8 @@ def missing_samples(path, rows, n, key):
 def calls(todo, size):
     """The generate calls of a benchmark in order: runs of up to `size` questions of `todo` missing
     the same number of samples (workers share whole calls: docs/reference.md)."""
-    out = []
-    for q, missing in todo:
-        if out and len(out[-1]) < size and len(out[-1][0][1]) == len(missing):
-            out[-1].append((q, missing))
-        else:
-            out.append([(q, missing)])
-    return out
+    runs = [list(run) for _, run in itertools.groupby(todo, key=lambda t: len(t[1]))]
+    return [run[s:s + size] for run in runs for s in range(0, len(run), size)]
 
 
 def grade_call(texts, golds, bench, s, form):
@@ -315,8 +311,7 @@ def main(argv=None):
         if workers > 1:   # one per GPU (or --nproc), each running this command (benchmarks.deal)
             for name in args.model:
                 checkpoint.fetch(name)   # now: rank 0 would download in the group as others wait
-            code = launch(os.path.abspath(__file__), args.argv[1:], workers)
-            if code:
+            if code := launch(os.path.abspath(__file__), args.argv[1:], workers):
                 raise SystemExit(code)
             return None
         setup()

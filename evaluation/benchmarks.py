@@ -21,7 +21,7 @@ import toy
 from evaluation.report import read_results
 from harness import files
 from harness.files import UserError
-from harness.parallel import MASTER, RANK, WORLD
+from harness.parallel import MASTER, RANK, WORLD, all_gather
 from harness.checkpoint import ALIASES, check_out, read_config
 
 BIG_N = {"aime24": 32, "aime25": 32, "amc23": 32}   # samples per question; 4 elsewhere
@@ -39,6 +39,8 @@ RLCR_REANSWER = ("...</think>\n\nI am out of time, let me just output the final 
 # Code benchmarks (released 2_budget_eval, LiveCodeBench): the forced answer is a whole program
 # after "..." + `</think>` + CODE_SUFFIX, graded by running it (grade's "code").
 CODE_SUFFIX = "\n\nHere is my final Python solution:\n"
+LOCKS = ExitStack()  # the lock of every output folder written, held until evaluate.main() ends
+HELD = set()         # their real paths
 
 
 def settings(bench, args):
@@ -97,16 +99,13 @@ def load_benchmark(spec, limit=None, lcb_release=data.LCB_RELEASE):
     known = ", ".join(data.TOY_BENCHMARKS + tuple(data.BENCHMARKS))
     if name in data.TOY_BENCHMARKS and not path:
         return name, data.load_rows(name, split="test", limit=limit), toy.INSTRUCTION, source
-    if path:
-        if name not in data.BENCHMARKS:
-            raise UserError(f"unknown benchmark {name!r} in {spec!r}; known: {known}")
-        rows = data.load_rows(path, limit=limit, like=name, lcb_release=lcb_release)
-        return name, rows, data.instruction_for(name), source
-    if is_file:
+    if path and name not in data.BENCHMARKS:
+        raise UserError(f"unknown benchmark {name!r} in {spec!r}; known: {known}")
+    if is_file and not path:
         return stem, data.load_rows(name, limit=limit), data.INSTRUCTION, source
-    if name in data.BENCHMARKS or "/" in name:
-        rows = data.load_rows(name, limit=limit, lcb_release=lcb_release)
-        return name, rows, data.instruction_for(name), source
+    if path or name in data.BENCHMARKS or "/" in name:
+        return name, data.load_rows(where, limit=limit, like=name if path else None,
+                                    lcb_release=lcb_release), data.instruction_for(name), source
     raise UserError(f"unknown benchmark {name!r}; known: {known}; or a local .json/.jsonl/.parquet "
                     "file, NAME=FILE, or an HF dataset id (owner/name)")
 
@@ -142,10 +141,6 @@ def run_config(path):
     run = run_dir(path) or (path if os.path.isdir(os.path.join(path, "checkpoints")) else None)
     found = run and os.path.isfile(os.path.join(run, "config.json"))
     return read_config(run, flag="--model") if found else {}
-
-
-LOCKS = ExitStack()  # the lock of every output folder written, held until evaluate.main() ends
-HELD = set()         # their real paths
 
 
 def run_dir(path):
@@ -318,8 +313,7 @@ def spread(fn, items):
     rank i % WORLD as deal deals calls; the results merged in item order, on every rank."""
     if WORLD == 1:
         return fn(items)
-    every = [None] * WORLD
-    dist.all_gather_object(every, fn(items[RANK::WORLD]))
+    every = all_gather(fn(items[RANK::WORLD]))
     return [every[i % WORLD][i // WORLD] for i in range(len(items))]
 
 
@@ -332,8 +326,7 @@ def generate_dealt(model, tokenizer, prompts, n=1, batch_size=None, progress=Non
     mine = range(RANK, count, WORLD)
     out = rollout.generate(model, tokenizer, prompts, n, batch_size=batch_size, chunks=mine,
                            progress=MASTER and progress and f"{progress} (worker 0: {len(mine)} of {count} calls)", **kw)
-    every = [None] * WORLD
-    dist.all_gather_object(every, out)
+    every = all_gather(out)
     # a prompt's rows come from one chunk, hence one rank: by prompt, in that rank's order
     order = sorted((p, k, r) for k, s in enumerate(every) for r, p in enumerate(s.prompt_index))
     column = lambda name: [getattr(every[k], name)[r] for _, k, r in order] if any(  # noqa: E731
@@ -362,11 +355,7 @@ class Rounds(AbstractContextManager):
         self.pool.shutdown(wait=done, cancel_futures=not done)
 
     def _write(self, job):
-        lines = job.result()
-        if WORLD > 1:
-            every = [None] * WORLD
-            dist.all_gather_object(every, lines)
-            lines = [line for rank_lines in every for line in rank_lines]
+        lines = [line for rank_lines in all_gather(job.result()) for line in rank_lines]
         if MASTER and lines:
             with files.appending(self.path) as f:
                 f.writelines(lines)

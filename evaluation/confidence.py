@@ -37,6 +37,10 @@ from harness.files import UserError
 from harness.parallel import MASTER
 
 SOURCES = ("probe", "probe-posthoc", "verbal", "verbal-forced", "logits")
+TOY_SOURCES = [f"{name}:test" for name in data.TOY_BENCHMARKS]   # all toy: a post-hoc fit on train
+EVAL_LEAD = "..."  # released: the cut thinking ends in "..." before `</think>` + EVAL_SUFFIX
+CODE_TOKENS = 2048   # the longest forced program (benchmarks.CODE_SUFFIX)
+GRID = [(lr, p, wd) for lr in (1e-3, 5e-4, 1e-4) for p in (0.5, 0.8) for wd in (1e-3, 1e-2)]
 
 
 def sample_confidences(source, model, tokenizer, prompts, responses, texts, golds, prb=None,
@@ -106,9 +110,8 @@ def forced_verbal(model, tokenizer, prompts, responses, close_id, budget, k, see
         order.sort(key=lambda i: len(forced[i]))
     out = generate(model, tokenizer, [forced[i] for i in order], n=k, max_new_tokens=max_new_tokens,
                    temperature=0.6, top_p=0.95, seed=seed, batch_size=max(1, batch_size // k))
-    read = [None] * len(forced)
-    for j, i in enumerate(order):
-        read[i] = [reanswer_confidence(t) for t in out.texts[j * k:(j + 1) * k]]
+    back = sorted(range(len(order)), key=order.__getitem__)   # each response's place in `order`
+    read = [[reanswer_confidence(t) for t in out.texts[j * k:(j + 1) * k]] for j in back]
     return [sum(c for c, _ in r) / len(r) for r in read], [sum(m for _, m in r) for r in read]
 
 
@@ -159,9 +162,6 @@ def features(model, prompts, responses, cut_lists, pad_id, final_norm, batch_siz
     return out
 
 
-TOY_SOURCES = [f"{name}:test" for name in data.TOY_BENCHMARKS]   # all toy: a post-hoc fit on train
-
-
 def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(), prompt=(None, None)):
     """(probe or None, post-hoc report or None) for a confidence source; a post-hoc probe is cached
     in OUT per model (its label and a hash of model_id)."""
@@ -208,11 +208,6 @@ def get_probe(source, model, tok, label, path, out_dir, args, close_id, loaded=(
     prb, report = posthoc_probe(cache, model, tok, rows, instruction, close_id, protocol,
                                 batch_size=s["score_batch"], rows=s["rows"], system=prompt[1])
     return prb, report and dict(report, data=src)   # (None, None) on a worker other than rank 0
-
-
-EVAL_LEAD = "..."  # released: the cut thinking ends in "..." before `</think>` + EVAL_SUFFIX
-CODE_TOKENS = 2048   # the longest forced program (benchmarks.CODE_SUFFIX)
-GRID = [(lr, p, wd) for lr in (1e-3, 5e-4, 1e-4) for p in (0.5, 0.8) for wd in (1e-3, 1e-2)]
 
 
 def posthoc_probe(cache, model, tokenizer, questions, instruction, close_id, protocol,
@@ -362,7 +357,6 @@ def fit_posthoc(x, y, groups, p, grid=GRID, device="cpu", plateau=(0.5, 5), toge
     data = [t.to(device).float() for t in (x[tr], y[tr], x[va], y[va])]
     fits = (fit_together(*data, p, grid, plateau) if together else
             [fit_setting(*data, p, one, plateau) for one in tqdm(grid, desc="post-hoc fit over the grid")])
-    runs = [run for run, _ in fits]
     run, state = min(fits, key=lambda fit: fit[0]["val_loss"])   # the first of equal losses
     if state is None:
         raise FloatingPointError("post-hoc probe: no fit in the grid reached a finite validation loss")
@@ -372,7 +366,7 @@ def fit_posthoc(x, y, groups, p, grid=GRID, device="cpu", plateau=(0.5, 5), toge
     return prb, dict(run, n_train=len(tr), n_val=len(va), val_problems=len(set(groups[va].tolist())),
                      train_problems=len(set(groups[tr].tolist())),
                      val_bce=bce(probe_lib.predict(prb, x[va]), yv), base_rate=base,
-                     base_bce=bce(torch.full_like(yv, base), yv), grid=runs)
+                     base_bce=bce(torch.full_like(yv, base), yv), grid=[r for r, _ in fits])
 
 
 def fit_setting(xt, yt, xv, yv, p, setting, plateau):
@@ -400,11 +394,10 @@ def fit_setting(xt, yt, xv, yv, p, setting, plateau):
 
 
 def fit_together(xt, yt, xv, yv, p, grid, plateau):
-    """[fit_setting(..., setting) for setting in grid], bit for bit on a CPU, in one loop: the same
-    batches and dropout draws, each setting's probe one slice of stacked weights, and AdamW written
-    out with each setting's lr and weight decay. A probe step is too small to fill a CPU or a GPU:
-    twelve at once cost about 2.5 times one. On CUDA the dropout masks come from another kernel than
-    nn.Dropout's (the same distribution)."""
+    """[fit_setting(..., setting) for setting in grid], bit for bit on a CPU, in one loop (a probe
+    step is too small to fill a CPU or a GPU): the same batches and dropout draws, each setting's
+    probe one slice of stacked weights, AdamW written out with each setting's lr and weight decay.
+    On CUDA the dropout masks come from another kernel than nn.Dropout's (the same distribution)."""
     G, seed, batch, dev = len(grid), p["seed"], p["batch"], xt.device
     torch.manual_seed(seed)
     first = probe_lib.Probe(xt.shape[1])

@@ -1,8 +1,7 @@
 """What an evaluation reports: per-benchmark metrics with bootstrap intervals (summarize),
-reliability diagrams, the printed table and OUT/results.json (means: the paper's Overall, and the
-math and OOD benchmarks' means); and a use of a calibrated confidence: an early exit from a trace at
-the first checkpoint whose confidence reaches a threshold, calibrated by conformal risk control over
-questions (split_early_exit). docs/reference.md."""
+reliability diagrams, the printed table and OUT/results.json (means); and a use of a calibrated
+confidence: an early exit from a trace at the first checkpoint whose confidence reaches a threshold,
+calibrated by conformal risk control over questions (split_early_exit). docs/reference.md."""
 import json
 import math
 import os
@@ -16,6 +15,12 @@ from harness.files import UserError, replacing, write_json
 
 EPSILONS = (0.1, 0.2, 0.3)   # conformal early-exit risk levels
 COLUMNS = (("Acc", "acc"), ("ECE", "ece"), ("PCE", "pce"), ("Brier", "brier"), ("AUROC", "auroc"))
+# What an Overall's benchmarks share when one command evaluates them all (n and max_new_tokens as
+# its defaults per benchmark): one kept from an earlier evaluation with others: "mixed_settings".
+MIXED = ("n", "max_new_tokens", "temperature", "top_p", "seed", "gate", "every", "forced_k")
+# Per-benchmark settings printed with the table (results.json holds them all under "settings").
+SETTINGS = {"confidence": "confidence", "grader": "grader", "samples": "n", "temp": "temperature",
+            "top-p": "top_p", "max tokens": "max_new_tokens"}
 
 
 def summarize(rows, n_bins=10, seed=0):
@@ -105,14 +110,6 @@ def _row(name, b, res):
     cells = [_cell(b, "acc"), " ".join(f"{k}: {v:.3f}" for k, v in b.get("pass_at_k", {}).items())]
     return (f"| {name} | {b['n']} | " + " | ".join(cells + [_cell(b, k) for _, k in COLUMNS[1:]])
             + " | " + " | ".join(str(st.get(k, "")) for k in SETTINGS.values()) + " |")
-
-
-# What an Overall's benchmarks share when one command evaluates them all (n and max_new_tokens as
-# its defaults per benchmark): one kept from an earlier evaluation with others: "mixed_settings".
-MIXED = ("n", "max_new_tokens", "temperature", "top_p", "seed", "gate", "every", "forced_k")
-# Per-benchmark settings printed with the table (results.json holds them all under "settings").
-SETTINGS = {"confidence": "confidence", "grader": "grader", "samples": "n", "temp": "temperature",
-            "top-p": "top_p", "max tokens": "max_new_tokens"}
 
 
 def _cell(b, key):
@@ -265,14 +262,11 @@ def split_early_exit(units, epsilons=EPSILONS, splits=100, seed=0):
         order = list(units)
         random.Random(seed + s).shuffle(order)
         runs.append(early_exit(order[:half], order[half:], epsilons))
-    rows = []
-    for i, first in enumerate(runs[0]):
-        row = dict(first, test_risk_split0=first["test_risk"], splits=splits)
-        for key in ("test_risk", "exit_rate", "tokens_saved"):
-            row[key] = float(np.mean([r[i][key] for r in runs]))
-        row["test_risk_sd"] = float(np.std([r[i]["test_risk"] for r in runs]))
-        rows.append(row)
-    return rows
+    averaged = ("test_risk", "exit_rate", "tokens_saved")
+    return [dict(first, test_risk_split0=first["test_risk"], splits=splits,
+                 **{k: float(np.mean([r[i][k] for r in runs])) for k in averaged},
+                 test_risk_sd=float(np.std([r[i]["test_risk"] for r in runs])))
+            for i, first in enumerate(runs[0])]
 
 
 def early_exit_of(rows, seed=0, epsilons=EPSILONS, splits=100):
