@@ -3,6 +3,7 @@ a model's RECIPES, a --reward mode's IMPLIED) and its allowed values (LIMITS). r
 given now > a resumed run's config.json (or a --config file) > the defaults, all checked first.
 """
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -65,12 +66,10 @@ TOY_IMPLIED = {"rlcr": dict(instruction=toy.RLCR_INSTRUCTION)}
 
 def fractions(text):
     """--budgets "0.25,0.5,0.75" -> (0.25, 0.5, 0.75); each fraction of the response in (0, 1]."""
-    try:
+    with contextlib.suppress(ValueError):
         out = tuple(float(f) for f in text.split(",") if f.strip())
-    except ValueError:
-        out = ()
-    if out and all(0 < f <= 1 for f in out):
-        return out
+        if out and all(0 < f <= 1 for f in out):
+            return out
     raise argparse.ArgumentTypeError(f"{text!r}: give fractions in (0, 1], e.g. 0.25,0.5,0.75 or 1")
 
 
@@ -108,8 +107,8 @@ def dflt(key):
 
 
 def build_parser():   # every default None: resolve_args fills them. More: docs/reference.md
-    def num(g, flag, kind, text):   # a number flag, its help ending with its default(s)
-        g.add_argument(flag, type=kind, help=f"{text} ({dflt(flag[2:].replace('-', '_'))})")
+    def add(g, flag, text, **kw):   # a flag whose help ends with its default(s)
+        g.add_argument(flag, help=f"{text} ({dflt(flag[2:].replace('-', '_'))})", **kw)
     fmt = lambda d: ", ".join(f"{k}={v}" for k, v in d.items())  # noqa: E731
     p = argparse.ArgumentParser(description=(
         "train.py: RL with a confidence-margin reward (RLCM), or a --reward baseline, on the "
@@ -122,63 +121,60 @@ def build_parser():   # every default None: resolve_args fills them. More: docs/
     g.add_argument("--eval-data", help="held-out set for the accuracy check (toy test / math500)")
     g.add_argument("--toy-world", choices=(toy.WORLD,),
                    help="a --model folder's toy world: the toy's defaults apply")
-    num(g, "--max-prompt-tokens", int, "cap")
+    add(g, "--max-prompt-tokens", "cap", type=int)
     g.add_argument("--trust-remote-code", action="store_true", default=None,
                    help="run the model's own code; give it again with --resume")
     g.add_argument("--instruction", help="text after every problem (saved; evaluate.py reuses it)")
     g.add_argument("--system-prompt", help="a system turn (saved; evaluate.py reuses it)")
     g = p.add_argument_group("rollout")
-    num(g, "--prompts-per-step", int, "problems per RL step")
-    num(g, "--group-size", int, "samples per problem, a group")
-    num(g, "--max-new-tokens", int, "response cap in tokens")
-    num(g, "--temperature", float, "sampling temperature")
+    add(g, "--prompts-per-step", "problems per RL step", type=int)
+    add(g, "--group-size", "samples per problem, a group", type=int)
+    add(g, "--max-new-tokens", "response cap in tokens", type=int)
+    add(g, "--temperature", "sampling temperature", type=float)
     g.add_argument("--top-p", type=float, help=f"nucleus sampling's top-p ({dflt('top_p')}: off)")
-    num(g, "--gen-batch", int, "prompts per generation call")
+    add(g, "--gen-batch", "prompts per generation call", type=int)
     g.add_argument("--decode", choices=DECODES,
                    help="KV cache: static + CUDA graphs (default on CUDA) or dynamic (on CPU)")
     g = p.add_argument_group("reward, labels and probe (docs/design.md, Baselines)")
-    g.add_argument("--reward", choices=REWARDS, help=f"method or baseline ({dflt('reward')})")
+    add(g, "--reward", "method or baseline", choices=REWARDS)
     g.add_argument("--drop-unanimous", action=argparse.BooleanOptionalAction,
                    help="reward 0 for all-right or all-wrong groups (Brier modes: on, as released)")
     g.add_argument("--c2gspg-bce", choices=("off", "seq-mean", "token-mean"),
                    help="c2gspg: add 0.1 x BCE(c_theta, correct); off: as released")
-    num(g, "--lam", float, "R = r_nat + lam x calibration")
-    num(g, "--k", int, "forced answers per prefix")
-    g.add_argument("--forced-close", choices=("think", "eos"),
-                   help=f"</think> (paper) or EOS (released) ({dflt('forced_close')})")
-    g.add_argument("--budgets", type=fractions, metavar="F,F,...",
-                   help=f"cuts, fractions of each response ({dflt('budgets')})")
-    g.add_argument("--corner", choices=("zero", "margin-corner", "final-margin"),
-                   help=f"the margin when a side is empty ({dflt('corner')})")
+    add(g, "--lam", "R = r_nat + lam x calibration", type=float)
+    add(g, "--k", "forced answers per prefix", type=int)
+    add(g, "--forced-close", "</think> (paper) or EOS (released)", choices=("think", "eos"))
+    add(g, "--budgets", "cuts, fractions of each response", type=fractions, metavar="F,F,...")
+    add(g, "--corner", "the margin when a side is empty",
+        choices=("zero", "margin-corner", "final-margin"))
     g.add_argument("--grader", type=grade.grader_spec, metavar="{strict,math,minerva},FILE.py:FN",
                    help=f"r_nat's and Y_b's ({dflt('grader')}); FILE.py:FN: your own (README)")
-    num(g, "--probe-lr", float, "the probe's learning rate")
-    num(g, "--probe-passes", int, "passes per fit")
+    add(g, "--probe-lr", "the probe's learning rate", type=float)
+    add(g, "--probe-passes", "passes per fit", type=int)
     g.add_argument("--probe-hidden", type=int, metavar="N",
                    help="the probe d -> N -> 1 (default d/4, as released); 0: linear d -> 1")
     g = p.add_argument_group("optimisation")
     g.add_argument("--lr", type=float, help=f"policy learning rate ({dflt('lr')}; "
                    f"{LORA_LR_FACTOR}x under --lora-rank)")
-    num(g, "--warmup", int, "linear warm-up updates")
+    add(g, "--warmup", "linear warm-up updates", type=int)
     g.add_argument("--warmup-from-zero", action=argparse.BooleanOptionalAction,
                    help=f"first update at lr 0 (verl's; {dflt('warmup_from_zero')})")
-    num(g, "--weight-decay", float, "AdamW decay")
-    num(g, "--grad-clip", float, "gradient-norm clip")
-    num(g, "--clip-low", float, "PPO's ratio clip: 1 - clip-low")
-    num(g, "--clip-high", float, "PPO's ratio clip: 1 + clip-high")
-    g.add_argument("--agg", choices=AGGS, help=f"loss aggregation ({dflt('agg')})")
-    num(g, "--micro-tokens", int, "per micro-batch")
-    num(g, "--chunk-size", int, "per LM-head call")
-    g.add_argument("--grad-ckpt", action=argparse.BooleanOptionalAction,
-                   help=f"gradient checkpointing ({dflt('grad_ckpt')})")
-    num(g, "--ppo-epochs", int, "updates per batch")
+    add(g, "--weight-decay", "AdamW decay", type=float)
+    add(g, "--grad-clip", "gradient-norm clip", type=float)
+    add(g, "--clip-low", "PPO's ratio clip: 1 - clip-low", type=float)
+    add(g, "--clip-high", "PPO's ratio clip: 1 + clip-high", type=float)
+    add(g, "--agg", "loss aggregation", choices=AGGS)
+    add(g, "--micro-tokens", "per micro-batch", type=int)
+    add(g, "--chunk-size", "per LM-head call", type=int)
+    add(g, "--grad-ckpt", "gradient checkpointing", action=argparse.BooleanOptionalAction)
+    add(g, "--ppo-epochs", "updates per batch", type=int)
     g.add_argument("--offload", action="store_true", default=None,
                    help="params, grads and AdamW state in host memory (FSDP2): the 7B on 1-2 GPUs")
     g.add_argument("--offload-grads", choices=("gpu", "host"),
                    help="with --offload: grads to the host once a step (gpu) or every micro-batch")
     g.add_argument("--lora-rank", type=int, help="LoRA adapter rank (0: full fine-tuning)")
-    num(g, "--lora-alpha", float, "LoRA scale alpha")
-    g.add_argument("--lora-targets", help=f"e.g. q_proj,v_proj ({dflt('lora_targets')})")
+    add(g, "--lora-alpha", "LoRA scale alpha", type=float)
+    add(g, "--lora-targets", "e.g. q_proj,v_proj")
     g = p.add_argument_group("devices")
     g.add_argument("--nproc", type=int, help="worker processes (default: every GPU; 1 on CPU)")
     g.add_argument("--plan", action="store_true", default=None,
@@ -186,13 +182,13 @@ def build_parser():   # every default None: resolve_args fills them. More: docs/
     g.add_argument("--gpus", type=int, help="plan for this many GPUs")
     g.add_argument("--gpu-mem", type=float, help="plan for GPUs of this many GiB")
     g = p.add_argument_group("run")
-    num(g, "--steps", int, "RL steps in all")
+    add(g, "--steps", "RL steps in all", type=int)
     g.add_argument("--out", help="run directory (default runs/<model>)")
-    num(g, "--seed", int, "seeds sampling, data order and the probe")
-    num(g, "--save-every", int, "checkpoint period")
-    num(g, "--keep", int, "checkpoints kept")
-    num(g, "--eval-every", int, "held-out check every N steps, 0: start and end")
-    num(g, "--eval-n", int, "held-out problems, 0: no check")
+    add(g, "--seed", "seeds sampling, data order and the probe", type=int)
+    add(g, "--save-every", "checkpoint period", type=int)
+    add(g, "--keep", "checkpoints kept", type=int)
+    add(g, "--eval-every", "held-out check every N steps, 0: start and end", type=int)
+    add(g, "--eval-n", "held-out problems, 0: no check", type=int)
     g.add_argument("--resume", metavar="RUN_DIR", help="continue from the last checkpoint; "
                    "refused: " + ", ".join("--" + k.replace("_", "-") for k in FIXED_ON_RESUME))
     g.add_argument("--config", metavar="FILE", help="start a new run from a saved config.json")
@@ -310,8 +306,7 @@ def resolve_args(argv):
         # defaults, so --config FINAL_BRIER --reward rlcm trains with rlcm's budgets and no filter.
         implied = {k: world[k] for k in IMPLIED.get(saved.get("reward"), {})}
         implied.update(IMPLIED.get(cfg["reward"], {}))
-        if is_toy:
-            implied.update(TOY_IMPLIED.get(cfg["reward"], {}))
+        implied.update(TOY_IMPLIED.get(cfg["reward"], {}) if is_toy else {})
         cfg.update({k: v for k, v in implied.items() if k not in given})
     if cfg["lora_rank"] and "lr" not in given and "lr" not in saved:
         cfg["lr"] = LORA_LR_FACTOR * world["lr"]

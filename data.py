@@ -15,8 +15,7 @@ from grade import plain_number as _number  # integer gold answers: "025" -> "25"
 from harness.files import UserError, first_line, sha256
 
 PROBLEM_FIELDS = ("problem", "question", "prompt", "Question", "query")
-# The longest problem a row may hold, in characters (real ones are under 10,000): a broken file is
-# refused before tokenizing it takes minutes.
+# A problem's most characters (real: under 10,000): broken files fail before minutes of tokenizing.
 MAX_PROBLEM_CHARS = 200_000
 # Answer-like names only: `solution` is a worked text, never a gold answer.
 ANSWER_FIELDS = ("answer", "final_answer", "gold", "target", "Correct Answer")
@@ -39,8 +38,7 @@ BENCHMARKS = {
     "gpqa": dict(hf="Idavidrein/gpqa", config="gpqa_diamond", split="train", problem="Question",
                  answer="Correct Answer", choices=("Correct Answer", "Incorrect Answer 1",
                                                    "Incorrect Answer 2", "Incorrect Answer 3")),
-    # LiveCodeBench code generation, graded by running the code (harness/sandbox.py); the rows of a
-    # release window (LCB_RELEASES) by contest date.
+    # LiveCodeBench: code run against its tests (harness/sandbox.py); an LCB_RELEASES window's rows.
     "lcb": dict(hf="livecodebench/code_generation_lite", files="test*.jsonl", problem="question_content",
                 answer="public_test_cases"),
     "logiqa": dict(hf="lighteval/logiqa_harness", config="logiqa", split="test", problem="question",
@@ -52,13 +50,11 @@ BENCHMARKS = {
 
 OOD = ("lcb", "gpqa", "logiqa")  # out-of-distribution: their own block in evaluate.py's report
 # LiveCodeBench's releases as contest months (first, last), from its README: release_vN holds every
-# problem up to vN's last month; "v4_v5" (--lcb-release) is v4's first month to v5's last, the
-# window of DeepSeek-R1's and lighteval's LiveCodeBench scores.
+# problem up to vN's last month; "v4_v5" (--lcb-release) is v4's first to v5's (docs/benchmarks.md).
 LCB_RELEASES = {"v1": ("2023-05", "2024-03"), "v2": ("2024-04", "2024-05"), "v3": ("2024-06", "2024-07"),
                 "v4": ("2024-08", "2024-09"), "v5": ("2024-10", "2025-01"), "v6": ("2025-02", "2025-04")}
 LCB_RELEASE = "v4_v5"
-# The LiveCodeBench prompt, the whole user turn: lighteval's lcb:codegeneration text, lcb_runner's
-# stdin sentence ("Ensure that ...") added, a newline before each fence (README, difference table).
+# The whole LiveCodeBench user turn: lighteval's plus lcb_runner's stdin line (docs/benchmarks.md)
 LCB_PREAMBLE = ("You will be given a question (problem specification) and will generate a correct "
                 "Python program that matches the specification and passes all tests.\n\n")
 LCB_STARTER = ("You will use the following starter code to write the solution to the problem and "
@@ -330,7 +326,6 @@ def load_rows(source, split=None, limit=None, like=None, lcb_release=LCB_RELEASE
     if spec.get("filter"):
         field, needle = spec["filter"]
         records = [r for r in records if needle in str(r.get(field, ""))]
-    # verl's layout (the release's parquets): the prompt as released, the gold from reward_model
     verl = bool(records) and isinstance(records[0].get("reward_model"), dict) \
         and isinstance(records[0].get("prompt"), list)
     if verl and name == "lcb":
@@ -342,11 +337,9 @@ def load_rows(source, split=None, limit=None, like=None, lcb_release=LCB_RELEASE
     if not records:
         raise DataError(f"{where} has no rows: check the file, split or filter")
     keys = set().union(*(r.keys() for r in records[:100]))
-    if verl:
-        pf, af = "prompt", "reward_model.ground_truth"
-    else:
-        pf = _field(records, keys, spec.get("problem"), PROBLEM_FIELDS, "problem", where)
-        af = _field(records, keys, spec.get("answer"), ANSWER_FIELDS, "answer", where)
+    pf, af = ("prompt", "reward_model.ground_truth") if verl else (
+        _field(records, keys, spec.get("problem"), PROBLEM_FIELDS, "problem", where),
+        _field(records, keys, spec.get("answer"), ANSWER_FIELDS, "answer", where))
     # GPQA's layout (options in fields of their own), hub or local copy: options shown, letter gold
     choices = spec.get("choices") if keys & set(spec.get("choices", ())) else None
     rows = []
@@ -411,8 +404,7 @@ def row_prompt(tokenizer, row, instruction: str = INSTRUCTION, system: str = Non
 
 
 def _ids(tokenizer, messages):
-    """The chat template over `messages`, tokenized by the template itself (re-tokenizing the text
-    would add a second BOS); one BOS."""
+    """`messages` tokenized by the chat template (its text re-tokenized has two BOS); one BOS."""
     out = _render(tokenizer, messages, add_generation_prompt=True, tokenize=True)
     ids = [int(i) for i in (out["input_ids"] if hasattr(out, "keys") else out)]
     bos = tokenizer.bos_token_id
@@ -447,10 +439,7 @@ def check_context(tokenizer, rows, instruction, context, max_new_tokens, where, 
 def long_prompts(tokenizer, rows, instruction, limit):
     """[(row index, prompt tokens)] for rows whose chat prompt is longer than `limit` tokens; only
     those that could be (template tokens per turn plus two per UTF-8 byte) are tokenized."""
-    base, out = len(chat_prompt(tokenizer, "", instruction)), []
-    for i, r in enumerate(rows):
-        turns = max(1, len(r.get("messages", ())))
-        if base * turns + 2 * len(r["problem"].encode("utf-8")) > limit:
-            if (n := len(row_prompt(tokenizer, r, instruction))) > limit:
-                out.append((i, n))
-    return out
+    base = len(chat_prompt(tokenizer, "", instruction))
+    could = [(i, r) for i, r in enumerate(rows)
+             if base * max(1, len(r.get("messages", ()))) + 2 * len(r["problem"].encode()) > limit]
+    return [(i, n) for i, r in could if (n := len(row_prompt(tokenizer, r, instruction))) > limit]

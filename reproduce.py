@@ -143,8 +143,7 @@ def made_with(entry, cmd):
         then = vars(parsed(evaluate.parse_args, then, "results.json"))
     except (KeyError, TypeError, ValueError, UserError):
         return False
-    now = vars(evaluate.parse_args(cmd))
-    return {**then, "argv": None} == {**now, "argv": None}
+    return {**then, "argv": None} == {**vars(evaluate.parse_args(cmd)), "argv": None}
 
 
 def training(run, ev, method, seed, extra):
@@ -206,8 +205,7 @@ def job(args, todo, say, method, seed):
                            why or f": {ev}/results.json holds no complete toy results of {label}")
         accs = ", ".join(f"{b} {entry['benchmarks'][b]['acc']:.3f}" for b in BENCHMARKS)
         took = f"evaluated in {time.time() - t:.0f} s" if fresh else "evaluated already"
-        return say(f"{name}: {took}"
-                   + f" (acc {accs}; n {entry['benchmarks'][BENCHMARKS[0]]['n']} each)")
+        return say(f"{name}: {took} (acc {accs}; n {entry['benchmarks'][BENCHMARKS[0]]['n']} each)")
     except (UserError, OSError, ValueError, KeyError) as e:   # a damaged config.json, results.json
         return say(name, f": {type(e).__name__}: {e}")
 
@@ -220,8 +218,8 @@ def stop(*_):
 
 
 def over_seeds(out, methods, seeds):
-    """{method: {confidence, seeds: {seed: {benchmarks, train, paths}}, mean and std: {benchmark,
-    "Overall" or "train": {key: x}}} from each seed's results.json and metrics.jsonl."""
+    """{method: {confidence, seeds: {seed: {benchmarks, model, run, eval, confidence}}, mean and
+    std: {benchmark or "Overall": {key: x}}}} from each seed's results.json."""
     agg = {}
     for m in methods:
         per = {}
@@ -260,9 +258,8 @@ def write_outputs(out, methods, seeds, argv):
     agg, diffs = over_seeds(out, methods, seeds), None
     prov = runlog.provenance(["reproduce.py", *argv], device="cpu")
     commit = prov["git_commit"][:7] + ("+dirty" if prov["git_commit"].endswith("+dirty") else "")
-    when = (f"{prov['date'].replace('T', ' ').replace('+00:00', ' UTC')}; command `python "
-            f"{prov['command']}`; commit {commit}")
-    md = [f"Toy-world reproduction, {when}; seeds "
+    md = [f"Toy-world reproduction, {prov['date'].replace('T', ' ').replace('+00:00', ' UTC')}; "
+          f"command `python {prov['command']}`; commit {commit}; seeds "
           + "; ".join(f"{NAMES[m]}: {', '.join(map(str, seeds[m]))}" for m in methods)
           + " (mean +- sample std over seeds); benchmarks " + ", ".join(BENCHMARKS)
           + " (Overall: their unweighted mean)", ""]

@@ -34,9 +34,7 @@ CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
     "{% if m['role'] == 'user' %}{{ '<|user|>' + m['content'] }}"
     "{% elif m['role'] == 'assistant' %}{{ '<|assistant|>' + m['content'] + eos_token }}{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|><think>\\n' }}{% endif %}"
-)
-
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|><think>\\n' }}{% endif %}")
 
 # Model, task and warm-start settings: one place, all of them part of the committed checkpoint.
 MODEL = dict(vocab_size=272, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
@@ -62,12 +60,11 @@ def byte_symbols():   # GPT-2's printable stand-ins for the 256 bytes, in byte o
 def tokenizer():
     """A Qwen2Tokenizer (what AutoTokenizer rebuilds for any qwen2 checkpoint) with no merges: a
     token per byte. As R1: no BOS on encode; the chat template adds one, ends in `<think>\\n`."""
-    vocab = {t: i for i, t in enumerate(SPECIALS + byte_symbols())}
-    tok = Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, bos_token="<|bos|>",
-                         eos_token="<|eos|>", pad_token="<|pad|>",
-                         extra_special_tokens=["<|user|>", "<|assistant|>"],
-                         clean_up_tokenization_spaces=False,
-                         model_max_length=MODEL["max_position_embeddings"])
+    tok = Qwen2Tokenizer(
+        vocab={t: i for i, t in enumerate(SPECIALS + byte_symbols())}, merges=[], unk_token=None,
+        bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>",
+        extra_special_tokens=["<|user|>", "<|assistant|>"], clean_up_tokenization_spaces=False,
+        model_max_length=MODEL["max_position_embeddings"])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED])
     tok.chat_template = CHAT_TEMPLATE
     return tok
@@ -129,10 +126,9 @@ def implied_sum(problem, terms, lines, totals, b):
 
 def build_model(tok, seed=0):   # a fresh Qwen2ForCausalLM of MODEL: float32, tied, ~0.8M parameters
     torch.manual_seed(seed)
-    config = Qwen2Config(**MODEL, tie_word_embeddings=True, rope_theta=10000.0,
-                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id, dtype="float32")
-    return Qwen2ForCausalLM(config)
+    return Qwen2ForCausalLM(Qwen2Config(
+        **MODEL, tie_word_embeddings=True, rope_theta=10000.0, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, dtype="float32"))
 
 
 def example(tok, problem, rng, forced):
@@ -146,9 +142,8 @@ def example(tok, problem, rng, forced):
     prompt = tok.encode(tok.apply_chat_template([user], add_generation_prompt=True, tokenize=False),
                         add_special_tokens=False)
     # RLCR's format with a random confidence: no calibration, which --reward rlcr has to learn
-    boxed = f"\\boxed{{{totals[-1]}}}"
-    tail = (f"<answer>{totals[-1]}</answer>\n<analysis></analysis>\n"
-            f"<confidence>{rng.choice(CONFIDENCES)}</confidence>" if rlcr else boxed)
+    tail = (f"<answer>{totals[-1]}</answer>\n<analysis></analysis>\n<confidence>"
+            f"{rng.choice(CONFIDENCES)}</confidence>" if rlcr else f"\\boxed{{{totals[-1]}}}")
     response = tok.encode("".join(lines) + "</think>" + tail, add_special_tokens=False) + [tok.eos_token_id]
     if not forced:
         return prompt + response, [0] * len(prompt) + [1] * len(response)
