@@ -1,18 +1,15 @@
-"""The fast loop of rollout.Sampler that pays on a GPU, below the plain one it equals
-(tests/test_rollout.py holds it to Sampler._decode_dynamic's samples):
+"""The fast loop of rollout.Sampler, `decode`, which pays on a GPU (harness/staticcache.py's CUDA
+graphs) and equals the plain one (tests/test_rollout.py holds it to Sampler._decode_dynamic's
+samples). More: docs/reference.md, "The sampler"."""
+from itertools import accumulate
 
-- `decode` decodes every row in preallocated buffers with the step captured as a CUDA graph
-  (harness/staticcache.py).
-- close_depth=1 (label.forced_answers) stops a forced answer at the brace that closes its box.
-More: docs/reference.md, "The sampler"."""
 import torch
 
 
 def decode(s, prefix, n, state):
-    """Sampler.sample's loop on CUDA (s a rollout.Sampler, state its _Rows): every row in
-    preallocated buffers (harness/staticcache.py), finished ones masked in place. close_depth: a row
-    also stops ("stop") where close_depth + "{" - "}" of its text reaches 0 (label.py: 1, the brace
-    closing `\\boxed{`)."""
+    """Sampler.sample's loop on CUDA (s a rollout.Sampler, state its _Rows): every row in the static
+    buffers, finished ones masked in place. close_depth: a row also stops ("stop") once its text has
+    closed close_depth more braces than it opened (label.py: 1, the brace closing `\\boxed{`)."""
     rows = len(state.done)
     if s.close_depth is not None:
         state.depth = torch.full((rows,), s.close_depth, dtype=torch.long, device=s.device)
@@ -39,10 +36,7 @@ def braces(s, tok):
     ids = tok.unique()
     fresh = [i for i in ids.tolist() if i not in known]
     for i, text in zip(fresh, s.tokenizer.batch_decode([[i] for i in fresh], skip_special_tokens=True)):
-        depth = low = 0
-        for ch in text:
-            depth += (ch == "{") - (ch == "}")
-            low = min(low, depth)
-        known[i] = (depth, low)
+        running = [0, *accumulate((ch == "{") - (ch == "}") for ch in text)]
+        known[i] = (running[-1], min(running))
     table = torch.tensor([known[i] for i in ids.tolist()], dtype=torch.long, device=tok.device)
     return table[torch.searchsorted(ids, tok)].unbind(-1)

@@ -1,8 +1,8 @@
 """One node of GPUs: the launcher, process setup, FSDP2 sharding, collectives, the generation copy.
 
-Workers get RANK / WORLD_SIZE / LOCAL_RANK from `launch` or torchrun; without them this is the
-identity and the code runs as one process (CPU: gloo). Layout: docs/design.md, "Scale"; the
-launcher: docs/reference.md, "The launcher"."""
+Workers get RANK / WORLD_SIZE / LOCAL_RANK from `launch` or torchrun (none: one process, identity
+collectives). Layout: docs/design.md, "Scale"; the launcher: docs/reference.md, "The launcher"."""
+import contextlib
 import copy
 import datetime
 import math
@@ -181,35 +181,29 @@ def refresh_sampler(sampler, policy, frozen=False):
     # embeddings (the LM head is its own tensor), so every name is filled
     params = dict(sampler.named_parameters(remove_duplicate=False))
     layer_of = {id(p): i for i, layer in enumerate(lm.model.layers) for p in layer.parameters()}
-    units = {}  # per decoder layer or other parameter: [(name, copy's tensor or None, shard)]
+    units = {}  # {layer or other parameter: {dtype: [(name, copy's tensor or None, shard)]}}
     for name, p in lm.named_parameters(remove_duplicate=False):
-        # the adapter (gathered into a temporary: None), what trains, an adapted linear's W
+        # the adapter (gathered into a temporary: None, fp32), what trains, an adapted linear's W
         if ".lora_" in name or p.requires_grad or frozen or name.endswith(".base_layer.weight"):
             dst = None if ".lora_" in name else params[name.replace(".base_layer.", ".")]
-            units.setdefault(layer_of.get(id(p), name), []).append((name, dst, p))
+            unit = units.setdefault(layer_of.get(id(p), name), {})  # one all-gather per dtype
+            unit.setdefault(getattr(dst, "dtype", torch.float32), []).append((name, dst, p))
+    groups = [(dtype, group) for unit in units.values() for dtype, group in unit.items()]
     if not sharded(policy):
-        for unit in units.values():
-            for _, dst, p in unit:
+        for _, group in groups:
+            for _, dst, p in group:
                 dst.copy_(p)  # casts to the copy's dtype
         return
-
-    def by_dtype(unit):  # one all-gather per dtype: a group's buffer takes its first copy's dtype
-        groups = {}
-        for name, dst, p in unit:  # an adapter's temporary (dst None): fp32
-            groups.setdefault(getattr(dst, "dtype", torch.float32), []).append((name, dst, p))
-        return groups.items()
-    # one buffer per dtype, its largest group's, serves every group in turn: a group's collective
-    # may hold its tensors after it returns (gloo's worker drops them later), so a buffer per group
-    # could outlive it into the next group's and the refresh's peak would be timing, not the plan
+    # one buffer per dtype (its largest group's) serves every group: gloo may hold a collective's
+    # tensors past its return, so buffers per group could overlap: a peak of timing, not the plan
     size = {}
-    for unit in units.values():
-        for dtype, group in by_dtype(unit):
-            size[dtype] = max(size.get(dtype, 0), sum(slots([p.shape for *_, p in group])[1]))
+    for dtype, group in groups:
+        size[dtype] = max(size.get(dtype, 0), sum(slots([p.shape for *_, p in group])[1]))
     device = next(iter(params.values())).device
     buffers = {dt: torch.empty((WORLD + 1) * n, dtype=dt, device=device) for dt, n in size.items()}
     for unit in units.values():
         adapter = {}
-        for dtype, group in by_dtype(unit):
+        for dtype, group in unit.items():
             gather_into([(adapter.setdefault(name, torch.empty(p.shape, dtype=dtype, device=device))
                           if dst is None else dst, p) for name, dst, p in group], buffers[dtype])
         if adapter:
@@ -229,8 +223,7 @@ def gather_into(pairs, buffer=None):
     rank writes its rows, padded to c and cast, into one buffer, (W + 1) x the group's slots or
     more (plan.py, "refresh"); pinned host shards under --offload copy without blocking."""
     rows, sizes = slots([dst.shape for dst, _ in pairs])
-    at = [sum(sizes[:i]) for i in range(len(pairs))]
-    n = sum(sizes)
+    at, n = [sum(sizes[:i]) for i in range(len(pairs))], sum(sizes)
     if buffer is None:
         buffer = torch.empty((WORLD + 1) * n, dtype=pairs[0][0].dtype, device=pairs[0][0].device)
     send, gathered = buffer[:n], buffer[n:(WORLD + 1) * n]
@@ -266,12 +259,12 @@ def adapter_state(lm):
 
 
 def load_optimizer(policy, opt, state):
-    if not sharded(policy):
+    if sharded(policy):
+        from torch.distributed.checkpoint import state_dict as dsd
+        opts = dsd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        dsd.set_optimizer_state_dict(policy, opt, state, options=opts)
+    else:
         opt.load_state_dict(state)
-        return
-    from torch.distributed.checkpoint import state_dict as dsd
-    opts = dsd.StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    dsd.set_optimizer_state_dict(policy, opt, state, options=opts)
 
 
 def worker_count(cfg):
@@ -285,20 +278,17 @@ def worker_count(cfg):
 
 
 def _die_with_parent():
-    try:
+    with contextlib.suppress(OSError):  # not Linux: a killed launcher leaves its workers running
         import ctypes
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:  # not Linux: a killed launcher leaves its workers running
-        pass
 
 
 def tail(path, lines=25):
     """The last traceback (or the last `lines` lines) of a log file."""
     with open(path, errors="replace") as f:
         text = f.read().replace("\r", "\n").splitlines()
-    starts = [i for i, line in enumerate(text) if line.startswith("Traceback")]
-    text = text[starts[-1]:] if starts else text
-    return "\n".join([line for line in text if line.strip()][-lines:])
+    start = max((i for i, line in enumerate(text) if line.startswith("Traceback")), default=0)
+    return "\n".join([line for line in text[start:] if line.strip()][-lines:])
 
 
 def worker_env(rank, nproc, port):

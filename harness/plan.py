@@ -64,8 +64,7 @@ def estimate(config, cfg, world, device="cuda", offload=False, counts=None, prob
     d, d_ff, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
     sharded, adapter = world > 1 or offload, cfg.get("lora_rank", 0) * per_rank
     if adapter:  # the frozen base and the adapter's fp32 state; one process samples with the policy
-        state = (4 * total if sharded else act_bytes * total) / world
-        adapter_state = 16 * adapter / world
+        state, adapter_state = (4 if sharded else act_bytes) * total / world, 16 * adapter / world
         gen_copy = act_bytes * total if sharded or cuda else 0
     else:
         state, adapter_state = 16 * total / world, 0.0
@@ -194,7 +193,6 @@ def check(cfg, show=False, log=print, probed=True):
         lora_note = f" with --lora-rank {rank} ({rank * counts[3] / 1e6:.1f} M adapter parameters)" if rank else ""
         log(f"plan: {cfg['model']} ({size} parameters) on {where}{lora_note}"
             f"{' with --offload' if offload else ''}; per {'GPU' if device == 'cuda' else 'process'}:")
-        # what each term holds: docs/reference.md, "The memory plans"
         notes = {"KV cache": "rollout: %s rows x %s tokens" % t["kv_shape"],
                  "label KV cache": "forced answers: %s rows x %s tokens" % t["label_kv_shape"]}
         hidden = {"adapter state": not rank, "held grads": not t["held grads"], "refresh": not t["refresh"]}

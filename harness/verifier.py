@@ -31,10 +31,7 @@ class _Worker:
         poll.register(fd, select.POLLIN)
         while b"\n" not in self.buf:
             left = until - time.monotonic()
-            if left <= 0 or not poll.poll(left * 1000):
-                return None
-            chunk = os.read(fd, 4096)
-            if not chunk:
+            if left <= 0 or not poll.poll(left * 1000) or not (chunk := os.read(fd, 4096)):
                 return None
             self.buf += chunk
         line, self.buf = self.buf.split(b"\n", 1)
@@ -125,10 +122,9 @@ def verify(pred, gold, seconds):
         try:
             worker = _Worker()  # starts now, so that it is ready by the next call
         except OSError:
-            worker = None
+            return False
     with _lock:
-        if worker is not None:
-            _idle.append(worker)
+        _idle.append(worker)
     return bool(ok)
 
 
@@ -185,8 +181,7 @@ def _serve():
         except (_Deadline, Exception):  # a timeout or a parser bug on model text: a wrong answer
             return False
 
-    # The first comparison of each kind imports parts of sympy: done before "ready", so that no
-    # real answer's budget pays for it.
+    # each kind's first comparison imports parts of sympy: before "ready", off any answer's budget
     for pred, gold in WARM_UP:
         same(pred, gold, START_TIMEOUT_S)
     print("ready", flush=True)
