@@ -11,9 +11,8 @@ terms), grpo.py (group advantages); RLCR and C2GSPG whole below.
   rlcr           -           correct - (correct - verbal conf)^2  group z-score
   c2gspg         -           correct (0/1)                        (r - mean r) / max(1 - c, 1e-6);
                                                                   --c2gspg-bce: + 0.1 BCE(c, r)
-r_nat = 2 * correct - 1 (signed, released). config.IMPLIED sets the budgets, corner and filter a
-mode implies (flags given win). The filter, RLCR's parser, C2GSPG's c: docs/design.md, "Baselines".
-"""
+r_nat = 2 * correct - 1 (signed, released). config.IMPLIED sets budgets, corner and filter a mode
+implies (flags given win). The filter, RLCR's parser, C2GSPG's c: docs/design.md, "Baselines"."""
 import re
 
 import torch
@@ -31,11 +30,8 @@ def verbal_confidence(text):
     """(confidence, invalid) as the released RLCR scorer reads it (rlcr.extract_answer_and_confidence):
     the last `<confidence>(.*?)</confidence>` match (tags case-sensitive), its first number; [0, 1]
     as is, (1, 100] / 100: "0.8" -> 0.8, "85" or "85%" -> 0.85. No tag, no number, or a value below 0
-    or above 100 -> (0.5, True): RL cannot earn a sure 1.0 or 0.0 by writing "150" or "-3".
-
-    The matches are the regex's, found by str.find moving forward: linear in the text, however many
-    "<confidence>" a policy repeats.
-    """
+    or above 100 -> (0.5, True): RL cannot earn a sure 1.0 or 0.0 by writing "150" or "-3". The
+    matches are the regex's, found by str.find moving forward: linear, however many tags repeat."""
     span, pos = None, 0
     while (start := text.find("<confidence>", pos)) >= 0:
         end = text.find("</confidence>", start + len("<confidence>"))
@@ -82,8 +78,7 @@ def c2gspg_bce(c, rewards01):
 def c2gspg_loss(correct, form="seq-mean"):
     """C2GSPG's term of the policy loss, grpo.update's `extra` (name, coefficient, term): 0.1 *
     BCE(c_theta, correct [N] 0/1), logged as c2gspg_bce, as the mean over sequences ("seq-mean") or
-    with every response token carrying its sequence's BCE ("token-mean", the released agg_loss).
-    """
+    with every response token carrying its sequence's BCE ("token-mean", the released agg_loss)."""
     def bce(logp, mask, rows):
         per_seq = c2gspg_bce(sequence_confidence(logp, mask), correct[rows].to(logp.device))
         return per_seq if form == "seq-mean" else per_seq[:, None].expand(mask.shape)
@@ -137,11 +132,9 @@ def reward_and_advantages(cfg, correct, calib, texts, seq_conf, all_unanimous=No
         parts = dict(verbal_conf=conf, verbal_missing=torch.tensor(missing, dtype=torch.float32),
                      rlcr_brier=(correct - conf) ** 2)
     elif mode == "c2gspg":
-        R = correct.clone()
-        parts = dict(seq_conf=seq_conf)
+        R, parts = correct.clone(), dict(seq_conf=seq_conf)
     else:
-        lam = 0.0 if mode == "grpo" else cfg["lam"]
-        R = total_reward(correct, calib, lam=lam)
+        R = total_reward(correct, calib, lam=0.0 if mode == "grpo" else cfg["lam"])
         parts = {calibration_key(mode): calib} if mode in PROBE_MODES else {}
     if cfg["drop_unanimous"]:
         same = unanimous(correct, G)

@@ -6,8 +6,7 @@
     is_correct(text, gold, grader="code")       # the last fenced code block passes the gold's tests
     is_correct(text, gold, grader="mine.py:ok") # your own function ok(response, gold) -> bool
 
-The graders: docs/reference.md, "Evaluation and the method's leaves, in more words".
-"""
+The graders: docs/reference.md, "Evaluation and the method's leaves, in more words"."""
 import argparse
 import functools
 import importlib.util
@@ -68,14 +67,11 @@ def boxed_answer(text):
 def strict_form(s: str) -> str:
     """The released normalisation (math_dapo.normalize_answer): strip, drop one trailing ".0", then
     the leading zeros after a minus sign ("0" if none is left): strict_form(" -007.0 ") == "-7"."""
-    s = s.strip()
-    if s.endswith(".0"):
-        s = s[:-2]
+    s = s.strip().removesuffix(".0")
     sign = "-" if s.startswith("-") else ""
     return sign + (s[len(sign):].lstrip("0") or "0")
 
 
-# Minerva's normal form, step by step (applied in this order, as released).
 _MINERVA_REPLACE = [("an ", ""), ("a ", ""), (".$", "$"), ("\\$", ""), ("\\ ", ""), (" ", ""),
                     ("mbox", "text"), (",\\text{and}", ","), ("\\text{and}", ","), ("\\text{m}", "\\text{}")]
 _MINERVA_UNITS = ["square", "ways", "integers", "dollars", "mph", "inches", "hours", "km", "units", "\\ldots",
@@ -83,9 +79,10 @@ _MINERVA_UNITS = ["square", "ways", "integers", "dollars", "mph", "inches", "hou
                   "meals", "edges", "students", "childrentickets", "multiples", "\\text{s}", "\\text{.}",
                   "\\text{\ns}", "\\text{}^2", "\\text{}^3", "\\text{\n}", "\\text{}", "\\mathrm{th}",
                   "^\\circ", "^{\\circ}", "\\;", ",\\!", "{,}", '"', "\\dots"]
-_MINERVA_UNWRAP = [re.compile(r"(.*?)(\$)(.*?)(\$)(.*)"), re.compile(r"\\text\{(.*?)\}"),
-                   re.compile(r"\\textbf\{(.*?)\}"), re.compile(r"\\overline\{(.*?)\}"),
-                   re.compile(r"\\boxed\{(.*)\}")]
+_MINERVA_SUBS = [(r"(.*?)(\$)(.*?)(\$)(.*)", r"$\3$"), (r"\\text\{(.*?)\}", r"\1"),
+                 (r"\\textbf\{(.*?)\}", r"\1"), (r"\\overline\{(.*?)\}", r"\1"),
+                 (r"\\boxed\{(.*)\}", r"\1"), (r"(frac)([^{])(.)", r"frac{\2}{\3}"),
+                 (r"(sqrt)([^{])", r"sqrt{\2}")]
 
 
 def minerva_form(s: str) -> str:
@@ -96,11 +93,9 @@ def minerva_form(s: str) -> str:
         s = s.replace(before, after)
     for unit in _MINERVA_UNITS:
         s = s.replace(unit, "")
-    s = _MINERVA_UNWRAP[0].sub(r"$\3$", s)
-    for pattern in _MINERVA_UNWRAP[1:]:
-        s = pattern.sub(r"\1", s)
-    s = re.sub(r"(frac)([^{])(.)", r"frac{\2}{\3}", s)
-    s = re.sub(r"(sqrt)([^{])", r"sqrt{\2}", s).replace("$", "")
+    for pattern, replacement in _MINERVA_SUBS:
+        s = re.sub(pattern, replacement, s)
+    s = s.replace("$", "")
     if s.replace(",", "").isdigit():
         s = s.replace(",", "")
     return s.strip()
@@ -157,8 +152,7 @@ def user_grader(spec):
     except (Exception, SystemExit) as e:  # a syntax error, a failed import, a sys.exit() in it
         raise UserError(f"--grader {spec}: importing {path} failed ({type(e).__name__}: "
                         f"{first_line(e)}); fix the file") from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
+    if not callable(fn := getattr(module, name, None)):
         raise UserError(f"--grader {spec}: {path} has no function {name}; pass FILE.py:FUNCTION")
     _ask(spec, fn, "\\boxed{1}", "1")   # a wrong return or a raise is said before any model loads
     return fn
@@ -203,9 +197,8 @@ def answers_match(pred, gold, grader="math", letters=True) -> bool:
 
 
 def _by_form(pred, gold, grader, letters):
-    """answers_match past a plain math answer: your grader (FILE.py:FUNCTION: the answer boxed, as a
-    response gives it), strict and minerva, answers too long to parse, GPQA's option letters; None:
-    graded as a math answer."""
+    """answers_match past a plain math answer (None: graded as one): FILE.py:FUNCTION (the answer
+    boxed, as a response gives it), strict, minerva, answers too long to parse, GPQA's letters."""
     if ":" in grader:
         return _ask(grader, user_grader(grader), f"\\boxed{{{pred}}}", gold)
     if grader == "strict":
@@ -234,8 +227,7 @@ def gpqa_choice(answer):
     """The option letter of a multiple-choice answer as the released GPQA scoring reads it
     (extract_gpqa_choice): "(b)", "Option B", "Answer: B", "B) 3.5 eV", "B." -> "B"; None if none."""
     s = answer.strip().upper()
-    m = re.search(r"\(([A-D])\)", s) or _CHOICE_WORD.search(s)
-    if m:
+    if m := re.search(r"\(([A-D])\)", s) or _CHOICE_WORD.search(s):
         return m.group(1)
     if s[:1] in CHOICES and s[1:2] in ("", ".", ")", ":", "-", " ", "\n", "\t"):
         return s[0]
@@ -266,8 +258,7 @@ def rlcr_answer(text):
 def boxed_in_thinking(text):
     """The released gate on a natural answer: does the text before the first `</think>` (all of
     it without one) hold a `\\boxed{` that closes? `3+5=8</think>\\boxed{8}` does not."""
-    end = text.find("</think>")
-    return last_boxed(text if end < 0 else text[:end]) is not None
+    return last_boxed(text.partition("</think>")[0]) is not None
 
 
 def answer_form(mode):
@@ -298,6 +289,5 @@ def is_correct(text, gold, grader="math", form="box") -> bool:
 def _whole(text, gold, grader):
     """The whole response graded: "code" runs its last code block on the gold's tests; FILE.py:FUNCTION
     asks your function (response, gold) -> bool."""
-    if grader == "code":
-        return sandbox.run_tests(**code_job(text, gold))
-    return _ask(grader, user_grader(grader), text, gold)
+    return (sandbox.run_tests(**code_job(text, gold)) if grader == "code"
+            else _ask(grader, user_grader(grader), text, gold))

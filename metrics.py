@@ -1,7 +1,6 @@
 """Calibration metrics: ECE, PCE, Brier score, AUROC, the reliability table; pass@k; the share of
 the advantage the calibration term sets. Inputs: 1-D `conf` and `correct` of one length N > 0, in
-[0, 1] (AUROC: correct exactly 0/1). Bins are `[i/n, (i+1)/n)`, the last also holding 1.0.
-"""
+[0, 1] (AUROC: correct exactly 0/1). Bins are `[i/n, (i+1)/n)`, the last also holding 1.0."""
 import math
 
 import numpy as np
@@ -20,14 +19,11 @@ def reliability(conf, correct, n_bins=10):
     """Per-bin rows {lo, hi, count, mean_conf, accuracy}, n_bins rows; empty bins: count 0, nan, nan."""
     conf, correct = _check(conf, correct)
     idx = np.minimum(np.floor(conf * n_bins).astype(np.int64), n_bins - 1)  # 1.0: the last bin
-    rows = []
-    for i in range(n_bins):
-        sel = idx == i
-        count = int(sel.sum())
-        rows.append(dict(lo=i / n_bins, hi=(i + 1) / n_bins, count=count,
-                         mean_conf=float(conf[sel].mean()) if count else math.nan,
-                         accuracy=float(correct[sel].mean()) if count else math.nan))
-    return rows
+    bins = [idx == i for i in range(n_bins)]
+    return [dict(lo=i / n_bins, hi=(i + 1) / n_bins, count=int(sel.sum()),
+                 mean_conf=float(conf[sel].mean()) if sel.any() else math.nan,
+                 accuracy=float(correct[sel].mean()) if sel.any() else math.nan)
+            for i, sel in enumerate(bins)]
 
 
 def _gaps(conf, correct, n_bins):   # (n_bin / N, mean_conf - accuracy) of the non-empty bins
@@ -93,11 +89,10 @@ def bootstrap(conf, correct, groups, n_resamples=1000, seed=0):
         idx = np.concatenate([by_group[g] for g in rng.integers(0, len(by_group), len(by_group))])
         for name, fn in stats.items():
             draws[name].append(fn(conf[idx], correct[idx]))
-    out = {}
-    for name, fn in stats.items():
-        point, pm = fn(conf, correct), 1.96 * float(np.std(draws[name]))
-        out[name] = {"lo": max(point - pm, 0.0), "hi": min(point + pm, 1.0), "pm": pm}
-    return out
+    point = {name: fn(conf, correct) for name, fn in stats.items()}
+    pm = {name: 1.96 * float(np.std(d)) for name, d in draws.items()}
+    return {name: {"lo": max(p - pm[name], 0.0), "hi": min(p + pm[name], 1.0), "pm": pm[name]}
+            for name, p in point.items()}
 
 
 def pass_at_k(n, c, k):

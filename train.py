@@ -11,8 +11,7 @@
 
 One step: rl_step below (README.md, "The algorithm"; docs/design.md, "One RL step"); the rest of this
 file runs the steps. Kept from GRPO: group-normalised advantages, the clipped ratio, token-mean
-aggregation; dropped: the KL penalty (as released). The probe sends no gradient into the policy.
-"""
+aggregation; dropped: the KL penalty (as released). The probe sends no gradient into the policy."""
 import math
 import os
 import random
@@ -144,14 +143,12 @@ def logged_step(step, rows, learner, cfg):
 
 def samples_of(step, cfg, got):
     """4 of this rank's trajectories of a step (rl_step's `got`), spread over it: samples.jsonl."""
-    out, C = got["out"], got["C"]
-    C_b = [C[i, :len(c)].tolist() for i, c in enumerate(got["cuts"])]
-    parts = got["parts"]
-    return runlog.pick(step, 4, problem=[r["problem"] for r in got["rows"]],
-                       answer=[r["answer"] for r in got["rows"]], text=out.texts,
-                       correct=got["correct"].tolist(), reward=got["R"].tolist(),
-                       **{k: v.tolist() for k, v in parts.items()}, length=out.lengths, cuts=got["cuts"],
-                       Y_b=got["Y_b"], C_b=C_b)
+    out, rows, cuts = got["out"], got["rows"], got["cuts"]
+    C_b = [got["C"][i, :len(c)].tolist() for i, c in enumerate(cuts)]
+    return runlog.pick(step, 4, problem=[r["problem"] for r in rows], answer=[r["answer"] for r in rows],
+                       text=out.texts, correct=got["correct"].tolist(), reward=got["R"].tolist(),
+                       **{k: v.tolist() for k, v in got["parts"].items()}, length=out.lengths,
+                       cuts=cuts, Y_b=got["Y_b"], C_b=C_b)
 
 
 def step_row(step, cfg, got, learner, lr, timer, captures):
@@ -165,11 +162,10 @@ def step_row(step, cfg, got, learner, lr, timer, captures):
     Y, valid = got["Y"], got["valid"]  # signal: a solvable and an unsolvable cut in one response
     signal = (((Y == 1) & valid).any(1) & ((Y == 0) & valid).any(1)).float()
     mine = dict(  # this rank's sums, summed over every rank in one all-reduce
-        correct=correct.sum().item(),
-        reward=R.sum().item(), signal=signal.sum().item(), n=n, tokens=sum(out.lengths),
-        truncated=sum(f == "length" for f in out.finish), zero_var=zero_var, groups=n // G,
-        entropy=sum(out.entropy_sum), captures=captures, a_nat=a_nat,
-        a_cal=a_cal, **{"part " + k: v.sum().item() for k, v in parts.items()})
+        correct=correct.sum().item(), reward=R.sum().item(), signal=signal.sum().item(), n=n,
+        tokens=sum(out.lengths), truncated=sum(f == "length" for f in out.finish),
+        zero_var=zero_var, groups=n // G, entropy=sum(out.entropy_sum), captures=captures,
+        a_nat=a_nat, a_cal=a_cal, **{"part " + k: v.sum().item() for k, v in parts.items()})
     s = dict(zip(mine, all_sum(list(mine.values()), learner.device)))
     n, tokens = s["n"], s["tokens"]
     row = dict(step=step, accuracy=s["correct"] / n, reward=s["reward"] / n,
@@ -229,11 +225,10 @@ def probe_calibration(model, tok, prb, prompts, out, rows, cfg, seed, grader="ma
     """Label and score the trajectories `out` (a rollout.Samples, one per prompt) of `rows`: a dict
     per trajectory (problem, answer, text clipped, correct, cuts, Y_b, C_b, margin or brier)."""
     n = len(prompts)
-    golds = [r["answer"] for r in rows]
     cuts = [cuts_of(len(ids), cfg["budgets"]) for ids in out.ids[:n]]
-    labels, feats = mc_labels(model, tok, prompts, out.ids[:n], cuts, golds, k=cfg["k"],
-                              close=cfg["forced_close"], seed=seed, batch_size=cfg["gen_batch"],
-                              grader=cfg["grader"], decode=cfg["decode"], features=True)
+    labels, feats = mc_labels(model, tok, prompts, out.ids[:n], cuts, [r["answer"] for r in rows],
+                              k=cfg["k"], close=cfg["forced_close"], batch_size=cfg["gen_batch"],
+                              seed=seed, grader=cfg["grader"], decode=cfg["decode"], features=True)
     Y, feats, valid = grid(labels), grid(feats), cut_mask(cuts)
     C = torch.zeros(Y.shape)
     if valid.any():
@@ -241,8 +236,7 @@ def probe_calibration(model, tok, prb, prompts, out, rows, cfg, seed, grader="ma
     calib = baselines.calibration_term(C, Y, valid, cfg)   # the margin, or the negative Brier
     key = baselines.calibration_key(cfg["reward"])
     return [dict(problem=runlog.clip(r["problem"]), answer=r["answer"], text=runlog.clip(t),
-                 correct=int(is_correct(t, r["answer"], grader)),
-                 cuts=cs, Y_b=ys,
+                 correct=int(is_correct(t, r["answer"], grader)), cuts=cs, Y_b=ys,
                  C_b=[round(c, 6) for c in C[i, :len(cs)].tolist()], **{key: calib[i].item()})
             for i, (r, t, cs, ys) in enumerate(zip(rows, out.texts, cuts, labels))]
 
@@ -297,13 +291,9 @@ def new_probe(cfg, dim):
 
 def next_rows(rows, cursor, count, seed):
     """`count` training rows from an endless, per-epoch shuffled stream; returns (rows, cursor)."""
-    out, orders = [], {}
-    for c in range(cursor, cursor + count):
-        epoch, i = divmod(c, len(rows))
-        if epoch not in orders:
-            orders[epoch] = np.random.default_rng(seed + epoch).permutation(len(rows))
-        out.append(rows[orders[epoch][i]])
-    return out, cursor + count
+    at = [divmod(c, len(rows)) for c in range(cursor, cursor + count)]  # (epoch, index in it)
+    orders = {e: np.random.default_rng(seed + e).permutation(len(rows)) for e in {e for e, _ in at}}
+    return [rows[orders[e][i]] for e, i in at], cursor + count
 
 
 STOP = []  # SIGTERM or SIGUSR1 (a scheduler's notice): the run stops after the step, saved
@@ -312,8 +302,7 @@ STOP = []  # SIGTERM or SIGUSR1 (a scheduler's notice): the run stops after the 
 def run(cfg, argv=()):
     STOP.clear()
     if cfg["steps"] == 0:
-        print0("--steps 0: nothing to train; nothing was loaded or written")
-        return
+        return print0("--steps 0: nothing to train; nothing was loaded or written")
     device = setup(cfg["offload"])
     if device.type == "cpu":   # what runs on a CPU here (the toy, a small local model) is too small
         torch.set_num_threads(1)  # to gain from threads: they only contend (a step 10x slower)
@@ -379,14 +368,12 @@ def run(cfg, argv=()):
         trajs = probe_stats.pop("trajectories") if probe_stats else []
         log(dict(step=at, eval=True, eval_accuracy=acc, eval_n=len(eval_rows), eval_data=cfg["eval_data"],
                  **(probe_stats or {}), t_eval=time.perf_counter() - t))
-        if MASTER:
-            runlog.append_jsonl(folder.heldout, [dict(step=at, **t) for t in trajs])
         said = (probe_stats or {}).get("eval_probe_prefixes") and (
             "; probe on {eval_probe_prefixes} held-out prefixes: BCE {eval_probe_bce:.3f}, "
             "ECE {eval_probe_ece:.3f}, AUROC {eval_probe_auroc:.3f}".format(**probe_stats))
-        print0(f"step {at}: held-out accuracy {acc:.3f} on {len(eval_rows)} problems"
-               + (said or ""))
+        print0(f"step {at}: held-out accuracy {acc:.3f} on {len(eval_rows)} problems{said or ''}")
         if MASTER:
+            runlog.append_jsonl(folder.heldout, [dict(step=at, **t) for t in trajs])
             runlog.plot_curves(folder.out)
         return acc
 

@@ -85,8 +85,7 @@ def run_tests(code, tests, fn_name=None, per_test_s=6.0):
             # each reply is due per_test_s after the one before, by this clock, whatever the program
             # did to its alarm; the first functional one also waits for the code to load (its alarm)
             deadline[0] = time.monotonic() + per_test_s * (2 if functional and not i else 1) + LATE_S
-            msg = next(lines, None)
-            if not isinstance(msg, dict) or not _passes(msg, test, functional):
+            if not isinstance(msg := next(lines, None), dict) or not _passes(msg, test, functional):
                 return False
         # LiveCodeBench's guard: the solution (its namespace's PID 1) must leave no process
         return not (confined and any(_children(inner) for inner in _children(child.pid)))
@@ -98,10 +97,9 @@ def run_tests(code, tests, fn_name=None, per_test_s=6.0):
 
 def _hidden():
     """What the child must not see: the grader's folder, this project, the HF cache, `hide`."""
-    try:
-        paths = [os.getcwd()]
-    except OSError:  # a folder since removed holds nothing
-        paths = []
+    paths = []
+    with suppress(OSError):  # a folder since removed holds nothing
+        paths.append(os.getcwd())
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     paths += [PROJECT, os.path.join(cache, "huggingface"), *map(os.environ.get, HF_CACHES), *hide]
     return sorted({os.path.realpath(p) for p in paths if p})
@@ -137,10 +135,9 @@ def _stop(child, confined):
         try:  # still unshare's child once the pidfd is open: the pid was not reused (fd is it)
             if pid in _children(child.pid):
                 signal.pidfd_send_signal(fd, signal.SIGKILL)
-                child.wait(timeout=5)
-                return
-        except subprocess.TimeoutExpired:
-            pass
+                with suppress(subprocess.TimeoutExpired):
+                    child.wait(timeout=5)
+                    return
         finally:
             os.close(fd)
     for kill in (lambda: os.killpg(child.pid, signal.SIGKILL), child.kill):
@@ -171,8 +168,7 @@ def _why_not():
 
 def check():
     """True: run confined. False: run unconfined, as allowed. Else SandboxUnavailable: none runs."""
-    why = _why_not()
-    if why is None:
+    if (why := _why_not()) is None:
         return True
     if not allow_unconfined:
         fix = ("Install util-linux's unshare" if UNSHARE in why and "No such file" in why else
@@ -197,24 +193,19 @@ def _lines_until(fd, deadline):
     (the caller may move it); a line longer than LINE_BYTES ends it (None): a flood costs that."""
     buf, start = bytearray(), 0
     while True:
-        end = buf.find(b"\n", start)
-        if end >= 0:
+        while (end := buf.find(b"\n", start)) >= 0:
             try:
                 yield json.loads(bytes(buf[:end]))
             except Exception:  # not JSON, or nested past the recursion limit ("[" * 100000): a fail
                 yield None
             del buf[:end + 1]
             start = 0
-            continue
         if len(buf) > LINE_BYTES:
             yield None
             return
         start = len(buf)
         left = max(deadline[0] - time.monotonic(), 0)  # past it, a line already sent still counts
-        if not select.select([fd], [], [], left)[0]:
-            return
-        chunk = os.read(fd, 1 << 20)
-        if not chunk:
+        if not select.select([fd], [], [], left)[0] or not (chunk := os.read(fd, 1 << 20)):
             return
         buf.extend(chunk)
 
@@ -237,12 +228,11 @@ def same_output(got, want):
             continue
         want_tokens = w.split()
         got_tokens = g.split(None, len(want_tokens))  # one more than the gold's at most
-        try:
-            if len(got_tokens) != len(want_tokens) or any(
-                    Decimal(a) != Decimal(b) for a, b in zip(got_tokens, want_tokens)):
-                return False
-        except ArithmeticError:  # a token that is not a number (decimal.InvalidOperation)
-            return False
+        with suppress(ArithmeticError):  # a token that is not a number (decimal.InvalidOperation)
+            if len(got_tokens) == len(want_tokens) and all(
+                    Decimal(a) == Decimal(b) for a, b in zip(got_tokens, want_tokens)):
+                continue
+        return False
     return True
 
 
