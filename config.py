@@ -1,7 +1,6 @@
 """The run's configuration: every flag of train.py, its default in each world (TOY, REAL, COMMON,
 a model's RECIPES, a --reward mode's IMPLIED) and its allowed values (LIMITS). resolve_args: flags
-given now > a resumed run's config.json (or a --config file) > the defaults, all checked first.
-"""
+given now > a resumed run's config.json (or a --config file) > the defaults, all checked first."""
 import argparse
 import contextlib
 import json

@@ -2,8 +2,7 @@
 prompts built from them; grade.py grades the answers.
 
     rows = load_rows("math500")                     # [{"problem": str, "answer": str}, ...]
-    ids = row_prompt(tokenizer, rows[0], instruction_for("math500"))
-"""
+    ids = row_prompt(tokenizer, rows[0], instruction_for("math500"))"""
 import json
 import math
 import os

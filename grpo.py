@@ -3,8 +3,7 @@ clipped policy loss (no KL penalty, as released).
 
 Packed layout: input_ids[i] = prompt_i + response_i + [pad] * ... (right padding). Token t (t >= 1) is
 predicted from position t - 1, so log-prob tensors are [N, L-1] over targets input_ids[:, 1:], and the
-loss mask is 1 exactly on targets that are response tokens (EOS included, padding excluded).
-"""
+loss mask is 1 exactly on targets that are response tokens (EOS included, padding excluded)."""
 import math
 from contextlib import nullcontext
 from functools import partial

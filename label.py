@@ -9,8 +9,7 @@
 masked out, CLOSE + SUFFIX appended, K answers sampled: what rollout.generate samples from the
 whole forced prompts, without prefilling a trajectory once per cut (tests/test_label.py). The
 trajectories go in chunks of similar length, about batch_size cuts each, so short ones carry no
-padding of long ones.
-"""
+padding of long ones."""
 from contextlib import nullcontext
 
 import torch

@@ -2,8 +2,7 @@
 a forced answer at a prefix is right. By default the released code's MLP d -> d/4 -> 1;
 --probe-hidden 0 trains the design card's linear probe d -> 1 (train.py). Fitted each RL step on
 (feature, Y_b) pairs; its prediction C_b = sigmoid(probe(h_b)) feeds the margin reward. No gradient
-reaches the policy from here.
-"""
+reaches the policy from here."""
 from contextlib import contextmanager
 
 import torch

@@ -6,8 +6,7 @@ toy_base for several seeds, evaluated with its matching confidence, one table (O
     python reproduce.py --methods grpo,rlcm --seeds 0  # a part of it
 
 What was made with these arguments is not redone, so the same command continues. docs/reference.md,
-"The paper's comparison, on the toy world", says what each run is and what it printed.
-"""
+"The paper's comparison, on the toy world", says what each run is and what it printed."""
 import argparse
 import contextlib
 import io

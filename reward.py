@@ -28,8 +28,7 @@ RLCM:
 
 The ablations' calibration terms: corner_margin (released `conf_diff`, margin_corner=True),
 final_margin (Final-Margin, released `conf_diff_v3` as its script sets it) and brier_reward
-(Process-Brier with the RLCM budgets, Final-Brier with budget 1.0).
-"""
+(Process-Brier with the RLCM budgets, Final-Brier with budget 1.0)."""
 import torch
 
 EPS = 1e-6  # a label this close to 1 (or 0) is solvable (or unsolvable): float noise keeps its side

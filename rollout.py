@@ -7,8 +7,7 @@
 row samples its next token (`sample_next`). `Sampler._decode_dynamic` is the plain loop, the one a
 CPU runs (each step a prefill of one token per row); on CUDA the same samples come faster from
 harness/fast.py (a static cache with CUDA graphs): tests/test_rollout.py holds them equal. How the
-paths differ and why they draw the same samples: docs/reference.md, "The sampler".
-"""
+paths differ and why they draw the same samples: docs/reference.md, "The sampler"."""
 import hashlib
 import inspect
 from array import array

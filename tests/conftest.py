@@ -10,6 +10,13 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def pytest_collection_modifyitems(items):
+    """Files with end-to-end (slow) tests first, each file's tests in their order: pytest.ini's two
+    workers take whole files, so the long ones start early and the workers end together."""
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
+
+
 @pytest.fixture(scope="module")
 def base_run(tmp_path_factory):
     """A 2-step toy run with a checkpoint after each step (copy it before changing it)."""
