@@ -141,7 +141,9 @@ def test_a_program_that_ignores_its_alarm_is_still_timed():
                                   APPEND, "push")):
         start = time.monotonic()
         assert not run_tests(code, tests, fn_name, per_test_s=1)
-        assert time.monotonic() - start < 4.5
+        # stopped by the grader's clock (3 s at most for a first functional reply, then a kill), with
+        # room for a slow start on a busy machine; a grader that waited would take 9 s and 6 s here
+        assert time.monotonic() - start < 6
     assert run_tests(deaf + "print(1)", three, per_test_s=1)
 
 
