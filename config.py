@@ -305,7 +305,8 @@ def resolve_args(argv):
         # defaults, so --config FINAL_BRIER --reward rlcm trains with rlcm's budgets and no filter.
         implied = {k: world[k] for k in IMPLIED.get(saved.get("reward"), {})}
         implied.update(IMPLIED.get(cfg["reward"], {}))
-        implied.update(TOY_IMPLIED.get(cfg["reward"], {}) if is_toy else {})
+        if is_toy:
+            implied.update(TOY_IMPLIED.get(cfg["reward"], {}))
         cfg.update({k: v for k, v in implied.items() if k not in given})
     if cfg["lora_rank"] and "lr" not in given and "lr" not in saved:
         cfg["lr"] = LORA_LR_FACTOR * world["lr"]

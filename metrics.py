@@ -19,11 +19,14 @@ def reliability(conf, correct, n_bins=10):
     """Per-bin rows {lo, hi, count, mean_conf, accuracy}, n_bins rows; empty bins: count 0, nan, nan."""
     conf, correct = _check(conf, correct)
     idx = np.minimum(np.floor(conf * n_bins).astype(np.int64), n_bins - 1)  # 1.0: the last bin
-    bins = [idx == i for i in range(n_bins)]
-    return [dict(lo=i / n_bins, hi=(i + 1) / n_bins, count=int(sel.sum()),
-                 mean_conf=float(conf[sel].mean()) if sel.any() else math.nan,
-                 accuracy=float(correct[sel].mean()) if sel.any() else math.nan)
-            for i, sel in enumerate(bins)]
+    rows = []
+    for i in range(n_bins):
+        sel = idx == i
+        count = int(sel.sum())
+        rows.append(dict(lo=i / n_bins, hi=(i + 1) / n_bins, count=count,
+                         mean_conf=float(conf[sel].mean()) if count else math.nan,
+                         accuracy=float(correct[sel].mean()) if count else math.nan))
+    return rows
 
 
 def _gaps(conf, correct, n_bins):   # (n_bin / N, mean_conf - accuracy) of the non-empty bins

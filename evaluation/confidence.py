@@ -110,8 +110,9 @@ def forced_verbal(model, tokenizer, prompts, responses, close_id, budget, k, see
         order.sort(key=lambda i: len(forced[i]))
     out = generate(model, tokenizer, [forced[i] for i in order], n=k, max_new_tokens=max_new_tokens,
                    temperature=0.6, top_p=0.95, seed=seed, batch_size=max(1, batch_size // k))
-    back = sorted(range(len(order)), key=order.__getitem__)   # each response's place in `order`
-    read = [[reanswer_confidence(t) for t in out.texts[j * k:(j + 1) * k]] for j in back]
+    read = [None] * len(forced)
+    for j, i in enumerate(order):
+        read[i] = [reanswer_confidence(t) for t in out.texts[j * k:(j + 1) * k]]
     return [sum(c for c, _ in r) / len(r) for r in read], [sum(m for _, m in r) for r in read]
 
 

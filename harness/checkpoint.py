@@ -484,11 +484,12 @@ def export(run_dir, ckpt, model, model_sd, tok):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    old = fresh_name(final)
-    if os.path.lexists(final):
+    old = fresh_name(final) if os.path.lexists(final) else None
+    if old:
         os.replace(final, old)
     os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def check_out(path, flag="--out", writer=None):

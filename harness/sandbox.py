@@ -228,11 +228,12 @@ def same_output(got, want):
             continue
         want_tokens = w.split()
         got_tokens = g.split(None, len(want_tokens))  # one more than the gold's at most
-        with suppress(ArithmeticError):  # a token that is not a number (decimal.InvalidOperation)
-            if len(got_tokens) == len(want_tokens) and all(
-                    Decimal(a) == Decimal(b) for a, b in zip(got_tokens, want_tokens)):
-                continue
-        return False
+        try:
+            if len(got_tokens) != len(want_tokens) or any(
+                    Decimal(a) != Decimal(b) for a, b in zip(got_tokens, want_tokens)):
+                return False
+        except ArithmeticError:  # a token that is not a number (decimal.InvalidOperation)
+            return False
     return True
 
 
