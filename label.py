@@ -86,8 +86,8 @@ def mc_labels(model, tokenizer, prompts, responses, cut_lists, golds, k=4, sampl
     texts, feats = forced_answers(model, tokenizer, prompts, responses, cut_lists, asked, tail, k,
                                   sampling, seed, batch_size, decode, final_norm=final_norm)
     # 3. Y_b = the share of them that match the gold; a box that never closes is wrong.
-    y = [sum(answers_match(forced_answer(t), golds[i], grader) for t in texts[j * k:(j + 1) * k]) / k
-         for j, (i, _) in enumerate(asked)]
+    y = [sum(answers_match(forced_answer(t), golds[i], grader) for t in texts[j * k:(j + 1) * k])
+         / k for j, (i, _) in enumerate(asked)]
     labels = [[y[j] for j in js] for js in where]
     return (labels, feats) if features else labels
 

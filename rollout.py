@@ -145,7 +145,7 @@ class Sampler:
         """The plain loop: each step prefills one token per cache row until every row finishes; one
         cache row per distinct (cache row, token), so samples share one while they agree (a tree)."""
         live = torch.arange(len(prefix.logits) * n, device=self.device)  # rows running
-        pre, src, width = prefix, live // n, prefix.logits.shape[-1]  # src: each live row's cache row
+        pre, src, width = prefix, live // n, prefix.logits.shape[-1]  # src: a live row's cache row
         for t in range(self.max_new_tokens):
             tok = state.advance(t, pre.logits[src], live)
             keep = ~state.done[live]
@@ -174,7 +174,7 @@ class _Rows:
         self.vocab = len(s.tokenizer)
 
     def advance(self, t, logits, live):
-        """Step t of rows `live` from their logits [len(live), V] -> their tokens (pad where done)."""
+        """Step t of rows `live` from logits [len(live), V] -> their tokens (pad where done)."""
         s = self.s
         logits = logits.float()
         if logits.shape[-1] > self.vocab:
